@@ -1,0 +1,72 @@
+//! Flags every command shares, and the progress bar.
+
+use crate::backend::{self, Backend, DeviceRequest};
+use crate::error::Result;
+use crate::report::Outputs;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct OutArgs {
+    /// Write the JSON report (command, verdict, summary, details) to this path
+    #[arg(long, value_name = "PATH")]
+    pub json: Option<PathBuf>,
+    /// Directory for report.json, report.md and plots
+    #[arg(long, value_name = "DIR", default_value = "reports")]
+    pub report_dir: PathBuf,
+    /// Do not write the report directory
+    #[arg(long)]
+    pub no_report_dir: bool,
+    /// No progress bars
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+impl OutArgs {
+    pub fn outputs(&self) -> Outputs {
+        Outputs {
+            json: self.json.clone(),
+            report_dir: (!self.no_report_dir).then(|| self.report_dir.clone()),
+            quiet: self.quiet,
+        }
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DeviceArgs {
+    /// cpu, cuda or cuda:N (default: cuda:0 when a GPU is usable, else cpu)
+    #[arg(long, value_name = "DEVICE", default_value = "auto")]
+    pub device: DeviceRequest,
+}
+
+impl DeviceArgs {
+    /// Open the backend; when the GPU was not asked for explicitly and is missing, say on
+    /// stderr that the CPU reference runs instead.
+    pub fn open(&self, quiet: bool) -> Result<Box<dyn Backend>> {
+        let b = backend::open(&self.device)?;
+        if self.device == DeviceRequest::Auto && b.name() == "cpu" && !quiet {
+            eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)");
+        }
+        Ok(b)
+    }
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal or with `--quiet`.
+pub fn progress(len: u64, what: &str, quiet: bool) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    if quiet || !std::io::stderr().is_terminal() || std::env::var_os("TERM").is_some_and(|t| t == "dumb") {
+        pb.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    let color = std::env::var_os("NO_COLOR").is_none();
+    let tmpl = if color {
+        "{msg:>12.cyan} [{bar:32}] {pos}/{len} {elapsed_precise} eta {eta}"
+    } else {
+        "{msg:>12} [{bar:32}] {pos}/{len} {elapsed_precise} eta {eta}"
+    };
+    if let Ok(st) = ProgressStyle::with_template(tmpl) {
+        pb.set_style(st.progress_chars("=> "));
+    }
+    pb.set_message(what.to_string());
+    pb
+}

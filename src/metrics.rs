@@ -1,0 +1,208 @@
+//! The one place metrics are defined (DESIGN.md §6): `test` is compared against `reference`,
+//! accumulated in f64. JSON names: cosine, rel_l2, sqnr_db, max_abs_err, nan_count, inf_count.
+
+use serde::Serialize;
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Metrics {
+    pub cosine: f64,
+    /// `‖test − ref‖ / ‖ref‖`
+    pub rel_l2: f64,
+    /// `20·log10(‖ref‖ / ‖test − ref‖)`
+    pub sqnr_db: f64,
+    pub max_abs_err: f64,
+    /// Flat index of the largest absolute error.
+    pub max_abs_err_index: Option<usize>,
+    /// Non-finite values in `test` (the reference is checked separately by the caller).
+    pub nan_count: u64,
+    pub inf_count: u64,
+    pub first_nan: Option<usize>,
+    pub first_inf: Option<usize>,
+    pub len: usize,
+}
+
+/// Partial sums: mergeable, so chunks can be reduced in parallel and on the GPU alike.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Accum {
+    pub dot: f64,
+    pub nt: f64,
+    pub nr: f64,
+    pub err: f64,
+    pub max_abs: f64,
+    pub max_idx: Option<usize>,
+    pub nan: u64,
+    pub inf: u64,
+    pub first_nan: Option<usize>,
+    pub first_inf: Option<usize>,
+    pub len: usize,
+}
+
+fn min_opt(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.min(y)),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+impl Accum {
+    /// Accumulate `test[i]` vs `reference[i]` for i in the chunk starting at flat `offset`.
+    /// Non-finite test values are counted and left out of the sums.
+    pub fn over(test: &[f32], reference: &[f32], offset: usize) -> Accum {
+        let mut a = Accum {
+            len: test.len(),
+            ..Default::default()
+        };
+        for (i, (&t, &r)) in test.iter().zip(reference).enumerate() {
+            if t.is_nan() {
+                a.nan += 1;
+                a.first_nan.get_or_insert(offset + i);
+                continue;
+            }
+            if t.is_infinite() {
+                a.inf += 1;
+                a.first_inf.get_or_insert(offset + i);
+                continue;
+            }
+            let (t, r) = (t as f64, r as f64);
+            a.dot += t * r;
+            a.nt += t * t;
+            a.nr += r * r;
+            let d = t - r;
+            a.err += d * d;
+            if d.abs() > a.max_abs || a.max_idx.is_none() {
+                a.max_abs = d.abs();
+                a.max_idx = Some(offset + i);
+            }
+        }
+        a
+    }
+
+    pub fn merge(mut self, o: Accum) -> Accum {
+        self.dot += o.dot;
+        self.nt += o.nt;
+        self.nr += o.nr;
+        self.err += o.err;
+        if o.max_abs > self.max_abs || self.max_idx.is_none() {
+            self.max_abs = o.max_abs;
+            self.max_idx = o.max_idx;
+        }
+        self.nan += o.nan;
+        self.inf += o.inf;
+        self.first_nan = min_opt(self.first_nan, o.first_nan);
+        self.first_inf = min_opt(self.first_inf, o.first_inf);
+        self.len += o.len;
+        self
+    }
+
+    pub fn finish(self) -> Metrics {
+        let nonfinite = self.nan + self.inf > 0;
+        let cosine = if self.nt == 0.0 && self.nr == 0.0 {
+            1.0
+        } else if self.nt == 0.0 || self.nr == 0.0 {
+            0.0
+        } else {
+            self.dot / (self.nt.sqrt() * self.nr.sqrt())
+        };
+        let rel_l2 = if self.nr == 0.0 {
+            if self.err == 0.0 {
+                0.0
+            } else {
+                f64::INFINITY
+            }
+        } else {
+            (self.err / self.nr).sqrt()
+        };
+        let sqnr_db = if self.err == 0.0 {
+            f64::INFINITY
+        } else {
+            10.0 * (self.nr / self.err).log10()
+        };
+        Metrics {
+            // a tensor holding NaN/Inf does not get a reassuring cosine
+            cosine: if nonfinite { f64::NAN } else { cosine },
+            rel_l2: if nonfinite { f64::NAN } else { rel_l2 },
+            sqnr_db: if nonfinite { f64::NAN } else { sqnr_db },
+            max_abs_err: if nonfinite { f64::NAN } else { self.max_abs },
+            max_abs_err_index: self.max_idx,
+            nan_count: self.nan,
+            inf_count: self.inf,
+            first_nan: self.first_nan,
+            first_inf: self.first_inf,
+            len: self.len,
+        }
+    }
+}
+
+/// Compare `test` against `reference` (same length).
+pub fn compare(test: &[f32], reference: &[f32]) -> Metrics {
+    use rayon::prelude::*;
+    assert_eq!(test.len(), reference.len(), "compare: length mismatch");
+    const CHUNK: usize = 1 << 16;
+    test.par_chunks(CHUNK)
+        .zip(reference.par_chunks(CHUNK))
+        .enumerate()
+        .map(|(i, (t, r))| Accum::over(t, r, i * CHUNK))
+        .reduce(Accum::default, Accum::merge)
+        .finish()
+}
+
+pub fn cosine(test: &[f32], reference: &[f32]) -> f64 {
+    compare(test, reference).cosine
+}
+
+/// Count NaN and Inf and find the first of each.
+pub fn nonfinite(x: &[f32]) -> (u64, u64, Option<usize>, Option<usize>) {
+    let a = Accum::over(x, x, 0);
+    (a.nan, a.inf, a.first_nan, a.first_inf)
+}
+
+impl Metrics {
+    /// Does this comparison pass a cosine threshold (no NaN/Inf allowed)?
+    pub fn passes(&self, min_cosine: f64) -> bool {
+        self.nan_count == 0 && self.inf_count == 0 && self.cosine >= min_cosine
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identical_and_scaled() {
+        let a: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.37).sin()).collect();
+        let m = compare(&a, &a);
+        assert!((m.cosine - 1.0).abs() < 1e-15);
+        assert_eq!(m.rel_l2, 0.0);
+        assert_eq!(m.sqnr_db, f64::INFINITY);
+        let b: Vec<f32> = a.iter().map(|v| v * 1.1).collect();
+        let m = compare(&b, &a);
+        assert!((m.cosine - 1.0).abs() < 1e-12);
+        assert!((m.rel_l2 - 0.1).abs() < 1e-6);
+        assert!((m.sqnr_db - 20.0).abs() < 1e-4);
+    }
+
+    #[test]
+    fn nan_and_inf_are_counted_with_first_index() {
+        let mut a = vec![1f32; 200_000];
+        let r = a.clone();
+        a[70_000] = f32::NAN;
+        a[150_000] = f32::NAN;
+        a[100_000] = f32::NEG_INFINITY;
+        let m = compare(&a, &r);
+        assert_eq!((m.nan_count, m.inf_count), (2, 1));
+        assert_eq!(m.first_nan, Some(70_000));
+        assert_eq!(m.first_inf, Some(100_000));
+        assert!(m.cosine.is_nan());
+        assert!(!m.passes(0.0));
+    }
+
+    #[test]
+    fn max_abs_err_index() {
+        let r = vec![0f32, 1.0, 2.0, 3.0];
+        let t = vec![0f32, 1.5, 2.0, 2.0];
+        let m = compare(&t, &r);
+        assert_eq!(m.max_abs_err, 1.0);
+        assert_eq!(m.max_abs_err_index, Some(3));
+    }
+}

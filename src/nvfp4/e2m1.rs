@@ -1,0 +1,103 @@
+//! E2M1 (FP4): 1 sign bit (bit 3), 2 exponent bits, 1 mantissa bit. No NaN, no infinity.
+
+/// Magnitudes of the codes 0..=7 (bit 3 is the sign).
+pub const VALUES: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+pub const MAX: f32 = 6.0;
+
+/// Round-half-to-even to the nearest E2M1 value; the sign bit is the sign of `x`, also when
+/// the magnitude rounds to zero (as PTX `cvt.rn` and ModelOpt do). Magnitudes past 6 give 6.
+#[inline]
+pub fn encode(x: f32) -> u8 {
+    let a = x.abs();
+    let mag = if a <= 0.25 {
+        0
+    } else if a < 0.75 {
+        1
+    } else if a <= 1.25 {
+        2
+    } else if a < 1.75 {
+        3
+    } else if a <= 2.5 {
+        4
+    } else if a < 3.5 {
+        5
+    } else if a <= 5.0 {
+        6
+    } else {
+        7
+    };
+    mag | ((x.is_sign_negative() as u8) << 3)
+}
+
+#[inline]
+pub fn decode(code: u8) -> f32 {
+    let v = VALUES[(code & 7) as usize];
+    if code & 8 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Element `2i` in the low nibble, `2i+1` in the high nibble.
+#[inline]
+pub fn pack(lo: u8, hi: u8) -> u8 {
+    (lo & 0xF) | ((hi & 0xF) << 4)
+}
+
+#[inline]
+pub fn unpack(byte: u8) -> (u8, u8) {
+    (byte & 0xF, byte >> 4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ties_round_as_the_table_says() {
+        // (input, expected magnitude) at every tie and just beside it.
+        let cases = [
+            (0.25, 0.0),
+            (0.2500001, 0.5),
+            (0.75, 1.0),
+            (0.7499999, 0.5),
+            (1.25, 1.0),
+            (1.2500001, 1.5),
+            (1.75, 2.0),
+            (1.7499999, 1.5),
+            (2.5, 2.0),
+            (2.5000002, 3.0),
+            (3.5, 4.0),
+            (3.4999998, 3.0),
+            (5.0, 4.0),
+            (5.0000005, 6.0),
+            (1e9, 6.0),
+            (f32::INFINITY, 6.0),
+        ];
+        for (x, want) in cases {
+            assert_eq!(decode(encode(x)), want, "encode({x})");
+            assert_eq!(decode(encode(-x)), -want, "encode(-{x})");
+        }
+    }
+
+    #[test]
+    fn sign_survives_rounding_to_zero() {
+        assert_eq!(encode(-0.1), 0x8);
+        assert_eq!(encode(-0.0), 0x8);
+        assert_eq!(encode(0.1), 0x0);
+    }
+
+    #[test]
+    fn every_code_round_trips() {
+        for code in 0u8..16 {
+            assert_eq!(encode(decode(code)), code);
+        }
+    }
+
+    #[test]
+    fn nibble_order() {
+        assert_eq!(pack(0x3, 0xA), 0xA3);
+        assert_eq!(unpack(0xA3), (0x3, 0xA));
+    }
+}

@@ -1,0 +1,251 @@
+//! Reports (DESIGN.md §6): a table on stdout, `--json PATH`, and `--report-dir DIR` with
+//! `report.json`, `report.md` and plots. Every file is written to a temporary name and renamed,
+//! so an interrupted run never leaves half a report.
+
+pub mod svg;
+
+use crate::error::{Error, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    Pass,
+    Fail,
+}
+
+impl Verdict {
+    pub fn from_pass(pass: bool) -> Verdict {
+        if pass {
+            Verdict::Pass
+        } else {
+            Verdict::Fail
+        }
+    }
+    pub fn exit_code(self) -> u8 {
+        match self {
+            Verdict::Pass => 0,
+            Verdict::Fail => 1,
+        }
+    }
+}
+
+/// One table of the report: printed on the terminal, written as Markdown.
+#[derive(Clone, Debug, Default)]
+pub struct Section {
+    pub title: String,
+    pub headers: Vec<String>,
+    pub rows: Vec<Vec<String>>,
+}
+
+impl Section {
+    pub fn new(title: impl Into<String>, headers: &[&str]) -> Section {
+        Section {
+            title: title.into(),
+            headers: headers.iter().map(|s| s.to_string()).collect(),
+            rows: vec![],
+        }
+    }
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+    /// A two-column key/value section.
+    pub fn kv(title: impl Into<String>, pairs: &[(&str, String)]) -> Section {
+        let mut s = Section::new(title, &["", ""]);
+        for (k, v) in pairs {
+            s.row(vec![k.to_string(), v.clone()]);
+        }
+        s
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub command: String,
+    pub verdict: Verdict,
+    /// One line for humans, ending the terminal output (and `summary.text` in JSON).
+    pub headline: String,
+    /// `summary` in JSON: the numbers CI looks at first.
+    pub summary: Value,
+    /// Further top-level JSON keys (e.g. `first_nonfinite`, `mismatches`).
+    pub body: Map<String, Value>,
+    pub sections: Vec<Section>,
+    /// (file name, SVG text) written into the report dir.
+    pub plots: Vec<(String, String)>,
+}
+
+impl Report {
+    pub fn new(command: &str, verdict: Verdict, headline: impl Into<String>) -> Report {
+        Report {
+            command: command.to_string(),
+            verdict,
+            headline: headline.into(),
+            summary: Value::Object(Map::new()),
+            body: Map::new(),
+            sections: vec![],
+            plots: vec![],
+        }
+    }
+
+    pub fn summary(mut self, v: impl Serialize) -> Self {
+        self.summary = to_value(v);
+        self
+    }
+
+    /// Add a top-level JSON key.
+    pub fn with(mut self, key: &str, v: impl Serialize) -> Self {
+        self.body.insert(key.to_string(), to_value(v));
+        self
+    }
+
+    pub fn section(mut self, s: Section) -> Self {
+        self.sections.push(s);
+        self
+    }
+
+    pub fn plot(mut self, name: &str, svg: String) -> Self {
+        self.plots.push((name.to_string(), svg));
+        self
+    }
+
+    pub fn to_json(&self) -> Value {
+        let mut m = Map::new();
+        m.insert("command".into(), Value::String(self.command.clone()));
+        m.insert("verdict".into(), to_value(self.verdict));
+        let mut summary = self.summary.clone();
+        if let Value::Object(s) = &mut summary {
+            s.entry("text")
+                .or_insert_with(|| Value::String(self.headline.clone()));
+        }
+        m.insert("summary".into(), summary);
+        for (k, v) in &self.body {
+            m.insert(k.clone(), v.clone());
+        }
+        Value::Object(m)
+    }
+
+    pub fn to_terminal(&self) -> String {
+        let mut out = String::new();
+        for s in &self.sections {
+            out.push_str(&render_table(s));
+            out.push('\n');
+        }
+        let tag = match self.verdict {
+            Verdict::Pass => "PASS",
+            Verdict::Fail => "FAIL",
+        };
+        out.push_str(&format!("{tag}: {}\n", self.headline));
+        out
+    }
+
+    pub fn to_markdown(&self) -> String {
+        let mut out = format!(
+            "# nvfp4dbg {}\n\n**Verdict: {:?}** — {}\n\n",
+            self.command, self.verdict, self.headline
+        );
+        for s in &self.sections {
+            out.push_str(&format!("## {}\n\n", s.title));
+            out.push_str(&format!("| {} |\n", s.headers.join(" | ")));
+            out.push_str(&format!("|{}\n", "---|".repeat(s.headers.len())));
+            for r in &s.rows {
+                out.push_str(&format!("| {} |\n", r.join(" | ")));
+            }
+            out.push('\n');
+        }
+        for (name, _) in &self.plots {
+            out.push_str(&format!("![{name}]({name})\n\n"));
+        }
+        out
+    }
+}
+
+fn to_value(v: impl Serialize) -> Value {
+    // Non-finite floats become null (JSON has no NaN); serialization of our own types cannot fail.
+    serde_json::to_value(v).unwrap_or(Value::Null)
+}
+
+fn render_table(s: &Section) -> String {
+    let mut b = tabled::builder::Builder::default();
+    if s.headers.iter().any(|h| !h.is_empty()) {
+        b.push_record(s.headers.clone());
+    }
+    for r in &s.rows {
+        b.push_record(r.clone());
+    }
+    let mut t = b.build();
+    t.with(tabled::settings::Style::sharp());
+    format!("{}\n{}\n", s.title, t)
+}
+
+/// Where a report goes (the flags every command shares).
+#[derive(Clone, Debug, Default)]
+pub struct Outputs {
+    pub json: Option<PathBuf>,
+    pub report_dir: Option<PathBuf>,
+    pub quiet: bool,
+}
+
+/// Print the report and write its files.
+pub fn emit(report: &Report, out: &Outputs) -> Result<()> {
+    use std::io::Write;
+    let text = report.to_terminal();
+    let mut stdout = std::io::stdout().lock();
+    // A closed pipe (`| head`) is not an error.
+    let _ = stdout.write_all(text.as_bytes());
+    let json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default() + "\n";
+    if let Some(p) = &out.json {
+        write_atomic(p, json.as_bytes())?;
+    }
+    if let Some(dir) = &out.report_dir {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        write_atomic(&dir.join("report.json"), json.as_bytes())?;
+        write_atomic(&dir.join("report.md"), report.to_markdown().as_bytes())?;
+        for (name, svg) in &report.plots {
+            write_atomic(&dir.join(name), svg.as_bytes())?;
+        }
+    }
+    Ok(())
+}
+
+/// Write to `path.tmp-<pid>` then rename: readers never see a half-written file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    }
+    let tmp = tmp_name(path);
+    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
+    f.sync_all().ok();
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// The temporary name used by atomic writers next to `path`.
+pub fn tmp_name(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// Format a float for tables: fixed digits, `NaN` spelled out.
+pub fn f(v: f64, digits: usize) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "inf".into() } else { "-inf".into() }
+    } else {
+        format!("{v:.digits$}")
+    }
+}
+
+/// Scientific notation for small or wide-ranging values.
+pub fn e(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.3e}")
+    } else {
+        f(v, 0)
+    }
+}
