@@ -8,5 +8,6 @@ pub mod metrics;
 pub mod moe;
 pub mod nvfp4;
 pub mod report;
+pub mod trace;
 
 pub use error::{Error, Result};

@@ -2,6 +2,7 @@
 //! BF16 reference. Numerics only: never prints.
 
 pub mod config;
+pub mod ep;
 
 pub use config::{MoeConfig, ScoringFunc};
 

@@ -1,0 +1,1 @@
+//! Traces (DESIGN.md §5): directories of `NNNNNN-<module.path>.safetensors`, one per module call.
