@@ -200,10 +200,17 @@ impl Runner<'_> {
         let cli = match Cli::try_parse_from(&argv) {
             Ok(c) => c,
             Err(e) => {
+                // clap's first line says what is wrong; the rest is usage help
+                let text = e.to_string();
+                let first = text
+                    .lines()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("")
+                    .trim_start_matches("error: ");
                 return (
                     shown,
-                    Outcome::Error(format!("command line does not parse: {e}")),
-                )
+                    Outcome::Error(format!("command line does not parse: {first}")),
+                );
             }
         };
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(cli.command)));
