@@ -5,7 +5,7 @@
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
-use crate::trace::bisect::{bisect, BisectResult, CallDiff, TensorDiff};
+use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
 use crate::trace::{Selection, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -13,6 +13,8 @@ use std::path::PathBuf;
 /// Rows of the terminal table beyond which the middle is elided (the JSON has every call).
 const TABLE_MAX: usize = 400;
 const TABLE_EDGE: usize = 40;
+const JSON_MAX: usize = 20_000;
+const JSON_EDGE: usize = 2_000;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -43,7 +45,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map(|x| f(x, digits)).unwrap_or_else(|| "-".into())
 }
 
-fn status(c: &CallDiff, first: bool) -> String {
+fn status(c: &CallSummary, first: bool) -> String {
     match (c.outputs_match, first, c.inputs_match) {
         (true, _, _) => "ok".into(),
         (false, true, Some(false)) => "FIRST DIVERGENCE (inputs differ)".into(),
@@ -52,9 +54,9 @@ fn status(c: &CallDiff, first: bool) -> String {
     }
 }
 
-fn row(c: &CallDiff, first: bool) -> Vec<String> {
-    let out = c.key_output();
-    let inp = c.worst_input();
+fn row(c: &CallSummary, first: bool) -> Vec<String> {
+    let out = c.output.as_ref();
+    let inp = c.worst_input.as_ref();
     vec![
         format!("{:06}", c.counter_ref),
         c.module.clone(),
@@ -133,7 +135,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             r.only_in_test.len()
         )
     };
-    let first = r.first_divergence.and_then(|i| r.calls.get(i));
+    let first = r.first_divergence.as_ref().map(|(_, d)| d);
     let (verdict, headline) = match first {
         _ if r.calls.is_empty() => (
             Verdict::Fail,
@@ -255,49 +257,26 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         ],
     );
     let n = r.calls.len();
-    let fi = r.first_divergence;
-    let keep = |i: usize| {
-        n <= TABLE_MAX
-            || i < TABLE_EDGE
-            || i + TABLE_EDGE >= n
-            || fi.is_some_and(|f| i + TABLE_EDGE >= f && i <= f + TABLE_EDGE)
-    };
+    let fi = r.first_divergence.as_ref().map(|(i, _)| *i);
     let mut elided = 0;
+    let gap = |k: usize| {
+        let mut v = vec![String::new(); 10];
+        v[1] = format!("… {k} calls …");
+        v
+    };
     for (i, c) in r.calls.iter().enumerate() {
-        if keep(i) {
-            if elided > 0 {
-                table.row(vec![
-                    String::new(),
-                    format!("… {elided} calls …"),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                    String::new(),
-                ]);
-                elided = 0;
-            }
-            table.row(row(c, Some(i) == fi));
-        } else {
+        if !kept(i, n, fi, TABLE_MAX, TABLE_EDGE) {
             elided += 1;
+            continue;
         }
+        if elided > 0 {
+            table.row(gap(elided));
+            elided = 0;
+        }
+        table.row(row(c, Some(i) == fi));
     }
     if elided > 0 {
-        table.row(vec![
-            String::new(),
-            format!("… {elided} calls …"),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ]);
+        table.row(gap(elided));
     }
     rep = rep.section(table);
 
@@ -343,25 +322,39 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         }
         rep = rep.section(s);
     }
+    // Every call in JSON up to JSON_MAX (compact: the deciding output and the worst input);
+    // beyond, the same elision as the table, so a 100k-call trace gives a report of megabytes.
+    let modules: Vec<Value> = r
+        .calls
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| kept(*i, n, fi, JSON_MAX, JSON_EDGE))
+        .map(|(_, c)| {
+            json!({
+                "module": c.module,
+                "call": c.call,
+                "counter_ref": c.counter_ref,
+                "counter_test": c.counter_test,
+                "outputs_match": c.outputs_match,
+                "inputs_match": c.inputs_match,
+                "output": c.output.as_ref().map(tensor_json),
+                "worst_input": c.worst_input.as_ref().map(tensor_json),
+            })
+        })
+        .collect();
     rep.with("only_in_ref", &r.only_in_ref)
         .with("only_in_test", &r.only_in_test)
         .with("skipped_ref", &reference.skipped)
         .with("skipped_test", &test.skipped)
-        .with(
-            "modules",
-            r.calls
-                .iter()
-                .map(|c| {
-                    json!({
-                        "module": c.module,
-                        "call": c.call,
-                        "counter_ref": c.counter_ref,
-                        "counter_test": c.counter_test,
-                        "outputs_match": c.outputs_match,
-                        "inputs_match": c.inputs_match,
-                        "tensors": c.tensors.iter().map(tensor_json).collect::<Vec<_>>(),
-                    })
-                })
-                .collect::<Vec<_>>(),
-        )
+        .with("modules_elided", n - modules.len())
+        .with("modules", modules)
+}
+
+/// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and
+/// `edge` either side of the first divergence.
+fn kept(i: usize, n: usize, first: Option<usize>, max: usize, edge: usize) -> bool {
+    n <= max
+        || i < edge
+        || i + edge >= n
+        || first.is_some_and(|f| i + edge >= f && i <= f + edge)
 }

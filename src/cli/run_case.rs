@@ -165,6 +165,32 @@ impl Outcome {
     }
 }
 
+/// `nvfp4dbg NAME ARGS…`, with `--device D` replacing any `--device` in ARGS (when the command
+/// takes one and `run --device` was given) and `--quiet` added once.
+fn argv_for(name: &str, args: &[String], device: Option<&str>, quiet: bool) -> Vec<String> {
+    let mut argv = vec!["nvfp4dbg".to_string(), name.to_string()];
+    let mut rest = args.iter();
+    while let Some(a) = rest.next() {
+        if device.is_some() {
+            if a == "--device" {
+                rest.next();
+                continue;
+            }
+            if a.starts_with("--device=") {
+                continue;
+            }
+        }
+        argv.push(a.clone());
+    }
+    if let Some(d) = device {
+        argv.extend(["--device".to_string(), d.to_string()]);
+    }
+    if quiet && !argv.iter().any(|a| a == "--quiet" || a == "-q") {
+        argv.push("--quiet".into());
+    }
+    argv
+}
+
 struct Runner<'a> {
     device: Option<&'a str>,
     quiet: bool,
@@ -175,27 +201,13 @@ impl Runner<'_> {
     /// in-process. A panic is a bug in nvfp4dbg: reported as an error of this case, and the
     /// other cases still run.
     fn command(&self, name: &str, args: &[String]) -> (Vec<String>, Outcome) {
-        let mut argv = vec!["nvfp4dbg".to_string(), name.to_string()];
-        let mut rest = args.iter();
         let takes_device = subcommand(name).unwrap_or(false);
-        while let Some(a) = rest.next() {
-            if takes_device && self.device.is_some() {
-                if a == "--device" {
-                    rest.next();
-                    continue;
-                }
-                if a.starts_with("--device=") {
-                    continue;
-                }
-            }
-            argv.push(a.clone());
-        }
-        if let (true, Some(d)) = (takes_device, self.device) {
-            argv.extend(["--device".to_string(), d.to_string()]);
-        }
-        if self.quiet && !argv.iter().any(|a| a == "--quiet" || a == "-q") {
-            argv.push("--quiet".into());
-        }
+        let argv = argv_for(
+            name,
+            args,
+            takes_device.then_some(self.device).flatten(),
+            self.quiet,
+        );
         let shown = argv[1..].to_vec();
         let cli = match Cli::try_parse_from(&argv) {
             Ok(c) => c,
@@ -519,4 +531,67 @@ fn report(runs: Vec<CaseRun>, dir: bool) -> Report {
         rep = rep.section(s);
     }
     rep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(s: &[&str]) -> Vec<String> {
+        s.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn device_replaces_the_cases_own_and_quiet_is_added_once() {
+        let args = v(&["--tokens", "32", "--device", "cpu", "--device=cuda:1", "x"]);
+        assert_eq!(
+            argv_for("layertest", &args, Some("cuda:0"), true),
+            v(&[
+                "nvfp4dbg",
+                "layertest",
+                "--tokens",
+                "32",
+                "x",
+                "--device",
+                "cuda:0",
+                "--quiet"
+            ])
+        );
+        assert_eq!(
+            argv_for("layertest", &args, None, false),
+            v(&[
+                "nvfp4dbg",
+                "layertest",
+                "--tokens",
+                "32",
+                "--device",
+                "cpu",
+                "--device=cuda:1",
+                "x"
+            ])
+        );
+        assert_eq!(
+            argv_for("nan-locate", &v(&["t", "-q"]), None, true),
+            v(&["nvfp4dbg", "nan-locate", "t", "-q"])
+        );
+    }
+
+    #[test]
+    fn variables_expand_and_unknown_ones_are_named() {
+        let (w, d) = (Path::new("/tmp/w"), Path::new("/c"));
+        assert_eq!(
+            expand("${WORK}/a-${CASE_DIR}", w, d).unwrap(),
+            "/tmp/w/a-/c"
+        );
+        assert_eq!(expand("plain $HOME", w, d).unwrap(), "plain $HOME");
+        assert!(expand("${WORKS}", w, d).unwrap_err().contains("${WORKS}"));
+        assert!(expand("${WORK", w, d).is_err());
+    }
+
+    #[test]
+    fn device_flag_is_detected_from_the_cli_definition() {
+        assert_eq!(subcommand("nan-locate"), Some(false));
+        assert_eq!(subcommand("synth-trace"), Some(false));
+        assert_eq!(subcommand("no-such-command"), None);
+    }
 }

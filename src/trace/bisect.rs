@@ -87,12 +87,41 @@ impl CallDiff {
     }
 }
 
+/// What is kept of every matched call: the deciding output and the worst input. Full
+/// per-tensor detail is kept for the first divergence only, so 100k calls stay small.
+#[derive(Clone, Debug, Serialize)]
+pub struct CallSummary {
+    pub module: String,
+    pub call: usize,
+    pub counter_ref: u64,
+    pub counter_test: u64,
+    pub output: Option<TensorDiff>,
+    pub worst_input: Option<TensorDiff>,
+    pub outputs_match: bool,
+    pub inputs_match: Option<bool>,
+}
+
+impl CallSummary {
+    fn of(d: &CallDiff) -> CallSummary {
+        CallSummary {
+            module: d.module.clone(),
+            call: d.call,
+            counter_ref: d.counter_ref,
+            counter_test: d.counter_test,
+            output: d.key_output().cloned(),
+            worst_input: d.worst_input().cloned(),
+            outputs_match: d.outputs_match,
+            inputs_match: d.inputs_match,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct BisectResult {
     /// Matched calls in REF's execution order.
-    pub calls: Vec<CallDiff>,
-    /// Index into `calls` of the first divergence.
-    pub first_divergence: Option<usize>,
+    pub calls: Vec<CallSummary>,
+    /// Index into `calls` of the first divergence, and its full detail.
+    pub first_divergence: Option<(usize, CallDiff)>,
     pub only_in_ref: Vec<LoneCall>,
     pub only_in_test: Vec<LoneCall>,
 }
@@ -268,10 +297,10 @@ pub fn bisect(
         };
         matched_test[ti] = true;
         let d = diff_call(re, &test.entries[ti], key.1, min_cosine)?;
+        calls.push(CallSummary::of(&d));
         if !d.outputs_match && first_divergence.is_none() {
-            first_divergence = Some(calls.len());
+            first_divergence = Some((calls.len() - 1, d));
         }
-        calls.push(d);
     }
     let only_in_test = test
         .entries
