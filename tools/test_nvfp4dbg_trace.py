@@ -276,6 +276,46 @@ def test_nan_locate_passes_and_bisect_names_a_perturbed_module():
         assert code == 0, text
 
 
+def test_transformers_llama_bf16_against_f32_and_a_nan_in_attention():
+    """A real model calls its modules with keyword arguments and returns tuples and ModelOutputs.
+    Skipped (said so) where transformers is not installed."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        print("skipped: transformers not installed")
+        return
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    m32 = LlamaForCausalLM(cfg).to(dev).eval()
+    m16 = LlamaForCausalLM(cfg).to(dev).eval()
+    m16.load_state_dict(m32.state_dict())
+    m16 = m16.to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 12), device=dev)
+    with tempfile.TemporaryDirectory() as d:
+        a, b, n = (os.path.join(d, x) for x in ("f32", "bf16", "nan"))
+        with nvfp4dbg_trace.record(m32, a), torch.no_grad():
+            m32(ids)
+        with nvfp4dbg_trace.record(m16, b), torch.no_grad():
+            m16(ids)
+        _, meta = load(os.path.join(a, [f for f in files(a) if f.endswith("layers.0.self_attn.safetensors")][0]))
+        assert meta["input_names"].startswith("kwargs.hidden_states"), meta
+        code, rep, text = run("bisect", a, b)  # BF16 rounding stays far above 0.99
+        assert code == 0, text
+        attn = m16.model.layers[1].self_attn
+        h = attn.register_forward_hook(
+            lambda mod, args, out: (out[0].index_fill(1, torch.tensor([5], device=dev), float("nan")),) + tuple(out[1:]))
+        with nvfp4dbg_trace.record(m16, n), torch.no_grad():
+            m16(ids)
+        h.remove()
+        code, rep, text = run("nan-locate", n)
+        assert code == 1, text
+        f = rep["first_nonfinite"]
+        assert f["module"] == "model.layers.1.self_attn" and f["inputs_clean"] is True, text
+        assert f["index"]["multi"] == [0, 5, 0], text  # [batch, seq, hidden]: seq position 5
+
+
 if __name__ == "__main__":
     tests = [v for k, v in sorted(globals().items()) if k.startswith("test_") and callable(v)]
     for t in tests:
