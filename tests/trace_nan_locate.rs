@@ -26,7 +26,11 @@ fn a_planted_nan_or_inf_is_named_with_its_module_index_and_clean_inputs() {
     for round in 0..4 {
         let at = r.gen_range(0..calls.len());
         let (token, channel) = (r.gen_range(0..base.tokens), r.gen_range(0..base.hidden));
-        let kind = if round % 2 == 0 { FaultKind::Nan } else { FaultKind::Inf };
+        let kind = if round % 2 == 0 {
+            FaultKind::Nan
+        } else {
+            FaultKind::Inf
+        };
         let c = SynthTraceConfig {
             faults: vec![Fault {
                 module: calls[at].clone(),
@@ -34,13 +38,24 @@ fn a_planted_nan_or_inf_is_named_with_its_module_index_and_clean_inputs() {
                 token,
                 channel,
             }],
-            dtype: [safetensors::Dtype::BF16, safetensors::Dtype::F16, safetensors::Dtype::F32][round % 3],
+            dtype: [
+                safetensors::Dtype::BF16,
+                safetensors::Dtype::F16,
+                safetensors::Dtype::F32,
+            ][round % 3],
             ..base.clone()
         };
         let dir = tmp.path().join(format!("t{round}"));
         write_trace(&dir, &c).unwrap();
-        let o = nvfp4dbg(tmp.path(), &["nan-locate", dir.to_str().unwrap(), "--context", "3"]);
-        let ctx = format!("seed {seed}, round {round}, fault {kind:?} at {} [{token}, {channel}]\n{}", calls[at], o.show());
+        let o = nvfp4dbg(
+            tmp.path(),
+            &["nan-locate", dir.to_str().unwrap(), "--context", "3"],
+        );
+        let ctx = format!(
+            "seed {seed}, round {round}, fault {kind:?} at {} [{token}, {channel}]\n{}",
+            calls[at],
+            o.show()
+        );
         assert_eq!(o.code, 1, "{ctx}");
         let f = &o.json["first_nonfinite"];
         assert_eq!(f["module"], calls[at].as_str(), "{ctx}");
@@ -48,14 +63,32 @@ fn a_planted_nan_or_inf_is_named_with_its_module_index_and_clean_inputs() {
         assert_eq!(f["counter"], at as u64, "{ctx}");
         assert_eq!(f["index"]["token"], token as u64, "{ctx}");
         assert_eq!(f["index"]["channel"], channel as u64, "{ctx}");
-        assert_eq!(f["index"]["multi"], serde_json::json!([token, channel]), "{ctx}");
-        assert_eq!(f["kind"], if kind == FaultKind::Nan { "nan" } else { "inf" }, "{ctx}");
+        assert_eq!(
+            f["index"]["multi"],
+            serde_json::json!([token, channel]),
+            "{ctx}"
+        );
+        assert_eq!(
+            f["kind"],
+            if kind == FaultKind::Nan { "nan" } else { "inf" },
+            "{ctx}"
+        );
         assert_eq!(f["inputs_clean"], true, "{ctx}");
-        assert!(f["file"].as_str().unwrap().ends_with(&format!("{at:06}-{}.safetensors", calls[at])), "{ctx}");
+        assert!(
+            f["file"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("{at:06}-{}.safetensors", calls[at])),
+            "{ctx}"
+        );
         if at == 0 {
             assert_eq!(o.json["last_clean"], Value::Null, "{ctx}");
         } else {
-            assert_eq!(o.json["last_clean"]["module"], calls[at - 1].as_str(), "{ctx}");
+            assert_eq!(
+                o.json["last_clean"]["module"],
+                calls[at - 1].as_str(),
+                "{ctx}"
+            );
             assert_eq!(o.json["last_clean"]["counter"], (at - 1) as u64, "{ctx}");
         }
         // the table: up to 3 calls before, the bad one, 3 after
@@ -77,7 +110,10 @@ fn a_clean_trace_passes_and_nan_in_an_input_only_does_not_count() {
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     assert_eq!(o.json["verdict"], "pass");
     assert_eq!(o.json["first_nonfinite"], Value::Null);
-    assert_eq!(o.json["summary"]["calls_scanned"], module_calls(&cfg(seed)).unwrap().len() as u64);
+    assert_eq!(
+        o.json["summary"]["calls_scanned"],
+        module_calls(&cfg(seed)).unwrap().len() as u64
+    );
 
     // an attention mask full of -inf is an input, the output is finite: not a fault
     let mut r = rng(seed);
@@ -85,7 +121,17 @@ fn a_clean_trace_passes_and_nan_in_an_input_only_does_not_count() {
     std::fs::create_dir(&d2).unwrap();
     let mut mask = randv(&mut r, 16);
     mask[3] = f32::NEG_INFINITY;
-    write_call(&d2, 0, "attn", vec![t("input.0", &[4, 4], randv(&mut r, 16)), t("input.1", &[4, 4], mask), t("output", &[4, 4], randv(&mut r, 16))], &[]);
+    write_call(
+        &d2,
+        0,
+        "attn",
+        vec![
+            t("input.0", &[4, 4], randv(&mut r, 16)),
+            t("input.1", &[4, 4], mask),
+            t("output", &[4, 4], randv(&mut r, 16)),
+        ],
+        &[],
+    );
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d2.to_str().unwrap()]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
 }
@@ -97,14 +143,26 @@ fn bad_inputs_say_the_value_came_from_earlier() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("tr");
     std::fs::create_dir(&d).unwrap();
-    write_call(&d, 0, "model.embed", vec![t("output", &[3, 5], randv(&mut r, 15))], &[]);
+    write_call(
+        &d,
+        0,
+        "model.embed",
+        vec![t("output", &[3, 5], randv(&mut r, 15))],
+        &[],
+    );
     // between the two modules, unrecorded code (a residual add) made a NaN
     let bad_at = r.gen_range(0..15);
     let mut x = randv(&mut r, 15);
     x[bad_at] = f32::NAN;
     let mut y = randv(&mut r, 15);
     y[bad_at] = f32::NAN;
-    write_call(&d, 1, "model.layers.0", vec![t("input.0", &[3, 5], x), t("output", &[3, 5], y)], &[]);
+    write_call(
+        &d,
+        1,
+        "model.layers.0",
+        vec![t("input.0", &[3, 5], x), t("output", &[3, 5], y)],
+        &[],
+    );
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     let ctx = format!("seed {seed}\n{}", o.show());
     assert_eq!(o.code, 1, "{ctx}");
@@ -114,12 +172,24 @@ fn bad_inputs_say_the_value_came_from_earlier() {
     assert_eq!(f["bad_input"]["tensor"], "input.0", "{ctx}");
     assert_eq!(f["bad_input"]["index"]["flat"], bad_at as u64, "{ctx}");
     assert_eq!(o.json["last_clean"]["module"], "model.embed", "{ctx}");
-    assert!(o.json["summary"]["text"].as_str().unwrap().contains("came from code that ran before"), "{ctx}");
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("came from code that ran before"),
+        "{ctx}"
+    );
 
     // no inputs recorded: unknown, said so
     let d = tmp.path().join("noin");
     std::fs::create_dir(&d).unwrap();
-    write_call(&d, 0, "m", vec![t("output", &[2], vec![f32::INFINITY, 1.0])], &[]);
+    write_call(
+        &d,
+        0,
+        "m",
+        vec![t("output", &[2], vec![f32::INFINITY, 1.0])],
+        &[],
+    );
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     assert_eq!(o.code, 1, "{}", o.show());
     assert_eq!(o.json["first_nonfinite"]["inputs_clean"], Value::Null);
@@ -145,14 +215,26 @@ fn order_is_the_counter_not_the_name_nor_the_mtime() {
         let p = write_call(&d, c, &format!("m{i}"), vec![t("output", &[2, 4], v)], &[]);
         // newest file = earliest call: an mtime order would be backwards
         let f = std::fs::File::options().write(true).open(&p).unwrap();
-        f.set_modified(now - std::time::Duration::from_secs(100 * i as u64)).unwrap();
+        f.set_modified(now - std::time::Duration::from_secs(100 * i as u64))
+            .unwrap();
     }
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     let ctx = format!("seed {seed} first_bad {first_bad}\n{}", o.show());
     assert_eq!(o.code, 1, "{ctx}");
-    assert_eq!(o.json["first_nonfinite"]["counter"], counters[first_bad], "{ctx}");
-    assert_eq!(o.json["first_nonfinite"]["module"], format!("m{first_bad}"), "{ctx}");
-    assert_eq!(o.json["last_clean"]["counter"], counters[first_bad - 1], "{ctx}");
+    assert_eq!(
+        o.json["first_nonfinite"]["counter"], counters[first_bad],
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        format!("m{first_bad}"),
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["last_clean"]["counter"],
+        counters[first_bad - 1],
+        "{ctx}"
+    );
 }
 
 #[test]
@@ -181,11 +263,26 @@ fn odd_names_and_duplicate_counters_are_listed_as_skipped() {
             .map(|s| s["reason"].as_str().unwrap().to_string())
             .unwrap_or_else(|| panic!("{name} not skipped\n{ctx}"))
     };
-    assert!(reason("000001-c.safetensors").contains("duplicate counter 000001"), "{ctx}");
-    assert!(reason("README.md").contains("NNNNNN-<module.path>.safetensors"), "{ctx}");
-    assert!(reason("00042-short.safetensors").contains("six-digit"), "{ctx}");
-    assert!(reason(".000003-tmp.safetensors").contains("hidden"), "{ctx}");
-    assert!(reason("000002-d.safetensors").contains("no `output`"), "{ctx}");
+    assert!(
+        reason("000001-c.safetensors").contains("duplicate counter 000001"),
+        "{ctx}"
+    );
+    assert!(
+        reason("README.md").contains("NNNNNN-<module.path>.safetensors"),
+        "{ctx}"
+    );
+    assert!(
+        reason("00042-short.safetensors").contains("six-digit"),
+        "{ctx}"
+    );
+    assert!(
+        reason(".000003-tmp.safetensors").contains("hidden"),
+        "{ctx}"
+    );
+    assert!(
+        reason("000002-d.safetensors").contains("no `output`"),
+        "{ctx}"
+    );
     assert_eq!(skipped.len(), 5, "{ctx}");
     assert!(o.stdout.contains("Skipped files"), "{ctx}");
 }
@@ -201,11 +298,21 @@ fn bad_input_exits_2_naming_the_file() {
     std::fs::write(d.join("notes.txt"), "x").unwrap();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     assert_eq!(o.code, 2, "{}", o.show());
-    assert!(o.stderr.contains("junk") && o.stderr.contains("no trace files"), "{}", o.show());
+    assert!(
+        o.stderr.contains("junk") && o.stderr.contains("no trace files"),
+        "{}",
+        o.show()
+    );
     let e = tmp.path().join("empty");
     std::fs::create_dir(&e).unwrap();
-    assert_eq!(nvfp4dbg(tmp.path(), &["nan-locate", e.to_str().unwrap()]).code, 2);
-    assert_eq!(nvfp4dbg(tmp.path(), &["nan-locate", "does-not-exist"]).code, 2);
+    assert_eq!(
+        nvfp4dbg(tmp.path(), &["nan-locate", e.to_str().unwrap()]).code,
+        2
+    );
+    assert_eq!(
+        nvfp4dbg(tmp.path(), &["nan-locate", "does-not-exist"]).code,
+        2
+    );
 
     // a truncated file among good ones
     let d = tmp.path().join("trunc");
@@ -217,15 +324,29 @@ fn bad_input_exits_2_naming_the_file() {
     std::fs::write(&p, &bytes[..cut]).unwrap();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     assert_eq!(o.code, 2, "seed {seed} cut {cut}\n{}", o.show());
-    assert!(o.stderr.contains("000001-b.safetensors"), "seed {seed} cut {cut}\n{}", o.show());
+    assert!(
+        o.stderr.contains("000001-b.safetensors"),
+        "seed {seed} cut {cut}\n{}",
+        o.show()
+    );
 
     // metadata that is not a number
     let d = tmp.path().join("meta");
     std::fs::create_dir(&d).unwrap();
-    write_call(&d, 0, "a", vec![t("output", &[4], randv(&mut r, 4))], &[("rank", "zero")]);
+    write_call(
+        &d,
+        0,
+        "a",
+        vec![t("output", &[4], randv(&mut r, 4))],
+        &[("rank", "zero")],
+    );
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     assert_eq!(o.code, 2, "{}", o.show());
-    assert!(o.stderr.contains("rank") && o.stderr.contains("000000-a.safetensors"), "{}", o.show());
+    assert!(
+        o.stderr.contains("rank") && o.stderr.contains("000000-a.safetensors"),
+        "{}",
+        o.show()
+    );
 }
 
 #[test]
@@ -233,18 +354,46 @@ fn ranks_in_subdirectories_and_steps_are_selected() {
     let seed: u64 = rand::random();
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path().join("tp2");
-    let nan_in = |m: &str| vec![Fault { module: m.into(), kind: FaultKind::Nan, token: 1, channel: 2 }];
+    let nan_in = |m: &str| {
+        vec![Fault {
+            module: m.into(),
+            kind: FaultKind::Nan,
+            token: 1,
+            channel: 2,
+        }]
+    };
     // rank 0 clean, rank 1 NaN in layer 0's MLP
-    write_trace(&d.join("rank0"), &SynthTraceConfig { rank: Some(0), ..cfg(seed) }).unwrap();
-    write_trace(&d.join("rank1"), &SynthTraceConfig { rank: Some(1), faults: nan_in("model.layers.0.mlp.down_proj"), ..cfg(seed) }).unwrap();
+    write_trace(
+        &d.join("rank0"),
+        &SynthTraceConfig {
+            rank: Some(0),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &d.join("rank1"),
+        &SynthTraceConfig {
+            rank: Some(1),
+            faults: nan_in("model.layers.0.mlp.down_proj"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
     let dir = d.to_str().unwrap();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "1"]);
     assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
-    assert_eq!(o.json["first_nonfinite"]["module"], "model.layers.0.mlp.down_proj");
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "model.layers.0.mlp.down_proj"
+    );
     assert_eq!(o.json["first_nonfinite"]["rank"], 1);
-    assert!(o.json["first_nonfinite"]["file"].as_str().unwrap().contains("rank1"));
+    assert!(o.json["first_nonfinite"]["file"]
+        .as_str()
+        .unwrap()
+        .contains("rank1"));
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "5"]);
     assert_eq!(o.code, 2, "{}", o.show());
     assert!(o.stderr.contains("ranks present: 0, 1"), "{}", o.show());
@@ -252,14 +401,41 @@ fn ranks_in_subdirectories_and_steps_are_selected() {
     // steps in one directory with one running counter: step 0 clean, step 1 bad, step 2 clean
     let s = tmp.path().join("steps");
     let n = module_calls(&cfg(seed)).unwrap().len() as u64;
-    write_trace(&s, &SynthTraceConfig { step: Some(0), ..cfg(seed) }).unwrap();
-    write_trace(&s, &SynthTraceConfig { step: Some(1), counter_start: n, faults: nan_in("model.layers.1.self_attn.o_proj"), ..cfg(seed) }).unwrap();
-    write_trace(&s, &SynthTraceConfig { step: Some(2), counter_start: 2 * n, ..cfg(seed) }).unwrap();
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(0),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(1),
+            counter_start: n,
+            faults: nan_in("model.layers.1.self_attn.o_proj"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(2),
+            counter_start: 2 * n,
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
     let dir = s.to_str().unwrap();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
     assert_eq!(o.code, 1, "{}", o.show());
     assert_eq!(o.json["first_nonfinite"]["step"], 1);
-    assert_eq!(o.json["first_nonfinite"]["module"], "model.layers.1.self_attn.o_proj");
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "model.layers.1.self_attn.o_proj"
+    );
     for step in ["0", "2"] {
         let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--step", step]);
         assert_eq!(o.code, 0, "step {step}\n{}", o.show());
@@ -271,13 +447,38 @@ fn ranks_in_subdirectories_and_steps_are_selected() {
 
     // steps recorded separately, counters restarting: order is (step, counter)
     let s = tmp.path().join("restart");
-    write_trace(&s.join("step0"), &SynthTraceConfig { step: Some(0), faults: nan_in("lm_head"), ..cfg(seed) }).unwrap();
-    write_trace(&s.join("step1"), &SynthTraceConfig { step: Some(1), faults: nan_in("model.embed_tokens"), ..cfg(seed) }).unwrap();
+    write_trace(
+        &s.join("step0"),
+        &SynthTraceConfig {
+            step: Some(0),
+            faults: nan_in("lm_head"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s.join("step1"),
+        &SynthTraceConfig {
+            step: Some(1),
+            faults: nan_in("model.embed_tokens"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", s.to_str().unwrap()]);
     assert_eq!(o.code, 1, "{}", o.show());
-    assert_eq!(o.json["first_nonfinite"]["module"], "lm_head", "{}", o.show());
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "lm_head",
+        "{}",
+        o.show()
+    );
     assert_eq!(o.json["first_nonfinite"]["step"], 0);
-    assert!(o.json["skipped"].as_array().unwrap().is_empty(), "{}", o.show());
+    assert!(
+        o.json["skipped"].as_array().unwrap().is_empty(),
+        "{}",
+        o.show()
+    );
 }
 
 #[test]
@@ -295,7 +496,18 @@ fn a_tensor_larger_than_one_scan_block_reports_the_right_index() {
     }
     let bad = r.gen_range((1 << 22)..x.len());
     x[bad] = f32::NEG_INFINITY;
-    write_call(&d, 0, "big", vec![util::T { name: "output", dtype: safetensors::Dtype::BF16, shape: vec![tokens, hidden], data: x }], &[]);
+    write_call(
+        &d,
+        0,
+        "big",
+        vec![util::T {
+            name: "output",
+            dtype: safetensors::Dtype::BF16,
+            shape: vec![tokens, hidden],
+            data: x,
+        }],
+        &[],
+    );
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     let ctx = format!("seed {seed} bad {bad}\n{}", o.show());
     assert_eq!(o.code, 1, "{ctx}");
@@ -321,7 +533,13 @@ fn ten_thousand_calls_scan_in_order() {
         if c >= bad {
             v[(c % 8) as usize] = f32::NAN;
         }
-        write_call(&d, c, &format!("model.layers.{}.mlp", c / 10), vec![t("output", &[2, 4], v)], &[]);
+        write_call(
+            &d,
+            c,
+            &format!("model.layers.{}.mlp", c / 10),
+            vec![t("output", &[2, 4], v)],
+            &[],
+        );
     }
     let t0 = std::time::Instant::now();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);

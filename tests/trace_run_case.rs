@@ -32,7 +32,10 @@ fn expectations_that_hold_and_that_do_not() {
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     assert_eq!(o.json["cases"][0]["held"], true);
     assert_eq!(o.json["cases"][0]["got"], "fail");
-    assert_eq!(o.json["cases"][0]["report"]["first_nonfinite"]["module"], "model.layers.0.self_attn.attn");
+    assert_eq!(
+        o.json["cases"][0]["report"]["first_nonfinite"]["module"],
+        "model.layers.0.self_attn.attn"
+    );
     // the inner command's tables are shown for a single case
     assert!(o.stdout.contains("First non-finite value"), "{}", o.show());
 
@@ -42,14 +45,24 @@ fn expectations_that_hold_and_that_do_not() {
     let o = nvfp4dbg(d, &["run", &wrong]);
     assert_eq!(o.code, 1, "{}", o.show());
     assert_eq!(o.json["cases"][0]["held"], false);
-    assert!(o.json["summary"]["text"].as_str().unwrap().contains("expected pass, got fail"), "{}", o.show());
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("expected pass, got fail"),
+        "{}",
+        o.show()
+    );
 
     // the right verdict without naming the fault is not enough
     let vague = write(d, "vague.toml", &format!(
         "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${{WORK}}/t\"]\nexpect = \"fail\"\nexpect_mentions = [\"model.layers.1.mlp.down_proj_NOT\", \"NaN\"]\n{setup}\n"));
     let o = nvfp4dbg(d, &["run", &vague]);
     assert_eq!(o.code, 1, "{}", o.show());
-    assert_eq!(o.json["cases"][0]["missing_mentions"], serde_json::json!(["model.layers.1.mlp.down_proj_NOT"]));
+    assert_eq!(
+        o.json["cases"][0]["missing_mentions"],
+        serde_json::json!(["model.layers.1.mlp.down_proj_NOT"])
+    );
 
     // expect = "error": bad input must be rejected, mentions match the message
     let err = write(d, "err.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\"]\nexpect = \"error\"\nexpect_mentions = [\"no trace files\"]\n");
@@ -62,13 +75,24 @@ fn expectations_that_hold_and_that_do_not() {
     let o = nvfp4dbg(d, &["run", &bad_setup]);
     assert_eq!(o.code, 1, "{}", o.show());
     let e = o.json["cases"][0]["error"].as_str().unwrap();
-    assert!(e.contains("setup[0]") && e.contains("no.such.module"), "{}", o.show());
+    assert!(
+        e.contains("setup[0]") && e.contains("no.such.module"),
+        "{}",
+        o.show()
+    );
 
     // flags the command does not have: the case is broken, loudly, not skipped
     let flags = write(d, "flags.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"--tokens\", \"3\"]\nexpect = \"pass\"\n");
     let o = nvfp4dbg(d, &["run", &flags]);
     assert_eq!(o.code, 1, "{}", o.show());
-    assert!(o.json["cases"][0]["error"].as_str().unwrap().contains("--tokens"), "{}", o.show());
+    assert!(
+        o.json["cases"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("--tokens"),
+        "{}",
+        o.show()
+    );
 }
 
 #[test]
@@ -78,34 +102,86 @@ fn malformed_case_files_exit_2_naming_file_and_key() {
     let base = "description = \"x\"\ncommand = \"nan-locate\"\nexpect = \"pass\"\n";
     let bad = [
         ("unknown-key.toml", format!("{base}argz = []\n"), "argz"),
-        ("missing-key.toml", "description = \"x\"\nexpect = \"pass\"\n".to_string(), "command"),
-        ("unknown-command.toml", base.replace("nan-locate", "nan-locat"), "nan-locat"),
-        ("nested-run.toml", base.replace("nan-locate", "run"), "`run`"),
-        ("bad-var.toml", format!("{base}args = [\"${{WROK}}/t\"]\n"), "args[0]"),
-        ("bad-expect.toml", base.replace("\"pass\"", "\"passes\""), "passes"),
-        ("bad-setup.toml", format!("{base}setup = [[\"synthz\"]]\n"), "setup[0][0]"),
-        ("empty-setup.toml", format!("{base}setup = [[]]\n"), "setup[0]"),
-        ("not-toml.toml", "description = \n".to_string(), "not-toml.toml"),
+        (
+            "missing-key.toml",
+            "description = \"x\"\nexpect = \"pass\"\n".to_string(),
+            "command",
+        ),
+        (
+            "unknown-command.toml",
+            base.replace("nan-locate", "nan-locat"),
+            "nan-locat",
+        ),
+        (
+            "nested-run.toml",
+            base.replace("nan-locate", "run"),
+            "`run`",
+        ),
+        (
+            "bad-var.toml",
+            format!("{base}args = [\"${{WROK}}/t\"]\n"),
+            "args[0]",
+        ),
+        (
+            "bad-expect.toml",
+            base.replace("\"pass\"", "\"passes\""),
+            "passes",
+        ),
+        (
+            "bad-setup.toml",
+            format!("{base}setup = [[\"synthz\"]]\n"),
+            "setup[0][0]",
+        ),
+        (
+            "empty-setup.toml",
+            format!("{base}setup = [[]]\n"),
+            "setup[0]",
+        ),
+        (
+            "not-toml.toml",
+            "description = \n".to_string(),
+            "not-toml.toml",
+        ),
     ];
     for (name, text, key) in &bad {
         let p = write(d, name, text);
         let o = nvfp4dbg(d, &["run", &p]);
         assert_eq!(o.code, 2, "{name}\n{}", o.show());
-        assert!(o.stderr.contains(name) && o.stderr.contains(key), "{name}: wants {key}\n{}", o.show());
+        assert!(
+            o.stderr.contains(name) && o.stderr.contains(key),
+            "{name}: wants {key}\n{}",
+            o.show()
+        );
     }
     // in a directory, one malformed file stops the run before anything runs
     let dir = d.join("dir");
     std::fs::create_dir(&dir).unwrap();
-    write(&dir, "a.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\"]\nexpect = \"error\"\n");
+    write(
+        &dir,
+        "a.toml",
+        "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\"]\nexpect = \"error\"\n",
+    );
     write(&dir, "b.toml", &format!("{base}oops = 1\n"));
     let o = nvfp4dbg(d, &["run", dir.to_str().unwrap()]);
     assert_eq!(o.code, 2, "{}", o.show());
-    assert!(o.stderr.contains("b.toml") && o.stderr.contains("oops"), "{}", o.show());
+    assert!(
+        o.stderr.contains("b.toml") && o.stderr.contains("oops"),
+        "{}",
+        o.show()
+    );
     let empty = d.join("empty");
     std::fs::create_dir(&empty).unwrap();
     assert_eq!(nvfp4dbg(d, &["run", empty.to_str().unwrap()]).code, 2);
     assert_eq!(nvfp4dbg(d, &["run", "nope.toml"]).code, 2);
-    let o = nvfp4dbg(d, &["run", dir.join("a.toml").to_str().unwrap(), "--device", "tpu"]);
+    let o = nvfp4dbg(
+        d,
+        &[
+            "run",
+            dir.join("a.toml").to_str().unwrap(),
+            "--device",
+            "tpu",
+        ],
+    );
     assert_eq!(o.code, 2, "{}", o.show());
 }
 
@@ -116,7 +192,10 @@ fn a_directory_runs_every_case_with_a_summary() {
     let dir = tmp.path().join("cases");
     std::fs::create_dir(&dir).unwrap();
     // material committed next to the case, reached through ${CASE_DIR}
-    let cfg = nvfp4dbg::trace::synthetic::SynthTraceConfig { seed, ..Default::default() };
+    let cfg = nvfp4dbg::trace::synthetic::SynthTraceConfig {
+        seed,
+        ..Default::default()
+    };
     nvfp4dbg::trace::synthetic::write_trace(&dir.join("data/clean"), &cfg).unwrap();
     write(&dir, "1-committed.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${CASE_DIR}/data/clean\"]\nexpect = \"pass\"\n");
     write(&dir, "2-setup.toml", &format!("description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${{WORK}}/t\"]\nexpect = \"fail\"\n{}\n", nan_setup(seed)));
@@ -128,9 +207,22 @@ fn a_directory_runs_every_case_with_a_summary() {
     assert_eq!(o.json["summary"]["held"], 2, "{ctx}");
     assert_eq!(o.json["summary"]["broken"], 1, "{ctx}");
     let cases = o.json["cases"].as_array().unwrap();
-    assert_eq!(cases.iter().map(|c| c["held"].as_bool().unwrap()).collect::<Vec<_>>(), [true, true, false], "{ctx}");
+    assert_eq!(
+        cases
+            .iter()
+            .map(|c| c["held"].as_bool().unwrap())
+            .collect::<Vec<_>>(),
+        [true, true, false],
+        "{ctx}"
+    );
     assert!(o.stdout.contains("3-broken.toml"), "{ctx}");
-    assert!(o.json["summary"]["text"].as_str().unwrap().contains("1 of 3 cases broken: 3-broken.toml"), "{ctx}");
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("1 of 3 cases broken: 3-broken.toml"),
+        "{ctx}"
+    );
     // --keep-work keeps ${WORK} with what setup wrote
     let work = Path::new(cases[1]["work"].as_str().unwrap());
     assert!(work.join("t").is_dir(), "{ctx}");

@@ -353,8 +353,5 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
 /// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and
 /// `edge` either side of the first divergence.
 fn kept(i: usize, n: usize, first: Option<usize>, max: usize, edge: usize) -> bool {
-    n <= max
-        || i < edge
-        || i + edge >= n
-        || first.is_some_and(|f| i + edge >= f && i <= f + edge)
+    n <= max || i < edge || i + edge >= n || first.is_some_and(|f| i + edge >= f && i <= f + edge)
 }

@@ -165,7 +165,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
             )
             .summary(summary)
             .with("first_nonfinite", Value::Null)
-            .with("last_clean", r.last_clean.as_ref().map(|c| clean_json(c)));
+            .with("last_clean", r.last_clean.as_ref().map(clean_json));
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
             rep
@@ -251,7 +251,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
             Report::new("nan-locate", Verdict::Fail, headline)
                 .summary(summary)
                 .with("first_nonfinite", first)
-                .with("last_clean", r.last_clean.as_ref().map(|c| clean_json(c)))
+                .with("last_clean", r.last_clean.as_ref().map(clean_json))
                 .section(kv)
                 .section(table)
         }

@@ -138,8 +138,8 @@ impl TraceFile {
     }
 }
 
-/// Dtypes a NaN or Inf can live in, all converted to f32 for scanning (f64 values beyond the
-/// f32 range become ±inf, which is what they would be in any f32 consumer).
+/// Dtypes a NaN or Inf can live in, all converted to f32 for scanning (finite f64 values beyond
+/// the f32 range saturate to ±f32::MAX, so only a real NaN/Inf is reported as one).
 pub fn is_float(dtype: Dtype) -> bool {
     matches!(
         dtype,
@@ -180,8 +180,14 @@ impl<'a> TensorRef<'a> {
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
             ),
+            // a finite f64 beyond the f32 range is not an Inf: saturate it, keep NaN/Inf as is
             Dtype::F64 => out.extend(bytes.chunks_exact(8).map(|b| {
-                f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f32
+                let v = f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                if v.is_finite() {
+                    v.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
+                } else {
+                    v as f32
+                }
             })),
             Dtype::BF16 => out.extend(
                 bytes
@@ -254,7 +260,9 @@ mod tests {
         let x: Vec<f32> = (0..37).map(|_| rng.gen_range(-100.0f32..100.0)).collect();
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("000000-m.safetensors");
-        let f64b: Vec<u8> = x.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect();
+        let mut f64b: Vec<u8> = x.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect();
+        f64b.extend(1e300f64.to_le_bytes());
+        f64b.extend(f64::NEG_INFINITY.to_le_bytes());
         let f16b: Vec<u8> = x
             .iter()
             .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
@@ -272,7 +280,7 @@ mod tests {
             &p,
             vec![
                 (TensorSpec::new("f32", Dtype::F32, &[37]), f32_bytes(&x)),
-                (TensorSpec::new("f64", Dtype::F64, &[37]), f64b),
+                (TensorSpec::new("f64", Dtype::F64, &[39]), f64b),
                 (TensorSpec::new("f16", Dtype::F16, &[37]), f16b),
                 (TensorSpec::new("bf16", Dtype::BF16, &[37]), bf16_bytes(&x)),
                 (TensorSpec::new("e4m3", Dtype::F8_E4M3, &[37]), e4m3.clone()),
@@ -290,6 +298,7 @@ mod tests {
         };
         assert_eq!(read("f32", 0, 37), x, "seed {seed}");
         assert_eq!(read("f64", 0, 37), x, "seed {seed}");
+        assert_eq!(read("f64", 37, 2), [f32::MAX, f32::NEG_INFINITY]);
         assert_eq!(read("f32", 30, 100), x[30..].to_vec(), "seed {seed}");
         let want: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
         assert_eq!(read("f16", 0, 37), want, "seed {seed}");

@@ -142,7 +142,7 @@ fn scan_call(e: &TraceEntry) -> Result<ScannedCall> {
 /// Scan `index` in order until the first call with a non-finite output, then `context` more
 /// calls for the table; `tick` is called once per scanned call. Memory: `2·context + 1` calls.
 pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Result<LocateResult> {
-    let mut before: VecDeque<ScannedCall> = VecDeque::with_capacity(context + 1);
+    let mut before: VecDeque<ScannedCall> = VecDeque::new();
     let mut last_clean: Option<ScannedCall> = None;
     let mut skipped = Vec::new();
     let mut scanned = 0;

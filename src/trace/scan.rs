@@ -192,7 +192,7 @@ mod tests {
 
     #[test]
     fn element_index_splits_token_and_channel() {
-        let i = element_index(&[4, 3, 5], 2 * 15 + 1 * 5 + 4);
+        let i = element_index(&[4, 3, 5], 2 * 15 + 5 + 4);
         assert_eq!(i.token, Some(2));
         assert_eq!(i.channel, Some(9));
         assert_eq!(i.multi, vec![2, 1, 4]);

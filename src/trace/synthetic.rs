@@ -451,7 +451,7 @@ fn check(c: &SynthTraceConfig) -> Result<()> {
         c.vocab,
         c.steps,
     ];
-    if dims.contains(&0) || c.hidden % c.heads != 0 {
+    if dims.contains(&0) || !c.hidden.is_multiple_of(c.heads) {
         return Err(Error::usage(
             "synthetic trace: every dimension must be > 0 and hidden divisible by heads",
         ));
@@ -501,8 +501,20 @@ pub fn write_trace(dir: &Path, c: &SynthTraceConfig) -> Result<Vec<PathBuf>> {
             )));
         }
     }
-    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let w = Weights::new(c);
+    // a dry run with the faults first: a fault outside its module's output is reported before
+    // any file is written
+    let mut dry = Recorder {
+        cfg: c,
+        dir: None,
+        counter: 0,
+        step: None,
+        names: vec![],
+        written: vec![],
+        jitter_rng: ChaCha8Rng::seed_from_u64(0),
+    };
+    forward(c, &w, &vec![0; c.tokens], &mut dry)?;
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let mut r = Recorder {
         cfg: c,
         dir: Some(dir),
@@ -524,4 +536,49 @@ pub fn write_trace(dir: &Path, c: &SynthTraceConfig) -> Result<Vec<PathBuf>> {
         forward(c, &w, &ids, &mut r)?;
     }
     Ok(r.written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_same_seed_gives_the_same_trace_and_faults_are_checked() {
+        let seed: u64 = rand::random();
+        let dir = tempfile::tempdir().unwrap();
+        let c = SynthTraceConfig {
+            seed,
+            ..Default::default()
+        };
+        let a = write_trace(&dir.path().join("a"), &c).unwrap();
+        let b = write_trace(&dir.path().join("b"), &c).unwrap();
+        assert_eq!(a.len(), module_calls(&c).unwrap().len());
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.file_name(), y.file_name());
+            assert_eq!(
+                std::fs::read(x).unwrap(),
+                std::fs::read(y).unwrap(),
+                "seed {seed}"
+            );
+        }
+        let fault = |module: &str, token| SynthTraceConfig {
+            faults: vec![Fault {
+                module: module.into(),
+                kind: FaultKind::Nan,
+                token,
+                channel: 0,
+            }],
+            ..c.clone()
+        };
+        let e = write_trace(&dir.path().join("c"), &fault("model.layers.9.mlp", 0)).unwrap_err();
+        assert!(e.to_string().contains("model.layers.9.mlp"), "{e}");
+        let e = write_trace(&dir.path().join("d"), &fault("lm_head", 99)).unwrap_err();
+        assert!(e.to_string().contains("token 99"), "{e}");
+        assert!(!dir.path().join("d").exists());
+        let bad = SynthTraceConfig {
+            heads: 3,
+            ..c.clone()
+        };
+        assert!(write_trace(&dir.path().join("e"), &bad).is_err());
+    }
 }
