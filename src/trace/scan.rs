@@ -172,7 +172,13 @@ pub fn element_index(shape: &[usize], flat: usize) -> ElementIndex {
             rest /= d;
         }
     }
-    let per_token: usize = shape.iter().skip(1).product();
+    // Leading dims are tokens (`[T, H]` from vLLM, `[B, S, H]` from transformers: the token
+    // is then the flattened `b * S + s`, as vLLM numbers them); the last dim is the channel.
+    let per_token: usize = if shape.len() >= 2 {
+        shape[shape.len() - 1]
+    } else {
+        1
+    };
     let (token, channel) = if shape.is_empty() || per_token == 0 {
         (None, None)
     } else {
@@ -193,8 +199,8 @@ mod tests {
     #[test]
     fn element_index_splits_token_and_channel() {
         let i = element_index(&[4, 3, 5], 2 * 15 + 5 + 4);
-        assert_eq!(i.token, Some(2));
-        assert_eq!(i.channel, Some(9));
+        assert_eq!(i.token, Some(2 * 3 + 1));
+        assert_eq!(i.channel, Some(4));
         assert_eq!(i.multi, vec![2, 1, 4]);
         let i = element_index(&[7], 6);
         assert_eq!((i.token, i.channel, i.multi), (Some(6), Some(0), vec![6]));
