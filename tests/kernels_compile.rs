@@ -19,7 +19,10 @@ fn every_module_compiles_for_hopper_and_blackwell() {
         return;
     }
     let (major, minor) = nvrtc::nvrtc_version().unwrap_or_else(|e| panic!("{e}"));
-    eprintln!("NVRTC {major}.{minor}, include dirs {:?}", nvrtc::include_dirs());
+    eprintln!(
+        "NVRTC {major}.{minor}, include dirs {:?}",
+        nvrtc::include_dirs()
+    );
     for arch in ["sm_90a", "sm_100a"] {
         let built = nvrtc::compile_all(arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         assert_eq!(built.len(), nvrtc::MODULES.len());
@@ -52,7 +55,9 @@ fn a_broken_module_reports_the_file_and_the_log() {
         source: "extern \"C\" __global__ void k(float* x) { x[0] = undefined_name; }",
         kernels: &["k"],
     };
-    let e = nvrtc::compile_cubin(&bad, "sm_90a").expect_err("must not compile").to_string();
+    let e = nvrtc::compile_cubin(&bad, "sm_90a")
+        .expect_err("must not compile")
+        .to_string();
     assert!(e.contains("kernels/broken.cu"), "{e}");
     assert!(e.contains("undefined_name"), "{e}");
 }

@@ -186,7 +186,10 @@ impl Gpu {
 
     fn open_inner(ordinal: usize, cc: (i32, i32)) -> Result<Arc<Gpu>> {
         let ctx = CudaContext::new(ordinal).map_err(|e| {
-            Error::NoGpu(format!("creating a context on cuda:{ordinal}: {}", driver_what(&e)))
+            Error::NoGpu(format!(
+                "creating a context on cuda:{ordinal}: {}",
+                driver_what(&e)
+            ))
         })?;
         // One stream carries everything: no cross-stream events (they would also break
         // graph capture).
@@ -223,7 +226,11 @@ impl Gpu {
     }
 
     /// The kernel `name` of `module`, compiling and loading the module on first use.
-    pub(crate) fn func(&self, module: &'static KernelModule, name: &'static str) -> Result<CudaFunction> {
+    pub(crate) fn func(
+        &self,
+        module: &'static KernelModule,
+        name: &'static str,
+    ) -> Result<CudaFunction> {
         if let Some(f) = lock(&self.funcs).get(name) {
             return Ok(f.clone());
         }
@@ -327,7 +334,11 @@ impl Gpu {
         Ok(s)
     }
 
-    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
         self.stream
             .alloc_zeros::<T>(n.max(1))
             .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))
@@ -351,7 +362,13 @@ impl Gpu {
     }
 
     /// Copy `host` into the start of `dst`.
-    pub fn upload_into<T: DeviceRepr>(&self, host: &[T], dst: &mut CudaSlice<T>, at: usize, what: &str) -> Result<()> {
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut CudaSlice<T>,
+        at: usize,
+        what: &str,
+    ) -> Result<()> {
         if host.is_empty() {
             return Ok(());
         }
@@ -359,7 +376,11 @@ impl Gpu {
             return Err(Error::Cuda {
                 step: format!("copying {what} to the GPU"),
                 kernel: "-".into(),
-                what: format!("{} elements at {at} do not fit in {}", host.len(), dst.len()),
+                what: format!(
+                    "{} elements at {at} do not fit in {}",
+                    host.len(),
+                    dst.len()
+                ),
             });
         }
         let mut view = dst.slice_mut(at..at + host.len());
@@ -369,7 +390,12 @@ impl Gpu {
     }
 
     /// Copy the first `n` elements back (waits for the stream; reports pending faults).
-    pub fn download<T: DeviceRepr + Clone + Default>(&self, s: &CudaSlice<T>, n: usize, what: &str) -> Result<Vec<T>> {
+    pub fn download<T: DeviceRepr + Clone + Default>(
+        &self,
+        s: &CudaSlice<T>,
+        n: usize,
+        what: &str,
+    ) -> Result<Vec<T>> {
         self.sync(&format!("before copying {what} back"))?;
         if n == 0 {
             return Ok(Vec::new());

@@ -46,7 +46,14 @@ impl Backend for CudaBackend {
         Err(Error::usage("cuda router: not implemented yet"))
     }
 
-    fn moe_forward(&self, _: &MoeLayer, _: &[f32], _: &Routing, _: &Path, _: bool) -> Result<MoeOutput> {
+    fn moe_forward(
+        &self,
+        _: &MoeLayer,
+        _: &[f32],
+        _: &Routing,
+        _: &Path,
+        _: bool,
+    ) -> Result<MoeOutput> {
         Err(Error::usage("cuda moe_forward: not implemented yet"))
     }
 

@@ -154,14 +154,19 @@ impl Drop for Program {
 /// gets, e.g. the FP4 conversion on sm_100a).
 pub fn compile_ptx(module: &KernelModule, arch: &str) -> Result<String> {
     require_nvrtc()?;
-    super::device::quietly(|| compile_inner(module, arch, true)).unwrap_or_else(|p| {
-        Err(Error::Cuda {
-            step: format!("NVRTC compile for {arch}"),
-            kernel: module.file.to_string(),
-            what: format!("libnvrtc failed: {p}"),
+    super::device::quietly(|| compile_inner(module, arch, true))
+        .unwrap_or_else(|p| {
+            Err(Error::Cuda {
+                step: format!("NVRTC compile for {arch}"),
+                kernel: module.file.to_string(),
+                what: format!("libnvrtc failed: {p}"),
+            })
         })
-    })
-    .map(|b| String::from_utf8_lossy(&b).trim_end_matches('\0').to_string())
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .trim_end_matches('\0')
+                .to_string()
+        })
 }
 
 /// Compile one module to a CUBIN for `arch` (e.g. `sm_90a`). The compile log is the error
@@ -282,9 +287,7 @@ pub fn cubin_defines(cubin: &[u8], kernel: &str) -> bool {
         .chain(kernel.bytes())
         .chain(std::iter::once(0))
         .collect();
-    cubin
-        .windows(needle.len())
-        .any(|w| w == needle.as_slice())
+    cubin.windows(needle.len()).any(|w| w == needle.as_slice())
 }
 
 /// Compile every module for `arch` and check each defines its kernels; returns

@@ -187,7 +187,11 @@ pub(crate) fn stats_from(v: &[u64]) -> BlockStats {
 
 impl DevFp4 {
     pub fn block_stats(&self, gpu: &Gpu) -> Result<BlockStats> {
-        Ok(stats_from(&gpu.download(&self.stats, 4, "block statistics")?))
+        Ok(stats_from(&gpu.download(
+            &self.stats,
+            4,
+            "block statistics",
+        )?))
     }
 
     /// Bring the tensor back as an [`Fp4Tensor`] (linear scales; swizzled ones are undone
@@ -215,12 +219,21 @@ impl DevFp4 {
     /// The scale bytes exactly as they are on the GPU (swizzled ones with their padding).
     pub fn raw_scales(&self, gpu: &Gpu) -> Result<Vec<u8>> {
         let kb = self.cols / self.format.block();
-        gpu.download(&self.scales, scale_len(self.rows, kb, self.layout), "block scales")
+        gpu.download(
+            &self.scales,
+            scale_len(self.rows, kb, self.layout),
+            "block scales",
+        )
     }
 }
 
 /// Linear `[rows, kb]` scales → the 128x4 swizzle (zero padding), on the GPU.
-pub fn swizzle_dev(gpu: &Gpu, linear: &CudaSlice<u8>, rows: usize, kb: usize) -> Result<CudaSlice<u8>> {
+pub fn swizzle_dev(
+    gpu: &Gpu,
+    linear: &CudaSlice<u8>,
+    rows: usize,
+    kb: usize,
+) -> Result<CudaSlice<u8>> {
     if linear.len() < rows * kb {
         return Err(Error::usage(format!(
             "swizzle: {} scale bytes do not hold [{rows}, {kb}]",
@@ -243,7 +256,12 @@ pub fn swizzle_dev(gpu: &Gpu, linear: &CudaSlice<u8>, rows: usize, kb: usize) ->
 }
 
 /// Swizzled scales → linear `[rows, kb]`, on the GPU.
-pub fn unswizzle_dev(gpu: &Gpu, swizzled: &CudaSlice<u8>, rows: usize, kb: usize) -> Result<CudaSlice<u8>> {
+pub fn unswizzle_dev(
+    gpu: &Gpu,
+    swizzled: &CudaSlice<u8>,
+    rows: usize,
+    kb: usize,
+) -> Result<CudaSlice<u8>> {
     if swizzled.len() < swizzled_len(rows, kb) {
         return Err(Error::usage(format!(
             "unswizzle: {} scale bytes do not hold a swizzled [{rows}, {kb}]",
@@ -323,7 +341,15 @@ pub fn quantize_nvfp4(
 ) -> Result<(Fp4Tensor, BlockStats)> {
     check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
     let d = gpu.upload(x, "the input rows")?;
-    let q = quantize_nvfp4_dev(gpu, DevRows::F32(&d), rows, cols, gs, flavor, ScaleLayout::Linear)?;
+    let q = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        flavor,
+        ScaleLayout::Linear,
+    )?;
     Ok((q.to_host(gpu)?, q.block_stats(gpu)?))
 }
 
@@ -345,7 +371,12 @@ pub fn quantize_nvfp4_bf16(
 }
 
 /// MXFP4-quantize f32 rows on the GPU; mirrors `nvfp4::quantize_mxfp4`.
-pub fn quantize_mxfp4(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> Result<(Fp4Tensor, BlockStats)> {
+pub fn quantize_mxfp4(
+    gpu: &Gpu,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<(Fp4Tensor, BlockStats)> {
     check_shape(x.len(), rows, cols, 32, "mxfp4 quantize")?;
     let d = gpu.upload(x, "the input rows")?;
     let q = quantize_mxfp4_dev(gpu, DevRows::F32(&d), rows, cols, ScaleLayout::Linear)?;
@@ -356,8 +387,24 @@ pub fn quantize_mxfp4(gpu: &Gpu, x: &[f32], rows: usize, cols: usize) -> Result<
 pub fn flavor_flips(gpu: &Gpu, x: &[f32], rows: usize, cols: usize, gs: f32) -> Result<Flips> {
     check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
     let d = gpu.upload(x, "the input rows")?;
-    let a = quantize_nvfp4_dev(gpu, DevRows::F32(&d), rows, cols, gs, Flavor::Reference, ScaleLayout::Linear)?;
-    let b = quantize_nvfp4_dev(gpu, DevRows::F32(&d), rows, cols, gs, Flavor::CudaFast, ScaleLayout::Linear)?;
+    let a = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        Flavor::Reference,
+        ScaleLayout::Linear,
+    )?;
+    let b = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        Flavor::CudaFast,
+        ScaleLayout::Linear,
+    )?;
     count_flips_dev(gpu, &a, &b)
 }
 

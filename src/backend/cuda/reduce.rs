@@ -53,7 +53,12 @@ impl AccRaw {
 }
 
 /// Metrics of the first `n` elements of `test` against `reference`, both on the GPU.
-pub fn compare_dev(gpu: &Gpu, test: &CudaSlice<f32>, reference: &CudaSlice<f32>, n: usize) -> Result<Metrics> {
+pub fn compare_dev(
+    gpu: &Gpu,
+    test: &CudaSlice<f32>,
+    reference: &CudaSlice<f32>,
+    n: usize,
+) -> Result<Metrics> {
     if test.len() < n || reference.len() < n {
         return Err(Error::usage(format!(
             "compare: {n} elements asked, the buffers hold {} and {}",
