@@ -212,19 +212,34 @@ __device__ __forceinline__ u32 classify_nvfp4(u32 s_code, bool nonzero) {
     return 0u;
 }
 
-// Add per-thread block statistics into `stats` with one atomic per warp and field
-// (integer atomics: the totals do not depend on the order).
-__device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
+// Add per-thread counts (blocks, saturated, flushed, nan) into `stats` with one atomic per
+// warp and field (integer atomics: the totals do not depend on the order).
+__device__ __forceinline__ void add_stats4(u64* stats, const u32 (&c)[4]) {
     u32 mask = __activemask();
-    u32 nb = __reduce_add_sync(mask, blocks);
-    u32 ns = __reduce_add_sync(mask, cls & 1u);
-    u32 nf = __reduce_add_sync(mask, (cls >> 1) & 1u);
-    u32 nn = __reduce_add_sync(mask, (cls >> 2) & 1u);
     int leader = __ffs(mask) - 1;
-    if ((int)(threadIdx.x & 31) == leader && stats != nullptr) {
-        if (nb) atomicAdd(&stats[0], (u64)nb);
-        if (ns) atomicAdd(&stats[1], (u64)ns);
-        if (nf) atomicAdd(&stats[2], (u64)nf);
-        if (nn) atomicAdd(&stats[3], (u64)nn);
+#pragma unroll
+    for (int f = 0; f < 4; f++) {
+        u32 n = __reduce_add_sync(mask, c[f]);
+        if ((int)(threadIdx.x & 31) == leader && stats != nullptr && n) atomicAdd(&stats[f], (u64)n);
     }
+}
+
+// The same for one block of class `cls` (classify_nvfp4) or none (blocks = 0).
+__device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
+    u32 c[4] = {blocks, cls & 1u, (cls >> 1) & 1u, (cls >> 2) & 1u};
+    add_stats4(stats, c);
+}
+
+// exp rounded once from double: matches a correctly rounded f32 exp (the CPU's expf) in all
+// but vanishingly rare double-rounding cases, where CUDA's expf is off by up to 2 ulp.
+__device__ __forceinline__ float expf_cr(float x) { return (float)exp((double)x); }
+
+// silu(g) * u with V4's swiglu_limit (gate clamped to <= L, up to [-L, L]; NaN kept), in
+// the CPU's order: (g / (1 + exp(-g))) * u.
+__device__ __forceinline__ float swiglu(float g, float u, float limit, u32 has_limit) {
+    if (has_limit) {
+        g = clamp_max(g, limit);
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf_cr(-g))), u);
 }

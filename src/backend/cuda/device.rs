@@ -352,6 +352,12 @@ impl Gpu {
             .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
     }
 
+    /// Set `bytes` bytes at device address `ptr` to `byte` (stream-ordered; capturable).
+    pub(crate) fn fill_raw(&self, ptr: u64, bytes: usize, byte: u8, what: &str) -> Result<()> {
+        unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+    }
+
     pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<CudaSlice<T>> {
         if host.is_empty() {
             return self.alloc(0, what);

@@ -1,15 +1,18 @@
 //! The CUDA backend: real kernels (kernels/*.cu) compiled at run time by NVRTC for the
 //! device's architecture, cuBLAS for the BF16 reference, all on one stream.
 
+pub mod blas;
 pub mod device;
+pub mod moe;
 pub mod nvrtc;
 pub mod quant;
 pub mod reduce;
+pub mod router;
 
 pub use device::{probe, Gpu};
 
 use super::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::moe::{MoeLayer, MoeOutput, Path, Routing};
 use crate::nvfp4::{BlockStats, Flavor, Fp4Tensor};
@@ -42,19 +45,19 @@ impl Backend for CudaBackend {
         self.gpu.describe()
     }
 
-    fn route(&self, _: &MoeLayer, _: &[f32], _: Option<&[i64]>) -> Result<Routing> {
-        Err(Error::usage("cuda router: not implemented yet"))
+    fn route(&self, layer: &MoeLayer, hidden: &[f32], input_ids: Option<&[i64]>) -> Result<Routing> {
+        router::route(&self.gpu, layer, hidden, input_ids)
     }
 
     fn moe_forward(
         &self,
-        _: &MoeLayer,
-        _: &[f32],
-        _: &Routing,
-        _: &Path,
-        _: bool,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        routing: &Routing,
+        path: &Path,
+        per_slot: bool,
     ) -> Result<MoeOutput> {
-        Err(Error::usage("cuda moe_forward: not implemented yet"))
+        moe::moe_forward(&self.gpu, layer, hidden, routing, path, per_slot)
     }
 
     fn quantize(

@@ -41,8 +41,31 @@ pub const REDUCE: KernelModule = KernelModule {
     kernels: &["compare_partial", "compare_final", "amax_f32"],
 };
 
+pub const ROUTER: KernelModule = KernelModule {
+    file: "kernels/router.cu",
+    source: include_str!("../../../kernels/router.cu"),
+    kernels: &["router_topk"],
+};
+
+pub const MOE: KernelModule = KernelModule {
+    file: "kernels/moe.cu",
+    source: include_str!("../../../kernels/moe.cu"),
+    kernels: &[
+        "moe_chunk_counts",
+        "moe_offsets",
+        "moe_scatter",
+        "moe_gemm_nvfp4",
+        "moe_gemm_gate_up_nvfp4",
+        "dynamic_gs_from_amax",
+        "broadcast_f32",
+        "moe_combine",
+        "gather_rows_bf16",
+        "swiglu_bf16",
+    ],
+};
+
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE];
+pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.
