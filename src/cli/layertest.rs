@@ -403,6 +403,11 @@ pub fn at(idx: Option<usize>, hidden: usize) -> String {
     }
 }
 
+/// A cosine below a threshold; NaN counts as below.
+pub fn below(v: f64, min: f64) -> bool {
+    v.is_nan() || v < min
+}
+
 /// Percent of `n` in `of`.
 pub fn pct(n: u64, of: u64) -> f64 {
     if of == 0 {
@@ -611,7 +616,7 @@ pub fn run(args: &Args) -> Result<Report> {
             at(ref_first_nan, hsz)
         ));
     }
-    if m.nan_count + m.inf_count == 0 && !(m.cosine >= args.min_cosine) {
+    if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(
             "cosine {} < --min-cosine {} (rel-L2 {})",
             f(m.cosine, 4),
@@ -621,7 +626,7 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     for x in experts.iter().filter(|x| {
         x.metrics.nan_count + x.metrics.inf_count == 0
-            && !(x.metrics.cosine >= args.min_expert_cosine)
+            && below(x.metrics.cosine, args.min_expert_cosine)
     }) {
         failures.push(format!(
             "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {})",
