@@ -385,8 +385,8 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
                                        const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
                                        const float* __restrict__ shared, float* __restrict__ out,
                                        float* __restrict__ per_slot) {
-    u32 t = blockIdx.y;
-    u32 h = blockIdx.x * blockDim.x + threadIdx.x;
+    u32 t = blockIdx.x;
+    u32 h = blockIdx.y * blockDim.x + threadIdx.x;
     if (t >= T || h >= H) return;
     float acc = 0.0f;
     for (u32 s = 0; s < K; s++) {

@@ -46,6 +46,23 @@ fn the_fp4_conversion_instruction_is_used_on_blackwell_only() {
 }
 
 #[test]
+fn resource_report_has_no_spills() {
+    if !enabled() {
+        return;
+    }
+    for m in nvrtc::MODULES {
+        let (_, log) = nvrtc::compile_cubin_with(m, "sm_90a", &["--ptxas-options=--verbose"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        for line in log.lines().filter(|l| l.contains("registers") || l.contains("spill") || l.contains("Compiling entry")) {
+            eprintln!("{}: {}", m.file, line.trim());
+        }
+        for line in log.lines().filter(|l| l.contains("spill stores")) {
+            assert!(line.contains(" 0 bytes spill stores"), "{}: {line}", m.file);
+        }
+    }
+}
+
+#[test]
 fn a_broken_module_reports_the_file_and_the_log() {
     if !enabled() {
         return;

@@ -367,6 +367,23 @@ impl Gpu {
             .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
     }
 
+    /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
+    /// memory returns once the data is on its way, so `host` may be dropped right after.
+    pub(crate) fn upload_raw<T: DeviceRepr>(&self, host: &[T], dst: u64, capacity: usize, what: &str) -> Result<()> {
+        if host.len() > capacity {
+            return Err(Error::Cuda {
+                step: format!("copying {what} to the GPU"),
+                kernel: "-".into(),
+                what: format!("{} elements do not fit in {capacity}", host.len()),
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        unsafe { drv::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+    }
+
     /// Copy `host` into the start of `dst`.
     pub fn upload_into<T: DeviceRepr>(
         &self,

@@ -30,56 +30,21 @@ fn bf16_bits(v: &[f32]) -> Vec<u16> {
 }
 
 /// Shapes and formats the GPU path relies on; a bad layer is bad input, never a panic.
+/// Returns the experts' weight format (the kernels take one per layer).
 pub(crate) fn check_layer(layer: &MoeLayer) -> Result<Format> {
+    layer.validate()?;
     router::check_router(layer)?;
-    let c = &layer.config;
-    let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
-    let bad = |w: String| Error::usage(format!("MoE layer {}: {w}", layer.index));
-    if h % 16 != 0 || i % 16 != 0 || i == 0 {
-        return Err(bad(format!(
-            "hidden_size {h} and moe_intermediate_size {i} must be positive multiples of 16"
-        )));
-    }
-    if layer.experts.len() != e {
-        return Err(bad(format!("{} experts loaded, config says {e}", layer.experts.len())));
-    }
     let format = layer.experts.first().map_or(Format::Nvfp4, |x| x.w1.weight.format);
     for (x, ex) in layer.experts.iter().enumerate() {
-        for (name, q, rows, cols) in [
-            ("gate_proj (w1)", &ex.w1, i, h),
-            ("up_proj (w3)", &ex.w3, i, h),
-            ("down_proj (w2)", &ex.w2, h, i),
-        ] {
-            let w = &q.weight;
-            let block = w.format.block();
-            if w.format != format {
-                return Err(bad(format!("expert {x} {name} is {}, expert 0 is {}", w.format.name(), format.name())));
-            }
-            if w.rows != rows
-                || w.cols != cols
-                || cols % block != 0
-                || w.packed.len() != rows * cols / 2
-                || w.scales.len() != rows * (cols / block)
-            {
-                return Err(bad(format!(
-                    "expert {x} {name}: [{}, {}] with {} packed bytes and {} scales, expected [{rows}, {cols}]",
-                    w.rows,
-                    w.cols,
-                    w.packed.len(),
-                    w.scales.len()
+        for (name, q) in [("gate_proj (w1)", &ex.w1), ("up_proj (w3)", &ex.w3), ("down_proj (w2)", &ex.w2)] {
+            if q.weight.format != format {
+                return Err(Error::usage(format!(
+                    "MoE layer {}: expert {x} {name} is {}, expert 0 is {}",
+                    layer.index,
+                    q.weight.format.name(),
+                    format.name()
                 )));
             }
-            if let Some(o) = &q.original {
-                if o.len() != rows * cols {
-                    return Err(bad(format!("expert {x} {name}: BF16 original has {} values", o.len())));
-                }
-            }
-        }
-    }
-    if let Some(s) = &layer.shared {
-        let si = s.intermediate;
-        if s.w1.len() != si * h || s.w3.len() != si * h || s.w2.len() != h * si {
-            return Err(bad(format!("shared experts do not fit intermediate {si} x hidden {h}")));
         }
     }
     Ok(format)
@@ -431,8 +396,9 @@ impl Nvfp4Forward {
         self.ws.tokens
     }
 
-    /// Copy the layer input `[tokens, hidden]` (BF16-exact values) to the GPU.
-    pub fn set_hidden(&mut self, hidden: &[f32]) -> Result<()> {
+    /// Copy the layer input `[tokens, hidden]` (BF16-exact values) to the GPU. Takes `&self`
+    /// so a captured graph ([`LayerGraph`]) can be fed new inputs between replays.
+    pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
         let want = self.ws.tokens * self.layer.config.hidden_size;
         if hidden.len() != want {
             return Err(Error::usage(format!(
@@ -443,8 +409,8 @@ impl Nvfp4Forward {
                 self.layer.config.hidden_size
             )));
         }
-        let gpu = self.layer.gpu.clone();
-        gpu.upload_into(hidden, &mut self.ws.hidden, 0, "the hidden states")
+        let gpu = self.gpu();
+        gpu.upload_raw(hidden, gpu.ptr(&self.ws.hidden), self.ws.hidden.len(), "the hidden states")
     }
 
     /// Use a given routing (not computed inside the forward).
@@ -808,7 +774,7 @@ impl Nvfp4Forward {
             &MOE,
             "moe_combine",
             LaunchConfig {
-                grid_dim: (h.div_ceil(ELEM_THREADS as usize) as u32, ws.tokens as u32, 1),
+                grid_dim: (ws.tokens as u32, h.div_ceil(ELEM_THREADS as usize) as u32, 1),
                 block_dim: (ELEM_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             },
@@ -921,6 +887,11 @@ impl LayerGraph<'_> {
         self.graph
             .launch()
             .map_err(|e| super::device::driver_err("replaying the layer graph", "moe forward", e))
+    }
+
+    /// New layer input for the next replay.
+    pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
+        self.fwd.set_hidden(hidden)
     }
 
     /// Replay and bring the output back.

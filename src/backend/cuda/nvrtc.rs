@@ -177,7 +177,7 @@ impl Drop for Program {
 /// gets, e.g. the FP4 conversion on sm_100a).
 pub fn compile_ptx(module: &KernelModule, arch: &str) -> Result<String> {
     require_nvrtc()?;
-    super::device::quietly(|| compile_inner(module, arch, true))
+    super::device::quietly(|| compile_inner(module, arch, true, &[]).map(|(b, _)| b))
         .unwrap_or_else(|p| {
             Err(Error::Cuda {
                 step: format!("NVRTC compile for {arch}"),
@@ -195,8 +195,14 @@ pub fn compile_ptx(module: &KernelModule, arch: &str) -> Result<String> {
 /// Compile one module to a CUBIN for `arch` (e.g. `sm_90a`). The compile log is the error
 /// message on failure, with the module's file name.
 pub fn compile_cubin(module: &KernelModule, arch: &str) -> Result<Vec<u8>> {
+    compile_cubin_with(module, arch, &[]).map(|(c, _)| c)
+}
+
+/// [`compile_cubin`] with extra NVRTC options (e.g. `--ptxas-options=--verbose` for the
+/// register / spill report); also returns the compile log.
+pub fn compile_cubin_with(module: &KernelModule, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     require_nvrtc()?;
-    super::device::quietly(|| compile_inner(module, arch, false)).unwrap_or_else(|p| {
+    super::device::quietly(|| compile_inner(module, arch, false, extra)).unwrap_or_else(|p| {
         Err(Error::Cuda {
             step: format!("NVRTC compile for {arch}"),
             kernel: module.file.to_string(),
@@ -205,7 +211,7 @@ pub fn compile_cubin(module: &KernelModule, arch: &str) -> Result<Vec<u8>> {
     })
 }
 
-fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool) -> Result<Vec<u8>> {
+fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     let cstr = |s: &str, what: &str| {
         CString::new(s).map_err(|_| Error::Cuda {
             step: "NVRTC program".into(),
@@ -234,7 +240,8 @@ fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool) -> Result<Ve
         "nvrtcCreateProgram",
         module.file,
     )?;
-    let opts = compile_options(arch);
+    let mut opts = compile_options(arch);
+    opts.extend(extra.iter().map(|s| s.to_string()));
     let c_opts = opts
         .iter()
         .map(|o| cstr(o, "option"))
@@ -262,7 +269,7 @@ fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool) -> Result<Ve
             "nvrtcGetPTX",
             module.file,
         )?;
-        return Ok(ptx);
+        return Ok((ptx, String::new()));
     }
     let mut size = 0usize;
     check(
@@ -283,7 +290,7 @@ fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool) -> Result<Ve
         "nvrtcGetCUBIN",
         module.file,
     )?;
-    Ok(cubin)
+    Ok((cubin, program_log(&prog)))
 }
 
 fn program_log(prog: &Program) -> String {

@@ -20,45 +20,12 @@ pub struct DevRouter {
 }
 
 pub(crate) fn check_router(layer: &MoeLayer) -> Result<()> {
-    let c = &layer.config;
-    let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
-    let bad = |w: String| Error::usage(format!("MoE layer {}: {w}", layer.index));
-    if h == 0 || e == 0 || k == 0 || k > e {
-        return Err(bad(format!(
-            "config has hidden_size {h}, n_routed_experts {e}, num_experts_per_tok {k}"
+    crate::moe::validate_router(&layer.config, layer.index, &layer.router)?;
+    if layer.is_hash_layer() && layer.router.tid2eid.is_none() {
+        return Err(Error::usage(format!(
+            "MoE layer {} is a hash layer (num_hash_layers = {}) but has no gate.tid2eid table",
+            layer.index, layer.config.num_hash_layers
         )));
-    }
-    if c.n_group > 1 && (e % c.n_group != 0 || c.topk_group == 0 || c.topk_group > c.n_group || c.topk_group * (e / c.n_group) < k) {
-        return Err(bad(format!(
-            "n_group {} / topk_group {} do not fit {e} experts and top-{k}",
-            c.n_group, c.topk_group
-        )));
-    }
-    let r = &layer.router;
-    if r.weight.len() != e * h {
-        return Err(bad(format!(
-            "router weight (gate.weight) has {} values, expected [{e}, {h}]",
-            r.weight.len()
-        )));
-    }
-    if let Some(b) = &r.e_score_correction_bias {
-        if b.len() != e {
-            return Err(bad(format!("e_score_correction_bias has {} values, expected [{e}]", b.len())));
-        }
-    }
-    if layer.config.is_hash_layer(layer.index) {
-        let t = r.tid2eid.as_ref().ok_or_else(|| {
-            bad(format!(
-                "a hash layer (num_hash_layers = {}) without a gate.tid2eid table",
-                c.num_hash_layers
-            ))
-        })?;
-        if t.is_empty() || t.len() % k != 0 {
-            return Err(bad(format!("tid2eid has {} values, not a [vocab, {k}] table", t.len())));
-        }
-        if let Some((j, v)) = t.iter().enumerate().find(|(_, &v)| v < 0 || v as usize >= e) {
-            return Err(bad(format!("tid2eid[{}, {}] = {v} is not an expert id (n_routed_experts = {e})", j / k, j % k)));
-        }
     }
     Ok(())
 }
