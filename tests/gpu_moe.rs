@@ -31,19 +31,26 @@ fn tie_free(layer: &MoeLayer, logits: &[f32], eps: f32) -> bool {
     }
     if c.n_group > 1 {
         let gsz = c.n_routed_experts / c.n_group;
-        let groups: Vec<f32> = sel
+        let mut groups: Vec<(f32, usize)> = sel
             .chunks(gsz)
             .map(|g| {
                 let mut g = g.to_vec();
                 g.sort_by(|a, b| b.partial_cmp(a).unwrap());
                 g.iter().take(2).sum()
             })
+            .zip(0..)
             .collect();
-        if !gaps_ok(groups, c.topk_group + 1) {
+        if !gaps_ok(groups.iter().map(|g| g.0).collect(), c.topk_group + 1) {
             return false;
         }
         // the top-k inside the kept groups
-        return gaps_ok(sel, c.n_routed_experts);
+        groups.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap());
+        let kept: Vec<f32> = groups
+            .iter()
+            .take(c.topk_group)
+            .flat_map(|&(_, g)| sel[g * gsz..(g + 1) * gsz].to_vec())
+            .collect();
+        return gaps_ok(kept, c.num_experts_per_tok + 1);
     }
     true
 }
@@ -55,12 +62,38 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("router_ids_match_the_cpu_on_tie_free_tokens");
     let mut cases = Vec::new();
-    for func in [ScoringFunc::Sigmoid, ScoringFunc::Softmax, ScoringFunc::Sqrtsoftplus] {
-        cases.push(LayerSpec { e: 64, k: 8, ..LayerSpec::small(func) });
-        cases.push(LayerSpec { e: 64, k: 8, n_group: 8, topk_group: 4, ..LayerSpec::small(func) });
-        cases.push(LayerSpec { e: 32, k: 4, hash: true, ..LayerSpec::small(func) });
+    for func in [
+        ScoringFunc::Sigmoid,
+        ScoringFunc::Softmax,
+        ScoringFunc::Sqrtsoftplus,
+    ] {
+        cases.push(LayerSpec {
+            e: 64,
+            k: 8,
+            ..LayerSpec::small(func)
+        });
+        cases.push(LayerSpec {
+            e: 64,
+            k: 8,
+            n_group: 8,
+            topk_group: 4,
+            ..LayerSpec::small(func)
+        });
+        cases.push(LayerSpec {
+            e: 32,
+            k: 4,
+            hash: true,
+            ..LayerSpec::small(func)
+        });
     }
-    cases.push(LayerSpec { e: 256, k: 8, n_group: 8, topk_group: 4, h: 512, ..LayerSpec::small(ScoringFunc::Sigmoid) });
+    cases.push(LayerSpec {
+        e: 256,
+        k: 8,
+        n_group: 8,
+        topk_group: 4,
+        h: 512,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    });
     for spec in cases {
         let layer = build_layer(&mut r, spec);
         let tokens = 512;
@@ -95,8 +128,14 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
             "router {:?} E={} K={} groups={}/{} hash={}: {checked}/{tokens} tie-free tokens identical, {same_ids}/{tokens} same ids overall, max rel weight err {max_w_err:.2e}",
             spec.func, spec.e, spec.k, spec.topk_group, spec.n_group, spec.hash
         );
-        assert!(checked * 10 >= tokens * 9, "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little");
-        assert!(max_w_err < 1e-4, "seed {seed} {spec:?}: weights differ by {max_w_err}");
+        assert!(
+            checked * 10 >= tokens * 9,
+            "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little"
+        );
+        assert!(
+            max_w_err < 1e-4,
+            "seed {seed} {spec:?}: weights differ by {max_w_err}"
+        );
     }
 }
 
@@ -104,8 +143,12 @@ fn fixed_scales(layer: &MoeLayer, x: &[f32]) -> ActScales {
     let e = layer.config.n_routed_experts;
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     ActScales::Fixed {
-        gs1: (0..e).map(|j| 2688.0 / amax * (1.0 + j as f32 / 64.0)).collect(),
-        gs2: (0..e).map(|j| 2688.0 / 0.5 * (1.0 + j as f32 / 32.0)).collect(),
+        gs1: (0..e)
+            .map(|j| 2688.0 / amax * (1.0 + j as f32 / 64.0))
+            .collect(),
+        gs2: (0..e)
+            .map(|j| 2688.0 / 0.5 * (1.0 + j as f32 / 32.0))
+            .collect(),
     }
 }
 
@@ -126,24 +169,63 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("nvfp4_layer_matches_the_cpu_nvfp4_path");
     let specs = [
-        ("sigmoid, shared, fixed gs", LayerSpec::small(ScoringFunc::Sigmoid), false, 96usize),
-        ("softmax, dynamic gs", LayerSpec { shared: false, ..LayerSpec::small(ScoringFunc::Softmax) }, true, 64),
+        (
+            "sigmoid, shared, fixed gs",
+            LayerSpec::small(ScoringFunc::Sigmoid),
+            false,
+            96usize,
+        ),
+        (
+            "softmax, dynamic gs",
+            LayerSpec {
+                shared: false,
+                ..LayerSpec::small(ScoringFunc::Softmax)
+            },
+            true,
+            64,
+        ),
         (
             "sqrtsoftplus, swiglu_limit, hash",
-            LayerSpec { limit: Some(0.5), hash: true, ..LayerSpec::small(ScoringFunc::Sqrtsoftplus) },
+            LayerSpec {
+                limit: Some(0.5),
+                hash: true,
+                ..LayerSpec::small(ScoringFunc::Sqrtsoftplus)
+            },
             false,
             80,
         ),
-        ("MXFP4 experts", LayerSpec { mxfp4: true, ..LayerSpec::small(ScoringFunc::Sigmoid) }, true, 48),
+        (
+            "MXFP4 experts",
+            LayerSpec {
+                mxfp4: true,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
+            true,
+            48,
+        ),
         (
             "many empty experts, odd dims",
-            LayerSpec { e: 64, k: 2, h: 208, i: 80, ..LayerSpec::small(ScoringFunc::Sigmoid) },
+            LayerSpec {
+                e: 64,
+                k: 2,
+                h: 208,
+                i: 80,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
             false,
             7,
         ),
         (
             "group-limited, larger",
-            LayerSpec { e: 32, k: 8, n_group: 4, topk_group: 2, h: 1024, i: 256, ..LayerSpec::small(ScoringFunc::Sigmoid) },
+            LayerSpec {
+                e: 32,
+                k: 8,
+                n_group: 4,
+                topk_group: 2,
+                h: 1024,
+                i: 256,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
             false,
             300,
         ),
@@ -153,11 +235,24 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
         let x = hidden(&mut r, tokens, spec.h);
         let ids = input_ids(&mut r, tokens);
         let routing = cpu.route(&layer, &x, Some(&ids)).unwrap();
-        let scales = if dynamic { ActScales::Dynamic } else { fixed_scales(&layer, &x) };
-        let path = Path::Nvfp4 { scales: &scales, flavor: Flavor::Reference };
+        let scales = if dynamic {
+            ActScales::Dynamic
+        } else {
+            fixed_scales(&layer, &x)
+        };
+        let path = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::Reference,
+        };
         let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let got = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-        check_close(&format!("nvfp4 [{what}] out"), seed, &got.out, &want.out, MIN_COSINE);
+        check_close(
+            &format!("nvfp4 [{what}] out"),
+            seed,
+            &got.out,
+            &want.out,
+            MIN_COSINE,
+        );
         check_close(
             &format!("nvfp4 [{what}] per_slot"),
             seed,
@@ -165,19 +260,35 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
             want.per_slot.as_ref().unwrap(),
             MIN_COSINE,
         );
-        assert_eq!(got.act_stats.blocks, want.act_stats.blocks, "seed {seed} {what}: blocks quantized");
+        assert_eq!(
+            got.act_stats.blocks, want.act_stats.blocks,
+            "seed {seed} {what}: blocks quantized"
+        );
         let d = |a: u64, b: u64| a.abs_diff(b) as f64 / (want.act_stats.blocks as f64);
         assert!(
-            d(got.act_stats.saturated, want.act_stats.saturated) < 1e-3 && d(got.act_stats.flushed, want.act_stats.flushed) < 1e-3,
+            d(got.act_stats.saturated, want.act_stats.saturated) < 1e-3
+                && d(got.act_stats.flushed, want.act_stats.flushed) < 1e-3,
             "seed {seed} {what}: stats {:?} vs {:?}",
             got.act_stats,
             want.act_stats
         );
-        eprintln!("  act_stats gpu {:?} cpu {:?}", got.act_stats, want.act_stats);
+        eprintln!(
+            "  act_stats gpu {:?} cpu {:?}",
+            got.act_stats, want.act_stats
+        );
         // the fast flavor runs and stays close
-        let fast = Path::Nvfp4 { scales: &scales, flavor: Flavor::CudaFast };
+        let fast = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::CudaFast,
+        };
         let gf = b.moe_forward(&layer, &x, &routing, &fast, false).unwrap();
-        check_close(&format!("nvfp4 cuda-fast [{what}] out"), seed, &gf.out, &want.out, 0.9999);
+        check_close(
+            &format!("nvfp4 cuda-fast [{what}] out"),
+            seed,
+            &gf.out,
+            &want.out,
+            0.9999,
+        );
     }
 }
 
@@ -188,17 +299,47 @@ fn reference_path_matches_the_cpu_reference() {
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("reference_path_matches_the_cpu_reference");
     for (what, spec, tokens) in [
-        ("originals + shared", LayerSpec::small(ScoringFunc::Sigmoid), 128usize),
-        ("dequantized weights, limit", LayerSpec { originals: false, limit: Some(0.75), ..LayerSpec::small(ScoringFunc::Softmax) }, 77),
-        ("many empty experts", LayerSpec { e: 64, k: 2, ..LayerSpec::small(ScoringFunc::Sigmoid) }, 5),
+        (
+            "originals + shared",
+            LayerSpec::small(ScoringFunc::Sigmoid),
+            128usize,
+        ),
+        (
+            "dequantized weights, limit",
+            LayerSpec {
+                originals: false,
+                limit: Some(0.75),
+                ..LayerSpec::small(ScoringFunc::Softmax)
+            },
+            77,
+        ),
+        (
+            "many empty experts",
+            LayerSpec {
+                e: 64,
+                k: 2,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
+            5,
+        ),
     ] {
         let layer = build_layer(&mut r, spec);
         let x = hidden(&mut r, tokens, spec.h);
         let ids = input_ids(&mut r, tokens);
         let routing = cpu.route(&layer, &x, Some(&ids)).unwrap();
-        let want = cpu.moe_forward(&layer, &x, &routing, &Path::Reference, true).unwrap();
-        let got = b.moe_forward(&layer, &x, &routing, &Path::Reference, true).unwrap();
-        check_close(&format!("reference [{what}] out"), seed, &got.out, &want.out, MIN_COSINE);
+        let want = cpu
+            .moe_forward(&layer, &x, &routing, &Path::Reference, true)
+            .unwrap();
+        let got = b
+            .moe_forward(&layer, &x, &routing, &Path::Reference, true)
+            .unwrap();
+        check_close(
+            &format!("reference [{what}] out"),
+            seed,
+            &got.out,
+            &want.out,
+            MIN_COSINE,
+        );
         check_close(
             &format!("reference [{what}] per_slot"),
             seed,
@@ -215,17 +356,27 @@ fn the_forward_is_deterministic() {
     let b = backend();
     let cpu = CpuBackend::new();
     let (mut r, _seed) = rng("the_forward_is_deterministic");
-    let spec = LayerSpec { e: 32, k: 8, ..LayerSpec::small(ScoringFunc::Sigmoid) };
+    let spec = LayerSpec {
+        e: 32,
+        k: 8,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
     let layer = build_layer(&mut r, spec);
     let x = hidden(&mut r, 1000, spec.h);
     let routing = cpu.route(&layer, &x, None).unwrap();
     for scales in [fixed_scales(&layer, &x), ActScales::Dynamic] {
-        let path = Path::Nvfp4 { scales: &scales, flavor: Flavor::Reference };
+        let path = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::Reference,
+        };
         let a = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let c = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.out), bits(&c.out), "two runs differ");
-        assert_eq!(bits(a.per_slot.as_ref().unwrap()), bits(c.per_slot.as_ref().unwrap()));
+        assert_eq!(
+            bits(a.per_slot.as_ref().unwrap()),
+            bits(c.per_slot.as_ref().unwrap())
+        );
         assert_eq!(a.act_stats, c.act_stats);
     }
 }
@@ -236,13 +387,19 @@ fn cuda_graph_replay_matches_eager() {
     let b = backend();
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("cuda_graph_replay_matches_eager");
-    let spec = LayerSpec { e: 32, k: 4, hash: false, ..LayerSpec::small(ScoringFunc::Sigmoid) };
+    let spec = LayerSpec {
+        e: 32,
+        k: 4,
+        hash: false,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
     let layer = build_layer(&mut r, spec);
     let tokens = 200;
     let x0 = hidden(&mut r, tokens, spec.h);
     let x1 = hidden(&mut r, tokens, spec.h);
     for scales in [fixed_scales(&layer, &x0), ActScales::Dynamic] {
-        let mut f = Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, Flavor::Reference, true).unwrap();
+        let mut f =
+            Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, Flavor::Reference, true).unwrap();
         f.route_on_gpu(None).unwrap();
         f.set_hidden(&x0).unwrap();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -250,27 +407,59 @@ fn cuda_graph_replay_matches_eager() {
         let graph = f.capture().unwrap();
         let eager0 = f.output().unwrap();
         let replay0 = graph.run().unwrap();
-        assert_eq!(bits(&replay0.out), bits(&eager0.out), "seed {seed}: graph replay differs from eager");
+        assert_eq!(
+            bits(&replay0.out),
+            bits(&eager0.out),
+            "seed {seed}: graph replay differs from eager"
+        );
         // new input, same graph: the graph reads the input buffer and routes on the GPU again
         graph.set_hidden(&x1).unwrap();
         let replay1 = graph.run().unwrap();
         let eager1 = f.run().unwrap();
-        assert_eq!(bits(&replay1.out), bits(&eager1.out), "seed {seed}: replay on new input differs from eager");
-        assert_eq!(bits(replay1.per_slot.as_ref().unwrap()), bits(eager1.per_slot.as_ref().unwrap()));
+        assert_eq!(
+            bits(&replay1.out),
+            bits(&eager1.out),
+            "seed {seed}: replay on new input differs from eager"
+        );
+        assert_eq!(
+            bits(replay1.per_slot.as_ref().unwrap()),
+            bits(eager1.per_slot.as_ref().unwrap())
+        );
         assert_eq!(replay1.act_stats, eager1.act_stats);
         assert_ne!(bits(&eager0.out), bits(&eager1.out));
         for _ in 0..3 {
             graph.replay().unwrap();
         }
         let again = f.output().unwrap();
-        assert_eq!(bits(&again.out), bits(&eager1.out), "seed {seed}: repeated replays drift");
+        assert_eq!(
+            bits(&again.out),
+            bits(&eager1.out),
+            "seed {seed}: repeated replays drift"
+        );
         // and the replayed forward is the layer: against the CPU with the GPU's routing
         let routing = f.routing().unwrap();
         let want_route = cpu.route(&layer, &x1, None).unwrap();
-        let same = routing.topk_ids.iter().zip(&want_route.topk_ids).filter(|(a, b)| a == b).count();
-        assert!(same * 100 >= routing.topk_ids.len() * 99, "seed {seed}: GPU routing in the graph disagrees");
-        let path = Path::Nvfp4 { scales: &scales, flavor: Flavor::Reference };
+        let same = routing
+            .topk_ids
+            .iter()
+            .zip(&want_route.topk_ids)
+            .filter(|(a, b)| a == b)
+            .count();
+        assert!(
+            same * 100 >= routing.topk_ids.len() * 99,
+            "seed {seed}: GPU routing in the graph disagrees"
+        );
+        let path = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::Reference,
+        };
         let want = moe::moe_forward(&layer, &x1, &routing, &path, false).unwrap();
-        check_close("graph replay vs cpu", seed, &replay1.out, &want.out, MIN_COSINE);
+        check_close(
+            "graph replay vs cpu",
+            seed,
+            &replay1.out,
+            &want.out,
+            MIN_COSINE,
+        );
     }
 }

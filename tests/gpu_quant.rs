@@ -155,14 +155,25 @@ fn cuda_fast_flavor_flips_few_codes() {
     let (rows, cols) = (512, 4096);
     let x = activations(&mut r, rows * cols);
     let gs = 2688.0 / x.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let flips = quant::flavor_flips(&g, &x, rows, cols, gs).unwrap();
-    let rate = flips.codes as f64 / flips.total_codes as f64;
-    eprintln!(
-        "cuda-fast vs reference: {} of {} codes flipped ({:.2e}), {} of {} scales differ",
-        flips.codes, flips.total_codes, rate, flips.scales, flips.total_scales
-    );
-    assert!(rate < 1e-3, "seed {seed}: flip rate {rate}");
+    // BF16 activations, f32 activations, and global scales that are not 2688/amax
+    let f32_rows = normal(&mut r, rows * cols, 0.7);
+    let datasets: [(&str, &[f32]); 2] = [("bf16 activations", &x), ("f32 normal", &f32_rows)];
+    for (what, data) in datasets {
+        let amax = data.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for mult in [1.0f32, 1.0 + 1.0 / 64.0, 0.37, 3.3] {
+            let g = 2688.0 / amax * mult;
+            let flips = quant::flavor_flips(b.gpu(), data, rows, cols, g).unwrap();
+            let rate = flips.codes as f64 / flips.total_codes as f64;
+            eprintln!(
+                "cuda-fast vs reference [{what}, gs = 2688/amax x {mult}]: {} of {} codes flipped ({rate:.2e}), {} of {} scales differ",
+                flips.codes, flips.total_codes, flips.scales, flips.total_scales
+            );
+            assert!(rate < 1e-2, "seed {seed}: flip rate {rate}");
+        }
+    }
     // the fast flavor through the trait, and a flip count that can see a difference at all
+    let flips = quant::flavor_flips(&g, &x, rows, cols, gs * 3.3).unwrap();
+    let gs = gs * 3.3;
     let (fast, _) = b.quantize(&x, rows, cols, gs, Flavor::CudaFast).unwrap();
     let (refq, _) = nvfp4::quantize_nvfp4(&x, rows, cols, gs);
     let mut n = 0u64;

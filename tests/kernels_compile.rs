@@ -53,7 +53,9 @@ fn resource_report_has_no_spills() {
     for m in nvrtc::MODULES {
         let (_, log) = nvrtc::compile_cubin_with(m, "sm_90a", &["--ptxas-options=--verbose"])
             .unwrap_or_else(|e| panic!("{e}"));
-        for line in log.lines().filter(|l| l.contains("registers") || l.contains("spill") || l.contains("Compiling entry")) {
+        for line in log.lines().filter(|l| {
+            l.contains("registers") || l.contains("spill") || l.contains("Compiling entry")
+        }) {
             eprintln!("{}: {}", m.file, line.trim());
         }
         for line in log.lines().filter(|l| l.contains("spill stores")) {

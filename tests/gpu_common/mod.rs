@@ -115,7 +115,13 @@ fn weight(r: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<f32> {
         .collect()
 }
 
-fn qlinear(r: &mut ChaCha8Rng, rows: usize, cols: usize, spec: &LayerSpec, input_amax: f32) -> QLinear {
+fn qlinear(
+    r: &mut ChaCha8Rng,
+    rows: usize,
+    cols: usize,
+    spec: &LayerSpec,
+    input_amax: f32,
+) -> QLinear {
     let w = weight(r, rows, cols);
     let weight = if spec.mxfp4 {
         nvfp4::quantize_mxfp4(&w, rows, cols).0
@@ -194,7 +200,11 @@ pub fn hidden(r: &mut ChaCha8Rng, tokens: usize, h: usize) -> Vec<f32> {
     (0..tokens * h)
         .map(|j| {
             let g: f32 = StandardNormal.sample(r);
-            let v = if outliers.contains(&(j % h)) { g * 8.0 } else { g };
+            let v = if outliers.contains(&(j % h)) {
+                g * 8.0
+            } else {
+                g
+            };
             bf16_round(v)
         })
         .collect()

@@ -9,7 +9,8 @@ use cudarc::cublas::sys::{
 use std::ffi::c_void;
 
 fn dim(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::usage(format!("{what} = {v} is too large for one cuBLAS GEMM")))
+    i32::try_from(v)
+        .map_err(|_| Error::usage(format!("{what} = {v} is too large for one cuBLAS GEMM")))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -29,7 +30,11 @@ fn gemm_nt(
         return Ok(());
     }
     let blas = gpu.blas()?;
-    let (mi, ni, ki) = (dim(m, "rows")?, dim(n, "out features")?, dim(k, "in features")?);
+    let (mi, ni, ki) = (
+        dim(m, "rows")?,
+        dim(n, "out features")?,
+        dim(k, "in features")?,
+    );
     let (alpha, beta) = (1.0f32, 0.0f32);
     // column-major view: C (n x m) = op(W) (n x k) · X (k x m), W stored k x n → transposed
     unsafe {
@@ -60,7 +65,16 @@ fn gemm_nt(
 }
 
 /// BF16 × BF16 → f32 with FP32 accumulation (the reference path and shared experts).
-pub(crate) fn gemm_bf16(gpu: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64, what: &str) -> Result<()> {
+pub(crate) fn gemm_bf16(
+    gpu: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    what: &str,
+) -> Result<()> {
     gemm_nt(
         gpu,
         m,
@@ -76,7 +90,16 @@ pub(crate) fn gemm_bf16(gpu: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64,
 }
 
 /// f32 × f32 → f32 in plain FP32 (no TF32: the router's logits).
-pub(crate) fn gemm_f32(gpu: &Gpu, m: usize, n: usize, k: usize, x: u64, w: u64, y: u64, what: &str) -> Result<()> {
+pub(crate) fn gemm_f32(
+    gpu: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    what: &str,
+) -> Result<()> {
     gemm_nt(
         gpu,
         m,

@@ -369,7 +369,13 @@ impl Gpu {
 
     /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
     /// memory returns once the data is on its way, so `host` may be dropped right after.
-    pub(crate) fn upload_raw<T: DeviceRepr>(&self, host: &[T], dst: u64, capacity: usize, what: &str) -> Result<()> {
+    pub(crate) fn upload_raw<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: u64,
+        capacity: usize,
+        what: &str,
+    ) -> Result<()> {
         if host.len() > capacity {
             return Err(Error::Cuda {
                 step: format!("copying {what} to the GPU"),

@@ -45,7 +45,12 @@ impl Backend for CudaBackend {
         self.gpu.describe()
     }
 
-    fn route(&self, layer: &MoeLayer, hidden: &[f32], input_ids: Option<&[i64]>) -> Result<Routing> {
+    fn route(
+        &self,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        input_ids: Option<&[i64]>,
+    ) -> Result<Routing> {
         router::route(&self.gpu, layer, hidden, input_ids)
     }
 

@@ -26,7 +26,9 @@ const GEMM_THREADS: u32 = 128;
 const ELEM_THREADS: u32 = 256;
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
-    v.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect()
+    v.iter()
+        .map(|x| half::bf16::from_f32(*x).to_bits())
+        .collect()
 }
 
 /// Shapes and formats the GPU path relies on; a bad layer is bad input, never a panic.
@@ -34,9 +36,16 @@ fn bf16_bits(v: &[f32]) -> Vec<u16> {
 pub(crate) fn check_layer(layer: &MoeLayer) -> Result<Format> {
     layer.validate()?;
     router::check_router(layer)?;
-    let format = layer.experts.first().map_or(Format::Nvfp4, |x| x.w1.weight.format);
+    let format = layer
+        .experts
+        .first()
+        .map_or(Format::Nvfp4, |x| x.w1.weight.format);
     for (x, ex) in layer.experts.iter().enumerate() {
-        for (name, q) in [("gate_proj (w1)", &ex.w1), ("up_proj (w3)", &ex.w3), ("down_proj (w2)", &ex.w2)] {
+        for (name, q) in [
+            ("gate_proj (w1)", &ex.w1),
+            ("up_proj (w3)", &ex.w3),
+            ("down_proj (w2)", &ex.w2),
+        ] {
             if q.weight.format != format {
                 return Err(Error::usage(format!(
                     "MoE layer {}: expert {x} {name} is {}, expert 0 is {}",
@@ -66,7 +75,12 @@ pub(crate) fn check_routing(layer: &MoeLayer, routing: &Routing, tokens: usize) 
             routing.topk_weights.len()
         )));
     }
-    if let Some((s, &id)) = routing.topk_ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= e) {
+    if let Some((s, &id)) = routing
+        .topk_ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= e)
+    {
         return Err(Error::usage(format!(
             "MoE layer {l}: topk_ids[{}, {}] = {id} is not a global expert id (n_routed_experts = {e})",
             s / routing.top_k,
@@ -123,14 +137,46 @@ impl DevExperts {
         let mut w2s = gpu.alloc::<u8>(e * h * (i / block), "expert down_proj scales")?;
         // one expert at a time: the host never holds a second copy of the layer
         for (x, ex) in layer.experts.iter().enumerate() {
-            gpu.upload_into(&ex.w1.weight.packed, &mut w1q, x * i * h / 2, "expert gate_proj codes")?;
-            gpu.upload_into(&ex.w1.weight.scales, &mut w1s, x * i * (h / block), "expert gate_proj scales")?;
-            gpu.upload_into(&ex.w3.weight.packed, &mut w3q, x * i * h / 2, "expert up_proj codes")?;
-            gpu.upload_into(&ex.w3.weight.scales, &mut w3s, x * i * (h / block), "expert up_proj scales")?;
-            gpu.upload_into(&ex.w2.weight.packed, &mut w2q, x * h * i / 2, "expert down_proj codes")?;
-            gpu.upload_into(&ex.w2.weight.scales, &mut w2s, x * h * (i / block), "expert down_proj scales")?;
+            gpu.upload_into(
+                &ex.w1.weight.packed,
+                &mut w1q,
+                x * i * h / 2,
+                "expert gate_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w1.weight.scales,
+                &mut w1s,
+                x * i * (h / block),
+                "expert gate_proj scales",
+            )?;
+            gpu.upload_into(
+                &ex.w3.weight.packed,
+                &mut w3q,
+                x * i * h / 2,
+                "expert up_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w3.weight.scales,
+                &mut w3s,
+                x * i * (h / block),
+                "expert up_proj scales",
+            )?;
+            gpu.upload_into(
+                &ex.w2.weight.packed,
+                &mut w2q,
+                x * h * i / 2,
+                "expert down_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w2.weight.scales,
+                &mut w2s,
+                x * h * (i / block),
+                "expert down_proj scales",
+            )?;
         }
-        let ws2 = |f: &dyn Fn(&crate::moe::Expert) -> f32| layer.experts.iter().map(f).collect::<Vec<f32>>();
+        let ws2 = |f: &dyn Fn(&crate::moe::Expert) -> f32| {
+            layer.experts.iter().map(f).collect::<Vec<f32>>()
+        };
         Ok(DevExperts {
             wblock: block as u32,
             w1q,
@@ -161,9 +207,24 @@ impl DevRefExperts {
         let mut w3 = gpu.alloc::<u16>(e * i * h, "reference up_proj")?;
         let mut w2 = gpu.alloc::<u16>(e * h * i, "reference down_proj")?;
         for (x, ex) in layer.experts.iter().enumerate() {
-            gpu.upload_into(&bf16_bits(&ex.w1.reference_weight()), &mut w1, x * i * h, "reference gate_proj")?;
-            gpu.upload_into(&bf16_bits(&ex.w3.reference_weight()), &mut w3, x * i * h, "reference up_proj")?;
-            gpu.upload_into(&bf16_bits(&ex.w2.reference_weight()), &mut w2, x * h * i, "reference down_proj")?;
+            gpu.upload_into(
+                &bf16_bits(&ex.w1.reference_weight()),
+                &mut w1,
+                x * i * h,
+                "reference gate_proj",
+            )?;
+            gpu.upload_into(
+                &bf16_bits(&ex.w3.reference_weight()),
+                &mut w3,
+                x * i * h,
+                "reference up_proj",
+            )?;
+            gpu.upload_into(
+                &bf16_bits(&ex.w2.reference_weight()),
+                &mut w2,
+                x * h * i,
+                "reference down_proj",
+            )?;
         }
         Ok(DevRefExperts { w1, w3, w2 })
     }
@@ -259,7 +320,15 @@ struct SharedWs {
 }
 
 impl Workspace {
-    fn new(gpu: &Gpu, layer: &DevLayer, tokens: usize, k: usize, want: Want, dynamic: bool, per_slot: bool) -> Result<Self> {
+    fn new(
+        gpu: &Gpu,
+        layer: &DevLayer,
+        tokens: usize,
+        k: usize,
+        want: Want,
+        dynamic: bool,
+        per_slot: bool,
+    ) -> Result<Self> {
         let c = &layer.config;
         let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
         let n = tokens * k;
@@ -271,7 +340,11 @@ impl Workspace {
             tokens,
             k,
             hidden: gpu.alloc(tokens * h, "the hidden states")?,
-            input_ids: if layer.router.hash { Some(gpu.alloc(tokens, "input_ids")?) } else { None },
+            input_ids: if layer.router.hash {
+                Some(gpu.alloc(tokens, "input_ids")?)
+            } else {
+                None
+            },
             logits: gpu.alloc(tokens * e, "router logits")?,
             topk_ids: gpu.alloc(n, "topk_ids")?,
             topk_w: gpu.alloc(n, "topk_weights")?,
@@ -307,7 +380,11 @@ impl Workspace {
                 None => None,
             },
             out: gpu.alloc(tokens * h, "the MoE output")?,
-            per_slot: if per_slot { Some(gpu.alloc(n * h, "per-slot outputs")?) } else { None },
+            per_slot: if per_slot {
+                Some(gpu.alloc(n * h, "per-slot outputs")?)
+            } else {
+                None
+            },
         })
     }
 }
@@ -334,14 +411,40 @@ pub struct Nvfp4Forward {
 impl Nvfp4Forward {
     /// Stream `layer`'s NVFP4 experts (and router, shared experts) to the GPU and allocate a
     /// forward of `tokens` rows with top-`k` routing.
-    pub fn new(gpu: &Arc<Gpu>, layer: &MoeLayer, tokens: usize, scales: &ActScales, flavor: Flavor, per_slot: bool) -> Result<Self> {
-        Self::prepare(gpu, layer, tokens, layer.config.num_experts_per_tok, Some((scales, flavor)), per_slot)
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        layer: &MoeLayer,
+        tokens: usize,
+        scales: &ActScales,
+        flavor: Flavor,
+        per_slot: bool,
+    ) -> Result<Self> {
+        Self::prepare(
+            gpu,
+            layer,
+            tokens,
+            layer.config.num_experts_per_tok,
+            Some((scales, flavor)),
+            per_slot,
+        )
     }
 
     /// The BF16 reference path of the same layer (cuBLAS GEMMs; not capturable, it reads the
     /// expert counts back to size them).
-    pub fn new_reference(gpu: &Arc<Gpu>, layer: &MoeLayer, tokens: usize, per_slot: bool) -> Result<Self> {
-        Self::prepare(gpu, layer, tokens, layer.config.num_experts_per_tok, None, per_slot)
+    pub fn new_reference(
+        gpu: &Arc<Gpu>,
+        layer: &MoeLayer,
+        tokens: usize,
+        per_slot: bool,
+    ) -> Result<Self> {
+        Self::prepare(
+            gpu,
+            layer,
+            tokens,
+            layer.config.num_experts_per_tok,
+            None,
+            per_slot,
+        )
     }
 
     fn prepare(
@@ -352,7 +455,11 @@ impl Nvfp4Forward {
         nvfp4: Option<(&ActScales, Flavor)>,
         per_slot: bool,
     ) -> Result<Self> {
-        let want = if nvfp4.is_some() { Want::Nvfp4 } else { Want::Reference };
+        let want = if nvfp4.is_some() {
+            Want::Nvfp4
+        } else {
+            Want::Reference
+        };
         let dev = DevLayer::upload(gpu, layer, want)?;
         let e = layer.config.n_routed_experts;
         let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
@@ -410,7 +517,12 @@ impl Nvfp4Forward {
             )));
         }
         let gpu = self.gpu();
-        gpu.upload_raw(hidden, gpu.ptr(&self.ws.hidden), self.ws.hidden.len(), "the hidden states")
+        gpu.upload_raw(
+            hidden,
+            gpu.ptr(&self.ws.hidden),
+            self.ws.hidden.len(),
+            "the hidden states",
+        )
     }
 
     /// Use a given routing (not computed inside the forward).
@@ -424,7 +536,12 @@ impl Nvfp4Forward {
         }
         let gpu = self.layer.gpu.clone();
         gpu.upload_into(&routing.topk_ids, &mut self.ws.topk_ids, 0, "topk_ids")?;
-        gpu.upload_into(&routing.topk_weights, &mut self.ws.topk_w, 0, "topk_weights")?;
+        gpu.upload_into(
+            &routing.topk_weights,
+            &mut self.ws.topk_w,
+            0,
+            "topk_weights",
+        )?;
         self.route = RouteSource::Given;
         Ok(())
     }
@@ -432,9 +549,13 @@ impl Nvfp4Forward {
     /// Route inside the forward with the layer's router (hash layers need `input_ids`).
     pub fn route_on_gpu(&mut self, input_ids: Option<&[i64]>) -> Result<()> {
         if self.ws.k != self.layer.config.num_experts_per_tok {
-            return Err(Error::usage("routing on the GPU uses the config's num_experts_per_tok"));
+            return Err(Error::usage(
+                "routing on the GPU uses the config's num_experts_per_tok",
+            ));
         }
-        self.layer.router.check_input_ids(self.layer.index, self.ws.tokens, input_ids)?;
+        self.layer
+            .router
+            .check_input_ids(self.layer.index, self.ws.tokens, input_ids)?;
         if let (Some(ids), Some(dst)) = (input_ids, self.ws.input_ids.as_mut()) {
             self.layer.gpu.upload_into(ids, dst, 0, "input_ids")?;
         }
@@ -468,14 +589,20 @@ impl Nvfp4Forward {
         let (t, n) = (self.ws.tokens, self.ws.tokens * self.ws.k);
         let out = gpu.download(&self.ws.out, t * h, "the MoE output")?;
         let act_stats = match self.want {
-            Want::Nvfp4 => stats_from(&gpu.download(&self.ws.stats, 4, "activation block statistics")?),
+            Want::Nvfp4 => {
+                stats_from(&gpu.download(&self.ws.stats, 4, "activation block statistics")?)
+            }
             Want::Reference => BlockStats::default(),
         };
         let per_slot = match &self.ws.per_slot {
             Some(p) => Some(gpu.download(p, n * h, "per-slot outputs")?),
             None => None,
         };
-        Ok(MoeOutput { out, act_stats, per_slot })
+        Ok(MoeOutput {
+            out,
+            act_stats,
+            per_slot,
+        })
     }
 
     /// The routing the last forward used.
@@ -527,7 +654,12 @@ impl Nvfp4Forward {
             &MOE,
             "moe_chunk_counts",
             chunks,
-            &[KArg::U64(gpu.ptr(&ws.topk_ids)), KArg::U32(n), KArg::U32(e), KArg::U64(gpu.ptr(&ws.chunk_counts))],
+            &[
+                KArg::U64(gpu.ptr(&ws.topk_ids)),
+                KArg::U32(n),
+                KArg::U32(e),
+                KArg::U64(gpu.ptr(&ws.chunk_counts)),
+            ],
         )?;
         gpu.launch(
             &MOE,
@@ -579,7 +711,17 @@ impl Nvfp4Forward {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn enqueue_quantize(&self, x: u64, rows: usize, cols: usize, row_src: u64, gs: u64, gs_idx: u64, q: u64, s: u64) -> Result<()> {
+    fn enqueue_quantize(
+        &self,
+        x: u64,
+        rows: usize,
+        cols: usize,
+        row_src: u64,
+        gs: u64,
+        gs_idx: u64,
+        q: u64,
+        s: u64,
+    ) -> Result<()> {
         let gpu = self.gpu();
         gpu.launch(
             &QUANT,
@@ -607,7 +749,11 @@ impl Nvfp4Forward {
         let c = &self.layer.config;
         let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
         let n = ws.tokens * ws.k;
-        let ex = self.layer.nvfp4.as_ref().ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
+        let ex = self
+            .layer
+            .nvfp4
+            .as_ref()
+            .ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
         let p = |s: &CudaSlice<u8>| gpu.ptr(s);
         gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
         gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
@@ -621,13 +767,21 @@ impl Nvfp4Forward {
                 &MOE,
                 "dynamic_gs_from_amax",
                 grid_1d(1, 32)?,
-                &[KArg::U64(batch_amax), KArg::U32(1), KArg::U64(gpu.ptr(&ws.gs2))],
+                &[
+                    KArg::U64(batch_amax),
+                    KArg::U32(1),
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                ],
             )?;
             gpu.launch(
                 &MOE,
                 "broadcast_f32",
                 grid_1d(e as u64, ELEM_THREADS)?,
-                &[KArg::U64(gpu.ptr(&ws.gs2)), KArg::U32(e as u32), KArg::U64(gpu.ptr(&ws.gs1))],
+                &[
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                    KArg::U32(e as u32),
+                    KArg::U64(gpu.ptr(&ws.gs1)),
+                ],
             )?;
         }
         if n > 0 {
@@ -683,7 +837,11 @@ impl Nvfp4Forward {
                     &MOE,
                     "dynamic_gs_from_amax",
                     grid_1d(e as u64, ELEM_THREADS)?,
-                    &[KArg::U64(gpu.ptr(&ws.amax_bits)), KArg::U32(e as u32), KArg::U64(gpu.ptr(&ws.gs2))],
+                    &[
+                        KArg::U64(gpu.ptr(&ws.amax_bits)),
+                        KArg::U32(e as u32),
+                        KArg::U64(gpu.ptr(&ws.gs2)),
+                    ],
                 )?;
                 self.enqueue_quantize(
                     gpu.ptr(&ws.a_f32),
@@ -744,10 +902,42 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&sw.x)),
             ],
         )?;
-        blas::gemm_bf16(gpu, t, si, h, gpu.ptr(&sw.x), gpu.ptr(&sh.w1), gpu.ptr(&sw.g), "shared expert gate_proj")?;
-        blas::gemm_bf16(gpu, t, si, h, gpu.ptr(&sw.x), gpu.ptr(&sh.w3), gpu.ptr(&sw.u), "shared expert up_proj")?;
-        self.enqueue_swiglu_bf16(gpu.ptr(&sw.g), gpu.ptr(&sw.u), (t * si) as u64, gpu.ptr(&sw.a))?;
-        blas::gemm_bf16(gpu, t, h, si, gpu.ptr(&sw.a), gpu.ptr(&sh.w2), gpu.ptr(&sw.y), "shared expert down_proj")
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(&sw.x),
+            gpu.ptr(&sh.w1),
+            gpu.ptr(&sw.g),
+            "shared expert gate_proj",
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(&sw.x),
+            gpu.ptr(&sh.w3),
+            gpu.ptr(&sw.u),
+            "shared expert up_proj",
+        )?;
+        self.enqueue_swiglu_bf16(
+            gpu.ptr(&sw.g),
+            gpu.ptr(&sw.u),
+            (t * si) as u64,
+            gpu.ptr(&sw.a),
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            h,
+            si,
+            gpu.ptr(&sw.a),
+            gpu.ptr(&sh.w2),
+            gpu.ptr(&sw.y),
+            "shared expert down_proj",
+        )
     }
 
     fn enqueue_swiglu_bf16(&self, g: u64, u: u64, n: u64, a: u64) -> Result<()> {
@@ -759,7 +949,14 @@ impl Nvfp4Forward {
             &MOE,
             "swiglu_bf16",
             grid_1d(n, ELEM_THREADS)?,
-            &[KArg::U64(g), KArg::U64(u), KArg::U64(n), KArg::F32(limit), KArg::U32(has_limit), KArg::U64(a)],
+            &[
+                KArg::U64(g),
+                KArg::U64(u),
+                KArg::U64(n),
+                KArg::F32(limit),
+                KArg::U32(has_limit),
+                KArg::U64(a),
+            ],
         )
     }
 
@@ -774,7 +971,11 @@ impl Nvfp4Forward {
             &MOE,
             "moe_combine",
             LaunchConfig {
-                grid_dim: (ws.tokens as u32, h.div_ceil(ELEM_THREADS as usize) as u32, 1),
+                grid_dim: (
+                    ws.tokens as u32,
+                    h.div_ceil(ELEM_THREADS as usize) as u32,
+                    1,
+                ),
                 block_dim: (ELEM_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             },
@@ -800,7 +1001,11 @@ impl Nvfp4Forward {
         let c = &self.layer.config;
         let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
         let n = ws.tokens * ws.k;
-        let rf = self.layer.reference.as_ref().ok_or_else(|| Error::usage("reference weights were not uploaded"))?;
+        let rf = self
+            .layer
+            .reference
+            .as_ref()
+            .ok_or_else(|| Error::usage("reference weights were not uploaded"))?;
         self.enqueue_route()?;
         self.enqueue_sort()?;
         if n > 0 {
@@ -817,7 +1022,13 @@ impl Nvfp4Forward {
                 ],
             )?;
             let offs = gpu.download(&ws.expert_offsets, e + 1, "expert offsets")?;
-            let (xg, g, u, a, y) = (gpu.ptr(&ws.xg_bf16), gpu.ptr(&ws.a_f32), gpu.ptr(&ws.u_f32), gpu.ptr(&ws.a_bf16), gpu.ptr(&ws.y));
+            let (xg, g, u, a, y) = (
+                gpu.ptr(&ws.xg_bf16),
+                gpu.ptr(&ws.a_f32),
+                gpu.ptr(&ws.u_f32),
+                gpu.ptr(&ws.a_bf16),
+                gpu.ptr(&ws.y),
+            );
             let (w1, w3, w2) = (gpu.ptr(&rf.w1), gpu.ptr(&rf.w3), gpu.ptr(&rf.w2));
             for x in 0..e {
                 let (r0, r1) = (offs[x] as usize, offs[x + 1] as usize);
@@ -826,8 +1037,26 @@ impl Nvfp4Forward {
                 }
                 let m = r1 - r0;
                 let wo = (x * i * h * 2) as u64;
-                blas::gemm_bf16(gpu, m, i, h, xg + (r0 * h * 2) as u64, w1 + wo, g + (r0 * i * 4) as u64, "reference gate_proj")?;
-                blas::gemm_bf16(gpu, m, i, h, xg + (r0 * h * 2) as u64, w3 + wo, u + (r0 * i * 4) as u64, "reference up_proj")?;
+                blas::gemm_bf16(
+                    gpu,
+                    m,
+                    i,
+                    h,
+                    xg + (r0 * h * 2) as u64,
+                    w1 + wo,
+                    g + (r0 * i * 4) as u64,
+                    "reference gate_proj",
+                )?;
+                blas::gemm_bf16(
+                    gpu,
+                    m,
+                    i,
+                    h,
+                    xg + (r0 * h * 2) as u64,
+                    w3 + wo,
+                    u + (r0 * i * 4) as u64,
+                    "reference up_proj",
+                )?;
             }
             self.enqueue_swiglu_bf16(g, u, (n * i) as u64, a)?;
             for x in 0..e {
@@ -836,7 +1065,16 @@ impl Nvfp4Forward {
                     continue;
                 }
                 let wo = (x * h * i * 2) as u64;
-                blas::gemm_bf16(gpu, r1 - r0, h, i, a + (r0 * i * 2) as u64, w2 + wo, y + (r0 * h * 4) as u64, "reference down_proj")?;
+                blas::gemm_bf16(
+                    gpu,
+                    r1 - r0,
+                    h,
+                    i,
+                    a + (r0 * i * 2) as u64,
+                    w2 + wo,
+                    y + (r0 * h * 4) as u64,
+                    "reference down_proj",
+                )?;
             }
         }
         self.enqueue_shared()?;
@@ -848,7 +1086,9 @@ impl Nvfp4Forward {
     /// contents of the input buffers ([`Nvfp4Forward::set_hidden`] between replays).
     pub fn capture(&self) -> Result<LayerGraph<'_>> {
         if self.want != Want::Nvfp4 {
-            return Err(Error::usage("only the NVFP4 forward can be captured in a CUDA graph"));
+            return Err(Error::usage(
+                "only the NVFP4 forward can be captured in a CUDA graph",
+            ));
         }
         let gpu = self.gpu();
         self.enqueue_nvfp4()?;
@@ -871,7 +1111,10 @@ impl Nvfp4Forward {
             })
         })();
         gpu.capturing.store(false, Ordering::Relaxed);
-        Ok(LayerGraph { graph: r?, fwd: self })
+        Ok(LayerGraph {
+            graph: r?,
+            fwd: self,
+        })
     }
 }
 
@@ -887,6 +1130,32 @@ impl LayerGraph<'_> {
         self.graph
             .launch()
             .map_err(|e| super::device::driver_err("replaying the layer graph", "moe forward", e))
+    }
+
+    /// Time `n` replays with CUDA events (after one untimed replay); returns each replay's
+    /// milliseconds. Inputs stay as they are, so every replay computes the same thing.
+    pub fn time_replays(&self, n: usize) -> Result<Vec<f32>> {
+        let gpu = self.fwd.gpu();
+        let ev = |what: &str| {
+            gpu.stream
+                .record_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| super::device::driver_err(what, "moe forward", e))
+        };
+        self.replay()?;
+        let mut marks = vec![ev("recording a timing event")?];
+        for _ in 0..n {
+            self.replay()?;
+            marks.push(ev("recording a timing event")?);
+        }
+        gpu.sync("timing graph replays")?;
+        marks
+            .windows(2)
+            .map(|w| {
+                w[0].elapsed_ms(&w[1]).map_err(|e| {
+                    super::device::driver_err("reading a timing event", "moe forward", e)
+                })
+            })
+            .collect()
     }
 
     /// New layer input for the next replay.
@@ -921,10 +1190,17 @@ pub fn moe_forward(
     let tokens = hidden.len() / h;
     check_routing(layer, routing, tokens)?;
     let mut f = match path {
-        Path::Nvfp4 { scales, flavor } => {
-            Nvfp4Forward::prepare(gpu, layer, tokens, routing.top_k, Some((scales, *flavor)), per_slot)?
+        Path::Nvfp4 { scales, flavor } => Nvfp4Forward::prepare(
+            gpu,
+            layer,
+            tokens,
+            routing.top_k,
+            Some((scales, *flavor)),
+            per_slot,
+        )?,
+        Path::Reference => {
+            Nvfp4Forward::prepare(gpu, layer, tokens, routing.top_k, None, per_slot)?
         }
-        Path::Reference => Nvfp4Forward::prepare(gpu, layer, tokens, routing.top_k, None, per_slot)?,
     };
     f.set_hidden(hidden)?;
     f.set_routing(layer, routing)?;

@@ -200,7 +200,11 @@ pub fn compile_cubin(module: &KernelModule, arch: &str) -> Result<Vec<u8>> {
 
 /// [`compile_cubin`] with extra NVRTC options (e.g. `--ptxas-options=--verbose` for the
 /// register / spill report); also returns the compile log.
-pub fn compile_cubin_with(module: &KernelModule, arch: &str, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+pub fn compile_cubin_with(
+    module: &KernelModule,
+    arch: &str,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     require_nvrtc()?;
     super::device::quietly(|| compile_inner(module, arch, false, extra)).unwrap_or_else(|p| {
         Err(Error::Cuda {
@@ -211,7 +215,12 @@ pub fn compile_cubin_with(module: &KernelModule, arch: &str, extra: &[&str]) -> 
     })
 }
 
-fn compile_inner(module: &KernelModule, arch: &str, want_ptx: bool, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+fn compile_inner(
+    module: &KernelModule,
+    arch: &str,
+    want_ptx: bool,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     let cstr = |s: &str, what: &str| {
         CString::new(s).map_err(|_| Error::Cuda {
             step: "NVRTC program".into(),

@@ -52,7 +52,12 @@ impl DevRouter {
     }
 
     /// Check `input_ids` against the hash table (a hash layer needs them).
-    pub(crate) fn check_input_ids(&self, layer: usize, tokens: usize, ids: Option<&[i64]>) -> Result<()> {
+    pub(crate) fn check_input_ids(
+        &self,
+        layer: usize,
+        tokens: usize,
+        ids: Option<&[i64]>,
+    ) -> Result<()> {
         if !self.hash {
             return Ok(());
         }
@@ -67,7 +72,11 @@ impl DevRouter {
                 ids.len()
             )));
         }
-        if let Some((t, &id)) = ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= self.vocab) {
+        if let Some((t, &id)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id < 0 || id as usize >= self.vocab)
+        {
             return Err(Error::usage(format!(
                 "MoE layer {layer}: input_ids[{t}] = {id} is outside tid2eid's vocabulary of {}",
                 self.vocab
@@ -106,9 +115,19 @@ pub(crate) fn enqueue_route(
     if tokens == 0 {
         return Ok(());
     }
-    blas::gemm_f32(gpu, tokens, e, h, hidden, gpu.ptr(&r.weight), out.logits, "router logits")?;
+    blas::gemm_f32(
+        gpu,
+        tokens,
+        e,
+        h,
+        hidden,
+        gpu.ptr(&r.weight),
+        out.logits,
+        "router logits",
+    )?;
     let smem = WARPS as usize * (2 * e * 4 + e);
-    let smem = u32::try_from(smem).map_err(|_| Error::usage(format!("{e} experts is too many for the router kernel")))?;
+    let smem = u32::try_from(smem)
+        .map_err(|_| Error::usage(format!("{e} experts is too many for the router kernel")))?;
     let tid = match (&r.tid2eid, r.hash) {
         (Some(t), true) => gpu.ptr(t),
         _ => 0,
@@ -144,7 +163,12 @@ pub(crate) fn enqueue_route(
 }
 
 /// Route a batch on the GPU and bring the decision back.
-pub fn route(gpu: &Gpu, layer: &MoeLayer, hidden: &[f32], input_ids: Option<&[i64]>) -> Result<Routing> {
+pub fn route(
+    gpu: &Gpu,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    input_ids: Option<&[i64]>,
+) -> Result<Routing> {
     let c = &layer.config;
     let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
     if h == 0 || hidden.len() % h != 0 {
