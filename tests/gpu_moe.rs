@@ -7,6 +7,7 @@ mod gpu_common;
 use gpu_common::*;
 use nvfp4dbg::backend::cpu::CpuBackend;
 use nvfp4dbg::backend::cuda::moe::Nvfp4Forward;
+use nvfp4dbg::backend::cuda::quant;
 use nvfp4dbg::backend::Backend;
 use nvfp4dbg::metrics;
 use nvfp4dbg::moe::{self, router, ActScales, MoeLayer, Path, ScoringFunc};
@@ -282,12 +283,21 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
             flavor: Flavor::CudaFast,
         };
         let gf = b.moe_forward(&layer, &x, &routing, &fast, false).unwrap();
+        // a flipped code in an expert input moves every element of the row's SwiGLU output a
+        // little, and its re-quantization turns that into whole-step flips: the flavors differ
+        // by far more than their flip rate suggests. How far is what the tool reports.
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let fl = quant::flavor_flips(b.gpu(), &x, tokens, spec.h, 2688.0 / amax).unwrap();
+        eprintln!(
+            "  hidden codes flipped between flavors at gs 2688/amax: {} of {}",
+            fl.codes, fl.total_codes
+        );
         check_close(
             &format!("nvfp4 cuda-fast [{what}] out"),
             seed,
             &gf.out,
             &want.out,
-            0.9999,
+            0.999,
         );
     }
 }

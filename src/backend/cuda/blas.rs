@@ -65,6 +65,7 @@ fn gemm_nt(
 }
 
 /// BF16 × BF16 → f32 with FP32 accumulation (the reference path and shared experts).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_bf16(
     gpu: &Gpu,
     m: usize,
@@ -90,6 +91,7 @@ pub(crate) fn gemm_bf16(
 }
 
 /// f32 × f32 → f32 in plain FP32 (no TF32: the router's logits).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_f32(
     gpu: &Gpu,
     m: usize,

@@ -1180,7 +1180,7 @@ pub fn moe_forward(
     per_slot: bool,
 ) -> Result<MoeOutput> {
     let h = layer.config.hidden_size;
-    if h == 0 || hidden.len() % h != 0 {
+    if h == 0 || !hidden.len().is_multiple_of(h) {
         return Err(Error::usage(format!(
             "MoE layer {}: hidden states of {} values are not [tokens, {h}]",
             layer.index,

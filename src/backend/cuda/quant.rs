@@ -56,7 +56,7 @@ pub(crate) fn flavor_code(f: Flavor) -> u32 {
 }
 
 fn check_shape(len: usize, rows: usize, cols: usize, block: usize, what: &str) -> Result<()> {
-    if cols == 0 || cols % block != 0 {
+    if cols == 0 || !cols.is_multiple_of(block) {
         return Err(Error::usage(format!(
             "{what}: {cols} columns is not a positive multiple of the block size {block}"
         )));

@@ -171,7 +171,7 @@ pub fn route(
 ) -> Result<Routing> {
     let c = &layer.config;
     let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
-    if h == 0 || hidden.len() % h != 0 {
+    if h == 0 || !hidden.len().is_multiple_of(h) {
         return Err(Error::usage(format!(
             "MoE layer {}: hidden states of {} values are not [tokens, {h}]",
             layer.index,
