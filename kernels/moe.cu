@@ -91,36 +91,19 @@ moe_scatter(const int* __restrict__ ids, u32 N, u32 E, u32 K, const u32* __restr
 // Grouped GEMM: out[p, n] = alpha_e * sum_k deq(A)[p, k] * deq_nog(W_e)[n, k] for sorted rows p
 // of expert e. A: NVFP4 [N, K/2] + E4M3 [N, K/16] (linear). W: [E][Nout][K/2] + scales
 // [E][Nout][K/wblock] (E4M3 for wblock 16, UE8M0 for 32).
+//
+// A block computes a BM x (NB * BNB) tile: BM sorted rows of one expert against BNB output
+// columns of NB weight matrices (NB = 2: gate and up together, for the fused SwiGLU). 8 warps
+// in a 4 (rows) x 2 (columns) grid, each 32 rows x BNB/2 columns per matrix. Per BK slice the
+// FP4 codes are dequantized into shared memory as BF16 (code -> BF16 pair from a 256-entry
+// table, times the block scale with one exact bf16x2 FMA), then BF16 mma.sync m16n8k16 with
+// FP32 accumulators. The next slice's codes are loaded into registers while the tensor cores
+// work on the current one.
 
-#define BM 64
-#define BN 64
+#define BM 128
 #define BK 64
-#define GEMM_THREADS 128
+#define GEMM_THREADS 256
 #define SROW (BK + 8)  // bf16 per smem row: +16 bytes against bank conflicts
-
-__device__ __forceinline__ u32 pack_bf16x2_exact(float lo, float hi) {
-    // lo/hi are e2m1 * scale: exactly representable in BF16, so truncation is exact
-    return (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xFFFF0000u);
-}
-
-// Dequantize one 16-group (8 packed bytes, scale value s) to 16 BF16 in smem (32 bytes).
-__device__ __forceinline__ void deq16_to_smem(uint2 q, float s, u16* dst) {
-    u32 w[8];
-    u32 b[2] = {q.x, q.y};
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            u32 byte = (b[h] >> (8 * j)) & 0xFFu;
-            float lo = __fmul_rn(e2m1_decode(byte & 0xFu), s);
-            float hi = __fmul_rn(e2m1_decode(byte >> 4), s);
-            w[h * 4 + j] = pack_bf16x2_exact(lo, hi);
-        }
-    }
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
-    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
 
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
     u32 a = (u32)__cvta_generic_to_shared(p);
@@ -137,44 +120,50 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Load a BM x BK activation tile (rows [r0, r1) of the sorted A) into smem as BF16.
-__device__ __forceinline__ void load_a_tile(const u8* __restrict__ aq, const u8* __restrict__ as,
-                                            u32 K, u32 r0, u32 r1, u32 k0, u16* sA) {
-    u32 kb = K / 16;
-    for (u32 idx = threadIdx.x; idx < BM * (BK / 16); idx += GEMM_THREADS) {
-        u32 r = idx / (BK / 16), g = idx % (BK / 16);
-        u32 row = r0 + r, kg = k0 / 16 + g;
-        u16* dst = sA + r * SROW + g * 16;
-        if (row < r1 && kg < kb) {
-            uint2 q = *reinterpret_cast<const uint2*>(aq + (size_t)row * (K / 2) + kg * 8);
-            deq16_to_smem(q, e4m3_decode(as[(size_t)row * kb + kg]), dst);
-        } else {
-            uint4* d = reinterpret_cast<uint4*>(dst);
-            d[0] = make_uint4(0, 0, 0, 0);
-            d[1] = make_uint4(0, 0, 0, 0);
-        }
-    }
+// a * b exactly (the product e2m1 * scale is representable in BF16); -0 as addend keeps the
+// sign of a zero product.
+__device__ __forceinline__ u32 bf16x2_mul_exact(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
 }
 
-// Load a BN x BK weight tile (rows [n0, n0 + BN) of W_e, limited to nout) into smem as BF16.
-__device__ __forceinline__ void load_w_tile(const u8* __restrict__ wq, const u8* __restrict__ ws,
-                                            u32 K, u32 nout, u32 wblock, u32 n0, u32 k0, u16* sB) {
-    u32 kg_n = K / 16, kb = K / wblock;
-    for (u32 idx = threadIdx.x; idx < BN * (BK / 16); idx += GEMM_THREADS) {
-        u32 r = idx / (BK / 16), g = idx % (BK / 16);
-        u32 n = n0 + r, kg = k0 / 16 + g;
-        u16* dst = sB + r * SROW + g * 16;
-        if (n < nout && kg < kg_n) {
-            uint2 q = *reinterpret_cast<const uint2*>(wq + (size_t)n * (K / 2) + kg * 8);
-            u32 sc = ws[(size_t)n * kb + kg * 16 / wblock];
-            float s = wblock == 16 ? e4m3_decode(sc) : ue8m0_decode(sc);
-            deq16_to_smem(q, s, dst);
-        } else {
-            uint4* d = reinterpret_cast<uint4*>(dst);
-            d[0] = make_uint4(0, 0, 0, 0);
-            d[1] = make_uint4(0, 0, 0, 0);
-        }
-    }
+// BF16 bits of the 16 E2M1 codes.
+__device__ __forceinline__ u32 e2m1_bf16_bits(u32 code) {
+    const u32 mag[8] = {0x0000u, 0x3F00u, 0x3F80u, 0x3FC0u, 0x4000u, 0x4040u, 0x4080u, 0x40C0u};
+    u32 v = 0;
+#pragma unroll
+    for (int m = 0; m < 8; m++) v = (code & 7u) == (u32)m ? mag[m] : v;
+    return v | ((code & 8u) << 12);
+}
+
+// lut[byte] = the two codes of a packed byte as a BF16 pair (low nibble in the low half).
+__device__ __forceinline__ void build_lut(u32* lut) {
+    for (u32 b = threadIdx.x; b < 256; b += blockDim.x)
+        lut[b] = e2m1_bf16_bits(b & 0xFu) | (e2m1_bf16_bits(b >> 4) << 16);
+}
+
+// One 16-group in flight: its 8 code bytes and its scale as a BF16 pair.
+struct Group {
+    uint2 q;
+    u32 s2;
+};
+
+__device__ __forceinline__ u32 scale_bf16x2(float s) {
+    u32 h = __float_as_uint(s) >> 16;  // exact: E4M3 and UE8M0 values are BF16 values
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ void store_group(const Group& g, const u32* lut, u16* dst) {
+    u32 w[8];
+    u32 b[2] = {g.q.x, g.q.y};
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[h * 4 + j] = bf16x2_mul_exact(lut[(b[h] >> (8 * j)) & 0xFFu], g.s2);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
 // Which expert and rows a block works on; false when the block has no tile.
@@ -195,28 +184,97 @@ __device__ __forceinline__ bool find_tile(const u32* __restrict__ tile_offsets,
     return true;
 }
 
-// The K loop for one (or two, fused gate/up) weight matrices. Warp (wm, wn) of a 2x2 grid
-// owns rows wm*32 + [0,32) and cols wn*32 + [0,32): 2 m16 tiles x 4 n8 tiles.
+// The operands of one grouped GEMM block.
 template <int NB>
-__device__ __forceinline__ void gemm_mainloop(const u8* aq, const u8* as, u32 K, u32 r0, u32 r1,
-                                              const u8* const (&wq)[2], const u8* const (&ws)[2],
-                                              u32 nout, u32 wblock, u32 n0, u16* sA, u16* sB,
-                                              float (&acc)[NB][2][4][4]) {
+struct Operands {
+    const u8* aq;
+    const u8* as;
+    u32 K;
+    u32 r0, r1;
+    const u8* wq[2];
+    const u8* ws[2];
+    u32 nout, wblock, n0;
+};
+
+// Groups per thread per BK slice: A has BM rows x BK/16 groups, W has NB*BNB rows x BK/16.
+template <int NB, int BNB>
+struct Slice {
+    static constexpr int A_ITEMS = BM * (BK / 16) / GEMM_THREADS;
+    static constexpr int W_ITEMS = NB * BNB * (BK / 16) / GEMM_THREADS;
+    Group a[A_ITEMS];
+    Group w[W_ITEMS];
+};
+
+template <int NB, int BNB>
+__device__ __forceinline__ void load_slice(const Operands<NB>& o, u32 k0, Slice<NB, BNB>& sl) {
+    u32 kgs = o.K / 16;
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::A_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        u32 r = idx / (BK / 16), g = idx % (BK / 16);
+        u32 row = o.r0 + r, kg = k0 / 16 + g;
+        Group x = {make_uint2(0, 0), 0};
+        if (row < o.r1 && kg < kgs) {
+            x.q = *reinterpret_cast<const uint2*>(o.aq + (size_t)row * (o.K / 2) + kg * 8);
+            x.s2 = scale_bf16x2(e4m3_decode(o.as[(size_t)row * kgs + kg]));
+        }
+        sl.a[t] = x;
+    }
+    u32 kb = o.K / o.wblock;
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::W_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        u32 r = idx / (BK / 16), g = idx % (BK / 16);
+        u32 b = r / BNB, n = o.n0 + r % BNB, kg = k0 / 16 + g;
+        Group x = {make_uint2(0, 0), 0};
+        // a select, not o.wq[b]: a run-time index would put the operands in local memory
+        const u8* wq = (NB > 1 && b != 0) ? o.wq[1] : o.wq[0];
+        const u8* ws = (NB > 1 && b != 0) ? o.ws[1] : o.ws[0];
+        if (n < o.nout && kg < kgs) {
+            x.q = *reinterpret_cast<const uint2*>(wq + (size_t)n * (o.K / 2) + kg * 8);
+            u32 sc = ws[(size_t)n * kb + kg * 16 / o.wblock];
+            x.s2 = scale_bf16x2(o.wblock == 16 ? e4m3_decode(sc) : ue8m0_decode(sc));
+        }
+        sl.w[t] = x;
+    }
+}
+
+template <int NB, int BNB>
+__device__ __forceinline__ void store_slice(const Slice<NB, BNB>& sl, const u32* lut, u16* sA, u16* sB) {
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::A_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        store_group(sl.a[t], lut, sA + (idx / (BK / 16)) * SROW + (idx % (BK / 16)) * 16);
+    }
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::W_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        store_group(sl.w[t], lut, sB + (idx / (BK / 16)) * SROW + (idx % (BK / 16)) * 16);
+    }
+}
+
+// Accumulators: [matrix][m16 tile][n8 tile][4]; a warp owns 32 rows x BNB/2 columns.
+template <int NB, int BNB>
+__device__ __forceinline__ void gemm_mainloop(const Operands<NB>& o, u16* sA, u16* sB, const u32* lut,
+                                              float (&acc)[NB][2][BNB / 16][4]) {
+    constexpr int NT = BNB / 16;  // n8 tiles per warp per matrix
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int wm = warp / 2, wn = warp % 2;
+    int wm = warp % 4, wn = warp / 4;
 #pragma unroll
     for (int b = 0; b < NB; b++)
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < NT; j++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) acc[b][i][j][q] = 0.0f;
-    for (u32 k0 = 0; k0 < K; k0 += BK) {
-        load_a_tile(aq, as, K, r0, r1, k0, sA);
-#pragma unroll
-        for (int b = 0; b < NB; b++) load_w_tile(wq[b], ws[b], K, nout, wblock, n0, k0, sB + b * BN * SROW);
-        __syncthreads();
+    Slice<NB, BNB> sl;
+    load_slice<NB, BNB>(o, 0, sl);
+    store_slice<NB, BNB>(sl, lut, sA, sB);
+    __syncthreads();
+    for (u32 k0 = 0; k0 < o.K; k0 += BK) {
+        bool more = k0 + BK < o.K;
+        if (more) load_slice<NB, BNB>(o, k0 + BK, sl);  // in flight during the MMAs
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             u32 af[2][4];
@@ -226,12 +284,11 @@ __device__ __forceinline__ void gemm_mainloop(const u8* aq, const u8* as, u32 K,
 #pragma unroll
             for (int b = 0; b < NB; b++) {
 #pragma unroll
-                for (int jj = 0; jj < 2; jj++) {
+                for (int jj = 0; jj < NT / 2; jj++) {
                     // two n8 tiles per ldmatrix.x4: regs {b0,b1} of tile 2jj, then of 2jj+1
                     u32 bf[4];
-                    const u16* p = sB + b * BN * SROW +
-                                   (wn * 32 + jj * 16 + (lane % 8) + (lane / 16) * 8) * SROW + kk +
-                                   ((lane / 8) % 2) * 8;
+                    const u16* p = sB + (b * BNB + wn * (BNB / 2) + jj * 16 + (lane % 8) + (lane / 16) * 8) * SROW +
+                                   kk + ((lane / 8) % 2) * 8;
                     ldmatrix_x4(bf, p);
 #pragma unroll
                     for (int i = 0; i < 2; i++) {
@@ -242,45 +299,57 @@ __device__ __forceinline__ void gemm_mainloop(const u8* aq, const u8* as, u32 K,
             }
         }
         __syncthreads();
+        if (more) {
+            store_slice<NB, BNB>(sl, lut, sA, sB);
+            __syncthreads();
+        }
     }
 }
 
-// Visit each accumulator element with its (row, col) inside the block tile.
-#define FOR_EACH_ACC(...)                                                         \
+// Visit each accumulator element with its (row, col) inside the block tile (per matrix).
+#define FOR_EACH_ACC(NT_, WCOLS_, ...)                                             \
     {                                                                             \
         int warp_ = threadIdx.x / 32, lane_ = threadIdx.x % 32;                   \
-        int wm_ = warp_ / 2, wn_ = warp_ % 2;                                     \
+        int wm_ = warp_ % 4, wn_ = warp_ / 4;                                     \
         _Pragma("unroll") for (int i = 0; i < 2; i++)                             \
-        _Pragma("unroll") for (int j = 0; j < 4; j++)                             \
+        _Pragma("unroll") for (int j = 0; j < (NT_); j++)                         \
         _Pragma("unroll") for (int q = 0; q < 4; q++) {                           \
             int lr = wm_ * 32 + i * 16 + lane_ / 4 + (q / 2) * 8;                 \
-            int lc = wn_ * 32 + j * 8 + (lane_ % 4) * 2 + (q % 2);                \
+            int lc = wn_ * (WCOLS_) + j * 8 + (lane_ % 4) * 2 + (q % 2);          \
             __VA_ARGS__                                                           \
         }                                                                         \
     }
 
-#define GEMM_SMEM_BYTES (3 * BN * SROW * 2)
+#define PLAIN_BN 128
+#define FUSED_BN 64
+// operand tiles (A + NB*BNB rows of SROW bf16) + the code table
+#define GEMM_SMEM_U16 ((BM + 128) * SROW)
 
 // Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
 // alpha_e = rcp(gs[e]) * ws2[e].
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 moe_gemm_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
                const float* __restrict__ gs, const float* __restrict__ ws2,
                const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
                float* __restrict__ out) {
-    __shared__ __align__(16) u16 smem[GEMM_SMEM_BYTES / 2];
+    __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
+    __shared__ u32 lut[256];
     u32 e, r0, r1;
     if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
-    u32 n0 = blockIdx.y * BN;
+    build_lut(lut);
+    Operands<1> o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;
     size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / wblock);
-    const u8* const wqs[2] = {wq + e * wstride, nullptr};
-    const u8* const wss[2] = {ws + e * sstride, nullptr};
-    float acc[1][2][4][4];
-    gemm_mainloop<1>(aq, as, K, r0, r1, wqs, wss, nout, wblock, n0, smem, smem + BM * SROW, acc);
+    o.wq[0] = wq + e * wstride; o.ws[0] = ws + e * sstride;
+    o.wq[1] = nullptr; o.ws[1] = nullptr;
+    o.nout = nout; o.wblock = wblock; o.n0 = blockIdx.y * PLAIN_BN;
+    __syncthreads();
+    float acc[1][2][PLAIN_BN / 16][4];
+    gemm_mainloop<1, PLAIN_BN>(o, smem, smem + BM * SROW, lut, acc);
     float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
-    FOR_EACH_ACC({
-        u32 row = r0 + lr, col = n0 + lc;
+    FOR_EACH_ACC(PLAIN_BN / 16, PLAIN_BN / 2, {
+        u32 row = r0 + lr, col = o.n0 + lc;
         if (row < r1 && col < nout) out[(size_t)row * nout + col] = __fmul_rn(acc[0][i][j][q], alpha);
     })
 }
@@ -298,21 +367,27 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
                        u32 E, const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
                        u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
                        u32* __restrict__ amax_bits) {
-    __shared__ __align__(16) u16 smem[GEMM_SMEM_BYTES / 2];
+    __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
+    __shared__ u32 lut[256];
     u32 e, r0, r1;
     if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
-    u32 n0 = blockIdx.y * BN;
+    build_lut(lut);
+    Operands<2> o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;
     size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / wblock);
-    const u8* const wqs[2] = {w1q + e * wstride, w3q + e * wstride};
-    const u8* const wss[2] = {w1s + e * sstride, w3s + e * sstride};
-    float acc[2][2][4][4];
-    gemm_mainloop<2>(aq, as, K, r0, r1, wqs, wss, nout, wblock, n0, smem, smem + BM * SROW, acc);
+    o.wq[0] = w1q + e * wstride; o.ws[0] = w1s + e * sstride;
+    o.wq[1] = w3q + e * wstride; o.ws[1] = w3s + e * sstride;
+    o.nout = nout; o.wblock = wblock; o.n0 = blockIdx.y * FUSED_BN;
+    u32 n0 = o.n0;
+    __syncthreads();
+    float acc[2][2][FUSED_BN / 16][4];
+    gemm_mainloop<2, FUSED_BN>(o, smem, smem + BM * SROW, lut, acc);
     float g_in = rcp_ref(gs1[e]);
     float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
     // the tile of `a` in smem (f32, padded rows), reusing the operand buffers
     float* sa = reinterpret_cast<float*>(smem);
-    const int SA = BN + 4;
-    FOR_EACH_ACC({
+    const int SA = FUSED_BN + 4;
+    FOR_EACH_ACC(FUSED_BN / 16, FUSED_BN / 2, {
         float g = __fmul_rn(acc[0][i][j][q], alpha_g);
         float u = __fmul_rn(acc[1][i][j][q], alpha_u);
         sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
@@ -323,8 +398,8 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
         float gsv = gs2[e];
         u32 kb = nout / 16;
         u32 counts[4] = {0, 0, 0, 0};
-        for (u32 idx = threadIdx.x; idx < BM * (BN / 16); idx += GEMM_THREADS) {
-            u32 r = idx / (BN / 16), g = idx % (BN / 16);
+        for (u32 idx = threadIdx.x; idx < BM * (FUSED_BN / 16); idx += GEMM_THREADS) {
+            u32 r = idx / (FUSED_BN / 16), g = idx % (FUSED_BN / 16);
             u32 row = r0 + r, col = n0 + g * 16;
             if (row < r1 && col < nout) {
                 float v[16];
@@ -348,8 +423,8 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
     } else {
         // dynamic gs2: write a, fold |a| into the expert's amax
         u32 m = 0;
-        for (u32 idx = threadIdx.x; idx < BM * BN; idx += GEMM_THREADS) {
-            u32 r = idx / BN, c = idx % BN;
+        for (u32 idx = threadIdx.x; idx < BM * FUSED_BN; idx += GEMM_THREADS) {
+            u32 r = idx / FUSED_BN, c = idx % FUSED_BN;
             u32 row = r0 + r, col = n0 + c;
             if (row < r1 && col < nout) {
                 float v = sa[r * SA + c];

@@ -18,11 +18,13 @@ use cudarc::driver::{sys as drv_sys, CudaGraph, CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Tile sizes of kernels/moe.cu (BM rows per tile, BN output columns).
-const BM: usize = 64;
-const BN: usize = 64;
+/// Tile sizes of kernels/moe.cu: BM rows per tile; output columns per tile of the plain GEMM
+/// (down projection) and of the fused gate/up GEMM (per matrix).
+const BM: usize = 128;
+const PLAIN_BN: usize = 128;
+const FUSED_BN: usize = 64;
 const SORT_CHUNK: usize = 256;
-const GEMM_THREADS: u32 = 128;
+const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
@@ -699,12 +701,12 @@ impl Nvfp4Forward {
 
     /// Grid of a grouped GEMM: an upper bound on the row tiles over all experts (blocks past
     /// the real count exit), times the output column tiles.
-    fn gemm_grid(&self, nout: usize) -> LaunchConfig {
+    fn gemm_grid(&self, nout: usize, bn: usize) -> LaunchConfig {
         let e = self.layer.config.n_routed_experts;
         let n = self.ws.tokens * self.ws.k;
         let tiles = n.div_ceil(BM) + e.min(n);
         LaunchConfig {
-            grid_dim: (tiles.max(1) as u32, nout.div_ceil(BN) as u32, 1),
+            grid_dim: (tiles.max(1) as u32, nout.div_ceil(bn) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -803,7 +805,7 @@ impl Nvfp4Forward {
             gpu.launch(
                 &MOE,
                 "moe_gemm_gate_up_nvfp4",
-                self.gemm_grid(i),
+                self.gemm_grid(i, FUSED_BN),
                 &[
                     KArg::U64(p(&ws.a1q)),
                     KArg::U64(p(&ws.a1s)),
@@ -857,7 +859,7 @@ impl Nvfp4Forward {
             gpu.launch(
                 &MOE,
                 "moe_gemm_nvfp4",
-                self.gemm_grid(h),
+                self.gemm_grid(h, PLAIN_BN),
                 &[
                     KArg::U64(p(&ws.a2q)),
                     KArg::U64(p(&ws.a2s)),
