@@ -25,13 +25,14 @@ pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String
 }
 
 fn driver_what(e: &DriverError) -> String {
-    let name = e
-        .error_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", e.0));
-    let text = e
-        .error_string()
-        .map(|s| s.to_string_lossy().into_owned())
+    // the names come from libcuda; never let a missing library turn an error into a panic
+    let name = quietly(|| e.error_name().map(|s| s.to_string_lossy().into_owned()))
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or_else(|| format!("{:?}", e.0));
+    let text = quietly(|| e.error_string().map(|s| s.to_string_lossy().into_owned()))
+        .ok()
+        .and_then(|r| r.ok())
         .unwrap_or_default();
     if text.is_empty() {
         name
@@ -495,4 +496,35 @@ pub(crate) fn grid_1d(n: u64, threads: u32) -> Result<LaunchConfig> {
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probing_without_a_gpu_is_an_error_not_a_panic() {
+        // CPU CI has no driver: NoGpu with a message; on a GPU machine, a bogus ordinal.
+        match probe(4096) {
+            Err(Error::NoGpu(msg)) => assert!(!msg.is_empty()),
+            other => panic!("expected NoGpu, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn oom_becomes_gpu_oom_with_the_step() {
+        let e = driver_err(
+            "allocating x",
+            "k",
+            DriverError(drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert!(matches!(e, Error::GpuOom { .. }), "{e}");
+        assert!(e.to_string().contains("allocating x"));
+        let e = driver_err(
+            "kernel launch",
+            "moe_combine",
+            DriverError(drv_sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        assert!(e.to_string().contains("moe_combine"), "{e}");
+    }
 }

@@ -348,3 +348,50 @@ pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, usize)>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_specific_targets_where_they_exist() {
+        assert_eq!(arch_for(9, 0), "sm_90a");
+        assert_eq!(arch_for(10, 0), "sm_100a");
+        assert_eq!(arch_for(8, 9), "sm_89");
+        assert_eq!(arch_for(8, 0), "sm_80");
+    }
+
+    #[test]
+    fn kernel_names_are_found_whole() {
+        let blob = b"\0.text.moe_combine\0moe_combine\0xmoe_gemm\0";
+        assert!(cubin_defines(blob, "moe_combine"));
+        assert!(!cubin_defines(blob, "moe_gemm"));
+        assert!(!cubin_defines(blob, "combine"));
+    }
+
+    #[test]
+    fn every_launched_kernel_is_listed_in_its_module() {
+        for m in MODULES {
+            for k in m.kernels {
+                let decl = format!("void {k}(");
+                let decl2 = format!("\n{k}(");
+                assert!(
+                    m.source.contains(&decl) || m.source.contains(&decl2),
+                    "{}: no `{k}` in the source",
+                    m.file
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn options_never_enable_fast_math() {
+        let o = compile_options("sm_90a").join(" ");
+        assert!(
+            o.contains("--fmad=false")
+                && o.contains("--ftz=false")
+                && o.contains("--prec-div=true")
+        );
+        assert!(!o.contains("use_fast_math"));
+    }
+}
