@@ -70,7 +70,6 @@ pub const BENCH: KernelModule = KernelModule {
     source: include_str!("../../../kernels/bench.cu"),
     kernels: &[
         "bench_fill_bytes",
-        "bench_fill_e4m3_scales",
         "bench_fill_bf16",
         "bench_fill_f32",
         "bench_nonfinite_scan_f32",
