@@ -2,7 +2,21 @@
 //! has finite, positive numbers and a floor; the floors are plausible; --only restricts.
 
 use serde_json::Value;
+use std::path::PathBuf;
 use std::process::Command;
+
+/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
+/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
+fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
+        return p.into();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
+        .filter(|p| p.is_file());
+    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
+}
 
 /// Every figure of `--quick` (all but the 8192^3 GEMM).
 const QUICK_FIGURES: &[&str] = &[
@@ -32,7 +46,9 @@ const QUICK_FIGURES: &[&str] = &[
 fn run(args: &[&str]) -> (Value, String, String) {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("bench.json");
-    let o = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+    let bin = binary();
+    eprintln!("running {} bench {args:?}", bin.display());
+    let o = Command::new(&bin)
         .arg("bench")
         .args(args)
         .args(["--json", json.to_str().unwrap(), "--no-report-dir"])

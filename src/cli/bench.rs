@@ -60,6 +60,14 @@ pub fn run(args: &Args) -> Result<Report> {
         Error::NoGpu(m) => Error::NoGpu(format!(
             "{m} (nvfp4dbg bench is a GPU benchmark: run it where cuda:{ordinal} is usable)"
         )),
+        Error::GpuOom { step, what } => Error::GpuOom {
+            step,
+            what: format!(
+                "{what} (the bench needs about 35 GB of GPU memory at its peak: a DeepSeek-V3 \
+                 layer in NVFP4 and, for the cuBLAS baseline, its experts in BF16; \
+                 --only floors,quantize,reduce needs under 5 GB)"
+            ),
+        },
         other => other,
     })?;
     Ok(report(&o))
