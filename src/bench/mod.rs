@@ -6,6 +6,22 @@
 //! each output written once) and the floor that work implies here: the larger of FLOPs over
 //! the measured cuBLAS BF16 rate and bytes over the measured copy bandwidth.
 //!
+//! The figures (DeepSeek-V3: H 7168, I 2048, E 256, top-8, one shared expert; N = tokens·8
+//! rows, X = experts touched; FP4 bytes of `[r, c]` = r·c/2 codes + r·c/16 E4M3 scales):
+//!
+//! | figure | rate | work (floor = max(FLOPs / BF16 rate, bytes / copy bandwidth)) |
+//! |---|---|---|
+//! | `copy_d2d` | GB/s | bytes = 2 · buffer (read + write); defines the copy bandwidth |
+//! | `cublas_bf16_{4096,8192}` | TFLOP/s | 2m³ FLOPs, 2·2m² + 4m² bytes; the best defines the BF16 rate |
+//! | `quantize_bf16_{reference,cuda_fast}` | GB/s | bytes = 2RC (BF16 in) + RC/2 + RC/16 (out), R×C = 8192×7168 |
+//! | `gemm_prefill_4096_gate_up` | TFLOP/s | 4NIH FLOPs; X·FP4(2I×H) + N·FP4(H) in + N·FP4(I) out |
+//! | `gemm_prefill_4096_down` | TFLOP/s | 2NHI FLOPs; X·FP4(H×I) + N·FP4(I) in + 4NH out |
+//! | `gemm_prefill_4096`, `gemm_decode_{1,8,64}` | TFLOP/s, GB/s | both GEMMs; decode rate = FP4 weight bytes touched / time |
+//! | `cublas_bf16_experts_{4096,64,8,1}` | TFLOP/s, GB/s | 6NHI FLOPs; X·6IH BF16 weights + 2NH + 8NI + 2NI + 4NH |
+//! | `reduce_compare` | GB/s | 2 · 4n bytes (two f32 tensors read), n = 64M |
+//! | `reduce_nan_scan`, `reduce_amax` | GB/s | 4n bytes |
+//! | `layer_{16,4096}_{eager,graph}` | GB/s, TFLOP/s | 2THE + 6NHI + 6THI_s FLOPs; 8TH + 4EH + FP4 weights touched + 6I_sH bytes |
+//!
 //! Layout: `plan` (catalogue, `--only`, problem sizes, work formulas), `figure` (floors,
 //! ratios), `stats` (median, rotation), `synth` (host data) are plain CPU code with unit
 //! tests; `timer`, `gpu` and `moe_figs` drive the device.
