@@ -1,6 +1,7 @@
 //! nvfp4dbg: numerical debugging and bisection of NVFP4 Mixture-of-Experts kernels.
 
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod error;

@@ -4,6 +4,7 @@
 pub mod common;
 
 pub mod audit;
+pub mod bench;
 pub mod bisect;
 pub mod compare_weights;
 pub mod gs_sweep;
@@ -58,6 +59,8 @@ pub enum Command {
     Bisect(bisect::Args),
     /// Run a named scenario from cases/*.toml
     Run(run_case::Args),
+    /// How fast is the GPU path? Timed figures against the copy and BF16 GEMM floors
+    Bench(bench::Args),
     /// Write a synthetic trace (tiny transformer, planted faults): test material for cases
     #[command(hide = true)]
     SynthTrace(synth_trace::Args),
@@ -85,6 +88,7 @@ pub fn execute(command: Command) -> Result<(Report, Outputs)> {
         Command::NanLocate(a) => (nan_locate::run(&a)?, a.out_args.outputs()),
         Command::Bisect(a) => (bisect::run(&a)?, a.out_args.outputs()),
         Command::Run(a) => (run_case::run(&a)?, a.out_args.outputs()),
+        Command::Bench(a) => (bench::run(&a)?, a.out_args.outputs()),
         Command::SynthTrace(a) => (synth_trace::run(&a)?, a.out_args.outputs()),
     })
 }

@@ -391,6 +391,25 @@ impl Workspace {
     }
 }
 
+/// The parts of the NVFP4 forward, in launch order ([`Nvfp4Forward::enqueue_stage`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// Router (when routing on the GPU), counting sort by expert, NVFP4 quantization of the
+    /// expert inputs (and the dynamic gs1).
+    Prologue,
+    /// The grouped gate/up GEMM with SwiGLU and the requantization fused (and, with dynamic
+    /// scales, the gs2 pass and the separate quantization).
+    GateUp,
+    /// The grouped down GEMM.
+    Down,
+    /// Shared experts and the weighted combine.
+    Epilogue,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 4] = [Stage::Prologue, Stage::GateUp, Stage::Down, Stage::Epilogue];
+}
+
 /// Where the routing of a forward comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RouteSource {
@@ -746,6 +765,25 @@ impl Nvfp4Forward {
     }
 
     fn enqueue_nvfp4(&self) -> Result<()> {
+        for stage in Stage::ALL {
+            self.enqueue_nvfp4_stage(stage)?;
+        }
+        Ok(())
+    }
+
+    /// Launch one part of the NVFP4 forward (no allocation, no host sync). A stage reads what
+    /// the earlier ones left in the workspace, so repeating a lone stage recomputes the same
+    /// outputs (what `nvfp4dbg bench` times; only the activation block statistics add up).
+    pub fn enqueue_stage(&self, stage: Stage) -> Result<()> {
+        match self.want {
+            Want::Nvfp4 => self.enqueue_nvfp4_stage(stage),
+            Want::Reference => Err(Error::usage(
+                "the reference forward has no NVFP4 stages; use run() instead",
+            )),
+        }
+    }
+
+    fn enqueue_nvfp4_stage(&self, stage: Stage) -> Result<()> {
         let gpu = self.gpu();
         let ws = &self.ws;
         let c = &self.layer.config;
@@ -757,106 +795,119 @@ impl Nvfp4Forward {
             .as_ref()
             .ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
         let p = |s: &CudaSlice<u8>| gpu.ptr(s);
-        gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
-        gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
-        self.enqueue_route()?;
-        self.enqueue_sort()?;
-        if self.dynamic {
-            // gs1 = 2688 / amax(hidden over the batch), the same for every expert
-            let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
-            super::reduce::amax_into(gpu, gpu.ptr(&ws.hidden), (ws.tokens * h) as u64, batch_amax)?;
-            gpu.launch(
-                &MOE,
-                "dynamic_gs_from_amax",
-                grid_1d(1, 32)?,
-                &[
-                    KArg::U64(batch_amax),
-                    KArg::U32(1),
-                    KArg::U64(gpu.ptr(&ws.gs2)),
-                ],
-            )?;
-            gpu.launch(
-                &MOE,
-                "broadcast_f32",
-                grid_1d(e as u64, ELEM_THREADS)?,
-                &[
-                    KArg::U64(gpu.ptr(&ws.gs2)),
-                    KArg::U32(e as u32),
-                    KArg::U64(gpu.ptr(&ws.gs1)),
-                ],
-            )?;
-        }
-        if n > 0 {
-            // expert inputs: row p is hidden[sorted_token[p]], quantized with gs1[expert]
-            self.enqueue_quantize(
-                gpu.ptr(&ws.hidden),
-                n,
-                h,
-                gpu.ptr(&ws.sorted_token),
-                gpu.ptr(&ws.gs1),
-                gpu.ptr(&ws.sorted_expert),
-                p(&ws.a1q),
-                p(&ws.a1s),
-            )?;
-            let (limit, has_limit) = match c.swiglu_limit {
-                Some(l) => (l, 1u32),
-                None => (0.0, 0u32),
-            };
-            gpu.launch(
-                &MOE,
-                "moe_gemm_gate_up_nvfp4",
-                self.gemm_grid(i, FUSED_BN),
-                &[
-                    KArg::U64(p(&ws.a1q)),
-                    KArg::U64(p(&ws.a1s)),
-                    KArg::U32(h as u32),
-                    KArg::U64(p(&ex.w1q)),
-                    KArg::U64(p(&ex.w1s)),
-                    KArg::U64(p(&ex.w3q)),
-                    KArg::U64(p(&ex.w3s)),
-                    KArg::U32(i as u32),
-                    KArg::U32(ex.wblock),
-                    KArg::U64(gpu.ptr(&ws.gs1)),
-                    KArg::U64(gpu.ptr(&ex.ws2_1)),
-                    KArg::U64(gpu.ptr(&ex.ws2_3)),
-                    KArg::F32(limit),
-                    KArg::U32(has_limit),
-                    KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                    KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                    KArg::U32(e as u32),
-                    KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
-                    KArg::U32(flavor_code(self.flavor)),
-                    KArg::U64(p(&ws.a2q)),
-                    KArg::U64(p(&ws.a2s)),
-                    KArg::U64(gpu.ptr(&ws.stats)),
-                    KArg::U64(gpu.ptr(&ws.a_f32)),
-                    KArg::U64(gpu.ptr(&ws.amax_bits)),
-                ],
-            )?;
-            if self.dynamic {
-                // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
+        match stage {
+            Stage::Prologue => {
+                gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
+                gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
+                self.enqueue_route()?;
+                self.enqueue_sort()?;
+                if self.dynamic {
+                    // gs1 = 2688 / amax(hidden over the batch), the same for every expert
+                    let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
+                    super::reduce::amax_into(
+                        gpu,
+                        gpu.ptr(&ws.hidden),
+                        (ws.tokens * h) as u64,
+                        batch_amax,
+                    )?;
+                    gpu.launch(
+                        &MOE,
+                        "dynamic_gs_from_amax",
+                        grid_1d(1, 32)?,
+                        &[
+                            KArg::U64(batch_amax),
+                            KArg::U32(1),
+                            KArg::U64(gpu.ptr(&ws.gs2)),
+                        ],
+                    )?;
+                    gpu.launch(
+                        &MOE,
+                        "broadcast_f32",
+                        grid_1d(e as u64, ELEM_THREADS)?,
+                        &[
+                            KArg::U64(gpu.ptr(&ws.gs2)),
+                            KArg::U32(e as u32),
+                            KArg::U64(gpu.ptr(&ws.gs1)),
+                        ],
+                    )?;
+                }
+                if n > 0 {
+                    // expert inputs: row p is hidden[sorted_token[p]], quantized with gs1[expert]
+                    self.enqueue_quantize(
+                        gpu.ptr(&ws.hidden),
+                        n,
+                        h,
+                        gpu.ptr(&ws.sorted_token),
+                        gpu.ptr(&ws.gs1),
+                        gpu.ptr(&ws.sorted_expert),
+                        p(&ws.a1q),
+                        p(&ws.a1s),
+                    )?;
+                }
+                Ok(())
+            }
+            Stage::GateUp if n > 0 => {
+                let (limit, has_limit) = match c.swiglu_limit {
+                    Some(l) => (l, 1u32),
+                    None => (0.0, 0u32),
+                };
                 gpu.launch(
                     &MOE,
-                    "dynamic_gs_from_amax",
-                    grid_1d(e as u64, ELEM_THREADS)?,
+                    "moe_gemm_gate_up_nvfp4",
+                    self.gemm_grid(i, FUSED_BN),
                     &[
-                        KArg::U64(gpu.ptr(&ws.amax_bits)),
+                        KArg::U64(p(&ws.a1q)),
+                        KArg::U64(p(&ws.a1s)),
+                        KArg::U32(h as u32),
+                        KArg::U64(p(&ex.w1q)),
+                        KArg::U64(p(&ex.w1s)),
+                        KArg::U64(p(&ex.w3q)),
+                        KArg::U64(p(&ex.w3s)),
+                        KArg::U32(i as u32),
+                        KArg::U32(ex.wblock),
+                        KArg::U64(gpu.ptr(&ws.gs1)),
+                        KArg::U64(gpu.ptr(&ex.ws2_1)),
+                        KArg::U64(gpu.ptr(&ex.ws2_3)),
+                        KArg::F32(limit),
+                        KArg::U32(has_limit),
+                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
                         KArg::U32(e as u32),
-                        KArg::U64(gpu.ptr(&ws.gs2)),
+                        KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                        KArg::U32(flavor_code(self.flavor)),
+                        KArg::U64(p(&ws.a2q)),
+                        KArg::U64(p(&ws.a2s)),
+                        KArg::U64(gpu.ptr(&ws.stats)),
+                        KArg::U64(gpu.ptr(&ws.a_f32)),
+                        KArg::U64(gpu.ptr(&ws.amax_bits)),
                     ],
                 )?;
-                self.enqueue_quantize(
-                    gpu.ptr(&ws.a_f32),
-                    n,
-                    i,
-                    0,
-                    gpu.ptr(&ws.gs2),
-                    gpu.ptr(&ws.sorted_expert),
-                    p(&ws.a2q),
-                    p(&ws.a2s),
-                )?;
+                if self.dynamic {
+                    // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
+                    gpu.launch(
+                        &MOE,
+                        "dynamic_gs_from_amax",
+                        grid_1d(e as u64, ELEM_THREADS)?,
+                        &[
+                            KArg::U64(gpu.ptr(&ws.amax_bits)),
+                            KArg::U32(e as u32),
+                            KArg::U64(gpu.ptr(&ws.gs2)),
+                        ],
+                    )?;
+                    self.enqueue_quantize(
+                        gpu.ptr(&ws.a_f32),
+                        n,
+                        i,
+                        0,
+                        gpu.ptr(&ws.gs2),
+                        gpu.ptr(&ws.sorted_expert),
+                        p(&ws.a2q),
+                        p(&ws.a2s),
+                    )?;
+                }
+                Ok(())
             }
-            gpu.launch(
+            Stage::Down if n > 0 => gpu.launch(
                 &MOE,
                 "moe_gemm_nvfp4",
                 self.gemm_grid(h, PLAIN_BN),
@@ -875,10 +926,13 @@ impl Nvfp4Forward {
                     KArg::U32(e as u32),
                     KArg::U64(gpu.ptr(&ws.y)),
                 ],
-            )?;
+            ),
+            Stage::GateUp | Stage::Down => Ok(()),
+            Stage::Epilogue => {
+                self.enqueue_shared()?;
+                self.enqueue_combine()
+            }
         }
-        self.enqueue_shared()?;
-        self.enqueue_combine()
     }
 
     /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.

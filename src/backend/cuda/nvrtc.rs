@@ -64,8 +64,20 @@ pub const MOE: KernelModule = KernelModule {
     ],
 };
 
+/// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
+pub const BENCH: KernelModule = KernelModule {
+    file: "kernels/bench.cu",
+    source: include_str!("../../../kernels/bench.cu"),
+    kernels: &[
+        "bench_fill_bytes",
+        "bench_fill_bf16",
+        "bench_fill_f32",
+        "bench_nonfinite_scan_f32",
+    ],
+};
+
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE];
+pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.

@@ -92,11 +92,51 @@ pub fn quantize_nvfp4_dev(
     layout: ScaleLayout,
 ) -> Result<DevFp4> {
     check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
-    let kb = cols / 16;
     let gs_dev = gpu.upload(&[gs], "the global scale")?;
-    let packed = gpu.alloc::<u8>(rows * cols / 2, "packed FP4 codes")?;
-    let scales = gpu.alloc::<u8>(scale_len(rows, kb, layout), "block scales")?;
-    let stats = gpu.zeros::<u64>(4, "block statistics")?;
+    let mut out = DevFp4::alloc_nvfp4(gpu, rows, cols, layout)?;
+    out.scale_2 = 1.0 / gs;
+    enqueue_quantize_nvfp4(gpu, x, &gs_dev, flavor, &out)?;
+    // dropping gs_dev frees it in stream order, after the kernel
+    drop(gs_dev);
+    Ok(out)
+}
+
+impl DevFp4 {
+    /// Outputs of an NVFP4 quantization of `[rows, cols]` (codes and scales poisoned with
+    /// 0xFF, statistics zeroed); `scale_2` is the caller's to set.
+    pub fn alloc_nvfp4(gpu: &Gpu, rows: usize, cols: usize, layout: ScaleLayout) -> Result<Self> {
+        check_shape(rows * cols, rows, cols, 16, "nvfp4 quantize")?;
+        let kb = cols / 16;
+        Ok(DevFp4 {
+            format: Format::Nvfp4,
+            rows,
+            cols,
+            packed: gpu.alloc::<u8>(rows * cols / 2, "packed FP4 codes")?,
+            scales: gpu.alloc::<u8>(scale_len(rows, kb, layout), "block scales")?,
+            layout,
+            stats: gpu.zeros::<u64>(4, "block statistics")?,
+            scale_2: 1.0,
+        })
+    }
+}
+
+/// Enqueue the NVFP4 quantization of `x` into `out` (shape and layout from `out`) with the
+/// global scale `gs[0]` on the device: no allocation, no copy, so it can be timed alone or
+/// captured. Block statistics add up into `out.stats`.
+pub fn enqueue_quantize_nvfp4(
+    gpu: &Gpu,
+    x: DevRows<'_>,
+    gs: &CudaSlice<f32>,
+    flavor: Flavor,
+    out: &DevFp4,
+) -> Result<()> {
+    let (rows, cols, layout) = (out.rows, out.cols, out.layout);
+    check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
+    if out.format != Format::Nvfp4 || gs.is_empty() {
+        return Err(Error::usage(
+            "nvfp4 quantize: the output is not NVFP4, or no global scale was given",
+        ));
+    }
     let kernel = match x {
         DevRows::F32(_) => "nvfp4_quantize_f32",
         DevRows::Bf16(_) => "nvfp4_quantize_bf16",
@@ -104,33 +144,21 @@ pub fn quantize_nvfp4_dev(
     gpu.launch(
         &QUANT,
         kernel,
-        grid_for(rows, kb, layout)?,
+        grid_for(rows, cols / 16, layout)?,
         &[
             KArg::U64(x.ptr(gpu)),
             KArg::U64(rows as u64),
             KArg::U32(cols as u32),
             KArg::U64(0),
-            KArg::U64(gpu.ptr(&gs_dev)),
+            KArg::U64(gpu.ptr(gs)),
             KArg::U64(0),
-            KArg::U64(gpu.ptr(&packed)),
-            KArg::U64(gpu.ptr(&scales)),
+            KArg::U64(gpu.ptr(&out.packed)),
+            KArg::U64(gpu.ptr(&out.scales)),
             KArg::U32((layout == ScaleLayout::Swizzled) as u32),
-            KArg::U64(gpu.ptr(&stats)),
+            KArg::U64(gpu.ptr(&out.stats)),
             KArg::U32(flavor_code(flavor)),
         ],
-    )?;
-    // dropping gs_dev frees it in stream order, after the kernel
-    drop(gs_dev);
-    Ok(DevFp4 {
-        format: Format::Nvfp4,
-        rows,
-        cols,
-        packed,
-        scales,
-        layout,
-        stats,
-        scale_2: 1.0 / gs,
-    })
+    )
 }
 
 /// MXFP4-quantize `[rows, cols]` on the GPU.

@@ -59,53 +59,86 @@ pub fn compare_dev(
     reference: &CudaSlice<f32>,
     n: usize,
 ) -> Result<Metrics> {
-    if test.len() < n || reference.len() < n {
-        return Err(Error::usage(format!(
-            "compare: {n} elements asked, the buffers hold {} and {}",
-            test.len(),
-            reference.len()
-        )));
+    let scratch = CompareScratch::new(gpu, n)?;
+    scratch.enqueue(gpu, test, reference)?;
+    scratch.metrics(gpu)
+}
+
+/// The partial sums of a comparison of `n` elements, allocated once so the two reduction
+/// passes can be enqueued many times (benchmarks) without allocating or syncing.
+pub struct CompareScratch {
+    n: usize,
+    blocks: u64,
+    partials: CudaSlice<AccRaw>,
+    out: CudaSlice<AccRaw>,
+}
+
+impl CompareScratch {
+    pub fn new(gpu: &Gpu, n: usize) -> Result<Self> {
+        let blocks = (n as u64).div_ceil(CHUNK).max(1);
+        if blocks > i32::MAX as u64 {
+            return Err(Error::usage(format!("compare: {n} elements is too many")));
+        }
+        Ok(CompareScratch {
+            n,
+            blocks,
+            partials: gpu.alloc::<AccRaw>(blocks as usize, "comparison partial sums")?,
+            out: gpu.alloc::<AccRaw>(1, "comparison sums")?,
+        })
     }
-    let n64 = n as u64;
-    let blocks = n64.div_ceil(CHUNK).max(1);
-    if blocks > i32::MAX as u64 {
-        return Err(Error::usage(format!("compare: {n} elements is too many")));
+
+    /// Enqueue both passes over the first `n` elements of `test` and `reference`.
+    pub fn enqueue(
+        &self,
+        gpu: &Gpu,
+        test: &CudaSlice<f32>,
+        reference: &CudaSlice<f32>,
+    ) -> Result<()> {
+        let n = self.n;
+        if test.len() < n || reference.len() < n {
+            return Err(Error::usage(format!(
+                "compare: {n} elements asked, the buffers hold {} and {}",
+                test.len(),
+                reference.len()
+            )));
+        }
+        gpu.launch(
+            &REDUCE,
+            "compare_partial",
+            LaunchConfig {
+                grid_dim: (self.blocks as u32, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                KArg::U64(gpu.ptr(test)),
+                KArg::U64(gpu.ptr(reference)),
+                KArg::U64(n as u64),
+                KArg::U64(CHUNK),
+                KArg::U64(gpu.ptr(&self.partials)),
+            ],
+        )?;
+        gpu.launch(
+            &REDUCE,
+            "compare_final",
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                KArg::U64(gpu.ptr(&self.partials)),
+                KArg::U64(self.blocks),
+                KArg::U64(gpu.ptr(&self.out)),
+            ],
+        )
     }
-    let partials = gpu.alloc::<AccRaw>(blocks as usize, "comparison partial sums")?;
-    let out = gpu.alloc::<AccRaw>(1, "comparison sums")?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    gpu.launch(
-        &REDUCE,
-        "compare_partial",
-        cfg,
-        &[
-            KArg::U64(gpu.ptr(test)),
-            KArg::U64(gpu.ptr(reference)),
-            KArg::U64(n64),
-            KArg::U64(CHUNK),
-            KArg::U64(gpu.ptr(&partials)),
-        ],
-    )?;
-    gpu.launch(
-        &REDUCE,
-        "compare_final",
-        LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        },
-        &[
-            KArg::U64(gpu.ptr(&partials)),
-            KArg::U64(blocks),
-            KArg::U64(gpu.ptr(&out)),
-        ],
-    )?;
-    let acc = gpu.download(&out, 1, "comparison sums")?;
-    Ok(acc[0].accum().finish())
+
+    /// The metrics of the last enqueued comparison (waits for the stream).
+    pub fn metrics(&self, gpu: &Gpu) -> Result<Metrics> {
+        let acc = gpu.download(&self.out, 1, "comparison sums")?;
+        Ok(acc[0].accum().finish())
+    }
 }
 
 /// Upload both and compare.
