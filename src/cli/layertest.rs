@@ -417,7 +417,7 @@ pub fn pct(n: u64, of: u64) -> f64 {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct BlockSummary {
     pub blocks: u64,
     pub saturated: u64,
