@@ -155,7 +155,7 @@ fn explicit_gs_and_single_files() {
     assert!(stdout(&o).contains("PASS"), "{}", stdout(&o));
     // mxfp4: E8M0 scales of 32, no global scale
     let o = run(&["quantize", p(&inp), p(&out), "--format", "mxfp4"]);
-    if cols % 32 == 0 {
+    if cols.is_multiple_of(32) {
         assert_eq!(code(&o), 0, "{}", stderr(&o));
         let f = TensorFile::open(&out).unwrap();
         assert_eq!(f.info("x.weight_scale").unwrap().dtype, Dtype::F8_E8M0);

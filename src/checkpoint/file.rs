@@ -512,7 +512,7 @@ fn parse_entry(path: &Path, name: &str, v: &Value) -> Result<TensorInfo> {
     let bits = numel
         .checked_mul(dtype.bitsize())
         .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
-    if bits % 8 != 0 {
+    if !bits.is_multiple_of(8) {
         return Err(bad(format!(
             "{numel} elements of {dtype:?} are not a whole number of bytes"
         )));
