@@ -71,7 +71,7 @@ impl ShardWriter {
         }
         let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
         // pad the header with spaces to 8 bytes, as the reference writer does
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
