@@ -97,39 +97,6 @@ pub struct Args {
     pub out_args: OutArgs,
 }
 
-/// Stand-in for `checkpoint::MoeCheckpoint` until the checkpoint reader lands on this branch.
-mod ckpt_shim {
-    use crate::error::{Error, Result};
-    use crate::moe::MoeLayer;
-    use std::path::{Path, PathBuf};
-
-    pub struct MoeCheckpoint {
-        dir: PathBuf,
-        layers: Vec<usize>,
-    }
-
-    impl MoeCheckpoint {
-        pub fn open(dir: &Path) -> Result<MoeCheckpoint> {
-            let p = dir.join("config.json");
-            let text = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-            let v: serde_json::Value =
-                serde_json::from_slice(&text).map_err(|e| Error::bad_file(&p, e.to_string()))?;
-            let n = v["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
-            let first = v["first_k_dense_replace"].as_u64().unwrap_or(0) as usize;
-            Ok(MoeCheckpoint {
-                dir: dir.to_path_buf(),
-                layers: (first..n).collect(),
-            })
-        }
-        pub fn moe_layers(&self) -> Vec<usize> {
-            self.layers.clone()
-        }
-        pub fn load_layer(&self, l: usize) -> Result<MoeLayer> {
-            crate::checkpoint::load_moe_layer(&self.dir, l)
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Shared with gs-sweep and multilayer: the model, the input batch.
 
@@ -138,7 +105,7 @@ pub enum Model {
     Synthetic(SyntheticModel),
     Checkpoint {
         dir: PathBuf,
-        ckpt: ckpt_shim::MoeCheckpoint,
+        ckpt: Box<crate::checkpoint::MoeCheckpoint>,
     },
 }
 
@@ -151,7 +118,7 @@ impl Model {
             ))),
             Some(dir) => Ok(Model::Checkpoint {
                 dir: dir.clone(),
-                ckpt: ckpt_shim::MoeCheckpoint::open(dir)?,
+                ckpt: Box::new(crate::checkpoint::MoeCheckpoint::open(dir)?),
             }),
         }
     }
@@ -606,7 +573,7 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     if nv.act_stats.nan_scales > 0 {
         failures.push(format!(
-            "{} activation block scales are NaN (NaN input or a NaN/Inf global scale)",
+            "{} activation block scales are NaN (a NaN input, a NaN/Inf global scale, or NaN out of the gate/up GEMM)",
             nv.act_stats.nan_scales
         ));
     }

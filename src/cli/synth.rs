@@ -485,6 +485,15 @@ fn fp4_specs(base: &str, rows: usize, cols: usize) -> [TensorSpec; 3] {
     ]
 }
 
+/// An expert ready to write: id, tensors, calibration amaxes, faults planted in it.
+type BuiltExpert = (
+    usize,
+    Expert,
+    Option<f32>,
+    Option<f32>,
+    Vec<(Fault, String)>,
+);
+
 type LayerNamesOut = (Vec<String>, Vec<String>, Vec<Planted>);
 
 #[allow(clippy::too_many_arguments)]

@@ -258,6 +258,10 @@ pub fn outlier_channels(hidden: usize) -> Vec<(usize, f32)> {
         .collect()
 }
 
+/// Scale of the synthetic residual stream: a typical token's rms is ~10, about 8x what one
+/// synthetic MoE layer adds, as a layer's update is a modest fraction of a real residual stream.
+pub const RESIDUAL_SCALE: f32 = 6.0;
+
 /// A residual stream `[tokens, hidden]` (BF16-exact): per-token scale log-normal(0, 0.5),
 /// student-t entries, outlier channels 10-30x, and massive activations (~300x in the first
 /// outlier channel) on token 0 and about 1% of the others, like attention-sink tokens.
@@ -271,7 +275,7 @@ pub fn residual_stream(hidden: usize, tokens: usize, seed: u64) -> Vec<f32> {
     let mut out = vec![0f32; tokens * hidden];
     out.par_chunks_mut(hidden).enumerate().for_each(|(t, row)| {
         let mut rng = stream(seed, t, role::RESIDUAL, 1);
-        let sigma = lognormal(&mut rng, 0.5);
+        let sigma = RESIDUAL_SCALE * lognormal(&mut rng, 0.5);
         for (v, &m) in row.iter_mut().zip(&mult) {
             *v = bf16(sigma * m * heavy(&mut rng));
         }
