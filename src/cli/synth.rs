@@ -597,13 +597,7 @@ fn write_moe_layer(
     let chunk = rayon::current_num_threads().clamp(1, 16);
     for start in (0..ne).step_by(chunk) {
         let end = (start + chunk).min(ne);
-        let built: Vec<(
-            usize,
-            Expert,
-            Option<f32>,
-            Option<f32>,
-            Vec<(Fault, String)>,
-        )> = (start..end)
+        let built: Vec<BuiltExpert> = (start..end)
             .into_par_iter()
             .map(|e| {
                 let bf: ExpertBf16 = model.expert_bf16(l, e);
