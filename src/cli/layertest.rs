@@ -7,7 +7,9 @@ use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::moe::breakdown::{per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics};
+use crate::moe::breakdown::{
+    expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
+};
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
 use crate::moe::synthetic::{Preset, SyntheticModel};
 use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath};
@@ -521,6 +523,15 @@ pub fn run(args: &Args) -> Result<Report> {
     let (nv_slots, rf_slots) = (slots(&nv)?, slots(&rf)?);
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+    let input_blocks =
+        expert_input_blocks(&routing, &batch.hidden, hsz, c.n_routed_experts, &scales);
+    let experts: Vec<ExpertRow> = experts
+        .into_iter()
+        .map(|m| ExpertRow {
+            gate_up_input: block_summary(&input_blocks.get(m.expert).copied().unwrap_or_default()),
+            m,
+        })
+        .collect();
     let mut tokens = per_token(&nv.out, &rf.out, hsz);
     tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
 
@@ -564,11 +575,15 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     for x in experts
         .iter()
-        .filter(|x| x.metrics.nan_count + x.metrics.inf_count > 0)
+        .filter(|x| x.m.metrics.nan_count + x.m.metrics.inf_count > 0)
     {
         failures.push(format!(
-            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots)",
-            x.expert, x.metrics.nan_count, x.metrics.inf_count, x.slots
+            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots){}",
+            x.m.expert,
+            x.m.metrics.nan_count,
+            x.m.metrics.inf_count,
+            x.m.slots,
+            x.cause()
         ));
     }
     if nv.act_stats.nan_scales > 0 {
@@ -583,25 +598,26 @@ pub fn run(args: &Args) -> Result<Report> {
             at(ref_first_nan, hsz)
         ));
     }
+    for x in experts.iter().filter(|x| {
+        x.m.metrics.nan_count + x.m.metrics.inf_count == 0
+            && below(x.m.metrics.cosine, args.min_expert_cosine)
+    }) {
+        failures.push(format!(
+            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {}){}",
+            x.m.expert,
+            f(x.m.metrics.cosine, 4),
+            args.min_expert_cosine,
+            x.m.slots,
+            f(x.m.metrics.rel_l2, 3),
+            x.cause()
+        ));
+    }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(
             "cosine {} < --min-cosine {} (rel-L2 {})",
             f(m.cosine, 4),
             args.min_cosine,
             f(m.rel_l2, 3)
-        ));
-    }
-    for x in experts.iter().filter(|x| {
-        x.metrics.nan_count + x.metrics.inf_count == 0
-            && below(x.metrics.cosine, args.min_expert_cosine)
-    }) {
-        failures.push(format!(
-            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {})",
-            x.expert,
-            f(x.metrics.cosine, 4),
-            args.min_expert_cosine,
-            x.slots,
-            f(x.metrics.rel_l2, 3)
         ));
     }
     if kernel.pass == Some(false) {
@@ -647,7 +663,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "gs": source.to_string(),
         "device": backend.name(),
         "model": model.describe(),
-        "worst_expert": experts.first().map(|x| json!({"expert": x.expert, "cosine": x.metrics.cosine, "slots": x.slots})),
+        "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
     });
 
     let mut setup = Section::kv(
@@ -802,7 +818,35 @@ fn kernel_check(
     Ok(kc)
 }
 
-fn expert_table(experts: &[ExpertMetrics]) -> Section {
+/// One expert's error and what its gate/up input blocks went through.
+#[derive(Serialize)]
+struct ExpertRow {
+    #[serde(flatten)]
+    m: ExpertMetrics,
+    gate_up_input: BlockSummary,
+}
+
+impl ExpertRow {
+    /// A likely cause, in words, when the activation blocks point at one.
+    fn cause(&self) -> String {
+        let b = &self.gate_up_input;
+        if b.saturated_pct >= 20.0 {
+            format!(
+                "; {:.0}% of its gate/up input blocks saturate (scale 448): its activation global scale (gs1) is too large for its inputs",
+                b.saturated_pct
+            )
+        } else if b.flushed_pct >= 20.0 {
+            format!(
+                "; {:.0}% of its gate/up input blocks flush to zero: its activation global scale (gs1) is too small",
+                b.flushed_pct
+            )
+        } else {
+            String::new()
+        }
+    }
+}
+
+fn expert_table(experts: &[ExpertRow]) -> Section {
     let mut s = Section::new(
         "Worst experts (unweighted expert output, NVFP4 vs reference)",
         &[
@@ -813,9 +857,11 @@ fn expert_table(experts: &[ExpertMetrics]) -> Section {
             "max_abs_err",
             "NaN",
             "Inf",
+            "input saturated %",
         ],
     );
-    for x in experts.iter().take(5) {
+    for r in experts.iter().take(5) {
+        let x = &r.m;
         s.row(vec![
             x.expert.to_string(),
             x.slots.to_string(),
@@ -824,6 +870,7 @@ fn expert_table(experts: &[ExpertMetrics]) -> Section {
             e(x.metrics.max_abs_err),
             x.metrics.nan_count.to_string(),
             x.metrics.inf_count.to_string(),
+            format!("{:.1}", r.gate_up_input.saturated_pct),
         ]);
     }
     s
