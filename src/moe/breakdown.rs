@@ -97,7 +97,9 @@ pub fn expert_input_blocks(
                 }
             }
             match gs1.get(e) {
-                Some(&g) if !x.is_empty() && h % 16 == 0 => quantize_nvfp4(&x, x.len() / h, h, g).1,
+                Some(&g) if !x.is_empty() && h.is_multiple_of(16) => {
+                    quantize_nvfp4(&x, x.len() / h, h, g).1
+                }
                 _ => BlockStats::default(),
             }
         })
