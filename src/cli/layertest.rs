@@ -720,6 +720,19 @@ pub fn run(args: &Args) -> Result<Report> {
 
     let mut report = Report::new("layertest", Verdict::from_pass(pass), headline)
         .summary(summary)
+        .with(
+            "layer_config",
+            json!({
+                "hidden_size": hsz,
+                "moe_intermediate_size": c.moe_intermediate_size,
+                "n_routed_experts": c.n_routed_experts,
+                "top_k": k,
+                "scoring_func": c.scoring_func,
+                "hash_layer": layer.is_hash_layer(),
+                "swiglu_limit": c.swiglu_limit,
+                "reference_weights": if layer.experts.iter().all(|x| x.w1.original.is_some()) { "bf16-originals" } else { "dequantized" },
+            }),
+        )
         .with("metrics", &m)
         .with(
             "reference_nonfinite",

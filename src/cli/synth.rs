@@ -604,10 +604,9 @@ fn write_moe_layer(
                 let (a1, a2) = model.expert_amax(&cal, e, &bf);
                 let mut ex = quantize_expert(&bf, h, i, [0.0; 3], true);
                 let mut done = vec![];
-                for (f, _) in plans
-                    .iter()
-                    .filter(|p| p.1 == e && p.0 != Fault::BadInputScale)
-                {
+                for (f, _) in plans.iter().filter(|p| {
+                    p.1 == e && !matches!(p.0, Fault::BadInputScale | Fault::MissingTensor)
+                }) {
                     done.push((*f, f.plant(&mut ex, &bf)));
                 }
                 (e, ex, a1, a2, done)
