@@ -60,7 +60,7 @@ pub struct InputArgs {
 pub struct GsArgs {
     /// Activation global scale: checkpoint (input_scale), default (1/2688, amax 1), warmup
     /// (randn), calibrated (amax of this batch), dynamic (per batch), or a VALUE (gs, quant
-    /// direction)
+    /// direction). Default: calibrated for layertest and multilayer, `default` for gs-sweep
     #[arg(long, value_name = "SOURCE")]
     pub gs: Option<GsSource>,
     /// per-expert input scales, or the layer-wide max (the smallest gs) for every expert
@@ -491,7 +491,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let batch = load_batch(
         &args.input,
         hsz,
-        c.vocab_size,
+        layer.token_vocab(),
         Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
     )?;
     let ids = batch.input_ids.as_deref();

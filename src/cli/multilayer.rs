@@ -150,7 +150,7 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let first = model.layer(layers[0])?;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
-    let batch = load_batch(&args.input, hsz, first.config.vocab_size, None)?;
+    let batch = load_batch(&args.input, hsz, first.token_vocab(), None)?;
     let ids = batch.input_ids.as_deref();
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
 

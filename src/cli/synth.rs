@@ -38,8 +38,8 @@ pub struct Args {
     /// tiny, tiny-v4, dsv3, dsv4-flash or dsv4-pro
     #[arg(long, value_name = "PRESET", default_value = "tiny")]
     pub preset: Preset,
-    /// Layers to write (default: all of a tiny preset; the dense prefix + 1 MoE layer of a
-    /// real-dimension one)
+    /// Layers to write (default: all 3 of a tiny preset; dsv3: the 3 dense layers + 1 MoE
+    /// layer; dsv4-*: 1 hash-routed MoE layer)
     #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
     #[arg(long, value_name = "S", default_value_t = 0)]

@@ -70,12 +70,13 @@ impl Preset {
     }
 
     /// Layers `synth` writes unless told otherwise: all of a tiny model, the dense prefix plus
-    /// one MoE layer of a real-dimension one (a full dsv3 is ~400 GB).
+    /// one MoE layer of a real-dimension one (a full dsv3 is ~1.5 TB with its BF16 originals);
+    /// for V4 that is one hash-routed layer (`--layers 4` reaches the first scored one).
     pub fn default_layers(self) -> usize {
         match self {
             Preset::Tiny | Preset::TinyV4 => 3,
             Preset::Dsv3 => 4,
-            Preset::Dsv4Flash | Preset::Dsv4Pro => 4,
+            Preset::Dsv4Flash | Preset::Dsv4Pro => 1,
         }
     }
 
