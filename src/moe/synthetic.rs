@@ -346,9 +346,10 @@ impl SyntheticModel {
         }
     }
 
-    /// The same model cut to `n` layers (`num_hidden_layers = n`).
+    /// The same model cut to `n` layers (`num_hidden_layers = n`; hash layers beyond it go).
     pub fn with_layers(mut self, n: usize) -> SyntheticModel {
         self.config.num_hidden_layers = n;
+        self.config.num_hash_layers = self.config.num_hash_layers.min(n);
         self
     }
 
