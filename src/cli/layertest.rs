@@ -942,3 +942,101 @@ fn save_outputs(
         None,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::synthetic::{Preset, SyntheticModel};
+    use crate::nvfp4::Fp4Tensor;
+
+    /// A stand-in GPU: the CPU result, optionally with an error on one value, under a CUDA name.
+    struct FakeGpu {
+        perturb: bool,
+    }
+
+    impl Backend for FakeGpu {
+        fn name(&self) -> String {
+            "cuda:0 (fake)".into()
+        }
+        fn route(
+            &self,
+            l: &MoeLayer,
+            h: &[f32],
+            ids: Option<&[i64]>,
+        ) -> Result<crate::moe::Routing> {
+            CpuBackend::new().route(l, h, ids)
+        }
+        fn moe_forward(
+            &self,
+            l: &MoeLayer,
+            h: &[f32],
+            r: &crate::moe::Routing,
+            p: &MoePath,
+            per_slot: bool,
+        ) -> Result<MoeOutput> {
+            let mut o = CpuBackend::new().moe_forward(l, h, r, p, per_slot)?;
+            if self.perturb {
+                // a kernel that drops one expert slot of token 0
+                let hsz = l.config.hidden_size;
+                let ps = o
+                    .per_slot
+                    .clone()
+                    .unwrap_or_else(|| vec![0.0; o.out.len() * r.top_k]);
+                for j in 0..hsz {
+                    o.out[j] -= r.topk_weights[0] * ps.get(j).copied().unwrap_or(1.0);
+                }
+            }
+            Ok(o)
+        }
+        fn quantize(
+            &self,
+            x: &[f32],
+            r: usize,
+            c: usize,
+            gs: f32,
+            f: Flavor,
+        ) -> Result<(Fp4Tensor, BlockStats)> {
+            CpuBackend::new().quantize(x, r, c, gs, f)
+        }
+        fn compare(&self, t: &[f32], r: &[f32]) -> Result<Metrics> {
+            Ok(crate::metrics::compare(t, r))
+        }
+    }
+
+    #[test]
+    fn kernel_check_compares_a_gpu_against_the_cpu_nvfp4_path() {
+        let seed: u64 = rand::random();
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let (x, ids) = m.activations(1, 8, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let s = ActScales::Dynamic;
+        let p = MoePath::Nvfp4 {
+            scales: &s,
+            flavor: Flavor::Reference,
+        };
+        for perturb in [false, true] {
+            let gpu = FakeGpu { perturb };
+            let nv = gpu.moe_forward(&layer, &x, &r, &p, true).unwrap();
+            let kc = kernel_check(&gpu, &layer, &x, &r, &p, &nv).unwrap();
+            assert!(kc.done, "seed {seed}");
+            assert_eq!(kc.pass, Some(!perturb), "seed {seed}: {:?}", kc.metrics);
+        }
+        // the CPU backend is the reference: nothing to check
+        let cpu = CpuBackend::new();
+        let nv = cpu.moe_forward(&layer, &x, &r, &p, false).unwrap();
+        let kc = kernel_check(&cpu, &layer, &x, &r, &p, &nv).unwrap();
+        assert!(!kc.done && kc.reason.is_none());
+        // too large for the CPU: skipped, saying why
+        let mut big = r.clone();
+        big.tokens = 1 << 30;
+        let kc = kernel_check(&FakeGpu { perturb: false }, &layer, &x, &big, &p, &nv).unwrap();
+        assert!(!kc.done && kc.reason.is_some_and(|w| w.contains("--tokens")));
+    }
+
+    #[test]
+    fn ranges_are_compact() {
+        assert_eq!(ranges(&[1, 2, 3, 5, 7, 8]), "1..=3, 5, 7..=8");
+        assert_eq!(ranges(&[]), "none");
+    }
+}

@@ -948,7 +948,10 @@ mod tests {
         assert_eq!("dsv4-flash".parse::<Preset>(), Ok(Preset::Dsv4Flash));
         // a cut model keeps a valid config: no more hash layers than layers
         let cut = SyntheticModel::new(Preset::Dsv4Flash, 0).with_layers(1);
-        assert_eq!((cut.config.num_hidden_layers, cut.config.num_hash_layers), (1, 1));
+        assert_eq!(
+            (cut.config.num_hidden_layers, cut.config.num_hash_layers),
+            (1, 1)
+        );
     }
 
     #[test]
