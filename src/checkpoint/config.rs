@@ -435,6 +435,24 @@ fn parse_quantization_config(path: &Path, field: &str, q: &Value) -> Result<Quan
     })
 }
 
+/// Only the quantization part of a config.json (for checkpoints that are not DeepSeek MoE
+/// models): `quantization_config`, else `hf_quant_config.json` next to it.
+pub fn quant_only(path: &Path, root: &Value) -> Result<Option<QuantConfig>> {
+    if let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) {
+        return Ok(Some(parse_quantization_config(
+            path,
+            "quantization_config",
+            q,
+        )?));
+    }
+    let hq = path.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
+    if hq.is_file() {
+        let t = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+        return Ok(Some(parse_hf_quant_config(&hq, &t)?));
+    }
+    Ok(None)
+}
+
 /// ModelOpt's `hf_quant_config.json`: `{producer, quantization: {quant_algo, group_size, ...}}`.
 pub fn parse_hf_quant_config(path: &Path, text: &[u8]) -> Result<QuantConfig> {
     let v: Value = serde_json::from_slice(text)
