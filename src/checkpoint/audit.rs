@@ -779,21 +779,17 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     let Some(p) = ck.config_path() else {
         return Ok(());
     };
-    // broken JSON or nonsense MoE fields are bad input; a dense or non-DeepSeek config only
-    // lacks the MoE fields, so read the quantization part on its own then
-    let text = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-    let v: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| Error::bad_file(&p, format!("not valid JSON: {e}")))?;
-    let quant = if v.get("n_routed_experts").is_some() {
-        let cfg = ck.config()?;
+    // broken JSON or nonsense MoE fields are bad input; a dense model's config is only read
+    // for its quantization part
+    let layers_hint = super::names::Naming::detect(ck.names()).map(|n| {
+        super::names::layers_present(&n, ck.names())
+            .last()
+            .map_or(0, |l| l + 1)
+    });
+    let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
+    if let Some(cfg) = &moe {
         missing_experts(ck, cfg.moe.n_routed_experts, out);
-        cfg.quant
-    } else {
-        match ck.config() {
-            Ok(c) => c.quant,
-            Err(_) => super::config::quant_only(&p, &v)?,
-        }
-    };
+    }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
     let file = p.clone();
     let mut push = |detail: String| {

@@ -138,6 +138,23 @@ impl QuantizePlan {
                 output.display()
             )));
         }
+        // inputs that cannot be right are refused before anything is written: a broken
+        // config.json, NVFP4 triples whose members cannot belong together
+        if ckpt.is_dir() {
+            if let Some(cfg) = ckpt.config_path() {
+                let layers = super::names::Naming::detect(ckpt.names()).map(|n| {
+                    super::names::layers_present(&n, ckpt.names())
+                        .last()
+                        .map_or(0, |l| l + 1)
+                });
+                super::config::check_config_file(&cfg, layers)?;
+            }
+        }
+        for base in super::formats::quantized_bases(&ckpt) {
+            if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
+                super::formats::check_linear(&ckpt, &ln)?;
+            }
+        }
         let mut files = vec![];
         for (i, shard) in ckpt.shards().iter().enumerate() {
             let out = if ckpt.is_dir() {
