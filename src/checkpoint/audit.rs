@@ -471,6 +471,8 @@ fn scan_linear(
         input_scale = formats::input_scale(ck, ln)?;
     }
     let bytes = (packed.len() + scales.len()) as u64;
+    wf.release(wi);
+    sf.release(si);
     Ok((
         LinearStats {
             base: ln.base.clone(),
@@ -547,8 +549,10 @@ fn scan_scales(format: Format, scales: &[u8]) -> ScaleScan {
         })
 }
 
-/// NaN/Inf count and first index of a float tensor, from its bits.
+/// NaN/Inf count and first index of a float tensor, from its bits. The count is a plain
+/// vectorizable sum; the first index is looked for only in chunks that have one.
 pub fn count_nonfinite(d: Dtype, bytes: &[u8]) -> (u64, Option<usize>) {
+    use super::file::{as_u16s, as_u32s};
     const CHUNK: usize = 1 << 16;
     let Some(size) = super::file::elem_size(d) else {
         return (0, None);
@@ -568,18 +572,28 @@ pub fn count_nonfinite(d: Dtype, bytes: &[u8]) -> (u64, Option<usize>) {
             _ => false,
         }
     };
+    let count = move |c: &[u8]| -> u64 {
+        match (d, as_u16s(c), as_u32s(c)) {
+            (Dtype::BF16, Some(h), _) => h.iter().map(|&v| ((v & 0x7F80) == 0x7F80) as u64).sum(),
+            (Dtype::F16, Some(h), _) => h.iter().map(|&v| ((v & 0x7C00) == 0x7C00) as u64).sum(),
+            (Dtype::F32, _, Some(w)) => w
+                .iter()
+                .map(|&v| ((v & 0x7F80_0000) == 0x7F80_0000) as u64)
+                .sum(),
+            (Dtype::F8_E4M3, _, _) => c.iter().map(|&v| ((v & 0x7F) == 0x7F) as u64).sum(),
+            _ => c.chunks_exact(size).map(|e| bad(e) as u64).sum(),
+        }
+    };
     bytes
         .par_chunks(CHUNK * size)
         .enumerate()
         .map(|(ci, c)| {
-            let mut n = 0u64;
-            let mut first = None;
-            for (i, e) in c.chunks_exact(size).enumerate() {
-                if bad(e) {
-                    n += 1;
-                    first.get_or_insert(ci * CHUNK + i);
-                }
-            }
+            let n = count(c);
+            let first = if n > 0 {
+                c.chunks_exact(size).position(bad).map(|i| ci * CHUNK + i)
+            } else {
+                None
+            };
             (n, first)
         })
         .reduce(
@@ -611,6 +625,7 @@ fn scan_values(ck: &Checkpoint, name: &str) -> Result<(Vec<Finding>, u64)> {
     let (f, t): (&TensorFile, &TensorInfo) = ck.find(name)?;
     let b = f.slice(t);
     let (n, first) = count_nonfinite(t.dtype, b);
+    f.release(t);
     let mut out = vec![];
     if n > 0 {
         out.push(Finding {

@@ -199,8 +199,10 @@ impl QuantizePlan {
             for item in &fp.items {
                 match item {
                     Item::Copy(name) => {
-                        let b = shard.bytes(name)?;
+                        let t = shard.info(name)?;
+                        let b = shard.slice(t);
                         w.write_next(b)?;
+                        shard.release(t);
                         sum.copied += 1;
                         sum.bytes_in += b.len() as u64;
                         sum.bytes_out += b.len() as u64;
@@ -209,6 +211,7 @@ impl QuantizePlan {
                     Item::Quantize { name, rows, cols } => {
                         let t = shard.info(name)?;
                         let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
+                        shard.release(t);
                         w.write_next(&q.packed)?;
                         w.write_next(&q.scales)?;
                         sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
@@ -395,76 +398,76 @@ pub struct QuantizedBytes {
     pub stats: BlockStats,
 }
 
-/// `|x|` as raw bits, per dtype: for non-negative IEEE values the bit pattern orders like the
-/// value, so the amax is found without converting, and a non-finite value is an all-ones
-/// exponent.
-#[derive(Clone, Copy)]
-struct Bits {
-    size: usize,
-    abs_mask: u32,
-    exp_mask: u32,
-}
-
-fn bits_of(d: Dtype) -> Option<Bits> {
-    Some(match d {
-        Dtype::BF16 => Bits {
-            size: 2,
-            abs_mask: 0x7FFF,
-            exp_mask: 0x7F80,
-        },
-        Dtype::F16 => Bits {
-            size: 2,
-            abs_mask: 0x7FFF,
-            exp_mask: 0x7C00,
-        },
-        Dtype::F32 => Bits {
-            size: 4,
-            abs_mask: 0x7FFF_FFFF,
-            exp_mask: 0x7F80_0000,
-        },
+/// Max `|x|` of a float tensor as raw bits (abs bits of non-negative IEEE values order like the
+/// values), and whether any element is NaN/Inf: exactly when the max abs bits reach the
+/// all-ones exponent. A pure max-reduction over integers, which the compiler vectorizes.
+fn max_abs_bits(d: Dtype, bytes: &[u8]) -> Option<(u32, bool)> {
+    const CHUNK: usize = 1 << 18;
+    let (size, inf) = match d {
+        Dtype::BF16 => (2, 0x7F80u32),
+        Dtype::F16 => (2, 0x7C00),
+        Dtype::F32 => (4, 0x7F80_0000),
         _ => return None,
-    })
-}
-
-#[inline]
-fn raw(b: &[u8], size: usize) -> u32 {
-    if size == 2 {
-        u16::from_le_bytes([b[0], b[1]]) as u32
-    } else {
-        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-    }
-}
-
-/// Max |x| of a float tensor's bytes, or the index of its first non-finite element.
-fn amax_bits(bytes: &[u8], k: Bits) -> std::result::Result<u32, usize> {
-    const CHUNK: usize = 1 << 16;
-    let per = bytes
-        .par_chunks(CHUNK * k.size)
-        .enumerate()
-        .map(|(ci, c)| {
-            let mut m = 0u32;
-            let mut bad = false;
-            for e in c.chunks_exact(k.size) {
-                let a = raw(e, k.size) & k.abs_mask;
-                bad |= a & k.exp_mask == k.exp_mask;
-                m = m.max(a);
+    };
+    // fixed-width accumulators: the max of non-negative i16/i32 lanes vectorizes (pmaxsw)
+    fn max16(c: &[u8]) -> u32 {
+        let Some(h) = super::file::as_u16s(c) else {
+            return c
+                .chunks_exact(2)
+                .map(|e| (u16::from_le_bytes([e[0], e[1]]) & 0x7FFF) as u32)
+                .max()
+                .unwrap_or(0);
+        };
+        let mut acc = [0i16; 32];
+        let mut it = h.chunks_exact(32);
+        for blk in &mut it {
+            for (a, &v) in acc.iter_mut().zip(blk) {
+                *a = (*a).max((v & 0x7FFF) as i16);
             }
-            if bad {
-                let i = c
-                    .chunks_exact(k.size)
-                    .position(|e| raw(e, k.size) & k.exp_mask == k.exp_mask)
-                    .unwrap_or(0);
-                Err(ci * CHUNK + i)
-            } else {
-                Ok(m)
-            }
-        })
-        .collect::<Vec<_>>();
-    let mut m = 0;
-    for p in per {
-        m = m.max(p?);
+        }
+        let tail = it
+            .remainder()
+            .iter()
+            .map(|&v| (v & 0x7FFF) as i16)
+            .fold(0, i16::max);
+        acc.iter().copied().fold(tail, i16::max) as u32
     }
-    Ok(m)
+    fn max32(c: &[u8]) -> u32 {
+        let Some(w) = super::file::as_u32s(c) else {
+            return c
+                .chunks_exact(4)
+                .map(|e| u32::from_le_bytes([e[0], e[1], e[2], e[3]]) & 0x7FFF_FFFF)
+                .max()
+                .unwrap_or(0);
+        };
+        let mut acc = [0i32; 16];
+        let mut it = w.chunks_exact(16);
+        for blk in &mut it {
+            for (a, &v) in acc.iter_mut().zip(blk) {
+                *a = (*a).max((v & 0x7FFF_FFFF) as i32);
+            }
+        }
+        let tail = it
+            .remainder()
+            .iter()
+            .map(|&v| (v & 0x7FFF_FFFF) as i32)
+            .fold(0, i32::max);
+        acc.iter().copied().fold(tail, i32::max) as u32
+    }
+    #[inline(never)]
+    fn max_chunk(c: &[u8], size: usize) -> u32 {
+        if size == 2 {
+            max16(c)
+        } else {
+            max32(c)
+        }
+    }
+    let m = bytes
+        .par_chunks(CHUNK * size)
+        .map(|c| max_chunk(c, size))
+        .max()
+        .unwrap_or(0);
+    Some((m, m >= inf))
 }
 
 fn bits_to_f32(a: u32, d: Dtype) -> f32 {
@@ -485,18 +488,20 @@ pub fn quantize_tensor(
     opts: &QuantizeOptions,
 ) -> Result<QuantizedBytes> {
     let bytes = f.slice(t);
-    let k = bits_of(t.dtype).ok_or_else(|| {
+    let (amax_raw, nonfinite) = max_abs_bits(t.dtype, bytes).ok_or_else(|| {
         Error::bad_tensor(
             f.path(),
             name,
             format!("{:?} is not BF16, F16 or F32", t.dtype),
         )
     })?;
-    let amax_raw = amax_bits(bytes, k).map_err(|i| {
-        let v = crate::checkpoint::file::decode_f32_into;
+    if nonfinite {
+        let (_, first) = super::audit::count_nonfinite(t.dtype, bytes);
+        let i = first.unwrap_or(0);
+        let size = elem_size(t.dtype).unwrap_or(1);
         let mut x = [0f32];
-        let _ = v(t.dtype, &bytes[i * k.size..(i + 1) * k.size], &mut x);
-        Error::bad_tensor(
+        super::file::decode_row(t.dtype, &bytes[i * size..(i + 1) * size], &mut x);
+        return Err(Error::bad_tensor(
             f.path(),
             name,
             format!(
@@ -505,8 +510,8 @@ pub fn quantize_tensor(
                 i % cols.max(1),
                 x[0]
             ),
-        )
-    })?;
+        ));
+    }
     let amax = bits_to_f32(amax_raw, t.dtype);
     let block = opts.format.block();
     let (gs, weight_scale_2) = match (opts.format, opts.gs) {
