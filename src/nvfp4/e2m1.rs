@@ -8,18 +8,19 @@ pub const MAX: f32 = 6.0;
 /// the magnitude rounds to zero (as PTX `cvt.rn` and ModelOpt do). Magnitudes past 6 give 6.
 ///
 /// Branch-free (the magnitude is the number of rounding thresholds `a` lies past), so that it
-/// vectorizes; each test is written `!(a <= t)` / `!(a < t)` so that NaN passes all seven and
-/// encodes as 7, as a chain of `if a <= t` would.
+/// vectorizes; NaN passes no threshold test but encodes as 7, as the if-chain of DESIGN.md §2
+/// (`a <= 0.25 → 0, ... else 7`) gives it.
 #[inline]
 pub fn encode(x: f32) -> u8 {
     let a = x.abs();
-    let mag = (!(a <= 0.25)) as u8
-        + (!(a < 0.75)) as u8
-        + (!(a <= 1.25)) as u8
-        + (!(a < 1.75)) as u8
-        + (!(a <= 2.5)) as u8
-        + (!(a < 3.5)) as u8
-        + (!(a <= 5.0)) as u8;
+    let mag = (a > 0.25) as u8
+        + (a >= 0.75) as u8
+        + (a > 1.25) as u8
+        + (a >= 1.75) as u8
+        + (a > 2.5) as u8
+        + (a >= 3.5) as u8
+        + (a > 5.0) as u8;
+    let mag = if a.is_nan() { 7 } else { mag };
     mag | ((x.is_sign_negative() as u8) << 3)
 }
 
