@@ -71,6 +71,13 @@ enum Item {
     },
 }
 
+/// Bytes on their way to the writer thread: a tensor copied straight from the map, or a
+/// quantized output.
+enum Piece<'a> {
+    Mapped(&'a TensorInfo),
+    Owned(Vec<u8>),
+}
+
 struct FilePlan {
     shard: usize,
     output: PathBuf,
@@ -192,55 +199,105 @@ impl QuantizePlan {
             ..Default::default()
         };
         for fp in &self.files {
-            let shard = &self.ckpt.shards()[fp.shard];
-            shard.advise_sequential();
-            let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
-            let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
-            for item in &fp.items {
-                match item {
-                    Item::Copy(name) => {
-                        let t = shard.info(name)?;
-                        let b = shard.slice(t);
-                        w.write_next(b)?;
-                        shard.release(t);
-                        sum.copied += 1;
-                        sum.bytes_in += b.len() as u64;
-                        sum.bytes_out += b.len() as u64;
-                        on_tensor(name);
-                    }
-                    Item::Quantize { name, rows, cols } => {
-                        let t = shard.info(name)?;
-                        let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
-                        shard.release(t);
-                        w.write_next(&q.packed)?;
-                        w.write_next(&q.scales)?;
-                        sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
-                        if let Some(ws2) = q.weight_scale_2 {
-                            w.write_next(&f32_bytes(&[ws2]))?;
-                            sum.bytes_out += 4;
-                        }
-                        sum.bytes_in += t.nbytes() as u64;
-                        sum.quantized += 1;
-                        add(&mut sum.blocks, &q.stats);
-                        sum.tensors.push(QuantizedTensor {
-                            name: name.clone(),
-                            dtype: format!("{:?}", t.dtype),
-                            shape: [*rows, *cols],
-                            weight_scale_2: q.weight_scale_2,
-                            amax: q.amax,
-                            stats: q.stats,
-                        });
-                        on_tensor(name);
-                    }
-                }
-            }
-            w.finish()?;
+            self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
         }
         if self.ckpt.is_dir() {
             self.write_side_files(&sum)?;
         }
         Ok(sum)
+    }
+
+    /// One output shard. A writer thread takes each tensor's bytes while the next one is
+    /// quantized, so the cores are not idle during the (single-threaded) write; at most two
+    /// tensors' outputs are in flight.
+    fn run_file(
+        &self,
+        fp: &FilePlan,
+        sum: &mut QuantizeSummary,
+        on_tensor: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        let shard = &self.ckpt.shards()[fp.shard];
+        shard.advise_sequential();
+        let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
+        let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
+        std::thread::scope(|sc| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(2);
+            let writer = sc.spawn(move || -> Result<ShardWriter> {
+                for p in rx {
+                    match p {
+                        Piece::Mapped(t) => {
+                            w.write_next(shard.slice(t))?;
+                            shard.release(t);
+                        }
+                        Piece::Owned(b) => w.write_next(&b)?,
+                    }
+                }
+                Ok(w)
+            });
+            let produced = self.produce(fp, shard, &tx, sum, on_tensor);
+            drop(tx);
+            let written = writer
+                .join()
+                .map_err(|_| Error::bad_file(&fp.output, "internal: the writer thread panicked"))?;
+            // a failed write stops the producer (its send fails): the write error is the news
+            match (produced, written) {
+                (_, Err(e)) | (Err(e), Ok(_)) => Err(e),
+                (Ok(()), Ok(w)) => w.finish(),
+            }
+        })
+    }
+
+    fn produce<'a>(
+        &self,
+        fp: &FilePlan,
+        shard: &'a TensorFile,
+        tx: &std::sync::mpsc::SyncSender<Piece<'a>>,
+        sum: &mut QuantizeSummary,
+        on_tensor: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        // the writer stopped (its error comes out of join): stop producing
+        let send = |p: Piece<'a>| {
+            tx.send(p)
+                .map_err(|_| Error::bad_file(&fp.output, "write failed"))
+        };
+        for item in &fp.items {
+            match item {
+                Item::Copy(name) => {
+                    let t = shard.info(name)?;
+                    send(Piece::Mapped(t))?;
+                    sum.copied += 1;
+                    sum.bytes_in += t.nbytes() as u64;
+                    sum.bytes_out += t.nbytes() as u64;
+                    on_tensor(name);
+                }
+                Item::Quantize { name, rows, cols } => {
+                    let t = shard.info(name)?;
+                    let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
+                    shard.release(t);
+                    sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
+                    send(Piece::Owned(q.packed))?;
+                    send(Piece::Owned(q.scales))?;
+                    if let Some(ws2) = q.weight_scale_2 {
+                        send(Piece::Owned(f32_bytes(&[ws2])))?;
+                        sum.bytes_out += 4;
+                    }
+                    sum.bytes_in += t.nbytes() as u64;
+                    sum.quantized += 1;
+                    add(&mut sum.blocks, &q.stats);
+                    sum.tensors.push(QuantizedTensor {
+                        name: name.clone(),
+                        dtype: format!("{:?}", t.dtype),
+                        shape: [*rows, *cols],
+                        weight_scale_2: q.weight_scale_2,
+                        amax: q.amax,
+                        stats: q.stats,
+                    });
+                    on_tensor(name);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Index, config.json with quantization_config, hf_quant_config.json, and the other small
