@@ -375,6 +375,19 @@ impl TensorFile {
         self.map.len()
     }
 
+    /// Map a tensor's pages in one call before a scan touches them all: one page fault per few
+    /// pages costs more than the scan itself. Best effort (older kernels lack it).
+    pub fn prefetch(&self, t: &TensorInfo) {
+        #[cfg(target_os = "linux")]
+        if t.nbytes() > 0 {
+            let _ = self.map.advise_range(
+                memmap2::Advice::PopulateRead,
+                self.data_start + t.data_offsets.0,
+                t.nbytes(),
+            );
+        }
+    }
+
     /// Drop this process's mapping of a tensor's pages once it is done with (the page cache keeps
     /// them; a later access maps them again): a scan over a large shard then holds about one
     /// tensor's pages, not the whole shard's.

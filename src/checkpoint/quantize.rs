@@ -221,8 +221,11 @@ impl QuantizePlan {
         shard.advise_sequential();
         let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
         let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
+        // output buffers go back and forth between the two threads instead of being reallocated
+        let pool = std::sync::Mutex::new(Vec::<Vec<u8>>::new());
         std::thread::scope(|sc| {
             let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(2);
+            let pool = &pool;
             let writer = sc.spawn(move || -> Result<ShardWriter> {
                 for p in rx {
                     match p {
@@ -230,12 +233,17 @@ impl QuantizePlan {
                             w.write_next(shard.slice(t))?;
                             shard.release(t);
                         }
-                        Piece::Owned(b) => w.write_next(&b)?,
+                        Piece::Owned(b) => {
+                            w.write_next(&b)?;
+                            if let Ok(mut p) = pool.lock() {
+                                p.push(b);
+                            }
+                        }
                     }
                 }
                 Ok(w)
             });
-            let produced = self.produce(fp, shard, &tx, sum, on_tensor);
+            let produced = self.produce(fp, shard, &tx, pool, sum, on_tensor);
             drop(tx);
             let written = writer
                 .join()
@@ -253,6 +261,7 @@ impl QuantizePlan {
         fp: &FilePlan,
         shard: &'a TensorFile,
         tx: &std::sync::mpsc::SyncSender<Piece<'a>>,
+        pool: &std::sync::Mutex<Vec<Vec<u8>>>,
         sum: &mut QuantizeSummary,
         on_tensor: &(dyn Fn(&str) + Sync),
     ) -> Result<()> {
@@ -273,7 +282,21 @@ impl QuantizePlan {
                 }
                 Item::Quantize { name, rows, cols } => {
                     let t = shard.info(name)?;
-                    let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
+                    // the smallest recycled buffer that holds `n` bytes
+                    let take = |n: usize| {
+                        pool.lock()
+                            .ok()
+                            .and_then(|mut p| {
+                                let i = (0..p.len())
+                                    .filter(|&i| p[i].capacity() >= n)
+                                    .min_by_key(|&i| p[i].capacity())?;
+                                Some(p.swap_remove(i))
+                            })
+                            .unwrap_or_default()
+                    };
+                    let block = self.opts.format.block();
+                    let (pb, sb) = (take(rows * cols / 2), take(rows * cols / block));
+                    let q = quantize_tensor_into(shard, name, t, *rows, *cols, &self.opts, pb, sb)?;
                     shard.release(t);
                     sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
                     send(Piece::Owned(q.packed))?;
@@ -544,6 +567,23 @@ pub fn quantize_tensor(
     cols: usize,
     opts: &QuantizeOptions,
 ) -> Result<QuantizedBytes> {
+    quantize_tensor_into(f, name, t, rows, cols, opts, vec![], vec![])
+}
+
+/// [`quantize_tensor`] into recycled output buffers (their contents are overwritten): fresh
+/// multi-MB allocations per tensor cost a page fault and a kernel page clear per 4 KiB.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_tensor_into(
+    f: &TensorFile,
+    name: &str,
+    t: &TensorInfo,
+    rows: usize,
+    cols: usize,
+    opts: &QuantizeOptions,
+    mut packed: Vec<u8>,
+    mut scales: Vec<u8>,
+) -> Result<QuantizedBytes> {
+    f.prefetch(t);
     let bytes = f.slice(t);
     let (amax_raw, nonfinite) = max_abs_bits(t.dtype, bytes).ok_or_else(|| {
         Error::bad_tensor(
@@ -581,8 +621,10 @@ pub fn quantize_tensor(
         }
     };
     let kb = cols / block;
-    let mut packed = vec![0u8; rows * cols / 2];
-    let mut scales = vec![0u8; rows * kb];
+    packed.clear();
+    packed.resize(rows * cols / 2, 0);
+    scales.clear();
+    scales.resize(rows * kb, 0);
     let row_bytes = cols * elem_size(t.dtype).unwrap_or(1);
     // enough rows per task that a task is ~64K elements
     let rows_per = (65536 / cols.max(1)).max(1);
