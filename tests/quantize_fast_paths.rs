@@ -131,3 +131,52 @@ fn block_quantizer_equals_the_step_by_step_reference() {
         );
     }
 }
+
+#[test]
+fn row_quantizer_equals_block_after_block() {
+    use nvfp4dbg::nvfp4::quant::quantize_row_nvfp4;
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for n in 0..300 {
+        // lengths around the stage group (64 blocks) and far past it
+        let nb = match n % 4 {
+            0 => r.gen_range(1..8),
+            1 => 64 * r.gen_range(1..4) + r.gen_range(0..2),
+            2 => r.gen_range(60..70),
+            _ => r.gen_range(1..700),
+        };
+        let gs = if n % 3 == 0 {
+            f32::from_bits(r.gen_range(0x0080_0000u32..0x7F00_0000))
+        } else {
+            2688.0 / r.gen_range(1e-3f32..30.0)
+        };
+        let x: Vec<f32> = (0..nb * 16)
+            .map(|i| match r.gen_range(0..40) {
+                0 if i % 7 == 0 => f32::NAN,
+                1 if i % 5 == 0 => f32::NEG_INFINITY,
+                2 => -0.0,
+                3 => f32::from_bits(r.gen_range(1..0x0080_0000)),
+                _ => {
+                    half::bf16::from_f32(r.gen_range(-1.0f32..1.0) * 2f32.powi(r.gen_range(-12..6)))
+                        .to_f32()
+                }
+            })
+            .collect();
+        let (mut pa, mut sa, mut sta) = (vec![0u8; nb * 8], vec![0u8; nb], BlockStats::default());
+        quantize_row_nvfp4(&x, gs, &mut pa, &mut sa, &mut sta);
+        let (mut pb, mut sb, mut stb) = (vec![0u8; nb * 8], vec![0u8; nb], BlockStats::default());
+        for b in 0..nb {
+            sb[b] = quantize_block_nvfp4(
+                &x[b * 16..b * 16 + 16],
+                gs,
+                &mut pb[b * 8..b * 8 + 8],
+                &mut stb,
+            );
+        }
+        assert_eq!(
+            (sa, pa, sta),
+            (sb, pb, stb),
+            "seed {seed}, row {n}: {nb} blocks, gs {gs:e}"
+        );
+    }
+}

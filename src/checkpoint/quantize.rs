@@ -17,7 +17,7 @@ use super::file::{elem_size, TensorFile, TensorInfo};
 use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
 use super::writer::{f32_bytes, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
-use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_block_nvfp4};
+use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
 use crate::nvfp4::{weight_global_scale, BlockStats, Format};
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -641,15 +641,17 @@ pub fn quantize_tensor_into(
                 .zip(b.chunks_exact(row_bytes))
             {
                 super::file::decode_row(t.dtype, br, &mut row);
-                for (j, (xb, pb)) in row
-                    .chunks_exact(block)
-                    .zip(pr.chunks_exact_mut(block / 2))
-                    .enumerate()
-                {
-                    sr[j] = match opts.format {
-                        Format::Nvfp4 => quantize_block_nvfp4(xb, gs, pb, &mut st),
-                        Format::Mxfp4 => quantize_block_mxfp4(xb, pb, &mut st),
-                    };
+                match opts.format {
+                    Format::Nvfp4 => quantize_row_nvfp4(&row, gs, pr, sr, &mut st),
+                    Format::Mxfp4 => {
+                        for (j, (xb, pb)) in row
+                            .chunks_exact(block)
+                            .zip(pr.chunks_exact_mut(block / 2))
+                            .enumerate()
+                        {
+                            sr[j] = quantize_block_mxfp4(xb, pb, &mut st);
+                        }
+                    }
                 }
             }
             st
