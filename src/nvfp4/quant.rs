@@ -195,7 +195,11 @@ pub fn quantize_row_nvfp4(
         for ((o, sc), &m) in out_scale.iter_mut().zip(sg.iter_mut()).zip(&vmax) {
             (*sc, *o) = block_scale(m, gs, rgs, stats);
         }
-        for ((xb, pb), &o) in xg.chunks_exact(16).zip(pg.chunks_exact_mut(8)).zip(&out_scale) {
+        for ((xb, pb), &o) in xg
+            .chunks_exact(16)
+            .zip(pg.chunks_exact_mut(8))
+            .zip(&out_scale)
+        {
             block_codes(xb, o, pb);
         }
     }
