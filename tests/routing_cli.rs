@@ -468,3 +468,102 @@ fn bad_input_is_exit_2_with_names() {
     assert_eq!(out.code, 2);
     assert!(out.stderr.contains("d.safetensors"), "{}", out.stderr);
 }
+
+/// The dumps behind `cases/routing-*.toml`, from a fixed seed. Regenerate with
+/// `cargo test --test routing_cli -- --ignored regenerate_case_data`.
+fn case_dumps(dir: &Path) {
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0004);
+    let (t, k, e) = (64, 4, 16);
+    let (ids, w) = routing(&mut r, t, k, 0, e, 1.0);
+    write_dump(
+        &dir.join("clean.safetensors"),
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &w,
+            ids_i32: false,
+            metadata: None,
+        },
+    );
+    // rank 1 of 2 (experts [8, 16)) wrote its local ids [0, 8) as the router's output
+    let (ids, w) = routing(&mut r, t, k, 0, e / 2, 1.0);
+    write_dump(
+        &dir.join("local-ids.safetensors"),
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &w,
+            ids_i32: true,
+            metadata: None,
+        },
+    );
+}
+
+#[test]
+#[ignore = "writes cases/data/routing; run by hand after changing the generator"]
+fn regenerate_case_data() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cases/data/routing");
+    std::fs::create_dir_all(&dir).unwrap();
+    case_dumps(&dir);
+}
+
+/// Each `cases/routing-*.toml` run through the binary as the `run` command would: the verdict
+/// and the mentions it promises hold, and the committed data is what the generator makes.
+#[test]
+fn case_files_hold() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cases = root.join("cases");
+    let fresh = tempfile::tempdir().unwrap();
+    case_dumps(fresh.path());
+    for name in ["clean.safetensors", "local-ids.safetensors"] {
+        let committed = std::fs::read(cases.join("data/routing").join(name)).unwrap();
+        let made = std::fs::read(fresh.path().join(name)).unwrap();
+        assert!(
+            committed == made,
+            "cases/data/routing/{name} is stale: regenerate it"
+        );
+    }
+    let mut n = 0;
+    for entry in std::fs::read_dir(&cases).unwrap() {
+        let path = entry.unwrap().path();
+        let fname = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !(fname.starts_with("routing-") && fname.ends_with(".toml")) {
+            continue;
+        }
+        n += 1;
+        let case: toml::Value = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(case["command"].as_str(), Some("routing"), "{fname}");
+        let args: Vec<String> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace("${CASE_DIR}", cases.to_str().unwrap())
+            })
+            .collect();
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = run(dir.path(), &argv);
+        let want = match case["expect"].as_str() {
+            Some("pass") => 0,
+            Some("fail") => 1,
+            other => panic!("{fname}: expect = {other:?}"),
+        };
+        assert_eq!(out.code, want, "{fname}\n{}\n{}", out.stdout, out.stderr);
+        let text = out.json.to_string();
+        for m in case
+            .get("expect_mentions")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let m = m.as_str().unwrap();
+            assert!(text.contains(m), "{fname}: report does not mention {m:?}");
+        }
+    }
+    assert!(n >= 2, "routing cases missing");
+}
