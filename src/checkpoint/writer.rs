@@ -51,7 +51,10 @@ impl ShardWriter {
     ) -> Result<ShardWriter> {
         let mut header = serde_json::Map::new();
         if let Some(m) = metadata {
-            header.insert("__metadata__".into(), serde_json::to_value(m).unwrap_or_default());
+            header.insert(
+                "__metadata__".into(),
+                serde_json::to_value(m).unwrap_or_default(),
+            );
         }
         let mut offset = 0usize;
         for s in &specs {
@@ -68,7 +71,7 @@ impl ShardWriter {
         }
         let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
         // pad the header with spaces to 8 bytes, as the reference writer does
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -99,10 +102,16 @@ impl ShardWriter {
             return Err(Error::bad_tensor(
                 &self.path,
                 &spec.name,
-                format!("internal: {} bytes written, {} declared", bytes.len(), spec.nbytes()),
+                format!(
+                    "internal: {} bytes written, {} declared",
+                    bytes.len(),
+                    spec.nbytes()
+                ),
             ));
         }
-        self.out.write_all(bytes).map_err(|e| Error::io(&self.tmp, e))?;
+        self.out
+            .write_all(bytes)
+            .map_err(|e| Error::io(&self.tmp, e))?;
         self.next += 1;
         Ok(())
     }
@@ -111,7 +120,11 @@ impl ShardWriter {
         if self.next != self.specs.len() {
             return Err(Error::bad_file(
                 &self.path,
-                format!("internal: {} of {} tensors written", self.next, self.specs.len()),
+                format!(
+                    "internal: {} of {} tensors written",
+                    self.next,
+                    self.specs.len()
+                ),
             ));
         }
         self.out.flush().map_err(|e| Error::io(&self.tmp, e))?;
@@ -171,7 +184,10 @@ mod tests {
             &p,
             vec![
                 (TensorSpec::new("x", Dtype::F32, &[2, 3]), f32_bytes(&x)),
-                (TensorSpec::new("s", Dtype::F8_E4M3, &[3]), vec![0x38, 0x7E, 0x01]),
+                (
+                    TensorSpec::new("s", Dtype::F8_E4M3, &[3]),
+                    vec![0x38, 0x7E, 0x01],
+                ),
                 (TensorSpec::new("z", Dtype::F32, &[]), f32_bytes(&[0.25])),
             ],
             None,

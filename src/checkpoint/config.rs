@@ -1,0 +1,601 @@
+//! `config.json` (and `hf_quant_config.json`) → a validated [`ModelConfig`].
+//!
+//! Field names are the HF DeepSeek ones (DESIGN.md §3); the names of DeepSeek's own inference
+//! code (`dim`, `moe_inter_dim`, `n_activated_experts`, `n_expert_groups`, `n_limited_groups`,
+//! `score_func`, `route_scale`, `n_dense_layers`, `n_layers`, `inter_dim`) are accepted as
+//! aliases, since native-V4 checkpoints ship that style of config.
+//!
+//! Defaults for optional fields, chosen as DeepSeek's HF configs and transformers'
+//! `DeepseekV3Config` behave, and so that a missing field never restricts routing:
+//! - `scoring_func`: `sigmoid` (transformers' DeepSeek-V3 hard-codes sigmoid; every V3/R1
+//!   config.json says so explicitly);
+//! - `norm_topk_prob`: `true` (DeepSeek-V3/R1 config.json and transformers' default);
+//! - `n_group`: 1, `topk_group`: `n_group` (a missing group limit keeps every group);
+//! - `routed_scaling_factor`: 1.0 (DeepSeek's configuration_deepseek.py default);
+//! - `n_shared_experts`, `first_k_dense_replace`, `num_hash_layers`: 0; `swiglu_limit`: none;
+//! - `rms_norm_eps`: 1e-6; `intermediate_size`: `moe_intermediate_size`;
+//!   `vocab_size`: 0 (unknown; a hash layer's `tid2eid` then gives it);
+//! - `num_hidden_layers`: the number of layers the checkpoint's tensor names show.
+
+use crate::error::{Error, Result};
+use crate::moe::{MoeConfig, ScoringFunc};
+use crate::nvfp4::Format;
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ModelConfig {
+    pub path: PathBuf,
+    pub model_type: Option<String>,
+    pub architectures: Vec<String>,
+    pub moe: MoeConfig,
+    pub quant: Option<QuantConfig>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum QuantMethod {
+    Modelopt,
+    CompressedTensors,
+    Other(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct QuantConfig {
+    /// The file it came from (config.json or hf_quant_config.json).
+    pub source: PathBuf,
+    pub method: QuantMethod,
+    /// `NVFP4`, `MXFP4`, `FP8`, ... (compressed-tensors: derived from `format` / the weight scheme).
+    pub algo: Option<String>,
+    pub group_size: Option<usize>,
+    /// Modules left unquantized (`exclude_modules` / `ignore`).
+    pub exclude_modules: Vec<String>,
+    pub kv_cache_quant_algo: Option<String>,
+}
+
+impl QuantConfig {
+    /// The FP4 format the config promises, if any.
+    pub fn format(&self) -> Option<Format> {
+        match self.algo.as_deref().map(|s| s.to_ascii_uppercase()) {
+            Some(a) if a.contains("NVFP4") => Some(Format::Nvfp4),
+            Some(a) if a.contains("MXFP4") => Some(Format::Mxfp4),
+            _ => None,
+        }
+    }
+}
+
+/// Read `config.json` at `path`, and `hf_quant_config.json` next to it when present.
+/// `layers_hint` fills a missing `num_hidden_layers`.
+pub fn read_config(path: &Path, layers_hint: Option<usize>) -> Result<ModelConfig> {
+    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let mut cfg = parse_config(path, &text, layers_hint)?;
+    if cfg.quant.is_none() {
+        let hq = path.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
+        if hq.is_file() {
+            let t = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+            cfg.quant = Some(parse_hf_quant_config(&hq, &t)?);
+        }
+    }
+    Ok(cfg)
+}
+
+/// Parse the text of a config.json; errors name `path` and the field.
+pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Result<ModelConfig> {
+    let root: Value = serde_json::from_slice(text)
+        .map_err(|e| Error::bad_file(path, format!("not valid JSON: {e}")))?;
+    let root = root
+        .as_object()
+        .ok_or_else(|| Error::bad_file(path, "is not a JSON object"))?;
+    // multimodal wrappers keep the language model's config under text_config
+    let obj = match root.get("text_config").and_then(|v| v.as_object()) {
+        Some(t) if !has(root, &["hidden_size", "dim"]) => t,
+        _ => root,
+    };
+    let f = Fields { path, obj };
+    let hidden_size = f.req_usize(&["hidden_size", "dim"])?;
+    let moe_intermediate_size = f.req_usize(&["moe_intermediate_size", "moe_inter_dim"])?;
+    let n_routed_experts = f.req_usize(&["n_routed_experts"])?;
+    let num_experts_per_tok = f.req_usize(&["num_experts_per_tok", "n_activated_experts"])?;
+    let n_group = f.opt_usize(&["n_group", "n_expert_groups"])?.unwrap_or(1);
+    let topk_group = f
+        .opt_usize(&["topk_group", "n_limited_groups"])?
+        .unwrap_or(n_group);
+    let num_hidden_layers = match f.opt_usize(&["num_hidden_layers", "n_layers"])? {
+        Some(n) => n,
+        None => layers_hint.ok_or_else(|| {
+            f.bad(
+                "num_hidden_layers",
+                "missing, and the checkpoint's tensor names do not show the layers".into(),
+            )
+        })?,
+    };
+    let scoring_func = match f.opt_str(&["scoring_func", "score_func"])? {
+        None => ScoringFunc::Sigmoid,
+        Some(s) => match s.to_ascii_lowercase().as_str() {
+            "sigmoid" => ScoringFunc::Sigmoid,
+            "softmax" => ScoringFunc::Softmax,
+            "sqrtsoftplus" | "sqrt_softplus" => ScoringFunc::Sqrtsoftplus,
+            _ => {
+                return Err(f.bad(
+                    "scoring_func",
+                    format!("unknown value \"{s}\" (expected sigmoid, softmax or sqrtsoftplus)"),
+                ))
+            }
+        },
+    };
+    let moe = MoeConfig {
+        hidden_size,
+        moe_intermediate_size,
+        intermediate_size: f
+            .opt_usize(&["intermediate_size", "inter_dim"])?
+            .unwrap_or(moe_intermediate_size),
+        n_routed_experts,
+        num_experts_per_tok,
+        n_shared_experts: f.opt_usize(&["n_shared_experts"])?.unwrap_or(0),
+        n_group,
+        topk_group,
+        routed_scaling_factor: f
+            .opt_f32(&["routed_scaling_factor", "route_scale"])?
+            .unwrap_or(1.0),
+        scoring_func,
+        norm_topk_prob: f.opt_bool(&["norm_topk_prob"])?.unwrap_or(true),
+        first_k_dense_replace: f
+            .opt_usize(&["first_k_dense_replace", "n_dense_layers"])?
+            .unwrap_or(0),
+        num_hidden_layers,
+        num_hash_layers: f
+            .opt_usize(&["num_hash_layers", "n_hash_layers"])?
+            .unwrap_or(0),
+        swiglu_limit: f.opt_f32(&["swiglu_limit"])?,
+        rms_norm_eps: f.opt_f32(&["rms_norm_eps", "norm_eps"])?.unwrap_or(1e-6),
+        vocab_size: f.opt_usize(&["vocab_size"])?.unwrap_or(0),
+    };
+    validate(&f, &moe)?;
+    let model_type = f.opt_str(&["model_type"])?.map(|s| s.to_string());
+    let architectures = match root.get("architectures") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(|s| s.to_string())
+                    .ok_or_else(|| f.bad("architectures", "must be a list of strings".into()))
+            })
+            .collect::<Result<_>>()?,
+        Some(_) => return Err(f.bad("architectures", "must be a list of strings".into())),
+    };
+    let quant = match root.get("quantization_config") {
+        None | Some(Value::Null) => None,
+        Some(q) => Some(parse_quantization_config(path, "quantization_config", q)?),
+    };
+    Ok(ModelConfig {
+        path: path.to_path_buf(),
+        model_type,
+        architectures,
+        moe,
+        quant,
+    })
+}
+
+fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
+    let nz = |name: &str, v: usize| {
+        if v == 0 {
+            Err(f.bad(name, "must be at least 1".into()))
+        } else {
+            Ok(())
+        }
+    };
+    nz("hidden_size", m.hidden_size)?;
+    nz("moe_intermediate_size", m.moe_intermediate_size)?;
+    nz("n_routed_experts", m.n_routed_experts)?;
+    nz("num_experts_per_tok", m.num_experts_per_tok)?;
+    nz("n_group", m.n_group)?;
+    nz("topk_group", m.topk_group)?;
+    if m.num_experts_per_tok > m.n_routed_experts {
+        return Err(f.bad(
+            "num_experts_per_tok",
+            format!(
+                "{} is more than n_routed_experts = {}",
+                m.num_experts_per_tok, m.n_routed_experts
+            ),
+        ));
+    }
+    if !m.n_routed_experts.is_multiple_of(m.n_group) {
+        return Err(f.bad(
+            "n_group",
+            format!(
+                "n_routed_experts = {} is not divisible by n_group = {}",
+                m.n_routed_experts, m.n_group
+            ),
+        ));
+    }
+    if m.topk_group > m.n_group {
+        return Err(f.bad(
+            "topk_group",
+            format!("{} is more than n_group = {}", m.topk_group, m.n_group),
+        ));
+    }
+    let reachable = m.topk_group * (m.n_routed_experts / m.n_group);
+    if m.num_experts_per_tok > reachable {
+        return Err(f.bad(
+            "num_experts_per_tok",
+            format!(
+                "{} experts cannot be picked from topk_group = {} groups of {} experts",
+                m.num_experts_per_tok,
+                m.topk_group,
+                m.n_routed_experts / m.n_group
+            ),
+        ));
+    }
+    if !(m.routed_scaling_factor.is_finite() && m.routed_scaling_factor > 0.0) {
+        return Err(f.bad(
+            "routed_scaling_factor",
+            format!(
+                "{} is not a positive finite number",
+                m.routed_scaling_factor
+            ),
+        ));
+    }
+    if let Some(l) = m.swiglu_limit {
+        if !(l.is_finite() && l > 0.0) {
+            return Err(f.bad(
+                "swiglu_limit",
+                format!("{l} is not a positive finite number"),
+            ));
+        }
+    }
+    if !(m.rms_norm_eps.is_finite() && m.rms_norm_eps >= 0.0) {
+        return Err(f.bad(
+            "rms_norm_eps",
+            format!("{} is not a finite number ≥ 0", m.rms_norm_eps),
+        ));
+    }
+    if m.first_k_dense_replace > m.num_hidden_layers {
+        return Err(f.bad(
+            "first_k_dense_replace",
+            format!(
+                "{} is more than num_hidden_layers = {}",
+                m.first_k_dense_replace, m.num_hidden_layers
+            ),
+        ));
+    }
+    if m.num_hash_layers > m.num_hidden_layers {
+        return Err(f.bad(
+            "num_hash_layers",
+            format!(
+                "{} is more than num_hidden_layers = {}",
+                m.num_hash_layers, m.num_hidden_layers
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn has(obj: &Map<String, Value>, keys: &[&str]) -> bool {
+    keys.iter()
+        .any(|k| obj.get(*k).is_some_and(|v| !v.is_null()))
+}
+
+struct Fields<'a> {
+    path: &'a Path,
+    obj: &'a Map<String, Value>,
+}
+
+impl<'a> Fields<'a> {
+    fn bad(&self, field: &str, what: String) -> Error {
+        Error::bad_file(self.path, format!("field `{field}`: {what}"))
+    }
+    /// The first of `keys` present and not null.
+    fn get<'k>(&self, keys: &[&'k str]) -> Option<(&'k str, &'a Value)> {
+        keys.iter()
+            .find_map(|k| self.obj.get(*k).filter(|v| !v.is_null()).map(|v| (*k, v)))
+    }
+    fn opt_usize(&self, keys: &[&str]) -> Result<Option<usize>> {
+        let Some((k, v)) = self.get(keys) else {
+            return Ok(None);
+        };
+        v.as_u64()
+            .and_then(|u| usize::try_from(u).ok())
+            .map(Some)
+            .ok_or_else(|| self.bad(k, format!("must be a non-negative integer, found {v}")))
+    }
+    fn req_usize(&self, keys: &[&str]) -> Result<usize> {
+        self.opt_usize(keys)?
+            .ok_or_else(|| self.bad(keys[0], "missing (required for an MoE model)".into()))
+    }
+    fn opt_f32(&self, keys: &[&str]) -> Result<Option<f32>> {
+        let Some((k, v)) = self.get(keys) else {
+            return Ok(None);
+        };
+        v.as_f64()
+            .map(|x| Some(x as f32))
+            .ok_or_else(|| self.bad(k, format!("must be a number, found {v}")))
+    }
+    fn opt_bool(&self, keys: &[&str]) -> Result<Option<bool>> {
+        let Some((k, v)) = self.get(keys) else {
+            return Ok(None);
+        };
+        v.as_bool()
+            .map(Some)
+            .ok_or_else(|| self.bad(k, format!("must be true or false, found {v}")))
+    }
+    fn opt_str(&self, keys: &[&str]) -> Result<Option<&'a str>> {
+        let Some((k, v)) = self.get(keys) else {
+            return Ok(None);
+        };
+        v.as_str()
+            .map(Some)
+            .ok_or_else(|| self.bad(k, format!("must be a string, found {v}")))
+    }
+}
+
+fn str_list(path: &Path, field: &str, v: Option<&Value>) -> Result<Vec<String>> {
+    match v {
+        None | Some(Value::Null) => Ok(vec![]),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str().map(|s| s.to_string()).ok_or_else(|| {
+                    Error::bad_file(path, format!("field `{field}`: must be a list of strings"))
+                })
+            })
+            .collect(),
+        Some(_) => Err(Error::bad_file(
+            path,
+            format!("field `{field}`: must be a list of strings"),
+        )),
+    }
+}
+
+/// `quantization_config` of config.json: ModelOpt (`quant_method: modelopt`, `quant_algo`) or
+/// compressed-tensors (`format`, `config_groups.*.weights`).
+fn parse_quantization_config(path: &Path, field: &str, q: &Value) -> Result<QuantConfig> {
+    let bad =
+        |sub: &str, what: &str| Error::bad_file(path, format!("field `{field}.{sub}`: {what}"));
+    let obj = q
+        .as_object()
+        .ok_or_else(|| Error::bad_file(path, format!("field `{field}`: must be a JSON object")))?;
+    let s = |k: &str| -> Result<Option<String>> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(bad(k, "must be a string")),
+        }
+    };
+    let method = match s("quant_method")?.as_deref() {
+        Some("modelopt") => QuantMethod::Modelopt,
+        Some("compressed-tensors") | Some("compressed_tensors") => QuantMethod::CompressedTensors,
+        Some(other) => QuantMethod::Other(other.to_string()),
+        None => return Err(bad("quant_method", "missing")),
+    };
+    // the weight scheme of the first config group (compressed-tensors, newer ModelOpt)
+    let weights = obj
+        .get("config_groups")
+        .and_then(|g| g.as_object())
+        .and_then(|g| g.values().next())
+        .and_then(|g| g.get("weights"));
+    let group_size = match obj
+        .get("group_size")
+        .or_else(|| weights.and_then(|w| w.get("group_size")))
+    {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|u| usize::try_from(u).ok())
+                .ok_or_else(|| bad("group_size", "must be a non-negative integer"))?,
+        ),
+    };
+    let mut algo = s("quant_algo")?;
+    if algo.is_none() {
+        algo = s("format")?.map(|f| {
+            let l = f.to_ascii_lowercase();
+            if l.contains("nvfp4") {
+                "NVFP4".to_string()
+            } else if l.contains("mxfp4") {
+                "MXFP4".to_string()
+            } else {
+                f
+            }
+        });
+    }
+    if algo.is_none() || algo.as_deref() == Some("pack-quantized") {
+        let bits = weights
+            .and_then(|w| w.get("num_bits"))
+            .and_then(|v| v.as_u64());
+        let ty = weights.and_then(|w| w.get("type")).and_then(|v| v.as_str());
+        if bits == Some(4) && ty == Some("float") {
+            algo = Some(
+                if group_size == Some(32) {
+                    "MXFP4"
+                } else {
+                    "NVFP4"
+                }
+                .to_string(),
+            );
+        }
+    }
+    let mut exclude = str_list(
+        path,
+        &format!("{field}.exclude_modules"),
+        obj.get("exclude_modules"),
+    )?;
+    exclude.extend(str_list(
+        path,
+        &format!("{field}.ignore"),
+        obj.get("ignore"),
+    )?);
+    Ok(QuantConfig {
+        source: path.to_path_buf(),
+        method,
+        algo,
+        group_size,
+        exclude_modules: exclude,
+        kv_cache_quant_algo: s("kv_cache_quant_algo")?,
+    })
+}
+
+/// ModelOpt's `hf_quant_config.json`: `{producer, quantization: {quant_algo, group_size, ...}}`.
+pub fn parse_hf_quant_config(path: &Path, text: &[u8]) -> Result<QuantConfig> {
+    let v: Value = serde_json::from_slice(text)
+        .map_err(|e| Error::bad_file(path, format!("not valid JSON: {e}")))?;
+    let q = v
+        .get("quantization")
+        .ok_or_else(|| Error::bad_file(path, "field `quantization`: missing"))?;
+    let mut q = q.clone();
+    if let Some(o) = q.as_object_mut() {
+        o.entry("quant_method")
+            .or_insert(Value::String("modelopt".into()));
+    }
+    parse_quantization_config(path, "quantization", &q)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    fn v3_json(e: usize, k: usize) -> serde_json::Value {
+        serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+            "n_routed_experts": e, "num_experts_per_tok": k, "n_shared_experts": 1,
+            "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid", "norm_topk_prob": true, "first_k_dense_replace": 3,
+            "num_hidden_layers": 61, "rms_norm_eps": 1e-6, "vocab_size": 129280,
+            "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                    "group_size": 16, "exclude_modules": ["lm_head"]}
+        })
+    }
+
+    fn parse(v: &serde_json::Value) -> Result<ModelConfig> {
+        parse_config(Path::new("/x/config.json"), v.to_string().as_bytes(), None)
+    }
+
+    #[test]
+    fn deepseek_v3_config() {
+        let k = rand::thread_rng().gen_range(1..=8);
+        let c = parse(&v3_json(256, k)).unwrap();
+        assert_eq!(c.moe.n_routed_experts, 256);
+        assert_eq!(c.moe.num_experts_per_tok, k);
+        assert_eq!((c.moe.n_group, c.moe.topk_group), (8, 4));
+        assert_eq!(c.moe.routed_scaling_factor, 2.5);
+        assert_eq!(c.moe.scoring_func, ScoringFunc::Sigmoid);
+        assert!(c.moe.norm_topk_prob && c.moe.is_moe_layer(3) && !c.moe.is_moe_layer(2));
+        let q = c.quant.unwrap();
+        assert_eq!(q.method, QuantMethod::Modelopt);
+        assert_eq!(q.format(), Some(Format::Nvfp4));
+        assert_eq!(q.exclude_modules, vec!["lm_head".to_string()]);
+        assert_eq!(c.model_type.as_deref(), Some("deepseek_v3"));
+    }
+
+    #[test]
+    fn defaults_and_native_aliases() {
+        let v = serde_json::json!({"dim": 64, "moe_inter_dim": 32, "n_routed_experts": 8,
+            "n_activated_experts": 2, "score_func": "sqrtsoftplus", "n_hash_layers": 2,
+            "swiglu_limit": 10.0, "n_layers": 4});
+        let c = parse(&v).unwrap();
+        let m = &c.moe;
+        assert_eq!(
+            (
+                m.hidden_size,
+                m.moe_intermediate_size,
+                m.num_experts_per_tok
+            ),
+            (64, 32, 2)
+        );
+        assert_eq!((m.n_group, m.topk_group, m.n_shared_experts), (1, 1, 0));
+        assert_eq!(m.scoring_func, ScoringFunc::Sqrtsoftplus);
+        assert_eq!((m.num_hash_layers, m.swiglu_limit), (2, Some(10.0)));
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.routed_scaling_factor, 1.0);
+        // num_hidden_layers from the hint when missing, an error without one
+        let v = serde_json::json!({"hidden_size": 64, "moe_intermediate_size": 32,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4});
+        let c = parse_config(Path::new("c.json"), v.to_string().as_bytes(), Some(5)).unwrap();
+        assert_eq!((c.moe.num_hidden_layers, c.moe.topk_group), (5, 4));
+        assert!(parse(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("num_hidden_layers"));
+    }
+
+    #[test]
+    fn bad_configs_name_the_field() {
+        let cases: Vec<(&str, serde_json::Value, &str)> = vec![
+            ("hidden_size", serde_json::Value::Null, "missing"),
+            (
+                "hidden_size",
+                serde_json::json!("7168"),
+                "non-negative integer",
+            ),
+            (
+                "n_routed_experts",
+                serde_json::json!(-1),
+                "non-negative integer",
+            ),
+            (
+                "num_experts_per_tok",
+                serde_json::json!(300),
+                "more than n_routed_experts",
+            ),
+            ("n_group", serde_json::json!(7), "not divisible"),
+            ("topk_group", serde_json::json!(9), "more than n_group"),
+            ("scoring_func", serde_json::json!("relu"), "unknown value"),
+            ("norm_topk_prob", serde_json::json!(1), "true or false"),
+            ("routed_scaling_factor", serde_json::json!(-2.5), "positive"),
+            ("moe_intermediate_size", serde_json::json!(0), "at least 1"),
+            (
+                "first_k_dense_replace",
+                serde_json::json!(99),
+                "num_hidden_layers",
+            ),
+        ];
+        for (field, val, want) in cases {
+            let mut v = v3_json(256, 8);
+            v[field] = val;
+            let e = parse(&v).unwrap_err().to_string();
+            assert!(
+                e.contains("config.json") && e.contains(field) && e.contains(want),
+                "{field}: {e}"
+            );
+        }
+        let mut v = v3_json(16, 8);
+        v["topk_group"] = serde_json::json!(1);
+        assert!(parse(&v)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot be picked"));
+        let mut v = v3_json(256, 8);
+        v["quantization_config"] = serde_json::json!({"quant_algo": "NVFP4"});
+        assert!(parse(&v).unwrap_err().to_string().contains("quant_method"));
+        for bad in ["", "{", "[1,2]", "{\"hidden_size\": 1,}"] {
+            let e = parse_config(Path::new("/x/config.json"), bad.as_bytes(), None)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("config.json"), "{e}");
+        }
+    }
+
+    #[test]
+    fn compressed_tensors_and_hf_quant_config() {
+        let mut v = v3_json(256, 8);
+        v["quantization_config"] = serde_json::json!({
+            "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16}}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]});
+        let q = parse(&v).unwrap().quant.unwrap();
+        assert_eq!(q.method, QuantMethod::CompressedTensors);
+        assert_eq!((q.format(), q.group_size), (Some(Format::Nvfp4), Some(16)));
+        assert_eq!(q.exclude_modules.len(), 2);
+        let hq = br#"{"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"], "kv_cache_quant_algo": null}}"#;
+        let q = parse_hf_quant_config(Path::new("hf_quant_config.json"), hq).unwrap();
+        assert_eq!(
+            (q.format(), q.method),
+            (Some(Format::Nvfp4), QuantMethod::Modelopt)
+        );
+        let e = parse_hf_quant_config(Path::new("hf_quant_config.json"), b"{}").unwrap_err();
+        assert!(e.to_string().contains("hf_quant_config.json"));
+    }
+}

@@ -1,0 +1,407 @@
+//! A checkpoint as users hand it to us: an HF directory (`model.safetensors`, or shards with
+//! `model.safetensors.index.json`, or just `*.safetensors`), or a single `.safetensors` file.
+//! Every shard is memory-mapped and its header validated at open; tensor bytes are touched only
+//! when asked for.
+
+use super::file::{TensorFile, TensorInfo};
+use super::source::TensorSource;
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::path::{Component, Path, PathBuf};
+
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+pub const SINGLE_FILE: &str = "model.safetensors";
+pub const CONFIG_FILE: &str = "config.json";
+pub const HF_QUANT_CONFIG_FILE: &str = "hf_quant_config.json";
+/// Where a synth checkpoint keeps the BF16 originals of its quantized weights.
+pub const ORIGINALS_DIR: &str = "bf16";
+
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The path the user gave.
+    root: PathBuf,
+    /// The directory config.json is looked for in (the parent of a single file).
+    dir: PathBuf,
+    index: Option<PathBuf>,
+    shards: Vec<TensorFile>,
+    lookup: HashMap<String, usize>,
+    names: Vec<String>,
+    originals: Option<Box<Checkpoint>>,
+}
+
+impl Checkpoint {
+    /// Open a directory or a single `.safetensors` file, with `bf16/` originals when present.
+    pub fn open(path: &Path) -> Result<Checkpoint> {
+        Self::open_inner(path, true)
+    }
+
+    fn open_inner(path: &Path, with_originals: bool) -> Result<Checkpoint> {
+        let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if !meta.is_dir() {
+            let f = TensorFile::open(path)?;
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or_else(|| Path::new("."))
+                .to_path_buf();
+            return Self::assemble(path, dir, None, vec![f], None, None);
+        }
+        let index = path.join(INDEX_FILE);
+        let (shards, index, weight_map) = if index.is_file() {
+            let (files, map) = read_index(&index)?;
+            let mut shards = Vec::with_capacity(files.len());
+            for f in &files {
+                let p = path.join(f);
+                if !p.is_file() {
+                    return Err(Error::bad_file(
+                        &index,
+                        format!("names shard `{f}`, which does not exist ({})", p.display()),
+                    ));
+                }
+                shards.push(TensorFile::open(&p)?);
+            }
+            (shards, Some(index), Some((files, map)))
+        } else if path.join(SINGLE_FILE).is_file() {
+            (vec![TensorFile::open(&path.join(SINGLE_FILE))?], None, None)
+        } else {
+            let mut files = vec![];
+            for e in std::fs::read_dir(path).map_err(|e| Error::io(path, e))? {
+                let e = e.map_err(|e| Error::io(path, e))?;
+                let p = e.path();
+                if p.extension().is_some_and(|x| x == "safetensors") && p.is_file() {
+                    files.push(p);
+                }
+            }
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::bad_file(
+                    path,
+                    format!("directory without tensors: no {SINGLE_FILE}, no {INDEX_FILE}, no *.safetensors"),
+                ));
+            }
+            let shards = files
+                .iter()
+                .map(|p| TensorFile::open(p))
+                .collect::<Result<Vec<_>>>()?;
+            (shards, None, None)
+        };
+        let originals = if with_originals && path.join(ORIGINALS_DIR).is_dir() {
+            Some(Box::new(Self::open_inner(
+                &path.join(ORIGINALS_DIR),
+                false,
+            )?))
+        } else {
+            None
+        };
+        Self::assemble(
+            path,
+            path.to_path_buf(),
+            index,
+            shards,
+            weight_map,
+            originals,
+        )
+    }
+
+    fn assemble(
+        root: &Path,
+        dir: PathBuf,
+        index: Option<PathBuf>,
+        shards: Vec<TensorFile>,
+        weight_map: Option<WeightMap>,
+        originals: Option<Box<Checkpoint>>,
+    ) -> Result<Checkpoint> {
+        let mut lookup = HashMap::new();
+        let mut names = vec![];
+        if let (Some((files, map)), Some(ix)) = (&weight_map, &index) {
+            // The index is what engines load by: every tensor it names must be where it says.
+            for (name, fi) in map {
+                let shard = &shards[*fi];
+                if !shard.contains(name) {
+                    return Err(Error::bad_tensor(
+                        shard.path(),
+                        name,
+                        format!(
+                            "{} places this tensor in shard `{}`, which lacks it",
+                            ix.display(),
+                            files[*fi]
+                        ),
+                    ));
+                }
+                lookup.insert(name.clone(), *fi);
+            }
+        }
+        for (i, s) in shards.iter().enumerate() {
+            for n in s.names() {
+                match lookup.get(n) {
+                    Some(&j) if j == i => {}
+                    Some(&j) if index.is_none() => {
+                        return Err(Error::bad_tensor(
+                            s.path(),
+                            n,
+                            format!(
+                                "also in {}: which copy is meant is ambiguous without an index",
+                                shards[j].path().display()
+                            ),
+                        ))
+                    }
+                    // the index chose another shard's copy
+                    Some(_) => continue,
+                    None => {
+                        lookup.insert(n.to_string(), i);
+                    }
+                }
+                names.push(n.to_string());
+            }
+        }
+        if names.is_empty() {
+            return Err(Error::bad_file(root, "holds no tensors"));
+        }
+        Ok(Checkpoint {
+            root: root.to_path_buf(),
+            dir,
+            index,
+            shards,
+            lookup,
+            names,
+            originals,
+        })
+    }
+
+    /// The path as given.
+    pub fn path(&self) -> &Path {
+        &self.root
+    }
+
+    /// The directory of the checkpoint (the parent directory for a single file).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// True when opened from a directory (not a single file).
+    pub fn is_dir(&self) -> bool {
+        self.root == self.dir
+    }
+
+    pub fn index_path(&self) -> Option<&Path> {
+        self.index.as_deref()
+    }
+
+    pub fn shards(&self) -> &[TensorFile] {
+        &self.shards
+    }
+
+    /// `config.json` of the checkpoint directory, if there is one.
+    pub fn config_path(&self) -> Option<PathBuf> {
+        let p = self.dir.join(CONFIG_FILE);
+        p.is_file().then_some(p)
+    }
+
+    /// The BF16 originals (`DIR/bf16/`), when the checkpoint ships them.
+    pub fn originals(&self) -> Option<&Checkpoint> {
+        self.originals.as_deref()
+    }
+
+    /// Every tensor name: shards in order, each in data order.
+    pub fn names(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.names.iter().map(|s| s.as_str())
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.lookup.contains_key(name)
+    }
+
+    pub fn info(&self, name: &str) -> Result<&TensorInfo> {
+        self.tensor_info(name)
+    }
+
+    pub fn bytes(&self, name: &str) -> Result<&[u8]> {
+        self.tensor_bytes(name)
+    }
+
+    pub fn to_f32(&self, name: &str) -> Result<Vec<f32>> {
+        self.tensor_f32(name)
+    }
+
+    pub fn scalar_f32(&self, name: &str) -> Result<f32> {
+        self.tensor_scalar_f32(name)
+    }
+
+    pub fn to_i64(&self, name: &str) -> Result<Vec<i64>> {
+        self.tensor_i64(name)
+    }
+
+    /// The model configuration from `config.json` (+ `hf_quant_config.json`); a checkpoint
+    /// without one is bad input for commands that need it.
+    pub fn config(&self) -> Result<super::config::ModelConfig> {
+        let p = self.config_path().ok_or_else(|| {
+            Error::bad_file(
+                &self.root,
+                format!(
+                    "no {CONFIG_FILE} in {} (the MoE dimensions come from it)",
+                    self.dir.display()
+                ),
+            )
+        })?;
+        let naming = super::names::Naming::detect(self.names());
+        let layers_hint = naming.map(|n| {
+            super::names::layers_present(&n, self.names())
+                .last()
+                .map_or(0, |l| l + 1)
+        });
+        super::config::read_config(&p, layers_hint)
+    }
+}
+
+impl TensorSource for Checkpoint {
+    fn origin(&self) -> &Path {
+        &self.root
+    }
+    fn locate(&self, name: &str) -> Option<(&TensorFile, &TensorInfo)> {
+        let i = *self.lookup.get(name)?;
+        let f = &self.shards[i];
+        f.get(name).map(|t| (f, t))
+    }
+    fn tensor_names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        Box::new(self.names())
+    }
+}
+
+/// `weight_map` of an index: the shard file names (first-seen order) and each tensor's shard.
+type WeightMap = (Vec<String>, Vec<(String, usize)>);
+
+fn read_index(index: &Path) -> Result<WeightMap> {
+    let text = std::fs::read(index).map_err(|e| Error::io(index, e))?;
+    let v: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| Error::bad_file(index, format!("not valid JSON: {e}")))?;
+    let wm = v
+        .get("weight_map")
+        .ok_or_else(|| Error::bad_file(index, "has no `weight_map`"))?
+        .as_object()
+        .ok_or_else(|| Error::bad_file(index, "`weight_map` is not a JSON object"))?;
+    let mut files: Vec<String> = vec![];
+    let mut pos: HashMap<String, usize> = HashMap::new();
+    let mut map = Vec::with_capacity(wm.len());
+    for (name, f) in wm {
+        let f = f.as_str().ok_or_else(|| {
+            Error::bad_file(
+                index,
+                format!("`weight_map[\"{name}\"]` is not a file name"),
+            )
+        })?;
+        // shards live next to the index; anything else is not an HF checkpoint
+        let mut comps = Path::new(f).components();
+        if !matches!(
+            (comps.next(), comps.next()),
+            (Some(Component::Normal(_)), None)
+        ) {
+            return Err(Error::bad_file(
+                index,
+                format!(
+                    "`weight_map[\"{name}\"]` = `{f}` is not a plain file name in this directory"
+                ),
+            ));
+        }
+        let i = *pos.entry(f.to_string()).or_insert_with(|| {
+            files.push(f.to_string());
+            files.len() - 1
+        });
+        map.push((name.clone(), i));
+    }
+    if map.is_empty() {
+        return Err(Error::bad_file(
+            index,
+            "`weight_map` is empty: directory without tensors",
+        ));
+    }
+    Ok((files, map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
+    use safetensors::Dtype;
+
+    fn shard(p: &Path, names: &[(&str, f32)]) {
+        write_file(
+            p,
+            names
+                .iter()
+                .map(|(n, v)| (TensorSpec::new(*n, Dtype::F32, &[2]), f32_bytes(&[*v, -*v])))
+                .collect(),
+            None,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn sharded_directory_with_index() {
+        let d = tempfile::tempdir().unwrap();
+        let v: f32 = rand::random::<f32>() + 0.5;
+        shard(&d.path().join("a.safetensors"), &[("x", v), ("y", 2.0 * v)]);
+        shard(&d.path().join("b.safetensors"), &[("z", 3.0 * v)]);
+        let idx = r#"{"metadata":{},"weight_map":{"x":"a.safetensors","y":"a.safetensors","z":"b.safetensors"}}"#;
+        std::fs::write(d.path().join(INDEX_FILE), idx).unwrap();
+        let c = Checkpoint::open(d.path()).unwrap();
+        assert_eq!(c.names().count(), 3);
+        assert_eq!(c.to_f32("z").unwrap(), vec![3.0 * v, -3.0 * v]);
+        assert_eq!(c.file_of("z"), d.path().join("b.safetensors"));
+        assert!(c.originals().is_none());
+        assert!(c.to_f32("w").unwrap_err().to_string().contains("`w`"));
+
+        // index naming a tensor the shard lacks
+        let idx = r#"{"weight_map":{"x":"b.safetensors"}}"#;
+        std::fs::write(d.path().join(INDEX_FILE), idx).unwrap();
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("b.safetensors") && e.contains("`x`") && e.contains("lacks"),
+            "{e}"
+        );
+        // index naming a missing shard
+        let idx = r#"{"weight_map":{"x":"c.safetensors"}}"#;
+        std::fs::write(d.path().join(INDEX_FILE), idx).unwrap();
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(e.contains(INDEX_FILE) && e.contains("c.safetensors"), "{e}");
+        // broken index
+        std::fs::write(d.path().join(INDEX_FILE), "{\"weight_map\": ").unwrap();
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(e.contains(INDEX_FILE) && e.contains("JSON"), "{e}");
+        std::fs::write(
+            d.path().join(INDEX_FILE),
+            r#"{"weight_map":{"x":"../a.safetensors"}}"#,
+        )
+        .unwrap();
+        assert!(Checkpoint::open(d.path()).is_err());
+
+        // without an index: every *.safetensors, duplicates are ambiguous
+        std::fs::remove_file(d.path().join(INDEX_FILE)).unwrap();
+        let c = Checkpoint::open(d.path()).unwrap();
+        assert_eq!(c.names().count(), 3);
+        shard(&d.path().join("c.safetensors"), &[("x", 1.0)]);
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(e.contains("ambiguous") && e.contains("`x`"), "{e}");
+    }
+
+    #[test]
+    fn directories_without_tensors_and_originals() {
+        let d = tempfile::tempdir().unwrap();
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(e.contains("without tensors"), "{e}");
+        write_file(&d.path().join(SINGLE_FILE), vec![], None).unwrap();
+        let e = Checkpoint::open(d.path()).unwrap_err().to_string();
+        assert!(e.contains("no tensors"), "{e}");
+        shard(&d.path().join(SINGLE_FILE), &[("a.weight", 1.0)]);
+        std::fs::create_dir(d.path().join(ORIGINALS_DIR)).unwrap();
+        shard(
+            &d.path().join(ORIGINALS_DIR).join(SINGLE_FILE),
+            &[("a.weight", 5.0)],
+        );
+        let c = Checkpoint::open(d.path()).unwrap();
+        assert_eq!(c.originals().unwrap().to_f32("a.weight").unwrap()[0], 5.0);
+        assert!(c.is_dir());
+        let f = Checkpoint::open(&d.path().join(SINGLE_FILE)).unwrap();
+        assert!(!f.is_dir() && f.originals().is_none());
+        assert_eq!(f.dir(), d.path());
+    }
+}

@@ -1,0 +1,650 @@
+//! One MoE layer out of a checkpoint: config, router (+ bias, + V4 hash table), the routed
+//! experts as NVFP4 linears (with their BF16 originals from `bf16/` when shipped), the shared
+//! experts and the norm in front of the block. HF-V3 and native-V4 names.
+
+use super::config::ModelConfig;
+use super::formats::{find_linear, read_linear};
+use super::hf::Checkpoint;
+use super::names::{inventory, LayerNames, Naming, Proj, Scheme};
+use super::source::TensorSource;
+use crate::error::{Error, Result};
+use crate::moe::{DenseMlp, Expert, MoeLayer, QLinear, Router};
+use crate::nvfp4::quantize_weight_nvfp4;
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// A checkpoint opened for MoE work: tensors, validated config and the naming its keys use.
+#[derive(Debug)]
+pub struct MoeCheckpoint {
+    pub ckpt: Checkpoint,
+    pub config: ModelConfig,
+    pub naming: Naming,
+    layers: BTreeMap<usize, LayerNames>,
+}
+
+impl MoeCheckpoint {
+    pub fn open(path: &Path) -> Result<MoeCheckpoint> {
+        let ckpt = Checkpoint::open(path)?;
+        let naming = Naming::detect(ckpt.names()).ok_or_else(|| {
+            Error::bad_file(
+                path,
+                "no MoE expert tensors: expected `model.layers.{l}.mlp.experts.{e}.*` (HF), \
+                 `layers.{l}.ffn.experts.{e}.*` (native V4) or `...mlp.experts.w13_weight` (vLLM)",
+            )
+        })?;
+        let layers = inventory(&naming, ckpt.names());
+        let config = ckpt.config()?;
+        Ok(MoeCheckpoint {
+            ckpt,
+            config,
+            naming,
+            layers,
+        })
+    }
+
+    /// Indices of the layers holding MoE tensors.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        self.layers.keys().copied().collect()
+    }
+
+    pub fn load_layer(&self, layer: usize) -> Result<MoeLayer> {
+        load_layer(self, layer)
+    }
+}
+
+/// Indices of the MoE layers a checkpoint holds.
+pub fn list_moe_layers(path: &Path) -> Result<Vec<usize>> {
+    let ckpt = Checkpoint::open(path)?;
+    let naming = Naming::detect(ckpt.names())
+        .ok_or_else(|| Error::bad_file(path, "no MoE expert tensors found"))?;
+    Ok(inventory(&naming, ckpt.names()).into_keys().collect())
+}
+
+/// Load MoE layer `layer` of the checkpoint at `path` (a directory, or a file next to its
+/// config.json).
+pub fn load_moe_layer(path: &Path, layer: usize) -> Result<MoeLayer> {
+    MoeCheckpoint::open(path)?.load_layer(layer)
+}
+
+fn ranges(v: &[usize]) -> String {
+    let mut out: Vec<String> = vec![];
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
+    let ck = &mc.ckpt;
+    let n = &mc.naming;
+    let mut cfg = mc.config.moe.clone();
+    let Some(inv) = mc.layers.get(&layer) else {
+        return Err(Error::bad_file(
+            ck.path(),
+            format!(
+                "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {})",
+                ranges(&mc.moe_layers())
+            ),
+        ));
+    };
+    if n.scheme == Scheme::VllmFused || inv.fused {
+        return Err(Error::bad_file(
+            ck.path(),
+            "this is a vLLM engine dump (fused w13/w2 experts), not a checkpoint: compare it \
+             with `compare-weights`",
+        ));
+    }
+    let (e_count, hidden, inter) = (
+        cfg.n_routed_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+    );
+
+    // router
+    let rw = n.router_weight(layer);
+    let (weight, shape) = read_dense(ck, &rw)?.ok_or_else(|| {
+        Error::bad_tensor(
+            ck.path(),
+            &rw,
+            "missing: the router weight of this MoE layer",
+        )
+    })?;
+    expect_shape(
+        ck,
+        &rw,
+        &shape,
+        &[e_count, hidden],
+        "[n_routed_experts, hidden_size] from config.json",
+    )?;
+    let rb = n.router_bias(layer);
+    let bias = if ck.contains(&rb) {
+        let t = ck.info(&rb)?;
+        expect_shape(ck, &rb, &t.shape, &[e_count], "[n_routed_experts]")?;
+        Some(ck.to_f32(&rb)?)
+    } else {
+        None
+    };
+    let tk = n.tid2eid(layer);
+    let tid2eid = if ck.contains(&tk) {
+        let t = ck.info(&tk)?.clone();
+        let k = cfg.num_experts_per_tok;
+        if t.shape.len() != 2 || t.shape[1] != k {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!(
+                    "shape {:?} is not [vocab, num_experts_per_tok = {k}]",
+                    t.shape
+                ),
+            ));
+        }
+        let ids = ck.to_i64(&tk)?;
+        if let Some(i) = ids.iter().position(|&v| v < 0 || v as usize >= e_count) {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!(
+                    "entry [{}, {}] = {} is not an expert id in 0..{e_count}",
+                    i / k,
+                    i % k,
+                    ids[i]
+                ),
+            ));
+        }
+        if cfg.vocab_size == 0 {
+            cfg.vocab_size = t.shape[0];
+        }
+        Some(ids)
+    } else {
+        if cfg.is_hash_layer(layer) {
+            return Err(Error::bad_tensor(
+                ck.path(),
+                &tk,
+                format!(
+                    "missing: layer {layer} routes by hash (num_hash_layers = {}) and needs its tid2eid table",
+                    cfg.num_hash_layers
+                ),
+            ));
+        }
+        None
+    };
+
+    // routed experts
+    let originals = ck
+        .originals()
+        .filter(|o| o.contains(&format!("{}.weight", n.expert(layer, 0, Proj::Gate))));
+    let experts = (0..e_count)
+        .into_par_iter()
+        .map(|e| {
+            let lin = |p: Proj, rows: usize, cols: usize| {
+                load_expert_linear(ck, originals, &n.expert(layer, e, p), rows, cols)
+            };
+            Ok(Expert {
+                w1: lin(Proj::Gate, inter, hidden)?,
+                w3: lin(Proj::Up, inter, hidden)?,
+                w2: lin(Proj::Down, hidden, inter)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    // shared experts
+    let gate0 = format!("{}.weight", n.shared_expert(layer, Proj::Gate));
+    let shared = if ck.contains(&gate0)
+        || find_linear(ck, &n.shared_expert(layer, Proj::Gate))?.is_some()
+    {
+        Some(load_shared(ck, n, layer, &cfg)?)
+    } else if cfg.n_shared_experts > 0 {
+        return Err(Error::bad_tensor(
+            ck.path(),
+            &gate0,
+            format!(
+                "missing: config.json has n_shared_experts = {} but layer {layer} has no shared expert",
+                cfg.n_shared_experts
+            ),
+        ));
+    } else {
+        None
+    };
+
+    let nk = n.norm(layer);
+    let norm_weight = if ck.contains(&nk) {
+        let t = ck.info(&nk)?;
+        expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
+        Some(ck.to_f32(&nk)?)
+    } else {
+        None
+    };
+
+    Ok(MoeLayer {
+        index: layer,
+        config: cfg,
+        router: Router {
+            weight,
+            e_score_correction_bias: bias,
+            tid2eid,
+        },
+        experts,
+        shared,
+        norm_weight,
+    })
+}
+
+fn expect_shape(
+    ck: &Checkpoint,
+    name: &str,
+    got: &[usize],
+    want: &[usize],
+    what: &str,
+) -> Result<()> {
+    if got != want {
+        return Err(Error::bad_tensor(
+            ck.file_of(name),
+            name,
+            format!("shape {got:?}, expected {want:?} ({what})"),
+        ));
+    }
+    Ok(())
+}
+
+/// A weight that may be stored quantized or in a float dtype, as f32 `[rows, cols]`.
+fn read_dense(src: &dyn TensorSource, name: &str) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
+    let base = name.strip_suffix(".weight").unwrap_or(name);
+    if let Some(ln) = find_linear(src, base)? {
+        let q = read_linear(src, &ln)?;
+        let shape = vec![q.weight.rows, q.weight.cols];
+        return Ok(Some((q.weight.dequantize(), shape)));
+    }
+    if !src.contains(name) {
+        return Ok(None);
+    }
+    let t = src.tensor_info(name)?;
+    if t.shape.len() != 2 {
+        return Err(Error::bad_tensor(
+            src.file_of(name),
+            name,
+            format!(
+                "a linear weight is 2-D [out, in]; found shape {:?}",
+                t.shape
+            ),
+        ));
+    }
+    let shape = t.shape.clone();
+    Ok(Some((src.tensor_f32(name)?, shape)))
+}
+
+/// An expert projection: the NVFP4 linear, or — for a BF16 checkpoint — the float weight
+/// quantized here exactly as `quantize` does, with the float weight kept as the original.
+fn load_expert_linear(
+    ck: &Checkpoint,
+    originals: Option<&Checkpoint>,
+    base: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<QLinear> {
+    let wname = format!("{base}.weight");
+    let mut q = match find_linear(ck, base)? {
+        Some(ln) => read_linear(ck, &ln)?,
+        None => {
+            let (w, shape) = read_dense(ck, &wname)?.ok_or_else(|| {
+                Error::bad_tensor(
+                    ck.path(),
+                    &wname,
+                    "missing: every routed expert needs gate, up and down",
+                )
+            })?;
+            expect_shape(ck, &wname, &shape, &[rows, cols], "from config.json")?;
+            if !cols.is_multiple_of(16) {
+                return Err(Error::bad_tensor(
+                    ck.file_of(&wname),
+                    &wname,
+                    format!("in-features {cols} are not a multiple of 16: cannot be NVFP4"),
+                ));
+            }
+            if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+                return Err(Error::bad_tensor(
+                    ck.file_of(&wname),
+                    &wname,
+                    format!("element {i} is {}", w[i]),
+                ));
+            }
+            let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+            return Ok(QLinear {
+                weight: t,
+                input_scale: None,
+                original: Some(w),
+            });
+        }
+    };
+    let (r, c) = (q.weight.rows, q.weight.cols);
+    if (r, c) != (rows, cols) {
+        return Err(Error::bad_tensor(
+            ck.file_of(&wname),
+            &wname,
+            format!(
+                "holds a [{r}, {c}] weight (packed [{r}, {}]); config.json says [{rows}, {cols}]",
+                c / 2
+            ),
+        ));
+    }
+    if let Some(o) = originals {
+        let t = o.info(&wname)?;
+        if t.shape != [rows, cols] {
+            return Err(Error::bad_tensor(
+                o.file_of(&wname),
+                &wname,
+                format!(
+                    "BF16 original has shape {:?}, the quantized weight is [{rows}, {cols}]",
+                    t.shape
+                ),
+            ));
+        }
+        q.original = Some(o.to_f32(&wname)?);
+    }
+    Ok(q)
+}
+
+fn load_shared(
+    ck: &Checkpoint,
+    n: &Naming,
+    layer: usize,
+    cfg: &crate::moe::MoeConfig,
+) -> Result<DenseMlp> {
+    let h = cfg.hidden_size;
+    let src_of = |name: &str| -> &Checkpoint {
+        match ck.originals() {
+            Some(o) if o.contains(name) => o,
+            _ => ck,
+        }
+    };
+    let get = |p: Proj| -> Result<(Vec<f32>, Vec<usize>, String)> {
+        let name = format!("{}.weight", n.shared_expert(layer, p));
+        let src = src_of(&name);
+        let quantized = find_linear(src, &n.shared_expert(layer, p))?.is_some();
+        let (mut w, shape) = read_dense(src, &name)?.ok_or_else(|| {
+            Error::bad_tensor(
+                ck.path(),
+                &name,
+                "missing: a shared expert needs gate, up and down",
+            )
+        })?;
+        if quantized {
+            // DenseMlp weights are BF16-exact: a quantized shared expert is used as the BF16
+            // model a dequantized checkpoint would be.
+            w.iter_mut()
+                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+        }
+        Ok((w, shape, name))
+    };
+    let (w1, s1, n1) = get(Proj::Gate)?;
+    let (w3, s3, n3) = get(Proj::Up)?;
+    let (w2, s2, n2) = get(Proj::Down)?;
+    let inter = s1[0];
+    expect_shape(
+        ck,
+        &n1,
+        &s1,
+        &[inter, h],
+        "[shared intermediate, hidden_size]",
+    )?;
+    expect_shape(ck, &n3, &s3, &[inter, h], "the gate's shape")?;
+    expect_shape(
+        ck,
+        &n2,
+        &s2,
+        &[h, inter],
+        "[hidden_size, shared intermediate]",
+    )?;
+    if cfg.n_shared_experts > 0 && inter != cfg.moe_intermediate_size * cfg.n_shared_experts {
+        return Err(Error::bad_tensor(
+            ck.file_of(&n1),
+            &n1,
+            format!(
+                "shared intermediate {inter} != moe_intermediate_size × n_shared_experts = {} × {}",
+                cfg.moe_intermediate_size, cfg.n_shared_experts
+            ),
+        ));
+    }
+    Ok(DenseMlp {
+        intermediate: inter,
+        w1,
+        w3,
+        w2,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::hf::{CONFIG_FILE, ORIGINALS_DIR, SINGLE_FILE};
+    use crate::checkpoint::writer::{bf16_bytes, f32_bytes, i64_bytes, write_file, TensorSpec};
+    use rand::{Rng, SeedableRng};
+    use rand_distr::{Distribution, StandardNormal};
+    use safetensors::Dtype;
+
+    struct Dims {
+        h: usize,
+        i: usize,
+        e: usize,
+        k: usize,
+        vocab: usize,
+    }
+
+    fn err<T>(r: Result<T>) -> String {
+        match r {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    fn bf16_round(v: Vec<f32>) -> Vec<f32> {
+        v.into_iter()
+            .map(|x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    }
+
+    /// A tiny checkpoint: layer 0 dense, layers 1..=2 MoE; returns the originals by name.
+    fn write_tiny(
+        dir: &Path,
+        n: &Naming,
+        d: &Dims,
+        seed: u64,
+        hash: bool,
+    ) -> BTreeMap<String, Vec<f32>> {
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut randn = |len: usize, s: f32| -> Vec<f32> {
+            bf16_round(
+                (0..len)
+                    .map(|_| {
+                        let v: f32 = StandardNormal.sample(&mut r);
+                        s * v
+                    })
+                    .collect(),
+            )
+        };
+        let mut q = vec![];
+        let mut o = vec![];
+        let mut orig = BTreeMap::new();
+        for l in 1..=2 {
+            q.push((
+                TensorSpec::new(n.router_weight(l), Dtype::BF16, &[d.e, d.h]),
+                bf16_bytes(&randn(d.e * d.h, 0.1)),
+            ));
+            q.push((
+                TensorSpec::new(n.router_bias(l), Dtype::F32, &[d.e]),
+                f32_bytes(&randn(d.e, 0.01)),
+            ));
+            q.push((
+                TensorSpec::new(n.norm(l), Dtype::BF16, &[d.h]),
+                bf16_bytes(&randn(d.h, 1.0)),
+            ));
+            if hash && l == 1 {
+                let ids: Vec<i64> = (0..d.vocab * d.k)
+                    .map(|i| ((i * 7 + l) % d.e) as i64)
+                    .collect();
+                q.push((
+                    TensorSpec::new(n.tid2eid(l), Dtype::I64, &[d.vocab, d.k]),
+                    i64_bytes(&ids),
+                ));
+            }
+            for p in Proj::ALL {
+                let (rows, cols) = if p == Proj::Down {
+                    (d.h, d.i)
+                } else {
+                    (d.i, d.h)
+                };
+                let name = format!("{}.weight", n.shared_expert(l, p));
+                q.push((
+                    TensorSpec::new(&name, Dtype::BF16, &[rows, cols]),
+                    bf16_bytes(&randn(rows * cols, 0.05)),
+                ));
+                for e in 0..d.e {
+                    let base = n.expert(l, e, p);
+                    let w = randn(rows * cols, 0.05);
+                    let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+                    q.push((
+                        TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[rows, cols / 2]),
+                        t.packed.clone(),
+                    ));
+                    q.push((
+                        TensorSpec::new(
+                            format!("{base}.weight_scale"),
+                            Dtype::F8_E4M3,
+                            &[rows, cols / 16],
+                        ),
+                        t.scales.clone(),
+                    ));
+                    q.push((
+                        TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+                        f32_bytes(&[t.scale_2]),
+                    ));
+                    q.push((
+                        TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+                        f32_bytes(&[0.01 + e as f32 * 1e-3]),
+                    ));
+                    o.push((
+                        TensorSpec::new(format!("{base}.weight"), Dtype::BF16, &[rows, cols]),
+                        bf16_bytes(&w),
+                    ));
+                    orig.insert(format!("{base}.weight"), w);
+                }
+            }
+        }
+        write_file(&dir.join(SINGLE_FILE), q, None).unwrap();
+        std::fs::create_dir_all(dir.join(ORIGINALS_DIR)).unwrap();
+        write_file(&dir.join(ORIGINALS_DIR).join(SINGLE_FILE), o, None).unwrap();
+        let cfg = serde_json::json!({
+            "hidden_size": d.h, "moe_intermediate_size": d.i, "intermediate_size": 4 * d.i,
+            "n_routed_experts": d.e, "num_experts_per_tok": d.k, "n_shared_experts": 1,
+            "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": true,
+            "scoring_func": if hash { "sqrtsoftplus" } else { "sigmoid" },
+            "first_k_dense_replace": 1, "num_hidden_layers": 3,
+            "num_hash_layers": if hash { 2 } else { 0 }, "swiglu_limit": if hash { Some(10.0) } else { None },
+        });
+        std::fs::write(dir.join(CONFIG_FILE), cfg.to_string()).unwrap();
+        orig
+    }
+
+    #[test]
+    fn loads_hf_v3_and_native_v4_layers() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let d = Dims {
+            h: 16 * r.gen_range(1..4),
+            i: 16 * r.gen_range(1..3),
+            e: 4,
+            k: 2,
+            vocab: 11,
+        };
+        for (n, hash) in [(Naming::hf_v3(), false), (Naming::native_v4(), true)] {
+            let dir = tempfile::tempdir().unwrap();
+            let orig = write_tiny(dir.path(), &n, &d, seed, hash);
+            assert_eq!(list_moe_layers(dir.path()).unwrap(), vec![1, 2]);
+            let mc = MoeCheckpoint::open(dir.path()).unwrap();
+            assert_eq!(mc.naming, n);
+            let layer = mc.load_layer(2).unwrap();
+            assert_eq!(layer.experts.len(), d.e, "seed {seed}");
+            assert_eq!(layer.router.weight.len(), d.e * d.h);
+            assert_eq!(
+                layer
+                    .router
+                    .e_score_correction_bias
+                    .as_ref()
+                    .map(|b| b.len()),
+                Some(d.e)
+            );
+            assert_eq!(layer.norm_weight.as_ref().map(|b| b.len()), Some(d.h));
+            let s = layer.shared.as_ref().unwrap();
+            assert_eq!((s.intermediate, s.w2.len()), (d.i, d.h * d.i));
+            for (e, ex) in layer.experts.iter().enumerate() {
+                for (p, q) in [
+                    (Proj::Gate, &ex.w1),
+                    (Proj::Up, &ex.w3),
+                    (Proj::Down, &ex.w2),
+                ] {
+                    let w = &orig[&format!("{}.weight", n.expert(2, e, p))];
+                    assert_eq!(q.original.as_ref(), Some(w), "seed {seed}");
+                    let (t, _) = quantize_weight_nvfp4(w, q.out_features(), q.in_features());
+                    assert_eq!(q.weight, t, "seed {seed}");
+                    assert_eq!(q.input_scale, Some(0.01 + e as f32 * 1e-3));
+                }
+            }
+            assert_eq!(layer.experts[0].w2.out_features(), d.h);
+            if hash {
+                let l1 = mc.load_layer(1).unwrap();
+                let t = l1.router.tid2eid.unwrap();
+                assert_eq!(t.len(), d.vocab * d.k);
+                assert_eq!(l1.config.vocab_size, d.vocab);
+                assert_eq!(l1.config.swiglu_limit, Some(10.0));
+                // num_hash_layers = 2: layer 2 routes by score and ships no table
+                assert!(layer.router.tid2eid.is_none());
+            }
+            let e = err(mc.load_layer(0));
+            assert!(e.contains("layer 0") && e.contains("1-2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn hash_layer_without_table_and_shape_mismatch_are_bad_input() {
+        let seed: u64 = rand::random();
+        let d = Dims {
+            h: 32,
+            i: 16,
+            e: 4,
+            k: 2,
+            vocab: 5,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let n = Naming::native_v4();
+        write_tiny(dir.path(), &n, &d, seed, true);
+        let cfg = dir.path().join(CONFIG_FILE);
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+        v["num_hash_layers"] = 3.into();
+        std::fs::write(&cfg, v.to_string()).unwrap();
+        let e = err(load_moe_layer(dir.path(), 2));
+        assert!(e.contains("tid2eid") && e.contains("hash"), "{e}");
+        // config disagreeing with the tensors
+        v["num_hash_layers"] = 0.into();
+        v["moe_intermediate_size"] = 32.into();
+        std::fs::write(&cfg, v.to_string()).unwrap();
+        let e = err(load_moe_layer(dir.path(), 2));
+        assert!(
+            e.contains("config.json says") && e.contains("layers.2.ffn.experts."),
+            "{e}"
+        );
+        std::fs::remove_file(&cfg).unwrap();
+        let e = err(load_moe_layer(dir.path(), 2));
+        assert!(e.contains("config.json"), "{e}");
+    }
+}
