@@ -4,6 +4,7 @@
 //! is given, and reports the expert load.
 
 use super::common::{DeviceArgs, OutArgs};
+use crate::checkpoint::MoeCheckpoint;
 use crate::error::{Error, Result};
 use crate::moe::ep::check::{
     self, Agreement, Expectations, ExpertLoad, IdSpace, Ids, Outcome, RankLoad, RefCompare,
@@ -14,7 +15,7 @@ use crate::moe::ep::{ExpertMap, Placement};
 use crate::moe::{MoeConfig, MoeLayer, Router, Routing};
 use crate::report::{self, Report, Section, Verdict};
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Router logits recomputed from hidden states must match the dump's this well.
 const MIN_LOGITS_COSINE: f64 = 0.999;
@@ -107,10 +108,11 @@ pub fn run(args: &Args) -> Result<Report> {
     check_range("--min-match", args.min_match, 0.0, 1.0)?;
     check_range("--max-weight-err", args.max_weight_err, 0.0, f64::MAX)?;
     let d = RoutingDump::load(&args.dump)?;
-    let config = match &args.checkpoint {
-        Some(dir) => Some(read_moe_config(dir)?),
+    let ckpt = match &args.checkpoint {
+        Some(dir) => Some(MoeCheckpoint::open(dir)?),
         None => None,
     };
+    let config = ckpt.as_ref().map(|c| c.config.moe.clone());
     let num_experts = match (args.num_experts, &config) {
         (Some(e), Some(c)) if e != c.n_routed_experts => {
             return Err(Error::usage(format!(
@@ -184,7 +186,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let agreements = recompute(
         args,
         &d,
-        config.as_ref(),
+        ckpt.as_ref(),
         &exp,
         &ids,
         maps.as_ref(),
@@ -220,7 +222,7 @@ pub fn run(args: &Args) -> Result<Report> {
 fn recompute(
     args: &Args,
     d: &RoutingDump,
-    config: Option<&MoeConfig>,
+    ckpt: Option<&MoeCheckpoint>,
     exp: &Expectations,
     ids: &Ids,
     maps: Option<&(usize, Vec<ExpertMap>)>,
@@ -230,7 +232,7 @@ fn recompute(
         Some(p) => Some(dump::load_hidden(p, d.tokens)?),
         None => d.hidden_states.clone(),
     };
-    let (Some(dir), Some(config)) = (&args.checkpoint, config) else {
+    let Some(mc) = ckpt else {
         if hidden.is_some() || d.router_logits.is_some() {
             out.notes.push(
                 "hidden states / router logits present but no --checkpoint: routing not recomputed"
@@ -248,13 +250,14 @@ fn recompute(
             return Ok(vec![]);
         }
     };
+    let config = &mc.config.moe;
     if !config.is_moe_layer(layer_idx) {
         return Err(Error::usage(format!(
             "layer {layer_idx} is not an MoE layer (first_k_dense_replace = {}, num_hidden_layers = {})",
             config.first_k_dense_replace, config.num_hidden_layers
         )));
     }
-    let router = read_router(dir, layer_idx, config)?;
+    let router = read_router(mc, layer_idx)?;
     let tol = Tolerances {
         min_match: args.min_match,
         weight_rel_l2: args.max_weight_err,
@@ -417,16 +420,78 @@ fn route_from_logits(
     backend.route(&layer, &logits.data, None)
 }
 
-/// The MoE part of the checkpoint's config.json.
-fn read_moe_config(dir: &Path) -> Result<MoeConfig> {
-    // TODO(ckpt merge): crate::checkpoint::config::read_config
-    Err(Error::bad_file(dir, "reading checkpoints is not built yet"))
-}
-
-/// The router of layer `l`, in HF-V3 or native-V4 names.
-fn read_router(dir: &Path, l: usize, config: &MoeConfig) -> Result<Router> {
-    let _ = (l, config);
-    Err(Error::bad_file(dir, "reading checkpoints is not built yet"))
+/// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
+fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
+    use crate::checkpoint::TensorSource;
+    let ck = &mc.ckpt;
+    let n = &mc.naming;
+    let cfg = &mc.config.moe;
+    let (e, h) = (cfg.n_routed_experts, cfg.hidden_size);
+    let shape_of = |name: &str| ck.info(name).map(|t| t.shape.clone());
+    let rw = n.router_weight(l);
+    if !ck.contains(&rw) {
+        return Err(Error::bad_tensor(
+            ck.path(),
+            &rw,
+            "missing: the router weight of this MoE layer",
+        ));
+    }
+    let s = shape_of(&rw)?;
+    if s != [e, h] {
+        return Err(Error::bad_tensor(
+            ck.file_of(&rw),
+            &rw,
+            format!("shape {s:?}, expected [n_routed_experts, hidden_size] = [{e}, {h}]"),
+        ));
+    }
+    let weight = ck.to_f32(&rw)?;
+    let rb = n.router_bias(l);
+    let e_score_correction_bias = if ck.contains(&rb) {
+        let s = shape_of(&rb)?;
+        if s != [e] {
+            return Err(Error::bad_tensor(
+                ck.file_of(&rb),
+                &rb,
+                format!("shape {s:?}, expected [{e}]"),
+            ));
+        }
+        Some(ck.to_f32(&rb)?)
+    } else {
+        None
+    };
+    let tk = n.tid2eid(l);
+    let tid2eid = if ck.contains(&tk) {
+        let s = shape_of(&tk)?;
+        let k = cfg.num_experts_per_tok;
+        if s.len() != 2 || s[1] != k {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!("shape {s:?} is not [vocab, num_experts_per_tok = {k}]"),
+            ));
+        }
+        let t = ck.to_i64(&tk)?;
+        if let Some(i) = t.iter().position(|&v| v < 0 || v >= e as i64) {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!(
+                    "entry [{}, {}] = {} is not an expert id in 0..{e}",
+                    i / k,
+                    i % k,
+                    t[i]
+                ),
+            ));
+        }
+        Some(t)
+    } else {
+        None
+    };
+    Ok(Router {
+        weight,
+        e_score_correction_bias,
+        tid2eid,
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
