@@ -683,7 +683,7 @@ fn build_report(
 
 /// Break a long message into lines of at most `width` characters at spaces (tables stay
 /// readable in a terminal).
-fn wrap(text: &str, width: usize) -> String {
+pub(crate) fn wrap(text: &str, width: usize) -> String {
     let mut out = String::new();
     let mut line = 0usize;
     for word in text.split(' ') {

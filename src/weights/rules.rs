@@ -182,6 +182,16 @@ impl TensorSource for Renamed<'_> {
     fn tensor_names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
         Box::new(self.names.iter().map(|s| s.as_str()))
     }
+    // the file knows the tensor by its original name
+    fn tensor_f32(&self, name: &str) -> Result<Vec<f32>> {
+        self.ckpt.tensor_f32(self.original(name))
+    }
+    fn tensor_scalar_f32(&self, name: &str) -> Result<f32> {
+        self.ckpt.tensor_scalar_f32(self.original(name))
+    }
+    fn tensor_i64(&self, name: &str) -> Result<Vec<i64>> {
+        self.ckpt.tensor_i64(self.original(name))
+    }
 }
 
 #[cfg(test)]
