@@ -128,6 +128,13 @@ fn short(v: &[String], n: usize) -> String {
     s
 }
 
+/// `U8 (nvfp4, scales F8_E4M3)` → `nvfp4`; plain dtypes as they are.
+fn brief(dtype: &str) -> &str {
+    dtype
+        .split_once(" (")
+        .map_or(dtype, |(_, rest)| rest.split([',', ')']).next().unwrap_or(dtype))
+}
+
 fn kinds(u: &UnitResult) -> String {
     u.issues
         .iter()
@@ -269,8 +276,8 @@ fn build_report(args: &Args, c: &Comparison, tensors_a: usize, tensors_b: usize,
                     ),
                     60,
                 ),
-                format!("{:?} {}", u.a_shape, u.a_dtype),
-                format!("{:?} {}", u.b_shape, u.b_dtype),
+                format!("{:?} {}", u.a_shape, brief(&u.a_dtype)),
+                format!("{:?} {}", u.b_shape, brief(&u.b_dtype)),
                 cos,
                 mae,
             ]);

@@ -45,8 +45,11 @@ pub enum IssueKind {
     Dtype,
     Scales,
     Values,
+    #[serde(rename = "scale_2")]
     Scale2,
+    #[serde(rename = "scale_2_flipped")]
     Scale2Flipped,
+    #[serde(rename = "scale_2_gate_only")]
     Scale2GateOnly,
     InputScale,
     InputScaleFlipped,

@@ -20,7 +20,9 @@ pub enum DiagnosisKind {
     W13OrderReversed,
     ExpertPermutation,
     Transposed,
+    #[serde(rename = "scale_2_flipped")]
     Scale2Flipped,
+    #[serde(rename = "scale_2_gate_only")]
     Scale2GateOnly,
     InputScaleFlipped,
     SwizzledScales,

@@ -70,11 +70,34 @@ impl<'a> Mat<'a> {
         self.len() == 0
     }
 
-    /// Byte-identical, row by row (memcmp speed).
+    /// Byte-identical as byte streams (row-major), whatever the row split of each side:
+    /// memcmp speed over the overlapping pieces.
     pub fn same(&self, o: &Mat) -> bool {
-        self.rows == o.rows
-            && self.row_bytes == o.row_bytes
-            && (0..self.rows).all(|i| self.row(i) == o.row(i))
+        if self.len() != o.len() {
+            return false;
+        }
+        if self.rows == o.rows && self.row_bytes == o.row_bytes {
+            return (0..self.rows).all(|i| self.row(i) == o.row(i));
+        }
+        let (mut i, mut io, mut j, mut jo) = (0, 0, 0, 0);
+        while i < self.rows && j < o.rows {
+            let (a, b) = (&self.row(i)[io..], &o.row(j)[jo..]);
+            let n = a.len().min(b.len());
+            if a[..n] != b[..n] {
+                return false;
+            }
+            io += n;
+            jo += n;
+            if io == self.row_bytes {
+                i += 1;
+                io = 0;
+            }
+            if jo == o.row_bytes {
+                j += 1;
+                jo = 0;
+            }
+        }
+        true
     }
 
     /// `self` is `o` transposed, element size `elem` bytes.
@@ -101,10 +124,10 @@ impl<'a> Mat<'a> {
         v
     }
 
-    /// A 64-bit fingerprint of the contents (not cryptographic: it only has to tell apart
-    /// the experts of one layer).
+    /// A 64-bit fingerprint of the contents as a byte stream (not cryptographic: it only
+    /// has to tell apart the experts of one layer).
     pub fn fingerprint(&self) -> u64 {
-        let mut h = Fingerprint::new(self.rows as u64, self.row_bytes as u64);
+        let mut h = Fingerprint::new();
         for i in 0..self.rows {
             h.update(self.row(i));
         }
@@ -112,35 +135,63 @@ impl<'a> Mat<'a> {
     }
 }
 
-/// A fast word-at-a-time mixing hash.
-pub struct Fingerprint(u64);
+/// A fast word-at-a-time mixing hash over a byte stream (independent of how the stream is cut).
+pub struct Fingerprint {
+    h: u64,
+    pending: [u8; 8],
+    npending: usize,
+    len: u64,
+}
+
+impl Default for Fingerprint {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Fingerprint {
-    pub fn new(a: u64, b: u64) -> Fingerprint {
-        let mut f = Fingerprint(0x9E37_79B9_7F4A_7C15);
-        f.mix(a);
-        f.mix(b);
-        f
+    pub fn new() -> Fingerprint {
+        Fingerprint {
+            h: 0x9E37_79B9_7F4A_7C15,
+            pending: [0; 8],
+            npending: 0,
+            len: 0,
+        }
     }
     #[inline]
     fn mix(&mut self, w: u64) {
-        self.0 = (self.0 ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD).rotate_left(29);
+        self.h = (self.h ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD).rotate_left(29);
     }
-    pub fn update(&mut self, bytes: &[u8]) {
+    pub fn update(&mut self, mut bytes: &[u8]) {
+        self.len += bytes.len() as u64;
+        if self.npending > 0 {
+            let take = (8 - self.npending).min(bytes.len());
+            self.pending[self.npending..self.npending + take].copy_from_slice(&bytes[..take]);
+            self.npending += take;
+            bytes = &bytes[take..];
+            if self.npending < 8 {
+                return;
+            }
+            self.mix(u64::from_le_bytes(self.pending));
+            self.npending = 0;
+        }
         let mut it = bytes.chunks_exact(8);
         for c in &mut it {
             self.mix(u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]));
         }
         let rest = it.remainder();
-        if !rest.is_empty() {
-            let mut b = [0u8; 8];
-            b[..rest.len()].copy_from_slice(rest);
-            self.mix(u64::from_le_bytes(b) ^ ((rest.len() as u64) << 59));
-        }
+        self.pending[..rest.len()].copy_from_slice(rest);
+        self.npending = rest.len();
     }
     pub fn finish(mut self) -> u64 {
-        self.mix(0x2545_F491_4F6C_DD1D);
-        self.0
+        if self.npending > 0 {
+            let mut b = [0u8; 8];
+            b[..self.npending].copy_from_slice(&self.pending[..self.npending]);
+            self.mix(u64::from_le_bytes(b));
+        }
+        let len = self.len;
+        self.mix(len ^ 0x2545_F491_4F6C_DD1D);
+        self.h
     }
 }
 
@@ -305,8 +356,12 @@ impl<'a> QMatrix<'a> {
     }
 
     pub fn fingerprint(&self) -> u64 {
-        let mut h = Fingerprint::new(self.packed.fingerprint(), self.format.block() as u64);
+        let mut h = Fingerprint::new();
+        for i in 0..self.packed.rows {
+            h.update(self.packed.row(i));
+        }
         h.update(&self.scales);
+        h.update(&[self.format.block() as u8]);
         h.finish()
     }
 }
@@ -347,7 +402,16 @@ mod tests {
         assert!(tm.transposed_of(&m, 1));
         assert!(!m.same(&tm));
         assert_ne!(m.fingerprint(), tm.fingerprint());
-        assert_eq!(m.fingerprint(), Mat::dense(&data.clone(), 6, 10).unwrap().fingerprint());
+        // the row split does not matter to identity or fingerprints
+        let flat = Mat::dense(&data, 1, 60).unwrap();
+        assert!(flat.same(&m) && m.same(&flat));
+        assert_eq!(m.fingerprint(), flat.fingerprint());
+        assert_eq!(m.fingerprint(), Mat::dense(&data, 4, 15).unwrap().fingerprint());
+        let mut other = data.clone();
+        other[37] ^= 1;
+        let o = Mat::dense(&other, 3, 20).unwrap();
+        assert!(!o.same(&m));
+        assert_ne!(o.fingerprint(), m.fingerprint());
     }
 
     #[test]
