@@ -20,19 +20,24 @@ impl Backend for CpuBackend {
         "cpu".into()
     }
 
-    fn route(&self, _layer: &MoeLayer, _hidden: &[f32], _ids: Option<&[i64]>) -> Result<Routing> {
-        Err(Error::usage("cpu router: not implemented yet"))
+    fn route(
+        &self,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        input_ids: Option<&[i64]>,
+    ) -> Result<Routing> {
+        crate::moe::route(layer, hidden, input_ids)
     }
 
     fn moe_forward(
         &self,
-        _layer: &MoeLayer,
-        _hidden: &[f32],
-        _routing: &Routing,
-        _path: &Path,
-        _per_slot: bool,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        routing: &Routing,
+        path: &Path,
+        per_slot: bool,
     ) -> Result<MoeOutput> {
-        Err(Error::usage("cpu moe_forward: not implemented yet"))
+        crate::moe::moe_forward(layer, hidden, routing, path, per_slot)
     }
 
     fn quantize(

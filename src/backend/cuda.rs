@@ -25,10 +25,24 @@ impl Backend for CudaBackend {
     fn route(&self, _: &MoeLayer, _: &[f32], _: Option<&[i64]>) -> Result<Routing> {
         unreachable!("CudaBackend cannot be opened yet")
     }
-    fn moe_forward(&self, _: &MoeLayer, _: &[f32], _: &Routing, _: &Path, _: bool) -> Result<MoeOutput> {
+    fn moe_forward(
+        &self,
+        _: &MoeLayer,
+        _: &[f32],
+        _: &Routing,
+        _: &Path,
+        _: bool,
+    ) -> Result<MoeOutput> {
         unreachable!("CudaBackend cannot be opened yet")
     }
-    fn quantize(&self, _: &[f32], _: usize, _: usize, _: f32, _: Flavor) -> Result<(Fp4Tensor, BlockStats)> {
+    fn quantize(
+        &self,
+        _: &[f32],
+        _: usize,
+        _: usize,
+        _: f32,
+        _: Flavor,
+    ) -> Result<(Fp4Tensor, BlockStats)> {
         unreachable!("CudaBackend cannot be opened yet")
     }
     fn compare(&self, _: &[f32], _: &[f32]) -> Result<Metrics> {

@@ -117,11 +117,13 @@ pub fn decode_f32_into(d: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
     const CHUNK: usize = 1 << 16;
     out.par_chunks_mut(CHUNK)
         .zip(bytes.par_chunks(CHUNK * sz))
-        .for_each(|(o, b)| decode_chunk(d, b, o));
+        .for_each(|(o, b)| decode_row(d, b, o));
     true
 }
 
-fn decode_chunk(d: Dtype, b: &[u8], o: &mut [f32]) {
+/// Sequential decode of a float dtype's bytes into `o` (no checks: the caller matched the
+/// lengths; an unsupported dtype leaves `o` as it was).
+pub fn decode_row(d: Dtype, b: &[u8], o: &mut [f32]) {
     match d {
         Dtype::BF16 => o
             .iter_mut()
@@ -510,7 +512,7 @@ fn parse_entry(path: &Path, name: &str, v: &Value) -> Result<TensorInfo> {
     let bits = numel
         .checked_mul(dtype.bitsize())
         .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
-    if bits % 8 != 0 {
+    if !bits.is_multiple_of(8) {
         return Err(bad(format!(
             "{numel} elements of {dtype:?} are not a whole number of bytes"
         )));

@@ -210,7 +210,7 @@ pub fn check_linear(src: &dyn TensorSource, n: &LinearNames) -> Result<Geometry>
     }
     let (rows, cols) = (w.shape[0], w.shape[1] * 2);
     let block = format.block();
-    if cols % block != 0 {
+    if !cols.is_multiple_of(block) {
         return Err(bad_w(format!(
             "K = 2 × {} = {cols} is not a multiple of the {} block ({block})",
             w.shape[1],

@@ -7,6 +7,7 @@ pub mod formats;
 pub mod hf;
 pub mod model;
 pub mod names;
+pub mod quantize;
 pub mod source;
 pub mod writer;
 

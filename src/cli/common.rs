@@ -55,7 +55,10 @@ impl DeviceArgs {
 /// A progress bar on stderr, hidden when stderr is not a terminal or with `--quiet`.
 pub fn progress(len: u64, what: &str, quiet: bool) -> ProgressBar {
     let pb = ProgressBar::new(len);
-    if quiet || !std::io::stderr().is_terminal() || std::env::var_os("TERM").is_some_and(|t| t == "dumb") {
+    if quiet
+        || !std::io::stderr().is_terminal()
+        || std::env::var_os("TERM").is_some_and(|t| t == "dumb")
+    {
         pb.set_draw_target(ProgressDrawTarget::hidden());
     }
     let color = std::env::var_os("NO_COLOR").is_none();

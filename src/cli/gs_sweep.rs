@@ -1,15 +1,420 @@
-//! `gs-sweep`: not built yet.
+//! `gs-sweep`: is the activation global scale wrong (H1/H6)? The layer under every gs source
+//! (default 1/2688, checkpoint `input_scale`, warm-up on randn, calibrated, dynamic) and a
+//! log-spaced sweep of one gs for every GEMM; the gs in use must not lose much against the best.
 
-use super::common::OutArgs;
-use crate::error::{Error, Result};
-use crate::report::Report;
+use super::common::{progress, DeviceArgs, OutArgs};
+use super::layertest::{
+    block_summary, load_batch, scales_json, BlockSummary, GsArgs, InputArgs, Model,
+};
+use crate::error::Result;
+use crate::metrics::Metrics;
+use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::{ActScales, Path as MoePath};
+use crate::nvfp4::{Flavor, DEFAULT_GS};
+use crate::report::svg::{Plot, Series};
+use crate::report::{e, f, Report, Section, Verdict};
+use serde::Serialize;
+use serde_json::json;
+
+/// Default `--max-loss` in cosine against the best gs found. A healthy NVFP4 layer sits near
+/// cosine 0.974 (rel-L2 ~0.23); losing 0.01 takes it to ~0.964, i.e. ~20% more error than the
+/// best scale gives: well past the gs-to-gs noise of a sweep, well short of the saturation
+/// collapse a wrong gs causes.
+pub const DEFAULT_MAX_LOSS: f64 = 0.01;
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Verdict: fail when the gs in use (--gs, default `default`: the engines' \
+1/2688, i.e. amax assumed 1) loses more than --max-loss (default 0.01) cosine against the best \
+gs found, or gives NaN/Inf. Writes gs-sweep.svg (cosine vs gs) and gs-sweep-blocks.svg \
+(saturated / flushed blocks vs gs) into the report dir."
+)]
 pub struct Args {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// MoE layer index (default: the first MoE layer)
+    #[arg(long, value_name = "L")]
+    pub layer: Option<usize>,
+    #[command(flatten)]
+    pub gs: GsArgs,
+    /// Points of the log-spaced sweep
+    #[arg(long, value_name = "N", default_value_t = 25)]
+    pub points: usize,
+    /// Decades the sweep covers on each side of the calibrated gs (widened to include every
+    /// source's gs)
+    #[arg(long, value_name = "DECADES", default_value_t = 2.5)]
+    pub span: f64,
+    /// Fail when the gs in use loses more than this cosine against the best
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS)]
+    pub max_loss: f64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`gs-sweep` is not built yet"))
+#[derive(Clone, Serialize)]
+struct Point {
+    /// Source name, or `sweep`.
+    label: String,
+    /// Median gs1 / gs2 (quant direction); None for dynamic.
+    gs1: Option<f32>,
+    gs2: Option<f32>,
+    cosine: f64,
+    rel_l2: f64,
+    nan_count: u64,
+    inf_count: u64,
+    blocks: BlockSummary,
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    let backend = args.device.open(args.out_args.quiet)?;
+    let model = Model::open(&args.input)?;
+    let l = match args.layer {
+        Some(l) => l,
+        None => model.default_layer()?,
+    };
+    let layer = model.layer(l)?;
+    let c = &layer.config;
+    let batch = load_batch(
+        &args.input,
+        c.hidden_size,
+        c.vocab_size,
+        Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
+    )?;
+    let ids = batch.input_ids.as_deref();
+    let routing = backend.route(&layer, &batch.hidden, ids)?;
+    let reference =
+        backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, false)?;
+    let cal = Calibration {
+        hidden: &batch.hidden,
+        input_ids: ids,
+        routing: Some(&routing),
+    };
+    let reduce = args.gs.input_scale_reduce;
+    let used_source = args.gs.gs.unwrap_or(GsSource::Default);
+
+    let eval = |label: String, s: &ActScales| -> Result<Point> {
+        let o = backend.moe_forward(
+            &layer,
+            &batch.hidden,
+            &routing,
+            &MoePath::Nvfp4 {
+                scales: s,
+                flavor: Flavor::Reference,
+            },
+            false,
+        )?;
+        let m: Metrics = backend.compare(&o.out, &reference.out)?;
+        let med = gs::summary(s);
+        Ok(Point {
+            label,
+            gs1: med.map(|(a, _)| a[1]),
+            gs2: med.map(|(_, b)| b[1]),
+            cosine: m.cosine,
+            rel_l2: m.rel_l2,
+            nan_count: m.nan_count,
+            inf_count: m.inf_count,
+            blocks: block_summary(&o.act_stats),
+        })
+    };
+
+    // ---- the sources ----
+    let mut source_list = vec![
+        GsSource::Default,
+        GsSource::Checkpoint,
+        GsSource::Warmup,
+        GsSource::Calibrated,
+        GsSource::Dynamic,
+    ];
+    if let GsSource::Value(_) = used_source {
+        source_list.push(used_source);
+    }
+    let pb = progress(
+        (source_list.len() + args.points) as u64,
+        "gs-sweep",
+        args.out_args.quiet,
+    );
+    let mut sources: Vec<Point> = vec![];
+    let mut unavailable: Vec<(String, String)> = vec![];
+    let mut used_scales = None;
+    let mut calibrated_center = None;
+    for src in &source_list {
+        match gs::resolve(*src, &layer, reduce, &cal, args.input.seed) {
+            Ok(s) => {
+                let p = eval(src.to_string(), &s)?;
+                if *src == GsSource::Calibrated {
+                    calibrated_center = p
+                        .gs1
+                        .zip(p.gs2)
+                        .map(|(a, b)| ((a as f64) * (b as f64)).sqrt());
+                }
+                if *src == used_source {
+                    used_scales = Some(s);
+                }
+                sources.push(p);
+            }
+            Err(e) if *src != used_source => unavailable.push((src.to_string(), e.to_string())),
+            Err(e) => return Err(e),
+        }
+        pb.inc(1);
+    }
+
+    // ---- the sweep: one gs for both GEMMs of every expert ----
+    let center = calibrated_center.unwrap_or(DEFAULT_GS as f64);
+    let span = 10f64.powf(args.span.max(0.1));
+    let (mut lo, mut hi) = (center / span, center * span);
+    for p in &sources {
+        for g in [p.gs1, p.gs2].into_iter().flatten() {
+            let g = g as f64;
+            if g.is_finite() && g > 0.0 {
+                lo = lo.min(g / 2.0);
+                hi = hi.max(g * 2.0);
+            }
+        }
+    }
+    let n = args.points.max(2);
+    let mut sweep: Vec<Point> = vec![];
+    for j in 0..n {
+        let g = (lo.ln() + (hi.ln() - lo.ln()) * j as f64 / (n - 1) as f64).exp() as f32;
+        sweep.push(eval(
+            "sweep".into(),
+            &gs::resolve(GsSource::Value(g), &layer, reduce, &cal, 0)?,
+        )?);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    // ---- verdict ----
+    let clean = |p: &&Point| p.nan_count + p.inf_count == 0 && p.cosine.is_finite();
+    let best = sources
+        .iter()
+        .chain(&sweep)
+        .filter(clean)
+        .max_by(|a, b| a.cosine.total_cmp(&b.cosine))
+        .cloned();
+    let best_sweep = sweep
+        .iter()
+        .filter(clean)
+        .max_by(|a, b| a.cosine.total_cmp(&b.cosine))
+        .cloned();
+    let used = sources
+        .iter()
+        .find(|p| p.label == used_source.to_string())
+        .cloned();
+    let loss_of = |p: &Point| -> f64 {
+        match &best {
+            Some(b) if clean(&p) => b.cosine - p.cosine,
+            _ => f64::INFINITY,
+        }
+    };
+    let used_loss = used.as_ref().map_or(f64::INFINITY, loss_of);
+    let mut failures = vec![];
+    if let Some(u) = &used {
+        if u.nan_count + u.inf_count > 0 {
+            failures.push(format!(
+                "gs `{used_source}` gives NaN/Inf: {} NaN, {} Inf in the layer output",
+                u.nan_count, u.inf_count
+            ));
+        } else if used_loss > args.max_loss {
+            failures.push(format!(
+                "gs `{used_source}` loses {} cosine against the best ({} at {}) > --max-loss {}; {:.1}% of its activation blocks saturate",
+                f(used_loss, 4),
+                f(best.as_ref().map_or(f64::NAN, |b| b.cosine), 4),
+                best.as_ref().map_or("-".into(), describe_gs),
+                args.max_loss,
+                u.blocks.saturated_pct
+            ));
+        }
+    }
+    if best.is_none() {
+        failures.push("every gs gives NaN/Inf: the fault is not the activation scale".into());
+    }
+    let pass = failures.is_empty();
+    let headline = if pass {
+        format!(
+            "layer {l}: gs `{used_source}` is within {} cosine of the best ({})",
+            f(used_loss.max(0.0), 4),
+            best.as_ref().map_or("-".into(), describe_gs)
+        )
+    } else {
+        format!("layer {l}: {}", failures[0])
+    };
+
+    let cost =
+        |name: &str| -> Option<f64> { sources.iter().find(|p| p.label == name).map(loss_of) };
+    let summary = json!({
+        "layer": l,
+        "tokens": batch.tokens,
+        "gs": used_source.to_string(),
+        "used_cosine": used.as_ref().map(|u| u.cosine),
+        "loss": used_loss,
+        "max_loss": args.max_loss,
+        "best_cosine": best.as_ref().map(|b| b.cosine),
+        "best": best.as_ref().map(describe_gs),
+        "best_sweep_gs": best_sweep.as_ref().and_then(|b| b.gs1),
+        "default_loss": cost("default"),
+        "warmup_loss": cost("warmup"),
+        "nan_count": used.as_ref().map_or(0, |u| u.nan_count),
+        "device": backend.name(),
+        "model": model.describe(),
+    });
+
+    let mut src_table = Section::new(
+        "gs sources",
+        &[
+            "source",
+            "gs1 (median)",
+            "gs2 (median)",
+            "cosine",
+            "rel_l2",
+            "loss vs best",
+            "saturated %",
+            "flushed %",
+            "NaN",
+        ],
+    );
+    for p in &sources {
+        src_table.row(vec![
+            if p.label == used_source.to_string() {
+                format!("{} (in use)", p.label)
+            } else {
+                p.label.clone()
+            },
+            p.gs1.map_or("per batch".into(), |g| e(g as f64)),
+            p.gs2.map_or("per batch".into(), |g| e(g as f64)),
+            f(p.cosine, 5),
+            f(p.rel_l2, 4),
+            f(loss_of(p), 4),
+            format!("{:.2}", p.blocks.saturated_pct),
+            format!("{:.2}", p.blocks.flushed_pct),
+            p.nan_count.to_string(),
+        ]);
+    }
+    for (s, why) in &unavailable {
+        src_table.row(vec![
+            s.clone(),
+            "-".into(),
+            "-".into(),
+            "n/a".into(),
+            why.clone(),
+            "".into(),
+            "".into(),
+            "".into(),
+            "".into(),
+        ]);
+    }
+    let mut sweep_table = Section::new(
+        "Sweep (one gs for every GEMM)",
+        &["gs", "cosine", "rel_l2", "saturated %", "flushed %", "NaN"],
+    );
+    for p in &sweep {
+        sweep_table.row(vec![
+            e(p.gs1.unwrap_or(f32::NAN) as f64),
+            f(p.cosine, 5),
+            f(p.rel_l2, 4),
+            format!("{:.2}", p.blocks.saturated_pct),
+            format!("{:.2}", p.blocks.flushed_pct),
+            p.nan_count.to_string(),
+        ]);
+    }
+
+    let markers: Vec<(f64, String)> = sources
+        .iter()
+        .filter_map(|p| p.gs1.map(|g| (g as f64, p.label.clone())))
+        .collect();
+    let pts = |sel: &dyn Fn(&Point) -> f64| -> Vec<(f64, f64)> {
+        sweep
+            .iter()
+            .map(|p| (p.gs1.unwrap_or(f32::NAN) as f64, sel(p)))
+            .collect()
+    };
+    let cos_plot = Plot {
+        title: format!("layer {l}: cosine vs activation gs (NVFP4 vs BF16)"),
+        x_label: "gs (quant direction, log)".into(),
+        y_label: "cosine".into(),
+        log_x: true,
+        series: vec![Series {
+            name: "cosine".into(),
+            points: pts(&|p| p.cosine),
+        }],
+        markers: markers.clone(),
+    };
+    let block_plot = Plot {
+        title: format!("layer {l}: activation blocks vs gs"),
+        x_label: "gs (quant direction, log)".into(),
+        y_label: "% of blocks".into(),
+        log_x: true,
+        series: vec![
+            Series {
+                name: "saturated %".into(),
+                points: pts(&|p| p.blocks.saturated_pct),
+            },
+            Series {
+                name: "flushed %".into(),
+                points: pts(&|p| p.blocks.flushed_pct),
+            },
+        ],
+        markers,
+    };
+
+    let setup = Section::kv(
+        format!("gs-sweep: MoE layer {l}"),
+        &[
+            ("model", model.describe()),
+            ("input", batch.origin.clone()),
+            ("device", backend.name()),
+            (
+                "gs in use",
+                format!("{used_source} ({} input scales)", reduce),
+            ),
+            ("sweep", format!("{n} points, gs {} .. {}", e(lo), e(hi))),
+            (
+                "best",
+                best.as_ref().map_or("-".into(), |b| {
+                    format!("{} (cosine {})", describe_gs(b), f(b.cosine, 5))
+                }),
+            ),
+            (
+                "default costs",
+                cost("default").map_or("-".into(), |v| format!("{} cosine", f(v, 4))),
+            ),
+            (
+                "warmup costs",
+                cost("warmup").map_or("-".into(), |v| format!("{} cosine", f(v, 4))),
+            ),
+        ],
+    );
+
+    let mut report = Report::new("gs-sweep", Verdict::from_pass(pass), headline)
+        .summary(summary)
+        .with("sources", &sources)
+        .with(
+            "unavailable",
+            unavailable
+                .iter()
+                .map(|(s, w)| json!({"source": s, "why": w}))
+                .collect::<Vec<_>>(),
+        )
+        .with("sweep", &sweep)
+        .with("best", &best)
+        .with("used", &used)
+        .with("failures", &failures)
+        .section(setup)
+        .section(src_table)
+        .section(sweep_table)
+        .plot("gs-sweep.svg", cos_plot.render())
+        .plot("gs-sweep-blocks.svg", block_plot.render());
+    if let Some(s) = &used_scales {
+        report = report.with("gs_in_use", scales_json(used_source, reduce, s));
+    }
+    Ok(report)
+}
+
+fn describe_gs(p: &Point) -> String {
+    match (p.label.as_str(), p.gs1, p.gs2) {
+        ("sweep", Some(g), _) => format!("gs {}", e(g as f64)),
+        (l, Some(a), Some(b)) => format!("{l} (gs1 {}, gs2 {})", e(a as f64), e(b as f64)),
+        (l, _, _) => l.to_string(),
+    }
 }

@@ -1,15 +1,917 @@
-//! `layertest`: not built yet.
+//! `layertest`: is the MoE kernel math right on this layer? One MoE layer (router, routed
+//! experts, shared experts) through the NVFP4 path against the BF16 reference, with the same
+//! routing for both.
 
-use super::common::OutArgs;
+use super::common::{DeviceArgs, OutArgs};
+use crate::backend::{cpu::CpuBackend, Backend};
+use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
 use crate::error::{Error, Result};
-use crate::report::Report;
+use crate::metrics::Metrics;
+use crate::moe::breakdown::{per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics};
+use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
+use crate::moe::synthetic::{Preset, SyntheticModel};
+use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath};
+use crate::nvfp4::{BlockStats, Flavor};
+use crate::report::{e, f, Report, Section, Verdict};
+use safetensors::Dtype;
+use serde::Serialize;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+/// Default `--min-cosine` of the layer against the BF16 reference. NVFP4 alone costs ~0.095
+/// rel-L2 per quantized tensor, and a fully quantized MoE layer lands near 0.23 rel-L2
+/// (cosine ≈ 1 − 0.23²/2 ≈ 0.974). 0.95 (rel-L2 ≈ 0.32, ~1.4x the expected error) passes
+/// every healthy layer and fails a broken expert, a wrong gs or a NaN.
+pub const DEFAULT_MIN_COSINE: f64 = 0.95;
+/// Default `--min-expert-cosine`: one expert's output has two quantized GEMM pairs behind it
+/// (rel-L2 ≈ 0.15-0.2, cosine ≈ 0.98); 0.90 (rel-L2 ≈ 0.45) is far outside that, while one
+/// broken expert among many barely moves the layer cosine.
+pub const DEFAULT_MIN_EXPERT_COSINE: f64 = 0.90;
+/// A correct GPU kernel against the CPU NVFP4 path computes the same function up to FP32
+/// summation order (and `rcp` flavor): FlashInfer's kernel tests reach cosine ~0.999 against a
+/// quantized reference; with identical quantization we demand 0.99999.
+pub const KERNEL_CHECK_MIN_COSINE: f64 = 0.99999;
+/// The CPU re-runs the NVFP4 path for the kernel check only below this many multiply-adds.
+pub const KERNEL_CHECK_MAX_MACS: f64 = 4e9;
+
+/// Where the layer and its input come from; shared by layertest, gs-sweep and multilayer.
+#[derive(clap::Args, Debug, Clone)]
+pub struct InputArgs {
+    /// HF checkpoint directory (config.json + safetensors). Without it: the built-in synthetic
+    /// `tiny` DeepSeek-V3-like model (hidden 256, 16 experts, top-4, seeded by --seed)
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    /// Tokens of synthetic input (default 64); with --input: use the first N rows
+    #[arg(long, value_name = "T")]
+    pub tokens: Option<usize>,
+    /// safetensors file with `hidden_states` [T, hidden] (any float dtype) and optional
+    /// `input_ids` [T] (needed by V4 hash layers)
+    #[arg(long, value_name = "FILE")]
+    pub input: Option<PathBuf>,
+    /// Seed of the synthetic model and of synthetic activations
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// How the activation global scales are chosen.
+#[derive(clap::Args, Debug, Clone)]
+pub struct GsArgs {
+    /// Activation global scale: checkpoint (input_scale), default (1/2688, amax 1), warmup
+    /// (randn), calibrated (amax of this batch), dynamic (per batch), or a VALUE (gs, quant
+    /// direction)
+    #[arg(long, value_name = "SOURCE")]
+    pub gs: Option<GsSource>,
+    /// per-expert input scales, or the layer-wide max (the smallest gs) for every expert
+    #[arg(long, value_name = "MODE", default_value = "per-expert")]
+    pub input_scale_reduce: InputScaleReduce,
+}
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Thresholds: --min-cosine 0.95 against the BF16 reference (a healthy \
+fully quantized MoE layer reaches ~0.974, i.e. ~0.23 rel-L2; NVFP4 alone costs ~0.095 rel-L2 per \
+tensor); --min-expert-cosine 0.90 for each expert's own output; on a GPU, the kernel must match \
+the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails."
+)]
 pub struct Args {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// MoE layer index (default: the first MoE layer)
+    #[arg(long, value_name = "L")]
+    pub layer: Option<usize>,
+    #[command(flatten)]
+    pub gs: GsArgs,
+    /// Fail below this cosine of the layer output against the BF16 reference
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
+    pub min_cosine: f64,
+    /// Fail when one expert's own output falls below this cosine
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE)]
+    pub min_expert_cosine: f64,
+    /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
+    /// topk_weights (F32 [T, K]) to this safetensors file
+    #[arg(long, value_name = "FILE")]
+    pub save_outputs: Option<PathBuf>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`layertest` is not built yet"))
+/// Stand-in for `checkpoint::MoeCheckpoint` until the checkpoint reader lands on this branch.
+mod ckpt_shim {
+    use crate::error::{Error, Result};
+    use crate::moe::MoeLayer;
+    use std::path::{Path, PathBuf};
+
+    pub struct MoeCheckpoint {
+        dir: PathBuf,
+        layers: Vec<usize>,
+    }
+
+    impl MoeCheckpoint {
+        pub fn open(dir: &Path) -> Result<MoeCheckpoint> {
+            let p = dir.join("config.json");
+            let text = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
+            let v: serde_json::Value =
+                serde_json::from_slice(&text).map_err(|e| Error::bad_file(&p, e.to_string()))?;
+            let n = v["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+            let first = v["first_k_dense_replace"].as_u64().unwrap_or(0) as usize;
+            Ok(MoeCheckpoint {
+                dir: dir.to_path_buf(),
+                layers: (first..n).collect(),
+            })
+        }
+        pub fn moe_layers(&self) -> Vec<usize> {
+            self.layers.clone()
+        }
+        pub fn load_layer(&self, l: usize) -> Result<MoeLayer> {
+            crate::checkpoint::load_moe_layer(&self.dir, l)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared with gs-sweep and multilayer: the model, the input batch.
+
+/// The model a command runs on.
+pub enum Model {
+    Synthetic(SyntheticModel),
+    Checkpoint {
+        dir: PathBuf,
+        ckpt: ckpt_shim::MoeCheckpoint,
+    },
+}
+
+impl Model {
+    pub fn open(input: &InputArgs) -> Result<Model> {
+        match &input.checkpoint {
+            None => Ok(Model::Synthetic(SyntheticModel::new(
+                Preset::Tiny,
+                input.seed,
+            ))),
+            Some(dir) => Ok(Model::Checkpoint {
+                dir: dir.clone(),
+                ckpt: ckpt_shim::MoeCheckpoint::open(dir)?,
+            }),
+        }
+    }
+
+    /// Indices of the MoE layers.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        match self {
+            Model::Synthetic(m) => {
+                (m.config.first_k_dense_replace..m.config.num_hidden_layers).collect()
+            }
+            Model::Checkpoint { ckpt, .. } => ckpt.moe_layers(),
+        }
+    }
+
+    pub fn layer(&self, l: usize) -> Result<MoeLayer> {
+        let layers = self.moe_layers();
+        if !layers.contains(&l) {
+            return Err(Error::usage(format!(
+                "layer {l} is not an MoE layer of {} (MoE layers: {})",
+                self.describe(),
+                ranges(&layers)
+            )));
+        }
+        match self {
+            Model::Synthetic(m) => m.moe_layer(l),
+            Model::Checkpoint { ckpt, .. } => ckpt.load_layer(l),
+        }
+    }
+
+    pub fn default_layer(&self) -> Result<usize> {
+        self.moe_layers()
+            .first()
+            .copied()
+            .ok_or_else(|| Error::usage(format!("{} has no MoE layer", self.describe())))
+    }
+
+    pub fn describe(&self) -> String {
+        match self {
+            Model::Synthetic(m) => format!(
+                "built-in synthetic `{}` model (seed {})",
+                m.preset.name(),
+                m.seed
+            ),
+            Model::Checkpoint { dir, .. } => dir.display().to_string(),
+        }
+    }
+
+    pub fn is_synthetic(&self) -> bool {
+        matches!(self, Model::Synthetic(_))
+    }
+}
+
+/// `1, 3..5` for `[1, 3, 4, 5]`.
+pub fn ranges(v: &[usize]) -> String {
+    let mut out: Vec<String> = vec![];
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}..={}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    if out.is_empty() {
+        "none".into()
+    } else {
+        out.join(", ")
+    }
+}
+
+/// A batch of layer inputs.
+pub struct Batch {
+    /// `[tokens, hidden]`, BF16-exact.
+    pub hidden: Vec<f32>,
+    pub input_ids: Option<Vec<i64>>,
+    pub tokens: usize,
+    /// Where it came from, in words.
+    pub origin: String,
+}
+
+pub const DEFAULT_TOKENS: usize = 64;
+
+/// The batch a command runs on: `--input`, or synthetic activations. `norm` selects what the
+/// synthetic batch is: the MoE-block input through this norm weight (`Some`), or the raw
+/// residual stream (`None`, for multilayer).
+pub fn load_batch(
+    input: &InputArgs,
+    hidden: usize,
+    vocab: usize,
+    norm: Option<(Option<&[f32]>, f32)>,
+) -> Result<Batch> {
+    use crate::moe::synthetic;
+    // activations come from their own stream, not the model's calibration batch
+    let seed = input.seed ^ 0x5eed_ac71;
+    match &input.input {
+        Some(path) => {
+            let (mut h, mut ids, rows) = read_input(path, hidden)?;
+            let tokens = match input.tokens {
+                None => rows,
+                Some(t) if t <= rows && t > 0 => t,
+                Some(t) => {
+                    return Err(Error::usage(format!(
+                        "--tokens {t}: {} holds {rows} tokens",
+                        path.display()
+                    )))
+                }
+            };
+            h.truncate(tokens * hidden);
+            if let Some(i) = ids.as_mut() {
+                i.truncate(tokens);
+            }
+            // the layer input of an engine is BF16
+            h.iter_mut()
+                .for_each(|v| *v = crate::moe::forward::bf16(*v));
+            Ok(Batch {
+                hidden: h,
+                input_ids: ids,
+                tokens,
+                origin: format!("{} ({tokens} tokens)", path.display()),
+            })
+        }
+        None => {
+            let tokens = input.tokens.unwrap_or(DEFAULT_TOKENS);
+            if tokens == 0 {
+                return Err(Error::usage("--tokens must be at least 1"));
+            }
+            let h = match norm {
+                Some((w, eps)) => synthetic::moe_input(hidden, tokens, w, eps, seed),
+                None => synthetic::residual_stream(hidden, tokens, seed),
+            };
+            Ok(Batch {
+                hidden: h,
+                input_ids: Some(synthetic::input_ids(vocab.max(1), tokens, seed)),
+                tokens,
+                origin: format!(
+                    "synthetic activations ({tokens} tokens, seed {}: student-t tails, outlier channels, massive-activation tokens)",
+                    input.seed
+                ),
+            })
+        }
+    }
+}
+
+type InputTensors = (Vec<f32>, Option<Vec<i64>>, usize);
+
+/// Read `hidden_states` `[T, hidden]` and optional `input_ids` `[T]` from a safetensors file.
+pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    // SAFETY: read-only map of a file we never write; a concurrent truncation is the
+    // user's race, as with every mmap-based safetensors reader.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+    let st = safetensors::SafeTensors::deserialize(&map)
+        .map_err(|e| Error::bad_file(path, format!("not a safetensors file: {e}")))?;
+    let hs = st.tensor("hidden_states").map_err(|_| {
+        Error::bad_tensor(
+            path,
+            "hidden_states",
+            "missing: expected hidden_states [tokens, hidden]",
+        )
+    })?;
+    let shape = hs.shape().to_vec();
+    if shape.len() != 2 || shape[1] != hidden || shape[0] == 0 {
+        return Err(Error::bad_tensor(
+            path,
+            "hidden_states",
+            format!("shape {shape:?}, expected [tokens, {hidden}] (the layer's hidden_size)"),
+        ));
+    }
+    let rows = shape[0];
+    let h = decode_float(hs.dtype(), hs.data()).ok_or_else(|| {
+        Error::bad_tensor(
+            path,
+            "hidden_states",
+            format!("dtype {:?}: expected F32, F16, BF16 or F64", hs.dtype()),
+        )
+    })?;
+    let ids = match st.tensor("input_ids") {
+        Err(_) => None,
+        Ok(t) => {
+            let ok_shape = t.shape() == [rows] || t.shape() == [1, rows];
+            if !ok_shape {
+                return Err(Error::bad_tensor(
+                    path,
+                    "input_ids",
+                    format!(
+                        "shape {:?}, expected [{rows}] (one id per hidden_states row)",
+                        t.shape()
+                    ),
+                ));
+            }
+            Some(decode_int(t.dtype(), t.data()).ok_or_else(|| {
+                Error::bad_tensor(
+                    path,
+                    "input_ids",
+                    format!("dtype {:?}: expected I64 or I32", t.dtype()),
+                )
+            })?)
+        }
+    };
+    Ok((h, ids, rows))
+}
+
+fn decode_float(d: Dtype, b: &[u8]) -> Option<Vec<f32>> {
+    Some(match d {
+        Dtype::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
+            .collect(),
+        Dtype::BF16 => b
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::F16 => b
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => return None,
+    })
+}
+
+fn decode_int(d: Dtype, b: &[u8]) -> Option<Vec<i64>> {
+    Some(match d {
+        Dtype::I64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+            .collect(),
+        Dtype::I32 => b
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect(),
+        _ => return None,
+    })
+}
+
+/// `(token, channel)` of a flat index into `[T, hidden]`.
+pub fn at(idx: Option<usize>, hidden: usize) -> String {
+    match idx {
+        Some(i) => format!("token {} channel {}", i / hidden, i % hidden),
+        None => "-".into(),
+    }
+}
+
+/// A cosine below a threshold; NaN counts as below.
+pub fn below(v: f64, min: f64) -> bool {
+    v.is_nan() || v < min
+}
+
+/// Percent of `n` in `of`.
+pub fn pct(n: u64, of: u64) -> f64 {
+    if of == 0 {
+        0.0
+    } else {
+        100.0 * n as f64 / of as f64
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BlockSummary {
+    pub blocks: u64,
+    pub saturated: u64,
+    pub flushed: u64,
+    pub nan_scales: u64,
+    pub saturated_pct: f64,
+    pub flushed_pct: f64,
+}
+
+pub fn block_summary(s: &BlockStats) -> BlockSummary {
+    BlockSummary {
+        blocks: s.blocks,
+        saturated: s.saturated,
+        flushed: s.flushed,
+        nan_scales: s.nan_scales,
+        saturated_pct: pct(s.saturated, s.blocks),
+        flushed_pct: pct(s.flushed, s.blocks),
+    }
+}
+
+/// JSON-friendly description of a set of scales.
+pub fn scales_json(source: GsSource, reduce: InputScaleReduce, s: &ActScales) -> serde_json::Value {
+    match gs::summary(s) {
+        Some((g1, g2)) => json!({
+            "source": source.to_string(),
+            "input_scale_reduce": reduce.to_string(),
+            "gs1": {"min": g1[0], "median": g1[1], "max": g1[2]},
+            "gs2": {"min": g2[0], "median": g2[1], "max": g2[2]},
+        }),
+        None => json!({"source": "dynamic", "input_scale_reduce": reduce.to_string()}),
+    }
+}
+
+fn scales_text(source: GsSource, s: &ActScales) -> String {
+    match gs::summary(s) {
+        Some((g1, g2)) if g1[0] == g1[2] && g2[0] == g2[2] && g1[0] == g2[0] => {
+            format!("{source}: gs {} for every GEMM", e(g1[0] as f64))
+        }
+        Some((g1, g2)) => format!(
+            "{source}: gs1 {}..{} (median {}), gs2 {}..{} (median {})",
+            e(g1[0] as f64),
+            e(g1[2] as f64),
+            e(g1[1] as f64),
+            e(g2[0] as f64),
+            e(g2[2] as f64),
+            e(g2[1] as f64)
+        ),
+        None => format!("{source}: per batch, 2688 / amax of each GEMM input"),
+    }
+}
+
+/// The `metrics` table rows (one shared look for every command).
+pub fn metrics_section(title: &str, m: &Metrics, hidden: usize) -> Section {
+    Section::kv(
+        title,
+        &[
+            ("cosine", f(m.cosine, 6)),
+            ("rel_l2", f(m.rel_l2, 4)),
+            ("sqnr_db", f(m.sqnr_db, 2)),
+            (
+                "max_abs_err",
+                format!(
+                    "{} at {}",
+                    e(m.max_abs_err),
+                    at(m.max_abs_err_index, hidden)
+                ),
+            ),
+            (
+                "nan_count",
+                format!("{} (first at {})", m.nan_count, at(m.first_nan, hidden)),
+            ),
+            (
+                "inf_count",
+                format!("{} (first at {})", m.inf_count, at(m.first_inf, hidden)),
+            ),
+        ],
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+
+#[derive(Serialize)]
+struct KernelCheck {
+    backend: String,
+    done: bool,
+    reason: Option<String>,
+    min_cosine: f64,
+    metrics: Option<Metrics>,
+    pass: Option<bool>,
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    let backend = args.device.open(args.out_args.quiet)?;
+    let model = Model::open(&args.input)?;
+    let l = match args.layer {
+        Some(l) => l,
+        None => model.default_layer()?,
+    };
+    let layer = model.layer(l)?;
+    let c = &layer.config;
+    let (hsz, k) = (c.hidden_size, c.num_experts_per_tok);
+    let batch = load_batch(
+        &args.input,
+        hsz,
+        c.vocab_size,
+        Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
+    )?;
+    let ids = batch.input_ids.as_deref();
+
+    // one routing for both paths: routing differences are the `routing` command's business
+    let routing = backend.route(&layer, &batch.hidden, ids)?;
+    let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
+    let cal = Calibration {
+        hidden: &batch.hidden,
+        input_ids: ids,
+        routing: Some(&routing),
+    };
+    let scales = gs::resolve(
+        source,
+        &layer,
+        args.gs.input_scale_reduce,
+        &cal,
+        args.input.seed,
+    )?;
+    let nvfp4_path = MoePath::Nvfp4 {
+        scales: &scales,
+        flavor: Flavor::Reference,
+    };
+    let nv = backend.moe_forward(&layer, &batch.hidden, &routing, &nvfp4_path, true)?;
+    let rf = backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, true)?;
+    let m = backend.compare(&nv.out, &rf.out)?;
+    let (ref_nan, ref_inf, ref_first_nan, _) = crate::metrics::nonfinite(&rf.out);
+
+    let (nv_slots, rf_slots) = (slots(&nv)?, slots(&rf)?);
+    let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
+    experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+    let mut tokens = per_token(&nv.out, &rf.out, hsz);
+    tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+
+    let kernel = kernel_check(
+        backend.as_ref(),
+        &layer,
+        &batch.hidden,
+        &routing,
+        &nvfp4_path,
+        &nv,
+    )?;
+
+    if let Some(p) = &args.save_outputs {
+        save_outputs(
+            p,
+            &nv.out,
+            &rf.out,
+            &routing.topk_ids,
+            &routing.topk_weights,
+            batch.tokens,
+            hsz,
+            routing.top_k,
+        )?;
+    }
+
+    // ---- verdict ----
+    let mut failures: Vec<String> = vec![];
+    if m.nan_count > 0 {
+        failures.push(format!(
+            "NaN in the NVFP4 output: {} values, first at {}",
+            m.nan_count,
+            at(m.first_nan, hsz)
+        ));
+    }
+    if m.inf_count > 0 {
+        failures.push(format!(
+            "Inf in the NVFP4 output: {} values, first at {}",
+            m.inf_count,
+            at(m.first_inf, hsz)
+        ));
+    }
+    for x in experts
+        .iter()
+        .filter(|x| x.metrics.nan_count + x.metrics.inf_count > 0)
+    {
+        failures.push(format!(
+            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots)",
+            x.expert, x.metrics.nan_count, x.metrics.inf_count, x.slots
+        ));
+    }
+    if nv.act_stats.nan_scales > 0 {
+        failures.push(format!(
+            "{} activation block scales are NaN (NaN input or a NaN/Inf global scale)",
+            nv.act_stats.nan_scales
+        ));
+    }
+    if ref_nan + ref_inf > 0 {
+        failures.push(format!(
+            "the BF16 reference itself has {ref_nan} NaN and {ref_inf} Inf (first NaN at {}): bad input or bad reference weights",
+            at(ref_first_nan, hsz)
+        ));
+    }
+    if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
+        failures.push(format!(
+            "cosine {} < --min-cosine {} (rel-L2 {})",
+            f(m.cosine, 4),
+            args.min_cosine,
+            f(m.rel_l2, 3)
+        ));
+    }
+    for x in experts.iter().filter(|x| {
+        x.metrics.nan_count + x.metrics.inf_count == 0
+            && below(x.metrics.cosine, args.min_expert_cosine)
+    }) {
+        failures.push(format!(
+            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {})",
+            x.expert,
+            f(x.metrics.cosine, 4),
+            args.min_expert_cosine,
+            x.slots,
+            f(x.metrics.rel_l2, 3)
+        ));
+    }
+    if kernel.pass == Some(false) {
+        failures.push(format!(
+            "kernel check: {} NVFP4 output vs the CPU NVFP4 path: cosine {} < {}",
+            kernel.backend,
+            kernel
+                .metrics
+                .as_ref()
+                .map_or("NaN".into(), |m| f(m.cosine, 7)),
+            KERNEL_CHECK_MIN_COSINE
+        ));
+    }
+    let pass = failures.is_empty();
+    let headline = if pass {
+        format!(
+            "layer {l}: NVFP4 matches the BF16 reference within NVFP4 error (cosine {}, rel-L2 {}, {} tokens, gs {source})",
+            f(m.cosine, 4),
+            f(m.rel_l2, 3),
+            batch.tokens
+        )
+    } else if failures.len() == 1 {
+        format!("layer {l}: {}", failures[0])
+    } else {
+        format!(
+            "layer {l}: {} (and {} more problems)",
+            failures[0],
+            failures.len() - 1
+        )
+    };
+
+    let summary = json!({
+        "cosine": m.cosine,
+        "rel_l2": m.rel_l2,
+        "sqnr_db": m.sqnr_db,
+        "max_abs_err": m.max_abs_err,
+        "nan_count": m.nan_count,
+        "inf_count": m.inf_count,
+        "min_cosine": args.min_cosine,
+        "min_expert_cosine": args.min_expert_cosine,
+        "layer": l,
+        "tokens": batch.tokens,
+        "gs": source.to_string(),
+        "device": backend.name(),
+        "model": model.describe(),
+        "worst_expert": experts.first().map(|x| json!({"expert": x.expert, "cosine": x.metrics.cosine, "slots": x.slots})),
+    });
+
+    let mut setup = Section::kv(
+        format!("layertest: MoE layer {l}"),
+        &[
+            ("model", model.describe()),
+            ("input", batch.origin.clone()),
+            (
+                "layer",
+                format!(
+                    "hidden {}, {} experts top-{k}, moe_intermediate {}, {:?} scoring{}{}",
+                    hsz,
+                    c.n_routed_experts,
+                    c.moe_intermediate_size,
+                    c.scoring_func,
+                    if layer.is_hash_layer() {
+                        ", hash routing (tid2eid)"
+                    } else {
+                        ""
+                    },
+                    c.swiglu_limit
+                        .map_or(String::new(), |v| format!(", swiglu_limit {v}"))
+                ),
+            ),
+            ("activation gs", scales_text(source, &scales)),
+            ("device", backend.name()),
+        ],
+    );
+    if layer.experts.iter().all(|x| x.w1.original.is_some()) {
+        setup.row(vec!["reference weights".into(), "BF16 originals".into()]);
+    } else {
+        setup.row(vec![
+            "reference weights".into(),
+            "dequantized from the checkpoint".into(),
+        ]);
+    }
+
+    let st = block_summary(&nv.act_stats);
+    let blocks = Section::kv(
+        "Activation blocks (NVFP4 path, all expert GEMM inputs)",
+        &[
+            ("blocks", st.blocks.to_string()),
+            (
+                "saturated (scale at 448)",
+                format!("{} ({:.2}%)", st.saturated, st.saturated_pct),
+            ),
+            (
+                "flushed to zero",
+                format!("{} ({:.2}%)", st.flushed, st.flushed_pct),
+            ),
+            ("NaN scales", st.nan_scales.to_string()),
+        ],
+    );
+
+    let mut report = Report::new("layertest", Verdict::from_pass(pass), headline)
+        .summary(summary)
+        .with("metrics", &m)
+        .with(
+            "reference_nonfinite",
+            json!({"nan_count": ref_nan, "inf_count": ref_inf}),
+        )
+        .with("act_stats", &st)
+        .with(
+            "gs",
+            scales_json(source, args.gs.input_scale_reduce, &scales),
+        )
+        .with("worst_experts", &experts[..experts.len().min(8)])
+        .with("worst_tokens", &tokens[..tokens.len().min(8)])
+        .with("kernel_check", &kernel)
+        .with("failures", &failures)
+        .section(setup)
+        .section(metrics_section("NVFP4 vs BF16 reference", &m, hsz))
+        .section(blocks)
+        .section(expert_table(&experts))
+        .section(token_table(&tokens));
+    if kernel.done || kernel.reason.is_some() {
+        report = report.section(Section::kv(
+            "Kernel check (GPU NVFP4 vs CPU NVFP4)",
+            &[
+                ("backend", kernel.backend.clone()),
+                (
+                    "result",
+                    match (&kernel.metrics, &kernel.reason) {
+                        (Some(m), _) => format!(
+                            "cosine {} rel-L2 {} NaN {} (threshold {KERNEL_CHECK_MIN_COSINE})",
+                            f(m.cosine, 7),
+                            e(m.rel_l2),
+                            m.nan_count
+                        ),
+                        (None, Some(r)) => format!("skipped: {r}"),
+                        _ => "-".into(),
+                    },
+                ),
+            ],
+        ));
+    }
+    if !failures.is_empty() {
+        let mut s = Section::new("Failures", &["problem"]);
+        for x in &failures {
+            s.row(vec![x.clone()]);
+        }
+        report = report.section(s);
+    }
+    Ok(report)
+}
+
+fn slots(o: &MoeOutput) -> Result<&[f32]> {
+    o.per_slot
+        .as_deref()
+        .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))
+}
+
+/// On a GPU, re-run the NVFP4 path on the CPU (same routing, same scales) when the layer is
+/// small enough, and compare: this isolates the kernel from quantization error.
+fn kernel_check(
+    backend: &dyn Backend,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &crate::moe::Routing,
+    path: &MoePath,
+    nv: &MoeOutput,
+) -> Result<KernelCheck> {
+    let name = backend.name();
+    let mut kc = KernelCheck {
+        backend: name.clone(),
+        done: false,
+        reason: None,
+        min_cosine: KERNEL_CHECK_MIN_COSINE,
+        metrics: None,
+        pass: None,
+    };
+    if name == "cpu" {
+        return Ok(kc);
+    }
+    let c = &layer.config;
+    let macs = routing.tokens as f64
+        * routing.top_k as f64
+        * 3.0
+        * c.hidden_size as f64
+        * c.moe_intermediate_size as f64;
+    if macs > KERNEL_CHECK_MAX_MACS {
+        kc.reason = Some(format!(
+            "{macs:.1e} multiply-adds on the CPU is too many (limit {KERNEL_CHECK_MAX_MACS:.0e}); use fewer --tokens"
+        ));
+        return Ok(kc);
+    }
+    let cpu = CpuBackend::new().moe_forward(layer, hidden, routing, path, false)?;
+    let m = crate::metrics::compare(&nv.out, &cpu.out);
+    kc.pass = Some(m.passes(KERNEL_CHECK_MIN_COSINE));
+    kc.metrics = Some(m);
+    kc.done = true;
+    Ok(kc)
+}
+
+fn expert_table(experts: &[ExpertMetrics]) -> Section {
+    let mut s = Section::new(
+        "Worst experts (unweighted expert output, NVFP4 vs reference)",
+        &[
+            "expert",
+            "slots",
+            "cosine",
+            "rel_l2",
+            "max_abs_err",
+            "NaN",
+            "Inf",
+        ],
+    );
+    for x in experts.iter().take(5) {
+        s.row(vec![
+            x.expert.to_string(),
+            x.slots.to_string(),
+            f(x.metrics.cosine, 5),
+            f(x.metrics.rel_l2, 4),
+            e(x.metrics.max_abs_err),
+            x.metrics.nan_count.to_string(),
+            x.metrics.inf_count.to_string(),
+        ]);
+    }
+    s
+}
+
+fn token_table(tokens: &[TokenMetrics]) -> Section {
+    let mut s = Section::new(
+        "Worst tokens",
+        &["token", "cosine", "rel_l2", "max_abs_err", "NaN", "Inf"],
+    );
+    for x in tokens.iter().take(5) {
+        s.row(vec![
+            x.token.to_string(),
+            f(x.metrics.cosine, 5),
+            f(x.metrics.rel_l2, 4),
+            e(x.metrics.max_abs_err),
+            x.metrics.nan_count.to_string(),
+            x.metrics.inf_count.to_string(),
+        ]);
+    }
+    s
+}
+
+#[allow(clippy::too_many_arguments)]
+fn save_outputs(
+    path: &Path,
+    nv: &[f32],
+    rf: &[f32],
+    ids: &[i32],
+    w: &[f32],
+    t: usize,
+    h: usize,
+    k: usize,
+) -> Result<()> {
+    let ids64: Vec<i64> = ids.iter().map(|&v| v as i64).collect();
+    write_file(
+        path,
+        vec![
+            (
+                TensorSpec::new("nvfp4_out", Dtype::F32, &[t, h]),
+                f32_bytes(nv),
+            ),
+            (
+                TensorSpec::new("reference_out", Dtype::F32, &[t, h]),
+                f32_bytes(rf),
+            ),
+            (
+                TensorSpec::new("topk_ids", Dtype::I64, &[t, k]),
+                i64_bytes(&ids64),
+            ),
+            (
+                TensorSpec::new("topk_weights", Dtype::F32, &[t, k]),
+                f32_bytes(w),
+            ),
+        ],
+        None,
+    )
 }

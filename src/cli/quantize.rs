@@ -1,15 +1,159 @@
-//! `quantize`: not built yet.
+//! `quantize IN OUT`: BF16/F16/F32 safetensors weights → ModelOpt NVFP4 (or MXFP4) tensors.
+//! IN is a file or an HF directory (then OUT is a directory mirroring its shards, index and
+//! config.json with `quantization_config` added).
 
-use super::common::OutArgs;
-use crate::error::{Error, Result};
-use crate::report::Report;
+use super::common::{progress, OutArgs};
+use crate::checkpoint::quantize::{QuantizeOptions, QuantizePlan};
+use crate::error::Result;
+use crate::nvfp4::Format;
+use crate::report::{e, Report, Section, Verdict};
+use serde_json::json;
+use std::path::PathBuf;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FormatArg {
+    Nvfp4,
+    Mxfp4,
+}
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Input: a .safetensors file or an HF checkpoint directory
+    #[arg(value_name = "IN")]
+    pub input: PathBuf,
+    /// Output: a .safetensors file (IN is a file) or a directory (IN is a directory)
+    #[arg(value_name = "OUT")]
+    pub output: PathBuf,
+    /// Global scale (quant direction) for every tensor: weight_scale_2 = 1/VALUE.
+    /// Default: each tensor's own 2688/amax
+    #[arg(long, value_name = "VALUE")]
+    pub gs: Option<f32>,
+    #[arg(long, value_enum, default_value = "nvfp4")]
+    pub format: FormatArg,
+    /// Copy tensors whose name contains SUBSTR instead of quantizing them (repeatable),
+    /// e.g. `--exclude lm_head --exclude mlp.gate.`
+    #[arg(long, value_name = "SUBSTR")]
+    pub exclude: Vec<String>,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`quantize` is not built yet"))
+/// Rows of the per-tensor table on the terminal; the JSON report has them all.
+const TABLE_ROWS: usize = 30;
+
+pub fn run(args: &Args) -> Result<Report> {
+    let format = match args.format {
+        FormatArg::Nvfp4 => Format::Nvfp4,
+        FormatArg::Mxfp4 => Format::Mxfp4,
+    };
+    let opts = QuantizeOptions {
+        format,
+        gs: args.gs,
+        exclude: args.exclude.clone(),
+    };
+    let plan = QuantizePlan::new(&args.input, &args.output, opts)?;
+    let pb = progress(plan.tensor_count() as u64, "quantize", args.out_args.quiet);
+    let sum = plan.run(&|_| pb.inc(1))?;
+    pb.finish_and_clear();
+
+    let b = &sum.blocks;
+    let pct = |n: u64| {
+        if b.blocks == 0 {
+            0.0
+        } else {
+            100.0 * n as f64 / b.blocks as f64
+        }
+    };
+    let gs = match (format, args.gs) {
+        (Format::Mxfp4, _) => "none (MXFP4)".to_string(),
+        (_, Some(g)) => format!("{g} for every tensor"),
+        (_, None) => "per tensor: 2688 / amax".to_string(),
+    };
+    let headline = format!(
+        "quantized {} tensors to {}, copied {} → {}",
+        sum.quantized,
+        format.name().to_uppercase(),
+        sum.copied,
+        sum.output.display()
+    );
+    let overview = Section::kv(
+        "quantize",
+        &[
+            ("input", sum.input.display().to_string()),
+            ("output", sum.output.display().to_string()),
+            ("format", format.name().to_string()),
+            ("gs", gs),
+            ("files written", sum.files_written.to_string()),
+            ("tensors quantized", sum.quantized.to_string()),
+            ("tensors copied", sum.copied.to_string()),
+            (
+                "bytes in → out",
+                format!("{} → {}", sum.bytes_in, sum.bytes_out),
+            ),
+            ("blocks", b.blocks.to_string()),
+            (
+                "block scales saturated",
+                format!("{} ({:.3}%)", b.saturated, pct(b.saturated)),
+            ),
+            (
+                "blocks flushed to zero",
+                format!("{} ({:.3}%)", b.flushed, pct(b.flushed)),
+            ),
+        ],
+    );
+    let mut table = Section::new(
+        "quantized tensors",
+        &[
+            "tensor",
+            "shape",
+            "amax",
+            "weight_scale_2",
+            "saturated",
+            "flushed",
+        ],
+    );
+    for t in sum.tensors.iter().take(TABLE_ROWS) {
+        table.row(vec![
+            t.name.clone(),
+            format!("{}x{}", t.shape[0], t.shape[1]),
+            e(t.amax as f64),
+            t.weight_scale_2.map_or("-".into(), |v| e(v as f64)),
+            t.stats.saturated.to_string(),
+            t.stats.flushed.to_string(),
+        ]);
+    }
+    if sum.tensors.len() > TABLE_ROWS {
+        table.row(vec![
+            format!(
+                "… {} more in the JSON report",
+                sum.tensors.len() - TABLE_ROWS
+            ),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+            String::new(),
+        ]);
+    }
+    let mut report = Report::new("quantize", Verdict::Pass, headline)
+        .summary(json!({
+            "format": format.name(),
+            "gs": args.gs,
+            "files_written": sum.files_written,
+            "quantized": sum.quantized,
+            "copied": sum.copied,
+            "bytes_in": sum.bytes_in,
+            "bytes_out": sum.bytes_out,
+            "blocks": b.blocks,
+            "saturated": b.saturated,
+            "flushed": b.flushed,
+        }))
+        .with("input", &sum.input)
+        .with("output", &sum.output)
+        .with("tensors", &sum.tensors)
+        .section(overview);
+    if !sum.tensors.is_empty() {
+        report = report.section(table);
+    }
+    Ok(report)
 }

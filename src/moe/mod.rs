@@ -1,10 +1,18 @@
 //! The DeepSeek MoE layer (DESIGN.md §4): config, router, experts, the NVFP4 path and the
 //! BF16 reference. Numerics only: never prints.
 
+pub mod breakdown;
 pub mod config;
 pub mod ep;
+pub mod forward;
+pub mod gs;
+pub mod router;
+pub mod synthetic;
 
 pub use config::{MoeConfig, ScoringFunc};
+pub use forward::{moe_forward, rmsnorm_bf16};
+pub use gs::{GsSource, InputScaleReduce};
+pub use router::route;
 
 use crate::nvfp4::Fp4Tensor;
 
@@ -76,6 +84,167 @@ pub struct MoeLayer {
     pub shared: Option<DenseMlp>,
     /// RMSNorm weight applied before this MoE block (post_attention_layernorm), if known.
     pub norm_weight: Option<Vec<f32>>,
+}
+
+impl MoeLayer {
+    /// Does this layer route by `tid2eid[input_ids]` (V4's first layers)?
+    pub fn is_hash_layer(&self) -> bool {
+        self.config.is_hash_layer(self.index)
+    }
+
+    /// Check that every tensor has the shape the config promises, so the forward can index
+    /// without panicking on a bad checkpoint.
+    pub fn validate(&self) -> crate::Result<()> {
+        validate_router(&self.config, self.index, &self.router)?;
+        let c = &self.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let bad = |what: String| crate::Error::usage(format!("MoE layer {}: {what}", self.index));
+        if self.experts.len() != e {
+            return Err(bad(format!(
+                "{} experts loaded, config says {e}",
+                self.experts.len()
+            )));
+        }
+        for (x, ex) in self.experts.iter().enumerate() {
+            for (name, q, rows, cols) in [
+                ("gate_proj (w1)", &ex.w1, i, h),
+                ("up_proj (w3)", &ex.w3, i, h),
+                ("down_proj (w2)", &ex.w2, h, i),
+            ] {
+                q.check_shape(rows, cols)
+                    .map_err(|w| bad(format!("expert {x} {name}: {w}")))?;
+            }
+        }
+        if let Some(s) = &self.shared {
+            s.check_shape(h)
+                .map_err(|w| bad(format!("shared experts: {w}")))?;
+        }
+        if let Some(n) = &self.norm_weight {
+            if n.len() != h {
+                return Err(bad(format!(
+                    "norm weight has {} values, expected [{h}]",
+                    n.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Check the config and the router tensors (what routing needs; no experts).
+pub fn validate_router(c: &MoeConfig, index: usize, router: &Router) -> crate::Result<()> {
+    let (h, i, e, k) = (
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.n_routed_experts,
+        c.num_experts_per_tok,
+    );
+    let bad = |what: String| crate::Error::usage(format!("MoE layer {index}: {what}"));
+    if h == 0 || e == 0 || k == 0 || k > e {
+        return Err(bad(format!(
+            "config has hidden_size {h}, n_routed_experts {e}, num_experts_per_tok {k}"
+        )));
+    }
+    if h % 16 != 0 || i % 16 != 0 {
+        return Err(bad(format!(
+            "hidden_size {h} and moe_intermediate_size {i} must be multiples of the NVFP4 block (16)"
+        )));
+    }
+    if c.n_group > 1 {
+        if e % c.n_group != 0 {
+            return Err(bad(format!(
+                "n_routed_experts {e} is not a multiple of n_group {}",
+                c.n_group
+            )));
+        }
+        if c.topk_group == 0 || c.topk_group > c.n_group || c.topk_group * (e / c.n_group) < k {
+            return Err(bad(format!(
+                "topk_group {} of n_group {} leaves fewer than num_experts_per_tok {k} experts",
+                c.topk_group, c.n_group
+            )));
+        }
+    }
+    if router.weight.len() != e * h {
+        return Err(bad(format!(
+            "router weight (gate.weight) has {} values, expected [{e}, {h}]",
+            router.weight.len()
+        )));
+    }
+    if let Some(b) = &router.e_score_correction_bias {
+        if b.len() != e {
+            return Err(bad(format!(
+                "e_score_correction_bias has {} values, expected [{e}]",
+                b.len()
+            )));
+        }
+    }
+    if let Some(t) = &router.tid2eid {
+        if t.is_empty() || t.len() % k != 0 {
+            return Err(bad(format!(
+                "tid2eid has {} values, not a [vocab, {k}] table",
+                t.len()
+            )));
+        }
+        if let Some((j, v)) = t
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| v < 0 || v as usize >= e)
+        {
+            return Err(bad(format!(
+                "tid2eid[{}, {}] = {v} is not an expert id (n_routed_experts = {e})",
+                j / k,
+                j % k
+            )));
+        }
+    }
+    Ok(())
+}
+
+impl QLinear {
+    fn check_shape(&self, rows: usize, cols: usize) -> std::result::Result<(), String> {
+        let w = &self.weight;
+        let block = w.format.block();
+        if w.rows != rows || w.cols != cols {
+            return Err(format!(
+                "shape [{}, {}], expected [{rows}, {cols}]",
+                w.rows, w.cols
+            ));
+        }
+        if !cols.is_multiple_of(block)
+            || w.packed.len() != rows * cols / 2
+            || w.scales.len() != rows * (cols / block)
+        {
+            return Err(format!(
+                "{} packed bytes and {} block scales do not fit [{rows}, {cols}]",
+                w.packed.len(),
+                w.scales.len()
+            ));
+        }
+        if let Some(o) = &self.original {
+            if o.len() != rows * cols {
+                return Err(format!(
+                    "BF16 original has {} values, expected [{rows}, {cols}]",
+                    o.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DenseMlp {
+    fn check_shape(&self, h: usize) -> std::result::Result<(), String> {
+        let i = self.intermediate;
+        if self.w1.len() != i * h || self.w3.len() != i * h || self.w2.len() != h * i {
+            return Err(format!(
+                "weights of {}, {}, {} values do not fit intermediate {i} x hidden {h}",
+                self.w1.len(),
+                self.w3.len(),
+                self.w2.len()
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The router's decision for a batch: `[tokens, top_k]` each.

@@ -174,12 +174,21 @@ mod tests {
     #[test]
     fn detect_by_size_and_padding() {
         let lin: Vec<u8> = vec![0x38; 130 * 3];
-        assert_eq!(detect_layout(lin.len(), 130, 3, Some(&lin)), LayoutGuess::Linear);
+        assert_eq!(
+            detect_layout(lin.len(), 130, 3, Some(&lin)),
+            LayoutGuess::Linear
+        );
         let sw = swizzle(&lin, 130, 3);
-        assert_eq!(detect_layout(sw.len(), 130, 3, Some(&sw)), LayoutGuess::Swizzled);
+        assert_eq!(
+            detect_layout(sw.len(), 130, 3, Some(&sw)),
+            LayoutGuess::Swizzled
+        );
         let mut dirty = sw.clone();
         dirty[swizzle_offset(129, 3, 3)] = 1; // padding column
-        assert_eq!(detect_layout(dirty.len(), 130, 3, Some(&dirty)), LayoutGuess::Neither);
+        assert_eq!(
+            detect_layout(dirty.len(), 130, 3, Some(&dirty)),
+            LayoutGuess::Neither
+        );
         assert_eq!(detect_layout(128 * 4, 128, 4, None), LayoutGuess::Ambiguous);
         assert_eq!(detect_layout(5, 128, 4, None), LayoutGuess::Neither);
     }

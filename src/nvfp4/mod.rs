@@ -6,10 +6,10 @@ pub mod layout;
 pub mod quant;
 pub mod ue8m0;
 
-pub use layout::{ScaleLayout, LayoutGuess};
+pub use layout::{LayoutGuess, ScaleLayout};
 pub use quant::{
-    dequantize_row, fake_quant_nvfp4, quantize_mxfp4, quantize_nvfp4, quantize_weight_nvfp4,
-    rcp, weight_global_scale, BlockStats, Format, Fp4Tensor, DEFAULT_GS, GS_DENOM,
+    dequantize_row, fake_quant_nvfp4, quantize_mxfp4, quantize_nvfp4, quantize_weight_nvfp4, rcp,
+    weight_global_scale, BlockStats, Format, Fp4Tensor, DEFAULT_GS, GS_DENOM,
 };
 
 /// Which reciprocal the quantizer uses. The CPU computes `Reference` only; the GPU computes

@@ -245,7 +245,10 @@ fn quantize_with(
 ) -> (Fp4Tensor, BlockStats) {
     let block = format.block();
     assert_eq!(x.len(), rows * cols, "quantize: data length != rows*cols");
-    assert!(cols % block == 0, "quantize: cols not a multiple of the block");
+    assert!(
+        cols % block == 0,
+        "quantize: cols not a multiple of the block"
+    );
     let kb = cols / block;
     let mut packed = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * kb];
@@ -459,7 +462,11 @@ mod tests {
                 assert!((xi - di).abs() <= bound, "x {xi} dq {di} s {s}");
             }
         }
-        let err: f64 = x.iter().zip(&d).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+        let err: f64 = x
+            .iter()
+            .zip(&d)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
         let nrm: f64 = x.iter().map(|a| (*a as f64).powi(2)).sum();
         let rel = (err / nrm).sqrt();
         assert!(rel > 0.05 && rel < 0.15, "rel-L2 {rel}");

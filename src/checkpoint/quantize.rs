@@ -1,0 +1,674 @@
+//! `quantize`: float safetensors weights → ModelOpt NVFP4 (or MXFP4) tensors, streaming.
+//!
+//! Every floating (BF16/F16/F32) 2-D tensor named `*.weight` whose last dim is a multiple of
+//! the block becomes
+//! - NVFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E4M3 `[N, K/16]` (linear layout),
+//!   `X.weight_scale_2` F32 `[]`;
+//! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
+//!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
+//!
+//! Other tensors are copied byte for byte. One tensor at a time: the input stays memory-mapped,
+//! only the outputs of the current tensor are held (a quarter of a BF16 tensor's size), and the
+//! blocks of a tensor are quantized on every core. The numerics are `nvfp4`'s own block
+//! quantizers with the global scale of `nvfp4::weight_global_scale`, so the bytes are those of
+//! `quantize_weight_nvfp4` (a test pins it).
+
+use super::file::{elem_size, TensorFile, TensorInfo};
+use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
+use super::writer::{f32_bytes, ShardWriter, TensorSpec};
+use crate::error::{Error, Result};
+use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_block_nvfp4};
+use crate::nvfp4::{weight_global_scale, BlockStats, Format};
+use rayon::prelude::*;
+use safetensors::Dtype;
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug)]
+pub struct QuantizeOptions {
+    pub format: Format,
+    /// Quant-direction global scale for every tensor (`weight_scale_2 = 1/gs`); None: each
+    /// tensor's own `2688 / amax`.
+    pub gs: Option<f32>,
+    /// Tensors whose name contains one of these are copied, not quantized.
+    pub exclude: Vec<String>,
+}
+
+/// What happened to one quantized tensor.
+#[derive(Clone, Debug, Serialize)]
+pub struct QuantizedTensor {
+    pub name: String,
+    pub dtype: String,
+    pub shape: [usize; 2],
+    /// None for MXFP4.
+    pub weight_scale_2: Option<f32>,
+    pub amax: f32,
+    #[serde(flatten)]
+    pub stats: BlockStats,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct QuantizeSummary {
+    pub input: PathBuf,
+    pub output: PathBuf,
+    pub files_written: usize,
+    pub quantized: usize,
+    pub copied: usize,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub blocks: BlockStats,
+    pub tensors: Vec<QuantizedTensor>,
+}
+
+enum Item {
+    Copy(String),
+    Quantize {
+        name: String,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+struct FilePlan {
+    shard: usize,
+    output: PathBuf,
+    items: Vec<Item>,
+    specs: Vec<TensorSpec>,
+}
+
+/// A checked plan: every output name and shape is known before anything is written.
+pub struct QuantizePlan {
+    ckpt: Checkpoint,
+    output: PathBuf,
+    opts: QuantizeOptions,
+    files: Vec<FilePlan>,
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    }
+}
+
+/// Does `name` (dtype, shape) get quantized under `opts`?
+pub fn is_quantizable(name: &str, t: &TensorInfo, opts: &QuantizeOptions) -> bool {
+    name.ends_with(".weight")
+        && matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+        && t.shape.len() == 2
+        && t.shape[1] > 0
+        && t.shape[1].is_multiple_of(opts.format.block())
+        && !opts.exclude.iter().any(|x| name.contains(x.as_str()))
+}
+
+impl QuantizePlan {
+    pub fn new(input: &Path, output: &Path, opts: QuantizeOptions) -> Result<QuantizePlan> {
+        if let Some(gs) = opts.gs {
+            if opts.format == Format::Mxfp4 {
+                return Err(Error::usage(
+                    "--gs applies to NVFP4 only (MXFP4 has no global scale)",
+                ));
+            }
+            if !(gs.is_normal() && gs > 0.0 && (1.0 / gs).is_normal()) {
+                return Err(Error::usage(format!(
+                    "--gs {gs}: a global scale must be a positive normal number whose reciprocal is too"
+                )));
+            }
+        }
+        let ckpt = Checkpoint::open(input)?;
+        if ckpt.is_dir() {
+            if output.is_file() {
+                return Err(Error::usage(format!(
+                    "{} is a directory, so OUT must be one too; {} is a file",
+                    input.display(),
+                    output.display()
+                )));
+            }
+            if same_file(input, output) {
+                return Err(Error::usage(
+                    "OUT is IN: the input is never modified; pick another directory",
+                ));
+            }
+        } else if output.is_dir() {
+            return Err(Error::usage(format!(
+                "{} is a file, so OUT is the output file; {} is a directory",
+                input.display(),
+                output.display()
+            )));
+        }
+        let mut files = vec![];
+        for (i, shard) in ckpt.shards().iter().enumerate() {
+            let out = if ckpt.is_dir() {
+                let fname = shard.path().file_name().unwrap_or_default();
+                output.join(fname)
+            } else {
+                output.to_path_buf()
+            };
+            if ckpt.shards().iter().any(|s| same_file(s.path(), &out)) {
+                return Err(Error::usage(format!(
+                    "{} would overwrite an input file; the input is never modified",
+                    out.display()
+                )));
+            }
+            files.push(plan_file(i, shard, out, &opts)?);
+        }
+        Ok(QuantizePlan {
+            ckpt,
+            output: output.to_path_buf(),
+            opts,
+            files,
+        })
+    }
+
+    /// Tensors the run will visit (for a progress bar).
+    pub fn tensor_count(&self) -> usize {
+        self.files.iter().map(|f| f.items.len()).sum()
+    }
+
+    /// Quantize and write. `on_tensor` is called after each input tensor is done.
+    pub fn run(self, on_tensor: &(dyn Fn(&str) + Sync)) -> Result<QuantizeSummary> {
+        let mut sum = QuantizeSummary {
+            input: self.ckpt.path().to_path_buf(),
+            output: self.output.clone(),
+            ..Default::default()
+        };
+        for fp in &self.files {
+            let shard = &self.ckpt.shards()[fp.shard];
+            shard.advise_sequential();
+            let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
+            let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
+            for item in &fp.items {
+                match item {
+                    Item::Copy(name) => {
+                        let b = shard.bytes(name)?;
+                        w.write_next(b)?;
+                        sum.copied += 1;
+                        sum.bytes_in += b.len() as u64;
+                        sum.bytes_out += b.len() as u64;
+                        on_tensor(name);
+                    }
+                    Item::Quantize { name, rows, cols } => {
+                        let t = shard.info(name)?;
+                        let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
+                        w.write_next(&q.packed)?;
+                        w.write_next(&q.scales)?;
+                        sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
+                        if let Some(ws2) = q.weight_scale_2 {
+                            w.write_next(&f32_bytes(&[ws2]))?;
+                            sum.bytes_out += 4;
+                        }
+                        sum.bytes_in += t.nbytes() as u64;
+                        sum.quantized += 1;
+                        add(&mut sum.blocks, &q.stats);
+                        sum.tensors.push(QuantizedTensor {
+                            name: name.clone(),
+                            dtype: format!("{:?}", t.dtype),
+                            shape: [*rows, *cols],
+                            weight_scale_2: q.weight_scale_2,
+                            amax: q.amax,
+                            stats: q.stats,
+                        });
+                        on_tensor(name);
+                    }
+                }
+            }
+            w.finish()?;
+            sum.files_written += 1;
+        }
+        if self.ckpt.is_dir() {
+            self.write_side_files(&sum)?;
+        }
+        Ok(sum)
+    }
+
+    /// Index, config.json with quantization_config, hf_quant_config.json, and the other small
+    /// files of an HF directory (tokenizer, generation config) copied as they are.
+    fn write_side_files(&self, sum: &QuantizeSummary) -> Result<()> {
+        let out = &self.output;
+        let (algo, group) = match self.opts.format {
+            Format::Nvfp4 => ("NVFP4", 16),
+            Format::Mxfp4 => ("MXFP4", 32),
+        };
+        let exclude: Vec<String> = self.opts.exclude.clone();
+        let producer = json!({"name": "nvfp4dbg", "version": env!("CARGO_PKG_VERSION")});
+        if let Some(ix) = self.ckpt.index_path() {
+            let old: Value = std::fs::read(ix)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or(Value::Null);
+            let mut meta = old
+                .get("metadata")
+                .and_then(|m| m.as_object())
+                .cloned()
+                .unwrap_or_default();
+            meta.insert("total_size".into(), json!(sum.bytes_out));
+            let mut map = BTreeMap::new();
+            for fp in &self.files {
+                let fname = fp
+                    .output
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .to_string();
+                for s in &fp.specs {
+                    map.insert(s.name.clone(), fname.clone());
+                }
+            }
+            let v = json!({"metadata": meta, "weight_map": map});
+            write_json(&out.join(INDEX_FILE), &v)?;
+        }
+        if let Some(cfg) = self.ckpt.config_path() {
+            let text = std::fs::read(&cfg).map_err(|e| Error::io(&cfg, e))?;
+            let mut v: Value = serde_json::from_slice(&text)
+                .map_err(|e| Error::bad_file(&cfg, format!("not valid JSON: {e}")))?;
+            let obj = v
+                .as_object_mut()
+                .ok_or_else(|| Error::bad_file(&cfg, "is not a JSON object"))?;
+            obj.insert(
+                "quantization_config".into(),
+                json!({"quant_method": "modelopt", "quant_algo": algo, "group_size": group,
+                       "exclude_modules": exclude, "producer": producer}),
+            );
+            write_json(&out.join(CONFIG_FILE), &v)?;
+        }
+        write_json(
+            &out.join(HF_QUANT_CONFIG_FILE),
+            &json!({"producer": producer, "quantization": {"quant_algo": algo, "group_size": group,
+                    "kv_cache_quant_algo": null, "exclude_modules": exclude}}),
+        )?;
+        let rd = std::fs::read_dir(self.ckpt.dir()).map_err(|e| Error::io(self.ckpt.dir(), e))?;
+        for e in rd {
+            let e = e.map_err(|e| Error::io(self.ckpt.dir(), e))?;
+            let p = e.path();
+            let name = e.file_name().to_string_lossy().to_string();
+            let ours = name.ends_with(".safetensors")
+                || [INDEX_FILE, CONFIG_FILE, HF_QUANT_CONFIG_FILE, ORIGINALS_DIR]
+                    .contains(&name.as_str());
+            if p.is_file() && !ours {
+                let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
+                crate::report::write_atomic(&out.join(&name), &bytes)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn write_json(p: &Path, v: &Value) -> Result<()> {
+    let s = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
+    crate::report::write_atomic(p, s.as_bytes())
+}
+
+fn add(a: &mut BlockStats, b: &BlockStats) {
+    a.blocks += b.blocks;
+    a.saturated += b.saturated;
+    a.flushed += b.flushed;
+    a.nan_scales += b.nan_scales;
+}
+
+fn plan_file(
+    shard: usize,
+    f: &TensorFile,
+    output: PathBuf,
+    opts: &QuantizeOptions,
+) -> Result<FilePlan> {
+    let mut items = vec![];
+    let mut specs = vec![];
+    let block = opts.format.block();
+    for name in f.names() {
+        let t = f.info(name)?;
+        if !is_quantizable(name, t, opts) {
+            items.push(Item::Copy(name.to_string()));
+            specs.push(TensorSpec::new(name, t.dtype, &t.shape));
+            continue;
+        }
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        let base = &name[..name.len() - ".weight".len()];
+        let mut outs = vec![(format!("{base}.weight_scale"), opts.format)];
+        if opts.format == Format::Nvfp4 {
+            outs.push((format!("{base}.weight_scale_2"), opts.format));
+        }
+        for (o, _) in &outs {
+            if f.contains(o) {
+                return Err(Error::bad_tensor(
+                    f.path(),
+                    o,
+                    format!("already exists, and quantizing `{name}` would write it again"),
+                ));
+            }
+        }
+        specs.push(TensorSpec::new(name, Dtype::U8, &[rows, cols / 2]));
+        let sd = match opts.format {
+            Format::Nvfp4 => Dtype::F8_E4M3,
+            Format::Mxfp4 => Dtype::F8_E8M0,
+        };
+        specs.push(TensorSpec::new(
+            format!("{base}.weight_scale"),
+            sd,
+            &[rows, cols / block],
+        ));
+        if opts.format == Format::Nvfp4 {
+            specs.push(TensorSpec::new(
+                format!("{base}.weight_scale_2"),
+                Dtype::F32,
+                &[],
+            ));
+        }
+        items.push(Item::Quantize {
+            name: name.to_string(),
+            rows,
+            cols,
+        });
+    }
+    Ok(FilePlan {
+        shard,
+        output,
+        items,
+        specs,
+    })
+}
+
+/// One quantized tensor's outputs.
+pub struct QuantizedBytes {
+    pub packed: Vec<u8>,
+    pub scales: Vec<u8>,
+    pub weight_scale_2: Option<f32>,
+    pub amax: f32,
+    pub stats: BlockStats,
+}
+
+/// `|x|` as raw bits, per dtype: for non-negative IEEE values the bit pattern orders like the
+/// value, so the amax is found without converting, and a non-finite value is an all-ones
+/// exponent.
+#[derive(Clone, Copy)]
+struct Bits {
+    size: usize,
+    abs_mask: u32,
+    exp_mask: u32,
+}
+
+fn bits_of(d: Dtype) -> Option<Bits> {
+    Some(match d {
+        Dtype::BF16 => Bits {
+            size: 2,
+            abs_mask: 0x7FFF,
+            exp_mask: 0x7F80,
+        },
+        Dtype::F16 => Bits {
+            size: 2,
+            abs_mask: 0x7FFF,
+            exp_mask: 0x7C00,
+        },
+        Dtype::F32 => Bits {
+            size: 4,
+            abs_mask: 0x7FFF_FFFF,
+            exp_mask: 0x7F80_0000,
+        },
+        _ => return None,
+    })
+}
+
+#[inline]
+fn raw(b: &[u8], size: usize) -> u32 {
+    if size == 2 {
+        u16::from_le_bytes([b[0], b[1]]) as u32
+    } else {
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+/// Max |x| of a float tensor's bytes, or the index of its first non-finite element.
+fn amax_bits(bytes: &[u8], k: Bits) -> std::result::Result<u32, usize> {
+    const CHUNK: usize = 1 << 16;
+    let per = bytes
+        .par_chunks(CHUNK * k.size)
+        .enumerate()
+        .map(|(ci, c)| {
+            let mut m = 0u32;
+            let mut bad = false;
+            for e in c.chunks_exact(k.size) {
+                let a = raw(e, k.size) & k.abs_mask;
+                bad |= a & k.exp_mask == k.exp_mask;
+                m = m.max(a);
+            }
+            if bad {
+                let i = c
+                    .chunks_exact(k.size)
+                    .position(|e| raw(e, k.size) & k.exp_mask == k.exp_mask)
+                    .unwrap_or(0);
+                Err(ci * CHUNK + i)
+            } else {
+                Ok(m)
+            }
+        })
+        .collect::<Vec<_>>();
+    let mut m = 0;
+    for p in per {
+        m = m.max(p?);
+    }
+    Ok(m)
+}
+
+fn bits_to_f32(a: u32, d: Dtype) -> f32 {
+    match d {
+        Dtype::BF16 => f32::from_bits(a << 16),
+        Dtype::F16 => half::f16::from_bits(a as u16).to_f32(),
+        _ => f32::from_bits(a),
+    }
+}
+
+/// Quantize one float tensor `[rows, cols]` of `f`.
+pub fn quantize_tensor(
+    f: &TensorFile,
+    name: &str,
+    t: &TensorInfo,
+    rows: usize,
+    cols: usize,
+    opts: &QuantizeOptions,
+) -> Result<QuantizedBytes> {
+    let bytes = f.slice(t);
+    let k = bits_of(t.dtype).ok_or_else(|| {
+        Error::bad_tensor(
+            f.path(),
+            name,
+            format!("{:?} is not BF16, F16 or F32", t.dtype),
+        )
+    })?;
+    let amax_raw = amax_bits(bytes, k).map_err(|i| {
+        let v = crate::checkpoint::file::decode_f32_into;
+        let mut x = [0f32];
+        let _ = v(t.dtype, &bytes[i * k.size..(i + 1) * k.size], &mut x);
+        Error::bad_tensor(
+            f.path(),
+            name,
+            format!(
+                "element [{}, {}] is {}: refusing to quantize (it would silently give NaN block scales)",
+                i / cols.max(1),
+                i % cols.max(1),
+                x[0]
+            ),
+        )
+    })?;
+    let amax = bits_to_f32(amax_raw, t.dtype);
+    let block = opts.format.block();
+    let (gs, weight_scale_2) = match (opts.format, opts.gs) {
+        (Format::Mxfp4, _) => (1.0, None),
+        (Format::Nvfp4, Some(gs)) => (gs, Some(1.0 / gs)),
+        // the one-element slice has the tensor's amax: the same scales quantize_weight_nvfp4 picks
+        (Format::Nvfp4, None) => {
+            let (ws2, gs) = weight_global_scale(&[amax]);
+            (gs, Some(ws2))
+        }
+    };
+    let kb = cols / block;
+    let mut packed = vec![0u8; rows * cols / 2];
+    let mut scales = vec![0u8; rows * kb];
+    let row_bytes = cols * elem_size(t.dtype).unwrap_or(1);
+    // enough rows per task that a task is ~64K elements
+    let rows_per = (65536 / cols.max(1)).max(1);
+    let stats = packed
+        .par_chunks_mut(rows_per * cols / 2)
+        .zip(scales.par_chunks_mut(rows_per * kb))
+        .zip(bytes.par_chunks(rows_per * row_bytes))
+        .map(|((p, s), b)| {
+            let mut st = BlockStats::default();
+            let mut row = vec![0f32; cols];
+            for ((pr, sr), br) in p
+                .chunks_exact_mut(cols / 2)
+                .zip(s.chunks_exact_mut(kb))
+                .zip(b.chunks_exact(row_bytes))
+            {
+                super::file::decode_row(t.dtype, br, &mut row);
+                for (j, (xb, pb)) in row
+                    .chunks_exact(block)
+                    .zip(pr.chunks_exact_mut(block / 2))
+                    .enumerate()
+                {
+                    sr[j] = match opts.format {
+                        Format::Nvfp4 => quantize_block_nvfp4(xb, gs, pb, &mut st),
+                        Format::Mxfp4 => quantize_block_mxfp4(xb, pb, &mut st),
+                    };
+                }
+            }
+            st
+        })
+        .reduce(BlockStats::default, |mut a, b| {
+            add(&mut a, &b);
+            a
+        });
+    Ok(QuantizedBytes {
+        packed,
+        scales,
+        weight_scale_2,
+        amax,
+        stats,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::writer::{bf16_bytes, write_file};
+    use crate::nvfp4::{quantize_mxfp4, quantize_nvfp4, quantize_weight_nvfp4};
+    use rand::{Rng, SeedableRng};
+    use rand_distr::{Distribution, StandardNormal};
+
+    #[test]
+    fn streaming_matches_the_whole_tensor_quantizers() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let d = tempfile::tempdir().unwrap();
+        for (dtype, rows, cols) in [
+            (Dtype::BF16, r.gen_range(1..300), 32 * r.gen_range(1..40)),
+            (
+                Dtype::F32,
+                r.gen_range(1..5),
+                65536 + 32 * r.gen_range(1..4),
+            ),
+            (Dtype::F16, r.gen_range(1..50), 32 * r.gen_range(1..20)),
+        ] {
+            let x: Vec<f32> = (0..rows * cols)
+                .map(|_| {
+                    let v: f32 = StandardNormal.sample(&mut r);
+                    v * r.gen_range(1e-3f32..2.0)
+                })
+                .collect();
+            let bytes = match dtype {
+                Dtype::BF16 => bf16_bytes(&x),
+                Dtype::F16 => x
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                _ => f32_bytes(&x),
+            };
+            let p = d.path().join("x.safetensors");
+            write_file(
+                &p,
+                vec![(TensorSpec::new("w.weight", dtype, &[rows, cols]), bytes)],
+                None,
+            )
+            .unwrap();
+            let f = TensorFile::open(&p).unwrap();
+            let xs = f.to_f32("w.weight").unwrap();
+            let t = f.info("w.weight").unwrap();
+            let auto = QuantizeOptions {
+                format: Format::Nvfp4,
+                gs: None,
+                exclude: vec![],
+            };
+            let q = quantize_tensor(&f, "w.weight", t, rows, cols, &auto).unwrap();
+            let (want, st) = quantize_weight_nvfp4(&xs, rows, cols);
+            assert_eq!(q.packed, want.packed, "seed {seed} {dtype:?}");
+            assert_eq!(q.scales, want.scales, "seed {seed} {dtype:?}");
+            assert_eq!(q.weight_scale_2, Some(want.scale_2), "seed {seed}");
+            assert_eq!(q.stats, st);
+            let gs: f32 = r.gen_range(1.0..5000.0);
+            let fixed = QuantizeOptions {
+                gs: Some(gs),
+                ..auto.clone()
+            };
+            let q = quantize_tensor(&f, "w.weight", t, rows, cols, &fixed).unwrap();
+            let (want, _) = quantize_nvfp4(&xs, rows, cols, gs);
+            assert_eq!(
+                (q.packed, q.scales),
+                (want.packed, want.scales),
+                "seed {seed} gs {gs}"
+            );
+            let mx = QuantizeOptions {
+                format: Format::Mxfp4,
+                gs: None,
+                exclude: vec![],
+            };
+            let q = quantize_tensor(&f, "w.weight", t, rows, cols, &mx).unwrap();
+            let (want, _) = quantize_mxfp4(&xs, rows, cols);
+            assert_eq!(
+                (q.packed, q.scales, q.weight_scale_2),
+                (want.packed, want.scales, None),
+                "seed {seed}"
+            );
+        }
+    }
+
+    #[test]
+    fn non_finite_weights_are_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let mut r = rand::thread_rng();
+        let (rows, cols) = (3, 64);
+        let mut x: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-1.0..1.0)).collect();
+        let at = r.gen_range(0..rows * cols);
+        x[at] = if r.gen() { f32::NAN } else { f32::NEG_INFINITY };
+        let p = d.path().join("x.safetensors");
+        write_file(
+            &p,
+            vec![(
+                TensorSpec::new("w.weight", Dtype::BF16, &[rows, cols]),
+                bf16_bytes(&x),
+            )],
+            None,
+        )
+        .unwrap();
+        let f = TensorFile::open(&p).unwrap();
+        let opts = QuantizeOptions {
+            format: Format::Nvfp4,
+            gs: None,
+            exclude: vec![],
+        };
+        let e = quantize_tensor(
+            &f,
+            "w.weight",
+            f.info("w.weight").unwrap(),
+            rows,
+            cols,
+            &opts,
+        )
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(
+            e.contains(&format!("element [{}, {}]", at / cols, at % cols))
+                && e.contains("`w.weight`"),
+            "{e}"
+        );
+    }
+}

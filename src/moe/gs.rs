@@ -1,0 +1,389 @@
+//! Where the activation global scales come from (docs/moe-forward.md, "Global scales"): the
+//! hypothesis H1/H6 is that an engine picked the wrong one. Everything here is in the quant
+//! direction, `gs = 1 / input_scale`.
+
+use super::forward::{dynamic_gs, expert_input_amax};
+use super::{router, ActScales, MoeLayer, Routing};
+use crate::error::{Error, Result};
+use crate::nvfp4::{DEFAULT_GS, GS_DENOM};
+use rand::SeedableRng;
+use rand_distr::{Distribution, StandardNormal};
+use std::fmt;
+use std::str::FromStr;
+
+/// `--gs`: a source of activation global scales.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GsSource {
+    /// The checkpoint's `input_scale`s.
+    Checkpoint,
+    /// 2688 everywhere: an `input_scale` of 1/2688, amax assumed 1 (the engines' seed default).
+    Default,
+    /// As an engine at init: amax on a `randn` batch.
+    Warmup,
+    /// amax on real(istic) activations.
+    Calibrated,
+    /// Per batch, per GEMM input.
+    Dynamic,
+    /// One gs for both GEMMs of every expert.
+    Value(f32),
+}
+
+impl FromStr for GsSource {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "checkpoint" => GsSource::Checkpoint,
+            "default" => GsSource::Default,
+            "warmup" => GsSource::Warmup,
+            "calibrated" => GsSource::Calibrated,
+            "dynamic" => GsSource::Dynamic,
+            v => match v.parse::<f32>() {
+                Ok(g) if g.is_finite() && g > 0.0 => GsSource::Value(g),
+                _ => {
+                    return Err(format!(
+                        "`{v}`: expected checkpoint, default, warmup, calibrated, dynamic or a positive gs value"
+                    ))
+                }
+            },
+        })
+    }
+}
+
+impl fmt::Display for GsSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GsSource::Checkpoint => write!(f, "checkpoint"),
+            GsSource::Default => write!(f, "default"),
+            GsSource::Warmup => write!(f, "warmup"),
+            GsSource::Calibrated => write!(f, "calibrated"),
+            GsSource::Dynamic => write!(f, "dynamic"),
+            GsSource::Value(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+/// `--input-scale-reduce`: keep one scale per expert, or use the layer-wide max `input_scale`
+/// (the smallest gs) for every expert, as some engine backends do with fused MoE weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum InputScaleReduce {
+    #[default]
+    PerExpert,
+    GlobalMax,
+}
+
+impl FromStr for InputScaleReduce {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "per-expert" => Ok(InputScaleReduce::PerExpert),
+            "global-max" => Ok(InputScaleReduce::GlobalMax),
+            _ => Err(format!("`{s}`: expected per-expert or global-max")),
+        }
+    }
+}
+
+impl fmt::Display for InputScaleReduce {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            InputScaleReduce::PerExpert => "per-expert",
+            InputScaleReduce::GlobalMax => "global-max",
+        })
+    }
+}
+
+/// The activations a calibrated scale is measured on (and their routing, when already known).
+pub struct Calibration<'a> {
+    pub hidden: &'a [f32],
+    pub input_ids: Option<&'a [i64]>,
+    pub routing: Option<&'a Routing>,
+}
+
+/// Resolve a gs source for `layer`. `seed` drives the warm-up batch; the warm-up batch has
+/// as many tokens as the calibration batch. `reduce` applies to the per-expert sources
+/// (checkpoint, warmup, calibrated).
+pub fn resolve(
+    source: GsSource,
+    layer: &MoeLayer,
+    reduce: InputScaleReduce,
+    calib: &Calibration,
+    seed: u64,
+) -> Result<ActScales> {
+    let e = layer.config.n_routed_experts;
+    let fixed = |g: f32| ActScales::Fixed {
+        gs1: vec![g; e],
+        gs2: vec![g; e],
+    };
+    match source {
+        GsSource::Default => Ok(fixed(DEFAULT_GS)),
+        GsSource::Value(v) => Ok(fixed(v)),
+        GsSource::Dynamic => Ok(ActScales::Dynamic),
+        GsSource::Checkpoint => checkpoint_scales(layer, reduce),
+        GsSource::Calibrated => {
+            let owned;
+            let routing = match calib.routing {
+                Some(r) => r,
+                None => {
+                    owned = router::route(layer, calib.hidden, calib.input_ids)?;
+                    &owned
+                }
+            };
+            let (a1, a2) = expert_input_amax(layer, calib.hidden, routing)?;
+            Ok(from_amax(&a1, &a2, reduce))
+        }
+        GsSource::Warmup => {
+            let h = layer.config.hidden_size;
+            let tokens = calib.hidden.len() / h.max(1);
+            let (x, ids) = warmup_batch(layer, tokens.max(1), seed);
+            let r = router::route(layer, &x, Some(&ids))?;
+            let (a1, a2) = expert_input_amax(layer, &x, &r)?;
+            Ok(from_amax(&a1, &a2, reduce))
+        }
+    }
+}
+
+/// An engine's warm-up input: `randn [tokens, hidden]` in BF16, random token ids.
+pub fn warmup_batch(layer: &MoeLayer, tokens: usize, seed: u64) -> (Vec<f32>, Vec<i64>) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x7761_726d_7570);
+    let h = layer.config.hidden_size;
+    let x = (0..tokens * h)
+        .map(|_| {
+            let v: f32 = StandardNormal.sample(&mut rng);
+            super::forward::bf16(v)
+        })
+        .collect();
+    let vocab = layer
+        .router
+        .tid2eid
+        .as_ref()
+        .map(|t| t.len() / layer.config.num_experts_per_tok.max(1))
+        .unwrap_or(layer.config.vocab_size)
+        .max(1);
+    let ids = (0..tokens)
+        .map(|_| rand::Rng::gen_range(&mut rng, 0..vocab as i64))
+        .collect();
+    (x, ids)
+}
+
+/// `gs1[e] = 1 / max(w1.input_scale, w3.input_scale)`, `gs2[e] = 1 / w2.input_scale`.
+pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<ActScales> {
+    let mut s1 = Vec::with_capacity(layer.experts.len());
+    let mut s2 = Vec::with_capacity(layer.experts.len());
+    for (e, ex) in layer.experts.iter().enumerate() {
+        let missing = |p: &str| {
+            Error::usage(format!(
+                "--gs checkpoint: layer {} expert {e} {p} has no input_scale in the checkpoint",
+                layer.index
+            ))
+        };
+        let i1 = ex.w1.input_scale.ok_or_else(|| missing("gate_proj"))?;
+        let i3 = ex.w3.input_scale.ok_or_else(|| missing("up_proj"))?;
+        let i2 = ex.w2.input_scale.ok_or_else(|| missing("down_proj"))?;
+        // NaN-propagating max: a NaN input_scale must stay visible
+        s1.push(if i1.is_nan() || i3.is_nan() {
+            f32::NAN
+        } else {
+            i1.max(i3)
+        });
+        s2.push(i2);
+    }
+    if reduce == InputScaleReduce::GlobalMax {
+        let m1 = nan_max(&s1);
+        let m2 = nan_max(&s2);
+        s1.iter_mut().for_each(|v| *v = m1);
+        s2.iter_mut().for_each(|v| *v = m2);
+    }
+    Ok(ActScales::Fixed {
+        gs1: s1.iter().map(|&s| 1.0 / s).collect(),
+        gs2: s2.iter().map(|&s| 1.0 / s).collect(),
+    })
+}
+
+fn nan_max(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |m, &x| {
+        if m.is_nan() || x.is_nan() {
+            f32::NAN
+        } else {
+            m.max(x)
+        }
+    })
+}
+
+/// Per-expert amax (`None`: the expert saw no token) → gs `2688 / amax`. An expert that saw
+/// no token gets the layer-wide amax of its GEMM, as a calibrator would have to; a layer with
+/// no amax at all gets 2688 (amax 1).
+pub fn from_amax(
+    amax1: &[Option<f32>],
+    amax2: &[Option<f32>],
+    reduce: InputScaleReduce,
+) -> ActScales {
+    let fill = |a: &[Option<f32>]| -> Vec<f32> {
+        let seen: Vec<f32> = a.iter().flatten().copied().collect();
+        let layer_max = if seen.is_empty() { 1.0 } else { nan_max(&seen) };
+        a.iter()
+            .map(|v| match reduce {
+                InputScaleReduce::GlobalMax => layer_max,
+                InputScaleReduce::PerExpert => v.unwrap_or(layer_max),
+            })
+            .map(dynamic_gs)
+            .collect()
+    };
+    ActScales::Fixed {
+        gs1: fill(amax1),
+        gs2: fill(amax2),
+    }
+}
+
+/// `input_scale` (dequant direction) for an amax: `amax / 2688`; an amax of 0 gives 1/2688.
+pub fn input_scale_of_amax(amax: f32) -> f32 {
+    if amax == 0.0 {
+        1.0 / GS_DENOM
+    } else {
+        amax / GS_DENOM
+    }
+}
+
+/// Summary numbers of a set of scales: (min, median, max) of gs1 and of gs2; `None` for
+/// dynamic scales.
+pub fn summary(s: &ActScales) -> Option<([f32; 3], [f32; 3])> {
+    fn mmm(v: &[f32]) -> [f32; 3] {
+        let mut w: Vec<f32> = v.to_vec();
+        w.sort_by(|a, b| a.total_cmp(b));
+        if w.is_empty() {
+            return [f32::NAN; 3];
+        }
+        [w[0], w[w.len() / 2], w[w.len() - 1]]
+    }
+    match s {
+        ActScales::Fixed { gs1, gs2 } => Some((mmm(gs1), mmm(gs2))),
+        ActScales::Dynamic => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::synthetic::test_layer;
+    use crate::moe::ScoringFunc;
+    use rand::Rng;
+
+    #[test]
+    fn parses_every_source() {
+        assert_eq!("checkpoint".parse::<GsSource>(), Ok(GsSource::Checkpoint));
+        assert_eq!("dynamic".parse::<GsSource>(), Ok(GsSource::Dynamic));
+        assert_eq!("448".parse::<GsSource>(), Ok(GsSource::Value(448.0)));
+        assert!("-3".parse::<GsSource>().is_err());
+        assert!("nan".parse::<GsSource>().is_err());
+        assert!("sometimes".parse::<GsSource>().is_err());
+        assert_eq!(
+            "global-max".parse::<InputScaleReduce>(),
+            Ok(InputScaleReduce::GlobalMax)
+        );
+    }
+
+    #[test]
+    fn checkpoint_scales_take_the_larger_gate_up_input_scale() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut layer = test_layer(&mut rng, 32, 16, 4, 2, ScoringFunc::Sigmoid);
+        let vals: Vec<(f32, f32, f32)> = (0..4)
+            .map(|_| {
+                (
+                    rng.gen_range(0.001..0.1),
+                    rng.gen_range(0.001..0.1),
+                    rng.gen_range(0.001..0.1),
+                )
+            })
+            .collect();
+        for (ex, v) in layer.experts.iter_mut().zip(&vals) {
+            ex.w1.input_scale = Some(v.0);
+            ex.w3.input_scale = Some(v.1);
+            ex.w2.input_scale = Some(v.2);
+        }
+        let ActScales::Fixed { gs1, gs2 } =
+            checkpoint_scales(&layer, InputScaleReduce::PerExpert).unwrap()
+        else {
+            panic!()
+        };
+        for (e, v) in vals.iter().enumerate() {
+            assert_eq!(gs1[e], 1.0 / v.0.max(v.1));
+            assert_eq!(gs2[e], 1.0 / v.2);
+        }
+        let ActScales::Fixed { gs1: g1, .. } =
+            checkpoint_scales(&layer, InputScaleReduce::GlobalMax).unwrap()
+        else {
+            panic!()
+        };
+        let m = vals.iter().map(|v| v.0.max(v.1)).fold(0f32, f32::max);
+        assert!(g1.iter().all(|&g| g == 1.0 / m));
+        layer.experts[2].w2.input_scale = None;
+        let err = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("expert 2") && err.contains("down_proj"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unseen_experts_get_the_layer_amax() {
+        let ActScales::Fixed { gs1, gs2 } = from_amax(
+            &[Some(2.0), None, Some(8.0)],
+            &[None, None, None],
+            InputScaleReduce::PerExpert,
+        ) else {
+            panic!()
+        };
+        assert_eq!(gs1, vec![1344.0, 336.0, 336.0]);
+        assert_eq!(gs2, vec![2688.0; 3]);
+    }
+
+    #[test]
+    fn calibrated_scales_put_the_largest_block_at_448() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let layer = test_layer(&mut rng, 64, 32, 8, 2, ScoringFunc::Sigmoid);
+        let x: Vec<f32> = (0..16 * 64)
+            .map(|_| super::super::forward::bf16(rng.gen_range(-5.0..5.0)))
+            .collect();
+        let cal = Calibration {
+            hidden: &x,
+            input_ids: None,
+            routing: None,
+        };
+        let s = resolve(
+            GsSource::Calibrated,
+            &layer,
+            InputScaleReduce::PerExpert,
+            &cal,
+            1,
+        )
+        .unwrap();
+        let r = router::route(&layer, &x, None).unwrap();
+        let out = crate::moe::moe_forward(
+            &layer,
+            &x,
+            &r,
+            &crate::moe::Path::Nvfp4 {
+                scales: &s,
+                flavor: crate::nvfp4::Flavor::Reference,
+            },
+            false,
+        )
+        .unwrap();
+        // each routed expert's largest gate/up input block lands exactly on the top scale
+        let routed = (0..8i32).filter(|e| r.topk_ids.contains(e)).count() as u64;
+        assert!(out.act_stats.saturated >= routed, "{:?}", out.act_stats);
+        // warmup (randn, amax ~4) and default (amax 1) give larger gs than calibration on ±5 data
+        let w = resolve(
+            GsSource::Warmup,
+            &layer,
+            InputScaleReduce::PerExpert,
+            &cal,
+            1,
+        )
+        .unwrap();
+        let (ActScales::Fixed { gs1: c1, .. }, ActScales::Fixed { gs1: w1, .. }) = (&s, &w) else {
+            panic!()
+        };
+        assert!(w1.iter().sum::<f32>() > c1.iter().sum::<f32>());
+    }
+}

@@ -1,0 +1,230 @@
+//! `nvfp4dbg quantize` on files and HF directories: what gets quantized, what is copied, the
+//! mirrored shards + index + config.json, the report, and refusals.
+
+mod checkpoint_util;
+use checkpoint_util::*;
+use nvfp4dbg::checkpoint::formats::read_qlinear;
+use nvfp4dbg::checkpoint::{Checkpoint, Dtype, TensorFile, TensorSource};
+use nvfp4dbg::nvfp4::{quantize_nvfp4, quantize_weight_nvfp4};
+use rand::Rng;
+
+#[test]
+fn hf_directory_is_mirrored() {
+    let (seed, mut r) = rng("quantize dir");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (d.path().join("in"), d.path().join("out"));
+    std::fs::create_dir(&inp).unwrap();
+    let (h, i) = (16 * r.gen_range(1..5), 16 * r.gen_range(1..4));
+    let w1 = weights(&mut r, i, h);
+    let w2 = weights(&mut r, h, i);
+    let gate = weights(&mut r, 4, h);
+    let norm = weights(&mut r, 1, h);
+    let odd = weights(&mut r, 3, 24);
+    write(
+        &inp.join("model-00001-of-00002.safetensors"),
+        vec![
+            bf16(
+                "model.layers.0.mlp.experts.0.gate_proj.weight",
+                &[i, h],
+                &w1,
+            ),
+            bf16("model.layers.0.mlp.gate.weight", &[4, h], &gate),
+            bf16(
+                "model.layers.0.post_attention_layernorm.weight",
+                &[h],
+                &norm,
+            ),
+        ],
+    );
+    write(
+        &inp.join("model-00002-of-00002.safetensors"),
+        vec![
+            f32t(
+                "model.layers.0.mlp.experts.0.down_proj.weight",
+                &[h, i],
+                &w2,
+            ),
+            bf16("model.embed.odd.weight", &[3, 24], &odd),
+        ],
+    );
+    let index = serde_json::json!({"metadata": {"total_size": 1}, "weight_map": {
+        "model.layers.0.mlp.experts.0.gate_proj.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.gate.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.post_attention_layernorm.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.experts.0.down_proj.weight": "model-00002-of-00002.safetensors",
+        "model.embed.odd.weight": "model-00002-of-00002.safetensors"}});
+    std::fs::write(inp.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        inp.join("config.json"),
+        config_json(h, i, 4, 2, 1).to_string(),
+    )
+    .unwrap();
+    std::fs::write(inp.join("tokenizer.json"), b"{\"tok\": 1}").unwrap();
+    let before = snapshot(&inp);
+    let json = d.path().join("r.json");
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--exclude",
+        "mlp.gate.",
+        "--json",
+        p(&json),
+    ]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    assert_eq!(snapshot(&inp), before, "input untouched");
+    assert!(!stderr(&o).contains("panicked"));
+
+    let c = Checkpoint::open(&out).unwrap();
+    assert!(c.index_path().is_some());
+    assert_eq!(c.shards().len(), 2);
+    let q = read_qlinear(&c, "model.layers.0.mlp.experts.0.gate_proj").unwrap();
+    assert_eq!(q.weight, quantize_weight_nvfp4(&w1, i, h).0, "seed {seed}");
+    let q = read_qlinear(&c, "model.layers.0.mlp.experts.0.down_proj").unwrap();
+    assert_eq!(q.weight, quantize_weight_nvfp4(&w2, h, i).0, "seed {seed}");
+    assert!(c
+        .file_of("model.layers.0.mlp.experts.0.down_proj.weight_scale")
+        .ends_with("model-00002-of-00002.safetensors"));
+    // excluded, 1-D and K % 16 != 0 tensors are copied byte for byte
+    let src = Checkpoint::open(&inp).unwrap();
+    for n in [
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.embed.odd.weight",
+    ] {
+        assert_eq!(c.bytes(n).unwrap(), src.bytes(n).unwrap(), "{n}");
+        let (a, b) = (c.info(n).unwrap(), src.info(n).unwrap());
+        assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape), "{n}");
+    }
+    assert_eq!(
+        c.info("model.layers.0.mlp.experts.0.gate_proj.weight")
+            .unwrap()
+            .dtype,
+        Dtype::U8
+    );
+    // the index lists every output tensor, total_size is the data size
+    let ix: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        ix["weight_map"].as_object().unwrap().len(),
+        c.names().count()
+    );
+    let data: usize = c.names().map(|n| c.info(n).unwrap().nbytes()).sum();
+    assert_eq!(ix["metadata"]["total_size"].as_u64(), Some(data as u64));
+    let cfg = c.config().unwrap();
+    let qc = cfg.quant.unwrap();
+    assert_eq!(qc.algo.as_deref(), Some("NVFP4"));
+    assert_eq!(qc.exclude_modules, vec!["mlp.gate.".to_string()]);
+    assert!(out.join("hf_quant_config.json").is_file());
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        b"{\"tok\": 1}"
+    );
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rep["command"], "quantize");
+    assert_eq!(rep["verdict"], "pass");
+    assert_eq!(rep["summary"]["quantized"], 2);
+    assert_eq!(rep["summary"]["copied"], 3);
+    assert_eq!(rep["tensors"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn explicit_gs_and_single_files() {
+    let (seed, mut r) = rng("quantize --gs");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let (rows, cols) = (r.gen_range(1..40), 16 * r.gen_range(1..10));
+    let w = weights(&mut r, rows, cols);
+    write(&inp, vec![bf16("x.weight", &[rows, cols], &w)]);
+    let gs = r.gen_range(1..100_000) as f32 / 8.0;
+    let o = run(&["quantize", p(&inp), p(&out), "--gs", &gs.to_string()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let f = TensorFile::open(&out).unwrap();
+    let q = read_qlinear(&f, "x").unwrap();
+    let (want, _) = quantize_nvfp4(&w, rows, cols, gs);
+    assert_eq!(
+        (q.weight.packed, q.weight.scales),
+        (want.packed, want.scales),
+        "seed {seed}"
+    );
+    assert_eq!(f.scalar_f32("x.weight_scale_2").unwrap(), 1.0 / gs);
+    assert!(stdout(&o).contains("PASS"), "{}", stdout(&o));
+    // mxfp4: E8M0 scales of 32, no global scale
+    let o = run(&["quantize", p(&inp), p(&out), "--format", "mxfp4"]);
+    if cols.is_multiple_of(32) {
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        let f = TensorFile::open(&out).unwrap();
+        assert_eq!(f.info("x.weight_scale").unwrap().dtype, Dtype::F8_E8M0);
+        assert!(!f.contains("x.weight_scale_2"));
+    }
+}
+
+#[test]
+fn refusals_exit_2_and_write_nothing() {
+    let (_, mut r) = rng("quantize refusals");
+    let d = tempfile::tempdir().unwrap();
+    let inp = d.path().join("a.safetensors");
+    let mut w = weights(&mut r, 4, 32);
+    let at = r.gen_range(0..w.len());
+    w[at] = f32::NAN;
+    write(&inp, vec![bf16("model.x.weight", &[4, 32], &w)]);
+    let out = d.path().join("o.safetensors");
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    assert_eq!(code(&o), 2);
+    let e = stderr(&o);
+    assert!(
+        e.contains("a.safetensors") && e.contains("model.x.weight") && e.contains("NaN"),
+        "{e}"
+    );
+    assert!(
+        !out.exists() && std::fs::read_dir(d.path()).unwrap().count() == 1,
+        "nothing written"
+    );
+
+    // a name the output would write twice
+    let w = weights(&mut r, 4, 32);
+    write(
+        &inp,
+        vec![
+            bf16("y.weight", &[4, 32], &w),
+            f32t("y.weight_scale_2", &[], &[1.0]),
+        ],
+    );
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("y.weight_scale_2"), "{}", stderr(&o));
+
+    // OUT = IN, bad --gs, --gs with mxfp4
+    let dir = d.path().join("dir");
+    std::fs::create_dir(&dir).unwrap();
+    write(
+        &dir.join("model.safetensors"),
+        vec![bf16("z.weight", &[4, 32], &w)],
+    );
+    for args in [
+        vec!["quantize", p(&dir), p(&dir)],
+        vec!["quantize", p(&inp), p(&inp)],
+        vec!["quantize", p(&dir), p(&inp)],
+        vec!["quantize", p(&inp), p(&out), "--gs", "0"],
+        vec!["quantize", p(&inp), p(&out), "--gs", "inf"],
+        vec![
+            "quantize",
+            p(&inp),
+            p(&out),
+            "--gs",
+            "2",
+            "--format",
+            "mxfp4",
+        ],
+    ] {
+        let before = snapshot(d.path());
+        let o = run(&args);
+        assert_eq!(code(&o), 2, "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("panicked"));
+        assert_eq!(snapshot(d.path()), before, "{args:?} wrote something");
+    }
+}
