@@ -567,3 +567,302 @@ fn case_files_hold() {
     }
     assert!(n >= 2, "routing cases missing");
 }
+
+// ---- against a checkpoint: routing recomputed from hidden states / router logits ----
+
+use nvfp4dbg::checkpoint::writer::bf16_bytes;
+use std::sync::OnceLock;
+
+/// A `synth` checkpoint of `preset`, made once per test binary.
+fn synth(preset: &'static str) -> &'static Path {
+    static TINY: OnceLock<tempfile::TempDir> = OnceLock::new();
+    static TINY_V4: OnceLock<tempfile::TempDir> = OnceLock::new();
+    let cell = if preset == "tiny" { &TINY } else { &TINY_V4 };
+    cell.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let out = bin()
+            .args([
+                "synth",
+                "--preset",
+                preset,
+                "--quiet",
+                "--no-report-dir",
+                "--out",
+            ])
+            .arg(dir.path().join("ck"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        dir
+    })
+    .path()
+}
+
+fn randn(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
+    use rand_distr::{Distribution, StandardNormal};
+    (0..n)
+        .map(|_| {
+            let v: f32 = StandardNormal.sample(r);
+            half::bf16::from_f32(v * scale).to_f32()
+        })
+        .collect()
+}
+
+struct Engine {
+    layer: nvfp4dbg::moe::MoeLayer,
+    hidden: Vec<f32>,
+    input_ids: Vec<i64>,
+    routing: nvfp4dbg::moe::Routing,
+}
+
+fn engine(ck: &Path, l: usize, t: usize, r: &mut impl Rng) -> Engine {
+    let layer = nvfp4dbg::checkpoint::load_moe_layer(ck, l).unwrap();
+    let h = layer.config.hidden_size;
+    let hidden = randn(r, t * h, 1.0);
+    let vocab = layer.config.vocab_size.max(1) as i64;
+    let input_ids: Vec<i64> = (0..t).map(|_| r.gen_range(0..vocab)).collect();
+    let routing = nvfp4dbg::moe::route(&layer, &hidden, Some(&input_ids)).unwrap();
+    Engine {
+        layer,
+        hidden,
+        input_ids,
+        routing,
+    }
+}
+
+#[derive(Default)]
+struct Extra<'a> {
+    hidden: Option<(&'a [f32], usize)>,
+    logits: Option<(&'a [f32], usize)>,
+    input_ids: Option<&'a [i64]>,
+}
+
+fn write_full(path: &Path, t: usize, k: usize, ids: &[i64], w: &[f32], x: &Extra) {
+    let mut v = vec![
+        (
+            TensorSpec::new("topk_ids", Dtype::I64, &[t, k]),
+            i64_bytes(ids),
+        ),
+        (
+            TensorSpec::new("topk_weights", Dtype::F32, &[t, k]),
+            f32_bytes(w),
+        ),
+    ];
+    if let Some((h, n)) = x.hidden {
+        v.push((
+            TensorSpec::new("hidden_states", Dtype::BF16, &[t, n]),
+            bf16_bytes(h),
+        ));
+    }
+    if let Some((l, n)) = x.logits {
+        v.push((
+            TensorSpec::new("router_logits", Dtype::F32, &[t, n]),
+            f32_bytes(l),
+        ));
+    }
+    if let Some(ids) = x.input_ids {
+        v.push((
+            TensorSpec::new("input_ids", Dtype::I64, &[t]),
+            i64_bytes(ids),
+        ));
+    }
+    write_file(path, v, None).unwrap();
+}
+
+#[test]
+fn recomputed_routing_from_hidden_states() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let en = engine(&ck, 1, 48, &mut r);
+    let (t, k, h) = (48, en.routing.top_k, en.layer.config.hidden_size);
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck_s,
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+
+    // the engine's routing: agrees
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["summary"]["match_rate"], 1.0);
+    assert_eq!(out.json["agreement"][0]["source"], "hidden_states + gate");
+
+    // weights without routed_scaling_factor (applied to the MoE output, as vLLM does): a note
+    let unscaled: Vec<f32> = en.routing.topk_weights.iter().map(|w| w / 2.5).collect();
+    write_full(&f, t, k, &ids, &unscaled, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(out.json["notes"].to_string().contains("MoE output"));
+
+    // wrong weights: named
+    let wrong: Vec<f32> = en
+        .routing
+        .topk_weights
+        .iter()
+        .map(|w| w * r.gen_range(0.6f32..1.4))
+        .collect();
+    write_full(&f, t, k, &ids, &wrong, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    assert!(
+        kinds(&out.json).contains(&"weight_error".to_string()),
+        "{:?}",
+        kinds(&out.json)
+    );
+
+    // a third of the tokens routed elsewhere: mismatch rate below --min-match
+    let mut moved = ids.clone();
+    for tt in (0..t).step_by(3) {
+        let row = &ids[tt * k..(tt + 1) * k];
+        moved[tt * k] = (0..16).find(|v| !row.contains(v)).unwrap();
+    }
+    write_full(&f, t, k, &moved, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    assert!(kinds(&out.json).contains(&"routing_mismatch".to_string()));
+    let rate = out.json["summary"]["match_rate"].as_f64().unwrap();
+    assert!(
+        (rate - (1.0 - 16.0 / (48.0 * k as f64))).abs() < 1e-9,
+        "{rate}"
+    );
+    // … which a lower bar accepts
+    let out = run(dir.path(), &[&base[..], &["--min-match", "0.9"]].concat());
+    assert_eq!(out.code, 0, "seed {seed}\n{}", out.stdout);
+
+    // rank 1 of 2 subtracted its offset (8) from every id: local ids, named with the transform
+    let local: Vec<i64> = ids.iter().map(|v| v - 8).collect();
+    write_full(&f, t, k, &local, &en.routing.topk_weights, &x);
+    let out = run(
+        dir.path(),
+        &[&base[..], &["--ep-rank", "1", "--ep-size", "2"]].concat(),
+    );
+    assert_eq!(out.code, 1, "seed {seed}");
+    let text = out.json.to_string();
+    assert!(
+        kinds(&out.json).contains(&"local_ids_as_global".to_string()),
+        "{text}"
+    );
+    assert!(
+        text.contains("minus rank offset 8") && text.contains("silently drop"),
+        "{text}"
+    );
+    let dropped = &out.json["agreement"][0]["dropped_by_rank"];
+    assert!(
+        dropped[0].as_u64().unwrap() + dropped[1].as_u64().unwrap() > 0,
+        "{dropped}"
+    );
+}
+
+#[test]
+fn recomputed_routing_from_router_logits() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let en = engine(&ck, 2, 32, &mut r);
+    let (t, k, h, e) = (
+        32,
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts,
+    );
+    let logits: Vec<f32> = (0..t * e)
+        .map(|i| {
+            let (tt, ee) = (i / e, i % e);
+            (0..h)
+                .map(|c| en.hidden[tt * h + c] as f64 * en.layer.router.weight[ee * h + c] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    write_full(
+        &f,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            logits: Some((&logits, e)),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", "2"]);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["agreement"][0]["source"], "router_logits");
+    assert_eq!(out.json["summary"]["match_rate"], 1.0);
+    // the same logits next to hidden states they do not come from: the gate weight is named
+    let other = randn(&mut r, t * h, 1.0);
+    write_full(
+        &f,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            logits: Some((&logits, e)),
+            hidden: Some((&other, h)),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", "2"]);
+    assert_eq!(out.code, 1, "seed {seed}");
+    assert!(
+        kinds(&out.json).contains(&"logits_mismatch".to_string()),
+        "{:?}",
+        kinds(&out.json)
+    );
+}
+
+#[test]
+fn hash_layers_check_tid2eid() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny-v4").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    // layer 0 of tiny-v4 routes by hash
+    let en = engine(&ck, 0, 24, &mut r);
+    let (t, k, h) = (24, en.routing.top_k, en.layer.config.hidden_size);
+    let mut ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let x = Extra {
+        input_ids: Some(&en.input_ids),
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", "0"]);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["agreement"][0]["source"], "tid2eid[input_ids]");
+    // one id that the table does not give
+    let j = r.gen_range(0..t * k);
+    let row: Vec<i64> = ids[j / k * k..j / k * k + k].to_vec();
+    ids[j] = (0..16).find(|v| !row.contains(v)).unwrap();
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", "0"]);
+    assert_eq!(out.code, 1, "seed {seed}");
+    let f0 = out.json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "hash_mismatch")
+        .cloned();
+    assert_eq!(f0.unwrap()["first"]["token"], j / k, "seed {seed}");
+}

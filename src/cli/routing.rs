@@ -290,6 +290,10 @@ fn recompute(
             )),
             _ => {}
         }
+        if d.input_ids.is_none() || router.tid2eid.is_none() {
+            // the router cannot run a hash layer without both
+            return Ok(agreements);
+        }
     }
 
     let backend = || args.device.open(args.out_args.quiet);
@@ -343,7 +347,14 @@ fn recompute(
     } else if let Some(lg) = &d.router_logits {
         if !hash_checked {
             check_logits_shape(d, lg, config)?;
-            let routing = route_from_logits(&*backend()?, layer_idx, config, &router, lg)?;
+            let routing = route_from_logits(
+                &*backend()?,
+                layer_idx,
+                config,
+                &router,
+                lg,
+                d.input_ids.as_deref(),
+            )?;
             let (o, ag) = check::compare_with_reference(
                 ids,
                 &routing,
@@ -393,31 +404,38 @@ fn router_layer(index: usize, config: MoeConfig, router: Router) -> MoeLayer {
 
 /// Route from logits through the backend's router: the logits become the "hidden states" of
 /// a router whose gate is the identity, so `h · Iᵀ` returns them exactly (one non-zero
-/// product per sum) and scoring, bias, grouping and top-k are the backend's own.
+/// product per sum) and scoring, bias, grouping, hashing and top-k are the backend's own.
+/// The width is padded with zeros to the 16 a hidden size must be a multiple of.
 fn route_from_logits(
     backend: &dyn crate::backend::Backend,
     index: usize,
     config: &MoeConfig,
     router: &Router,
     logits: &Matrix<f32>,
+    input_ids: Option<&[i64]>,
 ) -> Result<Routing> {
     let e = config.n_routed_experts;
-    let mut eye = vec![0f32; e * e];
+    let w = e.div_ceil(16) * 16;
+    let mut eye = vec![0f32; e * w];
     for i in 0..e {
-        eye[i * e + i] = 1.0;
+        eye[i * w + i] = 1.0;
+    }
+    let mut padded = vec![0f32; logits.rows * w];
+    for (dst, src) in padded.chunks_mut(w).zip(logits.data.chunks(e)) {
+        dst[..e].copy_from_slice(src);
     }
     let mut cfg = config.clone();
-    cfg.hidden_size = e;
+    cfg.hidden_size = w;
     let layer = router_layer(
         index,
         cfg,
         Router {
             weight: eye,
             e_score_correction_bias: router.e_score_correction_bias.clone(),
-            tid2eid: None,
+            tid2eid: router.tid2eid.clone(),
         },
     );
-    backend.route(&layer, &logits.data, None)
+    backend.route(&layer, &padded, input_ids)
 }
 
 /// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
