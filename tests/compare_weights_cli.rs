@@ -71,7 +71,11 @@ impl Model {
             experts,
             gate: randn(r, e * h, 0.1),
             bias: (0..e).map(|_| r.gen_range(-0.1f32..0.1)).collect(),
-            shared: [randn(r, i * h, 0.05), randn(r, i * h, 0.05), randn(r, h * i, 0.05)],
+            shared: [
+                randn(r, i * h, 0.05),
+                randn(r, i * h, 0.05),
+                randn(r, h * i, 0.05),
+            ],
             norm: randn(r, h, 1.0),
             embed: randn(r, vocab * h, 1.0),
             vocab,
@@ -98,7 +102,11 @@ impl Model {
             "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
         });
         std::fs::create_dir_all(dir).unwrap();
-        std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&c).unwrap()).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&c).unwrap(),
+        )
+        .unwrap();
     }
 
     /// Tensors every layout shares (router, shared expert, norm, embedding), under `p`.
@@ -106,18 +114,30 @@ impl Model {
         let (h, i, e) = (self.h, self.i, self.experts.len());
         let mut v = vec![
             (
-                TensorSpec::new(format!("{p}embed_tokens.weight"), Dtype::BF16, &[self.vocab, h]),
+                TensorSpec::new(
+                    format!("{p}embed_tokens.weight"),
+                    Dtype::BF16,
+                    &[self.vocab, h],
+                ),
                 bf16_bytes(&self.embed),
             ),
             (
-                TensorSpec::new(format!("{p}layers.{LAYER}.{mlp}.gate.weight"), Dtype::BF16, &[e, h]),
+                TensorSpec::new(
+                    format!("{p}layers.{LAYER}.{mlp}.gate.weight"),
+                    Dtype::BF16,
+                    &[e, h],
+                ),
                 bf16_bytes(&self.gate),
             ),
             (
                 TensorSpec::new(
                     format!(
                         "{p}layers.{LAYER}.{mlp}.gate.{}",
-                        if mlp == "ffn" { "bias" } else { "e_score_correction_bias" }
+                        if mlp == "ffn" {
+                            "bias"
+                        } else {
+                            "e_score_correction_bias"
+                        }
                     ),
                     Dtype::F32,
                     &[e],
@@ -125,11 +145,19 @@ impl Model {
                 f32_bytes(&self.bias),
             ),
         ];
-        let names = if mlp == "ffn" { ["w1", "w3", "w2"] } else { ["gate_proj", "up_proj", "down_proj"] };
+        let names = if mlp == "ffn" {
+            ["w1", "w3", "w2"]
+        } else {
+            ["gate_proj", "up_proj", "down_proj"]
+        };
         for (k, n) in names.iter().enumerate() {
             let shape = if k == 2 { [h, i] } else { [i, h] };
             v.push((
-                TensorSpec::new(format!("{p}layers.{LAYER}.{mlp}.shared_experts.{n}.weight"), Dtype::BF16, &shape),
+                TensorSpec::new(
+                    format!("{p}layers.{LAYER}.{mlp}.shared_experts.{n}.weight"),
+                    Dtype::BF16,
+                    &shape,
+                ),
                 bf16_bytes(&self.shared[k]),
             ));
         }
@@ -138,7 +166,10 @@ impl Model {
         } else {
             format!("{p}layers.{LAYER}.post_attention_layernorm.weight")
         };
-        v.push((TensorSpec::new(norm, Dtype::BF16, &[h]), bf16_bytes(&self.norm)));
+        v.push((
+            TensorSpec::new(norm, Dtype::BF16, &[h]),
+            bf16_bytes(&self.norm),
+        ));
         v
     }
 
@@ -147,8 +178,17 @@ impl Model {
         self.config(dir);
         let mut v = self.common("model.", "mlp");
         for (e, x) in self.experts.iter().enumerate() {
-            for (n, t, ins) in [("gate_proj", &x.w1, x.in1), ("up_proj", &x.w3, x.in3), ("down_proj", &x.w2, x.in2)] {
-                triple(&mut v, &format!("model.layers.{LAYER}.mlp.experts.{e}.{n}"), t, ins);
+            for (n, t, ins) in [
+                ("gate_proj", &x.w1, x.in1),
+                ("up_proj", &x.w3, x.in3),
+                ("down_proj", &x.w2, x.in2),
+            ] {
+                triple(
+                    &mut v,
+                    &format!("model.layers.{LAYER}.mlp.experts.{e}.{n}"),
+                    t,
+                    ins,
+                );
             }
         }
         write_file(&dir.join("model.safetensors"), v, None).unwrap();
@@ -156,13 +196,26 @@ impl Model {
 }
 
 fn triple(v: &mut Vec<(TensorSpec, Vec<u8>)>, base: &str, t: &Fp4Tensor, input_scale: f32) {
-    v.push((TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[t.rows, t.cols / 2]), t.packed.clone()));
     v.push((
-        TensorSpec::new(format!("{base}.weight_scale"), Dtype::F8_E4M3, &[t.rows, t.cols / 16]),
+        TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[t.rows, t.cols / 2]),
+        t.packed.clone(),
+    ));
+    v.push((
+        TensorSpec::new(
+            format!("{base}.weight_scale"),
+            Dtype::F8_E4M3,
+            &[t.rows, t.cols / 16],
+        ),
         t.scales.clone(),
     ));
-    v.push((TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]), f32_bytes(&[t.scale_2])));
-    v.push((TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]), f32_bytes(&[input_scale])));
+    v.push((
+        TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+        f32_bytes(&[t.scale_2]),
+    ));
+    v.push((
+        TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+        f32_bytes(&[input_scale]),
+    ));
 }
 
 /// Rows `[r0, r0+n)` of a quantized tensor.
@@ -185,7 +238,12 @@ fn cols_of(t: &Fp4Tensor, c0: usize, n: usize) -> Fp4Tensor {
         packed.extend_from_slice(&t.packed[r * pb + c0 / 2..r * pb + (c0 + n) / 2]);
         scales.extend_from_slice(&t.scales[r * kb + c0 / 16..r * kb + (c0 + n) / 16]);
     }
-    Fp4Tensor { cols: n, packed, scales, ..t.clone() }
+    Fp4Tensor {
+        cols: n,
+        packed,
+        scales,
+        ..t.clone()
+    }
 }
 
 fn dense_rows(v: &[f32], cols: usize, r0: usize, n: usize) -> Vec<f32> {
@@ -193,7 +251,9 @@ fn dense_rows(v: &[f32], cols: usize, r0: usize, n: usize) -> Vec<f32> {
 }
 
 fn dense_cols(v: &[f32], cols: usize, c0: usize, n: usize) -> Vec<f32> {
-    v.chunks(cols).flat_map(|row| row[c0..c0 + n].to_vec()).collect()
+    v.chunks(cols)
+        .flat_map(|row| row[c0..c0 + n].to_vec())
+        .collect()
 }
 
 #[derive(Default, Clone)]
@@ -223,7 +283,10 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     let (h, i) = (m.h, m.i);
     let (tr, tn) = f.tp.unwrap_or((0, 1));
     let ip = i / tn;
-    let mut experts: Vec<usize> = f.order.clone().unwrap_or_else(|| (0..m.experts.len()).collect());
+    let mut experts: Vec<usize> = f
+        .order
+        .clone()
+        .unwrap_or_else(|| (0..m.experts.len()).collect());
     if let Some((r, n)) = f.ep {
         let per = m.experts.len() / n;
         experts = experts[r * per..(r + 1) * per].to_vec();
@@ -259,26 +322,63 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
         s2.extend(sc);
-        g2.push(if f.flip_w2_scale_2 { 1.0 / d.scale_2 } else { d.scale_2 });
+        g2.push(if f.flip_w2_scale_2 {
+            1.0 / d.scale_2
+        } else {
+            d.scale_2
+        });
         i2.push(ex.in2);
         let _ = slot;
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
-    let s13_shape: Vec<usize> = if f.swizzle { vec![e, 128, 4] } else { vec![e, 2 * ip, h / 16] };
-    let s2_shape: Vec<usize> = if f.swizzle { vec![e, 128, 4] } else { vec![e, h, ip / 16] };
-    let g13_shape: Vec<usize> = if f.gate_only_scale_2 { vec![e] } else { vec![e, 2] };
+    let s13_shape: Vec<usize> = if f.swizzle {
+        vec![e, 128, 4]
+    } else {
+        vec![e, 2 * ip, h / 16]
+    };
+    let s2_shape: Vec<usize> = if f.swizzle {
+        vec![e, 128, 4]
+    } else {
+        vec![e, h, ip / 16]
+    };
+    let g13_shape: Vec<usize> = if f.gate_only_scale_2 {
+        vec![e]
+    } else {
+        vec![e, 2]
+    };
     let mut v = vec![
-        (TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * ip, h / 2]), w13),
-        (TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &s13_shape), s13),
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * ip, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &s13_shape),
+            s13,
+        ),
         (
             TensorSpec::new(ex("w13_weight_scale_2"), Dtype::F32, &g13_shape),
             f32_bytes(&g13),
         ),
-        (TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]), f32_bytes(&i13)),
-        (TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]), w2),
-        (TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape), s2),
-        (TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]), f32_bytes(&g2)),
-        (TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]), f32_bytes(&i2)),
+        (
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            f32_bytes(&i13),
+        ),
+        (
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]),
+            w2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
+            s2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+            f32_bytes(&g2),
+        ),
+        (
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+            f32_bytes(&i2),
+        ),
     ];
     for (spec, bytes) in m.common(p, "mlp") {
         let (mut spec, mut bytes) = (spec, bytes);
@@ -288,7 +388,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         if let Some((r, n)) = f.tp {
             // the shared expert is column/row parallel; the embedding vocab-parallel
             let sh = &m.shared;
-            if spec.name.ends_with("shared_experts.gate_proj.weight") || spec.name.ends_with("shared_experts.up_proj.weight") {
+            if spec.name.ends_with("shared_experts.gate_proj.weight")
+                || spec.name.ends_with("shared_experts.up_proj.weight")
+            {
                 let k = usize::from(spec.name.contains("up_proj"));
                 bytes = bf16_bytes(&dense_rows(&sh[k], h, r * ip, ip));
                 spec.shape = vec![ip, h];
@@ -304,7 +406,10 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         v.push((spec, bytes));
     }
     if f.drop_and_add {
-        v.push((TensorSpec::new(ex("w13_bias"), Dtype::F32, &[e, 2 * ip]), f32_bytes(&vec![0.5; e * 2 * ip])));
+        v.push((
+            TensorSpec::new(ex("w13_bias"), Dtype::F32, &[e, 2 * ip]),
+            f32_bytes(&vec![0.5; e * 2 * ip]),
+        ));
     }
     write_file(path, v, None).unwrap();
 }
@@ -313,8 +418,17 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
 fn write_native(m: &Model, path: &Path) {
     let mut v = m.common("", "ffn");
     for (e, x) in m.experts.iter().enumerate() {
-        for (n, t, ins) in [("w1", &x.w1, x.in1), ("w3", &x.w3, x.in3), ("w2", &x.w2, x.in2)] {
-            triple(&mut v, &format!("layers.{LAYER}.ffn.experts.{e}.{n}"), t, ins);
+        for (n, t, ins) in [
+            ("w1", &x.w1, x.in1),
+            ("w3", &x.w3, x.in3),
+            ("w2", &x.w2, x.in2),
+        ] {
+            triple(
+                &mut v,
+                &format!("layers.{LAYER}.ffn.experts.{e}.{n}"),
+                t,
+                ins,
+            );
         }
     }
     write_file(path, v, None).unwrap();
@@ -370,18 +484,32 @@ fn fixture(experts: usize) -> Fixture {
     let model = Model::new(&mut r, experts);
     let ckpt = root.join("ckpt");
     model.write_hf(&ckpt);
-    Fixture { _dir: dir, root, ckpt, model, seed }
+    Fixture {
+        _dir: dir,
+        root,
+        ckpt,
+        model,
+        seed,
+    }
 }
 
 fn diag_kinds(j: &Value) -> Vec<String> {
     j["diagnoses"]
         .as_array()
-        .map(|a| a.iter().filter_map(|d| d["kind"].as_str().map(String::from)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| d["kind"].as_str().map(String::from))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
 fn check(out: &Run, code: i32, seed: u64) {
-    assert_eq!(out.code, code, "seed {seed}\nstdout:\n{}\nstderr:\n{}", out.stdout, out.stderr);
+    assert_eq!(
+        out.code, code,
+        "seed {seed}\nstdout:\n{}\nstderr:\n{}",
+        out.stdout, out.stderr
+    );
 }
 
 #[test]
@@ -401,7 +529,10 @@ fn identical_pair_and_clean_fused_dump_pass() {
     let units = out.json["summary"]["units"].as_u64().unwrap();
     assert_eq!(units, 12 + 7, "{}", out.stdout);
     assert_eq!(out.json["summary"]["equal"].as_u64().unwrap(), units);
-    assert!(out.json["summary"]["b_naming"].as_str().unwrap().contains("vllm-fused"));
+    assert!(out.json["summary"]["b_naming"]
+        .as_str()
+        .unwrap()
+        .contains("vllm-fused"));
     // vLLM keeps max(w1, w3) input scales: a note, not a mismatch
     assert_eq!(out.json["missing"].as_array().unwrap().len(), 0);
 }
@@ -413,10 +544,20 @@ fn native_v4_names_and_prefixes_pair_up() {
     write_native(&fx.model, &native);
     let out = run(&fx.root, &[s(&fx.ckpt), s(&native)]);
     check(&out, 0, fx.seed);
-    assert!(out.json["summary"]["b_naming"].as_str().unwrap().contains("native-v4"));
+    assert!(out.json["summary"]["b_naming"]
+        .as_str()
+        .unwrap()
+        .contains("native-v4"));
     // an extra wrapper prefix on the engine side is found by itself
     let dump = fx.root.join("wrapped.safetensors");
-    write_fused(&fx.model, &dump, &Faults { prefix: Some("language_model.model."), ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            prefix: Some("language_model.model."),
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 0, fx.seed);
 }
@@ -427,27 +568,56 @@ fn gate_up_swapped_in_one_expert_is_named() {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 1);
     let bad = r.gen_range(0..4);
     let dump = fx.root.join("swap.safetensors");
-    write_fused(&fx.model, &dump, &Faults { swap: vec![bad], ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![bad],
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
-    let swap = d.iter().find(|d| d["kind"] == "gate_up_swapped").unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let swap = d
+        .iter()
+        .find(|d| d["kind"] == "gate_up_swapped")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
     assert_eq!(swap["experts"], serde_json::json!([bad]));
     assert_eq!(swap["layer"], LAYER);
-    let names: Vec<&str> = out.json["mismatches"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names.len(), 2, "{names:?}");
-    assert!(names.iter().all(|n| n.contains(&format!("experts.{bad}."))), "{names:?}");
+    assert!(
+        names.iter().all(|n| n.contains(&format!("experts.{bad}."))),
+        "{names:?}"
+    );
 }
 
 #[test]
 fn w13_order_reversed_for_all_experts_is_named() {
     let fx = fixture(4);
     let dump = fx.root.join("rev.safetensors");
-    write_fused(&fx.model, &dump, &Faults { swap: (0..4).collect(), ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: (0..4).collect(),
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     let kinds = diag_kinds(&out.json);
-    assert!(kinds.contains(&"w13_order_reversed".to_string()), "seed {}: {kinds:?}", fx.seed);
+    assert!(
+        kinds.contains(&"w13_order_reversed".to_string()),
+        "seed {}: {kinds:?}",
+        fx.seed
+    );
     assert!(!kinds.contains(&"gate_up_swapped".to_string()));
     assert_eq!(out.json["mismatches"].as_array().unwrap().len(), 8);
 }
@@ -456,7 +626,14 @@ fn w13_order_reversed_for_all_experts_is_named() {
 fn swizzled_scales_are_detected_and_compared_correctly() {
     let fx = fixture(3);
     let dump = fx.root.join("swz.safetensors");
-    write_fused(&fx.model, &dump, &Faults { swizzle: true, ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 0, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
@@ -465,7 +642,15 @@ fn swizzled_scales_are_detected_and_compared_correctly() {
     assert_eq!(sw["tensors"], 9);
     // a fault behind the swizzle is still seen
     let dump2 = fx.root.join("swz-swap.safetensors");
-    write_fused(&fx.model, &dump2, &Faults { swizzle: true, swap: vec![2], ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump2,
+        &Faults {
+            swizzle: true,
+            swap: vec![2],
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump2)]);
     check(&out, 1, fx.seed);
     assert!(diag_kinds(&out.json).contains(&"gate_up_swapped".to_string()));
@@ -475,38 +660,75 @@ fn swizzled_scales_are_detected_and_compared_correctly() {
 fn scale_2_flipped_and_gate_only_scale_2_are_named() {
     let fx = fixture(3);
     let dump = fx.root.join("flip.safetensors");
-    write_fused(&fx.model, &dump, &Faults { flip_w2_scale_2: true, ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            flip_w2_scale_2: true,
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
-    let f = d.iter().find(|d| d["kind"] == "scale_2_flipped").unwrap_or_else(|| panic!("{d:?}"));
+    let f = d
+        .iter()
+        .find(|d| d["kind"] == "scale_2_flipped")
+        .unwrap_or_else(|| panic!("{d:?}"));
     assert_eq!(f["tensors"], 3);
     let mm = out.json["mismatches"].as_array().unwrap();
     assert_eq!(mm.len(), 3);
-    assert!(mm.iter().all(|m| m["name"].as_str().unwrap().ends_with("down_proj.weight")));
+    assert!(mm
+        .iter()
+        .all(|m| m["name"].as_str().unwrap().ends_with("down_proj.weight")));
 
     let dump = fx.root.join("gate-only.safetensors");
-    write_fused(&fx.model, &dump, &Faults { gate_only_scale_2: true, ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            gate_only_scale_2: true,
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
-    let g = d.iter().find(|d| d["kind"] == "scale_2_gate_only").unwrap_or_else(|| panic!("{d:?}"));
+    let g = d
+        .iter()
+        .find(|d| d["kind"] == "scale_2_gate_only")
+        .unwrap_or_else(|| panic!("{d:?}"));
     assert_eq!(g["experts"], serde_json::json!([0, 1, 2]));
-    assert!(out.json.to_string().contains("vLLM keeps only w1's weight_scale_2"));
+    assert!(out
+        .json
+        .to_string()
+        .contains("vLLM keeps only w1's weight_scale_2"));
 }
 
 #[test]
 fn missing_and_extra_tensors_are_listed() {
     let fx = fixture(2);
     let dump = fx.root.join("me.safetensors");
-    write_fused(&fx.model, &dump, &Faults { drop_and_add: true, ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            drop_and_add: true,
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     assert_eq!(
         out.json["missing"],
-        serde_json::json!([format!("model.layers.{LAYER}.mlp.shared_experts.down_proj.weight")])
+        serde_json::json!([format!(
+            "model.layers.{LAYER}.mlp.shared_experts.down_proj.weight"
+        )])
     );
-    assert_eq!(out.json["extra"], serde_json::json!([format!("model.layers.{LAYER}.mlp.experts.w13_bias")]));
+    assert_eq!(
+        out.json["extra"],
+        serde_json::json!([format!("model.layers.{LAYER}.mlp.experts.w13_bias")])
+    );
     assert_eq!(out.json["summary"]["mismatched"], 0);
 }
 
@@ -514,11 +736,21 @@ fn missing_and_extra_tensors_are_listed() {
 fn expert_permutation_is_named() {
     let fx = fixture(4);
     let dump = fx.root.join("perm.safetensors");
-    write_fused(&fx.model, &dump, &Faults { order: Some(vec![1, 0, 2, 3]), ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![1, 0, 2, 3]),
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
-    let p = d.iter().find(|d| d["kind"] == "expert_permutation").unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
     assert_eq!(p["experts"], serde_json::json!([0, 1]));
     assert!(p["message"].as_str().unwrap().contains("0←1"));
 }
@@ -529,14 +761,27 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 2);
     let tr = r.gen_range(0..2);
     let dump = fx.root.join("tp.safetensors");
-    write_fused(&fx.model, &dump, &Faults { tp: Some((tr, 2)), ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            tp: Some((tr, 2)),
+            ..Default::default()
+        },
+    );
     let trs = tr.to_string();
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump), "--tp-rank", &trs, "--tp-size", "2"]);
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--tp-rank", &trs, "--tp-size", "2"],
+    );
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["equal"], out.json["summary"]["units"]);
     // the other rank's slice does not match
     let other = (1 - tr).to_string();
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump), "--tp-rank", &other, "--tp-size", "2"]);
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--tp-rank", &other, "--tp-size", "2"],
+    );
     check(&out, 1, fx.seed);
     // without --tp-size the shapes are named as a likely shard
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
@@ -545,16 +790,33 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
 
     let er = r.gen_range(0..2);
     let dump = fx.root.join("ep.safetensors");
-    write_fused(&fx.model, &dump, &Faults { ep: Some((er, 2)), ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            ..Default::default()
+        },
+    );
     let ers = er.to_string();
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump), "--ep-rank", &ers, "--ep-size", "2"]);
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", &ers, "--ep-size", "2"],
+    );
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["skipped_ep"], 6);
     let other = (1 - er).to_string();
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump), "--ep-rank", &other, "--ep-size", "2"]);
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", &other, "--ep-size", "2"],
+    );
     check(&out, 1, fx.seed);
     // rank `er`'s experts under the other rank's names: a permutation by the rank offset
-    assert!(diag_kinds(&out.json).contains(&"expert_permutation".to_string()), "{}", out.stdout);
+    assert!(
+        diag_kinds(&out.json).contains(&"expert_permutation".to_string()),
+        "{}",
+        out.stdout
+    );
 }
 
 #[test]
@@ -564,7 +826,11 @@ fn rename_rules_and_bad_input() {
     let odd = fx.root.join("odd.safetensors");
     let mut v = vec![];
     for (e, x) in fx.model.experts.iter().enumerate() {
-        for (n, t, ins) in [("gate", &x.w1, x.in1), ("up", &x.w3, x.in3), ("down", &x.w2, x.in2)] {
+        for (n, t, ins) in [
+            ("gate", &x.w1, x.in1),
+            ("up", &x.w3, x.in3),
+            ("down", &x.w2, x.in2),
+        ] {
             triple(&mut v, &format!("blk{LAYER}.moe.e{e}.{n}"), t, ins);
         }
     }
@@ -590,7 +856,11 @@ side = "b"
     std::fs::write(&rules, "[[rule]]\npattern = '(unclosed'\nreplace = 'x'\n").unwrap();
     let out = run(&fx.root, &[s(&fx.ckpt), s(&odd), "--map", s(&rules)]);
     check(&out, 2, fx.seed);
-    assert!(out.stderr.contains("rules.toml") && out.stderr.contains("rule 1"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("rules.toml") && out.stderr.contains("rule 1"),
+        "{}",
+        out.stderr
+    );
     // other bad input
     for args in [
         vec![s(&fx.ckpt), "nope.safetensors"],
@@ -609,13 +879,132 @@ side = "b"
     assert!(out.stderr.contains("junk.safetensors"), "{}", out.stderr);
 }
 
-
 #[test]
 #[ignore = "prints a report for eyeballing"]
 fn show_swap_report() {
     let fx = fixture(4);
     let dump = fx.root.join("swap.safetensors");
-    write_fused(&fx.model, &dump, &Faults { swap: vec![2], swizzle: true, gate_only_scale_2: true, drop_and_add: true, ..Default::default() });
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![2],
+            swizzle: true,
+            gate_only_scale_2: true,
+            drop_and_add: true,
+            ..Default::default()
+        },
+    );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     println!("{}", out.stdout);
+}
+
+/// The fixtures behind `cases/compare-weights-*.toml`, from a fixed seed. Regenerate with
+/// `cargo test --test compare_weights_cli -- --ignored regenerate_case_data`.
+fn case_fixtures(dir: &Path) {
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0003);
+    let model = Model::new(&mut r, 4);
+    model.write_hf(&dir.join("ckpt"));
+    write_fused(
+        &model,
+        &dir.join("engine-clean.safetensors"),
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
+    write_fused(
+        &model,
+        &dir.join("engine-swapped.safetensors"),
+        &Faults {
+            swap: vec![2],
+            ..Default::default()
+        },
+    );
+    write_fused(
+        &model,
+        &dir.join("engine-gate-only-scale2.safetensors"),
+        &Faults {
+            gate_only_scale_2: true,
+            ..Default::default()
+        },
+    );
+}
+
+const FIXTURES: [&str; 5] = [
+    "ckpt/config.json",
+    "ckpt/model.safetensors",
+    "engine-clean.safetensors",
+    "engine-swapped.safetensors",
+    "engine-gate-only-scale2.safetensors",
+];
+
+#[test]
+#[ignore = "writes cases/data/compare-weights; run by hand after changing the generator"]
+fn regenerate_case_data() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cases/data/compare-weights");
+    std::fs::create_dir_all(&dir).unwrap();
+    case_fixtures(&dir);
+}
+
+/// Each `cases/compare-weights-*.toml` run through the binary as `run` would; the committed
+/// fixtures are what the generator makes, and small.
+#[test]
+fn case_files_hold() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cases = root.join("cases");
+    let data = cases.join("data/compare-weights");
+    let fresh = tempfile::tempdir().unwrap();
+    case_fixtures(fresh.path());
+    let mut total = 0;
+    for f in FIXTURES {
+        let committed = std::fs::read(data.join(f)).unwrap();
+        total += committed.len();
+        assert!(
+            committed == std::fs::read(fresh.path().join(f)).unwrap(),
+            "cases/data/compare-weights/{f} is stale: regenerate it"
+        );
+    }
+    assert!(total < 200_000, "fixtures are {total} bytes");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&cases).unwrap() {
+        let path = entry.unwrap().path();
+        let fname = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !(fname.starts_with("compare-weights-") && fname.ends_with(".toml")) {
+            continue;
+        }
+        n += 1;
+        let case: toml::Value = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(case["command"].as_str(), Some("compare-weights"), "{fname}");
+        let args: Vec<String> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace("${CASE_DIR}", cases.to_str().unwrap())
+            })
+            .collect();
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = run(dir.path(), &argv);
+        let want = match case["expect"].as_str() {
+            Some("pass") => 0,
+            Some("fail") => 1,
+            other => panic!("{fname}: expect = {other:?}"),
+        };
+        assert_eq!(out.code, want, "{fname}\n{}\n{}", out.stdout, out.stderr);
+        let text = out.json.to_string();
+        for m in case
+            .get("expect_mentions")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let m = m.as_str().unwrap();
+            assert!(text.contains(m), "{fname}: report does not mention {m:?}");
+        }
+    }
+    assert!(n >= 2, "compare-weights cases missing");
 }
