@@ -1008,3 +1008,182 @@ fn case_files_hold() {
     }
     assert!(n >= 2, "compare-weights cases missing");
 }
+
+// ---- benchmark material (bench/cpu-compare-weights.md) ----
+
+/// Deterministic bytes, fast in any build: splitmix64 from `seed`.
+fn fill(seed: u64, out: &mut [u8], scales: bool) {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    for c in out.chunks_mut(8) {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let b = z.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+    if scales {
+        // E4M3 block scales: positive, never the NaN code
+        out.iter_mut().for_each(|b| *b = (*b & 0x7F).min(0x7E));
+    }
+}
+
+/// A multi-GB pair with DeepSeek-V3 expert shapes: A an HF checkpoint (one shard per layer,
+/// ModelOpt triples), B a vLLM-style fused dump of the same bytes. Environment:
+/// `NVFP4DBG_BENCH_DIR` (required), `NVFP4DBG_BENCH_LAYERS` (2), `NVFP4DBG_BENCH_EXPERTS` (64),
+/// `NVFP4DBG_BENCH_SWIZZLE` (0), `NVFP4DBG_BENCH_B` (engine.safetensors; A is kept when it
+/// exists). Run with
+/// `cargo test --release --test compare_weights_cli -- --ignored make_bench_pair`.
+#[test]
+#[ignore = "writes gigabytes; benchmark material only"]
+fn make_bench_pair() {
+    use nvfp4dbg::checkpoint::writer::ShardWriter;
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let dir = PathBuf::from(std::env::var("NVFP4DBG_BENCH_DIR").expect("set NVFP4DBG_BENCH_DIR"));
+    let (layers, e) = (
+        env("NVFP4DBG_BENCH_LAYERS", 2),
+        env("NVFP4DBG_BENCH_EXPERTS", 64),
+    );
+    let swizzle = env("NVFP4DBG_BENCH_SWIZZLE", 0) == 1;
+    let (h, i) = (7168usize, 2048usize);
+    let a = dir.join("ckpt");
+    let b_name = std::env::var("NVFP4DBG_BENCH_B").unwrap_or_else(|_| "engine.safetensors".into());
+    let write_a = !a.join("model.safetensors.index.json").exists();
+    std::fs::create_dir_all(&a).unwrap();
+    let config = serde_json::json!({
+        "hidden_size": h, "moe_intermediate_size": i, "n_routed_experts": e,
+        "num_experts_per_tok": 8, "num_hidden_layers": layers + 1, "first_k_dense_replace": 1,
+    });
+    std::fs::write(
+        a.join("config.json"),
+        serde_json::to_vec_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    let seed = |l: usize, x: usize, p: usize, scales: bool| {
+        ((l * 1000 + x) * 8 + p * 2 + usize::from(scales)) as u64
+    };
+    let dims = |p: usize| if p == 2 { (h, i) } else { (i, h) };
+    let names = ["gate_proj", "up_proj", "down_proj"];
+    let s2 = |p: usize| 1e-4f32 * (1.0 + p as f32);
+    let mut weight_map = serde_json::Map::new();
+    for l in (1..=layers).filter(|_| write_a) {
+        let file = format!("model-{l:05}-of-{layers:05}.safetensors");
+        let mut specs = vec![];
+        for x in 0..e {
+            for (p, n) in names.iter().enumerate() {
+                let (rows, cols) = dims(p);
+                let base = format!("model.layers.{l}.mlp.experts.{x}.{n}");
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight"),
+                    Dtype::U8,
+                    &[rows, cols / 2],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[rows, cols / 16],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight_scale_2"),
+                    Dtype::F32,
+                    &[],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.input_scale"),
+                    Dtype::F32,
+                    &[],
+                ));
+            }
+        }
+        for s in &specs {
+            weight_map.insert(s.name.clone(), Value::String(file.clone()));
+        }
+        let mut w = ShardWriter::create(&a.join(&file), specs, None).unwrap();
+        for x in 0..e {
+            for p in 0..3 {
+                let (rows, cols) = dims(p);
+                let mut buf = vec![0u8; rows * cols / 2];
+                fill(seed(l, x, p, false), &mut buf, false);
+                w.write_next(&buf).unwrap();
+                let mut sc = vec![0u8; rows * cols / 16];
+                fill(seed(l, x, p, true), &mut sc, true);
+                w.write_next(&sc).unwrap();
+                w.write_next(&f32_bytes(&[1e-4 * (1.0 + p as f32)]))
+                    .unwrap();
+                w.write_next(&f32_bytes(&[2e-3])).unwrap();
+            }
+        }
+        w.finish().unwrap();
+    }
+    if write_a {
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(
+            a.join("model.safetensors.index.json"),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+    }
+
+    // B: fused, one file
+    let mut specs = vec![];
+    for l in 1..=layers {
+        let ex = |s: &str| format!("model.layers.{l}.mlp.experts.{s}");
+        // the 128x4 swizzle of [2I, H/16] = [4096, 448] has no padding: same shape either way
+        let sc13 = [e, 2 * i, h / 16];
+        specs.extend([
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &sc13),
+            TensorSpec::new(ex("w13_weight_scale_2"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, i / 2]),
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &[e, h, i / 16]),
+            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+        ]);
+    }
+    let mut w = ShardWriter::create(&dir.join(b_name), specs, None).unwrap();
+    for l in 1..=layers {
+        let gen = |x: usize, p: usize, scales: bool| {
+            let (rows, cols) = dims(p);
+            let mut v = vec![0u8; rows * cols / if scales { 16 } else { 2 }];
+            fill(seed(l, x, p, scales), &mut v, scales);
+            v
+        };
+        let mut w13 = Vec::with_capacity(e * 2 * i * h / 2);
+        for x in 0..e {
+            w13.extend(gen(x, 0, false));
+            w13.extend(gen(x, 1, false));
+        }
+        w.write_next(&w13).unwrap();
+        drop(w13);
+        let mut s13 = vec![];
+        for x in 0..e {
+            let mut s: Vec<u8> = gen(x, 0, true);
+            s.extend(gen(x, 1, true));
+            if swizzle {
+                // 2I = 4096 rows and H/16 = 448 blocks fill the 128x4 tiles: same size, permuted
+                s = layout::swizzle(&s, 2 * i, h / 16);
+            }
+            s13.extend(s);
+        }
+        w.write_next(&s13).unwrap();
+        w.write_next(&f32_bytes(
+            &(0..e).flat_map(|_| [s2(0), s2(1)]).collect::<Vec<_>>(),
+        ))
+        .unwrap();
+        w.write_next(&f32_bytes(&vec![2e-3f32; 2 * e])).unwrap();
+        let w2: Vec<u8> = (0..e).flat_map(|x| gen(x, 2, false)).collect();
+        w.write_next(&w2).unwrap();
+        let sc2: Vec<u8> = (0..e).flat_map(|x| gen(x, 2, true)).collect();
+        w.write_next(&sc2).unwrap();
+        w.write_next(&f32_bytes(&vec![s2(2); e])).unwrap();
+        w.write_next(&f32_bytes(&vec![2e-3f32; e])).unwrap();
+    }
+    w.finish().unwrap();
+}

@@ -216,16 +216,42 @@ pub struct RawScales<'a> {
     pub row0: usize,
 }
 
+/// Rows `[row0, row0 + rows)` of a 128x4-swizzled `[.., kb]` scale matrix, in linear layout.
+/// Within a 512-byte tile the 4 scales of one row and k-tile are adjacent, so a row is read
+/// 4 bytes at a time (`nvfp4::layout::swizzle_offset` pins the layout).
+pub fn unswizzle_rows(swizzled: &[u8], kb: usize, row0: usize, rows: usize) -> Vec<u8> {
+    let k_tiles = kb.div_ceil(4);
+    let mut out = vec![0u8; rows * kb];
+    for (i, o) in out.chunks_mut(kb.max(1)).enumerate() {
+        let m = row0 + i;
+        let within = (m % 32) * 16 + ((m / 32) % 4) * 4;
+        let row_tile = m / 128 * k_tiles;
+        for kt in 0..k_tiles {
+            let src = (row_tile + kt) * 512 + within;
+            let n = 4.min(kb - kt * 4);
+            o[kt * 4..kt * 4 + n].copy_from_slice(&swizzled[src..src + n]);
+        }
+    }
+    out
+}
+
 /// Block scales in linear layout `[rows, kb]`.
 #[derive(Clone, Debug)]
 pub struct Scales<'a> {
     pub linear: Cow<'a, [u8]>,
     pub seen: ScalesSeen,
-    /// For an ambiguous size: the swizzled reading, in linear layout.
-    pub alternative: Option<Vec<u8>>,
+    /// For an ambiguous size: where the swizzled reading comes from (computed on demand:
+    /// DeepSeek's shapes are all ambiguous, and unswizzling every tensor would cost more
+    /// than comparing it).
+    ambiguous: Option<(RawScales<'a>, usize, usize)>,
 }
 
 impl<'a> RawScales<'a> {
+    /// Bytes of the unit's `rows` (the region may hold more rows than the unit).
+    pub fn unit_len(&self, rows: usize) -> usize {
+        self.region.len() * rows / self.region_rows.max(1)
+    }
+
     /// Read the unit's `[rows, kb]` scales. Err names the sizes when neither layout fits.
     pub fn resolve(&self, rows: usize, kb: usize) -> Result<Scales<'a>, String> {
         let (rr, r0) = (self.region_rows, self.row0);
@@ -233,22 +259,21 @@ impl<'a> RawScales<'a> {
             return Err(format!("rows {r0}..{} outside the {rr} rows of the scales", r0 + rows));
         }
         let n = self.region.len();
-        let take_rows = |lin: &[u8]| lin[r0 * kb..(r0 + rows) * kb].to_vec();
         match layout::detect_layout(n, rr, kb, Some(self.region)) {
             LayoutGuess::Linear => Ok(Scales {
                 linear: Cow::Borrowed(&self.region[r0 * kb..(r0 + rows) * kb]),
                 seen: ScalesSeen::Linear,
-                alternative: None,
+                ambiguous: None,
             }),
             LayoutGuess::Swizzled => Ok(Scales {
-                linear: Cow::Owned(take_rows(&layout::unswizzle(self.region, rr, kb))),
+                linear: Cow::Owned(unswizzle_rows(self.region, kb, r0, rows)),
                 seen: ScalesSeen::Swizzled,
-                alternative: None,
+                ambiguous: None,
             }),
             LayoutGuess::Ambiguous => Ok(Scales {
                 linear: Cow::Borrowed(&self.region[r0 * kb..(r0 + rows) * kb]),
                 seen: ScalesSeen::Ambiguous,
-                alternative: Some(take_rows(&layout::unswizzle(self.region, rr, kb))),
+                ambiguous: Some((*self, rows, kb)),
             }),
             LayoutGuess::Neither => {
                 let (pr, pk) = layout::swizzled_dims(rr, kb);
@@ -264,11 +289,18 @@ impl<'a> RawScales<'a> {
 }
 
 impl Scales<'_> {
+    /// The swizzled reading of an ambiguous tensor, in linear layout.
+    pub fn alternative(&self) -> Option<Vec<u8>> {
+        let (raw, rows, kb) = self.ambiguous?;
+        Some(unswizzle_rows(raw.region, kb, raw.row0, rows))
+    }
+
     /// Use the swizzled reading of an ambiguous tensor.
     pub fn take_alternative(&mut self) {
-        if let Some(a) = self.alternative.take() {
+        if let Some(a) = self.alternative() {
             self.linear = Cow::Owned(a);
             self.seen = ScalesSeen::Swizzled;
+            self.ambiguous = None;
         }
     }
 }
@@ -412,6 +444,20 @@ mod tests {
         let o = Mat::dense(&other, 3, 20).unwrap();
         assert!(!o.same(&m));
         assert_ne!(o.fingerprint(), m.fingerprint());
+    }
+
+    #[test]
+    fn fast_unswizzle_matches_the_reference_layout() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for _ in 0..20 {
+            let (rows, kb) = (r.gen_range(1..400), r.gen_range(1..30));
+            let lin: Vec<u8> = (0..rows * kb).map(|_| r.gen()).collect();
+            let sw = layout::swizzle(&lin, rows, kb);
+            let r0 = r.gen_range(0..rows);
+            let n = r.gen_range(0..=rows - r0);
+            assert_eq!(unswizzle_rows(&sw, kb, r0, n), lin[r0 * kb..(r0 + n) * kb], "seed {seed} {rows}x{kb}");
+        }
     }
 
     #[test]
