@@ -899,6 +899,133 @@ fn show_swap_report() {
     println!("{}", out.stdout);
 }
 
+#[test]
+fn compressed_tensors_conventions_and_transposes() {
+    let fx = fixture(2);
+    // the checkpoint in compressed-tensors names: gs = 1/weight_scale_2, 1/input_scale
+    let ct = fx.root.join("ct.safetensors");
+    let mut v = fx.model.common("model.", "mlp");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_packed"),
+                    Dtype::U8,
+                    &[t.rows, t.cols / 2],
+                ),
+                t.packed.clone(),
+            ));
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[t.rows, t.cols / 16],
+                ),
+                t.scales.clone(),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.weight_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / t.scale_2]),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / ins]),
+            ));
+        }
+    }
+    write_file(&ct, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&ct)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+
+    // an engine that stores expert 1's down_proj and the shared gate_proj transposed
+    let tr = fx.root.join("transposed.safetensors");
+    let mut v = vec![];
+    for (spec, bytes) in fx.model.common("model.", "mlp") {
+        if spec.name.ends_with("shared_experts.gate_proj.weight") {
+            let (r, c) = (spec.shape[0], spec.shape[1]);
+            let t: Vec<f32> = (0..c)
+                .flat_map(|j| (0..r).map(move |i| (i, j)))
+                .map(|(i, j)| fx.model.shared[0][i * c + j])
+                .collect();
+            v.push((
+                TensorSpec::new(spec.name.clone(), Dtype::BF16, &[c, r]),
+                bf16_bytes(&t),
+            ));
+        } else {
+            v.push((spec, bytes));
+        }
+    }
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            if e == 1 && n == "down_proj" {
+                let (r, c) = (t.rows, t.cols / 2);
+                let bt: Vec<u8> = (0..c)
+                    .flat_map(|j| (0..r).map(move |i| (i, j)))
+                    .map(|(i, j)| t.packed[i * c + j])
+                    .collect();
+                v.push((
+                    TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[c, r]),
+                    bt,
+                ));
+                v.push((
+                    TensorSpec::new(
+                        format!("{base}.weight_scale"),
+                        Dtype::F8_E4M3,
+                        &[t.rows, t.cols / 16],
+                    ),
+                    t.scales.clone(),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+                    f32_bytes(&[t.scale_2]),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+                    f32_bytes(&[ins]),
+                ));
+            } else {
+                triple(&mut v, &base, t, ins);
+            }
+        }
+    }
+    write_file(&tr, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&tr)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t: Vec<&Value> = d.iter().filter(|d| d["kind"] == "transposed").collect();
+    assert_eq!(
+        t.iter()
+            .map(|d| d["tensors"].as_u64().unwrap())
+            .sum::<u64>(),
+        2,
+        "{d:?}"
+    );
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            format!("model.layers.{LAYER}.mlp.experts.1.down_proj.weight"),
+            format!("model.layers.{LAYER}.mlp.shared_experts.gate_proj.weight")
+        ]
+    );
+}
+
 /// The fixtures behind `cases/compare-weights-*.toml`, from a fixed seed. Regenerate with
 /// `cargo test --test compare_weights_cli -- --ignored regenerate_case_data`.
 fn case_fixtures(dir: &Path) {

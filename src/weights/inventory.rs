@@ -175,7 +175,8 @@ impl Inventory {
                         "weight_packed" => "weight",
                         m => m,
                     };
-                    (if w13 { &mut fl.w13 } else { &mut fl.w2 }).insert(m.to_string(), name.to_string());
+                    (if w13 { &mut fl.w13 } else { &mut fl.w2 })
+                        .insert(m.to_string(), name.to_string());
                     consumed.insert(name.to_string());
                 }
             }
@@ -188,15 +189,23 @@ impl Inventory {
                     return Err(Error::bad_tensor(
                         src.file_of(&w),
                         src.original(&w),
-                        format!("fused expert weight of shape {:?}: expected [experts, rows, cols]", info.shape),
+                        format!(
+                            "fused expert weight of shape {:?}: expected [experts, rows, cols]",
+                            info.shape
+                        ),
                     ));
                 }
                 fl.experts = e;
                 fl.global = match ep {
-                    Some(m) => (0..e).map(|i| m.global(i as i64).unwrap_or(usize::MAX)).collect(),
+                    Some(m) => (0..e)
+                        .map(|i| m.global(i as i64).unwrap_or(usize::MAX))
+                        .collect(),
                     None => (0..e).collect(),
                 };
-                for (w13, projs) in [(true, &[Proj::Gate, Proj::Up][..]), (false, &[Proj::Down][..])] {
+                for (w13, projs) in [
+                    (true, &[Proj::Gate, Proj::Up][..]),
+                    (false, &[Proj::Down][..]),
+                ] {
                     if fl.member(w13, "weight").is_none() {
                         continue;
                     }
@@ -205,7 +214,10 @@ impl Inventory {
                         for &proj in projs {
                             let key = if g == usize::MAX {
                                 // an index beyond this rank's experts: keep it visible as extra
-                                format!("{}[{index}]", Naming::hf_v3().fused(fl.layer, w13, "weight"))
+                                format!(
+                                    "{}[{index}]",
+                                    Naming::hf_v3().fused(fl.layer, w13, "weight")
+                                )
                             } else {
                                 expert_key(fl.layer, g, proj)
                             };
@@ -238,7 +250,9 @@ impl Inventory {
             if consumed.contains(&format!("{base}.weight_scale")) {
                 continue;
             }
-            let Some(ln) = find_linear(src, &base)? else { continue };
+            let Some(ln) = find_linear(src, &base)? else {
+                continue;
+            };
             let (key, expert) = canonical(naming.as_ref(), &ln.weight_name_as_weight());
             for m in ln.members() {
                 consumed.insert(m.to_string());

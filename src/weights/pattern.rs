@@ -41,7 +41,10 @@ impl ClassItem {
 enum Node {
     Char(char),
     Any,
-    Class { negated: bool, items: Vec<ClassItem> },
+    Class {
+        negated: bool,
+        items: Vec<ClassItem>,
+    },
     Start,
     End,
     Group(Box<Node>, Option<usize>),
@@ -104,7 +107,11 @@ impl Parser<'_> {
         while self.peek().is_some_and(|c| c.is_ascii_digit()) {
             self.i += 1;
         }
-        self.s[start..self.i].iter().collect::<String>().parse().ok()
+        self.s[start..self.i]
+            .iter()
+            .collect::<String>()
+            .parse()
+            .ok()
     }
     fn quantified(&mut self, atom: Node) -> Result<Node, PatternError> {
         let (min, max) = match self.peek() {
@@ -113,13 +120,18 @@ impl Parser<'_> {
             Some('?') => (0, Some(1)),
             Some('{') => {
                 self.i += 1;
-                let min = self.number().ok_or_else(|| self.err("expected a count after `{`"))?;
+                let min = self
+                    .number()
+                    .ok_or_else(|| self.err("expected a count after `{`"))?;
                 let max = if self.peek() == Some(',') {
                     self.i += 1;
                     if self.peek() == Some('}') {
                         None
                     } else {
-                        Some(self.number().ok_or_else(|| self.err("expected a count after `,`"))?)
+                        Some(
+                            self.number()
+                                .ok_or_else(|| self.err("expected a count after `,`"))?,
+                        )
                     }
                 } else {
                     Some(min)
@@ -297,18 +309,23 @@ impl Matcher<'_> {
             Node::End => pos == self.s.len() && k(self, pos, caps),
             Node::Group(inner, cap) => {
                 let cap = *cap;
-                self.m(inner, pos, caps, &mut |me: &mut Self, end, caps: &mut Caps| {
-                    let Some(g) = cap else {
-                        return k(me, end, caps);
-                    };
-                    let saved = caps[g];
-                    caps[g] = Some((pos, end));
-                    if k(me, end, caps) {
-                        return true;
-                    }
-                    caps[g] = saved;
-                    false
-                })
+                self.m(
+                    inner,
+                    pos,
+                    caps,
+                    &mut |me: &mut Self, end, caps: &mut Caps| {
+                        let Some(g) = cap else {
+                            return k(me, end, caps);
+                        };
+                        let saved = caps[g];
+                        caps[g] = Some((pos, end));
+                        if k(me, end, caps) {
+                            return true;
+                        }
+                        caps[g] = saved;
+                        false
+                    },
+                )
             }
             Node::Alt(branches) => branches.iter().any(|b| self.m(b, pos, caps, k)),
             Node::Concat(items) => self.seq(items, pos, caps, k),
@@ -330,9 +347,12 @@ impl Matcher<'_> {
     ) -> bool {
         match items.split_first() {
             None => k(self, pos, caps),
-            Some((first, rest)) => self.m(first, pos, caps, &mut |me: &mut Self, p, caps: &mut Caps| {
-                me.seq(rest, p, caps, k)
-            }),
+            Some((first, rest)) => self.m(
+                first,
+                pos,
+                caps,
+                &mut |me: &mut Self, p, caps: &mut Caps| me.seq(rest, p, caps, k),
+            ),
         }
     }
 
@@ -411,12 +431,17 @@ impl Pattern {
         for start in from..=s.len() {
             let mut caps: Caps = vec![None; self.groups + 1];
             let mut found: Option<Caps> = None;
-            let ok = m.m(&self.root, start, &mut caps, &mut |_, end, caps: &mut Caps| {
-                let mut c = caps.clone();
-                c[0] = Some((start, end));
-                found = Some(c);
-                true
-            });
+            let ok = m.m(
+                &self.root,
+                start,
+                &mut caps,
+                &mut |_, end, caps: &mut Caps| {
+                    let mut c = caps.clone();
+                    c[0] = Some((start, end));
+                    found = Some(c);
+                    true
+                },
+            );
             if ok {
                 return found;
             }
@@ -494,8 +519,12 @@ impl Replacement {
                 let n: String = c[i + 2..i + end].iter().collect();
                 i += end + 1;
                 Some(n)
-            } else if (ch == '$' || ch == '\\') && c.get(i + 1).is_some_and(|d| d.is_ascii_digit()) {
-                let n: String = c[i + 1..].iter().take_while(|d| d.is_ascii_digit()).collect();
+            } else if (ch == '$' || ch == '\\') && c.get(i + 1).is_some_and(|d| d.is_ascii_digit())
+            {
+                let n: String = c[i + 1..]
+                    .iter()
+                    .take_while(|d| d.is_ascii_digit())
+                    .collect();
                 i += 1 + n.len();
                 Some(n)
             } else {
@@ -504,9 +533,9 @@ impl Replacement {
                 None
             };
             if let Some(n) = group {
-                let g: usize = n
-                    .parse()
-                    .map_err(|_| PatternError(format!("`{n}` is not a group number in the replacement")))?;
+                let g: usize = n.parse().map_err(|_| {
+                    PatternError(format!("`{n}` is not a group number in the replacement"))
+                })?;
                 if g > groups {
                     return Err(PatternError(format!(
                         "the replacement uses group {g}, the pattern has {groups}"
@@ -554,9 +583,18 @@ mod tests {
             ),
             "layers.12.ffn.experts.7.gate.weight_scale"
         );
-        assert_eq!(sub(r"^language_model\.", "", "language_model.model.x"), "model.x");
-        assert_eq!(sub(r"^language_model\.", "", "model.language_model.x"), "model.language_model.x");
-        assert_eq!(sub(r"\.(gate|up)_proj\.", ".\\1.", "a.gate_proj.w.up_proj.b"), "a.gate.w.up.b");
+        assert_eq!(
+            sub(r"^language_model\.", "", "language_model.model.x"),
+            "model.x"
+        );
+        assert_eq!(
+            sub(r"^language_model\.", "", "model.language_model.x"),
+            "model.language_model.x"
+        );
+        assert_eq!(
+            sub(r"\.(gate|up)_proj\.", ".\\1.", "a.gate_proj.w.up_proj.b"),
+            "a.gate.w.up.b"
+        );
         assert_eq!(sub(r"(?:w1|w3)", "X", "w1.w2.w3"), "X.w2.X");
         assert_eq!(sub(r"[^.]+$", "tail", "a.b.c"), "a.b.tail");
         assert_eq!(sub(r"e(\d{2,3})", "<$1>", "e1.e12.e1234"), "e1.<12>.<123>4");
@@ -572,7 +610,9 @@ mod tests {
 
     #[test]
     fn bad_patterns_and_replacements_are_errors() {
-        for p in ["(", ")", "a**", "*a", "[a-", r"\q", "a{3,1}", "(?=x)", "^*", "[z-a]"] {
+        for p in [
+            "(", ")", "a**", "*a", "[a-", r"\q", "a{3,1}", "(?=x)", "^*", "[z-a]",
+        ] {
             assert!(Pattern::new(p).is_err(), "{p}");
         }
         let p = Pattern::new(r"(\d+)").unwrap();

@@ -92,7 +92,9 @@ impl Renames {
             };
             let pattern = Pattern::new(&rr.pattern).map_err(|e| at(format!("bad pattern: {e}")))?;
             if pattern.is_match("") {
-                return Err(at("the pattern matches the empty string: it would rewrite every name".into()));
+                return Err(at(
+                    "the pattern matches the empty string: it would rewrite every name".into(),
+                ));
             }
             let replace = Replacement::new(&rr.replace, pattern.groups())
                 .map_err(|e| at(format!("bad replacement `{}`: {e}", rr.replace)))?;
@@ -146,7 +148,11 @@ impl<'a> Renamed<'a> {
         for n in ckpt.names() {
             let r = renames.apply(n, side);
             if r.is_empty() {
-                return Err(Error::bad_tensor(ckpt.file_of(n), n, "renamed to the empty name"));
+                return Err(Error::bad_tensor(
+                    ckpt.file_of(n),
+                    n,
+                    "renamed to the empty name",
+                ));
             }
             if let Some(prev) = to_original.get(&r) {
                 return Err(Error::bad_tensor(
@@ -168,7 +174,9 @@ impl<'a> Renamed<'a> {
 
     /// The tensor's name in its file.
     pub fn original<'n>(&'n self, renamed: &'n str) -> &'n str {
-        self.to_original.get(renamed).map_or(renamed, |s| s.as_str())
+        self.to_original
+            .get(renamed)
+            .map_or(renamed, |s| s.as_str())
     }
 }
 
@@ -238,7 +246,10 @@ side = "a"
             ("[[rule]]\npattern = 'a'\nreplace = '$3'\n", "group 3"),
             ("[[rule]]\npattern = 'a*'\nreplace = 'x'\n", "empty string"),
             ("[[rule]]\npattern = 'a'\n", "replace"),
-            ("[[rule]]\npattern = 'a'\nreplace = 'b'\nside = 'c'\n", "side"),
+            (
+                "[[rule]]\npattern = 'a'\nreplace = 'b'\nside = 'c'\n",
+                "side",
+            ),
             ("[[rules]]\npattern = 'a'\nreplace = 'b'\n", "rules"),
             ("not toml [", "rules file"),
         ] {
