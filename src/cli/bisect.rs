@@ -1,15 +1,357 @@
-//! `bisect`: not built yet.
+//! `bisect`: where do two runs first diverge? Matches the module calls of a reference trace and
+//! a test trace (k-th call of a path ↔ k-th call of that path), compares every tensor, and names
+//! the first call, in REF's execution order, whose output drops below the cosine threshold.
 
-use super::common::OutArgs;
+use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
-use crate::report::Report;
+use crate::report::{e, f, Report, Section, Verdict};
+use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
+use crate::trace::{Selection, TraceIndex};
+use serde_json::{json, Value};
+use std::path::PathBuf;
+
+/// Rows of the terminal table beyond which the middle is elided (the JSON has every call).
+const TABLE_MAX: usize = 400;
+const TABLE_EDGE: usize = 40;
+const JSON_MAX: usize = 20_000;
+const JSON_EDGE: usize = 2_000;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Reference trace directory (e.g. the BF16 run, or eager mode)
+    #[arg(value_name = "REF")]
+    pub reference: PathBuf,
+    /// Test trace directory (e.g. the NVFP4 run, or CUDA graphs)
+    #[arg(value_name = "TEST")]
+    pub test: PathBuf,
+    /// Cosine below which a module's output counts as diverged. 0.99 sits between healthy
+    /// NVFP4 noise (one NVFP4 GEMM against BF16 scores about 0.995; the residual stream scores
+    /// higher) and real faults (wrong scale layout, wrong global scale, bad weights: far below
+    /// 0.9, or NaN). Comparing two runs of the same precision (eager vs CUDA graphs, TP=1 vs
+    /// TP=8), raise it to 0.9999.
+    #[arg(long, value_name = "C", default_value_t = 0.99)]
+    pub min_cosine: f64,
+    /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)
+    #[arg(long, value_name = "R")]
+    pub rank: Option<u64>,
+    /// Compare only this step (default: all steps in order)
+    #[arg(long, value_name = "S")]
+    pub step: Option<u64>,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`bisect` is not built yet"))
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map(|x| f(x, digits)).unwrap_or_else(|| "-".into())
+}
+
+fn status(c: &CallSummary, first: bool) -> String {
+    match (c.outputs_match, first, c.inputs_match) {
+        (true, _, _) => "ok".into(),
+        (false, true, Some(false)) => "FIRST DIVERGENCE (inputs differ)".into(),
+        (false, true, _) => "FIRST DIVERGENCE".into(),
+        (false, false, _) => "diverged".into(),
+    }
+}
+
+fn row(c: &CallSummary, first: bool) -> Vec<String> {
+    let out = c.output.as_ref();
+    let inp = c.worst_input.as_ref();
+    vec![
+        format!("{:06}", c.counter_ref),
+        c.module.clone(),
+        c.call.to_string(),
+        out.map(|t| t.tensor.clone()).unwrap_or_else(|| "-".into()),
+        opt(out.and_then(|t| t.cosine), 6),
+        out.and_then(|t| t.rel_l2)
+            .map(e)
+            .unwrap_or_else(|| "-".into()),
+        out.and_then(|t| t.max_abs_err)
+            .map(e)
+            .unwrap_or_else(|| "-".into()),
+        out.map(|t| {
+            format!(
+                "{}/{}",
+                t.nan_count + t.inf_count,
+                t.ref_nan_count + t.ref_inf_count
+            )
+        })
+        .unwrap_or_default(),
+        inp.map(|t| opt(t.cosine, 6)).unwrap_or_else(|| "-".into()),
+        status(c, first),
+    ]
+}
+
+fn tensor_json(t: &TensorDiff) -> Value {
+    serde_json::to_value(t).unwrap_or(Value::Null)
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    if !(args.min_cosine.is_finite() && (-1.0..=1.0).contains(&args.min_cosine)) {
+        return Err(Error::usage(format!(
+            "--min-cosine {}: a cosine lies in [-1, 1]",
+            args.min_cosine
+        )));
+    }
+    let sel = Selection {
+        rank: args.rank,
+        step: args.step,
+    };
+    let reference = TraceIndex::open(&args.reference, sel)?;
+    let test = TraceIndex::open(&args.test, sel)?;
+    let pb = progress(
+        reference.entries.len() as u64,
+        "bisect",
+        args.out_args.quiet,
+    );
+    let r = bisect(&reference, &test, args.min_cosine, &mut || pb.inc(1))?;
+    pb.finish_and_clear();
+    Ok(report(args, &reference, &test, &r))
+}
+
+fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResult) -> Report {
+    let diverged = r.calls.iter().filter(|c| !c.outputs_match).count();
+    let summary = json!({
+        "reference": reference.dir,
+        "test": test.dir,
+        "rank": reference.selection.rank.unwrap_or(0),
+        "step": reference.selection.step,
+        "min_cosine": args.min_cosine,
+        "calls_ref": reference.entries.len(),
+        "calls_test": test.entries.len(),
+        "calls_compared": r.calls.len(),
+        "calls_diverged": diverged,
+        "only_in_ref": r.only_in_ref.len(),
+        "only_in_test": r.only_in_test.len(),
+        "skipped_ref": reference.skipped.len(),
+        "skipped_test": test.skipped.len(),
+    });
+    let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; {} calls only in REF, {} only in TEST",
+            r.only_in_ref.len(),
+            r.only_in_test.len()
+        )
+    };
+    let first = r.first_divergence.as_ref().map(|(_, d)| d);
+    let (verdict, headline) = match first {
+        _ if r.calls.is_empty() => (
+            Verdict::Fail,
+            format!(
+                "no module call is in both traces ({} in REF, {} in TEST): different module paths?",
+                reference.entries.len(),
+                test.entries.len()
+            ),
+        ),
+        None => (
+            Verdict::Pass,
+            format!(
+                "all {} matched module calls agree (every output cosine ≥ {}){lone_note}",
+                r.calls.len(),
+                args.min_cosine
+            ),
+        ),
+        Some(c) => {
+            let out = c.key_output();
+            let what = out
+                .and_then(|t| t.problem.clone())
+                .unwrap_or_else(|| "no output to compare".into());
+            let cause = match c.inputs_match {
+                Some(false) => {
+                    "its inputs already differed: the cause is upstream, between recorded modules"
+                }
+                Some(true) => "its inputs matched: this module introduced it",
+                None => "no inputs recorded",
+            };
+            (
+                Verdict::Fail,
+                format!(
+                    "first divergence at `{}` (call {}, counter {:06}) {}: {what}; {cause}{lone_note}",
+                    c.module,
+                    c.call,
+                    c.counter_ref,
+                    out.map(|t| t.tensor.as_str()).unwrap_or("output"),
+                ),
+            )
+        }
+    };
+    let mut rep = Report::new("bisect", verdict, headline).summary(summary);
+    let first_json = first.map(|c| {
+        let out = c.key_output();
+        json!({
+            "module": c.module,
+            "call": c.call,
+            "counter_ref": c.counter_ref,
+            "counter_test": c.counter_test,
+            "file_ref": c.file_ref,
+            "file_test": c.file_test,
+            "tensor": out.map(|t| t.tensor.clone()),
+            "cosine": out.and_then(|t| t.cosine),
+            "rel_l2": out.and_then(|t| t.rel_l2),
+            "max_abs_err": out.and_then(|t| t.max_abs_err),
+            "nan_count": out.map(|t| t.nan_count),
+            "inf_count": out.map(|t| t.inf_count),
+            "ref_nan_count": out.map(|t| t.ref_nan_count),
+            "ref_inf_count": out.map(|t| t.ref_inf_count),
+            "problem": out.and_then(|t| t.problem.clone()),
+            "inputs_diverged": c.inputs_match.map(|m| !m),
+            "cause": match c.inputs_match {
+                Some(false) => "upstream",
+                Some(true) => "this module",
+                None => "unknown",
+            },
+            "tensors": c.tensors.iter().map(tensor_json).collect::<Vec<_>>(),
+        })
+    });
+    rep = rep.with("first_divergence", first_json);
+
+    if let Some(c) = first {
+        let mut s = Section::new(
+            format!("First divergence: {} (call {})", c.module, c.call),
+            &[
+                "tensor",
+                "shape REF",
+                "shape TEST",
+                "cosine",
+                "rel_l2",
+                "max_abs_err",
+                "NaN/Inf TEST",
+                "NaN/Inf REF",
+                "problem",
+            ],
+        );
+        for t in &c.tensors {
+            s.row(vec![
+                t.tensor.clone(),
+                format!("{:?} {}", t.shape_ref, t.dtype_ref),
+                format!("{:?} {}", t.shape_test, t.dtype_test),
+                opt(t.cosine, 6),
+                t.rel_l2.map(e).unwrap_or_else(|| "-".into()),
+                t.max_abs_err.map(e).unwrap_or_else(|| "-".into()),
+                format!("{}/{}", t.nan_count, t.inf_count),
+                format!("{}/{}", t.ref_nan_count, t.ref_inf_count),
+                t.problem
+                    .clone()
+                    .or_else(|| t.note.clone())
+                    .unwrap_or_default(),
+            ]);
+        }
+        rep = rep.section(s);
+    }
+
+    let mut table = Section::new(
+        "Module calls (REF execution order)",
+        &[
+            "counter",
+            "module",
+            "call",
+            "tensor",
+            "cosine",
+            "rel_l2",
+            "max_abs_err",
+            "NaN+Inf test/ref",
+            "worst input cos",
+            "status",
+        ],
+    );
+    let n = r.calls.len();
+    let fi = r.first_divergence.as_ref().map(|(i, _)| *i);
+    let mut elided = 0;
+    let gap = |k: usize| {
+        let mut v = vec![String::new(); 10];
+        v[1] = format!("… {k} calls …");
+        v
+    };
+    for (i, c) in r.calls.iter().enumerate() {
+        if !kept(i, n, fi, TABLE_MAX, TABLE_EDGE) {
+            elided += 1;
+            continue;
+        }
+        if elided > 0 {
+            table.row(gap(elided));
+            elided = 0;
+        }
+        table.row(row(c, Some(i) == fi));
+    }
+    if elided > 0 {
+        table.row(gap(elided));
+    }
+    rep = rep.section(table);
+
+    if !r.only_in_ref.is_empty() || !r.only_in_test.is_empty() {
+        let mut s = Section::new(
+            "Module calls in one trace only",
+            &["trace", "counter", "module", "call"],
+        );
+        for (side, list) in [("REF", &r.only_in_ref), ("TEST", &r.only_in_test)] {
+            for l in list.iter().take(20) {
+                s.row(vec![
+                    side.into(),
+                    format!("{:06}", l.counter),
+                    l.module.clone(),
+                    l.call.to_string(),
+                ]);
+            }
+            if list.len() > 20 {
+                s.row(vec![
+                    side.into(),
+                    String::new(),
+                    format!("… {} more (see JSON)", list.len() - 20),
+                    String::new(),
+                ]);
+            }
+        }
+        rep = rep.section(s);
+    }
+    let skipped: Vec<_> = reference
+        .skipped
+        .iter()
+        .map(|s| ("REF", s))
+        .chain(test.skipped.iter().map(|s| ("TEST", s)))
+        .collect();
+    if !skipped.is_empty() {
+        let mut s = Section::new("Skipped files", &["trace", "file", "reason"]);
+        for (side, k) in skipped.iter().take(20) {
+            s.row(vec![
+                side.to_string(),
+                k.file.display().to_string(),
+                k.reason.clone(),
+            ]);
+        }
+        rep = rep.section(s);
+    }
+    // Every call in JSON up to JSON_MAX (compact: the deciding output and the worst input);
+    // beyond, the same elision as the table, so a 100k-call trace gives a report of megabytes.
+    let modules: Vec<Value> = r
+        .calls
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| kept(*i, n, fi, JSON_MAX, JSON_EDGE))
+        .map(|(_, c)| {
+            json!({
+                "module": c.module,
+                "call": c.call,
+                "counter_ref": c.counter_ref,
+                "counter_test": c.counter_test,
+                "outputs_match": c.outputs_match,
+                "inputs_match": c.inputs_match,
+                "output": c.output.as_ref().map(tensor_json),
+                "worst_input": c.worst_input.as_ref().map(tensor_json),
+            })
+        })
+        .collect();
+    rep.with("only_in_ref", &r.only_in_ref)
+        .with("only_in_test", &r.only_in_test)
+        .with("skipped_ref", &reference.skipped)
+        .with("skipped_test", &test.skipped)
+        .with("modules_elided", n - modules.len())
+        .with("modules", modules)
+}
+
+/// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and
+/// `edge` either side of the first divergence.
+fn kept(i: usize, n: usize, first: Option<usize>, max: usize, edge: usize) -> bool {
+    n <= max || i < edge || i + edge >= n || first.is_some_and(|f| i + edge >= f && i <= f + edge)
 }

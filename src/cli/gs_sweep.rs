@@ -79,7 +79,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let batch = load_batch(
         &args.input,
         c.hidden_size,
-        c.vocab_size,
+        layer.token_vocab(),
         Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
     )?;
     let ids = batch.input_ids.as_deref();

@@ -7,7 +7,9 @@ use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::moe::breakdown::{per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics};
+use crate::moe::breakdown::{
+    expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
+};
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
 use crate::moe::synthetic::{Preset, SyntheticModel};
 use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath};
@@ -58,7 +60,7 @@ pub struct InputArgs {
 pub struct GsArgs {
     /// Activation global scale: checkpoint (input_scale), default (1/2688, amax 1), warmup
     /// (randn), calibrated (amax of this batch), dynamic (per batch), or a VALUE (gs, quant
-    /// direction)
+    /// direction). Default: calibrated for layertest and multilayer, `default` for gs-sweep
     #[arg(long, value_name = "SOURCE")]
     pub gs: Option<GsSource>,
     /// per-expert input scales, or the layer-wide max (the smallest gs) for every expert
@@ -97,39 +99,6 @@ pub struct Args {
     pub out_args: OutArgs,
 }
 
-/// Stand-in for `checkpoint::MoeCheckpoint` until the checkpoint reader lands on this branch.
-mod ckpt_shim {
-    use crate::error::{Error, Result};
-    use crate::moe::MoeLayer;
-    use std::path::{Path, PathBuf};
-
-    pub struct MoeCheckpoint {
-        dir: PathBuf,
-        layers: Vec<usize>,
-    }
-
-    impl MoeCheckpoint {
-        pub fn open(dir: &Path) -> Result<MoeCheckpoint> {
-            let p = dir.join("config.json");
-            let text = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-            let v: serde_json::Value =
-                serde_json::from_slice(&text).map_err(|e| Error::bad_file(&p, e.to_string()))?;
-            let n = v["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
-            let first = v["first_k_dense_replace"].as_u64().unwrap_or(0) as usize;
-            Ok(MoeCheckpoint {
-                dir: dir.to_path_buf(),
-                layers: (first..n).collect(),
-            })
-        }
-        pub fn moe_layers(&self) -> Vec<usize> {
-            self.layers.clone()
-        }
-        pub fn load_layer(&self, l: usize) -> Result<MoeLayer> {
-            crate::checkpoint::load_moe_layer(&self.dir, l)
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Shared with gs-sweep and multilayer: the model, the input batch.
 
@@ -138,7 +107,7 @@ pub enum Model {
     Synthetic(SyntheticModel),
     Checkpoint {
         dir: PathBuf,
-        ckpt: ckpt_shim::MoeCheckpoint,
+        ckpt: Box<crate::checkpoint::MoeCheckpoint>,
     },
 }
 
@@ -151,7 +120,7 @@ impl Model {
             ))),
             Some(dir) => Ok(Model::Checkpoint {
                 dir: dir.clone(),
-                ckpt: ckpt_shim::MoeCheckpoint::open(dir)?,
+                ckpt: Box::new(crate::checkpoint::MoeCheckpoint::open(dir)?),
             }),
         }
     }
@@ -522,7 +491,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let batch = load_batch(
         &args.input,
         hsz,
-        c.vocab_size,
+        layer.token_vocab(),
         Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
     )?;
     let ids = batch.input_ids.as_deref();
@@ -554,6 +523,15 @@ pub fn run(args: &Args) -> Result<Report> {
     let (nv_slots, rf_slots) = (slots(&nv)?, slots(&rf)?);
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+    let input_blocks =
+        expert_input_blocks(&routing, &batch.hidden, hsz, c.n_routed_experts, &scales);
+    let experts: Vec<ExpertRow> = experts
+        .into_iter()
+        .map(|m| ExpertRow {
+            gate_up_input: block_summary(&input_blocks.get(m.expert).copied().unwrap_or_default()),
+            m,
+        })
+        .collect();
     let mut tokens = per_token(&nv.out, &rf.out, hsz);
     tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
 
@@ -597,16 +575,20 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     for x in experts
         .iter()
-        .filter(|x| x.metrics.nan_count + x.metrics.inf_count > 0)
+        .filter(|x| x.m.metrics.nan_count + x.m.metrics.inf_count > 0)
     {
         failures.push(format!(
-            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots)",
-            x.expert, x.metrics.nan_count, x.metrics.inf_count, x.slots
+            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots){}",
+            x.m.expert,
+            x.m.metrics.nan_count,
+            x.m.metrics.inf_count,
+            x.m.slots,
+            x.cause()
         ));
     }
     if nv.act_stats.nan_scales > 0 {
         failures.push(format!(
-            "{} activation block scales are NaN (NaN input or a NaN/Inf global scale)",
+            "{} activation block scales are NaN (a NaN input, a NaN/Inf global scale, or NaN out of the gate/up GEMM)",
             nv.act_stats.nan_scales
         ));
     }
@@ -616,25 +598,26 @@ pub fn run(args: &Args) -> Result<Report> {
             at(ref_first_nan, hsz)
         ));
     }
+    for x in experts.iter().filter(|x| {
+        x.m.metrics.nan_count + x.m.metrics.inf_count == 0
+            && below(x.m.metrics.cosine, args.min_expert_cosine)
+    }) {
+        failures.push(format!(
+            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {}){}",
+            x.m.expert,
+            f(x.m.metrics.cosine, 4),
+            args.min_expert_cosine,
+            x.m.slots,
+            f(x.m.metrics.rel_l2, 3),
+            x.cause()
+        ));
+    }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(
             "cosine {} < --min-cosine {} (rel-L2 {})",
             f(m.cosine, 4),
             args.min_cosine,
             f(m.rel_l2, 3)
-        ));
-    }
-    for x in experts.iter().filter(|x| {
-        x.metrics.nan_count + x.metrics.inf_count == 0
-            && below(x.metrics.cosine, args.min_expert_cosine)
-    }) {
-        failures.push(format!(
-            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {})",
-            x.expert,
-            f(x.metrics.cosine, 4),
-            args.min_expert_cosine,
-            x.slots,
-            f(x.metrics.rel_l2, 3)
         ));
     }
     if kernel.pass == Some(false) {
@@ -680,7 +663,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "gs": source.to_string(),
         "device": backend.name(),
         "model": model.describe(),
-        "worst_expert": experts.first().map(|x| json!({"expert": x.expert, "cosine": x.metrics.cosine, "slots": x.slots})),
+        "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
     });
 
     let mut setup = Section::kv(
@@ -737,6 +720,19 @@ pub fn run(args: &Args) -> Result<Report> {
 
     let mut report = Report::new("layertest", Verdict::from_pass(pass), headline)
         .summary(summary)
+        .with(
+            "layer_config",
+            json!({
+                "hidden_size": hsz,
+                "moe_intermediate_size": c.moe_intermediate_size,
+                "n_routed_experts": c.n_routed_experts,
+                "top_k": k,
+                "scoring_func": c.scoring_func,
+                "hash_layer": layer.is_hash_layer(),
+                "swiglu_limit": c.swiglu_limit,
+                "reference_weights": if layer.experts.iter().all(|x| x.w1.original.is_some()) { "bf16-originals" } else { "dequantized" },
+            }),
+        )
         .with("metrics", &m)
         .with(
             "reference_nonfinite",
@@ -835,7 +831,35 @@ fn kernel_check(
     Ok(kc)
 }
 
-fn expert_table(experts: &[ExpertMetrics]) -> Section {
+/// One expert's error and what its gate/up input blocks went through.
+#[derive(Serialize)]
+struct ExpertRow {
+    #[serde(flatten)]
+    m: ExpertMetrics,
+    gate_up_input: BlockSummary,
+}
+
+impl ExpertRow {
+    /// A likely cause, in words, when the activation blocks point at one.
+    fn cause(&self) -> String {
+        let b = &self.gate_up_input;
+        if b.saturated_pct >= 20.0 {
+            format!(
+                "; {:.0}% of its gate/up input blocks saturate (scale 448): its activation global scale (gs1) is too large for its inputs",
+                b.saturated_pct
+            )
+        } else if b.flushed_pct >= 20.0 {
+            format!(
+                "; {:.0}% of its gate/up input blocks flush to zero: its activation global scale (gs1) is too small",
+                b.flushed_pct
+            )
+        } else {
+            String::new()
+        }
+    }
+}
+
+fn expert_table(experts: &[ExpertRow]) -> Section {
     let mut s = Section::new(
         "Worst experts (unweighted expert output, NVFP4 vs reference)",
         &[
@@ -846,9 +870,11 @@ fn expert_table(experts: &[ExpertMetrics]) -> Section {
             "max_abs_err",
             "NaN",
             "Inf",
+            "input saturated %",
         ],
     );
-    for x in experts.iter().take(5) {
+    for r in experts.iter().take(5) {
+        let x = &r.m;
         s.row(vec![
             x.expert.to_string(),
             x.slots.to_string(),
@@ -857,6 +883,7 @@ fn expert_table(experts: &[ExpertMetrics]) -> Section {
             e(x.metrics.max_abs_err),
             x.metrics.nan_count.to_string(),
             x.metrics.inf_count.to_string(),
+            format!("{:.1}", r.gate_up_input.saturated_pct),
         ]);
     }
     s
@@ -914,4 +941,102 @@ fn save_outputs(
         ],
         None,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::synthetic::{Preset, SyntheticModel};
+    use crate::nvfp4::Fp4Tensor;
+
+    /// A stand-in GPU: the CPU result, optionally with an error on one value, under a CUDA name.
+    struct FakeGpu {
+        perturb: bool,
+    }
+
+    impl Backend for FakeGpu {
+        fn name(&self) -> String {
+            "cuda:0 (fake)".into()
+        }
+        fn route(
+            &self,
+            l: &MoeLayer,
+            h: &[f32],
+            ids: Option<&[i64]>,
+        ) -> Result<crate::moe::Routing> {
+            CpuBackend::new().route(l, h, ids)
+        }
+        fn moe_forward(
+            &self,
+            l: &MoeLayer,
+            h: &[f32],
+            r: &crate::moe::Routing,
+            p: &MoePath,
+            per_slot: bool,
+        ) -> Result<MoeOutput> {
+            let mut o = CpuBackend::new().moe_forward(l, h, r, p, per_slot)?;
+            if self.perturb {
+                // a kernel that drops one expert slot of token 0
+                let hsz = l.config.hidden_size;
+                let ps = o
+                    .per_slot
+                    .clone()
+                    .unwrap_or_else(|| vec![0.0; o.out.len() * r.top_k]);
+                for j in 0..hsz {
+                    o.out[j] -= r.topk_weights[0] * ps.get(j).copied().unwrap_or(1.0);
+                }
+            }
+            Ok(o)
+        }
+        fn quantize(
+            &self,
+            x: &[f32],
+            r: usize,
+            c: usize,
+            gs: f32,
+            f: Flavor,
+        ) -> Result<(Fp4Tensor, BlockStats)> {
+            CpuBackend::new().quantize(x, r, c, gs, f)
+        }
+        fn compare(&self, t: &[f32], r: &[f32]) -> Result<Metrics> {
+            Ok(crate::metrics::compare(t, r))
+        }
+    }
+
+    #[test]
+    fn kernel_check_compares_a_gpu_against_the_cpu_nvfp4_path() {
+        let seed: u64 = rand::random();
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let (x, ids) = m.activations(1, 8, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let s = ActScales::Dynamic;
+        let p = MoePath::Nvfp4 {
+            scales: &s,
+            flavor: Flavor::Reference,
+        };
+        for perturb in [false, true] {
+            let gpu = FakeGpu { perturb };
+            let nv = gpu.moe_forward(&layer, &x, &r, &p, true).unwrap();
+            let kc = kernel_check(&gpu, &layer, &x, &r, &p, &nv).unwrap();
+            assert!(kc.done, "seed {seed}");
+            assert_eq!(kc.pass, Some(!perturb), "seed {seed}: {:?}", kc.metrics);
+        }
+        // the CPU backend is the reference: nothing to check
+        let cpu = CpuBackend::new();
+        let nv = cpu.moe_forward(&layer, &x, &r, &p, false).unwrap();
+        let kc = kernel_check(&cpu, &layer, &x, &r, &p, &nv).unwrap();
+        assert!(!kc.done && kc.reason.is_none());
+        // too large for the CPU: skipped, saying why
+        let mut big = r.clone();
+        big.tokens = 1 << 30;
+        let kc = kernel_check(&FakeGpu { perturb: false }, &layer, &x, &big, &p, &nv).unwrap();
+        assert!(!kc.done && kc.reason.is_some_and(|w| w.contains("--tokens")));
+    }
+
+    #[test]
+    fn ranges_are_compact() {
+        assert_eq!(ranges(&[1, 2, 3, 5, 7, 8]), "1..=3, 5, 7..=8");
+        assert_eq!(ranges(&[]), "none");
+    }
 }

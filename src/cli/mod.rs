@@ -14,6 +14,7 @@ pub mod quantize;
 pub mod routing;
 pub mod run_case;
 pub mod synth;
+pub mod synth_trace;
 
 use crate::error::Result;
 use crate::report::{Outputs, Report};
@@ -57,11 +58,22 @@ pub enum Command {
     Bisect(bisect::Args),
     /// Run a named scenario from cases/*.toml
     Run(run_case::Args),
+    /// Write a synthetic trace (tiny transformer, planted faults): test material for cases
+    #[command(hide = true)]
+    SynthTrace(synth_trace::Args),
 }
 
 /// Run a parsed command line: the report is printed and written; the verdict is the exit code.
 pub fn run(cli: Cli) -> Result<u8> {
-    let (report, outputs): (Report, Outputs) = match cli.command {
+    let (report, outputs) = execute(cli.command)?;
+    crate::report::emit(&report, &outputs)?;
+    Ok(report.verdict.exit_code())
+}
+
+/// Run a command and return its report and where it would go, without printing or writing it
+/// (`run CASE.toml` runs commands in-process this way).
+pub fn execute(command: Command) -> Result<(Report, Outputs)> {
+    Ok(match command {
         Command::Synth(a) => (synth::run(&a)?, a.out_args.outputs()),
         Command::Quantize(a) => (quantize::run(&a)?, a.out_args.outputs()),
         Command::Audit(a) => (audit::run(&a)?, a.out_args.outputs()),
@@ -73,7 +85,6 @@ pub fn run(cli: Cli) -> Result<u8> {
         Command::NanLocate(a) => (nan_locate::run(&a)?, a.out_args.outputs()),
         Command::Bisect(a) => (bisect::run(&a)?, a.out_args.outputs()),
         Command::Run(a) => (run_case::run(&a)?, a.out_args.outputs()),
-    };
-    crate::report::emit(&report, &outputs)?;
-    Ok(report.verdict.exit_code())
+        Command::SynthTrace(a) => (synth_trace::run(&a)?, a.out_args.outputs()),
+    })
 }

@@ -1,15 +1,453 @@
-//! `multilayer`: not built yet.
+//! `multilayer`: does error grow through the residual stream (H5)? Consecutive MoE layers
+//! with RMSNorm + residual (docs/moe-forward.md, "Multilayer"); the NVFP4 model and the BF16
+//! reference each carry their own hidden state and route on it.
 
-use super::common::OutArgs;
+use super::common::{progress, DeviceArgs, OutArgs};
+use super::layertest::{at, below, block_summary, load_batch, ranges, GsArgs, InputArgs, Model};
 use crate::error::{Error, Result};
-use crate::report::Report;
+use crate::metrics::{compare, Metrics};
+use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::synthetic::{Preset, SyntheticModel};
+use crate::moe::{rmsnorm_bf16, Path as MoePath, Routing};
+use crate::nvfp4::{BlockStats, Flavor};
+use crate::report::svg::{Plot, Series};
+use crate::report::{f, Report, Section, Verdict};
+use serde::Serialize;
+use serde_json::json;
+
+/// Layers of the built-in synthetic model multilayer runs on (tiny dims, first layer dense).
+pub const SYNTHETIC_LAYERS: usize = 8;
+/// Default `--min-cosine` of the residual stream after the last layer. The residual carries
+/// the embedding and every earlier layer, so its relative error is far below one layer's
+/// ~0.23 rel-L2; 0.99 (rel-L2 ≈ 0.14) leaves room for a few dozen healthy layers.
+pub const DEFAULT_MIN_COSINE: f64 = 0.99;
+/// Default `--max-amplification`: how much more error a layer leaves than the incoming error
+/// and its own quantization error add up to in quadrature. 1 is purely additive; healthy
+/// synthetic layers sit at 1.05-1.35 (routing flips and the SwiGLU pass some of the incoming
+/// error on, amplified). Above 2 a layer more than doubles what additive errors would give:
+/// the error is feeding on itself.
+pub const DEFAULT_MAX_AMPLIFICATION: f64 = 2.0;
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "--input holds the residual stream entering the first layer's norm \
+(hidden_states [T, hidden], optional input_ids [T]). Without --checkpoint: the built-in synthetic \
+tiny model with 8 layers (MoE layers 1..=7). Columns: growth = residual rel-L2 / the previous \
+layer's; amplification = error after the layer / sqrt(error before² + the layer's own error²); \
+layer-alone cosine = NVFP4 vs BF16 on the BF16 model's input (what layertest measures). Verdict: \
+fail on NaN/Inf, a residual-stream cosine below --min-cosine (0.99) after the last layer, a \
+layer-alone cosine below --min-layer-cosine (0.95, layertest's default), or an amplification above \
+--max-amplification (2.0)."
+)]
 pub struct Args {
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Layers to run: A..B (B excluded), A..=B, or A (default: every MoE layer)
+    #[arg(long, value_name = "A..B")]
+    pub layers: Option<String>,
+    #[command(flatten)]
+    pub gs: GsArgs,
+    /// Fail when the residual stream's cosine after the last layer is below this
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
+    pub min_cosine: f64,
+    /// Fail when one layer alone (NVFP4 vs BF16 on the same input) is below this cosine
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE)]
+    pub min_layer_cosine: f64,
+    /// Fail when a layer amplifies the incoming error beyond this factor
+    #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
+    pub max_amplification: f64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`multilayer` is not built yet"))
+#[derive(Serialize)]
+struct LayerRow {
+    layer: usize,
+    /// The hidden state after this layer, NVFP4 model vs BF16 model.
+    residual: Metrics,
+    /// This layer's MoE output (each on its own input).
+    moe_out: Metrics,
+    /// This layer alone: NVFP4 vs BF16 on the BF16 model's input (what layertest measures).
+    local: Metrics,
+    /// `‖e_after‖ / sqrt(‖e_before‖² + ‖local‖²)`: 1 when the incoming error and this layer's
+    /// own error just add; above 1 when the layer amplifies the error it was handed.
+    amplification: Option<f64>,
+    /// residual rel-L2 / the previous layer's.
+    growth: Option<f64>,
+    /// Fraction of (token, slot) expert ids the NVFP4 model shares with the reference.
+    routing_agreement: f64,
+    act_saturated_pct: f64,
+    act_flushed_pct: f64,
+    unit_norm_weight: bool,
+}
+
+/// Parse `A..B`, `A..=B` or `A`.
+fn parse_range(s: &str) -> Result<Vec<usize>> {
+    let bad = || Error::usage(format!("--layers `{s}`: expected A..B, A..=B or A"));
+    let num = |v: &str| v.trim().parse::<usize>().map_err(|_| bad());
+    let v: Vec<usize> = if let Some((a, b)) = s.split_once("..=") {
+        (num(a)?..=num(b)?).collect()
+    } else if let Some((a, b)) = s.split_once("..") {
+        (num(a)?..num(b)?).collect()
+    } else {
+        vec![num(s)?]
+    };
+    if v.is_empty() {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
+fn l2_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| {
+            let d = x as f64 - y as f64;
+            d * d
+        })
+        .sum::<f64>()
+        .sqrt()
+}
+
+fn agreement(a: &Routing, b: &Routing) -> f64 {
+    let k = a.top_k.max(1);
+    let mut same = 0usize;
+    for t in 0..a.tokens.min(b.tokens) {
+        let rb = &b.topk_ids[t * k..(t + 1) * k];
+        same += a.topk_ids[t * k..(t + 1) * k]
+            .iter()
+            .filter(|id| rb.contains(id))
+            .count();
+    }
+    if a.topk_ids.is_empty() {
+        1.0
+    } else {
+        same as f64 / a.topk_ids.len() as f64
+    }
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    let backend = args.device.open(args.out_args.quiet)?;
+    let model = match &args.input.checkpoint {
+        None => Model::Synthetic(
+            SyntheticModel::new(Preset::Tiny, args.input.seed).with_layers(SYNTHETIC_LAYERS),
+        ),
+        Some(_) => Model::open(&args.input)?,
+    };
+    let moe_layers = model.moe_layers();
+    let layers = match &args.layers {
+        Some(s) => parse_range(s)?,
+        None => moe_layers.clone(),
+    };
+    if let Some(l) = layers.iter().find(|l| !moe_layers.contains(l)) {
+        return Err(Error::usage(format!(
+            "--layers: layer {l} is not an MoE layer of {} (MoE layers: {})",
+            model.describe(),
+            ranges(&moe_layers)
+        )));
+    }
+    let first = model.layer(layers[0])?;
+    let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
+    let batch = load_batch(&args.input, hsz, first.token_vocab(), None)?;
+    let ids = batch.input_ids.as_deref();
+    let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
+
+    let mut h_nv = batch.hidden.clone();
+    let mut h_rf = batch.hidden.clone();
+    let mut rows: Vec<LayerRow> = vec![];
+    let mut first_bad: Option<(usize, Metrics)> = None;
+    let mut unit_norm_layers = vec![];
+    let pb = progress(layers.len() as u64, "layers", args.out_args.quiet);
+    let mut layer = Some(first);
+    for &l in &layers {
+        let ly = match layer.take() {
+            Some(x) => x,
+            None => model.layer(l)?,
+        };
+        pb.set_message(format!("layer {l}"));
+        let norm = ly.norm_weight.as_deref();
+        if norm.is_none() {
+            unit_norm_layers.push(l);
+        }
+        let x_nv = rmsnorm_bf16(&h_nv, hsz, norm, eps);
+        let x_rf = rmsnorm_bf16(&h_rf, hsz, norm, eps);
+        let r_nv = backend.route(&ly, &x_nv, ids)?;
+        let r_rf = backend.route(&ly, &x_rf, ids)?;
+        // scales are calibrated on what the BF16 model feeds this layer
+        let cal = Calibration {
+            hidden: &x_rf,
+            input_ids: ids,
+            routing: Some(&r_rf),
+        };
+        let scales = gs::resolve(
+            source,
+            &ly,
+            args.gs.input_scale_reduce,
+            &cal,
+            args.input.seed ^ l as u64,
+        )?;
+        let o_nv = backend.moe_forward(
+            &ly,
+            &x_nv,
+            &r_nv,
+            &MoePath::Nvfp4 {
+                scales: &scales,
+                flavor: Flavor::Reference,
+            },
+            false,
+        )?;
+        let o_rf = backend.moe_forward(&ly, &x_rf, &r_rf, &MoePath::Reference, false)?;
+        // the error this layer adds by itself: NVFP4 on the reference model's input
+        let o_local = backend.moe_forward(
+            &ly,
+            &x_rf,
+            &r_rf,
+            &MoePath::Nvfp4 {
+                scales: &scales,
+                flavor: Flavor::Reference,
+            },
+            false,
+        )?;
+        let local = compare(&o_local.out, &o_rf.out);
+        let local_err = l2_diff(&o_local.out, &o_rf.out);
+        let prev_err = l2_diff(&h_nv, &h_rf);
+        for (h, o) in h_nv.iter_mut().zip(&o_nv.out) {
+            *h += o;
+        }
+        for (h, o) in h_rf.iter_mut().zip(&o_rf.out) {
+            *h += o;
+        }
+        let residual = compare(&h_nv, &h_rf);
+        let moe_out = compare(&o_nv.out, &o_rf.out);
+        let new_err = l2_diff(&h_nv, &h_rf);
+        let quad = (prev_err * prev_err + local_err * local_err).sqrt();
+        let amplification = (quad > 0.0 && new_err.is_finite()).then(|| new_err / quad);
+        let growth = rows.last().and_then(|p: &LayerRow| {
+            (p.residual.rel_l2 > 0.0 && residual.nan_count + residual.inf_count == 0)
+                .then(|| residual.rel_l2 / p.residual.rel_l2)
+        });
+        if first_bad.is_none() && residual.nan_count + residual.inf_count > 0 {
+            first_bad = Some((l, residual.clone()));
+        }
+        let st: BlockStats = o_nv.act_stats;
+        let bs = block_summary(&st);
+        rows.push(LayerRow {
+            layer: l,
+            residual,
+            moe_out,
+            local,
+            amplification,
+            growth,
+            routing_agreement: agreement(&r_nv, &r_rf),
+            act_saturated_pct: bs.saturated_pct,
+            act_flushed_pct: bs.flushed_pct,
+            unit_norm_weight: norm.is_none(),
+        });
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+
+    // ---- verdict ----
+    let mut failures = vec![];
+    if let Some((l, m)) = &first_bad {
+        let (kind, idx) = if m.nan_count > 0 {
+            ("NaN", m.first_nan)
+        } else {
+            ("Inf", m.first_inf)
+        };
+        failures.push(format!(
+            "{kind} in the NVFP4 residual stream from layer {l} on ({} NaN, {} Inf after layer {l}, first at {})",
+            m.nan_count,
+            m.inf_count,
+            at(idx, hsz)
+        ));
+    }
+    let last = rows.last();
+    if first_bad.is_none() {
+        if let Some(r) = last.filter(|r| below(r.residual.cosine, args.min_cosine)) {
+            failures.push(format!(
+                "residual-stream cosine {} after layer {} < --min-cosine {} (rel-L2 {})",
+                f(r.residual.cosine, 4),
+                r.layer,
+                args.min_cosine,
+                f(r.residual.rel_l2, 3)
+            ));
+        }
+        for r in rows
+            .iter()
+            .filter(|r| below(r.local.cosine, args.min_layer_cosine))
+        {
+            failures.push(format!(
+                "layer {} alone (NVFP4 vs BF16 on the same input): cosine {} < --min-layer-cosine {}",
+                r.layer,
+                f(r.local.cosine, 4),
+                args.min_layer_cosine
+            ));
+        }
+        for r in rows
+            .iter()
+            .filter(|r| r.amplification.is_some_and(|g| g > args.max_amplification))
+        {
+            failures.push(format!(
+                "layer {} amplifies the incoming error {}x (> --max-amplification {}); residual rel-L2 grows {}x",
+                r.layer,
+                f(r.amplification.unwrap_or(f64::NAN), 2),
+                args.max_amplification,
+                r.growth.map_or("-".into(), |g| f(g, 2))
+            ));
+        }
+    }
+    let pass = failures.is_empty();
+    let mean_growth = {
+        let g: Vec<f64> = rows.iter().filter_map(|r| r.growth).collect();
+        if g.is_empty() {
+            None
+        } else {
+            Some((g.iter().map(|x| x.ln()).sum::<f64>() / g.len() as f64).exp())
+        }
+    };
+    let headline = if pass {
+        format!(
+            "{} MoE layers ({}): residual-stream cosine {} after the last, mean growth {}x per layer",
+            rows.len(),
+            ranges(&layers),
+            last.map_or("-".into(), |r| f(r.residual.cosine, 4)),
+            mean_growth.map_or("-".into(), |g| f(g, 2))
+        )
+    } else if failures.len() == 1 {
+        failures[0].clone()
+    } else {
+        format!("{} (and {} more problems)", failures[0], failures.len() - 1)
+    };
+
+    let mut table = Section::new(
+        "Per layer (NVFP4 model vs BF16 model, each on its own hidden state)",
+        &[
+            "layer",
+            "residual cosine",
+            "residual rel_l2",
+            "growth",
+            "amplification",
+            "layer-alone cosine",
+            "MoE-out cosine",
+            "routing agree",
+            "saturated %",
+            "NaN",
+        ],
+    );
+    for r in &rows {
+        table.row(vec![
+            r.layer.to_string(),
+            f(r.residual.cosine, 5),
+            f(r.residual.rel_l2, 4),
+            r.growth.map_or("-".into(), |g| f(g, 2)),
+            r.amplification.map_or("-".into(), |g| f(g, 2)),
+            f(r.local.cosine, 4),
+            f(r.moe_out.cosine, 4),
+            format!("{:.1}%", 100.0 * r.routing_agreement),
+            format!("{:.2}", r.act_saturated_pct),
+            r.residual.nan_count.to_string(),
+        ]);
+    }
+    let mut setup = Section::kv(
+        "multilayer",
+        &[
+            ("model", model.describe()),
+            ("layers", ranges(&layers)),
+            (
+                "input",
+                format!(
+                    "{} (residual stream before layer {})",
+                    batch.origin, layers[0]
+                ),
+            ),
+            (
+                "activation gs",
+                format!("{source} (per layer, calibrated on the BF16 model's activations)"),
+            ),
+            ("device", backend.name()),
+        ],
+    );
+    if !unit_norm_layers.is_empty() {
+        setup.row(vec![
+            "note".into(),
+            format!(
+                "no RMSNorm weight in the checkpoint for layers {}: unit weights used",
+                ranges(&unit_norm_layers)
+            ),
+        ]);
+    }
+    let plot = Plot {
+        title: "error through the residual stream".into(),
+        x_label: "layer".into(),
+        y_label: "rel-L2 vs BF16".into(),
+        log_x: false,
+        series: vec![
+            Series {
+                name: "residual".into(),
+                points: rows
+                    .iter()
+                    .map(|r| (r.layer as f64, r.residual.rel_l2))
+                    .collect(),
+            },
+            Series {
+                name: "MoE output".into(),
+                points: rows
+                    .iter()
+                    .map(|r| (r.layer as f64, r.moe_out.rel_l2))
+                    .collect(),
+            },
+        ],
+        markers: vec![],
+    };
+    let summary = json!({
+        "layers": layers,
+        "tokens": batch.tokens,
+        "gs": source.to_string(),
+        "cosine": last.map(|r| r.residual.cosine),
+        "rel_l2": last.map(|r| r.residual.rel_l2),
+        "nan_count": last.map_or(0, |r| r.residual.nan_count),
+        "inf_count": last.map_or(0, |r| r.residual.inf_count),
+        "first_nonfinite_layer": first_bad.as_ref().map(|b| b.0),
+        "max_growth": rows.iter().filter_map(|r| r.growth).fold(None, |m: Option<f64>, g| Some(m.map_or(g, |m| m.max(g)))),
+        "mean_growth": mean_growth,
+        "min_cosine": args.min_cosine,
+        "max_amplification": rows.iter().filter_map(|r| r.amplification).fold(None, |m: Option<f64>, g| Some(m.map_or(g, |m| m.max(g)))),
+        "max_amplification_allowed": args.max_amplification,
+        "min_layer_cosine": args.min_layer_cosine,
+        "unit_norm_weight_layers": unit_norm_layers,
+        "device": backend.name(),
+        "model": model.describe(),
+    });
+    let mut report = Report::new("multilayer", Verdict::from_pass(pass), headline)
+        .summary(summary)
+        .with("per_layer", &rows)
+        .with("failures", &failures)
+        .section(setup)
+        .section(table)
+        .plot("multilayer.svg", plot.render());
+    if !failures.is_empty() {
+        let mut s = Section::new("Failures", &["problem"]);
+        for x in &failures {
+            s.row(vec![x.clone()]);
+        }
+        report = report.section(s);
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_parse() {
+        assert_eq!(parse_range("1..4").unwrap(), vec![1, 2, 3]);
+        assert_eq!(parse_range("1..=4").unwrap(), vec![1, 2, 3, 4]);
+        assert_eq!(parse_range("5").unwrap(), vec![5]);
+        assert!(parse_range("4..1").is_err());
+        assert!(parse_range("a..b").is_err());
+    }
 }

@@ -1,15 +1,287 @@
-//! `nan-locate`: not built yet.
+//! `nan-locate`: where does the first NaN/Inf appear? (H2/H7.) Scans a trace in execution order
+//! and names the first module call whose output holds a non-finite value, where in it, whether
+//! that module produced it (its inputs were clean) or received it, and the last clean call.
 
-use super::common::OutArgs;
-use crate::error::{Error, Result};
-use crate::report::Report;
+use super::common::{progress, OutArgs};
+use crate::error::Result;
+use crate::report::{e, Report, Section, Verdict};
+use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
+use crate::trace::{Selection, TraceIndex};
+use serde_json::{json, Value};
+use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Trace directory: NNNNNN-<module.path>.safetensors files (or one level of rank*/ subdirs)
+    #[arg(value_name = "TRACE")]
+    pub trace: PathBuf,
+    /// Rank to scan (files without `rank` metadata count as rank 0)
+    #[arg(long, value_name = "R")]
+    pub rank: Option<u64>,
+    /// Scan only this step (default: all steps in order)
+    #[arg(long, value_name = "S")]
+    pub step: Option<u64>,
+    /// Module calls shown before and after the first bad one
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub context: usize,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`nan-locate` is not built yet"))
+fn index_json(v: &BadValue) -> Value {
+    json!({
+        "token": v.index.token,
+        "channel": v.index.channel,
+        "flat": v.index.flat,
+        "multi": v.index.multi,
+    })
+}
+
+fn where_(v: &BadValue) -> String {
+    match (v.index.token, v.index.channel) {
+        (Some(t), Some(c)) => format!("token {t}, channel {c}, index {:?}", v.index.multi),
+        _ => "0-d tensor".into(),
+    }
+}
+
+fn counter(c: &ScannedCall) -> String {
+    match c.step {
+        Some(s) => format!("{:06} (step {s})", c.counter),
+        None => format!("{:06}", c.counter),
+    }
+}
+
+fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
+    let out = c.outputs().next();
+    let shape = out.map(|t| format!("{:?}", t.shape)).unwrap_or_default();
+    let max_abs = c
+        .outputs()
+        .filter_map(|t| t.stats)
+        .map(|s| s.max_abs)
+        .fold(0f32, f32::max);
+    let (nan, inf) = c
+        .outputs()
+        .filter_map(|t| t.stats)
+        .fold((0, 0), |(n, i), s| (n + s.nan_count, i + s.inf_count));
+    let inputs = match c.inputs_finite() {
+        None => "-".to_string(),
+        Some(true) => "clean".to_string(),
+        Some(false) => "NaN/Inf".to_string(),
+    };
+    let status = if Some(c.counter) == first {
+        "FIRST BAD".to_string()
+    } else if c.outputs_finite() {
+        "clean".to_string()
+    } else {
+        "bad".to_string()
+    };
+    vec![
+        counter(c),
+        c.module.clone(),
+        shape,
+        e(max_abs as f64),
+        nan.to_string(),
+        inf.to_string(),
+        inputs,
+        status,
+    ]
+}
+
+fn call_json(c: &ScannedCall) -> Value {
+    json!({
+        "module": c.module,
+        "counter": c.counter,
+        "step": c.step,
+        "file": c.file,
+        "outputs_finite": c.outputs_finite(),
+        "inputs_clean": c.inputs_finite(),
+        "tensors": c.tensors.iter().map(|t| json!({
+            "tensor": t.name,
+            "dtype": t.dtype,
+            "shape": t.shape,
+            "nan_count": t.stats.map(|s| s.nan_count),
+            "inf_count": t.stats.map(|s| s.inf_count),
+            "max_abs": t.stats.map(|s| s.max_abs),
+        })).collect::<Vec<_>>(),
+    })
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    let sel = Selection {
+        rank: args.rank,
+        step: args.step,
+    };
+    let index = TraceIndex::open(&args.trace, sel)?;
+    let pb = progress(
+        index.entries.len() as u64,
+        "nan-locate",
+        args.out_args.quiet,
+    );
+    let r = locate(&index, args.context, &mut || pb.inc(1))?;
+    pb.finish_and_clear();
+    Ok(report(&index, &r))
+}
+
+fn report(index: &TraceIndex, r: &LocateResult) -> Report {
+    let scope = index.selection.describe();
+    let mut skipped = index.skipped.clone();
+    skipped.extend(r.skipped.iter().cloned());
+    let summary = json!({
+        "trace": index.dir,
+        "rank": index.selection.rank.unwrap_or(0),
+        "step": index.selection.step,
+        "files_total": index.files_total,
+        "calls_selected": index.entries.len(),
+        "calls_scanned": r.calls_scanned,
+        "skipped": skipped.len(),
+        "found": r.first.is_some(),
+    });
+    let first_counter = r.first.as_ref().map(|f| f.call.counter);
+    let mut table = Section::new(
+        "Module calls around it (execution order)",
+        &[
+            "counter",
+            "module",
+            "output shape",
+            "max |out|",
+            "NaN",
+            "Inf",
+            "inputs",
+            "status",
+        ],
+    );
+    for c in &r.window {
+        table.row(call_row(c, first_counter));
+    }
+    let mut rep = match &r.first {
+        None => {
+            let mut rep = Report::new(
+                "nan-locate",
+                Verdict::Pass,
+                format!(
+                    "no NaN/Inf in the outputs of {} module calls ({scope})",
+                    r.calls_scanned
+                ),
+            )
+            .summary(summary)
+            .with("first_nonfinite", Value::Null)
+            .with("last_clean", r.last_clean.as_ref().map(clean_json));
+            table.title = "Last module calls scanned".into();
+            rep = rep.section(table);
+            rep
+        }
+        Some(f) => {
+            let o = &f.output;
+            let verdict_why =
+                match f.inputs_clean {
+                    Some(true) => "its inputs were clean: this module produced it".to_string(),
+                    Some(false) => format!(
+                    "its inputs were already bad ({} at {}): it came from code that ran before, \
+                     not recorded as a module",
+                    f.bad_input.as_ref().map(|b| b.tensor.as_str()).unwrap_or("an input"),
+                    f.bad_input.as_ref().map(where_).unwrap_or_default()
+                ),
+                    None => "no inputs recorded: cannot tell whether it produced or received it"
+                        .to_string(),
+                };
+            let headline = format!(
+                "first {} in `{}` {} [{}] (counter {}); {verdict_why}",
+                if o.kind.as_str() == "nan" {
+                    "NaN"
+                } else {
+                    "Inf"
+                },
+                f.call.module,
+                o.tensor,
+                where_(o),
+                counter(&f.call),
+            );
+            let first = json!({
+                "module": f.call.module,
+                "file": f.call.file,
+                "tensor": o.tensor,
+                "index": index_json(o),
+                "kind": o.kind,
+                "value": o.value.to_string(),
+                "counter": f.call.counter,
+                "step": f.call.step,
+                "rank": index.selection.rank.unwrap_or(0),
+                "shape": o.shape,
+                "dtype": o.dtype,
+                "nan_count": o.nan_count,
+                "inf_count": o.inf_count,
+                "inputs_clean": f.inputs_clean,
+                "bad_input": f.bad_input.as_ref().map(|b| json!({
+                    "tensor": b.tensor,
+                    "index": index_json(b),
+                    "kind": b.kind,
+                    "nan_count": b.nan_count,
+                    "inf_count": b.inf_count,
+                })),
+            });
+            let kv = Section::kv(
+                "First non-finite value",
+                &[
+                    ("module", f.call.module.clone()),
+                    ("file", f.call.file.display().to_string()),
+                    ("tensor", format!("{} {} {:?}", o.tensor, o.dtype, o.shape)),
+                    ("index", where_(o)),
+                    ("kind", format!("{} (value {})", o.kind.as_str(), o.value)),
+                    (
+                        "NaN / Inf in tensor",
+                        format!("{} / {}", o.nan_count, o.inf_count),
+                    ),
+                    (
+                        "inputs",
+                        match f.inputs_clean {
+                            Some(true) => "clean (this module produced it)".into(),
+                            Some(false) => "already bad (it came from earlier)".into(),
+                            None => "not recorded".into(),
+                        },
+                    ),
+                    (
+                        "last clean call",
+                        r.last_clean
+                            .as_ref()
+                            .map(|c| format!("{} {}", counter(c), c.module))
+                            .unwrap_or_else(|| "none: the first call is already bad".into()),
+                    ),
+                ],
+            );
+            Report::new("nan-locate", Verdict::Fail, headline)
+                .summary(summary)
+                .with("first_nonfinite", first)
+                .with("last_clean", r.last_clean.as_ref().map(clean_json))
+                .section(kv)
+                .section(table)
+        }
+    };
+    rep = rep.with(
+        "modules",
+        r.window.iter().map(call_json).collect::<Vec<_>>(),
+    );
+    if !skipped.is_empty() {
+        let mut s = Section::new("Skipped files", &["file", "reason"]);
+        for k in skipped.iter().take(20) {
+            s.row(vec![k.file.display().to_string(), k.reason.clone()]);
+        }
+        if skipped.len() > 20 {
+            s.row(vec![
+                format!("… {} more (see JSON `skipped`)", skipped.len() - 20),
+                String::new(),
+            ]);
+        }
+        rep = rep.section(s);
+    }
+    rep.with("skipped", &skipped)
+}
+
+fn clean_json(c: &ScannedCall) -> Value {
+    json!({
+        "module": c.module,
+        "file": c.file,
+        "counter": c.counter,
+        "step": c.step,
+        "tensor": c.outputs().next().map(|t| t.name.clone()),
+    })
 }

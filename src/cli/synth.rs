@@ -38,8 +38,8 @@ pub struct Args {
     /// tiny, tiny-v4, dsv3, dsv4-flash or dsv4-pro
     #[arg(long, value_name = "PRESET", default_value = "tiny")]
     pub preset: Preset,
-    /// Layers to write (default: all of a tiny preset; the dense prefix + 1 MoE layer of a
-    /// real-dimension one)
+    /// Layers to write (default: all 3 of a tiny preset; dsv3: the 3 dense layers + 1 MoE
+    /// layer; dsv4-*: 1 hash-routed MoE layer)
     #[arg(long, value_name = "N")]
     pub layers: Option<usize>,
     #[arg(long, value_name = "S", default_value_t = 0)]
@@ -485,6 +485,15 @@ fn fp4_specs(base: &str, rows: usize, cols: usize) -> [TensorSpec; 3] {
     ]
 }
 
+/// An expert ready to write: id, tensors, calibration amaxes, faults planted in it.
+type BuiltExpert = (
+    usize,
+    Expert,
+    Option<f32>,
+    Option<f32>,
+    Vec<(Fault, String)>,
+);
+
 type LayerNamesOut = (Vec<String>, Vec<String>, Vec<Planted>);
 
 #[allow(clippy::too_many_arguments)]
@@ -588,23 +597,16 @@ fn write_moe_layer(
     let chunk = rayon::current_num_threads().clamp(1, 16);
     for start in (0..ne).step_by(chunk) {
         let end = (start + chunk).min(ne);
-        let built: Vec<(
-            usize,
-            Expert,
-            Option<f32>,
-            Option<f32>,
-            Vec<(Fault, String)>,
-        )> = (start..end)
+        let built: Vec<BuiltExpert> = (start..end)
             .into_par_iter()
             .map(|e| {
                 let bf: ExpertBf16 = model.expert_bf16(l, e);
                 let (a1, a2) = model.expert_amax(&cal, e, &bf);
                 let mut ex = quantize_expert(&bf, h, i, [0.0; 3], true);
                 let mut done = vec![];
-                for (f, _) in plans
-                    .iter()
-                    .filter(|p| p.1 == e && p.0 != Fault::BadInputScale)
-                {
+                for (f, _) in plans.iter().filter(|p| {
+                    p.1 == e && !matches!(p.0, Fault::BadInputScale | Fault::MissingTensor)
+                }) {
                     done.push((*f, f.plant(&mut ex, &bf)));
                 }
                 (e, ex, a1, a2, done)

@@ -1,7 +1,9 @@
 //! Where the error of a layer lives: per expert (from the per-slot outputs) and per token.
 
-use super::Routing;
+use super::forward::{amax, dynamic_gs};
+use super::{ActScales, Routing};
 use crate::metrics::{compare, Metrics};
+use crate::nvfp4::{quantize_nvfp4, BlockStats};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -69,6 +71,41 @@ pub fn per_token(test: &[f32], reference: &[f32], hidden: usize) -> Vec<TokenMet
         .collect()
 }
 
+/// Per expert, what happens to the blocks of its gate/up input (`hidden` rows routed to it,
+/// quantized with its gs1): a too-large activation gs saturates them, a too-small one flushes
+/// them. Empty stats for experts no token reached.
+pub fn expert_input_blocks(
+    routing: &Routing,
+    hidden: &[f32],
+    h: usize,
+    n_experts: usize,
+    scales: &ActScales,
+) -> Vec<BlockStats> {
+    let k = routing.top_k.max(1);
+    let gs1: Vec<f32> = match scales {
+        ActScales::Fixed { gs1, .. } => gs1.clone(),
+        ActScales::Dynamic => vec![dynamic_gs(amax(hidden)); n_experts],
+    };
+    (0..n_experts)
+        .into_par_iter()
+        .map(|e| {
+            let mut x = vec![];
+            for (s, &id) in routing.topk_ids.iter().enumerate() {
+                let t = s / k;
+                if id as usize == e && (t + 1) * h <= hidden.len() {
+                    x.extend_from_slice(&hidden[t * h..(t + 1) * h]);
+                }
+            }
+            match gs1.get(e) {
+                Some(&g) if !x.is_empty() && h.is_multiple_of(16) => {
+                    quantize_nvfp4(&x, x.len() / h, h, g).1
+                }
+                _ => BlockStats::default(),
+            }
+        })
+        .collect()
+}
+
 /// Order worst first: non-finite values, then the lowest cosine.
 pub fn worst_first(a: &Metrics, b: &Metrics) -> std::cmp::Ordering {
     let bad = |m: &Metrics| m.nan_count + m.inf_count;
@@ -99,6 +136,15 @@ mod tests {
         assert_eq!(e[0].expert, 2);
         assert_eq!(e.iter().find(|x| x.expert == 1).map(|x| x.slots), Some(2));
         assert!((e[1].metrics.cosine - 1.0).abs() < 1e-12);
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 10.0).collect();
+        let sc = ActScales::Fixed {
+            gs1: vec![1.0, 1e6, 1.0],
+            gs2: vec![1.0; 3],
+        };
+        let st = expert_input_blocks(&routing, &x, 16, 3, &sc);
+        assert_eq!(st[1].blocks, 2);
+        assert_eq!(st[1].saturated, 2);
+        assert_eq!(st[0].saturated, 0);
         let mut tk = per_token(&t[..8], &r[..8], h);
         tk.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
         assert_eq!(tk.len(), 2);

@@ -151,13 +151,7 @@ pub fn warmup_batch(layer: &MoeLayer, tokens: usize, seed: u64) -> (Vec<f32>, Ve
             super::forward::bf16(v)
         })
         .collect();
-    let vocab = layer
-        .router
-        .tid2eid
-        .as_ref()
-        .map(|t| t.len() / layer.config.num_experts_per_tok.max(1))
-        .unwrap_or(layer.config.vocab_size)
-        .max(1);
+    let vocab = layer.token_vocab();
     let ids = (0..tokens)
         .map(|_| rand::Rng::gen_range(&mut rng, 0..vocab as i64))
         .collect();

@@ -92,6 +92,18 @@ impl MoeLayer {
         self.config.is_hash_layer(self.index)
     }
 
+    /// Token ids valid for this layer: the rows of its `tid2eid` table when it has one (a
+    /// config may not state `vocab_size`), else the config's `vocab_size`; at least 1.
+    pub fn token_vocab(&self) -> usize {
+        let k = self.config.num_experts_per_tok.max(1);
+        self.router
+            .tid2eid
+            .as_ref()
+            .map(|t| t.len() / k)
+            .unwrap_or(self.config.vocab_size)
+            .max(1)
+    }
+
     /// Check that every tensor has the shape the config promises, so the forward can index
     /// without panicking on a bad checkpoint.
     pub fn validate(&self) -> crate::Result<()> {

@@ -70,12 +70,13 @@ impl Preset {
     }
 
     /// Layers `synth` writes unless told otherwise: all of a tiny model, the dense prefix plus
-    /// one MoE layer of a real-dimension one (a full dsv3 is ~400 GB).
+    /// one MoE layer of a real-dimension one (a full dsv3 is ~1.5 TB with its BF16 originals);
+    /// for V4 that is one hash-routed layer (`--layers 4` reaches the first scored one).
     pub fn default_layers(self) -> usize {
         match self {
             Preset::Tiny | Preset::TinyV4 => 3,
             Preset::Dsv3 => 4,
-            Preset::Dsv4Flash | Preset::Dsv4Pro => 4,
+            Preset::Dsv4Flash | Preset::Dsv4Pro => 1,
         }
     }
 
@@ -258,6 +259,10 @@ pub fn outlier_channels(hidden: usize) -> Vec<(usize, f32)> {
         .collect()
 }
 
+/// Scale of the synthetic residual stream: a typical token's rms is ~10, about 8x what one
+/// synthetic MoE layer adds, as a layer's update is a modest fraction of a real residual stream.
+pub const RESIDUAL_SCALE: f32 = 6.0;
+
 /// A residual stream `[tokens, hidden]` (BF16-exact): per-token scale log-normal(0, 0.5),
 /// student-t entries, outlier channels 10-30x, and massive activations (~300x in the first
 /// outlier channel) on token 0 and about 1% of the others, like attention-sink tokens.
@@ -271,7 +276,7 @@ pub fn residual_stream(hidden: usize, tokens: usize, seed: u64) -> Vec<f32> {
     let mut out = vec![0f32; tokens * hidden];
     out.par_chunks_mut(hidden).enumerate().for_each(|(t, row)| {
         let mut rng = stream(seed, t, role::RESIDUAL, 1);
-        let sigma = lognormal(&mut rng, 0.5);
+        let sigma = RESIDUAL_SCALE * lognormal(&mut rng, 0.5);
         for (v, &m) in row.iter_mut().zip(&mult) {
             *v = bf16(sigma * m * heavy(&mut rng));
         }
@@ -341,9 +346,10 @@ impl SyntheticModel {
         }
     }
 
-    /// The same model cut to `n` layers (`num_hidden_layers = n`).
+    /// The same model cut to `n` layers (`num_hidden_layers = n`; hash layers beyond it go).
     pub fn with_layers(mut self, n: usize) -> SyntheticModel {
         self.config.num_hidden_layers = n;
+        self.config.num_hash_layers = self.config.num_hash_layers.min(n);
         self
     }
 
@@ -940,6 +946,12 @@ mod tests {
         );
         assert_eq!(p.scoring_func, ScoringFunc::Sqrtsoftplus);
         assert_eq!("dsv4-flash".parse::<Preset>(), Ok(Preset::Dsv4Flash));
+        // a cut model keeps a valid config: no more hash layers than layers
+        let cut = SyntheticModel::new(Preset::Dsv4Flash, 0).with_layers(1);
+        assert_eq!(
+            (cut.config.num_hidden_layers, cut.config.num_hash_layers),
+            (1, 1)
+        );
     }
 
     #[test]

@@ -120,13 +120,7 @@ fn clamp_max(v: f32, hi: f32) -> f32 {
 
 #[inline]
 fn clamp6(v: f32) -> f32 {
-    if v > 6.0 {
-        6.0
-    } else if v < -6.0 {
-        -6.0
-    } else {
-        v
-    }
+    v.clamp(-6.0, 6.0)
 }
 
 /// Quantize one NVFP4 block of 16 with quant-direction global scale `gs`.
@@ -249,7 +243,7 @@ fn quantize_with(
     let block = format.block();
     assert_eq!(x.len(), rows * cols, "quantize: data length != rows*cols");
     assert!(
-        cols % block == 0,
+        cols.is_multiple_of(block),
         "quantize: cols not a multiple of the block"
     );
     let kb = cols / block;
@@ -332,7 +326,7 @@ impl Fp4Tensor {
     /// The E2M1 code of element (r, c).
     pub fn code(&self, r: usize, c: usize) -> u8 {
         let byte = self.packed[r * self.cols / 2 + c / 2];
-        if c % 2 == 0 {
+        if c.is_multiple_of(2) {
             byte & 0xF
         } else {
             byte >> 4

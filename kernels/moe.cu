@@ -1,0 +1,495 @@
+// The routed experts on the GPU: a deterministic counting sort of (token, slot) entries by
+// expert, the grouped NVFP4 GEMM (FP4 x E4M3 dequantized exactly to BF16 in shared memory,
+// BF16 mma.sync m16n8k16 with FP32 accumulation, alpha in the FP32 epilogue), SwiGLU fused
+// with the re-quantization of the intermediate, and the weighted combine in slot order.
+// No order-dependent float atomics: the only atomics are integer counts and max-of-bits.
+#include "nvfp4dbg_common.cuh"
+
+// ---------------------------------------------------------------------------------------
+// Counting sort. Entries i = t*K + slot in [0, N); chunk c = entries [c*256, c*256 + 256).
+
+#define SORT_CHUNK 256
+
+// chunk_counts[c * E + e] = entries of chunk c routed to e.
+extern "C" __global__ void __launch_bounds__(SORT_CHUNK)
+moe_chunk_counts(const int* __restrict__ ids, u32 N, u32 E, u32* __restrict__ chunk_counts) {
+    extern __shared__ u32 cnt[];
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    u32 i = blockIdx.x * SORT_CHUNK + threadIdx.x;
+    if (i < N) atomicAdd(&cnt[ids[i]], 1u);
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[(size_t)blockIdx.x * E + e] = cnt[e];
+}
+
+// One block. chunk_base[c*E + e] = first sorted position of chunk c's entries for expert e;
+// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm).
+extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32 nchunks, u32 E,
+                                       u32 bm, u32* __restrict__ chunk_base,
+                                       u32* __restrict__ expert_offsets,
+                                       u32* __restrict__ tile_offsets) {
+    extern __shared__ u32 total[];
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
+        u32 run = 0;
+        for (u32 c = 0; c < nchunks; c++) {
+            chunk_base[(size_t)c * E + e] = run;
+            run += chunk_counts[(size_t)c * E + e];
+        }
+        total[e] = run;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 off = 0, tiles = 0;
+        for (u32 e = 0; e < E; e++) {
+            expert_offsets[e] = off;
+            tile_offsets[e] = tiles;
+            off += total[e];
+            tiles += (total[e] + bm - 1) / bm;
+            total[e] = expert_offsets[e];
+        }
+        expert_offsets[E] = off;
+        tile_offsets[E] = tiles;
+    }
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
+        u32 base = total[e];
+        for (u32 c = 0; c < nchunks; c++) chunk_base[(size_t)c * E + e] += base;
+    }
+}
+
+// Stable scatter: within an expert, entries keep their index order. Warps of a chunk take
+// turns, ranks inside a warp come from __match_any_sync.
+extern "C" __global__ void __launch_bounds__(SORT_CHUNK)
+moe_scatter(const int* __restrict__ ids, u32 N, u32 E, u32 K, const u32* __restrict__ chunk_base,
+            int* __restrict__ sorted_token, int* __restrict__ sorted_expert,
+            int* __restrict__ sorted_entry, int* __restrict__ entry_pos) {
+    extern __shared__ u32 running[];
+    for (u32 e = threadIdx.x; e < E; e += blockDim.x) running[e] = chunk_base[(size_t)blockIdx.x * E + e];
+    __syncthreads();
+    u32 i = blockIdx.x * SORT_CHUNK + threadIdx.x;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int id = i < N ? ids[i] : -1 - lane;  // distinct dummies never match a real id
+    for (int w = 0; w < SORT_CHUNK / 32; w++) {
+        if (warp == w) {
+            u32 peers = __match_any_sync(0xFFFFFFFFu, id);
+            u32 rank = __popc(peers & ((1u << lane) - 1u));
+            if (id >= 0) {
+                u32 pos = running[id] + rank;
+                sorted_token[pos] = (int)(i / K);
+                sorted_expert[pos] = id;
+                sorted_entry[pos] = (int)i;
+                entry_pos[i] = (int)pos;
+            }
+            __syncwarp();
+            if (id >= 0 && rank == 0) running[id] += __popc(peers);
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Grouped GEMM: out[p, n] = alpha_e * sum_k deq(A)[p, k] * deq_nog(W_e)[n, k] for sorted rows p
+// of expert e. A: NVFP4 [N, K/2] + E4M3 [N, K/16] (linear). W: [E][Nout][K/2] + scales
+// [E][Nout][K/wblock] (E4M3 for wblock 16, UE8M0 for 32).
+//
+// A block computes a BM x (NB * BNB) tile: BM sorted rows of one expert against BNB output
+// columns of NB weight matrices (NB = 2: gate and up together, for the fused SwiGLU). 8 warps
+// in a 4 (rows) x 2 (columns) grid, each 32 rows x BNB/2 columns per matrix. Per BK slice the
+// FP4 codes are dequantized into shared memory as BF16 (code -> BF16 pair from a 256-entry
+// table, times the block scale with one exact bf16x2 FMA), then BF16 mma.sync m16n8k16 with
+// FP32 accumulators. The next slice's codes are loaded into registers while the tensor cores
+// work on the current one.
+
+#define BM 128
+#define BK 64
+#define GEMM_THREADS 256
+#define SROW (BK + 8)  // bf16 per smem row: +16 bytes against bank conflicts
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+    u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// a * b exactly (the product e2m1 * scale is representable in BF16); -0 as addend keeps the
+// sign of a zero product.
+__device__ __forceinline__ u32 bf16x2_mul_exact(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// BF16 bits of the 16 E2M1 codes.
+__device__ __forceinline__ u32 e2m1_bf16_bits(u32 code) {
+    const u32 mag[8] = {0x0000u, 0x3F00u, 0x3F80u, 0x3FC0u, 0x4000u, 0x4040u, 0x4080u, 0x40C0u};
+    u32 v = 0;
+#pragma unroll
+    for (int m = 0; m < 8; m++) v = (code & 7u) == (u32)m ? mag[m] : v;
+    return v | ((code & 8u) << 12);
+}
+
+// lut[byte] = the two codes of a packed byte as a BF16 pair (low nibble in the low half).
+__device__ __forceinline__ void build_lut(u32* lut) {
+    for (u32 b = threadIdx.x; b < 256; b += blockDim.x)
+        lut[b] = e2m1_bf16_bits(b & 0xFu) | (e2m1_bf16_bits(b >> 4) << 16);
+}
+
+// One 16-group in flight: its 8 code bytes and its scale as a BF16 pair.
+struct Group {
+    uint2 q;
+    u32 s2;
+};
+
+__device__ __forceinline__ u32 scale_bf16x2(float s) {
+    u32 h = __float_as_uint(s) >> 16;  // exact: E4M3 and UE8M0 values are BF16 values
+    return h | (h << 16);
+}
+
+__device__ __forceinline__ void store_group(const Group& g, const u32* lut, u16* dst) {
+    u32 w[8];
+    u32 b[2] = {g.q.x, g.q.y};
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) w[h * 4 + j] = bf16x2_mul_exact(lut[(b[h] >> (8 * j)) & 0xFFu], g.s2);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// Which expert and rows a block works on; false when the block has no tile.
+__device__ __forceinline__ bool find_tile(const u32* __restrict__ tile_offsets,
+                                          const u32* __restrict__ expert_offsets, u32 E, u32& e,
+                                          u32& r0, u32& r1) {
+    u32 bx = blockIdx.x;
+    if (bx >= tile_offsets[E]) return false;
+    u32 lo = 0, hi = E;  // largest e with tile_offsets[e] <= bx
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (tile_offsets[mid] <= bx) lo = mid; else hi = mid;
+    }
+    e = lo;
+    r0 = expert_offsets[e] + (bx - tile_offsets[e]) * BM;
+    u32 end = expert_offsets[e + 1];
+    r1 = r0 + BM < end ? r0 + BM : end;
+    return true;
+}
+
+// The operands of one grouped GEMM block.
+template <int NB>
+struct Operands {
+    const u8* aq;
+    const u8* as;
+    u32 K;
+    u32 r0, r1;
+    const u8* wq[2];
+    const u8* ws[2];
+    u32 nout, wblock, n0;
+};
+
+// Groups per thread per BK slice: A has BM rows x BK/16 groups, W has NB*BNB rows x BK/16.
+template <int NB, int BNB>
+struct Slice {
+    static constexpr int A_ITEMS = BM * (BK / 16) / GEMM_THREADS;
+    static constexpr int W_ITEMS = NB * BNB * (BK / 16) / GEMM_THREADS;
+    Group a[A_ITEMS];
+    Group w[W_ITEMS];
+};
+
+template <int NB, int BNB>
+__device__ __forceinline__ void load_slice(const Operands<NB>& o, u32 k0, Slice<NB, BNB>& sl) {
+    u32 kgs = o.K / 16;
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::A_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        u32 r = idx / (BK / 16), g = idx % (BK / 16);
+        u32 row = o.r0 + r, kg = k0 / 16 + g;
+        Group x = {make_uint2(0, 0), 0};
+        if (row < o.r1 && kg < kgs) {
+            x.q = *reinterpret_cast<const uint2*>(o.aq + (size_t)row * (o.K / 2) + kg * 8);
+            x.s2 = scale_bf16x2(e4m3_decode(o.as[(size_t)row * kgs + kg]));
+        }
+        sl.a[t] = x;
+    }
+    u32 kb = o.K / o.wblock;
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::W_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        u32 r = idx / (BK / 16), g = idx % (BK / 16);
+        u32 b = r / BNB, n = o.n0 + r % BNB, kg = k0 / 16 + g;
+        Group x = {make_uint2(0, 0), 0};
+        // a select, not o.wq[b]: a run-time index would put the operands in local memory
+        const u8* wq = (NB > 1 && b != 0) ? o.wq[1] : o.wq[0];
+        const u8* ws = (NB > 1 && b != 0) ? o.ws[1] : o.ws[0];
+        if (n < o.nout && kg < kgs) {
+            x.q = *reinterpret_cast<const uint2*>(wq + (size_t)n * (o.K / 2) + kg * 8);
+            u32 sc = ws[(size_t)n * kb + kg * 16 / o.wblock];
+            x.s2 = scale_bf16x2(o.wblock == 16 ? e4m3_decode(sc) : ue8m0_decode(sc));
+        }
+        sl.w[t] = x;
+    }
+}
+
+template <int NB, int BNB>
+__device__ __forceinline__ void store_slice(const Slice<NB, BNB>& sl, const u32* lut, u16* sA, u16* sB) {
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::A_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        store_group(sl.a[t], lut, sA + (idx / (BK / 16)) * SROW + (idx % (BK / 16)) * 16);
+    }
+#pragma unroll
+    for (int t = 0; t < Slice<NB, BNB>::W_ITEMS; t++) {
+        u32 idx = threadIdx.x + t * GEMM_THREADS;
+        store_group(sl.w[t], lut, sB + (idx / (BK / 16)) * SROW + (idx % (BK / 16)) * 16);
+    }
+}
+
+// Accumulators: [matrix][m16 tile][n8 tile][4]; a warp owns 32 rows x BNB/2 columns.
+template <int NB, int BNB>
+__device__ __forceinline__ void gemm_mainloop(const Operands<NB>& o, u16* sA, u16* sB, const u32* lut,
+                                              float (&acc)[NB][2][BNB / 16][4]) {
+    constexpr int NT = BNB / 16;  // n8 tiles per warp per matrix
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int wm = warp % 4, wn = warp / 4;
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[b][i][j][q] = 0.0f;
+    Slice<NB, BNB> sl;
+    load_slice<NB, BNB>(o, 0, sl);
+    store_slice<NB, BNB>(sl, lut, sA, sB);
+    __syncthreads();
+    for (u32 k0 = 0; k0 < o.K; k0 += BK) {
+        bool more = k0 + BK < o.K;
+        if (more) load_slice<NB, BNB>(o, k0 + BK, sl);  // in flight during the MMAs
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            u32 af[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                ldmatrix_x4(af[i], sA + (wm * 32 + i * 16 + (lane % 16)) * SROW + kk + (lane / 16) * 8);
+#pragma unroll
+            for (int b = 0; b < NB; b++) {
+#pragma unroll
+                for (int jj = 0; jj < NT / 2; jj++) {
+                    // two n8 tiles per ldmatrix.x4: regs {b0,b1} of tile 2jj, then of 2jj+1
+                    u32 bf[4];
+                    const u16* p = sB + (b * BNB + wn * (BNB / 2) + jj * 16 + (lane % 8) + (lane / 16) * 8) * SROW +
+                                   kk + ((lane / 8) % 2) * 8;
+                    ldmatrix_x4(bf, p);
+#pragma unroll
+                    for (int i = 0; i < 2; i++) {
+                        mma_bf16(acc[b][i][2 * jj], af[i], bf[0], bf[1]);
+                        mma_bf16(acc[b][i][2 * jj + 1], af[i], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+        if (more) {
+            store_slice<NB, BNB>(sl, lut, sA, sB);
+            __syncthreads();
+        }
+    }
+}
+
+// Visit each accumulator element with its (row, col) inside the block tile (per matrix).
+#define FOR_EACH_ACC(NT_, WCOLS_, ...)                                             \
+    {                                                                             \
+        int warp_ = threadIdx.x / 32, lane_ = threadIdx.x % 32;                   \
+        int wm_ = warp_ % 4, wn_ = warp_ / 4;                                     \
+        _Pragma("unroll") for (int i = 0; i < 2; i++)                             \
+        _Pragma("unroll") for (int j = 0; j < (NT_); j++)                         \
+        _Pragma("unroll") for (int q = 0; q < 4; q++) {                           \
+            int lr = wm_ * 32 + i * 16 + lane_ / 4 + (q / 2) * 8;                 \
+            int lc = wn_ * (WCOLS_) + j * 8 + (lane_ % 4) * 2 + (q % 2);          \
+            __VA_ARGS__                                                           \
+        }                                                                         \
+    }
+
+#define PLAIN_BN 128
+#define FUSED_BN 64
+// operand tiles (A + NB*BNB rows of SROW bf16) + the code table
+#define GEMM_SMEM_U16 ((BM + 128) * SROW)
+
+// Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
+// alpha_e = rcp(gs[e]) * ws2[e].
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+moe_gemm_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
+               const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
+               const float* __restrict__ gs, const float* __restrict__ ws2,
+               const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
+               float* __restrict__ out) {
+    __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
+    __shared__ u32 lut[256];
+    u32 e, r0, r1;
+    if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
+    build_lut(lut);
+    Operands<1> o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / wblock);
+    o.wq[0] = wq + e * wstride; o.ws[0] = ws + e * sstride;
+    o.wq[1] = nullptr; o.ws[1] = nullptr;
+    o.nout = nout; o.wblock = wblock; o.n0 = blockIdx.y * PLAIN_BN;
+    __syncthreads();
+    float acc[1][2][PLAIN_BN / 16][4];
+    gemm_mainloop<1, PLAIN_BN>(o, smem, smem + BM * SROW, lut, acc);
+    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+    FOR_EACH_ACC(PLAIN_BN / 16, PLAIN_BN / 2, {
+        u32 row = r0 + lr, col = o.n0 + lc;
+        if (row < r1 && col < nout) out[(size_t)row * nout + col] = __fmul_rn(acc[0][i][j][q], alpha);
+    })
+}
+
+// Gate/up projection with SwiGLU fused: g = acc_g * alpha_g, u = acc_u * alpha_u (alpha =
+// rcp(gs1[e]) * ws2), a = swiglu(g, u). Then either (fixed gs2) quantize `a` to NVFP4 with
+// gs2[e] right here, or (dynamic) write `a` in f32 and fold |a| into amax_bits[e].
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
+                       const u8* __restrict__ w1q, const u8* __restrict__ w1s,
+                       const u8* __restrict__ w3q, const u8* __restrict__ w3s, u32 nout, u32 wblock,
+                       const float* __restrict__ gs1, const float* __restrict__ ws2_1,
+                       const float* __restrict__ ws2_3, float limit, u32 has_limit,
+                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets,
+                       u32 E, const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                       u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
+                       u32* __restrict__ amax_bits) {
+    __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
+    __shared__ u32 lut[256];
+    u32 e, r0, r1;
+    if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
+    build_lut(lut);
+    Operands<2> o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / wblock);
+    o.wq[0] = w1q + e * wstride; o.ws[0] = w1s + e * sstride;
+    o.wq[1] = w3q + e * wstride; o.ws[1] = w3s + e * sstride;
+    o.nout = nout; o.wblock = wblock; o.n0 = blockIdx.y * FUSED_BN;
+    u32 n0 = o.n0;
+    __syncthreads();
+    float acc[2][2][FUSED_BN / 16][4];
+    gemm_mainloop<2, FUSED_BN>(o, smem, smem + BM * SROW, lut, acc);
+    float g_in = rcp_ref(gs1[e]);
+    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
+    // the tile of `a` in smem (f32, padded rows), reusing the operand buffers
+    float* sa = reinterpret_cast<float*>(smem);
+    const int SA = FUSED_BN + 4;
+    FOR_EACH_ACC(FUSED_BN / 16, FUSED_BN / 2, {
+        float g = __fmul_rn(acc[0][i][j][q], alpha_g);
+        float u = __fmul_rn(acc[1][i][j][q], alpha_u);
+        sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
+    })
+    __syncthreads();
+    if (gs2 != nullptr) {
+        // fixed gs2: quantize each (row, 16-column group) of the tile
+        float gsv = gs2[e];
+        u32 kb = nout / 16;
+        u32 counts[4] = {0, 0, 0, 0};
+        for (u32 idx = threadIdx.x; idx < BM * (FUSED_BN / 16); idx += GEMM_THREADS) {
+            u32 r = idx / (FUSED_BN / 16), g = idx % (FUSED_BN / 16);
+            u32 row = r0 + r, col = n0 + g * 16;
+            if (row < r1 && col < nout) {
+                float v[16];
+#pragma unroll
+                for (int x = 0; x < 16; x++) v[x] = sa[r * SA + g * 16 + x];
+                u32 p[2];
+                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
+                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
+                outs[(size_t)row * kb + col / 16] = (u8)s;
+                float vmax = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
+                u32 c = classify_nvfp4(s, vmax > 0.0f);
+                counts[0] += 1;
+                counts[1] += c & 1u;
+                counts[2] += (c >> 1) & 1u;
+                counts[3] += (c >> 2) & 1u;
+            }
+        }
+        add_stats4(stats, counts);
+    } else {
+        // dynamic gs2: write a, fold |a| into the expert's amax
+        u32 m = 0;
+        for (u32 idx = threadIdx.x; idx < BM * FUSED_BN; idx += GEMM_THREADS) {
+            u32 r = idx / FUSED_BN, c = idx % FUSED_BN;
+            u32 row = r0 + r, col = n0 + c;
+            if (row < r1 && col < nout) {
+                float v = sa[r * SA + c];
+                out_f32[(size_t)row * nout + col] = v;
+                float a = fabsf(v);
+                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
+                m = bits > m ? bits : m;
+            }
+        }
+        m = __reduce_max_sync(0xFFFFFFFFu, m);
+        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
+    }
+}
+
+// gs = 2688 / amax (amax 0 -> 2688; NaN stays NaN), from amax bit patterns, for n entries.
+extern "C" __global__ void dynamic_gs_from_amax(const u32* __restrict__ amax_bits, u32 n,
+                                                float* __restrict__ gs) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float a = __uint_as_float(amax_bits[i]);
+    gs[i] = a == 0.0f ? 2688.0f : __fdiv_rn(2688.0f, a);
+}
+
+// Broadcast one device value into n entries (the dynamic gs1 of every expert).
+extern "C" __global__ void broadcast_f32(const float* __restrict__ src, u32 n, float* __restrict__ dst) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[0];
+}
+
+// out[t, h] = sum over slots in order of w[t, slot] * y[pos(t, slot), h], then + shared[t, h]
+// (f32, the CPU's order). per_slot (nullable) gets the unweighted rows, row t*K + slot.
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ entry_pos,
+                                       const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
+                                       const float* __restrict__ shared, float* __restrict__ out,
+                                       float* __restrict__ per_slot) {
+    u32 t = blockIdx.x;
+    u32 h = blockIdx.y * blockDim.x + threadIdx.x;
+    if (t >= T || h >= H) return;
+    float acc = 0.0f;
+    for (u32 s = 0; s < K; s++) {
+        u32 entry = t * K + s;
+        float v = y[(size_t)entry_pos[entry] * H + h];
+        acc = __fadd_rn(acc, __fmul_rn(topk_weights[entry], v));
+        if (per_slot) per_slot[(size_t)entry * H + h] = v;
+    }
+    if (shared) acc = __fadd_rn(acc, shared[(size_t)t * H + h]);
+    out[(size_t)t * H + h] = acc;
+}
+
+// ---------------------------------------------------------------------------------------
+// Reference-path helpers (the GEMMs themselves are cuBLAS).
+
+// dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity).
+extern "C" __global__ void gather_rows_bf16(const float* __restrict__ src, const int* __restrict__ rows,
+                                            u32 n_rows, u32 cols, u16* __restrict__ dst) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n_rows * cols) return;
+    size_t p = i / cols, c = i % cols;
+    size_t r = rows ? (size_t)rows[p] : p;
+    dst[i] = f32_to_bf16_rn(src[r * cols + c]);
+}
+
+// a = bf16(swiglu(g, u)) elementwise (the reference and shared-expert intermediate).
+extern "C" __global__ void swiglu_bf16(const float* __restrict__ g, const float* __restrict__ u,
+                                       u64 n, float limit, u32 has_limit, u16* __restrict__ a) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) a[i] = f32_to_bf16_rn(swiglu(g[i], u[i], limit, has_limit));
+}

@@ -1,0 +1,245 @@
+// Shared device helpers for nvfp4dbg kernels: the exact NVFP4 / MXFP4 codecs of
+// src/nvfp4 (DESIGN.md §2), written so that every float step is one IEEE f32 operation
+// (the modules are compiled with --fmad=false --ftz=false --prec-div=true, and the steps
+// that define the numbers use the explicit _rn intrinsics on top of that).
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define NVFP4_R6 __int_as_float(0x3E2AAAAB) /* f32(1/6), as the reference multiplies by it */
+#define E4M3_MAX 448.0f
+#define E4M3_MAX_CODE 0x7E
+#define E4M3_NAN 0x7F
+#define UE8M0_NAN 0xFF
+#define NONE_IDX 0xFFFFFFFFFFFFFFFFull
+
+// Blackwell's family-specific targets (sm_100a, ...) have the FP4 conversion instruction;
+// the same gate as cuda_fp8.h's __CUDA_FP8_INTERNAL_CAN_RELY_ON_PTX_FOR_SHORTTYPESCVT__.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && defined(__CUDA_ARCH_FAMILY_SPECIFIC__)
+#define NVFP4DBG_HW_E2M1 1
+#else
+#define NVFP4DBG_HW_E2M1 0
+#endif
+
+__device__ __forceinline__ float f32_nan() { return __int_as_float(0x7fffffff); }
+
+// rcp(v) = 1/v with rcp(0) = 0, IEEE division (the reference's get_reciprocal).
+__device__ __forceinline__ float rcp_ref(float v) { return v == 0.0f ? 0.0f : __fdiv_rn(1.0f, v); }
+
+__device__ __forceinline__ float rcp_approx_ftz(float v) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+}
+
+// NaN-propagating min(v, hi) (torch.clamp; fminf would drop the NaN).
+__device__ __forceinline__ float clamp_max(float v, float hi) { return v > hi ? hi : v; }
+__device__ __forceinline__ float clamp6(float v) { return v > 6.0f ? 6.0f : (v < -6.0f ? -6.0f : v); }
+
+// ---- E2M1 ----
+// Round half to even on [0, .5, 1, 1.5, 2, 3, 4, 6]; the sign bit is the sign of x, also
+// when the magnitude rounds to 0 (as PTX cvt.rn does). NaN maps to magnitude 7.
+__device__ __forceinline__ u32 e2m1_encode_sw(float x) {
+    float a = fabsf(x);
+    u32 mag = a <= 0.25f ? 0u
+            : a < 0.75f  ? 1u
+            : a <= 1.25f ? 2u
+            : a < 1.75f  ? 3u
+            : a <= 2.5f  ? 4u
+            : a < 3.5f   ? 5u
+            : a <= 5.0f  ? 6u
+                         : 7u;
+    if (a != a) mag = 7u;
+    return mag | ((__float_as_uint(x) >> 31) << 3);
+}
+
+// Two values (already clamped to [-6, 6]) to one byte, `lo` in the low nibble.
+__device__ __forceinline__ u32 e2m1_pack2(float lo, float hi) {
+#if NVFP4DBG_HW_E2M1
+    u16 r;
+    asm("{ .reg .b8 t;\n cvt.rn.satfinite.e2m1x2.f32 t, %2, %1;\n mov.b16 %0, {t, 0};\n}"
+        : "=h"(r)
+        : "f"(lo), "f"(hi));
+    return (u32)(r & 0xFF);
+#else
+    return e2m1_encode_sw(lo) | (e2m1_encode_sw(hi) << 4);
+#endif
+}
+
+__device__ __forceinline__ float e2m1_decode(u32 code) {
+    // 0, .5, 1, 1.5, 2, 3, 4, 6 without a table: magnitude m -> value
+    u32 m = code & 7u;
+    // m < 4: 0.5 m; m >= 4: 2^(m/2 - 1) * (1 + (m & 1) / 2) -> 2, 3, 4, 6 (all exact)
+    float v = m < 4u ? 0.5f * (float)m : (float)(1u << ((m >> 1) - 1u)) * (1.0f + 0.5f * (float)(m & 1u));
+    return (code & 8u) ? -v : v;
+}
+
+// ---- E4M3 (float8_e4m3fn) ----
+__device__ __forceinline__ float e4m3_decode(u32 c) {
+    c &= 0xFFu;
+    if ((c & 0x7Fu) == 0x7Fu) return f32_nan();
+    u32 e = (c >> 3) & 0xFu, m = c & 7u;
+    float v = e == 0u ? __fmul_rn((float)m, 0.001953125f) /* m * 2^-9, exact */
+                      : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return (c & 0x80u) ? -v : v;
+}
+
+// Round to nearest even, saturate at 448 (the reference's encode_saturating).
+__device__ __forceinline__ u32 e4m3_encode_sat(float x) {
+    if (x != x) return E4M3_NAN;
+    u32 sign = (__float_as_uint(x) >> 31) << 7;
+    float a = fabsf(x);
+    float r;
+    if (a < 0.015625f) {
+        r = __fmul_rn(rintf(__fmul_rn(a, 512.0f)), 0.001953125f);
+    } else {
+        int ex = (int)((__float_as_uint(a) >> 23) & 0xFFu) - 127;  // 128 for inf
+        float inv_quantum = __uint_as_float((u32)(127 - (ex - 3)) << 23);
+        float quantum = __uint_as_float((u32)(ex - 3 + 127) << 23);
+        r = __fmul_rn(rintf(__fmul_rn(a, inv_quantum)), quantum);
+    }
+    if (r > E4M3_MAX) return sign | E4M3_MAX_CODE;
+    u32 code;
+    if (r < 0.015625f) {
+        code = (u32)__fmul_rn(r, 512.0f);
+    } else {
+        u32 b = __float_as_uint(r);
+        int ex = (int)((b >> 23) & 0xFFu) - 127;
+        code = ((u32)(ex + 7) << 3) | ((b >> 20) & 7u);
+    }
+    return sign | code;
+}
+
+// Hardware conversion, as vLLM / TRT-LLM kernels do (`__nv_fp8_e4m3(v)`): cvt.rn.satfinite.
+__device__ __forceinline__ u32 e4m3_encode_hw(float x) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    return (u32)(r & 0xFF);
+}
+
+// ---- UE8M0 ----
+__device__ __forceinline__ float ue8m0_decode(u32 c) {
+    c &= 0xFFu;
+    if (c == UE8M0_NAN) return f32_nan();
+    return c == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(c << 23);
+}
+
+// floor(log2 v) for finite v > 0, subnormals included.
+__device__ __forceinline__ int floor_log2(float v) {
+    u32 b = __float_as_uint(v);
+    int e = (int)((b >> 23) & 0xFFu);
+    if (e == 0) return -149 + (31 - __clz((int)(b & 0x7FFFFFu)));
+    return e - 127;
+}
+
+// ---- BF16 (bit level, so no header is needed for the type) ----
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
+    u32 b = __float_as_uint(f);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((b >> 16) | 0x40u);  // quiet NaN
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (u16)(b >> 16);
+}
+
+// NaN-propagating max|x| accumulation.
+__device__ __forceinline__ float amax_step(float m, float x) {
+    float a = fabsf(x);
+    if (a != a || m != m) return f32_nan();
+    return a > m ? a : m;
+}
+
+// Block statistics, in the order of src/nvfp4 BlockStats: blocks, saturated, flushed, nan.
+struct BlockStats4 {
+    u64 v[4];
+};
+
+// Byte offset of scale (m, k) in the 128x4 swizzled layout (src/nvfp4/layout.rs).
+__device__ __forceinline__ u64 swizzle_offset(u64 m, u64 k, u64 kb) {
+    u64 k_tiles = (kb + 3) / 4;
+    return (m / 128 * k_tiles + k / 4) * 512 + (m % 32) * 16 + ((m / 32) % 4) * 4 + k % 4;
+}
+
+// Flavors of the NVFP4 quantizer (src/nvfp4 Flavor).
+#define FLAVOR_REFERENCE 0u
+#define FLAVOR_CUDA_FAST 1u
+
+// One NVFP4 block of 16 values with quant-direction global scale `gs`.
+// Writes 8 packed bytes as two words (element 2i in the low nibble of byte i) and returns the
+// E4M3 scale code. Reference: s = e4m3(min(gs * (vmax * R6), 448)),
+// out_scale = rcp(f32(s) * rcp(gs)), q = e2m1(clamp(x * out_scale, -6, 6)).
+// CudaFast: vLLM/TRT-LLM's cvt_warp_fp16_to_fp4 with rcp.approx.ftz reciprocals.
+__device__ __forceinline__ u32 quant_block_nvfp4(const float (&x)[16], float gs, u32 flavor,
+                                                 u32 (&packed)[2]) {
+    float vmax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) vmax = amax_step(vmax, x[i]);
+    u32 s_code;
+    float out_scale;
+    if (flavor == FLAVOR_CUDA_FAST) {
+        float sf = __fmul_rn(gs, __fmul_rn(vmax, rcp_approx_ftz(6.0f)));
+        s_code = e4m3_encode_hw(sf);
+        float s = e4m3_decode(s_code);
+        out_scale = s != 0.0f ? rcp_approx_ftz(__fmul_rn(s, rcp_approx_ftz(gs))) : 0.0f;
+    } else {
+        float t = clamp_max(__fmul_rn(gs, __fmul_rn(vmax, NVFP4_R6)), E4M3_MAX);
+        s_code = e4m3_encode_sat(t);
+        float s = e4m3_decode(s_code);
+        out_scale = rcp_ref(__fmul_rn(s, rcp_ref(gs)));
+    }
+#pragma unroll
+    for (int w = 0; w < 2; w++) {
+        u32 word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float lo = clamp6(__fmul_rn(x[w * 8 + 2 * i], out_scale));
+            float hi = clamp6(__fmul_rn(x[w * 8 + 2 * i + 1], out_scale));
+            word |= e2m1_pack2(lo, hi) << (8 * i);
+        }
+        packed[w] = word;
+    }
+    return s_code;
+}
+
+// Classify a block for BlockStats: returns bit 0 saturated, bit 1 flushed, bit 2 nan.
+__device__ __forceinline__ u32 classify_nvfp4(u32 s_code, bool nonzero) {
+    if ((s_code & 0x7Fu) == 0x7Fu) return 4u;
+    if ((s_code & 0x7Fu) == E4M3_MAX_CODE) return 1u;
+    if ((s_code & 0x7Fu) == 0u && nonzero) return 2u;
+    return 0u;
+}
+
+// Add per-thread counts (blocks, saturated, flushed, nan) into `stats` with one atomic per
+// warp and field (integer atomics: the totals do not depend on the order).
+__device__ __forceinline__ void add_stats4(u64* stats, const u32 (&c)[4]) {
+    u32 mask = __activemask();
+    int leader = __ffs(mask) - 1;
+#pragma unroll
+    for (int f = 0; f < 4; f++) {
+        u32 n = __reduce_add_sync(mask, c[f]);
+        if ((int)(threadIdx.x & 31) == leader && stats != nullptr && n) atomicAdd(&stats[f], (u64)n);
+    }
+}
+
+// The same for one block of class `cls` (classify_nvfp4) or none (blocks = 0).
+__device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
+    u32 c[4] = {blocks, cls & 1u, (cls >> 1) & 1u, (cls >> 2) & 1u};
+    add_stats4(stats, c);
+}
+
+// exp rounded once from double: matches a correctly rounded f32 exp (the CPU's expf) in all
+// but vanishingly rare double-rounding cases, where CUDA's expf is off by up to 2 ulp.
+__device__ __forceinline__ float expf_cr(float x) { return (float)exp((double)x); }
+
+// silu(g) * u with V4's swiglu_limit (gate clamped to <= L, up to [-L, L]; NaN kept), in
+// the CPU's order: (g / (1 + exp(-g))) * u.
+__device__ __forceinline__ float swiglu(float g, float u, float limit, u32 has_limit) {
+    if (has_limit) {
+        g = clamp_max(g, limit);
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf_cr(-g))), u);
+}

@@ -1,0 +1,180 @@
+// Block quantization kernels: NVFP4 (reference and cuda-fast flavors), MXFP4, scale
+// swizzling, and the flipped-code count between two quantizations.
+#include "nvfp4dbg_common.cuh"
+
+template <typename T> __device__ __forceinline__ void load16(const T* p, float (&x)[16]);
+template <> __device__ __forceinline__ void load16<float>(const float* p, float (&x)[16]) {
+    const float4* q = reinterpret_cast<const float4*>(p);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float4 v = q[i];
+        x[4 * i] = v.x; x[4 * i + 1] = v.y; x[4 * i + 2] = v.z; x[4 * i + 3] = v.w;
+    }
+}
+template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)[16]) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        uint4 v = q[i];
+        u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            x[8 * i + 2 * j] = bf16_to_f32((u16)(w[j] & 0xFFFFu));
+            x[8 * i + 2 * j + 1] = bf16_to_f32((u16)(w[j] >> 16));
+        }
+    }
+}
+
+// One thread per (row, 16-block). `row_src` (nullable) gathers: output row r reads input row
+// row_src[r]. `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`,
+// the grid covers the padded scale matrix and padding is written as zero.
+template <typename T>
+__device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
+                               const int* __restrict__ row_src, const float* __restrict__ gs,
+                               const int* __restrict__ gs_idx, u8* __restrict__ packed,
+                               u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
+                               u32 flavor) {
+    u64 kb = cols / 16;
+    u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
+    u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows_g * kb_g) return;
+    u64 r = idx / kb_g, b = idx % kb_g;
+    u32 blocks = 0, cls = 0;
+    if (r < rows && b < kb) {
+        u64 src = row_src ? (u64)row_src[r] : r;
+        float v[16];
+        load16<T>(x + src * cols + b * 16, v);
+        float g = gs[gs_idx ? gs_idx[r] : 0];
+        u32 p[2];
+        u32 s = quant_block_nvfp4(v, g, flavor, p);
+        *reinterpret_cast<uint2*>(packed + r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
+        scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)s;
+        float vmax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) vmax = amax_step(vmax, v[i]);
+        blocks = 1;
+        cls = classify_nvfp4(s, vmax > 0.0f);
+    } else {
+        scales[swizzle_offset(r, b, kb)] = 0;
+    }
+    add_stats(stats, blocks, cls);
+}
+
+extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
+                                              const float* gs, const int* gs_idx, u8* packed,
+                                              u8* scales, u32 swizzled, u64* stats, u32 flavor) {
+    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
+}
+
+extern "C" __global__ void nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src,
+                                               const float* gs, const int* gs_idx, u8* packed,
+                                               u8* scales, u32 swizzled, u64* stats, u32 flavor) {
+    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
+}
+
+// MXFP4 (OCP MX v1.0): blocks of 32, UE8M0 scale 2^(floor(log2 amax) - 2), elements
+// e2m1(clamp(x / scale, -6, 6)); a NaN block gets scale 0xFF and zero codes.
+template <typename T>
+__device__ void mxfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols, u8* __restrict__ packed,
+                               u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats) {
+    u64 kb = cols / 32;
+    u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
+    u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows_g * kb_g) return;
+    u64 r = idx / kb_g, b = idx % kb_g;
+    u32 blocks = 0, cls = 0;
+    if (r < rows && b < kb) {
+        float v[2][16];
+        load16<T>(x + r * cols + b * 32, v[0]);
+        load16<T>(x + r * cols + b * 32 + 16, v[1]);
+        float vmax = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int i = 0; i < 16; i++) vmax = amax_step(vmax, v[h][i]);
+        u32 code;
+        u32 words[4] = {0, 0, 0, 0};
+        blocks = 1;
+        if (vmax != vmax) {
+            code = UE8M0_NAN;
+            cls = 4u;
+        } else {
+            int ex = vmax == 0.0f ? -127 : (isinf(vmax) ? 127 : floor_log2(vmax) - 2);
+            ex = ex < -127 ? -127 : (ex > 127 ? 127 : ex);
+            code = (u32)(ex + 127);
+            if (code == 254u) cls = 1u;
+            float scale = ue8m0_decode(code);
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+                u32 word = 0;
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float lo = clamp6(__fdiv_rn(v[w / 2][(w % 2) * 8 + 2 * i], scale));
+                    float hi = clamp6(__fdiv_rn(v[w / 2][(w % 2) * 8 + 2 * i + 1], scale));
+                    word |= e2m1_pack2(lo, hi) << (8 * i);
+                }
+                words[w] = word;
+            }
+        }
+        *reinterpret_cast<uint4*>(packed + r * (cols / 2) + b * 16) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+        scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)code;
+    } else {
+        scales[swizzle_offset(r, b, kb)] = 0;
+    }
+    add_stats(stats, blocks, cls);
+}
+
+extern "C" __global__ void mxfp4_quantize_f32(const float* x, u64 rows, u32 cols, u8* packed,
+                                              u8* scales, u32 swizzled, u64* stats) {
+    mxfp4_quantize<float>(x, rows, cols, packed, scales, swizzled, stats);
+}
+
+extern "C" __global__ void mxfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, u8* packed,
+                                               u8* scales, u32 swizzled, u64* stats) {
+    mxfp4_quantize<u16>(x, rows, cols, packed, scales, swizzled, stats);
+}
+
+// Linear [rows, kb] -> 128x4 swizzled (padding zero). One thread per padded entry.
+extern "C" __global__ void scales_swizzle(const u8* __restrict__ linear, u64 rows, u64 kb,
+                                          u8* __restrict__ out) {
+    u64 kb_p = (kb + 3) / 4 * 4;
+    u64 rows_p = (rows + 127) / 128 * 128;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows_p * kb_p) return;
+    u64 m = idx / kb_p, k = idx % kb_p;
+    out[swizzle_offset(m, k, kb)] = (m < rows && k < kb) ? linear[m * kb + k] : (u8)0;
+}
+
+// Swizzled -> linear [rows, kb] (padding dropped).
+extern "C" __global__ void scales_unswizzle(const u8* __restrict__ swz, u64 rows, u64 kb,
+                                            u8* __restrict__ out) {
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= rows * kb) return;
+    u64 m = idx / kb, k = idx % kb;
+    out[idx] = swz[swizzle_offset(m, k, kb)];
+}
+
+// Codes that differ between two quantizations of the same tensor: counts[0] = differing
+// E2M1 codes (nibbles), counts[1] = differing scale bytes.
+extern "C" __global__ void count_flips(const u8* __restrict__ a, const u8* __restrict__ b,
+                                       u64 n_packed, const u8* __restrict__ sa,
+                                       const u8* __restrict__ sb, u64 n_scales,
+                                       u64* __restrict__ counts) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 codes = 0, sc = 0;
+    if (i < n_packed) {
+        u32 d = (u32)(a[i] ^ b[i]);
+        codes = ((d & 0xFu) != 0u) + ((d >> 4) != 0u);
+    }
+    if (i < n_scales) sc = sa[i] != sb[i];
+    u32 mask = __activemask();
+    u32 c = __reduce_add_sync(mask, codes);
+    u32 s = __reduce_add_sync(mask, sc);
+    if ((int)(threadIdx.x & 31) == __ffs(mask) - 1) {
+        if (c) atomicAdd(&counts[0], (u64)c);
+        if (s) atomicAdd(&counts[1], (u64)s);
+    }
+}

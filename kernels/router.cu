@@ -1,0 +1,167 @@
+// The DeepSeek router after the FP32 logits (cuBLAS): scoring, bias, group-limited top-k or
+// hash ids, unbiased weights — docs/moe-forward.md, in the CPU reference's order of f32 ops.
+// One warp per token; ranking: NaN first (as torch.topk), then larger value, then lower index.
+#include "nvfp4dbg_common.cuh"
+
+#define SCORE_SIGMOID 0u
+#define SCORE_SOFTMAX 1u
+#define SCORE_SQRTSOFTPLUS 2u
+#define ROUTER_WARPS 4
+
+__device__ __forceinline__ bool ranks_before(float av, int ai, float bv, int bi) {
+    bool an = av != av, bn = bv != bv;
+    if (an != bn) return an;
+    if (!an && av != bv) return av > bv;
+    return ai < bi;
+}
+
+// Warp-wide best (value, index) by ranks_before; every lane gets the result. idx < 0 = none.
+__device__ __forceinline__ void warp_best(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        int oi = __shfl_xor_sync(0xFFFFFFFFu, i, o);
+        bool take = oi >= 0 && (i < 0 || ranks_before(ov, oi, v, i));
+        if (take) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+// logits [T, E] (f32) -> topk_ids [T, K] (i32), topk_weights [T, K] (f32).
+// Dynamic shared memory: ROUTER_WARPS * (2 * E floats + E bytes).
+// Hash layers pass tid2eid [vocab, K] and input_ids [T] (both checked on the host).
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
+            const float* __restrict__ bias, u32 n_group, u32 topk_group, u32 norm_topk_prob,
+            float routed_scaling_factor, const i64* __restrict__ tid2eid,
+            const i64* __restrict__ input_ids, int* __restrict__ topk_ids,
+            float* __restrict__ topk_weights) {
+    extern __shared__ float smem[];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 t = blockIdx.x * ROUTER_WARPS + warp;
+    float* score = smem + (size_t)warp * 2 * E;
+    float* sel = score + E;
+    u8* flags = reinterpret_cast<u8*>(smem + (size_t)ROUTER_WARPS * 2 * E) + (size_t)warp * E;
+    if (t >= T) return;  // whole warps only: T is per warp
+    const float* l = logits + (size_t)t * E;
+
+    // 1. scores
+    if (scoring == SCORE_SOFTMAX) {
+        if (lane == 0) {
+            float m = -__int_as_float(0x7f800000);
+            for (u32 e = 0; e < E; e++) {
+                float v = l[e];
+                if (v > m || v != v) m = v;
+                if (m != m) break;
+            }
+            double sum = 0.0;
+            for (u32 e = 0; e < E; e++) {
+                float ex = expf_cr(__fsub_rn(l[e], m));
+                score[e] = ex;
+                sum += (double)ex;
+            }
+            float s = (float)sum;
+            for (u32 e = 0; e < E; e++) score[e] = __fdiv_rn(score[e], s);
+        }
+    } else {
+        for (u32 e = lane; e < E; e += 32) {
+            float v = l[e];
+            float s;
+            if (scoring == SCORE_SIGMOID) {
+                s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf_cr(-v)));
+            } else {
+                float sp = v > 20.0f ? v : (float)log1p((double)expf_cr(v));
+                s = __fsqrt_rn(sp);
+            }
+            score[e] = s;
+        }
+    }
+    __syncwarp();
+    for (u32 e = lane; e < E; e += 32) {
+        sel[e] = bias ? __fadd_rn(score[e], bias[e]) : score[e];
+        flags[e] = 1;  // allowed, not taken
+    }
+    __syncwarp();
+
+    int* ids_out = topk_ids + (size_t)t * K;
+    float* w_out = topk_weights + (size_t)t * K;
+    if (tid2eid != nullptr) {
+        // 4. hash layer: ids straight from the table
+        if (lane == 0) {
+            i64 row = input_ids[t];
+            for (u32 j = 0; j < K; j++) ids_out[j] = (int)tid2eid[row * K + j];
+        }
+    } else {
+        // 5. group limit: score of a group = sum of its top-2 sel; keep topk_group groups
+        if (n_group > 1) {
+            u32 gsz = E / n_group;
+            if (lane == 0) {
+                // group scores into the tail of `score`? no: keep them in registers of lane 0
+                // by re-scanning (n_group is small); flags[] marks kept experts.
+                for (u32 e = 0; e < E; e++) flags[e] = 0;
+                for (u32 kept = 0; kept < topk_group; kept++) {
+                    float best_v = 0.0f;
+                    int best_g = -1;
+                    for (u32 g = 0; g < n_group; g++) {
+                        if (flags[g * gsz] != 0) continue;  // already kept
+                        float v1 = 0.0f, v2 = 0.0f;
+                        int i1 = -1, i2 = -1;
+                        for (u32 e = g * gsz; e < (g + 1) * gsz; e++) {
+                            float v = sel[e];
+                            if (i1 < 0 || ranks_before(v, (int)e, v1, i1)) {
+                                v2 = v1; i2 = i1; v1 = v; i1 = (int)e;
+                            } else if (i2 < 0 || ranks_before(v, (int)e, v2, i2)) {
+                                v2 = v; i2 = (int)e;
+                            }
+                        }
+                        float gsc = __fadd_rn(0.0f, v1);
+                        if (i2 >= 0) gsc = __fadd_rn(gsc, v2);
+                        if (best_g < 0 || ranks_before(gsc, (int)g, best_v, best_g)) {
+                            best_v = gsc;
+                            best_g = (int)g;
+                        }
+                    }
+                    for (u32 e = best_g * gsz; e < (best_g + 1) * gsz; e++) flags[e] = 1;
+                }
+            }
+            __syncwarp();
+        }
+        // top-K of sel among allowed experts, descending
+        for (u32 j = 0; j < K; j++) {
+            float bv = 0.0f;
+            int bi = -1;
+            for (u32 e = lane; e < E; e += 32) {
+                if (flags[e] != 1) continue;
+                if (bi < 0 || ranks_before(sel[e], (int)e, bv, bi)) {
+                    bv = sel[e];
+                    bi = (int)e;
+                }
+            }
+            warp_best(bv, bi);
+            if (lane == 0) {
+                ids_out[j] = bi;
+                if (bi >= 0) flags[bi] = 2;
+            }
+            __syncwarp();
+        }
+    }
+    __syncwarp();
+    // 6. weights: unbiased scores of the chosen experts, normalized in slot order
+    if (lane == 0) {
+        float sum = 0.0f;
+        for (u32 j = 0; j < K; j++) {
+            int id = ids_out[j];
+            float w = id >= 0 ? score[id] : f32_nan();
+            w_out[j] = w;
+            sum = __fadd_rn(sum, w);
+        }
+        sum = __fadd_rn(sum, 1e-20f);
+        for (u32 j = 0; j < K; j++) {
+            float w = w_out[j];
+            if (norm_topk_prob) w = __fdiv_rn(w, sum);
+            w_out[j] = __fmul_rn(w, routed_scaling_factor);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! cuBLAS GEMMs on raw device pointers: `y[m, n] = x[m, k] · w[n, k]ᵀ` (row-major, weights
+//! `[out, in]` as checkpoints hold them), FP32 accumulation.
+
+use super::device::{cublas_err, Gpu};
+use crate::error::{Error, Result};
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasGemmEx, cublasOperation_t, cudaDataType_t,
+};
+use std::ffi::c_void;
+
+fn dim(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| Error::usage(format!("{what} = {v} is too large for one cuBLAS GEMM")))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_nt(
+    gpu: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    in_type: cudaDataType_t,
+    compute: cublasComputeType_t,
+    what: &str,
+) -> Result<()> {
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let blas = gpu.blas()?;
+    let (mi, ni, ki) = (
+        dim(m, "rows")?,
+        dim(n, "out features")?,
+        dim(k, "in features")?,
+    );
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // column-major view: C (n x m) = op(W) (n x k) · X (k x m), W stored k x n → transposed
+    unsafe {
+        cublasGemmEx(
+            *blas.blas.handle(),
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            ni,
+            mi,
+            ki,
+            &alpha as *const f32 as *const c_void,
+            w as *const c_void,
+            in_type,
+            ki,
+            x as *const c_void,
+            in_type,
+            ki,
+            &beta as *const f32 as *const c_void,
+            y as *mut c_void,
+            cudaDataType_t::CUDA_R_32F,
+            ni,
+            compute,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+        .result()
+        .map_err(|e| cublas_err(what, "cublasGemmEx", e))
+    }
+}
+
+/// BF16 × BF16 → f32 with FP32 accumulation (the reference path and shared experts).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_bf16(
+    gpu: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    what: &str,
+) -> Result<()> {
+    gemm_nt(
+        gpu,
+        m,
+        n,
+        k,
+        x,
+        w,
+        y,
+        cudaDataType_t::CUDA_R_16BF,
+        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        what,
+    )
+}
+
+/// f32 × f32 → f32 in plain FP32 (no TF32: the router's logits).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_f32(
+    gpu: &Gpu,
+    m: usize,
+    n: usize,
+    k: usize,
+    x: u64,
+    w: u64,
+    y: u64,
+    what: &str,
+) -> Result<()> {
+    gemm_nt(
+        gpu,
+        m,
+        n,
+        k,
+        x,
+        w,
+        y,
+        cudaDataType_t::CUDA_R_32F,
+        cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+        what,
+    )
+}

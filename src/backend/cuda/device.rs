@@ -1,0 +1,530 @@
+//! The GPU handle: probe (never panics), context + one stream, the lazily compiled module
+//! cache, cuBLAS, device memory helpers and kernel launches. Every CUDA call is checked and
+//! every error names the kernel (or the step) it came from.
+
+use super::nvrtc::{self, KernelModule};
+use crate::error::{Error, Result};
+use cudarc::cublas::{result::CublasError, sys as cublas_sys, CudaBlas};
+use cudarc::driver::{
+    result as drv, sys as drv_sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Run `f`, turning a panic (cudarc panics when a library or a symbol is missing) into `Err`.
+pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).map_err(|p| {
+        p.downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "panic in the CUDA library loader".into())
+    })
+}
+
+fn driver_what(e: &DriverError) -> String {
+    // the names come from libcuda; never let a missing library turn an error into a panic
+    let name = quietly(|| e.error_name().map(|s| s.to_string_lossy().into_owned()))
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or_else(|| format!("{:?}", e.0));
+    let text = quietly(|| e.error_string().map(|s| s.to_string_lossy().into_owned()))
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or_default();
+    if text.is_empty() {
+        name
+    } else {
+        format!("{name}: {text}")
+    }
+}
+
+/// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
+pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
+    if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        Error::GpuOom {
+            step: format!("{step} ({kernel})"),
+            what: driver_what(&e),
+        }
+    } else {
+        Error::Cuda {
+            step: step.to_string(),
+            kernel: kernel.to_string(),
+            what: driver_what(&e),
+        }
+    }
+}
+
+pub(crate) fn cublas_err(step: &str, kernel: &str, e: CublasError) -> Error {
+    if e.0 == cublas_sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED {
+        Error::GpuOom {
+            step: format!("{step} ({kernel})"),
+            what: format!("{:?}", e.0),
+        }
+    } else {
+        Error::Cuda {
+            step: step.to_string(),
+            kernel: kernel.to_string(),
+            what: format!("{:?}", e.0),
+        }
+    }
+}
+
+/// Is a usable GPU there? Checks the driver and NVRTC libraries load, the driver
+/// initializes, and device `ordinal` exists with compute capability 8.0 or newer (the
+/// kernels use BF16 `mma.sync`). Never panics.
+pub fn probe(ordinal: usize) -> Result<(i32, i32)> {
+    quietly(|| probe_inner(ordinal))
+        .unwrap_or_else(|p| Err(Error::NoGpu(format!("loading the CUDA libraries: {p}"))))
+}
+
+fn probe_inner(ordinal: usize) -> Result<(i32, i32)> {
+    if !unsafe { drv_sys::is_culib_present() } {
+        return Err(Error::NoGpu(
+            "libcuda.so (the NVIDIA driver) cannot be loaded; is this a GPU machine?".into(),
+        ));
+    }
+    if !nvrtc::nvrtc_present() {
+        return Err(Error::NoGpu(
+            "libnvrtc.so (CUDA 13 NVRTC) cannot be loaded: put the CUDA toolkit's lib64 on \
+             LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    drv::init().map_err(|e| Error::NoGpu(format!("cuInit failed: {}", driver_what(&e))))?;
+    let n = drv::device::get_count()
+        .map_err(|e| Error::NoGpu(format!("cuDeviceGetCount: {}", driver_what(&e))))?;
+    if n <= 0 {
+        return Err(Error::NoGpu("the driver sees no CUDA device".into()));
+    }
+    if ordinal >= n as usize {
+        return Err(Error::NoGpu(format!(
+            "cuda:{ordinal} asked for, but the driver sees {n} device(s) (cuda:0..cuda:{})",
+            n - 1
+        )));
+    }
+    let dev = drv::device::get(ordinal as i32)
+        .map_err(|e| Error::NoGpu(format!("cuDeviceGet({ordinal}): {}", driver_what(&e))))?;
+    let attr = |a| unsafe { drv::device::get_attribute(dev, a) };
+    use drv_sys::CUdevice_attribute::*;
+    let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+        .map_err(|e| Error::NoGpu(driver_what(&e)))?;
+    let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+        .map_err(|e| Error::NoGpu(driver_what(&e)))?;
+    if major < 8 {
+        return Err(Error::NoGpu(format!(
+            "cuda:{ordinal} has compute capability {major}.{minor}; the kernels need 8.0 or newer"
+        )));
+    }
+    Ok((major, minor))
+}
+
+/// A kernel argument, by value (device pointers are passed as `u64`).
+#[derive(Clone, Copy, Debug)]
+pub enum KArg {
+    U64(u64),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+}
+impl From<u64> for KArg {
+    fn from(v: u64) -> Self {
+        KArg::U64(v)
+    }
+}
+impl From<u32> for KArg {
+    fn from(v: u32) -> Self {
+        KArg::U32(v)
+    }
+}
+impl From<i32> for KArg {
+    fn from(v: i32) -> Self {
+        KArg::I32(v)
+    }
+}
+impl From<f32> for KArg {
+    fn from(v: f32) -> Self {
+        KArg::F32(v)
+    }
+}
+
+/// cuBLAS with its own workspace, so that its calls can be captured in a CUDA graph.
+pub(crate) struct Blas {
+    pub(crate) blas: CudaBlas,
+    _workspace: CudaSlice<u8>,
+}
+
+const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// One GPU: a context, one non-blocking stream that all work goes to (so ordering is the
+/// stream's, and a forward can be captured into a graph), the module cache and cuBLAS.
+pub struct Gpu {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    /// The NVRTC target, e.g. `sm_90a`.
+    pub arch: String,
+    pub(crate) stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    blas: Mutex<Option<Arc<Blas>>>,
+    /// Kernels launched since the last synchronization, to name them in an async error.
+    pending: Mutex<Vec<&'static str>>,
+    /// `NVFP4DBG_CUDA_SYNC=1`: synchronize after every launch to pin an error on its kernel.
+    sync_each: bool,
+    pub(crate) capturing: AtomicBool,
+}
+
+impl Gpu {
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>> {
+        let cc = probe(ordinal)?;
+        quietly(|| Self::open_inner(ordinal, cc))
+            .unwrap_or_else(|p| Err(Error::NoGpu(format!("opening cuda:{ordinal}: {p}"))))
+    }
+
+    fn open_inner(ordinal: usize, cc: (i32, i32)) -> Result<Arc<Gpu>> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| {
+            Error::NoGpu(format!(
+                "creating a context on cuda:{ordinal}: {}",
+                driver_what(&e)
+            ))
+        })?;
+        // One stream carries everything: no cross-stream events (they would also break
+        // graph capture).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_err("creating a stream", "-", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        Ok(Arc::new(Gpu {
+            ordinal,
+            name,
+            compute_capability: cc,
+            arch: nvrtc::arch_for(cc.0, cc.1),
+            stream,
+            ctx,
+            modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+            blas: Mutex::new(None),
+            pending: Mutex::new(Vec::new()),
+            sync_each: std::env::var("NVFP4DBG_CUDA_SYNC").is_ok_and(|v| v == "1"),
+            capturing: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn describe(&self) -> String {
+        format!("cuda:{} ({}, {})", self.ordinal, self.name, self.arch)
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| driver_err("cuMemGetInfo", "-", e))
+    }
+
+    /// The kernel `name` of `module`, compiling and loading the module on first use.
+    pub(crate) fn func(
+        &self,
+        module: &'static KernelModule,
+        name: &'static str,
+    ) -> Result<CudaFunction> {
+        if let Some(f) = lock(&self.funcs).get(name) {
+            return Ok(f.clone());
+        }
+        let m = {
+            let mut mods = lock(&self.modules);
+            match mods.get(module.file) {
+                Some(m) => m.clone(),
+                None => {
+                    let cubin = nvrtc::compile_cubin(module, &self.arch)?;
+                    let m = self
+                        .ctx
+                        .load_module(Ptx::from_binary(cubin))
+                        .map_err(|e| driver_err("loading the CUBIN", module.file, e))?;
+                    mods.insert(module.file, m.clone());
+                    m
+                }
+            }
+        };
+        let f = m
+            .load_function(name)
+            .map_err(|e| driver_err(&format!("finding the kernel in {}", module.file), name, e))?;
+        lock(&self.funcs).insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// Launch `kernel` on the stream. Errors name the kernel; asynchronous faults surface at
+    /// the next [`Gpu::sync`], which names the kernels launched since.
+    pub(crate) fn launch(
+        &self,
+        module: &'static KernelModule,
+        kernel: &'static str,
+        cfg: LaunchConfig,
+        args: &[KArg],
+    ) -> Result<()> {
+        let f = self.func(module, kernel)?;
+        if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
+            return Ok(());
+        }
+        if cfg.grid_dim.1 > 65535 || cfg.grid_dim.2 > 65535 || cfg.grid_dim.0 > i32::MAX as u32 {
+            return Err(Error::Cuda {
+                step: "kernel launch".into(),
+                kernel: kernel.into(),
+                what: format!("grid {:?} is larger than CUDA allows", cfg.grid_dim),
+            });
+        }
+        if cfg.shared_mem_bytes > 48 * 1024 {
+            use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            f.set_attribute(
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                cfg.shared_mem_bytes as i32,
+            )
+            .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
+        }
+        let mut b = self.stream.launch_builder(&f);
+        for a in args {
+            match a {
+                KArg::U64(v) => b.arg(v),
+                KArg::U32(v) => b.arg(v),
+                KArg::I32(v) => b.arg(v),
+                KArg::F32(v) => b.arg(v),
+            };
+        }
+        unsafe { b.launch(cfg) }.map_err(|e| driver_err("kernel launch", kernel, e))?;
+        lock(&self.pending).push(kernel);
+        if self.sync_each && !self.capturing.load(Ordering::Relaxed) {
+            self.sync(kernel)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the stream; an error names the kernels launched since the last sync.
+    pub fn sync(&self, step: &str) -> Result<()> {
+        let r = self.stream.synchronize();
+        let kernels = std::mem::take(&mut *lock(&self.pending));
+        r.map_err(|e| {
+            let mut names: Vec<&str> = Vec::new();
+            for k in kernels {
+                if !names.contains(&k) {
+                    names.push(k);
+                }
+            }
+            let kernel = if names.is_empty() {
+                "-".to_string()
+            } else {
+                names.join(" | ")
+            };
+            driver_err(
+                &format!("{step} (an asynchronous fault in one of these kernels; rerun with NVFP4DBG_CUDA_SYNC=1 to pin it)"),
+                &kernel,
+                e,
+            )
+        })
+    }
+
+    /// Allocate `n` elements, filled with 0xFF bytes (NaN for f32/bf16) so that anything a
+    /// kernel fails to write shows up.
+    pub fn alloc<T: DeviceRepr>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
+        let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }
+            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))?;
+        self.fill(&mut s, 0xFF, what)?;
+        Ok(s)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
+        self.stream
+            .alloc_zeros::<T>(n.max(1))
+            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))
+    }
+
+    /// Set every byte of `s` to `byte`.
+    pub fn fill<T>(&self, s: &mut CudaSlice<T>, byte: u8, what: &str) -> Result<()> {
+        let bytes = s.num_bytes();
+        let ptr = self.ptr(s);
+        unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+    }
+
+    /// Set `bytes` bytes at device address `ptr` to `byte` (stream-ordered; capturable).
+    pub(crate) fn fill_raw(&self, ptr: u64, bytes: usize, byte: u8, what: &str) -> Result<()> {
+        unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<CudaSlice<T>> {
+        if host.is_empty() {
+            return self.alloc(0, what);
+        }
+        self.stream
+            .clone_htod(host)
+            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+    }
+
+    /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
+    /// memory returns once the data is on its way, so `host` may be dropped right after.
+    pub(crate) fn upload_raw<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: u64,
+        capacity: usize,
+        what: &str,
+    ) -> Result<()> {
+        if host.len() > capacity {
+            return Err(Error::Cuda {
+                step: format!("copying {what} to the GPU"),
+                kernel: "-".into(),
+                what: format!("{} elements do not fit in {capacity}", host.len()),
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        unsafe { drv::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
+            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+    }
+
+    /// Copy `host` into the start of `dst`.
+    pub fn upload_into<T: DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut CudaSlice<T>,
+        at: usize,
+        what: &str,
+    ) -> Result<()> {
+        if host.is_empty() {
+            return Ok(());
+        }
+        if at + host.len() > dst.len() {
+            return Err(Error::Cuda {
+                step: format!("copying {what} to the GPU"),
+                kernel: "-".into(),
+                what: format!(
+                    "{} elements at {at} do not fit in {}",
+                    host.len(),
+                    dst.len()
+                ),
+            });
+        }
+        let mut view = dst.slice_mut(at..at + host.len());
+        self.stream
+            .memcpy_htod(host, &mut view)
+            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+    }
+
+    /// Copy the first `n` elements back (waits for the stream; reports pending faults).
+    pub fn download<T: DeviceRepr + Clone + Default>(
+        &self,
+        s: &CudaSlice<T>,
+        n: usize,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        self.sync(&format!("before copying {what} back"))?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let view = s.slice(0..n);
+        let v = self
+            .stream
+            .clone_dtoh(&view)
+            .map_err(|e| driver_err(&format!("copying {what} back"), "-", e))?;
+        self.sync(&format!("copying {what} back"))?;
+        Ok(v)
+    }
+
+    /// The raw device address of `s` (kernels take plain pointers).
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _guard) = s.device_ptr(&self.stream);
+        p
+    }
+
+    pub(crate) fn blas(&self) -> Result<Arc<Blas>> {
+        let mut g = lock(&self.blas);
+        if let Some(b) = g.as_ref() {
+            return Ok(b.clone());
+        }
+        let present = quietly(|| unsafe { cublas_sys::is_culib_present() }).unwrap_or(false);
+        if !present {
+            return Err(Error::NoGpu(
+                "libcublas.so (CUDA 13 cuBLAS) cannot be loaded: put the CUDA toolkit's lib64 \
+                 on LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        let blas = quietly(|| CudaBlas::new(self.stream.clone()))
+            .map_err(|p| Error::NoGpu(format!("libcublas: {p}")))?
+            .map_err(|e| cublas_err("creating the cuBLAS handle", "cublas", e))?;
+        let ws = self.zeros::<u8>(BLAS_WORKSPACE, "the cuBLAS workspace")?;
+        let wsp = self.ptr(&ws);
+        unsafe {
+            cublas_sys::cublasSetWorkspace_v2(*blas.handle(), wsp as *mut _, BLAS_WORKSPACE)
+                .result()
+                .map_err(|e| cublas_err("setting the cuBLAS workspace", "cublas", e))?;
+        }
+        let b = Arc::new(Blas {
+            blas,
+            _workspace: ws,
+        });
+        *g = Some(b.clone());
+        Ok(b)
+    }
+}
+
+/// A poisoned lock only means another thread panicked mid-update of a cache; the maps stay
+/// consistent (each insert is one call), so keep going.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A 1-D launch of `n` threads in blocks of `threads`.
+pub(crate) fn grid_1d(n: u64, threads: u32) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(threads as u64);
+    if blocks > i32::MAX as u64 {
+        return Err(Error::usage(format!(
+            "{n} elements is more than one kernel launch covers"
+        )));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probing_without_a_gpu_is_an_error_not_a_panic() {
+        // CPU CI has no driver: NoGpu with a message; on a GPU machine, a bogus ordinal.
+        match probe(4096) {
+            Err(Error::NoGpu(msg)) => assert!(!msg.is_empty()),
+            other => panic!("expected NoGpu, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn oom_becomes_gpu_oom_with_the_step() {
+        let e = driver_err(
+            "allocating x",
+            "k",
+            DriverError(drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert!(matches!(e, Error::GpuOom { .. }), "{e}");
+        assert!(e.to_string().contains("allocating x"));
+        let e = driver_err(
+            "kernel launch",
+            "moe_combine",
+            DriverError(drv_sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        assert!(e.to_string().contains("moe_combine"), "{e}");
+    }
+}

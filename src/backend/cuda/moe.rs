@@ -1,0 +1,1210 @@
+//! The MoE block on the GPU (docs/moe-forward.md): the NVFP4 path through kernels/moe.cu
+//! and the BF16 reference through cuBLAS, with the same sort and combine kernels.
+//!
+//! A forward is prepared once ([`Nvfp4Forward::new`]: weights streamed to the GPU, every
+//! buffer allocated), then [`Nvfp4Forward::enqueue`] only launches work on the one stream:
+//! no allocation, no host sync. That is what makes [`Nvfp4Forward::capture`] (a CUDA graph of
+//! the whole layer, for `layertest --cuda-graph`) possible.
+
+use super::blas;
+use super::device::{grid_1d, Gpu, KArg};
+use super::nvrtc::{MOE, QUANT};
+use super::quant::{flavor_code, stats_from};
+use super::router::{self, DevRouter, RouteBufs};
+use crate::error::{Error, Result};
+use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
+use crate::nvfp4::{BlockStats, Flavor, Format};
+use cudarc::driver::{sys as drv_sys, CudaGraph, CudaSlice, LaunchConfig};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Tile sizes of kernels/moe.cu: BM rows per tile; output columns per tile of the plain GEMM
+/// (down projection) and of the fused gate/up GEMM (per matrix).
+const BM: usize = 128;
+const PLAIN_BN: usize = 128;
+const FUSED_BN: usize = 64;
+const SORT_CHUNK: usize = 256;
+const GEMM_THREADS: u32 = 256;
+const ELEM_THREADS: u32 = 256;
+
+fn bf16_bits(v: &[f32]) -> Vec<u16> {
+    v.iter()
+        .map(|x| half::bf16::from_f32(*x).to_bits())
+        .collect()
+}
+
+/// Shapes and formats the GPU path relies on; a bad layer is bad input, never a panic.
+/// Returns the experts' weight format (the kernels take one per layer).
+pub(crate) fn check_layer(layer: &MoeLayer) -> Result<Format> {
+    layer.validate()?;
+    router::check_router(layer)?;
+    let format = layer
+        .experts
+        .first()
+        .map_or(Format::Nvfp4, |x| x.w1.weight.format);
+    for (x, ex) in layer.experts.iter().enumerate() {
+        for (name, q) in [
+            ("gate_proj (w1)", &ex.w1),
+            ("up_proj (w3)", &ex.w3),
+            ("down_proj (w2)", &ex.w2),
+        ] {
+            if q.weight.format != format {
+                return Err(Error::usage(format!(
+                    "MoE layer {}: expert {x} {name} is {}, expert 0 is {}",
+                    layer.index,
+                    q.weight.format.name(),
+                    format.name()
+                )));
+            }
+        }
+    }
+    Ok(format)
+}
+
+pub(crate) fn check_routing(layer: &MoeLayer, routing: &Routing, tokens: usize) -> Result<()> {
+    let e = layer.config.n_routed_experts;
+    let l = layer.index;
+    if routing.tokens != tokens
+        || routing.top_k == 0
+        || routing.topk_ids.len() != tokens * routing.top_k
+        || routing.topk_weights.len() != tokens * routing.top_k
+    {
+        return Err(Error::usage(format!(
+            "MoE layer {l}: routing for {} tokens x top-{} ({} ids, {} weights) does not fit {tokens} tokens",
+            routing.tokens,
+            routing.top_k,
+            routing.topk_ids.len(),
+            routing.topk_weights.len()
+        )));
+    }
+    if let Some((s, &id)) = routing
+        .topk_ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= e)
+    {
+        return Err(Error::usage(format!(
+            "MoE layer {l}: topk_ids[{}, {}] = {id} is not a global expert id (n_routed_experts = {e})",
+            s / routing.top_k,
+            s % routing.top_k
+        )));
+    }
+    Ok(())
+}
+
+/// A BF16 MLP on the GPU (shared experts).
+struct DevDense {
+    inter: usize,
+    w1: CudaSlice<u16>,
+    w3: CudaSlice<u16>,
+    w2: CudaSlice<u16>,
+}
+
+impl DevDense {
+    fn upload(gpu: &Gpu, m: &DenseMlp) -> Result<Self> {
+        Ok(DevDense {
+            inter: m.intermediate,
+            w1: gpu.upload(&bf16_bits(&m.w1), "shared expert gate_proj")?,
+            w3: gpu.upload(&bf16_bits(&m.w3), "shared expert up_proj")?,
+            w2: gpu.upload(&bf16_bits(&m.w2), "shared expert down_proj")?,
+        })
+    }
+}
+
+/// NVFP4 expert weights of a layer, all experts concatenated: `[E][out][in/2]` codes,
+/// `[E][out][in/block]` scales, `weight_scale_2` per expert.
+struct DevExperts {
+    wblock: u32,
+    w1q: CudaSlice<u8>,
+    w1s: CudaSlice<u8>,
+    w3q: CudaSlice<u8>,
+    w3s: CudaSlice<u8>,
+    w2q: CudaSlice<u8>,
+    w2s: CudaSlice<u8>,
+    ws2_1: CudaSlice<f32>,
+    ws2_3: CudaSlice<f32>,
+    ws2_2: CudaSlice<f32>,
+}
+
+impl DevExperts {
+    fn upload(gpu: &Gpu, layer: &MoeLayer, format: Format) -> Result<Self> {
+        let c = &layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let block = format.block();
+        let mut w1q = gpu.alloc::<u8>(e * i * h / 2, "expert gate_proj codes")?;
+        let mut w1s = gpu.alloc::<u8>(e * i * (h / block), "expert gate_proj scales")?;
+        let mut w3q = gpu.alloc::<u8>(e * i * h / 2, "expert up_proj codes")?;
+        let mut w3s = gpu.alloc::<u8>(e * i * (h / block), "expert up_proj scales")?;
+        let mut w2q = gpu.alloc::<u8>(e * h * i / 2, "expert down_proj codes")?;
+        let mut w2s = gpu.alloc::<u8>(e * h * (i / block), "expert down_proj scales")?;
+        // one expert at a time: the host never holds a second copy of the layer
+        for (x, ex) in layer.experts.iter().enumerate() {
+            gpu.upload_into(
+                &ex.w1.weight.packed,
+                &mut w1q,
+                x * i * h / 2,
+                "expert gate_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w1.weight.scales,
+                &mut w1s,
+                x * i * (h / block),
+                "expert gate_proj scales",
+            )?;
+            gpu.upload_into(
+                &ex.w3.weight.packed,
+                &mut w3q,
+                x * i * h / 2,
+                "expert up_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w3.weight.scales,
+                &mut w3s,
+                x * i * (h / block),
+                "expert up_proj scales",
+            )?;
+            gpu.upload_into(
+                &ex.w2.weight.packed,
+                &mut w2q,
+                x * h * i / 2,
+                "expert down_proj codes",
+            )?;
+            gpu.upload_into(
+                &ex.w2.weight.scales,
+                &mut w2s,
+                x * h * (i / block),
+                "expert down_proj scales",
+            )?;
+        }
+        let ws2 = |f: &dyn Fn(&crate::moe::Expert) -> f32| {
+            layer.experts.iter().map(f).collect::<Vec<f32>>()
+        };
+        Ok(DevExperts {
+            wblock: block as u32,
+            w1q,
+            w1s,
+            w3q,
+            w3s,
+            w2q,
+            w2s,
+            ws2_1: gpu.upload(&ws2(&|x| x.w1.weight_scale_2()), "gate_proj weight_scale_2")?,
+            ws2_3: gpu.upload(&ws2(&|x| x.w3.weight_scale_2()), "up_proj weight_scale_2")?,
+            ws2_2: gpu.upload(&ws2(&|x| x.w2.weight_scale_2()), "down_proj weight_scale_2")?,
+        })
+    }
+}
+
+/// The reference weights of a layer in BF16: `bf16(original)` or `bf16(dequantize(w))`.
+struct DevRefExperts {
+    w1: CudaSlice<u16>,
+    w3: CudaSlice<u16>,
+    w2: CudaSlice<u16>,
+}
+
+impl DevRefExperts {
+    fn upload(gpu: &Gpu, layer: &MoeLayer) -> Result<Self> {
+        let c = &layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let mut w1 = gpu.alloc::<u16>(e * i * h, "reference gate_proj")?;
+        let mut w3 = gpu.alloc::<u16>(e * i * h, "reference up_proj")?;
+        let mut w2 = gpu.alloc::<u16>(e * h * i, "reference down_proj")?;
+        for (x, ex) in layer.experts.iter().enumerate() {
+            gpu.upload_into(
+                &bf16_bits(&ex.w1.reference_weight()),
+                &mut w1,
+                x * i * h,
+                "reference gate_proj",
+            )?;
+            gpu.upload_into(
+                &bf16_bits(&ex.w3.reference_weight()),
+                &mut w3,
+                x * i * h,
+                "reference up_proj",
+            )?;
+            gpu.upload_into(
+                &bf16_bits(&ex.w2.reference_weight()),
+                &mut w2,
+                x * h * i,
+                "reference down_proj",
+            )?;
+        }
+        Ok(DevRefExperts { w1, w3, w2 })
+    }
+}
+
+/// Which weights a forward needs on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Nvfp4,
+    Reference,
+}
+
+/// A layer on the GPU.
+pub struct DevLayer {
+    gpu: Arc<Gpu>,
+    index: usize,
+    config: crate::moe::MoeConfig,
+    router: DevRouter,
+    nvfp4: Option<DevExperts>,
+    reference: Option<DevRefExperts>,
+    shared: Option<DevDense>,
+}
+
+impl DevLayer {
+    fn upload(gpu: &Arc<Gpu>, layer: &MoeLayer, want: Want) -> Result<Self> {
+        let format = check_layer(layer)?;
+        Ok(DevLayer {
+            gpu: gpu.clone(),
+            index: layer.index,
+            config: layer.config.clone(),
+            router: DevRouter::upload(gpu, layer)?,
+            nvfp4: match want {
+                Want::Nvfp4 => Some(DevExperts::upload(gpu, layer, format)?),
+                Want::Reference => None,
+            },
+            reference: match want {
+                Want::Reference => Some(DevRefExperts::upload(gpu, layer)?),
+                Want::Nvfp4 => None,
+            },
+            shared: match &layer.shared {
+                Some(m) => Some(DevDense::upload(gpu, m)?),
+                None => None,
+            },
+        })
+    }
+}
+
+/// Every buffer one forward touches, allocated up front.
+struct Workspace {
+    tokens: usize,
+    k: usize,
+    hidden: CudaSlice<f32>,
+    input_ids: Option<CudaSlice<i64>>,
+    logits: CudaSlice<f32>,
+    topk_ids: CudaSlice<i32>,
+    topk_w: CudaSlice<f32>,
+    chunk_counts: CudaSlice<u32>,
+    chunk_base: CudaSlice<u32>,
+    expert_offsets: CudaSlice<u32>,
+    tile_offsets: CudaSlice<u32>,
+    sorted_token: CudaSlice<i32>,
+    sorted_expert: CudaSlice<i32>,
+    sorted_entry: CudaSlice<i32>,
+    entry_pos: CudaSlice<i32>,
+    gs1: CudaSlice<f32>,
+    gs2: CudaSlice<f32>,
+    /// `[E]` amax of each expert's SwiGLU output, then `[E]` the batch amax of `hidden`.
+    amax_bits: CudaSlice<u32>,
+    stats: CudaSlice<u64>,
+    /// NVFP4: quantized GEMM inputs. Reference: unused (one byte).
+    a1q: CudaSlice<u8>,
+    a1s: CudaSlice<u8>,
+    a2q: CudaSlice<u8>,
+    a2s: CudaSlice<u8>,
+    /// The SwiGLU output in f32 (dynamic gs2 / reference g), and u (reference).
+    a_f32: CudaSlice<f32>,
+    u_f32: CudaSlice<f32>,
+    /// Reference: gathered BF16 rows `[N, H]` and the BF16 intermediate `[N, I]`.
+    xg_bf16: CudaSlice<u16>,
+    a_bf16: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+    shared: Option<SharedWs>,
+    out: CudaSlice<f32>,
+    per_slot: Option<CudaSlice<f32>>,
+}
+
+struct SharedWs {
+    x: CudaSlice<u16>,
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
+    a: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+}
+
+impl Workspace {
+    fn new(
+        gpu: &Gpu,
+        layer: &DevLayer,
+        tokens: usize,
+        k: usize,
+        want: Want,
+        dynamic: bool,
+        per_slot: bool,
+    ) -> Result<Self> {
+        let c = &layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let n = tokens * k;
+        let nchunks = n.div_ceil(SORT_CHUNK).max(1);
+        let nv = want == Want::Nvfp4;
+        let a = |len: usize| if nv { len } else { 0 };
+        let r = |len: usize| if nv { 0 } else { len };
+        Ok(Workspace {
+            tokens,
+            k,
+            hidden: gpu.alloc(tokens * h, "the hidden states")?,
+            input_ids: if layer.router.hash {
+                Some(gpu.alloc(tokens, "input_ids")?)
+            } else {
+                None
+            },
+            logits: gpu.alloc(tokens * e, "router logits")?,
+            topk_ids: gpu.alloc(n, "topk_ids")?,
+            topk_w: gpu.alloc(n, "topk_weights")?,
+            chunk_counts: gpu.alloc(nchunks * e, "sort counts")?,
+            chunk_base: gpu.alloc(nchunks * e, "sort offsets")?,
+            expert_offsets: gpu.alloc(e + 1, "expert offsets")?,
+            tile_offsets: gpu.alloc(e + 1, "tile offsets")?,
+            sorted_token: gpu.alloc(n, "sorted tokens")?,
+            sorted_expert: gpu.alloc(n, "sorted experts")?,
+            sorted_entry: gpu.alloc(n, "sorted entries")?,
+            entry_pos: gpu.alloc(n, "entry positions")?,
+            gs1: gpu.alloc(e, "gs1")?,
+            gs2: gpu.alloc(e, "gs2")?,
+            amax_bits: gpu.alloc(2 * e, "amax")?,
+            stats: gpu.alloc(4, "activation block statistics")?,
+            a1q: gpu.alloc(a(n * h / 2), "quantized expert inputs")?,
+            a1s: gpu.alloc(a(n * h / 16), "expert input scales")?,
+            a2q: gpu.alloc(a(n * i / 2), "quantized intermediate")?,
+            a2s: gpu.alloc(a(n * i / 16), "intermediate scales")?,
+            a_f32: gpu.alloc(if dynamic || !nv { n * i } else { 0 }, "the SwiGLU output")?,
+            u_f32: gpu.alloc(r(n * i), "the up projection")?,
+            xg_bf16: gpu.alloc(r(n * h), "gathered BF16 rows")?,
+            a_bf16: gpu.alloc(r(n * i), "the BF16 intermediate")?,
+            y: gpu.alloc(n * h, "expert outputs")?,
+            shared: match &layer.shared {
+                Some(s) => Some(SharedWs {
+                    x: gpu.alloc(tokens * h, "shared expert input")?,
+                    g: gpu.alloc(tokens * s.inter, "shared expert gate")?,
+                    u: gpu.alloc(tokens * s.inter, "shared expert up")?,
+                    a: gpu.alloc(tokens * s.inter, "shared expert intermediate")?,
+                    y: gpu.alloc(tokens * h, "shared expert output")?,
+                }),
+                None => None,
+            },
+            out: gpu.alloc(tokens * h, "the MoE output")?,
+            per_slot: if per_slot {
+                Some(gpu.alloc(n * h, "per-slot outputs")?)
+            } else {
+                None
+            },
+        })
+    }
+}
+
+/// Where the routing of a forward comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteSource {
+    /// Uploaded from a host [`Routing`] (the `Backend::moe_forward` contract).
+    Given,
+    /// Computed by the router kernels inside the forward (what an engine's graph does).
+    Gpu,
+}
+
+/// One MoE layer forward, prepared on the GPU.
+pub struct Nvfp4Forward {
+    layer: DevLayer,
+    ws: Workspace,
+    want: Want,
+    flavor: Flavor,
+    dynamic: bool,
+    route: RouteSource,
+}
+
+impl Nvfp4Forward {
+    /// Stream `layer`'s NVFP4 experts (and router, shared experts) to the GPU and allocate a
+    /// forward of `tokens` rows with top-`k` routing.
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        layer: &MoeLayer,
+        tokens: usize,
+        scales: &ActScales,
+        flavor: Flavor,
+        per_slot: bool,
+    ) -> Result<Self> {
+        Self::prepare(
+            gpu,
+            layer,
+            tokens,
+            layer.config.num_experts_per_tok,
+            Some((scales, flavor)),
+            per_slot,
+        )
+    }
+
+    /// The BF16 reference path of the same layer (cuBLAS GEMMs; not capturable, it reads the
+    /// expert counts back to size them).
+    pub fn new_reference(
+        gpu: &Arc<Gpu>,
+        layer: &MoeLayer,
+        tokens: usize,
+        per_slot: bool,
+    ) -> Result<Self> {
+        Self::prepare(
+            gpu,
+            layer,
+            tokens,
+            layer.config.num_experts_per_tok,
+            None,
+            per_slot,
+        )
+    }
+
+    fn prepare(
+        gpu: &Arc<Gpu>,
+        layer: &MoeLayer,
+        tokens: usize,
+        k: usize,
+        nvfp4: Option<(&ActScales, Flavor)>,
+        per_slot: bool,
+    ) -> Result<Self> {
+        let want = if nvfp4.is_some() {
+            Want::Nvfp4
+        } else {
+            Want::Reference
+        };
+        let dev = DevLayer::upload(gpu, layer, want)?;
+        let e = layer.config.n_routed_experts;
+        let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
+        let ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
+        if let Some((ActScales::Fixed { gs1, gs2 }, _)) = nvfp4 {
+            if gs1.len() != e || gs2.len() != e {
+                return Err(Error::usage(format!(
+                    "MoE layer {}: {} gs1 and {} gs2 values for {e} experts",
+                    layer.index,
+                    gs1.len(),
+                    gs2.len()
+                )));
+            }
+            let mut ws = ws;
+            gpu.upload_into(gs1, &mut ws.gs1, 0, "gs1")?;
+            gpu.upload_into(gs2, &mut ws.gs2, 0, "gs2")?;
+            return Ok(Nvfp4Forward {
+                layer: dev,
+                ws,
+                want,
+                flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
+                dynamic,
+                route: RouteSource::Given,
+            });
+        }
+        Ok(Nvfp4Forward {
+            layer: dev,
+            ws,
+            want,
+            flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
+            dynamic,
+            route: RouteSource::Given,
+        })
+    }
+
+    fn gpu(&self) -> &Gpu {
+        &self.layer.gpu
+    }
+
+    pub fn tokens(&self) -> usize {
+        self.ws.tokens
+    }
+
+    /// Copy the layer input `[tokens, hidden]` (BF16-exact values) to the GPU. Takes `&self`
+    /// so a captured graph ([`LayerGraph`]) can be fed new inputs between replays.
+    pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
+        let want = self.ws.tokens * self.layer.config.hidden_size;
+        if hidden.len() != want {
+            return Err(Error::usage(format!(
+                "MoE layer {}: {} hidden values, this forward was prepared for {} tokens x {}",
+                self.layer.index,
+                hidden.len(),
+                self.ws.tokens,
+                self.layer.config.hidden_size
+            )));
+        }
+        let gpu = self.gpu();
+        gpu.upload_raw(
+            hidden,
+            gpu.ptr(&self.ws.hidden),
+            self.ws.hidden.len(),
+            "the hidden states",
+        )
+    }
+
+    /// Use a given routing (not computed inside the forward).
+    pub fn set_routing(&mut self, layer: &MoeLayer, routing: &Routing) -> Result<()> {
+        check_routing(layer, routing, self.ws.tokens)?;
+        if routing.top_k != self.ws.k {
+            return Err(Error::usage(format!(
+                "MoE layer {}: routing is top-{}, this forward was prepared for top-{}",
+                layer.index, routing.top_k, self.ws.k
+            )));
+        }
+        let gpu = self.layer.gpu.clone();
+        gpu.upload_into(&routing.topk_ids, &mut self.ws.topk_ids, 0, "topk_ids")?;
+        gpu.upload_into(
+            &routing.topk_weights,
+            &mut self.ws.topk_w,
+            0,
+            "topk_weights",
+        )?;
+        self.route = RouteSource::Given;
+        Ok(())
+    }
+
+    /// Route inside the forward with the layer's router (hash layers need `input_ids`).
+    pub fn route_on_gpu(&mut self, input_ids: Option<&[i64]>) -> Result<()> {
+        if self.ws.k != self.layer.config.num_experts_per_tok {
+            return Err(Error::usage(
+                "routing on the GPU uses the config's num_experts_per_tok",
+            ));
+        }
+        self.layer
+            .router
+            .check_input_ids(self.layer.index, self.ws.tokens, input_ids)?;
+        if let (Some(ids), Some(dst)) = (input_ids, self.ws.input_ids.as_mut()) {
+            self.layer.gpu.upload_into(ids, dst, 0, "input_ids")?;
+        }
+        self.route = RouteSource::Gpu;
+        Ok(())
+    }
+
+    /// Launch the whole forward on the stream: no allocation, no host sync (NVFP4 path).
+    pub fn enqueue(&self) -> Result<()> {
+        match self.want {
+            Want::Nvfp4 => self.enqueue_nvfp4(),
+            Want::Reference => Err(Error::usage(
+                "the reference forward reads expert counts back; use run() instead of enqueue()",
+            )),
+        }
+    }
+
+    /// Run the forward and bring the output back.
+    pub fn run(&self) -> Result<MoeOutput> {
+        match self.want {
+            Want::Nvfp4 => self.enqueue_nvfp4()?,
+            Want::Reference => self.run_reference()?,
+        }
+        self.output()
+    }
+
+    /// The output of the last forward (waits for the stream).
+    pub fn output(&self) -> Result<MoeOutput> {
+        let gpu = self.gpu();
+        let h = self.layer.config.hidden_size;
+        let (t, n) = (self.ws.tokens, self.ws.tokens * self.ws.k);
+        let out = gpu.download(&self.ws.out, t * h, "the MoE output")?;
+        let act_stats = match self.want {
+            Want::Nvfp4 => {
+                stats_from(&gpu.download(&self.ws.stats, 4, "activation block statistics")?)
+            }
+            Want::Reference => BlockStats::default(),
+        };
+        let per_slot = match &self.ws.per_slot {
+            Some(p) => Some(gpu.download(p, n * h, "per-slot outputs")?),
+            None => None,
+        };
+        Ok(MoeOutput {
+            out,
+            act_stats,
+            per_slot,
+        })
+    }
+
+    /// The routing the last forward used.
+    pub fn routing(&self) -> Result<Routing> {
+        let gpu = self.gpu();
+        let n = self.ws.tokens * self.ws.k;
+        Ok(Routing {
+            tokens: self.ws.tokens,
+            top_k: self.ws.k,
+            topk_ids: gpu.download(&self.ws.topk_ids, n, "topk_ids")?,
+            topk_weights: gpu.download(&self.ws.topk_w, n, "topk_weights")?,
+        })
+    }
+
+    fn enqueue_route(&self) -> Result<()> {
+        if self.route != RouteSource::Gpu {
+            return Ok(());
+        }
+        let gpu = self.gpu();
+        router::enqueue_route(
+            gpu,
+            &self.layer.config,
+            &self.layer.router,
+            gpu.ptr(&self.ws.hidden),
+            self.ws.tokens,
+            self.ws.input_ids.as_ref().map(|d| gpu.ptr(d)),
+            &RouteBufs {
+                logits: gpu.ptr(&self.ws.logits),
+                topk_ids: gpu.ptr(&self.ws.topk_ids),
+                topk_weights: gpu.ptr(&self.ws.topk_w),
+            },
+        )
+    }
+
+    /// Counting sort of the (token, slot) entries by expert.
+    fn enqueue_sort(&self) -> Result<()> {
+        let gpu = self.gpu();
+        let ws = &self.ws;
+        let e = self.layer.config.n_routed_experts as u32;
+        let n = (ws.tokens * ws.k) as u32;
+        let nchunks = (n as usize).div_ceil(SORT_CHUNK).max(1) as u32;
+        let smem = 4 * e;
+        let chunks = LaunchConfig {
+            grid_dim: (nchunks, 1, 1),
+            block_dim: (SORT_CHUNK as u32, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        gpu.launch(
+            &MOE,
+            "moe_chunk_counts",
+            chunks,
+            &[
+                KArg::U64(gpu.ptr(&ws.topk_ids)),
+                KArg::U32(n),
+                KArg::U32(e),
+                KArg::U64(gpu.ptr(&ws.chunk_counts)),
+            ],
+        )?;
+        gpu.launch(
+            &MOE,
+            "moe_offsets",
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: smem,
+            },
+            &[
+                KArg::U64(gpu.ptr(&ws.chunk_counts)),
+                KArg::U32(nchunks),
+                KArg::U32(e),
+                KArg::U32(BM as u32),
+                KArg::U64(gpu.ptr(&ws.chunk_base)),
+                KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                KArg::U64(gpu.ptr(&ws.tile_offsets)),
+            ],
+        )?;
+        gpu.launch(
+            &MOE,
+            "moe_scatter",
+            chunks,
+            &[
+                KArg::U64(gpu.ptr(&ws.topk_ids)),
+                KArg::U32(n),
+                KArg::U32(e),
+                KArg::U32(ws.k as u32),
+                KArg::U64(gpu.ptr(&ws.chunk_base)),
+                KArg::U64(gpu.ptr(&ws.sorted_token)),
+                KArg::U64(gpu.ptr(&ws.sorted_expert)),
+                KArg::U64(gpu.ptr(&ws.sorted_entry)),
+                KArg::U64(gpu.ptr(&ws.entry_pos)),
+            ],
+        )
+    }
+
+    /// Grid of a grouped GEMM: an upper bound on the row tiles over all experts (blocks past
+    /// the real count exit), times the output column tiles.
+    fn gemm_grid(&self, nout: usize, bn: usize) -> LaunchConfig {
+        let e = self.layer.config.n_routed_experts;
+        let n = self.ws.tokens * self.ws.k;
+        let tiles = n.div_ceil(BM) + e.min(n);
+        LaunchConfig {
+            grid_dim: (tiles.max(1) as u32, nout.div_ceil(bn) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_quantize(
+        &self,
+        x: u64,
+        rows: usize,
+        cols: usize,
+        row_src: u64,
+        gs: u64,
+        gs_idx: u64,
+        q: u64,
+        s: u64,
+    ) -> Result<()> {
+        let gpu = self.gpu();
+        gpu.launch(
+            &QUANT,
+            "nvfp4_quantize_f32",
+            grid_1d((rows * (cols / 16)) as u64, ELEM_THREADS)?,
+            &[
+                KArg::U64(x),
+                KArg::U64(rows as u64),
+                KArg::U32(cols as u32),
+                KArg::U64(row_src),
+                KArg::U64(gs),
+                KArg::U64(gs_idx),
+                KArg::U64(q),
+                KArg::U64(s),
+                KArg::U32(0),
+                KArg::U64(gpu.ptr(&self.ws.stats)),
+                KArg::U32(flavor_code(self.flavor)),
+            ],
+        )
+    }
+
+    fn enqueue_nvfp4(&self) -> Result<()> {
+        let gpu = self.gpu();
+        let ws = &self.ws;
+        let c = &self.layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let n = ws.tokens * ws.k;
+        let ex = self
+            .layer
+            .nvfp4
+            .as_ref()
+            .ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
+        let p = |s: &CudaSlice<u8>| gpu.ptr(s);
+        gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
+        gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
+        self.enqueue_route()?;
+        self.enqueue_sort()?;
+        if self.dynamic {
+            // gs1 = 2688 / amax(hidden over the batch), the same for every expert
+            let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
+            super::reduce::amax_into(gpu, gpu.ptr(&ws.hidden), (ws.tokens * h) as u64, batch_amax)?;
+            gpu.launch(
+                &MOE,
+                "dynamic_gs_from_amax",
+                grid_1d(1, 32)?,
+                &[
+                    KArg::U64(batch_amax),
+                    KArg::U32(1),
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                ],
+            )?;
+            gpu.launch(
+                &MOE,
+                "broadcast_f32",
+                grid_1d(e as u64, ELEM_THREADS)?,
+                &[
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                    KArg::U32(e as u32),
+                    KArg::U64(gpu.ptr(&ws.gs1)),
+                ],
+            )?;
+        }
+        if n > 0 {
+            // expert inputs: row p is hidden[sorted_token[p]], quantized with gs1[expert]
+            self.enqueue_quantize(
+                gpu.ptr(&ws.hidden),
+                n,
+                h,
+                gpu.ptr(&ws.sorted_token),
+                gpu.ptr(&ws.gs1),
+                gpu.ptr(&ws.sorted_expert),
+                p(&ws.a1q),
+                p(&ws.a1s),
+            )?;
+            let (limit, has_limit) = match c.swiglu_limit {
+                Some(l) => (l, 1u32),
+                None => (0.0, 0u32),
+            };
+            gpu.launch(
+                &MOE,
+                "moe_gemm_gate_up_nvfp4",
+                self.gemm_grid(i, FUSED_BN),
+                &[
+                    KArg::U64(p(&ws.a1q)),
+                    KArg::U64(p(&ws.a1s)),
+                    KArg::U32(h as u32),
+                    KArg::U64(p(&ex.w1q)),
+                    KArg::U64(p(&ex.w1s)),
+                    KArg::U64(p(&ex.w3q)),
+                    KArg::U64(p(&ex.w3s)),
+                    KArg::U32(i as u32),
+                    KArg::U32(ex.wblock),
+                    KArg::U64(gpu.ptr(&ws.gs1)),
+                    KArg::U64(gpu.ptr(&ex.ws2_1)),
+                    KArg::U64(gpu.ptr(&ex.ws2_3)),
+                    KArg::F32(limit),
+                    KArg::U32(has_limit),
+                    KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                    KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                    KArg::U32(e as u32),
+                    KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                    KArg::U32(flavor_code(self.flavor)),
+                    KArg::U64(p(&ws.a2q)),
+                    KArg::U64(p(&ws.a2s)),
+                    KArg::U64(gpu.ptr(&ws.stats)),
+                    KArg::U64(gpu.ptr(&ws.a_f32)),
+                    KArg::U64(gpu.ptr(&ws.amax_bits)),
+                ],
+            )?;
+            if self.dynamic {
+                // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
+                gpu.launch(
+                    &MOE,
+                    "dynamic_gs_from_amax",
+                    grid_1d(e as u64, ELEM_THREADS)?,
+                    &[
+                        KArg::U64(gpu.ptr(&ws.amax_bits)),
+                        KArg::U32(e as u32),
+                        KArg::U64(gpu.ptr(&ws.gs2)),
+                    ],
+                )?;
+                self.enqueue_quantize(
+                    gpu.ptr(&ws.a_f32),
+                    n,
+                    i,
+                    0,
+                    gpu.ptr(&ws.gs2),
+                    gpu.ptr(&ws.sorted_expert),
+                    p(&ws.a2q),
+                    p(&ws.a2s),
+                )?;
+            }
+            gpu.launch(
+                &MOE,
+                "moe_gemm_nvfp4",
+                self.gemm_grid(h, PLAIN_BN),
+                &[
+                    KArg::U64(p(&ws.a2q)),
+                    KArg::U64(p(&ws.a2s)),
+                    KArg::U32(i as u32),
+                    KArg::U64(p(&ex.w2q)),
+                    KArg::U64(p(&ex.w2s)),
+                    KArg::U32(h as u32),
+                    KArg::U32(ex.wblock),
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                    KArg::U64(gpu.ptr(&ex.ws2_2)),
+                    KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                    KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                    KArg::U32(e as u32),
+                    KArg::U64(gpu.ptr(&ws.y)),
+                ],
+            )?;
+        }
+        self.enqueue_shared()?;
+        self.enqueue_combine()
+    }
+
+    /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
+    fn enqueue_shared(&self) -> Result<()> {
+        let (Some(sh), Some(sw)) = (&self.layer.shared, &self.ws.shared) else {
+            return Ok(());
+        };
+        let gpu = self.gpu();
+        let c = &self.layer.config;
+        let (t, h, si) = (self.ws.tokens, c.hidden_size, sh.inter);
+        if t == 0 {
+            return Ok(());
+        }
+        gpu.launch(
+            &MOE,
+            "gather_rows_bf16",
+            grid_1d((t * h) as u64, ELEM_THREADS)?,
+            &[
+                KArg::U64(gpu.ptr(&self.ws.hidden)),
+                KArg::U64(0),
+                KArg::U32(t as u32),
+                KArg::U32(h as u32),
+                KArg::U64(gpu.ptr(&sw.x)),
+            ],
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(&sw.x),
+            gpu.ptr(&sh.w1),
+            gpu.ptr(&sw.g),
+            "shared expert gate_proj",
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(&sw.x),
+            gpu.ptr(&sh.w3),
+            gpu.ptr(&sw.u),
+            "shared expert up_proj",
+        )?;
+        self.enqueue_swiglu_bf16(
+            gpu.ptr(&sw.g),
+            gpu.ptr(&sw.u),
+            (t * si) as u64,
+            gpu.ptr(&sw.a),
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            h,
+            si,
+            gpu.ptr(&sw.a),
+            gpu.ptr(&sh.w2),
+            gpu.ptr(&sw.y),
+            "shared expert down_proj",
+        )
+    }
+
+    fn enqueue_swiglu_bf16(&self, g: u64, u: u64, n: u64, a: u64) -> Result<()> {
+        let (limit, has_limit) = match self.layer.config.swiglu_limit {
+            Some(l) => (l, 1u32),
+            None => (0.0, 0u32),
+        };
+        self.gpu().launch(
+            &MOE,
+            "swiglu_bf16",
+            grid_1d(n, ELEM_THREADS)?,
+            &[
+                KArg::U64(g),
+                KArg::U64(u),
+                KArg::U64(n),
+                KArg::F32(limit),
+                KArg::U32(has_limit),
+                KArg::U64(a),
+            ],
+        )
+    }
+
+    fn enqueue_combine(&self) -> Result<()> {
+        let gpu = self.gpu();
+        let ws = &self.ws;
+        let h = self.layer.config.hidden_size;
+        if ws.tokens == 0 {
+            return Ok(());
+        }
+        gpu.launch(
+            &MOE,
+            "moe_combine",
+            LaunchConfig {
+                grid_dim: (
+                    ws.tokens as u32,
+                    h.div_ceil(ELEM_THREADS as usize) as u32,
+                    1,
+                ),
+                block_dim: (ELEM_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &[
+                KArg::U64(gpu.ptr(&ws.y)),
+                KArg::U64(gpu.ptr(&ws.entry_pos)),
+                KArg::U64(gpu.ptr(&ws.topk_w)),
+                KArg::U32(ws.tokens as u32),
+                KArg::U32(ws.k as u32),
+                KArg::U32(h as u32),
+                KArg::U64(ws.shared.as_ref().map_or(0, |s| gpu.ptr(&s.y))),
+                KArg::U64(gpu.ptr(&ws.out)),
+                KArg::U64(ws.per_slot.as_ref().map_or(0, |s| gpu.ptr(s))),
+            ],
+        )
+    }
+
+    /// The BF16 reference: gathered BF16 rows, cuBLAS GEMMs per expert (FP32 accumulation),
+    /// `bf16(swiglu)` in between, then the same combine.
+    fn run_reference(&self) -> Result<()> {
+        let gpu = self.gpu();
+        let ws = &self.ws;
+        let c = &self.layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let n = ws.tokens * ws.k;
+        let rf = self
+            .layer
+            .reference
+            .as_ref()
+            .ok_or_else(|| Error::usage("reference weights were not uploaded"))?;
+        self.enqueue_route()?;
+        self.enqueue_sort()?;
+        if n > 0 {
+            gpu.launch(
+                &MOE,
+                "gather_rows_bf16",
+                grid_1d((n * h) as u64, ELEM_THREADS)?,
+                &[
+                    KArg::U64(gpu.ptr(&ws.hidden)),
+                    KArg::U64(gpu.ptr(&ws.sorted_token)),
+                    KArg::U32(n as u32),
+                    KArg::U32(h as u32),
+                    KArg::U64(gpu.ptr(&ws.xg_bf16)),
+                ],
+            )?;
+            let offs = gpu.download(&ws.expert_offsets, e + 1, "expert offsets")?;
+            let (xg, g, u, a, y) = (
+                gpu.ptr(&ws.xg_bf16),
+                gpu.ptr(&ws.a_f32),
+                gpu.ptr(&ws.u_f32),
+                gpu.ptr(&ws.a_bf16),
+                gpu.ptr(&ws.y),
+            );
+            let (w1, w3, w2) = (gpu.ptr(&rf.w1), gpu.ptr(&rf.w3), gpu.ptr(&rf.w2));
+            for x in 0..e {
+                let (r0, r1) = (offs[x] as usize, offs[x + 1] as usize);
+                if r1 <= r0 {
+                    continue;
+                }
+                let m = r1 - r0;
+                let wo = (x * i * h * 2) as u64;
+                blas::gemm_bf16(
+                    gpu,
+                    m,
+                    i,
+                    h,
+                    xg + (r0 * h * 2) as u64,
+                    w1 + wo,
+                    g + (r0 * i * 4) as u64,
+                    "reference gate_proj",
+                )?;
+                blas::gemm_bf16(
+                    gpu,
+                    m,
+                    i,
+                    h,
+                    xg + (r0 * h * 2) as u64,
+                    w3 + wo,
+                    u + (r0 * i * 4) as u64,
+                    "reference up_proj",
+                )?;
+            }
+            self.enqueue_swiglu_bf16(g, u, (n * i) as u64, a)?;
+            for x in 0..e {
+                let (r0, r1) = (offs[x] as usize, offs[x + 1] as usize);
+                if r1 <= r0 {
+                    continue;
+                }
+                let wo = (x * h * i * 2) as u64;
+                blas::gemm_bf16(
+                    gpu,
+                    r1 - r0,
+                    h,
+                    i,
+                    a + (r0 * i * 2) as u64,
+                    w2 + wo,
+                    y + (r0 * h * 4) as u64,
+                    "reference down_proj",
+                )?;
+            }
+        }
+        self.enqueue_shared()?;
+        self.enqueue_combine()
+    }
+
+    /// Capture the NVFP4 forward in a CUDA graph (after one eager warm-up run, so modules
+    /// and cuBLAS are loaded outside the capture). Replaying it recomputes from the current
+    /// contents of the input buffers ([`Nvfp4Forward::set_hidden`] between replays).
+    pub fn capture(&self) -> Result<LayerGraph<'_>> {
+        if self.want != Want::Nvfp4 {
+            return Err(Error::usage(
+                "only the NVFP4 forward can be captured in a CUDA graph",
+            ));
+        }
+        let gpu = self.gpu();
+        self.enqueue_nvfp4()?;
+        gpu.sync("the warm-up forward before graph capture")?;
+        gpu.capturing.store(true, Ordering::Relaxed);
+        let r = (|| {
+            gpu.stream
+                .begin_capture(drv_sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| super::device::driver_err("beginning stream capture", "-", e))?;
+            let enq = self.enqueue_nvfp4();
+            let graph = gpu
+                .stream
+                .end_capture(drv_sys::CUgraphInstantiate_flags(0))
+                .map_err(|e| super::device::driver_err("ending stream capture", "moe forward", e));
+            enq?;
+            graph?.ok_or_else(|| Error::Cuda {
+                step: "stream capture".into(),
+                kernel: "moe forward".into(),
+                what: "the capture produced no graph".into(),
+            })
+        })();
+        gpu.capturing.store(false, Ordering::Relaxed);
+        Ok(LayerGraph {
+            graph: r?,
+            fwd: self,
+        })
+    }
+}
+
+/// A captured layer forward.
+pub struct LayerGraph<'a> {
+    graph: CudaGraph,
+    fwd: &'a Nvfp4Forward,
+}
+
+impl LayerGraph<'_> {
+    /// Replay the captured forward on the stream (asynchronous).
+    pub fn replay(&self) -> Result<()> {
+        self.graph
+            .launch()
+            .map_err(|e| super::device::driver_err("replaying the layer graph", "moe forward", e))
+    }
+
+    /// Time `n` replays with CUDA events (after one untimed replay); returns each replay's
+    /// milliseconds. Inputs stay as they are, so every replay computes the same thing.
+    pub fn time_replays(&self, n: usize) -> Result<Vec<f32>> {
+        let gpu = self.fwd.gpu();
+        let ev = |what: &str| {
+            gpu.stream
+                .record_event(Some(drv_sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| super::device::driver_err(what, "moe forward", e))
+        };
+        self.replay()?;
+        let mut marks = vec![ev("recording a timing event")?];
+        for _ in 0..n {
+            self.replay()?;
+            marks.push(ev("recording a timing event")?);
+        }
+        gpu.sync("timing graph replays")?;
+        marks
+            .windows(2)
+            .map(|w| {
+                w[0].elapsed_ms(&w[1]).map_err(|e| {
+                    super::device::driver_err("reading a timing event", "moe forward", e)
+                })
+            })
+            .collect()
+    }
+
+    /// New layer input for the next replay.
+    pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
+        self.fwd.set_hidden(hidden)
+    }
+
+    /// Replay and bring the output back.
+    pub fn run(&self) -> Result<MoeOutput> {
+        self.replay()?;
+        self.fwd.output()
+    }
+}
+
+/// `Backend::moe_forward` on the GPU: stream the layer's weights, run, bring it back.
+pub fn moe_forward(
+    gpu: &Arc<Gpu>,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    path: &Path,
+    per_slot: bool,
+) -> Result<MoeOutput> {
+    let h = layer.config.hidden_size;
+    if h == 0 || !hidden.len().is_multiple_of(h) {
+        return Err(Error::usage(format!(
+            "MoE layer {}: hidden states of {} values are not [tokens, {h}]",
+            layer.index,
+            hidden.len()
+        )));
+    }
+    let tokens = hidden.len() / h;
+    check_routing(layer, routing, tokens)?;
+    let mut f = match path {
+        Path::Nvfp4 { scales, flavor } => Nvfp4Forward::prepare(
+            gpu,
+            layer,
+            tokens,
+            routing.top_k,
+            Some((scales, *flavor)),
+            per_slot,
+        )?,
+        Path::Reference => {
+            Nvfp4Forward::prepare(gpu, layer, tokens, routing.top_k, None, per_slot)?
+        }
+    };
+    f.set_hidden(hidden)?;
+    f.set_routing(layer, routing)?;
+    f.run()
+}

@@ -1,0 +1,423 @@
+//! Launch wrappers for kernels/quant.cu: NVFP4 (both flavors) and MXFP4 quantization, scale
+//! swizzling, and flipped-code counts. Device-level functions take and return device buffers;
+//! the host-level ones mirror `crate::nvfp4` so tests compare them bit for bit.
+
+use super::device::{grid_1d, Gpu, KArg};
+use super::nvrtc::QUANT;
+use crate::error::{Error, Result};
+use crate::nvfp4::layout::{swizzled_len, ScaleLayout};
+use crate::nvfp4::{BlockStats, Flavor, Format, Fp4Tensor};
+use cudarc::driver::CudaSlice;
+
+const THREADS: u32 = 256;
+
+/// Activations on the GPU: f32, or BF16 as raw bits.
+#[derive(Clone, Copy)]
+pub enum DevRows<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+impl DevRows<'_> {
+    fn len(&self) -> usize {
+        match self {
+            DevRows::F32(s) => s.len(),
+            DevRows::Bf16(s) => s.len(),
+        }
+    }
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            DevRows::F32(s) => gpu.ptr(*s),
+            DevRows::Bf16(s) => gpu.ptr(*s),
+        }
+    }
+}
+
+/// A quantized tensor on the GPU.
+pub struct DevFp4 {
+    pub format: Format,
+    pub rows: usize,
+    pub cols: usize,
+    /// `[rows, cols/2]`
+    pub packed: CudaSlice<u8>,
+    /// `[rows, cols/block]` (linear) or the padded 128x4 swizzle.
+    pub scales: CudaSlice<u8>,
+    pub layout: ScaleLayout,
+    /// blocks, saturated, flushed, nan_scales
+    pub stats: CudaSlice<u64>,
+    pub scale_2: f32,
+}
+
+pub(crate) fn flavor_code(f: Flavor) -> u32 {
+    match f {
+        Flavor::Reference => 0,
+        Flavor::CudaFast => 1,
+    }
+}
+
+fn check_shape(len: usize, rows: usize, cols: usize, block: usize, what: &str) -> Result<()> {
+    if cols == 0 || !cols.is_multiple_of(block) {
+        return Err(Error::usage(format!(
+            "{what}: {cols} columns is not a positive multiple of the block size {block}"
+        )));
+    }
+    if rows.checked_mul(cols) != Some(len) {
+        return Err(Error::usage(format!(
+            "{what}: {len} values do not form [{rows}, {cols}]"
+        )));
+    }
+    Ok(())
+}
+
+fn scale_len(rows: usize, kb: usize, layout: ScaleLayout) -> usize {
+    match layout {
+        ScaleLayout::Linear => rows * kb,
+        ScaleLayout::Swizzled => swizzled_len(rows, kb),
+    }
+}
+
+fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::driver::LaunchConfig> {
+    let n = scale_len(rows, kb, layout) as u64;
+    grid_1d(n, THREADS)
+}
+
+/// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
+pub fn quantize_nvfp4_dev(
+    gpu: &Gpu,
+    x: DevRows<'_>,
+    rows: usize,
+    cols: usize,
+    gs: f32,
+    flavor: Flavor,
+    layout: ScaleLayout,
+) -> Result<DevFp4> {
+    check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
+    let kb = cols / 16;
+    let gs_dev = gpu.upload(&[gs], "the global scale")?;
+    let packed = gpu.alloc::<u8>(rows * cols / 2, "packed FP4 codes")?;
+    let scales = gpu.alloc::<u8>(scale_len(rows, kb, layout), "block scales")?;
+    let stats = gpu.zeros::<u64>(4, "block statistics")?;
+    let kernel = match x {
+        DevRows::F32(_) => "nvfp4_quantize_f32",
+        DevRows::Bf16(_) => "nvfp4_quantize_bf16",
+    };
+    gpu.launch(
+        &QUANT,
+        kernel,
+        grid_for(rows, kb, layout)?,
+        &[
+            KArg::U64(x.ptr(gpu)),
+            KArg::U64(rows as u64),
+            KArg::U32(cols as u32),
+            KArg::U64(0),
+            KArg::U64(gpu.ptr(&gs_dev)),
+            KArg::U64(0),
+            KArg::U64(gpu.ptr(&packed)),
+            KArg::U64(gpu.ptr(&scales)),
+            KArg::U32((layout == ScaleLayout::Swizzled) as u32),
+            KArg::U64(gpu.ptr(&stats)),
+            KArg::U32(flavor_code(flavor)),
+        ],
+    )?;
+    // dropping gs_dev frees it in stream order, after the kernel
+    drop(gs_dev);
+    Ok(DevFp4 {
+        format: Format::Nvfp4,
+        rows,
+        cols,
+        packed,
+        scales,
+        layout,
+        stats,
+        scale_2: 1.0 / gs,
+    })
+}
+
+/// MXFP4-quantize `[rows, cols]` on the GPU.
+pub fn quantize_mxfp4_dev(
+    gpu: &Gpu,
+    x: DevRows<'_>,
+    rows: usize,
+    cols: usize,
+    layout: ScaleLayout,
+) -> Result<DevFp4> {
+    check_shape(x.len(), rows, cols, 32, "mxfp4 quantize")?;
+    let kb = cols / 32;
+    let packed = gpu.alloc::<u8>(rows * cols / 2, "packed FP4 codes")?;
+    let scales = gpu.alloc::<u8>(scale_len(rows, kb, layout), "block scales")?;
+    let stats = gpu.zeros::<u64>(4, "block statistics")?;
+    let kernel = match x {
+        DevRows::F32(_) => "mxfp4_quantize_f32",
+        DevRows::Bf16(_) => "mxfp4_quantize_bf16",
+    };
+    gpu.launch(
+        &QUANT,
+        kernel,
+        grid_for(rows, kb, layout)?,
+        &[
+            KArg::U64(x.ptr(gpu)),
+            KArg::U64(rows as u64),
+            KArg::U32(cols as u32),
+            KArg::U64(gpu.ptr(&packed)),
+            KArg::U64(gpu.ptr(&scales)),
+            KArg::U32((layout == ScaleLayout::Swizzled) as u32),
+            KArg::U64(gpu.ptr(&stats)),
+        ],
+    )?;
+    Ok(DevFp4 {
+        format: Format::Mxfp4,
+        rows,
+        cols,
+        packed,
+        scales,
+        layout,
+        stats,
+        scale_2: 1.0,
+    })
+}
+
+pub(crate) fn stats_from(v: &[u64]) -> BlockStats {
+    BlockStats {
+        blocks: v.first().copied().unwrap_or(0),
+        saturated: v.get(1).copied().unwrap_or(0),
+        flushed: v.get(2).copied().unwrap_or(0),
+        nan_scales: v.get(3).copied().unwrap_or(0),
+    }
+}
+
+impl DevFp4 {
+    pub fn block_stats(&self, gpu: &Gpu) -> Result<BlockStats> {
+        Ok(stats_from(&gpu.download(
+            &self.stats,
+            4,
+            "block statistics",
+        )?))
+    }
+
+    /// Bring the tensor back as an [`Fp4Tensor`] (linear scales; swizzled ones are undone
+    /// on the GPU first).
+    pub fn to_host(&self, gpu: &Gpu) -> Result<Fp4Tensor> {
+        let kb = self.cols / self.format.block();
+        let packed = gpu.download(&self.packed, self.rows * self.cols / 2, "packed FP4 codes")?;
+        let scales = match self.layout {
+            ScaleLayout::Linear => gpu.download(&self.scales, self.rows * kb, "block scales")?,
+            ScaleLayout::Swizzled => {
+                let lin = unswizzle_dev(gpu, &self.scales, self.rows, kb)?;
+                gpu.download(&lin, self.rows * kb, "block scales")?
+            }
+        };
+        Ok(Fp4Tensor {
+            format: self.format,
+            rows: self.rows,
+            cols: self.cols,
+            packed,
+            scales,
+            scale_2: self.scale_2,
+        })
+    }
+
+    /// The scale bytes exactly as they are on the GPU (swizzled ones with their padding).
+    pub fn raw_scales(&self, gpu: &Gpu) -> Result<Vec<u8>> {
+        let kb = self.cols / self.format.block();
+        gpu.download(
+            &self.scales,
+            scale_len(self.rows, kb, self.layout),
+            "block scales",
+        )
+    }
+}
+
+/// Linear `[rows, kb]` scales → the 128x4 swizzle (zero padding), on the GPU.
+pub fn swizzle_dev(
+    gpu: &Gpu,
+    linear: &CudaSlice<u8>,
+    rows: usize,
+    kb: usize,
+) -> Result<CudaSlice<u8>> {
+    if linear.len() < rows * kb {
+        return Err(Error::usage(format!(
+            "swizzle: {} scale bytes do not hold [{rows}, {kb}]",
+            linear.len()
+        )));
+    }
+    let out = gpu.alloc::<u8>(swizzled_len(rows, kb), "swizzled scales")?;
+    gpu.launch(
+        &QUANT,
+        "scales_swizzle",
+        grid_1d(swizzled_len(rows, kb) as u64, THREADS)?,
+        &[
+            KArg::U64(gpu.ptr(linear)),
+            KArg::U64(rows as u64),
+            KArg::U64(kb as u64),
+            KArg::U64(gpu.ptr(&out)),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// Swizzled scales → linear `[rows, kb]`, on the GPU.
+pub fn unswizzle_dev(
+    gpu: &Gpu,
+    swizzled: &CudaSlice<u8>,
+    rows: usize,
+    kb: usize,
+) -> Result<CudaSlice<u8>> {
+    if swizzled.len() < swizzled_len(rows, kb) {
+        return Err(Error::usage(format!(
+            "unswizzle: {} scale bytes do not hold a swizzled [{rows}, {kb}]",
+            swizzled.len()
+        )));
+    }
+    let out = gpu.alloc::<u8>(rows * kb, "linear scales")?;
+    gpu.launch(
+        &QUANT,
+        "scales_unswizzle",
+        grid_1d((rows * kb) as u64, THREADS)?,
+        &[
+            KArg::U64(gpu.ptr(swizzled)),
+            KArg::U64(rows as u64),
+            KArg::U64(kb as u64),
+            KArg::U64(gpu.ptr(&out)),
+        ],
+    )?;
+    Ok(out)
+}
+
+/// How two quantizations of the same tensor differ.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Flips {
+    /// E2M1 codes that differ.
+    pub codes: u64,
+    /// Block scales that differ.
+    pub scales: u64,
+    /// Codes compared.
+    pub total_codes: u64,
+    pub total_scales: u64,
+}
+
+/// Count differing codes and scales between two quantizations with equal shapes/layouts.
+pub fn count_flips_dev(gpu: &Gpu, a: &DevFp4, b: &DevFp4) -> Result<Flips> {
+    if (a.rows, a.cols, a.format, a.layout) != (b.rows, b.cols, b.format, b.layout) {
+        return Err(Error::usage(
+            "count_flips: the two quantizations differ in shape, format or layout",
+        ));
+    }
+    let n_packed = a.rows * a.cols / 2;
+    let n_scales = scale_len(a.rows, a.cols / a.format.block(), a.layout);
+    let counts = gpu.zeros::<u64>(2, "flip counts")?;
+    gpu.launch(
+        &QUANT,
+        "count_flips",
+        grid_1d(n_packed.max(n_scales) as u64, THREADS)?,
+        &[
+            KArg::U64(gpu.ptr(&a.packed)),
+            KArg::U64(gpu.ptr(&b.packed)),
+            KArg::U64(n_packed as u64),
+            KArg::U64(gpu.ptr(&a.scales)),
+            KArg::U64(gpu.ptr(&b.scales)),
+            KArg::U64(n_scales as u64),
+            KArg::U64(gpu.ptr(&counts)),
+        ],
+    )?;
+    let c = gpu.download(&counts, 2, "flip counts")?;
+    Ok(Flips {
+        codes: c[0],
+        scales: c[1],
+        total_codes: (a.rows * a.cols) as u64,
+        total_scales: (a.rows * (a.cols / a.format.block())) as u64,
+    })
+}
+
+// ---- host-level conveniences (upload, run, download) ----
+
+/// NVFP4-quantize f32 rows on the GPU; the result mirrors `nvfp4::quantize_nvfp4`.
+pub fn quantize_nvfp4(
+    gpu: &Gpu,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+    gs: f32,
+    flavor: Flavor,
+) -> Result<(Fp4Tensor, BlockStats)> {
+    check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
+    let d = gpu.upload(x, "the input rows")?;
+    let q = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        flavor,
+        ScaleLayout::Linear,
+    )?;
+    Ok((q.to_host(gpu)?, q.block_stats(gpu)?))
+}
+
+/// The same from BF16 rows (raw bits).
+pub fn quantize_nvfp4_bf16(
+    gpu: &Gpu,
+    x: &[u16],
+    rows: usize,
+    cols: usize,
+    gs: f32,
+    flavor: Flavor,
+    layout: ScaleLayout,
+) -> Result<(DevFp4, BlockStats)> {
+    check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
+    let d = gpu.upload(x, "the input rows")?;
+    let q = quantize_nvfp4_dev(gpu, DevRows::Bf16(&d), rows, cols, gs, flavor, layout)?;
+    let st = q.block_stats(gpu)?;
+    Ok((q, st))
+}
+
+/// MXFP4-quantize f32 rows on the GPU; mirrors `nvfp4::quantize_mxfp4`.
+pub fn quantize_mxfp4(
+    gpu: &Gpu,
+    x: &[f32],
+    rows: usize,
+    cols: usize,
+) -> Result<(Fp4Tensor, BlockStats)> {
+    check_shape(x.len(), rows, cols, 32, "mxfp4 quantize")?;
+    let d = gpu.upload(x, "the input rows")?;
+    let q = quantize_mxfp4_dev(gpu, DevRows::F32(&d), rows, cols, ScaleLayout::Linear)?;
+    Ok((q.to_host(gpu)?, q.block_stats(gpu)?))
+}
+
+/// Quantize the same rows with both flavors and count the codes that flip.
+pub fn flavor_flips(gpu: &Gpu, x: &[f32], rows: usize, cols: usize, gs: f32) -> Result<Flips> {
+    check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
+    let d = gpu.upload(x, "the input rows")?;
+    let a = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        Flavor::Reference,
+        ScaleLayout::Linear,
+    )?;
+    let b = quantize_nvfp4_dev(
+        gpu,
+        DevRows::F32(&d),
+        rows,
+        cols,
+        gs,
+        Flavor::CudaFast,
+        ScaleLayout::Linear,
+    )?;
+    count_flips_dev(gpu, &a, &b)
+}
+
+/// Linear → swizzled scales through the GPU kernel.
+pub fn swizzle_scales(gpu: &Gpu, linear: &[u8], rows: usize, kb: usize) -> Result<Vec<u8>> {
+    let d = gpu.upload(linear, "linear scales")?;
+    let s = swizzle_dev(gpu, &d, rows, kb)?;
+    gpu.download(&s, swizzled_len(rows, kb), "swizzled scales")
+}
+
+/// Swizzled → linear scales through the GPU kernel.
+pub fn unswizzle_scales(gpu: &Gpu, swizzled: &[u8], rows: usize, kb: usize) -> Result<Vec<u8>> {
+    let d = gpu.upload(swizzled, "swizzled scales")?;
+    let s = unswizzle_dev(gpu, &d, rows, kb)?;
+    gpu.download(&s, rows * kb, "linear scales")
+}

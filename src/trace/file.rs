@@ -1,0 +1,348 @@
+//! One trace file: a memory-mapped safetensors file whose header is validated before any tensor
+//! is touched, so a truncated or lying file is reported by name instead of read past its end.
+
+use crate::error::{Error, Result};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// What a tensor is to the module call it was recorded from (DESIGN.md §5 names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Role {
+    /// `input.N`
+    Input(usize),
+    /// `output` (0) or `output.N`
+    Output(usize),
+    /// Any other name: kept, scanned, never used to decide who produced a value.
+    Other,
+}
+
+/// The role a tensor name plays.
+pub fn role(name: &str) -> Role {
+    if name == "output" {
+        return Role::Output(0);
+    }
+    let numbered = |prefix: &str| {
+        name.strip_prefix(prefix)
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<usize>().ok())
+    };
+    if let Some(n) = numbered("output.") {
+        Role::Output(n)
+    } else if let Some(n) = numbered("input.") {
+        Role::Input(n)
+    } else {
+        Role::Other
+    }
+}
+
+pub struct TraceFile {
+    path: PathBuf,
+    mmap: Mmap,
+    data_start: usize,
+    metadata: HashMap<String, String>,
+    /// In recording order: inputs, outputs (by number), then anything else by name.
+    tensors: Vec<Entry>,
+}
+
+struct Entry {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    offsets: (usize, usize),
+}
+
+/// A view of one tensor's bytes inside a mapped trace file.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorRef<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub shape: &'a [usize],
+    data: &'a [u8],
+}
+
+impl TraceFile {
+    /// Map and validate: header length, JSON, offsets tiling the data section and ending
+    /// exactly at the end of the file, sizes matching shape × dtype. Tensor bytes are not read.
+    pub fn open(path: &Path) -> Result<TraceFile> {
+        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
+        if len < 8 {
+            return Err(Error::bad_file(
+                path,
+                format!("truncated: {len} bytes, a safetensors file starts with an 8-byte header length"),
+            ));
+        }
+        // SAFETY: mapped read-only and never written by us; a concurrent writer truncating
+        // the file is outside what any reader can defend against.
+        let mmap = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
+        let (n, header) = SafeTensors::read_metadata(&mmap).map_err(|e| {
+            Error::bad_file(
+                path,
+                format!("not a valid safetensors file: {e} (truncated or corrupt?)"),
+            )
+        })?;
+        let mut tensors: Vec<Entry> = header
+            .tensors()
+            .into_iter()
+            .map(|(name, info)| Entry {
+                name,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                offsets: info.data_offsets,
+            })
+            .collect();
+        tensors.sort_by(|a, b| (role(&a.name), &a.name).cmp(&(role(&b.name), &b.name)));
+        Ok(TraceFile {
+            path: path.to_path_buf(),
+            mmap,
+            data_start: 8 + n,
+            metadata: header.metadata().clone().unwrap_or_default(),
+            tensors,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The `__metadata__` map (empty when absent).
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
+    }
+
+    /// All tensors in recording order: `input.*`, `output`, `output.*`, then other names.
+    pub fn tensors(&self) -> impl Iterator<Item = TensorRef<'_>> {
+        self.tensors.iter().filter_map(|e| self.view(e))
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
+        self.tensors
+            .iter()
+            .find(|e| e.name == name)
+            .and_then(|e| self.view(e))
+    }
+
+    fn view<'a>(&'a self, e: &'a Entry) -> Option<TensorRef<'a>> {
+        // read_metadata checked that the offsets tile the data section; `get` keeps it so
+        let data = self
+            .mmap
+            .get(self.data_start + e.offsets.0..self.data_start + e.offsets.1)?;
+        Some(TensorRef {
+            name: &e.name,
+            dtype: e.dtype,
+            shape: &e.shape,
+            data,
+        })
+    }
+}
+
+/// Dtypes a NaN or Inf can live in, all converted to f32 for scanning (finite f64 values beyond
+/// the f32 range saturate to ±f32::MAX, so only a real NaN/Inf is reported as one).
+pub fn is_float(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::F64 | Dtype::F32 | Dtype::F16 | Dtype::BF16 | Dtype::F8_E4M3 | Dtype::F8_E5M2
+    )
+}
+
+impl<'a> TensorRef<'a> {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn is_float(&self) -> bool {
+        is_float(self.dtype)
+    }
+
+    /// The tensor's bytes as stored (little-endian).
+    pub fn raw(&self) -> &'a [u8] {
+        self.data
+    }
+
+    /// Elements `start .. start + len` as f32 into `out` (cleared first). Non-float dtypes and
+    /// ranges past the end give fewer values; callers ask within `numel()`.
+    pub fn read_f32(&self, start: usize, len: usize, out: &mut Vec<f32>) {
+        out.clear();
+        let width = self.dtype.bitsize() / 8;
+        let end = (start + len).min(self.numel());
+        if !self.is_float() || width == 0 || start >= end {
+            return;
+        }
+        let Some(bytes) = self.data.get(start * width..end * width) else {
+            return;
+        };
+        out.reserve(end - start);
+        match self.dtype {
+            Dtype::F32 => out.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            // a finite f64 beyond the f32 range is not an Inf: saturate it, keep NaN/Inf as is
+            Dtype::F64 => out.extend(bytes.chunks_exact(8).map(|b| {
+                let v = f64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
+                if v.is_finite() {
+                    v.clamp(-(f32::MAX as f64), f32::MAX as f64) as f32
+                } else {
+                    v as f32
+                }
+            })),
+            Dtype::BF16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::F16 => out.extend(
+                bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::F8_E4M3 => out.extend(bytes.iter().map(|&b| crate::nvfp4::e4m3::decode(b))),
+            // E5M2 is the top byte of an IEEE half
+            Dtype::F8_E5M2 => out.extend(
+                bytes
+                    .iter()
+                    .map(|&b| half::f16::from_bits((b as u16) << 8).to_f32()),
+            ),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::writer::{bf16_bytes, f32_bytes, write_file, TensorSpec};
+
+    #[test]
+    fn roles_and_order() {
+        assert_eq!(role("output"), Role::Output(0));
+        assert_eq!(role("output.2"), Role::Output(2));
+        assert_eq!(role("input.10"), Role::Input(10));
+        assert_eq!(role("input."), Role::Other);
+        assert_eq!(role("input.x"), Role::Other);
+        assert_eq!(role("outputs"), Role::Other);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("000001-a.safetensors");
+        let v = [1.0f32, -2.5];
+        write_file(
+            &p,
+            vec![
+                (TensorSpec::new("output.1", Dtype::F32, &[2]), f32_bytes(&v)),
+                (TensorSpec::new("zz", Dtype::F32, &[2]), f32_bytes(&v)),
+                (
+                    TensorSpec::new("output", Dtype::BF16, &[1, 2]),
+                    bf16_bytes(&v),
+                ),
+                (TensorSpec::new("input.10", Dtype::F32, &[2]), f32_bytes(&v)),
+                (TensorSpec::new("input.2", Dtype::F32, &[2]), f32_bytes(&v)),
+            ],
+            None,
+        )
+        .unwrap();
+        let f = TraceFile::open(&p).unwrap();
+        let names: Vec<_> = f.tensors().map(|t| t.name.to_string()).collect();
+        assert_eq!(names, ["input.2", "input.10", "output", "output.1", "zz"]);
+        let t = f.tensor("output").unwrap();
+        assert_eq!(t.shape, &[1, 2]);
+        let mut out = vec![];
+        t.read_f32(0, 10, &mut out);
+        assert_eq!(out, v);
+    }
+
+    #[test]
+    fn every_float_dtype_reads_as_f32() {
+        let seed: u64 = rand::random();
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let x: Vec<f32> = (0..37).map(|_| rng.gen_range(-100.0f32..100.0)).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("000000-m.safetensors");
+        let mut f64b: Vec<u8> = x.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect();
+        f64b.extend(1e300f64.to_le_bytes());
+        f64b.extend(f64::NEG_INFINITY.to_le_bytes());
+        let f16b: Vec<u8> = x
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect();
+        let e4m3: Vec<u8> = x
+            .iter()
+            .map(|&v| crate::nvfp4::e4m3::encode_saturating(v))
+            .collect();
+        // E5M2 by truncating an f16 whose low byte is zero: exact for these values
+        let e5m2: Vec<u8> = x
+            .iter()
+            .map(|&v| (half::f16::from_f32(v).to_bits() >> 8) as u8)
+            .collect();
+        write_file(
+            &p,
+            vec![
+                (TensorSpec::new("f32", Dtype::F32, &[37]), f32_bytes(&x)),
+                (TensorSpec::new("f64", Dtype::F64, &[39]), f64b),
+                (TensorSpec::new("f16", Dtype::F16, &[37]), f16b),
+                (TensorSpec::new("bf16", Dtype::BF16, &[37]), bf16_bytes(&x)),
+                (TensorSpec::new("e4m3", Dtype::F8_E4M3, &[37]), e4m3.clone()),
+                (TensorSpec::new("e5m2", Dtype::F8_E5M2, &[37]), e5m2.clone()),
+                (TensorSpec::new("ids", Dtype::I64, &[2]), vec![0; 16]),
+            ],
+            None,
+        )
+        .unwrap();
+        let f = TraceFile::open(&p).unwrap();
+        let mut out = vec![];
+        let mut read = |name: &str, start: usize, len: usize| {
+            f.tensor(name).unwrap().read_f32(start, len, &mut out);
+            out.clone()
+        };
+        assert_eq!(read("f32", 0, 37), x, "seed {seed}");
+        assert_eq!(read("f64", 0, 37), x, "seed {seed}");
+        assert_eq!(read("f64", 37, 2), [f32::MAX, f32::NEG_INFINITY]);
+        assert_eq!(read("f32", 30, 100), x[30..].to_vec(), "seed {seed}");
+        let want: Vec<f32> = x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect();
+        assert_eq!(read("f16", 0, 37), want, "seed {seed}");
+        let want: Vec<f32> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(read("bf16", 5, 7), want[5..12].to_vec(), "seed {seed}");
+        let want: Vec<f32> = e4m3
+            .iter()
+            .map(|&c| crate::nvfp4::e4m3::decode(c))
+            .collect();
+        assert_eq!(read("e4m3", 0, 37), want, "seed {seed}");
+        for (got, &c) in read("e5m2", 0, 37).iter().zip(&e5m2) {
+            let want = half::f16::from_bits((c as u16) << 8).to_f32();
+            assert_eq!(*got, want, "seed {seed}");
+        }
+        assert!(read("ids", 0, 2).is_empty());
+        assert!(!f.tensor("ids").unwrap().is_float());
+    }
+
+    #[test]
+    fn truncated_and_lying_files_are_bad_input_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("000003-x.safetensors");
+        write_file(
+            &p,
+            vec![(
+                TensorSpec::new("output", Dtype::F32, &[4, 4]),
+                f32_bytes(&[1.0; 16]),
+            )],
+            None,
+        )
+        .unwrap();
+        let full = std::fs::read(&p).unwrap();
+        for cut in [0usize, 5, 8, 20, full.len() - 1] {
+            std::fs::write(&p, &full[..cut]).unwrap();
+            let e = TraceFile::open(&p).err().expect("truncated file accepted");
+            assert!(e.to_string().contains("000003-x.safetensors"), "{e}");
+        }
+        // a header that claims more data than there is
+        let lying = String::from_utf8_lossy(&full).replace("[4,4]", "[4,5]");
+        std::fs::write(&p, lying.as_bytes()).unwrap();
+        let e = TraceFile::open(&p).err().expect("lying header accepted");
+        assert!(e.to_string().contains("000003-x.safetensors"), "{e}");
+    }
+}

@@ -1,0 +1,297 @@
+//! Listing a trace directory: names → (counter, module), `__metadata__` → (rank, step), the
+//! selection asked for, in execution order. Only names and headers are held (a few hundred
+//! bytes per file), so a trace of 100k calls indexes in bounded memory; tensors are read later,
+//! one file at a time.
+
+use super::file::TraceFile;
+use crate::error::{Error, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// One recorded module call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceEntry {
+    /// The execution counter from the file name.
+    pub counter: u64,
+    /// The PyTorch module path from the file name.
+    pub module: String,
+    /// The file, as found under the trace directory the user named.
+    pub path: PathBuf,
+    /// `__metadata__` `rank`; absent means a single-process trace, counted as rank 0.
+    pub rank: Option<u64>,
+    pub step: Option<u64>,
+}
+
+/// A directory entry that is not used, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Skipped {
+    pub file: PathBuf,
+    pub reason: String,
+}
+
+/// Which calls to look at: `rank` defaults to 0, `step` to all steps in order.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Selection {
+    pub rank: Option<u64>,
+    pub step: Option<u64>,
+}
+
+impl Selection {
+    pub fn describe(&self) -> String {
+        let step = match self.step {
+            Some(s) => format!("step {s}"),
+            None => "all steps".to_string(),
+        };
+        format!("rank {}, {step}", self.rank.unwrap_or(0))
+    }
+}
+
+/// A trace directory, indexed: the selected calls in execution order.
+#[derive(Clone, Debug)]
+pub struct TraceIndex {
+    pub dir: PathBuf,
+    pub selection: Selection,
+    /// Selected calls ordered by (step, counter); counters are never compared with mtimes.
+    pub entries: Vec<TraceEntry>,
+    /// Entries not used: names that do not match, duplicate counters.
+    pub skipped: Vec<Skipped>,
+    /// Trace files found, all ranks and steps.
+    pub files_total: usize,
+    pub ranks: Vec<u64>,
+    /// Steps present in the selected rank.
+    pub steps: Vec<u64>,
+}
+
+/// The shape of a trace file name, for messages.
+pub const NAME_PATTERN: &str = "NNNNNN-<module.path>.safetensors";
+
+/// `NNNNNN-<module.path>.safetensors` → (counter, module path). The counter has at least six
+/// digits (a recorder that passes 999999 calls writes seven); the error says why not.
+pub fn parse_file_name(name: &str) -> std::result::Result<(u64, String), String> {
+    if name.starts_with('.') {
+        return Err("hidden file (a recorder's temporary file?)".into());
+    }
+    let Some(stem) = name.strip_suffix(".safetensors") else {
+        return Err(format!("not a trace file: expected {NAME_PATTERN}"));
+    };
+    let digits = stem.bytes().take_while(|b| b.is_ascii_digit()).count();
+    if digits < 6 || stem.as_bytes().get(digits) != Some(&b'-') {
+        return Err(format!(
+            "name does not start with a six-digit counter and '-': expected {NAME_PATTERN}"
+        ));
+    }
+    let counter = stem[..digits]
+        .parse::<u64>()
+        .map_err(|_| format!("counter `{}` does not fit in 64 bits", &stem[..digits]))?;
+    let module = &stem[digits + 1..];
+    if module.is_empty() {
+        return Err(format!("empty module path: expected {NAME_PATTERN}"));
+    }
+    Ok((counter, module.to_string()))
+}
+
+fn parse_meta(path: &Path, f: &TraceFile, key: &str) -> Result<Option<u64>> {
+    match f.metadata().get(key) {
+        None => Ok(None),
+        Some(v) => v.trim().parse::<u64>().map(Some).map_err(|_| {
+            Error::bad_file(
+                path,
+                format!("__metadata__ `{key}` = {v:?} is not a non-negative integer"),
+            )
+        }),
+    }
+}
+
+fn join_u64(v: &[u64]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl TraceIndex {
+    /// Index `dir`: its `*.safetensors` trace files and those one directory level down (one
+    /// directory per rank or step is how multi-process recorders keep names from colliding).
+    /// Every trace file's header is validated here, so a truncated file is reported before any
+    /// scan starts. No trace file at all, or none in the selection, is bad input.
+    pub fn open(dir: &Path, selection: Selection) -> Result<TraceIndex> {
+        let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
+        if !meta.is_dir() {
+            return Err(Error::bad_file(
+                dir,
+                format!("not a directory: a trace is a directory of {NAME_PATTERN} files"),
+            ));
+        }
+        let mut skipped = Vec::new();
+        let mut named = Vec::new(); // (counter, module, path)
+        let mut visit = |d: &Path, depth: usize, subdirs: &mut Vec<PathBuf>| -> Result<()> {
+            let rd = std::fs::read_dir(d).map_err(|e| Error::io(d, e))?;
+            let mut items = Vec::new();
+            for ent in rd {
+                let ent = ent.map_err(|e| Error::io(d, e))?;
+                items.push(ent.path());
+            }
+            items.sort();
+            for p in items {
+                let name = p.file_name().and_then(|n| n.to_str()).map(str::to_string);
+                if p.is_dir() {
+                    if depth == 0 {
+                        subdirs.push(p);
+                    } else {
+                        skipped.push(Skipped {
+                            file: p,
+                            reason:
+                                "directory nested two levels deep (one level, e.g. rank0/, is read)"
+                                    .into(),
+                        });
+                    }
+                    continue;
+                }
+                match name.as_deref().map(parse_file_name) {
+                    Some(Ok((counter, module))) => named.push((counter, module, p)),
+                    Some(Err(reason)) => skipped.push(Skipped { file: p, reason }),
+                    None => skipped.push(Skipped {
+                        file: p,
+                        reason: "file name is not UTF-8".into(),
+                    }),
+                }
+            }
+            Ok(())
+        };
+        let mut subdirs = Vec::new();
+        visit(dir, 0, &mut subdirs)?;
+        for s in subdirs {
+            visit(&s, 1, &mut Vec::new())?;
+        }
+        if named.is_empty() {
+            let mut what = format!("no trace files ({NAME_PATTERN}) in this directory");
+            if !skipped.is_empty() {
+                what.push_str(&format!(
+                    "; {} other entries, e.g. {}: {}",
+                    skipped.len(),
+                    skipped[0].file.display(),
+                    skipped[0].reason
+                ));
+            }
+            return Err(Error::bad_file(dir, what));
+        }
+
+        // Headers: validated in parallel; the first bad file in name order is the one reported.
+        let headers: Vec<Result<(Option<u64>, Option<u64>)>> = named
+            .par_iter()
+            .map(|(_, _, p)| {
+                let f = TraceFile::open(p)?;
+                Ok((parse_meta(p, &f, "rank")?, parse_meta(p, &f, "step")?))
+            })
+            .collect();
+        let files_total = named.len();
+        let mut all = Vec::with_capacity(named.len());
+        for ((counter, module, path), h) in named.into_iter().zip(headers) {
+            let (rank, step) = h?;
+            all.push(TraceEntry {
+                counter,
+                module,
+                path,
+                rank,
+                step,
+            });
+        }
+
+        let ranks: Vec<u64> = all
+            .iter()
+            .map(|e| e.rank.unwrap_or(0))
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let rank = selection.rank.unwrap_or(0);
+        all.retain(|e| e.rank.unwrap_or(0) == rank);
+        if all.is_empty() {
+            return Err(Error::usage(format!(
+                "{}: no trace files of rank {rank} (ranks present: {}); choose one with --rank",
+                dir.display(),
+                join_u64(&ranks)
+            )));
+        }
+        let steps: Vec<u64> = all
+            .iter()
+            .filter_map(|e| e.step)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if let Some(s) = selection.step {
+            all.retain(|e| e.step == Some(s));
+            if all.is_empty() {
+                return Err(Error::usage(format!(
+                    "{}: no trace files of step {s} for rank {rank} (steps present: {})",
+                    dir.display(),
+                    if steps.is_empty() {
+                        "none recorded".to_string()
+                    } else {
+                        join_u64(&steps)
+                    }
+                )));
+            }
+        }
+        // Counters restart per step only when steps were recorded separately; (step, counter)
+        // is execution order either way. The path breaks ties only to make the order total.
+        all.sort_by(|a, b| (a.step, a.counter, &a.path).cmp(&(b.step, b.counter, &b.path)));
+        let mut entries: Vec<TraceEntry> = Vec::with_capacity(all.len());
+        for e in all {
+            if let Some(prev) = entries.last() {
+                if prev.step == e.step && prev.counter == e.counter {
+                    skipped.push(Skipped {
+                        reason: format!(
+                            "duplicate counter {:06}{}: execution order is ambiguous; kept {}",
+                            e.counter,
+                            e.step.map(|s| format!(" in step {s}")).unwrap_or_default(),
+                            prev.path.display()
+                        ),
+                        file: e.path,
+                    });
+                    continue;
+                }
+            }
+            entries.push(e);
+        }
+        Ok(TraceIndex {
+            dir: dir.to_path_buf(),
+            selection,
+            entries,
+            skipped,
+            files_total,
+            ranks,
+            steps,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(
+            parse_file_name("000042-model.layers.3.mlp.safetensors"),
+            Ok((42, "model.layers.3.mlp".into()))
+        );
+        assert_eq!(
+            parse_file_name("1000000-lm_head.safetensors"),
+            Ok((1_000_000, "lm_head".into()))
+        );
+        for bad in [
+            "00042-x.safetensors",
+            "000042x.safetensors",
+            "000042-.safetensors",
+            "000042-x.safetensors.tmp",
+            ".000042-x.safetensors",
+            "x-000042.safetensors",
+            "README.md",
+            "99999999999999999999999-x.safetensors",
+        ] {
+            assert!(parse_file_name(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! The first NaN/Inf of a trace in execution order. A call is *bad* when one of its outputs
+//! holds a non-finite value; its inputs then say who made it: clean inputs mean the module
+//! itself produced it, bad inputs mean it came from code that ran before (and was not recorded
+//! as a module of its own). Bad inputs with clean outputs do not make a call bad: a `-inf`
+//! attention mask passed in as an input is normal.
+
+use super::file::{role, Role, TraceFile};
+use super::index::{Skipped, TraceEntry, TraceIndex};
+use super::scan::{element_index, tensor_stats, ElementIndex, Kind, TensorStats};
+use crate::error::Result;
+use std::collections::VecDeque;
+use std::path::PathBuf;
+
+/// One tensor of a scanned call.
+#[derive(Clone, Debug)]
+pub struct ScannedTensor {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// `None` for dtypes that cannot hold NaN (ids, masks as bool).
+    pub stats: Option<TensorStats>,
+}
+
+impl ScannedTensor {
+    pub fn is_finite(&self) -> bool {
+        self.stats.is_none_or(|s| s.is_finite())
+    }
+}
+
+/// One scanned module call.
+#[derive(Clone, Debug)]
+pub struct ScannedCall {
+    pub counter: u64,
+    pub module: String,
+    pub file: PathBuf,
+    pub step: Option<u64>,
+    pub tensors: Vec<ScannedTensor>,
+}
+
+impl ScannedCall {
+    pub fn outputs(&self) -> impl Iterator<Item = &ScannedTensor> {
+        self.tensors
+            .iter()
+            .filter(|t| matches!(role(&t.name), Role::Output(_)))
+    }
+    pub fn inputs(&self) -> impl Iterator<Item = &ScannedTensor> {
+        self.tensors
+            .iter()
+            .filter(|t| matches!(role(&t.name), Role::Input(_)))
+    }
+    pub fn outputs_finite(&self) -> bool {
+        self.outputs().all(ScannedTensor::is_finite)
+    }
+    /// `None` when no input was recorded.
+    pub fn inputs_finite(&self) -> Option<bool> {
+        let mut any = false;
+        let mut all = true;
+        for t in self.inputs() {
+            any = true;
+            all &= t.is_finite();
+        }
+        any.then_some(all)
+    }
+}
+
+/// The first non-finite value of one tensor.
+#[derive(Clone, Debug)]
+pub struct BadValue {
+    pub tensor: String,
+    pub shape: Vec<usize>,
+    pub dtype: String,
+    pub index: ElementIndex,
+    pub kind: Kind,
+    pub value: f32,
+    pub nan_count: u64,
+    pub inf_count: u64,
+}
+
+impl BadValue {
+    fn of(t: &ScannedTensor) -> Option<BadValue> {
+        let s = t.stats?;
+        let (flat, value) = s.first_nonfinite?;
+        Some(BadValue {
+            tensor: t.name.clone(),
+            shape: t.shape.clone(),
+            dtype: t.dtype.clone(),
+            index: element_index(&t.shape, flat),
+            kind: Kind::of(value)?,
+            value,
+            nan_count: s.nan_count,
+            inf_count: s.inf_count,
+        })
+    }
+}
+
+/// The first bad call.
+#[derive(Clone, Debug)]
+pub struct FirstNonFinite {
+    /// Position of the call in the selected, ordered entries.
+    pub position: usize,
+    pub call: ScannedCall,
+    /// The first bad output tensor of the call, and where in it.
+    pub output: BadValue,
+    /// `Some(true)`: the recorded inputs were finite, so this module produced the value.
+    pub inputs_clean: Option<bool>,
+    /// The first bad input, when the inputs were already bad.
+    pub bad_input: Option<BadValue>,
+}
+
+#[derive(Clone, Debug)]
+pub struct LocateResult {
+    pub first: Option<FirstNonFinite>,
+    /// The last call before the first bad one whose outputs were all finite.
+    pub last_clean: Option<ScannedCall>,
+    /// Calls around the first bad one (or the last ones scanned when clean), in order.
+    pub window: Vec<ScannedCall>,
+    pub calls_scanned: usize,
+    /// Calls whose file had no `output` tensor: named, not scanned.
+    pub skipped: Vec<Skipped>,
+}
+
+fn scan_call(e: &TraceEntry) -> Result<ScannedCall> {
+    let f = TraceFile::open(&e.path)?;
+    let tensors = f
+        .tensors()
+        .map(|t| ScannedTensor {
+            name: t.name.to_string(),
+            dtype: format!("{:?}", t.dtype),
+            shape: t.shape.to_vec(),
+            stats: tensor_stats(&t),
+        })
+        .collect();
+    Ok(ScannedCall {
+        counter: e.counter,
+        module: e.module.clone(),
+        file: e.path.clone(),
+        step: e.step,
+        tensors,
+    })
+}
+
+/// Scan `index` in order until the first call with a non-finite output, then `context` more
+/// calls for the table; `tick` is called once per scanned call. Memory: `2·context + 1` calls.
+pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Result<LocateResult> {
+    let mut before: VecDeque<ScannedCall> = VecDeque::new();
+    let mut last_clean: Option<ScannedCall> = None;
+    let mut skipped = Vec::new();
+    let mut scanned = 0;
+    let mut found: Option<FirstNonFinite> = None;
+    let mut after = Vec::new();
+    for (pos, e) in index.entries.iter().enumerate() {
+        if found.is_some() && after.len() >= context {
+            break;
+        }
+        let call = scan_call(e)?;
+        tick();
+        scanned += 1;
+        if call.outputs().next().is_none() {
+            skipped.push(Skipped {
+                file: e.path.clone(),
+                reason: "no `output` tensor (a trace file holds output, output.N, input.N)".into(),
+            });
+            continue;
+        }
+        if found.is_some() {
+            after.push(call);
+            continue;
+        }
+        if call.outputs_finite() {
+            last_clean = Some(call.clone());
+            if before.len() == context {
+                before.pop_front();
+            }
+            if context > 0 {
+                before.push_back(call);
+            }
+            continue;
+        }
+        let output = call.outputs().find_map(BadValue::of);
+        let Some(output) = output else { continue };
+        let inputs_clean = call.inputs_finite();
+        let bad_input = call.inputs().find_map(BadValue::of);
+        found = Some(FirstNonFinite {
+            position: pos,
+            call: call.clone(),
+            output,
+            inputs_clean,
+            bad_input,
+        });
+        before.push_back(call);
+    }
+    let mut window: Vec<ScannedCall> = before.into_iter().collect();
+    window.extend(after);
+    Ok(LocateResult {
+        first: found,
+        last_clean,
+        window,
+        calls_scanned: scanned,
+        skipped,
+    })
+}

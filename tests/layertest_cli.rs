@@ -1,0 +1,439 @@
+//! `layertest` driven through the real binary, on the built-in model and on `synth` checkpoints.
+
+use nvfp4dbg::checkpoint::writer::{bf16_bytes, f32_bytes, i64_bytes, write_file, TensorSpec};
+use safetensors::Dtype;
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+}
+
+/// Run the binary in `dir`; returns (exit code, stdout+stderr, JSON report if written).
+fn run(dir: &Path, args: &[&str]) -> (i32, String, Option<Value>) {
+    let json = dir.join(format!("report-{}.json", rand::random::<u32>()));
+    let mut cmd = bin();
+    cmd.current_dir(dir).args(args).args([
+        "--json",
+        json.to_str().unwrap(),
+        "--no-report-dir",
+        "--quiet",
+    ]);
+    let out = cmd.output().expect("run nvfp4dbg");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let report = std::fs::read(&json)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    (out.status.code().unwrap_or(-1), text, report)
+}
+
+fn synth(dir: &Path, out: &str, extra: &[&str]) {
+    let mut args = vec!["synth", "--out", out];
+    args.extend_from_slice(extra);
+    let (code, text, _) = run(dir, &args);
+    assert_eq!(code, 0, "synth {extra:?} failed:\n{text}");
+}
+
+#[test]
+fn builtin_model_passes_with_plausible_numbers() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--seed",
+            &seed,
+        ],
+    );
+    assert_eq!(code, 0, "seed {seed}:\n{text}");
+    let r = r.unwrap();
+    assert_eq!(r["verdict"], "pass");
+    let s = &r["summary"];
+    let cos = s["cosine"].as_f64().unwrap();
+    let rel = s["rel_l2"].as_f64().unwrap();
+    // a fully quantized MoE layer: well below 1, well above a broken one
+    assert!(cos > 0.95 && cos < 0.9999, "seed {seed}: cosine {cos}");
+    assert!(rel > 0.03 && rel < 0.3, "seed {seed}: rel_l2 {rel}");
+    assert_eq!(s["nan_count"], 0);
+    assert_eq!(s["layer"], 1);
+    assert_eq!(s["tokens"], 32);
+    assert!(!r["worst_experts"].as_array().unwrap().is_empty());
+    assert!(r["worst_tokens"].as_array().unwrap().len() <= 8);
+    assert!(
+        text.contains("Worst experts") && text.contains("PASS"),
+        "{text}"
+    );
+}
+
+#[test]
+fn synth_checkpoint_gives_the_same_layer_as_the_builtin_model() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed]);
+    let common = [
+        "--device",
+        "cpu",
+        "--tokens",
+        "24",
+        "--seed",
+        &seed,
+        "--gs",
+        "checkpoint",
+    ];
+    let (c1, t1, r1) = run(dir.path(), &[&["layertest"][..], &common].concat());
+    let (c2, t2, r2) = run(
+        dir.path(),
+        &[&["layertest", "--checkpoint", "ck"][..], &common].concat(),
+    );
+    assert_eq!(c1, 0, "seed {seed}: {t1}");
+    assert_eq!(c2, 0, "seed {seed}: {t2}");
+    let (r1, r2) = (r1.unwrap(), r2.unwrap());
+    assert_eq!(
+        r1["summary"]["cosine"], r2["summary"]["cosine"],
+        "seed {seed}"
+    );
+    assert_eq!(r1["gs"], r2["gs"], "seed {seed}");
+    // the second MoE layer loads too
+    let (c3, t3, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--layer",
+            "2",
+            "--tokens",
+            "8",
+            "--device",
+            "cpu",
+        ],
+    );
+    assert_eq!(c3, 0, "{t3}");
+}
+
+#[test]
+fn planted_nan_block_scale_fails_naming_nan() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--plant", "nan-block-scale"]);
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let expert = planted["faults"][0]["expert"].as_u64().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+        ],
+    );
+    assert_eq!(code, 1, "{text}");
+    let r = r.unwrap();
+    assert_eq!(r["verdict"], "fail");
+    assert!(r["summary"]["nan_count"].as_u64().unwrap() > 0);
+    let failures = r["failures"].to_string();
+    assert!(failures.contains("NaN in the NVFP4 output"), "{failures}");
+    assert!(
+        failures.contains(&format!("expert {expert} produces NaN")),
+        "{failures}"
+    );
+    // the reference (BF16 originals) stays clean
+    assert_eq!(r["reference_nonfinite"]["nan_count"], 0);
+}
+
+#[test]
+fn bad_input_scale_fails_with_checkpoint_scales_only() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--plant", "bad-input-scale"]);
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    assert_eq!(code, 1, "{text}");
+    let f = r.unwrap()["failures"].to_string();
+    assert!(f.contains("saturate") && f.contains("gs1"), "{f}");
+    // calibrated scales do not read the bad input_scale
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+}
+
+#[test]
+fn swapped_gate_and_up_fail_on_the_expert() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--plant", "swap-gate-up@1:3"]);
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "64",
+        ],
+    );
+    // expert 3 must be reached for the fault to show; with 64 tokens x top-4 of 16 it is
+    let r = r.unwrap();
+    let reached = r["worst_experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["expert"] == 3);
+    assert!(reached, "{text}");
+    assert_eq!(code, 1, "{text}");
+    assert_eq!(r["summary"]["worst_expert"]["expert"], 3, "{text}");
+}
+
+#[test]
+fn input_file_and_saved_outputs_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+    let t = 12;
+    let h: Vec<f32> = (0..t * 256)
+        .map(|_| rand::Rng::gen_range(&mut rng, -2.0f32..2.0))
+        .collect();
+    let ids: Vec<i64> = (0..t as i64).collect();
+    write_file(
+        &dir.path().join("in.safetensors"),
+        vec![
+            (
+                TensorSpec::new("hidden_states", Dtype::BF16, &[t, 256]),
+                bf16_bytes(&h),
+            ),
+            (
+                TensorSpec::new("input_ids", Dtype::I64, &[t]),
+                i64_bytes(&ids),
+            ),
+        ],
+        None,
+    )
+    .unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "in.safetensors",
+            "--save-outputs",
+            "out.safetensors",
+        ],
+    );
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    let r = r.unwrap();
+    assert_eq!(r["summary"]["tokens"], t);
+    let bytes = std::fs::read(dir.path().join("out.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let get = |n: &str| st.tensor(n).unwrap();
+    assert_eq!(get("nvfp4_out").shape(), &[t, 256]);
+    assert_eq!(get("reference_out").shape(), &[t, 256]);
+    assert_eq!(get("topk_ids").shape(), &[t, 4]);
+    assert_eq!(get("topk_ids").dtype(), Dtype::I64);
+    assert_eq!(get("topk_weights").shape(), &[t, 4]);
+    let f = |n: &str| -> Vec<f32> {
+        get(n)
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let m = nvfp4dbg::metrics::compare(&f("nvfp4_out"), &f("reference_out"));
+    assert!((m.cosine - r["summary"]["cosine"].as_f64().unwrap()).abs() < 1e-12);
+    // --tokens takes the first rows of the file
+    let (code, _, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "in.safetensors",
+            "--tokens",
+            "5",
+        ],
+    );
+    assert_eq!(code, 0);
+    assert_eq!(r.unwrap()["summary"]["tokens"], 5);
+}
+
+#[test]
+fn bad_input_is_exit_2_naming_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    write_file(
+        &dir.path().join("wide.safetensors"),
+        vec![(
+            TensorSpec::new("hidden_states", Dtype::F32, &[4, 128]),
+            f32_bytes(&[0.5; 512]),
+        )],
+        None,
+    )
+    .unwrap();
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "wide.safetensors",
+        ],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("hidden_states") && text.contains("[tokens, 256]"),
+        "{text}"
+    );
+    write_file(
+        &dir.path().join("ids.safetensors"),
+        vec![
+            (
+                TensorSpec::new("hidden_states", Dtype::F32, &[4, 256]),
+                f32_bytes(&[0.5; 1024]),
+            ),
+            (
+                TensorSpec::new("input_ids", Dtype::I64, &[3]),
+                i64_bytes(&[1, 2, 3]),
+            ),
+        ],
+        None,
+    )
+    .unwrap();
+    let (code, text, _) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--input", "ids.safetensors"],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("input_ids"), "{text}");
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "missing.safetensors",
+        ],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("missing.safetensors"), "{text}");
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "ids.safetensors",
+            "--tokens",
+            "9",
+        ],
+    );
+    assert_eq!(code, 2, "{text}");
+    // layer 0 of the built-in model is dense
+    let (code, text, _) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--layer", "0"],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("not an MoE layer"), "{text}");
+    let (code, text, _) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--gs", "sometimes"],
+    );
+    assert_eq!(code, 2, "{text}");
+}
+
+#[test]
+fn hash_layer_needs_input_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "v4", &["--preset", "tiny-v4"]);
+    // layer 0 routes by tid2eid[input_ids]: synthetic input carries ids and passes
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "v4",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+    assert_eq!(r.unwrap()["summary"]["layer"], 0);
+    write_file(
+        &dir.path().join("noids.safetensors"),
+        vec![(
+            TensorSpec::new("hidden_states", Dtype::F32, &[4, 256]),
+            f32_bytes(&[0.25; 1024]),
+        )],
+        None,
+    )
+    .unwrap();
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "v4",
+            "--device",
+            "cpu",
+            "--input",
+            "noids.safetensors",
+        ],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("input_ids"), "{text}");
+    // a scored V4 layer (sqrtsoftplus, swiglu_limit) needs none
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "v4",
+            "--layer",
+            "1",
+            "--device",
+            "cpu",
+            "--input",
+            "noids.safetensors",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+}

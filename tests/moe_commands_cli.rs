@@ -1,0 +1,225 @@
+//! `gs-sweep` and `multilayer` driven through the real binary.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+fn run(dir: &Path, args: &[&str]) -> (i32, String, Option<Value>) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .current_dir(dir)
+        .args(args)
+        .args(["--report-dir", "rep", "--quiet"])
+        .output()
+        .expect("run nvfp4dbg");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let report = std::fs::read(dir.join("rep/report.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    (out.status.code().unwrap_or(-1), text, report)
+}
+
+fn synth(dir: &Path, args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .current_dir(dir)
+        .arg("synth")
+        .args(args)
+        .args(["--no-report-dir", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn gs_sweep_finds_the_default_gs_costly_and_writes_its_plots() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "gs-sweep", "--device", "cpu", "--tokens", "24", "--points", "9", "--seed", &seed,
+        ],
+    );
+    // the engines' default (amax 1) saturates realistic activations
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    assert_eq!(r["command"], "gs-sweep");
+    let s = &r["summary"];
+    assert_eq!(s["gs"], "default");
+    assert!(s["loss"].as_f64().unwrap() > 0.05, "seed {seed}: {s}");
+    assert!(s["default_loss"].as_f64().unwrap() > s["warmup_loss"].as_f64().unwrap() - 1e-9);
+    assert_eq!(r["sweep"].as_array().unwrap().len(), 9);
+    let sources: Vec<&str> = r["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        sources,
+        ["default", "checkpoint", "warmup", "calibrated", "dynamic"]
+    );
+    let default = &r["sources"][0];
+    assert!(
+        default["blocks"]["saturated_pct"].as_f64().unwrap() > 10.0,
+        "{default}"
+    );
+    for f in ["gs-sweep.svg", "gs-sweep-blocks.svg", "report.md"] {
+        let t = std::fs::read_to_string(dir.path().join("rep").join(f)).unwrap();
+        assert!(!t.is_empty());
+    }
+    let svg = std::fs::read_to_string(dir.path().join("rep/gs-sweep.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("default"));
+    // with calibrated scales it passes
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "gs-sweep",
+            "--device",
+            "cpu",
+            "--tokens",
+            "24",
+            "--points",
+            "5",
+            "--seed",
+            &seed,
+            "--gs",
+            "calibrated",
+        ],
+    );
+    assert_eq!(code, 0, "seed {seed}: {text}");
+}
+
+#[test]
+fn gs_sweep_catches_a_bad_checkpoint_input_scale() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), &["--out", "ck", "--plant", "bad-input-scale"]);
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "gs-sweep",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--points",
+            "5",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    assert_eq!(code, 1, "{text}");
+    let f = r.unwrap()["failures"].to_string();
+    assert!(f.contains("checkpoint") && f.contains("loses"), "{f}");
+    synth(dir.path(), &["--out", "clean"]);
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "gs-sweep",
+            "--checkpoint",
+            "clean",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--points",
+            "5",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    assert_eq!(code, 0, "{text}");
+}
+
+#[test]
+fn multilayer_runs_and_reports_each_layer() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+            "--layers",
+            "1..4",
+            "--seed",
+            &seed,
+        ],
+    );
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    let r = r.unwrap();
+    let rows = r["per_layer"].as_array().unwrap();
+    assert_eq!(rows.len(), 3);
+    assert_eq!(rows[0]["layer"], 1);
+    assert!(rows[0]["growth"].is_null());
+    // the first layer's input is identical on both paths: its error is its own
+    assert!((rows[0]["amplification"].as_f64().unwrap() - 1.0).abs() < 1e-6);
+    assert!(rows[2]["growth"].as_f64().unwrap() > 0.0);
+    // errors accumulate along the residual stream
+    let rel: Vec<f64> = rows
+        .iter()
+        .map(|x| x["residual"]["rel_l2"].as_f64().unwrap())
+        .collect();
+    assert!(rel[2] > rel[0], "seed {seed}: {rel:?}");
+    assert!(
+        std::fs::read_to_string(dir.path().join("rep/multilayer.svg"))
+            .unwrap()
+            .contains("residual")
+    );
+    // a layer outside the model is bad usage
+    let (code, text, _) = run(
+        dir.path(),
+        &["multilayer", "--device", "cpu", "--layers", "0..2"],
+    );
+    assert_eq!(code, 2, "{text}");
+    let (code, text, _) = run(
+        dir.path(),
+        &["multilayer", "--device", "cpu", "--layers", "x"],
+    );
+    assert_eq!(code, 2, "{text}");
+}
+
+#[test]
+fn multilayer_names_the_layer_a_nan_starts_in() {
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck",
+            "--layers",
+            "4",
+            "--plant",
+            "nan-block-scale@2",
+        ],
+    );
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+        ],
+    );
+    assert_eq!(code, 1, "{text}");
+    let r = r.unwrap();
+    assert_eq!(r["summary"]["first_nonfinite_layer"], 2, "{text}");
+    assert!(r["failures"][0]
+        .as_str()
+        .unwrap()
+        .contains("NaN in the NVFP4 residual stream from layer 2"));
+    assert_eq!(r["per_layer"][0]["residual"]["nan_count"], 0);
+}

@@ -1,0 +1,340 @@
+//! `bisect` end to end through the binary: planted divergences in synthetic traces, and
+//! hand-written traces for matching by call order, shapes, missing modules and upstream causes.
+
+#[path = "trace_util/mod.rs"]
+mod util;
+
+use nvfp4dbg::trace::synthetic::{module_calls, write_trace, Fault, FaultKind, SynthTraceConfig};
+use rand::Rng;
+use serde_json::Value;
+use util::*;
+
+fn cfg(seed: u64) -> SynthTraceConfig {
+    SynthTraceConfig {
+        seed,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn the_first_diverging_module_is_named_and_its_inputs_matched() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let calls = module_calls(&cfg(seed)).unwrap();
+    let reference = tmp.path().join("ref");
+    write_trace(&reference, &cfg(seed)).unwrap();
+    for round in 0..3 {
+        let at = r.gen_range(0..calls.len());
+        let test = tmp.path().join(format!("test{round}"));
+        write_trace(
+            &test,
+            &SynthTraceConfig {
+                faults: vec![Fault {
+                    module: calls[at].clone(),
+                    kind: FaultKind::Perturb(0.5),
+                    token: 0,
+                    channel: 0,
+                }],
+                ..cfg(seed)
+            },
+        )
+        .unwrap();
+        let o = nvfp4dbg(
+            tmp.path(),
+            &[
+                "bisect",
+                reference.to_str().unwrap(),
+                test.to_str().unwrap(),
+            ],
+        );
+        let ctx = format!("seed {seed}, perturbed {}\n{}", calls[at], o.show());
+        assert_eq!(o.code, 1, "{ctx}");
+        let f = &o.json["first_divergence"];
+        assert_eq!(f["module"], calls[at].as_str(), "{ctx}");
+        assert_eq!(f["counter_ref"], at as u64, "{ctx}");
+        assert_eq!(f["counter_test"], at as u64, "{ctx}");
+        assert_eq!(f["tensor"], "output", "{ctx}");
+        let cos = f["cosine"].as_f64().unwrap();
+        assert!(cos < 0.99 && cos > 0.7, "{ctx}");
+        assert!(f["rel_l2"].as_f64().unwrap() > 0.1, "{ctx}");
+        assert_eq!(f["inputs_diverged"], false, "{ctx}");
+        assert_eq!(f["cause"], "this module", "{ctx}");
+        // every call before it matched exactly
+        let modules = o.json["modules"].as_array().unwrap();
+        assert_eq!(modules.len(), calls.len(), "{ctx}");
+        for m in &modules[..at] {
+            assert_eq!(m["outputs_match"], true, "{ctx}");
+            assert!(
+                m["output"]["cosine"].as_f64().unwrap() > 1.0 - 1e-12,
+                "{ctx}"
+            );
+            assert_eq!(m["output"]["rel_l2"].as_f64(), Some(0.0), "{ctx}");
+        }
+        assert_eq!(modules[at]["outputs_match"], false, "{ctx}");
+        assert!(o.stdout.contains("FIRST DIVERGENCE"), "{ctx}");
+    }
+}
+
+#[test]
+fn healthy_noise_passes_and_the_threshold_decides() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    write_trace(&a, &cfg(seed)).unwrap();
+    // 1% noise per module: cosine ≈ 0.99995 per call, a bit lower where it compounds
+    write_trace(
+        &b,
+        &SynthTraceConfig {
+            jitter: 0.01,
+            dtype: safetensors::Dtype::F32,
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let o = nvfp4dbg(tmp.path(), &["bisect", a, b]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert_eq!(o.json["first_divergence"], Value::Null);
+    assert_eq!(o.json["summary"]["calls_diverged"], 0);
+    let o = nvfp4dbg(tmp.path(), &["bisect", a, b, "--min-cosine", "0.9999999"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    // the jitter starts at the first call
+    assert_eq!(
+        o.json["first_divergence"]["module"],
+        "model.embed_tokens",
+        "{}",
+        o.show()
+    );
+    let o = nvfp4dbg(tmp.path(), &["bisect", a, b, "--min-cosine", "1.5"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(o.stderr.contains("--min-cosine"), "{}", o.show());
+}
+
+#[test]
+fn nan_in_test_is_a_divergence_at_the_module_that_made_it() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    write_trace(&a, &cfg(seed)).unwrap();
+    let m = "model.layers.1.mlp.act_fn";
+    write_trace(
+        &b,
+        &SynthTraceConfig {
+            faults: vec![Fault {
+                module: m.into(),
+                kind: FaultKind::Nan,
+                token: 3,
+                channel: 5,
+            }],
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], m, "{}", o.show());
+    assert_eq!(f["nan_count"], 1);
+    assert_eq!(f["cosine"], Value::Null);
+    assert!(f["problem"].as_str().unwrap().contains("NaN/Inf in TEST"));
+}
+
+#[test]
+fn the_kth_call_of_a_path_matches_the_kth_and_upstream_causes_are_said() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    // REF: blk called 3 times, interleaved with `other`; TEST: different counters, same order
+    let xs: Vec<Vec<f32>> = (0..3).map(|_| randv(&mut r, 12)).collect();
+    let ys: Vec<Vec<f32>> = (0..3).map(|_| randv(&mut r, 12)).collect();
+    let bad = r.gen_range(0..3);
+    for k in 0..3 {
+        let o = randv(&mut r, 12);
+        write_call(
+            &a,
+            10 * k as u64,
+            "other",
+            vec![t("output", &[3, 4], o.clone())],
+            &[],
+        );
+        write_call(
+            &b,
+            7 * k as u64,
+            "other",
+            vec![t("output", &[3, 4], o)],
+            &[],
+        );
+        write_call(
+            &a,
+            10 * k as u64 + 1,
+            "blk",
+            vec![
+                t("input.0", &[3, 4], xs[k].clone()),
+                t("output", &[3, 4], ys[k].clone()),
+            ],
+            &[],
+        );
+        // the k-th TEST call of blk gets a different input: the cause is upstream
+        let x = if k == bad {
+            randv(&mut r, 12)
+        } else {
+            xs[k].clone()
+        };
+        let y = if k == bad {
+            randv(&mut r, 12)
+        } else {
+            ys[k].clone()
+        };
+        write_call(
+            &b,
+            7 * k as u64 + 3,
+            "blk",
+            vec![t("input.0", &[3, 4], x), t("output", &[3, 4], y)],
+            &[],
+        );
+    }
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed} bad {bad}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "blk", "{ctx}");
+    assert_eq!(f["call"], bad, "{ctx}");
+    assert_eq!(f["counter_ref"], 10 * bad as u64 + 1, "{ctx}");
+    assert_eq!(f["counter_test"], 7 * bad as u64 + 3, "{ctx}");
+    assert_eq!(f["inputs_diverged"], true, "{ctx}");
+    assert_eq!(f["cause"], "upstream", "{ctx}");
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("upstream"),
+        "{ctx}"
+    );
+    assert_eq!(o.json["only_in_ref"].as_array().unwrap().len(), 0, "{ctx}");
+}
+
+#[test]
+fn shapes_and_modules_present_in_one_trace_only() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    // [1, T, H] from transformers against [T, H] from vLLM: same data, compared flat
+    let x = randv(&mut r, 24);
+    write_call(
+        &a,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[1, 6, 4], x.clone())],
+        &[],
+    );
+    write_call(
+        &b,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[6, 4], x)],
+        &[],
+    );
+    // REF calls `rep` 3 times, TEST twice; TEST has a module REF lacks
+    for k in 0..3u64 {
+        let y = randv(&mut r, 4);
+        write_call(&a, 1 + k, "rep", vec![t("output", &[4], y.clone())], &[]);
+        if k < 2 {
+            write_call(&b, 1 + k, "rep", vec![t("output", &[4], y)], &[]);
+        }
+    }
+    write_call(
+        &b,
+        3,
+        "extra",
+        vec![t("output", &[4], randv(&mut r, 4))],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    assert_eq!(o.json["only_in_ref"][0]["module"], "rep", "{ctx}");
+    assert_eq!(o.json["only_in_ref"][0]["call"], 2, "{ctx}");
+    assert_eq!(o.json["only_in_test"][0]["module"], "extra", "{ctx}");
+    assert!(
+        o.json["modules"][0]["output"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("compared flat"),
+        "{ctx}"
+    );
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("1 calls only in REF"),
+        "{ctx}"
+    );
+
+    // a real shape mismatch is a divergence, not a crash
+    let c = tmp.path().join("c");
+    std::fs::create_dir(&c).unwrap();
+    write_call(
+        &c,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[6, 5], randv(&mut r, 30))],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), c.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert!(
+        o.json["first_divergence"]["problem"]
+            .as_str()
+            .unwrap()
+            .contains("shape mismatch"),
+        "{}",
+        o.show()
+    );
+
+    // nothing in common
+    let d = tmp.path().join("d");
+    std::fs::create_dir(&d).unwrap();
+    write_call(
+        &d,
+        0,
+        "unrelated",
+        vec![t("output", &[4], randv(&mut r, 4))],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), d.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("no module call is in both"),
+        "{}",
+        o.show()
+    );
+
+    // a bad trace is bad input, on either side
+    let o = nvfp4dbg(tmp.path(), &["bisect", a.to_str().unwrap(), "nope"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+}

@@ -1,0 +1,551 @@
+//! `nan-locate` end to end through the binary, on synthetic traces (planted faults that
+//! propagate) and hand-written ones (edge cases of naming, ordering, ranks, steps, bad files).
+
+#[path = "trace_util/mod.rs"]
+mod util;
+
+use nvfp4dbg::trace::synthetic::{module_calls, write_trace, Fault, FaultKind, SynthTraceConfig};
+use rand::Rng;
+use serde_json::Value;
+use util::*;
+
+fn cfg(seed: u64) -> SynthTraceConfig {
+    SynthTraceConfig {
+        seed,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_planted_nan_or_inf_is_named_with_its_module_index_and_clean_inputs() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let base = cfg(seed);
+    let calls = module_calls(&base).unwrap();
+    for round in 0..4 {
+        let at = r.gen_range(0..calls.len());
+        let (token, channel) = (r.gen_range(0..base.tokens), r.gen_range(0..base.hidden));
+        let kind = if round % 2 == 0 {
+            FaultKind::Nan
+        } else {
+            FaultKind::Inf
+        };
+        let c = SynthTraceConfig {
+            faults: vec![Fault {
+                module: calls[at].clone(),
+                kind,
+                token,
+                channel,
+            }],
+            dtype: [
+                safetensors::Dtype::BF16,
+                safetensors::Dtype::F16,
+                safetensors::Dtype::F32,
+            ][round % 3],
+            ..base.clone()
+        };
+        let dir = tmp.path().join(format!("t{round}"));
+        write_trace(&dir, &c).unwrap();
+        let o = nvfp4dbg(
+            tmp.path(),
+            &["nan-locate", dir.to_str().unwrap(), "--context", "3"],
+        );
+        let ctx = format!(
+            "seed {seed}, round {round}, fault {kind:?} at {} [{token}, {channel}]\n{}",
+            calls[at],
+            o.show()
+        );
+        assert_eq!(o.code, 1, "{ctx}");
+        let f = &o.json["first_nonfinite"];
+        assert_eq!(f["module"], calls[at].as_str(), "{ctx}");
+        assert_eq!(f["tensor"], "output", "{ctx}");
+        assert_eq!(f["counter"], at as u64, "{ctx}");
+        assert_eq!(f["index"]["token"], token as u64, "{ctx}");
+        assert_eq!(f["index"]["channel"], channel as u64, "{ctx}");
+        assert_eq!(
+            f["index"]["multi"],
+            serde_json::json!([token, channel]),
+            "{ctx}"
+        );
+        assert_eq!(
+            f["kind"],
+            if kind == FaultKind::Nan { "nan" } else { "inf" },
+            "{ctx}"
+        );
+        assert_eq!(f["inputs_clean"], true, "{ctx}");
+        assert!(
+            f["file"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("{at:06}-{}.safetensors", calls[at])),
+            "{ctx}"
+        );
+        if at == 0 {
+            assert_eq!(o.json["last_clean"], Value::Null, "{ctx}");
+        } else {
+            assert_eq!(
+                o.json["last_clean"]["module"],
+                calls[at - 1].as_str(),
+                "{ctx}"
+            );
+            assert_eq!(o.json["last_clean"]["counter"], (at - 1) as u64, "{ctx}");
+        }
+        // the table: up to 3 calls before, the bad one, 3 after
+        let window = o.json["modules"].as_array().unwrap();
+        let want = at.min(3) + 1 + (calls.len() - at - 1).min(3);
+        assert_eq!(window.len(), want, "{ctx}");
+        assert!(o.stdout.contains("FIRST BAD"), "{ctx}");
+        assert!(o.stdout.contains(&calls[at]), "{ctx}");
+    }
+}
+
+#[test]
+fn a_clean_trace_passes_and_nan_in_an_input_only_does_not_count() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("clean");
+    write_trace(&dir, &cfg(seed)).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir.to_str().unwrap()]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert_eq!(o.json["verdict"], "pass");
+    assert_eq!(o.json["first_nonfinite"], Value::Null);
+    assert_eq!(
+        o.json["summary"]["calls_scanned"],
+        module_calls(&cfg(seed)).unwrap().len() as u64
+    );
+
+    // an attention mask full of -inf is an input, the output is finite: not a fault
+    let mut r = rng(seed);
+    let d2 = tmp.path().join("mask");
+    std::fs::create_dir(&d2).unwrap();
+    let mut mask = randv(&mut r, 16);
+    mask[3] = f32::NEG_INFINITY;
+    write_call(
+        &d2,
+        0,
+        "attn",
+        vec![
+            t("input.0", &[4, 4], randv(&mut r, 16)),
+            t("input.1", &[4, 4], mask),
+            t("output", &[4, 4], randv(&mut r, 16)),
+        ],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d2.to_str().unwrap()]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+}
+
+#[test]
+fn bad_inputs_say_the_value_came_from_earlier() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir(&d).unwrap();
+    write_call(
+        &d,
+        0,
+        "model.embed",
+        vec![t("output", &[3, 5], randv(&mut r, 15))],
+        &[],
+    );
+    // between the two modules, unrecorded code (a residual add) made a NaN
+    let bad_at = r.gen_range(0..15);
+    let mut x = randv(&mut r, 15);
+    x[bad_at] = f32::NAN;
+    let mut y = randv(&mut r, 15);
+    y[bad_at] = f32::NAN;
+    write_call(
+        &d,
+        1,
+        "model.layers.0",
+        vec![t("input.0", &[3, 5], x), t("output", &[3, 5], y)],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], "model.layers.0", "{ctx}");
+    assert_eq!(f["inputs_clean"], false, "{ctx}");
+    assert_eq!(f["bad_input"]["tensor"], "input.0", "{ctx}");
+    assert_eq!(f["bad_input"]["index"]["flat"], bad_at as u64, "{ctx}");
+    assert_eq!(o.json["last_clean"]["module"], "model.embed", "{ctx}");
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("came from code that ran before"),
+        "{ctx}"
+    );
+
+    // no inputs recorded: unknown, said so
+    let d = tmp.path().join("noin");
+    std::fs::create_dir(&d).unwrap();
+    write_call(
+        &d,
+        0,
+        "m",
+        vec![t("output", &[2], vec![f32::INFINITY, 1.0])],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert_eq!(o.json["first_nonfinite"]["inputs_clean"], Value::Null);
+    assert_eq!(o.json["first_nonfinite"]["kind"], "inf");
+}
+
+#[test]
+fn order_is_the_counter_not_the_name_nor_the_mtime() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir(&d).unwrap();
+    // counters past 999999 have seven digits: by name, 1000000 sorts before 999998
+    let counters = [999_997u64, 999_998, 999_999, 1_000_000, 1_000_001];
+    let first_bad = r.gen_range(1..4);
+    let now = std::time::SystemTime::now();
+    for (i, &c) in counters.iter().enumerate().rev() {
+        let mut v = randv(&mut r, 8);
+        if i >= first_bad {
+            v[i] = f32::NAN;
+        }
+        let p = write_call(&d, c, &format!("m{i}"), vec![t("output", &[2, 4], v)], &[]);
+        // newest file = earliest call: an mtime order would be backwards
+        let f = std::fs::File::options().write(true).open(&p).unwrap();
+        f.set_modified(now - std::time::Duration::from_secs(100 * i as u64))
+            .unwrap();
+    }
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed} first_bad {first_bad}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_nonfinite"]["counter"], counters[first_bad],
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        format!("m{first_bad}"),
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["last_clean"]["counter"],
+        counters[first_bad - 1],
+        "{ctx}"
+    );
+}
+
+#[test]
+fn odd_names_and_duplicate_counters_are_listed_as_skipped() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir(&d).unwrap();
+    write_call(&d, 0, "a", vec![t("output", &[4], randv(&mut r, 4))], &[]);
+    write_call(&d, 1, "b", vec![t("output", &[4], randv(&mut r, 4))], &[]);
+    // same counter as `b`: the later name is skipped
+    write_call(&d, 1, "c", vec![t("output", &[4], vec![f32::NAN; 4])], &[]);
+    std::fs::write(d.join("README.md"), "notes").unwrap();
+    std::fs::write(d.join("00042-short.safetensors"), "x").unwrap();
+    std::fs::write(d.join(".000003-tmp.safetensors"), "x").unwrap();
+    write_call(&d, 2, "d", vec![t("input.0", &[4], randv(&mut r, 4))], &[]); // no output
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    let skipped = o.json["skipped"].as_array().unwrap();
+    let reason = |name: &str| {
+        skipped
+            .iter()
+            .find(|s| s["file"].as_str().unwrap().ends_with(name))
+            .map(|s| s["reason"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| panic!("{name} not skipped\n{ctx}"))
+    };
+    assert!(
+        reason("000001-c.safetensors").contains("duplicate counter 000001"),
+        "{ctx}"
+    );
+    assert!(
+        reason("README.md").contains("NNNNNN-<module.path>.safetensors"),
+        "{ctx}"
+    );
+    assert!(
+        reason("00042-short.safetensors").contains("six-digit"),
+        "{ctx}"
+    );
+    assert!(
+        reason(".000003-tmp.safetensors").contains("hidden"),
+        "{ctx}"
+    );
+    assert!(
+        reason("000002-d.safetensors").contains("no `output`"),
+        "{ctx}"
+    );
+    assert_eq!(skipped.len(), 5, "{ctx}");
+    assert!(o.stdout.contains("Skipped files"), "{ctx}");
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_file() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    // no trace file at all
+    let d = tmp.path().join("junk");
+    std::fs::create_dir(&d).unwrap();
+    std::fs::write(d.join("notes.txt"), "x").unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(
+        o.stderr.contains("junk") && o.stderr.contains("no trace files"),
+        "{}",
+        o.show()
+    );
+    let e = tmp.path().join("empty");
+    std::fs::create_dir(&e).unwrap();
+    assert_eq!(
+        nvfp4dbg(tmp.path(), &["nan-locate", e.to_str().unwrap()]).code,
+        2
+    );
+    assert_eq!(
+        nvfp4dbg(tmp.path(), &["nan-locate", "does-not-exist"]).code,
+        2
+    );
+
+    // a truncated file among good ones
+    let d = tmp.path().join("trunc");
+    std::fs::create_dir(&d).unwrap();
+    write_call(&d, 0, "a", vec![t("output", &[16], randv(&mut r, 16))], &[]);
+    let p = write_call(&d, 1, "b", vec![t("output", &[16], randv(&mut r, 16))], &[]);
+    let bytes = std::fs::read(&p).unwrap();
+    let cut = r.gen_range(0..bytes.len());
+    std::fs::write(&p, &bytes[..cut]).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    assert_eq!(o.code, 2, "seed {seed} cut {cut}\n{}", o.show());
+    assert!(
+        o.stderr.contains("000001-b.safetensors"),
+        "seed {seed} cut {cut}\n{}",
+        o.show()
+    );
+
+    // metadata that is not a number
+    let d = tmp.path().join("meta");
+    std::fs::create_dir(&d).unwrap();
+    write_call(
+        &d,
+        0,
+        "a",
+        vec![t("output", &[4], randv(&mut r, 4))],
+        &[("rank", "zero")],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(
+        o.stderr.contains("rank") && o.stderr.contains("000000-a.safetensors"),
+        "{}",
+        o.show()
+    );
+}
+
+#[test]
+fn ranks_in_subdirectories_and_steps_are_selected() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tp2");
+    let nan_in = |m: &str| {
+        vec![Fault {
+            module: m.into(),
+            kind: FaultKind::Nan,
+            token: 1,
+            channel: 2,
+        }]
+    };
+    // rank 0 clean, rank 1 NaN in layer 0's MLP
+    write_trace(
+        &d.join("rank0"),
+        &SynthTraceConfig {
+            rank: Some(0),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &d.join("rank1"),
+        &SynthTraceConfig {
+            rank: Some(1),
+            faults: nan_in("model.layers.0.mlp.down_proj"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let dir = d.to_str().unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "1"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "model.layers.0.mlp.down_proj"
+    );
+    assert_eq!(o.json["first_nonfinite"]["rank"], 1);
+    assert!(o.json["first_nonfinite"]["file"]
+        .as_str()
+        .unwrap()
+        .contains("rank1"));
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "5"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(o.stderr.contains("ranks present: 0, 1"), "{}", o.show());
+
+    // steps in one directory with one running counter: step 0 clean, step 1 bad, step 2 clean
+    let s = tmp.path().join("steps");
+    let n = module_calls(&cfg(seed)).unwrap().len() as u64;
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(0),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(1),
+            counter_start: n,
+            faults: nan_in("model.layers.1.self_attn.o_proj"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s,
+        &SynthTraceConfig {
+            step: Some(2),
+            counter_start: 2 * n,
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let dir = s.to_str().unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert_eq!(o.json["first_nonfinite"]["step"], 1);
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "model.layers.1.self_attn.o_proj"
+    );
+    for step in ["0", "2"] {
+        let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--step", step]);
+        assert_eq!(o.code, 0, "step {step}\n{}", o.show());
+        assert_eq!(o.json["summary"]["calls_scanned"], n);
+    }
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--step", "7"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(o.stderr.contains("steps present: 0, 1, 2"), "{}", o.show());
+
+    // steps recorded separately, counters restarting: order is (step, counter)
+    let s = tmp.path().join("restart");
+    write_trace(
+        &s.join("step0"),
+        &SynthTraceConfig {
+            step: Some(0),
+            faults: nan_in("lm_head"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    write_trace(
+        &s.join("step1"),
+        &SynthTraceConfig {
+            step: Some(1),
+            faults: nan_in("model.embed_tokens"),
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", s.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "lm_head",
+        "{}",
+        o.show()
+    );
+    assert_eq!(o.json["first_nonfinite"]["step"], 0);
+    assert!(
+        o.json["skipped"].as_array().unwrap().is_empty(),
+        "{}",
+        o.show()
+    );
+}
+
+#[test]
+fn a_tensor_larger_than_one_scan_block_reports_the_right_index() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("big");
+    std::fs::create_dir(&d).unwrap();
+    // 4.3M elements: more than the 4M-element block the scan converts at a time
+    let (tokens, hidden) = (2100usize, 2048usize);
+    let mut x = vec![0.5f32; tokens * hidden];
+    for v in x.iter_mut().step_by(97) {
+        *v = r.gen_range(-4.0..4.0);
+    }
+    let bad = r.gen_range((1 << 22)..x.len());
+    x[bad] = f32::NEG_INFINITY;
+    write_call(
+        &d,
+        0,
+        "big",
+        vec![util::T {
+            name: "output",
+            dtype: safetensors::Dtype::BF16,
+            shape: vec![tokens, hidden],
+            data: x,
+        }],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed} bad {bad}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["index"]["flat"], bad as u64, "{ctx}");
+    assert_eq!(f["index"]["token"], (bad / hidden) as u64, "{ctx}");
+    assert_eq!(f["index"]["channel"], (bad % hidden) as u64, "{ctx}");
+    assert_eq!(f["kind"], "inf", "{ctx}");
+    assert_eq!(f["value"], "-inf", "{ctx}");
+}
+
+#[test]
+fn ten_thousand_calls_scan_in_order() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("many");
+    std::fs::create_dir(&d).unwrap();
+    let n = 10_000u64;
+    let bad = r.gen_range(n / 2..n);
+    for c in 0..n {
+        let mut v = randv(&mut r, 8);
+        if c >= bad {
+            v[(c % 8) as usize] = f32::NAN;
+        }
+        write_call(
+            &d,
+            c,
+            &format!("model.layers.{}.mlp", c / 10),
+            vec![t("output", &[2, 4], v)],
+            &[],
+        );
+    }
+    let t0 = std::time::Instant::now();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed} bad {bad}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["counter"], bad, "{ctx}");
+    assert_eq!(o.json["summary"]["files_total"], n, "{ctx}");
+    eprintln!("10k-file trace scanned in {:?}", t0.elapsed());
+}
