@@ -107,6 +107,25 @@ fn naming_name(inv: &Inventory) -> Option<String> {
     })
 }
 
+/// Drop this process's mapping of a unit's own tensors (not of fused tensors other units share).
+fn release(src: &Renamed, s: &Source) {
+    let names: Vec<&str> = match s {
+        Source::Linear(ln) => {
+            let mut v = vec![ln.weight.as_str(), ln.weight_scale.as_str()];
+            v.extend(ln.global_scale.as_deref());
+            v.extend(ln.input_scale.as_deref());
+            v
+        }
+        Source::Tensor(t) => vec![t.as_str()],
+        Source::Fused(_) => vec![],
+    };
+    for n in names {
+        if let Some((f, t)) = src.locate(n) {
+            f.release(t);
+        }
+    }
+}
+
 /// Names a unit stands for in its side (for the missing / extra lists).
 fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
     match &u.source {
@@ -308,6 +327,10 @@ impl<'a> Plan<'a> {
                         u
                     }
                 };
+                // the page cache keeps the bytes; unmapping them keeps this process's page
+                // tables at one unit's size on a checkpoint of hundreds of GB
+                release(&self.a, &ua.source);
+                release(&self.b, &ub.source);
                 tick();
                 r
             })
