@@ -506,7 +506,9 @@ fn compare_qq(
         }
         (Some(x), Some(y)) => {
             scale_ok = false;
-            let gate = u.expert.filter(|e| e.proj == Proj::Up).and_then(|e| {
+            // the named conventions only explain a unit whose codes are A's: with other codes
+            // the scale is one more symptom of holding another tensor (a swap, a permutation)
+            let gate = u.expert.filter(|e| e.proj == Proj::Up && codes_equal).and_then(|e| {
                 a_scalars(ExpertProj {
                     proj: Proj::Gate,
                     ..e
@@ -526,7 +528,7 @@ fn compare_qq(
                         y / x
                     ),
                 );
-            } else if reciprocal_of(x, y) {
+            } else if codes_equal && reciprocal_of(x, y) {
                 u.issue(
                     IssueKind::Scale2Flipped,
                     format!(
