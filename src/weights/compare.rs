@@ -508,12 +508,15 @@ fn compare_qq(
             scale_ok = false;
             // the named conventions only explain a unit whose codes are A's: with other codes
             // the scale is one more symptom of holding another tensor (a swap, a permutation)
-            let gate = u.expert.filter(|e| e.proj == Proj::Up && codes_equal).and_then(|e| {
-                a_scalars(ExpertProj {
-                    proj: Proj::Gate,
-                    ..e
-                })
-            });
+            let gate = u
+                .expert
+                .filter(|e| e.proj == Proj::Up && codes_equal)
+                .and_then(|e| {
+                    a_scalars(ExpertProj {
+                        proj: Proj::Gate,
+                        ..e
+                    })
+                });
             if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
                 let how = if qb.scale_2_shared == Shared::W13Shared {
                     "w13_weight_scale_2 holds one value per expert"

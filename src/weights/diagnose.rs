@@ -27,6 +27,8 @@ pub enum DiagnosisKind {
     InputScaleFlipped,
     SwizzledScales,
     EpShard,
+    /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
+    DerivedScale,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -6,6 +6,7 @@
 //! A is the reference (the checkpoint), B the test (the engine's shard: TP and EP apply to B).
 
 pub mod compare;
+pub mod derived;
 pub mod diagnose;
 pub mod inventory;
 pub mod load;
@@ -267,6 +268,9 @@ impl<'a> Plan<'a> {
                 })
                 .collect()
         };
+        for fl in b_inv.fused.values() {
+            derived::check(&b, fl, &a_scalars, &mut diagnoses, &mut notes);
+        }
         Ok(Plan {
             opts,
             a,
