@@ -10,7 +10,6 @@ pub mod derived;
 pub mod diagnose;
 pub mod inventory;
 pub mod load;
-pub mod pattern;
 pub mod rules;
 pub mod view;
 
