@@ -101,6 +101,14 @@ impl EpArgs {
         if d.fell_back_to_cpu && !quiet {
             eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)");
         }
+        if self.ep_reduce == ReduceMode::Nccl && (self.ep < 2 || d.len() < 2) {
+            return Err(Error::usage(format!(
+                "--ep-reduce nccl needs --ep 2 or more with the ranks on two or more GPUs; \
+                 --ep {} runs on {}",
+                self.ep,
+                d.names().join(", ")
+            )));
+        }
         Ok(d)
     }
 
@@ -118,13 +126,84 @@ impl EpArgs {
     }
 }
 
+/// The NVFP4 forward of `layer`: sharded over the EP ranks when `--ep` > 1 (with how it was
+/// reduced), else on rank 0's device.
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_forward(
+    args: &EpArgs,
+    dev: &EpDevices,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    per_slot: bool,
+) -> Result<(MoeOutput, Option<ep::ReduceInfo>)> {
+    if !args.sharded() {
+        let path = MoePath::Nvfp4 {
+            scales,
+            flavor: Flavor::Reference,
+        };
+        return Ok((
+            dev.main()
+                .moe_forward(layer, hidden, routing, &path, per_slot)?,
+            None,
+        ));
+    }
+    let r = ep::forward(
+        dev,
+        &args.request(None),
+        layer,
+        hidden,
+        routing,
+        scales,
+        Flavor::Reference,
+        per_slot,
+    )?;
+    Ok((
+        MoeOutput {
+            out: r.out,
+            act_stats: r.act_stats,
+            per_slot: r.per_slot,
+        },
+        Some(r.reduce),
+    ))
+}
+
+/// How a sharded output compares with the unsharded run on rank 0's device (that run is
+/// made here, with its per-slot rows for the bound).
+pub fn check_unsharded(
+    dev: &EpDevices,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    sharded_out: &[f32],
+) -> Result<Agreement> {
+    let path = MoePath::Nvfp4 {
+        scales,
+        flavor: Flavor::Reference,
+    };
+    let one = dev
+        .main()
+        .moe_forward(layer, hidden, routing, &path, true)?;
+    par::against_unsharded(sharded_out, &one, routing, layer.config.hidden_size)
+}
+
 /// The EP facts every command reports.
 pub fn ep_json(args: &EpArgs, dev: &EpDevices, run: Option<&EpOutput>) -> serde_json::Value {
+    ep_json_with(args, dev, run.map(|r| &r.reduce))
+}
+
+pub fn ep_json_with(
+    args: &EpArgs,
+    dev: &EpDevices,
+    reduce: Option<&ep::ReduceInfo>,
+) -> serde_json::Value {
     json!({
         "size": args.ep,
         "placement": args.placement,
         "devices": dev.names(),
-        "reduce": run.map(|r| &r.reduce),
+        "reduce": reduce,
     })
 }
 

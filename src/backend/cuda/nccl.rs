@@ -367,8 +367,10 @@ impl Comms {
             step: "creating NCCL communicators".into(),
             kernel: "ncclCommInitAll".into(),
             what: p,
-        })?;
-        lib.check(rc, "creating NCCL communicators", "ncclCommInitAll")?;
+        });
+        let rebound = rebind_first(gpus);
+        lib.check(rc?, "creating NCCL communicators", "ncclCommInitAll")?;
+        rebound?;
         if comms.iter().any(|c| c.is_null()) {
             return Err(Error::Cuda {
                 step: "creating NCCL communicators".into(),
@@ -406,6 +408,14 @@ impl Comms {
     /// Sum `partials[g]` (on the host, one per GPU, in [`Comms::new`]'s order) over the GPUs
     /// with one grouped in-place `ncclAllReduce`; returns every GPU's copy of the sum.
     pub fn all_reduce_sum(&self, gpus: &[&Gpu], partials: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
+        let r = self.all_reduce_inner(gpus, partials);
+        let b = rebind_first(gpus);
+        let out = r?;
+        b?;
+        Ok(out)
+    }
+
+    fn all_reduce_inner(&self, gpus: &[&Gpu], partials: &[Vec<f32>]) -> Result<Vec<Vec<f32>>> {
         if self.aborted.get() {
             return Err(Error::Cuda {
                 step: "NCCL all-reduce".into(),
@@ -478,8 +488,10 @@ impl Comms {
                 .bind_to_thread()
                 .map_err(|e| driver_err(step, "ncclAllReduce", e))?;
             loop {
+                let stream = g.stream.cu_stream();
                 // SAFETY: a live stream of the bound context.
-                let q = unsafe { drv_sys::cuStreamQuery(g.stream.cu_stream()) };
+                let q = quietly(|| unsafe { drv_sys::cuStreamQuery(stream) })
+                    .unwrap_or(drv_sys::CUresult::CUDA_ERROR_UNKNOWN);
                 match q {
                     drv_sys::CUresult::CUDA_SUCCESS => break,
                     drv_sys::CUresult::CUDA_ERROR_NOT_READY => {}
@@ -524,6 +536,20 @@ impl Comms {
             g.sync(step)?;
         }
         Ok(())
+    }
+}
+
+/// NCCL switches the calling thread's current device; the first GPU (rank 0's, which the
+/// command goes on using, with raw driver calls that need a current context) is made current
+/// again.
+fn rebind_first(gpus: &[&Gpu]) -> Result<()> {
+    match gpus.first() {
+        Some(g) => g
+            .stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| driver_err("making the first GPU current again after NCCL", "-", e)),
+        None => Ok(()),
     }
 }
 
