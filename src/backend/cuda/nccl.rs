@@ -195,16 +195,19 @@ impl Nccl {
 /// Directories where Python packages keep NCCL (`nvidia/nccl/lib`, `torch/lib`), asked of
 /// `python3` (or `python`) without importing torch. At most a few seconds; silent on failure.
 fn python_lib_dirs() -> Vec<PathBuf> {
-    const SNIPPET: &str = "import importlib.util as u, os\n\
-for name in ('nvidia.nccl', 'torch'):\n\
-    try:\n\
-        s = u.find_spec(name)\n\
-    except Exception:\n\
-        s = None\n\
-    if s is None:\n\
-        continue\n\
-    for d in (s.submodule_search_locations or [os.path.dirname(s.origin or '')]):\n\
-        print(os.path.join(d, 'lib'))\n";
+    // (a raw string: Python needs the indentation that `\` line continuations would eat)
+    const SNIPPET: &str = r#"
+import importlib.util as u, os
+for name in ('nvidia.nccl', 'torch'):
+    try:
+        s = u.find_spec(name)
+    except Exception:
+        s = None
+    if s is None:
+        continue
+    for d in (s.submodule_search_locations or [os.path.dirname(s.origin or '')]):
+        print(os.path.join(d, 'lib'))
+"#;
     for exe in ["python3", "python"] {
         let child = std::process::Command::new(exe)
             .args(["-c", SNIPPET])
@@ -314,13 +317,20 @@ pub fn library() -> std::result::Result<&'static Nccl, String> {
         .map_err(|e| e.clone())
 }
 
-/// CUDA devices the driver sees (after checking the GPU is usable at all, as `probe` does).
+/// CUDA devices the driver sees. Never panics; no driver is an error.
 pub fn visible_gpus() -> Result<usize> {
-    super::device::probe(0)?;
-    quietly(drv::device::get_count)
-        .map_err(Error::NoGpu)?
-        .map_err(|e| driver_err("cuDeviceGetCount", "-", e))
-        .map(|n| n.max(0) as usize)
+    quietly(|| -> Result<usize> {
+        // SAFETY: only asks whether libcuda loads.
+        if !unsafe { drv_sys::is_culib_present() } {
+            return Err(Error::NoGpu(
+                "libcuda.so (the NVIDIA driver) cannot be loaded; is this a GPU machine?".into(),
+            ));
+        }
+        drv::init().map_err(|e| driver_err("cuInit", "-", e))?;
+        let n = drv::device::get_count().map_err(|e| driver_err("cuDeviceGetCount", "-", e))?;
+        Ok(n.max(0) as usize)
+    })
+    .map_err(Error::NoGpu)?
 }
 
 /// The value `NCCL_NVLS_ENABLE` had before we set it to 0, when it was something else.
@@ -346,6 +356,8 @@ pub struct Comms {
 impl Comms {
     /// Communicators for `gpus` (distinct devices, at least 2).
     pub fn new(gpus: &[&Gpu]) -> Result<Comms> {
+        // before NCCL is even loaded: it reads its environment once
+        let nvls_override = disable_nvls();
         let lib = library().map_err(Error::NoGpu)?;
         let ordinals: Vec<usize> = gpus.iter().map(|g| g.ordinal).collect();
         let mut sorted = ordinals.clone();
@@ -356,7 +368,6 @@ impl Comms {
                 "NCCL all-reduce needs two or more distinct GPUs, got {ordinals:?}"
             )));
         }
-        let nvls_override = disable_nvls();
         let devs: Vec<c_int> = ordinals.iter().map(|&o| o as c_int).collect();
         let mut comms: Vec<*mut c_void> = vec![std::ptr::null_mut(); devs.len()];
         let rc = quietly(|| unsafe {
@@ -580,5 +591,42 @@ mod tests {
         assert!(!e.is_empty());
         assert!(lib_in(dir.path()).contains(&fake.display().to_string()));
         assert!(lib_in(&dir.path().join("nope")).is_empty());
+    }
+
+    #[test]
+    fn nccl_errors_come_back_as_errors() {
+        // Only where libnccl is found (a GPU box, or NVFP4DBG_NCCL_LIB): communicators over
+        // devices that do not exist fail with NCCL's own message, through our signatures.
+        let Ok(lib) = library() else { return };
+        let devs: [c_int; 2] = [4096, 4097];
+        let mut comms = [std::ptr::null_mut::<c_void>(); 2];
+        let rc =
+            quietly(|| unsafe { (lib.init_all)(comms.as_mut_ptr(), 2, devs.as_ptr()) }).unwrap();
+        let e = lib
+            .check(rc, "test", "ncclCommInitAll")
+            .unwrap_err()
+            .to_string();
+        eprintln!("{e}");
+        assert!(
+            e.contains("ncclCommInitAll") && e.contains("ncclResult"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn looking_for_nccl_and_gpus_never_panics() {
+        // CPU CI: no libnccl, no driver: errors that say where we looked; on a GPU box, Ok
+        eprintln!("NCCL: {:?}", library().map(|l| (&l.path, &l.version)));
+        match library() {
+            Ok(l) => assert!(l.version.starts_with('2'), "{}", l.version),
+            Err(e) => assert!(
+                e.contains("NVFP4DBG_NCCL_LIB") || e.contains("libnccl"),
+                "{e}"
+            ),
+        }
+        match visible_gpus() {
+            Ok(n) => assert!(n > 0),
+            Err(e) => assert!(matches!(e, Error::NoGpu(_)), "{e}"),
+        }
     }
 }
