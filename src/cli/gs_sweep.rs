@@ -4,13 +4,15 @@
 
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::layertest::{
-    block_summary, load_batch, scales_json, BlockSummary, GsArgs, InputArgs, Model,
+    block_summary, check_unsharded, ep_disagreement, ep_json_with, load_batch, nvfp4_forward,
+    scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::Result;
 use crate::metrics::Metrics;
 use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::parallel::tolerance_text;
 use crate::moe::{ActScales, Path as MoePath};
-use crate::nvfp4::{Flavor, DEFAULT_GS};
+use crate::nvfp4::DEFAULT_GS;
 use crate::report::svg::{Plot, Series};
 use crate::report::{e, f, Report, Section, Verdict};
 use serde::Serialize;
@@ -27,7 +29,8 @@ pub const DEFAULT_MAX_LOSS: f64 = 0.01;
     after_help = "Verdict: fail when the gs in use (--gs, default `default`: the engines' \
 1/2688, i.e. amax assumed 1) loses more than --max-loss (default 0.01) cosine against the best \
 gs found, or gives NaN/Inf. Writes gs-sweep.svg (cosine vs gs) and gs-sweep-blocks.svg \
-(saturated / flushed blocks vs gs) into the report dir."
+(saturated / flushed blocks vs gs) into the report dir. With --ep N every point runs sharded over N \
+expert-parallel ranks, and the gs in use must also equal the unsharded run up to FP32 summation order."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -47,6 +50,8 @@ pub struct Args {
     /// Fail when the gs in use loses more than this cosine against the best
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS)]
     pub max_loss: f64,
+    #[command(flatten)]
+    pub ep: EpArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -68,7 +73,8 @@ struct Point {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let backend = args.device.open(args.out_args.quiet)?;
+    let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    let backend = devices.main();
     let model = Model::open(&args.input)?;
     let l = match args.layer {
         Some(l) => l,
@@ -94,17 +100,20 @@ pub fn run(args: &Args) -> Result<Report> {
     let reduce = args.gs.input_scale_reduce;
     let used_source = args.gs.gs.unwrap_or(GsSource::Default);
 
+    let reduce_info = std::cell::RefCell::new(None);
     let eval = |label: String, s: &ActScales| -> Result<Point> {
-        let o = backend.moe_forward(
+        let (o, r) = nvfp4_forward(
+            &args.ep,
+            &devices,
             &layer,
             &batch.hidden,
             &routing,
-            &MoePath::Nvfp4 {
-                scales: s,
-                flavor: Flavor::Reference,
-            },
+            s,
             false,
         )?;
+        if r.is_some() {
+            *reduce_info.borrow_mut() = r;
+        }
         let m: Metrics = backend.compare(&o.out, &reference.out)?;
         let med = gs::summary(s);
         Ok(Point {
@@ -185,6 +194,30 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     pb.finish_and_clear();
 
+    // ---- EP: the gs in use, sharded, against the unsharded run ----
+    let ep_agreement = match (&used_scales, args.ep.sharded()) {
+        (Some(s), true) => {
+            let (o, _) = nvfp4_forward(
+                &args.ep,
+                &devices,
+                &layer,
+                &batch.hidden,
+                &routing,
+                s,
+                false,
+            )?;
+            Some(check_unsharded(
+                &devices,
+                &layer,
+                &batch.hidden,
+                &routing,
+                s,
+                &o.out,
+            )?)
+        }
+        _ => None,
+    };
+
     // ---- verdict ----
     let clean = |p: &&Point| p.nan_count + p.inf_count == 0 && p.cosine.is_finite();
     let best = sources
@@ -230,6 +263,16 @@ pub fn run(args: &Args) -> Result<Report> {
     if best.is_none() {
         failures.push("every gs gives NaN/Inf: the fault is not the activation scale".into());
     }
+    if let Some(m) = ep_agreement.as_ref().and_then(|a| {
+        ep_disagreement(
+            &args.ep,
+            a,
+            c.hidden_size,
+            &format!("output under gs `{used_source}`"),
+        )
+    }) {
+        failures.push(m);
+    }
     let pass = failures.is_empty();
     let headline = if pass {
         format!(
@@ -256,6 +299,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "default_loss": cost("default"),
         "warmup_loss": cost("warmup"),
         "nan_count": used.as_ref().map_or(0, |u| u.nan_count),
+        "ep": args.ep.ep,
+        "ep_within_bound": ep_agreement.as_ref().map(|a| a.within_bound),
         "device": backend.name(),
         "model": model.describe(),
     });
@@ -358,7 +403,7 @@ pub fn run(args: &Args) -> Result<Report> {
         markers,
     };
 
-    let setup = Section::kv(
+    let mut setup = Section::kv(
         format!("gs-sweep: MoE layer {l}"),
         &[
             ("model", model.describe()),
@@ -385,6 +430,17 @@ pub fn run(args: &Args) -> Result<Report> {
             ),
         ],
     );
+    if args.ep.sharded() {
+        setup.row(vec![
+            "expert parallelism".into(),
+            format!(
+                "EP {} ({}) on {}",
+                args.ep.ep,
+                args.ep.placement.name(),
+                devices.names().join(", ")
+            ),
+        ]);
+    }
 
     let mut report = Report::new("gs-sweep", Verdict::from_pass(pass), headline)
         .summary(summary)
@@ -407,6 +463,12 @@ pub fn run(args: &Args) -> Result<Report> {
         .plot("gs-sweep-blocks.svg", block_plot.render());
     if let Some(s) = &used_scales {
         report = report.with("gs_in_use", scales_json(used_source, reduce, s));
+    }
+    if args.ep.sharded() {
+        let mut j = ep_json_with(&args.ep, &devices, reduce_info.borrow().as_ref());
+        j["tolerance"] = json!(tolerance_text(routing.top_k));
+        j["agreement"] = json!(ep_agreement);
+        report = report.with("ep", j);
     }
     Ok(report)
 }

@@ -3,6 +3,7 @@
 //! routing for both.
 
 use super::common::{DeviceArgs, OutArgs};
+use crate::backend::cuda::{moe::Nvfp4Forward, CudaBackend};
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
 use crate::error::{Error, Result};
@@ -11,8 +12,10 @@ use crate::moe::breakdown::{
     expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
 };
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
+use crate::moe::parallel::run::{self as ep, EpDevices, EpOutput, EpRequest, ReduceMode};
+use crate::moe::parallel::{self as par, Agreement, EpFault, Placement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
-use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath};
+use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath, Routing};
 use crate::nvfp4::{BlockStats, Flavor};
 use crate::report::{e, f, Report, Section, Verdict};
 use safetensors::Dtype;
@@ -68,12 +71,169 @@ pub struct GsArgs {
     pub input_scale_reduce: InputScaleReduce,
 }
 
+/// Expert parallelism (shared by layertest, gs-sweep and multilayer).
+#[derive(clap::Args, Debug, Clone)]
+pub struct EpArgs {
+    /// Shard the routed experts over N expert-parallel ranks: rank r holds only its experts
+    /// (expert_map[global] = local | -1) and computes its share for every token, rank 0 adds the
+    /// shared experts, the partial outputs are summed (all-reduce). Rank r runs on GPU r % G, or
+    /// all ranks on the CPU. Equals --ep 1 up to FP32 summation order
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub ep: usize,
+    /// How experts are spread over EP ranks: linear (contiguous blocks) or round-robin (e % N == r)
+    #[arg(long, value_enum, value_name = "P", default_value = "linear")]
+    pub placement: Placement,
+    /// GPUs the EP ranks spread over, from --device cuda:D on (default: every GPU the driver
+    /// sees, at most N)
+    #[arg(long, value_name = "G")]
+    pub ep_gpus: Option<usize>,
+    /// How the partial outputs are summed: nccl (ranks on 2+ GPUs; NCCL_NVLS_ENABLE=0 is set,
+    /// NVLink multicast is never used; NVFP4DBG_NCCL_LIB names libnccl.so.2 or its directory),
+    /// host (in rank order), auto (nccl when usable, else host)
+    #[arg(long, value_enum, value_name = "HOW", default_value = "auto")]
+    pub ep_reduce: ReduceMode,
+}
+
+impl EpArgs {
+    /// The devices: rank 0's is the one routing, the reference and the unsharded run use.
+    pub fn open(&self, device: &DeviceArgs, quiet: bool) -> Result<EpDevices> {
+        let d = EpDevices::open(&device.device, self.ep, self.ep_gpus)?;
+        if d.fell_back_to_cpu && !quiet {
+            eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)");
+        }
+        if self.ep_reduce == ReduceMode::Nccl && (self.ep < 2 || d.len() < 2) {
+            return Err(Error::usage(format!(
+                "--ep-reduce nccl needs --ep 2 or more with the ranks on two or more GPUs; \
+                 --ep {} runs on {}",
+                self.ep,
+                d.names().join(", ")
+            )));
+        }
+        Ok(d)
+    }
+
+    pub fn sharded(&self) -> bool {
+        self.ep > 1
+    }
+
+    pub fn request(&self, fault: Option<EpFault>) -> EpRequest {
+        EpRequest {
+            size: self.ep,
+            placement: self.placement,
+            reduce: self.ep_reduce,
+            fault,
+        }
+    }
+}
+
+/// The NVFP4 forward of `layer`: sharded over the EP ranks when `--ep` > 1 (with how it was
+/// reduced), else on rank 0's device.
+#[allow(clippy::too_many_arguments)]
+pub fn nvfp4_forward(
+    args: &EpArgs,
+    dev: &EpDevices,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    per_slot: bool,
+) -> Result<(MoeOutput, Option<ep::ReduceInfo>)> {
+    if !args.sharded() {
+        let path = MoePath::Nvfp4 {
+            scales,
+            flavor: Flavor::Reference,
+        };
+        return Ok((
+            dev.main()
+                .moe_forward(layer, hidden, routing, &path, per_slot)?,
+            None,
+        ));
+    }
+    let r = ep::forward(
+        dev,
+        &args.request(None),
+        layer,
+        hidden,
+        routing,
+        scales,
+        Flavor::Reference,
+        per_slot,
+    )?;
+    Ok((
+        MoeOutput {
+            out: r.out,
+            act_stats: r.act_stats,
+            per_slot: r.per_slot,
+        },
+        Some(r.reduce),
+    ))
+}
+
+/// How a sharded output compares with the unsharded run on rank 0's device (that run is
+/// made here, with its per-slot rows for the bound).
+pub fn check_unsharded(
+    dev: &EpDevices,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    sharded_out: &[f32],
+) -> Result<Agreement> {
+    let path = MoePath::Nvfp4 {
+        scales,
+        flavor: Flavor::Reference,
+    };
+    let one = dev
+        .main()
+        .moe_forward(layer, hidden, routing, &path, true)?;
+    par::against_unsharded(sharded_out, &one, routing, layer.config.hidden_size)
+}
+
+/// The EP facts every command reports.
+pub fn ep_json(args: &EpArgs, dev: &EpDevices, run: Option<&EpOutput>) -> serde_json::Value {
+    ep_json_with(args, dev, run.map(|r| &r.reduce))
+}
+
+pub fn ep_json_with(
+    args: &EpArgs,
+    dev: &EpDevices,
+    reduce: Option<&ep::ReduceInfo>,
+) -> serde_json::Value {
+    json!({
+        "size": args.ep,
+        "placement": args.placement,
+        "devices": dev.names(),
+        "reduce": reduce,
+    })
+}
+
+/// A failure line when an EP output leaves the FP32-summation-order bound around `--ep 1`.
+pub fn ep_disagreement(args: &EpArgs, a: &Agreement, hidden: usize, what: &str) -> Option<String> {
+    (!a.within_bound).then(|| {
+        format!(
+            "EP {} ({}) {what} differs from the unsharded (--ep 1) run beyond FP32 summation order: \
+             {} of {} values outside the bound, max |Δ| {} at {} ({}x the bound)",
+            args.ep,
+            args.placement.name(),
+            a.outside_bound,
+            a.len,
+            e(a.max_abs_diff),
+            at(a.max_abs_diff_index, hidden),
+            e(a.max_bound_ratio)
+        )
+    })
+}
+
 #[derive(clap::Args, Debug)]
 #[command(
     after_help = "Thresholds: --min-cosine 0.95 against the BF16 reference (a healthy \
 fully quantized MoE layer reaches ~0.974, i.e. ~0.23 rel-L2; NVFP4 alone costs ~0.095 rel-L2 per \
 tensor); --min-expert-cosine 0.90 for each expert's own output; on a GPU, the kernel must match \
-the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails."
+the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails. With --ep N the sharded output must \
+equal the unsharded (--ep 1) one up to FP32 summation order: |ep - ep1| <= 2*g_K*(2*sum|w*y| + \
+|out_ep1|)/(1 - g_K) elementwise, g_K = K*u/(1 - K*u), u = 2^-24 (only the order of the combine sum \
+changes); --fault flips the expert-id convention on every rank and the report names the ranks that \
+silently dropped tokens. --cuda-graph: the graph replay must equal the eager run bit for bit."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -93,6 +253,22 @@ pub struct Args {
     /// topk_weights (F32 [T, K]) to this safetensors file
     #[arg(long, value_name = "FILE")]
     pub save_outputs: Option<PathBuf>,
+    #[command(flatten)]
+    pub ep: EpArgs,
+    /// Run the EP ranks with the expert-id convention flipped as buggy engines did (needs
+    /// --ep 2 or more): local-ids (handed local ids, taken for global: tokens silently dropped)
+    /// or global-ids (handed global ids, used as local indices: wrong or missing experts)
+    #[arg(long, value_enum, value_name = "FAULT")]
+    pub fault: Option<EpFault>,
+    /// Write each EP rank's routing dump (the topk_ids it was handed, topk_weights,
+    /// hidden_states, input_ids; metadata ep_rank, ep_size, placement, ids) to DIR/rank{r}.safetensors,
+    /// for `nvfp4dbg routing`
+    #[arg(long, value_name = "DIR")]
+    pub save_routing: Option<PathBuf>,
+    /// Capture the NVFP4 layer forward in a CUDA graph, replay it and compare the replay with
+    /// the eager run bit for bit (CUDA backend only)
+    #[arg(long)]
+    pub cuda_graph: bool,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -479,7 +655,21 @@ struct KernelCheck {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let backend = args.device.open(args.out_args.quiet)?;
+    if args.fault.is_some() && !args.ep.sharded() {
+        return Err(Error::usage(
+            "--fault flips the expert-id convention between EP ranks: it needs --ep 2 or more \
+             (with one rank, local and global ids are the same)",
+        ));
+    }
+    let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    if args.cuda_graph && devices.cuda_main().is_none() {
+        return Err(Error::usage(format!(
+            "--cuda-graph captures the layer's CUDA kernels in a CUDA graph; the {} backend has no \
+             graphs: use --device cuda",
+            devices.main().name()
+        )));
+    }
+    let backend = devices.main();
     let model = Model::open(&args.input)?;
     let l = match args.layer {
         Some(l) => l,
@@ -515,7 +705,53 @@ pub fn run(args: &Args) -> Result<Report> {
         scales: &scales,
         flavor: Flavor::Reference,
     };
-    let nv = backend.moe_forward(&layer, &batch.hidden, &routing, &nvfp4_path, true)?;
+    // the unsharded NVFP4 run: the result without EP, and what EP must reproduce
+    let nv1 = backend.moe_forward(&layer, &batch.hidden, &routing, &nvfp4_path, true)?;
+    let ep_run = if args.ep.sharded() {
+        let req = args.ep.request(args.fault);
+        let run = ep::forward(
+            &devices,
+            &req,
+            &layer,
+            &batch.hidden,
+            &routing,
+            &scales,
+            Flavor::Reference,
+            true,
+        )?;
+        let clean = match args.fault {
+            Some(_) => Some(ep::forward(
+                &devices,
+                &args.ep.request(None),
+                &layer,
+                &batch.hidden,
+                &routing,
+                &scales,
+                Flavor::Reference,
+                false,
+            )?),
+            None => None,
+        };
+        let agreement = par::against_unsharded(&run.out, &nv1, &routing, hsz)?;
+        let vs_unsharded = crate::metrics::compare(&run.out, &nv1.out);
+        let ranks = ep::summarize_ranks(&run, clean.as_ref(), &routing, c.n_routed_experts);
+        Some(EpResult {
+            run,
+            agreement,
+            vs_unsharded,
+            ranks,
+        })
+    } else {
+        None
+    };
+    let nv = match &ep_run {
+        Some(x) => MoeOutput {
+            out: x.run.out.clone(),
+            act_stats: x.run.act_stats,
+            per_slot: x.run.per_slot.clone(),
+        },
+        None => nv1.clone(),
+    };
     let rf = backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, true)?;
     let m = backend.compare(&nv.out, &rf.out)?;
     let (ref_nan, ref_inf, ref_first_nan, _) = crate::metrics::nonfinite(&rf.out);
@@ -535,14 +771,14 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut tokens = per_token(&nv.out, &rf.out, hsz);
     tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
 
-    let kernel = kernel_check(
-        backend.as_ref(),
-        &layer,
-        &batch.hidden,
-        &routing,
-        &nvfp4_path,
-        &nv,
-    )?;
+    // the kernel check is about the kernels: the unsharded GPU run against the CPU
+    let kernel = kernel_check(backend, &layer, &batch.hidden, &routing, &nvfp4_path, &nv1)?;
+    let graph = match devices.cuda_main() {
+        Some(cuda) if args.cuda_graph => {
+            Some(graph_check(cuda, &layer, &batch.hidden, &routing, &scales)?)
+        }
+        _ => None,
+    };
 
     if let Some(p) = &args.save_outputs {
         save_outputs(
@@ -556,9 +792,34 @@ pub fn run(args: &Args) -> Result<Report> {
             routing.top_k,
         )?;
     }
+    let dumps = match &args.save_routing {
+        Some(dir) => save_routing(
+            dir,
+            &args.ep,
+            args.fault,
+            &layer,
+            &batch,
+            &routing,
+            ep_run.as_ref().map(|x| &x.run),
+        )?,
+        None => vec![],
+    };
 
     // ---- verdict ----
     let mut failures: Vec<String> = vec![];
+    if let Some(x) = &ep_run {
+        failures.extend(ep_failures(&args.ep, args.fault, x, hsz));
+    }
+    if let Some(g) = graph.as_ref().filter(|g| !g.graph_replay_bitwise_equal) {
+        failures.push(format!(
+            "CUDA graph replay differs from the eager run: {} of {} output values (first at {}), \
+             activation statistics {}",
+            g.differing,
+            g.len,
+            at(g.first_differing_index, hsz),
+            if g.act_stats_equal { "equal" } else { "differ" }
+        ));
+    }
     if m.nan_count > 0 {
         failures.push(format!(
             "NaN in the NVFP4 output: {} values, first at {}",
@@ -664,6 +925,10 @@ pub fn run(args: &Args) -> Result<Report> {
         "device": backend.name(),
         "model": model.describe(),
         "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
+        "ep": args.ep.ep,
+        "ep_within_bound": ep_run.as_ref().map(|x| x.agreement.within_bound),
+        "dropped_by_rank": ep_run.as_ref().map(|x| dropped_by_rank(&x.ranks)),
+        "graph_replay_bitwise_equal": graph.as_ref().map(|g| g.graph_replay_bitwise_equal),
     });
 
     let mut setup = Section::kv(
@@ -752,6 +1017,45 @@ pub fn run(args: &Args) -> Result<Report> {
         .section(blocks)
         .section(expert_table(&experts))
         .section(token_table(&tokens));
+    if let Some(x) = &ep_run {
+        let mut j = ep_json(&args.ep, &devices, Some(&x.run));
+        j["fault"] = json!(args.fault);
+        j["tolerance"] = json!(par::tolerance_text(routing.top_k));
+        j["agreement"] = json!(x.agreement);
+        j["vs_unsharded"] = json!(x.vs_unsharded);
+        j["act_stats_match_unsharded"] = json!(nv.act_stats == nv1.act_stats);
+        j["dropped_by_rank"] = dropped_by_rank(&x.ranks);
+        j["ranks"] = json!(x.ranks);
+        j["routing_dumps"] = json!(dumps);
+        report = report
+            .with("ep", j)
+            .section(ep_section(&args.ep, args.fault, x, hsz))
+            .section(rank_table(&x.ranks));
+    } else if !dumps.is_empty() {
+        report = report.with("ep", json!({"size": 1, "routing_dumps": dumps}));
+    }
+    if let Some(g) = &graph {
+        report = report.with("cuda_graph", g).section(Section::kv(
+            "CUDA graph (replay vs eager, bit for bit)",
+            &[
+                ("replays", g.replays.to_string()),
+                (
+                    "graph_replay_bitwise_equal",
+                    g.graph_replay_bitwise_equal.to_string(),
+                ),
+                (
+                    "differing values",
+                    format!(
+                        "{} of {} (first at {})",
+                        g.differing,
+                        g.len,
+                        at(g.first_differing_index, hsz)
+                    ),
+                ),
+                ("activation statistics equal", g.act_stats_equal.to_string()),
+            ],
+        ));
+    }
     if kernel.done || kernel.reason.is_some() {
         report = report.section(Section::kv(
             "Kernel check (GPU NVFP4 vs CPU NVFP4)",
@@ -781,6 +1085,345 @@ pub fn run(args: &Args) -> Result<Report> {
         report = report.section(s);
     }
     Ok(report)
+}
+
+/// A sharded run and how it compares with the unsharded one.
+struct EpResult {
+    run: EpOutput,
+    agreement: Agreement,
+    vs_unsharded: Metrics,
+    ranks: Vec<ep::RankSummary>,
+}
+
+/// `{rank: dropped (token, slot) pairs}` for the ranks that dropped any.
+fn dropped_by_rank(ranks: &[ep::RankSummary]) -> serde_json::Value {
+    let m: serde_json::Map<String, serde_json::Value> = ranks
+        .iter()
+        .filter(|r| r.slots.dropped > 0)
+        .map(|r| (r.rank.to_string(), json!(r.slots.dropped)))
+        .collect();
+    serde_json::Value::Object(m)
+}
+
+fn share_text(r: &ep::RankSummary) -> String {
+    r.share.as_ref().map_or(String::new(), |m| {
+        format!(
+            ", its share's cosine vs the correct share {}",
+            f(m.cosine, 4)
+        )
+    })
+}
+
+/// The EP problems, worst first: a flipped id convention names itself and the ranks it hurt.
+fn ep_failures(a: &EpArgs, fault: Option<EpFault>, x: &EpResult, h: usize) -> Vec<String> {
+    let mut out = vec![];
+    let ag = &x.agreement;
+    if !ag.within_bound {
+        let mut hurt: Vec<String> = vec![];
+        for r in &x.ranks {
+            let s = &r.slots;
+            if s.dropped > 0 {
+                hurt.push(format!(
+                    "rank {} silently dropped {} of its {} (token, slot) pairs{}",
+                    r.rank,
+                    s.dropped,
+                    s.owned,
+                    share_text(r)
+                ));
+            }
+            if s.wrong_expert > 0 {
+                hurt.push(format!(
+                    "rank {} ran {} of its pairs on the wrong expert",
+                    r.rank, s.wrong_expert
+                ));
+            }
+            if s.spurious > 0 {
+                hurt.push(format!(
+                    "rank {} computed {} pairs of other ranks' experts with its own experts",
+                    r.rank, s.spurious
+                ));
+            }
+        }
+        let effect = format!(
+            "the EP output vs --ep 1: cosine {}, max |Δ| {} ({}x the FP32 summation-order bound)",
+            f(x.vs_unsharded.cosine, 4),
+            e(ag.max_abs_diff),
+            e(ag.max_bound_ratio)
+        );
+        match fault {
+            Some(flt) => {
+                let convention = match flt {
+                    EpFault::LocalIds => "local ids taken as global ids",
+                    EpFault::GlobalIds => "global ids taken as local ids",
+                };
+                out.push(format!(
+                    "EP {} ({}): {convention} — every rank is {}: {}; {effect}",
+                    a.ep,
+                    a.placement.name(),
+                    flt.describe(),
+                    if hurt.is_empty() {
+                        "no rank dropped or misrouted a pair".to_string()
+                    } else {
+                        hurt.join("; ")
+                    }
+                ));
+            }
+            None => {
+                let mut msg = ep_disagreement(a, ag, h, "output").unwrap_or_default();
+                if !hurt.is_empty() {
+                    msg.push_str(&format!(" ({})", hurt.join("; ")));
+                }
+                out.push(msg);
+            }
+        }
+    }
+    if x.run.reduce.consistent_across_gpus == Some(false) {
+        out.push(
+            "the NCCL all-reduce left different sums on the GPUs: every rank must end with the same output"
+                .into(),
+        );
+    }
+    out
+}
+
+fn ep_section(a: &EpArgs, fault: Option<EpFault>, x: &EpResult, h: usize) -> Section {
+    let ag = &x.agreement;
+    let r = &x.run.reduce;
+    Section::kv(
+        format!("Expert parallelism: EP {} ({})", a.ep, a.placement.name()),
+        &[
+            (
+                "id convention",
+                match fault {
+                    Some(flt) => {
+                        format!("FLIPPED ({}): every rank is {}", flt.name(), flt.describe())
+                    }
+                    None => "global ids, expert_map applied on each rank".into(),
+                },
+            ),
+            (
+                "all-reduce",
+                match (&r.nccl_version, &r.note) {
+                    (Some(v), _) => format!("NCCL {v} over {} GPUs", r.devices),
+                    (None, Some(n)) => format!("host, rank order ({n})"),
+                    (None, None) => format!("host, rank order ({} device(s))", r.devices),
+                },
+            ),
+            (
+                "vs --ep 1",
+                format!(
+                    "{}: {} of {} values differ, max |Δ| {} at {}, {}x the bound",
+                    if ag.bitwise_equal {
+                        "bitwise equal"
+                    } else if ag.within_bound {
+                        "within FP32 summation order"
+                    } else {
+                        "OUTSIDE FP32 summation order"
+                    },
+                    ag.differing,
+                    ag.len,
+                    e(ag.max_abs_diff),
+                    at(ag.max_abs_diff_index, h),
+                    e(ag.max_bound_ratio)
+                ),
+            ),
+            ("cosine vs --ep 1", f(x.vs_unsharded.cosine, 6)),
+        ],
+    )
+}
+
+fn rank_table(ranks: &[ep::RankSummary]) -> Section {
+    let mut s = Section::new(
+        "EP ranks",
+        &[
+            "rank",
+            "device",
+            "experts",
+            "handed",
+            "taken as",
+            "owned",
+            "computed",
+            "dropped",
+            "wrong expert",
+            "spurious",
+            "share cosine",
+            "routing findings",
+        ],
+    );
+    for r in ranks {
+        let kinds: Vec<String> = r
+            .routing_findings
+            .iter()
+            .map(|x| {
+                serde_json::to_value(x.kind)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_string))
+                    .unwrap_or_default()
+            })
+            .collect();
+        s.row(vec![
+            r.rank.to_string(),
+            r.device.clone(),
+            r.experts.clone(),
+            json!(r.handed).as_str().unwrap_or("").to_string(),
+            json!(r.taken_as).as_str().unwrap_or("").to_string(),
+            r.slots.owned.to_string(),
+            r.slots.computed.to_string(),
+            r.slots.dropped.to_string(),
+            r.slots.wrong_expert.to_string(),
+            r.slots.spurious.to_string(),
+            r.share.as_ref().map_or("-".into(), |m| f(m.cosine, 4)),
+            if kinds.is_empty() {
+                "-".into()
+            } else {
+                kinds.join(", ")
+            },
+        ]);
+    }
+    s
+}
+
+/// `--cuda-graph`: the NVFP4 forward captured in a CUDA graph, replayed, against its eager run.
+#[derive(Serialize)]
+struct GraphCheck {
+    device: String,
+    replays: usize,
+    len: usize,
+    graph_replay_bitwise_equal: bool,
+    /// Output values whose bits differ from the eager run (over all replays, the worst).
+    differing: usize,
+    first_differing_index: Option<usize>,
+    act_stats_equal: bool,
+}
+
+fn graph_check(
+    cuda: &CudaBackend,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+) -> Result<GraphCheck> {
+    const REPLAYS: usize = 2;
+    let mut fwd = Nvfp4Forward::new(
+        cuda.gpu(),
+        layer,
+        routing.tokens,
+        scales,
+        Flavor::Reference,
+        false,
+    )?;
+    fwd.set_hidden(hidden)?;
+    fwd.set_routing(layer, routing)?;
+    let eager = fwd.run()?;
+    let graph = fwd.capture()?;
+    let mut check = GraphCheck {
+        device: cuda.name(),
+        replays: REPLAYS,
+        len: eager.out.len(),
+        graph_replay_bitwise_equal: true,
+        differing: 0,
+        first_differing_index: None,
+        act_stats_equal: true,
+    };
+    for _ in 0..REPLAYS {
+        let replay = graph.run()?;
+        let (n, first) = par::bits_differing(&replay.out, &eager.out);
+        if n > check.differing {
+            check.differing = n;
+            check.first_differing_index = first;
+        }
+        check.act_stats_equal &= replay.act_stats == eager.act_stats;
+    }
+    check.graph_replay_bitwise_equal = check.differing == 0 && check.act_stats_equal;
+    Ok(check)
+}
+
+/// One rank's routing dump, for `nvfp4dbg routing`.
+#[derive(Serialize)]
+struct RoutingDumpFile {
+    rank: usize,
+    file: String,
+    /// The command that checks it.
+    command: String,
+}
+
+/// Write each rank's routing dump: the ids it was handed (its kernel's view), the weights,
+/// the layer input. Without EP, rank 0 of 1 gets the router's output.
+fn save_routing(
+    dir: &Path,
+    a: &EpArgs,
+    fault: Option<EpFault>,
+    layer: &MoeLayer,
+    batch: &Batch,
+    routing: &Routing,
+    run: Option<&EpOutput>,
+) -> Result<Vec<RoutingDumpFile>> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let (t, k, h) = (routing.tokens, routing.top_k, layer.config.hidden_size);
+    let e = layer.config.n_routed_experts;
+    let global: Vec<i64> = routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let views: Vec<(usize, &[i64], crate::moe::ep::check::IdSpace)> = match run {
+        Some(r) => r
+            .ranks
+            .iter()
+            .map(|x| {
+                (
+                    x.rank(),
+                    x.plan.handed.as_slice(),
+                    x.plan.convention.taken_as,
+                )
+            })
+            .collect(),
+        None => vec![(0, global.as_slice(), crate::moe::ep::check::IdSpace::Global)],
+    };
+    let size = if run.is_some() { a.ep } else { 1 };
+    let mut out = vec![];
+    for (rank, ids, space) in views {
+        let file = dir.join(format!("rank{rank}.safetensors"));
+        let space_name = json!(space).as_str().unwrap_or("global").to_string();
+        let mut meta = std::collections::BTreeMap::new();
+        meta.insert("layer".to_string(), layer.index.to_string());
+        meta.insert("ep_rank".to_string(), rank.to_string());
+        meta.insert("ep_size".to_string(), size.to_string());
+        meta.insert("placement".to_string(), a.placement.name().to_string());
+        meta.insert("ids".to_string(), space_name.clone());
+        meta.insert("num_experts".to_string(), e.to_string());
+        meta.insert(
+            "fault".to_string(),
+            fault.map_or("none".to_string(), |f| f.name().to_string()),
+        );
+        let mut tensors = vec![
+            (
+                TensorSpec::new("topk_ids", Dtype::I64, &[t, k]),
+                i64_bytes(ids),
+            ),
+            (
+                TensorSpec::new("topk_weights", Dtype::F32, &[t, k]),
+                f32_bytes(&routing.topk_weights),
+            ),
+            (
+                TensorSpec::new("hidden_states", Dtype::F32, &[t, h]),
+                f32_bytes(&batch.hidden),
+            ),
+        ];
+        if let Some(ids) = batch.input_ids.as_deref().filter(|v| v.len() == t) {
+            tensors.push((
+                TensorSpec::new("input_ids", Dtype::I64, &[t]),
+                i64_bytes(ids),
+            ));
+        }
+        write_file(&file, tensors, Some(meta))?;
+        out.push(RoutingDumpFile {
+            rank,
+            file: file.display().to_string(),
+            command: format!(
+                "nvfp4dbg routing {} --num-experts {e} --ep-rank {rank} --ep-size {size} --placement {} --ids {space_name}",
+                file.display(),
+                a.placement.name()
+            ),
+        });
+    }
+    Ok(out)
 }
 
 fn slots(o: &MoeOutput) -> Result<&[f32]> {

@@ -3,13 +3,17 @@
 //! reference each carry their own hidden state and route on it.
 
 use super::common::{progress, DeviceArgs, OutArgs};
-use super::layertest::{at, below, block_summary, load_batch, ranges, GsArgs, InputArgs, Model};
+use super::layertest::{
+    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, load_batch,
+    nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+};
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
 use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
 use crate::moe::{rmsnorm_bf16, Path as MoePath, Routing};
-use crate::nvfp4::{BlockStats, Flavor};
+use crate::nvfp4::BlockStats;
 use crate::report::svg::{Plot, Series};
 use crate::report::{f, Report, Section, Verdict};
 use serde::Serialize;
@@ -37,7 +41,8 @@ layer's; amplification = error after the layer / sqrt(error before² + the layer
 layer-alone cosine = NVFP4 vs BF16 on the BF16 model's input (what layertest measures). Verdict: \
 fail on NaN/Inf, a residual-stream cosine below --min-cosine (0.99) after the last layer, a \
 layer-alone cosine below --min-layer-cosine (0.95, layertest's default), or an amplification above \
---max-amplification (2.0)."
+--max-amplification (2.0). With --ep N the NVFP4 model runs sharded over N expert-parallel ranks, and \
+each layer alone must equal the unsharded run up to FP32 summation order."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -56,6 +61,8 @@ pub struct Args {
     /// Fail when a layer amplifies the incoming error beyond this factor
     #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
     pub max_amplification: f64,
+    #[command(flatten)]
+    pub ep: EpArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -81,6 +88,8 @@ struct LayerRow {
     act_saturated_pct: f64,
     act_flushed_pct: f64,
     unit_norm_weight: bool,
+    /// With --ep: this layer alone, sharded, against the unsharded run.
+    ep_agreement: Option<Agreement>,
 }
 
 /// Parse `A..B`, `A..=B` or `A`.
@@ -129,7 +138,8 @@ fn agreement(a: &Routing, b: &Routing) -> f64 {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let backend = args.device.open(args.out_args.quiet)?;
+    let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    let backend = devices.main();
     let model = match &args.input.checkpoint {
         None => Model::Synthetic(
             SyntheticModel::new(Preset::Tiny, args.input.seed).with_layers(SYNTHETIC_LAYERS),
@@ -149,6 +159,7 @@ pub fn run(args: &Args) -> Result<Report> {
         )));
     }
     let first = model.layer(layers[0])?;
+    let first_k = first.config.num_experts_per_tok;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
     let batch = load_batch(&args.input, hsz, first.token_vocab(), None)?;
     let ids = batch.input_ids.as_deref();
@@ -159,6 +170,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut rows: Vec<LayerRow> = vec![];
     let mut first_bad: Option<(usize, Metrics)> = None;
     let mut unit_norm_layers = vec![];
+    let mut reduce_info = None;
     let pb = progress(layers.len() as u64, "layers", args.out_args.quiet);
     let mut layer = Some(first);
     for &l in &layers {
@@ -188,28 +200,25 @@ pub fn run(args: &Args) -> Result<Report> {
             &cal,
             args.input.seed ^ l as u64,
         )?;
-        let o_nv = backend.moe_forward(
-            &ly,
-            &x_nv,
-            &r_nv,
-            &MoePath::Nvfp4 {
-                scales: &scales,
-                flavor: Flavor::Reference,
-            },
-            false,
-        )?;
+        let (o_nv, reduce) = nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
+        if reduce.is_some() {
+            reduce_info = reduce;
+        }
         let o_rf = backend.moe_forward(&ly, &x_rf, &r_rf, &MoePath::Reference, false)?;
         // the error this layer adds by itself: NVFP4 on the reference model's input
-        let o_local = backend.moe_forward(
-            &ly,
-            &x_rf,
-            &r_rf,
-            &MoePath::Nvfp4 {
-                scales: &scales,
-                flavor: Flavor::Reference,
-            },
-            false,
-        )?;
+        let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, false)?;
+        let ep_agreement = if args.ep.sharded() {
+            Some(check_unsharded(
+                &devices,
+                &ly,
+                &x_rf,
+                &r_rf,
+                &scales,
+                &o_local.out,
+            )?)
+        } else {
+            None
+        };
         let local = compare(&o_local.out, &o_rf.out);
         let local_err = l2_diff(&o_local.out, &o_rf.out);
         let prev_err = l2_diff(&h_nv, &h_rf);
@@ -244,6 +253,7 @@ pub fn run(args: &Args) -> Result<Report> {
             act_saturated_pct: bs.saturated_pct,
             act_flushed_pct: bs.flushed_pct,
             unit_norm_weight: norm.is_none(),
+            ep_agreement,
         });
         pb.inc(1);
     }
@@ -297,6 +307,15 @@ pub fn run(args: &Args) -> Result<Report> {
                 args.max_amplification,
                 r.growth.map_or("-".into(), |g| f(g, 2))
             ));
+        }
+    }
+    for r in &rows {
+        if let Some(m) = r
+            .ep_agreement
+            .as_ref()
+            .and_then(|a| ep_disagreement(&args.ep, a, hsz, &format!("layer {} alone", r.layer)))
+        {
+            failures.push(m);
         }
     }
     let pass = failures.is_empty();
@@ -370,6 +389,17 @@ pub fn run(args: &Args) -> Result<Report> {
             ("device", backend.name()),
         ],
     );
+    if args.ep.sharded() {
+        setup.row(vec![
+            "expert parallelism".into(),
+            format!(
+                "EP {} ({}) on {}",
+                args.ep.ep,
+                args.ep.placement.name(),
+                devices.names().join(", ")
+            ),
+        ]);
+    }
     if !unit_norm_layers.is_empty() {
         setup.row(vec![
             "note".into(),
@@ -418,6 +448,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "max_amplification_allowed": args.max_amplification,
         "min_layer_cosine": args.min_layer_cosine,
         "unit_norm_weight_layers": unit_norm_layers,
+        "ep": args.ep.ep,
+        "ep_within_bound": args.ep.sharded().then(|| rows.iter().all(|r| r.ep_agreement.as_ref().is_some_and(|a| a.within_bound))),
         "device": backend.name(),
         "model": model.describe(),
     });
@@ -425,6 +457,14 @@ pub fn run(args: &Args) -> Result<Report> {
         .summary(summary)
         .with("per_layer", &rows)
         .with("failures", &failures)
+        .with(
+            "ep",
+            args.ep.sharded().then(|| {
+                let mut j = ep_json_with(&args.ep, &devices, reduce_info.as_ref());
+                j["tolerance"] = json!(tolerance_text(first_k));
+                j
+            }),
+        )
         .section(setup)
         .section(table)
         .plot("multilayer.svg", plot.render());

@@ -6,6 +6,7 @@ pub mod config;
 pub mod ep;
 pub mod forward;
 pub mod gs;
+pub mod parallel;
 pub mod router;
 pub mod synthetic;
 

@@ -1,0 +1,100 @@
+//! `layertest --cuda-graph` on a GPU: the NVFP4 layer forward captured in a CUDA graph and
+//! replayed must equal its eager run bit for bit (fixed and per-batch dynamic scales). On the
+//! CPU backend the flag is a usage error (that part runs in CPU CI too).
+
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
+/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
+fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
+        return p.into();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
+        .filter(|p| p.is_file());
+    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
+}
+
+/// (exit code, stdout + stderr, JSON report).
+fn layertest(args: &[&str]) -> (i32, String, Option<Value>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("layertest.json");
+    let bin = binary();
+    eprintln!("running {} layertest {args:?}", bin.display());
+    let o = Command::new(&bin)
+        .arg("layertest")
+        .args(args)
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--no-report-dir",
+            "--quiet",
+        ])
+        .current_dir(tmp.path())
+        .output()
+        .expect("run nvfp4dbg");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    (o.status.code().unwrap_or(-1), text, report)
+}
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn graph_replay_equals_the_eager_run_bit_for_bit() {
+    let seed = rand::random::<u16>().to_string();
+    for gs in ["calibrated", "dynamic"] {
+        let what = format!("seed {seed} --gs {gs}");
+        let (code, text, r) = layertest(&[
+            "--device",
+            "cuda",
+            "--cuda-graph",
+            "--tokens",
+            "64",
+            "--seed",
+            &seed,
+            "--gs",
+            gs,
+        ]);
+        eprintln!("{text}");
+        assert_eq!(code, 0, "{what}:\n{text}");
+        let r = r.unwrap_or_else(|| panic!("{what}: no JSON report"));
+        assert_eq!(r["verdict"], "pass", "{what}");
+        let g = &r["cuda_graph"];
+        assert_eq!(g["graph_replay_bitwise_equal"], true, "{what}: {g}");
+        assert_eq!(g["differing"], 0, "{what}: {g}");
+        assert!(g["first_differing_index"].is_null(), "{what}: {g}");
+        assert_eq!(g["act_stats_equal"], true, "{what}: {g}");
+        assert!(g["replays"].as_u64().unwrap() >= 1, "{what}");
+        assert_eq!(
+            g["len"],
+            64 * 256,
+            "{what}: the built-in model's [T, hidden]"
+        );
+        assert!(g["device"].as_str().unwrap().starts_with("cuda:"), "{what}");
+        assert_eq!(r["summary"]["graph_replay_bitwise_equal"], true, "{what}");
+        // the kernels still match the CPU NVFP4 path
+        assert_eq!(
+            r["kernel_check"]["pass"], true,
+            "{what}: {}",
+            r["kernel_check"]
+        );
+        assert!(text.contains("CUDA graph"), "{what}: the table is printed");
+    }
+}
+
+#[test]
+fn cuda_graph_on_the_cpu_backend_is_a_usage_error() {
+    let (code, text, _) = layertest(&["--device", "cpu", "--cuda-graph", "--tokens", "4"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(
+        text.contains("--cuda-graph") && text.contains("--device cuda"),
+        "{text}"
+    );
+}
