@@ -10,5 +10,6 @@ pub mod moe;
 pub mod nvfp4;
 pub mod report;
 pub mod trace;
+pub mod weights;
 
 pub use error::{Error, Result};

@@ -1,15 +1,712 @@
-//! `routing`: not built yet.
+//! `routing` (H4): do tokens reach the right experts? Reads a routing dump, checks ids and
+//! weights against the config, looks for local-vs-global id confusion under expert
+//! parallelism, recomputes the routing from hidden states (or router logits) when a checkpoint
+//! is given, and reports the expert load.
 
-use super::common::OutArgs;
+use super::common::{DeviceArgs, OutArgs};
+use crate::checkpoint::MoeCheckpoint;
 use crate::error::{Error, Result};
-use crate::report::Report;
+use crate::moe::ep::check::{
+    self, Agreement, Expectations, ExpertLoad, IdSpace, Ids, Outcome, RankLoad, RefCompare,
+    Tolerances,
+};
+use crate::moe::ep::dump::{self, Matrix, RoutingDump};
+use crate::moe::ep::{ExpertMap, Placement};
+use crate::moe::{MoeConfig, MoeLayer, Router, Routing};
+use crate::report::{self, Report, Section, Verdict};
+use serde::Serialize;
+use std::path::PathBuf;
+
+/// Router logits recomputed from hidden states must match the dump's this well.
+const MIN_LOGITS_COSINE: f64 = 0.999;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Routing dump (safetensors): topk_ids [T,K], topk_weights [T,K], optionally
+    /// router_logits [T,E], hidden_states [T,H], input_ids [T]
+    #[arg(value_name = "DUMP")]
+    pub dump: PathBuf,
+    /// Checkpoint directory (config.json, gate weights): enables recomputing the routing
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+    /// Layer the dump comes from (default: the dump's `layer` metadata)
+    #[arg(long, value_name = "L")]
+    pub layer: Option<usize>,
+    /// Number of routed experts (default: n_routed_experts of the checkpoint config)
+    #[arg(long, value_name = "E")]
+    pub num_experts: Option<usize>,
+    /// Override the config's norm_topk_prob
+    #[arg(long, value_name = "BOOL")]
+    pub norm_topk_prob: Option<bool>,
+    /// Override the config's routed_scaling_factor
+    #[arg(long, value_name = "F")]
+    pub routed_scaling_factor: Option<f32>,
+    /// EP rank the dump was taken on (default: the dump's `ep_rank` metadata)
+    #[arg(long, value_name = "R")]
+    pub ep_rank: Option<usize>,
+    /// EP world size (default: the dump's `ep_size` metadata, else 1)
+    #[arg(long, value_name = "N")]
+    pub ep_size: Option<usize>,
+    /// How experts are spread over EP ranks (vLLM's expert_placement_strategy)
+    #[arg(long, value_enum, default_value = "linear")]
+    pub placement: Placement,
+    /// What the dump's ids are meant to be: global router output, or local ids after expert_map
+    #[arg(long, value_enum, default_value = "global")]
+    pub ids: IdSpace,
+    /// Hidden states [T,H] (safetensors) when the dump does not hold them
+    #[arg(long, value_name = "FILE")]
+    pub hidden: Option<PathBuf>,
+    /// Minimum fraction of slots agreeing with the recomputed routing (near-ties flip between
+    /// a BF16 engine router and the FP32 reference)
+    #[arg(long, value_name = "RATE", default_value_t = 0.95)]
+    pub min_match: f64,
+    /// Maximum relative L2 error of topk_weights against the recomputed weights
+    #[arg(long, value_name = "REL", default_value_t = 0.02)]
+    pub max_weight_err: f64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`routing` is not built yet"))
+#[derive(Serialize)]
+struct Summary {
+    tokens: usize,
+    top_k: usize,
+    num_experts: usize,
+    findings: usize,
+    ep_rank: Option<usize>,
+    ep_size: usize,
+    match_rate: Option<f64>,
+    weight_rel_l2: Option<f64>,
+    unused_experts: usize,
+    max_over_mean: f64,
+}
+
+fn meta_usize(d: &RoutingDump, key: &str) -> Result<Option<usize>> {
+    d.metadata
+        .get(key)
+        .map(|v| {
+            v.trim().parse().map_err(|_| {
+                Error::bad_file(
+                    &d.path,
+                    format!("metadata `{key}` = \"{v}\" is not a non-negative integer"),
+                )
+            })
+        })
+        .transpose()
+}
+
+fn check_range(name: &str, v: f64, lo: f64, hi: f64) -> Result<()> {
+    if !(lo..=hi).contains(&v) {
+        return Err(Error::usage(format!("{name} {v} is outside [{lo}, {hi}]")));
+    }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    check_range("--min-match", args.min_match, 0.0, 1.0)?;
+    check_range("--max-weight-err", args.max_weight_err, 0.0, f64::MAX)?;
+    let d = RoutingDump::load(&args.dump)?;
+    let ckpt = match &args.checkpoint {
+        Some(dir) => Some(MoeCheckpoint::open(dir)?),
+        None => None,
+    };
+    let config = ckpt.as_ref().map(|c| c.config.moe.clone());
+    let num_experts = match (args.num_experts, &config) {
+        (Some(e), Some(c)) if e != c.n_routed_experts => {
+            return Err(Error::usage(format!(
+                "--num-experts {e} contradicts n_routed_experts = {} of the checkpoint config",
+                c.n_routed_experts
+            )))
+        }
+        (Some(e), _) => e,
+        (None, Some(c)) => c.n_routed_experts,
+        (None, None) => {
+            return Err(Error::usage(
+                "the number of experts is unknown: pass --checkpoint DIR or --num-experts E",
+            ))
+        }
+    };
+    if num_experts == 0 {
+        return Err(Error::usage("--num-experts must be at least 1"));
+    }
+    let exp = Expectations {
+        num_experts,
+        top_k: config.as_ref().map(|c| c.num_experts_per_tok),
+        norm_topk_prob: args
+            .norm_topk_prob
+            .or(config.as_ref().map(|c| c.norm_topk_prob)),
+        routed_scaling_factor: args
+            .routed_scaling_factor
+            .or(config.as_ref().map(|c| c.routed_scaling_factor)),
+    };
+    let ep_size = args.ep_size.or(meta_usize(&d, "ep_size")?).unwrap_or(1);
+    let ep_rank = args.ep_rank.or(meta_usize(&d, "ep_rank")?);
+    let maps = if ep_size > 1 {
+        let rank = ep_rank.ok_or_else(|| {
+            Error::usage("--ep-size needs --ep-rank (or `ep_rank` in the dump's metadata)")
+        })?;
+        let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement)?;
+        Some((rank, maps))
+    } else {
+        if args.ids == IdSpace::Local {
+            return Err(Error::usage("--ids local needs --ep-rank and --ep-size"));
+        }
+        None
+    };
+    let me = maps.as_ref().map(|(r, m)| &m[*r]);
+
+    let ids = Ids {
+        tokens: d.tokens,
+        top_k: d.top_k,
+        ids: &d.topk_ids,
+        weights: &d.topk_weights,
+    };
+    let mut out = check::check_ids(&ids, &exp, args.ids, me);
+    out.extend(check::check_weights(
+        &ids,
+        &exp,
+        check::sum_tolerance(d.weights_dtype, d.top_k),
+    ));
+    let mut rank_load: Vec<RankLoad> = vec![];
+    if let Some((rank, m)) = &maps {
+        if !m[0].is_even() {
+            out.notes.push(format!(
+                "{num_experts} experts over {ep_size} ranks do not divide evenly: vLLM's split is used \
+                 (the first {} ranks hold one more); SGLang and DeepEP refuse this configuration",
+                num_experts % ep_size
+            ));
+        }
+        let (o, loads) = check::check_ep_ids(&ids, m, *rank, args.ids);
+        out.extend(o);
+        rank_load = loads;
+    }
+
+    let agreements = recompute(args, &d, ckpt.as_ref(), &exp, &ids, maps.as_ref(), &mut out)?;
+    if let (Some(ag), false) = (
+        agreements.iter().find(|a| a.dropped_by_rank.is_some()),
+        rank_load.is_empty(),
+    ) {
+        if let Some(dr) = &ag.dropped_by_rank {
+            for (l, &n) in rank_load.iter_mut().zip(dr) {
+                l.dropped = Some(n);
+            }
+        }
+    }
+
+    let global_ids: Vec<i64> = match (args.ids, me) {
+        (IdSpace::Local, Some(m)) => d
+            .topk_ids
+            .iter()
+            .map(|&l| m.global(l).map_or(-1, |g| g as i64))
+            .collect(),
+        _ => d.topk_ids.clone(),
+    };
+    let load = check::expert_load(&global_ids, num_experts);
+    Ok(build_report(
+        args, &d, &exp, ep_rank, ep_size, out, agreements, load, rank_load,
+    ))
+}
+
+/// Recompute the routing where the dump and the checkpoint allow it; every comparison
+/// made is returned.
+fn recompute(
+    args: &Args,
+    d: &RoutingDump,
+    ckpt: Option<&MoeCheckpoint>,
+    exp: &Expectations,
+    ids: &Ids,
+    maps: Option<&(usize, Vec<ExpertMap>)>,
+    out: &mut Outcome,
+) -> Result<Vec<Agreement>> {
+    let hidden = match &args.hidden {
+        Some(p) => Some(dump::load_hidden(p, d.tokens)?),
+        None => d.hidden_states.clone(),
+    };
+    let Some(mc) = ckpt else {
+        if hidden.is_some() || d.router_logits.is_some() {
+            out.notes.push(
+                "hidden states / router logits present but no --checkpoint: routing not recomputed"
+                    .into(),
+            );
+        }
+        return Ok(vec![]);
+    };
+    let layer_idx = match args.layer.or(meta_usize(d, "layer")?) {
+        Some(l) => l,
+        None => {
+            out.notes.push(
+                "no --layer (and no `layer` metadata in the dump): routing not recomputed".into(),
+            );
+            return Ok(vec![]);
+        }
+    };
+    let config = &mc.config.moe;
+    if !config.is_moe_layer(layer_idx) {
+        return Err(Error::usage(format!(
+            "layer {layer_idx} is not an MoE layer (first_k_dense_replace = {}, num_hidden_layers = {})",
+            config.first_k_dense_replace, config.num_hidden_layers
+        )));
+    }
+    let router = read_router(mc, layer_idx)?;
+    let tol = Tolerances {
+        min_match: args.min_match,
+        weight_rel_l2: args.max_weight_err,
+    };
+    let base = RefCompare {
+        source: "",
+        space: args.ids,
+        ep: maps.map(|(r, m)| (&m[*r], m.as_slice())),
+        routed_scaling_factor: exp.routed_scaling_factor,
+        tol,
+        ids_checked_elsewhere: false,
+    };
+    let mut agreements = vec![];
+
+    let mut hash_checked = false;
+    if config.is_hash_layer(layer_idx) {
+        match (&d.input_ids, &router.tid2eid) {
+            (Some(input_ids), Some(t2e)) if args.ids == IdSpace::Global => {
+                let (o, ag) = check::check_hash(ids, input_ids, t2e, config.num_experts_per_tok);
+                out.extend(o);
+                agreements.extend(ag);
+                hash_checked = true;
+            }
+            (None, _) => out
+                .notes
+                .push(format!("layer {layer_idx} routes by hash but the dump holds no input_ids")),
+            (_, None) => out.notes.push(format!(
+                "layer {layer_idx} is a hash layer (num_hash_layers = {}) but the checkpoint holds no tid2eid",
+                config.num_hash_layers
+            )),
+            _ => {}
+        }
+        if d.input_ids.is_none() || router.tid2eid.is_none() {
+            // the router cannot run a hash layer without both
+            return Ok(agreements);
+        }
+    }
+
+    let backend = || args.device.open(args.out_args.quiet);
+    if let Some(h) = &hidden {
+        if h.cols != config.hidden_size {
+            return Err(Error::bad_tensor(
+                args.hidden.as_deref().unwrap_or(&d.path),
+                "hidden_states",
+                format!(
+                    "has {} channels, hidden_size is {}",
+                    h.cols, config.hidden_size
+                ),
+            ));
+        }
+        // the engine's gate sees BF16 activations
+        let hb: Vec<f32> = h
+            .data
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        if let Some(lg) = &d.router_logits {
+            check_logits_shape(d, lg, config)?;
+            let (o, m) = check::check_logits(
+                &lg.data,
+                &hb,
+                &router.weight,
+                d.tokens,
+                config.hidden_size,
+                config.n_routed_experts,
+                MIN_LOGITS_COSINE,
+            );
+            out.extend(o);
+            out.notes.push(format!(
+                "router_logits vs hidden_states · gateᵀ: cosine {:.6}, rel_l2 {:.3e}",
+                m.cosine, m.rel_l2
+            ));
+        }
+        let layer = router_layer(layer_idx, config.clone(), router.clone());
+        let routing = backend()?.route(&layer, &hb, d.input_ids.as_deref())?;
+        let (o, ag) = check::compare_with_reference(
+            ids,
+            &routing,
+            &RefCompare {
+                source: "hidden_states + gate",
+                ids_checked_elsewhere: hash_checked,
+                ..base
+            },
+        );
+        out.extend(o);
+        agreements.extend(ag);
+    } else if let Some(lg) = &d.router_logits {
+        if !hash_checked {
+            check_logits_shape(d, lg, config)?;
+            let routing = route_from_logits(
+                &*backend()?,
+                layer_idx,
+                config,
+                &router,
+                lg,
+                d.input_ids.as_deref(),
+            )?;
+            let (o, ag) = check::compare_with_reference(
+                ids,
+                &routing,
+                &RefCompare {
+                    source: "router_logits",
+                    ..base
+                },
+            );
+            out.extend(o);
+            agreements.extend(ag);
+        }
+    } else if !hash_checked {
+        out.notes.push(
+            "the dump holds neither hidden_states nor router_logits (and no --hidden): routing not recomputed"
+                .into(),
+        );
+    }
+    Ok(agreements)
+}
+
+fn check_logits_shape(d: &RoutingDump, lg: &Matrix<f32>, config: &MoeConfig) -> Result<()> {
+    if lg.cols != config.n_routed_experts {
+        return Err(Error::bad_tensor(
+            &d.path,
+            "router_logits",
+            format!(
+                "has {} experts, n_routed_experts is {}",
+                lg.cols, config.n_routed_experts
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A layer holding only the router: routing needs nothing else, and a DeepSeek layer's
+/// experts run to gigabytes.
+fn router_layer(index: usize, config: MoeConfig, router: Router) -> MoeLayer {
+    MoeLayer {
+        index,
+        config,
+        router,
+        experts: vec![],
+        shared: None,
+        norm_weight: None,
+    }
+}
+
+/// Route from logits through the backend's router: the logits become the "hidden states" of
+/// a router whose gate is the identity, so `h · Iᵀ` returns them exactly (one non-zero
+/// product per sum) and scoring, bias, grouping, hashing and top-k are the backend's own.
+/// The width is padded with zeros to the 16 a hidden size must be a multiple of.
+fn route_from_logits(
+    backend: &dyn crate::backend::Backend,
+    index: usize,
+    config: &MoeConfig,
+    router: &Router,
+    logits: &Matrix<f32>,
+    input_ids: Option<&[i64]>,
+) -> Result<Routing> {
+    let e = config.n_routed_experts;
+    let w = e.div_ceil(16) * 16;
+    let mut eye = vec![0f32; e * w];
+    for i in 0..e {
+        eye[i * w + i] = 1.0;
+    }
+    let mut padded = vec![0f32; logits.rows * w];
+    for (dst, src) in padded.chunks_mut(w).zip(logits.data.chunks(e)) {
+        dst[..e].copy_from_slice(src);
+    }
+    let mut cfg = config.clone();
+    cfg.hidden_size = w;
+    let layer = router_layer(
+        index,
+        cfg,
+        Router {
+            weight: eye,
+            e_score_correction_bias: router.e_score_correction_bias.clone(),
+            tid2eid: router.tid2eid.clone(),
+        },
+    );
+    backend.route(&layer, &padded, input_ids)
+}
+
+/// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
+fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
+    use crate::checkpoint::TensorSource;
+    let ck = &mc.ckpt;
+    let n = &mc.naming;
+    let cfg = &mc.config.moe;
+    let (e, h) = (cfg.n_routed_experts, cfg.hidden_size);
+    let shape_of = |name: &str| ck.info(name).map(|t| t.shape.clone());
+    let rw = n.router_weight(l);
+    if !ck.contains(&rw) {
+        return Err(Error::bad_tensor(
+            ck.path(),
+            &rw,
+            "missing: the router weight of this MoE layer",
+        ));
+    }
+    let s = shape_of(&rw)?;
+    if s != [e, h] {
+        return Err(Error::bad_tensor(
+            ck.file_of(&rw),
+            &rw,
+            format!("shape {s:?}, expected [n_routed_experts, hidden_size] = [{e}, {h}]"),
+        ));
+    }
+    let weight = ck.to_f32(&rw)?;
+    let rb = n.router_bias(l);
+    let e_score_correction_bias = if ck.contains(&rb) {
+        let s = shape_of(&rb)?;
+        if s != [e] {
+            return Err(Error::bad_tensor(
+                ck.file_of(&rb),
+                &rb,
+                format!("shape {s:?}, expected [{e}]"),
+            ));
+        }
+        Some(ck.to_f32(&rb)?)
+    } else {
+        None
+    };
+    let tk = n.tid2eid(l);
+    let tid2eid = if ck.contains(&tk) {
+        let s = shape_of(&tk)?;
+        let k = cfg.num_experts_per_tok;
+        if s.len() != 2 || s[1] != k {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!("shape {s:?} is not [vocab, num_experts_per_tok = {k}]"),
+            ));
+        }
+        let t = ck.to_i64(&tk)?;
+        if let Some(i) = t.iter().position(|&v| v < 0 || v >= e as i64) {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!(
+                    "entry [{}, {}] = {} is not an expert id in 0..{e}",
+                    i / k,
+                    i % k,
+                    t[i]
+                ),
+            ));
+        }
+        Some(t)
+    } else {
+        None
+    };
+    Ok(Router {
+        weight,
+        e_score_correction_bias,
+        tid2eid,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build_report(
+    args: &Args,
+    d: &RoutingDump,
+    exp: &Expectations,
+    ep_rank: Option<usize>,
+    ep_size: usize,
+    out: Outcome,
+    agreements: Vec<Agreement>,
+    load: ExpertLoad,
+    rank_load: Vec<RankLoad>,
+) -> Report {
+    let pass = out.findings.is_empty();
+    let headline = if pass {
+        format!(
+            "{} tokens × {} experts: ids, weights{} look right",
+            d.tokens,
+            d.top_k,
+            if agreements.is_empty() {
+                ""
+            } else {
+                " and recomputed routing"
+            }
+        )
+    } else {
+        let kinds: Vec<String> = out
+            .findings
+            .iter()
+            .map(|f| {
+                serde_json::to_value(f.kind)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default()
+            })
+            .collect();
+        format!("{} finding(s): {}", out.findings.len(), kinds.join(", "))
+    };
+    let main_ag = agreements
+        .iter()
+        .find(|a| a.weights.is_some())
+        .or(agreements.first());
+    let summary = Summary {
+        tokens: d.tokens,
+        top_k: d.top_k,
+        num_experts: exp.num_experts,
+        findings: out.findings.len(),
+        ep_rank,
+        ep_size,
+        match_rate: main_ag.map(|a| a.match_rate),
+        weight_rel_l2: main_ag.and_then(|a| a.weights.as_ref()).map(|m| m.rel_l2),
+        unused_experts: load.unused_experts,
+        max_over_mean: load.max_over_mean,
+    };
+
+    let mut overview = Section::kv(
+        "routing dump",
+        &[
+            ("file", d.path.display().to_string()),
+            ("tokens × top_k", format!("{} × {}", d.tokens, d.top_k)),
+            ("experts", exp.num_experts.to_string()),
+            ("ids", format!("{:?}", args.ids).to_lowercase()),
+            (
+                "EP",
+                match ep_rank {
+                    Some(r) if ep_size > 1 => {
+                        format!("rank {r} of {ep_size} ({})", args.placement.name())
+                    }
+                    _ => "none".into(),
+                },
+            ),
+        ],
+    );
+    for a in &agreements {
+        overview.row(vec![
+            format!("vs {}", a.source),
+            format!(
+                "{:.2}% slots, {:.2}% tokens match ({}){}",
+                100.0 * a.match_rate,
+                100.0 * a.token_match_rate,
+                a.id_transform,
+                a.weights
+                    .as_ref()
+                    .map(|m| format!("; weights rel_l2 {}", report::e(m.rel_l2)))
+                    .unwrap_or_default()
+            ),
+        ]);
+    }
+    let mut findings = Section::new(
+        "findings",
+        &["kind", "count", "first (token, slot, id)", "what"],
+    );
+    for f in &out.findings {
+        findings.row(vec![
+            serde_json::to_value(f.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default(),
+            f.count.to_string(),
+            f.first
+                .map(|s| format!("({}, {}, {})", s.token, s.slot, s.id))
+                .unwrap_or_else(|| "-".into()),
+            wrap(&f.message, 72),
+        ]);
+    }
+    let mut notes = Section::new("notes", &["note"]);
+    for n in &out.notes {
+        notes.row(vec![wrap(n, 100)]);
+    }
+    let mut hist = Section::new(
+        "expert load (hottest first)",
+        &["expert", "slots", "× mean", "bar"],
+    );
+    let mut order: Vec<usize> = (0..load.counts.len()).collect();
+    order.sort_by_key(|&e| (std::cmp::Reverse(load.counts[e]), e));
+    let shown = 12.min(order.len());
+    for &e in order[..shown].iter().filter(|&&e| load.counts[e] > 0) {
+        let c = load.counts[e];
+        let rel = if load.mean > 0.0 {
+            c as f64 / load.mean
+        } else {
+            0.0
+        };
+        let width = (c * 30).checked_div(load.max).unwrap_or(0) as usize;
+        hist.row(vec![
+            e.to_string(),
+            c.to_string(),
+            report::f(rel, 2),
+            "#".repeat(width),
+        ]);
+    }
+    hist.row(vec![
+        "…".into(),
+        format!("{} experts unused", load.unused_experts),
+        format!("max/mean {}", report::f(load.max_over_mean, 2)),
+        format!("{} out of range", load.out_of_range),
+    ]);
+    let mut ranks = Section::new(
+        "EP ranks",
+        &["rank", "experts", "slots", "expected (uniform)", "dropped"],
+    );
+    for l in &rank_load {
+        ranks.row(vec![
+            l.rank.to_string(),
+            l.experts.clone(),
+            l.slots.to_string(),
+            report::f(l.expected, 1),
+            l.dropped.map_or("-".into(), |n| n.to_string()),
+        ]);
+    }
+    let plot = crate::report::svg::Plot {
+        title: "expert load".into(),
+        x_label: "expert".into(),
+        y_label: "slots".into(),
+        log_x: false,
+        series: vec![crate::report::svg::Series {
+            name: "slots".into(),
+            points: load
+                .counts
+                .iter()
+                .enumerate()
+                .map(|(e, &c)| (e as f64, c as f64))
+                .collect(),
+        }],
+        markers: vec![],
+    };
+
+    let mut r = Report::new("routing", Verdict::from_pass(pass), headline)
+        .summary(&summary)
+        .with("findings", &out.findings)
+        .with("notes", &out.notes)
+        .with("agreement", &agreements)
+        .with("expert_load", &load)
+        .with("rank_load", &rank_load)
+        .section(overview);
+    if !out.findings.is_empty() {
+        r = r.section(findings);
+    }
+    if !out.notes.is_empty() {
+        r = r.section(notes);
+    }
+    r = r.section(hist);
+    if !rank_load.is_empty() {
+        r = r.section(ranks);
+    }
+    r.plot("expert_load.svg", plot.render())
+}
+
+/// Break a long message into lines of at most `width` characters at spaces (tables stay
+/// readable in a terminal).
+pub(crate) fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = 0usize;
+    for word in text.split(' ') {
+        let n = word.chars().count();
+        if line > 0 && line + 1 + n > width {
+            out.push('\n');
+            line = 0;
+        } else if line > 0 {
+            out.push(' ');
+            line += 1;
+        }
+        out.push_str(word);
+        line += n;
+    }
+    out
 }

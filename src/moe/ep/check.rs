@@ -1,0 +1,1479 @@
+//! Checks of a routing dump (H4: do tokens reach the right experts?). Each check returns
+//! findings (any finding fails the verdict) and notes (conventions recognized, checks skipped).
+//! Pure logic over ids and weights: no I/O, no printing.
+
+use super::{owner_rank, ExpertMap, Placement};
+use crate::moe::Routing;
+use serde::Serialize;
+use std::collections::BTreeSet;
+
+/// A pattern of ids is only called a bug when it would arise by chance with probability
+/// below this under uniform routing (real routing is skewed, hence the margin).
+const CHANCE: f64 = 1e-6;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FindingKind {
+    OutOfRange,
+    DuplicateIds,
+    NonfiniteWeights,
+    NegativeWeights,
+    WeightSum,
+    TopKMismatch,
+    LocalIdsAsGlobal,
+    GlobalIdsAsLocal,
+    ConfinedToRank,
+    IdleRanks,
+    RoutingMismatch,
+    WeightError,
+    LogitsMismatch,
+    HashMismatch,
+}
+
+/// Where a finding first shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Slot {
+    pub token: usize,
+    pub slot: usize,
+    pub id: i64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    pub kind: FindingKind,
+    pub message: String,
+    /// How many slots (or tokens, or ranks: the message says which) are affected.
+    pub count: u64,
+    pub first: Option<Slot>,
+}
+
+impl Finding {
+    fn new(kind: FindingKind, count: u64, first: Option<Slot>, message: String) -> Finding {
+        Finding {
+            kind,
+            message,
+            count,
+            first,
+        }
+    }
+}
+
+/// Which id space the dump is supposed to hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IdSpace {
+    /// Router output: global expert ids in `[0, E)`.
+    Global,
+    /// After `expert_map`: local ids of this rank in `[0, n_local)`, `-1` for other ranks'.
+    Local,
+}
+
+/// What the model config says the routing must look like.
+#[derive(Clone, Debug, Default)]
+pub struct Expectations {
+    pub num_experts: usize,
+    /// `num_experts_per_tok`, when known.
+    pub top_k: Option<usize>,
+    pub norm_topk_prob: Option<bool>,
+    pub routed_scaling_factor: Option<f32>,
+}
+
+/// A borrowed view of the ids and weights under test (`[tokens, top_k]` each).
+#[derive(Clone, Copy, Debug)]
+pub struct Ids<'a> {
+    pub tokens: usize,
+    pub top_k: usize,
+    pub ids: &'a [i64],
+    pub weights: &'a [f32],
+}
+
+impl Ids<'_> {
+    fn slot(&self, i: usize) -> Slot {
+        Slot {
+            token: i / self.top_k.max(1),
+            slot: i % self.top_k.max(1),
+            id: self.ids[i],
+        }
+    }
+    fn row(&self, t: usize) -> &[i64] {
+        &self.ids[t * self.top_k..(t + 1) * self.top_k]
+    }
+}
+
+/// The outcome of all checks run on one dump.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Outcome {
+    pub findings: Vec<Finding>,
+    pub notes: Vec<String>,
+}
+
+impl Outcome {
+    pub fn extend(&mut self, o: Outcome) {
+        self.findings.extend(o.findings);
+        self.notes.extend(o.notes);
+    }
+    fn find(&mut self, f: Finding) {
+        self.findings.push(f);
+    }
+    fn note(&mut self, n: impl Into<String>) {
+        self.notes.push(n.into());
+    }
+}
+
+fn valid_range(space: IdSpace, num_experts: usize, ep: Option<&ExpertMap>) -> (i64, i64) {
+    match (space, ep) {
+        (IdSpace::Local, Some(m)) => (-1, m.num_local() as i64),
+        _ => (0, num_experts as i64),
+    }
+}
+
+/// Ids outside the valid range, duplicate ids within a token, top-k against the config.
+pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&ExpertMap>) -> Outcome {
+    let mut o = Outcome::default();
+    let e = exp.num_experts as i64;
+    let (lo, hi) = valid_range(space, exp.num_experts, ep);
+    let bad: Vec<usize> = (0..d.ids.len())
+        .filter(|&i| d.ids[i] < lo || d.ids[i] >= hi)
+        .collect();
+    if let Some(&i0) = bad.first() {
+        let s = d.slot(i0);
+        let mut msg = format!(
+            "{} of {} topk_ids are outside [{lo}, {hi}); first at token {} slot {}: id {}",
+            bad.len(),
+            d.ids.len(),
+            s.token,
+            s.slot,
+            s.id
+        );
+        let vals: BTreeSet<i64> = bad.iter().map(|&i| d.ids[i]).collect();
+        if space == IdSpace::Global && vals.iter().all(|&v| v == -1) {
+            msg.push_str(
+                "; -1 is expert_map's \"another rank's expert\": the dump was taken after expert_map \
+                 was applied (pass --ids local with --ep-rank/--ep-size)",
+            );
+        } else if space == IdSpace::Global && vals.iter().all(|&v| v == e) {
+            msg.push_str(&format!(
+                "; id {e} = n_routed_experts is where SGLang puts the fused shared expert \
+                 (shared-expert fusion): not a routed expert"
+            ));
+        }
+        o.find(Finding::new(
+            FindingKind::OutOfRange,
+            bad.len() as u64,
+            Some(s),
+            msg,
+        ));
+    }
+    let mut dup_tokens = 0u64;
+    let mut first = None;
+    for t in 0..d.tokens {
+        let row = d.row(t);
+        for (j, &v) in row.iter().enumerate() {
+            // several `-1` in a local dump are several slots served by other ranks
+            if space == IdSpace::Local && v == -1 {
+                continue;
+            }
+            if row[..j].contains(&v) {
+                dup_tokens += 1;
+                first.get_or_insert(Slot {
+                    token: t,
+                    slot: j,
+                    id: v,
+                });
+                break;
+            }
+        }
+    }
+    if let Some(s) = first {
+        o.find(Finding::new(
+            FindingKind::DuplicateIds,
+            dup_tokens,
+            Some(s),
+            format!(
+                "{dup_tokens} of {} tokens select the same expert twice; first at token {} slot {}: id {} \
+                 (top-k never repeats an expert: ids were overwritten or mapped many-to-one)",
+                d.tokens, s.token, s.slot, s.id
+            ),
+        ));
+    }
+    if let Some(k) = exp.top_k {
+        if k != d.top_k {
+            o.find(Finding::new(
+                FindingKind::TopKMismatch,
+                1,
+                None,
+                format!(
+                    "the dump holds {} experts per token, the config's num_experts_per_tok is {k}",
+                    d.top_k
+                ),
+            ));
+        }
+    }
+    o
+}
+
+/// Relative tolerance of a weight sum stored in `dtype`: each of the K weights was rounded
+/// once to the dtype (and engines that compute in BF16 and store F32 are common).
+pub fn sum_tolerance(dtype: safetensors::Dtype, top_k: usize) -> f32 {
+    let k = top_k.max(1) as f32;
+    match dtype {
+        safetensors::Dtype::BF16 => k * (1.0 / 128.0),
+        safetensors::Dtype::F16 => k * (1.0 / 1024.0),
+        _ => 1e-3,
+    }
+}
+
+/// NaN/Inf weights (the 0/0 of `norm_topk_prob` without the `+ 1e-20` guard), negative
+/// weights, and weight sums against `routed_scaling_factor` when `norm_topk_prob`.
+pub fn check_weights(d: &Ids, exp: &Expectations, rel_tol: f32) -> Outcome {
+    let mut o = Outcome::default();
+    let k = d.top_k.max(1);
+    let nonfinite: Vec<usize> = (0..d.weights.len())
+        .filter(|&i| !d.weights[i].is_finite())
+        .collect();
+    if let Some(&i0) = nonfinite.first() {
+        let s = d.slot(i0);
+        let all_nan_tokens = (0..d.tokens)
+            .filter(|&t| d.weights[t * k..(t + 1) * k].iter().all(|w| w.is_nan()))
+            .count();
+        let mut msg = format!(
+            "{} topk_weights are NaN/Inf; first at token {} slot {} (expert {}): {}",
+            nonfinite.len(),
+            s.token,
+            s.slot,
+            s.id,
+            d.weights[i0]
+        );
+        if all_nan_tokens > 0 && exp.norm_topk_prob != Some(false) {
+            msg.push_str(&format!(
+                "; {all_nan_tokens} tokens are NaN in every slot: the 0/0 of norm_topk_prob \
+                 (w / Σw with Σw = 0, the `+ 1e-20` guard missing), or NaN router logits"
+            ));
+        }
+        o.find(Finding::new(
+            FindingKind::NonfiniteWeights,
+            nonfinite.len() as u64,
+            Some(s),
+            msg,
+        ));
+    }
+    let negative: Vec<usize> = (0..d.weights.len())
+        .filter(|&i| d.weights[i] < 0.0)
+        .collect();
+    if let Some(&i0) = negative.first() {
+        let s = d.slot(i0);
+        o.find(Finding::new(
+            FindingKind::NegativeWeights,
+            negative.len() as u64,
+            Some(s),
+            format!(
+                "{} topk_weights are negative; first at token {} slot {}: {} (sigmoid, softmax and \
+                 sqrtsoftplus scores are never negative: the weights are not router scores)",
+                negative.len(),
+                s.token,
+                s.slot,
+                d.weights[i0]
+            ),
+        ));
+    }
+    match exp.norm_topk_prob {
+        Some(true) => o.extend(check_sums(d, exp.routed_scaling_factor, rel_tol)),
+        Some(false) => o.note("norm_topk_prob is false: weight sums are not constrained"),
+        None => o.note(
+            "weight sums not checked: norm_topk_prob unknown (pass --checkpoint or --norm-topk-prob)",
+        ),
+    }
+    o
+}
+
+fn check_sums(d: &Ids, rsf: Option<f32>, rel_tol: f32) -> Outcome {
+    let mut o = Outcome::default();
+    let k = d.top_k.max(1);
+    let sums: Vec<(usize, f32)> = (0..d.tokens)
+        .map(|t| (t, d.weights[t * k..(t + 1) * k].iter().sum::<f32>()))
+        .filter(|(_, s)| s.is_finite())
+        .collect();
+    if sums.is_empty() {
+        return o;
+    }
+    let near = |s: f32, c: f32| (s - c).abs() <= rel_tol * c.abs().max(1e-6);
+    let rsf_v = rsf.unwrap_or(1.0);
+    // Two conventions are legitimate: weights scaled by routed_scaling_factor (the reference,
+    // DESIGN.md §4), or normalized to 1 with the factor applied to the MoE output (vLLM's
+    // DeepSeek-V2/V3 model code does this).
+    let n_scaled = sums.iter().filter(|(_, s)| near(*s, rsf_v)).count();
+    let n_unit = sums.iter().filter(|(_, s)| near(*s, 1.0)).count();
+    let target = if n_unit > n_scaled { 1.0 } else { rsf_v };
+    if rsf.is_none() {
+        o.note("routed_scaling_factor unknown: weight sums checked against 1");
+    } else if target == 1.0 && rsf_v != 1.0 {
+        o.note(format!(
+            "topk_weights sum to 1, not routed_scaling_factor = {rsf_v}: the engine applies the factor \
+             to the MoE output (as vLLM does); checked against 1"
+        ));
+    }
+    let off: Vec<&(usize, f32)> = sums.iter().filter(|(_, s)| !near(*s, target)).collect();
+    if let Some(&&(t, s)) = off.first() {
+        let mut msg = format!(
+            "{} of {} tokens have Σ topk_weights ≠ {target} (norm_topk_prob; tolerance {:.1e} relative); \
+             first token {t}: {s}",
+            off.len(),
+            sums.len(),
+            rel_tol
+        );
+        if near(s, rsf_v * rsf_v) && rsf_v != 1.0 {
+            msg.push_str(" = routed_scaling_factor²: the factor is applied twice");
+        }
+        o.find(Finding::new(
+            FindingKind::WeightSum,
+            off.len() as u64,
+            Some(Slot {
+                token: t,
+                slot: 0,
+                id: d.ids[t * k],
+            }),
+            msg,
+        ));
+    }
+    o
+}
+
+/// Load per expert and per EP rank.
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertLoad {
+    /// Slots routed to each expert, `[E]`.
+    pub counts: Vec<u64>,
+    pub slots: u64,
+    /// Slots whose id is not an expert (`< 0` or `≥ E`).
+    pub out_of_range: u64,
+    pub unused_experts: usize,
+    pub max: u64,
+    pub hottest: Option<usize>,
+    pub mean: f64,
+    /// `max / mean`: 1 is perfect balance.
+    pub max_over_mean: f64,
+}
+
+pub fn expert_load(ids: &[i64], num_experts: usize) -> ExpertLoad {
+    let mut counts = vec![0u64; num_experts];
+    let mut out = 0u64;
+    for &v in ids {
+        match usize::try_from(v).ok().filter(|&g| g < num_experts) {
+            Some(g) => counts[g] += 1,
+            None => out += 1,
+        }
+    }
+    let slots = ids.len() as u64;
+    let inside = slots - out;
+    let (hottest, max) = counts
+        .iter()
+        .enumerate()
+        .max_by_key(|&(i, &c)| (c, std::cmp::Reverse(i)))
+        .map(|(i, &c)| (Some(i), c))
+        .unwrap_or((None, 0));
+    let mean = if num_experts > 0 {
+        inside as f64 / num_experts as f64
+    } else {
+        0.0
+    };
+    ExpertLoad {
+        unused_experts: counts.iter().filter(|&&c| c == 0).count(),
+        counts,
+        slots,
+        out_of_range: out,
+        max,
+        hottest,
+        mean,
+        max_over_mean: if mean > 0.0 { max as f64 / mean } else { 0.0 },
+    }
+}
+
+/// One EP rank's share of the dump's slots.
+#[derive(Clone, Debug, Serialize)]
+pub struct RankLoad {
+    pub rank: usize,
+    pub experts: String,
+    pub num_local: usize,
+    /// Slots whose (global) id this rank owns.
+    pub slots: u64,
+    /// Slots a uniform router would send here.
+    pub expected: f64,
+    /// Slots that should reach this rank (by the recomputed routing) but do not.
+    pub dropped: Option<u64>,
+}
+
+/// The EP picture: per-rank load and the rank-confusion diagnoses.
+#[derive(Clone, Debug, Serialize)]
+pub struct EpSetup {
+    pub ep_rank: usize,
+    pub ep_size: usize,
+    pub placement: Placement,
+    pub ids: IdSpace,
+}
+
+/// Probability that `n` independent uniform draws over `e` experts all land in a set of `m`.
+fn chance_all_in(m: usize, e: usize, n: usize) -> f64 {
+    if e == 0 {
+        return 1.0;
+    }
+    (m as f64 / e as f64).powf(n as f64)
+}
+
+/// Local-vs-global confusion judged from the ids alone (`ids` global space), and per-rank load.
+/// `maps` are the maps of all ranks; `rank` is the rank the dump came from.
+pub fn check_ep_ids(
+    d: &Ids,
+    maps: &[ExpertMap],
+    rank: usize,
+    space: IdSpace,
+) -> (Outcome, Vec<RankLoad>) {
+    let mut o = Outcome::default();
+    let Some(me) = maps.get(rank) else {
+        return (o, vec![]);
+    };
+    let e = me.num_experts;
+    let r_size = maps.len();
+    let valid: Vec<i64> = d
+        .ids
+        .iter()
+        .copied()
+        .filter(|&v| v >= 0 && (v as usize) < e)
+        .collect();
+    let n = valid.len();
+    let mut loads: Vec<RankLoad> = maps
+        .iter()
+        .map(|m| RankLoad {
+            rank: m.ep_rank,
+            experts: m.describe_owned(),
+            num_local: m.num_local(),
+            slots: 0,
+            expected: n as f64 * m.num_local() as f64 / e.max(1) as f64,
+            dropped: None,
+        })
+        .collect();
+    if space == IdSpace::Local {
+        // Local ids say nothing about other ranks; what can go wrong is global ids left unmapped.
+        let n_local = me.num_local() as i64;
+        let unmapped: Vec<usize> = (0..d.ids.len())
+            .filter(|&i| d.ids[i] >= n_local && me.owns(d.ids[i]))
+            .collect();
+        let beyond = d.ids.iter().filter(|&&v| v >= n_local).count();
+        if let Some(&i0) = unmapped.first() {
+            if unmapped.len() * 2 >= beyond {
+                let s = d.slot(i0);
+                o.find(Finding::new(
+                    FindingKind::GlobalIdsAsLocal,
+                    unmapped.len() as u64,
+                    Some(s),
+                    format!(
+                        "global ids used as local ids: {} ids are ≥ rank {rank}'s {} local experts but are \
+                         global ids of its experts {} — expert_map was not applied (first token {} slot {}: \
+                         id {}, local id would be {})",
+                        unmapped.len(),
+                        n_local,
+                        me.describe_owned(),
+                        s.token,
+                        s.slot,
+                        s.id,
+                        me.local(s.id).map_or("-1".into(), |l| l.to_string())
+                    ),
+                ));
+            }
+        }
+        return (o, vec![]);
+    }
+    for &v in &valid {
+        if let Some(q) = owner_rank(e, r_size, me.placement, v) {
+            loads[q].slots += 1;
+        }
+    }
+    if n == 0 {
+        return (o, loads);
+    }
+    let local_range: BTreeSet<i64> = (0..me.num_local() as i64).collect();
+    let owned: BTreeSet<i64> = me.local_to_global().iter().map(|&g| g as i64).collect();
+    let all_in = |s: &BTreeSet<i64>| valid.iter().all(|v| s.contains(v));
+    let significant = |m: usize| chance_all_in(m, e, n) < CHANCE;
+    if local_range == owned {
+        if all_in(&owned) && significant(owned.len()) {
+            o.find(Finding::new(
+                FindingKind::LocalIdsAsGlobal,
+                n as u64,
+                None,
+                format!(
+                    "all {n} topk_ids lie in [0, {}), which is both rank {rank}'s experts and the local id \
+                     range: either local ids used as global ids, or the router saw only this rank's \
+                     experts (global routing spreads over all {r_size} ranks)",
+                    me.num_local()
+                ),
+            ));
+        }
+    } else if all_in(&local_range) && significant(local_range.len()) {
+        let wrong_owners: BTreeSet<usize> = local_range
+            .iter()
+            .filter_map(|&v| owner_rank(e, r_size, me.placement, v))
+            .collect();
+        o.find(Finding::new(
+            FindingKind::LocalIdsAsGlobal,
+            n as u64,
+            None,
+            format!(
+                "local ids used as global ids: all {n} topk_ids lie in [0, {}) — rank {rank}'s local id \
+                 range — while rank {rank} owns experts {}. Read as global ids they select experts of \
+                 rank(s) {:?}, and rank {rank}'s expert_map gives -1 for them: its tokens are silently \
+                 dropped",
+                me.num_local(),
+                me.describe_owned(),
+                wrong_owners
+            ),
+        ));
+    } else if all_in(&owned) && significant(owned.len()) {
+        o.find(Finding::new(
+            FindingKind::ConfinedToRank,
+            n as u64,
+            None,
+            format!(
+                "all {n} topk_ids are rank {rank}'s own experts {}: the router saw only this rank's \
+                 experts (an EP-sharded gate weight, or a local top-k offset to global ids); global \
+                 routing spreads over all {r_size} ranks",
+                me.describe_owned()
+            ),
+        ));
+    }
+    let idle: Vec<usize> = loads
+        .iter()
+        .filter(|l| l.slots == 0 && chance_all_in(e - l.num_local, e, n) < CHANCE)
+        .map(|l| l.rank)
+        .collect();
+    if !idle.is_empty() {
+        o.find(Finding::new(
+            FindingKind::IdleRanks,
+            idle.len() as u64,
+            None,
+            format!(
+                "EP rank(s) {idle:?} receive none of the {n} slots: their experts never run, and tokens \
+                 meant for them are silently dropped (expert_map = -1 there) or served by other experts"
+            ),
+        ));
+    }
+    (o, loads)
+}
+
+/// Agreement of the dump with a recomputed routing.
+#[derive(Clone, Debug, Serialize)]
+pub struct Agreement {
+    /// Where the reference came from ("hidden_states + gate", "router_logits", "tid2eid").
+    pub source: String,
+    /// Fraction of slots whose id is among the reference's ids of that token (order ignored).
+    pub match_rate: f64,
+    /// Fraction of tokens whose id set equals the reference's.
+    pub token_match_rate: f64,
+    /// Fraction of slots equal position by position (engines need not sort by score).
+    pub ordered_match_rate: f64,
+    /// How dump ids relate to the reference ids ("identity", "expert_map", "minus offset 8").
+    pub id_transform: String,
+    pub first_mismatch: Option<Slot>,
+    /// Weight metrics over tokens whose id set matches, weights aligned by expert id.
+    pub weights: Option<crate::metrics::Metrics>,
+    /// Least-squares factor `dump ≈ factor · reference` over those weights.
+    pub weight_factor: Option<f64>,
+    /// Slots per rank that the reference sends there but the dump does not (EP only).
+    pub dropped_by_rank: Option<Vec<u64>>,
+}
+
+/// Thresholds of the comparison with a recomputed routing.
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerances {
+    /// Minimum `match_rate`: near-ties flip between a BF16 engine router and the FP32 reference.
+    pub min_match: f64,
+    /// Maximum `rel_l2` of the aligned weights.
+    pub weight_rel_l2: f64,
+}
+
+/// A named mapping from reference (global) ids to what a dump may hold.
+type Transform<'a> = (String, Box<dyn Fn(i64) -> i64 + 'a>);
+
+/// The candidate mappings, the expected one first.
+fn transforms(space: IdSpace, ep: Option<&ExpertMap>) -> Vec<Transform<'_>> {
+    let mut v: Vec<Transform<'_>> = vec![("identity".into(), Box::new(|g| g))];
+    if let Some(m) = ep {
+        v.push((
+            "expert_map".into(),
+            Box::new(move |g| m.local(g).map_or(-1, |l| l as i64)),
+        ));
+        if let Some(off) = m.linear_offset().filter(|&o| o > 0) {
+            v.push((
+                format!("minus rank offset {off}"),
+                Box::new(move |g| g - off as i64),
+            ));
+        }
+        if m.placement == Placement::RoundRobin {
+            let r = m.ep_size as i64;
+            v.push((format!("divided by ep_size {r}"), Box::new(move |g| g / r)));
+        }
+    }
+    // in local space the expected transform is expert_map; identity is then the bug
+    if space == IdSpace::Local {
+        v.rotate_left(1);
+    }
+    v
+}
+
+/// Agreement counts of a dump with a reference under one id mapping.
+#[derive(Clone, Copy, Debug)]
+struct MatchCount {
+    slots: u64,
+    tokens: u64,
+    ordered: u64,
+    first: Option<Slot>,
+}
+
+fn set_match(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64) -> MatchCount {
+    let (mut slots, mut tokens, mut ordered) = (0u64, 0u64, 0u64);
+    let mut first = None;
+    for t in 0..d.tokens {
+        let want: Vec<i64> = reference.topk_ids[t * reference.top_k..(t + 1) * reference.top_k]
+            .iter()
+            .map(|&g| f(g as i64))
+            .collect();
+        let got = d.row(t);
+        let mut all = got.len() == want.len();
+        for (j, &g) in got.iter().enumerate() {
+            if want.contains(&g) {
+                slots += 1;
+            } else {
+                all = false;
+                first.get_or_insert(Slot {
+                    token: t,
+                    slot: j,
+                    id: g,
+                });
+            }
+            if want.get(j) == Some(&g) {
+                ordered += 1;
+            }
+        }
+        tokens += u64::from(all);
+    }
+    MatchCount {
+        slots,
+        tokens,
+        ordered,
+        first,
+    }
+}
+
+/// How to compare a dump with a recomputed routing.
+#[derive(Clone, Copy, Debug)]
+pub struct RefCompare<'a> {
+    /// Where the reference came from, for messages ("hidden_states + gate", "router_logits").
+    pub source: &'a str,
+    pub space: IdSpace,
+    /// This rank's map and all ranks' maps, under EP.
+    pub ep: Option<(&'a ExpertMap, &'a [ExpertMap])>,
+    pub routed_scaling_factor: Option<f32>,
+    pub tol: Tolerances,
+    /// Ids were already judged by an exact check (hash layers): report weights only.
+    pub ids_checked_elsewhere: bool,
+}
+
+/// Compare the dump with a recomputed routing (global ids). Recognizes dumps holding local
+/// ids (expert_map applied, or the rank offset subtracted) and names the ranks that lose
+/// tokens; compares weights on tokens whose id sets agree.
+pub fn compare_with_reference(
+    d: &Ids,
+    reference: &Routing,
+    c: &RefCompare,
+) -> (Outcome, Option<Agreement>) {
+    let mut o = Outcome::default();
+    let source = c.source;
+    if reference.tokens != d.tokens || reference.top_k != d.top_k {
+        o.find(Finding::new(
+            FindingKind::RoutingMismatch,
+            1,
+            None,
+            format!(
+                "the recomputed routing ({source}) is [{}, {}], the dump [{}, {}]",
+                reference.tokens, reference.top_k, d.tokens, d.top_k
+            ),
+        ));
+        return (o, None);
+    }
+    let total = (d.tokens * d.top_k) as u64;
+    let slots_total = total.max(1) as f64;
+    let cands = transforms(c.space, c.ep.map(|(m, _)| m));
+    let scored: Vec<MatchCount> = cands
+        .iter()
+        .map(|(_, f)| set_match(d, reference, f.as_ref()))
+        .collect();
+    let expected = scored[0];
+    // the best mapping; the expected one (index 0) wins ties
+    let best_i = (0..scored.len())
+        .max_by(|&a, &b| scored[a].slots.cmp(&scored[b].slots).then(b.cmp(&a)))
+        .unwrap_or(0);
+    let best = scored[best_i];
+    let match_rate = best.slots as f64 / slots_total;
+    let name = cands[best_i].0.clone();
+    let exp_rate = expected.slots as f64 / slots_total;
+    let first_wrong = expected
+        .first
+        .map(|s| format!("; first at token {} slot {}: id {}", s.token, s.slot, s.id));
+    if best_i != 0 && match_rate >= c.tol.min_match {
+        let (kind, what) = match (c.space, name.as_str()) {
+            (IdSpace::Global, _) => (
+                FindingKind::LocalIdsAsGlobal,
+                "local ids used as global ids".to_string(),
+            ),
+            (IdSpace::Local, "identity") => (
+                FindingKind::GlobalIdsAsLocal,
+                "global ids used as local ids (expert_map not applied)".to_string(),
+            ),
+            (IdSpace::Local, _) => (
+                FindingKind::RoutingMismatch,
+                "local ids made without expert_map (other ranks' experts are not -1)".to_string(),
+            ),
+        };
+        o.find(Finding::new(
+            kind,
+            total - expected.slots,
+            expected.first,
+            format!(
+                "{what}: {:.1}% of the dump's ids equal the recomputed ids ({source}) under \
+                 `{name}`, {:.1}% as they should be{}",
+                100.0 * match_rate,
+                100.0 * exp_rate,
+                first_wrong.unwrap_or_default()
+            ),
+        ));
+    } else if exp_rate < c.tol.min_match && !c.ids_checked_elsewhere {
+        o.find(Finding::new(
+            FindingKind::RoutingMismatch,
+            total - expected.slots,
+            expected.first,
+            format!(
+                "only {:.1}% of topk_ids agree with the routing recomputed from {source} \
+                 (minimum {:.1}%){}",
+                100.0 * exp_rate,
+                100.0 * c.tol.min_match,
+                first_wrong.unwrap_or_default()
+            ),
+        ));
+    }
+    // Ranks losing slots: a slot the reference sends to rank q whose expert the dump does not
+    // name (read as global ids).
+    let dropped_by_rank = c.ep.filter(|_| c.space == IdSpace::Global).map(|(m, all)| {
+        let mut dropped = vec![0u64; all.len()];
+        for t in 0..d.tokens {
+            let got = d.row(t);
+            for &g in &reference.topk_ids[t * d.top_k..(t + 1) * d.top_k] {
+                if let Some(q) = owner_rank(m.num_experts, all.len(), m.placement, g as i64) {
+                    if !got.contains(&(g as i64)) {
+                        dropped[q] += 1;
+                    }
+                }
+            }
+        }
+        dropped
+    });
+    if let (Some(dr), true) = (&dropped_by_rank, best_i != 0 && !o.findings.is_empty()) {
+        let losing: Vec<usize> = (0..dr.len()).filter(|&q| dr[q] > 0).collect();
+        if let Some(f) = o.findings.last_mut().filter(|_| !losing.is_empty()) {
+            f.message.push_str(&format!(
+                ". Rank(s) {losing:?} silently drop slots (their expert_map gives -1 for the ids \
+                 they receive, or the ids name other experts): {dr:?} slots per rank"
+            ));
+        }
+    }
+    let f_best = cands[best_i].1.as_ref();
+    let (weights, factor) = compare_weights(d, reference, f_best);
+    if let (Some(m), Some(fac)) = (&weights, factor) {
+        let rsf_v = c.routed_scaling_factor.unwrap_or(1.0) as f64;
+        let unscaled = rsf_v != 1.0 && (fac * rsf_v - 1.0).abs() < c.tol.weight_rel_l2;
+        if unscaled {
+            o.note(format!(
+                "topk_weights ≈ recomputed / routed_scaling_factor ({rsf_v}): the engine applies \
+                 the factor to the MoE output"
+            ));
+        }
+        let rel = if unscaled {
+            rescaled_rel_l2(d, reference, f_best, 1.0 / rsf_v)
+        } else {
+            m.rel_l2
+        };
+        if m.nan_count + m.inf_count == 0 && rel > c.tol.weight_rel_l2 {
+            o.find(Finding::new(
+                FindingKind::WeightError,
+                m.len as u64,
+                None,
+                format!(
+                    "topk_weights differ from the weights recomputed from {source}: rel_l2 {rel:.3e} \
+                     (maximum {:.1e}), max_abs_err {:.3e}, best fit dump ≈ {fac:.4} × recomputed",
+                    c.tol.weight_rel_l2, m.max_abs_err
+                ),
+            ));
+        }
+    }
+    let agreement = Agreement {
+        source: source.to_string(),
+        match_rate,
+        token_match_rate: best.tokens as f64 / d.tokens.max(1) as f64,
+        ordered_match_rate: best.ordered as f64 / slots_total,
+        id_transform: name,
+        first_mismatch: best.first,
+        weights,
+        weight_factor: factor,
+        dropped_by_rank,
+    };
+    (o, Some(agreement))
+}
+
+/// Pairs (dump weight, reference weight) for tokens whose id sets agree, aligned by id.
+fn aligned_weights(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64) -> (Vec<f32>, Vec<f32>) {
+    let k = d.top_k;
+    let (mut a, mut b) = (vec![], vec![]);
+    for t in 0..d.tokens {
+        let want: Vec<i64> = reference.topk_ids[t * k..(t + 1) * k]
+            .iter()
+            .map(|&g| f(g as i64))
+            .collect();
+        let got = d.row(t);
+        let pos: Option<Vec<usize>> = got
+            .iter()
+            .map(|g| want.iter().position(|w| w == g))
+            .collect();
+        let Some(pos) = pos else { continue };
+        let distinct: BTreeSet<usize> = pos.iter().copied().collect();
+        if distinct.len() != k {
+            continue;
+        }
+        for (j, &p) in pos.iter().enumerate() {
+            a.push(d.weights[t * k + j]);
+            b.push(reference.topk_weights[t * k + p]);
+        }
+    }
+    (a, b)
+}
+
+fn compare_weights(
+    d: &Ids,
+    reference: &Routing,
+    f: &dyn Fn(i64) -> i64,
+) -> (Option<crate::metrics::Metrics>, Option<f64>) {
+    let (a, b) = aligned_weights(d, reference, f);
+    if a.is_empty() {
+        return (None, None);
+    }
+    let m = crate::metrics::compare(&a, &b);
+    let (ab, bb) = a
+        .iter()
+        .zip(&b)
+        .filter(|(x, _)| x.is_finite())
+        .fold((0f64, 0f64), |(s, n), (&x, &y)| {
+            (s + x as f64 * y as f64, n + y as f64 * y as f64)
+        });
+    (Some(m), (bb > 0.0).then(|| ab / bb))
+}
+
+fn rescaled_rel_l2(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64, by: f64) -> f64 {
+    let (a, b) = aligned_weights(d, reference, f);
+    let b: Vec<f32> = b.iter().map(|&v| (v as f64 * by) as f32).collect();
+    crate::metrics::compare(&a, &b).rel_l2
+}
+
+/// V4 hash layers: `topk_ids[t]` must be `tid2eid[input_ids[t]]` exactly (no tolerance: a
+/// table lookup cannot flip at ties). `tid2eid` is `[vocab, hash_k]`.
+pub fn check_hash(
+    d: &Ids,
+    input_ids: &[i64],
+    tid2eid: &[i64],
+    hash_k: usize,
+) -> (Outcome, Option<Agreement>) {
+    let mut o = Outcome::default();
+    if hash_k != d.top_k || hash_k == 0 {
+        o.find(Finding::new(
+            FindingKind::HashMismatch,
+            1,
+            None,
+            format!(
+                "tid2eid holds {hash_k} experts per token id, the dump {}",
+                d.top_k
+            ),
+        ));
+        return (o, None);
+    }
+    let vocab = tid2eid.len() / hash_k;
+    let bad_tok: Vec<usize> = (0..input_ids.len())
+        .filter(|&t| usize::try_from(input_ids[t]).map_or(true, |v| v >= vocab))
+        .collect();
+    if let Some(&t0) = bad_tok.first() {
+        o.find(Finding::new(
+            FindingKind::HashMismatch,
+            bad_tok.len() as u64,
+            None,
+            format!(
+                "{} input_ids are outside tid2eid's vocabulary of {vocab}; first token {t0}: {}",
+                bad_tok.len(),
+                input_ids[t0]
+            ),
+        ));
+        return (o, None);
+    }
+    let reference = Routing {
+        tokens: d.tokens,
+        top_k: hash_k,
+        topk_ids: input_ids
+            .iter()
+            .flat_map(|&v| {
+                let v = v as usize;
+                tid2eid[v * hash_k..(v + 1) * hash_k]
+                    .iter()
+                    .map(|&e| e as i32)
+            })
+            .collect(),
+        topk_weights: vec![0.0; d.tokens * hash_k],
+    };
+    let MatchCount {
+        slots,
+        tokens,
+        ordered,
+        first,
+    } = set_match(d, &reference, &|g| g);
+    let total = (d.tokens * d.top_k).max(1) as f64;
+    if slots < (d.tokens * d.top_k) as u64 {
+        let s = first;
+        o.find(Finding::new(
+            FindingKind::HashMismatch,
+            (d.tokens * d.top_k) as u64 - slots,
+            s,
+            format!(
+                "hash layer: {} of {} topk_ids differ from tid2eid[input_ids]{}",
+                (d.tokens * d.top_k) as u64 - slots,
+                d.tokens * d.top_k,
+                s.map(|s| {
+                    let v = input_ids[s.token] as usize;
+                    format!(
+                        "; first token {} (input id {}) slot {}: id {}, tid2eid says {:?}",
+                        s.token,
+                        input_ids[s.token],
+                        s.slot,
+                        s.id,
+                        &tid2eid[v * hash_k..(v + 1) * hash_k]
+                    )
+                })
+                .unwrap_or_default()
+            ),
+        ));
+    }
+    let ag = Agreement {
+        source: "tid2eid[input_ids]".into(),
+        match_rate: slots as f64 / total,
+        token_match_rate: tokens as f64 / d.tokens.max(1) as f64,
+        ordered_match_rate: ordered as f64 / total,
+        id_transform: "identity".into(),
+        first_mismatch: first,
+        weights: None,
+        weight_factor: None,
+        dropped_by_rank: None,
+    };
+    (o, Some(ag))
+}
+
+/// Router logits from the dump against `hidden · Wg^T` (f64 accumulation): a mismatch means
+/// the gate weight the engine used is not the checkpoint's.
+pub fn check_logits(
+    logits: &[f32],
+    hidden: &[f32],
+    gate: &[f32],
+    tokens: usize,
+    hidden_size: usize,
+    num_experts: usize,
+    min_cosine: f64,
+) -> (Outcome, crate::metrics::Metrics) {
+    use rayon::prelude::*;
+    let mut o = Outcome::default();
+    let reference: Vec<f32> = (0..tokens * num_experts)
+        .into_par_iter()
+        .map(|i| {
+            let (t, e) = (i / num_experts, i % num_experts);
+            let h = &hidden[t * hidden_size..(t + 1) * hidden_size];
+            let w = &gate[e * hidden_size..(e + 1) * hidden_size];
+            h.iter()
+                .zip(w)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let m = crate::metrics::compare(logits, &reference);
+    if !m.passes(min_cosine) {
+        o.find(Finding::new(
+            FindingKind::LogitsMismatch,
+            m.len as u64,
+            None,
+            format!(
+                "router_logits disagree with hidden_states · gate.weightᵀ: cosine {:.6}, rel_l2 {:.3e}, \
+                 {} NaN / {} Inf — the engine's gate weight or its input is not what the checkpoint holds",
+                m.cosine, m.rel_l2, m.nan_count, m.inf_count
+            ),
+        ));
+    }
+    (o, m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{seq::SliceRandom, Rng, SeedableRng};
+
+    fn rng() -> (u64, rand_chacha::ChaCha8Rng) {
+        let seed: u64 = rand::random();
+        (seed, rand_chacha::ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    /// A plausible global routing: distinct ids per token, weights summing to `rsf`.
+    fn routing(r: &mut impl Rng, t: usize, k: usize, e: usize, rsf: f32) -> (Vec<i64>, Vec<f32>) {
+        let all: Vec<i64> = (0..e as i64).collect();
+        let mut ids = vec![];
+        let mut w = vec![];
+        for _ in 0..t {
+            ids.extend(all.choose_multiple(r, k).copied());
+            let raw: Vec<f32> = (0..k).map(|_| r.gen_range(0.05f32..1.0)).collect();
+            let s: f32 = raw.iter().sum();
+            w.extend(raw.iter().map(|v| v / s * rsf));
+        }
+        (ids, w)
+    }
+
+    fn exp(e: usize, k: usize, rsf: f32) -> Expectations {
+        Expectations {
+            num_experts: e,
+            top_k: Some(k),
+            norm_topk_prob: Some(true),
+            routed_scaling_factor: Some(rsf),
+        }
+    }
+
+    #[test]
+    fn clean_routing_has_no_findings() {
+        let (seed, mut r) = rng();
+        let (t, k, e) = (r.gen_range(8..64), r.gen_range(2..8), r.gen_range(16..64));
+        let rsf = r.gen_range(1.0f32..3.0);
+        let (ids, w) = routing(&mut r, t, k, e, rsf);
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w,
+        };
+        let mut o = check_ids(&d, &exp(e, k, rsf), IdSpace::Global, None);
+        o.extend(check_weights(&d, &exp(e, k, rsf), 1e-4));
+        assert!(o.findings.is_empty(), "seed {seed}: {:?}", o.findings);
+    }
+
+    #[test]
+    fn range_duplicates_nan_and_sums_are_found() {
+        let (seed, mut r) = rng();
+        let (t, k, e) = (32, 4, 32);
+        let (mut ids, mut w) = routing(&mut r, t, k, e, 2.5);
+        let (a, b, c, s) = (
+            r.gen_range(0..t),
+            r.gen_range(0..t),
+            r.gen_range(0..t),
+            r.gen_range(0..t),
+        );
+        ids[a * k + 1] = e as i64 + r.gen_range(0..5);
+        ids[b * k + 3] = ids[b * k];
+        for j in 0..k {
+            w[c * k + j] = f32::NAN;
+        }
+        w[s * k] += 0.5;
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w,
+        };
+        let ex = exp(e, k, 2.5);
+        let mut o = check_ids(&d, &ex, IdSpace::Global, None);
+        o.extend(check_weights(&d, &ex, 1e-4));
+        let kinds: Vec<FindingKind> = o.findings.iter().map(|f| f.kind).collect();
+        for want in [
+            FindingKind::OutOfRange,
+            FindingKind::DuplicateIds,
+            FindingKind::NonfiniteWeights,
+        ] {
+            assert!(
+                kinds.contains(&want),
+                "seed {seed}: {want:?} missing in {kinds:?}"
+            );
+        }
+        let oor = o
+            .findings
+            .iter()
+            .find(|f| f.kind == FindingKind::OutOfRange)
+            .unwrap();
+        assert_eq!(oor.first.unwrap().token, a, "seed {seed}");
+        let nan = o
+            .findings
+            .iter()
+            .find(|f| f.kind == FindingKind::NonfiniteWeights)
+            .unwrap();
+        assert!(nan.message.contains("1e-20"), "{}", nan.message);
+        if s != c {
+            assert!(
+                kinds.contains(&FindingKind::WeightSum),
+                "seed {seed}: {kinds:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn weights_summing_to_one_are_the_vllm_convention() {
+        let (seed, mut r) = rng();
+        let (ids, w) = routing(&mut r, 16, 4, 16, 1.0);
+        let d = Ids {
+            tokens: 16,
+            top_k: 4,
+            ids: &ids,
+            weights: &w,
+        };
+        let o = check_weights(&d, &exp(16, 4, 2.5), 1e-4);
+        assert!(o.findings.is_empty(), "seed {seed}: {:?}", o.findings);
+        assert!(
+            o.notes.iter().any(|n| n.contains("MoE output")),
+            "{:?}",
+            o.notes
+        );
+        // applied twice is named
+        let w2: Vec<f32> = w.iter().map(|v| v * 2.5 * 2.5).collect();
+        let d = Ids { weights: &w2, ..d };
+        let o = check_weights(&d, &exp(16, 4, 2.5), 1e-4);
+        assert!(
+            o.findings[0].message.contains("twice"),
+            "seed {seed}: {:?}",
+            o.findings
+        );
+    }
+
+    #[test]
+    fn local_ids_on_a_rank_whose_block_is_elsewhere() {
+        let (seed, mut r) = rng();
+        let (t, k, e, ep) = (24, 4, 32, 4);
+        let maps = ExpertMap::all_ranks(e, ep, Placement::Linear).unwrap();
+        let rank = r.gen_range(1..ep);
+        // the engine wrote local ids of its own rank: every id in [0, 8)
+        let (ids, w) = routing(&mut r, t, k, e / ep, 1.0);
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w,
+        };
+        let (o, loads) = check_ep_ids(&d, &maps, rank, IdSpace::Global);
+        let f = o
+            .findings
+            .iter()
+            .find(|f| f.kind == FindingKind::LocalIdsAsGlobal);
+        assert!(
+            f.is_some_and(|f| f.message.contains("local ids")),
+            "seed {seed}: {:?}",
+            o.findings
+        );
+        assert!(
+            o.findings.iter().any(|f| f.kind == FindingKind::IdleRanks),
+            "seed {seed}"
+        );
+        assert_eq!(loads[0].slots, (t * k) as u64);
+        // the same ids are fine from nowhere: global ids over all experts give nothing
+        let (ids, w) = routing(&mut r, t, k, e, 1.0);
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w,
+        };
+        let (o, _) = check_ep_ids(&d, &maps, rank, IdSpace::Global);
+        assert!(o.findings.is_empty(), "seed {seed}: {:?}", o.findings);
+    }
+
+    #[test]
+    fn confined_to_own_block_and_too_few_ids() {
+        let (seed, mut r) = rng();
+        let maps = ExpertMap::all_ranks(32, 2, Placement::Linear).unwrap();
+        let (ids, w) = routing(&mut r, 16, 4, 16, 1.0);
+        let ids: Vec<i64> = ids.iter().map(|v| v + 16).collect();
+        let d = Ids {
+            tokens: 16,
+            top_k: 4,
+            ids: &ids,
+            weights: &w,
+        };
+        let (o, _) = check_ep_ids(&d, &maps, 1, IdSpace::Global);
+        assert!(
+            o.findings
+                .iter()
+                .any(|f| f.kind == FindingKind::ConfinedToRank),
+            "seed {seed}"
+        );
+        // two ids in [0, 16) prove nothing
+        let d = Ids {
+            tokens: 1,
+            top_k: 2,
+            ids: &[1, 2],
+            weights: &[0.5, 0.5],
+        };
+        let (o, _) = check_ep_ids(&d, &maps, 1, IdSpace::Global);
+        assert!(o.findings.is_empty(), "{:?}", o.findings);
+    }
+
+    #[test]
+    fn global_ids_in_a_local_dump() {
+        let maps = ExpertMap::all_ranks(16, 2, Placement::Linear).unwrap();
+        // rank 1 owns [8, 16): the dump should hold 0..8 or -1
+        let ids = vec![9i64, -1, 12, 15, -1, 10];
+        let w = vec![0.5f32; 6];
+        let d = Ids {
+            tokens: 3,
+            top_k: 2,
+            ids: &ids,
+            weights: &w,
+        };
+        let (o, _) = check_ep_ids(&d, &maps, 1, IdSpace::Local);
+        assert_eq!(
+            o.findings[0].kind,
+            FindingKind::GlobalIdsAsLocal,
+            "{:?}",
+            o.findings
+        );
+        let o = check_ids(&d, &exp(16, 2, 1.0), IdSpace::Local, Some(&maps[1]));
+        assert_eq!(o.findings[0].kind, FindingKind::OutOfRange);
+        assert_eq!(o.findings[0].count, 4);
+    }
+
+    fn reference_of(ids: &[i64], w: &[f32], t: usize, k: usize) -> Routing {
+        Routing {
+            tokens: t,
+            top_k: k,
+            topk_ids: ids.iter().map(|&v| v as i32).collect(),
+            topk_weights: w.to_vec(),
+        }
+    }
+
+    #[test]
+    fn agreement_with_a_recomputed_routing() {
+        let (seed, mut r) = rng();
+        let (t, k, e) = (40, 4, 32);
+        let (ids, w) = routing(&mut r, t, k, e, 1.0);
+        let reference = reference_of(&ids, &w, t, k);
+        let tol = Tolerances {
+            min_match: 0.95,
+            weight_rel_l2: 0.01,
+        };
+        // shuffled slot order and bf16 weights: still a match
+        let mut ids2 = ids.clone();
+        let mut w2 = w.clone();
+        for tt in 0..t {
+            let mut p: Vec<usize> = (0..k).collect();
+            p.shuffle(&mut r);
+            for j in 0..k {
+                ids2[tt * k + j] = ids[tt * k + p[j]];
+                w2[tt * k + j] = half::bf16::from_f32(w[tt * k + p[j]]).to_f32();
+            }
+        }
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids2,
+            weights: &w2,
+        };
+        let (o, ag) = compare_with_reference(
+            &d,
+            &reference,
+            &RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: None,
+                routed_scaling_factor: Some(1.0),
+                tol,
+                ids_checked_elsewhere: false,
+            },
+        );
+        let ag = ag.unwrap();
+        assert!(o.findings.is_empty(), "seed {seed}: {:?}", o.findings);
+        assert_eq!(ag.match_rate, 1.0);
+        assert!(ag.weights.unwrap().rel_l2 < 0.01);
+        // a quarter of tokens routed elsewhere: mismatch named
+        let mut ids3 = ids.clone();
+        for tt in (0..t).step_by(4) {
+            ids3[tt * k] = (0..e as i64)
+                .find(|v| !ids[tt * k..(tt + 1) * k].contains(v))
+                .unwrap();
+        }
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids3,
+            weights: &w,
+        };
+        let (o, _) = compare_with_reference(
+            &d,
+            &reference,
+            &RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: None,
+                routed_scaling_factor: Some(1.0),
+                tol,
+                ids_checked_elsewhere: false,
+            },
+        );
+        assert_eq!(
+            o.findings[0].kind,
+            FindingKind::RoutingMismatch,
+            "seed {seed}"
+        );
+        assert_eq!(o.findings[0].first.unwrap().token, 0);
+        // wrong weights
+        let w4: Vec<f32> = w.iter().map(|v| v * r.gen_range(0.5f32..1.5)).collect();
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w4,
+        };
+        let (o, _) = compare_with_reference(
+            &d,
+            &reference,
+            &RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: None,
+                routed_scaling_factor: Some(1.0),
+                tol,
+                ids_checked_elsewhere: false,
+            },
+        );
+        assert_eq!(o.findings[0].kind, FindingKind::WeightError, "seed {seed}");
+    }
+
+    #[test]
+    fn recomputed_routing_names_the_local_id_transform_and_losing_ranks() {
+        let (seed, mut r) = rng();
+        let (t, k, e, ep) = (40, 4, 32, 4);
+        let maps = ExpertMap::all_ranks(e, ep, Placement::Linear).unwrap();
+        let rank = r.gen_range(1..ep);
+        let (ids, w) = routing(&mut r, t, k, e, 1.0);
+        let reference = reference_of(&ids, &w, t, k);
+        let off = maps[rank].linear_offset().unwrap() as i64;
+        let shifted: Vec<i64> = ids.iter().map(|v| v - off).collect();
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &shifted,
+            weights: &w,
+        };
+        let tol = Tolerances {
+            min_match: 0.95,
+            weight_rel_l2: 0.01,
+        };
+        let (o, ag) = compare_with_reference(
+            &d,
+            &reference,
+            &RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: Some((&maps[rank], &maps)),
+                routed_scaling_factor: None,
+                tol,
+                ids_checked_elsewhere: false,
+            },
+        );
+        let f = &o.findings[0];
+        assert_eq!(
+            f.kind,
+            FindingKind::LocalIdsAsGlobal,
+            "seed {seed}: {:?}",
+            o.findings
+        );
+        assert!(
+            f.message.contains("minus rank offset") && f.message.contains("silently drop"),
+            "{}",
+            f.message
+        );
+        let ag = ag.unwrap();
+        assert_eq!(ag.match_rate, 1.0);
+        let dropped = ag.dropped_by_rank.unwrap();
+        let mut want = vec![0u64; ep];
+        for i in 0..t * k {
+            if !d.row(i / k).contains(&ids[i]) {
+                want[owner_rank(e, ep, Placement::Linear, ids[i]).unwrap()] += 1;
+            }
+        }
+        assert_eq!(dropped, want, "seed {seed}");
+        assert!(dropped.iter().sum::<u64>() > 0, "seed {seed}");
+    }
+
+    #[test]
+    fn hash_routing() {
+        let (seed, mut r) = rng();
+        let (vocab, k, e, t) = (50, 3, 16, 20);
+        let tid2eid: Vec<i64> = (0..vocab * k).map(|_| r.gen_range(0..e as i64)).collect();
+        let input_ids: Vec<i64> = (0..t).map(|_| r.gen_range(0..vocab as i64)).collect();
+        let ids: Vec<i64> = input_ids
+            .iter()
+            .flat_map(|&v| tid2eid[v as usize * k..(v as usize + 1) * k].to_vec())
+            .collect();
+        let w = vec![0.3f32; t * k];
+        let d = Ids {
+            tokens: t,
+            top_k: k,
+            ids: &ids,
+            weights: &w,
+        };
+        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k);
+        assert!(o.findings.is_empty(), "seed {seed}");
+        let mut bad = ids.clone();
+        let j = r.gen_range(0..t * k);
+        bad[j] = (0..e as i64)
+            .find(|v| !ids[j / k * k..j / k * k + k].contains(v))
+            .unwrap();
+        let d = Ids { ids: &bad, ..d };
+        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k);
+        assert_eq!(o.findings[0].kind, FindingKind::HashMismatch);
+        assert_eq!(o.findings[0].first.unwrap().token, j / k, "seed {seed}");
+    }
+
+    #[test]
+    fn load_histogram() {
+        let l = expert_load(&[0, 1, 1, 3, -1, 9], 4);
+        assert_eq!(l.counts, vec![1, 2, 0, 1]);
+        assert_eq!(l.out_of_range, 2);
+        assert_eq!(l.unused_experts, 1);
+        assert_eq!(l.hottest, Some(1));
+        assert!((l.max_over_mean - 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn logits_against_hidden_and_gate() {
+        let (seed, mut r) = rng();
+        let (t, h, e) = (5, 32, 8);
+        let hid: Vec<f32> = (0..t * h).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+        let gate: Vec<f32> = (0..e * h).map(|_| r.gen_range(-1.0f32..1.0)).collect();
+        let logits: Vec<f32> = (0..t * e)
+            .map(|i| {
+                (0..h)
+                    .map(|c| hid[i / e * h + c] * gate[i % e * h + c])
+                    .sum()
+            })
+            .collect();
+        let (o, m) = check_logits(&logits, &hid, &gate, t, h, e, 0.999);
+        assert!(o.findings.is_empty() && m.cosine > 0.99999, "seed {seed}");
+        let mut gate2 = gate.clone();
+        gate2.reverse();
+        let (o, _) = check_logits(&logits, &hid, &gate2, t, h, e, 0.999);
+        assert_eq!(
+            o.findings[0].kind,
+            FindingKind::LogitsMismatch,
+            "seed {seed}"
+        );
+    }
+}

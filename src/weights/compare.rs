@@ -1,0 +1,1020 @@
+//! Comparing one unit across the two sides: shapes (TP shards, transposes), dtypes, bitwise
+//! identity of codes and scales, global scales (with the conventions and vLLM's fused
+//! `w13_weight_scale_2`), and — when the bytes differ — metrics after dequantization, computed
+//! in chunks so that a multi-GB tensor never sits in memory as f32.
+
+use super::inventory::ExpertProj;
+use super::load::{DRaw, QRaw, Raw, Shared};
+use super::view::{pick_scales, Mat, QMatrix, ScalesSeen};
+use crate::checkpoint::file::decode_f32_into;
+use crate::checkpoint::Proj;
+use crate::metrics::{Accum, Metrics};
+use crate::nvfp4::ScaleLayout;
+use rayon::prelude::*;
+use safetensors::Dtype;
+use serde::Serialize;
+
+/// Elements per work item of a metric computation.
+const CHUNK: usize = 1 << 16;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Options {
+    /// `(rank, size)`: B is tensor-parallel shard `rank` of `size`.
+    pub tp: Option<(usize, usize)>,
+    /// Values that are not bitwise identical still pass above this cosine.
+    pub min_cosine: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Bitwise identical (global scales up to the ulp a convention's reciprocal costs).
+    Equal,
+    /// Not bitwise identical, but the dequantized values agree above `min_cosine`.
+    Close,
+    Mismatch,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IssueKind {
+    Unreadable,
+    Format,
+    Shape,
+    Transposed,
+    Dtype,
+    Scales,
+    Values,
+    #[serde(rename = "scale_2")]
+    Scale2,
+    #[serde(rename = "scale_2_flipped")]
+    Scale2Flipped,
+    #[serde(rename = "scale_2_gate_only")]
+    Scale2GateOnly,
+    InputScale,
+    InputScaleFlipped,
+    MissingMember,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Issue {
+    pub kind: IssueKind,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct UnitResult {
+    /// Canonical (HF) name.
+    pub name: String,
+    /// Where each side holds it.
+    pub a: String,
+    pub b: String,
+    pub status: Status,
+    pub a_shape: Vec<usize>,
+    pub b_shape: Vec<usize>,
+    pub a_dtype: String,
+    pub b_dtype: String,
+    pub bitwise_equal: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<Metrics>,
+    /// How B's block scales were laid out (quantized units).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub b_scales: Option<ScalesSeen>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub issues: Vec<Issue>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+    #[serde(skip)]
+    pub expert: Option<ExpertProj>,
+    /// Bytes read from both sides.
+    #[serde(skip)]
+    pub bytes: u64,
+    /// Member names of A this unit expected in B but B lacks.
+    #[serde(skip)]
+    pub missing_members: Vec<String>,
+}
+
+impl UnitResult {
+    pub fn new(name: &str, expert: Option<ExpertProj>) -> UnitResult {
+        UnitResult {
+            name: name.to_string(),
+            a: String::new(),
+            b: String::new(),
+            status: Status::Equal,
+            a_shape: vec![],
+            b_shape: vec![],
+            a_dtype: String::new(),
+            b_dtype: String::new(),
+            bitwise_equal: false,
+            metrics: None,
+            b_scales: None,
+            issues: vec![],
+            notes: vec![],
+            expert,
+            bytes: 0,
+            missing_members: vec![],
+        }
+    }
+    pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {
+        self.issues.push(Issue {
+            kind,
+            message: message.into(),
+        });
+    }
+    fn finish(mut self, close: bool) -> UnitResult {
+        self.status = if !self.issues.is_empty() {
+            Status::Mismatch
+        } else if self.bitwise_equal {
+            Status::Equal
+        } else if close {
+            Status::Close
+        } else {
+            Status::Mismatch
+        };
+        self
+    }
+}
+
+/// A's global scales of an expert projection, for the fused-w13 checks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AScalars {
+    pub scale_2: Option<f32>,
+    pub input_scale: Option<f32>,
+}
+
+/// How B's geometry relates to A's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Align {
+    Same,
+    /// B is rows (dim 0 of a 2-D view) `[r0, r0 + n)` of A.
+    Rows(usize),
+    /// B is columns `[c0, c0 + n)` of A.
+    Cols(usize),
+}
+
+/// Align `[rows, cols]` of B to A: equal, or a TP shard. None when neither.
+pub fn align2(a: (usize, usize), b: (usize, usize), tp: Option<(usize, usize)>) -> Option<Align> {
+    if a == b {
+        return Some(Align::Same);
+    }
+    let (r, n) = tp?;
+    if a.1 == b.1 && a.0 == n * b.0 {
+        return Some(Align::Rows(r * b.0));
+    }
+    if a.0 == b.0 && a.1 == n * b.1 {
+        return Some(Align::Cols(r * b.1));
+    }
+    None
+}
+
+fn shape_hint(a: &[usize], b: &[usize], tp: Option<(usize, usize)>) -> String {
+    let diff: Vec<usize> = (0..a.len().min(b.len()))
+        .filter(|&i| a[i] != b[i])
+        .collect();
+    if a.len() == b.len() && diff.len() == 1 {
+        let d = diff[0];
+        if b[d] > 0 && a[d].is_multiple_of(b[d]) && tp.is_none() {
+            return format!(
+                " — dim {d} is 1/{} of A's: a tensor-parallel shard? pass --tp-rank/--tp-size",
+                a[d] / b[d]
+            );
+        }
+    }
+    String::new()
+}
+
+fn dname(d: Dtype) -> String {
+    format!("{d:?}")
+}
+
+/// Dequant-direction global scales compared: equal bits, or within the ulp a reciprocal
+/// conversion (compressed-tensors' gs) costs.
+fn same_scale(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || ((a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
+}
+
+fn reciprocal_of(a: f32, b: f32) -> bool {
+    let p = a as f64 * b as f64;
+    (p - 1.0).abs() < 1e-5 && (a as f64 - 1.0).abs() > 1e-3
+}
+
+/// Metrics of B (test) against A (reference), both quantized, same geometry.
+pub fn metrics_qq(a: &QMatrix, b: &QMatrix) -> Metrics {
+    let rows_per = (CHUNK / a.cols.max(1)).max(1);
+    let n_chunks = a.rows.div_ceil(rows_per);
+    (0..n_chunks)
+        .into_par_iter()
+        .map(|c| {
+            let (r0, r1) = (c * rows_per, ((c + 1) * rows_per).min(a.rows));
+            let mut x = vec![0f32; (r1 - r0) * a.cols];
+            let mut y = vec![0f32; (r1 - r0) * a.cols];
+            a.dequant_rows(r0, r1, &mut x);
+            b.dequant_rows(r0, r1, &mut y);
+            Accum::over(&y, &x, r0 * a.cols)
+        })
+        .reduce(Accum::default, Accum::merge)
+        .finish()
+}
+
+/// A float matrix view: `[rows, row_elems]` elements of `dtype`.
+#[derive(Clone, Copy, Debug)]
+pub struct DView<'a> {
+    pub mat: Mat<'a>,
+    pub dtype: Dtype,
+}
+
+impl DView<'_> {
+    fn es(&self) -> usize {
+        (self.dtype.bitsize() / 8).max(1)
+    }
+    fn row_elems(&self) -> usize {
+        self.mat.row_bytes / self.es()
+    }
+    pub fn len(&self) -> usize {
+        self.mat.rows * self.row_elems()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Decode elements `[s, s + out.len())` (row-major over the view).
+    fn decode(&self, s: usize, out: &mut [f32]) -> bool {
+        let (re, es) = (self.row_elems().max(1), self.es());
+        let mut done = 0;
+        while done < out.len() {
+            let e = s + done;
+            let (r, c) = (e / re, e % re);
+            let n = (re - c).min(out.len() - done);
+            let row = self.mat.row(r);
+            if !decode_f32_into(
+                self.dtype,
+                &row[c * es..(c + n) * es],
+                &mut out[done..done + n],
+            ) {
+                return false;
+            }
+            done += n;
+        }
+        true
+    }
+}
+
+enum Values<'a, 'b> {
+    Q(&'b QMatrix<'a>),
+    D(DView<'a>),
+}
+
+impl Values<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Values::Q(q) => q.rows * q.cols,
+            Values::D(d) => d.len(),
+        }
+    }
+    fn fill(&self, s: usize, out: &mut [f32]) -> bool {
+        match self {
+            Values::D(d) => d.decode(s, out),
+            Values::Q(q) => {
+                // whole rows only: chunks are aligned to rows by the caller
+                let r0 = s / q.cols;
+                let r1 = (s + out.len()) / q.cols;
+                q.dequant_rows(r0, r1, out);
+                true
+            }
+        }
+    }
+}
+
+/// Metrics of `b` (test) against `a` (reference) over equal element counts.
+fn metrics_any(a: &Values, b: &Values) -> Option<Metrics> {
+    let n = a.len();
+    if n != b.len() {
+        return None;
+    }
+    // align chunks to the rows of a quantized side
+    let unit = match (a, b) {
+        (Values::Q(q), _) | (_, Values::Q(q)) => q.cols.max(1),
+        _ => 1,
+    };
+    let chunk = (CHUNK / unit).max(1) * unit;
+    let n_chunks = n.div_ceil(chunk);
+    let parts: Vec<Option<Accum>> = (0..n_chunks)
+        .into_par_iter()
+        .map(|c| {
+            let s = c * chunk;
+            let len = chunk.min(n - s);
+            let mut x = vec![0f32; len];
+            let mut y = vec![0f32; len];
+            (a.fill(s, &mut x) && b.fill(s, &mut y)).then(|| Accum::over(&y, &x, s))
+        })
+        .collect();
+    parts
+        .into_iter()
+        .try_fold(Accum::default(), |acc, p| p.map(|p| acc.merge(p)))
+        .map(Accum::finish)
+}
+
+/// Resolve a side's raw quantized linear with its own geometry. Err says why not.
+fn qmatrix<'a>(
+    raw: &QRaw<'a>,
+    rows: usize,
+    cols: usize,
+) -> Result<(QMatrix<'a>, super::view::Scales<'a>), String> {
+    let block = raw.format.block();
+    if !cols.is_multiple_of(block) {
+        return Err(format!(
+            "K = {cols} is not a multiple of the {} block",
+            block
+        ));
+    }
+    let sc = raw.scales.resolve(rows, cols / block)?;
+    Ok((
+        QMatrix {
+            format: raw.format,
+            rows,
+            cols,
+            packed: raw.packed,
+            scales: sc.linear.clone(),
+            scale_2: raw.scale_2.unwrap_or(1.0),
+        },
+        sc,
+    ))
+}
+
+/// Compare two raws of one unit.
+pub fn compare(
+    name: &str,
+    expert: Option<ExpertProj>,
+    a: &Raw,
+    b: &Raw,
+    opts: &Options,
+    a_scalars: &dyn Fn(ExpertProj) -> Option<AScalars>,
+) -> UnitResult {
+    let mut u = UnitResult::new(name, expert);
+    match (a, b) {
+        (Raw::Q(qa), Raw::Q(qb)) => compare_qq(&mut u, qa, qb, opts, a_scalars),
+        (Raw::D(da), Raw::D(db)) => compare_dd(&mut u, da, db, opts),
+        (Raw::Q(qa), Raw::D(db)) => compare_qd(&mut u, qa, db, opts, true),
+        (Raw::D(da), Raw::Q(qb)) => compare_qd(&mut u, qb, da, opts, false),
+    }
+}
+
+fn compare_qq(
+    u: &mut UnitResult,
+    qa: &QRaw,
+    qb: &QRaw,
+    opts: &Options,
+    a_scalars: &dyn Fn(ExpertProj) -> Option<AScalars>,
+) -> UnitResult {
+    u.a = qa.weight_name.clone();
+    u.b = qb.weight_name.clone();
+    u.a_shape = qa.weight_shape.clone();
+    u.b_shape = qb.weight_shape.clone();
+    u.a_dtype = format!(
+        "{} ({}, scales {:?})",
+        dname(qa.weight_dtype),
+        qa.format.name(),
+        qa.scale_dtype
+    );
+    u.b_dtype = format!(
+        "{} ({}, scales {:?})",
+        dname(qb.weight_dtype),
+        qb.format.name(),
+        qb.scale_dtype
+    );
+    u.bytes = (qa.packed.len()
+        + qa.scales.unit_len(qa.rows())
+        + qb.packed.len()
+        + qb.scales.unit_len(qb.rows())) as u64;
+    let done = |u: &mut UnitResult| std::mem::replace(u, UnitResult::new("", None)).finish(false);
+    if qa.format != qb.format {
+        u.issue(
+            IssueKind::Format,
+            format!("A is {}, B is {}", qa.format.name(), qb.format.name()),
+        );
+        return done(u);
+    }
+    let (a_full, a_sc) = match qmatrix(qa, qa.rows(), qa.cols()) {
+        Ok(v) => v,
+        Err(e) => {
+            u.issue(IssueKind::Unreadable, format!("A: {e}"));
+            return done(u);
+        }
+    };
+    if a_sc.seen == ScalesSeen::Swizzled {
+        u.notes
+            .push("A's block scales are 128x4-swizzled; read unswizzled".into());
+    }
+    // a packed weight stored transposed ([K/2, N] bytes)
+    let (ra, rb) = ((qa.rows(), qa.cols()), (qb.rows(), qb.cols()));
+    if ra != rb && qb.packed.rows == qa.packed.row_bytes && qb.packed.row_bytes == qa.packed.rows {
+        if qb.packed.transposed_of(&qa.packed, 1) {
+            u.issue(
+                IssueKind::Transposed,
+                format!(
+                    "B holds the packed weight transposed: {:?} is A's {:?} with rows and columns swapped",
+                    qb.weight_shape, qa.weight_shape
+                ),
+            );
+        } else {
+            u.issue(
+                IssueKind::Shape,
+                format!(
+                    "B {:?} vs A {:?}: transposed shape, different contents",
+                    qb.weight_shape, qa.weight_shape
+                ),
+            );
+        }
+        return done(u);
+    }
+    let a_m = match align2(ra, rb, opts.tp) {
+        Some(Align::Same) => Some(a_full),
+        Some(Align::Rows(r0)) => {
+            u.notes
+                .push(format!("B is TP rows {r0}..{} of A", r0 + rb.0));
+            a_full.rows_slice(r0, rb.0)
+        }
+        Some(Align::Cols(c0)) => {
+            u.notes
+                .push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1));
+            a_full.cols_slice(c0, rb.1)
+        }
+        None => None,
+    };
+    let Some(a_m) = a_m else {
+        u.issue(
+            IssueKind::Shape,
+            format!(
+                "B [{}, {}] vs A [{}, {}] (rows, K){}",
+                rb.0,
+                rb.1,
+                ra.0,
+                ra.1,
+                shape_hint(&[ra.0, ra.1], &[rb.0, rb.1], opts.tp)
+            ),
+        );
+        return done(u);
+    };
+    let (mut b_m, mut b_sc) = match qmatrix(qb, rb.0, rb.1) {
+        Ok(v) => v,
+        Err(e) => {
+            u.issue(IssueKind::Scales, format!("B: {e}"));
+            return done(u);
+        }
+    };
+    u.b_scales = Some(b_sc.seen);
+    // scales first: they are an eighth of the bytes and tell a swizzle apart
+    let scales_equal = a_m.scales == b_m.scales;
+    let packed_equal = a_m.packed.same(&b_m.packed);
+    let mut codes_equal = packed_equal && scales_equal;
+    if !scales_equal && b_sc.seen == ScalesSeen::Ambiguous {
+        if let Some(alt) = b_sc.alternative() {
+            let alt_equal = a_m.scales[..] == alt[..] && packed_equal;
+            let swizzled = alt_equal || {
+                let reference = a_m.dequantize();
+                pick_scales(&reference, &b_m, &alt).0 == ScaleLayout::Swizzled
+            };
+            if swizzled {
+                b_sc.take_alternative();
+                b_m.scales = b_sc.linear.clone();
+                u.b_scales = Some(ScalesSeen::Swizzled);
+                codes_equal = alt_equal;
+            }
+        }
+    }
+    if u.b_scales == Some(ScalesSeen::Swizzled) {
+        u.notes.push(
+            "B's block scales are in the 128x4 swizzled layout (what CUTLASS / FlashInfer kernels \
+             take); compared after unswizzling"
+                .into(),
+        );
+    }
+    // global scale
+    let (sa, sb) = (qa.scale_2, qb.scale_2);
+    let mut scale_ok = true;
+    let mut conv_ulp = false;
+    match (sa, sb) {
+        (Some(x), Some(y)) if x.to_bits() == y.to_bits() => {}
+        (Some(x), Some(y)) if same_scale(x, y) => {
+            if qa.reciprocal_names != qb.reciprocal_names {
+                conv_ulp = true;
+                u.notes.push("global scales stored in different conventions (weight_scale_2 vs weight_global_scale): equal after conversion".into());
+            } else {
+                u.notes.push(format!(
+                    "weight_scale_2 differs in the last bits: B {y:e}, A {x:e}"
+                ));
+            }
+        }
+        (Some(x), Some(y)) => {
+            scale_ok = false;
+            // the named conventions only explain a unit whose codes are A's: with other codes
+            // the scale is one more symptom of holding another tensor (a swap, a permutation)
+            let gate = u
+                .expert
+                .filter(|e| e.proj == Proj::Up && codes_equal)
+                .and_then(|e| {
+                    a_scalars(ExpertProj {
+                        proj: Proj::Gate,
+                        ..e
+                    })
+                });
+            if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
+                let how = if qb.scale_2_shared == Shared::W13Shared {
+                    "w13_weight_scale_2 holds one value per expert"
+                } else {
+                    "both w13_weight_scale_2 entries hold the gate's"
+                };
+                u.issue(
+                    IssueKind::Scale2GateOnly,
+                    format!(
+                        "up_proj weight_scale_2: B {y:e} is the gate's ({g:e}); A's up is {x:e} — {how}: \
+                         vLLM keeps only w1's weight_scale_2 for w13, so up_proj dequantizes off by ×{:.4}",
+                        y / x
+                    ),
+                );
+            } else if codes_equal && reciprocal_of(x, y) {
+                u.issue(
+                    IssueKind::Scale2Flipped,
+                    format!(
+                        "weight_scale_2: B {y:e} = 1/A ({x:e}): B holds the quant-direction gs (compressed-tensors' \
+                         weight_global_scale) as weight_scale_2 — the convention is flipped"
+                    ),
+                );
+            } else {
+                u.issue(
+                    IssueKind::Scale2,
+                    format!("weight_scale_2: B {y:e}, A {x:e} (×{:.6})", y / x),
+                );
+            }
+        }
+        (Some(_), None) => {
+            scale_ok = false;
+            u.issue(IssueKind::MissingMember, "B has no weight_scale_2 (A does)");
+            u.missing_members.extend(qa.scale_2_name.clone());
+        }
+        (None, Some(_)) => u.notes.push("B has a weight_scale_2, A has none".into()),
+        (None, None) => {}
+    }
+    // input scale
+    let mut input_ok = true;
+    match (qa.input_scale, qb.input_scale) {
+        (Some(x), Some(y)) if same_scale(x, y) => {}
+        (Some(x), Some(y)) => {
+            let other = u.expert.filter(|e| e.proj != Proj::Down).and_then(|e| {
+                a_scalars(ExpertProj {
+                    proj: if e.proj == Proj::Gate {
+                        Proj::Up
+                    } else {
+                        Proj::Gate
+                    },
+                    ..e
+                })
+            });
+            let max = other.and_then(|o| o.input_scale).map(|o| o.max(x));
+            if qb.input_shared == Shared::W13Shared && max.is_some_and(|m| same_scale(m, y)) {
+                u.notes.push(format!(
+                    "input_scale: B holds max(gate, up) = {y:e} for w13 (as vLLM does: both GEMMs quantize the same input); A's own is {x:e}"
+                ));
+            } else if reciprocal_of(x, y) {
+                input_ok = false;
+                u.issue(
+                    IssueKind::InputScaleFlipped,
+                    format!("input_scale: B {y:e} = 1/A ({x:e}): a gs stored as input_scale — the convention is flipped"),
+                );
+            } else {
+                input_ok = false;
+                u.issue(
+                    IssueKind::InputScale,
+                    format!("input_scale: B {y:e}, A {x:e}"),
+                );
+            }
+        }
+        (Some(_), None) => {
+            input_ok = false;
+            u.issue(IssueKind::MissingMember, "B has no input_scale (A does)");
+            u.missing_members.extend(qa.input_name.clone());
+        }
+        (None, Some(_)) => u.notes.push("B has an input_scale, A has none".into()),
+        (None, None) => {}
+    }
+    u.bitwise_equal = codes_equal
+        && scale_ok
+        && input_ok
+        && sa.map(f32::to_bits) == sb.map(f32::to_bits)
+        && qa.input_scale.map(f32::to_bits) == qb.input_scale.map(f32::to_bits);
+    if codes_equal && scale_ok {
+        // identical codes and scales (the global scale up to the ulp a convention's reciprocal
+        // costs): the values are identical; no need to dequantize
+        let finish = std::mem::replace(u, UnitResult::new("", None));
+        let mut r = finish.finish(true);
+        if r.status == Status::Close && conv_ulp {
+            r.status = Status::Equal;
+        }
+        return r;
+    }
+    let m = metrics_qq(&a_m, &b_m);
+    let close = m.passes(opts.min_cosine);
+    if !codes_equal && !close {
+        u.issue(
+            IssueKind::Values,
+            format!(
+                "values differ: cosine {:.6}, max_abs_err {:.3e}{}",
+                m.cosine,
+                m.max_abs_err,
+                if m.nan_count + m.inf_count > 0 {
+                    format!(", {} NaN / {} Inf in B", m.nan_count, m.inf_count)
+                } else {
+                    String::new()
+                }
+            ),
+        );
+    }
+    u.metrics = Some(m);
+    std::mem::replace(u, UnitResult::new("", None)).finish(close)
+}
+
+fn dense_view<'a>(d: &DRaw<'a>) -> Option<DView<'a>> {
+    let es = (d.dtype.bitsize() / 8).max(1);
+    let (rows, cols) = match d.shape.as_slice() {
+        [] => (1, 1),
+        [n] => (1, *n),
+        s => (s[..s.len() - 1].iter().product(), s[s.len() - 1]),
+    };
+    Some(DView {
+        mat: Mat::dense(d.bytes, rows, cols * es)?,
+        dtype: d.dtype,
+    })
+}
+
+/// A's view restricted to B's TP shard: split along the one dim where A is `size` times B.
+fn shard_view<'a>(
+    a: &DRaw<'a>,
+    b_shape: &[usize],
+    tp: Option<(usize, usize)>,
+) -> Option<(DView<'a>, String)> {
+    let (r, n) = tp?;
+    if a.shape.len() != b_shape.len() {
+        return None;
+    }
+    let diff: Vec<usize> = (0..a.shape.len())
+        .filter(|&i| a.shape[i] != b_shape[i])
+        .collect();
+    let [d] = diff[..] else { return None };
+    if a.shape[d] != n * b_shape[d] {
+        return None;
+    }
+    let es = (a.dtype.bitsize() / 8).max(1);
+    let outer: usize = a.shape[..d].iter().product();
+    let inner: usize = a.shape[d + 1..].iter().product::<usize>() * es;
+    let full = Mat::dense(a.bytes, outer, a.shape[d] * inner)?;
+    let len = b_shape[d];
+    let mat = full.slice_cols(r * len * inner, len * inner)?;
+    Some((
+        DView {
+            mat,
+            dtype: a.dtype,
+        },
+        format!(
+            "B is TP slice {}..{} of dim {d} of A",
+            r * len,
+            (r + 1) * len
+        ),
+    ))
+}
+
+fn is_int(d: Dtype) -> bool {
+    matches!(
+        d,
+        Dtype::I8
+            | Dtype::U8
+            | Dtype::I16
+            | Dtype::U16
+            | Dtype::I32
+            | Dtype::U32
+            | Dtype::I64
+            | Dtype::U64
+            | Dtype::BOOL
+    )
+}
+
+fn ints(d: &DView) -> Option<Vec<i64>> {
+    let es = d.es();
+    let mut v = Vec::with_capacity(d.len());
+    for r in 0..d.mat.rows {
+        for c in d.mat.row(r).chunks_exact(es) {
+            v.push(match (d.dtype, es) {
+                (Dtype::I8, _) => c[0] as i8 as i64,
+                (Dtype::U8 | Dtype::BOOL, _) => c[0] as i64,
+                (Dtype::I16, _) => i16::from_le_bytes([c[0], c[1]]) as i64,
+                (Dtype::U16, _) => u16::from_le_bytes([c[0], c[1]]) as i64,
+                (Dtype::I32, _) => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                (Dtype::U32, _) => u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                (Dtype::I64 | Dtype::U64, _) => {
+                    i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
+                }
+                _ => return None,
+            });
+        }
+    }
+    Some(v)
+}
+
+fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitResult {
+    u.a = da.name.clone();
+    u.b = db.name.clone();
+    u.a_shape = da.shape.clone();
+    u.b_shape = db.shape.clone();
+    u.a_dtype = dname(da.dtype);
+    u.b_dtype = dname(db.dtype);
+    u.bytes = (da.bytes.len() + db.bytes.len()) as u64;
+    let done = |u: &mut UnitResult, close: bool| {
+        std::mem::replace(u, UnitResult::new("", None)).finish(close)
+    };
+    let (Some(va_full), Some(vb)) = (dense_view(da), dense_view(db)) else {
+        u.issue(IssueKind::Unreadable, "bytes do not fill the shape");
+        return done(u, false);
+    };
+    let va = if da.shape == db.shape {
+        va_full
+    } else if let Some((v, note)) = shard_view(da, &db.shape, opts.tp) {
+        u.notes.push(note);
+        v
+    } else if da.shape.len() == 2 && db.shape == [da.shape[1], da.shape[0]] {
+        let transposed = if da.dtype == db.dtype {
+            vb.mat.transposed_of(&va_full.mat, vb.es())
+        } else {
+            false
+        };
+        u.issue(
+            if transposed {
+                IssueKind::Transposed
+            } else {
+                IssueKind::Shape
+            },
+            if transposed {
+                format!("B holds A transposed: {:?} vs {:?}", db.shape, da.shape)
+            } else {
+                format!(
+                    "B {:?} vs A {:?}: transposed shape, different contents",
+                    db.shape, da.shape
+                )
+            },
+        );
+        return done(u, false);
+    } else {
+        u.issue(
+            IssueKind::Shape,
+            format!(
+                "B {:?} vs A {:?}{}",
+                db.shape,
+                da.shape,
+                shape_hint(&da.shape, &db.shape, opts.tp)
+            ),
+        );
+        return done(u, false);
+    };
+    if da.dtype == db.dtype && va.mat.same(&vb.mat) {
+        u.bitwise_equal = true;
+        return done(u, true);
+    }
+    if is_int(da.dtype) || is_int(db.dtype) {
+        match (ints(&va), ints(&vb)) {
+            (Some(x), Some(y)) if x.len() == y.len() => {
+                let diff: Vec<usize> = (0..x.len()).filter(|&i| x[i] != y[i]).collect();
+                if let Some(&i) = diff.first() {
+                    u.issue(
+                        IssueKind::Values,
+                        format!(
+                            "{} of {} integers differ; first at flat index {i}: B {}, A {}",
+                            diff.len(),
+                            x.len(),
+                            y[i],
+                            x[i]
+                        ),
+                    );
+                } else {
+                    u.notes.push(format!(
+                        "dtype differs (A {:?}, B {:?}), values identical",
+                        da.dtype, db.dtype
+                    ));
+                    u.bitwise_equal = false;
+                    let mut r = done(u, true);
+                    r.status = Status::Equal;
+                    return r;
+                }
+            }
+            _ => u.issue(
+                IssueKind::Dtype,
+                format!("A {:?}, B {:?}: not comparable", da.dtype, db.dtype),
+            ),
+        }
+        return done(u, false);
+    }
+    let Some(m) = metrics_any(&Values::D(va), &Values::D(vb)) else {
+        u.issue(
+            IssueKind::Dtype,
+            format!(
+                "A {:?}, B {:?}: a dtype this tool does not decode",
+                da.dtype, db.dtype
+            ),
+        );
+        return done(u, false);
+    };
+    let identical = m.max_abs_err == 0.0 && m.nan_count + m.inf_count == 0;
+    if da.dtype != db.dtype {
+        if identical {
+            u.notes.push(format!(
+                "dtype differs (A {:?}, B {:?}), values identical",
+                da.dtype, db.dtype
+            ));
+            u.metrics = Some(m);
+            let mut r = done(u, true);
+            r.status = Status::Equal;
+            return r;
+        }
+        u.issue(
+            IssueKind::Dtype,
+            format!(
+                "B holds {:?} where A holds {:?}: values changed (max_abs_err {:.3e}, cosine {:.6})",
+                db.dtype, da.dtype, m.max_abs_err, m.cosine
+            ),
+        );
+    } else if !m.passes(opts.min_cosine) {
+        u.issue(
+            IssueKind::Values,
+            format!(
+                "values differ: cosine {:.6}, max_abs_err {:.3e}",
+                m.cosine, m.max_abs_err
+            ),
+        );
+    }
+    let close = m.passes(opts.min_cosine);
+    u.metrics = Some(m);
+    done(u, close)
+}
+
+/// One side quantized, the other a float tensor (e.g. a BF16 engine that dequantized at load).
+fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bool) -> UnitResult {
+    let (qn, qs, qd) = (
+        q.weight_name.clone(),
+        q.weight_shape.clone(),
+        format!("{} ({})", dname(q.weight_dtype), q.format.name()),
+    );
+    let (dn, ds, dd) = (d.name.clone(), d.shape.clone(), dname(d.dtype));
+    if q_is_a {
+        (u.a, u.a_shape, u.a_dtype, u.b, u.b_shape, u.b_dtype) = (qn, qs, qd, dn, ds, dd);
+    } else {
+        (u.a, u.a_shape, u.a_dtype, u.b, u.b_shape, u.b_dtype) = (dn, ds, dd, qn, qs, qd);
+    }
+    u.bytes = (q.packed.len() + q.scales.unit_len(q.rows()) + d.bytes.len()) as u64;
+    let done = |u: &mut UnitResult, close: bool| {
+        std::mem::replace(u, UnitResult::new("", None)).finish(close)
+    };
+    let (qm, _) = match qmatrix(q, q.rows(), q.cols()) {
+        Ok(v) => v,
+        Err(e) => {
+            u.issue(
+                IssueKind::Unreadable,
+                format!("{}: {e}", if q_is_a { "A" } else { "B" }),
+            );
+            return done(u, false);
+        }
+    };
+    let Some(dv) = dense_view(d) else {
+        u.issue(IssueKind::Unreadable, "bytes do not fill the shape");
+        return done(u, false);
+    };
+    let (rq, rd) = ((qm.rows, qm.cols), (dv.mat.rows, dv.row_elems()));
+    // only A may be wider (B is the shard)
+    let qm = match if q_is_a {
+        align2(rq, rd, opts.tp)
+    } else {
+        (rq == rd).then_some(Align::Same)
+    } {
+        Some(Align::Same) => Some(qm),
+        Some(Align::Rows(r0)) => qm.rows_slice(r0, rd.0),
+        Some(Align::Cols(c0)) => qm.cols_slice(c0, rd.1),
+        None => None,
+    };
+    let Some(qm) = qm else {
+        u.issue(
+            IssueKind::Shape,
+            format!(
+                "B {:?} vs A {:?}{}",
+                u.b_shape,
+                u.a_shape,
+                shape_hint(&[rq.0, rq.1], &[rd.0, rd.1], opts.tp)
+            ),
+        );
+        return done(u, false);
+    };
+    u.notes.push(format!(
+        "{} holds this weight as {:?} (unquantized), {} as {}: compared after dequantization",
+        if q_is_a { "B" } else { "A" },
+        d.dtype,
+        if q_is_a { "A" } else { "B" },
+        q.format.name()
+    ));
+    let (qa, qb) = (Values::Q(&qm), Values::D(dv));
+    let m = if q_is_a {
+        metrics_any(&qa, &qb)
+    } else {
+        metrics_any(&qb, &qa)
+    };
+    let Some(m) = m else {
+        u.issue(
+            IssueKind::Dtype,
+            format!("{:?}: a dtype this tool does not decode", d.dtype),
+        );
+        return done(u, false);
+    };
+    let close = m.passes(opts.min_cosine);
+    if !close {
+        u.issue(
+            IssueKind::Values,
+            format!(
+                "values differ: cosine {:.6}, max_abs_err {:.3e}",
+                m.cosine, m.max_abs_err
+            ),
+        );
+    }
+    u.metrics = Some(m);
+    done(u, close)
+}
+
+/// A side's quantized matrix read at its own geometry (scales resolved; an ambiguous size
+/// read as linear).
+pub fn own_q<'a>(raw: &QRaw<'a>) -> Option<QMatrix<'a>> {
+    qmatrix(raw, raw.rows(), raw.cols()).ok().map(|(m, _)| m)
+}
+
+/// A's quantized matrix cut to B's geometry `target` (equal, or B's TP shard).
+pub fn aligned_q<'a>(
+    raw: &QRaw<'a>,
+    target: (usize, usize),
+    tp: Option<(usize, usize)>,
+) -> Option<QMatrix<'a>> {
+    let m = own_q(raw)?;
+    match align2((m.rows, m.cols), target, tp)? {
+        Align::Same => Some(m),
+        Align::Rows(r0) => m.rows_slice(r0, target.0),
+        Align::Cols(c0) => m.cols_slice(c0, target.1),
+    }
+}
+
+/// Metrics of B's matrix against A's, quantized or not, when the shapes agree.
+pub fn metrics_raw(a: &Raw, b: &Raw, tp: Option<(usize, usize)>) -> Option<Metrics> {
+    match (a, b) {
+        (Raw::Q(qa), Raw::Q(qb)) => {
+            let mb = own_q(qb)?;
+            let ma = aligned_q(qa, (mb.rows, mb.cols), tp)?;
+            Some(metrics_qq(&ma, &mb))
+        }
+        (Raw::D(da), Raw::D(db)) => {
+            let vb = dense_view(db)?;
+            let va = if da.shape == db.shape {
+                dense_view(da)?
+            } else {
+                shard_view(da, &db.shape, tp)?.0
+            };
+            metrics_any(&Values::D(va), &Values::D(vb))
+        }
+        _ => None,
+    }
+}
+
+/// The geometry a B unit has, that A units are cut to before fingerprinting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Geom {
+    Q(usize, usize),
+    D(Vec<usize>, Dtype),
+}
+
+/// Fingerprint of a unit at its own geometry, and that geometry.
+pub fn fingerprint_own(r: &Raw) -> Option<(u64, Geom)> {
+    match r {
+        Raw::Q(q) => {
+            let m = own_q(q)?;
+            Some((m.fingerprint(), Geom::Q(m.rows, m.cols)))
+        }
+        Raw::D(d) => Some((
+            dense_view(d)?.mat.fingerprint(),
+            Geom::D(d.shape.clone(), d.dtype),
+        )),
+    }
+}
+
+/// Fingerprint of A's unit cut to geometry `g` (B's shard).
+pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>) -> Option<u64> {
+    match (a, g) {
+        (Raw::Q(q), Geom::Q(r, c)) => Some(aligned_q(q, (*r, *c), tp)?.fingerprint()),
+        (Raw::D(d), Geom::D(shape, dtype)) if d.dtype == *dtype => {
+            let v = if &d.shape == shape {
+                dense_view(d)?
+            } else {
+                shard_view(d, shape, tp)?.0
+            };
+            Some(v.mat.fingerprint())
+        }
+        _ => None,
+    }
+}

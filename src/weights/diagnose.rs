@@ -1,0 +1,347 @@
+//! Diagnoses that name the bug: per-unit issues grouped by layer (transposed, global-scale
+//! convention flipped, vLLM's gate-only `w13_weight_scale_2`, swizzled scales), and, across
+//! the experts of a layer whose values differ, what B holds instead: gate and up swapped in
+//! an expert, the w13 halves in the other order for every expert, or another expert's weights
+//! (a permutation). Experts are matched by fingerprints of their codes (a misplaced expert
+//! moves bytes unchanged), with a cosine fallback for gate/up.
+
+use super::compare::{fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, UnitResult};
+use super::inventory::{expert_key, ExpertProj, Inventory};
+use super::load::SideRef;
+use crate::checkpoint::Proj;
+use rayon::prelude::*;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiagnosisKind {
+    GateUpSwapped,
+    W13OrderReversed,
+    ExpertPermutation,
+    Transposed,
+    #[serde(rename = "scale_2_flipped")]
+    Scale2Flipped,
+    #[serde(rename = "scale_2_gate_only")]
+    Scale2GateOnly,
+    InputScaleFlipped,
+    SwizzledScales,
+    EpShard,
+    /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
+    DerivedScale,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Diagnosis {
+    pub kind: DiagnosisKind,
+    pub layer: Option<usize>,
+    /// Experts concerned (global ids), when the diagnosis is about experts.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub experts: Vec<usize>,
+    /// Tensors (units) concerned.
+    pub tensors: usize,
+    pub message: String,
+    /// Does it fail the verdict (a bug), or describe a layout (a note)?
+    pub fails: bool,
+}
+
+fn list(v: &[usize]) -> String {
+    const SHOW: usize = 12;
+    let mut s: Vec<String> = v.iter().take(SHOW).map(|e| e.to_string()).collect();
+    if v.len() > SHOW {
+        s.push(format!("… ({} in all)", v.len()));
+    }
+    s.join(", ")
+}
+
+/// Group per-unit issues and layout notes into diagnoses, one per (kind, layer).
+pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
+    // (kind, layer) → (experts, tensors, an example message)
+    type Group = (BTreeSet<usize>, usize, String);
+    let mut groups: BTreeMap<(DiagnosisKind, Option<usize>), Group> = BTreeMap::new();
+    for r in results {
+        let layer = r.expert.map(|e| e.layer);
+        let mut kinds: Vec<(DiagnosisKind, String)> = r
+            .issues
+            .iter()
+            .filter_map(|i| {
+                let k = match i.kind {
+                    IssueKind::Transposed => DiagnosisKind::Transposed,
+                    IssueKind::Scale2Flipped => DiagnosisKind::Scale2Flipped,
+                    IssueKind::Scale2GateOnly => DiagnosisKind::Scale2GateOnly,
+                    IssueKind::InputScaleFlipped => DiagnosisKind::InputScaleFlipped,
+                    _ => return None,
+                };
+                Some((k, i.message.clone()))
+            })
+            .collect();
+        if r.b_scales == Some(super::view::ScalesSeen::Swizzled) {
+            kinds.push((DiagnosisKind::SwizzledScales, String::new()));
+        }
+        for (k, msg) in kinds {
+            let g = groups
+                .entry((k, layer))
+                .or_insert_with(|| (BTreeSet::new(), 0, msg));
+            g.1 += 1;
+            if let Some(e) = r.expert {
+                g.0.insert(e.expert);
+            }
+        }
+    }
+    groups
+        .into_iter()
+        .map(|((kind, layer), (experts, n, example))| {
+            let experts: Vec<usize> = experts.into_iter().collect();
+            let where_ = match layer {
+                Some(l) => format!("layer {l}: "),
+                None => String::new(),
+            };
+            let message = match kind {
+                DiagnosisKind::Transposed => format!("{where_}{n} tensor(s) stored transposed; e.g. {example}"),
+                DiagnosisKind::Scale2Flipped => format!(
+                    "{where_}{n} tensor(s) hold 1/weight_scale_2 (a compressed-tensors gs) where weight_scale_2 belongs; e.g. {example}"
+                ),
+                DiagnosisKind::Scale2GateOnly => format!(
+                    "{where_}the up_proj of {n} expert(s) ({}) uses the gate's weight_scale_2: vLLM keeps one w13_weight_scale_2 per expert (w1's); e.g. {example}",
+                    list(&experts)
+                ),
+                DiagnosisKind::InputScaleFlipped => format!(
+                    "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
+                ),
+                DiagnosisKind::SwizzledScales => format!(
+                    "{where_}B's block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling"
+                ),
+                _ => example,
+            };
+            Diagnosis {
+                kind,
+                layer,
+                fails: kind != DiagnosisKind::SwizzledScales,
+                experts,
+                tensors: n,
+                message,
+            }
+        })
+        .collect()
+}
+
+/// Cross-expert diagnoses for the layers where some expert's values differ. Messages of the
+/// explained units get the explanation appended.
+pub fn cross_expert(
+    results: &mut [UnitResult],
+    a: &SideRef,
+    b: &SideRef,
+    a_inv: &Inventory,
+    b_inv: &Inventory,
+    tp: Option<(usize, usize)>,
+    min_cosine: f64,
+) -> Vec<Diagnosis> {
+    let by_key: HashMap<String, usize> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.name.clone(), i))
+        .collect();
+    let bad = |r: &UnitResult| r.issues.iter().any(|i| i.kind == IssueKind::Values);
+    let layers: BTreeSet<usize> = results
+        .iter()
+        .filter(|r| bad(r))
+        .filter_map(|r| r.expert.map(|e| e.layer))
+        .collect();
+    let mut out = vec![];
+    for layer in layers {
+        let units_of = |inv: &Inventory| -> Vec<(ExpertProj, super::inventory::Source)> {
+            inv.units
+                .values()
+                .filter_map(|u| {
+                    u.expert
+                        .filter(|e| e.layer == layer)
+                        .map(|e| (e, u.source.clone()))
+                })
+                .collect()
+        };
+        let b_units = units_of(b_inv);
+        let a_units = units_of(a_inv);
+        // B fingerprints and per-projection geometry
+        let fp_b: HashMap<ExpertProj, (u64, Geom)> = b_units
+            .par_iter()
+            .filter_map(|(e, s)| Some((*e, fingerprint_own(&b.load(s).ok()?)?)))
+            .collect();
+        let mut geom: HashMap<Proj, Geom> = HashMap::new();
+        for (e, (_, g)) in &fp_b {
+            geom.entry(e.proj).or_insert_with(|| g.clone());
+        }
+        // A fingerprints cut to B's geometry (gate and up share one)
+        let fp_a: HashMap<ExpertProj, u64> = a_units
+            .par_iter()
+            .filter_map(|(e, s)| {
+                let g = geom.get(&e.proj)?;
+                Some((*e, fingerprint_as(&a.load(s).ok()?, g, tp)?))
+            })
+            .collect();
+        let bad_set: std::collections::HashSet<ExpertProj> = results
+            .iter()
+            .filter(|r| bad(r))
+            .filter_map(|r| r.expert)
+            .collect();
+        let is_bad = |e: &ExpertProj| bad_set.contains(e);
+        let b_experts: BTreeSet<usize> = fp_b.keys().map(|e| e.expert).collect();
+        let ep = |expert, proj| ExpertProj {
+            layer,
+            expert,
+            proj,
+        };
+        let src_of = |units: &[(ExpertProj, super::inventory::Source)], e: ExpertProj| {
+            units.iter().find(|(x, _)| *x == e).map(|(_, s)| s.clone())
+        };
+
+        // gate and up swapped
+        let mut swapped: Vec<usize> = vec![];
+        let with_w13: Vec<usize> = b_experts
+            .iter()
+            .copied()
+            .filter(|&e| {
+                fp_b.contains_key(&ep(e, Proj::Gate)) && fp_b.contains_key(&ep(e, Proj::Up))
+            })
+            .collect();
+        for &e in &with_w13 {
+            let (g, u) = (ep(e, Proj::Gate), ep(e, Proj::Up));
+            if !(is_bad(&g) && is_bad(&u)) {
+                continue;
+            }
+            let by_fp = matches!(
+                (fp_b.get(&g), fp_b.get(&u), fp_a.get(&g), fp_a.get(&u)),
+                (Some((bg, _)), Some((bu, _)), Some(ag), Some(au)) if bg == au && bu == ag && ag != au
+            );
+            let by_cosine = !by_fp && {
+                let pair = |ax: ExpertProj, bx: ExpertProj| {
+                    let (sa, sb) = (src_of(&a_units, ax)?, src_of(&b_units, bx)?);
+                    metrics_raw(&a.load(&sa).ok()?, &b.load(&sb).ok()?, tp)
+                };
+                pair(u, g).is_some_and(|m| m.passes(min_cosine))
+                    && pair(g, u).is_some_and(|m| m.passes(min_cosine))
+            };
+            if by_fp || by_cosine {
+                swapped.push(e);
+            }
+        }
+        if !swapped.is_empty() {
+            let all = swapped.len() == with_w13.len() && swapped.len() >= 2;
+            let (kind, message) = if all {
+                (
+                    DiagnosisKind::W13OrderReversed,
+                    format!(
+                        "layer {layer}: gate/up order reversed in w13 for all {} experts: B's gate holds A's up_proj \
+                         (w3) and B's up holds A's gate_proj (w1) — w13 = [w3; w1] where [w1; w3] is expected \
+                         (FlashInfer / TRT-LLM kernels take [w3; w1], vLLM's fused MoE [w1; w3])",
+                        swapped.len()
+                    ),
+                )
+            } else {
+                (
+                    DiagnosisKind::GateUpSwapped,
+                    format!(
+                        "layer {layer}: gate and up swapped in expert(s) {}: B's gate_proj is A's up_proj and vice versa",
+                        list(&swapped)
+                    ),
+                )
+            };
+            for &e in &swapped {
+                for p in [Proj::Gate, Proj::Up] {
+                    annotate(results, &by_key, ep(e, p), &message);
+                }
+            }
+            out.push(Diagnosis {
+                kind,
+                layer: Some(layer),
+                tensors: swapped.len() * 2,
+                experts: swapped.clone(),
+                message,
+                fails: true,
+            });
+        }
+
+        // another expert's weights
+        let mut by_fp_a: HashMap<(u64, Proj), BTreeSet<usize>> = HashMap::new();
+        for (e, fp) in &fp_a {
+            by_fp_a.entry((*fp, e.proj)).or_default().insert(e.expert);
+        }
+        let mut perm: Vec<(usize, usize)> = vec![];
+        for &e in &b_experts {
+            if swapped.contains(&e) {
+                continue;
+            }
+            let projs: Vec<Proj> = Proj::ALL
+                .into_iter()
+                .filter(|&p| fp_b.contains_key(&ep(e, p)))
+                .collect();
+            if !projs.iter().any(|&p| is_bad(&ep(e, p))) {
+                continue;
+            }
+            let mut cand: Option<BTreeSet<usize>> = None;
+            for &p in &projs {
+                let s = fp_b
+                    .get(&ep(e, p))
+                    .and_then(|(fp, _)| by_fp_a.get(&(*fp, p)))
+                    .cloned()
+                    .unwrap_or_default();
+                cand = Some(match cand {
+                    None => s,
+                    Some(c) => c.intersection(&s).copied().collect(),
+                });
+            }
+            if let Some(&other) = cand.unwrap_or_default().iter().find(|&&x| x != e) {
+                perm.push((e, other));
+            }
+        }
+        if !perm.is_empty() {
+            let offsets: BTreeSet<i64> = perm.iter().map(|&(e, o)| o as i64 - e as i64).collect();
+            let shown: Vec<String> = perm
+                .iter()
+                .take(12)
+                .map(|(e, o)| format!("{e}←{o}"))
+                .collect();
+            let mut message = format!(
+                "layer {layer}: {} expert(s) of B hold another expert of A (B's expert ← A's expert): {}{}",
+                perm.len(),
+                shown.join(", "),
+                if perm.len() > 12 { ", …" } else { "" }
+            );
+            if let (1, Some(&off)) = (offsets.len(), offsets.iter().next()) {
+                message.push_str(&format!(
+                    "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
+                ));
+            }
+            for &(e, o) in &perm {
+                for p in Proj::ALL {
+                    annotate(
+                        results,
+                        &by_key,
+                        ep(e, p),
+                        &format!("B's expert {e} holds A's expert {o}"),
+                    );
+                }
+            }
+            out.push(Diagnosis {
+                kind: DiagnosisKind::ExpertPermutation,
+                layer: Some(layer),
+                experts: perm.iter().map(|&(e, _)| e).collect(),
+                tensors: perm.len(),
+                message,
+                fails: true,
+            });
+        }
+    }
+    out
+}
+
+fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {
+    if let Some(&i) = by_key.get(&expert_key(e.layer, e.expert, e.proj)) {
+        if let Some(issue) = results[i]
+            .issues
+            .iter_mut()
+            .find(|i| i.kind == IssueKind::Values)
+        {
+            issue.message.push_str(&format!(" — {why}"));
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! Reading one unit of one side: a quantized linear (triple or fused slice) as packed codes +
+//! raw block scales + global scales, or a plain tensor as bytes. Nothing is copied: the views
+//! point into the memory maps. What cannot be read is an `Err(String)` saying why; the caller
+//! reports it against the unit.
+
+use super::inventory::{Inventory, Source};
+use super::rules::Renamed;
+use super::view::{Mat, RawScales};
+use crate::checkpoint::formats::{input_scale, weight_scale_2};
+use crate::checkpoint::{Convention, Proj, TensorSource};
+use crate::nvfp4::Format;
+use safetensors::Dtype;
+
+/// How a global scale was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shared {
+    /// One value for this projection alone.
+    Own,
+    /// A fused `[E]` tensor: gate and up share one value (vLLM keeps one for w13).
+    W13Shared,
+}
+
+/// A quantized linear of one side.
+#[derive(Clone, Debug)]
+pub struct QRaw<'a> {
+    pub format: Format,
+    pub packed: Mat<'a>,
+    pub scales: RawScales<'a>,
+    /// Dequant direction (`weight_scale_2`, or `1/weight_global_scale`); 1 for MXFP4.
+    pub scale_2: Option<f32>,
+    pub scale_2_shared: Shared,
+    /// Stored under compressed-tensors' reciprocal names.
+    pub reciprocal_names: bool,
+    /// Dequant direction.
+    pub input_scale: Option<f32>,
+    pub input_shared: Shared,
+    /// Where the codes live, for messages (`file tensor` or `tensor[index]`).
+    pub weight_name: String,
+    pub weight_shape: Vec<usize>,
+    pub weight_dtype: Dtype,
+    pub scale_dtype: Dtype,
+    pub scale_name: String,
+    /// Original names of the global scales, when stored (for the `missing` list).
+    pub scale_2_name: Option<String>,
+    pub input_name: Option<String>,
+}
+
+impl QRaw<'_> {
+    pub fn rows(&self) -> usize {
+        self.packed.rows
+    }
+    pub fn cols(&self) -> usize {
+        self.packed.row_bytes * 2
+    }
+}
+
+/// A plain tensor of one side (or a slice of a fused float tensor).
+#[derive(Clone, Debug)]
+pub struct DRaw<'a> {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub bytes: &'a [u8],
+    pub name: String,
+}
+
+#[derive(Clone, Debug)]
+pub enum Raw<'a> {
+    Q(QRaw<'a>),
+    D(DRaw<'a>),
+}
+
+/// One side, for loading.
+pub struct SideRef<'a> {
+    pub src: &'a Renamed<'a>,
+    pub inv: &'a Inventory,
+    /// "A" or "B", for messages.
+    pub label: &'static str,
+}
+
+fn dtype_of(src: &Renamed, name: &str) -> Result<(Dtype, Vec<usize>), String> {
+    src.tensor_info(name)
+        .map(|t| (t.dtype, t.shape.clone()))
+        .map_err(|e| e.to_string())
+}
+
+fn bytes_of<'a>(src: &'a Renamed, name: &str) -> Result<&'a [u8], String> {
+    src.tensor_bytes(name).map_err(|e| e.to_string())
+}
+
+impl<'a> SideRef<'a> {
+    pub fn load(&self, source: &Source) -> Result<Raw<'a>, String> {
+        match source {
+            Source::Linear(ln) => self.load_linear(ln).map(Raw::Q),
+            Source::Fused(f) => self.load_fused(f.layer, f.proj, f.index),
+            Source::Tensor(name) => {
+                let (dtype, shape) = dtype_of(self.src, name)?;
+                Ok(Raw::D(DRaw {
+                    dtype,
+                    shape,
+                    bytes: bytes_of(self.src, name)?,
+                    name: self.src.original(name).to_string(),
+                }))
+            }
+        }
+    }
+
+    fn load_linear(&self, ln: &crate::checkpoint::LinearNames) -> Result<QRaw<'a>, String> {
+        let src = self.src;
+        let (wd, ws) = dtype_of(src, &ln.weight)?;
+        let (sd, _) = dtype_of(src, &ln.weight_scale)?;
+        if !matches!(wd, Dtype::U8 | Dtype::I8) || ws.len() != 2 {
+            return Err(format!(
+                "`{}`: a packed FP4 weight is U8 [N, K/2], found {wd:?} {ws:?}",
+                src.original(&ln.weight)
+            ));
+        }
+        let bytes = bytes_of(src, &ln.weight)?;
+        let packed = Mat::dense(bytes, ws[0], ws[1])
+            .ok_or_else(|| format!("`{}`: bytes do not fill {ws:?}", src.original(&ln.weight)))?;
+        let format = if ln.convention == Convention::Mxfp4 {
+            Format::Mxfp4
+        } else {
+            Format::Nvfp4
+        };
+        let scale_2 = match (&ln.global_scale, format) {
+            (_, Format::Mxfp4) => Some(1.0),
+            (None, _) => None,
+            (Some(_), _) => Some(weight_scale_2(src, ln).map_err(|e| e.to_string())?),
+        };
+        Ok(QRaw {
+            format,
+            packed,
+            scales: RawScales {
+                region: bytes_of(src, &ln.weight_scale)?,
+                region_rows: ws[0],
+                row0: 0,
+            },
+            scale_2,
+            scale_2_shared: Shared::Own,
+            reciprocal_names: ln.convention == Convention::CompressedTensors,
+            input_scale: input_scale(src, ln).map_err(|e| e.to_string())?,
+            input_shared: Shared::Own,
+            weight_name: src.original(&ln.weight).to_string(),
+            weight_shape: ws,
+            weight_dtype: wd,
+            scale_dtype: sd,
+            scale_name: src.original(&ln.weight_scale).to_string(),
+            scale_2_name: ln
+                .global_scale
+                .as_deref()
+                .map(|n| src.original(n).to_string()),
+            input_name: ln
+                .input_scale
+                .as_deref()
+                .map(|n| src.original(n).to_string()),
+        })
+    }
+
+    /// A per-expert value of a fused `[E]`, `[E, 1]` or `[E, 2]` scale tensor; `reciprocal`
+    /// for compressed-tensors' quant-direction names.
+    fn fused_scalar(
+        &self,
+        name: &str,
+        index: usize,
+        experts: usize,
+        proj: Proj,
+        reciprocal: bool,
+    ) -> Result<(f32, Shared), String> {
+        let (_, shape) = dtype_of(self.src, name)?;
+        let v = self.src.tensor_f32(name).map_err(|e| e.to_string())?;
+        let (val, shared) = match shape.as_slice() {
+            [e] | [e, 1] if *e == experts => (v[index], Shared::W13Shared),
+            [e, 2] if *e == experts => (v[index * 2 + usize::from(proj == Proj::Up)], Shared::Own),
+            _ => {
+                return Err(format!(
+                    "`{}`: shape {shape:?}, expected [{experts}] or [{experts}, 2]",
+                    self.src.original(name)
+                ))
+            }
+        };
+        let val = if reciprocal {
+            crate::nvfp4::rcp(val)
+        } else {
+            val
+        };
+        // w2 has one projection: "shared" means nothing there
+        let shared = if proj == Proj::Down {
+            Shared::Own
+        } else {
+            shared
+        };
+        Ok((val, shared))
+    }
+
+    fn load_fused(&self, layer: usize, proj: Proj, index: usize) -> Result<Raw<'a>, String> {
+        let src = self.src;
+        let fl = self
+            .inv
+            .fused
+            .get(&layer)
+            .ok_or_else(|| format!("layer {layer}: no fused tensors"))?;
+        let w13 = proj != Proj::Down;
+        let wname = fl
+            .member(w13, "weight")
+            .ok_or_else(|| format!("layer {layer}: no fused weight"))?;
+        let (wd, ws) = dtype_of(src, wname)?;
+        let [e, r_all, c] = ws[..] else {
+            return Err(format!(
+                "`{}`: shape {ws:?} is not [experts, rows, cols]",
+                src.original(wname)
+            ));
+        };
+        if index >= e {
+            return Err(format!(
+                "index {index} beyond the {e} experts of `{}`",
+                src.original(wname)
+            ));
+        }
+        if w13 && r_all % 2 != 0 {
+            return Err(format!(
+                "`{}`: {r_all} rows cannot hold gate and up halves",
+                src.original(wname)
+            ));
+        }
+        let (row0, rows) = match proj {
+            Proj::Gate => (0, r_all / 2),
+            Proj::Up => (r_all / 2, r_all / 2),
+            Proj::Down => (0, r_all),
+        };
+        let label = format!(
+            "{}[{index}]{}",
+            src.original(wname),
+            match proj {
+                Proj::Gate => " rows 0..I (gate)",
+                Proj::Up => " rows I..2I (up)",
+                Proj::Down => "",
+            }
+        );
+        let bytes = bytes_of(src, wname)?;
+        if !matches!(wd, Dtype::U8 | Dtype::I8) {
+            // a BF16 (unquantized) engine: the slice is a plain matrix
+            let es = wd.bitsize() / 8;
+            let per = r_all * c * es;
+            let start = index * per + row0 * c * es;
+            let slice = bytes
+                .get(start..start + rows * c * es)
+                .ok_or_else(|| format!("`{}`: too short for its shape", src.original(wname)))?;
+            return Ok(Raw::D(DRaw {
+                dtype: wd,
+                shape: vec![rows, c],
+                bytes: slice,
+                name: label,
+            }));
+        }
+        let per = r_all * c;
+        let expert_bytes = bytes
+            .get(index * per..(index + 1) * per)
+            .ok_or_else(|| format!("`{}`: too short for its shape", src.original(wname)))?;
+        let packed = Mat::dense(expert_bytes, r_all, c)
+            .and_then(|m| m.slice_rows(row0, rows))
+            .ok_or_else(|| format!("`{}`: bad shape", src.original(wname)))?;
+        let sname = fl.member(w13, "weight_scale").ok_or_else(|| {
+            format!(
+                "`{}` has no block scales (`..._weight_scale`)",
+                src.original(wname)
+            )
+        })?;
+        let (sd, _) = dtype_of(src, sname)?;
+        let sbytes = bytes_of(src, sname)?;
+        if sbytes.len() % e != 0 {
+            return Err(format!(
+                "`{}`: {} bytes do not split into {e} experts",
+                src.original(sname),
+                sbytes.len()
+            ));
+        }
+        let sper = sbytes.len() / e;
+        let format = if sd == Dtype::F8_E8M0 || (sd == Dtype::U8 && sper == r_all * (2 * c / 32)) {
+            Format::Mxfp4
+        } else {
+            Format::Nvfp4
+        };
+        let (scale_2, scale_2_shared, recip) = match (
+            format,
+            fl.member(w13, "weight_scale_2"),
+            fl.member(w13, "weight_global_scale"),
+        ) {
+            (Format::Mxfp4, _, _) => (Some(1.0), Shared::Own, false),
+            (_, Some(n), _) => {
+                let (v, s) = self.fused_scalar(n, index, e, proj, false)?;
+                (Some(v), s, false)
+            }
+            (_, None, Some(n)) => {
+                let (v, s) = self.fused_scalar(n, index, e, proj, true)?;
+                (Some(v), s, true)
+            }
+            _ => (None, Shared::Own, false),
+        };
+        let (input_scale, input_shared) = match (
+            fl.member(w13, "input_scale"),
+            fl.member(w13, "input_global_scale"),
+        ) {
+            (Some(n), _) => {
+                let (v, s) = self.fused_scalar(n, index, e, proj, false)?;
+                (Some(v), s)
+            }
+            (None, Some(n)) => {
+                let (v, s) = self.fused_scalar(n, index, e, proj, true)?;
+                (Some(v), s)
+            }
+            _ => (None, Shared::Own),
+        };
+        Ok(Raw::Q(QRaw {
+            format,
+            packed,
+            scales: RawScales {
+                region: &sbytes[index * sper..(index + 1) * sper],
+                region_rows: r_all,
+                row0,
+            },
+            scale_2,
+            scale_2_shared,
+            reciprocal_names: recip,
+            input_scale,
+            input_shared,
+            weight_name: label,
+            weight_shape: vec![rows, c],
+            weight_dtype: wd,
+            scale_dtype: sd,
+            scale_name: format!("{}[{index}]", src.original(sname)),
+            scale_2_name: fl
+                .member(w13, "weight_scale_2")
+                .or(fl.member(w13, "weight_global_scale"))
+                .map(|n| format!("{}[{index}]", src.original(n))),
+            input_name: fl
+                .member(w13, "input_scale")
+                .or(fl.member(w13, "input_global_scale"))
+                .map(|n| format!("{}[{index}]", src.original(n))),
+        }))
+    }
+}

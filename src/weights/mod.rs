@@ -1,0 +1,408 @@
+//! `compare-weights` logic (H3): did the engine load what the checkpoint holds? Two weight
+//! sets — checkpoint directories or single safetensors files (an engine's state-dict dump is
+//! one) — are brought under shared names (HF-V3, native-V4 and vLLM-fused names detected;
+//! `--strip-prefix` / `--map` renames), paired unit by unit, and compared: bytes first
+//! (memory-mapped, memcmp speed), values after dequantization only where bytes differ.
+//! A is the reference (the checkpoint), B the test (the engine's shard: TP and EP apply to B).
+
+pub mod compare;
+pub mod derived;
+pub mod diagnose;
+pub mod inventory;
+pub mod load;
+pub mod rules;
+pub mod view;
+
+use crate::checkpoint::{Checkpoint, TensorSource};
+use crate::error::Result;
+use crate::moe::ep::{ExpertMap, Placement};
+use compare::{AScalars, Status, UnitResult};
+use diagnose::{Diagnosis, DiagnosisKind};
+use inventory::{ExpertProj, Inventory, Source, Unit};
+use load::{Raw, SideRef};
+use rayon::prelude::*;
+use rules::{Renamed, Renames, Side};
+use serde::Serialize;
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub renames: Renames,
+    /// `(rank, size)`: B is tensor-parallel rank `rank` of `size`.
+    pub tp: Option<(usize, usize)>,
+    /// `(rank, size, placement)`: B holds expert-parallel rank `rank`'s experts.
+    pub ep: Option<(usize, usize, Placement)>,
+    pub min_cosine: f64,
+}
+
+/// The two weight sets, opened (memory-mapped, headers validated).
+pub struct Inputs {
+    pub a: Checkpoint,
+    pub b: Checkpoint,
+}
+
+impl Inputs {
+    pub fn open(a: &Path, b: &Path) -> Result<Inputs> {
+        Ok(Inputs {
+            a: Checkpoint::open(a)?,
+            b: Checkpoint::open(b)?,
+        })
+    }
+}
+
+/// The paired units, ready to compare.
+pub struct Plan<'a> {
+    opts: &'a Options,
+    a: Renamed<'a>,
+    b: Renamed<'a>,
+    a_inv: Inventory,
+    b_inv: Inventory,
+    pairs: Vec<(String, String)>,
+    missing: Vec<String>,
+    extra: Vec<String>,
+    skipped_ep: usize,
+    diagnoses: Vec<Diagnosis>,
+    notes: Vec<String>,
+    a_scalars: HashMap<ExpertProj, AScalars>,
+}
+
+/// Everything `compare-weights` found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Comparison {
+    pub a_naming: Option<String>,
+    pub b_naming: Option<String>,
+    pub units: usize,
+    pub equal: usize,
+    pub close: usize,
+    pub mismatched: usize,
+    /// A's experts that EP rank `r` does not hold (not expected in B).
+    pub skipped_ep: usize,
+    pub bytes: u64,
+    pub mismatches: Vec<UnitResult>,
+    /// Not bitwise identical but close: listed for the record.
+    pub close_units: Vec<UnitResult>,
+    pub missing: Vec<String>,
+    pub extra: Vec<String>,
+    pub diagnoses: Vec<Diagnosis>,
+    pub notes: Vec<String>,
+}
+
+impl Comparison {
+    pub fn passed(&self) -> bool {
+        self.mismatched == 0
+            && self.missing.is_empty()
+            && self.extra.is_empty()
+            && !self.diagnoses.iter().any(|d| d.fails)
+    }
+}
+
+fn naming_name(inv: &Inventory) -> Option<String> {
+    inv.naming.as_ref().map(|n| {
+        let s = serde_json::to_value(n.scheme)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default();
+        format!("{s} (prefix `{}`)", n.prefix)
+    })
+}
+
+/// Drop this process's mapping of a unit's own tensors (not of fused tensors other units share).
+fn release(src: &Renamed, s: &Source) {
+    let names: Vec<&str> = match s {
+        Source::Linear(ln) => {
+            let mut v = vec![ln.weight.as_str(), ln.weight_scale.as_str()];
+            v.extend(ln.global_scale.as_deref());
+            v.extend(ln.input_scale.as_deref());
+            v
+        }
+        Source::Tensor(t) => vec![t.as_str()],
+        Source::Fused(_) => vec![],
+    };
+    for n in names {
+        if let Some((f, t)) = src.locate(n) {
+            f.release(t);
+        }
+    }
+}
+
+/// Names a unit stands for in its side (for the missing / extra lists).
+fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
+    match &u.source {
+        Source::Linear(ln) => {
+            let mut v = vec![ln.weight.clone(), ln.weight_scale.clone()];
+            v.extend(ln.global_scale.clone());
+            v.extend(ln.input_scale.clone());
+            v.into_iter()
+                .map(|n| src.original(&n).to_string())
+                .collect()
+        }
+        Source::Tensor(t) => vec![src.original(t).to_string()],
+        Source::Fused(f) => vec![format!(
+            "{} (fused, layer {} index {})",
+            u.key, f.layer, f.index
+        )],
+    }
+}
+
+impl<'a> Plan<'a> {
+    pub fn new(inputs: &'a Inputs, opts: &'a Options) -> Result<Plan<'a>> {
+        let a = Renamed::new(&inputs.a, &opts.renames, Side::A)?;
+        let b = Renamed::new(&inputs.b, &opts.renames, Side::B)?;
+        let a_inv = Inventory::build(&a, None)?;
+        let mut notes = vec![];
+        let mut diagnoses = vec![];
+        let map = match opts.ep {
+            Some((rank, size, placement)) => {
+                let e = inputs
+                    .a
+                    .config()
+                    .ok()
+                    .map(|c| c.moe.n_routed_experts)
+                    .unwrap_or_else(|| a_inv.expert_count());
+                Some(ExpertMap::new(e, rank, size, placement)?)
+            }
+            None => None,
+        };
+        let b_inv = Inventory::build(&b, map.as_ref())?;
+        if let Some(m) = &map {
+            notes.push(format!(
+                "B is EP rank {} of {} ({}): experts {} of {}",
+                m.ep_rank,
+                m.ep_size,
+                m.placement.name(),
+                m.describe_owned(),
+                m.num_experts
+            ));
+            for fl in b_inv.fused.values() {
+                if fl.experts != m.num_local() {
+                    diagnoses.push(Diagnosis {
+                        kind: DiagnosisKind::EpShard,
+                        layer: Some(fl.layer),
+                        experts: vec![],
+                        tensors: 1,
+                        message: format!(
+                            "layer {}: B's fused tensors hold {} experts; EP rank {} of {} ({}) holds {} of the {} experts",
+                            fl.layer,
+                            fl.experts,
+                            m.ep_rank,
+                            m.ep_size,
+                            m.placement.name(),
+                            m.num_local(),
+                            m.num_experts
+                        ),
+                        fails: true,
+                    });
+                }
+            }
+        } else {
+            let e_a = a_inv.expert_count();
+            for fl in b_inv.fused.values() {
+                if fl.experts < e_a {
+                    notes.push(format!(
+                        "layer {}: B's fused tensors hold {} of A's {e_a} experts: an expert-parallel shard? pass --ep-rank/--ep-size",
+                        fl.layer, fl.experts
+                    ));
+                }
+            }
+        }
+        if let Some((r, n)) = opts.tp {
+            notes.push(format!("B is TP rank {r} of {n}: column-parallel tensors compared against A's row slice, row-parallel against its column slice"));
+        }
+        let mut pairs = vec![];
+        let mut missing = vec![];
+        let mut extra = vec![];
+        let mut skipped_ep = 0;
+        for (k, ua) in &a_inv.units {
+            if b_inv.units.contains_key(k) {
+                pairs.push((k.clone(), k.clone()));
+            } else if let (Some(m), Some(e)) = (&map, ua.expert) {
+                if m.owns(e.expert as i64) {
+                    missing.extend(member_names(&a, ua));
+                } else {
+                    skipped_ep += 1;
+                }
+            } else {
+                missing.extend(member_names(&a, ua));
+            }
+        }
+        for (k, ub) in &b_inv.units {
+            if !a_inv.units.contains_key(k) {
+                extra.extend(member_names(&b, ub));
+                if let (Some(m), Some(e)) = (&map, ub.expert) {
+                    if !m.owns(e.expert as i64) {
+                        notes.push(format!(
+                            "B holds expert {} (`{k}`), which EP rank {} does not own",
+                            e.expert, m.ep_rank
+                        ));
+                    }
+                }
+            }
+        }
+        // A's global scales per expert projection: the fused-w13 checks compare B's one value
+        // with A's gate and up
+        let a_ref = SideRef {
+            src: &a,
+            inv: &a_inv,
+            label: "A",
+        };
+        let a_scalars: HashMap<ExpertProj, AScalars> = if b_inv.fused.is_empty() {
+            HashMap::new()
+        } else {
+            a_inv
+                .units
+                .values()
+                .filter_map(|u| {
+                    let e = u.expert?;
+                    match a_ref.load(&u.source).ok()? {
+                        Raw::Q(q) => Some((
+                            e,
+                            AScalars {
+                                scale_2: q.scale_2,
+                                input_scale: q.input_scale,
+                            },
+                        )),
+                        Raw::D(_) => None,
+                    }
+                })
+                .collect()
+        };
+        for fl in b_inv.fused.values() {
+            derived::check(&b, fl, &a_scalars, &mut diagnoses, &mut notes);
+        }
+        Ok(Plan {
+            opts,
+            a,
+            b,
+            a_inv,
+            b_inv,
+            pairs,
+            missing,
+            extra,
+            skipped_ep,
+            diagnoses,
+            notes,
+            a_scalars,
+        })
+    }
+
+    /// Units to compare (for a progress bar).
+    pub fn len(&self) -> usize {
+        self.pairs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pairs.is_empty()
+    }
+
+    /// Compare every pair; `tick` is called once per unit done (from worker threads).
+    pub fn run(self, tick: &(dyn Fn() + Sync)) -> Comparison {
+        let a = SideRef {
+            src: &self.a,
+            inv: &self.a_inv,
+            label: "A",
+        };
+        let b = SideRef {
+            src: &self.b,
+            inv: &self.b_inv,
+            label: "B",
+        };
+        let copts = compare::Options {
+            tp: self.opts.tp,
+            min_cosine: self.opts.min_cosine,
+        };
+        let lookup = |e: ExpertProj| self.a_scalars.get(&e).copied();
+        let mut results: Vec<UnitResult> = self
+            .pairs
+            .par_iter()
+            .map(|(ka, kb)| {
+                let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
+                let r = match (a.load(&ua.source), b.load(&ub.source)) {
+                    (Ok(ra), Ok(rb)) => compare::compare(ka, ua.expert, &ra, &rb, &copts, &lookup),
+                    (ra, rb) => {
+                        let mut u = UnitResult::new(ka, ua.expert);
+                        for (side, r) in [("A", ra.err()), ("B", rb.err())] {
+                            if let Some(e) = r {
+                                u.issue(compare::IssueKind::Unreadable, format!("{side}: {e}"));
+                            }
+                        }
+                        u.status = Status::Mismatch;
+                        u
+                    }
+                };
+                // the page cache keeps the bytes; unmapping them keeps this process's page
+                // tables at one unit's size on a checkpoint of hundreds of GB
+                release(&self.a, &ua.source);
+                release(&self.b, &ub.source);
+                tick();
+                r
+            })
+            .collect();
+        let mut diagnoses = self.diagnoses;
+        diagnoses.extend(diagnose::from_units(&results));
+        diagnoses.extend(diagnose::cross_expert(
+            &mut results,
+            &a,
+            &b,
+            &self.a_inv,
+            &self.b_inv,
+            self.opts.tp,
+            self.opts.min_cosine,
+        ));
+        let mut missing = self.missing;
+        for r in &results {
+            missing.extend(r.missing_members.iter().cloned());
+        }
+        let mut notes = self.notes;
+        let tp_notes: BTreeSet<&String> = results
+            .iter()
+            .flat_map(|r| r.notes.iter())
+            .filter(|n| n.starts_with("B is TP"))
+            .collect();
+        if !tp_notes.is_empty() {
+            notes.push(format!(
+                "{} tensors compared as TP slices of A",
+                results
+                    .iter()
+                    .filter(|r| r.notes.iter().any(|n| n.starts_with("B is TP")))
+                    .count()
+            ));
+        }
+        let count = |s: Status| results.iter().filter(|r| r.status == s).count();
+        let (equal, close, mismatched) = (
+            count(Status::Equal),
+            count(Status::Close),
+            count(Status::Mismatch),
+        );
+        let bytes = results.iter().map(|r| r.bytes).sum();
+        let units = results.len();
+        let (mismatches, rest): (Vec<UnitResult>, Vec<UnitResult>) = results
+            .into_iter()
+            .partition(|r| r.status == Status::Mismatch);
+        let close_units = rest
+            .into_iter()
+            .filter(|r| r.status == Status::Close)
+            .collect();
+        Comparison {
+            a_naming: naming_name(&self.a_inv),
+            b_naming: naming_name(&self.b_inv),
+            units,
+            equal,
+            close,
+            mismatched,
+            skipped_ep: self.skipped_ep,
+            bytes,
+            mismatches,
+            close_units,
+            missing,
+            extra: self.extra,
+            diagnoses,
+            notes,
+        }
+    }
+
+    /// Total tensors on each side (for the summary).
+    pub fn tensor_counts(&self) -> (usize, usize) {
+        (self.a.tensor_names().count(), self.b.tensor_names().count())
+    }
+}

@@ -1,0 +1,1440 @@
+//! `nvfp4dbg compare-weights` through the real binary: a small ModelOpt NVFP4 checkpoint
+//! against engine-style dumps of the same weights (vLLM fused, per-expert, native-V4 names,
+//! TP / EP shards), with faults planted.
+
+use nvfp4dbg::checkpoint::writer::{bf16_bytes, f32_bytes, write_file, TensorSpec};
+use nvfp4dbg::nvfp4::{layout, quantize_weight_nvfp4, Fp4Tensor};
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+use safetensors::Dtype;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const LAYER: usize = 1;
+
+struct ExpertW {
+    w1: Fp4Tensor,
+    w3: Fp4Tensor,
+    w2: Fp4Tensor,
+    in1: f32,
+    in3: f32,
+    in2: f32,
+}
+
+struct Model {
+    h: usize,
+    i: usize,
+    experts: Vec<ExpertW>,
+    gate: Vec<f32>,
+    bias: Vec<f32>,
+    shared: [Vec<f32>; 3],
+    norm: Vec<f32>,
+    embed: Vec<f32>,
+    vocab: usize,
+}
+
+fn randn(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let v: f32 = StandardNormal.sample(r);
+            half::bf16::from_f32(v * scale).to_f32()
+        })
+        .collect()
+}
+
+impl Model {
+    fn new(r: &mut impl Rng, e: usize) -> Model {
+        let (h, i, vocab) = (64, 32, 16);
+        let experts = (0..e)
+            .map(|_| {
+                // different amax per projection: w1 and w3 get different weight_scale_2
+                let sc = r.gen_range(0.02..0.08);
+                let w1 = randn(r, i * h, sc);
+                let sc = r.gen_range(0.02..0.08);
+                let w3 = randn(r, i * h, sc);
+                let sc = r.gen_range(0.02..0.08);
+                let w2 = randn(r, h * i, sc);
+                ExpertW {
+                    w1: quantize_weight_nvfp4(&w1, i, h).0,
+                    w3: quantize_weight_nvfp4(&w3, i, h).0,
+                    w2: quantize_weight_nvfp4(&w2, h, i).0,
+                    in1: r.gen_range(0.001..0.01),
+                    in3: r.gen_range(0.001..0.01),
+                    in2: r.gen_range(0.001..0.01),
+                }
+            })
+            .collect();
+        Model {
+            h,
+            i,
+            experts,
+            gate: randn(r, e * h, 0.1),
+            bias: (0..e).map(|_| r.gen_range(-0.1f32..0.1)).collect(),
+            shared: [
+                randn(r, i * h, 0.05),
+                randn(r, i * h, 0.05),
+                randn(r, h * i, 0.05),
+            ],
+            norm: randn(r, h, 1.0),
+            embed: randn(r, vocab * h, 1.0),
+            vocab,
+        }
+    }
+
+    /// w1 and w3 of every expert share one weight_scale_2 (as ModelOpt exports them for vLLM).
+    fn with_shared_w13_scale(mut self) -> Model {
+        for x in &mut self.experts {
+            x.w3.scale_2 = x.w1.scale_2;
+        }
+        self
+    }
+
+    fn config(&self, dir: &Path) {
+        let c = serde_json::json!({
+            "model_type": "deepseek_v3",
+            "hidden_size": self.h,
+            "moe_intermediate_size": self.i,
+            "intermediate_size": 2 * self.i,
+            "n_routed_experts": self.experts.len(),
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "num_hidden_layers": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": true,
+            "vocab_size": self.vocab,
+            "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+        });
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_vec_pretty(&c).unwrap(),
+        )
+        .unwrap();
+    }
+
+    /// Tensors every layout shares (router, shared expert, norm, embedding), under `p`.
+    fn common(&self, p: &str, mlp: &str) -> Vec<(TensorSpec, Vec<u8>)> {
+        let (h, i, e) = (self.h, self.i, self.experts.len());
+        let mut v = vec![
+            (
+                TensorSpec::new(
+                    format!("{p}embed_tokens.weight"),
+                    Dtype::BF16,
+                    &[self.vocab, h],
+                ),
+                bf16_bytes(&self.embed),
+            ),
+            (
+                TensorSpec::new(
+                    format!("{p}layers.{LAYER}.{mlp}.gate.weight"),
+                    Dtype::BF16,
+                    &[e, h],
+                ),
+                bf16_bytes(&self.gate),
+            ),
+            (
+                TensorSpec::new(
+                    format!(
+                        "{p}layers.{LAYER}.{mlp}.gate.{}",
+                        if mlp == "ffn" {
+                            "bias"
+                        } else {
+                            "e_score_correction_bias"
+                        }
+                    ),
+                    Dtype::F32,
+                    &[e],
+                ),
+                f32_bytes(&self.bias),
+            ),
+        ];
+        let names = if mlp == "ffn" {
+            ["w1", "w3", "w2"]
+        } else {
+            ["gate_proj", "up_proj", "down_proj"]
+        };
+        for (k, n) in names.iter().enumerate() {
+            let shape = if k == 2 { [h, i] } else { [i, h] };
+            v.push((
+                TensorSpec::new(
+                    format!("{p}layers.{LAYER}.{mlp}.shared_experts.{n}.weight"),
+                    Dtype::BF16,
+                    &shape,
+                ),
+                bf16_bytes(&self.shared[k]),
+            ));
+        }
+        let norm = if mlp == "ffn" {
+            format!("{p}layers.{LAYER}.ffn_norm.weight")
+        } else {
+            format!("{p}layers.{LAYER}.post_attention_layernorm.weight")
+        };
+        v.push((
+            TensorSpec::new(norm, Dtype::BF16, &[h]),
+            bf16_bytes(&self.norm),
+        ));
+        v
+    }
+
+    /// The ModelOpt checkpoint: HF names.
+    fn write_hf(&self, dir: &Path) {
+        self.config(dir);
+        let mut v = self.common("model.", "mlp");
+        for (e, x) in self.experts.iter().enumerate() {
+            for (n, t, ins) in [
+                ("gate_proj", &x.w1, x.in1),
+                ("up_proj", &x.w3, x.in3),
+                ("down_proj", &x.w2, x.in2),
+            ] {
+                triple(
+                    &mut v,
+                    &format!("model.layers.{LAYER}.mlp.experts.{e}.{n}"),
+                    t,
+                    ins,
+                );
+            }
+        }
+        write_file(&dir.join("model.safetensors"), v, None).unwrap();
+    }
+}
+
+fn triple(v: &mut Vec<(TensorSpec, Vec<u8>)>, base: &str, t: &Fp4Tensor, input_scale: f32) {
+    v.push((
+        TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[t.rows, t.cols / 2]),
+        t.packed.clone(),
+    ));
+    v.push((
+        TensorSpec::new(
+            format!("{base}.weight_scale"),
+            Dtype::F8_E4M3,
+            &[t.rows, t.cols / 16],
+        ),
+        t.scales.clone(),
+    ));
+    v.push((
+        TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+        f32_bytes(&[t.scale_2]),
+    ));
+    v.push((
+        TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+        f32_bytes(&[input_scale]),
+    ));
+}
+
+/// Rows `[r0, r0+n)` of a quantized tensor.
+fn rows_of(t: &Fp4Tensor, r0: usize, n: usize) -> Fp4Tensor {
+    let (pb, kb) = (t.cols / 2, t.cols / 16);
+    Fp4Tensor {
+        rows: n,
+        packed: t.packed[r0 * pb..(r0 + n) * pb].to_vec(),
+        scales: t.scales[r0 * kb..(r0 + n) * kb].to_vec(),
+        ..t.clone()
+    }
+}
+
+/// Columns (K) `[c0, c0+n)` of a quantized tensor.
+fn cols_of(t: &Fp4Tensor, c0: usize, n: usize) -> Fp4Tensor {
+    let (pb, kb) = (t.cols / 2, t.cols / 16);
+    let mut packed = vec![];
+    let mut scales = vec![];
+    for r in 0..t.rows {
+        packed.extend_from_slice(&t.packed[r * pb + c0 / 2..r * pb + (c0 + n) / 2]);
+        scales.extend_from_slice(&t.scales[r * kb + c0 / 16..r * kb + (c0 + n) / 16]);
+    }
+    Fp4Tensor {
+        cols: n,
+        packed,
+        scales,
+        ..t.clone()
+    }
+}
+
+fn dense_rows(v: &[f32], cols: usize, r0: usize, n: usize) -> Vec<f32> {
+    v[r0 * cols..(r0 + n) * cols].to_vec()
+}
+
+fn dense_cols(v: &[f32], cols: usize, c0: usize, n: usize) -> Vec<f32> {
+    v.chunks(cols)
+        .flat_map(|row| row[c0..c0 + n].to_vec())
+        .collect()
+}
+
+#[derive(Default, Clone)]
+struct Faults {
+    /// Gate and up swapped in these experts.
+    swap: Vec<usize>,
+    /// Block scales in the 128x4 swizzled layout.
+    swizzle: bool,
+    /// w2_weight_scale_2 holds 1/weight_scale_2 (gs).
+    flip_w2_scale_2: bool,
+    /// w13_weight_scale_2 is [E] holding the gate's (vLLM after loading).
+    gate_only_scale_2: bool,
+    /// Expert order in the fused tensors.
+    order: Option<Vec<usize>>,
+    /// Leave out the shared expert's down_proj; add a stray tensor.
+    drop_and_add: bool,
+    /// TP rank and size.
+    tp: Option<(usize, usize)>,
+    /// EP rank and size (linear placement).
+    ep: Option<(usize, usize)>,
+    prefix: Option<&'static str>,
+    /// vLLM after `process_weights_after_loading`: one w13_weight_scale_2 per expert, swizzled
+    /// `w13_blockscale_swizzled`, and the derived alphas / input_scale_quant (`Some(true)`:
+    /// input scales maxed over all experts, as FlashInfer backends do).
+    processed: Option<bool>,
+    /// g1_alphas of this expert doubled.
+    bad_alpha: Option<usize>,
+}
+
+/// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
+fn write_fused(m: &Model, path: &Path, f: &Faults) {
+    let p = f.prefix.unwrap_or("model.");
+    let (h, i) = (m.h, m.i);
+    let (tr, tn) = f.tp.unwrap_or((0, 1));
+    let ip = i / tn;
+    let mut experts: Vec<usize> = f
+        .order
+        .clone()
+        .unwrap_or_else(|| (0..m.experts.len()).collect());
+    if let Some((r, n)) = f.ep {
+        let per = m.experts.len() / n;
+        experts = experts[r * per..(r + 1) * per].to_vec();
+    }
+    let e = experts.len();
+    let (mut w13, mut s13, mut g13, mut i13) = (vec![], vec![], vec![], vec![]);
+    let (mut w2, mut s2, mut g2, mut i2) = (vec![], vec![], vec![], vec![]);
+    for (slot, &x) in experts.iter().enumerate() {
+        let ex = &m.experts[x];
+        let (mut a, mut b) = (rows_of(&ex.w1, tr * ip, ip), rows_of(&ex.w3, tr * ip, ip));
+        let (mut ia, mut ib) = (ex.in1, ex.in3);
+        if f.swap.contains(&x) {
+            std::mem::swap(&mut a, &mut b);
+            std::mem::swap(&mut ia, &mut ib);
+        }
+        w13.extend_from_slice(&a.packed);
+        w13.extend_from_slice(&b.packed);
+        let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
+        if f.swizzle || f.processed.is_some() {
+            sc = layout::swizzle(&sc, 2 * ip, h / 16);
+        }
+        s13.extend(sc);
+        if f.gate_only_scale_2 || f.processed.is_some() {
+            g13.push(a.scale_2);
+        } else {
+            g13.extend([a.scale_2, b.scale_2]);
+        }
+        i13.extend([ia, ib]);
+        let d = cols_of(&ex.w2, tr * ip, ip);
+        w2.extend_from_slice(&d.packed);
+        let mut sc = d.scales.clone();
+        if f.swizzle {
+            sc = layout::swizzle(&sc, h, ip / 16);
+        }
+        s2.extend(sc);
+        g2.push(if f.flip_w2_scale_2 {
+            1.0 / d.scale_2
+        } else {
+            d.scale_2
+        });
+        i2.push(ex.in2);
+        let _ = slot;
+    }
+    let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
+    let s13_shape: Vec<usize> = if f.swizzle || f.processed.is_some() {
+        vec![e, 128, 4]
+    } else {
+        vec![e, 2 * ip, h / 16]
+    };
+    let s2_shape: Vec<usize> = if f.swizzle {
+        vec![e, 128, 4]
+    } else {
+        vec![e, h, ip / 16]
+    };
+    let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
+        vec![e]
+    } else {
+        vec![e, 2]
+    };
+    let mut v = vec![
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * ip, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(
+                ex(if f.processed.is_some() {
+                    "w13_blockscale_swizzled"
+                } else {
+                    "w13_weight_scale"
+                }),
+                Dtype::F8_E4M3,
+                &s13_shape,
+            ),
+            s13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale_2"), Dtype::F32, &g13_shape),
+            f32_bytes(&g13),
+        ),
+        (
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            f32_bytes(&i13),
+        ),
+        (
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]),
+            w2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
+            s2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+            f32_bytes(&g2),
+        ),
+        (
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+            f32_bytes(&i2),
+        ),
+    ];
+    if let Some(global) = f.processed {
+        // vLLM's process_weights_after_loading: alphas and the activation gs per expert
+        let mut in13: Vec<f32> = i13.chunks(2).map(|c| c[0].max(c[1])).collect();
+        let mut in2 = i2.clone();
+        if global {
+            let (m13, m2) = (
+                in13.iter().copied().fold(0f32, f32::max),
+                in2.iter().copied().fold(0f32, f32::max),
+            );
+            in13.iter_mut().for_each(|v| *v = m13);
+            in2.iter_mut().for_each(|v| *v = m2);
+        }
+        let mut g1: Vec<f32> = in13.iter().zip(&g13).map(|(x, w)| x * w).collect();
+        if let Some(x) = f.bad_alpha {
+            g1[x] *= 2.0;
+        }
+        let g2a: Vec<f32> = in2.iter().zip(&g2).map(|(x, w)| x * w).collect();
+        for (n, vals) in [
+            ("g1_alphas", g1),
+            ("g2_alphas", g2a),
+            (
+                "w13_input_scale_quant",
+                in13.iter().map(|x| 1.0 / x).collect(),
+            ),
+            (
+                "w2_input_scale_quant",
+                in2.iter().map(|x| 1.0 / x).collect(),
+            ),
+        ] {
+            v.push((TensorSpec::new(ex(n), Dtype::F32, &[e]), f32_bytes(&vals)));
+        }
+    }
+    for (spec, bytes) in m.common(p, "mlp") {
+        let (mut spec, mut bytes) = (spec, bytes);
+        if f.drop_and_add && spec.name.ends_with("shared_experts.down_proj.weight") {
+            continue;
+        }
+        if let Some((r, n)) = f.tp {
+            // the shared expert is column/row parallel; the embedding vocab-parallel
+            let sh = &m.shared;
+            if spec.name.ends_with("shared_experts.gate_proj.weight")
+                || spec.name.ends_with("shared_experts.up_proj.weight")
+            {
+                let k = usize::from(spec.name.contains("up_proj"));
+                bytes = bf16_bytes(&dense_rows(&sh[k], h, r * ip, ip));
+                spec.shape = vec![ip, h];
+            } else if spec.name.ends_with("shared_experts.down_proj.weight") {
+                bytes = bf16_bytes(&dense_cols(&sh[2], i, r * ip, ip));
+                spec.shape = vec![h, ip];
+            } else if spec.name.ends_with("embed_tokens.weight") {
+                let vp = m.vocab / n;
+                bytes = bf16_bytes(&dense_rows(&m.embed, h, r * vp, vp));
+                spec.shape = vec![vp, h];
+            }
+        }
+        v.push((spec, bytes));
+    }
+    if f.drop_and_add {
+        v.push((
+            TensorSpec::new(ex("w13_bias"), Dtype::F32, &[e, 2 * ip]),
+            f32_bytes(&vec![0.5; e * 2 * ip]),
+        ));
+    }
+    write_file(path, v, None).unwrap();
+}
+
+/// The checkpoint under native-V4 names (no `model.` prefix).
+fn write_native(m: &Model, path: &Path) {
+    let mut v = m.common("", "ffn");
+    for (e, x) in m.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("w1", &x.w1, x.in1),
+            ("w3", &x.w3, x.in3),
+            ("w2", &x.w2, x.in2),
+        ] {
+            triple(
+                &mut v,
+                &format!("layers.{LAYER}.ffn.experts.{e}.{n}"),
+                t,
+                ins,
+            );
+        }
+    }
+    write_file(path, v, None).unwrap();
+}
+
+struct Run {
+    code: i32,
+    json: Value,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(dir: &Path, args: &[&str]) -> Run {
+    let json = dir.join(format!("r{}.json", rand::random::<u32>()));
+    let out = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .arg("compare-weights")
+        .args(args)
+        .arg("--json")
+        .arg(&json)
+        .arg("--no-report-dir")
+        .arg("--quiet")
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    Run {
+        code: out.status.code().unwrap_or(-1),
+        json: std::fs::read(&json)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(Value::Null),
+        stdout: String::from_utf8_lossy(&out.stdout).into(),
+        stderr: String::from_utf8_lossy(&out.stderr).into(),
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    ckpt: PathBuf,
+    model: Model,
+    seed: u64,
+}
+
+fn fixture(experts: usize) -> Fixture {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_path_buf();
+    let model = Model::new(&mut r, experts);
+    let ckpt = root.join("ckpt");
+    model.write_hf(&ckpt);
+    Fixture {
+        _dir: dir,
+        root,
+        ckpt,
+        model,
+        seed,
+    }
+}
+
+fn diag_kinds(j: &Value) -> Vec<String> {
+    j["diagnoses"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|d| d["kind"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn check(out: &Run, code: i32, seed: u64) {
+    assert_eq!(
+        out.code, code,
+        "seed {seed}\nstdout:\n{}\nstderr:\n{}",
+        out.stdout, out.stderr
+    );
+}
+
+#[test]
+fn identical_pair_and_clean_fused_dump_pass() {
+    let fx = fixture(4);
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&fx.ckpt)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+    assert_eq!(out.json["summary"]["equal"], out.json["summary"]["units"]);
+    assert_eq!(out.json["mismatches"].as_array().unwrap().len(), 0);
+
+    let dump = fx.root.join("engine.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    // 4 experts × 3 projections paired through the fused tensors, all bitwise
+    let units = out.json["summary"]["units"].as_u64().unwrap();
+    assert_eq!(units, 12 + 7, "{}", out.stdout);
+    assert_eq!(out.json["summary"]["equal"].as_u64().unwrap(), units);
+    assert!(out.json["summary"]["b_naming"]
+        .as_str()
+        .unwrap()
+        .contains("vllm-fused"));
+    // vLLM keeps max(w1, w3) input scales: a note, not a mismatch
+    assert_eq!(out.json["missing"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn native_v4_names_and_prefixes_pair_up() {
+    let fx = fixture(3);
+    let native = fx.root.join("native.safetensors");
+    write_native(&fx.model, &native);
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&native)]);
+    check(&out, 0, fx.seed);
+    assert!(out.json["summary"]["b_naming"]
+        .as_str()
+        .unwrap()
+        .contains("native-v4"));
+    // an extra wrapper prefix on the engine side is found by itself
+    let dump = fx.root.join("wrapped.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            prefix: Some("language_model.model."),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+}
+
+#[test]
+fn gate_up_swapped_in_one_expert_is_named() {
+    let fx = fixture(4);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 1);
+    let bad = r.gen_range(0..4);
+    let dump = fx.root.join("swap.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let swap = d
+        .iter()
+        .find(|d| d["kind"] == "gate_up_swapped")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert_eq!(swap["experts"], serde_json::json!([bad]));
+    // the moved scale_2 and input_scale are symptoms of the swap, not diagnoses of their own
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_swapped"],
+        "seed {}",
+        fx.seed
+    );
+    assert_eq!(swap["layer"], LAYER);
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(
+        names.iter().all(|n| n.contains(&format!("experts.{bad}."))),
+        "{names:?}"
+    );
+}
+
+#[test]
+fn w13_order_reversed_for_all_experts_is_named() {
+    let fx = fixture(4);
+    let dump = fx.root.join("rev.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: (0..4).collect(),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let kinds = diag_kinds(&out.json);
+    assert!(
+        kinds.contains(&"w13_order_reversed".to_string()),
+        "seed {}: {kinds:?}",
+        fx.seed
+    );
+    assert!(!kinds.contains(&"gate_up_swapped".to_string()));
+    assert_eq!(out.json["mismatches"].as_array().unwrap().len(), 8);
+}
+
+#[test]
+fn swizzled_scales_are_detected_and_compared_correctly() {
+    let fx = fixture(3);
+    let dump = fx.root.join("swz.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let sw = d.iter().find(|d| d["kind"] == "swizzled_scales").unwrap();
+    assert_eq!(sw["fails"], false);
+    assert_eq!(sw["tensors"], 9);
+    // a fault behind the swizzle is still seen
+    let dump2 = fx.root.join("swz-swap.safetensors");
+    write_fused(
+        &fx.model,
+        &dump2,
+        &Faults {
+            swizzle: true,
+            swap: vec![2],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump2)]);
+    check(&out, 1, fx.seed);
+    assert!(diag_kinds(&out.json).contains(&"gate_up_swapped".to_string()));
+}
+
+#[test]
+fn scale_2_flipped_and_gate_only_scale_2_are_named() {
+    let fx = fixture(3);
+    let dump = fx.root.join("flip.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            flip_w2_scale_2: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let f = d
+        .iter()
+        .find(|d| d["kind"] == "scale_2_flipped")
+        .unwrap_or_else(|| panic!("{d:?}"));
+    assert_eq!(f["tensors"], 3);
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(mm.len(), 3);
+    assert!(mm
+        .iter()
+        .all(|m| m["name"].as_str().unwrap().ends_with("down_proj.weight")));
+
+    let dump = fx.root.join("gate-only.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            gate_only_scale_2: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let g = d
+        .iter()
+        .find(|d| d["kind"] == "scale_2_gate_only")
+        .unwrap_or_else(|| panic!("{d:?}"));
+    assert_eq!(g["experts"], serde_json::json!([0, 1, 2]));
+    assert!(out
+        .json
+        .to_string()
+        .contains("vLLM keeps only w1's weight_scale_2"));
+}
+
+#[test]
+fn missing_and_extra_tensors_are_listed() {
+    let fx = fixture(2);
+    let dump = fx.root.join("me.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            drop_and_add: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        out.json["missing"],
+        serde_json::json!([format!(
+            "model.layers.{LAYER}.mlp.shared_experts.down_proj.weight"
+        )])
+    );
+    assert_eq!(
+        out.json["extra"],
+        serde_json::json!([format!("model.layers.{LAYER}.mlp.experts.w13_bias")])
+    );
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+}
+
+#[test]
+fn vllm_processed_state_dict_and_its_derived_scales() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::new(&mut r, 4).with_shared_w13_scale();
+    let ckpt = dir.path().join("ckpt");
+    model.write_hf(&ckpt);
+    for global in [false, true] {
+        let dump = dir.path().join(format!("processed-{global}.safetensors"));
+        write_fused(
+            &model,
+            &dump,
+            &Faults {
+                processed: Some(global),
+                ..Default::default()
+            },
+        );
+        let out = run(dir.path(), &[s(&ckpt), s(&dump)]);
+        check(&out, 0, seed);
+        let notes = out.json["notes"].to_string();
+        assert!(notes.contains("`g1_alphas` agrees"), "{notes}");
+        assert_eq!(notes.contains("global scale"), global, "{notes}");
+        assert_eq!(out.json["extra"].as_array().unwrap().len(), 0);
+    }
+    let bad = r.gen_range(0..4);
+    let dump = dir.path().join("bad-alpha.safetensors");
+    write_fused(
+        &model,
+        &dump,
+        &Faults {
+            processed: Some(false),
+            bad_alpha: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[s(&ckpt), s(&dump)]);
+    check(&out, 1, seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let a = d
+        .iter()
+        .find(|d| d["kind"] == "derived_scale")
+        .unwrap_or_else(|| panic!("seed {seed}: {d:?}"));
+    assert_eq!(a["experts"], serde_json::json!([bad]));
+    assert!(a["message"].as_str().unwrap().contains("g1_alphas"));
+    // vLLM's processing with a checkpoint whose w1 and w3 scale_2 differ: the gate-only bug
+    let model2 = Model::new(&mut r, 2);
+    let ckpt2 = dir.path().join("ckpt2");
+    model2.write_hf(&ckpt2);
+    let dump = dir.path().join("processed2.safetensors");
+    write_fused(
+        &model2,
+        &dump,
+        &Faults {
+            processed: Some(false),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[s(&ckpt2), s(&dump)]);
+    check(&out, 1, seed);
+    assert!(diag_kinds(&out.json).contains(&"scale_2_gate_only".to_string()));
+}
+
+#[test]
+fn expert_permutation_is_named() {
+    let fx = fixture(4);
+    let dump = fx.root.join("perm.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![1, 0, 2, 3]),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert_eq!(p["experts"], serde_json::json!([0, 1]));
+    assert!(p["message"].as_str().unwrap().contains("0←1"));
+}
+
+#[test]
+fn tp_and_ep_shards_are_compared_against_the_right_slice() {
+    let fx = fixture(4);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 2);
+    let tr = r.gen_range(0..2);
+    let dump = fx.root.join("tp.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            tp: Some((tr, 2)),
+            ..Default::default()
+        },
+    );
+    let trs = tr.to_string();
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--tp-rank", &trs, "--tp-size", "2"],
+    );
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["equal"], out.json["summary"]["units"]);
+    // the other rank's slice does not match
+    let other = (1 - tr).to_string();
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--tp-rank", &other, "--tp-size", "2"],
+    );
+    check(&out, 1, fx.seed);
+    // without --tp-size the shapes are named as a likely shard
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert!(out.json.to_string().contains("tensor-parallel shard"));
+
+    let er = r.gen_range(0..2);
+    let dump = fx.root.join("ep.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            ..Default::default()
+        },
+    );
+    let ers = er.to_string();
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", &ers, "--ep-size", "2"],
+    );
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["skipped_ep"], 6);
+    let other = (1 - er).to_string();
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", &other, "--ep-size", "2"],
+    );
+    check(&out, 1, fx.seed);
+    // rank `er`'s experts under the other rank's names: a permutation by the rank offset
+    assert!(
+        diag_kinds(&out.json).contains(&"expert_permutation".to_string()),
+        "{}",
+        out.stdout
+    );
+}
+
+#[test]
+fn rename_rules_and_bad_input() {
+    let fx = fixture(2);
+    // an engine that calls things its own way
+    let odd = fx.root.join("odd.safetensors");
+    let mut v = vec![];
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate", &x.w1, x.in1),
+            ("up", &x.w3, x.in3),
+            ("down", &x.w2, x.in2),
+        ] {
+            triple(&mut v, &format!("blk{LAYER}.moe.e{e}.{n}"), t, ins);
+        }
+    }
+    write_file(&odd, v, None).unwrap();
+    let rules = fx.root.join("rules.toml");
+    std::fs::write(
+        &rules,
+        r#"
+[[rule]]
+pattern = '^blk(\d+)\.moe\.e(\d+)\.(gate|up|down)\.'
+replace = 'model.layers.$1.mlp.experts.$2.${3}_proj.'
+side = "b"
+"#,
+    )
+    .unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&odd), "--map", s(&rules)]);
+    check(&out, 1, fx.seed);
+    // every expert paired; only the non-expert tensors are missing
+    assert_eq!(out.json["summary"]["units"], 6);
+    assert_eq!(out.json["summary"]["equal"], 6);
+    assert_eq!(out.json["extra"].as_array().unwrap().len(), 0);
+    // a bad rules file is bad input naming the rule
+    std::fs::write(&rules, "[[rule]]\npattern = '(unclosed'\nreplace = 'x'\n").unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&odd), "--map", s(&rules)]);
+    check(&out, 2, fx.seed);
+    assert!(
+        out.stderr.contains("rules.toml") && out.stderr.contains("rule 1"),
+        "{}",
+        out.stderr
+    );
+    // other bad input
+    for args in [
+        vec![s(&fx.ckpt), "nope.safetensors"],
+        vec![s(&fx.ckpt), s(&odd), "--tp-rank", "2", "--tp-size", "2"],
+        vec![s(&fx.ckpt), s(&odd), "--ep-rank", "1"],
+        vec![s(&fx.ckpt), s(&odd), "--min-cosine", "2"],
+    ] {
+        let out = run(&fx.root, &args);
+        assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("panicked"));
+    }
+    let junk = fx.root.join("junk.safetensors");
+    std::fs::write(&junk, b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ").unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&junk)]);
+    check(&out, 2, fx.seed);
+    assert!(out.stderr.contains("junk.safetensors"), "{}", out.stderr);
+}
+
+#[test]
+#[ignore = "prints a report for eyeballing"]
+fn show_swap_report() {
+    let fx = fixture(4);
+    let dump = fx.root.join("swap.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![2],
+            swizzle: true,
+            gate_only_scale_2: true,
+            drop_and_add: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    println!("{}", out.stdout);
+}
+
+#[test]
+fn compressed_tensors_conventions_and_transposes() {
+    let fx = fixture(2);
+    // the checkpoint in compressed-tensors names: gs = 1/weight_scale_2, 1/input_scale
+    let ct = fx.root.join("ct.safetensors");
+    let mut v = fx.model.common("model.", "mlp");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_packed"),
+                    Dtype::U8,
+                    &[t.rows, t.cols / 2],
+                ),
+                t.packed.clone(),
+            ));
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[t.rows, t.cols / 16],
+                ),
+                t.scales.clone(),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.weight_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / t.scale_2]),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / ins]),
+            ));
+        }
+    }
+    write_file(&ct, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&ct)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+
+    // an engine that stores expert 1's down_proj and the shared gate_proj transposed
+    let tr = fx.root.join("transposed.safetensors");
+    let mut v = vec![];
+    for (spec, bytes) in fx.model.common("model.", "mlp") {
+        if spec.name.ends_with("shared_experts.gate_proj.weight") {
+            let (r, c) = (spec.shape[0], spec.shape[1]);
+            let t: Vec<f32> = (0..c)
+                .flat_map(|j| (0..r).map(move |i| (i, j)))
+                .map(|(i, j)| fx.model.shared[0][i * c + j])
+                .collect();
+            v.push((
+                TensorSpec::new(spec.name.clone(), Dtype::BF16, &[c, r]),
+                bf16_bytes(&t),
+            ));
+        } else {
+            v.push((spec, bytes));
+        }
+    }
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            if e == 1 && n == "down_proj" {
+                let (r, c) = (t.rows, t.cols / 2);
+                let bt: Vec<u8> = (0..c)
+                    .flat_map(|j| (0..r).map(move |i| (i, j)))
+                    .map(|(i, j)| t.packed[i * c + j])
+                    .collect();
+                v.push((
+                    TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[c, r]),
+                    bt,
+                ));
+                v.push((
+                    TensorSpec::new(
+                        format!("{base}.weight_scale"),
+                        Dtype::F8_E4M3,
+                        &[t.rows, t.cols / 16],
+                    ),
+                    t.scales.clone(),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+                    f32_bytes(&[t.scale_2]),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+                    f32_bytes(&[ins]),
+                ));
+            } else {
+                triple(&mut v, &base, t, ins);
+            }
+        }
+    }
+    write_file(&tr, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&tr)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t: Vec<&Value> = d.iter().filter(|d| d["kind"] == "transposed").collect();
+    assert_eq!(
+        t.iter()
+            .map(|d| d["tensors"].as_u64().unwrap())
+            .sum::<u64>(),
+        2,
+        "{d:?}"
+    );
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            format!("model.layers.{LAYER}.mlp.experts.1.down_proj.weight"),
+            format!("model.layers.{LAYER}.mlp.shared_experts.gate_proj.weight")
+        ]
+    );
+}
+
+/// The fixtures behind `cases/compare-weights-*.toml`, from a fixed seed. Regenerate with
+/// `cargo test --test compare_weights_cli -- --ignored regenerate_case_data`.
+fn case_fixtures(dir: &Path) {
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0003);
+    let model = Model::new(&mut r, 4);
+    model.write_hf(&dir.join("ckpt"));
+    write_fused(
+        &model,
+        &dir.join("engine-clean.safetensors"),
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
+    write_fused(
+        &model,
+        &dir.join("engine-swapped.safetensors"),
+        &Faults {
+            swap: vec![2],
+            ..Default::default()
+        },
+    );
+    write_fused(
+        &model,
+        &dir.join("engine-gate-only-scale2.safetensors"),
+        &Faults {
+            gate_only_scale_2: true,
+            ..Default::default()
+        },
+    );
+}
+
+const FIXTURES: [&str; 5] = [
+    "ckpt/config.json",
+    "ckpt/model.safetensors",
+    "engine-clean.safetensors",
+    "engine-swapped.safetensors",
+    "engine-gate-only-scale2.safetensors",
+];
+
+#[test]
+#[ignore = "writes cases/data/compare-weights; run by hand after changing the generator"]
+fn regenerate_case_data() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("cases/data/compare-weights");
+    std::fs::create_dir_all(&dir).unwrap();
+    case_fixtures(&dir);
+}
+
+/// Each `cases/compare-weights-*.toml` run through the binary as `run` would; the committed
+/// fixtures are what the generator makes, and small.
+#[test]
+fn case_files_hold() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cases = root.join("cases");
+    let data = cases.join("data/compare-weights");
+    let fresh = tempfile::tempdir().unwrap();
+    case_fixtures(fresh.path());
+    let mut total = 0;
+    for f in FIXTURES {
+        let committed = std::fs::read(data.join(f)).unwrap();
+        total += committed.len();
+        assert!(
+            committed == std::fs::read(fresh.path().join(f)).unwrap(),
+            "cases/data/compare-weights/{f} is stale: regenerate it"
+        );
+    }
+    assert!(total < 200_000, "fixtures are {total} bytes");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&cases).unwrap() {
+        let path = entry.unwrap().path();
+        let fname = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !(fname.starts_with("compare-weights-") && fname.ends_with(".toml")) {
+            continue;
+        }
+        n += 1;
+        let case: toml::Value = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(case["command"].as_str(), Some("compare-weights"), "{fname}");
+        let args: Vec<String> = case["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| {
+                a.as_str()
+                    .unwrap()
+                    .replace("${CASE_DIR}", cases.to_str().unwrap())
+            })
+            .collect();
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let dir = tempfile::tempdir().unwrap();
+        let out = run(dir.path(), &argv);
+        let want = match case["expect"].as_str() {
+            Some("pass") => 0,
+            Some("fail") => 1,
+            other => panic!("{fname}: expect = {other:?}"),
+        };
+        assert_eq!(out.code, want, "{fname}\n{}\n{}", out.stdout, out.stderr);
+        let text = out.json.to_string();
+        for m in case
+            .get("expect_mentions")
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let m = m.as_str().unwrap();
+            assert!(text.contains(m), "{fname}: report does not mention {m:?}");
+        }
+    }
+    assert!(n >= 2, "compare-weights cases missing");
+}
+
+// ---- benchmark material (bench/cpu-compare-weights.md) ----
+
+/// Deterministic bytes, fast in any build: splitmix64 from `seed`.
+fn fill(seed: u64, out: &mut [u8], scales: bool) {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    for c in out.chunks_mut(8) {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        let b = z.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+    if scales {
+        // E4M3 block scales: positive, never the NaN code
+        out.iter_mut().for_each(|b| *b = (*b & 0x7F).min(0x7E));
+    }
+}
+
+/// A multi-GB pair with DeepSeek-V3 expert shapes: A an HF checkpoint (one shard per layer,
+/// ModelOpt triples), B a vLLM-style fused dump of the same bytes. Environment:
+/// `NVFP4DBG_BENCH_DIR` (required), `NVFP4DBG_BENCH_LAYERS` (2), `NVFP4DBG_BENCH_EXPERTS` (64),
+/// `NVFP4DBG_BENCH_SWIZZLE` (0), `NVFP4DBG_BENCH_B` (engine.safetensors; A is kept when it
+/// exists). Run with
+/// `cargo test --release --test compare_weights_cli -- --ignored make_bench_pair`.
+#[test]
+#[ignore = "writes gigabytes; benchmark material only"]
+fn make_bench_pair() {
+    use nvfp4dbg::checkpoint::writer::ShardWriter;
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let dir = PathBuf::from(std::env::var("NVFP4DBG_BENCH_DIR").expect("set NVFP4DBG_BENCH_DIR"));
+    let (layers, e) = (
+        env("NVFP4DBG_BENCH_LAYERS", 2),
+        env("NVFP4DBG_BENCH_EXPERTS", 64),
+    );
+    let swizzle = env("NVFP4DBG_BENCH_SWIZZLE", 0) == 1;
+    let (h, i) = (7168usize, 2048usize);
+    let a = dir.join("ckpt");
+    let b_name = std::env::var("NVFP4DBG_BENCH_B").unwrap_or_else(|_| "engine.safetensors".into());
+    let write_a = !a.join("model.safetensors.index.json").exists();
+    std::fs::create_dir_all(&a).unwrap();
+    let config = serde_json::json!({
+        "hidden_size": h, "moe_intermediate_size": i, "n_routed_experts": e,
+        "num_experts_per_tok": 8, "num_hidden_layers": layers + 1, "first_k_dense_replace": 1,
+    });
+    std::fs::write(
+        a.join("config.json"),
+        serde_json::to_vec_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    let seed = |l: usize, x: usize, p: usize, scales: bool| {
+        ((l * 1000 + x) * 8 + p * 2 + usize::from(scales)) as u64
+    };
+    let dims = |p: usize| if p == 2 { (h, i) } else { (i, h) };
+    let names = ["gate_proj", "up_proj", "down_proj"];
+    let s2 = |p: usize| 1e-4f32 * (1.0 + p as f32);
+    let mut weight_map = serde_json::Map::new();
+    for l in (1..=layers).filter(|_| write_a) {
+        let file = format!("model-{l:05}-of-{layers:05}.safetensors");
+        let mut specs = vec![];
+        for x in 0..e {
+            for (p, n) in names.iter().enumerate() {
+                let (rows, cols) = dims(p);
+                let base = format!("model.layers.{l}.mlp.experts.{x}.{n}");
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight"),
+                    Dtype::U8,
+                    &[rows, cols / 2],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[rows, cols / 16],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.weight_scale_2"),
+                    Dtype::F32,
+                    &[],
+                ));
+                specs.push(TensorSpec::new(
+                    format!("{base}.input_scale"),
+                    Dtype::F32,
+                    &[],
+                ));
+            }
+        }
+        for s in &specs {
+            weight_map.insert(s.name.clone(), Value::String(file.clone()));
+        }
+        let mut w = ShardWriter::create(&a.join(&file), specs, None).unwrap();
+        for x in 0..e {
+            for p in 0..3 {
+                let (rows, cols) = dims(p);
+                let mut buf = vec![0u8; rows * cols / 2];
+                fill(seed(l, x, p, false), &mut buf, false);
+                w.write_next(&buf).unwrap();
+                let mut sc = vec![0u8; rows * cols / 16];
+                fill(seed(l, x, p, true), &mut sc, true);
+                w.write_next(&sc).unwrap();
+                w.write_next(&f32_bytes(&[1e-4 * (1.0 + p as f32)]))
+                    .unwrap();
+                w.write_next(&f32_bytes(&[2e-3])).unwrap();
+            }
+        }
+        w.finish().unwrap();
+    }
+    if write_a {
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(
+            a.join("model.safetensors.index.json"),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+    }
+
+    // B: fused, one file
+    let mut specs = vec![];
+    for l in 1..=layers {
+        let ex = |s: &str| format!("model.layers.{l}.mlp.experts.{s}");
+        // the 128x4 swizzle of [2I, H/16] = [4096, 448] has no padding: same shape either way
+        let sc13 = [e, 2 * i, h / 16];
+        specs.extend([
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &sc13),
+            TensorSpec::new(ex("w13_weight_scale_2"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, i / 2]),
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &[e, h, i / 16]),
+            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+        ]);
+    }
+    let mut w = ShardWriter::create(&dir.join(b_name), specs, None).unwrap();
+    for l in 1..=layers {
+        let gen = |x: usize, p: usize, scales: bool| {
+            let (rows, cols) = dims(p);
+            let mut v = vec![0u8; rows * cols / if scales { 16 } else { 2 }];
+            fill(seed(l, x, p, scales), &mut v, scales);
+            v
+        };
+        let mut w13 = Vec::with_capacity(e * 2 * i * h / 2);
+        for x in 0..e {
+            w13.extend(gen(x, 0, false));
+            w13.extend(gen(x, 1, false));
+        }
+        w.write_next(&w13).unwrap();
+        drop(w13);
+        let mut s13 = vec![];
+        for x in 0..e {
+            let mut s: Vec<u8> = gen(x, 0, true);
+            s.extend(gen(x, 1, true));
+            if swizzle {
+                // 2I = 4096 rows and H/16 = 448 blocks fill the 128x4 tiles: same size, permuted
+                s = layout::swizzle(&s, 2 * i, h / 16);
+            }
+            s13.extend(s);
+        }
+        w.write_next(&s13).unwrap();
+        w.write_next(&f32_bytes(
+            &(0..e).flat_map(|_| [s2(0), s2(1)]).collect::<Vec<_>>(),
+        ))
+        .unwrap();
+        w.write_next(&f32_bytes(&vec![2e-3f32; 2 * e])).unwrap();
+        let w2: Vec<u8> = (0..e).flat_map(|x| gen(x, 2, false)).collect();
+        w.write_next(&w2).unwrap();
+        let sc2: Vec<u8> = (0..e).flat_map(|x| gen(x, 2, true)).collect();
+        w.write_next(&sc2).unwrap();
+        w.write_next(&f32_bytes(&vec![s2(2); e])).unwrap();
+        w.write_next(&f32_bytes(&vec![2e-3f32; e])).unwrap();
+    }
+    w.finish().unwrap();
+}
