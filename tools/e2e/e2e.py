@@ -1,14 +1,19 @@
 """End-to-end demo material for nvfp4dbg on transformers' own DeepSeek-V3 implementation.
+`run_e2e.sh` runs these stages and the nvfp4dbg commands between and after them.
 
     python e2e.py build W        # small DeepseekV3ForCausalLM, random weights, BF16 save_pretrained
-                                 # -> W/hf, W/experts_bf16.safetensors (routed experts only),
-                                 #    W/calib.json (activation amax per expert -> input_scale)
+                                 # -> W/hf; W/experts_bf16.safetensors (routed experts: gate|up
+                                 #    concatenated per expert, down); the same with gate and up
+                                 #    apart (experts_bf16_unfused); W/calib.json (activation amax
+                                 #    per expert -> input_scale)
     nvfp4dbg quantize W/experts_bf16.safetensors W/experts_nvfp4.safetensors
     python e2e.py assemble W     # -> W/ckpt: ModelOpt NVFP4 checkpoint (routed experts NVFP4 with
                                  #    calibrated input_scale, the rest BF16, BF16 originals in bf16/)
-    python e2e.py material W     # traces (clean x2, NaN in attention, NVFP4 experts, NVFP4 experts
+    python e2e.py material W     # traces (BF16 x2, NaN in attention, NVFP4 experts, NVFP4 experts
                                  # with the default gs), engine dumps (clean, gate/up swapped),
-                                 # routing dumps (clean, EP local ids), a layertest input
+                                 # routing dumps (clean, EP local ids), a layertest input and the
+                                 # transformers MoE block's outputs on it
+    python e2e.py crosscheck W layertest-outputs.safetensors   # nvfp4dbg vs transformers
 
 Runs on CUDA when available (the GPU machine), else on the CPU.
 """
@@ -255,7 +260,7 @@ def cmd_assemble(w: str) -> None:
     with open(os.path.join(ck, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)
     with open(os.path.join(ck, "hf_quant_config.json"), "w") as fh:
-        json.dump({"producer": {"name": "modelopt"},
+        json.dump({"producer": {"name": "nvfp4dbg tools/e2e"},
                    "quantization": {"quant_algo": "NVFP4", "group_size": 16,
                                     "kv_cache_quant_algo": None, "exclude_modules": exclude}},
                   fh, indent=2)

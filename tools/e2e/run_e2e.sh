@@ -7,9 +7,10 @@
 #
 #   tools/e2e/run_e2e.sh [NVFP4DBG]      (default: nvfp4dbg on PATH)
 #
-# Env: PYTHON (default python3; needs torch, transformers >= 5, safetensors), OUT (logs and
-# JSON reports go to $OUT/e2e-logs; default: the work dir), E2E_WORK (work dir; default a new
-# temp dir), E2E_DEVICE (cuda|cpu; default cuda when torch sees a GPU).
+# Env: PYTHON (default python3; needs torch, transformers >= 5, safetensors), E2E_WORK (work
+# dir; default a new temp dir; each command's output and JSON report land in its e2e-logs/),
+# OUT (when set, e2e-logs/ is also archived to $OUT/e2e-logs.tar.gz, even after a failure),
+# E2E_DEVICE (cuda|cpu; default cuda when torch sees a GPU).
 # Exit 0 when every step got what it expected, 1 otherwise.
 
 set -u
@@ -28,9 +29,13 @@ PY=${PYTHON:-python3}
 W=${E2E_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/nvfp4dbg-e2e.XXXXXX")}
 mkdir -p "$W"
 W=$(cd "$W" && pwd)
-LOGDIR=${OUT:-$W}/e2e-logs
+LOGDIR=$W/e2e-logs
 mkdir -p "$LOGDIR"
-LOGDIR=$(cd "$LOGDIR" && pwd)
+if [[ -n "${OUT:-}" ]]; then
+    # one archive rather than ~40 files: a device run brings back only a few files of $OUT
+    mkdir -p "$OUT"
+    trap 'tar czf "$OUT/e2e-logs.tar.gz" -C "$W" e2e-logs 2>/dev/null' EXIT
+fi
 export HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error TQDM_DISABLE=1 \
     HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NO_COLOR=1
 DEV=${E2E_DEVICE:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")' 2>/dev/null || echo cpu)}
@@ -41,7 +46,7 @@ echo "  binary   $NV ($("$NV" --version 2>/dev/null))"
 echo "  python   $("$PY" -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)' 2>&1)"
 echo "  device   $DEV$([[ $DEV == cuda ]] && "$PY" -c 'import torch; print(" (" + torch.cuda.get_device_name(0) + ")")' 2>/dev/null)"
 echo "  work dir $W (commands below run there)"
-echo "  logs     $LOGDIR"
+echo "  logs     $LOGDIR${OUT:+ (archived to \$OUT/e2e-logs.tar.gz)}"
 echo
 
 ROWS=()      # summary rows
