@@ -560,3 +560,119 @@ fn resource_bounds_on_absurd_inputs() {
         stdout(&o)
     );
 }
+
+/// Every input under `tests/data/fuzz-regressions/<target>/` through the same calls as that
+/// fuzz target (fuzz/fuzz_targets/<target>.rs): each must come back as a value, never a panic.
+#[test]
+fn fuzz_regressions_replay() {
+    use nvfp4dbg::checkpoint::config::{parse_config, parse_hf_quant_config};
+    use nvfp4dbg::checkpoint::Checkpoint;
+    use nvfp4dbg::trace::{parse_file_name, TraceFile};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fuzz-regressions");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut replayed = 0;
+    for target in [
+        "safetensors_file",
+        "config_json",
+        "shard_index",
+        "trace_file",
+        "case_toml",
+    ] {
+        let mut inputs: Vec<PathBuf> = std::fs::read_dir(root.join(target))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| !p.file_name().unwrap().to_string_lossy().starts_with('.'))
+            .collect();
+        inputs.sort();
+        for input in inputs {
+            let data = std::fs::read(&input).unwrap();
+            let what = input.display().to_string();
+            let r = std::panic::catch_unwind(|| match target {
+                "safetensors_file" => {
+                    let p = tmp.path().join("x.safetensors");
+                    std::fs::write(&p, &data).unwrap();
+                    if let Ok(f) = TensorFile::open(&p) {
+                        let names: Vec<String> = f.names().map(str::to_string).collect();
+                        for n in &names {
+                            let _ = f.to_f32(n);
+                            let _ = f.to_i64(n);
+                            let _ = f.scalar_f32(n);
+                        }
+                    }
+                }
+                "config_json" => {
+                    let _ = parse_config(Path::new("config.json"), &data, None);
+                    let hint = data.first().map(|b| *b as usize % 8);
+                    let _ = parse_config(Path::new("config.json"), &data, hint);
+                    let _ = parse_hf_quant_config(Path::new("hf_quant_config.json"), &data);
+                }
+                "shard_index" => {
+                    let d = tmp.path().join("ckpt");
+                    std::fs::create_dir_all(&d).unwrap();
+                    for shard in [
+                        "model-00001-of-00002.safetensors",
+                        "model-00002-of-00002.safetensors",
+                    ] {
+                        let first = if shard.starts_with("model-00001") {
+                            "a.weight"
+                        } else {
+                            "c.weight"
+                        };
+                        write_file(
+                            &d.join(shard),
+                            vec![
+                                (
+                                    TensorSpec::new(first, Dtype::F32, &[2, 2]),
+                                    nvfp4dbg::checkpoint::writer::f32_bytes(&[1.0, -2.0, 3.5, 0.25]),
+                                ),
+                                (
+                                    TensorSpec::new("b.weight", Dtype::F32, &[2]),
+                                    nvfp4dbg::checkpoint::writer::f32_bytes(&[7.0, 8.0]),
+                                ),
+                            ],
+                            None,
+                        )
+                        .unwrap();
+                    }
+                    std::fs::write(d.join("model.safetensors.index.json"), &data).unwrap();
+                    if let Ok(c) = Checkpoint::open(&d) {
+                        let names: Vec<String> = c.names().map(str::to_string).collect();
+                        for n in &names {
+                            let _ = c.to_f32(n);
+                        }
+                        let _ = c.config();
+                    }
+                }
+                "trace_file" => {
+                    let (name, body) = match data.iter().position(|&b| b == b'\n') {
+                        Some(i) => (&data[..i], &data[i + 1..]),
+                        None => (&b""[..], &data[..]),
+                    };
+                    if let Ok(name) = std::str::from_utf8(name) {
+                        let _ = parse_file_name(name);
+                    }
+                    let p = tmp.path().join("000001-model.layers.0.mlp.safetensors");
+                    std::fs::write(&p, body).unwrap();
+                    if let Ok(f) = TraceFile::open(&p) {
+                        let mut out = Vec::new();
+                        for t in f.tensors() {
+                            let n = t.numel();
+                            t.read_f32(0, n, &mut out);
+                            t.read_f32(n / 2, n, &mut out);
+                            t.read_f32(n, 1, &mut out);
+                        }
+                    }
+                }
+                "case_toml" => {
+                    let p = tmp.path().join("case.toml");
+                    std::fs::write(&p, &data).unwrap();
+                    let _ = nvfp4dbg::cli::run_case::load_case(&p);
+                }
+                _ => unreachable!(),
+            });
+            assert!(r.is_ok(), "{what}: panicked");
+            replayed += 1;
+        }
+    }
+    eprintln!("replayed {replayed} fuzz regression inputs");
+}
