@@ -146,7 +146,7 @@ fn st_file(tensors: &[(&str, Dtype, &[usize], Vec<u8>)], meta: Option<(&str, &st
 
 fn safetensors_seeds(r: &mut ChaCha8Rng) -> Vec<Vec<u8>> {
     let v: Vec<f32> = (0..64).map(|_| r.gen_range(-4.0f32..4.0)).collect();
-    let bytes = |n: usize| (0..n).map(|_| r.gen::<u8>()).collect::<Vec<u8>>();
+    let mut bytes = |n: usize| (0..n).map(|_| r.gen::<u8>()).collect::<Vec<u8>>();
     let (b8, b16, b32, b64, b4) = (bytes(8), bytes(32), bytes(64), bytes(64), bytes(4));
     vec![
         st_file(

@@ -166,7 +166,8 @@ impl<'a> TensorRef<'a> {
     pub fn read_f32(&self, start: usize, len: usize, out: &mut Vec<f32>) {
         out.clear();
         let width = self.dtype.bitsize() / 8;
-        let end = (start + len).min(self.numel());
+        // saturating: a caller asking far past the end gets nothing, not an overflow
+        let end = start.saturating_add(len).min(self.numel());
         if !self.is_float() || width == 0 || start >= end {
             return;
         }
