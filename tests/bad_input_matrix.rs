@@ -523,16 +523,19 @@ fn resource_bounds_on_absurd_inputs() {
     }
     h.push('}');
     raw(&many, &h, &[]);
-    if let Some((o, kib)) = peak_kib(&["audit", p(&many)]) {
-        assert!(code(&o) != 0 && code(&o) != 101, "seed {seed}: audit of {n} empty tensors: exit {}: {}", code(&o), stderr(&o));
+    // loaded as a checkpoint by `layertest`, which then finds no MoE layer in it: the
+    // loader's cost alone (it peaked at 1.5 GB before header entries were streamed)
+    if let Some((o, kib)) = peak_kib(&["layertest", "--checkpoint", p(&many)]) {
+        assert_eq!(code(&o), 2, "seed {seed}: {n} empty tensors: {}", stderr(&o));
+        assert!(stderr(&o).contains(p(&many)), "{}", stderr(&o));
         assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
         assert!(
-            kib < 1536 << 10,
-            "seed {seed}: audit of a {} MB header with {n} tensors peaked at {} MiB",
+            kib < 768 << 10,
+            "seed {seed}: loading a {} MB header with {n} tensors peaked at {} MiB",
             h.len() >> 20,
             kib >> 10
         );
-        eprintln!("{n} tensors: exit {}, peak {} MiB", code(&o), kib >> 10);
+        eprintln!("{n} tensors: peak {} MiB", kib >> 10);
     }
 
     // thousands of trace files: scanned, not held open; one NaN in the last is found

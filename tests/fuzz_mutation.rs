@@ -147,7 +147,7 @@ fn st_file(tensors: &[(&str, Dtype, &[usize], Vec<u8>)], meta: Option<(&str, &st
 fn safetensors_seeds(r: &mut ChaCha8Rng) -> Vec<Vec<u8>> {
     let v: Vec<f32> = (0..64).map(|_| r.gen_range(-4.0f32..4.0)).collect();
     let mut bytes = |n: usize| (0..n).map(|_| r.gen::<u8>()).collect::<Vec<u8>>();
-    let (b8, b16, b32, b64, b4) = (bytes(8), bytes(32), bytes(64), bytes(64), bytes(4));
+    let (b8, b16, b64, b4) = (bytes(8), bytes(32), bytes(64), bytes(4));
     vec![
         st_file(
             &[
@@ -160,8 +160,8 @@ fn safetensors_seeds(r: &mut ChaCha8Rng) -> Vec<Vec<u8>> {
         ),
         st_file(
             &[
-                ("a", Dtype::BF16, &[4, 4], b32.clone()),
-                ("b", Dtype::F16, &[16], b32),
+                ("a", Dtype::BF16, &[4, 4], b16.clone()),
+                ("b", Dtype::F16, &[16], b16.clone()),
                 ("c", Dtype::F32, &[4, 4], f32_bytes(&v[..16])),
                 ("d", Dtype::F64, &[8], b64.clone()),
                 ("e", Dtype::I64, &[2, 4], b64),
