@@ -526,7 +526,12 @@ fn resource_bounds_on_absurd_inputs() {
     // loaded as a checkpoint by `layertest`, which then finds no MoE layer in it: the
     // loader's cost alone (it peaked at 1.5 GB before header entries were streamed)
     if let Some((o, kib)) = peak_kib(&["layertest", "--checkpoint", p(&many)]) {
-        assert_eq!(code(&o), 2, "seed {seed}: {n} empty tensors: {}", stderr(&o));
+        assert_eq!(
+            code(&o),
+            2,
+            "seed {seed}: {n} empty tensors: {}",
+            stderr(&o)
+        );
         assert!(stderr(&o).contains(p(&many)), "{}", stderr(&o));
         assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
         assert!(
@@ -555,7 +560,12 @@ fn resource_bounds_on_absurd_inputs() {
         .unwrap();
     }
     let o = run(&["nan-locate", p(&many_dir)]);
-    assert_eq!(code(&o), 1, "seed {seed}: nan-locate over {files} files: {}", stderr(&o));
+    assert_eq!(
+        code(&o),
+        1,
+        "seed {seed}: nan-locate over {files} files: {}",
+        stderr(&o)
+    );
     let last = format!("{:06}-model.layers.", files - 1);
     assert!(
         stdout(&o).contains(&last) || stderr(&o).contains(&last),
@@ -626,7 +636,9 @@ fn fuzz_regressions_replay() {
                             vec![
                                 (
                                     TensorSpec::new(first, Dtype::F32, &[2, 2]),
-                                    nvfp4dbg::checkpoint::writer::f32_bytes(&[1.0, -2.0, 3.5, 0.25]),
+                                    nvfp4dbg::checkpoint::writer::f32_bytes(&[
+                                        1.0, -2.0, 3.5, 0.25,
+                                    ]),
                                 ),
                                 (
                                     TensorSpec::new("b.weight", Dtype::F32, &[2]),

@@ -12,12 +12,7 @@ use std::path::Path;
 fn tree(dir: &Path) -> Vec<(String, Vec<u8>)> {
     snapshot(dir)
         .into_iter()
-        .map(|(p, b)| {
-            (
-                p.strip_prefix(dir).unwrap().display().to_string(),
-                b,
-            )
-        })
+        .map(|(p, b)| (p.strip_prefix(dir).unwrap().display().to_string(), b))
         .collect()
 }
 
@@ -40,11 +35,21 @@ fn same_seed_same_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
     let s = r.gen::<u32>().to_string();
-    let other = (r.gen::<u32>() | 1).wrapping_add(s.parse::<u32>().unwrap()).to_string();
+    let other = (r.gen::<u32>() | 1)
+        .wrapping_add(s.parse::<u32>().unwrap())
+        .to_string();
 
     // synth: with originals, so the BF16 files are covered too
     for (n, sd) in [("a", &s), ("b", &s), ("c", &other)] {
-        ok(&["synth", "--out", p(&d.join(n)), "--preset", "tiny", "--seed", sd]);
+        ok(&[
+            "synth",
+            "--out",
+            p(&d.join(n)),
+            "--preset",
+            "tiny",
+            "--seed",
+            sd,
+        ]);
     }
     let (a, b, c) = (tree(&d.join("a")), tree(&d.join("b")), tree(&d.join("c")));
     assert!(a.len() > 2, "synth wrote {} files", a.len());
@@ -54,7 +59,11 @@ fn same_seed_same_bytes() {
     // layertest --save-outputs on the synthesized checkpoint
     let layer = r.gen_range(1..3).to_string();
     let tokens = r.gen_range(8..24).to_string();
-    for (n, sd) in [("la.safetensors", &s), ("lb.safetensors", &s), ("lc.safetensors", &other)] {
+    for (n, sd) in [
+        ("la.safetensors", &s),
+        ("lb.safetensors", &s),
+        ("lc.safetensors", &other),
+    ] {
         let o = run(&[
             "layertest",
             "--checkpoint",

@@ -229,7 +229,10 @@ fn fuzz(name: &str, seeds: Vec<Vec<u8>>, structured: bool, target: Target) {
             std::fs::write(&p, &input).unwrap();
             // re-run with the hook back, for the message
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| target(&input)));
-            panic!("{name}: FUZZ_SEED={seed}: panic on input written to {}", p.display());
+            panic!(
+                "{name}: FUZZ_SEED={seed}: panic on input written to {}",
+                p.display()
+            );
         }
         // keep a few mutants as new starting points (no coverage feedback: a small pool)
         if corpus.len() < 256 && r.gen_ratio(1, 64) {

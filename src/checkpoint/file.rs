@@ -548,15 +548,17 @@ impl<'de> serde::de::Visitor<'de> for HeaderVisitor<'_> {
 }
 
 fn parse_metadata(path: &Path, v: &Value) -> Result<BTreeMap<String, String>> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| Error::bad_file(path, "`__metadata__` in the header is not a JSON object"))?;
+    let obj = v.as_object().ok_or_else(|| {
+        Error::bad_file(path, "`__metadata__` in the header is not a JSON object")
+    })?;
     let mut metadata = BTreeMap::new();
     for (k, v) in obj {
         let s = v.as_str().ok_or_else(|| {
             Error::bad_file(
                 path,
-                format!("`__metadata__.{k}` is not a string (safetensors metadata is string → string)"),
+                format!(
+                    "`__metadata__.{k}` is not a string (safetensors metadata is string → string)"
+                ),
             )
         })?;
         metadata.insert(k.clone(), s.to_string());
