@@ -199,6 +199,9 @@ fn wrong_tensors(dir: &Path, good: &Path) -> Vec<Broken> {
     v
 }
 
+/// One damage done to a file's bytes.
+type Damage = fn(&mut Vec<u8>);
+
 /// Broken trace directories for nan-locate and bisect.
 fn broken_traces(dir: &Path, good: &Path) -> Vec<Broken> {
     let d = dir.join("traces");
@@ -218,7 +221,7 @@ fn broken_traces(dir: &Path, good: &Path) -> Vec<Broken> {
         names: p,
     });
     let files = shards(good);
-    let damages: [(&str, fn(&mut Vec<u8>)); 4] = [
+    let damages: [(&str, Damage); 4] = [
         ("empty trace file", |b| b.clear()),
         ("truncated trace file", |b| {
             let n = b.len() - 3;
