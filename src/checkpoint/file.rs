@@ -429,33 +429,28 @@ fn parse_header(path: &Path, header: &[u8], data_len: usize) -> Result<Parsed> {
         };
         return Err(Error::bad_file(path, what));
     }
-    let root: serde_json::Map<String, Value> = serde_json::from_slice(header).map_err(|e| {
-        Error::bad_file(
+    // Entries are validated as they stream in, so a header of a million tensors costs a
+    // TensorInfo each, not a whole JSON tree (about 1.5 KB per tensor) at once.
+    let entry_err = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(header);
+    let parsed = serde::Deserializer::deserialize_map(
+        &mut de,
+        HeaderVisitor {
             path,
-            format!("header is not valid JSON ({e}): a damaged safetensors file"),
-        )
-    })?;
-    let mut tensors = HashMap::with_capacity(root.len());
-    let mut metadata = BTreeMap::new();
-    for (name, v) in root {
-        if name == "__metadata__" {
-            let obj = v.as_object().ok_or_else(|| {
-                Error::bad_file(path, "`__metadata__` in the header is not a JSON object")
-            })?;
-            for (k, v) in obj {
-                let s = v.as_str().ok_or_else(|| {
-                    Error::bad_file(
-                        path,
-                        format!("`__metadata__.{k}` is not a string (safetensors metadata is string → string)"),
-                    )
-                })?;
-                metadata.insert(k.clone(), s.to_string());
-            }
-            continue;
+            err: &entry_err,
+        },
+    )
+    .and_then(|v| de.end().map(|_| v));
+    let (tensors, metadata) = match (parsed, entry_err.into_inner()) {
+        (_, Some(e)) => return Err(e),
+        (Ok(v), None) => v,
+        (Err(e), None) => {
+            return Err(Error::bad_file(
+                path,
+                format!("header is not valid JSON ({e}): a damaged safetensors file"),
+            ))
         }
-        let info = parse_entry(path, &name, &v)?;
-        tensors.insert(name, info);
-    }
+    };
     // The tensors must tile [0, data_len) exactly.
     let mut order: Vec<(&String, &TensorInfo)> = tensors.iter().collect();
     order.sort_by(|a, b| {
@@ -512,6 +507,63 @@ fn parse_header(path: &Path, header: &[u8], data_len: usize) -> Result<Parsed> {
     }
     let order: Vec<String> = order.into_iter().map(|(n, _)| n.clone()).collect();
     Ok((tensors, order, metadata))
+}
+
+struct HeaderVisitor<'a> {
+    path: &'a Path,
+    /// The first bad entry; the visitor aborts the parse with a placeholder serde error.
+    err: &'a std::cell::RefCell<Option<Error>>,
+}
+
+impl<'de> serde::de::Visitor<'de> for HeaderVisitor<'_> {
+    type Value = (HashMap<String, TensorInfo>, BTreeMap<String, String>);
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensor entries")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut m: A,
+    ) -> std::result::Result<Self::Value, A::Error> {
+        let path = self.path;
+        let mut tensors = HashMap::new();
+        let mut metadata = BTreeMap::new();
+        while let Some(name) = m.next_key::<String>()? {
+            let v: Value = m.next_value()?;
+            let r = if name == "__metadata__" {
+                parse_metadata(path, &v).map(|md| metadata = md)
+            } else {
+                parse_entry(path, &name, &v).map(|info| {
+                    tensors.insert(name, info);
+                })
+            };
+            if let Err(e) = r {
+                *self.err.borrow_mut() = Some(e);
+                return Err(serde::de::Error::custom("bad header entry"));
+            }
+        }
+        Ok((tensors, metadata))
+    }
+}
+
+fn parse_metadata(path: &Path, v: &Value) -> Result<BTreeMap<String, String>> {
+    let obj = v.as_object().ok_or_else(|| {
+        Error::bad_file(path, "`__metadata__` in the header is not a JSON object")
+    })?;
+    let mut metadata = BTreeMap::new();
+    for (k, v) in obj {
+        let s = v.as_str().ok_or_else(|| {
+            Error::bad_file(
+                path,
+                format!(
+                    "`__metadata__.{k}` is not a string (safetensors metadata is string → string)"
+                ),
+            )
+        })?;
+        metadata.insert(k.clone(), s.to_string());
+    }
+    Ok(metadata)
 }
 
 fn parse_entry(path: &Path, name: &str, v: &Value) -> Result<TensorInfo> {

@@ -166,7 +166,8 @@ impl<'a> TensorRef<'a> {
     pub fn read_f32(&self, start: usize, len: usize, out: &mut Vec<f32>) {
         out.clear();
         let width = self.dtype.bitsize() / 8;
-        let end = (start + len).min(self.numel());
+        // saturating: a caller asking far past the end gets nothing, not an overflow
+        let end = start.saturating_add(len).min(self.numel());
         if !self.is_float() || width == 0 || start >= end {
             return;
         }
@@ -215,6 +216,23 @@ impl<'a> TensorRef<'a> {
 mod tests {
     use super::*;
     use crate::checkpoint::writer::{bf16_bytes, f32_bytes, write_file, TensorSpec};
+
+    /// A range far past the end reads nothing (it used to overflow `start + len`).
+    #[test]
+    fn read_f32_far_past_the_end_is_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("000001-a.safetensors");
+        let v: Vec<f32> = (0..6).map(|_| rand::random::<f32>() + 0.5).collect();
+        let spec = TensorSpec::new("output", Dtype::F32, &[2, 3]);
+        write_file(&p, vec![(spec, f32_bytes(&v))], None).unwrap();
+        let f = TraceFile::open(&p).unwrap();
+        let t = f.tensor("output").unwrap();
+        let mut out = vec![1.0];
+        t.read_f32(usize::MAX - 1, 4, &mut out);
+        assert!(out.is_empty());
+        t.read_f32(4, usize::MAX, &mut out);
+        assert_eq!(out, v[4..]);
+    }
 
     #[test]
     fn roles_and_order() {
