@@ -303,7 +303,8 @@ fn slots_by_expert(routing: &Routing, e: usize) -> Vec<Vec<usize>> {
     g
 }
 
-fn check_routing(layer: &MoeLayer, routing: &Routing, tokens: usize) -> Result<()> {
+/// Does this routing fit the layer and the batch (shape, global expert ids in range)?
+pub fn check_routing(layer: &MoeLayer, routing: &Routing, tokens: usize) -> Result<()> {
     let e = layer.config.n_routed_experts;
     let l = layer.index;
     if routing.tokens != tokens

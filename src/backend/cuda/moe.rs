@@ -61,36 +61,7 @@ pub(crate) fn check_layer(layer: &MoeLayer) -> Result<Format> {
     Ok(format)
 }
 
-pub(crate) fn check_routing(layer: &MoeLayer, routing: &Routing, tokens: usize) -> Result<()> {
-    let e = layer.config.n_routed_experts;
-    let l = layer.index;
-    if routing.tokens != tokens
-        || routing.top_k == 0
-        || routing.topk_ids.len() != tokens * routing.top_k
-        || routing.topk_weights.len() != tokens * routing.top_k
-    {
-        return Err(Error::usage(format!(
-            "MoE layer {l}: routing for {} tokens x top-{} ({} ids, {} weights) does not fit {tokens} tokens",
-            routing.tokens,
-            routing.top_k,
-            routing.topk_ids.len(),
-            routing.topk_weights.len()
-        )));
-    }
-    if let Some((s, &id)) = routing
-        .topk_ids
-        .iter()
-        .enumerate()
-        .find(|(_, &id)| id < 0 || id as usize >= e)
-    {
-        return Err(Error::usage(format!(
-            "MoE layer {l}: topk_ids[{}, {}] = {id} is not a global expert id (n_routed_experts = {e})",
-            s / routing.top_k,
-            s % routing.top_k
-        )));
-    }
-    Ok(())
-}
+use crate::moe::forward::check_routing;
 
 /// A BF16 MLP on the GPU (shared experts).
 struct DevDense {
