@@ -82,6 +82,14 @@ impl Model {
         }
     }
 
+    /// w1 and w3 of every expert share one weight_scale_2 (as ModelOpt exports them for vLLM).
+    fn with_shared_w13_scale(mut self) -> Model {
+        for x in &mut self.experts {
+            x.w3.scale_2 = x.w1.scale_2;
+        }
+        self
+    }
+
     fn config(&self, dir: &Path) {
         let c = serde_json::json!({
             "model_type": "deepseek_v3",
@@ -275,6 +283,12 @@ struct Faults {
     /// EP rank and size (linear placement).
     ep: Option<(usize, usize)>,
     prefix: Option<&'static str>,
+    /// vLLM after `process_weights_after_loading`: one w13_weight_scale_2 per expert, swizzled
+    /// `w13_blockscale_swizzled`, and the derived alphas / input_scale_quant (`Some(true)`:
+    /// input scales maxed over all experts, as FlashInfer backends do).
+    processed: Option<bool>,
+    /// g1_alphas of this expert doubled.
+    bad_alpha: Option<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -305,11 +319,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         w13.extend_from_slice(&a.packed);
         w13.extend_from_slice(&b.packed);
         let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
-        if f.swizzle {
+        if f.swizzle || f.processed.is_some() {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
         }
         s13.extend(sc);
-        if f.gate_only_scale_2 {
+        if f.gate_only_scale_2 || f.processed.is_some() {
             g13.push(a.scale_2);
         } else {
             g13.extend([a.scale_2, b.scale_2]);
@@ -331,7 +345,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         let _ = slot;
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
-    let s13_shape: Vec<usize> = if f.swizzle {
+    let s13_shape: Vec<usize> = if f.swizzle || f.processed.is_some() {
         vec![e, 128, 4]
     } else {
         vec![e, 2 * ip, h / 16]
@@ -341,7 +355,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     } else {
         vec![e, h, ip / 16]
     };
-    let g13_shape: Vec<usize> = if f.gate_only_scale_2 {
+    let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
         vec![e]
     } else {
         vec![e, 2]
@@ -352,7 +366,15 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w13,
         ),
         (
-            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &s13_shape),
+            TensorSpec::new(
+                ex(if f.processed.is_some() {
+                    "w13_blockscale_swizzled"
+                } else {
+                    "w13_weight_scale"
+                }),
+                Dtype::F8_E4M3,
+                &s13_shape,
+            ),
             s13,
         ),
         (
@@ -380,6 +402,38 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             f32_bytes(&i2),
         ),
     ];
+    if let Some(global) = f.processed {
+        // vLLM's process_weights_after_loading: alphas and the activation gs per expert
+        let mut in13: Vec<f32> = i13.chunks(2).map(|c| c[0].max(c[1])).collect();
+        let mut in2 = i2.clone();
+        if global {
+            let (m13, m2) = (
+                in13.iter().copied().fold(0f32, f32::max),
+                in2.iter().copied().fold(0f32, f32::max),
+            );
+            in13.iter_mut().for_each(|v| *v = m13);
+            in2.iter_mut().for_each(|v| *v = m2);
+        }
+        let mut g1: Vec<f32> = in13.iter().zip(&g13).map(|(x, w)| x * w).collect();
+        if let Some(x) = f.bad_alpha {
+            g1[x] *= 2.0;
+        }
+        let g2a: Vec<f32> = in2.iter().zip(&g2).map(|(x, w)| x * w).collect();
+        for (n, vals) in [
+            ("g1_alphas", g1),
+            ("g2_alphas", g2a),
+            (
+                "w13_input_scale_quant",
+                in13.iter().map(|x| 1.0 / x).collect(),
+            ),
+            (
+                "w2_input_scale_quant",
+                in2.iter().map(|x| 1.0 / x).collect(),
+            ),
+        ] {
+            v.push((TensorSpec::new(ex(n), Dtype::F32, &[e]), f32_bytes(&vals)));
+        }
+    }
     for (spec, bytes) in m.common(p, "mlp") {
         let (mut spec, mut bytes) = (spec, bytes);
         if f.drop_and_add && spec.name.ends_with("shared_experts.down_proj.weight") {
@@ -584,6 +638,13 @@ fn gate_up_swapped_in_one_expert_is_named() {
         .find(|d| d["kind"] == "gate_up_swapped")
         .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
     assert_eq!(swap["experts"], serde_json::json!([bad]));
+    // the moved scale_2 and input_scale are symptoms of the swap, not diagnoses of their own
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_swapped"],
+        "seed {}",
+        fx.seed
+    );
     assert_eq!(swap["layer"], LAYER);
     let names: Vec<&str> = out.json["mismatches"]
         .as_array()
@@ -730,6 +791,69 @@ fn missing_and_extra_tensors_are_listed() {
         serde_json::json!([format!("model.layers.{LAYER}.mlp.experts.w13_bias")])
     );
     assert_eq!(out.json["summary"]["mismatched"], 0);
+}
+
+#[test]
+fn vllm_processed_state_dict_and_its_derived_scales() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::new(&mut r, 4).with_shared_w13_scale();
+    let ckpt = dir.path().join("ckpt");
+    model.write_hf(&ckpt);
+    for global in [false, true] {
+        let dump = dir.path().join(format!("processed-{global}.safetensors"));
+        write_fused(
+            &model,
+            &dump,
+            &Faults {
+                processed: Some(global),
+                ..Default::default()
+            },
+        );
+        let out = run(dir.path(), &[s(&ckpt), s(&dump)]);
+        check(&out, 0, seed);
+        let notes = out.json["notes"].to_string();
+        assert!(notes.contains("`g1_alphas` agrees"), "{notes}");
+        assert_eq!(notes.contains("global scale"), global, "{notes}");
+        assert_eq!(out.json["extra"].as_array().unwrap().len(), 0);
+    }
+    let bad = r.gen_range(0..4);
+    let dump = dir.path().join("bad-alpha.safetensors");
+    write_fused(
+        &model,
+        &dump,
+        &Faults {
+            processed: Some(false),
+            bad_alpha: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[s(&ckpt), s(&dump)]);
+    check(&out, 1, seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let a = d
+        .iter()
+        .find(|d| d["kind"] == "derived_scale")
+        .unwrap_or_else(|| panic!("seed {seed}: {d:?}"));
+    assert_eq!(a["experts"], serde_json::json!([bad]));
+    assert!(a["message"].as_str().unwrap().contains("g1_alphas"));
+    // vLLM's processing with a checkpoint whose w1 and w3 scale_2 differ: the gate-only bug
+    let model2 = Model::new(&mut r, 2);
+    let ckpt2 = dir.path().join("ckpt2");
+    model2.write_hf(&ckpt2);
+    let dump = dir.path().join("processed2.safetensors");
+    write_fused(
+        &model2,
+        &dump,
+        &Faults {
+            processed: Some(false),
+            ..Default::default()
+        },
+    );
+    let out = run(dir.path(), &[s(&ckpt2), s(&dump)]);
+    check(&out, 1, seed);
+    assert!(diag_kinds(&out.json).contains(&"scale_2_gate_only".to_string()));
 }
 
 #[test]
@@ -897,6 +1021,133 @@ fn show_swap_report() {
     );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     println!("{}", out.stdout);
+}
+
+#[test]
+fn compressed_tensors_conventions_and_transposes() {
+    let fx = fixture(2);
+    // the checkpoint in compressed-tensors names: gs = 1/weight_scale_2, 1/input_scale
+    let ct = fx.root.join("ct.safetensors");
+    let mut v = fx.model.common("model.", "mlp");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_packed"),
+                    Dtype::U8,
+                    &[t.rows, t.cols / 2],
+                ),
+                t.packed.clone(),
+            ));
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[t.rows, t.cols / 16],
+                ),
+                t.scales.clone(),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.weight_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / t.scale_2]),
+            ));
+            v.push((
+                TensorSpec::new(format!("{base}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / ins]),
+            ));
+        }
+    }
+    write_file(&ct, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&ct)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+
+    // an engine that stores expert 1's down_proj and the shared gate_proj transposed
+    let tr = fx.root.join("transposed.safetensors");
+    let mut v = vec![];
+    for (spec, bytes) in fx.model.common("model.", "mlp") {
+        if spec.name.ends_with("shared_experts.gate_proj.weight") {
+            let (r, c) = (spec.shape[0], spec.shape[1]);
+            let t: Vec<f32> = (0..c)
+                .flat_map(|j| (0..r).map(move |i| (i, j)))
+                .map(|(i, j)| fx.model.shared[0][i * c + j])
+                .collect();
+            v.push((
+                TensorSpec::new(spec.name.clone(), Dtype::BF16, &[c, r]),
+                bf16_bytes(&t),
+            ));
+        } else {
+            v.push((spec, bytes));
+        }
+    }
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            if e == 1 && n == "down_proj" {
+                let (r, c) = (t.rows, t.cols / 2);
+                let bt: Vec<u8> = (0..c)
+                    .flat_map(|j| (0..r).map(move |i| (i, j)))
+                    .map(|(i, j)| t.packed[i * c + j])
+                    .collect();
+                v.push((
+                    TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[c, r]),
+                    bt,
+                ));
+                v.push((
+                    TensorSpec::new(
+                        format!("{base}.weight_scale"),
+                        Dtype::F8_E4M3,
+                        &[t.rows, t.cols / 16],
+                    ),
+                    t.scales.clone(),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+                    f32_bytes(&[t.scale_2]),
+                ));
+                v.push((
+                    TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+                    f32_bytes(&[ins]),
+                ));
+            } else {
+                triple(&mut v, &base, t, ins);
+            }
+        }
+    }
+    write_file(&tr, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&tr)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t: Vec<&Value> = d.iter().filter(|d| d["kind"] == "transposed").collect();
+    assert_eq!(
+        t.iter()
+            .map(|d| d["tensors"].as_u64().unwrap())
+            .sum::<u64>(),
+        2,
+        "{d:?}"
+    );
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            format!("model.layers.{LAYER}.mlp.experts.1.down_proj.weight"),
+            format!("model.layers.{LAYER}.mlp.shared_experts.gate_proj.weight")
+        ]
+    );
 }
 
 /// The fixtures behind `cases/compare-weights-*.toml`, from a fixed seed. Regenerate with

@@ -435,6 +435,57 @@ fn parse_quantization_config(path: &Path, field: &str, q: &Value) -> Result<Quan
     })
 }
 
+/// Keys that make a config.json a (DeepSeek-style) MoE config, whose fields are then required.
+const MOE_KEYS: [&str; 4] = [
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+    "moe_inter_dim",
+];
+
+/// Validate a config.json for commands that work on any model (audit, quantize): broken JSON is
+/// bad input; an MoE config must be complete and sensible; a dense model's config is only read
+/// for its quantization part. Returns the MoE config when there is one, and the quant config.
+pub fn check_config_file(
+    path: &Path,
+    layers_hint: Option<usize>,
+) -> Result<(Option<ModelConfig>, Option<QuantConfig>)> {
+    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let root: Value = serde_json::from_slice(&text)
+        .map_err(|e| Error::bad_file(path, format!("not valid JSON: {e}")))?;
+    let obj = root
+        .as_object()
+        .ok_or_else(|| Error::bad_file(path, "is not a JSON object"))?;
+    let inner = obj.get("text_config").and_then(|v| v.as_object());
+    let moe = MOE_KEYS
+        .iter()
+        .any(|k| obj.contains_key(*k) || inner.is_some_and(|t| t.contains_key(*k)));
+    if moe {
+        let c = read_config(path, layers_hint)?;
+        let q = c.quant.clone();
+        return Ok((Some(c), q));
+    }
+    Ok((None, quant_only(path, &root)?))
+}
+
+/// Only the quantization part of a config.json (for checkpoints that are not DeepSeek MoE
+/// models): `quantization_config`, else `hf_quant_config.json` next to it.
+pub fn quant_only(path: &Path, root: &Value) -> Result<Option<QuantConfig>> {
+    if let Some(q) = root.get("quantization_config").filter(|q| !q.is_null()) {
+        return Ok(Some(parse_quantization_config(
+            path,
+            "quantization_config",
+            q,
+        )?));
+    }
+    let hq = path.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
+    if hq.is_file() {
+        let t = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+        return Ok(Some(parse_hf_quant_config(&hq, &t)?));
+    }
+    Ok(None)
+}
+
 /// ModelOpt's `hf_quant_config.json`: `{producer, quantization: {quant_algo, group_size, ...}}`.
 pub fn parse_hf_quant_config(path: &Path, text: &[u8]) -> Result<QuantConfig> {
     let v: Value = serde_json::from_slice(text)

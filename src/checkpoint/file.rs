@@ -121,14 +121,42 @@ pub fn decode_f32_into(d: Dtype, bytes: &[u8], out: &mut [f32]) -> bool {
     true
 }
 
+/// The bytes as little-endian u16 values without copying, when they are 2-aligned (tensor data
+/// in a mapped file almost always is) on a little-endian host: byte-wise reads defeat
+/// vectorization on the hot paths.
+pub fn as_u16s(b: &[u8]) -> Option<&[u16]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: every bit pattern is a valid u16; align_to only hands out the aligned middle
+    let (pre, mid, post) = unsafe { b.align_to::<u16>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
+/// As [`as_u16s`], for u32 values.
+pub fn as_u32s(b: &[u8]) -> Option<&[u32]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    // SAFETY: as in as_u16s
+    let (pre, mid, post) = unsafe { b.align_to::<u32>() };
+    (pre.is_empty() && post.is_empty()).then_some(mid)
+}
+
 /// Sequential decode of a float dtype's bytes into `o` (no checks: the caller matched the
 /// lengths; an unsupported dtype leaves `o` as it was).
 pub fn decode_row(d: Dtype, b: &[u8], o: &mut [f32]) {
     match d {
-        Dtype::BF16 => o
-            .iter_mut()
-            .zip(b.chunks_exact(2))
-            .for_each(|(o, b)| *o = bf16_at(b)),
+        Dtype::BF16 => match as_u16s(b) {
+            Some(h) => o
+                .iter_mut()
+                .zip(h)
+                .for_each(|(o, &h)| *o = f32::from_bits((h as u32) << 16)),
+            None => o
+                .iter_mut()
+                .zip(b.chunks_exact(2))
+                .for_each(|(o, b)| *o = bf16_at(b)),
+        },
         Dtype::F16 => o
             .iter_mut()
             .zip(b.chunks_exact(2))
@@ -345,6 +373,37 @@ impl TensorFile {
     /// Bytes of the whole file.
     pub fn file_len(&self) -> usize {
         self.map.len()
+    }
+
+    /// Map a tensor's pages in one call before a scan touches them all: one page fault per few
+    /// pages costs more than the scan itself. Best effort (older kernels lack it).
+    pub fn prefetch(&self, t: &TensorInfo) {
+        #[cfg(target_os = "linux")]
+        if t.nbytes() > 0 {
+            let _ = self.map.advise_range(
+                memmap2::Advice::PopulateRead,
+                self.data_start + t.data_offsets.0,
+                t.nbytes(),
+            );
+        }
+    }
+
+    /// Drop this process's mapping of a tensor's pages once it is done with (the page cache keeps
+    /// them; a later access maps them again): a scan over a large shard then holds about one
+    /// tensor's pages, not the whole shard's.
+    pub fn release(&self, t: &TensorInfo) {
+        #[cfg(unix)]
+        if t.nbytes() > 0 {
+            // SAFETY: the map is read-only and file-backed: after MADV_DONTNEED the pages read
+            // back the same file contents, so no live slice observes a change.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    self.data_start + t.data_offsets.0,
+                    t.nbytes(),
+                )
+            };
+        }
     }
 
     /// Ask the kernel to read ahead: for a scan that touches every tensor once in data order.

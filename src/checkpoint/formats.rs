@@ -319,14 +319,12 @@ pub fn convention_suspicion(
     let implied = |ws2: f32| 6.0 * max_block_scale * ws2;
     match convention {
         Convention::Modelopt if stored > 1.0 => Some(format!(
-            "weight_scale_2 = {stored:e} > 1 implies |w| up to {:e} (amax = 2688 × weight_scale_2); \
-             read as a compressed-tensors gs it gives {:e}: a gs (quant direction) stored as weight_scale_2?",
+            "weight_scale_2 = {stored:.4e} > 1 gives |w| up to {:.3e}; read as a gs (1/x) it gives {:.3e}: a compressed-tensors gs stored as weight_scale_2?",
             implied(stored),
             implied(1.0 / stored)
         )),
         Convention::CompressedTensors if stored > 0.0 && stored < 1.0 => Some(format!(
-            "weight_global_scale = {stored:e} < 1 implies |w| up to {:e} (gs = 2688 / amax); \
-             read as a ModelOpt weight_scale_2 it gives {:e}: a weight_scale_2 (dequant direction) stored as the gs?",
+            "weight_global_scale = {stored:.4e} < 1 gives |w| up to {:.3e}; read as a weight_scale_2 it gives {:.3e}: a ModelOpt weight_scale_2 stored as the gs?",
             implied(1.0 / stored),
             implied(stored)
         )),
@@ -339,12 +337,12 @@ pub fn convention_suspicion(
 pub fn input_scale_suspicion(convention: Convention, stored: f32) -> Option<String> {
     match convention {
         Convention::Modelopt if stored > 10.0 => Some(format!(
-            "input_scale = {stored:e} implies activations up to {:e}; 1/input_scale = {:e} looks like what was meant (a gs stored as input_scale?)",
+            "input_scale = {stored:.4e} means activations up to {:.3e}; 1/x = {:.4e} looks meant (a gs stored as input_scale?)",
             stored * GS_DENOM,
             1.0 / stored
         )),
         Convention::CompressedTensors if stored > 0.0 && stored < 0.1 => Some(format!(
-            "input_global_scale = {stored:e} implies activations up to {:e}; an input_scale stored as the gs?",
+            "input_global_scale = {stored:.4e} means activations up to {:.3e}: an input_scale stored as the gs?",
             GS_DENOM / stored
         )),
         _ => None,

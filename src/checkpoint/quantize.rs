@@ -17,7 +17,7 @@ use super::file::{elem_size, TensorFile, TensorInfo};
 use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
 use super::writer::{f32_bytes, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
-use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_block_nvfp4};
+use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
 use crate::nvfp4::{weight_global_scale, BlockStats, Format};
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -69,6 +69,13 @@ enum Item {
         rows: usize,
         cols: usize,
     },
+}
+
+/// Bytes on their way to the writer thread: a tensor copied straight from the map, or a
+/// quantized output.
+enum Piece<'a> {
+    Mapped(&'a TensorInfo),
+    Owned(Vec<u8>),
 }
 
 struct FilePlan {
@@ -138,6 +145,23 @@ impl QuantizePlan {
                 output.display()
             )));
         }
+        // inputs that cannot be right are refused before anything is written: a broken
+        // config.json, NVFP4 triples whose members cannot belong together
+        if ckpt.is_dir() {
+            if let Some(cfg) = ckpt.config_path() {
+                let layers = super::names::Naming::detect(ckpt.names()).map(|n| {
+                    super::names::layers_present(&n, ckpt.names())
+                        .last()
+                        .map_or(0, |l| l + 1)
+                });
+                super::config::check_config_file(&cfg, layers)?;
+            }
+        }
+        for base in super::formats::quantized_bases(&ckpt) {
+            if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
+                super::formats::check_linear(&ckpt, &ln)?;
+            }
+        }
         let mut files = vec![];
         for (i, shard) in ckpt.shards().iter().enumerate() {
             let out = if ckpt.is_dir() {
@@ -175,52 +199,128 @@ impl QuantizePlan {
             ..Default::default()
         };
         for fp in &self.files {
-            let shard = &self.ckpt.shards()[fp.shard];
-            shard.advise_sequential();
-            let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
-            let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
-            for item in &fp.items {
-                match item {
-                    Item::Copy(name) => {
-                        let b = shard.bytes(name)?;
-                        w.write_next(b)?;
-                        sum.copied += 1;
-                        sum.bytes_in += b.len() as u64;
-                        sum.bytes_out += b.len() as u64;
-                        on_tensor(name);
-                    }
-                    Item::Quantize { name, rows, cols } => {
-                        let t = shard.info(name)?;
-                        let q = quantize_tensor(shard, name, t, *rows, *cols, &self.opts)?;
-                        w.write_next(&q.packed)?;
-                        w.write_next(&q.scales)?;
-                        sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
-                        if let Some(ws2) = q.weight_scale_2 {
-                            w.write_next(&f32_bytes(&[ws2]))?;
-                            sum.bytes_out += 4;
-                        }
-                        sum.bytes_in += t.nbytes() as u64;
-                        sum.quantized += 1;
-                        add(&mut sum.blocks, &q.stats);
-                        sum.tensors.push(QuantizedTensor {
-                            name: name.clone(),
-                            dtype: format!("{:?}", t.dtype),
-                            shape: [*rows, *cols],
-                            weight_scale_2: q.weight_scale_2,
-                            amax: q.amax,
-                            stats: q.stats,
-                        });
-                        on_tensor(name);
-                    }
-                }
-            }
-            w.finish()?;
+            self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
         }
         if self.ckpt.is_dir() {
             self.write_side_files(&sum)?;
         }
         Ok(sum)
+    }
+
+    /// One output shard. A writer thread takes each tensor's bytes while the next one is
+    /// quantized, so the cores are not idle during the (single-threaded) write; at most two
+    /// tensors' outputs are in flight.
+    fn run_file(
+        &self,
+        fp: &FilePlan,
+        sum: &mut QuantizeSummary,
+        on_tensor: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        let shard = &self.ckpt.shards()[fp.shard];
+        shard.advise_sequential();
+        let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
+        let mut w = ShardWriter::create(&fp.output, fp.specs.clone(), meta)?;
+        // output buffers go back and forth between the two threads instead of being reallocated
+        let pool = std::sync::Mutex::new(Vec::<Vec<u8>>::new());
+        std::thread::scope(|sc| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(2);
+            let pool = &pool;
+            let writer = sc.spawn(move || -> Result<ShardWriter> {
+                for p in rx {
+                    match p {
+                        Piece::Mapped(t) => {
+                            w.write_next(shard.slice(t))?;
+                            shard.release(t);
+                        }
+                        Piece::Owned(b) => {
+                            w.write_next(&b)?;
+                            if let Ok(mut p) = pool.lock() {
+                                p.push(b);
+                            }
+                        }
+                    }
+                }
+                Ok(w)
+            });
+            let produced = self.produce(fp, shard, &tx, pool, sum, on_tensor);
+            drop(tx);
+            let written = writer
+                .join()
+                .map_err(|_| Error::bad_file(&fp.output, "internal: the writer thread panicked"))?;
+            // a failed write stops the producer (its send fails): the write error is the news
+            match (produced, written) {
+                (_, Err(e)) | (Err(e), Ok(_)) => Err(e),
+                (Ok(()), Ok(w)) => w.finish(),
+            }
+        })
+    }
+
+    fn produce<'a>(
+        &self,
+        fp: &FilePlan,
+        shard: &'a TensorFile,
+        tx: &std::sync::mpsc::SyncSender<Piece<'a>>,
+        pool: &std::sync::Mutex<Vec<Vec<u8>>>,
+        sum: &mut QuantizeSummary,
+        on_tensor: &(dyn Fn(&str) + Sync),
+    ) -> Result<()> {
+        // the writer stopped (its error comes out of join): stop producing
+        let send = |p: Piece<'a>| {
+            tx.send(p)
+                .map_err(|_| Error::bad_file(&fp.output, "write failed"))
+        };
+        for item in &fp.items {
+            match item {
+                Item::Copy(name) => {
+                    let t = shard.info(name)?;
+                    send(Piece::Mapped(t))?;
+                    sum.copied += 1;
+                    sum.bytes_in += t.nbytes() as u64;
+                    sum.bytes_out += t.nbytes() as u64;
+                    on_tensor(name);
+                }
+                Item::Quantize { name, rows, cols } => {
+                    let t = shard.info(name)?;
+                    // the smallest recycled buffer that holds `n` bytes
+                    let take = |n: usize| {
+                        pool.lock()
+                            .ok()
+                            .and_then(|mut p| {
+                                let i = (0..p.len())
+                                    .filter(|&i| p[i].capacity() >= n)
+                                    .min_by_key(|&i| p[i].capacity())?;
+                                Some(p.swap_remove(i))
+                            })
+                            .unwrap_or_default()
+                    };
+                    let block = self.opts.format.block();
+                    let (pb, sb) = (take(rows * cols / 2), take(rows * cols / block));
+                    let q = quantize_tensor_into(shard, name, t, *rows, *cols, &self.opts, pb, sb)?;
+                    shard.release(t);
+                    sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
+                    send(Piece::Owned(q.packed))?;
+                    send(Piece::Owned(q.scales))?;
+                    if let Some(ws2) = q.weight_scale_2 {
+                        send(Piece::Owned(f32_bytes(&[ws2])))?;
+                        sum.bytes_out += 4;
+                    }
+                    sum.bytes_in += t.nbytes() as u64;
+                    sum.quantized += 1;
+                    add(&mut sum.blocks, &q.stats);
+                    sum.tensors.push(QuantizedTensor {
+                        name: name.clone(),
+                        dtype: format!("{:?}", t.dtype),
+                        shape: [*rows, *cols],
+                        weight_scale_2: q.weight_scale_2,
+                        amax: q.amax,
+                        stats: q.stats,
+                    });
+                    on_tensor(name);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Index, config.json with quantization_config, hf_quant_config.json, and the other small
@@ -378,76 +478,76 @@ pub struct QuantizedBytes {
     pub stats: BlockStats,
 }
 
-/// `|x|` as raw bits, per dtype: for non-negative IEEE values the bit pattern orders like the
-/// value, so the amax is found without converting, and a non-finite value is an all-ones
-/// exponent.
-#[derive(Clone, Copy)]
-struct Bits {
-    size: usize,
-    abs_mask: u32,
-    exp_mask: u32,
-}
-
-fn bits_of(d: Dtype) -> Option<Bits> {
-    Some(match d {
-        Dtype::BF16 => Bits {
-            size: 2,
-            abs_mask: 0x7FFF,
-            exp_mask: 0x7F80,
-        },
-        Dtype::F16 => Bits {
-            size: 2,
-            abs_mask: 0x7FFF,
-            exp_mask: 0x7C00,
-        },
-        Dtype::F32 => Bits {
-            size: 4,
-            abs_mask: 0x7FFF_FFFF,
-            exp_mask: 0x7F80_0000,
-        },
+/// Max `|x|` of a float tensor as raw bits (abs bits of non-negative IEEE values order like the
+/// values), and whether any element is NaN/Inf: exactly when the max abs bits reach the
+/// all-ones exponent. A pure max-reduction over integers, which the compiler vectorizes.
+fn max_abs_bits(d: Dtype, bytes: &[u8]) -> Option<(u32, bool)> {
+    const CHUNK: usize = 1 << 18;
+    let (size, inf) = match d {
+        Dtype::BF16 => (2, 0x7F80u32),
+        Dtype::F16 => (2, 0x7C00),
+        Dtype::F32 => (4, 0x7F80_0000),
         _ => return None,
-    })
-}
-
-#[inline]
-fn raw(b: &[u8], size: usize) -> u32 {
-    if size == 2 {
-        u16::from_le_bytes([b[0], b[1]]) as u32
-    } else {
-        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-    }
-}
-
-/// Max |x| of a float tensor's bytes, or the index of its first non-finite element.
-fn amax_bits(bytes: &[u8], k: Bits) -> std::result::Result<u32, usize> {
-    const CHUNK: usize = 1 << 16;
-    let per = bytes
-        .par_chunks(CHUNK * k.size)
-        .enumerate()
-        .map(|(ci, c)| {
-            let mut m = 0u32;
-            let mut bad = false;
-            for e in c.chunks_exact(k.size) {
-                let a = raw(e, k.size) & k.abs_mask;
-                bad |= a & k.exp_mask == k.exp_mask;
-                m = m.max(a);
+    };
+    // fixed-width accumulators: the max of non-negative i16/i32 lanes vectorizes (pmaxsw)
+    fn max16(c: &[u8]) -> u32 {
+        let Some(h) = super::file::as_u16s(c) else {
+            return c
+                .chunks_exact(2)
+                .map(|e| (u16::from_le_bytes([e[0], e[1]]) & 0x7FFF) as u32)
+                .max()
+                .unwrap_or(0);
+        };
+        let mut acc = [0i16; 32];
+        let mut it = h.chunks_exact(32);
+        for blk in &mut it {
+            for (a, &v) in acc.iter_mut().zip(blk) {
+                *a = (*a).max((v & 0x7FFF) as i16);
             }
-            if bad {
-                let i = c
-                    .chunks_exact(k.size)
-                    .position(|e| raw(e, k.size) & k.exp_mask == k.exp_mask)
-                    .unwrap_or(0);
-                Err(ci * CHUNK + i)
-            } else {
-                Ok(m)
-            }
-        })
-        .collect::<Vec<_>>();
-    let mut m = 0;
-    for p in per {
-        m = m.max(p?);
+        }
+        let tail = it
+            .remainder()
+            .iter()
+            .map(|&v| (v & 0x7FFF) as i16)
+            .fold(0, i16::max);
+        acc.iter().copied().fold(tail, i16::max) as u32
     }
-    Ok(m)
+    fn max32(c: &[u8]) -> u32 {
+        let Some(w) = super::file::as_u32s(c) else {
+            return c
+                .chunks_exact(4)
+                .map(|e| u32::from_le_bytes([e[0], e[1], e[2], e[3]]) & 0x7FFF_FFFF)
+                .max()
+                .unwrap_or(0);
+        };
+        let mut acc = [0i32; 16];
+        let mut it = w.chunks_exact(16);
+        for blk in &mut it {
+            for (a, &v) in acc.iter_mut().zip(blk) {
+                *a = (*a).max((v & 0x7FFF_FFFF) as i32);
+            }
+        }
+        let tail = it
+            .remainder()
+            .iter()
+            .map(|&v| (v & 0x7FFF_FFFF) as i32)
+            .fold(0, i32::max);
+        acc.iter().copied().fold(tail, i32::max) as u32
+    }
+    #[inline(never)]
+    fn max_chunk(c: &[u8], size: usize) -> u32 {
+        if size == 2 {
+            max16(c)
+        } else {
+            max32(c)
+        }
+    }
+    let m = bytes
+        .par_chunks(CHUNK * size)
+        .map(|c| max_chunk(c, size))
+        .max()
+        .unwrap_or(0);
+    Some((m, m >= inf))
 }
 
 fn bits_to_f32(a: u32, d: Dtype) -> f32 {
@@ -467,19 +567,38 @@ pub fn quantize_tensor(
     cols: usize,
     opts: &QuantizeOptions,
 ) -> Result<QuantizedBytes> {
+    quantize_tensor_into(f, name, t, rows, cols, opts, vec![], vec![])
+}
+
+/// [`quantize_tensor`] into recycled output buffers (their contents are overwritten): fresh
+/// multi-MB allocations per tensor cost a page fault and a kernel page clear per 4 KiB.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_tensor_into(
+    f: &TensorFile,
+    name: &str,
+    t: &TensorInfo,
+    rows: usize,
+    cols: usize,
+    opts: &QuantizeOptions,
+    mut packed: Vec<u8>,
+    mut scales: Vec<u8>,
+) -> Result<QuantizedBytes> {
+    f.prefetch(t);
     let bytes = f.slice(t);
-    let k = bits_of(t.dtype).ok_or_else(|| {
+    let (amax_raw, nonfinite) = max_abs_bits(t.dtype, bytes).ok_or_else(|| {
         Error::bad_tensor(
             f.path(),
             name,
             format!("{:?} is not BF16, F16 or F32", t.dtype),
         )
     })?;
-    let amax_raw = amax_bits(bytes, k).map_err(|i| {
-        let v = crate::checkpoint::file::decode_f32_into;
+    if nonfinite {
+        let (_, first) = super::audit::count_nonfinite(t.dtype, bytes);
+        let i = first.unwrap_or(0);
+        let size = elem_size(t.dtype).unwrap_or(1);
         let mut x = [0f32];
-        let _ = v(t.dtype, &bytes[i * k.size..(i + 1) * k.size], &mut x);
-        Error::bad_tensor(
+        super::file::decode_row(t.dtype, &bytes[i * size..(i + 1) * size], &mut x);
+        return Err(Error::bad_tensor(
             f.path(),
             name,
             format!(
@@ -488,8 +607,8 @@ pub fn quantize_tensor(
                 i % cols.max(1),
                 x[0]
             ),
-        )
-    })?;
+        ));
+    }
     let amax = bits_to_f32(amax_raw, t.dtype);
     let block = opts.format.block();
     let (gs, weight_scale_2) = match (opts.format, opts.gs) {
@@ -502,8 +621,10 @@ pub fn quantize_tensor(
         }
     };
     let kb = cols / block;
-    let mut packed = vec![0u8; rows * cols / 2];
-    let mut scales = vec![0u8; rows * kb];
+    packed.clear();
+    packed.resize(rows * cols / 2, 0);
+    scales.clear();
+    scales.resize(rows * kb, 0);
     let row_bytes = cols * elem_size(t.dtype).unwrap_or(1);
     // enough rows per task that a task is ~64K elements
     let rows_per = (65536 / cols.max(1)).max(1);
@@ -520,15 +641,17 @@ pub fn quantize_tensor(
                 .zip(b.chunks_exact(row_bytes))
             {
                 super::file::decode_row(t.dtype, br, &mut row);
-                for (j, (xb, pb)) in row
-                    .chunks_exact(block)
-                    .zip(pr.chunks_exact_mut(block / 2))
-                    .enumerate()
-                {
-                    sr[j] = match opts.format {
-                        Format::Nvfp4 => quantize_block_nvfp4(xb, gs, pb, &mut st),
-                        Format::Mxfp4 => quantize_block_mxfp4(xb, pb, &mut st),
-                    };
+                match opts.format {
+                    Format::Nvfp4 => quantize_row_nvfp4(&row, gs, pr, sr, &mut st),
+                    Format::Mxfp4 => {
+                        for (j, (xb, pb)) in row
+                            .chunks_exact(block)
+                            .zip(pr.chunks_exact_mut(block / 2))
+                            .enumerate()
+                        {
+                            sr[j] = quantize_block_mxfp4(xb, pb, &mut st);
+                        }
+                    }
                 }
             }
             st

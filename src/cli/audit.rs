@@ -1,15 +1,179 @@
-//! `audit`: not built yet.
+//! `audit PATH`: is the checkpoint itself sane? A static scan of every NVFP4 triple and every
+//! float tensor (see `checkpoint::audit` for what counts as a hazard and why). Exit 1 names
+//! every hazardous tensor.
 
-use super::common::OutArgs;
+use super::common::{progress, OutArgs};
+use crate::checkpoint::audit::{audit, AuditOptions, FindingKind};
+use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
-use crate::report::Report;
+use crate::report::{e, f, Report, Section, Verdict};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// Checkpoint directory or .safetensors file
+    #[arg(value_name = "PATH")]
+    pub path: PathBuf,
+    /// Flag a tensor when more than this fraction of its block scales sit at 448
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.01)]
+    pub saturation_limit: f64,
+    /// Flag an expert whose input_scale exceeds this multiple of the layer's median
+    #[arg(long, value_name = "FACTOR", default_value_t = 10.0)]
+    pub input_scale_outlier: f32,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
 
-pub fn run(_args: &Args) -> Result<Report> {
-    Err(Error::usage("`audit` is not built yet"))
+pub fn run(args: &Args) -> Result<Report> {
+    if !(args.saturation_limit >= 0.0 && args.saturation_limit <= 1.0) {
+        return Err(Error::usage("--saturation-limit is a fraction in [0, 1]"));
+    }
+    if !(args.input_scale_outlier.is_finite() && args.input_scale_outlier > 1.0) {
+        return Err(Error::usage(
+            "--input-scale-outlier must be a finite factor > 1",
+        ));
+    }
+    let ck = Checkpoint::open(&args.path)?;
+    let opts = AuditOptions {
+        saturation_limit: args.saturation_limit,
+        input_scale_outlier: args.input_scale_outlier,
+    };
+    let pb = progress(ck.names().count() as u64, "audit", args.out_args.quiet);
+    let res = audit(&ck, &opts, &|n| pb.inc(n))?;
+    pb.finish_and_clear();
+
+    let hazardous = res.hazardous_tensors();
+    let mut by_kind: BTreeMap<FindingKind, usize> = BTreeMap::new();
+    for x in &res.findings {
+        *by_kind.entry(x.kind).or_default() += 1;
+    }
+    let sat_total: u64 = res.linears.iter().map(|l| l.saturated).sum();
+    let blocks: u64 = res.linears.iter().map(|l| l.blocks).sum();
+    let worst_sat = res
+        .linears
+        .iter()
+        .max_by(|a, b| a.saturated_fraction.total_cmp(&b.saturated_fraction));
+    let pass = res.findings.is_empty();
+    let headline = if pass {
+        format!(
+            "{} quantized linears and {} float tensors scanned, no hazards",
+            res.linears.len(),
+            res.float_tensors
+        )
+    } else {
+        format!(
+            "{} hazardous tensors ({} findings) in {}",
+            hazardous.len(),
+            res.findings.len(),
+            res.path.display()
+        )
+    };
+    let mut overview = vec![
+        ("checkpoint", res.path.display().to_string()),
+        ("tensors", res.tensors.to_string()),
+        ("quantized linears", res.linears.len().to_string()),
+        ("float tensors scanned", res.float_tensors.to_string()),
+        ("bytes scanned", res.bytes_scanned.to_string()),
+        (
+            "block scales at 448",
+            format!(
+                "{sat_total} of {blocks} ({}%)",
+                f(100.0 * sat_total as f64 / blocks.max(1) as f64, 4)
+            ),
+        ),
+    ];
+    if let Some(w) = worst_sat {
+        overview.push((
+            "most saturated",
+            format!("{} ({}%)", w.base, f(100.0 * w.saturated_fraction, 3)),
+        ));
+    }
+    for (k, n) in &by_kind {
+        overview.push((k.label(), n.to_string()));
+    }
+    // the file column only says something when there are shards
+    let sharded = ck.shards().len() > 1;
+    let mut headers = vec!["tensor", "problem", "detail"];
+    if sharded {
+        headers.push("file");
+    }
+    let mut table = Section::new("hazards", &headers);
+    for x in &res.findings {
+        let mut row = vec![
+            x.tensor.clone(),
+            x.kind.label().to_string(),
+            x.detail.clone(),
+        ];
+        if sharded {
+            row.push(x.file.file_name().map_or_else(
+                || x.file.display().to_string(),
+                |n| n.to_string_lossy().to_string(),
+            ));
+        }
+        table.row(row);
+    }
+    let counts: BTreeMap<String, usize> = by_kind
+        .iter()
+        .map(|(k, n)| {
+            (
+                serde_json::to_value(k)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                *n,
+            )
+        })
+        .collect();
+    let mut report = Report::new("audit", Verdict::from_pass(pass), headline)
+        .summary(json!({
+            "tensors": res.tensors,
+            "quantized_linears": res.linears.len(),
+            "float_tensors": res.float_tensors,
+            "findings": res.findings.len(),
+            "hazardous_tensors": hazardous.len(),
+            "saturated_block_scales": sat_total,
+            "block_scales": blocks,
+            "bytes_scanned": res.bytes_scanned,
+            "by_kind": counts,
+        }))
+        .with("hazardous_tensors", &hazardous)
+        .with("findings", &res.findings)
+        .with("linears", &res.linears)
+        .section(Section::kv("audit", &overview));
+    if !pass {
+        report = report.section(table);
+    }
+    // a per-linear table only for small checkpoints; the JSON always has them all
+    if !res.linears.is_empty() && res.linears.len() <= 24 {
+        let mut t = Section::new(
+            "quantized linears",
+            &[
+                "tensor",
+                "shape",
+                "convention",
+                "weight_scale_2",
+                "input_scale",
+                "at 448",
+                "max scale",
+            ],
+        );
+        for l in &res.linears {
+            t.row(vec![
+                l.base.clone(),
+                format!("{}x{}", l.shape[0], l.shape[1]),
+                serde_json::to_value(l.convention)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+                l.weight_scale_2.map_or("-".into(), |v| e(v as f64)),
+                l.input_scale.map_or("-".into(), |v| e(v as f64)),
+                format!("{}%", f(100.0 * l.saturated_fraction, 2)),
+                f(l.max_block_scale as f64, 4),
+            ]);
+        }
+        report = report.section(t);
+    }
+    Ok(report)
 }

@@ -130,9 +130,9 @@ fn short(v: &[String], n: usize) -> String {
 
 /// `U8 (nvfp4, scales F8_E4M3)` → `nvfp4`; plain dtypes as they are.
 fn brief(dtype: &str) -> &str {
-    dtype
-        .split_once(" (")
-        .map_or(dtype, |(_, rest)| rest.split([',', ')']).next().unwrap_or(dtype))
+    dtype.split_once(" (").map_or(dtype, |(_, rest)| {
+        rest.split([',', ')']).next().unwrap_or(dtype)
+    })
 }
 
 fn kinds(u: &UnitResult) -> String {
@@ -148,14 +148,21 @@ fn kinds(u: &UnitResult) -> String {
         .join(", ")
 }
 
-fn build_report(args: &Args, c: &Comparison, tensors_a: usize, tensors_b: usize, seconds: f64) -> Report {
+fn build_report(
+    args: &Args,
+    c: &Comparison,
+    tensors_a: usize,
+    tensors_b: usize,
+    seconds: f64,
+) -> Report {
     let pass = c.passed();
     let gb_per_s = if seconds > 0.0 {
         c.bytes as f64 / 1e9 / seconds
     } else {
         0.0
     };
-    let failing: Vec<&crate::weights::diagnose::Diagnosis> = c.diagnoses.iter().filter(|d| d.fails).collect();
+    let failing: Vec<&crate::weights::diagnose::Diagnosis> =
+        c.diagnoses.iter().filter(|d| d.fails).collect();
     let headline = if pass {
         format!(
             "{} tensors agree ({} bitwise, {} after dequantization)",
@@ -211,16 +218,41 @@ fn build_report(args: &Args, c: &Comparison, tensors_a: usize, tensors_b: usize,
     let overview = Section::kv(
         "compare-weights",
         &[
-            ("A", format!("{} — {}", args.a.display(), c.a_naming.as_deref().unwrap_or("no MoE naming"))),
-            ("B", format!("{} — {}", args.b.display(), c.b_naming.as_deref().unwrap_or("no MoE naming"))),
-            ("tensors", format!("A {tensors_a}, B {tensors_b}; {} compared", c.units)),
+            (
+                "A",
+                format!(
+                    "{} — {}",
+                    args.a.display(),
+                    c.a_naming.as_deref().unwrap_or("no MoE naming")
+                ),
+            ),
+            (
+                "B",
+                format!(
+                    "{} — {}",
+                    args.b.display(),
+                    c.b_naming.as_deref().unwrap_or("no MoE naming")
+                ),
+            ),
+            (
+                "tensors",
+                format!("A {tensors_a}, B {tensors_b}; {} compared", c.units),
+            ),
             ("bitwise equal", c.equal.to_string()),
             ("close after dequant", c.close.to_string()),
             ("mismatched", c.mismatched.to_string()),
-            ("missing in B / extra in B", format!("{} / {}", c.missing.len(), c.extra.len())),
+            (
+                "missing in B / extra in B",
+                format!("{} / {}", c.missing.len(), c.extra.len()),
+            ),
             (
                 "read",
-                format!("{:.2} GB in {:.2} s ({:.2} GB/s)", c.bytes as f64 / 1e9, seconds, gb_per_s),
+                format!(
+                    "{:.2} GB in {:.2} s ({:.2} GB/s)",
+                    c.bytes as f64 / 1e9,
+                    seconds,
+                    gb_per_s
+                ),
             ),
         ],
     );
@@ -254,7 +286,10 @@ fn build_report(args: &Args, c: &Comparison, tensors_a: usize, tensors_b: usize,
             format!(
                 "mismatches{}",
                 if c.mismatches.len() > SHOW {
-                    format!(" (first {SHOW} of {}; all in the JSON report)", c.mismatches.len())
+                    format!(
+                        " (first {SHOW} of {}; all in the JSON report)",
+                        c.mismatches.len()
+                    )
                 } else {
                     String::new()
                 }
@@ -262,17 +297,20 @@ fn build_report(args: &Args, c: &Comparison, tensors_a: usize, tensors_b: usize,
             &["tensor", "issue", "A", "B", "cosine", "max abs err"],
         );
         for u in c.mismatches.iter().take(SHOW) {
-            let (cos, mae) = u
-                .metrics
-                .as_ref()
-                .map_or(("-".into(), "-".into()), |m| (report::f(m.cosine, 6), report::e(m.max_abs_err)));
+            let (cos, mae) = u.metrics.as_ref().map_or(("-".into(), "-".into()), |m| {
+                (report::f(m.cosine, 6), report::e(m.max_abs_err))
+            });
             s.row(vec![
                 u.name.clone(),
                 wrap(
                     &format!(
                         "{}: {}",
                         kinds(u),
-                        u.issues.iter().map(|i| i.message.as_str()).collect::<Vec<_>>().join("; ")
+                        u.issues
+                            .iter()
+                            .map(|i| i.message.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; ")
                     ),
                     60,
                 ),

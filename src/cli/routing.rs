@@ -183,15 +183,7 @@ pub fn run(args: &Args) -> Result<Report> {
         rank_load = loads;
     }
 
-    let agreements = recompute(
-        args,
-        &d,
-        ckpt.as_ref(),
-        &exp,
-        &ids,
-        maps.as_ref(),
-        &mut out,
-    )?;
+    let agreements = recompute(args, &d, ckpt.as_ref(), &exp, &ids, maps.as_ref(), &mut out)?;
     if let (Some(ag), false) = (
         agreements.iter().find(|a| a.dropped_by_rank.is_some()),
         rank_load.is_empty(),

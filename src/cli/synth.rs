@@ -50,6 +50,10 @@ pub struct Args {
     /// Overwrite a directory that already holds a checkpoint
     #[arg(long)]
     pub force: bool,
+    /// Do not write the experts' BF16 originals under DIR/bf16/ (they are 4x the NVFP4 bytes;
+    /// commands then use the dequantized checkpoint as their reference)
+    #[arg(long)]
+    pub no_originals: bool,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
@@ -202,7 +206,9 @@ pub fn run(args: &Args) -> Result<Report> {
             dir.display()
         )));
     }
-    std::fs::create_dir_all(dir.join("bf16")).map_err(|e| Error::io(dir, e))?;
+    if !args.no_originals {
+        std::fs::create_dir_all(dir.join("bf16")).map_err(|e| Error::io(dir, e))?;
+    }
 
     let names = Names {
         native: preset.native_v4_names(),
@@ -231,6 +237,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 &shard,
                 &bf16_shard,
                 &layer_plans,
+                !args.no_originals,
                 &pb,
             )?;
             for n in w {
@@ -253,6 +260,9 @@ pub fn run(args: &Args) -> Result<Report> {
         (dir.to_path_buf(), &weight_map),
         (dir.join("bf16"), &bf16_map),
     ] {
+        if map.is_empty() && p != *dir {
+            continue;
+        }
         let mut total = 0u64;
         for f in map.values().collect::<std::collections::BTreeSet<_>>() {
             total += std::fs::metadata(p.join(f)).map(|m| m.len()).unwrap_or(0);
@@ -505,6 +515,7 @@ fn write_moe_layer(
     shard: &str,
     bf16_shard: &str,
     plans: &[(Fault, Option<usize>)],
+    originals: bool,
     pb: &indicatif::ProgressBar,
 ) -> Result<LayerNamesOut> {
     let c = &model.config;
@@ -572,9 +583,21 @@ fn write_moe_layer(
         }
     }
     let main_names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
-    let bf_names: Vec<String> = bf_specs.iter().map(|s| s.name.clone()).collect();
+    let bf_names: Vec<String> = if originals {
+        bf_specs.iter().map(|s| s.name.clone()).collect()
+    } else {
+        vec![]
+    };
     let mut w = ShardWriter::create(&dir.join(shard), specs, None)?;
-    let mut wb = ShardWriter::create(&dir.join("bf16").join(bf16_shard), bf_specs, None)?;
+    let mut wb = if originals {
+        Some(ShardWriter::create(
+            &dir.join("bf16").join(bf16_shard),
+            bf_specs,
+            None,
+        )?)
+    } else {
+        None
+    };
 
     w.write_next(&bf16_bytes(&model.norm_weight(l)))?;
     w.write_next(&bf16_bytes(&router.weight))?;
@@ -602,7 +625,7 @@ fn write_moe_layer(
             .map(|e| {
                 let bf: ExpertBf16 = model.expert_bf16(l, e);
                 let (a1, a2) = model.expert_amax(&cal, e, &bf);
-                let mut ex = quantize_expert(&bf, h, i, [0.0; 3], true);
+                let mut ex = quantize_expert(&bf, h, i, [0.0; 3], originals);
                 let mut done = vec![];
                 for (f, _) in plans.iter().filter(|p| {
                     p.1 == e && !matches!(p.0, Fault::BadInputScale | Fault::MissingTensor)
@@ -618,9 +641,10 @@ fn write_moe_layer(
             for (which, q) in [&ex.w1, &ex.w3, &ex.w2].into_iter().enumerate() {
                 let base = names.expert(l, e, which);
                 write_fp4(&mut w, &base, &q.weight, &missing)?;
-                let orig = q.original.as_deref().unwrap_or(&[]);
-                // swap-gate-up swaps the NVFP4 tensors only: the originals stay in place
-                wb.write_next(&bf16_bytes(orig))?;
+                if let (Some(wb), Some(orig)) = (wb.as_mut(), q.original.as_deref()) {
+                    // swap-gate-up swaps the NVFP4 tensors only: the originals stay in place
+                    wb.write_next(&bf16_bytes(orig))?;
+                }
             }
             for (f, detail) in done {
                 planted.push(Planted {
@@ -669,7 +693,9 @@ fn write_moe_layer(
         });
     }
     w.finish()?;
-    wb.finish()?;
+    if let Some(wb) = wb {
+        wb.finish()?;
+    }
     Ok((main_names, bf_names, planted))
 }
 

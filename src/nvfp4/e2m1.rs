@@ -6,26 +6,21 @@ pub const MAX: f32 = 6.0;
 
 /// Round-half-to-even to the nearest E2M1 value; the sign bit is the sign of `x`, also when
 /// the magnitude rounds to zero (as PTX `cvt.rn` and ModelOpt do). Magnitudes past 6 give 6.
+///
+/// Branch-free (the magnitude is the number of rounding thresholds `a` lies past), so that it
+/// vectorizes; NaN passes no threshold test but encodes as 7, as the if-chain of DESIGN.md §2
+/// (`a <= 0.25 → 0, ... else 7`) gives it.
 #[inline]
 pub fn encode(x: f32) -> u8 {
     let a = x.abs();
-    let mag = if a <= 0.25 {
-        0
-    } else if a < 0.75 {
-        1
-    } else if a <= 1.25 {
-        2
-    } else if a < 1.75 {
-        3
-    } else if a <= 2.5 {
-        4
-    } else if a < 3.5 {
-        5
-    } else if a <= 5.0 {
-        6
-    } else {
-        7
-    };
+    let mag = (a > 0.25) as u8
+        + (a >= 0.75) as u8
+        + (a > 1.25) as u8
+        + (a >= 1.75) as u8
+        + (a > 2.5) as u8
+        + (a >= 3.5) as u8
+        + (a > 5.0) as u8;
+    let mag = if a.is_nan() { 7 } else { mag };
     mag | ((x.is_sign_negative() as u8) << 3)
 }
 

@@ -150,7 +150,9 @@ impl Report {
             out.push_str(&format!("| {} |\n", s.headers.join(" | ")));
             out.push_str(&format!("|{}\n", "---|".repeat(s.headers.len())));
             for r in &s.rows {
-                out.push_str(&format!("| {} |\n", r.join(" | ")));
+                // a cell wrapped for the terminal stays one Markdown table row
+                let cells: Vec<String> = r.iter().map(|c| c.replace('\n', "<br>")).collect();
+                out.push_str(&format!("| {} |\n", cells.join(" | ")));
             }
             out.push('\n');
         }

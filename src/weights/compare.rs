@@ -168,10 +168,12 @@ pub fn align2(a: (usize, usize), b: (usize, usize), tp: Option<(usize, usize)>) 
 }
 
 fn shape_hint(a: &[usize], b: &[usize], tp: Option<(usize, usize)>) -> String {
-    let diff: Vec<usize> = (0..a.len().min(b.len())).filter(|&i| a[i] != b[i]).collect();
+    let diff: Vec<usize> = (0..a.len().min(b.len()))
+        .filter(|&i| a[i] != b[i])
+        .collect();
     if a.len() == b.len() && diff.len() == 1 {
         let d = diff[0];
-        if b[d] > 0 && a[d] % b[d] == 0 && tp.is_none() {
+        if b[d] > 0 && a[d].is_multiple_of(b[d]) && tp.is_none() {
             return format!(
                 " — dim {d} is 1/{} of A's: a tensor-parallel shard? pass --tp-rank/--tp-size",
                 a[d] / b[d]
@@ -243,7 +245,11 @@ impl DView<'_> {
             let (r, c) = (e / re, e % re);
             let n = (re - c).min(out.len() - done);
             let row = self.mat.row(r);
-            if !decode_f32_into(self.dtype, &row[c * es..(c + n) * es], &mut out[done..done + n]) {
+            if !decode_f32_into(
+                self.dtype,
+                &row[c * es..(c + n) * es],
+                &mut out[done..done + n],
+            ) {
                 return false;
             }
             done += n;
@@ -308,10 +314,17 @@ fn metrics_any(a: &Values, b: &Values) -> Option<Metrics> {
 }
 
 /// Resolve a side's raw quantized linear with its own geometry. Err says why not.
-fn qmatrix<'a>(raw: &QRaw<'a>, rows: usize, cols: usize) -> Result<(QMatrix<'a>, super::view::Scales<'a>), String> {
+fn qmatrix<'a>(
+    raw: &QRaw<'a>,
+    rows: usize,
+    cols: usize,
+) -> Result<(QMatrix<'a>, super::view::Scales<'a>), String> {
     let block = raw.format.block();
-    if cols % block != 0 {
-        return Err(format!("K = {cols} is not a multiple of the {} block", block));
+    if !cols.is_multiple_of(block) {
+        return Err(format!(
+            "K = {cols} is not a multiple of the {} block",
+            block
+        ));
     }
     let sc = raw.scales.resolve(rows, cols / block)?;
     Ok((
@@ -356,9 +369,22 @@ fn compare_qq(
     u.b = qb.weight_name.clone();
     u.a_shape = qa.weight_shape.clone();
     u.b_shape = qb.weight_shape.clone();
-    u.a_dtype = format!("{} ({}, scales {:?})", dname(qa.weight_dtype), qa.format.name(), qa.scale_dtype);
-    u.b_dtype = format!("{} ({}, scales {:?})", dname(qb.weight_dtype), qb.format.name(), qb.scale_dtype);
-    u.bytes = (qa.packed.len() + qa.scales.unit_len(qa.rows()) + qb.packed.len() + qb.scales.unit_len(qb.rows())) as u64;
+    u.a_dtype = format!(
+        "{} ({}, scales {:?})",
+        dname(qa.weight_dtype),
+        qa.format.name(),
+        qa.scale_dtype
+    );
+    u.b_dtype = format!(
+        "{} ({}, scales {:?})",
+        dname(qb.weight_dtype),
+        qb.format.name(),
+        qb.scale_dtype
+    );
+    u.bytes = (qa.packed.len()
+        + qa.scales.unit_len(qa.rows())
+        + qb.packed.len()
+        + qb.scales.unit_len(qb.rows())) as u64;
     let done = |u: &mut UnitResult| std::mem::replace(u, UnitResult::new("", None)).finish(false);
     if qa.format != qb.format {
         u.issue(
@@ -375,7 +401,8 @@ fn compare_qq(
         }
     };
     if a_sc.seen == ScalesSeen::Swizzled {
-        u.notes.push("A's block scales are 128x4-swizzled; read unswizzled".into());
+        u.notes
+            .push("A's block scales are 128x4-swizzled; read unswizzled".into());
     }
     // a packed weight stored transposed ([K/2, N] bytes)
     let (ra, rb) = ((qa.rows(), qa.cols()), (qb.rows(), qb.cols()));
@@ -391,7 +418,10 @@ fn compare_qq(
         } else {
             u.issue(
                 IssueKind::Shape,
-                format!("B {:?} vs A {:?}: transposed shape, different contents", qb.weight_shape, qa.weight_shape),
+                format!(
+                    "B {:?} vs A {:?}: transposed shape, different contents",
+                    qb.weight_shape, qa.weight_shape
+                ),
             );
         }
         return done(u);
@@ -399,11 +429,13 @@ fn compare_qq(
     let a_m = match align2(ra, rb, opts.tp) {
         Some(Align::Same) => Some(a_full),
         Some(Align::Rows(r0)) => {
-            u.notes.push(format!("B is TP rows {r0}..{} of A", r0 + rb.0));
+            u.notes
+                .push(format!("B is TP rows {r0}..{} of A", r0 + rb.0));
             a_full.rows_slice(r0, rb.0)
         }
         Some(Align::Cols(c0)) => {
-            u.notes.push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1));
+            u.notes
+                .push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1));
             a_full.cols_slice(c0, rb.1)
         }
         None => None,
@@ -430,10 +462,13 @@ fn compare_qq(
         }
     };
     u.b_scales = Some(b_sc.seen);
-    let mut codes_equal = a_m.packed.same(&b_m.packed) && a_m.scales == b_m.scales;
-    if !codes_equal && b_sc.seen == ScalesSeen::Ambiguous {
+    // scales first: they are an eighth of the bytes and tell a swizzle apart
+    let scales_equal = a_m.scales == b_m.scales;
+    let packed_equal = a_m.packed.same(&b_m.packed);
+    let mut codes_equal = packed_equal && scales_equal;
+    if !scales_equal && b_sc.seen == ScalesSeen::Ambiguous {
         if let Some(alt) = b_sc.alternative() {
-            let alt_equal = a_m.scales[..] == alt[..] && a_m.packed.same(&b_m.packed);
+            let alt_equal = a_m.scales[..] == alt[..] && packed_equal;
             let swizzled = alt_equal || {
                 let reference = a_m.dequantize();
                 pick_scales(&reference, &b_m, &alt).0 == ScaleLayout::Swizzled
@@ -464,17 +499,24 @@ fn compare_qq(
                 conv_ulp = true;
                 u.notes.push("global scales stored in different conventions (weight_scale_2 vs weight_global_scale): equal after conversion".into());
             } else {
-                u.notes.push(format!("weight_scale_2 differs in the last bits: B {y:e}, A {x:e}"));
+                u.notes.push(format!(
+                    "weight_scale_2 differs in the last bits: B {y:e}, A {x:e}"
+                ));
             }
         }
         (Some(x), Some(y)) => {
             scale_ok = false;
-            let gate = u.expert.filter(|e| e.proj == Proj::Up).and_then(|e| {
-                a_scalars(ExpertProj {
-                    proj: Proj::Gate,
-                    ..e
-                })
-            });
+            // the named conventions only explain a unit whose codes are A's: with other codes
+            // the scale is one more symptom of holding another tensor (a swap, a permutation)
+            let gate = u
+                .expert
+                .filter(|e| e.proj == Proj::Up && codes_equal)
+                .and_then(|e| {
+                    a_scalars(ExpertProj {
+                        proj: Proj::Gate,
+                        ..e
+                    })
+                });
             if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
                 let how = if qb.scale_2_shared == Shared::W13Shared {
                     "w13_weight_scale_2 holds one value per expert"
@@ -489,7 +531,7 @@ fn compare_qq(
                         y / x
                     ),
                 );
-            } else if reciprocal_of(x, y) {
+            } else if codes_equal && reciprocal_of(x, y) {
                 u.issue(
                     IssueKind::Scale2Flipped,
                     format!(
@@ -519,7 +561,11 @@ fn compare_qq(
         (Some(x), Some(y)) => {
             let other = u.expert.filter(|e| e.proj != Proj::Down).and_then(|e| {
                 a_scalars(ExpertProj {
-                    proj: if e.proj == Proj::Gate { Proj::Up } else { Proj::Gate },
+                    proj: if e.proj == Proj::Gate {
+                        Proj::Up
+                    } else {
+                        Proj::Gate
+                    },
                     ..e
                 })
             });
@@ -536,7 +582,10 @@ fn compare_qq(
                 );
             } else {
                 input_ok = false;
-                u.issue(IssueKind::InputScale, format!("input_scale: B {y:e}, A {x:e}"));
+                u.issue(
+                    IssueKind::InputScale,
+                    format!("input_scale: B {y:e}, A {x:e}"),
+                );
             }
         }
         (Some(_), None) => {
@@ -597,12 +646,18 @@ fn dense_view<'a>(d: &DRaw<'a>) -> Option<DView<'a>> {
 }
 
 /// A's view restricted to B's TP shard: split along the one dim where A is `size` times B.
-fn shard_view<'a>(a: &DRaw<'a>, b_shape: &[usize], tp: Option<(usize, usize)>) -> Option<(DView<'a>, String)> {
+fn shard_view<'a>(
+    a: &DRaw<'a>,
+    b_shape: &[usize],
+    tp: Option<(usize, usize)>,
+) -> Option<(DView<'a>, String)> {
     let (r, n) = tp?;
     if a.shape.len() != b_shape.len() {
         return None;
     }
-    let diff: Vec<usize> = (0..a.shape.len()).filter(|&i| a.shape[i] != b_shape[i]).collect();
+    let diff: Vec<usize> = (0..a.shape.len())
+        .filter(|&i| a.shape[i] != b_shape[i])
+        .collect();
     let [d] = diff[..] else { return None };
     if a.shape[d] != n * b_shape[d] {
         return None;
@@ -614,15 +669,30 @@ fn shard_view<'a>(a: &DRaw<'a>, b_shape: &[usize], tp: Option<(usize, usize)>) -
     let len = b_shape[d];
     let mat = full.slice_cols(r * len * inner, len * inner)?;
     Some((
-        DView { mat, dtype: a.dtype },
-        format!("B is TP slice {}..{} of dim {d} of A", r * len, (r + 1) * len),
+        DView {
+            mat,
+            dtype: a.dtype,
+        },
+        format!(
+            "B is TP slice {}..{} of dim {d} of A",
+            r * len,
+            (r + 1) * len
+        ),
     ))
 }
 
 fn is_int(d: Dtype) -> bool {
     matches!(
         d,
-        Dtype::I8 | Dtype::U8 | Dtype::I16 | Dtype::U16 | Dtype::I32 | Dtype::U32 | Dtype::I64 | Dtype::U64 | Dtype::BOOL
+        Dtype::I8
+            | Dtype::U8
+            | Dtype::I16
+            | Dtype::U16
+            | Dtype::I32
+            | Dtype::U32
+            | Dtype::I64
+            | Dtype::U64
+            | Dtype::BOOL
     )
 }
 
@@ -656,7 +726,9 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
     u.a_dtype = dname(da.dtype);
     u.b_dtype = dname(db.dtype);
     u.bytes = (da.bytes.len() + db.bytes.len()) as u64;
-    let done = |u: &mut UnitResult, close: bool| std::mem::replace(u, UnitResult::new("", None)).finish(close);
+    let done = |u: &mut UnitResult, close: bool| {
+        std::mem::replace(u, UnitResult::new("", None)).finish(close)
+    };
     let (Some(va_full), Some(vb)) = (dense_view(da), dense_view(db)) else {
         u.issue(IssueKind::Unreadable, "bytes do not fill the shape");
         return done(u, false);
@@ -673,18 +745,30 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
             false
         };
         u.issue(
-            if transposed { IssueKind::Transposed } else { IssueKind::Shape },
+            if transposed {
+                IssueKind::Transposed
+            } else {
+                IssueKind::Shape
+            },
             if transposed {
                 format!("B holds A transposed: {:?} vs {:?}", db.shape, da.shape)
             } else {
-                format!("B {:?} vs A {:?}: transposed shape, different contents", db.shape, da.shape)
+                format!(
+                    "B {:?} vs A {:?}: transposed shape, different contents",
+                    db.shape, da.shape
+                )
             },
         );
         return done(u, false);
     } else {
         u.issue(
             IssueKind::Shape,
-            format!("B {:?} vs A {:?}{}", db.shape, da.shape, shape_hint(&da.shape, &db.shape, opts.tp)),
+            format!(
+                "B {:?} vs A {:?}{}",
+                db.shape,
+                da.shape,
+                shape_hint(&da.shape, &db.shape, opts.tp)
+            ),
         );
         return done(u, false);
     };
@@ -699,10 +783,19 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                 if let Some(&i) = diff.first() {
                     u.issue(
                         IssueKind::Values,
-                        format!("{} of {} integers differ; first at flat index {i}: B {}, A {}", diff.len(), x.len(), y[i], x[i]),
+                        format!(
+                            "{} of {} integers differ; first at flat index {i}: B {}, A {}",
+                            diff.len(),
+                            x.len(),
+                            y[i],
+                            x[i]
+                        ),
                     );
                 } else {
-                    u.notes.push(format!("dtype differs (A {:?}, B {:?}), values identical", da.dtype, db.dtype));
+                    u.notes.push(format!(
+                        "dtype differs (A {:?}, B {:?}), values identical",
+                        da.dtype, db.dtype
+                    ));
                     u.bitwise_equal = false;
                     let mut r = done(u, true);
                     r.status = Status::Equal;
@@ -719,14 +812,20 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
     let Some(m) = metrics_any(&Values::D(va), &Values::D(vb)) else {
         u.issue(
             IssueKind::Dtype,
-            format!("A {:?}, B {:?}: a dtype this tool does not decode", da.dtype, db.dtype),
+            format!(
+                "A {:?}, B {:?}: a dtype this tool does not decode",
+                da.dtype, db.dtype
+            ),
         );
         return done(u, false);
     };
     let identical = m.max_abs_err == 0.0 && m.nan_count + m.inf_count == 0;
     if da.dtype != db.dtype {
         if identical {
-            u.notes.push(format!("dtype differs (A {:?}, B {:?}), values identical", da.dtype, db.dtype));
+            u.notes.push(format!(
+                "dtype differs (A {:?}, B {:?}), values identical",
+                da.dtype, db.dtype
+            ));
             u.metrics = Some(m);
             let mut r = done(u, true);
             r.status = Status::Equal;
@@ -742,7 +841,10 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
     } else if !m.passes(opts.min_cosine) {
         u.issue(
             IssueKind::Values,
-            format!("values differ: cosine {:.6}, max_abs_err {:.3e}", m.cosine, m.max_abs_err),
+            format!(
+                "values differ: cosine {:.6}, max_abs_err {:.3e}",
+                m.cosine, m.max_abs_err
+            ),
         );
     }
     let close = m.passes(opts.min_cosine);
@@ -752,7 +854,11 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
 
 /// One side quantized, the other a float tensor (e.g. a BF16 engine that dequantized at load).
 fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bool) -> UnitResult {
-    let (qn, qs, qd) = (q.weight_name.clone(), q.weight_shape.clone(), format!("{} ({})", dname(q.weight_dtype), q.format.name()));
+    let (qn, qs, qd) = (
+        q.weight_name.clone(),
+        q.weight_shape.clone(),
+        format!("{} ({})", dname(q.weight_dtype), q.format.name()),
+    );
     let (dn, ds, dd) = (d.name.clone(), d.shape.clone(), dname(d.dtype));
     if q_is_a {
         (u.a, u.a_shape, u.a_dtype, u.b, u.b_shape, u.b_dtype) = (qn, qs, qd, dn, ds, dd);
@@ -760,11 +866,16 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
         (u.a, u.a_shape, u.a_dtype, u.b, u.b_shape, u.b_dtype) = (dn, ds, dd, qn, qs, qd);
     }
     u.bytes = (q.packed.len() + q.scales.unit_len(q.rows()) + d.bytes.len()) as u64;
-    let done = |u: &mut UnitResult, close: bool| std::mem::replace(u, UnitResult::new("", None)).finish(close);
+    let done = |u: &mut UnitResult, close: bool| {
+        std::mem::replace(u, UnitResult::new("", None)).finish(close)
+    };
     let (qm, _) = match qmatrix(q, q.rows(), q.cols()) {
         Ok(v) => v,
         Err(e) => {
-            u.issue(IssueKind::Unreadable, format!("{}: {e}", if q_is_a { "A" } else { "B" }));
+            u.issue(
+                IssueKind::Unreadable,
+                format!("{}: {e}", if q_is_a { "A" } else { "B" }),
+            );
             return done(u, false);
         }
     };
@@ -774,7 +885,11 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
     };
     let (rq, rd) = ((qm.rows, qm.cols), (dv.mat.rows, dv.row_elems()));
     // only A may be wider (B is the shard)
-    let qm = match if q_is_a { align2(rq, rd, opts.tp) } else { (rq == rd).then_some(Align::Same) } {
+    let qm = match if q_is_a {
+        align2(rq, rd, opts.tp)
+    } else {
+        (rq == rd).then_some(Align::Same)
+    } {
         Some(Align::Same) => Some(qm),
         Some(Align::Rows(r0)) => qm.rows_slice(r0, rd.0),
         Some(Align::Cols(c0)) => qm.cols_slice(c0, rd.1),
@@ -783,7 +898,12 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
     let Some(qm) = qm else {
         u.issue(
             IssueKind::Shape,
-            format!("B {:?} vs A {:?}{}", u.b_shape, u.a_shape, shape_hint(&[rq.0, rq.1], &[rd.0, rd.1], opts.tp)),
+            format!(
+                "B {:?} vs A {:?}{}",
+                u.b_shape,
+                u.a_shape,
+                shape_hint(&[rq.0, rq.1], &[rd.0, rd.1], opts.tp)
+            ),
         );
         return done(u, false);
     };
@@ -795,16 +915,26 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
         q.format.name()
     ));
     let (qa, qb) = (Values::Q(&qm), Values::D(dv));
-    let m = if q_is_a { metrics_any(&qa, &qb) } else { metrics_any(&qb, &qa) };
+    let m = if q_is_a {
+        metrics_any(&qa, &qb)
+    } else {
+        metrics_any(&qb, &qa)
+    };
     let Some(m) = m else {
-        u.issue(IssueKind::Dtype, format!("{:?}: a dtype this tool does not decode", d.dtype));
+        u.issue(
+            IssueKind::Dtype,
+            format!("{:?}: a dtype this tool does not decode", d.dtype),
+        );
         return done(u, false);
     };
     let close = m.passes(opts.min_cosine);
     if !close {
         u.issue(
             IssueKind::Values,
-            format!("values differ: cosine {:.6}, max_abs_err {:.3e}", m.cosine, m.max_abs_err),
+            format!(
+                "values differ: cosine {:.6}, max_abs_err {:.3e}",
+                m.cosine, m.max_abs_err
+            ),
         );
     }
     u.metrics = Some(m);
@@ -818,7 +948,11 @@ pub fn own_q<'a>(raw: &QRaw<'a>) -> Option<QMatrix<'a>> {
 }
 
 /// A's quantized matrix cut to B's geometry `target` (equal, or B's TP shard).
-pub fn aligned_q<'a>(raw: &QRaw<'a>, target: (usize, usize), tp: Option<(usize, usize)>) -> Option<QMatrix<'a>> {
+pub fn aligned_q<'a>(
+    raw: &QRaw<'a>,
+    target: (usize, usize),
+    tp: Option<(usize, usize)>,
+) -> Option<QMatrix<'a>> {
     let m = own_q(raw)?;
     match align2((m.rows, m.cols), target, tp)? {
         Align::Same => Some(m),
@@ -837,7 +971,11 @@ pub fn metrics_raw(a: &Raw, b: &Raw, tp: Option<(usize, usize)>) -> Option<Metri
         }
         (Raw::D(da), Raw::D(db)) => {
             let vb = dense_view(db)?;
-            let va = if da.shape == db.shape { dense_view(da)? } else { shard_view(da, &db.shape, tp)?.0 };
+            let va = if da.shape == db.shape {
+                dense_view(da)?
+            } else {
+                shard_view(da, &db.shape, tp)?.0
+            };
             metrics_any(&Values::D(va), &Values::D(vb))
         }
         _ => None,
@@ -858,7 +996,10 @@ pub fn fingerprint_own(r: &Raw) -> Option<(u64, Geom)> {
             let m = own_q(q)?;
             Some((m.fingerprint(), Geom::Q(m.rows, m.cols)))
         }
-        Raw::D(d) => Some((dense_view(d)?.mat.fingerprint(), Geom::D(d.shape.clone(), d.dtype))),
+        Raw::D(d) => Some((
+            dense_view(d)?.mat.fingerprint(),
+            Geom::D(d.shape.clone(), d.dtype),
+        )),
     }
 }
 
@@ -867,7 +1008,11 @@ pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>) -> Option<u
     match (a, g) {
         (Raw::Q(q), Geom::Q(r, c)) => Some(aligned_q(q, (*r, *c), tp)?.fingerprint()),
         (Raw::D(d), Geom::D(shape, dtype)) if d.dtype == *dtype => {
-            let v = if &d.shape == shape { dense_view(d)? } else { shard_view(d, shape, tp)?.0 };
+            let v = if &d.shape == shape {
+                dense_view(d)?
+            } else {
+                shard_view(d, shape, tp)?.0
+            };
             Some(v.mat.fingerprint())
         }
         _ => None,

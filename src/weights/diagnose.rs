@@ -27,6 +27,8 @@ pub enum DiagnosisKind {
     InputScaleFlipped,
     SwizzledScales,
     EpShard,
+    /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
+    DerivedScale,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -54,7 +56,9 @@ fn list(v: &[usize]) -> String {
 
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer).
 pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
-    let mut groups: BTreeMap<(DiagnosisKind, Option<usize>), (BTreeSet<usize>, usize, String)> = BTreeMap::new();
+    // (kind, layer) → (experts, tensors, an example message)
+    type Group = (BTreeSet<usize>, usize, String);
+    let mut groups: BTreeMap<(DiagnosisKind, Option<usize>), Group> = BTreeMap::new();
     for r in results {
         let layer = r.expert.map(|e| e.layer);
         let mut kinds: Vec<(DiagnosisKind, String)> = r
@@ -75,7 +79,9 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             kinds.push((DiagnosisKind::SwizzledScales, String::new()));
         }
         for (k, msg) in kinds {
-            let g = groups.entry((k, layer)).or_insert_with(|| (BTreeSet::new(), 0, msg));
+            let g = groups
+                .entry((k, layer))
+                .or_insert_with(|| (BTreeSet::new(), 0, msg));
             g.1 += 1;
             if let Some(e) = r.expert {
                 g.0.insert(e.expert);
@@ -130,7 +136,11 @@ pub fn cross_expert(
     tp: Option<(usize, usize)>,
     min_cosine: f64,
 ) -> Vec<Diagnosis> {
-    let by_key: HashMap<String, usize> = results.iter().enumerate().map(|(i, r)| (r.name.clone(), i)).collect();
+    let by_key: HashMap<String, usize> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.name.clone(), i))
+        .collect();
     let bad = |r: &UnitResult| r.issues.iter().any(|i| i.kind == IssueKind::Values);
     let layers: BTreeSet<usize> = results
         .iter()
@@ -142,7 +152,11 @@ pub fn cross_expert(
         let units_of = |inv: &Inventory| -> Vec<(ExpertProj, super::inventory::Source)> {
             inv.units
                 .values()
-                .filter_map(|u| u.expert.filter(|e| e.layer == layer).map(|e| (e, u.source.clone())))
+                .filter_map(|u| {
+                    u.expert
+                        .filter(|e| e.layer == layer)
+                        .map(|e| (e, u.source.clone()))
+                })
                 .collect()
         };
         let b_units = units_of(b_inv);
@@ -171,7 +185,11 @@ pub fn cross_expert(
             .collect();
         let is_bad = |e: &ExpertProj| bad_set.contains(e);
         let b_experts: BTreeSet<usize> = fp_b.keys().map(|e| e.expert).collect();
-        let ep = |expert, proj| ExpertProj { layer, expert, proj };
+        let ep = |expert, proj| ExpertProj {
+            layer,
+            expert,
+            proj,
+        };
         let src_of = |units: &[(ExpertProj, super::inventory::Source)], e: ExpertProj| {
             units.iter().find(|(x, _)| *x == e).map(|(_, s)| s.clone())
         };
@@ -181,7 +199,9 @@ pub fn cross_expert(
         let with_w13: Vec<usize> = b_experts
             .iter()
             .copied()
-            .filter(|&e| fp_b.contains_key(&ep(e, Proj::Gate)) && fp_b.contains_key(&ep(e, Proj::Up)))
+            .filter(|&e| {
+                fp_b.contains_key(&ep(e, Proj::Gate)) && fp_b.contains_key(&ep(e, Proj::Up))
+            })
             .collect();
         for &e in &with_w13 {
             let (g, u) = (ep(e, Proj::Gate), ep(e, Proj::Up));
@@ -197,7 +217,8 @@ pub fn cross_expert(
                     let (sa, sb) = (src_of(&a_units, ax)?, src_of(&b_units, bx)?);
                     metrics_raw(&a.load(&sa).ok()?, &b.load(&sb).ok()?, tp)
                 };
-                pair(u, g).is_some_and(|m| m.passes(min_cosine)) && pair(g, u).is_some_and(|m| m.passes(min_cosine))
+                pair(u, g).is_some_and(|m| m.passes(min_cosine))
+                    && pair(g, u).is_some_and(|m| m.passes(min_cosine))
             };
             if by_fp || by_cosine {
                 swapped.push(e);
@@ -249,7 +270,10 @@ pub fn cross_expert(
             if swapped.contains(&e) {
                 continue;
             }
-            let projs: Vec<Proj> = Proj::ALL.into_iter().filter(|&p| fp_b.contains_key(&ep(e, p))).collect();
+            let projs: Vec<Proj> = Proj::ALL
+                .into_iter()
+                .filter(|&p| fp_b.contains_key(&ep(e, p)))
+                .collect();
             if !projs.iter().any(|&p| is_bad(&ep(e, p))) {
                 continue;
             }
@@ -271,7 +295,11 @@ pub fn cross_expert(
         }
         if !perm.is_empty() {
             let offsets: BTreeSet<i64> = perm.iter().map(|&(e, o)| o as i64 - e as i64).collect();
-            let shown: Vec<String> = perm.iter().take(12).map(|(e, o)| format!("{e}←{o}")).collect();
+            let shown: Vec<String> = perm
+                .iter()
+                .take(12)
+                .map(|(e, o)| format!("{e}←{o}"))
+                .collect();
             let mut message = format!(
                 "layer {layer}: {} expert(s) of B hold another expert of A (B's expert ← A's expert): {}{}",
                 perm.len(),
@@ -285,7 +313,12 @@ pub fn cross_expert(
             }
             for &(e, o) in &perm {
                 for p in Proj::ALL {
-                    annotate(results, &by_key, ep(e, p), &format!("B's expert {e} holds A's expert {o}"));
+                    annotate(
+                        results,
+                        &by_key,
+                        ep(e, p),
+                        &format!("B's expert {e} holds A's expert {o}"),
+                    );
                 }
             }
             out.push(Diagnosis {
@@ -303,7 +336,11 @@ pub fn cross_expert(
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {
     if let Some(&i) = by_key.get(&expert_key(e.layer, e.expert, e.proj)) {
-        if let Some(issue) = results[i].issues.iter_mut().find(|i| i.kind == IssueKind::Values) {
+        if let Some(issue) = results[i]
+            .issues
+            .iter_mut()
+            .find(|i| i.kind == IssueKind::Values)
+        {
             issue.message.push_str(&format!(" — {why}"));
         }
     }

@@ -54,6 +54,8 @@ pub struct FusedLayer {
     /// `w13_*` / `w2_*` names present, by member (`weight`, `weight_scale`, ...).
     pub w13: BTreeMap<String, String>,
     pub w2: BTreeMap<String, String>,
+    /// Values vLLM derives at load time (`g1_alphas`, `w13_input_scale_quant`, ...), by name.
+    pub derived: BTreeMap<String, String>,
     /// Global expert id of each index.
     pub global: Vec<usize>,
 }
@@ -82,14 +84,23 @@ pub fn expert_key(layer: usize, expert: usize, proj: Proj) -> String {
 
 /// Fused members understood here: the ModelOpt set (and compressed-tensors' `weight_packed`,
 /// `weight_global_scale`, `input_global_scale`).
-const FUSED_MEMBERS: [&str; 7] = [
+const FUSED_MEMBERS: [&str; 8] = [
     "weight",
     "weight_packed",
+    "blockscale_swizzled",
     "weight_scale",
     "weight_scale_2",
     "weight_global_scale",
     "input_scale",
     "input_global_scale",
+];
+
+/// Per-expert values vLLM's ModelOpt NVFP4 MoE computes after loading.
+pub const DERIVED: [&str; 4] = [
+    "g1_alphas",
+    "g2_alphas",
+    "w13_input_scale_quant",
+    "w2_input_scale_quant",
 ];
 
 /// Canonical name of a tensor that is not a quantized linear's member.
@@ -169,13 +180,30 @@ impl Inventory {
                         experts: 0,
                         w13: BTreeMap::new(),
                         w2: BTreeMap::new(),
+                        derived: BTreeMap::new(),
                         global: vec![],
                     });
                     let m = match member.as_str() {
                         "weight_packed" => "weight",
+                        // vLLM's name for the swizzled copy it keeps after loading
+                        "blockscale_swizzled" => "weight_scale",
                         m => m,
                     };
-                    (if w13 { &mut fl.w13 } else { &mut fl.w2 }).insert(m.to_string(), name.to_string());
+                    (if w13 { &mut fl.w13 } else { &mut fl.w2 })
+                        .insert(m.to_string(), name.to_string());
+                    consumed.insert(name.to_string());
+                }
+            }
+            // what vLLM derives from the scales at load time (checked in `derived`)
+            for name in src.tensor_names() {
+                let Some((_, layer, rest)) = crate::checkpoint::names::split_layer(name) else {
+                    continue;
+                };
+                let Some(d) = rest.strip_prefix("mlp.experts.") else {
+                    continue;
+                };
+                if let (Some(fl), true) = (fused.get_mut(&layer), DERIVED.contains(&d)) {
+                    fl.derived.insert(d.to_string(), name.to_string());
                     consumed.insert(name.to_string());
                 }
             }
@@ -188,15 +216,23 @@ impl Inventory {
                     return Err(Error::bad_tensor(
                         src.file_of(&w),
                         src.original(&w),
-                        format!("fused expert weight of shape {:?}: expected [experts, rows, cols]", info.shape),
+                        format!(
+                            "fused expert weight of shape {:?}: expected [experts, rows, cols]",
+                            info.shape
+                        ),
                     ));
                 }
                 fl.experts = e;
                 fl.global = match ep {
-                    Some(m) => (0..e).map(|i| m.global(i as i64).unwrap_or(usize::MAX)).collect(),
+                    Some(m) => (0..e)
+                        .map(|i| m.global(i as i64).unwrap_or(usize::MAX))
+                        .collect(),
                     None => (0..e).collect(),
                 };
-                for (w13, projs) in [(true, &[Proj::Gate, Proj::Up][..]), (false, &[Proj::Down][..])] {
+                for (w13, projs) in [
+                    (true, &[Proj::Gate, Proj::Up][..]),
+                    (false, &[Proj::Down][..]),
+                ] {
                     if fl.member(w13, "weight").is_none() {
                         continue;
                     }
@@ -205,7 +241,10 @@ impl Inventory {
                         for &proj in projs {
                             let key = if g == usize::MAX {
                                 // an index beyond this rank's experts: keep it visible as extra
-                                format!("{}[{index}]", Naming::hf_v3().fused(fl.layer, w13, "weight"))
+                                format!(
+                                    "{}[{index}]",
+                                    Naming::hf_v3().fused(fl.layer, w13, "weight")
+                                )
                             } else {
                                 expert_key(fl.layer, g, proj)
                             };
@@ -238,7 +277,9 @@ impl Inventory {
             if consumed.contains(&format!("{base}.weight_scale")) {
                 continue;
             }
-            let Some(ln) = find_linear(src, &base)? else { continue };
+            let Some(ln) = find_linear(src, &base)? else {
+                continue;
+            };
             let (key, expert) = canonical(naming.as_ref(), &ln.weight_name_as_weight());
             for m in ln.members() {
                 consumed.insert(m.to_string());

@@ -145,8 +145,14 @@ impl<'a> SideRef<'a> {
             weight_dtype: wd,
             scale_dtype: sd,
             scale_name: src.original(&ln.weight_scale).to_string(),
-            scale_2_name: ln.global_scale.as_deref().map(|n| src.original(n).to_string()),
-            input_name: ln.input_scale.as_deref().map(|n| src.original(n).to_string()),
+            scale_2_name: ln
+                .global_scale
+                .as_deref()
+                .map(|n| src.original(n).to_string()),
+            input_name: ln
+                .input_scale
+                .as_deref()
+                .map(|n| src.original(n).to_string()),
         })
     }
 
@@ -164,10 +170,7 @@ impl<'a> SideRef<'a> {
         let v = self.src.tensor_f32(name).map_err(|e| e.to_string())?;
         let (val, shared) = match shape.as_slice() {
             [e] | [e, 1] if *e == experts => (v[index], Shared::W13Shared),
-            [e, 2] if *e == experts => (
-                v[index * 2 + usize::from(proj == Proj::Up)],
-                Shared::Own,
-            ),
+            [e, 2] if *e == experts => (v[index * 2 + usize::from(proj == Proj::Up)], Shared::Own),
             _ => {
                 return Err(format!(
                     "`{}`: shape {shape:?}, expected [{experts}] or [{experts}, 2]",
@@ -175,9 +178,17 @@ impl<'a> SideRef<'a> {
                 ))
             }
         };
-        let val = if reciprocal { crate::nvfp4::rcp(val) } else { val };
+        let val = if reciprocal {
+            crate::nvfp4::rcp(val)
+        } else {
+            val
+        };
         // w2 has one projection: "shared" means nothing there
-        let shared = if proj == Proj::Down { Shared::Own } else { shared };
+        let shared = if proj == Proj::Down {
+            Shared::Own
+        } else {
+            shared
+        };
         Ok((val, shared))
     }
 
@@ -194,10 +205,16 @@ impl<'a> SideRef<'a> {
             .ok_or_else(|| format!("layer {layer}: no fused weight"))?;
         let (wd, ws) = dtype_of(src, wname)?;
         let [e, r_all, c] = ws[..] else {
-            return Err(format!("`{}`: shape {ws:?} is not [experts, rows, cols]", src.original(wname)));
+            return Err(format!(
+                "`{}`: shape {ws:?} is not [experts, rows, cols]",
+                src.original(wname)
+            ));
         };
         if index >= e {
-            return Err(format!("index {index} beyond the {e} experts of `{}`", src.original(wname)));
+            return Err(format!(
+                "index {index} beyond the {e} experts of `{}`",
+                src.original(wname)
+            ));
         }
         if w13 && r_all % 2 != 0 {
             return Err(format!(
@@ -210,11 +227,15 @@ impl<'a> SideRef<'a> {
             Proj::Up => (r_all / 2, r_all / 2),
             Proj::Down => (0, r_all),
         };
-        let label = format!("{}[{index}]{}", src.original(wname), match proj {
-            Proj::Gate => " rows 0..I (gate)",
-            Proj::Up => " rows I..2I (up)",
-            Proj::Down => "",
-        });
+        let label = format!(
+            "{}[{index}]{}",
+            src.original(wname),
+            match proj {
+                Proj::Gate => " rows 0..I (gate)",
+                Proj::Up => " rows I..2I (up)",
+                Proj::Down => "",
+            }
+        );
         let bytes = bytes_of(src, wname)?;
         if !matches!(wd, Dtype::U8 | Dtype::I8) {
             // a BF16 (unquantized) engine: the slice is a plain matrix
@@ -238,9 +259,12 @@ impl<'a> SideRef<'a> {
         let packed = Mat::dense(expert_bytes, r_all, c)
             .and_then(|m| m.slice_rows(row0, rows))
             .ok_or_else(|| format!("`{}`: bad shape", src.original(wname)))?;
-        let sname = fl
-            .member(w13, "weight_scale")
-            .ok_or_else(|| format!("`{}` has no block scales (`..._weight_scale`)", src.original(wname)))?;
+        let sname = fl.member(w13, "weight_scale").ok_or_else(|| {
+            format!(
+                "`{}` has no block scales (`..._weight_scale`)",
+                src.original(wname)
+            )
+        })?;
         let (sd, _) = dtype_of(src, sname)?;
         let sbytes = bytes_of(src, sname)?;
         if sbytes.len() % e != 0 {
@@ -256,7 +280,11 @@ impl<'a> SideRef<'a> {
         } else {
             Format::Nvfp4
         };
-        let (scale_2, scale_2_shared, recip) = match (format, fl.member(w13, "weight_scale_2"), fl.member(w13, "weight_global_scale")) {
+        let (scale_2, scale_2_shared, recip) = match (
+            format,
+            fl.member(w13, "weight_scale_2"),
+            fl.member(w13, "weight_global_scale"),
+        ) {
             (Format::Mxfp4, _, _) => (Some(1.0), Shared::Own, false),
             (_, Some(n), _) => {
                 let (v, s) = self.fused_scalar(n, index, e, proj, false)?;
@@ -268,7 +296,10 @@ impl<'a> SideRef<'a> {
             }
             _ => (None, Shared::Own, false),
         };
-        let (input_scale, input_shared) = match (fl.member(w13, "input_scale"), fl.member(w13, "input_global_scale")) {
+        let (input_scale, input_shared) = match (
+            fl.member(w13, "input_scale"),
+            fl.member(w13, "input_global_scale"),
+        ) {
             (Some(n), _) => {
                 let (v, s) = self.fused_scalar(n, index, e, proj, false)?;
                 (Some(v), s)

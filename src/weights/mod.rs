@@ -6,10 +6,10 @@
 //! A is the reference (the checkpoint), B the test (the engine's shard: TP and EP apply to B).
 
 pub mod compare;
+pub mod derived;
 pub mod diagnose;
 pub mod inventory;
 pub mod load;
-pub mod pattern;
 pub mod rules;
 pub mod view;
 
@@ -107,6 +107,25 @@ fn naming_name(inv: &Inventory) -> Option<String> {
     })
 }
 
+/// Drop this process's mapping of a unit's own tensors (not of fused tensors other units share).
+fn release(src: &Renamed, s: &Source) {
+    let names: Vec<&str> = match s {
+        Source::Linear(ln) => {
+            let mut v = vec![ln.weight.as_str(), ln.weight_scale.as_str()];
+            v.extend(ln.global_scale.as_deref());
+            v.extend(ln.input_scale.as_deref());
+            v
+        }
+        Source::Tensor(t) => vec![t.as_str()],
+        Source::Fused(_) => vec![],
+    };
+    for n in names {
+        if let Some((f, t)) = src.locate(n) {
+            f.release(t);
+        }
+    }
+}
+
 /// Names a unit stands for in its side (for the missing / extra lists).
 fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
     match &u.source {
@@ -114,10 +133,15 @@ fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
             let mut v = vec![ln.weight.clone(), ln.weight_scale.clone()];
             v.extend(ln.global_scale.clone());
             v.extend(ln.input_scale.clone());
-            v.into_iter().map(|n| src.original(&n).to_string()).collect()
+            v.into_iter()
+                .map(|n| src.original(&n).to_string())
+                .collect()
         }
         Source::Tensor(t) => vec![src.original(t).to_string()],
-        Source::Fused(f) => vec![format!("{} (fused, layer {} index {})", u.key, f.layer, f.index)],
+        Source::Fused(f) => vec![format!(
+            "{} (fused, layer {} index {})",
+            u.key, f.layer, f.index
+        )],
     }
 }
 
@@ -207,7 +231,10 @@ impl<'a> Plan<'a> {
                 extra.extend(member_names(&b, ub));
                 if let (Some(m), Some(e)) = (&map, ub.expert) {
                     if !m.owns(e.expert as i64) {
-                        notes.push(format!("B holds expert {} (`{k}`), which EP rank {} does not own", e.expert, m.ep_rank));
+                        notes.push(format!(
+                            "B holds expert {} (`{k}`), which EP rank {} does not own",
+                            e.expert, m.ep_rank
+                        ));
                     }
                 }
             }
@@ -240,6 +267,9 @@ impl<'a> Plan<'a> {
                 })
                 .collect()
         };
+        for fl in b_inv.fused.values() {
+            derived::check(&b, fl, &a_scalars, &mut diagnoses, &mut notes);
+        }
         Ok(Plan {
             opts,
             a,
@@ -300,6 +330,10 @@ impl<'a> Plan<'a> {
                         u
                     }
                 };
+                // the page cache keeps the bytes; unmapping them keeps this process's page
+                // tables at one unit's size on a checkpoint of hundreds of GB
+                release(&self.a, &ua.source);
+                release(&self.b, &ub.source);
                 tick();
                 r
             })
@@ -320,17 +354,35 @@ impl<'a> Plan<'a> {
             missing.extend(r.missing_members.iter().cloned());
         }
         let mut notes = self.notes;
-        let tp_notes: BTreeSet<&String> = results.iter().flat_map(|r| r.notes.iter()).filter(|n| n.starts_with("B is TP")).collect();
+        let tp_notes: BTreeSet<&String> = results
+            .iter()
+            .flat_map(|r| r.notes.iter())
+            .filter(|n| n.starts_with("B is TP"))
+            .collect();
         if !tp_notes.is_empty() {
-            notes.push(format!("{} tensors compared as TP slices of A", results.iter().filter(|r| r.notes.iter().any(|n| n.starts_with("B is TP"))).count()));
+            notes.push(format!(
+                "{} tensors compared as TP slices of A",
+                results
+                    .iter()
+                    .filter(|r| r.notes.iter().any(|n| n.starts_with("B is TP")))
+                    .count()
+            ));
         }
         let count = |s: Status| results.iter().filter(|r| r.status == s).count();
-        let (equal, close, mismatched) = (count(Status::Equal), count(Status::Close), count(Status::Mismatch));
+        let (equal, close, mismatched) = (
+            count(Status::Equal),
+            count(Status::Close),
+            count(Status::Mismatch),
+        );
         let bytes = results.iter().map(|r| r.bytes).sum();
         let units = results.len();
-        let (mismatches, rest): (Vec<UnitResult>, Vec<UnitResult>) =
-            results.into_iter().partition(|r| r.status == Status::Mismatch);
-        let close_units = rest.into_iter().filter(|r| r.status == Status::Close).collect();
+        let (mismatches, rest): (Vec<UnitResult>, Vec<UnitResult>) = results
+            .into_iter()
+            .partition(|r| r.status == Status::Mismatch);
+        let close_units = rest
+            .into_iter()
+            .filter(|r| r.status == Status::Close)
+            .collect();
         Comparison {
             a_naming: naming_name(&self.a_inv),
             b_naming: naming_name(&self.b_inv),

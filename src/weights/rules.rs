@@ -5,13 +5,12 @@
 //! ```toml
 //! strip_prefix = ["language_model."]      # optional, like --strip-prefix (string or list)
 //! [[rule]]
-//! pattern = '^model\.layers\.(\d+)\.ffn\.'  # a regular expression (see `pattern`)
+//! pattern = '^model\.layers\.(\d+)\.ffn\.'  # a regular expression (the `regex` crate's syntax)
 //! replace = 'model.layers.$1.mlp.'
 //! side = "b"                               # "a", "b" or "both" (the default)
 //! ```
 //! Prefixes are stripped first, then every rule in file order replaces all its matches.
 
-use super::pattern::{Pattern, Replacement};
 use crate::checkpoint::{Checkpoint, TensorFile, TensorInfo, TensorSource};
 use crate::error::{Error, Result};
 use serde::Deserialize;
@@ -28,8 +27,9 @@ pub enum Side {
 
 #[derive(Clone, Debug)]
 pub struct Rule {
-    pub pattern: Pattern,
-    pub replace: Replacement,
+    pub pattern: regex::Regex,
+    /// In the `regex` crate's syntax (`${1}`); `$1` and `\1` are accepted in the file.
+    pub replace: String,
     pub replace_text: String,
     pub side: Side,
 }
@@ -90,11 +90,14 @@ impl Renames {
             let at = |what: String| {
                 Error::bad_file(path, format!("rule {} (`{}`): {what}", i + 1, rr.pattern))
             };
-            let pattern = Pattern::new(&rr.pattern).map_err(|e| at(format!("bad pattern: {e}")))?;
+            let pattern =
+                regex::Regex::new(&rr.pattern).map_err(|e| at(format!("bad pattern: {e}")))?;
             if pattern.is_match("") {
-                return Err(at("the pattern matches the empty string: it would rewrite every name".into()));
+                return Err(at(
+                    "the pattern matches the empty string: it would rewrite every name".into(),
+                ));
             }
-            let replace = Replacement::new(&rr.replace, pattern.groups())
+            let replace = replacement(&rr.replace, pattern.captures_len() - 1)
                 .map_err(|e| at(format!("bad replacement `{}`: {e}", rr.replace)))?;
             r.rules.push(Rule {
                 pattern,
@@ -121,11 +124,52 @@ impl Renames {
         let mut n = n.to_string();
         for r in &self.rules {
             if r.side == Side::Both || r.side == side {
-                n = r.pattern.replace_all(&n, &r.replace);
+                n = r.pattern.replace_all(&n, r.replace.as_str()).into_owned();
             }
         }
         n
     }
+}
+
+/// Check a replacement's group references (`$N`, `${N}`, `\N`) against the pattern's groups and
+/// spell them `${N}`, so `$1x` cannot be read as the group named `1x`.
+fn replacement(text: &str, groups: usize) -> std::result::Result<String, String> {
+    let b = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c == b'$' && b.get(i + 1) == Some(&b'$') {
+            out.push_str("$$");
+            i += 2;
+            continue;
+        }
+        if c == b'$' || c == b'\\' {
+            let braced = c == b'$' && b.get(i + 1) == Some(&b'{');
+            let start = i + 1 + braced as usize;
+            let end = start + b[start..].iter().take_while(|d| d.is_ascii_digit()).count();
+            if end > start && (!braced || b.get(end) == Some(&b'}')) {
+                let n: usize = text[start..end]
+                    .parse()
+                    .map_err(|_| "group number too large")?;
+                if n > groups {
+                    return Err(format!("refers to group {n}; the pattern has {groups}"));
+                }
+                out.push_str(&format!("${{{n}}}"));
+                i = end + braced as usize;
+                continue;
+            }
+            if c == b'$' {
+                return Err(
+                    "`$` must be followed by a group number (write `$$` for a dollar)".into(),
+                );
+            }
+        }
+        let ch = text[i..].chars().next().unwrap_or('?');
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    Ok(out)
 }
 
 /// A checkpoint seen under renamed tensor names.
@@ -146,7 +190,11 @@ impl<'a> Renamed<'a> {
         for n in ckpt.names() {
             let r = renames.apply(n, side);
             if r.is_empty() {
-                return Err(Error::bad_tensor(ckpt.file_of(n), n, "renamed to the empty name"));
+                return Err(Error::bad_tensor(
+                    ckpt.file_of(n),
+                    n,
+                    "renamed to the empty name",
+                ));
             }
             if let Some(prev) = to_original.get(&r) {
                 return Err(Error::bad_tensor(
@@ -168,7 +216,9 @@ impl<'a> Renamed<'a> {
 
     /// The tensor's name in its file.
     pub fn original<'n>(&'n self, renamed: &'n str) -> &'n str {
-        self.to_original.get(renamed).map_or(renamed, |s| s.as_str())
+        self.to_original
+            .get(renamed)
+            .map_or(renamed, |s| s.as_str())
     }
 }
 
@@ -238,7 +288,10 @@ side = "a"
             ("[[rule]]\npattern = 'a'\nreplace = '$3'\n", "group 3"),
             ("[[rule]]\npattern = 'a*'\nreplace = 'x'\n", "empty string"),
             ("[[rule]]\npattern = 'a'\n", "replace"),
-            ("[[rule]]\npattern = 'a'\nreplace = 'b'\nside = 'c'\n", "side"),
+            (
+                "[[rule]]\npattern = 'a'\nreplace = 'b'\nside = 'c'\n",
+                "side",
+            ),
             ("[[rules]]\npattern = 'a'\nreplace = 'b'\n", "rules"),
             ("not toml [", "rules file"),
         ] {
@@ -248,5 +301,26 @@ side = "a"
         }
         let e = Renames::load(&[], Some(&dir.path().join("nope.toml"))).unwrap_err();
         assert!(e.to_string().contains("nope.toml"));
+    }
+}
+
+#[cfg(test)]
+mod replacement_tests {
+    use super::replacement;
+
+    #[test]
+    fn group_references_are_checked_and_normalized() {
+        assert_eq!(replacement("x.$1.y", 1).unwrap(), "x.${1}.y");
+        assert_eq!(replacement("x.${1}y", 1).unwrap(), "x.${1}y");
+        assert_eq!(replacement("\\1.mlp", 1).unwrap(), "${1}.mlp");
+        assert_eq!(replacement("cost$$", 0).unwrap(), "cost$$");
+        assert!(replacement("$2", 1).is_err());
+        assert!(replacement("$x", 1).is_err());
+        let re = regex::Regex::new(r"^layers\.(\d+)\.ffn\.").unwrap();
+        let rep = replacement("model.layers.$1.mlp.", 1).unwrap();
+        assert_eq!(
+            re.replace_all("layers.12.ffn.experts.3.w1.weight", rep.as_str()),
+            "model.layers.12.mlp.experts.3.w1.weight"
+        );
     }
 }

@@ -32,7 +32,7 @@ impl<'a> Mat<'a> {
 
     /// A dense matrix.
     pub fn dense(data: &'a [u8], rows: usize, row_bytes: usize) -> Option<Mat<'a>> {
-        (rows.checked_mul(row_bytes)? == data.len()).then(|| Mat {
+        (rows.checked_mul(row_bytes)? == data.len()).then_some(Mat {
             data,
             rows,
             row_bytes,
@@ -50,7 +50,11 @@ impl<'a> Mat<'a> {
         if r0.checked_add(n)? > self.rows {
             return None;
         }
-        let data = if n == 0 { &self.data[..0] } else { &self.data[r0 * self.stride..] };
+        let data = if n == 0 {
+            &self.data[..0]
+        } else {
+            &self.data[r0 * self.stride..]
+        };
         Mat::new(data, n, self.row_bytes, self.stride)
     }
 
@@ -58,7 +62,11 @@ impl<'a> Mat<'a> {
         if b0.checked_add(nb)? > self.row_bytes {
             return None;
         }
-        let data = if self.rows == 0 { &self.data[..0] } else { &self.data[b0..] };
+        let data = if self.rows == 0 {
+            &self.data[..0]
+        } else {
+            &self.data[b0..]
+        };
         Mat::new(data, self.rows, nb, self.stride)
     }
 
@@ -102,7 +110,7 @@ impl<'a> Mat<'a> {
 
     /// `self` is `o` transposed, element size `elem` bytes.
     pub fn transposed_of(&self, o: &Mat, elem: usize) -> bool {
-        if elem == 0 || self.row_bytes % elem != 0 || o.row_bytes % elem != 0 {
+        if elem == 0 || !self.row_bytes.is_multiple_of(elem) || !o.row_bytes.is_multiple_of(elem) {
             return false;
         }
         let (sr, sc) = (self.rows, self.row_bytes / elem);
@@ -160,7 +168,9 @@ impl Fingerprint {
     }
     #[inline]
     fn mix(&mut self, w: u64) {
-        self.h = (self.h ^ w).wrapping_mul(0xFF51_AFD7_ED55_8CCD).rotate_left(29);
+        self.h = (self.h ^ w)
+            .wrapping_mul(0xFF51_AFD7_ED55_8CCD)
+            .rotate_left(29);
     }
     pub fn update(&mut self, mut bytes: &[u8]) {
         self.len += bytes.len() as u64;
@@ -177,7 +187,9 @@ impl Fingerprint {
         }
         let mut it = bytes.chunks_exact(8);
         for c in &mut it {
-            self.mix(u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]));
+            self.mix(u64::from_le_bytes([
+                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+            ]));
         }
         let rest = it.remainder();
         self.pending[..rest.len()].copy_from_slice(rest);
@@ -256,7 +268,10 @@ impl<'a> RawScales<'a> {
     pub fn resolve(&self, rows: usize, kb: usize) -> Result<Scales<'a>, String> {
         let (rr, r0) = (self.region_rows, self.row0);
         if r0 + rows > rr {
-            return Err(format!("rows {r0}..{} outside the {rr} rows of the scales", r0 + rows));
+            return Err(format!(
+                "rows {r0}..{} outside the {rr} rows of the scales",
+                r0 + rows
+            ));
         }
         let n = self.region.len();
         match layout::detect_layout(n, rr, kb, Some(self.region)) {
@@ -343,7 +358,7 @@ impl<'a> QMatrix<'a> {
     /// Columns (K) `[c0, c0 + n)`; both must be multiples of the block.
     pub fn cols_slice(&self, c0: usize, n: usize) -> Option<QMatrix<'a>> {
         let block = self.format.block();
-        if c0 % block != 0 || n % block != 0 || c0 + n > self.cols {
+        if !c0.is_multiple_of(block) || !n.is_multiple_of(block) || c0 + n > self.cols {
             return None;
         }
         let kb = self.kb();
@@ -424,12 +439,19 @@ mod tests {
         let m = Mat::dense(&data, 6, 10).unwrap();
         let s = m.slice_cols(4, 3).unwrap().slice_rows(2, 3).unwrap();
         for i in 0..3 {
-            assert_eq!(s.row(i), &data[(i + 2) * 10 + 4..(i + 2) * 10 + 7], "seed {seed}");
+            assert_eq!(
+                s.row(i),
+                &data[(i + 2) * 10 + 4..(i + 2) * 10 + 7],
+                "seed {seed}"
+            );
         }
         assert!(m.slice_rows(5, 2).is_none());
         assert!(m.slice_cols(8, 3).is_none());
         assert!(Mat::dense(&data, 7, 10).is_none());
-        let t: Vec<u8> = (0..10).flat_map(|c| (0..6).map(move |rr| (rr, c))).map(|(rr, c)| data[rr * 10 + c]).collect();
+        let t: Vec<u8> = (0..10)
+            .flat_map(|c| (0..6).map(move |rr| (rr, c)))
+            .map(|(rr, c)| data[rr * 10 + c])
+            .collect();
         let tm = Mat::dense(&t, 10, 6).unwrap();
         assert!(tm.transposed_of(&m, 1));
         assert!(!m.same(&tm));
@@ -438,7 +460,10 @@ mod tests {
         let flat = Mat::dense(&data, 1, 60).unwrap();
         assert!(flat.same(&m) && m.same(&flat));
         assert_eq!(m.fingerprint(), flat.fingerprint());
-        assert_eq!(m.fingerprint(), Mat::dense(&data, 4, 15).unwrap().fingerprint());
+        assert_eq!(
+            m.fingerprint(),
+            Mat::dense(&data, 4, 15).unwrap().fingerprint()
+        );
         let mut other = data.clone();
         other[37] ^= 1;
         let o = Mat::dense(&other, 3, 20).unwrap();
@@ -456,7 +481,11 @@ mod tests {
             let sw = layout::swizzle(&lin, rows, kb);
             let r0 = r.gen_range(0..rows);
             let n = r.gen_range(0..=rows - r0);
-            assert_eq!(unswizzle_rows(&sw, kb, r0, n), lin[r0 * kb..(r0 + n) * kb], "seed {seed} {rows}x{kb}");
+            assert_eq!(
+                unswizzle_rows(&sw, kb, r0, n),
+                lin[r0 * kb..(r0 + n) * kb],
+                "seed {seed} {rows}x{kb}"
+            );
         }
     }
 
@@ -469,18 +498,30 @@ mod tests {
         let lin: Vec<u8> = (0..rr * kb).map(|_| r.gen_range(1..=0x7e)).collect();
         let sw = layout::swizzle(&lin, rr, kb);
         for (bytes, seen) in [(&lin, ScalesSeen::Linear), (&sw, ScalesSeen::Swizzled)] {
-            let raw = RawScales { region: bytes, region_rows: rr, row0: 70 };
+            let raw = RawScales {
+                region: bytes,
+                region_rows: rr,
+                row0: 70,
+            };
             let s = raw.resolve(70, kb).unwrap();
             assert_eq!(s.seen, seen);
             assert_eq!(&s.linear[..], &lin[70 * kb..], "seed {seed}");
         }
         let bad = vec![1u8; 17];
-        let raw = RawScales { region: &bad, region_rows: rr, row0: 0 };
+        let raw = RawScales {
+            region: &bad,
+            region_rows: rr,
+            row0: 0,
+        };
         assert!(raw.resolve(70, kb).unwrap_err().contains("neither"));
         // 128 × 4: same size, ambiguous; the alternative is the swizzled reading
         let lin: Vec<u8> = (0..128 * 4).map(|_| r.gen_range(1..=0x7e)).collect();
         let sw = layout::swizzle(&lin, 128, 4);
-        let raw = RawScales { region: &sw, region_rows: 128, row0: 0 };
+        let raw = RawScales {
+            region: &sw,
+            region_rows: 128,
+            row0: 0,
+        };
         let mut s = raw.resolve(128, 4).unwrap();
         assert_eq!(s.seen, ScalesSeen::Ambiguous);
         s.take_alternative();

@@ -1,0 +1,912 @@
+//! `audit`: a static scan of a checkpoint for the hazards that make an NVFP4 model return NaN
+//! or garbage in an engine while every kernel test passes. Numerics and judgement only; the CLI
+//! renders the result.
+//!
+//! What is a hazard (each one a [`Finding`], each one exit 1):
+//! - a global scale (`weight_scale_2`, `input_scale`, or their compressed-tensors reciprocals)
+//!   that is NaN, infinite, zero or negative;
+//! - E4M3 NaN codes (`0x7F`/`0xFF`) or negative values among the block scales;
+//! - more than `saturation_limit` (default 1%) and more than [`SATURATED_HANDFUL`] of the block
+//!   scales at 448. With the auto-scaled `gs = 2688/amax`, only blocks whose max is within ~3.6%
+//!   of the tensor's amax round to 448 (432/448): a handful per tensor, far below 1% of the
+//!   blocks of any real weight. More means a global scale too large: elements are clipped;
+//! - gate/up (`w1`/`w3`) `weight_scale_2` of one expert that differ beyond vLLM's own
+//!   `allclose` check (rtol 1e-5, atol 1e-8): vLLM's FusedMoE keeps only the gate's, so the up
+//!   projection is silently rescaled;
+//! - an `input_scale` more than `input_scale_outlier` (default 10) times the median of the
+//!   same projection over the layer's experts: engines take the max over experts, so one
+//!   outlier sets the activation scale of all of them (the low side is harmless for that
+//!   reason and not flagged);
+//! - a triple missing a member (weight, block scales, global scale; `input_scale` when other
+//!   linears have one);
+//! - a global scale that looks stored in the other convention's direction (ModelOpt
+//!   `weight_scale_2 > 1`, compressed-tensors `weight_global_scale < 1`), or both stored and
+//!   not reciprocal;
+//! - a packed weight that is all zero (codes of magnitude 0 only: never-loaded memory);
+//! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
+//! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
+//!   `quantization_config`, or a group size other than 16.
+//!
+//! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
+
+use super::file::{is_float, TensorFile, TensorInfo};
+use super::formats::{self, Convention, LinearNames};
+use super::hf::Checkpoint;
+use super::source::TensorSource;
+use crate::error::{Error, Result};
+use crate::nvfp4::{e4m3, ue8m0, Format};
+use rayon::prelude::*;
+use safetensors::Dtype;
+use serde::Serialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+
+/// Saturated block scales an auto-scaled tensor may have whatever its size (the blocks next to
+/// its amax); only past this many does the fraction matter.
+pub const SATURATED_HANDFUL: u64 = 8;
+
+#[derive(Clone, Debug)]
+pub struct AuditOptions {
+    /// Fraction of block scales at 448 above which a tensor is flagged.
+    pub saturation_limit: f64,
+    /// `input_scale / median` above which an expert's input_scale is flagged.
+    pub input_scale_outlier: f32,
+}
+
+impl Default for AuditOptions {
+    fn default() -> Self {
+        AuditOptions {
+            saturation_limit: 0.01,
+            input_scale_outlier: 10.0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FindingKind {
+    NonfiniteGlobalScale,
+    NonpositiveGlobalScale,
+    NanBlockScales,
+    NegativeBlockScales,
+    SaturatedBlockScales,
+    GateUpScaleMismatch,
+    InputScaleOutlier,
+    MissingMember,
+    ConventionSuspect,
+    ConflictingGlobalScales,
+    AllZeroWeight,
+    NonfiniteValues,
+    ConfigMismatch,
+}
+
+impl FindingKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            FindingKind::NonfiniteGlobalScale => "non-finite global scale",
+            FindingKind::NonpositiveGlobalScale => "zero/negative global scale",
+            FindingKind::NanBlockScales => "NaN block scales",
+            FindingKind::NegativeBlockScales => "negative block scales",
+            FindingKind::SaturatedBlockScales => "saturated block scales",
+            FindingKind::GateUpScaleMismatch => "gate/up weight_scale_2 mismatch",
+            FindingKind::InputScaleOutlier => "input_scale outlier",
+            FindingKind::MissingMember => "missing member",
+            FindingKind::ConventionSuspect => "convention confusion",
+            FindingKind::ConflictingGlobalScales => "conflicting global scales",
+            FindingKind::AllZeroWeight => "all-zero weight",
+            FindingKind::NonfiniteValues => "NaN/Inf values",
+            FindingKind::ConfigMismatch => "config mismatch",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    pub tensor: String,
+    pub file: PathBuf,
+    pub kind: FindingKind,
+    pub detail: String,
+}
+
+/// What the scan saw of one quantized linear.
+#[derive(Clone, Debug, Serialize)]
+pub struct LinearStats {
+    pub base: String,
+    pub file: PathBuf,
+    pub convention: Convention,
+    pub format: Format,
+    /// `[out, in]` of the unpacked weight.
+    pub shape: [usize; 2],
+    /// Dequant direction (converted from `weight_global_scale` when that is what is stored).
+    pub weight_scale_2: Option<f32>,
+    pub input_scale: Option<f32>,
+    pub blocks: u64,
+    pub saturated: u64,
+    pub saturated_fraction: f64,
+    pub nan_scales: u64,
+    pub negative_scales: u64,
+    pub zero_scales: u64,
+    pub max_block_scale: f32,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AuditResult {
+    pub path: PathBuf,
+    pub tensors: usize,
+    pub linears: Vec<LinearStats>,
+    pub float_tensors: usize,
+    pub bytes_scanned: u64,
+    pub findings: Vec<Finding>,
+}
+
+impl AuditResult {
+    /// Distinct tensor names with at least one finding.
+    pub fn hazardous_tensors(&self) -> BTreeSet<&str> {
+        self.findings.iter().map(|f| f.tensor.as_str()).collect()
+    }
+}
+
+/// Work items: one per quantized linear, one per other tensor worth scanning.
+enum Item {
+    Linear(LinearNames, usize),
+    Values(String),
+}
+
+const MEMBER_SUFFIXES: [&str; 7] = [
+    ".weight_scale_2",
+    ".weight_global_scale",
+    ".input_global_scale",
+    ".weight_packed",
+    ".weight_scale",
+    ".input_scale",
+    ".scale",
+];
+
+fn base_of(name: &str) -> Option<(&str, &str)> {
+    MEMBER_SUFFIXES
+        .iter()
+        .find_map(|s| name.strip_suffix(s).map(|b| (b, &s[1..])))
+}
+
+/// Is the block-scale candidate `X.weight_scale` / `X.scale` an FP4 block scale (2-D FP8)?
+fn is_block_scale(t: &TensorInfo) -> bool {
+    t.shape.len() == 2 && matches!(t.dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0)
+}
+
+pub fn audit(
+    ck: &Checkpoint,
+    opts: &AuditOptions,
+    on_tensors: &(dyn Fn(u64) + Sync),
+) -> Result<AuditResult> {
+    let mut findings: Vec<Finding> = vec![];
+    let finding = |t: &str, kind: FindingKind, detail: String| Finding {
+        tensor: t.to_string(),
+        file: ck.file_of(t).to_path_buf(),
+        kind,
+        detail,
+    };
+
+    // 1. group NVFP4 members by base; complete pairs become linears, incomplete ones findings
+    let mut bases: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for n in ck.names() {
+        if let Some((b, m)) = base_of(n) {
+            bases.entry(b).or_default().insert(m);
+        }
+    }
+    let mut items: Vec<Item> = vec![];
+    let mut in_linear: BTreeSet<String> = BTreeSet::new();
+    for (base, members) in &bases {
+        let m = |s: &str| format!("{base}.{s}");
+        let packed = ck
+            .locate(&m("weight"))
+            .is_some_and(|(_, t)| matches!(t.dtype, Dtype::U8 | Dtype::I8))
+            || members.contains("weight_packed");
+        let block = ["weight_scale", "scale"]
+            .iter()
+            .any(|s| members.contains(s) && ck.info(&m(s)).is_ok_and(is_block_scale));
+        let global = members.contains("weight_scale_2") || members.contains("weight_global_scale");
+        let weight_exists = ck.contains(&m("weight")) || members.contains("weight_packed");
+        if packed && block {
+            let ln = formats::find_linear(ck, base)?.ok_or_else(|| {
+                Error::bad_tensor(
+                    ck.file_of(&m("weight")),
+                    &m("weight"),
+                    "internal: not a linear",
+                )
+            })?;
+            formats::check_linear(ck, &ln)?;
+            let n = 2 + ln.global_scale.is_some() as usize + ln.input_scale.is_some() as usize;
+            for t in [&ln.weight, &ln.weight_scale]
+                .into_iter()
+                .chain(ln.global_scale.iter())
+                .chain(ln.input_scale.iter())
+            {
+                in_linear.insert(t.clone());
+            }
+            items.push(Item::Linear(ln, n));
+        } else if block && weight_exists {
+            // a float weight next to NVFP4 block scales cannot belong together (bad input);
+            // an FP8 weight with E8M0 block scales is simply not FP4
+            formats::find_linear(ck, base)?;
+        } else if block {
+            let s = if members.contains("weight_scale") {
+                m("weight_scale")
+            } else {
+                m("scale")
+            };
+            findings.push(Finding {
+                tensor: m("weight"),
+                file: ck.file_of(&s).to_path_buf(),
+                kind: FindingKind::MissingMember,
+                detail: format!("missing: block scales `{s}` without their packed weight"),
+            });
+        } else if packed && global {
+            findings.push(Finding {
+                tensor: m("weight_scale"),
+                file: ck.file_of(&m("weight")).to_path_buf(),
+                kind: FindingKind::MissingMember,
+                detail: "missing: a packed FP4 weight and its global scale without block scales"
+                    .into(),
+            });
+        } else if global && !weight_exists {
+            let g = if members.contains("weight_scale_2") {
+                m("weight_scale_2")
+            } else {
+                m("weight_global_scale")
+            };
+            findings.push(finding(
+                &g,
+                FindingKind::MissingMember,
+                "a global scale without packed weight and block scales".into(),
+            ));
+        }
+    }
+    for n in ck.names() {
+        if in_linear.contains(n) {
+            continue;
+        }
+        let t = ck.info(n)?;
+        if is_float(t.dtype) && t.numel() > 0 {
+            items.push(Item::Values(n.to_string()));
+        }
+    }
+    let float_tensors = items
+        .iter()
+        .filter(|i| matches!(i, Item::Values(_)))
+        .count();
+
+    // 2. scan, in parallel, straight from the maps
+    type Scanned = Result<(Option<LinearStats>, Vec<Finding>, u64)>;
+    let scanned: Vec<Scanned> = items
+        .par_iter()
+        .map(|it| {
+            let r = match it {
+                Item::Linear(ln, n) => {
+                    scan_linear(ck, ln, opts).map(|(s, f, b)| (Some(s), f, b, *n))
+                }
+                Item::Values(name) => scan_values(ck, name).map(|(f, b)| (None, f, b, 1)),
+            };
+            r.map(|(s, f, b, n)| {
+                on_tensors(n as u64);
+                (s, f, b)
+            })
+        })
+        .collect();
+    let mut linears = vec![];
+    let mut bytes_scanned = 0;
+    for r in scanned {
+        let (s, f, b) = r?;
+        linears.extend(s);
+        findings.extend(f);
+        bytes_scanned += b;
+    }
+
+    // 3. across linears
+    cross_checks(ck, &linears, opts, &mut findings);
+    fused_gate_up(ck, &mut findings)?;
+    config_checks(ck, &linears, &mut findings)?;
+
+    findings.sort_by(|a, b| (&a.tensor, a.kind).cmp(&(&b.tensor, b.kind)));
+    Ok(AuditResult {
+        path: ck.path().to_path_buf(),
+        tensors: ck.names().count(),
+        linears,
+        float_tensors,
+        bytes_scanned,
+        findings,
+    })
+}
+
+fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &mut Vec<Finding>) {
+    let f = |kind, detail| Finding {
+        tensor: name.to_string(),
+        file: file.to_path_buf(),
+        kind,
+        detail,
+    };
+    if !v.is_finite() {
+        out.push(f(
+            FindingKind::NonfiniteGlobalScale,
+            format!("{what} = {v}: every output of this linear becomes NaN/Inf"),
+        ));
+    } else if v <= 0.0 {
+        out.push(f(
+            FindingKind::NonpositiveGlobalScale,
+            format!("{what} = {v}: a global scale must be positive (zero flushes, negative flips the sign)"),
+        ));
+    }
+}
+
+fn scan_linear(
+    ck: &Checkpoint,
+    ln: &LinearNames,
+    opts: &AuditOptions,
+) -> Result<(LinearStats, Vec<Finding>, u64)> {
+    let g = formats::check_linear(ck, ln)?;
+    let (wf, wi) = ck.find(&ln.weight)?;
+    let (sf, si) = ck.find(&ln.weight_scale)?;
+    let scales = sf.slice(si);
+    let packed = wf.slice(wi);
+    let mut out = vec![];
+    let file = |n: &str| ck.file_of(n).to_path_buf();
+
+    // block scales
+    let kb = g.cols / g.format.block();
+    let sc = scan_scales(g.format, scales);
+    if sc.nan > 0 {
+        let i = sc.first_nan.unwrap_or(0);
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::NanBlockScales,
+            detail: format!(
+                "{} of {} block scales are NaN codes (first at row {}, block {}): a plain cast past 448 makes these; the blocks dequantize to NaN",
+                sc.nan,
+                scales.len(),
+                i / kb.max(1),
+                i % kb.max(1)
+            ),
+        });
+    }
+    if sc.negative > 0 {
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::NegativeBlockScales,
+            detail: format!(
+                "{} block scales are negative: their blocks flip sign",
+                sc.negative
+            ),
+        });
+    }
+    let frac = if scales.is_empty() {
+        0.0
+    } else {
+        sc.saturated as f64 / scales.len() as f64
+    };
+    if g.format == Format::Nvfp4 && frac > opts.saturation_limit && sc.saturated > SATURATED_HANDFUL
+    {
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::SaturatedBlockScales,
+            detail: format!(
+                "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped",
+                100.0 * frac,
+                100.0 * opts.saturation_limit
+            ),
+        });
+    }
+    if !packed.is_empty() && packed.par_iter().all(|&b| b & 0x77 == 0) {
+        out.push(Finding {
+            tensor: ln.weight.clone(),
+            file: file(&ln.weight),
+            kind: FindingKind::AllZeroWeight,
+            detail: "every FP4 code is ±0: never-written or zero-initialized memory".into(),
+        });
+    }
+
+    // global scales
+    let mut weight_scale_2 = None;
+    match &ln.global_scale {
+        Some(gn) => {
+            let stored = ck.scalar_f32(gn)?;
+            let what = gn.rsplit('.').next().unwrap_or("weight_scale_2");
+            scalar_checks(gn, &file(gn), what, stored, &mut out);
+            if let Some(s) = formats::convention_suspicion(ln.convention, stored, sc.max) {
+                out.push(Finding {
+                    tensor: gn.clone(),
+                    file: file(gn),
+                    kind: FindingKind::ConventionSuspect,
+                    detail: s,
+                });
+            }
+            weight_scale_2 = Some(formats::weight_scale_2(ck, ln)?);
+            // both conventions stored: they must be reciprocals
+            let other = if gn.ends_with("weight_scale_2") {
+                format!("{}.weight_global_scale", ln.base)
+            } else {
+                format!("{}.weight_scale_2", ln.base)
+            };
+            if ck.contains(&other) {
+                let o = ck.scalar_f32(&other)?;
+                // NaN products count as not reciprocal
+                let reciprocal = (o * stored - 1.0).abs() <= 1e-5;
+                if !reciprocal {
+                    out.push(Finding {
+                        tensor: other.clone(),
+                        file: file(&other),
+                        kind: FindingKind::ConflictingGlobalScales,
+                        detail: format!(
+                            "`{gn}` = {stored:e} and `{other}` = {o:e} are both stored but not reciprocals (product {:e}): loaders disagree on which to use",
+                            o * stored
+                        ),
+                    });
+                }
+            }
+        }
+        None if g.format == Format::Nvfp4 => out.push(Finding {
+            tensor: format!("{}.weight_scale_2", ln.base),
+            file: file(&ln.weight),
+            kind: FindingKind::MissingMember,
+            detail:
+                "an NVFP4 weight without its global scale (weight_scale_2 / weight_global_scale)"
+                    .into(),
+        }),
+        None => {}
+    }
+    let mut input_scale = None;
+    if let Some(i) = &ln.input_scale {
+        let stored = ck.scalar_f32(i)?;
+        let what = i.rsplit('.').next().unwrap_or("input_scale");
+        scalar_checks(i, &file(i), what, stored, &mut out);
+        if let Some(s) = formats::input_scale_suspicion(ln.convention, stored) {
+            out.push(Finding {
+                tensor: i.clone(),
+                file: file(i),
+                kind: FindingKind::ConventionSuspect,
+                detail: s,
+            });
+        }
+        input_scale = formats::input_scale(ck, ln)?;
+    }
+    let bytes = (packed.len() + scales.len()) as u64;
+    wf.release(wi);
+    sf.release(si);
+    Ok((
+        LinearStats {
+            base: ln.base.clone(),
+            file: file(&ln.weight),
+            convention: ln.convention,
+            format: g.format,
+            shape: [g.rows, g.cols],
+            weight_scale_2,
+            input_scale,
+            blocks: scales.len() as u64,
+            saturated: sc.saturated,
+            saturated_fraction: frac,
+            nan_scales: sc.nan,
+            negative_scales: sc.negative,
+            zero_scales: sc.zero,
+            max_block_scale: sc.max,
+        },
+        out,
+        bytes,
+    ))
+}
+
+#[derive(Default, Clone, Copy)]
+struct ScaleScan {
+    nan: u64,
+    first_nan: Option<usize>,
+    negative: u64,
+    saturated: u64,
+    zero: u64,
+    max: f32,
+}
+
+fn scan_scales(format: Format, scales: &[u8]) -> ScaleScan {
+    const CHUNK: usize = 1 << 16;
+    scales
+        .par_chunks(CHUNK)
+        .enumerate()
+        .map(|(ci, c)| {
+            let mut s = ScaleScan::default();
+            let mut maxc = 0u8;
+            for (i, &b) in c.iter().enumerate() {
+                let nan = match format {
+                    Format::Nvfp4 => e4m3::is_nan(b),
+                    Format::Mxfp4 => b == ue8m0::NAN,
+                };
+                if nan {
+                    s.nan += 1;
+                    s.first_nan.get_or_insert(ci * CHUNK + i);
+                    continue;
+                }
+                if format == Format::Nvfp4 {
+                    let mag = b & 0x7F;
+                    s.negative += (b & 0x80 != 0 && mag != 0) as u64;
+                    s.saturated += (mag == e4m3::MAX_CODE) as u64;
+                    s.zero += (mag == 0) as u64;
+                    maxc = maxc.max(mag);
+                } else {
+                    maxc = maxc.max(b);
+                }
+            }
+            s.max = format.decode_scale(maxc);
+            s
+        })
+        .reduce(ScaleScan::default, |a, b| ScaleScan {
+            nan: a.nan + b.nan,
+            first_nan: match (a.first_nan, b.first_nan) {
+                (Some(x), Some(y)) => Some(x.min(y)),
+                (x, y) => x.or(y),
+            },
+            negative: a.negative + b.negative,
+            saturated: a.saturated + b.saturated,
+            zero: a.zero + b.zero,
+            max: a.max.max(b.max),
+        })
+}
+
+/// NaN/Inf count and first index of a float tensor, from its bits. The count is a plain
+/// vectorizable sum; the first index is looked for only in chunks that have one.
+pub fn count_nonfinite(d: Dtype, bytes: &[u8]) -> (u64, Option<usize>) {
+    use super::file::{as_u16s, as_u32s};
+    const CHUNK: usize = 1 << 16;
+    let Some(size) = super::file::elem_size(d) else {
+        return (0, None);
+    };
+    let bad = move |e: &[u8]| -> bool {
+        match d {
+            Dtype::BF16 => u16::from_le_bytes([e[0], e[1]]) & 0x7F80 == 0x7F80,
+            Dtype::F16 => u16::from_le_bytes([e[0], e[1]]) & 0x7C00 == 0x7C00,
+            Dtype::F32 => u32::from_le_bytes([e[0], e[1], e[2], e[3]]) & 0x7F80_0000 == 0x7F80_0000,
+            Dtype::F64 => {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(e);
+                !f64::from_le_bytes(a).is_finite()
+            }
+            Dtype::F8_E4M3 => e4m3::is_nan(e[0]),
+            Dtype::F8_E5M2 => e[0] & 0x7C == 0x7C,
+            _ => false,
+        }
+    };
+    let count = move |c: &[u8]| -> u64 {
+        match (d, as_u16s(c), as_u32s(c)) {
+            (Dtype::BF16, Some(h), _) => h.iter().map(|&v| ((v & 0x7F80) == 0x7F80) as u64).sum(),
+            (Dtype::F16, Some(h), _) => h.iter().map(|&v| ((v & 0x7C00) == 0x7C00) as u64).sum(),
+            (Dtype::F32, _, Some(w)) => w
+                .iter()
+                .map(|&v| ((v & 0x7F80_0000) == 0x7F80_0000) as u64)
+                .sum(),
+            (Dtype::F8_E4M3, _, _) => c.iter().map(|&v| ((v & 0x7F) == 0x7F) as u64).sum(),
+            _ => c.chunks_exact(size).map(|e| bad(e) as u64).sum(),
+        }
+    };
+    bytes
+        .par_chunks(CHUNK * size)
+        .enumerate()
+        .map(|(ci, c)| {
+            let n = count(c);
+            let first = if n > 0 {
+                c.chunks_exact(size).position(bad).map(|i| ci * CHUNK + i)
+            } else {
+                None
+            };
+            (n, first)
+        })
+        .reduce(
+            || (0, None),
+            |a, b| {
+                (
+                    a.0 + b.0,
+                    match (a.1, b.1) {
+                        (Some(x), Some(y)) => Some(x.min(y)),
+                        (x, y) => x.or(y),
+                    },
+                )
+            },
+        )
+}
+
+fn index_str(shape: &[usize], mut i: usize) -> String {
+    let mut idx = vec![0; shape.len()];
+    for (k, &d) in shape.iter().enumerate().rev() {
+        if d > 0 {
+            idx[k] = i % d;
+            i /= d;
+        }
+    }
+    format!("{idx:?}")
+}
+
+fn scan_values(ck: &Checkpoint, name: &str) -> Result<(Vec<Finding>, u64)> {
+    let (f, t): (&TensorFile, &TensorInfo) = ck.find(name)?;
+    let b = f.slice(t);
+    let (n, first) = count_nonfinite(t.dtype, b);
+    f.release(t);
+    let mut out = vec![];
+    if n > 0 {
+        out.push(Finding {
+            tensor: name.to_string(),
+            file: f.path().to_path_buf(),
+            kind: FindingKind::NonfiniteValues,
+            detail: format!(
+                "{n} of {} values are NaN/Inf (first at {})",
+                t.numel(),
+                index_str(&t.shape, first.unwrap_or(0))
+            ),
+        });
+    }
+    Ok((out, b.len() as u64))
+}
+
+/// `...experts.7.gate_proj` → (`...experts.*.gate_proj`, 7): the expert-group key.
+fn expert_group(base: &str) -> Option<(String, usize)> {
+    let at = base.find(".experts.")? + ".experts.".len();
+    let rest = &base[at..];
+    let digits = rest.bytes().take_while(|b| b.is_ascii_digit()).count();
+    let e = rest[..digits].parse().ok()?;
+    Some((format!("{}*{}", &base[..at], &rest[digits..]), e))
+}
+
+/// The up-projection sibling of a gate projection, if `base` is one.
+fn up_sibling(base: &str) -> Option<String> {
+    for (g, u) in [(".gate_proj", ".up_proj"), (".w1", ".w3")] {
+        if let Some(stem) = base.strip_suffix(g) {
+            return Some(format!("{stem}{u}"));
+        }
+    }
+    None
+}
+
+/// vLLM's check: `torch.allclose(w1, w3)` with its defaults.
+fn allclose(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-8 + 1e-5 * b.abs()
+}
+
+fn cross_checks(
+    ck: &Checkpoint,
+    linears: &[LinearStats],
+    opts: &AuditOptions,
+    out: &mut Vec<Finding>,
+) {
+    let by_base: BTreeMap<&str, &LinearStats> =
+        linears.iter().map(|l| (l.base.as_str(), l)).collect();
+    // gate/up weight_scale_2 of one expert (and of shared experts / dense MLPs alike)
+    for l in linears {
+        let Some(up) = up_sibling(&l.base) else {
+            continue;
+        };
+        let Some(u) = by_base.get(up.as_str()) else {
+            continue;
+        };
+        let (Some(a), Some(b)) = (l.weight_scale_2, u.weight_scale_2) else {
+            continue;
+        };
+        if a.is_finite() && b.is_finite() && !allclose(b, a) {
+            let t = format!("{up}.weight_scale_2");
+            out.push(Finding {
+                tensor: t.clone(),
+                file: ck.file_of(&t).to_path_buf(),
+                kind: FindingKind::GateUpScaleMismatch,
+                detail: format!(
+                    "{b:e} vs the gate's {a:e} (ratio {:.4}): vLLM keeps only the gate's weight_scale_2 for the fused w13, so this projection is scaled by {:.4}",
+                    b / a,
+                    a / b
+                ),
+            });
+        }
+    }
+    // missing input_scale where other linears have one
+    let any_input = linears.iter().any(|l| l.input_scale.is_some());
+    if any_input {
+        for l in linears
+            .iter()
+            .filter(|l| l.input_scale.is_none() && l.format == Format::Nvfp4)
+        {
+            let t = format!("{}.input_scale", l.base);
+            out.push(Finding {
+                tensor: t,
+                file: l.file.clone(),
+                kind: FindingKind::MissingMember,
+                detail: "missing, while other quantized linears have an input_scale: the engine falls back to a default activation scale here".into(),
+            });
+        }
+    }
+    // input_scale outliers across the experts of a layer
+    let mut groups: BTreeMap<String, Vec<&LinearStats>> = BTreeMap::new();
+    for l in linears {
+        if let (Some((g, _)), Some(s)) = (expert_group(&l.base), l.input_scale) {
+            if s.is_finite() && s > 0.0 {
+                groups.entry(g).or_default().push(l);
+            }
+        }
+    }
+    for (g, ls) in groups {
+        if ls.len() < 3 {
+            continue;
+        }
+        let mut v: Vec<f32> = ls.iter().filter_map(|l| l.input_scale).collect();
+        v.sort_by(f32::total_cmp);
+        let median = if v.len() % 2 == 1 {
+            v[v.len() / 2]
+        } else {
+            0.5 * (v[v.len() / 2 - 1] + v[v.len() / 2])
+        };
+        for l in ls {
+            let s = l.input_scale.unwrap_or(0.0);
+            if s > opts.input_scale_outlier * median {
+                let t = format!("{}.input_scale", l.base);
+                out.push(Finding {
+                    tensor: t.clone(),
+                    file: ck.file_of(&t).to_path_buf(),
+                    kind: FindingKind::InputScaleOutlier,
+                    detail: format!(
+                        "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines take the max over experts, so every expert's activations get a {:.1}x coarser scale",
+                        s / median,
+                        s / median
+                    ),
+                });
+            }
+        }
+    }
+}
+
+/// vLLM fused dumps: `w13_weight_scale_2 [E, 2]` holds gate and up per expert.
+fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
+    for n in ck.names() {
+        if !n.ends_with("w13_weight_scale_2") {
+            continue;
+        }
+        let t = ck.info(n)?;
+        if t.shape.len() != 2 || t.shape[1] != 2 || !is_float(t.dtype) {
+            continue;
+        }
+        let v = ck.to_f32(n)?;
+        let bad: Vec<usize> = (0..t.shape[0])
+            .filter(|&e| {
+                v[2 * e].is_finite()
+                    && v[2 * e + 1].is_finite()
+                    && !allclose(v[2 * e + 1], v[2 * e])
+            })
+            .collect();
+        if let Some(&e0) = bad.first() {
+            out.push(Finding {
+                tensor: n.to_string(),
+                file: ck.file_of(n).to_path_buf(),
+                kind: FindingKind::GateUpScaleMismatch,
+                detail: format!(
+                    "{} of {} experts have w1 != w3 weight_scale_2 (first: expert {e0}, {:e} vs {:e}); vLLM uses column 0 for both",
+                    bad.len(),
+                    t.shape[0],
+                    v[2 * e0],
+                    v[2 * e0 + 1]
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
+    let Some(p) = ck.config_path() else {
+        return Ok(());
+    };
+    // broken JSON or nonsense MoE fields are bad input; a dense model's config is only read
+    // for its quantization part
+    let layers_hint = super::names::Naming::detect(ck.names()).map(|n| {
+        super::names::layers_present(&n, ck.names())
+            .last()
+            .map_or(0, |l| l + 1)
+    });
+    let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
+    if let Some(cfg) = &moe {
+        missing_experts(ck, cfg.moe.n_routed_experts, out);
+    }
+    let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
+    let file = p.clone();
+    let mut push = |detail: String| {
+        out.push(Finding {
+            tensor: "quantization_config".into(),
+            file: file.clone(),
+            kind: FindingKind::ConfigMismatch,
+            detail,
+        })
+    };
+    match &quant {
+        None if nvfp4 > 0 => push(format!(
+            "{nvfp4} NVFP4 linears but no quantization_config (config.json or hf_quant_config.json): engines load them as plain weights"
+        )),
+        Some(q) if q.format() == Some(Format::Nvfp4) && nvfp4 == 0 => {
+            push("promises NVFP4 but the checkpoint holds no NVFP4 linear".into())
+        }
+        Some(q) if q.format() == Some(Format::Nvfp4) && q.group_size.is_some_and(|g| g != 16) => push(format!(
+            "NVFP4 with group_size {}: NVFP4 blocks are 16",
+            q.group_size.unwrap_or(0)
+        )),
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Experts config.json promises that a layer's names do not show.
+fn missing_experts(ck: &Checkpoint, e_count: usize, out: &mut Vec<Finding>) {
+    use super::names::{inventory, Naming, Proj, Scheme};
+    let Some(n) = Naming::detect(ck.names()) else {
+        return;
+    };
+    if n.scheme == Scheme::VllmFused {
+        return;
+    }
+    for (l, inv) in inventory(&n, ck.names()) {
+        if inv.experts.is_empty() {
+            continue;
+        }
+        let missing: Vec<usize> = (0..e_count).filter(|e| !inv.experts.contains(e)).collect();
+        if let Some(&e0) = missing.first() {
+            out.push(Finding {
+                tensor: format!("{}.weight", n.expert(l, e0, Proj::Gate)),
+                file: ck.path().to_path_buf(),
+                kind: FindingKind::MissingMember,
+                detail: format!(
+                    "layer {l} lacks {} of the n_routed_experts = {e_count} experts of config.json (first: expert {e0})",
+                    missing.len()
+                ),
+            });
+        }
+        if let Some(&extra) = inv.experts.iter().find(|&&e| e >= e_count) {
+            out.push(Finding {
+                tensor: format!("{}.weight", n.expert(l, extra, Proj::Gate)),
+                file: ck.path().to_path_buf(),
+                kind: FindingKind::MissingMember,
+                detail: format!("expert {extra} of layer {l} is past n_routed_experts = {e_count} of config.json"),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_groups_and_siblings() {
+        assert_eq!(
+            expert_group("model.layers.3.mlp.experts.17.gate_proj"),
+            Some(("model.layers.3.mlp.experts.*.gate_proj".into(), 17))
+        );
+        assert_eq!(
+            expert_group("model.layers.3.mlp.shared_experts.gate_proj"),
+            None
+        );
+        assert_eq!(
+            up_sibling("layers.1.ffn.experts.0.w1").as_deref(),
+            Some("layers.1.ffn.experts.0.w3")
+        );
+        assert_eq!(up_sibling("x.down_proj"), None);
+        assert_eq!(index_str(&[3, 4], 7), "[1, 3]");
+    }
+
+    #[test]
+    fn nonfinite_counts_every_float_dtype() {
+        let mut r = rand::thread_rng();
+        use rand::Rng;
+        let n = r.gen_range(10..70000);
+        let at = r.gen_range(0..n);
+        let mut v: Vec<f32> = (0..n).map(|_| r.gen_range(-1.0..1.0)).collect();
+        v[at] = f32::INFINITY;
+        let b = crate::checkpoint::writer::bf16_bytes(&v);
+        assert_eq!(count_nonfinite(Dtype::BF16, &b), (1, Some(at)));
+        let b = crate::checkpoint::writer::f32_bytes(&v);
+        assert_eq!(count_nonfinite(Dtype::F32, &b), (1, Some(at)));
+        v[at] = 0.5;
+        let b = crate::checkpoint::writer::f32_bytes(&v);
+        assert_eq!(count_nonfinite(Dtype::F32, &b), (0, None));
+        assert_eq!(
+            count_nonfinite(Dtype::F8_E4M3, &[0x7E, 0xFF, 0x7F]),
+            (2, Some(1))
+        );
+    }
+}

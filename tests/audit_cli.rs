@@ -1,0 +1,415 @@
+//! `nvfp4dbg audit` on small ModelOpt / compressed-tensors checkpoints: a clean one passes,
+//! each planted hazard fails naming the tensor (table and JSON), bad structure is exit 2.
+
+mod checkpoint_util;
+use checkpoint_util::*;
+use nvfp4dbg::checkpoint::writer::{f32_bytes, TensorSpec};
+use nvfp4dbg::checkpoint::Dtype;
+use nvfp4dbg::nvfp4::{quantize_nvfp4, weight_global_scale};
+use rand::Rng;
+use std::path::Path;
+
+type Tensors = Vec<(TensorSpec, Vec<u8>)>;
+
+struct Fixture {
+    tensors: Tensors,
+    config: serde_json::Value,
+}
+
+impl Fixture {
+    /// HF-V3 names, 1 MoE layer (index 1), E experts, gate/up sharing one weight_scale_2 as
+    /// ModelOpt exports them, input_scales within 2x of each other.
+    fn new(r: &mut impl Rng, e: usize) -> Fixture {
+        let (h, i) = (32, 16);
+        let mut t: Tensors = vec![];
+        let gate = weights(r, e, h);
+        t.push(bf16("model.layers.1.mlp.gate.weight", &[e, h], &gate));
+        t.push(f32t(
+            "model.layers.1.mlp.gate.e_score_correction_bias",
+            &[e],
+            &vec![0.01; e],
+        ));
+        t.push(bf16(
+            "model.layers.1.post_attention_layernorm.weight",
+            &[h],
+            &vec![1.0; h],
+        ));
+        for x in 0..e {
+            let wg = weights(r, i, h);
+            let wu = weights(r, i, h);
+            let wd = weights(r, h, i);
+            let both: Vec<f32> = wg.iter().chain(&wu).copied().collect();
+            let (ws2, gs) = weight_global_scale(&both);
+            let is = r.gen_range(0.01f32..0.02);
+            for (p, w, rows, cols, ws2, gs) in [
+                ("gate_proj", &wg, i, h, ws2, gs),
+                ("up_proj", &wu, i, h, ws2, gs),
+                (
+                    "down_proj",
+                    &wd,
+                    h,
+                    i,
+                    weight_global_scale(&wd).0,
+                    weight_global_scale(&wd).1,
+                ),
+            ] {
+                let base = format!("model.layers.1.mlp.experts.{x}.{p}");
+                let (q, _) = quantize_nvfp4(w, rows, cols, gs);
+                t.push((
+                    TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[rows, cols / 2]),
+                    q.packed,
+                ));
+                t.push((
+                    TensorSpec::new(
+                        format!("{base}.weight_scale"),
+                        Dtype::F8_E4M3,
+                        &[rows, cols / 16],
+                    ),
+                    q.scales,
+                ));
+                t.push((
+                    TensorSpec::new(format!("{base}.weight_scale_2"), Dtype::F32, &[]),
+                    f32_bytes(&[ws2]),
+                ));
+                t.push((
+                    TensorSpec::new(format!("{base}.input_scale"), Dtype::F32, &[]),
+                    f32_bytes(&[is]),
+                ));
+            }
+        }
+        let mut config = config_json(h, i, e, 2, 2);
+        config["first_k_dense_replace"] = 1.into();
+        config["quantization_config"] = serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
+        Fixture { tensors: t, config }
+    }
+
+    fn get(&mut self, name: &str) -> &mut Vec<u8> {
+        &mut self
+            .tensors
+            .iter_mut()
+            .find(|(s, _)| s.name == name)
+            .unwrap_or_else(|| panic!("{name}"))
+            .1
+    }
+
+    fn set_f32(&mut self, name: &str, v: f32) {
+        *self.get(name) = f32_bytes(&[v]);
+    }
+
+    fn remove(&mut self, name: &str) {
+        self.tensors.retain(|(s, _)| s.name != name);
+    }
+
+    fn write(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        write(&dir.join("model.safetensors"), self.tensors.clone());
+        std::fs::write(dir.join("config.json"), self.config.to_string()).unwrap();
+    }
+}
+
+fn audit(dir: &Path) -> (i32, String, serde_json::Value) {
+    let json = dir.with_extension("json");
+    let o = run(&["audit", p(dir), "--json", p(&json)]);
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    let v = std::fs::read(&json)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or(serde_json::Value::Null);
+    (code(&o), stdout(&o) + &stderr(&o), v)
+}
+
+const E1: &str = "model.layers.1.mlp.experts.1";
+
+#[test]
+fn clean_checkpoint_passes() {
+    let (seed, mut r) = rng("audit clean");
+    let d = tempfile::tempdir().unwrap();
+    let f = Fixture::new(&mut r, 4);
+    f.write(&d.path().join("ck"));
+    let (c, out, v) = audit(&d.path().join("ck"));
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    assert_eq!(v["verdict"], "pass");
+    assert_eq!(v["summary"]["quantized_linears"], 12);
+    assert_eq!(v["summary"]["findings"], 0);
+    assert_eq!(v["linears"].as_array().unwrap().len(), 12);
+    // auto-scaled: the amax block sits at 448 (gate/up share one scale: the larger of the two)
+    let ls = v["linears"].as_array().unwrap();
+    let max_of = |suffix: &str| {
+        ls.iter()
+            .filter(|l| l["base"].as_str().unwrap().ends_with(suffix))
+            .map(|l| l["max_block_scale"].as_f64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        max_of("down_proj").iter().all(|&m| m == 448.0),
+        "seed {seed}"
+    );
+    let (g, u) = (max_of("gate_proj"), max_of("up_proj"));
+    assert!(
+        g.iter().zip(&u).all(|(a, b)| a.max(*b) == 448.0),
+        "seed {seed}"
+    );
+}
+
+#[test]
+fn every_planted_hazard_is_named() {
+    let (seed, mut r) = rng("audit hazards");
+    let d = tempfile::tempdir().unwrap();
+    let e = 5;
+    type Plant = Box<dyn Fn(&mut Fixture)>;
+    let cases: Vec<(&str, Plant, &str, String)> = vec![
+        (
+            "ws2 NaN",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), f32::NAN)),
+            "nonfinite_global_scale",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
+            "ws2 zero",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 0.0)),
+            "nonpositive_global_scale",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
+            "input_scale negative",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.input_scale"), -0.01)),
+            "nonpositive_global_scale",
+            format!("{E1}.down_proj.input_scale"),
+        ),
+        (
+            "input_scale inf",
+            Box::new(|f| f.set_f32(&format!("{E1}.up_proj.input_scale"), f32::INFINITY)),
+            "nonfinite_global_scale",
+            format!("{E1}.up_proj.input_scale"),
+        ),
+        (
+            "NaN block scale",
+            Box::new(|f| f.get(&format!("{E1}.gate_proj.weight_scale"))[5] = 0xFF),
+            "nan_block_scales",
+            format!("{E1}.gate_proj.weight_scale"),
+        ),
+        (
+            "negative block scale",
+            Box::new(|f| f.get(&format!("{E1}.gate_proj.weight_scale"))[3] |= 0x80),
+            "negative_block_scales",
+            format!("{E1}.gate_proj.weight_scale"),
+        ),
+        (
+            "saturated",
+            Box::new(|f| {
+                let s = f.get(&format!("{E1}.down_proj.weight_scale"));
+                for b in s.iter_mut().step_by(2) {
+                    *b = 0x7E
+                }
+            }),
+            "saturated_block_scales",
+            format!("{E1}.down_proj.weight_scale"),
+        ),
+        (
+            "gate/up mismatch",
+            Box::new(|f| {
+                let n = format!("{E1}.up_proj.weight_scale_2");
+                let v = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+                f.set_f32(&n, v * 1.5)
+            }),
+            "gate_up_scale_mismatch",
+            format!("{E1}.up_proj.weight_scale_2"),
+        ),
+        (
+            "input_scale outlier",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.input_scale"), 0.5)),
+            "input_scale_outlier",
+            format!("{E1}.down_proj.input_scale"),
+        ),
+        (
+            "missing ws2",
+            Box::new(|f| f.remove(&format!("{E1}.down_proj.weight_scale_2"))),
+            "missing_member",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
+            "missing input_scale",
+            Box::new(|f| f.remove(&format!("{E1}.down_proj.input_scale"))),
+            "missing_member",
+            format!("{E1}.down_proj.input_scale"),
+        ),
+        (
+            "missing block scales",
+            Box::new(|f| f.remove(&format!("{E1}.down_proj.weight_scale"))),
+            "missing_member",
+            format!("{E1}.down_proj.weight_scale"),
+        ),
+        (
+            "missing packed weight",
+            Box::new(|f| f.remove(&format!("{E1}.down_proj.weight"))),
+            "missing_member",
+            format!("{E1}.down_proj.weight"),
+        ),
+        (
+            "gs stored as ws2",
+            Box::new(|f| {
+                for p in ["gate_proj", "up_proj"] {
+                    let n = format!("{E1}.{p}.weight_scale_2");
+                    let v = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+                    f.set_f32(&n, 1.0 / v)
+                }
+            }),
+            "convention_suspect",
+            format!("{E1}.gate_proj.weight_scale_2"),
+        ),
+        (
+            "all-zero weight",
+            Box::new(|f| {
+                f.get(&format!("{E1}.gate_proj.weight"))
+                    .iter_mut()
+                    .for_each(|b| *b &= 0x88)
+            }),
+            "all_zero_weight",
+            format!("{E1}.gate_proj.weight"),
+        ),
+        (
+            "NaN router",
+            Box::new(|f| {
+                let g = f.get("model.layers.1.mlp.gate.weight");
+                g[6] = 0xC0;
+                g[7] = 0x7F
+            }),
+            "nonfinite_values",
+            "model.layers.1.mlp.gate.weight".into(),
+        ),
+        (
+            "no quantization_config",
+            Box::new(|f| {
+                f.config
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("quantization_config");
+            }),
+            "config_mismatch",
+            "quantization_config".into(),
+        ),
+        (
+            "missing expert",
+            Box::new(|f| f.config["n_routed_experts"] = 6.into()),
+            "missing_member",
+            "model.layers.1.mlp.experts.5.gate_proj.weight".into(),
+        ),
+        (
+            "both conventions",
+            Box::new(|f| {
+                f.tensors.push((
+                    TensorSpec::new(
+                        format!("{E1}.down_proj.weight_global_scale"),
+                        Dtype::F32,
+                        &[],
+                    ),
+                    f32_bytes(&[3.0]),
+                ))
+            }),
+            "conflicting_global_scales",
+            format!("{E1}.down_proj.weight_global_scale"),
+        ),
+    ];
+    for (what, plant, kind, tensor) in cases {
+        let mut f = Fixture::new(&mut r, e);
+        plant(&mut f);
+        let dir = d.path().join(what.replace([' ', '/'], "_"));
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        assert!(
+            out.contains(&tensor),
+            "seed {seed} {what}: table does not name {tensor}:\n{out}"
+        );
+        let found = v["findings"].as_array().unwrap();
+        assert!(
+            found
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == tensor.as_str()),
+            "seed {seed} {what}: no {kind} on {tensor} in {found:#?}"
+        );
+        assert!(v["hazardous_tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t == tensor.as_str()));
+        assert_eq!(v["verdict"], "fail");
+    }
+}
+
+#[test]
+fn compressed_tensors_convention() {
+    let (seed, mut r) = rng("audit compressed-tensors");
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (16, 64);
+    let w = weights(&mut r, rows, cols);
+    let (ws2, gs) = weight_global_scale(&w);
+    let (q, _) = quantize_nvfp4(&w, rows, cols, gs);
+    let ct = |gsv: f32| -> Tensors {
+        vec![
+            (
+                TensorSpec::new("m.proj.weight_packed", Dtype::U8, &[rows, cols / 2]),
+                q.packed.clone(),
+            ),
+            (
+                TensorSpec::new("m.proj.weight_scale", Dtype::F8_E4M3, &[rows, cols / 16]),
+                q.scales.clone(),
+            ),
+            (
+                TensorSpec::new("m.proj.weight_global_scale", Dtype::F32, &[1]),
+                f32_bytes(&[gsv]),
+            ),
+            (
+                TensorSpec::new("m.proj.input_global_scale", Dtype::F32, &[1]),
+                f32_bytes(&[2688.0 / 3.0]),
+            ),
+        ]
+    };
+    let ok = d.path().join("ok.safetensors");
+    write(&ok, ct(gs));
+    let (c, out, v) = audit(&ok);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    assert_eq!(v["linears"][0]["convention"], "compressed-tensors");
+    let got = v["linears"][0]["weight_scale_2"].as_f64().unwrap();
+    assert!(
+        (got - ws2 as f64).abs() <= 1e-6 * ws2 as f64,
+        "seed {seed}: {got} vs {ws2}"
+    );
+    // weight_scale_2 stored where the gs belongs
+    let bad = d.path().join("bad.safetensors");
+    write(&bad, ct(ws2));
+    let (c, out, v) = audit(&bad);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert_eq!(v["findings"][0]["kind"], "convention_suspect");
+    assert_eq!(v["findings"][0]["tensor"], "m.proj.weight_global_scale");
+}
+
+#[test]
+fn quantize_output_audits_clean() {
+    let (seed, mut r) = rng("audit of quantize output");
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (r.gen_range(8..64), 16 * r.gen_range(4..20));
+    let inp = d.path().join("in.safetensors");
+    write(
+        &inp,
+        vec![bf16(
+            "model.layers.0.self_attn.o_proj.weight",
+            &[rows, cols],
+            &weights(&mut r, rows, cols),
+        )],
+    );
+    let out = d.path().join("out.safetensors");
+    assert_eq!(code(&run(&["quantize", p(&inp), p(&out)])), 0);
+    let (c, o, _) = audit(&out);
+    assert_eq!(c, 0, "seed {seed}: {o}");
+    // a far too large --gs saturates most block scales, and audit says so
+    let o2 = d.path().join("sat.safetensors");
+    assert_eq!(code(&run(&["quantize", p(&inp), p(&o2), "--gs", "1e7"])), 0);
+    let (c, o, v) = audit(&o2);
+    assert_eq!(c, 1, "seed {seed}: {o}");
+    assert!(v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["kind"] == "saturated_block_scales"));
+}

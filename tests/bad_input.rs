@@ -1,0 +1,377 @@
+//! Bad input is exit 2, never a panic, never exit 0: every damaged file and directory, driven
+//! through the real binary (`audit`, `quantize`), must give a message naming the file (and the
+//! tensor where there is one), and must leave the input untouched.
+
+mod checkpoint_util;
+use checkpoint_util::*;
+use nvfp4dbg::checkpoint::writer::{f32_bytes, TensorSpec};
+use nvfp4dbg::checkpoint::Dtype;
+use rand::Rng;
+use std::path::{Path, PathBuf};
+
+/// A file from a raw header string and data bytes.
+fn raw(path: &Path, header: &str, data: &[u8]) {
+    let mut b = (header.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(header.as_bytes());
+    b.extend_from_slice(data);
+    std::fs::write(path, b).unwrap();
+}
+
+struct Case {
+    what: &'static str,
+    /// the path handed to the command
+    input: PathBuf,
+    /// text stderr must contain (the file; the tensor where there is one)
+    names: Vec<String>,
+}
+
+/// A valid small NVFP4 checkpoint file (one ModelOpt triple and a BF16 tensor).
+fn good_tensors(r: &mut impl Rng) -> Vec<(TensorSpec, Vec<u8>)> {
+    let w = weights(r, 8, 32);
+    let (q, _) = nvfp4dbg::nvfp4::quantize_weight_nvfp4(&w, 8, 32);
+    vec![
+        (
+            TensorSpec::new(
+                "model.layers.0.mlp.experts.0.up_proj.weight",
+                Dtype::U8,
+                &[8, 16],
+            ),
+            q.packed,
+        ),
+        (
+            TensorSpec::new(
+                "model.layers.0.mlp.experts.0.up_proj.weight_scale",
+                Dtype::F8_E4M3,
+                &[8, 2],
+            ),
+            q.scales,
+        ),
+        (
+            TensorSpec::new(
+                "model.layers.0.mlp.experts.0.up_proj.weight_scale_2",
+                Dtype::F32,
+                &[],
+            ),
+            f32_bytes(&[q.scale_2]),
+        ),
+        bf16(
+            "model.layers.0.mlp.experts.0.gate_proj.weight",
+            &[8, 32],
+            &w,
+        ),
+    ]
+}
+
+fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
+    let mut v = vec![];
+    let f = |n: &str| dir.join(n);
+    let s = |p: &Path| p.display().to_string();
+
+    // truncated: a valid file cut inside its data
+    let good = f("good.safetensors");
+    write(&good, good_tensors(r));
+    let bytes = std::fs::read(&good).unwrap();
+    let t = f("truncated.safetensors");
+    std::fs::write(&t, &bytes[..bytes.len() - 7]).unwrap();
+    v.push(Case {
+        what: "truncated file",
+        names: vec![
+            s(&t),
+            "model.layers.0.mlp.experts.0.gate_proj.weight".into(),
+        ],
+        input: t,
+    });
+
+    let t = f("header_past_end.safetensors");
+    let mut b = 4096u64.to_le_bytes().to_vec();
+    b.extend_from_slice(b"{\"a\":{}}");
+    std::fs::write(&t, b).unwrap();
+    v.push(Case {
+        what: "header length past the end",
+        names: vec![s(&t)],
+        input: t,
+    });
+
+    let t = f("huge_header.safetensors");
+    let mut b = (1u64 << 40).to_le_bytes().to_vec();
+    b.extend_from_slice(&[0u8; 64]);
+    std::fs::write(&t, b).unwrap();
+    v.push(Case {
+        what: "absurd header length",
+        names: vec![s(&t)],
+        input: t,
+    });
+
+    let t = f("not_json.safetensors");
+    raw(&t, "this is not json at all!", &[0; 16]);
+    v.push(Case {
+        what: "non-JSON header",
+        names: vec![s(&t)],
+        input: t,
+    });
+
+    let t = f("broken_json.safetensors");
+    raw(&t, "{\"x\": {\"dtype\": \"F32\", \"shape\": [2], ", &[0; 8]);
+    v.push(Case {
+        what: "broken JSON header",
+        names: vec![s(&t)],
+        input: t,
+    });
+
+    let t = f("unknown_dtype.safetensors");
+    raw(
+        &t,
+        r#"{"w.weight":{"dtype":"F12","shape":[2],"data_offsets":[0,4]}}"#,
+        &[0; 4],
+    );
+    v.push(Case {
+        what: "unknown dtype",
+        names: vec![s(&t), "w.weight".into()],
+        input: t,
+    });
+
+    let t = f("offsets_past_end.safetensors");
+    raw(
+        &t,
+        r#"{"w.weight":{"dtype":"F32","shape":[4, 4],"data_offsets":[0,64]}}"#,
+        &[0; 32],
+    );
+    v.push(Case {
+        what: "offsets past the end",
+        names: vec![s(&t), "w.weight".into()],
+        input: t,
+    });
+
+    let t = f("overlap.safetensors");
+    raw(
+        &t,
+        r#"{"a.weight":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b.weight":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}"#,
+        &[0; 24],
+    );
+    v.push(Case {
+        what: "overlapping offsets",
+        names: vec![s(&t), "b.weight".into()],
+        input: t,
+    });
+
+    let t = f("bytecount.safetensors");
+    raw(
+        &t,
+        r#"{"w.weight":{"dtype":"BF16","shape":[3, 16],"data_offsets":[0,64]}}"#,
+        &[0; 64],
+    );
+    v.push(Case {
+        what: "byte count != dtype x shape",
+        names: vec![s(&t), "w.weight".into()],
+        input: t,
+    });
+
+    let t = f("packed_vs_scale.safetensors");
+    let mut ts = good_tensors(r);
+    ts[1] = (
+        TensorSpec::new(
+            "model.layers.0.mlp.experts.0.up_proj.weight_scale",
+            Dtype::F8_E4M3,
+            &[8, 4],
+        ),
+        vec![0x38; 32],
+    );
+    write(&t, ts);
+    v.push(Case {
+        what: "packed weight shape disagreeing with its scale",
+        names: vec![
+            s(&t),
+            "model.layers.0.mlp.experts.0.up_proj.weight_scale".into(),
+        ],
+        input: t,
+    });
+
+    let t = f("empty.safetensors");
+    std::fs::write(&t, b"").unwrap();
+    v.push(Case {
+        what: "empty file",
+        names: vec![s(&t)],
+        input: t,
+    });
+
+    // directories
+    let mk = |n: &str| {
+        let d = dir.join(n);
+        std::fs::create_dir_all(&d).unwrap();
+        write(
+            &d.join("model.safetensors"),
+            good_tensors(&mut rand::thread_rng()),
+        );
+        d
+    };
+    let d = mk("broken_config");
+    std::fs::write(
+        d.join("config.json"),
+        "{\"hidden_size\": 64, \"n_routed_experts\": ",
+    )
+    .unwrap();
+    v.push(Case {
+        what: "broken config.json",
+        names: vec![s(&d.join("config.json"))],
+        input: d,
+    });
+
+    let d = mk("incomplete_config");
+    let mut c = config_json(32, 16, 4, 2, 1);
+    c.as_object_mut().unwrap().remove("hidden_size");
+    std::fs::write(d.join("config.json"), c.to_string()).unwrap();
+    v.push(Case {
+        what: "incomplete config.json",
+        names: vec![s(&d.join("config.json")), "hidden_size".into()],
+        input: d,
+    });
+
+    let d = mk("nonsense_config");
+    let mut c = config_json(32, 16, 4, 2, 1);
+    c["num_experts_per_tok"] = 9.into();
+    std::fs::write(d.join("config.json"), c.to_string()).unwrap();
+    v.push(Case {
+        what: "top-k > experts",
+        names: vec![s(&d.join("config.json")), "num_experts_per_tok".into()],
+        input: d,
+    });
+
+    let d = mk("missing_shard");
+    std::fs::rename(
+        d.join("model.safetensors"),
+        d.join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    let ix = serde_json::json!({"weight_map": {
+        "model.layers.0.mlp.experts.0.up_proj.weight": "model-00001-of-00002.safetensors",
+        "model.layers.0.mlp.experts.0.down_proj.weight": "model-00002-of-00002.safetensors"}});
+    std::fs::write(d.join("model.safetensors.index.json"), ix.to_string()).unwrap();
+    v.push(Case {
+        what: "index naming a missing shard",
+        names: vec![
+            s(&d.join("model.safetensors.index.json")),
+            "model-00002-of-00002.safetensors".into(),
+        ],
+        input: d,
+    });
+
+    let d = mk("index_tensor_missing");
+    std::fs::rename(
+        d.join("model.safetensors"),
+        d.join("model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    let ix = serde_json::json!({"weight_map": {"model.layers.0.mlp.experts.9.up_proj.weight": "model-00001-of-00001.safetensors"}});
+    std::fs::write(d.join("model.safetensors.index.json"), ix.to_string()).unwrap();
+    v.push(Case {
+        what: "index naming a tensor its shard lacks",
+        names: vec![
+            s(&d.join("model-00001-of-00001.safetensors")),
+            "model.layers.0.mlp.experts.9.up_proj.weight".into(),
+        ],
+        input: d,
+    });
+
+    let d = mk("broken_index");
+    std::fs::write(d.join("model.safetensors.index.json"), "{\"weight_map\": {").unwrap();
+    v.push(Case {
+        what: "broken index JSON",
+        names: vec![s(&d.join("model.safetensors.index.json"))],
+        input: d,
+    });
+
+    let d = dir.join("no_tensors");
+    std::fs::create_dir_all(&d).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        config_json(32, 16, 4, 2, 1).to_string(),
+    )
+    .unwrap();
+    std::fs::write(d.join("README.md"), "nothing here").unwrap();
+    v.push(Case {
+        what: "directory without tensors",
+        names: vec![s(&d)],
+        input: d,
+    });
+
+    let t = f("does_not_exist.safetensors");
+    v.push(Case {
+        what: "missing path",
+        names: vec![s(&t)],
+        input: t,
+    });
+    v
+}
+
+#[test]
+fn bad_input_exits_2_naming_file_and_tensor() {
+    let (seed, mut r) = rng("bad input");
+    let d = tempfile::tempdir().unwrap();
+    let inputs = d.path().join("inputs");
+    std::fs::create_dir(&inputs).unwrap();
+    let all = cases(&inputs, &mut r);
+    let before = snapshot(&inputs);
+    let outdir = d.path().join("outputs");
+    for c in &all {
+        let out = outdir.join(c.input.file_name().unwrap());
+        for args in [
+            vec!["audit", p(&c.input)],
+            vec!["quantize", p(&c.input), p(&out)],
+        ] {
+            let o = run(&args);
+            let err = stderr(&o);
+            assert_eq!(
+                code(&o),
+                2,
+                "seed {seed}: {} ({}): exit {}\n{err}{}",
+                c.what,
+                args[0],
+                code(&o),
+                stdout(&o)
+            );
+            assert!(
+                !err.contains("panicked") && !err.contains("internal error"),
+                "{}: {err}",
+                c.what
+            );
+            for n in &c.names {
+                assert!(
+                    err.contains(n.as_str()),
+                    "{} ({}): stderr does not name `{n}`:\n{err}",
+                    c.what,
+                    args[0]
+                );
+            }
+            assert!(
+                !out.exists()
+                    || out
+                        .read_dir()
+                        .map(|mut x| x.next().is_none())
+                        .unwrap_or(false),
+                "{}: {} wrote output",
+                c.what,
+                args[0]
+            );
+        }
+    }
+    assert_eq!(snapshot(&inputs), before, "an input file changed");
+}
+
+#[test]
+fn valid_inputs_are_not_bad_input() {
+    // the baseline the damaged files were cut from is fine: the refusals above are about the damage
+    let (_, mut r) = rng("good input");
+    let d = tempfile::tempdir().unwrap();
+    let good = d.path().join("good.safetensors");
+    write(&good, good_tensors(&mut r));
+    let before = snapshot(d.path());
+    let o = run(&["audit", p(&good)]);
+    assert!(code(&o) == 0 || code(&o) == 1, "{}", stderr(&o));
+    let o = run(&["quantize", p(&good), p(&d.path().join("q.safetensors"))]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let after: Vec<_> = snapshot(d.path())
+        .into_iter()
+        .filter(|(p, _)| p == &good)
+        .collect();
+    assert_eq!(after, before, "input changed");
+}
