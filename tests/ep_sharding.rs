@@ -72,7 +72,9 @@ fn outside_bound(ep: &[f32], one: &MoeOutput, r: &Routing) -> Vec<(usize, f64, f
             .sum();
         let terms = (2.0 * sum_p + (b as f64).abs()) / (1.0 - g);
         let d = (a as f64 - b as f64).abs();
-        if d.is_nan() || d > 2.0 * g * terms {
+        // NaN on either side is outside too
+        let within = d <= 2.0 * g * terms;
+        if !within {
             bad.push((j, d, 2.0 * g * terms));
         }
     }

@@ -266,7 +266,8 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub save_routing: Option<PathBuf>,
     /// Capture the NVFP4 layer forward in a CUDA graph, replay it and compare the replay with
-    /// the eager run bit for bit (CUDA backend only)
+    /// the eager run bit for bit (CUDA backend only; with --ep, the unsharded layer on rank 0's
+    /// GPU)
     #[arg(long)]
     pub cuda_graph: bool,
     #[command(flatten)]

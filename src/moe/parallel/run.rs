@@ -47,10 +47,11 @@ enum Devices {
 
 /// The devices the ranks run on.
 pub struct EpDevices {
+    // first: fields drop in order, and the NCCL communicators must go before the contexts
+    comms: OnceCell<std::result::Result<nccl::Comms, String>>,
     devices: Devices,
     /// `--device` was not given and no GPU was usable: the CPU runs instead.
     pub fell_back_to_cpu: bool,
-    comms: OnceCell<std::result::Result<nccl::Comms, String>>,
 }
 
 impl EpDevices {
