@@ -813,9 +813,12 @@ mod tests {
         for &(c, _) in &outl[1..] {
             assert!(energy(c) > 30.0 * normal, "seed {seed}: channel {c}");
         }
-        // token 0 is a massive-activation token
+        // token 0 is a massive-activation token: measured against its own typical entry, as
+        // the token's overall scale is itself random (log-normal)
         let row0 = &h[..256];
-        assert!(row0[outl[0].0].abs() > 50.0 * normal.sqrt(), "seed {seed}");
+        let mut mags: Vec<f32> = row0.iter().map(|v| v.abs()).collect();
+        mags.sort_by(f32::total_cmp);
+        assert!(row0[outl[0].0].abs() > 50.0 * mags[128], "seed {seed}");
         // per-token norms vary
         let norms: Vec<f32> = h
             .chunks(256)

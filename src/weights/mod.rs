@@ -43,10 +43,19 @@ pub struct Inputs {
 }
 
 impl Inputs {
+    /// Open both sides. A checkpoint directory's config.json is checked too: a broken one is
+    /// bad input even though the comparison itself reads only tensors.
     pub fn open(a: &Path, b: &Path) -> Result<Inputs> {
+        let open = |p: &Path| -> Result<Checkpoint> {
+            let c = Checkpoint::open(p)?;
+            if let Some(cfg) = c.config_path() {
+                crate::checkpoint::config::check_config_file(&cfg, None)?;
+            }
+            Ok(c)
+        };
         Ok(Inputs {
-            a: Checkpoint::open(a)?,
-            b: Checkpoint::open(b)?,
+            a: open(a)?,
+            b: open(b)?,
         })
     }
 }
