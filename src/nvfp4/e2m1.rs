@@ -10,7 +10,7 @@ pub const MAX: f32 = 6.0;
 /// Branch-free (the magnitude is the number of rounding thresholds `a` lies past), so that it
 /// vectorizes; NaN passes no threshold test but encodes as 7, as the if-chain of DESIGN.md §2
 /// (`a <= 0.25 → 0, ... else 7`) gives it.
-#[inline]
+#[inline(always)]
 pub fn encode(x: f32) -> u8 {
     let a = x.abs();
     let mag = (a > 0.25) as u8

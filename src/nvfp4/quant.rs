@@ -95,7 +95,7 @@ impl BlockStats {
 /// Max |x| of a block; NaN if any element is NaN (as `torch.max` propagates it).
 /// On the bits: non-negative IEEE values order like their bit patterns (as i32), NaN sorts
 /// above infinity, and an integer max has no order to respect, so the loop vectorizes.
-#[inline]
+#[inline(always)]
 fn block_amax(x: &[f32]) -> f32 {
     let m = x
         .iter()
@@ -124,7 +124,7 @@ fn clamp6(v: f32) -> f32 {
 }
 
 /// Step 1 and 2 of a block: its E4M3 scale code and `out_scale`, given `rgs = rcp(gs)`.
-#[inline]
+#[inline(always)]
 fn block_scale(vmax: f32, gs: f32, rgs: f32, stats: &mut BlockStats) -> (u8, f32) {
     let s_code = e4m3::encode_saturating(clamp_max(gs * (vmax * R6), e4m3::MAX));
     let s = e4m3::decode(s_code);
@@ -141,7 +141,7 @@ fn block_scale(vmax: f32, gs: f32, rgs: f32, stats: &mut BlockStats) -> (u8, f32
 }
 
 /// Step 3 of a block: codes first, then pairs, two plain loops the compiler vectorizes.
-#[inline]
+#[inline(always)]
 fn block_codes(x: &[f32], out_scale: f32, packed: &mut [u8]) {
     let mut q = [0u8; 16];
     for (c, &v) in q.iter_mut().zip(x) {
@@ -167,6 +167,37 @@ pub fn quantize_block_nvfp4(x: &[f32], gs: f32, packed: &mut [u8], stats: &mut B
 /// then all codes) so that each stage runs as straight vector code instead of alternating
 /// scalar and vector work 16 elements at a time (~1.6x faster).
 pub fn quantize_row_nvfp4(
+    x: &[f32],
+    gs: f32,
+    packed: &mut [u8],
+    scales: &mut [u8],
+    stats: &mut BlockStats,
+) {
+    // The same IEEE f32 operations in 256-bit registers where the CPU has them (no FMA is
+    // enabled, and Rust never contracts a*b+c on its own): bit-identical, ~1.3x faster.
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2, checked just above.
+        unsafe { quantize_row_nvfp4_avx2(x, gs, packed, scales, stats) };
+        return;
+    }
+    quantize_row_nvfp4_impl(x, gs, packed, scales, stats)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_row_nvfp4_avx2(
+    x: &[f32],
+    gs: f32,
+    packed: &mut [u8],
+    scales: &mut [u8],
+    stats: &mut BlockStats,
+) {
+    quantize_row_nvfp4_impl(x, gs, packed, scales, stats)
+}
+
+#[inline(always)]
+fn quantize_row_nvfp4_impl(
     x: &[f32],
     gs: f32,
     packed: &mut [u8],
