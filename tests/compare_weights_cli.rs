@@ -2,6 +2,7 @@
 //! against engine-style dumps of the same weights (vLLM fused, per-expert, native-V4 names,
 //! TP / EP shards), with faults planted.
 
+mod common;
 use nvfp4dbg::checkpoint::writer::{bf16_bytes, f32_bytes, write_file, TensorSpec};
 use nvfp4dbg::nvfp4::{layout, quantize_weight_nvfp4, Fp4Tensor};
 use rand::{Rng, SeedableRng};
@@ -1217,46 +1218,7 @@ fn case_files_hold() {
         );
     }
     assert!(total < 200_000, "fixtures are {total} bytes");
-    let mut n = 0;
-    for entry in std::fs::read_dir(&cases).unwrap() {
-        let path = entry.unwrap().path();
-        let fname = path.file_name().unwrap().to_str().unwrap().to_string();
-        if !(fname.starts_with("compare-weights-") && fname.ends_with(".toml")) {
-            continue;
-        }
-        n += 1;
-        let case: toml::Value = toml::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        assert_eq!(case["command"].as_str(), Some("compare-weights"), "{fname}");
-        let args: Vec<String> = case["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| {
-                a.as_str()
-                    .unwrap()
-                    .replace("${CASE_DIR}", cases.to_str().unwrap())
-            })
-            .collect();
-        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-        let dir = tempfile::tempdir().unwrap();
-        let out = run(dir.path(), &argv);
-        let want = match case["expect"].as_str() {
-            Some("pass") => 0,
-            Some("fail") => 1,
-            other => panic!("{fname}: expect = {other:?}"),
-        };
-        assert_eq!(out.code, want, "{fname}\n{}\n{}", out.stdout, out.stderr);
-        let text = out.json.to_string();
-        for m in case
-            .get("expect_mentions")
-            .and_then(|v| v.as_array())
-            .into_iter()
-            .flatten()
-        {
-            let m = m.as_str().unwrap();
-            assert!(text.contains(m), "{fname}: report does not mention {m:?}");
-        }
-    }
+    let n = common::cases_hold("compare-weights-");
     assert!(n >= 2, "compare-weights cases missing");
 }
 

@@ -1,0 +1,37 @@
+//! Helpers shared by integration tests.
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::Command;
+
+/// Run every `cases/<prefix>*.toml` through `nvfp4dbg run` (the project's one case runner):
+/// each must hold (verdict == expect, every promised mention in the report). Returns how many.
+pub fn cases_hold(prefix: &str) -> usize {
+    let cases = Path::new(env!("CARGO_MANIFEST_DIR")).join("cases");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&cases).unwrap() {
+        let path = entry.unwrap().path();
+        let fname = path.file_name().unwrap().to_str().unwrap().to_string();
+        if !(fname.starts_with(prefix) && fname.ends_with(".toml")) {
+            continue;
+        }
+        n += 1;
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+            .arg("run")
+            .arg(&path)
+            .arg("--no-report-dir")
+            .arg("--quiet")
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{fname} does not hold\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    n
+}
