@@ -44,10 +44,7 @@ fn driver_what(e: &DriverError) -> String {
 /// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
 pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
     if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        Error::GpuOom {
-            step: format!("{step} ({kernel})"),
-            what: driver_what(&e),
-        }
+        Error::gpu_oom(format!("{step} ({kernel})"), driver_what(&e))
     } else {
         Error::Cuda {
             step: step.to_string(),
@@ -59,10 +56,7 @@ pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
 
 pub(crate) fn cublas_err(step: &str, kernel: &str, e: CublasError) -> Error {
     if e.0 == cublas_sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED {
-        Error::GpuOom {
-            step: format!("{step} ({kernel})"),
-            what: format!("{:?}", e.0),
-        }
+        Error::gpu_oom(format!("{step} ({kernel})"), format!("{:?}", e.0))
     } else {
         Error::Cuda {
             step: step.to_string(),
