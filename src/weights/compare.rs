@@ -618,7 +618,10 @@ fn compare_qq(
         return Ok(r);
     }
     let Some(m) = engine.metrics(&Values::Q(&a_m), &Values::Q(&b_m))? else {
-        u.issue(IssueKind::Unreadable, "the dequantized sides differ in length");
+        u.issue(
+            IssueKind::Unreadable,
+            "the dequantized sides differ in length",
+        );
         return Ok(done(u));
     };
     let close = m.passes(opts.min_cosine);
@@ -1000,7 +1003,9 @@ pub fn metrics_raw(
             engine.metrics(&Values::Q(&ma), &Values::Q(&mb))
         }
         (Raw::D(da), Raw::D(db)) => {
-            let Some(vb) = dense_view(db) else { return Ok(None) };
+            let Some(vb) = dense_view(db) else {
+                return Ok(None);
+            };
             let va = if da.shape == db.shape {
                 dense_view(da)
             } else {

@@ -6,8 +6,8 @@
 //! moves bytes unchanged), with a cosine fallback for gate/up.
 
 use super::compare::{fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, UnitResult};
-use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::engine::DiffEngine;
+use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::load::SideRef;
 use crate::checkpoint::Proj;
 use crate::error::Result;

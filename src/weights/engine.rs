@@ -6,7 +6,7 @@
 
 use super::compare::{metrics_any, metrics_qq, Values};
 use crate::backend::cuda::reduce::CompareScratch;
-use crate::backend::cuda::{dequant, probe, Gpu};
+use crate::backend::cuda::{budget, dequant, probe, Gpu};
 use crate::backend::DeviceRequest;
 use crate::error::{Error, Result};
 use crate::metrics::{Accum, Metrics};
@@ -63,24 +63,6 @@ pub fn pair_bytes(n: usize, min_stage: usize) -> usize {
     2 * 4 * n + STAGE.max(min_stage) + 88 * (n.div_ceil(8192) + 1)
 }
 
-/// Check an allocation of `need` bytes against the free GPU memory before making it, so
-/// that a pair too large fails with both numbers instead of a bare driver error.
-pub fn check_fits(need: usize, free: usize, what: &str) -> Result<()> {
-    // the driver keeps a little for itself (page tables, the module images)
-    const SLACK: usize = 64 << 20;
-    if need.saturating_add(SLACK) > free {
-        return Err(Error::gpu_oom(
-            what.to_string(),
-            format!(
-                "needs {:.2} GB of GPU memory, {:.2} GB are free",
-                need as f64 / 1e9,
-                free as f64 / 1e9
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// Device buffers reused from pair to pair (grown when a larger pair comes).
 struct Work {
     /// Elements `x` and `y` hold.
@@ -126,10 +108,9 @@ impl CudaDiff {
         // free the old buffers before asking for the new ones
         *work = None;
         let gpu = &self.gpu;
-        let (free, _) = gpu.mem_info()?;
-        check_fits(
-            pair_bytes(cap, min_stage),
-            free,
+        budget::check_free(
+            gpu,
+            pair_bytes(cap, min_stage) as u64,
             &format!("compare-weights: dequantizing a tensor pair of {cap} elements in f32"),
         )?;
         *work = Some(Work {
@@ -151,15 +132,16 @@ impl CudaDiff {
             gpu.upload_raw(p.bytes, sp, scap, "tensor bytes")?;
             match v {
                 Values::D(d) => {
-                    let code = dequant::float_code(d.dtype).ok_or_else(|| {
-                        Error::usage(format!("{:?}: not a float dtype", d.dtype))
-                    })?;
+                    let code = dequant::float_code(d.dtype)
+                        .ok_or_else(|| Error::usage(format!("{:?}: not a float dtype", d.dtype)))?;
                     dequant::decode_into(gpu, sp, p.elems, code, dst)
                 }
                 Values::Q(q) => {
                     let spp = sp + p.bytes.len() as u64;
                     gpu.upload_raw(p.scales, spp, scap - p.bytes.len(), "block scales")?;
-                    dequant::dequant_fp4_into(gpu, sp, spp, p.rows, q.cols, q.format, q.scale_2, dst)
+                    dequant::dequant_fp4_into(
+                        gpu, sp, spp, p.rows, q.cols, q.format, q.scale_2, dst,
+                    )
                 }
             }
         })
@@ -272,7 +254,9 @@ impl DiffEngine for CudaDiff {
             w.scratch = Some((n, CompareScratch::new(gpu, n)?));
         }
         let Some((_, scratch)) = w.scratch.as_ref() else {
-            return Err(Error::usage("compare-weights: the reduction buffers vanished"));
+            return Err(Error::usage(
+                "compare-weights: the reduction buffers vanished",
+            ));
         };
         scratch.enqueue(gpu, &w.y, &w.x)?;
         Ok(Some(scratch.metrics(gpu)?))
@@ -365,7 +349,11 @@ mod tests {
             };
             let cap = r.gen_range(1..3 * (q.cols / 2 + q.kb()) * 4);
             let v = Values::Q(&q);
-            check_pieces(&v, cap.max(min_stage(&v)), &format!("seed {seed} trial {trial} Q"));
+            check_pieces(
+                &v,
+                cap.max(min_stage(&v)),
+                &format!("seed {seed} trial {trial} Q"),
+            );
 
             let dtype = [
                 Dtype::BF16,
@@ -398,8 +386,9 @@ mod tests {
         assert!(need < 8 * n + STAGE + n / 64 + 1024, "n {n}");
         // a row wider than the stage grows it
         assert_eq!(pair_bytes(n, STAGE * 3) - pair_bytes(n, 0), STAGE * 2);
-        assert!(check_fits(need, need + (128 << 20), "x").is_ok());
-        match check_fits(need, need, "diffing x") {
+        let need = need as u64;
+        assert!(budget::check_fits(need, need + (128 << 20), "x").is_ok());
+        match budget::check_fits(need, need, "diffing x") {
             Err(e @ Error::GpuOom { .. }) => {
                 let s = e.to_string();
                 assert!(s.contains("diffing x") && s.contains("GB are free"), "{s}");
