@@ -274,6 +274,9 @@ impl Values<'_, '_> {
             Values::D(d) => d.len(),
         }
     }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     pub fn fill(&self, s: usize, out: &mut [f32]) -> bool {
         match self {
             Values::D(d) => d.decode(s, out),

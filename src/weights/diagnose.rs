@@ -5,7 +5,9 @@
 //! (a permutation). Experts are matched by fingerprints of their codes (a misplaced expert
 //! moves bytes unchanged), with a cosine fallback for gate/up.
 
-use super::compare::{fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, UnitResult};
+use super::compare::{
+    fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, Options, UnitResult,
+};
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::load::SideRef;
@@ -135,10 +137,10 @@ pub fn cross_expert(
     b: &SideRef,
     a_inv: &Inventory,
     b_inv: &Inventory,
-    tp: Option<(usize, usize)>,
-    min_cosine: f64,
+    opts: &Options,
     engine: &dyn DiffEngine,
 ) -> Result<Vec<Diagnosis>> {
+    let (tp, min_cosine) = (opts.tp, opts.min_cosine);
     let by_key: HashMap<String, usize> = results
         .iter()
         .enumerate()

@@ -360,8 +360,7 @@ impl<'a> Plan<'a> {
             &b,
             &self.a_inv,
             &self.b_inv,
-            self.opts.tp,
-            self.opts.min_cosine,
+            &copts,
             engine,
         )?);
         let mut missing = self.missing;
