@@ -64,3 +64,21 @@ extern "C" __global__ void decode_f32(const u8* __restrict__ raw, u64 n, u32 dty
         out[i] = v;
     }
 }
+
+// The lowest index i with a finite test[i] and |test[i] - ref[i]| (in f64, as the CPU's Accum)
+// equal to that at `hint` (an index the reduction found at the maximum), atomicMin'd into
+// `out` (set to all ones first). reduce.cu's tree merges interleaved slices, so among equal
+// errors it may keep a later index; the CPU keeps the first. Integer min: order-free.
+extern "C" __global__ void first_index_at_max(const float* __restrict__ test,
+                                              const float* __restrict__ ref, u64 n, u64 hint,
+                                              u64* __restrict__ out) {
+    double target = fabs((double)test[hint] - (double)ref[hint]);
+    u64 mine = NONE_IDX;
+    u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n && mine == NONE_IDX; i += stride) {
+        float t = test[i];
+        if (t != t || isinf(t)) continue;
+        if (fabs((double)t - (double)ref[i]) == target) mine = i;
+    }
+    if (mine != NONE_IDX) atomicMin(out, mine);
+}

@@ -5,7 +5,7 @@ use super::device::{grid_1d, Gpu, KArg};
 use super::nvrtc::DEQUANT;
 use crate::error::Result;
 use crate::nvfp4::Format;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use safetensors::Dtype;
 
 const THREADS: u32 = 256;
@@ -84,4 +84,35 @@ pub(crate) fn decode_into(gpu: &Gpu, raw: u64, n: usize, code: u32, out: u64) ->
             KArg::U64(out),
         ],
     )
+}
+
+/// The first index where `|test - reference|` equals its value at `hint` (an index of the
+/// maximum), finite test values only; `hint` itself when none matches (a NaN reference
+/// there). `out` is a one-element scratch buffer.
+pub(crate) fn first_index_at_max(
+    gpu: &Gpu,
+    test: u64,
+    reference: u64,
+    n: usize,
+    hint: usize,
+    out: &mut CudaSlice<u64>,
+) -> Result<usize> {
+    if hint >= n {
+        return Ok(hint);
+    }
+    gpu.fill(out, 0xFF, "the first index at the maximum")?;
+    gpu.launch(
+        &DEQUANT,
+        "first_index_at_max",
+        grid(n as u64)?,
+        &[
+            KArg::U64(test),
+            KArg::U64(reference),
+            KArg::U64(n as u64),
+            KArg::U64(hint as u64),
+            KArg::U64(gpu.ptr(out)),
+        ],
+    )?;
+    let v = gpu.download(out, 1, "the first index at the maximum")?[0];
+    Ok(if v == u64::MAX { hint } else { v as usize })
 }

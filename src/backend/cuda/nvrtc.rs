@@ -68,7 +68,7 @@ pub const MOE: KernelModule = KernelModule {
 pub const DEQUANT: KernelModule = KernelModule {
     file: "kernels/dequant.cu",
     source: include_str!("../../../kernels/dequant.cu"),
-    kernels: &["dequant_fp4", "decode_f32"],
+    kernels: &["dequant_fp4", "decode_f32", "first_index_at_max"],
 };
 
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
