@@ -11,6 +11,7 @@
 
 use super::device::{driver_err, Gpu};
 use crate::error::{Error, Result};
+use crate::moe::ep::check::IdSpace;
 use crate::moe::ep::ExpertMap;
 use crate::moe::{MoeLayer, Routing};
 use crate::nvfp4::layout::{swizzle, ScaleLayout};
@@ -68,16 +69,6 @@ pub struct MoeArgs {
     pub workspace_bytes: u64,
 }
 
-/// What the ids handed to the plugin are (`nvfp4dbg_id_convention`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum IdConvention {
-    /// Global ids, the plugin applies `expert_map`.
-    Global,
-    /// Local ids (`expert_map` already applied), -1 for other ranks' experts.
-    Local,
-}
-
 /// The plugin's output element type (`nvfp4dbg_dtype`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -95,7 +86,9 @@ pub struct Plugin {
     pub path: PathBuf,
     pub name: String,
     pub scale_layout: ScaleLayout,
-    pub ids: IdConvention,
+    /// What the ids handed to the plugin are (`nvfp4dbg_id_convention`): global (it applies
+    /// `expert_map`) or local (`expert_map` applied, -1 for other ranks' experts).
+    pub ids: IdSpace,
     pub output_dtype: OutDtype,
     forward: ForwardFn,
     workspace_size: Option<WorkspaceFn>,
@@ -174,8 +167,8 @@ impl Plugin {
             v => return Err(bad(format!("nvfp4dbg_moe_scale_layout() = {v}: expected 0 (linear) or 1 (128x4 swizzled)"))),
         };
         let ids = match query("nvfp4dbg_moe_id_convention").unwrap_or(0) {
-            0 => IdConvention::Global,
-            1 => IdConvention::Local,
+            0 => IdSpace::Global,
+            1 => IdSpace::Local,
             v => return Err(bad(format!("nvfp4dbg_moe_id_convention() = {v}: expected 0 (global) or 1 (local)"))),
         };
         let output_dtype = match query("nvfp4dbg_moe_output_dtype").unwrap_or(0) {
@@ -401,7 +394,7 @@ impl Inputs {
         gs2: &[f32],
         map: Option<&ExpertMap>,
         layout: ScaleLayout,
-        ids: IdConvention,
+        ids: IdSpace,
     ) -> Result<Inputs> {
         let c = &layer.config;
         let (h, i, e, k, t) = (
@@ -458,8 +451,8 @@ impl Inputs {
             .topk_ids
             .iter()
             .map(|&g| match ids {
-                IdConvention::Global => g,
-                IdConvention::Local => expert_map[g as usize],
+                IdSpace::Global => g,
+                IdSpace::Local => expert_map[g as usize],
             })
             .collect();
         let args = MoeArgs {
@@ -494,8 +487,8 @@ impl Inputs {
             topk_weights: 0,
             expert_map: 0,
             id_convention: match ids {
-                IdConvention::Global => 0,
-                IdConvention::Local => 1,
+                IdSpace::Global => 0,
+                IdSpace::Local => 1,
             },
             ep_rank: map.map_or(0, |m| m.ep_rank as i32),
             ep_size: map.map_or(1, |m| m.ep_size as i32),
