@@ -70,8 +70,8 @@ impl SuspectedBug {
 /// How the plugin was fed: what the variants must reproduce.
 #[derive(Clone, Copy, Debug)]
 pub struct Feeding {
-    /// The block-scale layout handed to it.
-    pub layout: ScaleLayout,
+    /// The block-scale layout handed to it (`None`: unknown, try both misreadings).
+    pub layout: Option<ScaleLayout>,
     /// `(ranks, placement)` when it ran as EP ranks.
     pub ep: Option<(usize, Placement)>,
 }
@@ -196,23 +196,29 @@ pub fn bug_variants(
         SuspectedBug::GateUpSwapped,
         routed_cpu(&swapped, hidden, routing, scales)?,
     ));
-    let (bug, f): (SuspectedBug, fn(&[u8], usize, usize) -> Vec<u8>) = match feeding.layout {
-        ScaleLayout::Swizzled => (SuspectedBug::SwizzledScalesReadLinear, swizzled_read_linear),
-        ScaleLayout::Linear => (SuspectedBug::LinearScalesReadSwizzled, linear_read_swizzled),
+    let layouts = match feeding.layout {
+        Some(l) => vec![l],
+        None => vec![ScaleLayout::Swizzled, ScaleLayout::Linear],
     };
-    let misread = variant_layer(layer, |x| {
-        let q = |l: &super::QLinear| super::QLinear {
-            weight: map_scales(&l.weight, f),
-            input_scale: l.input_scale,
-            original: None,
+    for layout in layouts {
+        let (bug, f): (SuspectedBug, fn(&[u8], usize, usize) -> Vec<u8>) = match layout {
+            ScaleLayout::Swizzled => (SuspectedBug::SwizzledScalesReadLinear, swizzled_read_linear),
+            ScaleLayout::Linear => (SuspectedBug::LinearScalesReadSwizzled, linear_read_swizzled),
         };
-        super::Expert {
-            w1: q(&x.w1),
-            w3: q(&x.w3),
-            w2: q(&x.w2),
-        }
-    });
-    out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
+        let misread = variant_layer(layer, |x| {
+            let q = |l: &super::QLinear| super::QLinear {
+                weight: map_scales(&l.weight, f),
+                input_scale: l.input_scale,
+                original: None,
+            };
+            super::Expert {
+                w1: q(&x.w1),
+                w3: q(&x.w3),
+                w2: q(&x.w2),
+            }
+        });
+        out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
+    }
     if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
         let routed_only = variant_layer(layer, |x| x.clone());
         let e = layer.config.n_routed_experts;
@@ -367,15 +373,15 @@ impl Judgement {
         );
         Some(match (self.agree, self.ours_pass) {
             (false, true) => format!(
-                "the plugin deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the plugin{detail}",
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
                 self.theirs_vs_ours.cosine, AGREE_MIN_COSINE, self.ours_vs_reference.cosine
             ),
             (false, false) => format!(
-                "the plugin deviates from the built-in NVFP4 kernel (routed-only cosine {:.6}) and the built-in one misses the BF16 reference too (cosine {:.4}): look at the inputs (gs, weights) and at the plugin{detail}",
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6}) and the built-in one misses the BF16 reference too (cosine {:.4}): look at the inputs (gs, weights) and at the kernel under test{detail}",
                 self.theirs_vs_ours.cosine, self.ours_vs_reference.cosine
             ),
             (true, _) => format!(
-                "the plugin agrees with the built-in NVFP4 kernel, and both miss the BF16 reference (cosine {:.4} < {}): the inputs (activation gs, weights), not the plugin",
+                "the kernel under test agrees with the built-in NVFP4 kernel, and both miss the BF16 reference (cosine {:.4} < {}): the inputs (activation gs, weights), not the kernel",
                 self.theirs_vs_reference.cosine, self.min_cosine
             ),
         })
@@ -429,7 +435,7 @@ mod tests {
         let zeros = vec![0f32; ours.len()];
         for layout in [ScaleLayout::Swizzled, ScaleLayout::Linear] {
             let feeding = Feeding {
-                layout,
+                layout: Some(layout),
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
