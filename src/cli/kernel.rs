@@ -233,3 +233,34 @@ pub fn json(plugin: Option<&Plugin>, j: &Judgement, note: Option<&str>) -> serde
         "diagnosis_note": note,
     })
 }
+
+/// The plugin's whole-layer output: its routed sum plus our shared experts (what gs-sweep and
+/// multilayer use in place of the built-in layer output).
+pub fn plugin_layer(
+    plugin: &Plugin,
+    cuda: &CudaBackend,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    ep: Option<(usize, Placement)>,
+) -> Result<Vec<f32>> {
+    let mut out = run_plugin(plugin, cuda, layer, hidden, routing, scales, ep)?;
+    let shared = shared_out(layer, hidden, routing.tokens);
+    out.iter_mut().zip(&shared).for_each(|(o, s)| *o += s);
+    Ok(out)
+}
+
+/// Load `--kernel` and find the GPU it runs on: `None` for the built-in kernel.
+pub fn open<'a>(
+    args: &KernelArgs,
+    devices: &'a crate::moe::parallel::run::EpDevices,
+) -> Result<Option<(Plugin, &'a CudaBackend)>> {
+    match args.load()? {
+        None => Ok(None),
+        Some(p) => {
+            let g = plugin_gpu(&p, devices.cuda_main(), &devices.main().name())?;
+            Ok(Some((p, g)))
+        }
+    }
+}

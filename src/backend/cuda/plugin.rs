@@ -93,8 +93,9 @@ pub struct Plugin {
     forward: ForwardFn,
     workspace_size: Option<WorkspaceFn>,
     last_error: Option<TextFn>,
-    // last: the function pointers above point into it
-    _lib: libloading::Library,
+    /// Never closed: the function pointers above point into it, and unloading a library that
+    /// carries its own (static) CUDA runtime tears that runtime down under a live context.
+    _lib: std::mem::ManuallyDrop<libloading::Library>,
 }
 
 impl std::fmt::Debug for Plugin {
@@ -196,7 +197,7 @@ impl Plugin {
             forward,
             workspace_size,
             last_error,
-            _lib: lib,
+            _lib: std::mem::ManuallyDrop::new(lib),
         })
     }
 
