@@ -8,6 +8,8 @@
 //! return, a CUDA error after the call (a sticky illegal address included). A plugin that never
 //! finishes cannot be cancelled (CUDA has no way to kill a running kernel, and tearing the
 //! context down would wait on it): past the deadline the process exits with 2 instead of hanging.
+//! A sticky CUDA error (illegal address) likewise exits at once with 2: the context is
+//! unusable and its teardown (cuBLAS handles included) would fail.
 
 use super::device::{driver_err, Gpu};
 use crate::error::{Error, Result};
@@ -293,16 +295,16 @@ impl Plugin {
         if rc != 0 {
             // SAFETY: the header's optional query.
             let msg = self.last_error.and_then(|f| text(unsafe { f() }));
-            // drain what it may have enqueued before failing, so its error stays its own
-            let after = self.wait(stream).err();
-            return Err(self.fail(format!(
-                "nvfp4dbg_moe_forward returned {rc}{}{}",
+            let what = format!(
+                "nvfp4dbg_moe_forward returned {rc}{}",
                 msg.filter(|m| !m.is_empty())
-                    .map_or(String::new(), |m| format!(": {m}")),
-                after.map_or(String::new(), |e| format!(" (and then: {e})"))
-            )));
+                    .map_or(String::new(), |m| format!(": {m}"))
+            );
+            // drain what it may have enqueued before failing, so its error stays its own
+            self.wait(stream, &what);
+            return Err(self.fail(what));
         }
-        self.wait(stream)?;
+        self.wait(stream, "");
         let raw = gpu.download(&d_out, out_bytes, "the plugin's output")?;
         Ok(match self.output_dtype {
             OutDtype::F32 => raw
@@ -316,9 +318,26 @@ impl Plugin {
         })
     }
 
+    /// A fault that leaves the CUDA context unusable (a sticky error, a kernel that never
+    /// ends): tearing the context down could itself fail or wait forever, so the process
+    /// exits here (2), naming the plugin.
+    fn fatal(&self, what: &str) -> ! {
+        eprintln!(
+            "nvfp4dbg: error: {}: MoE kernel plugin ({}): {what}",
+            self.path.display(),
+            self.name
+        );
+        std::process::exit(2)
+    }
+
     /// Wait for the stream with a deadline, polling: a fault in the plugin's kernels is the
-    /// plugin's, named with its path.
-    fn wait(&self, stream: drv_sys::CUstream) -> Result<()> {
+    /// plugin's, named with its path (`before`: what already went wrong, for the message).
+    fn wait(&self, stream: drv_sys::CUstream, before: &str) {
+        let before = if before.is_empty() {
+            String::new()
+        } else {
+            format!("{before}; ")
+        };
         let limit = std::env::var("NVFP4DBG_PLUGIN_TIMEOUT_S")
             .ok()
             .and_then(|v| v.parse::<f64>().ok())
@@ -330,7 +349,7 @@ impl Plugin {
             // SAFETY: a live stream of our context.
             let r = unsafe { drv_sys::cuStreamQuery(stream) };
             match r {
-                drv_sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                drv_sys::CUresult::CUDA_SUCCESS => return,
                 drv_sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 e => {
                     let err = driver_err("-", "-", cudarc::driver::DriverError(e));
@@ -338,23 +357,20 @@ impl Plugin {
                         Error::Cuda { what, .. } | Error::GpuOom { what, .. } => what,
                         other => other.to_string(),
                     };
-                    return Err(self.fail(format!(
-                        "CUDA error in the plugin's kernels ({}): {what}; the CUDA context is \
-                         unusable after this (rerun under compute-sanitizer to find the access)",
-                        self.name
-                    )));
+                    self.fatal(&format!(
+                        "{before}CUDA error in the plugin's kernels: {what}; the CUDA context is \
+                         unusable after this, exiting (rerun under compute-sanitizer to find the \
+                         faulting access)"
+                    ));
                 }
             }
             if start.elapsed() > limit {
-                // No way to cancel a running kernel, and context teardown would wait on it.
-                eprintln!(
-                    "nvfp4dbg: error: {}: MoE kernel plugin ({}) still running after {:.0} s \
-                     (NVFP4DBG_PLUGIN_TIMEOUT_S): a hang in the plugin; exiting",
-                    self.path.display(),
-                    self.name,
+                // no way to cancel a running kernel, and context teardown would wait on it
+                self.fatal(&format!(
+                    "{before}still running after {:.0} s (NVFP4DBG_PLUGIN_TIMEOUT_S): a hang in \
+                     the plugin's kernels; exiting",
                     limit.as_secs_f64()
-                );
-                std::process::exit(2);
+                ));
             }
             std::thread::sleep(nap);
             nap = (nap * 2).min(Duration::from_millis(20));
