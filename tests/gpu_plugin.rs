@@ -18,7 +18,8 @@ const PLUGIN: &str = include_str!("../kernels/examples/moe_reference_plugin.cu")
 /// cargo's build.
 fn binary() -> PathBuf {
     if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        return p.into();
+        // the commands run in temporary directories: a relative path must not break them
+        return std::fs::canonicalize(&p).unwrap_or_else(|_| p.into());
     }
     let sibling = std::env::current_exe()
         .ok()

@@ -266,3 +266,30 @@ fn dump_inputs_refuses_dynamic_scales() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("dynamic"), "{}", text(&o));
 }
+
+/// The example plugin's device code (the reference and every twin) compiles with NVRTC for
+/// Hopper and Blackwell. Like tests/kernels_compile.rs it needs NVRTC and the CUDA headers from
+/// `.ci/compile-kernels` (which runs it) and says it skipped when NVFP4DBG_NVRTC_CHECK is unset;
+/// the host half is built by nvcc in tests/gpu_plugin.rs.
+#[test]
+fn the_example_plugin_compiles_for_hopper_and_blackwell() {
+    use nvfp4dbg::backend::cuda::nvrtc;
+    if std::env::var_os("NVFP4DBG_NVRTC_CHECK").is_none() {
+        eprintln!("plugin NVRTC check: skipped (NVFP4DBG_NVRTC_CHECK unset; run .ci/compile-kernels)");
+        return;
+    }
+    let module = nvrtc::KernelModule {
+        file: "kernels/examples/moe_reference_plugin.cu",
+        source: include_str!("../kernels/examples/moe_reference_plugin.cu"),
+        kernels: &[],
+    };
+    let inc = format!("-I{}", header_dir().display());
+    for arch in ["sm_90a", "sm_100a"] {
+        for bug in 0..=5 {
+            let def = format!("-DNVFP4DBG_BUG={bug}");
+            let (cubin, _) = nvrtc::compile_cubin_with(&module, arch, &[&inc, &def])
+                .unwrap_or_else(|e| panic!("{arch} NVFP4DBG_BUG={bug}: {e}"));
+            assert!(!cubin.is_empty());
+        }
+    }
+}
