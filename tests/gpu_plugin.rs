@@ -85,7 +85,12 @@ fn run(cmd: &str, args: &[&str]) -> (i32, String, Option<Value>) {
     let o = Command::new(binary())
         .arg(cmd)
         .args(args)
-        .args(["--json", json.to_str().unwrap(), "--no-report-dir", "--quiet"])
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--no-report-dir",
+            "--quiet",
+        ])
         .env("NVFP4DBG_PLUGIN_TIMEOUT_S", "60")
         .current_dir(tmp.path())
         .output()
@@ -105,7 +110,14 @@ fn plugins_are_judged_and_their_bugs_named() {
     let so = build_plugins(tmp.path());
     let p = |b: usize| so[b].to_str().unwrap().to_string();
     let seed = rand::random::<u16>().to_string();
-    let base = ["--device", "cuda", "--tokens", "64", "--seed", seed.as_str()];
+    let base = [
+        "--device",
+        "cuda",
+        "--tokens",
+        "64",
+        "--seed",
+        seed.as_str(),
+    ];
     let lt = |extra: &[&str]| {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
         run("layertest", &args)
@@ -119,7 +131,10 @@ fn plugins_are_judged_and_their_bugs_named() {
         let r = r.unwrap();
         let j = &r["kernel"]["judgement"];
         assert_eq!(r["summary"]["kernel_pass"], true, "{what}: {r}");
-        assert!(j["theirs_vs_ours"]["cosine"].as_f64().unwrap() >= 0.99999, "{what}: {j}");
+        assert!(
+            j["theirs_vs_ours"]["cosine"].as_f64().unwrap() >= 0.99999,
+            "{what}: {j}"
+        );
         assert!(text.contains("theirs vs ours"), "{what}: {text}");
     }
 
@@ -133,8 +148,15 @@ fn plugins_are_judged_and_their_bugs_named() {
         let what = format!("seed {seed} NVFP4DBG_BUG={bug} --ep {ep}");
         assert_eq!(code, 1, "{what}: {text}");
         let r = r.unwrap();
-        assert_eq!(r["summary"]["kernel_diagnosis"], name, "{what}: {}", r["kernel"]);
-        assert!(text.contains("the bug is in the kernel under test"), "{what}: {text}");
+        assert_eq!(
+            r["summary"]["kernel_diagnosis"], name,
+            "{what}: {}",
+            r["kernel"]
+        );
+        assert!(
+            text.contains("the bug is in the kernel under test"),
+            "{what}: {text}"
+        );
     }
     // local ids read as global cannot show with one rank: every id is its own global id
     let (code, text, _) = lt(&["--kernel", &p(1)]);
@@ -143,23 +165,46 @@ fn plugins_are_judged_and_their_bugs_named() {
     // a crash (illegal address) and an error return: exit 2 naming the plugin, no hang
     let (code, text, _) = lt(&["--kernel", &p(4)]);
     assert_eq!(code, 2, "crash plugin: {text}");
-    assert!(text.contains(&p(4)) && text.contains("CUDA error in the plugin"), "{text}");
+    assert!(
+        text.contains(&p(4)) && text.contains("CUDA error in the plugin"),
+        "{text}"
+    );
     let (code, text, _) = lt(&["--kernel", &p(5)]);
     assert_eq!(code, 2, "error plugin: {text}");
-    assert!(text.contains(&p(5)) && text.contains("returned 7"), "{text}");
-    assert!(text.contains("refuses to run"), "last_error is reported: {text}");
+    assert!(
+        text.contains(&p(5)) && text.contains("returned 7"),
+        "{text}"
+    );
+    assert!(
+        text.contains("refuses to run"),
+        "last_error is reported: {text}"
+    );
 
     // gs-sweep and multilayer run the plugin in place of the built-in kernel: same verdicts
     let (good, twin) = (p(0), p(2));
     for cmd in ["gs-sweep", "multilayer"] {
         let args: Vec<&str> = base.iter().copied().chain(["--gs", "calibrated"]).collect();
         let (b_code, b_text, _) = run(cmd, &args);
-        let with: Vec<&str> = args.iter().copied().chain(["--kernel", good.as_str()]).collect();
+        let with: Vec<&str> = args
+            .iter()
+            .copied()
+            .chain(["--kernel", good.as_str()])
+            .collect();
         let (code, text, r) = run(cmd, &with);
-        assert_eq!(code, b_code, "{cmd} seed {seed}: builtin {b_text}\nplugin {text}");
+        assert_eq!(
+            code, b_code,
+            "{cmd} seed {seed}: builtin {b_text}\nplugin {text}"
+        );
         assert_eq!(r.unwrap()["summary"]["kernel"], good.as_str());
-        let with: Vec<&str> = args.iter().copied().chain(["--kernel", twin.as_str()]).collect();
+        let with: Vec<&str> = args
+            .iter()
+            .copied()
+            .chain(["--kernel", twin.as_str()])
+            .collect();
         let (code, text, _) = run(cmd, &with);
-        assert!(code == 0 || code == 1, "{cmd} with the gate/up twin: {text}");
+        assert!(
+            code == 0 || code == 1,
+            "{cmd} with the gate/up twin: {text}"
+        );
     }
 }

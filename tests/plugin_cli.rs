@@ -78,10 +78,16 @@ fn a_plugin_of_another_abi_version_is_exit_2_naming_it() {
         true,
     );
     for cmd in ["layertest", "gs-sweep", "multilayer"] {
-        let o = nvfp4dbg(d.path(), &[cmd, "--kernel", so.to_str().unwrap(), "--device", "cpu"]);
+        let o = nvfp4dbg(
+            d.path(),
+            &[cmd, "--kernel", so.to_str().unwrap(), "--device", "cpu"],
+        );
         let t = text(&o);
         assert_eq!(o.status.code(), Some(2), "{cmd}: {t}");
-        assert!(t.contains(so.to_str().unwrap()) && t.contains("ABI version 99"), "{cmd}: {t}");
+        assert!(
+            t.contains(so.to_str().unwrap()) && t.contains("ABI version 99"),
+            "{cmd}: {t}"
+        );
     }
 }
 
@@ -94,14 +100,29 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
         "#include \"nvfp4dbg_moe.h\"\nuint32_t nvfp4dbg_moe_abi_version(void) { return 1; }\n",
         true,
     );
-    let o = nvfp4dbg(d.path(), &["layertest", "--kernel", so.to_str().unwrap(), "--device", "cpu"]);
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
-    assert!(t.contains(so.to_str().unwrap()) && t.contains("nvfp4dbg_moe_forward"), "{t}");
+    assert!(
+        t.contains(so.to_str().unwrap()) && t.contains("nvfp4dbg_moe_forward"),
+        "{t}"
+    );
     // a library that is not a plugin at all, and a file that is not a library
     let junk = d.path().join("junk.so");
     std::fs::write(&junk, b"not an ELF file").unwrap();
-    let o = nvfp4dbg(d.path(), &["layertest", "--kernel", "junk.so", "--device", "cpu"]);
+    let o = nvfp4dbg(
+        d.path(),
+        &["layertest", "--kernel", "junk.so", "--device", "cpu"],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("junk.so"), "{}", text(&o));
     // an out-of-range query answer is named too
@@ -111,9 +132,22 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
         &format!("{GOOD}\nint32_t nvfp4dbg_moe_scale_layout(void) {{ return 7; }}\n"),
         true,
     );
-    let o = nvfp4dbg(d.path(), &["layertest", "--kernel", so.to_str().unwrap(), "--device", "cpu"]);
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("nvfp4dbg_moe_scale_layout() = 7"), "{}", text(&o));
+    assert!(
+        text(&o).contains("nvfp4dbg_moe_scale_layout() = 7"),
+        "{}",
+        text(&o)
+    );
 }
 
 #[test]
@@ -122,23 +156,62 @@ fn a_good_plugin_without_a_gpu_is_exit_2_saying_it_needs_one() {
     let so = cc(d.path(), "good", GOOD, true);
     let o = nvfp4dbg(
         d.path(),
-        &["layertest", "--kernel", so.to_str().unwrap(), "--device", "cpu", "--tokens", "4"],
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+        ],
     );
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
-    assert!(t.contains("needs a GPU") && t.contains("--dump-inputs"), "{t}");
+    assert!(
+        t.contains("needs a GPU") && t.contains("--dump-inputs"),
+        "{t}"
+    );
 }
 
 #[test]
 fn the_header_struct_layout_is_the_rust_one() {
     let d = tempfile::tempdir().unwrap();
     let fields = [
-        "abi_version", "struct_size", "tokens", "hidden", "intermediate", "num_experts",
-        "num_local_experts", "top_k", "swiglu_limit", "has_swiglu_limit", "hidden_states",
-        "a1_gscale", "a2_gscale", "w1", "w3", "w2", "w1_scale", "w3_scale", "w2_scale",
-        "scale_layout", "output_dtype", "w1_scale_2", "w3_scale_2", "w2_scale_2", "topk_ids",
-        "topk_weights", "expert_map", "id_convention", "ep_rank", "ep_size", "reserved0",
-        "output", "workspace", "workspace_bytes",
+        "abi_version",
+        "struct_size",
+        "tokens",
+        "hidden",
+        "intermediate",
+        "num_experts",
+        "num_local_experts",
+        "top_k",
+        "swiglu_limit",
+        "has_swiglu_limit",
+        "hidden_states",
+        "a1_gscale",
+        "a2_gscale",
+        "w1",
+        "w3",
+        "w2",
+        "w1_scale",
+        "w3_scale",
+        "w2_scale",
+        "scale_layout",
+        "output_dtype",
+        "w1_scale_2",
+        "w3_scale_2",
+        "w2_scale_2",
+        "topk_ids",
+        "topk_weights",
+        "expert_map",
+        "id_convention",
+        "ep_rank",
+        "ep_size",
+        "reserved0",
+        "output",
+        "workspace",
+        "workspace_bytes",
     ];
     let mut src = String::from(
         "#include <stdio.h>\n#include <stddef.h>\n#include \"nvfp4dbg_moe.h\"\nint main(void) {\n  printf(\"size %zu\\n\", sizeof(nvfp4dbg_moe_args));\n",
@@ -163,11 +236,40 @@ fn the_header_struct_layout_is_the_rust_one() {
         ($($f:ident),*) => { $( assert_eq!(c[stringify!($f)], std::mem::offset_of!(MoeArgs, $f), stringify!($f)); )* };
     }
     off!(
-        abi_version, struct_size, tokens, hidden, intermediate, num_experts, num_local_experts,
-        top_k, swiglu_limit, has_swiglu_limit, hidden_states, a1_gscale, a2_gscale, w1, w3, w2,
-        w1_scale, w3_scale, w2_scale, scale_layout, output_dtype, w1_scale_2, w3_scale_2,
-        w2_scale_2, topk_ids, topk_weights, expert_map, id_convention, ep_rank, ep_size,
-        reserved0, output, workspace, workspace_bytes
+        abi_version,
+        struct_size,
+        tokens,
+        hidden,
+        intermediate,
+        num_experts,
+        num_local_experts,
+        top_k,
+        swiglu_limit,
+        has_swiglu_limit,
+        hidden_states,
+        a1_gscale,
+        a2_gscale,
+        w1,
+        w3,
+        w2,
+        w1_scale,
+        w3_scale,
+        w2_scale,
+        scale_layout,
+        output_dtype,
+        w1_scale_2,
+        w3_scale_2,
+        w2_scale_2,
+        topk_ids,
+        topk_weights,
+        expert_map,
+        id_convention,
+        ep_rank,
+        ep_size,
+        reserved0,
+        output,
+        workspace,
+        workspace_bytes
     );
     assert_eq!(c.len(), fields.len() + 1);
 }
@@ -175,7 +277,10 @@ fn the_header_struct_layout_is_the_rust_one() {
 fn write_output(path: &Path, v: &[f32], t: usize, h: usize) {
     write_file(
         path,
-        vec![(TensorSpec::new("output", safetensors::Dtype::F32, &[t, h]), f32_bytes(v))],
+        vec![(
+            TensorSpec::new("output", safetensors::Dtype::F32, &[t, h]),
+            f32_bytes(v),
+        )],
         None,
     )
     .unwrap();
@@ -193,15 +298,40 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
     let s = seed.to_string();
     let o = nvfp4dbg(
         p,
-        &["layertest", "--device", "cpu", "--tokens", "12", "--seed", &s, "--dump-inputs", "dump"],
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "12",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
     );
     assert!(o.status.code() == Some(0), "seed {seed}: {}", text(&o));
     let dumped = dump::read(&p.join("dump")).unwrap();
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     // the kernel's output as our CPU path computes it, from the dumped inputs alone
-    let ours = byok::routed_cpu(&dumped.layer, &dumped.hidden, &dumped.routing, &dumped.scales).unwrap();
+    let ours = byok::routed_cpu(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+    )
+    .unwrap();
     write_output(&p.join("good.safetensors"), &ours, t, h);
-    let o = nvfp4dbg(p, &["compare-outputs", "dump", "good.safetensors", "--json", "good.json"]);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "good.safetensors",
+            "--json",
+            "good.json",
+        ],
+    );
     assert_eq!(o.status.code(), Some(0), "seed {seed}: {}", text(&o));
     assert_eq!(json(&p.join("good.json"))["verdict"], "pass");
 
@@ -210,19 +340,48 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
         layout: Some(ScaleLayout::Swizzled),
         ep: None,
     };
-    let variants =
-        byok::bug_variants(&dumped.layer, &dumped.hidden, &dumped.routing, &dumped.scales, feeding)
-            .unwrap();
+    let variants = byok::bug_variants(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+        feeding,
+    )
+    .unwrap();
     for (bug, v) in &variants {
         write_output(&p.join("bad.safetensors"), v, t, h);
-        let o = nvfp4dbg(p, &["compare-outputs", "dump", "bad.safetensors", "--json", "bad.json"]);
-        assert_eq!(o.status.code(), Some(1), "seed {seed} {bug:?}: {}", text(&o));
+        let o = nvfp4dbg(
+            p,
+            &[
+                "compare-outputs",
+                "dump",
+                "bad.safetensors",
+                "--json",
+                "bad.json",
+            ],
+        );
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "seed {seed} {bug:?}: {}",
+            text(&o)
+        );
         let j = json(&p.join("bad.json"));
         assert_eq!(j["verdict"], "fail");
-        assert_eq!(j["summary"]["diagnosis"], serde_json::json!(bug), "seed {seed}: {j}");
-        assert!(text(&o).contains(bug.describe()), "seed {seed}: {}", text(&o));
+        assert_eq!(
+            j["summary"]["diagnosis"],
+            serde_json::json!(bug),
+            "seed {seed}: {j}"
+        );
+        assert!(
+            text(&o).contains(bug.describe()),
+            "seed {seed}: {}",
+            text(&o)
+        );
     }
-    assert!(variants.iter().any(|(b, _)| *b == SuspectedBug::GateUpSwapped));
+    assert!(variants
+        .iter()
+        .any(|(b, _)| *b == SuspectedBug::GateUpSwapped));
 
     // a kernel that drops every slot of other experts' tokens, as with local ids read as
     // global: slots of experts >= E/2 contribute nothing
@@ -237,7 +396,11 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
     write_output(&p.join("dropped.safetensors"), &dropped, t, h);
     let o = nvfp4dbg(p, &["compare-outputs", "dump", "dropped.safetensors"]);
     assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
-    assert!(text(&o).contains("deviates from the built-in"), "{}", text(&o));
+    assert!(
+        text(&o).contains("deviates from the built-in"),
+        "{}",
+        text(&o)
+    );
 
     // a NaN the kernel never wrote fails and is counted
     let mut holes = ours.clone();
@@ -261,7 +424,17 @@ fn dump_inputs_refuses_dynamic_scales() {
     let d = tempfile::tempdir().unwrap();
     let o = nvfp4dbg(
         d.path(),
-        &["layertest", "--device", "cpu", "--tokens", "4", "--gs", "dynamic", "--dump-inputs", "x"],
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+            "--gs",
+            "dynamic",
+            "--dump-inputs",
+            "x",
+        ],
     );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("dynamic"), "{}", text(&o));
@@ -275,7 +448,9 @@ fn dump_inputs_refuses_dynamic_scales() {
 fn the_example_plugin_compiles_for_hopper_and_blackwell() {
     use nvfp4dbg::backend::cuda::nvrtc;
     if std::env::var_os("NVFP4DBG_NVRTC_CHECK").is_none() {
-        eprintln!("plugin NVRTC check: skipped (NVFP4DBG_NVRTC_CHECK unset; run .ci/compile-kernels)");
+        eprintln!(
+            "plugin NVRTC check: skipped (NVFP4DBG_NVRTC_CHECK unset; run .ci/compile-kernels)"
+        );
         return;
     }
     let module = nvrtc::KernelModule {

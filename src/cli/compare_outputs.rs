@@ -93,11 +93,7 @@ pub fn run(args: &Args) -> Result<Report> {
         shared: &x.shared_out,
     };
     let mut j = byok::judge(&o, args.min_cosine, &[]);
-    let macs = t as f64
-        * d.routing.top_k as f64
-        * 3.0
-        * h as f64
-        * c.moe_intermediate_size as f64;
+    let macs = t as f64 * d.routing.top_k as f64 * 3.0 * h as f64 * c.moe_intermediate_size as f64;
     let mut note = None;
     if !j.agree {
         if macs > KERNEL_CHECK_MAX_MACS {
@@ -143,7 +139,10 @@ pub fn run(args: &Args) -> Result<Report> {
             "compare-outputs",
             &[
                 ("inputs", args.dir.display().to_string()),
-                ("output", format!("{} (tensor `{name}`)", args.output.display())),
+                (
+                    "output",
+                    format!("{} (tensor `{name}`)", args.output.display()),
+                ),
                 (
                     "layer",
                     format!(

@@ -2,8 +2,8 @@
 //! (default 1/2688, checkpoint `input_scale`, warm-up on randn, calibrated, dynamic) and a
 //! log-spaced sweep of one gs for every GEMM; the gs in use must not lose much against the best.
 
-use super::kernel::{self, KernelArgs};
 use super::common::{progress, DeviceArgs, OutArgs};
+use super::kernel::{self, KernelArgs};
 use super::layertest::{
     block_summary, check_unsharded, ep_disagreement, ep_json_with, load_batch, nvfp4_forward,
     scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,

@@ -53,7 +53,11 @@ impl KernelArgs {
 }
 
 /// The CUDA device a plugin runs on, or a usage error naming the plugin.
-pub fn plugin_gpu<'a>(plugin: &Plugin, cuda: Option<&'a CudaBackend>, on: &str) -> Result<&'a CudaBackend> {
+pub fn plugin_gpu<'a>(
+    plugin: &Plugin,
+    cuda: Option<&'a CudaBackend>,
+    on: &str,
+) -> Result<&'a CudaBackend> {
     cuda.ok_or_else(|| {
         Error::usage(format!(
             "--kernel {}: a plugin is a CUDA kernel and needs a GPU (--device cuda); this run is on {on}. \
@@ -107,7 +111,9 @@ pub fn run_plugin(
 pub fn shared_out(layer: &MoeLayer, hidden: &[f32], tokens: usize) -> Vec<f32> {
     let h = layer.config.hidden_size;
     match &layer.shared {
-        Some(m) => crate::moe::forward::dense_forward(m, hidden, tokens, h, layer.config.swiglu_limit),
+        Some(m) => {
+            crate::moe::forward::dense_forward(m, hidden, tokens, h, layer.config.swiglu_limit)
+        }
         None => vec![0.0; tokens * h],
     }
 }
@@ -145,7 +151,10 @@ pub fn judge_plugin(
         return Ok((first, None));
     }
     let c = &layer.config;
-    let macs = routing.tokens as f64 * routing.top_k as f64 * 3.0 * c.hidden_size as f64
+    let macs = routing.tokens as f64
+        * routing.top_k as f64
+        * 3.0
+        * c.hidden_size as f64
         * c.moe_intermediate_size as f64;
     if macs > KERNEL_CHECK_MAX_MACS {
         return Ok((
@@ -167,7 +176,11 @@ pub fn sections(j: &Judgement, who: &str, note: Option<&str>, hidden: usize) -> 
             f(m.cosine, 6),
             f(m.rel_l2, 4),
             f(m.sqnr_db, 2),
-            format!("{} at {}", e(m.max_abs_err), at(m.max_abs_err_index, hidden)),
+            format!(
+                "{} at {}",
+                e(m.max_abs_err),
+                at(m.max_abs_err_index, hidden)
+            ),
             format!("{}/{}", m.nan_count, m.inf_count),
             format!("{min}"),
             if ok { "ok" } else { "FAIL" }.to_string(),
@@ -175,7 +188,16 @@ pub fn sections(j: &Judgement, who: &str, note: Option<&str>, hidden: usize) -> 
     };
     let mut s = Section::new(
         format!("Kernel under test: {who} (three-way)"),
-        &["comparison", "cosine", "rel_l2", "sqnr_db", "max_abs_err", "NaN/Inf", "min cosine", ""],
+        &[
+            "comparison",
+            "cosine",
+            "rel_l2",
+            "sqnr_db",
+            "max_abs_err",
+            "NaN/Inf",
+            "min cosine",
+            "",
+        ],
     );
     s.row(row(
         "theirs vs reference (layer)",

@@ -9,10 +9,10 @@ use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::moe::byok::{dump, routed_sum, Feeding};
 use crate::moe::breakdown::{
     expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
 };
+use crate::moe::byok::{dump, routed_sum, Feeding};
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
 use crate::moe::parallel::run::{self as ep, EpDevices, EpOutput, EpRequest, ReduceMode};
 use crate::moe::parallel::{self as par, Agreement, EpFault, Placement};
@@ -789,15 +789,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let byok = match (&plugin, plugin_gpu) {
         (Some(p), Some(cuda)) => {
             let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
-            let theirs = kernel::run_plugin(
-                p,
-                cuda,
-                &layer,
-                &batch.hidden,
-                &routing,
-                &scales,
-                ep,
-            )?;
+            let theirs = kernel::run_plugin(p, cuda, &layer, &batch.hidden, &routing, &scales, ep)?;
             let feeding = Feeding {
                 layout: Some(p.scale_layout),
                 ep,
@@ -833,7 +825,11 @@ pub fn run(args: &Args) -> Result<Report> {
             gs1,
             gs2,
             &expected,
-            &format!("layertest layer {l} of {}, {}", model.describe(), batch.origin),
+            &format!(
+                "layertest layer {l} of {}, {}",
+                model.describe(),
+                batch.origin
+            ),
         )?;
     }
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);

@@ -116,7 +116,9 @@ impl Plugin {
     pub fn load(path: &Path) -> Result<Plugin> {
         let bad = |what: String| Error::bad_file(path, format!("MoE kernel plugin: {what}"));
         if !path.is_file() {
-            return Err(bad("no such file (--kernel takes builtin or the path of a .so)".into()));
+            return Err(bad(
+                "no such file (--kernel takes builtin or the path of a .so)".into(),
+            ));
         }
         // A bare file name would make dlopen search the library path: always load this file.
         let full = if path.is_absolute() {
@@ -158,34 +160,50 @@ impl Plugin {
             )));
         }
         // SAFETY: the header's signature.
-        let forward =
-            unsafe { std::mem::transmute::<*const c_void, ForwardFn>(sym("nvfp4dbg_moe_forward")?) };
+        let forward = unsafe {
+            std::mem::transmute::<*const c_void, ForwardFn>(sym("nvfp4dbg_moe_forward")?)
+        };
         let query = |name: &str| -> Option<i32> {
             // SAFETY: the header declares `int32_t name(void)`.
-            opt(name).map(|p| unsafe { std::mem::transmute::<*const c_void, extern "C" fn() -> i32>(p)() })
+            opt(name).map(|p| unsafe {
+                std::mem::transmute::<*const c_void, extern "C" fn() -> i32>(p)()
+            })
         };
         let scale_layout = match query("nvfp4dbg_moe_scale_layout").unwrap_or(0) {
             0 => ScaleLayout::Linear,
             1 => ScaleLayout::Swizzled,
-            v => return Err(bad(format!("nvfp4dbg_moe_scale_layout() = {v}: expected 0 (linear) or 1 (128x4 swizzled)"))),
+            v => {
+                return Err(bad(format!(
+                    "nvfp4dbg_moe_scale_layout() = {v}: expected 0 (linear) or 1 (128x4 swizzled)"
+                )))
+            }
         };
         let ids = match query("nvfp4dbg_moe_id_convention").unwrap_or(0) {
             0 => IdSpace::Global,
             1 => IdSpace::Local,
-            v => return Err(bad(format!("nvfp4dbg_moe_id_convention() = {v}: expected 0 (global) or 1 (local)"))),
+            v => {
+                return Err(bad(format!(
+                    "nvfp4dbg_moe_id_convention() = {v}: expected 0 (global) or 1 (local)"
+                )))
+            }
         };
         let output_dtype = match query("nvfp4dbg_moe_output_dtype").unwrap_or(0) {
             0 => OutDtype::F32,
             1 => OutDtype::Bf16,
-            v => return Err(bad(format!("nvfp4dbg_moe_output_dtype() = {v}: expected 0 (f32) or 1 (bf16)"))),
+            v => {
+                return Err(bad(format!(
+                    "nvfp4dbg_moe_output_dtype() = {v}: expected 0 (f32) or 1 (bf16)"
+                )))
+            }
         };
         // SAFETY: the header's signatures.
         let as_text = |p: *const c_void| unsafe { std::mem::transmute::<*const c_void, TextFn>(p) };
         let name = opt("nvfp4dbg_moe_name")
             .and_then(|p| text(unsafe { as_text(p)() }))
             .unwrap_or_else(|| {
-                path.file_name()
-                    .map_or(path.display().to_string(), |n| n.to_string_lossy().into_owned())
+                path.file_name().map_or(path.display().to_string(), |n| {
+                    n.to_string_lossy().into_owned()
+                })
             });
         let workspace_size = opt("nvfp4dbg_moe_workspace_size")
             .map(|p| unsafe { std::mem::transmute::<*const c_void, WorkspaceFn>(p) });
@@ -221,7 +239,16 @@ impl Plugin {
         gs2: &[f32],
         map: Option<&ExpertMap>,
     ) -> Result<Vec<f32>> {
-        let inputs = Inputs::build(layer, hidden, routing, gs1, gs2, map, self.scale_layout, self.ids)?;
+        let inputs = Inputs::build(
+            layer,
+            hidden,
+            routing,
+            gs1,
+            gs2,
+            map,
+            self.scale_layout,
+            self.ids,
+        )?;
         let up8 = |v: &[u8], what: &str| gpu.upload(v, what);
         let upf = |v: &[f32], what: &str| gpu.upload(v, what);
         let d_hidden = gpu.upload(&inputs.hidden_bf16, "plugin hidden_states")?;
@@ -250,7 +277,13 @@ impl Plugin {
         let d_map = gpu.upload(&inputs.expert_map, "plugin expert_map")?;
         let (t, h) = (routing.tokens, layer.config.hidden_size);
         // Gpu::alloc fills with 0xFF bytes: NaN in f32 and in BF16, the poison the header promises
-        let out_bytes = t * h * if self.output_dtype == OutDtype::F32 { 4 } else { 2 };
+        let out_bytes = t
+            * h
+            * if self.output_dtype == OutDtype::F32 {
+                4
+            } else {
+                2
+            };
         let d_out = gpu.alloc::<u8>(out_bytes, "plugin output")?;
 
         let mut args = inputs.args;
@@ -436,7 +469,11 @@ impl Inputs {
                 gs2.len()
             )));
         }
-        if let Some(x) = layer.experts.iter().find(|x| x.w1.weight.format != Format::Nvfp4) {
+        if let Some(x) = layer
+            .experts
+            .iter()
+            .find(|x| x.w1.weight.format != Format::Nvfp4)
+        {
             return Err(Error::usage(format!(
                 "--kernel runs NVFP4 plugins; this layer's experts are {}",
                 x.w1.weight.format.name()
@@ -540,7 +577,10 @@ mod tests {
     fn args_layout_has_no_hidden_padding() {
         // the header orders fields so that a C compiler inserts no padding: the Rust struct is
         // the plain sum of its fields (tests/plugin_cli.rs checks offsets against cc)
-        assert_eq!(std::mem::size_of::<MoeArgs>(), 8 + 6 * 8 + 8 + 9 * 8 + 8 + 6 * 8 + 4 * 4 + 3 * 8);
+        assert_eq!(
+            std::mem::size_of::<MoeArgs>(),
+            8 + 6 * 8 + 8 + 9 * 8 + 8 + 6 * 8 + 4 * 4 + 3 * 8
+        );
     }
 
     #[test]

@@ -62,7 +62,11 @@ pub fn write(
         routing.tokens,
         routing.top_k,
     );
-    if let Some(x) = layer.experts.iter().find(|x| x.w1.weight.format != Format::Nvfp4) {
+    if let Some(x) = layer
+        .experts
+        .iter()
+        .find(|x| x.w1.weight.format != Format::Nvfp4)
+    {
         return Err(Error::usage(format!(
             "--dump-inputs writes the NVFP4 kernel ABI; this layer's experts are {}",
             x.w1.weight.format.name()
@@ -73,10 +77,17 @@ pub fn write(
             TensorSpec::new("hidden_states", Dtype::BF16, &[t, h]),
             crate::checkpoint::writer::bf16_bytes(hidden),
         ),
-        (TensorSpec::new("a1_gscale", Dtype::F32, &[e]), f32_bytes(gs1)),
-        (TensorSpec::new("a2_gscale", Dtype::F32, &[e]), f32_bytes(gs2)),
+        (
+            TensorSpec::new("a1_gscale", Dtype::F32, &[e]),
+            f32_bytes(gs1),
+        ),
+        (
+            TensorSpec::new("a2_gscale", Dtype::F32, &[e]),
+            f32_bytes(gs2),
+        ),
     ];
-    let mats: [(&str, fn(&Expert) -> &QLinear, usize, usize); 3] = [
+    type Pick = fn(&Expert) -> &QLinear;
+    let mats: [(&str, Pick, usize, usize); 3] = [
         ("w1", |x| &x.w1, i, h),
         ("w3", |x| &x.w3, i, h),
         ("w2", |x| &x.w2, h, i),
@@ -95,13 +106,20 @@ pub fn write(
             swz.extend(swizzle(&w.scales, rows, kb));
             s2.push(w.scale_2);
         }
-        tensors.push((TensorSpec::new(name, Dtype::U8, &[e, rows, cols / 2]), codes));
+        tensors.push((
+            TensorSpec::new(name, Dtype::U8, &[e, rows, cols / 2]),
+            codes,
+        ));
         tensors.push((
             TensorSpec::new(format!("{name}_scale"), Dtype::F8_E4M3, &[e, rows, kb]),
             lin,
         ));
         tensors.push((
-            TensorSpec::new(format!("{name}_scale_swizzled"), Dtype::F8_E4M3, &[e, pr, pk]),
+            TensorSpec::new(
+                format!("{name}_scale_swizzled"),
+                Dtype::F8_E4M3,
+                &[e, pr, pk],
+            ),
             swz,
         ));
         tensors.push((
@@ -118,7 +136,10 @@ pub fn write(
         TensorSpec::new("topk_weights", Dtype::F32, &[t, k]),
         f32_bytes(&routing.topk_weights),
     ));
-    tensors.push((TensorSpec::new("expert_map", Dtype::I32, &[e]), u32s_le(&map)));
+    tensors.push((
+        TensorSpec::new("expert_map", Dtype::I32, &[e]),
+        u32s_le(&map),
+    ));
     let mut meta = BTreeMap::new();
     for (key, v) in [
         ("format", FORMAT.to_string()),
@@ -178,12 +199,8 @@ fn meta_usize(f: &TensorFile, key: &str) -> Result<usize> {
         .metadata()
         .get(key)
         .ok_or_else(|| Error::bad_file(f.path(), format!("metadata `{key}` missing")))?;
-    v.parse().map_err(|_| {
-        Error::bad_file(
-            f.path(),
-            format!("metadata `{key}` = {v:?} is not a count"),
-        )
-    })
+    v.parse()
+        .map_err(|_| Error::bad_file(f.path(), format!("metadata `{key}` = {v:?} is not a count")))
 }
 
 fn tensor<'a>(f: &'a TensorFile, name: &str, dtype: Dtype, shape: &[usize]) -> Result<&'a [u8]> {
@@ -192,10 +209,7 @@ fn tensor<'a>(f: &'a TensorFile, name: &str, dtype: Dtype, shape: &[usize]) -> R
         return Err(Error::bad_tensor(
             f.path(),
             name,
-            format!(
-                "{:?} {:?}, expected {dtype:?} {shape:?}",
-                t.dtype, t.shape
-            ),
+            format!("{:?} {:?}, expected {dtype:?} {shape:?}", t.dtype, t.shape),
         ));
     }
     f.bytes(name)
@@ -231,9 +245,10 @@ pub fn read(dir: &Path) -> Result<Dumped> {
     }
     let limit = match f.metadata().get("swiglu_limit").map(String::as_str) {
         None | Some("none") => None,
-        Some(v) => Some(v.parse::<f32>().map_err(|_| {
-            Error::bad_file(f.path(), format!("metadata swiglu_limit = {v:?}"))
-        })?),
+        Some(v) => Some(
+            v.parse::<f32>()
+                .map_err(|_| Error::bad_file(f.path(), format!("metadata swiglu_limit = {v:?}")))?,
+        ),
     };
     let hidden: Vec<f32> = tensor(&f, "hidden_states", Dtype::BF16, &[t, h])?
         .chunks_exact(2)
@@ -244,7 +259,12 @@ pub fn read(dir: &Path) -> Result<Dumped> {
     let mut mats: Vec<Vec<Fp4Tensor>> = vec![];
     for (name, rows, cols) in [("w1", i, h), ("w3", i, h), ("w2", h, i)] {
         let codes = tensor(&f, name, Dtype::U8, &[e, rows, cols / 2])?;
-        let scales = tensor(&f, &format!("{name}_scale"), Dtype::F8_E4M3, &[e, rows, cols / 16])?;
+        let scales = tensor(
+            &f,
+            &format!("{name}_scale"),
+            Dtype::F8_E4M3,
+            &[e, rows, cols / 16],
+        )?;
         let s2 = f32s(tensor(&f, &format!("{name}_scale_2"), Dtype::F32, &[e])?);
         let (cn, sn) = (rows * cols / 2, rows * cols / 16);
         mats.push(

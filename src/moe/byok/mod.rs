@@ -116,6 +116,9 @@ fn map_scales(w: &Fp4Tensor, f: impl Fn(&[u8], usize, usize) -> Vec<u8>) -> Fp4T
     t
 }
 
+/// How a kernel misreads one matrix's block scales `(linear, rows, blocks per row)`.
+type ScaleMisread = fn(&[u8], usize, usize) -> Vec<u8>;
+
 /// What a kernel reads as "linear (m, k)" from a swizzled matrix: the byte at `m * kb + k`.
 fn swizzled_read_linear(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
     let sw = crate::nvfp4::layout::swizzle(linear, rows, kb);
@@ -201,7 +204,7 @@ pub fn bug_variants(
         None => vec![ScaleLayout::Swizzled, ScaleLayout::Linear],
     };
     for layout in layouts {
-        let (bug, f): (SuspectedBug, fn(&[u8], usize, usize) -> Vec<u8>) = match layout {
+        let (bug, f): (SuspectedBug, ScaleMisread) = match layout {
             ScaleLayout::Swizzled => (SuspectedBug::SwizzledScalesReadLinear, swizzled_read_linear),
             ScaleLayout::Linear => (SuspectedBug::LinearScalesReadSwizzled, linear_read_swizzled),
         };
@@ -277,11 +280,7 @@ pub struct Outputs<'a> {
 }
 
 /// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis.
-pub fn judge(
-    o: &Outputs,
-    min_cosine: f64,
-    variants: &[(SuspectedBug, Vec<f32>)],
-) -> Judgement {
+pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]) -> Judgement {
     let theirs_layer: Vec<f32> = o
         .theirs_routed
         .iter()
@@ -366,11 +365,7 @@ impl Judgement {
                 self.nonfinite_only_theirs
             )
         });
-        let detail = format!(
-            "{}{}",
-            d.unwrap_or_default(),
-            unwritten.unwrap_or_default()
-        );
+        let detail = format!("{}{}", d.unwrap_or_default(), unwritten.unwrap_or_default());
         Some(match (self.agree, self.ours_pass) {
             (false, true) => format!(
                 "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
@@ -450,11 +445,18 @@ mod tests {
                 }
             }
             let ok = judge(&o(&ours, &ours, &zeros), 0.95, &variants);
-            assert!(ok.pass() && ok.diagnosis.is_none() && ok.blame().is_none(), "seed {seed}");
+            assert!(
+                ok.pass() && ok.diagnosis.is_none() && ok.blame().is_none(),
+                "seed {seed}"
+            );
             for (bug, v) in &variants {
                 // every variant must differ from the correct output, else it could not be told apart
                 let m = compare(v, &ours);
-                assert!(m.cosine < 0.999, "seed {seed}: {bug:?} is indistinguishable ({})", m.cosine);
+                assert!(
+                    m.cosine < 0.999,
+                    "seed {seed}: {bug:?} is indistinguishable ({})",
+                    m.cosine
+                );
                 let j = judge(&o(v, &ours, &zeros), 0.95, &variants);
                 assert!(!j.pass(), "seed {seed} {bug:?}");
                 assert_eq!(j.diagnosis, Some(*bug), "seed {seed}: {:?}", j.suspects);
