@@ -39,20 +39,25 @@ fn nvcc() -> PathBuf {
     PathBuf::from("nvcc")
 }
 
-/// Build every variant (0 = reference, 1..=5 the twins) in parallel; returns their paths.
+/// Build every variant in parallel: 0 = reference, 1..=5 the twins (NVFP4DBG_BUG), 6 = the
+/// reference writing a BF16 output. Returns their paths.
 fn build_plugins(dir: &Path) -> Vec<PathBuf> {
     std::fs::create_dir_all(dir.join("include")).unwrap();
     std::fs::write(dir.join("include/nvfp4dbg_moe.h"), HEADER).unwrap();
     let src = dir.join("moe_reference_plugin.cu");
     std::fs::write(&src, PLUGIN).unwrap();
-    let jobs: Vec<_> = (0..=5)
+    let jobs: Vec<_> = (0..=6)
         .map(|bug| {
             let out = dir.join(format!("plugin_bug{bug}.so"));
             let (src, inc, o) = (src.clone(), dir.join("include"), out.clone());
             let h = std::thread::spawn(move || {
                 Command::new(nvcc())
                     .args(["-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC"])
-                    .arg(format!("-DNVFP4DBG_BUG={bug}"))
+                    .arg(if bug == 6 {
+                        "-DNVFP4DBG_OUT_BF16".to_string()
+                    } else {
+                        format!("-DNVFP4DBG_BUG={bug}")
+                    })
                     .arg("-I")
                     .arg(inc)
                     .arg(src)
@@ -137,6 +142,11 @@ fn plugins_are_judged_and_their_bugs_named() {
         );
         assert!(text.contains("theirs vs ours"), "{what}: {text}");
     }
+
+    // a BF16 output (as engines write) is widened and still agrees within the threshold
+    let (code, text, r) = lt(&["--kernel", &p(6)]);
+    assert_eq!(code, 0, "seed {seed} BF16-output plugin: {text}");
+    assert_eq!(r.unwrap()["kernel"]["plugin"]["output_dtype"], "bf16");
 
     // each buggy twin fails and the report names its bug
     for (bug, ep, name) in [

@@ -14,6 +14,7 @@
 //   3  scales read linear when swizzled: asks for 128x4 swizzled scales, reads them as linear
 //   4  crash: writes far outside the output (illegal address, a sticky CUDA error)
 //   5  error: returns 7 without launching anything
+// and -DNVFP4DBG_OUT_BF16 makes it write a BF16 output (as engines do) instead of F32.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #ifndef __CUDACC_RTC__  // NVRTC (the CPU CI's compile check) sees the device code only
@@ -257,7 +258,11 @@ int32_t nvfp4dbg_moe_id_convention(void) {
     return NVFP4DBG_BUG == BUG_LOCAL_AS_GLOBAL ? NVFP4DBG_IDS_LOCAL : NVFP4DBG_IDS_GLOBAL;
 }
 
+#ifdef NVFP4DBG_OUT_BF16
+int32_t nvfp4dbg_moe_output_dtype(void) { return NVFP4DBG_BF16; }
+#else
 int32_t nvfp4dbg_moe_output_dtype(void) { return NVFP4DBG_F32; }
+#endif
 
 uint64_t nvfp4dbg_moe_workspace_size(const nvfp4dbg_moe_args* a) {
     return (uint64_t)ws_bytes(a->tokens * a->top_k, a->hidden, a->intermediate);

@@ -277,7 +277,8 @@ pub struct Args {
     /// Write exactly what an MoE kernel of kernels/include/nvfp4dbg_moe.h receives
     /// (DIR/inputs.safetensors: the header's fields as tensors, its scalars as metadata) and what
     /// it must produce (DIR/expected.safetensors), for kernels that cannot be wrapped in a
-    /// plugin: run yours on them and judge its output with `nvfp4dbg compare-outputs DIR FILE`
+    /// plugin: run yours on them and judge its output with `nvfp4dbg compare-outputs DIR FILE`.
+    /// One rank holding every expert (global ids, identity expert_map), fixed --gs only
     #[arg(long, value_name = "DIR")]
     pub dump_inputs: Option<PathBuf>,
     #[command(flatten)]
