@@ -584,6 +584,65 @@ mod tests {
     }
 
     #[test]
+    fn inputs_are_laid_out_as_the_header_says() {
+        use crate::moe::ep::Placement;
+        use crate::moe::synthetic::{Preset, SyntheticModel};
+        use crate::nvfp4::layout::swizzled_len;
+        let seed: u64 = rand::random();
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let (x, ids) = m.activations(1, 6, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let c = &layer.config;
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let gs1: Vec<f32> = (0..e).map(|v| 100.0 + v as f32).collect();
+        let gs2: Vec<f32> = (0..e).map(|v| 200.0 + v as f32).collect();
+        let map = ExpertMap::new(e, 1, 3, Placement::RoundRobin).unwrap();
+        for (layout, space) in [
+            (ScaleLayout::Swizzled, IdSpace::Local),
+            (ScaleLayout::Linear, IdSpace::Global),
+        ] {
+            let inp = Inputs::build(&layer, &x, &r, &gs1, &gs2, Some(&map), layout, space).unwrap();
+            let l2g = map.local_to_global();
+            assert_eq!(inp.local_to_global, l2g);
+            assert_eq!(inp.args.num_local_experts as usize, l2g.len());
+            assert_eq!((inp.args.ep_rank, inp.args.ep_size), (1, 3));
+            assert_eq!(
+                inp.args.scale_layout,
+                (layout == ScaleLayout::Swizzled) as i32
+            );
+            assert_eq!(inp.args.id_convention, (space == IdSpace::Local) as i32);
+            assert_eq!(inp.expert_map, map.expert_map());
+            let per_scales = match layout {
+                ScaleLayout::Linear => i * h / 16,
+                ScaleLayout::Swizzled => swizzled_len(i, h / 16),
+            };
+            for (l, &g) in l2g.iter().enumerate() {
+                let w1 = &layer.experts[g].w1.weight;
+                assert_eq!(
+                    inp.codes[0][l * i * h / 2..(l + 1) * i * h / 2],
+                    w1.packed[..]
+                );
+                let sc = &inp.scales[0][l * per_scales..(l + 1) * per_scales];
+                match layout {
+                    ScaleLayout::Linear => assert_eq!(sc, &w1.scales[..]),
+                    ScaleLayout::Swizzled => assert_eq!(sc, &swizzle(&w1.scales, i, h / 16)[..]),
+                }
+                assert_eq!(inp.scale_2[2][l], layer.experts[g].w2.weight.scale_2);
+                assert_eq!((inp.a1_gscale[l], inp.a2_gscale[l]), (gs1[g], gs2[g]));
+            }
+            for (&handed, &g) in inp.topk_ids.iter().zip(&r.topk_ids) {
+                let want = match space {
+                    IdSpace::Global => g,
+                    IdSpace::Local => map.local(g as i64).map_or(-1, |v| v as i32),
+                };
+                assert_eq!(handed, want, "seed {seed}");
+            }
+            assert_eq!(inp.hidden_bf16.len(), x.len());
+        }
+    }
+
+    #[test]
     fn a_missing_file_is_named() {
         let e = Plugin::load(Path::new("/nonexistent/x.so")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/x.so"), "{e}");
