@@ -6,10 +6,11 @@
 use super::layertest::{at, KERNEL_CHECK_MAX_MACS};
 use crate::backend::cuda::plugin::Plugin;
 use crate::backend::cuda::CudaBackend;
+use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::moe::byok::{self, Feeding, Judgement, Outputs};
 use crate::moe::ep::{ExpertMap, Placement};
-use crate::moe::{ActScales, MoeLayer, MoeOutput, Routing};
+use crate::moe::{ActScales, MoeLayer, MoeOutput, Path as MoePath, Routing};
 use crate::report::{e, f, Section};
 use serde_json::json;
 use std::path::PathBuf;
@@ -107,15 +108,23 @@ pub fn run_plugin(
     }
 }
 
-/// The shared experts' output `[T, H]` (zeros without), added to a routed-only output.
-pub fn shared_out(layer: &MoeLayer, hidden: &[f32], tokens: usize) -> Vec<f32> {
-    let h = layer.config.hidden_size;
-    match &layer.shared {
-        Some(m) => {
-            crate::moe::forward::dense_forward(m, hidden, tokens, h, layer.config.swiglu_limit)
-        }
-        None => vec![0.0; tokens * h],
+/// The shared experts' output `[T, H]` (zeros without), added to a routed-only output: the
+/// layer's reference forward on `backend` with every routing weight 0 (`0 · y + shared` is
+/// `shared` exactly, and on a GPU this costs one reference forward, not a CPU MLP).
+pub fn shared_out(
+    backend: &dyn Backend,
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+) -> Result<Vec<f32>> {
+    if layer.shared.is_none() {
+        return Ok(vec![0.0; hidden.len()]);
     }
+    let mut zero = routing.clone();
+    zero.topk_weights.iter_mut().for_each(|w| *w = 0.0);
+    Ok(backend
+        .moe_forward(layer, hidden, &zero, &MoePath::Reference, false)?
+        .out)
 }
 
 /// Judge the plugin's routed output. `ours` must carry per-slot rows (the routed part is
@@ -268,7 +277,7 @@ pub fn plugin_layer(
     ep: Option<(usize, Placement)>,
 ) -> Result<Vec<f32>> {
     let mut out = run_plugin(plugin, cuda, layer, hidden, routing, scales, ep)?;
-    let shared = shared_out(layer, hidden, routing.tokens);
+    let shared = shared_out(cuda, layer, hidden, routing)?;
     out.iter_mut().zip(&shared).for_each(|(o, s)| *o += s);
     Ok(out)
 }
@@ -284,5 +293,38 @@ pub fn open<'a>(
             let g = plugin_gpu(&p, devices.cuda_main(), &devices.main().name())?;
             Ok(Some((p, g)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::moe::synthetic::{Preset, SyntheticModel};
+
+    #[test]
+    fn shared_out_is_the_shared_mlp_bit_for_bit() {
+        let seed: u64 = rand::random();
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let (x, ids) = m.activations(1, 5, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let got = shared_out(&CpuBackend::new(), &layer, &x, &r).unwrap();
+        let mlp = layer.shared.as_ref().expect("tiny has a shared expert");
+        let want = crate::moe::forward::dense_forward(mlp, &x, 5, layer.config.hidden_size, None);
+        assert_eq!(got.len(), want.len());
+        for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "seed {seed} at {j}");
+        }
+    }
+
+    #[test]
+    fn kernel_choice_parses() {
+        assert_eq!("builtin".parse::<KernelChoice>(), Ok(KernelChoice::Builtin));
+        assert_eq!(
+            "./x.so".parse::<KernelChoice>(),
+            Ok(KernelChoice::Plugin("./x.so".into()))
+        );
+        assert!("".parse::<KernelChoice>().is_err());
     }
 }

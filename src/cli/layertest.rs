@@ -783,7 +783,7 @@ pub fn run(args: &Args) -> Result<Report> {
 
     let (nv_slots, rf_slots) = (slots(&nv)?, slots(&rf)?);
     let shared = if plugin.is_some() || args.dump_inputs.is_some() {
-        kernel::shared_out(&layer, &batch.hidden, batch.tokens)
+        kernel::shared_out(backend, &layer, &batch.hidden, &routing)?
     } else {
         vec![]
     };
