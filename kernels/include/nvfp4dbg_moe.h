@@ -105,8 +105,9 @@ typedef struct nvfp4dbg_moe_args {
     int64_t num_local_experts; /* L */
     int64_t top_k;             /* K */
 
-    /* SwiGLU clamp (DeepSeek V4): gate = min(gate, L), up = clamp(up, -L, L) when
-     * has_swiglu_limit != 0. */
+    /* SwiGLU clamp (DeepSeek V4), on the dequantized gate/up outputs (after alpha):
+     * gate = min(gate, swiglu_limit), up = clamp(up, -swiglu_limit, swiglu_limit) when
+     * has_swiglu_limit != 0; then act = gate / (1 + exp(-gate)) * up in f32. */
     float swiglu_limit;
     int32_t has_swiglu_limit;
 
@@ -141,7 +142,8 @@ typedef struct nvfp4dbg_moe_args {
     const float *w3_scale_2;
     const float *w2_scale_2;
 
-    /* [T, K] row-major, slot order = the router's (descending score). Ids in `id_convention`. */
+    /* I32 / F32 [T, K] row-major, slot order = the router's (descending score); weights
+     * already normalized and scaled (routed_scaling_factor). Ids in `id_convention`. */
     const int32_t *topk_ids;
     const float *topk_weights;
     /* I32 [E]: expert_map[global] = local id on this rank, or -1. */
