@@ -3,11 +3,12 @@
 //! log-spaced sweep of one gs for every GEMM; the gs in use must not lose much against the best.
 
 use super::common::{progress, DeviceArgs, OutArgs};
+use super::kernel::{self, KernelArgs};
 use super::layertest::{
     block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with, load_batch,
     nvfp4_forward, scales_json, tokens_up_front, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
 };
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::moe::gs::{self, Calibration, GsSource};
 use crate::moe::parallel::tolerance_text;
@@ -53,6 +54,8 @@ pub struct Args {
     #[command(flatten)]
     pub ep: EpArgs,
     #[command(flatten)]
+    pub kernel: KernelArgs,
+    #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
@@ -74,6 +77,8 @@ struct Point {
 
 pub fn run(args: &Args) -> Result<Report> {
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    let plugin = kernel::open(&args.kernel, &devices)?;
+    let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
     let backend = devices.main();
     let model = Model::open(&args.input)?;
     let l = match args.layer {
@@ -121,7 +126,13 @@ pub fn run(args: &Args) -> Result<Report> {
         if r.is_some() {
             *reduce_info.borrow_mut() = r;
         }
-        let m: Metrics = backend.compare(&o.out, &reference.out)?;
+        // with --kernel the user's kernel is the one swept (block statistics stay ours: the
+        // quantization they describe is the same function)
+        let out = match &plugin {
+            Some((p, g)) => kernel::plugin_layer(p, g, &layer, &batch.hidden, &routing, s, ep)?,
+            None => o.out,
+        };
+        let m: Metrics = backend.compare(&out, &reference.out)?;
         let med = gs::summary(s);
         Ok(Point {
             label,
@@ -157,6 +168,13 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut calibrated_center = None;
     for src in &source_list {
         match gs::resolve(*src, &layer, reduce, &cal, args.input.seed) {
+            Ok(ActScales::Dynamic) if plugin.is_some() => {
+                let why = "the plugin ABI takes fixed per-expert scales; dynamic ones are computed inside the kernel";
+                if *src == used_source {
+                    return Err(Error::usage(format!("--gs dynamic with --kernel: {why}")));
+                }
+                unavailable.push((src.to_string(), why.to_string()));
+            }
             Ok(s) => {
                 let p = eval(src.to_string(), &s)?;
                 if *src == GsSource::Calibrated {
@@ -295,6 +313,7 @@ pub fn run(args: &Args) -> Result<Report> {
         |name: &str| -> Option<f64> { sources.iter().find(|p| p.label == name).map(loss_of) };
     let summary = json!({
         "layer": l,
+        "kernel": plugin.as_ref().map_or("builtin".to_string(), |(p, _)| p.path.display().to_string()),
         "tokens": batch.tokens,
         "gs": used_source.to_string(),
         "used_cosine": used.as_ref().map(|u| u.cosine),

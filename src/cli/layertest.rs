@@ -3,6 +3,7 @@
 //! routing for both.
 
 use super::common::{DeviceArgs, OutArgs};
+use super::kernel::{self, KernelArgs};
 use crate::backend::cuda::{moe::Nvfp4Forward, CudaBackend};
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
@@ -11,6 +12,7 @@ use crate::metrics::Metrics;
 use crate::moe::breakdown::{
     expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
 };
+use crate::moe::byok::{dump, routed_sum, Feeding};
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
 use crate::moe::parallel::run::{self as ep, EpDevices, EpOutput, EpRequest, ReduceMode};
 use crate::moe::parallel::{self as par, Agreement, EpFault, Placement};
@@ -270,6 +272,15 @@ pub struct Args {
     /// GPU)
     #[arg(long)]
     pub cuda_graph: bool,
+    #[command(flatten)]
+    pub kernel: KernelArgs,
+    /// Write exactly what an MoE kernel of kernels/include/nvfp4dbg_moe.h receives
+    /// (DIR/inputs.safetensors: the header's fields as tensors, its scalars as metadata) and what
+    /// it must produce (DIR/expected.safetensors), for kernels that cannot be wrapped in a
+    /// plugin: run yours on them and judge its output with `nvfp4dbg compare-outputs DIR FILE`.
+    /// One rank holding every expert (global ids, identity expert_map), fixed --gs only
+    #[arg(long, value_name = "DIR")]
+    pub dump_inputs: Option<PathBuf>,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -715,7 +726,17 @@ pub fn run(args: &Args) -> Result<Report> {
              (with one rank, local and global ids are the same)",
         ));
     }
+    // a plugin that is not one is named before any device work
+    let plugin = args.kernel.load()?;
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    let plugin_gpu = match &plugin {
+        Some(p) => Some(kernel::plugin_gpu(
+            p,
+            devices.cuda_main(),
+            &devices.main().name(),
+        )?),
+        None => None,
+    };
     if args.cuda_graph && devices.cuda_main().is_none() {
         return Err(Error::usage(format!(
             "--cuda-graph captures the layer's CUDA kernels in a CUDA graph; the {} backend has no \
@@ -762,6 +783,9 @@ pub fn run(args: &Args) -> Result<Report> {
         &cal,
         args.input.seed,
     )?;
+    if plugin.is_some() || args.dump_inputs.is_some() {
+        kernel::fixed_scales(&scales)?;
+    }
     let nvfp4_path = MoePath::Nvfp4 {
         scales: &scales,
         flavor: Flavor::Reference,
@@ -818,6 +842,57 @@ pub fn run(args: &Args) -> Result<Report> {
     let (ref_nan, ref_inf, ref_first_nan, _) = crate::metrics::nonfinite(&rf.out);
 
     let (nv_slots, rf_slots) = (slots(&nv)?, slots(&rf)?);
+    let shared = if plugin.is_some() || args.dump_inputs.is_some() {
+        kernel::shared_out(backend, &layer, &batch.hidden, &routing)?
+    } else {
+        vec![]
+    };
+    let byok = match (&plugin, plugin_gpu) {
+        (Some(p), Some(cuda)) => {
+            let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
+            let theirs = kernel::run_plugin(p, cuda, &layer, &batch.hidden, &routing, &scales, ep)?;
+            let feeding = Feeding {
+                layout: Some(p.scale_layout),
+                ep,
+            };
+            Some(kernel::judge_plugin(
+                &theirs,
+                &nv1,
+                &rf.out,
+                &shared,
+                &layer,
+                &batch.hidden,
+                &routing,
+                &scales,
+                feeding,
+                args.min_cosine,
+            )?)
+        }
+        _ => None,
+    };
+    if let Some(dir) = &args.dump_inputs {
+        let (gs1, gs2) = kernel::fixed_scales(&scales)?;
+        let expected = dump::Expected {
+            reference_out: rf.out.clone(),
+            nvfp4_out: nv1.out.clone(),
+            nvfp4_routed: routed_sum(slots(&nv1)?, &routing, hsz),
+            shared_out: shared.clone(),
+        };
+        dump::write(
+            dir,
+            &layer,
+            &batch.hidden,
+            &routing,
+            gs1,
+            gs2,
+            &expected,
+            &format!(
+                "layertest layer {l} of {}, {}",
+                model.describe(),
+                batch.origin
+            ),
+        )?;
+    }
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
     let input_blocks =
@@ -953,6 +1028,13 @@ pub fn run(args: &Args) -> Result<Report> {
             KERNEL_CHECK_MIN_COSINE
         ));
     }
+    if let Some(b) = byok.as_ref().and_then(|(j, _)| j.blame()) {
+        let who = plugin.as_ref().map_or(String::new(), |p| {
+            format!("kernel plugin {} ({})", p.path.display(), p.name)
+        });
+        // the plugin's verdict first: it is what --kernel asked about
+        failures.insert(0, format!("{who}: {b}"));
+    }
     let pass = failures.is_empty();
     let headline = if pass {
         format!(
@@ -990,6 +1072,10 @@ pub fn run(args: &Args) -> Result<Report> {
         "ep_within_bound": ep_run.as_ref().map(|x| x.agreement.within_bound),
         "dropped_by_rank": ep_run.as_ref().map(|x| dropped_by_rank(&x.ranks)),
         "graph_replay_bitwise_equal": graph.as_ref().map(|g| g.graph_replay_bitwise_equal),
+        "kernel": plugin.as_ref().map_or("builtin".to_string(), |p| p.path.display().to_string()),
+        "kernel_pass": byok.as_ref().map(|(j, _)| j.pass()),
+        "kernel_diagnosis": byok.as_ref().and_then(|(j, _)| j.diagnosis),
+        "dump_inputs": args.dump_inputs.as_ref().map(|d| d.display().to_string()),
     });
 
     let mut setup = Section::kv(
@@ -1137,6 +1223,15 @@ pub fn run(args: &Args) -> Result<Report> {
                 ),
             ],
         ));
+    }
+    if let Some((j, note)) = &byok {
+        let who = plugin.as_ref().map_or("builtin".into(), |p| {
+            format!("{} ({})", p.path.display(), p.name)
+        });
+        report = report.with("kernel", kernel::json(plugin.as_ref(), j, note.as_deref()));
+        for s in kernel::sections(j, &who, note.as_deref(), hsz) {
+            report = report.section(s);
+        }
     }
     if !failures.is_empty() {
         let mut s = Section::new("Failures", &["problem"]);

@@ -6,8 +6,10 @@ pub mod common;
 pub mod audit;
 pub mod bench;
 pub mod bisect;
+pub mod compare_outputs;
 pub mod compare_weights;
 pub mod gs_sweep;
+pub mod kernel;
 pub mod layertest;
 pub mod multilayer;
 pub mod nan_locate;
@@ -49,6 +51,8 @@ pub enum Command {
     GsSweep(gs_sweep::Args),
     /// Did the engine load what the checkpoint holds? Diff two weight sets
     CompareWeights(compare_weights::Args),
+    /// Is the user's MoE kernel output right? Judge it on `layertest --dump-inputs` inputs
+    CompareOutputs(compare_outputs::Args),
     /// Do tokens reach the right experts? Check a routing dump
     Routing(routing::Args),
     /// Does error grow through the residual stream? N MoE layers, NVFP4 vs BF16
@@ -83,6 +87,7 @@ pub fn execute(command: Command) -> Result<(Report, Outputs)> {
         Command::Layertest(a) => (layertest::run(&a)?, a.out_args.outputs()),
         Command::GsSweep(a) => (gs_sweep::run(&a)?, a.out_args.outputs()),
         Command::CompareWeights(a) => (compare_weights::run(&a)?, a.out_args.outputs()),
+        Command::CompareOutputs(a) => (compare_outputs::run(&a)?, a.out_args.outputs()),
         Command::Routing(a) => (routing::run(&a)?, a.out_args.outputs()),
         Command::Multilayer(a) => (multilayer::run(&a)?, a.out_args.outputs()),
         Command::NanLocate(a) => (nan_locate::run(&a)?, a.out_args.outputs()),

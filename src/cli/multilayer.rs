@@ -3,6 +3,7 @@
 //! reference each carry their own hidden state and route on it.
 
 use super::common::{progress, DeviceArgs, OutArgs};
+use super::kernel::{self, KernelArgs};
 use super::layertest::{
     at, below, block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with,
     load_batch, nvfp4_forward, ranges, tokens_up_front, EpArgs, GsArgs, InputArgs, Model,
@@ -63,6 +64,8 @@ pub struct Args {
     pub max_amplification: f64,
     #[command(flatten)]
     pub ep: EpArgs,
+    #[command(flatten)]
+    pub kernel: KernelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -139,6 +142,8 @@ fn agreement(a: &Routing, b: &Routing) -> f64 {
 
 pub fn run(args: &Args) -> Result<Report> {
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
+    let plugin = kernel::open(&args.kernel, &devices)?;
+    let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
     let backend = devices.main();
     let model = match &args.input.checkpoint {
         None => Model::Synthetic(
@@ -207,13 +212,22 @@ pub fn run(args: &Args) -> Result<Report> {
             &cal,
             args.input.seed ^ l as u64,
         )?;
-        let (o_nv, reduce) = nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
+        let (mut o_nv, reduce) =
+            nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
+        // with --kernel, the user's kernel carries the NVFP4 residual stream
+        if let Some((p, g)) = &plugin {
+            o_nv.out = kernel::plugin_layer(p, g, &ly, &x_nv, &r_nv, &scales, ep)?;
+        }
         if reduce.is_some() {
             reduce_info = reduce;
         }
         let o_rf = backend.moe_forward(&ly, &x_rf, &r_rf, &MoePath::Reference, false)?;
         // the error this layer adds by itself: NVFP4 on the reference model's input
         let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, false)?;
+        let local_out = match &plugin {
+            Some((p, g)) => kernel::plugin_layer(p, g, &ly, &x_rf, &r_rf, &scales, ep)?,
+            None => o_local.out.clone(),
+        };
         let ep_agreement = if args.ep.sharded() {
             Some(check_unsharded(
                 &devices,
@@ -226,8 +240,8 @@ pub fn run(args: &Args) -> Result<Report> {
         } else {
             None
         };
-        let local = compare(&o_local.out, &o_rf.out);
-        let local_err = l2_diff(&o_local.out, &o_rf.out);
+        let local = compare(&local_out, &o_rf.out);
+        let local_err = l2_diff(&local_out, &o_rf.out);
         let prev_err = l2_diff(&h_nv, &h_rf);
         for (h, o) in h_nv.iter_mut().zip(&o_nv.out) {
             *h += o;
@@ -440,6 +454,7 @@ pub fn run(args: &Args) -> Result<Report> {
         markers: vec![],
     };
     let summary = json!({
+        "kernel": plugin.as_ref().map_or("builtin".to_string(), |(p, _)| p.path.display().to_string()),
         "layers": layers,
         "tokens": batch.tokens,
         "gs": source.to_string(),

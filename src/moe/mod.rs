@@ -2,6 +2,7 @@
 //! BF16 reference. Numerics only: never prints.
 
 pub mod breakdown;
+pub mod byok;
 pub mod config;
 pub mod ep;
 pub mod forward;

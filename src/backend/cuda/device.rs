@@ -213,6 +213,14 @@ impl Gpu {
         format!("cuda:{} ({}, {})", self.ordinal, self.name, self.arch)
     }
 
+    /// Make this GPU's context current on the calling thread (a plugin's CUDA runtime calls
+    /// run in whatever context is current).
+    pub(crate) fn bind_to_thread(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_err("binding the CUDA context to the thread", "-", e))
+    }
+
     /// (free, total) device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.ctx

@@ -8,6 +8,7 @@ pub mod device;
 pub mod moe;
 pub mod nccl;
 pub mod nvrtc;
+pub mod plugin;
 pub mod quant;
 pub mod reduce;
 pub mod router;

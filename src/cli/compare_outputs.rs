@@ -1,0 +1,159 @@
+//! `compare-outputs DIR OUTPUT.safetensors`: the other half of `layertest --dump-inputs DIR`,
+//! for kernels that cannot be wrapped in a plugin. The user ran their kernel on the dumped
+//! inputs and hands its output back; it is judged like a `--kernel` plugin: against the BF16
+//! reference, against our NVFP4 path, and against the known engine bugs recomputed on the CPU.
+
+use super::common::OutArgs;
+use super::kernel;
+use super::layertest::{DEFAULT_MIN_COSINE, KERNEL_CHECK_MAX_MACS};
+use crate::checkpoint::file::TensorFile;
+use crate::error::{Error, Result};
+use crate::moe::byok::{self, dump, Feeding, Outputs};
+use crate::report::{f, Report, Section, Verdict};
+use serde_json::json;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+#[command(
+    after_help = "The output is the routed experts' weighted sum [tokens, hidden] (what the kernel \
+of kernels/include/nvfp4dbg_moe.h writes; F32, BF16 or F16). Pass: cosine >= --min-cosine of the \
+layer (output + the dumped shared experts) against the BF16 reference, and cosine >= 0.99999 of the \
+routed output against ours (the same function up to FP32 summation order). On a failure the known \
+engine bugs (gate/up reversed, block scales read in the other layout) are recomputed on the CPU and \
+the one the output matches is named."
+)]
+pub struct Args {
+    /// Directory written by `layertest --dump-inputs DIR`
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
+    /// safetensors file holding the kernel's output
+    #[arg(value_name = "OUTPUT")]
+    pub output: PathBuf,
+    /// Name of the output tensor (default: `output`, or the file's only tensor)
+    #[arg(long, value_name = "NAME")]
+    pub tensor: Option<String>,
+    /// Fail below this cosine of the layer against the BF16 reference
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
+    pub min_cosine: f64,
+    #[command(flatten)]
+    pub out_args: OutArgs,
+}
+
+/// The user's output as f32 `[tokens, hidden]`.
+fn read_output(path: &Path, name: Option<&str>, t: usize, h: usize) -> Result<(String, Vec<f32>)> {
+    let file = TensorFile::open(path)?;
+    let name = match name {
+        Some(n) => n.to_string(),
+        None if file.contains("output") => "output".to_string(),
+        None if file.len() == 1 => file.names().next().unwrap_or_default().to_string(),
+        None => {
+            return Err(Error::bad_file(
+                path,
+                format!(
+                    "{} tensors and none named `output`: pick one with --tensor ({})",
+                    file.len(),
+                    file.names().collect::<Vec<_>>().join(", ")
+                ),
+            ))
+        }
+    };
+    let info = file.info(&name)?;
+    let dims: Vec<usize> = info.shape.iter().copied().filter(|&d| d != 1).collect();
+    if info.numel() != t * h || !(dims == [t, h] || dims == [t * h] || (t == 1 && dims == [h])) {
+        return Err(Error::bad_tensor(
+            path,
+            &name,
+            format!(
+                "shape {:?}, expected [{t}, {h}] (tokens, hidden of the dumped inputs)",
+                info.shape
+            ),
+        ));
+    }
+    if !crate::checkpoint::file::is_float(info.dtype) {
+        return Err(Error::bad_tensor(
+            path,
+            &name,
+            format!("dtype {:?}, expected F32, BF16 or F16", info.dtype),
+        ));
+    }
+    Ok((name.clone(), file.to_f32(&name)?))
+}
+
+pub fn run(args: &Args) -> Result<Report> {
+    let d = dump::read(&args.dir)?;
+    let c = &d.layer.config;
+    let (t, h) = (d.routing.tokens, c.hidden_size);
+    let (name, theirs) = read_output(&args.output, args.tensor.as_deref(), t, h)?;
+    let x = &d.expected;
+    let o = Outputs {
+        theirs_routed: &theirs,
+        ours_routed: &x.nvfp4_routed,
+        ours_layer: &x.nvfp4_out,
+        reference_layer: &x.reference_out,
+        shared: &x.shared_out,
+    };
+    let mut j = byok::judge(&o, args.min_cosine, &[]);
+    let macs = t as f64 * d.routing.top_k as f64 * 3.0 * h as f64 * c.moe_intermediate_size as f64;
+    let mut note = None;
+    if !j.agree {
+        if macs > KERNEL_CHECK_MAX_MACS {
+            note = Some(format!(
+                "diagnosis skipped: {macs:.1e} multiply-adds per CPU variant (limit {KERNEL_CHECK_MAX_MACS:.0e})"
+            ));
+        } else {
+            let feeding = Feeding {
+                layout: None,
+                ep: None,
+            };
+            let v = byok::bug_variants(&d.layer, &d.hidden, &d.routing, &d.scales, feeding)?;
+            j = byok::judge(&o, args.min_cosine, &v);
+        }
+    }
+    let pass = j.pass();
+    let headline = match j.blame() {
+        None => format!(
+            "{}: the kernel output matches the BF16 reference (layer cosine {}) and our NVFP4 path (routed cosine {})",
+            args.output.display(),
+            f(j.theirs_vs_reference.cosine, 4),
+            f(j.theirs_vs_ours.cosine, 6)
+        ),
+        Some(b) => format!("{}: {b}", args.output.display()),
+    };
+    let mut report = Report::new("compare-outputs", Verdict::from_pass(pass), headline)
+        .summary(json!({
+            "cosine": j.theirs_vs_reference.cosine,
+            "rel_l2": j.theirs_vs_reference.rel_l2,
+            "sqnr_db": j.theirs_vs_reference.sqnr_db,
+            "max_abs_err": j.theirs_vs_reference.max_abs_err,
+            "nan_count": j.theirs_vs_reference.nan_count,
+            "inf_count": j.theirs_vs_reference.inf_count,
+            "vs_ours_cosine": j.theirs_vs_ours.cosine,
+            "min_cosine": args.min_cosine,
+            "diagnosis": j.diagnosis,
+            "inputs": args.dir.display().to_string(),
+            "output": args.output.display().to_string(),
+            "tensor": name,
+        }))
+        .with("kernel", kernel::json(None, &j, note.as_deref()))
+        .section(Section::kv(
+            "compare-outputs",
+            &[
+                ("inputs", args.dir.display().to_string()),
+                (
+                    "output",
+                    format!("{} (tensor `{name}`)", args.output.display()),
+                ),
+                (
+                    "layer",
+                    format!(
+                        "{t} tokens, hidden {h}, {} experts top-{}, moe_intermediate {}",
+                        c.n_routed_experts, d.routing.top_k, c.moe_intermediate_size
+                    ),
+                ),
+            ],
+        ));
+    for s in kernel::sections(&j, &args.output.display().to_string(), note.as_deref(), h) {
+        report = report.section(s);
+    }
+    Ok(report)
+}

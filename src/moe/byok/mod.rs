@@ -1,0 +1,467 @@
+//! "Bring your own kernel": judging the user's MoE kernel output (a `--kernel` plugin's, or a
+//! tensor handed back to `compare-outputs`) against the BF16 reference and our own NVFP4 path,
+//! and naming the engine bug it most likely has.
+//!
+//! A plugin computes the routed experts' weighted sum only (kernels/include/nvfp4dbg_moe.h);
+//! the shared experts are BF16 and identical in every path, so whole-layer comparisons add our
+//! shared-expert output to theirs, and the plugin-vs-ours comparison is routed-only, where
+//! nothing dilutes a plugin bug.
+//!
+//! The diagnosis recomputes the routed output on the CPU under each known engine bug (gate/up
+//! reversed, block scales read in the other layout, local/global expert ids confused under EP)
+//! and names the variant the plugin's output matches (cosine ~1 where the correct path does not).
+
+pub mod dump;
+
+use super::ep::{ExpertMap, Placement};
+use super::parallel::{plan_rank, EpFault};
+use super::{ActScales, MoeLayer, Path, Routing};
+use crate::error::Result;
+use crate::metrics::{compare, Metrics};
+use crate::nvfp4::layout::{swizzle_offset, ScaleLayout};
+use crate::nvfp4::{Flavor, Fp4Tensor};
+use serde::Serialize;
+
+/// A correct kernel against our NVFP4 path: the same function up to FP32 summation order
+/// (layertest's kernel check demands the same of the built-in kernels).
+pub const AGREE_MIN_COSINE: f64 = 0.99999;
+/// A bug variant "explains" the plugin's output at this cosine or above (a plugin with that
+/// bug computes that variant up to summation order, so it lands near `AGREE_MIN_COSINE`).
+pub const EXPLAINS_MIN_COSINE: f64 = 0.9999;
+
+/// A known engine bug the diagnosis recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SuspectedBug {
+    /// Gate (w1) and up (w3) exchanged: a fused w13 read as w31.
+    GateUpSwapped,
+    /// 128x4-swizzled block scales read as linear.
+    SwizzledScalesReadLinear,
+    /// Linear block scales read as 128x4-swizzled.
+    LinearScalesReadSwizzled,
+    /// Handed local ids, applies `expert_map` again (EP): tokens silently dropped.
+    LocalIdsReadAsGlobal,
+    /// Handed global ids, indexes the local expert table with them (EP).
+    GlobalIdsReadAsLocal,
+}
+
+impl SuspectedBug {
+    pub fn describe(self) -> &'static str {
+        match self {
+            SuspectedBug::GateUpSwapped => {
+                "gate_proj (w1) and up_proj (w3) reversed: silu applied to the up projection (a fused w13 read as w31)"
+            }
+            SuspectedBug::SwizzledScalesReadLinear => {
+                "block scales handed in the 128x4 swizzled layout are read as linear [N, K/16]"
+            }
+            SuspectedBug::LinearScalesReadSwizzled => {
+                "block scales handed linear [N, K/16] are read as 128x4 swizzled"
+            }
+            SuspectedBug::LocalIdsReadAsGlobal => {
+                "local expert ids read as global: expert_map applied to ids that were already local (tokens of other experts silently dropped)"
+            }
+            SuspectedBug::GlobalIdsReadAsLocal => {
+                "global expert ids used as local indices: expert_map never applied (wrong or missing experts)"
+            }
+        }
+    }
+}
+
+/// How the plugin was fed: what the variants must reproduce.
+#[derive(Clone, Copy, Debug)]
+pub struct Feeding {
+    /// The block-scale layout handed to it (`None`: unknown, try both misreadings).
+    pub layout: Option<ScaleLayout>,
+    /// `(ranks, placement)` when it ran as EP ranks.
+    pub ep: Option<(usize, Placement)>,
+}
+
+/// `out[t] = Σ_slot w · y` in f32, in slot order: the routed part of the forward's combine,
+/// bit for bit (docs/moe-forward.md, Combine).
+pub fn routed_sum(per_slot: &[f32], routing: &Routing, hidden: usize) -> Vec<f32> {
+    let (t, k) = (routing.tokens, routing.top_k);
+    let mut out = vec![0f32; t * hidden];
+    for (tok, o) in out.chunks_mut(hidden).enumerate() {
+        for slot in 0..k {
+            let s = tok * k + slot;
+            let w = routing.topk_weights[s];
+            let y = &per_slot[s * hidden..(s + 1) * hidden];
+            for (ov, &v) in o.iter_mut().zip(y) {
+                *ov += w * v;
+            }
+        }
+    }
+    out
+}
+
+/// The routed output of `layer` (CPU NVFP4 path, reference flavor).
+pub fn routed_cpu(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+) -> Result<Vec<f32>> {
+    let path = Path::Nvfp4 {
+        scales,
+        flavor: Flavor::Reference,
+    };
+    let o = super::moe_forward(layer, hidden, routing, &path, true)?;
+    let ps = o.per_slot.unwrap_or_default();
+    Ok(routed_sum(&ps, routing, layer.config.hidden_size))
+}
+
+fn map_scales(w: &Fp4Tensor, f: impl Fn(&[u8], usize, usize) -> Vec<u8>) -> Fp4Tensor {
+    let mut t = w.clone();
+    t.scales = f(&w.scales, w.rows, w.cols / w.format.block());
+    t
+}
+
+/// How a kernel misreads one matrix's block scales `(linear, rows, blocks per row)`.
+type ScaleMisread = fn(&[u8], usize, usize) -> Vec<u8>;
+
+/// What a kernel reads as "linear (m, k)" from a swizzled matrix: the byte at `m * kb + k`.
+fn swizzled_read_linear(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
+    let sw = crate::nvfp4::layout::swizzle(linear, rows, kb);
+    sw[..rows * kb].to_vec()
+}
+
+/// What a kernel reads as "swizzled (m, k)" from a linear matrix: the byte at the swizzled
+/// offset, 0 past the end (the real kernel reads the next expert's or garbage there).
+fn linear_read_swizzled(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * kb];
+    for m in 0..rows {
+        for k in 0..kb {
+            out[m * kb + k] = linear.get(swizzle_offset(m, k, kb)).copied().unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// The layer with every expert changed by `f`, no shared experts (routed-only).
+fn variant_layer(layer: &MoeLayer, f: impl Fn(&super::Expert) -> super::Expert) -> MoeLayer {
+    MoeLayer {
+        index: layer.index,
+        config: layer.config.clone(),
+        router: layer.router.clone(),
+        experts: layer.experts.iter().map(f).collect(),
+        shared: None,
+        norm_weight: None,
+    }
+}
+
+/// Under an EP id bug every rank runs some slots on some local expert: one routing with
+/// `ranks * K` slots per token (weight 0 where a rank computes nothing) reproduces the sum.
+fn ep_fault_routing(
+    routing: &Routing,
+    e: usize,
+    ranks: usize,
+    placement: Placement,
+    fault: EpFault,
+) -> Result<Routing> {
+    let (t, k) = (routing.tokens, routing.top_k);
+    let mut ids = vec![0i32; t * k * ranks];
+    let mut w = vec![0f32; t * k * ranks];
+    for map in ExpertMap::all_ranks(e, ranks, placement)? {
+        let r = map.ep_rank;
+        let plan = plan_rank(routing, map, Some(fault));
+        for (s, l) in plan.local.iter().enumerate() {
+            if let Some(g) = l.and_then(|l| plan.map.global(l as i64)) {
+                let (tok, slot) = (s / k, s % k);
+                let at = tok * k * ranks + r * k + slot;
+                ids[at] = g as i32;
+                w[at] = routing.topk_weights[s];
+            }
+        }
+    }
+    Ok(Routing {
+        tokens: t,
+        top_k: k * ranks,
+        topk_ids: ids,
+        topk_weights: w,
+    })
+}
+
+/// The routed output under each known bug that fits how the plugin was fed.
+pub fn bug_variants(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    feeding: Feeding,
+) -> Result<Vec<(SuspectedBug, Vec<f32>)>> {
+    let mut out = vec![];
+    let swapped = variant_layer(layer, |x| super::Expert {
+        w1: x.w3.clone(),
+        w3: x.w1.clone(),
+        w2: x.w2.clone(),
+    });
+    out.push((
+        SuspectedBug::GateUpSwapped,
+        routed_cpu(&swapped, hidden, routing, scales)?,
+    ));
+    let layouts = match feeding.layout {
+        Some(l) => vec![l],
+        None => vec![ScaleLayout::Swizzled, ScaleLayout::Linear],
+    };
+    for layout in layouts {
+        let (bug, f): (SuspectedBug, ScaleMisread) = match layout {
+            ScaleLayout::Swizzled => (SuspectedBug::SwizzledScalesReadLinear, swizzled_read_linear),
+            ScaleLayout::Linear => (SuspectedBug::LinearScalesReadSwizzled, linear_read_swizzled),
+        };
+        let misread = variant_layer(layer, |x| {
+            let q = |l: &super::QLinear| super::QLinear {
+                weight: map_scales(&l.weight, f),
+                input_scale: l.input_scale,
+                original: None,
+            };
+            super::Expert {
+                w1: q(&x.w1),
+                w3: q(&x.w3),
+                w2: q(&x.w2),
+            }
+        });
+        out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
+    }
+    if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
+        let routed_only = variant_layer(layer, |x| x.clone());
+        let e = layer.config.n_routed_experts;
+        for (bug, fault) in [
+            (SuspectedBug::LocalIdsReadAsGlobal, EpFault::LocalIds),
+            (SuspectedBug::GlobalIdsReadAsLocal, EpFault::GlobalIds),
+        ] {
+            let r = ep_fault_routing(routing, e, ranks, placement, fault)?;
+            out.push((bug, routed_cpu(&routed_only, hidden, &r, scales)?));
+        }
+    }
+    Ok(out)
+}
+
+/// How well one bug variant explains the plugin's output.
+#[derive(Clone, Debug, Serialize)]
+pub struct Suspect {
+    pub bug: SuspectedBug,
+    pub description: &'static str,
+    /// The plugin's routed output against this variant.
+    pub cosine: f64,
+    pub rel_l2: f64,
+    pub explains: bool,
+}
+
+/// The three-way comparison of a plugin's output.
+#[derive(Clone, Debug, Serialize)]
+pub struct Judgement {
+    /// Whole layer (theirs + our shared experts) vs the BF16 reference.
+    pub theirs_vs_reference: Metrics,
+    /// Whole layer, our NVFP4 path vs the BF16 reference.
+    pub ours_vs_reference: Metrics,
+    /// Routed-only, theirs vs our NVFP4 path.
+    pub theirs_vs_ours: Metrics,
+    pub min_cosine: f64,
+    pub agree_min_cosine: f64,
+    pub theirs_pass: bool,
+    pub ours_pass: bool,
+    pub agree: bool,
+    /// NaN/Inf in theirs where ours has none (the output was NaN-poisoned before the call,
+    /// so these may be values the plugin never wrote).
+    pub nonfinite_only_theirs: u64,
+    /// Best first; empty when the diagnosis was not run (the plugin agrees, or too large).
+    pub suspects: Vec<Suspect>,
+    pub diagnosis: Option<SuspectedBug>,
+}
+
+/// Inputs of [`judge`]: all `[tokens, hidden]`.
+pub struct Outputs<'a> {
+    pub theirs_routed: &'a [f32],
+    pub ours_routed: &'a [f32],
+    pub ours_layer: &'a [f32],
+    pub reference_layer: &'a [f32],
+    /// Our shared-expert output (zeros without shared experts).
+    pub shared: &'a [f32],
+}
+
+/// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis.
+pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]) -> Judgement {
+    let theirs_layer: Vec<f32> = o
+        .theirs_routed
+        .iter()
+        .zip(o.shared)
+        .map(|(a, b)| a + b)
+        .collect();
+    let tr = compare(&theirs_layer, o.reference_layer);
+    let or = compare(o.ours_layer, o.reference_layer);
+    let to = compare(o.theirs_routed, o.ours_routed);
+    let ok = |m: &Metrics, min: f64| m.passes(min);
+    let (theirs_pass, ours_pass, agree) = (
+        ok(&tr, min_cosine),
+        ok(&or, min_cosine),
+        ok(&to, AGREE_MIN_COSINE),
+    );
+    let ours_bad = or.nan_count + or.inf_count;
+    let nonfinite_only_theirs = if ours_bad == 0 {
+        to.nan_count + to.inf_count
+    } else {
+        0
+    };
+    let mut suspects: Vec<Suspect> = if agree {
+        vec![]
+    } else {
+        variants
+            .iter()
+            .map(|(bug, v)| {
+                let m = compare(o.theirs_routed, v);
+                Suspect {
+                    bug: *bug,
+                    description: bug.describe(),
+                    cosine: m.cosine,
+                    rel_l2: m.rel_l2,
+                    explains: m.nan_count + m.inf_count == 0 && m.passes(EXPLAINS_MIN_COSINE),
+                }
+            })
+            .collect()
+    };
+    suspects.sort_by(|a, b| {
+        let key = |x: &Suspect| if x.cosine.is_nan() { -2.0 } else { x.cosine };
+        key(b).total_cmp(&key(a))
+    });
+    let diagnosis = suspects.first().filter(|s| s.explains).map(|s| s.bug);
+    Judgement {
+        theirs_vs_reference: tr,
+        ours_vs_reference: or,
+        theirs_vs_ours: to,
+        min_cosine,
+        agree_min_cosine: AGREE_MIN_COSINE,
+        theirs_pass,
+        ours_pass,
+        agree,
+        nonfinite_only_theirs,
+        suspects,
+        diagnosis,
+    }
+}
+
+impl Judgement {
+    /// The plugin passes: it matches the reference within NVFP4 error and our path within
+    /// summation order.
+    pub fn pass(&self) -> bool {
+        self.theirs_pass && self.agree
+    }
+
+    /// Who is to blame, in words, when something failed.
+    pub fn blame(&self) -> Option<String> {
+        if self.pass() {
+            return None;
+        }
+        let d = self.diagnosis.map(|b| {
+            let s = self.suspects.iter().find(|s| s.bug == b);
+            format!(
+                "; its output matches the known bug \"{}\" (cosine {:.6} against that variant, recomputed on the CPU)",
+                b.describe(),
+                s.map_or(f64::NAN, |s| s.cosine)
+            )
+        });
+        let unwritten = (self.nonfinite_only_theirs > 0).then(|| {
+            format!(
+                "; {} NaN/Inf values where ours has none (the output was NaN-poisoned before the call: values never written show up as NaN)",
+                self.nonfinite_only_theirs
+            )
+        });
+        let detail = format!("{}{}", d.unwrap_or_default(), unwritten.unwrap_or_default());
+        Some(match (self.agree, self.ours_pass) {
+            (false, true) => format!(
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
+                self.theirs_vs_ours.cosine, AGREE_MIN_COSINE, self.ours_vs_reference.cosine
+            ),
+            (false, false) => format!(
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6}) and the built-in one misses the BF16 reference too (cosine {:.4}): look at the inputs (gs, weights) and at the kernel under test{detail}",
+                self.theirs_vs_ours.cosine, self.ours_vs_reference.cosine
+            ),
+            (true, _) => format!(
+                "the kernel under test agrees with the built-in NVFP4 kernel, and both miss the BF16 reference (cosine {:.4} < {}): the inputs (activation gs, weights), not the kernel",
+                self.theirs_vs_reference.cosine, self.min_cosine
+            ),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::moe::synthetic::{Preset, SyntheticModel};
+
+    fn setup(seed: u64) -> (MoeLayer, Vec<f32>, Routing, ActScales) {
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let (x, ids) = m.activations(1, 12, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let e = layer.config.n_routed_experts;
+        let s = ActScales::Fixed {
+            gs1: vec![crate::nvfp4::GS_DENOM / crate::moe::forward::amax(&x); e],
+            gs2: vec![2000.0; e],
+        };
+        (layer, x, r, s)
+    }
+
+    #[test]
+    fn routed_sum_is_the_forward_without_shared_experts() {
+        let seed: u64 = rand::random();
+        let (layer, x, r, s) = setup(seed);
+        let p = Path::Nvfp4 {
+            scales: &s,
+            flavor: Flavor::Reference,
+        };
+        let full = crate::moe::moe_forward(&layer, &x, &r, &p, true).unwrap();
+        let routed = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let h = layer.config.hidden_size;
+        let shared = layer
+            .shared
+            .as_ref()
+            .map(|m| crate::moe::forward::dense_forward(m, &x, r.tokens, h, None))
+            .unwrap_or_else(|| vec![0.0; x.len()]);
+        for (j, ((&f, &a), &b)) in full.out.iter().zip(&routed).zip(&shared).enumerate() {
+            assert_eq!(f.to_bits(), (a + b).to_bits(), "seed {seed} at {j}");
+        }
+    }
+
+    #[test]
+    fn each_bug_variant_is_named_and_the_correct_output_passes() {
+        let seed: u64 = rand::random();
+        let (layer, x, r, s) = setup(seed);
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        for layout in [ScaleLayout::Swizzled, ScaleLayout::Linear] {
+            let feeding = Feeding {
+                layout: Some(layout),
+                ep: Some((4, Placement::Linear)),
+            };
+            let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+            assert_eq!(variants.len(), 4, "seed {seed}");
+            fn o<'a>(theirs: &'a [f32], ours: &'a [f32], zeros: &'a [f32]) -> Outputs<'a> {
+                Outputs {
+                    theirs_routed: theirs,
+                    ours_routed: ours,
+                    ours_layer: ours,
+                    reference_layer: ours,
+                    shared: zeros,
+                }
+            }
+            let ok = judge(&o(&ours, &ours, &zeros), 0.95, &variants);
+            assert!(
+                ok.pass() && ok.diagnosis.is_none() && ok.blame().is_none(),
+                "seed {seed}"
+            );
+            for (bug, v) in &variants {
+                // every variant must differ from the correct output, else it could not be told apart
+                let m = compare(v, &ours);
+                assert!(
+                    m.cosine < 0.999,
+                    "seed {seed}: {bug:?} is indistinguishable ({})",
+                    m.cosine
+                );
+                let j = judge(&o(v, &ours, &zeros), 0.95, &variants);
+                assert!(!j.pass(), "seed {seed} {bug:?}");
+                assert_eq!(j.diagnosis, Some(*bug), "seed {seed}: {:?}", j.suspects);
+                assert!(j.blame().unwrap().contains(bug.describe()), "seed {seed}");
+            }
+        }
+    }
+}

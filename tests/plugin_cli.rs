@@ -1,0 +1,470 @@
+//! "Bring your own kernel" on the CPU: plugins that are not plugins (wrong ABI version, missing
+//! symbol) are exit 2 naming the file; a good plugin without a GPU is exit 2 saying why; the
+//! header's struct layout is the Rust one; and `layertest --dump-inputs` + `compare-outputs`
+//! pass a correct output and fail (naming the bug) a buggy one.
+//!
+//! The tiny plugins are built here with the system C compiler (`cc`); without one these tests
+//! fail, they never pass by skipping.
+
+use nvfp4dbg::backend::cuda::plugin::MoeArgs;
+use nvfp4dbg::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
+use nvfp4dbg::moe::byok::{self, dump, Feeding, SuspectedBug};
+use nvfp4dbg::nvfp4::layout::ScaleLayout;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn header_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/include")
+}
+
+fn cc(dir: &Path, name: &str, src: &str, shared: bool) -> PathBuf {
+    let c = dir.join(format!("{name}.c"));
+    std::fs::write(&c, src).unwrap();
+    let out = dir.join(if shared {
+        format!("{name}.so")
+    } else {
+        name.to_string()
+    });
+    let mut cmd = Command::new("cc");
+    if shared {
+        cmd.args(["-shared", "-fPIC"]);
+    }
+    let r = cmd
+        .arg("-I")
+        .arg(header_dir())
+        .arg(&c)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .expect("these tests build tiny plugins with `cc`: install a C compiler");
+    assert!(
+        r.status.success(),
+        "cc {name}: {}",
+        String::from_utf8_lossy(&r.stderr)
+    );
+    out
+}
+
+fn nvfp4dbg(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args(args)
+        .args(["--no-report-dir", "--quiet"])
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+const GOOD: &str = r#"
+#include "nvfp4dbg_moe.h"
+uint32_t nvfp4dbg_moe_abi_version(void) { return NVFP4DBG_MOE_ABI_VERSION; }
+int nvfp4dbg_moe_forward(const nvfp4dbg_moe_args *a, nvfp4dbg_stream_t s) { (void)a; (void)s; return 0; }
+"#;
+
+#[test]
+fn a_plugin_of_another_abi_version_is_exit_2_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let so = cc(
+        d.path(),
+        "v99",
+        &GOOD.replace("return NVFP4DBG_MOE_ABI_VERSION;", "return 99;"),
+        true,
+    );
+    for cmd in ["layertest", "gs-sweep", "multilayer"] {
+        let o = nvfp4dbg(
+            d.path(),
+            &[cmd, "--kernel", so.to_str().unwrap(), "--device", "cpu"],
+        );
+        let t = text(&o);
+        assert_eq!(o.status.code(), Some(2), "{cmd}: {t}");
+        assert!(
+            t.contains(so.to_str().unwrap()) && t.contains("ABI version 99"),
+            "{cmd}: {t}"
+        );
+    }
+}
+
+#[test]
+fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
+    let d = tempfile::tempdir().unwrap();
+    let so = cc(
+        d.path(),
+        "noforward",
+        "#include \"nvfp4dbg_moe.h\"\nuint32_t nvfp4dbg_moe_abi_version(void) { return 1; }\n",
+        true,
+    );
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains(so.to_str().unwrap()) && t.contains("nvfp4dbg_moe_forward"),
+        "{t}"
+    );
+    // a library that is not a plugin at all, and a file that is not a library
+    let junk = d.path().join("junk.so");
+    std::fs::write(&junk, b"not an ELF file").unwrap();
+    let o = nvfp4dbg(
+        d.path(),
+        &["layertest", "--kernel", "junk.so", "--device", "cpu"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("junk.so"), "{}", text(&o));
+    // an out-of-range query answer is named too
+    let so = cc(
+        d.path(),
+        "badlayout",
+        &format!("{GOOD}\nint32_t nvfp4dbg_moe_scale_layout(void) {{ return 7; }}\n"),
+        true,
+    );
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("nvfp4dbg_moe_scale_layout() = 7"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn a_good_plugin_without_a_gpu_is_exit_2_saying_it_needs_one() {
+    let d = tempfile::tempdir().unwrap();
+    let so = cc(d.path(), "good", GOOD, true);
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--kernel",
+            so.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+        ],
+    );
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(
+        t.contains("needs a GPU") && t.contains("--dump-inputs"),
+        "{t}"
+    );
+}
+
+#[test]
+fn the_header_struct_layout_is_the_rust_one() {
+    let d = tempfile::tempdir().unwrap();
+    let fields = [
+        "abi_version",
+        "struct_size",
+        "tokens",
+        "hidden",
+        "intermediate",
+        "num_experts",
+        "num_local_experts",
+        "top_k",
+        "swiglu_limit",
+        "has_swiglu_limit",
+        "hidden_states",
+        "a1_gscale",
+        "a2_gscale",
+        "w1",
+        "w3",
+        "w2",
+        "w1_scale",
+        "w3_scale",
+        "w2_scale",
+        "scale_layout",
+        "output_dtype",
+        "w1_scale_2",
+        "w3_scale_2",
+        "w2_scale_2",
+        "topk_ids",
+        "topk_weights",
+        "expert_map",
+        "id_convention",
+        "ep_rank",
+        "ep_size",
+        "reserved0",
+        "output",
+        "workspace",
+        "workspace_bytes",
+    ];
+    let mut src = String::from(
+        "#include <stdio.h>\n#include <stddef.h>\n#include \"nvfp4dbg_moe.h\"\nint main(void) {\n  printf(\"size %zu\\n\", sizeof(nvfp4dbg_moe_args));\n",
+    );
+    for f in fields {
+        src.push_str(&format!(
+            "  printf(\"{f} %zu\\n\", offsetof(nvfp4dbg_moe_args, {f}));\n"
+        ));
+    }
+    src.push_str("  return 0;\n}\n");
+    let exe = cc(d.path(), "layout", &src, false);
+    let out = Command::new(&exe).output().unwrap();
+    let c: std::collections::HashMap<String, usize> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect();
+    assert_eq!(c["size"], std::mem::size_of::<MoeArgs>());
+    macro_rules! off {
+        ($($f:ident),*) => { $( assert_eq!(c[stringify!($f)], std::mem::offset_of!(MoeArgs, $f), stringify!($f)); )* };
+    }
+    off!(
+        abi_version,
+        struct_size,
+        tokens,
+        hidden,
+        intermediate,
+        num_experts,
+        num_local_experts,
+        top_k,
+        swiglu_limit,
+        has_swiglu_limit,
+        hidden_states,
+        a1_gscale,
+        a2_gscale,
+        w1,
+        w3,
+        w2,
+        w1_scale,
+        w3_scale,
+        w2_scale,
+        scale_layout,
+        output_dtype,
+        w1_scale_2,
+        w3_scale_2,
+        w2_scale_2,
+        topk_ids,
+        topk_weights,
+        expert_map,
+        id_convention,
+        ep_rank,
+        ep_size,
+        reserved0,
+        output,
+        workspace,
+        workspace_bytes
+    );
+    assert_eq!(c.len(), fields.len() + 1);
+}
+
+fn write_output(path: &Path, v: &[f32], t: usize, h: usize) {
+    write_file(
+        path,
+        vec![(
+            TensorSpec::new("output", safetensors::Dtype::F32, &[t, h]),
+            f32_bytes(v),
+        )],
+        None,
+    )
+    .unwrap();
+}
+
+fn json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+#[test]
+fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "12",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(o.status.code() == Some(0), "seed {seed}: {}", text(&o));
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    // the kernel's output as our CPU path computes it, from the dumped inputs alone
+    let ours = byok::routed_cpu(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+    )
+    .unwrap();
+    write_output(&p.join("good.safetensors"), &ours, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "good.safetensors",
+            "--json",
+            "good.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "seed {seed}: {}", text(&o));
+    assert_eq!(json(&p.join("good.json"))["verdict"], "pass");
+
+    // outputs of buggy kernels: each fails, and the bug is named
+    let feeding = Feeding {
+        layout: Some(ScaleLayout::Swizzled),
+        ep: None,
+    };
+    let variants = byok::bug_variants(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+        feeding,
+    )
+    .unwrap();
+    for (bug, v) in &variants {
+        write_output(&p.join("bad.safetensors"), v, t, h);
+        let o = nvfp4dbg(
+            p,
+            &[
+                "compare-outputs",
+                "dump",
+                "bad.safetensors",
+                "--json",
+                "bad.json",
+            ],
+        );
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "seed {seed} {bug:?}: {}",
+            text(&o)
+        );
+        let j = json(&p.join("bad.json"));
+        assert_eq!(j["verdict"], "fail");
+        assert_eq!(
+            j["summary"]["diagnosis"],
+            serde_json::json!(bug),
+            "seed {seed}: {j}"
+        );
+        assert!(
+            text(&o).contains(bug.describe()),
+            "seed {seed}: {}",
+            text(&o)
+        );
+    }
+    assert!(variants
+        .iter()
+        .any(|(b, _)| *b == SuspectedBug::GateUpSwapped));
+
+    // a kernel that drops every slot of other experts' tokens, as with local ids read as
+    // global: slots of experts >= E/2 contribute nothing
+    let e = dumped.layer.config.n_routed_experts as i32;
+    let mut r = dumped.routing.clone();
+    for (id, w) in r.topk_ids.iter().zip(r.topk_weights.iter_mut()) {
+        if *id >= e / 2 {
+            *w = 0.0;
+        }
+    }
+    let dropped = byok::routed_cpu(&dumped.layer, &dumped.hidden, &r, &dumped.scales).unwrap();
+    write_output(&p.join("dropped.safetensors"), &dropped, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "dropped.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(
+        text(&o).contains("deviates from the built-in"),
+        "{}",
+        text(&o)
+    );
+
+    // a NaN the kernel never wrote fails and is counted
+    let mut holes = ours.clone();
+    holes[5] = f32::NAN;
+    write_output(&p.join("holes.safetensors"), &holes, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "holes.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(text(&o).contains("NaN-poisoned"), "{}", text(&o));
+
+    // bad input is exit 2, naming the file
+    write_output(&p.join("short.safetensors"), &ours[..h], 1, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "short.safetensors"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("short.safetensors"), "{}", text(&o));
+    let o = nvfp4dbg(p, &["compare-outputs", "nodir", "good.safetensors"]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
+#[test]
+fn dump_inputs_refuses_dynamic_scales() {
+    let d = tempfile::tempdir().unwrap();
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+            "--gs",
+            "dynamic",
+            "--dump-inputs",
+            "x",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("dynamic"), "{}", text(&o));
+}
+
+/// The example plugin's device code (the reference and every twin) compiles with NVRTC for
+/// Hopper and Blackwell. Like tests/kernels_compile.rs it needs NVRTC and the CUDA headers from
+/// `.ci/compile-kernels` (which runs it) and says it skipped when NVFP4DBG_NVRTC_CHECK is unset;
+/// the host half is built by nvcc in tests/gpu_plugin.rs.
+#[test]
+fn the_example_plugin_compiles_for_hopper_and_blackwell() {
+    use nvfp4dbg::backend::cuda::nvrtc;
+    if std::env::var_os("NVFP4DBG_NVRTC_CHECK").is_none() {
+        eprintln!(
+            "plugin NVRTC check: skipped (NVFP4DBG_NVRTC_CHECK unset; run .ci/compile-kernels)"
+        );
+        return;
+    }
+    let module = nvrtc::KernelModule {
+        file: "kernels/examples/moe_reference_plugin.cu",
+        source: include_str!("../kernels/examples/moe_reference_plugin.cu"),
+        kernels: &[],
+    };
+    let inc = format!("-I{}", header_dir().display());
+    for arch in ["sm_90a", "sm_100a"] {
+        for bug in 0..=5 {
+            let def = format!("-DNVFP4DBG_BUG={bug}");
+            let (cubin, _) = nvrtc::compile_cubin_with(&module, arch, &[&inc, &def])
+                .unwrap_or_else(|e| panic!("{arch} NVFP4DBG_BUG={bug}: {e}"));
+            assert!(!cubin.is_empty());
+        }
+    }
+}
