@@ -4,6 +4,7 @@
 pub mod blas;
 pub mod device;
 pub mod moe;
+pub mod moe_decode;
 pub mod nccl;
 pub mod nvrtc;
 pub mod quant;

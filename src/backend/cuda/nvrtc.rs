@@ -64,6 +64,12 @@ pub const MOE: KernelModule = KernelModule {
     ],
 };
 
+pub const MOE_DECODE: KernelModule = KernelModule {
+    file: "kernels/moe_decode.cu",
+    source: include_str!("../../../kernels/moe_decode.cu"),
+    kernels: &["moe_decode_nvfp4", "moe_decode_gate_up_nvfp4"],
+};
+
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
 pub const BENCH: KernelModule = KernelModule {
     file: "kernels/bench.cu",
@@ -77,7 +83,7 @@ pub const BENCH: KernelModule = KernelModule {
 };
 
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH];
+pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &MOE_DECODE, &BENCH];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.
