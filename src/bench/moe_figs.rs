@@ -14,7 +14,7 @@ use crate::moe::synthetic::Preset;
 use crate::moe::{ActScales, MoeLayer, MoeOutput, Routing};
 use crate::nvfp4::Flavor;
 use cudarc::driver::CudaSlice;
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// The host-side layer and inputs every MoE figure shares.
 struct Material {
@@ -490,6 +490,24 @@ impl Runner<'_> {
         s
     }
 
+    /// Where a decode-size layer spends its time: each stage of the forward timed alone
+    /// (eager launches, after one whole forward left the inputs each stage reads), and which
+    /// grouped GEMM kernels ran. None when a stage fails (the figures themselves report it).
+    fn stage_split(&mut self, f: &Nvfp4Forward, tokens: usize) -> Option<Value> {
+        let gpu = self.gpu.clone();
+        let cfg = *self.cfg();
+        f.enqueue().ok()?;
+        let mut out = serde_json::Map::new();
+        for stage in Stage::ALL {
+            let what = format!("layer_{tokens} stage {stage:?}");
+            let s = timer::time_plain(&gpu, &cfg, &what, &mut |_| f.enqueue_stage(stage)).ok()?;
+            self.say(&format!("{what}: median {:.4} ms", s.median()));
+            out.insert(format!("{stage:?}"), json!(s.median()));
+        }
+        out.insert("gemm".into(), json!(format!("{:?}", f.choose_gemm())));
+        Some(Value::Object(out))
+    }
+
     fn layer_figs(&mut self, m: &Material, f: &mut Nvfp4Forward, names: &[String]) -> Result<()> {
         let d = m.dims;
         let tokens = f.tokens();
@@ -505,6 +523,11 @@ impl Runner<'_> {
             return self.record_all(specs, e);
         }
         let f: &Nvfp4Forward = f;
+        let split = if tokens < COMPUTE_BOUND_TOKENS {
+            self.stage_split(f, tokens)
+        } else {
+            None
+        };
         for name in names {
             let graph = name.ends_with("_graph");
             let r = (|| {
@@ -520,7 +543,10 @@ impl Runner<'_> {
             })();
             match r {
                 Ok((s, load)) => {
-                    let spec = self.layer_spec(m, name, tokens, load);
+                    let mut spec = self.layer_spec(m, name, tokens, load);
+                    if let Some(v) = &split {
+                        spec.details.insert("stage_median_ms".into(), v.clone());
+                    }
                     self.record(spec, Ok(s))?;
                 }
                 Err(e) => {

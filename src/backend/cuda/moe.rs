@@ -14,6 +14,7 @@ use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
 use crate::error::{Error, Result};
 use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
+use crate::nvfp4::layout::ScaleLayout;
 use crate::nvfp4::{BlockStats, Flavor, Format};
 use cudarc::driver::{sys as drv_sys, CudaGraph, CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering;
@@ -719,7 +720,7 @@ impl Nvfp4Forward {
         gpu.launch(
             &QUANT,
             "nvfp4_quantize_f32",
-            grid_1d((rows * (cols / 16)) as u64, ELEM_THREADS)?,
+            super::quant::nvfp4_grid(rows, cols / 16, ScaleLayout::Linear)?,
             &[
                 KArg::U64(x),
                 KArg::U64(rows as u64),

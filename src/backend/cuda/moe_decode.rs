@@ -29,9 +29,19 @@ pub enum GemmKind {
     Decode { g_rows: u32 },
 }
 
+/// `NVFP4DBG_MOE_GEMM=tiled` keeps every forward on the tiled kernels (to measure one against
+/// the other on the same build).
+fn forced_tiled() -> bool {
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("NVFP4DBG_MOE_GEMM").is_ok_and(|v| v == "tiled"))
+}
+
 /// The decode kernels need NVFP4 weights (E4M3 scales), K a multiple of 128 and the output
 /// widths multiples of 16, in both GEMMs of the layer.
 pub fn choose(tokens: usize, wblock: u32, hidden: usize, inter: usize) -> GemmKind {
+    if forced_tiled() {
+        return GemmKind::Tiled;
+    }
     let dims_ok = hidden.is_multiple_of(CHUNK_K)
         && inter.is_multiple_of(CHUNK_K)
         && hidden.is_multiple_of(16)
