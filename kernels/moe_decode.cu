@@ -13,9 +13,9 @@
 // sums are added in a fixed order: deterministic, no float atomics.
 #include "nvfp4dbg_common.cuh"
 
-#define DEC_WARPS 16
+#define DEC_WARPS 8
 #define DEC_THREADS (DEC_WARPS * 32)
-#define DEC_KSPLIT 4                       // warps per output tile, splitting K
+#define DEC_KSPLIT 2                       // warps per output tile, splitting K
 #define DEC_TILES (DEC_WARPS / DEC_KSPLIT)  // 16-row output tiles per CTA
 #define DEC_ROWS_PER_CTA (DEC_TILES * 16)
 #define DEC_G 8                            // token rows per pass (the MMA's N)
@@ -41,12 +41,19 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return d;
 }
 
+// Weight codes are read once: no L1 allocation, and L2 fetches the whole 256-byte sector
+// group (the next three K-chunks of the row), so a warp has 4x the bytes of its loads on the
+// way from HBM.
 __device__ __forceinline__ uint4 ldg_stream(const u8* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
+}
+
+__device__ __forceinline__ void prefetch_l2(const u8* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -98,11 +105,24 @@ struct WRows {
     const u8* s[NB];  // scales of row n0 + g
 };
 
+// How far ahead (in K-chunks) the L2 prefetch of a warp's weight rows runs.
+#define DEC_PREFETCH 8
+
+__device__ __forceinline__ const u8* prefetch_addr(const u8* row_g, u32 K, u32 chunk, u32 t) {
+    // (rows shorter than 256 bytes: both lanes take the first line, never the next row's)
+    u32 line = K >= 512 ? (t & 1u) * 128 : 0u;
+    return row_g + (size_t)(t >> 1) * 8 * (K / 2) + (size_t)chunk * (DEC_CHUNK_K / 2) + line;
+}
+
 template <int NB>
-__device__ __forceinline__ void load_chunk(const WRows<NB>& r, u32 K, u32 chunk, u32 t, WChunk<NB>& c) {
+__device__ __forceinline__ void load_chunk(const WRows<NB>& r, u32 K, u32 chunk, u32 t, WChunk<NB>& c,
+                                           u32 c_end) {
 #pragma unroll
     for (int b = 0; b < NB; b++) {
         const u8* q = r.q[b] + (size_t)chunk * (DEC_CHUNK_K / 2) + 16 * t;
+        // every 4 chunks, the 256 bytes of both rows DEC_PREFETCH chunks on (lane t: row g or
+        // g + 8, first or second 128-byte line)
+        if (chunk % 4 == 0 && chunk + DEC_PREFETCH < c_end) prefetch_l2(prefetch_addr(r.q[b], K, chunk + DEC_PREFETCH, t));
         c.w[b][0] = ldg_stream(q);
         c.w[b][1] = ldg_stream(q + (size_t)8 * (K / 2));
         const u8* s = r.s[b] + (size_t)chunk * (DEC_CHUNK_K / 16) + 2 * t;
@@ -145,10 +165,10 @@ __device__ __forceinline__ void stream_k(const WRows<NB>& r, u32 K, u32 c0, u32 
                                          const uint4* act_row, u32 brow, u32 t, float (&acc)[NB][4]) {
     for (u32 c = c0; c < c1; c += 2) {
         mma_chunk<NB>(st[0], act_row, brow, c, t, acc);
-        if (c + 2 < c1) load_chunk<NB>(r, K, c + 2, t, st[0]);
+        if (c + 2 < c1) load_chunk<NB>(r, K, c + 2, t, st[0], c1);
         if (c + 1 < c1) {
             mma_chunk<NB>(st[1], act_row, brow, c + 1, t, acc);
-            if (c + 3 < c1) load_chunk<NB>(r, K, c + 3, t, st[1]);
+            if (c + 3 < c1) load_chunk<NB>(r, K, c + 3, t, st[1], c1);
         }
     }
 }
@@ -179,8 +199,13 @@ __device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8*
     WChunk<NB> st[2];
     bool work = tile_live && c0 < c1;
     // the first weight chunks are in flight while the activations are staged
-    if (work) load_chunk<NB>(r, K, c0, t, st[0]);
-    if (work && c0 + 1 < c1) load_chunk<NB>(r, K, c0 + 1, t, st[1]);
+    if (work) load_chunk<NB>(r, K, c0, t, st[0], c1);
+    if (work && c0 + 1 < c1) load_chunk<NB>(r, K, c0 + 1, t, st[1], c1);
+    // the L2 fetches for the first chunks past the register pipeline
+    if (work)
+        for (u32 c = c0 - c0 % 4 + 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
+#pragma unroll
+            for (int b = 0; b < NB; b++) prefetch_l2(prefetch_addr(r.q[b], K, c, t));
     __syncthreads();  // the previous pass is done with the buffers
     fill_acts(aq, as, K, p0, mg, act);
     __syncthreads();
@@ -218,7 +243,7 @@ __device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8*
 
 // Down projection: out[p, n] = f32(acc) * alpha_e, alpha_e = rcp(gs[e]) * ws2[e]. Grid:
 // (ceil(nout / 64), E). Needs K % 128 == 0, nout % 16 == 0, E4M3 weight scales.
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
 moe_decode_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, const u8* __restrict__ wq,
                  const u8* __restrict__ ws, u32 nout, const float* __restrict__ gs,
                  const float* __restrict__ ws2, const u32* __restrict__ expert_offsets, u32 g_rows,
@@ -251,7 +276,7 @@ moe_decode_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, co
 // a = swiglu(acc_g * alpha_g, acc_u * alpha_u); fixed gs2: quantize each (row, 16 columns) of
 // `a` (the 16 rows of a warp tile are one block); dynamic: write `a` and fold |a| into
 // amax_bits[e]. Grid: (ceil(nout / 64), E).
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
 moe_decode_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                          const u8* __restrict__ w1q, const u8* __restrict__ w1s,
                          const u8* __restrict__ w3q, const u8* __restrict__ w3s, u32 nout,

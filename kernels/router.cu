@@ -95,7 +95,49 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
         }
     } else {
         // 5. group limit: score of a group = sum of its top-2 sel; keep topk_group groups
-        if (n_group > 1) {
+        if (n_group > 1 && n_group <= 32) {
+            // the group scores do not change while groups are kept: lane g computes group g's
+            // once, then every lane runs the same greedy pick over them (shuffles), in the
+            // order and with the ties of the serial scan below
+            u32 gsz = E / n_group;
+            float gsc = 0.0f;
+            if ((u32)lane < n_group) {
+                float v1 = 0.0f, v2 = 0.0f;
+                int i1 = -1, i2 = -1;
+                for (u32 e = lane * gsz; e < (lane + 1) * gsz; e++) {
+                    float v = sel[e];
+                    if (i1 < 0 || ranks_before(v, (int)e, v1, i1)) {
+                        v2 = v1; i2 = i1; v1 = v; i1 = (int)e;
+                    } else if (i2 < 0 || ranks_before(v, (int)e, v2, i2)) {
+                        v2 = v; i2 = (int)e;
+                    }
+                }
+                gsc = __fadd_rn(0.0f, v1);
+                if (i2 >= 0) gsc = __fadd_rn(gsc, v2);
+            }
+            for (u32 e = lane; e < E; e += 32) flags[e] = 0;
+            u32 kept_mask = 0;
+            for (u32 kept = 0; kept < topk_group; kept++) {
+                float best_v = 0.0f;
+                int best_g = -1;
+                for (u32 g = 0; g < n_group; g++) {
+                    float v = __shfl_sync(0xFFFFFFFFu, gsc, (int)g);
+                    if ((kept_mask >> g) & 1u) continue;
+                    if (best_g < 0 || ranks_before(v, (int)g, best_v, best_g)) {
+                        best_v = v;
+                        best_g = (int)g;
+                    }
+                }
+                if (best_g < 0) break;
+                kept_mask |= 1u << best_g;
+            }
+            __syncwarp();
+            for (u32 e = lane; e < E; e += 32) {
+                u32 g = e / gsz;
+                if (g < n_group && ((kept_mask >> g) & 1u)) flags[e] = 1;
+            }
+            __syncwarp();
+        } else if (n_group > 1) {
             u32 gsz = E / n_group;
             if (lane == 0) {
                 // group scores into the tail of `score`? no: keep them in registers of lane 0
@@ -164,4 +206,56 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
             w_out[j] = __fmul_rn(w, routed_scaling_factor);
         }
     }
+}
+
+// Router logits for few tokens (decode): logits[t, e] = sum_h x[t, h] * w[e, h] in FP32, one
+// warp per expert row of w streamed with 16-byte loads, RL_TOK token rows at a time staged in
+// shared memory by slices of H; lane partial sums, then a fixed shuffle tree (deterministic).
+// cuBLAS's pedantic FP32 GEMM at these shapes (M = tokens) runs on a couple of SMs. Needs
+// H % 4 == 0 and 16-byte aligned x and w (checked on the host).
+#define RL_WARPS 8
+#define RL_TOK 8
+#define RL_SLICE 1024
+
+extern "C" __global__ void __launch_bounds__(RL_WARPS * 32)
+router_logits_small(const float* __restrict__ x, const float* __restrict__ w, u32 T, u32 E, u32 H,
+                    float* __restrict__ logits) {
+    __shared__ __align__(16) float4 xs[RL_TOK][RL_SLICE / 4];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 e = blockIdx.x * RL_WARPS + warp;
+    u32 t0 = blockIdx.y * RL_TOK;
+    u32 nt = T - t0 < RL_TOK ? T - t0 : RL_TOK;
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4* w4 = reinterpret_cast<const float4*>(w) + (size_t)(e < E ? e : 0) * (H / 4);
+    float acc[RL_TOK];
+#pragma unroll
+    for (int t = 0; t < RL_TOK; t++) acc[t] = 0.0f;
+    for (u32 h0 = 0; h0 < H; h0 += RL_SLICE) {
+        u32 len4 = (H - h0 < RL_SLICE ? H - h0 : RL_SLICE) / 4;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < RL_TOK * len4; i += blockDim.x) {
+            u32 t = i / len4, c = i % len4;
+            xs[t][c] = t < nt ? x4[(size_t)(t0 + t) * (H / 4) + h0 / 4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+        __syncthreads();
+        if (e >= E) continue;
+        for (u32 c = lane; c < len4; c += 32) {
+            float4 wv = __ldcs(w4 + h0 / 4 + c);
+#pragma unroll
+            for (int t = 0; t < RL_TOK; t++) {
+                float4 xv = xs[t][c];
+                acc[t] = __fmaf_rn(xv.x, wv.x, acc[t]);
+                acc[t] = __fmaf_rn(xv.y, wv.y, acc[t]);
+                acc[t] = __fmaf_rn(xv.z, wv.z, acc[t]);
+                acc[t] = __fmaf_rn(xv.w, wv.w, acc[t]);
+            }
+        }
+    }
+    if (e >= E) return;
+#pragma unroll
+    for (int t = 0; t < RL_TOK; t++)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t] = __fadd_rn(acc[t], __shfl_xor_sync(0xFFFFFFFFu, acc[t], o));
+    if (lane == 0)
+        for (u32 t = 0; t < nt; t++) logits[(size_t)(t0 + t) * E + e] = acc[t];
 }

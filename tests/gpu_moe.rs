@@ -98,9 +98,9 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
         h: 512,
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     });
-    for spec in cases {
+    // 512 tokens take cuBLAS for the logits, 64 the small-batch kernel
+    for (spec, tokens) in cases.into_iter().flat_map(|s| [(s, 512usize), (s, 64)]) {
         let layer = build_layer(&mut r, spec);
-        let tokens = 512;
         let x = hidden(&mut r, tokens, spec.h);
         let ids = input_ids(&mut r, tokens);
         let want = cpu.route(&layer, &x, Some(&ids)).unwrap();
@@ -133,7 +133,7 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
             spec.func, spec.e, spec.k, spec.topk_group, spec.n_group, spec.hash
         );
         assert!(
-            checked * 100 >= tokens * 85,
+            checked * 100 >= tokens * if tokens >= 512 { 85 } else { 75 },
             "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little"
         );
         assert!(

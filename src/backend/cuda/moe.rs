@@ -825,7 +825,9 @@ impl Nvfp4Forward {
                     None => (0.0, 0u32),
                 };
                 // decode GEMMs (kernels/moe_decode.cu) when experts get few rows
-                if let GemmKind::Decode { g_rows } = self.choose_gemm() {
+                let kind = self.choose_gemm();
+                if let GemmKind::Decode { .. } = kind {
+                    let g_rows = kind.rows_per_pass(h);
                     moe_decode::enqueue_gate_up(
                         gpu,
                         &self.decode_args(p(&ws.a1q), p(&ws.a1s), h, i, g_rows),
@@ -906,9 +908,9 @@ impl Nvfp4Forward {
                 Ok(())
             }
             Stage::Down if n > 0 => match self.choose_gemm() {
-                GemmKind::Decode { g_rows } => moe_decode::enqueue_down(
+                kind @ GemmKind::Decode { .. } => moe_decode::enqueue_down(
                     gpu,
-                    &self.decode_args(p(&ws.a2q), p(&ws.a2s), i, h, g_rows),
+                    &self.decode_args(p(&ws.a2q), p(&ws.a2s), i, h, kind.rows_per_pass(i)),
                     p(&ex.w2q),
                     p(&ex.w2s),
                     gpu.ptr(&ws.gs2),
