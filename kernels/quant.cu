@@ -44,73 +44,10 @@ __device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
     }
 }
 
-// The raw bytes of two 16-blocks (BF16: 4 x 16 bytes, f32: 8 x 16 bytes), converted to f32
-// only when they are quantized, so a prefetched pair costs few registers.
-template <typename T>
-struct RawPair {
-    uint4 q[2][16 * sizeof(T) / 16];
-};
-
-template <typename T>
-__device__ __forceinline__ void unpack16(const uint4 (&q)[16 * sizeof(T) / 16], float (&x)[16]);
-template <>
-__device__ __forceinline__ void unpack16<float>(const uint4 (&q)[4], float (&x)[16]) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        x[4 * i] = __uint_as_float(q[i].x); x[4 * i + 1] = __uint_as_float(q[i].y);
-        x[4 * i + 2] = __uint_as_float(q[i].z); x[4 * i + 3] = __uint_as_float(q[i].w);
-    }
-}
-template <>
-__device__ __forceinline__ void unpack16<u16>(const uint4 (&q)[2], float (&x)[16]) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        u32 w[4] = {q[i].x, q[i].y, q[i].z, q[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            x[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
-            x[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-        }
-    }
-}
-
-// Where pair `idx` (two consecutive 16-blocks of a row) lives.
-struct PairPos {
-    u64 r, b0, src;
-    bool in_row;
-};
-
-template <typename T>
-__device__ __forceinline__ PairPos load_pair(const T* __restrict__ x, u64 idx, u64 pairs, bool small,
-                                             u64 rows, u32 cols, u64 kb, const int* __restrict__ row_src,
-                                             RawPair<T>& raw) {
-    PairPos p;
-    if (small) {  // 32-bit division: a 64-bit one costs ~5 ops per value
-        u32 r32 = (u32)idx / (u32)pairs;
-        p.r = r32;
-        p.b0 = 2 * ((u32)idx - r32 * (u32)pairs);
-    } else {
-        p.r = idx / pairs;
-        p.b0 = 2 * (idx % pairs);
-    }
-    p.in_row = p.r < rows;
-    p.src = p.in_row ? (row_src ? (u64)row_src[p.r] : p.r) : 0;
-    constexpr int N = 16 * sizeof(T) / 16;
-#pragma unroll
-    for (int h = 0; h < 2; h++)
-        if (p.in_row && p.b0 + h < kb) {
-            const uint4* q = reinterpret_cast<const uint4*>(x + p.src * cols + (p.b0 + h) * 16);
-#pragma unroll
-            for (int i = 0; i < N; i++) raw.q[h][i] = __ldcs(q + i);
-        }
-    return p;
-}
-
-// Two consecutive 16-blocks of a row per step, grid-stride, the next step's 16-byte loads in
-// flight while this one is quantized. `row_src` (nullable) gathers: output row r reads input
-// row row_src[r]. `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With
-// `swizzled`, the steps cover the padded scale matrix and padding is written as zero.
-// Launched with QUANT_THREADS threads; any grid gives the same output.
+// Two consecutive 16-blocks of a row per thread, both loaded (16-byte loads) before either is
+// quantized. `row_src` (nullable) gathers: output row r reads input row row_src[r]. `gs_idx`
+// (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid covers the
+// padded scale matrix and padding is written as zero. Launched with QUANT_THREADS threads.
 template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
                                const int* __restrict__ row_src, const float* __restrict__ gs,
@@ -122,40 +59,44 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
     u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
     u64 pairs = (kb_g + 1) / 2;
     u64 total = rows_g * pairs;
-    bool small = total <= 0xFFFFFFFFull;
-    u64 stride = (u64)gridDim.x * blockDim.x;
-    u32 c[4] = {0, 0, 0, 0};
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    RawPair<T> cur, nxt;
-    PairPos pc;
-    if (idx < total) pc = load_pair<T>(x, idx, pairs, small, rows, cols, kb, row_src, cur);
-    for (; idx < total; idx += stride) {
-        PairPos pn;
-        if (idx + stride < total) pn = load_pair<T>(x, idx + stride, pairs, small, rows, cols, kb, row_src, nxt);
-        float g = pc.in_row ? gs[gs_idx ? gs_idx[pc.r] : 0] : 0.0f;
+    u32 c[4] = {0, 0, 0, 0};
+    if (idx < total) {
+        u64 r, b0;
+        if (total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
+            u32 r32 = (u32)idx / (u32)pairs;
+            r = r32;
+            b0 = 2 * ((u32)idx - r32 * (u32)pairs);
+        } else {
+            r = idx / pairs;
+            b0 = 2 * (idx % pairs);
+        }
+        bool in_row = r < rows;
+        u64 src = in_row ? (row_src ? (u64)row_src[r] : r) : 0;
+        float v[2][16];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            if (in_row && b0 + h < kb) load16<T>(x + src * cols + (b0 + h) * 16, v[h]);
+        float g = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            u64 b = pc.b0 + h;
+            u64 b = b0 + h;
             if (b >= kb_g) continue;
-            if (pc.in_row && b < kb) {
-                float v[16];
-                unpack16<T>(cur.q[h], v);
+            if (in_row && b < kb) {
                 u32 p[2];
                 float vmax;
-                u32 s = quant_block_nvfp4_vmax(v, g, flavor, p, vmax);
-                *reinterpret_cast<uint2*>(packed + pc.r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
-                scales[swizzled ? swizzle_offset(pc.r, b, kb) : pc.r * kb + b] = (u8)s;
+                u32 s = quant_block_nvfp4_vmax(v[h], g, flavor, p, vmax);
+                *reinterpret_cast<uint2*>(packed + r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
+                scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)s;
                 u32 cls = classify_nvfp4(s, vmax > 0.0f);
                 c[0] += 1;
                 c[1] += cls & 1u;
                 c[2] += (cls >> 1) & 1u;
                 c[3] += (cls >> 2) & 1u;
             } else {
-                scales[swizzle_offset(pc.r, b, kb)] = 0;
+                scales[swizzle_offset(r, b, kb)] = 0;
             }
         }
-        cur = nxt;
-        pc = pn;
     }
     add_stats_cta(stats, c);
 }

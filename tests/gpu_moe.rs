@@ -98,7 +98,7 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
         h: 512,
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     });
-    // 512 tokens take cuBLAS for the logits, 64 the small-batch kernel
+    // a prefill-size batch and a decode-size one (the group-limited pick runs per token)
     for (spec, tokens) in cases.into_iter().flat_map(|s| [(s, 512usize), (s, 64)]) {
         let layer = build_layer(&mut r, spec);
         let x = hidden(&mut r, tokens, spec.h);

@@ -44,7 +44,7 @@ pub const REDUCE: KernelModule = KernelModule {
 pub const ROUTER: KernelModule = KernelModule {
     file: "kernels/router.cu",
     source: include_str!("../../../kernels/router.cu"),
-    kernels: &["router_topk", "router_logits_small"],
+    kernels: &["router_topk"],
 };
 
 pub const MOE: KernelModule = KernelModule {

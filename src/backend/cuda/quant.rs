@@ -81,12 +81,8 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
     grid_1d(n, THREADS)
 }
 
-/// CTAs of the NVFP4 quantizer at most (it strides over the rest): enough to fill any GPU,
-/// few enough that each thread has a next step to prefetch. The output does not depend on it.
-const NVFP4_MAX_CTAS: u64 = 2048;
-
-/// The NVFP4 quantizer's grid: a thread per two blocks of a row, up to NVFP4_MAX_CTAS CTAs
-/// (kernels/quant.cu `nvfp4_quantize`, QUANT_THREADS threads).
+/// The NVFP4 quantizer's grid: one thread per two blocks of a row (kernels/quant.cu
+/// `nvfp4_quantize`, QUANT_THREADS threads).
 pub(crate) fn nvfp4_grid(
     rows: usize,
     kb: usize,
@@ -96,9 +92,7 @@ pub(crate) fn nvfp4_grid(
         ScaleLayout::Linear => (rows, kb),
         ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
     };
-    let mut cfg = grid_1d((rows_g * kb_g.div_ceil(2)) as u64, THREADS)?;
-    cfg.grid_dim.0 = cfg.grid_dim.0.min(NVFP4_MAX_CTAS as u32);
-    Ok(cfg)
+    grid_1d((rows_g * kb_g.div_ceil(2)) as u64, THREADS)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.

@@ -101,12 +101,6 @@ pub(crate) struct RouteBufs {
     pub topk_weights: u64,
 }
 
-/// Up to this many tokens the router logits come from kernels/router.cu
-/// `router_logits_small` (RL_WARPS experts x RL_TOK tokens per CTA), above from cuBLAS.
-const SMALL_LOGITS_TOKENS: usize = 64;
-const SMALL_LOGITS_WARPS: u32 = 8;
-const SMALL_LOGITS_TOK: u32 = 8;
-
 /// Enqueue routing of `tokens` rows at `hidden` (f32 `[tokens, H]`). No host sync.
 pub(crate) fn enqueue_route(
     gpu: &Gpu,
@@ -121,43 +115,16 @@ pub(crate) fn enqueue_route(
     if tokens == 0 {
         return Ok(());
     }
-    if tokens <= SMALL_LOGITS_TOKENS
-        && h.is_multiple_of(4)
-        && (hidden | gpu.ptr(&r.weight)).is_multiple_of(16)
-    {
-        gpu.launch(
-            &ROUTER,
-            "router_logits_small",
-            LaunchConfig {
-                grid_dim: (
-                    (e as u32).div_ceil(SMALL_LOGITS_WARPS),
-                    (tokens as u32).div_ceil(SMALL_LOGITS_TOK),
-                    1,
-                ),
-                block_dim: (SMALL_LOGITS_WARPS * 32, 1, 1),
-                shared_mem_bytes: 0,
-            },
-            &[
-                KArg::U64(hidden),
-                KArg::U64(gpu.ptr(&r.weight)),
-                KArg::U32(tokens as u32),
-                KArg::U32(e as u32),
-                KArg::U32(h as u32),
-                KArg::U64(out.logits),
-            ],
-        )?;
-    } else {
-        blas::gemm_f32(
-            gpu,
-            tokens,
-            e,
-            h,
-            hidden,
-            gpu.ptr(&r.weight),
-            out.logits,
-            "router logits",
-        )?;
-    }
+    blas::gemm_f32(
+        gpu,
+        tokens,
+        e,
+        h,
+        hidden,
+        gpu.ptr(&r.weight),
+        out.logits,
+        "router logits",
+    )?;
     let smem = WARPS as usize * (2 * e * 4 + e);
     let smem = u32::try_from(smem)
         .map_err(|_| Error::usage(format!("{e} experts is too many for the router kernel")))?;
