@@ -181,7 +181,7 @@ __device__ __forceinline__ u32 amax_bits16(const float (&x)[16]) {
 // a = min(|v|, 6) and the step of its binade q = 2^(max(e, 0) - 1), a + q * 2^23 rounds a to
 // a multiple of q, half to even (an IEEE add); the integer bits of that sum then count the
 // steps, and the binade adds 2 codes per octave above 1. Checked against e2m1_encode_sw on
-// every non-NaN f32 (tools: see BENCHMARKS.md log).
+// every non-NaN f32 by tools/checks/e2m1_fast_encode.c.
 __device__ __forceinline__ u32 e2m1_encode_fast(float v) {
     float a = fminf(fabsf(v), 6.0f);
     u32 eb = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);
