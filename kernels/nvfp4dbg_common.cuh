@@ -167,16 +167,40 @@ __device__ __forceinline__ u64 swizzle_offset(u64 m, u64 k, u64 kb) {
 #define FLAVOR_REFERENCE 0u
 #define FLAVOR_CUDA_FAST 1u
 
+// max|x| over a block as the bits of a non-negative float: |x| bit patterns order as
+// unsigned integers, NaN above infinity, so any NaN gives a NaN pattern (what amax_step
+// gives, up to the NaN payload, which nothing downstream looks at).
+__device__ __forceinline__ u32 amax_bits16(const float (&x)[16]) {
+    u32 m = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+    return m;
+}
+
+// E2M1 code of v, for v not NaN: e2m1_encode_sw(clamp6(v)) in a few integer ops. With
+// a = min(|v|, 6) and the step of its binade q = 2^(max(e, 0) - 1), a + q * 2^23 rounds a to
+// a multiple of q, half to even (an IEEE add); the integer bits of that sum then count the
+// steps, and the binade adds 2 codes per octave above 1. Checked against e2m1_encode_sw on
+// every non-NaN f32 by tools/checks/e2m1_fast_encode.c.
+__device__ __forceinline__ u32 e2m1_encode_fast(float v) {
+    float a = fminf(fabsf(v), 6.0f);
+    u32 eb = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);
+    float s = __fadd_rn(a, __uint_as_float(eb + 0x0B000000u));
+    u32 code = __float_as_uint(s) - eb + (eb >> 22) - (0x0B000000u + 0xFEu);
+    return code | ((__float_as_uint(v) >> 28) & 8u);
+}
+
 // One NVFP4 block of 16 values with quant-direction global scale `gs`.
 // Writes 8 packed bytes as two words (element 2i in the low nibble of byte i) and returns the
-// E4M3 scale code. Reference: s = e4m3(min(gs * (vmax * R6), 448)),
-// out_scale = rcp(f32(s) * rcp(gs)), q = e2m1(clamp(x * out_scale, -6, 6)).
+// E4M3 scale code; `vmax` gets max|x| (NaN when the block holds one). Reference:
+// s = e4m3(min(gs * (vmax * R6), 448)), out_scale = rcp(f32(s) * rcp(gs)),
+// q = e2m1(clamp(x * out_scale, -6, 6)).
 // CudaFast: vLLM/TRT-LLM's cvt_warp_fp16_to_fp4 with rcp.approx.ftz reciprocals.
-__device__ __forceinline__ u32 quant_block_nvfp4(const float (&x)[16], float gs, u32 flavor,
-                                                 u32 (&packed)[2]) {
-    float vmax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; i++) vmax = amax_step(vmax, x[i]);
+__device__ __forceinline__ u32 quant_block_nvfp4_vmax(const float (&x)[16], float gs, u32 flavor,
+                                                      u32 (&packed)[2], float& vmax_out) {
+    u32 mbits = amax_bits16(x);
+    float vmax = __uint_as_float(mbits);
+    vmax_out = vmax;
     u32 s_code;
     float out_scale;
     if (flavor == FLAVOR_CUDA_FAST) {
@@ -190,18 +214,33 @@ __device__ __forceinline__ u32 quant_block_nvfp4(const float (&x)[16], float gs,
         float s = e4m3_decode(s_code);
         out_scale = rcp_ref(__fmul_rn(s, rcp_ref(gs)));
     }
+    // finite x times a finite out_scale is never NaN (at worst +-inf, which clamps to 6):
+    // the fast encoder is exact there; anything else takes the general path
+    // (Blackwell converts two values in one instruction: it always takes that path)
+    bool fast = !NVFP4DBG_HW_E2M1 && mbits < 0x7F800000u && fabsf(out_scale) <= 3.402823466e38f;
 #pragma unroll
     for (int w = 0; w < 2; w++) {
         u32 word = 0;
+        if (fast) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            float lo = clamp6(__fmul_rn(x[w * 8 + 2 * i], out_scale));
-            float hi = clamp6(__fmul_rn(x[w * 8 + 2 * i + 1], out_scale));
-            word |= e2m1_pack2(lo, hi) << (8 * i);
+            for (int i = 0; i < 8; i++) word |= e2m1_encode_fast(__fmul_rn(x[w * 8 + i], out_scale)) << (4 * i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float lo = clamp6(__fmul_rn(x[w * 8 + 2 * i], out_scale));
+                float hi = clamp6(__fmul_rn(x[w * 8 + 2 * i + 1], out_scale));
+                word |= e2m1_pack2(lo, hi) << (8 * i);
+            }
         }
         packed[w] = word;
     }
     return s_code;
+}
+
+__device__ __forceinline__ u32 quant_block_nvfp4(const float (&x)[16], float gs, u32 flavor,
+                                                 u32 (&packed)[2]) {
+    float vmax;
+    return quant_block_nvfp4_vmax(x, gs, flavor, packed, vmax);
 }
 
 // Classify a block for BlockStats: returns bit 0 saturated, bit 1 flushed, bit 2 nan.

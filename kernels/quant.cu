@@ -25,9 +25,29 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
     }
 }
 
-// One thread per (row, 16-block). `row_src` (nullable) gathers: output row r reads input row
-// row_src[r]. `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`,
-// the grid covers the padded scale matrix and padding is written as zero.
+// Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
+// from every warp on the same four counters serialize in L2 and cost more than the kernel).
+#define QUANT_THREADS 256
+__device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
+    __shared__ u32 part[QUANT_THREADS / 32][4];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int f = 0; f < 4; f++) {
+        u32 n = __reduce_add_sync(0xFFFFFFFFu, c[f]);
+        if (lane == 0) part[warp][f] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x < 4 && stats != nullptr) {
+        u64 n = 0;
+        for (int w = 0; w < (int)(blockDim.x / 32); w++) n += part[w][threadIdx.x];
+        if (n) atomicAdd(&stats[threadIdx.x], n);
+    }
+}
+
+// Two consecutive 16-blocks of a row per thread, both loaded (16-byte loads) before either is
+// quantized. `row_src` (nullable) gathers: output row r reads input row row_src[r]. `gs_idx`
+// (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid covers the
+// padded scale matrix and padding is written as zero. Launched with QUANT_THREADS threads.
 template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
                                const int* __restrict__ row_src, const float* __restrict__ gs,
@@ -37,28 +57,48 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
     u64 kb = cols / 16;
     u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
     u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
+    u64 pairs = (kb_g + 1) / 2;
+    u64 total = rows_g * pairs;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= rows_g * kb_g) return;
-    u64 r = idx / kb_g, b = idx % kb_g;
-    u32 blocks = 0, cls = 0;
-    if (r < rows && b < kb) {
-        u64 src = row_src ? (u64)row_src[r] : r;
-        float v[16];
-        load16<T>(x + src * cols + b * 16, v);
-        float g = gs[gs_idx ? gs_idx[r] : 0];
-        u32 p[2];
-        u32 s = quant_block_nvfp4(v, g, flavor, p);
-        *reinterpret_cast<uint2*>(packed + r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
-        scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)s;
-        float vmax = 0.0f;
+    u32 c[4] = {0, 0, 0, 0};
+    if (idx < total) {
+        u64 r, b0;
+        if (total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
+            u32 r32 = (u32)idx / (u32)pairs;
+            r = r32;
+            b0 = 2 * ((u32)idx - r32 * (u32)pairs);
+        } else {
+            r = idx / pairs;
+            b0 = 2 * (idx % pairs);
+        }
+        bool in_row = r < rows;
+        u64 src = in_row ? (row_src ? (u64)row_src[r] : r) : 0;
+        float v[2][16];
 #pragma unroll
-        for (int i = 0; i < 16; i++) vmax = amax_step(vmax, v[i]);
-        blocks = 1;
-        cls = classify_nvfp4(s, vmax > 0.0f);
-    } else {
-        scales[swizzle_offset(r, b, kb)] = 0;
+        for (int h = 0; h < 2; h++)
+            if (in_row && b0 + h < kb) load16<T>(x + src * cols + (b0 + h) * 16, v[h]);
+        float g = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u64 b = b0 + h;
+            if (b >= kb_g) continue;
+            if (in_row && b < kb) {
+                u32 p[2];
+                float vmax;
+                u32 s = quant_block_nvfp4_vmax(v[h], g, flavor, p, vmax);
+                *reinterpret_cast<uint2*>(packed + r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
+                scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)s;
+                u32 cls = classify_nvfp4(s, vmax > 0.0f);
+                c[0] += 1;
+                c[1] += cls & 1u;
+                c[2] += (cls >> 1) & 1u;
+                c[3] += (cls >> 2) & 1u;
+            } else {
+                scales[swizzle_offset(r, b, kb)] = 0;
+            }
+        }
     }
-    add_stats(stats, blocks, cls);
+    add_stats_cta(stats, c);
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,

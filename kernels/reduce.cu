@@ -1,6 +1,7 @@
 // Comparison metrics (src/metrics.rs Accum) with a deterministic two-pass reduction: pass 1
-// gives each block a fixed slice and reduces it in a fixed tree order; pass 2 reduces the
-// per-block partials in one block the same way. No float atomics anywhere.
+// streams both tensors once with 16-byte loads, each thread keeping its sums in registers
+// (f64), and reduces a fixed slice per block in a fixed shuffle-tree order; pass 2 reduces
+// the per-block partials in one block the same way. No float atomics anywhere.
 #include "nvfp4dbg_common.cuh"
 
 struct Acc {
@@ -16,13 +17,15 @@ __device__ __forceinline__ void acc_zero(Acc& a) {
     a.len = 0;
 }
 
-// `b` follows `a` in index order, so ties in max_abs keep a's (lower) index.
+// Merge b into a. Ties in max_abs keep the lower index, whatever the merge order, so the
+// result is the first index of the maximum (as the CPU's sequential scan finds it).
 __device__ __forceinline__ void acc_merge(Acc& a, const Acc& b) {
     a.dot += b.dot;
     a.nt += b.nt;
     a.nr += b.nr;
     a.err += b.err;
-    if (b.max_idx != NONE_IDX && (a.max_idx == NONE_IDX || b.max_abs > a.max_abs)) {
+    if (b.max_idx != NONE_IDX &&
+        (a.max_idx == NONE_IDX || b.max_abs > a.max_abs || (b.max_abs == a.max_abs && b.max_idx < a.max_idx))) {
         a.max_abs = b.max_abs;
         a.max_idx = b.max_idx;
     }
@@ -34,74 +37,125 @@ __device__ __forceinline__ void acc_merge(Acc& a, const Acc& b) {
 }
 
 #define REDUCE_THREADS 256
+#define REDUCE_WARPS (REDUCE_THREADS / 32)
+// Pass 1: block b covers elements [b * CHUNK, (b + 1) * CHUNK); in step j thread t takes the
+// four elements at b * CHUNK + j * 1024 + 4t (one 16-byte load of each tensor), eight steps
+// loaded before any is used. CHUNK is fixed (src/backend/cuda/reduce.rs), so the partition
+// and every summation order do not depend on the device.
+#define COMPARE_CHUNK 32768
+#define COMPARE_STEP (REDUCE_THREADS * 4)
+#define COMPARE_BATCH 8
 
-// Tree-reduce one Acc per thread into thread 0, in a fixed order (thread i absorbs i + s).
-__device__ void block_reduce(Acc& mine, Acc* sh) {
-    sh[threadIdx.x] = mine;
-    __syncthreads();
-    for (int s = REDUCE_THREADS / 2; s > 0; s >>= 1) {
-        if ((int)threadIdx.x < s) {
-            Acc a = sh[threadIdx.x];
-            acc_merge(a, sh[threadIdx.x + s]);
-            sh[threadIdx.x] = a;
-        }
-        __syncthreads();
-    }
-    mine = sh[0];
-}
-
-// Pass 1: block b covers [b * chunk, (b + 1) * chunk); thread t takes a contiguous sub-slice,
-// so merging thread accumulators in thread order keeps index order.
-extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
-compare_partial(const float* __restrict__ test, const float* __restrict__ ref, u64 n, u64 chunk,
-                Acc* __restrict__ partials) {
-    __shared__ Acc sh[REDUCE_THREADS];
-    u64 lo = (u64)blockIdx.x * chunk;
-    u64 hi = lo + chunk < n ? lo + chunk : n;
-    u64 per = (chunk + REDUCE_THREADS - 1) / REDUCE_THREADS;
-    u64 a0 = lo + per * threadIdx.x;
-    u64 a1 = a0 + per < hi ? a0 + per : hi;
-    Acc a;
-    acc_zero(a);
-    for (u64 i = a0; i < a1; i++) {
-        float t = test[i], r = ref[i];
-        a.len++;
+__device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
+    a.len++;
+    if (!(fabsf(t) <= 3.402823466e38f)) {  // NaN or infinite: counted, left out of the sums
         if (t != t) {
             a.nan++;
-            if (a.first_nan == NONE_IDX) a.first_nan = i;
-            continue;
-        }
-        if (isinf(t)) {
+            a.first_nan = i < a.first_nan ? i : a.first_nan;
+        } else {
             a.inf++;
-            if (a.first_inf == NONE_IDX) a.first_inf = i;
-            continue;
+            a.first_inf = i < a.first_inf ? i : a.first_inf;
         }
-        double td = (double)t, rd = (double)r;
-        a.dot = __fma_rn(td, rd, a.dot);
-        a.nt = __fma_rn(td, td, a.nt);
-        a.nr = __fma_rn(rd, rd, a.nr);
-        double d = td - rd;
-        a.err = __fma_rn(d, d, a.err);
-        double ad = fabs(d);
-        if (a.max_idx == NONE_IDX || ad > a.max_abs) {
-            a.max_abs = ad;
-            a.max_idx = i;
+        return;
+    }
+    double td = (double)t, rd = (double)r;
+    a.dot = __fma_rn(td, rd, a.dot);
+    a.nt = __fma_rn(td, td, a.nt);
+    a.nr = __fma_rn(rd, rd, a.nr);
+    double d = td - rd;
+    a.err = __fma_rn(d, d, a.err);
+    double ad = fabs(d);
+    // indices only grow within a thread: strictly greater keeps the first maximum
+    if (a.max_idx == NONE_IDX || ad > a.max_abs) {
+        a.max_abs = ad;
+        a.max_idx = i;
+    }
+}
+
+__device__ __forceinline__ double shfl_d(double v, int src) { return __shfl_down_sync(0xFFFFFFFFu, v, src); }
+__device__ __forceinline__ u64 shfl_u(u64 v, int src) { return __shfl_down_sync(0xFFFFFFFFu, v, src); }
+
+// Lane 0 gets the merge of the warp's accumulators (a fixed shuffle tree).
+__device__ __forceinline__ void warp_reduce(Acc& a) {
+#pragma unroll
+    for (int s = 16; s > 0; s >>= 1) {
+        Acc b;
+        b.dot = shfl_d(a.dot, s);
+        b.nt = shfl_d(a.nt, s);
+        b.nr = shfl_d(a.nr, s);
+        b.err = shfl_d(a.err, s);
+        b.max_abs = shfl_d(a.max_abs, s);
+        b.max_idx = shfl_u(a.max_idx, s);
+        b.nan = shfl_u(a.nan, s);
+        b.inf = shfl_u(a.inf, s);
+        b.first_nan = shfl_u(a.first_nan, s);
+        b.first_inf = shfl_u(a.first_inf, s);
+        b.len = shfl_u(a.len, s);
+        acc_merge(a, b);
+    }
+}
+
+// Thread 0 gets the merge of the block (warps merged in warp order).
+__device__ __forceinline__ void block_reduce(Acc& a, Acc* sh) {
+    warp_reduce(a);
+    int warp = threadIdx.x / 32;
+    if ((threadIdx.x & 31) == 0) sh[warp] = a;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        a = sh[0];
+        for (int w = 1; w < REDUCE_WARPS; w++) acc_merge(a, sh[w]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
+compare_partial(const float* __restrict__ test, const float* __restrict__ ref, u64 n,
+                Acc* __restrict__ partials) {
+    __shared__ Acc sh[REDUCE_WARPS];
+    u64 lo = (u64)blockIdx.x * COMPARE_CHUNK;
+    Acc a;
+    acc_zero(a);
+    bool aligned = ((reinterpret_cast<u64>(test) | reinterpret_cast<u64>(ref)) & 15u) == 0;
+    if (aligned && lo + COMPARE_CHUNK <= n) {
+        const float4* t4 = reinterpret_cast<const float4*>(test + lo) + threadIdx.x;
+        const float4* r4 = reinterpret_cast<const float4*>(ref + lo) + threadIdx.x;
+#pragma unroll 1
+        for (int j0 = 0; j0 < COMPARE_CHUNK / COMPARE_STEP; j0 += COMPARE_BATCH) {
+            float4 tv[COMPARE_BATCH], rv[COMPARE_BATCH];
+#pragma unroll
+            for (int j = 0; j < COMPARE_BATCH; j++) {
+                tv[j] = __ldcs(t4 + (j0 + j) * REDUCE_THREADS);
+                rv[j] = __ldcs(r4 + (j0 + j) * REDUCE_THREADS);
+            }
+#pragma unroll
+            for (int j = 0; j < COMPARE_BATCH; j++) {
+                u64 i = lo + (u64)(j0 + j) * COMPARE_STEP + 4 * threadIdx.x;
+                acc_one(a, tv[j].x, rv[j].x, i);
+                acc_one(a, tv[j].y, rv[j].y, i + 1);
+                acc_one(a, tv[j].z, rv[j].z, i + 2);
+                acc_one(a, tv[j].w, rv[j].w, i + 3);
+            }
+        }
+    } else {
+        // the tail block (or unaligned inputs): the same elements in the same order, scalar
+        for (int j = 0; j < COMPARE_CHUNK / COMPARE_STEP; j++) {
+            u64 i = lo + (u64)j * COMPARE_STEP + 4 * threadIdx.x;
+#pragma unroll
+            for (int c = 0; c < 4; c++)
+                if (i + c < n) acc_one(a, test[i + c], ref[i + c], i + c);
         }
     }
     block_reduce(a, sh);
     if (threadIdx.x == 0) partials[blockIdx.x] = a;
 }
 
-// Pass 2: one block over `count` partials, each thread a contiguous run of them.
+// Pass 2: one block over `count` partials, thread t merging partials t, t + 256, ... in
+// order, then the block merge.
 extern "C" __global__ void __launch_bounds__(REDUCE_THREADS)
 compare_final(const Acc* __restrict__ partials, u64 count, Acc* __restrict__ out) {
-    __shared__ Acc sh[REDUCE_THREADS];
-    u64 per = (count + REDUCE_THREADS - 1) / REDUCE_THREADS;
-    u64 a0 = per * threadIdx.x;
-    u64 a1 = a0 + per < count ? a0 + per : count;
+    __shared__ Acc sh[REDUCE_WARPS];
     Acc a;
     acc_zero(a);
-    for (u64 i = a0; i < a1; i++) acc_merge(a, partials[i]);
+    for (u64 i = threadIdx.x; i < count; i += REDUCE_THREADS) acc_merge(a, partials[i]);
     block_reduce(a, sh);
     if (threadIdx.x == 0) *out = a;
 }
@@ -109,15 +163,35 @@ compare_final(const Acc* __restrict__ partials, u64 count, Acc* __restrict__ out
 // amax over a tensor, NaN-propagating, as a u32 bit pattern max (exact and order-free:
 // max is associative, so atomics on it are deterministic). NaN is recorded as 0x7FC00000
 // which is above every finite and infinite magnitude.
+__device__ __forceinline__ u32 abs_bits(float v) {
+    float a = fabsf(v);
+    return a != a ? 0x7FC00000u : __float_as_uint(a);
+}
+
 extern "C" __global__ void amax_f32(const float* __restrict__ x, u64 n, u32* __restrict__ out) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u64 stride = (u64)gridDim.x * blockDim.x;
     u32 m = 0;
-    for (; i < n; i += stride) {
-        float a = fabsf(x[i]);
-        u32 b = a != a ? 0x7FC00000u : __float_as_uint(a);
-        m = b > m ? b : m;
+    u64 i = tid;
+    if ((reinterpret_cast<u64>(x) & 15u) == 0) {
+        // 16-byte loads, four in flight per thread; the tail (n % 4) below
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        u64 n4 = n / 4;
+        for (; i + 3 * stride < n4; i += 4 * stride) {
+            float4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = __ldcs(x4 + i + j * stride);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                m = max(max(m, max(abs_bits(v[j].x), abs_bits(v[j].y))), max(abs_bits(v[j].z), abs_bits(v[j].w)));
+        }
+        for (; i < n4; i += stride) {
+            float4 v = __ldcs(x4 + i);
+            m = max(max(m, max(abs_bits(v.x), abs_bits(v.y))), max(abs_bits(v.z), abs_bits(v.w)));
+        }
+        i = n4 * 4 + tid;
     }
+    for (; i < n; i += stride) m = max(m, abs_bits(x[i]));
     m = __reduce_max_sync(0xFFFFFFFFu, m);
     if ((threadIdx.x & 31) == 0 && m) atomicMax(out, m);
 }

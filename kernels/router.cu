@@ -95,7 +95,49 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
         }
     } else {
         // 5. group limit: score of a group = sum of its top-2 sel; keep topk_group groups
-        if (n_group > 1) {
+        if (n_group > 1 && n_group <= 32) {
+            // the group scores do not change while groups are kept: lane g computes group g's
+            // once, then every lane runs the same greedy pick over them (shuffles), in the
+            // order and with the ties of the serial scan below
+            u32 gsz = E / n_group;
+            float gsc = 0.0f;
+            if ((u32)lane < n_group) {
+                float v1 = 0.0f, v2 = 0.0f;
+                int i1 = -1, i2 = -1;
+                for (u32 e = lane * gsz; e < (lane + 1) * gsz; e++) {
+                    float v = sel[e];
+                    if (i1 < 0 || ranks_before(v, (int)e, v1, i1)) {
+                        v2 = v1; i2 = i1; v1 = v; i1 = (int)e;
+                    } else if (i2 < 0 || ranks_before(v, (int)e, v2, i2)) {
+                        v2 = v; i2 = (int)e;
+                    }
+                }
+                gsc = __fadd_rn(0.0f, v1);
+                if (i2 >= 0) gsc = __fadd_rn(gsc, v2);
+            }
+            for (u32 e = lane; e < E; e += 32) flags[e] = 0;
+            u32 kept_mask = 0;
+            for (u32 kept = 0; kept < topk_group; kept++) {
+                float best_v = 0.0f;
+                int best_g = -1;
+                for (u32 g = 0; g < n_group; g++) {
+                    float v = __shfl_sync(0xFFFFFFFFu, gsc, (int)g);
+                    if ((kept_mask >> g) & 1u) continue;
+                    if (best_g < 0 || ranks_before(v, (int)g, best_v, best_g)) {
+                        best_v = v;
+                        best_g = (int)g;
+                    }
+                }
+                if (best_g < 0) break;
+                kept_mask |= 1u << best_g;
+            }
+            __syncwarp();
+            for (u32 e = lane; e < E; e += 32) {
+                u32 g = e / gsz;
+                if (g < n_group && ((kept_mask >> g) & 1u)) flags[e] = 1;
+            }
+            __syncwarp();
+        } else if (n_group > 1) {
             u32 gsz = E / n_group;
             if (lane == 0) {
                 // group scores into the tail of `score`? no: keep them in registers of lane 0

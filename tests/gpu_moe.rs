@@ -98,9 +98,9 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
         h: 512,
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     });
-    for spec in cases {
+    // a prefill-size batch and a decode-size one (the group-limited pick runs per token)
+    for (spec, tokens) in cases.into_iter().flat_map(|s| [(s, 512usize), (s, 64)]) {
         let layer = build_layer(&mut r, spec);
-        let tokens = 512;
         let x = hidden(&mut r, tokens, spec.h);
         let ids = input_ids(&mut r, tokens);
         let want = cpu.route(&layer, &x, Some(&ids)).unwrap();
@@ -133,7 +133,7 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
             spec.func, spec.e, spec.k, spec.topk_group, spec.n_group, spec.hash
         );
         assert!(
-            checked * 100 >= tokens * 85,
+            checked * 100 >= tokens * if tokens >= 512 { 85 } else { 75 },
             "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little"
         );
         assert!(
@@ -474,6 +474,138 @@ fn cuda_graph_replay_matches_eager() {
             &replay1.out,
             &want.out,
             MIN_COSINE,
+        );
+    }
+}
+
+/// The decode GEMMs (kernels/moe_decode.cu, chosen for few tokens) against the CPU NVFP4
+/// path: fixed and dynamic scales, swiglu_limit, shared experts, more rows on one expert than
+/// a pass holds (several passes over its weights), and bit-exact graph replays.
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn decode_gemms_match_the_cpu_nvfp4_path() {
+    use nvfp4dbg::backend::cuda::moe_decode::GemmKind;
+    let b = backend();
+    let cpu = CpuBackend::new();
+    let (mut r, seed) = rng("decode_gemms_match_the_cpu_nvfp4_path");
+    let big = LayerSpec {
+        e: 32,
+        k: 8,
+        h: 1024,
+        i: 256,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let limited = LayerSpec {
+        limit: Some(0.5),
+        ..LayerSpec::small(ScoringFunc::Softmax)
+    };
+    // (what, spec, dynamic, tokens, every token on the same top-k experts)
+    let cases = [
+        ("1 token, fixed", big, false, 1usize, false),
+        ("3 tokens, dynamic", big, true, 3, false),
+        ("16 tokens, fixed", big, false, 16, false),
+        ("16 tokens, limit, dynamic", limited, true, 16, false),
+        (
+            "64 tokens, fixed",
+            LayerSpec::small(ScoringFunc::Sigmoid),
+            false,
+            64,
+            false,
+        ),
+        ("21 tokens on the same experts, fixed", big, false, 21, true),
+        (
+            "21 tokens on the same experts, dynamic",
+            limited,
+            true,
+            21,
+            true,
+        ),
+    ];
+    for (what, spec, dynamic, tokens, same) in cases {
+        let layer = build_layer(&mut r, spec);
+        let x = hidden(&mut r, tokens, spec.h);
+        let ids = input_ids(&mut r, tokens);
+        let mut routing = cpu.route(&layer, &x, Some(&ids)).unwrap();
+        if same {
+            let first: Vec<i32> = routing.topk_ids[..spec.k].to_vec();
+            for t in 0..tokens {
+                routing.topk_ids[t * spec.k..(t + 1) * spec.k].copy_from_slice(&first);
+            }
+        }
+        let scales = if dynamic {
+            ActScales::Dynamic
+        } else {
+            fixed_scales(&layer, &x)
+        };
+        let f =
+            Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, Flavor::Reference, true).unwrap();
+        assert!(
+            matches!(f.choose_gemm(), GemmKind::Decode { .. }),
+            "{what}: {tokens} tokens at h {} i {} should take the decode GEMMs",
+            spec.h,
+            spec.i
+        );
+        drop(f);
+        let path = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::Reference,
+        };
+        let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+        let got = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+        check_close(
+            &format!("decode [{what}] out"),
+            seed,
+            &got.out,
+            &want.out,
+            MIN_COSINE,
+        );
+        check_close(
+            &format!("decode [{what}] per_slot"),
+            seed,
+            got.per_slot.as_ref().unwrap(),
+            want.per_slot.as_ref().unwrap(),
+            MIN_COSINE,
+        );
+        assert_eq!(
+            got.act_stats.blocks, want.act_stats.blocks,
+            "seed {seed} {what}: blocks"
+        );
+        let again = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got.out),
+            bits(&again.out),
+            "seed {seed} {what}: two runs differ"
+        );
+        let fast = Path::Nvfp4 {
+            scales: &scales,
+            flavor: Flavor::CudaFast,
+        };
+        let gf = b.moe_forward(&layer, &x, &routing, &fast, false).unwrap();
+        check_close(
+            &format!("decode cuda-fast [{what}] out"),
+            seed,
+            &gf.out,
+            &want.out,
+            0.99,
+        );
+    }
+    // graph replay of a decode forward routed on the GPU is bit-exact with eager
+    let layer = build_layer(&mut r, big);
+    let x = hidden(&mut r, 16, big.h);
+    for scales in [fixed_scales(&layer, &x), ActScales::Dynamic] {
+        let mut f =
+            Nvfp4Forward::new(b.gpu(), &layer, 16, &scales, Flavor::Reference, true).unwrap();
+        f.route_on_gpu(None).unwrap();
+        f.set_hidden(&x).unwrap();
+        let graph = f.capture().unwrap();
+        let eager = f.output().unwrap();
+        let replay = graph.run().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&replay.out),
+            bits(&eager.out),
+            "seed {seed}: decode graph replay differs"
         );
     }
 }

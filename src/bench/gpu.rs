@@ -108,7 +108,7 @@ pub(super) fn fill_bf16(gpu: &Gpu, s: &CudaSlice<u16>, amp: f32, seed: u64) -> R
     )
 }
 
-fn fill_f32(gpu: &Gpu, s: &CudaSlice<f32>, amp: f32, seed: u64) -> Result<()> {
+pub(super) fn fill_f32(gpu: &Gpu, s: &CudaSlice<f32>, amp: f32, seed: u64) -> Result<()> {
     gpu.launch(
         &BENCH,
         "bench_fill_f32",

@@ -3,7 +3,7 @@
 //! GEMMs, shared expert, combine) eager and as a CUDA graph.
 
 use super::figure::{Spec, Unit};
-use super::gpu::{alloc, details, fill_bf16, Runner};
+use super::gpu::{alloc, details, fill_bf16, fill_f32, Runner};
 use super::plan::{self, Dims, Load};
 use super::synth;
 use super::timer;
@@ -14,7 +14,7 @@ use crate::moe::synthetic::Preset;
 use crate::moe::{ActScales, MoeLayer, MoeOutput, Routing};
 use crate::nvfp4::Flavor;
 use cudarc::driver::CudaSlice;
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// The host-side layer and inputs every MoE figure shares.
 struct Material {
@@ -490,6 +490,66 @@ impl Runner<'_> {
         s
     }
 
+    /// Where a decode-size layer spends its time: each stage of the forward timed alone
+    /// (eager launches, after one whole forward left the inputs each stage reads), and which
+    /// grouped GEMM kernels ran. None when a stage fails (the figures themselves report it).
+    fn stage_split(&mut self, m: &Material, f: &mut Nvfp4Forward, tokens: usize) -> Option<Value> {
+        let gpu = self.gpu.clone();
+        let cfg = *self.cfg();
+        f.enqueue().ok()?;
+        let mut out = serde_json::Map::new();
+        let time = |r: &mut Self, what: String, body: &mut dyn FnMut(usize) -> Result<()>| {
+            let s = timer::time_plain(&gpu, &cfg, &what, body).ok()?;
+            r.say(&format!("{what}: median {:.4} ms", s.median()));
+            Some(s.median())
+        };
+        for stage in Stage::ALL {
+            let ff: &Nvfp4Forward = f;
+            let t = time(self, format!("layer_{tokens} stage {stage:?}"), &mut |_| {
+                ff.enqueue_stage(stage)
+            })?;
+            out.insert(format!("{stage:?}"), json!(t));
+        }
+        // the router's share: the prologue on the routing it produced, given instead
+        let routing = f.routing().ok()?;
+        f.set_routing(&m.layer, &routing).ok()?;
+        let ff: &Nvfp4Forward = f;
+        let t = time(
+            self,
+            format!("layer_{tokens} stage Prologue, routing given"),
+            &mut |_| ff.enqueue_stage(Stage::Prologue),
+        )?;
+        out.insert("Prologue_without_router".into(), json!(t));
+        f.route_on_gpu(None).ok()?;
+        // the router's FP32 logits GEMM alone (cuBLAS, pedantic FP32, as the router runs it)
+        let (h, e) = (m.dims.h, m.dims.e);
+        let x = alloc::<f32>(&self.gpu, tokens * h, "router GEMM input").ok()?;
+        let w = alloc::<f32>(&self.gpu, e * h, "router GEMM weight").ok()?;
+        let l = alloc::<f32>(&self.gpu, tokens * e, "router GEMM output").ok()?;
+        fill_f32(&self.gpu, &x, 1.0, self.seed).ok()?;
+        fill_f32(&self.gpu, &w, 0.01, self.seed ^ 1).ok()?;
+        let g2 = self.gpu.clone();
+        let t = time(
+            self,
+            format!("layer_{tokens} router logits GEMM (cuBLAS FP32 pedantic)"),
+            &mut |_| {
+                blas::gemm_f32(
+                    &g2,
+                    tokens,
+                    e,
+                    h,
+                    g2.ptr(&x),
+                    g2.ptr(&w),
+                    g2.ptr(&l),
+                    "router logits",
+                )
+            },
+        )?;
+        out.insert("router_logits_gemm".into(), json!(t));
+        out.insert("gemm".into(), json!(format!("{:?}", f.choose_gemm())));
+        Some(Value::Object(out))
+    }
+
     fn layer_figs(&mut self, m: &Material, f: &mut Nvfp4Forward, names: &[String]) -> Result<()> {
         let d = m.dims;
         let tokens = f.tokens();
@@ -504,6 +564,11 @@ impl Runner<'_> {
                 .collect();
             return self.record_all(specs, e);
         }
+        let split = if tokens < COMPUTE_BOUND_TOKENS {
+            self.stage_split(m, f, tokens)
+        } else {
+            None
+        };
         let f: &Nvfp4Forward = f;
         for name in names {
             let graph = name.ends_with("_graph");
@@ -520,7 +585,10 @@ impl Runner<'_> {
             })();
             match r {
                 Ok((s, load)) => {
-                    let spec = self.layer_spec(m, name, tokens, load);
+                    let mut spec = self.layer_spec(m, name, tokens, load);
+                    if let Some(v) = &split {
+                        spec.details.insert("stage_median_ms".into(), v.clone());
+                    }
                     self.record(spec, Ok(s))?;
                 }
                 Err(e) => {

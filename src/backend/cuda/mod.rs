@@ -6,6 +6,7 @@ pub mod budget;
 pub mod dequant;
 pub mod device;
 pub mod moe;
+pub mod moe_decode;
 pub mod nccl;
 pub mod nvrtc;
 pub mod plugin;

@@ -8,11 +8,13 @@
 
 use super::blas;
 use super::device::{grid_1d, Gpu, KArg};
+use super::moe_decode::{self, DecodeArgs, GemmKind};
 use super::nvrtc::{MOE, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
 use crate::error::{Error, Result};
 use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
+use crate::nvfp4::layout::ScaleLayout;
 use crate::nvfp4::{BlockStats, Flavor, Format};
 use cudarc::driver::{sys as drv_sys, CudaGraph, CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering;
@@ -718,7 +720,7 @@ impl Nvfp4Forward {
         gpu.launch(
             &QUANT,
             "nvfp4_quantize_f32",
-            grid_1d((rows * (cols / 16)) as u64, ELEM_THREADS)?,
+            super::quant::nvfp4_grid(rows, cols / 16, ScaleLayout::Linear)?,
             &[
                 KArg::U64(x),
                 KArg::U64(rows as u64),
@@ -822,37 +824,64 @@ impl Nvfp4Forward {
                     Some(l) => (l, 1u32),
                     None => (0.0, 0u32),
                 };
-                gpu.launch(
-                    &MOE,
-                    "moe_gemm_gate_up_nvfp4",
-                    self.gemm_grid(i, FUSED_BN),
-                    &[
-                        KArg::U64(p(&ws.a1q)),
-                        KArg::U64(p(&ws.a1s)),
-                        KArg::U32(h as u32),
-                        KArg::U64(p(&ex.w1q)),
-                        KArg::U64(p(&ex.w1s)),
-                        KArg::U64(p(&ex.w3q)),
-                        KArg::U64(p(&ex.w3s)),
-                        KArg::U32(i as u32),
-                        KArg::U32(ex.wblock),
-                        KArg::U64(gpu.ptr(&ws.gs1)),
-                        KArg::U64(gpu.ptr(&ex.ws2_1)),
-                        KArg::U64(gpu.ptr(&ex.ws2_3)),
-                        KArg::F32(limit),
-                        KArg::U32(has_limit),
-                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                        KArg::U32(e as u32),
-                        KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
-                        KArg::U32(flavor_code(self.flavor)),
-                        KArg::U64(p(&ws.a2q)),
-                        KArg::U64(p(&ws.a2s)),
-                        KArg::U64(gpu.ptr(&ws.stats)),
-                        KArg::U64(gpu.ptr(&ws.a_f32)),
-                        KArg::U64(gpu.ptr(&ws.amax_bits)),
-                    ],
-                )?;
+                // decode GEMMs (kernels/moe_decode.cu) when experts get few rows
+                let kind = self.choose_gemm();
+                if let GemmKind::Decode { .. } = kind {
+                    let g_rows = kind.rows_per_pass(h);
+                    moe_decode::enqueue_gate_up(
+                        gpu,
+                        &self.decode_args(p(&ws.a1q), p(&ws.a1s), h, i, g_rows),
+                        [p(&ex.w1q), p(&ex.w1s), p(&ex.w3q), p(&ex.w3s)],
+                        &[
+                            KArg::U64(gpu.ptr(&ws.gs1)),
+                            KArg::U64(gpu.ptr(&ex.ws2_1)),
+                            KArg::U64(gpu.ptr(&ex.ws2_3)),
+                            KArg::F32(limit),
+                            KArg::U32(has_limit),
+                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                            KArg::U32(g_rows),
+                            KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                            KArg::U32(flavor_code(self.flavor)),
+                            KArg::U64(p(&ws.a2q)),
+                            KArg::U64(p(&ws.a2s)),
+                            KArg::U64(gpu.ptr(&ws.stats)),
+                            KArg::U64(gpu.ptr(&ws.a_f32)),
+                            KArg::U64(gpu.ptr(&ws.amax_bits)),
+                        ],
+                    )?;
+                } else {
+                    gpu.launch(
+                        &MOE,
+                        "moe_gemm_gate_up_nvfp4",
+                        self.gemm_grid(i, FUSED_BN),
+                        &[
+                            KArg::U64(p(&ws.a1q)),
+                            KArg::U64(p(&ws.a1s)),
+                            KArg::U32(h as u32),
+                            KArg::U64(p(&ex.w1q)),
+                            KArg::U64(p(&ex.w1s)),
+                            KArg::U64(p(&ex.w3q)),
+                            KArg::U64(p(&ex.w3s)),
+                            KArg::U32(i as u32),
+                            KArg::U32(ex.wblock),
+                            KArg::U64(gpu.ptr(&ws.gs1)),
+                            KArg::U64(gpu.ptr(&ex.ws2_1)),
+                            KArg::U64(gpu.ptr(&ex.ws2_3)),
+                            KArg::F32(limit),
+                            KArg::U32(has_limit),
+                            KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                            KArg::U32(e as u32),
+                            KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                            KArg::U32(flavor_code(self.flavor)),
+                            KArg::U64(p(&ws.a2q)),
+                            KArg::U64(p(&ws.a2s)),
+                            KArg::U64(gpu.ptr(&ws.stats)),
+                            KArg::U64(gpu.ptr(&ws.a_f32)),
+                            KArg::U64(gpu.ptr(&ws.amax_bits)),
+                        ],
+                    )?;
+                }
                 if self.dynamic {
                     // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
                     gpu.launch(
@@ -878,26 +907,37 @@ impl Nvfp4Forward {
                 }
                 Ok(())
             }
-            Stage::Down if n > 0 => gpu.launch(
-                &MOE,
-                "moe_gemm_nvfp4",
-                self.gemm_grid(h, PLAIN_BN),
-                &[
-                    KArg::U64(p(&ws.a2q)),
-                    KArg::U64(p(&ws.a2s)),
-                    KArg::U32(i as u32),
-                    KArg::U64(p(&ex.w2q)),
-                    KArg::U64(p(&ex.w2s)),
-                    KArg::U32(h as u32),
-                    KArg::U32(ex.wblock),
-                    KArg::U64(gpu.ptr(&ws.gs2)),
-                    KArg::U64(gpu.ptr(&ex.ws2_2)),
-                    KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                    KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                    KArg::U32(e as u32),
-                    KArg::U64(gpu.ptr(&ws.y)),
-                ],
-            ),
+            Stage::Down if n > 0 => match self.choose_gemm() {
+                kind @ GemmKind::Decode { .. } => moe_decode::enqueue_down(
+                    gpu,
+                    &self.decode_args(p(&ws.a2q), p(&ws.a2s), i, h, kind.rows_per_pass(i)),
+                    p(&ex.w2q),
+                    p(&ex.w2s),
+                    gpu.ptr(&ws.gs2),
+                    gpu.ptr(&ex.ws2_2),
+                    gpu.ptr(&ws.y),
+                ),
+                GemmKind::Tiled => gpu.launch(
+                    &MOE,
+                    "moe_gemm_nvfp4",
+                    self.gemm_grid(h, PLAIN_BN),
+                    &[
+                        KArg::U64(p(&ws.a2q)),
+                        KArg::U64(p(&ws.a2s)),
+                        KArg::U32(i as u32),
+                        KArg::U64(p(&ex.w2q)),
+                        KArg::U64(p(&ex.w2s)),
+                        KArg::U32(h as u32),
+                        KArg::U32(ex.wblock),
+                        KArg::U64(gpu.ptr(&ws.gs2)),
+                        KArg::U64(gpu.ptr(&ex.ws2_2)),
+                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                        KArg::U32(e as u32),
+                        KArg::U64(gpu.ptr(&ws.y)),
+                    ],
+                ),
+            },
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
                 self.enqueue_shared()?;
@@ -905,6 +945,42 @@ impl Nvfp4Forward {
             }
         }
     }
+
+    // ---- decode GEMMs (kernels/moe_decode.cu, src/backend/cuda/moe_decode.rs) ----
+
+    /// The grouped GEMM kernels this forward runs: decided from the shapes and the token
+    /// count alone, so a captured graph and an eager run use the same ones.
+    pub fn choose_gemm(&self) -> GemmKind {
+        let c = &self.layer.config;
+        let wblock = self.layer.nvfp4.as_ref().map_or(0, |x| x.wblock);
+        moe_decode::choose(
+            self.ws.tokens,
+            wblock,
+            c.hidden_size,
+            c.moe_intermediate_size,
+        )
+    }
+
+    fn decode_args(
+        &self,
+        aq: u64,
+        a_scales: u64,
+        k: usize,
+        nout: usize,
+        g_rows: u32,
+    ) -> DecodeArgs {
+        DecodeArgs {
+            aq,
+            a_scales,
+            k,
+            nout,
+            experts: self.layer.config.n_routed_experts,
+            expert_offsets: self.gpu().ptr(&self.ws.expert_offsets),
+            g_rows,
+        }
+    }
+
+    // ---- end of the decode GEMMs ----
 
     /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
     fn enqueue_shared(&self) -> Result<()> {

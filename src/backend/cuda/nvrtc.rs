@@ -71,6 +71,12 @@ pub const DEQUANT: KernelModule = KernelModule {
     kernels: &["dequant_fp4", "decode_f32", "first_index_at_max"],
 };
 
+pub const MOE_DECODE: KernelModule = KernelModule {
+    file: "kernels/moe_decode.cu",
+    source: include_str!("../../../kernels/moe_decode.cu"),
+    kernels: &["moe_decode_nvfp4", "moe_decode_gate_up_nvfp4"],
+};
+
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
 pub const BENCH: KernelModule = KernelModule {
     file: "kernels/bench.cu",
@@ -84,7 +90,15 @@ pub const BENCH: KernelModule = KernelModule {
 };
 
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH, &DEQUANT];
+pub const MODULES: &[&KernelModule] = &[
+    &QUANT,
+    &REDUCE,
+    &ROUTER,
+    &MOE,
+    &MOE_DECODE,
+    &BENCH,
+    &DEQUANT,
+];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.

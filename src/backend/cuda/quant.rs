@@ -81,6 +81,20 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
     grid_1d(n, THREADS)
 }
 
+/// The NVFP4 quantizer's grid: one thread per two blocks of a row (kernels/quant.cu
+/// `nvfp4_quantize`, QUANT_THREADS threads).
+pub(crate) fn nvfp4_grid(
+    rows: usize,
+    kb: usize,
+    layout: ScaleLayout,
+) -> Result<cudarc::driver::LaunchConfig> {
+    let (rows_g, kb_g) = match layout {
+        ScaleLayout::Linear => (rows, kb),
+        ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
+    };
+    grid_1d((rows_g * kb_g.div_ceil(2)) as u64, THREADS)
+}
+
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
 pub fn quantize_nvfp4_dev(
     gpu: &Gpu,
@@ -144,7 +158,7 @@ pub fn enqueue_quantize_nvfp4(
     gpu.launch(
         &QUANT,
         kernel,
-        grid_for(rows, cols / 16, layout)?,
+        nvfp4_grid(rows, cols / 16, layout)?,
         &[
             KArg::U64(x.ptr(gpu)),
             KArg::U64(rows as u64),

@@ -8,8 +8,9 @@ use crate::metrics::{Accum, Metrics};
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, ValidAsZeroBits};
 
 const THREADS: u32 = 256;
-/// Elements per block in pass 1: a fixed split, so the sums do not depend on the device.
-const CHUNK: u64 = 8192;
+/// Elements per block in pass 1 (kernels/reduce.cu COMPARE_CHUNK): a fixed split, so the
+/// sums do not depend on the device.
+const CHUNK: u64 = 32768;
 
 /// kernels/reduce.cu `struct Acc`.
 #[repr(C)]
@@ -114,7 +115,6 @@ impl CompareScratch {
                 KArg::U64(gpu.ptr(test)),
                 KArg::U64(gpu.ptr(reference)),
                 KArg::U64(n as u64),
-                KArg::U64(CHUNK),
                 KArg::U64(gpu.ptr(&self.partials)),
             ],
         )?;

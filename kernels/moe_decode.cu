@@ -1,0 +1,362 @@
+// Grouped NVFP4 GEMMs for decode (few rows per expert): weight-streaming kernels. The rows
+// of an expert are few, so the weights are the bytes that matter: each warp streams a 16-row
+// slice of an expert's FP4 codes with 16-byte loads, dequantizes them exactly in registers and
+// feeds them as the A operand of FP16 mma.sync m16n8k16 (weights as M, up to 8 token rows as
+// N), FP32 accumulation, alpha in the FP32 epilogue.
+//
+// Numerics (docs/moe-forward.md): y = alpha * sum_k (e2m1(qa) * sa) * (e2m1(qw) * sw). Both
+// factors are integers times 2^-10 below 2688, so both are exact in FP16 once scaled by 2^-14
+// (an E2M1 nibble placed in the FP16 bits *is* its value times 2^-14, subnormal 0.5 included);
+// their product is exact in FP32, and scaling every term by 2^-28 scales every FP32 partial sum
+// exactly (all stay normal), so (acc * 2^28) * alpha is the FP32 sum of the exact products,
+// up to summation order. The K dimension is split over the warps of a CTA and the partial
+// sums are added in a fixed order: deterministic, no float atomics.
+#include "nvfp4dbg_common.cuh"
+
+#define DEC_WARPS 8
+#define DEC_THREADS (DEC_WARPS * 32)
+#define DEC_KSPLIT 2                       // warps per output tile, splitting K
+#define DEC_TILES (DEC_WARPS / DEC_KSPLIT)  // 16-row output tiles per CTA
+#define DEC_ROWS_PER_CTA (DEC_TILES * 16)
+#define DEC_G 8                            // token rows per pass (the MMA's N)
+#define DEC_CHUNK_K 128                    // K per warp step: 16 rows x 64 bytes
+#define SCALE_2P28 268435456.0f            // 2^28: undoes the 2^-14 of both operands
+
+// E2M1 nibbles j and j+4 of a word as an FP16 pair, each equal to its value times 2^-14.
+__device__ __forceinline__ u32 nib_pair_f16(u32 w, int j) {
+    u32 x = w >> (4 * j);
+    return ((x & 0x00070007u) << 9) | ((x << 12) & 0x80008000u);
+}
+
+__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// Two E4M3 bytes (low byte -> low half) to FP16 (exact; NaN stays NaN).
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+    u32 d;
+    asm("{ .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(two));
+    return d;
+}
+
+// Weight codes are read once: no L1 allocation, and L2 fetches the whole 256-byte sector
+// group (the next three K-chunks of the row), so a warp has 4x the bytes of its loads on the
+// way from HBM.
+__device__ __forceinline__ uint4 ldg_stream(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void prefetch_l2(const u8* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The activation rows of a pass live in shared memory as FP16 (value * 2^-14), K per row, in
+// 16-byte units of 8 k; inside a unit the order is (0,4,1,5,2,6,3,7) so that u32 j holds the
+// pair (j, j+4), matching nib_pair_f16. Units are XOR-swizzled so that the B-fragment loads of
+// a warp (8 lanes per phase: 2 rows x 4 k-quarters) hit 8 distinct 16-byte bank groups.
+__device__ __forceinline__ u32 act_unit(u32 c, u32 row) {
+    return c ^ ((c >> 2) & 3u) ^ ((row & 1u) << 2);
+}
+
+// Fill rows [0, mg) of the activation buffer from sorted rows p0.. of an NVFP4 [N, K] tensor.
+__device__ __forceinline__ void fill_acts(const u8* __restrict__ aq, const u8* __restrict__ as,
+                                          u32 K, u32 p0, u32 mg, uint4* act) {
+    u32 units = K / 8;
+    for (u32 u = threadIdx.x; u < mg * units; u += DEC_THREADS) {
+        u32 j = u / units, c = u % units;
+        size_t row = (size_t)(p0 + j);
+        u32 w = *reinterpret_cast<const u32*>(aq + row * (K / 2) + c * 4);
+        u32 sb = as[row * (K / 16) + c / 2];
+        u32 s2 = e4m3x2_to_f16x2(sb | (sb << 8));
+        uint4 v;
+        v.x = mul_f16x2(nib_pair_f16(w, 0), s2);
+        v.y = mul_f16x2(nib_pair_f16(w, 1), s2);
+        v.z = mul_f16x2(nib_pair_f16(w, 2), s2);
+        v.w = mul_f16x2(nib_pair_f16(w, 3), s2);
+        act[(size_t)j * units + act_unit(c, j)] = v;
+    }
+}
+
+// One K-chunk of NB weight matrices for one lane: rows n0+g and n0+g+8, 16 bytes each, and
+// the two E4M3 scales of each row's 32 codes.
+template <int NB>
+struct WChunk {
+    uint4 w[NB][2];
+    u32 s[NB][2];
+};
+
+template <int NB>
+struct WRows {
+    const u8* q[NB];  // codes of row n0 + g (row n0 + g + 8 is 8 rows further)
+    const u8* s[NB];  // scales of row n0 + g
+};
+
+// How far ahead (in K-chunks) the L2 prefetch of a warp's weight rows runs.
+#define DEC_PREFETCH 8
+
+__device__ __forceinline__ const u8* prefetch_addr(const u8* row_g, u32 K, u32 chunk, u32 t) {
+    // (rows shorter than 256 bytes: both lanes take the first line, never the next row's)
+    u32 line = K >= 512 ? (t & 1u) * 128 : 0u;
+    return row_g + (size_t)(t >> 1) * 8 * (K / 2) + (size_t)chunk * (DEC_CHUNK_K / 2) + line;
+}
+
+template <int NB>
+__device__ __forceinline__ void load_chunk(const WRows<NB>& r, u32 K, u32 chunk, u32 t, WChunk<NB>& c,
+                                           u32 c_end) {
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+        const u8* q = r.q[b] + (size_t)chunk * (DEC_CHUNK_K / 2) + 16 * t;
+        // every 4 chunks, the 256 bytes of both rows DEC_PREFETCH chunks on (lane t: row g or
+        // g + 8, first or second 128-byte line)
+        if (chunk % 4 == 0 && chunk + DEC_PREFETCH < c_end) prefetch_l2(prefetch_addr(r.q[b], K, chunk + DEC_PREFETCH, t));
+        c.w[b][0] = ldg_stream(q);
+        c.w[b][1] = ldg_stream(q + (size_t)8 * (K / 2));
+        const u8* s = r.s[b] + (size_t)chunk * (DEC_CHUNK_K / 16) + 2 * t;
+        c.s[b][0] = __ldg(reinterpret_cast<const u16*>(s));
+        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(s + (size_t)8 * (K / 16)));
+    }
+}
+
+template <int NB>
+__device__ __forceinline__ void mma_chunk(const WChunk<NB>& c, const uint4* act_row, u32 brow, u32 chunk,
+                                          u32 t, float (&acc)[NB][4]) {
+    u32 sc[NB][2][2];  // [matrix][row g / g+8][scale of words 0-1 / 2-3] as FP16 pairs
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 s2 = e4m3x2_to_f16x2(c.s[b][h]);
+            sc[b][h][0] = __byte_perm(s2, 0, 0x1010);
+            sc[b][h][1] = __byte_perm(s2, 0, 0x3232);
+        }
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        uint4 bq = act_row[act_unit(chunk * (DEC_CHUNK_K / 8) + 4 * t + q, brow)];
+#pragma unroll
+        for (int b = 0; b < NB; b++) {
+            u32 wg = q == 0 ? c.w[b][0].x : q == 1 ? c.w[b][0].y : q == 2 ? c.w[b][0].z : c.w[b][0].w;
+            u32 w8 = q == 0 ? c.w[b][1].x : q == 1 ? c.w[b][1].y : q == 2 ? c.w[b][1].z : c.w[b][1].w;
+            u32 sg = sc[b][0][q / 2], s8 = sc[b][1][q / 2];
+            mma_f16(acc[b], mul_f16x2(nib_pair_f16(wg, 0), sg), mul_f16x2(nib_pair_f16(w8, 0), s8),
+                    mul_f16x2(nib_pair_f16(wg, 1), sg), mul_f16x2(nib_pair_f16(w8, 1), s8), bq.x, bq.y);
+            mma_f16(acc[b], mul_f16x2(nib_pair_f16(wg, 2), sg), mul_f16x2(nib_pair_f16(w8, 2), s8),
+                    mul_f16x2(nib_pair_f16(wg, 3), sg), mul_f16x2(nib_pair_f16(w8, 3), s8), bq.z, bq.w);
+        }
+    }
+}
+
+// The chunks [c0, c1) of this warp's K range, two in flight.
+template <int NB>
+__device__ __forceinline__ void stream_k(const WRows<NB>& r, u32 K, u32 c0, u32 c1, WChunk<NB> (&st)[2],
+                                         const uint4* act_row, u32 brow, u32 t, float (&acc)[NB][4]) {
+    for (u32 c = c0; c < c1; c += 2) {
+        mma_chunk<NB>(st[0], act_row, brow, c, t, acc);
+        if (c + 2 < c1) load_chunk<NB>(r, K, c + 2, t, st[0], c1);
+        if (c + 1 < c1) {
+            mma_chunk<NB>(st[1], act_row, brow, c + 1, t, acc);
+            if (c + 3 < c1) load_chunk<NB>(r, K, c + 3, t, st[1], c1);
+        }
+    }
+}
+
+// Shared memory: activations [DEC_G or fewer rows][K] FP16, then the K-split partial sums
+// [NB][DEC_KSPLIT][DEC_TILES][32 lanes] float4, then the epilogue staging [DEC_TILES][8][16].
+__host__ __device__ constexpr u32 dec_red_bytes(int nb) { return nb * DEC_KSPLIT * DEC_TILES * 32 * 16; }
+#define DEC_STAGE_BYTES (DEC_TILES * DEC_G * 16 * 4)
+
+// Everything a CTA does for one pass of up to `g_rows` token rows: stream the warp's K range
+// of its tile and add the K-split partials in fixed order; returns true for the warps that
+// hold a finished tile (ks == 0), with the sums in acc.
+template <int NB>
+__device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8* __restrict__ aq,
+                                            const u8* __restrict__ as, u32 p0, u32 mg, u32 g_rows,
+                                            bool tile_live, u8* smem, float (&acc)[NB][4]) {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 g = lane / 4, t = lane % 4;
+    u32 tile = warp % DEC_TILES, ks = warp / DEC_TILES;
+    u32 nch = K / DEC_CHUNK_K;
+    u32 c0 = ks * nch / DEC_KSPLIT, c1 = (ks + 1) * nch / DEC_KSPLIT;
+    uint4* act = reinterpret_cast<uint4*>(smem);
+    float4* red = reinterpret_cast<float4*>(smem + (size_t)g_rows * K * 2);
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[b][i] = 0.0f;
+    WChunk<NB> st[2];
+    bool work = tile_live && c0 < c1;
+    // the first weight chunks are in flight while the activations are staged
+    if (work) load_chunk<NB>(r, K, c0, t, st[0], c1);
+    if (work && c0 + 1 < c1) load_chunk<NB>(r, K, c0 + 1, t, st[1], c1);
+    // the L2 fetches for the first chunks past the register pipeline
+    if (work)
+        for (u32 c = c0 - c0 % 4 + 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
+#pragma unroll
+            for (int b = 0; b < NB; b++) prefetch_l2(prefetch_addr(r.q[b], K, c, t));
+    __syncthreads();  // the previous pass is done with the buffers
+    fill_acts(aq, as, K, p0, mg, act);
+    __syncthreads();
+    // token column g reads activation row g; columns past the pass's rows read row 0 (their
+    // outputs are never used: MMA columns are independent)
+    u32 brow = g < mg ? g : 0u;
+    if (work) stream_k<NB>(r, K, c0, c1, st, act + (size_t)brow * (K / 8), brow, t, acc);
+#pragma unroll
+    for (int b = 0; b < NB; b++)
+        red[((b * DEC_KSPLIT + ks) * DEC_TILES + tile) * 32 + lane] =
+            make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+    __syncthreads();
+    if (ks != 0) return false;
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+        float4 v = red[((b * DEC_KSPLIT + 0) * DEC_TILES + tile) * 32 + lane];
+        float s[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 1; k < DEC_KSPLIT; k++) {
+            float4 o = red[((b * DEC_KSPLIT + k) * DEC_TILES + tile) * 32 + lane];
+            s[0] = __fadd_rn(s[0], o.x);
+            s[1] = __fadd_rn(s[1], o.y);
+            s[2] = __fadd_rn(s[2], o.z);
+            s[3] = __fadd_rn(s[3], o.w);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[b][i] = __fmul_rn(s[i], SCALE_2P28);
+    }
+    return tile_live;
+}
+
+// Accumulator element i of lane (g, t): output row n0 + g (+8 for i >= 2), token column 2t + i%2.
+#define ACC_ROW(i) (g + ((i) / 2) * 8)
+#define ACC_TOK(i) (2 * t + ((i) % 2))
+
+// Down projection: out[p, n] = f32(acc) * alpha_e, alpha_e = rcp(gs[e]) * ws2[e]. Grid:
+// (ceil(nout / 64), E). Needs K % 128 == 0, nout % 16 == 0, E4M3 weight scales.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, const u8* __restrict__ wq,
+                 const u8* __restrict__ ws, u32 nout, const float* __restrict__ gs,
+                 const float* __restrict__ ws2, const u32* __restrict__ expert_offsets, u32 g_rows,
+                 float* __restrict__ out) {
+    extern __shared__ __align__(16) u8 dsmem[];
+    u32 e = blockIdx.y;
+    u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
+    if (r0 == r1) return;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 g = lane / 4, t = lane % 4;
+    u32 n0 = blockIdx.x * DEC_ROWS_PER_CTA + (warp % DEC_TILES) * 16;
+    bool live = n0 < nout;
+    u32 nl = live ? n0 : 0u;
+    WRows<1> r;
+    r.q[0] = wq + (size_t)e * nout * (K / 2) + (size_t)(nl + g) * (K / 2);
+    r.s[0] = ws + (size_t)e * nout * (K / 16) + (size_t)(nl + g) * (K / 16);
+    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+    for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
+        u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
+        float acc[1][4];
+        if (!decode_pass<1>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (ACC_TOK(i) < mg)
+                out[(size_t)(p0 + ACC_TOK(i)) * nout + n0 + ACC_ROW(i)] = __fmul_rn(acc[0][i], alpha);
+    }
+}
+
+// Gate/up projection with SwiGLU and the re-quantization fused, as moe_gemm_gate_up_nvfp4:
+// a = swiglu(acc_g * alpha_g, acc_u * alpha_u); fixed gs2: quantize each (row, 16 columns) of
+// `a` (the 16 rows of a warp tile are one block); dynamic: write `a` and fold |a| into
+// amax_bits[e]. Grid: (ceil(nout / 64), E).
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
+                         const u8* __restrict__ w1q, const u8* __restrict__ w1s,
+                         const u8* __restrict__ w3q, const u8* __restrict__ w3s, u32 nout,
+                         const float* __restrict__ gs1, const float* __restrict__ ws2_1,
+                         const float* __restrict__ ws2_3, float limit, u32 has_limit,
+                         const u32* __restrict__ expert_offsets, u32 g_rows,
+                         const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                         u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
+                         u32* __restrict__ amax_bits) {
+    extern __shared__ __align__(16) u8 dsmem[];
+    u32 e = blockIdx.y;
+    u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
+    if (r0 == r1) return;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 g = lane / 4, t = lane % 4;
+    u32 tile = warp % DEC_TILES;
+    u32 n0 = blockIdx.x * DEC_ROWS_PER_CTA + tile * 16;
+    bool live = n0 < nout;
+    u32 nl = live ? n0 : 0u;
+    WRows<2> r;
+    size_t qoff = (size_t)e * nout * (K / 2) + (size_t)(nl + g) * (K / 2);
+    size_t soff = (size_t)e * nout * (K / 16) + (size_t)(nl + g) * (K / 16);
+    r.q[0] = w1q + qoff; r.s[0] = w1s + soff;
+    r.q[1] = w3q + qoff; r.s[1] = w3s + soff;
+    float g_in = rcp_ref(gs1[e]);
+    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
+    float* stage = reinterpret_cast<float*>(dsmem + (size_t)g_rows * K * 2 + dec_red_bytes(2)) +
+                   tile * (DEC_G * 16);
+    u32 counts[4] = {0, 0, 0, 0};
+    u32 amax = 0;
+    bool fin_warp = warp < DEC_TILES;
+    for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
+        u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
+        float acc[2][4];
+        if (!decode_pass<2>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float gv = __fmul_rn(acc[0][i], alpha_g);
+            float uv = __fmul_rn(acc[1][i], alpha_u);
+            stage[ACC_TOK(i) * 16 + ACC_ROW(i)] = swiglu(gv, uv, limit, has_limit);
+        }
+        __syncwarp();
+        if (gs2 != nullptr) {
+            if ((u32)lane < mg) {
+                float v[16];
+#pragma unroll
+                for (int x = 0; x < 16; x++) v[x] = stage[lane * 16 + x];
+                u32 pk[2];
+                u32 s = quant_block_nvfp4(v, gs2[e], flavor, pk);
+                size_t row = (size_t)(p0 + lane);
+                *reinterpret_cast<uint2*>(outq + row * (nout / 2) + n0 / 2) = make_uint2(pk[0], pk[1]);
+                outs[row * (nout / 16) + n0 / 16] = (u8)s;
+                float vmax = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
+                u32 c = classify_nvfp4(s, vmax > 0.0f);
+                counts[0] += 1;
+                counts[1] += c & 1u;
+                counts[2] += (c >> 1) & 1u;
+                counts[3] += (c >> 2) & 1u;
+            }
+        } else {
+            // lane (row, 2 tokens x 8 rows): 16 rows x mg tokens, 4 values per lane
+            for (u32 idx = lane; idx < mg * 16; idx += 32) {
+                u32 tok = idx / 16, n = idx % 16;
+                float v = stage[tok * 16 + n];
+                out_f32[(size_t)(p0 + tok) * nout + n0 + n] = v;
+                float a = fabsf(v);
+                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
+                amax = bits > amax ? bits : amax;
+            }
+        }
+        __syncwarp();
+    }
+    if (fin_warp) {
+        if (gs2 != nullptr) {
+            add_stats4(stats, counts);
+        } else {
+            amax = __reduce_max_sync(0xFFFFFFFFu, amax);
+            if (lane == 0 && amax) atomicMax(&amax_bits[e], amax);
+        }
+    }
+}
