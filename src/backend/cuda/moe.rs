@@ -8,7 +8,7 @@
 
 use super::blas;
 use super::device::{grid_1d, Gpu, KArg};
-use super::nvrtc::{MOE, QUANT};
+use super::nvrtc::{KernelModule, MOE, MOE_GEMM_SM90, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
 use crate::error::{Error, Result};
@@ -24,6 +24,23 @@ const BM: usize = 128;
 const PLAIN_BN: usize = 128;
 const FUSED_BN: usize = 64;
 const SORT_CHUNK: usize = 256;
+/// kernels/moe_gemm_sm90.cu: K slice, output columns per tile (plain; fused per matrix),
+/// dynamic shared memory (H_SMEM_BYTES).
+const SM90_BK: usize = 64;
+const SM90_BN: usize = 256;
+const SM90_FUSED_BN: usize = 128;
+const SM90_SMEM_BYTES: u32 = 154_624;
+
+/// The grouped GEMM kernels of the NVFP4 forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// Warpgroup MMA where it applies (sm_90a, NVFP4 experts, K a multiple of 64), else mma.sync.
+    Auto,
+    /// The mma.sync kernels of kernels/moe.cu (every arch).
+    MmaSync,
+    /// The warpgroup-MMA kernels of kernels/moe_gemm_sm90.cu (sm_90a only).
+    Wgmma,
+}
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
 
@@ -398,6 +415,7 @@ pub struct Nvfp4Forward {
     flavor: Flavor,
     dynamic: bool,
     route: RouteSource,
+    prefill: PrefillGemm,
 }
 
 impl Nvfp4Forward {
@@ -475,6 +493,7 @@ impl Nvfp4Forward {
                 flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
                 dynamic,
                 route: RouteSource::Given,
+                prefill: PrefillGemm::Auto,
             });
         }
         Ok(Nvfp4Forward {
@@ -484,6 +503,7 @@ impl Nvfp4Forward {
             flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
             dynamic,
             route: RouteSource::Given,
+            prefill: PrefillGemm::Auto,
         })
     }
 
@@ -702,6 +722,71 @@ impl Nvfp4Forward {
         }
     }
 
+    // ---- prefill GEMM dispatch (kernels/moe_gemm_sm90.cu) ----
+
+    /// Pick the grouped GEMM kernel of the gate/up (`fused`) or down projection: Hopper's
+    /// warpgroup-MMA kernels where they apply (sm_90a, NVFP4 16-blocks, K a multiple of 64),
+    /// else the mma.sync kernels of kernels/moe.cu. Both take the same arguments and compute
+    /// the same numbers up to FP32 summation order.
+    fn prefill_gemm(
+        &self,
+        fused: bool,
+        k_dim: usize,
+        nout: usize,
+        wblock: u32,
+    ) -> (&'static KernelModule, &'static str, LaunchConfig) {
+        let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim % SM90_BK == 0;
+        let wgmma = match self.prefill {
+            PrefillGemm::Auto | PrefillGemm::Wgmma => fits,
+            PrefillGemm::MmaSync => false,
+        };
+        if !wgmma {
+            return if fused {
+                (&MOE, "moe_gemm_gate_up_nvfp4", self.gemm_grid(nout, FUSED_BN))
+            } else {
+                (&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
+            };
+        }
+        let e = self.layer.config.n_routed_experts;
+        let n = self.ws.tokens * self.ws.k;
+        // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
+        // so that the blocks sharing a row tile run together and share its A in L2
+        let m_tiles = n.div_ceil(BM) + e.min(n);
+        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
+        let grid = LaunchConfig {
+            grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: SM90_SMEM_BYTES,
+        };
+        let kernel = if fused {
+            "moe_gemm_gate_up_nvfp4_sm90"
+        } else {
+            "moe_gemm_nvfp4_sm90"
+        };
+        (&MOE_GEMM_SM90, kernel, grid)
+    }
+
+    /// Which prefill GEMM kernels this forward launches (tests compare the two).
+    pub fn set_prefill_gemm(&mut self, which: PrefillGemm) -> Result<()> {
+        let nvfp4_16 = self.layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16);
+        let c = &self.layer.config;
+        let fits = self.gpu().arch == "sm_90a"
+            && nvfp4_16
+            && c.hidden_size % SM90_BK == 0
+            && c.moe_intermediate_size % SM90_BK == 0;
+        if which == PrefillGemm::Wgmma && !fits {
+            return Err(Error::usage(format!(
+                "the wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts and hidden / \
+                 intermediate sizes that are multiples of {SM90_BK}",
+                self.gpu().arch
+            )));
+        }
+        self.prefill = which;
+        Ok(())
+    }
+
+    // ---- end of prefill GEMM dispatch ----
+
     #[allow(clippy::too_many_arguments)]
     fn enqueue_quantize(
         &self,
@@ -822,10 +907,11 @@ impl Nvfp4Forward {
                     Some(l) => (l, 1u32),
                     None => (0.0, 0u32),
                 };
+                let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
                 gpu.launch(
-                    &MOE,
-                    "moe_gemm_gate_up_nvfp4",
-                    self.gemm_grid(i, FUSED_BN),
+                    module,
+                    kernel,
+                    grid,
                     &[
                         KArg::U64(p(&ws.a1q)),
                         KArg::U64(p(&ws.a1s)),
@@ -878,10 +964,12 @@ impl Nvfp4Forward {
                 }
                 Ok(())
             }
-            Stage::Down if n > 0 => gpu.launch(
-                &MOE,
-                "moe_gemm_nvfp4",
-                self.gemm_grid(h, PLAIN_BN),
+            Stage::Down if n > 0 => {
+                let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
+                gpu.launch(
+                module,
+                kernel,
+                grid,
                 &[
                     KArg::U64(p(&ws.a2q)),
                     KArg::U64(p(&ws.a2s)),
@@ -897,7 +985,8 @@ impl Nvfp4Forward {
                     KArg::U32(e as u32),
                     KArg::U64(gpu.ptr(&ws.y)),
                 ],
-            ),
+            )
+            }
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
                 self.enqueue_shared()?;

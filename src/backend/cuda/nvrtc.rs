@@ -64,6 +64,13 @@ pub const MOE: KernelModule = KernelModule {
     ],
 };
 
+/// The prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a; a trap elsewhere).
+pub const MOE_GEMM_SM90: KernelModule = KernelModule {
+    file: "kernels/moe_gemm_sm90.cu",
+    source: include_str!("../../../kernels/moe_gemm_sm90.cu"),
+    kernels: &["moe_gemm_nvfp4_sm90", "moe_gemm_gate_up_nvfp4_sm90"],
+};
+
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
 pub const BENCH: KernelModule = KernelModule {
     file: "kernels/bench.cu",
@@ -77,7 +84,7 @@ pub const BENCH: KernelModule = KernelModule {
 };
 
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH];
+pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &MOE_GEMM_SM90, &BENCH];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.
