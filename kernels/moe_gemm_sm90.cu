@@ -92,27 +92,35 @@ __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// Both operands are dequantized with a factor 2^-9 each (exact, see dequant8); the
+// epilogues multiply the FP32 sum by 2^18 (exact) before alpha, so the outputs are those of
+// the unscaled product. Every product is a multiple of 2^-38, far from FP32 underflow.
+#define H_UNSCALE 262144.0f
+
 // Eight E2M1 codes (one word, element 2i in the low nibble of byte i) times their block
-// scale (a BF16 pair), as 8 BF16 values in the order n0 n4 n1 n5 n2 n6 n3 n7: A and W use
-// the same order, so the dot product is the same sum. Placing a code's 3 magnitude bits at
-// BF16 bits 6-8 gives e2m1 * 2^-126 exactly (the codes 0 and 0.5 become zero and the
-// subnormal 2^-127); times 2^126 is exact, and so is times the scale. The -0 addend keeps
-// the sign of a zero product, as kernels/moe.cu does.
+// scale, as 8 BF16 values in the order n0 n4 n1 n5 n2 n6 n3 n7 (A and W use the same order,
+// so the dot product is the same sum). A code's 3 magnitude bits placed at BF16 bits 6-8 with
+// its sign at bit 15 read as e2m1 * 2^-126 exactly (0.5 is the subnormal 2^-127); times
+// s2 = scale * 2^117 that is e2m1 * scale * 2^-9, exact (at least 2^-19, a normal BF16).
 __device__ __forceinline__ uint4 dequant8(u32 q, u32 s2) {
-    const u32 two126 = 0x7E807E80u, neg0 = 0x80008000u;
-    u32 v = q & 0x77777777u, g = q & 0x88888888u;
-    u32 w[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        u32 bits = (((v >> (4 * j)) & 0x00070007u) << 6) | (((g >> (4 * j)) & 0x00080008u) << 12);
-        w[j] = bf16x2_fma(bf16x2_fma(bits, two126, neg0), s2, neg0);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    const u32 MAG = 0x01C001C0u, SGN = 0x80008000u, neg0 = 0x80008000u;
+    u32 w0 = ((q << 6) & MAG) | ((q << 12) & SGN);
+    u32 w1 = ((q << 2) & MAG) | ((q << 8) & SGN);
+    u32 w2 = ((q >> 2) & MAG) | ((q << 4) & SGN);
+    u32 w3 = ((q >> 6) & MAG) | (q & SGN);
+    return make_uint4(bf16x2_fma(w0, s2, neg0), bf16x2_fma(w1, s2, neg0), bf16x2_fma(w2, s2, neg0),
+                      bf16x2_fma(w3, s2, neg0));
 }
 
-__device__ __forceinline__ u32 e4m3_bf16x2(u32 code) {
-    u32 h = __float_as_uint(e4m3_decode(code)) >> 16;  // exact: E4M3 values are BF16 values
-    return h | (h << 16);
+// Two E4M3 codes (bytes 0 and 2 of t; bytes 1 and 3 zero) -> the BF16 pair code * 2^117,
+// exact: the code's 7 low bits at BF16 bits 4-10 read as e4m3 * 2^-120 (subnormal codes
+// included), then * 2^120 * 2^117. The NaN codes 0x7F / 0xFF stay NaN.
+__device__ __forceinline__ u32 e4m3x2_scaled(u32 t) {
+    const u32 neg0 = 0x80008000u;
+    u32 bits = ((t & 0x007F007Fu) << 4) | ((t & 0x00800080u) << 8);
+    u32 v = bf16x2_fma(bf16x2_fma(bits, 0x7B807B80u, neg0), 0x7A007A00u, neg0);
+    u32 nan = (((t & 0x007F007Fu) + 0x00010001u) & 0x00800080u) >> 7;
+    return v | (nan * 0x7FC0u);
 }
 
 // d[128] += A(64x16, smem desc) * B(256x16, smem desc)^T, both K-major with the 128-byte swizzle.
@@ -179,106 +187,171 @@ struct HOps {
     u32 nout, n0, split;
 };
 
-// Raw stage of K slice kb: A and W codes (32 bytes a row) and scales (4 bytes a row).
-__device__ __forceinline__ void h_load_raw(const HOps& o, u32 kb, u32 raw) {
-    u32 k0 = kb * H_BK;
+// Keep a value in a register: the compiler cannot recompute what went through an opaque asm,
+// so the per-slice loop does not redo the plan's address arithmetic.
+__device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
+__device__ __forceinline__ void pin(const u8*& v) { asm volatile("" : "+l"(v)); }
+
+// What one thread copies and dequantizes in every K slice, fixed for the whole block.
+// Code units (16 bytes = 32 codes of one row): unit 0 is A row tid/2, units 1 and 2 are W
+// rows (tid + 256)/2 - 128 and (tid + 512)/2 - 128; each takes half c = tid % 2 of the row's
+// 64 codes. Scale units (4 bytes = the row's 4 block scales): unit 0 is row tid of A (tid
+// < 128) or W row tid - 128, unit 1 is W row tid + 128 (tid < 128).
+struct HPlan {
+    const u8* src[3];  // row start + c * 16, advanced by 32 bytes per slice
+    u32 bytes[3];      // 16, or 0 (zero fill) for rows outside the problem
+    const u8* ssrc[2];
+    u32 sbytes[2];
+    bool a_on, s0_on, s1_on;  // warp-uniform
+    u32 dst[3], sdst[2];      // offsets inside a raw stage
+    u32 sel[3];               // __byte_perm selector of the unit's two scales
+    u32 doff[3][4];           // swizzled offsets of the unit's four 16-byte chunks
+};
+
+__device__ __forceinline__ void h_plan(const HOps& o, HPlan& p) {
+    u32 tid = threadIdx.x, c = tid & 1u;
     size_t qrow = o.K / 2, srow = o.K / 16;
+    auto wsrc = [&](u32 n, bool scales, u32& bytes) -> const u8* {
+        bool m1 = n >= o.split;
+        u32 wrow = o.n0 + (m1 ? n - o.split : n);
+        bool ok = wrow < o.nout;
+        bytes = ok ? (scales ? 4u : 16u) : 0u;
+        const u8* base = scales ? (m1 ? o.ws1 : o.ws0) : (m1 ? o.wq1 : o.wq0);
+        return base + (size_t)(ok ? wrow : 0u) * (scales ? srow : qrow);
+    };
 #pragma unroll
-    for (u32 t = 0; t < 3; t++) {
-        u32 u = threadIdx.x + t * H_THREADS;
-        u32 r = u >> 1, c = u & 1u;
-        if (r < H_BM) {
-            if (r >= o.a_rows) continue;
+    for (int t = 0; t < 3; t++) {
+        u32 r = (tid + t * H_THREADS) >> 1;
+        if (t == 0) {
             u32 row = o.r0 + r;
             bool ok = row < o.r1;
-            cp_async16(raw + H_RAW_AQ + r * 32 + c * 16, ok ? o.aq + row * qrow + k0 / 2 + c * 16 : o.aq,
-                       ok ? 16u : 0u);
+            p.bytes[0] = ok ? 16u : 0u;
+            p.src[0] = o.aq + (size_t)(ok ? row : o.r0) * qrow + c * 16;
+            p.dst[0] = H_RAW_AQ + r * 32 + c * 16;
         } else {
             u32 n = r - H_BM;
-            bool m1 = n >= o.split;
-            u32 wrow = o.n0 + (m1 ? n - o.split : n);
-            bool ok = wrow < o.nout;
-            const u8* wq = m1 ? o.wq1 : o.wq0;
-            cp_async16(raw + H_RAW_BQ + n * 32 + c * 16, ok ? wq + wrow * qrow + k0 / 2 + c * 16 : o.aq,
-                       ok ? 16u : 0u);
+            p.src[t] = wsrc(n, false, p.bytes[t]) + c * 16;
+            p.dst[t] = H_RAW_BQ + n * 32 + c * 16;
         }
+        u32 rr = t == 0 ? r : r - H_BM;
+        p.sel[t] = 0x4140u + c * 0x0202u;
+#pragma unroll
+        for (int w = 0; w < 4; w++) p.doff[t][w] = rr * 128 + ((((c * 4) + w) ^ (rr & 7u)) << 4);
+    }
+    p.a_on = (tid >> 1) < o.a_rows;
+    if (tid < H_BM) {
+        u32 row = o.r0 + tid;
+        bool ok = row < o.r1;
+        p.sbytes[0] = ok ? 4u : 0u;
+        p.ssrc[0] = o.as + (size_t)(ok ? row : o.r0) * srow;
+        p.sdst[0] = H_RAW_AS + tid * 4;
+        p.s0_on = tid < o.a_rows;
+        p.ssrc[1] = wsrc(tid + H_BM, true, p.sbytes[1]);
+        p.sdst[1] = H_RAW_BS + (tid + H_BM) * 4;
+        p.s1_on = true;
+    } else {
+        p.ssrc[0] = wsrc(tid - H_BM, true, p.sbytes[0]);
+        p.sdst[0] = H_RAW_BS + (tid - H_BM) * 4;
+        p.s0_on = true;
+        p.ssrc[1] = p.ssrc[0];
+        p.sbytes[1] = 0;
+        p.sdst[1] = 0;
+        p.s1_on = false;
     }
 #pragma unroll
-    for (u32 t = 0; t < 2; t++) {
-        u32 r = threadIdx.x + t * H_THREADS;
-        if (r >= H_BM + H_BN) break;
-        if (r < H_BM) {
-            if (r >= o.a_rows) continue;
-            u32 row = o.r0 + r;
-            bool ok = row < o.r1;
-            cp_async4(raw + H_RAW_AS + r * 4, ok ? o.as + row * srow + k0 / 16 : o.as, ok ? 4u : 0u);
-        } else {
-            u32 n = r - H_BM;
-            bool m1 = n >= o.split;
-            u32 wrow = o.n0 + (m1 ? n - o.split : n);
-            bool ok = wrow < o.nout;
-            const u8* ws = m1 ? o.ws1 : o.ws0;
-            cp_async4(raw + H_RAW_BS + n * 4, ok ? ws + wrow * srow + k0 / 16 : o.as, ok ? 4u : 0u);
-        }
+    for (int t = 0; t < 3; t++) {
+        pin(p.src[t]);
+        pin(p.bytes[t]);
+        pin(p.dst[t]);
+        pin(p.sel[t]);
+#pragma unroll
+        for (int w = 0; w < 4; w++) pin(p.doff[t][w]);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        pin(p.ssrc[t]);
+        pin(p.sbytes[t]);
+        pin(p.sdst[t]);
     }
 }
 
-// Raw stage -> BF16 operand buffers. Thread unit: one row's 32 codes (two scale blocks) ->
-// four 16-byte chunks; chunk kc of row r goes to chunk kc ^ (r % 8) (the 128-byte swizzle).
-// A warp's 8-lane store phases hit 8 distinct chunks: no bank conflicts.
-__device__ __forceinline__ void h_dequant(const HOps& o, const u8* raw, u8* sA, u8* sB) {
-#pragma unroll
-    for (u32 t = 0; t < 3; t++) {
-        u32 u = threadIdx.x + t * H_THREADS;
-        u32 r = u >> 1, c = u & 1u;
-        if (r < H_BM && r >= o.a_rows) continue;
-        bool is_a = r < H_BM;
-        u32 rr = is_a ? r : r - H_BM;
-        uint4 q = *reinterpret_cast<const uint4*>(raw + (is_a ? H_RAW_AQ : H_RAW_BQ) + rr * 32 + c * 16);
-        u32 sc = *reinterpret_cast<const u32*>(raw + (is_a ? H_RAW_AS : H_RAW_BS) + rr * 4);
-        u32 s0 = e4m3_bf16x2((sc >> (16 * c)) & 0xFFu), s1 = e4m3_bf16x2((sc >> (16 * c + 8)) & 0xFFu);
-        u8* row = (is_a ? sA : sB) + rr * 128;
-        u32 sw = rr & 7u;
-        u32 kc = c * 4;
-        *reinterpret_cast<uint4*>(row + (((kc + 0) ^ sw) << 4)) = dequant8(q.x, s0);
-        *reinterpret_cast<uint4*>(row + (((kc + 1) ^ sw) << 4)) = dequant8(q.y, s0);
-        *reinterpret_cast<uint4*>(row + (((kc + 2) ^ sw) << 4)) = dequant8(q.z, s1);
-        *reinterpret_cast<uint4*>(row + (((kc + 3) ^ sw) << 4)) = dequant8(q.w, s1);
-    }
+// Fill raw stage `stage` (a shared address) with K slice kb.
+__device__ __forceinline__ void h_load_raw(const HPlan& p, u32 kb, u32 stage) {
+    if (p.a_on) cp_async16(stage + p.dst[0], p.src[0] + kb * 32, p.bytes[0]);
+    cp_async16(stage + p.dst[1], p.src[1] + kb * 32, p.bytes[1]);
+    cp_async16(stage + p.dst[2], p.src[2] + kb * 32, p.bytes[2]);
+    if (p.s0_on) cp_async4(stage + p.sdst[0], p.ssrc[0] + kb * 4, p.sbytes[0]);
+    if (p.s1_on) cp_async4(stage + p.sdst[1], p.ssrc[1] + kb * 4, p.sbytes[1]);
+}
+
+// One code unit of a raw stage -> four swizzled 16-byte chunks of BF16 (chunk kc of row r
+// sits at chunk kc ^ (r % 8), the 128-byte swizzle; a warp's 8-lane store phases hit 8
+// distinct chunks, so no bank conflicts).
+__device__ __forceinline__ void h_dequant_unit(const HPlan& p, int t, const u8* raw, u32 soff, u8* buf) {
+    uint4 q = *reinterpret_cast<const uint4*>(raw + p.dst[t]);
+    u32 sc = *reinterpret_cast<const u32*>(raw + soff);
+    u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, p.sel[t]));
+    u32 s0 = __byte_perm(sv, sv, 0x1010u), s1 = __byte_perm(sv, sv, 0x3232u);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][0]) = dequant8(q.x, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][1]) = dequant8(q.y, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][2]) = dequant8(q.z, s1);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][3]) = dequant8(q.w, s1);
 }
 
 // acc[j*4 + q] of warpgroup wg holds (row, col) = (wg*64 + warp*16 + lane/4 + 8*(q/2),
-// j*8 + (lane%4)*2 + q%2) of the 128 x 256 tile.
-__device__ __forceinline__ void h_mainloop(const HOps& o, u8* base, float (&acc)[128]) {
-    u32 wg = threadIdx.x / 128;
-    u8* sA = base;
-    u8* sB = base + H_OFF_SB;
+// j*8 + (lane%4)*2 + q%2) of the 128 x 256 tile, times 2^-18 (H_UNSCALE).
+// split (timing experiments only; the outputs are then wrong): bit 0 leaves the MMAs out,
+// bit 1 the dequantization (the operand buffers are zeroed once instead).
+__device__ __forceinline__ void h_mainloop(const HOps& o, u8* base, float (&acc)[128], u32 split) {
+    u32 tid = threadIdx.x, wg = tid / 128;
+    HPlan p;
+    h_plan(o, p);
+    // scale offsets of the code units inside a raw stage (rows: A tid/2, W (tid+256)/2 - 128, ...)
+    u32 soff0 = H_RAW_AS + (tid >> 1) * 4;
+    u32 soff1 = H_RAW_BS + (((tid + H_THREADS) >> 1) - H_BM) * 4;
+    u32 soff2 = H_RAW_BS + (((tid + 2 * H_THREADS) >> 1) - H_BM) * 4;
+    pin(soff0);
+    pin(soff1);
+    pin(soff2);
     u32 raw0 = smem_addr(base + H_OFF_RAW);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.0f;
     u32 nk = o.K / H_BK;
 #pragma unroll
     for (u32 s = 0; s < H_STAGES - 1; s++) {
-        if (s < nk) h_load_raw(o, s, raw0 + s * H_RAW_BYTES);
+        if (s < nk) h_load_raw(p, s, raw0 + s * H_RAW_BYTES);
         cp_async_commit();
     }
     // a tile of <= 64 rows leaves the second warpgroup's MMAs out; the shuffle makes the
     // flag visibly warp-uniform to the compiler (else it serializes the wgmma, C7518)
-    bool mma = __shfl_sync(0xFFFFFFFFu, (wg == 0 || o.a_rows > 64) ? 1 : 0, 0) != 0;
+    bool mma = __shfl_sync(0xFFFFFFFFu, ((wg == 0 || o.a_rows > 64) && !(split & 1u)) ? 1 : 0, 0) != 0;
+    bool deq = (split & 2u) == 0;
+    if (!deq) {
+        for (u32 i = tid; i < H_OFF_RAW / 16; i += H_THREADS)
+            reinterpret_cast<uint4*>(base)[i] = make_uint4(0, 0, 0, 0);
+    }
+    u32 descA0 = smem_addr(base + wg * 64 * 128), descB0 = smem_addr(base + H_OFF_SB);
     for (u32 kb = 0; kb < nk; kb++) {
         cp_async_wait<H_STAGES - 2>();
         // raw stage kb is in; every warpgroup is past the MMAs that read buffer kb % 2 last
         __syncthreads();
         u32 nx = kb + H_STAGES - 1;
-        if (nx < nk) h_load_raw(o, nx, raw0 + (nx % H_STAGES) * H_RAW_BYTES);
+        if (nx < nk) h_load_raw(p, nx, raw0 + (nx % H_STAGES) * H_RAW_BYTES);
         cp_async_commit();
         u32 b = kb & 1u;
-        h_dequant(o, base + H_OFF_RAW + (kb % H_STAGES) * H_RAW_BYTES, sA + b * H_SA_BYTES, sB + b * H_SB_BYTES);
+        const u8* raw = base + H_OFF_RAW + (kb % H_STAGES) * H_RAW_BYTES;
+        u8* bufA = base + b * H_SA_BYTES;
+        u8* bufB = base + H_OFF_SB + b * H_SB_BYTES;
+        if (deq) {
+            if (p.a_on) h_dequant_unit(p, 0, raw, soff0, bufA);
+            h_dequant_unit(p, 1, raw, soff1, bufB);
+            h_dequant_unit(p, 2, raw, soff2, bufB);
+        }
         fence_proxy_async();
         __syncthreads();
         if (mma) {
-            u64 da = smem_desc(smem_addr(sA + b * H_SA_BYTES + wg * 64 * 128));
-            u64 db = smem_desc(smem_addr(sB + b * H_SB_BYTES));
+            u64 da = smem_desc(descA0 + b * H_SA_BYTES);
+            u64 db = smem_desc(descB0 + b * H_SB_BYTES);
             wgmma_fence();
 #pragma unroll
             for (u32 kk = 0; kk < H_BK / 16; kk++) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);
@@ -309,7 +382,7 @@ moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                     const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
                     const float* __restrict__ gs, const float* __restrict__ ws2,
                     const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-                    float* __restrict__ out) {
+                    float* __restrict__ out, u32 split) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
@@ -321,7 +394,7 @@ moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
     o.wq1 = o.wq0; o.ws1 = o.ws0;
     o.nout = nout; o.n0 = blockIdx.x * H_BN; o.split = H_BN;
     float acc[128];
-    h_mainloop(o, base, acc);
+    h_mainloop(o, base, acc, split);
     float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
 #pragma unroll
@@ -331,7 +404,8 @@ moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
             u32 row = r0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
             u32 col = o.n0 + j * 8 + (lane % 4) * 2;
             if (row >= r1) continue;
-            float v0 = __fmul_rn(acc[j * 4 + 2 * h], alpha), v1 = __fmul_rn(acc[j * 4 + 2 * h + 1], alpha);
+            float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
+            float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
             float* dst = out + (size_t)row * nout + col;
             if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
             else if (col < nout) dst[0] = v0;
@@ -354,7 +428,7 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
                             const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets,
                             u32 E, const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
                             u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
-                            u32* __restrict__ amax_bits) {
+                            u32* __restrict__ amax_bits, u32 split) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
@@ -367,7 +441,7 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
     u32 n0 = blockIdx.x * H_FUSED_BN;
     o.nout = nout; o.n0 = n0; o.split = H_FUSED_BN;
     float acc[128];
-    h_mainloop(o, base, acc);
+    h_mainloop(o, base, acc, split);
     float g_in = rcp_ref(gs1[e]);
     float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
     float* sa = reinterpret_cast<float*>(base);
@@ -380,8 +454,8 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
             for (int q = 0; q < 4; q++) {
                 u32 lr = wg * 64 + warp * 16 + lane / 4 + 8 * (q / 2);
                 u32 lc = j * 8 + (lane % 4) * 2 + (q % 2);
-                float g = __fmul_rn(acc[j * 4 + q], alpha_g);
-                float u = __fmul_rn(acc[(j + 16) * 4 + q], alpha_u);
+                float g = __fmul_rn(__fmul_rn(acc[j * 4 + q], H_UNSCALE), alpha_g);
+                float u = __fmul_rn(__fmul_rn(acc[(j + 16) * 4 + q], H_UNSCALE), alpha_u);
                 sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
             }
     }

@@ -31,6 +31,19 @@ const SM90_BN: usize = 256;
 const SM90_FUSED_BN: usize = 128;
 const SM90_SMEM_BYTES: u32 = 154_624;
 
+/// The wgmma kernels' last argument: 0, or (timing splits only, wrong outputs)
+/// `NVFP4DBG_SM90_SPLIT` = 1 to leave the MMAs out, 2 to leave the dequantization out.
+fn sm90_split_arg(module: &KernelModule) -> Option<KArg> {
+    std::ptr::eq(module, &MOE_GEMM_SM90).then(|| {
+        KArg::U32(
+            std::env::var("NVFP4DBG_SM90_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    })
+}
+
 /// The grouped GEMM kernels of the NVFP4 forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillGemm {
@@ -908,11 +921,7 @@ impl Nvfp4Forward {
                     None => (0.0, 0u32),
                 };
                 let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
-                gpu.launch(
-                    module,
-                    kernel,
-                    grid,
-                    &[
+                let mut args = vec![
                         KArg::U64(p(&ws.a1q)),
                         KArg::U64(p(&ws.a1s)),
                         KArg::U32(h as u32),
@@ -937,8 +946,9 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ws.stats)),
                         KArg::U64(gpu.ptr(&ws.a_f32)),
                         KArg::U64(gpu.ptr(&ws.amax_bits)),
-                    ],
-                )?;
+                ];
+                args.extend(sm90_split_arg(module));
+                gpu.launch(module, kernel, grid, &args)?;
                 if self.dynamic {
                     // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
                     gpu.launch(
@@ -966,11 +976,7 @@ impl Nvfp4Forward {
             }
             Stage::Down if n > 0 => {
                 let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
-                gpu.launch(
-                module,
-                kernel,
-                grid,
-                &[
+                let mut args = vec![
                     KArg::U64(p(&ws.a2q)),
                     KArg::U64(p(&ws.a2s)),
                     KArg::U32(i as u32),
@@ -984,8 +990,9 @@ impl Nvfp4Forward {
                     KArg::U64(gpu.ptr(&ws.expert_offsets)),
                     KArg::U32(e as u32),
                     KArg::U64(gpu.ptr(&ws.y)),
-                ],
-            )
+                ];
+                args.extend(sm90_split_arg(module));
+                gpu.launch(module, kernel, grid, &args)
             }
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
