@@ -27,7 +27,7 @@ fn ragged_routing(r: &mut ChaCha8Rng, counts: &[usize]) -> Routing {
         .enumerate()
         .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
         .collect();
-    assert!(entries.len() % 2 == 0 && counts.iter().all(|&c| c < entries.len() / 2));
+    assert!(entries.len().is_multiple_of(2) && counts.iter().all(|&c| c < entries.len() / 2));
     let tokens = entries.len() / 2;
     let mut order: Vec<usize> = (0..tokens).collect();
     order.shuffle(r);
@@ -77,7 +77,10 @@ fn close(what: &str, seed: u64, got: &[f32], want: &[f32]) {
 fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     let gpu = gpu();
     if gpu.arch != "sm_90a" {
-        eprintln!("the wgmma kernels run on sm_90a only; this GPU is {}", gpu.arch);
+        eprintln!(
+            "the wgmma kernels run on sm_90a only; this GPU is {}",
+            gpu.arch
+        );
         return;
     }
     let cpu = CpuBackend::new();
@@ -104,7 +107,9 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
             gs1: (0..e)
                 .map(|j| 2688.0 / amax * (1.0 + j as f32 / 64.0))
                 .collect(),
-            gs2: (0..e).map(|j| 2688.0 / 0.5 * (1.0 + j as f32 / 32.0)).collect(),
+            gs2: (0..e)
+                .map(|j| 2688.0 / 0.5 * (1.0 + j as f32 / 32.0))
+                .collect(),
         };
         for (sname, scales) in [("fixed gs", fixed), ("dynamic gs", ActScales::Dynamic)] {
             let what = format!("h {h} i {i} {sname}");
@@ -120,9 +125,19 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
                 ms.per_slot.as_ref().unwrap(),
                 want.per_slot.as_ref().unwrap(),
             );
-            close(&format!("{what}: wgmma vs cpu, out"), seed, &wg.out, &want.out);
+            close(
+                &format!("{what}: wgmma vs cpu, out"),
+                seed,
+                &wg.out,
+                &want.out,
+            );
             close(&format!("{what}: wgmma vs cpu, per_slot"), seed, wp, cp);
-            close(&format!("{what}: wgmma vs mma.sync, per_slot"), seed, wp, mp);
+            close(
+                &format!("{what}: wgmma vs mma.sync, per_slot"),
+                seed,
+                wp,
+                mp,
+            );
             close(&format!("{what}: mma.sync vs cpu, per_slot"), seed, mp, cp);
             // every expert's rows, one by one: a wrong tile shows up even where the others hide it
             let hsz = h;
@@ -149,7 +164,11 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
             // run to run: bit for bit
             let again = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&wg.out), bits(&again.out), "seed {seed} {what}: two runs differ");
+            assert_eq!(
+                bits(&wg.out),
+                bits(&again.out),
+                "seed {seed} {what}: two runs differ"
+            );
             assert_eq!(bits(wp), bits(again.per_slot.as_ref().unwrap()));
         }
     }
@@ -170,8 +189,15 @@ fn wgmma_is_refused_where_it_does_not_apply() {
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     };
     let layer = build_layer(&mut r, spec);
-    let mut f = Nvfp4Forward::new(&gpu, &layer, 8, &ActScales::Dynamic, Flavor::Reference, false)
-        .unwrap();
+    let mut f = Nvfp4Forward::new(
+        &gpu,
+        &layer,
+        8,
+        &ActScales::Dynamic,
+        Flavor::Reference,
+        false,
+    )
+    .unwrap();
     assert!(f.set_prefill_gemm(PrefillGemm::Wgmma).is_err());
     f.set_prefill_gemm(PrefillGemm::MmaSync).unwrap();
 }

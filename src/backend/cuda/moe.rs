@@ -29,10 +29,30 @@ const SORT_CHUNK: usize = 256;
 const SM90_BK: usize = 64;
 const SM90_BN: usize = 256;
 const SM90_FUSED_BN: usize = 128;
-const SM90_SMEM_BYTES: u32 = 154_624;
+const SM90_STAGES: u32 = 6;
+const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
+const _: () = assert!(
+    SM90_SMEM_BYTES <= 227 * 1024,
+    "more shared memory than a Hopper block gets"
+);
+
+#[cfg(test)]
+mod sm90_tests {
+    /// The launch's shared memory is the kernel's H_SMEM_BYTES: same stage count.
+    #[test]
+    fn stage_count_matches_the_kernel() {
+        let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
+        let line = format!("#define H_STAGES {}", super::SM90_STAGES);
+        assert!(
+            src.lines().any(|l| l.trim() == line),
+            "{line} not in moe_gemm_sm90.cu"
+        );
+    }
+}
 
 /// The wgmma kernels' last argument: 0, or (timing splits only, wrong outputs)
-/// `NVFP4DBG_SM90_SPLIT` = 1 to leave the MMAs out, 2 to leave the dequantization out.
+/// `NVFP4DBG_SM90_SPLIT`, a sum of 1 (leave the MMAs out), 2 (the dequantization), 4 (the
+/// global loads): what `nvfp4dbg bench` then times splits the kernel's time by stage.
 fn sm90_split_arg(module: &KernelModule) -> Option<KArg> {
     std::ptr::eq(module, &MOE_GEMM_SM90).then(|| {
         KArg::U32(
@@ -748,14 +768,18 @@ impl Nvfp4Forward {
         nout: usize,
         wblock: u32,
     ) -> (&'static KernelModule, &'static str, LaunchConfig) {
-        let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim % SM90_BK == 0;
+        let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim.is_multiple_of(SM90_BK);
         let wgmma = match self.prefill {
             PrefillGemm::Auto | PrefillGemm::Wgmma => fits,
             PrefillGemm::MmaSync => false,
         };
         if !wgmma {
             return if fused {
-                (&MOE, "moe_gemm_gate_up_nvfp4", self.gemm_grid(nout, FUSED_BN))
+                (
+                    &MOE,
+                    "moe_gemm_gate_up_nvfp4",
+                    self.gemm_grid(nout, FUSED_BN),
+                )
             } else {
                 (&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
             };
@@ -785,8 +809,8 @@ impl Nvfp4Forward {
         let c = &self.layer.config;
         let fits = self.gpu().arch == "sm_90a"
             && nvfp4_16
-            && c.hidden_size % SM90_BK == 0
-            && c.moe_intermediate_size % SM90_BK == 0;
+            && c.hidden_size.is_multiple_of(SM90_BK)
+            && c.moe_intermediate_size.is_multiple_of(SM90_BK);
         if which == PrefillGemm::Wgmma && !fits {
             return Err(Error::usage(format!(
                 "the wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts and hidden / \
@@ -922,30 +946,30 @@ impl Nvfp4Forward {
                 };
                 let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
                 let mut args = vec![
-                        KArg::U64(p(&ws.a1q)),
-                        KArg::U64(p(&ws.a1s)),
-                        KArg::U32(h as u32),
-                        KArg::U64(p(&ex.w1q)),
-                        KArg::U64(p(&ex.w1s)),
-                        KArg::U64(p(&ex.w3q)),
-                        KArg::U64(p(&ex.w3s)),
-                        KArg::U32(i as u32),
-                        KArg::U32(ex.wblock),
-                        KArg::U64(gpu.ptr(&ws.gs1)),
-                        KArg::U64(gpu.ptr(&ex.ws2_1)),
-                        KArg::U64(gpu.ptr(&ex.ws2_3)),
-                        KArg::F32(limit),
-                        KArg::U32(has_limit),
-                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                        KArg::U32(e as u32),
-                        KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
-                        KArg::U32(flavor_code(self.flavor)),
-                        KArg::U64(p(&ws.a2q)),
-                        KArg::U64(p(&ws.a2s)),
-                        KArg::U64(gpu.ptr(&ws.stats)),
-                        KArg::U64(gpu.ptr(&ws.a_f32)),
-                        KArg::U64(gpu.ptr(&ws.amax_bits)),
+                    KArg::U64(p(&ws.a1q)),
+                    KArg::U64(p(&ws.a1s)),
+                    KArg::U32(h as u32),
+                    KArg::U64(p(&ex.w1q)),
+                    KArg::U64(p(&ex.w1s)),
+                    KArg::U64(p(&ex.w3q)),
+                    KArg::U64(p(&ex.w3s)),
+                    KArg::U32(i as u32),
+                    KArg::U32(ex.wblock),
+                    KArg::U64(gpu.ptr(&ws.gs1)),
+                    KArg::U64(gpu.ptr(&ex.ws2_1)),
+                    KArg::U64(gpu.ptr(&ex.ws2_3)),
+                    KArg::F32(limit),
+                    KArg::U32(has_limit),
+                    KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                    KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                    KArg::U32(e as u32),
+                    KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                    KArg::U32(flavor_code(self.flavor)),
+                    KArg::U64(p(&ws.a2q)),
+                    KArg::U64(p(&ws.a2s)),
+                    KArg::U64(gpu.ptr(&ws.stats)),
+                    KArg::U64(gpu.ptr(&ws.a_f32)),
+                    KArg::U64(gpu.ptr(&ws.amax_bits)),
                 ];
                 args.extend(sm90_split_arg(module));
                 gpu.launch(module, kernel, grid, &args)?;
