@@ -28,7 +28,7 @@
 #define H_BM 128
 #define H_BN 256
 #define H_BK 64
-#define H_STAGES 6
+#define H_STAGES 4
 #define H_THREADS 256
 #define H_FUSED_BN 128
 
@@ -284,37 +284,18 @@ __device__ __forceinline__ void h_load_raw(const HPlan& p, u32 kb, u32 stage) {
     if (p.s1_on) cp_async4(stage + p.sdst[1], p.ssrc[1] + kb * 4, p.sbytes[1]);
 }
 
-// The thread's code units of a raw stage -> swizzled 16-byte chunks of BF16 (chunk kc of
-// row r sits at chunk kc ^ (r % 8), the 128-byte swizzle; a warp's 8-lane store phases hit
-// 8 distinct chunks, so no bank conflicts). All shared loads first, then the arithmetic of
-// the units interleaved: with 2 warps per scheduler the dequantization is latency-bound, so
-// the independent work of the three units has to be in flight together.
-__device__ __forceinline__ void h_dequant(const HPlan& p, const u32 (&soff)[3], const u8* raw, u8* bufA, u8* bufB) {
-    uint4 q[3];
-    u32 sc[3];
-#pragma unroll
-    for (int t = 0; t < 3; t++) {
-        if (t == 0 && !p.a_on) continue;
-        q[t] = *reinterpret_cast<const uint4*>(raw + p.dst[t]);
-        sc[t] = *reinterpret_cast<const u32*>(raw + soff[t]);
-    }
-    u32 s0[3], s1[3];
-#pragma unroll
-    for (int t = 0; t < 3; t++) {
-        if (t == 0 && !p.a_on) continue;
-        u32 sv = e4m3x2_scaled(__byte_perm(sc[t], 0u, p.sel[t]));
-        s0[t] = __byte_perm(sv, sv, 0x1010u);
-        s1[t] = __byte_perm(sv, sv, 0x3232u);
-    }
-#pragma unroll
-    for (int t = 0; t < 3; t++) {
-        if (t == 0 && !p.a_on) continue;
-        u8* buf = t == 0 ? bufA : bufB;
-        *reinterpret_cast<uint4*>(buf + p.doff[t][0]) = dequant8(q[t].x, s0[t]);
-        *reinterpret_cast<uint4*>(buf + p.doff[t][1]) = dequant8(q[t].y, s0[t]);
-        *reinterpret_cast<uint4*>(buf + p.doff[t][2]) = dequant8(q[t].z, s1[t]);
-        *reinterpret_cast<uint4*>(buf + p.doff[t][3]) = dequant8(q[t].w, s1[t]);
-    }
+// One code unit of a raw stage -> four swizzled 16-byte chunks of BF16 (chunk kc of row r
+// sits at chunk kc ^ (r % 8), the 128-byte swizzle; a warp's 8-lane store phases hit 8
+// distinct chunks, so no bank conflicts).
+__device__ __forceinline__ void h_dequant_unit(const HPlan& p, int t, const u8* raw, u32 soff, u8* buf) {
+    uint4 q = *reinterpret_cast<const uint4*>(raw + p.dst[t]);
+    u32 sc = *reinterpret_cast<const u32*>(raw + soff);
+    u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, p.sel[t]));
+    u32 s0 = __byte_perm(sv, sv, 0x1010u), s1 = __byte_perm(sv, sv, 0x3232u);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][0]) = dequant8(q.x, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][1]) = dequant8(q.y, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][2]) = dequant8(q.z, s1);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][3]) = dequant8(q.w, s1);
 }
 
 // acc[j*4 + q] of warpgroup wg holds (row, col) = (wg*64 + warp*16 + lane/4 + 8*(q/2),
@@ -327,10 +308,12 @@ __device__ __forceinline__ void h_mainloop(const HOps& o, u8* base, float (&acc)
     HPlan p;
     h_plan(o, p);
     // scale offsets of the code units inside a raw stage (rows: A tid/2, W (tid+256)/2 - 128, ...)
-    u32 soff[3] = {H_RAW_AS + (tid >> 1) * 4, H_RAW_BS + (((tid + H_THREADS) >> 1) - H_BM) * 4,
-                   H_RAW_BS + (((tid + 2 * H_THREADS) >> 1) - H_BM) * 4};
-#pragma unroll
-    for (int t = 0; t < 3; t++) pin(soff[t]);
+    u32 soff0 = H_RAW_AS + (tid >> 1) * 4;
+    u32 soff1 = H_RAW_BS + (((tid + H_THREADS) >> 1) - H_BM) * 4;
+    u32 soff2 = H_RAW_BS + (((tid + 2 * H_THREADS) >> 1) - H_BM) * 4;
+    pin(soff0);
+    pin(soff1);
+    pin(soff2);
     u32 raw0 = smem_addr(base + H_OFF_RAW);
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.0f;
@@ -360,7 +343,11 @@ __device__ __forceinline__ void h_mainloop(const HOps& o, u8* base, float (&acc)
         const u8* raw = base + H_OFF_RAW + (kb % H_STAGES) * H_RAW_BYTES;
         u8* bufA = base + b * H_SA_BYTES;
         u8* bufB = base + H_OFF_SB + b * H_SB_BYTES;
-        if (deq) h_dequant(p, soff, raw, bufA, bufB);
+        if (deq) {
+            if (p.a_on) h_dequant_unit(p, 0, raw, soff0, bufA);
+            h_dequant_unit(p, 1, raw, soff1, bufB);
+            h_dequant_unit(p, 2, raw, soff2, bufB);
+        }
         fence_proxy_async();
         __syncthreads();
         if (mma) {
