@@ -176,6 +176,51 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
 
 #[test]
 #[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
+    // H 7168 / I 2048: 112 and 32 K slices (the pipeline wraps its ring many times), 28 and
+    // 16 output tiles; fewer experts than the model to keep the CPU reference short
+    let gpu = gpu();
+    if gpu.arch != "sm_90a" {
+        eprintln!(
+            "the wgmma kernels run on sm_90a only; this GPU is {}",
+            gpu.arch
+        );
+        return;
+    }
+    let cpu = CpuBackend::new();
+    let (mut r, seed) = rng("wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths");
+    let counts = [0usize, 1, 129, 190, 64, 2];
+    let (h, i) = (7168usize, 2048usize);
+    let spec = LayerSpec {
+        h,
+        i,
+        e: counts.len(),
+        k: 2,
+        shared: false,
+        originals: false,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let layer = build_layer(&mut r, spec);
+    let routing = ragged_routing(&mut r, &counts);
+    let x = hidden(&mut r, routing.tokens, h);
+    let scales = ActScales::Dynamic;
+    let path = Path::Nvfp4 {
+        scales: &scales,
+        flavor: Flavor::Reference,
+    };
+    let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+    let wg = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
+    close("DSv3 widths: wgmma vs cpu, out", seed, &wg.out, &want.out);
+    close(
+        "DSv3 widths: wgmma vs cpu, per_slot",
+        seed,
+        wg.per_slot.as_ref().unwrap(),
+        want.per_slot.as_ref().unwrap(),
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
 fn wgmma_is_refused_where_it_does_not_apply() {
     let gpu = gpu();
     let (mut r, _) = rng("wgmma_is_refused_where_it_does_not_apply");
