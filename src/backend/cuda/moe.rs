@@ -9,7 +9,7 @@
 use super::blas;
 use super::device::{grid_1d, Gpu, KArg};
 use super::moe_decode::{self, DecodeArgs, GemmKind};
-use super::nvrtc::{MOE, QUANT};
+use super::nvrtc::{KernelModule, MOE, MOE_GEMM_SM90, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
 use crate::error::{Error, Result};
@@ -26,6 +26,56 @@ const BM: usize = 128;
 const PLAIN_BN: usize = 128;
 const FUSED_BN: usize = 64;
 const SORT_CHUNK: usize = 256;
+/// kernels/moe_gemm_sm90.cu: K slice, output columns per tile (plain; fused per matrix),
+/// dynamic shared memory (H_SMEM_BYTES).
+const SM90_BK: usize = 64;
+const SM90_BN: usize = 256;
+const SM90_FUSED_BN: usize = 128;
+const SM90_STAGES: u32 = 4;
+const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
+const _: () = assert!(
+    SM90_SMEM_BYTES <= 227 * 1024,
+    "more shared memory than a Hopper block gets"
+);
+
+#[cfg(test)]
+mod sm90_tests {
+    /// The launch's shared memory is the kernel's H_SMEM_BYTES: same stage count.
+    #[test]
+    fn stage_count_matches_the_kernel() {
+        let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
+        let line = format!("#define H_STAGES {}", super::SM90_STAGES);
+        assert!(
+            src.lines().any(|l| l.trim() == line),
+            "{line} not in moe_gemm_sm90.cu"
+        );
+    }
+}
+
+/// The wgmma kernels' last argument: 0, or (timing splits only, wrong outputs)
+/// `NVFP4DBG_SM90_SPLIT`, a sum of 1 (leave the MMAs out), 2 (the dequantization), 4 (the
+/// global loads): what `nvfp4dbg bench` then times splits the kernel's time by stage.
+fn sm90_split_arg(module: &KernelModule) -> Option<KArg> {
+    std::ptr::eq(module, &MOE_GEMM_SM90).then(|| {
+        KArg::U32(
+            std::env::var("NVFP4DBG_SM90_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    })
+}
+
+/// The grouped GEMM kernels of the NVFP4 forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// Warpgroup MMA where it applies (sm_90a, NVFP4 experts, K a multiple of 64), else mma.sync.
+    Auto,
+    /// The mma.sync kernels of kernels/moe.cu (every arch).
+    MmaSync,
+    /// The warpgroup-MMA kernels of kernels/moe_gemm_sm90.cu (sm_90a only).
+    Wgmma,
+}
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
 
@@ -400,6 +450,7 @@ pub struct Nvfp4Forward {
     flavor: Flavor,
     dynamic: bool,
     route: RouteSource,
+    prefill: PrefillGemm,
 }
 
 impl Nvfp4Forward {
@@ -477,6 +528,7 @@ impl Nvfp4Forward {
                 flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
                 dynamic,
                 route: RouteSource::Given,
+                prefill: PrefillGemm::Auto,
             });
         }
         Ok(Nvfp4Forward {
@@ -486,6 +538,7 @@ impl Nvfp4Forward {
             flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
             dynamic,
             route: RouteSource::Given,
+            prefill: PrefillGemm::Auto,
         })
     }
 
@@ -704,6 +757,75 @@ impl Nvfp4Forward {
         }
     }
 
+    // ---- prefill GEMM dispatch (kernels/moe_gemm_sm90.cu) ----
+
+    /// Pick the grouped GEMM kernel of the gate/up (`fused`) or down projection: Hopper's
+    /// warpgroup-MMA kernels where they apply (sm_90a, NVFP4 16-blocks, K a multiple of 64),
+    /// else the mma.sync kernels of kernels/moe.cu. Both take the same arguments and compute
+    /// the same numbers up to FP32 summation order.
+    fn prefill_gemm(
+        &self,
+        fused: bool,
+        k_dim: usize,
+        nout: usize,
+        wblock: u32,
+    ) -> (&'static KernelModule, &'static str, LaunchConfig) {
+        let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim.is_multiple_of(SM90_BK);
+        let wgmma = match self.prefill {
+            PrefillGemm::Auto | PrefillGemm::Wgmma => fits,
+            PrefillGemm::MmaSync => false,
+        };
+        if !wgmma {
+            return if fused {
+                (
+                    &MOE,
+                    "moe_gemm_gate_up_nvfp4",
+                    self.gemm_grid(nout, FUSED_BN),
+                )
+            } else {
+                (&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
+            };
+        }
+        let e = self.layer.config.n_routed_experts;
+        let n = self.ws.tokens * self.ws.k;
+        // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
+        // so that the blocks sharing a row tile run together and share its A in L2
+        let m_tiles = n.div_ceil(BM) + e.min(n);
+        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
+        let grid = LaunchConfig {
+            grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: SM90_SMEM_BYTES,
+        };
+        let kernel = if fused {
+            "moe_gemm_gate_up_nvfp4_sm90"
+        } else {
+            "moe_gemm_nvfp4_sm90"
+        };
+        (&MOE_GEMM_SM90, kernel, grid)
+    }
+
+    /// Which prefill GEMM kernels this forward launches (tests compare the two).
+    pub fn set_prefill_gemm(&mut self, which: PrefillGemm) -> Result<()> {
+        let nvfp4_16 = self.layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16);
+        let c = &self.layer.config;
+        let fits = self.gpu().arch == "sm_90a"
+            && nvfp4_16
+            && c.hidden_size.is_multiple_of(SM90_BK)
+            && c.moe_intermediate_size.is_multiple_of(SM90_BK);
+        if which == PrefillGemm::Wgmma && !fits {
+            return Err(Error::usage(format!(
+                "the wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts and hidden / \
+                 intermediate sizes that are multiples of {SM90_BK}",
+                self.gpu().arch
+            )));
+        }
+        self.prefill = which;
+        Ok(())
+    }
+
+    // ---- end of prefill GEMM dispatch ----
+
     #[allow(clippy::too_many_arguments)]
     fn enqueue_quantize(
         &self,
@@ -850,37 +972,35 @@ impl Nvfp4Forward {
                         ],
                     )?;
                 } else {
-                    gpu.launch(
-                        &MOE,
-                        "moe_gemm_gate_up_nvfp4",
-                        self.gemm_grid(i, FUSED_BN),
-                        &[
-                            KArg::U64(p(&ws.a1q)),
-                            KArg::U64(p(&ws.a1s)),
-                            KArg::U32(h as u32),
-                            KArg::U64(p(&ex.w1q)),
-                            KArg::U64(p(&ex.w1s)),
-                            KArg::U64(p(&ex.w3q)),
-                            KArg::U64(p(&ex.w3s)),
-                            KArg::U32(i as u32),
-                            KArg::U32(ex.wblock),
-                            KArg::U64(gpu.ptr(&ws.gs1)),
-                            KArg::U64(gpu.ptr(&ex.ws2_1)),
-                            KArg::U64(gpu.ptr(&ex.ws2_3)),
-                            KArg::F32(limit),
-                            KArg::U32(has_limit),
-                            KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                            KArg::U32(e as u32),
-                            KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
-                            KArg::U32(flavor_code(self.flavor)),
-                            KArg::U64(p(&ws.a2q)),
-                            KArg::U64(p(&ws.a2s)),
-                            KArg::U64(gpu.ptr(&ws.stats)),
-                            KArg::U64(gpu.ptr(&ws.a_f32)),
-                            KArg::U64(gpu.ptr(&ws.amax_bits)),
-                        ],
-                    )?;
+                    let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
+                    let mut args = vec![
+                        KArg::U64(p(&ws.a1q)),
+                        KArg::U64(p(&ws.a1s)),
+                        KArg::U32(h as u32),
+                        KArg::U64(p(&ex.w1q)),
+                        KArg::U64(p(&ex.w1s)),
+                        KArg::U64(p(&ex.w3q)),
+                        KArg::U64(p(&ex.w3s)),
+                        KArg::U32(i as u32),
+                        KArg::U32(ex.wblock),
+                        KArg::U64(gpu.ptr(&ws.gs1)),
+                        KArg::U64(gpu.ptr(&ex.ws2_1)),
+                        KArg::U64(gpu.ptr(&ex.ws2_3)),
+                        KArg::F32(limit),
+                        KArg::U32(has_limit),
+                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                        KArg::U32(e as u32),
+                        KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
+                        KArg::U32(flavor_code(self.flavor)),
+                        KArg::U64(p(&ws.a2q)),
+                        KArg::U64(p(&ws.a2s)),
+                        KArg::U64(gpu.ptr(&ws.stats)),
+                        KArg::U64(gpu.ptr(&ws.a_f32)),
+                        KArg::U64(gpu.ptr(&ws.amax_bits)),
+                    ];
+                    args.extend(sm90_split_arg(module));
+                    gpu.launch(module, kernel, grid, &args)?;
                 }
                 if self.dynamic {
                     // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
@@ -917,11 +1037,9 @@ impl Nvfp4Forward {
                     gpu.ptr(&ex.ws2_2),
                     gpu.ptr(&ws.y),
                 ),
-                GemmKind::Tiled => gpu.launch(
-                    &MOE,
-                    "moe_gemm_nvfp4",
-                    self.gemm_grid(h, PLAIN_BN),
-                    &[
+                GemmKind::Tiled => {
+                    let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
+                    let mut args = vec![
                         KArg::U64(p(&ws.a2q)),
                         KArg::U64(p(&ws.a2s)),
                         KArg::U32(i as u32),
@@ -935,8 +1053,10 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ws.expert_offsets)),
                         KArg::U32(e as u32),
                         KArg::U64(gpu.ptr(&ws.y)),
-                    ],
-                ),
+                    ];
+                    args.extend(sm90_split_arg(module));
+                    gpu.launch(module, kernel, grid, &args)
+                }
             },
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
@@ -951,6 +1071,10 @@ impl Nvfp4Forward {
     /// The grouped GEMM kernels this forward runs: decided from the shapes and the token
     /// count alone, so a captured graph and an eager run use the same ones.
     pub fn choose_gemm(&self) -> GemmKind {
+        // a prefill kernel pinned by set_prefill_gemm runs at every batch size
+        if self.prefill != PrefillGemm::Auto {
+            return GemmKind::Tiled;
+        }
         let c = &self.layer.config;
         let wblock = self.layer.nvfp4.as_ref().map_or(0, |x| x.wblock);
         moe_decode::choose(

@@ -77,6 +77,13 @@ pub const MOE_DECODE: KernelModule = KernelModule {
     kernels: &["moe_decode_nvfp4", "moe_decode_gate_up_nvfp4"],
 };
 
+/// The prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a; a trap elsewhere).
+pub const MOE_GEMM_SM90: KernelModule = KernelModule {
+    file: "kernels/moe_gemm_sm90.cu",
+    source: include_str!("../../../kernels/moe_gemm_sm90.cu"),
+    kernels: &["moe_gemm_nvfp4_sm90", "moe_gemm_gate_up_nvfp4_sm90"],
+};
+
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
 pub const BENCH: KernelModule = KernelModule {
     file: "kernels/bench.cu",
@@ -96,6 +103,7 @@ pub const MODULES: &[&KernelModule] = &[
     &ROUTER,
     &MOE,
     &MOE_DECODE,
+    &MOE_GEMM_SM90,
     &BENCH,
     &DEQUANT,
 ];

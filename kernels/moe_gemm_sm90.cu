@@ -1,0 +1,511 @@
+// The prefill grouped NVFP4 GEMM for Hopper (sm_90a): warpgroup MMA (wgmma.mma_async, BF16
+// m64n256k16, FP32 accumulators) on operands that are dequantized exactly to BF16 in shared
+// memory. The numbers are those of kernels/moe.cu's mma.sync kernels (docs/moe-forward.md):
+// e2m1 x e4m3 is exact in BF16, the sum is FP32, alpha goes in the FP32 epilogue; only the
+// FP32 summation order differs. Same arguments as moe_gemm_nvfp4 / moe_gemm_gate_up_nvfp4,
+// for NVFP4 weights (16-blocks, E4M3 scales) and K a multiple of 64; other archs, MXFP4
+// weights and other shapes keep the mma.sync kernels (src/backend/cuda/moe.rs dispatches).
+//
+// A block: 128 sorted rows (tokens) of one expert x 256 weight rows (plain: 256 output
+// columns; fused gate/up: 128 columns of w1 then the same 128 of w3, so that g and u of one
+// output land in the same thread). Two warpgroups, each 64 rows x 256 columns (128 FP32
+// accumulators per thread). Per 64-wide K slice:
+//   cp.async brings the packed FP4 codes + E4M3 scales of A and W into a raw stage
+//   (H_STAGES deep, so global latency hides behind H_STAGES-1 slices of work);
+//   all 256 threads dequantize one raw stage into one of two BF16 buffers, laid out K-major
+//   with the 128-byte swizzle that the wgmma matrix descriptors describe;
+//   each warpgroup issues 4 wgmma k16 steps on that buffer asynchronously, and the next
+//   slice's dequantization runs while the tensor cores work on this one.
+// A tile with <= 64 valid rows runs only the first warpgroup's MMAs (ragged last tiles).
+#include "nvfp4dbg_common.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define NVFP4DBG_WGMMA 1
+#else
+#define NVFP4DBG_WGMMA 0
+#endif
+
+#define H_BM 128
+#define H_BN 256
+#define H_BK 64
+#define H_STAGES 4
+#define H_THREADS 256
+#define H_FUSED_BN 128
+
+// Shared memory, byte offsets from a 1024-aligned base (the 128-byte swizzle repeats every
+// 8 rows x 128 bytes, and the descriptors assume atoms start at 1024-byte boundaries).
+#define H_SA_BYTES (H_BM * H_BK * 2)
+#define H_SB_BYTES (H_BN * H_BK * 2)
+#define H_OFF_SB (2 * H_SA_BYTES)
+#define H_OFF_RAW (H_OFF_SB + 2 * H_SB_BYTES)
+#define H_RAW_AQ 0
+#define H_RAW_BQ (H_BM * 32)
+#define H_RAW_AS (H_RAW_BQ + H_BN * 32)
+#define H_RAW_BS (H_RAW_AS + H_BM * 4)
+#define H_RAW_BYTES (H_RAW_BS + H_BN * 4)
+// + 1024 to align the base: the launch's dynamic shared memory (SM90_SMEM_BYTES in moe.rs)
+#define H_SMEM_BYTES (H_OFF_RAW + H_STAGES * H_RAW_BYTES + 1024)
+// the fused epilogue's f32 tile of `a` (rows of H_FUSED_BN + 4) reuses the BF16 buffers
+#define H_SA_F32_ROW (H_FUSED_BN + 4)
+static_assert(H_BM * H_SA_F32_ROW * 4 <= H_OFF_RAW, "the f32 tile of a must fit the operand buffers");
+
+#if NVFP4DBG_WGMMA
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared, zero-filled past src_bytes (0 for rows outside the problem).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Ordinary shared-memory stores that wgmma (the async proxy) reads next need this fence in
+// each writing thread before the barrier.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs.
+__device__ __forceinline__ void acc_fence(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Matrix descriptor of a K-major BF16 tile with 128-byte rows in the 128-byte swizzle:
+// start address >> 4 (bits 0-13), leading byte offset 16 (unused inside one swizzle atom,
+// bits 16-29), stride byte offset 1024 = 8 rows x 128 bytes (bits 32-45), swizzle mode 1 =
+// 128 bytes (bits 62-63). Advancing K by 16 elements adds 32 bytes (2 in the start field).
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(16 >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Both operands are dequantized with a factor 2^-9 each (exact, see dequant8); the
+// epilogues multiply the FP32 sum by 2^18 (exact) before alpha, so the outputs are those of
+// the unscaled product. Every product is a multiple of 2^-38, far from FP32 underflow.
+#define H_UNSCALE 262144.0f
+
+// Eight E2M1 codes (one word, element 2i in the low nibble of byte i) times their block
+// scale, as 8 BF16 values in the order n0 n4 n1 n5 n2 n6 n3 n7 (A and W use the same order,
+// so the dot product is the same sum). A code's 3 magnitude bits placed at BF16 bits 6-8 with
+// its sign at bit 15 read as e2m1 * 2^-126 exactly (0.5 is the subnormal 2^-127); times
+// s2 = scale * 2^117 that is e2m1 * scale * 2^-9, exact (at least 2^-19, a normal BF16).
+__device__ __forceinline__ uint4 dequant8(u32 q, u32 s2) {
+    const u32 MAG = 0x01C001C0u, SGN = 0x80008000u, neg0 = 0x80008000u;
+    u32 w0 = ((q << 6) & MAG) | ((q << 12) & SGN);
+    u32 w1 = ((q << 2) & MAG) | ((q << 8) & SGN);
+    u32 w2 = ((q >> 2) & MAG) | ((q << 4) & SGN);
+    u32 w3 = ((q >> 6) & MAG) | (q & SGN);
+    return make_uint4(bf16x2_fma(w0, s2, neg0), bf16x2_fma(w1, s2, neg0), bf16x2_fma(w2, s2, neg0),
+                      bf16x2_fma(w3, s2, neg0));
+}
+
+// Two E4M3 codes (bytes 0 and 2 of t; bytes 1 and 3 zero) -> the BF16 pair code * 2^117,
+// exact: the code's 7 low bits at BF16 bits 4-10 read as e4m3 * 2^-120 (subnormal codes
+// included), then * 2^120 * 2^117. The NaN codes 0x7F / 0xFF stay NaN.
+__device__ __forceinline__ u32 e4m3x2_scaled(u32 t) {
+    const u32 neg0 = 0x80008000u;
+    u32 bits = ((t & 0x007F007Fu) << 4) | ((t & 0x00800080u) << 8);
+    u32 v = bf16x2_fma(bf16x2_fma(bits, 0x7B807B80u, neg0), 0x7A007A00u, neg0);
+    u32 nan = (((t & 0x007F007Fu) + 0x00010001u) & 0x00800080u) >> 7;
+    return v | (nan * 0x7FC0u);
+}
+
+// d[128] += A(64x16, smem desc) * B(256x16, smem desc)^T, both K-major with the 128-byte swizzle.
+__device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], u64 da, u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(1));
+}
+
+// Which expert and rows M-tile `bt` covers; false past the real tile count.
+__device__ __forceinline__ bool h_find_tile(const u32* __restrict__ tile_offsets,
+                                            const u32* __restrict__ expert_offsets, u32 E, u32 bt,
+                                            u32& e, u32& r0, u32& r1) {
+    if (bt >= tile_offsets[E]) return false;
+    u32 lo = 0, hi = E;  // largest e with tile_offsets[e] <= bt
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (tile_offsets[mid] <= bt) lo = mid; else hi = mid;
+    }
+    e = lo;
+    r0 = expert_offsets[e] + (bt - tile_offsets[e]) * H_BM;
+    u32 end = expert_offsets[e + 1];
+    r1 = r0 + H_BM < end ? r0 + H_BM : end;
+    return true;
+}
+
+// One block's operands. W tile row n < split comes from matrix 0 (row n0 + n), the rest from
+// matrix 1 (row n0 + n - split).
+struct HOps {
+    const u8* aq;
+    const u8* as;
+    u32 K;
+    u32 r0, r1, a_rows;  // a_rows: A rows staged (64 when the tile has <= 64 valid rows)
+    const u8* wq0;
+    const u8* ws0;
+    const u8* wq1;
+    const u8* ws1;
+    u32 nout, n0, split;
+};
+
+// Keep a value in a register: the compiler cannot recompute what went through an opaque asm,
+// so the per-slice loop does not redo the plan's address arithmetic.
+__device__ __forceinline__ void pin(u32& v) { asm volatile("" : "+r"(v)); }
+__device__ __forceinline__ void pin(const u8*& v) { asm volatile("" : "+l"(v)); }
+
+// What one thread copies and dequantizes in every K slice, fixed for the whole block.
+// Code units (16 bytes = 32 codes of one row): unit 0 is A row tid/2, units 1 and 2 are W
+// rows (tid + 256)/2 - 128 and (tid + 512)/2 - 128; each takes half c = tid % 2 of the row's
+// 64 codes. Scale units (4 bytes = the row's 4 block scales): unit 0 is row tid of A (tid
+// < 128) or W row tid - 128, unit 1 is W row tid + 128 (tid < 128).
+struct HPlan {
+    const u8* src[3];  // row start + c * 16, advanced by 32 bytes per slice
+    u32 bytes[3];      // 16, or 0 (zero fill) for rows outside the problem
+    const u8* ssrc[2];
+    u32 sbytes[2];
+    bool a_on, s0_on, s1_on;  // warp-uniform
+    u32 dst[3], sdst[2];      // offsets inside a raw stage
+    u32 sel[3];               // __byte_perm selector of the unit's two scales
+    u32 doff[3][4];           // swizzled offsets of the unit's four 16-byte chunks
+};
+
+__device__ __forceinline__ void h_plan(const HOps& o, HPlan& p) {
+    u32 tid = threadIdx.x, c = tid & 1u;
+    size_t qrow = o.K / 2, srow = o.K / 16;
+    auto wsrc = [&](u32 n, bool scales, u32& bytes) -> const u8* {
+        bool m1 = n >= o.split;
+        u32 wrow = o.n0 + (m1 ? n - o.split : n);
+        bool ok = wrow < o.nout;
+        bytes = ok ? (scales ? 4u : 16u) : 0u;
+        const u8* base = scales ? (m1 ? o.ws1 : o.ws0) : (m1 ? o.wq1 : o.wq0);
+        return base + (size_t)(ok ? wrow : 0u) * (scales ? srow : qrow);
+    };
+#pragma unroll
+    for (int t = 0; t < 3; t++) {
+        u32 r = (tid + t * H_THREADS) >> 1;
+        if (t == 0) {
+            u32 row = o.r0 + r;
+            bool ok = row < o.r1;
+            p.bytes[0] = ok ? 16u : 0u;
+            p.src[0] = o.aq + (size_t)(ok ? row : o.r0) * qrow + c * 16;
+            p.dst[0] = H_RAW_AQ + r * 32 + c * 16;
+        } else {
+            u32 n = r - H_BM;
+            p.src[t] = wsrc(n, false, p.bytes[t]) + c * 16;
+            p.dst[t] = H_RAW_BQ + n * 32 + c * 16;
+        }
+        u32 rr = t == 0 ? r : r - H_BM;
+        p.sel[t] = 0x4140u + c * 0x0202u;
+#pragma unroll
+        for (int w = 0; w < 4; w++) p.doff[t][w] = rr * 128 + ((((c * 4) + w) ^ (rr & 7u)) << 4);
+    }
+    p.a_on = (tid >> 1) < o.a_rows;
+    if (tid < H_BM) {
+        u32 row = o.r0 + tid;
+        bool ok = row < o.r1;
+        p.sbytes[0] = ok ? 4u : 0u;
+        p.ssrc[0] = o.as + (size_t)(ok ? row : o.r0) * srow;
+        p.sdst[0] = H_RAW_AS + tid * 4;
+        p.s0_on = tid < o.a_rows;
+        p.ssrc[1] = wsrc(tid + H_BM, true, p.sbytes[1]);
+        p.sdst[1] = H_RAW_BS + (tid + H_BM) * 4;
+        p.s1_on = true;
+    } else {
+        p.ssrc[0] = wsrc(tid - H_BM, true, p.sbytes[0]);
+        p.sdst[0] = H_RAW_BS + (tid - H_BM) * 4;
+        p.s0_on = true;
+        p.ssrc[1] = p.ssrc[0];
+        p.sbytes[1] = 0;
+        p.sdst[1] = 0;
+        p.s1_on = false;
+    }
+#pragma unroll
+    for (int t = 0; t < 3; t++) {
+        pin(p.src[t]);
+        pin(p.bytes[t]);
+        pin(p.dst[t]);
+        pin(p.sel[t]);
+#pragma unroll
+        for (int w = 0; w < 4; w++) pin(p.doff[t][w]);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        pin(p.ssrc[t]);
+        pin(p.sbytes[t]);
+        pin(p.sdst[t]);
+    }
+}
+
+// Fill raw stage `stage` (a shared address) with K slice kb.
+__device__ __forceinline__ void h_load_raw(const HPlan& p, u32 kb, u32 stage) {
+    if (p.a_on) cp_async16(stage + p.dst[0], p.src[0] + kb * 32, p.bytes[0]);
+    cp_async16(stage + p.dst[1], p.src[1] + kb * 32, p.bytes[1]);
+    cp_async16(stage + p.dst[2], p.src[2] + kb * 32, p.bytes[2]);
+    if (p.s0_on) cp_async4(stage + p.sdst[0], p.ssrc[0] + kb * 4, p.sbytes[0]);
+    if (p.s1_on) cp_async4(stage + p.sdst[1], p.ssrc[1] + kb * 4, p.sbytes[1]);
+}
+
+// One code unit of a raw stage -> four swizzled 16-byte chunks of BF16 (chunk kc of row r
+// sits at chunk kc ^ (r % 8), the 128-byte swizzle; a warp's 8-lane store phases hit 8
+// distinct chunks, so no bank conflicts).
+__device__ __forceinline__ void h_dequant_unit(const HPlan& p, int t, const u8* raw, u32 soff, u8* buf) {
+    uint4 q = *reinterpret_cast<const uint4*>(raw + p.dst[t]);
+    u32 sc = *reinterpret_cast<const u32*>(raw + soff);
+    u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, p.sel[t]));
+    u32 s0 = __byte_perm(sv, sv, 0x1010u), s1 = __byte_perm(sv, sv, 0x3232u);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][0]) = dequant8(q.x, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][1]) = dequant8(q.y, s0);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][2]) = dequant8(q.z, s1);
+    *reinterpret_cast<uint4*>(buf + p.doff[t][3]) = dequant8(q.w, s1);
+}
+
+// acc[j*4 + q] of warpgroup wg holds (row, col) = (wg*64 + warp*16 + lane/4 + 8*(q/2),
+// j*8 + (lane%4)*2 + q%2) of the 128 x 256 tile, times 2^-18 (H_UNSCALE).
+// split (timing experiments only; the outputs are then wrong): bit 0 leaves the MMAs out,
+// bit 1 the dequantization (the operand buffers are zeroed once instead), bit 2 the global
+// loads (cp.async).
+__device__ __forceinline__ void h_mainloop(const HOps& o, u8* base, float (&acc)[128], u32 split) {
+    u32 tid = threadIdx.x, wg = tid / 128;
+    HPlan p;
+    h_plan(o, p);
+    // scale offsets of the code units inside a raw stage (rows: A tid/2, W (tid+256)/2 - 128, ...)
+    u32 soff0 = H_RAW_AS + (tid >> 1) * 4;
+    u32 soff1 = H_RAW_BS + (((tid + H_THREADS) >> 1) - H_BM) * 4;
+    u32 soff2 = H_RAW_BS + (((tid + 2 * H_THREADS) >> 1) - H_BM) * 4;
+    pin(soff0);
+    pin(soff1);
+    pin(soff2);
+    u32 raw0 = smem_addr(base + H_OFF_RAW);
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    u32 nk = o.K / H_BK;
+#pragma unroll
+    for (u32 s = 0; s < H_STAGES - 1; s++) {
+        if (s < nk && !(split & 4u)) h_load_raw(p, s, raw0 + s * H_RAW_BYTES);
+        cp_async_commit();
+    }
+    // a tile of <= 64 rows leaves the second warpgroup's MMAs out; the shuffle makes the
+    // flag visibly warp-uniform to the compiler (else it serializes the wgmma, C7518)
+    bool mma = __shfl_sync(0xFFFFFFFFu, ((wg == 0 || o.a_rows > 64) && !(split & 1u)) ? 1 : 0, 0) != 0;
+    bool deq = (split & 2u) == 0;
+    if (!deq) {
+        for (u32 i = tid; i < H_OFF_RAW / 16; i += H_THREADS)
+            reinterpret_cast<uint4*>(base)[i] = make_uint4(0, 0, 0, 0);
+    }
+    u32 descA0 = smem_addr(base + wg * 64 * 128), descB0 = smem_addr(base + H_OFF_SB);
+    for (u32 kb = 0; kb < nk; kb++) {
+        cp_async_wait<H_STAGES - 2>();
+        // raw stage kb is in; every warpgroup is past the MMAs that read buffer kb % 2 last
+        __syncthreads();
+        u32 nx = kb + H_STAGES - 1;
+        if (nx < nk && !(split & 4u)) h_load_raw(p, nx, raw0 + (nx % H_STAGES) * H_RAW_BYTES);
+        cp_async_commit();
+        u32 b = kb & 1u;
+        const u8* raw = base + H_OFF_RAW + (kb % H_STAGES) * H_RAW_BYTES;
+        u8* bufA = base + b * H_SA_BYTES;
+        u8* bufB = base + H_OFF_SB + b * H_SB_BYTES;
+        if (deq) {
+            if (p.a_on) h_dequant_unit(p, 0, raw, soff0, bufA);
+            h_dequant_unit(p, 1, raw, soff1, bufB);
+            h_dequant_unit(p, 2, raw, soff2, bufB);
+        }
+        fence_proxy_async();
+        __syncthreads();
+        if (mma) {
+            u64 da = smem_desc(descA0 + b * H_SA_BYTES);
+            u64 db = smem_desc(descB0 + b * H_SB_BYTES);
+            wgmma_fence();
+#pragma unroll
+            for (u32 kk = 0; kk < H_BK / 16; kk++) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);
+            wgmma_commit();
+            // the MMAs of slice kb-1 are done: buffer (kb+1) % 2 is free for the next slice
+            wgmma_wait<1>();
+        }
+    }
+    if (mma) wgmma_wait<0>();
+    acc_fence(acc);
+    cp_async_wait<0>();
+    __syncthreads();
+}
+
+__device__ __forceinline__ u8* h_smem_base() {
+    extern __shared__ __align__(1024) u8 h_smem[];
+    u32 a = smem_addr(h_smem);
+    return h_smem + ((1024u - (a & 1023u)) & 1023u);
+}
+
+#endif  // NVFP4DBG_WGMMA
+
+// Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
+// alpha_e = rcp(gs[e]) * ws2[e]. Grid: (ceil(nout / 256), M-tile bound), 256 threads,
+// H_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
+                    const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
+                    const float* __restrict__ gs, const float* __restrict__ ws2,
+                    const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
+                    float* __restrict__ out, u32 split) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    HOps o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1; o.a_rows = r1 - r0 <= 64 ? 64 : H_BM;
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
+    o.wq0 = wq + e * wstride; o.ws0 = ws + e * sstride;
+    o.wq1 = o.wq0; o.ws1 = o.ws0;
+    o.nout = nout; o.n0 = blockIdx.x * H_BN; o.split = H_BN;
+    float acc[128];
+    h_mainloop(o, base, acc, split);
+    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+    u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int j = 0; j < 32; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 row = r0 + wg * 64 + warp * 16 + lane / 4 + 8 * h;
+            u32 col = o.n0 + j * 8 + (lane % 4) * 2;
+            if (row >= r1) continue;
+            float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
+            float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
+            float* dst = out + (size_t)row * nout + col;
+            if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            else if (col < nout) dst[0] = v0;
+        }
+#else
+    __trap();
+#endif
+}
+
+// Gate/up projection with SwiGLU fused, as moe_gemm_gate_up_nvfp4: g = acc_g * alpha_g,
+// u = acc_u * alpha_u, a = swiglu(g, u); then (fixed gs2) `a` quantized to NVFP4 here, or
+// (dynamic) written in f32 with |a| folded into amax_bits[e]. Grid: (ceil(nout / 128),
+// M-tile bound), 256 threads, H_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
+                            const u8* __restrict__ w1q, const u8* __restrict__ w1s,
+                            const u8* __restrict__ w3q, const u8* __restrict__ w3s, u32 nout, u32 wblock,
+                            const float* __restrict__ gs1, const float* __restrict__ ws2_1,
+                            const float* __restrict__ ws2_3, float limit, u32 has_limit,
+                            const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets,
+                            u32 E, const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                            u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
+                            u32* __restrict__ amax_bits, u32 split) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    HOps o;
+    o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1; o.a_rows = r1 - r0 <= 64 ? 64 : H_BM;
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
+    o.wq0 = w1q + e * wstride; o.ws0 = w1s + e * sstride;
+    o.wq1 = w3q + e * wstride; o.ws1 = w3s + e * sstride;
+    u32 n0 = blockIdx.x * H_FUSED_BN;
+    o.nout = nout; o.n0 = n0; o.split = H_FUSED_BN;
+    float acc[128];
+    h_mainloop(o, base, acc, split);
+    float g_in = rcp_ref(gs1[e]);
+    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
+    float* sa = reinterpret_cast<float*>(base);
+    const int SA = H_SA_F32_ROW;
+    {
+        u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                u32 lr = wg * 64 + warp * 16 + lane / 4 + 8 * (q / 2);
+                u32 lc = j * 8 + (lane % 4) * 2 + (q % 2);
+                float g = __fmul_rn(__fmul_rn(acc[j * 4 + q], H_UNSCALE), alpha_g);
+                float u = __fmul_rn(__fmul_rn(acc[(j + 16) * 4 + q], H_UNSCALE), alpha_u);
+                sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
+            }
+    }
+    __syncthreads();
+    if (gs2 != nullptr) {
+        // fixed gs2: quantize each (row, 16-column group) of the tile
+        float gsv = gs2[e];
+        u32 kb = nout / 16;
+        u32 counts[4] = {0, 0, 0, 0};
+        for (u32 idx = threadIdx.x; idx < H_BM * (H_FUSED_BN / 16); idx += H_THREADS) {
+            u32 r = idx / (H_FUSED_BN / 16), g = idx % (H_FUSED_BN / 16);
+            u32 row = r0 + r, col = n0 + g * 16;
+            if (row < r1 && col < nout) {
+                float v[16];
+#pragma unroll
+                for (int x = 0; x < 16; x++) v[x] = sa[r * SA + g * 16 + x];
+                u32 p[2];
+                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
+                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
+                outs[(size_t)row * kb + col / 16] = (u8)s;
+                float vmax = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
+                u32 c = classify_nvfp4(s, vmax > 0.0f);
+                counts[0] += 1;
+                counts[1] += c & 1u;
+                counts[2] += (c >> 1) & 1u;
+                counts[3] += (c >> 2) & 1u;
+            }
+        }
+        add_stats4(stats, counts);
+    } else {
+        // dynamic gs2: write a, fold |a| into the expert's amax
+        u32 m = 0;
+        for (u32 idx = threadIdx.x; idx < H_BM * H_FUSED_BN; idx += H_THREADS) {
+            u32 r = idx / H_FUSED_BN, c = idx % H_FUSED_BN;
+            u32 row = r0 + r, col = n0 + c;
+            if (row < r1 && col < nout) {
+                float v = sa[r * SA + c];
+                out_f32[(size_t)row * nout + col] = v;
+                float a = fabsf(v);
+                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
+                m = bits > m ? bits : m;
+            }
+        }
+        m = __reduce_max_sync(0xFFFFFFFFu, m);
+        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
+    }
+#else
+    __trap();
+#endif
+}

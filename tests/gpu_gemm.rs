@@ -1,0 +1,248 @@
+//! The prefill grouped GEMM on Hopper's warpgroup MMA (kernels/moe_gemm_sm90.cu) against the
+//! mma.sync kernels (kernels/moe.cu) and the CPU NVFP4 path, on routings built to hit the
+//! ragged cases: experts with 0, 1, 65, 127, 129 and 300 rows (one-row tiles, tiles of <= 64
+//! rows, a tile one row past 128, three tiles), and output widths that end in partial tiles.
+
+mod gpu_common;
+
+use gpu_common::*;
+use nvfp4dbg::backend::cpu::CpuBackend;
+use nvfp4dbg::backend::cuda::moe::{Nvfp4Forward, PrefillGemm};
+use nvfp4dbg::backend::Backend;
+use nvfp4dbg::metrics;
+use nvfp4dbg::moe::{ActScales, MoeLayer, MoeOutput, Path, Routing, ScoringFunc};
+use nvfp4dbg::nvfp4::Flavor;
+use rand::seq::SliceRandom;
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+const MIN_COSINE: f64 = 0.99999;
+
+/// Top-2 routing of `sum(counts) / 2` tokens in which expert `e` gets exactly `counts[e]`
+/// rows (sum even, every count below half the entries so a token never gets one expert
+/// twice), tokens in random order, random positive weights.
+fn ragged_routing(r: &mut ChaCha8Rng, counts: &[usize]) -> Routing {
+    let entries: Vec<i32> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &c)| std::iter::repeat_n(e as i32, c))
+        .collect();
+    assert!(entries.len().is_multiple_of(2) && counts.iter().all(|&c| c < entries.len() / 2));
+    let tokens = entries.len() / 2;
+    let mut order: Vec<usize> = (0..tokens).collect();
+    order.shuffle(r);
+    let mut ids = vec![0i32; 2 * tokens];
+    for (t, &o) in order.iter().enumerate() {
+        ids[2 * o] = entries[t];
+        ids[2 * o + 1] = entries[t + tokens];
+    }
+    Routing {
+        tokens,
+        top_k: 2,
+        topk_ids: ids,
+        topk_weights: (0..2 * tokens).map(|_| r.gen_range(0.1f32..1.5)).collect(),
+    }
+}
+
+fn run(
+    layer: &MoeLayer,
+    x: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    which: PrefillGemm,
+) -> MoeOutput {
+    let gpu = gpu();
+    let mut f = Nvfp4Forward::new(&gpu, layer, routing.tokens, scales, Flavor::Reference, true)
+        .unwrap_or_else(|e| panic!("{e}"));
+    f.set_prefill_gemm(which).unwrap_or_else(|e| panic!("{e}"));
+    f.set_hidden(x).unwrap();
+    f.set_routing(layer, routing).unwrap();
+    f.run().unwrap_or_else(|e| panic!("{which:?}: {e}"))
+}
+
+fn close(what: &str, seed: u64, got: &[f32], want: &[f32]) {
+    let m = metrics::compare(got, want);
+    eprintln!(
+        "{what}: cosine {:.9} rel_l2 {:.3e} max_abs_err {:.3e} nan {} inf {}",
+        m.cosine, m.rel_l2, m.max_abs_err, m.nan_count, m.inf_count
+    );
+    assert!(
+        m.nan_count == 0 && m.inf_count == 0 && m.passes(MIN_COSINE),
+        "seed {seed} {what}: {m:?}"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
+    let gpu = gpu();
+    if gpu.arch != "sm_90a" {
+        eprintln!(
+            "the wgmma kernels run on sm_90a only; this GPU is {}",
+            gpu.arch
+        );
+        return;
+    }
+    let cpu = CpuBackend::new();
+    let (mut r, seed) = rng("wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts");
+    // (hidden, intermediate): down outputs of 2 full + 1 partial 256-column tiles and gate/up
+    // outputs ending in a partial 128-column tile; K of 9 and 3 slices (the pipeline is 4
+    // stages deep), then a wider case
+    for (h, i) in [(576usize, 192usize), (1024, 512)] {
+        let counts = [0usize, 1, 127, 129, 300, 65, 0, 2];
+        let spec = LayerSpec {
+            h,
+            i,
+            e: counts.len(),
+            k: 2,
+            shared: false,
+            ..LayerSpec::small(ScoringFunc::Sigmoid)
+        };
+        let layer = build_layer(&mut r, spec);
+        let routing = ragged_routing(&mut r, &counts);
+        let x = hidden(&mut r, routing.tokens, h);
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let e = counts.len();
+        let fixed = ActScales::Fixed {
+            gs1: (0..e)
+                .map(|j| 2688.0 / amax * (1.0 + j as f32 / 64.0))
+                .collect(),
+            gs2: (0..e)
+                .map(|j| 2688.0 / 0.5 * (1.0 + j as f32 / 32.0))
+                .collect(),
+        };
+        for (sname, scales) in [("fixed gs", fixed), ("dynamic gs", ActScales::Dynamic)] {
+            let what = format!("h {h} i {i} {sname}");
+            let path = Path::Nvfp4 {
+                scales: &scales,
+                flavor: Flavor::Reference,
+            };
+            let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+            let wg = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
+            let ms = run(&layer, &x, &routing, &scales, PrefillGemm::MmaSync);
+            let (wp, mp, cp) = (
+                wg.per_slot.as_ref().unwrap(),
+                ms.per_slot.as_ref().unwrap(),
+                want.per_slot.as_ref().unwrap(),
+            );
+            close(
+                &format!("{what}: wgmma vs cpu, out"),
+                seed,
+                &wg.out,
+                &want.out,
+            );
+            close(&format!("{what}: wgmma vs cpu, per_slot"), seed, wp, cp);
+            close(
+                &format!("{what}: wgmma vs mma.sync, per_slot"),
+                seed,
+                wp,
+                mp,
+            );
+            close(&format!("{what}: mma.sync vs cpu, per_slot"), seed, mp, cp);
+            // every expert's rows, one by one: a wrong tile shows up even where the others hide it
+            let hsz = h;
+            for (ex, _) in counts.iter().enumerate().filter(|(_, &c)| c > 0) {
+                let rows: Vec<usize> = (0..routing.tokens * 2)
+                    .filter(|&s| routing.topk_ids[s] as usize == ex)
+                    .collect();
+                let pick = |v: &[f32]| -> Vec<f32> {
+                    rows.iter()
+                        .flat_map(|&s| v[s * hsz..(s + 1) * hsz].to_vec())
+                        .collect()
+                };
+                close(
+                    &format!("{what}: expert {ex} ({} rows), wgmma vs cpu", rows.len()),
+                    seed,
+                    &pick(wp),
+                    &pick(cp),
+                );
+            }
+            assert_eq!(
+                wg.act_stats.blocks, want.act_stats.blocks,
+                "seed {seed} {what}: blocks quantized"
+            );
+            // run to run: bit for bit
+            let again = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&wg.out),
+                bits(&again.out),
+                "seed {seed} {what}: two runs differ"
+            );
+            assert_eq!(bits(wp), bits(again.per_slot.as_ref().unwrap()));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
+    // H 7168 / I 2048: 112 and 32 K slices (the pipeline wraps its ring many times), 28 and
+    // 16 output tiles; fewer experts than the model to keep the CPU reference short
+    let gpu = gpu();
+    if gpu.arch != "sm_90a" {
+        eprintln!(
+            "the wgmma kernels run on sm_90a only; this GPU is {}",
+            gpu.arch
+        );
+        return;
+    }
+    let cpu = CpuBackend::new();
+    let (mut r, seed) = rng("wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths");
+    let counts = [0usize, 1, 129, 190, 64, 2];
+    let (h, i) = (7168usize, 2048usize);
+    let spec = LayerSpec {
+        h,
+        i,
+        e: counts.len(),
+        k: 2,
+        shared: false,
+        originals: false,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let layer = build_layer(&mut r, spec);
+    let routing = ragged_routing(&mut r, &counts);
+    let x = hidden(&mut r, routing.tokens, h);
+    let scales = ActScales::Dynamic;
+    let path = Path::Nvfp4 {
+        scales: &scales,
+        flavor: Flavor::Reference,
+    };
+    let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+    let wg = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
+    close("DSv3 widths: wgmma vs cpu, out", seed, &wg.out, &want.out);
+    close(
+        "DSv3 widths: wgmma vs cpu, per_slot",
+        seed,
+        wg.per_slot.as_ref().unwrap(),
+        want.per_slot.as_ref().unwrap(),
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn wgmma_is_refused_where_it_does_not_apply() {
+    let gpu = gpu();
+    let (mut r, _) = rng("wgmma_is_refused_where_it_does_not_apply");
+    // K = 208 is not a multiple of 64: the forward keeps the mma.sync kernels
+    let spec = LayerSpec {
+        h: 208,
+        i: 80,
+        e: 4,
+        k: 2,
+        shared: false,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let layer = build_layer(&mut r, spec);
+    let mut f = Nvfp4Forward::new(
+        &gpu,
+        &layer,
+        8,
+        &ActScales::Dynamic,
+        Flavor::Reference,
+        false,
+    )
+    .unwrap();
+    assert!(f.set_prefill_gemm(PrefillGemm::Wgmma).is_err());
+    f.set_prefill_gemm(PrefillGemm::MmaSync).unwrap();
+}
