@@ -545,6 +545,40 @@ fn resource_bounds_on_absurd_inputs() {
         );
         eprintln!("{n} tensors: peak {} MiB", kib >> 10);
     }
+    // the same header as `layertest --input` (which then finds no `hidden_states`: exit 2) and
+    // as a trace file: both went through the `safetensors` crate's parser, which peaked at
+    // ~950 MiB; now the checkpoint reader's streaming one
+    let many_trace = d.join("many-tensor-trace");
+    std::fs::create_dir_all(&many_trace).unwrap();
+    std::fs::copy(&many, many_trace.join("000000-model.embed.safetensors")).unwrap();
+    for (cmd, named, want) in [
+        (
+            vec!["layertest", "--input", p(&many), "--device", "cpu"],
+            p(&many).to_string(),
+            2,
+        ),
+        // a streaming answer: the file has no `output`, so it is skipped, by name
+        (
+            vec!["nan-locate", p(&many_trace)],
+            "000000-model.embed.safetensors".to_string(),
+            0,
+        ),
+    ] {
+        let Some((o, kib)) = peak_kib(&cmd) else {
+            break;
+        };
+        let out = format!("{}{}", stdout(&o), stderr(&o));
+        assert_eq!(code(&o), want, "seed {seed}: {cmd:?}: {out}");
+        assert!(out.contains(&named), "{cmd:?}: {out}");
+        assert!(!out.contains("panicked"), "{cmd:?}: {out}");
+        assert!(
+            kib < 768 << 10,
+            "seed {seed}: {cmd:?} on a {} MB header with {n} tensors peaked at {} MiB",
+            h.len() >> 20,
+            kib >> 10
+        );
+        eprintln!("{cmd:?}: {n} tensors: peak {} MiB", kib >> 10);
+    }
 
     // thousands of trace files: scanned, not held open; one NaN in the last is found
     let many_dir = d.join("many-trace");

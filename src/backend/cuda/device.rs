@@ -152,8 +152,23 @@ impl From<f32> for KArg {
 
 /// cuBLAS with its own workspace, so that its calls can be captured in a CUDA graph.
 pub(crate) struct Blas {
-    pub(crate) blas: CudaBlas,
+    pub(crate) blas: std::mem::ManuallyDrop<CudaBlas>,
     _workspace: CudaSlice<u8>,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // cudarc unwraps cublasDestroy; once a kernel fault (an illegal address) has poisoned
+        // the context that could turn the reported CUDA error into a panic on the way out, so
+        // a dead context's handle is leaked instead.
+        let poisoned = self.stream.synchronize().is_err();
+        // SAFETY: taken once, here, and never used again
+        let blas = unsafe { std::mem::ManuallyDrop::take(&mut self.blas) };
+        if poisoned {
+            std::mem::forget(blas);
+        }
+    }
 }
 
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -267,6 +282,7 @@ impl Gpu {
         args: &[KArg],
     ) -> Result<()> {
         let f = self.func(module, kernel)?;
+        super::fault::before_launch(self, kernel)?;
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
@@ -329,6 +345,7 @@ impl Gpu {
     /// Allocate `n` elements, filled with 0xFF bytes (NaN for f32/bf16) so that anything a
     /// kernel fails to write shows up.
     pub fn alloc<T: DeviceRepr>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
+        super::fault::before_alloc(what)?;
         let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }
             .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))?;
         self.fill(&mut s, 0xFF, what)?;
@@ -340,6 +357,7 @@ impl Gpu {
         n: usize,
         what: &str,
     ) -> Result<CudaSlice<T>> {
+        super::fault::before_alloc(what)?;
         self.stream
             .alloc_zeros::<T>(n.max(1))
             .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))
@@ -363,6 +381,7 @@ impl Gpu {
         if host.is_empty() {
             return self.alloc(0, what);
         }
+        super::fault::before_alloc(what)?;
         self.stream
             .clone_htod(host)
             .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
@@ -469,8 +488,9 @@ impl Gpu {
                 .map_err(|e| cublas_err("setting the cuBLAS workspace", "cublas", e))?;
         }
         let b = Arc::new(Blas {
-            blas,
+            blas: std::mem::ManuallyDrop::new(blas),
             _workspace: ws,
+            stream: self.stream.clone(),
         });
         *g = Some(b.clone());
         Ok(b)

@@ -3,6 +3,7 @@
 
 pub mod blas;
 pub mod device;
+pub mod fault;
 pub mod moe;
 pub mod nccl;
 pub mod nvrtc;
