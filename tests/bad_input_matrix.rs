@@ -627,6 +627,7 @@ fn fuzz_regressions_replay() {
         "shard_index",
         "trace_file",
         "case_toml",
+        "rules_toml",
     ] {
         let mut inputs: Vec<PathBuf> = std::fs::read_dir(root.join(target))
             .unwrap()
@@ -719,6 +720,20 @@ fn fuzz_regressions_replay() {
                     let p = tmp.path().join("case.toml");
                     std::fs::write(&p, &data).unwrap();
                     let _ = nvfp4dbg::cli::run_case::load_case(&p);
+                }
+                "rules_toml" => {
+                    use nvfp4dbg::weights::rules::{Renames, Side};
+                    let p = tmp.path().join("rules.toml");
+                    std::fs::write(&p, &data).unwrap();
+                    if let Ok(r) = Renames::load(&["model.".to_string()], Some(&p)) {
+                        for n in [
+                            "model.layers.3.mlp.experts.7.gate_proj.weight",
+                            "layers.3.ffn.experts.7.w1.weight_scale",
+                        ] {
+                            let _ = r.apply(n, Side::A);
+                            let _ = r.apply(n, Side::B);
+                        }
+                    }
                 }
                 _ => unreachable!(),
             });
