@@ -45,7 +45,11 @@ fn driver_what(e: &DriverError) -> String {
 pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
     if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
         Error::GpuOom {
-            step: format!("{step} ({kernel})"),
+            step: if kernel == "-" {
+                step.to_string()
+            } else {
+                format!("{step} ({kernel})")
+            },
             what: driver_what(&e),
         }
     } else {
@@ -318,6 +322,27 @@ impl Gpu {
         Ok(())
     }
 
+    /// An error of a stream operation (allocation, fill, copy). A fault inside a kernel still in
+    /// flight is sticky and surfaces at whatever call comes next, so anything but out-of-memory
+    /// is charged to the kernels launched since the last sync.
+    fn stream_err(&self, step: &str, e: DriverError) -> Error {
+        if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return driver_err(step, "-", e);
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for k in lock(&self.pending).iter() {
+            if !names.contains(k) {
+                names.push(k);
+            }
+        }
+        let kernel = if names.is_empty() {
+            "-".to_string()
+        } else {
+            names.join(" | ")
+        };
+        driver_err(step, &kernel, e)
+    }
+
     /// Wait for the stream; an error names the kernels launched since the last sync.
     pub fn sync(&self, step: &str) -> Result<()> {
         let r = self.stream.synchronize();
@@ -347,7 +372,7 @@ impl Gpu {
     pub fn alloc<T: DeviceRepr>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
         super::fault::before_alloc(what)?;
         let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }
-            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))?;
+            .map_err(|e| self.stream_err(&format!("allocating {what}"), e))?;
         self.fill(&mut s, 0xFF, what)?;
         Ok(s)
     }
@@ -360,7 +385,7 @@ impl Gpu {
         super::fault::before_alloc(what)?;
         self.stream
             .alloc_zeros::<T>(n.max(1))
-            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("allocating {what}"), e))
     }
 
     /// Set every byte of `s` to `byte`.
@@ -368,13 +393,13 @@ impl Gpu {
         let bytes = s.num_bytes();
         let ptr = self.ptr(s);
         unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("filling {what}"), e))
     }
 
     /// Set `bytes` bytes at device address `ptr` to `byte` (stream-ordered; capturable).
     pub(crate) fn fill_raw(&self, ptr: u64, bytes: usize, byte: u8, what: &str) -> Result<()> {
         unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("filling {what}"), e))
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<CudaSlice<T>> {
@@ -384,7 +409,7 @@ impl Gpu {
         super::fault::before_alloc(what)?;
         self.stream
             .clone_htod(host)
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
@@ -407,7 +432,7 @@ impl Gpu {
             return Ok(());
         }
         unsafe { drv::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy `host` into the start of `dst`.
@@ -435,7 +460,7 @@ impl Gpu {
         let mut view = dst.slice_mut(at..at + host.len());
         self.stream
             .memcpy_htod(host, &mut view)
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy the first `n` elements back (waits for the stream; reports pending faults).
@@ -453,7 +478,7 @@ impl Gpu {
         let v = self
             .stream
             .clone_dtoh(&view)
-            .map_err(|e| driver_err(&format!("copying {what} back"), "-", e))?;
+            .map_err(|e| self.stream_err(&format!("copying {what} back"), e))?;
         self.sync(&format!("copying {what} back"))?;
         Ok(v)
     }
