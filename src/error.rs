@@ -34,13 +34,41 @@ pub enum Error {
         kernel: String,
         what: String,
     },
-    #[error("out of GPU memory during {step}: {what}. Try fewer --tokens, a smaller --layers range, or --device cpu")]
-    GpuOom { step: String, what: String },
+    /// `advice` says what the command at hand can do about it ([`Error::advise_oom`]).
+    #[error("out of GPU memory during {step}: {what}. {advice}")]
+    GpuOom {
+        step: String,
+        what: String,
+        advice: String,
+    },
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// What a command that ran out of GPU memory can do, unless it says better.
+pub const OOM_ADVICE: &str = "Try fewer --tokens, a smaller --layers range, or --device cpu";
+
 impl Error {
+    pub fn gpu_oom(step: impl Into<String>, what: impl Into<String>) -> Self {
+        Error::GpuOom {
+            step: step.into(),
+            what: what.into(),
+            advice: OOM_ADVICE.into(),
+        }
+    }
+
+    /// Replace the advice of an out-of-memory error with the command's own; other errors pass.
+    pub fn advise_oom(self, advice: impl Into<String>) -> Self {
+        match self {
+            Error::GpuOom { step, what, .. } => Error::GpuOom {
+                step,
+                what,
+                advice: advice.into(),
+            },
+            other => other,
+        }
+    }
+
     pub fn bad_file(file: impl AsRef<Path>, what: impl Into<String>) -> Self {
         Error::BadFile {
             file: file.as_ref().to_path_buf(),

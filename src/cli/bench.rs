@@ -60,8 +60,9 @@ pub fn run(args: &Args) -> Result<Report> {
         Error::NoGpu(m) => Error::NoGpu(format!(
             "{m} (nvfp4dbg bench is a GPU benchmark: run it where cuda:{ordinal} is usable)"
         )),
-        Error::GpuOom { step, what } => Error::GpuOom {
+        Error::GpuOom { step, what, advice } => Error::GpuOom {
             step,
+            advice,
             what: format!(
                 "{what} (the bench needs about 35 GB of GPU memory at its peak: a DeepSeek-V3 \
                  layer in NVFP4 and, for the cuBLAS baseline, its experts in BF16; \

@@ -3,11 +3,11 @@
 
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::routing::wrap;
-use crate::backend::DeviceRequest;
 use crate::error::{Error, Result};
 use crate::moe::ep::Placement;
 use crate::report::{self, Report, Section, Verdict};
 use crate::weights::compare::UnitResult;
+use crate::weights::engine;
 use crate::weights::rules::Renames;
 use crate::weights::{Comparison, Inputs, Options, Plan};
 use serde::Serialize;
@@ -102,21 +102,25 @@ pub fn run(args: &Args) -> Result<Report> {
         ep,
         min_cosine: args.min_cosine,
     };
+    let engine = engine::open(&args.device.device)?;
     let t0 = std::time::Instant::now();
     let inputs = Inputs::open(&args.a, &args.b)?;
     let plan = Plan::new(&inputs, &opts)?;
     let (tensors_a, tensors_b) = plan.tensor_counts();
     let pb = progress(plan.len() as u64, "comparing", args.out_args.quiet);
-    let c = plan.run(&|| pb.inc(1));
+    let c = plan.run(engine.as_ref(), &|| pb.inc(1)).map_err(|e| {
+        e.advise_oom(
+            "compare-weights holds one tensor pair at a time on the GPU, both sides in f32 \
+             (8 bytes per element): free GPU memory (other processes) or run with --device cpu",
+        )
+    });
     pb.finish_and_clear();
+    let mut c = c?;
     let seconds = t0.elapsed().as_secs_f64();
-    let mut c = c;
-    if matches!(args.device.device, DeviceRequest::Cuda(_)) {
-        c.notes.push(
-            "the comparison is memory-bound and runs on the CPU (memory-mapped, in parallel); --device does not change it"
-                .into(),
-        );
-    }
+    c.notes.push(format!(
+        "byte comparisons on the CPU (memory-mapped, in parallel); values that differ dequantized and diffed on {}",
+        engine.name()
+    ));
     Ok(build_report(args, &c, tensors_a, tensors_b, seconds))
 }
 

@@ -4,8 +4,8 @@
 
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::layertest::{
-    block_summary, check_unsharded, ep_disagreement, ep_json_with, load_batch, nvfp4_forward,
-    scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
+    block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with, load_batch,
+    nvfp4_forward, scales_json, tokens_up_front, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::Result;
 use crate::metrics::Metrics;
@@ -80,6 +80,10 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(l) => l,
         None => model.default_layer()?,
     };
+    let up_front = tokens_up_front(&args.input);
+    if let Some(t) = up_front {
+        check_gpu_room(&devices, model.config(), t, false)?;
+    }
     let layer = model.layer(l)?;
     let c = &layer.config;
     let batch = load_batch(
@@ -88,6 +92,9 @@ pub fn run(args: &Args) -> Result<Report> {
         layer.token_vocab(),
         Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
     )?;
+    if up_front.is_none() {
+        check_gpu_room(&devices, c, batch.tokens, false)?;
+    }
     let ids = batch.input_ids.as_deref();
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let reference =

@@ -349,6 +349,59 @@ impl Model {
     pub fn is_synthetic(&self) -> bool {
         matches!(self, Model::Synthetic(_))
     }
+
+    /// The MoE dims (known before any layer is loaded).
+    pub fn config(&self) -> &crate::moe::MoeConfig {
+        match self {
+            Model::Synthetic(m) => &m.config,
+            Model::Checkpoint { ckpt, .. } => &ckpt.config.moe,
+        }
+    }
+}
+
+/// Tokens of the batch when known without reading it: synthetic input, or `--tokens`.
+pub fn tokens_up_front(input: &InputArgs) -> Option<usize> {
+    match &input.input {
+        None => Some(input.tokens.unwrap_or(DEFAULT_TOKENS)),
+        Some(_) => input.tokens,
+    }
+}
+
+/// Refuse, before activations are generated or weights loaded, a batch whose NVFP4 and
+/// reference forwards cannot fit on the main GPU (`budget` is a lower bound of what they
+/// allocate). Nothing to check on the CPU.
+pub fn check_gpu_room(
+    devices: &EpDevices,
+    c: &crate::moe::MoeConfig,
+    tokens: usize,
+    per_slot: bool,
+) -> Result<()> {
+    use crate::backend::cuda::budget;
+    let Some(cuda) = devices.cuda_main() else {
+        return Ok(());
+    };
+    let need = budget::layer_pair_bytes(c, tokens, false, per_slot);
+    let per = budget::per_token_bytes(c, per_slot);
+    budget::check_free(
+        cuda.gpu(),
+        need,
+        &format!(
+            "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, top-{}) \
+             on {}",
+            c.hidden_size,
+            c.n_routed_experts,
+            c.num_experts_per_tok,
+            cuda.gpu().describe()
+        ),
+    )
+    .map_err(|e| {
+        e.advise_oom(format!(
+            "Try fewer --tokens (each costs about {:.2} MB on the GPU; the weights {:.2} GB), \
+             or --device cpu",
+            per as f64 / 1e6,
+            need.saturating_sub(per * tokens as u64) as f64 / 1e9
+        ))
+    })
 }
 
 /// `1, 3..5` for `[1, 3, 4, 5]`.
@@ -674,6 +727,10 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(l) => l,
         None => model.default_layer()?,
     };
+    let up_front = tokens_up_front(&args.input);
+    if let Some(t) = up_front {
+        check_gpu_room(&devices, model.config(), t, true)?;
+    }
     let layer = model.layer(l)?;
     let c = &layer.config;
     let (hsz, k) = (c.hidden_size, c.num_experts_per_tok);
@@ -683,6 +740,9 @@ pub fn run(args: &Args) -> Result<Report> {
         layer.token_vocab(),
         Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
     )?;
+    if up_front.is_none() {
+        check_gpu_room(&devices, c, batch.tokens, true)?;
+    }
     let ids = batch.input_ids.as_deref();
 
     // one routing for both paths: routing differences are the `routing` command's business

@@ -4,8 +4,8 @@
 
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::layertest::{
-    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, load_batch,
-    nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+    at, below, block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with,
+    load_batch, nvfp4_forward, ranges, tokens_up_front, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
@@ -158,10 +158,17 @@ pub fn run(args: &Args) -> Result<Report> {
             ranges(&moe_layers)
         )));
     }
+    let up_front = tokens_up_front(&args.input);
+    if let Some(t) = up_front {
+        check_gpu_room(&devices, model.config(), t, false)?;
+    }
     let first = model.layer(layers[0])?;
     let first_k = first.config.num_experts_per_tok;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
     let batch = load_batch(&args.input, hsz, first.token_vocab(), None)?;
+    if up_front.is_none() {
+        check_gpu_room(&devices, &first.config, batch.tokens, false)?;
+    }
     let ids = batch.input_ids.as_deref();
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
 

@@ -3,11 +3,13 @@
 //! `w13_weight_scale_2`), and — when the bytes differ — metrics after dequantization, computed
 //! in chunks so that a multi-GB tensor never sits in memory as f32.
 
+use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
 use super::load::{DRaw, QRaw, Raw, Shared};
 use super::view::{pick_scales, Mat, QMatrix, ScalesSeen};
 use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
+use crate::error::Result;
 use crate::metrics::{Accum, Metrics};
 use crate::nvfp4::ScaleLayout;
 use rayon::prelude::*;
@@ -224,10 +226,10 @@ pub struct DView<'a> {
 }
 
 impl DView<'_> {
-    fn es(&self) -> usize {
+    pub fn es(&self) -> usize {
         (self.dtype.bitsize() / 8).max(1)
     }
-    fn row_elems(&self) -> usize {
+    pub fn row_elems(&self) -> usize {
         self.mat.row_bytes / self.es()
     }
     pub fn len(&self) -> usize {
@@ -258,19 +260,24 @@ impl DView<'_> {
     }
 }
 
-enum Values<'a, 'b> {
+/// One side's values as a diff engine reads them: a quantized matrix (dequantized on the
+/// way) or a float view, row-major, flat indices shared with the other side.
+pub enum Values<'a, 'b> {
     Q(&'b QMatrix<'a>),
     D(DView<'a>),
 }
 
 impl Values<'_, '_> {
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             Values::Q(q) => q.rows * q.cols,
             Values::D(d) => d.len(),
         }
     }
-    fn fill(&self, s: usize, out: &mut [f32]) -> bool {
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn fill(&self, s: usize, out: &mut [f32]) -> bool {
         match self {
             Values::D(d) => d.decode(s, out),
             Values::Q(q) => {
@@ -285,7 +292,7 @@ impl Values<'_, '_> {
 }
 
 /// Metrics of `b` (test) against `a` (reference) over equal element counts.
-fn metrics_any(a: &Values, b: &Values) -> Option<Metrics> {
+pub fn metrics_any(a: &Values, b: &Values) -> Option<Metrics> {
     let n = a.len();
     if n != b.len() {
         return None;
@@ -348,13 +355,14 @@ pub fn compare(
     b: &Raw,
     opts: &Options,
     a_scalars: &dyn Fn(ExpertProj) -> Option<AScalars>,
-) -> UnitResult {
+    engine: &dyn DiffEngine,
+) -> Result<UnitResult> {
     let mut u = UnitResult::new(name, expert);
     match (a, b) {
-        (Raw::Q(qa), Raw::Q(qb)) => compare_qq(&mut u, qa, qb, opts, a_scalars),
-        (Raw::D(da), Raw::D(db)) => compare_dd(&mut u, da, db, opts),
-        (Raw::Q(qa), Raw::D(db)) => compare_qd(&mut u, qa, db, opts, true),
-        (Raw::D(da), Raw::Q(qb)) => compare_qd(&mut u, qb, da, opts, false),
+        (Raw::Q(qa), Raw::Q(qb)) => compare_qq(&mut u, qa, qb, opts, a_scalars, engine),
+        (Raw::D(da), Raw::D(db)) => compare_dd(&mut u, da, db, opts, engine),
+        (Raw::Q(qa), Raw::D(db)) => compare_qd(&mut u, qa, db, opts, true, engine),
+        (Raw::D(da), Raw::Q(qb)) => compare_qd(&mut u, qb, da, opts, false, engine),
     }
 }
 
@@ -364,7 +372,8 @@ fn compare_qq(
     qb: &QRaw,
     opts: &Options,
     a_scalars: &dyn Fn(ExpertProj) -> Option<AScalars>,
-) -> UnitResult {
+    engine: &dyn DiffEngine,
+) -> Result<UnitResult> {
     u.a = qa.weight_name.clone();
     u.b = qb.weight_name.clone();
     u.a_shape = qa.weight_shape.clone();
@@ -391,13 +400,13 @@ fn compare_qq(
             IssueKind::Format,
             format!("A is {}, B is {}", qa.format.name(), qb.format.name()),
         );
-        return done(u);
+        return Ok(done(u));
     }
     let (a_full, a_sc) = match qmatrix(qa, qa.rows(), qa.cols()) {
         Ok(v) => v,
         Err(e) => {
             u.issue(IssueKind::Unreadable, format!("A: {e}"));
-            return done(u);
+            return Ok(done(u));
         }
     };
     if a_sc.seen == ScalesSeen::Swizzled {
@@ -424,7 +433,7 @@ fn compare_qq(
                 ),
             );
         }
-        return done(u);
+        return Ok(done(u));
     }
     let a_m = match align2(ra, rb, opts.tp) {
         Some(Align::Same) => Some(a_full),
@@ -452,13 +461,13 @@ fn compare_qq(
                 shape_hint(&[ra.0, ra.1], &[rb.0, rb.1], opts.tp)
             ),
         );
-        return done(u);
+        return Ok(done(u));
     };
     let (mut b_m, mut b_sc) = match qmatrix(qb, rb.0, rb.1) {
         Ok(v) => v,
         Err(e) => {
             u.issue(IssueKind::Scales, format!("B: {e}"));
-            return done(u);
+            return Ok(done(u));
         }
     };
     u.b_scales = Some(b_sc.seen);
@@ -609,9 +618,15 @@ fn compare_qq(
         if r.status == Status::Close && conv_ulp {
             r.status = Status::Equal;
         }
-        return r;
+        return Ok(r);
     }
-    let m = metrics_qq(&a_m, &b_m);
+    let Some(m) = engine.metrics(&Values::Q(&a_m), &Values::Q(&b_m))? else {
+        u.issue(
+            IssueKind::Unreadable,
+            "the dequantized sides differ in length",
+        );
+        return Ok(done(u));
+    };
     let close = m.passes(opts.min_cosine);
     if !codes_equal && !close {
         u.issue(
@@ -629,7 +644,7 @@ fn compare_qq(
         );
     }
     u.metrics = Some(m);
-    std::mem::replace(u, UnitResult::new("", None)).finish(close)
+    Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
 }
 
 fn dense_view<'a>(d: &DRaw<'a>) -> Option<DView<'a>> {
@@ -718,7 +733,13 @@ fn ints(d: &DView) -> Option<Vec<i64>> {
     Some(v)
 }
 
-fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitResult {
+fn compare_dd(
+    u: &mut UnitResult,
+    da: &DRaw,
+    db: &DRaw,
+    opts: &Options,
+    engine: &dyn DiffEngine,
+) -> Result<UnitResult> {
     u.a = da.name.clone();
     u.b = db.name.clone();
     u.a_shape = da.shape.clone();
@@ -731,7 +752,7 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
     };
     let (Some(va_full), Some(vb)) = (dense_view(da), dense_view(db)) else {
         u.issue(IssueKind::Unreadable, "bytes do not fill the shape");
-        return done(u, false);
+        return Ok(done(u, false));
     };
     let va = if da.shape == db.shape {
         va_full
@@ -759,7 +780,7 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                 )
             },
         );
-        return done(u, false);
+        return Ok(done(u, false));
     } else {
         u.issue(
             IssueKind::Shape,
@@ -770,11 +791,11 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                 shape_hint(&da.shape, &db.shape, opts.tp)
             ),
         );
-        return done(u, false);
+        return Ok(done(u, false));
     };
     if da.dtype == db.dtype && va.mat.same(&vb.mat) {
         u.bitwise_equal = true;
-        return done(u, true);
+        return Ok(done(u, true));
     }
     if is_int(da.dtype) || is_int(db.dtype) {
         match (ints(&va), ints(&vb)) {
@@ -799,7 +820,7 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                     u.bitwise_equal = false;
                     let mut r = done(u, true);
                     r.status = Status::Equal;
-                    return r;
+                    return Ok(r);
                 }
             }
             _ => u.issue(
@@ -807,9 +828,9 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                 format!("A {:?}, B {:?}: not comparable", da.dtype, db.dtype),
             ),
         }
-        return done(u, false);
+        return Ok(done(u, false));
     }
-    let Some(m) = metrics_any(&Values::D(va), &Values::D(vb)) else {
+    let Some(m) = engine.metrics(&Values::D(va), &Values::D(vb))? else {
         u.issue(
             IssueKind::Dtype,
             format!(
@@ -817,7 +838,7 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
                 da.dtype, db.dtype
             ),
         );
-        return done(u, false);
+        return Ok(done(u, false));
     };
     let identical = m.max_abs_err == 0.0 && m.nan_count + m.inf_count == 0;
     if da.dtype != db.dtype {
@@ -829,7 +850,7 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
             u.metrics = Some(m);
             let mut r = done(u, true);
             r.status = Status::Equal;
-            return r;
+            return Ok(r);
         }
         u.issue(
             IssueKind::Dtype,
@@ -849,11 +870,18 @@ fn compare_dd(u: &mut UnitResult, da: &DRaw, db: &DRaw, opts: &Options) -> UnitR
     }
     let close = m.passes(opts.min_cosine);
     u.metrics = Some(m);
-    done(u, close)
+    Ok(done(u, close))
 }
 
 /// One side quantized, the other a float tensor (e.g. a BF16 engine that dequantized at load).
-fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bool) -> UnitResult {
+fn compare_qd(
+    u: &mut UnitResult,
+    q: &QRaw,
+    d: &DRaw,
+    opts: &Options,
+    q_is_a: bool,
+    engine: &dyn DiffEngine,
+) -> Result<UnitResult> {
     let (qn, qs, qd) = (
         q.weight_name.clone(),
         q.weight_shape.clone(),
@@ -876,12 +904,12 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
                 IssueKind::Unreadable,
                 format!("{}: {e}", if q_is_a { "A" } else { "B" }),
             );
-            return done(u, false);
+            return Ok(done(u, false));
         }
     };
     let Some(dv) = dense_view(d) else {
         u.issue(IssueKind::Unreadable, "bytes do not fill the shape");
-        return done(u, false);
+        return Ok(done(u, false));
     };
     let (rq, rd) = ((qm.rows, qm.cols), (dv.mat.rows, dv.row_elems()));
     // only A may be wider (B is the shard)
@@ -905,7 +933,7 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
                 shape_hint(&[rq.0, rq.1], &[rd.0, rd.1], opts.tp)
             ),
         );
-        return done(u, false);
+        return Ok(done(u, false));
     };
     u.notes.push(format!(
         "{} holds this weight as {:?} (unquantized), {} as {}: compared after dequantization",
@@ -916,16 +944,16 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
     ));
     let (qa, qb) = (Values::Q(&qm), Values::D(dv));
     let m = if q_is_a {
-        metrics_any(&qa, &qb)
+        engine.metrics(&qa, &qb)?
     } else {
-        metrics_any(&qb, &qa)
+        engine.metrics(&qb, &qa)?
     };
     let Some(m) = m else {
         u.issue(
             IssueKind::Dtype,
             format!("{:?}: a dtype this tool does not decode", d.dtype),
         );
-        return done(u, false);
+        return Ok(done(u, false));
     };
     let close = m.passes(opts.min_cosine);
     if !close {
@@ -938,7 +966,7 @@ fn compare_qd(u: &mut UnitResult, q: &QRaw, d: &DRaw, opts: &Options, q_is_a: bo
         );
     }
     u.metrics = Some(m);
-    done(u, close)
+    Ok(done(u, close))
 }
 
 /// A side's quantized matrix read at its own geometry (scales resolved; an ambiguous size
@@ -961,24 +989,37 @@ pub fn aligned_q<'a>(
     }
 }
 
-/// Metrics of B's matrix against A's, quantized or not, when the shapes agree.
-pub fn metrics_raw(a: &Raw, b: &Raw, tp: Option<(usize, usize)>) -> Option<Metrics> {
+/// Metrics of B's matrix against A's, quantized or not, when the shapes agree (Ok(None)
+/// when they do not).
+pub fn metrics_raw(
+    a: &Raw,
+    b: &Raw,
+    tp: Option<(usize, usize)>,
+    engine: &dyn DiffEngine,
+) -> Result<Option<Metrics>> {
     match (a, b) {
         (Raw::Q(qa), Raw::Q(qb)) => {
-            let mb = own_q(qb)?;
-            let ma = aligned_q(qa, (mb.rows, mb.cols), tp)?;
-            Some(metrics_qq(&ma, &mb))
+            let Some(mb) = own_q(qb) else { return Ok(None) };
+            let Some(ma) = aligned_q(qa, (mb.rows, mb.cols), tp) else {
+                return Ok(None);
+            };
+            engine.metrics(&Values::Q(&ma), &Values::Q(&mb))
         }
         (Raw::D(da), Raw::D(db)) => {
-            let vb = dense_view(db)?;
-            let va = if da.shape == db.shape {
-                dense_view(da)?
-            } else {
-                shard_view(da, &db.shape, tp)?.0
+            let Some(vb) = dense_view(db) else {
+                return Ok(None);
             };
-            metrics_any(&Values::D(va), &Values::D(vb))
+            let va = if da.shape == db.shape {
+                dense_view(da)
+            } else {
+                shard_view(da, &db.shape, tp).map(|v| v.0)
+            };
+            match va {
+                Some(va) => engine.metrics(&Values::D(va), &Values::D(vb)),
+                None => Ok(None),
+            }
         }
-        _ => None,
+        _ => Ok(None),
     }
 }
 

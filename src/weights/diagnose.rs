@@ -5,10 +5,14 @@
 //! (a permutation). Experts are matched by fingerprints of their codes (a misplaced expert
 //! moves bytes unchanged), with a cosine fallback for gate/up.
 
-use super::compare::{fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, UnitResult};
+use super::compare::{
+    fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, Options, UnitResult,
+};
+use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::load::SideRef;
 use crate::checkpoint::Proj;
+use crate::error::Result;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -133,9 +137,10 @@ pub fn cross_expert(
     b: &SideRef,
     a_inv: &Inventory,
     b_inv: &Inventory,
-    tp: Option<(usize, usize)>,
-    min_cosine: f64,
-) -> Vec<Diagnosis> {
+    opts: &Options,
+    engine: &dyn DiffEngine,
+) -> Result<Vec<Diagnosis>> {
+    let (tp, min_cosine) = (opts.tp, opts.min_cosine);
     let by_key: HashMap<String, usize> = results
         .iter()
         .enumerate()
@@ -212,14 +217,16 @@ pub fn cross_expert(
                 (fp_b.get(&g), fp_b.get(&u), fp_a.get(&g), fp_a.get(&u)),
                 (Some((bg, _)), Some((bu, _)), Some(ag), Some(au)) if bg == au && bu == ag && ag != au
             );
-            let by_cosine = !by_fp && {
-                let pair = |ax: ExpertProj, bx: ExpertProj| {
-                    let (sa, sb) = (src_of(&a_units, ax)?, src_of(&b_units, bx)?);
-                    metrics_raw(&a.load(&sa).ok()?, &b.load(&sb).ok()?, tp)
+            let pair = |ax: ExpertProj, bx: ExpertProj| -> Result<bool> {
+                let (Some(sa), Some(sb)) = (src_of(&a_units, ax), src_of(&b_units, bx)) else {
+                    return Ok(false);
                 };
-                pair(u, g).is_some_and(|m| m.passes(min_cosine))
-                    && pair(g, u).is_some_and(|m| m.passes(min_cosine))
+                let (Ok(ra), Ok(rb)) = (a.load(&sa), b.load(&sb)) else {
+                    return Ok(false);
+                };
+                Ok(metrics_raw(&ra, &rb, tp, engine)?.is_some_and(|m| m.passes(min_cosine)))
             };
+            let by_cosine = !by_fp && pair(u, g)? && pair(g, u)?;
             if by_fp || by_cosine {
                 swapped.push(e);
             }
@@ -331,7 +338,7 @@ pub fn cross_expert(
             });
         }
     }
-    out
+    Ok(out)
 }
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {

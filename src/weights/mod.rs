@@ -8,6 +8,7 @@
 pub mod compare;
 pub mod derived;
 pub mod diagnose;
+pub mod engine;
 pub mod inventory;
 pub mod load;
 pub mod rules;
@@ -18,6 +19,7 @@ use crate::error::Result;
 use crate::moe::ep::{ExpertMap, Placement};
 use compare::{AScalars, Status, UnitResult};
 use diagnose::{Diagnosis, DiagnosisKind};
+use engine::DiffEngine;
 use inventory::{ExpertProj, Inventory, Source, Unit};
 use load::{Raw, SideRef};
 use rayon::prelude::*;
@@ -304,8 +306,9 @@ impl<'a> Plan<'a> {
         self.pairs.is_empty()
     }
 
-    /// Compare every pair; `tick` is called once per unit done (from worker threads).
-    pub fn run(self, tick: &(dyn Fn() + Sync)) -> Comparison {
+    /// Compare every pair, values diffed by `engine`; `tick` is called once per unit done
+    /// (from worker threads). Err only when the engine fails (a GPU error, out of memory).
+    pub fn run(self, engine: &dyn DiffEngine, tick: &(dyn Fn() + Sync)) -> Result<Comparison> {
         let a = SideRef {
             src: &self.a,
             inv: &self.a_inv,
@@ -324,10 +327,12 @@ impl<'a> Plan<'a> {
         let mut results: Vec<UnitResult> = self
             .pairs
             .par_iter()
-            .map(|(ka, kb)| {
+            .map(|(ka, kb)| -> Result<UnitResult> {
                 let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
                 let r = match (a.load(&ua.source), b.load(&ub.source)) {
-                    (Ok(ra), Ok(rb)) => compare::compare(ka, ua.expert, &ra, &rb, &copts, &lookup),
+                    (Ok(ra), Ok(rb)) => {
+                        compare::compare(ka, ua.expert, &ra, &rb, &copts, &lookup, engine)?
+                    }
                     (ra, rb) => {
                         let mut u = UnitResult::new(ka, ua.expert);
                         for (side, r) in [("A", ra.err()), ("B", rb.err())] {
@@ -344,9 +349,9 @@ impl<'a> Plan<'a> {
                 release(&self.a, &ua.source);
                 release(&self.b, &ub.source);
                 tick();
-                r
+                Ok(r)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let mut diagnoses = self.diagnoses;
         diagnoses.extend(diagnose::from_units(&results));
         diagnoses.extend(diagnose::cross_expert(
@@ -355,9 +360,9 @@ impl<'a> Plan<'a> {
             &b,
             &self.a_inv,
             &self.b_inv,
-            self.opts.tp,
-            self.opts.min_cosine,
-        ));
+            &copts,
+            engine,
+        )?);
         let mut missing = self.missing;
         for r in &results {
             missing.extend(r.missing_members.iter().cloned());
@@ -392,7 +397,7 @@ impl<'a> Plan<'a> {
             .into_iter()
             .filter(|r| r.status == Status::Close)
             .collect();
-        Comparison {
+        Ok(Comparison {
             a_naming: naming_name(&self.a_inv),
             b_naming: naming_name(&self.b_inv),
             units,
@@ -407,7 +412,7 @@ impl<'a> Plan<'a> {
             extra: self.extra,
             diagnoses,
             notes,
-        }
+        })
     }
 
     /// Total tensors on each side (for the summary).

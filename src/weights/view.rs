@@ -124,6 +124,23 @@ impl<'a> Mat<'a> {
         })
     }
 
+    /// Rows `[r0, r1)` as one byte stream: borrowed from the map when they are adjacent
+    /// there, gathered otherwise (a TP column slice).
+    pub fn rows_bytes(&self, r0: usize, r1: usize) -> Cow<'a, [u8]> {
+        if r1 <= r0 {
+            return Cow::Borrowed(&self.data[..0]);
+        }
+        if self.stride == self.row_bytes || r1 - r0 == 1 {
+            let a = r0 * self.stride;
+            return Cow::Borrowed(&self.data[a..a + (r1 - r0 - 1) * self.stride + self.row_bytes]);
+        }
+        let mut v = Vec::with_capacity((r1 - r0) * self.row_bytes);
+        for i in r0..r1 {
+            v.extend_from_slice(self.row(i));
+        }
+        Cow::Owned(v)
+    }
+
     pub fn to_vec(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(self.len());
         for i in 0..self.rows {

@@ -44,14 +44,12 @@ fn driver_what(e: &DriverError) -> String {
 /// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
 pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
     if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        Error::GpuOom {
-            step: if kernel == "-" {
-                step.to_string()
-            } else {
-                format!("{step} ({kernel})")
-            },
-            what: driver_what(&e),
-        }
+        let step = if kernel == "-" {
+            step.to_string()
+        } else {
+            format!("{step} ({kernel})")
+        };
+        Error::gpu_oom(step, driver_what(&e))
     } else {
         Error::Cuda {
             step: step.to_string(),
@@ -63,10 +61,7 @@ pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
 
 pub(crate) fn cublas_err(step: &str, kernel: &str, e: CublasError) -> Error {
     if e.0 == cublas_sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED {
-        Error::GpuOom {
-            step: format!("{step} ({kernel})"),
-            what: format!("{:?}", e.0),
-        }
+        Error::gpu_oom(format!("{step} ({kernel})"), format!("{:?}", e.0))
     } else {
         Error::Cuda {
             step: step.to_string(),

@@ -2,6 +2,8 @@
 //! device's architecture, cuBLAS for the BF16 reference, all on one stream.
 
 pub mod blas;
+pub mod budget;
+pub mod dequant;
 pub mod device;
 pub mod fault;
 pub mod moe;

@@ -64,6 +64,13 @@ pub const MOE: KernelModule = KernelModule {
     ],
 };
 
+/// Dequantization to f32 for compare-weights' GPU diff.
+pub const DEQUANT: KernelModule = KernelModule {
+    file: "kernels/dequant.cu",
+    source: include_str!("../../../kernels/dequant.cu"),
+    kernels: &["dequant_fp4", "decode_f32", "first_index_at_max"],
+};
+
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
 pub const BENCH: KernelModule = KernelModule {
     file: "kernels/bench.cu",
@@ -77,7 +84,7 @@ pub const BENCH: KernelModule = KernelModule {
 };
 
 /// Every module, in the order the compile check reports them.
-pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH];
+pub const MODULES: &[&KernelModule] = &[&QUANT, &REDUCE, &ROUTER, &MOE, &BENCH, &DEQUANT];
 
 /// The NVRTC target for a compute capability: the arch-specific variant (`sm_90a`,
 /// `sm_100a`) where one exists, since wgmma / the FP4 conversion need it.
