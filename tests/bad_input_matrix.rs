@@ -545,6 +545,40 @@ fn resource_bounds_on_absurd_inputs() {
         );
         eprintln!("{n} tensors: peak {} MiB", kib >> 10);
     }
+    // the same header as `layertest --input` (which then finds no `hidden_states`: exit 2) and
+    // as a trace file: both went through the `safetensors` crate's parser, which peaked at
+    // ~950 MiB; now the checkpoint reader's streaming one
+    let many_trace = d.join("many-tensor-trace");
+    std::fs::create_dir_all(&many_trace).unwrap();
+    std::fs::copy(&many, many_trace.join("000000-model.embed.safetensors")).unwrap();
+    for (cmd, named, want) in [
+        (
+            vec!["layertest", "--input", p(&many), "--device", "cpu"],
+            p(&many).to_string(),
+            2,
+        ),
+        // a streaming answer: the file has no `output`, so it is skipped, by name
+        (
+            vec!["nan-locate", p(&many_trace)],
+            "000000-model.embed.safetensors".to_string(),
+            0,
+        ),
+    ] {
+        let Some((o, kib)) = peak_kib(&cmd) else {
+            break;
+        };
+        let out = format!("{}{}", stdout(&o), stderr(&o));
+        assert_eq!(code(&o), want, "seed {seed}: {cmd:?}: {out}");
+        assert!(out.contains(&named), "{cmd:?}: {out}");
+        assert!(!out.contains("panicked"), "{cmd:?}: {out}");
+        assert!(
+            kib < 768 << 10,
+            "seed {seed}: {cmd:?} on a {} MB header with {n} tensors peaked at {} MiB",
+            h.len() >> 20,
+            kib >> 10
+        );
+        eprintln!("{cmd:?}: {n} tensors: peak {} MiB", kib >> 10);
+    }
 
     // thousands of trace files: scanned, not held open; one NaN in the last is found
     let many_dir = d.join("many-trace");
@@ -593,6 +627,7 @@ fn fuzz_regressions_replay() {
         "shard_index",
         "trace_file",
         "case_toml",
+        "rules_toml",
     ] {
         let mut inputs: Vec<PathBuf> = std::fs::read_dir(root.join(target))
             .unwrap()
@@ -685,6 +720,20 @@ fn fuzz_regressions_replay() {
                     let p = tmp.path().join("case.toml");
                     std::fs::write(&p, &data).unwrap();
                     let _ = nvfp4dbg::cli::run_case::load_case(&p);
+                }
+                "rules_toml" => {
+                    use nvfp4dbg::weights::rules::{Renames, Side};
+                    let p = tmp.path().join("rules.toml");
+                    std::fs::write(&p, &data).unwrap();
+                    if let Ok(r) = Renames::load(&["model.".to_string()], Some(&p)) {
+                        for n in [
+                            "model.layers.3.mlp.experts.7.gate_proj.weight",
+                            "layers.3.ffn.experts.7.w1.weight_scale",
+                        ] {
+                            let _ = r.apply(n, Side::A);
+                            let _ = r.apply(n, Side::B);
+                        }
+                    }
                 }
                 _ => unreachable!(),
             });

@@ -436,3 +436,34 @@ fn fuzz_case_toml() {
         }),
     );
 }
+
+#[test]
+#[ignore]
+fn fuzz_rules_toml() {
+    use nvfp4dbg::weights::rules::{Renames, Side};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("rules.toml");
+    let mut seeds: Vec<PathBuf> = std::fs::read_dir(repo("fuzz/seeds/rules_toml"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    seeds.sort();
+    fuzz(
+        "rules_toml",
+        text_seeds(&seeds),
+        false,
+        Box::new(|data| {
+            std::fs::write(&p, data).unwrap();
+            if let Ok(r) = Renames::load(&["model.".to_string()], Some(&p)) {
+                for n in [
+                    "model.layers.3.mlp.experts.7.gate_proj.weight",
+                    "layers.3.ffn.experts.7.w1.weight_scale",
+                    "",
+                ] {
+                    let _ = r.apply(n, Side::A);
+                    let _ = r.apply(n, Side::B);
+                }
+            }
+        }),
+    );
+}

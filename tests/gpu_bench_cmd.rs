@@ -2,21 +2,10 @@
 //! has finite, positive numbers and a floor; the floors are plausible; --only restricts.
 
 use serde_json::Value;
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
-/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        return p.into();
-    }
-    let sibling = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
-        .filter(|p| p.is_file());
-    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
-}
+use common::binary;
+use std::process::Command;
 
 /// Every figure of `--quick` (all but the 8192^3 GEMM).
 const QUICK_FIGURES: &[&str] = &[

@@ -8,8 +8,10 @@
 //! and its index must be equal; `cosine`, `rel_l2` and `sqnr_db` come from f64 sums in
 //! another order and may differ by ~1e-12 relative: 1e-9 is allowed.
 
+mod common;
 mod gpu_common;
 
+use common::binary;
 use nvfp4dbg::metrics::Metrics;
 use nvfp4dbg::nvfp4::Format;
 use nvfp4dbg::weights::compare::{DView, Values};
@@ -26,19 +28,6 @@ use std::process::Command;
 use std::time::Instant;
 
 const TOL: f64 = 1e-9;
-
-/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
-/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        return p.into();
-    }
-    let sibling = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
-        .filter(|p| p.is_file());
-    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
-}
 
 fn close(a: f64, b: f64) -> bool {
     (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() <= TOL * a.abs().max(b.abs()).max(1.0)

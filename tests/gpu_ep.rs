@@ -4,21 +4,10 @@
 //! conventions are caught and named on the GPU too; gs-sweep and multilayer run sharded.
 
 use serde_json::Value;
-use std::path::PathBuf;
-use std::process::Command;
+mod common;
 
-/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
-/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        return p.into();
-    }
-    let sibling = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
-        .filter(|p| p.is_file());
-    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
-}
+use common::binary;
+use std::process::Command;
 
 /// (exit code, stdout + stderr, JSON report).
 fn run(args: &[&str]) -> (i32, String, Option<Value>) {

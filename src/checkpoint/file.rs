@@ -266,6 +266,13 @@ impl TensorFile {
         self.tensors.get(name)
     }
 
+    /// The stored name with its info: a borrow of the name that lives as long as the file.
+    pub fn get_key_value(&self, name: &str) -> Option<(&str, &TensorInfo)> {
+        self.tensors
+            .get_key_value(name)
+            .map(|(k, v)| (k.as_str(), v))
+    }
+
     /// dtype and shape of `name`; missing is bad input naming the file and the tensor.
     pub fn info(&self, name: &str) -> Result<&TensorInfo> {
         self.tensors

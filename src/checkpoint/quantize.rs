@@ -198,6 +198,9 @@ impl QuantizePlan {
             output: self.output.clone(),
             ..Default::default()
         };
+        if self.ckpt.is_dir() {
+            self.remove_stale_markers()?;
+        }
         for fp in &self.files {
             self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
@@ -318,6 +321,26 @@ impl QuantizePlan {
                     });
                     on_tensor(name);
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// An OUT that already holds a checkpoint loses the files that make it one (those this
+    /// run writes again, after every shard): a run killed halfway then leaves shards, never an
+    /// old index or config.json vouching for a mix of old and new shards.
+    fn remove_stale_markers(&self) -> Result<()> {
+        let mut markers = vec![HF_QUANT_CONFIG_FILE];
+        if self.ckpt.index_path().is_some() {
+            markers.push(INDEX_FILE);
+        }
+        if self.ckpt.config_path().is_some() {
+            markers.push(CONFIG_FILE);
+        }
+        for m in markers {
+            let p = self.output.join(m);
+            if p.is_file() {
+                std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
             }
         }
         Ok(())

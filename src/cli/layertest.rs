@@ -7,6 +7,7 @@ use super::kernel::{self, KernelArgs};
 use crate::backend::cuda::{moe::Nvfp4Forward, CudaBackend};
 use crate::backend::{cpu::CpuBackend, Backend};
 use crate::checkpoint::writer::{f32_bytes, i64_bytes, write_file, TensorSpec};
+use crate::checkpoint::TensorFile;
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::moe::breakdown::{
@@ -512,22 +513,19 @@ pub fn load_batch(
 
 type InputTensors = (Vec<f32>, Option<Vec<i64>>, usize);
 
-/// Read `hidden_states` `[T, hidden]` and optional `input_ids` `[T]` from a safetensors file.
+/// Read `hidden_states` `[T, hidden]` and optional `input_ids` `[T]` from a safetensors file,
+/// through the checkpoint reader: its header parser keeps memory bounded on a header that
+/// lists a million tensors.
 pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: read-only map of a file we never write; a concurrent truncation is the
-    // user's race, as with every mmap-based safetensors reader.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-    let st = safetensors::SafeTensors::deserialize(&map)
-        .map_err(|e| Error::bad_file(path, format!("not a safetensors file: {e}")))?;
-    let hs = st.tensor("hidden_states").map_err(|_| {
+    let file = TensorFile::open(path)?;
+    let hs = file.get("hidden_states").ok_or_else(|| {
         Error::bad_tensor(
             path,
             "hidden_states",
             "missing: expected hidden_states [tokens, hidden]",
         )
     })?;
-    let shape = hs.shape().to_vec();
+    let shape = hs.shape.clone();
     if shape.len() != 2 || shape[1] != hidden || shape[0] == 0 {
         return Err(Error::bad_tensor(
             path,
@@ -536,32 +534,32 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         ));
     }
     let rows = shape[0];
-    let h = decode_float(hs.dtype(), hs.data()).ok_or_else(|| {
+    let h = decode_float(hs.dtype, file.slice(hs)).ok_or_else(|| {
         Error::bad_tensor(
             path,
             "hidden_states",
-            format!("dtype {:?}: expected F32, F16, BF16 or F64", hs.dtype()),
+            format!("dtype {:?}: expected F32, F16, BF16 or F64", hs.dtype),
         )
     })?;
-    let ids = match st.tensor("input_ids") {
-        Err(_) => None,
-        Ok(t) => {
-            let ok_shape = t.shape() == [rows] || t.shape() == [1, rows];
+    let ids = match file.get("input_ids") {
+        None => None,
+        Some(t) => {
+            let ok_shape = t.shape == [rows] || t.shape == [1, rows];
             if !ok_shape {
                 return Err(Error::bad_tensor(
                     path,
                     "input_ids",
                     format!(
                         "shape {:?}, expected [{rows}] (one id per hidden_states row)",
-                        t.shape()
+                        t.shape
                     ),
                 ));
             }
-            Some(decode_int(t.dtype(), t.data()).ok_or_else(|| {
+            Some(decode_int(t.dtype, file.slice(t)).ok_or_else(|| {
                 Error::bad_tensor(
                     path,
                     "input_ids",
-                    format!("dtype {:?}: expected I64 or I32", t.dtype()),
+                    format!("dtype {:?}: expected I64 or I32", t.dtype),
                 )
             })?)
         }

@@ -19,7 +19,7 @@ pub mod run_case;
 pub mod synth;
 pub mod synth_trace;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::report::{Outputs, Report};
 use clap::{Parser, Subcommand};
 
@@ -72,7 +72,25 @@ pub enum Command {
 
 /// Run a parsed command line: the report is printed and written; the verdict is the exit code.
 pub fn run(cli: Cli) -> Result<u8> {
-    let (report, outputs) = execute(cli.command)?;
+    // commands whose GPU work the CPU reference backend also does
+    let cpu_path = matches!(
+        cli.command,
+        Command::Layertest(_)
+            | Command::GsSweep(_)
+            | Command::Multilayer(_)
+            | Command::Routing(_)
+            | Command::CompareWeights(_)
+    );
+    let (report, outputs) = execute(cli.command).map_err(|e| match e {
+        Error::Cuda { step, kernel, what } if cpu_path => Error::Cuda {
+            step,
+            kernel,
+            what: format!(
+                "{what}\n(--device cpu runs the same computation on the CPU reference backend)"
+            ),
+        },
+        e => e,
+    })?;
     crate::report::emit(&report, &outputs)?;
     Ok(report.verdict.exit_code())
 }

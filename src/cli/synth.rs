@@ -206,6 +206,21 @@ pub fn run(args: &Args) -> Result<Report> {
             dir.display()
         )));
     }
+    // A forced run takes the old checkpoint's markers away first and writes them after every
+    // shard: a run killed halfway leaves shards, never an old config.json or index vouching
+    // for a mix of old and new shards.
+    for marker in [
+        "config.json",
+        "hf_quant_config.json",
+        "planted.json",
+        "model.safetensors.index.json",
+        "bf16/model.safetensors.index.json",
+    ] {
+        let p = dir.join(marker);
+        if p.is_file() {
+            std::fs::remove_file(&p).map_err(|e| Error::io(&p, e))?;
+        }
+    }
     if !args.no_originals {
         std::fs::create_dir_all(dir.join("bf16")).map_err(|e| Error::io(dir, e))?;
     }

@@ -1,11 +1,11 @@
 //! One trace file: a memory-mapped safetensors file whose header is validated before any tensor
 //! is touched, so a truncated or lying file is reported by name instead of read past its end.
 
-use crate::error::{Error, Result};
-use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use crate::checkpoint::TensorFile;
+use crate::error::Result;
+use safetensors::Dtype;
+use std::collections::BTreeMap;
+use std::path::Path;
 
 /// What a tensor is to the module call it was recorded from (DESIGN.md §5 names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -38,19 +38,11 @@ pub fn role(name: &str) -> Role {
 }
 
 pub struct TraceFile {
-    path: PathBuf,
-    mmap: Mmap,
-    data_start: usize,
-    metadata: HashMap<String, String>,
-    /// In recording order: inputs, outputs (by number), then anything else by name.
-    tensors: Vec<Entry>,
-}
-
-struct Entry {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    offsets: (usize, usize),
+    /// The checkpoint reader's validated map: its header parser streams entries, so a header
+    /// of a million tensors costs their `TensorInfo`s, not a JSON tree of them.
+    file: TensorFile,
+    /// Names in recording order: inputs, outputs (by number), then anything else by name.
+    order: Vec<String>,
 }
 
 /// A view of one tensor's bytes inside a mapped trace file.
@@ -66,74 +58,38 @@ impl TraceFile {
     /// Map and validate: header length, JSON, offsets tiling the data section and ending
     /// exactly at the end of the file, sizes matching shape × dtype. Tensor bytes are not read.
     pub fn open(path: &Path) -> Result<TraceFile> {
-        let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let len = f.metadata().map_err(|e| Error::io(path, e))?.len();
-        if len < 8 {
-            return Err(Error::bad_file(
-                path,
-                format!("truncated: {len} bytes, a safetensors file starts with an 8-byte header length"),
-            ));
-        }
-        // SAFETY: mapped read-only and never written by us; a concurrent writer truncating
-        // the file is outside what any reader can defend against.
-        let mmap = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(path, e))?;
-        let (n, header) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-            Error::bad_file(
-                path,
-                format!("not a valid safetensors file: {e} (truncated or corrupt?)"),
-            )
-        })?;
-        let mut tensors: Vec<Entry> = header
-            .tensors()
-            .into_iter()
-            .map(|(name, info)| Entry {
-                name,
-                dtype: info.dtype,
-                shape: info.shape.clone(),
-                offsets: info.data_offsets,
-            })
-            .collect();
-        tensors.sort_by(|a, b| (role(&a.name), &a.name).cmp(&(role(&b.name), &b.name)));
-        Ok(TraceFile {
-            path: path.to_path_buf(),
-            mmap,
-            data_start: 8 + n,
-            metadata: header.metadata().clone().unwrap_or_default(),
-            tensors,
-        })
+        let file = TensorFile::open(path)?;
+        let mut order: Vec<String> = file.names().map(str::to_string).collect();
+        order.sort_by(|a, b| (role(a), a).cmp(&(role(b), b)));
+        Ok(TraceFile { file, order })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.file.path()
     }
 
     /// The `__metadata__` map (empty when absent).
-    pub fn metadata(&self) -> &HashMap<String, String> {
-        &self.metadata
+    pub fn metadata(&self) -> &BTreeMap<String, String> {
+        self.file.metadata()
     }
 
     /// All tensors in recording order: `input.*`, `output`, `output.*`, then other names.
     pub fn tensors(&self) -> impl Iterator<Item = TensorRef<'_>> {
-        self.tensors.iter().filter_map(|e| self.view(e))
+        self.order.iter().filter_map(|n| self.view(n))
     }
 
     pub fn tensor(&self, name: &str) -> Option<TensorRef<'_>> {
-        self.tensors
-            .iter()
-            .find(|e| e.name == name)
-            .and_then(|e| self.view(e))
+        self.view(name)
     }
 
-    fn view<'a>(&'a self, e: &'a Entry) -> Option<TensorRef<'a>> {
-        // read_metadata checked that the offsets tile the data section; `get` keeps it so
-        let data = self
-            .mmap
-            .get(self.data_start + e.offsets.0..self.data_start + e.offsets.1)?;
+    fn view<'a>(&'a self, name: &str) -> Option<TensorRef<'a>> {
+        let (name, info) = self.file.get_key_value(name)?;
         Some(TensorRef {
-            name: &e.name,
-            dtype: e.dtype,
-            shape: &e.shape,
-            data,
+            name,
+            dtype: info.dtype,
+            shape: &info.shape,
+            // offsets were checked against the data area by `TensorFile::open`
+            data: self.file.slice(info),
         })
     }
 }

@@ -34,11 +34,16 @@ pub struct Rule {
     pub side: Side,
 }
 
+/// The longest name a rename may produce (real tensor names are a few hundred bytes at most).
+pub const MAX_RENAMED_LEN: usize = 4096;
+
 /// Every rename to apply, validated.
 #[derive(Clone, Debug, Default)]
 pub struct Renames {
     pub strip_prefixes: Vec<String>,
     pub rules: Vec<Rule>,
+    /// The `--map` file the rules came from.
+    pub map_file: Option<PathBuf>,
 }
 
 #[derive(Deserialize)]
@@ -76,6 +81,7 @@ impl Renames {
         let mut r = Renames {
             strip_prefixes: strip.iter().filter(|s| !s.is_empty()).cloned().collect(),
             rules: vec![],
+            map_file: map.map(Path::to_path_buf),
         };
         let Some(path) = map else { return Ok(r) };
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
@@ -113,8 +119,10 @@ impl Renames {
         self.strip_prefixes.is_empty() && self.rules.is_empty()
     }
 
-    /// The name `name` of side `side` goes by.
-    pub fn apply(&self, name: &str, side: Side) -> String {
+    /// The name `name` of side `side` goes by, or why the rules cannot rename it: a rule that
+    /// grows the name past [`MAX_RENAMED_LEN`] (rules like `replace = '$0$0'` double it each
+    /// time, 2^N over N rules) is a broken rules file, not a name to build.
+    pub fn apply(&self, name: &str, side: Side) -> std::result::Result<String, String> {
         let mut n = name;
         for p in &self.strip_prefixes {
             if let Some(rest) = n.strip_prefix(p.as_str()) {
@@ -122,12 +130,21 @@ impl Renames {
             }
         }
         let mut n = n.to_string();
-        for r in &self.rules {
+        let limit = MAX_RENAMED_LEN.max(name.len());
+        for (i, r) in self.rules.iter().enumerate() {
             if r.side == Side::Both || r.side == side {
                 n = r.pattern.replace_all(&n, r.replace.as_str()).into_owned();
+                if n.len() > limit {
+                    return Err(format!(
+                        "rule {} (`{}`) grows the name to {} bytes (the limit is {limit})",
+                        i + 1,
+                        r.pattern.as_str(),
+                        n.len()
+                    ));
+                }
             }
         }
-        n
+        Ok(n)
     }
 }
 
@@ -188,7 +205,12 @@ impl<'a> Renamed<'a> {
         let mut to_original: HashMap<String, String> = HashMap::new();
         let mut names = Vec::with_capacity(ckpt.names().len());
         for n in ckpt.names() {
-            let r = renames.apply(n, side);
+            let r = renames
+                .apply(n, side)
+                .map_err(|e| match &renames.map_file {
+                    Some(map) => Error::bad_file(map, format!("renaming `{n}`: {e}")),
+                    None => Error::bad_tensor(ckpt.file_of(n), n, e),
+                })?;
             if r.is_empty() {
                 return Err(Error::bad_tensor(
                     ckpt.file_of(n),
@@ -273,11 +295,15 @@ side = "a"
         );
         let r = Renames::load(&["x.".into()], Some(&p)).unwrap();
         assert_eq!(
-            r.apply("language_model.layers.3.ffn.experts.7.w1.weight", Side::B),
+            r.apply("language_model.layers.3.ffn.experts.7.w1.weight", Side::B)
+                .unwrap(),
             "model.layers.3.mlp.experts.7.gate_proj.weight"
         );
-        assert_eq!(r.apply("x.a.gate_proj.w", Side::A), "a.GATE.w");
-        assert_eq!(r.apply("x.a.gate_proj.w", Side::B), "a.gate_proj.w");
+        assert_eq!(r.apply("x.a.gate_proj.w", Side::A).unwrap(), "a.GATE.w");
+        assert_eq!(
+            r.apply("x.a.gate_proj.w", Side::B).unwrap(),
+            "a.gate_proj.w"
+        );
     }
 
     #[test]
@@ -322,5 +348,38 @@ mod replacement_tests {
             re.replace_all("layers.12.ffn.experts.3.w1.weight", rep.as_str()),
             "model.layers.12.mlp.experts.3.w1.weight"
         );
+    }
+}
+
+#[cfg(test)]
+mod growth_tests {
+    use super::*;
+
+    /// Found reviewing the `rules_toml` fuzz target: N rules of `replace = '$0$0'` double the
+    /// name N times; 40 of them asked for terabytes.
+    #[test]
+    fn a_name_growing_without_bound_is_an_error_naming_the_rule() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("rules.toml");
+        let n_rules = 8 + (rand::random::<u64>() % 40) as usize;
+        std::fs::write(
+            &p,
+            "[[rule]]\npattern = '.+'\nreplace = '$0$0'\n".repeat(n_rules),
+        )
+        .unwrap();
+        let r = Renames::load(&[], Some(&p)).unwrap();
+        let name = "model.layers.3.mlp.experts.7.gate_proj.weight";
+        let e = r.apply(name, Side::A).unwrap_err();
+        // 45 bytes doubled: 5760 after rule 7 is the first length past 4096
+        assert!(
+            e.contains("rule 7") && e.contains("5760 bytes"),
+            "{n_rules} rules: {e}"
+        );
+        // fewer doublings stay legal
+        let few = Renames {
+            rules: r.rules[..6].to_vec(),
+            ..r.clone()
+        };
+        assert_eq!(few.apply(name, Side::B).unwrap().len(), name.len() << 6);
     }
 }

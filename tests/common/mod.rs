@@ -1,7 +1,7 @@
 //! Helpers shared by integration tests.
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Run every `cases/<prefix>*.toml` through `nvfp4dbg run` (the project's one case runner):
@@ -34,4 +34,17 @@ pub fn cases_hold(prefix: &str) -> usize {
         );
     }
     n
+}
+
+/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable
+/// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
+pub fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
+        return p.into();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
+        .filter(|p| p.is_file());
+    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
 }

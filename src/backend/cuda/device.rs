@@ -44,7 +44,12 @@ fn driver_what(e: &DriverError) -> String {
 /// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
 pub(crate) fn driver_err(step: &str, kernel: &str, e: DriverError) -> Error {
     if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-        Error::gpu_oom(format!("{step} ({kernel})"), driver_what(&e))
+        let step = if kernel == "-" {
+            step.to_string()
+        } else {
+            format!("{step} ({kernel})")
+        };
+        Error::gpu_oom(step, driver_what(&e))
     } else {
         Error::Cuda {
             step: step.to_string(),
@@ -146,8 +151,23 @@ impl From<f32> for KArg {
 
 /// cuBLAS with its own workspace, so that its calls can be captured in a CUDA graph.
 pub(crate) struct Blas {
-    pub(crate) blas: CudaBlas,
+    pub(crate) blas: std::mem::ManuallyDrop<CudaBlas>,
     _workspace: CudaSlice<u8>,
+    stream: Arc<CudaStream>,
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // cudarc unwraps cublasDestroy; once a kernel fault (an illegal address) has poisoned
+        // the context that could turn the reported CUDA error into a panic on the way out, so
+        // a dead context's handle is leaked instead.
+        let poisoned = self.stream.synchronize().is_err();
+        // SAFETY: taken once, here, and never used again
+        let blas = unsafe { std::mem::ManuallyDrop::take(&mut self.blas) };
+        if poisoned {
+            std::mem::forget(blas);
+        }
+    }
 }
 
 const BLAS_WORKSPACE: usize = 32 << 20;
@@ -269,6 +289,7 @@ impl Gpu {
         args: &[KArg],
     ) -> Result<()> {
         let f = self.func(module, kernel)?;
+        super::fault::before_launch(self, kernel)?;
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
             return Ok(());
         }
@@ -304,6 +325,27 @@ impl Gpu {
         Ok(())
     }
 
+    /// An error of a stream operation (allocation, fill, copy). A fault inside a kernel still in
+    /// flight is sticky and surfaces at whatever call comes next, so anything but out-of-memory
+    /// is charged to the kernels launched since the last sync.
+    fn stream_err(&self, step: &str, e: DriverError) -> Error {
+        if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return driver_err(step, "-", e);
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for k in lock(&self.pending).iter() {
+            if !names.contains(k) {
+                names.push(k);
+            }
+        }
+        let kernel = if names.is_empty() {
+            "-".to_string()
+        } else {
+            names.join(" | ")
+        };
+        driver_err(step, &kernel, e)
+    }
+
     /// Wait for the stream; an error names the kernels launched since the last sync.
     pub fn sync(&self, step: &str) -> Result<()> {
         let r = self.stream.synchronize();
@@ -331,8 +373,9 @@ impl Gpu {
     /// Allocate `n` elements, filled with 0xFF bytes (NaN for f32/bf16) so that anything a
     /// kernel fails to write shows up.
     pub fn alloc<T: DeviceRepr>(&self, n: usize, what: &str) -> Result<CudaSlice<T>> {
+        super::fault::before_alloc(what)?;
         let mut s = unsafe { self.stream.alloc::<T>(n.max(1)) }
-            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))?;
+            .map_err(|e| self.stream_err(&format!("allocating {what}"), e))?;
         self.fill(&mut s, 0xFF, what)?;
         Ok(s)
     }
@@ -342,9 +385,10 @@ impl Gpu {
         n: usize,
         what: &str,
     ) -> Result<CudaSlice<T>> {
+        super::fault::before_alloc(what)?;
         self.stream
             .alloc_zeros::<T>(n.max(1))
-            .map_err(|e| driver_err(&format!("allocating {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("allocating {what}"), e))
     }
 
     /// Set every byte of `s` to `byte`.
@@ -352,22 +396,23 @@ impl Gpu {
         let bytes = s.num_bytes();
         let ptr = self.ptr(s);
         unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("filling {what}"), e))
     }
 
     /// Set `bytes` bytes at device address `ptr` to `byte` (stream-ordered; capturable).
     pub(crate) fn fill_raw(&self, ptr: u64, bytes: usize, byte: u8, what: &str) -> Result<()> {
         unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("filling {what}"), "-", e))
+            .map_err(|e| self.stream_err(&format!("filling {what}"), e))
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T], what: &str) -> Result<CudaSlice<T>> {
         if host.is_empty() {
             return self.alloc(0, what);
         }
+        super::fault::before_alloc(what)?;
         self.stream
             .clone_htod(host)
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
@@ -390,7 +435,7 @@ impl Gpu {
             return Ok(());
         }
         unsafe { drv::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy `host` into the start of `dst`.
@@ -418,7 +463,7 @@ impl Gpu {
         let mut view = dst.slice_mut(at..at + host.len());
         self.stream
             .memcpy_htod(host, &mut view)
-            .map_err(|e| driver_err(&format!("copying {what} to the GPU"), "-", e))
+            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
     }
 
     /// Copy the first `n` elements back (waits for the stream; reports pending faults).
@@ -436,7 +481,7 @@ impl Gpu {
         let v = self
             .stream
             .clone_dtoh(&view)
-            .map_err(|e| driver_err(&format!("copying {what} back"), "-", e))?;
+            .map_err(|e| self.stream_err(&format!("copying {what} back"), e))?;
         self.sync(&format!("copying {what} back"))?;
         Ok(v)
     }
@@ -471,8 +516,9 @@ impl Gpu {
                 .map_err(|e| cublas_err("setting the cuBLAS workspace", "cublas", e))?;
         }
         let b = Arc::new(Blas {
-            blas,
+            blas: std::mem::ManuallyDrop::new(blas),
             _workspace: ws,
+            stream: self.stream.clone(),
         });
         *g = Some(b.clone());
         Ok(b)

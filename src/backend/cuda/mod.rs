@@ -5,6 +5,7 @@ pub mod blas;
 pub mod budget;
 pub mod dequant;
 pub mod device;
+pub mod fault;
 pub mod moe;
 pub mod moe_decode;
 pub mod nccl;

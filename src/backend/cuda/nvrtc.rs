@@ -269,7 +269,7 @@ fn compile_inner(
             what: format!("{what} contains a NUL byte"),
         })
     };
-    let src = cstr(module.source, "source")?;
+    let src = cstr(&super::fault::source(module)?, "source")?;
     let name = cstr(module.file, "name")?;
     let hdr_src = cstr(COMMON_HEADER.1, "header")?;
     let hdr_name = cstr(COMMON_HEADER.0, "header name")?;

@@ -1,0 +1,179 @@
+//! Fault injection, for showing that each GPU failure the tool can meet ends as a clear
+//! `Error` (exit 2 naming the step and the kernel) rather than a hang or a panic. Hidden: set
+//! by `NVFP4DBG_FAULT` (docs/dev-faults.md), absent from `--help`.
+//!
+//! - `compile[:FILE]`: NVRTC compiles a broken source for module FILE (every module when no
+//!   FILE is given), so the error carries the module and NVRTC's log;
+//! - `illegal-address[:KERNEL]`: before KERNEL (the first kernel launched when none is given), a
+//!   one-thread kernel writes 4 TiB past the end of a buffer: the sticky fault surfaces at
+//!   the next launch or synchronization, as any fault inside a kernel does;
+//! - `oom[:WHAT]`: the first device allocation whose description contains WHAT (any when
+//!   none is given) fails as cuMemAlloc does when memory runs out.
+
+use super::device::{driver_err, Gpu, KArg};
+use super::nvrtc::KernelModule;
+use crate::error::{Error, Result};
+use cudarc::driver::{sys::CUresult, DriverError, LaunchConfig};
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+
+pub const ENV: &str = "NVFP4DBG_FAULT";
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fault {
+    Compile(Option<String>),
+    IllegalAddress(Option<String>),
+    Oom(Option<String>),
+}
+
+impl Fault {
+    pub fn parse(s: &str) -> std::result::Result<Fault, String> {
+        let (kind, target) = match s.split_once(':') {
+            Some((k, t)) if !t.is_empty() => (k, Some(t.to_string())),
+            Some((k, _)) => (k, None),
+            None => (s, None),
+        };
+        match kind {
+            "compile" => Ok(Fault::Compile(target)),
+            "illegal-address" => Ok(Fault::IllegalAddress(target)),
+            "oom" => Ok(Fault::Oom(target)),
+            _ => Err(format!(
+                "{ENV}={s}: expected compile[:FILE], illegal-address[:KERNEL] or oom[:WHAT]"
+            )),
+        }
+    }
+}
+
+/// The fault `NVFP4DBG_FAULT` asks for, read once; an unknown value is a usage error at the
+/// first hook it reaches, so a typo cannot pass for a clean run.
+pub fn active() -> Result<Option<&'static Fault>> {
+    static FAULT: OnceLock<std::result::Result<Option<Fault>, String>> = OnceLock::new();
+    match FAULT.get_or_init(|| match std::env::var(ENV) {
+        Ok(v) if !v.is_empty() => Fault::parse(&v).map(Some),
+        _ => Ok(None),
+    }) {
+        Ok(f) => Ok(f.as_ref()),
+        Err(e) => Err(Error::usage(e.clone())),
+    }
+}
+
+/// The source NVRTC compiles for `module`: its own, or under `compile` a broken one.
+pub(crate) fn source(module: &KernelModule) -> Result<Cow<'static, str>> {
+    match active()? {
+        Some(Fault::Compile(t)) if t.as_deref().is_none_or(|f| f == module.file) => {
+            Ok(Cow::Owned(broken_source(module)))
+        }
+        _ => Ok(Cow::Borrowed(module.source)),
+    }
+}
+
+/// `module`'s source with one line NVRTC rejects (an undeclared identifier), so the log names
+/// the file and line like a real mistake would.
+pub fn broken_source(module: &KernelModule) -> String {
+    format!(
+        "{}\n// {ENV}=compile\n__device__ int nvfp4dbg_fault() {{ return nvfp4dbg_injected_compile_fault; }}\n",
+        module.source
+    )
+}
+
+const FAULT_KERNEL: &str = "nvfp4dbg_injected_illegal_address";
+
+static FAULT_MODULE: KernelModule = KernelModule {
+    file: "nvfp4dbg_fault.cu",
+    source: r#"
+// NVFP4DBG_FAULT=illegal-address: one store 4 TiB past a one-element buffer
+extern "C" __global__ void nvfp4dbg_injected_illegal_address(float* buf) {
+    buf[1ull << 40] = 1.0f;
+}
+"#,
+    kernels: &[FAULT_KERNEL],
+};
+
+/// Called by every launch before `kernel` goes out: under `illegal-address` launches the
+/// faulting kernel once, at the chosen kernel.
+pub(crate) fn before_launch(gpu: &Gpu, kernel: &str) -> Result<()> {
+    static FIRED: AtomicBool = AtomicBool::new(false);
+    let Some(Fault::IllegalAddress(t)) = active()? else {
+        return Ok(());
+    };
+    if kernel == FAULT_KERNEL
+        || t.as_deref().is_some_and(|k| k != kernel)
+        || FIRED.swap(true, Ordering::Relaxed)
+    {
+        return Ok(());
+    }
+    let buf = gpu.alloc::<f32>(1, "the injected fault's buffer")?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    gpu.launch(
+        &FAULT_MODULE,
+        FAULT_KERNEL,
+        cfg,
+        &[KArg::U64(gpu.ptr(&buf))],
+    )
+}
+
+/// Called by every device allocation: under `oom` fails the chosen one as the driver does.
+pub(crate) fn before_alloc(what: &str) -> Result<()> {
+    static FIRED: AtomicBool = AtomicBool::new(false);
+    let Some(Fault::Oom(t)) = active()? else {
+        return Ok(());
+    };
+    if t.as_deref().is_some_and(|w| !what.contains(w)) || FIRED.swap(true, Ordering::Relaxed) {
+        return Ok(());
+    }
+    Err(driver_err(
+        &format!("allocating {what} ({ENV}=oom)"),
+        "-",
+        DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_parse_and_typos_are_refused() {
+        assert_eq!(Fault::parse("compile"), Ok(Fault::Compile(None)));
+        assert_eq!(
+            Fault::parse("compile:moe.cu"),
+            Ok(Fault::Compile(Some("moe.cu".into())))
+        );
+        assert_eq!(
+            Fault::parse("illegal-address:router_topk"),
+            Ok(Fault::IllegalAddress(Some("router_topk".into())))
+        );
+        assert_eq!(Fault::parse("oom:"), Ok(Fault::Oom(None)));
+        let e = Fault::parse("illegal_address").unwrap_err();
+        assert!(e.contains("NVFP4DBG_FAULT=illegal_address"), "{e}");
+    }
+
+    #[test]
+    fn the_broken_source_keeps_the_module_and_adds_one_bad_line() {
+        let m = &super::super::nvrtc::QUANT;
+        let s = broken_source(m);
+        assert!(s.starts_with(m.source));
+        assert!(s.ends_with("return nvfp4dbg_injected_compile_fault; }\n"));
+    }
+
+    /// Out of memory, real or injected, is `GpuOom` with the step and the advice.
+    #[test]
+    fn an_injected_oom_reads_like_a_real_one() {
+        let e = driver_err(
+            "allocating expert gate_proj codes (NVFP4DBG_FAULT=oom)",
+            "-",
+            DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY),
+        );
+        assert!(matches!(e, Error::GpuOom { .. }), "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("expert gate_proj codes") && m.contains("--device cpu"),
+            "{m}"
+        );
+    }
+}
