@@ -141,8 +141,10 @@ fn an_illegal_address_inside_a_kernel_is_a_clean_error() {
         "{text}"
     );
 
-    // at a chosen kernel deep in the forward (the expert GEMMs), under --cuda-graph as well
-    let gemm = "moe_gemm_nvfp4";
+    // at a chosen kernel deep in the forward (the combine after the expert GEMMs, which run
+    // on every arch and batch size; the GEMM kernels themselves depend on both), under
+    // --cuda-graph as well
+    let gemm = "moe_combine";
     assert!(nvrtc::MOE.kernels.contains(&gemm));
     for extra in [&[][..], &["--cuda-graph"][..]] {
         let fault = format!("illegal-address:{gemm}");

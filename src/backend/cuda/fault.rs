@@ -36,7 +36,17 @@ impl Fault {
         };
         match kind {
             "compile" => Ok(Fault::Compile(target)),
-            "illegal-address" => Ok(Fault::IllegalAddress(target)),
+            "illegal-address" => match target {
+                // a misspelt kernel would never fire and pass for a clean run
+                Some(k)
+                    if !super::nvrtc::MODULES
+                        .iter()
+                        .any(|m| m.kernels.contains(&k.as_str())) =>
+                {
+                    Err(format!("{ENV}={s}: no kernel `{k}` in kernels/*.cu"))
+                }
+                t => Ok(Fault::IllegalAddress(t)),
+            },
             "oom" => Ok(Fault::Oom(target)),
             _ => Err(format!(
                 "{ENV}={s}: expected compile[:FILE], illegal-address[:KERNEL] or oom[:WHAT]"
@@ -151,6 +161,8 @@ mod tests {
         assert_eq!(Fault::parse("oom:"), Ok(Fault::Oom(None)));
         let e = Fault::parse("illegal_address").unwrap_err();
         assert!(e.contains("NVFP4DBG_FAULT=illegal_address"), "{e}");
+        let e = Fault::parse("illegal-address:moe_gemm_nvfp5").unwrap_err();
+        assert!(e.contains("no kernel `moe_gemm_nvfp5`"), "{e}");
     }
 
     #[test]
