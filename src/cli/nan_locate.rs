@@ -148,8 +148,8 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         return Err(Error::bad_file(
             &index.dir,
             format!(
-                "nothing to scan ({scope}): none of the {} trace files selected holds an \
-                 `output` tensor, and {} trace files were skipped: {}",
+                "nothing to scan ({scope}): not one of the {} selected trace files holds an \
+                 `output` tensor; {} skipped: {}",
                 index.entries.len(),
                 unscanned.len(),
                 first_skips(&unscanned)

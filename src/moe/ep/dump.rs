@@ -87,6 +87,18 @@ impl RoutingDump {
             )
         })?;
         let (tokens, top_k) = rows_cols(path, "topk_ids", &ids_t.shape)?;
+        // an empty dump would pass every check without one being made
+        if tokens == 0 || top_k == 0 {
+            return Err(Error::bad_tensor(
+                path,
+                "topk_ids",
+                format!(
+                    "shape {:?} holds no routing decision ({tokens} tokens × {top_k} experts): \
+                     nothing to check",
+                    ids_t.shape
+                ),
+            ));
+        }
         let topk_ids = f.to_i64("topk_ids")?;
         let w_t = f.get("topk_weights").ok_or_else(|| {
             Error::bad_file(
