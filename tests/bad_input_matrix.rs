@@ -491,6 +491,7 @@ fn resource_bounds_on_absurd_inputs() {
             vec!["audit", p(f)],
             vec!["layertest", "--input", p(f)],
             vec!["quantize", p(f), p(&d.join("q"))],
+            vec!["routing", p(f)],
         ] {
             let (o, kib) = match peak_kib(&cmd) {
                 Some(x) => x,
@@ -557,12 +558,16 @@ fn resource_bounds_on_absurd_inputs() {
             p(&many).to_string(),
             2,
         ),
-        // a streaming answer: the file has no `output`, so it is skipped, by name
+        // the file has no `output`: with nothing else in the trace, nothing was scanned, which
+        // is bad input naming the file (it used to "PASS … 1 module calls")
         (
             vec!["nan-locate", p(&many_trace)],
             "000000-model.embed.safetensors".to_string(),
-            0,
+            2,
         ),
+        // as a routing dump (no `topk_ids`: exit 2): the `safetensors` crate's parser, unbounded
+        // in memory on this header, until dumps went through the checkpoint reader
+        (vec!["routing", p(&many)], p(&many).to_string(), 2),
     ] {
         let Some((o, kib)) = peak_kib(&cmd) else {
             break;
@@ -742,4 +747,58 @@ fn fuzz_regressions_replay() {
         }
     }
     eprintln!("replayed {replayed} fuzz regression inputs");
+}
+
+/// A routing dump with no routing decision in it (0 tokens, or top-k 0) passed every check
+/// without making one ("PASS: 0 tokens × K experts"): it is bad input naming the file and
+/// `topk_ids`. The same dump with tokens in it is judged (exit 0 or 1), so the refusal is
+/// about emptiness, not the layout.
+#[test]
+fn an_empty_routing_dump_is_bad_input() {
+    let (seed, mut r) = rng("empty_routing_dump");
+    let tmp = tempfile::tempdir().unwrap();
+    let experts = 4 * r.gen_range(2..9usize);
+    for (i, (tokens, k)) in [(0, r.gen_range(1..5usize)), (r.gen_range(1..9), 0), (0, 0)]
+        .into_iter()
+        .chain([(r.gen_range(1..9usize), r.gen_range(1..4usize))])
+        .enumerate()
+    {
+        let lead: Vec<usize> = if r.gen_bool(0.5) {
+            vec![tokens]
+        } else {
+            vec![1, tokens]
+        };
+        let mut shape = lead.clone();
+        shape.push(k);
+        let n = tokens * k;
+        // distinct ids per token in range, weights that sum to 1 per token
+        let ids: Vec<u8> = (0..tokens)
+            .flat_map(|t| (0..k).map(move |j| ((t + j * 3) % experts) as i64))
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let w: Vec<u8> = (0..n)
+            .map(|_| 1.0f32 / k as f32)
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let header = format!(
+            r#"{{"topk_ids":{{"dtype":"I64","shape":{shape:?},"data_offsets":[0,{}]}},"topk_weights":{{"dtype":"F32","shape":{shape:?},"data_offsets":[{},{}]}}}}"#,
+            n * 8,
+            n * 8,
+            n * 12
+        );
+        let f = tmp.path().join(format!("dump{i}.safetensors"));
+        let mut data = ids;
+        data.extend(w);
+        raw(&f, &header, &data);
+        let o = run(&["routing", p(&f), "--num-experts", &experts.to_string()]);
+        let ctx = format!("seed {seed}: shape {shape:?}\n{}{}", stdout(&o), stderr(&o));
+        assert!(!stderr(&o).contains("panicked"), "{ctx}");
+        if n == 0 {
+            assert_eq!(code(&o), 2, "{ctx}");
+            assert!(stderr(&o).contains(p(&f)), "{ctx}");
+            assert!(stderr(&o).contains("topk_ids"), "{ctx}");
+        } else {
+            assert_ne!(code(&o), 2, "{ctx}");
+        }
+    }
 }

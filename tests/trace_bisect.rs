@@ -267,7 +267,16 @@ fn shapes_and_modules_present_in_one_trace_only() {
         &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
     );
     let ctx = format!("seed {seed}\n{}", o.show());
-    assert_eq!(o.code, 0, "{ctx}");
+    // every matched call agrees, but calls one trace lacks were not compared: not a pass
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_divergence"], Value::Null, "{ctx}");
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("not every call was compared"),
+        "{ctx}"
+    );
     assert_eq!(o.json["only_in_ref"][0]["module"], "rep", "{ctx}");
     assert_eq!(o.json["only_in_ref"][0]["call"], 2, "{ctx}");
     assert_eq!(o.json["only_in_test"][0]["module"], "extra", "{ctx}");
@@ -337,4 +346,60 @@ fn shapes_and_modules_present_in_one_trace_only() {
     // a bad trace is bad input, on either side
     let o = nvfp4dbg(tmp.path(), &["bisect", a.to_str().unwrap(), "nope"]);
     assert_eq!(o.code, 2, "{}", o.show());
+}
+
+/// Issue #5, bisect's side: a trace file skipped on either side (a counter too short, a
+/// duplicate counter) was not compared, so two traces that agree everywhere else do not pass;
+/// entries that are not part of a trace (notes) change nothing.
+#[test]
+fn skipped_trace_files_are_never_a_pass() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let files_a = write_trace(&a, &cfg(seed)).unwrap();
+    let files_b = write_trace(
+        &b,
+        &SynthTraceConfig {
+            jitter: 0.001,
+            dtype: safetensors::Dtype::F32,
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    std::fs::write(a.join("README.md"), "notes").unwrap();
+    std::fs::write(b.join("notes.txt"), "notes").unwrap();
+    let (sa, sb) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let o = nvfp4dbg(tmp.path(), &["bisect", sa, sb]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert_eq!(o.json["summary"]["calls_unscanned"], 0, "{}", o.show());
+
+    // one side gets a file nobody compares: a duplicate of a random counter, or a name with a
+    // short counter; the side is random too
+    let k = r.gen_range(0..files_a.len());
+    let (dir, files, side) = if r.gen_bool(0.5) {
+        (&a, &files_a, "REF")
+    } else {
+        (&b, &files_b, "TEST")
+    };
+    let name = files[k].file_name().unwrap().to_str().unwrap().to_string();
+    let odd = if r.gen_bool(0.5) {
+        // `000123-x` → `000123-zz.x`: same counter, sorts after the original
+        name.replacen('-', "-zz.", 1)
+    } else {
+        name[1..].to_string()
+    };
+    std::fs::copy(&files[k], dir.join(&odd)).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["bisect", sa, sb]);
+    let ctx = format!("seed {seed}, {side} gets {odd}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["verdict"], "fail", "{ctx}");
+    assert_eq!(o.json["first_divergence"], Value::Null, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_unscanned"], 1, "{ctx}");
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(
+        text.contains("NOT compared") && text.contains(&odd),
+        "{ctx}"
+    );
+    assert!(o.stdout.contains("NOT COMPARED"), "{ctx}");
 }

@@ -254,15 +254,35 @@ fn odd_names_and_duplicate_counters_are_listed_as_skipped() {
     write_call(&d, 2, "d", vec![t("input.0", &[4], randv(&mut r, 4))], &[]); // no output
     let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
     let ctx = format!("seed {seed}\n{}", o.show());
-    assert_eq!(o.code, 0, "{ctx}");
+    // the duplicate `c` holds a NaN nobody looked at: never a pass
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["verdict"], "fail", "{ctx}");
+    assert_eq!(o.json["first_nonfinite"], Value::Null, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_scanned"], 2, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_unscanned"], 3, "{ctx}");
     let skipped = o.json["skipped"].as_array().unwrap();
-    let reason = |name: &str| {
+    let entry = |name: &str| {
         skipped
             .iter()
             .find(|s| s["file"].as_str().unwrap().ends_with(name))
-            .map(|s| s["reason"].as_str().unwrap().to_string())
             .unwrap_or_else(|| panic!("{name} not skipped\n{ctx}"))
     };
+    let reason = |name: &str| entry(name)["reason"].as_str().unwrap().to_string();
+    for (name, unscanned) in [
+        ("000001-c.safetensors", true),
+        ("00042-short.safetensors", true),
+        ("000002-d.safetensors", true),
+        ("README.md", false),
+        (".000003-tmp.safetensors", false),
+    ] {
+        assert_eq!(entry(name)["unscanned_call"], unscanned, "{name}\n{ctx}");
+        // the unscanned ones are named in the headline
+        assert_eq!(
+            o.json["summary"]["text"].as_str().unwrap().contains(name),
+            unscanned,
+            "{name}\n{ctx}"
+        );
+    }
     assert!(
         reason("000001-c.safetensors").contains("duplicate counter 000001"),
         "{ctx}"
@@ -548,4 +568,127 @@ fn ten_thousand_calls_scan_in_order() {
     assert_eq!(o.json["first_nonfinite"]["counter"], bad, "{ctx}");
     assert_eq!(o.json["summary"]["files_total"], n, "{ctx}");
     eprintln!("10k-file trace scanned in {:?}", t0.elapsed());
+}
+
+/// A file rewritten without its `output` (the recorder died mid-call, or wrote something else):
+/// its other tensors are kept, renamed, so the file is a valid safetensors file.
+fn strip_outputs(path: &std::path::Path, r: &mut rand_chacha::ChaCha8Rng) {
+    let n = r.gen_range(1..4);
+    let tensors: Vec<T> = (0..n)
+        .map(|i| {
+            let name: &'static str = ["input.0", "hidden", "scratch"][i];
+            t(name, &[3], randv(r, 3))
+        })
+        .collect();
+    std::fs::remove_file(path).unwrap();
+    let dir = path.parent().unwrap();
+    let (counter, module) =
+        nvfp4dbg::trace::parse_file_name(path.file_name().unwrap().to_str().unwrap()).unwrap();
+    write_call(dir, counter, &module, tensors, &[]);
+}
+
+/// Issue #5: a trace whose files were skipped passed as "PASS … N module calls". Nothing
+/// scanned is bad input (exit 2 naming the trace and the files); a clean scan with calls left
+/// out fails, naming them; a found NaN says earlier calls were not scanned; entries that are
+/// not part of the trace (notes, hidden temporaries) do not change a pass.
+#[test]
+fn skipped_calls_are_never_a_pass() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+
+    // the only file has no output
+    let only = tmp.path().join("only");
+    std::fs::create_dir(&only).unwrap();
+    let module = format!("model.layers.{}.mlp", r.gen_range(0..60));
+    let p = write_call(
+        &only,
+        r.gen_range(0..1000),
+        &module,
+        vec![t("output", &[4], randv(&mut r, 4))],
+        &[],
+    );
+    strip_outputs(&p, &mut r);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", only.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 2, "{ctx}");
+    assert!(!o.stdout.contains("PASS") && o.json.is_null(), "{ctx}");
+    let name = p.file_name().unwrap().to_str().unwrap();
+    assert!(o.stderr.contains(only.to_str().unwrap()), "{ctx}");
+    assert!(o.stderr.contains(name), "{ctx}");
+    assert!(o.stderr.contains("no `output`"), "{ctx}");
+    assert!(!o.stderr.contains("panicked"), "{ctx}");
+
+    // a synthetic trace with one call stripped of its output: the rest is clean
+    let c = cfg(seed);
+    let calls = module_calls(&c).unwrap();
+    let d = tmp.path().join("one-stripped");
+    let files = write_trace(&d, &c).unwrap();
+    assert_eq!(files.len(), calls.len());
+    let k = r.gen_range(0..files.len());
+    strip_outputs(&files[k], &mut r);
+    std::fs::write(d.join("README.md"), "notes").unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}, stripped {}\n{}", calls[k], o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["verdict"], "fail", "{ctx}");
+    assert_eq!(o.json["first_nonfinite"], Value::Null, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_scanned"], calls.len() - 1, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_unscanned"], 1, "{ctx}");
+    let stripped = files[k].file_name().unwrap().to_str().unwrap();
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(
+        text.contains("not scanned") && text.contains(stripped),
+        "{ctx}"
+    );
+    assert!(o.stdout.contains("NOT SCANNED"), "{ctx}");
+    assert!(!text.contains("README.md"), "{ctx}");
+
+    // a NaN planted after the stripped call is still found, and the report says that an
+    // earlier one may hide in the call it could not scan
+    if k + 1 < calls.len() {
+        let at = r.gen_range(k + 1..calls.len());
+        let faulty = SynthTraceConfig {
+            faults: vec![Fault {
+                module: calls[at].clone(),
+                kind: FaultKind::Nan,
+                token: r.gen_range(0..c.tokens),
+                channel: r.gen_range(0..c.hidden),
+            }],
+            ..c.clone()
+        };
+        let d = tmp.path().join("nan-after-stripped");
+        let files = write_trace(&d, &faulty).unwrap();
+        strip_outputs(&files[k], &mut r);
+        let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+        let ctx = format!(
+            "seed {seed}, stripped {}, NaN at {}\n{}",
+            calls[k],
+            calls[at],
+            o.show()
+        );
+        assert_eq!(o.code, 1, "{ctx}");
+        assert_eq!(
+            o.json["first_nonfinite"]["module"],
+            calls[at].as_str(),
+            "{ctx}"
+        );
+        let text = o.json["summary"]["text"].as_str().unwrap();
+        assert!(
+            text.contains("NOT scanned") && text.contains(stripped),
+            "{ctx}"
+        );
+    }
+
+    // ignored entries alone keep a clean trace a pass
+    let d = tmp.path().join("clean-with-notes");
+    write_trace(&d, &c).unwrap();
+    std::fs::write(d.join("README.md"), "notes").unwrap();
+    std::fs::write(d.join(".000003-x.safetensors.tmp"), "x").unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_unscanned"], 0, "{ctx}");
+    assert_eq!(o.json["summary"]["calls_scanned"], calls.len(), "{ctx}");
+    assert_eq!(o.json["skipped"].as_array().unwrap().len(), 2, "{ctx}");
 }

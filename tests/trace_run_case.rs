@@ -93,6 +93,20 @@ fn expectations_that_hold_and_that_do_not() {
         "{}",
         o.show()
     );
+
+    // ... also when the case expects an error: a command line that does not parse rejected
+    // nothing (it used to count as the expected exit 2)
+    let flags_err = write(d, "flags-err.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\", \"--tokens\", \"3\"]\nexpect = \"error\"\nexpect_mentions = [\"--tokens\"]\n");
+    let o = nvfp4dbg(d, &["run", &flags_err]);
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert_eq!(o.json["cases"][0]["got"], "broken", "{}", o.show());
+    assert_eq!(o.json["cases"][0]["held"], false, "{}", o.show());
+
+    // a case whose setup went wrong judged nothing, whatever it expects
+    let setup_err = write(d, "setup-err.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}/t\"]\nexpect = \"error\"\nexpect_mentions = [\"t\"]\nsetup = [[\"synth-trace\", \"--out\", \"${WORK}/t\", \"--nan-at\", \"no.such.module\"]]\n");
+    let o = nvfp4dbg(d, &["run", &setup_err]);
+    assert_eq!(o.code, 1, "{}", o.show());
+    assert_eq!(o.json["cases"][0]["got"], "broken", "{}", o.show());
 }
 
 #[test]
@@ -133,6 +147,11 @@ fn malformed_case_files_exit_2_naming_file_and_key() {
             "setup[0][0]",
         ),
         (
+            "error-without-mentions.toml",
+            base.replace("\"pass\"", "\"error\""),
+            "expect_mentions",
+        ),
+        (
             "empty-setup.toml",
             format!("{base}setup = [[]]\n"),
             "setup[0]",
@@ -159,7 +178,7 @@ fn malformed_case_files_exit_2_naming_file_and_key() {
     write(
         &dir,
         "a.toml",
-        "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\"]\nexpect = \"error\"\n",
+        "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}\"]\nexpect = \"error\"\nexpect_mentions = [\"no trace files\"]\n",
     );
     write(&dir, "b.toml", &format!("{base}oops = 1\n"));
     let o = nvfp4dbg(d, &["run", dir.to_str().unwrap()]);

@@ -6,7 +6,7 @@ use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
 use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
-use crate::trace::{Selection, TraceIndex};
+use crate::trace::{Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -125,6 +125,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "only_in_test": r.only_in_test.len(),
         "skipped_ref": reference.skipped.len(),
         "skipped_test": test.skipped.len(),
+        "calls_unscanned": reference.skipped.iter().chain(&test.skipped).filter(|k| k.unscanned_call).count(),
     });
     let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
         String::new()
@@ -135,7 +136,27 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             r.only_in_test.len()
         )
     };
+    // Calls that were not compared cannot be vouched for: trace files skipped on either side,
+    // and calls one trace recorded and the other did not.
+    let unscanned: Vec<(&str, &Skipped)> = reference
+        .skipped
+        .iter()
+        .map(|s| ("REF", s))
+        .chain(test.skipped.iter().map(|s| ("TEST", s)))
+        .filter(|(_, s)| s.unscanned_call)
+        .collect();
+    let unscanned_note = match unscanned.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} trace files were NOT compared (see Skipped files), e.g. {} {}: {}",
+            unscanned[0].0,
+            unscanned[0].1.file.display(),
+            unscanned[0].1.reason
+        ),
+    };
     let first = r.first_divergence.as_ref().map(|(_, d)| d);
+    let incomplete =
+        !unscanned.is_empty() || !r.only_in_ref.is_empty() || !r.only_in_test.is_empty();
     let (verdict, headline) = match first {
         _ if r.calls.is_empty() => (
             Verdict::Fail,
@@ -145,10 +166,19 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
                 test.entries.len()
             ),
         ),
+        None if incomplete => (
+            Verdict::Fail,
+            format!(
+                "not a pass: not every call was compared; the {} matched module calls agree \
+                 (every output cosine ≥ {}){lone_note}{unscanned_note}",
+                r.calls.len(),
+                args.min_cosine
+            ),
+        ),
         None => (
             Verdict::Pass,
             format!(
-                "all {} matched module calls agree (every output cosine ≥ {}){lone_note}",
+                "all {} matched module calls agree (every output cosine ≥ {})",
                 r.calls.len(),
                 args.min_cosine
             ),
@@ -168,7 +198,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             (
                 Verdict::Fail,
                 format!(
-                    "first divergence at `{}` (call {}, counter {:06}) {}: {what}; {cause}{lone_note}",
+                    "first divergence at `{}` (call {}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
                     c.module,
                     c.call,
                     c.counter_ref,
@@ -312,12 +342,33 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         .chain(test.skipped.iter().map(|s| ("TEST", s)))
         .collect();
     if !skipped.is_empty() {
-        let mut s = Section::new("Skipped files", &["trace", "file", "reason"]);
-        for (side, k) in skipped.iter().take(20) {
+        let mut s = Section::new(
+            format!(
+                "Skipped files ({} trace files not compared, {} other entries)",
+                unscanned.len(),
+                skipped.len() - unscanned.len()
+            ),
+            &["trace", "file", "reason"],
+        );
+        let mut listed = skipped.clone();
+        // unscanned calls first: they are what the verdict depends on
+        listed.sort_by_key(|(_, k)| !k.unscanned_call);
+        for (side, k) in listed.iter().take(20) {
+            let what = if k.unscanned_call {
+                format!("NOT COMPARED: {}", k.reason)
+            } else {
+                format!("ignored: {}", k.reason)
+            };
+            s.row(vec![side.to_string(), k.file.display().to_string(), what]);
+        }
+        if listed.len() > 20 {
             s.row(vec![
-                side.to_string(),
-                k.file.display().to_string(),
-                k.reason.clone(),
+                String::new(),
+                format!(
+                    "… {} more (see JSON skipped_ref, skipped_test)",
+                    listed.len() - 20
+                ),
+                String::new(),
             ]);
         }
         rep = rep.section(s);

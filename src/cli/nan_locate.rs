@@ -3,10 +3,10 @@
 //! that module produced it (its inputs were clean) or received it, and the last clean call.
 
 use super::common::{progress, OutArgs};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::report::{e, Report, Section, Verdict};
 use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
-use crate::trace::{Selection, TraceIndex};
+use crate::trace::{Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -119,13 +119,43 @@ pub fn run(args: &Args) -> Result<Report> {
     );
     let r = locate(&index, args.context, &mut || pb.inc(1))?;
     pb.finish_and_clear();
-    Ok(report(&index, &r))
+    report(&index, &r)
 }
 
-fn report(index: &TraceIndex, r: &LocateResult) -> Report {
+/// `file: reason` of the first few skipped calls, for a headline or an error message.
+fn first_skips(unscanned: &[&Skipped]) -> String {
+    const SHOWN: usize = 3;
+    let mut s = unscanned
+        .iter()
+        .take(SHOWN)
+        .map(|k| format!("{}: {}", k.file.display(), k.reason))
+        .collect::<Vec<_>>()
+        .join("; ");
+    if unscanned.len() > SHOWN {
+        s.push_str(&format!("; … {} more", unscanned.len() - SHOWN));
+    }
+    s
+}
+
+fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     let scope = index.selection.describe();
     let mut skipped = index.skipped.clone();
     skipped.extend(r.skipped.iter().cloned());
+    // A verdict over files that were not looked at is no verdict: nothing scanned is bad input,
+    // and a clean scan with recorded calls left out is not a pass.
+    let unscanned: Vec<&Skipped> = skipped.iter().filter(|k| k.unscanned_call).collect();
+    if r.calls_scanned == 0 {
+        return Err(Error::bad_file(
+            &index.dir,
+            format!(
+                "nothing to scan ({scope}): not one of the {} selected trace files holds an \
+                 `output` tensor; {} skipped: {}",
+                index.entries.len(),
+                unscanned.len(),
+                first_skips(&unscanned)
+            ),
+        ));
+    }
     let summary = json!({
         "trace": index.dir,
         "rank": index.selection.rank.unwrap_or(0),
@@ -134,6 +164,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
         "calls_selected": index.entries.len(),
         "calls_scanned": r.calls_scanned,
         "skipped": skipped.len(),
+        "calls_unscanned": unscanned.len(),
         "found": r.first.is_some(),
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
@@ -153,19 +184,41 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
     for c in &r.window {
         table.row(call_row(c, first_counter));
     }
+    let unscanned_note = match unscanned.len() {
+        0 => String::new(),
+        n => format!(
+            "; {n} trace files were NOT scanned (see Skipped files), so an earlier NaN/Inf \
+             may hide there: {}",
+            first_skips(&unscanned)
+        ),
+    };
     let mut rep = match &r.first {
         None => {
-            let mut rep = Report::new(
-                "nan-locate",
-                Verdict::Pass,
-                format!(
-                    "no NaN/Inf in the outputs of {} module calls ({scope})",
-                    r.calls_scanned
-                ),
-            )
-            .summary(summary)
-            .with("first_nonfinite", Value::Null)
-            .with("last_clean", r.last_clean.as_ref().map(clean_json));
+            let (verdict, headline) = if unscanned.is_empty() {
+                (
+                    Verdict::Pass,
+                    format!(
+                        "no NaN/Inf in the outputs of {} module calls ({scope})",
+                        r.calls_scanned
+                    ),
+                )
+            } else {
+                (
+                    Verdict::Fail,
+                    format!(
+                        "not a pass: {} of {} trace files were not scanned; no NaN/Inf in the \
+                         outputs of the {} module calls that were ({scope}): {}",
+                        unscanned.len(),
+                        r.calls_scanned + unscanned.len(),
+                        r.calls_scanned,
+                        first_skips(&unscanned)
+                    ),
+                )
+            };
+            let mut rep = Report::new("nan-locate", verdict, headline)
+                .summary(summary)
+                .with("first_nonfinite", Value::Null)
+                .with("last_clean", r.last_clean.as_ref().map(clean_json));
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
             rep
@@ -185,7 +238,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
                         .to_string(),
                 };
             let headline = format!(
-                "first {} in `{}` {} [{}] (counter {}); {verdict_why}",
+                "first {} in `{}` {} [{}] (counter {}); {verdict_why}{unscanned_note}",
                 if o.kind.as_str() == "nan" {
                     "NaN"
                 } else {
@@ -261,9 +314,24 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
         r.window.iter().map(call_json).collect::<Vec<_>>(),
     );
     if !skipped.is_empty() {
-        let mut s = Section::new("Skipped files", &["file", "reason"]);
-        for k in skipped.iter().take(20) {
-            s.row(vec![k.file.display().to_string(), k.reason.clone()]);
+        // unscanned calls first: they are what the verdict depends on
+        let mut s = Section::new(
+            format!(
+                "Skipped files ({} trace files not scanned, {} other entries)",
+                unscanned.len(),
+                skipped.len() - unscanned.len()
+            ),
+            &["file", "reason"],
+        );
+        let mut listed: Vec<&Skipped> = skipped.iter().collect();
+        listed.sort_by_key(|k| !k.unscanned_call);
+        for k in listed.iter().take(20) {
+            let what = if k.unscanned_call {
+                format!("NOT SCANNED: {}", k.reason)
+            } else {
+                format!("ignored: {}", k.reason)
+            };
+            s.row(vec![k.file.display().to_string(), what]);
         }
         if skipped.len() > 20 {
             s.row(vec![
@@ -273,7 +341,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Report {
         }
         rep = rep.section(s);
     }
-    rep.with("skipped", &skipped)
+    Ok(rep.with("skipped", &skipped))
 }
 
 fn clean_json(c: &ScannedCall) -> Value {

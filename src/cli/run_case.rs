@@ -141,6 +141,16 @@ pub fn load_case(path: &Path) -> Result<Case> {
             expand(a, w, d).map_err(|e| bad(&format!("setup[{i}][{j}]"), e))?;
         }
     }
+    // Any bad input, a mistyped path included, ends in exit 2: an expected rejection must say
+    // what it rejects, or the case holds without testing anything.
+    if case.expect == Expect::Error && case.expect_mentions.is_empty() {
+        return Err(bad(
+            "expect_mentions",
+            "expect = \"error\" needs at least one string the error message must contain \
+             (the file, tensor or problem it rejects): any exit 2 would hold the case otherwise"
+                .into(),
+        ));
+    }
     for (i, m) in case.expect_mentions.iter().enumerate() {
         if m.is_empty() {
             return Err(bad(&format!("expect_mentions[{i}]"), "empty string".into()));
@@ -152,7 +162,11 @@ pub fn load_case(path: &Path) -> Result<Case> {
 /// How one command of a case ended.
 enum Outcome {
     Report(Report),
+    /// The command rejected its input (exit 2).
     Error(String),
+    /// The command never judged anything: its command line did not parse, or it panicked (a
+    /// bug). Never what a case expects, not even `expect = "error"`.
+    Broken(String),
 }
 
 impl Outcome {
@@ -161,6 +175,7 @@ impl Outcome {
             Outcome::Report(r) if r.verdict == Verdict::Pass => "pass",
             Outcome::Report(_) => "fail",
             Outcome::Error(_) => "error",
+            Outcome::Broken(_) => "broken",
         }
     }
 }
@@ -221,7 +236,7 @@ impl Runner<'_> {
                     .trim_start_matches("error: ");
                 return (
                     shown,
-                    Outcome::Error(format!("command line does not parse: {first}")),
+                    Outcome::Broken(format!("command line does not parse: {first}")),
                 );
             }
         };
@@ -239,7 +254,7 @@ impl Runner<'_> {
             }
             Ok(Err(e)) => Outcome::Error(format!("{e:#}")),
             Err(_) => {
-                Outcome::Error("internal error (panic; see stderr): a bug in nvfp4dbg".into())
+                Outcome::Broken("internal error (panic; see stderr): a bug in nvfp4dbg".into())
             }
         };
         (shown, outcome)
@@ -279,7 +294,8 @@ fn run_one(file: &Path, case: Case, work: &Path, runner: &Runner) -> CaseRun {
         file: file.to_path_buf(),
         case: case.clone(),
         argv: vec![],
-        got: "error",
+        // until the command itself ran: a setup step that went wrong judged nothing
+        got: "broken",
         error: None,
         headline: String::new(),
         missing: vec![],
@@ -309,7 +325,9 @@ fn run_one(file: &Path, case: Case, work: &Path, runner: &Runner) -> CaseRun {
                 argv.join(" "),
                 r.headline
             ),
-            Outcome::Error(e) => format!("setup[{i}] `{}` failed: {e}", argv.join(" ")),
+            Outcome::Error(e) | Outcome::Broken(e) => {
+                format!("setup[{i}] `{}` failed: {e}", argv.join(" "))
+            }
         };
         return fail(run, argv, msg);
     }
@@ -323,7 +341,7 @@ fn run_one(file: &Path, case: Case, work: &Path, runner: &Runner) -> CaseRun {
             run.report = Some(r);
             text
         }
-        Outcome::Error(e) => {
+        Outcome::Error(e) | Outcome::Broken(e) => {
             run.headline = e.clone();
             run.error = Some(e.clone());
             e

@@ -29,6 +29,35 @@ pub struct TraceEntry {
 pub struct Skipped {
     pub file: PathBuf,
     pub reason: String,
+    /// A recorded call (or a `*.safetensors` file that looks like one) whose values were not
+    /// looked at: a verdict over the trace cannot pass while one exists. False for entries
+    /// that are not part of the trace (notes, a recorder's hidden temporary files).
+    pub unscanned_call: bool,
+}
+
+impl Skipped {
+    /// A recorded call that was not scanned.
+    pub fn call(file: PathBuf, reason: impl Into<String>) -> Skipped {
+        Skipped {
+            file,
+            reason: reason.into(),
+            unscanned_call: true,
+        }
+    }
+    /// An entry that is not part of the trace.
+    pub fn other(file: PathBuf, reason: impl Into<String>) -> Skipped {
+        Skipped {
+            file,
+            reason: reason.into(),
+            unscanned_call: false,
+        }
+    }
+}
+
+/// Whether a name that failed [`parse_file_name`] still looks like trace data: a visible
+/// `*.safetensors` file (a short counter, an overflowing one) holds values nobody looked at.
+fn looks_like_trace_data(name: &str) -> bool {
+    !name.starts_with('.') && name.ends_with(".safetensors")
 }
 
 /// Which calls to look at: `rank` defaults to 0, `step` to all steps in order.
@@ -140,22 +169,28 @@ impl TraceIndex {
                     if depth == 0 {
                         subdirs.push(p);
                     } else {
-                        skipped.push(Skipped {
-                            file: p,
-                            reason:
-                                "directory nested two levels deep (one level, e.g. rank0/, is read)"
-                                    .into(),
-                        });
+                        skipped.push(Skipped::other(
+                            p,
+                            "directory nested two levels deep (one level, e.g. rank0/, is read)",
+                        ));
                     }
                     continue;
                 }
-                match name.as_deref().map(parse_file_name) {
-                    Some(Ok((counter, module))) => named.push((counter, module, p)),
-                    Some(Err(reason)) => skipped.push(Skipped { file: p, reason }),
-                    None => skipped.push(Skipped {
-                        file: p,
-                        reason: "file name is not UTF-8".into(),
-                    }),
+                match name.as_deref().map(|n| (n, parse_file_name(n))) {
+                    Some((_, Ok((counter, module)))) => named.push((counter, module, p)),
+                    Some((n, Err(reason))) if looks_like_trace_data(n) => {
+                        skipped.push(Skipped::call(p, reason))
+                    }
+                    Some((_, Err(reason))) => skipped.push(Skipped::other(p, reason)),
+                    None => {
+                        let lossy = p.to_string_lossy();
+                        let reason = "file name is not UTF-8";
+                        skipped.push(if lossy.ends_with(".safetensors") {
+                            Skipped::call(p, reason)
+                        } else {
+                            Skipped::other(p, reason)
+                        })
+                    }
                 }
             }
             Ok(())
@@ -241,15 +276,13 @@ impl TraceIndex {
         for e in all {
             if let Some(prev) = entries.last() {
                 if prev.step == e.step && prev.counter == e.counter {
-                    skipped.push(Skipped {
-                        reason: format!(
-                            "duplicate counter {:06}{}: execution order is ambiguous; kept {}",
-                            e.counter,
-                            e.step.map(|s| format!(" in step {s}")).unwrap_or_default(),
-                            prev.path.display()
-                        ),
-                        file: e.path,
-                    });
+                    let reason = format!(
+                        "duplicate counter {:06}{}: execution order is ambiguous; kept {}",
+                        e.counter,
+                        e.step.map(|s| format!(" in step {s}")).unwrap_or_default(),
+                        prev.path.display()
+                    );
+                    skipped.push(Skipped::call(e.path, reason));
                     continue;
                 }
             }

@@ -114,13 +114,37 @@ pub struct LocateResult {
     pub last_clean: Option<ScannedCall>,
     /// Calls around the first bad one (or the last ones scanned when clean), in order.
     pub window: Vec<ScannedCall>,
+    /// Calls whose outputs were scanned (files without an output are not counted).
     pub calls_scanned: usize,
     /// Calls whose file had no `output` tensor: named, not scanned.
     pub skipped: Vec<Skipped>,
 }
 
-fn scan_call(e: &TraceEntry) -> Result<ScannedCall> {
+/// The call's tensors scanned, or why it cannot be (no output: the reason names what the file
+/// held instead, a few names and how many, since a header may list millions).
+fn scan_call(e: &TraceEntry) -> Result<std::result::Result<ScannedCall, String>> {
     let f = TraceFile::open(&e.path)?;
+    if !f.tensors().any(|t| matches!(role(t.name), Role::Output(_))) {
+        const SHOWN: usize = 5;
+        let names: Vec<String> = f
+            .tensors()
+            .take(SHOWN)
+            .map(|t| format!("`{}`", t.name))
+            .collect();
+        let n = f.tensors().count();
+        let held = match n {
+            0 => "it holds no tensor".to_string(),
+            _ if n > SHOWN => format!(
+                "it holds {n} tensors ({}, … {} more)",
+                names.join(", "),
+                n - SHOWN
+            ),
+            _ => format!("it holds {n} tensors ({})", names.join(", ")),
+        };
+        return Ok(Err(format!(
+            "no `output` tensor: {held} (a trace file holds output, output.N, input.N)"
+        )));
+    }
     let tensors = f
         .tensors()
         .map(|t| ScannedTensor {
@@ -130,13 +154,13 @@ fn scan_call(e: &TraceEntry) -> Result<ScannedCall> {
             stats: tensor_stats(&t),
         })
         .collect();
-    Ok(ScannedCall {
+    Ok(Ok(ScannedCall {
         counter: e.counter,
         module: e.module.clone(),
         file: e.path.clone(),
         step: e.step,
         tensors,
-    })
+    }))
 }
 
 /// Scan `index` in order until the first call with a non-finite output, then `context` more
@@ -152,16 +176,16 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
         if found.is_some() && after.len() >= context {
             break;
         }
-        let call = scan_call(e)?;
+        let scanned_call = scan_call(e)?;
         tick();
+        let call = match scanned_call {
+            Ok(c) => c,
+            Err(reason) => {
+                skipped.push(Skipped::call(e.path.clone(), reason));
+                continue;
+            }
+        };
         scanned += 1;
-        if call.outputs().next().is_none() {
-            skipped.push(Skipped {
-                file: e.path.clone(),
-                reason: "no `output` tensor (a trace file holds output, output.N, input.N)".into(),
-            });
-            continue;
-        }
         if found.is_some() {
             after.push(call);
             continue;

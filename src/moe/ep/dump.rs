@@ -3,8 +3,9 @@
 //! `hidden_states [T, H]`, `input_ids [T]`. Leading dims are flattened into tokens
 //! (`[B, S, K]` reads as `[B*S, K]`).
 
+use crate::checkpoint::TensorFile;
 use crate::error::{Error, Result};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -37,15 +38,6 @@ pub struct RoutingDump {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// Map a dump file read-only. Routing dumps are small, but hidden states of a long prompt
-/// are not, so the file is mapped rather than read.
-fn map(path: &Path) -> Result<memmap2::Mmap> {
-    let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-    // SAFETY: the file is opened read-only and we never write through the map; a concurrent
-    // truncation by another process is outside what the tool can defend against.
-    unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(path, e))
-}
-
 fn rows_cols(path: &Path, name: &str, shape: &[usize]) -> Result<(usize, usize)> {
     match shape.split_last() {
         Some((&cols, lead)) if !lead.is_empty() => Ok((lead.iter().product(), cols)),
@@ -57,128 +49,80 @@ fn rows_cols(path: &Path, name: &str, shape: &[usize]) -> Result<(usize, usize)>
     }
 }
 
-/// Values of an integer tensor as i64.
-pub fn ints(path: &Path, name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<i64>> {
-    let b = t.data();
-    Ok(match t.dtype() {
-        Dtype::I64 => b
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-            .collect(),
-        Dtype::I32 => b
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-            .collect(),
-        Dtype::I16 => b
-            .chunks_exact(2)
-            .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
-            .collect(),
-        Dtype::U8 => b.iter().map(|&v| v as i64).collect(),
-        d => {
-            return Err(Error::bad_tensor(
-                path,
-                name,
-                format!("dtype {d:?}: expected an integer tensor (I32 or I64)"),
-            ))
-        }
-    })
-}
-
-/// Values of a float tensor as f32.
-pub fn floats(path: &Path, name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
-    let b = t.data();
-    Ok(match t.dtype() {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        d => {
-            return Err(Error::bad_tensor(
-                path,
-                name,
-                format!("dtype {d:?}: expected a float tensor (F32, BF16 or F16)"),
-            ))
-        }
-    })
-}
-
-fn matrix(path: &Path, st: &SafeTensors, name: &str, tokens: usize) -> Result<Option<Matrix<f32>>> {
-    let t = match st.tensor(name) {
-        Ok(t) => t,
-        Err(_) => return Ok(None),
+fn matrix(f: &TensorFile, name: &str, tokens: usize) -> Result<Option<Matrix<f32>>> {
+    let path = f.path();
+    let Some(t) = f.get(name) else {
+        return Ok(None);
     };
-    let (rows, cols) = rows_cols(path, name, t.shape())?;
+    let (rows, cols) = rows_cols(path, name, &t.shape)?;
     if rows != tokens {
         return Err(Error::bad_tensor(
             path,
             name,
             format!(
                 "shape {:?} holds {rows} tokens, topk_ids holds {tokens}",
-                t.shape()
+                t.shape
             ),
         ));
     }
     Ok(Some(Matrix {
         rows,
         cols,
-        data: floats(path, name, &t)?,
+        data: f.to_f32(name)?,
     }))
 }
 
 impl RoutingDump {
     pub fn load(path: &Path) -> Result<RoutingDump> {
-        let mm = map(path)?;
-        let st = SafeTensors::deserialize(&mm)
-            .map_err(|e| Error::bad_file(path, format!("not a safetensors file: {e}")))?;
-        let ids_t = st.tensor("topk_ids").map_err(|_| {
+        // the bounded reader: a header of a million tensors costs their entries, not a JSON
+        // tree of them, and offsets are validated before any tensor is touched
+        let f = TensorFile::open(path)?;
+        let ids_t = f.get("topk_ids").ok_or_else(|| {
             Error::bad_file(
                 path,
                 format!(
                     "no tensor `topk_ids` (found: {}); a routing dump holds topk_ids [T, K] and topk_weights [T, K]",
-                    names(&st)
+                    names(&f)
                 ),
             )
         })?;
-        let (tokens, top_k) = rows_cols(path, "topk_ids", ids_t.shape())?;
-        let topk_ids = ints(path, "topk_ids", &ids_t)?;
-        let w_t = st.tensor("topk_weights").map_err(|_| {
+        let (tokens, top_k) = rows_cols(path, "topk_ids", &ids_t.shape)?;
+        // an empty dump would pass every check without one being made
+        if tokens == 0 || top_k == 0 {
+            return Err(Error::bad_tensor(
+                path,
+                "topk_ids",
+                format!(
+                    "shape {:?} holds no routing decision ({tokens} tokens × {top_k} experts): \
+                     nothing to check",
+                    ids_t.shape
+                ),
+            ));
+        }
+        let topk_ids = f.to_i64("topk_ids")?;
+        let w_t = f.get("topk_weights").ok_or_else(|| {
             Error::bad_file(
                 path,
-                format!("no tensor `topk_weights` (found: {})", names(&st)),
+                format!("no tensor `topk_weights` (found: {})", names(&f)),
             )
         })?;
-        if w_t.shape().iter().product::<usize>() != tokens * top_k
-            || w_t.shape().last() != Some(&top_k)
-        {
+        if w_t.numel() != tokens * top_k || w_t.shape.last() != Some(&top_k) {
             return Err(Error::bad_tensor(
                 path,
                 "topk_weights",
                 format!(
                     "shape {:?} does not match topk_ids {:?}",
-                    w_t.shape(),
-                    ids_t.shape()
+                    w_t.shape, ids_t.shape
                 ),
             ));
         }
-        let weights_dtype = w_t.dtype();
-        let topk_weights = floats(path, "topk_weights", &w_t)?;
-        let router_logits = matrix(path, &st, "router_logits", tokens)?;
-        let hidden_states = matrix(path, &st, "hidden_states", tokens)?;
-        let input_ids = match st.tensor("input_ids") {
-            Ok(t) => {
-                let v = ints(path, "input_ids", &t)?;
+        let weights_dtype = w_t.dtype;
+        let topk_weights = f.to_f32("topk_weights")?;
+        let router_logits = matrix(&f, "router_logits", tokens)?;
+        let hidden_states = matrix(&f, "hidden_states", tokens)?;
+        let input_ids = match f.get("input_ids") {
+            Some(_) => {
+                let v = f.to_i64("input_ids")?;
                 if v.len() != tokens {
                     return Err(Error::bad_tensor(
                         path,
@@ -188,13 +132,9 @@ impl RoutingDump {
                 }
                 Some(v)
             }
-            Err(_) => None,
+            None => None,
         };
-        let metadata = SafeTensors::read_metadata(&mm)
-            .ok()
-            .and_then(|(_, m)| m.metadata().clone())
-            .map(|m| m.into_iter().collect())
-            .unwrap_or_default();
+        let metadata = f.metadata().clone();
         Ok(RoutingDump {
             path: path.to_path_buf(),
             tokens,
@@ -213,36 +153,40 @@ impl RoutingDump {
 /// Hidden states from a separate file (`--hidden`): the tensor `hidden_states`, or the only
 /// tensor of the file.
 pub fn load_hidden(path: &Path, tokens: usize) -> Result<Matrix<f32>> {
-    let mm = map(path)?;
-    let st = SafeTensors::deserialize(&mm)
-        .map_err(|e| Error::bad_file(path, format!("not a safetensors file: {e}")))?;
-    let name = if st.tensor("hidden_states").is_ok() {
+    let f = TensorFile::open(path)?;
+    let name = if f.contains("hidden_states") {
         "hidden_states".to_string()
     } else {
-        let all = st.names();
-        match all.as_slice() {
-            [one] => one.to_string(),
+        match f.len() {
+            1 => f.names().next().unwrap_or_default().to_string(),
             _ => {
                 return Err(Error::bad_file(
                     path,
                     format!(
                         "no tensor `hidden_states` and not exactly one tensor (found: {})",
-                        names(&st)
+                        names(&f)
                     ),
                 ))
             }
         }
     };
-    matrix(path, &st, &name, tokens)?
-        .ok_or_else(|| Error::bad_tensor(path, &name, "cannot be read"))
+    matrix(&f, &name, tokens)?.ok_or_else(|| Error::bad_tensor(path, &name, "cannot be read"))
 }
 
-fn names(st: &SafeTensors) -> String {
-    let mut n: Vec<&str> = st.names();
-    n.sort_unstable();
-    if n.is_empty() {
-        "none".into()
-    } else {
-        n.join(", ")
+/// Names shown in a message: a few, sorted, and how many more (a header may list millions).
+const NAMES_SHOWN: usize = 12;
+
+fn names(f: &TensorFile) -> String {
+    if f.is_empty() {
+        return "none".into();
     }
+    let mut n: Vec<&str> = f.names().collect();
+    n.sort_unstable();
+    let more = n.len().saturating_sub(NAMES_SHOWN);
+    n.truncate(NAMES_SHOWN);
+    let mut s = n.join(", ");
+    if more > 0 {
+        s.push_str(&format!(", … {more} more"));
+    }
+    s
 }
