@@ -136,8 +136,9 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             r.only_in_test.len()
         )
     };
-    // Calls that were not compared cannot be vouched for: trace files skipped on either side,
-    // and calls one trace recorded and the other did not.
+    // Trace files skipped on either side were not compared and cannot be vouched for. Calls
+    // one trace recorded and the other did not are different (two engines name and fuse
+    // modules differently: matching by name is the contract), so they are listed, not failed.
     let unscanned: Vec<(&str, &Skipped)> = reference
         .skipped
         .iter()
@@ -155,8 +156,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         ),
     };
     let first = r.first_divergence.as_ref().map(|(_, d)| d);
-    let incomplete =
-        !unscanned.is_empty() || !r.only_in_ref.is_empty() || !r.only_in_test.is_empty();
+    let incomplete = !unscanned.is_empty();
     let (verdict, headline) = match first {
         _ if r.calls.is_empty() => (
             Verdict::Fail,
@@ -169,7 +169,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         None if incomplete => (
             Verdict::Fail,
             format!(
-                "not a pass: not every call was compared; the {} matched module calls agree \
+                "not a pass: trace files were skipped; the {} matched module calls agree \
                  (every output cosine ≥ {}){lone_note}{unscanned_note}",
                 r.calls.len(),
                 args.min_cosine
@@ -178,7 +178,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         None => (
             Verdict::Pass,
             format!(
-                "all {} matched module calls agree (every output cosine ≥ {})",
+                "all {} matched module calls agree (every output cosine ≥ {}){lone_note}",
                 r.calls.len(),
                 args.min_cosine
             ),
