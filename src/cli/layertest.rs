@@ -119,6 +119,11 @@ impl EpArgs {
         self.ep > 1
     }
 
+    /// `(ranks, placement)` when sharded: what a plugin layer is split by.
+    pub fn shard(&self) -> Option<(usize, Placement)> {
+        self.sharded().then_some((self.ep, self.placement))
+    }
+
     pub fn request(&self, fault: Option<EpFault>) -> EpRequest {
         EpRequest {
             size: self.ep,
@@ -339,7 +344,11 @@ impl Model {
         }
     }
 
-    pub fn default_layer(&self) -> Result<usize> {
+    /// `--layer`, or the first MoE layer.
+    pub fn pick_layer(&self, layer: Option<usize>) -> Result<usize> {
+        if let Some(l) = layer {
+            return Ok(l);
+        }
         self.moe_layers()
             .first()
             .copied()
@@ -370,8 +379,34 @@ impl Model {
     }
 }
 
+/// Layer `l` and its input batch, with the GPU room checked before anything large is made:
+/// up front when the token count is known without reading `--input`, else once it is read.
+/// `normed`: the synthetic batch is the MoE-block input through the layer's norm (else the raw
+/// residual stream, for multilayer); `per_slot` as for [`check_gpu_room`].
+pub fn layer_and_batch(
+    model: &Model,
+    l: usize,
+    input: &InputArgs,
+    devices: &EpDevices,
+    per_slot: bool,
+    normed: bool,
+) -> Result<(MoeLayer, Batch)> {
+    let up_front = tokens_up_front(input);
+    if let Some(t) = up_front {
+        check_gpu_room(devices, model.config(), t, per_slot)?;
+    }
+    let layer = model.layer(l)?;
+    let c = &layer.config;
+    let norm = normed.then_some((layer.norm_weight.as_deref(), c.rms_norm_eps));
+    let batch = load_batch(input, c.hidden_size, layer.token_vocab(), norm)?;
+    if up_front.is_none() {
+        check_gpu_room(devices, c, batch.tokens, per_slot)?;
+    }
+    Ok((layer, batch))
+}
+
 /// Tokens of the batch when known without reading it: synthetic input, or `--tokens`.
-pub fn tokens_up_front(input: &InputArgs) -> Option<usize> {
+fn tokens_up_front(input: &InputArgs) -> Option<usize> {
     match &input.input {
         None => Some(input.tokens.unwrap_or(DEFAULT_TOKENS)),
         Some(_) => input.tokens,
@@ -381,7 +416,7 @@ pub fn tokens_up_front(input: &InputArgs) -> Option<usize> {
 /// Refuse, before activations are generated or weights loaded, a batch whose NVFP4 and
 /// reference forwards cannot fit on the main GPU (`budget` is a lower bound of what they
 /// allocate). Nothing to check on the CPU.
-pub fn check_gpu_room(
+fn check_gpu_room(
     devices: &EpDevices,
     c: &crate::moe::MoeConfig,
     tokens: usize,
@@ -744,26 +779,10 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let backend = devices.main();
     let model = Model::open(&args.input)?;
-    let l = match args.layer {
-        Some(l) => l,
-        None => model.default_layer()?,
-    };
-    let up_front = tokens_up_front(&args.input);
-    if let Some(t) = up_front {
-        check_gpu_room(&devices, model.config(), t, true)?;
-    }
-    let layer = model.layer(l)?;
+    let l = model.pick_layer(args.layer)?;
+    let (layer, batch) = layer_and_batch(&model, l, &args.input, &devices, true, true)?;
     let c = &layer.config;
     let (hsz, k) = (c.hidden_size, c.num_experts_per_tok);
-    let batch = load_batch(
-        &args.input,
-        hsz,
-        layer.token_vocab(),
-        Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
-    )?;
-    if up_front.is_none() {
-        check_gpu_room(&devices, c, batch.tokens, true)?;
-    }
     let ids = batch.input_ids.as_deref();
 
     // one routing for both paths: routing differences are the `routing` command's business
@@ -847,7 +866,7 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let byok = match (&plugin, plugin_gpu) {
         (Some(p), Some(cuda)) => {
-            let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
+            let ep = args.ep.shard();
             let theirs = kernel::run_plugin(p, cuda, &layer, &batch.hidden, &routing, &scales, ep)?;
             let feeding = Feeding {
                 layout: Some(p.scale_layout),
