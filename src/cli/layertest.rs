@@ -569,7 +569,7 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         ));
     }
     let rows = shape[0];
-    let h = decode_float(hs.dtype, file.slice(hs)).ok_or_else(|| {
+    let h = crate::moe::ep::dump::decode_floats(hs.dtype, file.slice(hs)).ok_or_else(|| {
         Error::bad_tensor(
             path,
             "hidden_states",
@@ -600,28 +600,6 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         }
     };
     Ok((h, ids, rows))
-}
-
-fn decode_float(d: Dtype, b: &[u8]) -> Option<Vec<f32>> {
-    Some(match d {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 fn decode_int(d: Dtype, b: &[u8]) -> Option<Vec<i64>> {

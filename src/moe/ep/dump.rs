@@ -86,11 +86,28 @@ pub fn ints(path: &Path, name: &str, t: &safetensors::tensor::TensorView) -> Res
 
 /// Values of a float tensor as f32.
 pub fn floats(path: &Path, name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
-    let b = t.data();
-    Ok(match t.dtype() {
+    decode_floats(t.dtype(), t.data()).ok_or_else(|| {
+        Error::bad_tensor(
+            path,
+            name,
+            format!(
+                "dtype {:?}: expected a float tensor (F32, BF16 or F16)",
+                t.dtype()
+            ),
+        )
+    })
+}
+
+/// Little-endian F32, F64, BF16 or F16 bytes as f32; None for any other dtype.
+pub fn decode_floats(d: Dtype, b: &[u8]) -> Option<Vec<f32>> {
+    Some(match d {
         Dtype::F32 => b
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        Dtype::F64 => b
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
             .collect(),
         Dtype::BF16 => b
             .chunks_exact(2)
@@ -100,17 +117,7 @@ pub fn floats(path: &Path, name: &str, t: &safetensors::tensor::TensorView) -> R
             .chunks_exact(2)
             .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        d => {
-            return Err(Error::bad_tensor(
-                path,
-                name,
-                format!("dtype {d:?}: expected a float tensor (F32, BF16 or F16)"),
-            ))
-        }
+        _ => return None,
     })
 }
 
