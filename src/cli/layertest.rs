@@ -74,6 +74,26 @@ pub struct GsArgs {
     pub input_scale_reduce: InputScaleReduce,
 }
 
+impl GsArgs {
+    /// The activation scales of `layer` from `source`, calibrated on `hidden` and its routing.
+    pub fn resolve(
+        &self,
+        source: GsSource,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        input_ids: Option<&[i64]>,
+        routing: &Routing,
+        seed: u64,
+    ) -> Result<ActScales> {
+        let cal = Calibration {
+            hidden,
+            input_ids,
+            routing: Some(routing),
+        };
+        gs::resolve(source, layer, self.input_scale_reduce, &cal, seed)
+    }
+}
+
 /// Expert parallelism (shared by layertest, gs-sweep and multilayer).
 #[derive(clap::Args, Debug, Clone)]
 pub struct EpArgs {
@@ -766,16 +786,12 @@ pub fn run(args: &Args) -> Result<Report> {
     // one routing for both paths: routing differences are the `routing` command's business
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
-    let cal = Calibration {
-        hidden: &batch.hidden,
-        input_ids: ids,
-        routing: Some(&routing),
-    };
-    let scales = gs::resolve(
+    let scales = args.gs.resolve(
         source,
         &layer,
-        args.gs.input_scale_reduce,
-        &cal,
+        &batch.hidden,
+        ids,
+        &routing,
         args.input.seed,
     )?;
     if plugin.is_some() || args.dump_inputs.is_some() {

@@ -10,7 +10,7 @@ use super::layertest::{
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
-use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::gs::GsSource;
 use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
 use crate::moe::{rmsnorm_bf16, Path as MoePath, Routing};
@@ -192,18 +192,9 @@ pub fn run(args: &Args) -> Result<Report> {
         let r_nv = backend.route(&ly, &x_nv, ids)?;
         let r_rf = backend.route(&ly, &x_rf, ids)?;
         // scales are calibrated on what the BF16 model feeds this layer
-        let cal = Calibration {
-            hidden: &x_rf,
-            input_ids: ids,
-            routing: Some(&r_rf),
-        };
-        let scales = gs::resolve(
-            source,
-            &ly,
-            args.gs.input_scale_reduce,
-            &cal,
-            args.input.seed ^ l as u64,
-        )?;
+        let scales = args
+            .gs
+            .resolve(source, &ly, &x_rf, ids, &r_rf, args.input.seed ^ l as u64)?;
         let (mut o_nv, reduce) =
             nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
         // with --kernel, the user's kernel carries the NVFP4 residual stream
