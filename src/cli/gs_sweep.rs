@@ -5,8 +5,8 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with, load_batch,
-    nvfp4_forward, scales_json, tokens_up_front, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
+    block_summary, check_unsharded, ep_disagreement, ep_json_with, layer_and_batch, nvfp4_forward,
+    scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -78,28 +78,12 @@ struct Point {
 pub fn run(args: &Args) -> Result<Report> {
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
     let plugin = kernel::open(&args.kernel, &devices)?;
-    let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
+    let ep = args.ep.shard();
     let backend = devices.main();
     let model = Model::open(&args.input)?;
-    let l = match args.layer {
-        Some(l) => l,
-        None => model.default_layer()?,
-    };
-    let up_front = tokens_up_front(&args.input);
-    if let Some(t) = up_front {
-        check_gpu_room(&devices, model.config(), t, false)?;
-    }
-    let layer = model.layer(l)?;
+    let l = model.pick_layer(args.layer)?;
+    let (layer, batch) = layer_and_batch(&model, l, &args.input, &devices, false, true)?;
     let c = &layer.config;
-    let batch = load_batch(
-        &args.input,
-        c.hidden_size,
-        layer.token_vocab(),
-        Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
-    )?;
-    if up_front.is_none() {
-        check_gpu_room(&devices, c, batch.tokens, false)?;
-    }
     let ids = batch.input_ids.as_deref();
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let reference =
@@ -112,9 +96,9 @@ pub fn run(args: &Args) -> Result<Report> {
     let reduce = args.gs.input_scale_reduce;
     let used_source = args.gs.gs.unwrap_or(GsSource::Default);
 
-    let reduce_info = std::cell::RefCell::new(None);
-    let eval = |label: String, s: &ActScales| -> Result<Point> {
-        let (o, r) = nvfp4_forward(
+    // the NVFP4 layer at scales `s`, sharded with --ep
+    let forward = |s: &ActScales| {
+        nvfp4_forward(
             &args.ep,
             &devices,
             &layer,
@@ -122,7 +106,11 @@ pub fn run(args: &Args) -> Result<Report> {
             &routing,
             s,
             false,
-        )?;
+        )
+    };
+    let reduce_info = std::cell::RefCell::new(None);
+    let eval = |label: String, s: &ActScales| -> Result<Point> {
+        let (o, r) = forward(s)?;
         if r.is_some() {
             *reduce_info.borrow_mut() = r;
         }
@@ -222,15 +210,7 @@ pub fn run(args: &Args) -> Result<Report> {
     // ---- EP: the gs in use, sharded, against the unsharded run ----
     let ep_agreement = match (&used_scales, args.ep.sharded()) {
         (Some(s), true) => {
-            let (o, _) = nvfp4_forward(
-                &args.ep,
-                &devices,
-                &layer,
-                &batch.hidden,
-                &routing,
-                s,
-                false,
-            )?;
+            let (o, _) = forward(s)?;
             Some(check_unsharded(
                 &devices,
                 &layer,

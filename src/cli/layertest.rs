@@ -74,6 +74,26 @@ pub struct GsArgs {
     pub input_scale_reduce: InputScaleReduce,
 }
 
+impl GsArgs {
+    /// The activation scales of `layer` from `source`, calibrated on `hidden` and its routing.
+    pub fn resolve(
+        &self,
+        source: GsSource,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        input_ids: Option<&[i64]>,
+        routing: &Routing,
+        seed: u64,
+    ) -> Result<ActScales> {
+        let cal = Calibration {
+            hidden,
+            input_ids,
+            routing: Some(routing),
+        };
+        gs::resolve(source, layer, self.input_scale_reduce, &cal, seed)
+    }
+}
+
 /// Expert parallelism (shared by layertest, gs-sweep and multilayer).
 #[derive(clap::Args, Debug, Clone)]
 pub struct EpArgs {
@@ -117,6 +137,11 @@ impl EpArgs {
 
     pub fn sharded(&self) -> bool {
         self.ep > 1
+    }
+
+    /// `(ranks, placement)` when sharded: what a plugin layer is split by.
+    pub fn shard(&self) -> Option<(usize, Placement)> {
+        self.sharded().then_some((self.ep, self.placement))
     }
 
     pub fn request(&self, fault: Option<EpFault>) -> EpRequest {
@@ -339,7 +364,11 @@ impl Model {
         }
     }
 
-    pub fn default_layer(&self) -> Result<usize> {
+    /// `--layer`, or the first MoE layer.
+    pub fn pick_layer(&self, layer: Option<usize>) -> Result<usize> {
+        if let Some(l) = layer {
+            return Ok(l);
+        }
         self.moe_layers()
             .first()
             .copied()
@@ -370,8 +399,34 @@ impl Model {
     }
 }
 
+/// Layer `l` and its input batch, with the GPU room checked before anything large is made:
+/// up front when the token count is known without reading `--input`, else once it is read.
+/// `normed`: the synthetic batch is the MoE-block input through the layer's norm (else the raw
+/// residual stream, for multilayer); `per_slot` as for [`check_gpu_room`].
+pub fn layer_and_batch(
+    model: &Model,
+    l: usize,
+    input: &InputArgs,
+    devices: &EpDevices,
+    per_slot: bool,
+    normed: bool,
+) -> Result<(MoeLayer, Batch)> {
+    let up_front = tokens_up_front(input);
+    if let Some(t) = up_front {
+        check_gpu_room(devices, model.config(), t, per_slot)?;
+    }
+    let layer = model.layer(l)?;
+    let c = &layer.config;
+    let norm = normed.then_some((layer.norm_weight.as_deref(), c.rms_norm_eps));
+    let batch = load_batch(input, c.hidden_size, layer.token_vocab(), norm)?;
+    if up_front.is_none() {
+        check_gpu_room(devices, c, batch.tokens, per_slot)?;
+    }
+    Ok((layer, batch))
+}
+
 /// Tokens of the batch when known without reading it: synthetic input, or `--tokens`.
-pub fn tokens_up_front(input: &InputArgs) -> Option<usize> {
+fn tokens_up_front(input: &InputArgs) -> Option<usize> {
     match &input.input {
         None => Some(input.tokens.unwrap_or(DEFAULT_TOKENS)),
         Some(_) => input.tokens,
@@ -381,7 +436,7 @@ pub fn tokens_up_front(input: &InputArgs) -> Option<usize> {
 /// Refuse, before activations are generated or weights loaded, a batch whose NVFP4 and
 /// reference forwards cannot fit on the main GPU (`budget` is a lower bound of what they
 /// allocate). Nothing to check on the CPU.
-pub fn check_gpu_room(
+fn check_gpu_room(
     devices: &EpDevices,
     c: &crate::moe::MoeConfig,
     tokens: usize,
@@ -534,13 +589,7 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         ));
     }
     let rows = shape[0];
-    let h = decode_float(hs.dtype, file.slice(hs)).ok_or_else(|| {
-        Error::bad_tensor(
-            path,
-            "hidden_states",
-            format!("dtype {:?}: expected F32, F16, BF16 or F64", hs.dtype),
-        )
-    })?;
+    let h = file.to_f32("hidden_states")?;
     let ids = match file.get("input_ids") {
         None => None,
         Some(t) => {
@@ -565,28 +614,6 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         }
     };
     Ok((h, ids, rows))
-}
-
-fn decode_float(d: Dtype, b: &[u8]) -> Option<Vec<f32>> {
-    Some(match d {
-        Dtype::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::F64 => b
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]) as f32)
-            .collect(),
-        Dtype::BF16 => b
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => b
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
 }
 
 fn decode_int(d: Dtype, b: &[u8]) -> Option<Vec<i64>> {
@@ -744,41 +771,21 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let backend = devices.main();
     let model = Model::open(&args.input)?;
-    let l = match args.layer {
-        Some(l) => l,
-        None => model.default_layer()?,
-    };
-    let up_front = tokens_up_front(&args.input);
-    if let Some(t) = up_front {
-        check_gpu_room(&devices, model.config(), t, true)?;
-    }
-    let layer = model.layer(l)?;
+    let l = model.pick_layer(args.layer)?;
+    let (layer, batch) = layer_and_batch(&model, l, &args.input, &devices, true, true)?;
     let c = &layer.config;
     let (hsz, k) = (c.hidden_size, c.num_experts_per_tok);
-    let batch = load_batch(
-        &args.input,
-        hsz,
-        layer.token_vocab(),
-        Some((layer.norm_weight.as_deref(), c.rms_norm_eps)),
-    )?;
-    if up_front.is_none() {
-        check_gpu_room(&devices, c, batch.tokens, true)?;
-    }
     let ids = batch.input_ids.as_deref();
 
     // one routing for both paths: routing differences are the `routing` command's business
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
-    let cal = Calibration {
-        hidden: &batch.hidden,
-        input_ids: ids,
-        routing: Some(&routing),
-    };
-    let scales = gs::resolve(
+    let scales = args.gs.resolve(
         source,
         &layer,
-        args.gs.input_scale_reduce,
-        &cal,
+        &batch.hidden,
+        ids,
+        &routing,
         args.input.seed,
     )?;
     if plugin.is_some() || args.dump_inputs.is_some() {
@@ -847,7 +854,7 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let byok = match (&plugin, plugin_gpu) {
         (Some(p), Some(cuda)) => {
-            let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
+            let ep = args.ep.shard();
             let theirs = kernel::run_plugin(p, cuda, &layer, &batch.hidden, &routing, &scales, ep)?;
             let feeding = Feeding {
                 layout: Some(p.scale_layout),

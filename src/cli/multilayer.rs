@@ -5,12 +5,12 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    at, below, block_summary, check_gpu_room, check_unsharded, ep_disagreement, ep_json_with,
-    load_batch, nvfp4_forward, ranges, tokens_up_front, EpArgs, GsArgs, InputArgs, Model,
+    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, layer_and_batch,
+    nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
-use crate::moe::gs::{self, Calibration, GsSource};
+use crate::moe::gs::GsSource;
 use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
 use crate::moe::{rmsnorm_bf16, Path as MoePath, Routing};
@@ -143,7 +143,7 @@ fn agreement(a: &Routing, b: &Routing) -> f64 {
 pub fn run(args: &Args) -> Result<Report> {
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
     let plugin = kernel::open(&args.kernel, &devices)?;
-    let ep = args.ep.sharded().then_some((args.ep.ep, args.ep.placement));
+    let ep = args.ep.shard();
     let backend = devices.main();
     let model = match &args.input.checkpoint {
         None => Model::Synthetic(
@@ -163,17 +163,9 @@ pub fn run(args: &Args) -> Result<Report> {
             ranges(&moe_layers)
         )));
     }
-    let up_front = tokens_up_front(&args.input);
-    if let Some(t) = up_front {
-        check_gpu_room(&devices, model.config(), t, false)?;
-    }
-    let first = model.layer(layers[0])?;
+    let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, false, false)?;
     let first_k = first.config.num_experts_per_tok;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
-    let batch = load_batch(&args.input, hsz, first.token_vocab(), None)?;
-    if up_front.is_none() {
-        check_gpu_room(&devices, &first.config, batch.tokens, false)?;
-    }
     let ids = batch.input_ids.as_deref();
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
 
@@ -200,18 +192,9 @@ pub fn run(args: &Args) -> Result<Report> {
         let r_nv = backend.route(&ly, &x_nv, ids)?;
         let r_rf = backend.route(&ly, &x_rf, ids)?;
         // scales are calibrated on what the BF16 model feeds this layer
-        let cal = Calibration {
-            hidden: &x_rf,
-            input_ids: ids,
-            routing: Some(&r_rf),
-        };
-        let scales = gs::resolve(
-            source,
-            &ly,
-            args.gs.input_scale_reduce,
-            &cal,
-            args.input.seed ^ l as u64,
-        )?;
+        let scales = args
+            .gs
+            .resolve(source, &ly, &x_rf, ids, &r_rf, args.input.seed ^ l as u64)?;
         let (mut o_nv, reduce) =
             nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
         // with --kernel, the user's kernel carries the NVFP4 residual stream

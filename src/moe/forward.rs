@@ -581,6 +581,33 @@ mod tests {
             .collect()
     }
 
+    fn naive_swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
+        let (mut g, mut u) = (g, u);
+        if let Some(l) = limit {
+            g = g.min(l);
+            u = u.clamp(-l, l);
+        }
+        (g / (1.0 + (-g).exp())) * u
+    }
+
+    /// The BF16 SwiGLU MLP of one token, weights `[w1 (gate), w3 (up), w2 (down)]`.
+    fn naive_bf16_mlp(
+        xt: &[f32],
+        [w1, w3, w2]: [&[f32]; 3],
+        inter: usize,
+        c: &crate::moe::MoeConfig,
+    ) -> Vec<f32> {
+        let h = c.hidden_size;
+        let g = naive_mm(xt, w1, h);
+        let u = naive_mm(xt, w3, h);
+        let a: Vec<f32> = g
+            .iter()
+            .zip(&u)
+            .map(|(&g, &u)| bf16(naive_swiglu(g, u, c.swiglu_limit)))
+            .collect();
+        naive_mm(&a, w2, inter)
+    }
+
     fn naive_forward(
         layer: &MoeLayer,
         x: &[f32],
@@ -606,14 +633,7 @@ mod tests {
                         let a: Vec<f32> = g
                             .iter()
                             .zip(&u)
-                            .map(|(g, u)| {
-                                let (mut g, mut u) = (g * ag, u * au);
-                                if let Some(l) = c.swiglu_limit {
-                                    g = g.min(l);
-                                    u = u.clamp(-l, l);
-                                }
-                                (g / (1.0 + (-g).exp())) * u
-                            })
+                            .map(|(g, u)| naive_swiglu(g * ag, u * au, c.swiglu_limit))
                             .collect();
                         let aq = naive_quant(&a, gs2[e]);
                         let y = naive_mm(&aq, &naive_w(&ex.w2.weight), c.moe_intermediate_size);
@@ -629,21 +649,8 @@ mod tests {
                                 .map(|&v| bf16(v))
                                 .collect::<Vec<_>>()
                         };
-                        let g = naive_mm(xt, &w(&ex.w1), h);
-                        let u = naive_mm(xt, &w(&ex.w3), h);
-                        let a: Vec<f32> = g
-                            .iter()
-                            .zip(&u)
-                            .map(|(&g, &u)| {
-                                let (mut g, mut u) = (g, u);
-                                if let Some(l) = c.swiglu_limit {
-                                    g = g.min(l);
-                                    u = u.clamp(-l, l);
-                                }
-                                bf16((g / (1.0 + (-g).exp())) * u)
-                            })
-                            .collect();
-                        naive_mm(&a, &w(&ex.w2), c.moe_intermediate_size)
+                        let inter = c.moe_intermediate_size;
+                        naive_bf16_mlp(xt, [&w(&ex.w1), &w(&ex.w3), &w(&ex.w2)], inter, c)
                     }
                 };
                 let w = r.topk_weights[t * k + slot];
@@ -652,21 +659,7 @@ mod tests {
                 }
             }
             if let Some(sh) = &layer.shared {
-                let g = naive_mm(xt, &sh.w1, h);
-                let u = naive_mm(xt, &sh.w3, h);
-                let a: Vec<f32> = g
-                    .iter()
-                    .zip(&u)
-                    .map(|(&g, &u)| {
-                        let (mut g, mut u) = (g, u);
-                        if let Some(l) = c.swiglu_limit {
-                            g = g.min(l);
-                            u = u.clamp(-l, l);
-                        }
-                        bf16((g / (1.0 + (-g).exp())) * u)
-                    })
-                    .collect();
-                let y = naive_mm(&a, &sh.w2, sh.intermediate);
+                let y = naive_bf16_mlp(xt, [&sh.w1, &sh.w3, &sh.w2], sh.intermediate, c);
                 for j in 0..h {
                     acc[j] += y[j];
                 }

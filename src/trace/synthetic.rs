@@ -209,6 +209,17 @@ struct Recorder<'c> {
 }
 
 impl Recorder<'_> {
+    /// A call of a module from hidden states `[tokens, hidden]` to hidden states.
+    fn call_hidden(
+        &mut self,
+        module: &str,
+        input: &[f32],
+        output: &mut [f32],
+        th: &[usize],
+    ) -> Result<()> {
+        self.call(module, &[Val::F(input, th.to_vec())], output, th, None)
+    }
+
     /// Apply planted faults and jitter to `output` (in place: downstream sees them), then record.
     fn call(
         &mut self,
@@ -318,37 +329,13 @@ fn forward(c: &SynthTraceConfig, w: &Weights, ids: &[i64], r: &mut Recorder) -> 
         let p = format!("model.layers.{l}");
         let layer_in = hs.clone();
         let mut xn = rmsnorm(&hs, &lw.ln1);
-        r.call(
-            &format!("{p}.input_layernorm"),
-            &[Val::F(&hs, th.clone())],
-            &mut xn,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.input_layernorm"), &hs, &mut xn, &th)?;
         let mut q = linear(&xn, &lw.wq, h);
-        r.call(
-            &format!("{p}.self_attn.q_proj"),
-            &[Val::F(&xn, th.clone())],
-            &mut q,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.self_attn.q_proj"), &xn, &mut q, &th)?;
         let mut k = linear(&xn, &lw.wk, h);
-        r.call(
-            &format!("{p}.self_attn.k_proj"),
-            &[Val::F(&xn, th.clone())],
-            &mut k,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.self_attn.k_proj"), &xn, &mut k, &th)?;
         let mut v = linear(&xn, &lw.wv, h);
-        r.call(
-            &format!("{p}.self_attn.v_proj"),
-            &[Val::F(&xn, th.clone())],
-            &mut v,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.self_attn.v_proj"), &xn, &mut v, &th)?;
         let mut o = attention(&q, &k, &v, t, c.heads);
         r.call(
             &format!("{p}.self_attn.attn"),
@@ -362,29 +349,11 @@ fn forward(c: &SynthTraceConfig, w: &Weights, ids: &[i64], r: &mut Recorder) -> 
             None,
         )?;
         let mut a = linear(&o, &lw.wo, h);
-        r.call(
-            &format!("{p}.self_attn.o_proj"),
-            &[Val::F(&o, th.clone())],
-            &mut a,
-            &th,
-            None,
-        )?;
-        r.call(
-            &format!("{p}.self_attn"),
-            &[Val::F(&xn, th.clone())],
-            &mut a,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.self_attn.o_proj"), &o, &mut a, &th)?;
+        r.call_hidden(&format!("{p}.self_attn"), &xn, &mut a, &th)?;
         let h1: Vec<f32> = hs.iter().zip(&a).map(|(x, y)| x + y).collect();
         let mut x2 = rmsnorm(&h1, &lw.ln2);
-        r.call(
-            &format!("{p}.post_attention_layernorm"),
-            &[Val::F(&h1, th.clone())],
-            &mut x2,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.post_attention_layernorm"), &h1, &mut x2, &th)?;
         let mut gu = linear(&x2, &lw.w13, 2 * inter);
         r.call(
             &format!("{p}.mlp.gate_up_proj"),
@@ -409,13 +378,7 @@ fn forward(c: &SynthTraceConfig, w: &Weights, ids: &[i64], r: &mut Recorder) -> 
             &th,
             None,
         )?;
-        r.call(
-            &format!("{p}.mlp"),
-            &[Val::F(&x2, th.clone())],
-            &mut m,
-            &th,
-            None,
-        )?;
+        r.call_hidden(&format!("{p}.mlp"), &x2, &mut m, &th)?;
         let mut h2: Vec<f32> = h1.iter().zip(&m).map(|(x, y)| x + y).collect();
         // the decoder layer returns a tuple: the new residual stream and the mid-layer one
         r.call(
@@ -428,7 +391,7 @@ fn forward(c: &SynthTraceConfig, w: &Weights, ids: &[i64], r: &mut Recorder) -> 
         hs = h2;
     }
     let mut hn = rmsnorm(&hs, &w.norm);
-    r.call("model.norm", &[Val::F(&hs, th.clone())], &mut hn, &th, None)?;
+    r.call_hidden("model.norm", &hs, &mut hn, &th)?;
     r.call("model", &[Val::Ids(ids)], &mut hn, &th, None)?;
     let mut logits = linear(&hn, &w.lm_head, c.vocab);
     r.call(

@@ -1268,6 +1268,23 @@ mod tests {
             min_match: 0.95,
             weight_rel_l2: 0.01,
         };
+        let compare = |ids: &[i64], weights: &[f32]| {
+            let d = Ids {
+                tokens: t,
+                top_k: k,
+                ids,
+                weights,
+            };
+            let c = RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: None,
+                routed_scaling_factor: Some(1.0),
+                tol,
+                ids_checked_elsewhere: false,
+            };
+            compare_with_reference(&d, &reference, &c)
+        };
         // shuffled slot order and bf16 weights: still a match
         let mut ids2 = ids.clone();
         let mut w2 = w.clone();
@@ -1279,24 +1296,7 @@ mod tests {
                 w2[tt * k + j] = half::bf16::from_f32(w[tt * k + p[j]]).to_f32();
             }
         }
-        let d = Ids {
-            tokens: t,
-            top_k: k,
-            ids: &ids2,
-            weights: &w2,
-        };
-        let (o, ag) = compare_with_reference(
-            &d,
-            &reference,
-            &RefCompare {
-                source: "test",
-                space: IdSpace::Global,
-                ep: None,
-                routed_scaling_factor: Some(1.0),
-                tol,
-                ids_checked_elsewhere: false,
-            },
-        );
+        let (o, ag) = compare(&ids2, &w2);
         let ag = ag.unwrap();
         assert!(o.findings.is_empty(), "seed {seed}: {:?}", o.findings);
         assert_eq!(ag.match_rate, 1.0);
@@ -1308,24 +1308,7 @@ mod tests {
                 .find(|v| !ids[tt * k..(tt + 1) * k].contains(v))
                 .unwrap();
         }
-        let d = Ids {
-            tokens: t,
-            top_k: k,
-            ids: &ids3,
-            weights: &w,
-        };
-        let (o, _) = compare_with_reference(
-            &d,
-            &reference,
-            &RefCompare {
-                source: "test",
-                space: IdSpace::Global,
-                ep: None,
-                routed_scaling_factor: Some(1.0),
-                tol,
-                ids_checked_elsewhere: false,
-            },
-        );
+        let (o, _) = compare(&ids3, &w);
         assert_eq!(
             o.findings[0].kind,
             FindingKind::RoutingMismatch,
@@ -1334,24 +1317,7 @@ mod tests {
         assert_eq!(o.findings[0].first.unwrap().token, 0);
         // wrong weights
         let w4: Vec<f32> = w.iter().map(|v| v * r.gen_range(0.5f32..1.5)).collect();
-        let d = Ids {
-            tokens: t,
-            top_k: k,
-            ids: &ids,
-            weights: &w4,
-        };
-        let (o, _) = compare_with_reference(
-            &d,
-            &reference,
-            &RefCompare {
-                source: "test",
-                space: IdSpace::Global,
-                ep: None,
-                routed_scaling_factor: Some(1.0),
-                tol,
-                ids_checked_elsewhere: false,
-            },
-        );
+        let (o, _) = compare(&ids, &w4);
         assert_eq!(o.findings[0].kind, FindingKind::WeightError, "seed {seed}");
     }
 
