@@ -5,6 +5,7 @@
 //! sums (see [`CudaDiff`]).
 
 use super::compare::{metrics_any, metrics_qq, Values};
+use super::fused;
 use crate::backend::cuda::reduce::CompareScratch;
 use crate::backend::cuda::{budget, dequant, probe, Gpu};
 use crate::backend::DeviceRequest;
@@ -33,7 +34,7 @@ impl DiffEngine for CpuDiff {
     fn metrics(&self, a: &Values, b: &Values) -> Result<Option<Metrics>> {
         Ok(match (a, b) {
             (Values::Q(x), Values::Q(y)) if (x.rows, x.cols) == (y.rows, y.cols) => {
-                Some(metrics_qq(x, y))
+                Some(fused::metrics_nvfp4(x, y).unwrap_or_else(|| metrics_qq(x, y)))
             }
             _ => metrics_any(a, b),
         })
