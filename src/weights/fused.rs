@@ -186,6 +186,17 @@ mod avx2 {
         let z = _mm256_setzero_pd();
         let (mut dot, mut nt, mut nr, mut err) = ([z; 2], [z; 2], [z; 2], [z; 2]);
         let mut acc = Accum::default();
+        // the running maximum, broadcast: a block is looked at element by element only when
+        // one of its differences exceeds it (-1 until the first block sets it; NaN once a NaN
+        // reference value took it, as in `Accum::over`, where nothing exceeds NaN)
+        let current = |acc: &Accum| {
+            _mm256_set1_pd(if acc.max_idx.is_some() {
+                acc.max_abs
+            } else {
+                -1.0
+            })
+        };
+        let mut cur = current(&acc);
         for r in r0..r1 {
             let (pa, pb) = (a.packed.row(r), b.packed.row(r));
             let (sa, sb) = (
@@ -202,6 +213,7 @@ mod avx2 {
                         super::values(&table_of(tb), bb),
                     );
                     acc = acc.merge(Accum::over(&y, &x, at));
+                    cur = current(&acc);
                     continue;
                 }
                 let mut m = z;
@@ -235,11 +247,11 @@ mod avx2 {
                         m = _mm256_max_pd(m, _mm256_andnot_pd(sign, d));
                     }
                 }
-                let mut lanes = [0f64; 4];
-                _mm256_storeu_pd(lanes.as_mut_ptr(), m);
-                let mb = lanes[0].max(lanes[1]).max(lanes[2].max(lanes[3]));
-                if mb > acc.max_abs || acc.max_idx.is_none() {
-                    // rare: find the first element of the block at the maximum
+                if _mm256_movemask_pd(_mm256_cmp_pd(m, cur, _CMP_GT_OQ)) != 0 {
+                    // rare: the block's maximum and its first element
+                    let mut lanes = [0f64; 4];
+                    _mm256_storeu_pd(lanes.as_mut_ptr(), m);
+                    let mb = lanes[0].max(lanes[1]).max(lanes[2].max(lanes[3]));
                     let (x, y) = (
                         super::values(&table_of(ta), ba),
                         super::values(&table_of(tb), bb),
@@ -249,6 +261,7 @@ mod avx2 {
                         .unwrap_or(0);
                     acc.max_abs = mb;
                     acc.max_idx = Some(at + i);
+                    cur = current(&acc);
                 }
             }
         }
