@@ -351,33 +351,39 @@ mod tests {
             };
             let (qa, qb) = (q(&pa, sa, 1e-4, rows, cols), q(&pb, sb, g_b, rows, cols));
             let want = metrics_qq(&qa, &qb);
-            let got = metrics_nvfp4(&qa, &qb).unwrap();
-            let what = format!("seed {seed} case {case} [{rows}, {cols}]");
-            assert_eq!(got.len, want.len, "{what}");
-            assert_eq!(
-                (got.nan_count, got.inf_count, got.first_nan, got.first_inf),
-                (
-                    want.nan_count,
-                    want.inf_count,
-                    want.first_nan,
-                    want.first_inf
-                ),
-                "{what}"
-            );
-            assert!(
-                got.max_abs_err.to_bits() == want.max_abs_err.to_bits()
-                    || (got.max_abs_err.is_nan() && want.max_abs_err.is_nan()),
-                "{what}: max_abs_err {} vs {}",
-                got.max_abs_err,
-                want.max_abs_err
-            );
-            assert_eq!(got.max_abs_err_index, want.max_abs_err_index, "{what}");
-            for (n, g, w) in [
-                ("cosine", got.cosine, want.cosine),
-                ("rel_l2", got.rel_l2, want.rel_l2),
-                ("sqnr_db", got.sqnr_db, want.sqnr_db),
+            // the dispatched path (AVX2 here), then the portable body every CPU can run
+            let portable = rows_body(&qa, &qb, 0, rows).finish();
+            for (path, got) in [
+                ("dispatched", metrics_nvfp4(&qa, &qb).unwrap()),
+                ("portable", portable),
             ] {
-                assert!(close(g, w), "{what}: {n} {g:e} vs {w:e}");
+                let what = format!("seed {seed} case {case} [{rows}, {cols}] {path}");
+                assert_eq!(got.len, want.len, "{what}");
+                assert_eq!(
+                    (got.nan_count, got.inf_count, got.first_nan, got.first_inf),
+                    (
+                        want.nan_count,
+                        want.inf_count,
+                        want.first_nan,
+                        want.first_inf
+                    ),
+                    "{what}"
+                );
+                assert!(
+                    got.max_abs_err.to_bits() == want.max_abs_err.to_bits()
+                        || (got.max_abs_err.is_nan() && want.max_abs_err.is_nan()),
+                    "{what}: max_abs_err {} vs {}",
+                    got.max_abs_err,
+                    want.max_abs_err
+                );
+                assert_eq!(got.max_abs_err_index, want.max_abs_err_index, "{what}");
+                for (n, g, w) in [
+                    ("cosine", got.cosine, want.cosine),
+                    ("rel_l2", got.rel_l2, want.rel_l2),
+                    ("sqnr_db", got.sqnr_db, want.sqnr_db),
+                ] {
+                    assert!(close(g, w), "{what}: {n} {g:e} vs {w:e}");
+                }
             }
         }
     }
