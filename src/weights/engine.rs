@@ -23,7 +23,8 @@ pub trait DiffEngine: Sync {
     fn metrics(&self, a: &Values, b: &Values) -> Result<Option<Metrics>>;
 }
 
-/// The reference: chunked over the cores, f64 sums (`metrics::Accum`).
+/// The reference: chunked over the cores, f64 sums (`metrics::Accum`); two NVFP4 matrices of
+/// one shape in one fused pass (`fused`: the same values, max and counts, the sums in lanes).
 pub struct CpuDiff;
 
 impl DiffEngine for CpuDiff {
