@@ -463,7 +463,7 @@ fn compare_qq(
         );
         return Ok(done(u));
     };
-    let (mut b_m, mut b_sc) = match qmatrix(qb, rb.0, rb.1) {
+    let (mut b_m, b_sc) = match qmatrix(qb, rb.0, rb.1) {
         Ok(v) => v,
         Err(e) => {
             u.issue(IssueKind::Scales, format!("B: {e}"));
@@ -483,8 +483,8 @@ fn compare_qq(
                 pick_scales(&reference, &b_m, &alt).0 == ScaleLayout::Swizzled
             };
             if swizzled {
-                b_sc.take_alternative();
-                b_m.scales = b_sc.linear.clone();
+                // the one unswizzled copy becomes B's scales
+                b_m.scales = std::borrow::Cow::Owned(alt);
                 u.b_scales = Some(ScalesSeen::Swizzled);
                 codes_equal = alt_equal;
             }

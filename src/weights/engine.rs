@@ -5,6 +5,7 @@
 //! sums (see [`CudaDiff`]).
 
 use super::compare::{metrics_any, metrics_qq, Values};
+use super::fused;
 use crate::backend::cuda::reduce::CompareScratch;
 use crate::backend::cuda::{budget, dequant, probe, Gpu};
 use crate::backend::DeviceRequest;
@@ -22,7 +23,8 @@ pub trait DiffEngine: Sync {
     fn metrics(&self, a: &Values, b: &Values) -> Result<Option<Metrics>>;
 }
 
-/// The reference: chunked over the cores, f64 sums (`metrics::Accum`).
+/// The reference: chunked over the cores, f64 sums (`metrics::Accum`); two NVFP4 matrices of
+/// one shape in one fused pass (`fused`: the same values, max and counts, the sums in lanes).
 pub struct CpuDiff;
 
 impl DiffEngine for CpuDiff {
@@ -33,7 +35,7 @@ impl DiffEngine for CpuDiff {
     fn metrics(&self, a: &Values, b: &Values) -> Result<Option<Metrics>> {
         Ok(match (a, b) {
             (Values::Q(x), Values::Q(y)) if (x.rows, x.cols) == (y.rows, y.cols) => {
-                Some(metrics_qq(x, y))
+                Some(fused::metrics_nvfp4(x, y).unwrap_or_else(|| metrics_qq(x, y)))
             }
             _ => metrics_any(a, b),
         })

@@ -9,6 +9,7 @@ pub mod compare;
 pub mod derived;
 pub mod diagnose;
 pub mod engine;
+pub mod fused;
 pub mod inventory;
 pub mod load;
 pub mod rules;

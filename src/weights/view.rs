@@ -161,8 +161,11 @@ impl<'a> Mat<'a> {
 }
 
 /// A fast word-at-a-time mixing hash over a byte stream (independent of how the stream is cut).
+/// Word `i` of the stream goes to lane `i % 4`: four independent multiply chains instead of
+/// one (the single chain ran at ~2 GB/s, a third of what reading the bytes costs).
 pub struct Fingerprint {
-    h: u64,
+    h: [u64; 4],
+    words: u64,
     pending: [u8; 8],
     npending: usize,
     len: u64,
@@ -174,20 +177,29 @@ impl Default for Fingerprint {
     }
 }
 
+const MIX: u64 = 0xFF51_AFD7_ED55_8CCD;
+
+#[inline(always)]
+fn mix(h: u64, w: u64) -> u64 {
+    (h ^ w).wrapping_mul(MIX).rotate_left(29)
+}
+
 impl Fingerprint {
     pub fn new() -> Fingerprint {
+        let h0 = 0x9E37_79B9_7F4A_7C15u64;
         Fingerprint {
-            h: 0x9E37_79B9_7F4A_7C15,
+            h: [h0, h0 ^ 1, h0 ^ 2, h0 ^ 3],
+            words: 0,
             pending: [0; 8],
             npending: 0,
             len: 0,
         }
     }
     #[inline]
-    fn mix(&mut self, w: u64) {
-        self.h = (self.h ^ w)
-            .wrapping_mul(0xFF51_AFD7_ED55_8CCD)
-            .rotate_left(29);
+    fn word(&mut self, w: u64) {
+        let l = (self.words % 4) as usize;
+        self.h[l] = mix(self.h[l], w);
+        self.words += 1;
     }
     pub fn update(&mut self, mut bytes: &[u8]) {
         self.len += bytes.len() as u64;
@@ -199,16 +211,27 @@ impl Fingerprint {
             if self.npending < 8 {
                 return;
             }
-            self.mix(u64::from_le_bytes(self.pending));
+            self.word(u64::from_le_bytes(self.pending));
             self.npending = 0;
         }
-        let mut it = bytes.chunks_exact(8);
-        for c in &mut it {
-            self.mix(u64::from_le_bytes([
-                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-            ]));
+        let w = |c: &[u8]| u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
+        // single words up to the next word of lane 0, then four words (one per lane) at a time
+        let lead = ((4 - self.words % 4) % 4).min(bytes.len() as u64 / 8) as usize;
+        for c in bytes[..8 * lead].chunks_exact(8) {
+            self.word(w(c));
         }
-        let rest = it.remainder();
+        let mut quads = bytes[8 * lead..].chunks_exact(32);
+        for q in &mut quads {
+            for l in 0..4 {
+                self.h[l] = mix(self.h[l], w(&q[8 * l..8 * l + 8]));
+            }
+            self.words += 4;
+        }
+        let mut singles = quads.remainder().chunks_exact(8);
+        for c in &mut singles {
+            self.word(w(c));
+        }
+        let rest = singles.remainder();
         self.pending[..rest.len()].copy_from_slice(rest);
         self.npending = rest.len();
     }
@@ -216,11 +239,10 @@ impl Fingerprint {
         if self.npending > 0 {
             let mut b = [0u8; 8];
             b[..self.npending].copy_from_slice(&self.pending[..self.npending]);
-            self.mix(u64::from_le_bytes(b));
+            self.word(u64::from_le_bytes(b));
         }
-        let len = self.len;
-        self.mix(len ^ 0x2545_F491_4F6C_DD1D);
-        self.h
+        let h = self.h[1..].iter().fold(self.h[0], |h, &l| mix(h, l));
+        mix(h, self.len ^ 0x2545_F491_4F6C_DD1D)
     }
 }
 
@@ -255,10 +277,17 @@ pub fn unswizzle_rows(swizzled: &[u8], kb: usize, row0: usize, rows: usize) -> V
         let m = row0 + i;
         let within = (m % 32) * 16 + ((m / 32) % 4) * 4;
         let row_tile = m / 128 * k_tiles;
-        for kt in 0..k_tiles {
+        // whole k-tiles as fixed 4-byte moves (a length known only at run time made each
+        // one a memcpy call), then the partial last tile
+        let full = kb / 4;
+        for (kt, d) in o.chunks_exact_mut(4).enumerate() {
             let src = (row_tile + kt) * 512 + within;
-            let n = 4.min(kb - kt * 4);
-            o[kt * 4..kt * 4 + n].copy_from_slice(&swizzled[src..src + n]);
+            d.copy_from_slice(&swizzled[src..src + 4]);
+        }
+        if full < k_tiles {
+            let src = (row_tile + full) * 512 + within;
+            let n = kb - full * 4;
+            o[full * 4..].copy_from_slice(&swizzled[src..src + n]);
         }
     }
     out
@@ -447,6 +476,36 @@ pub fn pick_scales(reference: &[f32], b: &QMatrix, alternative: &[u8]) -> (Scale
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn fingerprint_ignores_how_the_stream_is_cut() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for _ in 0..50 {
+            let n = r.gen_range(0..300);
+            let v: Vec<u8> = (0..n).map(|_| r.gen()).collect();
+            let mut whole = Fingerprint::new();
+            whole.update(&v);
+            let mut cut = Fingerprint::new();
+            let mut at = 0;
+            while at < n {
+                let k = r.gen_range(0..=(n - at).min(41));
+                cut.update(&v[at..at + k]);
+                at += k;
+            }
+            let whole = whole.finish();
+            assert_eq!(whole, cut.finish(), "seed {seed}, {n} bytes");
+            if n > 0 {
+                let mut w = v.clone();
+                let i = r.gen_range(0..n);
+                w[i] ^= 1 << r.gen_range(0..8);
+                let mut f = Fingerprint::new();
+                f.update(&w);
+                assert_ne!(whole, f.finish(), "seed {seed}: one bit flipped at {i}");
+            }
+        }
+    }
 
     #[test]
     fn strided_views_slice_and_compare() {
