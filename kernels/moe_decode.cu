@@ -543,15 +543,19 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     aq, as, K, w1q, w1s, w3q, w3s, nout, gs1, ws2_1, ws2_3, limit, has_limit, expert_offsets, g_rows, \
         gs2, flavor, outq, outs, stats, out_f32, amax_bits
 
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) moe_decode_nvfp4(DEC_DOWN_PARAMS) {
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_nvfp4(DEC_DOWN_PARAMS) {
     decode_down<true>(DEC_DOWN_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) moe_decode_nvfp4_v1(DEC_DOWN_PARAMS) {
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_nvfp4_v1(DEC_DOWN_PARAMS) {
     decode_down<false>(DEC_DOWN_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) moe_decode_gate_up_nvfp4(DEC_GATE_UP_PARAMS) {
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_gate_up_nvfp4(DEC_GATE_UP_PARAMS) {
     decode_gate_up<true>(DEC_GATE_UP_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2) moe_decode_gate_up_nvfp4_v1(DEC_GATE_UP_PARAMS) {
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+moe_decode_gate_up_nvfp4_v1(DEC_GATE_UP_PARAMS) {
     decode_gate_up<false>(DEC_GATE_UP_ARGS);
 }
