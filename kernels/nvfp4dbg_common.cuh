@@ -196,23 +196,30 @@ __device__ __forceinline__ u32 e2m1_encode_fast(float v) {
 // s = e4m3(min(gs * (vmax * R6), 448)), out_scale = rcp(f32(s) * rcp(gs)),
 // q = e2m1(clamp(x * out_scale, -6, 6)).
 // CudaFast: vLLM/TRT-LLM's cvt_warp_fp16_to_fp4 with rcp.approx.ftz reciprocals.
-__device__ __forceinline__ u32 quant_block_nvfp4_vmax(const float (&x)[16], float gs, u32 flavor,
-                                                      u32 (&packed)[2], float& vmax_out) {
-    u32 mbits = amax_bits16(x);
+// The flavor's reciprocal of the global scale (the same for every block of a row: the
+// quantize kernel computes it once per thread).
+__device__ __forceinline__ float nvfp4_rgs(float gs, u32 flavor) {
+    return flavor == FLAVOR_CUDA_FAST ? rcp_approx_ftz(gs) : rcp_ref(gs);
+}
+
+// quant_block_nvfp4_vmax with max|x| given as bits (amax_bits16) and rgs = nvfp4_rgs(gs).
+__device__ __forceinline__ u32 quant_block_nvfp4_core(const float (&x)[16], u32 mbits, float gs, float rgs,
+                                                      u32 flavor, u32 (&packed)[2]) {
     float vmax = __uint_as_float(mbits);
-    vmax_out = vmax;
     u32 s_code;
     float out_scale;
     if (flavor == FLAVOR_CUDA_FAST) {
         float sf = __fmul_rn(gs, __fmul_rn(vmax, rcp_approx_ftz(6.0f)));
         s_code = e4m3_encode_hw(sf);
         float s = e4m3_decode(s_code);
-        out_scale = s != 0.0f ? rcp_approx_ftz(__fmul_rn(s, rcp_approx_ftz(gs))) : 0.0f;
+        out_scale = s != 0.0f ? rcp_approx_ftz(__fmul_rn(s, rgs)) : 0.0f;
     } else {
         float t = clamp_max(__fmul_rn(gs, __fmul_rn(vmax, NVFP4_R6)), E4M3_MAX);
-        s_code = e4m3_encode_sat(t);
+        // the hardware conversion rounds to nearest even and saturates at 448 as
+        // e4m3_encode_sat does (t is already <= 448); only NaN needs the reference's code
+        s_code = t != t ? E4M3_NAN : e4m3_encode_hw(t);
         float s = e4m3_decode(s_code);
-        out_scale = rcp_ref(__fmul_rn(s, rcp_ref(gs)));
+        out_scale = rcp_ref(__fmul_rn(s, rgs));
     }
     // finite x times a finite out_scale is never NaN (at worst +-inf, which clamps to 6):
     // the fast encoder is exact there; anything else takes the general path
@@ -235,6 +242,13 @@ __device__ __forceinline__ u32 quant_block_nvfp4_vmax(const float (&x)[16], floa
         packed[w] = word;
     }
     return s_code;
+}
+
+__device__ __forceinline__ u32 quant_block_nvfp4_vmax(const float (&x)[16], float gs, u32 flavor,
+                                                      u32 (&packed)[2], float& vmax_out) {
+    u32 mbits = amax_bits16(x);
+    vmax_out = __uint_as_float(mbits);
+    return quant_block_nvfp4_core(x, mbits, gs, nvfp4_rgs(gs, flavor), flavor, packed);
 }
 
 __device__ __forceinline__ u32 quant_block_nvfp4(const float (&x)[16], float gs, u32 flavor,

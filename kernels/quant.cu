@@ -44,10 +44,56 @@ __device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
     }
 }
 
-// Two consecutive 16-blocks of a row per thread, both loaded (16-byte loads) before either is
-// quantized. `row_src` (nullable) gathers: output row r reads input row row_src[r]. `gs_idx`
-// (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid covers the
-// padded scale matrix and padding is written as zero. Launched with QUANT_THREADS threads.
+// Raw 16-byte loads of one block (BF16: two, F32: four), converted only after every load of
+// the thread is in flight.
+template <typename T> struct RawBlock;
+template <> struct RawBlock<float> { uint4 q[4]; };
+template <> struct RawBlock<u16> { uint4 q[2]; };
+
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* p, RawBlock<T>& r) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = q[i];
+}
+
+// The block as floats and max|x| as bits (amax_bits16). BF16: the maximum is taken on the
+// 16-bit halves (|x| bit patterns order as unsigned integers, as in f32, NaN above inf), so the
+// bits are those amax_bits16 gives on the converted values.
+__device__ __forceinline__ u32 unpack_raw(const RawBlock<float>& r, float (&x)[16]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        x[4 * i] = __uint_as_float(r.q[i].x);
+        x[4 * i + 1] = __uint_as_float(r.q[i].y);
+        x[4 * i + 2] = __uint_as_float(r.q[i].z);
+        x[4 * i + 3] = __uint_as_float(r.q[i].w);
+    }
+    return amax_bits16(x);
+}
+__device__ __forceinline__ u32 unpack_raw(const RawBlock<u16>& r, float (&x)[16]) {
+    u32 m = 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        u32 w[4] = {r.q[i].x, r.q[i].y, r.q[i].z, r.q[i].w};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            x[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+            x[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+            u32 a = w[j] & 0x7FFF7FFFu;
+            asm("max.u16x2 %0, %0, %1;" : "+r"(m) : "r"(a));
+        }
+    }
+    return max(m & 0xFFFFu, m >> 16) << 16;
+}
+
+// Blocks per thread: all their loads are issued before any is quantized.
+#define QUANT_BLOCKS 4
+
+// QUANT_BLOCKS consecutive 16-blocks of a row per thread (the first a multiple of
+// QUANT_BLOCKS), codes stored 16 bytes and scales 4 bytes at a time where aligned.
+// `row_src` (nullable) gathers: output row r reads input row row_src[r]. `gs_idx` (nullable)
+// picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid covers the padded scale
+// matrix and padding is written as zero. Launched with QUANT_THREADS threads.
 template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
                                const int* __restrict__ row_src, const float* __restrict__ gs,
@@ -57,44 +103,77 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
     u64 kb = cols / 16;
     u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
     u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
-    u64 pairs = (kb_g + 1) / 2;
-    u64 total = rows_g * pairs;
+    u64 groups = (kb_g + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
+    u64 total = rows_g * groups;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 c[4] = {0, 0, 0, 0};
     if (idx < total) {
         u64 r, b0;
         if (total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
-            u32 r32 = (u32)idx / (u32)pairs;
+            u32 r32 = (u32)idx / (u32)groups;
             r = r32;
-            b0 = 2 * ((u32)idx - r32 * (u32)pairs);
+            b0 = QUANT_BLOCKS * ((u32)idx - r32 * (u32)groups);
         } else {
-            r = idx / pairs;
-            b0 = 2 * (idx % pairs);
+            r = idx / groups;
+            b0 = QUANT_BLOCKS * (idx % groups);
         }
         bool in_row = r < rows;
         u64 src = in_row ? (row_src ? (u64)row_src[r] : r) : 0;
-        float v[2][16];
+        RawBlock<T> raw[QUANT_BLOCKS];
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            if (in_row && b0 + h < kb) load16<T>(x + src * cols + (b0 + h) * 16, v[h]);
+        for (int h = 0; h < QUANT_BLOCKS; h++)
+            if (in_row && b0 + h < kb) load_raw<T>(x + src * cols + (b0 + h) * 16, raw[h]);
         float g = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
+        float rg = nvfp4_rgs(g, flavor);
+        u32 p[QUANT_BLOCKS][2];
+        u32 sc[QUANT_BLOCKS];
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u64 b = b0 + h;
-            if (b >= kb_g) continue;
-            if (in_row && b < kb) {
-                u32 p[2];
-                float vmax;
-                u32 s = quant_block_nvfp4_vmax(v[h], g, flavor, p, vmax);
-                *reinterpret_cast<uint2*>(packed + r * (cols / 2) + b * 8) = make_uint2(p[0], p[1]);
-                scales[swizzled ? swizzle_offset(r, b, kb) : r * kb + b] = (u8)s;
-                u32 cls = classify_nvfp4(s, vmax > 0.0f);
+        for (int h = 0; h < QUANT_BLOCKS; h++) {
+            p[h][0] = p[h][1] = 0;
+            sc[h] = 0;
+            if (in_row && b0 + h < kb) {
+                float v[16];
+                u32 mbits = unpack_raw(raw[h], v);
+                u32 s = quant_block_nvfp4_core(v, mbits, g, rg, flavor, p[h]);
+                sc[h] = s;
+                u32 cls = classify_nvfp4(s, __uint_as_float(mbits) > 0.0f);
                 c[0] += 1;
                 c[1] += cls & 1u;
                 c[2] += (cls >> 1) & 1u;
                 c[3] += (cls >> 2) & 1u;
+            }
+        }
+        bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
+        if (in_row) {
+            u8* dst = packed + r * (cols / 2) + b0 * 8;
+            if (whole && ((size_t)dst & 15u) == 0) {
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                d[0] = make_uint4(p[0][0], p[0][1], p[1][0], p[1][1]);
+                d[1] = make_uint4(p[2][0], p[2][1], p[3][0], p[3][1]);
             } else {
-                scales[swizzle_offset(r, b, kb)] = 0;
+#pragma unroll
+                for (int h = 0; h < QUANT_BLOCKS; h++)
+                    if (b0 + h < kb) *reinterpret_cast<uint2*>(dst + h * 8) = make_uint2(p[h][0], p[h][1]);
+            }
+        }
+        u32 word = sc[0] | (sc[1] << 8) | (sc[2] << 16) | (sc[3] << 24);
+        if (swizzled) {
+            // the 4 scales of a group are 4 consecutive bytes of the 128x4 tile (padding 0)
+            u8* dst = scales + swizzle_offset(r, b0, kb);
+            if (((size_t)dst & 3u) == 0) {
+                *reinterpret_cast<u32*>(dst) = word;
+            } else {
+#pragma unroll
+                for (int h = 0; h < QUANT_BLOCKS; h++) dst[h] = (u8)sc[h];
+            }
+        } else {
+            u8* dst = scales + r * kb + b0;
+            if (whole && ((size_t)dst & 3u) == 0) {
+                *reinterpret_cast<u32*>(dst) = word;
+            } else {
+#pragma unroll
+                for (int h = 0; h < QUANT_BLOCKS; h++)
+                    if (b0 + h < kb) dst[h] = (u8)sc[h];
             }
         }
     }

@@ -36,6 +36,18 @@ fn forced_tiled() -> bool {
     *FORCED.get_or_init(|| std::env::var("NVFP4DBG_MOE_GEMM").is_ok_and(|v| v == "tiled"))
 }
 
+/// `NVFP4DBG_MOE_DECODE=v1` runs the first decode kernels (`*_v1`: addresses rebuilt per
+/// chunk, 5 instructions per FP16 pair) instead of the lean loop, to measure one against the
+/// other on the same build; both give bit-identical sums.
+fn kernel_name(lean: &'static str, v1: &'static str) -> &'static str {
+    static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *V1.get_or_init(|| std::env::var("NVFP4DBG_MOE_DECODE").is_ok_and(|v| v == "v1")) {
+        v1
+    } else {
+        lean
+    }
+}
+
 /// The decode kernels need NVFP4 weights (E4M3 scales), K a multiple of 128 and the output
 /// widths multiples of 16, in both GEMMs of the layer.
 pub fn choose(tokens: usize, wblock: u32, hidden: usize, inter: usize) -> GemmKind {
@@ -111,7 +123,7 @@ pub fn enqueue_down(
 ) -> Result<()> {
     gpu.launch(
         &MOE_DECODE,
-        "moe_decode_nvfp4",
+        kernel_name("moe_decode_nvfp4", "moe_decode_nvfp4_v1"),
         config(a.nout, a.experts, a.g_rows, a.k, 1),
         &[
             KArg::U64(a.aq),
@@ -142,7 +154,7 @@ pub fn enqueue_gate_up(gpu: &Gpu, a: &DecodeArgs, weights: [u64; 4], rest: &[KAr
     args.extend_from_slice(rest);
     gpu.launch(
         &MOE_DECODE,
-        "moe_decode_gate_up_nvfp4",
+        kernel_name("moe_decode_gate_up_nvfp4", "moe_decode_gate_up_nvfp4_v1"),
         config(a.nout, a.experts, a.g_rows, a.k, 2),
         &args,
     )

@@ -74,7 +74,12 @@ pub const DEQUANT: KernelModule = KernelModule {
 pub const MOE_DECODE: KernelModule = KernelModule {
     file: "kernels/moe_decode.cu",
     source: include_str!("../../../kernels/moe_decode.cu"),
-    kernels: &["moe_decode_nvfp4", "moe_decode_gate_up_nvfp4"],
+    kernels: &[
+        "moe_decode_nvfp4",
+        "moe_decode_gate_up_nvfp4",
+        "moe_decode_nvfp4_v1",
+        "moe_decode_gate_up_nvfp4_v1",
+    ],
 };
 
 /// The prefill grouped GEMM on Hopper's warpgroup MMA (sm_90a; a trap elsewhere).

@@ -81,7 +81,10 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
     grid_1d(n, THREADS)
 }
 
-/// The NVFP4 quantizer's grid: one thread per two blocks of a row (kernels/quant.cu
+/// Blocks of a row per thread of the NVFP4 quantizer (kernels/quant.cu QUANT_BLOCKS).
+const QUANT_BLOCKS: usize = 4;
+
+/// The NVFP4 quantizer's grid: one thread per QUANT_BLOCKS blocks of a row (kernels/quant.cu
 /// `nvfp4_quantize`, QUANT_THREADS threads).
 pub(crate) fn nvfp4_grid(
     rows: usize,
@@ -92,7 +95,7 @@ pub(crate) fn nvfp4_grid(
         ScaleLayout::Linear => (rows, kb),
         ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
     };
-    grid_1d((rows_g * kb_g.div_ceil(2)) as u64, THREADS)
+    grid_1d((rows_g * kb_g.div_ceil(QUANT_BLOCKS)) as u64, THREADS)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
