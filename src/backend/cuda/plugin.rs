@@ -169,33 +169,30 @@ impl Plugin {
                 std::mem::transmute::<*const c_void, extern "C" fn() -> i32>(p)()
             })
         };
-        let scale_layout = match query("nvfp4dbg_moe_scale_layout").unwrap_or(0) {
-            0 => ScaleLayout::Linear,
-            1 => ScaleLayout::Swizzled,
-            v => {
-                return Err(bad(format!(
-                    "nvfp4dbg_moe_scale_layout() = {v}: expected 0 (linear) or 1 (128x4 swizzled)"
-                )))
-            }
+        // an optional query's answer: an index into `options` (absent = 0)
+        let choose = |name: &str, options: &[&str]| -> Result<usize> {
+            let v = query(name).unwrap_or(0);
+            usize::try_from(v)
+                .ok()
+                .filter(|&i| i < options.len())
+                .ok_or_else(|| {
+                    let expected: Vec<String> = options
+                        .iter()
+                        .enumerate()
+                        .map(|(i, o)| format!("{i} ({o})"))
+                        .collect();
+                    bad(format!(
+                        "{name}() = {v}: expected {}",
+                        expected.join(" or ")
+                    ))
+                })
         };
-        let ids = match query("nvfp4dbg_moe_id_convention").unwrap_or(0) {
-            0 => IdSpace::Global,
-            1 => IdSpace::Local,
-            v => {
-                return Err(bad(format!(
-                    "nvfp4dbg_moe_id_convention() = {v}: expected 0 (global) or 1 (local)"
-                )))
-            }
-        };
-        let output_dtype = match query("nvfp4dbg_moe_output_dtype").unwrap_or(0) {
-            0 => OutDtype::F32,
-            1 => OutDtype::Bf16,
-            v => {
-                return Err(bad(format!(
-                    "nvfp4dbg_moe_output_dtype() = {v}: expected 0 (f32) or 1 (bf16)"
-                )))
-            }
-        };
+        let scale_layout = [ScaleLayout::Linear, ScaleLayout::Swizzled]
+            [choose("nvfp4dbg_moe_scale_layout", &["linear", "128x4 swizzled"])?];
+        let ids = [IdSpace::Global, IdSpace::Local]
+            [choose("nvfp4dbg_moe_id_convention", &["global", "local"])?];
+        let output_dtype =
+            [OutDtype::F32, OutDtype::Bf16][choose("nvfp4dbg_moe_output_dtype", &["f32", "bf16"])?];
         // SAFETY: the header's signatures.
         let as_text = |p: *const c_void| unsafe { std::mem::transmute::<*const c_void, TextFn>(p) };
         let name = opt("nvfp4dbg_moe_name")
