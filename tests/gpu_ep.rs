@@ -6,32 +6,9 @@
 use serde_json::Value;
 mod common;
 
-use common::binary;
-use std::process::Command;
-
 /// (exit code, stdout + stderr, JSON report).
 fn run(args: &[&str]) -> (i32, String, Option<Value>) {
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("report.json");
-    let bin = binary();
-    eprintln!("running {} {args:?}", bin.display());
-    let o = Command::new(&bin)
-        .args(args)
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--no-report-dir",
-            "--quiet",
-        ])
-        .current_dir(tmp.path())
-        .output()
-        .expect("run nvfp4dbg");
-    let text =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-    let report = std::fs::read_to_string(&json)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    (o.status.code().unwrap_or(-1), text, report)
+    common::run_json(args)
 }
 
 fn seed() -> String {

@@ -5,33 +5,11 @@
 use serde_json::Value;
 mod common;
 
-use common::binary;
-use std::process::Command;
-
-/// (exit code, stdout + stderr, JSON report).
+/// (exit code, stdout + stderr, JSON report) of `layertest ARGS`.
 fn layertest(args: &[&str]) -> (i32, String, Option<Value>) {
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("layertest.json");
-    let bin = binary();
-    eprintln!("running {} layertest {args:?}", bin.display());
-    let o = Command::new(&bin)
-        .arg("layertest")
-        .args(args)
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--no-report-dir",
-            "--quiet",
-        ])
-        .current_dir(tmp.path())
-        .output()
-        .expect("run nvfp4dbg");
-    let text =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-    let report = std::fs::read_to_string(&json)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    (o.status.code().unwrap_or(-1), text, report)
+    let mut all = vec!["layertest"];
+    all.extend_from_slice(args);
+    common::run_json(&all)
 }
 
 #[test]

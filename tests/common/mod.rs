@@ -48,3 +48,29 @@ pub fn binary() -> PathBuf {
         .filter(|p| p.is_file());
     sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
 }
+
+/// Run [`binary()`] with `args` plus `--json` in a fresh temporary folder: (exit code, stdout +
+/// stderr, the JSON report when one was written).
+pub fn run_json(args: &[&str]) -> (i32, String, Option<serde_json::Value>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("report.json");
+    let bin = binary();
+    eprintln!("running {} {args:?}", bin.display());
+    let o = Command::new(&bin)
+        .args(args)
+        .args([
+            "--json",
+            json.to_str().unwrap(),
+            "--no-report-dir",
+            "--quiet",
+        ])
+        .current_dir(tmp.path())
+        .output()
+        .expect("run nvfp4dbg");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    let report = std::fs::read_to_string(&json)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok());
+    (o.status.code().unwrap_or(-1), text, report)
+}
