@@ -6,7 +6,7 @@
 use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
 use super::load::{DRaw, QRaw, Raw, Shared};
-use super::view::{pick_scales, Mat, QMatrix, ScalesSeen};
+use super::view::{pick_scales, Depth, Mat, QMatrix, ScalesSeen};
 use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
 use crate::error::Result;
@@ -1031,30 +1031,30 @@ pub enum Geom {
 }
 
 /// Fingerprint of a unit at its own geometry, and that geometry.
-pub fn fingerprint_own(r: &Raw) -> Option<(u64, Geom)> {
+pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(u64, Geom)> {
     match r {
         Raw::Q(q) => {
             let m = own_q(q)?;
-            Some((m.fingerprint(), Geom::Q(m.rows, m.cols)))
+            Some((m.fingerprint(depth), Geom::Q(m.rows, m.cols)))
         }
         Raw::D(d) => Some((
-            dense_view(d)?.mat.fingerprint(),
+            dense_view(d)?.mat.fingerprint(depth),
             Geom::D(d.shape.clone(), d.dtype),
         )),
     }
 }
 
 /// Fingerprint of A's unit cut to geometry `g` (B's shard).
-pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>) -> Option<u64> {
+pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>, depth: Depth) -> Option<u64> {
     match (a, g) {
-        (Raw::Q(q), Geom::Q(r, c)) => Some(aligned_q(q, (*r, *c), tp)?.fingerprint()),
+        (Raw::Q(q), Geom::Q(r, c)) => Some(aligned_q(q, (*r, *c), tp)?.fingerprint(depth)),
         (Raw::D(d), Geom::D(shape, dtype)) if d.dtype == *dtype => {
             let v = if &d.shape == shape {
                 dense_view(d)?
             } else {
                 shard_view(d, shape, tp)?.0
             };
-            Some(v.mat.fingerprint())
+            Some(v.mat.fingerprint(depth))
         }
         _ => None,
     }

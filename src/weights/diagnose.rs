@@ -3,7 +3,8 @@
 //! the experts of a layer whose values differ, what B holds instead: gate and up swapped in
 //! an expert, the w13 halves in the other order for every expert, or another expert's weights
 //! (a permutation). Experts are matched by fingerprints of their codes (a misplaced expert
-//! moves bytes unchanged), with a cosine fallback for gate/up.
+//! moves bytes unchanged), with a cosine fallback for gate/up. Sampled fingerprints nominate
+//! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
     fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, Options, UnitResult,
@@ -11,6 +12,7 @@ use super::compare::{
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::load::SideRef;
+use super::view::Depth;
 use crate::checkpoint::Proj;
 use crate::error::Result;
 use rayon::prelude::*;
@@ -166,22 +168,22 @@ pub fn cross_expert(
         };
         let b_units = units_of(b_inv);
         let a_units = units_of(a_inv);
-        // B fingerprints and per-projection geometry
+        // B fingerprints (sampled) and per-projection geometry
         let fp_b: HashMap<ExpertProj, (u64, Geom)> = b_units
             .par_iter()
-            .filter_map(|(e, s)| Some((*e, fingerprint_own(&b.load(s).ok()?)?)))
+            .filter_map(|(e, s)| Some((*e, fingerprint_own(&b.load(s).ok()?, Depth::Sample)?)))
             .collect();
         let mut geom: HashMap<Proj, Geom> = HashMap::new();
         for (e, (_, g)) in &fp_b {
             geom.entry(e.proj).or_insert_with(|| g.clone());
         }
         // A fingerprints cut to B's geometry (gate and up share one)
+        let fp_a_at = |e: &ExpertProj, s: &super::inventory::Source, depth| {
+            fingerprint_as(&a.load(s).ok()?, geom.get(&e.proj)?, tp, depth)
+        };
         let fp_a: HashMap<ExpertProj, u64> = a_units
             .par_iter()
-            .filter_map(|(e, s)| {
-                let g = geom.get(&e.proj)?;
-                Some((*e, fingerprint_as(&a.load(s).ok()?, g, tp)?))
-            })
+            .filter_map(|(e, s)| Some((*e, fp_a_at(e, s, Depth::Sample)?)))
             .collect();
         let bad_set: std::collections::HashSet<ExpertProj> = results
             .iter()
@@ -197,6 +199,15 @@ pub fn cross_expert(
         };
         let src_of = |units: &[(ExpertProj, super::inventory::Source)], e: ExpertProj| {
             units.iter().find(|(x, _)| *x == e).map(|(_, s)| s.clone())
+        };
+        // B's unit `bx` holds exactly A's unit `ax`: what equal samples nominate, confirmed
+        // on every byte
+        let holds = |bx: ExpertProj, ax: ExpertProj| {
+            let full_b = src_of(&b_units, bx)
+                .and_then(|s| fingerprint_own(&b.load(&s).ok()?, Depth::Full))
+                .map(|(f, _)| f);
+            let full_a = src_of(&a_units, ax).and_then(|s| fp_a_at(&ax, &s, Depth::Full));
+            full_b.is_some() && full_b == full_a
         };
 
         // gate and up swapped
@@ -216,7 +227,8 @@ pub fn cross_expert(
             let by_fp = matches!(
                 (fp_b.get(&g), fp_b.get(&u), fp_a.get(&g), fp_a.get(&u)),
                 (Some((bg, _)), Some((bu, _)), Some(ag), Some(au)) if bg == au && bu == ag && ag != au
-            );
+            ) && holds(g, u)
+                && holds(u, g);
             let pair = |ax: ExpertProj, bx: ExpertProj| -> Result<bool> {
                 let (Some(sa), Some(sb)) = (src_of(&a_units, ax), src_of(&b_units, bx)) else {
                     return Ok(false);
@@ -296,7 +308,11 @@ pub fn cross_expert(
                     Some(c) => c.intersection(&s).copied().collect(),
                 });
             }
-            if let Some(&other) = cand.unwrap_or_default().iter().find(|&&x| x != e) {
+            let other = cand
+                .unwrap_or_default()
+                .into_iter()
+                .find(|&x| x != e && projs.iter().all(|&p| holds(ep(e, p), ep(x, p))));
+            if let Some(other) = other {
                 perm.push((e, other));
             }
         }

@@ -18,6 +18,7 @@ use super::view::QMatrix;
 use crate::metrics::{Accum, Metrics};
 use crate::nvfp4::{e2m1, e4m3, Format};
 use rayon::prelude::*;
+use std::sync::atomic::AtomicU64;
 
 /// Elements per parallel piece (whole rows), as in `compare::metrics_qq`.
 const CHUNK: usize = 1 << 16;
@@ -36,10 +37,12 @@ pub fn metrics_nvfp4(a: &QMatrix, b: &QMatrix) -> Option<Metrics> {
     }
     let rows_per = (CHUNK / a.cols).max(1);
     let n_chunks = a.rows.div_ceil(rows_per);
+    let path = Path::detect(a, b);
+    let best = AtomicU64::new(0);
     // merged in order: the same bits on every run, whatever thread did which piece
     let parts: Vec<Accum> = (0..n_chunks)
         .into_par_iter()
-        .map(|c| rows(a, b, c * rows_per, ((c + 1) * rows_per).min(a.rows)))
+        .map(|c| path.rows(a, b, &best, c * rows_per, ((c + 1) * rows_per).min(a.rows)))
         .collect();
     Some(
         parts
@@ -49,13 +52,47 @@ pub fn metrics_nvfp4(a: &QMatrix, b: &QMatrix) -> Option<Metrics> {
     )
 }
 
-fn rows(a: &QMatrix, b: &QMatrix, r0: usize, r1: usize) -> Accum {
+/// The widest body this CPU runs, picked once per matrix pair.
+enum Path {
+    /// AVX-512 with both sides' per-scale-code tables built up front.
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above)
-        return unsafe { avx2::rows(a, b, r0, r1) };
+    Avx512(Box<[avx512::Tables; 2]>),
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+impl Path {
+    fn detect(a: &QMatrix, b: &QMatrix) -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Path::Avx512(Box::new([
+                    avx512::Tables::new(a.scale_2),
+                    avx512::Tables::new(b.scale_2),
+                ]));
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Path::Avx2;
+            }
+        }
+        let _ = (a, b);
+        Path::Portable
     }
-    rows_body(a, b, r0, r1)
+
+    /// `best`: the largest maximum |difference| any piece has found (f64 bits); only the
+    /// AVX-512 body uses it.
+    fn rows(&self, a: &QMatrix, b: &QMatrix, best: &AtomicU64, r0: usize, r1: usize) -> Accum {
+        match self {
+            // SAFETY: `detect` saw AVX-512 F/DQ
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx512(t) => unsafe { avx512::rows(a, b, &t[0], &t[1], best, r0, r1) },
+            // SAFETY: `detect` saw AVX2 and FMA
+            #[cfg(target_arch = "x86_64")]
+            Path::Avx2 => unsafe { avx2::rows(a, b, r0, r1) },
+            Path::Portable => rows_body(a, b, r0, r1),
+        }
+    }
 }
 
 /// `(e2m1(c) * scale) * scale_2` for the 16 codes: the reference's two f32 multiplications.
@@ -290,6 +327,245 @@ mod avx2 {
     }
 }
 
+/// AVX-512: the 16 values of every scale code are tabled once per matrix as f64 (exact
+/// widenings of the reference's f32 `(e2m1 · scale) · scale_2`), so a block is two
+/// `vpermt2pd` lookups per side (even and odd elements, straight from the packed bytes) and
+/// eight f64 lanes of sums, with no per-block table and no f32 → f64 conversion. The squared
+/// error is fused (`d·d + err` rounds once); the max |difference| is `vrangepd` (exact).
+///
+/// Checks move from blocks to rows: a row whose scale codes all give finite tables (one
+/// vectorized max over its codes) runs with no per-block branch, and its maximum |difference|
+/// is compared with the running one once, at the row's end; only a row that beats it is
+/// walked again for the first index. Other rows take the per-block path of the AVX2 body.
+///
+/// Pieces run in parallel and each starts with no maximum, so each would walk its early rows
+/// again as its own maximum rises. They share the largest maximum found so far (`best`): a
+/// row or block below it cannot hold the answer, and its index is not looked for. A piece
+/// whose maximum reaches the final one finds that value's first index as before (ties are
+/// not skipped), so the merged answer is the same whatever the threads did.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{QMatrix, BLOCK};
+    use crate::metrics::Accum;
+    use std::arch::x86_64::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    pub fn available() -> bool {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq")
+    }
+
+    #[repr(C, align(64))]
+    #[derive(Clone, Copy)]
+    struct Row([f64; BLOCK]);
+
+    /// One side's block values for each of the 256 scale codes.
+    pub struct Tables {
+        rows: Vec<Row>,
+        /// The smallest scale-code magnitude (`code & 0x7F`) whose values are not all finite.
+        /// E4M3 magnitudes grow with the code and 0x7F is NaN, so a code's values are finite
+        /// exactly when its magnitude is below this.
+        limit: u8,
+    }
+
+    impl Tables {
+        pub fn new(scale_2: f32) -> Tables {
+            let tables: Vec<[f32; BLOCK]> =
+                (0..256).map(|c| super::table(c as u8, scale_2)).collect();
+            let finite = |c: usize| tables[c].iter().all(|v| v.is_finite());
+            let limit = (0..0x80).find(|&c| !finite(c)).unwrap_or(0x7F) as u8;
+            debug_assert!((0..256).all(|c| finite(c) == ((c as u8 & 0x7F) < limit)));
+            Tables {
+                rows: tables.iter().map(|t| Row(t.map(f64::from))).collect(),
+                limit,
+            }
+        }
+
+        fn finite(&self, code: u8) -> bool {
+            code & 0x7F < self.limit
+        }
+
+        fn all_finite(&self, codes: &[u8]) -> bool {
+            codes.iter().fold(0u8, |m, &c| m.max(c & 0x7F)) < self.limit
+        }
+    }
+
+    /// Four quantities in 2 × 8 f64 lanes (even and odd elements of a block).
+    #[derive(Clone, Copy)]
+    struct Sums {
+        dot: [__m512d; 2],
+        nt: [__m512d; 2],
+        nr: [__m512d; 2],
+        err: [__m512d; 2],
+    }
+
+    /// A block's even and odd elements from its 8 packed bytes: the low nibbles, which
+    /// `vpermt2pd` reads as the low 4 bits of each index, then the high ones.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn lookup(t: &Row, bytes: *const u8) -> [__m512d; 2] {
+        let (t0, t1) = (
+            _mm512_load_pd(t.0.as_ptr()),
+            _mm512_load_pd(t.0.as_ptr().add(8)),
+        );
+        let idx = _mm512_cvtepu8_epi64(_mm_loadl_epi64(bytes as *const __m128i));
+        [
+            _mm512_permutex2var_pd(t0, idx, t1),
+            _mm512_permutex2var_pd(t0, _mm512_srli_epi64::<4>(idx), t1),
+        ]
+    }
+
+    /// Adds one finite block to `s`; returns `m` raised to the block's largest |difference|.
+    /// `ba`, `bb`: the block's 8 packed bytes on each side.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    unsafe fn block(
+        ta: &Row,
+        tb: &Row,
+        ba: *const u8,
+        bb: *const u8,
+        s: &mut Sums,
+        m: __m512d,
+    ) -> __m512d {
+        let (x, y) = (lookup(ta, ba), lookup(tb, bb));
+        let mut d = [_mm512_setzero_pd(); 2];
+        for k in 0..2 {
+            d[k] = _mm512_sub_pd(y[k], x[k]);
+            s.dot[k] = _mm512_fmadd_pd(y[k], x[k], s.dot[k]);
+            s.nt[k] = _mm512_fmadd_pd(y[k], y[k], s.nt[k]);
+            s.nr[k] = _mm512_fmadd_pd(x[k], x[k], s.nr[k]);
+            s.err[k] = _mm512_fmadd_pd(d[k], d[k], s.err[k]);
+        }
+        // imm 0b1011: the larger magnitude, sign cleared; the block's own maximum first, so
+        // the chain carried from block to block is one instruction long
+        _mm512_range_pd::<0b1011>(m, _mm512_range_pd::<0b1011>(d[0], d[1]))
+    }
+
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub unsafe fn rows(
+        a: &QMatrix,
+        b: &QMatrix,
+        ta: &Tables,
+        tb: &Tables,
+        best: &AtomicU64,
+        r0: usize,
+        r1: usize,
+    ) -> Accum {
+        let (cols, kb) = (a.cols, a.kb());
+        let z = _mm512_setzero_pd();
+        let mut s = Sums {
+            dot: [z; 2],
+            nt: [z; 2],
+            nr: [z; 2],
+            err: [z; 2],
+        };
+        let mut acc = Accum::default();
+        // the running maximum, broadcast: -1 until the first block sets it; NaN once a NaN
+        // reference value took it, as in `Accum::over`, where nothing exceeds NaN
+        let current = |acc: &Accum| {
+            _mm512_set1_pd(if acc.max_idx.is_some() {
+                acc.max_abs
+            } else {
+                -1.0
+            })
+        };
+        // the flat index of the first element of row `r`, from block `j0` on, whose
+        // |difference| is `mb` (finite blocks only: the others went through `Accum::over`)
+        let first_of = |r: usize, j0: usize, mb: f64| {
+            let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
+            let target = _mm512_set1_pd(mb);
+            for j in j0..kb {
+                let (ca, cb) = (a.scales[r * kb + j], b.scales[r * kb + j]);
+                if !(ta.finite(ca) && tb.finite(cb)) {
+                    continue;
+                }
+                let x = lookup(&ta.rows[ca as usize], pa.add(j * 8));
+                let y = lookup(&tb.rows[cb as usize], pb.add(j * 8));
+                let hit = |k: usize| {
+                    let d = _mm512_abs_pd(_mm512_sub_pd(y[k], x[k]));
+                    let lanes = _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(d, target);
+                    // lane l of the even (odd) half is element 2l (2l + 1)
+                    (lanes != 0).then(|| 2 * lanes.trailing_zeros() as usize + k)
+                };
+                if let Some(i) = [hit(0), hit(1)].into_iter().flatten().min() {
+                    return r * cols + j * BLOCK + i;
+                }
+            }
+            r * cols + j0 * BLOCK
+        };
+        // `m`'s maximum when it beats this piece's and is not below every piece's best
+        let beats = |m: __m512d, cur: __m512d| {
+            if _mm512_cmp_pd_mask::<_CMP_GT_OQ>(m, cur) == 0 {
+                return None;
+            }
+            let mb = _mm512_reduce_max_pd(m);
+            (mb >= f64::from_bits(best.load(Ordering::Relaxed))).then_some(mb)
+        };
+        // non-negative f64s order as their bits do
+        let publish = |mb: f64| best.fetch_max(mb.to_bits(), Ordering::Relaxed);
+        let mut cur = current(&acc);
+        for r in r0..r1 {
+            let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
+            let (sa, sb) = (
+                &a.scales[r * kb..(r + 1) * kb],
+                &b.scales[r * kb..(r + 1) * kb],
+            );
+            if ta.all_finite(sa) && tb.all_finite(sb) {
+                let mut m = z;
+                for j in 0..kb {
+                    let (ca, cb) = (*sa.get_unchecked(j), *sb.get_unchecked(j));
+                    m = block(
+                        ta.rows.get_unchecked(ca as usize),
+                        tb.rows.get_unchecked(cb as usize),
+                        pa.add(j * 8),
+                        pb.add(j * 8),
+                        &mut s,
+                        m,
+                    );
+                }
+                if let Some(mb) = beats(m, cur) {
+                    acc.max_abs = mb;
+                    acc.max_idx = Some(first_of(r, 0, mb));
+                    cur = current(&acc);
+                    publish(mb);
+                }
+                continue;
+            }
+            for j in 0..kb {
+                let (ca, cb) = (sa[j], sb[j]);
+                let at = r * cols + j * BLOCK;
+                if !(ta.finite(ca) && tb.finite(cb)) {
+                    let (x, y) = (
+                        super::values(&super::table(ca, a.scale_2), &a.packed.row(r)[j * 8..]),
+                        super::values(&super::table(cb, b.scale_2), &b.packed.row(r)[j * 8..]),
+                    );
+                    acc = acc.merge(Accum::over(&y, &x, at));
+                    cur = current(&acc);
+                    continue;
+                }
+                let m = block(
+                    &ta.rows[ca as usize],
+                    &tb.rows[cb as usize],
+                    pa.add(j * 8),
+                    pb.add(j * 8),
+                    &mut s,
+                    z,
+                );
+                if let Some(mb) = beats(m, cur) {
+                    acc.max_abs = mb;
+                    acc.max_idx = Some(first_of(r, j, mb));
+                    cur = current(&acc);
+                    publish(mb);
+                }
+            }
+        }
+        let sum = |v: [__m512d; 2]| _mm512_reduce_add_pd(_mm512_add_pd(v[0], v[1]));
+        acc.dot += sum(s.dot);
+        acc.nt += sum(s.nt);
+        acc.nr += sum(s.nr);
+        acc.err += sum(s.err);
+        acc.len = (r1 - r0) * cols;
+        acc
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,12 +634,17 @@ mod tests {
             };
             let (qa, qb) = (q(&pa, sa, 1e-4, rows, cols), q(&pb, sb, g_b, rows, cols));
             let want = metrics_qq(&qa, &qb);
-            // the dispatched path (AVX2 here), then the portable body every CPU can run
-            let portable = rows_body(&qa, &qb, 0, rows).finish();
-            for (path, got) in [
+            // the dispatched path, then every narrower body this CPU can run
+            let mut paths = vec![
                 ("dispatched", metrics_nvfp4(&qa, &qb).unwrap()),
-                ("portable", portable),
-            ] {
+                ("portable", rows_body(&qa, &qb, 0, rows).finish()),
+            ];
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                let best = AtomicU64::new(0);
+                paths.push(("avx2", Path::Avx2.rows(&qa, &qb, &best, 0, rows).finish()));
+            }
+            for (path, got) in paths {
                 let what = format!("seed {seed} case {case} [{rows}, {cols}] {path}");
                 assert_eq!(got.len, want.len, "{what}");
                 assert_eq!(

@@ -151,13 +151,54 @@ impl<'a> Mat<'a> {
 
     /// A 64-bit fingerprint of the contents as a byte stream (not cryptographic: it only
     /// has to tell apart the experts of one layer).
-    pub fn fingerprint(&self) -> u64 {
+    pub fn fingerprint(&self, depth: Depth) -> u64 {
         let mut h = Fingerprint::new();
-        for i in 0..self.rows {
-            h.update(self.row(i));
-        }
+        self.hash_into(&mut h, depth);
         h.finish()
     }
+
+    fn hash_into(&self, h: &mut Fingerprint, depth: Depth) {
+        match depth {
+            Depth::Full => (0..self.rows).for_each(|i| h.update(self.row(i))),
+            Depth::Sample => {
+                for (start, end) in sample_windows(self.len()) {
+                    let mut at = start;
+                    while at < end {
+                        let (r, c) = (at / self.row_bytes, at % self.row_bytes);
+                        let take = (self.row_bytes - c).min(end - at);
+                        h.update(&self.row(r)[c..c + take]);
+                        at += take;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// How much of a tensor a fingerprint reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Depth {
+    /// Every byte: equal fingerprints mean equal contents (up to a 64-bit collision).
+    Full,
+    /// [`SAMPLES`] windows of [`WINDOW`] bytes spread evenly over the stream (all of it when
+    /// it is shorter): cheap, and tells unrelated tensors apart; equal samples only nominate.
+    Sample,
+}
+
+const SAMPLES: usize = 16;
+const WINDOW: usize = 4096;
+
+/// The `[start, end)` stream ranges a sampled fingerprint reads: disjoint and in order.
+fn sample_windows(len: usize) -> Vec<(usize, usize)> {
+    if len <= SAMPLES * WINDOW {
+        return vec![(0, len)];
+    }
+    (0..SAMPLES)
+        .map(|k| {
+            let start = k * (len - WINDOW) / (SAMPLES - 1);
+            (start, start + WINDOW)
+        })
+        .collect()
 }
 
 /// A fast word-at-a-time mixing hash over a byte stream (independent of how the stream is cut).
@@ -448,12 +489,17 @@ impl<'a> QMatrix<'a> {
         self.format == o.format && self.packed.same(&o.packed) && self.scales == o.scales
     }
 
-    pub fn fingerprint(&self) -> u64 {
+    pub fn fingerprint(&self, depth: Depth) -> u64 {
         let mut h = Fingerprint::new();
-        for i in 0..self.packed.rows {
-            h.update(self.packed.row(i));
+        self.packed.hash_into(&mut h, depth);
+        match depth {
+            Depth::Full => h.update(&self.scales),
+            Depth::Sample => {
+                for (start, end) in sample_windows(self.scales.len()) {
+                    h.update(&self.scales[start..end]);
+                }
+            }
         }
-        h.update(&self.scales);
         h.update(&[self.format.block() as u8]);
         h.finish()
     }
@@ -507,6 +553,42 @@ mod tests {
         }
     }
 
+    /// On streams longer than the sample: the same windows whatever the row split and the
+    /// stride, a flipped byte inside a window changes it, one between windows does not (the
+    /// full fingerprint sees both).
+    #[test]
+    fn sampled_fingerprint_reads_the_windows_only() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, cols) = (64 * r.gen_range(2..6), 1024 * r.gen_range(2..5));
+        let data: Vec<u8> = (0..rows * (cols + 16)).map(|_| r.gen()).collect();
+        // a strided view (a TP column slice) and the same bytes gathered densely
+        let m = Mat::new(&data, rows, cols, cols + 16).unwrap();
+        let dense = m.to_vec();
+        let flat = Mat::dense(&dense, rows / 2, cols * 2).unwrap();
+        let (s, f) = (m.fingerprint(Depth::Sample), m.fingerprint(Depth::Full));
+        assert_eq!(s, flat.fingerprint(Depth::Sample), "seed {seed}");
+        assert_eq!(f, flat.fingerprint(Depth::Full), "seed {seed}");
+        let windows = sample_windows(dense.len());
+        assert_eq!(windows.len(), SAMPLES);
+        for (inside, at) in [
+            (true, windows[0].0),
+            (true, windows[SAMPLES - 1].1 - 1),
+            (true, r.gen_range(windows[7].0..windows[7].1)),
+            (false, r.gen_range(windows[3].1..windows[4].0)),
+        ] {
+            let mut other = dense.clone();
+            other[at] ^= 1 << r.gen_range(0..8);
+            let o = Mat::dense(&other, rows, cols).unwrap();
+            assert_eq!(
+                o.fingerprint(Depth::Sample) != s,
+                inside,
+                "seed {seed}, byte {at}"
+            );
+            assert_ne!(o.fingerprint(Depth::Full), f, "seed {seed}, byte {at}");
+        }
+    }
+
     #[test]
     fn strided_views_slice_and_compare() {
         let seed: u64 = rand::random();
@@ -531,20 +613,22 @@ mod tests {
         let tm = Mat::dense(&t, 10, 6).unwrap();
         assert!(tm.transposed_of(&m, 1));
         assert!(!m.same(&tm));
-        assert_ne!(m.fingerprint(), tm.fingerprint());
+        assert_ne!(m.fingerprint(Depth::Full), tm.fingerprint(Depth::Full));
         // the row split does not matter to identity or fingerprints
         let flat = Mat::dense(&data, 1, 60).unwrap();
         assert!(flat.same(&m) && m.same(&flat));
-        assert_eq!(m.fingerprint(), flat.fingerprint());
-        assert_eq!(
-            m.fingerprint(),
-            Mat::dense(&data, 4, 15).unwrap().fingerprint()
-        );
+        for depth in [Depth::Full, Depth::Sample] {
+            assert_eq!(m.fingerprint(depth), flat.fingerprint(depth));
+            assert_eq!(
+                m.fingerprint(depth),
+                Mat::dense(&data, 4, 15).unwrap().fingerprint(depth)
+            );
+        }
         let mut other = data.clone();
         other[37] ^= 1;
         let o = Mat::dense(&other, 3, 20).unwrap();
         assert!(!o.same(&m));
-        assert_ne!(o.fingerprint(), m.fingerprint());
+        assert_ne!(o.fingerprint(Depth::Full), m.fingerprint(Depth::Full));
     }
 
     #[test]
