@@ -46,7 +46,11 @@ fn randn(r: &mut impl Rng, n: usize, scale: f32) -> Vec<f32> {
 
 impl Model {
     fn new(r: &mut impl Rng, e: usize) -> Model {
-        let (h, i, vocab) = (64, 32, 16);
+        Model::with_dims(r, e, 64, 32)
+    }
+
+    fn with_dims(r: &mut impl Rng, e: usize, h: usize, i: usize) -> Model {
+        let vocab = 16;
         let experts = (0..e)
             .map(|_| {
                 // different amax per projection: w1 and w3 get different weight_scale_2
@@ -532,11 +536,15 @@ struct Fixture {
 }
 
 fn fixture(experts: usize) -> Fixture {
+    fixture_dims(experts, 64, 32)
+}
+
+fn fixture_dims(experts: usize, h: usize, i: usize) -> Fixture {
     let seed: u64 = rand::random();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
-    let model = Model::new(&mut r, experts);
+    let model = Model::with_dims(&mut r, experts, h, i);
     let ckpt = root.join("ckpt");
     model.write_hf(&ckpt);
     Fixture {
@@ -878,6 +886,42 @@ fn expert_permutation_is_named() {
         .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
     assert_eq!(p["experts"], serde_json::json!([0, 1]));
     assert!(p["message"].as_str().unwrap().contains("0←1"));
+}
+
+/// Experts large enough (gate/up 128 KiB of codes) that their fingerprints are sampled:
+/// the sampled fingerprints nominate, the full ones confirm, and both bugs are still named.
+#[test]
+fn swaps_and_permutations_are_named_in_experts_past_the_fingerprint_sample() {
+    let fx = fixture_dims(3, 1024, 256);
+    for (faults, kind, experts) in [
+        (
+            Faults {
+                order: Some(vec![2, 1, 0]),
+                ..Default::default()
+            },
+            "expert_permutation",
+            serde_json::json!([0, 2]),
+        ),
+        (
+            Faults {
+                swap: vec![1],
+                ..Default::default()
+            },
+            "gate_up_swapped",
+            serde_json::json!([1]),
+        ),
+    ] {
+        let dump = fx.root.join(format!("{kind}.safetensors"));
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let found = d
+            .iter()
+            .find(|d| d["kind"] == kind)
+            .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+        assert_eq!(found["experts"], experts, "seed {}", fx.seed);
+    }
 }
 
 #[test]

