@@ -4,6 +4,11 @@
 //! ~4x the memory traffic and one serial chain of f64 adds per sum; here the sums run in
 //! [`LANES`] independent lanes.
 //!
+//! Three bodies, the widest the CPU has picked once per matrix pair (`Path`): AVX-512
+//! (per-scale-code f64 tables, 8-lane sums, row-level checks; `avx512`), AVX2 + FMA (a table
+//! per block in one register; `avx2`) and the portable one. The test runs every body the CPU
+//! has against the reference.
+//!
 //! What the reference (`compare::metrics_qq`) gives, and what this keeps:
 //! - every value is the same f32 `(e2m1(q) * scale) * scale_2`, read from a per-block table
 //!   built with exactly those two multiplications;
@@ -11,8 +16,9 @@
 //!   of the largest);
 //! - NaN/Inf counts and first indices are identical: a block whose table holds a non-finite
 //!   value (NaN scale code, overflow through `scale_2`) goes through `Accum::over` itself;
-//! - the f64 sums (dot, norms, squared error) differ only in summation order: a few ulps,
-//!   within the 1e-9 relative the engines are held to (`tests/gpu_compare_weights.rs`).
+//! - the f64 sums (dot, norms, squared error) differ only in summation order (and, in the
+//!   AVX-512 body, a fused `d·d + err`): a few ulps, within the 1e-9 relative the engines are
+//!   held to (`tests/gpu_compare_weights.rs`).
 
 use super::view::QMatrix;
 use crate::metrics::{Accum, Metrics};

@@ -180,8 +180,8 @@ impl<'a> Mat<'a> {
 pub enum Depth {
     /// Every byte: equal fingerprints mean equal contents (up to a 64-bit collision).
     Full,
-    /// [`SAMPLES`] windows of [`WINDOW`] bytes spread evenly over the stream (all of it when
-    /// it is shorter): cheap, and tells unrelated tensors apart; equal samples only nominate.
+    /// 16 windows of 4 KiB spread evenly over the stream (all of it when it is shorter):
+    /// cheap, and tells unrelated tensors apart; equal samples only nominate.
     Sample,
 }
 
