@@ -333,11 +333,15 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let headline = if pass {
         format!(
-            "{} MoE layers ({}): residual-stream cosine {} after the last, mean growth {}x per layer",
+            "{} MoE layer{} ({}): residual-stream cosine {} after the last, {}",
             rows.len(),
+            if rows.len() == 1 { "" } else { "s" },
             ranges(&layers),
             last.map_or("-".into(), |r| f(r.residual.cosine, 4)),
-            mean_growth.map_or("-".into(), |g| f(g, 2))
+            mean_growth.map_or(
+                "no growth factor (one MoE layer: growth needs two or more)".into(),
+                |g| format!("mean growth {}x per layer", f(g, 2))
+            )
         )
     } else if failures.len() == 1 {
         failures[0].clone()
