@@ -440,6 +440,34 @@ fn dump_inputs_refuses_dynamic_scales() {
     assert!(text(&o).contains("dynamic"), "{}", text(&o));
 }
 
+/// The dump is one rank's view: with --ep it is refused before anything is written, not
+/// written as if there were one rank.
+#[test]
+fn dump_inputs_refuses_ep() {
+    let d = tempfile::tempdir().unwrap();
+    let o = nvfp4dbg(
+        d.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+            "--ep",
+            "2",
+            "--dump-inputs",
+            "x",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("--ep") && text(&o).contains("--dump-inputs"),
+        "{}",
+        text(&o)
+    );
+    assert!(!d.path().join("x").exists());
+}
+
 /// The example plugin's device code (the reference and every twin) compiles with NVRTC for
 /// Hopper and Blackwell. Like tests/kernels_compile.rs it needs NVRTC and the CUDA headers from
 /// `.ci/compile-kernels` (which runs it) and says it skipped when NVFP4DBG_NVRTC_CHECK is unset;

@@ -304,7 +304,8 @@ pub struct Args {
     /// (DIR/inputs.safetensors: the header's fields as tensors, its scalars as metadata) and what
     /// it must produce (DIR/expected.safetensors), for kernels that cannot be wrapped in a
     /// plugin: run yours on them and judge its output with `nvfp4dbg compare-outputs DIR FILE`.
-    /// One rank holding every expert (global ids, identity expert_map), fixed --gs only
+    /// One rank holding every expert (global ids, identity expert_map), fixed --gs only; not
+    /// with --ep
     #[arg(long, value_name = "DIR")]
     pub dump_inputs: Option<PathBuf>,
     #[command(flatten)]
@@ -749,6 +750,13 @@ pub fn run(args: &Args) -> Result<Report> {
         return Err(Error::usage(
             "--fault flips the expert-id convention between EP ranks: it needs --ep 2 or more \
              (with one rank, local and global ids are the same)",
+        ));
+    }
+    if args.dump_inputs.is_some() && args.ep.sharded() {
+        return Err(Error::usage(
+            "--dump-inputs writes one rank's inputs holding every expert (global ids, identity \
+             expert_map); it does not write the per-rank views of --ep N. Drop --ep to dump, or \
+             pass your kernel as --kernel PATH.so, which runs it as every rank",
         ));
     }
     // a plugin that is not one is named before any device work
