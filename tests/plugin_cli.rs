@@ -419,53 +419,20 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
 }
 
+/// What the dump cannot hold is refused before anything is written: per-batch (dynamic)
+/// scales, and the per-rank views of --ep (the dump is one rank's).
 #[test]
-fn dump_inputs_refuses_dynamic_scales() {
-    let d = tempfile::tempdir().unwrap();
-    let o = nvfp4dbg(
-        d.path(),
-        &[
-            "layertest",
-            "--device",
-            "cpu",
-            "--tokens",
-            "4",
-            "--gs",
-            "dynamic",
-            "--dump-inputs",
-            "x",
-        ],
-    );
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("dynamic"), "{}", text(&o));
-}
-
-/// The dump is one rank's view: with --ep it is refused before anything is written, not
-/// written as if there were one rank.
-#[test]
-fn dump_inputs_refuses_ep() {
-    let d = tempfile::tempdir().unwrap();
-    let o = nvfp4dbg(
-        d.path(),
-        &[
-            "layertest",
-            "--device",
-            "cpu",
-            "--tokens",
-            "4",
-            "--ep",
-            "2",
-            "--dump-inputs",
-            "x",
-        ],
-    );
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(
-        text(&o).contains("--ep") && text(&o).contains("--dump-inputs"),
-        "{}",
-        text(&o)
-    );
-    assert!(!d.path().join("x").exists());
+fn dump_inputs_refuses_dynamic_scales_and_ep() {
+    for (flags, named) in [(["--gs", "dynamic"], "dynamic"), (["--ep", "2"], "--ep")] {
+        let d = tempfile::tempdir().unwrap();
+        let mut args = vec!["layertest", "--device", "cpu", "--tokens", "4"];
+        args.extend(flags);
+        args.extend(["--dump-inputs", "x"]);
+        let o = nvfp4dbg(d.path(), &args);
+        assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+        assert!(text(&o).contains(named), "{}", text(&o));
+        assert!(!d.path().join("x").exists(), "{flags:?}");
+    }
 }
 
 /// The example plugin's device code (the reference and every twin) compiles with NVRTC for
