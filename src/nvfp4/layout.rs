@@ -112,14 +112,20 @@ fn is_padding(off: usize, rows: usize, kb: usize) -> bool {
 /// Decide between the layouts by dequantizing under each and comparing with a reference of
 /// the same tensor (e.g. the BF16 original or the other side of a weight comparison).
 /// `dequant(layout)` returns the dequantized tensor under that reading of the scales.
-/// Returns the better layout and the cosines under (linear, swizzled).
+/// Returns the layout (linear unless the swizzled reading is decisively closer) and the
+/// cosines under (linear, swizzled).
 pub fn pick_layout_by_reference(
     reference: &[f32],
     mut dequant: impl FnMut(ScaleLayout) -> Vec<f32>,
 ) -> (ScaleLayout, f64, f64) {
     let cl = crate::metrics::cosine(&dequant(ScaleLayout::Linear), reference);
     let cs = crate::metrics::cosine(&dequant(ScaleLayout::Swizzled), reference);
-    let pick = if cs > cl {
+    // the swizzled reading is taken only when it is decisively closer (under a quarter of the
+    // linear reading's distance 1 - cosine). A tensor that is not the reference's (another
+    // expert, gate and up swapped) is far under both readings, and the nearer of two wrong
+    // readings says nothing about the layout; a genuinely swizzled one is near under the
+    // swizzled reading and scrambled under the linear one.
+    let pick = if (1.0 - cs) * 4.0 < 1.0 - cl {
         ScaleLayout::Swizzled
     } else {
         ScaleLayout::Linear
@@ -169,6 +175,73 @@ mod tests {
         assert_eq!(swizzle_offset(127, 3, 4), 31 * 16 + 3 * 4 + 3);
         assert_eq!(swizzle_offset(0, 4, 8), 512);
         assert_eq!(swizzle_offset(128, 0, 8), 1024);
+    }
+
+    /// Swizzled only when that reading is decisively nearer: a swizzled tensor with some codes
+    /// changed is still called swizzled; an unrelated tensor, where both readings are far, and
+    /// a linear one are not.
+    #[test]
+    fn the_swizzled_reading_must_win_decisively() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, kb) = (128 * r.gen_range(1..3), 4 * r.gen_range(1..4));
+        let cols = 16 * kb;
+        let codes = |r: &mut rand_chacha::ChaCha8Rng| -> Vec<u8> {
+            (0..rows * cols).map(|_| r.gen_range(0..16)).collect()
+        };
+        let scales = |r: &mut rand_chacha::ChaCha8Rng| -> Vec<u8> {
+            (0..rows * kb).map(|_| r.gen_range(0x18..0x60)).collect()
+        };
+        let values = |c: &[u8], s: &[u8]| -> Vec<f32> {
+            (0..rows * cols)
+                .map(|i| {
+                    let (m, k) = (i / cols, (i % cols) / 16);
+                    crate::nvfp4::e2m1::decode(c[i]) * crate::nvfp4::e4m3::decode(s[m * kb + k])
+                })
+                .collect()
+        };
+        let (ca, sa) = (codes(&mut r), scales(&mut r));
+        let reference = values(&ca, &sa);
+        // B stores its scales as given; the swizzled reading unswizzles them first
+        let pick = |cb: &[u8], stored: &[u8]| {
+            pick_layout_by_reference(&reference, |l| match l {
+                ScaleLayout::Linear => values(cb, stored),
+                ScaleLayout::Swizzled => values(cb, &unswizzle(stored, rows, kb)),
+            })
+        };
+        let mut perturbed = ca.clone();
+        for c in perturbed.iter_mut() {
+            if r.gen_bool(0.1) {
+                *c = r.gen_range(0..16);
+            }
+        }
+        let (other_c, other_s) = (codes(&mut r), scales(&mut r));
+        for (what, cb, stored, want) in [
+            (
+                "swizzled, 10% of codes changed",
+                &perturbed,
+                swizzle(&sa, rows, kb),
+                ScaleLayout::Swizzled,
+            ),
+            (
+                "another tensor, swizzled",
+                &other_c,
+                swizzle(&other_s, rows, kb),
+                ScaleLayout::Linear,
+            ),
+            (
+                "the same tensor, linear",
+                &ca,
+                sa.clone(),
+                ScaleLayout::Linear,
+            ),
+        ] {
+            let (got, cl, cs) = pick(cb, &stored);
+            assert_eq!(
+                got, want,
+                "seed {seed}, {rows}x{kb}: {what}: cosines linear {cl}, swizzled {cs}"
+            );
+        }
     }
 
     #[test]

@@ -479,8 +479,16 @@ fn compare_qq(
         if let Some(alt) = b_sc.alternative() {
             let alt_equal = a_m.scales[..] == alt[..] && packed_equal;
             let swizzled = alt_equal || {
-                let reference = a_m.dequantize();
-                pick_scales(&reference, &b_m, &alt).0 == ScaleLayout::Swizzled
+                // the first tiles decide: the swizzle permutes within 128-row tiles, and the
+                // rows' stored scales and their unswizzled copy start at the same tile
+                let n = a_m.rows.min(LAYOUT_ROWS);
+                match (a_m.rows_slice(0, n), b_m.rows_slice(0, n)) {
+                    (Some(a_n), Some(b_n)) => {
+                        pick_scales(&a_n.dequantize(), &b_n, &alt[..n * b_m.kb()]).0
+                            == ScaleLayout::Swizzled
+                    }
+                    _ => false,
+                }
             };
             if swizzled {
                 // the one unswizzled copy becomes B's scales
@@ -1022,6 +1030,10 @@ pub fn metrics_raw(
         _ => Ok(None),
     }
 }
+
+/// Rows whose two scale readings decide an ambiguous layout: one row of 128-row swizzle
+/// tiles (128 · K/16 block scales, each permuted within its tile).
+const LAYOUT_ROWS: usize = 128;
 
 /// The geometry a B unit has, that A units are cut to before fingerprinting.
 #[derive(Clone, Debug, PartialEq, Eq)]
