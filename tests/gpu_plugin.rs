@@ -7,26 +7,14 @@
 //! The sources are embedded in this test binary (the GPU machine runs it without the repo);
 //! nvcc comes from `NVCC`, the PATH or /usr/local/cuda/bin. Without nvcc the test fails.
 
+mod common;
+
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const HEADER: &str = include_str!("../kernels/include/nvfp4dbg_moe.h");
 const PLUGIN: &str = include_str!("../kernels/examples/moe_reference_plugin.cu");
-
-/// The binary: `NVFP4DBG_BIN`, else the `nvfp4dbg` packaged next to this test executable, else
-/// cargo's build.
-fn binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        // the commands run in temporary directories: a relative path must not break them
-        return std::fs::canonicalize(&p).unwrap_or_else(|_| p.into());
-    }
-    let sibling = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(|d| d.join("nvfp4dbg")))
-        .filter(|p| p.is_file());
-    sibling.unwrap_or_else(|| env!("CARGO_BIN_EXE_nvfp4dbg").into())
-}
 
 fn nvcc() -> PathBuf {
     if let Some(p) = std::env::var_os("NVCC") {
@@ -83,29 +71,11 @@ fn build_plugins(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// (exit code, stdout + stderr, JSON report) of `nvfp4dbg CMD ARGS`.
+/// (exit code, stdout + stderr, JSON report) of `nvfp4dbg CMD ARGS`, with a plugin hang cut
+/// at 60 s.
 fn run(cmd: &str, args: &[&str]) -> (i32, String, Option<Value>) {
-    let tmp = tempfile::tempdir().unwrap();
-    let json = tmp.path().join("r.json");
-    let o = Command::new(binary())
-        .arg(cmd)
-        .args(args)
-        .args([
-            "--json",
-            json.to_str().unwrap(),
-            "--no-report-dir",
-            "--quiet",
-        ])
-        .env("NVFP4DBG_PLUGIN_TIMEOUT_S", "60")
-        .current_dir(tmp.path())
-        .output()
-        .expect("run nvfp4dbg");
-    let text =
-        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
-    let report = std::fs::read_to_string(&json)
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok());
-    (o.status.code().unwrap_or(-1), text, report)
+    let all: Vec<&str> = std::iter::once(cmd).chain(args.iter().copied()).collect();
+    common::run_json_env(&all, &[("NVFP4DBG_PLUGIN_TIMEOUT_S", "60")])
 }
 
 #[test]

@@ -40,7 +40,8 @@ pub fn cases_hold(prefix: &str) -> usize {
 /// (.ci/gpu-nightly puts both in one folder on the GPU machine), else cargo's build.
 pub fn binary() -> PathBuf {
     if let Some(p) = std::env::var_os("NVFP4DBG_BIN") {
-        return p.into();
+        // the commands run in temporary directories: a relative path must not break them
+        return std::fs::canonicalize(&p).unwrap_or_else(|_| p.into());
     }
     let sibling = std::env::current_exe()
         .ok()
@@ -52,6 +53,14 @@ pub fn binary() -> PathBuf {
 /// Run [`binary()`] with `args` plus `--json` in a fresh temporary folder: (exit code, stdout +
 /// stderr, the JSON report when one was written).
 pub fn run_json(args: &[&str]) -> (i32, String, Option<serde_json::Value>) {
+    run_json_env(args, &[])
+}
+
+/// [`run_json`] with environment variables set for the run.
+pub fn run_json_env(
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> (i32, String, Option<serde_json::Value>) {
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("report.json");
     let bin = binary();
@@ -64,6 +73,7 @@ pub fn run_json(args: &[&str]) -> (i32, String, Option<serde_json::Value>) {
             "--no-report-dir",
             "--quiet",
         ])
+        .envs(envs.iter().copied())
         .current_dir(tmp.path())
         .output()
         .expect("run nvfp4dbg");
