@@ -54,6 +54,13 @@ fn nvfp4dbg(dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `nvfp4dbg CMD --kernel PLUGIN --device cpu EXTRA…` in `dir`.
+fn with_kernel(dir: &Path, cmd: &str, plugin: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![cmd, "--kernel", plugin.to_str().unwrap(), "--device", "cpu"];
+    args.extend(extra);
+    nvfp4dbg(dir, &args)
+}
+
 fn text(o: &Output) -> String {
     format!(
         "{}\n{}",
@@ -78,10 +85,7 @@ fn a_plugin_of_another_abi_version_is_exit_2_naming_it() {
         true,
     );
     for cmd in ["layertest", "gs-sweep", "multilayer"] {
-        let o = nvfp4dbg(
-            d.path(),
-            &[cmd, "--kernel", so.to_str().unwrap(), "--device", "cpu"],
-        );
+        let o = with_kernel(d.path(), cmd, &so, &[]);
         let t = text(&o);
         assert_eq!(o.status.code(), Some(2), "{cmd}: {t}");
         assert!(
@@ -100,16 +104,7 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
         "#include \"nvfp4dbg_moe.h\"\nuint32_t nvfp4dbg_moe_abi_version(void) { return 1; }\n",
         true,
     );
-    let o = nvfp4dbg(
-        d.path(),
-        &[
-            "layertest",
-            "--kernel",
-            so.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-    );
+    let o = with_kernel(d.path(), "layertest", &so, &[]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(
@@ -119,10 +114,7 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
     // a library that is not a plugin at all, and a file that is not a library
     let junk = d.path().join("junk.so");
     std::fs::write(&junk, b"not an ELF file").unwrap();
-    let o = nvfp4dbg(
-        d.path(),
-        &["layertest", "--kernel", "junk.so", "--device", "cpu"],
-    );
+    let o = with_kernel(d.path(), "layertest", Path::new("junk.so"), &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("junk.so"), "{}", text(&o));
     // an out-of-range query answer is named too
@@ -132,16 +124,7 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
         &format!("{GOOD}\nint32_t nvfp4dbg_moe_scale_layout(void) {{ return 7; }}\n"),
         true,
     );
-    let o = nvfp4dbg(
-        d.path(),
-        &[
-            "layertest",
-            "--kernel",
-            so.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-    );
+    let o = with_kernel(d.path(), "layertest", &so, &[]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(
         text(&o).contains("nvfp4dbg_moe_scale_layout() = 7"),
@@ -154,18 +137,7 @@ fn a_plugin_missing_the_entry_point_is_exit_2_naming_it() {
 fn a_good_plugin_without_a_gpu_is_exit_2_saying_it_needs_one() {
     let d = tempfile::tempdir().unwrap();
     let so = cc(d.path(), "good", GOOD, true);
-    let o = nvfp4dbg(
-        d.path(),
-        &[
-            "layertest",
-            "--kernel",
-            so.to_str().unwrap(),
-            "--device",
-            "cpu",
-            "--tokens",
-            "4",
-        ],
-    );
+    let o = with_kernel(d.path(), "layertest", &so, &["--tokens", "4"]);
     let t = text(&o);
     assert_eq!(o.status.code(), Some(2), "{t}");
     assert!(
