@@ -140,10 +140,7 @@ fn rows_body(a: &QMatrix, b: &QMatrix, r0: usize, r1: usize) -> Accum {
         ([0f64; LANES], [0f64; LANES], [0f64; LANES], [0f64; LANES]);
     for r in r0..r1 {
         let (pa, pb) = (a.packed.row(r), b.packed.row(r));
-        let (sa, sb) = (
-            &a.scales[r * kb..(r + 1) * kb],
-            &b.scales[r * kb..(r + 1) * kb],
-        );
+        let (sa, sb) = (a.scale_row(r), b.scale_row(r));
         for j in 0..kb {
             let (ta, tb) = (table(sa[j], a.scale_2), table(sb[j], b.scale_2));
             let x = values(&ta, &pa[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
@@ -245,10 +242,7 @@ mod avx2 {
         let mut cur = current(&acc);
         for r in r0..r1 {
             let (pa, pb) = (a.packed.row(r), b.packed.row(r));
-            let (sa, sb) = (
-                &a.scales[r * kb..(r + 1) * kb],
-                &b.scales[r * kb..(r + 1) * kb],
-            );
+            let (sa, sb) = (a.scale_row(r), b.scale_row(r));
             for j in 0..kb {
                 let (ta, tb) = (table(sa[j], a.scale_2, pos), table(sb[j], b.scale_2, pos));
                 let at = r * cols + j * BLOCK;
@@ -478,7 +472,7 @@ mod avx512 {
             let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
             let target = _mm512_set1_pd(mb);
             for j in j0..kb {
-                let (ca, cb) = (a.scales[r * kb + j], b.scales[r * kb + j]);
+                let (ca, cb) = (a.scale_row(r)[j], b.scale_row(r)[j]);
                 if !(ta.finite(ca) && tb.finite(cb)) {
                     continue;
                 }
@@ -509,10 +503,7 @@ mod avx512 {
         let mut cur = current(&acc);
         for r in r0..r1 {
             let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
-            let (sa, sb) = (
-                &a.scales[r * kb..(r + 1) * kb],
-                &b.scales[r * kb..(r + 1) * kb],
-            );
+            let (sa, sb) = (a.scale_row(r), b.scale_row(r));
             if ta.all_finite(sa) && tb.all_finite(sb) {
                 let mut m = z;
                 for j in 0..kb {

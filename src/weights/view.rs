@@ -463,14 +463,20 @@ impl<'a> QMatrix<'a> {
         })
     }
 
+    /// Row `r`'s block scales (linear layout).
+    pub fn scale_row(&self, r: usize) -> &[u8] {
+        let kb = self.kb();
+        &self.scales[r * kb..(r + 1) * kb]
+    }
+
     /// Dequantize rows `[r0, r1)` into `out` (`(r1 - r0) * cols`).
     pub fn dequant_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
-        let (cols, kb, block) = (self.cols, self.kb(), self.format.block());
+        let (cols, block) = (self.cols, self.format.block());
         for (i, r) in (r0..r1).enumerate() {
             dequantize_row(
                 self.format,
                 self.packed.row(r),
-                &self.scales[r * kb..(r + 1) * kb],
+                self.scale_row(r),
                 self.scale_2,
                 block,
                 &mut out[i * cols..(i + 1) * cols],
