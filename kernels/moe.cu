@@ -23,11 +23,12 @@ moe_chunk_counts(const int* __restrict__ ids, u32 N, u32 E, u32* __restrict__ ch
 }
 
 // One block. chunk_base[c*E + e] = first sorted position of chunk c's entries for expert e;
-// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm).
+// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); active[0] = the
+// number of experts with rows, active[1..] = those experts in order (the decode GEMMs' grid).
 extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32 nchunks, u32 E,
                                        u32 bm, u32* __restrict__ chunk_base,
                                        u32* __restrict__ expert_offsets,
-                                       u32* __restrict__ tile_offsets) {
+                                       u32* __restrict__ tile_offsets, u32* __restrict__ active) {
     extern __shared__ u32 total[];
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
         u32 run = 0;
@@ -39,16 +40,18 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32 off = 0, tiles = 0;
+        u32 off = 0, tiles = 0, live = 0;
         for (u32 e = 0; e < E; e++) {
             expert_offsets[e] = off;
             tile_offsets[e] = tiles;
+            if (total[e]) active[1 + live++] = e;
             off += total[e];
             tiles += (total[e] + bm - 1) / bm;
             total[e] = expert_offsets[e];
         }
         expert_offsets[E] = off;
         tile_offsets[E] = tiles;
+        active[0] = live;
     }
     __syncthreads();
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
@@ -393,50 +396,8 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
         sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
     })
     __syncthreads();
-    if (gs2 != nullptr) {
-        // fixed gs2: quantize each (row, 16-column group) of the tile
-        float gsv = gs2[e];
-        u32 kb = nout / 16;
-        u32 counts[4] = {0, 0, 0, 0};
-        for (u32 idx = threadIdx.x; idx < BM * (FUSED_BN / 16); idx += GEMM_THREADS) {
-            u32 r = idx / (FUSED_BN / 16), g = idx % (FUSED_BN / 16);
-            u32 row = r0 + r, col = n0 + g * 16;
-            if (row < r1 && col < nout) {
-                float v[16];
-#pragma unroll
-                for (int x = 0; x < 16; x++) v[x] = sa[r * SA + g * 16 + x];
-                u32 p[2];
-                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
-                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
-                outs[(size_t)row * kb + col / 16] = (u8)s;
-                float vmax = 0.0f;
-#pragma unroll
-                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
-                u32 c = classify_nvfp4(s, vmax > 0.0f);
-                counts[0] += 1;
-                counts[1] += c & 1u;
-                counts[2] += (c >> 1) & 1u;
-                counts[3] += (c >> 2) & 1u;
-            }
-        }
-        add_stats4(stats, counts);
-    } else {
-        // dynamic gs2: write a, fold |a| into the expert's amax
-        u32 m = 0;
-        for (u32 idx = threadIdx.x; idx < BM * FUSED_BN; idx += GEMM_THREADS) {
-            u32 r = idx / FUSED_BN, c = idx % FUSED_BN;
-            u32 row = r0 + r, col = n0 + c;
-            if (row < r1 && col < nout) {
-                float v = sa[r * SA + c];
-                out_f32[(size_t)row * nout + col] = v;
-                float a = fabsf(v);
-                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
-                m = bits > m ? bits : m;
-            }
-        }
-        m = __reduce_max_sync(0xFFFFFFFFu, m);
-        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
-    }
+    gate_up_tile_epilogue<BM, FUSED_BN, GEMM_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                      out_f32, amax_bits);
 }
 
 // gs = 2688 / amax (amax 0 -> 2688; NaN stays NaN), from amax bit patterns, for n entries.

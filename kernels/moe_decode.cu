@@ -2,7 +2,9 @@
 // of an expert are few, so the weights are the bytes that matter: each warp streams a 16-row
 // slice of an expert's FP4 codes with 16-byte loads, dequantizes them exactly in registers and
 // feeds them as the A operand of FP16 mma.sync m16n8k16 (weights as M, up to 8 token rows as
-// N), FP32 accumulation, alpha in the FP32 epilogue.
+// N), FP32 accumulation, alpha in the FP32 epilogue. The weights are read from decode tiles
+// (decode_tiles: a copy made once at upload, in which each warp's 16 rows are one contiguous
+// stream), or from the checkpoint's row-major layout (the `_rows` kernels).
 //
 // Numerics (docs/moe-forward.md): y = alpha * sum_k (e2m1(qa) * sa) * (e2m1(qw) * sw). Both
 // factors are integers times 2^-10 below 2688, so both are exact in FP16 once scaled by 2^-14
@@ -122,81 +124,69 @@ struct WChunk {
     u32 s[NB][2];
 };
 
-template <int NB>
-struct WRows {
-    const u8* q[NB];  // codes of row n0 + g (row n0 + g + 8 is 8 rows further)
-    const u8* s[NB];  // scales of row n0 + g
-};
-
 // How far ahead (in K-chunks) the L2 prefetch of a warp's weight rows runs.
 #define DEC_PREFETCH 8
 
+// Where a warp's weights lie. Rows: the checkpoint's row-major [E * nout, K / 2] codes and
+// [E * nout, K / 16] scales, so a warp's K-chunk is 64 bytes of each of its 16 rows, 3.5 KB
+// apart at K = 7168. Tiles (decode_tiles below, built once when the weights are uploaded):
+// each 16-row tile of a matrix holds its K-chunks one after the other, and a chunk holds the
+// 16 rows' 64 code bytes (1 KB) or 8 scale bytes (128 B) row after row, so a warp streams one
+// contiguous range and lane l's 16-byte piece of rows g / g + 8 is bytes 16 l / 512 + 16 l.
+template <bool TILES>
+struct WLayout {
+    static constexpr u32 QSTEP = TILES ? 16 * (DEC_CHUNK_K / 2) : DEC_CHUNK_K / 2;    // codes, chunk to chunk
+    static constexpr u32 SSTEP = TILES ? 16 * (DEC_CHUNK_K / 16) : DEC_CHUNK_K / 16;  // scales, chunk to chunk
+};
+
+// The rows layout's L2 prefetch line of lane t for the 4 chunks from `chunk`: row g or g + 8,
+// first or second 128-byte line (rows shorter than 256 bytes: both lanes take the first line,
+// never the next row's).
 __device__ __forceinline__ const u8* prefetch_addr(const u8* row_g, u32 K, u32 chunk, u32 t) {
-    // (rows shorter than 256 bytes: both lanes take the first line, never the next row's)
     u32 line = K >= 512 ? (t & 1u) * 128 : 0u;
     return row_g + (size_t)(t >> 1) * 8 * (K / 2) + (size_t)chunk * (DEC_CHUNK_K / 2) + line;
 }
 
+// A lane's view of its warp's NB weight matrices at chunk 0: per-lane pointers computed once
+// per kernel, so that a load in the loop is a register plus an immediate.
 template <int NB>
-__device__ __forceinline__ void load_chunk(const WRows<NB>& r, u32 K, u32 chunk, u32 t, WChunk<NB>& c,
-                                           u32 c_end) {
-#pragma unroll
-    for (int b = 0; b < NB; b++) {
-        const u8* q = r.q[b] + (size_t)chunk * (DEC_CHUNK_K / 2) + 16 * t;
-        // every 4 chunks, the 256 bytes of both rows DEC_PREFETCH chunks on (lane t: row g or
-        // g + 8, first or second 128-byte line)
-        if (chunk % 4 == 0 && chunk + DEC_PREFETCH < c_end) prefetch_l2(prefetch_addr(r.q[b], K, chunk + DEC_PREFETCH, t));
-        c.w[b][0] = ldg_stream(q);
-        c.w[b][1] = ldg_stream(q + (size_t)8 * (K / 2));
-        const u8* s = r.s[b] + (size_t)chunk * (DEC_CHUNK_K / 16) + 2 * t;
-        c.s[b][0] = __ldg(reinterpret_cast<const u16*>(s));
-        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(s + (size_t)8 * (K / 16)));
-    }
-}
-
-template <int NB>
-__device__ __forceinline__ void mma_chunk(const WChunk<NB>& c, const uint4* act_row, u32 brow, u32 chunk,
-                                          u32 t, float (&acc)[NB][4]) {
-    u32 sc[NB][2][2];  // [matrix][row g / g+8][scale of words 0-1 / 2-3] as FP16 pairs
-#pragma unroll
-    for (int b = 0; b < NB; b++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 s2 = e4m3x2_to_f16x2(c.s[b][h]);
-            sc[b][h][0] = __byte_perm(s2, 0, 0x1010);
-            sc[b][h][1] = __byte_perm(s2, 0, 0x3232);
-        }
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        uint4 bq = act_row[act_unit(chunk * (DEC_CHUNK_K / 8) + 4 * t + q, brow)];
-#pragma unroll
-        for (int b = 0; b < NB; b++) {
-            u32 wg = q == 0 ? c.w[b][0].x : q == 1 ? c.w[b][0].y : q == 2 ? c.w[b][0].z : c.w[b][0].w;
-            u32 w8 = q == 0 ? c.w[b][1].x : q == 1 ? c.w[b][1].y : q == 2 ? c.w[b][1].z : c.w[b][1].w;
-            u32 sg = sc[b][0][q / 2], s8 = sc[b][1][q / 2];
-            mma_f16(acc[b], mul_f16x2(nib_pair_f16(wg, 0), sg), mul_f16x2(nib_pair_f16(w8, 0), s8),
-                    mul_f16x2(nib_pair_f16(wg, 1), sg), mul_f16x2(nib_pair_f16(w8, 1), s8), bq.x, bq.y);
-            mma_f16(acc[b], mul_f16x2(nib_pair_f16(wg, 2), sg), mul_f16x2(nib_pair_f16(w8, 2), s8),
-                    mul_f16x2(nib_pair_f16(wg, 3), sg), mul_f16x2(nib_pair_f16(w8, 3), s8), bq.z, bq.w);
-        }
-    }
-}
-
-// The lean loop: per-lane pointers and activation addresses computed once per pass, and the
-// dequantization through nib_bytes (3.75 instead of 5 instructions per FP16 pair). Same
-// operands, same MMAs in the same order as load_chunk / mma_chunk: bit-identical sums.
-template <int NB>
-struct LeanRows {
-    const u8* q[NB];  // codes of row n0 + g at k = 0, plus this lane's 16-byte piece (16 t)
-    const u8* s[NB];  // scales of row n0 + g at k = 0, plus 2 t
-    const u8* pf[NB]; // the L2 prefetch line of this lane at chunk 0 (see prefetch_addr)
-    size_t q8, s8;    // 8 rows of codes / scales
+struct WarpRows {
+    const u8* q[NB];  // codes of row n0 + g, this lane's 16-byte piece
+    const u8* s[NB];  // the two scales of that piece
+    const u8* pf[NB]; // this lane's L2 prefetch line of the 4 chunks from chunk 0
+    size_t q8, s8;    // from row n0 + g to row n0 + g + 8, codes / scales
 };
 
-// Loop-carried cursors of the lean loop at chunk c + 2 (the next load), so that a load is a
-// register plus an immediate rather than its address rebuilt from the expert and row.
+// The rows n0 .. n0 + 15 of expert e in matrices wq / ws ([E * nout] rows of K) for lane
+// (g, t). nout is a multiple of 16, so a 16-row tile never spans two experts.
+template <int NB, bool TILES>
+__device__ __forceinline__ WarpRows<NB> warp_rows(const u8* const (&wq)[NB], const u8* const (&ws)[NB], u32 e,
+                                                  u32 nout, u32 n0, u32 K, u32 lane) {
+    WarpRows<NB> r;
+    u32 g = lane / 4, t = lane % 4;
+    size_t row = (size_t)e * nout + n0;
+#pragma unroll
+    for (int b = 0; b < NB; b++) {
+        if constexpr (TILES) {
+            const u8* tq = wq[b] + row * (K / 2);  // a tile's codes start where its rows did
+            r.q[b] = tq + 16 * lane;
+            r.s[b] = ws[b] + row * (K / 16) + 2 * lane;
+            r.pf[b] = tq + 128 * lane;  // 4 chunks are 4 KB: lane l takes line l
+        } else {
+            const u8* rq = wq[b] + (row + g) * (K / 2);
+            r.q[b] = rq + 16 * t;
+            r.s[b] = ws[b] + (row + g) * (K / 16) + 2 * t;
+            r.pf[b] = prefetch_addr(rq, K, 0, t);
+        }
+    }
+    r.q8 = TILES ? 8 * (DEC_CHUNK_K / 2) : (size_t)8 * (K / 2);
+    r.s8 = TILES ? 8 * (DEC_CHUNK_K / 16) : (size_t)8 * (K / 16);
+    return r;
+}
+
+// Loop-carried cursors at chunk c + 2 (the next load).
 template <int NB>
-struct LeanCursor {
+struct Cursor {
     const u8* qg[NB];  // codes, row n0 + g
     const u8* q8[NB];  // codes, row n0 + g + 8
     const u8* sg[NB];
@@ -205,36 +195,40 @@ struct LeanCursor {
 };
 
 // Chunk `cursor + ahead` (ahead = 0 or 1), prefetching DEC_PREFETCH chunks on when `pf_now`.
-template <int NB>
-__device__ __forceinline__ void load_chunk_lean(const LeanCursor<NB>& cur, int ahead, bool pf_now, WChunk<NB>& c) {
+template <int NB, bool TILES>
+__device__ __forceinline__ void load_chunk(const Cursor<NB>& cur, int ahead, bool pf_now, WChunk<NB>& c) {
+    using L = WLayout<TILES>;
 #pragma unroll
     for (int b = 0; b < NB; b++) {
-        if (pf_now) prefetch_l2(cur.pf[b] + ahead * (DEC_CHUNK_K / 2));
-        c.w[b][0] = ldg_stream(cur.qg[b] + ahead * (DEC_CHUNK_K / 2));
-        c.w[b][1] = ldg_stream(cur.q8[b] + ahead * (DEC_CHUNK_K / 2));
-        c.s[b][0] = __ldg(reinterpret_cast<const u16*>(cur.sg[b] + ahead * (DEC_CHUNK_K / 16)));
-        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(cur.s8[b] + ahead * (DEC_CHUNK_K / 16)));
+        if (pf_now) prefetch_l2(cur.pf[b] + ahead * L::QSTEP);
+        c.w[b][0] = ldg_stream(cur.qg[b] + ahead * L::QSTEP);
+        c.w[b][1] = ldg_stream(cur.q8[b] + ahead * L::QSTEP);
+        c.s[b][0] = __ldg(reinterpret_cast<const u16*>(cur.sg[b] + ahead * L::SSTEP));
+        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(cur.s8[b] + ahead * L::SSTEP));
     }
 }
 
-template <int NB>
-__device__ __forceinline__ void lean_cursor_at(const LeanRows<NB>& r, u32 chunk, LeanCursor<NB>& cur) {
+template <int NB, bool TILES>
+__device__ __forceinline__ void cursor_at(const WarpRows<NB>& r, u32 chunk, Cursor<NB>& cur) {
+    using L = WLayout<TILES>;
 #pragma unroll
     for (int b = 0; b < NB; b++) {
-        cur.qg[b] = r.q[b] + (size_t)chunk * (DEC_CHUNK_K / 2);
+        cur.qg[b] = r.q[b] + (size_t)chunk * L::QSTEP;
         cur.q8[b] = cur.qg[b] + r.q8;
-        cur.sg[b] = r.s[b] + (size_t)chunk * (DEC_CHUNK_K / 16);
+        cur.sg[b] = r.s[b] + (size_t)chunk * L::SSTEP;
         cur.s8[b] = cur.sg[b] + r.s8;
-        cur.pf[b] = r.pf[b] + (size_t)(chunk + DEC_PREFETCH) * (DEC_CHUNK_K / 2);
+        cur.pf[b] = r.pf[b] + (size_t)(chunk + DEC_PREFETCH) * L::QSTEP;
     }
 }
 
-// act[q]: this lane's activation unit for step q of chunk 0 (act_unit with the chunk's
-// 16 units added: (chunk * 16 + 4t + q) ^ t ^ ((brow & 1) << 2) = chunk * 16 + act[q]).
+// The dequantization through nib_bytes (3.75 instructions per FP16 pair) and the chunk's 8
+// MMAs per matrix. act[q]: this lane's activation unit for step q of chunk 0 (act_unit with
+// the chunk's 16 units added: (chunk * 16 + 4t + q) ^ t ^ ((brow & 1) << 2) = chunk * 16 +
+// act[q]).
 template <int NB>
-__device__ __forceinline__ void mma_chunk_lean(const WChunk<NB>& c, const uint4* const (&act)[4], int ahead,
+__device__ __forceinline__ void mma_chunk(const WChunk<NB>& c, const uint4* const (&act)[4], int ahead,
                                                float (&acc)[NB][4]) {
-    u32 sc[NB][2][2];
+    u32 sc[NB][2][2];  // [matrix][row g / g+8][scale of words 0-1 / 2-3] as FP16 pairs
 #pragma unroll
     for (int b = 0; b < NB; b++)
 #pragma unroll
@@ -266,46 +260,33 @@ __device__ __forceinline__ void mma_chunk_lean(const WChunk<NB>& c, const uint4*
     }
 }
 
-// act[q]: this lane's activation unit for step q of chunk 0 (see mma_chunk_lean).
-template <int NB>
-__device__ __forceinline__ void stream_k_lean(const LeanRows<NB>& r, u32 c0, u32 c1, WChunk<NB> (&st)[2],
+// The chunks [c0, c1) of this warp's K range, two in flight.
+template <int NB, bool TILES>
+__device__ __forceinline__ void stream_k(const WarpRows<NB>& r, u32 c0, u32 c1, WChunk<NB> (&st)[2],
                                               const uint4* const (&act)[4], float (&acc)[NB][4]) {
-    LeanCursor<NB> cur;
-    lean_cursor_at<NB>(r, c0 + 2, cur);
+    using L = WLayout<TILES>;
+    Cursor<NB> cur;
+    cursor_at<NB, TILES>(r, c0 + 2, cur);
     const uint4* ap[4];
 #pragma unroll
     for (int q = 0; q < 4; q++) ap[q] = act[q] + c0 * (DEC_CHUNK_K / 8);
     for (u32 c = c0; c < c1; c += 2) {
-        mma_chunk_lean<NB>(st[0], ap, 0, acc);
-        if (c + 2 < c1) load_chunk_lean<NB>(cur, 0, (c + 2) % 4 == 0 && c + 2 + DEC_PREFETCH < c1, st[0]);
+        mma_chunk<NB>(st[0], ap, 0, acc);
+        if (c + 2 < c1) load_chunk<NB, TILES>(cur, 0, (c + 2) % 4 == 0 && c + 2 + DEC_PREFETCH < c1, st[0]);
         if (c + 1 < c1) {
-            mma_chunk_lean<NB>(st[1], ap, 1, acc);
-            if (c + 3 < c1) load_chunk_lean<NB>(cur, 1, (c + 3) % 4 == 0 && c + 3 + DEC_PREFETCH < c1, st[1]);
+            mma_chunk<NB>(st[1], ap, 1, acc);
+            if (c + 3 < c1) load_chunk<NB, TILES>(cur, 1, (c + 3) % 4 == 0 && c + 3 + DEC_PREFETCH < c1, st[1]);
         }
 #pragma unroll
         for (int b = 0; b < NB; b++) {
-            cur.qg[b] += 2 * (DEC_CHUNK_K / 2);
-            cur.q8[b] += 2 * (DEC_CHUNK_K / 2);
-            cur.sg[b] += 2 * (DEC_CHUNK_K / 16);
-            cur.s8[b] += 2 * (DEC_CHUNK_K / 16);
-            cur.pf[b] += 2 * (DEC_CHUNK_K / 2);
+            cur.qg[b] += 2 * L::QSTEP;
+            cur.q8[b] += 2 * L::QSTEP;
+            cur.sg[b] += 2 * L::SSTEP;
+            cur.s8[b] += 2 * L::SSTEP;
+            cur.pf[b] += 2 * L::QSTEP;
         }
 #pragma unroll
         for (int q = 0; q < 4; q++) ap[q] += 2 * (DEC_CHUNK_K / 8);
-    }
-}
-
-// The chunks [c0, c1) of this warp's K range, two in flight.
-template <int NB>
-__device__ __forceinline__ void stream_k(const WRows<NB>& r, u32 K, u32 c0, u32 c1, WChunk<NB> (&st)[2],
-                                         const uint4* act_row, u32 brow, u32 t, float (&acc)[NB][4]) {
-    for (u32 c = c0; c < c1; c += 2) {
-        mma_chunk<NB>(st[0], act_row, brow, c, t, acc);
-        if (c + 2 < c1) load_chunk<NB>(r, K, c + 2, t, st[0], c1);
-        if (c + 1 < c1) {
-            mma_chunk<NB>(st[1], act_row, brow, c + 1, t, acc);
-            if (c + 3 < c1) load_chunk<NB>(r, K, c + 3, t, st[1], c1);
-        }
     }
 }
 
@@ -317,10 +298,11 @@ __host__ __device__ constexpr u32 dec_red_bytes(int nb) { return nb * DEC_KSPLIT
 // Everything a CTA does for one pass of up to `g_rows` token rows: stream the warp's K range
 // of its tile and add the K-split partials in fixed order; returns true for the warps that
 // hold a finished tile (ks == 0), with the sums in acc.
-template <int NB, bool LEAN>
-__device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8* __restrict__ aq,
+template <int NB, bool TILES>
+__device__ __forceinline__ bool decode_pass(const WarpRows<NB>& wr, u32 K, const u8* __restrict__ aq,
                                             const u8* __restrict__ as, u32 p0, u32 mg, u32 g_rows,
                                             bool tile_live, u8* smem, float (&acc)[NB][4]) {
+    using L = WLayout<TILES>;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     u32 g = lane / 4, t = lane % 4;
     u32 tile = warp % DEC_TILES, ks = warp / DEC_TILES;
@@ -334,47 +316,27 @@ __device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8*
         for (int i = 0; i < 4; i++) acc[b][i] = 0.0f;
     WChunk<NB> st[2];
     bool work = tile_live && c0 < c1;
-    LeanRows<NB> lr;
-    if constexpr (LEAN) {
-#pragma unroll
-        for (int b = 0; b < NB; b++) {
-            lr.q[b] = r.q[b] + 16 * t;
-            lr.s[b] = r.s[b] + 2 * t;
-            lr.pf[b] = prefetch_addr(r.q[b], K, 0, t);
-        }
-        lr.q8 = (size_t)8 * (K / 2);
-        lr.s8 = (size_t)8 * (K / 16);
-    }
     // the first weight chunks are in flight while the activations are staged
-    if constexpr (LEAN) {
-        LeanCursor<NB> cur;
-        lean_cursor_at<NB>(lr, c0, cur);
-        if (work) load_chunk_lean<NB>(cur, 0, c0 % 4 == 0 && c0 + DEC_PREFETCH < c1, st[0]);
-        if (work && c0 + 1 < c1) load_chunk_lean<NB>(cur, 1, (c0 + 1) % 4 == 0 && c0 + 1 + DEC_PREFETCH < c1, st[1]);
-    } else {
-        if (work) load_chunk<NB>(r, K, c0, t, st[0], c1);
-        if (work && c0 + 1 < c1) load_chunk<NB>(r, K, c0 + 1, t, st[1], c1);
-    }
+    Cursor<NB> cur;
+    cursor_at<NB, TILES>(wr, c0, cur);
+    if (work) load_chunk<NB, TILES>(cur, 0, c0 % 4 == 0 && c0 + DEC_PREFETCH < c1, st[0]);
+    if (work && c0 + 1 < c1) load_chunk<NB, TILES>(cur, 1, (c0 + 1) % 4 == 0 && c0 + 1 + DEC_PREFETCH < c1, st[1]);
     // the L2 fetches for the first chunks past the register pipeline
     if (work)
         for (u32 c = c0 - c0 % 4 + 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
 #pragma unroll
-            for (int b = 0; b < NB; b++) prefetch_l2(prefetch_addr(r.q[b], K, c, t));
+            for (int b = 0; b < NB; b++) prefetch_l2(wr.pf[b] + (size_t)c * L::QSTEP);
     __syncthreads();  // the previous pass is done with the buffers
     fill_acts(aq, as, K, p0, mg, act);
     __syncthreads();
     // token column g reads activation row g; columns past the pass's rows read row 0 (their
     // outputs are never used: MMA columns are independent)
     u32 brow = g < mg ? g : 0u;
-    if constexpr (LEAN) {
-        const uint4* act_row = act + (size_t)brow * (K / 8);
-        u32 u0 = (4 * t) ^ ((brow & 1u) << 2);
-        const uint4* const ap[4] = {act_row + u0 + (0u ^ t), act_row + u0 + (1u ^ t), act_row + u0 + (2u ^ t),
-                                    act_row + u0 + (3u ^ t)};
-        if (work) stream_k_lean<NB>(lr, c0, c1, st, ap, acc);
-    } else {
-        if (work) stream_k<NB>(r, K, c0, c1, st, act + (size_t)brow * (K / 8), brow, t, acc);
-    }
+    const uint4* act_row = act + (size_t)brow * (K / 8);
+    u32 u0 = (4 * t) ^ ((brow & 1u) << 2);
+    const uint4* const ap[4] = {act_row + u0 + (0u ^ t), act_row + u0 + (1u ^ t), act_row + u0 + (2u ^ t),
+                                act_row + u0 + (3u ^ t)};
+    if (work) stream_k<NB, TILES>(wr, c0, c1, st, ap, acc);
 #pragma unroll
     for (int b = 0; b < NB; b++)
         red[((b * DEC_KSPLIT + ks) * DEC_TILES + tile) * 32 + lane] =
@@ -404,29 +366,30 @@ __device__ __forceinline__ bool decode_pass(const WRows<NB>& r, u32 K, const u8*
 #define ACC_TOK(i) (2 * t + ((i) % 2))
 
 // Down projection: out[p, n] = f32(acc) * alpha_e, alpha_e = rcp(gs[e]) * ws2[e]. Grid:
-// (ceil(nout / 64), E). Needs K % 128 == 0, nout % 16 == 0, E4M3 weight scales.
-template <bool LEAN>
+// (ceil(nout / 64), up to min(E, rows)): blockIdx.y is a slot of `active` (moe_offsets: the
+// count, then the experts with rows), so no CTA is launched for an expert without rows. Needs K % 128 == 0, nout % 16 == 0, E4M3 weight scales.
+template <bool TILES>
 __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, const u8* __restrict__ wq,
                  const u8* __restrict__ ws, u32 nout, const float* __restrict__ gs,
-                 const float* __restrict__ ws2, const u32* __restrict__ expert_offsets, u32 g_rows,
-                 float* __restrict__ out) {
+                 const float* __restrict__ ws2, const u32* __restrict__ expert_offsets,
+                 const u32* __restrict__ active, u32 g_rows, float* __restrict__ out) {
     extern __shared__ __align__(16) u8 dsmem[];
-    u32 e = blockIdx.y;
+    if (blockIdx.y >= active[0]) return;
+    u32 e = active[1 + blockIdx.y];
     u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
-    if (r0 == r1) return;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     u32 g = lane / 4, t = lane % 4;
     u32 n0 = blockIdx.x * DEC_ROWS_PER_CTA + (warp % DEC_TILES) * 16;
     bool live = n0 < nout;
     u32 nl = live ? n0 : 0u;
-    WRows<1> r;
-    r.q[0] = wq + (size_t)e * nout * (K / 2) + (size_t)(nl + g) * (K / 2);
-    r.s[0] = ws + (size_t)e * nout * (K / 16) + (size_t)(nl + g) * (K / 16);
+    const u8* const q[1] = {wq};
+    const u8* const s[1] = {ws};
+    WarpRows<1> r = warp_rows<1, TILES>(q, s, e, nout, nl, K, lane);
     float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
     for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
         u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
         float acc[1][4];
-        if (!decode_pass<1, LEAN>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+        if (!decode_pass<1, TILES>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
 #pragma unroll
         for (int i = 0; i < 4; i++)
             if (ACC_TOK(i) < mg)
@@ -437,32 +400,30 @@ __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8*
 // Gate/up projection with SwiGLU and the re-quantization fused, as moe_gemm_gate_up_nvfp4:
 // a = swiglu(acc_g * alpha_g, acc_u * alpha_u); fixed gs2: quantize each (row, 16 columns) of
 // `a` (the 16 rows of a warp tile are one block); dynamic: write `a` and fold |a| into
-// amax_bits[e]. Grid: (ceil(nout / 64), E).
-template <bool LEAN>
+// amax_bits[e]. Grid: as decode_down.
+template <bool TILES>
 __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                          const u8* __restrict__ w1q, const u8* __restrict__ w1s,
                          const u8* __restrict__ w3q, const u8* __restrict__ w3s, u32 nout,
                          const float* __restrict__ gs1, const float* __restrict__ ws2_1,
                          const float* __restrict__ ws2_3, float limit, u32 has_limit,
-                         const u32* __restrict__ expert_offsets, u32 g_rows,
-                         const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                         const u32* __restrict__ expert_offsets, const u32* __restrict__ active,
+                         u32 g_rows, const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
                          u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
                          u32* __restrict__ amax_bits) {
     extern __shared__ __align__(16) u8 dsmem[];
-    u32 e = blockIdx.y;
+    if (blockIdx.y >= active[0]) return;
+    u32 e = active[1 + blockIdx.y];
     u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
-    if (r0 == r1) return;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     u32 g = lane / 4, t = lane % 4;
     u32 tile = warp % DEC_TILES;
     u32 n0 = blockIdx.x * DEC_ROWS_PER_CTA + tile * 16;
     bool live = n0 < nout;
     u32 nl = live ? n0 : 0u;
-    WRows<2> r;
-    size_t qoff = (size_t)e * nout * (K / 2) + (size_t)(nl + g) * (K / 2);
-    size_t soff = (size_t)e * nout * (K / 16) + (size_t)(nl + g) * (K / 16);
-    r.q[0] = w1q + qoff; r.s[0] = w1s + soff;
-    r.q[1] = w3q + qoff; r.s[1] = w3s + soff;
+    const u8* const q[2] = {w1q, w3q};
+    const u8* const s[2] = {w1s, w3s};
+    WarpRows<2> r = warp_rows<2, TILES>(q, s, e, nout, nl, K, lane);
     float g_in = rcp_ref(gs1[e]);
     float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
     float* stage = reinterpret_cast<float*>(dsmem + (size_t)g_rows * K * 2 + dec_red_bytes(2)) +
@@ -473,7 +434,7 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
         u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
         float acc[2][4];
-        if (!decode_pass<2, LEAN>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+        if (!decode_pass<2, TILES>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float gv = __fmul_rn(acc[0][i], alpha_g);
@@ -523,32 +484,34 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     }
 }
 
-// The kernels: the lean loop, and the first one (`_v1`, kept to measure one against the
-// other on the same build: NVFP4DBG_MOE_DECODE=v1).
+// The kernels: weights in decode tiles (decode_tiles below) and, to measure one against the
+// other on the same build (NVFP4DBG_MOE_DECODE=rows), in the checkpoint's row-major layout.
+// Both run the same MMAs on the same operands in the same order: bit-identical sums.
 #define DEC_DOWN_PARAMS                                                                              \
     const u8 *__restrict__ aq, const u8 *__restrict__ as, u32 K, const u8 *__restrict__ wq,          \
         const u8 *__restrict__ ws, u32 nout, const float *__restrict__ gs,                          \
-        const float *__restrict__ ws2, const u32 *__restrict__ expert_offsets, u32 g_rows,          \
-        float *__restrict__ out
-#define DEC_DOWN_ARGS aq, as, K, wq, ws, nout, gs, ws2, expert_offsets, g_rows, out
+        const float *__restrict__ ws2, const u32 *__restrict__ expert_offsets,                      \
+        const u32 *__restrict__ active, u32 g_rows, float *__restrict__ out
+#define DEC_DOWN_ARGS aq, as, K, wq, ws, nout, gs, ws2, expert_offsets, active, g_rows, out
 #define DEC_GATE_UP_PARAMS                                                                           \
     const u8 *__restrict__ aq, const u8 *__restrict__ as, u32 K, const u8 *__restrict__ w1q,        \
         const u8 *__restrict__ w1s, const u8 *__restrict__ w3q, const u8 *__restrict__ w3s,         \
         u32 nout, const float *__restrict__ gs1, const float *__restrict__ ws2_1,                   \
         const float *__restrict__ ws2_3, float limit, u32 has_limit,                                \
-        const u32 *__restrict__ expert_offsets, u32 g_rows, const float *__restrict__ gs2,          \
+        const u32 *__restrict__ expert_offsets, const u32 *__restrict__ active, u32 g_rows,         \
+        const float *__restrict__ gs2,                                                              \
         u32 flavor, u8 *__restrict__ outq, u8 *__restrict__ outs, u64 *__restrict__ stats,          \
         float *__restrict__ out_f32, u32 *__restrict__ amax_bits
 #define DEC_GATE_UP_ARGS                                                                             \
-    aq, as, K, w1q, w1s, w3q, w3s, nout, gs1, ws2_1, ws2_3, limit, has_limit, expert_offsets, g_rows, \
-        gs2, flavor, outq, outs, stats, out_f32, amax_bits
+    aq, as, K, w1q, w1s, w3q, w3s, nout, gs1, ws2_1, ws2_3, limit, has_limit, expert_offsets, active, \
+        g_rows, gs2, flavor, outq, outs, stats, out_f32, amax_bits
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
 moe_decode_nvfp4(DEC_DOWN_PARAMS) {
     decode_down<true>(DEC_DOWN_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
-moe_decode_nvfp4_v1(DEC_DOWN_PARAMS) {
+moe_decode_nvfp4_rows(DEC_DOWN_PARAMS) {
     decode_down<false>(DEC_DOWN_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
@@ -556,6 +519,22 @@ moe_decode_gate_up_nvfp4(DEC_GATE_UP_PARAMS) {
     decode_gate_up<true>(DEC_GATE_UP_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
-moe_decode_gate_up_nvfp4_v1(DEC_GATE_UP_PARAMS) {
+moe_decode_gate_up_nvfp4_rows(DEC_GATE_UP_PARAMS) {
     decode_gate_up<false>(DEC_GATE_UP_ARGS);
+}
+
+// Row-major [rows, row_bytes] (codes: row_bytes = K / 2, piece = 64; scales: K / 16, 8) to
+// decode tiles: byte j of piece p of row r goes to ((r / 16) * (row_bytes / piece) + p) * 16 *
+// piece + (r % 16) * piece + j. rows % 16 == 0, row_bytes % piece == 0, piece % 8 == 0. One
+// thread per 8 bytes; a pure permutation (every output byte written once).
+extern "C" __global__ void decode_tiles(const u8* __restrict__ src, u64 rows, u32 row_bytes, u32 piece,
+                                        u8* __restrict__ dst) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u32 per_row = row_bytes / 8;
+    if (i >= rows * per_row) return;
+    u64 r = i / per_row;
+    u32 col = (u32)(i - r * per_row) * 8;
+    u32 p = col / piece, j = col - p * piece;
+    u64 to = ((r / 16) * (row_bytes / piece) + p) * 16 * piece + (r % 16) * piece + j;
+    *reinterpret_cast<uint2*>(dst + to) = *reinterpret_cast<const uint2*>(src + r * row_bytes + col);
 }

@@ -461,50 +461,8 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
             }
     }
     __syncthreads();
-    if (gs2 != nullptr) {
-        // fixed gs2: quantize each (row, 16-column group) of the tile
-        float gsv = gs2[e];
-        u32 kb = nout / 16;
-        u32 counts[4] = {0, 0, 0, 0};
-        for (u32 idx = threadIdx.x; idx < H_BM * (H_FUSED_BN / 16); idx += H_THREADS) {
-            u32 r = idx / (H_FUSED_BN / 16), g = idx % (H_FUSED_BN / 16);
-            u32 row = r0 + r, col = n0 + g * 16;
-            if (row < r1 && col < nout) {
-                float v[16];
-#pragma unroll
-                for (int x = 0; x < 16; x++) v[x] = sa[r * SA + g * 16 + x];
-                u32 p[2];
-                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
-                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
-                outs[(size_t)row * kb + col / 16] = (u8)s;
-                float vmax = 0.0f;
-#pragma unroll
-                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
-                u32 c = classify_nvfp4(s, vmax > 0.0f);
-                counts[0] += 1;
-                counts[1] += c & 1u;
-                counts[2] += (c >> 1) & 1u;
-                counts[3] += (c >> 2) & 1u;
-            }
-        }
-        add_stats4(stats, counts);
-    } else {
-        // dynamic gs2: write a, fold |a| into the expert's amax
-        u32 m = 0;
-        for (u32 idx = threadIdx.x; idx < H_BM * H_FUSED_BN; idx += H_THREADS) {
-            u32 r = idx / H_FUSED_BN, c = idx % H_FUSED_BN;
-            u32 row = r0 + r, col = n0 + c;
-            if (row < r1 && col < nout) {
-                float v = sa[r * SA + c];
-                out_f32[(size_t)row * nout + col] = v;
-                float a = fabsf(v);
-                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
-                m = bits > m ? bits : m;
-            }
-        }
-        m = __reduce_max_sync(0xFFFFFFFFu, m);
-        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
-    }
+    gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                       out_f32, amax_bits);
 #else
     __trap();
 #endif

@@ -484,7 +484,7 @@ fn cuda_graph_replay_matches_eager() {
 #[test]
 #[ignore = "needs a GPU (.ci/gpu-nightly)"]
 fn decode_gemms_match_the_cpu_nvfp4_path() {
-    use nvfp4dbg::backend::cuda::moe_decode::GemmKind;
+    use nvfp4dbg::backend::cuda::moe_decode::{DecodeLayout, GemmKind};
     let b = backend();
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("decode_gemms_match_the_cpu_nvfp4_path");
@@ -537,7 +537,7 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
         } else {
             fixed_scales(&layer, &x)
         };
-        let f =
+        let mut f =
             Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, Flavor::Reference, true).unwrap();
         assert!(
             matches!(f.choose_gemm(), GemmKind::Decode { .. }),
@@ -545,6 +545,14 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
             spec.h,
             spec.i
         );
+        // the weights in decode tiles and in the checkpoint's rows: the same MMAs on the
+        // same operands, so the same bits
+        f.set_routing(&layer, &routing).unwrap();
+        f.set_hidden(&x).unwrap();
+        f.set_decode_layout(DecodeLayout::Tiles);
+        let tiles = f.run().unwrap();
+        f.set_decode_layout(DecodeLayout::Rows);
+        let rows = f.run().unwrap();
         drop(f);
         let path = Path::Nvfp4 {
             scales: &scales,
@@ -552,6 +560,17 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
         };
         let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let got = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&tiles.out),
+            bits(&rows.out),
+            "seed {seed} {what}: decode tiles and rows differ"
+        );
+        assert_eq!(
+            bits(&tiles.out),
+            bits(&got.out),
+            "seed {seed} {what}: the forward and Backend::moe_forward differ"
+        );
         check_close(
             &format!("decode [{what}] out"),
             seed,
@@ -571,7 +590,6 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
             "seed {seed} {what}: blocks"
         );
         let again = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&got.out),
             bits(&again.out),

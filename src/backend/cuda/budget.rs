@@ -41,7 +41,9 @@ pub fn forward_bytes(c: &MoeConfig, tokens: usize, path: ForwardPath, per_slot: 
     }
     match path {
         ForwardPath::Nvfp4 { dynamic } => {
-            // codes of w1, w3, w2 (the scales are 1/16 or 1/32 of that again: left out)
+            // codes of w1, w3, w2 (the scales are 1/16 or 1/32 of that again: left out; so is
+            // the second copy in decode tiles that NVFP4 forwards of up to
+            // moe_decode::MAX_TOKENS tokens make, since the format is not known here)
             b += 3 * e * i * h / 2;
             // quantized GEMM inputs with their scales
             b += n * h / 2 + n * h / 16 + n * i / 2 + n * i / 16;

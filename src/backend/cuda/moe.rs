@@ -8,7 +8,7 @@
 
 use super::blas;
 use super::device::{grid_1d, Gpu, KArg};
-use super::moe_decode::{self, DecodeArgs, GemmKind};
+use super::moe_decode::{self, DecodeArgs, DecodeLayout, DecodeTiles, GemmKind, RowMajor};
 use super::nvrtc::{KernelModule, MOE, MOE_GEMM_SM90, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
@@ -147,6 +147,8 @@ struct DevExperts {
     ws2_1: CudaSlice<f32>,
     ws2_3: CudaSlice<f32>,
     ws2_2: CudaSlice<f32>,
+    /// The same weights in decode tiles, for forwards that take the decode GEMMs.
+    tiles: Option<DecodeTiles>,
 }
 
 impl DevExperts {
@@ -213,7 +215,56 @@ impl DevExperts {
             ws2_1: gpu.upload(&ws2(&|x| x.w1.weight_scale_2()), "gate_proj weight_scale_2")?,
             ws2_3: gpu.upload(&ws2(&|x| x.w3.weight_scale_2()), "up_proj weight_scale_2")?,
             ws2_2: gpu.upload(&ws2(&|x| x.w2.weight_scale_2()), "down_proj weight_scale_2")?,
+            tiles: None,
         })
+    }
+
+    /// Copy the weights into decode tiles (kernels/moe_decode.cu `decode_tiles`).
+    fn add_decode_tiles(&mut self, gpu: &Gpu, c: &crate::moe::MoeConfig) -> Result<()> {
+        let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
+        let m = |codes, scales, rows, k| RowMajor {
+            codes,
+            scales,
+            rows,
+            k,
+        };
+        self.tiles = Some(DecodeTiles::build(
+            gpu,
+            m(&self.w1q, &self.w1s, e * i, h),
+            m(&self.w3q, &self.w3s, e * i, h),
+            m(&self.w2q, &self.w2s, e * h, i),
+        )?);
+        Ok(())
+    }
+
+    /// The decode GEMMs' weight pointers w1q, w1s, w3q, w3s, w2q, w2s in `want`'s layout
+    /// (rows when there are no tiles).
+    fn decode_weights(&self, gpu: &Gpu, want: DecodeLayout) -> (DecodeLayout, [u64; 6]) {
+        let p = |s: &CudaSlice<u8>| gpu.ptr(s);
+        match (&self.tiles, want) {
+            (Some(t), DecodeLayout::Tiles) => (
+                DecodeLayout::Tiles,
+                [
+                    p(&t.w1q),
+                    p(&t.w1s),
+                    p(&t.w3q),
+                    p(&t.w3s),
+                    p(&t.w2q),
+                    p(&t.w2s),
+                ],
+            ),
+            _ => (
+                DecodeLayout::Rows,
+                [
+                    p(&self.w1q),
+                    p(&self.w1s),
+                    p(&self.w3q),
+                    p(&self.w3s),
+                    p(&self.w2q),
+                    p(&self.w2s),
+                ],
+            ),
+        }
     }
 }
 
@@ -310,6 +361,8 @@ struct Workspace {
     chunk_base: CudaSlice<u32>,
     expert_offsets: CudaSlice<u32>,
     tile_offsets: CudaSlice<u32>,
+    /// `[1 + E]`: how many experts got rows, then which (moe_offsets).
+    active_experts: CudaSlice<u32>,
     sorted_token: CudaSlice<i32>,
     sorted_expert: CudaSlice<i32>,
     sorted_entry: CudaSlice<i32>,
@@ -377,6 +430,7 @@ impl Workspace {
             chunk_base: gpu.alloc(nchunks * e, "sort offsets")?,
             expert_offsets: gpu.alloc(e + 1, "expert offsets")?,
             tile_offsets: gpu.alloc(e + 1, "tile offsets")?,
+            active_experts: gpu.alloc(e + 1, "active experts")?,
             sorted_token: gpu.alloc(n, "sorted tokens")?,
             sorted_expert: gpu.alloc(n, "sorted experts")?,
             sorted_entry: gpu.alloc(n, "sorted entries")?,
@@ -451,6 +505,7 @@ pub struct Nvfp4Forward {
     dynamic: bool,
     route: RouteSource,
     prefill: PrefillGemm,
+    decode_layout: DecodeLayout,
 }
 
 impl Nvfp4Forward {
@@ -505,7 +560,15 @@ impl Nvfp4Forward {
         } else {
             Want::Reference
         };
-        let dev = DevLayer::upload(gpu, layer, want)?;
+        let mut dev = DevLayer::upload(gpu, layer, want)?;
+        let c = &layer.config;
+        if let Some(ex) = dev.nvfp4.as_mut() {
+            let kind =
+                moe_decode::choose(tokens, ex.wblock, c.hidden_size, c.moe_intermediate_size);
+            if let GemmKind::Decode { .. } = kind {
+                ex.add_decode_tiles(gpu, c)?;
+            }
+        }
         let e = layer.config.n_routed_experts;
         let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
         let ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
@@ -529,6 +592,7 @@ impl Nvfp4Forward {
                 dynamic,
                 route: RouteSource::Given,
                 prefill: PrefillGemm::Auto,
+                decode_layout: DecodeLayout::from_env(),
             });
         }
         Ok(Nvfp4Forward {
@@ -539,6 +603,7 @@ impl Nvfp4Forward {
             dynamic,
             route: RouteSource::Given,
             prefill: PrefillGemm::Auto,
+            decode_layout: DecodeLayout::from_env(),
         })
     }
 
@@ -724,6 +789,7 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&ws.chunk_base)),
                 KArg::U64(gpu.ptr(&ws.expert_offsets)),
                 KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                KArg::U64(gpu.ptr(&ws.active_experts)),
             ],
         )?;
         gpu.launch(
@@ -950,10 +1016,11 @@ impl Nvfp4Forward {
                 let kind = self.choose_gemm();
                 if let GemmKind::Decode { .. } = kind {
                     let g_rows = kind.rows_per_pass(h);
+                    let (layout, w) = ex.decode_weights(gpu, self.decode_layout);
                     moe_decode::enqueue_gate_up(
                         gpu,
-                        &self.decode_args(p(&ws.a1q), p(&ws.a1s), h, i, g_rows),
-                        [p(&ex.w1q), p(&ex.w1s), p(&ex.w3q), p(&ex.w3s)],
+                        &self.decode_args(p(&ws.a1q), p(&ws.a1s), h, i, g_rows, layout),
+                        [w[0], w[1], w[2], w[3]],
                         &[
                             KArg::U64(gpu.ptr(&ws.gs1)),
                             KArg::U64(gpu.ptr(&ex.ws2_1)),
@@ -961,6 +1028,7 @@ impl Nvfp4Forward {
                             KArg::F32(limit),
                             KArg::U32(has_limit),
                             KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                            KArg::U64(gpu.ptr(&ws.active_experts)),
                             KArg::U32(g_rows),
                             KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
                             KArg::U32(flavor_code(self.flavor)),
@@ -1028,15 +1096,25 @@ impl Nvfp4Forward {
                 Ok(())
             }
             Stage::Down if n > 0 => match self.choose_gemm() {
-                kind @ GemmKind::Decode { .. } => moe_decode::enqueue_down(
-                    gpu,
-                    &self.decode_args(p(&ws.a2q), p(&ws.a2s), i, h, kind.rows_per_pass(i)),
-                    p(&ex.w2q),
-                    p(&ex.w2s),
-                    gpu.ptr(&ws.gs2),
-                    gpu.ptr(&ex.ws2_2),
-                    gpu.ptr(&ws.y),
-                ),
+                kind @ GemmKind::Decode { .. } => {
+                    let (layout, w) = ex.decode_weights(gpu, self.decode_layout);
+                    moe_decode::enqueue_down(
+                        gpu,
+                        &self.decode_args(
+                            p(&ws.a2q),
+                            p(&ws.a2s),
+                            i,
+                            h,
+                            kind.rows_per_pass(i),
+                            layout,
+                        ),
+                        w[4],
+                        w[5],
+                        gpu.ptr(&ws.gs2),
+                        gpu.ptr(&ex.ws2_2),
+                        gpu.ptr(&ws.y),
+                    )
+                }
                 GemmKind::Tiled => {
                     let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
                     let mut args = vec![
@@ -1092,16 +1170,29 @@ impl Nvfp4Forward {
         k: usize,
         nout: usize,
         g_rows: u32,
+        layout: DecodeLayout,
     ) -> DecodeArgs {
         DecodeArgs {
             aq,
             a_scales,
             k,
             nout,
-            experts: self.layer.config.n_routed_experts,
+            slots: self
+                .layer
+                .config
+                .n_routed_experts
+                .min(self.ws.tokens * self.ws.k),
             expert_offsets: self.gpu().ptr(&self.ws.expert_offsets),
+            active: self.gpu().ptr(&self.ws.active_experts),
             g_rows,
+            layout,
         }
+    }
+
+    /// Where the decode GEMMs read the weights from (tests and benchmarks compare the two;
+    /// a forward that does not take the decode GEMMs has no tiles and reads rows).
+    pub fn set_decode_layout(&mut self, layout: DecodeLayout) {
+        self.decode_layout = layout;
     }
 
     // ---- end of the decode GEMMs ----

@@ -2,10 +2,10 @@
 //! when an expert gets few rows (decode). Same operands, outputs and numerics as the tiled
 //! `mma.sync` kernels of kernels/moe.cu; which one runs is [`choose`]'s call.
 
-use super::device::{Gpu, KArg};
+use super::device::{grid_1d, Gpu, KArg};
 use super::nvrtc::MOE_DECODE;
 use crate::error::Result;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 /// kernels/moe_decode.cu: warps per CTA, warps splitting K per tile, output rows per CTA,
 /// token rows per pass, K per warp step.
@@ -36,15 +36,99 @@ fn forced_tiled() -> bool {
     *FORCED.get_or_init(|| std::env::var("NVFP4DBG_MOE_GEMM").is_ok_and(|v| v == "tiled"))
 }
 
-/// `NVFP4DBG_MOE_DECODE=v1` runs the first decode kernels (`*_v1`: addresses rebuilt per
-/// chunk, 5 instructions per FP16 pair) instead of the lean loop, to measure one against the
-/// other on the same build; both give bit-identical sums.
-fn kernel_name(lean: &'static str, v1: &'static str) -> &'static str {
-    static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *V1.get_or_init(|| std::env::var("NVFP4DBG_MOE_DECODE").is_ok_and(|v| v == "v1")) {
-        v1
-    } else {
-        lean
+/// Where the decode kernels read the expert weights from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeLayout {
+    /// [`DecodeTiles`]: a copy made at upload in which each warp's 16 weight rows are one
+    /// contiguous stream (the default).
+    Tiles,
+    /// The checkpoint's row-major codes and scales: a warp's K-chunk is 64 bytes of each of
+    /// 16 rows, `K / 2` bytes apart (`NVFP4DBG_MOE_DECODE=rows`, to measure one against the
+    /// other on the same build; both give bit-identical sums).
+    Rows,
+}
+
+impl DecodeLayout {
+    /// `NVFP4DBG_MOE_DECODE=rows` or the default.
+    pub fn from_env() -> DecodeLayout {
+        static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *ROWS.get_or_init(|| std::env::var("NVFP4DBG_MOE_DECODE").is_ok_and(|v| v == "rows")) {
+            DecodeLayout::Rows
+        } else {
+            DecodeLayout::Tiles
+        }
+    }
+}
+
+/// The experts' NVFP4 weights in decode tiles (kernels/moe_decode.cu, `decode_tiles`): per
+/// matrix, each 16-row tile holds its K-chunks of 128 one after the other, a chunk the 16 rows'
+/// 64 code bytes (or 8 scale bytes) row after row. Same bytes as the row-major buffers, moved.
+pub struct DecodeTiles {
+    pub w1q: CudaSlice<u8>,
+    pub w1s: CudaSlice<u8>,
+    pub w3q: CudaSlice<u8>,
+    pub w3s: CudaSlice<u8>,
+    pub w2q: CudaSlice<u8>,
+    pub w2s: CudaSlice<u8>,
+}
+
+/// Row-major weights of one projection: codes, scales, rows (all experts) and K.
+pub struct RowMajor<'a> {
+    pub codes: &'a CudaSlice<u8>,
+    pub scales: &'a CudaSlice<u8>,
+    pub rows: usize,
+    pub k: usize,
+}
+
+impl DecodeTiles {
+    /// Tile the gate (w1), up (w3) and down (w2) projections of every expert on the GPU.
+    pub fn build(gpu: &Gpu, w1: RowMajor, w3: RowMajor, w2: RowMajor) -> Result<Self> {
+        let (w1q, w1s) = tile(gpu, &w1, "gate_proj")?;
+        let (w3q, w3s) = tile(gpu, &w3, "up_proj")?;
+        let (w2q, w2s) = tile(gpu, &w2, "down_proj")?;
+        Ok(DecodeTiles {
+            w1q,
+            w1s,
+            w3q,
+            w3s,
+            w2q,
+            w2s,
+        })
+    }
+}
+
+fn tile(gpu: &Gpu, m: &RowMajor, what: &str) -> Result<(CudaSlice<u8>, CudaSlice<u8>)> {
+    let mut out = Vec::with_capacity(2);
+    for (src, row_bytes, piece, part) in [
+        (m.codes, m.k / 2, CHUNK_K / 2, "codes"),
+        (m.scales, m.k / 16, CHUNK_K / 16, "scales"),
+    ] {
+        let what = format!("expert {what} {part} in decode tiles");
+        let dst = gpu.alloc::<u8>(m.rows * row_bytes, &what)?;
+        let n = (m.rows * row_bytes / 8) as u64;
+        gpu.launch(
+            &MOE_DECODE,
+            "decode_tiles",
+            grid_1d(n, 256)?,
+            &[
+                KArg::U64(gpu.ptr(src)),
+                KArg::U64(m.rows as u64),
+                KArg::U32(row_bytes as u32),
+                KArg::U32(piece as u32),
+                KArg::U64(gpu.ptr(&dst)),
+            ],
+        )?;
+        out.push(dst);
+    }
+    let s = out.pop().expect("two parts");
+    let q = out.pop().expect("two parts");
+    Ok((q, s))
+}
+
+fn kernel_name(layout: DecodeLayout, tiles: &'static str, rows: &'static str) -> &'static str {
+    match layout {
+        DecodeLayout::Tiles => tiles,
+        DecodeLayout::Rows => rows,
     }
 }
 
@@ -86,7 +170,7 @@ pub fn rows_per_pass(tokens: usize, k: usize) -> u32 {
     tokens.min(MAX_G).min((ACT_SMEM / (2 * k.max(1))).max(1)) as u32
 }
 
-fn config(nout: usize, experts: usize, g_rows: u32, k: usize, nb: usize) -> LaunchConfig {
+fn config(nout: usize, slots: usize, g_rows: u32, k: usize, nb: usize) -> LaunchConfig {
     let red = nb * KSPLIT * (WARPS as usize / KSPLIT) * 32 * 16;
     let stage = if nb == 2 {
         (WARPS as usize / KSPLIT) * MAX_G * 16 * 4
@@ -94,7 +178,7 @@ fn config(nout: usize, experts: usize, g_rows: u32, k: usize, nb: usize) -> Laun
         0
     };
     LaunchConfig {
-        grid_dim: (nout.div_ceil(ROWS_PER_CTA) as u32, experts as u32, 1),
+        grid_dim: (nout.div_ceil(ROWS_PER_CTA) as u32, slots as u32, 1),
         block_dim: (WARPS * 32, 1, 1),
         shared_mem_bytes: (g_rows as usize * k * 2 + red + stage) as u32,
     }
@@ -106,9 +190,14 @@ pub struct DecodeArgs {
     pub a_scales: u64,
     pub k: usize,
     pub nout: usize,
-    pub experts: usize,
+    /// Grid rows: at most min(experts, rows), one per expert with rows.
+    pub slots: usize,
     pub expert_offsets: u64,
+    /// `[1 + experts]`: the number of experts with rows, then those experts (moe_offsets).
+    pub active: u64,
     pub g_rows: u32,
+    /// Which layout the weight pointers given with these arguments are in.
+    pub layout: DecodeLayout,
 }
 
 /// Down projection: `out[p, n] = acc * rcp(gs[e]) * ws2[e]`.
@@ -123,8 +212,8 @@ pub fn enqueue_down(
 ) -> Result<()> {
     gpu.launch(
         &MOE_DECODE,
-        kernel_name("moe_decode_nvfp4", "moe_decode_nvfp4_v1"),
-        config(a.nout, a.experts, a.g_rows, a.k, 1),
+        kernel_name(a.layout, "moe_decode_nvfp4", "moe_decode_nvfp4_rows"),
+        config(a.nout, a.slots, a.g_rows, a.k, 1),
         &[
             KArg::U64(a.aq),
             KArg::U64(a.a_scales),
@@ -135,14 +224,15 @@ pub fn enqueue_down(
             KArg::U64(gs),
             KArg::U64(ws2),
             KArg::U64(a.expert_offsets),
+            KArg::U64(a.active),
             KArg::U32(a.g_rows),
             KArg::U64(out),
         ],
     )
 }
 
-/// Gate/up projection with SwiGLU and the re-quantization fused; `args` are those of
-/// `moe_gemm_gate_up_nvfp4` after its weights (see kernels/moe_decode.cu).
+/// Gate/up projection with SwiGLU and the re-quantization fused; `rest` are the kernel's
+/// arguments after `nout` (kernels/moe_decode.cu, `DEC_GATE_UP_PARAMS`).
 pub fn enqueue_gate_up(gpu: &Gpu, a: &DecodeArgs, weights: [u64; 4], rest: &[KArg]) -> Result<()> {
     let mut args = vec![
         KArg::U64(a.aq),
@@ -154,8 +244,12 @@ pub fn enqueue_gate_up(gpu: &Gpu, a: &DecodeArgs, weights: [u64; 4], rest: &[KAr
     args.extend_from_slice(rest);
     gpu.launch(
         &MOE_DECODE,
-        kernel_name("moe_decode_gate_up_nvfp4", "moe_decode_gate_up_nvfp4_v1"),
-        config(a.nout, a.experts, a.g_rows, a.k, 2),
+        kernel_name(
+            a.layout,
+            "moe_decode_gate_up_nvfp4",
+            "moe_decode_gate_up_nvfp4_rows",
+        ),
+        config(a.nout, a.slots, a.g_rows, a.k, 2),
         &args,
     )
 }

@@ -77,8 +77,9 @@ pub const MOE_DECODE: KernelModule = KernelModule {
     kernels: &[
         "moe_decode_nvfp4",
         "moe_decode_gate_up_nvfp4",
-        "moe_decode_nvfp4_v1",
-        "moe_decode_gate_up_nvfp4_v1",
+        "moe_decode_nvfp4_rows",
+        "moe_decode_gate_up_nvfp4_rows",
+        "decode_tiles",
     ],
 };
 
