@@ -22,6 +22,35 @@ moe_chunk_counts(const int* __restrict__ ids, u32 N, u32 E, u32* __restrict__ ch
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) chunk_counts[(size_t)blockIdx.x * E + e] = cnt[e];
 }
 
+// Exclusive prefix sum of one value per thread over the block (blockDim.x a multiple of 32):
+// returns carry + the sum of the values of the lower threads, and adds the block's total to
+// carry (the same in every thread). `sums`: 32 words of shared memory, free on return.
+__device__ __forceinline__ u32 block_scan_excl(u32 v, u32& carry, u32* sums) {
+    u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    u32 x = v;
+#pragma unroll
+    for (u32 d = 1; d < 32; d <<= 1) {
+        u32 y = __shfl_up_sync(0xFFFFFFFFu, x, d);
+        if (lane >= d) x += y;
+    }
+    if (lane == 31) sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        u32 w = lane < nw ? sums[lane] : 0u;
+#pragma unroll
+        for (u32 d = 1; d < 32; d <<= 1) {
+            u32 y = __shfl_up_sync(0xFFFFFFFFu, w, d);
+            if (lane >= d) w += y;
+        }
+        if (lane < nw) sums[lane] = w;
+    }
+    __syncthreads();
+    u32 r = carry + (warp ? sums[warp - 1] : 0u) + x - v;
+    carry += sums[nw - 1];
+    __syncthreads();
+    return r;
+}
+
 // One block. chunk_base[c*E + e] = first sorted position of chunk c's entries for expert e;
 // expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); active[0] = the
 // number of experts with rows, active[1..] = those experts in order (the decode GEMMs' grid).
@@ -39,16 +68,23 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
         total[e] = run;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 off = 0, tiles = 0, live = 0;
-        for (u32 e = 0; e < E; e++) {
-            expert_offsets[e] = off;
-            tile_offsets[e] = tiles;
-            if (total[e]) active[1 + live++] = e;
-            off += total[e];
-            tiles += (total[e] + bm - 1) / bm;
-            total[e] = expert_offsets[e];
+    // the three prefix sums over the experts, blockDim.x experts at a time
+    __shared__ u32 sums[32];
+    u32 off = 0, tiles = 0, live = 0;
+    for (u32 e0 = 0; e0 < E; e0 += blockDim.x) {
+        u32 e = e0 + threadIdx.x;
+        u32 n = e < E ? total[e] : 0u;
+        u32 o = block_scan_excl(n, off, sums);
+        u32 t = block_scan_excl((n + bm - 1) / bm, tiles, sums);
+        u32 l = block_scan_excl(n ? 1u : 0u, live, sums);
+        if (e < E) {
+            expert_offsets[e] = o;
+            tile_offsets[e] = t;
+            if (n) active[1 + l] = e;
+            total[e] = o;
         }
+    }
+    if (threadIdx.x == 0) {
         expert_offsets[E] = off;
         tile_offsets[E] = tiles;
         active[0] = live;

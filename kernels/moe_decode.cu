@@ -125,7 +125,29 @@ struct WChunk {
 };
 
 // How far ahead (in K-chunks) the L2 prefetch of a warp's weight rows runs.
+#ifndef DEC_PREFETCH
 #define DEC_PREFETCH 8
+#endif
+
+// Programmatic dependent launch (sm_90 and newer). The down GEMM is launched so that its CTAs
+// may start while the gate/up GEMM before it still runs (Gpu::launch_early): they read their
+// expert, issue their first weight loads and L2 prefetches, then pdl_wait() until the gate/up
+// GEMM has completed and its writes (the activations, gs2 in the dynamic mode) are visible.
+// The weights, the routing offsets and the active-expert list were written before the gate/up
+// GEMM started. For a plain launch pdl_wait() returns at once.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the kernel launched after this one start once every CTA of this grid has started (they
+// then fill the SMs this grid's last CTAs leave idle).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // Where a warp's weights lie. Rows: the checkpoint's row-major [E * nout, K / 2] codes and
 // [E * nout, K / 16] scales, so a warp's K-chunk is 64 bytes of each of its 16 rows, 3.5 KB
@@ -321,11 +343,13 @@ __device__ __forceinline__ bool decode_pass(const WarpRows<NB>& wr, u32 K, const
     cursor_at<NB, TILES>(wr, c0, cur);
     if (work) load_chunk<NB, TILES>(cur, 0, c0 % 4 == 0 && c0 + DEC_PREFETCH < c1, st[0]);
     if (work && c0 + 1 < c1) load_chunk<NB, TILES>(cur, 1, (c0 + 1) % 4 == 0 && c0 + 1 + DEC_PREFETCH < c1, st[1]);
-    // the L2 fetches for the first chunks past the register pipeline
+    // the L2 fetches for the chunks up to where the loop's prefetch takes over, from the
+    // group of chunk c0 (chunks c0 + 2, c0 + 3 are not in the registers yet)
     if (work)
-        for (u32 c = c0 - c0 % 4 + 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
+        for (u32 c = c0 - c0 % 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
 #pragma unroll
             for (int b = 0; b < NB; b++) prefetch_l2(wr.pf[b] + (size_t)c * L::QSTEP);
+    pdl_wait();       // the activations were written by the kernel before this one
     __syncthreads();  // the previous pass is done with the buffers
     fill_acts(aq, as, K, p0, mg, act);
     __syncthreads();
@@ -385,11 +409,11 @@ __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8*
     const u8* const q[1] = {wq};
     const u8* const s[1] = {ws};
     WarpRows<1> r = warp_rows<1, TILES>(q, s, e, nout, nl, K, lane);
-    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
     for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
         u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
         float acc[1][4];
         if (!decode_pass<1, TILES>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+        float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);  // gs: after pdl_wait (dynamic gs2)
 #pragma unroll
         for (int i = 0; i < 4; i++)
             if (ACC_TOK(i) < mg)
@@ -412,6 +436,7 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
                          u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
                          u32* __restrict__ amax_bits) {
     extern __shared__ __align__(16) u8 dsmem[];
+    pdl_launch_dependents();
     if (blockIdx.y >= active[0]) return;
     u32 e = active[1 + blockIdx.y];
     u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];

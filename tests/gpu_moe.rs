@@ -233,6 +233,17 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
             false,
             300,
         ),
+        (
+            // more experts than moe_offsets has threads: its prefix sums run in two rounds
+            "300 experts, prefill tiles",
+            LayerSpec {
+                e: 300,
+                k: 6,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
+            false,
+            120,
+        ),
     ];
     for (what, spec, dynamic, tokens) in specs {
         let layer = build_layer(&mut r, spec);
@@ -513,6 +524,17 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
             false,
         ),
         ("21 tokens on the same experts, fixed", big, false, 21, true),
+        (
+            "40 tokens over 300 experts, fixed",
+            LayerSpec {
+                e: 300,
+                k: 8,
+                ..LayerSpec::small(ScoringFunc::Sigmoid)
+            },
+            false,
+            40,
+            false,
+        ),
         (
             "21 tokens on the same experts, dynamic",
             limited,

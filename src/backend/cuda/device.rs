@@ -288,6 +288,35 @@ impl Gpu {
         cfg: LaunchConfig,
         args: &[KArg],
     ) -> Result<()> {
+        self.launch_inner(module, kernel, cfg, args, false)
+    }
+
+    /// [`Gpu::launch`] with programmatic dependent launch (sm_90 and newer): the kernel's CTAs
+    /// may start while the kernel before it on the stream still runs, and the kernel itself
+    /// waits (`griddepcontrol.wait`) before it reads anything that kernel writes. Only for
+    /// kernels written that way (kernels/moe_decode.cu, `pdl_wait`). `NVFP4DBG_PDL=0` launches
+    /// them plainly (to measure one against the other on the same build).
+    pub(crate) fn launch_early(
+        &self,
+        module: &'static KernelModule,
+        kernel: &'static str,
+        cfg: LaunchConfig,
+        args: &[KArg],
+    ) -> Result<()> {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF.get_or_init(|| std::env::var("NVFP4DBG_PDL").is_ok_and(|v| v == "0"));
+        let early = !off && self.compute_capability.0 >= 9;
+        self.launch_inner(module, kernel, cfg, args, early)
+    }
+
+    fn launch_inner(
+        &self,
+        module: &'static KernelModule,
+        kernel: &'static str,
+        cfg: LaunchConfig,
+        args: &[KArg],
+        early: bool,
+    ) -> Result<()> {
         let f = self.func(module, kernel)?;
         super::fault::before_launch(self, kernel)?;
         if cfg.grid_dim.0 == 0 || cfg.grid_dim.1 == 0 || cfg.grid_dim.2 == 0 {
@@ -308,21 +337,79 @@ impl Gpu {
             )
             .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
         }
-        let mut b = self.stream.launch_builder(&f);
-        for a in args {
-            match a {
-                KArg::U64(v) => b.arg(v),
-                KArg::U32(v) => b.arg(v),
-                KArg::I32(v) => b.arg(v),
-                KArg::F32(v) => b.arg(v),
-            };
+        if early {
+            self.launch_programmatic(&f, cfg, args)
+                .map_err(|e| driver_err("kernel launch (programmatic)", kernel, e))?;
+        } else {
+            let mut b = self.stream.launch_builder(&f);
+            for a in args {
+                match a {
+                    KArg::U64(v) => b.arg(v),
+                    KArg::U32(v) => b.arg(v),
+                    KArg::I32(v) => b.arg(v),
+                    KArg::F32(v) => b.arg(v),
+                };
+            }
+            unsafe { b.launch(cfg) }.map_err(|e| driver_err("kernel launch", kernel, e))?;
         }
-        unsafe { b.launch(cfg) }.map_err(|e| driver_err("kernel launch", kernel, e))?;
         lock(&self.pending).push(kernel);
         if self.sync_each && !self.capturing.load(Ordering::Relaxed) {
             self.sync(kernel)?;
         }
         Ok(())
+    }
+
+    /// cuLaunchKernelEx with the programmatic-stream-serialization attribute (cudarc's launch
+    /// builder has no launch attributes).
+    fn launch_programmatic(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[KArg],
+    ) -> std::result::Result<(), DriverError> {
+        use drv_sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        // each argument in its own 8-byte slot; the kernel reads its own size from the start
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                KArg::U64(v) => v,
+                KArg::U32(v) => v as u64,
+                KArg::I32(v) => v as u32 as u64,
+                KArg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = slots
+            .iter_mut()
+            .map(|s| s as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: a plain C struct; all-zero is its empty value
+        let mut attr: drv_sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = drv_sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.ctx.bind_to_thread()?;
+        // SAFETY: `params` points at `slots`, one per kernel parameter in order, both alive
+        // until the call returns (the driver copies the values at launch)
+        unsafe {
+            drv_sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()
+        }
     }
 
     /// An error of a stream operation (allocation, fill, copy). A fault inside a kernel still in

@@ -200,7 +200,9 @@ pub struct DecodeArgs {
     pub layout: DecodeLayout,
 }
 
-/// Down projection: `out[p, n] = acc * rcp(gs[e]) * ws2[e]`.
+/// Down projection: `out[p, n] = acc * rcp(gs[e]) * ws2[e]`. Launched early
+/// ([`Gpu::launch_early`]): its CTAs start streaming their weights while the kernel before it
+/// (the gate/up GEMM, or the dynamic mode's quantize) finishes.
 pub fn enqueue_down(
     gpu: &Gpu,
     a: &DecodeArgs,
@@ -210,7 +212,7 @@ pub fn enqueue_down(
     ws2: u64,
     out: u64,
 ) -> Result<()> {
-    gpu.launch(
+    gpu.launch_early(
         &MOE_DECODE,
         kernel_name(a.layout, "moe_decode_nvfp4", "moe_decode_nvfp4_rows"),
         config(a.nout, a.slots, a.g_rows, a.k, 1),

@@ -157,7 +157,22 @@ pub fn compile_options(arch: &str) -> Vec<String> {
     for d in include_dirs() {
         o.push(format!("--include-path={}", d.display()));
     }
+    o.extend(tuning_defines());
     o
+}
+
+/// `NVFP4DBG_NVRTC_DEFINES="-DDEC_PREFETCH=16 ..."`: macro overrides for the tuning constants
+/// a kernel leaves open (`#ifndef`), to sweep one in a single benchmark session. Only `-D`
+/// options are taken; anything else in the variable is ignored.
+fn tuning_defines() -> Vec<String> {
+    std::env::var("NVFP4DBG_NVRTC_DEFINES")
+        .map(|v| {
+            v.split_whitespace()
+                .filter(|d| d.starts_with("-D") && d.len() > 2)
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Is libnvrtc loadable? Never panics (cudarc panics when it is not).
