@@ -66,19 +66,14 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return d;
 }
 
-// Weight codes are read once: no L1 allocation, and L2 fetches the whole 256-byte sector
-// group (the next three K-chunks of the row), so a warp has 4x the bytes of its loads on the
-// way from HBM.
+// Weight codes are read once: no L1 allocation. No L2 prefetch and no 256-byte L2 fetch hint
+// either: with them the decode GEMMs were 10-15% slower on an H200 (BENCHMARKS.md, session 5).
 __device__ __forceinline__ uint4 ldg_stream(const u8* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ void prefetch_l2(const u8* p) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -124,14 +119,9 @@ struct WChunk {
     u32 s[NB][2];
 };
 
-// How far ahead (in K-chunks) the L2 prefetch of a warp's weight rows runs.
-#ifndef DEC_PREFETCH
-#define DEC_PREFETCH 8
-#endif
-
 // Programmatic dependent launch (sm_90 and newer). The down GEMM is launched so that its CTAs
 // may start while the gate/up GEMM before it still runs (Gpu::launch_early): they read their
-// expert, issue their first weight loads and L2 prefetches, then pdl_wait() until the gate/up
+// expert, issue their first weight loads, then pdl_wait() until the gate/up
 // GEMM has completed and its writes (the activations, gs2 in the dynamic mode) are visible.
 // The weights, the routing offsets and the active-expert list were written before the gate/up
 // GEMM started. For a plain launch pdl_wait() returns at once.
@@ -159,15 +149,9 @@ template <bool TILES>
 struct WLayout {
     static constexpr u32 QSTEP = TILES ? 16 * (DEC_CHUNK_K / 2) : DEC_CHUNK_K / 2;    // codes, chunk to chunk
     static constexpr u32 SSTEP = TILES ? 16 * (DEC_CHUNK_K / 16) : DEC_CHUNK_K / 16;  // scales, chunk to chunk
+    static constexpr u32 Q8 = 8 * (DEC_CHUNK_K / 2);   // tiles: codes, row g to row g + 8
+    static constexpr u32 S8 = 8 * (DEC_CHUNK_K / 16);  // tiles: scales, row g to row g + 8
 };
-
-// The rows layout's L2 prefetch line of lane t for the 4 chunks from `chunk`: row g or g + 8,
-// first or second 128-byte line (rows shorter than 256 bytes: both lanes take the first line,
-// never the next row's).
-__device__ __forceinline__ const u8* prefetch_addr(const u8* row_g, u32 K, u32 chunk, u32 t) {
-    u32 line = K >= 512 ? (t & 1u) * 128 : 0u;
-    return row_g + (size_t)(t >> 1) * 8 * (K / 2) + (size_t)chunk * (DEC_CHUNK_K / 2) + line;
-}
 
 // A lane's view of its warp's NB weight matrices at chunk 0: per-lane pointers computed once
 // per kernel, so that a load in the loop is a register plus an immediate.
@@ -175,7 +159,6 @@ template <int NB>
 struct WarpRows {
     const u8* q[NB];  // codes of row n0 + g, this lane's 16-byte piece
     const u8* s[NB];  // the two scales of that piece
-    const u8* pf[NB]; // this lane's L2 prefetch line of the 4 chunks from chunk 0
     size_t q8, s8;    // from row n0 + g to row n0 + g + 8, codes / scales
 };
 
@@ -193,40 +176,37 @@ __device__ __forceinline__ WarpRows<NB> warp_rows(const u8* const (&wq)[NB], con
             const u8* tq = wq[b] + row * (K / 2);  // a tile's codes start where its rows did
             r.q[b] = tq + 16 * lane;
             r.s[b] = ws[b] + row * (K / 16) + 2 * lane;
-            r.pf[b] = tq + 128 * lane;  // 4 chunks are 4 KB: lane l takes line l
         } else {
             const u8* rq = wq[b] + (row + g) * (K / 2);
             r.q[b] = rq + 16 * t;
             r.s[b] = ws[b] + (row + g) * (K / 16) + 2 * t;
-            r.pf[b] = prefetch_addr(rq, K, 0, t);
         }
     }
-    r.q8 = TILES ? 8 * (DEC_CHUNK_K / 2) : (size_t)8 * (K / 2);
-    r.s8 = TILES ? 8 * (DEC_CHUNK_K / 16) : (size_t)8 * (K / 16);
+    r.q8 = TILES ? WLayout<TILES>::Q8 : (size_t)8 * (K / 2);
+    r.s8 = TILES ? WLayout<TILES>::S8 : (size_t)8 * (K / 16);
     return r;
 }
 
-// Loop-carried cursors at chunk c + 2 (the next load).
+// Loop-carried cursors at chunk c + 2 (the next load), row n0 + g; row n0 + g + 8 is
+// WarpRows' q8 / s8 further on (a constant in tiles).
 template <int NB>
 struct Cursor {
-    const u8* qg[NB];  // codes, row n0 + g
-    const u8* q8[NB];  // codes, row n0 + g + 8
-    const u8* sg[NB];
-    const u8* s8[NB];
-    const u8* pf[NB];  // the L2 prefetch line DEC_PREFETCH chunks on
+    const u8* qg[NB];  // codes
+    const u8* sg[NB];  // scales
 };
 
-// Chunk `cursor + ahead` (ahead = 0 or 1), prefetching DEC_PREFETCH chunks on when `pf_now`.
+// Chunk `cursor + ahead` (ahead = 0 or 1).
 template <int NB, bool TILES>
-__device__ __forceinline__ void load_chunk(const Cursor<NB>& cur, int ahead, bool pf_now, WChunk<NB>& c) {
+__device__ __forceinline__ void load_chunk(const WarpRows<NB>& r, const Cursor<NB>& cur, int ahead, WChunk<NB>& c) {
     using L = WLayout<TILES>;
 #pragma unroll
     for (int b = 0; b < NB; b++) {
-        if (pf_now) prefetch_l2(cur.pf[b] + ahead * L::QSTEP);
+        const u8* q8 = cur.qg[b] + (TILES ? (size_t)L::Q8 : r.q8);
+        const u8* s8 = cur.sg[b] + (TILES ? (size_t)L::S8 : r.s8);
         c.w[b][0] = ldg_stream(cur.qg[b] + ahead * L::QSTEP);
-        c.w[b][1] = ldg_stream(cur.q8[b] + ahead * L::QSTEP);
+        c.w[b][1] = ldg_stream(q8 + ahead * L::QSTEP);
         c.s[b][0] = __ldg(reinterpret_cast<const u16*>(cur.sg[b] + ahead * L::SSTEP));
-        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(cur.s8[b] + ahead * L::SSTEP));
+        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(s8 + ahead * L::SSTEP));
     }
 }
 
@@ -236,10 +216,7 @@ __device__ __forceinline__ void cursor_at(const WarpRows<NB>& r, u32 chunk, Curs
 #pragma unroll
     for (int b = 0; b < NB; b++) {
         cur.qg[b] = r.q[b] + (size_t)chunk * L::QSTEP;
-        cur.q8[b] = cur.qg[b] + r.q8;
         cur.sg[b] = r.s[b] + (size_t)chunk * L::SSTEP;
-        cur.s8[b] = cur.sg[b] + r.s8;
-        cur.pf[b] = r.pf[b] + (size_t)(chunk + DEC_PREFETCH) * L::QSTEP;
     }
 }
 
@@ -294,18 +271,15 @@ __device__ __forceinline__ void stream_k(const WarpRows<NB>& r, u32 c0, u32 c1, 
     for (int q = 0; q < 4; q++) ap[q] = act[q] + c0 * (DEC_CHUNK_K / 8);
     for (u32 c = c0; c < c1; c += 2) {
         mma_chunk<NB>(st[0], ap, 0, acc);
-        if (c + 2 < c1) load_chunk<NB, TILES>(cur, 0, (c + 2) % 4 == 0 && c + 2 + DEC_PREFETCH < c1, st[0]);
+        if (c + 2 < c1) load_chunk<NB, TILES>(r, cur, 0, st[0]);
         if (c + 1 < c1) {
             mma_chunk<NB>(st[1], ap, 1, acc);
-            if (c + 3 < c1) load_chunk<NB, TILES>(cur, 1, (c + 3) % 4 == 0 && c + 3 + DEC_PREFETCH < c1, st[1]);
+            if (c + 3 < c1) load_chunk<NB, TILES>(r, cur, 1, st[1]);
         }
 #pragma unroll
         for (int b = 0; b < NB; b++) {
             cur.qg[b] += 2 * L::QSTEP;
-            cur.q8[b] += 2 * L::QSTEP;
             cur.sg[b] += 2 * L::SSTEP;
-            cur.s8[b] += 2 * L::SSTEP;
-            cur.pf[b] += 2 * L::QSTEP;
         }
 #pragma unroll
         for (int q = 0; q < 4; q++) ap[q] += 2 * (DEC_CHUNK_K / 8);
@@ -324,7 +298,6 @@ template <int NB, bool TILES>
 __device__ __forceinline__ bool decode_pass(const WarpRows<NB>& wr, u32 K, const u8* __restrict__ aq,
                                             const u8* __restrict__ as, u32 p0, u32 mg, u32 g_rows,
                                             bool tile_live, u8* smem, float (&acc)[NB][4]) {
-    using L = WLayout<TILES>;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     u32 g = lane / 4, t = lane % 4;
     u32 tile = warp % DEC_TILES, ks = warp / DEC_TILES;
@@ -341,14 +314,8 @@ __device__ __forceinline__ bool decode_pass(const WarpRows<NB>& wr, u32 K, const
     // the first weight chunks are in flight while the activations are staged
     Cursor<NB> cur;
     cursor_at<NB, TILES>(wr, c0, cur);
-    if (work) load_chunk<NB, TILES>(cur, 0, c0 % 4 == 0 && c0 + DEC_PREFETCH < c1, st[0]);
-    if (work && c0 + 1 < c1) load_chunk<NB, TILES>(cur, 1, (c0 + 1) % 4 == 0 && c0 + 1 + DEC_PREFETCH < c1, st[1]);
-    // the L2 fetches for the chunks up to where the loop's prefetch takes over, from the
-    // group of chunk c0 (chunks c0 + 2, c0 + 3 are not in the registers yet)
-    if (work)
-        for (u32 c = c0 - c0 % 4; c <= c0 - c0 % 4 + DEC_PREFETCH && c < c1; c += 4)
-#pragma unroll
-            for (int b = 0; b < NB; b++) prefetch_l2(wr.pf[b] + (size_t)c * L::QSTEP);
+    if (work) load_chunk<NB, TILES>(wr, cur, 0, st[0]);
+    if (work && c0 + 1 < c1) load_chunk<NB, TILES>(wr, cur, 1, st[1]);
     pdl_wait();       // the activations were written by the kernel before this one
     __syncthreads();  // the previous pass is done with the buffers
     fill_acts(aq, as, K, p0, mg, act);
@@ -400,7 +367,6 @@ __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8*
     extern __shared__ __align__(16) u8 dsmem[];
     if (blockIdx.y >= active[0]) return;
     u32 e = active[1 + blockIdx.y];
-    u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     u32 g = lane / 4, t = lane % 4;
     u32 n0 = blockIdx.x * DEC_ROWS_PER_CTA + (warp % DEC_TILES) * 16;
@@ -409,6 +375,7 @@ __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8*
     const u8* const q[1] = {wq};
     const u8* const s[1] = {ws};
     WarpRows<1> r = warp_rows<1, TILES>(q, s, e, nout, nl, K, lane);
+    u32 r0 = expert_offsets[e], r1 = expert_offsets[e + 1];
     for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
         u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
         float acc[1][4];
@@ -449,17 +416,16 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     const u8* const q[2] = {w1q, w3q};
     const u8* const s[2] = {w1s, w3s};
     WarpRows<2> r = warp_rows<2, TILES>(q, s, e, nout, nl, K, lane);
-    float g_in = rcp_ref(gs1[e]);
-    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
     float* stage = reinterpret_cast<float*>(dsmem + (size_t)g_rows * K * 2 + dec_red_bytes(2)) +
                    tile * (DEC_G * 16);
-    u32 counts[4] = {0, 0, 0, 0};
-    u32 amax = 0;
-    bool fin_warp = warp < DEC_TILES;
+    // Everything the epilogue needs is read after the pass and its statistics are flushed per
+    // pass: nothing of it stays live across the weight stream, which needs the registers.
     for (u32 p0 = r0; p0 < r1; p0 += g_rows) {
         u32 mg = r1 - p0 < g_rows ? r1 - p0 : g_rows;
         float acc[2][4];
         if (!decode_pass<2, TILES>(r, K, aq, as, p0, mg, g_rows, live, dsmem, acc)) continue;
+        float g_in = rcp_ref(gs1[e]);
+        float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float gv = __fmul_rn(acc[0][i], alpha_g);
@@ -468,6 +434,7 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
         }
         __syncwarp();
         if (gs2 != nullptr) {
+            u32 counts[4] = {0, 0, 0, 0};
             if ((u32)lane < mg) {
                 float v[16];
 #pragma unroll
@@ -481,13 +448,15 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
 #pragma unroll
                 for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
                 u32 c = classify_nvfp4(s, vmax > 0.0f);
-                counts[0] += 1;
-                counts[1] += c & 1u;
-                counts[2] += (c >> 1) & 1u;
-                counts[3] += (c >> 2) & 1u;
+                counts[0] = 1;
+                counts[1] = c & 1u;
+                counts[2] = (c >> 1) & 1u;
+                counts[3] = (c >> 2) & 1u;
             }
+            add_stats4(stats, counts);
         } else {
             // lane (row, 2 tokens x 8 rows): 16 rows x mg tokens, 4 values per lane
+            u32 amax = 0;
             for (u32 idx = lane; idx < mg * 16; idx += 32) {
                 u32 tok = idx / 16, n = idx % 16;
                 float v = stage[tok * 16 + n];
@@ -496,16 +465,10 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
                 u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
                 amax = bits > amax ? bits : amax;
             }
-        }
-        __syncwarp();
-    }
-    if (fin_warp) {
-        if (gs2 != nullptr) {
-            add_stats4(stats, counts);
-        } else {
             amax = __reduce_max_sync(0xFFFFFFFFu, amax);
             if (lane == 0 && amax) atomicMax(&amax_bits[e], amax);
         }
+        __syncwarp();
     }
 }
 
@@ -531,11 +494,15 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     aq, as, K, w1q, w1s, w3q, w3s, nout, gs1, ws2_1, ws2_3, limit, has_limit, expert_offsets, active, \
         g_rows, gs2, flavor, outq, outs, stats, out_f32, amax_bits
 
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+// CTAs per SM the down GEMM is compiled for (registers per thread at most 64K / (256 x it)).
+#ifndef DEC_DOWN_MIN_BLOCKS
+#define DEC_DOWN_MIN_BLOCKS 3
+#endif
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_DOWN_MIN_BLOCKS)
 moe_decode_nvfp4(DEC_DOWN_PARAMS) {
     decode_down<true>(DEC_DOWN_ARGS);
 }
-extern "C" __global__ void __launch_bounds__(DEC_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_DOWN_MIN_BLOCKS)
 moe_decode_nvfp4_rows(DEC_DOWN_PARAMS) {
     decode_down<false>(DEC_DOWN_ARGS);
 }

@@ -45,21 +45,53 @@ fn the_fp4_conversion_instruction_is_used_on_blackwell_only() {
     assert!(!on("sm_90a"), "sm_90a has no E2M1 conversion instruction");
 }
 
+/// Spills accepted on purpose, with the reason. The down decode GEMM is held to 80 registers
+/// for three CTAs per SM (measured faster than two: BENCHMARKS.md, session 5); ptxas then keeps
+/// the expert's row range (2 words) on the stack, stored once and read once per pass, never in
+/// the weight stream's loop.
+const ALLOWED_SPILLS: &[(&str, u32)] = &[("moe_decode_nvfp4", 8), ("moe_decode_nvfp4_rows", 8)];
+
 #[test]
 fn resource_report_has_no_spills() {
     if !enabled() {
         return;
     }
     for m in nvrtc::MODULES {
-        let (_, log) = nvrtc::compile_cubin_with(m, "sm_90a", &["--ptxas-options=--verbose"])
+        let (cubin, log) = nvrtc::compile_cubin_with(m, "sm_90a", &["--ptxas-options=--verbose"])
             .unwrap_or_else(|e| panic!("{e}"));
+        // NVFP4DBG_DUMP_CUBIN=DIR keeps the CUBINs, for reading the SASS (nvdisasm)
+        if let Some(dir) = std::env::var_os("NVFP4DBG_DUMP_CUBIN") {
+            let stem = m
+                .file
+                .trim_start_matches("kernels/")
+                .trim_end_matches(".cu");
+            let path = std::path::Path::new(&dir).join(format!("{stem}.sm_90a.cubin"));
+            std::fs::write(&path, &cubin).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        }
         for line in log.lines().filter(|l| {
             l.contains("registers") || l.contains("spill") || l.contains("Compiling entry")
         }) {
             eprintln!("{}: {}", m.file, line.trim());
         }
-        for line in log.lines().filter(|l| l.contains("spill stores")) {
-            assert!(line.contains(" 0 bytes spill stores"), "{}: {line}", m.file);
+        // ptxas names the kernel ("Compiling entry function 'K'"), then its spills
+        let mut kernel = "";
+        for line in log.lines() {
+            if let Some(k) = line.split("Compiling entry function '").nth(1) {
+                kernel = k.split('\'').next().unwrap_or("");
+            }
+            if let Some(bytes) = line
+                .split(" bytes spill stores")
+                .next()
+                .filter(|_| line.contains(" bytes spill stores"))
+                .and_then(|l| l.rsplit(' ').next())
+            {
+                let bytes: u32 = bytes.parse().unwrap_or(u32::MAX);
+                let allowed = ALLOWED_SPILLS
+                    .iter()
+                    .find(|(k, _)| *k == kernel)
+                    .map_or(0, |(_, b)| *b);
+                assert!(bytes <= allowed, "{}: {kernel}: {line}", m.file);
+            }
         }
     }
 }
