@@ -177,17 +177,45 @@ __device__ __forceinline__ u32 amax_bits16(const float (&x)[16]) {
     return m;
 }
 
-// E2M1 code of v, for v not NaN: e2m1_encode_sw(clamp6(v)) in a few integer ops. With
-// a = min(|v|, 6) and the step of its binade q = 2^(max(e, 0) - 1), a + q * 2^23 rounds a to
-// a multiple of q, half to even (an IEEE add); the integer bits of that sum then count the
-// steps, and the binade adds 2 codes per octave above 1. Checked against e2m1_encode_sw on
-// every non-NaN f32 by tools/checks/e2m1_fast_encode.c.
-__device__ __forceinline__ u32 e2m1_encode_fast(float v) {
+// The E2M1 magnitude code of min(|v|, 6) for v not NaN, shifted left by 22 (the other bits 0).
+// With a = min(|v|, 6) and the step of its binade q = 2^(max(e, 0) - 1), (a + q 2^23) - q 2^23
+// is a rounded to a multiple of q, half to even (IEEE add, then an exact subtract); times
+// 2^-126 that value's f32 bits are the E2M1 encoding moved up by 22: the binades line up
+// (E2M1's 1.0 is f32's smallest normal there, 0.5 its subnormal 2^-127). Floating-point work
+// instead of integer ops: the integer pipe is the quantizer's bound on Hopper.
+__device__ __forceinline__ u32 e2m1_mag_bits(float v) {
     float a = fminf(fabsf(v), 6.0f);
     u32 eb = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);
-    float s = __fadd_rn(a, __uint_as_float(eb + 0x0B000000u));
-    u32 code = __float_as_uint(s) - eb + (eb >> 22) - (0x0B000000u + 0xFEu);
-    return code | ((__float_as_uint(v) >> 28) & 8u);
+    float m = __uint_as_float(eb + 0x0B000000u);
+    float r = __fsub_rn(__fadd_rn(a, m), m);
+    return __float_as_uint(__fmul_rn(r, 0x1p-126f));
+}
+
+__device__ __forceinline__ u32 mad_hi(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The E2M1 codes of 8 products p[i] = x[i] * scale, none NaN, as one word (value i in nibble
+// i): e2m1_encode_sw(clamp6(p[i])) each. The codes are put in place by multiply-adds (the
+// nibbles never overlap), the 8 signs gathered from the products' top bytes by byte permutes.
+// Checked exhaustively (magnitudes) and on random words by tools/checks/e2m1_word_fast.c.
+__device__ __forceinline__ u32 e2m1_word_fast(const float* x, float scale) {
+    u32 p[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) p[i] = __float_as_uint(__fmul_rn(x[i], scale));
+    u32 mag = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 c = e2m1_mag_bits(__uint_as_float(p[i]));
+        mag = i <= 5 ? mad_hi(c, 1u << (10 + 4 * i), mag) : c * (1u << (4 * i - 22)) + mag;
+    }
+    // sign of p[2k] at bit 8k + 7 of `even`, wanted at 8k + 3; of p[2k + 1] at 8k + 7 of `odd`
+    u32 even = __byte_perm(__byte_perm(p[0], p[2], 0x0073), __byte_perm(p[4], p[6], 0x0073), 0x5410);
+    u32 odd = __byte_perm(__byte_perm(p[1], p[3], 0x0073), __byte_perm(p[5], p[7], 0x0073), 0x5410);
+    u32 signs = ((even >> 4) & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u);
+    return mag | (signs & 0x88888888u);
 }
 
 // One NVFP4 block of 16 values with quant-direction global scale `gs`.
@@ -202,12 +230,11 @@ __device__ __forceinline__ float nvfp4_rgs(float gs, u32 flavor) {
     return flavor == FLAVOR_CUDA_FAST ? rcp_approx_ftz(gs) : rcp_ref(gs);
 }
 
-// quant_block_nvfp4_vmax with max|x| given as bits (amax_bits16) and rgs = nvfp4_rgs(gs).
-__device__ __forceinline__ u32 quant_block_nvfp4_core(const float (&x)[16], u32 mbits, float gs, float rgs,
-                                                      u32 flavor, u32 (&packed)[2]) {
+// The E4M3 scale code of a block with max|x| given as bits (amax_bits16) and rgs =
+// nvfp4_rgs(gs), and the factor its values are multiplied by before the E2M1 encoding.
+__device__ __forceinline__ u32 nvfp4_block_scale(u32 mbits, float gs, float rgs, u32 flavor, float& out_scale) {
     float vmax = __uint_as_float(mbits);
     u32 s_code;
-    float out_scale;
     if (flavor == FLAVOR_CUDA_FAST) {
         float sf = __fmul_rn(gs, __fmul_rn(vmax, rcp_approx_ftz(6.0f)));
         s_code = e4m3_encode_hw(sf);
@@ -221,26 +248,37 @@ __device__ __forceinline__ u32 quant_block_nvfp4_core(const float (&x)[16], u32 
         float s = e4m3_decode(s_code);
         out_scale = rcp_ref(__fmul_rn(s, rgs));
     }
-    // finite x times a finite out_scale is never NaN (at worst +-inf, which clamps to 6):
-    // the fast encoder is exact there; anything else takes the general path
-    // (Blackwell converts two values in one instruction: it always takes that path)
-    bool fast = !NVFP4DBG_HW_E2M1 && mbits < 0x7F800000u && fabsf(out_scale) <= 3.402823466e38f;
+    return s_code;
+}
+
+// Finite x times a finite out_scale is never NaN (at worst +-inf, which clamps to 6): the
+// fast encoder is exact there; anything else takes the general path. (Blackwell converts two
+// values in one instruction: it always takes that path.)
+__device__ __forceinline__ bool nvfp4_fast_path(u32 mbits, float out_scale) {
+    return !NVFP4DBG_HW_E2M1 && mbits < 0x7F800000u && fabsf(out_scale) <= 3.402823466e38f;
+}
+
+// 8 values of a block (element 2i in the low nibble of byte i) with the block's out_scale.
+__device__ __forceinline__ u32 nvfp4_word(const float* x, float out_scale, bool fast) {
+    if (fast) return e2m1_word_fast(x, out_scale);
+    u32 word = 0;
 #pragma unroll
-    for (int w = 0; w < 2; w++) {
-        u32 word = 0;
-        if (fast) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) word |= e2m1_encode_fast(__fmul_rn(x[w * 8 + i], out_scale)) << (4 * i);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float lo = clamp6(__fmul_rn(x[w * 8 + 2 * i], out_scale));
-                float hi = clamp6(__fmul_rn(x[w * 8 + 2 * i + 1], out_scale));
-                word |= e2m1_pack2(lo, hi) << (8 * i);
-            }
-        }
-        packed[w] = word;
+    for (int i = 0; i < 4; i++) {
+        float lo = clamp6(__fmul_rn(x[2 * i], out_scale));
+        float hi = clamp6(__fmul_rn(x[2 * i + 1], out_scale));
+        word |= e2m1_pack2(lo, hi) << (8 * i);
     }
+    return word;
+}
+
+// quant_block_nvfp4_vmax with max|x| given as bits (amax_bits16) and rgs = nvfp4_rgs(gs).
+__device__ __forceinline__ u32 quant_block_nvfp4_core(const float (&x)[16], u32 mbits, float gs, float rgs,
+                                                      u32 flavor, u32 (&packed)[2]) {
+    float out_scale;
+    u32 s_code = nvfp4_block_scale(mbits, gs, rgs, flavor, out_scale);
+    bool fast = nvfp4_fast_path(mbits, out_scale);
+    packed[0] = nvfp4_word(x, out_scale, fast);
+    packed[1] = nvfp4_word(x + 8, out_scale, fast);
     return s_code;
 }
 
