@@ -149,8 +149,6 @@ template <bool TILES>
 struct WLayout {
     static constexpr u32 QSTEP = TILES ? 16 * (DEC_CHUNK_K / 2) : DEC_CHUNK_K / 2;    // codes, chunk to chunk
     static constexpr u32 SSTEP = TILES ? 16 * (DEC_CHUNK_K / 16) : DEC_CHUNK_K / 16;  // scales, chunk to chunk
-    static constexpr u32 Q8 = 8 * (DEC_CHUNK_K / 2);   // tiles: codes, row g to row g + 8
-    static constexpr u32 S8 = 8 * (DEC_CHUNK_K / 16);  // tiles: scales, row g to row g + 8
 };
 
 // A lane's view of its warp's NB weight matrices at chunk 0: per-lane pointers computed once
@@ -182,13 +180,13 @@ __device__ __forceinline__ WarpRows<NB> warp_rows(const u8* const (&wq)[NB], con
             r.s[b] = ws[b] + (row + g) * (K / 16) + 2 * t;
         }
     }
-    r.q8 = TILES ? WLayout<TILES>::Q8 : (size_t)8 * (K / 2);
-    r.s8 = TILES ? WLayout<TILES>::S8 : (size_t)8 * (K / 16);
+    r.q8 = TILES ? 8 * (DEC_CHUNK_K / 2) : (size_t)8 * (K / 2);
+    r.s8 = TILES ? 8 * (DEC_CHUNK_K / 16) : (size_t)8 * (K / 16);
     return r;
 }
 
 // Loop-carried cursors at chunk c + 2 (the next load), row n0 + g; row n0 + g + 8 is
-// WarpRows' q8 / s8 further on (a constant in tiles).
+// WarpRows' q8 / s8 further on (a constant in tiles, so no cursor of its own).
 template <int NB>
 struct Cursor {
     const u8* qg[NB];  // codes
@@ -201,12 +199,10 @@ __device__ __forceinline__ void load_chunk(const WarpRows<NB>& r, const Cursor<N
     using L = WLayout<TILES>;
 #pragma unroll
     for (int b = 0; b < NB; b++) {
-        const u8* q8 = cur.qg[b] + (TILES ? (size_t)L::Q8 : r.q8);
-        const u8* s8 = cur.sg[b] + (TILES ? (size_t)L::S8 : r.s8);
         c.w[b][0] = ldg_stream(cur.qg[b] + ahead * L::QSTEP);
-        c.w[b][1] = ldg_stream(q8 + ahead * L::QSTEP);
+        c.w[b][1] = ldg_stream(cur.qg[b] + r.q8 + ahead * L::QSTEP);
         c.s[b][0] = __ldg(reinterpret_cast<const u16*>(cur.sg[b] + ahead * L::SSTEP));
-        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(s8 + ahead * L::SSTEP));
+        c.s[b][1] = __ldg(reinterpret_cast<const u16*>(cur.sg[b] + r.s8 + ahead * L::SSTEP));
     }
 }
 
