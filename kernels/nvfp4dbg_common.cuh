@@ -182,7 +182,8 @@ __device__ __forceinline__ u32 amax_bits16(const float (&x)[16]) {
 // is a rounded to a multiple of q, half to even (IEEE add, then an exact subtract); times
 // 2^-126 that value's f32 bits are the E2M1 encoding moved up by 22: the binades line up
 // (E2M1's 1.0 is f32's smallest normal there, 0.5 its subnormal 2^-127). Floating-point work
-// instead of integer ops: the integer pipe is the quantizer's bound on Hopper.
+// where the previous encoder used integer ops (29% fewer integer-pipe instructions; measured
+// within noise on the quantizer, which is not integer-bound after all: BENCHMARKS.md).
 __device__ __forceinline__ u32 e2m1_mag_bits(float v) {
     float a = fminf(fabsf(v), 6.0f);
     u32 eb = max(__float_as_uint(a) & 0x7F800000u, 0x3F800000u);
@@ -198,7 +199,7 @@ __device__ __forceinline__ u32 mad_hi(u32 a, u32 b, u32 c) {
 }
 
 // The E2M1 codes of 8 products p[i] = x[i] * scale, none NaN, as one word (value i in nibble
-// i): e2m1_encode_sw(clamp6(p[i])) each. The codes are put in place by multiply-adds (the
+// i): e2m1_encode_sw(clamp6(p[i])) each. The codes are put in place by shift-adds (the
 // nibbles never overlap), the 8 signs gathered from the products' top bytes by byte permutes.
 // Checked exhaustively (magnitudes) and on random words by tools/checks/e2m1_word_fast.c.
 __device__ __forceinline__ u32 e2m1_word_fast(const float* x, float scale) {

@@ -79,13 +79,12 @@ fn resource_report_has_no_spills() {
             if let Some(k) = line.split("Compiling entry function '").nth(1) {
                 kernel = k.split('\'').next().unwrap_or("");
             }
-            if let Some(bytes) = line
-                .split(" bytes spill stores")
-                .next()
-                .filter(|_| line.contains(" bytes spill stores"))
-                .and_then(|l| l.rsplit(' ').next())
-            {
-                let bytes: u32 = bytes.parse().unwrap_or(u32::MAX);
+            if let Some((before, _)) = line.split_once(" bytes spill stores") {
+                let bytes: u32 = before
+                    .rsplit(' ')
+                    .next()
+                    .and_then(|b| b.parse().ok())
+                    .unwrap_or(u32::MAX);
                 let allowed = ALLOWED_SPILLS
                     .iter()
                     .find(|(k, _)| *k == kernel)
