@@ -49,6 +49,17 @@
 #define H_SA_F32_ROW (H_FUSED_BN + 4)
 static_assert(H_BM * H_SA_F32_ROW * 4 <= H_OFF_RAW, "the f32 tile of a must fit the operand buffers");
 
+// The warp-specialized kernels (below): 3 warpgroups, WS_STAGES stages of BF16 A and W.
+#define WS_THREADS 384
+#define WS_STAGES 4
+#define WS_SA_BYTES (H_BM * H_BK * 2)
+#define WS_SB_BYTES (H_BN * H_BK * 2)
+#define WS_STAGE_BYTES (WS_SA_BYTES + WS_SB_BYTES)
+#define WS_OFF_BAR (WS_STAGES * WS_STAGE_BYTES)
+// + 1024 to align the base: the launch's dynamic shared memory (SM90_WS_SMEM_BYTES in moe.rs)
+#define WS_SMEM_BYTES (WS_OFF_BAR + 2 * WS_STAGES * 8 + 1024)
+static_assert(H_BM * H_SA_F32_ROW * 4 <= WS_OFF_BAR, "the f32 tile of a must fit the stages");
+
 #if NVFP4DBG_WGMMA
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -373,6 +384,177 @@ __device__ __forceinline__ u8* h_smem_base() {
     return h_smem + ((1024u - (a & 1023u)) & 1023u);
 }
 
+
+// ---- warp-specialized kernels (the default) ----
+//
+// The same 128 x 256 tile and the same numbers, but the work is split by warpgroup instead
+// of CTA barriers: warpgroup 0 is the producer, 1 and 2 the consumers (64 rows each).
+//   A (the expert inputs) is dequantized once per forward into a BF16 matrix (moe_rows_bf16,
+//   the same BF16 values the tile would build) and each stage's 128 x 64 box is brought by
+//   one TMA copy, which writes the 128-byte swizzle the wgmma descriptors describe;
+//   the producer loads the weights' FP4 codes and E4M3 scales straight into registers two
+//   slices ahead, dequantizes them into the stage's swizzled BF16 buffer and arrives on the
+//   stage's `full` mbarrier (the TMA completes its bytes on the same barrier);
+//   the consumers wait on `full`, issue the slice's 4 wgmma, and once the MMAs of the slice
+//   before are done (wgmma.wait_group 1) release that stage on its `empty` mbarrier.
+// So loads, dequantization and MMAs of different slices overlap, and no CTA-wide barrier sits
+// in the K loop (the first kernels' time was their sum: BENCHMARKS.md).
+
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// An arrival that also announces `bytes` of asynchronous (TMA) writes for the phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+// TMA: the box at (c0 = column, c1 = row) of the 2-D tensor map at `tmap` (global memory)
+// into shared `dst`, its bytes completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// One K slice of a producer thread's two weight rows: 2 x 32 bytes of codes, 2 x 4 scales.
+struct WsRaw {
+    uint4 q[2][2];
+    u32 s[2];
+};
+
+// The producer thread's two weight rows (tile rows tid and tid + 128): the fused kernel's are
+// row n0 + tid of w1 and of w3, the plain kernel's rows n0 + tid and n0 + 128 + tid. A row past
+// nout reads row 0 with its scales zeroed (its BF16 values are then +-0).
+struct WsRows {
+    const u8* q[2];
+    const u8* s[2];
+    bool ok[2];
+};
+
+__device__ __forceinline__ void ws_load(const WsRows& w, u32 kb, WsRaw& r) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint4* q = reinterpret_cast<const uint4*>(w.q[i] + kb * 32);
+        r.q[i][0] = __ldg(q);
+        r.q[i][1] = __ldg(q + 1);
+        u32 s = __ldg(reinterpret_cast<const u32*>(w.s[i] + kb * 4));
+        r.s[i] = w.ok[i] ? s : 0u;
+    }
+}
+
+// 32 codes (a uint4) with their two block scales (bytes 0 and 1 of sc16) -> four 16-byte BF16
+// chunks (dequant8 order), through `put(chunk, value)`.
+template <typename Put>
+__device__ __forceinline__ void dequant32(uint4 q, u32 sc16, Put put) {
+    u32 sv = e4m3x2_scaled(__byte_perm(sc16, 0u, 0x4140u));
+    u32 s0 = __byte_perm(sv, sv, 0x1010u), s1 = __byte_perm(sv, sv, 0x3232u);
+    put(0, dequant8(q.x, s0));
+    put(1, dequant8(q.y, s0));
+    put(2, dequant8(q.z, s1));
+    put(3, dequant8(q.w, s1));
+}
+
+// A slice of the thread's two rows into the stage's swizzled BF16 weight buffer `sb`.
+__device__ __forceinline__ void ws_dequant(const WsRaw& r, u8* sb, u32 tid) {
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        u32 n = tid + 128 * i;
+        u8* row = sb + n * 128;
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            dequant32(r.q[i][h], r.s[i] >> (16 * h), [&](u32 c, uint4 v) {
+                *reinterpret_cast<uint4*>(row + (((h * 4 + c) ^ (n & 7u)) << 4)) = v;
+            });
+    }
+}
+
+struct WsTile {
+    u32 r0, a_rows, K;
+    const void* tmap;  // A: BF16 [rows, K] (moe_rows_bf16), box 64 x 128, 128-byte swizzle
+};
+
+// The K loop of both kernels; the consumers' accumulators end in acc (layout of h_mainloop's,
+// with the consumer index cw = warpgroup - 1). Ends with a CTA barrier: the stages are free.
+__device__ __forceinline__ void ws_mainloop(const WsTile& t, const WsRows& w, u8* base, float (&acc)[128]) {
+    u32 tid = threadIdx.x, wg = tid / 128;
+    u32 sbase = smem_addr(base);
+    u32 full0 = sbase + WS_OFF_BAR, empty0 = full0 + WS_STAGES * 8;
+    if (tid == 0) {
+        for (u32 s = 0; s < WS_STAGES; s++) {
+            mbar_init(full0 + 8 * s, 128 + 1);  // the producer's threads + the TMA's expect_tx
+            mbar_init(empty0 + 8 * s, 8);       // one lane of each consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    u32 nk = t.K / H_BK;
+    if (wg == 0) {
+        // producer
+        auto produce = [&](u32 kb, const WsRaw& r) {
+            u32 s = kb % WS_STAGES;
+            if (kb >= WS_STAGES) mbar_wait(empty0 + 8 * s, ((kb / WS_STAGES) - 1) & 1u);
+            u32 full = full0 + 8 * s;
+            if (tid == 0) {
+                mbar_arrive_expect_tx(full, WS_SA_BYTES);
+                tma_load_2d(sbase + s * WS_STAGE_BYTES, t.tmap, (int)(kb * H_BK), (int)t.r0, full);
+            }
+            ws_dequant(r, base + s * WS_STAGE_BYTES + WS_SA_BYTES, tid);
+            fence_proxy_async();
+            mbar_arrive(full);
+        };
+        WsRaw ra, rb;
+        ws_load(w, 0, ra);
+        if (nk > 1) ws_load(w, 1, rb);
+        for (u32 kb = 0; kb < nk; kb += 2) {
+            produce(kb, ra);
+            if (kb + 2 < nk) ws_load(w, kb + 2, ra);
+            if (kb + 1 < nk) {
+                produce(kb + 1, rb);
+                if (kb + 3 < nk) ws_load(w, kb + 3, rb);
+            }
+        }
+    } else {
+        // consumers; a tile of <= 64 rows leaves the second one's MMAs out (it still waits and
+        // releases the stages). The shuffle makes the flag visibly warp-uniform (else C7518).
+        u32 cw = wg - 1, lane = tid % 32;
+        bool mma = __shfl_sync(0xFFFFFFFFu, (cw == 0 || t.a_rows > 64) ? 1 : 0, 0) != 0;
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        for (u32 kb = 0; kb < nk; kb++) {
+            u32 s = kb % WS_STAGES;
+            mbar_wait(full0 + 8 * s, (kb / WS_STAGES) & 1u);
+            if (mma) {
+                u32 st = sbase + s * WS_STAGE_BYTES;
+                u64 da = smem_desc(st + cw * 64 * 128), db = smem_desc(st + WS_SA_BYTES);
+                wgmma_fence();
+#pragma unroll
+                for (u32 kk = 0; kk < H_BK / 16; kk++) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);
+                wgmma_commit();
+                // the MMAs of slice kb-1 are done: its stage goes back to the producer
+                wgmma_wait<1>();
+            }
+            if (kb > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kb - 1) % WS_STAGES));
+        }
+        if (mma) wgmma_wait<0>();
+        acc_fence(acc);
+    }
+    __syncthreads();
+}
+
 #endif  // NVFP4DBG_WGMMA
 
 // Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
@@ -463,6 +645,135 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
     __syncthreads();
     gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
                                                        out_f32, amax_bits);
+#else
+    __trap();
+#endif
+}
+
+// ---- the warp-specialized kernels (moe.rs launches these by default) ----
+
+// The expert inputs in BF16 for the TMA: out[r, k] = e2m1 * e4m3 * 2^-9 of row r of the
+// NVFP4 rows (aq, as), in dequant8's element order within each 8 codes (the weights use the
+// same order, so the dot products are the same sums). One thread per 32 codes.
+extern "C" __global__ void moe_rows_bf16(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u32 rows,
+                                         u16* __restrict__ out) {
+#if NVFP4DBG_WGMMA
+    u32 units = K / 32;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)rows * units) return;
+    u64 r = idx / units;
+    u32 u = (u32)(idx - r * units);
+    uint4 q = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
+    u32 sc = *reinterpret_cast<const u16*>(as + r * (K / 16) + u * 2);
+    uint4* d = reinterpret_cast<uint4*>(out + r * K + u * 32);
+    dequant32(q, sc, [&](u32 c, uint4 v) { d[c] = v; });
+#else
+    __trap();
+#endif
+}
+
+#if NVFP4DBG_WGMMA
+__device__ __forceinline__ void ws_rows(WsRows& w, const u8* wq0, const u8* ws0, const u8* wq1, const u8* ws1,
+                                        u32 K, u32 nout, u32 row0, u32 row1) {
+    size_t qrow = K / 2, srow = K / 16;
+    const u8* q[2] = {wq0, wq1};
+    const u8* s[2] = {ws0, ws1};
+    u32 row[2] = {row0, row1};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        w.ok[i] = row[i] < nout;
+        u32 rr = w.ok[i] ? row[i] : 0u;
+        w.q[i] = q[i] + rr * qrow;
+        w.s[i] = s[i] + rr * srow;
+    }
+}
+#endif
+
+// Down projection, as moe_gemm_nvfp4_sm90 with A given as the tensor map `tmap` of
+// moe_rows_bf16's output. Grid: (ceil(nout / 256), M-tile bound), WS_THREADS threads,
+// WS_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+moe_gemm_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq, const u8* __restrict__ ws,
+                      u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
+                      const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
+                      float* __restrict__ out) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    WsTile t{r0, r1 - r0 <= 64 ? 64u : (u32)H_BM, K, tmap};
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
+    const u8* q = wq + e * wstride;
+    const u8* s = ws + e * sstride;
+    u32 n0 = blockIdx.x * H_BN, tid = threadIdx.x % 128;
+    WsRows w;
+    ws_rows(w, q, s, q, s, K, nout, n0 + tid, n0 + 128 + tid);
+    float acc[128];
+    ws_mainloop(t, w, base, acc);
+    if (threadIdx.x < 128) return;
+    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+    for (int j = 0; j < 32; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 row = r0 + cw * 64 + warp * 16 + lane / 4 + 8 * h;
+            u32 col = n0 + j * 8 + (lane % 4) * 2;
+            if (row >= r1) continue;
+            float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
+            float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
+            float* dst = out + (size_t)row * nout + col;
+            if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+            else if (col < nout) dst[0] = v0;
+        }
+#else
+    __trap();
+#endif
+}
+
+// Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with A given as `tmap`. Grid:
+// (ceil(nout / 128), M-tile bound), WS_THREADS threads, WS_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q,
+                              const u8* __restrict__ w1s, const u8* __restrict__ w3q, const u8* __restrict__ w3s,
+                              u32 nout, const float* __restrict__ gs1, const float* __restrict__ ws2_1,
+                              const float* __restrict__ ws2_3, float limit, u32 has_limit,
+                              const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
+                              const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                              u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
+                              u32* __restrict__ amax_bits) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    WsTile t{r0, r1 - r0 <= 64 ? 64u : (u32)H_BM, K, tmap};
+    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
+    u32 n0 = blockIdx.x * H_FUSED_BN, tid = threadIdx.x % 128;
+    WsRows w;
+    ws_rows(w, w1q + e * wstride, w1s + e * sstride, w3q + e * wstride, w3s + e * sstride, K, nout, n0 + tid,
+            n0 + tid);
+    float acc[128];
+    ws_mainloop(t, w, base, acc);
+    float* sa = reinterpret_cast<float*>(base);
+    const int SA = H_SA_F32_ROW;
+    if (threadIdx.x >= 128) {
+        float g_in = rcp_ref(gs1[e]);
+        float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
+        u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+        for (int j = 0; j < 16; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                u32 lr = cw * 64 + warp * 16 + lane / 4 + 8 * (q / 2);
+                u32 lc = j * 8 + (lane % 4) * 2 + (q % 2);
+                float g = __fmul_rn(__fmul_rn(acc[j * 4 + q], H_UNSCALE), alpha_g);
+                float u = __fmul_rn(__fmul_rn(acc[(j + 16) * 4 + q], H_UNSCALE), alpha_u);
+                sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
+            }
+    }
+    __syncthreads();
+    gate_up_tile_epilogue<H_BM, H_FUSED_BN, WS_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                        out_f32, amax_bits);
 #else
     __trap();
 #endif
