@@ -49,16 +49,22 @@
 #define H_SA_F32_ROW (H_FUSED_BN + 4)
 static_assert(H_BM * H_SA_F32_ROW * 4 <= H_OFF_RAW, "the f32 tile of a must fit the operand buffers");
 
-// The warp-specialized kernels (below): 3 warpgroups, WS_STAGES stages of BF16 A and W.
+// The warp-specialized kernels (below): 3 warpgroups; a ring of stages of BF16 A (128 x 64)
+// and W (256 x 64); the gate/up kernel also keeps its f32 tile of `a` apart from the ring,
+// so that the next tile's slices load while the consumers run its epilogue. Shared memory:
+// the ring, [the f32 tile,] two mbarriers per stage, + 1024 to align the base (moe.rs
+// SM90_WS_*_SMEM: the launches give these sizes for the default stage counts).
 #define WS_THREADS 384
-#define WS_STAGES 4
+#ifndef WS_STAGES_DOWN  // at most 4
+#define WS_STAGES_DOWN 4
+#endif
+#ifndef WS_STAGES_GATE_UP  // at most 3
+#define WS_STAGES_GATE_UP 3
+#endif
 #define WS_SA_BYTES (H_BM * H_BK * 2)
 #define WS_SB_BYTES (H_BN * H_BK * 2)
 #define WS_STAGE_BYTES (WS_SA_BYTES + WS_SB_BYTES)
-#define WS_OFF_BAR (WS_STAGES * WS_STAGE_BYTES)
-// + 1024 to align the base: the launch's dynamic shared memory (SM90_WS_SMEM_BYTES in moe.rs)
-#define WS_SMEM_BYTES (WS_OFF_BAR + 2 * WS_STAGES * 8 + 1024)
-static_assert(H_BM * H_SA_F32_ROW * 4 <= WS_OFF_BAR, "the f32 tile of a must fit the stages");
+#define WS_F32_TILE_BYTES (H_BM * H_SA_F32_ROW * 4)
 
 #if NVFP4DBG_WGMMA
 
@@ -385,7 +391,7 @@ __device__ __forceinline__ u8* h_smem_base() {
 }
 
 
-// ---- warp-specialized kernels (the default) ----
+// ---- warp-specialized, persistent kernels (the default) ----
 //
 // The same 128 x 256 tile and the same numbers, but the work is split by warpgroup instead
 // of CTA barriers: warpgroup 0 is the producer, 1 and 2 the consumers (64 rows each).
@@ -398,7 +404,11 @@ __device__ __forceinline__ u8* h_smem_base() {
 //   the consumers wait on `full`, issue the slice's 4 wgmma, and once the MMAs of the slice
 //   before are done (wgmma.wait_group 1) release that stage on its `empty` mbarrier.
 // So loads, dequantization and MMAs of different slices overlap, and no CTA-wide barrier sits
-// in the K loop (the first kernels' time was their sum: BENCHMARKS.md).
+// in the K loop (the first kernels' time was their sum: BENCHMARKS.md). The grid is
+// persistent: CTA b takes tiles b, b + gridDim.x, ... (output-column tiles fastest, so the
+// CTAs at work share row tiles' A in L2), and the ring runs on across tiles, so the producer
+// loads the next tile while the consumers run this one's epilogue. Launched with one CTA per
+// tile instead, the same code runs each tile in its own CTA.
 
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
@@ -411,15 +421,24 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
-// Until the phase of parity `parity` of the barrier has completed.
+// Until the phase of parity `parity` of the barrier has completed. The loop is inside the asm
+// (labels are local to the braces): a C++ loop around try_wait is a branch that ptxas sees
+// while MMAs are in flight, and it then serializes every wgmma.
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    u32 done = 0;
-    while (!done)
-        asm volatile(
-            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done)
-            : "r"(bar), "r"(parity)
-            : "memory");
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// mbar_arrive where `pred` holds, predicated inside the asm (no branch: see mbar_wait).
+__device__ __forceinline__ void mbar_arrive_if(u32 bar, bool pred) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+        "r"((u32)pred)
+        : "memory");
 }
 // TMA: the box at (c0 = column, c1 = row) of the 2-D tensor map at `tmap` (global memory)
 // into shared `dst`, its bytes completing on mbarrier `bar`.
@@ -482,78 +501,92 @@ __device__ __forceinline__ void ws_dequant(const WsRaw& r, u8* sb, u32 tid) {
     }
 }
 
-struct WsTile {
-    u32 r0, a_rows, K;
-    const void* tmap;  // A: BF16 [rows, K] (moe_rows_bf16), box 64 x 128, 128-byte swizzle
-};
-
-// The K loop of both kernels; the consumers' accumulators end in acc (layout of h_mainloop's,
-// with the consumer index cw = warpgroup - 1). Ends with a CTA barrier: the stages are free.
-__device__ __forceinline__ void ws_mainloop(const WsTile& t, const WsRows& w, u8* base, float (&acc)[128]) {
-    u32 tid = threadIdx.x, wg = tid / 128;
-    u32 sbase = smem_addr(base);
-    u32 full0 = sbase + WS_OFF_BAR, empty0 = full0 + WS_STAGES * 8;
-    if (tid == 0) {
-        for (u32 s = 0; s < WS_STAGES; s++) {
-            mbar_init(full0 + 8 * s, 128 + 1);  // the producer's threads + the TMA's expect_tx
-            mbar_init(empty0 + 8 * s, 8);       // one lane of each consumer warp
+// The ring's mbarriers at `bars`: full[S] then empty[S]. Slice g of the CTA (counted across
+// its tiles) sits in stage g % S; its phases have parity (g / S) & 1.
+template <int S>
+__device__ __forceinline__ void ws_init(u32 bars) {
+    if (threadIdx.x == 0) {
+        for (u32 s = 0; s < S; s++) {
+            mbar_init(bars + 8 * s, 128 + 1);    // the producer's threads + the TMA's expect_tx
+            mbar_init(bars + 8 * (S + s), 8);  // one lane of each consumer warp
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    u32 nk = t.K / H_BK;
-    if (wg == 0) {
-        // producer
-        auto produce = [&](u32 kb, const WsRaw& r) {
-            u32 s = kb % WS_STAGES;
-            if (kb >= WS_STAGES) mbar_wait(empty0 + 8 * s, ((kb / WS_STAGES) - 1) & 1u);
-            u32 full = full0 + 8 * s;
-            if (tid == 0) {
-                mbar_arrive_expect_tx(full, WS_SA_BYTES);
-                tma_load_2d(sbase + s * WS_STAGE_BYTES, t.tmap, (int)(kb * H_BK), (int)t.r0, full);
-            }
-            ws_dequant(r, base + s * WS_STAGE_BYTES + WS_SA_BYTES, tid);
-            fence_proxy_async();
-            mbar_arrive(full);
-        };
-        WsRaw ra, rb;
-        ws_load(w, 0, ra);
-        if (nk > 1) ws_load(w, 1, rb);
-        for (u32 kb = 0; kb < nk; kb += 2) {
-            produce(kb, ra);
-            if (kb + 2 < nk) ws_load(w, kb + 2, ra);
-            if (kb + 1 < nk) {
-                produce(kb + 1, rb);
-                if (kb + 3 < nk) ws_load(w, kb + 3, rb);
-            }
-        }
-    } else {
-        // consumers; a tile of <= 64 rows leaves the second one's MMAs out (it still waits and
-        // releases the stages). The shuffle makes the flag visibly warp-uniform (else C7518).
-        u32 cw = wg - 1, lane = tid % 32;
-        bool mma = __shfl_sync(0xFFFFFFFFu, (cw == 0 || t.a_rows > 64) ? 1 : 0, 0) != 0;
-#pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-        for (u32 kb = 0; kb < nk; kb++) {
-            u32 s = kb % WS_STAGES;
-            mbar_wait(full0 + 8 * s, (kb / WS_STAGES) & 1u);
-            if (mma) {
-                u32 st = sbase + s * WS_STAGE_BYTES;
-                u64 da = smem_desc(st + cw * 64 * 128), db = smem_desc(st + WS_SA_BYTES);
-                wgmma_fence();
-#pragma unroll
-                for (u32 kk = 0; kk < H_BK / 16; kk++) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);
-                wgmma_commit();
-                // the MMAs of slice kb-1 are done: its stage goes back to the producer
-                wgmma_wait<1>();
-            }
-            if (kb > 0 && lane == 0) mbar_arrive(empty0 + 8 * ((kb - 1) % WS_STAGES));
-        }
-        if (mma) wgmma_wait<0>();
-        acc_fence(acc);
-    }
-    __syncthreads();
 }
+
+// Producer: the nk slices of one tile, slices g0 .. g0 + nk - 1 of the ring. A's box comes
+// from the tensor map `tmap` at rows r0 .. r0 + 127 (rows past the matrix read as zeros).
+template <int S>
+__device__ __forceinline__ void ws_produce(const WsRows& w, u8* base, u32 bars, const void* tmap, u32 r0, u32 nk,
+                                           u32 g0) {
+    u32 tid = threadIdx.x, sbase = smem_addr(base);
+    auto produce = [&](u32 kb, const WsRaw& r) {
+        u32 g = g0 + kb, s = g % S;
+        if (g >= S) mbar_wait(bars + 8 * (S + s), ((g / S) - 1) & 1u);
+        u32 full = bars + 8 * s;
+        if (tid == 0) {
+            mbar_arrive_expect_tx(full, WS_SA_BYTES);
+            tma_load_2d(sbase + s * WS_STAGE_BYTES, tmap, (int)(kb * H_BK), (int)r0, full);
+        }
+        ws_dequant(r, base + s * WS_STAGE_BYTES + WS_SA_BYTES, tid);
+        fence_proxy_async();
+        mbar_arrive(full);
+    };
+    // two register sets: the loads of slice kb + 2 go out as slice kb is dequantized
+    WsRaw ra, rb;
+    ws_load(w, 0, ra);
+    if (nk > 1) ws_load(w, 1, rb);
+    for (u32 kb = 0; kb < nk; kb += 2) {
+        produce(kb, ra);
+        if (kb + 2 < nk) ws_load(w, kb + 2, ra);
+        if (kb + 1 < nk) {
+            produce(kb + 1, rb);
+            if (kb + 3 < nk) ws_load(w, kb + 3, rb);
+        }
+    }
+}
+
+// Consumer warpgroup cw = warpgroup - 1: rows cw * 64 .. + 63 of the tile into acc (layout of
+// h_mainloop's). Every stage is released once its MMAs are done. A tile of <= 64 rows
+// (a_rows 64) leaves the second consumer's MMAs out; it still waits and releases. The
+// shuffle makes the flag visibly warp-uniform (else ptxas serializes the wgmma, C7518).
+template <int S>
+__device__ __forceinline__ void ws_consume(float (&acc)[128], u8* base, u32 bars, u32 a_rows, u32 nk, u32 g0) {
+    u32 cw = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, sbase = smem_addr(base);
+    bool mma = __shfl_sync(0xFFFFFFFFu, (cw == 0 || a_rows > 64) ? 1 : 0, 0) != 0;
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    // two loops rather than a branch around the MMAs: a wgmma.wait_group under a condition
+    // leaves ptxas unsure where a pipeline stage ends, and it serializes the wgmma (C7515)
+    if (mma) {
+        for (u32 kb = 0; kb < nk; kb++) {
+            u32 g = g0 + kb, s = g % S;
+            mbar_wait(bars + 8 * s, (g / S) & 1u);
+            u32 st = sbase + s * WS_STAGE_BYTES;
+            u64 da = smem_desc(st + cw * 64 * 128), db = smem_desc(st + WS_SA_BYTES);
+            wgmma_fence();
+#pragma unroll
+            for (u32 kk = 0; kk < H_BK / 16; kk++) wgmma_m64n256k16_bf16(acc, da + 2 * kk, db + 2 * kk);
+            wgmma_commit();
+            // the MMAs of slice g-1 are done: its stage goes back to the producer
+            wgmma_wait<1>();
+            mbar_arrive_if(bars + 8 * (S + (g + S - 1) % S), kb > 0 && lane == 0);
+        }
+        wgmma_wait<0>();
+        acc_fence(acc);
+    } else {
+        for (u32 kb = 0; kb < nk; kb++) {
+            u32 g = g0 + kb, s = g % S;
+            mbar_wait(bars + 8 * s, (g / S) & 1u);
+            mbar_arrive_if(bars + 8 * (S + (g + S - 1) % S), kb > 0 && lane == 0);
+        }
+    }
+    mbar_arrive_if(bars + 8 * (S + (g0 + nk - 1) % S), lane == 0);
+}
+
+// The consumers' own barrier (named barrier 1, 256 threads): the producer never waits on it.
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
 #endif  // NVFP4DBG_WGMMA
 
@@ -644,7 +677,7 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
     }
     __syncthreads();
     gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                       out_f32, amax_bits);
+                                                       out_f32, amax_bits, threadIdx.x);
 #else
     __trap();
 #endif
@@ -689,50 +722,93 @@ __device__ __forceinline__ void ws_rows(WsRows& w, const u8* wq0, const u8* ws0,
 }
 #endif
 
+#if NVFP4DBG_WGMMA
+// The tile walk of the persistent kernels: linear tile t of (row tiles x ntn column tiles),
+// columns fastest, over the row tiles that exist (tile_offsets[E]); CTA b takes b, b + grid, ...
+struct WsWalk {
+    const u32* tile_offsets;
+    const u32* expert_offsets;
+    u32 E, ntn, bn, total;
+    __device__ WsWalk(const u32* to, const u32* eo, u32 E_, u32 nout, u32 bn_)
+        : tile_offsets(to), expert_offsets(eo), E(E_), ntn((nout + bn_ - 1) / bn_), bn(bn_), total(to[E_] * ntn) {}
+    // expert e, rows r0 .. r1 - 1 and first output column n0 of tile t < total
+    __device__ void at(u32 t, u32& e, u32& r0, u32& r1, u32& n0) const {
+        h_find_tile(tile_offsets, expert_offsets, E, t / ntn, e, r0, r1);
+        n0 = (t % ntn) * bn;
+    }
+};
+
+// Registers per thread after the split (setmaxnreg): the launch gives 168 (384 threads); the
+// producer gives some back so that the consumers keep their 128 accumulators and the wgmma
+// pipeline's registers (at 168 ptxas serializes every wgmma). 128 x 88 + 256 x 208 = 384 x 168.
+#define WS_PRODUCER_REGS 88
+#define WS_CONSUMER_REGS 208
+__device__ __forceinline__ void ws_producer_regs() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
+}
+__device__ __forceinline__ void ws_consumer_regs() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
+}
+#endif
+
 // Down projection, as moe_gemm_nvfp4_sm90 with A given as the tensor map `tmap` of
-// moe_rows_bf16's output. Grid: (ceil(nout / 256), M-tile bound), WS_THREADS threads,
-// WS_SMEM_BYTES of dynamic shared memory.
+// moe_rows_bf16's output. Grid: persistent (any number of CTAs), WS_THREADS threads,
+// SM90_WS_DOWN_SMEM (moe.rs) of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 moe_gemm_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq, const u8* __restrict__ ws,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
                       float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
-    u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    const int S = WS_STAGES_DOWN;
     u8* base = h_smem_base();
-    WsTile t{r0, r1 - r0 <= 64 ? 64u : (u32)H_BM, K, tmap};
+    u32 bars = smem_addr(base) + S * WS_STAGE_BYTES;
+    ws_init<S>(bars);
+    WsWalk walk(tile_offsets, expert_offsets, E, nout, H_BN);
+    u32 nk = K / H_BK, tid = threadIdx.x % 128;
     size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
-    const u8* q = wq + e * wstride;
-    const u8* s = ws + e * sstride;
-    u32 n0 = blockIdx.x * H_BN, tid = threadIdx.x % 128;
-    WsRows w;
-    ws_rows(w, q, s, q, s, K, nout, n0 + tid, n0 + 128 + tid);
-    float acc[128];
-    ws_mainloop(t, w, base, acc);
-    if (threadIdx.x < 128) return;
-    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
-    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
-#pragma unroll
-    for (int j = 0; j < 32; j++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 row = r0 + cw * 64 + warp * 16 + lane / 4 + 8 * h;
-            u32 col = n0 + j * 8 + (lane % 4) * 2;
-            if (row >= r1) continue;
-            float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
-            float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
-            float* dst = out + (size_t)row * nout + col;
-            if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-            else if (col < nout) dst[0] = v0;
+    u32 e, r0, r1, n0;
+    if (threadIdx.x < 128) {
+        ws_producer_regs();
+        for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+            walk.at(t, e, r0, r1, n0);
+            const u8* q = wq + e * wstride;
+            const u8* sc = ws + e * sstride;
+            WsRows w;
+            ws_rows(w, q, sc, q, sc, K, nout, n0 + tid, n0 + 128 + tid);
+            ws_produce<S>(w, base, bars, tmap, r0, nk, g0);
         }
+        return;
+    }
+    ws_consumer_regs();
+    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+    for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+        walk.at(t, e, r0, r1, n0);
+        float acc[128];
+        ws_consume<S>(acc, base, bars, r1 - r0 <= 64 ? 64u : (u32)H_BM, nk, g0);
+        float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+#pragma unroll
+        for (int j = 0; j < 32; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                u32 row = r0 + cw * 64 + warp * 16 + lane / 4 + 8 * h;
+                u32 col = n0 + j * 8 + (lane % 4) * 2;
+                if (row >= r1) continue;
+                float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
+                float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
+                float* dst = out + (size_t)row * nout + col;
+                if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+                else if (col < nout) dst[0] = v0;
+            }
+    }
 #else
     __trap();
 #endif
 }
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with A given as `tmap`. Grid:
-// (ceil(nout / 128), M-tile bound), WS_THREADS threads, WS_SMEM_BYTES of dynamic shared memory.
+// persistent, WS_THREADS threads, SM90_WS_GATE_UP_SMEM (moe.rs) of dynamic shared memory.
+// The epilogue (SwiGLU into the f32 tile, then quantization) is the consumers' alone.
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q,
                               const u8* __restrict__ w1s, const u8* __restrict__ w3q, const u8* __restrict__ w3s,
@@ -743,23 +819,36 @@ moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __
                               u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
                               u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
-    u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    const int S = WS_STAGES_GATE_UP;
     u8* base = h_smem_base();
-    WsTile t{r0, r1 - r0 <= 64 ? 64u : (u32)H_BM, K, tmap};
+    float* sa = reinterpret_cast<float*>(base + S * WS_STAGE_BYTES);
+    u32 bars = smem_addr(base) + S * WS_STAGE_BYTES + WS_F32_TILE_BYTES;
+    ws_init<S>(bars);
+    WsWalk walk(tile_offsets, expert_offsets, E, nout, H_FUSED_BN);
+    u32 nk = K / H_BK, tid = threadIdx.x % 128;
     size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
-    u32 n0 = blockIdx.x * H_FUSED_BN, tid = threadIdx.x % 128;
-    WsRows w;
-    ws_rows(w, w1q + e * wstride, w1s + e * sstride, w3q + e * wstride, w3s + e * sstride, K, nout, n0 + tid,
-            n0 + tid);
-    float acc[128];
-    ws_mainloop(t, w, base, acc);
-    float* sa = reinterpret_cast<float*>(base);
+    u32 e, r0, r1, n0;
+    if (threadIdx.x < 128) {
+        ws_producer_regs();
+        for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+            walk.at(t, e, r0, r1, n0);
+            WsRows w;
+            ws_rows(w, w1q + e * wstride, w1s + e * sstride, w3q + e * wstride, w3s + e * sstride, K, nout,
+                    n0 + tid, n0 + tid);
+            ws_produce<S>(w, base, bars, tmap, r0, nk, g0);
+        }
+        return;
+    }
+    ws_consumer_regs();
+    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
     const int SA = H_SA_F32_ROW;
-    if (threadIdx.x >= 128) {
+    for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+        walk.at(t, e, r0, r1, n0);
+        float acc[128];
+        ws_consume<S>(acc, base, bars, r1 - r0 <= 64 ? 64u : (u32)H_BM, nk, g0);
         float g_in = rcp_ref(gs1[e]);
         float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
-        u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+        consumers_sync();  // the previous tile's epilogue is done with sa
 #pragma unroll
         for (int j = 0; j < 16; j++)
 #pragma unroll
@@ -770,10 +859,10 @@ moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __
                 float u = __fmul_rn(__fmul_rn(acc[(j + 16) * 4 + q], H_UNSCALE), alpha_u);
                 sa[lr * SA + lc] = swiglu(g, u, limit, has_limit);
             }
+        consumers_sync();
+        gate_up_tile_epilogue<H_BM, H_FUSED_BN, 256>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                     out_f32, amax_bits, threadIdx.x - 128);
     }
-    __syncthreads();
-    gate_up_tile_epilogue<H_BM, H_FUSED_BN, WS_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                        out_f32, amax_bits);
 #else
     __trap();
 #endif

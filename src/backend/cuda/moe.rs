@@ -38,13 +38,16 @@ const _: () = assert!(
     SM90_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
 );
-/// The warp-specialized kernels: a producer and two consumer warpgroups, WS_STAGES stages of
-/// 128 x 64 BF16 A and 256 x 64 BF16 W, the stages' mbarriers (WS_SMEM_BYTES).
+/// The warp-specialized kernels: a producer and two consumer warpgroups; a ring of stages of
+/// 128 x 64 BF16 A and 256 x 64 BF16 W (48 KB), two mbarriers per stage, the gate/up
+/// kernel's f32 tile of `a` (128 x 132 floats), 1024 bytes to align the base.
 const SM90_WS_THREADS: u32 = 384;
-const SM90_WS_STAGES: u32 = 4;
-const SM90_WS_SMEM_BYTES: u32 = SM90_WS_STAGES * 49_152 + SM90_WS_STAGES * 16 + 1024;
+const SM90_WS_STAGES_DOWN: u32 = 4;
+const SM90_WS_STAGES_GATE_UP: u32 = 3;
+const SM90_WS_DOWN_SMEM: u32 = SM90_WS_STAGES_DOWN * (49_152 + 16) + 1024;
+const SM90_WS_GATE_UP_SMEM: u32 = SM90_WS_STAGES_GATE_UP * (49_152 + 16) + 67_584 + 1024;
 const _: () = assert!(
-    SM90_WS_SMEM_BYTES <= 227 * 1024,
+    SM90_WS_DOWN_SMEM <= 227 * 1024 && SM90_WS_GATE_UP_SMEM <= 227 * 1024,
     "more shared memory than a Hopper block gets"
 );
 
@@ -56,7 +59,11 @@ mod sm90_tests {
         let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
         for line in [
             format!("#define H_STAGES {}", super::SM90_STAGES),
-            format!("#define WS_STAGES {}", super::SM90_WS_STAGES),
+            format!("#define WS_STAGES_DOWN {}", super::SM90_WS_STAGES_DOWN),
+            format!(
+                "#define WS_STAGES_GATE_UP {}",
+                super::SM90_WS_STAGES_GATE_UP
+            ),
             format!("#define WS_THREADS {}", super::SM90_WS_THREADS),
         ] {
             assert!(
@@ -108,6 +115,13 @@ fn sm90_fits(gpu: &Gpu, layer: &DevLayer) -> bool {
         && layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16)
         && c.hidden_size.is_multiple_of(SM90_BK)
         && c.moe_intermediate_size.is_multiple_of(SM90_BK)
+}
+
+/// `NVFP4DBG_SM90_GRID=tiles`: the warp-specialized kernels launched with one CTA per tile
+/// instead of one per SM (to measure what the persistent grid gives, same binary).
+fn sm90_grid_per_tile() -> bool {
+    static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *T.get_or_init(|| std::env::var("NVFP4DBG_SM90_GRID").is_ok_and(|v| v == "tiles"))
 }
 
 /// The warp-specialized kernels' A operand: the expert inputs dequantized to BF16
@@ -978,7 +992,23 @@ impl Nvfp4Forward {
         let map = gpu.ptr(&ops.maps) + if k == h { 0 } else { 128 };
         let mut all = vec![KArg::U64(map), KArg::U32(k as u32)];
         all.extend_from_slice(args);
-        let grid = self.sm90_grid(nout, bn, SM90_WS_THREADS, SM90_WS_SMEM_BYTES);
+        // persistent: one CTA per SM (or, NVFP4DBG_SM90_GRID=tiles, one per tile)
+        let tiles = self.sm90_grid(nout, bn, 1, 0).grid_dim;
+        let tiles = tiles.0 * tiles.1;
+        let ctas = if sm90_grid_per_tile() {
+            tiles
+        } else {
+            tiles.min(gpu.sms)
+        };
+        let grid = LaunchConfig {
+            grid_dim: (ctas.max(1), 1, 1),
+            block_dim: (SM90_WS_THREADS, 1, 1),
+            shared_mem_bytes: if bn == SM90_FUSED_BN {
+                SM90_WS_GATE_UP_SMEM
+            } else {
+                SM90_WS_DOWN_SMEM
+            },
+        };
         gpu.launch(&MOE_GEMM_SM90, kernel, grid, &all)
     }
 
