@@ -25,6 +25,66 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
     }
 }
 
+// ---- Tuning knobs of the NVFP4 quantizer ----
+// Each is an #ifndef constant that NVFP4DBG_NVRTC_DEFINES="-DNAME=V ..." overrides at NVRTC
+// compile time, so that one GPU session can compare them (bench/gpu-sweep-quant.sh). The
+// defaults are the measured kernel; every setting gives the same codes, scales and statistics.
+
+// 16-blocks of a row per thread: 2, 4 or 8. All their loads are issued before any is
+// quantized, so this sets the bytes in flight per thread (BF16: 32 per block). The grid
+// depends on it: src/backend/cuda/quant.rs reads the same define.
+#ifndef QUANT_BLOCKS
+#define QUANT_BLOCKS 4
+#endif
+static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUANT_BLOCKS: 2, 4 or 8");
+
+// CTAs per SM the BF16 kernel is compiled for. 0: no bound (64 registers, so 4 CTAs of 256
+// threads per SM, half the SM's warps). N: registers capped at 64K / (256 N) so that N CTAs
+// fit: more warps to cover one warp's load latency with other warps' arithmetic. With
+// QUANT_BLOCKS 4, 5 and more spill (ptxas); QUANT_BLOCKS 2 takes 48 registers (5 CTAs) alone.
+#ifndef QUANT_MIN_BLOCKS
+#define QUANT_MIN_BLOCKS 0
+#endif
+
+// Input loads: 0 plain (ld.global.nc, allocating in L1, where the second 16 bytes of each
+// 32-byte sector can be found), 1 .L1::no_allocate, 2 .L2::256B (the L2 fetches whole 256-byte
+// lines; a CTA reads 32 KB contiguous), 3 both, 4 ld.global.cs (evict-first, L1 and L2).
+#ifndef QUANT_LOAD
+#define QUANT_LOAD 0
+#endif
+
+// Code and scale stores: 0 plain, 1 st.global.cs (evict-first: the outputs do not push the
+// next inputs out of the L2).
+#ifndef QUANT_STORE
+#define QUANT_STORE 0
+#endif
+
+// Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 no barrier: the block
+// count is rows x kb (each block of the tensor is quantized once), added by one thread of the
+// grid; the rare classes (saturated, flushed, NaN) by warp sums and atomics in the warps that
+// saw one (none on ordinary activations).
+#ifndef QUANT_STATS
+#define QUANT_STATS 0
+#endif
+
+// 0: one thread per group of QUANT_BLOCKS blocks. N > 0: at most N CTAs (quant.rs caps the
+// grid; on an H200 132 x CTAs-per-SM is one wave, no tail), each thread strides over groups
+// and issues the next group's loads before it quantizes the current one (loads in flight
+// while it computes; twice the raw registers). Any grid gives the same output.
+#ifndef QUANT_GRID
+#define QUANT_GRID 0
+#endif
+
+// BF16 input loads: 0 each thread loads its own group (16-byte loads 128 bytes apart across
+// the warp: 32 lines per load instruction in L1). 1 the warp's groups come through shared
+// memory: each cp.async instruction of the warp copies 512 contiguous bytes (4 lines) when the
+// groups are adjacent in the input, then each lane reads its own group from there
+// (QUANT_BLOCKS 2 or 4: 16 or 32 KB of shared memory per CTA; not with QUANT_GRID).
+#ifndef QUANT_SMEM
+#define QUANT_SMEM 0
+#endif
+static_assert(!QUANT_SMEM || (QUANT_BLOCKS <= 4 && QUANT_GRID == 0), "QUANT_SMEM: QUANT_BLOCKS <= 4, no QUANT_GRID");
+
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
 #define QUANT_THREADS 256
@@ -44,6 +104,74 @@ __device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
     }
 }
 
+// QUANT_STATS 1: `blocks` (all of the tensor's) added once by thread 0 of CTA 0, c[1..3] by
+// the warps where one is not zero. Every thread of the warp must call it (full-mask votes).
+__device__ __forceinline__ void add_stats_rare(u64* stats, const u32 (&c)[4], u64 blocks) {
+    if (stats == nullptr) return;
+    if (blockIdx.x == 0 && threadIdx.x == 0 && blocks) atomicAdd(&stats[0], blocks);
+    if (!__any_sync(0xFFFFFFFFu, (c[1] | c[2] | c[3]) != 0u)) return;
+#pragma unroll
+    for (int f = 1; f < 4; f++) {
+        u32 n = __reduce_add_sync(0xFFFFFFFFu, c[f]);
+        if (threadIdx.x % 32 == 0 && n) atomicAdd(&stats[f], (u64)n);
+    }
+}
+
+// One 16-byte load of the input, with the QUANT_LOAD cache hint.
+#if QUANT_LOAD == 1
+#define QUANT_LD "ld.global.nc.L1::no_allocate.v4.u32"
+#elif QUANT_LOAD == 2
+#define QUANT_LD "ld.global.nc.L2::256B.v4.u32"
+#elif QUANT_LOAD == 3
+#define QUANT_LD "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
+#elif QUANT_LOAD == 4
+#define QUANT_LD "ld.global.cs.v4.u32"
+#endif
+__device__ __forceinline__ uint4 ld_in(const uint4* p) {
+#if QUANT_LOAD == 0
+    return *p;
+#else
+    uint4 v;
+    asm volatile(QUANT_LD " {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+#endif
+}
+
+// Code and scale stores, with the QUANT_STORE cache hint.
+__device__ __forceinline__ void st_out(uint4* p, uint4 v) {
+#if QUANT_STORE
+    asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+#else
+    *p = v;
+#endif
+}
+__device__ __forceinline__ void st_out(u32* p, u32 v) {
+#if QUANT_STORE
+    asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#else
+    *p = v;
+#endif
+}
+__device__ __forceinline__ void st_out(u16* p, u16 v) {
+#if QUANT_STORE
+    asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
+#else
+    *p = v;
+#endif
+}
+
+// Scale bytes stored as one word: 4 (a whole k-group of the swizzled layout), or 2 with
+// QUANT_BLOCKS 2.
+#define QUANT_SCALE_WORD (QUANT_BLOCKS < 4 ? QUANT_BLOCKS : 4)
+__device__ __forceinline__ void st_scale_word(u8* dst, u32 word) {
+#if QUANT_SCALE_WORD == 4
+    st_out(reinterpret_cast<u32*>(dst), word);
+#else
+    st_out(reinterpret_cast<u16*>(dst), (u16)word);
+#endif
+}
+
 // Raw 16-byte loads of one block (BF16: two, F32: four), converted only after every load of
 // the thread is in flight.
 template <typename T> struct RawBlock;
@@ -54,7 +182,7 @@ template <typename T>
 __device__ __forceinline__ void load_raw(const T* p, RawBlock<T>& r) {
     const uint4* q = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = q[i];
+    for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = ld_in(q + i);
 }
 
 // The block as floats and max|x| as bits (amax_bits16). BF16: the maximum is taken on the
@@ -86,98 +214,234 @@ __device__ __forceinline__ u32 unpack_raw(const RawBlock<u16>& r, float (&x)[16]
     return max(m & 0xFFFFu, m >> 16) << 16;
 }
 
-// Blocks per thread: all their loads are issued before any is quantized.
-#define QUANT_BLOCKS 4
+// The quantizer's problem: the grid covers rows_g x kb_g blocks (with `swizzled`, the padded
+// scale matrix) in `total` groups of QUANT_BLOCKS, `groups` per row.
+struct QuantDims {
+    u64 rows, kb, kb_g, groups, total;
+    u32 cols;
+};
 
-// QUANT_BLOCKS consecutive 16-blocks of a row per thread (the first a multiple of
-// QUANT_BLOCKS), codes stored 16 bytes and scales 4 bytes at a time where aligned.
-// `row_src` (nullable) gathers: output row r reads input row row_src[r]. `gs_idx` (nullable)
-// picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid covers the padded scale
-// matrix and padding is written as zero. Launched with QUANT_THREADS threads.
+__device__ __forceinline__ QuantDims quant_dims(u64 rows, u32 cols, u32 swizzled) {
+    QuantDims d;
+    d.rows = rows;
+    d.cols = cols;
+    d.kb = cols / 16;
+    u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
+    d.kb_g = swizzled ? (d.kb + 3) / 4 * 4 : d.kb;
+    d.groups = (d.kb_g + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
+    d.total = rows_g * d.groups;
+    return d;
+}
+
+// One thread's group: QUANT_BLOCKS consecutive 16-blocks of output row r from block b0 (a
+// multiple of QUANT_BLOCKS), and their raw input (in flight until first used).
+template <typename T> struct Group {
+    u64 r, b0;
+    bool in_row;
+    RawBlock<T> raw[QUANT_BLOCKS];
+};
+
+// Where group `idx` (< d.total) lives; returns the input row it reads.
+template <typename T>
+__device__ __forceinline__ u64 group_locate(u64 idx, const QuantDims& d, const int* __restrict__ row_src,
+                                            Group<T>& g) {
+    if (d.total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
+        u32 r32 = (u32)idx / (u32)d.groups;
+        g.r = r32;
+        g.b0 = QUANT_BLOCKS * ((u32)idx - r32 * (u32)d.groups);
+    } else {
+        g.r = idx / d.groups;
+        g.b0 = QUANT_BLOCKS * (idx % d.groups);
+    }
+    g.in_row = g.r < d.rows;
+    return g.in_row ? (row_src ? (u64)row_src[g.r] : g.r) : 0;
+}
+
+// Locate group `idx` and issue its loads.
+template <typename T>
+__device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, const QuantDims& d,
+                                           const int* __restrict__ row_src, Group<T>& g) {
+    u64 src = group_locate<T>(idx, d, row_src, g);
+#pragma unroll
+    for (int h = 0; h < QUANT_BLOCKS; h++)
+        if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
+}
+
+// ---- QUANT_SMEM: a warp's groups staged through shared memory ----
+
+// 16-byte unit u = lane * NC + chunk of a warp's staging area (NC chunks per group), XOR-
+// swizzled: the copies (8 consecutive units per phase) and the owners' reads (8 lanes, the
+// same chunk each) both land on 8 distinct 16-byte bank groups.
+template <int NC> __device__ __forceinline__ int stage_slot(int u) {
+    return NC >= 8 ? u ^ ((u / NC) & 7) : u ^ ((u / 8) & (NC - 1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+
+// The raw input of every lane's group (lanes with g.in_row false or past the grid's groups
+// copy nothing). All 32 lanes of the warp call it. Copy step i moves units i*32 .. i*32+31:
+// chunk u % NC of lane u / NC's group, whose address (16-byte aligned) and chunk count (<= 8,
+// in the low 4 bits) come by one 64-bit shuffle.
+template <typename T>
+__device__ __forceinline__ void group_load_staged(const T* __restrict__ x, u64 src, const QuantDims& d,
+                                                  Group<T>& g) {
+    constexpr int CPB = (int)sizeof(RawBlock<T>) / 16;  // chunks per block
+    constexpr int NC = QUANT_BLOCKS * CPB;
+    static_assert(NC <= 8, "the chunk count must fit the 4 low bits of an aligned address");
+    __shared__ uint4 stage[QUANT_THREADS * NC];
+    const int lane = threadIdx.x % 32;
+    uint4* area = stage + (threadIdx.x / 32) * 32 * NC;
+    u64 n = g.in_row && g.b0 < d.kb ? min((u64)QUANT_BLOCKS, d.kb - g.b0) * CPB : 0;
+    u64 mine = (u64)(x + src * d.cols + g.b0 * 16) | n;
+#pragma unroll
+    for (int i = 0; i < NC; i++) {
+        int u = i * 32 + lane;
+        u64 other = __shfl_sync(0xFFFFFFFFu, mine, u / NC);
+        if ((int)(other & 15u) > u % NC)
+            cp_async16(area + stage_slot<NC>(u), reinterpret_cast<const uint4*>(other & ~(u64)15) + u % NC);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < QUANT_BLOCKS; h++)
+        if (g.in_row && g.b0 + h < d.kb)
+#pragma unroll
+            for (int k = 0; k < CPB; k++) g.raw[h].q[k] = area[stage_slot<NC>(lane * NC + h * CPB + k)];
+}
+
+// Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
+// word at a time where aligned; swizzled padding as zero), count its blocks into c.
+template <typename T>
+__device__ __forceinline__ void group_quantize(const Group<T>& g, const QuantDims& d,
+                                               const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                                               u8* __restrict__ packed, u8* __restrict__ scales,
+                                               u32 swizzled, u32 flavor, u32 (&c)[4]) {
+    const u64 r = g.r, b0 = g.b0, kb = d.kb;
+    const bool in_row = g.in_row;
+    float gv = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
+    float rg = nvfp4_rgs(gv, flavor);
+    u32 p[QUANT_BLOCKS][2];
+    u32 sc[QUANT_BLOCKS];
+#pragma unroll
+    for (int h = 0; h < QUANT_BLOCKS; h++) {
+        p[h][0] = p[h][1] = 0;
+        sc[h] = 0;
+        if (in_row && b0 + h < kb) {
+            float v[16];
+            u32 mbits = unpack_raw(g.raw[h], v);
+            u32 s = quant_block_nvfp4_core(v, mbits, gv, rg, flavor, p[h]);
+            sc[h] = s;
+            u32 cls = classify_nvfp4(s, __uint_as_float(mbits) > 0.0f);
+            c[0] += 1;
+            c[1] += cls & 1u;
+            c[2] += (cls >> 1) & 1u;
+            c[3] += (cls >> 2) & 1u;
+        }
+    }
+    bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
+    if (in_row) {
+        u8* dst = packed + r * (d.cols / 2) + b0 * 8;
+        if (whole && ((size_t)dst & 15u) == 0) {
+            uint4* o = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+            for (int v = 0; v < QUANT_BLOCKS / 2; v++)
+                st_out(o + v, make_uint4(p[2 * v][0], p[2 * v][1], p[2 * v + 1][0], p[2 * v + 1][1]));
+        } else {
+#pragma unroll
+            for (int h = 0; h < QUANT_BLOCKS; h++)
+                if (b0 + h < kb) *reinterpret_cast<uint2*>(dst + h * 8) = make_uint2(p[h][0], p[h][1]);
+        }
+    }
+    constexpr int W = QUANT_SCALE_WORD;
+    u32 word[QUANT_BLOCKS / W];
+#pragma unroll
+    for (int u = 0; u < QUANT_BLOCKS / W; u++) {
+        word[u] = 0;
+#pragma unroll
+        for (int h = 0; h < W; h++) word[u] |= sc[W * u + h] << (8 * h);
+    }
+    if (swizzled) {
+        // the scales of 4 consecutive blocks from a multiple of 4 are 4 consecutive bytes of
+        // the 128x4 tile (padding 0); with QUANT_BLOCKS 8 the second four may lie past kb_g
+#pragma unroll
+        for (int u = 0; u < QUANT_BLOCKS; u += W) {
+            if (u > 0 && b0 + u >= d.kb_g) continue;
+            u8* dst = scales + swizzle_offset(r, b0 + u, kb);
+            if (((size_t)dst & (W - 1)) == 0) {
+                st_scale_word(dst, word[u / W]);
+            } else {
+#pragma unroll
+                for (int h = 0; h < W; h++) dst[h] = (u8)sc[u + h];
+            }
+        }
+    } else {
+        u8* dst = scales + r * kb + b0;
+        if (whole && ((size_t)dst & (W - 1)) == 0) {
+#pragma unroll
+            for (int u = 0; u < QUANT_BLOCKS; u += W) st_scale_word(dst + u, word[u / W]);
+        } else {
+#pragma unroll
+            for (int h = 0; h < QUANT_BLOCKS; h++)
+                if (b0 + h < kb) dst[h] = (u8)sc[h];
+        }
+    }
+}
+
+// QUANT_BLOCKS consecutive 16-blocks of a row per thread (QUANT_GRID: per step of a
+// grid-stride loop). `row_src` (nullable) gathers: output row r reads input row row_src[r].
+// `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
+// covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
+// threads.
 template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
                                const int* __restrict__ row_src, const float* __restrict__ gs,
                                const int* __restrict__ gs_idx, u8* __restrict__ packed,
                                u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
                                u32 flavor) {
-    u64 kb = cols / 16;
-    u64 rows_g = swizzled ? (rows + 127) / 128 * 128 : rows;
-    u64 kb_g = swizzled ? (kb + 3) / 4 * 4 : kb;
-    u64 groups = (kb_g + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
-    u64 total = rows_g * groups;
+    const QuantDims d = quant_dims(rows, cols, swizzled);
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 c[4] = {0, 0, 0, 0};
-    if (idx < total) {
-        u64 r, b0;
-        if (total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
-            u32 r32 = (u32)idx / (u32)groups;
-            r = r32;
-            b0 = QUANT_BLOCKS * ((u32)idx - r32 * (u32)groups);
-        } else {
-            r = idx / groups;
-            b0 = QUANT_BLOCKS * (idx % groups);
-        }
-        bool in_row = r < rows;
-        u64 src = in_row ? (row_src ? (u64)row_src[r] : r) : 0;
-        RawBlock<T> raw[QUANT_BLOCKS];
-#pragma unroll
-        for (int h = 0; h < QUANT_BLOCKS; h++)
-            if (in_row && b0 + h < kb) load_raw<T>(x + src * cols + (b0 + h) * 16, raw[h]);
-        float g = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
-        float rg = nvfp4_rgs(g, flavor);
-        u32 p[QUANT_BLOCKS][2];
-        u32 sc[QUANT_BLOCKS];
-#pragma unroll
-        for (int h = 0; h < QUANT_BLOCKS; h++) {
-            p[h][0] = p[h][1] = 0;
-            sc[h] = 0;
-            if (in_row && b0 + h < kb) {
-                float v[16];
-                u32 mbits = unpack_raw(raw[h], v);
-                u32 s = quant_block_nvfp4_core(v, mbits, g, rg, flavor, p[h]);
-                sc[h] = s;
-                u32 cls = classify_nvfp4(s, __uint_as_float(mbits) > 0.0f);
-                c[0] += 1;
-                c[1] += cls & 1u;
-                c[2] += (cls >> 1) & 1u;
-                c[3] += (cls >> 2) & 1u;
-            }
-        }
-        bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
-        if (in_row) {
-            u8* dst = packed + r * (cols / 2) + b0 * 8;
-            if (whole && ((size_t)dst & 15u) == 0) {
-                uint4* d = reinterpret_cast<uint4*>(dst);
-                d[0] = make_uint4(p[0][0], p[0][1], p[1][0], p[1][1]);
-                d[1] = make_uint4(p[2][0], p[2][1], p[3][0], p[3][1]);
-            } else {
-#pragma unroll
-                for (int h = 0; h < QUANT_BLOCKS; h++)
-                    if (b0 + h < kb) *reinterpret_cast<uint2*>(dst + h * 8) = make_uint2(p[h][0], p[h][1]);
-            }
-        }
-        u32 word = sc[0] | (sc[1] << 8) | (sc[2] << 16) | (sc[3] << 24);
-        if (swizzled) {
-            // the 4 scales of a group are 4 consecutive bytes of the 128x4 tile (padding 0)
-            u8* dst = scales + swizzle_offset(r, b0, kb);
-            if (((size_t)dst & 3u) == 0) {
-                *reinterpret_cast<u32*>(dst) = word;
-            } else {
-#pragma unroll
-                for (int h = 0; h < QUANT_BLOCKS; h++) dst[h] = (u8)sc[h];
-            }
-        } else {
-            u8* dst = scales + r * kb + b0;
-            if (whole && ((size_t)dst & 3u) == 0) {
-                *reinterpret_cast<u32*>(dst) = word;
-            } else {
-#pragma unroll
-                for (int h = 0; h < QUANT_BLOCKS; h++)
-                    if (b0 + h < kb) dst[h] = (u8)sc[h];
-            }
-        }
+#if QUANT_GRID > 0
+    // two groups in registers: the one being quantized and the next one, loading
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    Group<T> a, b;
+    if (idx < d.total) group_load<T>(x, idx, d, row_src, a);
+    while (idx < d.total) {
+        u64 next = idx + stride;
+        if (next < d.total) group_load<T>(x, next, d, row_src, b);
+        group_quantize<T>(a, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        if (next >= d.total) break;
+        idx = next + stride;
+        if (idx < d.total) group_load<T>(x, idx, d, row_src, a);
+        group_quantize<T>(b, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
     }
+#else
+    if constexpr (QUANT_SMEM && sizeof(T) == 2) {
+        // every lane takes part in the staging, also those past the last group
+        Group<T> g;
+        u64 src = 0;
+        if (idx < d.total) {
+            src = group_locate<T>(idx, d, row_src, g);
+        } else {
+            g.r = g.b0 = 0;
+            g.in_row = false;
+        }
+        group_load_staged<T>(x, src, d, g);
+        if (idx < d.total) group_quantize<T>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+    } else if (idx < d.total) {
+        Group<T> g;
+        group_load<T>(x, idx, d, row_src, g);
+        group_quantize<T>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+    }
+#endif
+#if QUANT_STATS
+    add_stats_rare(stats, c, rows * d.kb);
+#else
     add_stats_cta(stats, c);
+#endif
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
@@ -186,9 +450,15 @@ extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols
     nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
 }
 
-extern "C" __global__ void nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src,
-                                               const float* gs, const int* gs_idx, u8* packed,
-                                               u8* scales, u32 swizzled, u64* stats, u32 flavor) {
+// QUANT_MIN_BLOCKS bounds the BF16 kernel only (the f32 one holds twice the raw bytes).
+#if QUANT_MIN_BLOCKS > 0
+#define QUANT_BF16_BOUNDS __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
+#else
+#define QUANT_BF16_BOUNDS
+#endif
+extern "C" __global__ void QUANT_BF16_BOUNDS
+nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
+                    const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor) {
     nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
 }
 

@@ -84,18 +84,58 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
 /// Blocks of a row per thread of the NVFP4 quantizer (kernels/quant.cu QUANT_BLOCKS).
 const QUANT_BLOCKS: usize = 4;
 
+/// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
+/// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
+/// if repeated.
+fn define_value(defines: &str, name: &str) -> Option<u64> {
+    defines
+        .split_whitespace()
+        .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
+        .filter_map(|v| v.parse().ok())
+        .next_back()
+}
+
+/// The quantizer's launch shape as the kernel was compiled: blocks per thread
+/// (QUANT_BLOCKS) and the CTA cap of its grid-stride form (QUANT_GRID, 0 = none). A sweep
+/// overrides them through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the
+/// module is compiled once per process.
+fn quant_launch_shape() -> (usize, u64) {
+    static SHAPE: std::sync::OnceLock<(usize, u64)> = std::sync::OnceLock::new();
+    *SHAPE.get_or_init(|| {
+        let d = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
+        let blocks = define_value(&d, "QUANT_BLOCKS").map_or(QUANT_BLOCKS, |b| b as usize);
+        (blocks.max(1), define_value(&d, "QUANT_GRID").unwrap_or(0))
+    })
+}
+
 /// The NVFP4 quantizer's grid: one thread per QUANT_BLOCKS blocks of a row (kernels/quant.cu
-/// `nvfp4_quantize`, QUANT_THREADS threads).
+/// `nvfp4_quantize`, QUANT_THREADS threads); with QUANT_GRID, at most that many CTAs (the
+/// kernel then strides over the groups).
 pub(crate) fn nvfp4_grid(
     rows: usize,
     kb: usize,
     layout: ScaleLayout,
 ) -> Result<cudarc::driver::LaunchConfig> {
+    let (blocks, cap) = quant_launch_shape();
+    nvfp4_grid_for(rows, kb, layout, blocks, cap)
+}
+
+fn nvfp4_grid_for(
+    rows: usize,
+    kb: usize,
+    layout: ScaleLayout,
+    blocks: usize,
+    cap: u64,
+) -> Result<cudarc::driver::LaunchConfig> {
     let (rows_g, kb_g) = match layout {
         ScaleLayout::Linear => (rows, kb),
         ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
     };
-    grid_1d((rows_g * kb_g.div_ceil(QUANT_BLOCKS)) as u64, THREADS)
+    let mut cfg = grid_1d((rows_g * kb_g.div_ceil(blocks)) as u64, THREADS)?;
+    if cap > 0 && u64::from(cfg.grid_dim.0) > cap {
+        cfg.grid_dim.0 = cap.min(u64::from(u32::MAX)) as u32;
+    }
+    Ok(cfg)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
@@ -465,4 +505,43 @@ pub fn unswizzle_scales(gpu: &Gpu, swizzled: &[u8], rows: usize, kb: usize) -> R
     let d = gpu.upload(swizzled, "swizzled scales")?;
     let s = unswizzle_dev(gpu, &d, rows, kb)?;
     gpu.download(&s, rows * kb, "linear scales")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defines_are_read_as_nvrtc_gets_them() {
+        let d = "-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=6  -DQUANT_GRID=528 -DX -D";
+        assert_eq!(define_value(d, "QUANT_BLOCKS"), Some(8));
+        assert_eq!(define_value(d, "QUANT_MIN_BLOCKS"), Some(6));
+        assert_eq!(define_value(d, "QUANT_GRID"), Some(528));
+        assert_eq!(define_value(d, "QUANT"), None);
+        assert_eq!(define_value(d, "X"), None);
+        assert_eq!(
+            define_value("-DQUANT_BLOCKS=2 -DQUANT_BLOCKS=4", "QUANT_BLOCKS"),
+            Some(4)
+        );
+        assert_eq!(define_value("", "QUANT_BLOCKS"), None);
+    }
+
+    #[test]
+    fn the_grid_covers_every_group_and_the_cap_only_shrinks_it() {
+        // 8192 x 7168: 448 blocks a row, 112 groups of 4 (56 of 8) -> 3584 (1792) CTAs
+        let g = |rows, kb, layout, blocks, cap| {
+            nvfp4_grid_for(rows, kb, layout, blocks, cap)
+                .unwrap()
+                .grid_dim
+                .0
+        };
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 4, 0), 3584);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 8, 0), 1792);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 2, 0), 7168);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 4, 528), 528);
+        assert_eq!(g(3, 1, ScaleLayout::Linear, 4, 528), 1);
+        // swizzled: 130 rows -> 256, kb 3 -> 4: one group of 8 (or 4) per padded row
+        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 8, 0), 1);
+        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 2, 0), 2);
+    }
 }

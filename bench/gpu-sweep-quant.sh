@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# The NVFP4 quantizer's compile-time variants (kernels/quant.cu, "Tuning knobs") in one GPU
+# session, on the build packaged by `bash .ci/gpu-nightly --package .dev/gpu`:
+#
+#   bash bench/gpu-sweep-quant.sh              # the VARIANTS below, from the repository root
+#   bash bench/gpu-sweep-quant.sh qb2 noalloc  # only these (names from VARIANTS or EXTRA)
+#
+# 1. numerics: each variant's GPU quantize tests (bit-exact against the CPU reference: codes,
+#    scales, statistics; f32 and BF16, linear and swizzled, ragged shapes) and the NVFP4 MoE
+#    layer test (the f32 kernel with row gather and per-row global scales), all variants at
+#    once (separate processes: NVFP4DBG_NVRTC_DEFINES is read when the module is compiled);
+# 2. `nvfp4dbg bench --quick --only floors,quantize` per variant, the default between any two
+#    (A B A C A ...), every variant once, then a second round while time is left;
+# 3. ncu on the default kernel (if ncu is installed), between the two rounds;
+# 4. a table (median over runs of each figure's median, ratio to that run's copy bandwidth).
+#
+# Everything is written under a temporary folder and packed into $OUT/quant-sweep.tgz (with
+# summary.txt also left in $OUT). Aims to end within SWEEP_BUDGET_S (default 145) seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NO_COLOR=1 PYTHONUNBUFFERED=1
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
+export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/usr/local/cuda/include/cccl}"
+
+# name|defines. Registers (ptxas, BF16 kernel, sm_90a) and CTAs of 256 threads per SM in the
+# comments; the QUANT_GRID caps are 132 SMs (H200) x those CTAs: one wave.
+VARIANTS=(
+    "qb2|-DQUANT_BLOCKS=2"                    # 48 regs, 5 CTAs/SM (default 64, 4): more warps, 64 B in flight each
+    "smem|-DQUANT_SMEM=1"                     # 64 regs, 32 KB smem: 512-byte coalesced cp.async, own group from smem
+    "pipe|-DQUANT_GRID=264"                   # 123 regs, 2 CTAs/SM: grid-stride, next group's loads during this one's math
+    "pipe2|-DQUANT_BLOCKS=2 -DQUANT_GRID=396" # 74 regs, 3 CTAs/SM: the same with 2 blocks per step
+    "l2_256|-DQUANT_LOAD=2"                   # ld.global.nc.L2::256B
+    "stats|-DQUANT_STATS=1"                   # 62 regs: no barrier, no block-count atomics
+    "qb8|-DQUANT_BLOCKS=8"                    # 100 regs, 2 CTAs/SM: 256 B in flight per thread
+)
+EXTRA=(
+    "noalloc|-DQUANT_LOAD=1"                                     # ld.global.nc.L1::no_allocate
+    "ldcs|-DQUANT_LOAD=4"                                        # ld.global.cs
+    "stcs|-DQUANT_STORE=1"                                       # st.global.cs
+    "smem2|-DQUANT_SMEM=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=5" # 48 regs, 16 KB smem, 5 CTAs/SM
+)
+if [ $# -gt 0 ]; then
+    picked=()
+    for want in "$@"; do
+        hit=""
+        for v in "${VARIANTS[@]}" "${EXTRA[@]}"; do [ "${v%%|*}" = "$want" ] && hit="$v"; done
+        [ -n "$hit" ] || { echo "gpu-sweep-quant: no variant '$want'" >&2; exit 2; }
+        picked+=("$hit")
+    done
+    VARIANTS=("${picked[@]}")
+fi
+
+BUDGET=${SWEEP_BUDGET_S:-145}
+D=.dev/gpu
+OUT="${OUT:-reports/quant-sweep}"
+mkdir -p "$OUT"
+R="$(mktemp -d /tmp/quant-sweep.XXXXXX)"
+SECONDS=0
+log() { echo "[${SECONDS}s] $*" | tee -a "$R/log.txt"; }
+finish() {
+    log "packing $R into $OUT/quant-sweep.tgz"
+    tar czf "$OUT/quant-sweep.tgz" -C "$R" .
+    [ -f "$R/summary.txt" ] && cp "$R/summary.txt" "$OUT/summary.txt"
+    echo "total ${SECONDS}s"
+}
+
+[ -x "$D/nvfp4dbg" ] || { echo "gpu-sweep-quant: $D/nvfp4dbg missing (bash .ci/gpu-nightly --package $D)" >&2; exit 2; }
+nvidia-smi -L > "$R/gpus.txt" 2>&1 || { echo "gpu-sweep-quant: no GPU" >&2; cat "$R/gpus.txt" >&2; exit 2; }
+cat "$R/gpus.txt"
+git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
+printf '%s\n' "default|" "${VARIANTS[@]}" > "$R/variants.txt"
+
+# ---- 1. numerics, every variant at once (each test process compiles its own module)
+QT="$(ls $D/gpu_quant $D/gpu_quant-* 2>/dev/null | head -1)"
+MT="$(ls $D/gpu_moe $D/gpu_moe-* 2>/dev/null | head -1)"
+pids=()
+for v in "${VARIANTS[@]}"; do
+    name="${v%%|*}" defs="${v#*|}"
+    if [ -n "$QT" ]; then
+        NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$QT" --ignored nvfp4 --test-threads=1 \
+            > "$R/test-quant-$name.txt" 2>&1 &
+        pids+=($!)
+    fi
+    if [ -n "$MT" ]; then
+        NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$MT" --ignored nvfp4_layer_matches_the_cpu_nvfp4_path \
+            --test-threads=1 > "$R/test-moe-$name.txt" 2>&1 &
+        pids+=($!)
+    fi
+done
+for p in "${pids[@]}"; do wait "$p"; done
+log "tests done ($([ -n "$QT" ] && basename "$QT") $([ -n "$MT" ] && basename "$MT"))"
+for f in "$R"/test-*.txt; do
+    [ -f "$f" ] || continue
+    res="$(grep -E '^test result' "$f" | tail -1)"
+    printf '  %-20s %s\n' "$(basename "$f" .txt)" "${res:-NO RESULT (timeout or crash): see the log}" | tee -a "$R/log.txt"
+done
+
+# ---- 2. the bench, alternating with the default
+declare -A runs
+bench() {  # name defines
+    local name=$1 defs=$2 i=${runs[$1]:-0}
+    runs[$1]=$((i + 1))
+    local t=$SECONDS
+    NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$D/nvfp4dbg" bench --device cuda --quick \
+        --only floors,quantize --no-report-dir -q --json "$R/quant-$name-$i.json" \
+        > "$R/bench-$name-$i.txt" 2>&1
+    log "bench $name #$i rc=$? ($((SECONDS - t)) s)"
+    bench_n=$((bench_n + 1)) bench_s=$((bench_s + SECONDS - t))
+}
+round() {  # round number; returns 1 when out of time
+    local v name
+    for v in "${VARIANTS[@]}"; do
+        name="${v%%|*}"
+        # a variant and the default after it: ~2 bench runs
+        if [ $((SECONDS + 2 * per_run + RESERVE + HOLD)) -gt "$BUDGET" ]; then
+            log "round $1: out of time before $name"
+            return 1
+        fi
+        bench "$name" "${v#*|}"
+        bench default ""
+    done
+}
+RESERVE=5  # summary and tar
+NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+HOLD=0; [ -n "$NCU" ] && HOLD=30  # round 1 leaves this much for ncu
+bench_n=0 bench_s=0
+bench default ""
+per_run=$((bench_s < 4 ? 4 : bench_s))  # the first run starts cold: an upper bound
+round 1
+per_run=$(( (bench_s + bench_n - 1) / bench_n ))
+log "round 1 done, ~${per_run} s per bench run"
+
+# ---- 3. ncu on the default kernel
+HOLD=0
+left=$((BUDGET - RESERVE - SECONDS))
+if [ -n "$NCU" ] && [ "$left" -ge 20 ]; then
+    cap=$(( left < 120 ? left : 120 ))
+    # with a second round to come, ncu gets at most half of what is left
+    [ "$left" -ge $((4 * per_run + 40)) ] && cap=$(( left / 2 < 120 ? left / 2 : 120 ))
+    log "ncu ($NCU), at most ${cap} s"
+    timeout "$cap" "$NCU" --clock-control none --set full -k regex:nvfp4_quantize_bf16 -c 2 -f \
+        -o "$R/ncu-quant-default" "$D/nvfp4dbg" bench --device cuda --quick \
+        --only quantize_bf16_reference --no-report-dir -q > "$R/ncu-run.txt" 2>&1
+    log "ncu rc=$?"
+    if [ -f "$R/ncu-quant-default.ncu-rep" ]; then
+        "$NCU" --import "$R/ncu-quant-default.ncu-rep" --page details > "$R/ncu-details.txt" 2>&1
+        "$NCU" --import "$R/ncu-quant-default.ncu-rep" --page raw --csv > "$R/ncu-raw.csv" 2>&1
+    else
+        tail -n 5 "$R/ncu-run.txt" | tee -a "$R/log.txt"
+    fi
+else
+    log "ncu skipped (${NCU:-not found}; ${left} s left)"
+fi
+
+# ---- 2b. second round while time is left
+round 2 && log "round 2 done"
+
+# ---- 4. the table
+python3 - "$R" > "$R/summary.txt" <<'PY'
+import glob, json, os, re, statistics, sys
+R = sys.argv[1]
+order = [l.rstrip("\n").split("|", 1) for l in open(os.path.join(R, "variants.txt")) if "|" in l]
+defs = dict(order)
+rows = {}
+for f in sorted(glob.glob(os.path.join(R, "quant-*.json"))):
+    m = re.match(r"quant-(.+)-(\d+)\.json$", os.path.basename(f))
+    try:
+        res = {r["name"]: r for r in json.load(open(f)).get("results", [])}
+    except Exception as e:
+        print(f"{os.path.basename(f)}: unreadable ({e})")
+        continue
+    ref, fast, copy = (res.get(k, {}) for k in ("quantize_bf16_reference", "quantize_bf16_cuda_fast", "copy_d2d"))
+    if ref.get("median_ms") is None:
+        print(f"{os.path.basename(f)}: no quantize figure ({ref.get('error')})")
+        continue
+    rows.setdefault(m.group(1), []).append((ref["median_ms"], ref.get("ratio"), fast.get("median_ms"), copy.get("value")))
+
+def tests(name):
+    out = []
+    for kind in ("quant", "moe"):
+        p = os.path.join(R, f"test-{kind}-{name}.txt")
+        if not os.path.exists(p):
+            continue
+        t = open(p, errors="replace").read()
+        m = re.findall(r"test result: (\w+)\. (\d+) passed; (\d+) failed", t)
+        out.append(f"{kind}:" + (f"{m[-1][0]} {m[-1][1]}/{int(m[-1][1]) + int(m[-1][2])}" if m else "NO RESULT"))
+    return " ".join(out) or "-"
+
+base = statistics.median([r[0] for r in rows.get("default", [])]) if rows.get("default") else None
+print(f"{'variant':<9} {'runs':>4} {'ref ms':>8} {'min..max':>15} {'x copy':>7} {'vs def':>7} {'fast ms':>8}  tests  defines")
+for name in [n for n, _ in order]:
+    rs = rows.get(name)
+    if not rs:
+        continue
+    ms = [r[0] for r in rs]
+    med = statistics.median(ms)
+    ratio = statistics.median([r[1] for r in rs if r[1] is not None] or [float("nan")])
+    fast = statistics.median([r[2] for r in rs if r[2] is not None] or [float("nan")])
+    rel = f"{base / med:6.3f}x" if base else "-"
+    print(f"{name:<9} {len(rs):>4} {med:8.4f} {min(ms):7.4f}..{max(ms):.4f} {ratio:7.3f} {rel:>7} {fast:8.4f}  "
+          f"{tests(name) if name != 'default' else '(nightly)'}  {defs.get(name, '')}")
+copies = [r[3] for rs in rows.values() for r in rs if r[3]]
+if copies:
+    print(f"copy bandwidth over all runs: median {statistics.median(copies):.0f} GB/s "
+          f"({min(copies):.0f}..{max(copies):.0f}); 'vs def' = default median / variant median (>1: faster)")
+PY
+cat "$R/summary.txt"
+if [ -f "$R/ncu-details.txt" ]; then
+    echo "== ncu, the default kernel's last profiled launch (all of it: ncu-details.txt, ncu-raw.csv)" | tee -a "$R/summary.txt"
+    awk '/nvfp4_quantize_bf16/ { buf = "" } { buf = buf $0 "\n" } END { printf "%s", buf }' "$R/ncu-details.txt" \
+        | grep -E "Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit Rate|L2 Hit Rate|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Block Limit|Issue Slots Busy|Issued Warp Per Scheduler|Warp Cycles Per Issued|No Eligible|Compute \(SM\) Throughput" \
+        | tee -a "$R/summary.txt"
+fi
+finish
