@@ -581,6 +581,8 @@ pub struct Nvfp4Forward {
     dynamic: bool,
     route: RouteSource,
     prefill: PrefillGemm,
+    /// CTAs of the persistent prefill kernels: None = one per SM (tests set fewer).
+    persistent_ctas: Option<u32>,
     decode_layout: DecodeLayout,
 }
 
@@ -668,6 +670,7 @@ impl Nvfp4Forward {
                 dynamic,
                 route: RouteSource::Given,
                 prefill: PrefillGemm::Auto,
+                persistent_ctas: None,
                 decode_layout: DecodeLayout::from_env(),
             });
         }
@@ -679,6 +682,7 @@ impl Nvfp4Forward {
             dynamic,
             route: RouteSource::Given,
             prefill: PrefillGemm::Auto,
+            persistent_ctas: None,
             decode_layout: DecodeLayout::from_env(),
         })
     }
@@ -998,7 +1002,7 @@ impl Nvfp4Forward {
         let ctas = if sm90_grid_per_tile() {
             tiles
         } else {
-            tiles.min(gpu.sms)
+            tiles.min(self.persistent_ctas.unwrap_or(gpu.sms))
         };
         let grid = LaunchConfig {
             grid_dim: (ctas.max(1), 1, 1),
@@ -1023,6 +1027,12 @@ impl Nvfp4Forward {
         }
         self.prefill = which;
         Ok(())
+    }
+
+    /// Run the persistent prefill kernels on `ctas` CTAs instead of one per SM, so that small
+    /// problems also walk several tiles per CTA (tests).
+    pub fn set_persistent_ctas(&mut self, ctas: u32) {
+        self.persistent_ctas = Some(ctas.max(1));
     }
 
     // ---- end of prefill GEMM dispatch ----
