@@ -14,6 +14,7 @@ for t in gpu_gemm gpu_moe; do
     timeout 240 .dev/gpu/$t --ignored --nocapture --test-threads 1 > $R/$t.txt 2>&1
     echo "$t rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
     grep -E "^test |test result|panicked" $R/$t.txt | head -20
+    tar czf $OUT/s6a.tgz -C $R .
 done
 B=".dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only floors,gemm_prefill,layer"
 for i in 1 2; do
@@ -21,6 +22,7 @@ for i in 1 2; do
     echo "ws $i rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
     NVFP4DBG_SM90=v1 timeout 90 $B --json $R/v1-$i.json > $R/v1-$i.txt 2>&1
     echo "v1 $i rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+    tar czf $OUT/s6a.tgz -C $R .
 done
 NVFP4DBG_SM90_GRID=tiles timeout 90 $B --json $R/wstiles.json > $R/wstiles.txt 2>&1
 echo "ws one CTA per tile rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
@@ -34,8 +36,9 @@ for f in $R/ws-1.txt $R/v1-1.txt $R/ws-2.txt $R/v1-2.txt $R/wstiles.txt $R/ws-fe
     echo "== $f"; grep -E "│ [a-z_0-9]+ +│" $f | awk -F'│' '{print $2,$3,$5,$9}'
     grep -iE "error|panicked" $f | head -5
 done
-if [ -x bench/gpu-sweep-quant.sh ] || [ -f bench/gpu-sweep-quant.sh ]; then
-    timeout 170 bash bench/gpu-sweep-quant.sh > $R/quant-sweep.txt 2>&1
+tar czf $OUT/s6a.tgz -C $R .
+if [ -f bench/gpu-sweep-quant.sh ]; then
+    SWEEP_BUDGET_S=$(( 560 - ($(date +%s) - t0) )) timeout $(( 575 - ($(date +%s) - t0) )) bash bench/gpu-sweep-quant.sh > $R/quant-sweep.txt 2>&1
     echo "quant sweep rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
     tail -25 $R/quant-sweep.txt
 fi
