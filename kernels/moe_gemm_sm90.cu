@@ -50,20 +50,20 @@
 static_assert(H_BM * H_SA_F32_ROW * 4 <= H_OFF_RAW, "the f32 tile of a must fit the operand buffers");
 
 // The warp-specialized kernels (below): 3 warpgroups; a ring of stages of BF16 A (128 x 64)
-// and W (256 x 64); the gate/up kernel also keeps its f32 tile of `a` apart from the ring,
-// so that the next tile's slices load while the consumers run its epilogue. Shared memory:
-// the ring, [the f32 tile,] two mbarriers per stage, + 1024 to align the base (moe.rs
-// SM90_WS_*_SMEM: the launches give these sizes for the default stage counts).
+// and W (256 x 64); a ring of raw weight groups (the codes and scales of 256 rows x 128 K,
+// straight from the decode tiles); the gate/up kernel's f32 tile of `a` apart from the rings,
+// so that the next tile's slices are made while the consumers run its epilogue. Shared
+// memory: the stages, the raw groups, [the f32 tile,] the mbarriers (two per stage and per
+// group), + 1024 to align the base (moe.rs SM90_WS_*_SMEM give these sizes).
 #define WS_THREADS 384
-#ifndef WS_STAGES_DOWN  // at most 4
-#define WS_STAGES_DOWN 4
-#endif
-#ifndef WS_STAGES_GATE_UP  // at most 3
-#define WS_STAGES_GATE_UP 3
-#endif
+#define WS_STAGES_DOWN 3
+#define WS_STAGES_GATE_UP 2
+#define WS_RAW_GROUPS 3
 #define WS_SA_BYTES (H_BM * H_BK * 2)
 #define WS_SB_BYTES (H_BN * H_BK * 2)
 #define WS_STAGE_BYTES (WS_SA_BYTES + WS_SB_BYTES)
+#define WS_RAW_CODES (16 * 1024)
+#define WS_RAW_BYTES (WS_RAW_CODES + 16 * 128)
 #define WS_F32_TILE_BYTES (H_BM * H_SA_F32_ROW * 4)
 
 #if NVFP4DBG_WGMMA
@@ -449,31 +449,118 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, i
         : "memory");
 }
 
+// 1-D bulk copy (async proxy) of `bytes` (a multiple of 16, both addresses 16-byte aligned)
+// global -> shared, its bytes completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// The weights of the warp-specialized kernels come from the decode tiles (moe_decode.cu,
+// built at upload): a 16-row tile holds its K-chunks of 128 one after the other, a chunk the
+// 16 rows' 64 code bytes (1 KB) or 8 scale bytes (128 B) row after row. A "group" is one
+// chunk of the block's 16 tiles (256 rows, two K slices): 16 bulk copies of 1 KB and 16 of
+// 128 B into a raw group buffer. Why bulk copies and not loads into registers: the producer
+// fences (fence.proxy.async) before each handoff, which compiles to MEMBAR.ALL.CTA and waits
+// for every load of the thread still in flight; with the weights loaded into registers a
+// slice ahead, every slice waited a DRAM round trip (measured: 0.35 of cuBLAS).
+struct WsWeights {
+    const u8* q[2];  // decode-tile codes of matrix 0 (w1 / w2) and 1 (w3)
+    const u8* s[2];  // their scales
+    u32 nout, nchunks;
+    bool fused;      // rows 0-127 from matrix 0, 128-255 from matrix 1 (same output columns)
+};
+
+// The tile walk of the persistent kernels: linear tile t of (row tiles x ntn column tiles),
+// columns fastest, over the row tiles that exist (tile_offsets[E]); CTA b takes b, b + grid, ...
+struct WsWalk {
+    const u32* tile_offsets;
+    const u32* expert_offsets;
+    u32 E, ntn, bn, total;
+    __device__ WsWalk(const u32* to, const u32* eo, u32 E_, u32 nout, u32 bn_)
+        : tile_offsets(to), expert_offsets(eo), E(E_), ntn((nout + bn_ - 1) / bn_), bn(bn_), total(to[E_] * ntn) {}
+    // expert e, rows r0 .. r1 - 1 and first output column n0 of tile t < total
+    __device__ void at(u32 t, u32& e, u32& r0, u32& r1, u32& n0) const {
+        h_find_tile(tile_offsets, expert_offsets, E, t / ntn, e, r0, r1);
+        n0 = (t % ntn) * bn;
+    }
+};
+
+// The rings' mbarriers, from `bars`: full[S], empty[S] (BF16 stages), raw_full[R],
+// raw_empty[R] (raw groups). Slice g of the CTA (counted across its tiles) sits in stage
+// g % S, group q = g / 2 in raw buffer q % R; phase parities (g / S) & 1, (q / R) & 1.
+template <int S>
+struct WsBars {
+    u32 b;
+    __device__ u32 full(u32 s) const { return b + 8 * s; }
+    __device__ u32 empty(u32 s) const { return b + 8 * (S + s); }
+    __device__ u32 raw_full(u32 r) const { return b + 8 * (2 * S + r); }
+    __device__ u32 raw_empty(u32 r) const { return b + 8 * (2 * S + WS_RAW_GROUPS + r); }
+};
+#define WS_BAR_BYTES(S) (8 * (2 * (S) + 2 * WS_RAW_GROUPS))
+
+template <int S>
+__device__ __forceinline__ void ws_init(WsBars<S> bars) {
+    if (threadIdx.x == 0) {
+        for (u32 s = 0; s < S; s++) {
+            mbar_init(bars.full(s), 128 + 1);  // the producer's threads + the TMA's expect_tx
+            mbar_init(bars.empty(s), 8);       // one lane of each consumer warp
+        }
+        for (u32 r = 0; r < WS_RAW_GROUPS; r++) {
+            mbar_init(bars.raw_full(r), 16);    // the 16 issuing lanes' expect_tx
+            mbar_init(bars.raw_empty(r), 128);  // every producer thread, once it has read its rows
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// Tile j of the CTA's walk (t = blockIdx.x + j * gridDim.x): its expert, first row and first
+// output column; valid = false past the walk's end. Looked up once per tile (a binary search:
+// dependent loads that the producer's fences would wait for).
+struct WsTileRef {
+    u32 e, r0, n0;
+    bool valid;
+};
+__device__ __forceinline__ WsTileRef ws_tile_ref(const WsWalk& walk, u32 j) {
+    WsTileRef r{0, 0, 0, false};
+    u32 t = blockIdx.x + j * gridDim.x, r1;
+    if (t < walk.total) {
+        walk.at(t, r.e, r.r0, r1, r.n0);
+        r.valid = true;
+    }
+    return r;
+}
+
+// Lanes 0-15 of the producer: bring chunk `chunk` of tile `tile` into raw group buffer
+// q % R as group q, lane l the 16-row tile l of the block.
+template <int S>
+__device__ __forceinline__ void ws_issue(const WsWeights& w, const WsTileRef& tile, u32 chunk, u32 q, u32 raw0,
+                                         WsBars<S> bars) {
+    if (!tile.valid) return;
+    u32 l = threadIdx.x, r = q % WS_RAW_GROUPS;
+    if (q >= WS_RAW_GROUPS) mbar_wait(bars.raw_empty(r), ((q / WS_RAW_GROUPS) - 1) & 1u);
+    u32 m = w.fused ? l / 8 : 0;
+    u32 block = tile.n0 / 16 + (w.fused ? l % 8 : l);
+    bool ok = block * 16 < w.nout;
+    mbar_arrive_expect_tx(bars.raw_full(r), ok ? 1024u + 128u : 0u);
+    if (ok) {
+        size_t c = ((size_t)tile.e * (w.nout / 16) + block) * w.nchunks + chunk;
+        u32 dst = raw0 + r * WS_RAW_BYTES;
+        // (selects, not w.q[m]: an array indexed at run time lives in local memory)
+        const u8* qm = m ? w.q[1] : w.q[0];
+        const u8* sm = m ? w.s[1] : w.s[0];
+        bulk_copy(dst + l * 1024, qm + c * 1024, 1024, bars.raw_full(r));
+        bulk_copy(dst + WS_RAW_CODES + l * 128, sm + c * 128, 128, bars.raw_full(r));
+    }
+}
+
 // One K slice of a producer thread's two weight rows: 2 x 32 bytes of codes, 2 x 4 scales.
 struct WsRaw {
     uint4 q[2][2];
     u32 s[2];
 };
-
-// The producer thread's two weight rows (tile rows tid and tid + 128): the fused kernel's are
-// row n0 + tid of w1 and of w3, the plain kernel's rows n0 + tid and n0 + 128 + tid. A row past
-// nout reads row 0 with its scales zeroed (its BF16 values are then +-0).
-struct WsRows {
-    const u8* q[2];
-    const u8* s[2];
-    bool ok[2];
-};
-
-__device__ __forceinline__ void ws_load(const WsRows& w, u32 kb, WsRaw& r) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const uint4* q = reinterpret_cast<const uint4*>(w.q[i] + kb * 32);
-        r.q[i][0] = __ldg(q);
-        r.q[i][1] = __ldg(q + 1);
-        u32 s = __ldg(reinterpret_cast<const u32*>(w.s[i] + kb * 4));
-        r.s[i] = w.ok[i] ? s : 0u;
-    }
-}
 
 // 32 codes (a uint4) with their two block scales (bytes 0 and 1 of sc16) -> four 16-byte BF16
 // chunks (dequant8 order), through `put(chunk, value)`.
@@ -487,7 +574,8 @@ __device__ __forceinline__ void dequant32(uint4 q, u32 sc16, Put put) {
     put(3, dequant8(q.w, s1));
 }
 
-// A slice of the thread's two rows into the stage's swizzled BF16 weight buffer `sb`.
+// A slice of the thread's two rows (tile rows tid and tid + 128) into the stage's swizzled
+// BF16 weight buffer `sb`.
 __device__ __forceinline__ void ws_dequant(const WsRaw& r, u8* sb, u32 tid) {
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -501,48 +589,50 @@ __device__ __forceinline__ void ws_dequant(const WsRaw& r, u8* sb, u32 tid) {
     }
 }
 
-// The ring's mbarriers at `bars`: full[S] then empty[S]. Slice g of the CTA (counted across
-// its tiles) sits in stage g % S; its phases have parity (g / S) & 1.
+// Producer: the nk slices of one tile (output columns n0 ..), slices g0 .. g0 + nk - 1 of
+// the ring. A's box comes from the tensor map `tmap` at rows r0 .. r0 + 127 (rows past the
+// matrix read as zeros); the weights from the raw groups, whose lanes 0-15 keep the ring
+// R - 1 groups ahead (the first ones were issued before the first tile). A weight row past
+// nout gets zero scales, so its BF16 values are +-0.
 template <int S>
-__device__ __forceinline__ void ws_init(u32 bars) {
-    if (threadIdx.x == 0) {
-        for (u32 s = 0; s < S; s++) {
-            mbar_init(bars + 8 * s, 128 + 1);    // the producer's threads + the TMA's expect_tx
-            mbar_init(bars + 8 * (S + s), 8);  // one lane of each consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-}
-
-// Producer: the nk slices of one tile, slices g0 .. g0 + nk - 1 of the ring. A's box comes
-// from the tensor map `tmap` at rows r0 .. r0 + 127 (rows past the matrix read as zeros).
-template <int S>
-__device__ __forceinline__ void ws_produce(const WsRows& w, u8* base, u32 bars, const void* tmap, u32 r0, u32 nk,
+__device__ __forceinline__ void ws_produce(const WsWeights& w, const WsTileRef& cur, const WsTileRef& next,
+                                           u8* base, u32 raw_off, WsBars<S> bars, const void* tmap, u32 nk,
                                            u32 g0) {
-    u32 tid = threadIdx.x, sbase = smem_addr(base);
-    auto produce = [&](u32 kb, const WsRaw& r) {
-        u32 g = g0 + kb, s = g % S;
-        if (g >= S) mbar_wait(bars + 8 * (S + s), ((g / S) - 1) & 1u);
-        u32 full = bars + 8 * s;
-        if (tid == 0) {
-            mbar_arrive_expect_tx(full, WS_SA_BYTES);
-            tma_load_2d(sbase + s * WS_STAGE_BYTES, tmap, (int)(kb * H_BK), (int)r0, full);
+    u32 tid = threadIdx.x, sbase = smem_addr(base), nq = nk / 2, r0 = cur.r0, n0 = cur.n0;
+    bool ok[2] = {n0 + tid < w.nout, n0 + (w.fused ? 0u : 128u) + tid < w.nout};
+    for (u32 kb = 0; kb < nk; kb++) {
+        u32 g = g0 + kb, q = g / 2, r = q % WS_RAW_GROUPS;
+        if ((kb & 1u) == 0) mbar_wait(bars.raw_full(r), (q / WS_RAW_GROUPS) & 1u);
+        const u8* raw = base + raw_off + r * WS_RAW_BYTES;
+        WsRaw v;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            u32 n = tid + 128 * i;
+            const u8* c = raw + (n / 16) * 1024 + (n % 16) * 64 + (kb & 1u) * 32;
+            v.q[i][0] = *reinterpret_cast<const uint4*>(c);
+            v.q[i][1] = *reinterpret_cast<const uint4*>(c + 16);
+            u32 sc = *reinterpret_cast<const u32*>(raw + WS_RAW_CODES + (n / 16) * 128 + (n % 16) * 8 + (kb & 1u) * 4);
+            v.s[i] = ok[i] ? sc : 0u;
         }
-        ws_dequant(r, base + s * WS_STAGE_BYTES + WS_SA_BYTES, tid);
+        u32 s = g % S;
+        if (g >= S) mbar_wait(bars.empty(s), ((g / S) - 1) & 1u);
+        if (tid == 0) {
+            mbar_arrive_expect_tx(bars.full(s), WS_SA_BYTES);
+            tma_load_2d(sbase + s * WS_STAGE_BYTES, tmap, (int)(kb * H_BK), (int)r0, bars.full(s));
+        }
+        ws_dequant(v, base + s * WS_STAGE_BYTES + WS_SA_BYTES, tid);
         fence_proxy_async();
-        mbar_arrive(full);
-    };
-    // two register sets: the loads of slice kb + 2 go out as slice kb is dequantized
-    WsRaw ra, rb;
-    ws_load(w, 0, ra);
-    if (nk > 1) ws_load(w, 1, rb);
-    for (u32 kb = 0; kb < nk; kb += 2) {
-        produce(kb, ra);
-        if (kb + 2 < nk) ws_load(w, kb + 2, ra);
-        if (kb + 1 < nk) {
-            produce(kb + 1, rb);
-            if (kb + 3 < nk) ws_load(w, kb + 3, rb);
+        mbar_arrive(bars.full(s));
+        if (kb & 1u) {
+            // the group is read (its values are in registers and used): refill the ring
+            mbar_arrive(bars.raw_empty(r));
+            // group q + R - 1: chunk c of this tile, or of the next one
+            u32 c = kb / 2 + WS_RAW_GROUPS - 1;
+            if (tid < 16) {
+                bool here = c < nq;  // field by field: a selected struct would go to local memory
+                WsTileRef t{here ? cur.e : next.e, 0, here ? cur.n0 : next.n0, here ? cur.valid : next.valid};
+                ws_issue<S>(w, t, here ? c : c - nq, q + WS_RAW_GROUPS - 1, sbase + raw_off, bars);
+            }
         }
     }
 }
@@ -552,7 +642,7 @@ __device__ __forceinline__ void ws_produce(const WsRows& w, u8* base, u32 bars, 
 // (a_rows 64) leaves the second consumer's MMAs out; it still waits and releases. The
 // shuffle makes the flag visibly warp-uniform (else ptxas serializes the wgmma, C7518).
 template <int S>
-__device__ __forceinline__ void ws_consume(float (&acc)[128], u8* base, u32 bars, u32 a_rows, u32 nk, u32 g0) {
+__device__ __forceinline__ void ws_consume(float (&acc)[128], u8* base, WsBars<S> bars, u32 a_rows, u32 nk, u32 g0) {
     u32 cw = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, sbase = smem_addr(base);
     bool mma = __shfl_sync(0xFFFFFFFFu, (cw == 0 || a_rows > 64) ? 1 : 0, 0) != 0;
 #pragma unroll
@@ -562,7 +652,7 @@ __device__ __forceinline__ void ws_consume(float (&acc)[128], u8* base, u32 bars
     if (mma) {
         for (u32 kb = 0; kb < nk; kb++) {
             u32 g = g0 + kb, s = g % S;
-            mbar_wait(bars + 8 * s, (g / S) & 1u);
+            mbar_wait(bars.full(s), (g / S) & 1u);
             u32 st = sbase + s * WS_STAGE_BYTES;
             u64 da = smem_desc(st + cw * 64 * 128), db = smem_desc(st + WS_SA_BYTES);
             wgmma_fence();
@@ -571,18 +661,18 @@ __device__ __forceinline__ void ws_consume(float (&acc)[128], u8* base, u32 bars
             wgmma_commit();
             // the MMAs of slice g-1 are done: its stage goes back to the producer
             wgmma_wait<1>();
-            mbar_arrive_if(bars + 8 * (S + (g + S - 1) % S), kb > 0 && lane == 0);
+            mbar_arrive_if(bars.empty((g + S - 1) % S), kb > 0 && lane == 0);
         }
         wgmma_wait<0>();
         acc_fence(acc);
     } else {
         for (u32 kb = 0; kb < nk; kb++) {
             u32 g = g0 + kb, s = g % S;
-            mbar_wait(bars + 8 * s, (g / S) & 1u);
-            mbar_arrive_if(bars + 8 * (S + (g + S - 1) % S), kb > 0 && lane == 0);
+            mbar_wait(bars.full(s), (g / S) & 1u);
+            mbar_arrive_if(bars.empty((g + S - 1) % S), kb > 0 && lane == 0);
         }
     }
-    mbar_arrive_if(bars + 8 * (S + (g0 + nk - 1) % S), lane == 0);
+    mbar_arrive_if(bars.empty((g0 + nk - 1) % S), lane == 0);
 }
 
 // The consumers' own barrier (named barrier 1, 256 threads): the producer never waits on it.
@@ -706,38 +796,6 @@ extern "C" __global__ void moe_rows_bf16(const u8* __restrict__ aq, const u8* __
 }
 
 #if NVFP4DBG_WGMMA
-__device__ __forceinline__ void ws_rows(WsRows& w, const u8* wq0, const u8* ws0, const u8* wq1, const u8* ws1,
-                                        u32 K, u32 nout, u32 row0, u32 row1) {
-    size_t qrow = K / 2, srow = K / 16;
-    const u8* q[2] = {wq0, wq1};
-    const u8* s[2] = {ws0, ws1};
-    u32 row[2] = {row0, row1};
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        w.ok[i] = row[i] < nout;
-        u32 rr = w.ok[i] ? row[i] : 0u;
-        w.q[i] = q[i] + rr * qrow;
-        w.s[i] = s[i] + rr * srow;
-    }
-}
-#endif
-
-#if NVFP4DBG_WGMMA
-// The tile walk of the persistent kernels: linear tile t of (row tiles x ntn column tiles),
-// columns fastest, over the row tiles that exist (tile_offsets[E]); CTA b takes b, b + grid, ...
-struct WsWalk {
-    const u32* tile_offsets;
-    const u32* expert_offsets;
-    u32 E, ntn, bn, total;
-    __device__ WsWalk(const u32* to, const u32* eo, u32 E_, u32 nout, u32 bn_)
-        : tile_offsets(to), expert_offsets(eo), E(E_), ntn((nout + bn_ - 1) / bn_), bn(bn_), total(to[E_] * ntn) {}
-    // expert e, rows r0 .. r1 - 1 and first output column n0 of tile t < total
-    __device__ void at(u32 t, u32& e, u32& r0, u32& r1, u32& n0) const {
-        h_find_tile(tile_offsets, expert_offsets, E, t / ntn, e, r0, r1);
-        n0 = (t % ntn) * bn;
-    }
-};
-
 // Registers per thread after the split (setmaxnreg): the launch gives 168 (384 threads); the
 // producer gives some back so that the consumers keep their 128 accumulators and the wgmma
 // pipeline's registers (at 168 ptxas serializes every wgmma). 128 x 88 + 256 x 208 = 384 x 168.
@@ -749,40 +807,50 @@ __device__ __forceinline__ void ws_producer_regs() {
 __device__ __forceinline__ void ws_consumer_regs() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
 }
+
+// The producer warpgroup of both kernels: the first raw groups, then every tile of the walk.
+template <int S>
+__device__ __forceinline__ void ws_producer(const WsWeights& w, const WsWalk& walk, u8* base, u32 raw_off,
+                                            WsBars<S> bars, const void* tmap, u32 nk) {
+    ws_producer_regs();
+    // the ring runs R - 1 groups ahead; groups per tile (nk / 2) >= R - 1 (K >= 256)
+    WsTileRef cur = ws_tile_ref(walk, 0);
+    if (threadIdx.x < 16)
+        for (u32 q = 0; q + 1 < WS_RAW_GROUPS; q++) ws_issue<S>(w, cur, q, q, smem_addr(base) + raw_off, bars);
+    for (u32 j = 0, g0 = 0; cur.valid; j++, g0 += nk) {
+        WsTileRef next = ws_tile_ref(walk, j + 1);
+        ws_produce<S>(w, cur, next, base, raw_off, bars, tmap, nk, g0);
+        cur = next;
+    }
+}
 #endif
 
 // Down projection, as moe_gemm_nvfp4_sm90 with A given as the tensor map `tmap` of
-// moe_rows_bf16's output. Grid: persistent (any number of CTAs), WS_THREADS threads,
-// SM90_WS_DOWN_SMEM (moe.rs) of dynamic shared memory.
+// moe_rows_bf16's output and the weights in decode tiles (wq_t, ws_t; K a multiple of 128).
+// Grid: persistent (any number of CTAs), WS_THREADS threads, SM90_WS_DOWN_SMEM (moe.rs) of
+// dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-moe_gemm_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq, const u8* __restrict__ ws,
-                      u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
-                      const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-                      float* __restrict__ out) {
+moe_gemm_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t,
+                      const u8* __restrict__ ws_t, u32 nout, const float* __restrict__ gs,
+                      const float* __restrict__ ws2, const u32* __restrict__ tile_offsets,
+                      const u32* __restrict__ expert_offsets, u32 E, float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     const int S = WS_STAGES_DOWN;
+    const u32 raw_off = S * WS_STAGE_BYTES;
     u8* base = h_smem_base();
-    u32 bars = smem_addr(base) + S * WS_STAGE_BYTES;
+    WsBars<S> bars{smem_addr(base) + raw_off + WS_RAW_GROUPS * WS_RAW_BYTES};
     ws_init<S>(bars);
     WsWalk walk(tile_offsets, expert_offsets, E, nout, H_BN);
-    u32 nk = K / H_BK, tid = threadIdx.x % 128;
-    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
-    u32 e, r0, r1, n0;
+    u32 nk = K / H_BK;
     if (threadIdx.x < 128) {
-        ws_producer_regs();
-        for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
-            walk.at(t, e, r0, r1, n0);
-            const u8* q = wq + e * wstride;
-            const u8* sc = ws + e * sstride;
-            WsRows w;
-            ws_rows(w, q, sc, q, sc, K, nout, n0 + tid, n0 + 128 + tid);
-            ws_produce<S>(w, base, bars, tmap, r0, nk, g0);
-        }
+        WsWeights w{{wq_t, wq_t}, {ws_t, ws_t}, nout, K / 128, false};
+        ws_producer<S>(w, walk, base, raw_off, bars, tmap, nk);
         return;
     }
     ws_consumer_regs();
-    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+    u32 tid = threadIdx.x % 128, cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
     for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+        u32 e, r0, r1, n0;
         walk.at(t, e, r0, r1, n0);
         float acc[128];
         ws_consume<S>(acc, base, bars, r1 - r0 <= 64 ? 64u : (u32)H_BM, nk, g0);
@@ -806,43 +874,38 @@ moe_gemm_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict
 #endif
 }
 
-// Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with A given as `tmap`. Grid:
-// persistent, WS_THREADS threads, SM90_WS_GATE_UP_SMEM (moe.rs) of dynamic shared memory.
-// The epilogue (SwiGLU into the f32 tile, then quantization) is the consumers' alone.
+// Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with A given as `tmap` and the
+// weights in decode tiles. Grid: persistent, WS_THREADS threads, SM90_WS_GATE_UP_SMEM
+// (moe.rs) of dynamic shared memory. The epilogue (SwiGLU into the f32 tile, then the
+// quantization) is the consumers' alone.
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
-moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q,
-                              const u8* __restrict__ w1s, const u8* __restrict__ w3q, const u8* __restrict__ w3s,
-                              u32 nout, const float* __restrict__ gs1, const float* __restrict__ ws2_1,
-                              const float* __restrict__ ws2_3, float limit, u32 has_limit,
-                              const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-                              const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
-                              u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
-                              u32* __restrict__ amax_bits) {
+moe_gemm_gate_up_nvfp4_sm90ws(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
+                              const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
+                              const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
+                              const float* __restrict__ ws2_1, const float* __restrict__ ws2_3, float limit,
+                              u32 has_limit, const u32* __restrict__ tile_offsets,
+                              const u32* __restrict__ expert_offsets, u32 E, const float* __restrict__ gs2,
+                              u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,
+                              float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
     const int S = WS_STAGES_GATE_UP;
+    const u32 raw_off = S * WS_STAGE_BYTES;
     u8* base = h_smem_base();
-    float* sa = reinterpret_cast<float*>(base + S * WS_STAGE_BYTES);
-    u32 bars = smem_addr(base) + S * WS_STAGE_BYTES + WS_F32_TILE_BYTES;
+    float* sa = reinterpret_cast<float*>(base + raw_off + WS_RAW_GROUPS * WS_RAW_BYTES);
+    WsBars<S> bars{smem_addr(base) + raw_off + WS_RAW_GROUPS * WS_RAW_BYTES + WS_F32_TILE_BYTES};
     ws_init<S>(bars);
     WsWalk walk(tile_offsets, expert_offsets, E, nout, H_FUSED_BN);
-    u32 nk = K / H_BK, tid = threadIdx.x % 128;
-    size_t wstride = (size_t)nout * (K / 2), sstride = (size_t)nout * (K / 16);
-    u32 e, r0, r1, n0;
+    u32 nk = K / H_BK;
     if (threadIdx.x < 128) {
-        ws_producer_regs();
-        for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
-            walk.at(t, e, r0, r1, n0);
-            WsRows w;
-            ws_rows(w, w1q + e * wstride, w1s + e * sstride, w3q + e * wstride, w3s + e * sstride, K, nout,
-                    n0 + tid, n0 + tid);
-            ws_produce<S>(w, base, bars, tmap, r0, nk, g0);
-        }
+        WsWeights w{{w1q_t, w3q_t}, {w1s_t, w3s_t}, nout, K / 128, true};
+        ws_producer<S>(w, walk, base, raw_off, bars, tmap, nk);
         return;
     }
     ws_consumer_regs();
-    u32 cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
+    u32 tid = threadIdx.x % 128, cw = threadIdx.x / 128 - 1, warp = tid / 32, lane = tid % 32;
     const int SA = H_SA_F32_ROW;
     for (u32 t = blockIdx.x, g0 = 0; t < walk.total; t += gridDim.x, g0 += nk) {
+        u32 e, r0, r1, n0;
         walk.at(t, e, r0, r1, n0);
         float acc[128];
         ws_consume<S>(acc, base, bars, r1 - r0 <= 64 ? 64u : (u32)H_BM, nk, g0);

@@ -104,7 +104,9 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     // (hidden, intermediate): down outputs of 2 full + 1 partial 256-column tiles and gate/up
     // outputs ending in a partial 128-column tile; K of 9 and 3 slices (the pipeline is 4
     // stages deep), then a wider case
-    for (h, i) in [(576usize, 192usize), (1024, 512)] {
+    // (576, 192) runs the first wgmma kernels (K not a multiple of 128); (640, 384) and
+    // (1024, 512) the warp-specialized ones, 640 ending in half a 256-column down tile
+    for (h, i) in [(576usize, 192usize), (640, 384), (1024, 512)] {
         let counts = [0usize, 1, 127, 129, 300, 65, 0, 2];
         let spec = LayerSpec {
             h,

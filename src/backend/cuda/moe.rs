@@ -42,10 +42,14 @@ const _: () = assert!(
 /// 128 x 64 BF16 A and 256 x 64 BF16 W (48 KB), two mbarriers per stage, the gate/up
 /// kernel's f32 tile of `a` (128 x 132 floats), 1024 bytes to align the base.
 const SM90_WS_THREADS: u32 = 384;
-const SM90_WS_STAGES_DOWN: u32 = 4;
-const SM90_WS_STAGES_GATE_UP: u32 = 3;
-const SM90_WS_DOWN_SMEM: u32 = SM90_WS_STAGES_DOWN * (49_152 + 16) + 1024;
-const SM90_WS_GATE_UP_SMEM: u32 = SM90_WS_STAGES_GATE_UP * (49_152 + 16) + 67_584 + 1024;
+const SM90_WS_STAGES_DOWN: u32 = 3;
+const SM90_WS_STAGES_GATE_UP: u32 = 2;
+const SM90_WS_RAW_GROUPS: u32 = 3;
+/// A stage (16 KB of A, 32 KB of W), a raw group (16 KB of codes, 2 KB of scales).
+const SM90_WS_RAW: u32 = SM90_WS_RAW_GROUPS * (18_432 + 16);
+const SM90_WS_DOWN_SMEM: u32 = SM90_WS_STAGES_DOWN * (49_152 + 16) + SM90_WS_RAW + 1024;
+const SM90_WS_GATE_UP_SMEM: u32 =
+    SM90_WS_STAGES_GATE_UP * (49_152 + 16) + SM90_WS_RAW + 67_584 + 1024;
 const _: () = assert!(
     SM90_WS_DOWN_SMEM <= 227 * 1024 && SM90_WS_GATE_UP_SMEM <= 227 * 1024,
     "more shared memory than a Hopper block gets"
@@ -65,6 +69,7 @@ mod sm90_tests {
                 super::SM90_WS_STAGES_GATE_UP
             ),
             format!("#define WS_THREADS {}", super::SM90_WS_THREADS),
+            format!("#define WS_RAW_GROUPS {}", super::SM90_WS_RAW_GROUPS),
         ] {
             assert!(
                 src.lines().any(|l| l.trim() == line),
@@ -122,6 +127,17 @@ fn sm90_fits(gpu: &Gpu, layer: &DevLayer) -> bool {
 fn sm90_grid_per_tile() -> bool {
     static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *T.get_or_init(|| std::env::var("NVFP4DBG_SM90_GRID").is_ok_and(|v| v == "tiles"))
+}
+
+/// Can the warp-specialized wgmma kernels run this layer: [`sm90_fits`], and hidden and
+/// intermediate sizes multiples of 128 and at least 256 (their weights stream from the decode
+/// tiles, K-chunks of 128, and the raw ring runs two chunks ahead within a tile).
+fn sm90_ws_fits(gpu: &Gpu, layer: &DevLayer) -> bool {
+    let c = &layer.config;
+    sm90_fits(gpu, layer)
+        && [c.hidden_size, c.moe_intermediate_size]
+            .iter()
+            .all(|&k| k.is_multiple_of(128) && k >= 256)
 }
 
 /// The warp-specialized kernels' A operand: the expert inputs dequantized to BF16
@@ -519,7 +535,7 @@ impl Workspace {
             xg_bf16: gpu.alloc(r(n * h), "gathered BF16 rows")?,
             a_bf16: gpu.alloc(r(n * i), "the BF16 intermediate")?,
             y: gpu.alloc(n * h, "expert outputs")?,
-            sm90: if nv && n > 0 && sm90_fits(gpu, layer) {
+            sm90: if nv && n > 0 && sm90_ws_fits(gpu, layer) {
                 Some(Sm90Operands::new(gpu, n, h, i)?)
             } else {
                 None
@@ -640,10 +656,12 @@ impl Nvfp4Forward {
         };
         let mut dev = DevLayer::upload(gpu, layer, want)?;
         let c = &layer.config;
+        let ws_prefill = sm90_ws_fits(gpu, &dev);
         if let Some(ex) = dev.nvfp4.as_mut() {
             let kind =
                 moe_decode::choose(tokens, ex.wblock, c.hidden_size, c.moe_intermediate_size);
-            if let GemmKind::Decode { .. } = kind {
+            // the decode GEMMs and the warp-specialized prefill GEMMs read the decode tiles
+            if matches!(kind, GemmKind::Decode { .. }) || ws_prefill {
                 ex.add_decode_tiles(gpu, c)?;
             }
         }
@@ -959,13 +977,17 @@ impl Nvfp4Forward {
         }
     }
 
-    /// The warp-specialized wgmma kernels' A operand, where they run: sm_90a, NVFP4
-    /// 16-blocks, K a multiple of 64, not pinned to mma.sync nor to the first kernels.
-    fn sm90_ws(&self) -> Option<&Sm90Operands> {
+    /// The warp-specialized wgmma kernels' A operand and weights (decode tiles: w1q, w1s, w3q,
+    /// w3s, w2q, w2s), where they run ([`sm90_ws_fits`], not pinned to mma.sync nor to the
+    /// first wgmma kernels).
+    fn sm90_ws(&self) -> Option<(&Sm90Operands, [u64; 6])> {
         if self.prefill == PrefillGemm::MmaSync || sm90_v1() {
             return None;
         }
-        self.ws.sm90.as_ref()
+        let ex = self.layer.nvfp4.as_ref()?;
+        ex.tiles.as_ref()?;
+        let (_, tiles) = ex.decode_weights(self.gpu(), DecodeLayout::Tiles);
+        Some((self.ws.sm90.as_ref()?, tiles))
     }
 
     /// Launch a warp-specialized GEMM: first the BF16 copy of its A (the NVFP4 rows `aq`,
@@ -1184,16 +1206,16 @@ impl Nvfp4Forward {
                             KArg::U64(gpu.ptr(&ws.amax_bits)),
                         ],
                     )?;
-                } else if let Some(ops) = self.sm90_ws() {
+                } else if let Some((ops, tiles)) = self.sm90_ws() {
                     self.enqueue_sm90ws(
                         ops,
                         (p(&ws.a1q), p(&ws.a1s), h),
                         ("moe_gemm_gate_up_nvfp4_sm90ws", i, SM90_FUSED_BN),
                         &[
-                            KArg::U64(p(&ex.w1q)),
-                            KArg::U64(p(&ex.w1s)),
-                            KArg::U64(p(&ex.w3q)),
-                            KArg::U64(p(&ex.w3s)),
+                            KArg::U64(tiles[0]),
+                            KArg::U64(tiles[1]),
+                            KArg::U64(tiles[2]),
+                            KArg::U64(tiles[3]),
                             KArg::U32(i as u32),
                             KArg::U64(gpu.ptr(&ws.gs1)),
                             KArg::U64(gpu.ptr(&ex.ws2_1)),
@@ -1289,13 +1311,13 @@ impl Nvfp4Forward {
                     )
                 }
                 GemmKind::Tiled => match self.sm90_ws() {
-                    Some(ops) => self.enqueue_sm90ws(
+                    Some((ops, tiles)) => self.enqueue_sm90ws(
                         ops,
                         (p(&ws.a2q), p(&ws.a2s), i),
                         ("moe_gemm_nvfp4_sm90ws", h, SM90_BN),
                         &[
-                            KArg::U64(p(&ex.w2q)),
-                            KArg::U64(p(&ex.w2s)),
+                            KArg::U64(tiles[4]),
+                            KArg::U64(tiles[5]),
                             KArg::U32(h as u32),
                             KArg::U64(gpu.ptr(&ws.gs2)),
                             KArg::U64(gpu.ptr(&ex.ws2_2)),
