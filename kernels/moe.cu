@@ -433,7 +433,7 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
     })
     __syncthreads();
     gate_up_tile_epilogue<BM, FUSED_BN, GEMM_THREADS>(sa, SA, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                      out_f32, amax_bits, threadIdx.x);
+                                                      out_f32, amax_bits);
 }
 
 // gs = 2688 / amax (amax 0 -> 2688; NaN stays NaN), from amax bit patterns, for n entries.

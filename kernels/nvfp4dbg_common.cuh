@@ -322,24 +322,23 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
     add_stats4(stats, c);
 }
 
-// The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), run by
-// THREADS_ threads (`tid` this thread's index among them) once the block's BM_ x BN_ tile of
-// a = swiglu(g, u) is in shared memory (`sa`, f32 rows of SA floats, after a barrier): with a
-// fixed gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
-// statistics counted; with dynamic gs2 (nullptr), `a` written in
+// The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
+// block's BM_ x BN_ tile of a = swiglu(g, u) is in shared memory (`sa`, f32 rows of SA floats,
+// after a barrier): with a fixed gs2, each (row, 16 columns) of the tile quantized to NVFP4
+// with gs2[e] and its block statistics counted; with dynamic gs2 (nullptr), `a` written in
 // f32 and |a| folded into amax_bits[e]. Rows past r1 and columns past nout are skipped.
 template <int BM_, int BN_, int THREADS_>
 __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u32 r0, u32 r1, u32 n0, u32 nout,
                                                       u32 e, const float* __restrict__ gs2, u32 flavor,
                                                       u8* __restrict__ outq, u8* __restrict__ outs,
                                                       u64* __restrict__ stats, float* __restrict__ out_f32,
-                                                      u32* __restrict__ amax_bits, u32 tid) {
+                                                      u32* __restrict__ amax_bits) {
     if (gs2 != nullptr) {
         // fixed gs2: quantize each (row, 16-column group) of the tile
         float gsv = gs2[e];
         u32 kb = nout / 16;
         u32 counts[4] = {0, 0, 0, 0};
-        for (u32 idx = tid; idx < BM_ * (BN_ / 16); idx += THREADS_) {
+        for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
             u32 r = idx / (BN_ / 16), g = idx % (BN_ / 16);
             u32 row = r0 + r, col = n0 + g * 16;
             if (row < r1 && col < nout) {
@@ -364,7 +363,7 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
     } else {
         // dynamic gs2: write a, fold |a| into the expert's amax
         u32 m = 0;
-        for (u32 idx = tid; idx < BM_ * BN_; idx += THREADS_) {
+        for (u32 idx = threadIdx.x; idx < BM_ * BN_; idx += THREADS_) {
             u32 r = idx / BN_, c = idx % BN_;
             u32 row = r0 + r, col = n0 + c;
             if (row < r1 && col < nout) {

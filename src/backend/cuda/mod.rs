@@ -14,7 +14,6 @@ pub mod plugin;
 pub mod quant;
 pub mod reduce;
 pub mod router;
-pub mod tma;
 
 pub use device::{probe, Gpu};
 

@@ -12,7 +12,6 @@ use super::moe_decode::{self, DecodeArgs, DecodeLayout, DecodeTiles, GemmKind, R
 use super::nvrtc::{KernelModule, MOE, MOE_GEMM_SM90, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
-use super::tma;
 use crate::error::{Error, Result};
 use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
 use crate::nvfp4::layout::ScaleLayout;
@@ -38,22 +37,6 @@ const _: () = assert!(
     SM90_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
 );
-/// The warp-specialized kernels: a producer and two consumer warpgroups; a ring of stages of
-/// 128 x 64 BF16 A and 256 x 64 BF16 W (48 KB), two mbarriers per stage, the gate/up
-/// kernel's f32 tile of `a` (128 x 132 floats), 1024 bytes to align the base.
-const SM90_WS_THREADS: u32 = 384;
-const SM90_WS_STAGES_DOWN: u32 = 3;
-const SM90_WS_STAGES_GATE_UP: u32 = 2;
-const SM90_WS_RAW_GROUPS: u32 = 3;
-/// A stage (16 KB of A, 32 KB of W), a raw group (16 KB of codes, 2 KB of scales).
-const SM90_WS_RAW: u32 = SM90_WS_RAW_GROUPS * (18_432 + 16);
-const SM90_WS_DOWN_SMEM: u32 = SM90_WS_STAGES_DOWN * (49_152 + 16) + SM90_WS_RAW + 1024;
-const SM90_WS_GATE_UP_SMEM: u32 =
-    SM90_WS_STAGES_GATE_UP * (49_152 + 16) + SM90_WS_RAW + 67_584 + 1024;
-const _: () = assert!(
-    SM90_WS_DOWN_SMEM <= 227 * 1024 && SM90_WS_GATE_UP_SMEM <= 227 * 1024,
-    "more shared memory than a Hopper block gets"
-);
 
 #[cfg(test)]
 mod sm90_tests {
@@ -61,21 +44,11 @@ mod sm90_tests {
     #[test]
     fn stage_count_matches_the_kernel() {
         let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
-        for line in [
-            format!("#define H_STAGES {}", super::SM90_STAGES),
-            format!("#define WS_STAGES_DOWN {}", super::SM90_WS_STAGES_DOWN),
-            format!(
-                "#define WS_STAGES_GATE_UP {}",
-                super::SM90_WS_STAGES_GATE_UP
-            ),
-            format!("#define WS_THREADS {}", super::SM90_WS_THREADS),
-            format!("#define WS_RAW_GROUPS {}", super::SM90_WS_RAW_GROUPS),
-        ] {
-            assert!(
-                src.lines().any(|l| l.trim() == line),
-                "{line} not in moe_gemm_sm90.cu"
-            );
-        }
+        let line = format!("#define H_STAGES {}", super::SM90_STAGES);
+        assert!(
+            src.lines().any(|l| l.trim() == line),
+            "{line} not in moe_gemm_sm90.cu"
+        );
     }
 }
 
@@ -100,66 +73,8 @@ pub enum PrefillGemm {
     Auto,
     /// The mma.sync kernels of kernels/moe.cu (every arch).
     MmaSync,
-    /// The warpgroup-MMA kernels of kernels/moe_gemm_sm90.cu (sm_90a only): the
-    /// warp-specialized ones, or with `NVFP4DBG_SM90=v1` the first ones (all warps load,
-    /// dequantize and multiply in turn; kept as the measured baseline).
+    /// The warpgroup-MMA kernels of kernels/moe_gemm_sm90.cu (sm_90a only).
     Wgmma,
-}
-
-/// `NVFP4DBG_SM90=v1`: the first wgmma kernels instead of the warp-specialized ones.
-fn sm90_v1() -> bool {
-    static V1: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V1.get_or_init(|| std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1"))
-}
-
-/// Can the wgmma prefill kernels run this layer: sm_90a, NVFP4 16-blocks, hidden and
-/// intermediate sizes multiples of the K slice?
-fn sm90_fits(gpu: &Gpu, layer: &DevLayer) -> bool {
-    let c = &layer.config;
-    gpu.arch == "sm_90a"
-        && layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16)
-        && c.hidden_size.is_multiple_of(SM90_BK)
-        && c.moe_intermediate_size.is_multiple_of(SM90_BK)
-}
-
-/// `NVFP4DBG_SM90_GRID=tiles`: the warp-specialized kernels launched with one CTA per tile
-/// instead of one per SM (to measure what the persistent grid gives, same binary).
-fn sm90_grid_per_tile() -> bool {
-    static T: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *T.get_or_init(|| std::env::var("NVFP4DBG_SM90_GRID").is_ok_and(|v| v == "tiles"))
-}
-
-/// Can the warp-specialized wgmma kernels run this layer: [`sm90_fits`], and hidden and
-/// intermediate sizes multiples of 128 and at least 256 (their weights stream from the decode
-/// tiles, K-chunks of 128, and the raw ring runs two chunks ahead within a tile).
-fn sm90_ws_fits(gpu: &Gpu, layer: &DevLayer) -> bool {
-    let c = &layer.config;
-    sm90_fits(gpu, layer)
-        && [c.hidden_size, c.moe_intermediate_size]
-            .iter()
-            .all(|&k| k.is_multiple_of(128) && k >= 256)
-}
-
-/// The warp-specialized kernels' A operand: the expert inputs dequantized to BF16
-/// (`moe_rows_bf16`, `[N, max(H, I)]`) and the TMA tensor maps that read it as `[N, H]`
-/// (gate/up) and `[N, I]` (down).
-struct Sm90Operands {
-    a_bf16: CudaSlice<u16>,
-    /// two tensor maps of 16 words: gate/up, then down
-    maps: CudaSlice<u64>,
-}
-
-impl Sm90Operands {
-    fn new(gpu: &Gpu, n: usize, h: usize, i: usize) -> Result<Self> {
-        let a_bf16 = gpu.alloc::<u16>(n * h.max(i), "the BF16 expert inputs (wgmma prefill)")?;
-        let ptr = gpu.ptr(&a_bf16);
-        let mut maps = tma::bf16_rows_swizzle128(ptr, n, h, BM as u32)?.to_vec();
-        maps.extend(tma::bf16_rows_swizzle128(ptr, n, i, BM as u32)?);
-        Ok(Sm90Operands {
-            a_bf16,
-            maps: gpu.upload(&maps, "TMA tensor maps")?,
-        })
-    }
 }
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
@@ -469,8 +384,6 @@ struct Workspace {
     xg_bf16: CudaSlice<u16>,
     a_bf16: CudaSlice<u16>,
     y: CudaSlice<f32>,
-    /// sm_90a with NVFP4 16-blocks and K a multiple of 64: the warp-specialized GEMMs' A.
-    sm90: Option<Sm90Operands>,
     shared: Option<SharedWs>,
     out: CudaSlice<f32>,
     per_slot: Option<CudaSlice<f32>>,
@@ -535,11 +448,6 @@ impl Workspace {
             xg_bf16: gpu.alloc(r(n * h), "gathered BF16 rows")?,
             a_bf16: gpu.alloc(r(n * i), "the BF16 intermediate")?,
             y: gpu.alloc(n * h, "expert outputs")?,
-            sm90: if nv && n > 0 && sm90_ws_fits(gpu, layer) {
-                Some(Sm90Operands::new(gpu, n, h, i)?)
-            } else {
-                None
-            },
             shared: match &layer.shared {
                 Some(s) => Some(SharedWs {
                     x: gpu.alloc(tokens * h, "shared expert input")?,
@@ -597,8 +505,6 @@ pub struct Nvfp4Forward {
     dynamic: bool,
     route: RouteSource,
     prefill: PrefillGemm,
-    /// CTAs of the persistent prefill kernels: None = one per SM (tests set fewer).
-    persistent_ctas: Option<u32>,
     decode_layout: DecodeLayout,
 }
 
@@ -656,12 +562,10 @@ impl Nvfp4Forward {
         };
         let mut dev = DevLayer::upload(gpu, layer, want)?;
         let c = &layer.config;
-        let ws_prefill = sm90_ws_fits(gpu, &dev);
         if let Some(ex) = dev.nvfp4.as_mut() {
             let kind =
                 moe_decode::choose(tokens, ex.wblock, c.hidden_size, c.moe_intermediate_size);
-            // the decode GEMMs and the warp-specialized prefill GEMMs read the decode tiles
-            if matches!(kind, GemmKind::Decode { .. }) || ws_prefill {
+            if let GemmKind::Decode { .. } = kind {
                 ex.add_decode_tiles(gpu, c)?;
             }
         }
@@ -688,7 +592,6 @@ impl Nvfp4Forward {
                 dynamic,
                 route: RouteSource::Given,
                 prefill: PrefillGemm::Auto,
-                persistent_ctas: None,
                 decode_layout: DecodeLayout::from_env(),
             });
         }
@@ -700,7 +603,6 @@ impl Nvfp4Forward {
             dynamic,
             route: RouteSource::Given,
             prefill: PrefillGemm::Auto,
-            persistent_ctas: None,
             decode_layout: DecodeLayout::from_env(),
         })
     }
@@ -950,97 +852,34 @@ impl Nvfp4Forward {
                 (&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
             };
         }
+        let e = self.layer.config.n_routed_experts;
+        let n = self.ws.tokens * self.ws.k;
+        // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
+        // so that the blocks sharing a row tile run together and share its A in L2
+        let m_tiles = n.div_ceil(BM) + e.min(n);
+        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
+        let grid = LaunchConfig {
+            grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
+            block_dim: (GEMM_THREADS, 1, 1),
+            shared_mem_bytes: SM90_SMEM_BYTES,
+        };
         let kernel = if fused {
             "moe_gemm_gate_up_nvfp4_sm90"
         } else {
             "moe_gemm_nvfp4_sm90"
         };
-        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
-        (
-            &MOE_GEMM_SM90,
-            kernel,
-            self.sm90_grid(nout, bn, GEMM_THREADS, SM90_SMEM_BYTES),
-        )
-    }
-
-    /// The wgmma kernels' grid: the same row-tile bound as gemm_grid (tiles are BM rows:
-    /// moe_offsets), N tiles first so that the blocks sharing a row tile run together and
-    /// share its A in L2.
-    fn sm90_grid(&self, nout: usize, bn: usize, threads: u32, smem: u32) -> LaunchConfig {
-        let e = self.layer.config.n_routed_experts;
-        let n = self.ws.tokens * self.ws.k;
-        let m_tiles = n.div_ceil(BM) + e.min(n);
-        LaunchConfig {
-            grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        }
-    }
-
-    /// The warp-specialized wgmma kernels' A operand and weights (decode tiles: w1q, w1s, w3q,
-    /// w3s, w2q, w2s), where they run ([`sm90_ws_fits`], not pinned to mma.sync nor to the
-    /// first wgmma kernels).
-    fn sm90_ws(&self) -> Option<(&Sm90Operands, [u64; 6])> {
-        if self.prefill == PrefillGemm::MmaSync || sm90_v1() {
-            return None;
-        }
-        let ex = self.layer.nvfp4.as_ref()?;
-        ex.tiles.as_ref()?;
-        let (_, tiles) = ex.decode_weights(self.gpu(), DecodeLayout::Tiles);
-        Some((self.ws.sm90.as_ref()?, tiles))
-    }
-
-    /// Launch a warp-specialized GEMM: first the BF16 copy of its A (the NVFP4 rows `aq`,
-    /// `as_` with K columns), then `kernel` with the tensor map of that copy and `args`.
-    fn enqueue_sm90ws(
-        &self,
-        ops: &Sm90Operands,
-        (aq, as_, k): (u64, u64, usize),
-        (kernel, nout, bn): (&'static str, usize, usize),
-        args: &[KArg],
-    ) -> Result<()> {
-        let gpu = self.gpu();
-        let n = self.ws.tokens * self.ws.k;
-        gpu.launch(
-            &MOE_GEMM_SM90,
-            "moe_rows_bf16",
-            grid_1d((n * k / 32) as u64, ELEM_THREADS)?,
-            &[
-                KArg::U64(aq),
-                KArg::U64(as_),
-                KArg::U32(k as u32),
-                KArg::U32(n as u32),
-                KArg::U64(gpu.ptr(&ops.a_bf16)),
-            ],
-        )?;
-        // the gate/up map (K = H) first, then the down map: 128 bytes each
-        let h = self.layer.config.hidden_size;
-        let map = gpu.ptr(&ops.maps) + if k == h { 0 } else { 128 };
-        let mut all = vec![KArg::U64(map), KArg::U32(k as u32)];
-        all.extend_from_slice(args);
-        // persistent: one CTA per SM (or, NVFP4DBG_SM90_GRID=tiles, one per tile)
-        let tiles = self.sm90_grid(nout, bn, 1, 0).grid_dim;
-        let tiles = tiles.0 * tiles.1;
-        let ctas = if sm90_grid_per_tile() {
-            tiles
-        } else {
-            tiles.min(self.persistent_ctas.unwrap_or(gpu.sms))
-        };
-        let grid = LaunchConfig {
-            grid_dim: (ctas.max(1), 1, 1),
-            block_dim: (SM90_WS_THREADS, 1, 1),
-            shared_mem_bytes: if bn == SM90_FUSED_BN {
-                SM90_WS_GATE_UP_SMEM
-            } else {
-                SM90_WS_DOWN_SMEM
-            },
-        };
-        gpu.launch(&MOE_GEMM_SM90, kernel, grid, &all)
+        (&MOE_GEMM_SM90, kernel, grid)
     }
 
     /// Which prefill GEMM kernels this forward launches (tests compare the two).
     pub fn set_prefill_gemm(&mut self, which: PrefillGemm) -> Result<()> {
-        if which == PrefillGemm::Wgmma && !sm90_fits(self.gpu(), &self.layer) {
+        let nvfp4_16 = self.layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16);
+        let c = &self.layer.config;
+        let fits = self.gpu().arch == "sm_90a"
+            && nvfp4_16
+            && c.hidden_size.is_multiple_of(SM90_BK)
+            && c.moe_intermediate_size.is_multiple_of(SM90_BK);
+        if which == PrefillGemm::Wgmma && !fits {
             return Err(Error::usage(format!(
                 "the wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts and hidden / \
                  intermediate sizes that are multiples of {SM90_BK}",
@@ -1049,12 +888,6 @@ impl Nvfp4Forward {
         }
         self.prefill = which;
         Ok(())
-    }
-
-    /// Run the persistent prefill kernels on `ctas` CTAs instead of one per SM, so that small
-    /// problems also walk several tiles per CTA (tests).
-    pub fn set_persistent_ctas(&mut self, ctas: u32) {
-        self.persistent_ctas = Some(ctas.max(1));
     }
 
     // ---- end of prefill GEMM dispatch ----
@@ -1206,34 +1039,6 @@ impl Nvfp4Forward {
                             KArg::U64(gpu.ptr(&ws.amax_bits)),
                         ],
                     )?;
-                } else if let Some((ops, tiles)) = self.sm90_ws() {
-                    self.enqueue_sm90ws(
-                        ops,
-                        (p(&ws.a1q), p(&ws.a1s), h),
-                        ("moe_gemm_gate_up_nvfp4_sm90ws", i, SM90_FUSED_BN),
-                        &[
-                            KArg::U64(tiles[0]),
-                            KArg::U64(tiles[1]),
-                            KArg::U64(tiles[2]),
-                            KArg::U64(tiles[3]),
-                            KArg::U32(i as u32),
-                            KArg::U64(gpu.ptr(&ws.gs1)),
-                            KArg::U64(gpu.ptr(&ex.ws2_1)),
-                            KArg::U64(gpu.ptr(&ex.ws2_3)),
-                            KArg::F32(limit),
-                            KArg::U32(has_limit),
-                            KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                            KArg::U32(e as u32),
-                            KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
-                            KArg::U32(flavor_code(self.flavor)),
-                            KArg::U64(p(&ws.a2q)),
-                            KArg::U64(p(&ws.a2s)),
-                            KArg::U64(gpu.ptr(&ws.stats)),
-                            KArg::U64(gpu.ptr(&ws.a_f32)),
-                            KArg::U64(gpu.ptr(&ws.amax_bits)),
-                        ],
-                    )?;
                 } else {
                     let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
                     let mut args = vec![
@@ -1310,44 +1115,26 @@ impl Nvfp4Forward {
                         gpu.ptr(&ws.y),
                     )
                 }
-                GemmKind::Tiled => match self.sm90_ws() {
-                    Some((ops, tiles)) => self.enqueue_sm90ws(
-                        ops,
-                        (p(&ws.a2q), p(&ws.a2s), i),
-                        ("moe_gemm_nvfp4_sm90ws", h, SM90_BN),
-                        &[
-                            KArg::U64(tiles[4]),
-                            KArg::U64(tiles[5]),
-                            KArg::U32(h as u32),
-                            KArg::U64(gpu.ptr(&ws.gs2)),
-                            KArg::U64(gpu.ptr(&ex.ws2_2)),
-                            KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                            KArg::U32(e as u32),
-                            KArg::U64(gpu.ptr(&ws.y)),
-                        ],
-                    ),
-                    None => {
-                        let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
-                        let mut args = vec![
-                            KArg::U64(p(&ws.a2q)),
-                            KArg::U64(p(&ws.a2s)),
-                            KArg::U32(i as u32),
-                            KArg::U64(p(&ex.w2q)),
-                            KArg::U64(p(&ex.w2s)),
-                            KArg::U32(h as u32),
-                            KArg::U32(ex.wblock),
-                            KArg::U64(gpu.ptr(&ws.gs2)),
-                            KArg::U64(gpu.ptr(&ex.ws2_2)),
-                            KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                            KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                            KArg::U32(e as u32),
-                            KArg::U64(gpu.ptr(&ws.y)),
-                        ];
-                        args.extend(sm90_split_arg(module));
-                        gpu.launch(module, kernel, grid, &args)
-                    }
-                },
+                GemmKind::Tiled => {
+                    let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
+                    let mut args = vec![
+                        KArg::U64(p(&ws.a2q)),
+                        KArg::U64(p(&ws.a2s)),
+                        KArg::U32(i as u32),
+                        KArg::U64(p(&ex.w2q)),
+                        KArg::U64(p(&ex.w2s)),
+                        KArg::U32(h as u32),
+                        KArg::U32(ex.wblock),
+                        KArg::U64(gpu.ptr(&ws.gs2)),
+                        KArg::U64(gpu.ptr(&ex.ws2_2)),
+                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                        KArg::U32(e as u32),
+                        KArg::U64(gpu.ptr(&ws.y)),
+                    ];
+                    args.extend(sm90_split_arg(module));
+                    gpu.launch(module, kernel, grid, &args)
+                }
             },
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {

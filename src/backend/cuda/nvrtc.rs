@@ -87,13 +87,7 @@ pub const MOE_DECODE: KernelModule = KernelModule {
 pub const MOE_GEMM_SM90: KernelModule = KernelModule {
     file: "kernels/moe_gemm_sm90.cu",
     source: include_str!("../../../kernels/moe_gemm_sm90.cu"),
-    kernels: &[
-        "moe_gemm_nvfp4_sm90",
-        "moe_gemm_gate_up_nvfp4_sm90",
-        "moe_rows_bf16",
-        "moe_gemm_nvfp4_sm90ws",
-        "moe_gemm_gate_up_nvfp4_sm90ws",
-    ],
+    kernels: &["moe_gemm_nvfp4_sm90", "moe_gemm_gate_up_nvfp4_sm90"],
 };
 
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
