@@ -38,10 +38,11 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
 #endif
 static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUANT_BLOCKS: 2, 4 or 8");
 
-// CTAs per SM the BF16 kernel is compiled for. 0: no bound (64 registers, so 4 CTAs of 256
-// threads per SM, half the SM's warps). N: registers capped at 64K / (256 N) so that N CTAs
-// fit: more warps to cover one warp's load latency with other warps' arithmetic. With
-// QUANT_BLOCKS 4, 5 and more spill (ptxas); QUANT_BLOCKS 2 takes 48 registers (5 CTAs) alone.
+// CTAs per SM the BF16 kernel is compiled for. 0: no bound (QUANT_ENCODER 1: 71 registers, so
+// 3 CTAs of 256 threads per SM; QUANT_ENCODER 0: 54, 4 CTAs). N: registers capped at
+// 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load latency with other
+// warps' arithmetic. 4 with QUANT_ENCODER 1: 63 registers, no spill, 1% more instructions on
+// the main path. With QUANT_BLOCKS 4, 5 and more spill (ptxas).
 #ifndef QUANT_MIN_BLOCKS
 #define QUANT_MIN_BLOCKS 0
 #endif
@@ -59,12 +60,22 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 #define QUANT_STORE 0
 #endif
 
-// Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 no barrier: the block
-// count is rows x kb (each block of the tensor is quantized once), added by one thread of the
-// grid; the rare classes (saturated, flushed, NaN) by warp sums and atomics in the warps that
-// saw one (none on ordinary activations).
+// Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 (default) no barrier: the
+// block count is rows x kb (each block of the tensor is quantized once), added by one thread of
+// the grid; the rare classes (saturated, flushed, NaN) by warp sums and atomics in the warps that
+// saw one (none on ordinary activations). The same totals either way (+1.5% measured for 1).
 #ifndef QUANT_STATS
-#define QUANT_STATS 0
+#define QUANT_STATS 1
+#endif
+
+// BF16 block encoder: 1 (default) quant_block_bf16_fast below for every block it takes (normal,
+// unsaturated scale codes: ordinary data), the general path for the others; 0 every block
+// through the general path (quant_block_nvfp4_core + classify_nvfp4), flavor read at run time.
+// Same codes, scales and statistics (tools/checks/quant_block_fast.c). SASS on sm_90a, main
+// path of one thread (4 blocks, 64 values; QUANT_STATS 0 -> 1 included): 1311 -> 867
+// instructions. Kept for an A/B on a GPU: NVFP4DBG_NVRTC_DEFINES="-DQUANT_ENCODER=0".
+#ifndef QUANT_ENCODER
+#define QUANT_ENCODER 1
 #endif
 
 // 0: one thread per group of QUANT_BLOCKS blocks. N > 0: at most N CTAs (quant.rs caps the
@@ -185,6 +196,14 @@ __device__ __forceinline__ void load_raw(const T* p, RawBlock<T>& r) {
     for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = ld_in(q + i);
 }
 
+// |x| of both BF16 halves: w & 0x7FFF7FFF, opaque to the compiler, which otherwise folds the
+// mask into each shift that takes a low half apart (two instructions a value instead of one).
+__device__ __forceinline__ u32 abs2_bf16(u32 w) {
+    u32 r;
+    asm("and.b32 %0, %1, 0x7FFF7FFF;" : "=r"(r) : "r"(w));
+    return r;
+}
+
 // The block as floats and max|x| as bits (amax_bits16). BF16: the maximum is taken on the
 // 16-bit halves (|x| bit patterns order as unsigned integers, as in f32, NaN above inf), so the
 // bits are those amax_bits16 gives on the converted values.
@@ -198,8 +217,14 @@ __device__ __forceinline__ u32 unpack_raw(const RawBlock<float>& r, float (&x)[1
     }
     return amax_bits16(x);
 }
+__device__ __forceinline__ u32 amax_raw(const RawBlock<u16>& r) {
+    u32 w[8] = {r.q[0].x, r.q[0].y, r.q[0].z, r.q[0].w, r.q[1].x, r.q[1].y, r.q[1].z, r.q[1].w};
+    u32 m = abs2_bf16(w[0]);
+#pragma unroll
+    for (int j = 1; j < 8; j++) asm("max.u16x2 %0, %0, %1;" : "+r"(m) : "r"(abs2_bf16(w[j])));
+    return max(m << 16, m & 0xFFFF0000u);
+}
 __device__ __forceinline__ u32 unpack_raw(const RawBlock<u16>& r, float (&x)[16]) {
-    u32 m = 0;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         u32 w[4] = {r.q[i].x, r.q[i].y, r.q[i].z, r.q[i].w};
@@ -207,11 +232,143 @@ __device__ __forceinline__ u32 unpack_raw(const RawBlock<u16>& r, float (&x)[16]
         for (int j = 0; j < 4; j++) {
             x[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
             x[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-            u32 a = w[j] & 0x7FFF7FFFu;
-            asm("max.u16x2 %0, %0, %1;" : "+r"(m) : "r"(a));
         }
     }
-    return max(m & 0xFFFFu, m >> 16) << 16;
+    return amax_raw(r);
+}
+
+// ---- QUANT_ENCODER 1: the BF16 block encoder with the fewest instructions ----
+
+// The E4M3 code of t by the hardware conversion (round to nearest even, satfinite), in the low
+// byte; the high byte is the code of 0.0 (0), so no mask is needed.
+__device__ __forceinline__ u32 e4m3_hw_code(float t) {
+    u32 r;
+    asm("{ .reg .b16 c;\n cvt.rn.satfinite.e4m3x2.f32 c, %1, %2;\n mov.b32 %0, {c, 0};\n}"
+        : "=r"(r)
+        : "f"(0.0f), "f"(t));
+    return r;
+}
+
+// The value of the E4M3 code in the low byte of c (high byte ignored): the hardware conversion
+// to f16 (every E4M3 value is exact in f16) and on to f32, two instructions where e4m3_decode
+// takes a dozen. NaN codes give a NaN (its payload differs from e4m3_decode's; only the fast
+// path's own test reads it).
+__device__ __forceinline__ float e4m3_value_hw(u32 c) {
+    float s;
+    asm("{ .reg .b32 h2; .reg .b16 lo, hi;\n cvt.rn.f16x2.e4m3x2 h2, %1;\n mov.b32 {lo, hi}, h2;\n"
+        " cvt.f32.f16 %0, lo;\n}"
+        : "=f"(s)
+        : "h"((u16)c));
+    return s;
+}
+
+// 1/v rounded to nearest even (= rcp_ref(v) = __fdiv_rn(1, v)) for v whose exponent field is in
+// [1, 252] (rcp_fast_ok): ptxas's own expansion of the IEEE reciprocal (rcp.rn.f32, __frcp_rn)
+// in that range, MUFU.RCP and one Newton step (its negation of e is FADD.FTZ: exact, e is 0 or
+// far from the subnormals), without the range test and the slow path, which the caller replaces
+// by sending the other v down the general path.
+__device__ __forceinline__ float rcp_rn_inrange(float v) {
+    float r = rcp_approx_ftz(v);
+    float e = __fmaf_rn(v, r, -1.0f);
+    return __fmaf_rn(r, -e, r);
+}
+__device__ __forceinline__ bool rcp_fast_ok(float v) {
+    return ((__float_as_uint(v) + 0x01800000u) & 0x7F800000u) > 0x01FFFFFFu;
+}
+
+// prmt.b32 in its default mode, where a selector nibble with bit 3 set replicates the sign bit
+// of the chosen byte over the output byte (__byte_perm ignores that bit).
+__device__ __forceinline__ u32 prmt_sign(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+// E2M1 magnitude code of a = |v| for 0 <= a < 7, as the bits of 2^23 + code (0x4B000000 + code).
+// The code is RNE(g(a)) with g(a) = min(2a, a + 2, a/2 + 4): g maps the E2M1 grid 0, .5, 1, 1.5,
+// 2, 3, 4, 6 onto 0..7 and each rounding boundary (.25, .75, 1.25, 1.75, 2.5, 3.5, 5) onto a
+// half-integer, where rounding half to even gives DESIGN.md's ties (<= .25 -> 0, < .75 -> .5,
+// ...). g is increasing, so RNE(g) = min of the RNE of the three lines, and each is one IEEE
+// operation whose result lies in [2^23, 2^24), where the f32 step is 1: 2^23 + RNE(2a),
+// 2^23 + 2 + RNE(a) (RNE(a + 2) = RNE(a) + 2: 2 is even), 2^23 + 4 + RNE(a/2). Positive floats
+// order as their bits: the minimum is one 3-input integer min. 3 FMA-pipe + 1 ALU instructions
+// where e2m1_mag_bits takes 8 (tools/checks/quant_block_fast.c: every f32 a in [0, 7)).
+__device__ __forceinline__ u32 e2m1_code_min3(float a) {
+    const float M = 8388608.0f;  // 2^23
+    u32 c1 = __float_as_uint(__fmaf_rn(a, 2.0f, M));
+    u32 c2 = __float_as_uint(__fadd_rn(a, M + 2.0f));
+    u32 c3 = __float_as_uint(__fmaf_rn(a, 0.5f, M + 4.0f));
+    return min(min(c1, c2), c3);
+}
+
+// The E2M1 codes of the 8 BF16 values in w[0..3] (value 2j in the low half of w[j]) times
+// os >= +0, as one word (value i in nibble i), all |x * os| < 7. `wa` holds w & 0x7FFF7FFF.
+// Magnitudes: the codes (each 2^23 + code, see e2m1_code_min3) of a pair as hi * 16 + lo,
+// whose low byte is the output byte, and three byte permutes gather the four. Signs: the sign
+// of x * os is the sign of x (os >= +0); a sign-replicating byte permute gives byte k = 0xFF / 0
+// for the sign of value (k of 0, 2, 1, 3) from two words, two more put the even and the odd
+// values' bytes apart, and the nibble halves of those bytes carry bit 3 (even values) and bit 7
+// (odd values) of each output byte.
+__device__ __forceinline__ u32 e2m1_word_bf16(const u32* w, const u32* wa, float os) {
+    u32 pair[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u32 lo = e2m1_code_min3(__fmul_rn(__uint_as_float(wa[j] << 16), os));
+        u32 hi = e2m1_code_min3(__fmul_rn(__uint_as_float(wa[j] & 0xFFFF0000u), os));
+        pair[j] = hi * 16u + lo;  // low byte: the two nibbles (0x4B000000 offsets above it)
+    }
+    u32 acc = __byte_perm(__byte_perm(pair[0], pair[1], 0x0040u), __byte_perm(pair[2], pair[3], 0x0040u), 0x5410u);
+    u32 ra = prmt_sign(w[0], w[1], 0xFBD9u);  // signs of values 0, 2, 1, 3
+    u32 rb = prmt_sign(w[2], w[3], 0xFBD9u);  // 4, 6, 5, 7
+    u32 e = __byte_perm(ra, rb, 0x5410u);     // 0, 2, 4, 6
+    u32 o = __byte_perm(ra, rb, 0x7632u);     // 1, 3, 5, 7
+    u32 sg = (e & 0x0F0F0F0Fu) | (o & 0xF0F0F0F0u);
+    return acc | (sg & 0x88888888u);
+}
+
+// One BF16 block on the fast path, if it takes it: then the same scale code and codes as
+// quant_block_nvfp4_core (and class 0 in classify_nvfp4), else false and nothing written but
+// s_code. The scale as nvfp4_block_scale computes it for FLAVOR (decoded by e4m3_value_hw; the
+// reference's 1/v by rcp_rn_inrange). Taken: scale codes 0x08..0x7D (normal, not saturated,
+// not NaN, so vmax and gs are finite and nonzero, as are s, v and out_scale > 0) with v in the
+// reciprocal's range. Then |x * out_scale| <= vmax * out_scale ~ 6 t / s <= 6 (1 + 1/16) (1 +
+// a few ulps) < 7 (t = gs vmax / 6 before the E4M3 rounding, off by at most 1/16 of s for a
+// normal s): none is NaN, none needs the clamp at 6 (e2m1_code_min3 gives 6 up to 7). Zero
+// blocks, flushed, saturated and NaN scales, denormal scales (where t / s reaches 1.5) and
+// exotic global scales go the general way. mbits: max|x| as bits (amax_raw).
+template <u32 FLAVOR>
+__device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u32 mbits, float gs, float rgs,
+                                                      u32& s_code, u32 (&packed)[2]) {
+    float vmax = __uint_as_float(mbits);
+    float v, out_scale;
+    if (FLAVOR == FLAVOR_CUDA_FAST) {
+        s_code = e4m3_hw_code(__fmul_rn(gs, __fmul_rn(vmax, rcp_approx_ftz(6.0f))));
+        v = __fmul_rn(e4m3_value_hw(s_code), rgs);
+        out_scale = rcp_approx_ftz(v);
+    } else {
+        // clamp_max keeps a NaN t, whose code (0x7F) then fails the test below
+        s_code = e4m3_hw_code(clamp_max(__fmul_rn(gs, __fmul_rn(vmax, NVFP4_R6)), E4M3_MAX));
+        v = __fmul_rn(e4m3_value_hw(s_code), rgs);
+        out_scale = rcp_rn_inrange(v);
+    }
+    // Normal, unsaturated scale codes 0x08..0x7D (so s != 0 and the general path's s != 0 /
+    // v != 0 tests agree), v in rcp_rn_inrange's range.
+    if (!((s_code - 8u < 0x76u) & rcp_fast_ok(v))) return false;
+#if NVFP4DBG_HW_E2M1
+    // Blackwell: the conversion instruction encodes two values at once (nvfp4_word)
+    float x[16];
+    unpack_raw(r, x);
+    packed[0] = nvfp4_word(x, out_scale, false);
+    packed[1] = nvfp4_word(x + 8, out_scale, false);
+    return true;
+#endif
+    u32 w[8] = {r.q[0].x, r.q[0].y, r.q[0].z, r.q[0].w, r.q[1].x, r.q[1].y, r.q[1].z, r.q[1].w};
+    u32 wa[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) wa[j] = abs2_bf16(w[j]);
+    packed[0] = e2m1_word_bf16(w, wa, out_scale);
+    packed[1] = e2m1_word_bf16(w + 4, wa + 4, out_scale);
+    return true;
 }
 
 // The quantizer's problem: the grid covers rows_g x kb_g blocks (with `swizzled`, the padded
@@ -313,12 +470,16 @@ __device__ __forceinline__ void group_load_staged(const T* __restrict__ x, u64 s
 }
 
 // Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
-// word at a time where aligned; swizzled padding as zero), count its blocks into c.
-template <typename T>
-__device__ __forceinline__ void group_quantize(const Group<T>& g, const QuantDims& d,
-                                               const float* __restrict__ gs, const int* __restrict__ gs_idx,
-                                               u8* __restrict__ packed, u8* __restrict__ scales,
-                                               u32 swizzled, u32 flavor, u32 (&c)[4]) {
+// word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
+// flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
+// `flavor`, every block through the general path.
+#define FLAVOR_RUNTIME 2u
+template <typename T, u32 FL>
+__device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const QuantDims& d,
+                                                  const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                                                  u8* __restrict__ packed, u8* __restrict__ scales,
+                                                  u32 swizzled, u32 flavor_arg, u32 (&c)[4]) {
+    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
     const u64 r = g.r, b0 = g.b0, kb = d.kb;
     const bool in_row = g.in_row;
     float gv = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
@@ -330,6 +491,14 @@ __device__ __forceinline__ void group_quantize(const Group<T>& g, const QuantDim
         p[h][0] = p[h][1] = 0;
         sc[h] = 0;
         if (in_row && b0 + h < kb) {
+            if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
+                u32 s;
+                if (__builtin_expect(quant_block_bf16_fast<FL>(g.raw[h], amax_raw(g.raw[h]), gv, rg, s, p[h]), 1)) {
+                    sc[h] = s;
+                    c[0] += 1;
+                    continue;
+                }
+            }
             float v[16];
             u32 mbits = unpack_raw(g.raw[h], v);
             u32 s = quant_block_nvfp4_core(v, mbits, gv, rg, flavor, p[h]);
@@ -395,12 +564,12 @@ __device__ __forceinline__ void group_quantize(const Group<T>& g, const QuantDim
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
 // threads.
-template <typename T>
-__device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
-                               const int* __restrict__ row_src, const float* __restrict__ gs,
-                               const int* __restrict__ gs_idx, u8* __restrict__ packed,
-                               u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
-                               u32 flavor) {
+template <typename T, u32 FL>
+__device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 rows, u32 cols,
+                                                  const int* __restrict__ row_src, const float* __restrict__ gs,
+                                                  const int* __restrict__ gs_idx, u8* __restrict__ packed,
+                                                  u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
+                                                  u32 flavor) {
     const QuantDims d = quant_dims(rows, cols, swizzled);
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 c[4] = {0, 0, 0, 0};
@@ -412,11 +581,11 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
     while (idx < d.total) {
         u64 next = idx + stride;
         if (next < d.total) group_load<T>(x, next, d, row_src, b);
-        group_quantize<T>(a, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        group_quantize_fl<T, FL>(a, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         if (next >= d.total) break;
         idx = next + stride;
         if (idx < d.total) group_load<T>(x, idx, d, row_src, a);
-        group_quantize<T>(b, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        group_quantize_fl<T, FL>(b, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
     }
 #else
     if constexpr (QUANT_SMEM && sizeof(T) == 2) {
@@ -430,11 +599,11 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
             g.in_row = false;
         }
         group_load_staged<T>(x, src, d, g);
-        if (idx < d.total) group_quantize<T>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        if (idx < d.total) group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
     } else if (idx < d.total) {
         Group<T> g;
         group_load<T>(x, idx, d, row_src, g);
-        group_quantize<T>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
     }
 #endif
 #if QUANT_STATS
@@ -442,6 +611,26 @@ __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols,
 #else
     add_stats_cta(stats, c);
 #endif
+}
+
+// QUANT_ENCODER 1: the BF16 kernel is compiled once per flavor (a constant in the fast path),
+// picked once per thread; otherwise one body reads `flavor` where it matters.
+template <typename T>
+__device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols, const int* __restrict__ row_src,
+                               const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                               u8* __restrict__ packed, u8* __restrict__ scales, u32 swizzled,
+                               u64* __restrict__ stats, u32 flavor) {
+    if (QUANT_ENCODER && sizeof(T) == 2) {
+        if (flavor == FLAVOR_CUDA_FAST)
+            nvfp4_quantize_fl<T, FLAVOR_CUDA_FAST>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
+                                                   stats, flavor);
+        else
+            nvfp4_quantize_fl<T, FLAVOR_REFERENCE>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
+                                                   stats, flavor);
+    } else {
+        nvfp4_quantize_fl<T, FLAVOR_RUNTIME>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats,
+                                             flavor);
+    }
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
