@@ -26,6 +26,7 @@ Q=".dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only floor
 for i in 1 2; do
     timeout 40 $Q --json $R/quant-new-$i.json > $R/quant-new-$i.txt 2>&1
     NVFP4DBG_NVRTC_DEFINES="-DQUANT_ENCODER=0" timeout 40 $Q --json $R/quant-old-$i.json > $R/quant-old-$i.txt 2>&1
+    NVFP4DBG_NVRTC_DEFINES="-DQUANT_MIN_BLOCKS=4" timeout 40 $Q --json $R/quant-new4-$i.json > $R/quant-new4-$i.txt 2>&1
 done
 for f in $R/quant-*.txt; do echo "== $f"; grep -E "quantize" $f | awk -F'│' '{print $2,$3,$5,$9}'; done
 pack
