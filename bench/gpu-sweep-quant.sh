@@ -25,22 +25,16 @@ done
 export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/usr/local/cuda/include/cccl}"
 
 # name|defines. Registers (ptxas, BF16 kernel, sm_90a) and CTAs of 256 threads per SM in the
-# comments; the QUANT_GRID caps are 132 SMs (H200) x those CTAs: one wave.
+# comments. The session-6 sweep also had shared-memory staging, grid-stride pipelining and
+# cache hints: all slower (BENCHMARKS.md), removed from the kernel since.
 VARIANTS=(
-    "qb2|-DQUANT_BLOCKS=2"                    # 48 regs, 5 CTAs/SM (default 64, 4): more warps, 64 B in flight each
-    "smem|-DQUANT_SMEM=1"                     # 64 regs, 32 KB smem: 512-byte coalesced cp.async, own group from smem
-    "pipe|-DQUANT_GRID=264"                   # 123 regs, 2 CTAs/SM: grid-stride, next group's loads during this one's math
-    "pipe2|-DQUANT_BLOCKS=2 -DQUANT_GRID=396" # 74 regs, 3 CTAs/SM: the same with 2 blocks per step
-    "l2_256|-DQUANT_LOAD=2"                   # ld.global.nc.L2::256B
-    "stats|-DQUANT_STATS=1"                   # 62 regs: no barrier, no block-count atomics
-    "qb8|-DQUANT_BLOCKS=8"                    # 100 regs, 2 CTAs/SM: 256 B in flight per thread
+    "old|-DQUANT_ENCODER=0"                   # the encoder before session 6's (every block through the general path)
+    "cta4|-DQUANT_MIN_BLOCKS=4"               # 63 regs, 4 CTAs/SM (default 71, 3)
+    "qb2|-DQUANT_BLOCKS=2"                    # 2 blocks per thread: more warps, 64 B in flight each
+    "stats0|-DQUANT_STATS=0"                  # statistics per CTA with a barrier (the previous default)
+    "qb8|-DQUANT_BLOCKS=8"                    # 256 B in flight per thread
 )
-EXTRA=(
-    "noalloc|-DQUANT_LOAD=1"                                     # ld.global.nc.L1::no_allocate
-    "ldcs|-DQUANT_LOAD=4"                                        # ld.global.cs
-    "stcs|-DQUANT_STORE=1"                                       # st.global.cs
-    "smem2|-DQUANT_SMEM=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=5" # 48 regs, 16 KB smem, 5 CTAs/SM
-)
+EXTRA=()
 if [ $# -gt 0 ]; then
     picked=()
     for want in "$@"; do

@@ -47,19 +47,6 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 #define QUANT_MIN_BLOCKS 0
 #endif
 
-// Input loads: 0 plain (ld.global.nc, allocating in L1, where the second 16 bytes of each
-// 32-byte sector can be found), 1 .L1::no_allocate, 2 .L2::256B (the L2 fetches whole 256-byte
-// lines; a CTA reads 32 KB contiguous), 3 both, 4 ld.global.cs (evict-first, L1 and L2).
-#ifndef QUANT_LOAD
-#define QUANT_LOAD 0
-#endif
-
-// Code and scale stores: 0 plain, 1 st.global.cs (evict-first: the outputs do not push the
-// next inputs out of the L2).
-#ifndef QUANT_STORE
-#define QUANT_STORE 0
-#endif
-
 // Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 (default) no barrier: the
 // block count is rows x kb (each block of the tensor is quantized once), added by one thread of
 // the grid; the rare classes (saturated, flushed, NaN) by warp sums and atomics in the warps that
@@ -77,24 +64,6 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 #ifndef QUANT_ENCODER
 #define QUANT_ENCODER 1
 #endif
-
-// 0: one thread per group of QUANT_BLOCKS blocks. N > 0: at most N CTAs (quant.rs caps the
-// grid; on an H200 132 x CTAs-per-SM is one wave, no tail), each thread strides over groups
-// and issues the next group's loads before it quantizes the current one (loads in flight
-// while it computes; twice the raw registers). Any grid gives the same output.
-#ifndef QUANT_GRID
-#define QUANT_GRID 0
-#endif
-
-// BF16 input loads: 0 each thread loads its own group (16-byte loads 128 bytes apart across
-// the warp: 32 lines per load instruction in L1). 1 the warp's groups come through shared
-// memory: each cp.async instruction of the warp copies 512 contiguous bytes (4 lines) when the
-// groups are adjacent in the input, then each lane reads its own group from there
-// (QUANT_BLOCKS 2 or 4: 16 or 32 KB of shared memory per CTA; not with QUANT_GRID).
-#ifndef QUANT_SMEM
-#define QUANT_SMEM 0
-#endif
-static_assert(!QUANT_SMEM || (QUANT_BLOCKS <= 4 && QUANT_GRID == 0), "QUANT_SMEM: QUANT_BLOCKS <= 4, no QUANT_GRID");
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -128,58 +97,14 @@ __device__ __forceinline__ void add_stats_rare(u64* stats, const u32 (&c)[4], u6
     }
 }
 
-// One 16-byte load of the input, with the QUANT_LOAD cache hint.
-#if QUANT_LOAD == 1
-#define QUANT_LD "ld.global.nc.L1::no_allocate.v4.u32"
-#elif QUANT_LOAD == 2
-#define QUANT_LD "ld.global.nc.L2::256B.v4.u32"
-#elif QUANT_LOAD == 3
-#define QUANT_LD "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-#elif QUANT_LOAD == 4
-#define QUANT_LD "ld.global.cs.v4.u32"
-#endif
-__device__ __forceinline__ uint4 ld_in(const uint4* p) {
-#if QUANT_LOAD == 0
-    return *p;
-#else
-    uint4 v;
-    asm volatile(QUANT_LD " {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#endif
-}
-
-// Code and scale stores, with the QUANT_STORE cache hint.
-__device__ __forceinline__ void st_out(uint4* p, uint4 v) {
-#if QUANT_STORE
-    asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                 : "memory");
-#else
-    *p = v;
-#endif
-}
-__device__ __forceinline__ void st_out(u32* p, u32 v) {
-#if QUANT_STORE
-    asm volatile("st.global.cs.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-#else
-    *p = v;
-#endif
-}
-__device__ __forceinline__ void st_out(u16* p, u16 v) {
-#if QUANT_STORE
-    asm volatile("st.global.cs.u16 [%0], %1;" ::"l"(p), "h"(v) : "memory");
-#else
-    *p = v;
-#endif
-}
-
 // Scale bytes stored as one word: 4 (a whole k-group of the swizzled layout), or 2 with
 // QUANT_BLOCKS 2.
 #define QUANT_SCALE_WORD (QUANT_BLOCKS < 4 ? QUANT_BLOCKS : 4)
 __device__ __forceinline__ void st_scale_word(u8* dst, u32 word) {
 #if QUANT_SCALE_WORD == 4
-    st_out(reinterpret_cast<u32*>(dst), word);
+    *reinterpret_cast<u32*>(dst) = word;
 #else
-    st_out(reinterpret_cast<u16*>(dst), (u16)word);
+    *reinterpret_cast<u16*>(dst) = (u16)word;
 #endif
 }
 
@@ -193,7 +118,7 @@ template <typename T>
 __device__ __forceinline__ void load_raw(const T* p, RawBlock<T>& r) {
     const uint4* q = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-    for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = ld_in(q + i);
+    for (int i = 0; i < (int)(sizeof(r.q) / 16); i++) r.q[i] = q[i];
 }
 
 // |x| of both BF16 halves: w & 0x7FFF7FFF, opaque to the compiler, which otherwise folds the
@@ -424,51 +349,6 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
-// ---- QUANT_SMEM: a warp's groups staged through shared memory ----
-
-// 16-byte unit u = lane * NC + chunk of a warp's staging area (NC chunks per group), XOR-
-// swizzled: the copies (8 consecutive units per phase) and the owners' reads (8 lanes, the
-// same chunk each) both land on 8 distinct 16-byte bank groups.
-template <int NC> __device__ __forceinline__ int stage_slot(int u) {
-    return NC >= 8 ? u ^ ((u / NC) & 7) : u ^ ((u / 8) & (NC - 1));
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-
-// The raw input of every lane's group (lanes with g.in_row false or past the grid's groups
-// copy nothing). All 32 lanes of the warp call it. Copy step i moves units i*32 .. i*32+31:
-// chunk u % NC of lane u / NC's group, whose address (16-byte aligned) and chunk count (<= 8,
-// in the low 4 bits) come by one 64-bit shuffle.
-template <typename T>
-__device__ __forceinline__ void group_load_staged(const T* __restrict__ x, u64 src, const QuantDims& d,
-                                                  Group<T>& g) {
-    constexpr int CPB = (int)sizeof(RawBlock<T>) / 16;  // chunks per block
-    constexpr int NC = QUANT_BLOCKS * CPB;
-    static_assert(NC <= 8, "the chunk count must fit the 4 low bits of an aligned address");
-    __shared__ uint4 stage[QUANT_THREADS * NC];
-    const int lane = threadIdx.x % 32;
-    uint4* area = stage + (threadIdx.x / 32) * 32 * NC;
-    u64 n = g.in_row && g.b0 < d.kb ? min((u64)QUANT_BLOCKS, d.kb - g.b0) * CPB : 0;
-    u64 mine = (u64)(x + src * d.cols + g.b0 * 16) | n;
-#pragma unroll
-    for (int i = 0; i < NC; i++) {
-        int u = i * 32 + lane;
-        u64 other = __shfl_sync(0xFFFFFFFFu, mine, u / NC);
-        if ((int)(other & 15u) > u % NC)
-            cp_async16(area + stage_slot<NC>(u), reinterpret_cast<const uint4*>(other & ~(u64)15) + u % NC);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncwarp();
-#pragma unroll
-    for (int h = 0; h < QUANT_BLOCKS; h++)
-        if (g.in_row && g.b0 + h < d.kb)
-#pragma unroll
-            for (int k = 0; k < CPB; k++) g.raw[h].q[k] = area[stage_slot<NC>(lane * NC + h * CPB + k)];
-}
-
 // Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
 // word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
 // flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
@@ -517,7 +397,7 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
             uint4* o = reinterpret_cast<uint4*>(dst);
 #pragma unroll
             for (int v = 0; v < QUANT_BLOCKS / 2; v++)
-                st_out(o + v, make_uint4(p[2 * v][0], p[2 * v][1], p[2 * v + 1][0], p[2 * v + 1][1]));
+                o[v] = make_uint4(p[2 * v][0], p[2 * v][1], p[2 * v + 1][0], p[2 * v + 1][1]);
         } else {
 #pragma unroll
             for (int h = 0; h < QUANT_BLOCKS; h++)
@@ -559,8 +439,7 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
     }
 }
 
-// QUANT_BLOCKS consecutive 16-blocks of a row per thread (QUANT_GRID: per step of a
-// grid-stride loop). `row_src` (nullable) gathers: output row r reads input row row_src[r].
+// QUANT_BLOCKS consecutive 16-blocks of a row per thread. `row_src` (nullable) gathers: output row r reads input row row_src[r].
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
 // threads.
@@ -573,39 +452,11 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
     const QuantDims d = quant_dims(rows, cols, swizzled);
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 c[4] = {0, 0, 0, 0};
-#if QUANT_GRID > 0
-    // two groups in registers: the one being quantized and the next one, loading
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    Group<T> a, b;
-    if (idx < d.total) group_load<T>(x, idx, d, row_src, a);
-    while (idx < d.total) {
-        u64 next = idx + stride;
-        if (next < d.total) group_load<T>(x, next, d, row_src, b);
-        group_quantize_fl<T, FL>(a, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-        if (next >= d.total) break;
-        idx = next + stride;
-        if (idx < d.total) group_load<T>(x, idx, d, row_src, a);
-        group_quantize_fl<T, FL>(b, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-    }
-#else
-    if constexpr (QUANT_SMEM && sizeof(T) == 2) {
-        // every lane takes part in the staging, also those past the last group
-        Group<T> g;
-        u64 src = 0;
-        if (idx < d.total) {
-            src = group_locate<T>(idx, d, row_src, g);
-        } else {
-            g.r = g.b0 = 0;
-            g.in_row = false;
-        }
-        group_load_staged<T>(x, src, d, g);
-        if (idx < d.total) group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-    } else if (idx < d.total) {
+    if (idx < d.total) {
         Group<T> g;
         group_load<T>(x, idx, d, row_src, g);
         group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
     }
-#endif
 #if QUANT_STATS
     add_stats_rare(stats, c, rows * d.kb);
 #else

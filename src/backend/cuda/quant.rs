@@ -95,29 +95,25 @@ fn define_value(defines: &str, name: &str) -> Option<u64> {
         .next_back()
 }
 
-/// The quantizer's launch shape as the kernel was compiled: blocks per thread
-/// (QUANT_BLOCKS) and the CTA cap of its grid-stride form (QUANT_GRID, 0 = none). A sweep
-/// overrides them through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the
+/// Blocks per thread the quantizer was compiled with: QUANT_BLOCKS, which a sweep may
+/// override through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the
 /// module is compiled once per process.
-fn quant_launch_shape() -> (usize, u64) {
-    static SHAPE: std::sync::OnceLock<(usize, u64)> = std::sync::OnceLock::new();
-    *SHAPE.get_or_init(|| {
+fn quant_blocks() -> usize {
+    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BLOCKS.get_or_init(|| {
         let d = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
-        let blocks = define_value(&d, "QUANT_BLOCKS").map_or(QUANT_BLOCKS, |b| b as usize);
-        (blocks.max(1), define_value(&d, "QUANT_GRID").unwrap_or(0))
+        define_value(&d, "QUANT_BLOCKS").map_or(QUANT_BLOCKS, |b| (b as usize).max(1))
     })
 }
 
 /// The NVFP4 quantizer's grid: one thread per QUANT_BLOCKS blocks of a row (kernels/quant.cu
-/// `nvfp4_quantize`, QUANT_THREADS threads); with QUANT_GRID, at most that many CTAs (the
-/// kernel then strides over the groups).
+/// `nvfp4_quantize`, QUANT_THREADS threads).
 pub(crate) fn nvfp4_grid(
     rows: usize,
     kb: usize,
     layout: ScaleLayout,
 ) -> Result<cudarc::driver::LaunchConfig> {
-    let (blocks, cap) = quant_launch_shape();
-    nvfp4_grid_for(rows, kb, layout, blocks, cap)
+    nvfp4_grid_for(rows, kb, layout, quant_blocks())
 }
 
 fn nvfp4_grid_for(
@@ -125,17 +121,12 @@ fn nvfp4_grid_for(
     kb: usize,
     layout: ScaleLayout,
     blocks: usize,
-    cap: u64,
 ) -> Result<cudarc::driver::LaunchConfig> {
     let (rows_g, kb_g) = match layout {
         ScaleLayout::Linear => (rows, kb),
         ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
     };
-    let mut cfg = grid_1d((rows_g * kb_g.div_ceil(blocks)) as u64, THREADS)?;
-    if cap > 0 && u64::from(cfg.grid_dim.0) > cap {
-        cfg.grid_dim.0 = cap.min(u64::from(u32::MAX)) as u32;
-    }
-    Ok(cfg)
+    grid_1d((rows_g * kb_g.div_ceil(blocks)) as u64, THREADS)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
@@ -513,10 +504,10 @@ mod tests {
 
     #[test]
     fn defines_are_read_as_nvrtc_gets_them() {
-        let d = "-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=6  -DQUANT_GRID=528 -DX -D";
+        let d = "-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=6  -DQUANT_ENCODER=0 -DX -D";
         assert_eq!(define_value(d, "QUANT_BLOCKS"), Some(8));
         assert_eq!(define_value(d, "QUANT_MIN_BLOCKS"), Some(6));
-        assert_eq!(define_value(d, "QUANT_GRID"), Some(528));
+        assert_eq!(define_value(d, "QUANT_ENCODER"), Some(0));
         assert_eq!(define_value(d, "QUANT"), None);
         assert_eq!(define_value(d, "X"), None);
         assert_eq!(
@@ -527,21 +518,15 @@ mod tests {
     }
 
     #[test]
-    fn the_grid_covers_every_group_and_the_cap_only_shrinks_it() {
+    fn the_grid_covers_every_group() {
         // 8192 x 7168: 448 blocks a row, 112 groups of 4 (56 of 8) -> 3584 (1792) CTAs
-        let g = |rows, kb, layout, blocks, cap| {
-            nvfp4_grid_for(rows, kb, layout, blocks, cap)
-                .unwrap()
-                .grid_dim
-                .0
-        };
-        assert_eq!(g(8192, 448, ScaleLayout::Linear, 4, 0), 3584);
-        assert_eq!(g(8192, 448, ScaleLayout::Linear, 8, 0), 1792);
-        assert_eq!(g(8192, 448, ScaleLayout::Linear, 2, 0), 7168);
-        assert_eq!(g(8192, 448, ScaleLayout::Linear, 4, 528), 528);
-        assert_eq!(g(3, 1, ScaleLayout::Linear, 4, 528), 1);
+        let g =
+            |rows, kb, layout, blocks| nvfp4_grid_for(rows, kb, layout, blocks).unwrap().grid_dim.0;
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 4), 3584);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 8), 1792);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, 2), 7168);
         // swizzled: 130 rows -> 256, kb 3 -> 4: one group of 8 (or 4) per padded row
-        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 8, 0), 1);
-        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 2, 0), 2);
+        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 8), 1);
+        assert_eq!(g(130, 3, ScaleLayout::Swizzled, 2), 2);
     }
 }
