@@ -66,16 +66,6 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return d;
 }
 
-// Weight codes are read once: no L1 allocation. No L2 prefetch and no 256-byte L2 fetch hint
-// either: with them the decode GEMMs were 10-15% slower on an H200 (BENCHMARKS.md, session 5).
-__device__ __forceinline__ uint4 ldg_stream(const u8* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "

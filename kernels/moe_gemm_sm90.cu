@@ -467,3 +467,459 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
     __trap();
 #endif
 }
+
+// ---- register-A kernels: the weights as the wgmma A operand (moe.rs launches these on sm_90a
+// when H and I are multiples of 128; the kernels above otherwise) ----
+//
+// The product is computed transposed: D[weight row][token] = W x X^T, weights as M (64 rows
+// per m-block, two m-blocks per warpgroup), the tokens of one expert tile as N (128, or 64 /
+// 32 for the small last tiles of ragged experts). Per 128-wide K chunk:
+//   the weights come straight from the decode tiles (moe_decode.cu, decode_tiles: each warp's
+//   16 rows are one contiguous 1 KB + 128 B piece per chunk) into registers, one chunk ahead,
+//   and each thread dequantizes its own A fragments (rows g and g + 8 of its warp's 16) right
+//   before the MMAs that read them: no shared-memory round trip, no proxy fence, and the
+//   dequantization of step s + 1 runs while the tensor cores work on step s;
+//   the tokens come dequantized once per forward (moe_rows_bf16_rs) as a BF16 matrix, by TMA
+//   into an R_STAGES-deep ring of shared-memory stages (128-byte swizzle, mbarriers: one
+//   elected thread refills a stage once every warp has released it; no CTA barrier in the loop).
+// K order: inside a chunk, token element 16 s + 2 t + e (and + 8) of wgmma step s holds the K
+// index that lane t's A fragment holds there (see rs_pair below and moe_rows_bf16_rs), so the
+// dot products are the same sums as in K order. The numbers are those of the kernels above
+// (both operands carry 2^-9, undone with alpha in the FP32 epilogue), up to FP32 summation order.
+#define R_BN 128                          // token rows per tile (a tile is BM = 128 sorted rows)
+#define R_BK 128                          // K per chunk (the decode tiles' chunk)
+#define R_STAGES 4
+#define R_BOX_BYTES (R_BN * 64 * 2)       // one TMA box: 128 rows x 64 K of BF16
+#define R_STAGE_BYTES (2 * R_BOX_BYTES)
+#define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
+// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
+static_assert(H_BM * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
+#define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
+#define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
+
+#if NVFP4DBG_WGMMA
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// An arrival that also announces `bytes` of asynchronous (TMA) writes for the phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the phase of parity `parity` of the barrier has completed. The loop is inside the asm
+// (labels are local to the braces): a C++ loop around try_wait is a branch that ptxas sees
+// while MMAs are in flight, and it may then serialize the wgmma.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// An arrival where `pred` holds, predicated inside the asm (no branch: see mbar_wait).
+__device__ __forceinline__ void mbar_arrive_if(u32 bar, bool pred) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n"
+        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+        "r"((u32)pred)
+        : "memory");
+}
+// TMA: the box at (c0 = column, c1 = row) of the 2-D tensor map at `tmap` (global memory)
+// into shared `dst`, its bytes completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, int c1, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+        "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+        "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+
+// Pair j (0..3) of a word of 8 E2M1 codes (code i in nibble i) as BF16 bits reading
+// e2m1 * 2^-126: code j in the low half, code j + 4 in the high half (dequant8's pairs).
+__device__ __forceinline__ u32 rs_pair(u32 q, int j) {
+    const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
+    switch (j) {
+        case 0: return ((q << 6) & MAG) | ((q << 12) & SGN);
+        case 1: return ((q << 2) & MAG) | ((q << 8) & SGN);
+        case 2: return ((q >> 2) & MAG) | ((q << 4) & SGN);
+        default: return ((q >> 6) & MAG) | (q & SGN);
+    }
+}
+
+// One lane's weights of one K chunk, for its warp's two m-blocks: rows g and g + 8 (16 bytes
+// of codes each: K 32 t .. 32 t + 31 of the chunk) and their two scales (blocks 2 t, 2 t + 1).
+struct RChunk {
+    uint4 w[2][2];
+    u32 s[2][2];
+};
+
+// Where a lane's weights lie: its 16-byte piece of row g of each m-block's decode tile at
+// chunk 0 (row g + 8 is 512 bytes on, its scales 64), or null for a tile past the matrix.
+struct RWeights {
+    const u8* q[2];
+    const u8* s[2];
+};
+
+__device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+        if (wr.q[b] != nullptr) {
+            const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
+            const u8* s = wr.s[b] + (size_t)c * R_TILE_S;
+            st.w[b][0] = ldg_stream(q);
+            st.w[b][1] = ldg_stream(q + 512);
+            st.s[b][0] = __ldg(reinterpret_cast<const unsigned short*>(s));
+            st.s[b][1] = __ldg(reinterpret_cast<const unsigned short*>(s + 64));
+        } else {
+            st.w[b][0] = st.w[b][1] = make_uint4(0, 0, 0, 0);
+            st.s[b][0] = st.s[b][1] = 0;
+        }
+    }
+}
+
+__device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
+
+template <int N> struct RsMma;
+template <> struct RsMma<128> {
+    static __device__ __forceinline__ void mma(float (&d)[64], const u32 (&a)[4], u64 db) { wgmma_m64n128k16_rs(d, a, db); }
+};
+template <> struct RsMma<64> {
+    static __device__ __forceinline__ void mma(float (&d)[32], const u32 (&a)[4], u64 db) { wgmma_m64n64k16_rs(d, a, db); }
+};
+template <> struct RsMma<32> {
+    static __device__ __forceinline__ void mma(float (&d)[16], const u32 (&a)[4], u64 db) { wgmma_m64n32k16_rs(d, a, db); }
+};
+
+template <int N>
+__device__ __forceinline__ void rs_acc_fence(float (&d)[2][N / 2]) {
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(d[b][i])::"memory");
+}
+
+// The ring: full[s] (the TMA's bytes; one arrival, thread 0's expect_tx) and empty[s] (one
+// arrival per warp once its MMAs on the stage are complete), R_STAGES each.
+struct RBars {
+    u32 base;
+    __device__ __forceinline__ u32 full(u32 s) const { return base + 8 * s; }
+    __device__ __forceinline__ u32 empty(u32 s) const { return base + 8 * (R_STAGES + s); }
+};
+
+// Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + 127) into its stage.
+__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
+    u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
+    mbar_arrive_expect_tx(bars.full(s), R_STAGE_BYTES);
+    tma_load_2d(dst, tmap, (int)(c * R_BK), (int)r0, bars.full(s));
+    tma_load_2d(dst + R_BOX_BYTES, tmap, (int)(c * R_BK + 64), (int)r0, bars.full(s));
+}
+
+// The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
+// pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
+// a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
+// block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
+// stage after step 0 (its MMAs are then complete), and thread 0 refills it at step 4 with
+// chunk c - 1 + R_STAGES.
+template <int N>
+__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    const u32 neg0 = 0x80008000u;
+    u32 tid = threadIdx.x, slot = c % R_STAGES;
+    // scales as BF16 pairs times 2^117 (e4m3x2_scaled), broadcast: [m-block][row g / g+8][block lo / hi]
+    u32 sc[2][2][2];
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+        u32 both = st.s[b][0] | (st.s[b][1] << 16);
+        u32 lo = e4m3x2_scaled(__byte_perm(both, 0u, 0x4240u));
+        u32 hi = e4m3x2_scaled(__byte_perm(both, 0u, 0x4341u));
+        sc[b][0][0] = __byte_perm(lo, lo, 0x1010u);
+        sc[b][1][0] = __byte_perm(lo, lo, 0x3232u);
+        sc[b][0][1] = __byte_perm(hi, hi, 0x1010u);
+        sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
+    }
+    mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
+    u32 sb = stages + slot * R_STAGE_BYTES;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        int q = s / 2, h = s % 2, blk = s / 4;
+        u32 a[2][4];
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
+            a[b][0] = bf16x2_fma(rs_pair(wg, 2 * h), sc[b][0][blk], neg0);
+            a[b][1] = bf16x2_fma(rs_pair(w8, 2 * h), sc[b][1][blk], neg0);
+            a[b][2] = bf16x2_fma(rs_pair(wg, 2 * h + 1), sc[b][0][blk], neg0);
+            a[b][3] = bf16x2_fma(rs_pair(w8, 2 * h + 1), sc[b][1][blk], neg0);
+        }
+        u64 db = smem_desc(sb + (s / 4) * R_BOX_BYTES) + 2 * (s % 4);
+        wgmma_fence();
+        RsMma<N>::mma(acc[0], a[0], db);
+        RsMma<N>::mma(acc[1], a[1], db);
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (s == 0) mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
+        if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
+            u32 prev = (c - 1) % R_STAGES;
+            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
+            rs_fill(tmap, stages, bars, c - 1 + R_STAGES, r0);
+        }
+    }
+}
+
+// The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
+// acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
+// every MMA complete and every warp past the loop (the stages may then be reused).
+template <int N>
+__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
+                                            float (&acc)[2][N / 2]) {
+    u32 tid = threadIdx.x;
+    u32 stages = smem_addr(base);
+    RBars bars{stages + R_OFF_BARS};
+    RChunk st[2];
+    rs_load(wr, 0, st[0]);
+    if (nk > 1) rs_load(wr, 1, st[1]);
+    if (tid == 0) {
+        for (u32 s = 0; s < R_STAGES; s++) {
+            mbar_init(bars.full(s), 1);
+            mbar_init(bars.empty(s), H_THREADS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (tid == 0)
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill(tmap, stages, bars, c, r0);
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
+    for (u32 c = 0; c < nk; c += 2) {
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
+        if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
+        if (c + 1 < nk) {
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
+            if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
+        }
+    }
+    wgmma_wait<0>();
+    rs_acc_fence<N>(acc);
+    __syncthreads();
+}
+
+// Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
+// ws[b]); rows past nout (within the expert) are left out (zeros).
+__device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u8* const (&ws)[2],
+                                               const u32 (&row0)[2], u32 e, u32 nout, u32 K) {
+    RWeights r;
+    u32 lane = threadIdx.x % 32;
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+        bool live = row0[b] < nout;
+        size_t row = (size_t)e * nout + row0[b];
+        r.q[b] = live ? wq[b] + row * (K / 2) + 16 * lane : nullptr;
+        r.s[b] = live ? ws[b] + row * (K / 16) + 2 * lane : nullptr;
+    }
+    return r;
+}
+
+#endif  // NVFP4DBG_WGMMA
+
+#if NVFP4DBG_WGMMA
+// The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
+// tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase).
+template <int N>
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][N / 2], const u32 (&row0)[2], u32 r0, u32 r1,
+                                              u32 nout, float alpha, float* __restrict__ out) {
+    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int j = 0; j < N / 8; j++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                u32 row = row0[b] + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
+                if (tok < r1 && row < nout)
+                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], H_UNSCALE), alpha);
+            }
+}
+
+// The gate/up tile's a = swiglu(g, u) into the f32 tile `sa` ([token][output], SA floats a
+// row): m-block 0 holds g, m-block 1 u of the same outputs, so both are in the same thread.
+template <int N>
+__device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][N / 2], u32 col0, float alpha_g, float alpha_u,
+                                               float limit, u32 has_limit, float* sa) {
+    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u32 lc = col0 + g + 8 * (q / 2), lr = j * 8 + 2 * t + (q % 2);
+            float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], H_UNSCALE), alpha_g);
+            float uv = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], H_UNSCALE), alpha_u);
+            sa[lr * H_SA_F32_ROW + lc] = swiglu(gv, uv, limit, has_limit);
+        }
+}
+#endif  // NVFP4DBG_WGMMA
+
+// The expert inputs for the register-A kernels: out[r, .] = e2m1 * e4m3 * 2^-9 of row r of the
+// NVFP4 rows (aq, as; K a multiple of 128) in BF16, in the K order of the kernels' A fragments:
+// inside each 128-wide chunk, the 32 codes of lane t (K 32 t .. 32 t + 31; word q = K 32 t + 8 q
+// .. + 7) go to step s = 2 q + h, elements 16 s + 2 t + {0, 1} (pair 2 h of word q) and
+// 16 s + 8 + 2 t + {0, 1} (pair 2 h + 1). One thread per 32 codes.
+extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u32 rows,
+                                            u16* __restrict__ out) {
+#if NVFP4DBG_WGMMA
+    const u32 neg0 = 0x80008000u;
+    u32 units = K / 32;
+    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (u64)rows * units) return;
+    u64 r = idx / units;
+    u32 u = (u32)(idx - r * units), c = u / 4, t = u % 4;
+    uint4 q4 = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
+    u32 sc = *reinterpret_cast<const unsigned short*>(as + r * (K / 16) + u * 2);
+    u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, 0x4140u));
+    u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
+    u32* o = reinterpret_cast<u32*>(out + r * K + c * R_BK);
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 w = rs_word(q4, q), s = 2 * q + h;
+            o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
+            o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
+        }
+#else
+    __trap();
+#endif
+}
+
+// Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor map `tmap` of
+// moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
+// (ceil(nout / 256), M-tile bound), 256 threads, R_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
+                      u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
+                      const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
+                      float* __restrict__ out) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
+    u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
+    const u8* const wq[2] = {wq_t, wq_t};
+    const u8* const ws[2] = {ws_t, ws_t};
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
+    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+    u32 nk = K / R_BK, ntok = r1 - r0;
+    if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<128>(acc, row0, r0, r1, nout, alpha, out);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<64>(acc, row0, r0, r1, nout, alpha, out);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<32>(acc, row0, r0, r1, nout, alpha, out);
+    }
+#else
+    __trap();
+#endif
+}
+
+// Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
+// and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
+// w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound), 256 threads, R_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
+                              const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
+                              const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
+                              const float* __restrict__ ws2_1, const float* __restrict__ ws2_3, float limit,
+                              u32 has_limit, const u32* __restrict__ tile_offsets,
+                              const u32* __restrict__ expert_offsets, u32 E, const float* __restrict__ gs2,
+                              u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,
+                              float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
+#if NVFP4DBG_WGMMA
+    u32 e, r0, r1;
+    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
+    u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;
+    const u32 row0[2] = {n0 + col0, n0 + col0};
+    const u8* const wq[2] = {w1q_t, w3q_t};
+    const u8* const ws[2] = {w1s_t, w3s_t};
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
+    float g_in = rcp_ref(gs1[e]);
+    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
+    float* sa = reinterpret_cast<float*>(base);
+    u32 nk = K / R_BK, ntok = r1 - r0;
+    if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        rs_swiglu_tile<128>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        rs_swiglu_tile<64>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        rs_swiglu_tile<32>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+    }
+    __syncthreads();
+    gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
+                                                       stats, out_f32, amax_bits);
+#else
+    __trap();
+#endif
+}

@@ -392,3 +392,13 @@ __device__ __forceinline__ float swiglu(float g, float u, float limit, u32 has_l
     }
     return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf_cr(-g))), u);
 }
+
+// Weight codes are read once: no L1 allocation. No L2 prefetch and no 256-byte L2 fetch hint
+// either: with them the decode GEMMs were 10-15% slower on an H200 (BENCHMARKS.md, session 5).
+__device__ __forceinline__ uint4 ldg_stream(const u8* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}

@@ -1,6 +1,7 @@
-//! The prefill grouped GEMM on Hopper's warpgroup MMA (kernels/moe_gemm_sm90.cu) against the
-//! mma.sync kernels (kernels/moe.cu) and the CPU NVFP4 path, on routings built to hit the
-//! ragged cases: experts with 0, 1, 65, 127, 129 and 300 rows (one-row tiles, tiles of <= 64
+//! The prefill grouped GEMMs on Hopper's warpgroup MMA (kernels/moe_gemm_sm90.cu: operands in
+//! shared memory, and the weights as the register A operand) against the mma.sync kernels
+//! (kernels/moe.cu) and the CPU NVFP4 path, on routings built to hit the ragged cases: experts
+//! with 0, 1, 3, 33, 64, 65, 127, 129 and 300 rows (one-row tiles, tiles of <= 32 and <= 64
 //! rows, a tile one row past 128, three tiles), and output widths that end in partial tiles.
 
 mod gpu_common;
@@ -72,24 +73,70 @@ fn close(what: &str, seed: u64, got: &[f32], want: &[f32]) {
     );
 }
 
+/// The wgmma kernels that apply to a layer of hidden size `h` and intermediate size `i`.
+fn wgmma_kernels(h: usize, i: usize) -> Vec<PrefillGemm> {
+    let mut v = vec![PrefillGemm::Wgmma];
+    if h.is_multiple_of(128) && i.is_multiple_of(128) {
+        v.push(PrefillGemm::WgmmaRs);
+    }
+    v
+}
+
+/// Off sm_90a the wgmma kernels must be refused: that is what these tests check there.
+fn refused_off_hopper(gpu: &std::sync::Arc<nvfp4dbg::backend::cuda::device::Gpu>) -> bool {
+    if gpu.arch == "sm_90a" {
+        return false;
+    }
+    let mut r = rng("refused_off_hopper").0;
+    let layer = build_layer(
+        &mut r,
+        LayerSpec {
+            h: 256,
+            i: 128,
+            e: 4,
+            k: 2,
+            shared: false,
+            ..LayerSpec::small(ScoringFunc::Sigmoid)
+        },
+    );
+    let mut f = Nvfp4Forward::new(
+        gpu,
+        &layer,
+        8,
+        &ActScales::Dynamic,
+        Flavor::Reference,
+        false,
+    )
+    .unwrap();
+    for which in [PrefillGemm::Wgmma, PrefillGemm::WgmmaRs] {
+        assert!(
+            f.set_prefill_gemm(which).is_err(),
+            "{which:?} on {}",
+            gpu.arch
+        );
+    }
+    eprintln!(
+        "{}: the wgmma kernels are refused, as they must be",
+        gpu.arch
+    );
+    true
+}
+
 #[test]
 #[ignore = "needs a GPU (.ci/gpu-nightly)"]
 fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     let gpu = gpu();
-    if gpu.arch != "sm_90a" {
-        eprintln!(
-            "the wgmma kernels run on sm_90a only; this GPU is {}",
-            gpu.arch
-        );
+    if refused_off_hopper(&gpu) {
         return;
     }
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts");
     // (hidden, intermediate): down outputs of 2 full + 1 partial 256-column tiles and gate/up
     // outputs ending in a partial 128-column tile; K of 9 and 3 slices (the pipeline is 4
-    // stages deep), then a wider case
-    for (h, i) in [(576usize, 192usize), (1024, 512)] {
-        let counts = [0usize, 1, 127, 129, 300, 65, 0, 2];
+    // stages deep); (640, 384) for the register-A kernels (K chunks of 128: 5 and 3 against 4
+    // stages, a partial 256-column down tile), then a wider case
+    for (h, i) in [(576usize, 192usize), (640, 384), (1024, 512)] {
+        let counts = [0usize, 1, 127, 129, 300, 65, 0, 3, 33, 64];
         let spec = LayerSpec {
             h,
             i,
@@ -118,58 +165,51 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
                 flavor: Flavor::Reference,
             };
             let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-            let wg = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
             let ms = run(&layer, &x, &routing, &scales, PrefillGemm::MmaSync);
-            let (wp, mp, cp) = (
-                wg.per_slot.as_ref().unwrap(),
+            let (mp, cp) = (
                 ms.per_slot.as_ref().unwrap(),
                 want.per_slot.as_ref().unwrap(),
             );
-            close(
-                &format!("{what}: wgmma vs cpu, out"),
-                seed,
-                &wg.out,
-                &want.out,
-            );
-            close(&format!("{what}: wgmma vs cpu, per_slot"), seed, wp, cp);
-            close(
-                &format!("{what}: wgmma vs mma.sync, per_slot"),
-                seed,
-                wp,
-                mp,
-            );
             close(&format!("{what}: mma.sync vs cpu, per_slot"), seed, mp, cp);
-            // every expert's rows, one by one: a wrong tile shows up even where the others hide it
-            let hsz = h;
-            for (ex, _) in counts.iter().enumerate().filter(|(_, &c)| c > 0) {
-                let rows: Vec<usize> = (0..routing.tokens * 2)
-                    .filter(|&s| routing.topk_ids[s] as usize == ex)
-                    .collect();
-                let pick = |v: &[f32]| -> Vec<f32> {
-                    rows.iter()
-                        .flat_map(|&s| v[s * hsz..(s + 1) * hsz].to_vec())
-                        .collect()
-                };
-                close(
-                    &format!("{what}: expert {ex} ({} rows), wgmma vs cpu", rows.len()),
-                    seed,
-                    &pick(wp),
-                    &pick(cp),
+            for which in wgmma_kernels(h, i) {
+                let what = format!("{what} {which:?}");
+                let wg = run(&layer, &x, &routing, &scales, which);
+                let wp = wg.per_slot.as_ref().unwrap();
+                close(&format!("{what}: vs cpu, out"), seed, &wg.out, &want.out);
+                close(&format!("{what}: vs cpu, per_slot"), seed, wp, cp);
+                close(&format!("{what}: vs mma.sync, per_slot"), seed, wp, mp);
+                // every expert's rows, one by one: a wrong tile shows up even where the others
+                // hide it
+                for (ex, _) in counts.iter().enumerate().filter(|(_, &c)| c > 0) {
+                    let rows: Vec<usize> = (0..routing.tokens * 2)
+                        .filter(|&s| routing.topk_ids[s] as usize == ex)
+                        .collect();
+                    let pick = |v: &[f32]| -> Vec<f32> {
+                        rows.iter()
+                            .flat_map(|&s| v[s * h..(s + 1) * h].to_vec())
+                            .collect()
+                    };
+                    close(
+                        &format!("{what}: expert {ex} ({} rows) vs cpu", rows.len()),
+                        seed,
+                        &pick(wp),
+                        &pick(cp),
+                    );
+                }
+                assert_eq!(
+                    wg.act_stats.blocks, want.act_stats.blocks,
+                    "seed {seed} {what}: blocks quantized"
                 );
+                // run to run: bit for bit
+                let again = run(&layer, &x, &routing, &scales, which);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&wg.out),
+                    bits(&again.out),
+                    "seed {seed} {what}: two runs differ"
+                );
+                assert_eq!(bits(wp), bits(again.per_slot.as_ref().unwrap()));
             }
-            assert_eq!(
-                wg.act_stats.blocks, want.act_stats.blocks,
-                "seed {seed} {what}: blocks quantized"
-            );
-            // run to run: bit for bit
-            let again = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&wg.out),
-                bits(&again.out),
-                "seed {seed} {what}: two runs differ"
-            );
-            assert_eq!(bits(wp), bits(again.per_slot.as_ref().unwrap()));
         }
     }
 }
@@ -180,11 +220,7 @@ fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
     // H 7168 / I 2048: 112 and 32 K slices (the pipeline wraps its ring many times), 28 and
     // 16 output tiles; fewer experts than the model to keep the CPU reference short
     let gpu = gpu();
-    if gpu.arch != "sm_90a" {
-        eprintln!(
-            "the wgmma kernels run on sm_90a only; this GPU is {}",
-            gpu.arch
-        );
+    if refused_off_hopper(&gpu) {
         return;
     }
     let cpu = CpuBackend::new();
@@ -209,14 +245,21 @@ fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
         flavor: Flavor::Reference,
     };
     let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-    let wg = run(&layer, &x, &routing, &scales, PrefillGemm::Wgmma);
-    close("DSv3 widths: wgmma vs cpu, out", seed, &wg.out, &want.out);
-    close(
-        "DSv3 widths: wgmma vs cpu, per_slot",
-        seed,
-        wg.per_slot.as_ref().unwrap(),
-        want.per_slot.as_ref().unwrap(),
-    );
+    for which in wgmma_kernels(h, i) {
+        let wg = run(&layer, &x, &routing, &scales, which);
+        close(
+            &format!("DSv3 widths: {which:?} vs cpu, out"),
+            seed,
+            &wg.out,
+            &want.out,
+        );
+        close(
+            &format!("DSv3 widths: {which:?} vs cpu, per_slot"),
+            seed,
+            wg.per_slot.as_ref().unwrap(),
+            want.per_slot.as_ref().unwrap(),
+        );
+    }
 }
 
 #[test]
@@ -224,7 +267,7 @@ fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
 fn wgmma_is_refused_where_it_does_not_apply() {
     let gpu = gpu();
     let (mut r, _) = rng("wgmma_is_refused_where_it_does_not_apply");
-    // K = 208 is not a multiple of 64: the forward keeps the mma.sync kernels
+    // K = 208 is not a multiple of 64 (nor of 128): the forward keeps the mma.sync kernels
     let spec = LayerSpec {
         h: 208,
         i: 80,
@@ -244,5 +287,6 @@ fn wgmma_is_refused_where_it_does_not_apply() {
     )
     .unwrap();
     assert!(f.set_prefill_gemm(PrefillGemm::Wgmma).is_err());
+    assert!(f.set_prefill_gemm(PrefillGemm::WgmmaRs).is_err());
     f.set_prefill_gemm(PrefillGemm::MmaSync).unwrap();
 }

@@ -41,9 +41,11 @@ pub fn forward_bytes(c: &MoeConfig, tokens: usize, path: ForwardPath, per_slot: 
     }
     match path {
         ForwardPath::Nvfp4 { dynamic } => {
-            // codes of w1, w3, w2 (the scales are 1/16 or 1/32 of that again: left out; so is
+            // codes of w1, w3, w2 (the scales are 1/16 or 1/32 of that again: left out; so are
             // the second copy in decode tiles that NVFP4 forwards of up to
-            // moe_decode::MAX_TOKENS tokens make, since the format is not known here)
+            // moe_decode::MAX_TOKENS tokens make, and on sm_90a the register-A prefill's
+            // copy and its BF16 tokens, n x max(H, I) x 2 bytes, since neither the format nor
+            // the arch is known here: a lower bound)
             b += 3 * e * i * h / 2;
             // quantized GEMM inputs with their scales
             b += n * h / 2 + n * h / 16 + n * i / 2 + n * i / 16;

@@ -14,6 +14,7 @@ pub mod plugin;
 pub mod quant;
 pub mod reduce;
 pub mod router;
+pub mod tma;
 
 pub use device::{probe, Gpu};
 

@@ -12,6 +12,7 @@ use super::moe_decode::{self, DecodeArgs, DecodeLayout, DecodeTiles, GemmKind, R
 use super::nvrtc::{KernelModule, MOE, MOE_GEMM_SM90, QUANT};
 use super::quant::{flavor_code, stats_from};
 use super::router::{self, DevRouter, RouteBufs};
+use super::tma;
 use crate::error::{Error, Result};
 use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
 use crate::nvfp4::layout::ScaleLayout;
@@ -33,6 +34,15 @@ const SM90_BN: usize = 256;
 const SM90_FUSED_BN: usize = 128;
 const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
+/// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
+/// tiles' chunk), token stages of 32 KB, and their shared memory (R_SMEM_BYTES).
+const SM90_RS_BK: usize = 128;
+const SM90_RS_STAGES: u32 = 4;
+const SM90_RS_SMEM_BYTES: u32 = SM90_RS_STAGES * 32_768 + 2 * SM90_RS_STAGES * 8 + 1024;
+const _: () = assert!(
+    SM90_RS_SMEM_BYTES <= 227 * 1024,
+    "more shared memory than a Hopper block gets"
+);
 const _: () = assert!(
     SM90_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
@@ -45,6 +55,11 @@ mod sm90_tests {
     fn stage_count_matches_the_kernel() {
         let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
         let line = format!("#define H_STAGES {}", super::SM90_STAGES);
+        assert!(
+            src.contains(&format!("#define R_STAGES {}", super::SM90_RS_STAGES)),
+            "R_STAGES differs from SM90_RS_STAGES"
+        );
+        assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(
             src.lines().any(|l| l.trim() == line),
             "{line} not in moe_gemm_sm90.cu"
@@ -69,12 +84,66 @@ fn sm90_split_arg(module: &KernelModule) -> Option<KArg> {
 /// The grouped GEMM kernels of the NVFP4 forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PrefillGemm {
-    /// Warpgroup MMA where it applies (sm_90a, NVFP4 experts, K a multiple of 64), else mma.sync.
+    /// Warpgroup MMA where it applies (sm_90a, NVFP4 experts, K a multiple of 64): the
+    /// register-A kernels where H and I are multiples of 128 (unless `NVFP4DBG_SM90=v1`),
+    /// else the shared-memory ones; mma.sync elsewhere.
     Auto,
     /// The mma.sync kernels of kernels/moe.cu (every arch).
     MmaSync,
-    /// The warpgroup-MMA kernels of kernels/moe_gemm_sm90.cu (sm_90a only).
+    /// The warpgroup-MMA kernels with both operands in shared memory (sm_90a only).
     Wgmma,
+    /// The warpgroup-MMA kernels with the weights as the register A operand, read from the
+    /// decode tiles (sm_90a; H and I multiples of 128).
+    WgmmaRs,
+}
+
+/// `NVFP4DBG_SM90=v1`: Auto keeps the first wgmma kernels (A/B runs of the bench).
+fn sm90_rs_disabled() -> bool {
+    std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1")
+}
+
+/// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
+/// 128 (the decode tiles' chunk; their 16-row tiles then never span two experts).
+fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
+    arch == "sm_90a"
+        && wblock == 16
+        && [c.hidden_size, c.moe_intermediate_size]
+            .iter()
+            .all(|&k| k > 0 && k.is_multiple_of(SM90_RS_BK))
+}
+
+/// The register-A kernels' tokens: the expert inputs dequantized to BF16 in their K order
+/// (`moe_rows_bf16_rs`, `[N, max(H, I)]`), and the TMA tensor maps that read that buffer as
+/// `[N, H]` (gate/up) and `[N, I]` (down).
+struct RsTokens {
+    bf16: CudaSlice<u16>,
+    /// two tensor maps of 16 words: gate/up, then down
+    maps: CudaSlice<u64>,
+}
+
+impl RsTokens {
+    fn new(gpu: &Gpu, n: usize, h: usize, i: usize) -> Result<Self> {
+        let bf16 = gpu.alloc::<u16>(
+            n.max(1) * h.max(i),
+            "the BF16 expert inputs (register-A prefill)",
+        )?;
+        let ptr = gpu.ptr(&bf16);
+        let rows = n.max(1);
+        let mut maps = tma::bf16_rows_swizzle128(ptr, rows, h, BM as u32)?.to_vec();
+        maps.extend(tma::bf16_rows_swizzle128(ptr, rows, i, BM as u32)?);
+        Ok(RsTokens {
+            bf16,
+            maps: gpu.upload(&maps, "TMA tensor maps")?,
+        })
+    }
+}
+
+/// Which kernel a prefill GEMM launches.
+enum PrefillLaunch {
+    /// The kernels of kernels/moe.cu or the shared-memory wgmma ones: the same arguments.
+    Plain(&'static KernelModule, &'static str, LaunchConfig),
+    /// A register-A kernel: its tokens go through `moe_rows_bf16_rs` first.
+    Rs(&'static str, LaunchConfig),
 }
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
@@ -506,6 +575,8 @@ pub struct Nvfp4Forward {
     route: RouteSource,
     prefill: PrefillGemm,
     decode_layout: DecodeLayout,
+    /// The register-A prefill kernels' tokens (sm_90a, where they fit).
+    rs: Option<RsTokens>,
 }
 
 impl Nvfp4Forward {
@@ -562,13 +633,28 @@ impl Nvfp4Forward {
         };
         let mut dev = DevLayer::upload(gpu, layer, want)?;
         let c = &layer.config;
+        // the register-A prefill kernels read the decode tiles too
+        let rs_fits = dev
+            .nvfp4
+            .as_ref()
+            .is_some_and(|ex| sm90_rs_fits(&gpu.arch, ex.wblock as usize, c));
         if let Some(ex) = dev.nvfp4.as_mut() {
             let kind =
                 moe_decode::choose(tokens, ex.wblock, c.hidden_size, c.moe_intermediate_size);
-            if let GemmKind::Decode { .. } = kind {
+            if rs_fits || matches!(kind, GemmKind::Decode { .. }) {
                 ex.add_decode_tiles(gpu, c)?;
             }
         }
+        let rs = if rs_fits {
+            Some(RsTokens::new(
+                gpu,
+                tokens * k,
+                c.hidden_size,
+                c.moe_intermediate_size,
+            )?)
+        } else {
+            None
+        };
         let e = layer.config.n_routed_experts;
         let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
         let ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
@@ -593,6 +679,7 @@ impl Nvfp4Forward {
                 route: RouteSource::Given,
                 prefill: PrefillGemm::Auto,
                 decode_layout: DecodeLayout::from_env(),
+                rs,
             });
         }
         Ok(Nvfp4Forward {
@@ -604,6 +691,7 @@ impl Nvfp4Forward {
             route: RouteSource::Given,
             prefill: PrefillGemm::Auto,
             decode_layout: DecodeLayout::from_env(),
+            rs,
         })
     }
 
@@ -825,53 +913,83 @@ impl Nvfp4Forward {
 
     // ---- prefill GEMM dispatch (kernels/moe_gemm_sm90.cu) ----
 
-    /// Pick the grouped GEMM kernel of the gate/up (`fused`) or down projection: Hopper's
-    /// warpgroup-MMA kernels where they apply (sm_90a, NVFP4 16-blocks, K a multiple of 64),
-    /// else the mma.sync kernels of kernels/moe.cu. Both take the same arguments and compute
-    /// the same numbers up to FP32 summation order.
-    fn prefill_gemm(
-        &self,
-        fused: bool,
-        k_dim: usize,
-        nout: usize,
-        wblock: u32,
-    ) -> (&'static KernelModule, &'static str, LaunchConfig) {
+    /// Pick the grouped GEMM kernel of the gate/up (`fused`) or down projection: on sm_90a the
+    /// register-A warpgroup-MMA kernels (weights from the decode tiles) where they apply, else
+    /// the shared-memory ones (NVFP4 16-blocks, K a multiple of 64), else the mma.sync kernels
+    /// of kernels/moe.cu. All compute the same numbers up to FP32 summation order.
+    fn prefill_gemm(&self, fused: bool, k_dim: usize, nout: usize, wblock: u32) -> PrefillLaunch {
         let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim.is_multiple_of(SM90_BK);
-        let wgmma = match self.prefill {
-            PrefillGemm::Auto | PrefillGemm::Wgmma => fits,
-            PrefillGemm::MmaSync => false,
-        };
-        if !wgmma {
-            return if fused {
-                (
-                    &MOE,
-                    "moe_gemm_gate_up_nvfp4",
-                    self.gemm_grid(nout, FUSED_BN),
-                )
-            } else {
-                (&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
-            };
-        }
+        let rs = self.rs.is_some();
+        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
         let e = self.layer.config.n_routed_experts;
         let n = self.ws.tokens * self.ws.k;
         // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
-        // so that the blocks sharing a row tile run together and share its A in L2
+        // so that the blocks sharing a row tile run together and share its tokens in L2
         let m_tiles = n.div_ceil(BM) + e.min(n);
-        let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
-        let grid = LaunchConfig {
+        let grid = |shared_mem_bytes| LaunchConfig {
             grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
-            shared_mem_bytes: SM90_SMEM_BYTES,
+            shared_mem_bytes,
         };
-        let kernel = if fused {
-            "moe_gemm_gate_up_nvfp4_sm90"
-        } else {
-            "moe_gemm_nvfp4_sm90"
+        let which = match self.prefill {
+            PrefillGemm::Auto if rs && !sm90_rs_disabled() => PrefillGemm::WgmmaRs,
+            PrefillGemm::Auto | PrefillGemm::Wgmma if fits => PrefillGemm::Wgmma,
+            PrefillGemm::WgmmaRs if rs => PrefillGemm::WgmmaRs,
+            _ => PrefillGemm::MmaSync,
         };
-        (&MOE_GEMM_SM90, kernel, grid)
+        match (which, fused) {
+            (PrefillGemm::WgmmaRs, true) => {
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+            }
+            (PrefillGemm::WgmmaRs, false) => {
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+            }
+            (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
+                &MOE_GEMM_SM90,
+                "moe_gemm_gate_up_nvfp4_sm90",
+                grid(SM90_SMEM_BYTES),
+            ),
+            (PrefillGemm::Wgmma, false) => {
+                PrefillLaunch::Plain(&MOE_GEMM_SM90, "moe_gemm_nvfp4_sm90", grid(SM90_SMEM_BYTES))
+            }
+            (_, true) => PrefillLaunch::Plain(
+                &MOE,
+                "moe_gemm_gate_up_nvfp4",
+                self.gemm_grid(nout, FUSED_BN),
+            ),
+            (_, false) => {
+                PrefillLaunch::Plain(&MOE, "moe_gemm_nvfp4", self.gemm_grid(nout, PLAIN_BN))
+            }
+        }
     }
 
-    /// Which prefill GEMM kernels this forward launches (tests compare the two).
+    /// The register-A kernels' tokens: the NVFP4 rows (`aq`, `as_`, K columns) to BF16 in
+    /// their K order; returns the tensor map (device address) that reads them.
+    fn enqueue_rs_tokens(&self, aq: u64, as_: u64, k: usize) -> Result<u64> {
+        let gpu = self.gpu();
+        let rs = self
+            .rs
+            .as_ref()
+            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
+        let n = self.ws.tokens * self.ws.k;
+        gpu.launch(
+            &MOE_GEMM_SM90,
+            "moe_rows_bf16_rs",
+            grid_1d((n * k / 32) as u64, ELEM_THREADS)?,
+            &[
+                KArg::U64(aq),
+                KArg::U64(as_),
+                KArg::U32(k as u32),
+                KArg::U32(n as u32),
+                KArg::U64(gpu.ptr(&rs.bf16)),
+            ],
+        )?;
+        // the gate/up map (K = H) first, then the down map: 128 bytes each
+        let down = k != self.layer.config.hidden_size;
+        Ok(gpu.ptr(&rs.maps) + if down { 128 } else { 0 })
+    }
+
+    /// Which prefill GEMM kernels this forward launches (tests compare them).
     pub fn set_prefill_gemm(&mut self, which: PrefillGemm) -> Result<()> {
         let nvfp4_16 = self.layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16);
         let c = &self.layer.config;
@@ -883,6 +1001,13 @@ impl Nvfp4Forward {
             return Err(Error::usage(format!(
                 "the wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts and hidden / \
                  intermediate sizes that are multiples of {SM90_BK}",
+                self.gpu().arch
+            )));
+        }
+        if which == PrefillGemm::WgmmaRs && self.rs.is_none() {
+            return Err(Error::usage(format!(
+                "the register-A wgmma prefill GEMM needs sm_90a (this is {}), NVFP4 experts \
+                 and hidden / intermediate sizes that are multiples of {SM90_RS_BK}",
                 self.gpu().arch
             )));
         }
@@ -1040,17 +1165,8 @@ impl Nvfp4Forward {
                         ],
                     )?;
                 } else {
-                    let (module, kernel, grid) = self.prefill_gemm(true, h, i, ex.wblock);
-                    let mut args = vec![
-                        KArg::U64(p(&ws.a1q)),
-                        KArg::U64(p(&ws.a1s)),
-                        KArg::U32(h as u32),
-                        KArg::U64(p(&ex.w1q)),
-                        KArg::U64(p(&ex.w1s)),
-                        KArg::U64(p(&ex.w3q)),
-                        KArg::U64(p(&ex.w3s)),
+                    let tail = [
                         KArg::U32(i as u32),
-                        KArg::U32(ex.wblock),
                         KArg::U64(gpu.ptr(&ws.gs1)),
                         KArg::U64(gpu.ptr(&ex.ws2_1)),
                         KArg::U64(gpu.ptr(&ex.ws2_3)),
@@ -1067,8 +1183,32 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ws.a_f32)),
                         KArg::U64(gpu.ptr(&ws.amax_bits)),
                     ];
-                    args.extend(sm90_split_arg(module));
-                    gpu.launch(module, kernel, grid, &args)?;
+                    match self.prefill_gemm(true, h, i, ex.wblock) {
+                        PrefillLaunch::Plain(module, kernel, grid) => {
+                            let mut args = vec![
+                                KArg::U64(p(&ws.a1q)),
+                                KArg::U64(p(&ws.a1s)),
+                                KArg::U32(h as u32),
+                                KArg::U64(p(&ex.w1q)),
+                                KArg::U64(p(&ex.w1s)),
+                                KArg::U64(p(&ex.w3q)),
+                                KArg::U64(p(&ex.w3s)),
+                            ];
+                            args.extend_from_slice(&tail[..1]);
+                            args.push(KArg::U32(ex.wblock));
+                            args.extend_from_slice(&tail[1..]);
+                            args.extend(sm90_split_arg(module));
+                            gpu.launch(module, kernel, grid, &args)?;
+                        }
+                        PrefillLaunch::Rs(kernel, grid) => {
+                            let map = self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), h)?;
+                            let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
+                            let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
+                            args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
+                            args.extend_from_slice(&tail);
+                            gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
+                        }
+                    }
                 }
                 if self.dynamic {
                     // gs2[e] = 2688 / amax(a over the rows routed to e), then quantize a
@@ -1116,15 +1256,8 @@ impl Nvfp4Forward {
                     )
                 }
                 GemmKind::Tiled => {
-                    let (module, kernel, grid) = self.prefill_gemm(false, i, h, ex.wblock);
-                    let mut args = vec![
-                        KArg::U64(p(&ws.a2q)),
-                        KArg::U64(p(&ws.a2s)),
-                        KArg::U32(i as u32),
-                        KArg::U64(p(&ex.w2q)),
-                        KArg::U64(p(&ex.w2s)),
+                    let tail = [
                         KArg::U32(h as u32),
-                        KArg::U32(ex.wblock),
                         KArg::U64(gpu.ptr(&ws.gs2)),
                         KArg::U64(gpu.ptr(&ex.ws2_2)),
                         KArg::U64(gpu.ptr(&ws.tile_offsets)),
@@ -1132,8 +1265,34 @@ impl Nvfp4Forward {
                         KArg::U32(e as u32),
                         KArg::U64(gpu.ptr(&ws.y)),
                     ];
-                    args.extend(sm90_split_arg(module));
-                    gpu.launch(module, kernel, grid, &args)
+                    match self.prefill_gemm(false, i, h, ex.wblock) {
+                        PrefillLaunch::Plain(module, kernel, grid) => {
+                            let mut args = vec![
+                                KArg::U64(p(&ws.a2q)),
+                                KArg::U64(p(&ws.a2s)),
+                                KArg::U32(i as u32),
+                                KArg::U64(p(&ex.w2q)),
+                                KArg::U64(p(&ex.w2s)),
+                            ];
+                            args.extend_from_slice(&tail[..1]);
+                            args.push(KArg::U32(ex.wblock));
+                            args.extend_from_slice(&tail[1..]);
+                            args.extend(sm90_split_arg(module));
+                            gpu.launch(module, kernel, grid, &args)
+                        }
+                        PrefillLaunch::Rs(kernel, grid) => {
+                            let map = self.enqueue_rs_tokens(p(&ws.a2q), p(&ws.a2s), i)?;
+                            let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
+                            let mut args = vec![
+                                KArg::U64(map),
+                                KArg::U32(i as u32),
+                                KArg::U64(w[4]),
+                                KArg::U64(w[5]),
+                            ];
+                            args.extend_from_slice(&tail);
+                            gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
+                        }
+                    }
                 }
             },
             Stage::GateUp | Stage::Down => Ok(()),
