@@ -24,48 +24,6 @@
 #define DEC_CHUNK_K 128                    // K per warp step: 16 rows x 64 bytes
 #define SCALE_2P28 268435456.0f            // 2^28: undoes the 2^-14 of both operands
 
-// E2M1 nibbles j and j+4 of a word as an FP16 pair, each equal to its value times 2^-14.
-__device__ __forceinline__ u32 nib_pair_f16(u32 w, int j) {
-    u32 x = w >> (4 * j);
-    return ((x & 0x00070007u) << 9) | ((x << 12) & 0x80008000u);
-}
-
-// The FP16 high bytes (sign << 7 | magnitude << 1) of a word's 8 nibbles: byte b of `lo`
-// for nibble 2b, of `hi` for nibble 2b + 1 (6 integer ops for the word's 4 pairs). The pair
-// (j, j + 4) of nib_pair_f16 is then one byte permute with zero low bytes: bit-identical
-// (checked on all 2^32 words by tools/checks/nib_bytes.c).
-__device__ __forceinline__ u32 lop3_sel(u32 a, u32 b, u32 c) {  // (a & c) | (b & ~c)
-    u32 d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-__device__ __forceinline__ void nib_bytes(u32 w, u32& lo, u32& hi) {
-    // the signs (bits 3 and 7 of each byte) land on bit 7 where the magnitude mask is 0: the
-    // other sign of the pair falls on bit 3 (hi) or 11 (lo), inside the mask, and is dropped
-    u32 s = w & 0x88888888u;
-    hi = lop3_sel(w >> 3, s, 0x0E0E0E0Eu);
-    lo = lop3_sel(w << 1, s << 4, 0x0E0E0E0Eu);
-}
-
-// nib_pair_f16(w, j) from nib_bytes(w): j = 0, 1 from bytes 0 and 2, j = 2, 3 from 1 and 3.
-__device__ __forceinline__ u32 nib_pair_from_bytes(u32 lo, u32 hi, int j) {
-    return __byte_perm((j & 1) ? hi : lo, 0u, j < 2 ? 0x2404u : 0x3414u);
-}
-
-__device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
-    u32 d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-}
-
-// Two E4M3 bytes (low byte -> low half) to FP16 (exact; NaN stays NaN).
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
-    u32 d;
-    asm("{ .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(two));
-    return d;
-}
-
 __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "

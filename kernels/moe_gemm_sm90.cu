@@ -498,6 +498,27 @@ static_assert(H_BM * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 
+// Tuning knobs (#ifndef: NVFP4DBG_NVRTC_DEFINES="-DRS_F16=0 ..." overrides them for an A/B on
+// one build; every setting gives the same numbers up to FP32 summation order).
+// Operand type: 1 FP16 (codes and scales placed as in the decode GEMMs: value * 2^-14, about
+// 3.5 instructions per A register), 0 BF16 (value * 2^-9 through rs_pair: 5 per register).
+#ifndef RS_F16
+#define RS_F16 1
+#endif
+// MMA groups (one k16 step: both m-blocks) a warp keeps in flight while it dequantizes the
+// next step's A fragments: 1 or 2 (2 holds one more set of A registers).
+#ifndef RS_INFLIGHT
+#define RS_INFLIGHT 2
+#endif
+static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
+#if RS_F16
+#define RS_AB "f16.f16"
+#define RS_UNSCALE 268435456.0f  // 2^28: undoes the 2^-14 of both operands
+#else
+#define RS_AB "bf16.bf16"
+#define RS_UNSCALE H_UNSCALE
+#endif
+
 #if NVFP4DBG_WGMMA
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
@@ -538,7 +559,7 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, i
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32." RS_AB " {"
         "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
         "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
         "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
@@ -558,7 +579,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." RS_AB " {"
         "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
         "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
         "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
@@ -572,7 +593,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a
 __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32." RS_AB " {"
         "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
         "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
         :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
@@ -665,17 +686,25 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 // pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
 // a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
 // block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
-// stage after step 0 (its MMAs are then complete), and thread 0 refills it at step 4 with
-// chunk c - 1 + R_STAGES.
+// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
+// step 4 with chunk c - 1 + R_STAGES.
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
                                          const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
-    const u32 neg0 = 0x80008000u;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
-    // scales as BF16 pairs times 2^117 (e4m3x2_scaled), broadcast: [m-block][row g / g+8][block lo / hi]
+    // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
 #pragma unroll
     for (int b = 0; b < 2; b++) {
+#if RS_F16
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            u32 f = e4m3x2_to_f16x2(st.s[b][r]);
+            sc[b][r][0] = __byte_perm(f, f, 0x1010u);
+            sc[b][r][1] = __byte_perm(f, f, 0x3232u);
+        }
+#else
+        // BF16 times 2^117 (e4m3x2_scaled)
         u32 both = st.s[b][0] | (st.s[b][1] << 16);
         u32 lo = e4m3x2_scaled(__byte_perm(both, 0u, 0x4240u));
         u32 hi = e4m3x2_scaled(__byte_perm(both, 0u, 0x4341u));
@@ -683,6 +712,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         sc[b][1][0] = __byte_perm(lo, lo, 0x3232u);
         sc[b][0][1] = __byte_perm(hi, hi, 0x1010u);
         sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
+#endif
     }
     mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
     u32 sb = stages + slot * R_STAGE_BYTES;
@@ -693,18 +723,31 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 #pragma unroll
         for (int b = 0; b < 2; b++) {
             u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
+#if RS_F16
+            u32 glo, ghi, elo, ehi;  // the same for both steps of a word: computed once
+            nib_bytes(wg, glo, ghi);
+            nib_bytes(w8, elo, ehi);
+            a[b][0] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h), sc[b][0][blk]);
+            a[b][1] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h), sc[b][1][blk]);
+            a[b][2] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h + 1), sc[b][0][blk]);
+            a[b][3] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h + 1), sc[b][1][blk]);
+#else
+            const u32 neg0 = 0x80008000u;
             a[b][0] = bf16x2_fma(rs_pair(wg, 2 * h), sc[b][0][blk], neg0);
             a[b][1] = bf16x2_fma(rs_pair(w8, 2 * h), sc[b][1][blk], neg0);
             a[b][2] = bf16x2_fma(rs_pair(wg, 2 * h + 1), sc[b][0][blk], neg0);
             a[b][3] = bf16x2_fma(rs_pair(w8, 2 * h + 1), sc[b][1][blk], neg0);
+#endif
         }
         u64 db = smem_desc(sb + (s / 4) * R_BOX_BYTES) + 2 * (s % 4);
         wgmma_fence();
         RsMma<N>::mma(acc[0], a[0], db);
         RsMma<N>::mma(acc[1], a[1], db);
         wgmma_commit();
-        wgmma_wait<1>();
-        if (s == 0) mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
+        wgmma_wait<RS_INFLIGHT>();
+        // the groups still in flight are this chunk's: the previous chunk's stage is free
+        if (s == RS_INFLIGHT - 1)
+            mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
         if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
             u32 prev = (c - 1) % R_STAGES;
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
@@ -785,7 +828,7 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][N / 2], cons
             for (int q = 0; q < 4; q++) {
                 u32 row = row0[b] + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
                 if (tok < r1 && row < nout)
-                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], H_UNSCALE), alpha);
+                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
             }
 }
 
@@ -800,8 +843,8 @@ __device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][N / 2], u32
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             u32 lc = col0 + g + 8 * (q / 2), lr = j * 8 + 2 * t + (q % 2);
-            float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], H_UNSCALE), alpha_g);
-            float uv = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], H_UNSCALE), alpha_u);
+            float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
+            float uv = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
             sa[lr * H_SA_F32_ROW + lc] = swiglu(gv, uv, limit, has_limit);
         }
 }
@@ -815,7 +858,6 @@ __device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][N / 2], u32
 extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u32 rows,
                                             u16* __restrict__ out) {
 #if NVFP4DBG_WGMMA
-    const u32 neg0 = 0x80008000u;
     u32 units = K / 32;
     u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (u64)rows * units) return;
@@ -823,7 +865,11 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
     u32 u = (u32)(idx - r * units), c = u / 4, t = u % 4;
     uint4 q4 = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
     u32 sc = *reinterpret_cast<const unsigned short*>(as + r * (K / 16) + u * 2);
+#if RS_F16
+    u32 sv = e4m3x2_to_f16x2(sc);
+#else
     u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, 0x4140u));
+#endif
     u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
     u32* o = reinterpret_cast<u32*>(out + r * K + c * R_BK);
 #pragma unroll
@@ -831,8 +877,14 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             u32 w = rs_word(q4, q), s = 2 * q + h;
+#if RS_F16
+            o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
+            o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
+#else
+            const u32 neg0 = 0x80008000u;
             o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
             o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
+#endif
         }
 #else
     __trap();
@@ -857,20 +909,20 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-    float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
     u32 nk = K / R_BK, ntok = r1 - r0;
+    // alpha is read after the K loop: one register less across it
     if (ntok > 64) {
         float acc[2][64];
         rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<128>(acc, row0, r0, r1, nout, alpha, out);
+        rs_store_rows<128>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     } else if (ntok > 32) {
         float acc[2][32];
         rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<64>(acc, row0, r0, r1, nout, alpha, out);
+        rs_store_rows<64>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     } else {
         float acc[2][16];
         rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<32>(acc, row0, r0, r1, nout, alpha, out);
+        rs_store_rows<32>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     }
 #else
     __trap();
@@ -899,22 +951,28 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-    float g_in = rcp_ref(gs1[e]);
-    float alpha_g = __fmul_rn(g_in, ws2_1[e]), alpha_u = __fmul_rn(g_in, ws2_3[e]);
     float* sa = reinterpret_cast<float*>(base);
     u32 nk = K / R_BK, ntok = r1 - r0;
+    // the alphas are read after the K loop: fewer registers across it
+    auto alphas = [&]() {
+        float g_in = rcp_ref(gs1[e]);
+        return make_float2(__fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]));
+    };
     if (ntok > 64) {
         float acc[2][64];
         rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
-        rs_swiglu_tile<128>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+        float2 al = alphas();
+        rs_swiglu_tile<128>(acc, col0, al.x, al.y, limit, has_limit, sa);
     } else if (ntok > 32) {
         float acc[2][32];
         rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
-        rs_swiglu_tile<64>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+        float2 al = alphas();
+        rs_swiglu_tile<64>(acc, col0, al.x, al.y, limit, has_limit, sa);
     } else {
         float acc[2][16];
         rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
-        rs_swiglu_tile<32>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
+        float2 al = alphas();
+        rs_swiglu_tile<32>(acc, col0, al.x, al.y, limit, has_limit, sa);
     }
     __syncthreads();
     gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
