@@ -564,11 +564,8 @@ impl Runner<'_> {
                 .collect();
             return self.record_all(specs, e);
         }
-        let split = if tokens < COMPUTE_BOUND_TOKENS {
-            self.stage_split(m, f, tokens)
-        } else {
-            None
-        };
+        // where the layer's time goes, stage by stage (details.stage_median_ms)
+        let split = self.stage_split(m, f, tokens);
         let f: &Nvfp4Forward = f;
         for name in names {
             let graph = name.ends_with("_graph");

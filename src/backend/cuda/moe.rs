@@ -112,9 +112,10 @@ fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
             .all(|&k| k > 0 && k.is_multiple_of(SM90_RS_BK))
 }
 
-/// The register-A kernels' tokens: the expert inputs dequantized to BF16 in their K order
-/// (`moe_rows_bf16_rs`, `[N, max(H, I)]`), and the TMA tensor maps that read that buffer as
-/// `[N, H]` (gate/up) and `[N, I]` (down).
+/// The register-A kernels' tokens: the expert inputs dequantized exactly to 16-bit floats
+/// (FP16 by default, BF16 with `-DRS_F16=0`) in the kernels' K order (`moe_rows_bf16_rs`,
+/// `[N, max(H, I)]`), and the TMA tensor maps that read that buffer as `[N, H]` (gate/up) and
+/// `[N, I]` (down); a tile copy moves bits, so the maps' BF16 element type serves both.
 struct RsTokens {
     bf16: CudaSlice<u16>,
     /// two tensor maps of 16 words: gate/up, then down
