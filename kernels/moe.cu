@@ -205,24 +205,6 @@ __device__ __forceinline__ void store_group(const Group& g, const u32* lut, u16*
     d[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// Which expert and rows a block works on; false when the block has no tile.
-__device__ __forceinline__ bool find_tile(const u32* __restrict__ tile_offsets,
-                                          const u32* __restrict__ expert_offsets, u32 E, u32& e,
-                                          u32& r0, u32& r1) {
-    u32 bx = blockIdx.x;
-    if (bx >= tile_offsets[E]) return false;
-    u32 lo = 0, hi = E;  // largest e with tile_offsets[e] <= bx
-    while (hi - lo > 1) {
-        u32 mid = (lo + hi) / 2;
-        if (tile_offsets[mid] <= bx) lo = mid; else hi = mid;
-    }
-    e = lo;
-    r0 = expert_offsets[e] + (bx - tile_offsets[e]) * BM;
-    u32 end = expert_offsets[e + 1];
-    r1 = r0 + BM < end ? r0 + BM : end;
-    return true;
-}
-
 // The operands of one grouped GEMM block.
 template <int NB>
 struct Operands {
@@ -375,7 +357,7 @@ moe_gemm_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
     __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
     __shared__ u32 lut[256];
     u32 e, r0, r1;
-    if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.x, BM, e, r0, r1)) return;
     build_lut(lut);
     Operands<1> o;
     o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;
@@ -409,7 +391,7 @@ moe_gemm_gate_up_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32
     __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
     __shared__ u32 lut[256];
     u32 e, r0, r1;
-    if (!find_tile(tile_offsets, expert_offsets, E, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.x, BM, e, r0, r1)) return;
     build_lut(lut);
     Operands<2> o;
     o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1;

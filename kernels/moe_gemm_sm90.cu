@@ -156,23 +156,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16(float (&d)[128], u64 da, u
         : "l"(da), "l"(db), "r"(1));
 }
 
-// Which expert and rows M-tile `bt` covers; false past the real tile count.
-__device__ __forceinline__ bool h_find_tile(const u32* __restrict__ tile_offsets,
-                                            const u32* __restrict__ expert_offsets, u32 E, u32 bt,
-                                            u32& e, u32& r0, u32& r1) {
-    if (bt >= tile_offsets[E]) return false;
-    u32 lo = 0, hi = E;  // largest e with tile_offsets[e] <= bt
-    while (hi - lo > 1) {
-        u32 mid = (lo + hi) / 2;
-        if (tile_offsets[mid] <= bt) lo = mid; else hi = mid;
-    }
-    e = lo;
-    r0 = expert_offsets[e] + (bt - tile_offsets[e]) * H_BM;
-    u32 end = expert_offsets[e + 1];
-    r1 = r0 + H_BM < end ? r0 + H_BM : end;
-    return true;
-}
-
 // One block's operands. W tile row n < split comes from matrix 0 (row n0 + n), the rest from
 // matrix 1 (row n0 + n - split).
 struct HOps {
@@ -386,7 +369,7 @@ moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                     float* __restrict__ out, u32 split) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     HOps o;
     o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1; o.a_rows = r1 - r0 <= 64 ? 64 : H_BM;
@@ -432,7 +415,7 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
                             u32* __restrict__ amax_bits, u32 split) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     HOps o;
     o.aq = aq; o.as = as; o.K = K; o.r0 = r0; o.r1 = r1; o.a_rows = r1 - r0 <= 64 ? 64 : H_BM;
@@ -925,7 +908,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
                       float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
@@ -967,7 +950,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!h_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;

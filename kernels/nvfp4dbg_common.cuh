@@ -449,3 +449,28 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     asm("{ .reg .b16 t;\n cvt.u16.u32 t, %1;\n cvt.rn.f16x2.e4m3x2 %0, t;\n}" : "=r"(d) : "r"(two));
     return d;
 }
+
+// Which expert and sorted rows row tile `bt` covers (tiles of `bm` rows; tile_offsets[E + 1]
+// is moe_offsets' prefix sum of each expert's tile count); false past the real tile count.
+// The expert is the largest e with tile_offsets[e] <= bt, searched by the whole warp 32
+// entries at a time: two rounds of dependent loads for 256 experts where a binary search
+// takes eight (a block's first MMA waits for them). Every lane of the warp must call it.
+__device__ __forceinline__ bool find_row_tile(const u32* __restrict__ tile_offsets,
+                                              const u32* __restrict__ expert_offsets, u32 E, u32 bt, u32 bm,
+                                              u32& e, u32& r0, u32& r1) {
+    if (bt >= tile_offsets[E]) return false;
+    u32 lane = threadIdx.x & 31u;
+    u32 lo = 0, hi = E;  // tile_offsets[lo] <= bt < tile_offsets[hi]
+    while (hi - lo > 1) {
+        u32 step = (hi - lo + 31) / 32, idx = lo + lane * step;
+        u32 le = __ballot_sync(0xFFFFFFFFu, idx < hi && tile_offsets[idx] <= bt);
+        u32 nlo = lo + (31u - __clz(le)) * step;  // lane 0 (idx = lo) always holds
+        hi = nlo + step < hi ? nlo + step : hi;
+        lo = nlo;
+    }
+    e = lo;
+    r0 = expert_offsets[e] + (bt - tile_offsets[e]) * bm;
+    u32 end = expert_offsets[e + 1];
+    r1 = r0 + bm < end ? r0 + bm : end;
+    return true;
+}
