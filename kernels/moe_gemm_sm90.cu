@@ -770,16 +770,16 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
+    // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
             mbar_init(bars.empty(s), H_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill(tmap, stages, bars, c, r0);
     }
     __syncthreads();
-    if (tid == 0)
-        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill(tmap, stages, bars, c, r0);
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
