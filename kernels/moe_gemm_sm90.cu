@@ -475,12 +475,9 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 #define R_BOX_BYTES (R_BN * 64 * 2)       // one TMA box: 128 rows x 64 K of BF16
 #define R_STAGE_BYTES (2 * R_BOX_BYTES)
 #define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
-// the gate/up kernel's f32 tile of a, apart from the stages (the ring runs on across tiles)
-#define R_OFF_SA (R_OFF_BARS + 1024)
-// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES / SM90_RS_GATE_UP_SMEM_BYTES
+// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
 #define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
-#define R_GATE_UP_SMEM_BYTES (R_OFF_SA + H_BM * H_SA_F32_ROW * 4 + 1024)
-static_assert(R_GATE_UP_SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block gets");
+static_assert(H_BM * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 
@@ -672,48 +669,31 @@ __device__ __forceinline__ void rs_acc_fence(float (&d)[2][N / 2]) {
 }
 
 // The ring: full[s] (the TMA's bytes; one arrival, thread 0's expect_tx) and empty[s] (one
-// arrival per warp once its MMAs on the stage are complete), R_STAGES each. It runs on across
-// the tiles a CTA walks: chunk G of the CTA (counted over its tiles) sits in stage G % R_STAGES,
-// so the next tile's first chunks are copied while this one ends and runs its epilogue.
-struct RRing {
-    u32 stages;        // shared address of stage 0; the barriers follow the stages
-    const void* tmap;  // the tokens' tensor map (a kernel parameter)
-    u32 nk;            // chunks per tile (from a kernel parameter)
-    u32 g;             // the CTA's chunk index of the current tile's chunk 0
-    u32 pfill;         // thread 0: the next chunk to copy
-    u32 r0, r0n;       // first token row of the current tile and of the next one
-    u32 has_next;      // the CTA has a next tile
-    __device__ __forceinline__ u32 full(u32 s) const { return stages + R_OFF_BARS + 8 * s; }
-    __device__ __forceinline__ u32 empty(u32 s) const { return stages + R_OFF_BARS + 8 * (R_STAGES + s); }
+// arrival per warp once its MMAs on the stage are complete), R_STAGES each.
+struct RBars {
+    u32 base;
+    __device__ __forceinline__ u32 full(u32 s) const { return base + 8 * s; }
+    __device__ __forceinline__ u32 empty(u32 s) const { return base + 8 * (R_STAGES + s); }
 };
 
-// Thread 0: copy the chunks before `limit` (the CTA's index, exclusive) that lie in the current
-// or the next tile. A stage is refilled once every warp released the chunk before in it
-// (R_STAGES earlier), so `limit` may be at most one past the last released chunk + R_STAGES.
-__device__ __forceinline__ void rs_produce(RRing& r, u32 limit) {
-    u32 end = r.g + r.nk * (r.has_next ? 2u : 1u);
-    if (limit > end) limit = end;
-    for (; r.pfill < limit; r.pfill++) {
-        u32 G = r.pfill, slot = G % R_STAGES, local = G - r.g;
-        if (G >= R_STAGES) mbar_wait(r.empty(slot), ((G / R_STAGES) - 1) & 1u);
-        bool next = local >= r.nk;
-        u32 c = next ? local - r.nk : local, dst = r.stages + slot * R_STAGE_BYTES;
-        int row = (int)(next ? r.r0n : r.r0);
-        mbar_arrive_expect_tx(r.full(slot), R_STAGE_BYTES);
-        tma_load_2d(dst, r.tmap, (int)(c * R_BK), row, r.full(slot));
-        tma_load_2d(dst + R_BOX_BYTES, r.tmap, (int)(c * R_BK + 64), row, r.full(slot));
-    }
+// Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + 127) into its stage.
+__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
+    u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
+    mbar_arrive_expect_tx(bars.full(s), R_STAGE_BYTES);
+    tma_load_2d(dst, tmap, (int)(c * R_BK), (int)r0, bars.full(s));
+    tma_load_2d(dst + R_BOX_BYTES, tmap, (int)(c * R_BK + 64), (int)r0, bars.full(s));
 }
 
-// The 8 k16 steps of the current tile's chunk c on lane data `st`. Step s takes word s / 2 of
-// rows g and g + 8, pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at
-// columns 2 t, 2 t + 1; a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K
-// 32 t + 8 (s / 2): block 2 t for s < 4, 2 t + 1 after. Every warp releases the CTA's previous
-// chunk once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 copies what the
-// ring has room for at step 4.
+// The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
+// pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
+// a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
+// block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
+// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
+// step 4 with chunk c - 1 + R_STAGES.
 template <int N>
-__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, RRing& ring, float (&acc)[2][N / 2]) {
-    u32 tid = threadIdx.x, G = ring.g + c, slot = G % R_STAGES;
+__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
 #pragma unroll
@@ -736,8 +716,8 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, RRing& ring, f
         sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
 #endif
     }
-    mbar_wait(ring.full(slot), (G / R_STAGES) & 1u);
-    u32 sb = ring.stages + slot * R_STAGE_BYTES;
+    mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
+    u32 sb = stages + slot * R_STAGE_BYTES;
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         int q = s / 2, h = s % 2, blk = s / 4;
@@ -769,102 +749,57 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, RRing& ring, f
         wgmma_wait<RS_INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
         if (s == RS_INFLIGHT - 1)
-            mbar_arrive_if(ring.empty((G + R_STAGES - 1) % R_STAGES), G > 0 && (tid & 31u) == 0);
-        if (s == 4 && tid == 0) rs_produce(ring, G + R_STAGES);
+            mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
+        if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
+            u32 prev = (c - 1) % R_STAGES;
+            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
+            rs_fill(tmap, stages, bars, c - 1 + R_STAGES, r0);
+        }
     }
 }
 
-// The K loop of one tile on the weights `wr`, whose chunks 0 and 1 are in `st` (or in flight):
-// acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-28, FP16; 2^-18, BF16),
+// The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
 // acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
-// this warpgroup's MMAs complete and the ring at the next tile.
+// every MMA complete and every warp past the loop (the stages may then be reused).
 template <int N>
-__device__ __forceinline__ void rs_mainloop(const RWeights& wr, RChunk (&st)[2], RRing& ring, float (&acc)[2][N / 2]) {
-    u32 nk = ring.nk;
+__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
+                                            float (&acc)[2][N / 2]) {
+    u32 tid = threadIdx.x;
+    u32 stages = smem_addr(base);
+    RBars bars{stages + R_OFF_BARS};
+    RChunk st[2];
+    rs_load(wr, 0, st[0]);
+    if (nk > 1) rs_load(wr, 1, st[1]);
+    // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
+    if (tid == 0) {
+        for (u32 s = 0; s < R_STAGES; s++) {
+            mbar_init(bars.full(s), 1);
+            mbar_init(bars.empty(s), H_THREADS / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill(tmap, stages, bars, c, r0);
+    }
+    __syncthreads();
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
+#if RS_L2_AHEAD > 2
+    for (u32 c = 2; c < RS_L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
+#endif
     for (u32 c = 0; c < nk; c += 2) {
         if (RS_L2_AHEAD > 2 && c + RS_L2_AHEAD < nk) rs_prefetch_l2(wr, c + RS_L2_AHEAD);
-        rs_chunk<N>(st[0], c, ring, acc);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
         if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
         if (c + 1 < nk) {
             if (RS_L2_AHEAD > 2 && c + 1 + RS_L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + RS_L2_AHEAD);
-            rs_chunk<N>(st[1], c + 1, ring, acc);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
     wgmma_wait<0>();
     rs_acc_fence<N>(acc);
-    ring.g += nk;
-}
-
-// A tile of the walk: its expert, token rows and first output (weight) row.
-struct RTile {
-    u32 e, r0, r1, n0;
-};
-
-// Tile t of the grid walk (output tiles of `bn` rows fastest, so the CTAs at work share token
-// tiles in L2): false past the real tile count. Every lane of the warp must call it.
-__device__ __forceinline__ bool rs_tile(u32 t, u32 nout, u32 bn, const u32* __restrict__ tile_offsets,
-                                        const u32* __restrict__ expert_offsets, u32 E, RTile& tile) {
-    u32 n_tiles = (nout + bn - 1) / bn;
-    tile.n0 = (t % n_tiles) * bn;
-    return find_row_tile(tile_offsets, expert_offsets, E, t / n_tiles, H_BM, tile.e, tile.r0, tile.r1);
-}
-
-// Start of a CTA's walk: the first tile's weights in flight, the ring set up and its first
-// copies issued (thread 0), published by a block barrier.
-__device__ __forceinline__ void rs_start(RRing& ring, const RWeights& wr, RChunk (&st)[2], u8* base,
-                                         const void* tmap, u32 nk, const RTile& cur, bool has_next,
-                                         const RTile& next) {
-    rs_load(wr, 0, st[0]);
-    if (nk > 1) rs_load(wr, 1, st[1]);
-    ring.stages = smem_addr(base);
-    ring.tmap = tmap;
-    ring.nk = nk;
-    ring.g = 0;
-    ring.pfill = 0;
-    ring.r0 = cur.r0;
-    ring.r0n = next.r0;
-    ring.has_next = has_next;
-    if (threadIdx.x == 0) {
-        for (u32 s = 0; s < R_STAGES; s++) {
-            mbar_init(ring.full(s), 1);
-            mbar_init(ring.empty(s), H_THREADS / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        rs_produce(ring, R_STAGES);
-    }
-#if RS_L2_AHEAD > 2
-    for (u32 c = 2; c < RS_L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-#endif
     __syncthreads();
-}
-
-// After a tile's K loop, before its epilogue: the next tile's first weight chunks into `st`
-// (the loads fly during the epilogue).
-__device__ __forceinline__ void rs_prefetch_next(const RWeights& wr, RChunk (&st)[2], u32 nk) {
-    rs_load(wr, 0, st[0]);
-    if (nk > 1) rs_load(wr, 1, st[1]);
-#if RS_L2_AHEAD > 2
-    for (u32 c = 2; c < RS_L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-#endif
-}
-
-// Moving on to the next tile: it becomes the current one; thread 0 copies the chunks the ring
-// has room for now (the previous tile's last chunk is released only at the new tile's step
-// RS_INFLIGHT - 1, hence R_STAGES - 1).
-__device__ __forceinline__ void rs_advance(RRing& ring, RTile& cur, bool& has_next, RTile& next, bool more,
-                                           const RTile& after) {
-    cur = next;
-    has_next = more;
-    next = after;
-    ring.r0 = cur.r0;
-    ring.r0n = next.r0;
-    ring.has_next = more;
-    if (threadIdx.x == 0) rs_produce(ring, ring.g + R_STAGES - 1);
 }
 
 // Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
@@ -963,94 +898,38 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
 #endif
 }
 
-#if NVFP4DBG_WGMMA
-// The weights of tile `x` for this lane: m-blocks at rows x.n0 + first[b] of matrices (wq[b], ws[b]).
-__device__ __forceinline__ RWeights rs_tile_weights(const u8* const (&wq)[2], const u8* const (&ws)[2],
-                                                    const u32 (&first)[2], const RTile& x, u32 nout, u32 K,
-                                                    u32 (&row0)[2]) {
-    row0[0] = x.n0 + first[0];
-    row0[1] = x.n0 + first[1];
-    return rs_weights(wq, ws, row0, x.e, nout, K);
-}
-
-// One down-projection tile with N tokens: K loop, the next tile's first weights in flight,
-// then the stores.
-// (The next tile's weights and this tile's alpha are worked out after the K loop: fewer
-// registers across it.)
-template <int N>
-__device__ __forceinline__ void rs_down_tile(RRing& ring, const RWeights& wr, RChunk (&st)[2], const u32 (&row0)[2],
-                                             const RTile& cur, bool has_next, const RTile& next,
-                                             const u8* const (&wq)[2], const u8* const (&ws)[2],
-                                             const u32 (&first)[2], u32 nout, u32 K, const float* __restrict__ gs,
-                                             const float* __restrict__ ws2, float* __restrict__ out) {
-    float acc[2][N / 2];
-    rs_mainloop<N>(wr, st, ring, acc);
-    if (has_next) {
-        u32 nrow0[2];
-        rs_prefetch_next(rs_tile_weights(wq, ws, first, next, nout, K, nrow0), st, ring.nk);
-    }
-    rs_store_rows<N>(acc, row0, cur.r0, cur.r1, nout, __fmul_rn(rcp_ref(gs[cur.e]), ws2[cur.e]), out);
-}
-
-// One gate/up tile with N tokens: K loop, the next tile's first weights in flight, then
-// a = swiglu(g, u) into the f32 tile and its NVFP4 (or f32) epilogue.
-template <int N>
-__device__ __forceinline__ void rs_gate_up_tile(RRing& ring, const RWeights& wr, RChunk (&st)[2], u32 col0,
-                                                const RTile& cur, bool has_next, const RTile& next,
-                                                const u8* const (&wq)[2], const u8* const (&ws)[2],
-                                                const u32 (&first)[2], u32 nout, u32 K,
-                                                const float* __restrict__ gs1, const float* __restrict__ ws2_1,
-                                                const float* __restrict__ ws2_3, float limit, u32 has_limit,
-                                                float* sa) {
-    float acc[2][N / 2];
-    rs_mainloop<N>(wr, st, ring, acc);
-    if (has_next) {
-        u32 nrow0[2];
-        rs_prefetch_next(rs_tile_weights(wq, ws, first, next, nout, K, nrow0), st, ring.nk);
-    }
-    float g_in = rcp_ref(gs1[cur.e]);
-    float alpha_g = __fmul_rn(g_in, ws2_1[cur.e]), alpha_u = __fmul_rn(g_in, ws2_3[cur.e]);
-    rs_swiglu_tile<N>(acc, col0, alpha_g, alpha_u, limit, has_limit, sa);
-}
-#endif  // NVFP4DBG_WGMMA
-
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor map `tmap` of
-// moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). A CTA walks tiles
-// blockIdx.x, blockIdx.x + gridDim.x, ... of (row tiles x ceil(nout / 256) output tiles), output
-// tiles fastest: one CTA per SM (persistent) or one per tile. 256 threads, R_SMEM_BYTES of
-// dynamic shared memory.
+// moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
+// (ceil(nout / 256), M-tile bound), 256 threads, R_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
                       float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
-    u32 t = blockIdx.x;
-    RTile cur, next, after;
-    if (!rs_tile(t, nout, H_BN, tile_offsets, expert_offsets, E, cur)) return;
-    bool has_next = rs_tile(t + gridDim.x, nout, H_BN, tile_offsets, expert_offsets, E, next);
+    u32 e, r0, r1;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
+    u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    const u32 first[2] = {wg * 128 + warp * 16, wg * 128 + 64 + warp * 16};
+    u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
-    u32 nk = K / R_BK, row0[2];
-    RWeights wr = rs_tile_weights(wq, ws, first, cur, nout, K, row0);
-    RChunk st[2];
-    RRing ring;
-    rs_start(ring, wr, st, h_smem_base(), tmap, nk, cur, has_next, next);
-    for (;;) {
-        u32 ntok = cur.r1 - cur.r0;
-        if (ntok > 64)
-            rs_down_tile<128>(ring, wr, st, row0, cur, has_next, next, wq, ws, first, nout, K, gs, ws2, out);
-        else if (ntok > 32)
-            rs_down_tile<64>(ring, wr, st, row0, cur, has_next, next, wq, ws, first, nout, K, gs, ws2, out);
-        else
-            rs_down_tile<32>(ring, wr, st, row0, cur, has_next, next, wq, ws, first, nout, K, gs, ws2, out);
-        if (!has_next) break;
-        t += gridDim.x;
-        bool more = rs_tile(t + gridDim.x, nout, H_BN, tile_offsets, expert_offsets, E, after);
-        wr = rs_tile_weights(wq, ws, first, next, nout, K, row0);
-        rs_advance(ring, cur, has_next, next, more, after);
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
+    u32 nk = K / R_BK, ntok = r1 - r0;
+    // alpha is read after the K loop: one register less across it
+    if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<128>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<64>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        rs_store_rows<32>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     }
 #else
     __trap();
@@ -1059,8 +938,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
-// w1, m-block 1 from w3. The walk as in moe_gemm_nvfp4_sm90rs over ceil(nout / 128) output
-// tiles. 256 threads, R_GATE_UP_SMEM_BYTES.
+// w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound), 256 threads, R_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
@@ -1071,44 +949,41 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,
                               float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
-    u32 t = blockIdx.x;
-    RTile cur, next, after;
-    if (!rs_tile(t, nout, H_FUSED_BN, tile_offsets, expert_offsets, E, cur)) return;
-    bool has_next = rs_tile(t + gridDim.x, nout, H_FUSED_BN, tile_offsets, expert_offsets, E, next);
-    u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, col0 = wg * 64 + warp * 16;
-    const u32 first[2] = {col0, col0};
+    u32 e, r0, r1;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
+    u8* base = h_smem_base();
+    u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
+    u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;
+    const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
-    u32 nk = K / R_BK, row0[2];
-    RWeights wr = rs_tile_weights(wq, ws, first, cur, nout, K, row0);
-    RChunk st[2];
-    RRing ring;
-    u8* base = h_smem_base();
-    float* sa = reinterpret_cast<float*>(base + R_OFF_SA);
-    rs_start(ring, wr, st, base, tmap, nk, cur, has_next, next);
-    for (;;) {
-        u32 ntok = cur.r1 - cur.r0;
-#define RS_GATE_UP_TILE(N_)                                                                                     \
-    rs_gate_up_tile<N_>(ring, wr, st, col0, cur, has_next, next, wq, ws, first, nout, K, gs1, ws2_1, ws2_3, limit, \
-                        has_limit, sa)
-        if (ntok > 64)
-            RS_GATE_UP_TILE(128);
-        else if (ntok > 32)
-            RS_GATE_UP_TILE(64);
-        else
-            RS_GATE_UP_TILE(32);
-#undef RS_GATE_UP_TILE
-        __syncthreads();
-        gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, cur.r0, cur.r1, cur.n0, nout, cur.e, gs2,
-                                                           flavor, outq, outs, stats, out_f32, amax_bits);
-        if (!has_next) break;
-        // every thread is done with the f32 tile before the next tile writes it
-        __syncthreads();
-        t += gridDim.x;
-        bool more = rs_tile(t + gridDim.x, nout, H_FUSED_BN, tile_offsets, expert_offsets, E, after);
-        wr = rs_tile_weights(wq, ws, first, next, nout, K, row0);
-        rs_advance(ring, cur, has_next, next, more, after);
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
+    float* sa = reinterpret_cast<float*>(base);
+    u32 nk = K / R_BK, ntok = r1 - r0;
+    // the alphas are read after the K loop: fewer registers across it
+    auto alphas = [&]() {
+        float g_in = rcp_ref(gs1[e]);
+        return make_float2(__fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]));
+    };
+    if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        float2 al = alphas();
+        rs_swiglu_tile<128>(acc, col0, al.x, al.y, limit, has_limit, sa);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        float2 al = alphas();
+        rs_swiglu_tile<64>(acc, col0, al.x, al.y, limit, has_limit, sa);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        float2 al = alphas();
+        rs_swiglu_tile<32>(acc, col0, al.x, al.y, limit, has_limit, sa);
     }
+    __syncthreads();
+    gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
+                                                       stats, out_f32, amax_bits);
 #else
     __trap();
 #endif

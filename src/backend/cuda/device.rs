@@ -180,8 +180,6 @@ pub struct Gpu {
     pub compute_capability: (i32, i32),
     /// The NVRTC target, e.g. `sm_90a`.
     pub arch: String,
-    /// Streaming multiprocessors (the persistent kernels' grid).
-    pub sms: u32,
     pub(crate) stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
@@ -215,15 +213,11 @@ impl Gpu {
             .new_stream()
             .map_err(|e| driver_err("creating a stream", "-", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-        let sms = ctx
-            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_err("reading the SM count", "-", e))?;
         Ok(Arc::new(Gpu {
             ordinal,
             name,
             compute_capability: cc,
             arch: nvrtc::arch_for(cc.0, cc.1),
-            sms: sms.max(1) as u32,
             stream,
             ctx,
             modules: Mutex::new(HashMap::new()),

@@ -35,14 +35,12 @@ const SM90_FUSED_BN: usize = 128;
 const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
-/// tiles' chunk), token stages of 32 KB, and their shared memory (R_SMEM_BYTES, and
-/// R_GATE_UP_SMEM_BYTES with the f32 tile of 128 x 132 floats after the stages).
+/// tiles' chunk), token stages of 32 KB, and their shared memory (R_SMEM_BYTES).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_STAGES: u32 = 4;
 const SM90_RS_SMEM_BYTES: u32 = SM90_RS_STAGES * 32_768 + 2 * SM90_RS_STAGES * 8 + 1024;
-const SM90_RS_GATE_UP_SMEM_BYTES: u32 = SM90_RS_STAGES * 32_768 + 1024 + 128 * 132 * 4 + 1024;
 const _: () = assert!(
-    SM90_RS_GATE_UP_SMEM_BYTES <= 227 * 1024,
+    SM90_RS_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
 );
 const _: () = assert!(
@@ -102,12 +100,6 @@ pub enum PrefillGemm {
 /// `NVFP4DBG_SM90=v1`: Auto keeps the first wgmma kernels (A/B runs of the bench).
 fn sm90_rs_disabled() -> bool {
     std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1")
-}
-
-/// `NVFP4DBG_SM90_GRID=tiles`: the register-A kernels get one CTA per tile instead of one per
-/// SM walking the tiles (A/B runs of the bench).
-fn sm90_grid_per_tile() -> bool {
-    std::env::var("NVFP4DBG_SM90_GRID").is_ok_and(|v| v == "tiles")
 }
 
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
@@ -586,8 +578,6 @@ pub struct Nvfp4Forward {
     decode_layout: DecodeLayout,
     /// The register-A prefill kernels' tokens (sm_90a, where they fit).
     rs: Option<RsTokens>,
-    /// CTAs of the register-A kernels' tile walk (tests); one per SM when unset.
-    persistent_ctas: Option<u32>,
 }
 
 impl Nvfp4Forward {
@@ -691,7 +681,6 @@ impl Nvfp4Forward {
                 prefill: PrefillGemm::Auto,
                 decode_layout: DecodeLayout::from_env(),
                 rs,
-                persistent_ctas: None,
             });
         }
         Ok(Nvfp4Forward {
@@ -704,7 +693,6 @@ impl Nvfp4Forward {
             prefill: PrefillGemm::Auto,
             decode_layout: DecodeLayout::from_env(),
             rs,
-            persistent_ctas: None,
         })
     }
 
@@ -950,28 +938,12 @@ impl Nvfp4Forward {
             PrefillGemm::WgmmaRs if rs => PrefillGemm::WgmmaRs,
             _ => PrefillGemm::MmaSync,
         };
-        // the register-A kernels walk the tiles (output tiles fastest): one CTA per SM, or
-        // (NVFP4DBG_SM90_GRID=tiles) one per tile
-        let walk = |shared_mem_bytes| {
-            let tiles = nout.div_ceil(bn) as u32 * m_tiles.max(1) as u32;
-            let ctas = match self.persistent_ctas {
-                _ if sm90_grid_per_tile() => tiles,
-                Some(c) => tiles.min(c),
-                None => tiles.min(self.gpu().sms),
-            };
-            LaunchConfig {
-                grid_dim: (ctas.max(1), 1, 1),
-                block_dim: (GEMM_THREADS, 1, 1),
-                shared_mem_bytes,
-            }
-        };
         match (which, fused) {
-            (PrefillGemm::WgmmaRs, true) => PrefillLaunch::Rs(
-                "moe_gemm_gate_up_nvfp4_sm90rs",
-                walk(SM90_RS_GATE_UP_SMEM_BYTES),
-            ),
+            (PrefillGemm::WgmmaRs, true) => {
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+            }
             (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", walk(SM90_RS_SMEM_BYTES))
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,
@@ -1042,12 +1014,6 @@ impl Nvfp4Forward {
         }
         self.prefill = which;
         Ok(())
-    }
-
-    /// Walk the register-A kernels' tiles with `ctas` CTAs instead of one per SM, so that small
-    /// problems also take several tiles per CTA (tests).
-    pub fn set_persistent_ctas(&mut self, ctas: u32) {
-        self.persistent_ctas = Some(ctas.max(1));
     }
 
     // ---- end of prefill GEMM dispatch ----
