@@ -109,3 +109,61 @@ fn a_broken_module_reports_the_file_and_the_log() {
     assert!(e.contains("kernels/broken.cu"), "{e}");
     assert!(e.contains("undefined_name"), "{e}");
 }
+
+/// The SASS of `kernel` in `cubin`, by nvdisasm (NVFP4DBG_NVDISASM: `.ci/compile-kernels`
+/// installs it from NVIDIA's wheel).
+fn sass_of(nvdisasm: &str, cubin: &[u8], kernel: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("nvfp4dbg-sass-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("module.cubin");
+    std::fs::write(&path, cubin).unwrap();
+    let out = std::process::Command::new(nvdisasm)
+        .arg("-c")
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("running {nvdisasm}: {e}"));
+    assert!(
+        out.status.success(),
+        "nvdisasm: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    // a function's section starts at its `.text.NAME:` label and ends at the next section
+    let start = text
+        .find(&format!(".text.{kernel}:"))
+        .unwrap_or_else(|| panic!("{kernel} not in the SASS"));
+    let rest = &text[start..];
+    let end = rest[1..].find("\t.section").map_or(rest.len(), |i| i + 1);
+    rest[..end].to_string()
+}
+
+/// ptxas may serialize warpgroup MMAs without a word (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after
+/// each one): the register-A prefill kernels then run a third slower (BENCHMARKS.md, session 7).
+/// Their K loops must keep two MMA groups in flight: waits down to 0 only at the loops' ends.
+#[test]
+fn the_register_a_prefill_keeps_its_mmas_in_flight() {
+    if !enabled() {
+        return;
+    }
+    let Some(nvdisasm) = std::env::var_os("NVFP4DBG_NVDISASM") else {
+        panic!("NVFP4DBG_NVDISASM unset: .ci/compile-kernels installs nvdisasm and sets it");
+    };
+    let nvdisasm = nvdisasm.to_string_lossy().into_owned();
+    let cubin =
+        nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+    for kernel in ["moe_gemm_nvfp4_sm90rs", "moe_gemm_gate_up_nvfp4_sm90rs"] {
+        let sass = sass_of(&nvdisasm, &cubin, kernel);
+        let mmas = sass.matches("HGMMA").count();
+        let drained = sass.matches("WARPGROUP.DEPBAR.LE gsb0, 0x0").count();
+        let pipelined = sass.matches("WARPGROUP.DEPBAR.LE gsb0, 0x2").count();
+        eprintln!("{kernel}: {mmas} HGMMA, {pipelined} waits to 2 in flight, {drained} to 0");
+        assert!(
+            mmas >= 96,
+            "{kernel}: {mmas} HGMMA (3 tile widths x 2 chunks x 8 steps x 2)"
+        );
+        assert!(
+            drained <= 3 && pipelined * 2 == mmas,
+            "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {pipelined} to 2, {mmas} HGMMA)"
+        );
+    }
+}
