@@ -25,9 +25,20 @@ done
 export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/usr/local/cuda/include/cccl}"
 
 # name|defines. Registers (ptxas, BF16 kernel, sm_90a) and CTAs of 256 threads per SM in the
-# comments. The session-6 sweep also had shared-memory staging, grid-stride pipelining and
-# cache hints: all slower (BENCHMARKS.md), removed from the kernel since.
+# comments (the default: 71, 3 CTAs), with the SASS instructions per value of the ordinary-data
+# path (reference flavor, linear scales; the default 13.9). The session-6 sweep also had
+# shared-memory staging, grid-stride pipelining and cache hints: all slower (BENCHMARKS.md),
+# removed from the kernel since. The QUANT_PIPE / QUANT_COALESCED ones first, with session 7's
+# sweep (BENCHMARKS.md: the default 0.0460 ms) after the semicolon: bit-exact (GPU tests, and
+# a host emulation of the kernel against the default), only ring4qb2 faster.
 VARIANTS=(
+    "pipe2|-DQUANT_PIPE=2"                    # 2 groups per thread, the next one's loads before this one's encode: 128 regs, 2 CTAs/SM; 13.8; 0.0544 ms
+    "pipe4|-DQUANT_PIPE=4"                    # 4 groups per thread: 128 regs, 2 CTAs/SM; 13.5; 0.0582 ms
+    "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1"  # 4 groups, the next one's blocks loaded one by one into the registers just freed: 100 regs, 2 CTAs/SM; 13.6; 0.0563 ms
+    "ring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2"  # 4 groups of 2 blocks, ring: 72 regs, 3 CTAs/SM; 16.1; 0.0449 ms
+    "coal|-DQUANT_COALESCED=1"                # warp-contiguous 16-byte loads, a block per pair of lanes: 72 regs, 3 CTAs/SM; 16.9; 0.0556 ms
+    "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2"  # the same with 64 B per thread: 53 regs, 4 CTAs/SM; 19.2; 0.0514 ms
+    "coalring2|-DQUANT_COALESCED=1 -DQUANT_PIPE=2 -DQUANT_PIPE_RING=1"  # both: 127 regs, 2 CTAs/SM; 16.7; 0.0729 ms
     "old|-DQUANT_ENCODER=0"                   # the encoder before session 6's (every block through the general path)
     "cta4|-DQUANT_MIN_BLOCKS=4"               # 63 regs, 4 CTAs/SM (default 71, 3)
     "qb2|-DQUANT_BLOCKS=2"                    # 2 blocks per thread: more warps, 64 B in flight each

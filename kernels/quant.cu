@@ -65,6 +65,61 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 #define QUANT_ENCODER 1
 #endif
 
+// Units of work per thread of the BF16 kernel, software-pipelined: 1 (default) one, loaded,
+// quantized, stored, then the thread exits. N >= 2: the thread walks N of them (a group of
+// QUANT_BLOCKS blocks, or with QUANT_COALESCED its lane's part of a warp's chunk) and issues
+// the loads of unit k + 1 before it quantizes unit k, so that they are in flight while it
+// computes. The N units of a thread lie blockDim.x units apart inside its CTA's N * blockDim.x
+// (CTA-strided, not a contiguous run per thread): at each step the lanes of a warp read what
+// they read in the default kernel (32 consecutive groups), where a contiguous run of N groups
+// per thread would put adjacent lanes N x 128 B apart. The grid shrinks by N:
+// src/backend/cuda/quant.rs reads the same define. BF16 kernel only. sm_90a (ptxas, the
+// kernel; the default 71 registers, 3 CTAs of 256 threads per SM): N = 2 and 4 take 128
+// registers (two units of raw registers), 2 CTAs per SM, no spill; QUANT_MIN_BLOCKS 3 (80)
+// spills 292 / 576 bytes, 4 (64) 424 / 1040. SASS of the ordinary-data path (reference flavor,
+// linear scales): 13.8 (N = 2), 13.5 (N = 4) instructions per value, the default 13.9.
+// Measured (session 7 sweep, BENCHMARKS.md): N = 2 0.0544 ms, N = 4 0.0582, the default 0.0460.
+#ifndef QUANT_PIPE
+#define QUANT_PIPE 1
+#endif
+static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
+
+// With QUANT_PIPE >= 2, where the loads of unit k + 1 go: 0 (default) all of them before unit
+// k is quantized, into a second set of raw registers; 1 each 16-block (QUANT_COALESCED: each
+// 16-byte load) of unit k + 1 right after the same one of unit k is quantized, into the
+// registers that one just freed (a ring: a unit's worth of loads in flight while the thread
+// computes, one unit of raw registers). sm_90a: N = 2 96 registers, N = 4 100 (2 CTAs per SM;
+// QUANT_MIN_BLOCKS 3 spills); with QUANT_BLOCKS 2, N = 4: 72 (3 CTAs), 16.1 instructions per
+// value (more per-group work). Measured: N = 4 0.0563 ms; with QUANT_BLOCKS 2, N = 4 0.0449
+// (the default 0.0460: the only variant of session 7's sweep that gained, +2.4%).
+#ifndef QUANT_PIPE_RING
+#define QUANT_PIPE_RING 0
+#endif
+
+// Thread-to-data mapping of the BF16 kernel: 0 (default) each thread loads its own
+// QUANT_BLOCKS consecutive blocks (adjacent lanes 32 x QUANT_BLOCKS bytes apart: each 16-byte
+// load of a warp uses half of every 32-byte sector it touches). 1: a warp reads a chunk of
+// 32 x QUANT_BLOCKS consecutive blocks of the [rows, kb] scale matrix (the padded one with
+// swizzled scales) as 2 x QUANT_BLOCKS loads of 512 contiguous bytes (load i of lane t at
+// chunk + 512 i + 16 t), so lanes t and t ^ 1 hold the two halves of a block: max|x| by one
+// shuffle, both lanes compute the scale, each encodes its 8 values into a word of codes
+// (consecutive lanes store consecutive words); scale bytes go out as words, 4 consecutive
+// blocks' each (coal_quantize). The chunks run on across rows (the block index is flat), so no
+// lane idles at a row's end and a ragged kb needs no other path. Linear scales without gather
+// or per-row global scales (what quant.rs launches with linear scales) take a flat path where
+// a lane's loads and stores are one address and immediate offsets; the others find row and
+// column per block. The same bytes in flight per thread as 0, more work per value (a scale
+// per 8 values, a shuffle per load). The grid changes: src/backend/cuda/quant.rs reads the
+// same define. BF16 kernel only (the f32 one keeps the per-thread mapping). sm_90a: 72
+// registers (set by the swizzled / gather path; the flat one alone 62), 3 CTAs per SM, no
+// spill (QUANT_MIN_BLOCKS 4: 64 with an 8-byte spill); 16.9 instructions per value on the
+// flat path (default 13.9). With QUANT_BLOCKS 2: 53 registers, 4 CTAs per SM, 19.2. Measured:
+// 0.0556 ms, with QUANT_BLOCKS 2 0.0514, with QUANT_PIPE 2 in a ring 0.0729 (the default
+// 0.0460): the coalesced sectors do not pay for the extra instructions.
+#ifndef QUANT_COALESCED
+#define QUANT_COALESCED 0
+#endif
+
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
 #define QUANT_THREADS 256
@@ -262,10 +317,9 @@ __device__ __forceinline__ u32 e2m1_word_bf16(const u32* w, const u32* wa, float
 // blocks, flushed, saturated and NaN scales, denormal scales (where t / s reaches 1.5) and
 // exotic global scales go the general way. mbits: max|x| as bits (amax_raw).
 template <u32 FLAVOR>
-__device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u32 mbits, float gs, float rgs,
-                                                      u32& s_code, u32 (&packed)[2]) {
+__device__ __forceinline__ bool bf16_fast_scale(u32 mbits, float gs, float rgs, u32& s_code, float& out_scale) {
     float vmax = __uint_as_float(mbits);
-    float v, out_scale;
+    float v;
     if (FLAVOR == FLAVOR_CUDA_FAST) {
         s_code = e4m3_hw_code(__fmul_rn(gs, __fmul_rn(vmax, rcp_approx_ftz(6.0f))));
         v = __fmul_rn(e4m3_value_hw(s_code), rgs);
@@ -278,9 +332,51 @@ __device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u3
     }
     // Normal, unsaturated scale codes 0x08..0x7D (so s != 0 and the general path's s != 0 /
     // v != 0 tests agree), v in rcp_rn_inrange's range.
-    if (!((s_code - 8u < 0x76u) & rcp_fast_ok(v))) return false;
+    return (s_code - 8u < 0x76u) & rcp_fast_ok(v);
+}
+
+// Half a block on the fast path: the 8 BF16 values of w[0..3] (value 2j in the low half of
+// w[j]) times the block's out_scale, as one word of codes (value i in nibble i).
+__device__ __forceinline__ void unpack_half_bf16(const u32* w, float* x) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        x[2 * j] = __uint_as_float(w[j] << 16);
+        x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+}
+__device__ __forceinline__ u32 bf16_fast_word(const u32* w, float out_scale) {
 #if NVFP4DBG_HW_E2M1
     // Blackwell: the conversion instruction encodes two values at once (nvfp4_word)
+    float x[8];
+    unpack_half_bf16(w, x);
+    return nvfp4_word(x, out_scale, false);
+#else
+    u32 wa[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) wa[j] = abs2_bf16(w[j]);
+    return e2m1_word_bf16(w, wa, out_scale);
+#endif
+}
+
+// One BF16 block on the fast path, if it takes it: then the same scale code and codes as
+// quant_block_nvfp4_core (and class 0 in classify_nvfp4), else false and nothing written but
+// s_code. The scale as nvfp4_block_scale computes it for FLAVOR (decoded by e4m3_value_hw; the
+// reference's 1/v by rcp_rn_inrange): bf16_fast_scale. Taken: scale codes 0x08..0x7D (normal,
+// not saturated, not NaN, so vmax and gs are finite and nonzero, as are s, v and out_scale > 0)
+// with v in the reciprocal's range. Then |x * out_scale| <= vmax * out_scale ~ 6 t / s <= 6 (1 +
+// 1/16) (1 + a few ulps) < 7 (t = gs vmax / 6 before the E4M3 rounding, off by at most 1/16 of
+// s for a normal s): none is NaN, none needs the clamp at 6 (e2m1_code_min3 gives 6 up to 7).
+// Zero blocks, flushed, saturated and NaN scales, denormal scales (where t / s reaches 1.5) and
+// exotic global scales go the general way. mbits: max|x| as bits (amax_raw). Each half of the
+// block is encoded on its own (bf16_fast_word), so a lane holding half a block (QUANT_COALESCED)
+// gives the same word.
+template <u32 FLAVOR>
+__device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u32 mbits, float gs, float rgs,
+                                                      u32& s_code, u32 (&packed)[2]) {
+    float out_scale;
+    if (!bf16_fast_scale<FLAVOR>(mbits, gs, rgs, s_code, out_scale)) return false;
+#if NVFP4DBG_HW_E2M1
+    // the same conversions as bf16_fast_word's, all 16 values unpacked first
     float x[16];
     unpack_raw(r, x);
     packed[0] = nvfp4_word(x, out_scale, false);
@@ -288,11 +384,8 @@ __device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u3
     return true;
 #endif
     u32 w[8] = {r.q[0].x, r.q[0].y, r.q[0].z, r.q[0].w, r.q[1].x, r.q[1].y, r.q[1].z, r.q[1].w};
-    u32 wa[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++) wa[j] = abs2_bf16(w[j]);
-    packed[0] = e2m1_word_bf16(w, wa, out_scale);
-    packed[1] = e2m1_word_bf16(w + 4, wa + 4, out_scale);
+    packed[0] = bf16_fast_word(w, out_scale);
+    packed[1] = bf16_fast_word(w + 4, out_scale);
     return true;
 }
 
@@ -349,25 +442,39 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
+// The global scale of a group's row (0 outside the rows).
+template <typename T>
+__device__ __forceinline__ float group_gs(const Group<T>& g, const float* __restrict__ gs,
+                                          const int* __restrict__ gs_idx) {
+    return g.in_row ? gs[gs_idx ? gs_idx[g.r] : 0] : 0.0f;
+}
+
 // Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
 // word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
 // flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
-// `flavor`, every block through the general path.
+// `flavor`, every block through the general path. GV_LOADED: the row's global scale is
+// `gv_loaded` (group_gs, read with the group's loads: QUANT_PIPE), not read here. refill(h)
+// once block h's raw registers are no longer read (QUANT_PIPE_RING).
 #define FLAVOR_RUNTIME 2u
-template <typename T, u32 FL>
+struct NoRefill {
+    __device__ __forceinline__ void operator()(int) const {}
+};
+template <typename T, u32 FL, bool GV_LOADED = false, typename Refill = NoRefill>
 __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const QuantDims& d,
                                                   const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                                   u8* __restrict__ packed, u8* __restrict__ scales,
-                                                  u32 swizzled, u32 flavor_arg, u32 (&c)[4]) {
+                                                  u32 swizzled, u32 flavor_arg, u32 (&c)[4], float gv_loaded = 0.0f,
+                                                  Refill refill = {}) {
     const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
     const u64 r = g.r, b0 = g.b0, kb = d.kb;
     const bool in_row = g.in_row;
-    float gv = in_row ? gs[gs_idx ? gs_idx[r] : 0] : 0.0f;
+    float gv = GV_LOADED ? gv_loaded : group_gs(g, gs, gs_idx);
     float rg = nvfp4_rgs(gv, flavor);
     u32 p[QUANT_BLOCKS][2];
     u32 sc[QUANT_BLOCKS];
 #pragma unroll
     for (int h = 0; h < QUANT_BLOCKS; h++) {
+        if (h > 0) refill(h - 1);
         p[h][0] = p[h][1] = 0;
         sc[h] = 0;
         if (in_row && b0 + h < kb) {
@@ -390,6 +497,7 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
             c[3] += (cls >> 2) & 1u;
         }
     }
+    refill(QUANT_BLOCKS - 1);
     bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
     if (in_row) {
         u8* dst = packed + r * (d.cols / 2) + b0 * 8;
@@ -439,6 +547,350 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
     }
 }
 
+// ---- QUANT_COALESCED 1: a warp's chunk of 32 x QUANT_BLOCKS consecutive blocks ----
+
+#define COAL_LOADS (2 * QUANT_BLOCKS)  // 16-byte loads per lane (half a BF16 block each)
+#define COAL_BLOCKS (16 * COAL_LOADS)  // blocks per chunk (a warp)
+
+// The problem as the chunks see it: the R x K scale matrix (with `swizzled` the padded one:
+// R = rows rounded up to 128, K = kb to 4; else rows, kb), its n = R K blocks by flat index
+// f = r K + b, cut into `chunks` of COAL_BLOCKS. A lane's next block is 16 further on:
+// b += r16, r += q16 (16 = q16 K + r16), then at most one carry.
+struct CoalDims {
+    u64 rows, R, n, chunks;
+    u32 cols, kb, K, q16, r16;
+};
+
+__device__ __forceinline__ CoalDims coal_dims(u64 rows, u32 cols, u32 swizzled) {
+    CoalDims c;
+    c.rows = rows;
+    c.cols = cols;
+    c.kb = cols / 16;
+    c.R = swizzled ? (rows + 127) / 128 * 128 : rows;
+    c.K = swizzled ? (c.kb + 3) / 4 * 4 : c.kb;
+    c.n = c.R * c.K;
+    c.chunks = (c.n + COAL_BLOCKS - 1) / COAL_BLOCKS;
+    c.q16 = c.K ? 16u / c.K : 0u;
+    c.r16 = c.K ? 16u % c.K : 0u;
+    return c;
+}
+
+__device__ __forceinline__ void coal_rb(u64 f, const CoalDims& c, u64& r, u32& b) {
+    if (c.n <= 0xFFFFFFFFull) {  // 32-bit division, as in group_locate
+        u32 r32 = (u32)f / c.K;
+        r = r32;
+        b = (u32)f - r32 * c.K;
+    } else {
+        r = f / c.K;
+        b = (u32)(f % c.K);
+    }
+}
+
+__device__ __forceinline__ void coal_step(const CoalDims& c, u64& r, u32& b) {
+    b += c.r16;
+    r += c.q16;
+    if (b >= c.K) {
+        b -= c.K;
+        r += 1;
+    }
+}
+
+// A lane's part of a chunk: blocks f0 + 16 i (i < COAL_LOADS), its half (lane & 1) of each,
+// and their raw 16 bytes (in flight until first used; from `x` itself for blocks outside the
+// rows x kb ones). FLAT (linear scales, no gather, one global scale): the flat index alone
+// places a block, as rows are contiguous (input x + 16 f, codes packed + 8 f, scale
+// scales + f; blocks f >= n are not real), so a lane's loads and stores are one address and
+// immediate offsets. Otherwise f0 = r0 K + b0, and (rl, bl) is the block of the next load.
+// The location `l` is all that moves from one chunk to the next (pipe_run's take).
+struct CoalLoc {
+    u64 f0, r0, rl;
+    u32 b0, bl;
+    u32 nreal, nfull4;  // FLAT: loads i < nreal are real; i < nfull4: so are the 3 after lane 8j's
+};
+struct CoalChunk {
+    CoalLoc l;
+    uint4 raw[COAL_LOADS];
+};
+
+template <bool B> struct CoalFlat {
+    static constexpr bool value = B;
+};
+
+// The loads i < COAL_LOADS of a lane from block f with f + 16 i < n.
+__device__ __forceinline__ u32 coal_count(u64 f, u64 n) {
+    return f >= n ? 0u : (u32)min((n - f + 15) / 16, (u64)COAL_LOADS);
+}
+
+template <bool FLAT>
+__device__ __forceinline__ void coal_locate(u64 chunk, u32 lane, const CoalDims& c, CoalChunk& ch) {
+    ch.l.f0 = chunk * COAL_BLOCKS + lane / 2;
+    if (FLAT) {
+        ch.l.nreal = coal_count(ch.l.f0, c.n);
+        ch.l.nfull4 = coal_count(ch.l.f0 - ((lane >> 1) & 3u) + 3, c.n);
+    } else {
+        coal_rb(ch.l.f0, c, ch.l.r0, ch.l.b0);
+        ch.l.rl = ch.l.r0;
+        ch.l.bl = ch.l.b0;
+    }
+}
+
+// Load i of the lane's part of the chunk at loc (called for i = 0, 1, ... in order: it steps
+// loc's cursor) into dst's registers. With QUANT_PIPE 1, FLAT, a predicated load; else a load
+// from `x` for blocks that are not real (see pipe_run).
+template <bool FLAT>
+__device__ __forceinline__ void coal_fetch(const u16* __restrict__ x, int i, u32 lane, const CoalDims& c,
+                                           const int* __restrict__ row_src, CoalChunk& loc, CoalChunk& dst) {
+    const u16* p;
+    if (FLAT) {
+        const u16* base = x + loc.l.f0 * 16 + (lane & 1) * 8;
+#if QUANT_PIPE == 1
+        if ((u32)i < loc.l.nreal) dst.raw[i] = *reinterpret_cast<const uint4*>(base + 256 * i);
+        return;
+#else
+        p = (u32)i < loc.l.nreal ? base + 256 * i : x;
+#endif
+    } else {
+        if (i > 0) coal_step(c, loc.l.rl, loc.l.bl);
+        const bool real = loc.l.rl < c.rows && loc.l.bl < c.kb;
+        const u64 src = real && row_src ? (u64)row_src[loc.l.rl] : loc.l.rl;
+        p = real ? x + src * c.cols + loc.l.bl * 16 + (lane & 1) * 8 : x;
+    }
+    dst.raw[i] = *reinterpret_cast<const uint4*>(p);
+}
+
+// max|x| of half a block as bits (amax_raw on 4 words): the maximum of the pair's two is the
+// block's (an integer maximum).
+__device__ __forceinline__ u32 amax_half_bf16(const u32 (&w)[4]) {
+    u32 m = abs2_bf16(w[0]);
+#pragma unroll
+    for (int j = 1; j < 4; j++) asm("max.u16x2 %0, %0, %1;" : "+r"(m) : "r"(abs2_bf16(w[j])));
+    return max(m << 16, m & 0xFFFF0000u);
+}
+
+// The global scale and its flavor reciprocal: gs[0] once, or gs[gs_idx[r]] again when a lane's
+// row changes (the chunks cross rows).
+struct CoalGs {
+    float gv, rg;
+    u64 r;
+};
+
+// Quantize a lane's part of a loaded chunk: per load, the pair's max|x| by a shuffle, the scale
+// and the lane's word of codes (the fast path, else the general one on 8 values: the same steps
+// as quant_block_nvfp4_core's for that half), the word stored (consecutive lanes, consecutive
+// words), then the scales. FLAT: each pair keeps its scales of 4 loads in a word, a 4x4 byte
+// transpose across the 4 pairs of lanes 8g..8g+7 (two shuffles) gives pair j the 4 consecutive
+// scales of load 4q + j, one word store. Otherwise per load: the 4 scales of lanes 8g..8g+7
+// gathered into lane 8g by two shuffles, one word store (linear: at f; swizzled: K is a
+// multiple of 4, so the 4 lie in one row, 4 consecutive bytes of the 128x4 tile). Where the 4
+// are not all there (the linear tail) or `scales` is not word-aligned, the even lanes store
+// their bytes. Padding (swizzled) gets scale 0. The even lane of a pair counts the block. Every
+// lane of the warp runs it (full-mask shuffles). refill(i) once load i's raw registers are no
+// longer read (QUANT_PIPE_RING).
+template <u32 FL, bool FLAT, typename Refill>
+__device__ __forceinline__ void coal_quantize(const CoalChunk& ch, u32 lane, const CoalDims& c,
+                                              const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                                              CoalGs& gc, u8* __restrict__ packed, u8* __restrict__ scales,
+                                              u32 swizzled, u32 flavor_arg, u32 (&cnt)[4], Refill refill) {
+    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
+    const u32 lead = (lane & 1u) ^ 1u;
+    const bool aligned = ((size_t)scales & 3u) == 0;
+    u64 r = FLAT ? 0 : ch.l.r0, f = ch.l.f0;
+    u32 b = FLAT ? 0 : ch.l.b0;
+    u32 quad = 0;  // FLAT: byte k = the scale of load 4q + k
+#pragma unroll
+    for (int i = 0; i < COAL_LOADS; i++) {
+        if (i > 0) {
+            if (!FLAT) coal_step(c, r, b);
+            f += 16;
+        }
+        const bool real = FLAT ? (u32)i < ch.l.nreal : r < c.rows && b < c.kb;
+        const u32 w[4] = {ch.raw[i].x, ch.raw[i].y, ch.raw[i].z, ch.raw[i].w};
+        u32 m = real ? amax_half_bf16(w) : 0u;
+        m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+        u32 s = 0;
+        if (real) {
+            if (!FLAT && gs_idx != nullptr && r != gc.r) {
+                gc.gv = gs[gs_idx[r]];
+                gc.rg = nvfp4_rgs(gc.gv, flavor);
+                gc.r = r;
+            }
+            u32 word = 0;
+            bool done = false;
+            if constexpr (FL != FLAVOR_RUNTIME) {
+                float os;
+                u32 sc;
+                if (__builtin_expect(bf16_fast_scale<FL>(m, gc.gv, gc.rg, sc, os), 1)) {
+                    word = bf16_fast_word(w, os);
+                    s = sc;
+                    cnt[0] += lead;
+                    done = true;
+                }
+            }
+            if (!done) {
+                float v[8];
+                unpack_half_bf16(w, v);
+                float os;
+                s = nvfp4_block_scale(m, gc.gv, gc.rg, flavor, os);
+                word = nvfp4_word(v, os, nvfp4_fast_path(m, os));
+                u32 cls = classify_nvfp4(s, __uint_as_float(m) > 0.0f) * lead;
+                cnt[0] += lead;
+                cnt[1] += cls & 1u;
+                cnt[2] += (cls >> 1) & 1u;
+                cnt[3] += (cls >> 2) & 1u;
+            }
+            u8* q = FLAT ? packed + ch.l.f0 * 8 + 128 * i : packed + r * (c.cols / 2) + b * 8;
+            *reinterpret_cast<u32*>(q + (lane & 1u) * 4) = word;
+        }
+        refill(i);
+        if (FLAT) {
+            quad |= s << (8 * (i & 3));
+            if ((i & 3) == 3) {
+                // bytes of groups not stored as a word below (the tail of the tensor, or a
+                // `scales` not word-aligned): by their own lanes (nfull4 <= nreal counts a prefix)
+                if (!(aligned && (u32)i < ch.l.nfull4) && lead) {
+#pragma unroll
+                    for (int k = i - 3; k <= i; k++)
+                        if ((u32)k < ch.l.nreal && !(aligned && (u32)k < ch.l.nfull4))
+                            scales[ch.l.f0 + 16 * k] = (u8)(quad >> (8 * (k & 3)));
+                }
+                // 4x4 byte transpose across the pairs j = 0..3 of lanes 8g..8g+7 (pair j held
+                // its scales of loads i-3..i): two butterflies, each a shuffle and a byte permute
+                quad = __byte_perm(quad, __shfl_xor_sync(0xFFFFFFFFu, quad, 4), (lane & 4u) ? 0x3276u : 0x5410u);
+                quad = __byte_perm(quad, __shfl_xor_sync(0xFFFFFFFFu, quad, 2), (lane & 2u) ? 0x3715u : 0x6240u);
+                // pair j now holds the 4 scales of load i - 3 + j: the word at the group's first block
+                const u32 li = (u32)i - 3 + ((lane >> 1) & 3u);
+                if (lead && aligned && li < ch.l.nfull4)
+                    *reinterpret_cast<u32*>(scales + ch.l.f0 - ((lane >> 1) & 3u) + 16 * li) = quad;
+                quad = 0;
+            }
+        } else {
+            u32 w2 = s | (__shfl_xor_sync(0xFFFFFFFFu, s, 2) << 8);
+            u32 w4 = w2 | (__shfl_xor_sync(0xFFFFFFFFu, w2, 4) << 16);
+            u8* dst = scales + (swizzled ? swizzle_offset(r, b, c.kb) : f);
+            if (aligned && f - ((lane >> 1) & 3u) + 3 < c.n) {  // lane 8g's 4
+                if ((lane & 7u) == 0) *reinterpret_cast<u32*>(dst) = w4;
+            } else if (lead && r < c.R) {
+                *dst = (u8)s;
+            }
+        }
+    }
+}
+
+// ---- the BF16 kernel's other mappings (QUANT_PIPE > 1 or QUANT_COALESCED 1) ----
+
+// Virtual thread k (< QUANT_PIPE) of this thread: CTA-strided (QUANT_PIPE).
+__device__ __forceinline__ u64 pipe_vidx(int k) {
+    return ((u64)blockIdx.x * QUANT_PIPE + (u64)k) * blockDim.x + threadIdx.x;
+}
+
+// This thread's virtual threads v < n, each a unit of PARTS loads: locate(v, unit) (where it
+// lies: index arithmetic, row gather, global scale; for any v, also v >= n: then nothing of it
+// is real), fetch(loc, dst, i) (load i of the unit at loc into dst's registers: issued for
+// every unit and i, from `x` itself where the block is not real, so that no register keeps an
+// older value on a path where the load is skipped: that would hold two units' registers
+// alive), take(dst, loc) (loc's location into dst, dst's raw registers kept), quant(unit,
+// refill). The loads of the next unit are issued before the current one is quantized: all at
+// once into a second unit's registers, or with QUANT_PIPE_RING one at a time by refill(i) from
+// inside quant, into the registers that load i of the current unit leaves.
+template <typename U, int PARTS, typename Locate, typename Fetch, typename Take, typename Quant>
+__device__ __forceinline__ void pipe_run(u64 n, Locate locate, Fetch fetch, Take take, Quant quant) {
+#if QUANT_PIPE_RING
+    U cur, nxt;  // nxt: a location only
+    locate(pipe_vidx(0), cur);
+#pragma unroll
+    for (int i = 0; i < PARTS; i++) fetch(cur, cur, i);
+#pragma unroll
+    for (int k = 0; k < QUANT_PIPE; k++) {
+        if (pipe_vidx(k) >= n) break;  // the later ones are past n too
+        if (k + 1 < QUANT_PIPE) {
+            locate(pipe_vidx(k + 1), nxt);
+            quant(cur, [&](int i) { fetch(nxt, cur, i); });
+            take(cur, nxt);
+        } else {
+            quant(cur, NoRefill{});
+        }
+    }
+#else
+    U u[2];
+    locate(pipe_vidx(0), u[0]);
+#pragma unroll
+    for (int i = 0; i < PARTS; i++) fetch(u[0], u[0], i);
+#pragma unroll
+    for (int k = 0; k < QUANT_PIPE; k++) {
+        if (pipe_vidx(k) >= n) break;
+        U& cur = u[k & 1];
+        U& nxt = u[(k + 1) & 1];
+        if (k + 1 < QUANT_PIPE) {
+            locate(pipe_vidx(k + 1), nxt);
+#pragma unroll
+            for (int i = 0; i < PARTS; i++) fetch(nxt, nxt, i);
+        }
+        quant(cur, NoRefill{});
+    }
+#endif
+}
+
+// A group, the input row it reads and its row's global scale (QUANT_PIPE with the per-thread
+// mapping): group_load in two steps, the global scale read with the loads.
+template <typename T> struct PipeGroup {
+    Group<T> g;
+    u64 src;
+    float gv;
+};
+
+template <u32 FL>
+__device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict__ x, u64 rows, u32 cols,
+                                                           const int* __restrict__ row_src,
+                                                           const float* __restrict__ gs,
+                                                           const int* __restrict__ gs_idx, u8* __restrict__ packed,
+                                                           u8* __restrict__ scales, u32 swizzled, u32 flavor,
+                                                           const QuantDims& d, u32 (&c)[4]) {
+#if QUANT_COALESCED
+    // virtual threads: 32 per chunk (v / 32 is warp-uniform: blockDim.x is a multiple of 32)
+    const CoalDims cd = coal_dims(rows, cols, swizzled);
+    const u32 lane = threadIdx.x % 32;
+    CoalGs gc;
+    gc.r = ~0ull;
+    gc.gv = gs_idx == nullptr ? gs[0] : 0.0f;
+    gc.rg = nvfp4_rgs(gc.gv, FL == FLAVOR_RUNTIME ? flavor : FL);
+    auto run = [&](auto flat) {
+        constexpr bool FLAT = decltype(flat)::value;
+        pipe_run<CoalChunk, COAL_LOADS>(
+            cd.chunks * 32, [&](u64 v, CoalChunk& ch) { coal_locate<FLAT>(v / 32, lane, cd, ch); },
+            [&](CoalChunk& loc, CoalChunk& dst, int i) { coal_fetch<FLAT>(x, i, lane, cd, row_src, loc, dst); },
+            [&](CoalChunk& dst, const CoalChunk& loc) { dst.l = loc.l; },
+            [&](const CoalChunk& ch, auto refill) {
+                coal_quantize<FL, FLAT>(ch, lane, cd, gs, gs_idx, gc, packed, scales, swizzled, flavor, c, refill);
+            });
+    };
+    if (row_src == nullptr && gs_idx == nullptr && !swizzled)
+        run(CoalFlat<true>{});
+    else
+        run(CoalFlat<false>{});
+#else
+    pipe_run<PipeGroup<u16>, QUANT_BLOCKS>(
+        d.total,
+        [&](u64 v, PipeGroup<u16>& p) {
+            p.src = group_locate<u16>(v, d, row_src, p.g);
+            p.gv = group_gs(p.g, gs, gs_idx);
+        },
+        [&](const PipeGroup<u16>& loc, PipeGroup<u16>& dst, int h) {  // group_load's loads
+            const bool real = loc.g.in_row && loc.g.b0 + h < d.kb;
+            load_raw<u16>(real ? x + loc.src * d.cols + (loc.g.b0 + h) * 16 : x, dst.g.raw[h]);
+        },
+        [&](PipeGroup<u16>& dst, const PipeGroup<u16>& loc) {
+            dst.g.r = loc.g.r;
+            dst.g.b0 = loc.g.b0;
+            dst.g.in_row = loc.g.in_row;
+            dst.src = loc.src;
+            dst.gv = loc.gv;
+        },
+        [&](const PipeGroup<u16>& p, auto refill) {
+            group_quantize_fl<u16, FL, true>(p.g, d, gs, gs_idx, packed, scales, swizzled, flavor, c, p.gv, refill);
+        });
+#endif
+}
+
 // QUANT_BLOCKS consecutive 16-blocks of a row per thread. `row_src` (nullable) gathers: output row r reads input row row_src[r].
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
@@ -450,12 +902,19 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
                                                   u32 flavor) {
     const QuantDims d = quant_dims(rows, cols, swizzled);
-    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     u32 c[4] = {0, 0, 0, 0};
-    if (idx < d.total) {
-        Group<T> g;
-        group_load<T>(x, idx, d, row_src, g);
-        group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+#if QUANT_PIPE > 1 || QUANT_COALESCED
+    if constexpr (sizeof(T) == 2) {
+        nvfp4_quantize_bf16_mapped<FL>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, flavor, d, c);
+    } else
+#endif
+    {
+        u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+        if (idx < d.total) {
+            Group<T> g;
+            group_load<T>(x, idx, d, row_src, g);
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        }
     }
 #if QUANT_STATS
     add_stats_rare(stats, c, rows * d.kb);

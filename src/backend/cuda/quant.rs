@@ -95,25 +95,58 @@ fn define_value(defines: &str, name: &str) -> Option<u64> {
         .next_back()
 }
 
-/// Blocks per thread the quantizer was compiled with: QUANT_BLOCKS, which a sweep may
-/// override through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the
-/// module is compiled once per process.
-fn quant_blocks() -> usize {
-    static BLOCKS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BLOCKS.get_or_init(|| {
-        let d = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
-        define_value(&d, "QUANT_BLOCKS").map_or(QUANT_BLOCKS, |b| (b as usize).max(1))
+/// The quantizer's compile-time knobs that set its grid (kernels/quant.cu, "Tuning knobs"):
+/// QUANT_BLOCKS (blocks of a row per thread), and for the BF16 kernel QUANT_PIPE (units per
+/// thread) and QUANT_COALESCED (a warp's chunk of 32 x QUANT_BLOCKS blocks across rows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct QuantKnobs {
+    blocks: usize,
+    pipe: usize,
+    coalesced: bool,
+}
+
+impl QuantKnobs {
+    const DEFAULT: QuantKnobs = QuantKnobs {
+        blocks: QUANT_BLOCKS,
+        pipe: 1,
+        coalesced: false,
+    };
+
+    fn from_defines(d: &str) -> QuantKnobs {
+        let k = QuantKnobs::DEFAULT;
+        QuantKnobs {
+            blocks: define_value(d, "QUANT_BLOCKS").map_or(k.blocks, |b| (b as usize).max(1)),
+            pipe: define_value(d, "QUANT_PIPE").map_or(k.pipe, |n| (n as usize).max(1)),
+            coalesced: define_value(d, "QUANT_COALESCED").map_or(k.coalesced, |c| c != 0),
+        }
+    }
+}
+
+/// The knobs the quantizer was compiled with: the defaults, which a sweep may override
+/// through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the module is
+/// compiled once per process.
+fn quant_knobs() -> QuantKnobs {
+    static KNOBS: std::sync::OnceLock<QuantKnobs> = std::sync::OnceLock::new();
+    *KNOBS.get_or_init(|| {
+        QuantKnobs::from_defines(&std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default())
     })
 }
 
-/// The NVFP4 quantizer's grid: one thread per QUANT_BLOCKS blocks of a row (kernels/quant.cu
-/// `nvfp4_quantize`, QUANT_THREADS threads).
+/// The f32 NVFP4 quantizer's grid: one thread per QUANT_BLOCKS blocks of a row
+/// (kernels/quant.cu `nvfp4_quantize`, QUANT_THREADS threads).
 pub(crate) fn nvfp4_grid(
     rows: usize,
     kb: usize,
     layout: ScaleLayout,
 ) -> Result<cudarc::driver::LaunchConfig> {
-    nvfp4_grid_for(rows, kb, layout, quant_blocks())
+    nvfp4_grid_for(rows, kb, layout, quant_knobs().blocks)
+}
+
+fn padded(rows: usize, kb: usize, layout: ScaleLayout) -> (usize, usize) {
+    match layout {
+        ScaleLayout::Linear => (rows, kb),
+        ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
+    }
 }
 
 fn nvfp4_grid_for(
@@ -122,11 +155,34 @@ fn nvfp4_grid_for(
     layout: ScaleLayout,
     blocks: usize,
 ) -> Result<cudarc::driver::LaunchConfig> {
-    let (rows_g, kb_g) = match layout {
-        ScaleLayout::Linear => (rows, kb),
-        ScaleLayout::Swizzled => (rows.div_ceil(128) * 128, kb.div_ceil(4) * 4),
-    };
+    let (rows_g, kb_g) = padded(rows, kb, layout);
     grid_1d((rows_g * kb_g.div_ceil(blocks)) as u64, THREADS)
+}
+
+/// The BF16 NVFP4 quantizer's grid: its virtual threads (one per group of QUANT_BLOCKS
+/// blocks of a row; with QUANT_COALESCED 32 per chunk of 32 x QUANT_BLOCKS blocks of the
+/// flat, padded where swizzled, scale matrix), QUANT_PIPE of them per thread.
+fn nvfp4_grid_bf16(
+    rows: usize,
+    kb: usize,
+    layout: ScaleLayout,
+) -> Result<cudarc::driver::LaunchConfig> {
+    nvfp4_grid_bf16_for(rows, kb, layout, quant_knobs())
+}
+
+fn nvfp4_grid_bf16_for(
+    rows: usize,
+    kb: usize,
+    layout: ScaleLayout,
+    k: QuantKnobs,
+) -> Result<cudarc::driver::LaunchConfig> {
+    let (rows_g, kb_g) = padded(rows, kb, layout);
+    let virt = if k.coalesced {
+        32 * (rows_g * kb_g).div_ceil(32 * k.blocks)
+    } else {
+        rows_g * kb_g.div_ceil(k.blocks)
+    };
+    grid_1d(virt.div_ceil(k.pipe) as u64, THREADS)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
@@ -185,14 +241,17 @@ pub fn enqueue_quantize_nvfp4(
             "nvfp4 quantize: the output is not NVFP4, or no global scale was given",
         ));
     }
-    let kernel = match x {
-        DevRows::F32(_) => "nvfp4_quantize_f32",
-        DevRows::Bf16(_) => "nvfp4_quantize_bf16",
+    let (kernel, grid) = match x {
+        DevRows::F32(_) => ("nvfp4_quantize_f32", nvfp4_grid(rows, cols / 16, layout)?),
+        DevRows::Bf16(_) => (
+            "nvfp4_quantize_bf16",
+            nvfp4_grid_bf16(rows, cols / 16, layout)?,
+        ),
     };
     gpu.launch(
         &QUANT,
         kernel,
-        nvfp4_grid(rows, cols / 16, layout)?,
+        grid,
         &[
             KArg::U64(x.ptr(gpu)),
             KArg::U64(rows as u64),
@@ -528,5 +587,86 @@ mod tests {
         // swizzled: 130 rows -> 256, kb 3 -> 4: one group of 8 (or 4) per padded row
         assert_eq!(g(130, 3, ScaleLayout::Swizzled, 8), 1);
         assert_eq!(g(130, 3, ScaleLayout::Swizzled, 2), 2);
+    }
+
+    #[test]
+    fn knobs_are_read_from_the_defines() {
+        assert_eq!(QuantKnobs::from_defines(""), QuantKnobs::DEFAULT);
+        let k = QuantKnobs::from_defines("-DQUANT_PIPE=4 -DQUANT_COALESCED=1 -DQUANT_BLOCKS=2");
+        assert_eq!(
+            k,
+            QuantKnobs {
+                blocks: 2,
+                pipe: 4,
+                coalesced: true
+            }
+        );
+        assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
+        assert_eq!(QuantKnobs::from_defines("-DQUANT_PIPE=0").pipe, 1);
+    }
+
+    #[test]
+    fn the_bf16_grid_covers_every_virtual_thread() {
+        let g = |rows, kb, layout, k| {
+            nvfp4_grid_bf16_for(rows, kb, layout, k).unwrap().grid_dim.0 as usize
+        };
+        let k = |blocks, pipe, coalesced| QuantKnobs {
+            blocks,
+            pipe,
+            coalesced,
+        };
+        // the default: the f32 kernel's grid
+        for (rows, kb, layout) in [
+            (8192, 448, ScaleLayout::Linear),
+            (130, 3, ScaleLayout::Swizzled),
+            (1, 1, ScaleLayout::Linear),
+        ] {
+            assert_eq!(
+                g(rows, kb, layout, QuantKnobs::DEFAULT),
+                nvfp4_grid_for(rows, kb, layout, QUANT_BLOCKS)
+                    .unwrap()
+                    .grid_dim
+                    .0 as usize
+            );
+        }
+        // 8192 x 7168: 917504 groups of 4 -> 3584 CTAs, 1792 with 2 per thread, 896 with 4;
+        // coalesced: 28672 chunks of 128 blocks, 32 threads each: 3584 CTAs again
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, k(4, 2, false)), 1792);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, k(4, 4, false)), 896);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, k(4, 1, true)), 3584);
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, k(4, 2, true)), 1792);
+        // coalesced, swizzled 130 x 3: the padded 256 x 4 = 1024 blocks, 8 chunks of 128
+        // (256 threads: 1 CTA); ragged linear 37 x 10 = 370 blocks: 3 chunks (1 CTA)
+        assert_eq!(g(130, 3, ScaleLayout::Swizzled, k(4, 1, true)), 1);
+        assert_eq!(g(37, 10, ScaleLayout::Linear, k(4, 1, true)), 1);
+        // every virtual thread is reached: CTAs x 256 x pipe >= virtual threads
+        for (rows, kb) in [
+            (1, 1),
+            (37, 10),
+            (130, 3),
+            (257, 128),
+            (300, 64),
+            (129, 448),
+        ] {
+            for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled] {
+                for kn in [k(4, 1, false), k(2, 3, false), k(8, 4, true), k(4, 2, true)] {
+                    let (rows_g, kb_g) = padded(rows, kb, layout);
+                    let virt = if kn.coalesced {
+                        32 * (rows_g * kb_g).div_ceil(32 * kn.blocks)
+                    } else {
+                        rows_g * kb_g.div_ceil(kn.blocks)
+                    };
+                    let ctas = g(rows, kb, layout, kn);
+                    assert!(
+                        ctas * 256 * kn.pipe >= virt,
+                        "{rows}x{kb} {layout:?} {kn:?}"
+                    );
+                    assert!(
+                        (ctas - 1) * 256 * kn.pipe < virt,
+                        "{rows}x{kb} {layout:?} {kn:?}"
+                    );
+                }
+            }
+        }
     }
 }
