@@ -31,21 +31,30 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # removed from the kernel since. The QUANT_PIPE / QUANT_COALESCED ones first, with session 7's
 # sweep (BENCHMARKS.md: the default 0.0460 ms) after the semicolon: bit-exact (GPU tests, and
 # a host emulation of the kernel against the default), only ring4qb2 faster.
+# name|defines[|environment]. Session 8: the persistent bulk-copy kernel (nvfp4_quantize_bf16_bulk,
+# the default for linear scales on sm_90+) against the grid kernel (NVFP4DBG_QUANT=grid, the
+# default until then) and its best variant, and the bulk kernel's tile and ring sizes
+# (registers: 64; CTAs per SM set by the shared memory, 8 warps x BULK_STAGES x BULK_QB KiB).
 VARIANTS=(
-    "pipe2|-DQUANT_PIPE=2"                    # 2 groups per thread, the next one's loads before this one's encode: 128 regs, 2 CTAs/SM; 13.8; 0.0544 ms
-    "pipe4|-DQUANT_PIPE=4"                    # 4 groups per thread: 128 regs, 2 CTAs/SM; 13.5; 0.0582 ms
-    "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1"  # 4 groups, the next one's blocks loaded one by one into the registers just freed: 100 regs, 2 CTAs/SM; 13.6; 0.0563 ms
-    "ring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2"  # 4 groups of 2 blocks, ring: 72 regs, 3 CTAs/SM; 16.1; 0.0449 ms
-    "coal|-DQUANT_COALESCED=1"                # warp-contiguous 16-byte loads, a block per pair of lanes: 72 regs, 3 CTAs/SM; 16.9; 0.0556 ms
-    "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2"  # the same with 64 B per thread: 53 regs, 4 CTAs/SM; 19.2; 0.0514 ms
-    "coalring2|-DQUANT_COALESCED=1 -DQUANT_PIPE=2 -DQUANT_PIPE_RING=1"  # both: 127 regs, 2 CTAs/SM; 16.7; 0.0729 ms
-    "old|-DQUANT_ENCODER=0"                   # the encoder before session 6's (every block through the general path)
-    "cta4|-DQUANT_MIN_BLOCKS=4"               # 63 regs, 4 CTAs/SM (default 71, 3)
-    "qb2|-DQUANT_BLOCKS=2"                    # 2 blocks per thread: more warps, 64 B in flight each
-    "stats0|-DQUANT_STATS=0"                  # statistics per CTA with a barrier (the previous default)
-    "qb8|-DQUANT_BLOCKS=8"                    # 256 B in flight per thread
+    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; 0.0460 ms
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: 0.0449 ms
+    "bst3|-DBULK_STAGES=3"                    # 48 KiB per CTA: 4 CTAs/SM
+    "bst6|-DBULK_STAGES=6"                    # 96 KiB: 2 CTAs/SM
+    "bqb1|-DBULK_QB=1 -DBULK_STAGES=8"        # 1 KiB tiles, 8 in flight per warp: 64 KiB, 3 CTAs/SM
+    "bqb4|-DBULK_QB=4 -DBULK_STAGES=2"        # 4 KiB tiles, 2 in flight: 64 KiB, 3 CTAs/SM
+    "bqb1st4|-DBULK_QB=1 -DBULK_STAGES=4"     # 32 KiB: 6 CTAs/SM (registers allow 4)
 )
-EXTRA=()
+# Session 7's variants of the grid kernel (measured then: BENCHMARKS.md), by name.
+EXTRA=(
+    "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
+    "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
+    "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"
+    "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
+    "qb2|-DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
+    "qb8|-DQUANT_BLOCKS=8|NVFP4DBG_QUANT=grid"
+    "old|-DQUANT_ENCODER=0"
+    "stats0|-DQUANT_STATS=0"
+)
 if [ $# -gt 0 ]; then
     picked=()
     for want in "$@"; do
@@ -76,20 +85,22 @@ nvidia-smi -L > "$R/gpus.txt" 2>&1 || { echo "gpu-sweep-quant: no GPU" >&2; cat 
 cat "$R/gpus.txt"
 git log -1 --format='%H %s' > "$R/commit.txt" 2>/dev/null
 printf '%s\n' "default|" "${VARIANTS[@]}" > "$R/variants.txt"
+defs_of() { local v="${1#*|}"; echo "${v%%|*}"; }
+env_of() { local v="${1#*|}"; [ "$v" = "${v#*|}" ] && return; echo "${v#*|}"; }
 
 # ---- 1. numerics, every variant at once (each test process compiles its own module)
 QT="$(ls $D/gpu_quant $D/gpu_quant-* 2>/dev/null | head -1)"
 MT="$(ls $D/gpu_moe $D/gpu_moe-* 2>/dev/null | head -1)"
 pids=()
 for v in "${VARIANTS[@]}"; do
-    name="${v%%|*}" defs="${v#*|}"
+    name="${v%%|*}" defs="$(defs_of "$v")" envs="$(env_of "$v")"
     if [ -n "$QT" ]; then
-        NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$QT" --ignored nvfp4 --test-threads=1 \
+        env $envs NVFP4DBG_NVRTC_DEFINES="$defs" timeout 60 "$QT" --ignored nvfp4 --test-threads=1 \
             > "$R/test-quant-$name.txt" 2>&1 &
         pids+=($!)
     fi
     if [ -n "$MT" ]; then
-        NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$MT" --ignored nvfp4_layer_matches_the_cpu_nvfp4_path \
+        env $envs NVFP4DBG_NVRTC_DEFINES="$defs" timeout 60 "$MT" --ignored nvfp4_layer_matches_the_cpu_nvfp4_path \
             --test-threads=1 > "$R/test-moe-$name.txt" 2>&1 &
         pids+=($!)
     fi
@@ -104,11 +115,11 @@ done
 
 # ---- 2. the bench, alternating with the default
 declare -A runs
-bench() {  # name defines
-    local name=$1 defs=$2 i=${runs[$1]:-0}
+bench() {  # name defines [environment]
+    local name=$1 defs=$2 envs=${3:-} i=${runs[$1]:-0}
     runs[$1]=$((i + 1))
     local t=$SECONDS
-    NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$D/nvfp4dbg" bench --device cuda --quick \
+    env $envs NVFP4DBG_NVRTC_DEFINES="$defs" timeout 40 "$D/nvfp4dbg" bench --device cuda --quick \
         --only floors,quantize --no-report-dir -q --json "$R/quant-$name-$i.json" \
         > "$R/bench-$name-$i.txt" 2>&1
     log "bench $name #$i rc=$? ($((SECONDS - t)) s)"
@@ -123,7 +134,7 @@ round() {  # round number; returns 1 when out of time
             log "round $1: out of time before $name"
             return 1
         fi
-        bench "$name" "${v#*|}"
+        bench "$name" "$(defs_of "$v")" "$(env_of "$v")"
         bench default ""
     done
 }
@@ -167,6 +178,7 @@ python3 - "$R" > "$R/summary.txt" <<'PY'
 import glob, json, os, re, statistics, sys
 R = sys.argv[1]
 order = [l.rstrip("\n").split("|", 1) for l in open(os.path.join(R, "variants.txt")) if "|" in l]
+order = [(n, d.replace("|", " ")) for n, d in order]
 defs = dict(order)
 rows = {}
 for f in sorted(glob.glob(os.path.join(R, "quant-*.json"))):

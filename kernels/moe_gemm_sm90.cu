@@ -51,8 +51,6 @@ static_assert(H_BM * H_SA_F32_ROW * 4 <= H_OFF_RAW, "the f32 tile of a must fit 
 
 #if NVFP4DBG_WGMMA
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 // 16 bytes global -> shared, zero-filled past src_bytes (0 for rows outside the problem).
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -510,24 +508,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 
 #if NVFP4DBG_WGMMA
 
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-// An arrival that also announces `bytes` of asynchronous (TMA) writes for the phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Until the phase of parity `parity` of the barrier has completed. The loop is inside the asm
-// (labels are local to the braces): a C++ loop around try_wait is a branch that ptxas sees
-// while MMAs are in flight, and it may then serialize the wgmma.
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 // An arrival where `pred` holds, predicated inside the asm (no branch: see mbar_wait).
 __device__ __forceinline__ void mbar_arrive_if(u32 bar, bool pred) {
     asm volatile(

@@ -474,3 +474,36 @@ __device__ __forceinline__ bool find_row_tile(const u32* __restrict__ tile_offse
     r1 = r0 + bm < end ? r0 + bm : end;
     return true;
 }
+
+// ---- mbarriers and bulk copies (sm_90 and newer) ----
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define NVFP4DBG_BULK 1
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// An arrival that also announces `bytes` of asynchronous (TMA) writes for the phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Until the phase of parity `parity` of the barrier has completed. The loop is inside the asm
+// (labels are local to the braces): a C++ loop around try_wait is a branch that ptxas sees
+// while MMAs are in flight, and it may then serialize the wgmma.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// A bulk copy (TMA, no tensor map) of `bytes` (a multiple of 16; both addresses 16-byte aligned)
+// from global `src` into shared `dst`, its bytes completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+#else
+#define NVFP4DBG_BULK 0
+#endif

@@ -449,13 +449,38 @@ __device__ __forceinline__ float group_gs(const Group<T>& g, const float* __rest
     return g.in_row ? gs[gs_idx ? gs_idx[g.r] : 0] : 0.0f;
 }
 
+#define FLAVOR_RUNTIME 2u  // the flavor read at run time (every block through the general path)
+
+// One block: its scale code (returned) and codes (p), counted into c (c[0] blocks; c[1..3]
+// saturated, flushed, NaN scales). FL a constant (BF16): the fast path first, with `mbits` =
+// amax_raw(raw); else, or where it does not take the block, the general path.
+template <typename T, u32 FL>
+__device__ __forceinline__ u32 quant_block_counted(const RawBlock<T>& raw, u32 mbits, float gv, float rg,
+                                                   u32 flavor, u32 (&p)[2], u32 (&c)[4]) {
+    if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
+        u32 s;
+        if (__builtin_expect(quant_block_bf16_fast<FL>(raw, mbits, gv, rg, s, p), 1)) {
+            c[0] += 1;
+            return s;
+        }
+    }
+    float v[16];
+    mbits = unpack_raw(raw, v);
+    u32 s = quant_block_nvfp4_core(v, mbits, gv, rg, flavor, p);
+    u32 cls = classify_nvfp4(s, __uint_as_float(mbits) > 0.0f);
+    c[0] += 1;
+    c[1] += cls & 1u;
+    c[2] += (cls >> 1) & 1u;
+    c[3] += (cls >> 2) & 1u;
+    return s;
+}
+
 // Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
 // word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
 // flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
 // `flavor`, every block through the general path. GV_LOADED: the row's global scale is
 // `gv_loaded` (group_gs, read with the group's loads: QUANT_PIPE), not read here. refill(h)
 // once block h's raw registers are no longer read (QUANT_PIPE_RING).
-#define FLAVOR_RUNTIME 2u
 struct NoRefill {
     __device__ __forceinline__ void operator()(int) const {}
 };
@@ -478,23 +503,9 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
         p[h][0] = p[h][1] = 0;
         sc[h] = 0;
         if (in_row && b0 + h < kb) {
-            if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
-                u32 s;
-                if (__builtin_expect(quant_block_bf16_fast<FL>(g.raw[h], amax_raw(g.raw[h]), gv, rg, s, p[h]), 1)) {
-                    sc[h] = s;
-                    c[0] += 1;
-                    continue;
-                }
-            }
-            float v[16];
-            u32 mbits = unpack_raw(g.raw[h], v);
-            u32 s = quant_block_nvfp4_core(v, mbits, gv, rg, flavor, p[h]);
-            sc[h] = s;
-            u32 cls = classify_nvfp4(s, __uint_as_float(mbits) > 0.0f);
-            c[0] += 1;
-            c[1] += cls & 1u;
-            c[2] += (cls >> 1) & 1u;
-            c[3] += (cls >> 2) & 1u;
+            u32 mbits = 0;
+            if constexpr (sizeof(T) == 2) mbits = amax_raw(g.raw[h]);
+            sc[h] = quant_block_counted<T, FL>(g.raw[h], mbits, gv, rg, flavor, p[h], c);
         }
     }
     refill(QUANT_BLOCKS - 1);
@@ -959,6 +970,104 @@ extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor) {
     nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
+}
+
+// ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----
+// [rows, cols] BF16 with linear scales, no gather and one global scale is a flat array of
+// n = rows cols / 16 blocks (cols is a multiple of 16): block f reads x + 16 f and writes its
+// codes at packed + 8 f and its scale at scales + f. Each warp of a persistent grid takes an
+// equal contiguous range of blocks (to within one) and streams it through its own ring of
+// BULK_STAGES shared-memory tiles of BULK_TILE blocks: lane 0 fetches a tile with one bulk
+// copy completing on the slot's mbarrier, so the bytes in flight depend neither on registers
+// nor on how long the lanes take over the tiles before (the grid kernel's bound: each thread's
+// loads are in flight only while it waits for them). Lane l takes the tile's blocks l, l + 32,
+// ...: 2-way bank conflicts on its 16-byte shared loads, and consecutive lanes write
+// consecutive code words and scale bytes. A slot is refilled once every lane has its blocks in
+// registers (their max|x| computed: the loads have landed). Same blocks, same encoder
+// (quant_block_counted), same codes, scales and statistics as the grid kernel.
+// Blocks per lane per tile, and tiles in flight per warp. src/backend/cuda/quant.rs reads both
+// (the shared memory size: BULK_WARPS x BULK_STAGES x BULK_TILE x 32 bytes + the barriers).
+#ifndef BULK_QB
+#define BULK_QB 2
+#endif
+#ifndef BULK_STAGES
+#define BULK_STAGES 4
+#endif
+#define BULK_TILE (32 * BULK_QB)
+#define BULK_WARPS (QUANT_THREADS / 32)
+#define BULK_BARS_BYTES 1024  // the mbarriers (8 bytes each) ahead of the tiles
+static_assert(BULK_WARPS * BULK_STAGES * 8 <= BULK_BARS_BYTES, "BULK_STAGES: too many barriers");
+
+#if NVFP4DBG_BULK
+template <u32 FL>
+__device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u64 n, float gv, u8* __restrict__ packed,
+                                                    u8* __restrict__ scales, u32 (&c)[4]) {
+    extern __shared__ __align__(128) u8 bulk_smem[];
+    const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const u32 bar0 = smem_addr(bulk_smem) + warp * BULK_STAGES * 8;
+    const u8* ring = bulk_smem + BULK_BARS_BYTES + warp * (BULK_STAGES * BULK_TILE * 32);
+    const u64 W = (u64)gridDim.x * BULK_WARPS, w = (u64)blockIdx.x * BULK_WARPS + warp;
+    const u64 lo = n / W * w + min(n % W, w), hi = lo + n / W + (w < n % W);
+    const u32 tiles = (u32)((hi - lo + BULK_TILE - 1) / BULK_TILE);
+    const float rg = nvfp4_rgs(gv, FL);
+    auto fetch = [&](u32 t) {
+        const u64 f = lo + (u64)t * BULK_TILE;
+        const u32 bytes = (u32)min((u64)BULK_TILE, hi - f) * 32u, bar = bar0 + (t % BULK_STAGES) * 8;
+        mbar_arrive_expect_tx(bar, bytes);
+        bulk_load(smem_addr(ring + (t % BULK_STAGES) * (BULK_TILE * 32)), x + 16 * f, bytes, bar);
+    };
+    if (lane == 0) {
+        for (u32 s = 0; s < BULK_STAGES; s++) mbar_init(bar0 + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (u32 t = 0; t < BULK_STAGES && t < tiles; t++) fetch(t);
+    }
+    __syncwarp();
+    for (u32 t = 0; t < tiles; t++) {
+        mbar_wait(bar0 + (t % BULK_STAGES) * 8, (t / BULK_STAGES) & 1u);
+        const u64 f0 = lo + (u64)t * BULK_TILE;
+        const u32 nb = (u32)min((u64)BULK_TILE, hi - f0);
+        const uint4* tile = reinterpret_cast<const uint4*>(ring + (t % BULK_STAGES) * (BULK_TILE * 32));
+        RawBlock<u16> raw[BULK_QB];
+        u32 mbits[BULK_QB];
+#pragma unroll
+        for (int h = 0; h < BULK_QB; h++) {
+            raw[h].q[0] = tile[2 * (32 * h + lane)];
+            raw[h].q[1] = tile[2 * (32 * h + lane) + 1];
+            mbits[h] = amax_raw(raw[h]);
+        }
+        __syncwarp();
+        if (lane == 0 && t + BULK_STAGES < tiles) fetch(t + BULK_STAGES);
+#pragma unroll
+        for (int h = 0; h < BULK_QB; h++) {
+            const u32 i = 32 * h + lane;
+            if (i < nb) {
+                u32 p[2];
+                const u32 s = quant_block_counted<u16, FL>(raw[h], mbits[h], gv, rg, FL, p, c);
+                *reinterpret_cast<uint2*>(packed + 8 * (f0 + i)) = make_uint2(p[0], p[1]);
+                scales[f0 + i] = (u8)s;
+            }
+        }
+    }
+}
+#endif
+
+// Launched with QUANT_THREADS threads and the shared memory above, on a persistent grid. x:
+// 16-byte aligned; packed: 8-byte aligned.
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
+nvfp4_quantize_bf16_bulk(const u16* x, u64 n, const float* gs, u8* packed, u8* scales, u64* stats, u32 flavor) {
+#if NVFP4DBG_BULK
+    u32 c[4] = {0, 0, 0, 0};
+    const float gv = gs[0];
+    if (flavor == FLAVOR_CUDA_FAST)
+        nvfp4_quantize_bulk<FLAVOR_CUDA_FAST>(x, n, gv, packed, scales, c);
+    else
+        nvfp4_quantize_bulk<FLAVOR_REFERENCE>(x, n, gv, packed, scales, c);
+#if QUANT_STATS
+    add_stats_rare(stats, c, n);
+#else
+    add_stats_cta(stats, c);
+#endif
+#endif
 }
 
 // MXFP4 (OCP MX v1.0): blocks of 32, UE8M0 scale 2^(floor(log2 amax) - 2), elements

@@ -413,3 +413,87 @@ fn compare_matches_metrics_compare() {
         "seed {seed}: {m:?}"
     );
 }
+
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn nvfp4_bulk_quantizer_matches_the_grid_kernel_and_the_reference() {
+    use quant::{Bf16Kernel, DevFp4};
+    let g = gpu();
+    let (mut r, seed) = rng("nvfp4_bulk_quantizer_matches_the_grid_kernel_and_the_reference");
+    // fewer blocks than warps; warp ranges that cut tiles; rings that wrap many times (the
+    // bench's [8192, 7168]: ~18 tiles per warp on an H200)
+    for &(rows, cols) in &[
+        (1usize, 16usize),
+        (3, 48),
+        (130, 48),
+        (257, 2048),
+        (1031, 7168),
+        (8192, 7168),
+    ] {
+        let mut x = activations(&mut r, rows * cols);
+        let blocks = rows * cols / 16;
+        // whole-zero, flushed, infinite, NaN and exact-tie blocks at random places
+        for _ in 0..blocks.div_ceil(64) {
+            let b = r.gen_range(0..blocks) * 16;
+            let kind = r.gen_range(0..5);
+            for (i, v) in x[b..b + 16].iter_mut().enumerate() {
+                *v = match kind {
+                    0 => 0.0,
+                    1 => (i as f32 - 8.0) * 1e-30,
+                    2 if i == 3 => f32::INFINITY,
+                    3 if i == 5 => f32::NAN,
+                    4 => [0.25f32, -0.75, 1.25, -1.75, 2.5, -3.5, 5.0, -6.0][i % 8],
+                    _ => *v,
+                };
+            }
+        }
+        let bits = to_bf16_bits(&x);
+        let amax = x
+            .iter()
+            .filter(|v| v.is_finite())
+            .fold(0f32, |m, v| m.max(v.abs()));
+        let gs_v = 2688.0 / amax;
+        let d = g.upload(&bits, "the input rows").unwrap();
+        let gs = g.upload(&[gs_v], "the global scale").unwrap();
+        for flavor in [Flavor::Reference, Flavor::CudaFast] {
+            let mut got = Vec::new();
+            for k in [Bf16Kernel::Grid, Bf16Kernel::Bulk] {
+                let out = DevFp4::alloc_nvfp4(&g, rows, cols, ScaleLayout::Linear).unwrap();
+                quant::enqueue_quantize_nvfp4_bf16_with(&g, &d, &gs, flavor, &out, k).unwrap();
+                got.push((out.to_host(&g).unwrap(), out.block_stats(&g).unwrap()));
+            }
+            let what = format!("seed {seed} [{rows},{cols}] {flavor:?}");
+            let ((grid, gst), (bulk, bst)) = (&got[0], &got[1]);
+            assert_eq!(gst, bst, "{what}: block stats");
+            assert_eq!(bst.blocks, blocks as u64, "{what}: every block counted");
+            let (n, first) = diff(&grid.scales, &bulk.scales);
+            assert_eq!(
+                n, 0,
+                "{what}: {n} scales differ (block, grid, bulk): {first:?}"
+            );
+            let (n, first) = diff(&grid.packed, &bulk.packed);
+            assert_eq!(
+                n, 0,
+                "{what}: {n} code bytes differ (byte, grid, bulk): {first:?}"
+            );
+            if flavor == Flavor::Reference {
+                let (want, wst) = nvfp4::quantize_nvfp4(&x, rows, cols, gs_v);
+                assert_eq!(wst, *bst, "{what}: stats vs the CPU reference");
+                assert_eq!(
+                    want.scales, bulk.scales,
+                    "{what}: scales vs the CPU reference"
+                );
+                for blk in (0..blocks).filter(|&b| !e4m3::is_nan(want.scales[b])) {
+                    assert_eq!(
+                        want.packed[blk * 8..blk * 8 + 8],
+                        bulk.packed[blk * 8..blk * 8 + 8],
+                        "{what}: block {blk} codes vs the CPU reference"
+                    );
+                }
+            }
+        }
+        eprintln!(
+            "bulk quantizer: [{rows}, {cols}] identical to the grid kernel and the CPU reference"
+        );
+    }
+}

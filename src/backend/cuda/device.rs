@@ -248,6 +248,36 @@ impl Gpu {
             .map_err(|e| driver_err("cuMemGetInfo", "-", e))
     }
 
+    /// A persistent grid for `kernel`: as many CTAs of `threads` threads and `smem` bytes of
+    /// dynamic shared memory as are resident at once on all multiprocessors (at least one).
+    pub(crate) fn persistent_grid(
+        &self,
+        module: &'static KernelModule,
+        kernel: &'static str,
+        threads: u32,
+        smem: u32,
+    ) -> Result<LaunchConfig> {
+        use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let f = self.func(module, kernel)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .map_err(|e| driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel, e))?;
+        let sms = self
+            .ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("reading the multiprocessor count", kernel, e))?;
+        Ok(LaunchConfig {
+            grid_dim: ((per_sm.max(1) * sms.max(1) as u32), 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        })
+    }
+
     /// The kernel `name` of `module`, compiling and loading the module on first use.
     pub(crate) fn func(
         &self,

@@ -103,6 +103,9 @@ struct QuantKnobs {
     blocks: usize,
     pipe: usize,
     coalesced: bool,
+    /// The bulk kernel's blocks per lane per tile and tiles in flight per warp.
+    bulk_qb: usize,
+    bulk_stages: usize,
 }
 
 impl QuantKnobs {
@@ -110,6 +113,8 @@ impl QuantKnobs {
         blocks: QUANT_BLOCKS,
         pipe: 1,
         coalesced: false,
+        bulk_qb: 2,
+        bulk_stages: 4,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -118,6 +123,9 @@ impl QuantKnobs {
             blocks: define_value(d, "QUANT_BLOCKS").map_or(k.blocks, |b| (b as usize).max(1)),
             pipe: define_value(d, "QUANT_PIPE").map_or(k.pipe, |n| (n as usize).max(1)),
             coalesced: define_value(d, "QUANT_COALESCED").map_or(k.coalesced, |c| c != 0),
+            bulk_qb: define_value(d, "BULK_QB").map_or(k.bulk_qb, |b| (b as usize).max(1)),
+            bulk_stages: define_value(d, "BULK_STAGES")
+                .map_or(k.bulk_stages, |b| (b as usize).max(1)),
         }
     }
 }
@@ -125,6 +133,14 @@ impl QuantKnobs {
 /// The knobs the quantizer was compiled with: the defaults, which a sweep may override
 /// through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the module is
 /// compiled once per process.
+impl QuantKnobs {
+    /// The bulk kernel's dynamic shared memory (kernels/quant.cu: the barriers, then each of
+    /// the 8 warps' BULK_STAGES tiles of 32 BULK_QB blocks of 32 bytes).
+    fn bulk_smem(&self) -> u32 {
+        (1024 + 8 * self.bulk_stages * 32 * self.bulk_qb * 32) as u32
+    }
+}
+
 fn quant_knobs() -> QuantKnobs {
     static KNOBS: std::sync::OnceLock<QuantKnobs> = std::sync::OnceLock::new();
     *KNOBS.get_or_init(|| {
@@ -224,6 +240,48 @@ impl DevFp4 {
     }
 }
 
+/// The two BF16 NVFP4 quantizers: one thread per group of a row's blocks (any layout, gather,
+/// per-row global scales), or the persistent one streaming the tensor as flat blocks through
+/// bulk copies (sm_90 and newer, linear scales; kernels/quant.cu says why it is faster).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Kernel {
+    Grid,
+    Bulk,
+}
+
+/// The kernel for `x` into `out`: the bulk one where it applies, unless `NVFP4DBG_QUANT=grid`
+/// (an A/B on one build); `NVFP4DBG_QUANT=bulk` where it does not apply is an error.
+fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Result<Bf16Kernel> {
+    static FORCED: std::sync::OnceLock<Option<Bf16Kernel>> = std::sync::OnceLock::new();
+    let forced = *FORCED.get_or_init(|| match std::env::var("NVFP4DBG_QUANT").as_deref() {
+        Ok("grid") => Some(Bf16Kernel::Grid),
+        Ok("bulk") => Some(Bf16Kernel::Bulk),
+        _ => None,
+    });
+    let ok = bulk_applies(gpu, x, out);
+    match forced {
+        Some(Bf16Kernel::Bulk) if !ok => {
+            Err(Error::usage(format!("NVFP4DBG_QUANT=bulk: {BULK_NEEDS}")))
+        }
+        Some(k) => Ok(k),
+        None => Ok(if ok {
+            Bf16Kernel::Bulk
+        } else {
+            Bf16Kernel::Grid
+        }),
+    }
+}
+
+const BULK_NEEDS: &str =
+    "the bulk BF16 quantizer needs sm_90 or newer, linear scales and a 16-byte aligned input";
+
+fn bulk_applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> bool {
+    gpu.compute_capability.0 >= 9
+        && out.layout == ScaleLayout::Linear
+        && x.ptr(gpu).is_multiple_of(16)
+        && gpu.ptr(&out.packed).is_multiple_of(8)
+}
+
 /// Enqueue the NVFP4 quantization of `x` into `out` (shape and layout from `out`) with the
 /// global scale `gs[0]` on the device: no allocation, no copy, so it can be timed alone or
 /// captured. Block statistics add up into `out.stats`.
@@ -234,12 +292,62 @@ pub fn enqueue_quantize_nvfp4(
     flavor: Flavor,
     out: &DevFp4,
 ) -> Result<()> {
+    let kernel = match x {
+        DevRows::Bf16(_) => Some(bf16_kernel(gpu, x, out)?),
+        DevRows::F32(_) => None,
+    };
+    enqueue_nvfp4(gpu, x, gs, flavor, out, kernel)
+}
+
+/// [`enqueue_quantize_nvfp4`] of BF16 rows with the kernel named (the GPU tests hold one
+/// against the other); the bulk kernel where it does not apply is an error.
+pub fn enqueue_quantize_nvfp4_bf16_with(
+    gpu: &Gpu,
+    x: &CudaSlice<u16>,
+    gs: &CudaSlice<f32>,
+    flavor: Flavor,
+    out: &DevFp4,
+    kernel: Bf16Kernel,
+) -> Result<()> {
+    let x = DevRows::Bf16(x);
+    if kernel == Bf16Kernel::Bulk && !bulk_applies(gpu, x, out) {
+        return Err(Error::usage(BULK_NEEDS));
+    }
+    enqueue_nvfp4(gpu, x, gs, flavor, out, Some(kernel))
+}
+
+fn enqueue_nvfp4(
+    gpu: &Gpu,
+    x: DevRows<'_>,
+    gs: &CudaSlice<f32>,
+    flavor: Flavor,
+    out: &DevFp4,
+    bf16: Option<Bf16Kernel>,
+) -> Result<()> {
     let (rows, cols, layout) = (out.rows, out.cols, out.layout);
     check_shape(x.len(), rows, cols, 16, "nvfp4 quantize")?;
     if out.format != Format::Nvfp4 || gs.is_empty() {
         return Err(Error::usage(
             "nvfp4 quantize: the output is not NVFP4, or no global scale was given",
         ));
+    }
+    if bf16 == Some(Bf16Kernel::Bulk) {
+        const KERNEL: &str = "nvfp4_quantize_bf16_bulk";
+        let grid = gpu.persistent_grid(&QUANT, KERNEL, THREADS, quant_knobs().bulk_smem())?;
+        return gpu.launch(
+            &QUANT,
+            KERNEL,
+            grid,
+            &[
+                KArg::U64(x.ptr(gpu)),
+                KArg::U64((rows * cols / 16) as u64),
+                KArg::U64(gpu.ptr(gs)),
+                KArg::U64(gpu.ptr(&out.packed)),
+                KArg::U64(gpu.ptr(&out.scales)),
+                KArg::U64(gpu.ptr(&out.stats)),
+                KArg::U32(flavor_code(flavor)),
+            ],
+        );
     }
     let (kernel, grid) = match x {
         DevRows::F32(_) => ("nvfp4_quantize_f32", nvfp4_grid(rows, cols / 16, layout)?),
@@ -598,9 +706,15 @@ mod tests {
             QuantKnobs {
                 blocks: 2,
                 pipe: 4,
-                coalesced: true
+                coalesced: true,
+                ..QuantKnobs::DEFAULT
             }
         );
+        let b = QuantKnobs::from_defines("-DBULK_QB=1 -DBULK_STAGES=8");
+        assert_eq!((b.bulk_qb, b.bulk_stages), (1, 8));
+        // the kernel's layout: 1 KiB of barriers, 8 warps x 4 stages x 64 blocks x 32 bytes
+        assert_eq!(QuantKnobs::DEFAULT.bulk_smem(), 1024 + 65536);
+        assert_eq!(b.bulk_smem(), 1024 + 65536);
         assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
         assert_eq!(QuantKnobs::from_defines("-DQUANT_PIPE=0").pipe, 1);
     }
@@ -614,6 +728,7 @@ mod tests {
             blocks,
             pipe,
             coalesced,
+            ..QuantKnobs::DEFAULT
         };
         // the default: the f32 kernel's grid
         for (rows, kb, layout) in [
