@@ -37,15 +37,22 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # (registers: 64; CTAs per SM set by the shared memory, 8 warps x BULK_STAGES x BULK_QB KiB).
 VARIANTS=(
     "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; 0.0460 ms
-    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: 0.0449 ms
-    "bst3|-DBULK_STAGES=3"                    # 48 KiB per CTA: 4 CTAs/SM
-    "bst6|-DBULK_STAGES=6"                    # 96 KiB: 2 CTAs/SM
-    "bqb1|-DBULK_QB=1 -DBULK_STAGES=8"        # 1 KiB tiles, 8 in flight per warp: 64 KiB, 3 CTAs/SM
-    "bqb4|-DBULK_QB=4 -DBULK_STAGES=2"        # 4 KiB tiles, 2 in flight: 64 KiB, 3 CTAs/SM
-    "bqb1st4|-DBULK_QB=1 -DBULK_STAGES=4"     # 32 KiB: 6 CTAs/SM (registers allow 4)
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: 0.0448 ms
+    "bil|-DBULK_INTERLEAVE=1"                 # the warps take the tiles in turn (a grid-stride sweep)
+    "bilqb4|-DBULK_INTERLEAVE=1 -DBULK_QB=4 -DBULK_STAGES=2"
+    "bqb4|-DBULK_QB=4 -DBULK_STAGES=2"        # 4 KiB tiles, 2 in flight: 64 KiB, 123 regs: 2 CTAs/SM; s8a: 0.0467 ms
+    "bqb4st3|-DBULK_QB=4 -DBULK_STAGES=3"     # 96 KiB, 123 regs: 2 CTAs/SM
+    "bqb8|-DBULK_QB=8 -DBULK_STAGES=2"        # 8 KiB tiles: 128 KiB, 1 CTA/SM (187 regs)
+    "bqb3|-DBULK_QB=3 -DBULK_STAGES=3"        # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM
+    "bqb4cta3|-DBULK_QB=4 -DBULK_STAGES=2 -DBULK_MIN_CTAS=3"  # registers capped at 80 (88-byte spill): 3 CTAs/SM
 )
+# Session 8's first sweep (s8a; default 0.0484 ms = QB 2, 4 stages, 3 CTAs/SM): bst3 0.0483,
+# bst6 0.0492, bqb1 (8 stages) 0.0512, bqb1st4 0.0516.
 # Session 7's variants of the grid kernel (measured then: BENCHMARKS.md), by name.
 EXTRA=(
+    "bst3|-DBULK_STAGES=3"
+    "bst6|-DBULK_STAGES=6"
+    "bqb1|-DBULK_QB=1 -DBULK_STAGES=8"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
     "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
     "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"

@@ -993,6 +993,11 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 #ifndef BULK_STAGES
 #define BULK_STAGES 4
 #endif
+// 1: the warps take the tensor's tiles in turn (tile k to warp k mod W, as a grid-stride loop
+// does) instead of one contiguous range each.
+#ifndef BULK_INTERLEAVE
+#define BULK_INTERLEAVE 0
+#endif
 #define BULK_TILE (32 * BULK_QB)
 #define BULK_WARPS (QUANT_THREADS / 32)
 #define BULK_BARS_BYTES 1024  // the mbarriers (8 bytes each) ahead of the tiles
@@ -1007,11 +1012,19 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
     const u32 bar0 = smem_addr(bulk_smem) + warp * BULK_STAGES * 8;
     const u8* ring = bulk_smem + BULK_BARS_BYTES + warp * (BULK_STAGES * BULK_TILE * 32);
     const u64 W = (u64)gridDim.x * BULK_WARPS, w = (u64)blockIdx.x * BULK_WARPS + warp;
+#if BULK_INTERLEAVE
+    // tile t of the warp: tile w + t W of the tensor (the grid sweeps it in order)
+    const u64 hi = n, all = (n + BULK_TILE - 1) / BULK_TILE;
+    const u32 tiles = (u32)(w < all ? (all - w + W - 1) / W : 0);
+    auto first = [&](u32 t) { return (w + (u64)t * W) * BULK_TILE; };
+#else
     const u64 lo = n / W * w + min(n % W, w), hi = lo + n / W + (w < n % W);
     const u32 tiles = (u32)((hi - lo + BULK_TILE - 1) / BULK_TILE);
+    auto first = [&](u32 t) { return lo + (u64)t * BULK_TILE; };
+#endif
     const float rg = nvfp4_rgs(gv, FL);
     auto fetch = [&](u32 t) {
-        const u64 f = lo + (u64)t * BULK_TILE;
+        const u64 f = first(t);
         const u32 bytes = (u32)min((u64)BULK_TILE, hi - f) * 32u, bar = bar0 + (t % BULK_STAGES) * 8;
         mbar_arrive_expect_tx(bar, bytes);
         bulk_load(smem_addr(ring + (t % BULK_STAGES) * (BULK_TILE * 32)), x + 16 * f, bytes, bar);
@@ -1024,7 +1037,7 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
     __syncwarp();
     for (u32 t = 0; t < tiles; t++) {
         mbar_wait(bar0 + (t % BULK_STAGES) * 8, (t / BULK_STAGES) & 1u);
-        const u64 f0 = lo + (u64)t * BULK_TILE;
+        const u64 f0 = first(t);
         const u32 nb = (u32)min((u64)BULK_TILE, hi - f0);
         const uint4* tile = reinterpret_cast<const uint4*>(ring + (t % BULK_STAGES) * (BULK_TILE * 32));
         RawBlock<u16> raw[BULK_QB];
@@ -1053,7 +1066,16 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
 
 // Launched with QUANT_THREADS threads and the shared memory above, on a persistent grid. x:
 // 16-byte aligned; packed: 8-byte aligned.
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
+// CTAs per SM the bulk kernel's registers are capped for (0: no cap).
+#ifndef BULK_MIN_CTAS
+#define BULK_MIN_CTAS 0
+#endif
+#if BULK_MIN_CTAS > 0
+#define BULK_BOUNDS __launch_bounds__(QUANT_THREADS, BULK_MIN_CTAS)
+#else
+#define BULK_BOUNDS __launch_bounds__(QUANT_THREADS)
+#endif
+extern "C" __global__ void BULK_BOUNDS
 nvfp4_quantize_bf16_bulk(const u16* x, u64 n, const float* gs, u8* packed, u8* scales, u64* stats, u32 flavor) {
 #if NVFP4DBG_BULK
     u32 c[4] = {0, 0, 0, 0};
