@@ -24,41 +24,39 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
 done
 export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/usr/local/cuda/include/cccl}"
 
-# name|defines. Registers (ptxas, BF16 kernel, sm_90a) and CTAs of 256 threads per SM in the
-# comments (the default: 71, 3 CTAs), with the SASS instructions per value of the ordinary-data
-# path (reference flavor, linear scales; the default 13.9). The session-6 sweep also had
-# shared-memory staging, grid-stride pipelining and cache hints: all slower (BENCHMARKS.md),
-# removed from the kernel since. The QUANT_PIPE / QUANT_COALESCED ones first, with session 7's
-# sweep (BENCHMARKS.md: the default 0.0460 ms) after the semicolon: bit-exact (GPU tests, and
-# a host emulation of the kernel against the default), only ring4qb2 faster.
+# Session 6 also swept shared-memory staging, grid-stride pipelining and cache hints for the
+# grid kernel, session 7 its pipelined and coalesced mappings (QUANT_PIPE, QUANT_COALESCED):
+# all bit-exact, only ring4qb2 faster (BENCHMARKS.md).
 # name|defines[|environment]. Session 8: the persistent bulk-copy kernel (nvfp4_quantize_bf16_bulk,
-# the default for linear scales on sm_90+) against the grid kernel (NVFP4DBG_QUANT=grid, the
-# default until then) and its best variant, and the bulk kernel's tile and ring sizes
-# (registers: 64; CTAs per SM set by the shared memory, 8 warps x BULK_STAGES x BULK_QB KiB).
+# the default for linear scales on sm_90+: 4 blocks per lane per tile, 2 tiles in flight per
+# warp, 123 registers, 2 CTAs/SM) against the grid kernel (NVFP4DBG_QUANT=grid, the default until
+# then) and its best variant, and the bulk kernel's tile and ring sizes. Shared memory per CTA:
+# 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
-    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; 0.0460 ms
-    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: 0.0448 ms
-    "bil|-DBULK_INTERLEAVE=1"                 # the warps take the tiles in turn (a grid-stride sweep)
-    "bilqb4|-DBULK_INTERLEAVE=1 -DBULK_QB=4 -DBULK_STAGES=2"
-    "bqb4|-DBULK_QB=4 -DBULK_STAGES=2"        # 4 KiB tiles, 2 in flight: 64 KiB, 123 regs: 2 CTAs/SM; s8a: 0.0467 ms
-    "bqb4st3|-DBULK_QB=4 -DBULK_STAGES=3"     # 96 KiB, 123 regs: 2 CTAs/SM
-    "bqb8|-DBULK_QB=8 -DBULK_STAGES=2"        # 8 KiB tiles: 128 KiB, 1 CTA/SM (187 regs)
-    "bqb3|-DBULK_QB=3 -DBULK_STAGES=3"        # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM
-    "bqb4cta3|-DBULK_QB=4 -DBULK_STAGES=2 -DBULK_MIN_CTAS=3"  # registers capped at 80 (88-byte spill): 3 CTAs/SM
+    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8b 0.0465 ms
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: s8b 0.0449 ms
+    "qb4st3|-DBULK_STAGES=3"                  # 96 KiB: 2 CTAs/SM
+    "qb2|-DBULK_QB=2 -DBULK_STAGES=4"         # 2 KiB tiles, 4 in flight: 64 regs, 3 CTAs/SM (smem); s8b (unbalanced) 0.0446
+    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"      # 48 KiB: 4 CTAs/SM
+    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"         # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM
+    "qb8|-DBULK_QB=8 -DBULK_STAGES=2"         # 8 KiB tiles: 128 KiB, 187 regs: 1 CTA/SM
 )
-# Session 8's first sweep (s8a; default 0.0484 ms = QB 2, 4 stages, 3 CTAs/SM): bst3 0.0483,
-# bst6 0.0492, bqb1 (8 stages) 0.0512, bqb1st4 0.0516.
-# Session 7's variants of the grid kernel (measured then: BENCHMARKS.md), by name.
+# Session 8's sweeps before the tiles were dealt in turn (s8a, s8b; one contiguous range of
+# tiles per warp, 2 blocks per lane and 4 stages: 0.0484 ms): 3 stages 0.0483, 6 stages 0.0492,
+# 1 block per lane with 8 / 4 stages 0.0512 / 0.0516, 4 with 2 stages 0.0461-0.0467 (3 stages
+# 0.0474), 8 blocks 0.0498, 3 blocks 0.0472, 4 blocks capped to 3 CTAs/SM (80 registers,
+# spills) 0.0486; dealt in turn, not yet balanced: 2 blocks 0.0446, 4 blocks 0.0437.
+# By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
+# (measured then: BENCHMARKS.md).
 EXTRA=(
-    "bst3|-DBULK_STAGES=3"
-    "bst6|-DBULK_STAGES=6"
-    "bqb1|-DBULK_QB=1 -DBULK_STAGES=8"
+    "qb1|-DBULK_QB=1 -DBULK_STAGES=8"
+    "qb4cta3|-DBULK_STAGES=2 -DBULK_MIN_CTAS=3"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
     "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
     "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"
     "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
-    "qb2|-DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
-    "qb8|-DQUANT_BLOCKS=8|NVFP4DBG_QUANT=grid"
+    "gridqb2|-DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
+    "gridqb8|-DQUANT_BLOCKS=8|NVFP4DBG_QUANT=grid"
     "old|-DQUANT_ENCODER=0"
     "stats0|-DQUANT_STATS=0"
 )

@@ -975,28 +975,26 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----
 // [rows, cols] BF16 with linear scales, no gather and one global scale is a flat array of
 // n = rows cols / 16 blocks (cols is a multiple of 16): block f reads x + 16 f and writes its
-// codes at packed + 8 f and its scale at scales + f. Each warp of a persistent grid takes an
-// equal contiguous range of blocks (to within one) and streams it through its own ring of
-// BULK_STAGES shared-memory tiles of BULK_TILE blocks: lane 0 fetches a tile with one bulk
-// copy completing on the slot's mbarrier, so the bytes in flight depend neither on registers
-// nor on how long the lanes take over the tiles before (the grid kernel's bound: each thread's
-// loads are in flight only while it waits for them). Lane l takes the tile's blocks l, l + 32,
-// ...: 2-way bank conflicts on its 16-byte shared loads, and consecutive lanes write
-// consecutive code words and scale bytes. A slot is refilled once every lane has its blocks in
-// registers (their max|x| computed: the loads have landed). Same blocks, same encoder
-// (quant_block_counted), same codes, scales and statistics as the grid kernel.
+// codes at packed + 8 f and its scale at scales + f. The tensor is cut into tiles of at most
+// BULK_TILE blocks, dealt to the warps of a persistent grid in turn (tile k to warp k mod W:
+// the grid sweeps the tensor in address order, as a grid-stride loop does; one contiguous
+// range per warp measured 10% slower), the tile size picked so that every warp gets the same
+// number of tiles to within one. Each warp streams its tiles through its own ring of
+// BULK_STAGES shared-memory slots: lane 0 fetches a tile with one bulk copy completing on the
+// slot's mbarrier, so the bytes in flight depend neither on registers nor on how long the lanes
+// take over the tiles before (the grid kernel's bound: a thread's loads are in flight only
+// while it waits for them). Lane l takes the tile's blocks l, l + 32, ...: 2-way bank conflicts
+// on its 16-byte shared loads, and consecutive lanes write consecutive code words and scale
+// bytes. A slot is refilled once every lane has its blocks in registers (their max|x|
+// computed: the loads have landed). Same encoder (quant_block_counted), same codes, scales and
+// statistics as the grid kernel.
 // Blocks per lane per tile, and tiles in flight per warp. src/backend/cuda/quant.rs reads both
 // (the shared memory size: BULK_WARPS x BULK_STAGES x BULK_TILE x 32 bytes + the barriers).
 #ifndef BULK_QB
-#define BULK_QB 2
+#define BULK_QB 4
 #endif
 #ifndef BULK_STAGES
-#define BULK_STAGES 4
-#endif
-// 1: the warps take the tensor's tiles in turn (tile k to warp k mod W, as a grid-stride loop
-// does) instead of one contiguous range each.
-#ifndef BULK_INTERLEAVE
-#define BULK_INTERLEAVE 0
+#define BULK_STAGES 2
 #endif
 #define BULK_TILE (32 * BULK_QB)
 #define BULK_WARPS (QUANT_THREADS / 32)
@@ -1012,20 +1010,16 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
     const u32 bar0 = smem_addr(bulk_smem) + warp * BULK_STAGES * 8;
     const u8* ring = bulk_smem + BULK_BARS_BYTES + warp * (BULK_STAGES * BULK_TILE * 32);
     const u64 W = (u64)gridDim.x * BULK_WARPS, w = (u64)blockIdx.x * BULK_WARPS + warp;
-#if BULK_INTERLEAVE
-    // tile t of the warp: tile w + t W of the tensor (the grid sweeps it in order)
-    const u64 hi = n, all = (n + BULK_TILE - 1) / BULK_TILE;
+    // rounds of W tiles at BULK_TILE blocks, then the tile that fills that many rounds (at
+    // least a block per lane: a small tensor leaves warps idle rather than lanes)
+    const u64 rounds = (n + W * BULK_TILE - 1) / (W * BULK_TILE);
+    const u64 tile = rounds ? max((n + W * rounds - 1) / (W * rounds), (u64)32) : 32;
+    const u64 all = (n + tile - 1) / tile;
     const u32 tiles = (u32)(w < all ? (all - w + W - 1) / W : 0);
-    auto first = [&](u32 t) { return (w + (u64)t * W) * BULK_TILE; };
-#else
-    const u64 lo = n / W * w + min(n % W, w), hi = lo + n / W + (w < n % W);
-    const u32 tiles = (u32)((hi - lo + BULK_TILE - 1) / BULK_TILE);
-    auto first = [&](u32 t) { return lo + (u64)t * BULK_TILE; };
-#endif
     const float rg = nvfp4_rgs(gv, FL);
     auto fetch = [&](u32 t) {
-        const u64 f = first(t);
-        const u32 bytes = (u32)min((u64)BULK_TILE, hi - f) * 32u, bar = bar0 + (t % BULK_STAGES) * 8;
+        const u64 f = (w + (u64)t * W) * tile;
+        const u32 bytes = (u32)min(tile, n - f) * 32u, bar = bar0 + (t % BULK_STAGES) * 8;
         mbar_arrive_expect_tx(bar, bytes);
         bulk_load(smem_addr(ring + (t % BULK_STAGES) * (BULK_TILE * 32)), x + 16 * f, bytes, bar);
     };
@@ -1037,15 +1031,15 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
     __syncwarp();
     for (u32 t = 0; t < tiles; t++) {
         mbar_wait(bar0 + (t % BULK_STAGES) * 8, (t / BULK_STAGES) & 1u);
-        const u64 f0 = first(t);
-        const u32 nb = (u32)min((u64)BULK_TILE, hi - f0);
-        const uint4* tile = reinterpret_cast<const uint4*>(ring + (t % BULK_STAGES) * (BULK_TILE * 32));
+        const u64 f0 = (w + (u64)t * W) * tile;
+        const u32 nb = (u32)min(tile, n - f0);
+        const uint4* slot = reinterpret_cast<const uint4*>(ring + (t % BULK_STAGES) * (BULK_TILE * 32));
         RawBlock<u16> raw[BULK_QB];
         u32 mbits[BULK_QB];
 #pragma unroll
         for (int h = 0; h < BULK_QB; h++) {
-            raw[h].q[0] = tile[2 * (32 * h + lane)];
-            raw[h].q[1] = tile[2 * (32 * h + lane) + 1];
+            raw[h].q[0] = slot[2 * (32 * h + lane)];
+            raw[h].q[1] = slot[2 * (32 * h + lane) + 1];
             mbits[h] = amax_raw(raw[h]);
         }
         __syncwarp();

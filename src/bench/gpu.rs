@@ -432,13 +432,29 @@ impl<'a> Runner<'a> {
             Ok(p) => p,
             Err(e) => return self.record_all(specs, e),
         };
-        for (flavor, spec) in flavors.into_iter().zip(specs) {
-            let cfg = self.cfg;
+        // The copy floor at this size: a kernel moving 150 MB pays its ramp-up and tail, which
+        // the 2 GiB copy_d2d spreads over 28x the bytes. cuMemcpyDtoDAsync of half the bytes
+        // (read + written = the quantizer's), from one input set into the next.
+        let cfg = self.cfg;
+        let same_copy = timer::time_plain(&gpu, &cfg, "copy at the quantizer's bytes", &mut |i| {
+            let (s, d) = (&bufs[i % sets].0, &bufs[(i + 1) % sets].0);
+            let (s, d) = (gpu.ptr(s), gpu.ptr(d));
+            unsafe { drv::memcpy_dtod_async(d, s, bytes as usize / 2, gpu.stream.cu_stream()) }
+                .map_err(|e| driver_err("cuMemcpyDtoDAsync", "-", e))
+        })
+        .map(|s| s.median())
+        .ok();
+        for (flavor, mut spec) in flavors.into_iter().zip(specs) {
             let r = (|| {
                 let samples = timer::time_plain(&gpu, &cfg, &spec.name, &mut |i| {
                     let (x, out) = &bufs[i % sets];
                     enqueue_quantize_nvfp4(&gpu, DevRows::Bf16(x), &gs_dev, flavor, out)
                 })?;
+                if let Some(c) = same_copy {
+                    spec.details.insert("copy_same_bytes_ms".into(), json!(c));
+                    spec.details
+                        .insert("over_copy_same_bytes".into(), json!(c / samples.median()));
+                }
                 for (_, out) in &bufs {
                     let st = out.block_stats(&gpu)?;
                     if st.nan_scales > 0 || st.blocks == 0 || st.saturated > 0 {

@@ -113,8 +113,8 @@ impl QuantKnobs {
         blocks: QUANT_BLOCKS,
         pipe: 1,
         coalesced: false,
-        bulk_qb: 2,
-        bulk_stages: 4,
+        bulk_qb: 4,
+        bulk_stages: 2,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -712,7 +712,7 @@ mod tests {
         );
         let b = QuantKnobs::from_defines("-DBULK_QB=1 -DBULK_STAGES=8");
         assert_eq!((b.bulk_qb, b.bulk_stages), (1, 8));
-        // the kernel's layout: 1 KiB of barriers, 8 warps x 4 stages x 64 blocks x 32 bytes
+        // the kernel's layout: 1 KiB of barriers, 8 warps x 2 stages x 128 blocks x 32 bytes
         assert_eq!(QuantKnobs::DEFAULT.bulk_smem(), 1024 + 65536);
         assert_eq!(b.bulk_smem(), 1024 + 65536);
         assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
