@@ -33,14 +33,17 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # then) and its best variant, and the bulk kernel's tile and ring sizes. Shared memory per CTA:
 # 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
-    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8b 0.0465 ms
-    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: s8b 0.0449 ms
-    "qb4st3|-DBULK_STAGES=3"                  # 96 KiB: 2 CTAs/SM
-    "qb2|-DBULK_QB=2 -DBULK_STAGES=4"         # 2 KiB tiles, 4 in flight: 64 regs, 3 CTAs/SM (smem); s8b (unbalanced) 0.0446
-    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"      # 48 KiB: 4 CTAs/SM
-    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"         # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM
-    "qb8|-DBULK_QB=8 -DBULK_STAGES=2"         # 8 KiB tiles: 128 KiB, 187 regs: 1 CTA/SM
+    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8c 0.0462 ms
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: s8c 0.0446 ms
+    "ilp2|-DBULK_ILP=2"                       # 4 KiB tiles, encoded 2 blocks at a time: 80 regs, 3 CTAs/SM
+    "ilp1|-DBULK_ILP=1"                       # one block at a time: 64 regs, 3 CTAs/SM
+    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"      # 2 KiB tiles, 3 in flight: 64 regs, 48 KiB: 4 CTAs/SM; s8c (125-block tiles) 0.0454
+    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"         # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM; s8c 0.0446
+    "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"        # 8 KiB tiles, 2 at a time: 64 regs, 128 KiB: 1 CTA/SM
 )
+# s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default
+# (4 blocks per lane, 2 stages) 0.0449 ms, 3 stages 0.0461, 2 blocks 4 stages 0.0479, 8 blocks
+# 0.0473.
 # Session 8's sweeps before the tiles were dealt in turn (s8a, s8b; one contiguous range of
 # tiles per warp, 2 blocks per lane and 4 stages: 0.0484 ms): 3 stages 0.0483, 6 stages 0.0492,
 # 1 block per lane with 8 / 4 stages 0.0512 / 0.0516, 4 with 2 stages 0.0461-0.0467 (3 stages

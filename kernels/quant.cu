@@ -978,8 +978,8 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 // codes at packed + 8 f and its scale at scales + f. The tensor is cut into tiles of at most
 // BULK_TILE blocks, dealt to the warps of a persistent grid in turn (tile k to warp k mod W:
 // the grid sweeps the tensor in address order, as a grid-stride loop does; one contiguous
-// range per warp measured 10% slower), the tile size picked so that every warp gets the same
-// number of tiles to within one. Each warp streams its tiles through its own ring of
+// range per warp measured 10% slower), the tile size (`tile` blocks, <= BULK_TILE) picked by the
+// host so that the last round of tiles is nearly full (src/backend/cuda/quant.rs, bulk_tile). Each warp streams its tiles through its own ring of
 // BULK_STAGES shared-memory slots: lane 0 fetches a tile with one bulk copy completing on the
 // slot's mbarrier, so the bytes in flight depend neither on registers nor on how long the lanes
 // take over the tiles before (the grid kernel's bound: a thread's loads are in flight only
@@ -996,6 +996,12 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 #ifndef BULK_STAGES
 #define BULK_STAGES 2
 #endif
+// Blocks a lane encodes together (their loads, then their encoders interleaved): a divisor of
+// BULK_QB; fewer hold fewer registers.
+#ifndef BULK_ILP
+#define BULK_ILP BULK_QB
+#endif
+static_assert(BULK_QB % BULK_ILP == 0, "BULK_ILP must divide BULK_QB");
 #define BULK_TILE (32 * BULK_QB)
 #define BULK_WARPS (QUANT_THREADS / 32)
 #define BULK_BARS_BYTES 1024  // the mbarriers (8 bytes each) ahead of the tiles
@@ -1003,17 +1009,13 @@ static_assert(BULK_WARPS * BULK_STAGES * 8 <= BULK_BARS_BYTES, "BULK_STAGES: too
 
 #if NVFP4DBG_BULK
 template <u32 FL>
-__device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u64 n, float gv, u8* __restrict__ packed,
-                                                    u8* __restrict__ scales, u32 (&c)[4]) {
+__device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u64 n, u64 tile, float gv,
+                                                    u8* __restrict__ packed, u8* __restrict__ scales, u32 (&c)[4]) {
     extern __shared__ __align__(128) u8 bulk_smem[];
     const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const u32 bar0 = smem_addr(bulk_smem) + warp * BULK_STAGES * 8;
     const u8* ring = bulk_smem + BULK_BARS_BYTES + warp * (BULK_STAGES * BULK_TILE * 32);
     const u64 W = (u64)gridDim.x * BULK_WARPS, w = (u64)blockIdx.x * BULK_WARPS + warp;
-    // rounds of W tiles at BULK_TILE blocks, then the tile that fills that many rounds (at
-    // least a block per lane: a small tensor leaves warps idle rather than lanes)
-    const u64 rounds = (n + W * BULK_TILE - 1) / (W * BULK_TILE);
-    const u64 tile = rounds ? max((n + W * rounds - 1) / (W * rounds), (u64)32) : 32;
     const u64 all = (n + tile - 1) / tile;
     const u32 tiles = (u32)(w < all ? (all - w + W - 1) / W : 0);
     const float rg = nvfp4_rgs(gv, FL);
@@ -1034,24 +1036,31 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
         const u64 f0 = (w + (u64)t * W) * tile;
         const u32 nb = (u32)min(tile, n - f0);
         const uint4* slot = reinterpret_cast<const uint4*>(ring + (t % BULK_STAGES) * (BULK_TILE * 32));
-        RawBlock<u16> raw[BULK_QB];
-        u32 mbits[BULK_QB];
+        // BULK_ILP blocks at a time out of the slot; the slot is refilled once the last ones
+        // are in registers
 #pragma unroll
-        for (int h = 0; h < BULK_QB; h++) {
-            raw[h].q[0] = slot[2 * (32 * h + lane)];
-            raw[h].q[1] = slot[2 * (32 * h + lane) + 1];
-            mbits[h] = amax_raw(raw[h]);
-        }
-        __syncwarp();
-        if (lane == 0 && t + BULK_STAGES < tiles) fetch(t + BULK_STAGES);
+        for (int h0 = 0; h0 < BULK_QB; h0 += BULK_ILP) {
+            RawBlock<u16> raw[BULK_ILP];
+            u32 mbits[BULK_ILP];
 #pragma unroll
-        for (int h = 0; h < BULK_QB; h++) {
-            const u32 i = 32 * h + lane;
-            if (i < nb) {
-                u32 p[2];
-                const u32 s = quant_block_counted<u16, FL>(raw[h], mbits[h], gv, rg, FL, p, c);
-                *reinterpret_cast<uint2*>(packed + 8 * (f0 + i)) = make_uint2(p[0], p[1]);
-                scales[f0 + i] = (u8)s;
+            for (int h = 0; h < BULK_ILP; h++) {
+                raw[h].q[0] = slot[2 * (32 * (h0 + h) + lane)];
+                raw[h].q[1] = slot[2 * (32 * (h0 + h) + lane) + 1];
+                mbits[h] = amax_raw(raw[h]);
+            }
+            if (h0 + BULK_ILP == BULK_QB) {
+                __syncwarp();
+                if (lane == 0 && t + BULK_STAGES < tiles) fetch(t + BULK_STAGES);
+            }
+#pragma unroll
+            for (int h = 0; h < BULK_ILP; h++) {
+                const u32 i = 32 * (h0 + h) + lane;
+                if (i < nb) {
+                    u32 p[2];
+                    const u32 s = quant_block_counted<u16, FL>(raw[h], mbits[h], gv, rg, FL, p, c);
+                    *reinterpret_cast<uint2*>(packed + 8 * (f0 + i)) = make_uint2(p[0], p[1]);
+                    scales[f0 + i] = (u8)s;
+                }
             }
         }
     }
@@ -1070,14 +1079,16 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
 #define BULK_BOUNDS __launch_bounds__(QUANT_THREADS)
 #endif
 extern "C" __global__ void BULK_BOUNDS
-nvfp4_quantize_bf16_bulk(const u16* x, u64 n, const float* gs, u8* packed, u8* scales, u64* stats, u32 flavor) {
+nvfp4_quantize_bf16_bulk(const u16* x, u64 n, u64 tile, const float* gs, u8* packed, u8* scales, u64* stats,
+                         u32 flavor) {
 #if NVFP4DBG_BULK
     u32 c[4] = {0, 0, 0, 0};
     const float gv = gs[0];
+    tile = tile == 0 ? 1 : min(tile, (u64)BULK_TILE);  // the slots hold BULK_TILE blocks
     if (flavor == FLAVOR_CUDA_FAST)
-        nvfp4_quantize_bulk<FLAVOR_CUDA_FAST>(x, n, gv, packed, scales, c);
+        nvfp4_quantize_bulk<FLAVOR_CUDA_FAST>(x, n, tile, gv, packed, scales, c);
     else
-        nvfp4_quantize_bulk<FLAVOR_REFERENCE>(x, n, gv, packed, scales, c);
+        nvfp4_quantize_bulk<FLAVOR_REFERENCE>(x, n, tile, gv, packed, scales, c);
 #if QUANT_STATS
     add_stats_rare(stats, c, n);
 #else

@@ -272,6 +272,23 @@ fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Result<Bf16Kernel> {
     }
 }
 
+/// The bulk kernel's tile in blocks for `n` blocks over `warps` warps, tiles of at most `max`
+/// (a multiple of 32) dealt in turn: a multiple of 4 (128-byte aligned copies: 125-block tiles
+/// measured 3% slower than 128-block ones), at least 32 (a small tensor leaves warps idle rather
+/// than lanes), and of the first few round counts (a round: a tile for every warp) the one
+/// whose busiest warp has the fewest blocks, so that the last round is nearly full (at 8192 x
+/// 7168 on 2112 warps: 116-block tiles, 1740 blocks for the busiest warp where 128-block tiles
+/// give 1792; 1737.7 is the mean).
+fn bulk_tile(n: u64, warps: u64, max: u64) -> u64 {
+    let warps = warps.max(1);
+    let r0 = n.div_ceil(warps * max).max(1);
+    (r0..r0 + 4)
+        .map(|r| (4 * n.div_ceil(4 * warps * r)).max(32))
+        .filter(|&t| t <= max)
+        .min_by_key(|&t| n.div_ceil(t * warps) * t)
+        .unwrap_or(max)
+}
+
 const BULK_NEEDS: &str =
     "the bulk BF16 quantizer needs sm_90 or newer, linear scales and a 16-byte aligned input";
 
@@ -333,14 +350,18 @@ fn enqueue_nvfp4(
     }
     if bf16 == Some(Bf16Kernel::Bulk) {
         const KERNEL: &str = "nvfp4_quantize_bf16_bulk";
-        let grid = gpu.persistent_grid(&QUANT, KERNEL, THREADS, quant_knobs().bulk_smem())?;
+        let k = quant_knobs();
+        let grid = gpu.persistent_grid(&QUANT, KERNEL, THREADS, k.bulk_smem())?;
+        let n = (rows * cols / 16) as u64;
+        let warps = grid.grid_dim.0 as u64 * (THREADS / 32) as u64;
         return gpu.launch(
             &QUANT,
             KERNEL,
             grid,
             &[
                 KArg::U64(x.ptr(gpu)),
-                KArg::U64((rows * cols / 16) as u64),
+                KArg::U64(n),
+                KArg::U64(bulk_tile(n, warps, 32 * k.bulk_qb as u64)),
                 KArg::U64(gpu.ptr(gs)),
                 KArg::U64(gpu.ptr(&out.packed)),
                 KArg::U64(gpu.ptr(&out.scales)),
@@ -717,6 +738,33 @@ mod tests {
         assert_eq!(b.bulk_smem(), 1024 + 65536);
         assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
         assert_eq!(QuantKnobs::from_defines("-DQUANT_PIPE=0").pipe, 1);
+    }
+
+    #[test]
+    fn bulk_tiles_cover_the_tensor_and_fill_the_last_round() {
+        for max in [32u64, 64, 96, 128, 256] {
+            for n in [0u64, 1, 9, 390, 32896, 461824, 3670016, 1 << 26] {
+                for warps in [1u64, 8, 1056, 2112, 3168] {
+                    let t = bulk_tile(n, warps, max);
+                    assert!(
+                        t % 4 == 0 && (32..=max).contains(&t),
+                        "{n} {warps} {max}: {t}"
+                    );
+                    // warp w takes tiles w, w + warps, ...: together every block once
+                    let tiles = n.div_ceil(t);
+                    let busiest = tiles.div_ceil(warps) * t;
+                    let covered: u64 = (0..tiles).map(|k| t.min(n - k * t)).sum();
+                    assert_eq!(covered, n);
+                    // never worse than whole tiles of `max`
+                    assert!(
+                        busiest <= n.div_ceil(max * warps) * max,
+                        "{n} {warps} {max}: {t}"
+                    );
+                }
+            }
+        }
+        // the bench's tensor on an H200 (132 SMs x 2 CTAs x 8 warps)
+        assert_eq!(bulk_tile(8192 * 448, 2112, 128), 116);
     }
 
     #[test]
