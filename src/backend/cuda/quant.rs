@@ -747,7 +747,7 @@ mod tests {
                 for warps in [1u64, 8, 1056, 2112, 3168] {
                     let t = bulk_tile(n, warps, max);
                     assert!(
-                        t % 4 == 0 && (32..=max).contains(&t),
+                        t.is_multiple_of(4) && (32..=max).contains(&t),
                         "{n} {warps} {max}: {t}"
                     );
                     // warp w takes tiles w, w + warps, ...: together every block once
