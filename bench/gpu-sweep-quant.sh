@@ -52,6 +52,7 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
+    "nobal|-DBULK_BALANCE=0"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
     "qb1|-DBULK_QB=1 -DBULK_STAGES=8"
     "qb4cta3|-DBULK_STAGES=2 -DBULK_MIN_CTAS=3"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"

@@ -106,6 +106,9 @@ struct QuantKnobs {
     /// The bulk kernel's blocks per lane per tile and tiles in flight per warp.
     bulk_qb: usize,
     bulk_stages: usize,
+    /// Whether the bulk kernel's tiles are sized to fill the last round (`-DBULK_BALANCE=0`:
+    /// always 32 BULK_QB blocks; read here only, for an A/B).
+    bulk_balance: bool,
 }
 
 impl QuantKnobs {
@@ -115,6 +118,7 @@ impl QuantKnobs {
         coalesced: false,
         bulk_qb: 4,
         bulk_stages: 2,
+        bulk_balance: true,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -126,14 +130,10 @@ impl QuantKnobs {
             bulk_qb: define_value(d, "BULK_QB").map_or(k.bulk_qb, |b| (b as usize).max(1)),
             bulk_stages: define_value(d, "BULK_STAGES")
                 .map_or(k.bulk_stages, |b| (b as usize).max(1)),
+            bulk_balance: define_value(d, "BULK_BALANCE").map_or(k.bulk_balance, |b| b != 0),
         }
     }
-}
 
-/// The knobs the quantizer was compiled with: the defaults, which a sweep may override
-/// through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the module is
-/// compiled once per process.
-impl QuantKnobs {
     /// The bulk kernel's dynamic shared memory (kernels/quant.cu: the barriers, then each of
     /// the 8 warps' BULK_STAGES tiles of 32 BULK_QB blocks of 32 bytes).
     fn bulk_smem(&self) -> u32 {
@@ -141,6 +141,9 @@ impl QuantKnobs {
     }
 }
 
+/// The knobs the quantizer was compiled with: the defaults, which a sweep may override
+/// through NVFP4DBG_NVRTC_DEFINES (bench/gpu-sweep-quant.sh); read once, as the module is
+/// compiled once per process.
 fn quant_knobs() -> QuantKnobs {
     static KNOBS: std::sync::OnceLock<QuantKnobs> = std::sync::OnceLock::new();
     *KNOBS.get_or_init(|| {
@@ -361,7 +364,11 @@ fn enqueue_nvfp4(
             &[
                 KArg::U64(x.ptr(gpu)),
                 KArg::U64(n),
-                KArg::U64(bulk_tile(n, warps, 32 * k.bulk_qb as u64)),
+                KArg::U64(if k.bulk_balance {
+                    bulk_tile(n, warps, 32 * k.bulk_qb as u64)
+                } else {
+                    32 * k.bulk_qb as u64
+                }),
                 KArg::U64(gpu.ptr(gs)),
                 KArg::U64(gpu.ptr(&out.packed)),
                 KArg::U64(gpu.ptr(&out.scales)),
