@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# session 8, sixth device call: the register-A prefill with its weights through per-warp
+# session 8, sixth device call (on the build of commit 470f522, since reverted: the ring lost, BENCHMARKS.md): the register-A prefill with its weights through per-warp
 # shared-memory rings of bulk copies (RS_WRING, default 4) against the global loads one chunk
 # ahead (-DRS_WRING=0, sessions 7's kernel) and rings of 3 and 5: GPU tests (gpu_gemm for the
 # default and 0, gpu_moe, gpu_graph), then prefill and layer figures alternating.

@@ -473,24 +473,11 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 #define R_BOX_BYTES (R_BN * 64 * 2)       // one TMA box: 128 rows x 64 K of BF16
 #define R_STAGE_BYTES (2 * R_BOX_BYTES)
 #define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
+// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(H_BM * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
-// With RS_WRING > 0, each warp's weights come through its own ring of RS_WRING chunks in
-// shared memory after the token stages: per chunk both m-blocks' codes and scales (2 x 1152
-// bytes), by bulk copies that lane 0 issues RS_WRING - 2 chunks ahead of their use, on one
-// mbarrier per slot, from source pointers kept in shared memory (in registers they cost the
-// loop 8 and ptxas spilled). moe.rs reserves R_SMEM_BYTES for R_WRING_MAX slots whatever the
-// knob.
-#define R_WCHUNK (2 * (R_TILE_Q + R_TILE_S))
-#define R_WRING_MAX 5
-#define R_OFF_WBARS (R_OFF_BARS + 2 * R_STAGES * 8)
-#define R_OFF_WPTRS (R_OFF_WBARS + 8 * R_WRING_MAX * 8)  // each warp's 4 source pointers
-#define R_OFF_WRING (R_OFF_WPTRS + 8 * 32)
-// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
-#define R_SMEM_BYTES (R_OFF_WRING + 8 * R_WRING_MAX * R_WCHUNK + 1024)
-static_assert(R_OFF_WRING % 128 == 0, "the weight ring must be 128-byte aligned");
-static_assert(R_SMEM_BYTES <= 227 * 1024, "the register-A kernels' shared memory");
 
 // Tuning knobs (#ifndef: NVFP4DBG_NVRTC_DEFINES="-DRS_F16=0 ..." overrides them for an A/B on
 // one build; every setting gives the same numbers up to FP32 summation order).
@@ -505,13 +492,6 @@ static_assert(R_SMEM_BYTES <= 227 * 1024, "the register-A kernels' shared memory
 #define RS_INFLIGHT 2
 #endif
 static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
-// Weights through a shared-memory ring of this many chunks per warp (bulk copies RS_WRING - 2
-// chunks ahead of use), or 0: global loads into registers one chunk ahead (and RS_L2_AHEAD).
-// ncu (s8e) put 7% of the stall samples on the first use of those loads (long scoreboard).
-#ifndef RS_WRING
-#define RS_WRING 4
-#endif
-static_assert(RS_WRING == 0 || (RS_WRING >= 3 && RS_WRING <= R_WRING_MAX), "RS_WRING: 0 or 3..5");
 // The weights of chunk c + RS_L2_AHEAD are prefetched into L2 while chunk c runs (0: none).
 // The registers hold only one chunk ahead (about 2000 cycles at N = 128, less than a DRAM
 // round trip under load: ncu put a fifth of the stall cycles on those loads).
@@ -647,88 +627,6 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
     }
 }
 
-// RS_WRING: a warp's weight ring. Slot k of warp w holds m-block 0's codes (1 KB) and scales
-// (128 B), then m-block 1's, of chunk c = k mod RS_WRING, at rs_slot(stages, k), with its
-// mbarrier at rs_wbar(stages, k) (`stages`: the shared address of the token stages, kept across
-// the loop anyway). rs_wptr(stages, i): the warp's decode tiles at chunk 0, codes of m-block 0,
-// 1, then scales of m-block 0, 1 (null for an m-block past the matrix: nothing copied, its part
-// of every slot zeroed once).
-__device__ __forceinline__ u32 rs_wbar(u32 stages, u32 k) {
-    return stages + R_OFF_WBARS + (threadIdx.x / 32) * (R_WRING_MAX * 8) + 8 * k;
-}
-__device__ __forceinline__ u32 rs_slot(u32 stages, u32 k) {
-    return stages + R_OFF_WRING + (threadIdx.x / 32) * (R_WRING_MAX * R_WCHUNK) + k * R_WCHUNK;
-}
-template <typename T> __device__ __forceinline__ T* rs_shared(u32 a) {
-    return reinterpret_cast<T*>(__cvta_shared_to_generic(a));
-}
-__device__ __forceinline__ const u8*& rs_wptr(u32 stages, int i) {
-    return rs_shared<const u8*>(stages + R_OFF_WPTRS + (threadIdx.x / 32) * 32)[i];
-}
-
-// Lane 0: chunk c's weights into their slot.
-__device__ __forceinline__ void rs_ring_fetch(u32 stages, u32 c) {
-    const u32 k = c % RS_WRING, bar = rs_wbar(stages, k), dst = rs_slot(stages, k);
-    const u8* q[2] = {rs_wptr(stages, 0), rs_wptr(stages, 1)};
-    const u8* sc[2] = {rs_wptr(stages, 2), rs_wptr(stages, 3)};
-    mbar_arrive_expect_tx(bar, (q[0] ? R_TILE_Q + R_TILE_S : 0) + (q[1] ? R_TILE_Q + R_TILE_S : 0));
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        if (q[b] != nullptr) {
-            bulk_load(dst + b * (R_TILE_Q + R_TILE_S), q[b] + (size_t)c * R_TILE_Q, R_TILE_Q, bar);
-            bulk_load(dst + b * (R_TILE_Q + R_TILE_S) + R_TILE_Q, sc[b] + (size_t)c * R_TILE_S, R_TILE_S, bar);
-        }
-    }
-}
-
-// Chunk c's lane data out of its slot (rs_load's, from shared memory), once its copy landed
-// (plain loads, ordered after the wait by its memory clobber).
-__device__ __forceinline__ void rs_ring_load(u32 stages, u32 c, RChunk& st) {
-    const u32 k = c % RS_WRING, lane = threadIdx.x % 32;
-    mbar_wait(rs_wbar(stages, k), (c / RS_WRING) & 1u);
-    const u32 slot = rs_slot(stages, k);
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        const u32 q = slot + b * (R_TILE_Q + R_TILE_S) + 16 * lane, sc = slot + b * (R_TILE_Q + R_TILE_S) + R_TILE_Q + 2 * lane;
-        st.w[b][0] = *rs_shared<const uint4>(q);
-        st.w[b][1] = *rs_shared<const uint4>(q + 512);
-        st.s[b][0] = *rs_shared<const unsigned short>(sc);
-        st.s[b][1] = *rs_shared<const unsigned short>(sc + 64);
-    }
-}
-
-// After chunk c's MMAs were issued (its registers read, so every lane's shared loads of its
-// slot are done): the slot refilled with chunk c + RS_WRING.
-__device__ __forceinline__ void rs_ring_refill(u32 stages, u32 c, u32 nk) {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0 && c + RS_WRING < nk) rs_ring_fetch(stages, c + RS_WRING);
-}
-
-// Lane 0 sets the warp's ring up (pointers, zeroed parts of dead m-blocks, barriers) and starts
-// the first copies.
-__device__ __forceinline__ void rs_ring_start(const RWeights& wr, u32 stages, u32 nk) {
-    const u32 lane = threadIdx.x % 32;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        if (wr.q[b] == nullptr)
-            for (u32 i = lane; i < RS_WRING * (R_TILE_Q + R_TILE_S) / 16; i += 32) {
-                const u32 k = i / ((R_TILE_Q + R_TILE_S) / 16), o = i % ((R_TILE_Q + R_TILE_S) / 16);
-                *rs_shared<uint4>(rs_slot(stages, k) + b * (R_TILE_Q + R_TILE_S) + 16 * o) = make_uint4(0, 0, 0, 0);
-            }
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int b = 0; b < 2; b++) {
-            rs_wptr(stages, b) = wr.q[b];
-            rs_wptr(stages, 2 + b) = wr.s[b];
-        }
-        for (u32 k = 0; k < RS_WRING; k++) mbar_init(rs_wbar(stages, k), 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (u32 c = 0; c < RS_WRING && c < nk; c++) rs_ring_fetch(stages, c);
-    }
-    __syncwarp();
-}
-
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 template <int N> struct RsMma;
@@ -850,14 +748,8 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
     RChunk st[2];
-#if RS_WRING
-    rs_ring_start(wr, stages, nk);
-    rs_ring_load(stages, 0, st[0]);
-    if (nk > 1) rs_ring_load(stages, 1, st[1]);
-#else
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-#endif
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
@@ -872,18 +764,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-#if RS_WRING
-    for (u32 c = 0; c < nk; c += 2) {
-        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
-        rs_ring_refill(stages, c, nk);
-        if (c + 2 < nk) rs_ring_load(stages, c + 2, st[0]);
-        if (c + 1 < nk) {
-            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
-            rs_ring_refill(stages, c + 1, nk);
-            if (c + 3 < nk) rs_ring_load(stages, c + 3, st[1]);
-        }
-    }
-#else
 #if RS_L2_AHEAD > 2
     for (u32 c = 2; c < RS_L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
 #endif
@@ -897,7 +777,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
-#endif
     wgmma_wait<0>();
     rs_acc_fence<N>(acc);
     __syncthreads();

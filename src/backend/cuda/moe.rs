@@ -38,10 +38,7 @@ const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// tiles' chunk), token stages of 32 KB, and their shared memory (R_SMEM_BYTES).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_STAGES: u32 = 4;
-/// The token stages and their barriers, then each warp's weight ring (kernels/moe_gemm_sm90.cu
-/// R_OFF_WRING: 8 warps x 5 barriers, 4 pointers and 5 chunks of 2304 bytes), + 1024 to align.
-const SM90_RS_SMEM_BYTES: u32 =
-    SM90_RS_STAGES * 32_768 + 2 * SM90_RS_STAGES * 8 + 8 * 5 * 8 + 8 * 32 + 8 * 5 * 2304 + 1024;
+const SM90_RS_SMEM_BYTES: u32 = SM90_RS_STAGES * 32_768 + 2 * SM90_RS_STAGES * 8 + 1024;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
