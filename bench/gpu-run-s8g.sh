@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# session 8, final device call: the nightly, the whole `nvfp4dbg bench` and the PyTorch peers
+# back to back in one lease, then the quantizer sweep (bench/gpu-sweep-quant.sh) while time is left.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
+R=/tmp/s8g; mkdir -p $R
+pack() { tar czf $OUT/s8g.tgz -C $R .; }
+nvidia-smi -L | tee $R/gpus.txt
+t0=$(date +%s)
+NVFP4DBG_REPORTS=$R/nightly timeout 420 bash .ci/gpu-nightly .dev/gpu > $R/nightly.txt 2>&1
+echo "nightly rc=$? in $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+grep -E "GPU tests:|cases:" $R/nightly.txt | tail -3
+grep -E "^(FAIL|fail)|FAILED|panicked" $R/nightly.txt | head -10
+pack
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
+timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
+echo "bench rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+pack
+timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
+echo "peers rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+pack
+grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'
+if [ "${RUN_SWEEP:-0}" = 1 ]; then
+    OUT=$R/quant SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-150} timeout 200 bash bench/gpu-sweep-quant.sh > $R/quant-sweep.txt 2>&1
+    echo "quant sweep rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+    cat $R/quant/summary.txt 2>/dev/null | tail -30
+fi
+pack
+echo "total $(( $(date +%s) - t0 )) s"
