@@ -130,9 +130,14 @@ fn section(group: &str, figs: &[&Figure]) -> Section {
         ],
     );
     for f in figs {
-        let note = match (&f.error, f.speedup_vs_cublas_bf16) {
-            (Some(e), _) => format!("FAILED: {}", short(e, 60)),
-            (None, Some(x)) => format!("{x:.2}x cuBLAS BF16"),
+        let same_copy = f
+            .details
+            .get("over_copy_same_bytes")
+            .and_then(|v| v.as_f64());
+        let note = match (&f.error, f.speedup_vs_cublas_bf16, same_copy) {
+            (Some(e), _, _) => format!("FAILED: {}", short(e, 60)),
+            (None, Some(x), _) => format!("{x:.2}x cuBLAS BF16"),
+            (None, None, Some(r)) => format!("{r:.2} of a copy of its bytes"),
             _ => String::new(),
         };
         s.row(vec![
