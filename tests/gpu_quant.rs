@@ -420,8 +420,8 @@ fn nvfp4_bulk_quantizer_matches_the_grid_kernel_and_the_reference() {
     use quant::{Bf16Kernel, DevFp4};
     let g = gpu();
     let (mut r, seed) = rng("nvfp4_bulk_quantizer_matches_the_grid_kernel_and_the_reference");
-    // fewer blocks than warps; warp ranges that cut tiles; rings that wrap many times (the
-    // bench's [8192, 7168]: ~18 tiles per warp on an H200)
+    // fewer blocks than warps (one partial round of tiles); two rounds; many (the bench's
+    // [8192, 7168]: 15 tiles per warp on an H200, the 2-slot rings wrap 7 times)
     for &(rows, cols) in &[
         (1usize, 16usize),
         (3, 48),

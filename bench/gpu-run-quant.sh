@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# session 8, third device call: the GPU tests (gpu_quant, gpu_moe), then the
-# quantizer sweep (bench/gpu-sweep-quant.sh: the bulk kernel's tile and ring sizes against the
-# grid kernel), on the build of `bash .ci/gpu-nightly --package .dev/gpu`.
+# The quantizer on the device, on the build of `bash .ci/gpu-nightly --package .dev/gpu`: its GPU
+# tests (gpu_quant, gpu_moe), the sweep of its variants (bench/gpu-sweep-quant.sh: VARIANTS, or
+# the names given), then the full quantize figures with the copy of the quantizer's own bytes.
+# Writes $OUT/$LABEL.tgz (LABEL default "quant"). Session 8's s8a-s8d ran this script as of
+# their commits (s8a-s8b without the full figures, s8b with torch copies at the quantizer's size).
 set -uo pipefail
+L=${LABEL:-quant}
 export NO_COLOR=1 PYTHONUNBUFFERED=1
-R=/tmp/s8c; mkdir -p $R
-pack() { tar czf $OUT/s8c.tgz -C $R .; }
+R=/tmp/$L; mkdir -p $R
+pack() { tar czf $OUT/$L.tgz -C $R .; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
 nvidia-smi -L | tee $R/gpus.txt
@@ -16,7 +19,7 @@ for t in gpu_quant gpu_moe; do
     grep -E "^test .*(FAILED|ok)$|panicked|bulk quantizer" $R/test-$t.txt | head -20
 done
 pack
-OUT=$R/quant SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 320 bash bench/gpu-sweep-quant.sh > $R/quant-sweep.txt 2>&1
+OUT=$R/quant SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-200} timeout 320 bash bench/gpu-sweep-quant.sh "$@" > $R/quant-sweep.txt 2>&1
 echo "quant sweep rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
 cat $R/quant/summary.txt 2>/dev/null | tail -30
 grep -E "test-" $R/quant-sweep.txt | head -20

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# session 7, final device call: the nightly, the whole `nvfp4dbg bench` and the PyTorch peers
-# back to back in one lease, then the quantizer sweep (bench/gpu-sweep-quant.sh) while time is left.
+# A session's final device call: the nightly, the whole `nvfp4dbg bench` and the PyTorch peers
+# back to back in one lease (RUN_SWEEP=1 adds the quantizer sweep, bench/gpu-sweep-quant.sh), on
+# the build of `bash .ci/gpu-nightly --package .dev/gpu`. Writes $OUT/$LABEL.tgz (LABEL default
+# "final"; session 7's s7e and session 8's s8g ran it under those names).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
-R=/tmp/s7e; mkdir -p $R
-pack() { tar czf $OUT/s7e.tgz -C $R .; }
+L=${LABEL:-final}
+R=/tmp/$L; mkdir -p $R
+pack() { tar czf $OUT/$L.tgz -C $R .; }
 nvidia-smi -L | tee $R/gpus.txt
 t0=$(date +%s)
 NVFP4DBG_REPORTS=$R/nightly timeout 420 bash .ci/gpu-nightly .dev/gpu > $R/nightly.txt 2>&1
