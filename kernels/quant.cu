@@ -978,9 +978,10 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 // codes at packed + 8 f and its scale at scales + f. The tensor is cut into tiles of at most
 // BULK_TILE blocks, dealt to the warps of a persistent grid in turn (tile k to warp k mod W:
 // the grid sweeps the tensor in address order, as a grid-stride loop does; one contiguous
-// range per warp measured 10% slower), the tile size (`tile` blocks, <= BULK_TILE) picked by the
-// host so that the last round of tiles is nearly full (src/backend/cuda/quant.rs, bulk_tile). Each warp streams its tiles through its own ring of
-// BULK_STAGES shared-memory slots: lane 0 fetches a tile with one bulk copy completing on the
+// range per warp measured 10% slower), the tile size (`tile` blocks, <= BULK_TILE) picked by
+// the host so that the last round of tiles is nearly full (src/backend/cuda/quant.rs,
+// bulk_tile). Each warp streams its tiles through its own ring of BULK_STAGES shared-memory
+// slots: lane 0 fetches a tile with one bulk copy completing on the
 // slot's mbarrier, so the bytes in flight depend neither on registers nor on how long the lanes
 // take over the tiles before (the grid kernel's bound: a thread's loads are in flight only
 // while it waits for them). Lane l takes the tile's blocks l, l + 32, ...: 2-way bank conflicts
@@ -1094,6 +1095,8 @@ nvfp4_quantize_bf16_bulk(const u16* x, u64 n, u64 tile, const float* gs, u8* pac
 #else
     add_stats_cta(stats, c);
 #endif
+#else
+    __trap();  // the host launches it on sm_90 and newer only
 #endif
 }
 

@@ -184,6 +184,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// [`Gpu::persistent_grid`]'s answers by (kernel, threads, shared memory).
+    grids: Mutex<HashMap<(&'static str, u32, u32), LaunchConfig>>,
     blas: Mutex<Option<Arc<Blas>>>,
     /// Kernels launched since the last synchronization, to name them in an async error.
     pending: Mutex<Vec<&'static str>>,
@@ -222,6 +224,7 @@ impl Gpu {
             ctx,
             modules: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
+            grids: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
             pending: Mutex::new(Vec::new()),
             sync_each: std::env::var("NVFP4DBG_CUDA_SYNC").is_ok_and(|v| v == "1"),
@@ -259,6 +262,9 @@ impl Gpu {
     ) -> Result<LaunchConfig> {
         use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
         use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        if let Some(g) = lock(&self.grids).get(&(kernel, threads, smem)) {
+            return Ok(*g);
+        }
         let f = self.func(module, kernel)?;
         if smem > 48 * 1024 {
             f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -271,11 +277,13 @@ impl Gpu {
             .ctx
             .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| driver_err("reading the multiprocessor count", kernel, e))?;
-        Ok(LaunchConfig {
+        let grid = LaunchConfig {
             grid_dim: ((per_sm.max(1) * sms.max(1) as u32), 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
-        })
+        };
+        lock(&self.grids).insert((kernel, threads, smem), grid);
+        Ok(grid)
     }
 
     /// The kernel `name` of `module`, compiling and loading the module on first use.
