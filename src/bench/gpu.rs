@@ -434,16 +434,21 @@ impl<'a> Runner<'a> {
         };
         // The copy floor at this size: a kernel moving 150 MB pays its ramp-up and tail, which
         // the 2 GiB copy_d2d spreads over 28x the bytes. cuMemcpyDtoDAsync of half the bytes
-        // (read + written = the quantizer's), from one input set into the next.
+        // (read + written = the quantizer's), from one input set into the next (none with a
+        // single set: source and destination would overlap).
         let cfg = self.cfg;
-        let same_copy = timer::time_plain(&gpu, &cfg, "copy at the quantizer's bytes", &mut |i| {
-            let (s, d) = (&bufs[i % sets].0, &bufs[(i + 1) % sets].0);
-            let (s, d) = (gpu.ptr(s), gpu.ptr(d));
-            unsafe { drv::memcpy_dtod_async(d, s, bytes as usize / 2, gpu.stream.cu_stream()) }
-                .map_err(|e| driver_err("cuMemcpyDtoDAsync", "-", e))
-        })
-        .map(|s| s.median())
-        .ok();
+        let same_copy = (sets > 1)
+            .then(|| {
+                timer::time_plain(&gpu, &cfg, "copy at the quantizer's bytes", &mut |i| {
+                    let (s, d) = (&bufs[i % sets].0, &bufs[(i + 1) % sets].0);
+                    let (s, d) = (gpu.ptr(s), gpu.ptr(d));
+                    let cu = gpu.stream.cu_stream();
+                    unsafe { drv::memcpy_dtod_async(d, s, bytes as usize / 2, cu) }
+                        .map_err(|e| driver_err("cuMemcpyDtoDAsync", "-", e))
+                })
+            })
+            .and_then(|r| r.ok())
+            .map(|s| s.median());
         for (flavor, mut spec) in flavors.into_iter().zip(specs) {
             let r = (|| {
                 let samples = timer::time_plain(&gpu, &cfg, &spec.name, &mut |i| {
