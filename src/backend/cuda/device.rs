@@ -261,15 +261,11 @@ impl Gpu {
         smem: u32,
     ) -> Result<LaunchConfig> {
         use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
-        use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         if let Some(g) = lock(&self.grids).get(&(kernel, threads, smem)) {
             return Ok(*g);
         }
         let f = self.func(module, kernel)?;
-        if smem > 48 * 1024 {
-            f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
-        }
+        allow_dynamic_smem(&f, kernel, smem)?;
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
             .map_err(|e| driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel, e))?;
@@ -367,14 +363,7 @@ impl Gpu {
                 what: format!("grid {:?} is larger than CUDA allows", cfg.grid_dim),
             });
         }
-        if cfg.shared_mem_bytes > 48 * 1024 {
-            use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            f.set_attribute(
-                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                cfg.shared_mem_bytes as i32,
-            )
-            .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
-        }
+        allow_dynamic_smem(&f, kernel, cfg.shared_mem_bytes)?;
         if early {
             self.launch_programmatic(&f, cfg, args)
                 .map_err(|e| driver_err("kernel launch (programmatic)", kernel, e))?;
@@ -648,6 +637,17 @@ impl Gpu {
         *g = Some(b.clone());
         Ok(b)
     }
+}
+
+/// Raise `f`'s dynamic shared memory limit to `smem` where it is above the default 48 KB (a
+/// launch, or an occupancy query, asks for that much).
+fn allow_dynamic_smem(f: &CudaFunction, kernel: &str, smem: u32) -> Result<()> {
+    use drv_sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    if smem > 48 * 1024 {
+        f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| driver_err("raising the dynamic shared memory limit", kernel, e))?;
+    }
+    Ok(())
 }
 
 /// A poisoned lock only means another thread panicked mid-update of a cache; the maps stay
