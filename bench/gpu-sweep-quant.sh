@@ -48,13 +48,12 @@ VARIANTS=(
 # tiles per warp, 2 blocks per lane and 4 stages: 0.0484 ms): 3 stages 0.0483, 6 stages 0.0492,
 # 1 block per lane with 8 / 4 stages 0.0512 / 0.0516, 4 with 2 stages 0.0461-0.0467 (3 stages
 # 0.0474), 8 blocks 0.0498, 3 blocks 0.0472, 4 blocks capped to 3 CTAs/SM (80 registers,
-# spills) 0.0486; dealt in turn, not yet balanced: 2 blocks 0.0446, 4 blocks 0.0437.
+# spills; that knob, BULK_MIN_CTAS, since removed) 0.0486; dealt in turn, not yet balanced: 2 blocks 0.0446, 4 blocks 0.0437.
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
     "nobal|-DBULK_BALANCE=0"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
     "qb1|-DBULK_QB=1 -DBULK_STAGES=8"
-    "qb4cta3|-DBULK_STAGES=2 -DBULK_MIN_CTAS=3"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
     "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
     "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"

@@ -1070,16 +1070,7 @@ __device__ __forceinline__ void nvfp4_quantize_bulk(const u16* __restrict__ x, u
 
 // Launched with QUANT_THREADS threads and the shared memory above, on a persistent grid. x:
 // 16-byte aligned; packed: 8-byte aligned.
-// CTAs per SM the bulk kernel's registers are capped for (0: no cap).
-#ifndef BULK_MIN_CTAS
-#define BULK_MIN_CTAS 0
-#endif
-#if BULK_MIN_CTAS > 0
-#define BULK_BOUNDS __launch_bounds__(QUANT_THREADS, BULK_MIN_CTAS)
-#else
-#define BULK_BOUNDS __launch_bounds__(QUANT_THREADS)
-#endif
-extern "C" __global__ void BULK_BOUNDS
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
 nvfp4_quantize_bf16_bulk(const u16* x, u64 n, u64 tile, const float* gs, u8* packed, u8* scales, u64* stats,
                          u32 flavor) {
 #if NVFP4DBG_BULK
