@@ -221,11 +221,11 @@ fn swapped_gate_and_up_fail_on_the_expert() {
 fn input_file_and_saved_outputs_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     let seed: u64 = rand::random();
-    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
     let t = 12;
-    let h: Vec<f32> = (0..t * 256)
-        .map(|_| rand::Rng::gen_range(&mut rng, -2.0f32..2.0))
-        .collect();
+    // the layer's own kind of input (what layertest draws without --input: RMS-normed residual
+    // rows with outlier channels); uniform noise let single-slot experts fall under
+    // --min-expert-cosine about 1 seed in 50
+    let h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
     let ids: Vec<i64> = (0..t as i64).collect();
     write_file(
         &dir.path().join("in.safetensors"),
@@ -274,8 +274,9 @@ fn input_file_and_saved_outputs_round_trip() {
     };
     let m = nvfp4dbg::metrics::compare(&f("nvfp4_out"), &f("reference_out"));
     assert!((m.cosine - r["summary"]["cosine"].as_f64().unwrap()).abs() < 1e-12);
-    // --tokens takes the first rows of the file
-    let (code, _, r) = run(
+    // --tokens takes the first rows of the file (5 tokens x top-4 leave single-slot experts,
+    // whose cosine is noise around NVFP4's error: the per-expert bar is not what this checks)
+    let (code, text, r) = run(
         dir.path(),
         &[
             "layertest",
@@ -285,9 +286,11 @@ fn input_file_and_saved_outputs_round_trip() {
             "in.safetensors",
             "--tokens",
             "5",
+            "--min-expert-cosine",
+            "0.5",
         ],
     );
-    assert_eq!(code, 0);
+    assert_eq!(code, 0, "seed {seed}: {text}");
     assert_eq!(r.unwrap()["summary"]["tokens"], 5);
 }
 
