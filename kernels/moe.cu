@@ -51,13 +51,22 @@ __device__ __forceinline__ u32 block_scan_excl(u32 v, u32& carry, u32* sums) {
     return r;
 }
 
+// An expert's row tiles when its last tile may hold up to bm + slack rows: every tile bm rows
+// but the last, which takes the rest (slack 0: ceil(n / bm)).
+__device__ __forceinline__ u32 row_tiles(u32 n, u32 bm, u32 slack) {
+    return n == 0 ? 0u : n <= bm + slack ? 1u : (n - slack + bm - 1) / bm;
+}
+
 // One block. chunk_base[c*E + e] = first sorted position of chunk c's entries for expert e;
-// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); active[0] = the
-// number of experts with rows, active[1..] = those experts in order (the decode GEMMs' grid).
+// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); wide_tile_offsets
+// the same for tiles whose last one takes up to bm + slack rows (the register-A prefill's);
+// active[0] = the number of experts with rows, active[1..] = those experts in order (the
+// decode GEMMs' grid).
 extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32 nchunks, u32 E,
-                                       u32 bm, u32* __restrict__ chunk_base,
+                                       u32 bm, u32 slack, u32* __restrict__ chunk_base,
                                        u32* __restrict__ expert_offsets,
-                                       u32* __restrict__ tile_offsets, u32* __restrict__ active) {
+                                       u32* __restrict__ tile_offsets, u32* __restrict__ wide_tile_offsets,
+                                       u32* __restrict__ active) {
     extern __shared__ u32 total[];
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) {
         u32 run = 0;
@@ -70,16 +79,18 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     __syncthreads();
     // the three prefix sums over the experts, blockDim.x experts at a time
     __shared__ u32 sums[32];
-    u32 off = 0, tiles = 0, live = 0;
+    u32 off = 0, tiles = 0, wide = 0, live = 0;
     for (u32 e0 = 0; e0 < E; e0 += blockDim.x) {
         u32 e = e0 + threadIdx.x;
         u32 n = e < E ? total[e] : 0u;
         u32 o = block_scan_excl(n, off, sums);
-        u32 t = block_scan_excl((n + bm - 1) / bm, tiles, sums);
+        u32 t = block_scan_excl(row_tiles(n, bm, 0), tiles, sums);
+        u32 w = block_scan_excl(row_tiles(n, bm, slack), wide, sums);
         u32 l = block_scan_excl(n ? 1u : 0u, live, sums);
         if (e < E) {
             expert_offsets[e] = o;
             tile_offsets[e] = t;
+            wide_tile_offsets[e] = w;
             if (n) active[1 + l] = e;
             total[e] = o;
         }
@@ -87,6 +98,7 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     if (threadIdx.x == 0) {
         expert_offsets[E] = off;
         tile_offsets[E] = tiles;
+        wide_tile_offsets[E] = wide;
         active[0] = live;
     }
     __syncthreads();

@@ -467,15 +467,21 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // index that lane t's A fragment holds there (see rs_pair below and moe_rows_bf16_rs), so the
 // dot products are the same sums as in K order. The numbers are those of the kernels above
 // (both operands carry 2^-9, undone with alpha in the FP32 epilogue), up to FP32 summation order.
-#define R_BN 128                          // token rows per tile (a tile is BM = 128 sorted rows)
+#define R_BN 160                          // most token rows per tile: BM = 128, the last tile of an
+                                          // expert up to BM + R_SLACK (moe_offsets' wide tiles)
+#define R_SLACK 32
 #define R_BK 128                          // K per chunk (the decode tiles' chunk)
 #define R_STAGES 4
-#define R_BOX_BYTES (R_BN * 64 * 2)       // one TMA box: 128 rows x 64 K of BF16
-#define R_STAGE_BYTES (2 * R_BOX_BYTES)
+#define R_BOX_ROWS 32                     // one TMA box: 32 rows x 64 K of BF16 (4 KB); a tile of
+#define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // N tokens takes N / 32 boxes per 64-wide half of a chunk
+#define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
+#define R_STAGE_BYTES (2 * R_HALF_BYTES)
 #define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
 // + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
 #define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
-static_assert(H_BM * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
+static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
+static_assert(R_BN * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
+static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 
@@ -542,6 +548,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n160k16_rs(float (&d)[80], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %85, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k16.f32." RS_AB " {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79"
+        "}, {%80,%81,%82,%83}, %84, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
 }
 
@@ -630,6 +650,9 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 template <int N> struct RsMma;
+template <> struct RsMma<160> {
+    static __device__ __forceinline__ void mma(float (&d)[80], const u32 (&a)[4], u64 db) { wgmma_m64n160k16_rs(d, a, db); }
+};
 template <> struct RsMma<128> {
     static __device__ __forceinline__ void mma(float (&d)[64], const u32 (&a)[4], u64 db) { wgmma_m64n128k16_rs(d, a, db); }
 };
@@ -656,12 +679,18 @@ struct RBars {
     __device__ __forceinline__ u32 empty(u32 s) const { return base + 8 * (R_STAGES + s); }
 };
 
-// Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + 127) into its stage.
+// Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + N - 1) into its stage, N / 32 boxes
+// per half chunk (each half R_BN rows of 128 bytes: boxes at 4 KB steps keep the swizzle).
+template <int N>
 __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
     u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
-    mbar_arrive_expect_tx(bars.full(s), R_STAGE_BYTES);
-    tma_load_2d(dst, tmap, (int)(c * R_BK), (int)r0, bars.full(s));
-    tma_load_2d(dst + R_BOX_BYTES, tmap, (int)(c * R_BK + 64), (int)r0, bars.full(s));
+    mbar_arrive_expect_tx(bars.full(s), 2 * (N / R_BOX_ROWS) * R_BOX_BYTES);
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int b = 0; b < N / R_BOX_ROWS; b++)
+            tma_load_2d(dst + h * R_HALF_BYTES + b * R_BOX_BYTES, tmap, (int)(c * R_BK + 64 * h),
+                        (int)(r0 + b * R_BOX_ROWS), bars.full(s));
 }
 
 // The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
@@ -673,6 +702,9 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
                                          const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    // the widest tile keeps one group in flight: its accumulators leave no room for another
+    // set of A fragments
+    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
@@ -721,19 +753,19 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
             a[b][3] = bf16x2_fma(rs_pair(w8, 2 * h + 1), sc[b][1][blk], neg0);
 #endif
         }
-        u64 db = smem_desc(sb + (s / 4) * R_BOX_BYTES) + 2 * (s % 4);
+        u64 db = smem_desc(sb + (s / 4) * R_HALF_BYTES) + 2 * (s % 4);
         wgmma_fence();
         RsMma<N>::mma(acc[0], a[0], db);
         RsMma<N>::mma(acc[1], a[1], db);
         wgmma_commit();
-        wgmma_wait<RS_INFLIGHT>();
+        wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
-        if (s == RS_INFLIGHT - 1)
+        if (s == INFLIGHT - 1)
             mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
         if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
             u32 prev = (c - 1) % R_STAGES;
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
-            rs_fill(tmap, stages, bars, c - 1 + R_STAGES, r0);
+            rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
     }
 }
@@ -757,7 +789,7 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
             mbar_init(bars.empty(s), H_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill(tmap, stages, bars, c, r0);
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
 #pragma unroll
@@ -798,14 +830,39 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
     return r;
 }
 
+// One tile's K loop at the narrowest width N (160, 128, 64 or 32 tokens) that holds its ntok
+// tokens, then epi(acc) with the accumulators as rs_mainloop leaves them.
+template <typename Epi>
+__device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
+                                        Epi epi) {
+    if (ntok > 128) {
+        float acc[2][80];
+        rs_mainloop<160>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    }
+}
+
 #endif  // NVFP4DBG_WGMMA
 
 #if NVFP4DBG_WGMMA
 // The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
 // tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase).
-template <int N>
-__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][N / 2], const u32 (&row0)[2], u32 r0, u32 r1,
+template <int HALF_N>
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], const u32 (&row0)[2], u32 r0, u32 r1,
                                               u32 nout, float alpha, float* __restrict__ out) {
+    constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int b = 0; b < 2; b++)
@@ -821,9 +878,10 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][N / 2], cons
 
 // The gate/up tile's a = swiglu(g, u) into the f32 tile `sa` ([token][output], SA floats a
 // row): m-block 0 holds g, m-block 1 u of the same outputs, so both are in the same thread.
-template <int N>
-__device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][N / 2], u32 col0, float alpha_g, float alpha_u,
+template <int HALF_N>
+__device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][HALF_N], u32 col0, float alpha_g, float alpha_u,
                                                float limit, u32 has_limit, float* sa) {
+    constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int j = 0; j < N / 8; j++)
@@ -896,21 +954,10 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-    u32 nk = K / R_BK, ntok = r1 - r0;
     // alpha is read after the K loop: one register less across it
-    if (ntok > 64) {
-        float acc[2][64];
-        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<128>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
-    } else if (ntok > 32) {
-        float acc[2][32];
-        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<64>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
-    } else {
-        float acc[2][16];
-        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
-        rs_store_rows<32>(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
-    }
+    rs_tile(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+        rs_store_rows(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
+    });
 #else
     __trap();
 #endif
@@ -939,30 +986,13 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sa = reinterpret_cast<float*>(base);
-    u32 nk = K / R_BK, ntok = r1 - r0;
     // the alphas are read after the K loop: fewer registers across it
-    auto alphas = [&]() {
+    rs_tile(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
-        return make_float2(__fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]));
-    };
-    if (ntok > 64) {
-        float acc[2][64];
-        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
-        float2 al = alphas();
-        rs_swiglu_tile<128>(acc, col0, al.x, al.y, limit, has_limit, sa);
-    } else if (ntok > 32) {
-        float acc[2][32];
-        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
-        float2 al = alphas();
-        rs_swiglu_tile<64>(acc, col0, al.x, al.y, limit, has_limit, sa);
-    } else {
-        float acc[2][16];
-        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
-        float2 al = alphas();
-        rs_swiglu_tile<32>(acc, col0, al.x, al.y, limit, has_limit, sa);
-    }
+        rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, sa);
+    });
     __syncthreads();
-    gate_up_tile_epilogue<H_BM, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
+    gate_up_tile_epilogue<R_BN, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
                                                        stats, out_f32, amax_bits);
 #else
     __trap();

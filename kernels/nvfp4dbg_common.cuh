@@ -470,8 +470,9 @@ __device__ __forceinline__ bool find_row_tile(const u32* __restrict__ tile_offse
     }
     e = lo;
     r0 = expert_offsets[e] + (bt - tile_offsets[e]) * bm;
-    u32 end = expert_offsets[e + 1];
-    r1 = r0 + bm < end ? r0 + bm : end;
+    // an expert's last tile takes the rest: at most bm rows, or bm + slack with moe_offsets'
+    // wide tiles
+    r1 = bt + 1 == tile_offsets[e + 1] ? expert_offsets[e + 1] : r0 + bm;
     return true;
 }
 

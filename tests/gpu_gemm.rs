@@ -134,9 +134,11 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     // (hidden, intermediate): down outputs of 2 full + 1 partial 256-column tiles and gate/up
     // outputs ending in a partial 128-column tile; K of 9 and 3 slices (the pipeline is 4
     // stages deep); (640, 384) for the register-A kernels (K chunks of 128: 5 and 3 against 4
-    // stages, a partial 256-column down tile), then a wider case
+    // stages, a partial 256-column down tile), then a wider case. The register-A kernels' last
+    // tile of an expert takes up to 160 rows: 129, 160 and 288 (128 + 160) rows have a wide
+    // tile, 161 (128 + 33) and 300 (128 + 128 + 44) do not.
     for (h, i) in [(576usize, 192usize), (640, 384), (1024, 512)] {
-        let counts = [0usize, 1, 127, 129, 300, 65, 0, 3, 33, 64];
+        let counts = [0usize, 1, 127, 129, 300, 65, 0, 2, 33, 64, 160, 161, 288];
         let spec = LayerSpec {
             h,
             i,
@@ -225,7 +227,7 @@ fn wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths() {
     }
     let cpu = CpuBackend::new();
     let (mut r, seed) = rng("wgmma_prefill_gemm_matches_the_cpu_at_deepseek_v3_widths");
-    let counts = [0usize, 1, 129, 190, 64, 2];
+    let counts = [0usize, 1, 129, 190, 64, 2, 160];
     let (h, i) = (7168usize, 2048usize);
     let spec = LayerSpec {
         h,

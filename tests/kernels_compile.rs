@@ -45,9 +45,14 @@ fn the_fp4_conversion_instruction_is_used_on_blackwell_only() {
     assert!(!on("sm_90a"), "sm_90a has no E2M1 conversion instruction");
 }
 
-/// Spills accepted on purpose, with the reason (none at present: the down decode GEMM's 8-byte
-/// pass-level spill at three CTAs per SM went with four, which fits in 64 registers).
-const ALLOWED_SPILLS: &[(&str, u32)] = &[];
+/// Spills accepted on purpose, with the reason (the down decode GEMM's 8-byte pass-level spill
+/// at three CTAs per SM went with four, which fits in 64 registers).
+const ALLOWED_SPILLS: &[(&str, u32)] = &[
+    // the 160-token tile's 160 accumulators: a few set-up values (the output pointer, alpha's
+    // inputs) go to the stack before the K loop and come back after it, none inside
+    ("moe_gemm_nvfp4_sm90rs", 16),
+    ("moe_gemm_gate_up_nvfp4_sm90rs", 16),
+];
 
 #[test]
 fn resource_report_has_no_spills() {
@@ -139,7 +144,9 @@ fn sass_of(nvdisasm: &str, cubin: &[u8], kernel: &str) -> String {
 
 /// ptxas may serialize warpgroup MMAs without a word (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after
 /// each one): the register-A prefill kernels then run a third slower (BENCHMARKS.md, session 7).
-/// Their K loops must keep two MMA groups in flight: waits down to 0 only at the loops' ends.
+/// Their K loops must keep MMA groups in flight, waits down to 0 only at the loops' ends: two
+/// groups at tile widths 32, 64 and 128 tokens, one at 160 (its accumulators leave room for
+/// no more A fragments).
 #[test]
 fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     if !enabled() {
@@ -151,19 +158,24 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     let nvdisasm = nvdisasm.to_string_lossy().into_owned();
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+    // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
+    let (widths, steps) = (4, 2 * 8);
     for kernel in ["moe_gemm_nvfp4_sm90rs", "moe_gemm_gate_up_nvfp4_sm90rs"] {
         let sass = sass_of(&nvdisasm, &cubin, kernel);
         let mmas = sass.matches("HGMMA").count();
-        let drained = sass.matches("WARPGROUP.DEPBAR.LE gsb0, 0x0").count();
-        let pipelined = sass.matches("WARPGROUP.DEPBAR.LE gsb0, 0x2").count();
-        eprintln!("{kernel}: {mmas} HGMMA, {pipelined} waits to 2 in flight, {drained} to 0");
+        // the groups a wait leaves in flight: the immediate after `gsb0, `
+        let waits = |n: &str| {
+            sass.split("WARPGROUP.DEPBAR.LE gsb0, ")
+                .skip(1)
+                .filter(|rest| rest.split([' ', ';']).next() == Some(n))
+                .count()
+        };
+        let (drained, one, two) = (waits("0x0"), waits("0x1"), waits("0x2"));
+        eprintln!("{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}");
+        assert_eq!(mmas, widths * steps * 2, "{kernel}: HGMMA count");
         assert!(
-            mmas >= 96,
-            "{kernel}: {mmas} HGMMA (3 tile widths x 2 chunks x 8 steps x 2)"
-        );
-        assert!(
-            drained <= 3 && pipelined * 2 == mmas,
-            "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {pipelined} to 2, {mmas} HGMMA)"
+            drained <= widths && two == (widths - 1) * steps && one == steps,
+            "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {one} to 1, {two} to 2, {mmas} HGMMA)"
         );
     }
 }

@@ -35,10 +35,15 @@ const SM90_FUSED_BN: usize = 128;
 const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
-/// tiles' chunk), token stages of 32 KB, and their shared memory (R_SMEM_BYTES).
+/// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), token stages of
+/// BM + slack rows x 128 K in BF16, their shared memory (R_SMEM_BYTES) and the rows of one
+/// TMA box (R_BOX_ROWS).
 const SM90_RS_BK: usize = 128;
+const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
-const SM90_RS_SMEM_BYTES: u32 = SM90_RS_STAGES * 32_768 + 2 * SM90_RS_STAGES * 8 + 1024;
+const SM90_RS_SMEM_BYTES: u32 =
+    SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32 + 2 * SM90_RS_STAGES * 8 + 1024;
+const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
@@ -60,6 +65,8 @@ mod sm90_tests {
             "R_STAGES differs from SM90_RS_STAGES"
         );
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
+        assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
+        assert!(src.contains(&format!("#define R_BOX_ROWS {}", super::SM90_RS_BOX_ROWS)));
         assert!(
             src.lines().any(|l| l.trim() == line),
             "{line} not in moe_gemm_sm90.cu"
@@ -102,6 +109,17 @@ fn sm90_rs_disabled() -> bool {
     std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1")
 }
 
+/// The rows an expert's last register-A tile may take past BM: `SM90_RS_SLACK`, or 0 with
+/// `NVFP4DBG_RS_SLACK=0` (A/B runs of the bench: every tile at most BM rows, as before the
+/// wide tiles).
+fn sm90_rs_slack() -> u32 {
+    if std::env::var("NVFP4DBG_RS_SLACK").is_ok_and(|v| v == "0") {
+        0
+    } else {
+        SM90_RS_SLACK as u32
+    }
+}
+
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
 /// 128 (the decode tiles' chunk; their 16-row tiles then never span two experts).
 fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
@@ -130,8 +148,8 @@ impl RsTokens {
         )?;
         let ptr = gpu.ptr(&bf16);
         let rows = n.max(1);
-        let mut maps = tma::bf16_rows_swizzle128(ptr, rows, h, BM as u32)?.to_vec();
-        maps.extend(tma::bf16_rows_swizzle128(ptr, rows, i, BM as u32)?);
+        let mut maps = tma::bf16_rows_swizzle128(ptr, rows, h, SM90_RS_BOX_ROWS)?.to_vec();
+        maps.extend(tma::bf16_rows_swizzle128(ptr, rows, i, SM90_RS_BOX_ROWS)?);
         Ok(RsTokens {
             bf16,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
@@ -145,6 +163,17 @@ enum PrefillLaunch {
     Plain(&'static KernelModule, &'static str, LaunchConfig),
     /// A register-A kernel: its tokens go through `moe_rows_bf16_rs` first.
     Rs(&'static str, LaunchConfig),
+}
+
+impl PrefillLaunch {
+    /// The row tiles the kernel walks: the register-A kernels' last tile of an expert is wide.
+    fn tile_offsets(&self, gpu: &Gpu, ws: &Workspace) -> u64 {
+        let tiles = match self {
+            PrefillLaunch::Plain(..) => &ws.tile_offsets,
+            PrefillLaunch::Rs(..) => &ws.wide_tile_offsets,
+        };
+        gpu.ptr(tiles)
+    }
 }
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
@@ -431,6 +460,9 @@ struct Workspace {
     chunk_base: CudaSlice<u32>,
     expert_offsets: CudaSlice<u32>,
     tile_offsets: CudaSlice<u32>,
+    /// The register-A kernels' row tiles: an expert's last tile takes up to
+    /// `SM90_RS_SLACK` rows more (moe_offsets).
+    wide_tile_offsets: CudaSlice<u32>,
     /// `[1 + E]`: how many experts got rows, then which (moe_offsets).
     active_experts: CudaSlice<u32>,
     sorted_token: CudaSlice<i32>,
@@ -500,6 +532,7 @@ impl Workspace {
             chunk_base: gpu.alloc(nchunks * e, "sort offsets")?,
             expert_offsets: gpu.alloc(e + 1, "expert offsets")?,
             tile_offsets: gpu.alloc(e + 1, "tile offsets")?,
+            wide_tile_offsets: gpu.alloc(e + 1, "wide tile offsets")?,
             active_experts: gpu.alloc(e + 1, "active experts")?,
             sorted_token: gpu.alloc(n, "sorted tokens")?,
             sorted_expert: gpu.alloc(n, "sorted experts")?,
@@ -875,9 +908,11 @@ impl Nvfp4Forward {
                 KArg::U32(nchunks),
                 KArg::U32(e),
                 KArg::U32(BM as u32),
+                KArg::U32(sm90_rs_slack()),
                 KArg::U64(gpu.ptr(&ws.chunk_base)),
                 KArg::U64(gpu.ptr(&ws.expert_offsets)),
                 KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                KArg::U64(gpu.ptr(&ws.wide_tile_offsets)),
                 KArg::U64(gpu.ptr(&ws.active_experts)),
             ],
         )?;
@@ -1166,6 +1201,7 @@ impl Nvfp4Forward {
                         ],
                     )?;
                 } else {
+                    let launch = self.prefill_gemm(true, h, i, ex.wblock);
                     let tail = [
                         KArg::U32(i as u32),
                         KArg::U64(gpu.ptr(&ws.gs1)),
@@ -1173,7 +1209,7 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ex.ws2_3)),
                         KArg::F32(limit),
                         KArg::U32(has_limit),
-                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(launch.tile_offsets(gpu, ws)),
                         KArg::U64(gpu.ptr(&ws.expert_offsets)),
                         KArg::U32(e as u32),
                         KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
@@ -1184,7 +1220,7 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ws.a_f32)),
                         KArg::U64(gpu.ptr(&ws.amax_bits)),
                     ];
-                    match self.prefill_gemm(true, h, i, ex.wblock) {
+                    match launch {
                         PrefillLaunch::Plain(module, kernel, grid) => {
                             let mut args = vec![
                                 KArg::U64(p(&ws.a1q)),
@@ -1257,16 +1293,17 @@ impl Nvfp4Forward {
                     )
                 }
                 GemmKind::Tiled => {
+                    let launch = self.prefill_gemm(false, i, h, ex.wblock);
                     let tail = [
                         KArg::U32(h as u32),
                         KArg::U64(gpu.ptr(&ws.gs2)),
                         KArg::U64(gpu.ptr(&ex.ws2_2)),
-                        KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                        KArg::U64(launch.tile_offsets(gpu, ws)),
                         KArg::U64(gpu.ptr(&ws.expert_offsets)),
                         KArg::U32(e as u32),
                         KArg::U64(gpu.ptr(&ws.y)),
                     ];
-                    match self.prefill_gemm(false, i, h, ex.wblock) {
+                    match launch {
                         PrefillLaunch::Plain(module, kernel, grid) => {
                             let mut args = vec![
                                 KArg::U64(p(&ws.a2q)),

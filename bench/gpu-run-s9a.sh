@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# session 9, first device call: the register-A prefill with wide last tiles (an expert's last
+# tile takes up to 160 rows, one m64n160 tile instead of 128 + a 32-row overflow tile) and
+# token boxes of 32 rows (a tile loads only its own width). GPU tests of the prefill kernels,
+# then prefill and layer figures alternating between: this build ("wide"), this build with
+# NVFP4DBG_RS_SLACK=0 ("narrow": every tile <= 128 rows, the 32-row boxes kept) and the build
+# of c35272d in .dev/gpu-old ("old": 128-row boxes).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
+L=${LABEL:-s9a}
+R=/tmp/$L; mkdir -p $R
+t0=$(date +%s)
+pack() { tar czf $OUT/$L.tgz -C $R .; }
+nvidia-smi -L | tee $R/gpus.txt
+run_test() {  # binary, filter
+    timeout 200 .dev/gpu/$1 --ignored --nocapture --test-threads 1 $2 > $R/$1.txt 2>&1
+    echo "$1 rc=$? at $(( $(date +%s) - t0 )) s: $(grep -E '^test result' $R/$1.txt | tail -1)" | tee -a $R/log.txt
+    grep -E "panicked" -A4 $R/$1.txt | head -10
+}
+run_test gpu_gemm
+run_test gpu_moe
+run_test gpu_graph
+pack
+for i in 1 2; do
+    for v in "wide|gpu|" "narrow|gpu|0" "old|gpu-old|"; do
+        IFS='|' read -r n b slack <<< "$v"
+        NVFP4DBG_RS_SLACK=$slack timeout 60 .dev/$b/nvfp4dbg bench --device cuda --no-report-dir -q --quick \
+            --only floors,gemm_prefill,layer_4096 --json $R/$n-$i.json > $R/$n-$i.txt 2>&1
+    done
+    echo "bench round $i at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+    pack
+done
+python3 - $R <<'PY'
+import json, glob, os, sys, statistics
+R = sys.argv[1]
+rows = {}
+for f in sorted(glob.glob(os.path.join(R, "*-[0-9].json"))):
+    v = os.path.basename(f).split("-")[0]
+    try:
+        res = json.load(open(f))["results"]
+    except Exception as e:
+        print(f, "unreadable", e); continue
+    for r in res:
+        if r.get("median_ms") is not None:
+            rows.setdefault((r["name"], v), []).append((r["median_ms"], r.get("ratio")))
+for n in sorted({k[0] for k in rows}):
+    print(n, "  ".join(f"{v}: {statistics.median(m for m, _ in rows[(n, v)]):.4f} ms"
+                       + (f" ({statistics.median(x for _, x in rows[(n, v)] if x is not None):.3f})" if any(x for _, x in rows[(n, v)]) else "")
+                       for v in ("wide", "narrow", "old") if (n, v) in rows))
+PY
+pack
+echo "total $(( $(date +%s) - t0 )) s"
