@@ -15,7 +15,7 @@ t0=$(date +%s)
 pack() { tar czf $OUT/$L.tgz -C $R .; }
 nvidia-smi -L | tee $R/gpus.txt
 run_test() {  # binary, filter
-    timeout 200 .dev/gpu/$1 --ignored --nocapture --test-threads 1 $2 > $R/$1.txt 2>&1
+    timeout 200 .dev/gpu/$1 --ignored --nocapture --test-threads 1 ${2:-} > $R/$1.txt 2>&1
     echo "$1 rc=$? at $(( $(date +%s) - t0 )) s: $(grep -E '^test result' $R/$1.txt | tail -1)" | tee -a $R/log.txt
     grep -E "panicked" -A4 $R/$1.txt | head -10
 }
