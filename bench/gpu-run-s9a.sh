@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # session 9, first device call: the register-A prefill with wide last tiles (an expert's last
 # tile takes up to 160 rows, one m64n160 tile instead of 128 + a 32-row overflow tile) and
-# token boxes of 32 rows (a tile loads only its own width). GPU tests of the prefill kernels,
+# token boxes of 128 and 32 rows (a tile loads only its own width). GPU tests of the prefill kernels,
 # then prefill and layer figures alternating between: this build ("wide"), this build with
 # NVFP4DBG_RS_SLACK=0 ("narrow": every tile <= 128 rows, the 32-row boxes kept) and the build
 # of c35272d in .dev/gpu-old ("old": 128-row boxes).

@@ -36,8 +36,8 @@ const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
 /// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), token stages of
-/// BM + slack rows x 128 K in BF16, their shared memory (R_SMEM_BYTES) and the rows of one
-/// TMA box (R_BOX_ROWS).
+/// BM + slack rows x 128 K in BF16, their shared memory (R_SMEM_BYTES) and the rows of the
+/// small TMA box (R_BOX_ROWS; the big one is BM rows).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
@@ -136,7 +136,8 @@ fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
 /// `[N, I]` (down); a tile copy moves bits, so the maps' BF16 element type serves both.
 struct RsTokens {
     bf16: CudaSlice<u16>,
-    /// two tensor maps of 16 words: gate/up, then down
+    /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
+    /// rows, then down in the same two
     maps: CudaSlice<u64>,
 }
 
@@ -148,8 +149,13 @@ impl RsTokens {
         )?;
         let ptr = gpu.ptr(&bf16);
         let rows = n.max(1);
-        let mut maps = tma::bf16_rows_swizzle128(ptr, rows, h, SM90_RS_BOX_ROWS)?.to_vec();
-        maps.extend(tma::bf16_rows_swizzle128(ptr, rows, i, SM90_RS_BOX_ROWS)?);
+        // per GEMM (gate/up K = H, then down K = I): boxes of BM rows, then of SM90_RS_BOX_ROWS
+        let mut maps = Vec::with_capacity(4 * 16);
+        for k in [h, i] {
+            for box_rows in [BM as u32, SM90_RS_BOX_ROWS] {
+                maps.extend(tma::bf16_rows_swizzle128(ptr, rows, k, box_rows)?);
+            }
+        }
         Ok(RsTokens {
             bf16,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
@@ -1020,9 +1026,9 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&rs.bf16)),
             ],
         )?;
-        // the gate/up map (K = H) first, then the down map: 128 bytes each
+        // the gate/up maps (K = H) first, then the down maps: two of 128 bytes each
         let down = k != self.layer.config.hidden_size;
-        Ok(gpu.ptr(&rs.maps) + if down { 128 } else { 0 })
+        Ok(gpu.ptr(&rs.maps) + if down { 256 } else { 0 })
     }
 
     /// Which prefill GEMM kernels this forward launches (tests compare them).
