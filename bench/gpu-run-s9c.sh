@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# session 9, third device call (build of the wide-tile commit): the register-A prefill's L2
+# prefetch distance now that each expert's weights stream from DRAM once (one tile per expert
+# at 4096 tokens): RS_L2_AHEAD 4 (default), 6, 8 and 2 (none), prefill figures alternating.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
+L=${LABEL:-s9c}
+R=/tmp/$L; mkdir -p $R
+t0=$(date +%s)
+pack() { tar czf $OUT/$L.tgz -C $R .; }
+VARIANTS=${VARIANTS:-"l2a4| l2a6|-DRS_L2_AHEAD=6 l2a8|-DRS_L2_AHEAD=8 l2a2|-DRS_L2_AHEAD=2"}
+for i in 1 2; do
+    for v in $VARIANTS; do
+        n=${v%%|*}
+        NVFP4DBG_NVRTC_DEFINES="${v#*|}" timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick \
+            --only gemm_prefill --json $R/$n-$i.json > $R/$n-$i.txt 2>&1
+    done
+    echo "bench round $i at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
+    pack
+done
+python3 - $R "$VARIANTS" <<'PY'
+import json, glob, os, sys, statistics
+R, variants = sys.argv[1], [v.split("|")[0] for v in sys.argv[2].split()]
+rows = {}
+for f in sorted(glob.glob(os.path.join(R, "*-[0-9].json"))):
+    v = os.path.basename(f).rsplit("-", 1)[0]
+    try:
+        res = json.load(open(f))["results"]
+    except Exception as e:
+        print(f, "unreadable", e); continue
+    for r in res:
+        if r.get("median_ms") is not None:
+            rows.setdefault((r["name"], v), []).append((r["median_ms"], r.get("ratio")))
+for n in sorted({k[0] for k in rows}):
+    print(n, "  ".join(f"{v}: {statistics.median(m for m, _ in rows[(n, v)]):.4f} ms"
+                       + (f" ({statistics.median(x for _, x in rows[(n, v)] if x is not None):.3f})" if any(x for _, x in rows[(n, v)]) else "")
+                       for v in variants if (n, v) in rows))
+PY
+pack
+echo "total $(( $(date +%s) - t0 )) s"
