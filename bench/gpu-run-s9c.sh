@@ -2,6 +2,7 @@
 # session 9, third device call (build of the wide-tile commit): the register-A prefill's L2
 # prefetch distance now that each expert's weights stream from DRAM once (one tile per expert
 # at 4096 tokens): RS_L2_AHEAD 4 (default), 6, 8 and 2 (none), prefill figures alternating.
+# (The macro is now one per kernel, RS_L2_AHEAD_DOWN / RS_L2_AHEAD_GATE_UP: pass VARIANTS.)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}

@@ -498,11 +498,17 @@ static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start 
 #define RS_INFLIGHT 2
 #endif
 static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
-// The weights of chunk c + RS_L2_AHEAD are prefetched into L2 while chunk c runs (0: none).
-// The registers hold only one chunk ahead (about 2000 cycles at N = 128, less than a DRAM
-// round trip under load: ncu put a fifth of the stall cycles on those loads).
-#ifndef RS_L2_AHEAD
-#define RS_L2_AHEAD 4
+// The weights of chunk c + L2_AHEAD are prefetched into L2 while chunk c runs (2 or less:
+// none). The registers hold only one chunk ahead (about 2000 cycles at N = 128, less than a
+// DRAM round trip under load: ncu put a fifth of the stall cycles on those loads, session 7).
+// Measured per kernel once each expert's weights streamed from DRAM once (s9c, 4096 tokens):
+// the down projection gains from 4 chunks ahead (1.797 ms against 1.861 without), the gate/up
+// loses (4.357 ms against 4.197 without: its two matrices double the prefetches).
+#ifndef RS_L2_AHEAD_DOWN
+#define RS_L2_AHEAD_DOWN 4
+#endif
+#ifndef RS_L2_AHEAD_GATE_UP
+#define RS_L2_AHEAD_GATE_UP 0
 #endif
 #if RS_F16
 #define RS_AB "f16.f16"
@@ -784,7 +790,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 // The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
 // acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
 // every MMA complete and every warp past the loop (the stages may then be reused).
-template <int N>
+template <int N, int L2_AHEAD>
 __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
                                             float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
@@ -807,15 +813,14 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-#if RS_L2_AHEAD > 2
-    for (u32 c = 2; c < RS_L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-#endif
+    if (L2_AHEAD > 2)
+        for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
     for (u32 c = 0; c < nk; c += 2) {
-        if (RS_L2_AHEAD > 2 && c + RS_L2_AHEAD < nk) rs_prefetch_l2(wr, c + RS_L2_AHEAD);
+        if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
         rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
         if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
         if (c + 1 < nk) {
-            if (RS_L2_AHEAD > 2 && c + 1 + RS_L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + RS_L2_AHEAD);
+            if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
             rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
@@ -843,24 +848,24 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 
 // One tile's K loop at the narrowest width N (160, 128, 64 or 32 tokens) that holds its ntok
 // tokens, then epi(acc) with the accumulators as rs_mainloop leaves them.
-template <typename Epi>
+template <int L2_AHEAD, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
     if (ntok > 128) {
         float acc[2][80];
-        rs_mainloop<160>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 64) {
         float acc[2][64];
-        rs_mainloop<128>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 32) {
         float acc[2][32];
-        rs_mainloop<64>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<64, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
-        rs_mainloop<32>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<32, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
 }
@@ -966,7 +971,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
-    rs_tile(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         rs_store_rows(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     });
 #else
@@ -998,7 +1003,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sa = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
-    rs_tile(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
         rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, sa);
     });
