@@ -504,6 +504,10 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // Measured per kernel once each expert's weights streamed from DRAM once (s9c, 4096 tokens):
 // the down projection gains from 4 chunks ahead (1.797 ms against 1.861 without), the gate/up
 // loses (4.357 ms against 4.197 without: its two matrices double the prefetches).
+// A 144-token width between 128 and 160 (0: tiles of 129-160 tokens all run at 160).
+#ifndef RS_N144
+#define RS_N144 1
+#endif
 #ifndef RS_L2_AHEAD_DOWN
 #define RS_L2_AHEAD_DOWN 4
 #endif
@@ -554,6 +558,20 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const u32 (&
           "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
           "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n144k16_rs(float (&d)[72], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %77, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n144k16.f32." RS_AB " {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71"
+        "}, {%72,%73,%74,%75}, %76, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
 }
 
@@ -656,6 +674,9 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 template <int N> struct RsMma;
+template <> struct RsMma<144> {
+    static __device__ __forceinline__ void mma(float (&d)[72], const u32 (&a)[4], u64 db) { wgmma_m64n144k16_rs(d, a, db); }
+};
 template <> struct RsMma<160> {
     static __device__ __forceinline__ void mma(float (&d)[80], const u32 (&a)[4], u64 db) { wgmma_m64n160k16_rs(d, a, db); }
 };
@@ -687,16 +708,17 @@ struct RBars {
 
 // Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + N - 1) into its stage. `tmap` holds
 // two tensor maps of the same tokens: boxes of 128 rows, then (128 bytes on) boxes of 32 rows;
-// each 64-wide half of the chunk takes N / 128 big boxes and then (N % 128) / 32 small ones
-// (R_BN rows of 128 bytes a half; boxes start at 1024-byte steps, so the swizzle composes).
+// each 64-wide half of the chunk takes N / 128 big boxes and then ceil((N % 128) / 32) small
+// ones (R_BN rows of 128 bytes a half, so N = 144 loads 16 rows it does not use; boxes start
+// at 1024-byte steps, so the swizzle composes).
 // Small boxes only (8 for 128 rows) measured 3-4% slower than one big box (s9a).
 template <int N>
 __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
-    constexpr int BIG = N / 128, SMALL = (N % 128) / R_BOX_ROWS;
-    static_assert(BIG * 128 + SMALL * R_BOX_ROWS == N, "a tile is 128-row boxes then 32-row boxes");
+    constexpr int BIG = N / 128, SMALL = (N % 128 + R_BOX_ROWS - 1) / R_BOX_ROWS;
+    static_assert(BIG * 128 + SMALL * R_BOX_ROWS <= R_BN, "the boxes fit a stage");
     const void* tmap_small = reinterpret_cast<const u8*>(tmap) + 128;
     u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
-    mbar_arrive_expect_tx(bars.full(s), 2 * N * 128);
+    mbar_arrive_expect_tx(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int k = (int)(c * R_BK + 64 * h);
@@ -846,14 +868,19 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
     return r;
 }
 
-// One tile's K loop at the narrowest width N (160, 128, 64 or 32 tokens) that holds its ntok
-// tokens, then epi(acc) with the accumulators as rs_mainloop leaves them.
+// One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
+// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
+// 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
 template <int L2_AHEAD, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
-    if (ntok > 128) {
+    if (ntok > (RS_N144 ? 144u : 128u)) {
         float acc[2][80];
         rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (RS_N144 && ntok > 128) {
+        float acc[2][72];
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 64) {
         float acc[2][64];
