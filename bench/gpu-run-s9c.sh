@@ -12,7 +12,7 @@ R=/tmp/$L; mkdir -p $R
 t0=$(date +%s)
 pack() { tar czf $OUT/$L.tgz -C $R .; }
 VARIANTS=${VARIANTS:-"l2a4| l2a6|-DRS_L2_AHEAD=6 l2a8|-DRS_L2_AHEAD=8 l2a2|-DRS_L2_AHEAD=2"}
-for i in 1 2; do
+for i in $(seq ${ROUNDS:-2}); do
     for v in $VARIANTS; do
         n=${v%%|*}
         NVFP4DBG_NVRTC_DEFINES="${v#*|}" timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick \

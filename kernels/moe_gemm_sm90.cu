@@ -504,9 +504,14 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // Measured per kernel once each expert's weights streamed from DRAM once (s9c, 4096 tokens):
 // the down projection gains from 4 chunks ahead (1.797 ms against 1.861 without), the gate/up
 // loses (4.357 ms against 4.197 without: its two matrices double the prefetches).
-// A 144-token width between 128 and 160 (0: tiles of 129-160 tokens all run at 160).
-#ifndef RS_N144
-#define RS_N144 1
+// A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
+// 160). s9e: the gate/up gained from it (4.14-4.19 ms against 4.26-4.27), the down lost
+// (1.86-1.93 against 1.80).
+#ifndef RS_N144_DOWN
+#define RS_N144_DOWN 0
+#endif
+#ifndef RS_N144_GATE_UP
+#define RS_N144_GATE_UP 1
 #endif
 #ifndef RS_L2_AHEAD_DOWN
 #define RS_L2_AHEAD_DOWN 4
@@ -871,14 +876,14 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 // One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
 // ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
 // 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
-template <int L2_AHEAD, typename Epi>
+template <int L2_AHEAD, bool N144, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
-    if (ntok > (RS_N144 ? 144u : 128u)) {
+    if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
         rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
-    } else if (RS_N144 && ntok > 128) {
+    } else if (N144 && ntok > 128) {
         float acc[2][72];
         rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
@@ -998,7 +1003,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
-    rs_tile<RS_L2_AHEAD_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         rs_store_rows(acc, row0, r0, r1, nout, __fmul_rn(rcp_ref(gs[e]), ws2[e]), out);
     });
 #else
@@ -1030,7 +1035,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sa = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
-    rs_tile<RS_L2_AHEAD_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
         rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, sa);
     });

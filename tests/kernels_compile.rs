@@ -145,8 +145,8 @@ fn sass_of(nvdisasm: &str, cubin: &[u8], kernel: &str) -> String {
 /// ptxas may serialize warpgroup MMAs without a word (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after
 /// each one): the register-A prefill kernels then run a third slower (BENCHMARKS.md, session 7).
 /// Their K loops must keep MMA groups in flight, waits down to 0 only at the loops' ends: two
-/// groups at tile widths 32, 64 and 128 tokens, one at 144 and 160 (their accumulators leave
-/// room for no more A fragments).
+/// groups at tile widths 32, 64 and 128 tokens, one at 144 (the gate/up only) and 160 (their
+/// accumulators leave room for no more A fragments).
 #[test]
 fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     if !enabled() {
@@ -159,8 +159,11 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
     // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
-    let (widths, wide, steps) = (5, 2, 2 * 8);
-    for kernel in ["moe_gemm_nvfp4_sm90rs", "moe_gemm_gate_up_nvfp4_sm90rs"] {
+    let steps = 2 * 8;
+    for (kernel, widths, wide) in [
+        ("moe_gemm_nvfp4_sm90rs", 4, 1),
+        ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),
+    ] {
         let sass = sass_of(&nvdisasm, &cubin, kernel);
         let mmas = sass.matches("HGMMA").count();
         // the groups a wait leaves in flight: the immediate after `gsb0, `
