@@ -174,7 +174,9 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
                 .count()
         };
         let (drained, one, two) = (waits("0x0"), waits("0x1"), waits("0x2"));
-        eprintln!("{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}");
+        eprintln!(
+            "{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}"
+        );
         assert_eq!(mmas, widths * steps * 2, "{kernel}: HGMMA count");
         assert!(
             drained <= widths && two == (widths - wide) * steps && one == wide * steps,

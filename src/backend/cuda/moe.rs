@@ -181,6 +181,7 @@ impl PrefillLaunch {
         gpu.ptr(tiles)
     }
 }
+
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
 
