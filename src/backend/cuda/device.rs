@@ -296,11 +296,21 @@ impl Gpu {
             match mods.get(module.file) {
                 Some(m) => m.clone(),
                 None => {
-                    let cubin = nvrtc::compile_cubin(module, &self.arch)?;
-                    let m = self
-                        .ctx
-                        .load_module(Ptx::from_binary(cubin))
-                        .map_err(|e| driver_err("loading the CUBIN", module.file, e))?;
+                    let (cubin, cached) = nvrtc::cached_cubin(module, &self.arch)?;
+                    let m = match (self.ctx.load_module(Ptx::from_binary(cubin)), cached) {
+                        (Ok(m), _) => m,
+                        // a cached CUBIN the driver refuses: forget it and compile anew
+                        (Err(_), Some(path)) => {
+                            nvrtc::forget_cached(&path);
+                            let cubin = nvrtc::compile_cubin(module, &self.arch)?;
+                            self.ctx
+                                .load_module(Ptx::from_binary(cubin))
+                                .map_err(|e| driver_err("loading the CUBIN", module.file, e))?
+                        }
+                        (Err(e), None) => {
+                            return Err(driver_err("loading the CUBIN", module.file, e))
+                        }
+                    };
                     mods.insert(module.file, m.clone());
                     m
                 }

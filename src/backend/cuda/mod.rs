@@ -3,6 +3,7 @@
 
 pub mod blas;
 pub mod budget;
+mod cubin_cache;
 pub mod dequant;
 pub mod device;
 pub mod fault;

@@ -260,6 +260,36 @@ pub fn compile_cubin(module: &KernelModule, arch: &str) -> Result<Vec<u8>> {
     compile_cubin_with(module, arch, &[]).map(|(c, _)| c)
 }
 
+/// [`compile_cubin`] through the on-disk cache (`cubin_cache`): the CUBIN and, when it came
+/// from the cache, its path (forget it with [`forget_cached`] if the driver refuses it).
+pub fn cached_cubin(module: &KernelModule, arch: &str) -> Result<(Vec<u8>, Option<PathBuf>)> {
+    require_nvrtc()?;
+    let (major, minor) = nvrtc_version()?;
+    let source = super::fault::source(module)?;
+    let options = compile_options(arch).join("\n");
+    let version = format!("NVRTC {major}.{minor}");
+    let key = super::cubin_cache::digest(&[
+        module.file.as_bytes(),
+        source.as_bytes(),
+        COMMON_HEADER.1.as_bytes(),
+        options.as_bytes(),
+        version.as_bytes(),
+    ]);
+    let stem = module
+        .file
+        .trim_start_matches("kernels/")
+        .trim_end_matches(".cu");
+    let dir = super::cubin_cache::dir();
+    super::cubin_cache::get_or_compile(dir.as_deref(), &format!("{stem}.{arch}"), &key, || {
+        compile_cubin(module, arch)
+    })
+}
+
+/// Drop a cached CUBIN (one the driver would not load).
+pub fn forget_cached(path: &std::path::Path) {
+    super::cubin_cache::forget(path)
+}
+
 /// [`compile_cubin`] with extra NVRTC options (e.g. `--ptxas-options=--verbose` for the
 /// register / spill report); also returns the compile log.
 pub fn compile_cubin_with(
