@@ -32,23 +32,6 @@ for i in 1 2; do
     echo "bench round $i at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
     pack
 done
-python3 - $R <<'PY'
-import json, glob, os, sys, statistics
-R = sys.argv[1]
-rows = {}
-for f in sorted(glob.glob(os.path.join(R, "*-[0-9].json"))):
-    v = os.path.basename(f).split("-")[0]
-    try:
-        res = json.load(open(f))["results"]
-    except Exception as e:
-        print(f, "unreadable", e); continue
-    for r in res:
-        if r.get("median_ms") is not None:
-            rows.setdefault((r["name"], v), []).append((r["median_ms"], r.get("ratio")))
-for n in sorted({k[0] for k in rows}):
-    print(n, "  ".join(f"{v}: {statistics.median(m for m, _ in rows[(n, v)]):.4f} ms"
-                       + (f" ({statistics.median(x for _, x in rows[(n, v)] if x is not None):.3f})" if any(x for _, x in rows[(n, v)]) else "")
-                       for v in ("wide", "narrow", "old") if (n, v) in rows))
-PY
+python3 bench/ab_summary.py $R wide narrow old
 pack
 echo "total $(( $(date +%s) - t0 )) s"
