@@ -9,6 +9,7 @@
 //! `~/.cache/nvfp4dbg/cubin`. `NVFP4DBG_CACHE_DIR=off` turns it off.
 
 use crate::error::Result;
+use crate::weights::view::Fingerprint;
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
 
@@ -26,18 +27,19 @@ pub(crate) fn dir() -> Option<PathBuf> {
 }
 
 /// A 128-bit digest of `parts` (each length-prefixed, so their boundaries count): SipHash-1-3
-/// with zero keys (std's `DefaultHasher::new()`) beside FNV-1a, as 32 hex digits.
+/// with zero keys (std's `DefaultHasher::new()`) beside the weight comparison's
+/// [`Fingerprint`], as 32 hex digits.
 pub(crate) fn digest(parts: &[&[u8]]) -> String {
     let mut sip = std::hash::DefaultHasher::new();
-    let mut fnv: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut fp = Fingerprint::new();
     for p in parts {
-        for b in (p.len() as u64).to_le_bytes().iter().chain(p.iter()) {
-            fnv = (fnv ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        let len = (p.len() as u64).to_le_bytes();
+        fp.update(&len);
+        fp.update(p);
         sip.write_u64(p.len() as u64);
         sip.write(p);
     }
-    format!("{:016x}{fnv:016x}", sip.finish())
+    format!("{:016x}{:016x}", sip.finish(), fp.finish())
 }
 
 /// The CUBIN named `name` (a file stem) and `key` in `dir`, or `compile()`'s, which is then
