@@ -6,7 +6,7 @@ mod gpu_common;
 
 use gpu_common::*;
 use nvfp4dbg::backend::cpu::CpuBackend;
-use nvfp4dbg::backend::cuda::moe::Nvfp4Forward;
+use nvfp4dbg::backend::cuda::moe::{InputQuantize, Nvfp4Forward};
 use nvfp4dbg::backend::cuda::quant;
 use nvfp4dbg::backend::Backend;
 use nvfp4dbg::metrics;
@@ -485,6 +485,117 @@ fn cuda_graph_replay_matches_eager() {
             &replay1.out,
             &want.out,
             MIN_COSINE,
+        );
+    }
+}
+
+/// The expert inputs quantized token by token (each hidden row read once, written to its k
+/// sorted rows) against the row gather: the same outputs, per-slot rows and activation block
+/// statistics, bit for bit, with fixed and dynamic scales, both flavors, at a decode and a
+/// prefill batch. (The gather path is the one checked against the CPU elsewhere.)
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn expert_inputs_scattered_token_by_token_equal_the_gather() {
+    let b = backend();
+    let (mut r, seed) = rng("expert_inputs_scattered_token_by_token_equal_the_gather");
+    let spec = LayerSpec {
+        e: 32,
+        k: 8,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let layer = build_layer(&mut r, spec);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for tokens in [5, 700] {
+        let x = hidden(&mut r, tokens, spec.h);
+        for (scales, flavor) in [
+            (fixed_scales(&layer, &x), Flavor::Reference),
+            (ActScales::Dynamic, Flavor::CudaFast),
+        ] {
+            let run = |how: InputQuantize| {
+                let mut f =
+                    Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, flavor, true).unwrap();
+                f.set_input_quantize(how);
+                f.route_on_gpu(None).unwrap();
+                f.set_hidden(&x).unwrap();
+                f.run().unwrap()
+            };
+            let (g, s) = (run(InputQuantize::Gather), run(InputQuantize::Scatter));
+            let what = format!("seed {seed}, {tokens} tokens, {flavor:?}");
+            assert_eq!(bits(&s.out), bits(&g.out), "{what}: outputs differ");
+            assert_eq!(
+                bits(s.per_slot.as_ref().unwrap()),
+                bits(g.per_slot.as_ref().unwrap()),
+                "{what}: per-slot rows differ"
+            );
+            assert_eq!(s.act_stats, g.act_stats, "{what}: block statistics differ");
+            assert!(s.out.iter().all(|v| v.is_finite()), "{what}");
+        }
+    }
+}
+
+/// The shared expert on the side stream (the default) against the same forward on one
+/// stream: bit-identical outputs, eager and replayed from a graph, at a decode and a prefill
+/// batch, and the shared expert is really in them (without it the output differs).
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn the_shared_expert_beside_the_routed_ones_changes_no_bit() {
+    let b = backend();
+    let (mut r, seed) = rng("the_shared_expert_beside_the_routed_ones_changes_no_bit");
+    let spec = LayerSpec {
+        e: 32,
+        k: 8,
+        ..LayerSpec::small(ScoringFunc::Sigmoid)
+    };
+    let layer = build_layer(&mut r, spec);
+    assert!(layer.shared.is_some());
+    let mut plain = layer.clone();
+    plain.shared = None;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for tokens in [8, 600] {
+        let x = hidden(&mut r, tokens, spec.h);
+        let other = hidden(&mut r, tokens, spec.h);
+        let scales = fixed_scales(&layer, &x);
+        let run = |layer: &MoeLayer, beside: bool, graph: bool| {
+            let mut f = Nvfp4Forward::new(b.gpu(), layer, tokens, &scales, Flavor::Reference, true)
+                .unwrap();
+            f.set_shared_beside(beside);
+            f.route_on_gpu(None).unwrap();
+            f.set_hidden(&x).unwrap();
+            if graph {
+                let g = f.capture().unwrap();
+                // a replay on other input first, so the one read back is not the warm-up's
+                g.set_hidden(&other).unwrap();
+                g.replay().unwrap();
+                g.set_hidden(&x).unwrap();
+                g.run().unwrap()
+            } else {
+                f.run().unwrap()
+            }
+        };
+        let one_stream = run(&layer, false, false);
+        let what = format!("seed {seed}, {tokens} tokens");
+        for graph in [false, true] {
+            let beside = run(&layer, true, graph);
+            assert_eq!(
+                bits(&beside.out),
+                bits(&one_stream.out),
+                "{what}, graph {graph}: the shared expert beside changes the output"
+            );
+            assert_eq!(
+                bits(beside.per_slot.as_ref().unwrap()),
+                bits(one_stream.per_slot.as_ref().unwrap())
+            );
+        }
+        let without = run(&plain, true, false);
+        assert_eq!(
+            bits(without.per_slot.as_ref().unwrap()),
+            bits(one_stream.per_slot.as_ref().unwrap()),
+            "{what}: the routed experts do not depend on the shared one"
+        );
+        assert_ne!(
+            bits(&without.out),
+            bits(&one_stream.out),
+            "{what}: the shared expert adds nothing"
         );
     }
 }

@@ -586,6 +586,7 @@ impl Runner<'_> {
                     if let Some(v) = &split {
                         spec.details.insert("stage_median_ms".into(), v.clone());
                     }
+                    spec.details.insert("schedule".into(), json!(f.schedule()));
                     self.record(spec, Ok(s))?;
                 }
                 Err(e) => {

@@ -187,6 +187,10 @@ pub struct Gpu {
     /// [`Gpu::persistent_grid`]'s answers by (kernel, threads, shared memory).
     grids: Mutex<HashMap<(&'static str, u32, u32), LaunchConfig>>,
     blas: Mutex<Option<Arc<Blas>>>,
+    /// The side stream and its own cuBLAS handle ([`Gpu::fork_side`]), made at first use.
+    side: Mutex<Option<(Arc<CudaStream>, Arc<Blas>)>>,
+    /// Set while [`Gpu::fork_side`] enqueues: launches, fills and cuBLAS go to the side stream.
+    on_side: AtomicBool,
     /// Kernels launched since the last synchronization, to name them in an async error.
     pending: Mutex<Vec<&'static str>>,
     /// `NVFP4DBG_CUDA_SYNC=1`: synchronize after every launch to pin an error on its kernel.
@@ -226,6 +230,8 @@ impl Gpu {
             funcs: Mutex::new(HashMap::new()),
             grids: Mutex::new(HashMap::new()),
             blas: Mutex::new(None),
+            side: Mutex::new(None),
+            on_side: AtomicBool::new(false),
             pending: Mutex::new(Vec::new()),
             sync_each: std::env::var("NVFP4DBG_CUDA_SYNC").is_ok_and(|v| v == "1"),
             capturing: AtomicBool::new(false),
@@ -378,7 +384,8 @@ impl Gpu {
             self.launch_programmatic(&f, cfg, args)
                 .map_err(|e| driver_err("kernel launch (programmatic)", kernel, e))?;
         } else {
-            let mut b = self.stream.launch_builder(&f);
+            let stream = self.work_stream();
+            let mut b = stream.launch_builder(&f);
             for a in args {
                 match a {
                     KArg::U64(v) => b.arg(v),
@@ -431,7 +438,7 @@ impl Gpu {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: self.work_stream().cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,
         };
@@ -472,7 +479,10 @@ impl Gpu {
 
     /// Wait for the stream; an error names the kernels launched since the last sync.
     pub fn sync(&self, step: &str) -> Result<()> {
-        let r = self.stream.synchronize();
+        let side = lock(&self.side).as_ref().map(|(s, _)| s.clone());
+        let r = side
+            .map_or(Ok(()), |s| s.synchronize())
+            .and_then(|_| self.stream.synchronize());
         let kernels = std::mem::take(&mut *lock(&self.pending));
         r.map_err(|e| {
             let mut names: Vec<&str> = Vec::new();
@@ -525,7 +535,7 @@ impl Gpu {
 
     /// Set `bytes` bytes at device address `ptr` to `byte` (stream-ordered; capturable).
     pub(crate) fn fill_raw(&self, ptr: u64, bytes: usize, byte: u8, what: &str) -> Result<()> {
-        unsafe { drv::memset_d8_async(ptr, byte, bytes, self.stream.cu_stream()) }
+        unsafe { drv::memset_d8_async(ptr, byte, bytes, self.work_stream().cu_stream()) }
             .map_err(|e| self.stream_err(&format!("filling {what}"), e))
     }
 
@@ -617,10 +627,24 @@ impl Gpu {
     }
 
     pub(crate) fn blas(&self) -> Result<Arc<Blas>> {
+        if self.on_side.load(Ordering::Relaxed) {
+            if let Some((_, b)) = lock(&self.side).as_ref() {
+                return Ok(b.clone());
+            }
+        }
         let mut g = lock(&self.blas);
         if let Some(b) = g.as_ref() {
             return Ok(b.clone());
         }
+        let b = self.new_blas(self.stream.clone())?;
+        *g = Some(b.clone());
+        Ok(b)
+    }
+
+    /// A cuBLAS handle on `stream` with its own workspace (two handles sharing one workspace
+    /// on two streams would race). The workspace is allocated on the main stream: a side
+    /// stream uses it only after [`Gpu::fork_side`]'s wait on the main stream.
+    fn new_blas(&self, stream: Arc<CudaStream>) -> Result<Arc<Blas>> {
         let present = quietly(|| unsafe { cublas_sys::is_culib_present() }).unwrap_or(false);
         if !present {
             return Err(Error::NoGpu(
@@ -629,7 +653,7 @@ impl Gpu {
                     .into(),
             ));
         }
-        let blas = quietly(|| CudaBlas::new(self.stream.clone()))
+        let blas = quietly(|| CudaBlas::new(stream.clone()))
             .map_err(|p| Error::NoGpu(format!("libcublas: {p}")))?
             .map_err(|e| cublas_err("creating the cuBLAS handle", "cublas", e))?;
         let ws = self.zeros::<u8>(BLAS_WORKSPACE, "the cuBLAS workspace")?;
@@ -639,13 +663,70 @@ impl Gpu {
                 .result()
                 .map_err(|e| cublas_err("setting the cuBLAS workspace", "cublas", e))?;
         }
-        let b = Arc::new(Blas {
+        Ok(Arc::new(Blas {
             blas: std::mem::ManuallyDrop::new(blas),
             _workspace: ws,
-            stream: self.stream.clone(),
-        });
-        *g = Some(b.clone());
-        Ok(b)
+            stream,
+        }))
+    }
+
+    /// The stream launches, fills and cuBLAS calls go to: the side stream inside
+    /// [`Gpu::fork_side`], else the main one.
+    fn work_stream(&self) -> Arc<CudaStream> {
+        if self.on_side.load(Ordering::Relaxed) {
+            if let Some((s, _)) = lock(&self.side).as_ref() {
+                return s.clone();
+            }
+        }
+        self.stream.clone()
+    }
+
+    /// Enqueue `enqueue`'s launches, fills and cuBLAS calls on a second stream that first
+    /// waits for everything on the main stream so far; the main stream goes on without
+    /// waiting for them until [`Gpu::join_side`]. For independent work that can fill the
+    /// multiprocessors the main stream's kernels leave idle (the shared expert beside the
+    /// routed ones). Inside a stream capture the wait and the join are graph edges. The side
+    /// stream and its cuBLAS handle are made at the first call, which must not be inside a
+    /// capture (a forward is captured after an eager warm-up).
+    pub(crate) fn fork_side(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<()> {
+        let side = {
+            let mut g = lock(&self.side);
+            match g.as_ref() {
+                Some((s, _)) => s.clone(),
+                None => {
+                    if self.capturing.load(Ordering::Relaxed) {
+                        return Err(Error::usage(
+                            "internal: the side stream is first used inside a graph capture",
+                        ));
+                    }
+                    let s = self
+                        .ctx
+                        .new_stream()
+                        .map_err(|e| driver_err("creating the side stream", "-", e))?;
+                    let b = self.new_blas(s.clone())?;
+                    *g = Some((s.clone(), b));
+                    s
+                }
+            }
+        };
+        side.join(&self.stream)
+            .map_err(|e| driver_err("the side stream waiting for the main one", "-", e))?;
+        self.on_side.store(true, Ordering::Relaxed);
+        let r = enqueue();
+        self.on_side.store(false, Ordering::Relaxed);
+        r
+    }
+
+    /// The main stream waits for everything enqueued on the side stream so far.
+    pub(crate) fn join_side(&self) -> Result<()> {
+        let side = lock(&self.side).as_ref().map(|(s, _)| s.clone());
+        match side {
+            Some(s) => self
+                .stream
+                .join(&s)
+                .map_err(|e| driver_err("the main stream waiting for the side one", "-", e)),
+            None => Ok(()),
+        }
     }
 }
 

@@ -105,6 +105,38 @@ pub enum PrefillGemm {
 }
 
 /// `NVFP4DBG_SM90=v1`: Auto keeps the first wgmma kernels (A/B runs of the bench).
+/// `NVFP4DBG_SHARED_STREAM=0`: the shared expert after the routed ones, on the one stream.
+fn shared_beside_default() -> bool {
+    !std::env::var("NVFP4DBG_SHARED_STREAM").is_ok_and(|v| v == "0")
+}
+
+/// How the prologue quantizes the expert inputs (the same codes, scales and statistics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputQuantize {
+    /// Token by token (`nvfp4_quantize_f32_scatter`): each hidden row read once and written
+    /// to its k sorted rows.
+    Scatter,
+    /// Sorted row by sorted row through a row gather: each hidden row read k times.
+    Gather,
+    /// Scatter from [`SCATTER_FROM_BYTES`] of hidden states on, else gather.
+    Auto,
+}
+
+/// The hidden-state size (f32) from which [`InputQuantize::Auto`] scatters: 16 MiB, 585
+/// DeepSeek-V3 tokens.
+pub const SCATTER_FROM_BYTES: usize = 16 << 20;
+
+impl InputQuantize {
+    /// `NVFP4DBG_QUANT_SCATTER=0` gathers, `=1` scatters, otherwise [`InputQuantize::Auto`].
+    fn from_env() -> Self {
+        match std::env::var("NVFP4DBG_QUANT_SCATTER").as_deref() {
+            Ok("0") => InputQuantize::Gather,
+            Ok("1") => InputQuantize::Scatter,
+            _ => InputQuantize::Auto,
+        }
+    }
+}
+
 fn sm90_rs_disabled() -> bool {
     std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1")
 }
@@ -618,6 +650,9 @@ pub struct Nvfp4Forward {
     decode_layout: DecodeLayout,
     /// The register-A prefill kernels' tokens (sm_90a, where they fit).
     rs: Option<RsTokens>,
+    /// [`Nvfp4Forward::set_shared_beside`].
+    shared_beside: bool,
+    input_quantize: InputQuantize,
 }
 
 impl Nvfp4Forward {
@@ -721,6 +756,8 @@ impl Nvfp4Forward {
                 prefill: PrefillGemm::Auto,
                 decode_layout: DecodeLayout::from_env(),
                 rs,
+                shared_beside: shared_beside_default(),
+                input_quantize: InputQuantize::from_env(),
             });
         }
         Ok(Nvfp4Forward {
@@ -733,6 +770,8 @@ impl Nvfp4Forward {
             prefill: PrefillGemm::Auto,
             decode_layout: DecodeLayout::from_env(),
             rs,
+            shared_beside: shared_beside_default(),
+            input_quantize: InputQuantize::from_env(),
         })
     }
 
@@ -1093,11 +1132,109 @@ impl Nvfp4Forward {
         )
     }
 
+    fn scatters_inputs(&self) -> bool {
+        match self.input_quantize {
+            InputQuantize::Scatter => true,
+            InputQuantize::Gather => false,
+            // the gather's k re-reads of a hidden row come from L2 while the hidden states
+            // are small next to it (H200 50 MB, B200 126 MB); past that, from memory
+            InputQuantize::Auto => {
+                self.ws.tokens * self.layer.config.hidden_size * 4 >= SCATTER_FROM_BYTES
+            }
+        }
+    }
+
+    fn shared_runs_beside(&self) -> bool {
+        self.shared_beside && self.layer.shared.is_some() && self.ws.tokens > 0
+    }
+
+    /// How this forward is laid out where a choice changes no number (for bench reports).
+    pub fn schedule(&self) -> String {
+        format!(
+            "expert inputs {}; shared expert {}",
+            if self.scatters_inputs() {
+                "quantized token by token (scatter)"
+            } else {
+                "quantized through the row gather"
+            },
+            match (self.layer.shared.is_some(), self.shared_runs_beside()) {
+                (false, _) => "none",
+                (true, true) => "beside the routed experts on a second stream",
+                (true, false) => "after the routed experts",
+            }
+        )
+    }
+
+    /// The expert inputs: sorted row p is hidden[sorted_token[p]], quantized with
+    /// gs1[sorted_expert[p]], see [`InputQuantize`].
+    fn enqueue_quantize_expert_inputs(&self) -> Result<()> {
+        let (gpu, ws) = (self.gpu(), &self.ws);
+        let h = self.layer.config.hidden_size;
+        let n = ws.tokens * ws.k;
+        let (q, s) = (gpu.ptr(&ws.a1q), gpu.ptr(&ws.a1s));
+        if !self.scatters_inputs() {
+            return self.enqueue_quantize(
+                gpu.ptr(&ws.hidden),
+                n,
+                h,
+                gpu.ptr(&ws.sorted_token),
+                gpu.ptr(&ws.gs1),
+                gpu.ptr(&ws.sorted_expert),
+                q,
+                s,
+            );
+        }
+        gpu.launch(
+            &QUANT,
+            "nvfp4_quantize_f32_scatter",
+            super::quant::nvfp4_grid(ws.tokens, h / 16, ScaleLayout::Linear)?,
+            &[
+                KArg::U64(gpu.ptr(&ws.hidden)),
+                KArg::U64(ws.tokens as u64),
+                KArg::U32(h as u32),
+                KArg::U32(ws.k as u32),
+                KArg::U64(gpu.ptr(&ws.entry_pos)),
+                KArg::U64(n as u64),
+                KArg::U64(gpu.ptr(&ws.gs1)),
+                KArg::U64(gpu.ptr(&ws.sorted_expert)),
+                KArg::U64(q),
+                KArg::U64(s),
+                KArg::U64(gpu.ptr(&ws.stats)),
+                KArg::U32(flavor_code(self.flavor)),
+            ],
+        )
+    }
+
     fn enqueue_nvfp4(&self) -> Result<()> {
-        for stage in Stage::ALL {
+        // The shared expert reads only the layer input: it runs on the side stream beside
+        // the routed experts, on the multiprocessors their kernels leave idle (the router's
+        // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
+        // Stage by stage (the bench's split) it stays in the epilogue.
+        let beside = self.shared_runs_beside();
+        if beside {
+            self.gpu().fork_side(|| self.enqueue_shared())?;
+        }
+        for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
             self.enqueue_nvfp4_stage(stage)?;
         }
-        Ok(())
+        if beside {
+            self.gpu().join_side()?;
+            self.enqueue_combine()
+        } else {
+            self.enqueue_nvfp4_stage(Stage::Epilogue)
+        }
+    }
+
+    /// Run the shared expert on a second stream beside the routed experts (the default;
+    /// `NVFP4DBG_SHARED_STREAM=0` turns it off) or after them on the one stream. The same
+    /// outputs either way.
+    pub fn set_shared_beside(&mut self, beside: bool) {
+        self.shared_beside = beside;
+    }
+
+    /// How the expert inputs are quantized ([`InputQuantize`]).
+    pub fn set_input_quantize(&mut self, how: InputQuantize) {
+        self.input_quantize = how;
     }
 
     /// Launch one part of the NVFP4 forward (no allocation, no host sync). A stage reads what
@@ -1161,17 +1298,7 @@ impl Nvfp4Forward {
                     )?;
                 }
                 if n > 0 {
-                    // expert inputs: row p is hidden[sorted_token[p]], quantized with gs1[expert]
-                    self.enqueue_quantize(
-                        gpu.ptr(&ws.hidden),
-                        n,
-                        h,
-                        gpu.ptr(&ws.sorted_token),
-                        gpu.ptr(&ws.gs1),
-                        gpu.ptr(&ws.sorted_expert),
-                        p(&ws.a1q),
-                        p(&ws.a1s),
-                    )?;
+                    self.enqueue_quantize_expert_inputs()?;
                 }
                 Ok(())
             }
