@@ -18,6 +18,21 @@ for t in ${TESTS:-gpu_moe gpu_graph}; do
     grep -E "^test .* (ok|FAILED)$|panicked" -A3 $R/$t.txt | head -30
     pack
 done
+# the quantize figures with the traffic-only kernel beside them (details.traffic_only_ms)
+for i in 1 2; do
+    timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only floors,quantize \
+        --json $R/quant-$i.json > $R/quant-$i.txt 2>&1
+    stamp "quantize bench $i rc=$?"
+done
+python3 - $R <<'PY'
+import json, sys, glob
+for f in sorted(glob.glob(sys.argv[1] + "/quant-*.json")):
+    for r in json.load(open(f))["results"]:
+        d = r.get("details") or {}
+        print(f.split("/")[-1], r["name"], r.get("median_ms"), r.get("ratio"),
+              {k: d[k] for k in d if "copy" in k or "traffic" in k})
+PY
+pack
 VARIANTS=${VARIANTS:-"both| noside|NVFP4DBG_SHARED_STREAM=0 gather|NVFP4DBG_QUANT_SCATTER=0 neither|NVFP4DBG_SHARED_STREAM=0,NVFP4DBG_QUANT_SCATTER=0"}
 for i in $(seq ${ROUNDS:-2}); do
     for v in $VARIANTS; do

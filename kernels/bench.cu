@@ -43,6 +43,29 @@ extern "C" __global__ void bench_fill_f32(float* __restrict__ out, u64 n, u64 se
         out[i] = uniform_pm(mix64(seed, i), amp);
 }
 
+// The NVFP4 quantizer's memory traffic without its arithmetic (the bench's floor for the
+// quantize figure at its own size): `groups` groups of 4 blocks of 16 BF16 (128 bytes) read,
+// 32 bytes of "codes" and 4 of "scales" written per group, one group per thread (the grid
+// quantizer's mapping and grid). What it writes is the XOR of what it reads, so no load can
+// be dropped.
+extern "C" __global__ void __launch_bounds__(256)
+bench_quantize_traffic(const uint4* __restrict__ x, u64 groups, uint4* __restrict__ codes, u32* __restrict__ scales) {
+    u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    uint4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = x[8 * g + i];
+    uint4 a, b;
+    a.x = v[0].x ^ v[1].x; a.y = v[0].y ^ v[1].y; a.z = v[0].z ^ v[1].z; a.w = v[0].w ^ v[1].w;
+    b.x = v[2].x ^ v[3].x; b.y = v[2].y ^ v[3].y; b.z = v[2].z ^ v[3].z; b.w = v[2].w ^ v[3].w;
+    uint4 c, d;
+    c.x = v[4].x ^ v[5].x; c.y = v[4].y ^ v[5].y; c.z = v[4].z ^ v[5].z; c.w = v[4].w ^ v[5].w;
+    d.x = v[6].x ^ v[7].x; d.y = v[6].y ^ v[7].y; d.z = v[6].z ^ v[7].z; d.w = v[6].w ^ v[7].w;
+    codes[2 * g] = a;
+    codes[2 * g + 1] = c;
+    scales[g] = b.x ^ b.y ^ b.z ^ b.w ^ d.x ^ d.y ^ d.z ^ d.w;
+}
+
 // Non-finite scan of x[0..n): out = {nan count, inf count, first NaN index, first Inf index}.
 // The caller sets out to {0, 0, ~0, ~0} first. 16-byte loads, grid-stride; integer atomics
 // only (counts add, first indices take the min), so the result does not depend on the grid.

@@ -122,6 +122,35 @@ pub(super) fn fill_f32(gpu: &Gpu, s: &CudaSlice<f32>, amp: f32, seed: u64) -> Re
     )
 }
 
+/// The median time of `bench_quantize_traffic` over the rotating inputs of the quantize
+/// figure (`n` BF16 values each): the quantizer's bytes moved the way the grid quantizer
+/// moves them, with no arithmetic.
+fn quantize_traffic(
+    gpu: &Gpu,
+    cfg: &timer::TimeCfg,
+    bufs: &[(CudaSlice<u16>, DevFp4)],
+    n: usize,
+) -> Result<f64> {
+    let groups = (n / 64) as u64;
+    let codes = alloc::<u8>(gpu, n / 2, "the traffic kernel's codes")?;
+    let scales = alloc::<u8>(gpu, n / 16, "the traffic kernel's scales")?;
+    let (c, s) = (gpu.ptr(&codes), gpu.ptr(&scales));
+    let samples = timer::time_plain(gpu, cfg, "the quantizer's traffic alone", &mut |i| {
+        gpu.launch(
+            &BENCH,
+            "bench_quantize_traffic",
+            grid(groups, u64::MAX),
+            &[
+                KArg::U64(gpu.ptr(&bufs[i % bufs.len()].0)),
+                KArg::U64(groups),
+                KArg::U64(c),
+                KArg::U64(s),
+            ],
+        )
+    })?;
+    Ok(samples.median())
+}
+
 /// Set `out` to {0, 0, none, none} for [`scan`].
 fn scan_reset(gpu: &Gpu, out: &CudaSlice<u64>) -> Result<()> {
     let p = gpu.ptr(out);
@@ -449,6 +478,8 @@ impl<'a> Runner<'a> {
             })
             .and_then(|r| r.ok())
             .map(|s| s.median());
+        // and a kernel with the quantizer's reads and writes but none of its arithmetic
+        let traffic = quantize_traffic(&gpu, &cfg, &bufs, n).ok();
         for (flavor, mut spec) in flavors.into_iter().zip(specs) {
             let r = (|| {
                 let samples = timer::time_plain(&gpu, &cfg, &spec.name, &mut |i| {
@@ -459,6 +490,11 @@ impl<'a> Runner<'a> {
                     spec.details.insert("copy_same_bytes_ms".into(), json!(c));
                     spec.details
                         .insert("over_copy_same_bytes".into(), json!(c / samples.median()));
+                }
+                if let Some(c) = traffic {
+                    spec.details.insert("traffic_only_ms".into(), json!(c));
+                    spec.details
+                        .insert("over_traffic_only".into(), json!(c / samples.median()));
                 }
                 for (_, out) in &bufs {
                     let st = out.block_stats(&gpu)?;
