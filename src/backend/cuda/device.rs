@@ -215,8 +215,14 @@ impl Gpu {
         // One stream carries everything: no cross-stream events (they would also break
         // graph capture).
         unsafe { ctx.disable_event_tracking() };
+        // the main stream at the highest priority, so that the side stream's kernels
+        // (Gpu::fork_side) get only the multiprocessors the main one leaves idle
+        let (_, highest) = ctx
+            .bind_to_thread()
+            .and_then(|_| cudarc::driver::result::stream::get_priority_range())
+            .map_err(|e| driver_err("reading the stream priority range", "-", e))?;
         let stream = ctx
-            .new_stream()
+            .new_stream_with_priority(highest)
             .map_err(|e| driver_err("creating a stream", "-", e))?;
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         Ok(Arc::new(Gpu {
@@ -699,10 +705,18 @@ impl Gpu {
                             "internal: the side stream is first used inside a graph capture",
                         ));
                     }
-                    let s = self
-                        .ctx
-                        .new_stream()
-                        .map_err(|e| driver_err("creating the side stream", "-", e))?;
+                    // the lowest priority (the driver's default), unless
+                    // NVFP4DBG_SIDE_PRIORITY=main (for an A/B)
+                    let same = std::env::var("NVFP4DBG_SIDE_PRIORITY").is_ok_and(|v| v == "main");
+                    let s = if same {
+                        self.bind_to_thread()?;
+                        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
+                            .map_err(|e| driver_err("reading the stream priorities", "-", e))?;
+                        self.ctx.new_stream_with_priority(highest)
+                    } else {
+                        self.ctx.new_stream()
+                    }
+                    .map_err(|e| driver_err("creating the side stream", "-", e))?;
                     let b = self.new_blas(s.clone())?;
                     *g = Some((s.clone(), b));
                     s

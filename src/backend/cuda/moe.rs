@@ -1210,11 +1210,18 @@ impl Nvfp4Forward {
         // the routed experts, on the multiprocessors their kernels leave idle (the router's
         // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
         // Stage by stage (the bench's split) it stays in the epilogue.
+        // NVFP4DBG_SHARED_FORK=gemm: fork after the prologue (an A/B of where it overlaps)
         let beside = self.shared_runs_beside();
-        if beside {
-            self.gpu().fork_side(|| self.enqueue_shared())?;
-        }
+        let late = std::env::var("NVFP4DBG_SHARED_FORK").is_ok_and(|v| v == "gemm");
         for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
+            let fork_here = if late {
+                stage == Stage::GateUp
+            } else {
+                stage == Stage::Prologue
+            };
+            if beside && fork_here {
+                self.gpu().fork_side(|| self.enqueue_shared())?;
+            }
             self.enqueue_nvfp4_stage(stage)?;
         }
         if beside {
