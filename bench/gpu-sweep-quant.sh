@@ -34,13 +34,15 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
     "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8c 0.0462 ms
-    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  # its only faster variant: s8c 0.0446 ms
-    "ilp2|-DBULK_ILP=2"                       # 4 KiB tiles, encoded 2 blocks at a time: 80 regs, 3 CTAs/SM
-    "ilp1|-DBULK_ILP=1"                       # one block at a time: 64 regs, 3 CTAs/SM
-    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"      # 2 KiB tiles, 3 in flight: 64 regs, 48 KiB: 4 CTAs/SM; s8c (125-block tiles) 0.0454
-    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"         # 3 KiB tiles: 72 KiB, 98 regs: 2 CTAs/SM; s8c 0.0446
-    "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"        # 8 KiB tiles, 2 at a time: 64 regs, 128 KiB: 1 CTA/SM
+    # session 10: the grid kernel with each warp's loads coalesced, passed on through shared memory
+    "tr|-DQUANT_TRANSPOSE=1|NVFP4DBG_QUANT=grid"                    # 72 regs, 32 KiB: 3 CTAs/SM
+    "trqb2|-DQUANT_TRANSPOSE=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid" # 56 regs, 16 KiB: 4 CTAs/SM
+    "trmin4|-DQUANT_TRANSPOSE=1 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs (24-byte spill): 4 CTAs/SM
 )
+# Session 8's bulk-kernel variants (the bulk kernel is the default since then):
+#   "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  s8c 0.0446 ms
+#   "ilp2|-DBULK_ILP=2"  "ilp1|-DBULK_ILP=1"  "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"
+#   "qb3|-DBULK_QB=3 -DBULK_STAGES=3"  "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"  (EXTRA below)
 # s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default
 # (4 blocks per lane, 2 stages) 0.0449 ms, 3 stages 0.0461, 2 blocks 4 stages 0.0479, 8 blocks
 # 0.0473.
@@ -52,6 +54,12 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
+    "ilp2|-DBULK_ILP=2"
+    "ilp1|-DBULK_ILP=1"
+    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"
+    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"
+    "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"
     "nobal|-DBULK_BALANCE=0"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
     "qb1|-DBULK_QB=1 -DBULK_STAGES=8"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"

@@ -120,6 +120,20 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 #define QUANT_COALESCED 0
 #endif
 
+// Loads of the BF16 grid kernel's default mapping (one group of QUANT_BLOCKS blocks per
+// thread): 0 each thread its own group (16-byte loads, adjacent lanes 32 x QUANT_BLOCKS bytes
+// apart); 1 (session 10) where a warp's 32 groups are one contiguous run (no gather, linear
+// scales, QUANT_BLOCKS dividing the row's blocks), the warp loads the run with 512 contiguous
+// bytes per load instruction and passes each lane its group through shared memory (swizzled:
+// no bank conflicts either way), then every lane encodes as before. Same groups per thread,
+// same codes, scales and statistics. bench/quantize_traffic_probe.cu, kernels with this
+// traffic and no arithmetic: 0.0520 ms with the per-thread loads, 0.0384 coalesced (0.92 of
+// copy_d2d) on an H200.
+#ifndef QUANT_TRANSPOSE
+#define QUANT_TRANSPOSE 0
+#endif
+static_assert(!QUANT_TRANSPOSE || QUANT_BLOCKS <= 4, "QUANT_TRANSPOSE: QUANT_BLOCKS 2 or 4 (shared memory)");
+
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
 #define QUANT_THREADS 256
@@ -440,6 +454,43 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
 #pragma unroll
     for (int h = 0; h < QUANT_BLOCKS; h++)
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
+}
+
+// QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
+// nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
+// the knob is 0, or T is f32); the test is the same for all lanes of a warp.
+template <typename T>
+__device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
+                                                const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
+#if QUANT_TRANSPOSE
+    if constexpr (sizeof(T) == 2) {
+        constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
+        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U];
+        const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        const u64 w0 = idx - lane;
+        if (row_src != nullptr || swizzled || d.kb % QUANT_BLOCKS != 0 || w0 + 32 > d.total) return false;
+        group_locate<T>(idx, d, nullptr, g);
+        // piece q of the run lives in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces
+        // 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte bank groups either way
+        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[U];
+#pragma unroll
+        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            u32 q = 32 * i + lane;
+            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            u32 q = U * lane + j;
+            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
+        }
+        return true;
+    }
+#endif
+    return false;
 }
 
 // The global scale of a group's row (0 outside the rows).
@@ -921,8 +972,10 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
 #endif
     {
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-        if (idx < d.total) {
-            Group<T> g;
+        Group<T> g;
+        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        } else if (idx < d.total) {
             group_load<T>(x, idx, d, row_src, g);
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         }
