@@ -35,9 +35,13 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 VARIANTS=(
     "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8c 0.0462 ms
     # session 10: the grid kernel with each warp's loads coalesced, passed on through shared memory
-    "tr|-DQUANT_TRANSPOSE=1|NVFP4DBG_QUANT=grid"                    # 72 regs, 32 KiB: 3 CTAs/SM
-    "trqb2|-DQUANT_TRANSPOSE=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid" # 56 regs, 16 KiB: 4 CTAs/SM
-    "trmin4|-DQUANT_TRANSPOSE=1 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs (24-byte spill): 4 CTAs/SM
+    # (s10d: "tr|-DQUANT_TRANSPOSE=1" 72 regs, 3 CTAs/SM 0.0437 ms; "trqb2|... -DQUANT_BLOCKS=2" 56 regs,
+    # 4 CTAs/SM 0.0463; grid 0.0463; the bulk default 0.0441)
+    "trmin4|-DQUANT_TRANSPOSE=1 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs (24-byte spill): 4 CTAs/SM; s10d 0.0422 ms
+    # the same, encoded two blocks at a time straight out of shared memory (group_quantize_pairs)
+    "tr2min4|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs, no spill: 4 CTAs/SM
+    "tr2min5|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=5|NVFP4DBG_QUANT=grid"  # 48 regs (284-byte spill): 5 CTAs/SM
+    "tr2min6|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=6|NVFP4DBG_QUANT=grid"  # 40 regs: 6 CTAs/SM
 )
 # Session 8's bulk-kernel variants (the bulk kernel is the default since then):
 #   "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  s8c 0.0446 ms

@@ -128,11 +128,14 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 // no bank conflicts either way), then every lane encodes as before. Same groups per thread,
 // same codes, scales and statistics. bench/quantize_traffic_probe.cu, kernels with this
 // traffic and no arithmetic: 0.0520 ms with the per-thread loads, 0.0384 coalesced (0.92 of
-// copy_d2d) on an H200.
+// copy_d2d) on an H200. 2: the same, the group then encoded two blocks at a time straight
+// out of shared memory, their codes stored as they are done (group_quantize_pairs: fewer
+// registers live than group_quantize_fl's whole group).
 #ifndef QUANT_TRANSPOSE
 #define QUANT_TRANSPOSE 0
 #endif
 static_assert(!QUANT_TRANSPOSE || QUANT_BLOCKS <= 4, "QUANT_TRANSPOSE: QUANT_BLOCKS 2 or 4 (shared memory)");
+static_assert(QUANT_TRANSPOSE >= 0 && QUANT_TRANSPOSE <= 2, "QUANT_TRANSPOSE: 0, 1 or 2");
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -456,37 +459,49 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
-// QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
-// nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
-// the knob is 0, or T is f32); the test is the same for all lanes of a warp.
+#if QUANT_TRANSPOSE
+// The warp's run of 32 groups in shared memory, 16-byte piece q in slot q ^ ((q >> 3) & 7):
+// lanes 8a..8a+7 write pieces 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte
+// bank groups either way.
+#define TRANSPOSE_U (2 * QUANT_BLOCKS)  // 16-byte pieces of a group
+__device__ __forceinline__ uint4* transpose_run() {
+    __shared__ uint4 tr[QUANT_THREADS / 32][32 * TRANSPOSE_U];
+    return tr[threadIdx.x / 32];
+}
+__device__ __forceinline__ u32 transpose_slot(u32 q) { return q ^ ((q >> 3) & 7u); }
+// Block h of the lane's group from the warp's run into its raw registers.
+__device__ __forceinline__ void transpose_block(Group<u16>& g, int h) {
+    const uint4* run = transpose_run();
+    const u32 q = TRANSPOSE_U * (threadIdx.x % 32) + 2 * h;
+    g.raw[h].q[0] = run[transpose_slot(q)];
+    g.raw[h].q[1] = run[transpose_slot(q + 1)];
+}
+#endif
+
+// QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob), the group left
+// in shared memory; with QUANT_TRANSPOSE 1 all of its blocks then go to its raw registers,
+// with 2 none (group_quantize_pairs fetches them two at a time). False,
+// with nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups
+// (or the knob is 0, or T is f32); the test is the same for all lanes of a warp.
 template <typename T>
 __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
                                                 const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
 #if QUANT_TRANSPOSE
     if constexpr (sizeof(T) == 2) {
-        constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
-        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U];
-        const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        const u32 lane = threadIdx.x % 32;
         const u64 w0 = idx - lane;
         if (row_src != nullptr || swizzled || d.kb % QUANT_BLOCKS != 0 || w0 + 32 > d.total) return false;
         group_locate<T>(idx, d, nullptr, g);
-        // piece q of the run lives in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces
-        // 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte bank groups either way
-        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
-        uint4 v[U];
+        const uint4* src = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[TRANSPOSE_U];
 #pragma unroll
-        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+        for (int i = 0; i < TRANSPOSE_U; i++) v[i] = src[32 * i + lane];
+        uint4* run = transpose_run();
 #pragma unroll
-        for (int i = 0; i < U; i++) {
-            u32 q = 32 * i + lane;
-            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
-        }
+        for (int i = 0; i < TRANSPOSE_U; i++) run[transpose_slot(32 * i + lane)] = v[i];
         __syncwarp();
 #pragma unroll
-        for (int j = 0; j < U; j++) {
-            u32 q = U * lane + j;
-            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
-        }
+        for (int h = 0; h < (QUANT_TRANSPOSE == 2 ? 0 : QUANT_BLOCKS); h++) transpose_block(g, h);
         return true;
     }
 #endif
@@ -608,6 +623,40 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
         }
     }
 }
+
+#if QUANT_TRANSPOSE == 2
+// QUANT_TRANSPOSE 2: a group of group_load_warp's (whole, linear scales, in a row) encoded two
+// blocks at a time from the warp's run in shared memory: 16 bytes of codes stored per pair,
+// the scale bytes as one word at the end. The same codes, scales and counts as
+// group_quantize_fl on the group.
+template <u32 FL>
+__device__ __forceinline__ void group_quantize_pairs(Group<u16>& g, const QuantDims& d, const float* __restrict__ gs,
+                                                     const int* __restrict__ gs_idx, u8* __restrict__ packed,
+                                                     u8* __restrict__ scales, u32 flavor_arg, u32 (&c)[4]) {
+    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
+    const float gv = group_gs(g, gs, gs_idx), rg = nvfp4_rgs(gv, flavor);
+    uint4* codes = reinterpret_cast<uint4*>(packed + g.r * (d.cols / 2) + g.b0 * 8);  // 32-byte aligned
+    u32 word = 0;
+#pragma unroll
+    for (int h = 0; h < QUANT_BLOCKS; h += 2) {
+        transpose_block(g, h);
+        transpose_block(g, h + 1);
+        u32 p0[2], p1[2];
+        u32 s0 = quant_block_counted<u16, FL>(g.raw[h], amax_raw(g.raw[h]), gv, rg, flavor, p0, c);
+        u32 s1 = quant_block_counted<u16, FL>(g.raw[h + 1], amax_raw(g.raw[h + 1]), gv, rg, flavor, p1, c);
+        codes[h / 2] = make_uint4(p0[0], p0[1], p1[0], p1[1]);
+        word |= (s0 | s1 << 8) << (8 * h);
+    }
+    u8* dst = scales + g.r * d.kb + g.b0;
+    if (((size_t)dst & (QUANT_SCALE_WORD - 1)) == 0) {
+#pragma unroll
+        for (int u = 0; u < QUANT_BLOCKS; u += QUANT_SCALE_WORD) st_scale_word(dst + u, word >> (8 * u));
+    } else {
+#pragma unroll
+        for (int h = 0; h < QUANT_BLOCKS; h++) dst[h] = (u8)(word >> (8 * h));
+    }
+}
+#endif
 
 // ---- QUANT_COALESCED 1: a warp's chunk of 32 x QUANT_BLOCKS consecutive blocks ----
 
@@ -974,7 +1023,11 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
         Group<T> g;
         if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+#if QUANT_TRANSPOSE == 2
+            if constexpr (sizeof(T) == 2) group_quantize_pairs<FL>(g, d, gs, gs_idx, packed, scales, flavor, c);
+#else
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+#endif
         } else if (idx < d.total) {
             group_load<T>(x, idx, d, row_src, g);
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
