@@ -33,20 +33,15 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # then) and its best variant, and the bulk kernel's tile and ring sizes. Shared memory per CTA:
 # 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
-    "grid||NVFP4DBG_QUANT=grid"               # the grid kernel (sessions 6-7's default): 71 regs, 3 CTAs/SM; s8c 0.0462 ms
-    # session 10: the grid kernel with each warp's loads coalesced, passed on through shared memory
-    # (s10d: "tr|-DQUANT_TRANSPOSE=1" 72 regs, 3 CTAs/SM 0.0437 ms; "trqb2|... -DQUANT_BLOCKS=2" 56 regs,
-    # 4 CTAs/SM 0.0463; grid 0.0463; the bulk default 0.0441)
-    "trmin4|-DQUANT_TRANSPOSE=1 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs (24-byte spill): 4 CTAs/SM; s10d 0.0422 ms
-    # the same, encoded two blocks at a time straight out of shared memory (group_quantize_pairs)
-    "tr2min4|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=4|NVFP4DBG_QUANT=grid"  # 64 regs, no spill: 4 CTAs/SM
-    "tr2min5|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=5|NVFP4DBG_QUANT=grid"  # 48 regs (284-byte spill): 5 CTAs/SM
-    "tr2min6|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=6|NVFP4DBG_QUANT=grid"  # 40 regs: 6 CTAs/SM
+    # session 10: the default is now the flat kernel (nvfp4_quantize_bf16_flat: the grid kernel's
+    # groups, each warp's run loaded 512 contiguous bytes a load and handed out through shared
+    # memory; 64 regs, 4 CTAs/SM). Its first form, inside the grid kernel (71-72 regs), s10d:
+    # 3 CTAs/SM 0.0437 ms, capped at 4 (24-byte spill) 0.0422; with 2 blocks a thread 0.0463.
+    "bulk||NVFP4DBG_QUANT=bulk"               # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
+    "grid||NVFP4DBG_QUANT=grid"               # 71 regs, 3 CTAs/SM; s10d 0.0463 ms
+    "flat5|-DQUANT_FLAT_MIN_BLOCKS=5"         # 48 regs (164-byte spill): 5 CTAs/SM
 )
-# Session 8's bulk-kernel variants (the bulk kernel is the default since then):
-#   "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"  s8c 0.0446 ms
-#   "ilp2|-DBULK_ILP=2"  "ilp1|-DBULK_ILP=1"  "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"
-#   "qb3|-DBULK_QB=3 -DBULK_STAGES=3"  "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"  (EXTRA below)
+# Session 8's variants of the bulk kernel and the grid kernel's best: EXTRA below.
 # s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default
 # (4 blocks per lane, 2 stages) 0.0449 ms, 3 stages 0.0461, 2 blocks 4 stages 0.0479, 8 blocks
 # 0.0473.
@@ -59,13 +54,13 @@ VARIANTS=(
 # (measured then: BENCHMARKS.md).
 EXTRA=(
     "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
-    "ilp2|-DBULK_ILP=2"
-    "ilp1|-DBULK_ILP=1"
-    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3"
-    "qb3|-DBULK_QB=3 -DBULK_STAGES=3"
-    "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2"
-    "nobal|-DBULK_BALANCE=0"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
-    "qb1|-DBULK_QB=1 -DBULK_STAGES=8"
+    "ilp2|-DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
+    "ilp1|-DBULK_ILP=1|NVFP4DBG_QUANT=bulk"
+    "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3|NVFP4DBG_QUANT=bulk"
+    "qb3|-DBULK_QB=3 -DBULK_STAGES=3|NVFP4DBG_QUANT=bulk"
+    "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
+    "nobal|-DBULK_BALANCE=0|NVFP4DBG_QUANT=bulk"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
+    "qb1|-DBULK_QB=1 -DBULK_STAGES=8|NVFP4DBG_QUANT=bulk"
     "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
     "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
     "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"

@@ -120,22 +120,10 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 #define QUANT_COALESCED 0
 #endif
 
-// Loads of the BF16 grid kernel's default mapping (one group of QUANT_BLOCKS blocks per
-// thread): 0 each thread its own group (16-byte loads, adjacent lanes 32 x QUANT_BLOCKS bytes
-// apart); 1 (session 10) where a warp's 32 groups are one contiguous run (no gather, linear
-// scales, QUANT_BLOCKS dividing the row's blocks), the warp loads the run with 512 contiguous
-// bytes per load instruction and passes each lane its group through shared memory (swizzled:
-// no bank conflicts either way), then every lane encodes as before. Same groups per thread,
-// same codes, scales and statistics. bench/quantize_traffic_probe.cu, kernels with this
-// traffic and no arithmetic: 0.0520 ms with the per-thread loads, 0.0384 coalesced (0.92 of
-// copy_d2d) on an H200. 2: the same, the group then encoded two blocks at a time straight
-// out of shared memory, their codes stored as they are done (group_quantize_pairs: fewer
-// registers live than group_quantize_fl's whole group).
-#ifndef QUANT_TRANSPOSE
-#define QUANT_TRANSPOSE 0
+// CTAs per SM the flat BF16 kernel (nvfp4_quantize_bf16_flat) is compiled for; 0: no bound.
+#ifndef QUANT_FLAT_MIN_BLOCKS
+#define QUANT_FLAT_MIN_BLOCKS 0
 #endif
-static_assert(!QUANT_TRANSPOSE || QUANT_BLOCKS <= 4, "QUANT_TRANSPOSE: QUANT_BLOCKS 2 or 4 (shared memory)");
-static_assert(QUANT_TRANSPOSE >= 0 && QUANT_TRANSPOSE <= 2, "QUANT_TRANSPOSE: 0, 1 or 2");
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -459,54 +447,15 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
-#if QUANT_TRANSPOSE
-// The warp's run of 32 groups in shared memory, 16-byte piece q in slot q ^ ((q >> 3) & 7):
-// lanes 8a..8a+7 write pieces 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte
-// bank groups either way.
+// The flat BF16 kernel's warp-wide loads: a warp's run of 32 groups in shared memory, 16-byte
+// piece q in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces 32 i + 8a + 0..7 and read
+// pieces U l + j, 8 distinct 16-byte bank groups either way.
 #define TRANSPOSE_U (2 * QUANT_BLOCKS)  // 16-byte pieces of a group
 __device__ __forceinline__ uint4* transpose_run() {
     __shared__ uint4 tr[QUANT_THREADS / 32][32 * TRANSPOSE_U];
     return tr[threadIdx.x / 32];
 }
 __device__ __forceinline__ u32 transpose_slot(u32 q) { return q ^ ((q >> 3) & 7u); }
-// Block h of the lane's group from the warp's run into its raw registers.
-__device__ __forceinline__ void transpose_block(Group<u16>& g, int h) {
-    const uint4* run = transpose_run();
-    const u32 q = TRANSPOSE_U * (threadIdx.x % 32) + 2 * h;
-    g.raw[h].q[0] = run[transpose_slot(q)];
-    g.raw[h].q[1] = run[transpose_slot(q + 1)];
-}
-#endif
-
-// QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob), the group left
-// in shared memory; with QUANT_TRANSPOSE 1 all of its blocks then go to its raw registers,
-// with 2 none (group_quantize_pairs fetches them two at a time). False,
-// with nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups
-// (or the knob is 0, or T is f32); the test is the same for all lanes of a warp.
-template <typename T>
-__device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
-                                                const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
-#if QUANT_TRANSPOSE
-    if constexpr (sizeof(T) == 2) {
-        const u32 lane = threadIdx.x % 32;
-        const u64 w0 = idx - lane;
-        if (row_src != nullptr || swizzled || d.kb % QUANT_BLOCKS != 0 || w0 + 32 > d.total) return false;
-        group_locate<T>(idx, d, nullptr, g);
-        const uint4* src = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
-        uint4 v[TRANSPOSE_U];
-#pragma unroll
-        for (int i = 0; i < TRANSPOSE_U; i++) v[i] = src[32 * i + lane];
-        uint4* run = transpose_run();
-#pragma unroll
-        for (int i = 0; i < TRANSPOSE_U; i++) run[transpose_slot(32 * i + lane)] = v[i];
-        __syncwarp();
-#pragma unroll
-        for (int h = 0; h < (QUANT_TRANSPOSE == 2 ? 0 : QUANT_BLOCKS); h++) transpose_block(g, h);
-        return true;
-    }
-#endif
-    return false;
-}
 
 // The global scale of a group's row (0 outside the rows).
 template <typename T>
@@ -623,40 +572,6 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
         }
     }
 }
-
-#if QUANT_TRANSPOSE == 2
-// QUANT_TRANSPOSE 2: a group of group_load_warp's (whole, linear scales, in a row) encoded two
-// blocks at a time from the warp's run in shared memory: 16 bytes of codes stored per pair,
-// the scale bytes as one word at the end. The same codes, scales and counts as
-// group_quantize_fl on the group.
-template <u32 FL>
-__device__ __forceinline__ void group_quantize_pairs(Group<u16>& g, const QuantDims& d, const float* __restrict__ gs,
-                                                     const int* __restrict__ gs_idx, u8* __restrict__ packed,
-                                                     u8* __restrict__ scales, u32 flavor_arg, u32 (&c)[4]) {
-    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
-    const float gv = group_gs(g, gs, gs_idx), rg = nvfp4_rgs(gv, flavor);
-    uint4* codes = reinterpret_cast<uint4*>(packed + g.r * (d.cols / 2) + g.b0 * 8);  // 32-byte aligned
-    u32 word = 0;
-#pragma unroll
-    for (int h = 0; h < QUANT_BLOCKS; h += 2) {
-        transpose_block(g, h);
-        transpose_block(g, h + 1);
-        u32 p0[2], p1[2];
-        u32 s0 = quant_block_counted<u16, FL>(g.raw[h], amax_raw(g.raw[h]), gv, rg, flavor, p0, c);
-        u32 s1 = quant_block_counted<u16, FL>(g.raw[h + 1], amax_raw(g.raw[h + 1]), gv, rg, flavor, p1, c);
-        codes[h / 2] = make_uint4(p0[0], p0[1], p1[0], p1[1]);
-        word |= (s0 | s1 << 8) << (8 * h);
-    }
-    u8* dst = scales + g.r * d.kb + g.b0;
-    if (((size_t)dst & (QUANT_SCALE_WORD - 1)) == 0) {
-#pragma unroll
-        for (int u = 0; u < QUANT_BLOCKS; u += QUANT_SCALE_WORD) st_scale_word(dst + u, word >> (8 * u));
-    } else {
-#pragma unroll
-        for (int h = 0; h < QUANT_BLOCKS; h++) dst[h] = (u8)(word >> (8 * h));
-    }
-}
-#endif
 
 // ---- QUANT_COALESCED 1: a warp's chunk of 32 x QUANT_BLOCKS consecutive blocks ----
 
@@ -1021,14 +936,8 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
 #endif
     {
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-        Group<T> g;
-        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
-#if QUANT_TRANSPOSE == 2
-            if constexpr (sizeof(T) == 2) group_quantize_pairs<FL>(g, d, gs, gs_idx, packed, scales, flavor, c);
-#else
-            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-#endif
-        } else if (idx < d.total) {
+        if (idx < d.total) {
+            Group<T> g;
             group_load<T>(x, idx, d, row_src, g);
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         }
@@ -1109,6 +1018,73 @@ extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor) {
     nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
+}
+
+// ---- The flat BF16 quantizer with warp-wide loads (the default where it applies) ----
+// [rows, cols] BF16 with linear scales, no gather, one global scale, cols a multiple of
+// 16 x QUANT_BLOCKS: thread t quantizes group t (QUANT_BLOCKS blocks of a row), as the grid
+// kernel does, but the 32 groups of a warp are one contiguous run of 32 x QUANT_BLOCKS x 32
+// bytes, and the warp loads it 512 contiguous bytes per load instruction (the grid kernel's
+// lanes load 16 bytes each, 32 x QUANT_BLOCKS bytes apart) and hands each lane its group
+// through shared memory. Without the gather and swizzle paths the kernel needs fewer
+// registers than the grid kernel, so more warps fit. bench/quantize_traffic_probe.cu
+// (kernels with this traffic and no arithmetic, H200): 0.0520 ms with per-lane loads, 0.0384
+// with warp-wide ones (0.92 of copy_d2d). Same codes, scales and statistics as the others.
+template <u32 FL>
+__device__ __forceinline__ void nvfp4_quantize_flat(const u16* __restrict__ x, u64 rows, u32 cols,
+                                                    const float* __restrict__ gs, u8* __restrict__ packed,
+                                                    u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor) {
+    const QuantDims d = quant_dims(rows, cols, 0);
+    u32 c[4] = {0, 0, 0, 0};
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u32 lane = threadIdx.x % 32;
+    const u64 w0 = idx - lane;
+    if (w0 < d.total) {  // the same for the whole warp
+        const uint4* src = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[TRANSPOSE_U];
+#pragma unroll
+        for (int i = 0; i < TRANSPOSE_U; i++) {
+            const u32 q = 32 * i + lane;  // piece q of the run: group w0 + q / U
+            v[i] = w0 + q / TRANSPOSE_U < d.total ? src[q] : make_uint4(0, 0, 0, 0);
+        }
+        uint4* run = transpose_run();
+#pragma unroll
+        for (int i = 0; i < TRANSPOSE_U; i++) run[transpose_slot(32 * i + lane)] = v[i];
+        __syncwarp();
+        if (idx < d.total) {
+            Group<u16> g;
+            group_locate<u16>(idx, d, nullptr, g);
+#pragma unroll
+            for (int h = 0; h < QUANT_BLOCKS; h++) {
+                const u32 q = TRANSPOSE_U * lane + 2 * h;
+                g.raw[h].q[0] = run[transpose_slot(q)];
+                g.raw[h].q[1] = run[transpose_slot(q + 1)];
+            }
+            group_quantize_fl<u16, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
+        }
+    }
+#if QUANT_STATS
+    add_stats_rare(stats, c, rows * d.kb);
+#else
+    add_stats_cta(stats, c);
+#endif
+}
+
+#if QUANT_FLAT_MIN_BLOCKS > 0
+#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS, QUANT_FLAT_MIN_BLOCKS)
+#else
+#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS)
+#endif
+extern "C" __global__ void QUANT_FLAT_BOUNDS
+nvfp4_quantize_bf16_flat(const u16* x, u64 rows, u32 cols, const float* gs, u8* packed, u8* scales, u64* stats,
+                         u32 flavor) {
+    // the flavor a constant (QUANT_ENCODER 1), as in the grid kernel
+    if (!QUANT_ENCODER)
+        nvfp4_quantize_flat<FLAVOR_RUNTIME>(x, rows, cols, gs, packed, scales, stats, flavor);
+    else if (flavor == FLAVOR_CUDA_FAST)
+        nvfp4_quantize_flat<FLAVOR_CUDA_FAST>(x, rows, cols, gs, packed, scales, stats, flavor);
+    else
+        nvfp4_quantize_flat<FLAVOR_REFERENCE>(x, rows, cols, gs, packed, scales, stats, flavor);
 }
 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----

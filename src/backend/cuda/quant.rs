@@ -243,35 +243,65 @@ impl DevFp4 {
     }
 }
 
-/// The two BF16 NVFP4 quantizers: one thread per group of a row's blocks (any layout, gather,
-/// per-row global scales), or the persistent one streaming the tensor as flat blocks through
-/// bulk copies (sm_90 and newer, linear scales; kernels/quant.cu says why it is faster).
+/// The three BF16 NVFP4 quantizers (the same codes, scales and statistics): one thread per
+/// group of a row's blocks (any layout, gather, per-row global scales); the same with each
+/// warp's 32 groups loaded warp-wide (linear scales, rows of whole groups: the fastest, the
+/// default where it applies); or the persistent one streaming the tensor as flat blocks
+/// through bulk copies (sm_90 and newer, linear scales). kernels/quant.cu says why.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
     Grid,
+    Flat,
     Bulk,
 }
 
-/// The kernel for `x` into `out`: the bulk one where it applies, unless `NVFP4DBG_QUANT=grid`
-/// (an A/B on one build); `NVFP4DBG_QUANT=bulk` where it does not apply is an error.
+/// The kernel for `x` into `out`: the flat one where it applies, else the bulk one where it
+/// applies, else the grid one, unless `NVFP4DBG_QUANT=grid|flat|bulk` (an A/B on one
+/// build); a forced kernel where it does not apply is an error.
 fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Result<Bf16Kernel> {
     static FORCED: std::sync::OnceLock<Option<Bf16Kernel>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var("NVFP4DBG_QUANT").as_deref() {
         Ok("grid") => Some(Bf16Kernel::Grid),
+        Ok("flat") => Some(Bf16Kernel::Flat),
         Ok("bulk") => Some(Bf16Kernel::Bulk),
         _ => None,
     });
-    let ok = bulk_applies(gpu, x, out);
-    match forced {
-        Some(Bf16Kernel::Bulk) if !ok => {
-            Err(Error::usage(format!("NVFP4DBG_QUANT=bulk: {BULK_NEEDS}")))
-        }
-        Some(k) => Ok(k),
-        None => Ok(if ok {
-            Bf16Kernel::Bulk
-        } else {
-            Bf16Kernel::Grid
-        }),
+    if let Some(k) = forced {
+        return applies(gpu, x, out, k)
+            .map(|_| k)
+            .map_err(|e| Error::usage(format!("NVFP4DBG_QUANT: {e}")));
+    }
+    Ok([Bf16Kernel::Flat, Bf16Kernel::Bulk]
+        .into_iter()
+        .find(|&k| applies(gpu, x, out, k).is_ok())
+        .unwrap_or(Bf16Kernel::Grid))
+}
+
+/// Whether `kernel` can quantize `x` into `out`; the error says what it needs.
+fn applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4, kernel: Bf16Kernel) -> Result<()> {
+    let linear_aligned = out.layout == ScaleLayout::Linear && x.ptr(gpu).is_multiple_of(16);
+    let blocks = quant_knobs().blocks;
+    let (ok, needs) = match kernel {
+        Bf16Kernel::Grid => (true, String::new()),
+        Bf16Kernel::Flat => (
+            linear_aligned && out.cols.is_multiple_of(16 * blocks),
+            format!(
+                "the flat BF16 quantizer needs linear scales, a 16-byte aligned input and rows \
+                 of a multiple of {} values",
+                16 * blocks
+            ),
+        ),
+        Bf16Kernel::Bulk => (
+            linear_aligned
+                && gpu.compute_capability.0 >= 9
+                && gpu.ptr(&out.packed).is_multiple_of(8),
+            BULK_NEEDS.to_string(),
+        ),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::usage(needs))
     }
 }
 
@@ -294,13 +324,6 @@ fn bulk_tile(n: u64, warps: u64, max: u64) -> u64 {
 
 const BULK_NEEDS: &str =
     "the bulk BF16 quantizer needs sm_90 or newer, linear scales and a 16-byte aligned input";
-
-fn bulk_applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> bool {
-    gpu.compute_capability.0 >= 9
-        && out.layout == ScaleLayout::Linear
-        && x.ptr(gpu).is_multiple_of(16)
-        && gpu.ptr(&out.packed).is_multiple_of(8)
-}
 
 /// Enqueue the NVFP4 quantization of `x` into `out` (shape and layout from `out`) with the
 /// global scale `gs[0]` on the device: no allocation, no copy, so it can be timed alone or
@@ -330,9 +353,7 @@ pub fn enqueue_quantize_nvfp4_bf16_with(
     kernel: Bf16Kernel,
 ) -> Result<()> {
     let x = DevRows::Bf16(x);
-    if kernel == Bf16Kernel::Bulk && !bulk_applies(gpu, x, out) {
-        return Err(Error::usage(BULK_NEEDS));
-    }
+    applies(gpu, x, out, kernel)?;
     enqueue_nvfp4(gpu, x, gs, flavor, out, Some(kernel))
 }
 
@@ -369,6 +390,23 @@ fn enqueue_nvfp4(
                 } else {
                     32 * k.bulk_qb as u64
                 }),
+                KArg::U64(gpu.ptr(gs)),
+                KArg::U64(gpu.ptr(&out.packed)),
+                KArg::U64(gpu.ptr(&out.scales)),
+                KArg::U64(gpu.ptr(&out.stats)),
+                KArg::U32(flavor_code(flavor)),
+            ],
+        );
+    }
+    if bf16 == Some(Bf16Kernel::Flat) {
+        return gpu.launch(
+            &QUANT,
+            "nvfp4_quantize_bf16_flat",
+            nvfp4_grid(rows, cols / 16, layout)?,
+            &[
+                KArg::U64(x.ptr(gpu)),
+                KArg::U64(rows as u64),
+                KArg::U32(cols as u32),
                 KArg::U64(gpu.ptr(gs)),
                 KArg::U64(gpu.ptr(&out.packed)),
                 KArg::U64(gpu.ptr(&out.scales)),
