@@ -33,13 +33,13 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # then) and its best variant, and the bulk kernel's tile and ring sizes. Shared memory per CTA:
 # 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
-    # session 10: the default is now the flat kernel (nvfp4_quantize_bf16_flat: the grid kernel's
-    # groups, each warp's run loaded 512 contiguous bytes a load and handed out through shared
-    # memory; 64 regs, 4 CTAs/SM). Its first form, inside the grid kernel (71-72 regs), s10d:
-    # 3 CTAs/SM 0.0437 ms, capped at 4 (24-byte spill) 0.0422; with 2 blocks a thread 0.0463.
-    "bulk||NVFP4DBG_QUANT=bulk"               # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
-    "grid||NVFP4DBG_QUANT=grid"               # 71 regs, 3 CTAs/SM; s10d 0.0463 ms
-    "flat5|-DQUANT_FLAT_MIN_BLOCKS=5"         # 48 regs (164-byte spill): 5 CTAs/SM
+    # session 10: the default is the grid kernel with each warp's run of groups loaded 512
+    # contiguous bytes a load and handed out through shared memory (QUANT_TRANSPOSE 1), capped
+    # at 4 CTAs/SM (QUANT_MIN_BLOCKS 4: 64 regs, 24-byte spill). s10d/s10e: 0.0422 ms; a flat
+    # kernel of the same idea without the per-thread path (64 regs unforced) 0.0439, dropped.
+    "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
+    "tr3|-DQUANT_MIN_BLOCKS=0"                      # 72 regs, 3 CTAs/SM; s10d 0.0437 ms
+    "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
 )
 # Session 8's variants of the bulk kernel and the grid kernel's best: EXTRA below.
 # s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default
@@ -53,7 +53,7 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
-    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
+    "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
     "ilp2|-DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
     "ilp1|-DBULK_ILP=1|NVFP4DBG_QUANT=bulk"
     "qb2st3|-DBULK_QB=2 -DBULK_STAGES=3|NVFP4DBG_QUANT=bulk"
@@ -61,13 +61,13 @@ EXTRA=(
     "qb8ilp2|-DBULK_QB=8 -DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
     "nobal|-DBULK_BALANCE=0|NVFP4DBG_QUANT=bulk"                  # 128-block tiles, the last round part-full (s8b: 0.0437 ms, s8d's balanced default 0.0444)
     "qb1|-DBULK_QB=1 -DBULK_STAGES=8|NVFP4DBG_QUANT=bulk"
-    "pipe2|-DQUANT_PIPE=2|NVFP4DBG_QUANT=grid"
-    "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1|NVFP4DBG_QUANT=grid"
-    "coal|-DQUANT_COALESCED=1|NVFP4DBG_QUANT=grid"
-    "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
-    "gridqb2|-DQUANT_BLOCKS=2|NVFP4DBG_QUANT=grid"
-    "gridqb8|-DQUANT_BLOCKS=8|NVFP4DBG_QUANT=grid"
-    "old|-DQUANT_ENCODER=0"
+    "pipe2|-DQUANT_PIPE=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
+    "ring4|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
+    "coal|-DQUANT_COALESCED=1 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
+    "coalqb2|-DQUANT_COALESCED=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
+    "gridqb2|-DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
+    "gridqb8|-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=0 -DQUANT_TRANSPOSE=0|NVFP4DBG_QUANT=grid"
+    "old|-DQUANT_ENCODER=0 -DQUANT_MIN_BLOCKS=0"
     "stats0|-DQUANT_STATS=0"
 )
 if [ $# -gt 0 ]; then

@@ -38,13 +38,15 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
 #endif
 static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUANT_BLOCKS: 2, 4 or 8");
 
-// CTAs per SM the BF16 kernel is compiled for. 0: no bound (QUANT_ENCODER 1: 71 registers, so
-// 3 CTAs of 256 threads per SM; QUANT_ENCODER 0: 54, 4 CTAs). N: registers capped at
-// 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load latency with other
-// warps' arithmetic. 4 with QUANT_ENCODER 1: 63 registers, no spill, 1% more instructions on
-// the main path. With QUANT_BLOCKS 4, 5 and more spill (ptxas).
+// CTAs per SM the BF16 kernel is compiled for. 0: no bound (QUANT_ENCODER 1: 71 registers, 72
+// with QUANT_TRANSPOSE, so 3 CTAs of 256 threads per SM; QUANT_ENCODER 0: 54, 4 CTAs). N:
+// registers capped at 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load
+// latency with other warps' arithmetic. 4 (default since session 10): 64 registers and a
+// 24-byte spill of set-up values with QUANT_TRANSPOSE (63, none, without); measured 0.0437 ->
+// 0.0422 ms with the warp-wide loads (session 6, per-thread loads: no gain). 5 and more spill
+// hundreds of bytes (ptxas).
 #ifndef QUANT_MIN_BLOCKS
-#define QUANT_MIN_BLOCKS 0
+#define QUANT_MIN_BLOCKS 4
 #endif
 
 // Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 (default) no barrier: the
@@ -120,10 +122,21 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 #define QUANT_COALESCED 0
 #endif
 
-// CTAs per SM the flat BF16 kernel (nvfp4_quantize_bf16_flat) is compiled for; 0: no bound.
-#ifndef QUANT_FLAT_MIN_BLOCKS
-#define QUANT_FLAT_MIN_BLOCKS 0
+// Loads of the BF16 grid kernel's default mapping (one group of QUANT_BLOCKS blocks per
+// thread): 0 each thread its own group (16-byte loads, adjacent lanes 32 x QUANT_BLOCKS bytes
+// apart); 1 (default, session 10) where a warp's 32 groups are one contiguous run (no gather,
+// linear scales, QUANT_BLOCKS dividing the row's blocks, the whole warp in the tensor), the
+// warp loads the run with 512 contiguous bytes per load instruction and hands each lane its
+// group through shared memory (swizzled: no bank conflicts either way), then every lane
+// encodes as before. Same groups per thread, same codes, scales and statistics.
+// bench/quantize_traffic_probe.cu, kernels with this traffic and no arithmetic on an H200:
+// 0.0520 ms with per-thread loads, 0.0384 warp-wide (0.92 of copy_d2d). The quantizer
+// (session 10, s10d/s10e): 0.0463 -> 0.0437 ms, and 0.0422 with QUANT_MIN_BLOCKS 4.
+#ifndef QUANT_TRANSPOSE
+#define QUANT_TRANSPOSE 1
 #endif
+static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4),
+              "QUANT_TRANSPOSE: 0, or 1 with QUANT_BLOCKS 2 or 4 (shared memory)");
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -447,15 +460,42 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
-// The flat BF16 kernel's warp-wide loads: a warp's run of 32 groups in shared memory, 16-byte
-// piece q in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces 32 i + 8a + 0..7 and read
-// pieces U l + j, 8 distinct 16-byte bank groups either way.
-#define TRANSPOSE_U (2 * QUANT_BLOCKS)  // 16-byte pieces of a group
-__device__ __forceinline__ uint4* transpose_run() {
-    __shared__ uint4 tr[QUANT_THREADS / 32][32 * TRANSPOSE_U];
-    return tr[threadIdx.x / 32];
+// QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
+// nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
+// the knob is 0, or T is f32); the test is the same for all lanes of a warp.
+template <typename T>
+__device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
+                                                const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
+#if QUANT_TRANSPOSE
+    if constexpr (sizeof(T) == 2) {
+        constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
+        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U];
+        const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+        const u64 w0 = idx - lane;
+        if (row_src != nullptr || swizzled || d.kb % QUANT_BLOCKS != 0 || w0 + 32 > d.total) return false;
+        group_locate<T>(idx, d, nullptr, g);
+        // piece q of the run lives in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces
+        // 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte bank groups either way
+        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[U];
+#pragma unroll
+        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            u32 q = 32 * i + lane;
+            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            u32 q = U * lane + j;
+            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
+        }
+        return true;
+    }
+#endif
+    return false;
 }
-__device__ __forceinline__ u32 transpose_slot(u32 q) { return q ^ ((q >> 3) & 7u); }
 
 // The global scale of a group's row (0 outside the rows).
 template <typename T>
@@ -936,8 +976,10 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
 #endif
     {
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-        if (idx < d.total) {
-            Group<T> g;
+        Group<T> g;
+        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        } else if (idx < d.total) {
             group_load<T>(x, idx, d, row_src, g);
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         }
@@ -1018,73 +1060,6 @@ extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor) {
     nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
-}
-
-// ---- The flat BF16 quantizer with warp-wide loads (the default where it applies) ----
-// [rows, cols] BF16 with linear scales, no gather, one global scale, cols a multiple of
-// 16 x QUANT_BLOCKS: thread t quantizes group t (QUANT_BLOCKS blocks of a row), as the grid
-// kernel does, but the 32 groups of a warp are one contiguous run of 32 x QUANT_BLOCKS x 32
-// bytes, and the warp loads it 512 contiguous bytes per load instruction (the grid kernel's
-// lanes load 16 bytes each, 32 x QUANT_BLOCKS bytes apart) and hands each lane its group
-// through shared memory. Without the gather and swizzle paths the kernel needs fewer
-// registers than the grid kernel, so more warps fit. bench/quantize_traffic_probe.cu
-// (kernels with this traffic and no arithmetic, H200): 0.0520 ms with per-lane loads, 0.0384
-// with warp-wide ones (0.92 of copy_d2d). Same codes, scales and statistics as the others.
-template <u32 FL>
-__device__ __forceinline__ void nvfp4_quantize_flat(const u16* __restrict__ x, u64 rows, u32 cols,
-                                                    const float* __restrict__ gs, u8* __restrict__ packed,
-                                                    u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor) {
-    const QuantDims d = quant_dims(rows, cols, 0);
-    u32 c[4] = {0, 0, 0, 0};
-    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    const u32 lane = threadIdx.x % 32;
-    const u64 w0 = idx - lane;
-    if (w0 < d.total) {  // the same for the whole warp
-        const uint4* src = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
-        uint4 v[TRANSPOSE_U];
-#pragma unroll
-        for (int i = 0; i < TRANSPOSE_U; i++) {
-            const u32 q = 32 * i + lane;  // piece q of the run: group w0 + q / U
-            v[i] = w0 + q / TRANSPOSE_U < d.total ? src[q] : make_uint4(0, 0, 0, 0);
-        }
-        uint4* run = transpose_run();
-#pragma unroll
-        for (int i = 0; i < TRANSPOSE_U; i++) run[transpose_slot(32 * i + lane)] = v[i];
-        __syncwarp();
-        if (idx < d.total) {
-            Group<u16> g;
-            group_locate<u16>(idx, d, nullptr, g);
-#pragma unroll
-            for (int h = 0; h < QUANT_BLOCKS; h++) {
-                const u32 q = TRANSPOSE_U * lane + 2 * h;
-                g.raw[h].q[0] = run[transpose_slot(q)];
-                g.raw[h].q[1] = run[transpose_slot(q + 1)];
-            }
-            group_quantize_fl<u16, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
-        }
-    }
-#if QUANT_STATS
-    add_stats_rare(stats, c, rows * d.kb);
-#else
-    add_stats_cta(stats, c);
-#endif
-}
-
-#if QUANT_FLAT_MIN_BLOCKS > 0
-#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS, QUANT_FLAT_MIN_BLOCKS)
-#else
-#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS)
-#endif
-extern "C" __global__ void QUANT_FLAT_BOUNDS
-nvfp4_quantize_bf16_flat(const u16* x, u64 rows, u32 cols, const float* gs, u8* packed, u8* scales, u64* stats,
-                         u32 flavor) {
-    // the flavor a constant (QUANT_ENCODER 1), as in the grid kernel
-    if (!QUANT_ENCODER)
-        nvfp4_quantize_flat<FLAVOR_RUNTIME>(x, rows, cols, gs, packed, scales, stats, flavor);
-    else if (flavor == FLAVOR_CUDA_FAST)
-        nvfp4_quantize_flat<FLAVOR_CUDA_FAST>(x, rows, cols, gs, packed, scales, stats, flavor);
-    else
-        nvfp4_quantize_flat<FLAVOR_REFERENCE>(x, rows, cols, gs, packed, scales, stats, flavor);
 }
 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----

@@ -103,6 +103,8 @@ struct QuantKnobs {
     blocks: usize,
     pipe: usize,
     coalesced: bool,
+    /// QUANT_TRANSPOSE: the grid kernel's warps load their groups warp-wide where they can.
+    transpose: bool,
     /// The bulk kernel's blocks per lane per tile and tiles in flight per warp.
     bulk_qb: usize,
     bulk_stages: usize,
@@ -116,6 +118,7 @@ impl QuantKnobs {
         blocks: QUANT_BLOCKS,
         pipe: 1,
         coalesced: false,
+        transpose: true,
         bulk_qb: 4,
         bulk_stages: 2,
         bulk_balance: true,
@@ -127,6 +130,7 @@ impl QuantKnobs {
             blocks: define_value(d, "QUANT_BLOCKS").map_or(k.blocks, |b| (b as usize).max(1)),
             pipe: define_value(d, "QUANT_PIPE").map_or(k.pipe, |n| (n as usize).max(1)),
             coalesced: define_value(d, "QUANT_COALESCED").map_or(k.coalesced, |c| c != 0),
+            transpose: define_value(d, "QUANT_TRANSPOSE").map_or(k.transpose, |t| t != 0),
             bulk_qb: define_value(d, "BULK_QB").map_or(k.bulk_qb, |b| (b as usize).max(1)),
             bulk_stages: define_value(d, "BULK_STAGES")
                 .map_or(k.bulk_stages, |b| (b as usize).max(1)),
@@ -243,66 +247,47 @@ impl DevFp4 {
     }
 }
 
-/// The three BF16 NVFP4 quantizers (the same codes, scales and statistics): one thread per
-/// group of a row's blocks (any layout, gather, per-row global scales); the same with each
-/// warp's 32 groups loaded warp-wide (linear scales, rows of whole groups: the fastest, the
-/// default where it applies); or the persistent one streaming the tensor as flat blocks
-/// through bulk copies (sm_90 and newer, linear scales). kernels/quant.cu says why.
+/// The two BF16 NVFP4 quantizers (the same codes, scales and statistics): one thread per
+/// group of a row's blocks (any layout, gather, per-row global scales; where a warp's groups
+/// are one contiguous run, the warp loads them 512 bytes a load), or the persistent one
+/// streaming the tensor as flat blocks through bulk copies (sm_90 and newer, linear scales).
+/// kernels/quant.cu says why each is faster where it is chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
     Grid,
-    Flat,
     Bulk,
 }
 
-/// The kernel for `x` into `out`: the flat one where it applies, else the bulk one where it
-/// applies, else the grid one, unless `NVFP4DBG_QUANT=grid|flat|bulk` (an A/B on one
-/// build); a forced kernel where it does not apply is an error.
-fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Result<Bf16Kernel> {
+/// The kernel for `x` into `out`: the grid one where its warps load warp-wide (linear scales,
+/// rows of whole groups: the fastest), else the bulk one where it applies, else the grid one.
+/// `NVFP4DBG_QUANT=grid|bulk` picks one wherever it applies (an A/B on one build).
+fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Bf16Kernel {
     static FORCED: std::sync::OnceLock<Option<Bf16Kernel>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var("NVFP4DBG_QUANT").as_deref() {
         Ok("grid") => Some(Bf16Kernel::Grid),
-        Ok("flat") => Some(Bf16Kernel::Flat),
         Ok("bulk") => Some(Bf16Kernel::Bulk),
         _ => None,
     });
-    if let Some(k) = forced {
-        return applies(gpu, x, out, k)
-            .map(|_| k)
-            .map_err(|e| Error::usage(format!("NVFP4DBG_QUANT: {e}")));
+    let bulk = bulk_applies(gpu, x, out);
+    match forced {
+        Some(Bf16Kernel::Bulk) if bulk => Bf16Kernel::Bulk,
+        Some(_) => Bf16Kernel::Grid,
+        None if bulk && !warp_wide(gpu, x, out) => Bf16Kernel::Bulk,
+        None => Bf16Kernel::Grid,
     }
-    Ok([Bf16Kernel::Flat, Bf16Kernel::Bulk]
-        .into_iter()
-        .find(|&k| applies(gpu, x, out, k).is_ok())
-        .unwrap_or(Bf16Kernel::Grid))
 }
 
-/// Whether `kernel` can quantize `x` into `out`; the error says what it needs.
-fn applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4, kernel: Bf16Kernel) -> Result<()> {
-    let linear_aligned = out.layout == ScaleLayout::Linear && x.ptr(gpu).is_multiple_of(16);
-    let blocks = quant_knobs().blocks;
-    let (ok, needs) = match kernel {
-        Bf16Kernel::Grid => (true, String::new()),
-        Bf16Kernel::Flat => (
-            linear_aligned && out.cols.is_multiple_of(16 * blocks),
-            format!(
-                "the flat BF16 quantizer needs linear scales, a 16-byte aligned input and rows \
-                 of a multiple of {} values",
-                16 * blocks
-            ),
-        ),
-        Bf16Kernel::Bulk => (
-            linear_aligned
-                && gpu.compute_capability.0 >= 9
-                && gpu.ptr(&out.packed).is_multiple_of(8),
-            BULK_NEEDS.to_string(),
-        ),
-    };
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::usage(needs))
-    }
+/// Whether the grid kernel's warps load their groups warp-wide (kernels/quant.cu,
+/// QUANT_TRANSPOSE: linear scales, no gather, rows of whole groups; the last warp of a tensor
+/// whose group count is not a multiple of 32 loads per thread).
+fn warp_wide(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> bool {
+    let k = quant_knobs();
+    k.transpose
+        && k.pipe == 1
+        && !k.coalesced
+        && out.layout == ScaleLayout::Linear
+        && x.ptr(gpu).is_multiple_of(16)
+        && out.cols.is_multiple_of(16 * k.blocks)
 }
 
 /// The bulk kernel's tile in blocks for `n` blocks over `warps` warps, tiles of at most `max`
@@ -325,6 +310,13 @@ fn bulk_tile(n: u64, warps: u64, max: u64) -> u64 {
 const BULK_NEEDS: &str =
     "the bulk BF16 quantizer needs sm_90 or newer, linear scales and a 16-byte aligned input";
 
+fn bulk_applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> bool {
+    gpu.compute_capability.0 >= 9
+        && out.layout == ScaleLayout::Linear
+        && x.ptr(gpu).is_multiple_of(16)
+        && gpu.ptr(&out.packed).is_multiple_of(8)
+}
+
 /// Enqueue the NVFP4 quantization of `x` into `out` (shape and layout from `out`) with the
 /// global scale `gs[0]` on the device: no allocation, no copy, so it can be timed alone or
 /// captured. Block statistics add up into `out.stats`.
@@ -336,7 +328,7 @@ pub fn enqueue_quantize_nvfp4(
     out: &DevFp4,
 ) -> Result<()> {
     let kernel = match x {
-        DevRows::Bf16(_) => Some(bf16_kernel(gpu, x, out)?),
+        DevRows::Bf16(_) => Some(bf16_kernel(gpu, x, out)),
         DevRows::F32(_) => None,
     };
     enqueue_nvfp4(gpu, x, gs, flavor, out, kernel)
@@ -353,7 +345,9 @@ pub fn enqueue_quantize_nvfp4_bf16_with(
     kernel: Bf16Kernel,
 ) -> Result<()> {
     let x = DevRows::Bf16(x);
-    applies(gpu, x, out, kernel)?;
+    if kernel == Bf16Kernel::Bulk && !bulk_applies(gpu, x, out) {
+        return Err(Error::usage(BULK_NEEDS));
+    }
     enqueue_nvfp4(gpu, x, gs, flavor, out, Some(kernel))
 }
 
@@ -390,23 +384,6 @@ fn enqueue_nvfp4(
                 } else {
                     32 * k.bulk_qb as u64
                 }),
-                KArg::U64(gpu.ptr(gs)),
-                KArg::U64(gpu.ptr(&out.packed)),
-                KArg::U64(gpu.ptr(&out.scales)),
-                KArg::U64(gpu.ptr(&out.stats)),
-                KArg::U32(flavor_code(flavor)),
-            ],
-        );
-    }
-    if bf16 == Some(Bf16Kernel::Flat) {
-        return gpu.launch(
-            &QUANT,
-            "nvfp4_quantize_bf16_flat",
-            nvfp4_grid(rows, cols / 16, layout)?,
-            &[
-                KArg::U64(x.ptr(gpu)),
-                KArg::U64(rows as u64),
-                KArg::U32(cols as u32),
                 KArg::U64(gpu.ptr(gs)),
                 KArg::U64(gpu.ptr(&out.packed)),
                 KArg::U64(gpu.ptr(&out.scales)),
