@@ -5,6 +5,8 @@
 # "final"; session 7's s7e, session 8's s8g and session 9's s9g ran it under those names).
 # PART=nightly runs the nightly alone (560 s: in s9g it outgrew the 420 s it has beside the
 # bench and the peers within one 600 s call), PART=bench the bench and the peers alone.
+# NIGHTLY_S overrides the nightly's time limit (session 10 ran PART=bench, then PART=nightly
+# with NIGHTLY_S=430, in one call).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
 L=${LABEL:-final}
@@ -14,7 +16,7 @@ nvidia-smi -L | tee $R/gpus.txt
 t0=$(date +%s)
 PART=${PART:-all}
 if [ "$PART" != bench ]; then
-    NVFP4DBG_REPORTS=$R/nightly timeout $([ "$PART" = nightly ] && echo 560 || echo 420) \
+    NVFP4DBG_REPORTS=$R/nightly timeout ${NIGHTLY_S:-$([ "$PART" = nightly ] && echo 560 || echo 420)} \
         bash .ci/gpu-nightly .dev/gpu > $R/nightly.txt 2>&1
     echo "nightly rc=$? in $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
     grep -E "GPU tests:|cases:" $R/nightly.txt | tail -3

@@ -40,10 +40,8 @@ VARIANTS=(
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
     "tr3|-DQUANT_MIN_BLOCKS=0"                      # 72 regs, 3 CTAs/SM; s10d 0.0437 ms
     "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
-    # the run brought to shared memory by cp.async (QUANT_TRANSPOSE 2): no registers in flight
-    "cpa|-DQUANT_TRANSPOSE=2"                       # 64 regs (4-byte spill): 4 CTAs/SM
-    "cpa5|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=5" # 48 regs (352-byte spill, most in the per-thread path): 5 CTAs/SM
-    "cpa6|-DQUANT_TRANSPOSE=2 -DQUANT_MIN_BLOCKS=6" # 40 regs (480-byte spill): 6 CTAs/SM
+    # (s10h, QUANT_TRANSPOSE 2, since removed: the run staged by cp.async, 0.0429 ms at 4 CTAs/SM,
+    # 0.0538 / 0.0622 at 5 / 6 (spills); its cuda-fast block statistics disagreed with bulk's)
 )
 # Session 8's variants of the bulk kernel and the grid kernel's best: EXTRA below.
 # s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default

@@ -173,7 +173,8 @@ impl Drop for Blas {
 const BLAS_WORKSPACE: usize = 32 << 20;
 
 /// One GPU: a context, one non-blocking stream that all work goes to (so ordering is the
-/// stream's, and a forward can be captured into a graph), the module cache and cuBLAS.
+/// stream's, and a forward can be captured into a graph) but the independent work
+/// [`Gpu::fork_side`] puts on a second one, the module cache and cuBLAS.
 pub struct Gpu {
     pub ordinal: usize,
     pub name: String,
@@ -212,8 +213,9 @@ impl Gpu {
                 driver_what(&e)
             ))
         })?;
-        // One stream carries everything: no cross-stream events (they would also break
-        // graph capture).
+        // The main stream carries everything but what Gpu::fork_side puts on the side
+        // stream, ordered by explicit events; no automatic cross-stream events (they would
+        // also break graph capture).
         unsafe { ctx.disable_event_tracking() };
         // the main stream at the highest priority, so that the side stream's kernels
         // (Gpu::fork_side) get only the multiprocessors the main one leaves idle
@@ -705,18 +707,11 @@ impl Gpu {
                             "internal: the side stream is first used inside a graph capture",
                         ));
                     }
-                    // the lowest priority (the driver's default), unless
-                    // NVFP4DBG_SIDE_PRIORITY=main (for an A/B)
-                    let same = std::env::var("NVFP4DBG_SIDE_PRIORITY").is_ok_and(|v| v == "main");
-                    let s = if same {
-                        self.bind_to_thread()?;
-                        let (_, highest) = cudarc::driver::result::stream::get_priority_range()
-                            .map_err(|e| driver_err("reading the stream priorities", "-", e))?;
-                        self.ctx.new_stream_with_priority(highest)
-                    } else {
-                        self.ctx.new_stream()
-                    }
-                    .map_err(|e| driver_err("creating the side stream", "-", e))?;
+                    // the lowest priority (the driver's default)
+                    let s = self
+                        .ctx
+                        .new_stream()
+                        .map_err(|e| driver_err("creating the side stream", "-", e))?;
                     let b = self.new_blas(s.clone())?;
                     *g = Some((s.clone(), b));
                     s

@@ -104,7 +104,6 @@ pub enum PrefillGemm {
     WgmmaRs,
 }
 
-/// `NVFP4DBG_SM90=v1`: Auto keeps the first wgmma kernels (A/B runs of the bench).
 /// `NVFP4DBG_SHARED_STREAM=0`: the shared expert after the routed ones, on the one stream.
 fn shared_beside_default() -> bool {
     !std::env::var("NVFP4DBG_SHARED_STREAM").is_ok_and(|v| v == "0")
@@ -137,6 +136,7 @@ impl InputQuantize {
     }
 }
 
+/// `NVFP4DBG_SM90=v1`: Auto keeps the first wgmma kernels (A/B runs of the bench).
 fn sm90_rs_disabled() -> bool {
     std::env::var("NVFP4DBG_SM90").is_ok_and(|v| v == "v1")
 }
@@ -1209,19 +1209,13 @@ impl Nvfp4Forward {
         // The shared expert reads only the layer input: it runs on the side stream beside
         // the routed experts, on the multiprocessors their kernels leave idle (the router's
         // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
-        // Stage by stage (the bench's split) it stays in the epilogue.
-        // NVFP4DBG_SHARED_FORK=gemm: fork after the prologue (an A/B of where it overlaps)
+        // Stage by stage (the bench's split) it stays in the epilogue. (Forked after the
+        // prologue instead: the same time, s10b.)
         let beside = self.shared_runs_beside();
-        let late = std::env::var("NVFP4DBG_SHARED_FORK").is_ok_and(|v| v == "gemm");
+        if beside {
+            self.gpu().fork_side(|| self.enqueue_shared())?;
+        }
         for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
-            let fork_here = if late {
-                stage == Stage::GateUp
-            } else {
-                stage == Stage::Prologue
-            };
-            if beside && fork_here {
-                self.gpu().fork_side(|| self.enqueue_shared())?;
-            }
             self.enqueue_nvfp4_stage(stage)?;
         }
         if beside {
