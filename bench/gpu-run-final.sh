@@ -26,7 +26,7 @@ if [ "$PART" != bench ]; then
 fi
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
-timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
+timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
 echo "bench rc=$? at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt
 pack
 timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
