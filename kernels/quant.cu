@@ -1067,6 +1067,96 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
     nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor);
 }
 
+// ---- The flat BF16 quantizer: whole warps of contiguous groups, few registers ----
+// [rows, cols] BF16 with linear scales, no gather, one global scale, where the n groups of
+// QUANT_BLOCKS blocks are whole warps' worth (n a multiple of 32; cols a multiple of
+// 16 QUANT_BLOCKS): with linear scales the tensor is a flat array of blocks, block f reading
+// x + 16 f and writing codes at packed + 8 f and its scale at scales + f. Thread t takes group
+// t, as the grid kernel does; its warp loads the warp's run 512 contiguous bytes a load (the
+// grid kernel's QUANT_TRANSPOSE path) and each lane then encodes its group two blocks at a
+// time straight out of shared memory, storing 16 bytes of codes per pair. With no per-thread
+// load path and no row arithmetic the kernel needs fewer registers than the grid kernel, so
+// more warps fit on an SM (the point: bench/quantize_traffic_probe.cu's traffic-only kernel
+// reaches 0.92 of copy_d2d at ~8 CTAs per SM). Same codes, scales and statistics.
+// CTAs per SM it is compiled for (0: no bound; 55 registers, 4 CTAs). 5: 48 registers, no
+// spill; 6: 40 with a 20-byte spill. Shared memory: 32 KiB per CTA.
+#ifndef QUANT_FLAT_MIN_BLOCKS
+#define QUANT_FLAT_MIN_BLOCKS 5
+#endif
+static_assert(QUANT_BLOCKS % 2 == 0 && QUANT_BLOCKS <= 4, "the flat kernel: QUANT_BLOCKS 2 or 4");
+#define FLAT_U (2 * QUANT_BLOCKS)  // 16-byte pieces of a group
+// One array for every flavor's instantiation (a __shared__ array in a template is one per
+// instantiation).
+__device__ __forceinline__ uint4 (*flat_runs())[32 * FLAT_U] {
+    __shared__ uint4 tr[QUANT_THREADS / 32][32 * FLAT_U];
+    return tr;
+}
+template <u32 FL>
+__device__ __forceinline__ void nvfp4_quantize_flat(const u16* __restrict__ x, u64 groups, const float* __restrict__ gs,
+                                                    u8* __restrict__ packed, u8* __restrict__ scales,
+                                                    u64* __restrict__ stats, u32 flavor_arg) {
+    constexpr int U = FLAT_U;
+    uint4 (*tr)[32 * U] = flat_runs();
+    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 w0 = (u64)blockIdx.x * blockDim.x + 32 * warp;
+    u32 c[4] = {0, 0, 0, 0};
+    if (w0 < groups) {  // whole warps: the same for all lanes
+        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[U];
+#pragma unroll
+        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            u32 q = 32 * i + lane;
+            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
+        }
+        __syncwarp();
+        const float gv = gs[0], rg = nvfp4_rgs(gv, flavor);
+        const u64 f0 = (w0 + lane) * QUANT_BLOCKS;  // the group's first block
+        uint4* codes = reinterpret_cast<uint4*>(packed + 8 * f0);
+        u32 word = 0;
+#pragma unroll
+        for (int h = 0; h < QUANT_BLOCKS; h += 2) {
+            RawBlock<u16> r0, r1;
+            u32 q = U * lane + 2 * h;
+            r0.q[0] = tr[warp][q ^ ((q >> 3) & 7)];
+            r0.q[1] = tr[warp][(q + 1) ^ (((q + 1) >> 3) & 7)];
+            r1.q[0] = tr[warp][(q + 2) ^ (((q + 2) >> 3) & 7)];
+            r1.q[1] = tr[warp][(q + 3) ^ (((q + 3) >> 3) & 7)];
+            u32 p0[2], p1[2];
+            u32 s0 = quant_block_counted<u16, FL>(r0, amax_raw(r0), gv, rg, flavor, p0, c);
+            u32 s1 = quant_block_counted<u16, FL>(r1, amax_raw(r1), gv, rg, flavor, p1, c);
+            codes[h / 2] = make_uint4(p0[0], p0[1], p1[0], p1[1]);
+            word |= (s0 | s1 << 8) << (8 * h);
+        }
+        st_scale_word(scales + f0, word);
+    }
+#if QUANT_STATS
+    add_stats_rare(stats, c, groups * QUANT_BLOCKS);
+#else
+    add_stats_cta(stats, c);
+#endif
+}
+
+#if QUANT_FLAT_MIN_BLOCKS > 0
+#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS, QUANT_FLAT_MIN_BLOCKS)
+#else
+#define QUANT_FLAT_BOUNDS __launch_bounds__(QUANT_THREADS)
+#endif
+// `groups` groups of QUANT_BLOCKS blocks, a multiple of 32; packed 16-byte and scales
+// QUANT_SCALE_WORD-byte aligned (src/backend/cuda/quant.rs checks).
+extern "C" __global__ void QUANT_FLAT_BOUNDS
+nvfp4_quantize_bf16_flat(const u16* x, u64 groups, const float* gs, u8* packed, u8* scales, u64* stats, u32 flavor) {
+    // the flavor a constant (QUANT_ENCODER 1), as in the grid kernel
+    if (!QUANT_ENCODER)
+        nvfp4_quantize_flat<FLAVOR_RUNTIME>(x, groups, gs, packed, scales, stats, flavor);
+    else if (flavor == FLAVOR_CUDA_FAST)
+        nvfp4_quantize_flat<FLAVOR_CUDA_FAST>(x, groups, gs, packed, scales, stats, flavor);
+    else
+        nvfp4_quantize_flat<FLAVOR_REFERENCE>(x, groups, gs, packed, scales, stats, flavor);
+}
+
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----
 // [rows, cols] BF16 with linear scales, no gather and one global scale is a flat array of
 // n = rows cols / 16 blocks (cols is a multiple of 16): block f reads x + 16 f and writes its
