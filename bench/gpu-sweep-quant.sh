@@ -33,20 +33,15 @@ export NVFP4DBG_CUDA_INCLUDE="${NVFP4DBG_CUDA_INCLUDE:-/usr/local/cuda/include:/
 # then) and its best variant, and the bulk kernel's tile and ring sizes. Shared memory per CTA:
 # 8 warps x BULK_STAGES x BULK_QB KiB.
 VARIANTS=(
-    # session 10: the default is the flat kernel (nvfp4_quantize_bf16_flat: whole warps of
-    # groups, each warp's run loaded 512 contiguous bytes a load, encoded two blocks at a time
-    # out of shared memory; QUANT_FLAT_MIN_BLOCKS 5: 48 regs, 5 CTAs/SM) where it applies, else
-    # the grid kernel with the same warp-wide loads (QUANT_TRANSPOSE 1) capped at 4 CTAs/SM
-    # (QUANT_MIN_BLOCKS 4: 64 regs, 24-byte spill; s10d/s10e/s10z: 0.0422 ms).
-    "grid||NVFP4DBG_QUANT=grid"                     # the grid kernel with warp-wide loads: s10z 0.0422 ms
+    # session 10: the default is the grid kernel with each warp's run of groups loaded 512
+    # contiguous bytes a load and handed out through shared memory (QUANT_TRANSPOSE 1), capped
+    # at 4 CTAs/SM (QUANT_MIN_BLOCKS 4: 64 regs, 24-byte spill). s10d/s10e: 0.0422 ms; a flat
+    # kernel of the same idea without the per-thread path (64 regs unforced) 0.0439, dropped.
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
-    "flat4|-DQUANT_FLAT_MIN_BLOCKS=0"               # 55 regs, 4 CTAs/SM
-    "flat6|-DQUANT_FLAT_MIN_BLOCKS=6"               # 40 regs (20-byte spill), 6 CTAs/SM
-    # (s10d: "tr3|-DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid" 72 regs, 3 CTAs/SM, 0.0437 ms;
-    # "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid" session 9's grid
-    # kernel, 0.0463 ms. s10h, QUANT_TRANSPOSE 2, since removed: the run staged by cp.async,
-    # 0.0429 ms at 4 CTAs/SM, 0.0538 / 0.0622 at 5 / 6 (spills); its cuda-fast block
-    # statistics disagreed with bulk's)
+    "tr3|-DQUANT_MIN_BLOCKS=0"                      # 72 regs, 3 CTAs/SM; s10d 0.0437 ms
+    "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
+    # (s10h, QUANT_TRANSPOSE 2, since removed: the run staged by cp.async, 0.0429 ms at 4 CTAs/SM,
+    # 0.0538 / 0.0622 at 5 / 6 (spills); its cuda-fast block statistics disagreed with bulk's)
 )
 # Session 8's variants of the bulk kernel and the grid kernel's best: EXTRA below.
 # s8c (tiles sized to fill the last round, but 125 blocks: not 128-byte aligned): the default

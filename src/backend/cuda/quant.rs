@@ -247,61 +247,34 @@ impl DevFp4 {
     }
 }
 
-/// The three BF16 NVFP4 quantizers (the same codes, scales and statistics): one thread per
+/// The two BF16 NVFP4 quantizers (the same codes, scales and statistics): one thread per
 /// group of a row's blocks (any layout, gather, per-row global scales; where a warp's groups
-/// are one contiguous run, the warp loads them 512 bytes a load); the flat one, only that
-/// warp-wide path in fewer registers, so more warps per SM (linear scales, whole warps of
-/// groups: the fastest); or the persistent one streaming the tensor as flat blocks through
-/// bulk copies (sm_90 and newer, linear scales). kernels/quant.cu says why each is faster
-/// where it is chosen.
+/// are one contiguous run, the warp loads them 512 bytes a load), or the persistent one
+/// streaming the tensor as flat blocks through bulk copies (sm_90 and newer, linear scales).
+/// kernels/quant.cu says why each is faster where it is chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Bf16Kernel {
     Grid,
-    Flat,
     Bulk,
 }
 
-/// The kernel for `x` into `out`: the flat one where it applies, else the grid one where its
-/// warps load warp-wide, else the bulk one where it applies, else the grid one.
-/// `NVFP4DBG_QUANT=grid|flat|bulk` picks one wherever it applies (an A/B on one build).
+/// The kernel for `x` into `out`: the grid one where its warps load warp-wide (linear scales,
+/// rows of whole groups: the fastest), else the bulk one where it applies, else the grid one.
+/// `NVFP4DBG_QUANT=grid|bulk` picks one wherever it applies (an A/B on one build).
 fn bf16_kernel(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> Bf16Kernel {
     static FORCED: std::sync::OnceLock<Option<Bf16Kernel>> = std::sync::OnceLock::new();
     let forced = *FORCED.get_or_init(|| match std::env::var("NVFP4DBG_QUANT").as_deref() {
         Ok("grid") => Some(Bf16Kernel::Grid),
-        Ok("flat") => Some(Bf16Kernel::Flat),
         Ok("bulk") => Some(Bf16Kernel::Bulk),
         _ => None,
     });
-    let (flat, bulk) = (flat_applies(gpu, x, out), bulk_applies(gpu, x, out));
+    let bulk = bulk_applies(gpu, x, out);
     match forced {
-        Some(Bf16Kernel::Flat) if flat => Bf16Kernel::Flat,
         Some(Bf16Kernel::Bulk) if bulk => Bf16Kernel::Bulk,
         Some(_) => Bf16Kernel::Grid,
-        None if flat => Bf16Kernel::Flat,
         None if bulk && !warp_wide(gpu, x, out) => Bf16Kernel::Bulk,
         None => Bf16Kernel::Grid,
     }
-}
-
-/// The flat kernel's groups: whole warps of QUANT_BLOCKS-block groups over a tensor with
-/// linear scales (kernels/quant.cu, `nvfp4_quantize_bf16_flat`).
-fn flat_groups(out: &DevFp4) -> usize {
-    out.rows * out.cols / (16 * quant_knobs().blocks)
-}
-
-const FLAT_NEEDS: &str = "the flat BF16 quantizer needs linear scales, aligned buffers, rows of \
-     a multiple of 16 x QUANT_BLOCKS values and a multiple of 32 groups";
-
-fn flat_applies(gpu: &Gpu, x: DevRows<'_>, out: &DevFp4) -> bool {
-    let k = quant_knobs();
-    out.layout == ScaleLayout::Linear
-        && k.blocks.is_multiple_of(2)
-        && k.blocks <= 4
-        && out.cols.is_multiple_of(16 * k.blocks)
-        && flat_groups(out).is_multiple_of(32)
-        && x.ptr(gpu).is_multiple_of(16)
-        && gpu.ptr(&out.packed).is_multiple_of(16)
-        && gpu.ptr(&out.scales).is_multiple_of(k.blocks.min(4) as u64)
 }
 
 /// Whether the grid kernel's warps load their groups warp-wide (kernels/quant.cu,
@@ -375,9 +348,6 @@ pub fn enqueue_quantize_nvfp4_bf16_with(
     if kernel == Bf16Kernel::Bulk && !bulk_applies(gpu, x, out) {
         return Err(Error::usage(BULK_NEEDS));
     }
-    if kernel == Bf16Kernel::Flat && !flat_applies(gpu, x, out) {
-        return Err(Error::usage(FLAT_NEEDS));
-    }
     enqueue_nvfp4(gpu, x, gs, flavor, out, Some(kernel))
 }
 
@@ -414,23 +384,6 @@ fn enqueue_nvfp4(
                 } else {
                     32 * k.bulk_qb as u64
                 }),
-                KArg::U64(gpu.ptr(gs)),
-                KArg::U64(gpu.ptr(&out.packed)),
-                KArg::U64(gpu.ptr(&out.scales)),
-                KArg::U64(gpu.ptr(&out.stats)),
-                KArg::U32(flavor_code(flavor)),
-            ],
-        );
-    }
-    if bf16 == Some(Bf16Kernel::Flat) {
-        let groups = flat_groups(out);
-        return gpu.launch(
-            &QUANT,
-            "nvfp4_quantize_bf16_flat",
-            grid_1d(groups as u64, THREADS)?,
-            &[
-                KArg::U64(x.ptr(gpu)),
-                KArg::U64(groups as u64),
                 KArg::U64(gpu.ptr(gs)),
                 KArg::U64(gpu.ptr(&out.packed)),
                 KArg::U64(gpu.ptr(&out.scales)),
