@@ -132,11 +132,12 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 // bench/quantize_traffic_probe.cu, kernels with this traffic and no arithmetic on an H200:
 // 0.0520 ms with per-thread loads, 0.0384 warp-wide (0.92 of copy_d2d). The quantizer
 // (session 10, s10d/s10e): 0.0463 -> 0.0437 ms, and 0.0422 with QUANT_MIN_BLOCKS 4. Tried and
-// dropped (s10f-s10h): the run brought to shared memory by cp.async (0.0429 ms; 5 or 6 CTAs
+// dropped (s10f-s10i): the run brought to shared memory by cp.async (0.0429 ms; 5 or 6 CTAs
 // per SM spill: 0.054, 0.062); a separate kernel for whole runs only (64 registers without the
-// cap, 0.0439); encoding two blocks at a time out of shared memory (0.0449). Those three also
-// disagreed with the grid and bulk kernels on cuda-fast block statistics in gpu_quant (codes
-// and scales of the reference flavor agreed): not understood, and none of them is kept.
+// cap, 0.0439; again with two blocks at a time out of shared memory, 48 registers at 5 CTAs per
+// SM, 0.0447); encoding two blocks at a time out of shared memory (0.0449). All of them also
+// disagreed with the grid and bulk kernels on block statistics in gpu_quant (BENCHMARKS.md):
+// not understood, and none of them is kept. This path declares its array where it uses it.
 #ifndef QUANT_TRANSPOSE
 #define QUANT_TRANSPOSE 1
 #endif
