@@ -1,0 +1,39 @@
+# Shared by the session-10 device scripts (source it from the repository root on the device):
+# the environment, the result folder /tmp/$L packed into $OUT/$L.tgz, the GPU tests and the
+# environment-variable A/B rounds of `nvfp4dbg bench`.
+export NCCL_NVLS_ENABLE=0 NO_COLOR=1 PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NVFP4DBG_CUDA_INCLUDE=/usr/local/cuda/include:/usr/local/cuda/include/cccl
+export NVFP4DBG_CACHE_DIR=/tmp/nvfp4dbg-cubin
+R=/tmp/$L; mkdir -p $R
+t0=$(date +%s)
+pack() { tar czf $OUT/$L.tgz -C $R .; }
+stamp() { echo "$1 at $(( $(date +%s) - t0 )) s" | tee -a $R/log.txt; }
+
+# run_tests TEST...: each GPU test binary of .dev/gpu, its result line and any failure
+run_tests() {
+    for t in "$@"; do
+        timeout 150 .dev/gpu/$t --ignored --nocapture --test-threads 1 > $R/$t.txt 2>&1
+        stamp "$t rc=$?: $(grep -E '^test result' $R/$t.txt | tail -1)"
+        grep -E "panicked" -A3 $R/$t.txt | head -10
+        pack
+    done
+}
+
+# ab_rounds ROUNDS ONLY "name|VAR=v,VAR=v ...": `nvfp4dbg bench --quick --only ONLY` under
+# each variant's environment, the variants alternating within each round, then the medians
+# (bench/ab_summary.py)
+ab_rounds() {
+    local rounds=$1 only=$2 variants=$3 i v n
+    for i in $(seq $rounds); do
+        for v in $variants; do
+            n=${v%%|*}
+            env $(echo "${v#*|}" | tr ',' ' ') timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q \
+                --quick --only $only --json $R/$n-$i.json > $R/$n-$i.txt 2>&1
+            echo "$n-$i rc=$?" >> $R/log.txt
+        done
+        stamp "bench round $i"
+        pack
+    done
+    python3 bench/ab_summary.py $R $(for v in $variants; do echo "${v%%|*}"; done)
+}
