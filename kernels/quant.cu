@@ -141,12 +141,6 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 #ifndef QUANT_TRANSPOSE
 #define QUANT_TRANSPOSE 1
 #endif
-// QUANT_L2_AHEAD N (default 0, off): with the warp-wide loads, each lane also prefetches into
-// L2 the line its twin N CTAs on will load (about a wave ahead: more DRAM requests in flight
-// without registers).
-#ifndef QUANT_L2_AHEAD
-#define QUANT_L2_AHEAD 0
-#endif
 static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4),
               "QUANT_TRANSPOSE: 0, or 1 with QUANT_BLOCKS 2 or 4 (shared memory)");
 
@@ -492,11 +486,6 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-#if QUANT_L2_AHEAD
-        // the run this warp's twin QUANT_L2_AHEAD CTAs on will load, a line per lane, into L2
-        if (w0 + (u64)QUANT_L2_AHEAD * blockDim.x + 32 <= d.total)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(run + (u64)QUANT_L2_AHEAD * blockDim.x * U + U * lane));
-#endif
 #pragma unroll
         for (int i = 0; i < U; i++) {
             u32 q = 32 * i + lane;
