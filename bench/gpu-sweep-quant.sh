@@ -40,6 +40,9 @@ VARIANTS=(
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
     "tr3|-DQUANT_MIN_BLOCKS=0"                      # 72 regs, 3 CTAs/SM; s10d 0.0437 ms
     "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
+    # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
+    # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
+    # the default's 0.0421)
     # (s10h, QUANT_TRANSPOSE 2, since removed: the run staged by cp.async, 0.0429 ms at 4 CTAs/SM,
     # 0.0538 / 0.0622 at 5 / 6 (spills); its cuda-fast block statistics disagreed with bulk's)
 )
