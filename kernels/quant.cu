@@ -1084,7 +1084,9 @@ nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const 
 // on its 16-byte shared loads, and consecutive lanes write consecutive code words and scale
 // bytes. A slot is refilled once every lane has its blocks in registers (their max|x|
 // computed: the loads have landed). Same encoder (quant_block_counted), same codes, scales and
-// statistics as the grid kernel.
+// statistics as the grid kernel. Since session 10 the host takes it only where the grid
+// kernel's warp-wide loads do not apply (rows not of whole groups): those measured 0.0422 ms
+// at 8192 x 7168 on an H200, this kernel 0.0440.
 // Blocks per lane per tile, and tiles in flight per warp. src/backend/cuda/quant.rs reads both
 // (the shared memory size: BULK_WARPS x BULK_STAGES x BULK_TILE x 32 bytes + the barriers).
 #ifndef BULK_QB
