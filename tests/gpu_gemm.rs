@@ -204,7 +204,6 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
                 );
                 // run to run: bit for bit
                 let again = run(&layer, &x, &routing, &scales, which);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(
                     bits(&wg.out),
                     bits(&again.out),

@@ -396,7 +396,6 @@ fn the_forward_is_deterministic() {
         };
         let a = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let c = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&a.out), bits(&c.out), "two runs differ");
         assert_eq!(
             bits(a.per_slot.as_ref().unwrap()),
@@ -427,7 +426,6 @@ fn cuda_graph_replay_matches_eager() {
             Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, Flavor::Reference, true).unwrap();
         f.route_on_gpu(None).unwrap();
         f.set_hidden(&x0).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         // capture runs one eager forward first (on x0), then records the graph
         let graph = f.capture().unwrap();
         let eager0 = f.output().unwrap();
@@ -504,7 +502,6 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     };
     let layer = build_layer(&mut r, spec);
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for tokens in [5, 700] {
         let x = hidden(&mut r, tokens, spec.h);
         for (scales, flavor) in [
@@ -550,7 +547,6 @@ fn the_shared_expert_beside_the_routed_ones_changes_no_bit() {
     assert!(layer.shared.is_some());
     let mut plain = layer.clone();
     plain.shared = None;
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for tokens in [8, 600] {
         let x = hidden(&mut r, tokens, spec.h);
         let other = hidden(&mut r, tokens, spec.h);
@@ -693,7 +689,6 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
         };
         let want = cpu.moe_forward(&layer, &x, &routing, &path, true).unwrap();
         let got = b.moe_forward(&layer, &x, &routing, &path, true).unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&tiles.out),
             bits(&rows.out),
@@ -752,7 +747,6 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
         let graph = f.capture().unwrap();
         let eager = f.output().unwrap();
         let replay = graph.run().unwrap();
-        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(
             bits(&replay.out),
             bits(&eager.out),

@@ -194,6 +194,11 @@ pub fn build_layer(r: &mut ChaCha8Rng, spec: LayerSpec) -> MoeLayer {
     }
 }
 
+/// The bit patterns of `v`, for bit-for-bit comparisons (NaN payloads and -0.0 included).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
 /// BF16-exact hidden states `[tokens, h]` with a few outlier channels.
 pub fn hidden(r: &mut ChaCha8Rng, tokens: usize, h: usize) -> Vec<f32> {
     let outliers: Vec<usize> = (0..4).map(|_| r.gen_range(0..h)).collect();
