@@ -37,8 +37,10 @@ VARIANTS=(
     # contiguous bytes a load and handed out through shared memory (QUANT_TRANSPOSE 1), capped
     # at 4 CTAs/SM (QUANT_MIN_BLOCKS 4: 64 regs, 24-byte spill). s10d/s10e: 0.0422 ms; a flat
     # kernel of the same idea without the per-thread path (64 regs unforced) 0.0439, dropped.
+    # session 11: the tensor read as one row (QUANT_FLAT 1, no per-thread division) and the
+    # transposition's slots at one base plus constants: 64 registers without a spill
+    "noflat|-DQUANT_FLAT=0"                         # session 10's row-by-row view, the new slots
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
-    "tr3|-DQUANT_MIN_BLOCKS=0"                      # 72 regs, 3 CTAs/SM; s10d 0.0437 ms
     "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
     # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
@@ -58,6 +60,7 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
+    "tr3|-DQUANT_MIN_BLOCKS=0"                      # s10d: 72 regs, 3 CTAs/SM, 0.0437 ms; since session 11 the same 64 regs as the default
     "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
     "ilp2|-DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
     "ilp1|-DBULK_ILP=1|NVFP4DBG_QUANT=bulk"

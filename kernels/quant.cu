@@ -43,8 +43,9 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 // registers capped at 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load
 // latency with other warps' arithmetic. 4 (default since session 10): 64 registers and a
 // 24-byte spill of set-up values with QUANT_TRANSPOSE (63, none, without); measured 0.0437 ->
-// 0.0422 ms with the warp-wide loads (session 6, per-thread loads: no gain). 5 and more spill
-// hundreds of bytes (ptxas).
+// 0.0422 ms with the warp-wide loads (session 6, per-thread loads: no gain). Since session 11
+// (QUANT_FLAT) the kernel takes 64 registers unbounded, without a spill. 5 and more spill
+// hundreds of bytes (ptxas; 5: 380 bytes at 48 registers).
 #ifndef QUANT_MIN_BLOCKS
 #define QUANT_MIN_BLOCKS 4
 #endif
@@ -127,7 +128,7 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 // apart); 1 (default, session 10) where a warp's 32 groups are one contiguous run (no gather,
 // linear scales, QUANT_BLOCKS dividing the row's blocks, the whole warp in the tensor), the
 // warp loads the run with 512 contiguous bytes per load instruction and hands each lane its
-// group through shared memory (swizzled: no bank conflicts either way), then every lane
+// group through shared memory (no bank conflicts either way), then every lane
 // encodes as before. Same groups per thread, same codes, scales and statistics.
 // bench/quantize_traffic_probe.cu, kernels with this traffic and no arithmetic on an H200:
 // 0.0520 ms with per-thread loads, 0.0384 warp-wide (0.92 of copy_d2d). The quantizer
@@ -143,6 +144,16 @@ static_assert(QUANT_PIPE >= 1 && QUANT_PIPE <= 8, "QUANT_PIPE: 1..8");
 #endif
 static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4),
               "QUANT_TRANSPOSE: 0, or 1 with QUANT_BLOCKS 2 or 4 (shared memory)");
+
+// Session 11: 1 (default) reads a tensor with linear scales, no gather and one global scale as
+// one row (quant_dims_flat): no division per thread to find a group's row, and groups may span
+// rows, so warps load warp-wide wherever their 32 groups are whole. With the transposition's
+// slots at one base address plus constants (group_load_warp), the thread's set-up before its
+// first block went from ~234 to ~90 SASS instructions (of ~890 for its 64 values) and the
+// capped kernel's 24-byte spill went away. 0 keeps the row-by-row view, for an A/B.
+#ifndef QUANT_FLAT
+#define QUANT_FLAT 1
+#endif
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -432,6 +443,17 @@ __device__ __forceinline__ QuantDims quant_dims(u64 rows, u32 cols, u32 swizzled
     return d;
 }
 
+// Linear scales, no gather and one global scale: the [rows, cols] tensor is one row of
+// rows x cols / 16 blocks (the codes and scales of row r + 1 follow those of row r), so the
+// groups need no division to find their row, and a group may span two rows (their blocks
+// are consecutive in the input and in both outputs alike). `cols` is then never read.
+__device__ __forceinline__ QuantDims quant_dims_flat(u64 rows, u32 cols) {
+    QuantDims d = quant_dims(1, 0, 0);
+    d.kb = d.kb_g = rows * (cols / 16);
+    d.groups = d.total = (d.kb + QUANT_BLOCKS - 1) / QUANT_BLOCKS;
+    return d;
+}
+
 // One thread's group: QUANT_BLOCKS consecutive 16-blocks of output row r from block b0 (a
 // multiple of QUANT_BLOCKS), and their raw input (in flight until first used).
 template <typename T> struct Group {
@@ -444,7 +466,10 @@ template <typename T> struct Group {
 template <typename T>
 __device__ __forceinline__ u64 group_locate(u64 idx, const QuantDims& d, const int* __restrict__ row_src,
                                             Group<T>& g) {
-    if (d.total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
+    if (d.rows == 1) {  // the one row holds every group (quant_dims_flat): no division
+        g.r = 0;
+        g.b0 = QUANT_BLOCKS * idx;
+    } else if (d.total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
         u32 r32 = (u32)idx / (u32)d.groups;
         g.r = r32;
         g.b0 = QUANT_BLOCKS * ((u32)idx - r32 * (u32)d.groups);
@@ -475,28 +500,30 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
 #if QUANT_TRANSPOSE
     if constexpr (sizeof(T) == 2) {
         constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
-        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U];
+        // piece q of the run lives in slot q + q / 8 (a padding slot after every 8): the lanes
+        // of an 8-lane phase write 8 consecutive slots (pieces 32 i + l) and read 8 slots one
+        // apart mod 8 (pieces U l + j, 9 l + j for U = 8), so no bank conflicts either way, and
+        // each lane's slots are one base address plus constants on both sides
+        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U + 4 * U];
         const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const u64 w0 = idx - lane;
-        if (row_src != nullptr || swizzled || d.kb % QUANT_BLOCKS != 0 || w0 + 32 > d.total) return false;
+        if (row_src != nullptr || swizzled || w0 + 32 > d.total) return false;
+        // whole groups only: with one row (quant_dims_flat), the warp's 32 inside it; else rows
+        // of whole groups
+        if (d.rows == 1 ? (w0 + 32) * QUANT_BLOCKS > d.kb : d.kb % QUANT_BLOCKS != 0) return false;
         group_locate<T>(idx, d, nullptr, g);
-        // piece q of the run lives in slot q ^ ((q >> 3) & 7): lanes 8a..8a+7 write pieces
-        // 32 i + 8a + 0..7 and read pieces U l + j, 8 distinct 16-byte bank groups either way
         const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+        uint4* wr = &tr[warp][lane + lane / 8];
 #pragma unroll
-        for (int i = 0; i < U; i++) {
-            u32 q = 32 * i + lane;
-            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
-        }
+        for (int i = 0; i < U; i++) wr[36 * i] = v[i];  // slot 32 i + l + (4 i + l / 8)
         __syncwarp();
+        // slot U l + j + (U l) / 8: for U = 4 or 8 and j < U, (U l + j) / 8 = (U l) / 8
+        const uint4* rd = &tr[warp][U * lane + U * lane / 8];
 #pragma unroll
-        for (int j = 0; j < U; j++) {
-            u32 q = U * lane + j;
-            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
-        }
+        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         return true;
     }
 #endif
@@ -973,7 +1000,9 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   const int* __restrict__ gs_idx, u8* __restrict__ packed,
                                                   u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
                                                   u32 flavor) {
-    const QuantDims d = quant_dims(rows, cols, swizzled);
+    const bool flat = QUANT_FLAT && QUANT_PIPE == 1 && !QUANT_COALESCED && row_src == nullptr && gs_idx == nullptr &&
+                      !swizzled;
+    const QuantDims d = flat ? quant_dims_flat(rows, cols) : quant_dims(rows, cols, swizzled);
     u32 c[4] = {0, 0, 0, 0};
 #if QUANT_PIPE > 1 || QUANT_COALESCED
     if constexpr (sizeof(T) == 2) {
@@ -991,7 +1020,7 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
         }
     }
 #if QUANT_STATS
-    add_stats_rare(stats, c, rows * d.kb);
+    add_stats_rare(stats, c, rows * (cols / 16));
 #else
     add_stats_cta(stats, c);
 #endif

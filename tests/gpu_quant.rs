@@ -116,8 +116,17 @@ fn nvfp4_bf16_input_and_swizzled_scales_are_bit_exact() {
     let g = gpu();
     let (mut r, seed) = rng("nvfp4_bf16_input_and_swizzled_scales_are_bit_exact");
     // (257, 2048) and (130, 2112): whole warps of contiguous groups (QUANT_TRANSPOSE), the
-    // latter with a part-full last warp
-    for &(rows, cols) in &[(1usize, 16usize), (130, 48), (257, 2048), (130, 2112)] {
+    // latter with a part-full last warp; (300, 80) and (97, 208): linear scales read the
+    // tensor as one row, so groups of 4 blocks span rows (5 and 13 blocks a row), whole warps
+    // of them included, and the last group of (97, 208) has one block
+    for &(rows, cols) in &[
+        (1usize, 16usize),
+        (130, 48),
+        (257, 2048),
+        (130, 2112),
+        (300, 80),
+        (97, 208),
+    ] {
         let x = activations(&mut r, rows * cols);
         let bits = to_bf16_bits(&x);
         let gs = 2688.0 / x.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -434,6 +443,8 @@ fn nvfp4_bulk_quantizer_matches_the_grid_kernel_and_the_reference() {
         (3, 48),
         (130, 48),
         (5, 192),
+        (300, 80),
+        (97, 208),
         (257, 2048),
         (1031, 7168),
         (8192, 7168),
