@@ -39,7 +39,12 @@ VARIANTS=(
     # kernel of the same idea without the per-thread path (64 regs unforced) 0.0439, dropped.
     # session 11: the tensor read as one row (QUANT_FLAT 1, no per-thread division) and the
     # transposition's slots at one base plus constants: 64 registers without a spill
-    "noflat|-DQUANT_FLAT=0"                         # session 10's row-by-row view, the new slots
+    "s10|-DQUANT_FLAT=0 -DQUANT_TR_SLOTS=0"         # session 10's kernel (row by row, XOR-swizzled slots)
+    "noflat|-DQUANT_FLAT=0"                         # session 10's row-by-row view, the new slots (s11a: 0.0439 ms, default 0.0437)
+    "oldslots|-DQUANT_TR_SLOTS=0"                   # one row, session 10's slots
+    "t128|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8"  # the same warps per SM in CTAs of 4 warps
+    "t512|-DQUANT_BF16_THREADS=512 -DQUANT_MIN_BLOCKS=2"  # ... of 16 warps
+    "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async: 80 regs, 6 CTAs/SM
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
     "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its

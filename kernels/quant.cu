@@ -154,12 +154,27 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_FLAT
 #define QUANT_FLAT 1
 #endif
+// The transposition's slots (group_load_warp): 1 (session 11) piece q in slot q + q / 8,
+// addressed as one base plus constants; 0 session 10's q ^ ((q >> 3) & 7), for an A/B.
+#ifndef QUANT_TR_SLOTS
+#define QUANT_TR_SLOTS 1
+#endif
+// 1: linear BF16 tensors by warps of a persistent grid that copy their next run into shared
+// memory while they encode the current one (nvfp4_bf16_runs_async); 0 (default) the grid kernel.
+#ifndef QUANT_ASYNC
+#define QUANT_ASYNC 0
+#endif
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
 #define QUANT_THREADS 256
+// The BF16 grid kernel's CTA size (src/backend/cuda/quant.rs reads it from the defines too),
+// for an A/B of the CTA granularity at the same warps per SM (with QUANT_MIN_BLOCKS scaled).
+#ifndef QUANT_BF16_THREADS
+#define QUANT_BF16_THREADS QUANT_THREADS
+#endif
 __device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
-    __shared__ u32 part[QUANT_THREADS / 32][4];
+    __shared__ u32 part[32][4];  // any CTA size up to 1024
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
     for (int f = 0; f < 4; f++) {
@@ -454,6 +469,10 @@ __device__ __forceinline__ QuantDims quant_dims_flat(u64 rows, u32 cols) {
     return d;
 }
 
+// Whether every group lies in row 0 (a tensor of one row, or quant_dims_flat's view; not the
+// swizzled layout's padded rows).
+__device__ __forceinline__ bool quant_one_row(const QuantDims& d) { return d.total == d.groups; }
+
 // One thread's group: QUANT_BLOCKS consecutive 16-blocks of output row r from block b0 (a
 // multiple of QUANT_BLOCKS), and their raw input (in flight until first used).
 template <typename T> struct Group {
@@ -466,7 +485,7 @@ template <typename T> struct Group {
 template <typename T>
 __device__ __forceinline__ u64 group_locate(u64 idx, const QuantDims& d, const int* __restrict__ row_src,
                                             Group<T>& g) {
-    if (d.rows == 1) {  // the one row holds every group (quant_dims_flat): no division
+    if (quant_one_row(d)) {  // no division (quant_dims_flat)
         g.r = 0;
         g.b0 = QUANT_BLOCKS * idx;
     } else if (d.total <= 0xFFFFFFFFull) {  // 32-bit division: a 64-bit one costs ~5 ops per value
@@ -497,25 +516,26 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
 template <typename T>
 __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
                                                 const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
-#if QUANT_TRANSPOSE
+#if QUANT_TRANSPOSE && !QUANT_ASYNC  // (QUANT_ASYNC: the linear tensors go the async way)
     if constexpr (sizeof(T) == 2) {
         constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
         // piece q of the run lives in slot q + q / 8 (a padding slot after every 8): the lanes
         // of an 8-lane phase write 8 consecutive slots (pieces 32 i + l) and read 8 slots one
         // apart mod 8 (pieces U l + j, 9 l + j for U = 8), so no bank conflicts either way, and
         // each lane's slots are one base address plus constants on both sides
-        __shared__ uint4 tr[QUANT_THREADS / 32][32 * U + 4 * U];
         const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const u64 w0 = idx - lane;
         if (row_src != nullptr || swizzled || w0 + 32 > d.total) return false;
-        // whole groups only: with one row (quant_dims_flat), the warp's 32 inside it; else rows
+        // whole groups only: in one row (quant_dims_flat), the warp's 32 inside it; else rows
         // of whole groups
-        if (d.rows == 1 ? (w0 + 32) * QUANT_BLOCKS > d.kb : d.kb % QUANT_BLOCKS != 0) return false;
+        if (quant_one_row(d) ? (w0 + 32) * QUANT_BLOCKS > d.kb : d.kb % QUANT_BLOCKS != 0) return false;
         group_locate<T>(idx, d, nullptr, g);
         const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+#if QUANT_TR_SLOTS
+        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][32 * U + 4 * U];
         uint4* wr = &tr[warp][lane + lane / 8];
 #pragma unroll
         for (int i = 0; i < U; i++) wr[36 * i] = v[i];  // slot 32 i + l + (4 i + l / 8)
@@ -524,6 +544,21 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         const uint4* rd = &tr[warp][U * lane + U * lane / 8];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+#else
+        // session 10's slots: piece q in slot q ^ ((q >> 3) & 7)
+        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][32 * U];
+#pragma unroll
+        for (int i = 0; i < U; i++) {
+            u32 q = 32 * i + lane;
+            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            u32 q = U * lane + j;
+            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
+        }
+#endif
         return true;
     }
 #endif
@@ -990,6 +1025,68 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 #endif
 }
 
+// QUANT_ASYNC 1: the one-row view's whole runs (32 groups of a warp, 32 x QUANT_BLOCKS x 32
+// bytes) dealt to the warps of a persistent grid in turn; each lane copies its 16-byte pieces
+// of the next run into shared memory (cp.async, no registers held) before it encodes the
+// current one, so every warp keeps one run in flight while it computes (the grid kernel's loads
+// are in flight only while its threads wait for them). Two buffers per warp in the slots of
+// group_load_warp; the same groups per lane, the same encoder, codes, scales and statistics.
+// Only whole rounds of runs (a run for every warp of the grid) go this way, so that every warp
+// has the same number of runs; returns how many runs that is, and the groups after them are
+// the caller's, a thread each, spread over the whole grid. 128-thread CTAs: the two buffers of
+// 4 warps are 36 KB of static shared memory (6 CTAs per SM by shared memory).
+static_assert(!QUANT_ASYNC || (QUANT_TRANSPOSE && QUANT_BF16_THREADS <= 128 && QUANT_PIPE == 1 && !QUANT_COALESCED),
+              "QUANT_ASYNC: with QUANT_TRANSPOSE 1 and QUANT_BF16_THREADS 128 (static shared memory)");
+__device__ __forceinline__ void quant_cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// The buffers, one array for both flavors' instantiations (a __shared__ array declared in the
+// template would be one per instantiation: twice the shared memory).
+typedef uint4 QuantRing[QUANT_BF16_THREADS / 32][2][32 * 2 * QUANT_BLOCKS + 4 * 2 * QUANT_BLOCKS];
+__device__ __forceinline__ QuantRing& quant_ring() {
+    __shared__ QuantRing ring;
+    return ring;
+}
+template <u32 FL>
+__device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, const QuantDims& d,
+                                                     const float* __restrict__ gs, u8* __restrict__ packed,
+                                                     u8* __restrict__ scales, u32 flavor, u32 (&c)[4]) {
+    constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
+    constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
+    QuantRing& ring = quant_ring();
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 step = (u64)gridDim.x * WARPS;
+    const u64 runs = d.kb / (32 * QUANT_BLOCKS) / step * step;
+    u64 r = (u64)blockIdx.x * WARPS + warp;
+    // run r's pieces 32 i + lane into buffer b, slot 36 i + lane + lane / 8 (group_load_warp)
+    auto issue = [&](u64 run, int b) {
+        if (run < runs) {
+            const uint4* src = reinterpret_cast<const uint4*>(x) + run * (32 * U) + lane;
+            u32 dst = smem_addr(&ring[warp][b][lane + lane / 8]);
+#pragma unroll
+            for (int i = 0; i < U; i++) quant_cp_async16(dst + 16 * 36 * i, src + 32 * i);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");  // empty past the last run
+    };
+    issue(r, 0);
+    for (int b = 0; r < runs; r += step, b ^= 1) {
+        issue(r + step, b ^ 1);
+        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's pieces of run r
+        __syncwarp();                                           // and every other lane's
+        Group<u16> g;
+        g.r = 0;
+        g.b0 = (u64)QUANT_BLOCKS * (r * 32 + lane);
+        g.in_row = true;
+        const uint4* rd = &ring[warp][b][U * lane + U * lane / 8];
+#pragma unroll
+        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+        __syncwarp();  // every lane has read buffer b before the next round refills it
+        group_quantize_fl<u16, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    return runs;
+}
+
 // QUANT_BLOCKS consecutive 16-blocks of a row per thread. `row_src` (nullable) gathers: output row r reads input row row_src[r].
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
@@ -1010,9 +1107,27 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
     } else
 #endif
     {
+        bool done = false;
+#if QUANT_ASYNC
+        if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
+            if (flat) {
+                // whole rounds of runs on a persistent grid (the host's; any grid is correct),
+                // then the groups after them, a thread each, grid-stride
+                u64 first = 32 * nvfp4_bf16_runs_async<FL>(x, d, gs, packed, scales, flavor, c);
+                u64 all = (u64)gridDim.x * blockDim.x;
+                for (u64 idx = first + (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < d.total; idx += all) {
+                    Group<T> g;
+                    group_load<T>(x, idx, d, nullptr, g);
+                    group_quantize_fl<T, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
+                }
+                done = true;
+            }
+        }
+#endif
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
         Group<T> g;
-        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+        if (done) {
+        } else if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         } else if (idx < d.total) {
             group_load<T>(x, idx, d, row_src, g);
@@ -1087,9 +1202,9 @@ nvfp4_quantize_f32_scatter(const float* __restrict__ x, u64 tokens, u32 cols, u3
 
 // QUANT_MIN_BLOCKS bounds the BF16 kernel only (the f32 one holds twice the raw bytes).
 #if QUANT_MIN_BLOCKS > 0
-#define QUANT_BF16_BOUNDS __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
+#define QUANT_BF16_BOUNDS __launch_bounds__(QUANT_BF16_THREADS, QUANT_MIN_BLOCKS)
 #else
-#define QUANT_BF16_BOUNDS
+#define QUANT_BF16_BOUNDS __launch_bounds__(QUANT_BF16_THREADS)
 #endif
 extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,

@@ -111,6 +111,10 @@ struct QuantKnobs {
     /// Whether the bulk kernel's tiles are sized to fill the last round (`-DBULK_BALANCE=0`:
     /// always 32 BULK_QB blocks; read here only, for an A/B).
     bulk_balance: bool,
+    /// QUANT_BF16_THREADS: the BF16 grid kernel's CTA size.
+    bf16_threads: u32,
+    /// QUANT_ASYNC: the BF16 grid kernel takes linear tensors on a persistent grid.
+    persistent: bool,
 }
 
 impl QuantKnobs {
@@ -122,6 +126,8 @@ impl QuantKnobs {
         bulk_qb: 4,
         bulk_stages: 2,
         bulk_balance: true,
+        bf16_threads: THREADS,
+        persistent: false,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -135,6 +141,9 @@ impl QuantKnobs {
             bulk_stages: define_value(d, "BULK_STAGES")
                 .map_or(k.bulk_stages, |b| (b as usize).max(1)),
             bulk_balance: define_value(d, "BULK_BALANCE").map_or(k.bulk_balance, |b| b != 0),
+            bf16_threads: define_value(d, "QUANT_BF16_THREADS")
+                .map_or(k.bf16_threads, |t| (t as u32).clamp(32, 1024)),
+            persistent: define_value(d, "QUANT_ASYNC").map_or(k.persistent, |a| a != 0),
         }
     }
 
@@ -205,7 +214,7 @@ fn nvfp4_grid_bf16_for(
     } else {
         rows_g * kb_g.div_ceil(k.blocks)
     };
-    grid_1d(virt.div_ceil(k.pipe) as u64, THREADS)
+    grid_1d(virt.div_ceil(k.pipe) as u64, k.bf16_threads)
 }
 
 /// NVFP4-quantize `[rows, cols]` on the GPU with quant-direction global scale `gs`.
@@ -396,7 +405,12 @@ fn enqueue_nvfp4(
         DevRows::F32(_) => ("nvfp4_quantize_f32", nvfp4_grid(rows, cols / 16, layout)?),
         DevRows::Bf16(_) => (
             "nvfp4_quantize_bf16",
-            nvfp4_grid_bf16(rows, cols / 16, layout)?,
+            if quant_knobs().persistent && layout == ScaleLayout::Linear {
+                let k = quant_knobs();
+                gpu.persistent_grid(&QUANT, "nvfp4_quantize_bf16", k.bf16_threads, 0)?
+            } else {
+                nvfp4_grid_bf16(rows, cols / 16, layout)?
+            },
         ),
     };
     gpu.launch(
@@ -760,6 +774,12 @@ mod tests {
         assert_eq!(b.bulk_smem(), 1024 + 65536);
         assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
         assert_eq!(QuantKnobs::from_defines("-DQUANT_PIPE=0").pipe, 1);
+        assert_eq!(QuantKnobs::DEFAULT.bf16_threads, 256);
+        let t = QuantKnobs::from_defines("-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8");
+        assert_eq!(t.bf16_threads, 128);
+        // the grid covers the groups with CTAs of that size
+        let cfg = nvfp4_grid_bf16_for(8192, 448, ScaleLayout::Linear, t).unwrap();
+        assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (8192 * 112 / 128, 128));
     }
 
     #[test]
