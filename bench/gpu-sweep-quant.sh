@@ -38,15 +38,14 @@ VARIANTS=(
     # at 4 CTAs/SM (QUANT_MIN_BLOCKS 4: 64 regs, 24-byte spill). s10d/s10e: 0.0422 ms; a flat
     # kernel of the same idea without the per-thread path (64 regs unforced) 0.0439, dropped.
     # session 11: the tensor read as one row (QUANT_FLAT 1, no per-thread division) and the
-    # transposition's slots at one base plus constants: 64 registers without a spill
+    # transposition's slots at one base plus constants: 64 registers without a spill. s11b
+    # (default 0.0435 ms over 17 runs): s10 0.0435, noflat 0.0438, oldslots 0.0432, t128 0.0426,
+    # t512 0.0476, async 0.0477, bulk 0.0438, notr 0.0475
     "s10|-DQUANT_FLAT=0 -DQUANT_TR_SLOTS=0"         # session 10's kernel (row by row, XOR-swizzled slots)
-    "noflat|-DQUANT_FLAT=0"                         # session 10's row-by-row view, the new slots (s11a: 0.0439 ms, default 0.0437)
-    "oldslots|-DQUANT_TR_SLOTS=0"                   # one row, session 10's slots
     "t128|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8"  # the same warps per SM in CTAs of 4 warps
-    "t512|-DQUANT_BF16_THREADS=512 -DQUANT_MIN_BLOCKS=2"  # ... of 16 warps
-    "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async: 80 regs, 6 CTAs/SM
-    "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: 124 regs, 2 CTAs/SM; s10d 0.0441 ms
-    "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: 71 regs; s10d 0.0463 ms
+    "t128old|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8 -DQUANT_TR_SLOTS=0"
+    "t64|-DQUANT_BF16_THREADS=64 -DQUANT_MIN_BLOCKS=16"   # ... of 2 warps
+    "t32|-DQUANT_BF16_THREADS=32 -DQUANT_MIN_BLOCKS=32"   # ... of 1 warp
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
     # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
     # the default's 0.0421)
@@ -65,6 +64,12 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
+    "noflat|-DQUANT_FLAT=0"                         # row by row, the new slots: s11a 0.0439 (default 0.0437), s11b 0.0438 (0.0435)
+    "oldslots|-DQUANT_TR_SLOTS=0"                   # one row, session 10's slots: s11b 0.0432
+    "t512|-DQUANT_BF16_THREADS=512 -DQUANT_MIN_BLOCKS=2"  # s11b 0.0476
+    "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async, 80 regs, 6 CTAs/SM: s11b 0.0477
+    "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: s10d 0.0441, s11b 0.0438 ms
+    "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: s10d 0.0463, s11b 0.0475
     "tr3|-DQUANT_MIN_BLOCKS=0"                      # s10d: 72 regs, 3 CTAs/SM, 0.0437 ms; since session 11 the same 64 regs as the default
     "gridring4qb2|-DQUANT_PIPE=4 -DQUANT_PIPE_RING=1 -DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"
     "ilp2|-DBULK_ILP=2|NVFP4DBG_QUANT=bulk"
