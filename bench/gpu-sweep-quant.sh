@@ -41,11 +41,12 @@ VARIANTS=(
     # transposition's slots at one base plus constants: 64 registers without a spill. s11b
     # (default 0.0435 ms over 17 runs): s10 0.0435, noflat 0.0438, oldslots 0.0432, t128 0.0426,
     # t512 0.0476, async 0.0477, bulk 0.0438, notr 0.0475
-    "s10|-DQUANT_FLAT=0 -DQUANT_TR_SLOTS=0"         # session 10's kernel (row by row, XOR-swizzled slots)
+    # s11c (default 0.0435 over 11 runs): s10 0.0434, t128 0.0425, t128old 0.0426, t64 0.0424,
+    # t32 0.0426
     "t128|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8"  # the same warps per SM in CTAs of 4 warps
-    "t128old|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8 -DQUANT_TR_SLOTS=0"
     "t64|-DQUANT_BF16_THREADS=64 -DQUANT_MIN_BLOCKS=16"   # ... of 2 warps
-    "t32|-DQUANT_BF16_THREADS=32 -DQUANT_MIN_BLOCKS=32"   # ... of 1 warp
+    "qb2t128|-DQUANT_BLOCKS=2 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=0"    # 2 blocks a lane: 58 regs, 32 warps/SM
+    "qb2t128m10|-DQUANT_BLOCKS=2 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=10" # 48 regs, 40 warps/SM
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
     # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
     # the default's 0.0421)
@@ -66,6 +67,9 @@ VARIANTS=(
 EXTRA=(
     "noflat|-DQUANT_FLAT=0"                         # row by row, the new slots: s11a 0.0439 (default 0.0437), s11b 0.0438 (0.0435)
     "oldslots|-DQUANT_TR_SLOTS=0"                   # one row, session 10's slots: s11b 0.0432
+    "s10|-DQUANT_FLAT=0 -DQUANT_TR_SLOTS=0"         # session 10's kernel (row by row, XOR-swizzled slots): s11b 0.0435, s11c 0.0434
+    "t128old|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8 -DQUANT_TR_SLOTS=0"  # s11c 0.0426
+    "t32|-DQUANT_BF16_THREADS=32 -DQUANT_MIN_BLOCKS=32"   # CTAs of 1 warp: s11c 0.0426
     "t512|-DQUANT_BF16_THREADS=512 -DQUANT_MIN_BLOCKS=2"  # s11b 0.0476
     "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async, 80 regs, 6 CTAs/SM: s11b 0.0477
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: s10d 0.0441, s11b 0.0438 ms
