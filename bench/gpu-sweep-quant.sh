@@ -47,6 +47,8 @@ VARIANTS=(
     "t64|-DQUANT_BF16_THREADS=64 -DQUANT_MIN_BLOCKS=16"   # ... of 2 warps
     "qb2t128|-DQUANT_BLOCKS=2 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=0"    # 2 blocks a lane: 58 regs, 32 warps/SM
     "qb2t128m10|-DQUANT_BLOCKS=2 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=10" # 48 regs, 40 warps/SM
+    "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async, 80 regs, 6 CTAs/SM: s11b 0.0477
+    "dyn|-DQUANT_ASYNC=2 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"    # ... runs handed out by a counter
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
     # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
     # the default's 0.0421)
@@ -71,7 +73,6 @@ EXTRA=(
     "t128old|-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8 -DQUANT_TR_SLOTS=0"  # s11c 0.0426
     "t32|-DQUANT_BF16_THREADS=32 -DQUANT_MIN_BLOCKS=32"   # CTAs of 1 warp: s11c 0.0426
     "t512|-DQUANT_BF16_THREADS=512 -DQUANT_MIN_BLOCKS=2"  # s11b 0.0476
-    "async|-DQUANT_ASYNC=1 -DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=6"  # persistent, next run by cp.async, 80 regs, 6 CTAs/SM: s11b 0.0477
     "bulk||NVFP4DBG_QUANT=bulk"                     # session 8's default: s10d 0.0441, s11b 0.0438 ms
     "notr|-DQUANT_TRANSPOSE=0 -DQUANT_MIN_BLOCKS=0|NVFP4DBG_QUANT=grid"  # session 9's grid kernel: s10d 0.0463, s11b 0.0475
     "tr3|-DQUANT_MIN_BLOCKS=0"                      # s10d: 72 regs, 3 CTAs/SM, 0.0437 ms; since session 11 the same 64 regs as the default
@@ -193,6 +194,10 @@ if [ -n "$NCU" ] && [ "$left" -ge 20 ]; then
     # with a second round to come, ncu gets at most half of what is left
     [ "$left" -ge $((4 * per_run + 40)) ] && cap=$(( left / 2 < 120 ? left / 2 : 120 ))
     log "ncu ($NCU), at most ${cap} s"
+    # NCU_VARIANT=name profiles that variant instead of the default
+    nv=""; for v in "${VARIANTS[@]}"; do [ "${v%%|*}" = "${NCU_VARIANT:-}" ] && nv="$v"; done
+    [ -n "$nv" ] && log "ncu on $NCU_VARIANT"
+    env $(env_of "$nv") NVFP4DBG_NVRTC_DEFINES="$(defs_of "$nv")" \
     timeout "$cap" "$NCU" --clock-control none --set full -k regex:nvfp4_quantize_bf16 -c 2 -f \
         -o "$R/ncu-quant-default" "$D/nvfp4dbg" bench --device cuda --quick \
         --only quantize_bf16_reference --no-report-dir -q > "$R/ncu-run.txt" 2>&1

@@ -1047,6 +1047,12 @@ __device__ __forceinline__ QuantRing& quant_ring() {
     __shared__ QuantRing ring;
     return ring;
 }
+#if QUANT_ASYNC == 2
+// QUANT_ASYNC 2: runs handed out by a counter (balances the SMs; one launch at a time per
+// device, as the stream orders them). Zero at module load and again after each launch.
+__device__ unsigned long long quant_next_run;
+__device__ unsigned int quant_warps_done;
+#endif
 template <u32 FL>
 __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, const QuantDims& d,
                                                      const float* __restrict__ gs, u8* __restrict__ packed,
@@ -1056,8 +1062,19 @@ __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, 
     QuantRing& ring = quant_ring();
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const u64 step = (u64)gridDim.x * WARPS;
+#if QUANT_ASYNC == 2
+    // every whole run, handed out one at a time by a counter that the grid's last warp resets
+    const u64 runs = d.kb / (32 * QUANT_BLOCKS);
+    auto next = [&]() {
+        u64 v = 0;
+        if (lane == 0) v = atomicAdd(&quant_next_run, 1ull);
+        return __shfl_sync(0xFFFFFFFFu, v, 0);
+    };
+    u64 r = next();
+#else
     const u64 runs = d.kb / (32 * QUANT_BLOCKS) / step * step;
     u64 r = (u64)blockIdx.x * WARPS + warp;
+#endif
     // run r's pieces 32 i + lane into buffer b, slot 36 i + lane + lane / 8 (group_load_warp)
     auto issue = [&](u64 run, int b) {
         if (run < runs) {
@@ -1069,8 +1086,13 @@ __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, 
         asm volatile("cp.async.commit_group;" ::: "memory");  // empty past the last run
     };
     issue(r, 0);
-    for (int b = 0; r < runs; r += step, b ^= 1) {
-        issue(r + step, b ^ 1);
+    for (int b = 0; r < runs; b ^= 1) {
+#if QUANT_ASYNC == 2
+        const u64 nr = next();
+#else
+        const u64 nr = r + step;
+#endif
+        issue(nr, b ^ 1);
         asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's pieces of run r
         __syncwarp();                                           // and every other lane's
         Group<u16> g;
@@ -1082,8 +1104,19 @@ __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, 
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         __syncwarp();  // every lane has read buffer b before the next round refills it
         group_quantize_fl<u16, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
+        r = nr;
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+#if QUANT_ASYNC == 2
+    if (lane == 0) {
+        __threadfence();  // this warp's last take is done before it counts itself out
+        if (atomicAdd(&quant_warps_done, 1u) == (u32)step - 1) {
+            quant_next_run = 0;
+            quant_warps_done = 0;
+            __threadfence();
+        }
+    }
+#endif
     return runs;
 }
 
