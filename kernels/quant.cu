@@ -38,7 +38,8 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
 #endif
 static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUANT_BLOCKS: 2, 4 or 8");
 
-// CTAs per SM the BF16 kernel is compiled for. 0: no bound (QUANT_ENCODER 1: 71 registers, 72
+// CTAs per SM the BF16 kernel is compiled for (of QUANT_BF16_THREADS, defined below: the
+// default is 32 warps per SM). 0: no bound (QUANT_ENCODER 1: 71 registers, 72
 // with QUANT_TRANSPOSE, so 3 CTAs of 256 threads per SM; QUANT_ENCODER 0: 54, 4 CTAs). N:
 // registers capped at 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load
 // latency with other warps' arithmetic. 4 (default since session 10): 64 registers and a
@@ -47,7 +48,7 @@ static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUAN
 // (QUANT_FLAT) the kernel takes 64 registers unbounded, without a spill. 5 and more spill
 // hundreds of bytes (ptxas; 5: 380 bytes at 48 registers).
 #ifndef QUANT_MIN_BLOCKS
-#define QUANT_MIN_BLOCKS 4
+#define QUANT_MIN_BLOCKS (4 * 256 / QUANT_BF16_THREADS)
 #endif
 
 // Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 (default) no barrier: the
@@ -154,11 +155,6 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_FLAT
 #define QUANT_FLAT 1
 #endif
-// The transposition's slots (group_load_warp): 1 (session 11) piece q in slot q + q / 8,
-// addressed as one base plus constants; 0 session 10's q ^ ((q >> 3) & 7), for an A/B.
-#ifndef QUANT_TR_SLOTS
-#define QUANT_TR_SLOTS 1
-#endif
 // 1: linear BF16 tensors by warps of a persistent grid that copy their next run into shared
 // memory while they encode the current one (nvfp4_bf16_runs_async); 0 (default) the grid kernel.
 #ifndef QUANT_ASYNC
@@ -168,10 +164,13 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
 #define QUANT_THREADS 256
-// The BF16 grid kernel's CTA size (src/backend/cuda/quant.rs reads it from the defines too),
-// for an A/B of the CTA granularity at the same warps per SM (with QUANT_MIN_BLOCKS scaled).
+// The BF16 grid kernel's CTA size (src/backend/cuda/quant.rs reads it from the defines too).
+// 128 since session 11: the same 32 warps per SM as 4 CTAs of 256 (QUANT_MIN_BLOCKS 8), but an
+// SM takes a new CTA once 4 warps are done instead of 8, so fewer warp slots idle while the
+// last warps of a CTA finish. s11b / s11c (8192 x 7168, alternating in one lease each): 0.0426 /
+// 0.0425 ms against 0.0435 / 0.0435 for 256 threads; 64 0.0424, 32 0.0426, 512 0.0476.
 #ifndef QUANT_BF16_THREADS
-#define QUANT_BF16_THREADS QUANT_THREADS
+#define QUANT_BF16_THREADS 128
 #endif
 __device__ __forceinline__ void add_stats_cta(u64* stats, const u32 (&c)[4]) {
     __shared__ u32 part[32][4];  // any CTA size up to 1024
@@ -534,7 +533,6 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-#if QUANT_TR_SLOTS
         __shared__ uint4 tr[QUANT_BF16_THREADS / 32][32 * U + 4 * U];
         uint4* wr = &tr[warp][lane + lane / 8];
 #pragma unroll
@@ -544,21 +542,6 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         const uint4* rd = &tr[warp][U * lane + U * lane / 8];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
-#else
-        // session 10's slots: piece q in slot q ^ ((q >> 3) & 7)
-        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][32 * U];
-#pragma unroll
-        for (int i = 0; i < U; i++) {
-            u32 q = 32 * i + lane;
-            tr[warp][q ^ ((q >> 3) & 7)] = v[i];
-        }
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < U; j++) {
-            u32 q = U * lane + j;
-            g.raw[j / 2].q[j % 2] = tr[warp][q ^ ((q >> 3) & 7)];
-        }
-#endif
         return true;
     }
 #endif

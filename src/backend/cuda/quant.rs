@@ -83,6 +83,8 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
 
 /// Blocks of a row per thread of the NVFP4 quantizer (kernels/quant.cu QUANT_BLOCKS).
 const QUANT_BLOCKS: usize = 4;
+/// The BF16 grid kernel's CTA size (kernels/quant.cu QUANT_BF16_THREADS).
+const BF16_THREADS: u32 = 128;
 
 /// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
 /// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
@@ -126,7 +128,7 @@ impl QuantKnobs {
         bulk_qb: 4,
         bulk_stages: 2,
         bulk_balance: true,
-        bf16_threads: THREADS,
+        bf16_threads: BF16_THREADS,
         persistent: false,
     };
 
@@ -774,12 +776,15 @@ mod tests {
         assert_eq!(b.bulk_smem(), 1024 + 65536);
         assert!(!QuantKnobs::from_defines("-DQUANT_COALESCED=0").coalesced);
         assert_eq!(QuantKnobs::from_defines("-DQUANT_PIPE=0").pipe, 1);
-        assert_eq!(QuantKnobs::DEFAULT.bf16_threads, 256);
-        let t = QuantKnobs::from_defines("-DQUANT_BF16_THREADS=128 -DQUANT_MIN_BLOCKS=8");
-        assert_eq!(t.bf16_threads, 128);
+        assert_eq!(QuantKnobs::DEFAULT.bf16_threads, 128);
+        let t = QuantKnobs::from_defines("-DQUANT_BF16_THREADS=64 -DQUANT_MIN_BLOCKS=16");
+        assert_eq!(t.bf16_threads, 64);
         // the grid covers the groups with CTAs of that size
-        let cfg = nvfp4_grid_bf16_for(8192, 448, ScaleLayout::Linear, t).unwrap();
-        assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (8192 * 112 / 128, 128));
+        for k in [QuantKnobs::DEFAULT, t] {
+            let cfg = nvfp4_grid_bf16_for(8192, 448, ScaleLayout::Linear, k).unwrap();
+            let n = k.bf16_threads;
+            assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (8192 * 112 / n, n));
+        }
     }
 
     #[test]
@@ -814,26 +819,27 @@ mod tests {
         let g = |rows, kb, layout, k| {
             nvfp4_grid_bf16_for(rows, kb, layout, k).unwrap().grid_dim.0 as usize
         };
+        // the pipelined and coalesced mappings in CTAs of 256 (the numbers below)
         let k = |blocks, pipe, coalesced| QuantKnobs {
             blocks,
             pipe,
             coalesced,
+            bf16_threads: 256,
             ..QuantKnobs::DEFAULT
         };
-        // the default: the f32 kernel's grid
+        // the default: the f32 kernel's threads (one per group) in CTAs of 128
         for (rows, kb, layout) in [
             (8192, 448, ScaleLayout::Linear),
             (130, 3, ScaleLayout::Swizzled),
             (1, 1, ScaleLayout::Linear),
         ] {
+            let (rows_g, kb_g) = padded(rows, kb, layout);
             assert_eq!(
                 g(rows, kb, layout, QuantKnobs::DEFAULT),
-                nvfp4_grid_for(rows, kb, layout, QUANT_BLOCKS)
-                    .unwrap()
-                    .grid_dim
-                    .0 as usize
+                (rows_g * kb_g.div_ceil(QUANT_BLOCKS)).div_ceil(128)
             );
         }
+        assert_eq!(g(8192, 448, ScaleLayout::Linear, QuantKnobs::DEFAULT), 7168);
         // 8192 x 7168: 917504 groups of 4 -> 3584 CTAs, 1792 with 2 per thread, 896 with 4;
         // coalesced: 28672 chunks of 128 blocks, 32 threads each: 3584 CTAs again
         assert_eq!(g(8192, 448, ScaleLayout::Linear, k(4, 2, false)), 1792);
