@@ -1143,14 +1143,15 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
             }
         }
 #endif
-        u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-        Group<T> g;
-        if (done) {
-        } else if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
-            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-        } else if (idx < d.total) {
-            group_load<T>(x, idx, d, row_src, g);
-            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        if (!done) {
+            u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+            Group<T> g;
+            if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+                group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+            } else if (idx < d.total) {
+                group_load<T>(x, idx, d, row_src, g);
+                group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+            }
         }
     }
 #if QUANT_STATS
