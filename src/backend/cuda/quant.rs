@@ -89,7 +89,7 @@ const BF16_THREADS: u32 = 128;
 /// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
 /// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
 /// if repeated.
-fn define_value(defines: &str, name: &str) -> Option<u64> {
+pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
     defines
         .split_whitespace()
         .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
