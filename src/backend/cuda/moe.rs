@@ -91,6 +91,16 @@ mod sm90_tests {
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
         assert!(src.contains(&format!("#define R_BOX_ROWS {}", super::SM90_RS_BOX_ROWS)));
+        // RS_WIDE's layout
+        assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_WIDE_SLACK)));
+        assert!(src.contains(&format!(
+            "#define R_STAGES_WIDE {}",
+            super::SM90_RS_WIDE_STAGES
+        )));
+        assert!(src.contains(&format!(
+            "#define R_BN {}",
+            super::BM + super::SM90_RS_WIDE_SLACK
+        )));
         assert!(
             src.lines().any(|l| l.trim() == line),
             "{line} not in moe_gemm_sm90.cu"
