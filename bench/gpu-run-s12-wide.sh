@@ -4,7 +4,7 @@
 # (1) gpu_gemm and gpu_moe compiled with -DRS_WIDE=1 (the CPU reference and the mma.sync
 # kernels per expert, experts of 161 / 250 / 288 / 300 rows); (2) the prefill GEMMs and both
 # layers, the default against RS_WIDE, alternating (bench/ab_summary.py). bench/tile_model.py
-# predicts 0.85x the K loops' cost at the 4096-token layer's routing.
+# predicts 0.89x the K loops' cost at the 4096-token layer's routing.
 set -uo pipefail
 L=${LABEL:-s12w}
 source bench/gpu-lib.sh

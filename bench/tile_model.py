@@ -42,6 +42,15 @@ def one_mblock(rows, most, widths):
     return tiles + ([pad(rows, [w for w in widths if w <= most])] if rows else [])
 
 
+def rs_wide(rows, widths=(32, 64, 128, 192, 256)):
+    """as built (kernels/moe_gemm_sm90.cu RS_WIDE): 128-row tiles, the last one up to 256 rows"""
+    tiles = []
+    while rows > 256:
+        tiles.append(128)
+        rows -= 128
+    return tiles + ([pad(rows, widths)] if rows else [])
+
+
 def report(name, tiling):
     tiles = [tiling(r) for r in LOADS]
     n = sum(len(t) for t in tiles)
@@ -58,6 +67,8 @@ if __name__ == "__main__":
         report("session 9 + a 96-token width", lambda r: current(r, (32, 64, 96, 128, 144, 160))),
         report("one m-block, tiles up to 192", lambda r: one_mblock(r, 192, w32)),
         report("one m-block, tiles up to 256", lambda r: one_mblock(r, 256, w32)),
+        report("RS_WIDE as built (widths 32 64 128 192 256)", rs_wide),
+        report("RS_WIDE with every width of 32", lambda r: rs_wide(r, w32)),
     ]
     s = sorted(LOADS)
     print(f"{len(LOADS)} experts, {sum(LOADS)} rows: min {s[0]}, median {s[len(s) // 2]}, max {s[-1]}, "

@@ -470,7 +470,7 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // RS_WIDE (session 11, not yet run on a GPU; 0 by default, which compiles the kernels as
 // before): one 64-row m-block per warpgroup instead of two, so that a tile takes up to 256
 // tokens (128 accumulators a thread at N = 256): an expert of up to 256 rows is one tile, its
-// weights dequantized once, where two m-blocks hold at most 160 (bench/tile_model.py: 0.85x
+// weights dequantized once, where two m-blocks hold at most 160 (bench/tile_model.py: 0.89x
 // the K loops' cost at the 4096-token layer's routing). A CTA then covers 128 weight rows (the
 // down projection) or 64 outputs (the gate/up: rows g of each warp's 16 from w1, rows g + 8
 // from w3, so that g and u of an output stay in one thread); 3 stages of 256 token rows.
