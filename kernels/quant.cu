@@ -512,6 +512,16 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
         if (g.in_row && g.b0 + h < d.kb) load_raw<T>(x + src * d.cols + (g.b0 + h) * 16, g.raw[h]);
 }
 
+// The transposition's shared memory (group_load_warp, nvfp4_bf16_runs_async): a warp's run of
+// 32 groups as TR_PIECES 16-byte pieces a lane, piece q in slot q + q / 8 (a padding slot after
+// every 8). The lanes of an 8-lane phase write 8 consecutive slots (pieces 32 i + l: slot
+// 36 i + tr_slot(l)) and read 8 slots one apart mod 8 (pieces TR_PIECES l + j: slot
+// tr_slot(TR_PIECES l) + j, as (U l + j) / 8 = (U l) / 8 for U = 4 or 8 and j < U), so no bank
+// conflicts either way, and each lane's slots are one base address plus constants.
+#define TR_PIECES (2 * QUANT_BLOCKS)
+#define TR_SLOTS (36 * TR_PIECES)  // tr_slot(32 TR_PIECES): a warp's slots
+__device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
+
 // QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
 // nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
 // the knob is 0, or T is f32); the test is the same for all lanes of a warp.
@@ -520,11 +530,7 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
                                                 const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
 #if QUANT_TRANSPOSE && !QUANT_ASYNC  // (QUANT_ASYNC: the linear tensors go the async way)
     if constexpr (sizeof(T) == 2) {
-        constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
-        // piece q of the run lives in slot q + q / 8 (a padding slot after every 8): the lanes
-        // of an 8-lane phase write 8 consecutive slots (pieces 32 i + l) and read 8 slots one
-        // apart mod 8 (pieces U l + j, 9 l + j for U = 8), so no bank conflicts either way, and
-        // each lane's slots are one base address plus constants on both sides
+        constexpr int U = TR_PIECES;  // 16-byte pieces of a group
         const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
         const u64 w0 = idx - lane;
         if (row_src != nullptr || swizzled || w0 + 32 > d.total) return false;
@@ -536,13 +542,12 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][32 * U + 4 * U];
-        uint4* wr = &tr[warp][lane + lane / 8];
+        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
+        uint4* wr = &tr[warp][tr_slot(lane)];
 #pragma unroll
-        for (int i = 0; i < U; i++) wr[36 * i] = v[i];  // slot 32 i + l + (4 i + l / 8)
+        for (int i = 0; i < U; i++) wr[36 * i] = v[i];
         __syncwarp();
-        // slot U l + j + (U l) / 8: for U = 4 or 8 and j < U, (U l + j) / 8 = (U l) / 8
-        const uint4* rd = &tr[warp][U * lane + U * lane / 8];
+        const uint4* rd = &tr[warp][tr_slot(U * lane)];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         return true;
@@ -1028,7 +1033,7 @@ __device__ __forceinline__ void quant_cp_async16(u32 dst, const void* src) {
 }
 // The buffers, one array for both flavors' instantiations (a __shared__ array declared in the
 // template would be one per instantiation: twice the shared memory).
-typedef uint4 QuantRing[QUANT_BF16_THREADS / 32][2][32 * 2 * QUANT_BLOCKS + 4 * 2 * QUANT_BLOCKS];
+typedef uint4 QuantRing[QUANT_BF16_THREADS / 32][2][TR_SLOTS];
 __device__ __forceinline__ QuantRing& quant_ring() {
     __shared__ QuantRing ring;
     return ring;
@@ -1043,7 +1048,7 @@ template <u32 FL>
 __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, const QuantDims& d,
                                                      const float* __restrict__ gs, u8* __restrict__ packed,
                                                      u8* __restrict__ scales, u32 flavor, u32 (&c)[4]) {
-    constexpr int U = 2 * QUANT_BLOCKS;  // 16-byte pieces of a group
+    constexpr int U = TR_PIECES;  // 16-byte pieces of a group
     constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
     QuantRing& ring = quant_ring();
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1061,11 +1066,11 @@ __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, 
     const u64 runs = d.kb / (32 * QUANT_BLOCKS) / step * step;
     u64 r = (u64)blockIdx.x * WARPS + warp;
 #endif
-    // run r's pieces 32 i + lane into buffer b, slot 36 i + lane + lane / 8 (group_load_warp)
+    // run r's pieces 32 i + lane into buffer b, in the transposition's slots
     auto issue = [&](u64 run, int b) {
         if (run < runs) {
             const uint4* src = reinterpret_cast<const uint4*>(x) + run * (32 * U) + lane;
-            u32 dst = smem_addr(&ring[warp][b][lane + lane / 8]);
+            u32 dst = smem_addr(&ring[warp][b][tr_slot(lane)]);
 #pragma unroll
             for (int i = 0; i < U; i++) quant_cp_async16(dst + 16 * 36 * i, src + 32 * i);
         }
@@ -1085,7 +1090,7 @@ __device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, 
         g.r = 0;
         g.b0 = (u64)QUANT_BLOCKS * (r * 32 + lane);
         g.in_row = true;
-        const uint4* rd = &ring[warp][b][U * lane + U * lane / 8];
+        const uint4* rd = &ring[warp][b][tr_slot(U * lane)];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         __syncwarp();  // every lane has read buffer b before the next round refills it

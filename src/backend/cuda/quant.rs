@@ -408,8 +408,7 @@ fn enqueue_nvfp4(
         DevRows::Bf16(_) => (
             "nvfp4_quantize_bf16",
             if quant_knobs().persistent && layout == ScaleLayout::Linear {
-                let k = quant_knobs();
-                gpu.persistent_grid(&QUANT, "nvfp4_quantize_bf16", k.bf16_threads, 0)?
+                gpu.persistent_grid(&QUANT, "nvfp4_quantize_bf16", quant_knobs().bf16_threads, 0)?
             } else {
                 nvfp4_grid_bf16(rows, cols / 16, layout)?
             },
