@@ -43,13 +43,12 @@ VARIANTS=(
     # t512 0.0476, async 0.0477, bulk 0.0438, notr 0.0475
     # s11c (default 0.0435 over 11 runs): s10 0.0434, t128 0.0425, t128old 0.0426, t64 0.0424,
     # t32 0.0426. Since then the default is 128-thread CTAs (t128) and session 10's slots are
-    # gone. Not yet measured (the device was withdrawn before s11d): qb2*, dyn.
+    # gone. s12a (default 0.0426 over 9 runs): qb2 0.0463, qb2m10 0.0463, t64 0.0427.
     "t256|-DQUANT_BF16_THREADS=256 -DQUANT_MIN_BLOCKS=4"  # s11b/s11c's default: 0.0435 / 0.0435 ms
     "t64|-DQUANT_BF16_THREADS=64 -DQUANT_MIN_BLOCKS=16"   # CTAs of 2 warps: s11c 0.0424
-    "qb2|-DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0"           # 2 blocks a lane: 58 regs, 32 warps/SM
-    "qb2m10|-DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=10"       # 48 regs, 40 warps/SM
-    "async|-DQUANT_ASYNC=1 -DQUANT_MIN_BLOCKS=6"          # persistent, next run by cp.async, 80 regs, 6 CTAs/SM: s11b 0.0477
-    "dyn|-DQUANT_ASYNC=2 -DQUANT_MIN_BLOCKS=6"            # ... runs handed out by a counter
+    # (s11b/s12a, QUANT_ASYNC, since removed: a persistent grid whose warps copy their next run
+    # by cp.async, 80 regs, 6 CTAs/SM: 0.0477 ms (default 0.0435); the runs handed out by a
+    # counter: 0.0626 (default 0.0426))
     # (s10k, QUANT_L2_AHEAD N, since removed: each lane also prefetching into L2 the line its
     # twin N CTAs on would load: N = 264 / 528 / 1056 gave 0.0440 / 0.0438 / 0.0533 ms against
     # the default's 0.0421)
@@ -68,6 +67,8 @@ VARIANTS=(
 # By name only: the bulk kernel's losers above, and session 7's variants of the grid kernel
 # (measured then: BENCHMARKS.md).
 EXTRA=(
+    "qb2|-DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=0"           # 2 blocks a lane, 58 regs, 32 warps/SM: s12a 0.0463 (default 0.0426)
+    "qb2m10|-DQUANT_BLOCKS=2 -DQUANT_MIN_BLOCKS=10"       # 48 regs, 40 warps/SM: s12a 0.0463
     "noflat|-DQUANT_FLAT=0 -DQUANT_BF16_THREADS=256 -DQUANT_MIN_BLOCKS=4"  # row by row, the new slots: s11a 0.0439 (default 0.0437), s11b 0.0438 (0.0435)
     # (s11b/s11c, since removed: session 10's XOR-swizzled slots, QUANT_TR_SLOTS 0: with session
     # 10's row-by-row view 0.0435 / 0.0434 ms, in one row 0.0432, in 128-thread CTAs 0.0426)

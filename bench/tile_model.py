@@ -15,6 +15,13 @@ A + B N, in units of a 128-token tile; A = 0.547 and B = 0.00354 fit session 8's
 dequantization and its latency, paid once per tile and weight row whatever N is; so two CTAs of
 128 weight rows cost what one of 256 does, and the gain of wider tiles is the tiles that an
 expert no longer needs.
+
+Measured against it (s12a, session 12): RS_WIDE, which the model put at 0.89x, ran 1.18x the
+default (prefill GEMMs 7.09 against 6.02 ms, the 4096-token layer 9.05 against 8.51), and was
+removed. The model misses what ncu showed there: with one m-block per warpgroup a warp has half
+the weight loads in flight per k-step, and long-scoreboard stalls (the weights' global loads)
+doubled (gate/up: 123k against 57k samples; +20% instructions). A per tile is not fixed: it
+grows when a warp has less independent work to hide it behind.
 """
 A, B = 0.547, 0.00354
 LOADS = [205, 211, 21, 223, 146, 58, 58, 95, 251, 202, 260, 94, 30, 155, 223, 75, 239, 57, 215, 92, 19, 72, 41, 29, 53, 41, 54, 113, 47, 23, 209, 25, 31, 261, 101, 256, 109, 305, 50, 159, 166, 190, 49, 292, 197, 121, 150, 23, 194, 77, 214, 60, 103, 91, 203, 168, 38, 87, 275, 141, 238, 245, 216, 46, 25, 70, 22, 192, 69, 22, 189, 189, 161, 222, 175, 170, 269, 215, 146, 59, 63, 197, 110, 209, 144, 271, 136, 102, 118, 125, 296, 98, 131, 21, 97, 76, 44, 122, 61, 144, 41, 127, 35, 23, 97, 36, 156, 57, 132, 157, 63, 229, 139, 138, 106, 191, 183, 150, 155, 70, 30, 126, 214, 198, 169, 34, 76, 213, 216, 228, 52, 128, 29, 245, 31, 138, 230, 91, 21, 59, 166, 57, 137, 144, 260, 26, 122, 248, 180, 204, 22, 128, 33, 29, 202, 258, 75, 298, 185, 116, 54, 188, 189, 106, 45, 111, 178, 50, 104, 137, 158, 239, 55, 123, 37, 56, 35, 196, 156, 28, 220, 143, 42, 86, 164, 122, 220, 195, 74, 72, 183, 68, 47, 68, 148, 195, 61, 100, 39, 84, 47, 178, 107, 155, 210, 94, 51, 16, 60, 164, 79, 168, 192, 32, 115, 28, 69, 34, 78, 134, 141, 174, 49, 74, 219, 96, 62, 71, 281, 34, 209, 85, 182, 48, 151, 211, 264, 154, 258, 129, 145, 235, 279, 126, 95, 220, 111, 208, 24, 40, 102, 112, 188, 38, 209, 202]

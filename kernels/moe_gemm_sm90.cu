@@ -467,37 +467,11 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // index that lane t's A fragment holds there (see rs_pair below and moe_rows_bf16_rs), so the
 // dot products are the same sums as in K order. The numbers are those of the kernels above
 // (both operands carry 2^-9, undone with alpha in the FP32 epilogue), up to FP32 summation order.
-// RS_WIDE (session 11, not yet run on a GPU; 0 by default, which compiles the kernels as
-// before): one 64-row m-block per warpgroup instead of two, so that a tile takes up to 256
-// tokens (128 accumulators a thread at N = 256): an expert of up to 256 rows is one tile, its
-// weights dequantized once, where two m-blocks hold at most 160 (bench/tile_model.py: 0.89x
-// the K loops' cost at the 4096-token layer's routing). A CTA then covers 128 weight rows (the
-// down projection) or 64 outputs (the gate/up: rows g of each warp's 16 from w1, rows g + 8
-// from w3, so that g and u of an output stay in one thread); 3 stages of 256 token rows.
-// src/backend/cuda/moe.rs reads the knob from NVFP4DBG_NVRTC_DEFINES (grid, shared memory,
-// the tiles' slack).
-#ifndef RS_WIDE
-#define RS_WIDE 0
-#endif
-#if RS_WIDE
-#define R_BN 256
-#define R_SLACK 128
-#define R_STAGES_WIDE 3
-#define RS_MB 1                           // m-blocks per warpgroup
-#define RS_GATE_UP_BN 64                  // gate/up outputs per CTA
-#else
 #define R_BN 160                          // most token rows per tile: BM = 128, the last tile of an
                                           // expert up to BM + R_SLACK (moe_offsets' wide tiles)
 #define R_SLACK 32
-#define RS_MB 2
-#define RS_GATE_UP_BN H_FUSED_BN
-#endif
 #define R_BK 128                          // K per chunk (the decode tiles' chunk)
-#if RS_WIDE
-#define R_STAGES R_STAGES_WIDE
-#else
 #define R_STAGES 4
-#endif
 #define R_BOX_ROWS 32                     // the small TMA box: 32 rows x 64 K of BF16 (4 KB); the
 #define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // big one is 128 rows (rs_fill)
 #define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
@@ -637,67 +611,6 @@ __device__ __forceinline__ void wgmma_m64n160k16_rs(float (&d)[80], const u32 (&
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
 }
 
-#if RS_WIDE
-__device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[96], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k16.f32." RS_AB " {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
-        "}, {%96,%97,%98,%99}, %100, p, 1, 1, 0;\n}\n"
-        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
-}
-
-__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32." RS_AB " {"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
-        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
-        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
-        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
-        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
-        "}, {%128,%129,%130,%131}, %132, p, 1, 1, 0;\n}\n"
-        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
-}
-
-#endif
-
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -748,31 +661,18 @@ struct RChunk {
 struct RWeights {
     const u8* q[2];
     const u8* s[2];
-#if RS_WIDE
-    // row g + 8's pieces: 512 / 64 bytes on (the same decode tile), or another matrix's (the
-    // wide gate/up: w3's row of the output whose w1 row is row g)
-    const u8* q8[2];
-    const u8* s8[2];
-#endif
 };
 
 __device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
+    for (int b = 0; b < 2; b++) {
         if (wr.q[b] != nullptr) {
             const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
             const u8* s = wr.s[b] + (size_t)c * R_TILE_S;
-#if RS_WIDE
-            const u8* q8 = wr.q8[b] + (size_t)c * R_TILE_Q;
-            const u8* s8 = wr.s8[b] + (size_t)c * R_TILE_S;
-#else
-            const u8* q8 = q + 512;
-            const u8* s8 = s + 64;
-#endif
             st.w[b][0] = ldg_stream(q);
-            st.w[b][1] = ldg_stream(q8);
+            st.w[b][1] = ldg_stream(q + 512);
             st.s[b][0] = __ldg(reinterpret_cast<const unsigned short*>(s));
-            st.s[b][1] = __ldg(reinterpret_cast<const unsigned short*>(s8));
+            st.s[b][1] = __ldg(reinterpret_cast<const unsigned short*>(s + 64));
         } else {
             st.w[b][0] = st.w[b][1] = make_uint4(0, 0, 0, 0);
             st.s[b][0] = st.s[b][1] = 0;
@@ -783,16 +683,11 @@ __device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
 // Chunk c's weight lines into L2 (the lane's 16-byte pieces of rows g and g + 8, and its scales).
 __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
+    for (int b = 0; b < 2; b++) {
         if (wr.q[b] != nullptr) {
             const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
             asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
-#if RS_WIDE
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.q8[b] + (size_t)c * R_TILE_Q));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.s8[b] + (size_t)c * R_TILE_S));
-#else
             asm volatile("prefetch.global.L2 [%0];" ::"l"(q + 512));
-#endif
             asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.s[b] + (size_t)c * R_TILE_S));
         }
     }
@@ -813,22 +708,14 @@ template <> struct RsMma<128> {
 template <> struct RsMma<64> {
     static __device__ __forceinline__ void mma(float (&d)[32], const u32 (&a)[4], u64 db) { wgmma_m64n64k16_rs(d, a, db); }
 };
-#if RS_WIDE
-template <> struct RsMma<192> {
-    static __device__ __forceinline__ void mma(float (&d)[96], const u32 (&a)[4], u64 db) { wgmma_m64n192k16_rs(d, a, db); }
-};
-template <> struct RsMma<256> {
-    static __device__ __forceinline__ void mma(float (&d)[128], const u32 (&a)[4], u64 db) { wgmma_m64n256k16_rs(d, a, db); }
-};
-#endif
 template <> struct RsMma<32> {
     static __device__ __forceinline__ void mma(float (&d)[16], const u32 (&a)[4], u64 db) { wgmma_m64n32k16_rs(d, a, db); }
 };
 
 template <int N>
-__device__ __forceinline__ void rs_acc_fence(float (&d)[RS_MB][N / 2]) {
+__device__ __forceinline__ void rs_acc_fence(float (&d)[2][N / 2]) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(d[b][i])::"memory");
 }
@@ -875,15 +762,15 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 // step 4 with chunk c - 1 + R_STAGES.
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
-                                         const void* tmap, u32 r0, float (&acc)[RS_MB][N / 2]) {
-    // tiles wider than 128 tokens keep one group in flight with two m-blocks: their
-    // accumulators leave no room for another set of A fragments (one m-block: 128 at most)
-    constexpr int INFLIGHT = (N > 128 && RS_MB == 2) ? 1 : RS_INFLIGHT;
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
+    // for another set of A fragments
+    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
-    u32 sc[RS_MB][2][2];
+    u32 sc[2][2][2];
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
+    for (int b = 0; b < 2; b++) {
 #if RS_F16
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -907,9 +794,9 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         int q = s / 2, h = s % 2, blk = s / 4;
-        u32 a[RS_MB][4];
+        u32 a[2][4];
 #pragma unroll
-        for (int b = 0; b < RS_MB; b++) {
+        for (int b = 0; b < 2; b++) {
             u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
 #if RS_F16
             u32 glo, ghi, elo, ehi;  // the same for both steps of a word: computed once
@@ -929,8 +816,8 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         }
         u64 db = smem_desc(sb + (s / 4) * R_HALF_BYTES) + 2 * (s % 4);
         wgmma_fence();
-#pragma unroll
-        for (int b = 0; b < RS_MB; b++) RsMma<N>::mma(acc[b], a[b], db);
+        RsMma<N>::mma(acc[0], a[0], db);
+        RsMma<N>::mma(acc[1], a[1], db);
         wgmma_commit();
         wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
@@ -949,7 +836,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 // every MMA complete and every warp past the loop (the stages may then be reused).
 template <int N, int L2_AHEAD>
 __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
-                                            float (&acc)[RS_MB][N / 2]) {
+                                            float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
@@ -967,7 +854,7 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     }
     __syncthreads();
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
     if (L2_AHEAD > 2)
@@ -999,10 +886,6 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
         size_t row = (size_t)e * nout + row0[b];
         r.q[b] = live ? wq[b] + row * (K / 2) + 16 * lane : nullptr;
         r.s[b] = live ? ws[b] + row * (K / 16) + 2 * lane : nullptr;
-#if RS_WIDE
-        r.q8[b] = live ? r.q[b] + 512 : nullptr;
-        r.s8[b] = live ? r.s[b] + 64 : nullptr;
-#endif
     }
     return r;
 }
@@ -1013,30 +896,6 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 template <int L2_AHEAD, bool N144, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
-#if RS_WIDE
-    // one m-block: 256, 192, 128, 64 or 32 tokens
-    if (ntok > 192) {
-        float acc[1][128];
-        rs_mainloop<256, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
-        epi(acc);
-    } else if (ntok > 128) {
-        float acc[1][96];
-        rs_mainloop<192, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
-        epi(acc);
-    } else if (ntok > 64) {
-        float acc[1][64];
-        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
-        epi(acc);
-    } else if (ntok > 32) {
-        float acc[1][32];
-        rs_mainloop<64, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
-        epi(acc);
-    } else {
-        float acc[1][16];
-        rs_mainloop<32, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
-        epi(acc);
-    }
-#else
     if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
         rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
@@ -1058,7 +917,6 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
         rs_mainloop<32, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
-#endif
 }
 
 #endif  // NVFP4DBG_WGMMA
@@ -1067,12 +925,12 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 // The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
 // tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase).
 template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows(const float (&acc)[RS_MB][HALF_N], const u32 (&row0)[2], u32 r0,
-                                              u32 r1, u32 nout, float alpha, float* __restrict__ out) {
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], const u32 (&row0)[2], u32 r0, u32 r1,
+                                              u32 nout, float alpha, float* __restrict__ out) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int j = 0; j < N / 8; j++)
 #pragma unroll
@@ -1085,25 +943,6 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[RS_MB][HALF_N],
 
 // The gate/up tile's a = swiglu(g, u) into the f32 tile `sa` ([token][output], SA floats a
 // row): m-block 0 holds g, m-block 1 u of the same outputs, so both are in the same thread.
-#if RS_WIDE
-// RS_WIDE: row g of the warp's m-block holds g, row g + 8 u of output col0 + g (q / 2 of
-// acc[0][j * 4 + q] picks the row).
-template <int HALF_N>
-__device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[1][HALF_N], u32 col0, float alpha_g, float alpha_u,
-                                               float limit, u32 has_limit, float* sa) {
-    constexpr int N = 2 * HALF_N;
-    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (int j = 0; j < N / 8; j++)
-#pragma unroll
-        for (int q = 0; q < 2; q++) {
-            u32 lc = col0 + g, lr = j * 8 + 2 * t + q;
-            float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
-            float uv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q + 2], RS_UNSCALE), alpha_u);
-            sa[lr * H_SA_F32_ROW + lc] = swiglu(gv, uv, limit, has_limit);
-        }
-}
-#endif
 template <int HALF_N>
 __device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][HALF_N], u32 col0, float alpha_g, float alpha_u,
                                                float limit, u32 has_limit, float* sa) {
@@ -1164,8 +1003,7 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
 
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor maps `tmap` (rs_fill) of
 // moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
-// (ceil(nout / 256), M-tile bound; RS_WIDE: nout / 128), 256 threads, R_SMEM_BYTES of dynamic
-// shared memory.
+// (ceil(nout / 256), M-tile bound), 256 threads, R_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
@@ -1176,14 +1014,8 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-#if RS_WIDE
-    // 128 weight rows a CTA, one m-block of 64 a warpgroup
-    u32 n0 = blockIdx.x * 128 + wg * 64 + warp * 16;
-    const u32 row0[2] = {n0, n0};
-#else
     u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
     const u32 row0[2] = {n0, n0 + 64};
-#endif
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
@@ -1198,8 +1030,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
-// w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound; RS_WIDE: nout / 64), 256
-// threads, R_SMEM_BYTES.
+// w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound), 256 threads, R_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
@@ -1213,29 +1044,12 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     u32 e, r0, r1;
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
-#if RS_WIDE
-    // 64 outputs a CTA, 8 a warp: rows g of the warp's m-block are w1's rows of outputs
-    // n0 + col0 + g, rows g + 8 w3's rows of the same outputs (half `h` of a 16-row decode tile)
-    u32 n0 = blockIdx.x * RS_GATE_UP_BN, col0 = (threadIdx.x / 32) * 8;
-    u32 o = n0 + col0, tb = o & ~15u, h = (o >> 3) & 1u;
-    const u32 row0[2] = {tb, tb};
-    const u8* const wq[2] = {w1q_t, w3q_t};
-    const u8* const ws[2] = {w1s_t, w3s_t};
-    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-    if (wr.q[0] != nullptr) {
-        wr.q8[0] = wr.q[1] + 512 * h;
-        wr.s8[0] = wr.s[1] + 64 * h;
-        wr.q[0] += 512 * h;
-        wr.s[0] += 64 * h;
-    }
-#else
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;
     const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-#endif
     float* sa = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
@@ -1243,8 +1057,8 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
         rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, sa);
     });
     __syncthreads();
-    gate_up_tile_epilogue<R_BN, RS_GATE_UP_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq,
-                                                          outs, stats, out_f32, amax_bits);
+    gate_up_tile_epilogue<R_BN, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
+                                                       stats, out_f32, amax_bits);
 #else
     __trap();
 #endif

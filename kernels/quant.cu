@@ -155,14 +155,10 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_FLAT
 #define QUANT_FLAT 1
 #endif
-// 1: linear BF16 tensors by warps of a persistent grid that copy their next run into shared
-// memory while they encode the current one (nvfp4_bf16_runs_async), the runs dealt in turn:
-// measured 0.0477 ms against the grid kernel's 0.0435 (s11b; tests passed). 2: the same with
-// the runs handed out by a counter, against the static deal's imbalance: not yet run on a GPU.
-// 0 (default): the grid kernel.
-#ifndef QUANT_ASYNC
-#define QUANT_ASYNC 0
-#endif
+// (QUANT_ASYNC, session 11, since removed: linear BF16 tensors by warps of a persistent grid
+// that copied their next run into shared memory by cp.async while they encoded the current
+// one: 0.0477 ms against the grid kernel's 0.0435 (s11b); with the runs handed out by a
+// counter, 0.0626 against 0.0426 (s12a). Both bit-exact.)
 
 // Block statistics of a CTA: warp sums, then one integer atomic per CTA and field (atomics
 // from every warp on the same four counters serialize in L2 and cost more than the kernel).
@@ -528,7 +524,7 @@ __device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
 template <typename T>
 __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx, const QuantDims& d,
                                                 const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
-#if QUANT_TRANSPOSE && !QUANT_ASYNC  // (QUANT_ASYNC: the linear tensors go the async way)
+#if QUANT_TRANSPOSE
     if constexpr (sizeof(T) == 2) {
         constexpr int U = TR_PIECES;  // 16-byte pieces of a group
         const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1016,101 +1012,6 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 #endif
 }
 
-// QUANT_ASYNC 1: the one-row view's whole runs (32 groups of a warp, 32 x QUANT_BLOCKS x 32
-// bytes) dealt to the warps of a persistent grid in turn; each lane copies its 16-byte pieces
-// of the next run into shared memory (cp.async, no registers held) before it encodes the
-// current one, so every warp keeps one run in flight while it computes (the grid kernel's loads
-// are in flight only while its threads wait for them). Two buffers per warp in the slots of
-// group_load_warp; the same groups per lane, the same encoder, codes, scales and statistics.
-// Only whole rounds of runs (a run for every warp of the grid) go this way, so that every warp
-// has the same number of runs; returns how many runs that is, and the groups after them are
-// the caller's, a thread each, spread over the whole grid. 128-thread CTAs: the two buffers of
-// 4 warps are 36 KB of static shared memory (6 CTAs per SM by shared memory).
-static_assert(!QUANT_ASYNC || (QUANT_TRANSPOSE && QUANT_BF16_THREADS <= 128 && QUANT_PIPE == 1 && !QUANT_COALESCED),
-              "QUANT_ASYNC: with QUANT_TRANSPOSE 1 and QUANT_BF16_THREADS 128 (static shared memory)");
-__device__ __forceinline__ void quant_cp_async16(u32 dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-// The buffers, one array for both flavors' instantiations (a __shared__ array declared in the
-// template would be one per instantiation: twice the shared memory).
-typedef uint4 QuantRing[QUANT_BF16_THREADS / 32][2][TR_SLOTS];
-__device__ __forceinline__ QuantRing& quant_ring() {
-    __shared__ QuantRing ring;
-    return ring;
-}
-#if QUANT_ASYNC == 2
-// QUANT_ASYNC 2: runs handed out by a counter (balances the SMs; one launch at a time per
-// device, as the stream orders them). Zero at module load and again after each launch.
-__device__ unsigned long long quant_next_run;
-__device__ unsigned int quant_warps_done;
-#endif
-template <u32 FL>
-__device__ __forceinline__ u64 nvfp4_bf16_runs_async(const u16* __restrict__ x, const QuantDims& d,
-                                                     const float* __restrict__ gs, u8* __restrict__ packed,
-                                                     u8* __restrict__ scales, u32 flavor, u32 (&c)[4]) {
-    constexpr int U = TR_PIECES;  // 16-byte pieces of a group
-    constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
-    QuantRing& ring = quant_ring();
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const u64 step = (u64)gridDim.x * WARPS;
-#if QUANT_ASYNC == 2
-    // every whole run, handed out one at a time by a counter that the grid's last warp resets
-    const u64 runs = d.kb / (32 * QUANT_BLOCKS);
-    auto next = [&]() {
-        u64 v = 0;
-        if (lane == 0) v = atomicAdd(&quant_next_run, 1ull);
-        return __shfl_sync(0xFFFFFFFFu, v, 0);
-    };
-    u64 r = next();
-#else
-    const u64 runs = d.kb / (32 * QUANT_BLOCKS) / step * step;
-    u64 r = (u64)blockIdx.x * WARPS + warp;
-#endif
-    // run r's pieces 32 i + lane into buffer b, in the transposition's slots
-    auto issue = [&](u64 run, int b) {
-        if (run < runs) {
-            const uint4* src = reinterpret_cast<const uint4*>(x) + run * (32 * U) + lane;
-            u32 dst = smem_addr(&ring[warp][b][tr_slot(lane)]);
-#pragma unroll
-            for (int i = 0; i < U; i++) quant_cp_async16(dst + 16 * 36 * i, src + 32 * i);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");  // empty past the last run
-    };
-    issue(r, 0);
-    for (int b = 0; r < runs; b ^= 1) {
-#if QUANT_ASYNC == 2
-        const u64 nr = next();
-#else
-        const u64 nr = r + step;
-#endif
-        issue(nr, b ^ 1);
-        asm volatile("cp.async.wait_group 1;" ::: "memory");  // this lane's pieces of run r
-        __syncwarp();                                           // and every other lane's
-        Group<u16> g;
-        g.r = 0;
-        g.b0 = (u64)QUANT_BLOCKS * (r * 32 + lane);
-        g.in_row = true;
-        const uint4* rd = &ring[warp][b][tr_slot(U * lane)];
-#pragma unroll
-        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
-        __syncwarp();  // every lane has read buffer b before the next round refills it
-        group_quantize_fl<u16, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
-        r = nr;
-    }
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-#if QUANT_ASYNC == 2
-    if (lane == 0) {
-        __threadfence();  // this warp's last take is done before it counts itself out
-        if (atomicAdd(&quant_warps_done, 1u) == (u32)step - 1) {
-            quant_next_run = 0;
-            quant_warps_done = 0;
-            __threadfence();
-        }
-    }
-#endif
-    return runs;
-}
-
 // QUANT_BLOCKS consecutive 16-blocks of a row per thread. `row_src` (nullable) gathers: output row r reads input row row_src[r].
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
@@ -1131,32 +1032,13 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
     } else
 #endif
     {
-        bool done = false;
-#if QUANT_ASYNC
-        if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
-            if (flat) {
-                // whole rounds of runs on a persistent grid (the host's; any grid is correct),
-                // then the groups after them, a thread each, grid-stride
-                u64 first = 32 * nvfp4_bf16_runs_async<FL>(x, d, gs, packed, scales, flavor, c);
-                u64 all = (u64)gridDim.x * blockDim.x;
-                for (u64 idx = first + (u64)blockIdx.x * blockDim.x + threadIdx.x; idx < d.total; idx += all) {
-                    Group<T> g;
-                    group_load<T>(x, idx, d, nullptr, g);
-                    group_quantize_fl<T, FL>(g, d, gs, nullptr, packed, scales, 0, flavor, c);
-                }
-                done = true;
-            }
-        }
-#endif
-        if (!done) {
-            u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-            Group<T> g;
-            if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
-                group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-            } else if (idx < d.total) {
-                group_load<T>(x, idx, d, row_src, g);
-                group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-            }
+        u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+        Group<T> g;
+        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        } else if (idx < d.total) {
+            group_load<T>(x, idx, d, row_src, g);
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         }
     }
 #if QUANT_STATS

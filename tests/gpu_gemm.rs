@@ -136,9 +136,7 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     // stages deep); (640, 384) for the register-A kernels (K chunks of 128: 5 and 3 against 4
     // stages, a partial 256-column down tile), then a wider case. The register-A kernels' last
     // tile of an expert takes up to 160 rows: 129, 160 and 288 (128 + 160) rows have a wide
-    // tile, 161 (128 + 33), 250 (128 + 122) and 300 (128 + 128 + 44) do not. Compiled with
-    // -DRS_WIDE=1 it takes up to 256: 161 and 250 (the 256-token width) are one tile, 288 and
-    // 300 two (128 + 160, 128 + 172).
+    // tile, 161 (128 + 33), 250 (128 + 122) and 300 (128 + 128 + 44) do not.
     for (h, i) in [(576usize, 192usize), (640, 384), (1024, 512)] {
         let counts = [
             0usize, 1, 127, 129, 300, 65, 0, 2, 33, 64, 160, 161, 288, 250,

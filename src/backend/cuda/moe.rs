@@ -44,30 +44,6 @@ const SM90_RS_STAGES: u32 = 4;
 const SM90_RS_SMEM_BYTES: u32 =
     SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32 + 2 * SM90_RS_STAGES * 8 + 1024;
 const SM90_RS_BOX_ROWS: u32 = 32;
-/// With `-DRS_WIDE=1` in NVFP4DBG_NVRTC_DEFINES (kernels/moe_gemm_sm90.cu RS_WIDE, an A/B knob
-/// not yet run on a GPU): one m-block per warpgroup, the last tile of an expert up to 256 rows
-/// (`SM90_RS_WIDE_SLACK` past BM), 3 stages of 256 token rows, CTAs of 128 weight rows (down)
-/// or 64 outputs (gate/up).
-const SM90_RS_WIDE_SLACK: usize = 128;
-const SM90_RS_WIDE_STAGES: u32 = 3;
-const SM90_RS_WIDE_SMEM_BYTES: u32 = SM90_RS_WIDE_STAGES
-    * ((BM + SM90_RS_WIDE_SLACK) * SM90_RS_BK * 2) as u32
-    + 2 * SM90_RS_WIDE_STAGES * 8
-    + 1024;
-const _: () = assert!(
-    SM90_RS_WIDE_SMEM_BYTES <= 227 * 1024,
-    "more shared memory than a Hopper block gets"
-);
-
-/// Whether the register-A kernels are compiled with RS_WIDE (read once, as the module is
-/// compiled once per process).
-fn sm90_rs_wide() -> bool {
-    static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WIDE.get_or_init(|| {
-        let d = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
-        super::quant::define_value(&d, "RS_WIDE").is_some_and(|v| v != 0)
-    })
-}
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
@@ -91,16 +67,6 @@ mod sm90_tests {
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
         assert!(src.contains(&format!("#define R_BOX_ROWS {}", super::SM90_RS_BOX_ROWS)));
-        // RS_WIDE's layout
-        assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_WIDE_SLACK)));
-        assert!(src.contains(&format!(
-            "#define R_STAGES_WIDE {}",
-            super::SM90_RS_WIDE_STAGES
-        )));
-        assert!(src.contains(&format!(
-            "#define R_BN {}",
-            super::BM + super::SM90_RS_WIDE_SLACK
-        )));
         assert!(
             src.lines().any(|l| l.trim() == line),
             "{line} not in moe_gemm_sm90.cu"
@@ -181,8 +147,6 @@ fn sm90_rs_disabled() -> bool {
 fn sm90_rs_slack() -> u32 {
     if std::env::var("NVFP4DBG_RS_SLACK").is_ok_and(|v| v == "0") {
         0
-    } else if sm90_rs_wide() {
-        SM90_RS_WIDE_SLACK as u32
     } else {
         SM90_RS_SLACK as u32
     }
@@ -1039,23 +1003,16 @@ impl Nvfp4Forward {
         let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim.is_multiple_of(SM90_BK);
         let rs = self.rs.is_some();
         let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
-        // RS_WIDE: half the weight rows a CTA
-        let (rs_bn, rs_smem) = if sm90_rs_wide() {
-            (bn / 2, SM90_RS_WIDE_SMEM_BYTES)
-        } else {
-            (bn, SM90_RS_SMEM_BYTES)
-        };
         let e = self.layer.config.n_routed_experts;
         let n = self.ws.tokens * self.ws.k;
         // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
         // so that the blocks sharing a row tile run together and share its tokens in L2
         let m_tiles = n.div_ceil(BM) + e.min(n);
-        let grid_bn = |bn: usize, shared_mem_bytes| LaunchConfig {
+        let grid = |shared_mem_bytes| LaunchConfig {
             grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
-        let grid = |shared_mem_bytes| grid_bn(bn, shared_mem_bytes);
         let which = match self.prefill {
             PrefillGemm::Auto if rs && !sm90_rs_disabled() => PrefillGemm::WgmmaRs,
             PrefillGemm::Auto | PrefillGemm::Wgmma if fits => PrefillGemm::Wgmma,
@@ -1064,10 +1021,10 @@ impl Nvfp4Forward {
         };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid_bn(rs_bn, rs_smem))
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
             (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid_bn(rs_bn, rs_smem))
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,

@@ -89,7 +89,7 @@ const BF16_THREADS: u32 = 128;
 /// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
 /// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
 /// if repeated.
-pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
+fn define_value(defines: &str, name: &str) -> Option<u64> {
     defines
         .split_whitespace()
         .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
@@ -115,8 +115,6 @@ struct QuantKnobs {
     bulk_balance: bool,
     /// QUANT_BF16_THREADS: the BF16 grid kernel's CTA size.
     bf16_threads: u32,
-    /// QUANT_ASYNC: the BF16 grid kernel takes linear tensors on a persistent grid.
-    persistent: bool,
 }
 
 impl QuantKnobs {
@@ -129,7 +127,6 @@ impl QuantKnobs {
         bulk_stages: 2,
         bulk_balance: true,
         bf16_threads: BF16_THREADS,
-        persistent: false,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -145,7 +142,6 @@ impl QuantKnobs {
             bulk_balance: define_value(d, "BULK_BALANCE").map_or(k.bulk_balance, |b| b != 0),
             bf16_threads: define_value(d, "QUANT_BF16_THREADS")
                 .map_or(k.bf16_threads, |t| (t as u32).clamp(32, 1024)),
-            persistent: define_value(d, "QUANT_ASYNC").map_or(k.persistent, |a| a != 0),
         }
     }
 
@@ -407,11 +403,7 @@ fn enqueue_nvfp4(
         DevRows::F32(_) => ("nvfp4_quantize_f32", nvfp4_grid(rows, cols / 16, layout)?),
         DevRows::Bf16(_) => (
             "nvfp4_quantize_bf16",
-            if quant_knobs().persistent && layout == ScaleLayout::Linear {
-                gpu.persistent_grid(&QUANT, "nvfp4_quantize_bf16", quant_knobs().bf16_threads, 0)?
-            } else {
-                nvfp4_grid_bf16(rows, cols / 16, layout)?
-            },
+            nvfp4_grid_bf16(rows, cols / 16, layout)?,
         ),
     };
     gpu.launch(
