@@ -13,6 +13,12 @@
 // exactly (all stay normal), so (acc * 2^28) * alpha is the FP32 sum of the exact products,
 // up to summation order. The K dimension is split over the warps of a CTA and the partial
 // sums are added in a fixed order: deterministic, no float atomics.
+// SwiGLU's exp by CUDA's double exp here (nvfp4dbg_common.cuh EXPF_CR_FAST, the same results):
+// the decode epilogue runs it a few times per thread, and the fast path's registers made the
+// gate/up kernel spill.
+#ifndef EXPF_CR_FAST
+#define EXPF_CR_FAST 0
+#endif
 #include "nvfp4dbg_common.cuh"
 
 #define DEC_WARPS 8

@@ -943,9 +943,10 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], con
 
 // The gate/up tile's a = swiglu(g, u) into the f32 tile `sa` ([token][output], SA floats a
 // row): m-block 0 holds g, m-block 1 u of the same outputs, so both are in the same thread.
+// Only the tile's first `rows` token rows (the padding rows are never read).
 template <int HALF_N>
 __device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][HALF_N], u32 col0, float alpha_g, float alpha_u,
-                                               float limit, u32 has_limit, float* sa) {
+                                               float limit, u32 has_limit, u32 rows, float* sa) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -953,9 +954,11 @@ __device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[2][HALF_N], u3
 #pragma unroll
         for (int q = 0; q < 4; q++) {
             u32 lc = col0 + g + 8 * (q / 2), lr = j * 8 + 2 * t + (q % 2);
-            float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
-            float uv = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
-            sa[lr * H_SA_F32_ROW + lc] = swiglu(gv, uv, limit, has_limit);
+            if (lr < rows) {
+                float gv = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
+                float uv = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
+                sa[lr * H_SA_F32_ROW + lc] = swiglu(gv, uv, limit, has_limit);
+            }
         }
 }
 #endif  // NVFP4DBG_WGMMA
@@ -1054,7 +1057,8 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
-        rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, sa);
+        rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, r1 - r0,
+                       sa);
     });
     __syncthreads();
     gate_up_tile_epilogue<R_BN, H_FUSED_BN, H_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,

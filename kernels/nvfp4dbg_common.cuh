@@ -379,9 +379,77 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
     }
 }
 
-// exp rounded once from double: matches a correctly rounded f32 exp (the CPU's expf) in all
-// but vanishingly rare double-rounding cases, where CUDA's expf is off by up to 2 ulp.
-__device__ __forceinline__ float expf_cr(float x) { return (float)exp((double)x); }
+// expf_cr(x) is (float)exp((double)x): it matches a correctly rounded f32 exp (the CPU's expf)
+// in all but vanishingly rare double-rounding cases, where CUDA's expf is off by up to 2 ulp.
+// EXPF_CR_FAST 1 (default) computes most of them without CUDA's double exp (~28 DFMA and a
+// special-case branch; the SwiGLU of the register-A gate/up epilogue calls it 64-80 times per
+// thread and tile, unrolled): 2^(k/64) from a table times exp(r) - 1 to r^6 / 720 (|r| <=
+// ln2 / 128), a few double ulps from exp(x), rounded to f32 only where no f32 rounding boundary
+// lies within 2^12 double ulps of it; the rest (2^-16 of the inputs, |x| > 87, NaN) go to
+// CUDA's exp. So the result is that of (float)exp((double)x) on every f32, which
+// tools/checks/expf_cr_fast.cu checks on all 2^32 of them. 0: CUDA's exp always, for an A/B.
+#ifndef EXPF_CR_FAST
+#define EXPF_CR_FAST 1
+#endif
+#if EXPF_CR_FAST
+// 2^(j/64), j = 0..63, correctly rounded
+__device__ const double EXP2_J64[64] = {
+    0x1.0000000000000p+0, 0x1.02c9a3e778061p+0, 0x1.059b0d3158574p+0, 0x1.0874518759bc8p+0,
+    0x1.0b5586cf9890fp+0, 0x1.0e3ec32d3d1a2p+0, 0x1.11301d0125b51p+0, 0x1.1429aaea92de0p+0,
+    0x1.172b83c7d517bp+0, 0x1.1a35beb6fcb75p+0, 0x1.1d4873168b9aap+0, 0x1.2063b88628cd6p+0,
+    0x1.2387a6e756238p+0, 0x1.26b4565e27cddp+0, 0x1.29e9df51fdee1p+0, 0x1.2d285a6e4030bp+0,
+    0x1.306fe0a31b715p+0, 0x1.33c08b26416ffp+0, 0x1.371a7373aa9cbp+0, 0x1.3a7db34e59ff7p+0,
+    0x1.3dea64c123422p+0, 0x1.4160a21f72e2ap+0, 0x1.44e086061892dp+0, 0x1.486a2b5c13cd0p+0,
+    0x1.4bfdad5362a27p+0, 0x1.4f9b2769d2ca7p+0, 0x1.5342b569d4f82p+0, 0x1.56f4736b527dap+0,
+    0x1.5ab07dd485429p+0, 0x1.5e76f15ad2148p+0, 0x1.6247eb03a5585p+0, 0x1.6623882552225p+0,
+    0x1.6a09e667f3bcdp+0, 0x1.6dfb23c651a2fp+0, 0x1.71f75e8ec5f74p+0, 0x1.75feb564267c9p+0,
+    0x1.7a11473eb0187p+0, 0x1.7e2f336cf4e62p+0, 0x1.82589994cce13p+0, 0x1.868d99b4492edp+0,
+    0x1.8ace5422aa0dbp+0, 0x1.8f1ae99157736p+0, 0x1.93737b0cdc5e5p+0, 0x1.97d829fde4e50p+0,
+    0x1.9c49182a3f090p+0, 0x1.a0c667b5de565p+0, 0x1.a5503b23e255dp+0, 0x1.a9e6b5579fdbfp+0,
+    0x1.ae89f995ad3adp+0, 0x1.b33a2b84f15fbp+0, 0x1.b7f76f2fb5e47p+0, 0x1.bcc1e904bc1d2p+0,
+    0x1.c199bdd85529cp+0, 0x1.c67f12e57d14bp+0, 0x1.cb720dcef9069p+0, 0x1.d072d4a07897cp+0,
+    0x1.d5818dcfba487p+0, 0x1.da9e603db3285p+0, 0x1.dfc97337b9b5fp+0, 0x1.e502ee78b3ff6p+0,
+    0x1.ea4afa2a490dap+0, 0x1.efa1bee615a27p+0, 0x1.f50765b6e4540p+0, 0x1.fa7c1819e90d8p+0,
+};
+#define EXPF_CR_MARGIN (1u << 12)  // double ulps (the 29 bits a float rounds off)
+
+// exp(x) rounded to f32 in `out`, where that is certainly the rounding of the exact exp(x);
+// false (out untouched) where it may not be: |x| > 87 (beyond, the result is not a normal
+// f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
+__device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
+    if (!(fabsf(x) <= 87.0f)) return false;
+    const double xd = x;
+    const double kd = rint(xd * 0x1.71547652b82fep+6);  // x / (ln2 / 64), to the nearest integer
+    const int k = (int)kd;                              // |k| <= 8034
+    double r = fma(kd, -0x1.62e42fefa39efp-7, xd);      // x - k ln2 / 64 (Cody-Waite, hi ...
+    r = fma(kd, -0x1.abc9e3b39803fp-62, r);             // ... and lo parts of ln2 / 64)
+    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+    p = fma(p, r, 1.0 / 24.0);
+    p = fma(p, r, 1.0 / 6.0);
+    p = fma(p, r, 0.5);
+    const double q = fma(p, r * r, r);                  // exp(r) - 1
+    const double t = __ldg(&EXP2_J64[k & 63]);
+    const long long bits =                              // 2^(k >> 6) * 2^((k & 63) / 64) * exp(r)
+        __double_as_longlong(fma(t, q, t)) + (long long)(k >> 6) * (1ll << 52);
+    if ((u32)(bits & 0x1FFFFFFF) - (0x10000000u - EXPF_CR_MARGIN) <= 2 * EXPF_CR_MARGIN) return false;
+    out = (float)__longlong_as_double(bits);
+    return true;
+}
+#endif
+
+#if EXPF_CR_FAST
+// The rare rest, called (not inlined: one copy of CUDA's exp instead of one per call site).
+__device__ __noinline__ float expf_cr_slow(float x) { return (float)exp((double)x); }
+#endif
+
+__device__ __forceinline__ float expf_cr(float x) {
+#if EXPF_CR_FAST
+    float y;
+    return expf_cr_fast(x, y) ? y : expf_cr_slow(x);
+#else
+    return (float)exp((double)x);
+#endif
+}
 
 // silu(g) * u with V4's swiglu_limit (gate clamped to <= L, up to [-L, L]; NaN kept), in
 // the CPU's order: (g / (1 + exp(-g))) * u.
