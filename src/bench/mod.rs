@@ -57,6 +57,7 @@ pub const SEED: u64 = 0x5EED_B3C4;
 pub struct Settings {
     pub quick: bool,
     pub warmup: usize,
+    pub warmup_ms: f64,
     pub min_reps: usize,
     pub max_reps: usize,
     pub budget_ms_per_figure: f64,
@@ -109,6 +110,7 @@ pub fn run(opts: &Options, progress: &mut dyn FnMut(&str)) -> Result<Outcome> {
         settings: Settings {
             quick: opts.quick,
             warmup: cfg.warmup,
+            warmup_ms: cfg.warmup_ms,
             min_reps: cfg.min_reps,
             max_reps: cfg.max_reps,
             budget_ms_per_figure: cfg.budget_ms,

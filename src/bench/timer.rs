@@ -1,6 +1,7 @@
 //! Timing on the GPU with CUDA events (METHOD): warm-up first (module loads, NVRTC, cuBLAS
-//! handles stay out of the numbers), then many repeats, each between its own pair of events
-//! on the one stream, with an untimed setup step before each (rotating the inputs).
+//! handles stay out of the numbers, and the GPU's clocks settle under the figure's own load),
+//! then many repeats, each between its own pair of events on the one stream, with an untimed
+//! setup step before each (rotating the inputs).
 
 use super::stats::{reps_for, Samples};
 use crate::backend::cuda::device::driver_err;
@@ -13,6 +14,11 @@ use std::sync::atomic::Ordering;
 #[derive(Clone, Copy, Debug)]
 pub struct TimeCfg {
     pub warmup: usize,
+    /// Warm-up repeats continue until they have run this long (ms): after a figure that holds
+    /// the GPU at its power limit (the 8192^3 cuBLAS GEMM) the clocks take a while to come
+    /// back, and a figure timed in that while reads slow (s12b-s12d: the BF16 quantizer right
+    /// after the floors 0.0436-0.0484 ms, right after another quantizer figure 0.0425-0.0430).
+    pub warmup_ms: f64,
     pub min_reps: usize,
     pub max_reps: usize,
     /// Time the repeats of one figure aim to take.
@@ -24,6 +30,7 @@ impl TimeCfg {
         if quick {
             TimeCfg {
                 warmup: 2,
+                warmup_ms: 25.0,
                 min_reps: 5,
                 max_reps: 40,
                 budget_ms: 250.0,
@@ -31,6 +38,7 @@ impl TimeCfg {
         } else {
             TimeCfg {
                 warmup: 3,
+                warmup_ms: 100.0,
                 min_reps: 10,
                 max_reps: 300,
                 budget_ms: 1500.0,
@@ -57,8 +65,9 @@ fn elapsed(a: &CudaEvent, b: &CudaEvent) -> Result<f64> {
         .map_err(|e| driver_err("reading a timing event", "-", e))
 }
 
-/// Time `body(i)`; `setup(i)` runs before each repeat, outside the events. Warm-up repeats
-/// are timed one by one to size the run to the budget, then discarded.
+/// Time `body(i)`; `setup(i)` runs before each repeat, outside the events. The first
+/// `cfg.warmup` repeats are timed one by one to size the run to the budget, then more run in
+/// batches until the warm-up has lasted `cfg.warmup_ms`; all are discarded.
 pub fn time(
     gpu: &Gpu,
     cfg: &TimeCfg,
@@ -68,21 +77,40 @@ pub fn time(
 ) -> Result<Samples> {
     let (w0, w1) = (event(gpu)?, event(gpu)?);
     let mut estimate = f64::NAN;
-    for i in 0..cfg.warmup.max(1) {
+    let (mut i, mut warm_ms) = (0, 0.0);
+    while i < cfg.warmup.max(1) {
         setup(i)?;
         record(gpu, &w0)?;
         body(i)?;
         record(gpu, &w1)?;
         gpu.sync(&format!("warming up {what}"))?;
         estimate = elapsed(&w0, &w1)?;
+        // the first repeat carries the lazy set-up (module loads, handles)
+        if i > 0 {
+            warm_ms += estimate;
+        }
+        i += 1;
     }
+    while warm_ms < cfg.warmup_ms && estimate > 0.0 {
+        let n = warmup_batch(cfg.warmup_ms - warm_ms, estimate);
+        record(gpu, &w0)?;
+        for _ in 0..n {
+            setup(i)?;
+            body(i)?;
+            i += 1;
+        }
+        record(gpu, &w1)?;
+        gpu.sync(&format!("warming up {what}"))?;
+        warm_ms += elapsed(&w0, &w1)?;
+    }
+    let first = i;
     let reps = reps_for(cfg.budget_ms, estimate, cfg.min_reps, cfg.max_reps);
     let mut marks = Vec::with_capacity(reps);
     for _ in 0..reps {
         marks.push((event(gpu)?, event(gpu)?));
     }
     for (i, (a, b)) in marks.iter().enumerate() {
-        let r = cfg.warmup + i;
+        let r = first + i;
         setup(r)?;
         record(gpu, a)?;
         body(r)?;
@@ -94,6 +122,11 @@ pub fn time(
         .map(|(a, b)| elapsed(a, b))
         .collect::<Result<Vec<f64>>>()?;
     Samples::new(ms)
+}
+
+/// Repeats of `estimate_ms` each for `left_ms` more of warm-up (at least 1, at most 10 000).
+fn warmup_batch(left_ms: f64, estimate_ms: f64) -> usize {
+    (left_ms / estimate_ms).ceil().clamp(1.0, 10_000.0) as usize
 }
 
 /// Time `body(i)` with no setup.
@@ -141,4 +174,19 @@ pub fn replay(graph: &CudaGraph, what: &str) -> Result<()> {
     graph
         .launch()
         .map_err(|e| driver_err("replaying a graph", what, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_warmup_batch_covers_what_is_left_within_bounds() {
+        assert_eq!(warmup_batch(100.0, 0.045), 2223);
+        assert_eq!(warmup_batch(100.0, 8.5), 12);
+        assert_eq!(warmup_batch(0.01, 8.5), 1);
+        assert_eq!(warmup_batch(100.0, 1e-6), 10_000);
+        let (full, quick) = (TimeCfg::new(false), TimeCfg::new(true));
+        assert!(full.warmup_ms > quick.warmup_ms && quick.warmup_ms > 0.0);
+    }
 }

@@ -13,7 +13,8 @@ use serde_json::{json, Map, Value};
 #[derive(clap::Args, Debug)]
 #[command(
     after_help = "Each figure: the median (and min) of many repeats timed with CUDA events \
-after a warm-up, with inputs rotated through sets larger than the L2 (or the L2 flushed between \
+after a warm-up of at least 100 ms (25 ms with --quick) of its own repeats, so that the clocks \
+settle under its load, with inputs rotated through sets larger than the L2 (or the L2 flushed between \
 repeats). Its floor is max(FLOPs / BF16 rate, bytes / copy bandwidth), both ceilings measured first \
 on this GPU (cuBLAS BF16 GEMM at 4096^3 and 8192^3, device-to-device copy counting bytes read + \
 written); achieved/floor = floor / median (1 = speed of light). Bytes count each input read once \
@@ -319,6 +320,7 @@ mod tests {
             settings: Settings {
                 quick: false,
                 warmup: 3,
+                warmup_ms: 100.0,
                 min_reps: 10,
                 max_reps: 300,
                 budget_ms_per_figure: 1500.0,
