@@ -142,6 +142,13 @@ fn sass_of(nvdisasm: &str, cubin: &[u8], kernel: &str) -> String {
     rest[..end].to_string()
 }
 
+fn nvdisasm_path() -> String {
+    let Some(nvdisasm) = std::env::var_os("NVFP4DBG_NVDISASM") else {
+        panic!("NVFP4DBG_NVDISASM unset: .ci/compile-kernels installs nvdisasm and sets it");
+    };
+    nvdisasm.to_string_lossy().into_owned()
+}
+
 /// ptxas may serialize warpgroup MMAs without a word (a `WARPGROUP.DEPBAR.LE gsb0, 0x0` after
 /// each one): the register-A prefill kernels then run a third slower (BENCHMARKS.md, session 7).
 /// Their K loops must keep MMA groups in flight, waits down to 0 only at the loops' ends: two
@@ -152,10 +159,7 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     if !enabled() {
         return;
     }
-    let Some(nvdisasm) = std::env::var_os("NVFP4DBG_NVDISASM") else {
-        panic!("NVFP4DBG_NVDISASM unset: .ci/compile-kernels installs nvdisasm and sets it");
-    };
-    let nvdisasm = nvdisasm.to_string_lossy().into_owned();
+    let nvdisasm = nvdisasm_path();
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
     // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
@@ -183,4 +187,26 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
             "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {one} to 1, {two} to 2, {mmas} HGMMA)"
         );
     }
+}
+
+/// The register-A gate/up epilogue's SwiGLU takes exp's table-driven fast path inline and
+/// CUDA's double exp out of line (kernels/nvfp4dbg_common.cuh EXPF_CR_FAST). Inlined at each of
+/// its 264 call sites (half a tile width's tokens per thread, widths 32, 64, 128, 144, 160), the
+/// double exp made the kernel 53 768 SASS instructions with 7392 DFMA, and 14% of its stall
+/// samples waited for instructions (BENCHMARKS.md, session 12); the fast path has 8 DFMA.
+#[test]
+fn the_gate_up_epilogue_keeps_the_double_exp_out_of_line() {
+    if !enabled() {
+        return;
+    }
+    let cubin =
+        nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+    let sass = sass_of(&nvdisasm_path(), &cubin, "moe_gemm_gate_up_nvfp4_sm90rs");
+    let sites = [32, 64, 128, 144, 160].iter().sum::<usize>() / 2;
+    let dfma = sass.matches("DFMA").count();
+    eprintln!("moe_gemm_gate_up_nvfp4_sm90rs: {dfma} DFMA for {sites} SwiGLU sites");
+    assert!(
+        dfma <= 9 * sites,
+        "{dfma} DFMA for {sites} SwiGLU sites: CUDA's double exp is inlined again"
+    );
 }
