@@ -387,7 +387,7 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
 // ln2 / 128), a few double ulps from exp(x), rounded to f32 only where no f32 rounding boundary
 // lies within 2^12 double ulps of it; the rest (2^-16 of the inputs, |x| > 87, NaN) go to
 // CUDA's exp. So the result is that of (float)exp((double)x) on every f32, which
-// tools/checks/expf_cr_fast.cu checks on all 2^32 of them. 0: CUDA's exp always, for an A/B.
+// tools/checks/expf_cr_fast.cu checks on all 2^32 of them (tests/gpu_checks.rs, nightly). 0: CUDA's exp always, for an A/B.
 #ifndef EXPF_CR_FAST
 #define EXPF_CR_FAST 1
 #endif

@@ -16,17 +16,6 @@ use std::process::Command;
 const HEADER: &str = include_str!("../kernels/include/nvfp4dbg_moe.h");
 const PLUGIN: &str = include_str!("../kernels/examples/moe_reference_plugin.cu");
 
-fn nvcc() -> PathBuf {
-    if let Some(p) = std::env::var_os("NVCC") {
-        return p.into();
-    }
-    let local = PathBuf::from("/usr/local/cuda/bin/nvcc");
-    if local.is_file() {
-        return local;
-    }
-    PathBuf::from("nvcc")
-}
-
 /// Build every variant in parallel: 0 = reference, 1..=5 the twins (NVFP4DBG_BUG), 6 = the
 /// reference writing a BF16 output. Returns their paths.
 fn build_plugins(dir: &Path) -> Vec<PathBuf> {
@@ -39,7 +28,7 @@ fn build_plugins(dir: &Path) -> Vec<PathBuf> {
             let out = dir.join(format!("plugin_bug{bug}.so"));
             let (src, inc, o) = (src.clone(), dir.join("include"), out.clone());
             let h = std::thread::spawn(move || {
-                Command::new(nvcc())
+                Command::new(common::nvcc())
                     .args(["-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC"])
                     .arg(if bug == 6 {
                         "-DNVFP4DBG_OUT_BF16".to_string()

@@ -84,3 +84,16 @@ pub fn run_json_env(
         .and_then(|t| serde_json::from_str(&t).ok());
     (o.status.code().unwrap_or(-1), text, report)
 }
+
+/// nvcc for the GPU tests that build CUDA programs: `NVCC`, else /usr/local/cuda/bin/nvcc,
+/// else the PATH's.
+pub fn nvcc() -> PathBuf {
+    if let Some(p) = std::env::var_os("NVCC") {
+        return p.into();
+    }
+    let local = PathBuf::from("/usr/local/cuda/bin/nvcc");
+    if local.is_file() {
+        return local;
+    }
+    PathBuf::from("nvcc")
+}

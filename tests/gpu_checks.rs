@@ -1,0 +1,64 @@
+//! The exhaustive checks of tools/checks/*.cu, built with nvcc for this GPU and run: each
+//! compares a fast device function of kernels/nvfp4dbg_common.cuh with the reference form it
+//! replaces on every f32 input it can see, and prints "mismatches 0 of N".
+//!
+//! - `expf_cr_fast.cu`: `expf_cr` (SwiGLU's and the router's exp, EXPF_CR_FAST) against
+//!   `(float)exp((double)x)` on all 2^32 bit patterns;
+//! - `e4m3_hw_encode.cu`: the hardware E4M3 conversion against the reference encoder on every
+//!   non-NaN f32 <= 448.
+//!
+//! The sources are embedded (the GPU machine runs this binary without the repo); nvcc comes
+//! from `NVCC`, /usr/local/cuda/bin or the PATH. Without nvcc or a GPU the test fails.
+
+mod common;
+mod gpu_common;
+
+use std::process::Command;
+
+const HEADER: &str = include_str!("../kernels/nvfp4dbg_common.cuh");
+const CHECKS: &[(&str, &str)] = &[
+    (
+        "expf_cr_fast",
+        include_str!("../tools/checks/expf_cr_fast.cu"),
+    ),
+    (
+        "e4m3_hw_encode",
+        include_str!("../tools/checks/e4m3_hw_encode.cu"),
+    ),
+];
+
+#[test]
+#[ignore = "needs a GPU and nvcc (.ci/gpu-nightly)"]
+fn fast_device_functions_equal_their_reference_on_every_input() {
+    let arch = gpu_common::gpu().arch.clone();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("nvfp4dbg_common.cuh"), HEADER).unwrap();
+    for (name, src) in CHECKS {
+        let cu = dir.path().join(format!("{name}.cu"));
+        let exe = dir.path().join(name);
+        std::fs::write(&cu, src).unwrap();
+        let built = Command::new(common::nvcc())
+            .arg(format!("-arch={arch}"))
+            .args(["-O3", "--fmad=false", "-I"])
+            .arg(dir.path())
+            .arg(&cu)
+            .arg("-o")
+            .arg(&exe)
+            .output()
+            .expect("nvcc must be installed on the GPU machine (or set NVCC)");
+        assert!(
+            built.status.success(),
+            "nvcc {name}.cu: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let ran = Command::new(&exe).output().unwrap();
+        let out = String::from_utf8_lossy(&ran.stdout);
+        eprintln!("{name} ({arch}): {}", out.trim());
+        assert!(
+            ran.status.success() && out.starts_with("mismatches 0 of "),
+            "{name}: exit {:?} (1: a mismatch, 2: a CUDA call failed), {out}{}",
+            ran.status.code(),
+            String::from_utf8_lossy(&ran.stderr)
+        );
+    }
+}
