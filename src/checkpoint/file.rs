@@ -675,7 +675,8 @@ mod tests {
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.safetensors");
-        let (rows, cols) = (r.gen_range(1..40), r.gen_range(1..70));
+        // at least 2 rows: x.f32 must not be a scalar (scalar_f32 refuses it below)
+        let (rows, cols) = (r.gen_range(2..40), r.gen_range(1..70));
         let x: Vec<f32> = (0..rows * cols)
             .map(|_| r.gen_range(-3.0f32..3.0))
             .collect();
