@@ -14,10 +14,11 @@ use std::sync::atomic::Ordering;
 #[derive(Clone, Copy, Debug)]
 pub struct TimeCfg {
     pub warmup: usize,
-    /// Warm-up repeats continue until they have run this long (ms): after a figure that holds
-    /// the GPU at its power limit (the 8192^3 cuBLAS GEMM) the clocks take a while to come
-    /// back, and a figure timed in that while reads slow (s12b-s12d: the BF16 quantizer right
-    /// after the floors 0.0436-0.0484 ms, right after another quantizer figure 0.0425-0.0430).
+    /// Warm-up repeats continue until they have run this long (ms), as triton's `do_bench`
+    /// warms up by time: a figure is timed at the clocks its own load settles to, not those
+    /// the figure before it left (the BF16 quantizer right after the cuBLAS ceilings read
+    /// 1.2-12.6% slower than its other flavor right after it in s12b-s12d, 0.9-5.9% with this
+    /// warm-up in s12e-s12f: BENCHMARKS.md, session 12).
     pub warmup_ms: f64,
     pub min_reps: usize,
     pub max_reps: usize,
