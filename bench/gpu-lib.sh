@@ -22,13 +22,14 @@ run_tests() {
 
 # ab_rounds ROUNDS ONLY "name|VAR=v,VAR=v ...": `nvfp4dbg bench --quick --only ONLY` under
 # each variant's environment, the variants alternating within each round, then the medians
-# (bench/ab_summary.py)
+# (bench/ab_summary.py). A `~` in a value is a space (two defines: -DA=1~-DB=2).
 ab_rounds() {
-    local rounds=$1 only=$2 variants=$3 i v n
+    local rounds=$1 only=$2 variants=$3 i v n kv
     for i in $(seq $rounds); do
         for v in $variants; do
             n=${v%%|*}
-            env $(echo "${v#*|}" | tr ',' ' ') timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q \
+            IFS=, read -ra kv <<< "${v#*|}"
+            env "${kv[@]//\~/ }" timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q \
                 --quick --only $only --json $R/$n-$i.json > $R/$n-$i.txt 2>&1
             echo "$n-$i rc=$?" >> $R/log.txt
         done
