@@ -471,34 +471,19 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
                                           // expert up to BM + R_SLACK (moe_offsets' wide tiles)
 #define R_SLACK 32
 #define R_BK 128                          // K per chunk (the decode tiles' chunk)
-#ifndef R_STAGES
-#define R_STAGES 4                        // token stages (moe.rs reads an override too)
-#endif
+#define R_STAGES 4
 #define R_BOX_ROWS 32                     // the small TMA box: 32 rows x 64 K of BF16 (4 KB); the
 #define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // big one is 128 rows (rs_fill)
 #define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
 #define R_STAGE_BYTES (2 * R_HALF_BYTES)
-#define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
-#define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 #define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
-// Weight stages: 0 keeps each lane's weights of the next chunk in registers (ld.global, one
-// chunk ahead); W > 0 streams them by cp.async into a ring of W chunks per warp in shared memory
-// (each warp's own two 16-row decode-tile pieces, 1 KB of codes + 128 B of scales each: no CTA
-// barrier), W chunks ahead, and reads chunk c into registers right before its MMAs. The bytes in
-// flight per warp are then W chunks' instead of one, without the registers.
-#ifndef RS_WSMEM
-#define RS_WSMEM 3
-#endif
-#define R_W_WARP_BYTES (2 * (R_TILE_Q + R_TILE_S))
-#define R_OFF_W (R_OFF_BARS + 128)
-#define R_W_BYTES (RS_WSMEM * (H_THREADS / 32) * R_W_WARP_BYTES)
-// + 1024 to align the base: moe.rs sm90_rs_smem_bytes
-#define R_SMEM_BYTES (R_OFF_W + R_W_BYTES + 1024)
-static_assert(2 * R_STAGES * 8 <= 128, "the barriers fit before the weight stages");
-static_assert(R_SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block gets");
+// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
 static_assert(R_BN * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
+#define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
+#define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 
 // Tuning knobs (#ifndef: NVFP4DBG_NVRTC_DEFINES="-DRS_F16=0 ..." overrides them for an A/B on
 // one build; every setting gives the same numbers up to FP32 summation order).
@@ -513,12 +498,6 @@ static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start 
 #define RS_INFLIGHT 2
 #endif
 static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
-// The same for tiles wider than 128 tokens: 1 (with the weights in registers, RS_WSMEM 0,
-// their accumulators leave no room for another set of A fragments).
-#ifndef RS_INFLIGHT_WIDE
-#define RS_INFLIGHT_WIDE 1
-#endif
-static_assert(RS_INFLIGHT_WIDE == 1 || RS_INFLIGHT_WIDE == 2, "RS_INFLIGHT_WIDE: 1 or 2");
 // The weights of chunk c + L2_AHEAD are prefetched into L2 while chunk c runs (2 or less:
 // none). The registers hold only one chunk ahead (about 2000 cycles at N = 128, less than a
 // DRAM round trip under load: ncu put a fifth of the stall cycles on those loads, session 7).
@@ -714,49 +693,6 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
     }
 }
 
-// Warp-private weight stages (RS_WSMEM > 0). The lane copies what it reads of the codes (its
-// 16-byte pieces of rows g and g + 8) and 4 bytes of each 128-byte scale piece (which other
-// lanes read: __syncwarp after the wait). A tile past the matrix is not copied (rs_read: zeros).
-__device__ __forceinline__ void rs_copy(const RWeights& wr, u32 c, u32 slot) {
-    u32 lane = threadIdx.x % 32;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        if (wr.q[b] != nullptr) {
-            const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
-            // wr.s[b] points at the lane's 2 scale bytes: the piece starts 2 * lane before
-            const u8* s = wr.s[b] - 2 * lane + (size_t)c * R_TILE_S;
-            u32 d = slot + b * (R_TILE_Q + R_TILE_S);
-            cp_async16(d + 16 * lane, q, 16);
-            cp_async16(d + 512 + 16 * lane, q + 512, 16);
-            cp_async4(d + R_TILE_Q + 4 * lane, s + 4 * lane, 4);
-        }
-    }
-}
-
-__device__ __forceinline__ void rs_read(const RWeights& wr, u32 slot, RChunk& st) {
-    u32 lane = threadIdx.x % 32;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        u32 d = slot + b * (R_TILE_Q + R_TILE_S);
-        if (wr.q[b] != nullptr) {
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(st.w[b][0].x), "=r"(st.w[b][0].y), "=r"(st.w[b][0].z), "=r"(st.w[b][0].w)
-                         : "r"(d + 16 * lane));
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(st.w[b][1].x), "=r"(st.w[b][1].y), "=r"(st.w[b][1].z), "=r"(st.w[b][1].w)
-                         : "r"(d + 512 + 16 * lane));
-            unsigned short s0, s1;
-            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s0) : "r"(d + R_TILE_Q + 2 * lane));
-            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s1) : "r"(d + R_TILE_Q + 64 + 2 * lane));
-            st.s[b][0] = s0;
-            st.s[b][1] = s1;
-        } else {
-            st.w[b][0] = st.w[b][1] = make_uint4(0, 0, 0, 0);
-            st.s[b][0] = st.s[b][1] = 0;
-        }
-    }
-}
-
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 template <int N> struct RsMma;
@@ -827,7 +763,9 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
                                          const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
-    constexpr int INFLIGHT = N > 128 ? RS_INFLIGHT_WIDE : RS_INFLIGHT;
+    // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
+    // for another set of A fragments
+    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
@@ -902,21 +840,9 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
-#if RS_WSMEM
-    // this warp's stage of chunk c: wring + (c % RS_WSMEM) * wstride
-    const u32 wstride = (H_THREADS / 32) * R_W_WARP_BYTES;
-    const u32 wring = stages + R_OFF_W + (tid / 32) * R_W_WARP_BYTES;
-    // one commit group per chunk, empty past the last: the wait below counts chunks
-#pragma unroll
-    for (u32 c = 0; c < RS_WSMEM; c++) {
-        if (c < nk) rs_copy(wr, c, wring + c * wstride);
-        cp_async_commit();
-    }
-#else
     RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-#endif
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
@@ -931,22 +857,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-#if RS_WSMEM
-    if (L2_AHEAD > RS_WSMEM)
-        for (u32 c = RS_WSMEM; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-    for (u32 c = 0; c < nk; c++) {
-        u32 slot = wring + (c % RS_WSMEM) * wstride;
-        RChunk st;
-        cp_async_wait<RS_WSMEM - 1>();
-        __syncwarp();
-        rs_read(wr, slot, st);
-        __syncwarp();  // every lane has read the stage: refill it
-        if (c + RS_WSMEM < nk) rs_copy(wr, c + RS_WSMEM, slot);
-        cp_async_commit();
-        if (L2_AHEAD > RS_WSMEM && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-        rs_chunk<N>(st, c, nk, stages, bars, tmap, r0, acc);
-    }
-#else
     if (L2_AHEAD > 2)
         for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
     for (u32 c = 0; c < nk; c += 2) {
@@ -959,7 +869,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
-#endif
     wgmma_wait<0>();
     rs_acc_fence<N>(acc);
     __syncthreads();

@@ -162,15 +162,8 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     let nvdisasm = nvdisasm_path();
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
-    // per tile width: the loop body's chunks (2 with the weights in registers, RS_WSMEM 0; 1
-    // with weight stages in shared memory) x 8 k16 steps x 2 m-blocks, one wait per step
-    let src = include_str!("../kernels/moe_gemm_sm90.cu");
-    let chunks = if src.contains("#define RS_WSMEM 0\n") {
-        2
-    } else {
-        1
-    };
-    let steps = chunks * 8;
+    // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
+    let steps = 2 * 8;
     for (kernel, widths, wide) in [
         ("moe_gemm_nvfp4_sm90rs", 4, 1),
         ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),

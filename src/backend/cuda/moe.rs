@@ -41,26 +41,8 @@ const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
-/// Weight stages per warp (RS_WSMEM): each a chunk of two 16-row decode tiles, 1 KB of codes
-/// and 128 B of scales each, for each of the 8 warps.
-const SM90_RS_WSMEM: u32 = 3;
-const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem(SM90_RS_STAGES, SM90_RS_WSMEM);
-/// R_SMEM_BYTES: the token stages (BM + slack rows x 128 K in BF16), 128 bytes of barriers,
-/// the weight stages, 1024 to align the base.
-const fn sm90_rs_smem(stages: u32, wsmem: u32) -> u32 {
-    let token_stage = ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
-    let tile_chunk = (16 * SM90_RS_BK / 2 + 16 * SM90_RS_BK / 16) as u32;
-    let weight_stage = (GEMM_THREADS / 32) * 2 * tile_chunk;
-    stages * token_stage + 128 + wsmem * weight_stage + 1024
-}
-/// The register-A kernels' shared memory as compiled: SM90_RS_SMEM_BYTES, or what an A/B's
-/// NVFP4DBG_NVRTC_DEFINES (-DR_STAGES, -DRS_WSMEM) makes it.
-fn sm90_rs_smem_bytes() -> u32 {
-    use super::nvrtc::tuning_define;
-    let stages = tuning_define("R_STAGES").map_or(SM90_RS_STAGES, |v| v as u32);
-    let wsmem = tuning_define("RS_WSMEM").map_or(SM90_RS_WSMEM, |v| v as u32);
-    sm90_rs_smem(stages, wsmem)
-}
+const SM90_RS_SMEM_BYTES: u32 =
+    SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32 + 2 * SM90_RS_STAGES * 8 + 1024;
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
@@ -81,10 +63,6 @@ mod sm90_tests {
         assert!(
             src.contains(&format!("#define R_STAGES {}", super::SM90_RS_STAGES)),
             "R_STAGES differs from SM90_RS_STAGES"
-        );
-        assert!(
-            src.contains(&format!("#define RS_WSMEM {}", super::SM90_RS_WSMEM)),
-            "RS_WSMEM differs from SM90_RS_WSMEM"
         );
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
@@ -1043,10 +1021,10 @@ impl Nvfp4Forward {
         };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
             (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,

@@ -175,22 +175,6 @@ fn tuning_defines() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
-/// `compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one if
-/// repeated. The host reads the knobs that size a launch (grid, shared memory) this way.
-pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
-    defines
-        .split_whitespace()
-        .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
-        .filter_map(|v| v.parse().ok())
-        .next_back()
-}
-
-/// `define_value` of NVFP4DBG_NVRTC_DEFINES.
-pub(crate) fn tuning_define(name: &str) -> Option<u64> {
-    define_value(&std::env::var("NVFP4DBG_NVRTC_DEFINES").ok()?, name)
-}
-
 /// Is libnvrtc loadable? Never panics (cudarc panics when it is not).
 pub fn nvrtc_present() -> bool {
     super::device::quietly(|| unsafe { nv::is_culib_present() }).unwrap_or(false)
@@ -460,21 +444,6 @@ pub fn compile_all(arch: &str) -> Result<Vec<(&'static str, usize)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn defines_are_read_as_nvrtc_gets_them() {
-        let d = "-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=6  -DQUANT_ENCODER=0 -DX -D";
-        assert_eq!(define_value(d, "QUANT_BLOCKS"), Some(8));
-        assert_eq!(define_value(d, "QUANT_MIN_BLOCKS"), Some(6));
-        assert_eq!(define_value(d, "QUANT_ENCODER"), Some(0));
-        assert_eq!(define_value(d, "QUANT"), None);
-        assert_eq!(define_value(d, "X"), None);
-        assert_eq!(
-            define_value("-DQUANT_BLOCKS=2 -DQUANT_BLOCKS=4", "QUANT_BLOCKS"),
-            Some(4)
-        );
-        assert_eq!(define_value("", "QUANT_BLOCKS"), None);
-    }
 
     #[test]
     fn arch_specific_targets_where_they_exist() {

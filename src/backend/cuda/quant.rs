@@ -86,6 +86,17 @@ const QUANT_BLOCKS: usize = 4;
 /// The BF16 grid kernel's CTA size (kernels/quant.cu QUANT_BF16_THREADS).
 const BF16_THREADS: u32 = 128;
 
+/// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
+/// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
+/// if repeated.
+fn define_value(defines: &str, name: &str) -> Option<u64> {
+    defines
+        .split_whitespace()
+        .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
+        .filter_map(|v| v.parse().ok())
+        .next_back()
+}
+
 /// The quantizer's compile-time knobs that set its grid (kernels/quant.cu, "Tuning knobs"):
 /// QUANT_BLOCKS (blocks of a row per thread), and for the BF16 kernel QUANT_PIPE (units per
 /// thread) and QUANT_COALESCED (a warp's chunk of 32 x QUANT_BLOCKS blocks across rows).
@@ -119,7 +130,6 @@ impl QuantKnobs {
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
-        use super::nvrtc::define_value;
         let k = QuantKnobs::DEFAULT;
         QuantKnobs {
             blocks: define_value(d, "QUANT_BLOCKS").map_or(k.blocks, |b| (b as usize).max(1)),
@@ -708,6 +718,21 @@ pub fn unswizzle_scales(gpu: &Gpu, swizzled: &[u8], rows: usize, kb: usize) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn defines_are_read_as_nvrtc_gets_them() {
+        let d = "-DQUANT_BLOCKS=8 -DQUANT_MIN_BLOCKS=6  -DQUANT_ENCODER=0 -DX -D";
+        assert_eq!(define_value(d, "QUANT_BLOCKS"), Some(8));
+        assert_eq!(define_value(d, "QUANT_MIN_BLOCKS"), Some(6));
+        assert_eq!(define_value(d, "QUANT_ENCODER"), Some(0));
+        assert_eq!(define_value(d, "QUANT"), None);
+        assert_eq!(define_value(d, "X"), None);
+        assert_eq!(
+            define_value("-DQUANT_BLOCKS=2 -DQUANT_BLOCKS=4", "QUANT_BLOCKS"),
+            Some(4)
+        );
+        assert_eq!(define_value("", "QUANT_BLOCKS"), None);
+    }
 
     #[test]
     fn the_grid_covers_every_group() {
