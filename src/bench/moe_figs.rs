@@ -577,12 +577,19 @@ impl Runner<'_> {
                     timer::time_plain(&gpu, &cfg, name, &mut |_| f.enqueue())?
                 };
                 check_finite(&f.output()?, name)?;
-                let load = Load::of(&f.routing()?, d.e);
-                Ok((samples, load))
+                let routing = f.routing()?;
+                Ok((
+                    samples,
+                    Load::of(&routing, d.e),
+                    plan::rows_spread(&routing, d.e),
+                ))
             })();
             match r {
-                Ok((s, load)) => {
+                Ok((s, load, spread)) => {
                     let mut spec = self.layer_spec(m, name, tokens, load);
+                    // the router's load: the GEMM figures' experts get rows/experts each
+                    spec.details
+                        .insert("expert_rows_min_p10_median_p90_max".into(), json!(spread));
                     if let Some(v) = &split {
                         spec.details.insert("stage_median_ms".into(), v.clone());
                     }

@@ -260,6 +260,22 @@ pub fn expert_counts(routing: &Routing, e: usize) -> Vec<usize> {
     c
 }
 
+/// Rows per touched expert: minimum, 10th percentile, median, 90th percentile, maximum
+/// (nearest rank; zeros when no expert is touched). How uneven a router's load is: the
+/// grouped GEMMs pay per tile, and an expert's last tile is as wide as its rest needs.
+pub fn rows_spread(routing: &Routing, e: usize) -> [usize; 5] {
+    let mut c: Vec<usize> = expert_counts(routing, e)
+        .into_iter()
+        .filter(|&n| n > 0)
+        .collect();
+    if c.is_empty() {
+        return [0; 5];
+    }
+    c.sort_unstable();
+    let at = |q: usize| c[(q * (c.len() - 1) + 50) / 100];
+    [at(0), at(10), at(50), at(90), at(100)]
+}
+
 /// `[E+1]` start row of each expert in the expert-sorted order.
 pub fn expert_offsets(counts: &[usize]) -> Vec<usize> {
     let mut o = Vec::with_capacity(counts.len() + 1);
@@ -403,6 +419,27 @@ mod tests {
     }
 
     #[test]
+    fn rows_spread_is_taken_over_the_touched_experts() {
+        // expert e gets 10 * e rows for e in 1..=10 (expert 0 and 11 none): 550 rows, top-1
+        let ids: Vec<i32> = (1..=10).flat_map(|e| vec![e; 10 * e as usize]).collect();
+        let r = Routing {
+            tokens: ids.len(),
+            top_k: 1,
+            topk_weights: vec![1.0; ids.len()],
+            topk_ids: ids,
+        };
+        // nearest rank over the 10 touched: indices 0, 1, 5 (4.5 rounds up), 8, 9
+        assert_eq!(rows_spread(&r, 12), [10, 20, 60, 90, 100]);
+        let none = Routing {
+            tokens: 0,
+            top_k: 1,
+            topk_weights: vec![],
+            topk_ids: vec![],
+        };
+        assert_eq!(rows_spread(&none, 12), [0; 5]);
+    }
+
+    #[test]
     fn uniform_routing_picks_distinct_experts_and_spreads_the_load() {
         let seed: u64 = rand::random();
         let (t, k, e) = (4096, 8, 256);
@@ -427,6 +464,11 @@ mod tests {
         assert_eq!(o[e], t * k);
         assert!(o.windows(2).zip(&c).all(|(w, c)| w[1] - w[0] == *c));
         assert_eq!(Load::of(&r, e).touched, 256);
+        let mut sorted = c.clone();
+        sorted.sort();
+        let spread = rows_spread(&r, e);
+        assert_eq!((spread[0], spread[4]), (sorted[0], sorted[255]));
+        assert!(spread.windows(2).all(|w| w[0] <= w[1]), "{spread:?}");
         // one token touches exactly k experts
         let one = uniform_routing(1, k, e, seed).unwrap();
         assert_eq!(
