@@ -15,8 +15,8 @@ use serde_json::{json, Map, Value};
     after_help = "Each figure: the median (and min) of many repeats timed with CUDA events \
 after a warm-up of at least 100 ms (25 ms with --quick) of its own repeats, so that the clocks \
 settle under its load (the cuBLAS ceilings: a few repeats, the higher reading), with inputs rotated through sets larger than the L2 (or the L2 flushed between \
-repeats). Its floor is max(FLOPs / BF16 rate, bytes / copy bandwidth), both ceilings measured first \
-on this GPU (cuBLAS BF16 GEMM at 4096^3 and 8192^3, device-to-device copy counting bytes read + \
+repeats). Its floor is max(FLOPs / BF16 rate, bytes / copy bandwidth), both ceilings measured \
+in the same run on this GPU, each before the figures it bounds (cuBLAS BF16 GEMM at 4096^3 and 8192^3, device-to-device copy counting bytes read + \
 written); achieved/floor = floor / median (1 = speed of light). Bytes count each input read once \
 and each output written once. The copy and the 4096^3 GEMM always run. Exit 0 unless a figure \
 failed (1); no GPU or out of memory: 2."
