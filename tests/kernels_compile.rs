@@ -76,24 +76,29 @@ fn resource_report_has_no_spills() {
         }) {
             eprintln!("{}: {}", m.file, line.trim());
         }
-        // ptxas names the kernel ("Compiling entry function 'K'"), then its spills
-        let mut kernel = "";
-        for line in log.lines() {
-            if let Some(k) = line.split("Compiling entry function '").nth(1) {
-                kernel = k.split('\'').next().unwrap_or("");
-            }
-            if let Some((before, _)) = line.split_once(" bytes spill stores") {
-                let bytes: u32 = before
-                    .rsplit(' ')
-                    .next()
-                    .and_then(|b| b.parse().ok())
-                    .unwrap_or(u32::MAX);
-                let allowed = ALLOWED_SPILLS
-                    .iter()
-                    .find(|(k, _)| *k == kernel)
-                    .map_or(0, |(_, b)| *b);
-                assert!(bytes <= allowed, "{}: {kernel}: {line}", m.file);
-            }
+        assert_spills_allowed(m.file, &log);
+    }
+}
+
+/// Every kernel in ptxas' verbose `log` spills at most its ALLOWED_SPILLS bytes.
+fn assert_spills_allowed(what: &str, log: &str) {
+    // ptxas names the kernel ("Compiling entry function 'K'"), then its spills
+    let mut kernel = "";
+    for line in log.lines() {
+        if let Some(k) = line.split("Compiling entry function '").nth(1) {
+            kernel = k.split('\'').next().unwrap_or("");
+        }
+        if let Some((before, _)) = line.split_once(" bytes spill stores") {
+            let bytes: u32 = before
+                .rsplit(' ')
+                .next()
+                .and_then(|b| b.parse().ok())
+                .unwrap_or(u32::MAX);
+            let allowed = ALLOWED_SPILLS
+                .iter()
+                .find(|(k, _)| *k == kernel)
+                .map_or(0, |(_, b)| *b);
+            assert!(bytes <= allowed, "{what}: {kernel}: {line}");
         }
     }
 }
@@ -186,6 +191,25 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
             drained <= widths && two == (widths - wide) * steps && one == wide * steps,
             "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {one} to 1, {two} to 2, {mmas} HGMMA)"
         );
+    }
+}
+
+/// The tuning variants a device script switches on for an A/B compile too (a variant that
+/// does not build would waste a lease): RS_SPLIT=1 (the last two tiles of an expert split by
+/// width, kernels/moe_gemm_sm90.cu).
+#[test]
+fn the_register_a_variants_compile() {
+    if !enabled() {
+        return;
+    }
+    for define in ["-DRS_SPLIT=1"] {
+        let (_, log) = nvrtc::compile_cubin_with(
+            &nvrtc::MOE_GEMM_SM90,
+            "sm_90a",
+            &[define, "--ptxas-options=--verbose"],
+        )
+        .unwrap_or_else(|e| panic!("{define}: {e}"));
+        assert_spills_allowed(&format!("{} {define}", nvrtc::MOE_GEMM_SM90.file), &log);
     }
 }
 

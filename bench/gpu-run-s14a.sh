@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Prepared in session 13 for the next lease (not yet run): the register-A kernels' last two
+# tiles of an expert split by width (kernels/moe_gemm_sm90.cu RS_SPLIT). (1) gpu_gemm (its
+# ragged test has experts of 170, 200 and 330 rows for this) and gpu_moe under -DRS_SPLIT=1,
+# bit-exact against the CPU; (2) the prefill GEMMs (uniform load: no expert splits, should not
+# move) and the 4096-token layer (its router's uneven load: predicted -3.7% gate/up and -2.3%
+# down MMA width, ~0.2 ms of the layer), default against split, alternating.
+set -uo pipefail
+L=${LABEL:-s14a}
+source bench/gpu-lib.sh
+D=NVFP4DBG_NVRTC_DEFINES
+export $D=-DRS_SPLIT=1
+run_tests ${TESTS:-gpu_gemm gpu_moe}
+unset $D
+ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} "default| split|$D=-DRS_SPLIT=1"
+stamp total
