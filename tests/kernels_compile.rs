@@ -197,12 +197,14 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
 /// The tuning variants a device script switches on for an A/B compile too (a variant that
 /// does not build would waste a lease): RS_SPLIT=1 (the last two tiles of an expert split by
 /// width, kernels/moe_gemm_sm90.cu).
+const SM90_VARIANTS: &[&str] = &["-DRS_SPLIT=1"];
+
 #[test]
 fn the_register_a_variants_compile() {
     if !enabled() {
         return;
     }
-    for define in ["-DRS_SPLIT=1"] {
+    for define in SM90_VARIANTS {
         let (_, log) = nvrtc::compile_cubin_with(
             &nvrtc::MOE_GEMM_SM90,
             "sm_90a",
