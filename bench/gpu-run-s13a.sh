@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Historical: RS_WSMEM was removed after s13c (it measured slower and hung); at HEAD the
+# RS_WSMEM defines below are ignored, so every variant runs the same kernels.
 # session 13, first device call: the register-A prefill's weights streamed through warp-private
 # shared-memory stages (kernels/moe_gemm_sm90.cu RS_WSMEM). (1) gpu_moe, gpu_gemm (bit-exact
 # against the CPU) and gpu_checks on the new default; (2) the prefill GEMMs and the layers:

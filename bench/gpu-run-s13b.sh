@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Historical: RS_WSMEM was removed after s13c (it measured slower and hung); at HEAD the
+# RS_WSMEM defines below are ignored, so every variant runs the same kernels.
 # session 13, second device call: s13a's gpu_gemm and bench runs timed out. Which kernel and
 # which setting: the DeepSeek-V3-width GEMM test and the two prefill GEMM figures, each alone
 # under a short timeout, default (RS_WSMEM=3) against RS_WSMEM=0.

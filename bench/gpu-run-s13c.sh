@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Historical: RS_WSMEM was removed after s13c (it measured slower and hung); at HEAD the
+# RS_WSMEM defines below are ignored, so every variant runs the same kernels.
 # session 13, third device call: (1) does the weight-stage path (RS_WSMEM=3) hang? gpu_gemm's
 # ragged-expert test 4 times, alternating with RS_WSMEM=0 as the control, each under a timeout;
 # (2) its speed, alternating rounds of the prefill GEMM figures (s13b ran each variant once,
