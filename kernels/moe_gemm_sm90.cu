@@ -523,8 +523,8 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // the rest (up to 160). 1: the same count of tiles, but the last two share their rows so that
 // the widths they run at sum to the least (an expert of 200 rows: 144 + 56 at widths 144 and
 // 64 instead of 128 + 72 at 128 and 128). On the uneven load of the layer figure's router
-// that is 3.7% (gate/up) and 2.3% (down) less MMA width (BENCHMARKS.md, session 13); not yet
-// measured on a GPU, hence off.
+// that is 4.1% (gate/up) and 2.9% (down) less MMA width (bench/tile_split.py; BENCHMARKS.md,
+// session 13); not yet measured on a GPU, hence off.
 #ifndef RS_SPLIT
 #define RS_SPLIT 0
 #endif

@@ -578,18 +578,22 @@ impl Runner<'_> {
                 };
                 check_finite(&f.output()?, name)?;
                 let routing = f.routing()?;
-                Ok((
-                    samples,
-                    Load::of(&routing, d.e),
-                    plan::rows_spread(&routing, d.e),
-                ))
+                Ok((samples, Load::of(&routing, d.e), routing))
             })();
             match r {
-                Ok((s, load, spread)) => {
+                Ok((s, load, routing)) => {
                     let mut spec = self.layer_spec(m, name, tokens, load);
-                    // the router's load: the GEMM figures' experts get rows/experts each
-                    spec.details
-                        .insert("expert_rows_min_p10_median_p90_max".into(), json!(spread));
+                    // the router's load (the GEMM figures' uniform routing gives every expert about
+                    // rows / experts)
+                    spec.details.insert(
+                        "expert_rows_min_p10_median_p90_max".into(),
+                        json!(plan::rows_spread(&routing, d.e)),
+                    );
+                    // every expert's rows (bench/tile_split.py: the tiles they make)
+                    spec.details.insert(
+                        "expert_rows".into(),
+                        json!(plan::expert_counts(&routing, d.e)),
+                    );
                     if let Some(v) = &split {
                         spec.details.insert("stage_median_ms".into(), v.clone());
                     }
