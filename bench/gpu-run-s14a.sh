@@ -13,4 +13,5 @@ export $D=-DRS_SPLIT=1
 run_tests ${TESTS:-gpu_gemm gpu_moe}
 unset $D
 ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} "default| split|$D=-DRS_SPLIT=1"
+python3 bench/tile_split.py $R/default-1.json | tee $R/tile_split.txt
 stamp total
