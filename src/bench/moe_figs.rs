@@ -585,15 +585,13 @@ impl Runner<'_> {
                     let mut spec = self.layer_spec(m, name, tokens, load);
                     // the router's load (the GEMM figures' uniform routing gives every expert about
                     // rows / experts)
+                    let rows = plan::expert_counts(&routing, d.e);
                     spec.details.insert(
                         "expert_rows_min_p10_median_p90_max".into(),
-                        json!(plan::rows_spread(&routing, d.e)),
+                        json!(plan::rows_spread(&rows)),
                     );
                     // every expert's rows (bench/tile_split.py: the tiles they make)
-                    spec.details.insert(
-                        "expert_rows".into(),
-                        json!(plan::expert_counts(&routing, d.e)),
-                    );
+                    spec.details.insert("expert_rows".into(), json!(rows));
                     if let Some(v) = &split {
                         spec.details.insert("stage_median_ms".into(), v.clone());
                     }

@@ -260,14 +260,11 @@ pub fn expert_counts(routing: &Routing, e: usize) -> Vec<usize> {
     c
 }
 
-/// Rows per touched expert: minimum, 10th percentile, median, 90th percentile, maximum
+/// Rows per touched expert (`counts`: rows per expert, as `expert_counts`): minimum, 10th percentile, median, 90th percentile, maximum
 /// (nearest rank; zeros when no expert is touched). How uneven a router's load is: the
 /// grouped GEMMs pay per tile, and an expert's last tile is as wide as its rest needs.
-pub fn rows_spread(routing: &Routing, e: usize) -> [usize; 5] {
-    let mut c: Vec<usize> = expert_counts(routing, e)
-        .into_iter()
-        .filter(|&n| n > 0)
-        .collect();
+pub fn rows_spread(counts: &[usize]) -> [usize; 5] {
+    let mut c: Vec<usize> = counts.iter().copied().filter(|&n| n > 0).collect();
     if c.is_empty() {
         return [0; 5];
     }
@@ -429,14 +426,14 @@ mod tests {
             topk_ids: ids,
         };
         // nearest rank over the 10 touched: indices 0, 1, 5 (4.5 rounds up), 8, 9
-        assert_eq!(rows_spread(&r, 12), [10, 20, 60, 90, 100]);
+        assert_eq!(rows_spread(&expert_counts(&r, 12)), [10, 20, 60, 90, 100]);
         let none = Routing {
             tokens: 0,
             top_k: 1,
             topk_weights: vec![],
             topk_ids: vec![],
         };
-        assert_eq!(rows_spread(&none, 12), [0; 5]);
+        assert_eq!(rows_spread(&expert_counts(&none, 12)), [0; 5]);
     }
 
     #[test]
@@ -466,7 +463,7 @@ mod tests {
         assert_eq!(Load::of(&r, e).touched, 256);
         let mut sorted = c.clone();
         sorted.sort();
-        let spread = rows_spread(&r, e);
+        let spread = rows_spread(&c);
         assert_eq!((spread[0], spread[4]), (sorted[0], sorted[255]));
         assert!(spread.windows(2).all(|w| w[0] <= w[1]), "{spread:?}");
         // one token touches exactly k experts

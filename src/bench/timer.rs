@@ -18,7 +18,8 @@ pub struct TimeCfg {
     /// warms up by time: a figure is timed at the clocks its own load settles to, not those
     /// the figure before it left (the BF16 quantizer right after the cuBLAS ceilings read
     /// 1.2-12.6% slower than its other flavor right after it in s12b-s12d, 0.9-5.9% with this
-    /// warm-up in s12e-s12f: BENCHMARKS.md, session 12).
+    /// warm-up in s12e-s12f: BENCHMARKS.md, session 12). What the 8192^3 ceiling leaves
+    /// outlasts it (session 13): the bench times that ceiling after the memory-bound figures.
     pub warmup_ms: f64,
     pub min_reps: usize,
     pub max_reps: usize,
