@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepared in session 13 for the next lease (not yet run): the register-A kernels' last two
+# Prepared in session 13 for the next lease: gpu_gemm as built (its ragged test's new experts), then the register-A kernels' last two
 # tiles of an expert split by width (kernels/moe_gemm_sm90.cu RS_SPLIT). (1) gpu_gemm (its
 # ragged test has experts of 170, 200 and 330 rows for this) and gpu_moe under -DRS_SPLIT=1,
 # bit-exact against the CPU; (2) the prefill GEMMs (uniform load: no expert splits, should not
@@ -9,6 +9,8 @@ set -uo pipefail
 L=${LABEL:-s14a}
 source bench/gpu-lib.sh
 D=NVFP4DBG_NVRTC_DEFINES
+run_tests gpu_gemm
+mv $R/gpu_gemm.txt $R/gpu_gemm-default.txt
 export $D=-DRS_SPLIT=1
 run_tests ${TESTS:-gpu_gemm gpu_moe}
 unset $D
