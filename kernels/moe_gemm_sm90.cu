@@ -519,15 +519,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_N144_GATE_UP
 #define RS_N144_GATE_UP 1
 #endif
-// How an expert's rows split into tiles (rs_find_tile). 0: tiles of 128 rows, the last one
-// the rest (up to 160). 1: the same count of tiles, but the last two share their rows so that
-// the widths they run at sum to the least (an expert of 200 rows: 144 + 56 at widths 144 and
-// 64 instead of 128 + 72 at 128 and 128). On the uneven load of the layer figure's router
-// that is 4.1% (gate/up) and 2.9% (down) less MMA width (bench/tile_split.py; BENCHMARKS.md,
-// session 13); not yet measured on a GPU, hence off.
-#ifndef RS_SPLIT
-#define RS_SPLIT 0
-#endif
 #if RS_F16
 #define RS_AB "f16.f16"
 #define RS_UNSCALE 268435456.0f  // 2^28: undoes the 2^-14 of both operands
@@ -928,51 +919,6 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
     }
 }
 
-// The tile width (rs_tile) that holds `rows` tokens.
-__device__ __forceinline__ u32 rs_width(u32 rows, bool n144) {
-    return rows > (n144 ? 144u : 128u) ? 160u : rows > 128 ? 144u : rows > 64 ? 128u : rows > 32 ? 64u : 32u;
-}
-
-// The rows of the first of an expert's last two tiles, which share `rest` rows (129 .. 288,
-// each tile at most R_BN): of the splits where one tile fills a width exactly (the others are
-// never narrower in sum), the one whose two widths sum to the least; 128 (RS_SPLIT 0's
-// split) unless another is strictly narrower.
-__device__ __forceinline__ u32 rs_split_rows(u32 rest, bool n144) {
-    const u32 widths[5] = {32, 64, 128, 144, 160};
-    u32 lo = rest > R_BN ? rest - R_BN : 1u, hi = rest - 1 < R_BN ? rest - 1 : (u32)R_BN;
-    u32 best = 128, cost = rs_width(128, n144) + rs_width(rest - 128, n144);
-#pragma unroll
-    for (int i = 0; i < 5; i++) {
-        if (widths[i] == 144 && !n144) continue;
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            u32 a = j == 0 ? widths[i] : rest - widths[i];
-            if (a < lo || a > hi) continue;  // (rest - w wraps past hi when w >= rest)
-            u32 c = rs_width(a, n144) + rs_width(rest - a, n144);
-            if (c < cost) best = a, cost = c;
-        }
-    }
-    return best;
-}
-
-// find_row_tile for the register-A kernels: with RS_SPLIT the last two tiles of an expert share
-// their rows by rs_split_rows (same tiles, same count: moe_offsets' tile_offsets hold).
-__device__ __forceinline__ bool rs_find_tile(const u32* __restrict__ tile_offsets,
-                                             const u32* __restrict__ expert_offsets, u32 E, u32 bt, bool n144,
-                                             u32& e, u32& r0, u32& r1) {
-    if (!find_row_tile(tile_offsets, expert_offsets, E, bt, H_BM, e, r0, r1)) return false;
-#if RS_SPLIT
-    u32 k = tile_offsets[e + 1] - tile_offsets[e], i = bt - tile_offsets[e];
-    if (k >= 2 && i + 2 >= k) {
-        u32 base = expert_offsets[e] + (k - 2) * H_BM, end = expert_offsets[e + 1];
-        u32 a = rs_split_rows(end - base, n144);
-        r0 = i + 2 == k ? base : base + a;
-        r1 = i + 2 == k ? base + a : end;
-    }
-#endif
-    return true;
-}
-
 #endif  // NVFP4DBG_WGMMA
 
 #if NVFP4DBG_WGMMA
@@ -1068,7 +1014,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
                       float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!rs_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, RS_N144_DOWN, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
@@ -1099,7 +1045,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!rs_find_tile(tile_offsets, expert_offsets, E, blockIdx.y, RS_N144_GATE_UP, e, r0, r1)) return;
+    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;

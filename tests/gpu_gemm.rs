@@ -136,9 +136,8 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
     // stages deep); (640, 384) for the register-A kernels (K chunks of 128: 5 and 3 against 4
     // stages, a partial 256-column down tile), then a wider case. The register-A kernels' last
     // tile of an expert takes up to 160 rows: 129, 160 and 288 (128 + 160) rows have a wide
-    // tile, 161 (128 + 33), 250 (128 + 122) and 300 (128 + 128 + 44) do not. With -DRS_SPLIT=1
-    // the last two tiles of 170 (gate/up: 144 + 26), 200 (gate/up 144 + 56, down 160 + 40) and
-    // 330 rows (128 + 144 + 58, 128 + 160 + 42) share their rows unevenly.
+    // tile, 161 (128 + 33), 250 (128 + 122) and 300 (128 + 128 + 44) do not; 170 (128 + 42),
+    // 200 (128 + 72) and 330 rows (128 + 128 + 74).
     for (h, i) in [(576usize, 192usize), (640, 384), (1024, 512)] {
         let counts = [
             0usize, 1, 127, 129, 300, 65, 0, 2, 33, 64, 160, 161, 288, 250, 170, 200, 330,

@@ -194,25 +194,29 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     }
 }
 
-/// The tuning variants a device script switches on for an A/B compile too (a variant that
-/// does not build would waste a lease): RS_SPLIT=1 (the last two tiles of an expert split by
-/// width, kernels/moe_gemm_sm90.cu).
-const SM90_VARIANTS: &[&str] = &["-DRS_SPLIT=1"];
+/// The register-A kernels' tuning knobs (kernels/moe_gemm_sm90.cu, `#ifndef`) set the other
+/// way, as a device script's A/B sets them through NVFP4DBG_NVRTC_DEFINES: they build without
+/// spills too (a variant that does not build would waste a lease).
+const SM90_VARIANT: &[&str] = &[
+    "-DRS_F16=0",
+    "-DRS_INFLIGHT=1",
+    "-DRS_N144_DOWN=1",
+    "-DRS_N144_GATE_UP=0",
+    "-DRS_L2_AHEAD_DOWN=0",
+    "-DRS_L2_AHEAD_GATE_UP=4",
+];
 
 #[test]
 fn the_register_a_variants_compile() {
     if !enabled() {
         return;
     }
-    for define in SM90_VARIANTS {
-        let (_, log) = nvrtc::compile_cubin_with(
-            &nvrtc::MOE_GEMM_SM90,
-            "sm_90a",
-            &[define, "--ptxas-options=--verbose"],
-        )
-        .unwrap_or_else(|e| panic!("{define}: {e}"));
-        assert_spills_allowed(&format!("{} {define}", nvrtc::MOE_GEMM_SM90.file), &log);
-    }
+    let mut options = SM90_VARIANT.to_vec();
+    options.push("--ptxas-options=--verbose");
+    let (_, log) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", &options)
+        .unwrap_or_else(|e| panic!("{SM90_VARIANT:?}: {e}"));
+    let what = format!("{} {}", nvrtc::MOE_GEMM_SM90.file, SM90_VARIANT.join(" "));
+    assert_spills_allowed(&what, &log);
 }
 
 /// The register-A gate/up epilogue's SwiGLU takes exp's table-driven fast path inline and
