@@ -510,6 +510,12 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_GATE_UP
 #define RS_L2_AHEAD_GATE_UP 0
 #endif
+// The same for the tiles of 64 tokens or fewer (ragged experts' last tiles, the uneven load of a
+// real router), in both kernels: they stream a whole weight slice for few MMAs. -1: the
+// kernel's own setting above.
+#ifndef RS_L2_AHEAD_NARROW
+#define RS_L2_AHEAD_NARROW -1
+#endif
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -896,6 +902,7 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 template <int L2_AHEAD, bool N144, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
+    constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
     if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
         rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
@@ -910,11 +917,11 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
         epi(acc);
     } else if (ntok > 32) {
         float acc[2][32];
-        rs_mainloop<64, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
-        rs_mainloop<32, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
 }
