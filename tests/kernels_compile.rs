@@ -204,7 +204,7 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_N144_GATE_UP=0",
     "-DRS_L2_AHEAD_DOWN=0",
     "-DRS_L2_AHEAD_GATE_UP=4",
-    "-DRS_L2_AHEAD_NARROW=2",
+    "-DRS_L2_AHEAD_NARROW=-1",
 ];
 
 #[test]
