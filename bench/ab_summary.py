@@ -4,7 +4,8 @@
     python3 bench/ab_summary.py DIR VARIANT...
 
 reads DIR/VARIANT-ROUND.json (`nvfp4dbg bench --json`) and prints one line per figure:
-the median over rounds of each variant's median time, with its achieved/floor ratio.
+the median over rounds of each variant's median time, with its achieved/floor ratio; and one
+per stage of the layer figures (FIGURE/STAGE, from details.stage_median_ms).
 """
 import glob
 import json
@@ -24,6 +25,9 @@ for f in sorted(glob.glob(os.path.join(root, "*-[0-9].json"))):
     for r in res:
         if r.get("median_ms") is not None:
             rows.setdefault((r["name"], v), []).append((r["median_ms"], r.get("ratio")))
+        for stage, ms in (r.get("details") or {}).get("stage_median_ms", {}).items():
+            if isinstance(ms, (int, float)):
+                rows.setdefault((f"{r['name']}/{stage}", v), []).append((ms, None))
 for name in sorted({k[0] for k in rows}):
     cells = []
     for v in variants:
