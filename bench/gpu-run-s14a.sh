@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Ran in session 14 (BENCHMARKS.md: RS_SPLIT not faster, removed; the define now does nothing).
 # Prepared in session 13 for the next lease: gpu_gemm as built (its ragged test's new experts),
-# then the register-A kernels' last two tiles of an expert split by width (kernels/moe_gemm_sm90.cu RS_SPLIT). (1) gpu_gemm (its
-# ragged test has experts of 170, 200 and 330 rows for this) and gpu_moe under -DRS_SPLIT=1,
-# bit-exact against the CPU; (2) the prefill GEMMs (uniform load: no expert splits, should not
-# move) and the 4096-token layer (its router's uneven load: predicted -3.7% gate/up and -2.3%
-# down MMA width, ~0.2 ms of the layer), default against split, alternating.
+# then the register-A kernels' last two tiles of an expert split by width (RS_SPLIT):
+# (1) gpu_gemm (its ragged test has experts of 170, 200 and 330 rows for this) and gpu_moe
+# under -DRS_SPLIT=1, bit-exact against the CPU; (2) the prefill GEMMs (uniform load: few
+# expert splits) and the 4096-token layer (its router's uneven load: predicted -4.1% gate/up
+# and -2.9% down MMA width, ~0.2 ms of the layer), default against split, alternating.
 set -uo pipefail
 L=${LABEL:-s14a}
 source bench/gpu-lib.sh
