@@ -514,7 +514,7 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // above). They stream a whole weight slice for few MMAs, and a real router's uneven load makes
 // many of them (the layer figure's: 104 of 349 tiles). Measured (s14c, 4 alternating rounds):
 // the layer's gate/up stage 4.670 ms against 4.701 with the kernel's own 0, the uniform
-// figure unchanged (4.066 against 4.052: it has no narrow tiles).
+// figure unchanged (4.066 against 4.052: it has next to no narrow tiles).
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
