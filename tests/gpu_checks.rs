@@ -15,7 +15,17 @@ mod gpu_common;
 
 use std::process::Command;
 
-const HEADER: &str = include_str!("../kernels/nvfp4dbg_common.cuh");
+/// The headers the checks include, written beside them.
+const HEADERS: &[(&str, &str)] = &[
+    (
+        "nvfp4dbg_common.cuh",
+        include_str!("../kernels/nvfp4dbg_common.cuh"),
+    ),
+    (
+        "exhaustive.cuh",
+        include_str!("../tools/checks/exhaustive.cuh"),
+    ),
+];
 const CHECKS: &[(&str, &str)] = &[
     (
         "expf_cr_fast",
@@ -32,7 +42,9 @@ const CHECKS: &[(&str, &str)] = &[
 fn fast_device_functions_equal_their_reference_on_every_input() {
     let arch = gpu_common::gpu().arch.clone();
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("nvfp4dbg_common.cuh"), HEADER).unwrap();
+    for (name, text) in HEADERS {
+        std::fs::write(dir.path().join(name), text).unwrap();
+    }
     for (name, src) in CHECKS {
         let cu = dir.path().join(format!("{name}.cu"));
         let exe = dir.path().join(name);

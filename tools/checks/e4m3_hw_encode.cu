@@ -7,10 +7,10 @@
 //        -o /tmp/e4m3_check tools/checks/e4m3_hw_encode.cu && /tmp/e4m3_check
 //
 // Prints "mismatches 0 of N"; exits 1 on any mismatch.
-#include <cstdio>
 #include "nvfp4dbg_common.cuh"
+#include "exhaustive.cuh"
 
-__global__ void check(unsigned long long* bad, unsigned long long* n, unsigned* first) {
+__global__ void check(unsigned long long* counts, unsigned* first) {
     unsigned long long nb = 0, nn = 0;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < (1ull << 32);
          i += (unsigned long long)gridDim.x * blockDim.x) {
@@ -22,24 +22,8 @@ __global__ void check(unsigned long long* bad, unsigned long long* n, unsigned* 
             atomicMin(first, (u32)i);
         }
     }
-    atomicAdd(bad, nb);
-    atomicAdd(n, nn);
+    atomicAdd(&counts[0], nb);
+    atomicAdd(&counts[1], nn);
 }
 
-int main() {
-    unsigned long long* d;
-    unsigned* f;
-    if (cudaMalloc(&d, 16) != cudaSuccess || cudaMalloc(&f, 4) != cudaSuccess) return 2;
-    cudaMemset(d, 0, 16);
-    cudaMemset(f, 0xFF, 4);
-    check<<<132 * 16, 256>>>(d, d + 1, f);
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaGetLastError() != cudaSuccess) return 2;
-    unsigned long long h[2];
-    unsigned first;
-    cudaMemcpy(h, d, 16, cudaMemcpyDeviceToHost);
-    cudaMemcpy(&first, f, 4, cudaMemcpyDeviceToHost);
-    printf("mismatches %llu of %llu", h[0], h[1]);
-    if (h[0]) printf(" (first at bits %08x)", first);
-    printf("\n");
-    return h[0] != 0;
-}
+int main() { return run_exhaustive(check, "mismatches %llu of %llu"); }
