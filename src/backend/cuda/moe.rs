@@ -152,6 +152,17 @@ fn sm90_rs_slack() -> u32 {
     }
 }
 
+/// The register-A kernels' block size: 256 threads (two warpgroups of two m-blocks each), or
+/// 512 with `-DRS_MB=1` in NVFP4DBG_NVRTC_DEFINES (four warpgroups of one m-block; kernels/
+/// moe_gemm_sm90.cu R_THREADS).
+fn sm90_rs_threads() -> u32 {
+    let defines = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
+    match super::nvrtc::define_value(&defines, "RS_MB") {
+        Some(1) => 512,
+        _ => GEMM_THREADS,
+    }
+}
+
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
 /// 128 (the decode tiles' chunk; their 16-row tiles then never span two experts).
 fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
@@ -1019,13 +1030,15 @@ impl Nvfp4Forward {
             PrefillGemm::WgmmaRs if rs => PrefillGemm::WgmmaRs,
             _ => PrefillGemm::MmaSync,
         };
+        let rs_grid = LaunchConfig {
+            block_dim: (sm90_rs_threads(), 1, 1),
+            ..grid(SM90_RS_SMEM_BYTES)
+        };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", rs_grid)
             }
-            (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
-            }
+            (PrefillGemm::WgmmaRs, false) => PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", rs_grid),
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,
                 "moe_gemm_gate_up_nvfp4_sm90",

@@ -175,6 +175,17 @@ fn tuning_defines() -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
+/// `compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one if
+/// repeated.
+pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
+    defines
+        .split_whitespace()
+        .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
+        .filter_map(|v| v.parse().ok())
+        .next_back()
+}
+
 /// Is libnvrtc loadable? Never panics (cudarc panics when it is not).
 pub fn nvrtc_present() -> bool {
     super::device::quietly(|| unsafe { nv::is_culib_present() }).unwrap_or(false)

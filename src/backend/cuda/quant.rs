@@ -3,7 +3,7 @@
 //! the host-level ones mirror `crate::nvfp4` so tests compare them bit for bit.
 
 use super::device::{grid_1d, Gpu, KArg};
-use super::nvrtc::QUANT;
+use super::nvrtc::{define_value, QUANT};
 use crate::error::{Error, Result};
 use crate::nvfp4::layout::{swizzled_len, ScaleLayout};
 use crate::nvfp4::{BlockStats, Flavor, Format, Fp4Tensor};
@@ -85,17 +85,6 @@ fn grid_for(rows: usize, kb: usize, layout: ScaleLayout) -> Result<cudarc::drive
 const QUANT_BLOCKS: usize = 4;
 /// The BF16 grid kernel's CTA size (kernels/quant.cu QUANT_BF16_THREADS).
 const BF16_THREADS: u32 = 128;
-
-/// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
-/// `nvrtc::compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one
-/// if repeated.
-fn define_value(defines: &str, name: &str) -> Option<u64> {
-    defines
-        .split_whitespace()
-        .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
-        .filter_map(|v| v.parse().ok())
-        .next_back()
-}
 
 /// The quantizer's compile-time knobs that set its grid (kernels/quant.cu, "Tuning knobs"):
 /// QUANT_BLOCKS (blocks of a row per thread), and for the BF16 kernel QUANT_PIPE (units per
