@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran in session 15 (BENCHMARKS.md, Session 15; RS_MB was removed after s15c: that define now
+# does nothing, RS_DIAG stays).
 # Session 15, second lease: (1) gpu_gemm and gpu_moe as built and under -DRS_MB=1 (its SwiGLU
 # loop mended after s15a); (2) the prefill GEMMs and the 4096-token layer: default, RS_MB=1
 # with one and two MMA groups in flight, and the time split of the register-A epilogues

@@ -476,11 +476,17 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 #define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // big one is 128 rows (rs_fill)
 #define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
 #define R_STAGE_BYTES (2 * R_HALF_BYTES)
-#define R_OFF_BARS (R_STAGES * R_STAGE_BYTES)
+// The gate/up epilogue's f32 tile, over the stages once the K loop is done: R_BN token rows of
+// R_EPI_ROW floats (g, then u, of the block's 128 outputs, + 4 so that a warp's accumulator
+// stores hit 32 banks: 2 t R_EPI_ROW = 8 t mod 32). The barriers follow the larger of the two.
+#define R_EPI_ROW 260
+#define R_EPI_BYTES (R_BN * R_EPI_ROW * 4)
+#define R_RING_BYTES (R_STAGES * R_STAGE_BYTES)
+#define R_OFF_BARS (R_EPI_BYTES > R_RING_BYTES ? R_EPI_BYTES : R_RING_BYTES)
 // + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
 #define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
-static_assert(R_BN * H_SA_F32_ROW * 4 <= R_OFF_BARS, "the f32 tile of a must fit the stages");
+static_assert(R_EPI_ROW >= 2 * H_FUSED_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
@@ -527,18 +533,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_N144_GATE_UP
 #define RS_N144_GATE_UP 1
 #endif
-// The 64-row m-blocks a warp carries: 2 (default) in CTAs of two warpgroups (256 threads), each
-// warp 16 rows of both m-blocks; 1 in CTAs of four warpgroups (512 threads), each warp 16 rows
-// of one m-block, so twice the warps (four a scheduler) share the same CTA tile (256 weight
-// rows, or 128 gate/up outputs) with half the dequantization chain each, for 128 registers a
-// thread. In the gate/up at 1, rows g of a warp's 16 come from w1 and rows g + 8 from w3 (the
-// same 8 outputs), so SwiGLU stays in the thread. src/backend/cuda/moe.rs reads the same
-// define for the launch's block size.
-#ifndef RS_MB
-#define RS_MB 2
-#endif
-static_assert(RS_MB == 1 || RS_MB == 2, "RS_MB: 1 or 2");
-#define R_THREADS (512 / RS_MB)
 #if RS_F16
 #define RS_AB "f16.f16"
 #define RS_UNSCALE 268435456.0f  // 2^28: undoes the 2^-14 of both operands
@@ -548,9 +542,17 @@ static_assert(RS_MB == 1 || RS_MB == 2, "RS_MB: 1 or 2");
 #endif
 // Time split only (the outputs are then WRONG; never a default): the sum of 1 (the gate/up's
 // SwiGLU replaced by g * u), 2 (no NVFP4 epilogue after it: the down GEMM reads what the
-// last forward left), 4 (the down GEMM stores nothing).
+// last forward left), 4 (the down GEMM stores nothing). The bench skips its output checks
+// under it. Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off
+// the gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25.
 #ifndef RS_DIAG
 #define RS_DIAG 0
+#endif
+// The gate/up epilogue's SwiGLU, on g and u that the accumulators left in the f32 tile
+// (R_EPI_ROW), inside the NVFP4 epilogue's loop: 1 (default) 16 values at a time (swiglu16:
+// exp's fast path without branches, the rare rest after), 0 one at a time (swiglu).
+#ifndef RS_SWIGLU16
+#define RS_SWIGLU16 1
 #endif
 
 #if NVFP4DBG_WGMMA
@@ -675,38 +677,30 @@ __device__ __forceinline__ u32 rs_pair(u32 q, int j) {
     }
 }
 
-// One lane's weights of one K chunk, for its warp's RS_MB m-blocks: rows g and g + 8 (16 bytes
+// One lane's weights of one K chunk, for its warp's two m-blocks: rows g and g + 8 (16 bytes
 // of codes each: K 32 t .. 32 t + 31 of the chunk) and their two scales (blocks 2 t, 2 t + 1).
 struct RChunk {
-    uint4 w[RS_MB][2];
-    u32 s[RS_MB][2];
+    uint4 w[2][2];
+    u32 s[2][2];
 };
 
-// Where a lane's weights lie at chunk 0, or null for rows past the matrix. RS_MB 2: q[b] its
-// 16-byte piece of row g of m-block b's decode tile (row g + 8 is 512 bytes on, its scales
-// 64). RS_MB 1: q[h] that of row g (h 0) and of row g + 8 (h 1) of its one m-block, each its
-// own pointer (the gate/up takes them from w1 and w3).
+// Where a lane's weights lie: its 16-byte piece of row g of each m-block's decode tile at
+// chunk 0 (row g + 8 is 512 bytes on, its scales 64), or null for a tile past the matrix.
 struct RWeights {
     const u8* q[2];
     const u8* s[2];
-    __device__ __forceinline__ bool live(int b) const { return q[RS_MB == 2 ? b : 0] != nullptr; }
-    __device__ __forceinline__ const u8* codes(int b, int h, u32 c) const {
-        return (RS_MB == 2 ? q[b] + 512 * h : q[h]) + (size_t)c * R_TILE_Q;
-    }
-    __device__ __forceinline__ const u8* scales(int b, int h, u32 c) const {
-        return (RS_MB == 2 ? s[b] + 64 * h : s[h]) + (size_t)c * R_TILE_S;
-    }
 };
 
 __device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
-        if (wr.live(b)) {
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                st.w[b][h] = ldg_stream(wr.codes(b, h, c));
-                st.s[b][h] = __ldg(reinterpret_cast<const unsigned short*>(wr.scales(b, h, c)));
-            }
+    for (int b = 0; b < 2; b++) {
+        if (wr.q[b] != nullptr) {
+            const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
+            const u8* s = wr.s[b] + (size_t)c * R_TILE_S;
+            st.w[b][0] = ldg_stream(q);
+            st.w[b][1] = ldg_stream(q + 512);
+            st.s[b][0] = __ldg(reinterpret_cast<const unsigned short*>(s));
+            st.s[b][1] = __ldg(reinterpret_cast<const unsigned short*>(s + 64));
         } else {
             st.w[b][0] = st.w[b][1] = make_uint4(0, 0, 0, 0);
             st.s[b][0] = st.s[b][1] = 0;
@@ -717,12 +711,12 @@ __device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
 // Chunk c's weight lines into L2 (the lane's 16-byte pieces of rows g and g + 8, and its scales).
 __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
-        if (wr.live(b)) {
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.codes(b, 0, c)));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.codes(b, 1, c)));
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.scales(b, 0, c)));
-            if (RS_MB == 1) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.scales(b, 1, c)));
+    for (int b = 0; b < 2; b++) {
+        if (wr.q[b] != nullptr) {
+            const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(q + 512));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.s[b] + (size_t)c * R_TILE_S));
         }
     }
 }
@@ -747,9 +741,9 @@ template <> struct RsMma<32> {
 };
 
 template <int N>
-__device__ __forceinline__ void rs_acc_fence(float (&d)[RS_MB][N / 2]) {
+__device__ __forceinline__ void rs_acc_fence(float (&d)[2][N / 2]) {
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(d[b][i])::"memory");
 }
@@ -796,15 +790,15 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 // step 4 with chunk c - 1 + R_STAGES.
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
-                                         const void* tmap, u32 r0, float (&acc)[RS_MB][N / 2]) {
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
     // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
     // for another set of A fragments
     constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
-    u32 sc[RS_MB][2][2];
+    u32 sc[2][2][2];
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++) {
+    for (int b = 0; b < 2; b++) {
 #if RS_F16
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -828,9 +822,9 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         int q = s / 2, h = s % 2, blk = s / 4;
-        u32 a[RS_MB][4];
+        u32 a[2][4];
 #pragma unroll
-        for (int b = 0; b < RS_MB; b++) {
+        for (int b = 0; b < 2; b++) {
             u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
 #if RS_F16
             u32 glo, ghi, elo, ehi;  // the same for both steps of a word: computed once
@@ -850,8 +844,8 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         }
         u64 db = smem_desc(sb + (s / 4) * R_HALF_BYTES) + 2 * (s % 4);
         wgmma_fence();
-#pragma unroll
-        for (int b = 0; b < RS_MB; b++) RsMma<N>::mma(acc[b], a[b], db);
+        RsMma<N>::mma(acc[0], a[0], db);
+        RsMma<N>::mma(acc[1], a[1], db);
         wgmma_commit();
         wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
@@ -870,7 +864,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 // every MMA complete and every warp past the loop (the stages may then be reused).
 template <int N, int L2_AHEAD>
 __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
-                                            float (&acc)[RS_MB][N / 2]) {
+                                            float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
@@ -881,14 +875,14 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
-            mbar_init(bars.empty(s), R_THREADS / 32);
+            mbar_init(bars.empty(s), H_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
     if (L2_AHEAD > 2)
@@ -908,21 +902,18 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     __syncthreads();
 }
 
-// Lane's weights (RWeights): slot i starts at row row0[i] (a multiple of 8) of expert e's rows
-// of the [E * nout] matrix (wq[i], ws[i]): RS_MB 2 the m-block of 16 rows there, RS_MB 1 the
-// 8 rows there (the first or second half of a decode tile: 512 bytes of codes and 64 of
-// scales on). Rows past nout (within the expert) are left out (zeros).
+// Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
+// ws[b]); rows past nout (within the expert) are left out (zeros).
 __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u8* const (&ws)[2],
                                                const u32 (&row0)[2], u32 e, u32 nout, u32 K) {
     RWeights r;
     u32 lane = threadIdx.x % 32;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        bool live = row0[i] < nout;
-        size_t row = (size_t)e * nout + (row0[i] & ~15u);
-        u32 half = row0[i] & 8u;
-        r.q[i] = live ? wq[i] + row * (K / 2) + 64 * half + 16 * lane : nullptr;
-        r.s[i] = live ? ws[i] + row * (K / 16) + 8 * half + 2 * lane : nullptr;
+    for (int b = 0; b < 2; b++) {
+        bool live = row0[b] < nout;
+        size_t row = (size_t)e * nout + row0[b];
+        r.q[b] = live ? wq[b] + row * (K / 2) + 16 * lane : nullptr;
+        r.s[b] = live ? ws[b] + row * (K / 16) + 2 * lane : nullptr;
     }
     return r;
 }
@@ -935,23 +926,23 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
                                         Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
     if (ntok > (N144 ? 144u : 128u)) {
-        float acc[RS_MB][80];
+        float acc[2][80];
         rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (N144 && ntok > 128) {
-        float acc[RS_MB][72];
+        float acc[2][72];
         rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 64) {
-        float acc[RS_MB][64];
+        float acc[2][64];
         rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 32) {
-        float acc[RS_MB][32];
+        float acc[2][32];
         rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
-        float acc[RS_MB][16];
+        float acc[2][16];
         rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
@@ -963,12 +954,12 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 // The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
 // tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase).
 template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows(const float (&acc)[RS_MB][HALF_N], const u32 (&row0)[2], u32 r0, u32 r1,
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], const u32 (&row0)[2], u32 r0, u32 r1,
                                               u32 nout, float alpha, float* __restrict__ out) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-    for (int b = 0; b < RS_MB; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int j = 0; j < N / 8; j++)
 #pragma unroll
@@ -979,29 +970,65 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[RS_MB][HALF_N],
             }
 }
 
-// The gate/up tile's a = swiglu(g, u) into the f32 tile `sa` ([token][output], SA floats a
-// row), from the warp's outputs col0 .. col0 + 15 (RS_MB 2: m-block 0 holds their g, m-block 1
-// their u) or col0 .. col0 + 7 (RS_MB 1: rows g hold their g, rows g + 8 their u): both in the
-// same thread. Only the tile's first `rows` token rows (the padding rows are never read).
+// The gate/up epilogue: where output c's g lies in a row of the tile (its u is H_FUSED_BN on).
+// The 4-float pieces of each 16-output group are permuted by the group's index / 2, so that the
+// 8 lanes of a 16-byte load phase (8 groups of one row, RsGateUpA::block16) hit 32 banks.
+__device__ __forceinline__ u32 rs_gu_col(u32 c) {
+    return (c & ~15u) | (((c >> 2) & 3u) ^ ((c >> 5) & 3u)) << 2 | (c & 3u);
+}
+
+// The gate/up tile's g and u (times 2^28 * alpha) into `sgu`, the tile's first `rows` tokens:
+// m-block 0 holds g, m-block 1 u of the warp's outputs col0 .. col0 + 15.
 template <int HALF_N>
-__device__ __forceinline__ void rs_swiglu_tile(const float (&acc)[RS_MB][HALF_N], u32 col0, float alpha_g,
-                                               float alpha_u, float limit, u32 has_limit, u32 rows, float* sa) {
+__device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], u32 col0, float alpha_g,
+                                                 float alpha_u, u32 rows, float* sgu) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int j = 0; j < N / 8; j++)
 #pragma unroll
-        for (int q = 0; q < 2 * RS_MB; q++) {
-            // RS_MB 2: q 0..3 (rows g, g + 8 of both m-blocks); RS_MB 1: q 0, 1 (g) and q + 2 (u)
-            u32 lc = col0 + g + (RS_MB == 2 ? 8 * (q / 2) : 0), lr = j * 8 + 2 * t + (q % 2);
-            float ga = acc[0][j * 4 + q], ua = acc[RS_MB - 1][j * 4 + q + (RS_MB == 2 ? 0 : 2)];
+        for (int q = 0; q < 4; q++) {
+            u32 lc = rs_gu_col(col0 + g + 8 * (q / 2)), lr = j * 8 + 2 * t + (q % 2);
             if (lr < rows) {
-                float gv = __fmul_rn(__fmul_rn(ga, RS_UNSCALE), alpha_g);
-                float uv = __fmul_rn(__fmul_rn(ua, RS_UNSCALE), alpha_u);
-                sa[lr * H_SA_F32_ROW + lc] = (RS_DIAG & 1) ? __fmul_rn(gv, uv) : swiglu(gv, uv, limit, has_limit);
+                sgu[lr * R_EPI_ROW + lc] = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
+                sgu[lr * R_EPI_ROW + H_FUSED_BN + lc] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
             }
         }
 }
+
+// a = swiglu(g, u) of the staged tile `sgu` (gate_up_tile_epilogue_of's reader): one value,
+// or 16 of a row from 16-byte loads.
+struct RsGateUpA {
+    const float* sgu;
+    float limit;
+    u32 has_limit;
+    __device__ __forceinline__ float act(float g, float u) const {
+        return (RS_DIAG & 1) ? __fmul_rn(g, u) : swiglu(g, u, limit, has_limit);
+    }
+    __device__ __forceinline__ float operator()(u32 r, u32 c) const {
+        const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c);
+        return act(p[0], p[H_FUSED_BN]);
+    }
+    __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
+        float g[16], u[16];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c0 + 4 * i);
+            float4 g4 = *reinterpret_cast<const float4*>(p), u4 = *reinterpret_cast<const float4*>(p + H_FUSED_BN);
+            g[4 * i] = g4.x, g[4 * i + 1] = g4.y, g[4 * i + 2] = g4.z, g[4 * i + 3] = g4.w;
+            u[4 * i] = u4.x, u[4 * i + 1] = u4.y, u[4 * i + 2] = u4.z, u[4 * i + 3] = u4.w;
+        }
+#if RS_SWIGLU16
+        if (!(RS_DIAG & 1)) {
+            swiglu16(g, u, limit, has_limit, v);
+            return;
+        }
+#endif
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
+    }
+};
+
 #endif  // NVFP4DBG_WGMMA
 
 // The expert inputs for the register-A kernels: out[r, .] = e2m1 * e4m3 * 2^-9 of row r of the
@@ -1048,7 +1075,7 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor maps `tmap` (rs_fill) of
 // moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
 // (ceil(nout / 256), M-tile bound), 256 threads, R_SMEM_BYTES of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(R_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
@@ -1058,16 +1085,15 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    // RS_MB 2: rows n0 (m-block 0) and n0 + 64 (1); RS_MB 1: rows n0 .. n0 + 7 and n0 + 8 ..
-    u32 n0 = blockIdx.x * H_BN + wg * (64 * RS_MB) + warp * 16;
-    const u32 row0[2] = {n0, RS_MB == 2 ? n0 + 64 : n0 + 8};
+    u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
-        // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+        // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, row0, r0, r1, nout, alpha, out);
     });
 #else
@@ -1078,7 +1104,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
 // w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound), 256 threads, R_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(R_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
@@ -1092,23 +1118,21 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    // RS_MB 2: outputs col0 .. col0 + 15 of w1 (m-block 0) and w3 (1); RS_MB 1: col0 .. col0 + 7
-    u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * (32 * RS_MB) + warp * (8 * RS_MB);
+    u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;
     const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-    float* sa = reinterpret_cast<float*>(base);
+    float* sgu = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
-        rs_swiglu_tile(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), limit, has_limit, r1 - r0,
-                       sa);
+        rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), r1 - r0, sgu);
     });
     __syncthreads();
     if (RS_DIAG & 2) return;
-    gate_up_tile_epilogue<R_BN, H_FUSED_BN, R_THREADS>(sa, H_SA_F32_ROW, r0, r1, n0, nout, e, gs2, flavor, outq, outs,
-                                                       stats, out_f32, amax_bits);
+    gate_up_tile_epilogue_of<R_BN, H_FUSED_BN, H_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
+                                                          flavor, outq, outs, stats, out_f32, amax_bits);
 #else
     __trap();
 #endif

@@ -323,16 +323,18 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
 }
 
 // The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
-// block's BM_ x BN_ tile of a = swiglu(g, u) is in shared memory (`sa`, f32 rows of SA floats,
-// after a barrier): with a fixed gs2, each (row, 16 columns) of the tile quantized to NVFP4
-// with gs2[e] and its block statistics counted; with dynamic gs2 (nullptr), `a` written in
-// f32 and |a| folded into amax_bits[e]. Rows past r1 and columns past nout are skipped.
-template <int BM_, int BN_, int THREADS_>
-__device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u32 r0, u32 r1, u32 n0, u32 nout,
-                                                      u32 e, const float* __restrict__ gs2, u32 flavor,
-                                                      u8* __restrict__ outq, u8* __restrict__ outs,
-                                                      u64* __restrict__ stats, float* __restrict__ out_f32,
-                                                      u32* __restrict__ amax_bits) {
+// block's BM_ x BN_ tile of a = swiglu(g, u) can be read as a(r, c) (r < BM_ a token row of
+// the tile, c < BN_ an output column; shared memory, after a barrier), and 16 of a row at a
+// time as a.block16(r, c0, v): with a fixed gs2, each
+// (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block statistics
+// counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into amax_bits[e].
+// Rows past r1 and columns past nout are skipped.
+template <int BM_, int BN_, int THREADS_, typename A>
+__device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
+                                                         const float* __restrict__ gs2, u32 flavor,
+                                                         u8* __restrict__ outq, u8* __restrict__ outs,
+                                                         u64* __restrict__ stats, float* __restrict__ out_f32,
+                                                         u32* __restrict__ amax_bits) {
     if (gs2 != nullptr) {
         // fixed gs2: quantize each (row, 16-column group) of the tile
         float gsv = gs2[e];
@@ -343,8 +345,7 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
             u32 row = r0 + r, col = n0 + g * 16;
             if (row < r1 && col < nout) {
                 float v[16];
-#pragma unroll
-                for (int x = 0; x < 16; x++) v[x] = sa[r * SA + g * 16 + x];
+                a.block16(r, g * 16, v);
                 u32 p[2];
                 u32 s = quant_block_nvfp4(v, gsv, flavor, p);
                 *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
@@ -367,16 +368,36 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
             u32 r = idx / BN_, c = idx % BN_;
             u32 row = r0 + r, col = n0 + c;
             if (row < r1 && col < nout) {
-                float v = sa[r * SA + c];
+                float v = a(r, c);
                 out_f32[(size_t)row * nout + col] = v;
-                float a = fabsf(v);
-                u32 bits = a != a ? 0x7FC00000u : __float_as_uint(a);
+                float av = fabsf(v);
+                u32 bits = av != av ? 0x7FC00000u : __float_as_uint(av);
                 m = bits > m ? bits : m;
             }
         }
         m = __reduce_max_sync(0xFFFFFFFFu, m);
         if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
     }
+}
+
+// a in the f32 tile `sa` (rows of SA floats).
+struct TileA {
+    const float* sa;
+    int SA;
+    __device__ __forceinline__ float operator()(u32 r, u32 c) const { return sa[r * SA + c]; }
+    __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
+#pragma unroll
+        for (int x = 0; x < 16; x++) v[x] = sa[r * SA + c0 + x];
+    }
+};
+template <int BM_, int BN_, int THREADS_>
+__device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u32 r0, u32 r1, u32 n0, u32 nout,
+                                                      u32 e, const float* __restrict__ gs2, u32 flavor,
+                                                      u8* __restrict__ outq, u8* __restrict__ outs,
+                                                      u64* __restrict__ stats, float* __restrict__ out_f32,
+                                                      u32* __restrict__ amax_bits) {
+    gate_up_tile_epilogue_of<BM_, BN_, THREADS_>(TileA{sa, SA}, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                 out_f32, amax_bits);
 }
 
 // expf_cr(x) is (float)exp((double)x): it matches a correctly rounded f32 exp (the CPU's expf)
@@ -414,11 +435,13 @@ __device__ const double EXP2_J64[64] = {
 #define EXPF_CR_MARGIN (1u << 12)  // double ulps (the 29 bits a float rounds off)
 
 // exp(x) rounded to f32 in `out`, where that is certainly the rounding of the exact exp(x);
-// false (out untouched) where it may not be: |x| > 87 (beyond, the result is not a normal
-// f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
+// false (out then holds some other value) where it may not be: |x| > 87 (beyond, the result is
+// not a normal f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
+// No branch: the other x are computed as 0, so that callers may run it on many values and
+// take the rare ones to expf_cr_slow afterwards (swiglu16).
 __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
-    if (!(fabsf(x) <= 87.0f)) return false;
-    const double xd = x;
+    const bool in_range = fabsf(x) <= 87.0f;
+    const double xd = in_range ? x : 0.0f;
     const double kd = rint(xd * 0x1.71547652b82fep+6);  // x / (ln2 / 64), to the nearest integer
     const int k = (int)kd;                              // |k| <= 8034
     double r = fma(kd, -0x1.62e42fefa39efp-7, xd);      // x - k ln2 / 64 (Cody-Waite, hi ...
@@ -431,9 +454,8 @@ __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
     const double t = __ldg(&EXP2_J64[k & 63]);
     const long long bits =                              // 2^(k >> 6) * 2^((k & 63) / 64) * exp(r)
         __double_as_longlong(fma(t, q, t)) + (long long)(k >> 6) * (1ll << 52);
-    if ((u32)(bits & 0x1FFFFFFF) - (0x10000000u - EXPF_CR_MARGIN) <= 2 * EXPF_CR_MARGIN) return false;
     out = (float)__longlong_as_double(bits);
-    return true;
+    return in_range && (u32)(bits & 0x1FFFFFFF) - (0x10000000u - EXPF_CR_MARGIN) > 2 * EXPF_CR_MARGIN;
 }
 #endif
 
@@ -453,12 +475,45 @@ __device__ __forceinline__ float expf_cr(float x) {
 
 // silu(g) * u with V4's swiglu_limit (gate clamped to <= L, up to [-L, L]; NaN kept), in
 // the CPU's order: (g / (1 + exp(-g))) * u.
+__device__ __forceinline__ void swiglu_clamp(float& g, float& u, float limit) {
+    g = clamp_max(g, limit);
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+}
+__device__ __forceinline__ float silu_times(float g, float e, float u) {
+    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, e)), u);
+}
 __device__ __forceinline__ float swiglu(float g, float u, float limit, u32 has_limit) {
+    if (has_limit) swiglu_clamp(g, u, limit);
+    return silu_times(g, expf_cr(-g), u);
+}
+
+// v[i] = swiglu(g[i], u[i], limit, has_limit) for 16 values: one branch on has_limit, exp's
+// fast path on all 16 without a branch, then CUDA's exp for the rare ones it declined (a
+// branch the whole warp skips on ordinary data). swiglu runs ~100 SASS instructions a value
+// with its per-value branches, this ~45 (sm_90a).
+__device__ __forceinline__ void swiglu16(float (&g)[16], float (&u)[16], float limit, u32 has_limit,
+                                         float (&v)[16]) {
     if (has_limit) {
-        g = clamp_max(g, limit);
-        u = u > limit ? limit : (u < -limit ? -limit : u);
+#pragma unroll
+        for (int i = 0; i < 16; i++) swiglu_clamp(g[i], u[i], limit);
     }
-    return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf_cr(-g))), u);
+#if EXPF_CR_FAST
+    u32 slow = 0;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        float e;
+        slow |= (u32)!expf_cr_fast(-g[i], e) << i;
+        v[i] = silu_times(g[i], e, u[i]);
+    }
+    if (slow) {
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (slow >> i & 1u) v[i] = silu_times(g[i], expf_cr_slow(-g[i]), u[i]);
+    }
+#else
+#pragma unroll
+    for (int i = 0; i < 16; i++) v[i] = silu_times(g[i], expf_cr(-g[i]), u[i]);
+#endif
 }
 
 // Weight codes are read once: no L1 allocation. No L2 prefetch and no 256-byte L2 fetch hint

@@ -5,7 +5,9 @@
 //! - `expf_cr_fast.cu`: `expf_cr` (SwiGLU's and the router's exp, EXPF_CR_FAST) against
 //!   `(float)exp((double)x)` on all 2^32 bit patterns;
 //! - `e4m3_hw_encode.cu`: the hardware E4M3 conversion against the reference encoder on every
-//!   non-NaN f32 <= 448.
+//!   non-NaN f32 <= 448;
+//! - `swiglu16.cu`: `swiglu16` (the register-A gate/up epilogue's SwiGLU, 16 at a time)
+//!   against `swiglu` value by value, every f32 as the gate, with and without swiglu_limit.
 //!
 //! The sources are embedded (the GPU machine runs this binary without the repo); nvcc comes
 //! from `NVCC`, /usr/local/cuda/bin or the PATH. Without nvcc or a GPU the test fails.
@@ -35,6 +37,7 @@ const CHECKS: &[(&str, &str)] = &[
         "e4m3_hw_encode",
         include_str!("../tools/checks/e4m3_hw_encode.cu"),
     ),
+    ("swiglu16", include_str!("../tools/checks/swiglu16.cu")),
 ];
 
 #[test]

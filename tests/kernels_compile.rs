@@ -167,15 +167,8 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     let nvdisasm = nvdisasm_path();
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
-    // per tile width: 2 chunks x 8 k16 steps x RS_MB m-blocks (2, or 1 under -DRS_MB=1), one
-    // wait per step
+    // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
     let steps = 2 * 8;
-    let m_blocks = if std::env::var("NVFP4DBG_NVRTC_DEFINES").is_ok_and(|d| d.contains("-DRS_MB=1"))
-    {
-        1
-    } else {
-        2
-    };
     for (kernel, widths, wide) in [
         ("moe_gemm_nvfp4_sm90rs", 4, 1),
         ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),
@@ -193,7 +186,7 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
         eprintln!(
             "{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}"
         );
-        assert_eq!(mmas, widths * steps * m_blocks, "{kernel}: HGMMA count");
+        assert_eq!(mmas, widths * steps * 2, "{kernel}: HGMMA count");
         assert!(
             drained <= widths && two == (widths - wide) * steps && one == wide * steps,
             "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {one} to 1, {two} to 2, {mmas} HGMMA)"
@@ -212,6 +205,7 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_L2_AHEAD_DOWN=0",
     "-DRS_L2_AHEAD_GATE_UP=4",
     "-DRS_L2_AHEAD_NARROW=-1",
+    "-DRS_SWIGLU16=0",
 ];
 
 #[test]

@@ -36,13 +36,21 @@ const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
 /// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), token stages of
-/// BM + slack rows x 128 K in BF16, their shared memory (R_SMEM_BYTES) and the rows of the
-/// small TMA box (R_BOX_ROWS; the big one is BM rows).
+/// BM + slack rows x 128 K in BF16, the gate/up epilogue's f32 tile over them (BM + slack
+/// rows of R_EPI_ROW floats), their shared memory (R_SMEM_BYTES) and the rows of the small TMA box
+/// (R_BOX_ROWS; the big one is BM rows).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
-const SM90_RS_SMEM_BYTES: u32 =
-    SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32 + 2 * SM90_RS_STAGES * 8 + 1024;
+const SM90_RS_EPI_ROW: usize = 260;
+const SM90_RS_RING_BYTES: u32 = SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
+const SM90_RS_EPI_BYTES: u32 = ((BM + SM90_RS_SLACK) * SM90_RS_EPI_ROW * 4) as u32;
+const SM90_RS_SMEM_BYTES: u32 = if SM90_RS_EPI_BYTES > SM90_RS_RING_BYTES {
+    SM90_RS_EPI_BYTES
+} else {
+    SM90_RS_RING_BYTES
+} + 2 * SM90_RS_STAGES * 8
+    + 1024;
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
@@ -66,6 +74,7 @@ mod sm90_tests {
         );
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
+        assert!(src.contains(&format!("#define R_EPI_ROW {}", super::SM90_RS_EPI_ROW)));
         assert!(src.contains(&format!("#define R_BOX_ROWS {}", super::SM90_RS_BOX_ROWS)));
         assert!(
             src.lines().any(|l| l.trim() == line),
@@ -149,17 +158,6 @@ fn sm90_rs_slack() -> u32 {
         0
     } else {
         SM90_RS_SLACK as u32
-    }
-}
-
-/// The register-A kernels' block size: 256 threads (two warpgroups of two m-blocks each), or
-/// 512 with `-DRS_MB=1` in NVFP4DBG_NVRTC_DEFINES (four warpgroups of one m-block; kernels/
-/// moe_gemm_sm90.cu R_THREADS).
-fn sm90_rs_threads() -> u32 {
-    let defines = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
-    match super::nvrtc::define_value(&defines, "RS_MB") {
-        Some(1) => 512,
-        _ => GEMM_THREADS,
     }
 }
 
@@ -1030,15 +1028,13 @@ impl Nvfp4Forward {
             PrefillGemm::WgmmaRs if rs => PrefillGemm::WgmmaRs,
             _ => PrefillGemm::MmaSync,
         };
-        let rs_grid = LaunchConfig {
-            block_dim: (sm90_rs_threads(), 1, 1),
-            ..grid(SM90_RS_SMEM_BYTES)
-        };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", rs_grid)
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
             }
-            (PrefillGemm::WgmmaRs, false) => PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", rs_grid),
+            (PrefillGemm::WgmmaRs, false) => {
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+            }
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,
                 "moe_gemm_gate_up_nvfp4_sm90",
