@@ -323,12 +323,12 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
 }
 
 // The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
-// block's BM_ x BN_ tile of a = swiglu(g, u) can be read as a(r, c) (r < BM_ a token row of
-// the tile, c < BN_ an output column; shared memory, after a barrier), and 16 of a row at a
-// time as a.block16(r, c0, v): with a fixed gs2, each
-// (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block statistics
-// counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into amax_bits[e].
-// Rows past r1 and columns past nout are skipped.
+// block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
+// a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
+// time as a.block16(r, c0, v): with a fixed gs2, each (row, 16 columns) of the tile quantized
+// to NVFP4 with gs2[e] and its block statistics counted; with dynamic gs2 (nullptr), `a`
+// written in f32 and |a| folded into amax_bits[e]. Rows past r1 and columns past nout are
+// skipped.
 template <int BM_, int BN_, int THREADS_, typename A>
 __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
                                                          const float* __restrict__ gs2, u32 flavor,
@@ -489,8 +489,9 @@ __device__ __forceinline__ float swiglu(float g, float u, float limit, u32 has_l
 
 // v[i] = swiglu(g[i], u[i], limit, has_limit) for 16 values: one branch on has_limit, exp's
 // fast path on all 16 without a branch, then CUDA's exp for the rare ones it declined (a
-// branch the whole warp skips on ordinary data). swiglu runs ~100 SASS instructions a value
-// with its per-value branches, this ~45 (sm_90a).
+// branch the whole warp skips on ordinary data), where swiglu branches around each value's
+// exp (~100 SASS instructions a value in the register-A epilogue, sm_90a). Bit-identical to
+// swiglu (tools/checks/swiglu16.cu, every f32 gate).
 __device__ __forceinline__ void swiglu16(float (&g)[16], float (&u)[16], float limit, u32 has_limit,
                                          float (&v)[16]) {
     if (has_limit) {

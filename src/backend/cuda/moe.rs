@@ -37,20 +37,24 @@ const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
 /// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), token stages of
 /// BM + slack rows x 128 K in BF16, the gate/up epilogue's f32 tile over them (BM + slack
-/// rows of R_EPI_ROW floats), their shared memory (R_SMEM_BYTES) and the rows of the small TMA box
-/// (R_BOX_ROWS; the big one is BM rows).
+/// rows of R_EPI_ROW floats), their shared memory (R_SMEM_BYTES: the larger of the two, the
+/// ring's barriers, 1024 to align the base) and the rows of the small TMA box (R_BOX_ROWS; the
+/// big one is BM rows).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
 const SM90_RS_EPI_ROW: usize = 260;
 const SM90_RS_RING_BYTES: u32 = SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
 const SM90_RS_EPI_BYTES: u32 = ((BM + SM90_RS_SLACK) * SM90_RS_EPI_ROW * 4) as u32;
-const SM90_RS_SMEM_BYTES: u32 = if SM90_RS_EPI_BYTES > SM90_RS_RING_BYTES {
-    SM90_RS_EPI_BYTES
-} else {
-    SM90_RS_RING_BYTES
-} + 2 * SM90_RS_STAGES * 8
-    + 1024;
+const SM90_RS_SMEM_BYTES: u32 =
+    larger(SM90_RS_EPI_BYTES, SM90_RS_RING_BYTES) + 2 * SM90_RS_STAGES * 8 + 1024;
+const fn larger(a: u32, b: u32) -> u32 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
