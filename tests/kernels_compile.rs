@@ -206,6 +206,7 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_L2_AHEAD_GATE_UP=4",
     "-DRS_L2_AHEAD_NARROW=-1",
     "-DRS_SWIGLU16=0",
+    "-DR_STAGES=5",
 ];
 
 #[test]

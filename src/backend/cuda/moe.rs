@@ -165,6 +165,20 @@ fn sm90_rs_slack() -> u32 {
     }
 }
 
+/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or with `-DR_STAGES=N` in
+/// NVFP4DBG_NVRTC_DEFINES (an A/B of the ring's depth) the same for N stages.
+fn sm90_rs_smem_bytes() -> u32 {
+    let defines = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
+    match super::nvrtc::define_value(&defines, "R_STAGES") {
+        Some(n) => {
+            let n = n as u32;
+            let ring = n * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
+            larger(SM90_RS_EPI_BYTES, ring) + 2 * n * 8 + 1024
+        }
+        None => SM90_RS_SMEM_BYTES,
+    }
+}
+
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
 /// 128 (the decode tiles' chunk; their 16-row tiles then never span two experts).
 fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
@@ -1034,10 +1048,10 @@ impl Nvfp4Forward {
         };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
             }
             (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(SM90_RS_SMEM_BYTES))
+                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
             }
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,
