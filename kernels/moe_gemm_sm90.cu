@@ -473,8 +473,8 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 #define R_BK 128                          // K per chunk (the decode tiles' chunk)
 // Token stages in the ring (moe.rs reads a -DR_STAGES for the launch's shared memory). 5
 // (201 KB) against 4, s15g (3 alternating rounds): the layer's gate/up stage 4.427 ms against
-// 4.467 in every round, its down stage 2.293 against 2.277, the uniform gate/up 3.83 against
-// 3.90: kept at 4.
+// 4.463 in every round, its down stage 2.295 against 2.277, the uniform gate/up 3.84 against
+// 3.91: kept at 4.
 #ifndef R_STAGES
 #define R_STAGES 4
 #endif
