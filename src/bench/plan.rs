@@ -261,8 +261,9 @@ pub fn expert_counts(routing: &Routing, e: usize) -> Vec<usize> {
 }
 
 /// Rows per touched expert (`counts`: rows per expert, as `expert_counts`): minimum, 10th
-/// percentile, median, 90th percentile, maximum (nearest rank; zeros when no expert is touched). How uneven a router's load is: the
-/// grouped GEMMs pay per tile, and an expert's last tile is as wide as its rest needs.
+/// percentile, median, 90th percentile, maximum (nearest rank; zeros when no expert is
+/// touched). How uneven a router's load is: the grouped GEMMs pay per tile, and an expert's
+/// last tile is as wide as its rest needs.
 pub fn rows_spread(counts: &[usize]) -> [usize; 5] {
     let mut c: Vec<usize> = counts.iter().copied().filter(|&n| n > 0).collect();
     if c.is_empty() {

@@ -44,16 +44,13 @@ const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_STAGES: u32 = 4;
 const SM90_RS_EPI_ROW: usize = 260;
-const SM90_RS_RING_BYTES: u32 = SM90_RS_STAGES * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
-const SM90_RS_EPI_BYTES: u32 = ((BM + SM90_RS_SLACK) * SM90_RS_EPI_ROW * 4) as u32;
-const SM90_RS_SMEM_BYTES: u32 =
-    larger(SM90_RS_EPI_BYTES, SM90_RS_RING_BYTES) + 2 * SM90_RS_STAGES * 8 + 1024;
-const fn larger(a: u32, b: u32) -> u32 {
-    if a > b {
-        a
-    } else {
-        b
-    }
+const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem_for(SM90_RS_STAGES);
+/// R_SMEM_BYTES for a ring of `stages`: the larger of the ring and the epilogue's tile, two
+/// barriers a stage, 1024 to align the base.
+const fn sm90_rs_smem_for(stages: u32) -> u32 {
+    let ring = stages * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
+    let epi = ((BM + SM90_RS_SLACK) * SM90_RS_EPI_ROW * 4) as u32;
+    (if ring > epi { ring } else { epi }) + 2 * stages * 8 + 1024
 }
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
@@ -168,15 +165,8 @@ fn sm90_rs_slack() -> u32 {
 /// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or with `-DR_STAGES=N` in
 /// NVFP4DBG_NVRTC_DEFINES (an A/B of the ring's depth) the same for N stages.
 fn sm90_rs_smem_bytes() -> u32 {
-    let defines = std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default();
-    match super::nvrtc::define_value(&defines, "R_STAGES") {
-        Some(n) => {
-            let n = n as u32;
-            let ring = n * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
-            larger(SM90_RS_EPI_BYTES, ring) + 2 * n * 8 + 1024
-        }
-        None => SM90_RS_SMEM_BYTES,
-    }
+    super::nvrtc::tuning_define("R_STAGES")
+        .map_or(SM90_RS_SMEM_BYTES, |n| sm90_rs_smem_for(n as u32))
 }
 
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of

@@ -186,6 +186,15 @@ pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
         .next_back()
 }
 
+/// The value of `-DNAME=V` in NVFP4DBG_NVRTC_DEFINES: a tuning knob that the host side must
+/// follow (a launch's shared memory, a bench's output check).
+pub(crate) fn tuning_define(name: &str) -> Option<u64> {
+    define_value(
+        &std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default(),
+        name,
+    )
+}
+
 /// Is libnvrtc loadable? Never panics (cudarc panics when it is not).
 pub fn nvrtc_present() -> bool {
     super::device::quietly(|| unsafe { nv::is_culib_present() }).unwrap_or(false)
