@@ -475,8 +475,24 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // (201 KB) against 4, s15g (3 alternating rounds): the layer's gate/up stage 4.427 ms against
 // 4.463 in every round, its down stage 2.295 against 2.277, the uniform gate/up 3.84 against
 // 3.91: kept at 4.
+// Warpgroups per CTA (moe.rs reads a -DRS_WG for the launch): 2 (default) share one token ring
+// and take 256 weight rows (the gate/up: 128 outputs of w1 and w3), one CTA of 255 registers a
+// thread per SM; 1 takes 128 weight rows (64 outputs) with its own ring of 2 stages, two CTAs
+// per SM, so that one CTA's epilogue runs while the other's MMAs do (for twice the token
+// traffic from L2).
+#ifndef RS_WG
+#define RS_WG 2
+#endif
+static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
+#define R_THREADS (RS_WG * 128)
+#define R_GU_BN (RS_WG * 64)  // gate/up outputs per CTA (of each of w1, w3)
+#define R_DOWN_BN (RS_WG * 128)
 #ifndef R_STAGES
+#if RS_WG == 2
 #define R_STAGES 4
+#else
+#define R_STAGES 2
+#endif
 #endif
 #define R_BOX_ROWS 32                     // the small TMA box: 32 rows x 64 K of BF16 (4 KB); the
 #define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // big one is 128 rows (rs_fill)
@@ -485,14 +501,14 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // The gate/up epilogue's f32 tile, over the stages once the K loop is done: R_BN token rows of
 // R_EPI_ROW floats (g, then u, of the block's 128 outputs, + 4 so that a warp's accumulator
 // stores hit 32 banks: 2 t R_EPI_ROW = 8 t mod 32). The barriers follow the larger of the two.
-#define R_EPI_ROW 260
+#define R_EPI_ROW (2 * R_GU_BN + 4)
 #define R_EPI_BYTES (R_BN * R_EPI_ROW * 4)
 #define R_RING_BYTES (R_STAGES * R_STAGE_BYTES)
 #define R_OFF_BARS (R_EPI_BYTES > R_RING_BYTES ? R_EPI_BYTES : R_RING_BYTES)
 // + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
 #define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
-static_assert(R_EPI_ROW >= 2 * H_FUSED_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
+static_assert(R_EPI_ROW >= 2 * R_GU_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
 #define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
 #define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
@@ -881,7 +897,7 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
-            mbar_init(bars.empty(s), H_THREADS / 32);
+            mbar_init(bars.empty(s), R_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
@@ -976,7 +992,7 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], con
             }
 }
 
-// The gate/up epilogue: where output c's g lies in a row of the tile (its u is H_FUSED_BN on).
+// The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
 // The 4-float pieces of each 16-output group are permuted by the group's index / 2, so that the
 // 8 lanes of a 16-byte load phase (8 groups of one row, RsGateUpA::block16) hit 32 banks.
 __device__ __forceinline__ u32 rs_gu_col(u32 c) {
@@ -997,7 +1013,7 @@ __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], 
             u32 lc = rs_gu_col(col0 + g + 8 * (q / 2)), lr = j * 8 + 2 * t + (q % 2);
             if (lr < rows) {
                 sgu[lr * R_EPI_ROW + lc] = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
-                sgu[lr * R_EPI_ROW + H_FUSED_BN + lc] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
+                sgu[lr * R_EPI_ROW + R_GU_BN + lc] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
             }
         }
 }
@@ -1013,14 +1029,14 @@ struct RsGateUpA {
     }
     __device__ __forceinline__ float operator()(u32 r, u32 c) const {
         const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c);
-        return act(p[0], p[H_FUSED_BN]);
+        return act(p[0], p[R_GU_BN]);
     }
     __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
         float g[16], u[16];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c0 + 4 * i);
-            float4 g4 = *reinterpret_cast<const float4*>(p), u4 = *reinterpret_cast<const float4*>(p + H_FUSED_BN);
+            float4 g4 = *reinterpret_cast<const float4*>(p), u4 = *reinterpret_cast<const float4*>(p + R_GU_BN);
             g[4 * i] = g4.x, g[4 * i + 1] = g4.y, g[4 * i + 2] = g4.z, g[4 * i + 3] = g4.w;
             u[4 * i] = u4.x, u[4 * i + 1] = u4.y, u[4 * i + 2] = u4.z, u[4 * i + 3] = u4.w;
         }
@@ -1080,8 +1096,8 @@ extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8*
 
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor maps `tmap` (rs_fill) of
 // moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
-// (ceil(nout / 256), M-tile bound), 256 threads, R_SMEM_BYTES of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+// (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
@@ -1091,7 +1107,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    u32 n0 = blockIdx.x * H_BN + wg * 128 + warp * 16;
+    u32 n0 = blockIdx.x * R_DOWN_BN + wg * 128 + warp * 16;
     const u32 row0[2] = {n0, n0 + 64};
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
@@ -1109,8 +1125,8 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
-// w1, m-block 1 from w3. Grid: (ceil(nout / 128), M-tile bound), 256 threads, R_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
+// w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
@@ -1124,7 +1140,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    u32 n0 = blockIdx.x * H_FUSED_BN, col0 = wg * 64 + warp * 16;
+    u32 n0 = blockIdx.x * R_GU_BN, col0 = wg * 64 + warp * 16;
     const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
@@ -1137,7 +1153,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     });
     __syncthreads();
     if (RS_DIAG & 2) return;
-    gate_up_tile_epilogue_of<R_BN, H_FUSED_BN, H_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
+    gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
                                                           flavor, outq, outs, stats, out_f32, amax_bits);
 #else
     __trap();

@@ -35,27 +35,43 @@ const SM90_FUSED_BN: usize = 128;
 const SM90_STAGES: u32 = 4;
 const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 /// The register-A kernels (kernels/moe_gemm_sm90.cu `..._sm90rs`): K chunk (the decode
-/// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), token stages of
-/// BM + slack rows x 128 K in BF16, the gate/up epilogue's f32 tile over them (BM + slack
-/// rows of R_EPI_ROW floats), their shared memory (R_SMEM_BYTES: the larger of the two, the
-/// ring's barriers, 1024 to align the base) and the rows of the small TMA box (R_BOX_ROWS; the
-/// big one is BM rows).
+/// tiles' chunk), the rows an expert's last tile may take past BM (R_SLACK), warpgroups per
+/// CTA (RS_WG) and token stages of BM + slack rows x 128 K in BF16 (R_STAGES, by warpgroups),
+/// the gate/up epilogue's f32 tile over them (BM + slack rows of R_EPI_ROW floats, by
+/// warpgroups), their shared memory (R_SMEM_BYTES: the larger of the two, the ring's barriers,
+/// 1024 to align the base) and the rows of the small TMA box (R_BOX_ROWS; the big one is BM
+/// rows).
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
-const SM90_RS_STAGES: u32 = 4;
-const SM90_RS_EPI_ROW: usize = 260;
-const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem_for(SM90_RS_STAGES);
-/// R_SMEM_BYTES for a ring of `stages`: the larger of the ring and the epilogue's tile, two
-/// barriers a stage, 1024 to align the base.
-const fn sm90_rs_smem_for(stages: u32) -> u32 {
+const SM90_RS_WG: u32 = 2;
+/// R_STAGES for RS_WG warpgroups.
+const fn sm90_rs_stages_for(wg: u32) -> u32 {
+    if wg == 2 {
+        4
+    } else {
+        2
+    }
+}
+/// R_EPI_ROW for RS_WG warpgroups: g and u of the CTA's 64 outputs per warpgroup, + 4.
+const fn sm90_rs_epi_row_for(wg: u32) -> usize {
+    2 * 64 * wg as usize + 4
+}
+const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem_for(sm90_rs_stages_for(SM90_RS_WG), SM90_RS_WG);
+/// R_SMEM_BYTES for a ring of `stages` and `wg` warpgroups: the larger of the ring and the
+/// epilogue's tile, two barriers a stage, 1024 to align the base.
+const fn sm90_rs_smem_for(stages: u32, wg: u32) -> u32 {
     let ring = stages * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
-    let epi = ((BM + SM90_RS_SLACK) * SM90_RS_EPI_ROW * 4) as u32;
+    let epi = ((BM + SM90_RS_SLACK) * sm90_rs_epi_row_for(wg) * 4) as u32;
     (if ring > epi { ring } else { epi }) + 2 * stages * 8 + 1024
 }
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
     SM90_RS_SMEM_BYTES <= 227 * 1024,
     "more shared memory than a Hopper block gets"
+);
+const _: () = assert!(
+    2 * (sm90_rs_smem_for(sm90_rs_stages_for(1), 1) + 1024) <= 228 * 1024,
+    "two one-warpgroup CTAs do not fit an SM's shared memory"
 );
 const _: () = assert!(
     SM90_SMEM_BYTES <= 227 * 1024,
@@ -69,13 +85,21 @@ mod sm90_tests {
     fn stage_count_matches_the_kernel() {
         let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
         let line = format!("#define H_STAGES {}", super::SM90_STAGES);
+        let wg = super::SM90_RS_WG;
+        let stages = [2, 1].map(|w| super::sm90_rs_stages_for(w));
         assert!(
-            src.contains(&format!("#define R_STAGES {}", super::SM90_RS_STAGES)),
-            "R_STAGES differs from SM90_RS_STAGES"
+            src.contains(&format!(
+                "#if RS_WG == 2\n#define R_STAGES {}\n#else\n#define R_STAGES {}\n#endif",
+                stages[0], stages[1]
+            )),
+            "R_STAGES differs from sm90_rs_stages_for"
         );
+        assert!(src.contains(&format!("#define RS_WG {wg}")));
+        assert!(src.contains("#define R_EPI_ROW (2 * R_GU_BN + 4)"));
+        assert!(src.contains("#define R_GU_BN (RS_WG * 64)"));
+        assert_eq!(super::sm90_rs_epi_row_for(2), 260);
         assert!(src.contains(&format!("#define R_BK {}", super::SM90_RS_BK)));
         assert!(src.contains(&format!("#define R_SLACK {}", super::SM90_RS_SLACK)));
-        assert!(src.contains(&format!("#define R_EPI_ROW {}", super::SM90_RS_EPI_ROW)));
         assert!(src.contains(&format!("#define R_BOX_ROWS {}", super::SM90_RS_BOX_ROWS)));
         assert!(
             src.lines().any(|l| l.trim() == line),
@@ -162,11 +186,19 @@ fn sm90_rs_slack() -> u32 {
     }
 }
 
-/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or with `-DR_STAGES=N` in
-/// NVFP4DBG_NVRTC_DEFINES (an A/B of the ring's depth) the same for N stages.
+/// Warpgroups per register-A CTA: SM90_RS_WG, or `-DRS_WG=1` in NVFP4DBG_NVRTC_DEFINES (an A/B:
+/// 128-thread CTAs of half the weight rows, two per SM).
+fn sm90_rs_wg() -> u32 {
+    super::nvrtc::tuning_define("RS_WG").map_or(SM90_RS_WG, |n| n as u32)
+}
+
+/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N` and
+/// `-DRS_WG=N` in NVFP4DBG_NVRTC_DEFINES (A/Bs) ask for.
 fn sm90_rs_smem_bytes() -> u32 {
-    super::nvrtc::tuning_define("R_STAGES")
-        .map_or(SM90_RS_SMEM_BYTES, |n| sm90_rs_smem_for(n as u32))
+    let wg = sm90_rs_wg();
+    let stages =
+        super::nvrtc::tuning_define("R_STAGES").map_or(sm90_rs_stages_for(wg), |n| n as u32);
+    sm90_rs_smem_for(stages, wg)
 }
 
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
@@ -1019,6 +1051,7 @@ impl Nvfp4Forward {
     fn prefill_gemm(&self, fused: bool, k_dim: usize, nout: usize, wblock: u32) -> PrefillLaunch {
         let fits = self.gpu().arch == "sm_90a" && wblock == 16 && k_dim.is_multiple_of(SM90_BK);
         let rs = self.rs.is_some();
+        let rs_wg = sm90_rs_wg() as usize;
         let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
         let e = self.layer.config.n_routed_experts;
         let n = self.ws.tokens * self.ws.k;
@@ -1030,6 +1063,16 @@ impl Nvfp4Forward {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
+        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup
+        let rs_grid = LaunchConfig {
+            grid_dim: (
+                nout.div_ceil(bn / 2 * rs_wg) as u32,
+                m_tiles.max(1) as u32,
+                1,
+            ),
+            block_dim: (128 * rs_wg as u32, 1, 1),
+            shared_mem_bytes: sm90_rs_smem_bytes(),
+        };
         let which = match self.prefill {
             PrefillGemm::Auto if rs && !sm90_rs_disabled() => PrefillGemm::WgmmaRs,
             PrefillGemm::Auto | PrefillGemm::Wgmma if fits => PrefillGemm::Wgmma,
@@ -1038,11 +1081,9 @@ impl Nvfp4Forward {
         };
         match (which, fused) {
             (PrefillGemm::WgmmaRs, true) => {
-                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
+                PrefillLaunch::Rs("moe_gemm_gate_up_nvfp4_sm90rs", rs_grid)
             }
-            (PrefillGemm::WgmmaRs, false) => {
-                PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", grid(sm90_rs_smem_bytes()))
-            }
+            (PrefillGemm::WgmmaRs, false) => PrefillLaunch::Rs("moe_gemm_nvfp4_sm90rs", rs_grid),
             (PrefillGemm::Wgmma, true) => PrefillLaunch::Plain(
                 &MOE_GEMM_SM90,
                 "moe_gemm_gate_up_nvfp4_sm90",
