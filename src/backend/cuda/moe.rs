@@ -86,7 +86,7 @@ mod sm90_tests {
         let src = include_str!("../../../kernels/moe_gemm_sm90.cu");
         let line = format!("#define H_STAGES {}", super::SM90_STAGES);
         let wg = super::SM90_RS_WG;
-        let stages = [2, 1].map(|w| super::sm90_rs_stages_for(w));
+        let stages = [2, 1].map(super::sm90_rs_stages_for);
         assert!(
             src.contains(&format!(
                 "#if RS_WG == 2\n#define R_STAGES {}\n#else\n#define R_STAGES {}\n#endif",
