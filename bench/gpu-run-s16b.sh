@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 16, second lease: the narrow tiles (64 tokens or fewer) of the register-A GEMMs with
-# their weights more chunks ahead in registers (-DRS_NARROW_DEPTH=3, 4; 2 as built) and further
-# ahead in L2 (-DRS_L2_AHEAD_NARROW=8; 4 as built). gpu_gemm and gpu_moe under depth 4, then
+# their weights more chunks ahead in registers (-DRS_NARROW_DEPTH=3, 4; 2 as built) and, at depth 4,
+# further ahead in L2 (-DRS_L2_AHEAD_NARROW=8; 4 as built). gpu_gemm and gpu_moe under depth 4, then
 # the prefill GEMMs and the 4096-token layer (whose router makes a third of the tiles narrow),
 # alternating.
 set -uo pipefail
@@ -12,5 +12,5 @@ export $D=-DRS_NARROW_DEPTH=4
 run_tests ${TESTS:-gpu_gemm gpu_moe}
 unset $D
 ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} \
-    "default| nd3|$D=-DRS_NARROW_DEPTH=3 nd4|$D=-DRS_NARROW_DEPTH=4 l2n8|$D=-DRS_L2_AHEAD_NARROW=8 nd4l8|$D=-DRS_NARROW_DEPTH=4~-DRS_L2_AHEAD_NARROW=8"
+    "default| nd3|$D=-DRS_NARROW_DEPTH=3 nd4|$D=-DRS_NARROW_DEPTH=4 nd4l8|$D=-DRS_NARROW_DEPTH=4~-DRS_L2_AHEAD_NARROW=8"
 stamp total
