@@ -546,12 +546,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// Chunks of weights the tiles of 64 tokens or fewer hold in registers ahead of their MMAs (the
-// wider ones: 2, all their accumulators leave room for). A narrow tile's K loop waits on its
-// weights: per chunk it has a quarter or less of a full tile's MMAs to cover a load's latency.
-#ifndef RS_NARROW_DEPTH
-#define RS_NARROW_DEPTH 2
-#endif
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -888,20 +882,17 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 }
 
 // The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
-// acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. The lane's
-// weights come DEPTH chunks ahead through a ring of registers. Ends with every MMA complete
-// and every warp past the loop (the stages may then be reused).
-template <int N, int L2_AHEAD, int DEPTH>
+// acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
+// every MMA complete and every warp past the loop (the stages may then be reused).
+template <int N, int L2_AHEAD>
 __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
                                             float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
-    RChunk st[DEPTH];
+    RChunk st[2];
     rs_load(wr, 0, st[0]);
-#pragma unroll
-    for (int i = 1; i < DEPTH; i++)
-        if (i < nk) rs_load(wr, i, st[i]);
+    if (nk > 1) rs_load(wr, 1, st[1]);
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
@@ -916,16 +907,16 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-    if (L2_AHEAD > DEPTH)
-        for (u32 c = DEPTH; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-    for (u32 c = 0; c < nk; c += DEPTH) {
-#pragma unroll
-        for (int i = 0; i < DEPTH; i++) {
-            if (i == 0 || c + i < nk) {
-                if (L2_AHEAD > DEPTH && c + i + L2_AHEAD < nk) rs_prefetch_l2(wr, c + i + L2_AHEAD);
-                rs_chunk<N>(st[i], c + i, nk, stages, bars, tmap, r0, acc);
-                if (c + i + DEPTH < nk) rs_load(wr, c + i + DEPTH, st[i]);
-            }
+    if (L2_AHEAD > 2)
+        for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
+    for (u32 c = 0; c < nk; c += 2) {
+        if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
+        if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
+        if (c + 1 < nk) {
+            if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
+            if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
     wgmma_wait<0>();
@@ -958,23 +949,23 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
     if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
-        rs_mainloop<160, L2_AHEAD, 2>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (N144 && ntok > 128) {
         float acc[2][72];
-        rs_mainloop<144, L2_AHEAD, 2>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 64) {
         float acc[2][64];
-        rs_mainloop<128, L2_AHEAD, 2>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > 32) {
         float acc[2][32];
-        rs_mainloop<64, L2_NARROW, RS_NARROW_DEPTH>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
-        rs_mainloop<32, L2_NARROW, RS_NARROW_DEPTH>(wr, tmap, r0, nk, base, acc);
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
 }

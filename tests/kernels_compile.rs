@@ -167,17 +167,11 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     let nvdisasm = nvdisasm_path();
     let cubin =
         nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
-    // the K loops unroll as many chunks as they hold in registers: 2, or RS_NARROW_DEPTH at
-    // widths 32 and 64; each chunk is 8 k16 steps, one wait per step, 2 m-blocks a step
-    let narrow = nvrtc::tuning_define("RS_NARROW_DEPTH")
-        .or_else(|| nvrtc::define_value(&kernel_defaults(), "RS_NARROW_DEPTH"))
-        .expect("RS_NARROW_DEPTH") as usize;
-    for (kernel, widths) in [
-        ("moe_gemm_nvfp4_sm90rs", &[160, 128, 64, 32][..]),
-        (
-            "moe_gemm_gate_up_nvfp4_sm90rs",
-            &[160, 144, 128, 64, 32][..],
-        ),
+    // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
+    let steps = 2 * 8;
+    for (kernel, widths, wide) in [
+        ("moe_gemm_nvfp4_sm90rs", 4, 1),
+        ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),
     ] {
         let sass = sass_of(&nvdisasm, &cubin, kernel);
         let mmas = sass.matches("HGMMA").count();
@@ -188,37 +182,16 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
                 .filter(|rest| rest.split([' ', ';']).next() == Some(n))
                 .count()
         };
-        let steps = |w: i32| 8 * if w <= 64 { narrow } else { 2 };
-        let (wide, rest): (Vec<i32>, Vec<i32>) = widths.iter().partition(|w| **w > 128);
         let (drained, one, two) = (waits("0x0"), waits("0x1"), waits("0x2"));
         eprintln!(
             "{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}"
         );
-        assert_eq!(
-            mmas,
-            2 * widths.iter().copied().map(steps).sum::<usize>(),
-            "{kernel}: HGMMA count"
-        );
+        assert_eq!(mmas, widths * steps * 2, "{kernel}: HGMMA count");
         assert!(
-            drained <= widths.len()
-                && two == rest.into_iter().map(steps).sum::<usize>()
-                && one == wide.into_iter().map(steps).sum::<usize>(),
+            drained <= widths && two == (widths - wide) * steps && one == wide * steps,
             "{kernel}: ptxas serialized the MMAs ({drained} waits to 0, {one} to 1, {two} to 2, {mmas} HGMMA)"
         );
     }
-}
-
-/// The `#define NAME V` lines of kernels/moe_gemm_sm90.cu as `-DNAME=V` options (its knobs'
-/// defaults, for [`nvrtc::define_value`]).
-fn kernel_defaults() -> String {
-    include_str!("../kernels/moe_gemm_sm90.cu")
-        .lines()
-        .filter_map(|l| {
-            let mut w = l.strip_prefix("#define ")?.split_whitespace();
-            Some(format!("-D{}={}", w.next()?, w.next()?))
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// The register-A kernels' tuning knobs (kernels/moe_gemm_sm90.cu, `#ifndef`) set the other
@@ -235,7 +208,6 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_SWIGLU16=0",
     "-DR_STAGES=5",
     "-DRS_WG=1",
-    "-DRS_NARROW_DEPTH=4",
 ];
 
 #[test]

@@ -178,7 +178,7 @@ fn tuning_defines() -> Vec<String> {
 /// The value of `-DNAME=V` in `defines` (the format of NVFP4DBG_NVRTC_DEFINES, which
 /// `compile_options` hands to NVRTC: whitespace-separated `-D` options), the last one if
 /// repeated.
-pub fn define_value(defines: &str, name: &str) -> Option<u64> {
+pub(crate) fn define_value(defines: &str, name: &str) -> Option<u64> {
     defines
         .split_whitespace()
         .filter_map(|d| d.strip_prefix("-D")?.strip_prefix(name)?.strip_prefix('='))
@@ -188,7 +188,7 @@ pub fn define_value(defines: &str, name: &str) -> Option<u64> {
 
 /// The value of `-DNAME=V` in NVFP4DBG_NVRTC_DEFINES: a tuning knob that the host side must
 /// follow (a launch's shared memory, a bench's output check).
-pub fn tuning_define(name: &str) -> Option<u64> {
+pub(crate) fn tuning_define(name: &str) -> Option<u64> {
     define_value(
         &std::env::var("NVFP4DBG_NVRTC_DEFINES").unwrap_or_default(),
         name,
