@@ -502,7 +502,7 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 #define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
 #define R_STAGE_BYTES (2 * R_HALF_BYTES)
 // The gate/up epilogue's f32 tile, over the stages once the K loop is done: R_BN token rows of
-// R_EPI_ROW floats (g, then u, of the block's 128 outputs, + 4 so that a warp's accumulator
+// R_EPI_ROW floats (g, then u, of the CTA's R_GU_BN outputs, + 4 so that a warp's accumulator
 // stores hit 32 banks: 2 t R_EPI_ROW = 8 t mod 32). The barriers follow the larger of the two.
 #define R_EPI_ROW (2 * R_GU_BN + 4)
 #define R_EPI_BYTES (R_BN * R_EPI_ROW * 4)
