@@ -549,11 +549,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// Explicit reconvergence before the warpgroup MMAs (the sum of 1: after thread 0's refill at
-// step 4, 2: after the full-barrier wait): session 17's probe of the hang of b2f8762.
-#ifndef RS_SYNCWARP
-#define RS_SYNCWARP 0
-#endif
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -849,9 +844,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
     }
     mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
     u32 sb = stages + slot * R_STAGE_BYTES;
-#if RS_SYNCWARP & 2
-    __syncwarp();
-#endif
+    __syncwarp();  // every lane left the wait's spin loop: the MMAs below are `.aligned`
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         int q = s / 2, h = s % 2, blk = s / 4;
@@ -889,9 +882,14 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
             rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
-#if RS_SYNCWARP & 1
+        // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
+        // lane of the warp must issue it together). ptxas left this implicit in session 16's
+        // b2f8762 build (a BSSY / BSYNC pair opened before the chunk's MMAs), and there the
+        // down GEMM hung: cuda-gdb found thread 0's warp, all lanes active, waiting at the
+        // HGMMA after its refill while the other seven warps sat at the loop's final barrier
+        // (s17a). With this __syncwarp (a WARPSYNC) the same build ran; kernels_compile
+        // checks the SASS for it.
         __syncwarp();
-#endif
     }
 }
 

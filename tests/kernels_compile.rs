@@ -194,6 +194,70 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     }
 }
 
+/// The warpgroup MMAs that follow a TMA issue (`UTMALDG`) with no `WARPSYNC` or `BAR.SYNC`
+/// between them, in SASS order: the TMA issues counted, and the offending MMAs.
+fn mmas_after_refill(sass: &str) -> (usize, Vec<String>) {
+    let (mut issues, mut bad, mut pending) = (0, Vec::new(), false);
+    for line in sass.lines() {
+        if line.contains("UTMALDG") {
+            issues += 1;
+            pending = true;
+        } else if line.contains("WARPSYNC") || line.contains("BAR.SYNC") {
+            pending = false;
+        } else if pending && line.contains("HGMMA") {
+            pending = false;
+            bad.push(line.trim().to_string());
+        }
+    }
+    (issues, bad)
+}
+
+#[test]
+fn the_refill_check_finds_an_mma_left_to_an_implicit_reconvergence() {
+    // session 16's hanging build (b2f8762), as nvdisasm printed its down GEMM, abridged
+    let hung = "BSSY B1, `(.L_x_1032) ;\nHGMMA.64x32x16.F32 R24, R72, gdesc[UR12], R24 ;\n\
+        @!P5 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R139+URZ+0x28a20], RZ ;\n@P0 BRA `(.L_x_1033) ;\n\
+        SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R83+URZ+0x28a20], R138 ;\nUTMALDG.2D [UR8], [UR12] ;\n\
+        @P0 BRA.U.ANY `(.L_x_1037) ;\nBSYNC B1 ;\nWARPGROUP.ARRIVE ;\n\
+        HGMMA.64x32x16.F32 R24, R80, gdesc[UR12], R24 ;\n";
+    let (issues, bad) = mmas_after_refill(hung);
+    assert_eq!((issues, bad.len()), (1, 1), "{bad:?}");
+    // the same with the __syncwarp after the refill
+    let fixed = hung.replace("BSYNC B1 ;", "BSYNC B1 ;\nWARPSYNC.ALL ;");
+    assert!(mmas_after_refill(&fixed).1.is_empty());
+}
+
+/// Thread 0 refills the token ring in the middle of a chunk's warpgroup MMAs (rs_chunk, step
+/// 4); the MMAs are `.aligned`, so its warp must be whole again before the next one. Session
+/// 16's build b2f8762 left that to a BSSY / BSYNC pair opened before the chunk's MMAs at one
+/// site of the down GEMM (the 32-token tiles), and its layer hung there (s17a: cuda-gdb found
+/// thread 0's warp waiting at that HGMMA, the other warps at the loop's final barrier). Every
+/// MMA after a TMA issue must come after a WARPSYNC (the kernel's __syncwarp) or a barrier,
+/// in the default build and in the knobs' variant build.
+#[test]
+fn the_register_a_refills_reconverge_before_the_next_mma() {
+    if !enabled() {
+        return;
+    }
+    let nvdisasm = nvdisasm_path();
+    for defines in [&[][..], SM90_VARIANT] {
+        let (cubin, _) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", defines)
+            .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
+        for kernel in ["moe_gemm_nvfp4_sm90rs", "moe_gemm_gate_up_nvfp4_sm90rs"] {
+            let (issues, bad) = mmas_after_refill(&sass_of(&nvdisasm, &cubin, kernel));
+            eprintln!(
+                "{kernel} {defines:?}: {issues} TMA issues, {} MMAs left unreconverged",
+                bad.len()
+            );
+            assert!(issues > 0, "{kernel}: no TMA issue in the SASS");
+            assert!(
+                bad.is_empty(),
+                "{kernel} {defines:?}: MMAs after a refill without a WARPSYNC: {bad:?}"
+            );
+        }
+    }
+}
+
 /// The register-A kernels' tuning knobs (kernels/moe_gemm_sm90.cu, `#ifndef`) set the other
 /// way, as a device script's A/B sets them through NVFP4DBG_NVRTC_DEFINES: they build without
 /// spills too (a variant that does not build would waste a lease).
