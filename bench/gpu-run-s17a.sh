@@ -7,6 +7,9 @@
 #  2. The same build under RS_SYNCWARP=1, 2, 3 (kernels/moe_gemm_sm90.cu): does it still hang?
 #  3. The current build (.dev/gpu/nvfp4dbg), RS_SYNCWARP 0 against 3: the layer and prefill
 #     figures in alternating rounds, and the register-A GPU tests under 3.
+# It ran on commit 1d03ac7; the knob RS_SYNCWARP was removed in f55bc18, where both
+# reconvergence points became the kernel's code (value 3). The b2f8762 build is that commit
+# with the same knob added (off by default: its SASS is the hanging build's).
 set -uo pipefail
 L=s17a
 source bench/gpu-lib.sh
