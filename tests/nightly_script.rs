@@ -1,0 +1,120 @@
+//! `.ci/gpu-nightly` on stand-in binaries (shell scripts, no GPU): a test or a case run that
+//! hangs is stopped at its time limit and reported as such, and the other tests still run.
+//! (Not named gpu_*: the nightly packages and runs those.)
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn write_exe(path: &Path, body: &str) {
+    std::fs::write(path, format!("#!/usr/bin/env bash\n{body}")).unwrap();
+    let mut perm = std::fs::metadata(path).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    std::fs::set_permissions(path, perm).unwrap();
+}
+
+/// A package dir whose `gpu_fake` lists `passes` and `hangs`, an `nvfp4dbg` whose `run cases/`
+/// hangs when `cases_hang` (else reports no cases), and an `nvidia-smi` on PATH.
+fn stand_ins(dir: &Path, cases_hang: bool) {
+    let bin = dir.join("bin");
+    let path = dir.join("path");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(&path).unwrap();
+    write_exe(
+        &bin.join("gpu_fake"),
+        r#"case "$*" in
+  *--list*) printf 'passes: test\nhangs: test\n' ;;
+  *"--exact passes"*) echo "test passes ... ok"; echo "test result: ok. 1 passed; 0 failed" ;;
+  *"--exact hangs"*) exec sleep 60 ;;
+esac
+"#,
+    );
+    let run = if cases_hang {
+        "exec sleep 60"
+    } else {
+        r#"while [ $# -gt 0 ]; do [ "$1" = --json ] && echo '{"cases": []}' > "$2"; shift; done"#
+    };
+    write_exe(&bin.join("nvfp4dbg"), run);
+    write_exe(&path.join("nvidia-smi"), "echo 'GPU 0: stand-in'");
+}
+
+/// Runs the nightly on the stand-ins with 2-second limits: (exit code, summary.json, seconds).
+fn nightly(dir: &Path) -> (i32, serde_json::Value, f64) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/gpu-nightly");
+    let reports = dir.join("reports");
+    let path = format!(
+        "{}:{}",
+        dir.join("path").display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let t0 = Instant::now();
+    let out = Command::new("bash")
+        .arg(&script)
+        .arg(dir.join("bin"))
+        .env("PATH", path)
+        .env("NVFP4DBG_REPORTS", &reports)
+        .env("NVFP4DBG_TEST_TIMEOUT_S", "2")
+        .env("NVFP4DBG_CASES_TIMEOUT_S", "2")
+        .output()
+        .expect("bash runs .ci/gpu-nightly");
+    let secs = t0.elapsed().as_secs_f64();
+    let text = std::fs::read_to_string(reports.join("summary.json")).unwrap_or_else(|e| {
+        panic!(
+            "no summary.json ({e}); stdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    (
+        out.status.code().unwrap_or(-1),
+        serde_json::from_str(&text).unwrap(),
+        secs,
+    )
+}
+
+#[test]
+fn a_hung_test_is_stopped_reported_and_the_rest_still_run() {
+    let dir = tempfile::tempdir().unwrap();
+    stand_ins(dir.path(), false);
+    let (rc, summary, secs) = nightly(dir.path());
+    assert_eq!(rc, 1, "{summary}");
+    assert_eq!(summary["verdict"], "fail");
+    let status = |name: &str| {
+        summary["tests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == name)
+            .unwrap_or_else(|| panic!("{name} missing: {summary}"))["status"]
+            .clone()
+    };
+    assert_eq!(status("passes"), "passed");
+    assert_eq!(status("hangs"), "timeout");
+    assert!(
+        secs < 30.0,
+        "the hang was not stopped: {secs:.1} s (the stand-in sleeps 60 s)"
+    );
+    let log = std::fs::read_to_string(dir.path().join("reports/tests/gpu_fake.hangs.log")).unwrap();
+    assert!(log.contains("stopped after 2 s"), "{log}");
+    let junit = std::fs::read_to_string(dir.path().join("reports/junit.xml")).unwrap();
+    assert!(
+        junit.contains(r#"<failure message="test timeout"/>"#),
+        "{junit}"
+    );
+}
+
+#[test]
+fn hung_cases_are_stopped_and_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    stand_ins(dir.path(), true);
+    let (rc, summary, secs) = nightly(dir.path());
+    assert_eq!(rc, 1, "{summary}");
+    let error = summary["summary"]["cases_error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(error.contains("stopped after 2 s"), "{summary}");
+    assert!(
+        secs < Duration::from_secs(40).as_secs_f64(),
+        "the cases' hang was not stopped: {secs:.1} s"
+    );
+}
