@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 fn write_exe(path: &Path, body: &str) {
     std::fs::write(path, format!("#!/usr/bin/env bash\n{body}")).unwrap();
@@ -113,8 +113,5 @@ fn hung_cases_are_stopped_and_reported() {
         .as_str()
         .unwrap_or_default();
     assert!(error.contains("stopped after 2 s"), "{summary}");
-    assert!(
-        secs < Duration::from_secs(40).as_secs_f64(),
-        "the cases' hang was not stopped: {secs:.1} s"
-    );
+    assert!(secs < 40.0, "the cases' hang was not stopped: {secs:.1} s");
 }
