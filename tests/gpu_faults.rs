@@ -1,7 +1,7 @@
 //! GPU faults end as exit 2 naming the step and the kernel: never a hang, never a panic.
 //! Each fault is injected through the hidden `NVFP4DBG_FAULT` (docs/dev-faults.md) into a real
 //! `layertest --device cuda:0` run: a kernel that does not compile, an illegal address inside
-//! a kernel, an allocation that runs out of memory. GPU tests are #[ignore] (.ci/gpu-nightly
+//! a kernel, a kernel that never ends, an allocation that runs out of memory. GPU tests are #[ignore] (.ci/gpu-nightly
 //! runs them); the compile fault also runs without a GPU where NVRTC is available
 //! (`.ci/compile-kernels`).
 
@@ -156,6 +156,43 @@ fn an_illegal_address_inside_a_kernel_is_a_clean_error() {
             "{text}"
         );
         assert!(kernel != "-", "{text}");
+    }
+}
+
+#[test]
+#[ignore = "GPU: run by .ci/gpu-nightly"]
+fn a_kernel_that_never_ends_is_a_clean_error_not_a_hang() {
+    // the wait gives up after NVFP4DBG_KERNEL_TIMEOUT_S and names the kernels in flight; at
+    // the first kernel, at one deep in the forward, and under --cuda-graph
+    for (fault, extra) in [
+        ("hang", &[][..]),
+        ("hang:moe_combine", &[][..]),
+        ("hang:moe_combine", &["--cuda-graph"][..]),
+    ] {
+        let start = Instant::now();
+        let (code, text) = layertest(
+            &[
+                ("NVFP4DBG_FAULT", fault),
+                ("NVFP4DBG_KERNEL_TIMEOUT_S", "5"),
+            ],
+            extra,
+        );
+        let took = start.elapsed();
+        assert_clean_gpu_error(code, &text, &format!("{fault} {extra:?}"));
+        assert!(
+            text.contains("hang during ") && text.contains("still running after 5 s"),
+            "{fault} {extra:?}: {text}"
+        );
+        if extra.is_empty() {
+            assert!(
+                text.contains("nvfp4dbg_injected_hang"),
+                "{fault}: the kernels in flight are not named: {text}"
+            );
+        }
+        assert!(
+            took < Duration::from_secs(90),
+            "{fault} {extra:?}: {took:?}"
+        );
     }
 }
 

@@ -12,7 +12,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 /// Run `f`, turning a panic (cudarc panics when a library or a symbol is missing) into `Err`.
 pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
@@ -39,6 +40,54 @@ fn driver_what(e: &DriverError) -> String {
     } else {
         format!("{name}: {text}")
     }
+}
+
+/// What waiting for a stream with a deadline found.
+pub(crate) enum Waited {
+    Done,
+    Failed(DriverError),
+    /// Still running at the deadline: a kernel that never ends (CUDA cannot cancel it).
+    Running,
+}
+
+/// Wait for `stream` until `limit` has passed, polling `cuStreamQuery` (spinning for the
+/// first millisecond, then napping up to 2 ms): a blocking synchronize would wait forever on
+/// a kernel that hangs.
+pub(crate) fn wait_until(stream: drv_sys::CUstream, limit: Duration) -> Waited {
+    let start = Instant::now();
+    let mut nap = Duration::from_micros(20);
+    loop {
+        // SAFETY: a live stream of the current context.
+        match unsafe { drv_sys::cuStreamQuery(stream) } {
+            drv_sys::CUresult::CUDA_SUCCESS => return Waited::Done,
+            drv_sys::CUresult::CUDA_ERROR_NOT_READY => {}
+            e => return Waited::Failed(DriverError(e)),
+        }
+        let waited = start.elapsed();
+        if waited > limit {
+            return Waited::Running;
+        }
+        if waited < Duration::from_millis(1) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(2));
+        }
+    }
+}
+
+/// How long one wait for nvfp4dbg's own GPU work may last before it is called a hang:
+/// `NVFP4DBG_KERNEL_TIMEOUT_S` (default 600 s; the longest wait of a DeepSeek-V3 layer at
+/// 4096 tokens is well under a second).
+pub(crate) fn kernel_timeout() -> Duration {
+    static LIMIT: OnceLock<Duration> = OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::env::var("NVFP4DBG_KERNEL_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| *v > 0.0)
+            .map_or(Duration::from_secs(600), Duration::from_secs_f64)
+    })
 }
 
 /// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
@@ -485,31 +534,50 @@ impl Gpu {
         driver_err(step, &kernel, e)
     }
 
-    /// Wait for the stream; an error names the kernels launched since the last sync.
+    /// Wait for the stream; an error names the kernels launched since the last sync. Work
+    /// still running after [`kernel_timeout`] is a hang: CUDA cannot cancel a kernel and
+    /// tearing the context down would wait on it, so the process exits (2) naming the step and
+    /// those kernels.
     pub fn sync(&self, step: &str) -> Result<()> {
+        self.bind_to_thread()?;
         let side = lock(&self.side).as_ref().map(|(s, _)| s.clone());
-        let r = side
-            .map_or(Ok(()), |s| s.synchronize())
-            .and_then(|_| self.stream.synchronize());
-        let kernels = std::mem::take(&mut *lock(&self.pending));
-        r.map_err(|e| {
-            let mut names: Vec<&str> = Vec::new();
-            for k in kernels {
-                if !names.contains(&k) {
-                    names.push(k);
-                }
+        let limit = kernel_timeout();
+        let mut waited = Waited::Done;
+        for s in side.iter().chain(std::iter::once(&self.stream)) {
+            waited = wait_until(s.cu_stream(), limit);
+            if !matches!(waited, Waited::Done) {
+                break;
             }
-            let kernel = if names.is_empty() {
-                "-".to_string()
-            } else {
-                names.join(" | ")
-            };
-            driver_err(
+        }
+        let kernels = std::mem::take(&mut *lock(&self.pending));
+        let mut names: Vec<&str> = Vec::new();
+        for k in kernels {
+            if !names.contains(&k) {
+                names.push(k);
+            }
+        }
+        let kernel = if names.is_empty() {
+            "-".to_string()
+        } else {
+            names.join(" | ")
+        };
+        match waited {
+            Waited::Done => Ok(()),
+            Waited::Failed(e) => Err(driver_err(
                 &format!("{step} (an asynchronous fault in one of these kernels; rerun with NVFP4DBG_CUDA_SYNC=1 to pin it)"),
                 &kernel,
                 e,
-            )
-        })
+            )),
+            Waited::Running => {
+                eprintln!(
+                    "nvfp4dbg: error: hang during {step} (kernel `{kernel}`): still running after \
+                     {:.0} s (NVFP4DBG_KERNEL_TIMEOUT_S); a GPU kernel cannot be cancelled, \
+                     exiting (rerun with NVFP4DBG_CUDA_SYNC=1 to pin the kernel)",
+                    limit.as_secs_f64()
+                );
+                std::process::exit(2)
+            }
+        }
     }
 
     /// Allocate `n` elements, filled with 0xFF bytes (NaN for f32/bf16) so that anything a

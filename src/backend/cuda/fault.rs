@@ -8,7 +8,10 @@
 //!   one-thread kernel writes 4 TiB past the end of a buffer: the sticky fault surfaces at
 //!   the next launch or synchronization, as any fault inside a kernel does;
 //! - `oom[:WHAT]`: the first device allocation whose description contains WHAT (any when
-//!   none is given) fails as cuMemAlloc does when memory runs out.
+//!   none is given) fails as cuMemAlloc does when memory runs out;
+//! - `hang[:KERNEL]`: before KERNEL (the first kernel launched when none is given), a
+//!   one-thread kernel spins forever, as a kernel with a deadlock does: the next wait for the
+//!   GPU gives up after `NVFP4DBG_KERNEL_TIMEOUT_S` and exits 2 naming the kernels in flight.
 
 use super::device::{driver_err, Gpu, KArg};
 use super::nvrtc::KernelModule;
@@ -25,6 +28,7 @@ pub enum Fault {
     Compile(Option<String>),
     IllegalAddress(Option<String>),
     Oom(Option<String>),
+    Hang(Option<String>),
 }
 
 impl Fault {
@@ -34,22 +38,24 @@ impl Fault {
             Some((k, _)) => (k, None),
             None => (s, None),
         };
+        // a misspelt kernel would never fire and pass for a clean run
+        let kernel = |t: Option<String>| match t {
+            Some(k)
+                if !super::nvrtc::MODULES
+                    .iter()
+                    .any(|m| m.kernels.contains(&k.as_str())) =>
+            {
+                Err(format!("{ENV}={s}: no kernel `{k}` in kernels/*.cu"))
+            }
+            t => Ok(t),
+        };
         match kind {
             "compile" => Ok(Fault::Compile(target)),
-            "illegal-address" => match target {
-                // a misspelt kernel would never fire and pass for a clean run
-                Some(k)
-                    if !super::nvrtc::MODULES
-                        .iter()
-                        .any(|m| m.kernels.contains(&k.as_str())) =>
-                {
-                    Err(format!("{ENV}={s}: no kernel `{k}` in kernels/*.cu"))
-                }
-                t => Ok(Fault::IllegalAddress(t)),
-            },
+            "illegal-address" => kernel(target).map(Fault::IllegalAddress),
+            "hang" => kernel(target).map(Fault::Hang),
             "oom" => Ok(Fault::Oom(target)),
             _ => Err(format!(
-                "{ENV}={s}: expected compile[:FILE], illegal-address[:KERNEL] or oom[:WHAT]"
+                "{ENV}={s}: expected compile[:FILE], illegal-address[:KERNEL], hang[:KERNEL] or oom[:WHAT]"
             )),
         }
     }
@@ -88,6 +94,7 @@ pub fn broken_source(module: &KernelModule) -> String {
 }
 
 const FAULT_KERNEL: &str = "nvfp4dbg_injected_illegal_address";
+const HANG_KERNEL: &str = "nvfp4dbg_injected_hang";
 
 static FAULT_MODULE: KernelModule = KernelModule {
     file: "nvfp4dbg_fault.cu",
@@ -96,35 +103,39 @@ static FAULT_MODULE: KernelModule = KernelModule {
 extern "C" __global__ void nvfp4dbg_injected_illegal_address(float* buf) {
     buf[1ull << 40] = 1.0f;
 }
+// NVFP4DBG_FAULT=hang: waits for a flag that nothing sets (the buffer is zero)
+extern "C" __global__ void nvfp4dbg_injected_hang(const volatile int* flag) {
+    while (*flag == 0) __nanosleep(1000);
+}
 "#,
-    kernels: &[FAULT_KERNEL],
+    kernels: &[FAULT_KERNEL, HANG_KERNEL],
 };
 
-/// Called by every launch before `kernel` goes out: under `illegal-address` launches the
-/// faulting kernel once, at the chosen kernel.
+/// Called by every launch before `kernel` goes out: under `illegal-address` or `hang`
+/// launches the faulting kernel once, at the chosen kernel.
 pub(crate) fn before_launch(gpu: &Gpu, kernel: &str) -> Result<()> {
     static FIRED: AtomicBool = AtomicBool::new(false);
-    let Some(Fault::IllegalAddress(t)) = active()? else {
-        return Ok(());
+    let (inject, target) = match active()? {
+        Some(Fault::IllegalAddress(t)) => (FAULT_KERNEL, t),
+        Some(Fault::Hang(t)) => (HANG_KERNEL, t),
+        _ => return Ok(()),
     };
-    if kernel == FAULT_KERNEL
-        || t.as_deref().is_some_and(|k| k != kernel)
+    if kernel == inject
+        || target.as_deref().is_some_and(|k| k != kernel)
         || FIRED.swap(true, Ordering::Relaxed)
     {
         return Ok(());
     }
-    let buf = gpu.alloc::<f32>(1, "the injected fault's buffer")?;
+    let buf = gpu.zeros::<i32>(1, "the injected fault's buffer")?;
     let cfg = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (1, 1, 1),
         shared_mem_bytes: 0,
     };
-    gpu.launch(
-        &FAULT_MODULE,
-        FAULT_KERNEL,
-        cfg,
-        &[KArg::U64(gpu.ptr(&buf))],
-    )
+    let launched = gpu.launch(&FAULT_MODULE, inject, cfg, &[KArg::U64(gpu.ptr(&buf))]);
+    // kept: freeing it must not wait on the kernel (4 bytes, once per process)
+    std::mem::forget(buf);
+    launched
 }
 
 /// Called by every device allocation: under `oom` fails the chosen one as the driver does.
@@ -159,6 +170,13 @@ mod tests {
             Ok(Fault::IllegalAddress(Some("router_topk".into())))
         );
         assert_eq!(Fault::parse("oom:"), Ok(Fault::Oom(None)));
+        assert_eq!(
+            Fault::parse("hang:moe_combine"),
+            Ok(Fault::Hang(Some("moe_combine".into())))
+        );
+        assert_eq!(Fault::parse("hang"), Ok(Fault::Hang(None)));
+        let e = Fault::parse("hang:moe_combin").unwrap_err();
+        assert!(e.contains("no kernel `moe_combin`"), "{e}");
         let e = Fault::parse("illegal_address").unwrap_err();
         assert!(e.contains("NVFP4DBG_FAULT=illegal_address"), "{e}");
         let e = Fault::parse("illegal-address:moe_gemm_nvfp5").unwrap_err();
