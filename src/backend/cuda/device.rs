@@ -3,6 +3,7 @@
 //! every error names the kernel (or the step) it came from.
 
 use super::nvrtc::{self, KernelModule};
+use super::watchdog::{self, Watchdog};
 use crate::error::{Error, Result};
 use cudarc::cublas::{result::CublasError, sys as cublas_sys, CudaBlas};
 use cudarc::driver::{
@@ -12,8 +13,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
 
 /// Run `f`, turning a panic (cudarc panics when a library or a symbol is missing) into `Err`.
 pub(crate) fn quietly<T>(f: impl FnOnce() -> T) -> std::result::Result<T, String> {
@@ -40,54 +40,6 @@ fn driver_what(e: &DriverError) -> String {
     } else {
         format!("{name}: {text}")
     }
-}
-
-/// What waiting for a stream with a deadline found.
-pub(crate) enum Waited {
-    Done,
-    Failed(DriverError),
-    /// Still running at the deadline: a kernel that never ends (CUDA cannot cancel it).
-    Running,
-}
-
-/// Wait for `stream` until `limit` has passed, polling `cuStreamQuery` (spinning for the
-/// first millisecond, then napping up to 2 ms): a blocking synchronize would wait forever on
-/// a kernel that hangs.
-pub(crate) fn wait_until(stream: drv_sys::CUstream, limit: Duration) -> Waited {
-    let start = Instant::now();
-    let mut nap = Duration::from_micros(20);
-    loop {
-        // SAFETY: a live stream of the current context.
-        match unsafe { drv_sys::cuStreamQuery(stream) } {
-            drv_sys::CUresult::CUDA_SUCCESS => return Waited::Done,
-            drv_sys::CUresult::CUDA_ERROR_NOT_READY => {}
-            e => return Waited::Failed(DriverError(e)),
-        }
-        let waited = start.elapsed();
-        if waited > limit {
-            return Waited::Running;
-        }
-        if waited < Duration::from_millis(1) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(nap);
-            nap = (nap * 2).min(Duration::from_millis(2));
-        }
-    }
-}
-
-/// How long one wait for nvfp4dbg's own GPU work may last before it is called a hang:
-/// `NVFP4DBG_KERNEL_TIMEOUT_S` (default 600 s; the longest wait of a DeepSeek-V3 layer at
-/// 4096 tokens is well under a second).
-pub(crate) fn kernel_timeout() -> Duration {
-    static LIMIT: OnceLock<Duration> = OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        std::env::var("NVFP4DBG_KERNEL_TIMEOUT_S")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|v| *v > 0.0)
-            .map_or(Duration::from_secs(600), Duration::from_secs_f64)
-    })
 }
 
 /// A driver error during `step` in `kernel`; out-of-memory becomes `GpuOom` (with advice).
@@ -246,6 +198,18 @@ pub struct Gpu {
     /// `NVFP4DBG_CUDA_SYNC=1`: synchronize after every launch to pin an error on its kernel.
     sync_each: bool,
     pub(crate) capturing: AtomicBool,
+    /// Watches the host's waits for the GPU: a kernel that never ends is exit 2 naming the
+    /// step and the kernels in flight, not a hang (src/backend/cuda/watchdog.rs).
+    watchdog: Arc<Watchdog>,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // the context's teardown waits for the GPU's work: wait here first, under the
+        // watchdog, so a kernel that never ends is still reported; then its thread ends
+        let _ = self.sync("releasing the GPU");
+        self.watchdog.stop();
+    }
 }
 
 impl Gpu {
@@ -292,6 +256,24 @@ impl Gpu {
             pending: Mutex::new(Vec::new()),
             sync_each: std::env::var("NVFP4DBG_CUDA_SYNC").is_ok_and(|v| v == "1"),
             capturing: AtomicBool::new(false),
+            watchdog: Watchdog::start(
+                watchdog::limit_from_env(),
+                Box::new(move |limit, step, kernels| {
+                    let kernel = if kernels.is_empty() {
+                        "-".to_string()
+                    } else {
+                        kernels.join(" | ")
+                    };
+                    eprintln!(
+                        "nvfp4dbg: error: hang during {step} on cuda:{ordinal} (kernel \
+                         `{kernel}`): waited {:.0} s for the GPU (NVFP4DBG_KERNEL_TIMEOUT_S); a \
+                         GPU kernel cannot be cancelled, exiting (rerun with \
+                         NVFP4DBG_CUDA_SYNC=1 to pin the kernel)",
+                        limit.as_secs_f64()
+                    );
+                    watchdog::exit_now(2)
+                }),
+            ),
         }))
     }
 
@@ -534,50 +516,46 @@ impl Gpu {
         driver_err(step, &kernel, e)
     }
 
-    /// Wait for the stream; an error names the kernels launched since the last sync. Work
-    /// still running after [`kernel_timeout`] is a hang: CUDA cannot cancel a kernel and
-    /// tearing the context down would wait on it, so the process exits (2) naming the step and
-    /// those kernels.
+    /// The host blocks on the GPU for `step` until the guard drops: the watchdog ends the
+    /// process if that lasts NVFP4DBG_KERNEL_TIMEOUT_S.
+    fn waiting(&self, step: &str) -> watchdog::Waiting<'_> {
+        let mut kernels: Vec<&'static str> = Vec::new();
+        for &k in lock(&self.pending).iter() {
+            if !kernels.contains(&k) {
+                kernels.push(k);
+            }
+        }
+        self.watchdog.waiting(step, kernels)
+    }
+
+    /// Wait for the stream; an error names the kernels launched since the last sync. (A wait
+    /// that never ends is the watchdog's: see [`Gpu::waiting`].)
     pub fn sync(&self, step: &str) -> Result<()> {
-        self.bind_to_thread()?;
         let side = lock(&self.side).as_ref().map(|(s, _)| s.clone());
-        let limit = kernel_timeout();
-        let mut waited = Waited::Done;
-        for s in side.iter().chain(std::iter::once(&self.stream)) {
-            waited = wait_until(s.cu_stream(), limit);
-            if !matches!(waited, Waited::Done) {
-                break;
-            }
-        }
+        let blocked = self.waiting(step);
+        let r = side
+            .map_or(Ok(()), |s| s.synchronize())
+            .and_then(|_| self.stream.synchronize());
+        drop(blocked);
         let kernels = std::mem::take(&mut *lock(&self.pending));
-        let mut names: Vec<&str> = Vec::new();
-        for k in kernels {
-            if !names.contains(&k) {
-                names.push(k);
+        r.map_err(|e| {
+            let mut names: Vec<&str> = Vec::new();
+            for k in kernels {
+                if !names.contains(&k) {
+                    names.push(k);
+                }
             }
-        }
-        let kernel = if names.is_empty() {
-            "-".to_string()
-        } else {
-            names.join(" | ")
-        };
-        match waited {
-            Waited::Done => Ok(()),
-            Waited::Failed(e) => Err(driver_err(
+            let kernel = if names.is_empty() {
+                "-".to_string()
+            } else {
+                names.join(" | ")
+            };
+            driver_err(
                 &format!("{step} (an asynchronous fault in one of these kernels; rerun with NVFP4DBG_CUDA_SYNC=1 to pin it)"),
                 &kernel,
                 e,
-            )),
-            Waited::Running => {
-                eprintln!(
-                    "nvfp4dbg: error: hang during {step} (kernel `{kernel}`): still running after \
-                     {:.0} s (NVFP4DBG_KERNEL_TIMEOUT_S); a GPU kernel cannot be cancelled, \
-                     exiting (rerun with NVFP4DBG_CUDA_SYNC=1 to pin the kernel)",
-                    limit.as_secs_f64()
-                );
-                std::process::exit(2)
-            }
-        }
+            )
+        })
     }
 
     /// Allocate `n` elements, filled with 0xFF bytes (NaN for f32/bf16) so that anything a
@@ -620,9 +598,12 @@ impl Gpu {
             return self.alloc(0, what);
         }
         super::fault::before_alloc(what)?;
+        let step = format!("copying {what} to the GPU");
+        // from pageable memory the copy may wait for the stream's earlier work
+        let _blocked = self.waiting(&step);
         self.stream
             .clone_htod(host)
-            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
+            .map_err(|e| self.stream_err(&step, e))
     }
 
     /// Copy `host` to device address `dst` (which must hold it). The copy from pageable
@@ -644,8 +625,10 @@ impl Gpu {
         if host.is_empty() {
             return Ok(());
         }
+        let step = format!("copying {what} to the GPU");
+        let _blocked = self.waiting(&step);
         unsafe { drv::memcpy_htod_async(dst, host, self.stream.cu_stream()) }
-            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
+            .map_err(|e| self.stream_err(&step, e))
     }
 
     /// Copy `host` into the start of `dst`.
@@ -671,9 +654,11 @@ impl Gpu {
             });
         }
         let mut view = dst.slice_mut(at..at + host.len());
+        let step = format!("copying {what} to the GPU");
+        let _blocked = self.waiting(&step);
         self.stream
             .memcpy_htod(host, &mut view)
-            .map_err(|e| self.stream_err(&format!("copying {what} to the GPU"), e))
+            .map_err(|e| self.stream_err(&step, e))
     }
 
     /// Copy the first `n` elements back (waits for the stream; reports pending faults).

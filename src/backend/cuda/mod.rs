@@ -16,6 +16,7 @@ pub mod quant;
 pub mod reduce;
 pub mod router;
 pub mod tma;
+mod watchdog;
 
 pub use device::{probe, Gpu};
 

@@ -11,7 +11,7 @@
 //! A sticky CUDA error (illegal address) likewise exits at once with 2: the context is
 //! unusable and its teardown (cuBLAS handles included) would fail.
 
-use super::device::{driver_err, wait_until, Gpu, Waited};
+use super::device::{driver_err, Gpu};
 use crate::error::{Error, Result};
 use crate::moe::ep::check::IdSpace;
 use crate::moe::ep::ExpertMap;
@@ -21,7 +21,7 @@ use crate::nvfp4::Format;
 use cudarc::driver::sys as drv_sys;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// `NVFP4DBG_MOE_ABI_VERSION` of kernels/include/nvfp4dbg_moe.h.
 pub const ABI_VERSION: u32 = 1;
@@ -357,7 +357,8 @@ impl Plugin {
             self.path.display(),
             self.name
         );
-        std::process::exit(2)
+        // no exit handlers: the driver's teardown would wait on a kernel that never ends
+        super::watchdog::exit_now(2)
     }
 
     /// Wait for the stream with a deadline, polling: a fault in the plugin's kernels is the
@@ -373,26 +374,37 @@ impl Plugin {
             .and_then(|v| v.parse::<f64>().ok())
             .filter(|v| *v > 0.0)
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs_f64);
-        match wait_until(stream, limit) {
-            Waited::Done => {}
-            Waited::Failed(e) => {
-                let err = driver_err("-", "-", e);
-                let what = match err {
-                    Error::Cuda { what, .. } | Error::GpuOom { what, .. } => what,
-                    other => other.to_string(),
-                };
+        let start = Instant::now();
+        let mut nap = Duration::from_micros(50);
+        loop {
+            // SAFETY: a live stream of our context.
+            let r = unsafe { drv_sys::cuStreamQuery(stream) };
+            match r {
+                drv_sys::CUresult::CUDA_SUCCESS => return,
+                drv_sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    let err = driver_err("-", "-", cudarc::driver::DriverError(e));
+                    let what = match err {
+                        Error::Cuda { what, .. } | Error::GpuOom { what, .. } => what,
+                        other => other.to_string(),
+                    };
+                    self.fatal(&format!(
+                        "{before}CUDA error in the plugin's kernels: {what}; the CUDA context is \
+                         unusable after this, exiting (rerun under compute-sanitizer to find the \
+                         faulting access)"
+                    ));
+                }
+            }
+            if start.elapsed() > limit {
+                // no way to cancel a running kernel, and context teardown would wait on it
                 self.fatal(&format!(
-                    "{before}CUDA error in the plugin's kernels: {what}; the CUDA context is \
-                     unusable after this, exiting (rerun under compute-sanitizer to find the \
-                     faulting access)"
+                    "{before}still running after {:.0} s (NVFP4DBG_PLUGIN_TIMEOUT_S): a hang in \
+                     the plugin's kernels; exiting",
+                    limit.as_secs_f64()
                 ));
             }
-            // no way to cancel a running kernel, and context teardown would wait on it
-            Waited::Running => self.fatal(&format!(
-                "{before}still running after {:.0} s (NVFP4DBG_PLUGIN_TIMEOUT_S): a hang in \
-                 the plugin's kernels; exiting",
-                limit.as_secs_f64()
-            )),
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(Duration::from_millis(20));
         }
     }
 }
