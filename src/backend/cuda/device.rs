@@ -259,16 +259,12 @@ impl Gpu {
             watchdog: Watchdog::start(
                 watchdog::limit_from_env(),
                 Box::new(move |limit, step, kernels| {
-                    let kernel = if kernels.is_empty() {
-                        "-".to_string()
-                    } else {
-                        kernels.join(" | ")
-                    };
                     eprintln!(
                         "nvfp4dbg: error: hang during {step} on cuda:{ordinal} (kernel \
-                         `{kernel}`): waited {:.0} s for the GPU (NVFP4DBG_KERNEL_TIMEOUT_S); a \
+                         `{}`): waited {:.0} s for the GPU (NVFP4DBG_KERNEL_TIMEOUT_S); a \
                          GPU kernel cannot be cancelled, exiting (rerun with \
                          NVFP4DBG_CUDA_SYNC=1 to pin the kernel)",
+                        kernel_label(kernels),
                         limit.as_secs_f64()
                     );
                     watchdog::exit_now(2)
@@ -502,30 +498,13 @@ impl Gpu {
         if e.0 == drv_sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
             return driver_err(step, "-", e);
         }
-        let mut names: Vec<&str> = Vec::new();
-        for k in lock(&self.pending).iter() {
-            if !names.contains(k) {
-                names.push(k);
-            }
-        }
-        let kernel = if names.is_empty() {
-            "-".to_string()
-        } else {
-            names.join(" | ")
-        };
-        driver_err(step, &kernel, e)
+        driver_err(step, &kernel_label(&distinct(&lock(&self.pending))), e)
     }
 
     /// The host blocks on the GPU for `step` until the guard drops: the watchdog ends the
     /// process if that lasts NVFP4DBG_KERNEL_TIMEOUT_S.
     fn waiting(&self, step: &str) -> watchdog::Waiting<'_> {
-        let mut kernels: Vec<&'static str> = Vec::new();
-        for &k in lock(&self.pending).iter() {
-            if !kernels.contains(&k) {
-                kernels.push(k);
-            }
-        }
-        self.watchdog.waiting(step, kernels)
+        self.watchdog.waiting(step, distinct(&lock(&self.pending)))
     }
 
     /// Wait for the stream; an error names the kernels launched since the last sync. (A wait
@@ -539,20 +518,9 @@ impl Gpu {
         drop(blocked);
         let kernels = std::mem::take(&mut *lock(&self.pending));
         r.map_err(|e| {
-            let mut names: Vec<&str> = Vec::new();
-            for k in kernels {
-                if !names.contains(&k) {
-                    names.push(k);
-                }
-            }
-            let kernel = if names.is_empty() {
-                "-".to_string()
-            } else {
-                names.join(" | ")
-            };
             driver_err(
                 &format!("{step} (an asynchronous fault in one of these kernels; rerun with NVFP4DBG_CUDA_SYNC=1 to pin it)"),
-                &kernel,
+                &kernel_label(&distinct(&kernels)),
                 e,
             )
         })
@@ -805,6 +773,26 @@ fn allow_dynamic_smem(f: &CudaFunction, kernel: &str, smem: u32) -> Result<()> {
 
 /// A poisoned lock only means another thread panicked mid-update of a cache; the maps stay
 /// consistent (each insert is one call), so keep going.
+/// The kernels of `launched`, each once, in launch order.
+fn distinct(launched: &[&'static str]) -> Vec<&'static str> {
+    let mut names = Vec::new();
+    for &k in launched {
+        if !names.contains(&k) {
+            names.push(k);
+        }
+    }
+    names
+}
+
+/// Kernel names as an error gives them: `a | b`, or `-` for none.
+fn kernel_label(names: &[&str]) -> String {
+    if names.is_empty() {
+        "-".to_string()
+    } else {
+        names.join(" | ")
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
