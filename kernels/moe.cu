@@ -447,13 +447,39 @@ extern "C" __global__ void broadcast_f32(const float* __restrict__ src, u32 n, f
 
 // out[t, h] = sum over slots in order of w[t, slot] * y[pos(t, slot), h], then + shared[t, h]
 // (f32, the CPU's order). per_slot (nullable) gets the unweighted rows, row t*K + slot.
+// One thread per COMBINE_COLS consecutive columns h of token t (COMBINE_COLS 4 where H is a
+// multiple of 4, else 1: the host's grid follows combine_cols); each column's sum is the same
+// either way.
+__device__ __forceinline__ u32 combine_cols(u32 H) { return H % 4 == 0 ? 4u : 1u; }
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ entry_pos,
                                        const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
                                        const float* __restrict__ shared, float* __restrict__ out,
                                        float* __restrict__ per_slot) {
     u32 t = blockIdx.x;
-    u32 h = blockIdx.y * blockDim.x + threadIdx.x;
+    u32 h = (blockIdx.y * blockDim.x + threadIdx.x) * combine_cols(H);
     if (t >= T || h >= H) return;
+    if (combine_cols(H) == 4) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (u32 s = 0; s < K; s++) {
+            u32 entry = t * K + s;
+            float w = topk_weights[entry];
+            float4 v = *reinterpret_cast<const float4*>(y + (size_t)entry_pos[entry] * H + h);
+            acc.x = __fadd_rn(acc.x, __fmul_rn(w, v.x));
+            acc.y = __fadd_rn(acc.y, __fmul_rn(w, v.y));
+            acc.z = __fadd_rn(acc.z, __fmul_rn(w, v.z));
+            acc.w = __fadd_rn(acc.w, __fmul_rn(w, v.w));
+            if (per_slot) *reinterpret_cast<float4*>(per_slot + (size_t)entry * H + h) = v;
+        }
+        if (shared) {
+            float4 sv = *reinterpret_cast<const float4*>(shared + (size_t)t * H + h);
+            acc.x = __fadd_rn(acc.x, sv.x);
+            acc.y = __fadd_rn(acc.y, sv.y);
+            acc.z = __fadd_rn(acc.z, sv.z);
+            acc.w = __fadd_rn(acc.w, sv.w);
+        }
+        *reinterpret_cast<float4*>(out + (size_t)t * H + h) = acc;
+        return;
+    }
     float acc = 0.0f;
     for (u32 s = 0; s < K; s++) {
         u32 entry = t * K + s;
@@ -468,19 +494,39 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
 // ---------------------------------------------------------------------------------------
 // Reference-path helpers (the GEMMs themselves are cuBLAS).
 
-// dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity).
+// dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity). A thread per 4 columns where
+// cols is a multiple of 4, else per column (the host's grid: gather_cols).
 extern "C" __global__ void gather_rows_bf16(const float* __restrict__ src, const int* __restrict__ rows,
                                             u32 n_rows, u32 cols, u16* __restrict__ dst) {
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const u32 w = cols % 4 == 0 ? 4u : 1u;
+    size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * w;
     if (i >= (size_t)n_rows * cols) return;
     size_t p = i / cols, c = i % cols;
     size_t r = rows ? (size_t)rows[p] : p;
-    dst[i] = f32_to_bf16_rn(src[r * cols + c]);
+    if (w == 4) {
+        float4 v = *reinterpret_cast<const float4*>(src + r * cols + c);
+        uint2 o = make_uint2(f32_to_bf16_rn(v.x) | (u32)f32_to_bf16_rn(v.y) << 16,
+                             f32_to_bf16_rn(v.z) | (u32)f32_to_bf16_rn(v.w) << 16);
+        *reinterpret_cast<uint2*>(dst + i) = o;
+    } else {
+        dst[i] = f32_to_bf16_rn(src[r * cols + c]);
+    }
 }
 
 // a = bf16(swiglu(g, u)) elementwise (the reference and shared-expert intermediate).
+// A thread per 4 elements (16-byte loads: g, u and a are allocations, so aligned), the last
+// thread's past n skipped.
 extern "C" __global__ void swiglu_bf16(const float* __restrict__ g, const float* __restrict__ u,
                                        u64 n, float limit, u32 has_limit, u16* __restrict__ a) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) a[i] = f32_to_bf16_rn(swiglu(g[i], u[i], limit, has_limit));
+    u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i + 4 <= n) {
+        float4 gv = *reinterpret_cast<const float4*>(g + i), uv = *reinterpret_cast<const float4*>(u + i);
+        uint2 o = make_uint2(f32_to_bf16_rn(swiglu(gv.x, uv.x, limit, has_limit)) |
+                                 (u32)f32_to_bf16_rn(swiglu(gv.y, uv.y, limit, has_limit)) << 16,
+                             f32_to_bf16_rn(swiglu(gv.z, uv.z, limit, has_limit)) |
+                                 (u32)f32_to_bf16_rn(swiglu(gv.w, uv.w, limit, has_limit)) << 16);
+        *reinterpret_cast<uint2*>(a + i) = o;
+    } else {
+        for (; i < n; i++) a[i] = f32_to_bf16_rn(swiglu(g[i], u[i], limit, has_limit));
+    }
 }

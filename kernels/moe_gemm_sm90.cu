@@ -1069,38 +1069,59 @@ struct RsGateUpA {
 // NVFP4 rows (aq, as; K a multiple of 128) in BF16, in the K order of the kernels' A fragments:
 // inside each 128-wide chunk, the 32 codes of lane t (K 32 t .. 32 t + 31; word q = K 32 t + 8 q
 // .. + 7) go to step s = 2 q + h, elements 16 s + 2 t + {0, 1} (pair 2 h of word q) and
-// 16 s + 8 + 2 t + {0, 1} (pair 2 h + 1). One thread per 32 codes.
-extern "C" __global__ void moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u32 rows,
-                                            u16* __restrict__ out) {
+// 16 s + 8 + 2 t + {0, 1} (pair 2 h + 1). One thread per 32 codes (unit), four per chunk: a
+// thread's 16 words lie 4 words apart, so they go through the warp's shared-memory slice to
+// the warp's 8 whole chunks (units per row K / 32 are a multiple of 4, so chunk g of the
+// output is units 4 g .. 4 g + 3, contiguous: out + 128 g), written 512 bytes per store. Chunk
+// cl of the slice has a pitch of 68 words, so a store phase of the 32 lanes (word 8 s + 4 b + t
+// of chunk lane / 4) hits 32 banks and each 8-lane phase of the 16-byte reads 128 contiguous
+// bytes. Launched with ROWS_RS_THREADS threads. (Each thread storing its own 16 words measured
+// 0.333 ms at 4096 DeepSeek-V3 tokens, 470 MB written: 1.4 TB/s, session 18.)
+#define ROWS_RS_THREADS 256
+#define ROWS_RS_PITCH 68
+extern "C" __global__ void __launch_bounds__(ROWS_RS_THREADS)
+moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u32 rows, u16* __restrict__ out) {
 #if NVFP4DBG_WGMMA
-    u32 units = K / 32;
-    u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (u64)rows * units) return;
-    u64 r = idx / units;
-    u32 u = (u32)(idx - r * units), c = u / 4, t = u % 4;
-    uint4 q4 = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
-    u32 sc = *reinterpret_cast<const unsigned short*>(as + r * (K / 16) + u * 2);
+    __shared__ __align__(16) u32 slice[ROWS_RS_THREADS / 32][8 * ROWS_RS_PITCH];
+    const u32 units = K / 32, lane = threadIdx.x % 32;
+    const u64 total = (u64)rows * units;
+    const u64 idx = (u64)blockIdx.x * ROWS_RS_THREADS + threadIdx.x;
+    u32* sl_w = slice[threadIdx.x / 32];
+    if (idx < total) {
+        u64 r = idx / units;
+        u32 u = (u32)(idx - r * units), t = u % 4;
+        uint4 q4 = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
+        u32 sc = *reinterpret_cast<const unsigned short*>(as + r * (K / 16) + u * 2);
 #if RS_F16
-    u32 sv = e4m3x2_to_f16x2(sc);
+        u32 sv = e4m3x2_to_f16x2(sc);
 #else
-    u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, 0x4140u));
+        u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, 0x4140u));
 #endif
-    u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
-    u32* o = reinterpret_cast<u32*>(out + r * K + c * R_BK);
+        u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
+        u32* o = sl_w + (lane / 4) * ROWS_RS_PITCH;
 #pragma unroll
-    for (int q = 0; q < 4; q++)
+        for (int q = 0; q < 4; q++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 w = rs_word(q4, q), s = 2 * q + h;
+            for (int h = 0; h < 2; h++) {
+                u32 w = rs_word(q4, q), s = 2 * q + h;
 #if RS_F16
-            o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
-            o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
+                o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
+                o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
 #else
-            const u32 neg0 = 0x80008000u;
-            o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
-            o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
+                const u32 neg0 = 0x80008000u;
+                o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
+                o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
 #endif
-        }
+            }
+    }
+    __syncwarp();
+    const u64 chunk0 = (idx - lane) / 4, chunks = total / 4;
+    uint4* dst = reinterpret_cast<uint4*>(out) + chunk0 * 16;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 v = 32 * i + lane, cl = v / 16;
+        if (chunk0 + cl < chunks) dst[v] = *reinterpret_cast<const uint4*>(sl_w + cl * ROWS_RS_PITCH + (v % 16) * 4);
+    }
 #else
     __trap();
 #endif

@@ -684,7 +684,7 @@ fn download_range<T: DeviceRepr + Clone + Default>(
             "internal: {what}: range out of bounds"
         )));
     }
-    gpu.sync(&format!("before copying {what} back"))?;
+    gpu.sync(&format!("the work before copying {what} back"))?;
     let v = gpu
         .stream
         .clone_dtoh(&s.slice(range))

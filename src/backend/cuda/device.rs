@@ -636,7 +636,7 @@ impl Gpu {
         n: usize,
         what: &str,
     ) -> Result<Vec<T>> {
-        self.sync(&format!("before copying {what} back"))?;
+        self.sync(&format!("the work before copying {what} back"))?;
         if n == 0 {
             return Ok(Vec::new());
         }

@@ -146,7 +146,7 @@ fn shared_beside_default() -> bool {
 /// How the prologue quantizes the expert inputs (the same codes, scales and statistics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputQuantize {
-    /// Token by token (`nvfp4_quantize_f32_scatter`): each hidden row read once and written
+    /// Token by token (`nvfp4_quantize_f32_scatter_*`): each hidden row read once and written
     /// to its k sorted rows.
     Scatter,
     /// Sorted row by sorted row through a row gather: each hidden row read k times.
@@ -265,6 +265,8 @@ impl PrefillLaunch {
 
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
+/// `moe_rows_bf16_rs`'s block: its shared memory holds ROWS_RS_THREADS / 32 warps' slices.
+const ROWS_RS_THREADS: u32 = 256;
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
     v.iter()
@@ -1115,7 +1117,7 @@ impl Nvfp4Forward {
         gpu.launch(
             &MOE_GEMM_SM90,
             "moe_rows_bf16_rs",
-            grid_1d((n * k / 32) as u64, ELEM_THREADS)?,
+            grid_1d((n * k / 32) as u64, ROWS_RS_THREADS)?,
             &[
                 KArg::U64(aq),
                 KArg::U64(as_),
@@ -1244,7 +1246,10 @@ impl Nvfp4Forward {
         }
         gpu.launch(
             &QUANT,
-            "nvfp4_quantize_f32_scatter",
+            match self.flavor {
+                Flavor::Reference => "nvfp4_quantize_f32_scatter_reference",
+                Flavor::CudaFast => "nvfp4_quantize_f32_scatter_cuda_fast",
+            },
             super::quant::nvfp4_grid(ws.tokens, h / 16, ScaleLayout::Linear)?,
             &[
                 KArg::U64(gpu.ptr(&ws.hidden)),
@@ -1598,18 +1603,7 @@ impl Nvfp4Forward {
         if t == 0 {
             return Ok(());
         }
-        gpu.launch(
-            &MOE,
-            "gather_rows_bf16",
-            grid_1d((t * h) as u64, ELEM_THREADS)?,
-            &[
-                KArg::U64(gpu.ptr(&self.ws.hidden)),
-                KArg::U64(0),
-                KArg::U32(t as u32),
-                KArg::U32(h as u32),
-                KArg::U64(gpu.ptr(&sw.x)),
-            ],
-        )?;
+        self.enqueue_gather_bf16(0, t, gpu.ptr(&sw.x))?;
         blas::gemm_bf16(
             gpu,
             t,
@@ -1648,6 +1642,26 @@ impl Nvfp4Forward {
         )
     }
 
+    /// `dst[p, :] = bf16(hidden[rows[p], :])` for p < n (`rows` 0: the identity).
+    fn enqueue_gather_bf16(&self, rows: u64, n: usize, dst: u64) -> Result<()> {
+        let gpu = self.gpu();
+        let h = self.layer.config.hidden_size;
+        // a thread per 4 columns where H allows (gather_rows_bf16)
+        let per_thread = if h.is_multiple_of(4) { 4 } else { 1 };
+        gpu.launch(
+            &MOE,
+            "gather_rows_bf16",
+            grid_1d((n * h / per_thread) as u64, ELEM_THREADS)?,
+            &[
+                KArg::U64(gpu.ptr(&self.ws.hidden)),
+                KArg::U64(rows),
+                KArg::U32(n as u32),
+                KArg::U32(h as u32),
+                KArg::U64(dst),
+            ],
+        )
+    }
+
     fn enqueue_swiglu_bf16(&self, g: u64, u: u64, n: u64, a: u64) -> Result<()> {
         let (limit, has_limit) = match self.layer.config.swiglu_limit {
             Some(l) => (l, 1u32),
@@ -1656,7 +1670,7 @@ impl Nvfp4Forward {
         self.gpu().launch(
             &MOE,
             "swiglu_bf16",
-            grid_1d(n, ELEM_THREADS)?,
+            grid_1d(n.div_ceil(4), ELEM_THREADS)?,
             &[
                 KArg::U64(g),
                 KArg::U64(u),
@@ -1679,9 +1693,11 @@ impl Nvfp4Forward {
             &MOE,
             "moe_combine",
             LaunchConfig {
+                // a thread per 4 columns where H allows (moe_combine's combine_cols)
                 grid_dim: (
                     ws.tokens as u32,
-                    h.div_ceil(ELEM_THREADS as usize) as u32,
+                    (h / if h.is_multiple_of(4) { 4 } else { 1 }).div_ceil(ELEM_THREADS as usize)
+                        as u32,
                     1,
                 ),
                 block_dim: (ELEM_THREADS, 1, 1),
@@ -1717,18 +1733,7 @@ impl Nvfp4Forward {
         self.enqueue_route()?;
         self.enqueue_sort()?;
         if n > 0 {
-            gpu.launch(
-                &MOE,
-                "gather_rows_bf16",
-                grid_1d((n * h) as u64, ELEM_THREADS)?,
-                &[
-                    KArg::U64(gpu.ptr(&ws.hidden)),
-                    KArg::U64(gpu.ptr(&ws.sorted_token)),
-                    KArg::U32(n as u32),
-                    KArg::U32(h as u32),
-                    KArg::U64(gpu.ptr(&ws.xg_bf16)),
-                ],
-            )?;
+            self.enqueue_gather_bf16(gpu.ptr(&ws.sorted_token), n, gpu.ptr(&ws.xg_bf16))?;
             let offs = gpu.download(&ws.expert_offsets, e + 1, "expert offsets")?;
             let (xg, g, u, a, y) = (
                 gpu.ptr(&ws.xg_bf16),

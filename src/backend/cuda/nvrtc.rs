@@ -26,6 +26,8 @@ pub const QUANT: KernelModule = KernelModule {
     source: include_str!("../../../kernels/quant.cu"),
     kernels: &[
         "nvfp4_quantize_f32",
+        "nvfp4_quantize_f32_scatter_reference",
+        "nvfp4_quantize_f32_scatter_cuda_fast",
         "nvfp4_quantize_bf16",
         "mxfp4_quantize_f32",
         "mxfp4_quantize_bf16",
