@@ -447,9 +447,9 @@ extern "C" __global__ void broadcast_f32(const float* __restrict__ src, u32 n, f
 
 // out[t, h] = sum over slots in order of w[t, slot] * y[pos(t, slot), h], then + shared[t, h]
 // (f32, the CPU's order). per_slot (nullable) gets the unweighted rows, row t*K + slot.
-// One thread per COMBINE_COLS consecutive columns h of token t (COMBINE_COLS 4 where H is a
-// multiple of 4, else 1: the host's grid follows combine_cols); each column's sum is the same
-// either way.
+// One thread per combine_cols(H) consecutive columns h of token t (4 where H is a multiple of
+// 4, else 1: moe.rs enqueue_combine sizes the grid so); each column's sum is the same either
+// way.
 __device__ __forceinline__ u32 combine_cols(u32 H) { return H % 4 == 0 ? 4u : 1u; }
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ entry_pos,
                                        const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
@@ -495,7 +495,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
 // Reference-path helpers (the GEMMs themselves are cuBLAS).
 
 // dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity). A thread per 4 columns where
-// cols is a multiple of 4, else per column (the host's grid: gather_cols).
+// cols is a multiple of 4, else per column (moe.rs enqueue_gather_bf16 sizes the grid so).
 extern "C" __global__ void gather_rows_bf16(const float* __restrict__ src, const int* __restrict__ rows,
                                             u32 n_rows, u32 cols, u16* __restrict__ dst) {
     const u32 w = cols % 4 == 0 ? 4u : 1u;

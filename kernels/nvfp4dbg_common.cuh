@@ -198,6 +198,16 @@ __device__ __forceinline__ u32 mad_hi(u32 a, u32 b, u32 c) {
     return d;
 }
 
+// The sign bits of 8 codes (bit 3 of nibble i) from the f32 bit patterns p[0..7]: each sign
+// taken from its top byte by byte permutes.
+__device__ __forceinline__ u32 e2m1_signs(const u32* p) {
+    // sign of p[2k] at bit 8k + 7 of `even`, wanted at 8k + 3; of p[2k + 1] at 8k + 7 of `odd`
+    u32 even = __byte_perm(__byte_perm(p[0], p[2], 0x0073), __byte_perm(p[4], p[6], 0x0073), 0x5410);
+    u32 odd = __byte_perm(__byte_perm(p[1], p[3], 0x0073), __byte_perm(p[5], p[7], 0x0073), 0x5410);
+    u32 signs = ((even >> 4) & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u);
+    return signs & 0x88888888u;
+}
+
 // The E2M1 codes of 8 products p[i] = x[i] * scale, none NaN, as one word (value i in nibble
 // i): e2m1_encode_sw(clamp6(p[i])) each. The codes are put in place by shift-adds (the
 // nibbles never overlap), the 8 signs gathered from the products' top bytes by byte permutes.
@@ -212,11 +222,7 @@ __device__ __forceinline__ u32 e2m1_word_fast(const float* x, float scale) {
         u32 c = e2m1_mag_bits(__uint_as_float(p[i]));
         mag = i <= 5 ? mad_hi(c, 1u << (10 + 4 * i), mag) : c * (1u << (4 * i - 22)) + mag;
     }
-    // sign of p[2k] at bit 8k + 7 of `even`, wanted at 8k + 3; of p[2k + 1] at 8k + 7 of `odd`
-    u32 even = __byte_perm(__byte_perm(p[0], p[2], 0x0073), __byte_perm(p[4], p[6], 0x0073), 0x5410);
-    u32 odd = __byte_perm(__byte_perm(p[1], p[3], 0x0073), __byte_perm(p[5], p[7], 0x0073), 0x5410);
-    u32 signs = ((even >> 4) & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u);
-    return mag | (signs & 0x88888888u);
+    return mag | e2m1_signs(p);
 }
 
 // One NVFP4 block of 16 values with quant-direction global scale `gs`.

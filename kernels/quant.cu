@@ -329,6 +329,12 @@ __device__ __forceinline__ u32 e2m1_code_min3(float a) {
     return min(min(c1, c2), c3);
 }
 
+// Four code pairs (pair j: 2^23 offsets above its low byte, the two nibbles of output byte j)
+// as one word.
+__device__ __forceinline__ u32 e2m1_pack_pairs(const u32* pair) {
+    return __byte_perm(__byte_perm(pair[0], pair[1], 0x0040u), __byte_perm(pair[2], pair[3], 0x0040u), 0x5410u);
+}
+
 // The E2M1 codes of the 8 BF16 values in w[0..3] (value 2j in the low half of w[j]) times
 // os >= +0, as one word (value i in nibble i), all |x * os| < 7. `wa` holds w & 0x7FFF7FFF.
 // Magnitudes: the codes (each 2^23 + code, see e2m1_code_min3) of a pair as hi * 16 + lo,
@@ -345,7 +351,7 @@ __device__ __forceinline__ u32 e2m1_word_bf16(const u32* w, const u32* wa, float
         u32 hi = e2m1_code_min3(__fmul_rn(__uint_as_float(wa[j] & 0xFFFF0000u), os));
         pair[j] = hi * 16u + lo;  // low byte: the two nibbles (0x4B000000 offsets above it)
     }
-    u32 acc = __byte_perm(__byte_perm(pair[0], pair[1], 0x0040u), __byte_perm(pair[2], pair[3], 0x0040u), 0x5410u);
+    u32 acc = e2m1_pack_pairs(pair);
     u32 ra = prmt_sign(w[0], w[1], 0xFBD9u);  // signs of values 0, 2, 1, 3
     u32 rb = prmt_sign(w[2], w[3], 0xFBD9u);  // 4, 6, 5, 7
     u32 e = __byte_perm(ra, rb, 0x5410u);     // 0, 2, 4, 6
@@ -440,7 +446,7 @@ __device__ __forceinline__ bool quant_block_bf16_fast(const RawBlock<u16>& r, u3
 // The E2M1 codes of 8 f32 values x[0..7] times os > 0 (value i in nibble i), all |x * os| < 7:
 // e2m1_word_bf16's assembly on f32 inputs. |x| * os = |x * os| (the rounding is symmetric) and
 // the sign of x * os is that of x (os > 0; -0 included): the signs come from the top bytes of
-// x, gathered as e2m1_word_fast gathers those of the products.
+// x (e2m1_signs), where e2m1_word_fast takes those of the products.
 __device__ __forceinline__ u32 e2m1_word_f32(const float* x, float os) {
     u32 pair[4];
 #pragma unroll
@@ -449,15 +455,10 @@ __device__ __forceinline__ u32 e2m1_word_f32(const float* x, float os) {
         u32 hi = e2m1_code_min3(__fmul_rn(fabsf(x[2 * j + 1]), os));
         pair[j] = hi * 16u + lo;  // low byte: the two nibbles
     }
-    u32 acc = __byte_perm(__byte_perm(pair[0], pair[1], 0x0040u), __byte_perm(pair[2], pair[3], 0x0040u), 0x5410u);
     u32 p[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) p[i] = __float_as_uint(x[i]);
-    // sign of x[2k] at bit 8k + 7 of `even`, wanted at 8k + 3; of x[2k + 1] at 8k + 7 of `odd`
-    u32 even = __byte_perm(__byte_perm(p[0], p[2], 0x0073), __byte_perm(p[4], p[6], 0x0073), 0x5410);
-    u32 odd = __byte_perm(__byte_perm(p[1], p[3], 0x0073), __byte_perm(p[5], p[7], 0x0073), 0x5410);
-    u32 signs = ((even >> 4) & 0x0F0F0F0Fu) | (odd & 0xF0F0F0F0u);
-    return acc | (signs & 0x88888888u);
+    return e2m1_pack_pairs(pair) | e2m1_signs(p);
 }
 
 // quant_block_bf16_fast for an f32 block (its values x, max|x| as bits mbits): the same test
