@@ -634,28 +634,19 @@ __device__ __forceinline__ u32 quant_block_counted(const RawBlock<T>& raw, u32 m
     return s;
 }
 
-// Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
-// word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
-// flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
-// `flavor`, every block through the general path. GV_LOADED: the row's global scale is
-// `gv_loaded` (group_gs, read with the group's loads: QUANT_PIPE), not read here. refill(h)
-// once block h's raw registers are no longer read (QUANT_PIPE_RING).
+// A refill that does nothing (group_quantize_fl's default).
 struct NoRefill {
     __device__ __forceinline__ void operator()(int) const {}
 };
-template <typename T, u32 FL, bool GV_LOADED = false, typename Refill = NoRefill>
-__device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const QuantDims& d,
-                                                  const float* __restrict__ gs, const int* __restrict__ gs_idx,
-                                                  u8* __restrict__ packed, u8* __restrict__ scales,
-                                                  u32 swizzled, u32 flavor_arg, u32 (&c)[4], float gv_loaded = 0.0f,
-                                                  Refill refill = {}) {
-    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
-    const u64 r = g.r, b0 = g.b0, kb = d.kb;
+// The encoding half of group_quantize_fl: the group's codes p and scale codes sc with global
+// scale gv, its blocks counted into c; refill(h) once block h's raw registers are read.
+template <typename T, u32 FL, typename Refill = NoRefill>
+__device__ __forceinline__ void group_encode_fl(const Group<T>& g, const QuantDims& d, float gv, u32 flavor,
+                                                u32 (&c)[4], u32 (&p)[QUANT_BLOCKS][2], u32 (&sc)[QUANT_BLOCKS],
+                                                Refill refill = {}) {
+    const u64 b0 = g.b0, kb = d.kb;
     const bool in_row = g.in_row;
-    float gv = GV_LOADED ? gv_loaded : group_gs(g, gs, gs_idx);
     float rg = nvfp4_rgs(gv, flavor);
-    u32 p[QUANT_BLOCKS][2];
-    u32 sc[QUANT_BLOCKS];
 #pragma unroll
     for (int h = 0; h < QUANT_BLOCKS; h++) {
         if (h > 0) refill(h - 1);
@@ -668,6 +659,15 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
         }
     }
     refill(QUANT_BLOCKS - 1);
+}
+
+// The storing half: the group's codes and scale codes into output row g.r.
+template <typename T>
+__device__ __forceinline__ void group_store(const Group<T>& g, const QuantDims& d, const u32 (&p)[QUANT_BLOCKS][2],
+                                            const u32 (&sc)[QUANT_BLOCKS], u8* __restrict__ packed,
+                                            u8* __restrict__ scales, u32 swizzled) {
+    const u64 r = g.r, b0 = g.b0, kb = d.kb;
+    const bool in_row = g.in_row;
     bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
     if (in_row) {
         u8* dst = packed + r * (d.cols / 2) + b0 * 8;
@@ -715,6 +715,26 @@ __device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const Quant
                 if (b0 + h < kb) dst[h] = (u8)sc[h];
         }
     }
+}
+
+// Quantize a loaded group, store its codes (16 bytes at a time where aligned) and scales (a
+// word at a time where aligned; swizzled padding as zero), count its blocks into c. FL: the
+// flavor as a constant (QUANT_ENCODER 1, BF16: the fast path first), or FLAVOR_RUNTIME:
+// `flavor`, every block through the general path. GV_LOADED: the row's global scale is
+// `gv_loaded` (group_gs, read with the group's loads: QUANT_PIPE), not read here. refill(h)
+// once block h's raw registers are no longer read (QUANT_PIPE_RING).
+template <typename T, u32 FL, bool GV_LOADED = false, typename Refill = NoRefill>
+__device__ __forceinline__ void group_quantize_fl(const Group<T>& g, const QuantDims& d,
+                                                  const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                                                  u8* __restrict__ packed, u8* __restrict__ scales,
+                                                  u32 swizzled, u32 flavor_arg, u32 (&c)[4], float gv_loaded = 0.0f,
+                                                  Refill refill = {}) {
+    const u32 flavor = FL == FLAVOR_RUNTIME ? flavor_arg : FL;
+    float gv = GV_LOADED ? gv_loaded : group_gs(g, gs, gs_idx);
+    u32 p[QUANT_BLOCKS][2];
+    u32 sc[QUANT_BLOCKS];
+    group_encode_fl<T, FL>(g, d, gv, flavor, c, p, sc, refill);
+    group_store<T>(g, d, p, sc, packed, scales, swizzled);
 }
 
 // ---- QUANT_COALESCED 1: a warp's chunk of 32 x QUANT_BLOCKS consecutive blocks ----
@@ -1143,11 +1163,28 @@ __device__ __forceinline__ void quantize_f32_scatter_fl(const float* __restrict_
         Group<float> g;
         group_load<float>(x, idx, din, nullptr, g);
         const u64 t = g.r;
+        // The codes depend on the block and the bits of its global scale alone: a slot whose
+        // expert has the same gs bits as the slot encoded last stores that slot's codes again
+        // (one encode per token where every expert shares gs1: dynamic scales, a calibrated or
+        // engine-wide gs).
+        bool encoded = false;
+        u32 last_bits = 0;
+        u32 q[QUANT_BLOCKS][2], sc[QUANT_BLOCKS], counted[4] = {0, 0, 0, 0};
+        const u32 fl = FL == FLAVOR_RUNTIME ? flavor : FL;
         for (u32 j = 0; j < k; j++) {
             const int p = pos[t * k + j];
             if (p < 0 || (u64)p >= out_rows) continue;
             g.r = (u64)p;
-            group_quantize_fl<float, FL>(g, dout, gs, gs_idx, packed, scales, 0, flavor, c);
+            const float gv = group_gs(g, gs, gs_idx);
+            if (!encoded || __float_as_uint(gv) != last_bits) {
+                counted[0] = counted[1] = counted[2] = counted[3] = 0;
+                group_encode_fl<float, FL>(g, dout, gv, fl, counted, q, sc);
+                last_bits = __float_as_uint(gv);
+                encoded = true;
+            }
+#pragma unroll
+            for (int f = 0; f < 4; f++) c[f] += counted[f];
+            group_store<float>(g, dout, q, sc, packed, scales, 0);
         }
     }
 #if QUANT_STATS

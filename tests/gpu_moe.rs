@@ -489,8 +489,9 @@ fn cuda_graph_replay_matches_eager() {
 
 /// The expert inputs quantized token by token (each hidden row read once, written to its k
 /// sorted rows) against the row gather: the same outputs, per-slot rows and activation block
-/// statistics, bit for bit, with fixed and dynamic scales, both flavors, at a decode and a
-/// prefill batch. (The gather path is the one checked against the CPU elsewhere.)
+/// statistics, bit for bit, with fixed scales (all different, or three values shared among the
+/// experts) and dynamic ones, both flavors, at a decode and a prefill batch. (The gather path
+/// is the one checked against the CPU elsewhere.)
 #[test]
 #[ignore = "needs a GPU (.ci/gpu-nightly)"]
 fn expert_inputs_scattered_token_by_token_equal_the_gather() {
@@ -504,8 +505,19 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
     let layer = build_layer(&mut r, spec);
     for tokens in [5, 700] {
         let x = hidden(&mut r, tokens, spec.h);
+        // per-expert gs1 all different, three values shared among the experts (a slot's codes
+        // reused from the slot before where their gs1 bits match, encoded again where not),
+        // and one for all (dynamic)
+        let shared3 = match fixed_scales(&layer, &x) {
+            ActScales::Fixed { gs1, gs2 } => ActScales::Fixed {
+                gs1: (0..gs1.len()).map(|j| gs1[j % 3]).collect(),
+                gs2,
+            },
+            ActScales::Dynamic => unreachable!(),
+        };
         for (scales, flavor) in [
             (fixed_scales(&layer, &x), Flavor::Reference),
+            (shared3, Flavor::CudaFast),
             (ActScales::Dynamic, Flavor::CudaFast),
         ] {
             let run = |how: InputQuantize| {
