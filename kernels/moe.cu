@@ -447,18 +447,20 @@ extern "C" __global__ void broadcast_f32(const float* __restrict__ src, u32 n, f
 
 // out[t, h] = sum over slots in order of w[t, slot] * y[pos(t, slot), h], then + shared[t, h]
 // (f32, the CPU's order). per_slot (nullable) gets the unweighted rows, row t*K + slot.
-// One thread per combine_cols(H) consecutive columns h of token t (4 where H is a multiple of
-// 4, else 1: moe.rs enqueue_combine sizes the grid so); each column's sum is the same either
-// way.
-__device__ __forceinline__ u32 combine_cols(u32 H) { return H % 4 == 0 ? 4u : 1u; }
+// Columns a thread of moe_combine and gather_rows_bf16 takes: 4 (16-byte loads) where the row
+// width allows, else 1 (moe.rs cols_per_thread, which sizes their grids, is the same rule).
+__device__ __forceinline__ u32 cols_per_thread(u32 cols) { return cols % 4 == 0 ? 4u : 1u; }
+
+// One thread per cols_per_thread(H) consecutive columns h of token t; each column's sum is the
+// same either way.
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ entry_pos,
                                        const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
                                        const float* __restrict__ shared, float* __restrict__ out,
                                        float* __restrict__ per_slot) {
     u32 t = blockIdx.x;
-    u32 h = (blockIdx.y * blockDim.x + threadIdx.x) * combine_cols(H);
+    u32 h = (blockIdx.y * blockDim.x + threadIdx.x) * cols_per_thread(H);
     if (t >= T || h >= H) return;
-    if (combine_cols(H) == 4) {
+    if (cols_per_thread(H) == 4) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         for (u32 s = 0; s < K; s++) {
             u32 entry = t * K + s;
@@ -494,11 +496,11 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
 // ---------------------------------------------------------------------------------------
 // Reference-path helpers (the GEMMs themselves are cuBLAS).
 
-// dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity). A thread per 4 columns where
-// cols is a multiple of 4, else per column (moe.rs enqueue_gather_bf16 sizes the grid so).
+// dst[p, :] = bf16(src[rows[p], :]) (rows nullable: identity), cols_per_thread(cols) columns a
+// thread.
 extern "C" __global__ void gather_rows_bf16(const float* __restrict__ src, const int* __restrict__ rows,
                                             u32 n_rows, u32 cols, u16* __restrict__ dst) {
-    const u32 w = cols % 4 == 0 ? 4u : 1u;
+    const u32 w = cols_per_thread(cols);
     size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * w;
     if (i >= (size_t)n_rows * cols) return;
     size_t p = i / cols, c = i % cols;

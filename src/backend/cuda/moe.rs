@@ -265,6 +265,16 @@ impl PrefillLaunch {
 
 const GEMM_THREADS: u32 = 256;
 const ELEM_THREADS: u32 = 256;
+/// Columns a thread of `moe_combine` and `gather_rows_bf16` takes (kernels/moe.cu
+/// `cols_per_thread`, the same rule): 4 where the row width allows, else 1.
+fn cols_per_thread(cols: usize) -> usize {
+    if cols.is_multiple_of(4) {
+        4
+    } else {
+        1
+    }
+}
+
 /// `moe_rows_bf16_rs`'s block: its shared memory holds ROWS_RS_THREADS / 32 warps' slices.
 const ROWS_RS_THREADS: u32 = 256;
 
@@ -1646,12 +1656,10 @@ impl Nvfp4Forward {
     fn enqueue_gather_bf16(&self, rows: u64, n: usize, dst: u64) -> Result<()> {
         let gpu = self.gpu();
         let h = self.layer.config.hidden_size;
-        // a thread per 4 columns where H allows (gather_rows_bf16)
-        let per_thread = if h.is_multiple_of(4) { 4 } else { 1 };
         gpu.launch(
             &MOE,
             "gather_rows_bf16",
-            grid_1d((n * h / per_thread) as u64, ELEM_THREADS)?,
+            grid_1d((n * h / cols_per_thread(h)) as u64, ELEM_THREADS)?,
             &[
                 KArg::U64(gpu.ptr(&self.ws.hidden)),
                 KArg::U64(rows),
@@ -1693,11 +1701,9 @@ impl Nvfp4Forward {
             &MOE,
             "moe_combine",
             LaunchConfig {
-                // a thread per 4 columns where H allows (moe_combine's combine_cols)
                 grid_dim: (
                     ws.tokens as u32,
-                    (h / if h.is_multiple_of(4) { 4 } else { 1 }).div_ceil(ELEM_THREADS as usize)
-                        as u32,
+                    (h / cols_per_thread(h)).div_ceil(ELEM_THREADS as usize) as u32,
                     1,
                 ),
                 block_dim: (ELEM_THREADS, 1, 1),
