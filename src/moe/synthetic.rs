@@ -353,10 +353,17 @@ impl SyntheticModel {
         self
     }
 
-    /// Tokens in a calibration batch: about 8+ rows per expert, at least 256.
+    /// Tokens in a calibration batch: 1024 where the CPU forward is cheap (about 10
+    /// massive-activation tokens, so the experts they route to are calibrated on one, as the
+    /// sink tokens of a real calibration set see to; with 256, a test batch's massive token
+    /// saturated the gate/up input of an expert that never saw one in ~1% of tiny seeds),
+    /// down to 256 for full-size models, whose calibration would otherwise dominate `synth`.
     pub fn calibration_tokens(&self) -> usize {
+        const CALIBRATION_MACS: usize = 1 << 30;
         let c = &self.config;
-        (8 * c.n_routed_experts / c.num_experts_per_tok.max(1)).clamp(256, 1024)
+        let macs_per_token =
+            3 * c.num_experts_per_tok.max(1) * c.hidden_size * c.moe_intermediate_size;
+        (CALIBRATION_MACS / macs_per_token.max(1)).clamp(256, 1024)
     }
 
     /// The RMSNorm weight before layer `l`'s MLP: log-normal around 1, BF16.
