@@ -353,12 +353,19 @@ impl SyntheticModel {
         self
     }
 
-    /// Tokens in a calibration batch: 1024 where the CPU forward is cheap (about 10
-    /// massive-activation tokens, so the experts they route to are calibrated on one, as the
-    /// sink tokens of a real calibration set see to; with 256, a test batch's massive token
-    /// saturated the gate/up input of an expert that never saw one in ~1% of tiny seeds),
-    /// down to 256 for full-size models, whose calibration would otherwise dominate `synth`.
-    pub fn calibration_tokens(&self) -> usize {
+    /// Tokens a calibration batch routes. The gate/up input's amax of each expert is a max
+    /// over the rows routed to it, cheap at any size, and a real calibrator sees many rows per
+    /// expert: 8192 tokens give DeepSeek-V3's 256 experts ~256 rows each and ~80
+    /// massive-activation tokens in all. (With 256, each expert saw ~8 rows, the gate/up
+    /// `input_scale`s spread 3.4x across one layer's experts, and a test batch's massive token
+    /// saturated the input of an expert that had seen none: a healthy synthetic checkpoint
+    /// failed `layertest --gs checkpoint`.)
+    pub const ROUTED_CALIBRATION_TOKENS: usize = 8192;
+
+    /// Of those, the tokens whose rows also run the expert's SwiGLU for the down input's amax:
+    /// 1024 where the CPU forward is cheap (tiny), down to 256 for full-size models, whose
+    /// SwiGLU would otherwise dominate `synth`.
+    pub fn swiglu_calibration_tokens(&self) -> usize {
         const CALIBRATION_MACS: usize = 1 << 30;
         let c = &self.config;
         let macs_per_token =
@@ -477,8 +484,11 @@ impl SyntheticModel {
 
     /// The batch `input_scale`s of layer `l` are calibrated on, and its routing.
     pub fn calibration(&self, l: usize, router: &Router) -> Result<Calibration> {
-        let (hidden, ids) =
-            self.activations(l, self.calibration_tokens(), mix(self.seed ^ role::CALIB));
+        let (hidden, ids) = self.activations(
+            l,
+            Self::ROUTED_CALIBRATION_TOKENS,
+            mix(self.seed ^ role::CALIB),
+        );
         let routing = router::route_with(&self.config, l, router, &hidden, Some(&ids))?;
         Ok(Calibration {
             hidden,
@@ -488,7 +498,8 @@ impl SyntheticModel {
     }
 
     /// amax of what expert `e`'s two GEMMs see on the calibration batch (BF16 model):
-    /// `(gate/up input, down input)`, `None` when no calibration token reached the expert.
+    /// `(gate/up input, down input)`, the second over the rows of the first
+    /// `swiglu_calibration_tokens()` tokens; `None` when no such token reached the expert.
     pub fn expert_amax(
         &self,
         cal: &Calibration,
@@ -497,18 +508,35 @@ impl SyntheticModel {
     ) -> (Option<f32>, Option<f32>) {
         let c = &self.config;
         let (h, i, k) = (c.hidden_size, c.moe_intermediate_size, cal.routing.top_k);
-        let mut x = vec![];
+        let swiglu_tokens = self.swiglu_calibration_tokens();
+        let (mut a1, mut x) = (None::<f32>, vec![]);
         for (s, &id) in cal.routing.topk_ids.iter().enumerate() {
             if id as usize == e {
-                x.extend_from_slice(&cal.hidden[(s / k) * h..(s / k + 1) * h]);
+                let row = &cal.hidden[(s / k) * h..(s / k + 1) * h];
+                let m = amax(row);
+                a1 = Some(match a1 {
+                    // NaN-propagating, as amax is
+                    Some(a) if a.is_nan() || m.is_nan() => f32::NAN,
+                    Some(a) => a.max(m),
+                    None => m,
+                });
+                if s / k < swiglu_tokens {
+                    x.extend_from_slice(row);
+                }
             }
         }
-        if x.is_empty() {
-            return (None, None);
-        }
-        let m = x.len() / h;
-        let a = swiglu_reference(&x, m, h, i, &w.w1, &w.w3, c.swiglu_limit);
-        (Some(amax(&x)), Some(amax(&a)))
+        let a2 = (!x.is_empty()).then(|| {
+            amax(&swiglu_reference(
+                &x,
+                x.len() / h,
+                h,
+                i,
+                &w.w1,
+                &w.w3,
+                c.swiglu_limit,
+            ))
+        });
+        (a1, a2)
     }
 
     /// MoE layer `l`, in memory, with BF16 originals and calibrated `input_scale`s.
