@@ -77,6 +77,17 @@ fn nightly(dir: &Path) -> (i32, serde_json::Value, f64) {
     )
 }
 
+/// The status the nightly's summary gives test `name`.
+fn status(summary: &serde_json::Value, name: &str) -> serde_json::Value {
+    summary["tests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == name)
+        .unwrap_or_else(|| panic!("{name} missing: {summary}"))["status"]
+        .clone()
+}
+
 #[test]
 fn a_hung_test_is_stopped_reported_and_the_rest_still_run() {
     let dir = tempfile::tempdir().unwrap();
@@ -84,17 +95,8 @@ fn a_hung_test_is_stopped_reported_and_the_rest_still_run() {
     let (rc, summary, secs) = nightly(dir.path());
     assert_eq!(rc, 1, "{summary}");
     assert_eq!(summary["verdict"], "fail");
-    let status = |name: &str| {
-        summary["tests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|t| t["name"] == name)
-            .unwrap_or_else(|| panic!("{name} missing: {summary}"))["status"]
-            .clone()
-    };
-    assert_eq!(status("passes"), "passed");
-    assert_eq!(status("hangs"), "timeout");
+    assert_eq!(status(&summary, "passes"), "passed");
+    assert_eq!(status(&summary, "hangs"), "timeout");
     assert!(
         secs < 30.0,
         "the hang was not stopped: {secs:.1} s (the stand-in sleeps 60 s)"
@@ -123,15 +125,6 @@ fn hung_cases_are_stopped_and_reported() {
 
 #[test]
 fn a_two_gpu_test_is_not_run_on_one_gpu_and_runs_on_two() {
-    let status = |summary: &serde_json::Value, name: &str| {
-        summary["tests"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|t| t["name"] == name)
-            .unwrap_or_else(|| panic!("{name} missing: {summary}"))["status"]
-            .clone()
-    };
     for gpus in [1, 2] {
         let dir = tempfile::tempdir().unwrap();
         stand_ins(dir.path(), false, gpus);
