@@ -509,22 +509,17 @@ impl SyntheticModel {
         let c = &self.config;
         let (h, i, k) = (c.hidden_size, c.moe_intermediate_size, cal.routing.top_k);
         let swiglu_tokens = self.swiglu_calibration_tokens();
-        let (mut a1, mut x) = (None::<f32>, vec![]);
+        let (mut rows, mut x) = (vec![], vec![]);
         for (s, &id) in cal.routing.topk_ids.iter().enumerate() {
             if id as usize == e {
                 let row = &cal.hidden[(s / k) * h..(s / k + 1) * h];
-                let m = amax(row);
-                a1 = Some(match a1 {
-                    // NaN-propagating, as amax is
-                    Some(a) if a.is_nan() || m.is_nan() => f32::NAN,
-                    Some(a) => a.max(m),
-                    None => m,
-                });
+                rows.extend_from_slice(row);
                 if s / k < swiglu_tokens {
                     x.extend_from_slice(row);
                 }
             }
         }
+        let a1 = (!rows.is_empty()).then(|| amax(&rows));
         let a2 = (!x.is_empty()).then(|| {
             amax(&swiglu_reference(
                 &x,
