@@ -659,7 +659,16 @@ mod tests {
                 }
             }
             if let Some(sh) = &layer.shared {
-                let y = naive_bf16_mlp(xt, [&sh.w1, &sh.w3, &sh.w2], sh.intermediate, c);
+                // The NVFP4 path's check takes the shared expert from dense_forward, which both
+                // paths run unchanged: the BF16 MLP's f64 sums are exact only while no product
+                // lies 37+ binades below the largest, and a SwiGLU output of a very negative
+                // gate (~1e-33) breaks that, so the summation order can show in the last f32
+                // bit (seed 167203527568847304: out[19] one ulp apart). The reference path's
+                // check below runs the naive MLP, within an order tolerance.
+                let y = match gs {
+                    Some(_) => dense_forward(sh, xt, 1, h, c.swiglu_limit),
+                    None => naive_bf16_mlp(xt, [&sh.w1, &sh.w3, &sh.w2], sh.intermediate, c),
+                };
                 for j in 0..h {
                     acc[j] += y[j];
                 }
@@ -697,9 +706,14 @@ mod tests {
 
     #[test]
     fn nvfp4_path_is_bit_exact_against_a_naive_implementation() {
+        // the seed that once showed the shared expert's summation order, then fresh ones
         let base: u64 = rand::random();
-        for rep in 0..6 {
-            let seed = base.wrapping_add(rep);
+        for rep in 0..7 {
+            let seed = if rep == 6 {
+                167203527568847304
+            } else {
+                base.wrapping_add(rep)
+            };
             let limit = if rep % 2 == 0 { None } else { Some(0.75) };
             let (layer, x, r) = case(seed, limit);
             let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 77);
