@@ -38,3 +38,36 @@ ab_rounds() {
     done
     python3 bench/ab_summary.py $R $(for v in $variants; do echo "${v%%|*}"; done)
 }
+
+# ncu_layer SECONDS [NCU ARGS...]: ncu's duration of each kernel (clocks left alone) over one
+# `bench --quick --only layer_4096` run, as CSV in $R/ncu.csv; $NCU overrides the toolkit's ncu.
+ncu_layer() {
+    local secs=$1; shift
+    timeout $secs ${NCU:-/usr/local/cuda/bin/ncu} --clock-control none --metrics gpu__time_duration.sum "$@" --csv \
+        .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only layer_4096 > $R/ncu.csv 2> $R/ncu.err
+    stamp "ncu rc=$?"
+}
+
+# ncu_kernels: $R/ncu.csv as one line a launch (index, kernel, grid, block, duration)
+ncu_kernels() {
+    python3 - $R/ncu.csv <<'PY'
+import csv, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+rows = list(csv.DictReader(lines))
+print(len(rows), "kernels")
+for i, r in enumerate(rows):
+    print(i, r["Kernel Name"][:90], r["Grid Size"], r["Block Size"], r["Metric Value"], r["Metric Unit"])
+PY
+}
+
+# sanitize TOOL...: compute-sanitizer (each TOOL under $SAN_S seconds, default 150) on
+# gpu_gemm's ragged-experts test, which runs the register-A kernels at tile widths 32 to 160.
+sanitize() {
+    local tool
+    for tool in "$@"; do
+        timeout ${SAN_S:-150} compute-sanitizer --tool $tool --print-limit 20 .dev/gpu/gpu_gemm --ignored --nocapture \
+            --test-threads 1 wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts > $R/$tool.txt 2>&1
+        stamp "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^test result' $R/$tool.txt | tr '\n' ' ')"
+        pack
+    done
+}

@@ -4,18 +4,8 @@
 # bit, their durations under ncu (as s18b), then the 4096-token layer and its stages.
 L=${L:-s18c}; source bench/gpu-lib.sh
 run_tests gpu_moe gpu_gemm
-NCU=/usr/local/cuda/bin/ncu
-timeout 200 $NCU --clock-control none --metrics gpu__time_duration.sum --launch-count ${COUNT:-560} --csv \
-    .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only layer_4096 > $R/ncu.csv 2> $R/ncu.err
-stamp "ncu rc=$?"
-python3 - $R/ncu.csv <<'PY' | tee $R/kernels.txt | tail -22
-import csv, sys
-lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
-rows = list(csv.DictReader(lines))
-print(len(rows), "kernels")
-for i, r in enumerate(rows):
-    print(i, r["Kernel Name"][:60], r["Grid Size"], r["Metric Value"], r["Metric Unit"])
-PY
+ncu_layer 200 --launch-count ${COUNT:-560}
+ncu_kernels | tee $R/kernels.txt | tail -22
 pack
 for i in 1 2; do
     timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only layer_4096 --json $R/layer-$i.json > $R/layer-$i.txt 2>&1

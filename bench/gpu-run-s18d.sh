@@ -4,9 +4,7 @@
 # beside the routed ones (default) against after them (NVFP4DBG_SHARED_STREAM=0), alternating.
 L=${L:-s18d}; source bench/gpu-lib.sh
 run_tests gpu_moe
-timeout 120 /usr/local/cuda/bin/ncu --clock-control none --metrics gpu__time_duration.sum --kernel-name regex:"scatter|rows_bf16" \
-    --launch-count 6 --csv .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --quick --only layer_4096 > $R/ncu.csv 2> $R/ncu.err
-stamp "ncu rc=$?"
+ncu_layer 120 --kernel-name regex:"scatter|rows_bf16" --launch-count 6
 grep -E "scatter|rows_bf16" $R/ncu.csv | awk -F'","' '{print $5, $(NF)}' | head -8
 pack
 ab_rounds 3 layer "beside|NVFP4DBG_SHARED_STREAM=1 serial|NVFP4DBG_SHARED_STREAM=0"

@@ -8,10 +8,5 @@ set -uo pipefail
 LABEL=${LABEL:-s18f} bash bench/gpu-run-final.sh
 L=s18s
 source bench/gpu-lib.sh
-for tool in memcheck racecheck; do
-    timeout ${SAN_S:-150} compute-sanitizer --tool $tool --print-limit 20 .dev/gpu/gpu_gemm --ignored --nocapture \
-        --test-threads 1 wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts > $R/$tool.txt 2>&1
-    stamp "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^test result' $R/$tool.txt | tr '\n' ' ')"
-    pack
-done
+sanitize memcheck racecheck
 stamp total
