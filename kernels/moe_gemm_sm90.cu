@@ -474,7 +474,9 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // Token stages in the ring (moe.rs reads a -DR_STAGES for the launch's shared memory). 5
 // (201 KB) against 4, s15g (3 alternating rounds): the layer's gate/up stage 4.427 ms against
 // 4.463 in every round, its down stage 2.295 against 2.277, the uniform gate/up 3.84 against
-// 3.91: kept at 4.
+// 3.91: kept at 4. 3 against 4, s20a and s20b (3 alternating rounds each): the layer ahead in
+// all 6 rounds, eager 7.79-7.87 ms against 7.84-7.98, graph 7.78-7.89 against 7.87-7.97, the
+// uniform gate/up 3.65-3.73 against 3.75-3.79; 2 behind 4 (8.02-8.09): now 3.
 // Warpgroups per CTA (moe.rs reads a -DRS_WG for the launch): 2 (default) share one token ring
 // and take 256 weight rows (the gate/up: 128 outputs of w1 and w3), one CTA of 255 registers a
 // thread per SM; 1 takes 128 weight rows (64 outputs) with its own ring of 2 stages, two CTAs
@@ -492,7 +494,7 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 #define R_DOWN_BN (RS_WG * 128)
 #ifndef R_STAGES
 #if RS_WG == 2
-#define R_STAGES 4
+#define R_STAGES 3
 #else
 #define R_STAGES 2
 #endif
@@ -500,20 +502,7 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 #define R_BOX_ROWS 32                     // the small TMA box: 32 rows x 64 K of BF16 (4 KB); the
 #define R_BOX_BYTES (R_BOX_ROWS * 64 * 2) // big one is 128 rows (rs_fill)
 #define R_HALF_BYTES (R_BN * 64 * 2)      // one half chunk (K 64) of R_BN token rows
-#define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
-#define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
-// Where the weights travel: 0 (default) global memory -> registers, one chunk ahead (rs_load);
-// 1 through the ring: each stage also holds the chunk's weights, the CTA's R_WTILES decode
-// tiles (1 KB of codes, then 128 B of scales each), which warp 0 brings by bulk copies (one a
-// lane) with the token boxes, R_STAGES - 1 chunks ahead; each lane reads its fragments out of
-// the stage once it is full (rs_load_stage). Its stages are 58 KB: 3 fit (-DR_STAGES=3).
-#ifndef RS_WSMEM
-#define RS_WSMEM 0
-#endif
-#define R_WTILES (RS_WG * 8)
-#define R_TOK_BYTES (2 * R_HALF_BYTES)
-#define R_WQ_BYTES (R_WTILES * R_TILE_Q)
-#define R_STAGE_BYTES (R_TOK_BYTES + (RS_WSMEM ? R_WTILES * (R_TILE_Q + R_TILE_S) : 0))
+#define R_STAGE_BYTES (2 * R_HALF_BYTES)
 // The gate/up epilogue's f32 tile, over the stages once the K loop is done: R_BN token rows of
 // R_EPI_ROW floats (g, then u, of the CTA's R_GU_BN outputs, + 4 so that a warp's accumulator
 // stores hit 32 banks: 2 t R_EPI_ROW = 8 t mod 32). The barriers follow the larger of the two.
@@ -522,14 +511,12 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 #define R_RING_BYTES (R_STAGES * R_STAGE_BYTES)
 #define R_OFF_BARS (R_EPI_BYTES > R_RING_BYTES ? R_EPI_BYTES : R_RING_BYTES)
 // + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
-// RS_WSMEM: the decode tiles' global addresses (RTile, one per tile) after the barriers
-#define R_OFF_TABLE (R_OFF_BARS + 2 * R_STAGES * 8)
-#define R_SMEM_BYTES (R_OFF_TABLE + (RS_WSMEM ? R_WTILES * 16 : 0) + 1024)
-static_assert(R_STAGE_BYTES % 1024 == 0 && R_OFF_TABLE % 16 == 0, "stages start at swizzle atoms");
-static_assert(R_SMEM_BYTES <= 227 * 1024, "more shared memory than a Hopper block gets (RS_WSMEM: -DR_STAGES=3)");
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
 static_assert(R_EPI_ROW >= 2 * R_GU_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
+#define R_TILE_Q (16 * R_BK / 2)          // a 16-row decode tile's codes per chunk: 1 KB
+#define R_TILE_S (16 * R_BK / 16)         // and scales: 128 B
 
 // Tuning knobs (#ifndef: NVFP4DBG_NVRTC_DEFINES="-DRS_F16=0 ..." overrides them for an A/B on
 // one build; every setting gives the same numbers up to FP32 summation order).
@@ -544,13 +531,6 @@ static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start 
 #define RS_INFLIGHT 2
 #endif
 static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
-// The same for the tiles wider than 128 tokens: 1 (default; their accumulators left no room
-// for another set of A fragments beside the next chunk's weights in registers) or 2 (room that
-// RS_WSMEM frees).
-#ifndef RS_INFLIGHT_WIDE
-#define RS_INFLIGHT_WIDE 1
-#endif
-static_assert(RS_INFLIGHT_WIDE == 1 || RS_INFLIGHT_WIDE == 2, "RS_INFLIGHT_WIDE: 1 or 2");
 // The weights of chunk c + L2_AHEAD are prefetched into L2 while chunk c runs (2 or less:
 // none). The registers hold only one chunk ahead (about 2000 cycles at N = 128, less than a
 // DRAM round trip under load: ncu put a fifth of the stall cycles on those loads, session 7).
@@ -589,8 +569,7 @@ static_assert(RS_INFLIGHT_WIDE == 1 || RS_INFLIGHT_WIDE == 2, "RS_INFLIGHT_WIDE:
 #endif
 // Time split only (the outputs are then WRONG; never a default): the sum of 1 (the gate/up's
 // SwiGLU replaced by g * u), 2 (no NVFP4 epilogue after it: the down GEMM reads what the
-// last forward left), 4 (the down GEMM stores nothing), 8 (RS_WSMEM: one bulk copy of the
-// stage's weight bytes, from the wrong rows, instead of one a tile). The bench skips its output checks
+// last forward left), 4 (the down GEMM stores nothing). The bench skips its output checks
 // under it. Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off
 // the gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25.
 #ifndef RS_DIAG
@@ -811,100 +790,24 @@ struct RBars {
 // at 1024-byte steps, so the swizzle composes).
 // Small boxes only (8 for 128 rows) measured 3-4% slower than one big box (s9a).
 template <int N>
-__device__ __forceinline__ constexpr u32 rs_token_bytes() {
-    return 2 * ((N / 128) * 128 + ((N % 128 + R_BOX_ROWS - 1) / R_BOX_ROWS) * R_BOX_ROWS) * 128;
-}
-template <int N>
-__device__ __forceinline__ void rs_fill_tokens(const void* tmap, u32 dst, u32 bar, u32 c, u32 r0) {
+__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
     constexpr int BIG = N / 128, SMALL = (N % 128 + R_BOX_ROWS - 1) / R_BOX_ROWS;
     static_assert(BIG * 128 + SMALL * R_BOX_ROWS <= R_BN, "the boxes fit a stage");
     const void* tmap_small = reinterpret_cast<const u8*>(tmap) + 128;
+    u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
+    mbar_arrive_expect_tx(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int k = (int)(c * R_BK + 64 * h);
         u32 half = dst + h * R_HALF_BYTES;
 #pragma unroll
-        for (int b = 0; b < BIG; b++) tma_load_2d(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bar);
+        for (int b = 0; b < BIG; b++) tma_load_2d(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bars.full(s));
 #pragma unroll
         for (int b = 0; b < SMALL; b++)
             tma_load_2d(half + BIG * 128 * 128 + b * R_BOX_BYTES, tmap_small, k, (int)(r0 + BIG * 128 + b * R_BOX_ROWS),
-                        bar);
+                        bars.full(s));
     }
 }
-template <int N>
-__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
-    u32 s = c % R_STAGES;
-    mbar_arrive_expect_tx(bars.full(s), rs_token_bytes<N>());
-    rs_fill_tokens<N>(tmap, stages + s * R_STAGE_BYTES, bars.full(s), c, r0);
-}
-
-// RS_WSMEM: a decode tile's codes and scales at chunk 0 (null past the matrix).
-struct RTile {
-    const u8* q;
-    const u8* s;
-};
-
-#if RS_WSMEM
-// Warp 0, every lane: chunk c's tokens (lane 0) and weights (lane l < 2 R_WTILES: tile l / 2's
-// codes, l even, or scales, l odd; none for a tile past the matrix) into its stage.
-template <int N>
-__device__ __forceinline__ void rs_fill_w(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0,
-                                          const RTile* table) {
-    u32 lane = threadIdx.x % 32, s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES, bar = bars.full(s);
-#if RS_DIAG & 8
-    // time split only: the stage's weight bytes in one bulk copy from tile 0's rows (wrong
-    // weights), to time the ring without 2 R_WTILES copies a chunk
-    if (lane == 0) {
-        constexpr u32 WB = R_WTILES * (R_TILE_Q + R_TILE_S);
-        mbar_arrive_expect_tx(bar, rs_token_bytes<N>() + WB);
-        rs_fill_tokens<N>(tmap, dst, bar, c, r0);
-        bulk_load(dst + R_TOK_BYTES, table[0].q + (size_t)(c % 2) * WB, WB, bar);
-    }
-    return;
-#endif
-    u32 tile = lane / 2, bytes = 0, off = 0;
-    const u8* src = nullptr;
-    if (tile < R_WTILES) {
-        bool codes = lane % 2 == 0;
-        src = codes ? table[tile].q : table[tile].s;
-        bytes = src == nullptr ? 0u : codes ? R_TILE_Q : R_TILE_S;
-        off = codes ? tile * R_TILE_Q : R_WQ_BYTES + tile * R_TILE_S;
-    }
-    u32 total = __reduce_add_sync(0xFFFFFFFFu, bytes);
-    if (lane == 0) {
-        mbar_arrive_expect_tx(bar, rs_token_bytes<N>() + total);
-        rs_fill_tokens<N>(tmap, dst, bar, c, r0);
-    }
-    if (bytes) bulk_load(dst + R_TOK_BYTES + off, src + (size_t)c * bytes, bytes, bar);
-}
-
-// A lane's weights of the chunk in a full stage (`w`: the stage's weights), as rs_load reads
-// them from global memory; zeros for the m-blocks past the matrix (bit b of `live` clear).
-__device__ __forceinline__ void rs_load_stage(u32 w, u32 live, RChunk& st) {
-    u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        u32 tile = 2 * warp + b;
-        if (live >> b & 1u) {
-            u32 q = w + tile * R_TILE_Q + 16 * lane, sc = w + R_WQ_BYTES + tile * R_TILE_S + 2 * lane;
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(st.w[b][0].x), "=r"(st.w[b][0].y), "=r"(st.w[b][0].z), "=r"(st.w[b][0].w)
-                         : "r"(q));
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                         : "=r"(st.w[b][1].x), "=r"(st.w[b][1].y), "=r"(st.w[b][1].z), "=r"(st.w[b][1].w)
-                         : "r"(q + 512));
-            unsigned short s0, s1;
-            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s0) : "r"(sc));
-            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(s1) : "r"(sc + 64));
-            st.s[b][0] = s0;
-            st.s[b][1] = s1;
-        } else {
-            st.w[b][0] = st.w[b][1] = make_uint4(0, 0, 0, 0);
-            st.s[b][0] = st.s[b][1] = 0;
-        }
-    }
-}
-#endif
 
 // The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
 // pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
@@ -912,21 +815,13 @@ __device__ __forceinline__ void rs_load_stage(u32 w, u32 live, RChunk& st) {
 // block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
 // stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
 // step 4 with chunk c - 1 + R_STAGES.
-// RS_WSMEM: `st_in` is unused; the lane reads its weights out of the stage (rs_load_stage,
-// `live`), and warp 0 refills the stage with weights and tokens (rs_fill_w, `table`).
 template <int N>
-__device__ __forceinline__ void rs_chunk(const RChunk& st_in, u32 live, const RTile* table, u32 c, u32 nk,
-                                         u32 stages, RBars bars, const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
-    constexpr int INFLIGHT = N > 128 ? RS_INFLIGHT_WIDE : RS_INFLIGHT;
+__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
+    // for another set of A fragments
+    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
     u32 tid = threadIdx.x, slot = c % R_STAGES;
-#if RS_WSMEM
-    mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
-    RChunk st_s;
-    rs_load_stage(stages + slot * R_STAGE_BYTES + R_TOK_BYTES, live, st_s);
-    const RChunk& st = st_s;
-#else
-    const RChunk& st = st_in;
-#endif
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
 #pragma unroll
@@ -949,9 +844,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st_in, u32 live, const RT
         sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
 #endif
     }
-#if !RS_WSMEM
     mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
-#endif
     u32 sb = stages + slot * R_STAGE_BYTES;
     __syncwarp();  // every lane left the wait's spin loop: the MMAs below are `.aligned`
 #pragma unroll
@@ -986,19 +879,11 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st_in, u32 live, const RT
         // the groups still in flight are this chunk's: the previous chunk's stage is free
         if (s == INFLIGHT - 1)
             mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
-#if RS_WSMEM
-        if (s == 4 && tid < 32 && c > 0 && c - 1 + R_STAGES < nk) {
-            u32 prev = (c - 1) % R_STAGES;
-            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
-            rs_fill_w<N>(tmap, stages, bars, c - 1 + R_STAGES, r0, table);
-        }
-#else
         if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
             u32 prev = (c - 1) % R_STAGES;
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
             rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
-#endif
         // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
         // lane of the warp must issue it together). ptxas left this implicit in session 16's
         // b2f8762 build (a BSSY / BSYNC pair opened before the chunk's MMAs), and there the
@@ -1020,53 +905,34 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
     RChunk st[2];
-    RTile* table = reinterpret_cast<RTile*>(base + R_OFF_TABLE);
-    u32 live = (u32)(wr.q[0] != nullptr) | (u32)(wr.q[1] != nullptr) << 1;
-#if RS_WSMEM
-    // each warp's two tiles start where its lane 0 reads
-    if (tid % 32 == 0)
-#pragma unroll
-        for (int b = 0; b < 2; b++) table[2 * (tid / 32) + b] = RTile{wr.q[b], wr.s[b]};
-#else
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-#endif
-    // thread 0 sets the ring up (and starts the first copies); the barrier publishes the ring
+    // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
             mbar_init(bars.empty(s), R_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        if (!RS_WSMEM)
-            for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
-#if RS_WSMEM
-    if (tid < 32)
-        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill_w<N>(tmap, stages, bars, c, r0, table);
-    __syncwarp();
-#endif
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-#if RS_WSMEM
-    for (u32 c = 0; c < nk; c++) rs_chunk<N>(st[0], live, table, c, nk, stages, bars, tmap, r0, acc);
-#else
     if (L2_AHEAD > 2)
         for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
     for (u32 c = 0; c < nk; c += 2) {
         if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-        rs_chunk<N>(st[0], live, table, c, nk, stages, bars, tmap, r0, acc);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
         if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
         if (c + 1 < nk) {
             if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
-            rs_chunk<N>(st[1], live, table, c + 1, nk, stages, bars, tmap, r0, acc);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
-#endif
     wgmma_wait<0>();
     rs_acc_fence<N>(acc);
     __syncthreads();

@@ -158,32 +158,22 @@ fn nvdisasm_path() -> String {
 /// each one): the register-A prefill kernels then run a third slower (BENCHMARKS.md, session 7).
 /// Their K loops must keep MMA groups in flight, waits down to 0 only at the loops' ends: two
 /// groups at tile widths 32, 64 and 128 tokens, one at 144 (the gate/up only) and 160 (their
-/// accumulators leave room for no more A fragments). RS_WSMEM's loop is one chunk, not two,
-/// and keeps two groups in flight at every width (SM90_WSMEM).
+/// accumulators leave room for no more A fragments).
 #[test]
 fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     if !enabled() {
         return;
     }
     let nvdisasm = nvdisasm_path();
-    for (defines, chunks, wide_down, wide_gate_up) in [(&[][..], 2, 1, 2), (SM90_WSMEM, 1, 0, 0)] {
-        let (cubin, _) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", defines)
-            .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
-        // per tile width: chunks x 8 k16 steps x 2 m-blocks, one wait per step
-        let steps = chunks * 8;
-        for (kernel, widths, wide) in [
-            ("moe_gemm_nvfp4_sm90rs", 4, wide_down),
-            ("moe_gemm_gate_up_nvfp4_sm90rs", 5, wide_gate_up),
-        ] {
-            assert_mmas_in_flight(&sass_of(&nvdisasm, &cubin, kernel), kernel, widths, wide, steps);
-        }
-    }
-}
-
-/// `widths` tile widths of `steps` k16 steps each keep two MMA groups in flight, but `wide` of
-/// them one, and drain to 0 at most once a width.
-fn assert_mmas_in_flight(sass: &str, kernel: &str, widths: usize, wide: usize, steps: usize) {
-    {
+    let cubin =
+        nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
+    // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
+    let steps = 2 * 8;
+    for (kernel, widths, wide) in [
+        ("moe_gemm_nvfp4_sm90rs", 4, 1),
+        ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),
+    ] {
+        let sass = sass_of(&nvdisasm, &cubin, kernel);
         let mmas = sass.matches("HGMMA").count();
         // the groups a wait leaves in flight: the immediate after `gsb0, `
         let waits = |n: &str| {
@@ -250,16 +240,11 @@ fn the_register_a_refills_reconverge_before_the_next_mma() {
         return;
     }
     let nvdisasm = nvdisasm_path();
-    for defines in [&[][..], SM90_VARIANT, SM90_WSMEM] {
+    for defines in [&[][..], SM90_VARIANT] {
         let (cubin, _) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", defines)
             .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
         for kernel in ["moe_gemm_nvfp4_sm90rs", "moe_gemm_gate_up_nvfp4_sm90rs"] {
-            let sass = sass_of(&nvdisasm, &cubin, kernel);
-            if defines == SM90_WSMEM {
-                // warp 0 brings the weights by bulk copies with the token boxes
-                assert!(sass.contains("UBLKCP"), "{kernel} {defines:?}: no bulk copy");
-            }
-            let (issues, bad) = mmas_after_refill(&sass);
+            let (issues, bad) = mmas_after_refill(&sass_of(&nvdisasm, &cubin, kernel));
             eprintln!(
                 "{kernel} {defines:?}: {issues} TMA issues, {} MMAs left unreconverged",
                 bad.len()
@@ -289,26 +274,17 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_WG=1",
 ];
 
-/// The weights through the ring (RS_WSMEM), in the 3 stages that fit, with two MMA groups in
-/// flight on the wide tiles too (the registers it frees).
-const SM90_WSMEM: &[&str] = &["-DRS_WSMEM=1", "-DR_STAGES=3", "-DRS_INFLIGHT_WIDE=2"];
-
 #[test]
 fn the_register_a_variants_compile() {
     if !enabled() {
         return;
     }
-    for variant in [SM90_VARIANT, SM90_WSMEM] {
-        let mut options = variant.to_vec();
-        options.push("--ptxas-options=--verbose");
-        let (_, log) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", &options)
-            .unwrap_or_else(|e| panic!("{variant:?}: {e}"));
-        for l in log.lines().filter(|l| l.contains("registers") || l.contains("spill")) {
-            eprintln!("{variant:?}: {}", l.trim());
-        }
-        let what = format!("{} {}", nvrtc::MOE_GEMM_SM90.file, variant.join(" "));
-        assert_spills_allowed(&what, &log);
-    }
+    let mut options = SM90_VARIANT.to_vec();
+    options.push("--ptxas-options=--verbose");
+    let (_, log) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", &options)
+        .unwrap_or_else(|e| panic!("{SM90_VARIANT:?}: {e}"));
+    let what = format!("{} {}", nvrtc::MOE_GEMM_SM90.file, SM90_VARIANT.join(" "));
+    assert_spills_allowed(&what, &log);
 }
 
 /// The register-A gate/up epilogue's SwiGLU takes exp's table-driven fast path inline and

@@ -47,7 +47,7 @@ const SM90_RS_WG: u32 = 2;
 /// R_STAGES for RS_WG warpgroups.
 const fn sm90_rs_stages_for(wg: u32) -> u32 {
     if wg == 2 {
-        4
+        3
     } else {
         2
     }
@@ -56,18 +56,13 @@ const fn sm90_rs_stages_for(wg: u32) -> u32 {
 const fn sm90_rs_epi_row_for(wg: u32) -> usize {
     2 * 64 * wg as usize + 4
 }
-const SM90_RS_SMEM_BYTES: u32 =
-    sm90_rs_smem_for(sm90_rs_stages_for(SM90_RS_WG), SM90_RS_WG, false);
+const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem_for(sm90_rs_stages_for(SM90_RS_WG), SM90_RS_WG);
 /// R_SMEM_BYTES for a ring of `stages` and `wg` warpgroups: the larger of the ring and the
-/// epilogue's tile, two barriers a stage, 1024 to align the base; with `wsmem` (RS_WSMEM) each
-/// stage also holds the chunk's weights, 8 decode tiles a warpgroup of 1 KB of codes and 128 B
-/// of scales, and the tiles' addresses follow the barriers.
-const fn sm90_rs_smem_for(stages: u32, wg: u32, wsmem: bool) -> u32 {
-    let tiles = if wsmem { 8 * wg } else { 0 };
-    let stage = ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32 + tiles * (1024 + 128);
-    let ring = stages * stage;
+/// epilogue's tile, two barriers a stage, 1024 to align the base.
+const fn sm90_rs_smem_for(stages: u32, wg: u32) -> u32 {
+    let ring = stages * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
     let epi = ((BM + SM90_RS_SLACK) * sm90_rs_epi_row_for(wg) * 4) as u32;
-    (if ring > epi { ring } else { epi }) + 2 * stages * 8 + tiles * 16 + 1024
+    (if ring > epi { ring } else { epi }) + 2 * stages * 8 + 1024
 }
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
@@ -75,7 +70,7 @@ const _: () = assert!(
     "more shared memory than a Hopper block gets"
 );
 const _: () = assert!(
-    2 * (sm90_rs_smem_for(sm90_rs_stages_for(1), 1, false) + 1024) <= 228 * 1024,
+    2 * (sm90_rs_smem_for(sm90_rs_stages_for(1), 1) + 1024) <= 228 * 1024,
     "two one-warpgroup CTAs do not fit an SM's shared memory"
 );
 const _: () = assert!(
@@ -197,13 +192,13 @@ fn sm90_rs_wg() -> u32 {
     super::nvrtc::tuning_define("RS_WG").map_or(SM90_RS_WG, |n| n as u32)
 }
 
-/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N`,
-/// `-DRS_WG=N` and `-DRS_WSMEM=1` in NVFP4DBG_NVRTC_DEFINES (A/Bs) ask for.
+/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N` and
+/// `-DRS_WG=N` in NVFP4DBG_NVRTC_DEFINES (A/Bs) ask for.
 fn sm90_rs_smem_bytes() -> u32 {
-    use super::nvrtc::tuning_define;
     let wg = sm90_rs_wg();
-    let stages = tuning_define("R_STAGES").map_or(sm90_rs_stages_for(wg), |n| n as u32);
-    sm90_rs_smem_for(stages, wg, tuning_define("RS_WSMEM").is_some_and(|n| n != 0))
+    let stages =
+        super::nvrtc::tuning_define("R_STAGES").map_or(sm90_rs_stages_for(wg), |n| n as u32);
+    sm90_rs_smem_for(stages, wg)
 }
 
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
