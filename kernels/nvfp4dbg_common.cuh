@@ -445,11 +445,30 @@ __device__ const double EXP2_J64[64] = {
 // not a normal f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
 // No branch: the other x are computed as 0, so that callers may run it on many values and
 // take the rare ones to expf_cr_slow afterwards (swiglu16).
+// EXPF_CR_BITS 1 (default) takes x to double, k to an integer and the result to f32 by integer
+// and FMA operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock an SM
+// on sm_90 against 64 DFMA): same outputs, same declined inputs (tools/checks/expf_cr_fast.cu).
+// 0: those conversions, for an A/B.
+#ifndef EXPF_CR_BITS
+#define EXPF_CR_BITS 1
+#endif
 __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
+#if EXPF_CR_BITS
+    const u32 xb = __float_as_uint(x), ax = xb & 0x7FFFFFFFu;
+    const bool in_range = ax <= 0x42AE0000u;  // |x| <= 87, not NaN
+    // x as a double, exactly for normal x; zero and subnormal x as 0 (exp rounds to 1 either way)
+    const u32 hi = (xb & 0x80000000u) | (((ax >> 23) + (1023u - 127u)) << 20) | ((ax & 0x7FFFFFu) >> 3);
+    const double xd = in_range && ax >= 0x00800000u ? __hiloint2double((int)hi, (int)(ax << 29)) : 0.0;
+    // x / (ln2 / 64) to an integer, rounded once (1.5 2^52 has an ulp of 1): k in the low bits
+    const double t52 = fma(xd, 0x1.71547652b82fep+6, 0x1.8p52);
+    const double kd = t52 - 0x1.8p52;
+    const int k = __double2loint(t52);  // |k| <= 8034
+#else
     const bool in_range = fabsf(x) <= 87.0f;
     const double xd = in_range ? x : 0.0f;
     const double kd = rint(xd * 0x1.71547652b82fep+6);  // x / (ln2 / 64), to the nearest integer
     const int k = (int)kd;                              // |k| <= 8034
+#endif
     double r = fma(kd, -0x1.62e42fefa39efp-7, xd);      // x - k ln2 / 64 (Cody-Waite, hi ...
     r = fma(kd, -0x1.abc9e3b39803fp-62, r);             // ... and lo parts of ln2 / 64)
     double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
@@ -460,7 +479,13 @@ __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
     const double t = __ldg(&EXP2_J64[k & 63]);
     const long long bits =                              // 2^(k >> 6) * 2^((k & 63) / 64) * exp(r)
         __double_as_longlong(fma(t, q, t)) + (long long)(k >> 6) * (1ll << 52);
+#if EXPF_CR_BITS
+    // to f32, rounding half up: exact where the test below accepts (no f32 rounding boundary
+    // near), and a normal f32 for |x| <= 87
+    out = __uint_as_float((u32)((bits + (1ll << 28)) >> 29) - ((1023u - 127u) << 23));
+#else
     out = (float)__longlong_as_double(bits);
+#endif
     return in_range && (u32)(bits & 0x1FFFFFFF) - (0x10000000u - EXPF_CR_MARGIN) > 2 * EXPF_CR_MARGIN;
 }
 #endif
