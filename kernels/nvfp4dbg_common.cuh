@@ -445,12 +445,14 @@ __device__ const double EXP2_J64[64] = {
 // not a normal f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
 // No branch: the other x are computed as 0, so that callers may run it on many values and
 // take the rare ones to expf_cr_slow afterwards (swiglu16).
-// EXPF_CR_BITS 1 (default) takes x to double, k to an integer and the result to f32 by integer
-// and FMA operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock an SM
-// on sm_90 against 64 DFMA): same outputs, same declined inputs (tools/checks/expf_cr_fast.cu).
-// 0: those conversions, for an A/B.
+// EXPF_CR_BITS 1 takes x to double, k to an integer and the result to f32 by integer and FMA
+// operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock an SM on sm_90
+// against 64 DFMA; SwiGLU's exps cost 0.29 ms of the 4096-token layer, BENCHMARKS.md session
+// 15). A C port of it agreed with glibc's (float)exp((double)x) on all 2^32 inputs and declined
+// the same 8265 (session 20); it has not run on a GPU yet (bench/gpu-run-s20e.sh: gpu_checks
+// under it, then the A/B), so 0, the conversions, stays the default until it has.
 #ifndef EXPF_CR_BITS
-#define EXPF_CR_BITS 1
+#define EXPF_CR_BITS 0
 #endif
 __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
 #if EXPF_CR_BITS

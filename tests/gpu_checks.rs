@@ -44,6 +44,13 @@ const CHECKS: &[(&str, &str)] = &[
 #[ignore = "needs a GPU and nvcc (.ci/gpu-nightly)"]
 fn fast_device_functions_equal_their_reference_on_every_input() {
     let arch = gpu_common::gpu().arch.clone();
+    // a variant's knobs, as the kernels get them (NVFP4DBG_NVRTC_DEFINES: `-D` options)
+    let defines: Vec<String> = std::env::var("NVFP4DBG_NVRTC_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter(|d| d.starts_with("-D") && d.len() > 2)
+        .map(str::to_string)
+        .collect();
     let dir = tempfile::tempdir().unwrap();
     for (name, text) in HEADERS {
         std::fs::write(dir.path().join(name), text).unwrap();
@@ -54,6 +61,7 @@ fn fast_device_functions_equal_their_reference_on_every_input() {
         std::fs::write(&cu, src).unwrap();
         let built = Command::new(common::nvcc())
             .arg(format!("-arch={arch}"))
+            .args(&defines)
             .args(["-O3", "--fmad=false", "-I"])
             .arg(dir.path())
             .arg(&cu)
@@ -68,7 +76,7 @@ fn fast_device_functions_equal_their_reference_on_every_input() {
         );
         let ran = Command::new(&exe).output().unwrap();
         let out = String::from_utf8_lossy(&ran.stdout);
-        eprintln!("{name} ({arch}): {}", out.trim());
+        eprintln!("{name} ({arch} {defines:?}): {}", out.trim());
         assert!(
             ran.status.success() && out.starts_with("mismatches 0 of "),
             "{name}: exit {:?} (1: a mismatch, 2: a CUDA call failed), {out}{}",
