@@ -44,13 +44,8 @@ const CHECKS: &[(&str, &str)] = &[
 #[ignore = "needs a GPU and nvcc (.ci/gpu-nightly)"]
 fn fast_device_functions_equal_their_reference_on_every_input() {
     let arch = gpu_common::gpu().arch.clone();
-    // a variant's knobs, as the kernels get them (NVFP4DBG_NVRTC_DEFINES: `-D` options)
-    let defines: Vec<String> = std::env::var("NVFP4DBG_NVRTC_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter(|d| d.starts_with("-D") && d.len() > 2)
-        .map(str::to_string)
-        .collect();
+    // a variant's knobs, as the kernels get them (NVFP4DBG_NVRTC_DEFINES)
+    let defines = nvfp4dbg::backend::cuda::nvrtc::tuning_defines();
     let dir = tempfile::tempdir().unwrap();
     for (name, text) in HEADERS {
         std::fs::write(dir.path().join(name), text).unwrap();

@@ -166,7 +166,7 @@ pub fn compile_options(arch: &str) -> Vec<String> {
 /// `NVFP4DBG_NVRTC_DEFINES="-DDEC_DOWN_MIN_BLOCKS=2 ..."`: macro overrides for the tuning constants
 /// a kernel leaves open (`#ifndef`), to sweep one in a single benchmark session. Only `-D`
 /// options are taken; anything else in the variable is ignored.
-fn tuning_defines() -> Vec<String> {
+pub fn tuning_defines() -> Vec<String> {
     std::env::var("NVFP4DBG_NVRTC_DEFINES")
         .map(|v| {
             v.split_whitespace()
