@@ -445,14 +445,15 @@ __device__ const double EXP2_J64[64] = {
 // not a normal f32), NaN, or a double within EXPF_CR_MARGIN ulps of the midpoint of two floats.
 // No branch: the other x are computed as 0, so that callers may run it on many values and
 // take the rare ones to expf_cr_slow afterwards (swiglu16).
-// EXPF_CR_BITS 1 takes x to double, k to an integer and the result to f32 by integer and FMA
-// operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock an SM on sm_90
-// against 64 DFMA; SwiGLU's exps cost 0.29 ms of the 4096-token layer, BENCHMARKS.md session
-// 15). A C port of it agreed with glibc's (float)exp((double)x) on all 2^32 inputs and declined
-// the same 8265 (session 20); it has not run on a GPU yet (bench/gpu-run-s20e.sh: gpu_checks
-// under it, then the A/B), so 0, the conversions, stays the default until it has.
+// EXPF_CR_BITS 1 (the default) takes x to double, k to an integer and the result to f32 by
+// integer and FMA operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock
+// an SM on sm_90 against 64 DFMA; SwiGLU's exps cost 0.29 ms of the 4096-token layer,
+// BENCHMARKS.md session 15). On an H200 (s21, bench/gpu-run-s20e.sh) it agreed with
+// (float)exp((double)x) on all 2^32 inputs, declining the same 8265, and swiglu16 with the CPU on
+// all 2^33 pairs (gpu_checks); the gate/up GEMM was 0.4% faster in 3 of 3 alternating rounds.
+// 0 keeps the conversions.
 #ifndef EXPF_CR_BITS
-#define EXPF_CR_BITS 0
+#define EXPF_CR_BITS 1
 #endif
 __device__ __forceinline__ bool expf_cr_fast(float x, float& out) {
 #if EXPF_CR_BITS

@@ -272,7 +272,7 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_SWIGLU16=0",
     "-DR_STAGES=5",
     "-DRS_WG=1",
-    "-DEXPF_CR_BITS=1",
+    "-DEXPF_CR_BITS=0",
 ];
 
 #[test]
