@@ -551,17 +551,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// The weight chunks a lane holds in registers for tiles of at most RS_DEEP_N tokens (2: the
-// chunk in use and the next, whose loads then have one chunk's MMAs to land in). A narrow tile
-// has few MMAs a chunk (at 32 tokens ~500 cycles, under an L2 round trip under load) and few
-// accumulators, so it has the registers to load further ahead (~20 a chunk). Same numbers.
-#ifndef RS_REG_AHEAD
-#define RS_REG_AHEAD 2
-#endif
-#ifndef RS_DEEP_N
-#define RS_DEEP_N 64
-#endif
-static_assert(RS_REG_AHEAD >= 2 && RS_REG_AHEAD <= 6, "RS_REG_AHEAD: 2 to 6 chunks");
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -915,13 +904,9 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
-    // a ring of D chunks in registers: chunk c in st[c % D], its refill with c + D once used
-    constexpr int D = N <= RS_DEEP_N ? RS_REG_AHEAD : 2;
-    RChunk st[D];
+    RChunk st[2];
     rs_load(wr, 0, st[0]);
-#pragma unroll
-    for (int i = 1; i < D; i++)
-        if (i < nk) rs_load(wr, i, st[i]);
+    if (nk > 1) rs_load(wr, 1, st[1]);
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
@@ -938,29 +923,14 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
         for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
     if (L2_AHEAD > 2)
         for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-    if constexpr (D == 2) {
-        // (the general loop below at D = 2 made ptxas spill in the 160-token path)
-        for (u32 c = 0; c < nk; c += 2) {
-            if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-            rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
-            if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
-            if (c + 1 < nk) {
-                if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
-                rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
-                if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
-            }
-        }
-    } else {
-        for (u32 c0 = 0; c0 < nk; c0 += D) {
-#pragma unroll
-            for (int i = 0; i < D; i++) {
-                u32 c = c0 + i;
-                if (i == 0 || c < nk) {  // c0 < nk
-                    if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-                    rs_chunk<N>(st[i], c, nk, stages, bars, tmap, r0, acc);
-                    if (c + D < nk) rs_load(wr, c + D, st[i]);
-                }
-            }
+    for (u32 c = 0; c < nk; c += 2) {
+        if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
+        if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
+        if (c + 1 < nk) {
+            if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
+            if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
     wgmma_wait<0>();
