@@ -551,14 +551,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// The next CTA's first weight chunks into L2 (RS_NEXT_L2 of them; 0: none), issued by this CTA
-// between its K loop and its epilogue. A CTA's K loop starts by waiting for its first chunk's
-// weights: in ncu (s21d) the first use of those registers held 7-9% of the gate/up kernel's
-// stall samples, all long scoreboard. The CTA launched after this one is about one SM's worth
-// of CTAs on (blockIdx + %nsmid, whichever SM takes it); its token chunks are prefetched too.
-#ifndef RS_NEXT_L2
-#define RS_NEXT_L2 0
-#endif
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -754,30 +746,6 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(wr.s[b] + (size_t)c * R_TILE_S));
         }
     }
-}
-
-// RS_NEXT_L2: the weights of the CTA about one SM's worth of CTAs on (`rows(bx, e)`: the
-// lane's RWeights for column block bx of expert e) and its tokens' first stages, into L2.
-template <typename Rows>
-__device__ __forceinline__ void rs_prefetch_next(Rows rows, const u32* __restrict__ tile_offsets,
-                                                 const u32* __restrict__ expert_offsets, u32 E, const void* tmap,
-                                                 u32 nk) {
-    if (RS_NEXT_L2 == 0) return;
-    u32 nsm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    u64 b = blockIdx.x + (u64)blockIdx.y * gridDim.x + nsm;
-    u32 bx = (u32)(b % gridDim.x);
-    u64 by = b / gridDim.x;
-    u32 e, r0, r1;
-    if (by >= gridDim.y || !find_row_tile(tile_offsets, expert_offsets, E, (u32)by, H_BM, e, r0, r1)) return;
-    RWeights wr = rows(bx, e);
-    for (u32 c = 0; c < RS_NEXT_L2 && c < nk; c++) rs_prefetch_l2(wr, c);
-    if (threadIdx.x == 0)
-        for (u32 c = 0; c < R_STAGES && c < nk; c++)
-            for (int h = 0; h < 2; h++)
-                asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(tmap),
-                             "r"((int)(c * R_BK + 64 * h)), "r"((int)r0)
-                             : "memory");
 }
 
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
@@ -1181,13 +1149,6 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
-        rs_prefetch_next(
-            [&](u32 bx, u32 ne) {
-                u32 m = bx * R_DOWN_BN + wg * 128 + warp * 16;
-                const u32 nrow0[2] = {m, m + 64};
-                return rs_weights(wq, ws, nrow0, ne, nout, K);
-            },
-            tile_offsets, expert_offsets, E, tmap, K / R_BK);
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, row0, r0, r1, nout, alpha, out);
@@ -1225,12 +1186,6 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
         float g_in = rcp_ref(gs1[e]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), r1 - r0, sgu);
     });
-    rs_prefetch_next(
-        [&](u32 bx, u32 ne) {
-            const u32 nrow0[2] = {bx * R_GU_BN + col0, bx * R_GU_BN + col0};
-            return rs_weights(wq, ws, nrow0, ne, nout, K);
-        },
-        tile_offsets, expert_offsets, E, tmap, K / R_BK);
     __syncthreads();
     if (RS_DIAG & 2) return;
     gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
