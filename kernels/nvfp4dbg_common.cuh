@@ -449,7 +449,7 @@ __device__ const double EXP2_J64[64] = {
 // integer and FMA operations on their bits instead of F2F, FRND and F2I (conversions, 16 a clock
 // an SM on sm_90 against 64 DFMA; SwiGLU's exps cost 0.29 ms of the 4096-token layer,
 // BENCHMARKS.md session 15). On an H200 (s21, bench/gpu-run-s20e.sh) it agreed with
-// (float)exp((double)x) on all 2^32 inputs, declining the same 8265, and swiglu16 agreed with
+// (float)exp((double)x) on all 2^32 inputs, declining the same 8265 as 0 does, and swiglu16 agreed with
 // swiglu on every f32 gate, with and without swiglu_limit (gpu_checks); the gate/up GEMM was 0.4%
 // faster in 3 of 3 alternating rounds. 0 keeps the conversions.
 #ifndef EXPF_CR_BITS
