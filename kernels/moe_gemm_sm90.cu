@@ -581,13 +581,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU16
 #define RS_SWIGLU16 1
 #endif
-// The down projection's stores: 1 (default) through shared memory, each token's outputs then
-// stored 16 bytes a lane (whole 128-byte lines, a quarter of the store instructions), 2 the
-// same with streaming stores (st.global.cs: the rows are read once, by the combine), 0 from
-// the accumulators (4 bytes a lane, 8 lanes a 32-byte run: rs_store_rows).
-#ifndef RS_DOWN_SMEM
-#define RS_DOWN_SMEM 1
-#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -1013,45 +1006,6 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], con
             }
 }
 
-// The down projection's stores through shared memory (RS_DOWN_SMEM): the CTA's tile of
-// out[token, row] = f32(acc) * 2^18 * alpha into `stile` (token rows of R_EPI_ROW floats: a
-// warp's accumulator stores hit 32 banks, as in rs_stage_gate_up), then each token's
-// R_DOWN_BN outputs from n_cta on, 16 bytes a lane (a warp: 512 contiguous bytes of one
-// token). The ring is free (rs_mainloop ends at a CTA barrier) and R_EPI_BYTES holds R_BN rows.
-template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows_smem(const float (&acc)[2][HALF_N], u32 lrow0, u32 n_cta, u32 r0,
-                                                   u32 r1, u32 nout, float alpha, float* stile,
-                                                   float* __restrict__ out) {
-    constexpr int N = 2 * HALF_N, PIECES = R_DOWN_BN / 4;
-    static_assert(R_EPI_ROW == R_DOWN_BN + 4 && R_BN * R_EPI_ROW * 4 <= R_EPI_BYTES, "the down tile fits");
-    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, ntok = r1 - r0;
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int j = 0; j < N / 8; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                u32 lr = lrow0 + 64 * b + g + 8 * (q / 2), tok = j * 8 + 2 * t + (q % 2);
-                if (tok < ntok) stile[tok * R_EPI_ROW + lr] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
-            }
-    __syncthreads();
-    // rows past nout: whole pieces (nout is a multiple of 128 on this path)
-    u32 live = nout > n_cta ? min(nout - n_cta, (u32)R_DOWN_BN) / 4 : 0u;
-#pragma unroll 4
-    for (u32 f = threadIdx.x; f < ntok * PIECES; f += R_THREADS) {
-        u32 tok = f / PIECES, c = f % PIECES;
-        if (c < live) {
-            float4 v = *reinterpret_cast<const float4*>(stile + tok * R_EPI_ROW + 4 * c);
-            float4* dst = reinterpret_cast<float4*>(out + (size_t)(r0 + tok) * nout + n_cta) + c;
-#if RS_DOWN_SMEM == 2
-            __stcs(dst, v);
-#else
-            *dst = v;
-#endif
-        }
-    }
-}
-
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
 // The 4-float pieces of each 16-output group are permuted by the group's index / 2, so that the
 // 8 lanes of a 16-byte load phase (8 groups of one row, RsGateUpA::block16) hit 32 banks.
@@ -1197,14 +1151,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (!(RS_DIAG & 4) || alpha != alpha) {
-#if RS_DOWN_SMEM
-            rs_store_rows_smem(acc, wg * 128 + warp * 16, blockIdx.x * R_DOWN_BN, r0, r1, nout, alpha,
-                               reinterpret_cast<float*>(base), out);
-#else
-            rs_store_rows(acc, row0, r0, r1, nout, alpha, out);
-#endif
-        }
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, row0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();
