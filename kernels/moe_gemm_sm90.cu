@@ -922,6 +922,11 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
             old = __shfl_sync(0xFFFFFFFFu, old, 0);
             if (old % (R_THREADS / 32) == R_THREADS / 32 - 1 && c - 1 + R_STAGES < nk)
                 rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0, (tid & 31u) == 0);
+            // a WARPSYNC that ptxas keeps (it drops the __syncwarp below where it proves the warp
+            // converged, as here): kernels_compile checks that one follows every TMA issue
+            u32 all = 0xFFFFFFFFu;
+            asm volatile("" : "+r"(all));
+            asm volatile("bar.warp.sync %0;" ::"r"(all) : "memory");
         }
 #else
         if (s == INFLIGHT - 1)
