@@ -7,8 +7,11 @@ set -uo pipefail
 L=${LABEL:-s22c}
 source bench/gpu-lib.sh
 D=NVFP4DBG_NVRTC_DEFINES
-NVFP4DBG_NVRTC_DEFINES=-DRS_LAST_REFILL=2 run_tests gpu_gemm gpu_moe
-NVFP4DBG_NVRTC_DEFINES=-DRS_LAST_REFILL=2 SAN_S=${SAN_S:-120} sanitize racecheck
+(
+    export NVFP4DBG_NVRTC_DEFINES=-DRS_LAST_REFILL=2 SAN_S=${SAN_S:-120}
+    run_tests gpu_gemm gpu_moe
+    sanitize racecheck
+)
 ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} "default| rel|$D=-DRS_LAST_REFILL=2"
 stamp total
 pack
