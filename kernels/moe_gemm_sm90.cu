@@ -581,14 +581,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU16
 #define RS_SWIGLU16 1
 #endif
-// Who refills a ring stage: 1 (default) the last warp to release it (a shared-memory counter a
-// stage; that warp's lane 0 issues the copies as it releases, so no warp waits for another), 0
-// thread 0 at step 4 of the next chunk, once the stage's `empty` mbarrier says every warp has
-// released it (thread 0's warp, and through the warpgroup MMA its warpgroup, wait for the
-// slowest warp of the CTA).
-#ifndef RS_LAST_REFILL
-#define RS_LAST_REFILL 1
-#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -606,23 +598,6 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, i
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
         "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-
-// tma_load_2d where `pred` holds, predicated inside the asm (no branch).
-__device__ __forceinline__ void tma_load_2d_if(u32 dst, const void* tmap, int c0, int c1, u32 bar, bool pred) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.u32 p, %5, 0;\n"
-        "@p cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n}\n" ::"r"(dst),
-        "l"(tmap), "r"(c0), "r"(c1), "r"(bar), "r"((u32)pred)
-        : "memory");
-}
-// mbar_arrive_expect_tx where `pred` holds, predicated inside the asm.
-__device__ __forceinline__ void mbar_arrive_expect_tx_if(u32 bar, u32 bytes, bool pred) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n"
-        "@p mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n}\n" ::"r"(bar),
-        "r"(bytes), "r"((u32)pred)
         : "memory");
 }
 
@@ -800,9 +775,8 @@ __device__ __forceinline__ void rs_acc_fence(float (&d)[2][N / 2]) {
         for (int i = 0; i < N / 2; i++) asm volatile("" : "+f"(d[b][i])::"memory");
 }
 
-// The ring: full[s] (the TMA's bytes; one arrival, the refilling thread's expect_tx) and
-// empty[s] (one arrival per warp once its MMAs on the stage are complete: an mbarrier, or with
-// RS_LAST_REFILL a u32 counter of the releases), R_STAGES each.
+// The ring: full[s] (the TMA's bytes; one arrival, thread 0's expect_tx) and empty[s] (one
+// arrival per warp once its MMAs on the stage are complete), R_STAGES each.
 struct RBars {
     u32 base;
     __device__ __forceinline__ u32 full(u32 s) const { return base + 8 * s; }
@@ -815,26 +789,23 @@ struct RBars {
 // ones (R_BN rows of 128 bytes a half, so N = 144 loads 16 rows it does not use; boxes start
 // at 1024-byte steps, so the swizzle composes).
 // Small boxes only (8 for 128 rows) measured 3-4% slower than one big box (s9a).
-// `one` (default: the calling thread) picks the one thread that issues, predicated without a
-// branch when a whole warp calls it.
 template <int N>
-__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0, bool one = true) {
+__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
     constexpr int BIG = N / 128, SMALL = (N % 128 + R_BOX_ROWS - 1) / R_BOX_ROWS;
     static_assert(BIG * 128 + SMALL * R_BOX_ROWS <= R_BN, "the boxes fit a stage");
     const void* tmap_small = reinterpret_cast<const u8*>(tmap) + 128;
     u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
-    mbar_arrive_expect_tx_if(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128, one);
+    mbar_arrive_expect_tx(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         int k = (int)(c * R_BK + 64 * h);
         u32 half = dst + h * R_HALF_BYTES;
 #pragma unroll
-        for (int b = 0; b < BIG; b++)
-            tma_load_2d_if(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bars.full(s), one);
+        for (int b = 0; b < BIG; b++) tma_load_2d(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bars.full(s));
 #pragma unroll
         for (int b = 0; b < SMALL; b++)
-            tma_load_2d_if(half + BIG * 128 * 128 + b * R_BOX_BYTES, tmap_small, k,
-                           (int)(r0 + BIG * 128 + b * R_BOX_ROWS), bars.full(s), one);
+            tma_load_2d(half + BIG * 128 * 128 + b * R_BOX_BYTES, tmap_small, k, (int)(r0 + BIG * 128 + b * R_BOX_ROWS),
+                        bars.full(s));
     }
 }
 
@@ -842,8 +813,8 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 // pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
 // a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
 // block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
-// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and the last warp to release
-// it refills it with chunk c - 1 + R_STAGES (RS_LAST_REFILL; 0: thread 0 at step 4).
+// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
+// step 4 with chunk c - 1 + R_STAGES.
 template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
                                          const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
@@ -906,29 +877,6 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         wgmma_commit();
         wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
-#if RS_LAST_REFILL
-        if (s == 4 && c > 0) {
-            // lane 0 releases the warp's use of the previous chunk's stage; the warp whose
-            // release is the stage's last of this round (acq_rel: every other warp's MMAs on it
-            // are complete) refills it with chunk c - 1 + R_STAGES. Predicated in the asm and
-            // warp-uniform branches only: no divergent region around the MMAs.
-            u32 old = 0;
-            asm volatile(
-                "{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
-                "@p atom.acq_rel.cta.shared::cta.add.u32 %0, [%2], 1;\n}\n"
-                : "+r"(old)
-                : "r"(tid & 31u), "r"(bars.empty((c - 1) % R_STAGES))
-                : "memory");
-            old = __shfl_sync(0xFFFFFFFFu, old, 0);
-            if (old % (R_THREADS / 32) == R_THREADS / 32 - 1 && c - 1 + R_STAGES < nk)
-                rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0, (tid & 31u) == 0);
-            // a WARPSYNC that ptxas keeps (it drops the __syncwarp below where it proves the warp
-            // converged, as here): kernels_compile checks that one follows every TMA issue
-            u32 all = 0xFFFFFFFFu;
-            asm volatile("" : "+r"(all));
-            asm volatile("bar.warp.sync %0;" ::"r"(all) : "memory");
-        }
-#else
         if (s == INFLIGHT - 1)
             mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
         if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
@@ -936,8 +884,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
             rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
-#endif
-        // The refilling lane reconverges with its warp before the next warpgroup MMA (`.aligned`: every
+        // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
         // lane of the warp must issue it together). ptxas left this implicit in session 16's
         // b2f8762 build (a BSSY / BSYNC pair opened before the chunk's MMAs), and there the
         // down GEMM hung: cuda-gdb found thread 0's warp, all lanes active, waiting at the
@@ -964,11 +911,7 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
-#if RS_LAST_REFILL
-            asm volatile("st.shared::cta.u32 [%0], 0;" ::"r"(bars.empty(s)) : "memory");
-#else
             mbar_init(bars.empty(s), R_THREADS / 32);
-#endif
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);

@@ -51,7 +51,7 @@ const ALLOWED_SPILLS: &[(&str, u32)] = &[
     // the 160-token tile's 160 accumulators: a few set-up values (the output pointer, alpha's
     // inputs) go to the stack before the K loop and come back after it, none inside
     ("moe_gemm_nvfp4_sm90rs", 16),
-    ("moe_gemm_gate_up_nvfp4_sm90rs", 20),
+    ("moe_gemm_gate_up_nvfp4_sm90rs", 16),
 ];
 
 #[test]
@@ -194,43 +194,19 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
     }
 }
 
-/// The warpgroup MMAs that follow a TMA issue (`UTMALDG`) made inside a convergence region
-/// (`BSSY Bn` .. `BSYNC Bn`) that spans an earlier MMA and closes before them, with no
-/// `WARPSYNC` or `BAR.SYNC` between: session 16's hanging shape, in SASS order. Returns the TMA
-/// issues counted and the offending MMAs. (A refill under warp-uniform branches, predicated to
-/// one lane, issues outside such a region, and ptxas drops its `__syncwarp` there: the warp is
-/// converged. A region around the whole tile, open across all its MMAs, is not that shape.)
+/// The warpgroup MMAs that follow a TMA issue (`UTMALDG`) with no `WARPSYNC` or `BAR.SYNC`
+/// between them, in SASS order: the TMA issues counted, and the offending MMAs.
 fn mmas_after_refill(sass: &str) -> (usize, Vec<String>) {
-    let (mut issues, mut bad) = (0, Vec::new());
-    // the regions open at this point of the listing: (barrier, an MMA ran inside it)
-    let mut open: Vec<(String, bool)> = Vec::new();
-    // regions around the last TMA issue that spanned an MMA, and whether one has closed since
-    let (mut around, mut closed) = (Vec::<String>::new(), false);
-    let barrier = |line: &str, op: &str| {
-        line.split(op)
-            .nth(1)
-            .and_then(|rest| rest.split([',', ' ', ';']).next())
-            .map(str::to_string)
-    };
+    let (mut issues, mut bad, mut pending) = (0, Vec::new(), false);
     for line in sass.lines() {
-        if let Some(b) = barrier(line, "BSSY ") {
-            open.push((b, false));
-        } else if let Some(b) = barrier(line, "BSYNC ") {
-            if let Some(i) = open.iter().rposition(|(o, _)| *o == b) {
-                open.remove(i);
-            }
-            closed |= around.contains(&b);
-        } else if line.contains("UTMALDG") {
+        if line.contains("UTMALDG") {
             issues += 1;
-            around.extend(open.iter().filter(|r| r.1).map(|r| r.0.clone()));
+            pending = true;
         } else if line.contains("WARPSYNC") || line.contains("BAR.SYNC") {
-            (around, closed) = (Vec::new(), false);
-        } else if line.contains("HGMMA") {
-            if closed {
-                bad.push(line.trim().to_string());
-            }
-            (around, closed) = (Vec::new(), false);
-            open.iter_mut().for_each(|r| r.1 = true);
+            pending = false;
+        } else if pending && line.contains("HGMMA") {
+            pending = false;
+            bad.push(line.trim().to_string());
         }
     }
     (issues, bad)
@@ -249,30 +225,15 @@ fn the_refill_check_finds_an_mma_left_to_an_implicit_reconvergence() {
     // the same with the __syncwarp after the refill
     let fixed = hung.replace("BSYNC B1 ;", "BSYNC B1 ;\nWARPSYNC.ALL ;");
     assert!(mmas_after_refill(&fixed).1.is_empty());
-    // a refill under warp-uniform branches (RS_LAST_REFILL), as nvdisasm printed it, abridged:
-    // its region opens after the MMAs and closes before the next one
-    let uniform = "HGMMA.64x32x16.F32 R40, R68, gdesc[UR16], R40, gsb0 ;\n\
-        WARPGROUP.DEPBAR.LE gsb0, 0x2 ;\n@!P0 BRA `(.L_x_1006) ;\n@P4 ELECT P0, URZ, PT ;\n\
-        @!UP0 UTMALDG.2D [UR8], [UR12] ;\n@P4 BRA.U.ANY `(.L_x_1007) ;\nBSSY B0, `(.L_x_1008) ;\n\
-        @P3 BRA `(.L_x_1009) ;\nUTMALDG.2D [UR20], [UR12] ;\nBSYNC B0 ;\nWARPGROUP.ARRIVE ;\n\
-        HGMMA.64x32x16.F32 R24, R124, gdesc[UR16], R24 ;\n";
-    assert_eq!(mmas_after_refill(uniform), (2, vec![]));
-    // and the same inside a region around the whole tile (the gate/up kernel's B0, the
-    // refill's then B1), still open at the next MMA
-    let inner = uniform.replace(" B0", " B1");
-    let tile =
-        format!("BSSY B0, `(.L_x_10) ;\n{inner}HGMMA.64x32x16.F32 R24, R124 ;\nBSYNC B0 ;\n");
-    assert_eq!(mmas_after_refill(&tile), (2, vec![]));
 }
 
-/// One lane refills the token ring in the middle of a chunk's warpgroup MMAs (rs_chunk, step
+/// Thread 0 refills the token ring in the middle of a chunk's warpgroup MMAs (rs_chunk, step
 /// 4); the MMAs are `.aligned`, so its warp must be whole again before the next one. Session
 /// 16's build b2f8762 left that to a BSSY / BSYNC pair opened before the chunk's MMAs at one
 /// site of the down GEMM (the 32-token tiles), and its layer hung there (s17a: cuda-gdb found
 /// thread 0's warp waiting at that HGMMA, the other warps at the loop's final barrier). Every
-/// MMA after a TMA issue made inside a region that spans an earlier MMA must come after a
-/// WARPSYNC (the kernel's __syncwarp) or a barrier, in the default build and in the knobs'
-/// variant build.
+/// MMA after a TMA issue must come after a WARPSYNC (the kernel's __syncwarp) or a barrier,
+/// in the default build and in the knobs' variant build.
 #[test]
 fn the_register_a_refills_reconverge_before_the_next_mma() {
     if !enabled() {
@@ -312,7 +273,6 @@ const SM90_VARIANT: &[&str] = &[
     "-DR_STAGES=5",
     "-DRS_WG=1",
     "-DEXPF_CR_BITS=0",
-    "-DRS_LAST_REFILL=0",
 ];
 
 #[test]
