@@ -569,8 +569,9 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #endif
 // Time split only (the outputs are then WRONG; never a default): the sum of 1 (the gate/up's
 // SwiGLU replaced by g * u), 2 (no NVFP4 epilogue after it: the down GEMM reads what the
-// last forward left), 4 (the down GEMM stores nothing). The bench skips its output checks
-// under it. Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off
+// last forward left), 4 (the down GEMM stores nothing), 8 (the K loops' A fragments without
+// their scale multiply, RS_F16 only), 16 (nib_bytes' words as the A fragments, RS_F16 only:
+// 6 dequantization instructions a word pair instead of 14). The bench skips its output checks under it. Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off
 // the gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25.
 #ifndef RS_DIAG
 #define RS_DIAG 0
@@ -862,6 +863,20 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
             a[b][1] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h), sc[b][1][blk]);
             a[b][2] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h + 1), sc[b][0][blk]);
             a[b][3] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h + 1), sc[b][1][blk]);
+            if (RS_DIAG & 8) {  // time split: no scale multiply
+                a[b][0] = nib_pair_from_bytes(glo, ghi, 2 * h);
+                a[b][1] = nib_pair_from_bytes(elo, ehi, 2 * h);
+                a[b][2] = nib_pair_from_bytes(glo, ghi, 2 * h + 1);
+                a[b][3] = nib_pair_from_bytes(elo, ehi, 2 * h + 1);
+            }
+            if (RS_DIAG & 16) {  // time split: nib_bytes' words as the operands (no byte
+                // permutes, no scale multiply: 6 instructions a word pair instead of 14; the
+                // words themselves, or masked, made ptxas serialize the MMAs)
+                a[b][0] = glo;
+                a[b][1] = elo;
+                a[b][2] = ghi;
+                a[b][3] = ehi;
+            }
 #else
             const u32 neg0 = 0x80008000u;
             a[b][0] = bf16x2_fma(rs_pair(wg, 2 * h), sc[b][0][blk], neg0);
