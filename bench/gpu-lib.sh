@@ -39,6 +39,16 @@ ab_rounds() {
     python3 bench/ab_summary.py $R $(for v in $variants; do echo "${v%%|*}"; done)
 }
 
+# run_nightly: .ci/gpu-nightly on .dev/gpu (under $NIGHTLY_S seconds, default 300), its
+# summary lines and any failure
+run_nightly() {
+    NVFP4DBG_REPORTS=$R/nightly timeout ${NIGHTLY_S:-300} bash .ci/gpu-nightly .dev/gpu > $R/nightly.txt 2>&1
+    stamp "nightly rc=$?"
+    grep -E "GPU tests:|cases:|not run" $R/nightly.txt | tail -3
+    grep -E "^(FAIL|fail)|FAILED|panicked" $R/nightly.txt | head -10
+    pack
+}
+
 # ncu_layer SECONDS [NCU ARGS...]: ncu's duration of each kernel (clocks left alone) over one
 # `bench --quick --only layer_4096` run, as CSV in $R/ncu.csv; $NCU overrides the toolkit's ncu.
 ncu_layer() {

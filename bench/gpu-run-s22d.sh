@@ -11,9 +11,6 @@ source bench/gpu-lib.sh
 D=NVFP4DBG_NVRTC_DEFINES
 ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} \
     "default| d6|$D=-DRS_DIAG=6 d14|$D=-DRS_DIAG=14 d22|$D=-DRS_DIAG=22"
-NVFP4DBG_REPORTS=$R/nightly timeout ${NIGHTLY_S:-300} bash .ci/gpu-nightly .dev/gpu > $R/nightly.txt 2>&1
-stamp "nightly rc=$?"
-grep -E "GPU tests:|cases:" $R/nightly.txt | tail -3
-grep -E "^(FAIL|fail)|FAILED|panicked" $R/nightly.txt | head -10
+run_nightly
 stamp total
 pack
