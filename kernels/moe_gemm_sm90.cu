@@ -570,9 +570,12 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // Time split only (the outputs are then WRONG; never a default): the sum of 1 (the gate/up's
 // SwiGLU replaced by g * u), 2 (no NVFP4 epilogue after it: the down GEMM reads what the
 // last forward left), 4 (the down GEMM stores nothing), 8 (the K loops' A fragments without
-// their scale multiply, RS_F16 only), 16 (nib_bytes' words as the A fragments, RS_F16 only:
-// 6 dequantization instructions a word pair instead of 14). The bench skips its output checks under it. Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off
-// the gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25.
+// their scale multiply, RS_F16 only), 16 (nib_bytes' words as the A fragments, RS_F16 only: 6
+// dequantization instructions a word pair instead of 14), 32 (the down GEMM's stores all into
+// the first 128 token rows, which stay in L2). The bench skips its output checks under it.
+// Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off the
+// gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25. s22d (BENCHMARKS.md): 6
+// took 0.42 ms off the gate/up stage and 0.46 off the down; 14 another 0.32 and 0.11; 22 no more.
 #ifndef RS_DIAG
 #define RS_DIAG 0
 #endif
@@ -1016,8 +1019,11 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], con
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 u32 row = row0[b] + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
+                // RS_DIAG 32 (time split): the same stores into the first 128 token rows, which
+                // stay in L2 (no DRAM write traffic)
+                u32 dst = (RS_DIAG & 32) ? tok % 128 : tok;
                 if (tok < r1 && row < nout)
-                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
+                    out[(size_t)dst * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
             }
 }
 
