@@ -571,8 +571,8 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 // SwiGLU replaced by g * u), 2 (no NVFP4 epilogue after it: the down GEMM reads what the
 // last forward left), 4 (the down GEMM stores nothing), 8 (the K loops' A fragments without
 // their scale multiply, RS_F16 only), 16 (nib_bytes' words as the A fragments, RS_F16 only: 6
-// dequantization instructions a word pair instead of 14), 32 (the down GEMM's stores all into
-// the first 128 token rows, which stay in L2). The bench skips its output checks under it.
+// dequantization instructions a word pair instead of 14). The bench skips its output checks
+// under it. (32, the down's stores into 128 L2-resident token rows, ran in s22e: commit 1d208eb.)
 // Measured (s15b, the layer at 4096 tokens, before RS_SWIGLU16): 1 took 0.46 ms off the
 // gate/up stage's 4.54, 3 0.61; 4 0.40 ms off the down stage's 2.25. s22d (BENCHMARKS.md): 6
 // took 0.42 ms off the gate/up stage and 0.46 off the down; 14 another 0.32 and 0.11; 22 no more.
@@ -1005,26 +1005,63 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 #endif  // NVFP4DBG_WGMMA
 
 #if NVFP4DBG_WGMMA
+// A 4-byte global store where `pred` holds, predicated inside the asm (no branch).
+__device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.f32 [%0], %1;\n}\n" ::"l"(p), "f"(v),
+                 "r"((u32)pred)
+                 : "memory");
+}
+
 // The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
-// tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase).
+// tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase); m-block
+// 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
+// RS_LEAN_EPI 1 (default): one address a token row, the four rows of a thread at immediate
+// offsets from it, each store predicated; 0: a branch around each store, its address computed
+// whole (~14 instructions a value in the SASS). The same stores either way.
+#ifndef RS_LEAN_EPI
+#define RS_LEAN_EPI 1
+#endif
 template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], const u32 (&row0)[2], u32 r0, u32 r1,
-                                              u32 nout, float alpha, float* __restrict__ out) {
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
+                                              float alpha, float* __restrict__ out) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#if RS_LEAN_EPI
+    // the thread's rows n0 + g + {0, 8, 64, 72} (m-block b, half qh: 64 b + 8 qh) and tokens
+    // r0 + 2 t + 8 j + ql
+    bool live[2][2];
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int qh = 0; qh < 2; qh++) live[b][qh] = n0 + g + 64 * b + 8 * qh < nout;
+    const int left = (int)(r1 - r0) - (int)(2 * t);  // tokens of the tile from the thread's first
+    float* base = out + (size_t)(r0 + 2 * t) * nout + n0 + g;
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int ql = 0; ql < 2; ql++) {
+            float* p = base + (size_t)(8 * j + ql) * nout;
+            bool tv = 8 * j + ql < left;
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int qh = 0; qh < 2; qh++)
+                    st_global_f32_if(p + 64 * b + 8 * qh,
+                                     __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha),
+                                     tv && live[b][qh]);
+        }
+#else
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int j = 0; j < N / 8; j++)
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                u32 row = row0[b] + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
-                // RS_DIAG 32 (time split): the same stores into the first 128 token rows, which
-                // stay in L2 (no DRAM write traffic)
-                u32 dst = (RS_DIAG & 32) ? tok % 128 : tok;
+                u32 row = n0 + 64 * b + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
                 if (tok < r1 && row < nout)
-                    out[(size_t)dst * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
+                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
             }
+#endif
 }
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
@@ -1035,12 +1072,27 @@ __device__ __forceinline__ u32 rs_gu_col(u32 c) {
 }
 
 // The gate/up tile's g and u (times 2^28 * alpha) into `sgu`, the tile's first `rows` tokens:
-// m-block 0 holds g, m-block 1 u of the warp's outputs col0 .. col0 + 15.
+// m-block 0 holds g, m-block 1 u of the warp's outputs col0 .. col0 + 15. RS_LEAN_EPI: every
+// token row of the tile, each store at an immediate offset from one address (the rows past
+// `rows` are never read: gate_up_tile_epilogue_of skips the rows past r1).
 template <int HALF_N>
 __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], u32 col0, float alpha_g,
                                                  float alpha_u, u32 rows, float* sgu) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#if RS_LEAN_EPI
+    (void)rows;
+    float* base = sgu + 2 * t * R_EPI_ROW;
+    const u32 lc[2] = {rs_gu_col(col0 + g), rs_gu_col(col0 + g + 8)};
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float* p = base + (j * 8 + (q % 2)) * R_EPI_ROW + lc[q / 2];
+            p[0] = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
+            p[R_GU_BN] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
+        }
+#else
 #pragma unroll
     for (int j = 0; j < N / 8; j++)
 #pragma unroll
@@ -1051,6 +1103,7 @@ __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], 
                 sgu[lr * R_EPI_ROW + R_GU_BN + lc] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
             }
         }
+#endif
 }
 
 // a = swiglu(g, u) of the staged tile `sgu` (gate_up_tile_epilogue_of's reader): one value,
@@ -1172,7 +1225,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, row0, r0, r1, nout, alpha, out);
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();
