@@ -1017,7 +1017,9 @@ __device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
 // 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
 // RS_LEAN_EPI 1 (default): one address a token row, the four rows of a thread at immediate
 // offsets from it, each store predicated; 0: a branch around each store, its address computed
-// whole (~14 instructions a value in the SASS). The same stores either way.
+// whole (~14 instructions a value in the SASS). The same stores either way. Measured (s22f, 3
+// alternating rounds, with rs_stage_gate_up's): the layer at 4096 tokens 7.61-7.64 ms against
+// 7.80-7.88 (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27.
 #ifndef RS_LEAN_EPI
 #define RS_LEAN_EPI 1
 #endif
