@@ -5,6 +5,7 @@
 # against the old ones (0). s22e put 0.35 ms of the layer's down stage on its stores, ~0.03 of
 # it on their DRAM traffic. The GPU tests of the register-A kernels first, then alternating
 # rounds, then the whole bench and the PyTorch peers (bench/gpu-run-final.sh PART=bench).
+# (Ran on commit d2d997d; the knob is gone since, so `lean0` builds the default there.)
 set -uo pipefail
 L=${LABEL:-s22f}
 source bench/gpu-lib.sh

@@ -1015,20 +1015,17 @@ __device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
 // The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
 // tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase); m-block
 // 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
-// RS_LEAN_EPI 1 (default): one address a token row, the four rows of a thread at immediate
-// offsets from it, each store predicated; 0: a branch around each store, its address computed
-// whole (~14 instructions a value in the SASS). The same stores either way. Measured (s22f, 3
-// alternating rounds, with rs_stage_gate_up's): the layer at 4096 tokens 7.61-7.64 ms against
-// 7.80-7.88 (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27.
-#ifndef RS_LEAN_EPI
-#define RS_LEAN_EPI 1
-#endif
+// One address a token row, the four rows of a thread at immediate offsets from it, each store
+// predicated in the asm. (A plain `if` around each store made ptxas branch around every one and
+// compute each address whole, ~14 instructions a value; s22f, 3 alternating rounds, with
+// rs_stage_gate_up's the same way against its branches: the layer at 4096 tokens 7.61-7.64 ms against 7.80-7.88
+// (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27. That code,
+// RS_LEAN_EPI=0, is in commit d2d997d.)
 template <int HALF_N>
 __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
                                               float alpha, float* __restrict__ out) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#if RS_LEAN_EPI
     // the thread's rows n0 + g + {0, 8, 64, 72} (m-block b, half qh: 64 b + 8 qh) and tokens
     // r0 + 2 t + 8 j + ql
     bool live[2][2];
@@ -1052,18 +1049,6 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32
                                      __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha),
                                      tv && live[b][qh]);
         }
-#else
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int j = 0; j < N / 8; j++)
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                u32 row = n0 + 64 * b + g + 8 * (q / 2), tok = r0 + j * 8 + 2 * t + (q % 2);
-                if (tok < r1 && row < nout)
-                    out[(size_t)tok * nout + row] = __fmul_rn(__fmul_rn(acc[b][j * 4 + q], RS_UNSCALE), alpha);
-            }
-#endif
 }
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
@@ -1073,17 +1058,15 @@ __device__ __forceinline__ u32 rs_gu_col(u32 c) {
     return (c & ~15u) | (((c >> 2) & 3u) ^ ((c >> 5) & 3u)) << 2 | (c & 3u);
 }
 
-// The gate/up tile's g and u (times 2^28 * alpha) into `sgu`, the tile's first `rows` tokens:
-// m-block 0 holds g, m-block 1 u of the warp's outputs col0 .. col0 + 15. RS_LEAN_EPI: every
-// token row of the tile, each store at an immediate offset from one address (the rows past
-// `rows` are never read: gate_up_tile_epilogue_of skips the rows past r1).
+// The gate/up tile's g and u (times 2^28 * alpha) into `sgu`, every token row of the tile
+// (rows past its tokens included: gate_up_tile_epilogue_of never reads past r1), each store at
+// an immediate offset from one address, no branch: m-block 0 holds g, m-block 1 u of the
+// warp's outputs col0 .. col0 + 15.
 template <int HALF_N>
 __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], u32 col0, float alpha_g,
-                                                 float alpha_u, u32 rows, float* sgu) {
+                                                 float alpha_u, float* sgu) {
     constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-#if RS_LEAN_EPI
-    (void)rows;
     float* base = sgu + 2 * t * R_EPI_ROW;
     const u32 lc[2] = {rs_gu_col(col0 + g), rs_gu_col(col0 + g + 8)};
 #pragma unroll
@@ -1094,18 +1077,6 @@ __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], 
             p[0] = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
             p[R_GU_BN] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
         }
-#else
-#pragma unroll
-    for (int j = 0; j < N / 8; j++)
-#pragma unroll
-        for (int q = 0; q < 4; q++) {
-            u32 lc = rs_gu_col(col0 + g + 8 * (q / 2)), lr = j * 8 + 2 * t + (q % 2);
-            if (lr < rows) {
-                sgu[lr * R_EPI_ROW + lc] = __fmul_rn(__fmul_rn(acc[0][j * 4 + q], RS_UNSCALE), alpha_g);
-                sgu[lr * R_EPI_ROW + R_GU_BN + lc] = __fmul_rn(__fmul_rn(acc[1][j * 4 + q], RS_UNSCALE), alpha_u);
-            }
-        }
-#endif
 }
 
 // a = swiglu(g, u) of the staged tile `sgu` (gate_up_tile_epilogue_of's reader): one value,
@@ -1260,7 +1231,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
-        rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), r1 - r0, sgu);
+        rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), sgu);
     });
     __syncthreads();
     if (RS_DIAG & 2) return;

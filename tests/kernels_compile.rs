@@ -273,7 +273,6 @@ const SM90_VARIANT: &[&str] = &[
     "-DR_STAGES=5",
     "-DRS_WG=1",
     "-DEXPF_CR_BITS=0",
-    "-DRS_LEAN_EPI=0",
 ];
 
 #[test]
