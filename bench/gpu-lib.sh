@@ -49,6 +49,23 @@ run_nightly() {
     pack
 }
 
+# ncu_full NAME KERNEL_REGEX FIGURE: ncu --set full on the first launch of the kernel in
+# `bench --quick --only FIGURE`; its details page in $R/ncu-NAME-details.txt and its
+# per-instruction SASS page (stall samples, execution counts) in $R/ncu-NAME-sass.csv
+ncu_full() {
+    local n=$1 k=$2 fig=$3
+    local ncu="${NCU:-$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}"
+    timeout 150 "$ncu" --clock-control none --set full -k regex:$k -s 1 -c 1 -f -o $R/ncu-$n \
+        .dev/gpu/nvfp4dbg bench --device cuda --quick --only $fig --no-report-dir -q > $R/ncu-$n-run.txt 2>&1
+    stamp "ncu $n rc=$?"
+    "$ncu" --import $R/ncu-$n.ncu-rep --page details > $R/ncu-$n-details.txt 2>&1
+    "$ncu" --import $R/ncu-$n.ncu-rep --page source --csv --print-source sass > $R/ncu-$n-sass.csv 2>&1
+    rm -f $R/ncu-$n.ncu-rep
+    grep -E "Duration|Throughput|Registers|Achieved Occupancy|No Eligible|Issue Slots Busy|Executed Ipc" \
+        $R/ncu-$n-details.txt | head -20
+    pack
+}
+
 # ncu_layer SECONDS [NCU ARGS...]: ncu's duration of each kernel (clocks left alone) over one
 # `bench --quick --only layer_4096` run, as CSV in $R/ncu.csv; $NCU overrides the toolkit's ncu.
 ncu_layer() {

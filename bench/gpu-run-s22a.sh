@@ -11,14 +11,6 @@ D=NVFP4DBG_NVRTC_DEFINES
 run_tests gpu_gemm gpu_moe
 ab_rounds ${ROUNDS:-3} ${ONLY:-gemm_prefill,layer_4096} \
     "default| reg|$D=-DRS_DOWN_SMEM=0 cs|$D=-DRS_DOWN_SMEM=2"
-NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
-timeout 150 "$NCU" --clock-control none --set full -k regex:moe_gemm_nvfp4_sm90rs -s 1 -c 1 -f \
-    -o $R/ncu-down .dev/gpu/nvfp4dbg bench --device cuda --quick --only layer_4096_eager \
-    --no-report-dir -q > $R/ncu-down-run.txt 2>&1
-stamp "ncu down rc=$?"
-"$NCU" --import $R/ncu-down.ncu-rep --page details > $R/ncu-down-details.txt 2>&1
-"$NCU" --import $R/ncu-down.ncu-rep --page source --csv --print-source sass > $R/ncu-down-sass.csv 2>&1
-rm -f $R/ncu-down.ncu-rep
-grep -E "Duration|Throughput|Registers|Achieved Occupancy|No Eligible|Issue Slots Busy|Executed Ipc" $R/ncu-down-details.txt | head -20
+ncu_full down moe_gemm_nvfp4_sm90rs layer_4096_eager
 stamp total
 pack
