@@ -99,48 +99,64 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
         ..LayerSpec::small(ScoringFunc::Sigmoid)
     });
     // a prefill-size batch and a decode-size one (the group-limited pick runs per token)
+    // each case three times: BF16 router and BF16-exact input (the logits on the tensor cores),
+    // then an input or a router weight that is not BF16-exact (FP32 logits on the FMA pipes)
     for (spec, tokens) in cases.into_iter().flat_map(|s| [(s, 512usize), (s, 64)]) {
-        let layer = build_layer(&mut r, spec);
-        let x = hidden(&mut r, tokens, spec.h);
-        let ids = input_ids(&mut r, tokens);
-        let want = cpu.route(&layer, &x, Some(&ids)).unwrap();
-        let got = b.route(&layer, &x, Some(&ids)).unwrap();
-        assert_eq!((got.tokens, got.top_k), (want.tokens, want.top_k));
-        let logits = router::router_logits(&layer.router.weight, &x, tokens, spec.h, spec.e);
-        let (mut checked, mut same_ids) = (0, 0);
-        let mut max_w_err = 0f32;
-        for t in 0..tokens {
-            let s = t * spec.k..(t + 1) * spec.k;
-            let free = spec.hash || tie_free(&layer, &logits[t * spec.e..(t + 1) * spec.e]);
-            if free {
-                checked += 1;
-                assert_eq!(
-                    got.topk_ids[s.clone()],
-                    want.topk_ids[s.clone()],
-                    "seed {seed} {spec:?}: token {t} ids differ on a tie-free token"
-                );
-            }
-            if got.topk_ids[s.clone()] == want.topk_ids[s.clone()] {
-                same_ids += 1;
-                for j in s {
-                    let (g, w) = (got.topk_weights[j], want.topk_weights[j]);
-                    max_w_err = max_w_err.max((g - w).abs() / w.abs().max(1e-6));
+        let bf16_layer = build_layer(&mut r, spec);
+        let bf16_x = hidden(&mut r, tokens, spec.h);
+        let mut f32_layer = bf16_layer.clone();
+        f32_layer.router.weight = not_bf16(&f32_layer.router.weight);
+        let f32_x = not_bf16(&bf16_x);
+        for (path, layer, x) in [
+            ("BF16 logits", &bf16_layer, &bf16_x),
+            ("FP32 logits (input)", &bf16_layer, &f32_x),
+            ("FP32 logits (weight)", &f32_layer, &bf16_x),
+        ] {
+            let ids = input_ids(&mut r, tokens);
+            let want = cpu.route(layer, x, Some(&ids)).unwrap();
+            let got = b.route(layer, x, Some(&ids)).unwrap();
+            assert_eq!((got.tokens, got.top_k), (want.tokens, want.top_k));
+            let logits = router::router_logits(&layer.router.weight, x, tokens, spec.h, spec.e);
+            let (mut checked, mut same_ids) = (0, 0);
+            let mut max_w_err = 0f32;
+            for t in 0..tokens {
+                let s = t * spec.k..(t + 1) * spec.k;
+                let free = spec.hash || tie_free(layer, &logits[t * spec.e..(t + 1) * spec.e]);
+                if free {
+                    checked += 1;
+                    assert_eq!(
+                        got.topk_ids[s.clone()],
+                        want.topk_ids[s.clone()],
+                        "seed {seed} {spec:?} {path}: token {t} ids differ on a tie-free token"
+                    );
+                }
+                if got.topk_ids[s.clone()] == want.topk_ids[s.clone()] {
+                    same_ids += 1;
+                    for j in s {
+                        let (g, w) = (got.topk_weights[j], want.topk_weights[j]);
+                        max_w_err = max_w_err.max((g - w).abs() / w.abs().max(1e-6));
+                    }
                 }
             }
-        }
-        eprintln!(
-            "router {:?} E={} K={} groups={}/{} hash={}: {checked}/{tokens} tie-free tokens identical, {same_ids}/{tokens} same ids overall, max rel weight err {max_w_err:.2e}",
+            eprintln!(
+            "router {path} {:?} E={} K={} groups={}/{} hash={}: {checked}/{tokens} tie-free tokens identical, {same_ids}/{tokens} same ids overall, max rel weight err {max_w_err:.2e}",
             spec.func, spec.e, spec.k, spec.topk_group, spec.n_group, spec.hash
         );
-        assert!(
-            checked * 100 >= tokens * if tokens >= 512 { 85 } else { 75 },
-            "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little"
-        );
-        assert!(
-            max_w_err < 1e-4,
-            "seed {seed} {spec:?}: weights differ by {max_w_err}"
-        );
+            assert!(
+                checked * 100 >= tokens * if tokens >= 512 { 85 } else { 75 },
+                "seed {seed} {spec:?}: only {checked} tie-free tokens, the test checks too little"
+            );
+            assert!(
+                max_w_err < 1e-4,
+                "seed {seed} {spec:?} {path}: weights differ by {max_w_err}"
+            );
+        }
     }
+}
+
+/// `v` with the lowest mantissa bit set: no value is BF16-exact any more.
+fn not_bf16(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|x| f32::from_bits(x.to_bits() | 1)).collect()
 }
 
 fn fixed_scales(layer: &MoeLayer, x: &[f32]) -> ActScales {
@@ -483,6 +499,37 @@ fn cuda_graph_replay_matches_eager() {
             &replay1.out,
             &want.out,
             MIN_COSINE,
+        );
+        // BF16 router, BF16-exact input: the logits ran on the tensor cores. The graph keeps
+        // that path, so it refuses an input that is not BF16-exact; the eager forward takes it
+        // and routes in FP32 on the FMA pipes, still the CPU's routing.
+        assert!(
+            f.schedule().contains("router logits BF16 tensor cores"),
+            "{}",
+            f.schedule()
+        );
+        let inexact = not_bf16(&x1);
+        let err = graph.set_hidden(&inexact).unwrap_err().to_string();
+        assert!(err.contains("not BF16-exact"), "{err}");
+        drop(graph);
+        f.set_hidden(&inexact).unwrap();
+        f.run().unwrap();
+        assert!(
+            f.schedule().contains("router logits FP32 (SIMT)"),
+            "{}",
+            f.schedule()
+        );
+        let routing = f.routing().unwrap();
+        let want_route = cpu.route(&layer, &inexact, None).unwrap();
+        let same = routing
+            .topk_ids
+            .iter()
+            .zip(&want_route.topk_ids)
+            .filter(|(a, b)| a == b)
+            .count();
+        assert!(
+            same * 100 >= routing.topk_ids.len() * 99,
+            "seed {seed}: GPU routing of an FP32 input disagrees"
         );
     }
 }

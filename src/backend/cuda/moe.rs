@@ -18,7 +18,7 @@ use crate::moe::{ActScales, DenseMlp, MoeLayer, MoeOutput, Path, Routing};
 use crate::nvfp4::layout::ScaleLayout;
 use crate::nvfp4::{BlockStats, Flavor, Format};
 use cudarc::driver::{sys as drv_sys, CudaGraph, CudaSlice, LaunchConfig};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Tile sizes of kernels/moe.cu: BM rows per tile; output columns per tile of the plain GEMM
@@ -552,6 +552,8 @@ struct Workspace {
     tokens: usize,
     k: usize,
     hidden: CudaSlice<f32>,
+    /// `bf16(hidden)`: the shared expert's input and, where exact, the router's.
+    hidden_bf16: CudaSlice<u16>,
     input_ids: Option<CudaSlice<i64>>,
     logits: CudaSlice<f32>,
     topk_ids: CudaSlice<i32>,
@@ -592,7 +594,6 @@ struct Workspace {
 }
 
 struct SharedWs {
-    x: CudaSlice<u16>,
     g: CudaSlice<f32>,
     u: CudaSlice<f32>,
     a: CudaSlice<u16>,
@@ -620,6 +621,14 @@ impl Workspace {
             tokens,
             k,
             hidden: gpu.alloc(tokens * h, "the hidden states")?,
+            hidden_bf16: gpu.alloc(
+                if layer.shared.is_some() || layer.router.weight_bf16.is_some() {
+                    tokens * h
+                } else {
+                    0
+                },
+                "the hidden states as BF16",
+            )?,
             input_ids: if layer.router.hash {
                 Some(gpu.alloc(tokens, "input_ids")?)
             } else {
@@ -653,7 +662,6 @@ impl Workspace {
             y: gpu.alloc(n * h, "expert outputs")?,
             shared: match &layer.shared {
                 Some(s) => Some(SharedWs {
-                    x: gpu.alloc(tokens * h, "shared expert input")?,
                     g: gpu.alloc(tokens * s.inter, "shared expert gate")?,
                     u: gpu.alloc(tokens * s.inter, "shared expert up")?,
                     a: gpu.alloc(tokens * s.inter, "shared expert intermediate")?,
@@ -714,6 +722,8 @@ pub struct Nvfp4Forward {
     /// [`Nvfp4Forward::set_shared_beside`].
     shared_beside: bool,
     input_quantize: InputQuantize,
+    /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only.
+    hidden_exact: AtomicBool,
 }
 
 impl Nvfp4Forward {
@@ -794,7 +804,7 @@ impl Nvfp4Forward {
         };
         let e = layer.config.n_routed_experts;
         let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
-        let ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
+        let mut ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
         if let Some((ActScales::Fixed { gs1, gs2 }, _)) = nvfp4 {
             if gs1.len() != e || gs2.len() != e {
                 return Err(Error::usage(format!(
@@ -804,22 +814,8 @@ impl Nvfp4Forward {
                     gs2.len()
                 )));
             }
-            let mut ws = ws;
             gpu.upload_into(gs1, &mut ws.gs1, 0, "gs1")?;
             gpu.upload_into(gs2, &mut ws.gs2, 0, "gs2")?;
-            return Ok(Nvfp4Forward {
-                layer: dev,
-                ws,
-                want,
-                flavor: nvfp4.map_or(Flavor::Reference, |n| n.1),
-                dynamic,
-                route: RouteSource::Given,
-                prefill: PrefillGemm::Auto,
-                decode_layout: DecodeLayout::from_env(),
-                rs,
-                shared_beside: shared_beside_default(),
-                input_quantize: InputQuantize::from_env(),
-            });
         }
         Ok(Nvfp4Forward {
             layer: dev,
@@ -833,6 +829,7 @@ impl Nvfp4Forward {
             rs,
             shared_beside: shared_beside_default(),
             input_quantize: InputQuantize::from_env(),
+            hidden_exact: AtomicBool::new(false),
         })
     }
 
@@ -863,7 +860,10 @@ impl Nvfp4Forward {
             gpu.ptr(&self.ws.hidden),
             self.ws.hidden.len(),
             "the hidden states",
-        )
+        )?;
+        self.hidden_exact
+            .store(router::all_bf16_exact(hidden), Ordering::Relaxed);
+        Ok(())
     }
 
     /// Use a given routing (not computed inside the forward).
@@ -968,6 +968,8 @@ impl Nvfp4Forward {
             &self.layer.config,
             &self.layer.router,
             gpu.ptr(&self.ws.hidden),
+            self.router_reads_bf16()
+                .then(|| gpu.ptr(&self.ws.hidden_bf16)),
             self.ws.tokens,
             self.ws.input_ids.as_ref().map(|d| gpu.ptr(d)),
             &RouteBufs {
@@ -1218,10 +1220,31 @@ impl Nvfp4Forward {
         self.shared_beside && self.layer.shared.is_some() && self.ws.tokens > 0
     }
 
+    /// The router's logits come from the BF16 copy of the input (src/backend/cuda/router.rs):
+    /// routing on the GPU, a BF16-exact router weight and BF16-exact hidden states.
+    fn router_reads_bf16(&self) -> bool {
+        self.route == RouteSource::Gpu
+            && self.layer.router.weight_bf16.is_some()
+            && self.hidden_exact.load(Ordering::Relaxed)
+    }
+
+    /// `hidden_bf16 = bf16(hidden)`.
+    fn enqueue_hidden_bf16(&self) -> Result<()> {
+        if self.ws.tokens == 0 {
+            return Ok(());
+        }
+        self.enqueue_gather_bf16(0, self.ws.tokens, self.gpu().ptr(&self.ws.hidden_bf16))
+    }
+
     /// How this forward is laid out where a choice changes no number (for bench reports).
     pub fn schedule(&self) -> String {
         format!(
-            "expert inputs {}; shared expert {}",
+            "router logits {}; expert inputs {}; shared expert {}",
+            match (self.route, self.router_reads_bf16()) {
+                (RouteSource::Given, _) => "given (routing uploaded)",
+                (RouteSource::Gpu, true) => "BF16 tensor cores, FP32 accumulation",
+                (RouteSource::Gpu, false) => "FP32 (SIMT)",
+            },
             if self.scatters_inputs() {
                 "quantized token by token (scatter)"
             } else {
@@ -1284,11 +1307,20 @@ impl Nvfp4Forward {
         // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
         // Stage by stage (the bench's split) it stays in the epilogue. (Forked after the
         // prologue instead: the same time, s10b.)
+        // The router's BF16 GEMM reads the BF16 copy of the input: then it is made first, on
+        // the main stream, and the shared expert reads it too.
         let beside = self.shared_runs_beside();
         if beside {
-            self.gpu().fork_side(|| self.enqueue_shared())?;
+            let made = self.router_reads_bf16();
+            if made {
+                self.enqueue_hidden_bf16()?;
+            }
+            self.gpu().fork_side(|| self.enqueue_shared(!made))?;
+            self.enqueue_prologue(false)?;
+        } else {
+            self.enqueue_nvfp4_stage(Stage::Prologue)?;
         }
-        for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
+        for stage in [Stage::GateUp, Stage::Down] {
             self.enqueue_nvfp4_stage(stage)?;
         }
         if beside {
@@ -1323,6 +1355,52 @@ impl Nvfp4Forward {
         }
     }
 
+    /// Router (when routing on the GPU), sort, expert-input quantization; with `gather`, first
+    /// the BF16 copy of the input when the router reads it (else the caller made it).
+    fn enqueue_prologue(&self, gather: bool) -> Result<()> {
+        let gpu = self.gpu();
+        let ws = &self.ws;
+        let c = &self.layer.config;
+        let (h, e) = (c.hidden_size, c.n_routed_experts);
+        let n = ws.tokens * ws.k;
+        if gather && self.router_reads_bf16() {
+            self.enqueue_hidden_bf16()?;
+        }
+        gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
+        gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
+        self.enqueue_route()?;
+        self.enqueue_sort()?;
+        if self.dynamic {
+            // gs1 = 2688 / amax(hidden over the batch), the same for every expert
+            let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
+            super::reduce::amax_into(gpu, gpu.ptr(&ws.hidden), (ws.tokens * h) as u64, batch_amax)?;
+            gpu.launch(
+                &MOE,
+                "dynamic_gs_from_amax",
+                grid_1d(1, 32)?,
+                &[
+                    KArg::U64(batch_amax),
+                    KArg::U32(1),
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                ],
+            )?;
+            gpu.launch(
+                &MOE,
+                "broadcast_f32",
+                grid_1d(e as u64, ELEM_THREADS)?,
+                &[
+                    KArg::U64(gpu.ptr(&ws.gs2)),
+                    KArg::U32(e as u32),
+                    KArg::U64(gpu.ptr(&ws.gs1)),
+                ],
+            )?;
+        }
+        if n > 0 {
+            self.enqueue_quantize_expert_inputs()?;
+        }
+        Ok(())
+    }
+
     fn enqueue_nvfp4_stage(&self, stage: Stage) -> Result<()> {
         let gpu = self.gpu();
         let ws = &self.ws;
@@ -1336,46 +1414,7 @@ impl Nvfp4Forward {
             .ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
         let p = |s: &CudaSlice<u8>| gpu.ptr(s);
         match stage {
-            Stage::Prologue => {
-                gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
-                gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
-                self.enqueue_route()?;
-                self.enqueue_sort()?;
-                if self.dynamic {
-                    // gs1 = 2688 / amax(hidden over the batch), the same for every expert
-                    let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
-                    super::reduce::amax_into(
-                        gpu,
-                        gpu.ptr(&ws.hidden),
-                        (ws.tokens * h) as u64,
-                        batch_amax,
-                    )?;
-                    gpu.launch(
-                        &MOE,
-                        "dynamic_gs_from_amax",
-                        grid_1d(1, 32)?,
-                        &[
-                            KArg::U64(batch_amax),
-                            KArg::U32(1),
-                            KArg::U64(gpu.ptr(&ws.gs2)),
-                        ],
-                    )?;
-                    gpu.launch(
-                        &MOE,
-                        "broadcast_f32",
-                        grid_1d(e as u64, ELEM_THREADS)?,
-                        &[
-                            KArg::U64(gpu.ptr(&ws.gs2)),
-                            KArg::U32(e as u32),
-                            KArg::U64(gpu.ptr(&ws.gs1)),
-                        ],
-                    )?;
-                }
-                if n > 0 {
-                    self.enqueue_quantize_expert_inputs()?;
-                }
-                Ok(())
-            }
+            Stage::Prologue => self.enqueue_prologue(true),
             Stage::GateUp if n > 0 => {
                 let (limit, has_limit) = match c.swiglu_limit {
                     Some(l) => (l, 1u32),
@@ -1543,7 +1582,8 @@ impl Nvfp4Forward {
             },
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
-                self.enqueue_shared()?;
+                // the prologue made the BF16 input when the router read it
+                self.enqueue_shared(!self.router_reads_bf16())?;
                 self.enqueue_combine()
             }
         }
@@ -1602,8 +1642,9 @@ impl Nvfp4Forward {
 
     // ---- end of the decode GEMMs ----
 
-    /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
-    fn enqueue_shared(&self) -> Result<()> {
+    /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU; with
+    /// `gather`, first the BF16 copy of the input (else an earlier launch made it).
+    fn enqueue_shared(&self, gather: bool) -> Result<()> {
         let (Some(sh), Some(sw)) = (&self.layer.shared, &self.ws.shared) else {
             return Ok(());
         };
@@ -1613,13 +1654,15 @@ impl Nvfp4Forward {
         if t == 0 {
             return Ok(());
         }
-        self.enqueue_gather_bf16(0, t, gpu.ptr(&sw.x))?;
+        if gather {
+            self.enqueue_hidden_bf16()?;
+        }
         blas::gemm_bf16(
             gpu,
             t,
             si,
             h,
-            gpu.ptr(&sw.x),
+            gpu.ptr(&self.ws.hidden_bf16),
             gpu.ptr(&sh.w1),
             gpu.ptr(&sw.g),
             "shared expert gate_proj",
@@ -1629,7 +1672,7 @@ impl Nvfp4Forward {
             t,
             si,
             h,
-            gpu.ptr(&sw.x),
+            gpu.ptr(&self.ws.hidden_bf16),
             gpu.ptr(&sh.w3),
             gpu.ptr(&sw.u),
             "shared expert up_proj",
@@ -1736,6 +1779,10 @@ impl Nvfp4Forward {
             .reference
             .as_ref()
             .ok_or_else(|| Error::usage("reference weights were not uploaded"))?;
+        let made = self.router_reads_bf16();
+        if made {
+            self.enqueue_hidden_bf16()?;
+        }
         self.enqueue_route()?;
         self.enqueue_sort()?;
         if n > 0 {
@@ -1796,7 +1843,7 @@ impl Nvfp4Forward {
                 )?;
             }
         }
-        self.enqueue_shared()?;
+        self.enqueue_shared(!made)?;
         self.enqueue_combine()
     }
 
@@ -1833,6 +1880,7 @@ impl Nvfp4Forward {
         Ok(LayerGraph {
             graph: r?,
             fwd: self,
+            router_bf16: self.router_reads_bf16(),
         })
     }
 }
@@ -1841,6 +1889,8 @@ impl Nvfp4Forward {
 pub struct LayerGraph<'a> {
     graph: CudaGraph,
     fwd: &'a Nvfp4Forward,
+    /// Captured with the router reading the BF16 copy of the input.
+    router_bf16: bool,
 }
 
 impl LayerGraph<'_> {
@@ -1877,8 +1927,17 @@ impl LayerGraph<'_> {
             .collect()
     }
 
-    /// New layer input for the next replay.
+    /// New layer input for the next replay. The graph keeps the router's logits path it was
+    /// captured with: a graph whose router reads the BF16 copy refuses inputs that are not
+    /// BF16-exact (capture a new one).
     pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
+        if self.router_bf16 && !router::all_bf16_exact(hidden) {
+            return Err(Error::usage(format!(
+                "MoE layer {}: this graph's router reads BF16 hidden states, and the new ones \
+                 are not BF16-exact; capture the forward again",
+                self.fwd.layer.index
+            )));
+        }
         self.fwd.set_hidden(hidden)
     }
 

@@ -1,5 +1,12 @@
-//! The router on the GPU: FP32 logits through cuBLAS (plain FP32, no TF32), then
-//! kernels/router.cu for scoring, group-limited top-k or hash ids, and the weights.
+//! The router on the GPU: FP32 logits through cuBLAS, then kernels/router.cu for scoring,
+//! group-limited top-k or hash ids, and the weights.
+//!
+//! The logits: where the router weight and the hidden states are all BF16-exact (a BF16
+//! checkpoint's gate, a BF16 model's residual stream), a BF16 GEMM on the tensor cores with
+//! FP32 accumulation: every product `h·w` of two BF16 values is exact in FP32, so only the
+//! accumulation differs from a SIMT FP32 dot product (order and rounding of the FP32 sums,
+//! what any two FP32 GEMMs differ by). Otherwise, or with `NVFP4DBG_ROUTER_FP32=1`, plain
+//! FP32 on the FMA pipes (cuBLAS pedantic: no TF32).
 
 use super::blas;
 use super::device::{Gpu, KArg};
@@ -13,6 +20,9 @@ const WARPS: u32 = 4;
 /// A layer's router tensors on the GPU.
 pub struct DevRouter {
     pub(crate) weight: CudaSlice<f32>,
+    /// The weight as BF16 when every value is BF16-exact (and `NVFP4DBG_ROUTER_FP32` is not
+    /// set): the logits then run on the tensor cores.
+    pub(crate) weight_bf16: Option<CudaSlice<u16>>,
     pub(crate) bias: Option<CudaSlice<f32>>,
     pub(crate) tid2eid: Option<CudaSlice<i64>>,
     pub(crate) vocab: usize,
@@ -36,8 +46,13 @@ impl DevRouter {
         let r = &layer.router;
         let hash = layer.config.is_hash_layer(layer.index);
         let k = layer.config.num_experts_per_tok;
+        let fp32_only = std::env::var("NVFP4DBG_ROUTER_FP32").is_ok_and(|v| v == "1");
         Ok(DevRouter {
             weight: gpu.upload(&r.weight, "the router weight")?,
+            weight_bf16: match bf16_exact(&r.weight) {
+                Some(bits) if !fp32_only => Some(gpu.upload(&bits, "the router weight (BF16)")?),
+                _ => None,
+            },
             bias: match &r.e_score_correction_bias {
                 Some(b) => Some(gpu.upload(b, "e_score_correction_bias")?),
                 None => None,
@@ -86,6 +101,23 @@ impl DevRouter {
     }
 }
 
+/// `v` as BF16 bits when every value is exactly a BF16 (bit for bit: a NaN with payload bits
+/// BF16 drops is not), else None.
+pub(crate) fn bf16_exact(v: &[f32]) -> Option<Vec<u16>> {
+    v.iter()
+        .map(|&x| {
+            let b = half::bf16::from_f32(x);
+            (b.to_f32().to_bits() == x.to_bits()).then_some(b.to_bits())
+        })
+        .collect()
+}
+
+/// Is every value of `v` exactly a BF16 (bit for bit)?
+pub(crate) fn all_bf16_exact(v: &[f32]) -> bool {
+    v.iter()
+        .all(|&x| half::bf16::from_f32(x).to_f32().to_bits() == x.to_bits())
+}
+
 fn scoring_code(s: ScoringFunc) -> u32 {
     match s {
         ScoringFunc::Sigmoid => 0,
@@ -101,12 +133,15 @@ pub(crate) struct RouteBufs {
     pub topk_weights: u64,
 }
 
-/// Enqueue routing of `tokens` rows at `hidden` (f32 `[tokens, H]`). No host sync.
+/// Enqueue routing of `tokens` rows at `hidden` (f32 `[tokens, H]`; `hidden_bf16`, when
+/// given, the same values as BF16, which the caller has checked are exact). No host sync.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn enqueue_route(
     gpu: &Gpu,
     c: &MoeConfig,
     r: &DevRouter,
     hidden: u64,
+    hidden_bf16: Option<u64>,
     tokens: usize,
     input_ids: Option<u64>,
     out: &RouteBufs,
@@ -115,16 +150,28 @@ pub(crate) fn enqueue_route(
     if tokens == 0 {
         return Ok(());
     }
-    blas::gemm_f32(
-        gpu,
-        tokens,
-        e,
-        h,
-        hidden,
-        gpu.ptr(&r.weight),
-        out.logits,
-        "router logits",
-    )?;
+    match (&r.weight_bf16, hidden_bf16) {
+        (Some(w), Some(x)) => blas::gemm_bf16(
+            gpu,
+            tokens,
+            e,
+            h,
+            x,
+            gpu.ptr(w),
+            out.logits,
+            "router logits",
+        )?,
+        _ => blas::gemm_f32(
+            gpu,
+            tokens,
+            e,
+            h,
+            hidden,
+            gpu.ptr(&r.weight),
+            out.logits,
+            "router logits",
+        )?,
+    }
     let smem = WARPS as usize * (2 * e * 4 + e);
     let smem = u32::try_from(smem)
         .map_err(|_| Error::usage(format!("{e} experts is too many for the router kernel")))?;
@@ -182,6 +229,10 @@ pub fn route(
     let r = DevRouter::upload(gpu, layer)?;
     r.check_input_ids(layer.index, tokens, input_ids)?;
     let x = gpu.upload(hidden, "the hidden states")?;
+    let x_bf16 = match (&r.weight_bf16, bf16_exact(hidden)) {
+        (Some(_), Some(bits)) => Some(gpu.upload(&bits, "the hidden states (BF16)")?),
+        _ => None,
+    };
     let ids_dev = match input_ids {
         Some(ids) if r.hash => Some(gpu.upload(ids, "input_ids")?),
         _ => None,
@@ -194,6 +245,7 @@ pub fn route(
         c,
         &r,
         gpu.ptr(&x),
+        x_bf16.as_ref().map(|d| gpu.ptr(d)),
         tokens,
         ids_dev.as_ref().map(|d| gpu.ptr(d)),
         &RouteBufs {
