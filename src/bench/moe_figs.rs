@@ -525,31 +525,52 @@ impl Runner<'_> {
         )?;
         out.insert("Prologue_without_router".into(), json!(t));
         f.route_on_gpu(None).ok()?;
-        // the router's FP32 logits GEMM alone (cuBLAS, pedantic FP32, as the router runs it)
+        // the router's logits GEMM alone, both ways the router runs it (router.rs): BF16 on the
+        // tensor cores with FP32 accumulation (BF16-exact weight and input, the forward here),
+        // and cuBLAS pedantic FP32 (otherwise)
         let (h, e) = (m.dims.h, m.dims.e);
         let x = alloc::<f32>(&self.gpu, tokens * h, "router GEMM input").ok()?;
         let w = alloc::<f32>(&self.gpu, e * h, "router GEMM weight").ok()?;
+        let xb = alloc::<u16>(&self.gpu, tokens * h, "router GEMM input (BF16)").ok()?;
+        let wb = alloc::<u16>(&self.gpu, e * h, "router GEMM weight (BF16)").ok()?;
         let l = alloc::<f32>(&self.gpu, tokens * e, "router GEMM output").ok()?;
         fill_f32(&self.gpu, &x, 1.0, self.seed).ok()?;
         fill_f32(&self.gpu, &w, 0.01, self.seed ^ 1).ok()?;
+        fill_bf16(&self.gpu, &xb, 1.0, self.seed).ok()?;
+        fill_bf16(&self.gpu, &wb, 0.01, self.seed ^ 1).ok()?;
         let g2 = self.gpu.clone();
-        let t = time(
-            self,
-            format!("layer_{tokens} router logits GEMM (cuBLAS FP32 pedantic)"),
-            &mut |_| {
-                blas::gemm_f32(
-                    &g2,
-                    tokens,
-                    e,
-                    h,
-                    g2.ptr(&x),
-                    g2.ptr(&w),
-                    g2.ptr(&l),
-                    "router logits",
-                )
-            },
-        )?;
-        out.insert("router_logits_gemm".into(), json!(t));
+        for (key, what, bf16) in [
+            ("router_logits_gemm", "cuBLAS FP32 pedantic", false),
+            (
+                "router_logits_gemm_bf16",
+                "cuBLAS BF16, FP32 accumulation",
+                true,
+            ),
+        ] {
+            let t = time(
+                self,
+                format!("layer_{tokens} router logits GEMM ({what})"),
+                &mut |_| {
+                    let l = g2.ptr(&l);
+                    if bf16 {
+                        let (x, w) = (g2.ptr(&xb), g2.ptr(&wb));
+                        blas::gemm_bf16(&g2, tokens, e, h, x, w, l, "router logits")
+                    } else {
+                        blas::gemm_f32(
+                            &g2,
+                            tokens,
+                            e,
+                            h,
+                            g2.ptr(&x),
+                            g2.ptr(&w),
+                            l,
+                            "router logits",
+                        )
+                    }
+                },
+            )?;
+            out.insert(key.into(), json!(t));
+        }
         out.insert("gemm".into(), json!(format!("{:?}", f.choose_gemm())));
         Some(Value::Object(out))
     }
