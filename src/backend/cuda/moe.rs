@@ -861,8 +861,19 @@ impl Nvfp4Forward {
             self.ws.hidden.len(),
             "the hidden states",
         )?;
-        self.hidden_exact
-            .store(router::all_bf16_exact(hidden), Ordering::Relaxed);
+        // The layer input is BF16 (as an engine passes it): where the values say so, its BF16
+        // copy (the router's and the shared expert's input) comes up with it.
+        let exact = router::all_bf16_exact(hidden);
+        if exact && !self.ws.hidden_bf16.is_empty() {
+            let bits: Vec<u16> = hidden.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
+            gpu.upload_raw(
+                &bits,
+                gpu.ptr(&self.ws.hidden_bf16),
+                self.ws.hidden_bf16.len(),
+                "the hidden states as BF16",
+            )?;
+        }
+        self.hidden_exact.store(exact, Ordering::Relaxed);
         Ok(())
     }
 
@@ -1228,14 +1239,6 @@ impl Nvfp4Forward {
             && self.hidden_exact.load(Ordering::Relaxed)
     }
 
-    /// `hidden_bf16 = bf16(hidden)`.
-    fn enqueue_hidden_bf16(&self) -> Result<()> {
-        if self.ws.tokens == 0 {
-            return Ok(());
-        }
-        self.enqueue_gather_bf16(0, self.ws.tokens, self.gpu().ptr(&self.ws.hidden_bf16))
-    }
-
     /// How this forward is laid out where a choice changes no number (for bench reports).
     pub fn schedule(&self) -> String {
         format!(
@@ -1307,20 +1310,11 @@ impl Nvfp4Forward {
         // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
         // Stage by stage (the bench's split) it stays in the epilogue. (Forked after the
         // prologue instead: the same time, s10b.)
-        // The router's BF16 GEMM reads the BF16 copy of the input: then it is made first, on
-        // the main stream, and the shared expert reads it too.
         let beside = self.shared_runs_beside();
         if beside {
-            let made = self.router_reads_bf16();
-            if made {
-                self.enqueue_hidden_bf16()?;
-            }
-            self.gpu().fork_side(|| self.enqueue_shared(!made))?;
-            self.enqueue_prologue(false)?;
-        } else {
-            self.enqueue_nvfp4_stage(Stage::Prologue)?;
+            self.gpu().fork_side(|| self.enqueue_shared())?;
         }
-        for stage in [Stage::GateUp, Stage::Down] {
+        for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
             self.enqueue_nvfp4_stage(stage)?;
         }
         if beside {
@@ -1355,52 +1349,6 @@ impl Nvfp4Forward {
         }
     }
 
-    /// Router (when routing on the GPU), sort, expert-input quantization; with `gather`, first
-    /// the BF16 copy of the input when the router reads it (else the caller made it).
-    fn enqueue_prologue(&self, gather: bool) -> Result<()> {
-        let gpu = self.gpu();
-        let ws = &self.ws;
-        let c = &self.layer.config;
-        let (h, e) = (c.hidden_size, c.n_routed_experts);
-        let n = ws.tokens * ws.k;
-        if gather && self.router_reads_bf16() {
-            self.enqueue_hidden_bf16()?;
-        }
-        gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
-        gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
-        self.enqueue_route()?;
-        self.enqueue_sort()?;
-        if self.dynamic {
-            // gs1 = 2688 / amax(hidden over the batch), the same for every expert
-            let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
-            super::reduce::amax_into(gpu, gpu.ptr(&ws.hidden), (ws.tokens * h) as u64, batch_amax)?;
-            gpu.launch(
-                &MOE,
-                "dynamic_gs_from_amax",
-                grid_1d(1, 32)?,
-                &[
-                    KArg::U64(batch_amax),
-                    KArg::U32(1),
-                    KArg::U64(gpu.ptr(&ws.gs2)),
-                ],
-            )?;
-            gpu.launch(
-                &MOE,
-                "broadcast_f32",
-                grid_1d(e as u64, ELEM_THREADS)?,
-                &[
-                    KArg::U64(gpu.ptr(&ws.gs2)),
-                    KArg::U32(e as u32),
-                    KArg::U64(gpu.ptr(&ws.gs1)),
-                ],
-            )?;
-        }
-        if n > 0 {
-            self.enqueue_quantize_expert_inputs()?;
-        }
-        Ok(())
-    }
-
     fn enqueue_nvfp4_stage(&self, stage: Stage) -> Result<()> {
         let gpu = self.gpu();
         let ws = &self.ws;
@@ -1414,7 +1362,46 @@ impl Nvfp4Forward {
             .ok_or_else(|| Error::usage("NVFP4 weights were not uploaded"))?;
         let p = |s: &CudaSlice<u8>| gpu.ptr(s);
         match stage {
-            Stage::Prologue => self.enqueue_prologue(true),
+            Stage::Prologue => {
+                gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
+                gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
+                self.enqueue_route()?;
+                self.enqueue_sort()?;
+                if self.dynamic {
+                    // gs1 = 2688 / amax(hidden over the batch), the same for every expert
+                    let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
+                    super::reduce::amax_into(
+                        gpu,
+                        gpu.ptr(&ws.hidden),
+                        (ws.tokens * h) as u64,
+                        batch_amax,
+                    )?;
+                    gpu.launch(
+                        &MOE,
+                        "dynamic_gs_from_amax",
+                        grid_1d(1, 32)?,
+                        &[
+                            KArg::U64(batch_amax),
+                            KArg::U32(1),
+                            KArg::U64(gpu.ptr(&ws.gs2)),
+                        ],
+                    )?;
+                    gpu.launch(
+                        &MOE,
+                        "broadcast_f32",
+                        grid_1d(e as u64, ELEM_THREADS)?,
+                        &[
+                            KArg::U64(gpu.ptr(&ws.gs2)),
+                            KArg::U32(e as u32),
+                            KArg::U64(gpu.ptr(&ws.gs1)),
+                        ],
+                    )?;
+                }
+                if n > 0 {
+                    self.enqueue_quantize_expert_inputs()?;
+                }
+                Ok(())
+            }
             Stage::GateUp if n > 0 => {
                 let (limit, has_limit) = match c.swiglu_limit {
                     Some(l) => (l, 1u32),
@@ -1582,8 +1569,7 @@ impl Nvfp4Forward {
             },
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
-                // the prologue made the BF16 input when the router read it
-                self.enqueue_shared(!self.router_reads_bf16())?;
+                self.enqueue_shared()?;
                 self.enqueue_combine()
             }
         }
@@ -1642,9 +1628,8 @@ impl Nvfp4Forward {
 
     // ---- end of the decode GEMMs ----
 
-    /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU; with
-    /// `gather`, first the BF16 copy of the input (else an earlier launch made it).
-    fn enqueue_shared(&self, gather: bool) -> Result<()> {
+    /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
+    fn enqueue_shared(&self) -> Result<()> {
         let (Some(sh), Some(sw)) = (&self.layer.shared, &self.ws.shared) else {
             return Ok(());
         };
@@ -1654,8 +1639,9 @@ impl Nvfp4Forward {
         if t == 0 {
             return Ok(());
         }
-        if gather {
-            self.enqueue_hidden_bf16()?;
+        if !self.hidden_exact.load(Ordering::Relaxed) {
+            // set_hidden uploaded the BF16 copy only where it is exact
+            self.enqueue_gather_bf16(0, t, gpu.ptr(&self.ws.hidden_bf16))?;
         }
         blas::gemm_bf16(
             gpu,
@@ -1779,10 +1765,6 @@ impl Nvfp4Forward {
             .reference
             .as_ref()
             .ok_or_else(|| Error::usage("reference weights were not uploaded"))?;
-        let made = self.router_reads_bf16();
-        if made {
-            self.enqueue_hidden_bf16()?;
-        }
         self.enqueue_route()?;
         self.enqueue_sort()?;
         if n > 0 {
@@ -1843,7 +1825,7 @@ impl Nvfp4Forward {
                 )?;
             }
         }
-        self.enqueue_shared(!made)?;
+        self.enqueue_shared()?;
         self.enqueue_combine()
     }
 
@@ -1880,7 +1862,7 @@ impl Nvfp4Forward {
         Ok(LayerGraph {
             graph: r?,
             fwd: self,
-            router_bf16: self.router_reads_bf16(),
+            input_exact: self.hidden_exact.load(Ordering::Relaxed),
         })
     }
 }
@@ -1889,8 +1871,8 @@ impl Nvfp4Forward {
 pub struct LayerGraph<'a> {
     graph: CudaGraph,
     fwd: &'a Nvfp4Forward,
-    /// Captured with the router reading the BF16 copy of the input.
-    router_bf16: bool,
+    /// Captured with a BF16-exact input: the graph reads the BF16 copy set_hidden uploads.
+    input_exact: bool,
 }
 
 impl LayerGraph<'_> {
@@ -1927,14 +1909,14 @@ impl LayerGraph<'_> {
             .collect()
     }
 
-    /// New layer input for the next replay. The graph keeps the router's logits path it was
-    /// captured with: a graph whose router reads the BF16 copy refuses inputs that are not
-    /// BF16-exact (capture a new one).
+    /// New layer input for the next replay. A graph captured on a BF16-exact input reads the
+    /// BF16 copy that set_hidden uploads (the router's BF16 logits, the shared expert) and
+    /// refuses an input that is not BF16-exact (capture the forward again on it).
     pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
-        if self.router_bf16 && !router::all_bf16_exact(hidden) {
+        if self.input_exact && !router::all_bf16_exact(hidden) {
             return Err(Error::usage(format!(
-                "MoE layer {}: this graph's router reads BF16 hidden states, and the new ones \
-                 are not BF16-exact; capture the forward again",
+                "MoE layer {}: this graph was captured on BF16-exact hidden states, and the \
+                 new ones are not BF16-exact; capture the forward again",
                 self.fwd.layer.index
             )));
         }
