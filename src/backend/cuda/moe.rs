@@ -552,8 +552,9 @@ struct Workspace {
     tokens: usize,
     k: usize,
     hidden: CudaSlice<f32>,
-    /// `bf16(hidden)`: the shared expert's input and, where exact, the router's.
-    hidden_bf16: CudaSlice<u16>,
+    /// `bf16(hidden)`: the shared expert's input and, where exact, the router's (None when
+    /// the layer has no shared expert and its router weight is not BF16-exact).
+    hidden_bf16: Option<CudaSlice<u16>>,
     input_ids: Option<CudaSlice<i64>>,
     logits: CudaSlice<f32>,
     topk_ids: CudaSlice<i32>,
@@ -621,14 +622,11 @@ impl Workspace {
             tokens,
             k,
             hidden: gpu.alloc(tokens * h, "the hidden states")?,
-            hidden_bf16: gpu.alloc(
-                if layer.shared.is_some() || layer.router.weight_bf16.is_some() {
-                    tokens * h
-                } else {
-                    0
-                },
-                "the hidden states as BF16",
-            )?,
+            hidden_bf16: if layer.shared.is_some() || layer.router.weight_bf16.is_some() {
+                Some(gpu.alloc(tokens * h, "the hidden states as BF16")?)
+            } else {
+                None
+            },
             input_ids: if layer.router.hash {
                 Some(gpu.alloc(tokens, "input_ids")?)
             } else {
@@ -864,14 +862,9 @@ impl Nvfp4Forward {
         // The layer input is BF16 (as an engine passes it): where the values say so, its BF16
         // copy (the router's and the shared expert's input) comes up with it.
         let exact = router::all_bf16_exact(hidden);
-        if exact && !self.ws.hidden_bf16.is_empty() {
+        if let (true, Some(dst)) = (exact, &self.ws.hidden_bf16) {
             let bits: Vec<u16> = hidden.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
-            gpu.upload_raw(
-                &bits,
-                gpu.ptr(&self.ws.hidden_bf16),
-                self.ws.hidden_bf16.len(),
-                "the hidden states as BF16",
-            )?;
+            gpu.upload_raw(&bits, gpu.ptr(dst), dst.len(), "the hidden states as BF16")?;
         }
         self.hidden_exact.store(exact, Ordering::Relaxed);
         Ok(())
@@ -979,8 +972,11 @@ impl Nvfp4Forward {
             &self.layer.config,
             &self.layer.router,
             gpu.ptr(&self.ws.hidden),
-            self.router_reads_bf16()
-                .then(|| gpu.ptr(&self.ws.hidden_bf16)),
+            self.ws
+                .hidden_bf16
+                .as_ref()
+                .filter(|_| self.router_reads_bf16())
+                .map(|d| gpu.ptr(d)),
             self.ws.tokens,
             self.ws.input_ids.as_ref().map(|d| gpu.ptr(d)),
             &RouteBufs {
@@ -1630,7 +1626,9 @@ impl Nvfp4Forward {
 
     /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
     fn enqueue_shared(&self) -> Result<()> {
-        let (Some(sh), Some(sw)) = (&self.layer.shared, &self.ws.shared) else {
+        let (Some(sh), Some(sw), Some(xb)) =
+            (&self.layer.shared, &self.ws.shared, &self.ws.hidden_bf16)
+        else {
             return Ok(());
         };
         let gpu = self.gpu();
@@ -1641,14 +1639,14 @@ impl Nvfp4Forward {
         }
         if !self.hidden_exact.load(Ordering::Relaxed) {
             // set_hidden uploaded the BF16 copy only where it is exact
-            self.enqueue_gather_bf16(0, t, gpu.ptr(&self.ws.hidden_bf16))?;
+            self.enqueue_gather_bf16(0, t, gpu.ptr(xb))?;
         }
         blas::gemm_bf16(
             gpu,
             t,
             si,
             h,
-            gpu.ptr(&self.ws.hidden_bf16),
+            gpu.ptr(xb),
             gpu.ptr(&sh.w1),
             gpu.ptr(&sw.g),
             "shared expert gate_proj",
@@ -1658,7 +1656,7 @@ impl Nvfp4Forward {
             t,
             si,
             h,
-            gpu.ptr(&self.ws.hidden_bf16),
+            gpu.ptr(xb),
             gpu.ptr(&sh.w3),
             gpu.ptr(&sw.u),
             "shared expert up_proj",
