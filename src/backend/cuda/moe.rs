@@ -842,6 +842,12 @@ impl Nvfp4Forward {
     /// Copy the layer input `[tokens, hidden]` (BF16-exact values) to the GPU. Takes `&self`
     /// so a captured graph ([`LayerGraph`]) can be fed new inputs between replays.
     pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
+        self.upload_hidden(hidden, false)
+    }
+
+    /// [`Nvfp4Forward::set_hidden`]; with `need_exact`, an input that is not BF16-exact is
+    /// refused before anything is written.
+    fn upload_hidden(&self, hidden: &[f32], need_exact: bool) -> Result<()> {
         let want = self.ws.tokens * self.layer.config.hidden_size;
         if hidden.len() != want {
             return Err(Error::usage(format!(
@@ -852,6 +858,16 @@ impl Nvfp4Forward {
                 self.layer.config.hidden_size
             )));
         }
+        // The layer input is BF16 (as an engine passes it): where the values say so, its BF16
+        // copy (the router's and the shared expert's input) comes up with it.
+        let bits = router::bf16_exact(hidden);
+        if need_exact && bits.is_none() {
+            return Err(Error::usage(format!(
+                "MoE layer {}: this graph was captured on BF16-exact hidden states, and the \
+                 new ones are not BF16-exact; capture the forward again",
+                self.layer.index
+            )));
+        }
         let gpu = self.gpu();
         gpu.upload_raw(
             hidden,
@@ -859,14 +875,10 @@ impl Nvfp4Forward {
             self.ws.hidden.len(),
             "the hidden states",
         )?;
-        // The layer input is BF16 (as an engine passes it): where the values say so, its BF16
-        // copy (the router's and the shared expert's input) comes up with it.
-        let exact = router::all_bf16_exact(hidden);
-        if let (true, Some(dst)) = (exact, &self.ws.hidden_bf16) {
-            let bits: Vec<u16> = hidden.iter().map(|x| (x.to_bits() >> 16) as u16).collect();
-            gpu.upload_raw(&bits, gpu.ptr(dst), dst.len(), "the hidden states as BF16")?;
+        if let (Some(bits), Some(dst)) = (&bits, &self.ws.hidden_bf16) {
+            gpu.upload_raw(bits, gpu.ptr(dst), dst.len(), "the hidden states as BF16")?;
         }
-        self.hidden_exact.store(exact, Ordering::Relaxed);
+        self.hidden_exact.store(bits.is_some(), Ordering::Relaxed);
         Ok(())
     }
 
@@ -1911,14 +1923,7 @@ impl LayerGraph<'_> {
     /// BF16 copy that set_hidden uploads (the router's BF16 logits, the shared expert) and
     /// refuses an input that is not BF16-exact (capture the forward again on it).
     pub fn set_hidden(&self, hidden: &[f32]) -> Result<()> {
-        if self.input_exact && !router::all_bf16_exact(hidden) {
-            return Err(Error::usage(format!(
-                "MoE layer {}: this graph was captured on BF16-exact hidden states, and the \
-                 new ones are not BF16-exact; capture the forward again",
-                self.fwd.layer.index
-            )));
-        }
-        self.fwd.set_hidden(hidden)
+        self.fwd.upload_hidden(hidden, self.input_exact)
     }
 
     /// Replay and bring the output back.

@@ -112,12 +112,6 @@ pub(crate) fn bf16_exact(v: &[f32]) -> Option<Vec<u16>> {
         .collect()
 }
 
-/// Is every value of `v` exactly a BF16 (bit for bit)?
-pub(crate) fn all_bf16_exact(v: &[f32]) -> bool {
-    v.iter()
-        .all(|&x| half::bf16::from_f32(x).to_f32().to_bits() == x.to_bits())
-}
-
 fn scoring_code(s: ScoringFunc) -> u32 {
     match s {
         ScoringFunc::Sigmoid => 0,
