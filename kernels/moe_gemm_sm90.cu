@@ -551,14 +551,14 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
-// 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
-// (1.87 against 1.79).
 // Row blocks (R_DOWN_BN weight rows) a down-projection CTA takes one after another for its
 // token tile (moe.rs reads a -DRS_DOWN_PASSES for the grid): 1 launches a CTA per block.
 #ifndef RS_DOWN_PASSES
 #define RS_DOWN_PASSES 1
 #endif
+// A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
+// 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
+// (1.87 against 1.79).
 #ifndef RS_N144_DOWN
 #define RS_N144_DOWN 0
 #endif

@@ -223,9 +223,9 @@ pub fn route(
     let r = DevRouter::upload(gpu, layer)?;
     r.check_input_ids(layer.index, tokens, input_ids)?;
     let x = gpu.upload(hidden, "the hidden states")?;
-    let x_bf16 = match (&r.weight_bf16, bf16_exact(hidden)) {
-        (Some(_), Some(bits)) => Some(gpu.upload(&bits, "the hidden states (BF16)")?),
-        _ => None,
+    let x_bf16 = match r.weight_bf16.as_ref().and_then(|_| bf16_exact(hidden)) {
+        Some(bits) => Some(gpu.upload(&bits, "the hidden states (BF16)")?),
+        None => None,
     };
     let ids_dev = match input_ids {
         Some(ids) if r.hash => Some(gpu.upload(ids, "input_ids")?),
