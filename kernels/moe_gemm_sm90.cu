@@ -551,11 +551,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_L2_AHEAD_NARROW
 #define RS_L2_AHEAD_NARROW 4
 #endif
-// Row blocks (R_DOWN_BN weight rows) a down-projection CTA takes one after another for its
-// token tile (moe.rs reads a -DRS_DOWN_PASSES for the grid): 1 launches a CTA per block.
-#ifndef RS_DOWN_PASSES
-#define RS_DOWN_PASSES 1
-#endif
 // A 144-token width between 128 and 160, per kernel (0: tiles of 129-160 tokens all run at
 // 160). Measured (s9e, s9f): the gate/up gains from it (4.10 ms against 4.19), the down loses
 // (1.87 against 1.79).
@@ -918,17 +913,20 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
     }
 }
 
-// The start of one tile's K loop: the lane's weights of chunks 0 and 1 into `st`, the ring's
-// barriers set up and its first copies started (thread 0), then a barrier that publishes the
-// ring. The stages must be free (no MMA or epilogue reading them).
-template <int N>
-__device__ __forceinline__ void rs_begin(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
-                                         RChunk (&st)[2]) {
+// The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
+// acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
+// every MMA complete and every warp past the loop (the stages may then be reused).
+template <int N, int L2_AHEAD>
+__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
+                                            float (&acc)[2][N / 2]) {
+    u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
+    RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-    if (threadIdx.x == 0) {
+    // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
+    if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
             mbar_init(bars.empty(s), R_THREADS / 32);
@@ -937,16 +935,6 @@ __device__ __forceinline__ void rs_begin(const RWeights& wr, const void* tmap, u
         for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
-}
-
-// The K loop of one tile after rs_begin: acc[b] holds m-block b's 64 weight rows x N tokens
-// (times 2^-18), acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2.
-// Ends with every MMA complete and every warp past the loop (the stages may then be reused).
-template <int N, int L2_AHEAD>
-__device__ __forceinline__ void rs_run(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
-                                       RChunk (&st)[2], float (&acc)[2][N / 2]) {
-    u32 stages = smem_addr(base);
-    RBars bars{stages + R_OFF_BARS};
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
@@ -968,26 +956,6 @@ __device__ __forceinline__ void rs_run(const RWeights& wr, const void* tmap, u32
     __syncthreads();
 }
 
-// The passes of one token tile at width N: pass p's K loop, then, while pass p + 1's weights
-// and first token chunks are on their way (rs_begin), epi(p, acc). So epi must not use the
-// ring's shared memory when PASSES > 1 (the down's stores do not; the gate/up's tile does, and
-// it runs one pass).
-template <int N, int L2_AHEAD, int PASSES, typename WrOf, typename Epi>
-__device__ __forceinline__ void rs_passes(WrOf wr_of, const void* tmap, u32 r0, u32 nk, u8* base, Epi epi) {
-    RWeights wr;
-    if (!wr_of(0, wr)) return;
-    RChunk st[2];
-    rs_begin<N>(wr, tmap, r0, nk, base, st);
-    for (int p = 0;; p++) {
-        float acc[2][N / 2];
-        rs_run<N, L2_AHEAD>(wr, tmap, r0, nk, base, st, acc);
-        bool more = p + 1 < PASSES && wr_of(p + 1, wr);
-        if (more) rs_begin<N>(wr, tmap, r0, nk, base, st);
-        epi(p, acc);
-        if (!more) return;
-    }
-}
-
 // Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
 // ws[b]); rows past nout (within the expert) are left out (zeros).
 __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u8* const (&ws)[2],
@@ -1004,24 +972,34 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
     return r;
 }
 
-// One token tile's K loops at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds
-// its ntok tokens: for pass p < PASSES while wr_of(p, wr) gives the pass's weights, the K loop
-// then epi(p, acc) with the accumulators as rs_run leaves them (rs_passes). The widths past 128 serve
-// the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows. (The passes loop inside
-// each width: one loop over a width chosen per pass made ptxas serialize every MMA, s23.)
-template <int L2_AHEAD, bool N144, int PASSES, typename WrOf, typename Epi>
-__device__ __forceinline__ void rs_tile(WrOf wr_of, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base, Epi epi) {
+// One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
+// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
+// 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
+template <int L2_AHEAD, bool N144, typename Epi>
+__device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
+                                        Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
-    if (ntok > (N144 ? 144u : 128u))
-        rs_passes<160, L2_AHEAD, PASSES>(wr_of, tmap, r0, nk, base, epi);
-    else if (N144 && ntok > 128)
-        rs_passes<144, L2_AHEAD, PASSES>(wr_of, tmap, r0, nk, base, epi);
-    else if (ntok > 64)
-        rs_passes<128, L2_AHEAD, PASSES>(wr_of, tmap, r0, nk, base, epi);
-    else if (ntok > 32)
-        rs_passes<64, L2_NARROW, PASSES>(wr_of, tmap, r0, nk, base, epi);
-    else
-        rs_passes<32, L2_NARROW, PASSES>(wr_of, tmap, r0, nk, base, epi);
+    if (ntok > (N144 ? 144u : 128u)) {
+        float acc[2][80];
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (N144 && ntok > 128) {
+        float acc[2][72];
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    }
 }
 
 #endif  // NVFP4DBG_WGMMA
@@ -1211,25 +1189,17 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
+    u32 n0 = blockIdx.x * R_DOWN_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
-    // RS_DOWN_PASSES consecutive row blocks of the same token tile, one after another
-    auto nb_of = [&](int p) { return (blockIdx.x * RS_DOWN_PASSES + p) * R_DOWN_BN; };
-    auto n0_of = [&](int p) { return nb_of(p) + wg * 128 + warp * 16; };
-    auto wr_of = [&](int p, RWeights& wr) {
-        if (nb_of(p) >= nout) return false;
-        u32 n0 = n0_of(p);
-        const u32 row0[2] = {n0, n0 + 64};
-        wr = rs_weights(wq, ws, row0, e, nout, K);
-        return true;
-    };
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
-    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN, RS_DOWN_PASSES>(
-        wr_of, tmap, r0, r1 - r0, K / R_BK, base, [&](int p, const auto& acc) {
-            float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
-            // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-            if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0_of(p), r0, r1, nout, alpha, out);
-        });
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+        float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
+        // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
+    });
 #else
     __trap();
 #endif
@@ -1256,14 +1226,10 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
-    const RWeights wr0 = rs_weights(wq, ws, row0, e, nout, K);
-    auto wr_of = [&](int, RWeights& wr) {
-        wr = wr0;
-        return true;
-    };
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP, 1>(wr_of, tmap, r0, r1 - r0, K / R_BK, base, [&](int, const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), sgu);
     });

@@ -1096,16 +1096,10 @@ impl Nvfp4Forward {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
-        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup, the
-        // down's CTAs RS_DOWN_PASSES row blocks each
-        let passes = if fused {
-            1
-        } else {
-            super::nvrtc::tuning_define("RS_DOWN_PASSES").map_or(1, |n| n.max(1) as usize)
-        };
+        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup
         let rs_grid = LaunchConfig {
             grid_dim: (
-                nout.div_ceil(bn / 2 * rs_wg * passes) as u32,
+                nout.div_ceil(bn / 2 * rs_wg) as u32,
                 m_tiles.max(1) as u32,
                 1,
             ),
