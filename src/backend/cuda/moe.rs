@@ -720,8 +720,9 @@ pub struct Nvfp4Forward {
     /// [`Nvfp4Forward::set_shared_beside`].
     shared_beside: bool,
     input_quantize: InputQuantize,
-    /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only.
-    hidden_exact: AtomicBool,
+    /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only and uploaded them to
+    /// `ws.hidden_bf16` (which exists where a shared expert or a BF16 router reads it).
+    hidden_bf16_set: AtomicBool,
 }
 
 impl Nvfp4Forward {
@@ -827,7 +828,7 @@ impl Nvfp4Forward {
             rs,
             shared_beside: shared_beside_default(),
             input_quantize: InputQuantize::from_env(),
-            hidden_exact: AtomicBool::new(false),
+            hidden_bf16_set: AtomicBool::new(false),
         })
     }
 
@@ -860,7 +861,11 @@ impl Nvfp4Forward {
         }
         // The layer input is BF16 (as an engine passes it): where the values say so, its BF16
         // copy (the router's and the shared expert's input) comes up with it.
-        let bits = router::bf16_exact(hidden);
+        let bits = self
+            .ws
+            .hidden_bf16
+            .as_ref()
+            .and_then(|_| router::bf16_exact(hidden));
         if need_exact && bits.is_none() {
             return Err(Error::usage(format!(
                 "MoE layer {}: this graph was captured on BF16-exact hidden states, and the \
@@ -878,7 +883,8 @@ impl Nvfp4Forward {
         if let (Some(bits), Some(dst)) = (&bits, &self.ws.hidden_bf16) {
             gpu.upload_raw(bits, gpu.ptr(dst), dst.len(), "the hidden states as BF16")?;
         }
-        self.hidden_exact.store(bits.is_some(), Ordering::Relaxed);
+        self.hidden_bf16_set
+            .store(bits.is_some(), Ordering::Relaxed);
         Ok(())
     }
 
@@ -1244,7 +1250,7 @@ impl Nvfp4Forward {
     fn router_reads_bf16(&self) -> bool {
         self.route == RouteSource::Gpu
             && self.layer.router.weight_bf16.is_some()
-            && self.hidden_exact.load(Ordering::Relaxed)
+            && self.hidden_bf16_set.load(Ordering::Relaxed)
     }
 
     /// How this forward is laid out where a choice changes no number (for bench reports).
@@ -1649,7 +1655,7 @@ impl Nvfp4Forward {
         if t == 0 {
             return Ok(());
         }
-        if !self.hidden_exact.load(Ordering::Relaxed) {
+        if !self.hidden_bf16_set.load(Ordering::Relaxed) {
             // set_hidden uploaded the BF16 copy only where it is exact
             self.enqueue_gather_bf16(0, t, gpu.ptr(xb))?;
         }
@@ -1872,7 +1878,7 @@ impl Nvfp4Forward {
         Ok(LayerGraph {
             graph: r?,
             fwd: self,
-            input_exact: self.hidden_exact.load(Ordering::Relaxed),
+            input_exact: self.hidden_bf16_set.load(Ordering::Relaxed),
         })
     }
 }
@@ -1881,7 +1887,8 @@ impl Nvfp4Forward {
 pub struct LayerGraph<'a> {
     graph: CudaGraph,
     fwd: &'a Nvfp4Forward,
-    /// Captured with a BF16-exact input: the graph reads the BF16 copy set_hidden uploads.
+    /// Captured with the BF16 copy that set_hidden uploads (a BF16-exact input): the graph
+    /// reads it instead of making it.
     input_exact: bool,
 }
 
