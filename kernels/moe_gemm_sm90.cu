@@ -508,34 +508,10 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 // stores hit 32 banks: 2 t R_EPI_ROW = 8 t mod 32). The barriers follow the larger of the two.
 #define R_EPI_ROW (2 * R_GU_BN + 4)
 #define R_EPI_BYTES (R_BN * R_EPI_ROW * 4)
-// A producer warpgroup (RS_PRODUCER 1; RS_WG 2, FP16 operands): a third warpgroup loads and
-// dequantizes every consumer lane's A fragments into a ring of RW_SLOTS half chunks in shared
-// memory (4 k16 steps x 2 m-blocks x 16 bytes a consumer lane: [step][m-block][lane], so a
-// warp's 16-byte loads hit 32 banks), and the two consumer warpgroups only load their
-// fragments and issue the MMAs: the dequantization leaves the MMAs' issue path. Registers move
-// from the producer (RS_PROD_REGS) to the consumers (RS_CONS_REGS) by setmaxnreg. The same
-// fragments as the default's, so the same numbers.
-#ifndef RS_PRODUCER
-#define RS_PRODUCER 0
-#endif
-#define R_ALL_THREADS (R_THREADS + (RS_PRODUCER ? 128 : 0))
-#ifndef RW_SLOTS
-#define RW_SLOTS 3
-#endif
-#define RW_SLOT_BYTES (4 * 2 * R_THREADS * 16)
-#ifndef RS_PROD_REGS
-#define RS_PROD_REGS 72
-#endif
-#ifndef RS_CONS_REGS
-#define RS_CONS_REGS 216
-#endif
-// (the CTA's pool is what it was launched with: R_ALL_THREADS x 168)
-static_assert(!RS_PRODUCER || 128 * RS_PROD_REGS + R_THREADS * RS_CONS_REGS <= 168 * R_ALL_THREADS,
-              "the producer's and consumers' registers");
-#define R_RING_BYTES (R_STAGES * R_STAGE_BYTES + (RS_PRODUCER ? RW_SLOTS * RW_SLOT_BYTES : 0))
+#define R_RING_BYTES (R_STAGES * R_STAGE_BYTES)
 #define R_OFF_BARS (R_EPI_BYTES > R_RING_BYTES ? R_EPI_BYTES : R_RING_BYTES)
 // + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
-#define R_SMEM_BYTES (R_OFF_BARS + (2 * R_STAGES + (RS_PRODUCER ? 2 * RW_SLOTS : 0)) * 8 + 1024)
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
 static_assert(R_EPI_ROW >= 2 * R_GU_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
@@ -837,8 +813,21 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
     }
 }
 
-// The scales of a lane's chunk as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1].
-__device__ __forceinline__ void rs_scales(const RChunk& st, u32 (&sc)[2][2][2]) {
+// The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
+// pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
+// a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
+// block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
+// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
+// step 4 with chunk c - 1 + R_STAGES.
+template <int N>
+__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
+    // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
+    // for another set of A fragments
+    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
+    u32 tid = threadIdx.x, slot = c % R_STAGES;
+    // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
+    u32 sc[2][2][2];
 #pragma unroll
     for (int b = 0; b < 2; b++) {
 #if RS_F16
@@ -859,68 +848,46 @@ __device__ __forceinline__ void rs_scales(const RChunk& st, u32 (&sc)[2][2][2]) 
         sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
 #endif
     }
-}
-
-// The lane's A fragments of k16 step s (0..7) of a chunk, both m-blocks (rs_chunk).
-__device__ __forceinline__ void rs_frag(const RChunk& st, const u32 (&sc)[2][2][2], int s, u32 (&a)[2][4]) {
-    int q = s / 2, h = s % 2, blk = s / 4;
-#pragma unroll
-    for (int b = 0; b < 2; b++) {
-        u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
-#if RS_F16
-        u32 glo, ghi, elo, ehi;  // the same for both steps of a word: computed once
-        nib_bytes(wg, glo, ghi);
-        nib_bytes(w8, elo, ehi);
-        a[b][0] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h), sc[b][0][blk]);
-        a[b][1] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h), sc[b][1][blk]);
-        a[b][2] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h + 1), sc[b][0][blk]);
-        a[b][3] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h + 1), sc[b][1][blk]);
-        if (RS_DIAG & 8) {  // time split: no scale multiply
-            a[b][0] = nib_pair_from_bytes(glo, ghi, 2 * h);
-            a[b][1] = nib_pair_from_bytes(elo, ehi, 2 * h);
-            a[b][2] = nib_pair_from_bytes(glo, ghi, 2 * h + 1);
-            a[b][3] = nib_pair_from_bytes(elo, ehi, 2 * h + 1);
-        }
-        if (RS_DIAG & 16) {  // time split: nib_bytes' words as the operands (no byte
-            // permutes, no scale multiply: 6 instructions a word pair instead of 14; the
-            // words themselves, or masked, made ptxas serialize the MMAs)
-            a[b][0] = glo;
-            a[b][1] = elo;
-            a[b][2] = ghi;
-            a[b][3] = ehi;
-        }
-#else
-        const u32 neg0 = 0x80008000u;
-        a[b][0] = bf16x2_fma(rs_pair(wg, 2 * h), sc[b][0][blk], neg0);
-        a[b][1] = bf16x2_fma(rs_pair(w8, 2 * h), sc[b][1][blk], neg0);
-        a[b][2] = bf16x2_fma(rs_pair(wg, 2 * h + 1), sc[b][0][blk], neg0);
-        a[b][3] = bf16x2_fma(rs_pair(w8, 2 * h + 1), sc[b][1][blk], neg0);
-#endif
-    }
-}
-
-// The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
-// pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
-// a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
-// block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
-// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
-// step 4 with chunk c - 1 + R_STAGES.
-template <int N>
-__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
-                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
-    // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
-    // for another set of A fragments
-    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
-    u32 tid = threadIdx.x, slot = c % R_STAGES;
-    u32 sc[2][2][2];
-    rs_scales(st, sc);
     mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
     u32 sb = stages + slot * R_STAGE_BYTES;
     __syncwarp();  // every lane left the wait's spin loop: the MMAs below are `.aligned`
 #pragma unroll
     for (int s = 0; s < 8; s++) {
+        int q = s / 2, h = s % 2, blk = s / 4;
         u32 a[2][4];
-        rs_frag(st, sc, s, a);
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            u32 wg = rs_word(st.w[b][0], q), w8 = rs_word(st.w[b][1], q);
+#if RS_F16
+            u32 glo, ghi, elo, ehi;  // the same for both steps of a word: computed once
+            nib_bytes(wg, glo, ghi);
+            nib_bytes(w8, elo, ehi);
+            a[b][0] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h), sc[b][0][blk]);
+            a[b][1] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h), sc[b][1][blk]);
+            a[b][2] = mul_f16x2(nib_pair_from_bytes(glo, ghi, 2 * h + 1), sc[b][0][blk]);
+            a[b][3] = mul_f16x2(nib_pair_from_bytes(elo, ehi, 2 * h + 1), sc[b][1][blk]);
+            if (RS_DIAG & 8) {  // time split: no scale multiply
+                a[b][0] = nib_pair_from_bytes(glo, ghi, 2 * h);
+                a[b][1] = nib_pair_from_bytes(elo, ehi, 2 * h);
+                a[b][2] = nib_pair_from_bytes(glo, ghi, 2 * h + 1);
+                a[b][3] = nib_pair_from_bytes(elo, ehi, 2 * h + 1);
+            }
+            if (RS_DIAG & 16) {  // time split: nib_bytes' words as the operands (no byte
+                // permutes, no scale multiply: 6 instructions a word pair instead of 14; the
+                // words themselves, or masked, made ptxas serialize the MMAs)
+                a[b][0] = glo;
+                a[b][1] = elo;
+                a[b][2] = ghi;
+                a[b][3] = ehi;
+            }
+#else
+            const u32 neg0 = 0x80008000u;
+            a[b][0] = bf16x2_fma(rs_pair(wg, 2 * h), sc[b][0][blk], neg0);
+            a[b][1] = bf16x2_fma(rs_pair(w8, 2 * h), sc[b][1][blk], neg0);
+            a[b][2] = bf16x2_fma(rs_pair(wg, 2 * h + 1), sc[b][0][blk], neg0);
+            a[b][3] = bf16x2_fma(rs_pair(w8, 2 * h + 1), sc[b][1][blk], neg0);
+#endif
+        }
         u64 db = smem_desc(sb + (s / 4) * R_HALF_BYTES) + 2 * (s % 4);
         wgmma_fence();
         RsMma<N>::mma(acc[0], a[0], db);
@@ -989,173 +956,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     __syncthreads();
 }
 
-#if RS_PRODUCER
-static_assert(RS_WG == 2 && RS_F16 == 1, "RS_PRODUCER: RS_WG 2 and FP16 operands");
-
-__device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&v)[4]) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
-                 : "memory");
-}
-__device__ __forceinline__ void ld_shared_v4(u32 addr, u32 (&v)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) asm("ld.shared.u32 %0, [%1];" : "=r"(v[i]) : "r"(addr + 4 * i));
-}
-// The consumer warpgroups' barrier (named barrier 1): the producer has left by then.
-__device__ __forceinline__ void rs_consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(R_THREADS) : "memory"); }
-
-// The weight ring, after the token ring's barriers: full[s] (every producer thread arrives once
-// its fragments of the half chunk are stored) and empty[s] (one arrival per consumer warp once
-// the MMAs that read the half chunk's fragments were issued), RW_SLOTS each.
-struct RWBars {
-    u32 base;
-    __device__ __forceinline__ u32 full(u32 s) const { return base + 8 * s; }
-    __device__ __forceinline__ u32 empty(u32 s) const { return base + 8 * (RW_SLOTS + s); }
-};
-
-// Producer thread p: half H of chunk c (k16 steps 4 H .. 4 H + 3) for the two consumer lanes it
-// serves (thread p of each consumer warpgroup, whose weights are st[0], st[1]), into the slot of
-// half chunk 2 c + H once the consumers have freed it.
-template <int H>
-__device__ __forceinline__ void rsp_put_half(const RChunk (&st)[2], u32 c, u32 wring, RWBars wb, u32 p) {
-    const u32 n = 2 * c + H, slot = n % RW_SLOTS;
-    if (n >= RW_SLOTS) mbar_wait(wb.empty(slot), (n / RW_SLOTS - 1) & 1u);
-    const u32 dst = wring + slot * RW_SLOT_BYTES + 16 * p;
-#pragma unroll
-    for (int k = 0; k < 2; k++) {
-        u32 sc[2][2][2];
-        rs_scales(st[k], sc);
-#pragma unroll
-        for (int s4 = 0; s4 < 4; s4++) {
-            u32 a[2][4];
-            rs_frag(st[k], sc, 4 * H + s4, a);
-#pragma unroll
-            for (int b = 0; b < 2; b++) st_shared_v4(dst + ((s4 * 2 + b) * R_THREADS + 128 * k) * 16, a[b]);
-        }
-    }
-    mbar_arrive_if(wb.full(slot), true);
-}
-
-// Producer: every chunk's fragments for both consumer lanes. A chunk's weights are loaded
-// before the wait for its first slot (one chunk in registers: 72 of them in all), and the
-// chunks RS_PROD_L2_AHEAD on are fetched into L2 meanwhile.
-#ifndef RS_PROD_L2_AHEAD
-#define RS_PROD_L2_AHEAD 2
-#endif
-__device__ __forceinline__ void rsp_produce(const RWeights (&wr)[2], u32 nk, u32 wring, RWBars wb) {
-    const u32 p = threadIdx.x - R_THREADS;
-    for (u32 c = 1; c < RS_PROD_L2_AHEAD && c < nk; c++) {
-        rs_prefetch_l2(wr[0], c);
-        rs_prefetch_l2(wr[1], c);
-    }
-    for (u32 c = 0; c < nk; c++) {
-        if (c + RS_PROD_L2_AHEAD < nk) {
-            rs_prefetch_l2(wr[0], c + RS_PROD_L2_AHEAD);
-            rs_prefetch_l2(wr[1], c + RS_PROD_L2_AHEAD);
-        }
-        RChunk st[2];
-        rs_load(wr[0], c, st[0]);
-        rs_load(wr[1], c, st[1]);
-        rsp_put_half<0>(st, c, wring, wb, p);
-        rsp_put_half<1>(st, c, wring, wb, p);
-    }
-}
-
-// Consumer: rs_chunk with each half chunk's fragments loaded from the weight ring (and the
-// slot freed once the MMAs that read them were issued).
-template <int N>
-__device__ __forceinline__ void rsp_chunk(u32 c, u32 nk, u32 stages, RBars bars, const void* tmap, u32 r0, u32 wring,
-                                          RWBars wb, float (&acc)[2][N / 2]) {
-    constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
-    u32 tid = threadIdx.x, slot = c % R_STAGES;
-    mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
-    u32 sb = stages + slot * R_STAGE_BYTES;
-#pragma unroll
-    for (int s = 0; s < 8; s++) {
-        const u32 n = 2 * c + s / 4, ws = n % RW_SLOTS;
-        // both half chunks' fragments waited for at the chunk's start: a wait at step 4, with
-        // MMAs in flight, made ptxas serialize every MMA of the kernel (C7513)
-        if (s == 0) {
-            mbar_wait(wb.full(ws), (n / RW_SLOTS) & 1u);
-            mbar_wait(wb.full((n + 1) % RW_SLOTS), ((n + 1) / RW_SLOTS) & 1u);
-        }
-        __syncwarp();  // every lane left the waits' spin loops: the MMAs below are `.aligned`
-        u32 a[2][4];
-        const u32 src = wring + ws * RW_SLOT_BYTES + 16 * tid;
-#pragma unroll
-        for (int b = 0; b < 2; b++) ld_shared_v4(src + ((s % 4) * 2 + b) * R_THREADS * 16, a[b]);
-        u64 db = smem_desc(sb + (s / 4) * R_HALF_BYTES) + 2 * (s % 4);
-        wgmma_fence();
-        RsMma<N>::mma(acc[0], a[0], db);
-        RsMma<N>::mma(acc[1], a[1], db);
-        wgmma_commit();
-        wgmma_wait<INFLIGHT>();
-        if (s % 4 == 3) mbar_arrive_if(wb.empty(ws), (tid & 31u) == 0);
-        if (s == INFLIGHT - 1)
-            mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
-        if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
-            u32 prev = (c - 1) % R_STAGES;
-            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
-            rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
-        }
-        __syncwarp();  // thread 0 reconverges with its warp before the next MMA (rs_chunk)
-    }
-}
-
-// rs_mainloop with a producer warpgroup: returns on the consumers only (acc as rs_mainloop
-// leaves it, the consumer warpgroups past a barrier); the producer exits once its part is done.
-template <int N, int L2_AHEAD>
-__device__ __forceinline__ void rsp_mainloop(const RWeights (&wr)[2], const void* tmap, u32 r0, u32 nk, u8* base,
-                                             float (&acc)[2][N / 2]) {
-    u32 tid = threadIdx.x;
-    u32 stages = smem_addr(base);
-    RBars bars{stages + R_OFF_BARS};
-    RWBars wb{stages + R_OFF_BARS + 16 * R_STAGES};
-    u32 wring = stages + R_STAGES * R_STAGE_BYTES;
-    if (tid == 0) {
-        for (u32 s = 0; s < R_STAGES; s++) {
-            mbar_init(bars.full(s), 1);
-            mbar_init(bars.empty(s), R_THREADS / 32);
-        }
-        for (u32 s = 0; s < RW_SLOTS; s++) {
-            mbar_init(wb.full(s), 128);
-            mbar_init(wb.empty(s), R_THREADS / 32);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
-    }
-    __syncthreads();
-    // the warpgroup's index through a shuffle, so that ptxas knows the branch is warp-uniform
-    // (in a branch on threadIdx it serializes the warpgroup MMAs: C7513)
-    if (__shfl_sync(0xFFFFFFFFu, tid / 128, 0) == RS_WG) {
-        // the producer ends here: no path of it joins the consumers' code, so that ptxas
-        // allocates each side within its own setmaxnreg budget
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(RS_PROD_REGS));
-        rsp_produce(wr, nk, wring, wb);
-        asm volatile("exit;");
-        __builtin_unreachable();
-    }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(RS_CONS_REGS));
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-    for (u32 c = 0; c < nk; c += 2) {
-        rsp_chunk<N>(c, nk, stages, bars, tmap, r0, wring, wb, acc);
-        if (c + 1 < nk) rsp_chunk<N>(c + 1, nk, stages, bars, tmap, r0, wring, wb, acc);
-    }
-    wgmma_wait<0>();
-    rs_acc_fence<N>(acc);
-    rs_consumers_sync();
-}
-#define RS_MAINLOOP(NN, L2) \
-    rsp_mainloop<NN, L2>(wr, tmap, r0, nk, base, acc); \
-    epi(acc)
-#else
-#define RS_MAINLOOP(NN, L2) \
-    rs_mainloop<NN, L2>(wr[0], tmap, r0, nk, base, acc); \
-    epi(acc)
-#endif
-
 // Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
 // ws[b]); rows past nout (within the expert) are left out (zeros).
 __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u8* const (&ws)[2],
@@ -1173,29 +973,32 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 }
 
 // One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
-// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them (on the consumer
-// warpgroups only, with RS_PRODUCER). The widths past 128 serve the wide last tiles: at 4096
-// tokens an expert gets 128 +- 11 rows. wr[0] holds the lane's weights; with RS_PRODUCER, wr[k]
-// those of lane threadIdx.x % 128 of consumer warpgroup k (the producer's two lanes).
+// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
+// 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
 template <int L2_AHEAD, bool N144, typename Epi>
-__device__ __forceinline__ void rs_tile(const RWeights (&wr)[2], const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
+__device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
-    if (!RS_PRODUCER && ntok > (N144 ? 144u : 128u)) {
+    if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
-        RS_MAINLOOP(160, L2_AHEAD);
-    } else if (!RS_PRODUCER && N144 && ntok > 128) {
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (N144 && ntok > 128) {
         float acc[2][72];
-        RS_MAINLOOP(144, L2_AHEAD);
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
     } else if (ntok > 64) {
         float acc[2][64];
-        RS_MAINLOOP(128, L2_AHEAD);
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
     } else if (ntok > 32) {
         float acc[2][32];
-        RS_MAINLOOP(64, L2_NARROW);
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
     } else {
         float acc[2][16];
-        RS_MAINLOOP(32, L2_NARROW);
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
     }
 }
 
@@ -1375,8 +1178,8 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor maps `tmap` (rs_fill) of
 // moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
-// (ceil(nout / R_DOWN_BN), M-tile bound), R_ALL_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(R_ALL_THREADS, 3 - RS_WG)
+// (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
@@ -1387,18 +1190,10 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * R_DOWN_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
     const u8* const wq[2] = {wq_t, wq_t};
     const u8* const ws[2] = {ws_t, ws_t};
-    auto weights = [&](u32 w) {
-        u32 n = blockIdx.x * R_DOWN_BN + w * 128 + warp * 16;
-        const u32 row0[2] = {n, n + 64};
-        return rs_weights(wq, ws, row0, e, nout, K);
-    };
-#if RS_PRODUCER
-    const RWeights wr[2] = {weights(0), weights(1)};
-#else
-    const RWeights wr[2] = {weights(wg), weights(wg)};
-#endif
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
@@ -1412,8 +1207,8 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
-// w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_ALL_THREADS threads, R_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(R_ALL_THREADS, 3 - RS_WG)
+// w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
@@ -1428,28 +1223,17 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * R_GU_BN, col0 = wg * 64 + warp * 16;
+    const u32 row0[2] = {n0 + col0, n0 + col0};
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
-    auto weights = [&](u32 w) {
-        const u32 row0[2] = {n0 + w * 64 + warp * 16, n0 + w * 64 + warp * 16};
-        return rs_weights(wq, ws, row0, e, nout, K);
-    };
-#if RS_PRODUCER
-    const RWeights wr[2] = {weights(0), weights(1)};
-#else
-    const RWeights wr[2] = {weights(wg), weights(wg)};
-#endif
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), sgu);
     });
-#if RS_PRODUCER
-    rs_consumers_sync();
-#else
     __syncthreads();
-#endif
     if (RS_DIAG & 2) return;
     gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
                                                           flavor, outq, outs, stats, out_f32, amax_bits);

@@ -179,10 +179,7 @@ fn sm90_rs_disabled() -> bool {
 /// `NVFP4DBG_RS_SLACK=0` (A/B runs of the bench: every tile at most BM rows, as before the
 /// wide tiles).
 fn sm90_rs_slack() -> u32 {
-    // the producer variant has no tiles wider than 128 tokens
-    if std::env::var("NVFP4DBG_RS_SLACK").is_ok_and(|v| v == "0")
-        || sm90_rs_producer_slots().is_some()
-    {
+    if std::env::var("NVFP4DBG_RS_SLACK").is_ok_and(|v| v == "0") {
         0
     } else {
         SM90_RS_SLACK as u32
@@ -195,40 +192,13 @@ fn sm90_rs_wg() -> u32 {
     super::nvrtc::tuning_define("RS_WG").map_or(SM90_RS_WG, |n| n as u32)
 }
 
-/// Slots of the weight ring with `-DRS_PRODUCER=1` in NVFP4DBG_NVRTC_DEFINES (an A/B: a third
-/// warpgroup dequantizes the weights into shared memory for the two consumer warpgroups; RW_SLOTS
-/// half chunks of 32 KB), or None.
-fn sm90_rs_producer_slots() -> Option<u32> {
-    let on = super::nvrtc::tuning_define("RS_PRODUCER").is_some_and(|n| n != 0);
-    on.then(|| super::nvrtc::tuning_define("RW_SLOTS").map_or(3, |n| n as u32))
-}
-
-/// The register-A kernels' threads a CTA: 128 a warpgroup, and the producer's.
-fn sm90_rs_threads() -> u32 {
-    128 * sm90_rs_wg()
-        + if sm90_rs_producer_slots().is_some() {
-            128
-        } else {
-            0
-        }
-}
-
-/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N`,
-/// `-DRS_WG=N` and `-DRS_PRODUCER=1` in NVFP4DBG_NVRTC_DEFINES (A/Bs) ask for.
+/// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N` and
+/// `-DRS_WG=N` in NVFP4DBG_NVRTC_DEFINES (A/Bs) ask for.
 fn sm90_rs_smem_bytes() -> u32 {
     let wg = sm90_rs_wg();
     let stages =
         super::nvrtc::tuning_define("R_STAGES").map_or(sm90_rs_stages_for(wg), |n| n as u32);
-    match sm90_rs_producer_slots() {
-        None => sm90_rs_smem_for(stages, wg),
-        Some(slots) => {
-            // R_OFF_BARS over both rings, their barriers, 1024 to align the base
-            let ring = stages * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32
-                + slots * 4 * 2 * 128 * wg * 16;
-            let epi = ((BM + SM90_RS_SLACK) * sm90_rs_epi_row_for(wg) * 4) as u32;
-            ring.max(epi) + 2 * (stages + slots) * 8 + 1024
-        }
-    }
+    sm90_rs_smem_for(stages, wg)
 }
 
 /// Can the register-A kernels run this layer: sm_90a, NVFP4 16-blocks, H and I multiples of
@@ -1139,7 +1109,7 @@ impl Nvfp4Forward {
                 m_tiles.max(1) as u32,
                 1,
             ),
-            block_dim: (sm90_rs_threads(), 1, 1),
+            block_dim: (128 * rs_wg as u32, 1, 1),
             shared_mem_bytes: sm90_rs_smem_bytes(),
         };
         let which = match self.prefill {
