@@ -485,6 +485,10 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 // stage 4.712 ms against 4.532, down 2.352 against 2.315; its K loops alone (RS_DIAG=7) 4.201
 // against 4.129: L2 serves the traffic, but the two CTAs' epilogues coincide or take the issue
 // slots the other's dequantization needs. Kept at 2.
+// A third, producer warpgroup that dequantizes the weights into shared memory for the two
+// (RS_PRODUCER, commit 8f6fb49, s24b) was 1.43x slower: the consumers keep their MMAs in flight
+// only with 216 registers, which leaves the producer 72 and one warp a scheduler for ~940 SASS
+// instructions a chunk (BENCHMARKS.md, session 24).
 #ifndef RS_WG
 #define RS_WG 2
 #endif
