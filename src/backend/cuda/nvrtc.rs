@@ -89,7 +89,14 @@ pub const MOE_DECODE: KernelModule = KernelModule {
 pub const MOE_GEMM_SM90: KernelModule = KernelModule {
     file: "kernels/moe_gemm_sm90.cu",
     source: include_str!("../../../kernels/moe_gemm_sm90.cu"),
-    kernels: &["moe_gemm_nvfp4_sm90", "moe_gemm_gate_up_nvfp4_sm90"],
+    kernels: &[
+        "moe_gemm_nvfp4_sm90",
+        "moe_gemm_gate_up_nvfp4_sm90",
+        "moe_gemm_nvfp4_sm90rs",
+        "moe_gemm_gate_up_nvfp4_sm90rs",
+        "moe_rows_bf16_rs",
+        "moe_gate_up_epilogue_rs",
+    ],
 };
 
 /// Synthetic data on the GPU and the non-finite scan, for `nvfp4dbg bench`.
