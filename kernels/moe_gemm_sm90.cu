@@ -1287,9 +1287,12 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
 
 // The gate/up epilogue of RS_GU_SPLIT: SwiGLU and the NVFP4 quantization (or, with dynamic
 // gs2, a in f32 and its amax) of the g and u that moe_gemm_gate_up_nvfp4_sm90rs stored in `gu`,
-// tile by tile as that kernel's CTAs would have run it (the same tiles and grid), with all the
-// SM's warps. 256 threads.
+// over the same tiles and grid as that kernel, with all of the SM's warps. With a fixed gs2 a
+// thread takes the tile's 16-blocks (row, 16 columns) GU_EPI_THREADS apart and copies the next
+// one's g and u into shared memory (cp.async, no registers) while it computes the current one:
+// GU_EPI_SMEM_BYTES, [stage][16-byte piece][thread].
 #define GU_EPI_THREADS 256
+#define GU_EPI_SMEM_BYTES (2 * 8 * GU_EPI_THREADS * 16 + 1024)
 #ifndef GU_EPI_MIN_BLOCKS
 #define GU_EPI_MIN_BLOCKS 2
 #endif
@@ -1301,10 +1304,59 @@ moe_gate_up_epilogue_rs(const float* __restrict__ gu, u32 nout, float limit, u32
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
-    u32 n0 = blockIdx.x * R_GU_BN;
-    RsGateUpA<false> a{gu + (size_t)r0 * (2 * nout) + n0, limit, has_limit, 2 * nout, nout};
-    gate_up_tile_epilogue_of<R_BN, R_GU_BN, GU_EPI_THREADS>(a, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                            out_f32, amax_bits);
+    const u32 n0 = blockIdx.x * R_GU_BN, pitch = 2 * nout;
+    const float* src = gu + (size_t)r0 * pitch + n0;
+    if (gs2 == nullptr) {
+        gate_up_tile_epilogue_of<R_BN, R_GU_BN, GU_EPI_THREADS>(RsGateUpA<false>{src, limit, has_limit, pitch, nout},
+                                                                r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                                out_f32, amax_bits);
+        return;
+    }
+    constexpr u32 GROUPS = R_GU_BN / 16;
+    const u32 tid = threadIdx.x, items = (r1 - r0) * GROUPS;
+    const u32 buf = smem_addr(h_smem_base());
+    // block `it` (row it / GROUPS, columns 16 (it % GROUPS) on) into stage s: g in pieces 0-3,
+    // u in 4-7; none past nout (its pieces stay unread)
+    auto fetch = [&](u32 it, u32 s) {
+        u32 c = (it % GROUPS) * 16;
+        if (it < items && n0 + c < nout) {
+            const float* p = src + (size_t)(it / GROUPS) * pitch + c;
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                cp_async16(buf + ((s * 8 + i) * GU_EPI_THREADS + tid) * 16, p + (i < 4 ? 4 * i : nout + 4 * (i - 4)),
+                           16);
+        }
+        cp_async_commit();
+    };
+    const float gsv = gs2[e];
+    u32 counts[4] = {0, 0, 0, 0};
+    fetch(tid, 0);
+    u32 s = 0;
+    for (u32 it = tid; it < items; it += GU_EPI_THREADS, s ^= 1u) {
+        fetch(it + GU_EPI_THREADS, s ^ 1u);
+        cp_async_wait<1>();  // this thread's copies of block `it` have landed (only it reads them)
+        u32 c = (it % GROUPS) * 16;
+        if (n0 + c >= nout) continue;
+        float g[16], u[16], v[16];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float4 q;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(q.x), "=f"(q.y), "=f"(q.z), "=f"(q.w)
+                         : "r"(buf + ((s * 8 + i) * GU_EPI_THREADS + tid) * 16));
+            float* d = i < 4 ? g + 4 * i : u + 4 * (i - 4);
+            d[0] = q.x, d[1] = q.y, d[2] = q.z, d[3] = q.w;
+        }
+#if RS_SWIGLU16
+        swiglu16(g, u, limit, has_limit, v);
+#else
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = swiglu(g[i], u[i], limit, has_limit);
+#endif
+        gate_up_block_out(v, gsv, flavor, outq, outs, r0 + it / GROUPS, n0 + c, nout, counts);
+    }
+    cp_async_wait<0>();
+    add_stats4(stats, counts);
 #else
     __trap();
 #endif

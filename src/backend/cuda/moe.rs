@@ -100,6 +100,7 @@ mod sm90_tests {
             u8::from(super::SM90_RS_GU_SPLIT)
         )));
         assert!(src.contains(&format!("#define GU_EPI_THREADS {}", super::GU_EPI_THREADS)));
+        assert!(src.contains("#define GU_EPI_SMEM_BYTES (2 * 8 * GU_EPI_THREADS * 16 + 1024)"));
         assert!(src.contains("#define R_EPI_ROW (2 * R_GU_BN + 4)"));
         assert!(src.contains("#define R_GU_BN (RS_WG * 64)"));
         assert_eq!(super::sm90_rs_epi_row_for(2), 260);
@@ -291,8 +292,10 @@ fn cols_per_thread(cols: usize) -> usize {
 
 /// `moe_rows_bf16_rs`'s block: its shared memory holds ROWS_RS_THREADS / 32 warps' slices.
 const ROWS_RS_THREADS: u32 = 256;
-/// `moe_gate_up_epilogue_rs`'s block (GU_EPI_THREADS).
+/// `moe_gate_up_epilogue_rs`'s block (GU_EPI_THREADS) and shared memory (GU_EPI_SMEM_BYTES: two
+/// stages of 128 bytes a thread, 1024 to align the base).
 const GU_EPI_THREADS: u32 = 256;
+const GU_EPI_SMEM_BYTES: u32 = 2 * 8 * GU_EPI_THREADS * 16 + 1024;
 /// RS_GU_SPLIT's default in kernels/moe_gemm_sm90.cu: whether the register-A gate/up GEMM
 /// leaves its SwiGLU and NVFP4 epilogue to `moe_gate_up_epilogue_rs`.
 const SM90_RS_GU_SPLIT: bool = false;
@@ -1540,7 +1543,7 @@ impl Nvfp4Forward {
                             if let Some(gu) = gu {
                                 let epi = LaunchConfig {
                                     block_dim: (GU_EPI_THREADS, 1, 1),
-                                    shared_mem_bytes: 0,
+                                    shared_mem_bytes: GU_EPI_SMEM_BYTES,
                                     ..grid
                                 };
                                 let mut args = vec![KArg::U64(gu), tail[0]];
