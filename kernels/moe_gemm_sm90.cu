@@ -589,15 +589,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU16
 #define RS_SWIGLU16 1
 #endif
-// Where the gate/up's SwiGLU and NVFP4 epilogue runs: 0 in the GEMM's CTA, on the tile staged
-// in shared memory (its tensor cores idle meanwhile: ~0.42 ms of the 4096-token layer, s22d);
-// 1 in a kernel of its own at full occupancy (moe_gate_up_epilogue_rs), the GEMM storing g and
-// u in f32 (`gu`, rows of 2 * nout: g, then u) as the down GEMM stores its outputs. The same
-// f32 g and u either way, so the same codes, scales and statistics. The host reads this
-// define (src/backend/cuda/moe.rs, rs_gu_split).
-#ifndef RS_GU_SPLIT
-#define RS_GU_SPLIT 0
-#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -1025,50 +1016,43 @@ __device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
                  : "memory");
 }
 
-// A tile's accumulators stored as f32(acc) * RS_UNSCALE * alpha_b (the register-A epilogues): m-block
-// b's rows g and g + 8 of the thread go to out + b * boff and 8 on for its first token 2 t (rows
-// of `pitch` floats), then tokens 2 t + 8 j + {0, 1} while below `left`, where live[b][half]
-// holds. One address a token row, the rest at immediate offsets from it (boff a constant),
-// each store predicated in the asm. (A plain `if` around each store made ptxas branch around
-// every one and compute each address whole, ~14 instructions a value; s22f, 3 alternating
-// rounds, with rs_stage_gate_up's the same way against its branches: the layer at 4096 tokens
-// 7.61-7.64 ms against 7.80-7.88 (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up
-// 4.21 against 4.27. That code, RS_LEAN_EPI=0, is in commit d2d997d.)
-template <int HALF_N>
-__device__ __forceinline__ void rs_store_tile(const float (&acc)[2][HALF_N], float* out, int boff, u32 pitch,
-                                              int left, const bool (&live)[2][2], float alpha0, float alpha1) {
-    constexpr int N = 2 * HALF_N;
-#pragma unroll
-    for (int j = 0; j < N / 8; j++)
-#pragma unroll
-        for (int ql = 0; ql < 2; ql++) {
-            float* p = out + (size_t)(8 * j + ql) * pitch;
-            bool tv = 8 * j + ql < left;
-#pragma unroll
-            for (int b = 0; b < 2; b++)
-#pragma unroll
-                for (int qh = 0; qh < 2; qh++)
-                    st_global_f32_if(p + b * boff + 8 * qh,
-                                     __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), b ? alpha1 : alpha0),
-                                     tv && live[b][qh]);
-        }
-}
-
-// The down projection's stores: out[token, row] = f32(acc) * RS_UNSCALE * alpha for the tile's
+// The down projection's stores: out[token, row] = f32(acc) * 2^18 * alpha for the tile's
 // tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase); m-block
 // 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
+// One address a token row, the four rows of a thread at immediate offsets from it, each store
+// predicated in the asm. (A plain `if` around each store made ptxas branch around every one and
+// compute each address whole, ~14 instructions a value; s22f, 3 alternating rounds, with
+// rs_stage_gate_up's the same way against its branches: the layer at 4096 tokens 7.61-7.64 ms against 7.80-7.88
+// (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27. That code,
+// RS_LEAN_EPI=0, is in commit d2d997d.)
 template <int HALF_N>
 __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
                                               float alpha, float* __restrict__ out) {
+    constexpr int N = 2 * HALF_N;
     u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // the thread's rows n0 + g + {0, 8, 64, 72} (m-block b, half qh: 64 b + 8 qh)
+    // the thread's rows n0 + g + {0, 8, 64, 72} (m-block b, half qh: 64 b + 8 qh) and tokens
+    // r0 + 2 t + 8 j + ql
     bool live[2][2];
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int qh = 0; qh < 2; qh++) live[b][qh] = n0 + g + 64 * b + 8 * qh < nout;
+    const int left = (int)(r1 - r0) - (int)(2 * t);  // tokens of the tile from the thread's first
     float* base = out + (size_t)(r0 + 2 * t) * nout + n0 + g;
-    rs_store_tile(acc, base, 64, nout, (int)(r1 - r0) - (int)(2 * t), live, alpha, alpha);
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int ql = 0; ql < 2; ql++) {
+            float* p = base + (size_t)(8 * j + ql) * nout;
+            bool tv = 8 * j + ql < left;
+#pragma unroll
+            for (int b = 0; b < 2; b++)
+#pragma unroll
+                for (int qh = 0; qh < 2; qh++)
+                    st_global_f32_if(p + 64 * b + 8 * qh,
+                                     __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha),
+                                     tv && live[b][qh]);
+        }
 }
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
@@ -1099,35 +1083,25 @@ __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], 
         }
 }
 
-// a = swiglu(g, u) of a gate/up tile (gate_up_tile_epilogue_of's reader): one value, or 16 of a
-// row from 16-byte loads. STAGED: the tile `sgu` that rs_stage_gate_up left in shared memory;
-// else rows of `pitch` floats in global memory from the tile's first row and column, each
-// column's u `uoff` floats after its g (rs_store_tile's with RS_GU_SPLIT).
-template <bool STAGED>
+// a = swiglu(g, u) of the staged tile `sgu` (gate_up_tile_epilogue_of's reader): one value,
+// or 16 of a row from 16-byte loads.
 struct RsGateUpA {
     const float* sgu;
     float limit;
     u32 has_limit;
-    u32 pitch, uoff;
     __device__ __forceinline__ float act(float g, float u) const {
         return (RS_DIAG & 1) ? __fmul_rn(g, u) : swiglu(g, u, limit, has_limit);
     }
-    __device__ __forceinline__ const float* at(u32 r, u32 c) const {
-        return STAGED ? sgu + r * R_EPI_ROW + rs_gu_col(c) : sgu + (size_t)r * pitch + c;
-    }
-    __device__ __forceinline__ float4 load4(const float* p) const {
-        return STAGED ? *reinterpret_cast<const float4*>(p) : __ldg(reinterpret_cast<const float4*>(p));
-    }
     __device__ __forceinline__ float operator()(u32 r, u32 c) const {
-        const float* p = at(r, c);
-        return act(p[0], p[STAGED ? R_GU_BN : uoff]);
+        const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c);
+        return act(p[0], p[R_GU_BN]);
     }
     __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
         float g[16], u[16];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const float* p = at(r, c0 + 4 * i);
-            float4 g4 = load4(p), u4 = load4(p + (STAGED ? R_GU_BN : uoff));
+            const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c0 + 4 * i);
+            float4 g4 = *reinterpret_cast<const float4*>(p), u4 = *reinterpret_cast<const float4*>(p + R_GU_BN);
             g[4 * i] = g4.x, g[4 * i + 1] = g4.y, g[4 * i + 2] = g4.z, g[4 * i + 3] = g4.w;
             u[4 * i] = u4.x, u[4 * i + 1] = u4.y, u[4 * i + 2] = u4.z, u[4 * i + 3] = u4.w;
         }
@@ -1238,8 +1212,6 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
 // w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
-// With RS_GU_SPLIT the tile's g and u go to `gu` instead (rows of 2 * nout) and
-// moe_gate_up_epilogue_rs runs the epilogue.
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
@@ -1248,7 +1220,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               u32 has_limit, const u32* __restrict__ tile_offsets,
                               const u32* __restrict__ expert_offsets, u32 E, const float* __restrict__ gs2,
                               u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,
-                              float* __restrict__ out_f32, u32* __restrict__ amax_bits, float* __restrict__ gu) {
+                              float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
@@ -1259,16 +1231,6 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     const u8* const wq[2] = {w1q_t, w3q_t};
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
-#if RS_GU_SPLIT
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
-        float g_in = rcp_ref(gs1[e]);
-        u32 g = threadIdx.x % 32 / 4, t = threadIdx.x % 4, col = n0 + col0 + g;
-        const bool live[2][2] = {{col < nout, col + 8 < nout}, {col < nout, col + 8 < nout}};
-        float* out = gu + (size_t)(r0 + 2 * t) * (2 * nout) + col;
-        rs_store_tile(acc, out, (int)nout, 2 * nout, (int)(r1 - r0) - (int)(2 * t), live,
-                      __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]));
-    });
-#else
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
     rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
@@ -1277,86 +1239,8 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     });
     __syncthreads();
     if (RS_DIAG & 2) return;
-    gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA<true>{sgu, limit, has_limit, 0, 0}, r0, r1, n0,
-                                                          nout, e, gs2, flavor, outq, outs, stats, out_f32, amax_bits);
-#endif
-#else
-    __trap();
-#endif
-}
-
-// The gate/up epilogue of RS_GU_SPLIT: SwiGLU and the NVFP4 quantization (or, with dynamic
-// gs2, a in f32 and its amax) of the g and u that moe_gemm_gate_up_nvfp4_sm90rs stored in `gu`,
-// over the same tiles and grid as that kernel, with all of the SM's warps. With a fixed gs2 a
-// thread takes the tile's 16-blocks (row, 16 columns) GU_EPI_THREADS apart and copies the next
-// one's g and u into shared memory (cp.async, no registers) while it computes the current one:
-// GU_EPI_SMEM_BYTES, [stage][16-byte piece][thread].
-#define GU_EPI_THREADS 256
-#define GU_EPI_SMEM_BYTES (2 * 8 * GU_EPI_THREADS * 16 + 1024)
-#ifndef GU_EPI_MIN_BLOCKS
-#define GU_EPI_MIN_BLOCKS 2
-#endif
-extern "C" __global__ void __launch_bounds__(GU_EPI_THREADS, GU_EPI_MIN_BLOCKS)
-moe_gate_up_epilogue_rs(const float* __restrict__ gu, u32 nout, float limit, u32 has_limit,
-                        const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-                        const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs,
-                        u64* __restrict__ stats, float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
-#if NVFP4DBG_WGMMA
-    u32 e, r0, r1;
-    if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
-    const u32 n0 = blockIdx.x * R_GU_BN, pitch = 2 * nout;
-    const float* src = gu + (size_t)r0 * pitch + n0;
-    if (gs2 == nullptr) {
-        gate_up_tile_epilogue_of<R_BN, R_GU_BN, GU_EPI_THREADS>(RsGateUpA<false>{src, limit, has_limit, pitch, nout},
-                                                                r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                                out_f32, amax_bits);
-        return;
-    }
-    constexpr u32 GROUPS = R_GU_BN / 16;
-    const u32 tid = threadIdx.x, items = (r1 - r0) * GROUPS;
-    const u32 buf = smem_addr(h_smem_base());
-    // block `it` (row it / GROUPS, columns 16 (it % GROUPS) on) into stage s: g in pieces 0-3,
-    // u in 4-7; none past nout (its pieces stay unread)
-    auto fetch = [&](u32 it, u32 s) {
-        u32 c = (it % GROUPS) * 16;
-        if (it < items && n0 + c < nout) {
-            const float* p = src + (size_t)(it / GROUPS) * pitch + c;
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                cp_async16(buf + ((s * 8 + i) * GU_EPI_THREADS + tid) * 16, p + (i < 4 ? 4 * i : nout + 4 * (i - 4)),
-                           16);
-        }
-        cp_async_commit();
-    };
-    const float gsv = gs2[e];
-    u32 counts[4] = {0, 0, 0, 0};
-    fetch(tid, 0);
-    u32 s = 0;
-    for (u32 it = tid; it < items; it += GU_EPI_THREADS, s ^= 1u) {
-        fetch(it + GU_EPI_THREADS, s ^ 1u);
-        cp_async_wait<1>();  // this thread's copies of block `it` have landed (only it reads them)
-        u32 c = (it % GROUPS) * 16;
-        if (n0 + c >= nout) continue;
-        float g[16], u[16], v[16];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float4 q;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(q.x), "=f"(q.y), "=f"(q.z), "=f"(q.w)
-                         : "r"(buf + ((s * 8 + i) * GU_EPI_THREADS + tid) * 16));
-            float* d = i < 4 ? g + 4 * i : u + 4 * (i - 4);
-            d[0] = q.x, d[1] = q.y, d[2] = q.z, d[3] = q.w;
-        }
-#if RS_SWIGLU16
-        swiglu16(g, u, limit, has_limit, v);
-#else
-#pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = swiglu(g[i], u[i], limit, has_limit);
-#endif
-        gate_up_block_out(v, gsv, flavor, outq, outs, r0 + it / GROUPS, n0 + c, nout, counts);
-    }
-    cp_async_wait<0>();
-    add_stats4(stats, counts);
+    gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
+                                                          flavor, outq, outs, stats, out_f32, amax_bits);
 #else
     __trap();
 #endif

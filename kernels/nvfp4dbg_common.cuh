@@ -328,26 +328,6 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
     add_stats4(stats, c);
 }
 
-// One 16-block of a = swiglu(g, u), `v`, at (row, col) of the [rows, nout] output quantized to
-// NVFP4 with gs `gsv` (codes into outq, the E4M3 scale into outs) and counted into `counts`
-// (blocks, then the classify_nvfp4 bits): the gate/up epilogues' step with a fixed gs2.
-__device__ __forceinline__ void gate_up_block_out(const float (&v)[16], float gsv, u32 flavor, u8* __restrict__ outq,
-                                                  u8* __restrict__ outs, u32 row, u32 col, u32 nout,
-                                                  u32 (&counts)[4]) {
-    u32 p[2];
-    u32 s = quant_block_nvfp4(v, gsv, flavor, p);
-    *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
-    outs[(size_t)row * (nout / 16) + col / 16] = (u8)s;
-    float vmax = 0.0f;
-#pragma unroll
-    for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
-    u32 c = classify_nvfp4(s, vmax > 0.0f);
-    counts[0] += 1;
-    counts[1] += c & 1u;
-    counts[2] += (c >> 1) & 1u;
-    counts[3] += (c >> 2) & 1u;
-}
-
 // The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
 // block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
 // a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
@@ -364,6 +344,7 @@ __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u3
     if (gs2 != nullptr) {
         // fixed gs2: quantize each (row, 16-column group) of the tile
         float gsv = gs2[e];
+        u32 kb = nout / 16;
         u32 counts[4] = {0, 0, 0, 0};
         for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
             u32 r = idx / (BN_ / 16), g = idx % (BN_ / 16);
@@ -371,7 +352,18 @@ __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u3
             if (row < r1 && col < nout) {
                 float v[16];
                 a.block16(r, g * 16, v);
-                gate_up_block_out(v, gsv, flavor, outq, outs, row, col, nout, counts);
+                u32 p[2];
+                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
+                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
+                outs[(size_t)row * kb + col / 16] = (u8)s;
+                float vmax = 0.0f;
+#pragma unroll
+                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
+                u32 c = classify_nvfp4(s, vmax > 0.0f);
+                counts[0] += 1;
+                counts[1] += c & 1u;
+                counts[2] += (c >> 1) & 1u;
+                counts[3] += (c >> 2) & 1u;
             }
         }
         add_stats4(stats, counts);

@@ -165,22 +165,15 @@ fn the_register_a_prefill_keeps_its_mmas_in_flight() {
         return;
     }
     let nvdisasm = nvdisasm_path();
-    // the gate/up's epilogue in its CTA and in a kernel of its own (RS_GU_SPLIT)
-    for defines in [&["-DRS_GU_SPLIT=0"][..], &["-DRS_GU_SPLIT=1"]] {
-        let (cubin, _) = nvrtc::compile_cubin_with(&nvrtc::MOE_GEMM_SM90, "sm_90a", defines)
-            .unwrap_or_else(|e| panic!("{defines:?}: {e}"));
-        assert_mmas_in_flight(&nvdisasm, &cubin, defines);
-    }
-}
-
-fn assert_mmas_in_flight(nvdisasm: &str, cubin: &[u8], defines: &[&str]) {
+    let cubin =
+        nvrtc::compile_cubin(&nvrtc::MOE_GEMM_SM90, "sm_90a").unwrap_or_else(|e| panic!("{e}"));
     // per tile width: 2 chunks x 8 k16 steps x 2 m-blocks, one wait per step
     let steps = 2 * 8;
     for (kernel, widths, wide) in [
         ("moe_gemm_nvfp4_sm90rs", 4, 1),
         ("moe_gemm_gate_up_nvfp4_sm90rs", 5, 2),
     ] {
-        let sass = sass_of(nvdisasm, cubin, kernel);
+        let sass = sass_of(&nvdisasm, &cubin, kernel);
         let mmas = sass.matches("HGMMA").count();
         // the groups a wait leaves in flight: the immediate after `gsb0, `
         let waits = |n: &str| {
@@ -191,7 +184,7 @@ fn assert_mmas_in_flight(nvdisasm: &str, cubin: &[u8], defines: &[&str]) {
         };
         let (drained, one, two) = (waits("0x0"), waits("0x1"), waits("0x2"));
         eprintln!(
-            "{kernel} {defines:?}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}"
+            "{kernel}: {mmas} HGMMA, waits to 2 / 1 / 0 in flight: {two} / {one} / {drained}"
         );
         assert_eq!(mmas, widths * steps * 2, "{kernel}: HGMMA count");
         assert!(
@@ -280,7 +273,6 @@ const SM90_VARIANT: &[&str] = &[
     "-DR_STAGES=5",
     "-DRS_WG=1",
     "-DEXPF_CR_BITS=0",
-    "-DRS_GU_SPLIT=1",
 ];
 
 #[test]

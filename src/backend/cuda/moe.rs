@@ -95,12 +95,6 @@ mod sm90_tests {
             "R_STAGES differs from sm90_rs_stages_for"
         );
         assert!(src.contains(&format!("#define RS_WG {wg}")));
-        assert!(src.contains(&format!(
-            "#define RS_GU_SPLIT {}",
-            u8::from(super::SM90_RS_GU_SPLIT)
-        )));
-        assert!(src.contains(&format!("#define GU_EPI_THREADS {}", super::GU_EPI_THREADS)));
-        assert!(src.contains("#define GU_EPI_SMEM_BYTES (2 * 8 * GU_EPI_THREADS * 16 + 1024)"));
         assert!(src.contains("#define R_EPI_ROW (2 * R_GU_BN + 4)"));
         assert!(src.contains("#define R_GU_BN (RS_WG * 64)"));
         assert_eq!(super::sm90_rs_epi_row_for(2), 260);
@@ -226,9 +220,6 @@ struct RsTokens {
     /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
     /// rows, then down in the same two
     maps: CudaSlice<u64>,
-    /// RS_GU_SPLIT's g and u (`[N, 2 I]` f32) where the expert outputs' buffer (`[N, H]`, free
-    /// until the down GEMM) is too small for them: 2 I > H
-    gu: Option<CudaSlice<f32>>,
 }
 
 impl RsTokens {
@@ -246,15 +237,9 @@ impl RsTokens {
                 maps.extend(tma::bf16_rows_swizzle128(ptr, rows, k, box_rows)?);
             }
         }
-        let gu = if rs_gu_split() && 2 * i > h {
-            Some(gpu.alloc::<f32>(n.max(1) * 2 * i, "the gate/up GEMM's g and u (f32)")?)
-        } else {
-            None
-        };
         Ok(RsTokens {
             bf16,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
-            gu,
         })
     }
 }
@@ -292,20 +277,6 @@ fn cols_per_thread(cols: usize) -> usize {
 
 /// `moe_rows_bf16_rs`'s block: its shared memory holds ROWS_RS_THREADS / 32 warps' slices.
 const ROWS_RS_THREADS: u32 = 256;
-/// `moe_gate_up_epilogue_rs`'s block (GU_EPI_THREADS) and shared memory (GU_EPI_SMEM_BYTES: two
-/// stages of 128 bytes a thread, 1024 to align the base).
-const GU_EPI_THREADS: u32 = 256;
-const GU_EPI_SMEM_BYTES: u32 = 2 * 8 * GU_EPI_THREADS * 16 + 1024;
-/// RS_GU_SPLIT's default in kernels/moe_gemm_sm90.cu: whether the register-A gate/up GEMM
-/// leaves its SwiGLU and NVFP4 epilogue to `moe_gate_up_epilogue_rs`.
-const SM90_RS_GU_SPLIT: bool = false;
-
-/// RS_GU_SPLIT as the kernels are built (`-DRS_GU_SPLIT=0|1` in NVFP4DBG_NVRTC_DEFINES for an
-/// A/B): the gate/up GEMM stores g and u in f32 (into the expert outputs' buffer, which the
-/// down GEMM overwrites) and a kernel of its own runs the epilogue.
-fn rs_gu_split() -> bool {
-    super::nvrtc::tuning_define("RS_GU_SPLIT").map_or(SM90_RS_GU_SPLIT, |n| n != 0)
-}
 
 fn bf16_bits(v: &[f32]) -> Vec<u16> {
     v.iter()
@@ -1197,23 +1168,6 @@ impl Nvfp4Forward {
         Ok(gpu.ptr(&rs.maps) + if down { 256 } else { 0 })
     }
 
-    /// Where the register-A gate/up GEMM stores g and u with RS_GU_SPLIT (`[N, 2 I]` f32):
-    /// the expert outputs' buffer when it holds them (the down GEMM overwrites it), else a
-    /// buffer of its own; None when the GEMM runs the epilogue itself.
-    fn rs_gu_scratch(&self) -> Result<Option<u64>> {
-        if !rs_gu_split() {
-            return Ok(None);
-        }
-        let rs = self
-            .rs
-            .as_ref()
-            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
-        Ok(Some(match &rs.gu {
-            Some(gu) => self.gpu().ptr(gu),
-            None => self.gpu().ptr(&self.ws.y),
-        }))
-    }
-
     /// Which prefill GEMM kernels this forward launches (tests compare them).
     pub fn set_prefill_gemm(&mut self, which: PrefillGemm) -> Result<()> {
         let nvfp4_16 = self.layer.nvfp4.as_ref().is_some_and(|x| x.wblock == 16);
@@ -1534,22 +1488,10 @@ impl Nvfp4Forward {
                         PrefillLaunch::Rs(kernel, grid) => {
                             let map = self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), h)?;
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
-                            let gu = self.rs_gu_scratch()?;
                             let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
-                            args.push(KArg::U64(gu.unwrap_or(0)));
                             gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
-                            if let Some(gu) = gu {
-                                let epi = LaunchConfig {
-                                    block_dim: (GU_EPI_THREADS, 1, 1),
-                                    shared_mem_bytes: GU_EPI_SMEM_BYTES,
-                                    ..grid
-                                };
-                                let mut args = vec![KArg::U64(gu), tail[0]];
-                                args.extend_from_slice(&tail[4..]);
-                                gpu.launch(&MOE_GEMM_SM90, "moe_gate_up_epilogue_rs", epi, &args)?;
-                            }
                         }
                     }
                 }
