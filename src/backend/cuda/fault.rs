@@ -175,6 +175,11 @@ mod tests {
             Ok(Fault::Hang(Some("moe_combine".into())))
         );
         assert_eq!(Fault::parse("hang"), Ok(Fault::Hang(None)));
+        // the register-A prefill GEMMs (the layer's prefill kernels on an H200) are targets too
+        assert_eq!(
+            Fault::parse("hang:moe_gemm_gate_up_nvfp4_sm90rs"),
+            Ok(Fault::Hang(Some("moe_gemm_gate_up_nvfp4_sm90rs".into())))
+        );
         let e = Fault::parse("hang:moe_combin").unwrap_err();
         assert!(e.contains("no kernel `moe_combin`"), "{e}");
         let e = Fault::parse("illegal_address").unwrap_err();
