@@ -20,6 +20,38 @@ run_tests() {
     done
 }
 
+# variant_tests NAME VAR=v TEST...: the GPU tests under a variant's environment (a kernel knob
+# through NVFP4DBG_NVRTC_DEFINES), into $R/NAME-TEST.txt; true when every one passed.
+variant_tests() {
+    local name=$1 env=$2 t ok=0; shift 2
+    for t in "$@"; do
+        env $env timeout 150 .dev/gpu/$t --ignored --nocapture --test-threads 1 > $R/$name-$t.txt 2>&1
+        stamp "$name $t rc=$?: $(grep -E '^test result' $R/$name-$t.txt | tail -1)"
+        grep -E "panicked" -A3 $R/$name-$t.txt | head -10
+        grep -q "test result: ok" $R/$name-$t.txt || ok=1
+        pack
+    done
+    return $ok
+}
+
+# same_outputs NAME VAR=v: `layertest --device cuda` (512 tokens: the prefill kernels) under the
+# variant's environment and without it, calibrated and dynamic gs, its saved outputs compared
+# byte for byte (for a knob that must not change a bit).
+same_outputs() {
+    local name=$1 env=$2 gs v e
+    for gs in calibrated dynamic; do
+        for v in default $name; do
+            e=$([ $v = $name ] && echo "$env" || echo "NVFP4DBG_NVRTC_DEFINES=")
+            env $e timeout 120 .dev/gpu/nvfp4dbg layertest --device cuda --tokens 512 --gs $gs \
+                --save-outputs $R/lt-$v-$gs.safetensors > $R/lt-$v-$gs.txt 2>&1
+            stamp "layertest $v $gs rc=$?"
+        done
+        cmp $R/lt-default-$gs.safetensors $R/lt-$name-$gs.safetensors &&
+            stamp "layertest $gs: $name and default outputs bit for bit the same"
+    done
+    pack
+}
+
 # ab_rounds ROUNDS ONLY "name|VAR=v,VAR=v ...": `nvfp4dbg bench --quick --only ONLY` under
 # each variant's environment, the variants alternating within each round, then the medians
 # (bench/ab_summary.py). A `~` in a value is a space (two defines: -DA=1~-DB=2).
