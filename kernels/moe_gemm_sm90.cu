@@ -589,6 +589,12 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU16
 #define RS_SWIGLU16 1
 #endif
+// With a fixed gs2: 1 (default) the SwiGLU and the NVFP4 block together (swiglu_nvfp4_16:
+// fast values, the exact ones only where a scale or code could differ), 0 the exact SwiGLU of
+// every value (RS_SWIGLU16's) then the block.
+#ifndef RS_SWIGLU_NVFP4
+#define RS_SWIGLU_NVFP4 1
+#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -1057,7 +1063,7 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
 // The 4-float pieces of each 16-output group are permuted by the group's index / 2, so that the
-// 8 lanes of a 16-byte load phase (8 groups of one row, RsGateUpA::block16) hit 32 banks.
+// 8 lanes of a 16-byte load phase (8 groups of one row, RsGateUpA::quant16) hit 32 banks.
 __device__ __forceinline__ u32 rs_gu_col(u32 c) {
     return (c & ~15u) | (((c >> 2) & 3u) ^ ((c >> 5) & 3u)) << 2 | (c & 3u);
 }
@@ -1084,7 +1090,7 @@ __device__ __forceinline__ void rs_stage_gate_up(const float (&acc)[2][HALF_N], 
 }
 
 // a = swiglu(g, u) of the staged tile `sgu` (gate_up_tile_epilogue_of's reader): one value,
-// or 16 of a row from 16-byte loads.
+// or the NVFP4 block of 16 of a row, from 16-byte loads.
 struct RsGateUpA {
     const float* sgu;
     float limit;
@@ -1096,8 +1102,9 @@ struct RsGateUpA {
         const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c);
         return act(p[0], p[R_GU_BN]);
     }
-    __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
-        float g[16], u[16];
+    __device__ __forceinline__ u32 quant16(u32 r, u32 c0, float gs, float rgs, u32 flavor, u32 (&packed)[2],
+                                           bool& nonzero) const {
+        float g[16], u[16], v[16];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const float* p = sgu + r * R_EPI_ROW + rs_gu_col(c0 + 4 * i);
@@ -1105,14 +1112,22 @@ struct RsGateUpA {
             g[4 * i] = g4.x, g[4 * i + 1] = g4.y, g[4 * i + 2] = g4.z, g[4 * i + 3] = g4.w;
             u[4 * i] = u4.x, u[4 * i + 1] = u4.y, u[4 * i + 2] = u4.z, u[4 * i + 3] = u4.w;
         }
-#if RS_SWIGLU16
         if (!(RS_DIAG & 1)) {
+#if RS_SWIGLU_NVFP4
+            return swiglu_nvfp4_16(g, u, limit, has_limit, gs, rgs, flavor, packed, nonzero);
+#elif RS_SWIGLU16
             swiglu16(g, u, limit, has_limit, v);
-            return;
-        }
-#endif
+#else
 #pragma unroll
-        for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
+            for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
+#endif
+        } else {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
+        }
+        u32 mbits = amax_bits16(v);
+        nonzero = __uint_as_float(mbits) > 0.0f;
+        return quant_block_nvfp4_core(v, mbits, gs, rgs, flavor, packed);
     }
 };
 

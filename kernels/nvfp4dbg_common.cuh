@@ -331,8 +331,9 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
 // The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
 // block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
 // a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
-// time as a.block16(r, c0, v): with a fixed gs2, each (row, 16 columns) of the tile quantized
-// to NVFP4 with gs2[e] and its block statistics counted; with dynamic gs2 (nullptr), `a`
+// time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
+// gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
+// statistics counted; with dynamic gs2 (nullptr), `a`
 // written in f32 and |a| folded into amax_bits[e]. Rows past r1 and columns past nout are
 // skipped.
 template <int BM_, int BN_, int THREADS_, typename A>
@@ -343,23 +344,19 @@ __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u3
                                                          u32* __restrict__ amax_bits) {
     if (gs2 != nullptr) {
         // fixed gs2: quantize each (row, 16-column group) of the tile
-        float gsv = gs2[e];
+        float gsv = gs2[e], rgs = nvfp4_rgs(gsv, flavor);
         u32 kb = nout / 16;
         u32 counts[4] = {0, 0, 0, 0};
         for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
             u32 r = idx / (BN_ / 16), g = idx % (BN_ / 16);
             u32 row = r0 + r, col = n0 + g * 16;
             if (row < r1 && col < nout) {
-                float v[16];
-                a.block16(r, g * 16, v);
                 u32 p[2];
-                u32 s = quant_block_nvfp4(v, gsv, flavor, p);
+                bool nonzero;
+                u32 s = a.quant16(r, g * 16, gsv, rgs, flavor, p, nonzero);
                 *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
                 outs[(size_t)row * kb + col / 16] = (u8)s;
-                float vmax = 0.0f;
-#pragma unroll
-                for (int x = 0; x < 16; x++) vmax = amax_step(vmax, v[x]);
-                u32 c = classify_nvfp4(s, vmax > 0.0f);
+                u32 c = classify_nvfp4(s, nonzero);
                 counts[0] += 1;
                 counts[1] += c & 1u;
                 counts[2] += (c >> 1) & 1u;
@@ -391,9 +388,16 @@ struct TileA {
     const float* sa;
     int SA;
     __device__ __forceinline__ float operator()(u32 r, u32 c) const { return sa[r * SA + c]; }
-    __device__ __forceinline__ void block16(u32 r, u32 c0, float (&v)[16]) const {
+    // The NVFP4 block of a(r, c0 .. c0 + 15): E4M3 scale code, packed codes, any value nonzero.
+    __device__ __forceinline__ u32 quant16(u32 r, u32 c0, float gs, float rgs, u32 flavor, u32 (&packed)[2],
+                                           bool& nonzero) const {
+        float v[16], vmax;
 #pragma unroll
         for (int x = 0; x < 16; x++) v[x] = sa[r * SA + c0 + x];
+        u32 mbits = amax_bits16(v);
+        vmax = __uint_as_float(mbits);
+        nonzero = vmax > 0.0f;
+        return quant_block_nvfp4_core(v, mbits, gs, rgs, flavor, packed);
     }
 };
 template <int BM_, int BN_, int THREADS_>
@@ -549,6 +553,106 @@ __device__ __forceinline__ void swiglu16(float (&g)[16], float (&u)[16], float l
 #pragma unroll
     for (int i = 0; i < 16; i++) v[i] = silu_times(g[i], expf_cr(-g[i]), u[i]);
 #endif
+}
+
+// ---- SwiGLU and its NVFP4 block together, the exact values only where they can matter ----
+// The gate/up epilogue needs a = swiglu(g, u) only through its NVFP4 block: the E4M3 scale of
+// max|a| and each value's E2M1 code (with a fixed gs2; the dynamic flavor writes `a` itself
+// and keeps swiglu16). Both are monotone in |a|: the scale through rounded multiplies by
+// constants and one E4M3 rounding, a code through |a| * out_scale and one E2M1 rounding. So
+// swiglu_nvfp4_16 computes `a` fast (exp by ex2.approx, 1 / (1 + e) by rcp.approx and a
+// Newton step: ~10 instructions where the correctly rounded exp and the IEEE division take
+// ~50), and takes it as exact where every value within SWQ_BRACKET of it (relative) gives
+// the same scale or code; elsewhere it computes that value exactly (swiglu's own code) and
+// uses it. The bracket holds the exact `a`: silu_fast is within 2^-17 of the reference chain
+// g / (1 + expf_cr(-g)) on every f32 gate with 2^-60 <= |g| <= 64 (tools/checks/
+// swiglu_nvfp4.cu measures it on the GPU it runs on), the product by u adds two roundings
+// (2^-23), and the bracket is 2^-15. A block with a value outside that domain (|g| > 64, |u| >
+// 2^100, |a| outside [2^-100, 2^100] unless g or u is 0, NaN, infinities), or whose scale the
+// bracket leaves in doubt, is computed exactly, every value. A code is
+// taken only where |a| * out_scale is at least 2^-15 (relative) from every E2M1 rounding
+// boundary (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5: at most two fraction bits, so one test on
+// the low 21 fraction bits finds them all, with the representable values between as harmless
+// extra hits), or below 0.125 (code 0 either way). Bit for bit swiglu16 then
+// quant_block_nvfp4 (tools/checks/swiglu_nvfp4.cu, every f32 gate in blocks).
+#define SWQ_BRACKET 0x1p-15f
+#define SWQ_NEAR 512u  // ulps of |a| * out_scale: 512 2^-24 relative at the least = 2^-15
+
+__device__ __forceinline__ float ex2_approx_ftz(float y) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    return r;
+}
+
+// silu(g) = g / (1 + exp(-g)) within 2^-17 of the reference chain for 2^-60 <= |g| <= 64.
+__device__ __forceinline__ float silu_fast(float g) {
+    float d = __fadd_rn(1.0f, ex2_approx_ftz(__fmul_rn(g, -1.44269504088896341f)));
+    float r = rcp_approx_ftz(d);
+    r = __fmaf_rn(r, __fmaf_rn(-d, r, 1.0f), r);
+    return __fmul_rn(g, r);
+}
+
+// A fast value that the bracket covers: its gate and up in silu_fast's domain, and `a`
+// either an exact zero (g or u zero: the sign is that of g * u both ways) or normal and far
+// from overflow.
+__device__ __forceinline__ bool swq_in_domain(float g, float u, float a) {
+    float ag = fabsf(g), au = fabsf(u), aa = fabsf(a);
+    bool zero = ag == 0.0f || au == 0.0f;
+    return ag <= 64.0f && au <= 0x1p100f && (zero || (ag >= 0x1p-60f && aa >= 0x1p-100f && aa <= 0x1p100f));
+}
+
+// |x| * out_scale within SWQ_NEAR ulps of a value with at most two fraction bits (and at
+// least 0.125): an E2M1 rounding boundary may lie between the fast and the exact value.
+__device__ __forceinline__ bool swq_near_boundary(float x, float out_scale) {
+    u32 pb = __float_as_uint(__fmul_rn(x, out_scale)) & 0x7FFFFFFFu;
+    return pb >= 0x3E000000u && ((pb + SWQ_NEAR) & 0x1FFFFFu) < 2 * SWQ_NEAR;
+}
+
+// The NVFP4 block of a = swiglu(g, u) for 16 values with a fixed global scale: the E4M3
+// scale code (returned), the packed codes (element 2i in the low nibble of byte i) and
+// whether any value is nonzero (BlockStats' flush test). g and u are clamped in place where
+// has_limit. The same bits as swiglu16 then quant_block_nvfp4_vmax (above).
+__device__ __forceinline__ u32 swiglu_nvfp4_16(float (&g)[16], float (&u)[16], float limit, u32 has_limit, float gs,
+                                               float rgs, u32 flavor, u32 (&packed)[2], bool& nonzero) {
+    if (has_limit) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) swiglu_clamp(g[i], u[i], limit);
+    }
+    float v[16];
+    bool outside = false;  // a value outside the fast domain
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        v[i] = __fmul_rn(silu_fast(g[i]), u[i]);
+        outside |= !swq_in_domain(g[i], u[i], v[i]);
+    }
+    // the scale, from both ends of max|a|'s bracket; in doubt (or outside), every value exactly
+    u32 mbits = amax_bits16(v), s = 0, redo = 0xFFFFu;
+    float vmax = __uint_as_float(mbits), os = 0.0f;
+    if (!outside) {
+        float os_lo;
+        u32 s_lo = nvfp4_block_scale(__float_as_uint(__fmul_rd(vmax, 1.0f - SWQ_BRACKET)), gs, rgs, flavor, os_lo);
+        s = nvfp4_block_scale(__float_as_uint(__fmul_ru(vmax, 1.0f + SWQ_BRACKET)), gs, rgs, flavor, os);
+        if (s == s_lo && fabsf(os) <= 3.402823466e38f) {
+            // the values whose code is in doubt
+            redo = 0;
+#pragma unroll
+            for (int i = 0; i < 16; i++) redo |= (u32)swq_near_boundary(v[i], os) << i;
+        }
+    }
+    if (redo) {
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            if (redo >> i & 1u) v[i] = silu_times(g[i], expf_cr(-g[i]), u[i]);
+        if (redo == 0xFFFFu) {
+            mbits = amax_bits16(v);
+            s = nvfp4_block_scale(mbits, gs, rgs, flavor, os);
+        }
+    }
+    bool fast = nvfp4_fast_path(mbits, os);
+    packed[0] = nvfp4_word(v, os, fast);
+    packed[1] = nvfp4_word(v + 8, os, fast);
+    nonzero = __uint_as_float(mbits) > 0.0f;
+    return s;
 }
 
 // Weight codes are read once: no L1 allocation. No L2 prefetch and no 256-byte L2 fetch hint

@@ -7,7 +7,10 @@
 //! - `e4m3_hw_encode.cu`: the hardware E4M3 conversion against the reference encoder on every
 //!   non-NaN f32 <= 448;
 //! - `swiglu16.cu`: `swiglu16` (the register-A gate/up epilogue's SwiGLU, 16 at a time)
-//!   against `swiglu` value by value, every f32 as the gate, with and without swiglu_limit.
+//!   against `swiglu` value by value, every f32 as the gate, with and without swiglu_limit;
+//! - `swiglu_nvfp4.cu`: `swiglu_nvfp4_16` (that epilogue's SwiGLU and NVFP4 block together,
+//!   fast values where no scale or code can change) against `swiglu16` then the block, every
+//!   f32 as a gate in blocks of 16, and its error bound on every gate of its domain.
 //!
 //! The sources are embedded (the GPU machine runs this binary without the repo); nvcc comes
 //! from `NVCC`, /usr/local/cuda/bin or the PATH. Without nvcc or a GPU the test fails.
@@ -38,6 +41,10 @@ const CHECKS: &[(&str, &str)] = &[
         include_str!("../tools/checks/e4m3_hw_encode.cu"),
     ),
     ("swiglu16", include_str!("../tools/checks/swiglu16.cu")),
+    (
+        "swiglu_nvfp4",
+        include_str!("../tools/checks/swiglu_nvfp4.cu"),
+    ),
 ];
 
 #[test]

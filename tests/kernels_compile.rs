@@ -270,6 +270,7 @@ const SM90_VARIANT: &[&str] = &[
     "-DRS_L2_AHEAD_GATE_UP=4",
     "-DRS_L2_AHEAD_NARROW=-1",
     "-DRS_SWIGLU16=0",
+    "-DRS_SWIGLU_NVFP4=0",
     "-DR_STAGES=5",
     "-DRS_WG=1",
     "-DEXPF_CR_BITS=0",
