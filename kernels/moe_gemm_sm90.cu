@@ -595,14 +595,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU_NVFP4
 #define RS_SWIGLU_NVFP4 1
 #endif
-// Column blocks (R_DOWN_BN weight rows each) per down-projection CTA, one after another on the
-// same token tile (rs_mainloop): the next block's first weights and token chunks load while
-// this one's last MMAs and stores run, and the CTA's set-up is paid once. moe.rs sizes the grid
-// by the same rule (an odd K / R_BK runs one block a CTA).
-#ifndef RS_COLS_DOWN
-#define RS_COLS_DOWN 1
-#endif
-__device__ __forceinline__ u32 rs_down_cols(u32 nk) { return (nk & 1u) ? 1u : (u32)RS_COLS_DOWN; }
 
 #if NVFP4DBG_WGMMA
 
@@ -805,23 +797,22 @@ struct RBars {
     __device__ __forceinline__ u32 empty(u32 s) const { return base + 8 * (R_STAGES + s); }
 };
 
-// Thread 0: K chunk kc of the tile's tokens (rows r0 .. r0 + N - 1) into the stage of ring
-// chunk g (the tile's chunks counted on across its column blocks: g % nk = kc). `tmap` holds
+// Thread 0: chunk c of the tile's tokens (rows r0 .. r0 + N - 1) into its stage. `tmap` holds
 // two tensor maps of the same tokens: boxes of 128 rows, then (128 bytes on) boxes of 32 rows;
 // each 64-wide half of the chunk takes N / 128 big boxes and then ceil((N % 128) / 32) small
 // ones (R_BN rows of 128 bytes a half, so N = 144 loads 16 rows it does not use; boxes start
 // at 1024-byte steps, so the swizzle composes).
 // Small boxes only (8 for 128 rows) measured 3-4% slower than one big box (s9a).
 template <int N>
-__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 g, u32 kc, u32 r0) {
+__device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars, u32 c, u32 r0) {
     constexpr int BIG = N / 128, SMALL = (N % 128 + R_BOX_ROWS - 1) / R_BOX_ROWS;
     static_assert(BIG * 128 + SMALL * R_BOX_ROWS <= R_BN, "the boxes fit a stage");
     const void* tmap_small = reinterpret_cast<const u8*>(tmap) + 128;
-    u32 s = g % R_STAGES, dst = stages + s * R_STAGE_BYTES;
+    u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
     mbar_arrive_expect_tx(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        int k = (int)(kc * R_BK + 64 * h);
+        int k = (int)(c * R_BK + 64 * h);
         u32 half = dst + h * R_HALF_BYTES;
 #pragma unroll
         for (int b = 0; b < BIG; b++) tma_load_2d(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bars.full(s));
@@ -835,17 +826,16 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
 // The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
 // pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
 // a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
-// block 2 t for s < 4, 2 t + 1 after. Chunk c of the column block is chunk g of the ring (of
-// `total`, over all the CTA's column blocks of the tile). In chunk g > 0 every warp releases the
-// previous chunk's stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0
-// refills it at step 4 with ring chunk g - 1 + R_STAGES (K chunk c - 1 + R_STAGES, mod nk).
+// block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
+// stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
+// step 4 with chunk c - 1 + R_STAGES.
 template <int N>
-__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 g, u32 nk, u32 total, u32 stages, RBars bars,
+__device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
                                          const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
     // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
     // for another set of A fragments
     constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
-    u32 tid = threadIdx.x, slot = g % R_STAGES;
+    u32 tid = threadIdx.x, slot = c % R_STAGES;
     // the scales as operand pairs, broadcast: [m-block][row g / g+8][block 2t / 2t + 1]
     u32 sc[2][2][2];
 #pragma unroll
@@ -868,7 +858,7 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 g, u32 nk,
         sc[b][1][1] = __byte_perm(hi, hi, 0x3232u);
 #endif
     }
-    mbar_wait(bars.full(slot), (g / R_STAGES) & 1u);
+    mbar_wait(bars.full(slot), (c / R_STAGES) & 1u);
     u32 sb = stages + slot * R_STAGE_BYTES;
     __syncwarp();  // every lane left the wait's spin loop: the MMAs below are `.aligned`
 #pragma unroll
@@ -916,11 +906,11 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 g, u32 nk,
         wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
         if (s == INFLIGHT - 1)
-            mbar_arrive_if(bars.empty((g + R_STAGES - 1) % R_STAGES), g > 0 && (tid & 31u) == 0);
-        if (s == 4 && tid == 0 && g > 0 && g - 1 + R_STAGES < total) {
-            u32 prev = (g - 1) % R_STAGES, kc = c - 1 + R_STAGES;
-            mbar_wait(bars.empty(prev), ((g - 1) / R_STAGES) & 1u);
-            rs_fill<N>(tmap, stages, bars, g - 1 + R_STAGES, kc < nk ? kc : kc - nk, r0);
+            mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
+        if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
+            u32 prev = (c - 1) % R_STAGES;
+            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
+            rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
         // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
         // lane of the warp must issue it together). ptxas left this implicit in session 16's
@@ -933,20 +923,16 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 g, u32 nk,
     }
 }
 
-// The K loops of one tile's `cols` column blocks (weights wof(p) for block p; cols > 1 needs an
-// even nk), each followed by epi(acc, p): acc[b] holds m-block b's 64 weight rows x N tokens
-// (times 2^-18), acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2.
-// The token ring runs on across the blocks (the same tokens: the next block's first chunks load
-// during this one's last chunks and its epilogue), and so do the weight registers (the next
-// block's first two chunks). epi(acc, p) runs with every MMA complete; the last one, once every
-// warp is past the loop (the stages may then be reused).
-template <int N, int L2_AHEAD, typename WOf, typename Epi>
-__device__ __forceinline__ void rs_mainloop(WOf wof, u32 cols, const void* tmap, u32 r0, u32 nk, u8* base, Epi epi) {
-    u32 tid = threadIdx.x, total = cols * nk;
+// The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
+// acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
+// every MMA complete and every warp past the loop (the stages may then be reused).
+template <int N, int L2_AHEAD>
+__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
+                                            float (&acc)[2][N / 2]) {
+    u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
     RChunk st[2];
-    RWeights wr = wof(0);
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
@@ -956,44 +942,28 @@ __device__ __forceinline__ void rs_mainloop(WOf wof, u32 cols, const void* tmap,
             mbar_init(bars.empty(s), R_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (u32 g = 0; g < R_STAGES && g < total; g++) rs_fill<N>(tmap, stages, bars, g, g % nk, r0);
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
-    for (u32 p = 0; p < cols; p++) {
-        const u32 g0 = p * nk;
-        const bool more = p + 1 < cols;
-        float acc[2][N / 2];
 #pragma unroll
-        for (int b = 0; b < 2; b++)
+    for (int b = 0; b < 2; b++)
 #pragma unroll
-            for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
-        if (L2_AHEAD > 2)
-            for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
-        // the next block's weights are computed where they load (pin: not hoisted out of the
-        // loop, where they would hold 8 registers across it and spill)
-        for (u32 c = 0; c < nk; c += 2) {
-            u32 next = p + 1;
-            if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-            rs_chunk<N>(st[0], c, g0 + c, nk, total, stages, bars, tmap, r0, acc);
-            if (c + 2 < nk)
-                rs_load(wr, c + 2, st[0]);
-            else if (more)
-                pin(next), rs_load(wof(next), c + 2 - nk, st[0]);
-            if (c + 1 < nk) {
-                if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
-                rs_chunk<N>(st[1], c + 1, g0 + c + 1, nk, total, stages, bars, tmap, r0, acc);
-                if (c + 3 < nk)
-                    rs_load(wr, c + 3, st[1]);
-                else if (more)
-                    pin(next), rs_load(wof(next), c + 3 - nk, st[1]);
-            }
+        for (int i = 0; i < N / 2; i++) acc[b][i] = 0.0f;
+    if (L2_AHEAD > 2)
+        for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
+    for (u32 c = 0; c < nk; c += 2) {
+        if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
+        if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
+        if (c + 1 < nk) {
+            if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
+            if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
-        wgmma_wait<0>();
-        rs_acc_fence<N>(acc);
-        if (!more) __syncthreads();
-        epi(acc, p);
-        if (more) wr = wof(p + 1);
     }
+    wgmma_wait<0>();
+    rs_acc_fence<N>(acc);
+    __syncthreads();
 }
 
 // Lane's weights: m-block b of the warp starts at row row0[b] of the [E * nout] matrix (wq,
@@ -1012,24 +982,34 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
     return r;
 }
 
-// One tile's K loops (rs_mainloop: `cols` column blocks, weights wof(p)) at the narrowest
-// width N (160, 144, 128, 64 or 32 tokens) that holds its ntok tokens, each block's followed by
-// epi(acc, p). The widths past 128 serve the wide last tiles: at 4096 tokens an expert gets
-// 128 +- 11 rows.
-template <int L2_AHEAD, bool N144, typename WOf, typename Epi>
-__device__ __forceinline__ void rs_tile(WOf wof, u32 cols, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
+// One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
+// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
+// 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
+template <int L2_AHEAD, bool N144, typename Epi>
+__device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
-    if (ntok > (N144 ? 144u : 128u))
-        rs_mainloop<160, L2_AHEAD>(wof, cols, tmap, r0, nk, base, epi);
-    else if (N144 && ntok > 128)
-        rs_mainloop<144, L2_AHEAD>(wof, cols, tmap, r0, nk, base, epi);
-    else if (ntok > 64)
-        rs_mainloop<128, L2_AHEAD>(wof, cols, tmap, r0, nk, base, epi);
-    else if (ntok > 32)
-        rs_mainloop<64, L2_NARROW>(wof, cols, tmap, r0, nk, base, epi);
-    else
-        rs_mainloop<32, L2_NARROW>(wof, cols, tmap, r0, nk, base, epi);
+    if (ntok > (N144 ? 144u : 128u)) {
+        float acc[2][80];
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (N144 && ntok > 128) {
+        float acc[2][72];
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 64) {
+        float acc[2][64];
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > 32) {
+        float acc[2][32];
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else {
+        float acc[2][16];
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    }
 }
 
 #endif  // NVFP4DBG_WGMMA
@@ -1228,20 +1208,16 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
-    const u32 nk = K / R_BK, cols = rs_down_cols(nk);
-    // column block p of the CTA: weight rows n0(p) .. (the warp's 16 of each m-block)
-    auto n0 = [&](u32 p) { return (blockIdx.x * cols + p) * R_DOWN_BN + wg * 128 + warp * 16; };
-    auto wof = [&](u32 p) {
-        const u32 row0[2] = {n0(p), n0(p) + 64};
-        const u8* const wq[2] = {wq_t, wq_t};
-        const u8* const ws[2] = {ws_t, ws_t};
-        return rs_weights(wq, ws, row0, e, nout, K);
-    };
+    u32 n0 = blockIdx.x * R_DOWN_BN + wg * 128 + warp * 16;
+    const u32 row0[2] = {n0, n0 + 64};
+    const u8* const wq[2] = {wq_t, wq_t};
+    const u8* const ws[2] = {ws_t, ws_t};
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is read after the K loop: one register less across it
-    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wof, cols, tmap, r0, r1 - r0, nk, base, [&](const auto& acc, u32 p) {
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0(p), r0, r1, nout, alpha, out);
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();
@@ -1266,15 +1242,13 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     u8* base = h_smem_base();
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
     u32 n0 = blockIdx.x * R_GU_BN, col0 = wg * 64 + warp * 16;
-    auto wof = [&](u32) {
-        const u32 row0[2] = {n0 + col0, n0 + col0};
-        const u8* const wq[2] = {w1q_t, w3q_t};
-        const u8* const ws[2] = {w1s_t, w3s_t};
-        return rs_weights(wq, ws, row0, e, nout, K);
-    };
+    const u32 row0[2] = {n0 + col0, n0 + col0};
+    const u8* const wq[2] = {w1q_t, w3q_t};
+    const u8* const ws[2] = {w1s_t, w3s_t};
+    RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are read after the K loop: fewer registers across it
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wof, 1, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc, u32) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(gs1[e]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, ws2_1[e]), __fmul_rn(g_in, ws2_3[e]), sgu);
     });

@@ -44,8 +44,6 @@ const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_WG: u32 = 2;
-/// RS_COLS_DOWN (kernels/moe_gemm_sm90.cu).
-const SM90_RS_COLS_DOWN: usize = 1;
 /// R_STAGES for RS_WG warpgroups.
 const fn sm90_rs_stages_for(wg: u32) -> u32 {
     if wg == 2 {
@@ -97,10 +95,6 @@ mod sm90_tests {
             "R_STAGES differs from sm90_rs_stages_for"
         );
         assert!(src.contains(&format!("#define RS_WG {wg}")));
-        assert!(src.contains(&format!(
-            "#define RS_COLS_DOWN {}",
-            super::SM90_RS_COLS_DOWN
-        )));
         assert!(src.contains("#define R_EPI_ROW (2 * R_GU_BN + 4)"));
         assert!(src.contains("#define R_GU_BN (RS_WG * 64)"));
         assert_eq!(super::sm90_rs_epi_row_for(2), 260);
@@ -196,16 +190,6 @@ fn sm90_rs_slack() -> u32 {
 /// 128-thread CTAs of half the weight rows, two per SM).
 fn sm90_rs_wg() -> u32 {
     super::nvrtc::tuning_define("RS_WG").map_or(SM90_RS_WG, |n| n as u32)
-}
-
-/// Column blocks per register-A down-projection CTA: SM90_RS_COLS_DOWN, or `-DRS_COLS_DOWN=N`
-/// in NVFP4DBG_NVRTC_DEFINES (an A/B); 1 where K / 128 is odd (the kernel's `rs_down_cols`).
-fn sm90_rs_down_cols(k_dim: usize) -> usize {
-    if (k_dim / SM90_RS_BK) % 2 == 1 {
-        1
-    } else {
-        super::nvrtc::tuning_define("RS_COLS_DOWN").map_or(SM90_RS_COLS_DOWN, |n| n.max(1) as usize)
-    }
 }
 
 /// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N` and
@@ -1118,12 +1102,10 @@ impl Nvfp4Forward {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
-        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup, the
-        // down's CTA over sm90_rs_down_cols column blocks of them
-        let rs_cols = if fused { 1 } else { sm90_rs_down_cols(k_dim) };
+        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup
         let rs_grid = LaunchConfig {
             grid_dim: (
-                nout.div_ceil(bn / 2 * rs_wg * rs_cols) as u32,
+                nout.div_ceil(bn / 2 * rs_wg) as u32,
                 m_tiles.max(1) as u32,
                 1,
             ),
