@@ -1114,22 +1114,15 @@ struct RsGateUpA {
             g[4 * i] = g4.x, g[4 * i + 1] = g4.y, g[4 * i + 2] = g4.z, g[4 * i + 3] = g4.w;
             u[4 * i] = u4.x, u[4 * i + 1] = u4.y, u[4 * i + 2] = u4.z, u[4 * i + 3] = u4.w;
         }
-        if (!(RS_DIAG & 1)) {
-#if RS_SWIGLU_NVFP4
+        if (RS_SWIGLU_NVFP4 && !(RS_DIAG & 1))
             return swiglu_nvfp4_16(g, u, limit, has_limit, gs, rgs, flavor, packed, nonzero);
-#elif RS_SWIGLU16
+        if (RS_SWIGLU16 && !(RS_DIAG & 1)) {
             swiglu16(g, u, limit, has_limit, v);
-#else
-#pragma unroll
-            for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
-#endif
         } else {
 #pragma unroll
             for (int i = 0; i < 16; i++) v[i] = act(g[i], u[i]);
         }
-        u32 mbits = amax_bits16(v);
-        nonzero = __uint_as_float(mbits) > 0.0f;
-        return quant_block_nvfp4_core(v, mbits, gs, rgs, flavor, packed);
+        return quant_block_nvfp4_nz(v, gs, rgs, flavor, packed, nonzero);
     }
 };
 

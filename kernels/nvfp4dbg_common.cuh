@@ -289,6 +289,14 @@ __device__ __forceinline__ u32 quant_block_nvfp4_core(const float (&x)[16], u32 
     return s_code;
 }
 
+// The same, and whether any value is nonzero (BlockStats' flush test; false for a NaN block).
+__device__ __forceinline__ u32 quant_block_nvfp4_nz(const float (&x)[16], float gs, float rgs, u32 flavor,
+                                                    u32 (&packed)[2], bool& nonzero) {
+    u32 mbits = amax_bits16(x);
+    nonzero = __uint_as_float(mbits) > 0.0f;
+    return quant_block_nvfp4_core(x, mbits, gs, rgs, flavor, packed);
+}
+
 __device__ __forceinline__ u32 quant_block_nvfp4_vmax(const float (&x)[16], float gs, u32 flavor,
                                                       u32 (&packed)[2], float& vmax_out) {
     u32 mbits = amax_bits16(x);
@@ -391,13 +399,10 @@ struct TileA {
     // The NVFP4 block of a(r, c0 .. c0 + 15): E4M3 scale code, packed codes, any value nonzero.
     __device__ __forceinline__ u32 quant16(u32 r, u32 c0, float gs, float rgs, u32 flavor, u32 (&packed)[2],
                                            bool& nonzero) const {
-        float v[16], vmax;
+        float v[16];
 #pragma unroll
         for (int x = 0; x < 16; x++) v[x] = sa[r * SA + c0 + x];
-        u32 mbits = amax_bits16(v);
-        vmax = __uint_as_float(mbits);
-        nonzero = vmax > 0.0f;
-        return quant_block_nvfp4_core(v, mbits, gs, rgs, flavor, packed);
+        return quant_block_nvfp4_nz(v, gs, rgs, flavor, packed, nonzero);
     }
 };
 template <int BM_, int BN_, int THREADS_>
