@@ -21,11 +21,12 @@ run_tests() {
 }
 
 # variant_tests NAME VAR=v TEST...: the GPU tests under a variant's environment (a kernel knob
-# through NVFP4DBG_NVRTC_DEFINES), into $R/NAME-TEST.txt; true when every one passed.
+# through NVFP4DBG_NVRTC_DEFINES; a `~` in the value is a space, as in ab_rounds), into
+# $R/NAME-TEST.txt; true when every one passed.
 variant_tests() {
     local name=$1 env=$2 t ok=0; shift 2
     for t in "$@"; do
-        env $env timeout 150 .dev/gpu/$t --ignored --nocapture --test-threads 1 > $R/$name-$t.txt 2>&1
+        env "${env//\~/ }" timeout 150 .dev/gpu/$t --ignored --nocapture --test-threads 1 > $R/$name-$t.txt 2>&1
         stamp "$name $t rc=$?: $(grep -E '^test result' $R/$name-$t.txt | tail -1)"
         grep -E "panicked" -A3 $R/$name-$t.txt | head -10
         grep -q "test result: ok" $R/$name-$t.txt || ok=1
@@ -34,7 +35,7 @@ variant_tests() {
     return $ok
 }
 
-# same_outputs NAME VAR=v: `layertest --device cuda` (512 tokens: the prefill kernels) under the
+# same_outputs NAME VAR=v (`~` a space): `layertest --device cuda` (512 tokens: the prefill kernels) under the
 # variant's environment and without it, calibrated and dynamic gs, its saved outputs compared
 # byte for byte (for a knob that must not change a bit).
 same_outputs() {
@@ -42,7 +43,7 @@ same_outputs() {
     for gs in calibrated dynamic; do
         for v in default $name; do
             e=$([ $v = $name ] && echo "$env" || echo "NVFP4DBG_NVRTC_DEFINES=")
-            env $e timeout 120 .dev/gpu/nvfp4dbg layertest --device cuda --tokens 512 --gs $gs \
+            env "${e//\~/ }" timeout 120 .dev/gpu/nvfp4dbg layertest --device cuda --tokens 512 --gs $gs \
                 --save-outputs $R/lt-$v-$gs.safetensors > $R/lt-$v-$gs.txt 2>&1
             stamp "layertest $v $gs rc=$?"
         done

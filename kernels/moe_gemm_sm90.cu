@@ -597,6 +597,15 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_SWIGLU_NVFP4
 #define RS_SWIGLU_NVFP4 1
 #endif
+// Tile widths between the powers of two, for both kernels: 96 tokens (tiles of 65-96 ran at
+// 128) and 48 (33-48 ran at 64). On the 4096-token layer's routing they cut the MMA width
+// summed over the tiles from 1.166x the rows to 1.084x (bench/tile_split.py).
+#ifndef RS_N96
+#define RS_N96 1
+#endif
+#ifndef RS_N48
+#define RS_N48 1
+#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -679,6 +688,36 @@ __device__ __forceinline__ void wgmma_m64n160k16_rs(float (&d)[80], const u32 (&
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
           "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
           "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n96k16_rs(float (&d)[48], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32." RS_AB " {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+        "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+}
+
+__device__ __forceinline__ void wgmma_m64n48k16_rs(float (&d)[24], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k16.f32." RS_AB " {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23"
+        "}, {%24,%25,%26,%27}, %28, p, 1, 1, 0;\n}\n"
+        :"+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
 }
 
@@ -775,6 +814,12 @@ template <> struct RsMma<160> {
 };
 template <> struct RsMma<128> {
     static __device__ __forceinline__ void mma(float (&d)[64], const u32 (&a)[4], u64 db) { wgmma_m64n128k16_rs(d, a, db); }
+};
+template <> struct RsMma<96> {
+    static __device__ __forceinline__ void mma(float (&d)[48], const u32 (&a)[4], u64 db) { wgmma_m64n96k16_rs(d, a, db); }
+};
+template <> struct RsMma<48> {
+    static __device__ __forceinline__ void mma(float (&d)[24], const u32 (&a)[4], u64 db) { wgmma_m64n48k16_rs(d, a, db); }
 };
 template <> struct RsMma<64> {
     static __device__ __forceinline__ void mma(float (&d)[32], const u32 (&a)[4], u64 db) { wgmma_m64n64k16_rs(d, a, db); }
@@ -984,9 +1029,10 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
     return r;
 }
 
-// One tile's K loop at the narrowest width N (160, 144, 128, 64 or 32 tokens) that holds its
-// ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The widths past
-// 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows.
+// One tile's K loop at the narrowest width N (160, 144, 128, 96, 64, 48 or 32 tokens) that
+// holds its ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The
+// widths past 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows; 96
+// and 48 (RS_N96, RS_N48) the narrow ones of a router's uneven load.
 template <int L2_AHEAD, bool N144, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
@@ -999,13 +1045,21 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
         float acc[2][72];
         rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
-    } else if (ntok > 64) {
+    } else if (ntok > (RS_N96 ? 96u : 64u)) {
         float acc[2][64];
         rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
-    } else if (ntok > 32) {
+    } else if (RS_N96 && ntok > 64) {
+        float acc[2][48];
+        rs_mainloop<96, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (ntok > (RS_N48 ? 48u : 32u)) {
         float acc[2][32];
         rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
+        epi(acc);
+    } else if (RS_N48 && ntok > 32) {
+        float acc[2][24];
+        rs_mainloop<48, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
