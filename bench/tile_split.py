@@ -6,7 +6,8 @@
 
 The kernels (kernels/moe_gemm_sm90.cu) cut an expert's n rows into k tiles (128 rows each, the
 last up to 160: k = 1 for n <= 160, else ceil((n - 32) / 128)) and run each tile at the
-narrowest width that holds it: 32, 64, 128, 144 (gate/up only: RS_N144_GATE_UP), 160 tokens.
+narrowest width that holds it: 32, 64, 96 (RS_N96, session 26), 128, 144 (gate/up only:
+RS_N144_GATE_UP), 160 tokens.
 Printed per GEMM: the tiles by width and the widths' sum over the rows. The width sum is not
 the time: session 14 (BENCHMARKS.md) cut it by 4.1% with wider tiles and the GEMM got slower.
 """
@@ -15,7 +16,7 @@ import sys
 
 
 def widths(n144):
-    return (32, 64, 128, 144, 160) if n144 else (32, 64, 128, 160)
+    return (32, 64, 96, 128, 144, 160) if n144 else (32, 64, 96, 128, 160)
 
 
 def width(t, ws):

@@ -598,13 +598,17 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #define RS_SWIGLU_NVFP4 1
 #endif
 // Tile widths between the powers of two, for both kernels: 96 tokens (tiles of 65-96 ran at
-// 128) and 48 (33-48 ran at 64). On the 4096-token layer's routing they cut the MMA width
-// summed over the tiles from 1.166x the rows to 1.084x (bench/tile_split.py).
+// 128) and 48 (33-48 ran at 64). On the 4096-token layer's routing both cut the MMA width
+// summed over the tiles from 1.166x the rows to 1.084x (bench/tile_split.py; 96 alone 1.103x),
+// but the time follows it only a little: a tile's weight dequantization is the same at every
+// width. 4 alternating rounds (s26d), the layer at 4096 tokens (graph): neither 7.045-7.126 ms,
+// both 7.014-7.066, 96 alone 7.008-7.022; its down stage 2.057-2.065, 2.056-2.061 and
+// 2.032-2.037. So 96 (1) and not 48 (0).
 #ifndef RS_N96
 #define RS_N96 1
 #endif
 #ifndef RS_N48
-#define RS_N48 1
+#define RS_N48 0
 #endif
 
 #if NVFP4DBG_WGMMA
