@@ -454,7 +454,8 @@ moe_gemm_gate_up_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as
 //
 // The product is computed transposed: D[weight row][token] = W x X^T, weights as M (64 rows
 // per m-block, two m-blocks per warpgroup), the tokens of one expert tile as N (128, or 96 /
-// 64 / 32 for the small last tiles of ragged experts, 144 / 160 for the wide ones: rs_tile). Per 128-wide K chunk:
+// 64 / 32 for the small last tiles of ragged experts, 144 / 160 for the wide ones: rs_tile).
+// Per 128-wide K chunk:
 //   the weights come straight from the decode tiles (moe_decode.cu, decode_tiles: each warp's
 //   16 rows are one contiguous 1 KB + 128 B piece per chunk) into registers, one chunk ahead,
 //   and each thread dequantizes its own A fragments (rows g and g + 8 of its warp's 16) right
