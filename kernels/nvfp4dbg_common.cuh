@@ -341,9 +341,8 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
 // a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
 // time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
 // gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
-// statistics counted; with dynamic gs2 (nullptr), `a`
-// written in f32 and |a| folded into amax_bits[e]. Rows past r1 and columns past nout are
-// skipped.
+// statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into
+// amax_bits[e]. Rows past r1 and columns past nout are skipped.
 template <int BM_, int BN_, int THREADS_, typename A>
 __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
                                                          const float* __restrict__ gs2, u32 flavor,
