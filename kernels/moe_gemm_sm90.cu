@@ -84,12 +84,6 @@ __device__ __forceinline__ u64 smem_desc(u32 addr) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(16 >> 4) << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
 // Both operands are dequantized with a factor 2^-9 each (exact, see dequant8); the
 // epilogues multiply the FP32 sum by 2^18 (exact) before alpha, so the outputs are those of
 // the unscaled product. Every product is a multiple of 2^-38, far from FP32 underflow.
@@ -108,17 +102,6 @@ __device__ __forceinline__ uint4 dequant8(u32 q, u32 s2) {
     u32 w3 = ((q >> 6) & MAG) | (q & SGN);
     return make_uint4(bf16x2_fma(w0, s2, neg0), bf16x2_fma(w1, s2, neg0), bf16x2_fma(w2, s2, neg0),
                       bf16x2_fma(w3, s2, neg0));
-}
-
-// Two E4M3 codes (bytes 0 and 2 of t; bytes 1 and 3 zero) -> the BF16 pair code * 2^117,
-// exact: the code's 7 low bits at BF16 bits 4-10 read as e4m3 * 2^-120 (subnormal codes
-// included), then * 2^120 * 2^117. The NaN codes 0x7F / 0xFF stay NaN.
-__device__ __forceinline__ u32 e4m3x2_scaled(u32 t) {
-    const u32 neg0 = 0x80008000u;
-    u32 bits = ((t & 0x007F007Fu) << 4) | ((t & 0x00800080u) << 8);
-    u32 v = bf16x2_fma(bf16x2_fma(bits, 0x7B807B80u, neg0), 0x7A007A00u, neg0);
-    u32 nan = (((t & 0x007F007Fu) + 0x00010001u) & 0x00800080u) >> 7;
-    return v | (nan * 0x7FC0u);
 }
 
 // d[128] += A(64x16, smem desc) * B(256x16, smem desc)^T, both K-major with the 128-byte swizzle.
@@ -525,11 +508,6 @@ static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start 
 
 // Tuning knobs (#ifndef: NVFP4DBG_NVRTC_DEFINES="-DRS_F16=0 ..." overrides them for an A/B on
 // one build; every setting gives the same numbers up to FP32 summation order).
-// Operand type: 1 FP16 (codes and scales placed as in the decode GEMMs: value * 2^-14, about
-// 3.5 instructions per A register), 0 BF16 (value * 2^-9 through rs_pair: 5 per register).
-#ifndef RS_F16
-#define RS_F16 1
-#endif
 // MMA groups (one k16 step: both m-blocks) a warp keeps in flight while it dequantizes the
 // next step's A fragments: 1 or 2 (2 holds one more set of A registers).
 #ifndef RS_INFLIGHT
@@ -752,18 +730,6 @@ __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[16], const u32 (&a
 }
 
 
-// Pair j (0..3) of a word of 8 E2M1 codes (code i in nibble i) as BF16 bits reading
-// e2m1 * 2^-126: code j in the low half, code j + 4 in the high half (dequant8's pairs).
-__device__ __forceinline__ u32 rs_pair(u32 q, int j) {
-    const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
-    switch (j) {
-        case 0: return ((q << 6) & MAG) | ((q << 12) & SGN);
-        case 1: return ((q << 2) & MAG) | ((q << 8) & SGN);
-        case 2: return ((q >> 2) & MAG) | ((q << 4) & SGN);
-        default: return ((q >> 6) & MAG) | (q & SGN);
-    }
-}
-
 // One lane's weights of one K chunk, for its warp's two m-blocks: rows g and g + 8 (16 bytes
 // of codes each: K 32 t .. 32 t + 31 of the chunk) and their two scales (blocks 2 t, 2 t + 1).
 struct RChunk {
@@ -807,8 +773,6 @@ __device__ __forceinline__ void rs_prefetch_l2(const RWeights& wr, u32 c) {
         }
     }
 }
-
-__device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
 template <int N> struct RsMma;
 template <> struct RsMma<144> {
@@ -1214,27 +1178,7 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
         u32 u = (u32)(idx - r * units), t = u % 4;
         uint4 q4 = *reinterpret_cast<const uint4*>(aq + r * (K / 2) + u * 16);
         u32 sc = *reinterpret_cast<const unsigned short*>(as + r * (K / 16) + u * 2);
-#if RS_F16
-        u32 sv = e4m3x2_to_f16x2(sc);
-#else
-        u32 sv = e4m3x2_scaled(__byte_perm(sc, 0u, 0x4140u));
-#endif
-        u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
-        u32* o = sl_w + (lane / 4) * ROWS_RS_PITCH;
-#pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                u32 w = rs_word(q4, q), s = 2 * q + h;
-#if RS_F16
-                o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
-                o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
-#else
-                const u32 neg0 = 0x80008000u;
-                o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
-                o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
-#endif
-            }
+        rs_unit_words(q4, sc, t, sl_w + (lane / 4) * ROWS_RS_PITCH);
     }
     __syncwarp();
     const u64 chunk0 = (idx - lane) / 4, chunks = total / 4;

@@ -716,6 +716,74 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return d;
 }
 
+// ---- the register-A prefill's 16-bit token rows (kernels/moe_gemm_sm90.cu) ----
+
+// Operand type: 1 FP16 (codes and scales placed as in the decode GEMMs: value * 2^-14, about
+// 3.5 instructions per A register), 0 BF16 (value * 2^-9 through rs_pair: 5 per register).
+#ifndef RS_F16
+#define RS_F16 1
+#endif
+
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Two E4M3 codes (bytes 0 and 2 of t; bytes 1 and 3 zero) -> the BF16 pair code * 2^117,
+// exact: the code's 7 low bits at BF16 bits 4-10 read as e4m3 * 2^-120 (subnormal codes
+// included), then * 2^120 * 2^117. The NaN codes 0x7F / 0xFF stay NaN.
+__device__ __forceinline__ u32 e4m3x2_scaled(u32 t) {
+    const u32 neg0 = 0x80008000u;
+    u32 bits = ((t & 0x007F007Fu) << 4) | ((t & 0x00800080u) << 8);
+    u32 v = bf16x2_fma(bf16x2_fma(bits, 0x7B807B80u, neg0), 0x7A007A00u, neg0);
+    u32 nan = (((t & 0x007F007Fu) + 0x00010001u) & 0x00800080u) >> 7;
+    return v | (nan * 0x7FC0u);
+}
+
+// Pair j (0..3) of a word of 8 E2M1 codes (code i in nibble i) as BF16 bits reading
+// e2m1 * 2^-126: code j in the low half, code j + 4 in the high half (dequant8's pairs).
+__device__ __forceinline__ u32 rs_pair(u32 q, int j) {
+    const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
+    switch (j) {
+        case 0: return ((q << 6) & MAG) | ((q << 12) & SGN);
+        case 1: return ((q << 2) & MAG) | ((q << 8) & SGN);
+        case 2: return ((q >> 2) & MAG) | ((q << 4) & SGN);
+        default: return ((q >> 6) & MAG) | (q & SGN);
+    }
+}
+
+__device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
+
+// One unit of the register-A kernels' token rows: the 32 E2M1 codes of K 32 t .. 32 t + 31 of
+// a 128-wide chunk (word q of q4: K 32 t + 8 q .. + 7) with the E4M3 scales of their two blocks
+// (the low and the high byte of sc16), dequantized exactly (RS_F16: e2m1 * e4m3 * 2^-14 in
+// FP16; else * 2^-9 in BF16), in the K order of the kernels' A fragments: step s = 2 q + h
+// takes pair 2 h of word q to word 8 s + t of the chunk's 64 words at `o`, pair 2 h + 1 to
+// word 8 s + 4 + t.
+__device__ __forceinline__ void rs_unit_words(const uint4& q4, u32 sc16, u32 t, u32* o) {
+#if RS_F16
+    u32 sv = e4m3x2_to_f16x2(sc16);
+#else
+    u32 sv = e4m3x2_scaled(__byte_perm(sc16, 0u, 0x4140u));
+#endif
+    u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 w = rs_word(q4, q), s = 2 * q + h;
+#if RS_F16
+            o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
+            o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
+#else
+            const u32 neg0 = 0x80008000u;
+            o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
+            o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
+#endif
+        }
+}
+
 // Which expert and sorted rows row tile `bt` covers (tiles of `bm` rows; tile_offsets[E + 1]
 // is moe_offsets' prefix sum of each expert's tile count); false past the real tile count.
 // The expert is the largest e with tile_offsets[e] <= bt, searched by the whole warp 32

@@ -1214,6 +1214,107 @@ nvfp4_quantize_f32_scatter_cuda_fast(QUANT_F32_SCATTER_ARGS) {
                                                                                gs_idx, packed, scales, stats, flavor);
 }
 
+// The expert inputs of a MoE layer straight into the register-A prefill's token rows
+// (kernels/moe_gemm_sm90.cu, rs_unit_words): quantize_f32_scatter_fl's codes and statistics,
+// each slot's codes then dequantized exactly into row pos[t k + j] of `rows_out` ([out_rows,
+// cols] 16-bit values), what moe_rows_bf16_rs makes of the codes, without the codes' round trip
+// through memory (`packed` may be null: the codes and scales are then not stored). cols must
+// be a multiple of 128, so that a group (QUANT_BLOCKS 4: two units of 32 codes) and its
+// neighbour fill one 128-wide chunk. The warp's 32 groups are 16 chunks, staged in a shared-memory slice (pitch 68 words,
+// as moe_rows_bf16_rs) and stored 512 contiguous bytes an instruction: each half warp stores a
+// chunk to the row of the lanes that encoded it.
+#define RS_SLICE_PITCH 68
+template <u32 FL>
+__device__ __forceinline__ void rows_scatter_fl(const float* __restrict__ x, u64 tokens, u32 cols, u32 k,
+                                                const int* __restrict__ pos, u64 out_rows,
+                                                const float* __restrict__ gs, const int* __restrict__ gs_idx,
+                                                u8* __restrict__ packed, u8* __restrict__ scales,
+                                                u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(QUANT_BLOCKS == 4, "a group is two units of the register-A rows");
+    __shared__ __align__(16) u32 slice[QUANT_THREADS / 32][16 * RS_SLICE_PITCH];
+    const QuantDims din = quant_dims(tokens, cols, 0), dout = quant_dims(out_rows, cols, 0);
+    const u32 lane = threadIdx.x % 32;
+    u32* sl = slice[threadIdx.x / 32];
+    u32 c[4] = {0, 0, 0, 0};
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const bool live = idx < din.total;
+    Group<float> g;
+    u64 t = 0;
+    if (live) {
+        group_load<float>(x, idx, din, nullptr, g);
+        t = g.r;
+    }
+    bool encoded = false;
+    u32 last_bits = 0;
+    u32 q[QUANT_BLOCKS][2], sc[QUANT_BLOCKS], counted[4] = {0, 0, 0, 0};
+    const u32 fl = FL == FLAVOR_RUNTIME ? flavor : FL;
+    // the lane's 64 values: units 2 (lane % 2) and + 1 of chunk lane / 2 of the slice
+    u32* mine = sl + (lane / 2) * RS_SLICE_PITCH;
+    for (u32 j = 0; j < k; j++) {
+        const int p = live ? pos[t * k + j] : -1;
+        const bool valid = p >= 0 && (u64)p < out_rows;
+        bool fresh = false;
+        u64 dst = 0;  // this slot's 256 bytes of chunk b0 / 8 in row p (0: none)
+        if (valid) {
+            g.r = (u64)p;
+            const float gv = group_gs(g, gs, gs_idx);
+            if (!encoded || __float_as_uint(gv) != last_bits) {
+                counted[0] = counted[1] = counted[2] = counted[3] = 0;
+                group_encode_fl<float, FL>(g, dout, gv, fl, counted, q, sc);
+                last_bits = __float_as_uint(gv);
+                encoded = fresh = true;
+            }
+#pragma unroll
+            for (int f = 0; f < 4; f++) c[f] += counted[f];
+            if (packed != nullptr) group_store<float>(g, dout, q, sc, packed, scales, 0);
+            dst = reinterpret_cast<u64>(rows_out) + ((u64)p * cols + (g.b0 / 8) * 128) * 2;
+        }
+        if (__any_sync(0xFFFFFFFFu, fresh)) {
+            __syncwarp();  // the slot before has read the slice
+            if (fresh) {
+#pragma unroll
+                for (int v = 0; v < 2; v++)
+                    rs_unit_words(make_uint4(q[2 * v][0], q[2 * v][1], q[2 * v + 1][0], q[2 * v + 1][1]),
+                                  sc[2 * v] | (sc[2 * v + 1] << 8), 2 * (lane % 2) + v, mine);
+            }
+            __syncwarp();
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            // chunks 2 i (lanes 0-15) and 2 i + 1 (16-31), encoded by lanes 4 i and 4 i + 2
+            const u32 cl = 2 * i + lane / 16;
+            const u64 to = __shfl_sync(0xFFFFFFFFu, dst, 2 * cl);
+            const uint4 v = *reinterpret_cast<const uint4*>(sl + cl * RS_SLICE_PITCH + 4 * (lane % 16));
+            if (to != 0) reinterpret_cast<uint4*>(to)[lane % 16] = v;
+        }
+    }
+#if QUANT_STATS
+    add_stats_rare(stats, c, out_rows * dout.kb);
+#else
+    add_stats_cta(stats, c);
+#endif
+#else
+    __trap();
+#endif
+}
+
+// One entry point per flavor (moe.rs picks it), as the scatter kernels above; 2 CTAs an SM.
+// (Templated on the input, the BF16 copy of the layer input would save 59 of the 587 MB at
+// 4096 DeepSeek-V3 tokens, but ptxas then spills 236 bytes under the 128-register bound.)
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)
+nvfp4_rows_scatter_reference(QUANT_F32_SCATTER_ARGS, u32* __restrict__ rows_out) {
+    rows_scatter_fl<QUANT_ENCODER ? FLAVOR_REFERENCE : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs,
+                                                                              gs_idx, packed, scales, stats, flavor,
+                                                                              rows_out);
+}
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)
+nvfp4_rows_scatter_cuda_fast(QUANT_F32_SCATTER_ARGS, u32* __restrict__ rows_out) {
+    rows_scatter_fl<QUANT_ENCODER ? FLAVOR_CUDA_FAST : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs,
+                                                                              gs_idx, packed, scales, stats, flavor,
+                                                                              rows_out);
+}
+
 // QUANT_MIN_BLOCKS bounds the BF16 kernel only (the f32 one holds twice the raw bytes).
 #if QUANT_MIN_BLOCKS > 0
 #define QUANT_BF16_BOUNDS __launch_bounds__(QUANT_BF16_THREADS, QUANT_MIN_BLOCKS)

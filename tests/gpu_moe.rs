@@ -530,7 +530,8 @@ fn assert_routes_like_the_cpu(got: &Routing, want: &Routing, seed: u64) {
 }
 
 /// The expert inputs quantized token by token (each hidden row read once, written to its k
-/// sorted rows) against the row gather: the same outputs, per-slot rows and activation block
+/// sorted rows; on sm_90a's prefill also straight into the register-A gate/up's 16-bit token
+/// rows) against the row gather: the same outputs, per-slot rows and activation block
 /// statistics, bit for bit, with fixed scales (all different, or three values shared among the
 /// experts) and dynamic ones, both flavors, at a decode and a prefill batch. (The gather path
 /// is the one checked against the CPU elsewhere.)
@@ -562,24 +563,36 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
             (shared3, Flavor::CudaFast),
             (ActScales::Dynamic, Flavor::CudaFast),
         ] {
-            let run = |how: InputQuantize| {
+            let run = |how: InputQuantize, fused: bool| {
                 let mut f =
                     Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, flavor, true).unwrap();
                 f.set_input_quantize(how);
+                f.set_rs_rows_fused(fused);
                 f.route_on_gpu(None).unwrap();
                 f.set_hidden(&x).unwrap();
-                f.run().unwrap()
+                (f.run().unwrap(), f.schedule())
             };
-            let (g, s) = (run(InputQuantize::Gather), run(InputQuantize::Scatter));
-            let what = format!("seed {seed}, {tokens} tokens, {flavor:?}");
-            assert_eq!(bits(&s.out), bits(&g.out), "{what}: outputs differ");
-            assert_eq!(
-                bits(s.per_slot.as_ref().unwrap()),
-                bits(g.per_slot.as_ref().unwrap()),
-                "{what}: per-slot rows differ"
-            );
-            assert_eq!(s.act_stats, g.act_stats, "{what}: block statistics differ");
-            assert!(s.out.iter().all(|v| v.is_finite()), "{what}");
+            let (g, _) = run(InputQuantize::Gather, true);
+            // the scatter through the codes in memory, then straight into the register-A
+            // gate/up's 16-bit token rows where that kernel runs (sm_90a, the prefill batch)
+            for fused in [false, true] {
+                let (s, schedule) = run(InputQuantize::Scatter, fused);
+                let what = format!("seed {seed}, {tokens} tokens, {flavor:?}, {schedule}");
+                let straight = schedule.contains("straight into");
+                assert_eq!(
+                    straight,
+                    fused && tokens > 64 && b.gpu().arch == "sm_90a",
+                    "{what}"
+                );
+                assert_eq!(bits(&s.out), bits(&g.out), "{what}: outputs differ");
+                assert_eq!(
+                    bits(s.per_slot.as_ref().unwrap()),
+                    bits(g.per_slot.as_ref().unwrap()),
+                    "{what}: per-slot rows differ"
+                );
+                assert_eq!(s.act_stats, g.act_stats, "{what}: block statistics differ");
+                assert!(s.out.iter().all(|v| v.is_finite()), "{what}");
+            }
         }
     }
 }

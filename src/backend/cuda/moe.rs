@@ -143,6 +143,12 @@ fn shared_beside_default() -> bool {
     !std::env::var("NVFP4DBG_SHARED_STREAM").is_ok_and(|v| v == "0")
 }
 
+/// `NVFP4DBG_RS_ROWS_FUSED=0`: the expert inputs go through their NVFP4 codes in memory and
+/// `moe_rows_bf16_rs` on the way to the register-A gate/up, as before `nvfp4_rows_scatter_*`.
+fn rs_rows_fused_default() -> bool {
+    !std::env::var("NVFP4DBG_RS_ROWS_FUSED").is_ok_and(|v| v == "0")
+}
+
 /// How the prologue quantizes the expert inputs (the same codes, scales and statistics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputQuantize {
@@ -720,6 +726,8 @@ pub struct Nvfp4Forward {
     /// [`Nvfp4Forward::set_shared_beside`].
     shared_beside: bool,
     input_quantize: InputQuantize,
+    /// [`Nvfp4Forward::set_rs_rows_fused`].
+    rs_rows_fused: bool,
     /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only and uploaded them to
     /// `ws.hidden_bf16` (which exists where a shared expert or a BF16 router reads it).
     hidden_bf16_set: AtomicBool,
@@ -828,6 +836,7 @@ impl Nvfp4Forward {
             rs,
             shared_beside: shared_beside_default(),
             input_quantize: InputQuantize::from_env(),
+            rs_rows_fused: rs_rows_fused_default(),
             hidden_bf16_set: AtomicBool::new(false),
         })
     }
@@ -1163,9 +1172,17 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&rs.bf16)),
             ],
         )?;
+        self.rs_maps(k != self.layer.config.hidden_size)
+    }
+
+    /// The tensor maps (device address) of the register-A gate/up's or down's token rows.
+    fn rs_maps(&self, down: bool) -> Result<u64> {
+        let rs = self
+            .rs
+            .as_ref()
+            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
         // the gate/up maps (K = H) first, then the down maps: two of 128 bytes each
-        let down = k != self.layer.config.hidden_size;
-        Ok(gpu.ptr(&rs.maps) + if down { 256 } else { 0 })
+        Ok(self.gpu().ptr(&rs.maps) + if down { 256 } else { 0 })
     }
 
     /// Which prefill GEMM kernels this forward launches (tests compare them).
@@ -1262,10 +1279,10 @@ impl Nvfp4Forward {
                 (RouteSource::Gpu, true) => "BF16 tensor cores, FP32 accumulation",
                 (RouteSource::Gpu, false) => "FP32 (SIMT)",
             },
-            if self.scatters_inputs() {
-                "quantized token by token (scatter)"
-            } else {
-                "quantized through the row gather"
+            match (self.scatters_inputs(), self.rs_rows_in_prologue().is_some()) {
+                (true, true) => "quantized token by token straight into the GEMM's 16-bit rows",
+                (true, false) => "quantized token by token (scatter)",
+                (false, _) => "quantized through the row gather",
             },
             match (self.layer.shared.is_some(), self.shared_runs_beside()) {
                 (false, _) => "none",
@@ -1294,28 +1311,57 @@ impl Nvfp4Forward {
                 s,
             );
         }
+        let mut args = vec![
+            KArg::U64(gpu.ptr(&ws.hidden)),
+            KArg::U64(ws.tokens as u64),
+            KArg::U32(h as u32),
+            KArg::U32(ws.k as u32),
+            KArg::U64(gpu.ptr(&ws.entry_pos)),
+            KArg::U64(n as u64),
+            KArg::U64(gpu.ptr(&ws.gs1)),
+            KArg::U64(gpu.ptr(&ws.sorted_expert)),
+            KArg::U64(q),
+            KArg::U64(s),
+            KArg::U64(gpu.ptr(&ws.stats)),
+            KArg::U32(flavor_code(self.flavor)),
+        ];
+        let kernel = match (self.rs_rows_in_prologue(), self.flavor) {
+            (Some(rows), flavor) => {
+                // straight into the gate/up's token rows; nothing reads the codes then
+                args[8] = KArg::U64(0);
+                args.push(KArg::U64(rows));
+                match flavor {
+                    Flavor::Reference => "nvfp4_rows_scatter_reference",
+                    Flavor::CudaFast => "nvfp4_rows_scatter_cuda_fast",
+                }
+            }
+            (None, Flavor::Reference) => "nvfp4_quantize_f32_scatter_reference",
+            (None, Flavor::CudaFast) => "nvfp4_quantize_f32_scatter_cuda_fast",
+        };
         gpu.launch(
             &QUANT,
-            match self.flavor {
-                Flavor::Reference => "nvfp4_quantize_f32_scatter_reference",
-                Flavor::CudaFast => "nvfp4_quantize_f32_scatter_cuda_fast",
-            },
+            kernel,
             super::quant::nvfp4_grid(ws.tokens, h / 16, ScaleLayout::Linear)?,
-            &[
-                KArg::U64(gpu.ptr(&ws.hidden)),
-                KArg::U64(ws.tokens as u64),
-                KArg::U32(h as u32),
-                KArg::U32(ws.k as u32),
-                KArg::U64(gpu.ptr(&ws.entry_pos)),
-                KArg::U64(n as u64),
-                KArg::U64(gpu.ptr(&ws.gs1)),
-                KArg::U64(gpu.ptr(&ws.sorted_expert)),
-                KArg::U64(q),
-                KArg::U64(s),
-                KArg::U64(gpu.ptr(&ws.stats)),
-                KArg::U32(flavor_code(self.flavor)),
-            ],
+            &args,
         )
+    }
+
+    /// Where the prologue quantizes the expert inputs token by token straight into the
+    /// register-A gate/up's token rows (`nvfp4_rows_scatter_*`), those rows; `None` where the
+    /// codes go through memory (the gather, the other GEMMs, `NVFP4DBG_RS_ROWS_FUSED=0`).
+    fn rs_rows_in_prologue(&self) -> Option<u64> {
+        let c = &self.layer.config;
+        let wblock = self.layer.nvfp4.as_ref()?.wblock;
+        let fused = self.rs_rows_fused
+            && self.ws.tokens * self.ws.k > 0
+            && self.scatters_inputs()
+            && matches!(self.choose_gemm(), GemmKind::Tiled)
+            && matches!(
+                self.prefill_gemm(true, c.hidden_size, c.moe_intermediate_size, wblock),
+                PrefillLaunch::Rs(..)
+            );
+        let rs = self.rs.as_ref().filter(|_| fused)?;
+        Some(self.gpu().ptr(&rs.bf16))
     }
 
     fn enqueue_nvfp4(&self) -> Result<()> {
@@ -1349,6 +1395,13 @@ impl Nvfp4Forward {
     /// How the expert inputs are quantized ([`InputQuantize`]).
     pub fn set_input_quantize(&mut self, how: InputQuantize) {
         self.input_quantize = how;
+    }
+
+    /// Where the expert inputs are scattered and the register-A gate/up runs, quantize them
+    /// straight into its 16-bit token rows (the default; `NVFP4DBG_RS_ROWS_FUSED=0` turns it
+    /// off) or through their codes in memory and `moe_rows_bf16_rs`. The same outputs either way.
+    pub fn set_rs_rows_fused(&mut self, fused: bool) {
+        self.rs_rows_fused = fused;
     }
 
     /// Launch one part of the NVFP4 forward (no allocation, no host sync). A stage reads what
@@ -1486,7 +1539,10 @@ impl Nvfp4Forward {
                             gpu.launch(module, kernel, grid, &args)?;
                         }
                         PrefillLaunch::Rs(kernel, grid) => {
-                            let map = self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), h)?;
+                            let map = match self.rs_rows_in_prologue() {
+                                Some(_) => self.rs_maps(false)?,
+                                None => self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), h)?,
+                            };
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
                             let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
