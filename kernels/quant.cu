@@ -1218,56 +1218,98 @@ nvfp4_quantize_f32_scatter_cuda_fast(QUANT_F32_SCATTER_ARGS) {
 // (kernels/moe_gemm_sm90.cu, rs_unit_words): quantize_f32_scatter_fl's codes and statistics,
 // each slot's codes then dequantized exactly into row pos[t k + j] of `rows_out` ([out_rows,
 // cols] 16-bit values), what moe_rows_bf16_rs makes of the codes, without the codes' round trip
-// through memory (`packed` may be null: the codes and scales are then not stored). cols must
-// be a multiple of 128, so that a group (QUANT_BLOCKS 4: two units of 32 codes) and its
-// neighbour fill one 128-wide chunk. The warp's 32 groups are 16 chunks, staged in a shared-memory slice (pitch 68 words,
-// as moe_rows_bf16_rs) and stored 512 contiguous bytes an instruction: each half warp stores a
-// chunk to the row of the lanes that encoded it.
+// through memory (`packed` may be null: the codes and scales are then not stored). x is the
+// layer input in f32 or its BF16 copy (where it holds the same values). cols must be a
+// multiple of 128, so that a group (QUANT_BLOCKS 4: two units of 32 codes) and its neighbour
+// fill one 128-wide chunk. A warp's 32 groups lie in a row of x (group w starts at element
+// 64 w): they are loaded 512 bytes an instruction into the warp's slice of the dynamic shared
+// memory (RS_SCATTER_WARP_BYTES; piece q in slot q + q / P, P pieces a group: no bank conflict
+// either way), and read from there by their lanes. Encoded, they are 16 chunks of the rows,
+// staged in the same slice (pitch 68 words, as moe_rows_bf16_rs) and stored 512 contiguous
+// bytes an instruction: each half warp stores a chunk to the row of the lanes that encoded it.
 #define RS_SLICE_PITCH 68
-template <u32 FL>
-__device__ __forceinline__ void rows_scatter_fl(const float* __restrict__ x, u64 tokens, u32 cols, u32 k,
+// 0: each lane loads its own 256 bytes (group_load: 16-byte pieces 256 bytes apart across the
+// warp), as quantize_f32_scatter_fl does. A/B only.
+#ifndef RS_SCATTER_COALESCED
+#define RS_SCATTER_COALESCED 1
+#endif
+#define RS_SCATTER_WARP_BYTES (544 * 16)  // f32: 512 pieces of 16 bytes and 32 pads; moe.rs
+                                          // launches QUANT_THREADS / 32 of them
+template <typename T, u32 FL>
+__device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tokens, u32 cols, u32 k,
                                                 const int* __restrict__ pos, u64 out_rows,
                                                 const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                                 u8* __restrict__ packed, u8* __restrict__ scales,
                                                 u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    static_assert(QUANT_BLOCKS == 4, "a group is two units of the register-A rows");
-    __shared__ __align__(16) u32 slice[QUANT_THREADS / 32][16 * RS_SLICE_PITCH];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && QUANT_BLOCKS == 4  // (moe.rs: rows_scatter_fits)
+    static_assert(16 * RS_SLICE_PITCH * 4 <= RS_SCATTER_WARP_BYTES, "the chunks fit the slice");
+    extern __shared__ __align__(16) u8 scatter_smem[];
+    u32 smem_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
+    if (smem_bytes < blockDim.x / 32 * RS_SCATTER_WARP_BYTES) __trap();
     const QuantDims din = quant_dims(tokens, cols, 0), dout = quant_dims(out_rows, cols, 0);
     const u32 lane = threadIdx.x % 32;
-    u32* sl = slice[threadIdx.x / 32];
+    u32* sl = reinterpret_cast<u32*>(scatter_smem + threadIdx.x / 32 * RS_SCATTER_WARP_BYTES);
     u32 c[4] = {0, 0, 0, 0};
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     const bool live = idx < din.total;
-    Group<float> g;
-    u64 t = 0;
-    if (live) {
-        group_load<float>(x, idx, din, nullptr, g);
-        t = g.r;
+    Group<T> g;
+    const u64 w0 = idx - lane;
+    if (RS_SCATTER_COALESCED && w0 + 32 <= din.total) {
+        group_locate<T>(idx, din, nullptr, g);
+        constexpr int P = 4 * sizeof(T);  // 16-byte pieces of a group
+        const uint4* run = reinterpret_cast<const uint4*>(x) + w0 * P;
+        uint4 v[P];
+#pragma unroll
+        for (int i = 0; i < P; i++) v[i] = run[32 * i + lane];
+        uint4* s4 = reinterpret_cast<uint4*>(sl);
+#pragma unroll
+        for (int i = 0; i < P; i++) s4[32 * i + lane + (32 * i + lane) / P] = v[i];
+        __syncwarp();
+        constexpr int PB = P / QUANT_BLOCKS;  // pieces of a block
+#pragma unroll
+        for (int j = 0; j < P; j++) g.raw[j / PB].q[j % PB] = s4[(P + 1) * lane + j];
+    } else if (live) {
+        group_load<T>(x, idx, din, nullptr, g);
     }
-    bool encoded = false;
-    u32 last_bits = 0;
+    const u64 t = live ? g.r : 0;
     u32 q[QUANT_BLOCKS][2], sc[QUANT_BLOCKS], counted[4] = {0, 0, 0, 0};
     const u32 fl = FL == FLAVOR_RUNTIME ? flavor : FL;
+    // The first routed slot's gs encodes the group, and the raw input dies there (a later
+    // slot whose gs bits differ reads it again, from L2): ptxas keeps it out of the slot loop.
+    u32 first = k, last_bits = 0;
+    for (u32 j = 0; live && j < k; j++) {
+        const int p = pos[t * k + j];
+        if (p >= 0 && (u64)p < out_rows) {
+            g.r = (u64)p;
+            const float gv = group_gs(g, gs, gs_idx);
+            group_encode_fl<T, FL>(g, dout, gv, fl, counted, q, sc);
+            last_bits = __float_as_uint(gv);
+            first = j;
+            break;
+        }
+    }
     // the lane's 64 values: units 2 (lane % 2) and + 1 of chunk lane / 2 of the slice
     u32* mine = sl + (lane / 2) * RS_SLICE_PITCH;
     for (u32 j = 0; j < k; j++) {
         const int p = live ? pos[t * k + j] : -1;
         const bool valid = p >= 0 && (u64)p < out_rows;
-        bool fresh = false;
+        bool fresh = j == first;
         u64 dst = 0;  // this slot's 256 bytes of chunk b0 / 8 in row p (0: none)
         if (valid) {
             g.r = (u64)p;
             const float gv = group_gs(g, gs, gs_idx);
-            if (!encoded || __float_as_uint(gv) != last_bits) {
+            if (__float_as_uint(gv) != last_bits) {
+                group_load<T>(x, idx, din, nullptr, g);
+                g.r = (u64)p;
                 counted[0] = counted[1] = counted[2] = counted[3] = 0;
-                group_encode_fl<float, FL>(g, dout, gv, fl, counted, q, sc);
+                group_encode_fl<T, FL>(g, dout, gv, fl, counted, q, sc);
                 last_bits = __float_as_uint(gv);
-                encoded = fresh = true;
+                fresh = true;
             }
 #pragma unroll
             for (int f = 0; f < 4; f++) c[f] += counted[f];
-            if (packed != nullptr) group_store<float>(g, dout, q, sc, packed, scales, 0);
+            if (packed != nullptr) group_store<T>(g, dout, q, sc, packed, scales, 0);
             dst = reinterpret_cast<u64>(rows_out) + ((u64)p * cols + (g.b0 / 8) * 128) * 2;
         }
         if (__any_sync(0xFFFFFFFFu, fresh)) {
@@ -1299,21 +1341,20 @@ __device__ __forceinline__ void rows_scatter_fl(const float* __restrict__ x, u64
 #endif
 }
 
-// One entry point per flavor (moe.rs picks it), as the scatter kernels above; 2 CTAs an SM.
-// (Templated on the input, the BF16 copy of the layer input would save 59 of the 587 MB at
-// 4096 DeepSeek-V3 tokens, but ptxas then spills 236 bytes under the 128-register bound.)
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)
-nvfp4_rows_scatter_reference(QUANT_F32_SCATTER_ARGS, u32* __restrict__ rows_out) {
-    rows_scatter_fl<QUANT_ENCODER ? FLAVOR_REFERENCE : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs,
-                                                                              gs_idx, packed, scales, stats, flavor,
-                                                                              rows_out);
-}
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)
-nvfp4_rows_scatter_cuda_fast(QUANT_F32_SCATTER_ARGS, u32* __restrict__ rows_out) {
-    rows_scatter_fl<QUANT_ENCODER ? FLAVOR_CUDA_FAST : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs,
-                                                                              gs_idx, packed, scales, stats, flavor,
-                                                                              rows_out);
-}
+// One entry point per input (the layer input in f32, or its BF16 copy: the same values) and
+// flavor (moe.rs picks it), as the scatter kernels above; 2 CTAs an SM (3 spill 782 bytes).
+#define QUANT_ROWS_SCATTER(name, T, FLAV)                                                                        \
+    extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)                                               \
+        name(const T* __restrict__ x, u64 tokens, u32 cols, u32 k, const int* __restrict__ pos, u64 out_rows,     \
+             const float* __restrict__ gs, const int* __restrict__ gs_idx, u8* __restrict__ packed,              \
+             u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {         \
+        rows_scatter_fl<T, QUANT_ENCODER ? FLAV : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs, gs_idx, \
+                                                                   packed, scales, stats, flavor, rows_out);      \
+    }
+QUANT_ROWS_SCATTER(nvfp4_rows_scatter_reference, float, FLAVOR_REFERENCE)
+QUANT_ROWS_SCATTER(nvfp4_rows_scatter_cuda_fast, float, FLAVOR_CUDA_FAST)
+QUANT_ROWS_SCATTER(nvfp4_rows_scatter_bf16_reference, u16, FLAVOR_REFERENCE)
+QUANT_ROWS_SCATTER(nvfp4_rows_scatter_bf16_cuda_fast, u16, FLAVOR_CUDA_FAST)
 
 // QUANT_MIN_BLOCKS bounds the BF16 kernel only (the f32 one holds twice the raw bytes).
 #if QUANT_MIN_BLOCKS > 0

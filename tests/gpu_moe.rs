@@ -6,7 +6,7 @@ mod gpu_common;
 
 use gpu_common::*;
 use nvfp4dbg::backend::cpu::CpuBackend;
-use nvfp4dbg::backend::cuda::moe::{InputQuantize, Nvfp4Forward};
+use nvfp4dbg::backend::cuda::moe::{InputQuantize, Nvfp4Forward, RsRows};
 use nvfp4dbg::backend::cuda::quant;
 use nvfp4dbg::backend::Backend;
 use nvfp4dbg::metrics;
@@ -563,27 +563,36 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
             (shared3, Flavor::CudaFast),
             (ActScales::Dynamic, Flavor::CudaFast),
         ] {
-            let run = |how: InputQuantize, fused: bool| {
+            let run = |how: InputQuantize, rows: RsRows| {
                 let mut f =
                     Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, flavor, true).unwrap();
                 f.set_input_quantize(how);
-                f.set_rs_rows_fused(fused);
+                f.set_rs_rows(rows);
                 f.route_on_gpu(None).unwrap();
                 f.set_hidden(&x).unwrap();
                 (f.run().unwrap(), f.schedule())
             };
-            let (g, _) = run(InputQuantize::Gather, true);
+            let (g, _) = run(InputQuantize::Gather, RsRows::Auto);
             // the scatter through the codes in memory, then straight into the register-A
-            // gate/up's 16-bit token rows where that kernel runs (sm_90a, the prefill batch)
-            for fused in [false, true] {
-                let (s, schedule) = run(InputQuantize::Scatter, fused);
+            // gate/up's 16-bit token rows where that kernel runs (sm_90a, the prefill batch),
+            // from the f32 input and from its BF16 copy
+            for rows in [RsRows::Codes, RsRows::F32, RsRows::Auto] {
+                let (s, schedule) = run(InputQuantize::Scatter, rows);
                 let what = format!("seed {seed}, {tokens} tokens, {flavor:?}, {schedule}");
                 let straight = schedule.contains("straight into");
                 assert_eq!(
                     straight,
-                    fused && tokens > 64 && b.gpu().arch == "sm_90a",
+                    rows != RsRows::Codes && tokens > 64 && b.gpu().arch == "sm_90a",
                     "{what}"
                 );
+                // the test's inputs are BF16-exact, and the shared expert keeps their copy
+                if straight {
+                    assert_eq!(
+                        schedule.ends_with("from BF16"),
+                        rows == RsRows::Auto,
+                        "{what}"
+                    );
+                }
                 assert_eq!(bits(&s.out), bits(&g.out), "{what}: outputs differ");
                 assert_eq!(
                     bits(s.per_slot.as_ref().unwrap()),

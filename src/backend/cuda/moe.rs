@@ -143,10 +143,28 @@ fn shared_beside_default() -> bool {
     !std::env::var("NVFP4DBG_SHARED_STREAM").is_ok_and(|v| v == "0")
 }
 
-/// `NVFP4DBG_RS_ROWS_FUSED=0`: the expert inputs go through their NVFP4 codes in memory and
-/// `moe_rows_bf16_rs` on the way to the register-A gate/up, as before `nvfp4_rows_scatter_*`.
-fn rs_rows_fused_default() -> bool {
-    !std::env::var("NVFP4DBG_RS_ROWS_FUSED").is_ok_and(|v| v == "0")
+/// Where the expert inputs are scattered token by token and the register-A gate/up runs, how
+/// its 16-bit token rows are made. The same rows, so the same outputs, every way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RsRows {
+    /// Straight from the layer input (`nvfp4_rows_scatter_*`), read from its BF16 copy where
+    /// that holds the same values (half the bytes), else in f32.
+    Auto,
+    /// Straight from the f32 layer input.
+    F32,
+    /// Through the NVFP4 codes in memory, then `moe_rows_bf16_rs` (before session 27).
+    Codes,
+}
+
+impl RsRows {
+    /// `NVFP4DBG_RS_ROWS=f32` or `=codes`, otherwise [`RsRows::Auto`] (A/B runs of the bench).
+    fn from_env() -> Self {
+        match std::env::var("NVFP4DBG_RS_ROWS").as_deref() {
+            Ok("f32") => RsRows::F32,
+            Ok("codes") => RsRows::Codes,
+            _ => RsRows::Auto,
+        }
+    }
 }
 
 /// How the prologue quantizes the expert inputs (the same codes, scales and statistics).
@@ -726,8 +744,8 @@ pub struct Nvfp4Forward {
     /// [`Nvfp4Forward::set_shared_beside`].
     shared_beside: bool,
     input_quantize: InputQuantize,
-    /// [`Nvfp4Forward::set_rs_rows_fused`].
-    rs_rows_fused: bool,
+    /// [`Nvfp4Forward::set_rs_rows`].
+    rs_rows: RsRows,
     /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only and uploaded them to
     /// `ws.hidden_bf16` (which exists where a shared expert or a BF16 router reads it).
     hidden_bf16_set: AtomicBool,
@@ -836,7 +854,7 @@ impl Nvfp4Forward {
             rs,
             shared_beside: shared_beside_default(),
             input_quantize: InputQuantize::from_env(),
-            rs_rows_fused: rs_rows_fused_default(),
+            rs_rows: RsRows::from_env(),
             hidden_bf16_set: AtomicBool::new(false),
         })
     }
@@ -1279,10 +1297,19 @@ impl Nvfp4Forward {
                 (RouteSource::Gpu, true) => "BF16 tensor cores, FP32 accumulation",
                 (RouteSource::Gpu, false) => "FP32 (SIMT)",
             },
-            match (self.scatters_inputs(), self.rs_rows_in_prologue().is_some()) {
-                (true, true) => "quantized token by token straight into the GEMM's 16-bit rows",
-                (true, false) => "quantized token by token (scatter)",
-                (false, _) => "quantized through the row gather",
+            match (
+                self.scatters_inputs(),
+                self.rs_rows_in_prologue().is_some(),
+                self.rs_rows_input_bf16().is_some(),
+            ) {
+                (true, true, true) => {
+                    "quantized token by token straight into the GEMM's 16-bit rows, from BF16"
+                }
+                (true, true, false) => {
+                    "quantized token by token straight into the GEMM's 16-bit rows, from f32"
+                }
+                (true, false, _) => "quantized token by token (scatter)",
+                (false, _, _) => "quantized through the row gather",
             },
             match (self.layer.shared.is_some(), self.shared_runs_beside()) {
                 (false, _) => "none",
@@ -1325,34 +1352,48 @@ impl Nvfp4Forward {
             KArg::U64(gpu.ptr(&ws.stats)),
             KArg::U32(flavor_code(self.flavor)),
         ];
+        let mut grid = super::quant::nvfp4_grid(ws.tokens, h / 16, ScaleLayout::Linear)?;
         let kernel = match (self.rs_rows_in_prologue(), self.flavor) {
             (Some(rows), flavor) => {
                 // straight into the gate/up's token rows; nothing reads the codes then
+                let bf16 = self.rs_rows_input_bf16();
+                if let Some(xb) = bf16 {
+                    args[0] = KArg::U64(gpu.ptr(xb));
+                }
                 args[8] = KArg::U64(0);
                 args.push(KArg::U64(rows));
-                match flavor {
-                    Flavor::Reference => "nvfp4_rows_scatter_reference",
-                    Flavor::CudaFast => "nvfp4_rows_scatter_cuda_fast",
+                grid.shared_mem_bytes = super::quant::ROWS_SCATTER_SMEM;
+                match (flavor, bf16.is_some()) {
+                    (Flavor::Reference, false) => "nvfp4_rows_scatter_reference",
+                    (Flavor::CudaFast, false) => "nvfp4_rows_scatter_cuda_fast",
+                    (Flavor::Reference, true) => "nvfp4_rows_scatter_bf16_reference",
+                    (Flavor::CudaFast, true) => "nvfp4_rows_scatter_bf16_cuda_fast",
                 }
             }
             (None, Flavor::Reference) => "nvfp4_quantize_f32_scatter_reference",
             (None, Flavor::CudaFast) => "nvfp4_quantize_f32_scatter_cuda_fast",
         };
-        gpu.launch(
-            &QUANT,
-            kernel,
-            super::quant::nvfp4_grid(ws.tokens, h / 16, ScaleLayout::Linear)?,
-            &args,
-        )
+        gpu.launch(&QUANT, kernel, grid, &args)
+    }
+
+    /// The BF16 copy of the layer input where `nvfp4_rows_scatter_*` reads it: it holds the
+    /// same values (half the bytes of the f32 input).
+    fn rs_rows_input_bf16(&self) -> Option<&CudaSlice<u16>> {
+        let exact = self.hidden_bf16_set.load(Ordering::Relaxed);
+        self.ws
+            .hidden_bf16
+            .as_ref()
+            .filter(|_| exact && self.rs_rows == RsRows::Auto)
     }
 
     /// Where the prologue quantizes the expert inputs token by token straight into the
     /// register-A gate/up's token rows (`nvfp4_rows_scatter_*`), those rows; `None` where the
-    /// codes go through memory (the gather, the other GEMMs, `NVFP4DBG_RS_ROWS_FUSED=0`).
+    /// codes go through memory (the gather, the other GEMMs, [`RsRows::Codes`]).
     fn rs_rows_in_prologue(&self) -> Option<u64> {
         let c = &self.layer.config;
         let wblock = self.layer.nvfp4.as_ref()?.wblock;
-        let fused = self.rs_rows_fused
+        let fused = self.rs_rows != RsRows::Codes
+            && super::quant::rows_scatter_fits()
             && self.ws.tokens * self.ws.k > 0
             && self.scatters_inputs()
             && matches!(self.choose_gemm(), GemmKind::Tiled)
@@ -1397,11 +1438,9 @@ impl Nvfp4Forward {
         self.input_quantize = how;
     }
 
-    /// Where the expert inputs are scattered and the register-A gate/up runs, quantize them
-    /// straight into its 16-bit token rows (the default; `NVFP4DBG_RS_ROWS_FUSED=0` turns it
-    /// off) or through their codes in memory and `moe_rows_bf16_rs`. The same outputs either way.
-    pub fn set_rs_rows_fused(&mut self, fused: bool) {
-        self.rs_rows_fused = fused;
+    /// How the register-A gate/up's token rows are made ([`RsRows`]).
+    pub fn set_rs_rows(&mut self, how: RsRows) {
+        self.rs_rows = how;
     }
 
     /// Launch one part of the NVFP4 forward (no allocation, no host sync). A stage reads what

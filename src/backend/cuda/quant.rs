@@ -161,6 +161,15 @@ pub(crate) fn nvfp4_grid(
     nvfp4_grid_for(rows, kb, layout, quant_knobs().blocks)
 }
 
+/// `nvfp4_rows_scatter_*` (kernels/quant.cu) runs: it needs QUANT_BLOCKS 4 (a group is two
+/// 32-code units of the register-A rows), the default, which a `-DQUANT_BLOCKS` may change.
+pub(crate) fn rows_scatter_fits() -> bool {
+    quant_knobs().blocks == 4
+}
+
+/// `nvfp4_rows_scatter_*`'s dynamic shared memory: RS_SCATTER_WARP_BYTES for each warp.
+pub(crate) const ROWS_SCATTER_SMEM: u32 = THREADS / 32 * 544 * 16;
+
 fn padded(rows: usize, kb: usize, layout: ScaleLayout) -> (usize, usize) {
     match layout {
         ScaleLayout::Linear => (rows, kb),
