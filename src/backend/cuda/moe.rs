@@ -288,6 +288,8 @@ impl PrefillLaunch {
 }
 
 const GEMM_THREADS: u32 = 256;
+/// `moe_offsets`' block (one block: the chunk counts' sums and the experts' prefix sums).
+const OFFSETS_THREADS: u32 = 1024;
 const ELEM_THREADS: u32 = 256;
 /// Columns a thread of `moe_combine` and `gather_rows_bf16` takes (kernels/moe.cu
 /// `cols_per_thread`, the same rule): 4 where the row width allows, else 1.
@@ -1056,13 +1058,15 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&ws.chunk_counts)),
             ],
         )?;
+        // moe_offsets: P = max(1, threads / E) runs of chunks per expert, (P + 1) E words
+        let runs = (OFFSETS_THREADS / e.max(1)).max(1);
         gpu.launch(
             &MOE,
             "moe_offsets",
             LaunchConfig {
                 grid_dim: (1, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: smem,
+                block_dim: (OFFSETS_THREADS, 1, 1),
+                shared_mem_bytes: 4 * (runs + 1) * e,
             },
             &[
                 KArg::U64(gpu.ptr(&ws.chunk_counts)),
