@@ -75,6 +75,7 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     u32* runs = total + E;
     for (u32 x = threadIdx.x; x < P * E; x += blockDim.x) {
         u32 e = x % E, c0 = x / E * span, c1 = min(c0 + span, nchunks), sum = 0;
+#pragma unroll 8
         for (u32 c = c0; c < c1; c++) sum += chunk_counts[(size_t)c * E + e];
         runs[x] = sum;
     }
@@ -116,6 +117,7 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     __syncthreads();
     for (u32 x = threadIdx.x; x < P * E; x += blockDim.x) {
         u32 e = x % E, c0 = x / E * span, c1 = min(c0 + span, nchunks), base = total[e] + runs[x];
+#pragma unroll 8
         for (u32 c = c0; c < c1; c++) {
             chunk_base[(size_t)c * E + e] = base;
             base += chunk_counts[(size_t)c * E + e];

@@ -29,6 +29,49 @@ __device__ __forceinline__ void warp_best(float& v, int& i) {
     }
 }
 
+// ranks_before as one unsigned key (larger ranks first; 0 is below every real key): NaN
+// highest, then the value's order (+0 and -0 equal), then the lower index.
+__device__ __forceinline__ u64 rank_key(float v, u32 e) {
+    u32 b = __float_as_uint(v);
+    u32 k = v != v ? 0xFFFFFFFFu : v == 0.0f ? 0x80000000u : (b >> 31) ? ~b : (b | 0x80000000u);
+    return ((u64)k << 32) | (0xFFFFFFFFu - e);
+}
+
+// The top-K of a warp's keys, lane l holding key[j] of expert l + 32 j (j < J; 0: not
+// allowed): round r's winner is the warp's largest key, found by two 32-bit reductions, and
+// only its lane rescans its keys. Lane r (< K) gets the id of slot r (-1 where no allowed
+// expert is left, as the scan below).
+#define ROUTER_MAX_J 16
+// 0: every top-K round scans sel and flags in shared memory (the path for other shapes), and
+// lane 0 computes the weights from the ids it stored. A/B only.
+#ifndef ROUTER_KEYS
+#define ROUTER_KEYS 1
+#endif
+__device__ __forceinline__ int topk_by_keys(u64 (&key)[ROUTER_MAX_J], u32 J, u32 K, u32 lane) {
+    auto best_of = [&]() {
+        u64 b = 0;
+#pragma unroll
+        for (u32 j = 0; j < ROUTER_MAX_J; j++)
+            if (j < J && key[j] > b) b = key[j];
+        return b;
+    };
+    u64 best = best_of();
+    int mine = -1;
+    for (u32 r = 0; r < K; r++) {
+        u32 hi = __reduce_max_sync(0xFFFFFFFFu, (u32)(best >> 32));
+        u32 lo = __reduce_max_sync(0xFFFFFFFFu, (u32)(best >> 32) == hi ? (u32)best : 0u);
+        u64 win = ((u64)hi << 32) | lo;
+        if (lane == r) mine = win == 0 ? -1 : (int)(0xFFFFFFFFu - lo);
+        if (win != 0 && best == win) {
+#pragma unroll
+            for (u32 j = 0; j < ROUTER_MAX_J; j++)
+                if (key[j] == win) key[j] = 0;
+            best = best_of();
+        }
+    }
+    return mine;
+}
+
 // logits [T, E] (f32) -> topk_ids [T, K] (i32), topk_weights [T, K] (f32).
 // Dynamic shared memory: ROUTER_WARPS * (2 * E floats + E bytes).
 // Hash layers pass tid2eid [vocab, K] and input_ids [T] (both checked on the host).
@@ -171,6 +214,26 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
             __syncwarp();
         }
         // top-K of sel among allowed experts, descending
+        if (ROUTER_KEYS && E % 32 == 0 && E <= 32 * ROUTER_MAX_J && K <= 32) {
+            // the keys in registers, the ids and weights in lanes (slot r in lane r)
+            u64 key[ROUTER_MAX_J];
+#pragma unroll
+            for (u32 j = 0; j < ROUTER_MAX_J; j++) {
+                u32 e = lane + 32 * j;
+                key[j] = j < E / 32 && flags[e] == 1 ? rank_key(sel[e], e) : 0;
+            }
+            int id = topk_by_keys(key, E / 32, K, (u32)lane);
+            // 6. weights: unbiased scores of the chosen experts, normalized in slot order
+            float w = id >= 0 ? score[id] : f32_nan(), sum = 0.0f;
+            for (u32 j = 0; j < K; j++) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, w, (int)j));
+            sum = __fadd_rn(sum, 1e-20f);
+            if (norm_topk_prob) w = __fdiv_rn(w, sum);
+            if ((u32)lane < K) {
+                ids_out[lane] = id;
+                w_out[lane] = __fmul_rn(w, routed_scaling_factor);
+            }
+            return;
+        }
         for (u32 j = 0; j < K; j++) {
             float bv = 0.0f;
             int bi = -1;
