@@ -44,7 +44,7 @@ pub fn forward_bytes(c: &MoeConfig, tokens: usize, path: ForwardPath, per_slot: 
             // codes of w1, w3, w2 (the scales are 1/16 or 1/32 of that again: left out; so are
             // the second copy in decode tiles that NVFP4 forwards of up to
             // moe_decode::MAX_TOKENS tokens make, and on sm_90a the register-A prefill's
-            // copy and its BF16 tokens, n x max(H, I) x 2 bytes, since neither the format nor
+            // copy and its 16-bit tokens, n x (H + I) x 2 bytes, since neither the format nor
             // the arch is known here: a lower bound)
             b += 3 * e * i * h / 2;
             // quantized GEMM inputs with their scales

@@ -236,11 +236,14 @@ fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
 }
 
 /// The register-A kernels' tokens: the expert inputs dequantized exactly to 16-bit floats
-/// (FP16 by default, BF16 with `-DRS_F16=0`) in the kernels' K order (`moe_rows_bf16_rs`,
-/// `[N, max(H, I)]`), and the TMA tensor maps that read that buffer as `[N, H]` (gate/up) and
-/// `[N, I]` (down); a tile copy moves bits, so the maps' BF16 element type serves both.
+/// (FP16 by default, BF16 with `-DRS_F16=0`) in the kernels' K order, `[N, H]` for the gate/up
+/// (`nvfp4_rows_scatter_*` or `moe_rows_bf16_rs`) and `[N, I]` for the down (`moe_rows_bf16_rs`),
+/// and the TMA tensor maps that read them; a tile copy moves bits, so the maps' BF16 element
+/// type serves both. Two buffers, so that each stage finds its own input again when it is
+/// repeated alone (the bench's GEMM figures): the gate/up's rows come from the prologue.
 struct RsTokens {
-    bf16: CudaSlice<u16>,
+    gate_up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
     /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
     /// rows, then down in the same two
     maps: CudaSlice<u64>,
@@ -248,21 +251,22 @@ struct RsTokens {
 
 impl RsTokens {
     fn new(gpu: &Gpu, n: usize, h: usize, i: usize) -> Result<Self> {
-        let bf16 = gpu.alloc::<u16>(
-            n.max(1) * h.max(i),
-            "the BF16 expert inputs (register-A prefill)",
-        )?;
-        let ptr = gpu.ptr(&bf16);
         let rows = n.max(1);
+        let what = "the 16-bit expert inputs (register-A prefill)";
+        let (gate_up, down) = (
+            gpu.alloc::<u16>(rows * h, what)?,
+            gpu.alloc::<u16>(rows * i, what)?,
+        );
         // per GEMM (gate/up K = H, then down K = I): boxes of BM rows, then of SM90_RS_BOX_ROWS
         let mut maps = Vec::with_capacity(4 * 16);
-        for k in [h, i] {
+        for (buf, k) in [(&gate_up, h), (&down, i)] {
             for box_rows in [BM as u32, SM90_RS_BOX_ROWS] {
-                maps.extend(tma::bf16_rows_swizzle128(ptr, rows, k, box_rows)?);
+                maps.extend(tma::bf16_rows_swizzle128(gpu.ptr(buf), rows, k, box_rows)?);
             }
         }
         Ok(RsTokens {
-            bf16,
+            gate_up,
+            down,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
         })
     }
@@ -272,7 +276,8 @@ impl RsTokens {
 enum PrefillLaunch {
     /// The kernels of kernels/moe.cu or the shared-memory wgmma ones: the same arguments.
     Plain(&'static KernelModule, &'static str, LaunchConfig),
-    /// A register-A kernel: its tokens go through `moe_rows_bf16_rs` first.
+    /// A register-A kernel: its tokens come from the prologue's `nvfp4_rows_scatter_*` or
+    /// through `moe_rows_bf16_rs` first.
     Rs(&'static str, LaunchConfig),
 }
 
@@ -1182,6 +1187,7 @@ impl Nvfp4Forward {
             .as_ref()
             .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
         let n = self.ws.tokens * self.ws.k;
+        let down = k != self.layer.config.hidden_size;
         gpu.launch(
             &MOE_GEMM_SM90,
             "moe_rows_bf16_rs",
@@ -1191,10 +1197,10 @@ impl Nvfp4Forward {
                 KArg::U64(as_),
                 KArg::U32(k as u32),
                 KArg::U32(n as u32),
-                KArg::U64(gpu.ptr(&rs.bf16)),
+                KArg::U64(gpu.ptr(if down { &rs.down } else { &rs.gate_up })),
             ],
         )?;
-        self.rs_maps(k != self.layer.config.hidden_size)
+        self.rs_maps(down)
     }
 
     /// The tensor maps (device address) of the register-A gate/up's or down's token rows.
@@ -1406,7 +1412,7 @@ impl Nvfp4Forward {
                 PrefillLaunch::Rs(..)
             );
         let rs = self.rs.as_ref().filter(|_| fused)?;
-        Some(self.gpu().ptr(&rs.bf16))
+        Some(self.gpu().ptr(&rs.gate_up))
     }
 
     fn enqueue_nvfp4(&self) -> Result<()> {
