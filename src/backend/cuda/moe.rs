@@ -1178,16 +1178,22 @@ impl Nvfp4Forward {
         }
     }
 
-    /// The register-A kernels' tokens: the NVFP4 rows (`aq`, `as_`, K columns) to BF16 in
-    /// their K order; returns the tensor map (device address) that reads them.
-    fn enqueue_rs_tokens(&self, aq: u64, as_: u64, k: usize) -> Result<u64> {
+    /// The register-A kernels' tokens: the NVFP4 rows (`aq`, `as_`) to 16-bit values in their
+    /// K order, for the down GEMM (K = I) or the gate/up (K = H); returns the tensor map (device
+    /// address) that reads them.
+    fn enqueue_rs_tokens(&self, aq: u64, as_: u64, down: bool) -> Result<u64> {
         let gpu = self.gpu();
         let rs = self
             .rs
             .as_ref()
             .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
         let n = self.ws.tokens * self.ws.k;
-        let down = k != self.layer.config.hidden_size;
+        let c = &self.layer.config;
+        let k = if down {
+            c.moe_intermediate_size
+        } else {
+            c.hidden_size
+        };
         gpu.launch(
             &MOE_GEMM_SM90,
             "moe_rows_bf16_rs",
@@ -1590,7 +1596,7 @@ impl Nvfp4Forward {
                         PrefillLaunch::Rs(kernel, grid) => {
                             let map = match self.rs_rows_in_prologue() {
                                 Some(_) => self.rs_maps(false)?,
-                                None => self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), h)?,
+                                None => self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), false)?,
                             };
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
                             let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
@@ -1672,7 +1678,7 @@ impl Nvfp4Forward {
                             gpu.launch(module, kernel, grid, &args)
                         }
                         PrefillLaunch::Rs(kernel, grid) => {
-                            let map = self.enqueue_rs_tokens(p(&ws.a2q), p(&ws.a2s), i)?;
+                            let map = self.enqueue_rs_tokens(p(&ws.a2q), p(&ws.a2s), true)?;
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
                             let mut args = vec![
                                 KArg::U64(map),
