@@ -37,16 +37,17 @@ __device__ __forceinline__ u64 rank_key(float v, u32 e) {
     return ((u64)k << 32) | (0xFFFFFFFFu - e);
 }
 
-// The top-K of a warp's keys, lane l holding key[j] of expert l + 32 j (j < J; 0: not
-// allowed): round r's winner is the warp's largest key, found by two 32-bit reductions, and
-// only its lane rescans its keys. Lane r (< K) gets the id of slot r (-1 where no allowed
-// expert is left, as the scan below).
 #define ROUTER_MAX_J 16
 // 0: every top-K round scans sel and flags in shared memory (the path for other shapes), and
 // lane 0 computes the weights from the ids it stored. A/B only.
 #ifndef ROUTER_KEYS
 #define ROUTER_KEYS 1
 #endif
+
+// The top-K of a warp's keys, lane l holding key[j] of expert l + 32 j (j < J <= ROUTER_MAX_J;
+// 0: not allowed): round r's winner is the warp's largest key, found by two 32-bit reductions,
+// and only its lane rescans its keys. Lane r (< K) gets the id of slot r (-1 where no allowed
+// expert is left, as the scan below).
 __device__ __forceinline__ int topk_by_keys(u64 (&key)[ROUTER_MAX_J], u32 J, u32 K, u32 lane) {
     auto best_of = [&]() {
         u64 b = 0;
