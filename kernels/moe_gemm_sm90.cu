@@ -1151,11 +1151,10 @@ struct RsGateUpA {
 
 #endif  // NVFP4DBG_WGMMA
 
-// The expert inputs for the register-A kernels: out[r, .] = e2m1 * e4m3 * 2^-9 of row r of the
-// NVFP4 rows (aq, as; K a multiple of 128) in BF16, in the K order of the kernels' A fragments:
-// inside each 128-wide chunk, the 32 codes of lane t (K 32 t .. 32 t + 31; word q = K 32 t + 8 q
-// .. + 7) go to step s = 2 q + h, elements 16 s + 2 t + {0, 1} (pair 2 h of word q) and
-// 16 s + 8 + 2 t + {0, 1} (pair 2 h + 1). One thread per 32 codes (unit), four per chunk: a
+// The expert inputs for the register-A kernels: out[r, .] = row r of the NVFP4 rows (aq, as; K
+// a multiple of 128) dequantized exactly to 16 bits in the K order of the kernels' A fragments
+// (rs_unit_words; the down GEMM's rows, and the gate/up's where the prologue did not make them
+// with nvfp4_rows_scatter_*, kernels/quant.cu). One thread per 32 codes (unit), four per chunk: a
 // thread's 16 words lie 4 words apart, so they go through the warp's shared-memory slice to
 // the warp's 8 whole chunks (units per row K / 32 are a multiple of 4, so chunk g of the
 // output is units 4 g .. 4 g + 3, contiguous: out + 128 g), written 512 bytes per store. Chunk
