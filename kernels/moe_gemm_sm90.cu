@@ -1224,6 +1224,8 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
 // and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
 // w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
+// With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
+// token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
@@ -1232,7 +1234,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               u32 has_limit, const u32* __restrict__ tile_offsets,
                               const u32* __restrict__ expert_offsets, u32 E, const float* __restrict__ gs2,
                               u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,
-                              float* __restrict__ out_f32, u32* __restrict__ amax_bits) {
+                              float* __restrict__ out_f32, u32* __restrict__ amax_bits, u32* __restrict__ down_rows) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
@@ -1251,8 +1253,9 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     });
     __syncthreads();
     if (RS_DIAG & 2) return;
-    gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e, gs2,
-                                                          flavor, outq, outs, stats, out_f32, amax_bits);
+    gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS, true>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e,
+                                                                gs2, flavor, outq, outs, stats, out_f32, amax_bits,
+                                                                down_rows);
 #else
     __trap();
 #endif

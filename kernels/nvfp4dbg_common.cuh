@@ -336,84 +336,6 @@ __device__ __forceinline__ void add_stats(u64* stats, u32 blocks, u32 cls) {
     add_stats4(stats, c);
 }
 
-// The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
-// block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
-// a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
-// time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
-// gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
-// statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into
-// amax_bits[e]. Rows past r1 and columns past nout are skipped.
-template <int BM_, int BN_, int THREADS_, typename A>
-__device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
-                                                         const float* __restrict__ gs2, u32 flavor,
-                                                         u8* __restrict__ outq, u8* __restrict__ outs,
-                                                         u64* __restrict__ stats, float* __restrict__ out_f32,
-                                                         u32* __restrict__ amax_bits) {
-    if (gs2 != nullptr) {
-        // fixed gs2: quantize each (row, 16-column group) of the tile
-        float gsv = gs2[e], rgs = nvfp4_rgs(gsv, flavor);
-        u32 kb = nout / 16;
-        u32 counts[4] = {0, 0, 0, 0};
-        for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
-            u32 r = idx / (BN_ / 16), g = idx % (BN_ / 16);
-            u32 row = r0 + r, col = n0 + g * 16;
-            if (row < r1 && col < nout) {
-                u32 p[2];
-                bool nonzero;
-                u32 s = a.quant16(r, g * 16, gsv, rgs, flavor, p, nonzero);
-                *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
-                outs[(size_t)row * kb + col / 16] = (u8)s;
-                u32 c = classify_nvfp4(s, nonzero);
-                counts[0] += 1;
-                counts[1] += c & 1u;
-                counts[2] += (c >> 1) & 1u;
-                counts[3] += (c >> 2) & 1u;
-            }
-        }
-        add_stats4(stats, counts);
-    } else {
-        // dynamic gs2: write a, fold |a| into the expert's amax
-        u32 m = 0;
-        for (u32 idx = threadIdx.x; idx < BM_ * BN_; idx += THREADS_) {
-            u32 r = idx / BN_, c = idx % BN_;
-            u32 row = r0 + r, col = n0 + c;
-            if (row < r1 && col < nout) {
-                float v = a(r, c);
-                out_f32[(size_t)row * nout + col] = v;
-                float av = fabsf(v);
-                u32 bits = av != av ? 0x7FC00000u : __float_as_uint(av);
-                m = bits > m ? bits : m;
-            }
-        }
-        m = __reduce_max_sync(0xFFFFFFFFu, m);
-        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
-    }
-}
-
-// a in the f32 tile `sa` (rows of SA floats).
-struct TileA {
-    const float* sa;
-    int SA;
-    __device__ __forceinline__ float operator()(u32 r, u32 c) const { return sa[r * SA + c]; }
-    // The NVFP4 block of a(r, c0 .. c0 + 15): E4M3 scale code, packed codes, any value nonzero.
-    __device__ __forceinline__ u32 quant16(u32 r, u32 c0, float gs, float rgs, u32 flavor, u32 (&packed)[2],
-                                           bool& nonzero) const {
-        float v[16];
-#pragma unroll
-        for (int x = 0; x < 16; x++) v[x] = sa[r * SA + c0 + x];
-        return quant_block_nvfp4_nz(v, gs, rgs, flavor, packed, nonzero);
-    }
-};
-template <int BM_, int BN_, int THREADS_>
-__device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u32 r0, u32 r1, u32 n0, u32 nout,
-                                                      u32 e, const float* __restrict__ gs2, u32 flavor,
-                                                      u8* __restrict__ outq, u8* __restrict__ outs,
-                                                      u64* __restrict__ stats, float* __restrict__ out_f32,
-                                                      u32* __restrict__ amax_bits) {
-    gate_up_tile_epilogue_of<BM_, BN_, THREADS_>(TileA{sa, SA}, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                 out_f32, amax_bits);
-}
-
 // expf_cr(x) is (float)exp((double)x): it matches a correctly rounded f32 exp (the CPU's expf)
 // in all but vanishingly rare double-rounding cases, where CUDA's expf is off by up to 2 ulp.
 // EXPF_CR_FAST 1 (default) computes most of them without CUDA's double exp (~28 DFMA and a
@@ -755,6 +677,37 @@ __device__ __forceinline__ u32 rs_pair(u32 q, int j) {
 
 __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w; }
 
+// One block's E4M3 scale (the low byte of sc) as the 16-bit pair the block's words are
+// multiplied by (RS_F16: e4m3 * 2^-14 in FP16; else e4m3 * 2^117 in BF16, see rs_unit_words).
+__device__ __forceinline__ u32 rs_scale_pair(u32 sc) {
+#if RS_F16
+    u32 sv = e4m3x2_to_f16x2(sc & 0xFFu);
+#else
+    u32 sv = e4m3x2_scaled(sc & 0xFFu);
+#endif
+    return __byte_perm(sv, sv, 0x1010u);
+}
+
+// Block b (0, 1) of a unit of the register-A kernels' token rows (rs_unit_words): its 16
+// E2M1 codes in w0 (K 16 b .. + 7 of the unit) and w1 (the next 8), its scale pair sl
+// (rs_scale_pair), to steps s = 4 b .. 4 b + 3 of the chunk's 64 words at `o`.
+__device__ __forceinline__ void rs_block_words(u32 w0, u32 w1, u32 sl, u32 b, u32 t, u32* o) {
+#pragma unroll
+    for (int q = 0; q < 2; q++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            u32 w = q ? w1 : w0, s = 4 * b + 2 * q + h;
+#if RS_F16
+            o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl);
+            o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl);
+#else
+            const u32 neg0 = 0x80008000u;
+            o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl, neg0);
+            o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl, neg0);
+#endif
+        }
+}
+
 // One unit of the register-A kernels' token rows: the 32 E2M1 codes of K 32 t .. 32 t + 31 of
 // a 128-wide chunk (word q of q4: K 32 t + 8 q .. + 7) with the E4M3 scales of their two blocks
 // (the low and the high byte of sc16), dequantized exactly (RS_F16: e2m1 * e4m3 * 2^-14 in
@@ -762,26 +715,98 @@ __device__ __forceinline__ u32 rs_word(const uint4& v, int q) { return q == 0 ? 
 // takes pair 2 h of word q to word 8 s + t of the chunk's 64 words at `o`, pair 2 h + 1 to
 // word 8 s + 4 + t.
 __device__ __forceinline__ void rs_unit_words(const uint4& q4, u32 sc16, u32 t, u32* o) {
-#if RS_F16
-    u32 sv = e4m3x2_to_f16x2(sc16);
-#else
-    u32 sv = e4m3x2_scaled(__byte_perm(sc16, 0u, 0x4140u));
-#endif
-    u32 sl[2] = {__byte_perm(sv, sv, 0x1010u), __byte_perm(sv, sv, 0x3232u)};
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 w = rs_word(q4, q), s = 2 * q + h;
-#if RS_F16
-            o[8 * s + t] = mul_f16x2(nib_pair_f16(w, 2 * h), sl[q / 2]);
-            o[8 * s + 4 + t] = mul_f16x2(nib_pair_f16(w, 2 * h + 1), sl[q / 2]);
-#else
-            const u32 neg0 = 0x80008000u;
-            o[8 * s + t] = bf16x2_fma(rs_pair(w, 2 * h), sl[q / 2], neg0);
-            o[8 * s + 4 + t] = bf16x2_fma(rs_pair(w, 2 * h + 1), sl[q / 2], neg0);
-#endif
+    rs_block_words(q4.x, q4.y, rs_scale_pair(sc16), 0, t, o);
+    rs_block_words(q4.z, q4.w, rs_scale_pair(sc16 >> 8), 1, t, o);
+}
+
+// The fused gate/up GEMMs' epilogue (kernels/moe.cu, kernels/moe_gemm_sm90.cu), once the
+// block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
+// a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
+// time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
+// gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
+// statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into
+// amax_bits[e]. Rows past r1 and columns past nout are skipped. ROWS16 (the register-A
+// kernels, nout a multiple of 128): each block also dequantized into `rows16`, the down
+// GEMM's 16-bit token rows (rs_unit_words' order, rows of nout / 2 words), where not null;
+// outq and outs may then be null (nothing else reads the codes).
+template <int BM_, int BN_, int THREADS_, bool ROWS16 = false, typename A>
+__device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
+                                                         const float* __restrict__ gs2, u32 flavor,
+                                                         u8* __restrict__ outq, u8* __restrict__ outs,
+                                                         u64* __restrict__ stats, float* __restrict__ out_f32,
+                                                         u32* __restrict__ amax_bits,
+                                                         u32* __restrict__ rows16 = nullptr) {
+    if (gs2 != nullptr) {
+        // fixed gs2: quantize each (row, 16-column group) of the tile
+        float gsv = gs2[e], rgs = nvfp4_rgs(gsv, flavor);
+        u32 kb = nout / 16;
+        u32 counts[4] = {0, 0, 0, 0};
+        for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
+            u32 r = idx / (BN_ / 16), g = idx % (BN_ / 16);
+            u32 row = r0 + r, col = n0 + g * 16;
+            if (row < r1 && col < nout) {
+                u32 p[2];
+                bool nonzero;
+                u32 s = a.quant16(r, g * 16, gsv, rgs, flavor, p, nonzero);
+                if (outq != nullptr) {
+                    *reinterpret_cast<uint2*>(outq + (size_t)row * (nout / 2) + col / 2) = make_uint2(p[0], p[1]);
+                    outs[(size_t)row * kb + col / 16] = (u8)s;
+                }
+                if constexpr (ROWS16) {
+                    // block (col / 16) % 2 of unit (col / 32) % 4 of chunk col / 128
+                    if (rows16 != nullptr)
+                        rs_block_words(p[0], p[1], rs_scale_pair(s), (col / 16) % 2, (col / 32) % 4,
+                                       rows16 + (size_t)row * (nout / 2) + (col / 128) * 64);
+                }
+                u32 c = classify_nvfp4(s, nonzero);
+                counts[0] += 1;
+                counts[1] += c & 1u;
+                counts[2] += (c >> 1) & 1u;
+                counts[3] += (c >> 2) & 1u;
+            }
         }
+        add_stats4(stats, counts);
+    } else {
+        // dynamic gs2: write a, fold |a| into the expert's amax
+        u32 m = 0;
+        for (u32 idx = threadIdx.x; idx < BM_ * BN_; idx += THREADS_) {
+            u32 r = idx / BN_, c = idx % BN_;
+            u32 row = r0 + r, col = n0 + c;
+            if (row < r1 && col < nout) {
+                float v = a(r, c);
+                out_f32[(size_t)row * nout + col] = v;
+                float av = fabsf(v);
+                u32 bits = av != av ? 0x7FC00000u : __float_as_uint(av);
+                m = bits > m ? bits : m;
+            }
+        }
+        m = __reduce_max_sync(0xFFFFFFFFu, m);
+        if ((threadIdx.x & 31) == 0 && m) atomicMax(&amax_bits[e], m);
+    }
+}
+
+// a in the f32 tile `sa` (rows of SA floats).
+struct TileA {
+    const float* sa;
+    int SA;
+    __device__ __forceinline__ float operator()(u32 r, u32 c) const { return sa[r * SA + c]; }
+    // The NVFP4 block of a(r, c0 .. c0 + 15): E4M3 scale code, packed codes, any value nonzero.
+    __device__ __forceinline__ u32 quant16(u32 r, u32 c0, float gs, float rgs, u32 flavor, u32 (&packed)[2],
+                                           bool& nonzero) const {
+        float v[16];
+#pragma unroll
+        for (int x = 0; x < 16; x++) v[x] = sa[r * SA + c0 + x];
+        return quant_block_nvfp4_nz(v, gs, rgs, flavor, packed, nonzero);
+    }
+};
+template <int BM_, int BN_, int THREADS_>
+__device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u32 r0, u32 r1, u32 n0, u32 nout,
+                                                      u32 e, const float* __restrict__ gs2, u32 flavor,
+                                                      u8* __restrict__ outq, u8* __restrict__ outs,
+                                                      u64* __restrict__ stats, float* __restrict__ out_f32,
+                                                      u32* __restrict__ amax_bits) {
+    gate_up_tile_epilogue_of<BM_, BN_, THREADS_>(TileA{sa, SA}, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
+                                                 out_f32, amax_bits);
 }
 
 // Which expert and sorted rows row tile `bt` covers (tiles of `bm` rows; tile_offsets[E + 1]

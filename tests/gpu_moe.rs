@@ -6,7 +6,7 @@ mod gpu_common;
 
 use gpu_common::*;
 use nvfp4dbg::backend::cpu::CpuBackend;
-use nvfp4dbg::backend::cuda::moe::{InputQuantize, Nvfp4Forward, RsRows, Stage};
+use nvfp4dbg::backend::cuda::moe::{DownRows, InputQuantize, Nvfp4Forward, RsRows, Stage};
 use nvfp4dbg::backend::cuda::quant;
 use nvfp4dbg::backend::Backend;
 use nvfp4dbg::metrics;
@@ -581,8 +581,10 @@ fn assert_routes_like_the_cpu(got: &Routing, want: &Routing, seed: u64) {
 /// sorted rows; on sm_90a's prefill also straight into the register-A gate/up's 16-bit token
 /// rows) against the row gather: the same outputs, per-slot rows and activation block
 /// statistics, bit for bit, with fixed scales (all different, or three values shared among the
-/// experts) and dynamic ones, both flavors, at a decode and a prefill batch. (The gather path
-/// is the one checked against the CPU elsewhere.)
+/// experts) and dynamic ones, both flavors, at a decode and a prefill batch. The gather runs
+/// the down's rows prepass from the codes, the others (with fixed scales on sm_90a's prefill)
+/// have the gate/up's epilogue write the down's 16-bit rows. (The gather path is the one
+/// checked against the CPU elsewhere.)
 #[test]
 #[ignore = "needs a GPU (.ci/gpu-nightly)"]
 fn expert_inputs_scattered_token_by_token_equal_the_gather() {
@@ -611,26 +613,30 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
             (shared3, Flavor::CudaFast),
             (ActScales::Dynamic, Flavor::CudaFast),
         ] {
-            let run = |how: InputQuantize, rows: RsRows| {
+            let run = |how: InputQuantize, rows: RsRows, down: DownRows| {
                 let mut f =
                     Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, flavor, true).unwrap();
                 f.set_input_quantize(how);
                 f.set_rs_rows(rows);
+                f.set_down_rows(down);
                 f.route_on_gpu(None).unwrap();
                 f.set_hidden(&x).unwrap();
                 (f.run().unwrap(), f.schedule())
             };
-            let (g, _) = run(InputQuantize::Gather, RsRows::Auto);
+            let (g, g_schedule) = run(InputQuantize::Gather, RsRows::Auto, DownRows::Prepass);
+            assert!(!g_schedule.contains("gate/up epilogue"), "{g_schedule}");
+            let rs_prefill = tokens > 64 && b.gpu().arch == "sm_90a";
             // the scatter through the codes in memory, then straight into the register-A
             // gate/up's 16-bit token rows where that kernel runs (sm_90a, the prefill batch),
             // from the f32 input and from its BF16 copy
             for rows in [RsRows::Codes, RsRows::F32, RsRows::Auto] {
-                let (s, schedule) = run(InputQuantize::Scatter, rows);
+                let (s, schedule) = run(InputQuantize::Scatter, rows, DownRows::Auto);
                 let what = format!("seed {seed}, {tokens} tokens, {flavor:?}, {schedule}");
                 let straight = schedule.contains("straight into");
+                assert_eq!(straight, rows != RsRows::Codes && rs_prefill, "{what}");
                 assert_eq!(
-                    straight,
-                    rows != RsRows::Codes && tokens > 64 && b.gpu().arch == "sm_90a",
+                    schedule.contains("down's 16-bit rows from the gate/up epilogue"),
+                    rs_prefill && !matches!(scales, ActScales::Dynamic),
                     "{what}"
                 );
                 // the test's inputs are BF16-exact, and the shared expert keeps their copy

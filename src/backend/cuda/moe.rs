@@ -167,6 +167,27 @@ impl RsRows {
     }
 }
 
+/// Where the register-A down GEMM's 16-bit token rows are made. The same rows, so the same
+/// outputs, either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownRows {
+    /// By the register-A gate/up's epilogue from the blocks it quantizes, where gs2 is fixed
+    /// (else as [`DownRows::Prepass`]).
+    Auto,
+    /// By `moe_rows_bf16_rs` from the NVFP4 codes in memory (before session 28).
+    Prepass,
+}
+
+impl DownRows {
+    /// `NVFP4DBG_DOWN_ROWS=prepass`, otherwise [`DownRows::Auto`] (A/B runs of the bench).
+    fn from_env() -> Self {
+        match std::env::var("NVFP4DBG_DOWN_ROWS").as_deref() {
+            Ok("prepass") => DownRows::Prepass,
+            _ => DownRows::Auto,
+        }
+    }
+}
+
 /// How the prologue quantizes the expert inputs (the same codes, scales and statistics).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputQuantize {
@@ -753,6 +774,8 @@ pub struct Nvfp4Forward {
     input_quantize: InputQuantize,
     /// [`Nvfp4Forward::set_rs_rows`].
     rs_rows: RsRows,
+    /// [`Nvfp4Forward::set_down_rows`].
+    down_rows: DownRows,
     /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only and uploaded them to
     /// `ws.hidden_bf16` (which exists where a shared expert or a BF16 router reads it).
     hidden_bf16_set: AtomicBool,
@@ -862,6 +885,7 @@ impl Nvfp4Forward {
             shared_beside: shared_beside_default(),
             input_quantize: InputQuantize::from_env(),
             rs_rows: RsRows::from_env(),
+            down_rows: DownRows::from_env(),
             hidden_bf16_set: AtomicBool::new(false),
         })
     }
@@ -1307,7 +1331,7 @@ impl Nvfp4Forward {
     /// How this forward is laid out where a choice changes no number (for bench reports).
     pub fn schedule(&self) -> String {
         format!(
-            "router logits {}; expert inputs {}; shared expert {}",
+            "router logits {}; expert inputs {}; shared expert {}{}",
             match (self.route, self.router_reads_bf16()) {
                 (RouteSource::Given, _) => "given (routing uploaded)",
                 (RouteSource::Gpu, true) => "BF16 tensor cores, FP32 accumulation",
@@ -1331,6 +1355,11 @@ impl Nvfp4Forward {
                 (false, _) => "none",
                 (true, true) => "beside the routed experts on a second stream",
                 (true, false) => "after the routed experts",
+            },
+            if self.down_rows_in_epilogue().is_some() {
+                "; the down's 16-bit rows from the gate/up epilogue"
+            } else {
+                ""
             }
         )
     }
@@ -1421,6 +1450,23 @@ impl Nvfp4Forward {
         Some(self.gpu().ptr(&rs.gate_up))
     }
 
+    /// Where the register-A gate/up's epilogue writes the down's 16-bit token rows (both GEMMs
+    /// register-A, a fixed gs2, [`DownRows::Auto`]), those rows; `None` where
+    /// `moe_rows_bf16_rs` makes them from the codes.
+    fn down_rows_in_epilogue(&self) -> Option<u64> {
+        let c = &self.layer.config;
+        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+        let wblock = self.layer.nvfp4.as_ref()?.wblock;
+        let fused = self.down_rows == DownRows::Auto
+            && !self.dynamic
+            && self.ws.tokens * self.ws.k > 0
+            && matches!(self.choose_gemm(), GemmKind::Tiled)
+            && matches!(self.prefill_gemm(true, h, i, wblock), PrefillLaunch::Rs(..))
+            && matches!(self.prefill_gemm(false, i, h, wblock), PrefillLaunch::Rs(..));
+        let rs = self.rs.as_ref().filter(|_| fused)?;
+        Some(self.gpu().ptr(&rs.down))
+    }
+
     fn enqueue_nvfp4(&self) -> Result<()> {
         // The shared expert reads only the layer input: it runs on the side stream beside
         // the routed experts, on the multiprocessors their kernels leave idle (the router's
@@ -1457,6 +1503,11 @@ impl Nvfp4Forward {
     /// How the register-A gate/up's token rows are made ([`RsRows`]).
     pub fn set_rs_rows(&mut self, how: RsRows) {
         self.rs_rows = how;
+    }
+
+    /// Where the register-A down's token rows are made ([`DownRows`]).
+    pub fn set_down_rows(&mut self, how: DownRows) {
+        self.down_rows = how;
     }
 
     /// Launch one part of the NVFP4 forward (no allocation, no host sync). A stage reads what
@@ -1558,6 +1609,10 @@ impl Nvfp4Forward {
                     )?;
                 } else {
                     let launch = self.prefill_gemm(true, h, i, ex.wblock);
+                    // the down's token rows from the epilogue (register-A only) instead of the
+                    // codes: nothing else reads those then
+                    let down_rows = self.down_rows_in_epilogue();
+                    let codes = |b| if down_rows.is_some() { 0 } else { p(b) };
                     let tail = [
                         KArg::U32(i as u32),
                         KArg::U64(gpu.ptr(&ws.gs1)),
@@ -1570,8 +1625,8 @@ impl Nvfp4Forward {
                         KArg::U32(e as u32),
                         KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
                         KArg::U32(flavor_code(self.flavor)),
-                        KArg::U64(p(&ws.a2q)),
-                        KArg::U64(p(&ws.a2s)),
+                        KArg::U64(codes(&ws.a2q)),
+                        KArg::U64(codes(&ws.a2s)),
                         KArg::U64(gpu.ptr(&ws.stats)),
                         KArg::U64(gpu.ptr(&ws.a_f32)),
                         KArg::U64(gpu.ptr(&ws.amax_bits)),
@@ -1602,6 +1657,7 @@ impl Nvfp4Forward {
                             let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
+                            args.push(KArg::U64(down_rows.unwrap_or(0)));
                             gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
                         }
                     }
@@ -1678,7 +1734,10 @@ impl Nvfp4Forward {
                             gpu.launch(module, kernel, grid, &args)
                         }
                         PrefillLaunch::Rs(kernel, grid) => {
-                            let map = self.enqueue_rs_tokens(p(&ws.a2q), p(&ws.a2s), true)?;
+                            let map = match self.down_rows_in_epilogue() {
+                                Some(_) => self.rs_maps(true)?,
+                                None => self.enqueue_rs_tokens(p(&ws.a2q), p(&ws.a2s), true)?,
+                            };
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
                             let mut args = vec![
                                 KArg::U64(map),
