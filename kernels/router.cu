@@ -44,28 +44,34 @@ __device__ __forceinline__ u64 rank_key(float v, u32 e) {
 #define ROUTER_KEYS 1
 #endif
 
-// The top-K of a warp's keys, lane l holding key[j] of expert l + 32 j (j < J <= ROUTER_MAX_J;
-// 0: not allowed): round r's winner is the warp's largest key, found by two 32-bit reductions,
-// and only its lane rescans its keys. Lane r (< K) gets the id of slot r (-1 where no allowed
-// expert is left, as the scan below).
-__device__ __forceinline__ int topk_by_keys(u64 (&key)[ROUTER_MAX_J], u32 J, u32 K, u32 lane) {
+// The largest of the warp's keys (every lane passes one; 0 where none), in every lane: two
+// 32-bit reductions.
+__device__ __forceinline__ u64 warp_max_key(u64 k) {
+    u32 hi = __reduce_max_sync(0xFFFFFFFFu, (u32)(k >> 32));
+    u32 lo = __reduce_max_sync(0xFFFFFFFFu, (u32)(k >> 32) == hi ? (u32)k : 0u);
+    return ((u64)hi << 32) | lo;
+}
+
+// The top-K of a warp's keys, lane l holding key[j] of expert l + 32 j (0: not allowed or
+// past E): round r's winner is the warp's largest key (warp_max_key), and only its lane
+// rescans its keys. Lane r (< K) gets the id of slot r (-1 where no allowed expert is left,
+// as the scan below).
+template <int J>
+__device__ __forceinline__ int topk_by_keys(u64 (&key)[J], u32 K, u32 lane) {
     auto best_of = [&]() {
         u64 b = 0;
 #pragma unroll
-        for (u32 j = 0; j < ROUTER_MAX_J; j++)
-            if (j < J && key[j] > b) b = key[j];
+        for (int j = 0; j < J; j++) b = key[j] > b ? key[j] : b;
         return b;
     };
     u64 best = best_of();
     int mine = -1;
     for (u32 r = 0; r < K; r++) {
-        u32 hi = __reduce_max_sync(0xFFFFFFFFu, (u32)(best >> 32));
-        u32 lo = __reduce_max_sync(0xFFFFFFFFu, (u32)(best >> 32) == hi ? (u32)best : 0u);
-        u64 win = ((u64)hi << 32) | lo;
-        if (lane == r) mine = win == 0 ? -1 : (int)(0xFFFFFFFFu - lo);
+        u64 win = warp_max_key(best);
+        if (lane == r) mine = win == 0 ? -1 : (int)(0xFFFFFFFFu - (u32)win);
         if (win != 0 && best == win) {
 #pragma unroll
-            for (u32 j = 0; j < ROUTER_MAX_J; j++)
+            for (int j = 0; j < J; j++)
                 if (key[j] == win) key[j] = 0;
             best = best_of();
         }
@@ -73,24 +79,59 @@ __device__ __forceinline__ int topk_by_keys(u64 (&key)[ROUTER_MAX_J], u32 J, u32
     return mine;
 }
 
-// logits [T, E] (f32) -> topk_ids [T, K] (i32), topk_weights [T, K] (f32).
-// Dynamic shared memory: ROUTER_WARPS * (2 * E floats + E bytes).
-// Hash layers pass tid2eid [vocab, K] and input_ids [T] (both checked on the host).
-extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
-router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
-            const float* __restrict__ bias, u32 n_group, u32 topk_group, u32 norm_topk_prob,
-            float routed_scaling_factor, const i64* __restrict__ tid2eid,
-            const i64* __restrict__ input_ids, int* __restrict__ topk_ids,
-            float* __restrict__ topk_weights) {
-    extern __shared__ float smem[];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    u32 t = blockIdx.x * ROUTER_WARPS + warp;
-    float* score = smem + (size_t)warp * 2 * E;
-    float* sel = score + E;
-    u8* flags = reinterpret_cast<u8*>(smem + (size_t)ROUTER_WARPS * 2 * E) + (size_t)warp * E;
-    if (t >= T) return;  // whole warps only: T is per warp
-    const float* l = logits + (size_t)t * E;
+// Steps 5 and 6 on keys in registers (E a multiple of 32, E <= 32 J, K <= 32): lane l holds
+// the key of expert l + 32 j in key[j]. With `flags` (the scan's group limit done) the allowed
+// experts are those flagged 1. Without, groups of 32 experts (n_group = E / 32) or none: group
+// g's experts are key[g] of the 32 lanes, its score (the sum of its top-2 sel in rank order)
+// two warp_max_key, and the kept groups the topk_group largest keys of (score, g). Then the
+// top-K of the allowed experts; ids and weights as the scan below.
+template <int J>
+__device__ __forceinline__ void route_by_keys(const float* score, const float* sel, const u8* flags, u32 E, u32 K,
+                                              u32 n_group, u32 topk_group, u32 norm_topk_prob,
+                                              float routed_scaling_factor, u32 lane, int* ids_out, float* w_out) {
+    u64 key[J];
+#pragma unroll
+    for (int j = 0; j < J; j++) {
+        u32 e = lane + 32 * j;
+        key[j] = (u32)j < E / 32 && (flags == nullptr || flags[e] == 1) ? rank_key(sel[e], e) : 0;
+    }
+    if (flags == nullptr && n_group > 1) {
+        u64 gkey = 0;  // lane g: group g's (score, g)
+#pragma unroll
+        for (int j = 0; j < J; j++) {
+            if ((u32)j >= n_group) break;
+            u64 w1 = warp_max_key(key[j]);
+            u64 w2 = warp_max_key(key[j] == w1 ? 0 : key[j]);
+            float gsc = __fadd_rn(0.0f, sel[0xFFFFFFFFu - (u32)w1]);
+            if (w2 != 0) gsc = __fadd_rn(gsc, sel[0xFFFFFFFFu - (u32)w2]);
+            if (lane == (u32)j) gkey = rank_key(gsc, j);
+        }
+        u32 kept = 0;
+        for (u32 r = 0; r < topk_group; r++) {
+            u64 w = warp_max_key(gkey);
+            if (w == 0) break;
+            u32 g = 0xFFFFFFFFu - (u32)w;
+            kept |= 1u << g;
+            if (lane == g) gkey = 0;
+        }
+#pragma unroll
+        for (int j = 0; j < J; j++)
+            if (!((kept >> j) & 1u)) key[j] = 0;
+    }
+    int id = topk_by_keys(key, K, lane);
+    if (lane < K) ids_out[lane] = id;  // before the division: its slow path is a call
+    // 6. weights: unbiased scores of the chosen experts, normalized in slot order
+    float w = id >= 0 ? score[id] : f32_nan(), sum = 0.0f;
+    for (u32 j = 0; j < K; j++) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, w, (int)j));
+    sum = __fadd_rn(sum, 1e-20f);
+    if (norm_topk_prob) w = __fdiv_rn(w, sum);
+    if (lane < K) w_out[lane] = __fmul_rn(w, routed_scaling_factor);
+}
 
+// Steps 1 and 2 for token row `l` (one warp): score[e] and sel[e] = score[e] + bias[e] in
+// shared memory, visible to the whole warp on return.
+__device__ __forceinline__ void router_scores(const float* __restrict__ l, u32 E, u32 scoring,
+                                              const float* __restrict__ bias, u32 lane, float* score, float* sel) {
     // 1. scores
     if (scoring == SCORE_SOFTMAX) {
         if (lane == 0) {
@@ -123,10 +164,61 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
         }
     }
     __syncwarp();
-    for (u32 e = lane; e < E; e += 32) {
-        sel[e] = bias ? __fadd_rn(score[e], bias[e]) : score[e];
-        flags[e] = 1;  // allowed, not taken
+    // 2. selection scores
+    for (u32 e = lane; e < E; e += 32) sel[e] = bias ? __fadd_rn(score[e], bias[e]) : score[e];
+    __syncwarp();
+}
+
+// router_topk where its top-K runs on keys alone (route_by_keys without flags): E a multiple
+// of 32 up to 32 J, K <= 32, groups of 32 experts (n_group = E / 32) or no group limit, no
+// hash (the host checks). The same arguments and shared memory as router_topk; kernels of
+// their own (router_topk_keys8 for E <= 256, router_topk_keys16), so that neither the general
+// kernel's registers and calls nor the other J weigh on them.
+template <int J>
+__device__ __forceinline__ void router_topk_keys(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
+                                                 const float* __restrict__ bias, u32 n_group, u32 topk_group,
+                                                 u32 norm_topk_prob, float routed_scaling_factor,
+                                                 int* __restrict__ topk_ids, float* __restrict__ topk_weights) {
+    extern __shared__ float smem[];
+    u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 t = blockIdx.x * ROUTER_WARPS + warp;
+    float* score = smem + (size_t)warp * 2 * E;
+    float* sel = score + E;
+    if (t >= T) return;  // whole warps only: T is per warp
+    router_scores(logits + (size_t)t * E, E, scoring, bias, lane, score, sel);
+    route_by_keys<J>(score, sel, nullptr, E, K, n_group, topk_group, norm_topk_prob, routed_scaling_factor, lane,
+                     topk_ids + (size_t)t * K, topk_weights + (size_t)t * K);
+}
+#define ROUTER_TOPK_KEYS(J)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_topk_keys##J(                       \
+        const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring, const float* __restrict__ bias,     \
+        u32 n_group, u32 topk_group, u32 norm_topk_prob, float routed_scaling_factor,                          \
+        const i64* __restrict__ tid2eid, const i64* __restrict__ input_ids, int* __restrict__ topk_ids,         \
+        float* __restrict__ topk_weights) {                                                                    \
+        router_topk_keys<J>(logits, T, E, K, scoring, bias, n_group, topk_group, norm_topk_prob,               \
+                            routed_scaling_factor, topk_ids, topk_weights);                                    \
     }
+ROUTER_TOPK_KEYS(8)
+ROUTER_TOPK_KEYS(16)
+
+// logits [T, E] (f32) -> topk_ids [T, K] (i32), topk_weights [T, K] (f32).
+// Dynamic shared memory: ROUTER_WARPS * (2 * E floats + E bytes).
+// Hash layers pass tid2eid [vocab, K] and input_ids [T] (both checked on the host).
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
+            const float* __restrict__ bias, u32 n_group, u32 topk_group, u32 norm_topk_prob,
+            float routed_scaling_factor, const i64* __restrict__ tid2eid,
+            const i64* __restrict__ input_ids, int* __restrict__ topk_ids,
+            float* __restrict__ topk_weights) {
+    extern __shared__ float smem[];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    u32 t = blockIdx.x * ROUTER_WARPS + warp;
+    float* score = smem + (size_t)warp * 2 * E;
+    float* sel = score + E;
+    u8* flags = reinterpret_cast<u8*>(smem + (size_t)ROUTER_WARPS * 2 * E) + (size_t)warp * E;
+    if (t >= T) return;  // whole warps only: T is per warp
+    router_scores(logits + (size_t)t * E, E, scoring, bias, lane, score, sel);
+    for (u32 e = lane; e < E; e += 32) flags[e] = 1;  // allowed, not taken
     __syncwarp();
 
     int* ids_out = topk_ids + (size_t)t * K;
@@ -217,22 +309,8 @@ router_topk(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring,
         // top-K of sel among allowed experts, descending
         if (ROUTER_KEYS && E % 32 == 0 && E <= 32 * ROUTER_MAX_J && K <= 32) {
             // the keys in registers, the ids and weights in lanes (slot r in lane r)
-            u64 key[ROUTER_MAX_J];
-#pragma unroll
-            for (u32 j = 0; j < ROUTER_MAX_J; j++) {
-                u32 e = lane + 32 * j;
-                key[j] = j < E / 32 && flags[e] == 1 ? rank_key(sel[e], e) : 0;
-            }
-            int id = topk_by_keys(key, E / 32, K, (u32)lane);
-            // 6. weights: unbiased scores of the chosen experts, normalized in slot order
-            float w = id >= 0 ? score[id] : f32_nan(), sum = 0.0f;
-            for (u32 j = 0; j < K; j++) sum = __fadd_rn(sum, __shfl_sync(0xFFFFFFFFu, w, (int)j));
-            sum = __fadd_rn(sum, 1e-20f);
-            if (norm_topk_prob) w = __fdiv_rn(w, sum);
-            if ((u32)lane < K) {
-                ids_out[lane] = id;
-                w_out[lane] = __fmul_rn(w, routed_scaling_factor);
-            }
+            route_by_keys<ROUTER_MAX_J>(score, sel, flags, E, K, 0, 0, norm_topk_prob, routed_scaling_factor, lane,
+                                        ids_out, w_out);
             return;
         }
         for (u32 j = 0; j < K; j++) {

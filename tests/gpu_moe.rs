@@ -154,6 +154,112 @@ fn router_ids_match_the_cpu_on_tie_free_tokens() {
     }
 }
 
+/// The GPU router against the CPU's on logits both compute exactly (one-hot hidden states,
+/// router weights and biases drawn from a few values): every token decided alike, ties (equal
+/// selection scores, equal group scores) and NaN logits included, on each of `router_topk`'s
+/// paths: groups of 32 experts on keys alone (E = 96, 256, 512), group limits of other sizes
+/// through flags then keys, no group limit, E not a multiple of 32 (the scan), hash layers;
+/// every scoring function. Weights within an ulp of the exp (and bit for bit where the
+/// CPU's expf rounds as the GPU's does).
+#[test]
+#[ignore = "needs a GPU (.ci/gpu-nightly)"]
+fn router_decides_ties_and_nan_like_the_cpu_on_exact_logits() {
+    use rand::Rng;
+    let b = backend();
+    let cpu = CpuBackend::new();
+    let (mut r, seed) = rng("router_decides_ties_and_nan_like_the_cpu_on_exact_logits");
+    // (E, K, n_group, topk_group, scoring, hash)
+    let cases = [
+        (256, 8, 8, 4, ScoringFunc::Sigmoid, false),
+        (512, 8, 16, 4, ScoringFunc::Sigmoid, false),
+        (96, 6, 3, 2, ScoringFunc::Softmax, false),
+        (256, 8, 16, 5, ScoringFunc::Sigmoid, false),
+        (160, 6, 8, 3, ScoringFunc::Sqrtsoftplus, false),
+        (64, 8, 1, 1, ScoringFunc::Sqrtsoftplus, false),
+        (100, 4, 1, 1, ScoringFunc::Sigmoid, false),
+        (100, 4, 4, 2, ScoringFunc::Softmax, false),
+        (64, 4, 1, 1, ScoringFunc::Sigmoid, true),
+    ];
+    let values = [-1.0f32, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0];
+    let biases = [0.0f32, 0.25, -0.25];
+    for (e, k, n_group, topk_group, func, hash) in cases {
+        let spec = LayerSpec {
+            e,
+            k,
+            n_group,
+            topk_group,
+            h: 64,
+            i: 128,
+            hash,
+            shared: false,
+            ..LayerSpec::small(func)
+        };
+        let mut layer = build_layer(&mut r, spec);
+        let h = spec.h;
+        for w in layer.router.weight.iter_mut() {
+            *w = values[r.gen_range(0..values.len())];
+        }
+        // a NaN logit for every token in one expert (0 * NaN is NaN in every sum; under
+        // softmax it would make every score NaN)
+        if e != 256 && func != ScoringFunc::Softmax {
+            layer.router.weight[(e / 3) * h + 5] = f32::NAN;
+        }
+        if let Some(bias) = layer.router.e_score_correction_bias.as_mut() {
+            for v in bias.iter_mut() {
+                *v = biases[r.gen_range(0..biases.len())];
+            }
+        }
+        let tokens = 300;
+        let mut x = vec![0f32; tokens * h];
+        for t in 0..tokens {
+            x[t * h + (t * 7) % h] = 1.0;
+        }
+        let ids = input_ids(&mut r, tokens);
+        let want = cpu.route(&layer, &x, Some(&ids)).unwrap();
+        let got = b.route(&layer, &x, Some(&ids)).unwrap();
+        let what =
+            format!("seed {seed}: E {e} K {k} groups {topk_group}/{n_group} {func:?} hash {hash}");
+        let mut ties = 0;
+        for t in 0..tokens {
+            let s = t * k..(t + 1) * k;
+            assert_eq!(
+                got.topk_ids[s.clone()],
+                want.topk_ids[s.clone()],
+                "{what}: token {t}"
+            );
+            for j in s {
+                let (g, w) = (got.topk_weights[j], want.topk_weights[j]);
+                assert!(
+                    g.to_bits() == w.to_bits()
+                        || (g.is_nan() && w.is_nan())
+                        || (g - w).abs() <= 2.0 * f32::EPSILON * w.abs(),
+                    "{what}: token {t} slot weight {g} against {w}"
+                );
+            }
+            // how often the decision had a tie to break (the test's point)
+            let logits = &layer.router.weight;
+            let row: Vec<f32> = (0..e).map(|x| logits[x * h + (t * 7) % h]).collect();
+            let chosen: Vec<f32> = want.topk_ids[t * k..(t + 1) * k]
+                .iter()
+                .map(|&i| row[i as usize])
+                .collect();
+            ties += usize::from(
+                row.iter()
+                    .filter(|&&v| chosen.iter().any(|&c| c.to_bits() == v.to_bits()))
+                    .count()
+                    > k,
+            );
+        }
+        eprintln!(
+            "router {what}: {tokens} tokens identical, {ties} with tied logits among the chosen"
+        );
+        assert!(
+            hash || ties * 2 > tokens,
+            "{what}: only {ties} tokens with ties, the test checks too little"
+        );
+    }
+}
+
 /// `v` with the lowest mantissa bit set: no value is BF16-exact any more.
 fn not_bf16(v: &[f32]) -> Vec<f32> {
     v.iter().map(|x| f32::from_bits(x.to_bits() | 1)).collect()

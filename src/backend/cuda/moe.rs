@@ -1462,7 +1462,10 @@ impl Nvfp4Forward {
             && self.ws.tokens * self.ws.k > 0
             && matches!(self.choose_gemm(), GemmKind::Tiled)
             && matches!(self.prefill_gemm(true, h, i, wblock), PrefillLaunch::Rs(..))
-            && matches!(self.prefill_gemm(false, i, h, wblock), PrefillLaunch::Rs(..));
+            && matches!(
+                self.prefill_gemm(false, i, h, wblock),
+                PrefillLaunch::Rs(..)
+            );
         let rs = self.rs.as_ref().filter(|_| fused)?;
         Some(self.gpu().ptr(&rs.down))
     }

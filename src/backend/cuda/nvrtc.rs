@@ -46,7 +46,7 @@ pub const REDUCE: KernelModule = KernelModule {
 pub const ROUTER: KernelModule = KernelModule {
     file: "kernels/router.cu",
     source: include_str!("../../../kernels/router.cu"),
-    kernels: &["router_topk"],
+    kernels: &["router_topk", "router_topk_keys8", "router_topk_keys16"],
 };
 
 pub const MOE: KernelModule = KernelModule {

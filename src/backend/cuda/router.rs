@@ -17,6 +17,28 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 
 const WARPS: u32 = 4;
 
+/// Which router kernel takes this layer's top-k: `router_topk_keys8` / `16` (the top-k and
+/// the group limit on rank keys in registers, 8 or 16 a lane) where E is a multiple of 32 up
+/// to 256 / 512, k <= 32, and the groups are of 32 experts or absent, on a layer without hash
+/// routing; else `router_topk`. `NVFP4DBG_ROUTER_KERNEL=general` takes `router_topk`
+/// everywhere (A/B runs).
+fn topk_kernel(c: &MoeConfig, hash: bool) -> &'static str {
+    let (e, k, g) = (c.n_routed_experts, c.num_experts_per_tok, c.n_group);
+    let fits = !hash
+        && e.is_multiple_of(32)
+        && e <= 512
+        && k <= 32
+        && (g <= 1 || g * 32 == e)
+        && !std::env::var("NVFP4DBG_ROUTER_KERNEL").is_ok_and(|v| v == "general");
+    if fits && e <= 256 {
+        "router_topk_keys8"
+    } else if fits {
+        "router_topk_keys16"
+    } else {
+        "router_topk"
+    }
+}
+
 /// A layer's router tensors on the GPU.
 pub struct DevRouter {
     pub(crate) weight: CudaSlice<f32>,
@@ -178,7 +200,7 @@ pub(crate) fn enqueue_route(
     }
     gpu.launch(
         &ROUTER,
-        "router_topk",
+        topk_kernel(c, r.hash),
         LaunchConfig {
             grid_dim: ((tokens as u32).div_ceil(WARPS), 1, 1),
             block_dim: (WARPS * 32, 1, 1),
