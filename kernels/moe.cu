@@ -532,26 +532,20 @@ extern "C" __global__ void gather_rows_bf16(const float* __restrict__ src, const
     }
 }
 
-// a[j] = bf16(swiglu(g[x], u[x])) for j < n, x = (j / cols) * ld + j % cols: a contiguous
-// [n / cols, cols], g and u rows of ld floats (the reference's separate g and u: one row; the
-// shared expert's fused gate/up output: g the first, u the second half of rows of 2 cols).
-// A thread per 4 elements (16-byte loads where cols and ld allow: g and u 16-byte aligned),
-// the last thread's past n skipped.
-extern "C" __global__ void swiglu_bf16(const float* __restrict__ g, const float* __restrict__ u, u64 n, u64 cols,
-                                       u64 ld, float limit, u32 has_limit, u16* __restrict__ a) {
+// a = bf16(swiglu(g, u)) elementwise (the reference and shared-expert intermediate).
+// A thread per 4 elements (16-byte loads: g, u and a are allocations, so aligned), the last
+// thread's past n skipped.
+extern "C" __global__ void swiglu_bf16(const float* __restrict__ g, const float* __restrict__ u,
+                                       u64 n, float limit, u32 has_limit, u16* __restrict__ a) {
     u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
-    if (cols % 4 == 0 && ld % 4 == 0 && i + 4 <= n) {
-        u64 r = i / cols, x = r * ld + (i - r * cols);
-        float4 gv = *reinterpret_cast<const float4*>(g + x), uv = *reinterpret_cast<const float4*>(u + x);
+    if (i + 4 <= n) {
+        float4 gv = *reinterpret_cast<const float4*>(g + i), uv = *reinterpret_cast<const float4*>(u + i);
         uint2 o = make_uint2(f32_to_bf16_rn(swiglu(gv.x, uv.x, limit, has_limit)) |
                                  (u32)f32_to_bf16_rn(swiglu(gv.y, uv.y, limit, has_limit)) << 16,
                              f32_to_bf16_rn(swiglu(gv.z, uv.z, limit, has_limit)) |
                                  (u32)f32_to_bf16_rn(swiglu(gv.w, uv.w, limit, has_limit)) << 16);
         *reinterpret_cast<uint2*>(a + i) = o;
     } else {
-        for (u64 j = i; j < i + 4 && j < n; j++) {
-            u64 r = j / cols, x = r * ld + (j - r * cols);
-            a[j] = f32_to_bf16_rn(swiglu(g[x], u[x], limit, has_limit));
-        }
+        for (; i < n; i++) a[i] = f32_to_bf16_rn(swiglu(g[i], u[i], limit, has_limit));
     }
 }

@@ -21,7 +21,7 @@ fn gemm_nt(
     k: usize,
     x: u64,
     w: u64,
-    (y, ldy): (u64, usize),
+    y: u64,
     in_type: cudaDataType_t,
     compute: cublasComputeType_t,
     what: &str,
@@ -30,11 +30,10 @@ fn gemm_nt(
         return Ok(());
     }
     let blas = gpu.blas()?;
-    let (mi, ni, ki, ldyi) = (
+    let (mi, ni, ki) = (
         dim(m, "rows")?,
         dim(n, "out features")?,
         dim(k, "in features")?,
-        dim(ldy, "the output's row length")?,
     );
     let (alpha, beta) = (1.0f32, 0.0f32);
     // column-major view: C (n x m) = op(W) (n x k) · X (k x m), W stored k x n → transposed
@@ -56,7 +55,7 @@ fn gemm_nt(
             &beta as *const f32 as *const c_void,
             y as *mut c_void,
             cudaDataType_t::CUDA_R_32F,
-            ldyi,
+            ni,
             compute,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
@@ -75,21 +74,6 @@ pub(crate) fn gemm_bf16(
     x: u64,
     w: u64,
     y: u64,
-    what: &str,
-) -> Result<()> {
-    gemm_bf16_rows(gpu, m, n, k, x, w, (y, n), what)
-}
-
-/// [`gemm_bf16`] into rows of `ldy` floats (`ldy >= n`: the output's columns `0..n`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_bf16_rows(
-    gpu: &Gpu,
-    m: usize,
-    n: usize,
-    k: usize,
-    x: u64,
-    w: u64,
-    y: (u64, usize),
     what: &str,
 ) -> Result<()> {
     gemm_nt(
@@ -125,7 +109,7 @@ pub(crate) fn gemm_f32(
         k,
         x,
         w,
-        (y, n),
+        y,
         cudaDataType_t::CUDA_R_32F,
         cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
         what,

@@ -138,12 +138,6 @@ pub enum PrefillGemm {
     WgmmaRs,
 }
 
-/// `NVFP4DBG_SHARED_GATE_UP=split`: the shared expert's gate_proj and up_proj as two GEMMs
-/// (before session 28) instead of one of twice the outputs (A/B runs).
-fn shared_gate_up_split() -> bool {
-    std::env::var("NVFP4DBG_SHARED_GATE_UP").is_ok_and(|v| v == "split")
-}
-
 /// `NVFP4DBG_SHARED_STREAM=0`: the shared expert after the routed ones, on the one stream.
 fn shared_beside_default() -> bool {
     !std::env::var("NVFP4DBG_SHARED_STREAM").is_ok_and(|v| v == "0")
@@ -375,18 +369,17 @@ use crate::moe::forward::check_routing;
 /// A BF16 MLP on the GPU (shared experts).
 struct DevDense {
     inter: usize,
-    /// gate_proj's rows, then up_proj's: `[2 inter, hidden]`, one GEMM for both
-    w13: CudaSlice<u16>,
+    w1: CudaSlice<u16>,
+    w3: CudaSlice<u16>,
     w2: CudaSlice<u16>,
 }
 
 impl DevDense {
     fn upload(gpu: &Gpu, m: &DenseMlp) -> Result<Self> {
-        let mut w13 = bf16_bits(&m.w1);
-        w13.extend(bf16_bits(&m.w3));
         Ok(DevDense {
             inter: m.intermediate,
-            w13: gpu.upload(&w13, "shared expert gate_proj and up_proj")?,
+            w1: gpu.upload(&bf16_bits(&m.w1), "shared expert gate_proj")?,
+            w3: gpu.upload(&bf16_bits(&m.w3), "shared expert up_proj")?,
             w2: gpu.upload(&bf16_bits(&m.w2), "shared expert down_proj")?,
         })
     }
@@ -654,8 +647,8 @@ struct Workspace {
 }
 
 struct SharedWs {
-    /// `[tokens, 2 inter]`: g in the first half of each row, u in the second
-    gu: CudaSlice<f32>,
+    g: CudaSlice<f32>,
+    u: CudaSlice<f32>,
     a: CudaSlice<u16>,
     y: CudaSlice<f32>,
 }
@@ -719,7 +712,8 @@ impl Workspace {
             y: gpu.alloc(n * h, "expert outputs")?,
             shared: match &layer.shared {
                 Some(s) => Some(SharedWs {
-                    gu: gpu.alloc(tokens * 2 * s.inter, "shared expert gate and up")?,
+                    g: gpu.alloc(tokens * s.inter, "shared expert gate")?,
+                    u: gpu.alloc(tokens * s.inter, "shared expert up")?,
                     a: gpu.alloc(tokens * s.inter, "shared expert intermediate")?,
                     y: gpu.alloc(tokens * h, "shared expert output")?,
                 }),
@@ -1838,37 +1832,30 @@ impl Nvfp4Forward {
             // set_hidden uploaded the BF16 copy only where it is exact
             self.enqueue_gather_bf16(0, t, gpu.ptr(xb))?;
         }
-        let gu = gpu.ptr(&sw.gu);
-        if shared_gate_up_split() {
-            // two GEMMs of si outputs into the halves of each row (A/B runs)
-            for (half, what) in [(0, "shared expert gate_proj"), (1, "shared expert up_proj")] {
-                blas::gemm_bf16_rows(
-                    gpu,
-                    t,
-                    si,
-                    h,
-                    gpu.ptr(xb),
-                    gpu.ptr(&sh.w13) + (half * si * h * 2) as u64,
-                    (gu + (half * si * 4) as u64, 2 * si),
-                    what,
-                )?;
-            }
-        } else {
-            // gate_proj and up_proj as one GEMM of 2 si outputs (a wider grid than two of si)
-            blas::gemm_bf16(
-                gpu,
-                t,
-                2 * si,
-                h,
-                gpu.ptr(xb),
-                gpu.ptr(&sh.w13),
-                gu,
-                "shared expert gate_proj and up_proj",
-            )?;
-        }
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(xb),
+            gpu.ptr(&sh.w1),
+            gpu.ptr(&sw.g),
+            "shared expert gate_proj",
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            si,
+            h,
+            gpu.ptr(xb),
+            gpu.ptr(&sh.w3),
+            gpu.ptr(&sw.u),
+            "shared expert up_proj",
+        )?;
         self.enqueue_swiglu_bf16(
-            (gu, gu + (si * 4) as u64),
-            ((t * si) as u64, si as u64, 2 * si as u64),
+            gpu.ptr(&sw.g),
+            gpu.ptr(&sw.u),
+            (t * si) as u64,
             gpu.ptr(&sw.a),
         )?;
         blas::gemm_bf16(
@@ -1901,13 +1888,7 @@ impl Nvfp4Forward {
         )
     }
 
-    /// `a = bf16(swiglu(g, u))` over `n` values in rows of `cols`, g and u in rows of `ld`.
-    fn enqueue_swiglu_bf16(
-        &self,
-        (g, u): (u64, u64),
-        (n, cols, ld): (u64, u64, u64),
-        a: u64,
-    ) -> Result<()> {
+    fn enqueue_swiglu_bf16(&self, g: u64, u: u64, n: u64, a: u64) -> Result<()> {
         let (limit, has_limit) = match self.layer.config.swiglu_limit {
             Some(l) => (l, 1u32),
             None => (0.0, 0u32),
@@ -1920,8 +1901,6 @@ impl Nvfp4Forward {
                 KArg::U64(g),
                 KArg::U64(u),
                 KArg::U64(n),
-                KArg::U64(cols),
-                KArg::U64(ld),
                 KArg::F32(limit),
                 KArg::U32(has_limit),
                 KArg::U64(a),
@@ -2016,8 +1995,7 @@ impl Nvfp4Forward {
                     "reference up_proj",
                 )?;
             }
-            let n = (n * i) as u64;
-            self.enqueue_swiglu_bf16((g, u), (n, n, n), a)?;
+            self.enqueue_swiglu_bf16(g, u, (n * i) as u64, a)?;
             for x in 0..e {
                 let (r0, r1) = (offs[x] as usize, offs[x + 1] as usize);
                 if r1 <= r0 {
