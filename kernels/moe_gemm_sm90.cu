@@ -1153,8 +1153,9 @@ struct RsGateUpA {
 
 // The expert inputs for the register-A kernels: out[r, .] = row r of the NVFP4 rows (aq, as; K
 // a multiple of 128) dequantized exactly to 16 bits in the K order of the kernels' A fragments
-// (rs_unit_words; the down GEMM's rows, and the gate/up's where the prologue did not make them
-// with nvfp4_rows_scatter_*, kernels/quant.cu). One thread per 32 codes (unit), four per chunk: a
+// (rs_unit_words; the down GEMM's rows where the gate/up epilogue did not write them: dynamic
+// gs2, NVFP4DBG_DOWN_ROWS=prepass; the gate/up's where the prologue did not make them with
+// nvfp4_rows_scatter_*, kernels/quant.cu). One thread per 32 codes (unit), four per chunk: a
 // thread's 16 words lie 4 words apart, so they go through the warp's shared-memory slice to
 // the warp's 8 whole chunks (units per row K / 32 are a multiple of 4, so chunk g of the
 // output is units 4 g .. 4 g + 3, contiguous: out + 128 g), written 512 bytes per store. Chunk
