@@ -189,17 +189,22 @@ __device__ __forceinline__ void router_topk_keys(const float* __restrict__ logit
     route_by_keys<J>(score, sel, nullptr, E, K, n_group, topk_group, norm_topk_prob, routed_scaling_factor, lane,
                      topk_ids + (size_t)t * K, topk_weights + (size_t)t * K);
 }
-#define ROUTER_TOPK_KEYS(J)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32) router_topk_keys##J(                       \
-        const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring, const float* __restrict__ bias,     \
-        u32 n_group, u32 topk_group, u32 norm_topk_prob, float routed_scaling_factor,                          \
-        const i64* __restrict__ tid2eid, const i64* __restrict__ input_ids, int* __restrict__ topk_ids,         \
-        float* __restrict__ topk_weights) {                                                                    \
-        router_topk_keys<J>(logits, T, E, K, scoring, bias, n_group, topk_group, norm_topk_prob,               \
-                            routed_scaling_factor, topk_ids, topk_weights);                                    \
-    }
-ROUTER_TOPK_KEYS(8)
-ROUTER_TOPK_KEYS(16)
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk_keys8(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring, const float* __restrict__ bias,
+                  u32 n_group, u32 topk_group, u32 norm_topk_prob, float routed_scaling_factor,
+                  const i64* __restrict__ tid2eid, const i64* __restrict__ input_ids, int* __restrict__ topk_ids,
+                  float* __restrict__ topk_weights) {
+    router_topk_keys<8>(logits, T, E, K, scoring, bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                        topk_ids, topk_weights);
+}
+extern "C" __global__ void __launch_bounds__(ROUTER_WARPS * 32)
+router_topk_keys16(const float* __restrict__ logits, u32 T, u32 E, u32 K, u32 scoring, const float* __restrict__ bias,
+                   u32 n_group, u32 topk_group, u32 norm_topk_prob, float routed_scaling_factor,
+                   const i64* __restrict__ tid2eid, const i64* __restrict__ input_ids, int* __restrict__ topk_ids,
+                   float* __restrict__ topk_weights) {
+    router_topk_keys<16>(logits, T, E, K, scoring, bias, n_group, topk_group, norm_topk_prob, routed_scaling_factor,
+                         topk_ids, topk_weights);
+}
 
 // logits [T, E] (f32) -> topk_ids [T, K] (i32), topk_weights [T, K] (f32).
 // Dynamic shared memory: ROUTER_WARPS * (2 * E floats + E bytes).
