@@ -1207,10 +1207,7 @@ impl Nvfp4Forward {
     /// address) that reads them.
     fn enqueue_rs_tokens(&self, aq: u64, as_: u64, down: bool) -> Result<u64> {
         let gpu = self.gpu();
-        let rs = self
-            .rs
-            .as_ref()
-            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
+        let rs = self.rs_tokens()?;
         let n = self.ws.tokens * self.ws.k;
         let c = &self.layer.config;
         let k = if down {
@@ -1235,12 +1232,14 @@ impl Nvfp4Forward {
 
     /// The tensor maps (device address) of the register-A gate/up's or down's token rows.
     fn rs_maps(&self, down: bool) -> Result<u64> {
-        let rs = self
-            .rs
-            .as_ref()
-            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))?;
         // the gate/up maps (K = H) first, then the down maps: two of 128 bytes each
-        Ok(self.gpu().ptr(&rs.maps) + if down { 256 } else { 0 })
+        Ok(self.gpu().ptr(&self.rs_tokens()?.maps) + if down { 256 } else { 0 })
+    }
+
+    fn rs_tokens(&self) -> Result<&RsTokens> {
+        self.rs
+            .as_ref()
+            .ok_or_else(|| Error::usage("the register-A prefill buffers were not allocated"))
     }
 
     /// Which prefill GEMM kernels this forward launches (tests compare them).
@@ -1435,17 +1434,10 @@ impl Nvfp4Forward {
     /// register-A gate/up's token rows (`nvfp4_rows_scatter_*`), those rows; `None` where the
     /// codes go through memory (the gather, the other GEMMs, [`RsRows::Codes`]).
     fn rs_rows_in_prologue(&self) -> Option<u64> {
-        let c = &self.layer.config;
-        let wblock = self.layer.nvfp4.as_ref()?.wblock;
         let fused = self.rs_rows != RsRows::Codes
             && super::quant::rows_scatter_fits()
-            && self.ws.tokens * self.ws.k > 0
             && self.scatters_inputs()
-            && matches!(self.choose_gemm(), GemmKind::Tiled)
-            && matches!(
-                self.prefill_gemm(true, c.hidden_size, c.moe_intermediate_size, wblock),
-                PrefillLaunch::Rs(..)
-            );
+            && self.runs_rs(false);
         let rs = self.rs.as_ref().filter(|_| fused)?;
         Some(self.gpu().ptr(&rs.gate_up))
     }
@@ -1454,20 +1446,28 @@ impl Nvfp4Forward {
     /// register-A, a fixed gs2, [`DownRows::Auto`]), those rows; `None` where
     /// `moe_rows_bf16_rs` makes them from the codes.
     fn down_rows_in_epilogue(&self) -> Option<u64> {
-        let c = &self.layer.config;
-        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-        let wblock = self.layer.nvfp4.as_ref()?.wblock;
         let fused = self.down_rows == DownRows::Auto
             && !self.dynamic
-            && self.ws.tokens * self.ws.k > 0
-            && matches!(self.choose_gemm(), GemmKind::Tiled)
-            && matches!(self.prefill_gemm(true, h, i, wblock), PrefillLaunch::Rs(..))
-            && matches!(
-                self.prefill_gemm(false, i, h, wblock),
-                PrefillLaunch::Rs(..)
-            );
+            && self.runs_rs(false)
+            && self.runs_rs(true);
         let rs = self.rs.as_ref().filter(|_| fused)?;
         Some(self.gpu().ptr(&rs.down))
+    }
+
+    /// A register-A kernel runs this forward's gate/up GEMM (`down` false) or its down GEMM.
+    fn runs_rs(&self, down: bool) -> bool {
+        let c = &self.layer.config;
+        let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+        let Some(wblock) = self.layer.nvfp4.as_ref().map(|x| x.wblock) else {
+            return false;
+        };
+        let (k, nout) = if down { (i, h) } else { (h, i) };
+        self.ws.tokens * self.ws.k > 0
+            && matches!(self.choose_gemm(), GemmKind::Tiled)
+            && matches!(
+                self.prefill_gemm(!down, k, nout, wblock),
+                PrefillLaunch::Rs(..)
+            )
     }
 
     fn enqueue_nvfp4(&self) -> Result<()> {
