@@ -55,14 +55,17 @@ same_outputs() {
 
 # ab_rounds ROUNDS ONLY "name|VAR=v,VAR=v ...": `nvfp4dbg bench --quick --only ONLY` under
 # each variant's environment, the variants alternating within each round, then the medians
-# (bench/ab_summary.py). A `~` in a value is a space (two defines: -DA=1~-DB=2).
+# (bench/ab_summary.py). A `~` in a value is a space (two defines: -DA=1~-DB=2); BIN=file runs
+# .dev/gpu/file instead of .dev/gpu/nvfp4dbg (another build, e.g. the commit before).
 ab_rounds() {
-    local rounds=$1 only=$2 variants=$3 i v n kv
+    local rounds=$1 only=$2 variants=$3 i v n kv bin x
     for i in $(seq $rounds); do
         for v in $variants; do
             n=${v%%|*}
             IFS=, read -ra kv <<< "${v#*|}"
-            env "${kv[@]//\~/ }" timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q \
+            bin=nvfp4dbg
+            for x in "${kv[@]}"; do [[ $x == BIN=* ]] && bin=${x#BIN=}; done
+            env "${kv[@]//\~/ }" timeout 120 .dev/gpu/$bin bench --device cuda --no-report-dir -q \
                 --quick --only $only --json $R/$n-$i.json > $R/$n-$i.txt 2>&1
             echo "$n-$i rc=$?" >> $R/log.txt
         done

@@ -58,17 +58,20 @@ __device__ __forceinline__ u32 row_tiles(u32 n, u32 bm, u32 slack) {
 }
 
 // One block. chunk_base[c*E + e] = first sorted position of chunk c's entries for expert e;
-// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); wide_tile_offsets
-// the same for tiles whose last one takes up to bm + slack rows (the register-A prefill's);
-// active[0] = the number of experts with rows, active[1..] = those experts in order (the
-// decode GEMMs' grid). The chunks of an expert are split into P = max(1, blockDim.x / E) runs
+// expert_offsets[E+1]; tile_offsets[E+1] = prefix sum of ceil(count_e / bm); active[0] = the
+// number of experts with rows, active[1..] = those experts in order (the decode GEMMs' grid);
+// wide_tiles[bt] = (expert, first row, end row, 0) of tile bt when an expert's last tile takes
+// up to bm + slack rows (the register-A prefill's), then (RS_NO_TILE, 0, 0, 0) up to
+// tile_bound (their grid's bound): one load tells a CTA its tile, where find_row_tile's search
+// over tile_offsets waits on four. The chunks of an expert are split into P = max(1, blockDim.x / E) runs
 // summed by P threads at once (each thread's loads independent, coalesced across experts):
 // one thread walking all 128 chunks of 4096 DeepSeek-V3 tokens twice took 18 us.
 // Dynamic shared memory: (P + 1) * E words (moe.rs).
 extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32 nchunks, u32 E,
                                        u32 bm, u32 slack, u32* __restrict__ chunk_base,
                                        u32* __restrict__ expert_offsets,
-                                       u32* __restrict__ tile_offsets, u32* __restrict__ wide_tile_offsets,
+                                       u32* __restrict__ tile_offsets, uint4* __restrict__ wide_tiles,
+                                       u32 tile_bound,
                                        u32* __restrict__ active) {
     extern __shared__ u32 total[];  // [E] totals, then offsets; [P][E] the runs' sums, then bases
     const u32 P = blockDim.x / E > 1 ? blockDim.x / E : 1u, span = (nchunks + P - 1) / P;
@@ -103,17 +106,20 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
         if (e < E) {
             expert_offsets[e] = o;
             tile_offsets[e] = t;
-            wide_tile_offsets[e] = w;
             if (n) active[1 + l] = e;
             total[e] = o;
+            // every tile bm rows but the last, which takes the rest (find_row_tile's r1)
+            const u32 nt = row_tiles(n, bm, slack);
+            for (u32 j = 0; j < nt; j++)
+                wide_tiles[w + j] = make_uint4(e, o + j * bm, j + 1 == nt ? o + n : o + (j + 1) * bm, 0u);
         }
     }
     if (threadIdx.x == 0) {
         expert_offsets[E] = off;
         tile_offsets[E] = tiles;
-        wide_tile_offsets[E] = wide;
         active[0] = live;
     }
+    for (u32 bt = wide + threadIdx.x; bt < tile_bound; bt += blockDim.x) wide_tiles[bt] = make_uint4(RS_NO_TILE, 0u, 0u, 0u);
     __syncthreads();
     for (u32 x = threadIdx.x; x < P * E; x += blockDim.x) {
         u32 e = x % E, c0 = x / E * span, c1 = min(c0 + span, nchunks), base = total[e] + runs[x];

@@ -723,7 +723,7 @@ __device__ __forceinline__ void rs_unit_words(const uint4& q4, u32 sc16, u32 t, 
 // block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
 // a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
 // time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
-// gs2, each (row, 16 columns) of the tile quantized to NVFP4 with gs2[e] and its block
+// gs2 (gs2e points at expert e's), each (row, 16 columns) of the tile quantized to NVFP4 with it and its block
 // statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into
 // amax_bits[e]. Rows past r1 and columns past nout are skipped. ROWS16 (the register-A
 // kernels, nout a multiple of 128): each block also dequantized into `rows16`, the down
@@ -731,14 +731,14 @@ __device__ __forceinline__ void rs_unit_words(const uint4& q4, u32 sc16, u32 t, 
 // outq and outs may then be null (nothing else reads the codes).
 template <int BM_, int BN_, int THREADS_, bool ROWS16 = false, typename A>
 __device__ __forceinline__ void gate_up_tile_epilogue_of(A a, u32 r0, u32 r1, u32 n0, u32 nout, u32 e,
-                                                         const float* __restrict__ gs2, u32 flavor,
+                                                         const float* __restrict__ gs2e, u32 flavor,
                                                          u8* __restrict__ outq, u8* __restrict__ outs,
                                                          u64* __restrict__ stats, float* __restrict__ out_f32,
                                                          u32* __restrict__ amax_bits,
                                                          u32* __restrict__ rows16 = nullptr) {
-    if (gs2 != nullptr) {
-        // fixed gs2: quantize each (row, 16-column group) of the tile
-        float gsv = gs2[e], rgs = nvfp4_rgs(gsv, flavor);
+    if (gs2e != nullptr) {
+        // fixed gs2 (gs2e: expert e's): quantize each (row, 16-column group) of the tile
+        float gsv = *gs2e, rgs = nvfp4_rgs(gsv, flavor);
         u32 kb = nout / 16;
         u32 counts[4] = {0, 0, 0, 0};
         for (u32 idx = threadIdx.x; idx < BM_ * (BN_ / 16); idx += THREADS_) {
@@ -805,8 +805,8 @@ __device__ __forceinline__ void gate_up_tile_epilogue(const float* sa, int SA, u
                                                       u8* __restrict__ outq, u8* __restrict__ outs,
                                                       u64* __restrict__ stats, float* __restrict__ out_f32,
                                                       u32* __restrict__ amax_bits) {
-    gate_up_tile_epilogue_of<BM_, BN_, THREADS_>(TileA{sa, SA}, r0, r1, n0, nout, e, gs2, flavor, outq, outs, stats,
-                                                 out_f32, amax_bits);
+    gate_up_tile_epilogue_of<BM_, BN_, THREADS_>(TileA{sa, SA}, r0, r1, n0, nout, e, gs2 ? gs2 + e : nullptr, flavor,
+                                                 outq, outs, stats, out_f32, amax_bits);
 }
 
 // Which expert and sorted rows row tile `bt` covers (tiles of `bm` rows; tile_offsets[E + 1]
@@ -833,6 +833,18 @@ __device__ __forceinline__ bool find_row_tile(const u32* __restrict__ tile_offse
     // wide tiles
     r1 = bt + 1 == tile_offsets[e + 1] ? expert_offsets[e + 1] : r0 + bm;
     return true;
+}
+
+// The expert of a row tile past the real ones in moe_offsets' wide_tiles.
+#define RS_NO_TILE 0xFFFFFFFFu
+
+// Row tile bt from moe_offsets' table (wide tiles): its expert e and rows [r0, r1); false past
+// the real tile count. One 16-byte load, where find_row_tile waits on four in a row.
+__device__ __forceinline__ bool load_row_tile(const uint4* __restrict__ wide_tiles, u32 bt, u32& e, u32& r0,
+                                              u32& r1) {
+    const uint4 t = wide_tiles[bt];
+    e = t.x, r0 = t.y, r1 = t.z;
+    return t.x != RS_NO_TILE;
 }
 
 // ---- mbarriers and bulk copies (sm_90 and newer) ----

@@ -303,14 +303,24 @@ enum PrefillLaunch {
 }
 
 impl PrefillLaunch {
-    /// The row tiles the kernel walks: the register-A kernels' last tile of an expert is wide.
-    fn tile_offsets(&self, gpu: &Gpu, ws: &Workspace) -> u64 {
-        let tiles = match self {
-            PrefillLaunch::Plain(..) => &ws.tile_offsets,
-            PrefillLaunch::Rs(..) => &ws.wide_tile_offsets,
-        };
-        gpu.ptr(tiles)
+    /// The row tiles the kernel walks: the tile offsets that it searches, or (the register-A
+    /// kernels, whose last tile of an expert is wide) moe_offsets' table of them.
+    fn tile_args(&self, gpu: &Gpu, ws: &Workspace, experts: usize) -> Vec<KArg> {
+        match self {
+            PrefillLaunch::Plain(..) => vec![
+                KArg::U64(gpu.ptr(&ws.tile_offsets)),
+                KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                KArg::U32(experts as u32),
+            ],
+            PrefillLaunch::Rs(..) => vec![KArg::U64(gpu.ptr(&ws.wide_tiles))],
+        }
     }
+}
+
+/// An upper bound on the row tiles of `n` sorted rows over `e` experts (each expert's tiles
+/// are BM rows but its last): the grouped GEMMs' grid (blocks past the real count exit).
+fn row_tile_bound(n: usize, e: usize) -> usize {
+    (n.div_ceil(BM) + e.min(n)).max(1)
 }
 
 const GEMM_THREADS: u32 = 256;
@@ -615,9 +625,10 @@ struct Workspace {
     chunk_base: CudaSlice<u32>,
     expert_offsets: CudaSlice<u32>,
     tile_offsets: CudaSlice<u32>,
-    /// The register-A kernels' row tiles: an expert's last tile takes up to
-    /// `SM90_RS_SLACK` rows more (moe_offsets).
-    wide_tile_offsets: CudaSlice<u32>,
+    /// The register-A kernels' row tiles, where an expert's last tile takes up to
+    /// `SM90_RS_SLACK` rows more: `[row_tile_bound]` of (expert, first row, end row, 0), then
+    /// `RS_NO_TILE` up to the bound (moe_offsets), so that a CTA finds its tile in one load.
+    wide_tiles: CudaSlice<u32>,
     /// `[1 + E]`: how many experts got rows, then which (moe_offsets).
     active_experts: CudaSlice<u32>,
     sorted_token: CudaSlice<i32>,
@@ -691,7 +702,7 @@ impl Workspace {
             chunk_base: gpu.alloc(nchunks * e, "sort offsets")?,
             expert_offsets: gpu.alloc(e + 1, "expert offsets")?,
             tile_offsets: gpu.alloc(e + 1, "tile offsets")?,
-            wide_tile_offsets: gpu.alloc(e + 1, "wide tile offsets")?,
+            wide_tiles: gpu.alloc(4 * row_tile_bound(n, e), "wide row tiles")?,
             active_experts: gpu.alloc(e + 1, "active experts")?,
             sorted_token: gpu.alloc(n, "sorted tokens")?,
             sorted_expert: gpu.alloc(n, "sorted experts")?,
@@ -1106,7 +1117,8 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&ws.chunk_base)),
                 KArg::U64(gpu.ptr(&ws.expert_offsets)),
                 KArg::U64(gpu.ptr(&ws.tile_offsets)),
-                KArg::U64(gpu.ptr(&ws.wide_tile_offsets)),
+                KArg::U64(gpu.ptr(&ws.wide_tiles)),
+                KArg::U32(row_tile_bound(n as usize, e as usize) as u32),
                 KArg::U64(gpu.ptr(&ws.active_experts)),
             ],
         )?;
@@ -1132,10 +1144,9 @@ impl Nvfp4Forward {
     /// the real count exit), times the output column tiles.
     fn gemm_grid(&self, nout: usize, bn: usize) -> LaunchConfig {
         let e = self.layer.config.n_routed_experts;
-        let n = self.ws.tokens * self.ws.k;
-        let tiles = n.div_ceil(BM) + e.min(n);
+        let tiles = row_tile_bound(self.ws.tokens * self.ws.k, e);
         LaunchConfig {
-            grid_dim: (tiles.max(1) as u32, nout.div_ceil(bn) as u32, 1),
+            grid_dim: (tiles as u32, nout.div_ceil(bn) as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
@@ -1154,21 +1165,17 @@ impl Nvfp4Forward {
         let bn = if fused { SM90_FUSED_BN } else { SM90_BN };
         let e = self.layer.config.n_routed_experts;
         let n = self.ws.tokens * self.ws.k;
-        // the same row-tile bound as gemm_grid (tiles are BM rows: moe_offsets), N tiles first
-        // so that the blocks sharing a row tile run together and share its tokens in L2
-        let m_tiles = n.div_ceil(BM) + e.min(n);
+        // the same row-tile bound as gemm_grid, N tiles first so that the blocks sharing a row
+        // tile run together and share its tokens in L2
+        let m_tiles = row_tile_bound(n, e);
         let grid = |shared_mem_bytes| LaunchConfig {
-            grid_dim: (nout.div_ceil(bn) as u32, m_tiles.max(1) as u32, 1),
+            grid_dim: (nout.div_ceil(bn) as u32, m_tiles as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
         // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup
         let rs_grid = LaunchConfig {
-            grid_dim: (
-                nout.div_ceil(bn / 2 * rs_wg) as u32,
-                m_tiles.max(1) as u32,
-                1,
-            ),
+            grid_dim: (nout.div_ceil(bn / 2 * rs_wg) as u32, m_tiles as u32, 1),
             block_dim: (128 * rs_wg as u32, 1, 1),
             shared_mem_bytes: sm90_rs_smem_bytes(),
         };
@@ -1616,16 +1623,16 @@ impl Nvfp4Forward {
                     // codes: nothing else reads those then
                     let down_rows = self.down_rows_in_epilogue();
                     let codes = |b| if down_rows.is_some() { 0 } else { p(b) };
-                    let tail = [
+                    let mut tail = vec![
                         KArg::U32(i as u32),
                         KArg::U64(gpu.ptr(&ws.gs1)),
                         KArg::U64(gpu.ptr(&ex.ws2_1)),
                         KArg::U64(gpu.ptr(&ex.ws2_3)),
                         KArg::F32(limit),
                         KArg::U32(has_limit),
-                        KArg::U64(launch.tile_offsets(gpu, ws)),
-                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                        KArg::U32(e as u32),
+                    ];
+                    tail.extend(launch.tile_args(gpu, ws, e));
+                    tail.extend([
                         KArg::U64(if self.dynamic { 0 } else { gpu.ptr(&ws.gs2) }),
                         KArg::U32(flavor_code(self.flavor)),
                         KArg::U64(codes(&ws.a2q)),
@@ -1633,7 +1640,7 @@ impl Nvfp4Forward {
                         KArg::U64(gpu.ptr(&ws.stats)),
                         KArg::U64(gpu.ptr(&ws.a_f32)),
                         KArg::U64(gpu.ptr(&ws.amax_bits)),
-                    ];
+                    ]);
                     match launch {
                         PrefillLaunch::Plain(module, kernel, grid) => {
                             let mut args = vec![
@@ -1712,15 +1719,13 @@ impl Nvfp4Forward {
                 }
                 GemmKind::Tiled => {
                     let launch = self.prefill_gemm(false, i, h, ex.wblock);
-                    let tail = [
+                    let mut tail = vec![
                         KArg::U32(h as u32),
                         KArg::U64(gpu.ptr(&ws.gs2)),
                         KArg::U64(gpu.ptr(&ex.ws2_2)),
-                        KArg::U64(launch.tile_offsets(gpu, ws)),
-                        KArg::U64(gpu.ptr(&ws.expert_offsets)),
-                        KArg::U32(e as u32),
-                        KArg::U64(gpu.ptr(&ws.y)),
                     ];
+                    tail.extend(launch.tile_args(gpu, ws, e));
+                    tail.push(KArg::U64(gpu.ptr(&ws.y)));
                     match launch {
                         PrefillLaunch::Plain(module, kernel, grid) => {
                             let mut args = vec![
