@@ -63,9 +63,9 @@ __device__ __forceinline__ u32 row_tiles(u32 n, u32 bm, u32 slack) {
 // wide_tiles[bt] = (expert, first row, end row, 0) of tile bt when an expert's last tile takes
 // up to bm + slack rows (the register-A prefill's), then (RS_NO_TILE, 0, 0, 0) up to
 // tile_bound (their grid's bound): one load tells a CTA its tile, where find_row_tile's search
-// over tile_offsets waits on four. The chunks of an expert are split into P = max(1, blockDim.x / E) runs
-// summed by P threads at once (each thread's loads independent, coalesced across experts):
-// one thread walking all 128 chunks of 4096 DeepSeek-V3 tokens twice took 18 us.
+// over tile_offsets waits on four. The chunks of an expert are split into P = max(1,
+// blockDim.x / E) runs summed by P threads at once (each thread's loads independent, coalesced
+// across experts): one thread walking all 128 chunks of 4096 DeepSeek-V3 tokens twice took 18 us.
 // Dynamic shared memory: (P + 1) * E words (moe.rs).
 extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32 nchunks, u32 E,
                                        u32 bm, u32 slack, u32* __restrict__ chunk_base,
@@ -119,7 +119,8 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
         tile_offsets[E] = tiles;
         active[0] = live;
     }
-    for (u32 bt = wide + threadIdx.x; bt < tile_bound; bt += blockDim.x) wide_tiles[bt] = make_uint4(RS_NO_TILE, 0u, 0u, 0u);
+    for (u32 bt = wide + threadIdx.x; bt < tile_bound; bt += blockDim.x)
+        wide_tiles[bt] = make_uint4(RS_NO_TILE, 0u, 0u, 0u);
     __syncthreads();
     for (u32 x = threadIdx.x; x < P * E; x += blockDim.x) {
         u32 e = x % E, c0 = x / E * span, c1 = min(c0 + span, nchunks), base = total[e] + runs[x];

@@ -723,9 +723,9 @@ __device__ __forceinline__ void rs_unit_words(const uint4& q4, u32 sc16, u32 t, 
 // block's BM_ x BN_ tile of a = swiglu(g, u) can be read (shared memory, after a barrier) as
 // a(r, c), r < BM_ a token row of the tile and c < BN_ an output column, and 16 of a row at a
 // time quantized as a.quant16(r, c0, gs, rgs, flavor, packed, nonzero) (TileA's): with a fixed
-// gs2 (gs2e points at expert e's), each (row, 16 columns) of the tile quantized to NVFP4 with it and its block
-// statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a| folded into
-// amax_bits[e]. Rows past r1 and columns past nout are skipped. ROWS16 (the register-A
+// gs2 (gs2e points at expert e's), each (row, 16 columns) of the tile quantized to NVFP4 with
+// it and its block statistics counted; with dynamic gs2 (nullptr), `a` written in f32 and |a|
+// folded into amax_bits[e]. Rows past r1 and columns past nout are skipped. ROWS16 (the register-A
 // kernels, nout a multiple of 128): each block also dequantized into `rows16`, the down
 // GEMM's 16-bit token rows (rs_unit_words' order, rows of nout / 2 words), where not null;
 // outq and outs may then be null (nothing else reads the codes).
