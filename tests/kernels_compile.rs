@@ -72,7 +72,10 @@ fn resource_report_has_no_spills() {
             std::fs::write(&path, &cubin).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         }
         for line in log.lines().filter(|l| {
-            l.contains("registers") || l.contains("spill") || l.contains("Compiling entry")
+            l.contains("registers")
+                || l.contains("spill")
+                || l.contains("Compiling entry")
+                || l.contains("Potential Performance Loss")
         }) {
             eprintln!("{}: {}", m.file, line.trim());
         }
