@@ -73,12 +73,25 @@ struct WChunk {
     u32 s[NB][2];
 };
 
-// Programmatic dependent launch: pdl_wait / pdl_launch_dependents (nvfp4dbg_common.cuh). The
-// down GEMM is launched so that its CTAs may start while the gate/up GEMM before it still runs
-// (Gpu::launch_early): they read their expert, issue their first weight loads, then pdl_wait()
-// until the gate/up GEMM has completed and its writes (the activations, gs2 in the dynamic
-// mode) are visible. The weights, the routing offsets and the active-expert list were written
-// before the gate/up GEMM started.
+// Programmatic dependent launch (sm_90 and newer). The down GEMM is launched so that its CTAs
+// may start while the gate/up GEMM before it still runs (Gpu::launch_early): they read their
+// expert, issue their first weight loads, then pdl_wait() until the gate/up
+// GEMM has completed and its writes (the activations, gs2 in the dynamic mode) are visible.
+// The weights, the routing offsets and the active-expert list were written before the gate/up
+// GEMM started. For a plain launch pdl_wait() returns at once.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the kernel launched after this one start once every CTA of this grid has started (they
+// then fill the SMs this grid's last CTAs leave idle).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 // Where a warp's weights lie. Rows: the checkpoint's row-major [E * nout, K / 2] codes and
 // [E * nout, K / 16] scales, so a warp's K-chunk is 64 bytes of each of its 16 rows, 3.5 KB

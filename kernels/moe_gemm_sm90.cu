@@ -589,11 +589,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_N96
 #define RS_N96 1
 #endif
-// Where a CTA lets the kernel launched early after it start (pdl_launch_dependents): 0 once
-// its K loop may begin (after its pdl_wait), 1 once its K loop is done.
-#ifndef RS_PDL_TRIGGER
-#define RS_PDL_TRIGGER 1
-#endif
 #ifndef RS_N48
 #define RS_N48 0
 #endif
@@ -959,11 +954,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-    // Launched early (moe.rs: the gate/up after the prologue's rows scatter, the down after the
-    // gate/up), the CTA has read only the table, the expert's scalars and its weights so far:
-    // the token rows of the kernel before are read from here on.
-    pdl_wait();
-    if (RS_PDL_TRIGGER == 0) pdl_launch_dependents();
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
@@ -992,7 +982,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     }
     wgmma_wait<0>();
     rs_acc_fence<N>(acc);
-    if (RS_PDL_TRIGGER == 1) pdl_launch_dependents();
     // rs_scalars' copies (their threads' own), published by the barrier
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();

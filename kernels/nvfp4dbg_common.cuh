@@ -847,25 +847,6 @@ __device__ __forceinline__ bool load_row_tile(const uint4* __restrict__ wide_til
     return t.x != RS_NO_TILE;
 }
 
-// ---- programmatic dependent launch (sm_90 and newer; Gpu::launch_early) ----
-// A kernel launched early may start while the kernel before it on the stream still runs.
-// Before pdl_wait() it may read only what kernels before that one wrote (and so every kernel
-// launched early calls pdl_launch_dependents() only after its own pdl_wait()); after it, that
-// kernel has completed and its writes are visible. For a plain launch pdl_wait() returns at once.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// Let the kernel launched after this one start once every CTA of this grid has called this or
-// exited (its CTAs then take the SMs that this grid's last CTAs leave idle).
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // ---- mbarriers and bulk copies (sm_90 and newer) ----
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define NVFP4DBG_BULK 1

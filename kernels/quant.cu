@@ -1244,9 +1244,6 @@ __device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tok
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && QUANT_BLOCKS == 4  // (moe.rs: rows_scatter_fits)
     static_assert(16 * RS_SLICE_PITCH * 4 <= RS_SCATTER_WARP_BYTES, "the chunks fit the slice");
     extern __shared__ __align__(16) u8 scatter_smem[];
-    // launched early after the sort (moe.rs): its positions are read from here on
-    pdl_wait();
-    pdl_launch_dependents();
     u32 smem_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_bytes));
     if (smem_bytes < blockDim.x / 32 * RS_SCATTER_WARP_BYTES) __trap();

@@ -1424,12 +1424,7 @@ impl Nvfp4Forward {
             (None, Flavor::Reference) => "nvfp4_quantize_f32_scatter_reference",
             (None, Flavor::CudaFast) => "nvfp4_quantize_f32_scatter_cuda_fast",
         };
-        if self.rs_rows_in_prologue().is_some() {
-            // the rows kernels wait for the sort's positions (pdl_wait) and let the gate/up start
-            gpu.launch_early(&QUANT, kernel, grid, &args)
-        } else {
-            gpu.launch(&QUANT, kernel, grid, &args)
-        }
+        gpu.launch(&QUANT, kernel, grid, &args)
     }
 
     /// The BF16 copy of the layer input where `nvfp4_rows_scatter_*` reads it: it holds the
@@ -1673,13 +1668,7 @@ impl Nvfp4Forward {
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
                             args.push(KArg::U64(down_rows.unwrap_or(0)));
-                            if self.rs_rows_in_prologue().is_some() {
-                                // after the rows scatter, which lets it start early: its CTAs
-                                // read their tile, scalars and first weights meanwhile
-                                gpu.launch_early(&MOE_GEMM_SM90, kernel, grid, &args)?;
-                            } else {
-                                gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
-                            }
+                            gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
                         }
                     }
                 }
@@ -1765,13 +1754,7 @@ impl Nvfp4Forward {
                                 KArg::U64(w[5]),
                             ];
                             args.extend_from_slice(&tail);
-                            if self.down_rows_in_epilogue().is_some() {
-                                // right after the gate/up (a fixed gs2: the scalars it reads
-                                // before its pdl_wait are the layer's own)
-                                gpu.launch_early(&MOE_GEMM_SM90, kernel, grid, &args)
-                            } else {
-                                gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
-                            }
+                            gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
                         }
                     }
                 }
