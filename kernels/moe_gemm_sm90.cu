@@ -991,15 +991,31 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
 // tensor cores idle, takes fewer round trips to memory than it did (s29a, s29b: the 4096-token
 // layer 0.02-0.06 ms faster, its down stage 0.01-0.04, its gate/up 0.02-0.04): its row tile
 // comes from moe_offsets' table in one load (load_row_tile; find_row_tile's search waits on
-// four), thread 0 starts fetching the two tensor maps at `tmap` before that load, and the
-// expert's scalars come by rs_scalars. rs_row_tile: the first two; false past the real tiles.
-__device__ __forceinline__ bool rs_row_tile(const void* tmap, const uint4* __restrict__ wide_tiles, u32& e, u32& r0,
-                                            u32& r1) {
-    if (threadIdx.x == 0) {
+// four), thread 0 fetches the tile's two tensor maps as soon as it knows them, and the expert's
+// scalars come by rs_scalars. rs_row_tile: the first two; false past the real tiles.
+// The tensor maps: with map_stride 0 the two at `tmap` (the whole token matrix); with 256,
+// expert e's two at tmap + 256 e (rs_expert_maps: their row count ends at the expert's last
+// row, so that a tile's rows past its expert arrive as zeros), acquired here as the CUDA
+// programming guide asks of tensor maps that another kernel wrote.
+__device__ __forceinline__ bool rs_row_tile(const void*& tmap, u32 map_stride, const uint4* __restrict__ wide_tiles,
+                                            u32& e, u32& r0, u32& r1) {
+    if (threadIdx.x == 0 && map_stride == 0) {
         asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(tmap) + 128) : "memory");
     }
-    return load_row_tile(wide_tiles, blockIdx.y, e, r0, r1);
+    if (!load_row_tile(wide_tiles, blockIdx.y, e, r0, r1)) return false;
+    if (map_stride != 0) {
+        tmap = reinterpret_cast<const u8*>(tmap) + (size_t)e * map_stride;
+        if (threadIdx.x == 0) {
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(tmap) : "memory");
+            asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(
+                             reinterpret_cast<const u8*>(tmap) + 128)
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(tmap) + 128) : "memory");
+        }
+    }
+    return true;
 }
 
 // The expert's scalars src[i] (null: none) into shared memory at base + R_OFF_SCALARS by
@@ -1073,6 +1089,31 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 }
 
 #endif  // NVFP4DBG_WGMMA
+
+// Expert e's tensor maps for the register-A kernels (map_stride 256): out[(g E + e) 2 + b] is
+// template g b (g: the gate/up's token matrix, then the down's; b: boxes of 128 rows, then of
+// 32) with its row count set to the expert's end row, expert_offsets[e + 1]. A tile's last
+// boxes then read the rows past its expert as zeros (TMA's out-of-bounds fill) instead of the
+// next expert's rows: the MMAs' columns past a tile's tokens are never stored either way, but
+// on zeros the tensor cores draw less power, and the GPU runs the GEMMs under its power cap
+// (s31b). One thread a map; a launch after moe_offsets.
+extern "C" __global__ void rs_expert_maps(const u64* __restrict__ templates, const u32* __restrict__ expert_offsets,
+                                          u32 E, u64* __restrict__ out) {
+#if NVFP4DBG_WGMMA
+    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 4 * E) return;
+    const u32 b = i % 2, e = (i / 2) % E, g = i / (2 * E);
+    const u64* src = templates + (g * 2 + b) * 16;
+    u64* dst = out + (size_t)i * 16;
+#pragma unroll
+    for (int w = 0; w < 16; w++) dst[w] = src[w];
+    const u32 rows = max(expert_offsets[e + 1], 1u);  // a tensor map's dimensions are not 0
+    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" ::"l"(dst), "r"(rows) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
+#else
+    __trap();
+#endif
+}
 
 #if NVFP4DBG_WGMMA
 // A 4-byte global store where `pred` holds, predicated inside the asm (no branch).
@@ -1232,12 +1273,13 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 // moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
 // (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
-moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
+moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!rs_row_tile(tmap, wide_tiles, e, r0, r1)) return;
+    const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
+    if (!rs_row_tile(map, map_stride, wide_tiles, e, r0, r1)) return;
     u8* base = h_smem_base();
     const float* sc = rs_scalars(base, gs + e, ws2 + e, nullptr, nullptr);
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
@@ -1247,7 +1289,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is computed after the K loop (one register less across it), from rs_scalars' copies
-    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
@@ -1263,7 +1305,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict
 // With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
 // token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
-moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __restrict__ w1q_t,
+moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ w1q_t,
                               const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
                               const float* __restrict__ ws2_1, const float* __restrict__ ws2_3, float limit,
@@ -1273,7 +1315,8 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
                               u32* __restrict__ amax_bits, u32* __restrict__ down_rows) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
-    if (!rs_row_tile(tmap, wide_tiles, e, r0, r1)) return;
+    const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
+    if (!rs_row_tile(map, map_stride, wide_tiles, e, r0, r1)) return;
     u8* base = h_smem_base();
     const float* sc = rs_scalars(base, gs1 + e, ws2_1 + e, ws2_3 + e, gs2 ? gs2 + e : nullptr);
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
@@ -1284,7 +1327,7 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 K, const u8* __
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are computed after the K loop (fewer registers across it), from rs_scalars' copies
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, tmap, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(sc[0]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, sc[1]), __fmul_rn(g_in, sc[2]), sgu);
     });

@@ -268,10 +268,14 @@ struct RsTokens {
     /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
     /// rows, then down in the same two
     maps: CudaSlice<u64>,
+    /// The same per expert, each ending at the expert's last row (`rs_expert_maps` writes
+    /// them after the sort): the gate/up's E pairs, then the down's. None with
+    /// `NVFP4DBG_RS_EXPERT_MAPS=0` (the kernels then read the four above).
+    expert_maps: Option<CudaSlice<u64>>,
 }
 
 impl RsTokens {
-    fn new(gpu: &Gpu, n: usize, h: usize, i: usize) -> Result<Self> {
+    fn new(gpu: &Gpu, n: usize, h: usize, i: usize, experts: usize) -> Result<Self> {
         let rows = n.max(1);
         let what = "the 16-bit expert inputs (register-A prefill)";
         let (gate_up, down) = (
@@ -285,11 +289,28 @@ impl RsTokens {
                 maps.extend(tma::bf16_rows_swizzle128(gpu.ptr(buf), rows, k, box_rows)?);
             }
         }
+        let per_expert = !std::env::var("NVFP4DBG_RS_EXPERT_MAPS").is_ok_and(|v| v == "0");
         Ok(RsTokens {
             gate_up,
             down,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
+            expert_maps: match per_expert {
+                true => Some(gpu.alloc::<u64>(4 * experts * 16, "per-expert TMA tensor maps")?),
+                false => None,
+            },
         })
+    }
+
+    /// The tensor maps a register-A GEMM reads its tokens through (device address) and their
+    /// stride per expert (0: one pair for all).
+    fn maps_of(&self, gpu: &Gpu, down: bool, experts: usize) -> (u64, u32) {
+        match &self.expert_maps {
+            Some(m) => (
+                gpu.ptr(m) + if down { (experts * 256) as u64 } else { 0 },
+                256,
+            ),
+            None => (gpu.ptr(&self.maps) + if down { 256 } else { 0 }, 0),
+        }
     }
 }
 
@@ -864,6 +885,7 @@ impl Nvfp4Forward {
                 tokens * k,
                 c.hidden_size,
                 c.moe_intermediate_size,
+                c.n_routed_experts,
             )?)
         } else {
             None
@@ -1210,9 +1232,9 @@ impl Nvfp4Forward {
     }
 
     /// The register-A kernels' tokens: the NVFP4 rows (`aq`, `as_`) to 16-bit values in their
-    /// K order, for the down GEMM (K = I) or the gate/up (K = H); returns the tensor map (device
-    /// address) that reads them.
-    fn enqueue_rs_tokens(&self, aq: u64, as_: u64, down: bool) -> Result<u64> {
+    /// K order, for the down GEMM (K = I) or the gate/up (K = H); returns the tensor maps that
+    /// read them ([`Self::rs_maps`]).
+    fn enqueue_rs_tokens(&self, aq: u64, as_: u64, down: bool) -> Result<(u64, u32)> {
         let gpu = self.gpu();
         let rs = self.rs_tokens()?;
         let n = self.ws.tokens * self.ws.k;
@@ -1237,10 +1259,38 @@ impl Nvfp4Forward {
         self.rs_maps(down)
     }
 
-    /// The tensor maps (device address) of the register-A gate/up's or down's token rows.
-    fn rs_maps(&self, down: bool) -> Result<u64> {
-        // the gate/up maps (K = H) first, then the down maps: two of 128 bytes each
-        Ok(self.gpu().ptr(&self.rs_tokens()?.maps) + if down { 256 } else { 0 })
+    /// The tensor maps (device address, stride per expert) of the register-A gate/up's or
+    /// down's token rows.
+    fn rs_maps(&self, down: bool) -> Result<(u64, u32)> {
+        let e = self.layer.config.n_routed_experts;
+        Ok(self.rs_tokens()?.maps_of(self.gpu(), down, e))
+    }
+
+    /// After the sort: each expert's tensor maps, ending at its last row (`rs_expert_maps`),
+    /// where a register-A GEMM runs.
+    fn enqueue_expert_maps(&self) -> Result<()> {
+        let Some(rs) = self.rs.as_ref() else {
+            return Ok(());
+        };
+        let Some(out) = rs.expert_maps.as_ref() else {
+            return Ok(());
+        };
+        if !(self.runs_rs(false) || self.runs_rs(true)) {
+            return Ok(());
+        }
+        let gpu = self.gpu();
+        let e = self.layer.config.n_routed_experts;
+        gpu.launch(
+            &MOE_GEMM_SM90,
+            "rs_expert_maps",
+            grid_1d(4 * e as u64, ELEM_THREADS)?,
+            &[
+                KArg::U64(gpu.ptr(&rs.maps)),
+                KArg::U64(gpu.ptr(&self.ws.expert_offsets)),
+                KArg::U32(e as u32),
+                KArg::U64(gpu.ptr(out)),
+            ],
+        )
     }
 
     fn rs_tokens(&self) -> Result<&RsTokens> {
@@ -1550,6 +1600,7 @@ impl Nvfp4Forward {
                 gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
                 self.enqueue_route()?;
                 self.enqueue_sort()?;
+                self.enqueue_expert_maps()?;
                 if self.dynamic {
                     // gs1 = 2688 / amax(hidden over the batch), the same for every expert
                     let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;
@@ -1664,7 +1715,8 @@ impl Nvfp4Forward {
                                 None => self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), false)?,
                             };
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
-                            let mut args = vec![KArg::U64(map), KArg::U32(h as u32)];
+                            let mut args =
+                                vec![KArg::U64(map.0), KArg::U32(map.1), KArg::U32(h as u32)];
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
                             args.push(KArg::U64(down_rows.unwrap_or(0)));
@@ -1748,7 +1800,8 @@ impl Nvfp4Forward {
                             };
                             let (_, w) = ex.decode_weights(gpu, DecodeLayout::Tiles);
                             let mut args = vec![
-                                KArg::U64(map),
+                                KArg::U64(map.0),
+                                KArg::U32(map.1),
                                 KArg::U32(i as u32),
                                 KArg::U64(w[4]),
                                 KArg::U64(w[5]),
