@@ -1270,7 +1270,8 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 }
 
 // Down projection, as moe_gemm_nvfp4_sm90 with the tokens given as the tensor maps `tmap` (rs_fill) of
-// moe_rows_bf16_rs's output and the weights in decode tiles (wq_t, ws_t). Grid:
+// moe_rows_bf16_rs's output (one pair, or expert e's at tmap + map_stride e: rs_row_tile) and the
+// weights in decode tiles (wq_t, ws_t). Grid:
 // (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
@@ -1300,7 +1301,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
 }
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
-// and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
+// and `map_stride` (as the down's) and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
 // w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
 // With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
 // token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
