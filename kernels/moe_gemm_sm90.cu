@@ -942,47 +942,20 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
     }
 }
 
-// Thread 0 of a down CTA chained to the gate/up (launched early; moe.rs: the forward's stages
-// in one go): wait until the `need` gate/up CTAs of its row tile have published the tile's
-// token rows (rs_publish_rows), then order its TMA copies (the async proxy) after their writes.
-// The down grid starts only once every gate/up CTA has started (pdl_launch_dependents at the
-// gate/up's start), so the CTAs waited for are running or done: the wait ends.
-__device__ __forceinline__ void rs_wait_rows(const u32* ready, u32 need) {
-    for (;;) {
-        u32 v;
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ready) : "memory");
-        if (v >= need) break;
-        __nanosleep(256);
-    }
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// A chained gate/up CTA, once its epilogue has written its part of the down's token rows: one
-// more of the row tile's CTAs done (rs_wait_rows), after every thread's writes, ordered for the
-// down's TMA reads too.
-__device__ __forceinline__ void rs_publish_rows(u32* ready) {
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready) : "memory");
-}
-
 // The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
 // acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
 // every MMA complete and every warp past the loop (the stages may then be reused).
 template <int N, int L2_AHEAD>
 __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
-                                            const u32* ready, u32 need, float (&acc)[2][N / 2]) {
+                                            float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
     RBars bars{stages + R_OFF_BARS};
     RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-    // thread 0 sets the ring up and starts the first copies (once the tokens are there:
-    // rs_wait_rows, where `ready` is set); the barrier publishes the ring
+    // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
-        if (ready != nullptr) rs_wait_rows(ready, need);
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
             mbar_init(bars.empty(s), R_THREADS / 32);
@@ -1082,35 +1055,35 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 // and 48 (RS_N96, RS_N48) the narrow ones of a router's uneven load.
 template <int L2_AHEAD, bool N144, typename Epi>
 __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
-                                        const u32* ready, u32 need, Epi epi) {
+                                        Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
     if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
-        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (N144 && ntok > 128) {
         float acc[2][72];
-        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > (RS_N96 ? 96u : 64u)) {
         float acc[2][64];
-        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (RS_N96 && ntok > 64) {
         float acc[2][48];
-        rs_mainloop<96, L2_AHEAD>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<96, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > (RS_N48 ? 48u : 32u)) {
         float acc[2][32];
-        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (RS_N48 && ntok > 32) {
         float acc[2][24];
-        rs_mainloop<48, L2_NARROW>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<48, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
-        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, ready, need, acc);
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
 }
@@ -1303,8 +1276,7 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
                       u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
-                      const uint4* __restrict__ wide_tiles, float* __restrict__ out,
-                      const u32* __restrict__ rows_ready, u32 need) {
+                      const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
@@ -1318,8 +1290,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is computed after the K loop (one register less across it), from rs_scalars' copies
-    const u32* ready = rows_ready == nullptr ? nullptr : rows_ready + blockIdx.y;
-    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, ready, need, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
@@ -1342,12 +1313,8 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32
                               u32 has_limit, const uint4* __restrict__ wide_tiles,
                               const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
                               u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
-                              u32* __restrict__ amax_bits, u32* __restrict__ down_rows,
-                              u32* __restrict__ rows_ready) {
+                              u32* __restrict__ amax_bits, u32* __restrict__ down_rows) {
 #if NVFP4DBG_WGMMA
-    // chained (rows_ready set): the down GEMM, launched early (programmatic dependent launch),
-    // may start once every CTA here has started
-    if (rows_ready != nullptr) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     u32 e, r0, r1;
     const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
     if (!rs_row_tile(map, map_stride, wide_tiles, e, r0, r1)) return;
@@ -1361,20 +1328,16 @@ moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
     // the alphas are computed after the K loop (fewer registers across it), from rs_scalars' copies
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, map, r0, r1 - r0, K / R_BK, base, nullptr, 0, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(sc[0]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, sc[1]), __fmul_rn(g_in, sc[2]), sgu);
     });
     __syncthreads();
-    if (RS_DIAG & 2) {  // a chained down still waits for the row tile's CTAs
-        if (rows_ready != nullptr) rs_publish_rows(rows_ready + blockIdx.y);
-        return;
-    }
+    if (RS_DIAG & 2) return;
     const float* gs2e = gs2 == nullptr ? nullptr : sc + 3;
     gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS, true>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e,
                                                                 gs2e, flavor, outq, outs, stats, out_f32, amax_bits,
                                                                 down_rows);
-    if (rows_ready != nullptr) rs_publish_rows(rows_ready + blockIdx.y);
 #else
     __trap();
 #endif

@@ -650,9 +650,6 @@ struct Workspace {
     /// `SM90_RS_SLACK` rows more: `[row_tile_bound]` of (expert, first row, end row, 0), then
     /// `RS_NO_TILE` up to the bound (moe_offsets), so that a CTA finds its tile in one load.
     wide_tiles: CudaSlice<u32>,
-    /// `[row_tile_bound]`: how many gate/up CTAs of each row tile have written its down rows,
-    /// where the forward chains the register-A down to the gate/up (zeroed by the prologue).
-    rows_ready: CudaSlice<u32>,
     /// `[1 + E]`: how many experts got rows, then which (moe_offsets).
     active_experts: CudaSlice<u32>,
     sorted_token: CudaSlice<i32>,
@@ -727,7 +724,6 @@ impl Workspace {
             expert_offsets: gpu.alloc(e + 1, "expert offsets")?,
             tile_offsets: gpu.alloc(e + 1, "tile offsets")?,
             wide_tiles: gpu.alloc(4 * row_tile_bound(n, e), "wide row tiles")?,
-            rows_ready: gpu.alloc(row_tile_bound(n, e), "row tiles ready")?,
             active_experts: gpu.alloc(e + 1, "active experts")?,
             sorted_token: gpu.alloc(n, "sorted tokens")?,
             sorted_expert: gpu.alloc(n, "sorted experts")?,
@@ -1515,16 +1511,6 @@ impl Nvfp4Forward {
         Some(self.gpu().ptr(&rs.down))
     }
 
-    /// The register-A down GEMM starts while the gate/up's last CTAs still run: launched early,
-    /// each CTA waits only for its own row tile's gate/up CTAs (`rows_ready`). Only within a
-    /// whole forward (the prologue zeroes the counts; a stage repeated alone runs plainly) and
-    /// where the gate/up's epilogue writes the down's rows; `NVFP4DBG_RS_CHAIN=0` turns it off.
-    fn chains_down(&self, whole: bool) -> bool {
-        whole
-            && self.down_rows_in_epilogue().is_some()
-            && !std::env::var("NVFP4DBG_RS_CHAIN").is_ok_and(|v| v == "0")
-    }
-
     /// A register-A kernel runs this forward's gate/up GEMM (`down` false) or its down GEMM.
     fn runs_rs(&self, down: bool) -> bool {
         let c = &self.layer.config;
@@ -1552,13 +1538,13 @@ impl Nvfp4Forward {
             self.gpu().fork_side(|| self.enqueue_shared())?;
         }
         for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
-            self.enqueue_nvfp4_stage(stage, true)?;
+            self.enqueue_nvfp4_stage(stage)?;
         }
         if beside {
             self.gpu().join_side()?;
             self.enqueue_combine()
         } else {
-            self.enqueue_nvfp4_stage(Stage::Epilogue, true)
+            self.enqueue_nvfp4_stage(Stage::Epilogue)
         }
     }
 
@@ -1589,16 +1575,14 @@ impl Nvfp4Forward {
     /// outputs (what `nvfp4dbg bench` times; only the activation block statistics add up).
     pub fn enqueue_stage(&self, stage: Stage) -> Result<()> {
         match self.want {
-            Want::Nvfp4 => self.enqueue_nvfp4_stage(stage, false),
+            Want::Nvfp4 => self.enqueue_nvfp4_stage(stage),
             Want::Reference => Err(Error::usage(
                 "the reference forward has no NVFP4 stages; use run() instead",
             )),
         }
     }
 
-    /// One stage of the forward; `whole`: the forward's stages in a row (then the register-A
-    /// down may be chained to the gate/up: [`Self::chains_down`]), not one stage alone.
-    fn enqueue_nvfp4_stage(&self, stage: Stage, whole: bool) -> Result<()> {
+    fn enqueue_nvfp4_stage(&self, stage: Stage) -> Result<()> {
         let gpu = self.gpu();
         let ws = &self.ws;
         let c = &self.layer.config;
@@ -1614,12 +1598,6 @@ impl Nvfp4Forward {
             Stage::Prologue => {
                 gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
                 gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
-                gpu.fill_raw(
-                    gpu.ptr(&ws.rows_ready),
-                    4 * row_tile_bound(n, e),
-                    0,
-                    "row tiles ready",
-                )?;
                 self.enqueue_route()?;
                 self.enqueue_sort()?;
                 self.enqueue_expert_maps()?;
@@ -1742,10 +1720,6 @@ impl Nvfp4Forward {
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
                             args.push(KArg::U64(down_rows.unwrap_or(0)));
-                            args.push(KArg::U64(match self.chains_down(whole) {
-                                true => gpu.ptr(&ws.rows_ready),
-                                false => 0,
-                            }));
                             gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
                         }
                     }
@@ -1833,19 +1807,7 @@ impl Nvfp4Forward {
                                 KArg::U64(w[5]),
                             ];
                             args.extend_from_slice(&tail);
-                            if self.chains_down(whole) {
-                                // each CTA waits for its row tile's gate/up CTAs instead of
-                                // the whole gate/up (rs_wait_rows): `need` is their count
-                                let need = match self.prefill_gemm(true, h, i, ex.wblock) {
-                                    PrefillLaunch::Rs(_, g) => g.grid_dim.0,
-                                    PrefillLaunch::Plain(..) => unreachable!("chains_down"),
-                                };
-                                args.extend([KArg::U64(gpu.ptr(&ws.rows_ready)), KArg::U32(need)]);
-                                gpu.launch_early(&MOE_GEMM_SM90, kernel, grid, &args)
-                            } else {
-                                args.extend([KArg::U64(0), KArg::U32(0)]);
-                                gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
-                            }
+                            gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
                         }
                     }
                 }
