@@ -4,7 +4,8 @@
 # tests of the prefill kernels and `layertest` outputs against plain launches
 # (NVFP4DBG_PDL=0); PART=ab: alternating bench rounds, early against plain launches and the
 # trigger at the K loop's start; PART=ncu: the GEMMs' SM activity (their tails), and the SM
-# clock, power and throttle reasons under the layer.
+# clock, power and throttle reasons under the layer. (The early launches and RS_PDL_TRIGGER are
+# in commit 4b606e7 only.)
 set -uo pipefail
 L=${LABEL:-s31a}-${PART:-tests}
 source bench/gpu-lib.sh

@@ -2,7 +2,8 @@
 # Session 31, fifth lease: the register-A down chained to the gate/up (launched early, each CTA
 # waiting for its own row tile's gate/up CTAs: rs_wait_rows / rs_publish_rows). PART=ab: the
 # prefill GPU tests, `layertest` outputs byte for byte against NVFP4DBG_RS_CHAIN=0, then
-# alternating layer rounds; PART=final: the nightly and the layer figures of the bench.
+# alternating layer rounds; PART=final: the nightly and the layer figures of the bench. (The
+# chain and NVFP4DBG_RS_CHAIN are in commit 7f6ea52 only.)
 set -uo pipefail
 L=${LABEL:-s31e}-${PART:-ab}
 source bench/gpu-lib.sh
