@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 31, second lease (diagnostic build): how much the GEMM stages, power-capped, depend
-# on their token data (NVFP4DBG_DIAG_ZERO_ROWS lived only in that lease's build, never
-# committed: a fill of the rows after the prologue's rows scatter): the gate/up's token rows all zero after the prologue
-# (NVFP4DBG_DIAG_ZERO_ROWS=1, whence the down's rows zero too) against the real rows; the
-# stages are read (the layer figure then carries a 470 MB fill), with the clocks sampled.
+# on their token data: the gate/up's token rows all zero after the prologue
+# (NVFP4DBG_DIAG_ZERO_ROWS=1, whence the down's rows zero too; the knob, a fill of the rows
+# after the prologue's rows scatter, lived only in that lease's build and was never committed)
+# against the real rows; the stages are read (the layer figure then carries a 470 MB fill),
+# with the clocks sampled.
 set -uo pipefail
 L=${LABEL:-s31b}
 source bench/gpu-lib.sh
