@@ -1274,8 +1274,8 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 // weights in decode tiles (wq_t, ws_t). Grid:
 // (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
-moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t, const u8* __restrict__ ws_t,
-                      u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
+moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t,
+                      const u8* __restrict__ ws_t, u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
@@ -1301,13 +1301,14 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
 }
 
 // Gate/up with SwiGLU fused, as moe_gemm_gate_up_nvfp4_sm90 with the tokens given as `tmap`
-// and `map_stride` (as the down's) and the weights in decode tiles: warpgroup w takes outputs n0 + 64 w .. + 63, m-block 0 from
-// w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES.
+// and `map_stride` (as the down's) and the weights in decode tiles: warpgroup w takes outputs
+// n0 + 64 w .. + 63, m-block 0 from w1, m-block 1 from w3. Grid: (ceil(nout / R_GU_BN), M-tile
+// bound), R_THREADS threads, R_SMEM_BYTES.
 // With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
 // token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
-moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ w1q_t,
-                              const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
+moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K,
+                              const u8* __restrict__ w1q_t, const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
                               const float* __restrict__ ws2_1, const float* __restrict__ ws2_3, float limit,
                               u32 has_limit, const uint4* __restrict__ wide_tiles,

@@ -304,12 +304,13 @@ impl RsTokens {
     /// The tensor maps a register-A GEMM reads its tokens through (device address) and their
     /// stride per expert (0: one pair for all).
     fn maps_of(&self, gpu: &Gpu, down: bool, experts: usize) -> (u64, u32) {
+        const PAIR: usize = 2 * 128; // two tensor maps of 128 bytes
         match &self.expert_maps {
             Some(m) => (
-                gpu.ptr(m) + if down { (experts * 256) as u64 } else { 0 },
-                256,
+                gpu.ptr(m) + if down { (experts * PAIR) as u64 } else { 0 },
+                PAIR as u32,
             ),
-            None => (gpu.ptr(&self.maps) + if down { 256 } else { 0 }, 0),
+            None => (gpu.ptr(&self.maps) + if down { PAIR as u64 } else { 0 }, 0),
         }
     }
 }
