@@ -592,31 +592,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_N48
 #define RS_N48 0
 #endif
-// Each row tile's tokens shared by a cluster of RS_CLUSTER CTAs (1: none; 2: two CTAs of the
-// same row tile and neighbouring weight rows, grid x even: moe.rs pads it): each CTA loads one
-// 64-wide K half of every chunk by TMA multicast into the stages of both, so the tokens cross
-// from L2 to shared memory half as often (the gate/up re-reads each row tile 16 times, the down
-// 28 times). The stage's empty barrier then counts both CTAs' warps, and the two CTAs meet in
-// a cluster barrier before the first copy and after the last MMA.
-#ifndef RS_CLUSTER
-#define RS_CLUSTER 1
-#endif
-// L2 eviction priority of the weights' loads (0: the default; 1: evict first, as they are read
-// by one row tile only; 2: evict last, for an expert's second row tile) and of the tokens' TMA
-// copies (RS_TOK_EVICT_LAST 1: evict last, as each row tile's tokens are read by 16 or 28 CTAs).
-// Session 32 A/B only.
-#ifndef RS_W_EVICT
-#define RS_W_EVICT 0
-#endif
-#ifndef RS_TOK_EVICT_LAST
-#define RS_TOK_EVICT_LAST 0
-#endif
-static_assert(RS_CLUSTER == 1 || RS_CLUSTER == 2, "RS_CLUSTER: 1 or 2");
-#if RS_CLUSTER == 2
-#define RS_CLUSTER_DIMS __cluster_dims__(2, 1, 1)
-#else
-#define RS_CLUSTER_DIMS
-#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -631,57 +606,9 @@ __device__ __forceinline__ void mbar_arrive_if(u32 bar, bool pred) {
 // TMA: the box at (c0 = column, c1 = row) of the 2-D tensor map at `tmap` (global memory)
 // into shared `dst`, its bytes completing on mbarrier `bar`.
 __device__ __forceinline__ void tma_load_2d(u32 dst, const void* tmap, int c0, int c1, u32 bar) {
-    if (RS_TOK_EVICT_LAST) {
-        u64 pol;
-        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-        asm volatile(
-            "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
-            " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-            "l"(tmap), "r"(c0), "r"(c1), "r"(bar), "l"(pol)
-            : "memory");
-        return;
-    }
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
         "l"(tmap), "r"(c0), "r"(c1), "r"(bar)
-        : "memory");
-}
-// The same box into shared `dst` of every CTA of the cluster in `mask`, completing on each one's
-// mbarrier at `bar` (the same offsets in every CTA).
-__device__ __forceinline__ void tma_load_2d_multicast(u32 dst, const void* tmap, int c0, int c1, u32 bar, u16 mask) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-        " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-        "l"(tmap), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
-        : "memory");
-}
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Every thread of every CTA of the cluster (each CTA's shared memory and barriers published).
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// mbar_arrive_if, on this CTA's barrier and on the other CTA's of a 2-CTA cluster (the same
-// offset there).
-__device__ __forceinline__ void mbar_arrive_pair_if(u32 bar, bool pred) {
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b32 r, a;\nsetp.ne.u32 p, %1, 0;\n"
-        "mov.u32 r, %%cluster_ctarank;\nxor.b32 r, r, 1;\nmapa.shared::cluster.u32 a, %0, r;\n"
-        "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-        "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [a];\n}\n" ::"r"(bar),
-        "r"((u32)pred)
-        : "memory");
-}
-// mbar_wait for a barrier that the other CTA of the cluster arrives on too.
-__device__ __forceinline__ void mbar_wait_cluster(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT;\n}\n" ::"r"(bar),
-        "r"(parity)
         : "memory");
 }
 
@@ -820,42 +747,12 @@ struct RWeights {
     const u8* s[2];
 };
 
-// RS_W_EVICT's loads: 16 bytes of codes, 2 of scales, under an L2 eviction policy.
-__device__ __forceinline__ u64 rs_w_policy() {
-    u64 pol;
-    if (RS_W_EVICT == 2)
-        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-    else
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    return pol;
-}
-__device__ __forceinline__ uint4 ldg_stream_pol(const u8* p, u64 pol) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-    return v;
-}
-__device__ __forceinline__ u32 ldg_u16_pol(const u8* p, u64 pol) {
-    unsigned short v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(v) : "l"(p), "l"(pol));
-    return v;
-}
-
 __device__ __forceinline__ void rs_load(const RWeights& wr, u32 c, RChunk& st) {
 #pragma unroll
     for (int b = 0; b < 2; b++) {
         if (wr.q[b] != nullptr) {
             const u8* q = wr.q[b] + (size_t)c * R_TILE_Q;
             const u8* s = wr.s[b] + (size_t)c * R_TILE_S;
-            if (RS_W_EVICT != 0) {
-                const u64 pol = rs_w_policy();
-                st.w[b][0] = ldg_stream_pol(q, pol);
-                st.w[b][1] = ldg_stream_pol(q + 512, pol);
-                st.s[b][0] = ldg_u16_pol(s, pol);
-                st.s[b][1] = ldg_u16_pol(s + 64, pol);
-                continue;
-            }
             st.w[b][0] = ldg_stream(q);
             st.w[b][1] = ldg_stream(q + 512);
             st.s[b][0] = __ldg(reinterpret_cast<const unsigned short*>(s));
@@ -932,22 +829,16 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
     const void* tmap_small = reinterpret_cast<const u8*>(tmap) + 128;
     u32 s = c % R_STAGES, dst = stages + s * R_STAGE_BYTES;
     mbar_arrive_expect_tx(bars.full(s), 2 * (BIG * 128 + SMALL * R_BOX_ROWS) * 128);
-    // RS_CLUSTER 2: this CTA's half only, into both CTAs' stages
-    const u32 h0 = RS_CLUSTER == 2 ? cluster_rank() : 0;
 #pragma unroll
-    for (u32 h = h0; h < h0 + 3 - RS_CLUSTER; h++) {
+    for (int h = 0; h < 2; h++) {
         int k = (int)(c * R_BK + 64 * h);
         u32 half = dst + h * R_HALF_BYTES;
 #pragma unroll
-        for (int b = 0; b < BIG + SMALL; b++) {
-            bool big = b < BIG;
-            u32 d = half + (big ? b * 128 * 128 : BIG * 128 * 128 + (b - BIG) * R_BOX_BYTES);
-            int row = (int)(r0 + (big ? b * 128 : BIG * 128 + (b - BIG) * R_BOX_ROWS));
-            if (RS_CLUSTER == 2)
-                tma_load_2d_multicast(d, big ? tmap : tmap_small, k, row, bars.full(s), (u16)3);
-            else
-                tma_load_2d(d, big ? tmap : tmap_small, k, row, bars.full(s));
-        }
+        for (int b = 0; b < BIG; b++) tma_load_2d(half + b * 128 * 128, tmap, k, (int)(r0 + b * 128), bars.full(s));
+#pragma unroll
+        for (int b = 0; b < SMALL; b++)
+            tma_load_2d(half + BIG * 128 * 128 + b * R_BOX_BYTES, tmap_small, k, (int)(r0 + BIG * 128 + b * R_BOX_ROWS),
+                        bars.full(s));
     }
 }
 
@@ -1033,20 +924,11 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         wgmma_commit();
         wgmma_wait<INFLIGHT>();
         // the groups still in flight are this chunk's: the previous chunk's stage is free
-        if (s == INFLIGHT - 1) {
-            u32 empty = bars.empty((c + R_STAGES - 1) % R_STAGES);
-            bool pred = c > 0 && (tid & 31u) == 0;
-            if (RS_CLUSTER == 2)
-                mbar_arrive_pair_if(empty, pred);
-            else
-                mbar_arrive_if(empty, pred);
-        }
+        if (s == INFLIGHT - 1)
+            mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
         if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
             u32 prev = (c - 1) % R_STAGES;
-            if (RS_CLUSTER == 2)
-                mbar_wait_cluster(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
-            else
-                mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
+            mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
             rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
         // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
@@ -1076,18 +958,12 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
             mbar_init(bars.full(s), 1);
-            mbar_init(bars.empty(s), RS_CLUSTER * R_THREADS / 32);
+            mbar_init(bars.empty(s), R_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        if (RS_CLUSTER == 1)
-            for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
-    if (RS_CLUSTER == 2) {
-        cluster_sync();  // both CTAs' barriers are set up before either copies into the other
-        if (tid == 0)
-            for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
-    }
-    __syncthreads();  // and thread 0's warp whole again before its first (`.aligned`) MMA
+    __syncthreads();
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
@@ -1108,12 +984,7 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     rs_acc_fence<N>(acc);
     // rs_scalars' copies (their threads' own), published by the barrier
     asm volatile("cp.async.wait_all;" ::: "memory");
-    // RS_CLUSTER 2: and the other CTA's too, so that no arrival of it is still on its way here
-    // when this CTA reuses its stages or exits
-    if (RS_CLUSTER == 2)
-        cluster_sync();
-    else
-        __syncthreads();
+    __syncthreads();
 }
 
 // What a register-A CTA (one an SM) waits for before its first MMA and after its last, with the
@@ -1402,7 +1273,7 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 // moe_rows_bf16_rs's output (one pair, or expert e's at tmap + map_stride e: rs_row_tile) and the
 // weights in decode tiles (wq_t, ws_t). Grid:
 // (ceil(nout / R_DOWN_BN), M-tile bound), R_THREADS threads, R_SMEM_BYTES of dynamic shared memory.
-extern "C" __global__ void RS_CLUSTER_DIMS __launch_bounds__(R_THREADS, 3 - RS_WG)
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t,
                       const u8* __restrict__ ws_t, u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
                       const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
@@ -1435,7 +1306,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
 // bound), R_THREADS threads, R_SMEM_BYTES.
 // With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
 // token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
-extern "C" __global__ void RS_CLUSTER_DIMS __launch_bounds__(R_THREADS, 3 - RS_WG)
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K,
                               const u8* __restrict__ w1q_t, const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
                               const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,

@@ -279,7 +279,6 @@ const SM90_VARIANT: &[&str] = &[
     "-DR_STAGES=5",
     "-DRS_WG=1",
     "-DEXPF_CR_BITS=0",
-    "-DRS_CLUSTER=2",
 ];
 
 #[test]

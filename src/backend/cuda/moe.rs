@@ -44,9 +44,6 @@ const SM90_SMEM_BYTES: u32 = 98_304 + SM90_STAGES * 13_824 + 1024;
 const SM90_RS_BK: usize = 128;
 const SM90_RS_SLACK: usize = 32;
 const SM90_RS_WG: u32 = 2;
-/// CTAs per cluster of the register-A kernels (RS_CLUSTER: 2 share each row tile's tokens by
-/// TMA multicast); their grid's x is a multiple of it.
-const SM90_RS_CLUSTER: u32 = 1;
 /// R_STAGES for RS_WG warpgroups.
 const fn sm90_rs_stages_for(wg: u32) -> u32 {
     if wg == 2 {
@@ -98,10 +95,6 @@ mod sm90_tests {
             "R_STAGES differs from sm90_rs_stages_for"
         );
         assert!(src.contains(&format!("#define RS_WG {wg}")));
-        let cluster = super::SM90_RS_CLUSTER;
-        assert!(src.contains(&format!(
-            "#ifndef RS_CLUSTER\n#define RS_CLUSTER {cluster}\n"
-        )));
         assert!(src.contains("#define R_EPI_ROW (2 * R_GU_BN + 4)"));
         assert!(src.contains("#define R_GU_BN (RS_WG * 64)"));
         assert_eq!(super::sm90_rs_epi_row_for(2), 260);
@@ -242,11 +235,6 @@ fn sm90_rs_slack() -> u32 {
 /// 128-thread CTAs of half the weight rows, two per SM).
 fn sm90_rs_wg() -> u32 {
     super::nvrtc::tuning_define("RS_WG").map_or(SM90_RS_WG, |n| n as u32)
-}
-
-/// CTAs per register-A cluster: SM90_RS_CLUSTER, or `-DRS_CLUSTER=N` in NVFP4DBG_NVRTC_DEFINES.
-fn sm90_rs_cluster() -> u32 {
-    super::nvrtc::tuning_define("RS_CLUSTER").map_or(SM90_RS_CLUSTER, |n| n as u32)
 }
 
 /// The register-A kernels' shared memory: SM90_RS_SMEM_BYTES, or what `-DR_STAGES=N` and
@@ -1208,11 +1196,9 @@ impl Nvfp4Forward {
             block_dim: (GEMM_THREADS, 1, 1),
             shared_mem_bytes,
         };
-        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup, whole
-        // clusters (a CTA past nout computes zeros and stores nothing)
-        let rs_n_tiles = (nout.div_ceil(bn / 2 * rs_wg) as u32).next_multiple_of(sm90_rs_cluster());
+        // the register-A kernels: 64 (gate/up) or 128 (down) weight rows per warpgroup
         let rs_grid = LaunchConfig {
-            grid_dim: (rs_n_tiles, m_tiles as u32, 1),
+            grid_dim: (nout.div_ceil(bn / 2 * rs_wg) as u32, m_tiles as u32, 1),
             block_dim: (128 * rs_wg as u32, 1, 1),
             shared_mem_bytes: sm90_rs_smem_bytes(),
         };
