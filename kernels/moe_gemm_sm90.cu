@@ -592,14 +592,6 @@ static_assert(RS_INFLIGHT == 1 || RS_INFLIGHT == 2, "RS_INFLIGHT: 1 or 2");
 #ifndef RS_N48
 #define RS_N48 0
 #endif
-// The down GEMM's tile out by TMA (1): its scaled accumulators into shared memory (boxes of
-// 32 rows x 32 outputs, 128-byte swizzle: no bank conflict), then thread 0 stores the boxes
-// through its expert's output tensor map, whose rows end at the expert's last row (rs_expert_maps),
-// so that the rows past the tile's tokens are left alone, and the CTA exits once the copies have
-// read shared memory. 0: each thread stores its values (rs_store_rows).
-#ifndef RS_DOWN_TMA_STORE
-#define RS_DOWN_TMA_STORE 0
-#endif
 
 #if NVFP4DBG_WGMMA
 
@@ -1099,18 +1091,17 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 #endif  // NVFP4DBG_WGMMA
 
 // Expert e's tensor maps for the register-A kernels (map_stride 256): out[(g E + e) 2 + b] is
-// template g b (g: the gate/up's token matrix, then the down's, then (groups 3) the down's
-// output, b 1 a copy of b 0; b: boxes of 128 rows, then of 32) with its row count set to the
-// expert's end row, expert_offsets[e + 1]. A tile's last boxes then read the rows past its
-// expert as zeros (TMA's out-of-bounds fill) instead of the next expert's rows: the MMAs'
-// columns past a tile's tokens are never stored either way, but on zeros the tensor cores draw
-// less power, and the GPU runs the GEMMs under its power cap (s31b); and a TMA store of the
-// down's tile leaves the next expert's rows alone. One thread a map; a launch after moe_offsets.
+// template g b (g: the gate/up's token matrix, then the down's; b: boxes of 128 rows, then of
+// 32) with its row count set to the expert's end row, expert_offsets[e + 1]. A tile's last
+// boxes then read the rows past its expert as zeros (TMA's out-of-bounds fill) instead of the
+// next expert's rows: the MMAs' columns past a tile's tokens are never stored either way, but
+// on zeros the tensor cores draw less power, and the GPU runs the GEMMs under its power cap
+// (s31b). One thread a map; a launch after moe_offsets.
 extern "C" __global__ void rs_expert_maps(const u64* __restrict__ templates, const u32* __restrict__ expert_offsets,
-                                          u32 E, u32 groups, u64* __restrict__ out) {
+                                          u32 E, u64* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= 2 * groups * E) return;
+    if (i >= 4 * E) return;
     const u32 b = i % 2, e = (i / 2) % E, g = i / (2 * E);
     const u64* src = templates + (g * 2 + b) * 16;
     u64* dst = out + (size_t)i * 16;
@@ -1169,63 +1160,6 @@ __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32
                                      __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha),
                                      tv && live[b][qh]);
         }
-}
-
-// RS_DOWN_TMA_STORE: the same values through shared memory (`base`, free once rs_mainloop is
-// done) and TMA. Box (rb, cb) holds tokens r0 + 32 rb .. + 31 and outputs col0 + 32 cb .. + 31
-// (col0: the CTA's first) at base + (CB rb + cb) 4096 (CB = R_DOWN_BN / 32 boxes a row), a
-// token row of 128 bytes whose 16-byte pieces are swizzled (piece ^ row % 8), as the map's
-// 128-byte swizzle reads them back: a warp's store phase (8 outputs x 4 tokens) hits 32 banks.
-// `ymap` is the expert's map of the output [rows, nout] f32, its rows ending at the expert's
-// last, so the boxes' rows past the tile's tokens (only an expert's last tile has fewer tokens
-// than its width) are left alone. The CTA's other threads may exit at once; thread 0 waits
-// until the copies have read the shared memory.
-template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows_tma(const float (&acc)[2][HALF_N], u32 col0, u32 r0, float alpha,
-                                                  u8* base, const void* ymap) {
-    constexpr int N = 2 * HALF_N, CB = R_DOWN_BN / 32;
-    static_assert(N * R_DOWN_BN * 4 <= R_OFF_BARS, "the tile fits below the barriers");
-    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // the warp's outputs: lc0 + g + 8 qh + 64 b of the CTA's 256 (box column lc0 / 32 + 2 b,
-    // piece (lc0 % 32) / 4 + 2 qh + g / 4); its tokens 8 j + 2 t + ql (box row j / 4, row 8 (j %
-    // 4) + 2 t + ql, whose % 8 is 2 t + ql): the piece's swizzle is one XOR per (qh, ql)
-    const u32 lc0 = (threadIdx.x / 128) * 128 + ((threadIdx.x % 128) / 32) * 16;
-    const u32 p0 = ((lc0 % 32) / 4 + g / 4) ^ (2 * t);
-    const u32 row_base = smem_addr(base) + (lc0 / 32) * 4096 + 2 * t * 128 + (g % 4) * 4;
-    u32 at[2][2];
-#pragma unroll
-    for (int qh = 0; qh < 2; qh++)
-#pragma unroll
-        for (int ql = 0; ql < 2; ql++) at[qh][ql] = row_base + ql * 128 + ((p0 ^ (2 * qh + ql)) * 16);
-#pragma unroll
-    for (int j = 0; j < N / 8; j++)
-#pragma unroll
-        for (int ql = 0; ql < 2; ql++)
-#pragma unroll
-            for (int b = 0; b < 2; b++)
-#pragma unroll
-                for (int qh = 0; qh < 2; qh++) {
-                    const float v = __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha);
-                    // (the offset is a constant once unrolled: ptxas folds it into the address)
-                    asm volatile("st.shared.f32 [%0], %1;" ::"r"(at[qh][ql] + ((j / 4) * CB + 2 * b) * 4096 +
-                                                                (j % 4) * 8 * 128),
-                                 "f"(v)
-                                 : "memory");
-                }
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 sb = smem_addr(base);
-#pragma unroll
-        for (int rb = 0; rb < (N + 31) / 32; rb++)
-#pragma unroll
-            for (int cb = 0; cb < CB; cb++)
-                asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(ymap),
-                             "r"((int)(col0 + 32 * cb)), "r"((int)(r0 + 32 * rb)), "r"(sb + (rb * CB + cb) * 4096)
-                             : "memory");
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-    }
 }
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
@@ -1342,20 +1276,11 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t,
                       const u8* __restrict__ ws_t, u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
-                      const uint4* __restrict__ wide_tiles, float* __restrict__ out,
-                      const void* __restrict__ out_maps) {
+                      const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
     if (!rs_row_tile(map, map_stride, wide_tiles, e, r0, r1)) return;
-    // RS_DOWN_TMA_STORE: expert e's output map (out_maps: null where the host has none)
-    const void* ymap = RS_DOWN_TMA_STORE && out_maps != nullptr && map_stride != 0
-                           ? reinterpret_cast<const u8*>(out_maps) + (size_t)e * map_stride
-                           : nullptr;
-    if (ymap != nullptr && threadIdx.x == 0) {
-        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(ymap) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(ymap) : "memory");
-    }
     u8* base = h_smem_base();
     const float* sc = rs_scalars(base, gs + e, ws2 + e, nullptr, nullptr);
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
@@ -1368,11 +1293,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (RS_DIAG & 4 && alpha == alpha) return;
-        if (ymap != nullptr)
-            rs_store_rows_tma(acc, blockIdx.x * R_DOWN_BN, r0, alpha, base, ymap);
-        else
-            rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();

@@ -265,22 +265,17 @@ fn sm90_rs_fits(arch: &str, wblock: usize, c: &crate::moe::MoeConfig) -> bool {
 struct RsTokens {
     gate_up: CudaSlice<u16>,
     down: CudaSlice<u16>,
-    /// six tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
-    /// rows, then down in the same two, then twice the down's f32 output `y` (what its TMA
-    /// store writes, `-DRS_DOWN_TMA_STORE=1`)
+    /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
+    /// rows, then down in the same two
     maps: CudaSlice<u64>,
     /// The same per expert, each ending at the expert's last row (`rs_expert_maps` writes
-    /// them after the sort): the gate/up's E pairs, then the down's, then the output's. None
-    /// with `NVFP4DBG_RS_EXPERT_MAPS=0` (the kernels then read the first four above).
+    /// them after the sort): the gate/up's E pairs, then the down's. None with
+    /// `NVFP4DBG_RS_EXPERT_MAPS=0` (the kernels then read the four above).
     expert_maps: Option<CudaSlice<u64>>,
 }
 
-/// RsTokens' groups of tensor maps: the gate/up's tokens, the down's, the down's output.
-const RS_MAP_GROUPS: usize = 3;
-
 impl RsTokens {
-    /// `y`: the down GEMM's output `[n, h]` f32 (device address).
-    fn new(gpu: &Gpu, n: usize, h: usize, i: usize, experts: usize, y: u64) -> Result<Self> {
+    fn new(gpu: &Gpu, n: usize, h: usize, i: usize, experts: usize) -> Result<Self> {
         let rows = n.max(1);
         let what = "the 16-bit expert inputs (register-A prefill)";
         let (gate_up, down) = (
@@ -288,25 +283,19 @@ impl RsTokens {
             gpu.alloc::<u16>(rows * i, what)?,
         );
         // per GEMM (gate/up K = H, then down K = I): boxes of BM rows, then of SM90_RS_BOX_ROWS
-        let mut maps = Vec::with_capacity(2 * RS_MAP_GROUPS * 16);
+        let mut maps = Vec::with_capacity(4 * 16);
         for (buf, k) in [(&gate_up, h), (&down, i)] {
             for box_rows in [BM as u32, SM90_RS_BOX_ROWS] {
                 maps.extend(tma::bf16_rows_swizzle128(gpu.ptr(buf), rows, k, box_rows)?);
             }
         }
-        let y_map = tma::f32_rows_swizzle128(y, rows, h)?;
-        maps.extend(y_map);
-        maps.extend(y_map);
         let per_expert = !std::env::var("NVFP4DBG_RS_EXPERT_MAPS").is_ok_and(|v| v == "0");
         Ok(RsTokens {
             gate_up,
             down,
             maps: gpu.upload(&maps, "TMA tensor maps")?,
             expert_maps: match per_expert {
-                true => Some(gpu.alloc::<u64>(
-                    2 * RS_MAP_GROUPS * experts * 16,
-                    "per-expert TMA tensor maps",
-                )?),
+                true => Some(gpu.alloc::<u64>(4 * experts * 16, "per-expert TMA tensor maps")?),
                 false => None,
             },
         })
@@ -323,14 +312,6 @@ impl RsTokens {
             ),
             None => (gpu.ptr(&self.maps) + if down { PAIR as u64 } else { 0 }, 0),
         }
-    }
-
-    /// Expert 0's tensor map of the down's output (expert e's 256 bytes on), or 0 without
-    /// per-expert maps (the down kernel then stores from its threads).
-    fn out_maps(&self, gpu: &Gpu, experts: usize) -> u64 {
-        self.expert_maps
-            .as_ref()
-            .map_or(0, |m| gpu.ptr(m) + (2 * experts * 2 * 128) as u64)
     }
 }
 
@@ -899,9 +880,6 @@ impl Nvfp4Forward {
                 ex.add_decode_tiles(gpu, c)?;
             }
         }
-        let e = layer.config.n_routed_experts;
-        let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
-        let mut ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
         let rs = if rs_fits {
             Some(RsTokens::new(
                 gpu,
@@ -909,11 +887,13 @@ impl Nvfp4Forward {
                 c.hidden_size,
                 c.moe_intermediate_size,
                 c.n_routed_experts,
-                gpu.ptr(&ws.y),
             )?)
         } else {
             None
         };
+        let e = layer.config.n_routed_experts;
+        let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
+        let mut ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
         if let Some((ActScales::Fixed { gs1, gs2 }, _)) = nvfp4 {
             if gs1.len() != e || gs2.len() != e {
                 return Err(Error::usage(format!(
@@ -1304,12 +1284,11 @@ impl Nvfp4Forward {
         gpu.launch(
             &MOE_GEMM_SM90,
             "rs_expert_maps",
-            grid_1d((2 * RS_MAP_GROUPS * e) as u64, ELEM_THREADS)?,
+            grid_1d(4 * e as u64, ELEM_THREADS)?,
             &[
                 KArg::U64(gpu.ptr(&rs.maps)),
                 KArg::U64(gpu.ptr(&self.ws.expert_offsets)),
                 KArg::U32(e as u32),
-                KArg::U32(RS_MAP_GROUPS as u32),
                 KArg::U64(gpu.ptr(out)),
             ],
         )
@@ -1829,7 +1808,6 @@ impl Nvfp4Forward {
                                 KArg::U64(w[5]),
                             ];
                             args.extend_from_slice(&tail);
-                            args.push(KArg::U64(self.rs_tokens()?.out_maps(gpu, e)));
                             gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)
                         }
                     }

@@ -18,52 +18,16 @@ pub(crate) fn bf16_rows_swizzle128(
     cols: usize,
     box_rows: u32,
 ) -> Result<TensorMap> {
-    rows_swizzle128(ptr, rows, cols, box_rows, Elem::Bf16)
-}
-
-/// The tensor map of a row-major f32 matrix `[rows, cols]` at device address `ptr`, in boxes of
-/// 32 rows x 32 columns (128 bytes a row) with the 128-byte swizzle: what a TMA store writes
-/// from shared memory (rows and columns past the end are not written).
-pub(crate) fn f32_rows_swizzle128(ptr: u64, rows: usize, cols: usize) -> Result<TensorMap> {
-    rows_swizzle128(ptr, rows, cols, 32, Elem::F32)
-}
-
-#[derive(Clone, Copy)]
-enum Elem {
-    Bf16,
-    F32,
-}
-
-fn rows_swizzle128(
-    ptr: u64,
-    rows: usize,
-    cols: usize,
-    box_rows: u32,
-    elem: Elem,
-) -> Result<TensorMap> {
-    let (dtype, bytes, name) = match elem {
-        Elem::Bf16 => (
-            drv_sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2u64,
-            "BF16",
-        ),
-        Elem::F32 => (
-            drv_sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-            4u64,
-            "f32",
-        ),
-    };
     let mut map = drv_sys::CUtensorMap { opaque: [0; 16] };
     let dims = [cols as u64, rows as u64];
     // the stride of dimension 1 in bytes (dimension 0 is contiguous)
-    let strides = [cols as u64 * bytes];
-    // a box row is the 128 bytes of a swizzle atom's row
-    let boxes = [(128 / bytes) as u32, box_rows];
+    let strides = [cols as u64 * 2];
+    let boxes = [64u32, box_rows];
     let steps = [1u32, 1];
     let r = unsafe {
         drv_sys::cuTensorMapEncodeTiled(
             &mut map,
-            dtype,
+            drv_sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
             2,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -78,7 +42,7 @@ fn rows_swizzle128(
     };
     if r != drv_sys::CUresult::CUDA_SUCCESS {
         return Err(driver_err(
-            &format!("encoding the TMA tensor map of a {name} [{rows}, {cols}] matrix"),
+            &format!("encoding the TMA tensor map of a BF16 [{rows}, {cols}] matrix"),
             "-",
             DriverError(r),
         ));
