@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Session 32, fifth lease: s32d's bench rounds again (its variants' `B,C` values broke
+# ab_rounds' comma-separated list: `B:C` now).
+set -uo pipefail
+L=${LABEL:-s32e}
+source bench/gpu-lib.sh
+ab_rounds ${ROUNDS:-4} layer_4096 "beside| o112|NVFP4DBG_SHARED_OVERLAP=112:20 o100|NVFP4DBG_SHARED_OVERLAP=100:32 o88|NVFP4DBG_SHARED_OVERLAP=88:44"
+stamp done
+pack
