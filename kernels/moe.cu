@@ -517,30 +517,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     out[(size_t)t * H + h] = acc;
 }
 
-// moe_combine of 4-column groups (H % 4 == 0, no per-slot copy) over a grid of a few whole-SM
-// blocks (the host asks for enough dynamic shared memory that one fits an SM), each striding
-// over the T * H / 4 groups: the combine confined to some multiprocessors while a GEMM on
-// another stream holds the rest (NVFP4DBG_SHARED_OVERLAP, session 32). The same sums.
-extern "C" __global__ void moe_combine_sms(const float* __restrict__ y, const int* __restrict__ entry_pos,
-                                           const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
-                                           float* __restrict__ out) {
-    const u64 groups = (u64)T * (H / 4);
-    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < groups; i += (u64)gridDim.x * blockDim.x) {
-        const u32 t = (u32)(i / (H / 4)), h = (u32)(i % (H / 4)) * 4;
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        for (u32 s = 0; s < K; s++) {
-            u32 entry = t * K + s;
-            float w = topk_weights[entry];
-            float4 v = *reinterpret_cast<const float4*>(y + (size_t)entry_pos[entry] * H + h);
-            acc.x = __fadd_rn(acc.x, __fmul_rn(w, v.x));
-            acc.y = __fadd_rn(acc.y, __fmul_rn(w, v.y));
-            acc.z = __fadd_rn(acc.z, __fmul_rn(w, v.z));
-            acc.w = __fadd_rn(acc.w, __fmul_rn(w, v.w));
-        }
-        *reinterpret_cast<float4*>(out + (size_t)t * H + h) = acc;
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Reference-path helpers (the GEMMs themselves are cuBLAS).
 

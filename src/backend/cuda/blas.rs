@@ -4,8 +4,7 @@
 use super::device::{cublas_err, Gpu};
 use crate::error::{Error, Result};
 use cudarc::cublas::sys::{
-    cublasComputeType_t, cublasGemmAlgo_t, cublasGemmEx, cublasOperation_t, cublasSetSmCountTarget,
-    cudaDataType_t,
+    cublasComputeType_t, cublasGemmAlgo_t, cublasGemmEx, cublasOperation_t, cudaDataType_t,
 };
 use std::ffi::c_void;
 
@@ -25,7 +24,6 @@ fn gemm_nt(
     y: u64,
     in_type: cudaDataType_t,
     compute: cublasComputeType_t,
-    beta: f32,
     what: &str,
 ) -> Result<()> {
     if m == 0 || n == 0 {
@@ -37,7 +35,7 @@ fn gemm_nt(
         dim(n, "out features")?,
         dim(k, "in features")?,
     );
-    let alpha = 1.0f32;
+    let (alpha, beta) = (1.0f32, 0.0f32);
     // column-major view: C (n x m) = op(W) (n x k) · X (k x m), W stored k x n → transposed
     unsafe {
         cublasGemmEx(
@@ -88,44 +86,8 @@ pub(crate) fn gemm_bf16(
         y,
         cudaDataType_t::CUDA_R_16BF,
         cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        0.0,
         what,
     )
-}
-
-/// [`gemm_bf16`] added onto `y`: `y = y + x · wᵀ` (the epilogue's one f32 addition, in FP32).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_bf16_add(
-    gpu: &Gpu,
-    m: usize,
-    n: usize,
-    k: usize,
-    x: u64,
-    w: u64,
-    y: u64,
-    what: &str,
-) -> Result<()> {
-    gemm_nt(
-        gpu,
-        m,
-        n,
-        k,
-        x,
-        w,
-        y,
-        cudaDataType_t::CUDA_R_16BF,
-        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        1.0,
-        what,
-    )
-}
-
-/// The multiprocessors cuBLAS's kernels on the current stream aim at (0: all of them).
-pub(crate) fn set_sm_count_target(gpu: &Gpu, sms: u32) -> Result<()> {
-    let blas = gpu.blas()?;
-    unsafe { cublasSetSmCountTarget(*blas.blas.handle(), sms as i32) }
-        .result()
-        .map_err(|e| cublas_err("the cuBLAS SM count target", "cublasSetSmCountTarget", e))
 }
 
 /// f32 × f32 → f32 in plain FP32 (no TF32: the router's logits).
@@ -150,7 +112,6 @@ pub(crate) fn gemm_f32(
         y,
         cudaDataType_t::CUDA_R_32F,
         cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
-        0.0,
         what,
     )
 }

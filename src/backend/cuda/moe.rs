@@ -1373,19 +1373,6 @@ impl Nvfp4Forward {
         }
     }
 
-    /// `NVFP4DBG_SHARED_OVERLAP=B,C` or `B:C` (an A/B knob): the shared expert's gate/up on B
-    /// multiprocessors beside the routed combine on C ([`Self::enqueue_nvfp4`]); where the
-    /// layer has a shared expert and tokens, H % 4 == 0 and no per-slot copy is kept.
-    fn shared_overlap(&self) -> Option<(u32, u32)> {
-        let v = std::env::var("NVFP4DBG_SHARED_OVERLAP").ok()?;
-        let (b, c) = v.split_once(|ch| ch == ',' || ch == ':')?;
-        let fits = self.layer.shared.is_some()
-            && self.ws.tokens > 0
-            && self.layer.config.hidden_size.is_multiple_of(4)
-            && self.ws.per_slot.is_none();
-        fits.then_some((b.parse().ok()?, c.parse().ok()?))
-    }
-
     fn shared_runs_beside(&self) -> bool {
         self.shared_beside && self.layer.shared.is_some() && self.ws.tokens > 0
     }
@@ -1547,23 +1534,6 @@ impl Nvfp4Forward {
         // small FP32 GEMM, the sort, the GEMMs' last waves), and the combine waits for it.
         // Stage by stage (the bench's split) it stays in the epilogue. (Forked after the
         // prologue instead: the same time, s10b.)
-        if let Some((blas_sms, combine_sms)) = self.shared_overlap() {
-            // session 32's A/B: the shared expert's gate/up (cuBLAS held to blas_sms) beside
-            // the routed combine (combine_sms whole-SM blocks), then its down projection added
-            // onto the combined output
-            for stage in [Stage::Prologue, Stage::GateUp, Stage::Down] {
-                self.enqueue_nvfp4_stage(stage)?;
-            }
-            self.gpu().fork_side(|| {
-                blas::set_sm_count_target(self.gpu(), blas_sms)?;
-                let r = self.enqueue_shared_act();
-                blas::set_sm_count_target(self.gpu(), 0)?;
-                r
-            })?;
-            self.enqueue_combine_sms(combine_sms)?;
-            self.gpu().join_side()?;
-            return self.enqueue_shared_down(true);
-        }
         let beside = self.shared_runs_beside();
         if beside {
             self.gpu().fork_side(|| self.enqueue_shared())?;
@@ -1906,45 +1876,6 @@ impl Nvfp4Forward {
 
     /// Shared experts (BF16, identical in both paths): cuBLAS GEMMs around a BF16 SwiGLU.
     fn enqueue_shared(&self) -> Result<()> {
-        self.enqueue_shared_act()?;
-        self.enqueue_shared_down(false)
-    }
-
-    /// The shared expert's down projection into its output, or (`add`) added onto the
-    /// combined output.
-    fn enqueue_shared_down(&self, add: bool) -> Result<()> {
-        let (Some(sh), Some(sw)) = (&self.layer.shared, &self.ws.shared) else {
-            return Ok(());
-        };
-        let gpu = self.gpu();
-        let (t, h, si) = (self.ws.tokens, self.layer.config.hidden_size, sh.inter);
-        if add {
-            blas::gemm_bf16_add(
-                gpu,
-                t,
-                h,
-                si,
-                gpu.ptr(&sw.a),
-                gpu.ptr(&sh.w2),
-                gpu.ptr(&self.ws.out),
-                "shared expert down_proj",
-            )
-        } else {
-            blas::gemm_bf16(
-                gpu,
-                t,
-                h,
-                si,
-                gpu.ptr(&sw.a),
-                gpu.ptr(&sh.w2),
-                gpu.ptr(&sw.y),
-                "shared expert down_proj",
-            )
-        }
-    }
-
-    /// The shared expert's gate and up projections and their SwiGLU.
-    fn enqueue_shared_act(&self) -> Result<()> {
         let (Some(sh), Some(sw), Some(xb)) =
             (&self.layer.shared, &self.ws.shared, &self.ws.hidden_bf16)
         else {
@@ -1985,6 +1916,16 @@ impl Nvfp4Forward {
             gpu.ptr(&sw.u),
             (t * si) as u64,
             gpu.ptr(&sw.a),
+        )?;
+        blas::gemm_bf16(
+            gpu,
+            t,
+            h,
+            si,
+            gpu.ptr(&sw.a),
+            gpu.ptr(&sh.w2),
+            gpu.ptr(&sw.y),
+            "shared expert down_proj",
         )
     }
 
@@ -2055,30 +1996,6 @@ impl Nvfp4Forward {
                 KArg::U64(ws.shared.as_ref().map_or(0, |s| gpu.ptr(&s.y))),
                 KArg::U64(gpu.ptr(&ws.out)),
                 KArg::U64(ws.per_slot.as_ref().map_or(0, |s| gpu.ptr(s))),
-            ],
-        )
-    }
-
-    /// The routed experts' combine alone (no shared expert) on `blocks` whole-SM blocks.
-    fn enqueue_combine_sms(&self, blocks: u32) -> Result<()> {
-        let gpu = self.gpu();
-        let ws = &self.ws;
-        gpu.launch(
-            &MOE,
-            "moe_combine_sms",
-            LaunchConfig {
-                grid_dim: (blocks.max(1), 1, 1),
-                block_dim: (1024, 1, 1),
-                shared_mem_bytes: 120 * 1024,
-            },
-            &[
-                KArg::U64(gpu.ptr(&ws.y)),
-                KArg::U64(gpu.ptr(&ws.entry_pos)),
-                KArg::U64(gpu.ptr(&ws.topk_w)),
-                KArg::U32(ws.tokens as u32),
-                KArg::U32(ws.k as u32),
-                KArg::U32(self.layer.config.hidden_size as u32),
-                KArg::U64(gpu.ptr(&ws.out)),
             ],
         )
     }
