@@ -2,6 +2,7 @@
 # Session 32, first lease: the register-A GEMMs' token tiles shared by 2-CTA clusters (TMA
 # multicast, -DRS_CLUSTER=2) against one CTA each: the prefill GPU tests under the variant,
 # `layertest` outputs byte for byte, then alternating bench rounds.
+# The knob was measured and removed: run this on a build of commit f5dafcf (BENCHMARKS.md, Session 32).
 set -uo pipefail
 L=${LABEL:-s32a}
 source bench/gpu-lib.sh

@@ -4,6 +4,7 @@
 # register-A GEMMs' L2 eviction policies (RS_W_EVICT, RS_TOK_EVICT_LAST): ncu's DRAM bytes of
 # the first gate/up and down of a layer forward under each, the prefill tests under the
 # combined one, and alternating bench rounds.
+# The knob was measured and removed: run this on a build of commit f5dafcf (BENCHMARKS.md, Session 32).
 set -uo pipefail
 L=${LABEL:-s32b}
 source bench/gpu-lib.sh

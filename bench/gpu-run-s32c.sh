@@ -3,6 +3,7 @@
 # (-DRS_DOWN_TMA_STORE=1) against each thread's stores: the prefill GPU tests under it,
 # `layertest` outputs byte for byte, alternating bench rounds, then compute-sanitizer on the
 # ragged-experts GEMM test under it.
+# The knob was measured and removed: run this on a build of commit 90ec24b (BENCHMARKS.md, Session 32).
 set -uo pipefail
 L=${LABEL:-s32c}
 source bench/gpu-lib.sh

@@ -3,6 +3,7 @@
 # beside the routed combine (C whole-SM blocks), its down projection then added onto the
 # combined output (NVFP4DBG_SHARED_OVERLAP=B,C) against the shared expert beside everything:
 # `layertest` outputs byte for byte, then alternating bench rounds of the layer.
+# The knob was measured and removed: run this on a build of commit e64e14f (BENCHMARKS.md, Session 32).
 set -uo pipefail
 L=${LABEL:-s32d}
 source bench/gpu-lib.sh

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 32, fifth lease: s32d's bench rounds again (its variants' `B,C` values broke
 # ab_rounds' comma-separated list: `B:C` now).
+# The knob was measured and removed: run this on a build of commit e64e14f (BENCHMARKS.md, Session 32).
 set -uo pipefail
 L=${LABEL:-s32e}
 source bench/gpu-lib.sh
