@@ -997,12 +997,14 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
 // expert e's two at tmap + 256 e (rs_expert_maps: their row count ends at the expert's last
 // row, so that a tile's rows past its expert arrive as zeros), acquired here as the CUDA
 // programming guide asks of tensor maps that another kernel wrote.
+// The two tensor maps at `pair` (boxes of 128 rows, then of 32) into the TMA unit's cache.
+__device__ __forceinline__ void prefetch_map_pair(const void* pair) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(pair) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(pair) + 128) : "memory");
+}
 __device__ __forceinline__ bool rs_row_tile(const void*& tmap, u32 map_stride, const uint4* __restrict__ wide_tiles,
                                             u32& e, u32& r0, u32& r1) {
-    if (threadIdx.x == 0 && map_stride == 0) {
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(tmap) + 128) : "memory");
-    }
+    if (threadIdx.x == 0 && map_stride == 0) prefetch_map_pair(tmap);
     if (!load_row_tile(wide_tiles, blockIdx.y, e, r0, r1)) return false;
     if (map_stride != 0) {
         tmap = reinterpret_cast<const u8*>(tmap) + (size_t)e * map_stride;
@@ -1011,8 +1013,7 @@ __device__ __forceinline__ bool rs_row_tile(const void*& tmap, u32 map_stride, c
             asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(
                              reinterpret_cast<const u8*>(tmap) + 128)
                          : "memory");
-            asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
-            asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(tmap) + 128) : "memory");
+            prefetch_map_pair(tmap);
         }
     }
     return true;
