@@ -987,6 +987,12 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
     __syncthreads();
 }
 
+// The two tensor maps at `pair` (boxes of 128 rows, then of 32) into the TMA unit's cache.
+__device__ __forceinline__ void prefetch_map_pair(const void* pair) {
+    asm volatile("prefetch.tensormap [%0];" ::"l"(pair) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(pair) + 128) : "memory");
+}
+
 // What a register-A CTA (one an SM) waits for before its first MMA and after its last, with the
 // tensor cores idle, takes fewer round trips to memory than it did (s29a, s29b: the 4096-token
 // layer 0.02-0.06 ms faster, its down stage 0.01-0.04, its gate/up 0.02-0.04): its row tile
@@ -997,11 +1003,6 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap
 // expert e's two at tmap + 256 e (rs_expert_maps: their row count ends at the expert's last
 // row, so that a tile's rows past its expert arrive as zeros), acquired here as the CUDA
 // programming guide asks of tensor maps that another kernel wrote.
-// The two tensor maps at `pair` (boxes of 128 rows, then of 32) into the TMA unit's cache.
-__device__ __forceinline__ void prefetch_map_pair(const void* pair) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(pair) : "memory");
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<const u8*>(pair) + 128) : "memory");
-}
 __device__ __forceinline__ bool rs_row_tile(const void*& tmap, u32 map_stride, const uint4* __restrict__ wide_tiles,
                                             u32& e, u32& r0, u32& r1) {
     if (threadIdx.x == 0 && map_stride == 0) prefetch_map_pair(tmap);
