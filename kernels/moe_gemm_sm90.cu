@@ -501,10 +501,8 @@ static_assert(RS_WG == 1 || RS_WG == 2, "RS_WG: 1 or 2");
 // The expert's scalars (rs_scalars: 4 floats) after the barriers, in the base's alignment
 // slack (at least 16 of its 1024 bytes are left: the dynamic shared memory starts 16-aligned).
 #define R_OFF_SCALARS (R_OFF_BARS + 2 * R_STAGES * 8)
-// The gather kernel's row ids of a tile (RTokens: R_BN ints) after the scalars.
-#define R_OFF_IDS (R_OFF_SCALARS + 16)
-// + R_BN ints of row ids, + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
-#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + R_BN * 4 + 1024)
+// + 1024 to align the base: moe.rs SM90_RS_SMEM_BYTES
+#define R_SMEM_BYTES (R_OFF_BARS + 2 * R_STAGES * 8 + 1024)
 static_assert(R_BN == H_BM + R_SLACK, "a tile is at most BM + R_SLACK tokens");
 static_assert(R_EPI_ROW >= 2 * R_GU_BN && R_EPI_ROW % 16 == 4, "the epilogue tile's rows");
 static_assert(R_HALF_BYTES % 1024 == 0 && R_BOX_BYTES % 1024 == 0, "boxes start at swizzle atoms");
@@ -844,49 +842,15 @@ __device__ __forceinline__ void rs_fill(const void* tmap, u32 stages, RBars bars
     }
 }
 
-// Where a tile's tokens come from. Without a gather: the pair of tensor maps at `tmap` over the
-// sorted rows (rs_fill). With one (the _gather kernel): `tmap` is the address of [rows, K] BF16
-// rows shared by several sorted rows, sorted row p reads row gather[p], and rows at or past r1
-// (the tile's end) are zeros, as the per-expert maps give them. rs_mainloop puts the tile's
-// rows' byte offsets (or ~0 for zeros) into shared memory (R_OFF_IDS) first.
-struct RTokens {
-    const void* tmap;
-    const int* gather;
-    u32 r1;
-};
-
-// Every thread: its part of chunk c of the tile's N token rows, by 16-byte cp.async into the
-// stage (the bytes rs_fill's boxes lay down: a row's 128-byte half at half + 128 row, its
-// 16-byte piece j at (j ^ row % 8) 16 in the 128-byte swizzle), then an arrival on the stage's
-// full barrier (R_THREADS of them) once those copies have landed. Thread t takes piece t % 8 of
-// half t / 8 % 2 of rows t / 16 + (R_THREADS / 16) i: one swizzled offset for all of them.
-template <int N>
-__device__ __forceinline__ void rs_fill_gather(const RTokens& tk, u32 K, u32 stages, RBars bars, u32 c, u32 tid) {
-    constexpr u32 ROUND = R_THREADS / 16;  // rows a round of the CTA's threads: 16 or 8
-    static_assert(N % ROUND == 0 && ROUND % 8 == 0, "whole rounds, each a multiple of the swizzle's 8 rows");
-    const u32 s = c % R_STAGES, j = tid % 8, h = (tid / 8) % 2, row0 = tid / 16;
-    const u32 dst = stages + s * R_STAGE_BYTES + h * R_HALF_BYTES + row0 * 128 + ((j ^ (row0 % 8)) << 4);
-    const u32 koff = (c * R_BK + 64 * h + 8 * j) * 2;
-    const u8* rows = reinterpret_cast<const u8*>(tk.tmap);
-#pragma unroll 1
-    for (u32 i = 0; i < (u32)N / ROUND; i++) {
-        u32 off;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(off) : "r"(stages + R_OFF_IDS + 4 * (row0 + ROUND * i)));
-        const bool zero = off == ~0u;
-        cp_async16(dst + i * ROUND * 128, rows + (zero ? 0u : off + koff), zero ? 0u : 16u);
-    }
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bars.full(s)) : "memory");
-}
-
 // The 8 k16 steps of chunk c on lane data `st`. Step s takes word s / 2 of rows g and g + 8,
 // pairs 2 (s % 2) and 2 (s % 2) + 1 (A fragment: a0 row g, a1 row g + 8 at columns 2 t, 2 t + 1;
 // a2, a3 the same rows at 2 t + 8, 2 t + 9), scaled by the block of K 32 t + 8 (s / 2):
 // block 2 t for s < 4, 2 t + 1 after. In chunk c > 0 every warp releases the previous chunk's
 // stage once its MMAs are complete (after step RS_INFLIGHT - 1), and thread 0 refills it at
 // step 4 with chunk c - 1 + R_STAGES.
-template <int N, bool GATHER>
+template <int N>
 __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 stages, RBars bars,
-                                         const RTokens& tk, u32 r0, float (&acc)[2][N / 2]) {
+                                         const void* tmap, u32 r0, float (&acc)[2][N / 2]) {
     // tiles wider than 128 tokens keep one group in flight: their accumulators leave no room
     // for another set of A fragments
     constexpr int INFLIGHT = N > 128 ? 1 : RS_INFLIGHT;
@@ -962,14 +926,10 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
         // the groups still in flight are this chunk's: the previous chunk's stage is free
         if (s == INFLIGHT - 1)
             mbar_arrive_if(bars.empty((c + R_STAGES - 1) % R_STAGES), c > 0 && (tid & 31u) == 0);
-        // (with a gather, every thread: a CTA-uniform branch)
-        if (s == 4 && (GATHER || tid == 0) && c > 0 && c - 1 + R_STAGES < nk) {
+        if (s == 4 && tid == 0 && c > 0 && c - 1 + R_STAGES < nk) {
             u32 prev = (c - 1) % R_STAGES;
             mbar_wait(bars.empty(prev), ((c - 1) / R_STAGES) & 1u);
-            if (GATHER)
-                rs_fill_gather<N>(tk, nk * R_BK, stages, bars, c - 1 + R_STAGES, tid);
-            else
-                rs_fill<N>(tk.tmap, stages, bars, c - 1 + R_STAGES, r0);
+            rs_fill<N>(tmap, stages, bars, c - 1 + R_STAGES, r0);
         }
         // Thread 0 reconverges with its warp before the next warpgroup MMA (`.aligned`: every
         // lane of the warp must issue it together). ptxas left this implicit in session 16's
@@ -985,8 +945,8 @@ __device__ __forceinline__ void rs_chunk(const RChunk& st, u32 c, u32 nk, u32 st
 // The K loop of one tile: acc[b] holds m-block b's 64 weight rows x N tokens (times 2^-18),
 // acc[b][j * 4 + q] at row warp * 16 + g + 8 (q / 2), token j * 8 + 2 t + q % 2. Ends with
 // every MMA complete and every warp past the loop (the stages may then be reused).
-template <int N, int L2_AHEAD, bool GATHER>
-__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const RTokens& tk, u32 r0, u32 nk, u8* base,
+template <int N, int L2_AHEAD>
+__device__ __forceinline__ void rs_mainloop(const RWeights& wr, const void* tmap, u32 r0, u32 nk, u8* base,
                                             float (&acc)[2][N / 2]) {
     u32 tid = threadIdx.x;
     u32 stages = smem_addr(base);
@@ -994,26 +954,16 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const RTokens& t
     RChunk st[2];
     rs_load(wr, 0, st[0]);
     if (nk > 1) rs_load(wr, 1, st[1]);
-    // the gather's row offsets of the tile (published by the barrier below)
-    if (GATHER)
-        for (u32 r = tid; r < (u32)N; r += R_THREADS) {
-            const u32 p = r0 + r;
-            const u32 off = p < tk.r1 ? (u32)__ldg(tk.gather + p) * nk * R_BK * 2 : ~0u;
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(stages + R_OFF_IDS + 4 * r), "r"(off) : "memory");
-        }
     // thread 0 sets the ring up and starts the first copies; the barrier publishes the ring
     if (tid == 0) {
         for (u32 s = 0; s < R_STAGES; s++) {
-            mbar_init(bars.full(s), GATHER ? R_THREADS : 1);
+            mbar_init(bars.full(s), 1);
             mbar_init(bars.empty(s), R_THREADS / 32);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        if (!GATHER)
-            for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tk.tmap, stages, bars, c, r0);
+        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill<N>(tmap, stages, bars, c, r0);
     }
     __syncthreads();
-    if (GATHER)
-        for (u32 c = 0; c < R_STAGES && c < nk; c++) rs_fill_gather<N>(tk, nk * R_BK, stages, bars, c, tid);
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
@@ -1022,11 +972,11 @@ __device__ __forceinline__ void rs_mainloop(const RWeights& wr, const RTokens& t
         for (u32 c = 2; c < L2_AHEAD && c < nk; c++) rs_prefetch_l2(wr, c);
     for (u32 c = 0; c < nk; c += 2) {
         if (L2_AHEAD > 2 && c + L2_AHEAD < nk) rs_prefetch_l2(wr, c + L2_AHEAD);
-        rs_chunk<N, GATHER>(st[0], c, nk, stages, bars, tk, r0, acc);
+        rs_chunk<N>(st[0], c, nk, stages, bars, tmap, r0, acc);
         if (c + 2 < nk) rs_load(wr, c + 2, st[0]);
         if (c + 1 < nk) {
             if (L2_AHEAD > 2 && c + 1 + L2_AHEAD < nk) rs_prefetch_l2(wr, c + 1 + L2_AHEAD);
-            rs_chunk<N, GATHER>(st[1], c + 1, nk, stages, bars, tk, r0, acc);
+            rs_chunk<N>(st[1], c + 1, nk, stages, bars, tmap, r0, acc);
             if (c + 3 < nk) rs_load(wr, c + 3, st[1]);
         }
     }
@@ -1105,37 +1055,37 @@ __device__ __forceinline__ RWeights rs_weights(const u8* const (&wq)[2], const u
 // holds its ntok tokens, then epi(acc) with the accumulators as rs_mainloop leaves them. The
 // widths past 128 serve the wide last tiles: at 4096 tokens an expert gets 128 +- 11 rows; 96
 // and 48 (RS_N96, RS_N48) the narrow ones of a router's uneven load.
-template <int L2_AHEAD, bool N144, bool GATHER, typename Epi>
-__device__ __forceinline__ void rs_tile(const RWeights& wr, const RTokens& tk, u32 r0, u32 ntok, u32 nk, u8* base,
+template <int L2_AHEAD, bool N144, typename Epi>
+__device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u32 r0, u32 ntok, u32 nk, u8* base,
                                         Epi epi) {
     constexpr int L2_NARROW = RS_L2_AHEAD_NARROW < 0 ? L2_AHEAD : RS_L2_AHEAD_NARROW;
     if (ntok > (N144 ? 144u : 128u)) {
         float acc[2][80];
-        rs_mainloop<160, L2_AHEAD, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<160, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (N144 && ntok > 128) {
         float acc[2][72];
-        rs_mainloop<144, L2_AHEAD, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<144, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > (RS_N96 ? 96u : 64u)) {
         float acc[2][64];
-        rs_mainloop<128, L2_AHEAD, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<128, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (RS_N96 && ntok > 64) {
         float acc[2][48];
-        rs_mainloop<96, L2_AHEAD, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<96, L2_AHEAD>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (ntok > (RS_N48 ? 48u : 32u)) {
         float acc[2][32];
-        rs_mainloop<64, L2_NARROW, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<64, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else if (RS_N48 && ntok > 32) {
         float acc[2][24];
-        rs_mainloop<48, L2_NARROW, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<48, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     } else {
         float acc[2][16];
-        rs_mainloop<32, L2_NARROW, GATHER>(wr, tk, r0, nk, base, acc);
+        rs_mainloop<32, L2_NARROW>(wr, tmap, r0, nk, base, acc);
         epi(acc);
     }
 }
@@ -1342,8 +1292,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
     const u8* const ws[2] = {ws_t, ws_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     // alpha is computed after the K loop (one register less across it), from rs_scalars' copies
-    const RTokens tk{map, nullptr, r1};
-    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN, false>(wr, tk, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
         if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
@@ -1359,25 +1308,19 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
 // bound), R_THREADS threads, R_SMEM_BYTES.
 // With a fixed gs2 and `down_rows` not null, the epilogue also writes the down GEMM's 16-bit
 // token rows (what moe_rows_bf16_rs makes of outq and outs; those may then be null).
-// The _gather kernel reads its tokens by row ids (RTokens): `tmap` is the 1-row-box map over
-// `gather_rows` rows (map_stride 0) and sorted row p reads row gather[p] (sorted_token, where
-// every slot of a token has the same 16-bit row: one gs1 for all experts). The other ignores
-// gather and gather_rows.
+extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
+moe_gemm_gate_up_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K,
+                              const u8* __restrict__ w1q_t, const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t,
+                              const u8* __restrict__ w3s_t, u32 nout, const float* __restrict__ gs1,
+                              const float* __restrict__ ws2_1, const float* __restrict__ ws2_3, float limit,
+                              u32 has_limit, const uint4* __restrict__ wide_tiles,
+                              const float* __restrict__ gs2, u32 flavor, u8* __restrict__ outq,
+                              u8* __restrict__ outs, u64* __restrict__ stats, float* __restrict__ out_f32,
+                              u32* __restrict__ amax_bits, u32* __restrict__ down_rows) {
 #if NVFP4DBG_WGMMA
-template <bool GATHER>
-__device__ __forceinline__ void gate_up_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K,
-                                               const u8* __restrict__ w1q_t, const u8* __restrict__ w1s_t,
-                                               const u8* __restrict__ w3q_t, const u8* __restrict__ w3s_t, u32 nout,
-                                               const float* __restrict__ gs1, const float* __restrict__ ws2_1,
-                                               const float* __restrict__ ws2_3, float limit, u32 has_limit,
-                                               const uint4* __restrict__ wide_tiles, const float* __restrict__ gs2,
-                                               u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs,
-                                               u64* __restrict__ stats, float* __restrict__ out_f32,
-                                               u32* __restrict__ amax_bits, u32* __restrict__ down_rows,
-                                               const int* __restrict__ gather, u32 gather_rows) {
     u32 e, r0, r1;
     const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
-    if (!rs_row_tile(map, GATHER ? 0u : map_stride, wide_tiles, e, r0, r1)) return;
+    if (!rs_row_tile(map, map_stride, wide_tiles, e, r0, r1)) return;
     u8* base = h_smem_base();
     const float* sc = rs_scalars(base, gs1 + e, ws2_1 + e, ws2_3 + e, gs2 ? gs2 + e : nullptr);
     u32 wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32;
@@ -1387,9 +1330,8 @@ __device__ __forceinline__ void gate_up_sm90rs(const void* __restrict__ tmap, u3
     const u8* const ws[2] = {w1s_t, w3s_t};
     RWeights wr = rs_weights(wq, ws, row0, e, nout, K);
     float* sgu = reinterpret_cast<float*>(base);
-    const RTokens tk{map, gather, r1};
     // the alphas are computed after the K loop (fewer registers across it), from rs_scalars' copies
-    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP, GATHER>(wr, tk, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
+    rs_tile<RS_L2_AHEAD_GATE_UP, RS_N144_GATE_UP>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float g_in = rcp_ref(sc[0]);
         rs_stage_gate_up(acc, col0, __fmul_rn(g_in, sc[1]), __fmul_rn(g_in, sc[2]), sgu);
     });
@@ -1399,27 +1341,7 @@ __device__ __forceinline__ void gate_up_sm90rs(const void* __restrict__ tmap, u3
     gate_up_tile_epilogue_of<R_BN, R_GU_BN, R_THREADS, true>(RsGateUpA{sgu, limit, has_limit}, r0, r1, n0, nout, e,
                                                                 gs2e, flavor, outq, outs, stats, out_f32, amax_bits,
                                                                 down_rows);
-}
-#endif
-
-#define GATE_UP_SM90RS(name, GATHER)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)                                               \
-        name(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ w1q_t,                     \
-             const u8* __restrict__ w1s_t, const u8* __restrict__ w3q_t, const u8* __restrict__ w3s_t, u32 nout,     \
-             const float* __restrict__ gs1, const float* __restrict__ ws2_1, const float* __restrict__ ws2_3,        \
-             float limit, u32 has_limit, const uint4* __restrict__ wide_tiles, const float* __restrict__ gs2,         \
-             u32 flavor, u8* __restrict__ outq, u8* __restrict__ outs, u64* __restrict__ stats,                      \
-             float* __restrict__ out_f32, u32* __restrict__ amax_bits, u32* __restrict__ down_rows,                  \
-             const int* __restrict__ gather, u32 gather_rows) {                                                      \
-        GATE_UP_SM90RS_BODY(GATHER)                                                                                  \
-    }
-#if NVFP4DBG_WGMMA
-#define GATE_UP_SM90RS_BODY(GATHER)                                                                                  \
-    gate_up_sm90rs<GATHER>(tmap, map_stride, K, w1q_t, w1s_t, w3q_t, w3s_t, nout, gs1, ws2_1, ws2_3, limit,         \
-                           has_limit, wide_tiles, gs2, flavor, outq, outs, stats, out_f32, amax_bits, down_rows,     \
-                           gather, gather_rows);
 #else
-#define GATE_UP_SM90RS_BODY(GATHER) __trap();
+    __trap();
 #endif
-GATE_UP_SM90RS(moe_gemm_gate_up_nvfp4_sm90rs, false)
-GATE_UP_SM90RS(moe_gemm_gate_up_nvfp4_sm90rs_gather, true)
+}

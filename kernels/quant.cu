@@ -1240,8 +1240,7 @@ __device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tok
                                                 const int* __restrict__ pos, u64 out_rows,
                                                 const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                                 u8* __restrict__ packed, u8* __restrict__ scales,
-                                                u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out,
-                                                u32 token_rows) {
+                                                u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && QUANT_BLOCKS == 4  // (moe.rs: rows_scatter_fits)
     static_assert(16 * RS_SLICE_PITCH * 4 <= RS_SCATTER_WARP_BYTES, "the chunks fit the slice");
     extern __shared__ __align__(16) u8 scatter_smem[];
@@ -1311,10 +1310,7 @@ __device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tok
 #pragma unroll
             for (int f = 0; f < 4; f++) c[f] += counted[f];
             if (packed != nullptr) group_store<T>(g, dout, q, sc, packed, scales, 0);
-            // token_rows: one row a token (row t, from its first slot), for the gather kernel;
-            // the host asks for it only where every expert has the same gs1 (no fresh encode)
-            if (!token_rows || j == first)
-                dst = reinterpret_cast<u64>(rows_out) + ((token_rows ? t : (u64)p) * cols + (g.b0 / 8) * 128) * 2;
+            dst = reinterpret_cast<u64>(rows_out) + ((u64)p * cols + (g.b0 / 8) * 128) * 2;
         }
         if (__any_sync(0xFFFFFFFFu, fresh)) {
             __syncwarp();  // the slot before has read the slice
@@ -1351,11 +1347,9 @@ __device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tok
     extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)                                               \
         name(const T* __restrict__ x, u64 tokens, u32 cols, u32 k, const int* __restrict__ pos, u64 out_rows,     \
              const float* __restrict__ gs, const int* __restrict__ gs_idx, u8* __restrict__ packed,              \
-             u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out,          \
-             u32 token_rows) {                                                                                    \
+             u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {         \
         rows_scatter_fl<T, QUANT_ENCODER ? FLAV : FLAVOR_RUNTIME>(x, tokens, cols, k, pos, out_rows, gs, gs_idx, \
-                                                                   packed, scales, stats, flavor, rows_out,       \
-                                                                   token_rows);                                   \
+                                                                   packed, scales, stats, flavor, rows_out);      \
     }
 QUANT_ROWS_SCATTER(nvfp4_rows_scatter_reference, float, FLAVOR_REFERENCE)
 QUANT_ROWS_SCATTER(nvfp4_rows_scatter_cuda_fast, float, FLAVOR_CUDA_FAST)

@@ -706,51 +706,40 @@ fn expert_inputs_scattered_token_by_token_equal_the_gather() {
         let x = hidden(&mut r, tokens, spec.h);
         // per-expert gs1 all different, three values shared among the experts (a slot's codes
         // reused from the slot before where their gs1 bits match, encoded again where not),
-        // and one for all (fixed, and dynamic): there the register-A gate/up may read one row
-        // a token through the sort's token ids
-        let fixed_with = |pick: &dyn Fn(&[f32], usize) -> f32| match fixed_scales(&layer, &x) {
+        // and one for all (dynamic)
+        let shared3 = match fixed_scales(&layer, &x) {
             ActScales::Fixed { gs1, gs2 } => ActScales::Fixed {
-                gs1: (0..gs1.len()).map(|j| pick(&gs1, j)).collect(),
+                gs1: (0..gs1.len()).map(|j| gs1[j % 3]).collect(),
                 gs2,
             },
             ActScales::Dynamic => unreachable!(),
         };
-        for (scales, flavor, one_gs1) in [
-            (fixed_scales(&layer, &x), Flavor::Reference, false),
-            (fixed_with(&|g, j| g[j % 3]), Flavor::CudaFast, false),
-            (fixed_with(&|g, _| g[1]), Flavor::Reference, true),
-            (ActScales::Dynamic, Flavor::CudaFast, true),
+        for (scales, flavor) in [
+            (fixed_scales(&layer, &x), Flavor::Reference),
+            (shared3, Flavor::CudaFast),
+            (ActScales::Dynamic, Flavor::CudaFast),
         ] {
-            let run = |how: InputQuantize, rows: RsRows, down: DownRows, gather: bool| {
+            let run = |how: InputQuantize, rows: RsRows, down: DownRows| {
                 let mut f =
                     Nvfp4Forward::new(b.gpu(), &layer, tokens, &scales, flavor, true).unwrap();
                 f.set_input_quantize(how);
                 f.set_rs_rows(rows);
                 f.set_down_rows(down);
-                f.set_rs_gather(gather);
                 f.route_on_gpu(None).unwrap();
                 f.set_hidden(&x).unwrap();
                 (f.run().unwrap(), f.schedule())
             };
-            let (g, g_schedule) = run(InputQuantize::Gather, RsRows::Auto, DownRows::Prepass, true);
+            let (g, g_schedule) = run(InputQuantize::Gather, RsRows::Auto, DownRows::Prepass);
             assert!(!g_schedule.contains("gate/up epilogue"), "{g_schedule}");
             let rs_prefill = tokens > 64 && b.gpu().arch == "sm_90a";
             // the scatter through the codes in memory, then straight into the register-A
             // gate/up's 16-bit token rows where that kernel runs (sm_90a, the prefill batch),
-            // from the f32 input and from its BF16 copy, a row a slot or (one gs1) a token
-            let ways = [RsRows::Codes, RsRows::F32, RsRows::Auto]
-                .into_iter()
-                .flat_map(|rows| [(rows, false), (rows, true)]);
-            for (rows, gather) in ways {
-                let (s, schedule) = run(InputQuantize::Scatter, rows, DownRows::Auto, gather);
+            // from the f32 input and from its BF16 copy
+            for rows in [RsRows::Codes, RsRows::F32, RsRows::Auto] {
+                let (s, schedule) = run(InputQuantize::Scatter, rows, DownRows::Auto);
                 let what = format!("seed {seed}, {tokens} tokens, {flavor:?}, {schedule}");
                 let straight = schedule.contains("straight into");
                 assert_eq!(straight, rows != RsRows::Codes && rs_prefill, "{what}");
-                assert_eq!(
-                    schedule.contains("one row a token"),
-                    straight && gather && one_gs1,
-                    "{what}"
-                );
                 assert_eq!(
                     schedule.contains("down's 16-bit rows from the gate/up epilogue"),
                     rs_prefill && !matches!(scales, ActScales::Dynamic),

@@ -58,13 +58,11 @@ const fn sm90_rs_epi_row_for(wg: u32) -> usize {
 }
 const SM90_RS_SMEM_BYTES: u32 = sm90_rs_smem_for(sm90_rs_stages_for(SM90_RS_WG), SM90_RS_WG);
 /// R_SMEM_BYTES for a ring of `stages` and `wg` warpgroups: the larger of the ring and the
-/// epilogue's tile, two barriers a stage, a tile's row ids (the gather kernel's), 1024 to
-/// align the base.
+/// epilogue's tile, two barriers a stage, 1024 to align the base.
 const fn sm90_rs_smem_for(stages: u32, wg: u32) -> u32 {
     let ring = stages * ((BM + SM90_RS_SLACK) * SM90_RS_BK * 2) as u32;
     let epi = ((BM + SM90_RS_SLACK) * sm90_rs_epi_row_for(wg) * 4) as u32;
-    let ids = ((BM + SM90_RS_SLACK) * 4) as u32;
-    (if ring > epi { ring } else { epi }) + 2 * stages * 8 + ids + 1024
+    (if ring > epi { ring } else { epi }) + 2 * stages * 8 + 1024
 }
 const SM90_RS_BOX_ROWS: u32 = 32;
 const _: () = assert!(
@@ -348,8 +346,6 @@ fn row_tile_bound(n: usize, e: usize) -> usize {
 }
 
 const GEMM_THREADS: u32 = 256;
-/// The register-A gate/up that reads one 16-bit row per token ([`Nvfp4Forward::set_rs_gather`]).
-const GATE_UP_GATHER: &str = "moe_gemm_gate_up_nvfp4_sm90rs_gather";
 /// `moe_offsets`' block (one block: the chunk counts' sums and the experts' prefix sums).
 const OFFSETS_THREADS: u32 = 1024;
 const ELEM_THREADS: u32 = 256;
@@ -816,10 +812,6 @@ pub struct Nvfp4Forward {
     /// The last [`Nvfp4Forward::set_hidden`] held BF16-exact values only and uploaded them to
     /// `ws.hidden_bf16` (which exists where a shared expert or a BF16 router reads it).
     hidden_bf16_set: AtomicBool,
-    /// Every expert has the same gs1 (dynamic gs, or fixed and equal bits).
-    one_gs1: bool,
-    /// [`Nvfp4Forward::set_rs_gather`].
-    rs_gather: bool,
 }
 
 impl Nvfp4Forward {
@@ -901,14 +893,6 @@ impl Nvfp4Forward {
         };
         let e = layer.config.n_routed_experts;
         let dynamic = matches!(nvfp4, Some((ActScales::Dynamic, _)));
-        // one gs1 for every expert (dynamic gs1 is the batch's): a token's slots share one row
-        let one_gs1 = match nvfp4 {
-            Some((ActScales::Fixed { gs1, .. }, _)) => {
-                gs1.windows(2).all(|w| w[0].to_bits() == w[1].to_bits())
-            }
-            Some((ActScales::Dynamic, _)) => true,
-            _ => false,
-        };
         let mut ws = Workspace::new(gpu, &dev, tokens, k, want, dynamic, per_slot)?;
         if let Some((ActScales::Fixed { gs1, gs2 }, _)) = nvfp4 {
             if gs1.len() != e || gs2.len() != e {
@@ -937,8 +921,6 @@ impl Nvfp4Forward {
             rs_rows: RsRows::from_env(),
             down_rows: DownRows::from_env(),
             hidden_bf16_set: AtomicBool::new(false),
-            one_gs1,
-            rs_gather: !std::env::var("NVFP4DBG_RS_GATHER").is_ok_and(|v| v == "0"),
         })
     }
 
@@ -1406,7 +1388,7 @@ impl Nvfp4Forward {
     /// How this forward is laid out where a choice changes no number (for bench reports).
     pub fn schedule(&self) -> String {
         format!(
-            "router logits {}; expert inputs {}{}; shared expert {}{}",
+            "router logits {}; expert inputs {}; shared expert {}{}",
             match (self.route, self.router_reads_bf16()) {
                 (RouteSource::Given, _) => "given (routing uploaded)",
                 (RouteSource::Gpu, true) => "BF16 tensor cores, FP32 accumulation",
@@ -1425,11 +1407,6 @@ impl Nvfp4Forward {
                 }
                 (true, false, _) => "quantized token by token (scatter)",
                 (false, _, _) => "quantized through the row gather",
-            },
-            if self.gathers_tokens() {
-                " (one row a token, read through the sort's token ids)"
-            } else {
-                ""
             },
             match (self.layer.shared.is_some(), self.shared_runs_beside()) {
                 (false, _) => "none",
@@ -1487,7 +1464,6 @@ impl Nvfp4Forward {
                 }
                 args[8] = KArg::U64(0);
                 args.push(KArg::U64(rows));
-                args.push(KArg::U32(self.gathers_tokens() as u32));
                 grid.shared_mem_bytes = super::quant::ROWS_SCATTER_SMEM;
                 match (flavor, bf16.is_some()) {
                     (Flavor::Reference, false) => "nvfp4_rows_scatter_reference",
@@ -1588,22 +1564,6 @@ impl Nvfp4Forward {
     /// How the register-A gate/up's token rows are made ([`RsRows`]).
     pub fn set_rs_rows(&mut self, how: RsRows) {
         self.rs_rows = how;
-    }
-
-    /// Whether the register-A gate/up may read one 16-bit row per token through row ids
-    /// (`moe_gemm_gate_up_nvfp4_sm90rs_gather`) instead of one per routed slot: where every
-    /// expert has the same gs1, a token's slots hold the same row, so the prologue writes it
-    /// once (59 MB instead of 470 at 4096 DeepSeek-V3 tokens). The same rows, so the same
-    /// outputs, either way; `false` writes a row per slot. On where gs1 is one value (dynamic
-    /// gs, or fixed and equal for all experts) and not `NVFP4DBG_RS_GATHER=0`.
-    pub fn set_rs_gather(&mut self, on: bool) {
-        self.rs_gather = on;
-    }
-
-    /// The register-A gate/up reads one row per token ([`Nvfp4Forward::set_rs_gather`]): the
-    /// prologue makes its rows (`nvfp4_rows_scatter_*`) and every expert has the same gs1.
-    fn gathers_tokens(&self) -> bool {
-        self.rs_gather && self.one_gs1 && self.rs_rows_in_prologue().is_some()
     }
 
     /// Where the register-A down's token rows are made ([`DownRows`]).
@@ -1751,9 +1711,7 @@ impl Nvfp4Forward {
                             gpu.launch(module, kernel, grid, &args)?;
                         }
                         PrefillLaunch::Rs(kernel, grid) => {
-                            let gather = self.gathers_tokens();
                             let map = match self.rs_rows_in_prologue() {
-                                Some(rows) if gather => (rows, 0),
                                 Some(_) => self.rs_maps(false)?,
                                 None => self.enqueue_rs_tokens(p(&ws.a1q), p(&ws.a1s), false)?,
                             };
@@ -1763,12 +1721,6 @@ impl Nvfp4Forward {
                             args.extend(w[..4].iter().map(|&x| KArg::U64(x)));
                             args.extend_from_slice(&tail);
                             args.push(KArg::U64(down_rows.unwrap_or(0)));
-                            // the gather kernel: sorted row p reads token sorted_token[p]'s row
-                            let (kernel, ids, rows) = match gather {
-                                true => (GATE_UP_GATHER, gpu.ptr(&ws.sorted_token), ws.tokens),
-                                false => (kernel, 0, 0),
-                            };
-                            args.extend([KArg::U64(ids), KArg::U32(rows as u32)]);
                             gpu.launch(&MOE_GEMM_SM90, kernel, grid, &args)?;
                         }
                     }
