@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Session 33, second lease: the register-A gate/up reading one 16-bit row per
-# (this lease: the rows gathered by every thread's cp.async, commit ef87de5)
-# token through the sort's token ids (moe_gemm_gate_up_nvfp4_sm90rs_gather, NVFP4DBG_RS_GATHER)
+# Session 33, second lease (commit ef87de5): the register-A gate/up reading one 16-bit row per
+# token, gathered by every thread's cp.async (s33a's build: 1-row TMA boxes), through the sort's token ids (moe_gemm_gate_up_nvfp4_sm90rs_gather, NVFP4DBG_RS_GATHER)
 # against a row per slot. The prefill GPU tests, `layertest` outputs byte for byte with and
 # without (a fixed gs for all experts and dynamic: the gather; calibrated: per-expert gs, no
 # gather), alternating bench rounds against the slot rows and the build before (BIN=nvfp4dbg-old,
