@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 33, first lease (commit 1e16aa2): the register-A gate/up reading one 16-bit row per
+# Session 33, first lease (commit 1e16aa2; s33b ran it on ef87de5): the register-A gate/up reading one 16-bit row per
 # token through the sort's token ids (moe_gemm_gate_up_nvfp4_sm90rs_gather, NVFP4DBG_RS_GATHER)
 # against a row per slot. The prefill GPU tests, `layertest` outputs byte for byte with and
 # without (a fixed gs for all experts and dynamic: the gather; calibrated: per-expert gs, no
