@@ -10,9 +10,16 @@
 
 #define SORT_CHUNK 256
 
-// chunk_counts[c * E + e] = entries of chunk c routed to e.
+// chunk_counts[c * E + e] = entries of chunk c routed to e. Block 0 also zeroes the forward's
+// counters before anything after the sort adds to them: the 4 block statistics and n_amax
+// max-of-bits words (their memsets until session 34).
 extern "C" __global__ void __launch_bounds__(SORT_CHUNK)
-moe_chunk_counts(const int* __restrict__ ids, u32 N, u32 E, u32* __restrict__ chunk_counts) {
+moe_chunk_counts(const int* __restrict__ ids, u32 N, u32 E, u32* __restrict__ chunk_counts,
+                 u64* __restrict__ stats, u32* __restrict__ amax_bits, u32 n_amax) {
+    if (blockIdx.x == 0) {
+        if (threadIdx.x < 4) stats[threadIdx.x] = 0;
+        for (u32 j = threadIdx.x; j < n_amax; j += blockDim.x) amax_bits[j] = 0;
+    }
     extern __shared__ u32 cnt[];
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
@@ -132,12 +139,43 @@ extern "C" __global__ void moe_offsets(const u32* __restrict__ chunk_counts, u32
     }
 }
 
+// Expert e's tensor maps for the register-A kernels (map_stride 256): maps[(g E + e) 2 + b] is
+// template g b (g: the gate/up's token matrix, then the down's; b: boxes of 128 rows, then of
+// 32) with its row count set to the expert's end row, expert_offsets[e + 1]. A tile's last
+// boxes then read the rows past its expert as zeros (TMA's out-of-bounds fill) instead of the
+// next expert's rows: the MMAs' columns past a tile's tokens are never stored either way, but
+// on zeros the tensor cores draw less power, and the GPU runs the GEMMs under its power cap
+// (s31b). One thread a map, over moe_scatter's grid (a kernel of its own until session 34).
+__device__ __forceinline__ void rs_expert_maps(const u64* __restrict__ templates,
+                                               const u32* __restrict__ expert_offsets, u32 E,
+                                               u64* __restrict__ maps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < 4 * E; i += gridDim.x * blockDim.x) {
+        const u32 b = i % 2, e = (i / 2) % E, g = i / (2 * E);
+        const u64* src = templates + (g * 2 + b) * 16;
+        u64* dst = maps + (size_t)i * 16;
+#pragma unroll
+        for (int w = 0; w < 16; w++) dst[w] = src[w];
+        const u32 rows = max(expert_offsets[e + 1], 1u);  // a tensor map's dimensions are not 0
+        asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" ::"l"(dst), "r"(rows)
+                     : "memory");
+        asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
+    }
+#else
+    __trap();  // the register-A kernels are sm_90a's (moe.rs passes no maps elsewhere)
+#endif
+}
+
 // Stable scatter: within an expert, entries keep their index order. Warps of a chunk take
-// turns, ranks inside a warp come from __match_any_sync.
+// turns, ranks inside a warp come from __match_any_sync. With `maps` (else null), also the
+// register-A kernels' per-expert tensor maps (rs_expert_maps) from `map_templates`.
 extern "C" __global__ void __launch_bounds__(SORT_CHUNK)
 moe_scatter(const int* __restrict__ ids, u32 N, u32 E, u32 K, const u32* __restrict__ chunk_base,
             int* __restrict__ sorted_token, int* __restrict__ sorted_expert,
-            int* __restrict__ sorted_entry, int* __restrict__ entry_pos) {
+            int* __restrict__ sorted_entry, int* __restrict__ entry_pos,
+            const u64* __restrict__ map_templates, const u32* __restrict__ expert_offsets,
+            u64* __restrict__ maps) {
+    if (maps != nullptr) rs_expert_maps(map_templates, expert_offsets, E, maps);
     extern __shared__ u32 running[];
     for (u32 e = threadIdx.x; e < E; e += blockDim.x) running[e] = chunk_base[(size_t)blockIdx.x * E + e];
     __syncthreads();

@@ -1000,7 +1000,7 @@ __device__ __forceinline__ void prefetch_map_pair(const void* pair) {
 // four), thread 0 fetches the tile's two tensor maps as soon as it knows them, and the expert's
 // scalars come by rs_scalars. rs_row_tile: the first two; false past the real tiles.
 // The tensor maps: with map_stride 0 the two at `tmap` (the whole token matrix); with 256,
-// expert e's two at tmap + 256 e (rs_expert_maps: their row count ends at the expert's last
+// expert e's two at tmap + 256 e (kernels/moe.cu rs_expert_maps: their row count ends at the expert's last
 // row, so that a tile's rows past its expert arrive as zeros), acquired here as the CUDA
 // programming guide asks of tensor maps that another kernel wrote.
 __device__ __forceinline__ bool rs_row_tile(const void*& tmap, u32 map_stride, const uint4* __restrict__ wide_tiles,
@@ -1091,31 +1091,6 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 }
 
 #endif  // NVFP4DBG_WGMMA
-
-// Expert e's tensor maps for the register-A kernels (map_stride 256): out[(g E + e) 2 + b] is
-// template g b (g: the gate/up's token matrix, then the down's; b: boxes of 128 rows, then of
-// 32) with its row count set to the expert's end row, expert_offsets[e + 1]. A tile's last
-// boxes then read the rows past its expert as zeros (TMA's out-of-bounds fill) instead of the
-// next expert's rows: the MMAs' columns past a tile's tokens are never stored either way, but
-// on zeros the tensor cores draw less power, and the GPU runs the GEMMs under its power cap
-// (s31b). One thread a map; a launch after moe_offsets.
-extern "C" __global__ void rs_expert_maps(const u64* __restrict__ templates, const u32* __restrict__ expert_offsets,
-                                          u32 E, u64* __restrict__ out) {
-#if NVFP4DBG_WGMMA
-    const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= 4 * E) return;
-    const u32 b = i % 2, e = (i / 2) % E, g = i / (2 * E);
-    const u64* src = templates + (g * 2 + b) * 16;
-    u64* dst = out + (size_t)i * 16;
-#pragma unroll
-    for (int w = 0; w < 16; w++) dst[w] = src[w];
-    const u32 rows = max(expert_offsets[e + 1], 1u);  // a tensor map's dimensions are not 0
-    asm volatile("tensormap.replace.tile.global_dim.global.b1024.b32 [%0], 1, %1;" ::"l"(dst), "r"(rows) : "memory");
-    asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
-#else
-    __trap();
-#endif
-}
 
 #if NVFP4DBG_WGMMA
 // A 4-byte global store where `pred` holds, predicated inside the asm (no branch).

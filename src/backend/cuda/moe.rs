@@ -268,8 +268,8 @@ struct RsTokens {
     /// four tensor maps of 16 words: gate/up in boxes of BM rows and of SM90_RS_BOX_ROWS
     /// rows, then down in the same two
     maps: CudaSlice<u64>,
-    /// The same per expert, each ending at the expert's last row (`rs_expert_maps` writes
-    /// them after the sort): the gate/up's E pairs, then the down's. None with
+    /// The same per expert, each ending at the expert's last row (the sort's scatter writes
+    /// them: kernels/moe.cu `rs_expert_maps`): the gate/up's E pairs, then the down's. None with
     /// `NVFP4DBG_RS_EXPERT_MAPS=0` (the kernels then read the four above).
     expert_maps: Option<CudaSlice<u64>>,
 }
@@ -1097,9 +1097,11 @@ impl Nvfp4Forward {
         )
     }
 
-    /// Counting sort of the (token, slot) entries by expert.
+    /// Counting sort of the (token, slot) entries by expert; its scatter also writes each
+    /// expert's tensor maps where a register-A GEMM runs ([`Self::expert_maps`]).
     fn enqueue_sort(&self) -> Result<()> {
         let gpu = self.gpu();
+        let maps = self.expert_maps();
         let ws = &self.ws;
         let e = self.layer.config.n_routed_experts as u32;
         let n = (ws.tokens * ws.k) as u32;
@@ -1119,6 +1121,9 @@ impl Nvfp4Forward {
                 KArg::U32(n),
                 KArg::U32(e),
                 KArg::U64(gpu.ptr(&ws.chunk_counts)),
+                KArg::U64(gpu.ptr(&ws.stats)),
+                KArg::U64(gpu.ptr(&ws.amax_bits)),
+                KArg::U32(2 * e),
             ],
         )?;
         // moe_offsets: P = max(1, threads / E) runs of chunks per expert, (P + 1) E words
@@ -1159,6 +1164,9 @@ impl Nvfp4Forward {
                 KArg::U64(gpu.ptr(&ws.sorted_expert)),
                 KArg::U64(gpu.ptr(&ws.sorted_entry)),
                 KArg::U64(gpu.ptr(&ws.entry_pos)),
+                KArg::U64(maps.map_or(0, |m| m.0)),
+                KArg::U64(gpu.ptr(&ws.expert_offsets)),
+                KArg::U64(maps.map_or(0, |m| m.1)),
             ],
         )
     }
@@ -1267,31 +1275,14 @@ impl Nvfp4Forward {
         Ok(self.rs_tokens()?.maps_of(self.gpu(), down, e))
     }
 
-    /// After the sort: each expert's tensor maps, ending at its last row (`rs_expert_maps`),
-    /// where a register-A GEMM runs.
-    fn enqueue_expert_maps(&self) -> Result<()> {
-        let Some(rs) = self.rs.as_ref() else {
-            return Ok(());
-        };
-        let Some(out) = rs.expert_maps.as_ref() else {
-            return Ok(());
-        };
-        if !(self.runs_rs(false) || self.runs_rs(true)) {
-            return Ok(());
-        }
+    /// The register-A GEMMs' per-expert tensor maps, ending at each expert's last row, that the
+    /// sort's scatter writes (kernels/moe.cu `rs_expert_maps`): (templates, destination), or
+    /// None where no register-A GEMM runs or the maps are off.
+    fn expert_maps(&self) -> Option<(u64, u64)> {
+        let rs = self.rs.as_ref()?;
+        let out = rs.expert_maps.as_ref()?;
         let gpu = self.gpu();
-        let e = self.layer.config.n_routed_experts;
-        gpu.launch(
-            &MOE_GEMM_SM90,
-            "rs_expert_maps",
-            grid_1d(4 * e as u64, ELEM_THREADS)?,
-            &[
-                KArg::U64(gpu.ptr(&rs.maps)),
-                KArg::U64(gpu.ptr(&self.ws.expert_offsets)),
-                KArg::U32(e as u32),
-                KArg::U64(gpu.ptr(out)),
-            ],
-        )
+        (self.runs_rs(false) || self.runs_rs(true)).then(|| (gpu.ptr(&rs.maps), gpu.ptr(out)))
     }
 
     fn rs_tokens(&self) -> Result<&RsTokens> {
@@ -1597,11 +1588,9 @@ impl Nvfp4Forward {
         let p = |s: &CudaSlice<u8>| gpu.ptr(s);
         match stage {
             Stage::Prologue => {
-                gpu.fill_raw(gpu.ptr(&ws.stats), 4 * 8, 0, "activation block statistics")?;
-                gpu.fill_raw(gpu.ptr(&ws.amax_bits), 2 * e * 4, 0, "amax")?;
                 self.enqueue_route()?;
+                // also zeroes the block statistics and the amax words
                 self.enqueue_sort()?;
-                self.enqueue_expert_maps()?;
                 if self.dynamic {
                     // gs1 = 2688 / amax(hidden over the batch), the same for every expert
                     let batch_amax = gpu.ptr(&ws.amax_bits) + (e * 4) as u64;

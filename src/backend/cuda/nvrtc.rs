@@ -95,7 +95,6 @@ pub const MOE_GEMM_SM90: KernelModule = KernelModule {
         "moe_gemm_nvfp4_sm90rs",
         "moe_gemm_gate_up_nvfp4_sm90rs",
         "moe_rows_bf16_rs",
-        "rs_expert_maps",
     ],
 };
 
