@@ -1342,12 +1342,10 @@ __device__ __forceinline__ void rows_scatter_fl(const T* __restrict__ x, u64 tok
 }
 
 // One entry point per input (the layer input in f32, or its BF16 copy: the same values) and
-// flavor (moe.rs picks it), as the scatter kernels above; 2 CTAs an SM (3 spill 782 bytes).
-#ifndef RS_SCATTER_MIN_BLOCKS_BF16
-#define RS_SCATTER_MIN_BLOCKS_BF16 2
-#endif
+// flavor (moe.rs picks it), as the scatter kernels above; 2 CTAs an SM (3 spill 782 bytes; the
+// BF16 ones at 3, 80 registers and a 20-byte spill, were 2.7 us slower: s34a).
 #define QUANT_ROWS_SCATTER(name, T, FLAV)                                                                        \
-    extern "C" __global__ void __launch_bounds__(QUANT_THREADS, sizeof(T) == 2 ? RS_SCATTER_MIN_BLOCKS_BF16 : 2) \
+    extern "C" __global__ void __launch_bounds__(QUANT_THREADS, 2)                                               \
         name(const T* __restrict__ x, u64 tokens, u32 cols, u32 k, const int* __restrict__ pos, u64 out_rows,     \
              const float* __restrict__ gs, const int* __restrict__ gs_idx, u8* __restrict__ packed,              \
              u8* __restrict__ scales, u64* __restrict__ stats, u32 flavor, u32* __restrict__ rows_out) {         \
