@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 34, first lease: the prologue with one kernel and two memsets fewer (the register-A
+# Session 34, first lease (on commit a936aa1: its RS_SCATTER_MIN_BLOCKS_BF16 knob was removed after,
+# in 0e870c9, so on a later tree the scat3 variant is the default): the prologue with one kernel and two memsets fewer (the register-A
 # per-expert tensor maps written by the sort's scatter, the block statistics and amax words
 # zeroed by its counts) against the build before (BIN=nvfp4dbg-old: commit 746388a's stripped
 # target/release/nvfp4dbg, copied into .dev/gpu by hand), and the expert-input rows scatter at
