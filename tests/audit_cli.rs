@@ -295,6 +295,24 @@ fn every_planted_hazard_is_named() {
             "model.layers.1.mlp.experts.5.gate_proj.weight".into(),
         ),
         (
+            "config hidden_size lies",
+            Box::new(|f| f.config["hidden_size"] = 64.into()),
+            "config_mismatch",
+            "model.layers.1.mlp.experts.0.down_proj.weight".into(),
+        ),
+        (
+            "config moe_intermediate_size lies",
+            Box::new(|f| f.config["moe_intermediate_size"] = 32.into()),
+            "config_mismatch",
+            "model.layers.1.mlp.experts.0.gate_proj.weight".into(),
+        ),
+        (
+            "config n_routed_experts lies about the router",
+            Box::new(|f| f.config["n_routed_experts"] = 4.into()),
+            "config_mismatch",
+            "model.layers.1.mlp.gate.weight".into(),
+        ),
+        (
             "both conventions",
             Box::new(|f| {
                 f.tensors.push((

@@ -25,7 +25,10 @@
 //! - a packed weight that is all zero (codes of magnitude 0 only: never-loaded memory);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
-//!   `quantization_config`, or a group size other than 16.
+//!   `quantization_config`, or a group size other than 16;
+//! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
+//!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
+//!   `n_routed_experts` make it (the engine builds the layer from config.json).
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
@@ -817,6 +820,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
     if let Some(cfg) = &moe {
         missing_experts(ck, cfg.moe.n_routed_experts, out);
+        shapes_against_config(ck, &cfg.moe, out)?;
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
     let file = p.clone();
@@ -842,6 +846,119 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         _ => {}
     }
     Ok(())
+}
+
+/// Expert, shared-expert and router weights whose `[out, in]` is not what config.json's
+/// dims make it (an engine builds its layers from config.json and then loads these tensors into
+/// them: a crash at load at best, silently misread weights at worst). One finding per MoE layer
+/// and role (routed gate/up, routed down, shared gate/up, shared down, router), naming the
+/// first tensor and counting the others, so a model of 61 layers x 256 experts stays readable.
+fn shapes_against_config(
+    ck: &Checkpoint,
+    cfg: &crate::moe::config::MoeConfig,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    use super::names::{Key, Naming, Proj, Scheme};
+    let Some(n) = Naming::detect(ck.names()) else {
+        return Ok(());
+    };
+    if n.scheme == Scheme::VllmFused {
+        return Ok(());
+    }
+    let (h, i, e) = (
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        cfg.n_routed_experts,
+    );
+    let i_s = i * cfg.n_shared_experts;
+    // (layer, role) -> (what config.json gives, first offending tensor and its shape, count)
+    type Bad = (String, String, [usize; 2], usize);
+    let mut bad: BTreeMap<(usize, &'static str), Bad> = BTreeMap::new();
+    for name in ck.names() {
+        let Some(key) = n.parse(name) else { continue };
+        let (role, want, dims) = match &key {
+            Key::Expert { proj, member, .. } if member == "weight" || member == "weight_packed" => {
+                match proj {
+                    Proj::Down => (
+                        "routed down",
+                        [h, i],
+                        "[hidden_size, moe_intermediate_size]",
+                    ),
+                    _ => (
+                        "routed gate/up",
+                        [i, h],
+                        "[moe_intermediate_size, hidden_size]",
+                    ),
+                }
+            }
+            Key::SharedExpert { proj, member, .. }
+                if member == "weight" || member == "weight_packed" =>
+            {
+                match proj {
+                    Proj::Down => (
+                        "shared down",
+                        [h, i_s],
+                        "[hidden_size, moe_intermediate_size x n_shared_experts]",
+                    ),
+                    _ => (
+                        "shared gate/up",
+                        [i_s, h],
+                        "[moe_intermediate_size x n_shared_experts, hidden_size]",
+                    ),
+                }
+            }
+            Key::RouterWeight { .. } => ("router", [e, h], "[n_routed_experts, hidden_size]"),
+            _ => continue,
+        };
+        let layer = key.layer();
+        if !cfg.is_moe_layer(layer) {
+            continue;
+        }
+        let got = logical_shape(ck, name)?;
+        if got == Some(want) {
+            continue;
+        }
+        let Some(got) = got else { continue };
+        let entry = bad
+            .entry((layer, role))
+            .or_insert_with(|| (format!("{dims} = {want:?}"), name.to_string(), got, 0));
+        entry.3 += 1;
+    }
+    for ((layer, role), (want, first, got, count)) in bad {
+        let others = match count {
+            1 => String::new(),
+            2 => format!(" (and 1 more {role} weight of the layer)"),
+            c => format!(" (and {} more {role} weights of the layer)", c - 1),
+        };
+        out.push(Finding {
+            tensor: first.clone(),
+            file: ck.file_of(&first).to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "layer {layer} {role} weight is [out, in] = {got:?}, config.json gives {want}{others}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// `[out, in]` of a 2-D weight as the layer uses it: packed FP4 bytes hold two values each
+/// (a U8/I8 weight with block scales beside it), any other 2-D tensor is taken as stored.
+/// None for tensors of another rank (the tensor checks report those).
+fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
+    let t = ck.info(name)?;
+    let &[rows, cols] = t.shape.as_slice() else {
+        return Ok(None);
+    };
+    let base = name
+        .strip_suffix(".weight_packed")
+        .or_else(|| name.strip_suffix(".weight"))
+        .unwrap_or(name);
+    let packed = matches!(t.dtype, Dtype::U8 | Dtype::I8)
+        && ["weight_scale", "scale"]
+            .iter()
+            .any(|s| ck.info(&format!("{base}.{s}")).is_ok_and(is_block_scale));
+    Ok(Some([rows, if packed { 2 * cols } else { cols }]))
 }
 
 /// Experts config.json promises that a layer's names do not show.
