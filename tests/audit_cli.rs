@@ -222,6 +222,12 @@ fn every_planted_hazard_is_named() {
             format!("{E1}.down_proj.input_scale"),
         ),
         (
+            "input_scale 1000x low",
+            Box::new(|f| f.set_f32(&format!("{E1}.gate_proj.input_scale"), 1.5e-5)),
+            "input_scale_outlier",
+            format!("{E1}.gate_proj.input_scale"),
+        ),
+        (
             "missing ws2",
             Box::new(|f| f.remove(&format!("{E1}.down_proj.weight_scale_2"))),
             "missing_member",

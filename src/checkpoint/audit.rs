@@ -14,9 +14,10 @@
 //!   `allclose` check (rtol 1e-5, atol 1e-8): vLLM's FusedMoE keeps only the gate's, so the up
 //!   projection is silently rescaled;
 //! - an `input_scale` more than `input_scale_outlier` (default 10) times the median of the
-//!   same projection over the layer's experts: engines take the max over experts, so one
-//!   outlier sets the activation scale of all of them (the low side is harmless for that
-//!   reason and not flagged);
+//!   same projection over the layer's experts, or less than the median over that factor.
+//!   Engines that take the max over experts let one high outlier set the activation scale of
+//!   all of them; engines that quantize per expert (`gs = 1/input_scale` of that expert, as
+//!   `layertest --input-scale-reduce per-expert` does) clip a low one's activations;
 //! - a triple missing a member (weight, block scales, global scale; `input_scale` when other
 //!   linears have one);
 //! - a global scale that looks stored in the other convention's direction (ModelOpt
@@ -760,9 +761,20 @@ fn cross_checks(
                     file: ck.file_of(&t).to_path_buf(),
                     kind: FindingKind::InputScaleOutlier,
                     detail: format!(
-                        "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines take the max over experts, so every expert's activations get a {:.1}x coarser scale",
+                        "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines that take the max over experts give every expert's activations a {:.1}x coarser scale",
                         s / median,
                         s / median
+                    ),
+                });
+            } else if s * opts.input_scale_outlier < median {
+                let t = format!("{}.input_scale", l.base);
+                out.push(Finding {
+                    tensor: t.clone(),
+                    file: ck.file_of(&t).to_path_buf(),
+                    kind: FindingKind::InputScaleOutlier,
+                    detail: format!(
+                        "{s:e} is 1/{:.1} of the median {median:e} of `{g}.input_scale`: engines that quantize each expert's activations with its own gs = 1/input_scale saturate this expert's block scales at 448 (clipped activations); engines that take the max over experts are unaffected",
+                        median / s
                     ),
                 });
             }

@@ -19,7 +19,8 @@ pub struct Args {
     /// Flag a tensor when more than this fraction of its block scales sit at 448
     #[arg(long, value_name = "FRACTION", default_value_t = 0.01)]
     pub saturation_limit: f64,
-    /// Flag an expert whose input_scale exceeds this multiple of the layer's median
+    /// Flag an expert whose input_scale is more than this multiple of the layer's median, or less
+    /// than the median over it
     #[arg(long, value_name = "FACTOR", default_value_t = 10.0)]
     pub input_scale_outlier: f32,
     #[command(flatten)]
