@@ -296,6 +296,63 @@ fn input_file_and_saved_outputs_round_trip() {
     assert_eq!(r.unwrap()["summary"]["tokens"], 5);
 }
 
+/// H2: a NaN that comes in with the hidden states is named as the input's, at its token and
+/// channel, before what it does downstream.
+#[test]
+fn nan_in_the_input_hidden_states_is_named_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    let t = 8;
+    let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
+    let (tok, ch) = (seed as usize % t, (seed >> 8) as usize % 256);
+    h[tok * 256 + ch] = f32::NAN;
+    write_file(
+        &dir.path().join("in.safetensors"),
+        vec![(
+            TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]),
+            f32_bytes(&h),
+        )],
+        None,
+    )
+    .unwrap();
+    for cmd in ["layertest", "gs-sweep", "multilayer"] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[cmd, "--device", "cpu", "--input", "in.safetensors"],
+        );
+        assert_eq!(code, 1, "{cmd} seed {seed}: {text}");
+        let r = r.unwrap();
+        assert_eq!(r["input_nonfinite"]["nan_count"], 1, "{cmd} seed {seed}");
+        assert_eq!(
+            r["input_nonfinite"]["first_index"],
+            tok * 256 + ch,
+            "{cmd} seed {seed}"
+        );
+        let first = r["failures"][0].as_str().unwrap().to_string();
+        assert!(
+            first.contains("input hidden states already hold 1 NaN")
+                && first.contains(&format!("token {tok} channel {ch}")),
+            "{cmd} seed {seed}: {first}"
+        );
+    }
+    // a clean input says nothing about it
+    h[tok * 256 + ch] = 0.5;
+    write_file(
+        &dir.path().join("in.safetensors"),
+        vec![(
+            TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]),
+            f32_bytes(&h),
+        )],
+        None,
+    )
+    .unwrap();
+    let (_, text, _) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--input", "in.safetensors"],
+    );
+    assert!(!text.contains("input hidden states"), "seed {seed}: {text}");
+}
+
 #[test]
 fn bad_input_is_exit_2_naming_the_problem() {
     let dir = tempfile::tempdir().unwrap();

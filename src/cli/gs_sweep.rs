@@ -5,8 +5,8 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    block_summary, check_unsharded, ep_disagreement, ep_json_with, layer_and_batch, nvfp4_forward,
-    scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
+    block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
+    layer_and_batch, nvfp4_forward, scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -247,7 +247,8 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     };
     let used_loss = used.as_ref().map_or(f64::INFINITY, loss_of);
-    let mut failures = vec![];
+    let (in_bad, in_json) = input_nonfinite(&batch.hidden, layer.config.hidden_size);
+    let mut failures: Vec<String> = in_bad.into_iter().collect();
     if let Some(u) = &used {
         if u.nan_count + u.inf_count > 0 {
             failures.push(format!(
@@ -461,6 +462,7 @@ pub fn run(args: &Args) -> Result<Report> {
         .with("sweep", &sweep)
         .with("best", &best)
         .with("used", &used)
+        .with("input_nonfinite", &in_json)
         .with("failures", &failures)
         .section(setup)
         .section(src_table)

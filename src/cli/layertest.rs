@@ -639,6 +639,24 @@ pub fn at(idx: Option<usize>, hidden: usize) -> String {
     }
 }
 
+/// H2 before anything downstream: NaN/Inf already in the input hidden states explain whatever
+/// follows them. The failure line, if any, and the counts for the JSON report
+/// (`input_nonfinite`).
+pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_json::Value) {
+    let (nan, inf, first_nan, first_inf) = crate::metrics::nonfinite(hidden);
+    let first = first_nan.into_iter().chain(first_inf).min();
+    let line = (nan + inf > 0).then(|| {
+        format!(
+            "the input hidden states already hold {nan} NaN and {inf} Inf (first at {}): they \
+             come from upstream (attention or an earlier layer), not from these MoE layers; \
+             `nan-locate` on a trace finds where",
+            at(first, hsz)
+        )
+    });
+    let counts = json!({"nan_count": nan, "inf_count": inf, "first_index": first});
+    (line, counts)
+}
+
 /// A cosine below a threshold; NaN counts as below.
 pub fn below(v: f64, min: f64) -> bool {
     v.is_nan() || v < min
@@ -956,6 +974,8 @@ pub fn run(args: &Args) -> Result<Report> {
 
     // ---- verdict ----
     let mut failures: Vec<String> = vec![];
+    let (in_bad, in_json) = input_nonfinite(&batch.hidden, hsz);
+    failures.extend(in_bad);
     if let Some(x) = &ep_run {
         failures.extend(ep_failures(&args.ep, args.fault, x, hsz));
     }
@@ -1163,6 +1183,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "reference_nonfinite",
             json!({"nan_count": ref_nan, "inf_count": ref_inf}),
         )
+        .with("input_nonfinite", &in_json)
         .with("act_stats", &st)
         .with(
             "gs",

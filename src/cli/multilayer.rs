@@ -5,8 +5,8 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, layer_and_batch,
-    nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
+    layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
@@ -264,7 +264,8 @@ pub fn run(args: &Args) -> Result<Report> {
     pb.finish_and_clear();
 
     // ---- verdict ----
-    let mut failures = vec![];
+    let (in_bad, in_json) = input_nonfinite(&batch.hidden, hsz);
+    let mut failures: Vec<String> = in_bad.into_iter().collect();
     if let Some((l, m)) = &first_bad {
         let (kind, idx) = if m.nan_count > 0 {
             ("NaN", m.first_nan)
@@ -465,6 +466,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut report = Report::new("multilayer", Verdict::from_pass(pass), headline)
         .summary(summary)
         .with("per_layer", &rows)
+        .with("input_nonfinite", &in_json)
         .with("failures", &failures)
         .with(
             "ep",
