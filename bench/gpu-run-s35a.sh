@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Measured and dropped: the knob and its code were removed after this lease; the lease ran on commit e7ca007.)
 # Session 35, first lease: the BF16 quantizer's codes stored warp-wide (QUANT_STORE_WARP=1, the
 # new default: 512 contiguous bytes a store instruction through the transposition's slots)
 # against each lane storing its own 32 bytes (QUANT_STORE_WARP=0, the code before). The GPU

@@ -155,17 +155,6 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_FLAT
 #define QUANT_FLAT 1
 #endif
-
-// Session 35: where a warp loaded its run warp-wide (QUANT_TRANSPOSE), 1 (default) also stores
-// the run's codes warp-wide (group_store_codes_warp): each lane puts its 8 x QUANT_BLOCKS
-// bytes into the transposition's slots, which its loads have left, and the warp writes the
-// run's 32 x 8 x QUANT_BLOCKS contiguous bytes 512 at a time, as the warp-wide kernel of
-// bench/quantize_traffic_probe.cu does. 0: each lane stores its own 8 x QUANT_BLOCKS bytes
-// (adjacent lanes 32 bytes apart at 4 blocks: each 32-byte sector is written half by each of
-// two store instructions). The same bytes either way.
-#ifndef QUANT_STORE_WARP
-#define QUANT_STORE_WARP 1
-#endif
 // (QUANT_ASYNC, session 11, since removed: linear BF16 tensors by warps of a persistent grid
 // that copied their next run into shared memory by cp.async while they encoded the current
 // one: 0.0477 ms against the grid kernel's 0.0435 (s11b); with the runs handed out by a
@@ -570,11 +559,6 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
 #define TR_PIECES (2 * QUANT_BLOCKS)
 #define TR_SLOTS (36 * TR_PIECES)  // tr_slot(32 TR_PIECES): a warp's slots
 __device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
-#if QUANT_TRANSPOSE
-// One array for every instantiation (flavors) of the BF16 kernel's warp-wide path, allocated
-// only in the kernels that use it.
-__shared__ uint4 quant_tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
-#endif
 
 // QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
 // nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
@@ -596,43 +580,18 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-        uint4* wr = &quant_tr[warp][tr_slot(lane)];
+        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
+        uint4* wr = &tr[warp][tr_slot(lane)];
 #pragma unroll
         for (int i = 0; i < U; i++) wr[36 * i] = v[i];
         __syncwarp();
-        const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
+        const uint4* rd = &tr[warp][tr_slot(U * lane)];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         return true;
     }
 #endif
     return false;
-}
-
-// QUANT_STORE_WARP: the codes p of a warp loaded by group_load_warp (group `idx`, lane
-// idx % 32), stored by the whole warp; false, with nothing stored, where `packed` is not
-// 16-byte aligned (the same for all lanes). The run's groups are whole, so their codes are
-// one run too: group i's at packed + 8 QUANT_BLOCKS i. Lane l's pieces (16 bytes) P l ..
-// P l + P - 1 go into the slots of the pieces its loads read (no bank conflicts either way, as
-// there), and store i of lane l takes piece 32 i + l.
-__device__ __forceinline__ bool group_store_codes_warp(const u32 (&p)[QUANT_BLOCKS][2], u64 idx,
-                                                       u8* __restrict__ packed) {
-#if QUANT_TRANSPOSE && QUANT_STORE_WARP
-    if (((size_t)packed & 15u) != 0) return false;
-    constexpr int P = QUANT_BLOCKS / 2;
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    __syncwarp();  // every lane's reads of its input pieces are done
-#pragma unroll
-    for (int k = 0; k < P; k++)
-        quant_tr[warp][tr_slot(P * lane + k)] = make_uint4(p[2 * k][0], p[2 * k][1], p[2 * k + 1][0], p[2 * k + 1][1]);
-    __syncwarp();
-    uint4* out = reinterpret_cast<uint4*>(packed + 8 * QUANT_BLOCKS * (idx - lane));
-#pragma unroll
-    for (int i = 0; i < P; i++) out[32 * i + lane] = quant_tr[warp][tr_slot(32 * i + lane)];
-    return true;
-#else
-    return false;
-#endif
 }
 
 // The global scale of a group's row (0 outside the rows).
@@ -706,11 +665,11 @@ __device__ __forceinline__ void group_encode_fl(const Group<T>& g, const QuantDi
 template <typename T>
 __device__ __forceinline__ void group_store(const Group<T>& g, const QuantDims& d, const u32 (&p)[QUANT_BLOCKS][2],
                                             const u32 (&sc)[QUANT_BLOCKS], u8* __restrict__ packed,
-                                            u8* __restrict__ scales, u32 swizzled, bool codes = true) {
+                                            u8* __restrict__ scales, u32 swizzled) {
     const u64 r = g.r, b0 = g.b0, kb = d.kb;
     const bool in_row = g.in_row;
     bool whole = in_row && b0 + QUANT_BLOCKS <= kb;
-    if (in_row && codes) {
+    if (in_row) {
         u8* dst = packed + r * (d.cols / 2) + b0 * 8;
         if (whole && ((size_t)dst & 15u) == 0) {
             uint4* o = reinterpret_cast<uint4*>(dst);
@@ -1145,10 +1104,7 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
         Group<T> g;
         if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
-            u32 p[QUANT_BLOCKS][2], sc[QUANT_BLOCKS];
-            group_encode_fl<T, FL>(g, d, group_gs(g, gs, gs_idx), FL == FLAVOR_RUNTIME ? flavor : FL, c, p, sc);
-            const bool codes_done = group_store_codes_warp(p, idx, packed);
-            group_store<T>(g, d, p, sc, packed, scales, swizzled, !codes_done);
+            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
         } else if (idx < d.total) {
             group_load<T>(x, idx, d, row_src, g);
             group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
