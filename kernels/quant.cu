@@ -155,6 +155,14 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_FLAT
 #define QUANT_FLAT 1
 #endif
+
+// Session 35: 1 (default) reads the global scale of a tensor with one (no gs_idx) before the
+// group's loads, so its L2 round trip overlaps theirs; 0 reads it after them (group_gs, where
+// the encoder first needs it: a second round trip, ~0.3-0.5 us under load, in every warp's
+// life on the warp-wide path, where the loads go through shared memory first).
+#ifndef QUANT_GS_EARLY
+#define QUANT_GS_EARLY 1
+#endif
 // (QUANT_ASYNC, session 11, since removed: linear BF16 tensors by warps of a persistent grid
 // that copied their next run into shared memory by cp.async while they encoded the current
 // one: 0.0477 ms against the grid kernel's 0.0435 (s11b); with the runs handed out by a
@@ -1102,12 +1110,15 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
 #endif
     {
         u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+        const bool gs_early = QUANT_GS_EARLY && gs_idx == nullptr;
+        const float gv_early = gs_early ? gs[0] : 0.0f;
         Group<T> g;
-        if (group_load_warp<T>(x, idx, d, row_src, swizzled, g)) {
-            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
-        } else if (idx < d.total) {
-            group_load<T>(x, idx, d, row_src, g);
-            group_quantize_fl<T, FL>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c);
+        const bool warp = group_load_warp<T>(x, idx, d, row_src, swizzled, g);
+        if (warp || idx < d.total) {
+            if (!warp) group_load<T>(x, idx, d, row_src, g);
+            // (outside the rows group_gs gives 0, but no block is encoded there)
+            const float gv = gs_early ? gv_early : group_gs(g, gs, gs_idx);
+            group_quantize_fl<T, FL, true>(g, d, gs, gs_idx, packed, scales, swizzled, flavor, c, gv);
         }
     }
 #if QUANT_STATS
