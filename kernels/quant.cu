@@ -163,6 +163,16 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_GS_EARLY
 #define QUANT_GS_EARLY 1
 #endif
+
+// Session 35: 1 (default) gives the flat BF16 case (QUANT_FLAT's: linear scales, no gather,
+// one global scale) a path of its own (quantize_flat_bf16), compiled for it alone, whose
+// warp-wide loads are issued a few instructions into the thread instead of after the general
+// path's set-up (dimensions, row division, the gather and layout tests: ~60 instructions,
+// each at a thirty-second of an SM's issue rate while the other warps encode). 0: the general
+// path for it too.
+#ifndef QUANT_FLAT_PATH
+#define QUANT_FLAT_PATH 1
+#endif
 // (QUANT_ASYNC, session 11, since removed: linear BF16 tensors by warps of a persistent grid
 // that copied their next run into shared memory by cp.async while they encoded the current
 // one: 0.0477 ms against the grid kernel's 0.0435 (s11b); with the runs handed out by a
@@ -567,6 +577,11 @@ __device__ __forceinline__ void group_load(const T* __restrict__ x, u64 idx, con
 #define TR_PIECES (2 * QUANT_BLOCKS)
 #define TR_SLOTS (36 * TR_PIECES)  // tr_slot(32 TR_PIECES): a warp's slots
 __device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
+#if QUANT_TRANSPOSE
+// One array for the BF16 kernel's warp-wide loads on both its paths (group_load_warp,
+// quantize_flat_bf16), allocated only in the kernels that use it.
+__shared__ uint4 quant_tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
+#endif
 
 // QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
 // nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
@@ -588,12 +603,11 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
         uint4 v[U];
 #pragma unroll
         for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-        __shared__ uint4 tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
-        uint4* wr = &tr[warp][tr_slot(lane)];
+        uint4* wr = &quant_tr[warp][tr_slot(lane)];
 #pragma unroll
         for (int i = 0; i < U; i++) wr[36 * i] = v[i];
         __syncwarp();
-        const uint4* rd = &tr[warp][tr_slot(U * lane)];
+        const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
 #pragma unroll
         for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
         return true;
@@ -1089,6 +1103,44 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 #endif
 }
 
+// QUANT_FLAT_PATH: the flat BF16 tensor (QUANT_FLAT: rows x cols / 16 blocks as one row,
+// one global scale gs[0], linear scales), group `idx` per thread as in nvfp4_quantize_fl: a
+// warp whose 32 groups are whole loads them warp-wide (group_load_warp's slots), the last,
+// partial warp per thread. Same codes, scales and counts.
+template <u32 FL>
+__device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u64 rows, u32 cols,
+                                                   const float* __restrict__ gs, u8* __restrict__ packed,
+                                                   u8* __restrict__ scales, u32 flavor, u32 (&c)[4]) {
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x, w0 = idx - lane;
+    const QuantDims d = quant_dims_flat(rows, cols);
+    const float gv = gs[0];
+    Group<u16> g;
+    g.r = 0;
+    g.b0 = QUANT_BLOCKS * idx;
+    g.in_row = true;
+    bool any = true;
+    if ((w0 + 32) * QUANT_BLOCKS <= d.kb) {
+        constexpr int U = TR_PIECES;
+        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
+        uint4 v[U];
+#pragma unroll
+        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+        uint4* wr = &quant_tr[warp][tr_slot(lane)];
+#pragma unroll
+        for (int i = 0; i < U; i++) wr[36 * i] = v[i];
+        __syncwarp();
+        const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
+#pragma unroll
+        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+    } else if (idx < d.total) {
+        group_load<u16>(x, idx, d, nullptr, g);
+    } else {
+        any = false;
+    }
+    if (any) group_quantize_fl<u16, FL, true>(g, d, gs, nullptr, packed, scales, 0, flavor, c, gv);
+}
+
 // QUANT_BLOCKS consecutive 16-blocks of a row per thread. `row_src` (nullable) gathers: output row r reads input row row_src[r].
 // `gs_idx` (nullable) picks gs[gs_idx[r]] per row, else gs[0]. With `swizzled`, the grid
 // covers the padded scale matrix and padding is written as zero. Launched with QUANT_THREADS
@@ -1101,6 +1153,20 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   u32 flavor) {
     const bool flat = QUANT_FLAT && QUANT_PIPE == 1 && !QUANT_COALESCED && row_src == nullptr && gs_idx == nullptr &&
                       !swizzled;
+#if QUANT_FLAT_PATH && QUANT_TRANSPOSE && QUANT_PIPE == 1 && !QUANT_COALESCED
+    if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
+        if (flat) {
+            u32 c[4] = {0, 0, 0, 0};
+            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, c);
+#if QUANT_STATS
+            add_stats_rare(stats, c, rows * (cols / 16));
+#else
+            add_stats_cta(stats, c);
+#endif
+            return;
+        }
+    }
+#endif
     const QuantDims d = flat ? quant_dims_flat(rows, cols) : quant_dims(rows, cols, swizzled);
     u32 c[4] = {0, 0, 0, 0};
 #if QUANT_PIPE > 1 || QUANT_COALESCED
