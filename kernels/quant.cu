@@ -39,16 +39,19 @@ template <> __device__ __forceinline__ void load16<u16>(const u16* p, float (&x)
 static_assert(QUANT_BLOCKS == 2 || QUANT_BLOCKS == 4 || QUANT_BLOCKS == 8, "QUANT_BLOCKS: 2, 4 or 8");
 
 // CTAs per SM the BF16 kernel is compiled for (of QUANT_BF16_THREADS, defined below: the
-// default is 32 warps per SM). 0: no bound (QUANT_ENCODER 1: 71 registers, 72
+// default is 28 warps per SM, 72 registers, since session 35). 0: no bound (QUANT_ENCODER 1: 71 registers, 72
 // with QUANT_TRANSPOSE, so 3 CTAs of 256 threads per SM; QUANT_ENCODER 0: 54, 4 CTAs). N:
 // registers capped at 64K / (256 N) so that N CTAs fit: more warps to cover one warp's load
 // latency with other warps' arithmetic. 4 (default since session 10): 64 registers and a
 // 24-byte spill of set-up values with QUANT_TRANSPOSE (63, none, without); measured 0.0437 ->
 // 0.0422 ms with the warp-wide loads (session 6, per-thread loads: no gain). Since session 11
 // (QUANT_FLAT) the kernel takes 64 registers unbounded, without a spill. 5 and more spill
-// hundreds of bytes (ptxas; 5: 380 bytes at 48 registers).
+// hundreds of bytes (ptxas; 5: 380 bytes at 48 registers). Session 35 (s35e), once the
+// global scale was read before the loads (QUANT_GS_EARLY), re-swept 128-thread CTAs: 8 an SM
+// (32 warps, 64 registers) 0.0405 ms, 7 (28 warps, 72 registers, the default since) 0.0400,
+// 6 (80 registers) 0.0403; 64-thread CTAs at 16 an SM 0.0405, 256-thread at 4 0.0407.
 #ifndef QUANT_MIN_BLOCKS
-#define QUANT_MIN_BLOCKS (4 * 256 / QUANT_BF16_THREADS)
+#define QUANT_MIN_BLOCKS (7 * 128 / QUANT_BF16_THREADS)
 #endif
 
 // Block statistics: 0 per CTA (warp sums, a barrier, 4 atomics). 1 (default) no barrier: the
@@ -185,7 +188,8 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 // 128 since session 11: the same 32 warps per SM as 4 CTAs of 256 (QUANT_MIN_BLOCKS 8), but an
 // SM takes a new CTA once 4 warps are done instead of 8, so fewer warp slots idle while the
 // last warps of a CTA finish. s11b / s11c (8192 x 7168, alternating in one lease each): 0.0426 /
-// 0.0425 ms against 0.0435 / 0.0435 for 256 threads; 64 0.0424, 32 0.0426, 512 0.0476.
+// 0.0425 ms against 0.0435 / 0.0435 for 256 threads; 64 0.0424, 32 0.0426, 512 0.0476. Since
+// session 35, 7 such CTAs an SM (QUANT_MIN_BLOCKS).
 #ifndef QUANT_BF16_THREADS
 #define QUANT_BF16_THREADS 128
 #endif
