@@ -587,6 +587,26 @@ __device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
 __shared__ uint4 quant_tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
 #endif
 
+#if QUANT_TRANSPOSE
+// A warp's run of 32 groups from `run` (16-byte aligned): 512 contiguous bytes a load
+// (load i of lane l at run[32 i + l]), through the warp's slots of quant_tr, so that lane l
+// ends with group l's raw blocks in g.raw.
+__device__ __forceinline__ void run_load_warp(const uint4* __restrict__ run, Group<u16>& g) {
+    constexpr int U = TR_PIECES;  // 16-byte pieces of a group
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    uint4 v[U];
+#pragma unroll
+    for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
+    uint4* wr = &quant_tr[warp][tr_slot(lane)];
+#pragma unroll
+    for (int i = 0; i < U; i++) wr[36 * i] = v[i];
+    __syncwarp();
+    const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
+#pragma unroll
+    for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+}
+#endif
+
 // QUANT_TRANSPOSE: group `idx`'s loads done by its whole warp (see the knob). False, with
 // nothing loaded, where the warp's 32 groups are not one contiguous run of whole groups (or
 // the knob is 0, or T is f32); the test is the same for all lanes of a warp.
@@ -595,25 +615,13 @@ __device__ __forceinline__ bool group_load_warp(const T* __restrict__ x, u64 idx
                                                 const int* __restrict__ row_src, u32 swizzled, Group<T>& g) {
 #if QUANT_TRANSPOSE
     if constexpr (sizeof(T) == 2) {
-        constexpr int U = TR_PIECES;  // 16-byte pieces of a group
-        const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-        const u64 w0 = idx - lane;
+        const u64 w0 = idx - threadIdx.x % 32;
         if (row_src != nullptr || swizzled || w0 + 32 > d.total) return false;
         // whole groups only: in one row (quant_dims_flat), the warp's 32 inside it; else rows
         // of whole groups
         if (quant_one_row(d) ? (w0 + 32) * QUANT_BLOCKS > d.kb : d.kb % QUANT_BLOCKS != 0) return false;
         group_locate<T>(idx, d, nullptr, g);
-        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
-        uint4 v[U];
-#pragma unroll
-        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-        uint4* wr = &quant_tr[warp][tr_slot(lane)];
-#pragma unroll
-        for (int i = 0; i < U; i++) wr[36 * i] = v[i];
-        __syncwarp();
-        const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
-#pragma unroll
-        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+        run_load_warp(reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS), g);
         return true;
     }
 #endif
@@ -1115,7 +1123,7 @@ template <u32 FL>
 __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u64 rows, u32 cols,
                                                    const float* __restrict__ gs, u8* __restrict__ packed,
                                                    u8* __restrict__ scales, u32 flavor, u32 (&c)[4]) {
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const u32 lane = threadIdx.x % 32;
     const u64 idx = (u64)blockIdx.x * blockDim.x + threadIdx.x, w0 = idx - lane;
     const QuantDims d = quant_dims_flat(rows, cols);
     const float gv = gs[0];
@@ -1125,18 +1133,7 @@ __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u6
     g.in_row = true;
     bool any = true;
     if ((w0 + 32) * QUANT_BLOCKS <= d.kb) {
-        constexpr int U = TR_PIECES;
-        const uint4* run = reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS);
-        uint4 v[U];
-#pragma unroll
-        for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-        uint4* wr = &quant_tr[warp][tr_slot(lane)];
-#pragma unroll
-        for (int i = 0; i < U; i++) wr[36 * i] = v[i];
-        __syncwarp();
-        const uint4* rd = &quant_tr[warp][tr_slot(U * lane)];
-#pragma unroll
-        for (int j = 0; j < U; j++) g.raw[j / 2].q[j % 2] = rd[j];
+        run_load_warp(reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS), g);
     } else if (idx < d.total) {
         group_load<u16>(x, idx, d, nullptr, g);
     } else {
