@@ -306,15 +306,16 @@ fn nan_in_the_input_hidden_states_is_named_first() {
     let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
     let (tok, ch) = (seed as usize % t, (seed >> 8) as usize % 256);
     h[tok * 256 + ch] = f32::NAN;
-    write_file(
-        &dir.path().join("in.safetensors"),
-        vec![(
-            TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]),
-            f32_bytes(&h),
-        )],
-        None,
-    )
-    .unwrap();
+    let write = |h: &[f32]| {
+        let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
+        write_file(
+            &dir.path().join("in.safetensors"),
+            vec![(spec, f32_bytes(h))],
+            None,
+        )
+        .unwrap();
+    };
+    write(&h);
     for cmd in ["layertest", "gs-sweep", "multilayer"] {
         let (code, text, r) = run(
             dir.path(),
@@ -337,15 +338,7 @@ fn nan_in_the_input_hidden_states_is_named_first() {
     }
     // a clean input says nothing about it
     h[tok * 256 + ch] = 0.5;
-    write_file(
-        &dir.path().join("in.safetensors"),
-        vec![(
-            TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]),
-            f32_bytes(&h),
-        )],
-        None,
-    )
-    .unwrap();
+    write(&h);
     let (_, text, _) = run(
         dir.path(),
         &["layertest", "--device", "cpu", "--input", "in.safetensors"],

@@ -754,30 +754,27 @@ fn cross_checks(
         };
         for l in ls {
             let s = l.input_scale.unwrap_or(0.0);
-            if s > opts.input_scale_outlier * median {
-                let t = format!("{}.input_scale", l.base);
-                out.push(Finding {
-                    tensor: t.clone(),
-                    file: ck.file_of(&t).to_path_buf(),
-                    kind: FindingKind::InputScaleOutlier,
-                    detail: format!(
-                        "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines that take the max over experts give every expert's activations a {:.1}x coarser scale",
-                        s / median,
-                        s / median
-                    ),
-                });
+            let detail = if s > opts.input_scale_outlier * median {
+                format!(
+                    "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines that take the max over experts give every expert's activations a {:.1}x coarser scale",
+                    s / median,
+                    s / median
+                )
             } else if s * opts.input_scale_outlier < median {
-                let t = format!("{}.input_scale", l.base);
-                out.push(Finding {
-                    tensor: t.clone(),
-                    file: ck.file_of(&t).to_path_buf(),
-                    kind: FindingKind::InputScaleOutlier,
-                    detail: format!(
-                        "{s:e} is 1/{:.1} of the median {median:e} of `{g}.input_scale`: engines that quantize each expert's activations with its own gs = 1/input_scale saturate this expert's block scales at 448 (clipped activations); engines that take the max over experts are unaffected",
-                        median / s
-                    ),
-                });
-            }
+                format!(
+                    "{s:e} is 1/{:.1} of the median {median:e} of `{g}.input_scale`: engines that quantize each expert's activations with its own gs = 1/input_scale saturate this expert's block scales at 448 (clipped activations); engines that take the max over experts are unaffected",
+                    median / s
+                )
+            } else {
+                continue;
+            };
+            let t = format!("{}.input_scale", l.base);
+            out.push(Finding {
+                tensor: t.clone(),
+                file: ck.file_of(&t).to_path_buf(),
+                kind: FindingKind::InputScaleOutlier,
+                detail,
+            });
         }
     }
 }
