@@ -923,11 +923,12 @@ fn shapes_against_config(
         if !cfg.is_moe_layer(layer) {
             continue;
         }
-        let got = logical_shape(ck, name)?;
-        if got == Some(want) {
+        let Some(got) = logical_shape(ck, name)? else {
+            continue;
+        };
+        if got == want {
             continue;
         }
-        let Some(got) = got else { continue };
         let entry = bad
             .entry((layer, role))
             .or_insert_with(|| (format!("{dims} = {want:?}"), name.to_string(), got, 0));
