@@ -151,6 +151,75 @@ fn quantize_traffic(
     Ok(samples.median())
 }
 
+/// Rows of the quantize figure's activations the longer run takes, as a multiple.
+const LONGER_ROWS: usize = 4;
+
+/// The reference quantizer and the driver's copy of the same bytes at `LONGER_ROWS` times the
+/// figure's rows (one input set, itself 4x past the L2): the rate a longer launch streams at,
+/// so that what a launch pays once (its ramp-up and drain) separates from what it pays per
+/// byte. (quantize ms, copy ms).
+fn quantize_longer(
+    gpu: &Gpu,
+    cfg: &timer::TimeCfg,
+    gs: &CudaSlice<f32>,
+    (rows, cols): (usize, usize),
+    amp: f32,
+    seed: u64,
+) -> Result<(f64, f64)> {
+    let (rows, n) = (LONGER_ROWS * rows, LONGER_ROWS * rows * cols);
+    let x = alloc::<u16>(gpu, n, "the longer run's activations")?;
+    fill_bf16(gpu, &x, amp, seed)?;
+    let out = DevFp4::alloc_nvfp4(gpu, rows, cols, ScaleLayout::Linear)?;
+    let what = format!("quantize at {LONGER_ROWS}x the rows");
+    let q = timer::time_plain(gpu, cfg, &what, &mut |_| {
+        enqueue_quantize_nvfp4(gpu, DevRows::Bf16(&x), gs, Flavor::Reference, &out)
+    })?;
+    // half the quantizer's bytes, read + written: a prefix of the activations
+    let half = (n * 2 + n / 2 + n / 16) / 2;
+    let dst = alloc::<u8>(gpu, half, "the longer copy's destination")?;
+    let (s, d, cu) = (gpu.ptr(&x), gpu.ptr(&dst), gpu.stream.cu_stream());
+    let c = timer::time_plain(gpu, cfg, "copy at the longer run's bytes", &mut |_| {
+        unsafe { drv::memcpy_dtod_async(d, s, half, cu) }
+            .map_err(|e| driver_err("cuMemcpyDtoDAsync", "-", e))
+    })?;
+    Ok((q.median(), c.median()))
+}
+
+/// The longer run's details: its time, the driver's copy of its bytes, and what it gives
+/// against copy_d2d (`copy_gbps`): the longer run's ratio and the marginal one, the extra
+/// bytes over the extra time, which no per-launch cost enters.
+fn longer_details(
+    d: &mut Map<String, Value>,
+    bytes: f64,
+    ms: f64,
+    longer_ms: f64,
+    longer_copy_ms: f64,
+    copy_gbps: Option<f64>,
+) {
+    let k = LONGER_ROWS as f64;
+    d.insert("longer_rows_factor".into(), json!(LONGER_ROWS));
+    d.insert("longer_ms".into(), json!(longer_ms));
+    d.insert("longer_copy_same_bytes_ms".into(), json!(longer_copy_ms));
+    d.insert(
+        "longer_over_copy_same_bytes".into(),
+        json!(longer_copy_ms / longer_ms),
+    );
+    if let Some(g) = copy_gbps {
+        // GB/s = bytes / ms / 1e6
+        let floor_ms = |b: f64| b / (g * 1e6);
+        d.insert(
+            "longer_over_copy".into(),
+            json!(floor_ms(k * bytes) / longer_ms),
+        );
+        if longer_ms > ms {
+            d.insert(
+                "marginal_over_copy".into(),
+                json!(floor_ms((k - 1.0) * bytes) / (longer_ms - ms)),
+            );
+        }
+    }
+}
+
 /// Set `out` to {0, 0, none, none} for [`scan`].
 fn scan_reset(gpu: &Gpu, out: &CudaSlice<u64>) -> Result<()> {
     let p = gpu.ptr(out);
@@ -487,6 +556,11 @@ impl<'a> Runner<'a> {
             .map(|s| s.median());
         // and a kernel with the quantizer's reads and writes but none of its arithmetic
         let traffic = quantize_traffic(&gpu, &cfg, &bufs, n).ok();
+        let longer = flavors
+            .contains(&Flavor::Reference)
+            .then(|| quantize_longer(&gpu, &cfg, &gs_dev, (rows, cols), amp, self.seed ^ 0x5F).ok())
+            .flatten();
+        let copy_gbps = super::figure::floors_from(&self.measured).map(|f| f.copy_gbps);
         for (flavor, mut spec) in flavors.into_iter().zip(specs) {
             let r = (|| {
                 let samples = timer::time_plain(&gpu, &cfg, &spec.name, &mut |i| {
@@ -502,6 +576,9 @@ impl<'a> Runner<'a> {
                     spec.details.insert("traffic_only_ms".into(), json!(c));
                     spec.details
                         .insert("over_traffic_only".into(), json!(c / samples.median()));
+                }
+                if let (Some((q, c)), Flavor::Reference) = (longer, flavor) {
+                    longer_details(&mut spec.details, bytes, samples.median(), q, c, copy_gbps);
                 }
                 for (_, out) in &bufs {
                     let st = out.block_stats(&gpu)?;
@@ -691,4 +768,28 @@ fn download_range<T: DeviceRepr + Clone + Default>(
         .map_err(|e| driver_err(&format!("copying {what} back"), "-", e))?;
     gpu.sync(&format!("copying {what} back"))?;
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_longer_run_separates_the_per_launch_cost_from_the_rate() {
+        // a kernel of 4 us per launch plus bytes at 0.95 of a 4000 GB/s copy
+        let (g, bytes, k) = (4000.0, 150e6, LONGER_ROWS as f64);
+        let at = |b: f64| 0.004 + b / (0.95 * g * 1e6);
+        let mut d = Map::new();
+        longer_details(&mut d, bytes, at(bytes), at(k * bytes), 0.5, Some(g));
+        let num = |k: &str| d[k].as_f64().unwrap();
+        assert!((num("marginal_over_copy") - 0.95).abs() < 1e-9);
+        let longer = k * bytes / (g * 1e6) / at(k * bytes);
+        assert!((num("longer_over_copy") - longer).abs() < 1e-12 && longer < 0.95);
+        assert!((num("longer_over_copy_same_bytes") - 0.5 / at(k * bytes)).abs() < 1e-12);
+        assert_eq!(num("longer_rows_factor"), k);
+        // without the copy figure, no ratio against it
+        let mut d = Map::new();
+        longer_details(&mut d, bytes, 1.0, 2.0, 1.5, None);
+        assert!(!d.contains_key("marginal_over_copy") && d.contains_key("longer_ms"));
+    }
 }

@@ -13,7 +13,7 @@
 //! |---|---|---|
 //! | `copy_d2d` | GB/s | bytes = 2 · buffer (read + write); defines the copy bandwidth |
 //! | `cublas_bf16_{4096,8192}` | TFLOP/s | 2m³ FLOPs, 2·2m² + 4m² bytes; the best defines the BF16 rate |
-//! | `quantize_bf16_{reference,cuda_fast}` | GB/s | bytes = 2RC (BF16 in) + RC/2 + RC/16 (out), R×C = 8192×7168; `details.over_copy_same_bytes`: against a `cuMemcpyDtoDAsync` moving the same 150 MB (a kernel this short pays its ramp-up and tail: that copy runs at ~0.9 of `copy_d2d`'s 2 GiB one) |
+//! | `quantize_bf16_{reference,cuda_fast}` | GB/s | bytes = 2RC (BF16 in) + RC/2 + RC/16 (out), R×C = 8192×7168; `details.over_copy_same_bytes`: against a `cuMemcpyDtoDAsync` moving the same 150 MB (a kernel this short pays its ramp-up and tail: that copy runs at ~0.9 of `copy_d2d`'s 2 GiB one); the reference flavor's `details.longer_*`: the same at 4x the rows (602 MB), and `marginal_over_copy`, the extra bytes over the extra time against `copy_d2d` (no per-launch cost in it) |
 //! | `gemm_prefill_4096_gate_up` | TFLOP/s | 4NIH FLOPs; X·FP4(2I×H) + N·FP4(H) in + N·FP4(I) out |
 //! | `gemm_prefill_4096_down` | TFLOP/s | 2NHI FLOPs; X·FP4(H×I) + N·FP4(I) in + 4NH out |
 //! | `gemm_prefill_4096`, `gemm_decode_{1,8,64}` | TFLOP/s, GB/s | both GEMMs; decode rate = FP4 weight bytes touched / time |

@@ -138,7 +138,15 @@ fn section(group: &str, figs: &[&Figure]) -> Section {
         let note = match (&f.error, f.speedup_vs_cublas_bf16, same_copy) {
             (Some(e), _, _) => format!("FAILED: {}", short(e, 60)),
             (None, Some(x), _) => format!("{x:.2}x cuBLAS BF16"),
-            (None, None, Some(r)) => format!("{r:.2} of a copy of its bytes"),
+            (None, None, Some(r)) => {
+                let num = |k: &str| f.details.get(k).and_then(|v| v.as_f64());
+                match (num("longer_over_copy"), num("longer_rows_factor")) {
+                    (Some(l), Some(k)) => {
+                        format!("{r:.2} of a copy of its bytes; {l:.2} of copy at {k}x the rows")
+                    }
+                    _ => format!("{r:.2} of a copy of its bytes"),
+                }
+            }
             _ => String::new(),
         };
         s.row(vec![
