@@ -179,19 +179,26 @@ pub struct Figure {
     pub error: Option<String>,
 }
 
+/// A figure's rate at its median time; `None` where it failed.
+fn median_rate(m: &Measured) -> Option<f64> {
+    m.outcome
+        .as_ref()
+        .ok()
+        .map(|s| m.spec.unit.rate(m.spec.amount, s.median()))
+}
+
+/// The copy bandwidth (GB/s), once `copy_d2d` has run.
+pub fn copy_gbps(measured: &[Measured]) -> Option<f64> {
+    measured
+        .iter()
+        .find(|m| m.spec.name == super::plan::COPY)
+        .and_then(median_rate)
+}
+
 /// The ceilings from the floor figures: the copy's median rate, and the best median rate of
 /// the cuBLAS BF16 GEMMs. `None` when a floor did not run.
 pub fn floors_from(measured: &[Measured]) -> Option<Floors> {
-    let rate = |m: &Measured| {
-        m.outcome
-            .as_ref()
-            .ok()
-            .map(|s| m.spec.unit.rate(m.spec.amount, s.median()))
-    };
-    let copy = measured
-        .iter()
-        .find(|m| m.spec.name == super::plan::COPY)
-        .and_then(rate)?;
+    let copy = copy_gbps(measured)?;
     let square = |name: &str| {
         super::plan::CUBLAS_SIZES
             .iter()
@@ -200,7 +207,7 @@ pub fn floors_from(measured: &[Measured]) -> Option<Floors> {
     let bf16 = measured
         .iter()
         .filter(|m| square(&m.spec.name))
-        .filter_map(rate)
+        .filter_map(median_rate)
         .fold(None, |a: Option<f64>, r| Some(a.map_or(r, |a| a.max(r))))?;
     Some(Floors {
         copy_gbps: copy,

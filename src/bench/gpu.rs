@@ -560,7 +560,7 @@ impl<'a> Runner<'a> {
             .contains(&Flavor::Reference)
             .then(|| quantize_longer(&gpu, &cfg, &gs_dev, (rows, cols), amp, self.seed ^ 0x5F).ok())
             .flatten();
-        let copy_gbps = super::figure::floors_from(&self.measured).map(|f| f.copy_gbps);
+        let copy_gbps = super::figure::copy_gbps(&self.measured);
         for (flavor, mut spec) in flavors.into_iter().zip(specs) {
             let r = (|| {
                 let samples = timer::time_plain(&gpu, &cfg, &spec.name, &mut |i| {
