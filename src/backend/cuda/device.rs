@@ -292,6 +292,14 @@ impl Gpu {
             .map_err(|e| driver_err("cuMemGetInfo", "-", e))
     }
 
+    /// The device's multiprocessor count.
+    pub(crate) fn multiprocessors(&self) -> Result<i32> {
+        use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        self.ctx
+            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| driver_err("reading the multiprocessor count", "-", e))
+    }
+
     /// A persistent grid for `kernel`: as many CTAs of `threads` threads and `smem` bytes of
     /// dynamic shared memory as are resident at once on all multiprocessors (at least one).
     pub(crate) fn persistent_grid(
@@ -301,7 +309,6 @@ impl Gpu {
         threads: u32,
         smem: u32,
     ) -> Result<LaunchConfig> {
-        use drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
         if let Some(g) = lock(&self.grids).get(&(kernel, threads, smem)) {
             return Ok(*g);
         }
@@ -310,10 +317,7 @@ impl Gpu {
         let per_sm = f
             .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
             .map_err(|e| driver_err("cuOccupancyMaxActiveBlocksPerMultiprocessor", kernel, e))?;
-        let sms = self
-            .ctx
-            .attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| driver_err("reading the multiprocessor count", kernel, e))?;
+        let sms = self.multiprocessors()?;
         let grid = LaunchConfig {
             grid_dim: ((per_sm.max(1) * sms.max(1) as u32), 1, 1),
             block_dim: (threads, 1, 1),

@@ -104,6 +104,12 @@ struct QuantKnobs {
     bulk_balance: bool,
     /// QUANT_BF16_THREADS: the BF16 grid kernel's CTA size.
     bf16_threads: u32,
+    /// QUANT_FLAT and QUANT_FLAT_PATH: linear BF16 tensors take the flat path.
+    flat_path: bool,
+    /// The flat path's tail: QUANT_TAIL CTAs per SM (read here only; 0: none) of
+    /// QUANT_TAIL_WARPS working warps each, last in the grid.
+    tail_per_sm: u32,
+    tail_warps: u32,
 }
 
 impl QuantKnobs {
@@ -116,6 +122,9 @@ impl QuantKnobs {
         bulk_stages: 2,
         bulk_balance: true,
         bf16_threads: BF16_THREADS,
+        flat_path: true,
+        tail_per_sm: 0,
+        tail_warps: 2,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -131,6 +140,11 @@ impl QuantKnobs {
             bulk_balance: define_value(d, "BULK_BALANCE").map_or(k.bulk_balance, |b| b != 0),
             bf16_threads: define_value(d, "QUANT_BF16_THREADS")
                 .map_or(k.bf16_threads, |t| (t as u32).clamp(32, 1024)),
+            flat_path: define_value(d, "QUANT_FLAT").is_none_or(|f| f != 0)
+                && define_value(d, "QUANT_FLAT_PATH").is_none_or(|f| f != 0),
+            tail_per_sm: define_value(d, "QUANT_TAIL").map_or(k.tail_per_sm, |t| t as u32),
+            tail_warps: define_value(d, "QUANT_TAIL_WARPS")
+                .map_or(k.tail_warps, |t| (t as u32).max(1)),
         }
     }
 
@@ -397,31 +411,66 @@ fn enqueue_nvfp4(
             ],
         );
     }
-    let (kernel, grid) = match x {
-        DevRows::F32(_) => ("nvfp4_quantize_f32", nvfp4_grid(rows, cols / 16, layout)?),
-        DevRows::Bf16(_) => (
-            "nvfp4_quantize_bf16",
-            nvfp4_grid_bf16(rows, cols / 16, layout)?,
+    let (kernel, grid, tail0) = match x {
+        DevRows::F32(_) => (
+            "nvfp4_quantize_f32",
+            nvfp4_grid(rows, cols / 16, layout)?,
+            None,
         ),
+        DevRows::Bf16(_) => {
+            let k = quant_knobs();
+            let flat = layout == ScaleLayout::Linear
+                && k.flat_path
+                && k.transpose
+                && k.pipe == 1
+                && !k.coalesced;
+            let (grid, tail0) = if flat && k.tail_per_sm > 0 {
+                let runs = ((rows * (cols / 16)).div_ceil(k.blocks) as u64).div_ceil(32);
+                let tail = k.tail_per_sm as u64 * gpu.multiprocessors()? as u64;
+                let (ctas, tail0) = flat_tail_grid(
+                    runs,
+                    (k.bf16_threads / 32) as u64,
+                    k.tail_warps as u64,
+                    tail,
+                );
+                let grid = cudarc::driver::LaunchConfig {
+                    grid_dim: (ctas as u32, 1, 1),
+                    block_dim: (k.bf16_threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                (grid, tail0 as u32)
+            } else {
+                (nvfp4_grid_bf16(rows, cols / 16, layout)?, u32::MAX)
+            };
+            ("nvfp4_quantize_bf16", grid, Some(tail0))
+        }
     };
-    gpu.launch(
-        &QUANT,
-        kernel,
-        grid,
-        &[
-            KArg::U64(x.ptr(gpu)),
-            KArg::U64(rows as u64),
-            KArg::U32(cols as u32),
-            KArg::U64(0),
-            KArg::U64(gpu.ptr(gs)),
-            KArg::U64(0),
-            KArg::U64(gpu.ptr(&out.packed)),
-            KArg::U64(gpu.ptr(&out.scales)),
-            KArg::U32((layout == ScaleLayout::Swizzled) as u32),
-            KArg::U64(gpu.ptr(&out.stats)),
-            KArg::U32(flavor_code(flavor)),
-        ],
-    )
+    let mut args = vec![
+        KArg::U64(x.ptr(gpu)),
+        KArg::U64(rows as u64),
+        KArg::U32(cols as u32),
+        KArg::U64(0),
+        KArg::U64(gpu.ptr(gs)),
+        KArg::U64(0),
+        KArg::U64(gpu.ptr(&out.packed)),
+        KArg::U64(gpu.ptr(&out.scales)),
+        KArg::U32((layout == ScaleLayout::Swizzled) as u32),
+        KArg::U64(gpu.ptr(&out.stats)),
+        KArg::U32(flavor_code(flavor)),
+    ];
+    args.extend(tail0.map(KArg::U32));
+    gpu.launch(&QUANT, kernel, grid, &args)
+}
+
+/// The flat BF16 path's grid with its tail (kernels/quant.cu QUANT_TAIL_WARPS): `runs` warp
+/// runs of 32 groups, `warps` a CTA up to its `tail_ctas` last CTAs (fewer where the runs
+/// are few), which take `tail_warps` each; every CTA has work. (CTAs, the first tail CTA.)
+fn flat_tail_grid(runs: u64, warps: u64, tail_warps: u64, tail_ctas: u64) -> (u64, u64) {
+    let tail = tail_ctas.min(runs.div_ceil(tail_warps));
+    let head = runs.saturating_sub(tail * tail_warps).div_ceil(warps);
+    // what the head's last CTA takes past its share, the tail need not
+    let tail = runs.saturating_sub(head * warps).div_ceil(tail_warps);
+    ((head + tail).max(1), head)
 }
 
 /// MXFP4-quantize `[rows, cols]` on the GPU.
@@ -773,6 +822,45 @@ mod tests {
             let cfg = nvfp4_grid_bf16_for(8192, 448, ScaleLayout::Linear, k).unwrap();
             let n = k.bf16_threads;
             assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (8192 * 112 / n, n));
+        }
+    }
+
+    #[test]
+    fn the_flat_tail_covers_every_run_once() {
+        let k = QuantKnobs::from_defines("-DQUANT_TAIL=7 -DQUANT_TAIL_WARPS=1");
+        assert_eq!((k.tail_per_sm, k.tail_warps), (7, 1));
+        assert!(!QuantKnobs::from_defines("-DQUANT_FLAT_PATH=0").flat_path);
+        // 8192 x 7168: 28672 runs; 924 tail CTAs of 2 warps, 6706 of 4 before them
+        assert_eq!(flat_tail_grid(28672, 4, 2, 924), (6706 + 924, 6706));
+        for runs in [1u64, 2, 3, 31, 1000, 28672, 28673] {
+            for (warps, tw) in [(4u64, 1u64), (4, 2), (4, 4), (2, 1), (8, 3)] {
+                for tail in [0u64, 1, 924, 1848, 100_000] {
+                    let (ctas, head) = flat_tail_grid(runs, warps, tw, tail);
+                    // the kernel's mapping: run = head * warps + (cta - head) * tw + warp
+                    let mut seen = vec![0u32; (ctas * warps.max(tw)) as usize];
+                    for cta in 0..ctas {
+                        let (n, base) = if cta < head {
+                            (warps, cta * warps)
+                        } else {
+                            (tw, head * warps + (cta - head) * tw)
+                        };
+                        for w in 0..n {
+                            seen[(base + w) as usize] += 1;
+                        }
+                    }
+                    assert!(
+                        seen[..runs as usize].iter().all(|&c| c == 1),
+                        "{runs} {warps} {tw} {tail}"
+                    );
+                    // no CTA past the runs: the last one has work
+                    let last = if ctas > head {
+                        head * warps + (ctas - 1 - head) * tw
+                    } else {
+                        (ctas - 1) * warps
+                    };
+                    assert!(last < runs, "{runs} {warps} {tw} {tail}");
+                }
+            }
         }
     }
 
