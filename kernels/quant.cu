@@ -194,11 +194,13 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_BF16_THREADS
 #define QUANT_BF16_THREADS 128
 #endif
-// The flat BF16 path's tail (QUANT_FLAT_PATH): CTAs from `tail0` on (a kernel argument the
-// host sets, src/backend/cuda/quant.rs, from its QUANT_TAIL: tail CTAs per SM, 0 none) run
-// only their first QUANT_TAIL_WARPS warps' runs, the rest exit at once. What an SM holds
-// loaded but not yet encoded when the tensor's last loads land, which it then encodes with
-// the memory idle, is that many warps' runs instead of QUANT_BF16_THREADS / 32 (s36a: the
+// The flat BF16 path's head and tail (QUANT_FLAT_PATH): CTAs before `head1` and from `tail0`
+// on (kernel arguments the host sets, src/backend/cuda/quant.rs, from its QUANT_HEAD and
+// QUANT_TAIL: such CTAs per SM, 0 none) run only their first QUANT_TAIL_WARPS warps' runs,
+// the rest exit at once. At the end, what an SM holds loaded but not yet encoded when the
+// tensor's last loads land, which it then encodes with the memory idle, is that many warps'
+// runs instead of QUANT_BF16_THREADS / 32; at the start, the first CTAs encode their runs
+// sooner, so the next ones' loads follow the first ones' with less of a gap (s36a: the
 // quantizer's per-launch cost ~6 us against ~4 for the driver's copy of its bytes).
 #ifndef QUANT_TAIL_WARPS
 #define QUANT_TAIL_WARPS 2
@@ -1133,14 +1135,16 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 template <u32 FL>
 __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u64 rows, u32 cols,
                                                    const float* __restrict__ gs, u8* __restrict__ packed,
-                                                   u8* __restrict__ scales, u32 flavor, u32 tail0, u32 (&c)[4]) {
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
-    // the warp's run of 32 groups: WARPS a CTA before tail0, QUANT_TAIL_WARPS from it on
-    const bool tail = blockIdx.x >= tail0;
-    if (tail && warp >= QUANT_TAIL_WARPS) return;
-    const u64 run = tail ? (u64)tail0 * WARPS + (u64)(blockIdx.x - tail0) * QUANT_TAIL_WARPS + warp
-                         : (u64)blockIdx.x * WARPS + warp;
+                                                   u8* __restrict__ scales, u32 flavor, u32 head1, u32 tail0,
+                                                   u32 (&c)[4]) {
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32, b = blockIdx.x;
+    constexpr u32 WARPS = QUANT_BF16_THREADS / 32, TW = QUANT_TAIL_WARPS;
+    // the warp's run of 32 groups: TW a CTA before head1 and from tail0 on, WARPS between
+    const bool small = b < head1 || b >= tail0;
+    if (small && warp >= TW) return;
+    const u64 run = b < head1   ? (u64)b * TW + warp
+                    : b < tail0 ? (u64)head1 * TW + (u64)(b - head1) * WARPS + warp
+                                : (u64)head1 * TW + (u64)(tail0 - head1) * WARPS + (u64)(b - tail0) * TW + warp;
     const u64 w0 = 32 * run, idx = w0 + lane;
     const QuantDims d = quant_dims_flat(rows, cols);
     const float gv = gs[0];
@@ -1168,14 +1172,14 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   const int* __restrict__ row_src, const float* __restrict__ gs,
                                                   const int* __restrict__ gs_idx, u8* __restrict__ packed,
                                                   u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
-                                                  u32 flavor, u32 tail0) {
+                                                  u32 flavor, u32 head1, u32 tail0) {
     const bool flat = QUANT_FLAT && QUANT_PIPE == 1 && !QUANT_COALESCED && row_src == nullptr && gs_idx == nullptr &&
                       !swizzled;
 #if QUANT_FLAT_PATH && QUANT_TRANSPOSE && QUANT_PIPE == 1 && !QUANT_COALESCED
     if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
         if (flat) {
             u32 c[4] = {0, 0, 0, 0};
-            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, tail0, c);
+            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, head1, tail0, c);
 #if QUANT_STATS
             add_stats_rare(stats, c, rows * (cols / 16));
 #else
@@ -1218,24 +1222,24 @@ template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols, const int* __restrict__ row_src,
                                const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                u8* __restrict__ packed, u8* __restrict__ scales, u32 swizzled,
-                               u64* __restrict__ stats, u32 flavor, u32 tail0) {
+                               u64* __restrict__ stats, u32 flavor, u32 head1, u32 tail0) {
     if (QUANT_ENCODER && sizeof(T) == 2) {
         if (flavor == FLAVOR_CUDA_FAST)
             nvfp4_quantize_fl<T, FLAVOR_CUDA_FAST>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, tail0);
+                                                   stats, flavor, head1, tail0);
         else
             nvfp4_quantize_fl<T, FLAVOR_REFERENCE>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, tail0);
+                                                   stats, flavor, head1, tail0);
     } else {
         nvfp4_quantize_fl<T, FLAVOR_RUNTIME>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats,
-                                             flavor, tail0);
+                                             flavor, head1, tail0);
     }
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
                                               const float* gs, const int* gs_idx, u8* packed,
                                               u8* scales, u32 swizzled, u64* stats, u32 flavor) {
-    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0xFFFFFFFFu);
+    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0u, 0xFFFFFFFFu);
 }
 
 // The expert inputs of a MoE layer token by token: input row t (of `tokens`) is quantized into
@@ -1461,8 +1465,8 @@ QUANT_ROWS_SCATTER(nvfp4_rows_scatter_bf16_cuda_fast, u16, FLAVOR_CUDA_FAST)
 extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor,
-                    u32 tail0) {
-    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, tail0);
+                    u32 head1, u32 tail0) {
+    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, head1, tail0);
 }
 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----
