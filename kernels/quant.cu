@@ -194,14 +194,17 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 #ifndef QUANT_BF16_THREADS
 #define QUANT_BF16_THREADS 128
 #endif
-// The flat BF16 path's head and tail (QUANT_FLAT_PATH): CTAs before `head1` and from `tail0`
-// on (kernel arguments the host sets, src/backend/cuda/quant.rs, from its QUANT_HEAD and
-// QUANT_TAIL: such CTAs per SM, 0 none) run only their first QUANT_TAIL_WARPS warps' runs,
-// the rest exit at once. At the end, what an SM holds loaded but not yet encoded when the
-// tensor's last loads land, which it then encodes with the memory idle, is that many warps'
-// runs instead of QUANT_BF16_THREADS / 32; at the start, the first CTAs encode their runs
-// sooner, so the next ones' loads follow the first ones' with less of a gap (s36a: the
-// quantizer's per-launch cost ~6 us against ~4 for the driver's copy of its bytes).
+// The flat BF16 path's tail (QUANT_FLAT_PATH): CTAs from `tail0` on (a kernel argument the
+// host sets, src/backend/cuda/quant.rs, from its QUANT_TAIL: tail CTAs per SM, 0 none) run
+// only their first QUANT_TAIL_WARPS warps' runs, the rest exit at once. What an SM holds
+// loaded but not yet encoded when the tensor's last loads land, which it then encodes with
+// the memory idle, is that many warps' runs instead of QUANT_BF16_THREADS / 32. Session 36:
+// a launch of the quantizer costs ~6.4 us more than its bytes at its marginal rate (1.05-1.06
+// of copy_d2d, from 8192 and 4 x 8192 rows), the driver's copy of the same bytes ~4.1 (s36a,
+// s36b). The last 7 CTAs an SM (the default QUANT_TAIL, one wave) at 2 warps: 0.0396-0.0400
+// ms against 0.0399-0.0403 (s36c, s36d, 8 alternating rounds each); 14 an SM, 5, or 1 warp:
+// no better; the first 7 or 14 CTAs an SM at 2 warps as well (QUANT_HEAD, since removed):
+// 0.3-0.7 us slower.
 #ifndef QUANT_TAIL_WARPS
 #define QUANT_TAIL_WARPS 2
 #endif
@@ -1135,16 +1138,14 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 template <u32 FL>
 __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u64 rows, u32 cols,
                                                    const float* __restrict__ gs, u8* __restrict__ packed,
-                                                   u8* __restrict__ scales, u32 flavor, u32 head1, u32 tail0,
-                                                   u32 (&c)[4]) {
-    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32, b = blockIdx.x;
-    constexpr u32 WARPS = QUANT_BF16_THREADS / 32, TW = QUANT_TAIL_WARPS;
-    // the warp's run of 32 groups: TW a CTA before head1 and from tail0 on, WARPS between
-    const bool small = b < head1 || b >= tail0;
-    if (small && warp >= TW) return;
-    const u64 run = b < head1   ? (u64)b * TW + warp
-                    : b < tail0 ? (u64)head1 * TW + (u64)(b - head1) * WARPS + warp
-                                : (u64)head1 * TW + (u64)(tail0 - head1) * WARPS + (u64)(b - tail0) * TW + warp;
+                                                   u8* __restrict__ scales, u32 flavor, u32 tail0, u32 (&c)[4]) {
+    const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
+    // the warp's run of 32 groups: WARPS a CTA before tail0, QUANT_TAIL_WARPS from it on
+    const bool tail = blockIdx.x >= tail0;
+    if (tail && warp >= QUANT_TAIL_WARPS) return;
+    const u64 run = tail ? (u64)tail0 * WARPS + (u64)(blockIdx.x - tail0) * QUANT_TAIL_WARPS + warp
+                         : (u64)blockIdx.x * WARPS + warp;
     const u64 w0 = 32 * run, idx = w0 + lane;
     const QuantDims d = quant_dims_flat(rows, cols);
     const float gv = gs[0];
@@ -1172,14 +1173,14 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   const int* __restrict__ row_src, const float* __restrict__ gs,
                                                   const int* __restrict__ gs_idx, u8* __restrict__ packed,
                                                   u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
-                                                  u32 flavor, u32 head1, u32 tail0) {
+                                                  u32 flavor, u32 tail0) {
     const bool flat = QUANT_FLAT && QUANT_PIPE == 1 && !QUANT_COALESCED && row_src == nullptr && gs_idx == nullptr &&
                       !swizzled;
 #if QUANT_FLAT_PATH && QUANT_TRANSPOSE && QUANT_PIPE == 1 && !QUANT_COALESCED
     if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
         if (flat) {
             u32 c[4] = {0, 0, 0, 0};
-            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, head1, tail0, c);
+            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, tail0, c);
 #if QUANT_STATS
             add_stats_rare(stats, c, rows * (cols / 16));
 #else
@@ -1222,24 +1223,24 @@ template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols, const int* __restrict__ row_src,
                                const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                u8* __restrict__ packed, u8* __restrict__ scales, u32 swizzled,
-                               u64* __restrict__ stats, u32 flavor, u32 head1, u32 tail0) {
+                               u64* __restrict__ stats, u32 flavor, u32 tail0) {
     if (QUANT_ENCODER && sizeof(T) == 2) {
         if (flavor == FLAVOR_CUDA_FAST)
             nvfp4_quantize_fl<T, FLAVOR_CUDA_FAST>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, head1, tail0);
+                                                   stats, flavor, tail0);
         else
             nvfp4_quantize_fl<T, FLAVOR_REFERENCE>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, head1, tail0);
+                                                   stats, flavor, tail0);
     } else {
         nvfp4_quantize_fl<T, FLAVOR_RUNTIME>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats,
-                                             flavor, head1, tail0);
+                                             flavor, tail0);
     }
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
                                               const float* gs, const int* gs_idx, u8* packed,
                                               u8* scales, u32 swizzled, u64* stats, u32 flavor) {
-    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0u, 0xFFFFFFFFu);
+    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0xFFFFFFFFu);
 }
 
 // The expert inputs of a MoE layer token by token: input row t (of `tokens`) is quantized into
@@ -1465,8 +1466,8 @@ QUANT_ROWS_SCATTER(nvfp4_rows_scatter_bf16_cuda_fast, u16, FLAVOR_CUDA_FAST)
 extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor,
-                    u32 head1, u32 tail0) {
-    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, head1, tail0);
+                    u32 tail0) {
+    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, tail0);
 }
 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----

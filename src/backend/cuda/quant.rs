@@ -106,9 +106,9 @@ struct QuantKnobs {
     bf16_threads: u32,
     /// QUANT_FLAT and QUANT_FLAT_PATH: linear BF16 tensors take the flat path.
     flat_path: bool,
-    /// The flat path's head and tail: QUANT_HEAD and QUANT_TAIL CTAs per SM (read here only;
-    /// 0: none) of QUANT_TAIL_WARPS working warps each, first and last in the grid.
-    head_per_sm: u32,
+    /// The flat path's tail: QUANT_TAIL CTAs per SM (read here only; 0: none) of
+    /// QUANT_TAIL_WARPS working warps each, last in the grid. 7, one wave of the kernel's 7
+    /// CTAs an SM (QUANT_MIN_BLOCKS), since session 36 (kernels/quant.cu, QUANT_TAIL_WARPS).
     tail_per_sm: u32,
     tail_warps: u32,
 }
@@ -124,8 +124,7 @@ impl QuantKnobs {
         bulk_balance: true,
         bf16_threads: BF16_THREADS,
         flat_path: true,
-        head_per_sm: 0,
-        tail_per_sm: 0,
+        tail_per_sm: 7,
         tail_warps: 2,
     };
 
@@ -144,7 +143,6 @@ impl QuantKnobs {
                 .map_or(k.bf16_threads, |t| (t as u32).clamp(32, 1024)),
             flat_path: define_value(d, "QUANT_FLAT").is_none_or(|f| f != 0)
                 && define_value(d, "QUANT_FLAT_PATH").is_none_or(|f| f != 0),
-            head_per_sm: define_value(d, "QUANT_HEAD").map_or(k.head_per_sm, |t| t as u32),
             tail_per_sm: define_value(d, "QUANT_TAIL").map_or(k.tail_per_sm, |t| t as u32),
             tail_warps: define_value(d, "QUANT_TAIL_WARPS")
                 .map_or(k.tail_warps, |t| (t as u32).max(1)),
@@ -414,7 +412,7 @@ fn enqueue_nvfp4(
             ],
         );
     }
-    let (kernel, grid, ends) = match x {
+    let (kernel, grid, tail0) = match x {
         DevRows::F32(_) => (
             "nvfp4_quantize_f32",
             nvfp4_grid(rows, cols / 16, layout)?,
@@ -427,25 +425,25 @@ fn enqueue_nvfp4(
                 && k.transpose
                 && k.pipe == 1
                 && !k.coalesced;
-            let (grid, ends) = if flat && k.head_per_sm + k.tail_per_sm > 0 {
+            let (grid, tail0) = if flat && k.tail_per_sm > 0 {
                 let runs = ((rows * (cols / 16)).div_ceil(k.blocks) as u64).div_ceil(32);
-                let sms = gpu.multiprocessors()?.max(1) as u64;
-                let g = flat_grid(
+                let tail = k.tail_per_sm as u64 * gpu.multiprocessors()? as u64;
+                let (ctas, tail0) = flat_tail_grid(
                     runs,
                     (k.bf16_threads / 32) as u64,
                     k.tail_warps as u64,
-                    (k.head_per_sm as u64 * sms, k.tail_per_sm as u64 * sms),
+                    tail,
                 );
                 let grid = cudarc::driver::LaunchConfig {
-                    grid_dim: (g.ctas as u32, 1, 1),
+                    grid_dim: (ctas as u32, 1, 1),
                     block_dim: (k.bf16_threads, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                (grid, [g.head1 as u32, g.tail0 as u32])
+                (grid, tail0 as u32)
             } else {
-                (nvfp4_grid_bf16(rows, cols / 16, layout)?, [0, u32::MAX])
+                (nvfp4_grid_bf16(rows, cols / 16, layout)?, u32::MAX)
             };
-            ("nvfp4_quantize_bf16", grid, Some(ends))
+            ("nvfp4_quantize_bf16", grid, Some(tail0))
         }
     };
     let mut args = vec![
@@ -461,34 +459,19 @@ fn enqueue_nvfp4(
         KArg::U64(gpu.ptr(&out.stats)),
         KArg::U32(flavor_code(flavor)),
     ];
-    args.extend(ends.into_iter().flatten().map(KArg::U32));
+    args.extend(tail0.map(KArg::U32));
     gpu.launch(&QUANT, kernel, grid, &args)
 }
 
-/// The flat BF16 path's grid (kernels/quant.cu QUANT_TAIL_WARPS): CTAs, the end of its head
-/// and the start of its tail.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FlatGrid {
-    ctas: u64,
-    head1: u64,
-    tail0: u64,
-}
-
-/// `runs` warp runs of 32 groups: up to `head` first CTAs of `small` warps' runs each, then
-/// CTAs of `warps`, then up to `tail` last CTAs of `small` (fewer where the runs are few);
-/// every CTA has work.
-fn flat_grid(runs: u64, warps: u64, small: u64, (head, tail): (u64, u64)) -> FlatGrid {
-    let head = head.min(runs.div_ceil(small));
-    let rest = runs.saturating_sub(head * small);
-    let tail = tail.min(rest.div_ceil(small));
-    let mid = rest.saturating_sub(tail * small).div_ceil(warps);
-    // what the middle's last CTA takes past its share, the tail need not
-    let tail = rest.saturating_sub(mid * warps).div_ceil(small);
-    FlatGrid {
-        ctas: (head + mid + tail).max(1),
-        head1: head,
-        tail0: head + mid,
-    }
+/// The flat BF16 path's grid with its tail (kernels/quant.cu QUANT_TAIL_WARPS): `runs` warp
+/// runs of 32 groups, `warps` a CTA up to its `tail_ctas` last CTAs (fewer where the runs
+/// are few), which take `tail_warps` each; every CTA has work. (CTAs, the first tail CTA.)
+fn flat_tail_grid(runs: u64, warps: u64, tail_warps: u64, tail_ctas: u64) -> (u64, u64) {
+    let tail = tail_ctas.min(runs.div_ceil(tail_warps));
+    let head = runs.saturating_sub(tail * tail_warps).div_ceil(warps);
+    // what the head's last CTA takes past its share, the tail need not
+    let tail = runs.saturating_sub(head * warps).div_ceil(tail_warps);
+    ((head + tail).max(1), head)
 }
 
 /// MXFP4-quantize `[rows, cols]` on the GPU.
@@ -844,54 +827,39 @@ mod tests {
     }
 
     #[test]
-    fn the_flat_head_and_tail_cover_every_run_once() {
-        let k = QuantKnobs::from_defines("-DQUANT_HEAD=3 -DQUANT_TAIL=7 -DQUANT_TAIL_WARPS=1");
-        assert_eq!((k.head_per_sm, k.tail_per_sm, k.tail_warps), (3, 7, 1));
+    fn the_flat_tail_covers_every_run_once() {
+        let k = QuantKnobs::from_defines("-DQUANT_TAIL=7 -DQUANT_TAIL_WARPS=1");
+        assert_eq!((k.tail_per_sm, k.tail_warps), (7, 1));
         assert!(!QuantKnobs::from_defines("-DQUANT_FLAT_PATH=0").flat_path);
         // 8192 x 7168: 28672 runs; 924 tail CTAs of 2 warps, 6706 of 4 before them
-        let g = flat_grid(28672, 4, 2, (0, 924));
-        assert_eq!((g.ctas, g.head1, g.tail0), (6706 + 924, 0, 6706));
+        assert_eq!(flat_tail_grid(28672, 4, 2, 924), (6706 + 924, 6706));
         for runs in [1u64, 2, 3, 31, 1000, 28672, 28673] {
-            for (warps, sm) in [(4u64, 1u64), (4, 2), (4, 4), (2, 1), (8, 3)] {
-                for ends in [
-                    (0u64, 0u64),
-                    (0, 1),
-                    (1, 0),
-                    (396, 924),
-                    (0, 1848),
-                    (100_000, 7),
-                ] {
-                    let g = flat_grid(runs, warps, sm, ends);
-                    // the kernel's mapping (quantize_flat_bf16)
-                    let first = |b: u64| {
-                        if b < g.head1 {
-                            (b * sm, sm)
-                        } else if b < g.tail0 {
-                            (g.head1 * sm + (b - g.head1) * warps, warps)
+            for (warps, tw) in [(4u64, 1u64), (4, 2), (4, 4), (2, 1), (8, 3)] {
+                for tail in [0u64, 1, 924, 1848, 100_000] {
+                    let (ctas, head) = flat_tail_grid(runs, warps, tw, tail);
+                    // the kernel's mapping: run = head * warps + (cta - head) * tw + warp
+                    let mut seen = vec![0u32; (ctas * warps.max(tw)) as usize];
+                    for cta in 0..ctas {
+                        let (n, base) = if cta < head {
+                            (warps, cta * warps)
                         } else {
-                            (
-                                g.head1 * sm + (g.tail0 - g.head1) * warps + (b - g.tail0) * sm,
-                                sm,
-                            )
-                        }
-                    };
-                    let mut seen = vec![0u32; (g.ctas * warps.max(sm)) as usize];
-                    for b in 0..g.ctas {
-                        let (base, n) = first(b);
-                        assert!(
-                            base < runs,
-                            "CTA {b} has no work: {runs} {warps} {sm} {ends:?}"
-                        );
+                            (tw, head * warps + (cta - head) * tw)
+                        };
                         for w in 0..n {
                             seen[(base + w) as usize] += 1;
                         }
                     }
-                    let what = format!("{runs} {warps} {sm} {ends:?}");
-                    assert!(seen[..runs as usize].iter().all(|&c| c == 1), "{what}");
                     assert!(
-                        g.head1 <= ends.0 && g.ctas - g.tail0 <= ends.1.max(1),
-                        "{what}"
+                        seen[..runs as usize].iter().all(|&c| c == 1),
+                        "{runs} {warps} {tw} {tail}"
                     );
+                    // no CTA past the runs: the last one has work
+                    let last = if ctas > head {
+                        head * warps + (ctas - 1 - head) * tw
+                    } else {
+                        (ctas - 1) * warps
+                    };
+                    assert!(last < runs, "{runs} {warps} {tw} {tail}");
                 }
             }
         }
