@@ -204,7 +204,9 @@ static_assert(QUANT_TRANSPOSE == 0 || (QUANT_TRANSPOSE == 1 && QUANT_BLOCKS <= 4
 // s36b). The last 7 CTAs an SM (the default QUANT_TAIL, one wave) at 2 warps: 0.0396-0.0400
 // ms against 0.0399-0.0403 (s36c, s36d, 8 alternating rounds each); 14 an SM, 5, or 1 warp:
 // no better; the first 7 or 14 CTAs an SM at 2 warps as well (QUANT_HEAD, since removed):
-// 0.3-0.7 us slower.
+// 0.3-0.7 us slower. s36e: 0.0399-0.0403 against 0.0401-0.0404 without the tail; the first 3,
+// 7 or 14 CTAs an SM bringing the runs of the CTAs that many on into the L2 (`prefetch.global
+// .L2`, a line a lane after the warp's own loads; since removed): 0.0410-0.0459, slower.
 #ifndef QUANT_TAIL_WARPS
 #define QUANT_TAIL_WARPS 2
 #endif
@@ -607,15 +609,12 @@ __shared__ uint4 quant_tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
 // A warp's run of 32 groups from `run` (16-byte aligned): 512 contiguous bytes a load
 // (load i of lane l at run[32 i + l]), through the warp's slots of quant_tr, so that lane l
 // ends with group l's raw blocks in g.raw.
-__device__ __forceinline__ void run_load_warp(const uint4* __restrict__ run, Group<u16>& g,
-                                              const u8* prefetch = nullptr) {
+__device__ __forceinline__ void run_load_warp(const uint4* __restrict__ run, Group<u16>& g) {
     constexpr int U = TR_PIECES;  // 16-byte pieces of a group
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     uint4 v[U];
 #pragma unroll
     for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
-    // another run of 32 x 128 bytes into the L2, a line a lane, behind this one's loads
-    if (prefetch) asm volatile("prefetch.global.L2 [%0];" ::"l"(prefetch + 128 * lane));
     uint4* wr = &quant_tr[warp][tr_slot(lane)];
 #pragma unroll
     for (int i = 0; i < U; i++) wr[36 * i] = v[i];
@@ -1141,25 +1140,16 @@ __device__ __forceinline__ void nvfp4_quantize_bf16_mapped(const u16* __restrict
 template <u32 FL>
 __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u64 rows, u32 cols,
                                                    const float* __restrict__ gs, u8* __restrict__ packed,
-                                                   u8* __restrict__ scales, u32 flavor, u32 tail0, u32 pf,
-                                                   u32 (&c)[4]) {
+                                                   u8* __restrict__ scales, u32 flavor, u32 tail0, u32 (&c)[4]) {
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     constexpr u32 WARPS = QUANT_BF16_THREADS / 32;
-    // the run of 32 groups of warp w of CTA b: WARPS a CTA before tail0, QUANT_TAIL_WARPS from
-    // it on (none past them)
-    auto run_of = [&](u32 b, u32 w) -> u64 {
-        if (b < tail0) return (u64)b * WARPS + w;
-        return w < QUANT_TAIL_WARPS ? (u64)tail0 * WARPS + (u64)(b - tail0) * QUANT_TAIL_WARPS + w : ~0ull;
-    };
-    const u64 run = run_of(blockIdx.x, warp);
-    if (run == ~0ull) return;
+    // the warp's run of 32 groups: WARPS a CTA before tail0, QUANT_TAIL_WARPS from it on
+    const bool tail = blockIdx.x >= tail0;
+    if (tail && warp >= QUANT_TAIL_WARPS) return;
+    const u64 run = tail ? (u64)tail0 * WARPS + (u64)(blockIdx.x - tail0) * QUANT_TAIL_WARPS + warp
+                         : (u64)blockIdx.x * WARPS + warp;
     const u64 w0 = 32 * run, idx = w0 + lane;
     const QuantDims d = quant_dims_flat(rows, cols);
-    // the first `pf` CTAs bring the runs of the CTAs `pf` on into the L2 (QUANT_PREFETCH)
-    const u64 pf_run = blockIdx.x < pf && blockIdx.x + pf < gridDim.x ? run_of(blockIdx.x + pf, warp) : ~0ull;
-    const u8* pf_at = pf_run != ~0ull && (pf_run * 32 + 32) * QUANT_BLOCKS <= d.kb
-                          ? reinterpret_cast<const u8*>(x + pf_run * 32 * 16 * QUANT_BLOCKS)
-                          : nullptr;
     const float gv = gs[0];
     Group<u16> g;
     g.r = 0;
@@ -1167,7 +1157,7 @@ __device__ __forceinline__ void quantize_flat_bf16(const u16* __restrict__ x, u6
     g.in_row = true;
     bool any = true;
     if ((w0 + 32) * QUANT_BLOCKS <= d.kb) {
-        run_load_warp(reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS), g, pf_at);
+        run_load_warp(reinterpret_cast<const uint4*>(x + w0 * 16 * QUANT_BLOCKS), g);
     } else if (idx < d.total) {
         group_load<u16>(x, idx, d, nullptr, g);
     } else {
@@ -1185,14 +1175,14 @@ __device__ __forceinline__ void nvfp4_quantize_fl(const T* __restrict__ x, u64 r
                                                   const int* __restrict__ row_src, const float* __restrict__ gs,
                                                   const int* __restrict__ gs_idx, u8* __restrict__ packed,
                                                   u8* __restrict__ scales, u32 swizzled, u64* __restrict__ stats,
-                                                  u32 flavor, u32 tail0, u32 pf) {
+                                                  u32 flavor, u32 tail0) {
     const bool flat = QUANT_FLAT && QUANT_PIPE == 1 && !QUANT_COALESCED && row_src == nullptr && gs_idx == nullptr &&
                       !swizzled;
 #if QUANT_FLAT_PATH && QUANT_TRANSPOSE && QUANT_PIPE == 1 && !QUANT_COALESCED
     if constexpr (sizeof(T) == 2 && FL != FLAVOR_RUNTIME) {
         if (flat) {
             u32 c[4] = {0, 0, 0, 0};
-            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, tail0, pf, c);
+            quantize_flat_bf16<FL>(x, rows, cols, gs, packed, scales, flavor, tail0, c);
 #if QUANT_STATS
             add_stats_rare(stats, c, rows * (cols / 16));
 #else
@@ -1235,24 +1225,24 @@ template <typename T>
 __device__ void nvfp4_quantize(const T* __restrict__ x, u64 rows, u32 cols, const int* __restrict__ row_src,
                                const float* __restrict__ gs, const int* __restrict__ gs_idx,
                                u8* __restrict__ packed, u8* __restrict__ scales, u32 swizzled,
-                               u64* __restrict__ stats, u32 flavor, u32 tail0, u32 pf) {
+                               u64* __restrict__ stats, u32 flavor, u32 tail0) {
     if (QUANT_ENCODER && sizeof(T) == 2) {
         if (flavor == FLAVOR_CUDA_FAST)
             nvfp4_quantize_fl<T, FLAVOR_CUDA_FAST>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, tail0, pf);
+                                                   stats, flavor, tail0);
         else
             nvfp4_quantize_fl<T, FLAVOR_REFERENCE>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled,
-                                                   stats, flavor, tail0, pf);
+                                                   stats, flavor, tail0);
     } else {
         nvfp4_quantize_fl<T, FLAVOR_RUNTIME>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats,
-                                             flavor, tail0, pf);
+                                             flavor, tail0);
     }
 }
 
 extern "C" __global__ void nvfp4_quantize_f32(const float* x, u64 rows, u32 cols, const int* row_src,
                                               const float* gs, const int* gs_idx, u8* packed,
                                               u8* scales, u32 swizzled, u64* stats, u32 flavor) {
-    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0xFFFFFFFFu, 0u);
+    nvfp4_quantize<float>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, 0xFFFFFFFFu);
 }
 
 // The expert inputs of a MoE layer token by token: input row t (of `tokens`) is quantized into
@@ -1478,8 +1468,8 @@ QUANT_ROWS_SCATTER(nvfp4_rows_scatter_bf16_cuda_fast, u16, FLAVOR_CUDA_FAST)
 extern "C" __global__ void QUANT_BF16_BOUNDS
 nvfp4_quantize_bf16(const u16* x, u64 rows, u32 cols, const int* row_src, const float* gs,
                     const int* gs_idx, u8* packed, u8* scales, u32 swizzled, u64* stats, u32 flavor,
-                    u32 tail0, u32 pf) {
-    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, tail0, pf);
+                    u32 tail0) {
+    nvfp4_quantize<u16>(x, rows, cols, row_src, gs, gs_idx, packed, scales, swizzled, stats, flavor, tail0);
 }
 
 // ---- The flat BF16 quantizer with bulk copies (sm_90 and newer) ----

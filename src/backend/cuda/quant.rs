@@ -111,9 +111,6 @@ struct QuantKnobs {
     /// CTAs an SM (QUANT_MIN_BLOCKS), since session 36 (kernels/quant.cu, QUANT_TAIL_WARPS).
     tail_per_sm: u32,
     tail_warps: u32,
-    /// QUANT_PREFETCH (read here only; 0: none): the first that many CTAs per SM bring the
-    /// runs of the CTAs that many on into the L2.
-    prefetch_per_sm: u32,
 }
 
 impl QuantKnobs {
@@ -129,7 +126,6 @@ impl QuantKnobs {
         flat_path: true,
         tail_per_sm: 7,
         tail_warps: 2,
-        prefetch_per_sm: 0,
     };
 
     fn from_defines(d: &str) -> QuantKnobs {
@@ -150,8 +146,6 @@ impl QuantKnobs {
             tail_per_sm: define_value(d, "QUANT_TAIL").map_or(k.tail_per_sm, |t| t as u32),
             tail_warps: define_value(d, "QUANT_TAIL_WARPS")
                 .map_or(k.tail_warps, |t| (t as u32).max(1)),
-            prefetch_per_sm: define_value(d, "QUANT_PREFETCH")
-                .map_or(k.prefetch_per_sm, |t| t as u32),
         }
     }
 
@@ -418,7 +412,7 @@ fn enqueue_nvfp4(
             ],
         );
     }
-    let (kernel, grid, flat_args) = match x {
+    let (kernel, grid, tail0) = match x {
         DevRows::F32(_) => (
             "nvfp4_quantize_f32",
             nvfp4_grid(rows, cols / 16, layout)?,
@@ -431,10 +425,9 @@ fn enqueue_nvfp4(
                 && k.transpose
                 && k.pipe == 1
                 && !k.coalesced;
-            let sms = || gpu.multiprocessors().map(|n| n.max(1) as u32);
             let (grid, tail0) = if flat && k.tail_per_sm > 0 {
                 let runs = ((rows * (cols / 16)).div_ceil(k.blocks) as u64).div_ceil(32);
-                let tail = k.tail_per_sm as u64 * sms()? as u64;
+                let tail = k.tail_per_sm as u64 * gpu.multiprocessors()? as u64;
                 let (ctas, tail0) = flat_tail_grid(
                     runs,
                     (k.bf16_threads / 32) as u64,
@@ -450,8 +443,7 @@ fn enqueue_nvfp4(
             } else {
                 (nvfp4_grid_bf16(rows, cols / 16, layout)?, u32::MAX)
             };
-            let pf = if flat { k.prefetch_per_sm * sms()? } else { 0 };
-            ("nvfp4_quantize_bf16", grid, Some([tail0, pf]))
+            ("nvfp4_quantize_bf16", grid, Some(tail0))
         }
     };
     let mut args = vec![
@@ -467,7 +459,7 @@ fn enqueue_nvfp4(
         KArg::U64(gpu.ptr(&out.stats)),
         KArg::U32(flavor_code(flavor)),
     ];
-    args.extend(flat_args.into_iter().flatten().map(KArg::U32));
+    args.extend(tail0.map(KArg::U32));
     gpu.launch(&QUANT, kernel, grid, &args)
 }
 
