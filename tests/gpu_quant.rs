@@ -118,7 +118,9 @@ fn nvfp4_bf16_input_and_swizzled_scales_are_bit_exact() {
     // (257, 2048) and (130, 2112): whole warps of contiguous groups (QUANT_TRANSPOSE), the
     // latter with a part-full last warp; (300, 80) and (97, 208): linear scales read the
     // tensor as one row, so groups of 4 blocks span rows (5 and 13 blocks a row), whole warps
-    // of them included, and the last group of (97, 208) has one block
+    // of them included, and the last group of (97, 208) has one block; (1100, 4096): 2200
+    // runs of 32 groups, more than the flat path's tail takes (7 CTAs an SM of 2 warps' runs:
+    // 1848 on an H200's 132 SMs, 2072 on a B200's 148), so CTAs of 4 warps' runs before it
     for &(rows, cols) in &[
         (1usize, 16usize),
         (130, 48),
@@ -126,6 +128,7 @@ fn nvfp4_bf16_input_and_swizzled_scales_are_bit_exact() {
         (130, 2112),
         (300, 80),
         (97, 208),
+        (1100, 4096),
     ] {
         let x = activations(&mut r, rows * cols);
         let bits = to_bf16_bits(&x);
