@@ -374,6 +374,46 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
         text(&o)
     );
 
+    // an output off by a factor (cosine 1 with ours) is the kernel's scale error, not "the
+    // inputs" (it used to agree with the built-in kernel by cosine alone)
+    let factor = 1.5 + rand::random::<f32>();
+    let scaled: Vec<f32> = ours.iter().map(|v| v * factor).collect();
+    write_output(&p.join("scaled.safetensors"), &scaled, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "scaled.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(text(&o).contains("scale error"), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("{factor:.4} × ours")),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("not the kernel"), "{}", text(&o));
+
+    // the whole layer handed back (shared experts included) is named
+    let layer: Vec<f32> = ours
+        .iter()
+        .zip(&dumped.expected.shared_out)
+        .map(|(a, b)| a + b)
+        .collect();
+    write_output(&p.join("layer.safetensors"), &layer, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "layer.safetensors",
+            "--json",
+            "layer.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert_eq!(
+        json(&p.join("layer.json"))["summary"]["diagnosis"],
+        "shared-experts-included",
+        "seed {seed}: {}",
+        text(&o)
+    );
+
     // a NaN the kernel never wrote fails and is counted
     let mut holes = ours.clone();
     holes[5] = f32::NAN;

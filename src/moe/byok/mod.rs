@@ -29,6 +29,19 @@ pub const AGREE_MIN_COSINE: f64 = 0.99999;
 /// bug computes that variant up to summation order, so it lands near `AGREE_MIN_COSINE`).
 pub const EXPLAINS_MIN_COSINE: f64 = 0.9999;
 
+/// The relative L2 error that uncorrelated noise reaches at cosine `c`: `sqrt(1/c² − 1)`.
+/// Cosine is blind to scale (`2·x` has cosine 1 with `x`), so an output "equal up to
+/// summation order" must also stay within this of ours: a kernel off by a factor (alpha, a
+/// global scale, routed_scaling_factor applied twice or not at all) fails here.
+pub fn max_rel_l2(c: f64) -> f64 {
+    (1.0 / (c * c) - 1.0).max(0.0).sqrt()
+}
+
+/// `m` within cosine `c` and within the relative L2 error noise reaches at that cosine.
+fn same_up_to_noise(m: &Metrics, c: f64) -> bool {
+    m.passes(c) && m.rel_l2 <= max_rel_l2(c)
+}
+
 /// A known engine bug the diagnosis recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -43,6 +56,10 @@ pub enum SuspectedBug {
     LocalIdsReadAsGlobal,
     /// Handed global ids, indexes the local expert table with them (EP).
     GlobalIdsReadAsLocal,
+    /// `Σ_e y_e`: the routing weights never multiplied in.
+    WeightsNotApplied,
+    /// The shared experts added to the routed output (the contract is routed-only).
+    SharedExpertsIncluded,
 }
 
 impl SuspectedBug {
@@ -62,6 +79,12 @@ impl SuspectedBug {
             }
             SuspectedBug::GlobalIdsReadAsLocal => {
                 "global expert ids used as local indices: expert_map never applied (wrong or missing experts)"
+            }
+            SuspectedBug::WeightsNotApplied => {
+                "routing weights not applied: the experts' outputs are summed unweighted"
+            }
+            SuspectedBug::SharedExpertsIncluded => {
+                "the shared experts are added to the routed output (the output must be the routed experts' sum only; the shared experts are added once more by the comparison)"
             }
         }
     }
@@ -222,8 +245,16 @@ pub fn bug_variants(
         });
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
     }
+    let routed_only = variant_layer(layer, |x| x.clone());
+    let unweighted = Routing {
+        topk_weights: vec![1.0; routing.topk_weights.len()],
+        ..routing.clone()
+    };
+    out.push((
+        SuspectedBug::WeightsNotApplied,
+        routed_cpu(&routed_only, hidden, &unweighted, scales)?,
+    ));
     if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
-        let routed_only = variant_layer(layer, |x| x.clone());
         let e = layer.config.n_routed_experts;
         for (bug, fault) in [
             (SuspectedBug::LocalIdsReadAsGlobal, EpFault::LocalIds),
@@ -256,6 +287,9 @@ pub struct Judgement {
     pub ours_vs_reference: Metrics,
     /// Routed-only, theirs vs our NVFP4 path.
     pub theirs_vs_ours: Metrics,
+    /// Least-squares factor `theirs ≈ scale · ours` (routed): far from 1 at a high cosine is
+    /// a scale error.
+    pub scale_vs_ours: f64,
     pub min_cosine: f64,
     pub agree_min_cosine: f64,
     pub theirs_pass: bool,
@@ -279,8 +313,16 @@ pub struct Outputs<'a> {
     pub shared: &'a [f32],
 }
 
-/// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis.
+/// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis, to which the
+/// shared experts added to the routed output (ours + shared) is added here when there are any.
 pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]) -> Judgement {
+    let with_shared: Vec<(SuspectedBug, Vec<f32>)> =
+        if variants.is_empty() || o.shared.iter().all(|&v| v == 0.0) {
+            vec![]
+        } else {
+            let v = o.ours_routed.iter().zip(o.shared).map(|(a, b)| a + b);
+            vec![(SuspectedBug::SharedExpertsIncluded, v.collect())]
+        };
     let theirs_layer: Vec<f32> = o
         .theirs_routed
         .iter()
@@ -294,8 +336,16 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     let (theirs_pass, ours_pass, agree) = (
         ok(&tr, min_cosine),
         ok(&or, min_cosine),
-        ok(&to, AGREE_MIN_COSINE),
+        same_up_to_noise(&to, AGREE_MIN_COSINE),
     );
+    let (dot, nn) = o
+        .theirs_routed
+        .iter()
+        .zip(o.ours_routed)
+        .fold((0f64, 0f64), |(d, n), (&t, &u)| {
+            (d + t as f64 * u as f64, n + u as f64 * u as f64)
+        });
+    let scale_vs_ours = if nn > 0.0 { dot / nn } else { f64::NAN };
     let ours_bad = or.nan_count + or.inf_count;
     let nonfinite_only_theirs = if ours_bad == 0 {
         to.nan_count + to.inf_count
@@ -307,6 +357,7 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     } else {
         variants
             .iter()
+            .chain(&with_shared)
             .map(|(bug, v)| {
                 let m = compare(o.theirs_routed, v);
                 Suspect {
@@ -314,20 +365,22 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
                     description: bug.describe(),
                     cosine: m.cosine,
                     rel_l2: m.rel_l2,
-                    explains: m.nan_count + m.inf_count == 0 && m.passes(EXPLAINS_MIN_COSINE),
+                    explains: same_up_to_noise(&m, EXPLAINS_MIN_COSINE),
                 }
             })
             .collect()
     };
+    // those that explain first (cosine alone cannot tell `x` from `2.5·x`), then by cosine
     suspects.sort_by(|a, b| {
         let key = |x: &Suspect| if x.cosine.is_nan() { -2.0 } else { x.cosine };
-        key(b).total_cmp(&key(a))
+        b.explains.cmp(&a.explains).then(key(b).total_cmp(&key(a)))
     });
     let diagnosis = suspects.first().filter(|s| s.explains).map(|s| s.bug);
     Judgement {
         theirs_vs_reference: tr,
         ours_vs_reference: or,
         theirs_vs_ours: to,
+        scale_vs_ours,
         min_cosine,
         agree_min_cosine: AGREE_MIN_COSINE,
         theirs_pass,
@@ -365,10 +418,22 @@ impl Judgement {
                 self.nonfinite_only_theirs
             )
         });
-        let detail = format!("{}{}", d.unwrap_or_default(), unwritten.unwrap_or_default());
+        let to = &self.theirs_vs_ours;
+        let scaled = (to.passes(AGREE_MIN_COSINE) && !self.agree).then(|| {
+            format!(
+                "; its output has the right direction (cosine {:.6}) but is {:.4} × ours (rel_l2 {:.3e}): a scale error (alpha, a global scale, or routed_scaling_factor applied twice or not at all)",
+                to.cosine, self.scale_vs_ours, to.rel_l2
+            )
+        });
+        let detail = format!(
+            "{}{}{}",
+            scaled.unwrap_or_default(),
+            d.unwrap_or_default(),
+            unwritten.unwrap_or_default()
+        );
         Some(match (self.agree, self.ours_pass) {
             (false, true) => format!(
-                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6}, agreement needs {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
                 self.theirs_vs_ours.cosine, AGREE_MIN_COSINE, self.ours_vs_reference.cosine
             ),
             (false, false) => format!(
@@ -434,7 +499,8 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            assert_eq!(variants.len(), 4, "seed {seed}");
+            // gate/up, one scale misreading, weights not applied, 2 EP
+            assert_eq!(variants.len(), 5, "seed {seed}");
             fn o<'a>(theirs: &'a [f32], ours: &'a [f32], zeros: &'a [f32]) -> Outputs<'a> {
                 Outputs {
                     theirs_routed: theirs,
@@ -453,9 +519,10 @@ mod tests {
                 // every variant must differ from the correct output, else it could not be told apart
                 let m = compare(v, &ours);
                 assert!(
-                    m.cosine < 0.999,
-                    "seed {seed}: {bug:?} is indistinguishable ({})",
-                    m.cosine
+                    m.cosine < 0.999 || m.rel_l2 > 0.05,
+                    "seed {seed}: {bug:?} is indistinguishable ({}, {})",
+                    m.cosine,
+                    m.rel_l2
                 );
                 let j = judge(&o(v, &ours, &zeros), 0.95, &variants);
                 assert!(!j.pass(), "seed {seed} {bug:?}");
@@ -463,5 +530,79 @@ mod tests {
                 assert!(j.blame().unwrap().contains(bug.describe()), "seed {seed}");
             }
         }
+    }
+
+    /// An output off by a factor has cosine 1 with ours: it used to "agree" with the built-in
+    /// kernel, and the blame went to the inputs ("not the kernel"). Now it fails as the kernel's
+    /// scale error, with the factor.
+    #[test]
+    fn a_scaled_output_is_a_kernel_scale_error() {
+        let seed: u64 = rand::random();
+        let (layer, x, r, s) = setup(seed);
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        let factor = 1.5 + rand::random::<f32>();
+        let theirs: Vec<f32> = ours.iter().map(|v| v * factor).collect();
+        let o = Outputs {
+            theirs_routed: &theirs,
+            ours_routed: &ours,
+            ours_layer: &ours,
+            reference_layer: &ours,
+            shared: &zeros,
+        };
+        let j = judge(&o, 0.95, &[]);
+        assert!(!j.agree && !j.pass(), "seed {seed}");
+        assert!(
+            (j.scale_vs_ours - factor as f64).abs() < 1e-4,
+            "seed {seed}"
+        );
+        let b = j.blame().unwrap();
+        assert!(b.contains("scale error"), "seed {seed}: {b}");
+        assert!(
+            b.contains("bug is in the kernel under test"),
+            "seed {seed}: {b}"
+        );
+        assert!(!b.contains("not the kernel"), "seed {seed}: {b}");
+        // a BF16-rounded copy of ours still agrees
+        let bf: Vec<f32> = ours
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let o = Outputs {
+            theirs_routed: &bf,
+            ..o
+        };
+        assert!(judge(&o, 0.95, &[]).pass(), "seed {seed}");
+
+        // the shared experts added to the routed output are named, not just "a deviation"
+        let h = layer.config.hidden_size;
+        let shared = crate::moe::forward::dense_forward(
+            layer.shared.as_ref().expect("tiny has a shared expert"),
+            &x,
+            r.tokens,
+            h,
+            layer.config.swiglu_limit,
+        );
+        let layer_out: Vec<f32> = ours.iter().zip(&shared).map(|(a, b)| a + b).collect();
+        let feeding = Feeding {
+            layout: Some(ScaleLayout::Linear),
+            ep: None,
+        };
+        let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        let o = Outputs {
+            theirs_routed: &layer_out,
+            ours_routed: &ours,
+            ours_layer: &layer_out,
+            reference_layer: &layer_out,
+            shared: &shared,
+        };
+        let j = judge(&o, 0.95, &variants);
+        assert!(!j.pass(), "seed {seed}");
+        assert_eq!(
+            j.diagnosis,
+            Some(SuspectedBug::SharedExpertsIncluded),
+            "seed {seed}: {:?}",
+            j.suspects
+        );
     }
 }
