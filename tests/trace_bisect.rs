@@ -397,3 +397,75 @@ fn skipped_trace_files_are_never_a_pass() {
     );
     assert!(o.stdout.contains("NOT COMPARED"), "{ctx}");
 }
+
+/// An output in the right direction with the wrong norm (routed_scaling_factor applied twice:
+/// TEST = f × REF, cosine 1) diverges at the module that scaled it. It used to pass there, and
+/// the divergence was blamed on the next residual add, with "its inputs matched".
+#[test]
+fn a_scaled_output_diverges_where_it_was_scaled() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..5));
+    let n = tokens * h;
+    let factor: f32 = r.gen_range(1.5..3.0);
+    let mods = [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.0",
+        "model.layers.1.self_attn",
+        "model.layers.1.mlp",
+        "model.layers.1",
+    ];
+    let outs: Vec<Vec<f32>> = mods.iter().map(|_| randv(&mut r, n)).collect();
+    let mut test = outs.clone();
+    test[4] = outs[4].iter().map(|v| v * factor).collect();
+    test[5] = outs[5]
+        .iter()
+        .zip(&outs[4])
+        .map(|(x, m)| x + (factor - 1.0) * m)
+        .collect();
+    // 1e-3 relative noise everywhere in TEST: healthy, must not diverge
+    for v in test.iter_mut() {
+        for x in v.iter_mut() {
+            *x *= 1.0 + r.gen_range(-1e-3f32..1e-3);
+        }
+    }
+    for (dir, vals) in [(&a, &outs), (&b, &test)] {
+        std::fs::create_dir_all(dir).unwrap();
+        for (i, m) in mods.iter().enumerate() {
+            let mut ts = vec![t("output", &[tokens, h], vals[i].clone())];
+            if i > 0 {
+                ts.push(t("input.0", &[tokens, h], vals[i - 1].clone()));
+            }
+            write_call(dir, i as u64, m, ts, &[]);
+        }
+    }
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(
+        f["module"],
+        "model.layers.1.mlp",
+        "seed {seed}\n{}",
+        o.show()
+    );
+    assert_eq!(f["cause"], "this module", "seed {seed}\n{}", o.show());
+    assert!(f["cosine"].as_f64().unwrap() > 0.9999, "{}", o.show());
+    let problem = f["problem"].as_str().unwrap();
+    assert!(problem.contains("scale error"), "{problem}");
+    let shown: f32 = problem
+        .split("TEST ≈ ")
+        .nth(1)
+        .and_then(|x| x.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no factor in {problem}"));
+    assert!(
+        (shown - factor).abs() < 0.01,
+        "seed {seed}: {factor}: {problem}"
+    );
+}

@@ -28,7 +28,9 @@ pub struct Args {
     /// NVFP4 noise (one NVFP4 GEMM against BF16 scores about 0.995; the residual stream scores
     /// higher) and real faults (wrong scale layout, wrong global scale, bad weights: far below
     /// 0.9, or NaN). Comparing two runs of the same precision (eager vs CUDA graphs, TP=1 vs
-    /// TP=8), raise it to 0.9999.
+    /// TP=8), raise it to 0.9999. An output in the right direction with the wrong norm (TEST ≈
+    /// 2.5 × REF has cosine 1) also diverges: its rel_l2 may not exceed sqrt(1/C² − 1), what
+    /// noise reaches at cosine C (0.142 at 0.99).
     #[arg(long, value_name = "C", default_value_t = 0.99)]
     pub min_cosine: f64,
     /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)

@@ -17,7 +17,7 @@ use super::ep::{ExpertMap, Placement};
 use super::parallel::{plan_rank, EpFault};
 use super::{ActScales, MoeLayer, Path, Routing};
 use crate::error::Result;
-use crate::metrics::{compare, Metrics};
+use crate::metrics::{compare, max_rel_l2, Metrics};
 use crate::nvfp4::layout::{swizzle_offset, ScaleLayout};
 use crate::nvfp4::{Flavor, Fp4Tensor};
 use serde::Serialize;
@@ -29,15 +29,9 @@ pub const AGREE_MIN_COSINE: f64 = 0.99999;
 /// bug computes that variant up to summation order, so it lands near `AGREE_MIN_COSINE`).
 pub const EXPLAINS_MIN_COSINE: f64 = 0.9999;
 
-/// The relative L2 error that uncorrelated noise reaches at cosine `c`: `sqrt(1/c² − 1)`.
-/// Cosine is blind to scale (`2·x` has cosine 1 with `x`), so an output "equal up to
-/// summation order" must also stay within this of ours: a kernel off by a factor (alpha, a
-/// global scale, routed_scaling_factor applied twice or not at all) fails here.
-pub fn max_rel_l2(c: f64) -> f64 {
-    (1.0 / (c * c) - 1.0).max(0.0).sqrt()
-}
-
-/// `m` within cosine `c` and within the relative L2 error noise reaches at that cosine.
+/// `m` within cosine `c` and within the relative L2 error noise reaches at that cosine
+/// ([`max_rel_l2`]): an output "equal up to summation order" but off by a factor (alpha, a
+/// global scale applied twice) fails.
 fn same_up_to_noise(m: &Metrics, c: f64) -> bool {
     m.passes(c) && m.rel_l2 <= max_rel_l2(c)
 }
