@@ -111,7 +111,16 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
     let pass = j.pass();
+    // a scale error is said by the blame; localizing it would list every token
+    let local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
+        .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
+        .flatten();
     let headline = match j.blame() {
+        Some(b) if j.diagnosis.is_none() && local.is_some() => format!(
+            "{}: {b}; {}",
+            args.output.display(),
+            local.as_ref().map(|l| l.text.as_str()).unwrap_or_default()
+        ),
         None => format!(
             "{}: the kernel output matches the BF16 reference (layer cosine {}) and our NVFP4 path (routed cosine {})",
             args.output.display(),
@@ -136,6 +145,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "tensor": name,
         }))
         .with("kernel", kernel::json(None, &j, note.as_deref()))
+        .with("localization", &local)
         .section(Section::kv(
             "compare-outputs",
             &[

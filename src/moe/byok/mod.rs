@@ -386,6 +386,170 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     }
 }
 
+/// Where a deviating output deviates: which tokens, and what they share.
+#[derive(Clone, Debug, Serialize)]
+pub struct Localization {
+    pub tokens: usize,
+    /// Tokens whose row is not ours up to summation order (cosine and norm).
+    pub deviating_tokens: Vec<usize>,
+    /// The worst rows: (token, cosine against ours).
+    pub worst: Vec<(usize, f64)>,
+    /// Deviating rows that are all zeros where ours is not (never written).
+    pub zero_tokens: Vec<usize>,
+    /// The one expert every deviating token routes to (and most of its tokens deviate).
+    pub expert: Option<usize>,
+    /// `(row, token)`: the row holds that other token's output (tokens permuted).
+    pub permuted: Vec<(usize, usize)>,
+    /// The finding in words.
+    pub text: String,
+}
+
+/// Rows compared when looking for a permutation (each against every row of ours).
+const PERMUTATION_ROWS: usize = 16;
+
+/// Compare `theirs` and `ours` (`[T, hidden]`, routed) row by row and say what the deviating
+/// tokens share: one expert (its output wrong or missing), a permutation of rows, rows never
+/// written. `None` when no row deviates.
+pub fn localize(
+    theirs: &[f32],
+    ours: &[f32],
+    routing: &Routing,
+    hidden: usize,
+) -> Option<Localization> {
+    let t = routing.tokens;
+    if hidden == 0 || theirs.len() != t * hidden || ours.len() != t * hidden {
+        return None;
+    }
+    let row = |v: &[f32], i: usize| -> Vec<f32> { v[i * hidden..(i + 1) * hidden].to_vec() };
+    let per: Vec<Metrics> = (0..t)
+        .map(|i| compare(&row(theirs, i), &row(ours, i)))
+        .collect();
+    let deviating: Vec<usize> = (0..t)
+        .filter(|&i| !same_up_to_noise(&per[i], AGREE_MIN_COSINE))
+        .collect();
+    if deviating.is_empty() {
+        return None;
+    }
+    let mut worst: Vec<(usize, f64)> = deviating.iter().map(|&i| (i, per[i].cosine)).collect();
+    worst.sort_by(|a, b| {
+        let k = |c: f64| if c.is_nan() { -2.0 } else { c };
+        k(a.1).total_cmp(&k(b.1))
+    });
+    worst.truncate(5);
+    let zero_tokens: Vec<usize> = deviating
+        .iter()
+        .copied()
+        .filter(|&i| {
+            theirs[i * hidden..(i + 1) * hidden]
+                .iter()
+                .all(|&v| v == 0.0)
+                && ours[i * hidden..(i + 1) * hidden].iter().any(|&v| v != 0.0)
+        })
+        .collect();
+    // one expert shared by every deviating token, most of whose tokens deviate
+    let k = routing.top_k;
+    let mut expert = None;
+    if deviating.len() >= 2 && k > 0 {
+        let served = |e: i32| -> Vec<usize> {
+            (0..t)
+                .filter(|&i| {
+                    (0..k).any(|s| {
+                        routing.topk_ids[i * k + s] == e && routing.topk_weights[i * k + s] != 0.0
+                    })
+                })
+                .collect()
+        };
+        let mut ids: Vec<i32> = routing.topk_ids[deviating[0] * k..(deviating[0] + 1) * k].to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let fits: Vec<(i32, usize)> = ids
+            .into_iter()
+            .map(|e| (e, served(e)))
+            .filter(|(_, s)| {
+                s.len() < t
+                    && deviating.iter().all(|d| s.contains(d))
+                    && 2 * deviating.len() >= s.len()
+            })
+            .map(|(e, s)| (e, s.len()))
+            .collect();
+        // several fit: the one all of whose tokens deviate, when it is one
+        let exact: Vec<i32> = fits
+            .iter()
+            .filter(|(_, n)| *n == deviating.len())
+            .map(|(e, _)| *e)
+            .collect();
+        expert = match (&fits[..], &exact[..]) {
+            ([(e, _)], _) | (_, [e]) => usize::try_from(*e).ok(),
+            _ => None,
+        };
+    }
+    // rows holding another token's output
+    let mut permuted = vec![];
+    if deviating.len() >= 2 {
+        for &i in deviating.iter().take(PERMUTATION_ROWS) {
+            let mine = row(theirs, i);
+            let j = (0..t).find(|&j| {
+                j != i && same_up_to_noise(&compare(&mine, &row(ours, j)), AGREE_MIN_COSINE)
+            });
+            match j {
+                Some(j) => permuted.push((i, j)),
+                None => {
+                    permuted.clear();
+                    break;
+                }
+            }
+        }
+    }
+    let n = deviating.len();
+    let list = |v: &[usize]| {
+        let mut s: Vec<String> = v.iter().take(8).map(|x| x.to_string()).collect();
+        if v.len() > 8 {
+            s.push(format!("… {} more", v.len() - 8));
+        }
+        s.join(", ")
+    };
+    let text = if !permuted.is_empty() {
+        let pairs: Vec<String> = permuted
+            .iter()
+            .take(4)
+            .map(|(i, j)| format!("row {i} holds token {j}"))
+            .collect();
+        format!(
+            "{n} of {t} tokens deviate and their rows hold other tokens' outputs: tokens permuted \
+             ({}{}) - a wrong token order in the combine / un-permute step",
+            pairs.join(", "),
+            if n > pairs.len() { ", …" } else { "" }
+        )
+    } else if let Some(e) = expert {
+        format!(
+            "{n} of {t} tokens deviate, and every one of them routes to expert {e} (tokens not \
+             routed to it match): expert {e}'s output is wrong or missing (tokens {})",
+            list(&deviating)
+        )
+    } else if zero_tokens.len() == n {
+        format!(
+            "{n} of {t} tokens deviate, all of them rows of zeros where ours is not: never \
+             written (tokens {})",
+            list(&zero_tokens)
+        )
+    } else {
+        let w: Vec<String> = worst
+            .iter()
+            .map(|(i, c)| format!("token {i} cosine {c:.4}"))
+            .collect();
+        format!("{n} of {t} tokens deviate; worst: {}", w.join(", "))
+    };
+    Some(Localization {
+        tokens: t,
+        deviating_tokens: deviating,
+        worst,
+        zero_tokens,
+        expert,
+        permuted,
+        text,
+    })
+}
+
 impl Judgement {
     /// The plugin passes: it matches the reference within NVFP4 error and our path within
     /// summation order.
