@@ -747,6 +747,11 @@ fn without_rank_every_rank_is_scanned() {
         "model.layers.0.self_attn.o_proj"
     );
 
+    // a step no rank holds: exit 2 naming the steps of every rank
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep", "--step", "9"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(o.stderr.contains("step 9 in any rank"), "{}", o.show());
+
     // clean ranks 2 and 3, no rank 0: a pass over both, no --rank needed
     write("clean", 2, vec![]);
     write("clean", 3, vec![]);

@@ -167,10 +167,19 @@ impl TraceIndex {
             })?);
         }
         if out.is_empty() {
-            // the single-rank selection gives the message naming the steps present
-            return listing
-                .select(Selection { rank: None, step })
-                .map(|i| vec![i]);
+            let steps: BTreeSet<u64> = listing.all.iter().filter_map(|e| e.step).collect();
+            let steps: Vec<u64> = steps.into_iter().collect();
+            return Err(Error::usage(format!(
+                "{}: no trace files of step {} in any rank (ranks {}; steps present: {})",
+                dir.display(),
+                step.unwrap_or(0),
+                join_u64(&listing.ranks),
+                if steps.is_empty() {
+                    "none recorded".to_string()
+                } else {
+                    join_u64(&steps)
+                }
+            )));
         }
         Ok(out)
     }
