@@ -469,3 +469,59 @@ fn a_scaled_output_diverges_where_it_was_scaled() {
         "seed {seed}: {factor}: {problem}"
     );
 }
+
+/// Without --rank every rank both traces hold is compared: a divergence on rank 1 only fails,
+/// naming rank 1 (it used to pass, comparing rank 0 only).
+#[test]
+fn without_rank_every_rank_is_compared() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..4));
+    let mods = [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.0",
+    ];
+    let bad_rank = r.gen_range(1..3u64);
+    for rank in 0..3u64 {
+        let rs = rank.to_string();
+        for (i, m) in mods.iter().enumerate() {
+            let v = randv(&mut r, tokens * h);
+            let w: Vec<f32> = if rank == bad_rank && i == 1 {
+                randv(&mut r, tokens * h)
+            } else {
+                v.clone()
+            };
+            for (side, vals) in [("a", v), ("b", w)] {
+                let dir = tmp.path().join(side).join(format!("rank{rank}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                write_call(
+                    &dir,
+                    i as u64,
+                    m,
+                    vec![t("output", &[tokens, h], vals)],
+                    &[("rank", &rs)],
+                );
+            }
+        }
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.0.mlp", "{}", o.show());
+    assert_eq!(f["rank"], bad_rank, "{}", o.show());
+    assert!(
+        o.stdout.contains(&format!("rank {bad_rank}:")),
+        "{}",
+        o.show()
+    );
+    assert_eq!(o.json["summary"]["ranks"], serde_json::json!([0, 1, 2]));
+    // one rank asked for: that rank only
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b", "--rank", "0"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    // the same trace twice: a pass over every rank
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "a"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert!(o.stdout.contains("over 3 ranks"), "{}", o.show());
+}
