@@ -525,3 +525,72 @@ fn without_rank_every_rank_is_compared() {
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     assert!(o.stdout.contains("over 3 ranks"), "{}", o.show());
 }
+
+/// A TEST trace that stops early (the run crashed: REF's last calls have no match) is not a
+/// pass, and says where it stopped; it used to pass with "N calls only in REF". A single extra
+/// call at the end of one trace, or lone calls at the end of both, still pass.
+#[test]
+fn a_trace_that_stops_early_is_not_a_pass() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..4));
+    let layers = r.gen_range(3..6);
+    let mods: Vec<String> = (0..layers)
+        .flat_map(|l| {
+            ["self_attn", "mlp"]
+                .iter()
+                .map(move |m| format!("model.layers.{l}.{m}"))
+        })
+        .collect();
+    let vals: Vec<Vec<f32>> = mods.iter().map(|_| randv(&mut r, tokens * h)).collect();
+    let stop = r.gen_range(1..mods.len() - 1);
+    let write = |side: &str, upto: usize, extra: &[&str]| {
+        let dir = tmp.path().join(side);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, m) in mods.iter().enumerate().take(upto) {
+            write_call(
+                &dir,
+                i as u64,
+                m,
+                vec![t("output", &[tokens, h], vals[i].clone())],
+                &[],
+            );
+        }
+        for (j, m) in extra.iter().enumerate() {
+            let v = randv(&mut rng(j as u64), tokens * h);
+            write_call(
+                &dir,
+                (upto + j) as u64,
+                m,
+                vec![t("output", &[tokens, h], v)],
+                &[],
+            );
+        }
+    };
+    write("ref", mods.len(), &["lm_head"]);
+    write("crashed", stop, &[]);
+    write("sampler", mods.len(), &["lm_head", "sampler"]);
+    write("vllm", mods.len(), &["logits_processor"]);
+    let o = nvfp4dbg(tmp.path(), &["bisect", "ref", "crashed"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert!(
+        o.stdout.contains(&format!(
+            "TEST stops early: the last {} of {} REF calls (from `{}`",
+            mods.len() + 1 - stop,
+            mods.len() + 1,
+            mods[stop]
+        )),
+        "seed {seed}\n{}",
+        o.show()
+    );
+    assert_eq!(o.json["first_divergence"], Value::Null);
+    assert_eq!(
+        o.json["summary"]["trailing_only_in_ref"],
+        mods.len() + 1 - stop
+    );
+    for other in ["sampler", "vllm"] {
+        let o = nvfp4dbg(tmp.path(), &["bisect", "ref", other]);
+        assert_eq!(o.code, 0, "seed {seed} {other}\n{}", o.show());
+    }
+}

@@ -243,6 +243,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "only_in_test": r.only_in_test.len(),
         "skipped_ref": reference.skipped.len(),
         "skipped_test": test.skipped.len(),
+        "trailing_only_in_ref": r.trailing_only_in_ref,
+        "trailing_only_in_test": r.trailing_only_in_test,
         "calls_unscanned": reference.skipped.iter().chain(&test.skipped).filter(|k| k.unscanned_call).count(),
     });
     let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
@@ -273,6 +275,32 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             unscanned[0].1.reason
         ),
     };
+    // One trace going on where the other stopped is a run that crashed or was interrupted (or
+    // recorded fewer steps): what it never recorded cannot be vouched for. Lone calls on both
+    // sides at the end are two engines' naming (HF `lm_head`, vLLM `logits_processor`), and
+    // one lone call at the end is more likely a module one recorder hooked (a sampler).
+    let stopped = match (r.trailing_only_in_ref, r.trailing_only_in_test) {
+        (n, 0) if n > 1 && !r.calls.is_empty() => Some(("TEST", n, reference.entries.len())),
+        (0, n) if n > 1 && !r.calls.is_empty() => Some(("REF", n, test.entries.len())),
+        _ => None,
+    };
+    let stopped_note = stopped
+        .map(|(side, n, of)| {
+            let other = if side == "TEST" { "REF" } else { "TEST" };
+            let from = if side == "TEST" {
+                r.only_in_ref.get(r.only_in_ref.len() - n)
+            } else {
+                r.only_in_test.get(r.only_in_test.len() - n)
+            };
+            format!(
+                "{side} stops early: the last {n} of {of} {other} calls{} have no match in \
+                 {side} (a crashed or interrupted run, or fewer steps recorded: compare one \
+                 with --step)",
+                from.map(|l| format!(" (from `{}`, counter {:06})", l.module, l.counter))
+                    .unwrap_or_default()
+            )
+        })
+        .unwrap_or_default();
     let first = r.first_divergence.as_ref().map(|(_, d)| d);
     let incomplete = !unscanned.is_empty();
     let (verdict, headline) = match first {
@@ -282,6 +310,15 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
                 "no module call is in both traces ({} in REF, {} in TEST): different module paths?",
                 reference.entries.len(),
                 test.entries.len()
+            ),
+        ),
+        None if stopped.is_some() => (
+            Verdict::Fail,
+            format!(
+                "not a pass: {stopped_note}; the {} matched module calls agree (every output \
+                 cosine ≥ {}){lone_note}{unscanned_note}",
+                r.calls.len(),
+                args.min_cosine
             ),
         ),
         None if incomplete => (

@@ -125,6 +125,10 @@ pub struct BisectResult {
     pub first_divergence: Option<(usize, CallDiff)>,
     pub only_in_ref: Vec<LoneCall>,
     pub only_in_test: Vec<LoneCall>,
+    /// Calls after the last matched one, in each trace's order: one trace going on where the
+    /// other stopped (a crashed or interrupted run) has these on its side only.
+    pub trailing_only_in_ref: usize,
+    pub trailing_only_in_test: usize,
 }
 
 /// (module path, k) for every entry: the k-th call of that path in this trace's order.
@@ -322,12 +326,15 @@ pub fn bisect(
     let mut calls = Vec::new();
     let mut only_in_ref = Vec::new();
     let mut first_divergence = None;
+    let mut trailing_only_in_ref = 0;
     for (re, &key) in reference.entries.iter().zip(&ref_keys) {
         tick();
         let Some(&ti) = test_at.get(&key) else {
             only_in_ref.push(lone(re, key.1));
+            trailing_only_in_ref += 1;
             continue;
         };
+        trailing_only_in_ref = 0;
         matched_test[ti] = true;
         let d = diff_call(re, &test.entries[ti], key.1, min_cosine)?;
         calls.push(CallSummary::of(&d));
@@ -335,6 +342,7 @@ pub fn bisect(
             first_divergence = Some((calls.len() - 1, d));
         }
     }
+    let trailing_only_in_test = matched_test.iter().rev().take_while(|&&m| !m).count();
     let only_in_test = test
         .entries
         .iter()
@@ -348,5 +356,7 @@ pub fn bisect(
         first_divergence,
         only_in_ref,
         only_in_test,
+        trailing_only_in_ref,
+        trailing_only_in_test,
     })
 }
