@@ -157,6 +157,16 @@ pub fn nonfinite(x: &[f32]) -> (u64, u64, Option<usize>, Option<usize>) {
     (a.nan, a.inf, a.first_nan, a.first_inf)
 }
 
+/// The relative L2 error uncorrelated noise reaches at cosine `c`: `sqrt(1/c² − 1)` (infinite
+/// for `c ≤ 0`). Cosine is blind to scale (`2·x` has cosine 1 with `x`); a comparison that must
+/// also catch an output off by a factor bounds `rel_l2` by this.
+pub fn max_rel_l2(c: f64) -> f64 {
+    if c <= 0.0 {
+        return f64::INFINITY;
+    }
+    (1.0 / (c * c) - 1.0).max(0.0).sqrt()
+}
+
 impl Metrics {
     /// Does this comparison pass a cosine threshold (no NaN/Inf allowed)?
     pub fn passes(&self, min_cosine: f64) -> bool {

@@ -374,6 +374,103 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
         text(&o)
     );
 
+    // an output off by a factor (cosine 1 with ours) is the kernel's scale error, not "the
+    // inputs" (it used to agree with the built-in kernel by cosine alone)
+    let factor = 1.5 + rand::random::<f32>();
+    let scaled: Vec<f32> = ours.iter().map(|v| v * factor).collect();
+    write_output(&p.join("scaled.safetensors"), &scaled, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "scaled.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(text(&o).contains("scale error"), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("{factor:.4} × ours")),
+        "{}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("not the kernel"), "{}", text(&o));
+
+    // the whole layer handed back (shared experts included) is named
+    let layer: Vec<f32> = ours
+        .iter()
+        .zip(&dumped.expected.shared_out)
+        .map(|(a, b)| a + b)
+        .collect();
+    write_output(&p.join("layer.safetensors"), &layer, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "layer.safetensors",
+            "--json",
+            "layer.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert_eq!(
+        json(&p.join("layer.json"))["summary"]["diagnosis"],
+        "shared-experts-included",
+        "seed {seed}: {}",
+        text(&o)
+    );
+
+    // one expert's output missing: the expert is named; rows swapped: a permutation; a row
+    // never written: named (these used to fail with "the bug is in the kernel" only)
+    let k = dumped.routing.top_k;
+    let e = dumped.routing.topk_ids[k + 1];
+    let mut r = dumped.routing.clone();
+    for (id, w) in r.topk_ids.iter().zip(r.topk_weights.iter_mut()) {
+        if *id == e {
+            *w = 0.0;
+        }
+    }
+    let served_by = |x: i32| -> Vec<usize> {
+        (0..t)
+            .filter(|&i| dumped.routing.topk_ids[i * k..(i + 1) * k].contains(&x))
+            .collect()
+    };
+    let served = served_by(e).len();
+    // another expert serving exactly the same tokens cannot be told apart
+    let twin = (0..dumped.layer.config.n_routed_experts as i32)
+        .any(|x| x != e && served_by(x) == served_by(e));
+    let missing = byok::routed_cpu(&dumped.layer, &dumped.hidden, &r, &dumped.scales).unwrap();
+    write_output(&p.join("missing.safetensors"), &missing, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "missing.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    if served >= 2 && served < t && !twin {
+        assert!(
+            text(&o).contains(&format!("expert {e}'s output is wrong or missing")),
+            "seed {seed}: expert {e} serves {served}: {}",
+            text(&o)
+        );
+    }
+    let (a, b) = (rand::random::<usize>() % t, rand::random::<usize>() % t);
+    let mut swapped = ours.clone();
+    for c in 0..h {
+        swapped.swap(a * h + c, b * h + c);
+    }
+    if a != b {
+        write_output(&p.join("swapped.safetensors"), &swapped, t, h);
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", "swapped.safetensors"]);
+        assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+        assert!(
+            text(&o).contains("tokens permuted")
+                && text(&o).contains(&format!("row {} holds token {}", a.min(b), a.max(b))),
+            "seed {seed}: {a} {b}: {}",
+            text(&o)
+        );
+    }
+    let mut unwritten = ours.clone();
+    unwritten[a * h..(a + 1) * h].fill(0.0);
+    write_output(&p.join("unwritten.safetensors"), &unwritten, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "unwritten.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(
+        text(&o).contains(&format!("never written (tokens {a})")),
+        "seed {seed}: {}",
+        text(&o)
+    );
+
     // a NaN the kernel never wrote fails and is counted
     let mut holes = ours.clone();
     holes[5] = f32::NAN;

@@ -828,3 +828,120 @@ fn hash_layers_check_tid2eid() {
         .cloned();
     assert_eq!(f0.unwrap()["first"]["token"], j / k, "seed {seed}");
 }
+
+/// A router bug planted in the engine's routing (group limit ignored, another scoring function,
+/// the correction bias ignored or added to the weights, weights not normalized) fails and is
+/// named: the routing recomputed under that bug matches the dump. It used to say only "only
+/// 73% of topk_ids agree" or "topk_weights differ".
+#[test]
+fn planted_router_bugs_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck_s,
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    let reroute = |edit: &dyn Fn(&mut nvfp4dbg::moe::MoeLayer)| {
+        let mut l = en.layer.clone();
+        edit(&mut l);
+        nvfp4dbg::moe::route(&l, &en.hidden, Some(&en.input_ids)).unwrap()
+    };
+    let bias = en.layer.router.e_score_correction_bias.clone().unwrap();
+    let mut bugs: Vec<(&str, nvfp4dbg::moe::Routing)> = vec![
+        (
+            "group limit ignored",
+            reroute(&|l| {
+                l.config.n_group = 1;
+                l.config.topk_group = 1;
+            }),
+        ),
+        (
+            "softmax scoring where the config says scoring_func = sigmoid",
+            reroute(&|l| l.config.scoring_func = nvfp4dbg::moe::ScoringFunc::Softmax),
+        ),
+        (
+            "e_score_correction_bias ignored in the selection",
+            reroute(&|l| l.router.e_score_correction_bias = None),
+        ),
+        (
+            "weights not normalized",
+            reroute(&|l| l.config.norm_topk_prob = false),
+        ),
+    ];
+    // the bias added to the weights: same ids, weights from score + bias
+    let mut biased = en.routing.clone();
+    let logits = nvfp4dbg::moe::router::router_logits(
+        &en.layer.router.weight,
+        &en.hidden,
+        t,
+        h,
+        en.layer.config.n_routed_experts,
+    );
+    for (tok, l) in logits.chunks(en.layer.config.n_routed_experts).enumerate() {
+        let sc = nvfp4dbg::moe::router::score(en.layer.config.scoring_func, l);
+        let sel: Vec<f32> = sc.iter().zip(&bias).map(|(s, b)| s + b).collect();
+        let row: Vec<usize> = en.routing.topk_ids[tok * k..(tok + 1) * k]
+            .iter()
+            .map(|&i| i as usize)
+            .collect();
+        let w = nvfp4dbg::moe::router::weights(&sel, &row, true, 2.5);
+        biased.topk_weights[tok * k..(tok + 1) * k].copy_from_slice(&w);
+    }
+    bugs.push(("e_score_correction_bias added to the weights", biased));
+    for (what, bug) in &bugs {
+        let ids: Vec<i64> = bug.topk_ids.iter().map(|&v| v as i64).collect();
+        // a bug this batch barely exposes (within --min-match 0.95 and the 2% weight
+        // tolerance) passes by design, and cannot be named
+        let in_set = (0..t)
+            .map(|tok| {
+                let want = &en.routing.topk_ids[tok * k..(tok + 1) * k];
+                bug.topk_ids[tok * k..(tok + 1) * k]
+                    .iter()
+                    .filter(|v| want.contains(v))
+                    .count()
+            })
+            .sum::<usize>() as f64
+            / (t * k) as f64;
+        let (num, den) = bug
+            .topk_weights
+            .iter()
+            .zip(&en.routing.topk_weights)
+            .fold((0f64, 0f64), |(n, d), (&a, &b)| {
+                (n + ((a - b) as f64).powi(2), d + (b as f64).powi(2))
+            });
+        if in_set > 0.9 && (num / den).sqrt() < 0.04 {
+            eprintln!("seed {seed}: {what} barely exposed by this batch");
+            continue;
+        }
+        write_full(&f, t, k, &ids, &bug.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        assert_eq!(out.code, 1, "seed {seed} {what}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        assert!(
+            findings.contains("matches the routing recomputed with this router bug")
+                && findings.contains(what),
+            "seed {seed} {what}: {findings}"
+        );
+    }
+    // the engine's own routing names no bug
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 0, "seed {seed}\n{}", out.stdout);
+    assert!(!out.json["notes"].to_string().contains("router bug"));
+}

@@ -397,3 +397,200 @@ fn skipped_trace_files_are_never_a_pass() {
     );
     assert!(o.stdout.contains("NOT COMPARED"), "{ctx}");
 }
+
+/// An output in the right direction with the wrong norm (routed_scaling_factor applied twice:
+/// TEST = f × REF, cosine 1) diverges at the module that scaled it. It used to pass there, and
+/// the divergence was blamed on the next residual add, with "its inputs matched".
+#[test]
+fn a_scaled_output_diverges_where_it_was_scaled() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..5));
+    let n = tokens * h;
+    let factor: f32 = r.gen_range(1.5..3.0);
+    let mods = [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.0",
+        "model.layers.1.self_attn",
+        "model.layers.1.mlp",
+        "model.layers.1",
+    ];
+    let outs: Vec<Vec<f32>> = mods.iter().map(|_| randv(&mut r, n)).collect();
+    let mut test = outs.clone();
+    test[4] = outs[4].iter().map(|v| v * factor).collect();
+    test[5] = outs[5]
+        .iter()
+        .zip(&outs[4])
+        .map(|(x, m)| x + (factor - 1.0) * m)
+        .collect();
+    // 1e-3 relative noise everywhere in TEST: healthy, must not diverge
+    for v in test.iter_mut() {
+        for x in v.iter_mut() {
+            *x *= 1.0 + r.gen_range(-1e-3f32..1e-3);
+        }
+    }
+    for (dir, vals) in [(&a, &outs), (&b, &test)] {
+        std::fs::create_dir_all(dir).unwrap();
+        for (i, m) in mods.iter().enumerate() {
+            let mut ts = vec![t("output", &[tokens, h], vals[i].clone())];
+            if i > 0 {
+                ts.push(t("input.0", &[tokens, h], vals[i - 1].clone()));
+            }
+            write_call(dir, i as u64, m, ts, &[]);
+        }
+    }
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(
+        f["module"],
+        "model.layers.1.mlp",
+        "seed {seed}\n{}",
+        o.show()
+    );
+    assert_eq!(f["cause"], "this module", "seed {seed}\n{}", o.show());
+    assert!(f["cosine"].as_f64().unwrap() > 0.9999, "{}", o.show());
+    let problem = f["problem"].as_str().unwrap();
+    assert!(problem.contains("scale error"), "{problem}");
+    let shown: f32 = problem
+        .split("TEST ≈ ")
+        .nth(1)
+        .and_then(|x| x.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no factor in {problem}"));
+    assert!(
+        (shown - factor).abs() < 0.01,
+        "seed {seed}: {factor}: {problem}"
+    );
+}
+
+/// Without --rank every rank both traces hold is compared: a divergence on rank 1 only fails,
+/// naming rank 1 (it used to pass, comparing rank 0 only).
+#[test]
+fn without_rank_every_rank_is_compared() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..4));
+    let mods = [
+        "model.layers.0.self_attn",
+        "model.layers.0.mlp",
+        "model.layers.0",
+    ];
+    let bad_rank = r.gen_range(1..3u64);
+    for rank in 0..3u64 {
+        let rs = rank.to_string();
+        for (i, m) in mods.iter().enumerate() {
+            let v = randv(&mut r, tokens * h);
+            let w: Vec<f32> = if rank == bad_rank && i == 1 {
+                randv(&mut r, tokens * h)
+            } else {
+                v.clone()
+            };
+            for (side, vals) in [("a", v), ("b", w)] {
+                let dir = tmp.path().join(side).join(format!("rank{rank}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                write_call(
+                    &dir,
+                    i as u64,
+                    m,
+                    vec![t("output", &[tokens, h], vals)],
+                    &[("rank", &rs)],
+                );
+            }
+        }
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.0.mlp", "{}", o.show());
+    assert_eq!(f["rank"], bad_rank, "{}", o.show());
+    assert!(
+        o.stdout.contains(&format!("rank {bad_rank}:")),
+        "{}",
+        o.show()
+    );
+    assert_eq!(o.json["summary"]["ranks"], serde_json::json!([0, 1, 2]));
+    // one rank asked for: that rank only
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b", "--rank", "0"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    // the same trace twice: a pass over every rank
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "a"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert!(o.stdout.contains("over 3 ranks"), "{}", o.show());
+}
+
+/// A TEST trace that stops early (the run crashed: REF's last calls have no match) is not a
+/// pass, and says where it stopped; it used to pass with "N calls only in REF". A single extra
+/// call at the end of one trace, or lone calls at the end of both, still pass.
+#[test]
+fn a_trace_that_stops_early_is_not_a_pass() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..9), 16 * r.gen_range(1..4));
+    let layers = r.gen_range(3..6);
+    let mods: Vec<String> = (0..layers)
+        .flat_map(|l| {
+            ["self_attn", "mlp"]
+                .iter()
+                .map(move |m| format!("model.layers.{l}.{m}"))
+        })
+        .collect();
+    let vals: Vec<Vec<f32>> = mods.iter().map(|_| randv(&mut r, tokens * h)).collect();
+    let stop = r.gen_range(1..mods.len() - 1);
+    let write = |side: &str, upto: usize, extra: &[&str]| {
+        let dir = tmp.path().join(side);
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, m) in mods.iter().enumerate().take(upto) {
+            write_call(
+                &dir,
+                i as u64,
+                m,
+                vec![t("output", &[tokens, h], vals[i].clone())],
+                &[],
+            );
+        }
+        for (j, m) in extra.iter().enumerate() {
+            let v = randv(&mut rng(j as u64), tokens * h);
+            write_call(
+                &dir,
+                (upto + j) as u64,
+                m,
+                vec![t("output", &[tokens, h], v)],
+                &[],
+            );
+        }
+    };
+    write("ref", mods.len(), &["lm_head"]);
+    write("crashed", stop, &[]);
+    write("sampler", mods.len(), &["lm_head", "sampler"]);
+    write("vllm", mods.len(), &["logits_processor"]);
+    let o = nvfp4dbg(tmp.path(), &["bisect", "ref", "crashed"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert!(
+        o.stdout.contains(&format!(
+            "TEST stops early: the last {} of {} REF calls (from `{}`",
+            mods.len() + 1 - stop,
+            mods.len() + 1,
+            mods[stop]
+        )),
+        "seed {seed}\n{}",
+        o.show()
+    );
+    assert_eq!(o.json["first_divergence"], Value::Null);
+    assert_eq!(
+        o.json["summary"]["trailing_only_in_ref"],
+        mods.len() + 1 - stop
+    );
+    for other in ["sampler", "vllm"] {
+        let o = nvfp4dbg(tmp.path(), &["bisect", "ref", other]);
+        assert_eq!(o.code, 0, "seed {seed} {other}\n{}", o.show());
+    }
+}

@@ -401,7 +401,7 @@ fn ranks_in_subdirectories_and_steps_are_selected() {
     )
     .unwrap();
     let dir = d.to_str().unwrap();
-    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "0"]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "1"]);
     assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
@@ -691,4 +691,73 @@ fn skipped_calls_are_never_a_pass() {
     assert_eq!(o.json["summary"]["calls_unscanned"], 0, "{ctx}");
     assert_eq!(o.json["summary"]["calls_scanned"], calls.len(), "{ctx}");
     assert_eq!(o.json["skipped"].as_array().unwrap().len(), 2, "{ctx}");
+}
+
+/// Without --rank every rank is scanned: a NaN on rank 1 of a clean rank 0 fails, naming rank 1
+/// (it used to pass, scanning rank 0 only); the first bad call in (step, counter) order wins
+/// across ranks; a trace without rank 0 needs no --rank.
+#[test]
+fn without_rank_every_rank_is_scanned() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let fault = |m: &str| {
+        vec![Fault {
+            module: m.into(),
+            kind: FaultKind::Nan,
+            token: 1,
+            channel: 3,
+        }]
+    };
+    let write = |dir: &str, rank: u64, faults: Vec<Fault>| {
+        write_trace(
+            &tmp.path().join(dir).join(format!("rank{rank}")),
+            &SynthTraceConfig {
+                rank: Some(rank),
+                faults,
+                ..cfg(seed)
+            },
+        )
+        .unwrap();
+    };
+    write("ep", 0, vec![]);
+    write("ep", 1, fault("model.layers.1.mlp.down_proj"));
+    write("ep", 2, vec![]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], "model.layers.1.mlp.down_proj", "{}", o.show());
+    assert_eq!(f["rank"], 1, "{}", o.show());
+    assert!(
+        f["file"].as_str().unwrap().contains("rank1"),
+        "{}",
+        o.show()
+    );
+    assert!(o.stdout.contains("rank 1"), "{}", o.show());
+    assert_eq!(o.json["summary"]["ranks"], serde_json::json!([0, 1, 2]));
+    assert_eq!(o.json["ranks"].as_array().unwrap().len(), 3);
+
+    // both ranks bad: the earlier call wins, whichever rank it is on
+    write("both", 0, fault("lm_head"));
+    write("both", 1, fault("model.layers.0.self_attn.o_proj"));
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "both"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert_eq!(o.json["first_nonfinite"]["rank"], 1, "{}", o.show());
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        "model.layers.0.self_attn.o_proj"
+    );
+
+    // a step no rank holds: exit 2 naming the steps of every rank
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep", "--step", "9"]);
+    assert_eq!(o.code, 2, "{}", o.show());
+    assert!(o.stderr.contains("step 9 in any rank"), "{}", o.show());
+
+    // clean ranks 2 and 3, no rank 0: a pass over both, no --rank needed
+    write("clean", 2, vec![]);
+    write("clean", 3, vec![]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "clean"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert!(o.stdout.contains("2 ranks (2, 3)"), "{}", o.show());
+    let n = module_calls(&cfg(seed)).unwrap().len() as u64;
+    assert_eq!(o.json["summary"]["calls_scanned_all_ranks"], 2 * n);
 }

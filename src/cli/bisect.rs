@@ -28,7 +28,9 @@ pub struct Args {
     /// NVFP4 noise (one NVFP4 GEMM against BF16 scores about 0.995; the residual stream scores
     /// higher) and real faults (wrong scale layout, wrong global scale, bad weights: far below
     /// 0.9, or NaN). Comparing two runs of the same precision (eager vs CUDA graphs, TP=1 vs
-    /// TP=8), raise it to 0.9999.
+    /// TP=8), raise it to 0.9999. An output in the right direction with the wrong norm (TEST ≈
+    /// 2.5 × REF has cosine 1) also diverges: its rel_l2 may not exceed sqrt(1/C² − 1), what
+    /// noise reaches at cosine C (0.142 at 0.99).
     #[arg(long, value_name = "C", default_value_t = 0.99)]
     pub min_cosine: f64,
     /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)
@@ -97,16 +99,132 @@ pub fn run(args: &Args) -> Result<Report> {
         rank: args.rank,
         step: args.step,
     };
-    let reference = TraceIndex::open(&args.reference, sel)?;
-    let test = TraceIndex::open(&args.test, sel)?;
-    let pb = progress(
-        reference.entries.len() as u64,
-        "bisect",
-        args.out_args.quiet,
-    );
-    let r = bisect(&reference, &test, args.min_cosine, &mut || pb.inc(1))?;
+    // Without --rank every rank both traces hold is compared: a divergence on rank 1 only
+    // (expert parallelism: ranks run different experts) must not pass.
+    let pairs: Vec<(TraceIndex, TraceIndex)> = match args.rank {
+        Some(_) => vec![(
+            TraceIndex::open(&args.reference, sel)?,
+            TraceIndex::open(&args.test, sel)?,
+        )],
+        None => {
+            let refs = TraceIndex::open_each_rank(&args.reference, args.step)?;
+            let mut tests = TraceIndex::open_each_rank(&args.test, args.step)?;
+            let rank = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
+            let ref_ranks: Vec<u64> = refs.iter().map(rank).collect();
+            let test_ranks: Vec<u64> = tests.iter().map(rank).collect();
+            let pairs: Vec<(TraceIndex, TraceIndex)> = refs
+                .into_iter()
+                .filter_map(|r| {
+                    let k = tests.iter().position(|t| rank(t) == rank(&r))?;
+                    Some((r, tests.remove(k)))
+                })
+                .collect();
+            if pairs.is_empty() {
+                return Err(Error::usage(format!(
+                    "no rank is in both traces (REF ranks {ref_ranks:?}, TEST ranks \
+                     {test_ranks:?}): choose one with --rank"
+                )));
+            }
+            pairs
+        }
+    };
+    let total = pairs.iter().map(|(r, _)| r.entries.len() as u64).sum();
+    let pb = progress(total, "bisect", args.out_args.quiet);
+    let mut results = Vec::with_capacity(pairs.len());
+    for (reference, test) in &pairs {
+        results.push(bisect(reference, test, args.min_cosine, &mut || pb.inc(1))?);
+    }
     pb.finish_and_clear();
-    Ok(report(args, &reference, &test, &r))
+    let reports: Vec<Report> = pairs
+        .iter()
+        .zip(&results)
+        .map(|((reference, test), r)| report(args, reference, test, r))
+        .collect();
+    if reports.len() == 1 {
+        return Ok(reports.into_iter().next().expect("one report"));
+    }
+    Ok(merge_ranks(&pairs, &results, reports))
+}
+
+/// One report over several ranks: the rank whose first divergence comes first in REF's
+/// (step, counter) order (ties: the lower rank), else a failing rank, else rank 0's report
+/// with the headline of all ranks; a table of every rank's outcome is added.
+fn merge_ranks(
+    pairs: &[(TraceIndex, TraceIndex)],
+    results: &[BisectResult],
+    reports: Vec<Report>,
+) -> Report {
+    let rank = |k: usize| pairs[k].0.selection.rank.unwrap_or(0);
+    let first_at = |k: usize| {
+        results[k].first_divergence.as_ref().map(|(_, d)| {
+            let step = pairs[k]
+                .0
+                .entries
+                .iter()
+                .find(|e| e.path == d.file_ref)
+                .and_then(|e| e.step);
+            (step, d.counter_ref)
+        })
+    };
+    let diverged = (0..results.len())
+        .filter(|&k| results[k].first_divergence.is_some())
+        .min_by_key(|&k| (first_at(k), rank(k)));
+    let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
+    let pick = diverged.or(failing).unwrap_or(0);
+    let ranks: Vec<u64> = (0..pairs.len()).map(rank).collect();
+    let ranks_text = ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut table = Section::new(
+        format!("Ranks compared ({})", ranks.len()),
+        &["rank", "calls compared", "first divergence", "verdict"],
+    );
+    let mut per_rank = vec![];
+    for (k, (r, rep)) in results.iter().zip(&reports).enumerate() {
+        let first = r
+            .first_divergence
+            .as_ref()
+            .map(|(_, d)| format!("{:06} {} (call {})", d.counter_ref, d.module, d.call));
+        table.row(vec![
+            rank(k).to_string(),
+            r.calls.len().to_string(),
+            first.unwrap_or_else(|| "-".into()),
+            format!("{:?}", rep.verdict).to_lowercase(),
+        ]);
+        per_rank.push(json!({
+            "rank": rank(k),
+            "calls_compared": r.calls.len(),
+            "verdict": rep.verdict,
+            "first_divergence": r.first_divergence.as_ref().map(|(_, d)| json!({
+                "module": d.module,
+                "call": d.call,
+                "counter_ref": d.counter_ref,
+            })),
+        }));
+    }
+    let compared: usize = results.iter().map(|r| r.calls.len()).sum();
+    let mut rep = reports.into_iter().nth(pick).expect("one report per rank");
+    rep.headline = match rep.verdict {
+        Verdict::Pass => format!(
+            "all {compared} matched module calls agree over {} ranks ({ranks_text})",
+            ranks.len()
+        ),
+        Verdict::Fail => format!(
+            "rank {}: {} (ranks compared: {ranks_text})",
+            ranks[pick], rep.headline
+        ),
+    };
+    if let Value::Object(s) = &mut rep.summary {
+        s.insert("ranks".into(), json!(ranks));
+        s.insert("calls_compared_all_ranks".into(), json!(compared));
+    }
+    if let Some(Value::Object(f)) = rep.body.get_mut("first_divergence") {
+        f.insert("rank".into(), json!(ranks[pick]));
+    }
+    rep.sections.insert(0, table);
+    rep.with("ranks", per_rank)
 }
 
 fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResult) -> Report {
@@ -125,6 +243,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "only_in_test": r.only_in_test.len(),
         "skipped_ref": reference.skipped.len(),
         "skipped_test": test.skipped.len(),
+        "trailing_only_in_ref": r.trailing_only_in_ref,
+        "trailing_only_in_test": r.trailing_only_in_test,
         "calls_unscanned": reference.skipped.iter().chain(&test.skipped).filter(|k| k.unscanned_call).count(),
     });
     let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
@@ -155,6 +275,32 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             unscanned[0].1.reason
         ),
     };
+    // One trace going on where the other stopped is a run that crashed or was interrupted (or
+    // recorded fewer steps): what it never recorded cannot be vouched for. Lone calls on both
+    // sides at the end are two engines' naming (HF `lm_head`, vLLM `logits_processor`), and
+    // one lone call at the end is more likely a module one recorder hooked (a sampler).
+    let stopped = match (r.trailing_only_in_ref, r.trailing_only_in_test) {
+        (n, 0) if n > 1 && !r.calls.is_empty() => Some(("TEST", n, reference.entries.len())),
+        (0, n) if n > 1 && !r.calls.is_empty() => Some(("REF", n, test.entries.len())),
+        _ => None,
+    };
+    let stopped_note = stopped
+        .map(|(side, n, of)| {
+            let other = if side == "TEST" { "REF" } else { "TEST" };
+            let from = if side == "TEST" {
+                r.only_in_ref.get(r.only_in_ref.len() - n)
+            } else {
+                r.only_in_test.get(r.only_in_test.len() - n)
+            };
+            format!(
+                "{side} stops early: the last {n} of {of} {other} calls{} have no match in \
+                 {side} (a crashed or interrupted run, or fewer steps recorded: compare one \
+                 with --step)",
+                from.map(|l| format!(" (from `{}`, counter {:06})", l.module, l.counter))
+                    .unwrap_or_default()
+            )
+        })
+        .unwrap_or_default();
     let first = r.first_divergence.as_ref().map(|(_, d)| d);
     let incomplete = !unscanned.is_empty();
     let (verdict, headline) = match first {
@@ -164,6 +310,15 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
                 "no module call is in both traces ({} in REF, {} in TEST): different module paths?",
                 reference.entries.len(),
                 test.entries.len()
+            ),
+        ),
+        None if stopped.is_some() => (
+            Verdict::Fail,
+            format!(
+                "not a pass: {stopped_note}; the {} matched module calls agree (every output \
+                 cosine ≥ {}){lone_note}{unscanned_note}",
+                r.calls.len(),
+                args.min_cosine
             ),
         ),
         None if incomplete => (

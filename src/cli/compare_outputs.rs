@@ -19,8 +19,9 @@ use std::path::{Path, PathBuf};
 of kernels/include/nvfp4dbg_moe.h writes; F32, BF16 or F16). Pass: cosine >= --min-cosine of the \
 layer (output + the dumped shared experts) against the BF16 reference, and cosine >= 0.99999 of the \
 routed output against ours (the same function up to FP32 summation order). On a failure the known \
-engine bugs (gate/up reversed, block scales read in the other layout) are recomputed on the CPU and \
-the one the output matches is named."
+engine bugs (gate/up reversed, block scales read in the other layout, routing weights not applied, \
+shared experts included) are recomputed on the CPU and the one the output matches is named; an output \
+off by a factor (cosine 1, wrong norm) fails as a scale error."
 )]
 pub struct Args {
     /// Directory written by `layertest --dump-inputs DIR`
@@ -110,7 +111,16 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
     let pass = j.pass();
+    // a scale error is said by the blame; localizing it would list every token
+    let local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
+        .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
+        .flatten();
     let headline = match j.blame() {
+        Some(b) if j.diagnosis.is_none() && local.is_some() => format!(
+            "{}: {b}; {}",
+            args.output.display(),
+            local.as_ref().map(|l| l.text.as_str()).unwrap_or_default()
+        ),
         None => format!(
             "{}: the kernel output matches the BF16 reference (layer cosine {}) and our NVFP4 path (routed cosine {})",
             args.output.display(),
@@ -135,6 +145,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "tensor": name,
         }))
         .with("kernel", kernel::json(None, &j, note.as_deref()))
+        .with("localization", &local)
         .section(Section::kv(
             "compare-outputs",
             &[

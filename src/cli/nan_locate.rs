@@ -107,19 +107,106 @@ fn call_json(c: &ScannedCall) -> Value {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let sel = Selection {
-        rank: args.rank,
-        step: args.step,
+    // Without --rank every rank is scanned: a NaN on rank 1 of a clean rank 0 (expert or data
+    // parallelism: ranks see different experts or tokens) must not pass.
+    let indexes = match args.rank {
+        Some(_) => vec![TraceIndex::open(
+            &args.trace,
+            Selection {
+                rank: args.rank,
+                step: args.step,
+            },
+        )?],
+        None => TraceIndex::open_each_rank(&args.trace, args.step)?,
     };
-    let index = TraceIndex::open(&args.trace, sel)?;
-    let pb = progress(
-        index.entries.len() as u64,
-        "nan-locate",
-        args.out_args.quiet,
-    );
-    let r = locate(&index, args.context, &mut || pb.inc(1))?;
+    let total = indexes.iter().map(|i| i.entries.len() as u64).sum();
+    let pb = progress(total, "nan-locate", args.out_args.quiet);
+    let mut results = Vec::with_capacity(indexes.len());
+    for index in &indexes {
+        results.push(locate(index, args.context, &mut || pb.inc(1))?);
+    }
     pb.finish_and_clear();
-    report(&index, &r)
+    if indexes.len() == 1 {
+        return report(&indexes[0], &results[0]);
+    }
+    let reports = indexes
+        .iter()
+        .zip(&results)
+        .map(|(i, r)| report(i, r))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(merge_ranks(&indexes, &results, reports))
+}
+
+/// One report over several ranks: the rank whose first bad call comes first in (step, counter)
+/// order (ties: the lower rank), else a failing rank (files not scanned), else rank 0's report
+/// with the headline and counts of all ranks; a table of every rank's outcome is added.
+fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Report>) -> Report {
+    let first_at = |r: &LocateResult| r.first.as_ref().map(|f| (f.call.step, f.call.counter));
+    let rank_of = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
+    let bad = (0..results.len())
+        .filter(|&k| results[k].first.is_some())
+        .min_by_key(|&k| (first_at(&results[k]), rank_of(&indexes[k])));
+    let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
+    let pick = bad.or(failing).unwrap_or(0);
+    let ranks: Vec<u64> = indexes.iter().map(rank_of).collect();
+    let ranks_text = ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut table = Section::new(
+        format!("Ranks scanned ({})", ranks.len()),
+        &["rank", "calls scanned", "first NaN/Inf", "verdict"],
+    );
+    let mut per_rank = vec![];
+    for ((index, r), rep) in indexes.iter().zip(results).zip(&reports) {
+        let first = r
+            .first
+            .as_ref()
+            .map(|f| format!("{} {} {}", counter(&f.call), f.call.module, f.output.tensor));
+        table.row(vec![
+            rank_of(index).to_string(),
+            r.calls_scanned.to_string(),
+            first.clone().unwrap_or_else(|| "-".into()),
+            format!("{:?}", rep.verdict).to_lowercase(),
+        ]);
+        per_rank.push(json!({
+            "rank": rank_of(index),
+            "calls_scanned": r.calls_scanned,
+            "verdict": rep.verdict,
+            "first_nonfinite": r.first.as_ref().map(|f| json!({
+                "module": f.call.module,
+                "tensor": f.output.tensor,
+                "counter": f.call.counter,
+                "step": f.call.step,
+            })),
+        }));
+    }
+    let scanned: usize = results.iter().map(|r| r.calls_scanned).sum();
+    let mut rep = reports.into_iter().nth(pick).expect("one report per rank");
+    let picked_rank = ranks[pick];
+    rep.headline = match (bad, rep.verdict) {
+        (Some(_), _) => format!(
+            "rank {picked_rank}: {} (ranks scanned: {ranks_text})",
+            rep.headline
+        ),
+        (None, Verdict::Pass) => format!(
+            "no NaN/Inf in the outputs of {scanned} module calls over {} ranks ({ranks_text}){}",
+            ranks.len(),
+            indexes[0]
+                .selection
+                .step
+                .map(|s| format!(", step {s}"))
+                .unwrap_or_default()
+        ),
+        (None, _) => format!("rank {picked_rank}: {}", rep.headline),
+    };
+    if let Value::Object(s) = &mut rep.summary {
+        s.insert("ranks".into(), json!(ranks));
+        s.insert("calls_scanned_all_ranks".into(), json!(scanned));
+    }
+    rep.sections.insert(0, table);
+    rep.with("ranks", per_rank)
 }
 
 /// `file: reason` of the first few skipped calls, for a headline or an error message.

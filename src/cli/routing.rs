@@ -324,37 +324,53 @@ fn recompute(
             ));
         }
         let layer = router_layer(layer_idx, config.clone(), router.clone());
-        let routing = backend()?.route(&layer, &hb, d.input_ids.as_deref())?;
-        let (o, ag) = check::compare_with_reference(
-            ids,
-            &routing,
-            &RefCompare {
-                source: "hidden_states + gate",
-                ids_checked_elsewhere: hash_checked,
-                ..base
-            },
-        );
+        let be = backend()?;
+        let routing = be.route(&layer, &hb, d.input_ids.as_deref())?;
+        let cmp = RefCompare {
+            source: "hidden_states + gate",
+            ids_checked_elsewhere: hash_checked,
+            ..base
+        };
+        let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
+        if !o.findings.is_empty() && !hash_checked {
+            let logits = crate::moe::router::router_logits(
+                &router.weight,
+                &hb,
+                d.tokens,
+                config.hidden_size,
+                config.n_routed_experts,
+            );
+            let reroute = |c: &MoeConfig, r: &Router| {
+                be.route(
+                    &router_layer(layer_idx, c.clone(), r.clone()),
+                    &hb,
+                    d.input_ids.as_deref(),
+                )
+            };
+            diagnose(
+                ids, config, &router, &logits, &routing, &cmp, &reroute, &mut o,
+            )?;
+        }
         out.extend(o);
         agreements.extend(ag);
     } else if let Some(lg) = &d.router_logits {
         if !hash_checked {
             check_logits_shape(d, lg, config)?;
-            let routing = route_from_logits(
-                &*backend()?,
-                layer_idx,
-                config,
-                &router,
-                lg,
-                d.input_ids.as_deref(),
-            )?;
-            let (o, ag) = check::compare_with_reference(
-                ids,
-                &routing,
-                &RefCompare {
-                    source: "router_logits",
-                    ..base
-                },
-            );
+            let be = backend()?;
+            let reroute = |c: &MoeConfig, r: &Router| {
+                route_from_logits(&*be, layer_idx, c, r, lg, d.input_ids.as_deref())
+            };
+            let routing = reroute(config, &router)?;
+            let cmp = RefCompare {
+                source: "router_logits",
+                ..base
+            };
+            let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
+            if !o.findings.is_empty() {
+                diagnose(
+                    ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
+                )?;
+            }
             out.extend(o);
             agreements.extend(ag);
         }
@@ -365,6 +381,133 @@ fn recompute(
         );
     }
     Ok(agreements)
+}
+
+/// Weights of one token from its scores and chosen ids.
+type Reweigh<'a> = dyn Fn(&[f32], &[usize]) -> Vec<f32> + 'a;
+
+/// Router bugs recomputed when the dump disagrees with the reference: the ones whose routing
+/// the dump matches (ids and weights within the tolerances, no finding left) are named in the
+/// first finding's message and as notes. `reroute` routes the same input under another config
+/// or router; `logits` `[T, E]` give the scores for the weight-only variants.
+#[allow(clippy::too_many_arguments)]
+fn diagnose(
+    ids: &Ids,
+    config: &MoeConfig,
+    router: &Router,
+    logits: &[f32],
+    reference: &Routing,
+    cmp: &RefCompare,
+    reroute: &dyn Fn(&MoeConfig, &Router) -> Result<Routing>,
+    out: &mut Outcome,
+) -> Result<()> {
+    use crate::moe::router::{score, weights};
+    use crate::moe::ScoringFunc;
+    let name = |f: ScoringFunc| {
+        serde_json::to_value(f)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
+    };
+    let mut variants: Vec<(String, Routing)> = vec![];
+    if config.n_group > 1 && config.topk_group < config.n_group {
+        let c = MoeConfig {
+            n_group: 1,
+            topk_group: 1,
+            ..config.clone()
+        };
+        variants.push((
+            format!(
+                "group limit ignored (top-{} over all experts, not within the best topk_group = {} \
+                 of n_group = {} groups)",
+                config.num_experts_per_tok, config.topk_group, config.n_group
+            ),
+            reroute(&c, router)?,
+        ));
+    }
+    for f in [
+        ScoringFunc::Sigmoid,
+        ScoringFunc::Softmax,
+        ScoringFunc::Sqrtsoftplus,
+    ] {
+        if f != config.scoring_func {
+            let c = MoeConfig {
+                scoring_func: f,
+                ..config.clone()
+            };
+            variants.push((
+                format!(
+                    "{} scoring where the config says scoring_func = {}",
+                    name(f),
+                    name(config.scoring_func)
+                ),
+                reroute(&c, router)?,
+            ));
+        }
+    }
+    let e = config.n_routed_experts;
+    // the weights of the reference's ids under another formula
+    let reweigh = |f: &Reweigh| -> Routing {
+        let k = reference.top_k;
+        let mut w = Vec::with_capacity(reference.topk_weights.len());
+        for (t, l) in logits.chunks(e).enumerate().take(reference.tokens) {
+            let sc = score(config.scoring_func, l);
+            let row: Vec<usize> = reference.topk_ids[t * k..(t + 1) * k]
+                .iter()
+                .map(|&i| i as usize)
+                .collect();
+            w.extend(f(&sc, &row));
+        }
+        Routing {
+            topk_weights: w,
+            ..reference.clone()
+        }
+    };
+    let rsf = config.routed_scaling_factor;
+    if let Some(b) = &router.e_score_correction_bias {
+        let r = Router {
+            e_score_correction_bias: None,
+            ..router.clone()
+        };
+        variants.push((
+            "e_score_correction_bias ignored in the selection".into(),
+            reroute(config, &r)?,
+        ));
+        variants.push((
+            "e_score_correction_bias added to the weights (weights from score + bias, not the \
+             unbiased score)"
+                .into(),
+            reweigh(&|sc, row| {
+                let sel: Vec<f32> = sc.iter().zip(b).map(|(s, b)| s + b).collect();
+                weights(&sel, row, config.norm_topk_prob, rsf)
+            }),
+        ));
+    }
+    if config.norm_topk_prob {
+        variants.push((
+            "weights not normalized (norm_topk_prob = true ignored)".into(),
+            reweigh(&|sc, row| weights(sc, row, false, rsf)),
+        ));
+    }
+    let explained: Vec<String> = variants
+        .into_iter()
+        .filter(|(_, v)| {
+            let (o, ag) = check::compare_with_reference(ids, v, cmp);
+            o.findings.is_empty() && ag.is_some_and(|a| a.weights.is_some())
+        })
+        .map(|(what, _)| what)
+        .collect();
+    if let Some(f) = out.findings.first_mut().filter(|_| !explained.is_empty()) {
+        f.message.push_str(&format!(
+            "; the dump matches the routing recomputed with this router bug: {}",
+            explained.join(" / ")
+        ));
+    }
+    for what in explained {
+        out.notes
+            .push(format!("router bug that explains the dump: {what}"));
+    }
+    Ok(())
 }
 
 fn check_logits_shape(d: &RoutingDump, lg: &Matrix<f32>, config: &MoeConfig) -> Result<()> {

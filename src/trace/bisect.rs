@@ -8,7 +8,7 @@ use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
 use super::scan::compare_tensors;
 use crate::error::Result;
-use crate::metrics::Metrics;
+use crate::metrics::{max_rel_l2, Metrics};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -35,7 +35,8 @@ pub struct TensorDiff {
     pub problem: Option<String>,
     /// Something worth knowing that does not make the tensor diverge.
     pub note: Option<String>,
-    /// Compared, finite on both sides, and at or above the threshold.
+    /// Compared, finite on both sides, at or above the cosine threshold, and with a relative L2
+    /// error no larger than noise reaches at that cosine (`metrics::max_rel_l2`).
     pub matches: bool,
 }
 
@@ -124,6 +125,10 @@ pub struct BisectResult {
     pub first_divergence: Option<(usize, CallDiff)>,
     pub only_in_ref: Vec<LoneCall>,
     pub only_in_test: Vec<LoneCall>,
+    /// Calls after the last matched one, in each trace's order: one trace going on where the
+    /// other stopped (a crashed or interrupted run) has these on its side only.
+    pub trailing_only_in_ref: usize,
+    pub trailing_only_in_test: usize,
 }
 
 /// (module path, k) for every entry: the k-th call of that path in this trace's order.
@@ -220,6 +225,17 @@ fn diff_tensor(
         ));
     } else if !m.passes(min_cosine) {
         d.problem = Some(format!("cosine {:.6} < {min_cosine}", m.cosine));
+    } else if m.rel_l2 > max_rel_l2(min_cosine) {
+        // the right direction, the wrong norm: a factor (routed_scaling_factor twice, a global
+        // scale) that a cosine cannot see, and that RMSNorm hides until a residual add
+        d.problem = Some(format!(
+            "TEST ≈ {:.4} × REF: rel_l2 {:.3e} > {:.3e}, the most noise reaches at cosine \
+             {min_cosine} (cosine {:.6} passes: a scale error)",
+            norm_ratio(&t, &r) * m.cosine,
+            m.rel_l2,
+            max_rel_l2(min_cosine),
+            m.cosine
+        ));
     } else {
         d.matches = true;
     }
@@ -230,6 +246,27 @@ fn diff_tensor(
         ));
     }
     d
+}
+
+/// `‖t‖ / ‖r‖` over the first `min(numel)` elements, read block by block.
+fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
+    const BLOCK: usize = 1 << 22;
+    let n = t.numel().min(r.numel());
+    let (mut bt, mut br) = (Vec::new(), Vec::new());
+    let (mut nt, mut nr) = (0f64, 0f64);
+    let mut start = 0;
+    while start < n {
+        t.read_f32(start, BLOCK, &mut bt);
+        r.read_f32(start, BLOCK, &mut br);
+        let len = bt.len().min(br.len());
+        if len == 0 {
+            break;
+        }
+        nt += bt[..len].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        nr += br[..len].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        start += len;
+    }
+    (nt / nr).sqrt()
 }
 
 fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {
@@ -289,12 +326,15 @@ pub fn bisect(
     let mut calls = Vec::new();
     let mut only_in_ref = Vec::new();
     let mut first_divergence = None;
+    let mut trailing_only_in_ref = 0;
     for (re, &key) in reference.entries.iter().zip(&ref_keys) {
         tick();
         let Some(&ti) = test_at.get(&key) else {
             only_in_ref.push(lone(re, key.1));
+            trailing_only_in_ref += 1;
             continue;
         };
+        trailing_only_in_ref = 0;
         matched_test[ti] = true;
         let d = diff_call(re, &test.entries[ti], key.1, min_cosine)?;
         calls.push(CallSummary::of(&d));
@@ -302,6 +342,7 @@ pub fn bisect(
             first_divergence = Some((calls.len() - 1, d));
         }
     }
+    let trailing_only_in_test = matched_test.iter().rev().take_while(|&&m| !m).count();
     let only_in_test = test
         .entries
         .iter()
@@ -315,5 +356,7 @@ pub fn bisect(
         first_divergence,
         only_in_ref,
         only_in_test,
+        trailing_only_in_ref,
+        trailing_only_in_test,
     })
 }

@@ -146,6 +146,57 @@ impl TraceIndex {
     /// Every trace file's header is validated here, so a truncated file is reported before any
     /// scan starts. No trace file at all, or none in the selection, is bad input.
     pub fn open(dir: &Path, selection: Selection) -> Result<TraceIndex> {
+        Listing::read(dir)?.select(selection)
+    }
+
+    /// One index per rank the trace holds (ascending), each of `step` when given: what a
+    /// verdict over the whole trace must look at. Ranks without that step are left out; none
+    /// with it is a usage error.
+    pub fn open_each_rank(dir: &Path, step: Option<u64>) -> Result<Vec<TraceIndex>> {
+        let listing = Listing::read(dir)?;
+        let mut out = Vec::new();
+        for &r in &listing.ranks {
+            let has =
+                |e: &TraceEntry| e.rank.unwrap_or(0) == r && step.is_none_or(|s| e.step == Some(s));
+            if step.is_some() && !listing.all.iter().any(has) {
+                continue;
+            }
+            out.push(listing.clone().select(Selection {
+                rank: Some(r),
+                step,
+            })?);
+        }
+        if out.is_empty() {
+            let steps: BTreeSet<u64> = listing.all.iter().filter_map(|e| e.step).collect();
+            let steps: Vec<u64> = steps.into_iter().collect();
+            return Err(Error::usage(format!(
+                "{}: no trace files of step {} in any rank (ranks {}; steps present: {})",
+                dir.display(),
+                step.unwrap_or(0),
+                join_u64(&listing.ranks),
+                if steps.is_empty() {
+                    "none recorded".to_string()
+                } else {
+                    join_u64(&steps)
+                }
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// Every trace file of a directory with its validated header, before any selection.
+#[derive(Clone, Debug)]
+struct Listing {
+    dir: PathBuf,
+    all: Vec<TraceEntry>,
+    skipped: Vec<Skipped>,
+    files_total: usize,
+    ranks: Vec<u64>,
+}
+
+impl Listing {
+    fn read(dir: &Path) -> Result<Listing> {
         let meta = std::fs::metadata(dir).map_err(|e| Error::io(dir, e))?;
         if !meta.is_dir() {
             return Err(Error::bad_file(
@@ -240,6 +291,24 @@ impl TraceIndex {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
+        Ok(Listing {
+            dir: dir.to_path_buf(),
+            all,
+            skipped,
+            files_total,
+            ranks,
+        })
+    }
+
+    fn select(self, selection: Selection) -> Result<TraceIndex> {
+        let Listing {
+            dir,
+            mut all,
+            mut skipped,
+            files_total,
+            ranks,
+        } = self;
+        let dir = dir.as_path();
         let rank = selection.rank.unwrap_or(0);
         all.retain(|e| e.rank.unwrap_or(0) == rank);
         if all.is_empty() {

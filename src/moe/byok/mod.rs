@@ -17,7 +17,7 @@ use super::ep::{ExpertMap, Placement};
 use super::parallel::{plan_rank, EpFault};
 use super::{ActScales, MoeLayer, Path, Routing};
 use crate::error::Result;
-use crate::metrics::{compare, Metrics};
+use crate::metrics::{compare, max_rel_l2, Metrics};
 use crate::nvfp4::layout::{swizzle_offset, ScaleLayout};
 use crate::nvfp4::{Flavor, Fp4Tensor};
 use serde::Serialize;
@@ -28,6 +28,13 @@ pub const AGREE_MIN_COSINE: f64 = 0.99999;
 /// A bug variant "explains" the plugin's output at this cosine or above (a plugin with that
 /// bug computes that variant up to summation order, so it lands near `AGREE_MIN_COSINE`).
 pub const EXPLAINS_MIN_COSINE: f64 = 0.9999;
+
+/// `m` within cosine `c` and within the relative L2 error noise reaches at that cosine
+/// ([`max_rel_l2`]): an output "equal up to summation order" but off by a factor (alpha, a
+/// global scale applied twice) fails.
+fn same_up_to_noise(m: &Metrics, c: f64) -> bool {
+    m.passes(c) && m.rel_l2 <= max_rel_l2(c)
+}
 
 /// A known engine bug the diagnosis recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -43,6 +50,10 @@ pub enum SuspectedBug {
     LocalIdsReadAsGlobal,
     /// Handed global ids, indexes the local expert table with them (EP).
     GlobalIdsReadAsLocal,
+    /// `Σ_e y_e`: the routing weights never multiplied in.
+    WeightsNotApplied,
+    /// The shared experts added to the routed output (the contract is routed-only).
+    SharedExpertsIncluded,
 }
 
 impl SuspectedBug {
@@ -62,6 +73,12 @@ impl SuspectedBug {
             }
             SuspectedBug::GlobalIdsReadAsLocal => {
                 "global expert ids used as local indices: expert_map never applied (wrong or missing experts)"
+            }
+            SuspectedBug::WeightsNotApplied => {
+                "routing weights not applied: the experts' outputs are summed unweighted"
+            }
+            SuspectedBug::SharedExpertsIncluded => {
+                "the shared experts are added to the routed output (the output must be the routed experts' sum only; the shared experts are added once more by the comparison)"
             }
         }
     }
@@ -222,8 +239,16 @@ pub fn bug_variants(
         });
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
     }
+    let routed_only = variant_layer(layer, |x| x.clone());
+    let unweighted = Routing {
+        topk_weights: vec![1.0; routing.topk_weights.len()],
+        ..routing.clone()
+    };
+    out.push((
+        SuspectedBug::WeightsNotApplied,
+        routed_cpu(&routed_only, hidden, &unweighted, scales)?,
+    ));
     if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
-        let routed_only = variant_layer(layer, |x| x.clone());
         let e = layer.config.n_routed_experts;
         for (bug, fault) in [
             (SuspectedBug::LocalIdsReadAsGlobal, EpFault::LocalIds),
@@ -256,6 +281,9 @@ pub struct Judgement {
     pub ours_vs_reference: Metrics,
     /// Routed-only, theirs vs our NVFP4 path.
     pub theirs_vs_ours: Metrics,
+    /// Least-squares factor `theirs ≈ scale · ours` (routed): far from 1 at a high cosine is
+    /// a scale error.
+    pub scale_vs_ours: f64,
     pub min_cosine: f64,
     pub agree_min_cosine: f64,
     pub theirs_pass: bool,
@@ -279,8 +307,16 @@ pub struct Outputs<'a> {
     pub shared: &'a [f32],
 }
 
-/// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis.
+/// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis, to which the
+/// shared experts added to the routed output (ours + shared) is added here when there are any.
 pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]) -> Judgement {
+    let with_shared: Vec<(SuspectedBug, Vec<f32>)> =
+        if variants.is_empty() || o.shared.iter().all(|&v| v == 0.0) {
+            vec![]
+        } else {
+            let v = o.ours_routed.iter().zip(o.shared).map(|(a, b)| a + b);
+            vec![(SuspectedBug::SharedExpertsIncluded, v.collect())]
+        };
     let theirs_layer: Vec<f32> = o
         .theirs_routed
         .iter()
@@ -294,8 +330,16 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     let (theirs_pass, ours_pass, agree) = (
         ok(&tr, min_cosine),
         ok(&or, min_cosine),
-        ok(&to, AGREE_MIN_COSINE),
+        same_up_to_noise(&to, AGREE_MIN_COSINE),
     );
+    let (dot, nn) = o
+        .theirs_routed
+        .iter()
+        .zip(o.ours_routed)
+        .fold((0f64, 0f64), |(d, n), (&t, &u)| {
+            (d + t as f64 * u as f64, n + u as f64 * u as f64)
+        });
+    let scale_vs_ours = if nn > 0.0 { dot / nn } else { f64::NAN };
     let ours_bad = or.nan_count + or.inf_count;
     let nonfinite_only_theirs = if ours_bad == 0 {
         to.nan_count + to.inf_count
@@ -307,6 +351,7 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     } else {
         variants
             .iter()
+            .chain(&with_shared)
             .map(|(bug, v)| {
                 let m = compare(o.theirs_routed, v);
                 Suspect {
@@ -314,20 +359,22 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
                     description: bug.describe(),
                     cosine: m.cosine,
                     rel_l2: m.rel_l2,
-                    explains: m.nan_count + m.inf_count == 0 && m.passes(EXPLAINS_MIN_COSINE),
+                    explains: same_up_to_noise(&m, EXPLAINS_MIN_COSINE),
                 }
             })
             .collect()
     };
+    // those that explain first (cosine alone cannot tell `x` from `2.5·x`), then by cosine
     suspects.sort_by(|a, b| {
         let key = |x: &Suspect| if x.cosine.is_nan() { -2.0 } else { x.cosine };
-        key(b).total_cmp(&key(a))
+        b.explains.cmp(&a.explains).then(key(b).total_cmp(&key(a)))
     });
     let diagnosis = suspects.first().filter(|s| s.explains).map(|s| s.bug);
     Judgement {
         theirs_vs_reference: tr,
         ours_vs_reference: or,
         theirs_vs_ours: to,
+        scale_vs_ours,
         min_cosine,
         agree_min_cosine: AGREE_MIN_COSINE,
         theirs_pass,
@@ -337,6 +384,170 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
         suspects,
         diagnosis,
     }
+}
+
+/// Where a deviating output deviates: which tokens, and what they share.
+#[derive(Clone, Debug, Serialize)]
+pub struct Localization {
+    pub tokens: usize,
+    /// Tokens whose row is not ours up to summation order (cosine and norm).
+    pub deviating_tokens: Vec<usize>,
+    /// The worst rows: (token, cosine against ours).
+    pub worst: Vec<(usize, f64)>,
+    /// Deviating rows that are all zeros where ours is not (never written).
+    pub zero_tokens: Vec<usize>,
+    /// The one expert every deviating token routes to (and most of its tokens deviate).
+    pub expert: Option<usize>,
+    /// `(row, token)`: the row holds that other token's output (tokens permuted).
+    pub permuted: Vec<(usize, usize)>,
+    /// The finding in words.
+    pub text: String,
+}
+
+/// Rows compared when looking for a permutation (each against every row of ours).
+const PERMUTATION_ROWS: usize = 16;
+
+/// Compare `theirs` and `ours` (`[T, hidden]`, routed) row by row and say what the deviating
+/// tokens share: one expert (its output wrong or missing), a permutation of rows, rows never
+/// written. `None` when no row deviates.
+pub fn localize(
+    theirs: &[f32],
+    ours: &[f32],
+    routing: &Routing,
+    hidden: usize,
+) -> Option<Localization> {
+    let t = routing.tokens;
+    if hidden == 0 || theirs.len() != t * hidden || ours.len() != t * hidden {
+        return None;
+    }
+    let row = |v: &[f32], i: usize| -> Vec<f32> { v[i * hidden..(i + 1) * hidden].to_vec() };
+    let per: Vec<Metrics> = (0..t)
+        .map(|i| compare(&row(theirs, i), &row(ours, i)))
+        .collect();
+    let deviating: Vec<usize> = (0..t)
+        .filter(|&i| !same_up_to_noise(&per[i], AGREE_MIN_COSINE))
+        .collect();
+    if deviating.is_empty() {
+        return None;
+    }
+    let mut worst: Vec<(usize, f64)> = deviating.iter().map(|&i| (i, per[i].cosine)).collect();
+    worst.sort_by(|a, b| {
+        let k = |c: f64| if c.is_nan() { -2.0 } else { c };
+        k(a.1).total_cmp(&k(b.1))
+    });
+    worst.truncate(5);
+    let zero_tokens: Vec<usize> = deviating
+        .iter()
+        .copied()
+        .filter(|&i| {
+            theirs[i * hidden..(i + 1) * hidden]
+                .iter()
+                .all(|&v| v == 0.0)
+                && ours[i * hidden..(i + 1) * hidden].iter().any(|&v| v != 0.0)
+        })
+        .collect();
+    // one expert shared by every deviating token, most of whose tokens deviate
+    let k = routing.top_k;
+    let mut expert = None;
+    if deviating.len() >= 2 && k > 0 {
+        let served = |e: i32| -> Vec<usize> {
+            (0..t)
+                .filter(|&i| {
+                    (0..k).any(|s| {
+                        routing.topk_ids[i * k + s] == e && routing.topk_weights[i * k + s] != 0.0
+                    })
+                })
+                .collect()
+        };
+        let mut ids: Vec<i32> = routing.topk_ids[deviating[0] * k..(deviating[0] + 1) * k].to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let fits: Vec<(i32, usize)> = ids
+            .into_iter()
+            .map(|e| (e, served(e)))
+            .filter(|(_, s)| {
+                s.len() < t
+                    && deviating.iter().all(|d| s.contains(d))
+                    && 2 * deviating.len() >= s.len()
+            })
+            .map(|(e, s)| (e, s.len()))
+            .collect();
+        // several fit: the one all of whose tokens deviate, when it is one
+        let exact: Vec<i32> = fits
+            .iter()
+            .filter(|(_, n)| *n == deviating.len())
+            .map(|(e, _)| *e)
+            .collect();
+        expert = match (&fits[..], &exact[..]) {
+            ([(e, _)], _) | (_, [e]) => usize::try_from(*e).ok(),
+            _ => None,
+        };
+    }
+    // rows holding another token's output
+    let mut permuted = vec![];
+    if deviating.len() >= 2 {
+        for &i in deviating.iter().take(PERMUTATION_ROWS) {
+            let mine = row(theirs, i);
+            let j = (0..t).find(|&j| {
+                j != i && same_up_to_noise(&compare(&mine, &row(ours, j)), AGREE_MIN_COSINE)
+            });
+            match j {
+                Some(j) => permuted.push((i, j)),
+                None => {
+                    permuted.clear();
+                    break;
+                }
+            }
+        }
+    }
+    let n = deviating.len();
+    let list = |v: &[usize]| {
+        let mut s: Vec<String> = v.iter().take(8).map(|x| x.to_string()).collect();
+        if v.len() > 8 {
+            s.push(format!("… {} more", v.len() - 8));
+        }
+        s.join(", ")
+    };
+    let text = if !permuted.is_empty() {
+        let pairs: Vec<String> = permuted
+            .iter()
+            .take(4)
+            .map(|(i, j)| format!("row {i} holds token {j}"))
+            .collect();
+        format!(
+            "{n} of {t} tokens deviate and their rows hold other tokens' outputs: tokens permuted \
+             ({}{}) - a wrong token order in the combine / un-permute step",
+            pairs.join(", "),
+            if n > pairs.len() { ", …" } else { "" }
+        )
+    } else if let Some(e) = expert {
+        format!(
+            "{n} of {t} tokens deviate, and every one of them routes to expert {e} (tokens not \
+             routed to it match): expert {e}'s output is wrong or missing (tokens {})",
+            list(&deviating)
+        )
+    } else if zero_tokens.len() == n {
+        format!(
+            "{n} of {t} tokens deviate, all of them rows of zeros where ours is not: never \
+             written (tokens {})",
+            list(&zero_tokens)
+        )
+    } else {
+        let w: Vec<String> = worst
+            .iter()
+            .map(|(i, c)| format!("token {i} cosine {c:.4}"))
+            .collect();
+        format!("{n} of {t} tokens deviate; worst: {}", w.join(", "))
+    };
+    Some(Localization {
+        tokens: t,
+        deviating_tokens: deviating,
+        worst,
+        zero_tokens,
+        expert,
+        permuted,
+        text,
+    })
 }
 
 impl Judgement {
@@ -365,10 +576,22 @@ impl Judgement {
                 self.nonfinite_only_theirs
             )
         });
-        let detail = format!("{}{}", d.unwrap_or_default(), unwritten.unwrap_or_default());
+        let to = &self.theirs_vs_ours;
+        let scaled = (to.passes(AGREE_MIN_COSINE) && !self.agree).then(|| {
+            format!(
+                "; its output has the right direction (cosine {:.6}) but is {:.4} × ours (rel_l2 {:.3e}): a scale error (alpha, a global scale, or routed_scaling_factor applied twice or not at all)",
+                to.cosine, self.scale_vs_ours, to.rel_l2
+            )
+        });
+        let detail = format!(
+            "{}{}{}",
+            scaled.unwrap_or_default(),
+            d.unwrap_or_default(),
+            unwritten.unwrap_or_default()
+        );
         Some(match (self.agree, self.ours_pass) {
             (false, true) => format!(
-                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6} < {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
+                "the kernel under test deviates from the built-in NVFP4 kernel (routed-only cosine {:.6}, agreement needs {}) while the built-in one matches the BF16 reference (cosine {:.4}): the bug is in the kernel under test{detail}",
                 self.theirs_vs_ours.cosine, AGREE_MIN_COSINE, self.ours_vs_reference.cosine
             ),
             (false, false) => format!(
@@ -434,7 +657,8 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            assert_eq!(variants.len(), 4, "seed {seed}");
+            // gate/up, one scale misreading, weights not applied, 2 EP
+            assert_eq!(variants.len(), 5, "seed {seed}");
             fn o<'a>(theirs: &'a [f32], ours: &'a [f32], zeros: &'a [f32]) -> Outputs<'a> {
                 Outputs {
                     theirs_routed: theirs,
@@ -453,9 +677,10 @@ mod tests {
                 // every variant must differ from the correct output, else it could not be told apart
                 let m = compare(v, &ours);
                 assert!(
-                    m.cosine < 0.999,
-                    "seed {seed}: {bug:?} is indistinguishable ({})",
-                    m.cosine
+                    m.cosine < 0.999 || m.rel_l2 > 0.05,
+                    "seed {seed}: {bug:?} is indistinguishable ({}, {})",
+                    m.cosine,
+                    m.rel_l2
                 );
                 let j = judge(&o(v, &ours, &zeros), 0.95, &variants);
                 assert!(!j.pass(), "seed {seed} {bug:?}");
@@ -463,5 +688,79 @@ mod tests {
                 assert!(j.blame().unwrap().contains(bug.describe()), "seed {seed}");
             }
         }
+    }
+
+    /// An output off by a factor has cosine 1 with ours: it used to "agree" with the built-in
+    /// kernel, and the blame went to the inputs ("not the kernel"). Now it fails as the kernel's
+    /// scale error, with the factor.
+    #[test]
+    fn a_scaled_output_is_a_kernel_scale_error() {
+        let seed: u64 = rand::random();
+        let (layer, x, r, s) = setup(seed);
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        let factor = 1.5 + rand::random::<f32>();
+        let theirs: Vec<f32> = ours.iter().map(|v| v * factor).collect();
+        let o = Outputs {
+            theirs_routed: &theirs,
+            ours_routed: &ours,
+            ours_layer: &ours,
+            reference_layer: &ours,
+            shared: &zeros,
+        };
+        let j = judge(&o, 0.95, &[]);
+        assert!(!j.agree && !j.pass(), "seed {seed}");
+        assert!(
+            (j.scale_vs_ours - factor as f64).abs() < 1e-4,
+            "seed {seed}"
+        );
+        let b = j.blame().unwrap();
+        assert!(b.contains("scale error"), "seed {seed}: {b}");
+        assert!(
+            b.contains("bug is in the kernel under test"),
+            "seed {seed}: {b}"
+        );
+        assert!(!b.contains("not the kernel"), "seed {seed}: {b}");
+        // a BF16-rounded copy of ours still agrees
+        let bf: Vec<f32> = ours
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let o = Outputs {
+            theirs_routed: &bf,
+            ..o
+        };
+        assert!(judge(&o, 0.95, &[]).pass(), "seed {seed}");
+
+        // the shared experts added to the routed output are named, not just "a deviation"
+        let h = layer.config.hidden_size;
+        let shared = crate::moe::forward::dense_forward(
+            layer.shared.as_ref().expect("tiny has a shared expert"),
+            &x,
+            r.tokens,
+            h,
+            layer.config.swiglu_limit,
+        );
+        let layer_out: Vec<f32> = ours.iter().zip(&shared).map(|(a, b)| a + b).collect();
+        let feeding = Feeding {
+            layout: Some(ScaleLayout::Linear),
+            ep: None,
+        };
+        let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        let o = Outputs {
+            theirs_routed: &layer_out,
+            ours_routed: &ours,
+            ours_layer: &layer_out,
+            reference_layer: &layer_out,
+            shared: &shared,
+        };
+        let j = judge(&o, 0.95, &variants);
+        assert!(!j.pass(), "seed {seed}");
+        assert_eq!(
+            j.diagnosis,
+            Some(SuspectedBug::SharedExpertsIncluded),
+            "seed {seed}: {:?}",
+            j.suspects
+        );
     }
 }
