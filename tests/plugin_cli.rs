@@ -282,7 +282,13 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
             "dump",
         ],
     );
-    assert!(o.status.code() == Some(0), "seed {seed}: {}", text(&o));
+    // only the dump matters here: at 12 tokens an expert may hold a single slot, whose own
+    // cosine can fall under --min-expert-cosine on a healthy layer (seed 408070430907894220)
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
     let dumped = dump::read(&p.join("dump")).unwrap();
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     // the kernel's output as our CPU path computes it, from the dumped inputs alone
