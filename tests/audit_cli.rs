@@ -319,6 +319,20 @@ fn every_planted_hazard_is_named() {
             "model.layers.1.mlp.gate.weight".into(),
         ),
         (
+            // formats reads U8 scales as E4M3 bytes (layertest runs on them); audit used to call
+            // them missing, and took the packed weight for an unpacked one
+            "block scales stored as U8",
+            Box::new(|f| {
+                let n = format!("{E1}.down_proj.weight_scale");
+                f.tensors
+                    .iter_mut()
+                    .filter(|(s, _)| s.name == n)
+                    .for_each(|(s, _)| s.dtype = Dtype::U8)
+            }),
+            "block_scale_dtype",
+            format!("{E1}.down_proj.weight_scale"),
+        ),
+        (
             "both conventions",
             Box::new(|f| {
                 f.tensors.push((

@@ -82,6 +82,7 @@ pub enum FindingKind {
     AllZeroWeight,
     NonfiniteValues,
     ConfigMismatch,
+    BlockScaleDtype,
 }
 
 impl FindingKind {
@@ -100,6 +101,7 @@ impl FindingKind {
             FindingKind::AllZeroWeight => "all-zero weight",
             FindingKind::NonfiniteValues => "NaN/Inf values",
             FindingKind::ConfigMismatch => "config mismatch",
+            FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
         }
     }
 }
@@ -172,9 +174,10 @@ fn base_of(name: &str) -> Option<(&str, &str)> {
         .find_map(|s| name.strip_suffix(s).map(|b| (b, &s[1..])))
 }
 
-/// Is the block-scale candidate `X.weight_scale` / `X.scale` an FP4 block scale (2-D FP8)?
+/// Is the block-scale candidate `X.weight_scale` / `X.scale` an FP4 block scale (2-D FP8, or
+/// its bytes as U8, which `formats` reads as E4M3 / E8M0 as the other commands do)?
 fn is_block_scale(t: &TensorInfo) -> bool {
-    t.shape.len() == 2 && matches!(t.dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0)
+    t.shape.len() == 2 && matches!(t.dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0 | Dtype::U8)
 }
 
 pub fn audit(
@@ -398,6 +401,17 @@ fn scan_linear(
                 "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped",
                 100.0 * frac,
                 100.0 * opts.saturation_limit
+            ),
+        });
+    }
+    if g.format == Format::Nvfp4 && si.dtype == Dtype::U8 {
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::BlockScaleDtype,
+            detail: format!(
+                "NVFP4 block scales stored as U8 {:?} (read here as E4M3 bytes): a loader that copies them by value into its float8_e4m3fn parameter (torch copy_) turns byte 0x38 (1.0) into 56.0; store them as F8_E4M3",
+                si.shape
             ),
         });
     }
