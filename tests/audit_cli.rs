@@ -295,6 +295,24 @@ fn every_planted_hazard_is_named() {
             "quantization_config".into(),
         ),
         (
+            "quantization_config promises another algo",
+            Box::new(|f| {
+                let algo = ["FP8", "MXFP4", "W4A16_AWQ"][f.tensors.len() % 3];
+                f.config["quantization_config"]["quant_algo"] = algo.into()
+            }),
+            "config_mismatch",
+            "quantization_config".into(),
+        ),
+        (
+            "quant_method compressed-tensors over ModelOpt names",
+            Box::new(|f| {
+                f.config["quantization_config"] = serde_json::json!({
+                    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
+            }),
+            "config_mismatch",
+            "quantization_config".into(),
+        ),
+        (
             "missing expert",
             Box::new(|f| f.config["n_routed_experts"] = 6.into()),
             "missing_member",

@@ -33,6 +33,7 @@
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
+use super::config::QuantMethod;
 use super::file::{is_float, TensorFile, TensorInfo};
 use super::formats::{self, Convention, LinearNames};
 use super::hf::Checkpoint;
@@ -866,7 +867,48 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
             "NVFP4 with group_size {}: NVFP4 blocks are 16",
             q.group_size.unwrap_or(0)
         )),
+        // another algorithm promised (FP8, MXFP4, ...): engines pick that one's loader and
+        // kernels for these linears (ModelOpt's MIXED_PRECISION names its algos per layer)
+        Some(q)
+            if nvfp4 > 0
+                && q.format() != Some(Format::Nvfp4)
+                && q.algo.as_deref().is_some_and(|a| !a.to_ascii_uppercase().contains("MIXED")) =>
+        {
+            push(format!(
+                "{} promises quant_algo {} but the checkpoint holds {nvfp4} NVFP4 linears: engines load them with the {} method",
+                q.source.display(),
+                q.algo.as_deref().unwrap_or("?"),
+                q.algo.as_deref().unwrap_or("?")
+            ))
+        }
         _ => {}
+    }
+    // the method names the loader, and each loader looks for its own member names
+    if let Some(q) = &quant {
+        let count = |c: Convention| {
+            linears
+                .iter()
+                .filter(|l| l.format == Format::Nvfp4 && l.convention == c)
+                .count()
+        };
+        let (mine, theirs, names) = match q.method {
+            QuantMethod::Modelopt => (
+                "modelopt",
+                count(Convention::CompressedTensors),
+                "compressed-tensors names (weight_global_scale / weight_packed, reciprocal global scales), which ModelOpt's loader does not read",
+            ),
+            QuantMethod::CompressedTensors => (
+                "compressed-tensors",
+                count(Convention::Modelopt),
+                "ModelOpt names (weight_scale_2 / input_scale, dequant-direction global scales), which the compressed-tensors loader does not read",
+            ),
+            QuantMethod::Other(_) => ("", 0, ""),
+        };
+        if theirs > 0 {
+            push(format!(
+                "quant_method {mine}, but {theirs} NVFP4 linears use {names}"
+            ));
+        }
     }
     Ok(())
 }
