@@ -469,3 +469,70 @@ fn quantize_output_audits_clean() {
         .iter()
         .any(|x| x["kind"] == "saturated_block_scales"));
 }
+
+/// Findings on a compressed-tensors checkpoint name the members it stores
+/// (`weight_global_scale`, `input_global_scale`), never ModelOpt names it does not have.
+#[test]
+fn compressed_tensors_findings_name_its_own_members() {
+    let (seed, mut r) = rng("audit compressed-tensors names");
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (16, 64);
+    let mut t: Tensors = vec![];
+    let base = |p: &str| format!("model.layers.1.mlp.experts.0.{p}");
+    for (p, factor, with_input) in [
+        ("gate_proj", 1.0f32, true),
+        ("up_proj", r.gen_range(1.5f32..3.0), true),
+        ("down_proj", 1.0, false),
+    ] {
+        let w = weights(&mut r, rows, cols);
+        let (_, gs) = weight_global_scale(&w);
+        let (q, _) = quantize_nvfp4(&w, rows, cols, gs);
+        let b = base(p);
+        t.push((
+            TensorSpec::new(format!("{b}.weight_packed"), Dtype::U8, &[rows, cols / 2]),
+            q.packed,
+        ));
+        t.push((
+            TensorSpec::new(
+                format!("{b}.weight_scale"),
+                Dtype::F8_E4M3,
+                &[rows, cols / 16],
+            ),
+            q.scales,
+        ));
+        t.push((
+            TensorSpec::new(format!("{b}.weight_global_scale"), Dtype::F32, &[1]),
+            // gate and up share one global scale unless the up one is off
+            f32_bytes(&[if p == "down_proj" {
+                gs
+            } else {
+                2000.0 * factor
+            }]),
+        ));
+        if with_input {
+            t.push((
+                TensorSpec::new(format!("{b}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[2688.0 / 3.0]),
+            ));
+        }
+    }
+    let f = d.path().join("ct.safetensors");
+    write(&f, t);
+    let (c, out, v) = audit(&f);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = v["findings"].as_array().unwrap();
+    for (kind, tensor) in [
+        (
+            "gate_up_scale_mismatch",
+            base("up_proj.weight_global_scale"),
+        ),
+        ("missing_member", base("down_proj.input_global_scale")),
+    ] {
+        assert!(
+            found
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == tensor.as_str()),
+            "seed {seed}: no {kind} on {tensor} in {found:#?}"
+        );
+    }
+}

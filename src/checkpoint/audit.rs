@@ -718,13 +718,23 @@ fn cross_checks(
             continue;
         };
         if a.is_finite() && b.is_finite() && !allclose(b, a) {
-            let t = format!("{up}.weight_scale_2");
+            // the member the up projection stores (compressed-tensors: its reciprocal)
+            let t = [".weight_scale_2", ".weight_global_scale"]
+                .iter()
+                .map(|m| format!("{up}{m}"))
+                .find(|t| ck.contains(t))
+                .unwrap_or_else(|| format!("{up}.weight_scale_2"));
             out.push(Finding {
                 tensor: t.clone(),
                 file: ck.file_of(&t).to_path_buf(),
                 kind: FindingKind::GateUpScaleMismatch,
                 detail: format!(
-                    "{b:e} vs the gate's {a:e} (ratio {:.4}): vLLM keeps only the gate's weight_scale_2 for the fused w13, so this projection is scaled by {:.4}",
+                    "{}{b:e} vs the gate's {a:e} (ratio {:.4}): vLLM keeps only the gate's weight_scale_2 for the fused w13, so this projection is scaled by {:.4}",
+                    if t.ends_with("weight_global_scale") {
+                        "weight_scale_2 = 1/weight_global_scale: "
+                    } else {
+                        ""
+                    },
                     b / a,
                     a / b
                 ),
@@ -738,7 +748,11 @@ fn cross_checks(
             .iter()
             .filter(|l| l.input_scale.is_none() && l.format == Format::Nvfp4)
         {
-            let t = format!("{}.input_scale", l.base);
+            let member = match l.convention {
+                Convention::CompressedTensors => "input_global_scale",
+                _ => "input_scale",
+            };
+            let t = format!("{}.{member}", l.base);
             out.push(Finding {
                 tensor: t,
                 file: l.file.clone(),
