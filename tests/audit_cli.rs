@@ -536,3 +536,65 @@ fn compressed_tensors_findings_name_its_own_members() {
         );
     }
 }
+
+/// A tensor stored in two shards with different bytes (the index names one copy): engines
+/// that load every tensor of every listed shard read both. An identical copy is harmless.
+#[test]
+fn differing_copy_in_another_shard_is_named() {
+    let (seed, mut r) = rng("audit duplicate copies");
+    let d = tempfile::tempdir().unwrap();
+    let f = Fixture::new(&mut r, 4);
+    let victim = format!("{E1}.gate_proj.weight");
+    let shard = |i: usize| format!("model-0000{i}-of-00002.safetensors");
+    let half = r.gen_range(1..f.tensors.len());
+    for differ in [false, true] {
+        let dir = d.path().join(format!("differ-{differ}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (mut a, mut b) = (f.tensors[..half].to_vec(), f.tensors[half..].to_vec());
+        let mut map = serde_json::Map::new();
+        for (s, _) in &a {
+            map.insert(s.name.clone(), shard(1).into());
+        }
+        for (s, _) in &b {
+            map.insert(s.name.clone(), shard(2).into());
+        }
+        let mut copy = f
+            .tensors
+            .iter()
+            .find(|(s, _)| s.name == victim)
+            .unwrap()
+            .clone();
+        if differ {
+            let i = r.gen_range(0..copy.1.len());
+            copy.1[i] ^= 0x11;
+        }
+        let stray = if map[&victim] == shard(1).as_str() {
+            b.push(copy);
+            shard(2)
+        } else {
+            a.push(copy);
+            shard(1)
+        };
+        write(&dir.join(shard(1)), a);
+        write(&dir.join(shard(2)), b);
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+        )
+        .unwrap();
+        std::fs::write(dir.join("config.json"), f.config.to_string()).unwrap();
+        let (c, out, v) = audit(&dir);
+        if !differ {
+            assert_eq!(c, 0, "seed {seed}: an identical copy: {out}");
+            continue;
+        }
+        assert_eq!(c, 1, "seed {seed}: {out}");
+        let found = v["findings"].as_array().unwrap();
+        assert!(
+            found.iter().any(|x| x["kind"] == "duplicate_tensor"
+                && x["tensor"] == victim.as_str()
+                && x["file"].as_str().unwrap().ends_with(&stray)),
+            "seed {seed}: {found:#?}"
+        );
+    }
+}

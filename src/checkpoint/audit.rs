@@ -84,6 +84,7 @@ pub enum FindingKind {
     NonfiniteValues,
     ConfigMismatch,
     BlockScaleDtype,
+    DuplicateTensor,
 }
 
 impl FindingKind {
@@ -103,6 +104,7 @@ impl FindingKind {
             FindingKind::NonfiniteValues => "NaN/Inf values",
             FindingKind::ConfigMismatch => "config mismatch",
             FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
+            FindingKind::DuplicateTensor => "differing copy in another shard",
         }
     }
 }
@@ -313,6 +315,7 @@ pub fn audit(
     cross_checks(ck, &linears, opts, &mut findings);
     fused_gate_up(ck, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
+    duplicate_copies(ck, &mut findings)?;
 
     findings.sort_by(|a, b| (&a.tensor, a.kind).cmp(&(&b.tensor, b.kind)));
     Ok(AuditResult {
@@ -840,6 +843,35 @@ fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
                 ),
             });
         }
+    }
+    Ok(())
+}
+
+/// A tensor stored in two shards with different contents: the index names one copy, but
+/// engines that load every tensor of every listed shard take whichever they read last.
+fn duplicate_copies(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
+    for (name, stray) in ck.shadowed_copies() {
+        let (f, t) = ck.find(name)?;
+        let s = stray.info(name)?;
+        if t.dtype == s.dtype && t.shape == s.shape && f.slice(t) == stray.slice(s) {
+            continue;
+        }
+        let file_name = |p: &std::path::Path| {
+            p.file_name()
+                .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+        };
+        out.push(Finding {
+            tensor: name.to_string(),
+            file: stray.path().to_path_buf(),
+            kind: FindingKind::DuplicateTensor,
+            detail: format!(
+                "a second, different copy ({:?} {:?}) is stored in `{}`; the index names the one in `{}`: engines that load every tensor of every listed shard (vLLM, transformers) keep whichever shard they read last",
+                s.dtype,
+                s.shape,
+                file_name(stray.path()),
+                file_name(f.path())
+            ),
+        });
     }
     Ok(())
 }
