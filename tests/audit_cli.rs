@@ -319,6 +319,12 @@ fn every_planted_hazard_is_named() {
             "model.layers.1.mlp.experts.5.gate_proj.weight".into(),
         ),
         (
+            "config makes the MoE layer dense",
+            Box::new(|f| f.config["first_k_dense_replace"] = 2.into()),
+            "config_mismatch",
+            "model.layers.1.mlp.experts.0.gate_proj.weight".into(),
+        ),
+        (
             "config hidden_size lies",
             Box::new(|f| f.config["hidden_size"] = 64.into()),
             "config_mismatch",

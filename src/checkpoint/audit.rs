@@ -889,7 +889,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     });
     let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
     if let Some(cfg) = &moe {
-        missing_experts(ck, cfg.moe.n_routed_experts, out);
+        missing_experts(ck, &cfg.moe, out);
         shapes_against_config(ck, &cfg.moe, out)?;
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
@@ -1074,8 +1074,9 @@ fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
 }
 
 /// Experts config.json promises that a layer's names do not show.
-fn missing_experts(ck: &Checkpoint, e_count: usize, out: &mut Vec<Finding>) {
+fn missing_experts(ck: &Checkpoint, cfg: &crate::moe::config::MoeConfig, out: &mut Vec<Finding>) {
     use super::names::{inventory, Naming, Proj, Scheme};
+    let e_count = cfg.n_routed_experts;
     let Some(n) = Naming::detect(ck.names()) else {
         return;
     };
@@ -1084,6 +1085,20 @@ fn missing_experts(ck: &Checkpoint, e_count: usize, out: &mut Vec<Finding>) {
     }
     for (l, inv) in inventory(&n, ck.names()) {
         if inv.experts.is_empty() {
+            continue;
+        }
+        if l < cfg.first_k_dense_replace {
+            let e0 = inv.experts.iter().next().copied().unwrap_or(0);
+            out.push(Finding {
+                tensor: format!("{}.weight", n.expert(l, e0, Proj::Gate)),
+                file: ck.path().to_path_buf(),
+                kind: FindingKind::ConfigMismatch,
+                detail: format!(
+                    "layer {l} holds {} routed experts, but config.json's first_k_dense_replace = {} makes it a dense MLP: engines build a dense layer there and cannot load them",
+                    inv.experts.len(),
+                    cfg.first_k_dense_replace
+                ),
+            });
             continue;
         }
         let missing: Vec<usize> = (0..e_count).filter(|e| !inv.experts.contains(e)).collect();
