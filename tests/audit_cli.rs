@@ -604,3 +604,90 @@ fn differing_copy_in_another_shard_is_named() {
         );
     }
 }
+
+/// An engine-side dump (vLLM's fused `w13_weight [E, 2I, H/2]`, `w2_weight [E, H, I/2]`): the
+/// per-expert hazards of its fused tensors are named with the expert, not passed as "0
+/// quantized linears, no hazards".
+#[test]
+fn fused_engine_dump_hazards_are_named_per_expert() {
+    let (seed, mut r) = rng("audit fused dump");
+    let d = tempfile::tempdir().unwrap();
+    let (e, h, i) = (r.gen_range(3..7), 64, 32);
+    let (zero_up, no_scale, neg) = (r.gen_range(0..e), r.gen_range(0..e), r.gen_range(0..e));
+    let (mut w13, mut s13, mut g13, mut w2, mut s2, mut g2) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for x in 0..e {
+        let gu = weights(&mut r, 2 * i, h);
+        let (ws2, gs) = weight_global_scale(&gu);
+        let (q, _) = quantize_nvfp4(&gu, 2 * i, h, gs);
+        let mut p = q.packed;
+        if x == zero_up {
+            let half = p.len() / 2;
+            p[half..].iter_mut().for_each(|b| *b &= 0x88);
+        }
+        w13.extend(p);
+        s13.extend(q.scales);
+        g13.extend([ws2, ws2]);
+        let dn = weights(&mut r, h, i);
+        let (ws2, gs) = weight_global_scale(&dn);
+        let (q, _) = quantize_nvfp4(&dn, h, i, gs);
+        w2.extend(q.packed);
+        let mut sc = q.scales;
+        if x == neg {
+            let j = r.gen_range(0..sc.len());
+            sc[j] = 0xB8; // -1.0
+        }
+        s2.extend(sc);
+        g2.push(if x == no_scale { 0.0 } else { ws2 });
+    }
+    let ex = |s: &str| format!("model.layers.1.mlp.experts.{s}");
+    let t: Tensors = vec![
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &[e, 2 * i, h / 16]),
+            s13,
+        ),
+        f32t(&ex("w13_weight_scale_2"), &[e, 2], &g13),
+        (
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, i / 2]),
+            w2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &[e, h, i / 16]),
+            s2,
+        ),
+        f32t(&ex("w2_weight_scale_2"), &[e], &g2),
+    ];
+    let f = d.path().join("dump.safetensors");
+    write(&f, t);
+    let (c, out, v) = audit(&f);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = v["findings"].as_array().unwrap();
+    for (kind, tensor, says) in [
+        (
+            "all_zero_weight",
+            ex("w13_weight"),
+            format!("{zero_up} (up)"),
+        ),
+        (
+            "nonpositive_global_scale",
+            ex("w2_weight_scale_2"),
+            format!(": {no_scale}"),
+        ),
+        (
+            "negative_block_scales",
+            ex("w2_weight_scale"),
+            format!(": {neg}"),
+        ),
+    ] {
+        assert!(
+            found.iter().any(|x| x["kind"] == kind
+                && x["tensor"] == tensor.as_str()
+                && x["detail"].as_str().unwrap().contains(&says)),
+            "seed {seed}: no {kind} on {tensor} saying {says:?} in {found:#?}"
+        );
+    }
+}

@@ -314,6 +314,7 @@ pub fn audit(
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
     fused_gate_up(ck, &mut findings)?;
+    fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
     duplicate_copies(ck, &mut findings)?;
 
@@ -842,6 +843,125 @@ fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
                     v[2 * e0 + 1]
                 ),
             });
+        }
+    }
+    Ok(())
+}
+
+/// vLLM's fused expert tensors (`w13_weight [E, 2I, H/2]`, `w2_weight [E, H, I/2]`, U8) of an
+/// engine-side dump are not ModelOpt triples, so the per-linear scan does not see them: per
+/// expert (and per w13 half), never-written ±0 codes, negative or saturated block scales in
+/// `*_weight_scale` (either layout: the counts do not depend on it) and non-positive global
+/// scales in `*_weight_scale_2`.
+fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -> Result<()> {
+    let list = |v: &[String]| {
+        let mut s = v.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+        if v.len() > 8 {
+            s += &format!(", … ({} in all)", v.len());
+        }
+        s
+    };
+    for n in ck.names() {
+        let Some(stem) = n
+            .strip_suffix("w13_weight")
+            .or_else(|| n.strip_suffix("w2_weight"))
+        else {
+            continue;
+        };
+        let w13 = n.ends_with("w13_weight");
+        let t = ck.info(n)?;
+        let &[e, rows, _] = t.shape.as_slice() else {
+            continue;
+        };
+        if !matches!(t.dtype, Dtype::U8 | Dtype::I8) || e == 0 {
+            continue;
+        }
+        let packed = ck.bytes(n)?;
+        let per = packed.len() / e;
+        let halves: &[(&str, usize, usize)] = if w13 && rows % 2 == 0 {
+            &[("gate", 0, 1), ("up", 1, 2)]
+        } else {
+            &[("", 0, 2)]
+        };
+        let mut zero = vec![];
+        for x in 0..e {
+            let ex = &packed[x * per..(x + 1) * per];
+            for &(what, a, b) in halves {
+                if ex[a * per / 2..b * per / 2].iter().all(|&v| v & 0x77 == 0) {
+                    zero.push(if what.is_empty() {
+                        format!("{x}")
+                    } else {
+                        format!("{x} ({what})")
+                    });
+                }
+            }
+        }
+        if !zero.is_empty() {
+            out.push(Finding {
+                tensor: n.to_string(),
+                file: ck.file_of(n).to_path_buf(),
+                kind: FindingKind::AllZeroWeight,
+                detail: format!(
+                    "every FP4 code is ±0 in {} of {e} experts: {} (never loaded, or zero-initialized memory)",
+                    zero.len(),
+                    list(&zero)
+                ),
+            });
+        }
+        let sn = format!("{n}_scale");
+        if let Some((sf, st)) = ck.locate(&sn) {
+            if st.dtype == Dtype::F8_E4M3 && st.shape.first() == Some(&e) {
+                let sb = sf.slice(st);
+                let per_s = sb.len() / e;
+                let (mut neg, mut sat) = (vec![], vec![]);
+                for x in 0..e {
+                    let sc = scan_scales(Format::Nvfp4, &sb[x * per_s..(x + 1) * per_s]);
+                    if sc.negative > 0 {
+                        neg.push(format!("{x}"));
+                    }
+                    if sc.saturated > SATURATED_HANDFUL
+                        && sc.saturated as f64 > opts.saturation_limit * per_s as f64
+                    {
+                        sat.push(format!("{x}"));
+                    }
+                }
+                for (v, kind, what) in [
+                    (neg, FindingKind::NegativeBlockScales, "negative block scales (their blocks flip sign)"),
+                    (sat, FindingKind::SaturatedBlockScales, "more than the --saturation-limit of block scales at 448 (their elements are clipped)"),
+                ] {
+                    if !v.is_empty() {
+                        out.push(Finding {
+                            tensor: sn.clone(),
+                            file: sf.path().to_path_buf(),
+                            kind,
+                            detail: format!("{} of {e} experts have {what}: {}", v.len(), list(&v)),
+                        });
+                    }
+                }
+            }
+        }
+        let gn = format!("{stem}{}_weight_scale_2", if w13 { "w13" } else { "w2" });
+        if let Some((_, gt)) = ck.locate(&gn) {
+            if is_float(gt.dtype) && gt.shape.first() == Some(&e) {
+                let v = ck.to_f32(&gn)?;
+                let per_g = v.len() / e;
+                let bad: Vec<String> = (0..e)
+                    .filter(|&x| v[x * per_g..(x + 1) * per_g].iter().any(|&g| g <= 0.0))
+                    .map(|x| x.to_string())
+                    .collect();
+                if !bad.is_empty() {
+                    out.push(Finding {
+                        tensor: gn.clone(),
+                        file: ck.file_of(&gn).to_path_buf(),
+                        kind: FindingKind::NonpositiveGlobalScale,
+                        detail: format!(
+                            "zero or negative in {} of {e} experts: {} (a global scale must be positive: zero flushes, negative flips the sign)",
+                            bad.len(),
+                            list(&bad)
+                        ),
+                    });
+                }
+            }
         }
     }
     Ok(())
