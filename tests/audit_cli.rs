@@ -165,6 +165,12 @@ fn every_planted_hazard_is_named() {
             format!("{E1}.down_proj.weight_scale_2"),
         ),
         (
+            "ws2 subnormal: 1/ws2 overflows",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 1e-40)),
+            "nonfinite_global_scale",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
             "ws2 zero",
             Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 0.0)),
             "nonpositive_global_scale",

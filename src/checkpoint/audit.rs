@@ -346,6 +346,12 @@ fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &m
             FindingKind::NonpositiveGlobalScale,
             format!("{what} = {v}: a global scale must be positive (zero flushes, negative flips the sign)"),
         ));
+    } else if !(1.0 / v).is_finite() {
+        // the other direction (gs = 1/weight_scale_2, or weight_scale_2 = 1/weight_global_scale)
+        out.push(f(
+            FindingKind::NonfiniteGlobalScale,
+            format!("{what} = {v:e}: its reciprocal, the other direction engines compute from it, overflows to inf"),
+        ));
     }
 }
 
