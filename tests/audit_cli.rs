@@ -165,6 +165,12 @@ fn every_planted_hazard_is_named() {
             format!("{E1}.down_proj.weight_scale_2"),
         ),
         (
+            "ws2 subnormal: 1/ws2 overflows",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 1e-40)),
+            "nonfinite_global_scale",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
             "ws2 zero",
             Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 0.0)),
             "nonpositive_global_scale",
@@ -295,10 +301,34 @@ fn every_planted_hazard_is_named() {
             "quantization_config".into(),
         ),
         (
+            "quantization_config promises another algo",
+            Box::new(|f| {
+                let algo = ["FP8", "MXFP4", "W4A16_AWQ"][f.tensors.len() % 3];
+                f.config["quantization_config"]["quant_algo"] = algo.into()
+            }),
+            "config_mismatch",
+            "quantization_config".into(),
+        ),
+        (
+            "quant_method compressed-tensors over ModelOpt names",
+            Box::new(|f| {
+                f.config["quantization_config"] = serde_json::json!({
+                    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"})
+            }),
+            "config_mismatch",
+            "quantization_config".into(),
+        ),
+        (
             "missing expert",
             Box::new(|f| f.config["n_routed_experts"] = 6.into()),
             "missing_member",
             "model.layers.1.mlp.experts.5.gate_proj.weight".into(),
+        ),
+        (
+            "config makes the MoE layer dense",
+            Box::new(|f| f.config["first_k_dense_replace"] = 2.into()),
+            "config_mismatch",
+            "model.layers.1.mlp.experts.0.gate_proj.weight".into(),
         ),
         (
             "config hidden_size lies",
@@ -317,6 +347,20 @@ fn every_planted_hazard_is_named() {
             Box::new(|f| f.config["n_routed_experts"] = 4.into()),
             "config_mismatch",
             "model.layers.1.mlp.gate.weight".into(),
+        ),
+        (
+            // formats reads U8 scales as E4M3 bytes (layertest runs on them); audit used to call
+            // them missing, and took the packed weight for an unpacked one
+            "block scales stored as U8",
+            Box::new(|f| {
+                let n = format!("{E1}.down_proj.weight_scale");
+                f.tensors
+                    .iter_mut()
+                    .filter(|(s, _)| s.name == n)
+                    .for_each(|(s, _)| s.dtype = Dtype::U8)
+            }),
+            "block_scale_dtype",
+            format!("{E1}.down_proj.weight_scale"),
         ),
         (
             "both conventions",
@@ -436,4 +480,220 @@ fn quantize_output_audits_clean() {
         .unwrap()
         .iter()
         .any(|x| x["kind"] == "saturated_block_scales"));
+}
+
+/// Findings on a compressed-tensors checkpoint name the members it stores
+/// (`weight_global_scale`, `input_global_scale`), never ModelOpt names it does not have.
+#[test]
+fn compressed_tensors_findings_name_its_own_members() {
+    let (seed, mut r) = rng("audit compressed-tensors names");
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (16, 64);
+    let mut t: Tensors = vec![];
+    let base = |p: &str| format!("model.layers.1.mlp.experts.0.{p}");
+    for (p, factor, with_input) in [
+        ("gate_proj", 1.0f32, true),
+        ("up_proj", r.gen_range(1.5f32..3.0), true),
+        ("down_proj", 1.0, false),
+    ] {
+        let w = weights(&mut r, rows, cols);
+        let (_, gs) = weight_global_scale(&w);
+        let (q, _) = quantize_nvfp4(&w, rows, cols, gs);
+        let b = base(p);
+        t.push((
+            TensorSpec::new(format!("{b}.weight_packed"), Dtype::U8, &[rows, cols / 2]),
+            q.packed,
+        ));
+        t.push((
+            TensorSpec::new(
+                format!("{b}.weight_scale"),
+                Dtype::F8_E4M3,
+                &[rows, cols / 16],
+            ),
+            q.scales,
+        ));
+        t.push((
+            TensorSpec::new(format!("{b}.weight_global_scale"), Dtype::F32, &[1]),
+            // gate and up share one global scale unless the up one is off
+            f32_bytes(&[if p == "down_proj" {
+                gs
+            } else {
+                2000.0 * factor
+            }]),
+        ));
+        if with_input {
+            t.push((
+                TensorSpec::new(format!("{b}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[2688.0 / 3.0]),
+            ));
+        }
+    }
+    let f = d.path().join("ct.safetensors");
+    write(&f, t);
+    let (c, out, v) = audit(&f);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = v["findings"].as_array().unwrap();
+    for (kind, tensor) in [
+        (
+            "gate_up_scale_mismatch",
+            base("up_proj.weight_global_scale"),
+        ),
+        ("missing_member", base("down_proj.input_global_scale")),
+    ] {
+        assert!(
+            found
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == tensor.as_str()),
+            "seed {seed}: no {kind} on {tensor} in {found:#?}"
+        );
+    }
+}
+
+/// A tensor stored in two shards with different bytes (the index names one copy): engines
+/// that load every tensor of every listed shard read both. An identical copy is harmless.
+#[test]
+fn differing_copy_in_another_shard_is_named() {
+    let (seed, mut r) = rng("audit duplicate copies");
+    let d = tempfile::tempdir().unwrap();
+    let f = Fixture::new(&mut r, 4);
+    let victim = format!("{E1}.gate_proj.weight");
+    let shard = |i: usize| format!("model-0000{i}-of-00002.safetensors");
+    let half = r.gen_range(1..f.tensors.len());
+    for differ in [false, true] {
+        let dir = d.path().join(format!("differ-{differ}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (mut a, mut b) = (f.tensors[..half].to_vec(), f.tensors[half..].to_vec());
+        let mut map = serde_json::Map::new();
+        for (s, _) in &a {
+            map.insert(s.name.clone(), shard(1).into());
+        }
+        for (s, _) in &b {
+            map.insert(s.name.clone(), shard(2).into());
+        }
+        let mut copy = f
+            .tensors
+            .iter()
+            .find(|(s, _)| s.name == victim)
+            .unwrap()
+            .clone();
+        if differ {
+            let i = r.gen_range(0..copy.1.len());
+            copy.1[i] ^= 0x11;
+        }
+        let stray = if map[&victim] == shard(1).as_str() {
+            b.push(copy);
+            shard(2)
+        } else {
+            a.push(copy);
+            shard(1)
+        };
+        write(&dir.join(shard(1)), a);
+        write(&dir.join(shard(2)), b);
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+        )
+        .unwrap();
+        std::fs::write(dir.join("config.json"), f.config.to_string()).unwrap();
+        let (c, out, v) = audit(&dir);
+        if !differ {
+            assert_eq!(c, 0, "seed {seed}: an identical copy: {out}");
+            continue;
+        }
+        assert_eq!(c, 1, "seed {seed}: {out}");
+        let found = v["findings"].as_array().unwrap();
+        assert!(
+            found.iter().any(|x| x["kind"] == "duplicate_tensor"
+                && x["tensor"] == victim.as_str()
+                && x["file"].as_str().unwrap().ends_with(&stray)),
+            "seed {seed}: {found:#?}"
+        );
+    }
+}
+
+/// An engine-side dump (vLLM's fused `w13_weight [E, 2I, H/2]`, `w2_weight [E, H, I/2]`): the
+/// per-expert hazards of its fused tensors are named with the expert, not passed as "0
+/// quantized linears, no hazards".
+#[test]
+fn fused_engine_dump_hazards_are_named_per_expert() {
+    let (seed, mut r) = rng("audit fused dump");
+    let d = tempfile::tempdir().unwrap();
+    let (e, h, i) = (r.gen_range(3..7), 64, 32);
+    let (zero_up, no_scale, neg) = (r.gen_range(0..e), r.gen_range(0..e), r.gen_range(0..e));
+    let (mut w13, mut s13, mut g13, mut w2, mut s2, mut g2) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for x in 0..e {
+        let gu = weights(&mut r, 2 * i, h);
+        let (ws2, gs) = weight_global_scale(&gu);
+        let (q, _) = quantize_nvfp4(&gu, 2 * i, h, gs);
+        let mut p = q.packed;
+        if x == zero_up {
+            let half = p.len() / 2;
+            p[half..].iter_mut().for_each(|b| *b &= 0x88);
+        }
+        w13.extend(p);
+        s13.extend(q.scales);
+        g13.extend([ws2, ws2]);
+        let dn = weights(&mut r, h, i);
+        let (ws2, gs) = weight_global_scale(&dn);
+        let (q, _) = quantize_nvfp4(&dn, h, i, gs);
+        w2.extend(q.packed);
+        let mut sc = q.scales;
+        if x == neg {
+            let j = r.gen_range(0..sc.len());
+            sc[j] = 0xB8; // -1.0
+        }
+        s2.extend(sc);
+        g2.push(if x == no_scale { 0.0 } else { ws2 });
+    }
+    let ex = |s: &str| format!("model.layers.1.mlp.experts.{s}");
+    let t: Tensors = vec![
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &[e, 2 * i, h / 16]),
+            s13,
+        ),
+        f32t(&ex("w13_weight_scale_2"), &[e, 2], &g13),
+        (
+            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, i / 2]),
+            w2,
+        ),
+        (
+            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &[e, h, i / 16]),
+            s2,
+        ),
+        f32t(&ex("w2_weight_scale_2"), &[e], &g2),
+    ];
+    let f = d.path().join("dump.safetensors");
+    write(&f, t);
+    let (c, out, v) = audit(&f);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = v["findings"].as_array().unwrap();
+    for (kind, tensor, says) in [
+        (
+            "all_zero_weight",
+            ex("w13_weight"),
+            format!("{zero_up} (up)"),
+        ),
+        (
+            "nonpositive_global_scale",
+            ex("w2_weight_scale_2"),
+            format!(": {no_scale}"),
+        ),
+        (
+            "negative_block_scales",
+            ex("w2_weight_scale"),
+            format!(": {neg}"),
+        ),
+    ] {
+        assert!(
+            found.iter().any(|x| x["kind"] == kind
+                && x["tensor"] == tensor.as_str()
+                && x["detail"].as_str().unwrap().contains(&says)),
+            "seed {seed}: no {kind} on {tensor} saying {says:?} in {found:#?}"
+        );
+    }
 }

@@ -294,6 +294,8 @@ struct Faults {
     processed: Option<bool>,
     /// g1_alphas of this expert doubled.
     bad_alpha: Option<usize>,
+    /// The w2 bytes of these experts with high and low nibble exchanged.
+    nibble_swap: Vec<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -335,7 +337,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         i13.extend([ia, ib]);
         let d = cols_of(&ex.w2, tr * ip, ip);
-        w2.extend_from_slice(&d.packed);
+        if f.nibble_swap.contains(&x) {
+            w2.extend(d.packed.iter().map(|b| b.rotate_left(4)));
+        } else {
+            w2.extend_from_slice(&d.packed);
+        }
         let mut sc = d.scales.clone();
         if f.swizzle {
             sc = layout::swizzle(&sc, h, ip / 16);
@@ -666,6 +672,46 @@ fn gate_up_swapped_in_one_expert_is_named() {
         names.iter().all(|n| n.contains(&format!("experts.{bad}."))),
         "{names:?}"
     );
+}
+
+/// Element 2i in the high nibble instead of the low one: named as such, on that expert, not
+/// as a bare value difference.
+#[test]
+fn nibble_swapped_expert_is_named() {
+    let fx = fixture(4);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let bad = r.gen_range(0..4);
+    let dump = fx.root.join("nibbles.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            nibble_swap: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["nibbles_swapped"],
+        "seed {}",
+        fx.seed
+    );
+    let d = &out.json["diagnoses"][0];
+    assert_eq!(d["experts"], serde_json::json!([bad]), "seed {}", fx.seed);
+    assert_eq!(d["layer"], LAYER);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
+    assert!(
+        m[0]["name"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("experts.{bad}.down_proj")),
+        "seed {}: {m:?}",
+        fx.seed
+    );
+    assert_eq!(m[0]["issues"][0]["kind"], "nibbles_swapped");
 }
 
 #[test]

@@ -492,3 +492,71 @@ fn hash_layer_needs_input_ids() {
     );
     assert_eq!(code, 0, "{text}");
 }
+
+/// Multiply the F32 scalar `name` of the synth checkpoint `ck` by `factor`, in place.
+fn scale_scalar(ck: &Path, name: &str, factor: f32) {
+    let ix: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let shard = ck.join(ix["weight_map"][name].as_str().unwrap());
+    let mut b = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    assert_eq!(h[name]["dtype"], "F32");
+    let at = 8 + n + h[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let v = f32::from_le_bytes(b[at..at + 4].try_into().unwrap()) * factor;
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(&shard, b).unwrap();
+}
+
+/// An expert whose output is off by a factor keeps its cosine: one expert's down_proj
+/// weight_scale_2 2x (or 0.4x) off must fail on that expert, by its rel-L2.
+#[test]
+fn one_expert_off_by_a_factor_fails_on_its_rel_l2() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = rand::random::<u16>();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let lt = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--save-outputs",
+        "out.safetensors",
+    ];
+    let (code, text, _) = run(dir.path(), &lt);
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    // the busiest expert of the layer
+    let bytes = std::fs::read(dir.path().join("out.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut count = [0usize; 16];
+    for c in st.tensor("topk_ids").unwrap().data().chunks_exact(8) {
+        count[i64::from_le_bytes(c.try_into().unwrap()) as usize] += 1;
+    }
+    let e = (0..16).max_by_key(|&e| count[e]).unwrap();
+    let factor = if seed.is_multiple_of(2) { 2.0 } else { 0.4 };
+    scale_scalar(
+        &dir.path().join("ck"),
+        &format!("model.layers.1.mlp.experts.{e}.down_proj.weight_scale_2"),
+        factor,
+    );
+    let (code, text, r) = run(dir.path(), &lt);
+    assert_eq!(code, 1, "seed {seed} expert {e} x{factor}: {text}");
+    let r = r.unwrap();
+    let row = r["worst_experts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["expert"] == e)
+        .cloned()
+        .unwrap_or_else(|| panic!("seed {seed}: expert {e} not listed: {text}"));
+    // the cosine alone would pass it
+    assert!(row["cosine"].as_f64().unwrap() >= 0.9, "seed {seed}: {row}");
+    assert_eq!(r["summary"]["worst_expert"]["expert"], e, "seed {seed}");
+    let f = r["failures"].to_string();
+    assert!(
+        f.contains(&format!("expert {e}: rel-L2")) && f.contains("--min-expert-cosine"),
+        "seed {seed}: {f}"
+    );
+}

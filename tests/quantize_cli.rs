@@ -228,3 +228,80 @@ fn refusals_exit_2_and_write_nothing() {
         assert_eq!(snapshot(d.path()), before, "{args:?} wrote something");
     }
 }
+
+/// Float weight matrices whose shape does not quantize (K not a multiple of 16, 3-D) are
+/// copied, and the report says which and why instead of a bare "copied N".
+#[test]
+fn float_weights_left_unquantized_are_named() {
+    let (seed, mut r) = rng("quantize unquantizable shapes");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let rows = r.gen_range(1..20);
+    let odd_k = 16 * r.gen_range(1..6) + r.gen_range(1..16);
+    let good_k = 16 * r.gen_range(1..6);
+    write(
+        &inp,
+        vec![
+            bf16(
+                "m.odd.weight",
+                &[rows, odd_k],
+                &weights(&mut r, rows, odd_k),
+            ),
+            bf16(
+                "m.fused.weight",
+                &[2, rows, good_k],
+                &weights(&mut r, 2 * rows, good_k),
+            ),
+            bf16("m.norm.weight", &[good_k], &vec![1.0; good_k]),
+            bf16(
+                "m.ok.weight",
+                &[rows, good_k],
+                &weights(&mut r, rows, good_k),
+            ),
+            bf16(
+                "lm_head.weight",
+                &[rows, odd_k],
+                &weights(&mut r, rows, odd_k),
+            ),
+        ],
+    );
+    let json = d.path().join("r.json");
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--exclude",
+        "lm_head",
+        "--json",
+        p(&json),
+    ]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["summary"]["quantized"], 1, "seed {seed}");
+    let mut nq: Vec<(String, String)> = v["not_quantized"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["name"].as_str().unwrap().to_string(),
+                x["reason"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    nq.sort();
+    // the 1-D norm and the --exclude'd head are not news
+    assert_eq!(nq.len(), 2, "seed {seed}: {nq:?}");
+    assert!(
+        nq[0].0 == "m.fused.weight" && nq[0].1.contains("3-D"),
+        "seed {seed}: {nq:?}"
+    );
+    assert!(
+        nq[1].0 == "m.odd.weight" && nq[1].1.contains(&format!("K = {odd_k}")),
+        "seed {seed}: {nq:?}"
+    );
+    assert!(stdout(&o).contains("m.odd.weight"), "{}", stdout(&o));
+}

@@ -33,6 +33,7 @@
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
+use super::config::QuantMethod;
 use super::file::{is_float, TensorFile, TensorInfo};
 use super::formats::{self, Convention, LinearNames};
 use super::hf::Checkpoint;
@@ -82,6 +83,8 @@ pub enum FindingKind {
     AllZeroWeight,
     NonfiniteValues,
     ConfigMismatch,
+    BlockScaleDtype,
+    DuplicateTensor,
 }
 
 impl FindingKind {
@@ -100,6 +103,8 @@ impl FindingKind {
             FindingKind::AllZeroWeight => "all-zero weight",
             FindingKind::NonfiniteValues => "NaN/Inf values",
             FindingKind::ConfigMismatch => "config mismatch",
+            FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
+            FindingKind::DuplicateTensor => "differing copy in another shard",
         }
     }
 }
@@ -172,9 +177,10 @@ fn base_of(name: &str) -> Option<(&str, &str)> {
         .find_map(|s| name.strip_suffix(s).map(|b| (b, &s[1..])))
 }
 
-/// Is the block-scale candidate `X.weight_scale` / `X.scale` an FP4 block scale (2-D FP8)?
+/// Is the block-scale candidate `X.weight_scale` / `X.scale` an FP4 block scale (2-D FP8, or
+/// its bytes as U8, which `formats` reads as E4M3 / E8M0 as the other commands do)?
 fn is_block_scale(t: &TensorInfo) -> bool {
-    t.shape.len() == 2 && matches!(t.dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0)
+    t.shape.len() == 2 && matches!(t.dtype, Dtype::F8_E4M3 | Dtype::F8_E8M0 | Dtype::U8)
 }
 
 pub fn audit(
@@ -308,7 +314,9 @@ pub fn audit(
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
     fused_gate_up(ck, &mut findings)?;
+    fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
+    duplicate_copies(ck, &mut findings)?;
 
     findings.sort_by(|a, b| (&a.tensor, a.kind).cmp(&(&b.tensor, b.kind)));
     Ok(AuditResult {
@@ -337,6 +345,12 @@ fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &m
         out.push(f(
             FindingKind::NonpositiveGlobalScale,
             format!("{what} = {v}: a global scale must be positive (zero flushes, negative flips the sign)"),
+        ));
+    } else if !(1.0 / v).is_finite() {
+        // the other direction (gs = 1/weight_scale_2, or weight_scale_2 = 1/weight_global_scale)
+        out.push(f(
+            FindingKind::NonfiniteGlobalScale,
+            format!("{what} = {v:e}: its reciprocal, the other direction engines compute from it, overflows to inf"),
         ));
     }
 }
@@ -398,6 +412,17 @@ fn scan_linear(
                 "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped",
                 100.0 * frac,
                 100.0 * opts.saturation_limit
+            ),
+        });
+    }
+    if g.format == Format::Nvfp4 && si.dtype == Dtype::U8 {
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::BlockScaleDtype,
+            detail: format!(
+                "NVFP4 block scales stored as U8 {:?} (read here as E4M3 bytes): a loader that copies them by value into its float8_e4m3fn parameter (torch copy_) turns byte 0x38 (1.0) into 56.0; store them as F8_E4M3",
+                si.shape
             ),
         });
     }
@@ -703,13 +728,23 @@ fn cross_checks(
             continue;
         };
         if a.is_finite() && b.is_finite() && !allclose(b, a) {
-            let t = format!("{up}.weight_scale_2");
+            // the member the up projection stores (compressed-tensors: its reciprocal)
+            let t = [".weight_scale_2", ".weight_global_scale"]
+                .iter()
+                .map(|m| format!("{up}{m}"))
+                .find(|t| ck.contains(t))
+                .unwrap_or_else(|| format!("{up}.weight_scale_2"));
             out.push(Finding {
                 tensor: t.clone(),
                 file: ck.file_of(&t).to_path_buf(),
                 kind: FindingKind::GateUpScaleMismatch,
                 detail: format!(
-                    "{b:e} vs the gate's {a:e} (ratio {:.4}): vLLM keeps only the gate's weight_scale_2 for the fused w13, so this projection is scaled by {:.4}",
+                    "{}{b:e} vs the gate's {a:e} (ratio {:.4}): vLLM keeps only the gate's weight_scale_2 for the fused w13, so this projection is scaled by {:.4}",
+                    if t.ends_with("weight_global_scale") {
+                        "weight_scale_2 = 1/weight_global_scale: "
+                    } else {
+                        ""
+                    },
                     b / a,
                     a / b
                 ),
@@ -723,7 +758,11 @@ fn cross_checks(
             .iter()
             .filter(|l| l.input_scale.is_none() && l.format == Format::Nvfp4)
         {
-            let t = format!("{}.input_scale", l.base);
+            let member = match l.convention {
+                Convention::CompressedTensors => "input_global_scale",
+                _ => "input_scale",
+            };
+            let t = format!("{}.{member}", l.base);
             out.push(Finding {
                 tensor: t,
                 file: l.file.clone(),
@@ -815,6 +854,154 @@ fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
     Ok(())
 }
 
+/// vLLM's fused expert tensors (`w13_weight [E, 2I, H/2]`, `w2_weight [E, H, I/2]`, U8) of an
+/// engine-side dump are not ModelOpt triples, so the per-linear scan does not see them: per
+/// expert (and per w13 half), never-written ±0 codes, negative or saturated block scales in
+/// `*_weight_scale` (either layout: the counts do not depend on it) and non-positive global
+/// scales in `*_weight_scale_2`.
+fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -> Result<()> {
+    let list = |v: &[String]| {
+        let mut s = v.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
+        if v.len() > 8 {
+            s += &format!(", … ({} in all)", v.len());
+        }
+        s
+    };
+    for n in ck.names() {
+        let Some(stem) = n
+            .strip_suffix("w13_weight")
+            .or_else(|| n.strip_suffix("w2_weight"))
+        else {
+            continue;
+        };
+        let w13 = n.ends_with("w13_weight");
+        let t = ck.info(n)?;
+        let &[e, rows, _] = t.shape.as_slice() else {
+            continue;
+        };
+        if !matches!(t.dtype, Dtype::U8 | Dtype::I8) || e == 0 {
+            continue;
+        }
+        let packed = ck.bytes(n)?;
+        let per = packed.len() / e;
+        let halves: &[(&str, usize, usize)] = if w13 && rows % 2 == 0 {
+            &[("gate", 0, 1), ("up", 1, 2)]
+        } else {
+            &[("", 0, 2)]
+        };
+        let mut zero = vec![];
+        for x in 0..e {
+            let ex = &packed[x * per..(x + 1) * per];
+            for &(what, a, b) in halves {
+                if ex[a * per / 2..b * per / 2].iter().all(|&v| v & 0x77 == 0) {
+                    zero.push(if what.is_empty() {
+                        format!("{x}")
+                    } else {
+                        format!("{x} ({what})")
+                    });
+                }
+            }
+        }
+        if !zero.is_empty() {
+            out.push(Finding {
+                tensor: n.to_string(),
+                file: ck.file_of(n).to_path_buf(),
+                kind: FindingKind::AllZeroWeight,
+                detail: format!(
+                    "every FP4 code is ±0 in {} of {e} experts: {} (never loaded, or zero-initialized memory)",
+                    zero.len(),
+                    list(&zero)
+                ),
+            });
+        }
+        let sn = format!("{n}_scale");
+        if let Some((sf, st)) = ck.locate(&sn) {
+            if st.dtype == Dtype::F8_E4M3 && st.shape.first() == Some(&e) {
+                let sb = sf.slice(st);
+                let per_s = sb.len() / e;
+                let (mut neg, mut sat) = (vec![], vec![]);
+                for x in 0..e {
+                    let sc = scan_scales(Format::Nvfp4, &sb[x * per_s..(x + 1) * per_s]);
+                    if sc.negative > 0 {
+                        neg.push(format!("{x}"));
+                    }
+                    if sc.saturated > SATURATED_HANDFUL
+                        && sc.saturated as f64 > opts.saturation_limit * per_s as f64
+                    {
+                        sat.push(format!("{x}"));
+                    }
+                }
+                for (v, kind, what) in [
+                    (neg, FindingKind::NegativeBlockScales, "negative block scales (their blocks flip sign)"),
+                    (sat, FindingKind::SaturatedBlockScales, "more than the --saturation-limit of block scales at 448 (their elements are clipped)"),
+                ] {
+                    if !v.is_empty() {
+                        out.push(Finding {
+                            tensor: sn.clone(),
+                            file: sf.path().to_path_buf(),
+                            kind,
+                            detail: format!("{} of {e} experts have {what}: {}", v.len(), list(&v)),
+                        });
+                    }
+                }
+            }
+        }
+        let gn = format!("{stem}{}_weight_scale_2", if w13 { "w13" } else { "w2" });
+        if let Some((_, gt)) = ck.locate(&gn) {
+            if is_float(gt.dtype) && gt.shape.first() == Some(&e) {
+                let v = ck.to_f32(&gn)?;
+                let per_g = v.len() / e;
+                let bad: Vec<String> = (0..e)
+                    .filter(|&x| v[x * per_g..(x + 1) * per_g].iter().any(|&g| g <= 0.0))
+                    .map(|x| x.to_string())
+                    .collect();
+                if !bad.is_empty() {
+                    out.push(Finding {
+                        tensor: gn.clone(),
+                        file: ck.file_of(&gn).to_path_buf(),
+                        kind: FindingKind::NonpositiveGlobalScale,
+                        detail: format!(
+                            "zero or negative in {} of {e} experts: {} (a global scale must be positive: zero flushes, negative flips the sign)",
+                            bad.len(),
+                            list(&bad)
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tensor stored in two shards with different contents: the index names one copy, but
+/// engines that load every tensor of every listed shard take whichever they read last.
+fn duplicate_copies(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
+    for (name, stray) in ck.shadowed_copies() {
+        let (f, t) = ck.find(name)?;
+        let s = stray.info(name)?;
+        if t.dtype == s.dtype && t.shape == s.shape && f.slice(t) == stray.slice(s) {
+            continue;
+        }
+        let file_name = |p: &std::path::Path| {
+            p.file_name()
+                .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+        };
+        out.push(Finding {
+            tensor: name.to_string(),
+            file: stray.path().to_path_buf(),
+            kind: FindingKind::DuplicateTensor,
+            detail: format!(
+                "a second, different copy ({:?} {:?}) is stored in `{}`; the index names the one in `{}`: engines that load every tensor of every listed shard (vLLM, transformers) keep whichever shard they read last",
+                s.dtype,
+                s.shape,
+                file_name(stray.path()),
+                file_name(f.path())
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
     let Some(p) = ck.config_path() else {
         return Ok(());
@@ -828,7 +1015,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     });
     let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
     if let Some(cfg) = &moe {
-        missing_experts(ck, cfg.moe.n_routed_experts, out);
+        missing_experts(ck, &cfg.moe, out);
         shapes_against_config(ck, &cfg.moe, out)?;
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
@@ -852,7 +1039,48 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
             "NVFP4 with group_size {}: NVFP4 blocks are 16",
             q.group_size.unwrap_or(0)
         )),
+        // another algorithm promised (FP8, MXFP4, ...): engines pick that one's loader and
+        // kernels for these linears (ModelOpt's MIXED_PRECISION names its algos per layer)
+        Some(q)
+            if nvfp4 > 0
+                && q.format() != Some(Format::Nvfp4)
+                && q.algo.as_deref().is_some_and(|a| !a.to_ascii_uppercase().contains("MIXED")) =>
+        {
+            push(format!(
+                "{} promises quant_algo {} but the checkpoint holds {nvfp4} NVFP4 linears: engines load them with the {} method",
+                q.source.display(),
+                q.algo.as_deref().unwrap_or("?"),
+                q.algo.as_deref().unwrap_or("?")
+            ))
+        }
         _ => {}
+    }
+    // the method names the loader, and each loader looks for its own member names
+    if let Some(q) = &quant {
+        let count = |c: Convention| {
+            linears
+                .iter()
+                .filter(|l| l.format == Format::Nvfp4 && l.convention == c)
+                .count()
+        };
+        let (mine, theirs, names) = match q.method {
+            QuantMethod::Modelopt => (
+                "modelopt",
+                count(Convention::CompressedTensors),
+                "compressed-tensors names (weight_global_scale / weight_packed, reciprocal global scales), which ModelOpt's loader does not read",
+            ),
+            QuantMethod::CompressedTensors => (
+                "compressed-tensors",
+                count(Convention::Modelopt),
+                "ModelOpt names (weight_scale_2 / input_scale, dequant-direction global scales), which the compressed-tensors loader does not read",
+            ),
+            QuantMethod::Other(_) => ("", 0, ""),
+        };
+        if theirs > 0 {
+            push(format!(
+                "quant_method {mine}, but {theirs} NVFP4 linears use {names}"
+            ));
+        }
     }
     Ok(())
 }
@@ -972,8 +1200,9 @@ fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
 }
 
 /// Experts config.json promises that a layer's names do not show.
-fn missing_experts(ck: &Checkpoint, e_count: usize, out: &mut Vec<Finding>) {
+fn missing_experts(ck: &Checkpoint, cfg: &crate::moe::config::MoeConfig, out: &mut Vec<Finding>) {
     use super::names::{inventory, Naming, Proj, Scheme};
+    let e_count = cfg.n_routed_experts;
     let Some(n) = Naming::detect(ck.names()) else {
         return;
     };
@@ -982,6 +1211,20 @@ fn missing_experts(ck: &Checkpoint, e_count: usize, out: &mut Vec<Finding>) {
     }
     for (l, inv) in inventory(&n, ck.names()) {
         if inv.experts.is_empty() {
+            continue;
+        }
+        if l < cfg.first_k_dense_replace {
+            let e0 = inv.experts.iter().next().copied().unwrap_or(0);
+            out.push(Finding {
+                tensor: format!("{}.weight", n.expert(l, e0, Proj::Gate)),
+                file: ck.path().to_path_buf(),
+                kind: FindingKind::ConfigMismatch,
+                detail: format!(
+                    "layer {l} holds {} routed experts, but config.json's first_k_dense_replace = {} makes it a dense MLP: engines build a dense layer there and cannot load them",
+                    inv.experts.len(),
+                    cfg.first_k_dense_replace
+                ),
+            });
             continue;
         }
         let missing: Vec<usize> = (0..e_count).filter(|e| !inv.experts.contains(e)).collect();

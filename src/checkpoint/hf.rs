@@ -26,6 +26,8 @@ pub struct Checkpoint {
     shards: Vec<TensorFile>,
     lookup: HashMap<String, usize>,
     names: Vec<String>,
+    /// Second copies in another shard than the one the index names: (name, shard).
+    shadowed: Vec<(String, usize)>,
     originals: Option<Box<Checkpoint>>,
 }
 
@@ -113,6 +115,7 @@ impl Checkpoint {
     ) -> Result<Checkpoint> {
         let mut lookup = HashMap::new();
         let mut names = vec![];
+        let mut shadowed = vec![];
         if let (Some((files, map)), Some(ix)) = (&weight_map, &index) {
             // The index is what engines load by: every tensor it names must be where it says.
             for (name, fi) in map {
@@ -146,7 +149,10 @@ impl Checkpoint {
                         ))
                     }
                     // the index chose another shard's copy
-                    Some(_) => continue,
+                    Some(_) => {
+                        shadowed.push((n.to_string(), i));
+                        continue;
+                    }
                     None => {
                         lookup.insert(n.to_string(), i);
                     }
@@ -164,6 +170,7 @@ impl Checkpoint {
             shards,
             lookup,
             names,
+            shadowed,
             originals,
         })
     }
@@ -189,6 +196,15 @@ impl Checkpoint {
 
     pub fn shards(&self) -> &[TensorFile] {
         &self.shards
+    }
+
+    /// Tensors that a second shard also stores, with that shard: the index names the other
+    /// copy, but engines that load every tensor of every listed shard (vLLM, transformers)
+    /// read both.
+    pub fn shadowed_copies(&self) -> impl Iterator<Item = (&str, &TensorFile)> + '_ {
+        self.shadowed
+            .iter()
+            .map(|(n, i)| (n.as_str(), &self.shards[*i]))
     }
 
     /// `config.json` of the checkpoint directory, if there is one.

@@ -49,6 +49,15 @@ pub struct QuantizedTensor {
     pub stats: BlockStats,
 }
 
+/// A float `*.weight` that was copied although no --exclude asked for it: its shape does not
+/// quantize.
+#[derive(Clone, Debug, Serialize)]
+pub struct NotQuantized {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub reason: String,
+}
+
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct QuantizeSummary {
     pub input: PathBuf,
@@ -60,6 +69,8 @@ pub struct QuantizeSummary {
     pub bytes_out: u64,
     pub blocks: BlockStats,
     pub tensors: Vec<QuantizedTensor>,
+    /// Float `*.weight` tensors copied for their shape, not by --exclude.
+    pub not_quantized: Vec<NotQuantized>,
 }
 
 enum Item {
@@ -83,6 +94,7 @@ struct FilePlan {
     output: PathBuf,
     items: Vec<Item>,
     specs: Vec<TensorSpec>,
+    not_quantized: Vec<NotQuantized>,
 }
 
 /// A checked plan: every output name and shape is known before anything is written.
@@ -202,6 +214,7 @@ impl QuantizePlan {
             self.remove_stale_markers()?;
         }
         for fp in &self.files {
+            sum.not_quantized.extend(fp.not_quantized.iter().cloned());
             self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
         }
@@ -438,10 +451,33 @@ fn plan_file(
 ) -> Result<FilePlan> {
     let mut items = vec![];
     let mut specs = vec![];
+    let mut not_quantized = vec![];
     let block = opts.format.block();
     for name in f.names() {
         let t = f.info(name)?;
         if !is_quantizable(name, t, opts) {
+            // a float weight matrix no --exclude names: say why it stays as it is (1-D norm
+            // weights are never quantized and not worth a line)
+            let excluded = opts.exclude.iter().any(|x| name.contains(x.as_str()));
+            if name.ends_with(".weight")
+                && matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+                && t.shape.len() >= 2
+                && !excluded
+            {
+                let reason = match t.shape.as_slice() {
+                    [_, k] if *k == 0 => "K = 0".to_string(),
+                    [_, k] => format!(
+                        "K = {k} is not a multiple of the {} block ({block})",
+                        opts.format.name()
+                    ),
+                    s => format!("{}-D: only 2-D [N, K] weights are quantized", s.len()),
+                };
+                not_quantized.push(NotQuantized {
+                    name: name.to_string(),
+                    shape: t.shape.clone(),
+                    reason,
+                });
+            }
             items.push(Item::Copy(name.to_string()));
             specs.push(TensorSpec::new(name, t.dtype, &t.shape));
             continue;
@@ -489,6 +525,7 @@ fn plan_file(
         output,
         items,
         specs,
+        not_quantized,
     })
 }
 

@@ -256,7 +256,8 @@ pub fn ep_disagreement(args: &EpArgs, a: &Agreement, hidden: usize, what: &str) 
 #[command(
     after_help = "Thresholds: --min-cosine 0.95 against the BF16 reference (a healthy \
 fully quantized MoE layer reaches ~0.974, i.e. ~0.23 rel-L2; NVFP4 alone costs ~0.095 rel-L2 per \
-tensor); --min-expert-cosine 0.90 for each expert's own output; on a GPU, the kernel must match \
+tensor); --min-expert-cosine 0.90 for each expert's own output, and rel-L2 <= 0.484 \
+(sqrt(1/0.9^2 - 1): an output off by a factor keeps its cosine); on a GPU, the kernel must match \
 the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails. With --ep N the sharded output must \
 equal the unsharded (--ep 1) one up to FP32 summation order: |ep - ep1| <= 2*g_K*(2*sum|w*y| + \
 |out_ep1|)/(1 - g_K) elementwise, g_K = K*u/(1 - K*u), u = 2^-24 (only the order of the combine sum \
@@ -274,7 +275,8 @@ pub struct Args {
     /// Fail below this cosine of the layer output against the BF16 reference
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
     pub min_cosine: f64,
-    /// Fail when one expert's own output falls below this cosine
+    /// Fail when one expert's own output falls below this cosine, or its rel-L2 exceeds
+    /// sqrt(1/C^2 - 1) (an output off by a factor keeps its cosine)
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE)]
     pub min_expert_cosine: f64,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
@@ -662,6 +664,17 @@ pub fn below(v: f64, min: f64) -> bool {
     v.is_nan() || v < min
 }
 
+/// The rel-L2 of an error orthogonal to the reference at cosine `c`: `sqrt(1/c^2 - 1)`
+/// (0.484 at 0.9). A larger rel-L2 at a passing cosine is a magnitude error. No bound for
+/// `c <= 0`.
+pub fn max_rel_l2_at(c: f64) -> f64 {
+    if c > 0.0 {
+        (1.0 / (c * c) - 1.0).max(0.0).sqrt()
+    } else {
+        f64::INFINITY
+    }
+}
+
 /// Percent of `n` in `of`.
 pub fn pct(n: u64, of: u64) -> f64 {
     if of == 0 {
@@ -926,6 +939,21 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+    // an expert off by a factor has a fine cosine: failing ones first, or the table (8 rows)
+    // and summary.worst_expert would not show it
+    let max_rel = max_rel_l2_at(args.min_expert_cosine);
+    experts.sort_by_key(|x| {
+        let m = &x.metrics;
+        if m.nan_count + m.inf_count > 0 {
+            0
+        } else if below(m.cosine, args.min_expert_cosine) {
+            1
+        } else if m.rel_l2 > max_rel {
+            2
+        } else {
+            3
+        }
+    });
     let input_blocks =
         expert_input_blocks(&routing, &batch.hidden, hsz, c.n_routed_experts, &scales);
     let experts: Vec<ExpertRow> = experts
@@ -1039,6 +1067,26 @@ pub fn run(args: &Args) -> Result<Report> {
             args.min_expert_cosine,
             x.m.slots,
             f(x.m.metrics.rel_l2, 3),
+            x.cause()
+        ));
+    }
+    // the cosine is blind to magnitude: an expert whose output is off by a factor (one
+    // weight_scale_2 or input_scale 2x off) keeps its cosine. Its rel-L2 may not exceed what
+    // --min-expert-cosine allows for an error orthogonal to the output, sqrt(1/C^2 - 1)
+    for x in experts.iter().filter(|x| {
+        let mm = &x.m.metrics;
+        mm.nan_count + mm.inf_count == 0
+            && !below(mm.cosine, args.min_expert_cosine)
+            && mm.rel_l2 > max_rel
+    }) {
+        failures.push(format!(
+            "expert {}: rel-L2 {} > {}, the error --min-expert-cosine {} allows, at cosine {} over {} slots: its output has the wrong magnitude (a weight_scale_2 or input_scale off by a factor?){}",
+            x.m.expert,
+            f(x.m.metrics.rel_l2, 3),
+            f(max_rel, 3),
+            args.min_expert_cosine,
+            f(x.m.metrics.cosine, 4),
+            x.m.slots,
             x.cause()
         ));
     }

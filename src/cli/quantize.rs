@@ -69,13 +69,21 @@ pub fn run(args: &Args) -> Result<Report> {
         (_, Some(g)) => format!("{g} for every tensor"),
         (_, None) => "per tensor: 2688 / amax".to_string(),
     };
-    let headline = format!(
+    let mut headline = format!(
         "quantized {} tensors to {}, copied {} → {}",
         sum.quantized,
         format.name().to_uppercase(),
         sum.copied,
         sum.output.display()
     );
+    if !sum.not_quantized.is_empty() {
+        headline += &format!(
+            "; {} float weight(s) left unquantized for their shape (first: `{}`, {})",
+            sum.not_quantized.len(),
+            sum.not_quantized[0].name,
+            sum.not_quantized[0].reason
+        );
+    }
     let overview = Section::kv(
         "quantize",
         &[
@@ -147,13 +155,39 @@ pub fn run(args: &Args) -> Result<Report> {
             "blocks": b.blocks,
             "saturated": b.saturated,
             "flushed": b.flushed,
+            "not_quantized": sum.not_quantized.len(),
         }))
         .with("input", &sum.input)
         .with("output", &sum.output)
         .with("tensors", &sum.tensors)
+        .with("not_quantized", &sum.not_quantized)
         .section(overview);
     if !sum.tensors.is_empty() {
         report = report.section(table);
+    }
+    if !sum.not_quantized.is_empty() {
+        let mut s = Section::new(
+            "float weights left unquantized (copied as they are)",
+            &["tensor", "shape", "why"],
+        );
+        for t in sum.not_quantized.iter().take(TABLE_ROWS) {
+            s.row(vec![
+                t.name.clone(),
+                format!("{:?}", t.shape),
+                t.reason.clone(),
+            ]);
+        }
+        if sum.not_quantized.len() > TABLE_ROWS {
+            s.row(vec![
+                format!(
+                    "… {} more in the JSON report",
+                    sum.not_quantized.len() - TABLE_ROWS
+                ),
+                String::new(),
+                String::new(),
+            ]);
+        }
+        report = report.section(s);
     }
     Ok(report)
 }

@@ -56,6 +56,8 @@ pub enum IssueKind {
     InputScale,
     InputScaleFlipped,
     MissingMember,
+    /// B's packed bytes are A's with the two nibbles of each byte exchanged.
+    NibblesSwapped,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -636,7 +638,20 @@ fn compare_qq(
         return Ok(done(u));
     };
     let close = m.passes(opts.min_cosine);
-    if !codes_equal && !close {
+    if !codes_equal
+        && !close
+        && a_m.scales == b_m.scales
+        && a_m.packed.nibble_swapped_of(&b_m.packed)
+    {
+        u.issue(
+            IssueKind::NibblesSwapped,
+            format!(
+                "B is A with the two FP4 codes of every byte exchanged (element 2i in the high \
+                 nibble; the layout puts it in the low one): cosine {:.6}",
+                m.cosine
+            ),
+        );
+    } else if !codes_equal && !close {
         u.issue(
             IssueKind::Values,
             format!(

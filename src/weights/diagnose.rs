@@ -35,6 +35,8 @@ pub enum DiagnosisKind {
     EpShard,
     /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
     DerivedScale,
+    /// Packed bytes with the high and low nibble exchanged.
+    NibblesSwapped,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -76,6 +78,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::Scale2Flipped => DiagnosisKind::Scale2Flipped,
                     IssueKind::Scale2GateOnly => DiagnosisKind::Scale2GateOnly,
                     IssueKind::InputScaleFlipped => DiagnosisKind::InputScaleFlipped,
+                    IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
                     _ => return None,
                 };
                 Some((k, i.message.clone()))
@@ -113,6 +116,14 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
+                ),
+                DiagnosisKind::NibblesSwapped => format!(
+                    "{where_}{n} tensor(s) hold their FP4 codes nibble-swapped (element 2i in the high nibble){}; e.g. {example}",
+                    if experts.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", experts {}", list(&experts))
+                    }
                 ),
                 DiagnosisKind::SwizzledScales => format!(
                     "{where_}B's block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling"

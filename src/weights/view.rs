@@ -78,6 +78,20 @@ impl<'a> Mat<'a> {
         self.len() == 0
     }
 
+    /// `o` holds these bytes with the two nibbles of every byte exchanged (element 2i in the
+    /// high nibble instead of the low one); same row split only.
+    pub fn nibble_swapped_of(&self, o: &Mat) -> bool {
+        self.rows == o.rows
+            && self.row_bytes == o.row_bytes
+            && !self.is_empty()
+            && (0..self.rows).all(|i| {
+                self.row(i)
+                    .iter()
+                    .zip(o.row(i))
+                    .all(|(a, b)| a.rotate_left(4) == *b)
+            })
+    }
+
     /// Byte-identical as byte streams (row-major), whatever the row split of each side:
     /// memcmp speed over the overlapping pieces.
     pub fn same(&self, o: &Mat) -> bool {
