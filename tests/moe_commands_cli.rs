@@ -223,3 +223,59 @@ fn multilayer_names_the_layer_a_nan_starts_in() {
         .contains("NaN in the NVFP4 residual stream from layer 2"));
     assert_eq!(r["per_layer"][0]["residual"]["nan_count"], 0);
 }
+
+#[test]
+fn multilayer_names_a_broken_expert_its_layer_hides() {
+    // one expert's gate and up swapped in layer 3 of 5: the layer alone stays near cosine 0.97
+    // (above --min-layer-cosine), the residual stream near 0.999; only the expert shows it
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck",
+            "--layers",
+            "6",
+            "--seed",
+            &seed,
+            "--plant",
+            "swap-gate-up@3",
+        ],
+    );
+    let args = ["multilayer", "--checkpoint", "ck", "--device", "cpu"];
+    let (code, text, r) = run(dir.path(), &args);
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    let failures: Vec<&str> = r["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    assert!(
+        failures.iter().any(|m| m.starts_with("layer 3: expert ")),
+        "seed {seed}: {failures:?}"
+    );
+    assert!(
+        !failures
+            .iter()
+            .any(|m| m.contains(": expert ") && !m.starts_with("layer 3:")),
+        "seed {seed}: only layer 3 holds a broken expert: {failures:?}"
+    );
+    assert_eq!(r["per_layer"][2]["layer"], 3, "{text}");
+    assert!(!r["per_layer"][2]["expert_failures"]
+        .as_array()
+        .unwrap()
+        .is_empty());
+    // the same checkpoint without the plant passes
+    synth(
+        dir.path(),
+        &["--out", "ok", "--layers", "6", "--seed", &seed],
+    );
+    let (code, text, _) = run(
+        dir.path(),
+        &["multilayer", "--checkpoint", "ok", "--device", "cpu"],
+    );
+    assert_eq!(code, 0, "seed {seed}: {text}");
+}

@@ -664,14 +664,35 @@ pub fn below(v: f64, min: f64) -> bool {
     v.is_nan() || v < min
 }
 
-/// The rel-L2 of an error orthogonal to the reference at cosine `c`: `sqrt(1/c^2 - 1)`
-/// (0.484 at 0.9). A larger rel-L2 at a passing cosine is a magnitude error. No bound for
-/// `c <= 0`.
-pub fn max_rel_l2_at(c: f64) -> f64 {
-    if c > 0.0 {
-        (1.0 / (c * c) - 1.0).max(0.0).sqrt()
+/// How one expert's own output fails `--min-expert-cosine` `c`, if it does (NaN/Inf in it are
+/// reported on their own): a cosine below `c`, or, since the cosine is blind to magnitude (an
+/// expert whose weight_scale_2 or input_scale is off by a factor keeps it), a rel-L2 beyond
+/// what `c` allows an error orthogonal to the output, `sqrt(1/c² − 1)`.
+pub fn expert_failure(x: &ExpertMetrics, c: f64) -> Option<String> {
+    let m = &x.metrics;
+    if m.nan_count + m.inf_count > 0 {
+        return None;
+    }
+    let max_rel = crate::metrics::max_rel_l2(c);
+    if below(m.cosine, c) {
+        Some(format!(
+            "expert {}: cosine {} < --min-expert-cosine {c} over {} slots (rel-L2 {})",
+            x.expert,
+            f(m.cosine, 4),
+            x.slots,
+            f(m.rel_l2, 3)
+        ))
+    } else if m.rel_l2 > max_rel {
+        Some(format!(
+            "expert {}: rel-L2 {} > {}, the error --min-expert-cosine {c} allows, at cosine {} over {} slots: its output has the wrong magnitude (a weight_scale_2 or input_scale off by a factor?)",
+            x.expert,
+            f(m.rel_l2, 3),
+            f(max_rel, 3),
+            f(m.cosine, 4),
+            x.slots
+        ))
     } else {
-        f64::INFINITY
+        None
     }
 }
 
@@ -941,18 +962,10 @@ pub fn run(args: &Args) -> Result<Report> {
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
     // an expert off by a factor has a fine cosine: failing ones first, or the table (8 rows)
     // and summary.worst_expert would not show it
-    let max_rel = max_rel_l2_at(args.min_expert_cosine);
-    experts.sort_by_key(|x| {
-        let m = &x.metrics;
-        if m.nan_count + m.inf_count > 0 {
-            0
-        } else if below(m.cosine, args.min_expert_cosine) {
-            1
-        } else if m.rel_l2 > max_rel {
-            2
-        } else {
-            3
-        }
+    experts.sort_by_key(|x| match x.metrics.nan_count + x.metrics.inf_count {
+        0 if expert_failure(x, args.min_expert_cosine).is_none() => 2,
+        0 => 1,
+        _ => 0,
     });
     let input_blocks =
         expert_input_blocks(&routing, &batch.hidden, hsz, c.n_routed_experts, &scales);
@@ -1056,39 +1069,10 @@ pub fn run(args: &Args) -> Result<Report> {
             at(ref_first_nan, hsz)
         ));
     }
-    for x in experts.iter().filter(|x| {
-        x.m.metrics.nan_count + x.m.metrics.inf_count == 0
-            && below(x.m.metrics.cosine, args.min_expert_cosine)
-    }) {
-        failures.push(format!(
-            "expert {}: cosine {} < --min-expert-cosine {} over {} slots (rel-L2 {}){}",
-            x.m.expert,
-            f(x.m.metrics.cosine, 4),
-            args.min_expert_cosine,
-            x.m.slots,
-            f(x.m.metrics.rel_l2, 3),
-            x.cause()
-        ));
-    }
-    // the cosine is blind to magnitude: an expert whose output is off by a factor (one
-    // weight_scale_2 or input_scale 2x off) keeps its cosine. Its rel-L2 may not exceed what
-    // --min-expert-cosine allows for an error orthogonal to the output, sqrt(1/C^2 - 1)
-    for x in experts.iter().filter(|x| {
-        let mm = &x.m.metrics;
-        mm.nan_count + mm.inf_count == 0
-            && !below(mm.cosine, args.min_expert_cosine)
-            && mm.rel_l2 > max_rel
-    }) {
-        failures.push(format!(
-            "expert {}: rel-L2 {} > {}, the error --min-expert-cosine {} allows, at cosine {} over {} slots: its output has the wrong magnitude (a weight_scale_2 or input_scale off by a factor?){}",
-            x.m.expert,
-            f(x.m.metrics.rel_l2, 3),
-            f(max_rel, 3),
-            args.min_expert_cosine,
-            f(x.m.metrics.cosine, 4),
-            x.m.slots,
-            x.cause()
-        ));
+    for x in &experts {
+        if let Some(msg) = expert_failure(&x.m, args.min_expert_cosine) {
+            failures.push(msg + &x.cause());
+        }
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(

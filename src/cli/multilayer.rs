@@ -5,11 +5,12 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
-    layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, expert_failure,
+    input_nonfinite, layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
+use crate::moe::breakdown::per_expert;
 use crate::moe::gs::GsSource;
 use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
@@ -41,8 +42,9 @@ tiny model with 8 layers (MoE layers 1..=7). Columns: growth = residual rel-L2 /
 layer's; amplification = error after the layer / sqrt(error before² + the layer's own error²); \
 layer-alone cosine = NVFP4 vs BF16 on the BF16 model's input (what layertest measures). Verdict: \
 fail on NaN/Inf, a residual-stream cosine below --min-cosine (0.99) after the last layer, a \
-layer-alone cosine below --min-layer-cosine (0.95, layertest's default), or an amplification above \
---max-amplification (2.0). With --ep N the NVFP4 model runs sharded over N expert-parallel ranks, and \
+layer-alone cosine below --min-layer-cosine (0.95, layertest's default), one expert of a layer alone \
+below --min-expert-cosine (0.90, or a rel-L2 past sqrt(1/0.9^2 - 1) = 0.484, as in layertest), or an \
+amplification above --max-amplification (2.0). With --ep N the NVFP4 model runs sharded over N expert-parallel ranks, and \
 each layer alone must equal the unsharded run up to FP32 summation order."
 )]
 pub struct Args {
@@ -59,6 +61,11 @@ pub struct Args {
     /// Fail when one layer alone (NVFP4 vs BF16 on the same input) is below this cosine
     #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE)]
     pub min_layer_cosine: f64,
+    /// Fail when one expert's own output in one layer alone falls below this cosine, or its
+    /// rel-L2 exceeds sqrt(1/C^2 - 1) (layertest's rule: a broken expert barely moves its
+    /// layer's cosine)
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE)]
+    pub min_expert_cosine: f64,
     /// Fail when a layer amplifies the incoming error beyond this factor
     #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
     pub max_amplification: f64,
@@ -93,6 +100,8 @@ struct LayerRow {
     unit_norm_weight: bool,
     /// With --ep: this layer alone, sharded, against the unsharded run.
     ep_agreement: Option<Agreement>,
+    /// This layer alone, expert by expert: each that fails --min-expert-cosine.
+    expert_failures: Vec<String>,
 }
 
 /// Parse `A..B`, `A..=B` or `A`.
@@ -163,7 +172,7 @@ pub fn run(args: &Args) -> Result<Report> {
             ranges(&moe_layers)
         )));
     }
-    let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, false, false)?;
+    let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, true, false)?;
     let first_k = first.config.num_experts_per_tok;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
     let ids = batch.input_ids.as_deref();
@@ -204,9 +213,17 @@ pub fn run(args: &Args) -> Result<Report> {
         if reduce.is_some() {
             reduce_info = reduce;
         }
-        let o_rf = backend.moe_forward(&ly, &x_rf, &r_rf, &MoePath::Reference, false)?;
-        // the error this layer adds by itself: NVFP4 on the reference model's input
-        let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, false)?;
+        let o_rf = backend.moe_forward(&ly, &x_rf, &r_rf, &MoePath::Reference, true)?;
+        // the error this layer adds by itself: NVFP4 on the reference model's input, expert
+        // by expert too
+        let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, true)?;
+        let expert_failures: Vec<String> = match (&o_local.per_slot, &o_rf.per_slot) {
+            (Some(nv), Some(rf)) => per_expert(&r_rf, nv, rf, hsz, ly.config.n_routed_experts)
+                .iter()
+                .filter_map(|x| expert_failure(x, args.min_expert_cosine))
+                .collect(),
+            _ => vec![],
+        };
         let local_out = match &plugin {
             Some((p, g)) => kernel::plugin_layer(p, g, &ly, &x_rf, &r_rf, &scales, ep)?,
             None => o_local.out.clone(),
@@ -258,6 +275,7 @@ pub fn run(args: &Args) -> Result<Report> {
             act_flushed_pct: bs.flushed_pct,
             unit_norm_weight: norm.is_none(),
             ep_agreement,
+            expert_failures,
         });
         pb.inc(1);
     }
@@ -300,6 +318,13 @@ pub fn run(args: &Args) -> Result<Report> {
                 f(r.local.cosine, 4),
                 args.min_layer_cosine
             ));
+        }
+        for r in &rows {
+            failures.extend(
+                r.expert_failures
+                    .iter()
+                    .map(|m| format!("layer {}: {m}", r.layer)),
+            );
         }
         for r in rows
             .iter()
@@ -457,6 +482,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "max_amplification": rows.iter().filter_map(|r| r.amplification).fold(None, |m: Option<f64>, g| Some(m.map_or(g, |m| m.max(g)))),
         "max_amplification_allowed": args.max_amplification,
         "min_layer_cosine": args.min_layer_cosine,
+        "min_expert_cosine": args.min_expert_cosine,
         "unit_norm_weight_layers": unit_norm_layers,
         "ep": args.ep.ep,
         "ep_within_bound": args.ep.sharded().then(|| rows.iter().all(|r| r.ep_agreement.as_ref().is_some_and(|a| a.within_bound))),
