@@ -234,6 +234,25 @@ fn every_planted_hazard_is_named() {
             format!("{E1}.gate_proj.input_scale"),
         ),
         (
+            "ws2 1e-30: 1/1e26 of its siblings'",
+            Box::new(|f| f.set_f32(&format!("{E1}.down_proj.weight_scale_2"), 1e-30)),
+            "weight_scale_outlier",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+        (
+            "ws2 1000x",
+            Box::new(|f| {
+                let n = format!("{E1}.gate_proj.weight_scale_2");
+                let v = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+                f.set_f32(&n, v * 1000.0);
+                // the up's too, or the gate/up mismatch would name it first
+                let n = format!("{E1}.up_proj.weight_scale_2");
+                f.set_f32(&n, v * 1000.0)
+            }),
+            "weight_scale_outlier",
+            format!("{E1}.gate_proj.weight_scale_2"),
+        ),
+        (
             "missing ws2",
             Box::new(|f| f.remove(&format!("{E1}.down_proj.weight_scale_2"))),
             "missing_member",

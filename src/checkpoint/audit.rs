@@ -18,6 +18,10 @@
 //!   Engines that take the max over experts let one high outlier set the activation scale of
 //!   all of them; engines that quantize per expert (`gs = 1/input_scale` of that expert, as
 //!   `layertest --input-scale-reduce per-expert` does) clip a low one's activations;
+//! - a `weight_scale_2` more than `weight_scale_outlier` (default 100) times the median of the
+//!   same projection over the layer's experts, or less than the median over that factor: the
+//!   experts' weight amaxes differ by a few x, so such a scale was corrupted or written for
+//!   another tensor;
 //! - a triple missing a member (weight, block scales, global scale; `input_scale` when other
 //!   linears have one);
 //! - a global scale that looks stored in the other convention's direction (ModelOpt
@@ -56,6 +60,9 @@ pub struct AuditOptions {
     pub saturation_limit: f64,
     /// `input_scale / median` above which an expert's input_scale is flagged.
     pub input_scale_outlier: f32,
+    /// The same for `weight_scale_2` (the expert's weight amax / 2688: experts of one
+    /// projection differ by a few x, not by this much).
+    pub weight_scale_outlier: f32,
 }
 
 impl Default for AuditOptions {
@@ -63,6 +70,7 @@ impl Default for AuditOptions {
         AuditOptions {
             saturation_limit: 0.01,
             input_scale_outlier: 10.0,
+            weight_scale_outlier: 100.0,
         }
     }
 }
@@ -77,6 +85,7 @@ pub enum FindingKind {
     SaturatedBlockScales,
     GateUpScaleMismatch,
     InputScaleOutlier,
+    WeightScaleOutlier,
     MissingMember,
     ConventionSuspect,
     ConflictingGlobalScales,
@@ -97,6 +106,7 @@ impl FindingKind {
             FindingKind::SaturatedBlockScales => "saturated block scales",
             FindingKind::GateUpScaleMismatch => "gate/up weight_scale_2 mismatch",
             FindingKind::InputScaleOutlier => "input_scale outlier",
+            FindingKind::WeightScaleOutlier => "weight_scale_2 outlier",
             FindingKind::MissingMember => "missing member",
             FindingKind::ConventionSuspect => "convention confusion",
             FindingKind::ConflictingGlobalScales => "conflicting global scales",
@@ -771,47 +781,107 @@ fn cross_checks(
             });
         }
     }
-    // input_scale outliers across the experts of a layer
-    let mut groups: BTreeMap<String, Vec<&LinearStats>> = BTreeMap::new();
+    // global-scale outliers across the experts of a layer
+    scale_outliers(
+        ck,
+        linears,
+        Member::InputScale,
+        opts.input_scale_outlier,
+        out,
+    );
+    scale_outliers(
+        ck,
+        linears,
+        Member::WeightScale2,
+        opts.weight_scale_outlier,
+        out,
+    );
+}
+
+/// The global scales `scale_outliers` compares across a layer's experts.
+#[derive(Clone, Copy)]
+enum Member {
+    InputScale,
+    WeightScale2,
+}
+
+/// Each expert's `member` more than `factor` times the median of the same projection over
+/// its layer's experts, or less than the median over that factor (layers of 3 or more
+/// experts; non-finite and non-positive scales are findings of their own).
+fn scale_outliers(
+    ck: &Checkpoint,
+    linears: &[LinearStats],
+    member: Member,
+    factor: f32,
+    out: &mut Vec<Finding>,
+) {
+    let (name, kind) = match member {
+        Member::InputScale => ("input_scale", FindingKind::InputScaleOutlier),
+        Member::WeightScale2 => ("weight_scale_2", FindingKind::WeightScaleOutlier),
+    };
+    let value = |l: &LinearStats| {
+        match member {
+            Member::InputScale => l.input_scale,
+            Member::WeightScale2 => l.weight_scale_2,
+        }
+        .filter(|s| s.is_finite() && *s > 0.0)
+    };
+    let mut groups: BTreeMap<String, Vec<(&LinearStats, f32)>> = BTreeMap::new();
     for l in linears {
-        if let (Some((g, _)), Some(s)) = (expert_group(&l.base), l.input_scale) {
-            if s.is_finite() && s > 0.0 {
-                groups.entry(g).or_default().push(l);
-            }
+        if let (Some((g, _)), Some(s)) = (expert_group(&l.base), value(l)) {
+            groups.entry(g).or_default().push((l, s));
         }
     }
     for (g, ls) in groups {
         if ls.len() < 3 {
             continue;
         }
-        let mut v: Vec<f32> = ls.iter().filter_map(|l| l.input_scale).collect();
+        let mut v: Vec<f32> = ls.iter().map(|&(_, s)| s).collect();
         v.sort_by(f32::total_cmp);
         let median = if v.len() % 2 == 1 {
             v[v.len() / 2]
         } else {
             0.5 * (v[v.len() / 2 - 1] + v[v.len() / 2])
         };
-        for l in ls {
-            let s = l.input_scale.unwrap_or(0.0);
-            let detail = if s > opts.input_scale_outlier * median {
-                format!(
+        for (l, s) in ls {
+            let detail = match member {
+                _ if s <= factor * median && s * factor >= median => continue,
+                Member::InputScale if s > median => format!(
                     "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines that take the max over experts give every expert's activations a {:.1}x coarser scale",
                     s / median,
                     s / median
-                )
-            } else if s * opts.input_scale_outlier < median {
-                format!(
+                ),
+                Member::InputScale => format!(
                     "{s:e} is 1/{:.1} of the median {median:e} of `{g}.input_scale`: engines that quantize each expert's activations with its own gs = 1/input_scale saturate this expert's block scales at 448 (clipped activations); engines that take the max over experts are unaffected",
                     median / s
-                )
-            } else {
-                continue;
+                ),
+                Member::WeightScale2 => format!(
+                    "{s:e} is {} the median {median:e} of `{g}.weight_scale_2`: this expert's dequantized weights are that far off its siblings' (a global scale corrupted, or written for another tensor)",
+                    if s > median {
+                        format!("{:.3e}x", s / median)
+                    } else {
+                        format!("1/{:.3e} of", median / s)
+                    }
+                ),
             };
-            let t = format!("{}.input_scale", l.base);
+            // the member the linear stores (compressed-tensors: the reciprocal)
+            let (t, detail) = match l.convention {
+                Convention::CompressedTensors => {
+                    let stored = match member {
+                        Member::InputScale => "input_global_scale",
+                        Member::WeightScale2 => "weight_global_scale",
+                    };
+                    (
+                        format!("{}.{stored}", l.base),
+                        format!("{name} = 1/{stored}: {detail}"),
+                    )
+                }
+                _ => (format!("{}.{name}", l.base), detail),
+            };
             out.push(Finding {
                 tensor: t.clone(),
                 file: ck.file_of(&t).to_path_buf(),
-                kind: FindingKind::InputScaleOutlier,
+                kind,
                 detail,
             });
         }

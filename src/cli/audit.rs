@@ -23,6 +23,10 @@ pub struct Args {
     /// than the median over it
     #[arg(long, value_name = "FACTOR", default_value_t = 10.0)]
     pub input_scale_outlier: f32,
+    /// Flag an expert whose weight_scale_2 is more than this multiple of the layer's median for
+    /// the same projection, or less than the median over it (weight amaxes differ by a few x)
+    #[arg(long, value_name = "FACTOR", default_value_t = 100.0)]
+    pub weight_scale_outlier: f32,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
@@ -31,15 +35,19 @@ pub fn run(args: &Args) -> Result<Report> {
     if !(args.saturation_limit >= 0.0 && args.saturation_limit <= 1.0) {
         return Err(Error::usage("--saturation-limit is a fraction in [0, 1]"));
     }
-    if !(args.input_scale_outlier.is_finite() && args.input_scale_outlier > 1.0) {
-        return Err(Error::usage(
-            "--input-scale-outlier must be a finite factor > 1",
-        ));
+    for (flag, v) in [
+        ("--input-scale-outlier", args.input_scale_outlier),
+        ("--weight-scale-outlier", args.weight_scale_outlier),
+    ] {
+        if !(v.is_finite() && v > 1.0) {
+            return Err(Error::usage(format!("{flag} must be a finite factor > 1")));
+        }
     }
     let ck = Checkpoint::open(&args.path)?;
     let opts = AuditOptions {
         saturation_limit: args.saturation_limit,
         input_scale_outlier: args.input_scale_outlier,
+        weight_scale_outlier: args.weight_scale_outlier,
     };
     let pb = progress(ck.names().count() as u64, "audit", args.out_args.quiet);
     let res = audit(&ck, &opts, &|n| pb.inc(n))?;
