@@ -524,6 +524,23 @@ fn without_rank_every_rank_is_compared() {
     let o = nvfp4dbg(tmp.path(), &["bisect", "a", "a"]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
     assert!(o.stdout.contains("over 3 ranks"), "{}", o.show());
+    // a rank only one trace holds is named, not failed (an unsharded reference, or a rank
+    // that was not recorded)
+    std::fs::remove_dir_all(tmp.path().join("b").join(format!("rank{bad_rank}"))).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    assert_eq!(
+        o.json["summary"]["ranks_not_compared"]["reference"],
+        serde_json::json!([bad_rank]),
+        "{}",
+        o.show()
+    );
+    assert!(
+        o.stdout
+            .contains(&format!("not compared: REF rank {bad_rank} (not in TEST)")),
+        "{}",
+        o.show()
+    );
 }
 
 /// A TEST trace that stops early (the run crashed: REF's last calls have no match) is not a

@@ -101,6 +101,9 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     // Without --rank every rank both traces hold is compared: a divergence on rank 1 only
     // (expert parallelism: ranks run different experts) must not pass.
+    // ranks only one trace holds (another parallelism on each side, or a rank not recorded):
+    // listed, not failed, as calls only one trace recorded are
+    let mut unmatched: (Vec<u64>, Vec<u64>) = (vec![], vec![]);
     let pairs: Vec<(TraceIndex, TraceIndex)> = match args.rank {
         Some(_) => vec![(
             TraceIndex::open(&args.reference, sel)?,
@@ -125,6 +128,14 @@ pub fn run(args: &Args) -> Result<Report> {
                      {test_ranks:?}): choose one with --rank"
                 )));
             }
+            unmatched = (
+                ref_ranks
+                    .iter()
+                    .copied()
+                    .filter(|r| !test_ranks.contains(r))
+                    .collect(),
+                tests.iter().map(rank).collect(),
+            );
             pairs
         }
     };
@@ -140,10 +151,41 @@ pub fn run(args: &Args) -> Result<Report> {
         .zip(&results)
         .map(|((reference, test), r)| report(args, reference, test, r))
         .collect();
-    if reports.len() == 1 {
-        return Ok(reports.into_iter().next().expect("one report"));
+    let rep = if reports.len() == 1 {
+        reports.into_iter().next().expect("one report")
+    } else {
+        merge_ranks(&pairs, &results, reports)
+    };
+    Ok(with_unmatched_ranks(rep, &unmatched))
+}
+
+/// Name the ranks only one trace holds in the headline and the summary
+/// (`ranks_not_compared`).
+fn with_unmatched_ranks(mut rep: Report, (in_ref, in_test): &(Vec<u64>, Vec<u64>)) -> Report {
+    if in_ref.is_empty() && in_test.is_empty() {
+        return rep;
     }
-    Ok(merge_ranks(&pairs, &results, reports))
+    let list = |v: &[u64]| {
+        v.iter()
+            .map(|r| r.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut parts = vec![];
+    if !in_ref.is_empty() {
+        parts.push(format!("REF rank {} (not in TEST)", list(in_ref)));
+    }
+    if !in_test.is_empty() {
+        parts.push(format!("TEST rank {} (not in REF)", list(in_test)));
+    }
+    rep.headline = format!("{}; not compared: {}", rep.headline, parts.join(", "));
+    if let Value::Object(s) = &mut rep.summary {
+        s.insert(
+            "ranks_not_compared".into(),
+            json!({ "reference": in_ref, "test": in_test }),
+        );
+    }
+    rep
 }
 
 /// One report over several ranks: the rank whose first divergence comes first in REF's
