@@ -134,3 +134,19 @@ sanitize() {
         pack
     done
 }
+
+# quant_rounds VARIANT...: per round of ab_rounds, the reference quantizer's median, the longer
+# run's (4x the rows) and its marginal rate over copy_d2d (bench details), one line a variant
+quant_rounds() {
+    python3 - $R "$@" <<'PY'
+import glob, json, sys
+R = sys.argv[1]
+for v in sys.argv[2:]:
+    rows = []
+    for p in sorted(glob.glob(f"{R}/{v}-*.json")):
+        f = {x["name"]: x for x in json.load(open(p))["results"]}["quantize_bf16_reference"]
+        d = f.get("details", {})
+        rows.append("%.4f/%.4f/%.3f" % (f["median_ms"] or 0, d.get("longer_ms", 0), d.get("marginal_over_copy", 0)))
+    print(v, "ms/longer ms/marginal:", " ".join(rows))
+PY
+}

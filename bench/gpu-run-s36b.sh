@@ -14,16 +14,6 @@ run_tests gpu_quant
 for v in "qb2m8 $Q8" "qb2m9 $Q9" "qb2m10 $Q10"; do variant_tests $v gpu_quant; done
 ab_rounds ${ROUNDS:-8} copy_d2d,quantize_bf16_reference,quantize_bf16_cuda_fast \
     "def|NVFP4DBG_NVRTC_DEFINES= qb2m8|$Q8 qb2m9|$Q9 qb2m10|$Q10"
-python3 - $R def qb2m8 qb2m9 qb2m10 <<'PY'
-import glob, json, sys
-R = sys.argv[1]
-for v in sys.argv[2:]:
-    rows = []
-    for p in sorted(glob.glob(f"{R}/{v}-*.json")):
-        f = {x["name"]: x for x in json.load(open(p))["results"]}["quantize_bf16_reference"]
-        d = f.get("details", {})
-        rows.append("%.4f/%.4f/%.3f" % (f["median_ms"] or 0, d.get("longer_ms", 0), d.get("marginal_over_copy", 0)))
-    print(v, "ms/longer ms/marginal:", " ".join(rows))
-PY
+quant_rounds def qb2m8 qb2m9 qb2m10
 stamp done
 pack

@@ -6,7 +6,7 @@ use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
 use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
-use crate::trace::{Selection, Skipped, TraceIndex};
+use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -165,18 +165,12 @@ fn with_unmatched_ranks(mut rep: Report, (in_ref, in_test): &(Vec<u64>, Vec<u64>
     if in_ref.is_empty() && in_test.is_empty() {
         return rep;
     }
-    let list = |v: &[u64]| {
-        v.iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
     let mut parts = vec![];
     if !in_ref.is_empty() {
-        parts.push(format!("REF rank {} (not in TEST)", list(in_ref)));
+        parts.push(format!("REF rank {} (not in TEST)", rank_list(in_ref)));
     }
     if !in_test.is_empty() {
-        parts.push(format!("TEST rank {} (not in REF)", list(in_test)));
+        parts.push(format!("TEST rank {} (not in REF)", rank_list(in_test)));
     }
     rep.headline = format!("{}; not compared: {}", rep.headline, parts.join(", "));
     if let Value::Object(s) = &mut rep.summary {
@@ -214,11 +208,7 @@ fn merge_ranks(
     let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
     let pick = diverged.or(failing).unwrap_or(0);
     let ranks: Vec<u64> = (0..pairs.len()).map(rank).collect();
-    let ranks_text = ranks
-        .iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let ranks_text = rank_list(&ranks);
     let mut table = Section::new(
         format!("Ranks compared ({})", ranks.len()),
         &["rank", "calls compared", "first divergence", "verdict"],

@@ -6,7 +6,7 @@ use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, Report, Section, Verdict};
 use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
-use crate::trace::{Selection, Skipped, TraceIndex};
+use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -149,11 +149,7 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
     let pick = bad.or(failing).unwrap_or(0);
     let ranks: Vec<u64> = indexes.iter().map(rank_of).collect();
-    let ranks_text = ranks
-        .iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ");
+    let ranks_text = rank_list(&ranks);
     let mut table = Section::new(
         format!("Ranks scanned ({})", ranks.len()),
         &["rank", "calls scanned", "first NaN/Inf", "verdict"],

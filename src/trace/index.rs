@@ -93,6 +93,15 @@ pub struct TraceIndex {
     pub steps: Vec<u64>,
 }
 
+/// Ranks as a message lists them: `0, 1, 3`.
+pub fn rank_list(ranks: &[u64]) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The shape of a trace file name, for messages.
 pub const NAME_PATTERN: &str = "NNNNNN-<module.path>.safetensors";
 

@@ -18,4 +18,6 @@ pub mod scan;
 pub mod synthetic;
 
 pub use file::{role, Role, TensorRef, TraceFile};
-pub use index::{parse_file_name, Selection, Skipped, TraceEntry, TraceIndex, NAME_PATTERN};
+pub use index::{
+    parse_file_name, rank_list, Selection, Skipped, TraceEntry, TraceIndex, NAME_PATTERN,
+};
