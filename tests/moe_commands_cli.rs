@@ -279,3 +279,37 @@ fn multilayer_names_a_broken_expert_its_layer_hides() {
     );
     assert_eq!(code, 0, "seed {seed}: {text}");
 }
+
+#[test]
+fn cosine_thresholds_outside_minus_one_to_one_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], &str); 8] = [
+        (&["layertest", "--device", "cpu"], "--min-cosine"),
+        (&["layertest", "--device", "cpu"], "--min-expert-cosine"),
+        (&["multilayer", "--device", "cpu"], "--min-cosine"),
+        (&["multilayer", "--device", "cpu"], "--min-layer-cosine"),
+        (&["multilayer", "--device", "cpu"], "--min-expert-cosine"),
+        (&["compare-weights", "a", "b"], "--min-cosine"),
+        (&["compare-outputs", "a", "b"], "--min-cosine"),
+        (&["bisect", "a", "b"], "--min-cosine"),
+    ];
+    for (args, flag) in cases {
+        for v in ["1.5", "nan", "-inf", "x"] {
+            let kv = format!("{flag}={v}");
+            let mut a = args.to_vec();
+            a.push(&kv);
+            let (code, text, _) = run(dir.path(), &a);
+            assert_eq!(code, 2, "{a:?}: {text}");
+            assert!(
+                text.contains(flag) && !text.contains("panicked"),
+                "{a:?}: {text}"
+            );
+        }
+        // a cosine in range is accepted by the parser (what the command then does with `a`
+        // and `b` is another matter)
+        let mut a = args.to_vec();
+        a.extend([flag, "0.5"]);
+        let (_, text, _) = run(dir.path(), &a);
+        assert!(!text.contains("a cosine lies in"), "{a:?}: {text}");
+    }
+}

@@ -31,7 +31,7 @@ pub struct Args {
     /// TP=8), raise it to 0.9999. An output in the right direction with the wrong norm (TEST ≈
     /// 2.5 × REF has cosine 1) also diverges: its rel_l2 may not exceed sqrt(1/C² − 1), what
     /// noise reaches at cosine C (0.142 at 0.99).
-    #[arg(long, value_name = "C", default_value_t = 0.99)]
+    #[arg(long, value_name = "C", default_value_t = 0.99, value_parser = super::common::cosine)]
     pub min_cosine: f64,
     /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)
     #[arg(long, value_name = "R")]
@@ -89,12 +89,6 @@ fn tensor_json(t: &TensorDiff) -> Value {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    if !(args.min_cosine.is_finite() && (-1.0..=1.0).contains(&args.min_cosine)) {
-        return Err(Error::usage(format!(
-            "--min-cosine {}: a cosine lies in [-1, 1]",
-            args.min_cosine
-        )));
-    }
     let sel = Selection {
         rank: args.rank,
         step: args.step,

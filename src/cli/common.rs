@@ -52,6 +52,16 @@ impl DeviceArgs {
     }
 }
 
+/// A cosine threshold (`--min-cosine` and the like): a finite number in [-1, 1]; anything else
+/// is a usage error (exit 2) before the command runs.
+pub fn cosine(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (-1.0..=1.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("{s}: a cosine lies in [-1, 1]")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
+}
+
 /// A progress bar on stderr, hidden when stderr is not a terminal or with `--quiet`.
 pub fn progress(len: u64, what: &str, quiet: bool) -> ProgressBar {
     let pb = ProgressBar::new(len);

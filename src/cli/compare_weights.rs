@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "linear")]
     pub placement: Placement,
     /// Tensors whose bytes differ still pass at this cosine after dequantization
-    #[arg(long, value_name = "C", default_value_t = 0.9999)]
+    #[arg(long, value_name = "C", default_value_t = 0.9999, value_parser = super::common::cosine)]
     pub min_cosine: f64,
     #[command(flatten)]
     pub device: DeviceArgs,

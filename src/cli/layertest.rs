@@ -273,11 +273,11 @@ pub struct Args {
     #[command(flatten)]
     pub gs: GsArgs,
     /// Fail below this cosine of the layer output against the BF16 reference
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
     pub min_cosine: f64,
     /// Fail when one expert's own output falls below this cosine, or its rel-L2 exceeds
     /// sqrt(1/C^2 - 1) (an output off by a factor keeps its cosine)
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
     /// topk_weights (F32 [T, K]) to this safetensors file

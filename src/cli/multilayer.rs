@@ -56,15 +56,15 @@ pub struct Args {
     #[command(flatten)]
     pub gs: GsArgs,
     /// Fail when the residual stream's cosine after the last layer is below this
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
     pub min_cosine: f64,
     /// Fail when one layer alone (NVFP4 vs BF16 on the same input) is below this cosine
-    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE)]
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
     pub min_layer_cosine: f64,
     /// Fail when one expert's own output in one layer alone falls below this cosine, or its
     /// rel-L2 exceeds sqrt(1/C^2 - 1) (layertest's rule: a broken expert barely moves its
     /// layer's cosine)
-    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE)]
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
     /// Fail when a layer amplifies the incoming error beyond this factor
     #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
