@@ -560,3 +560,22 @@ fn one_expert_off_by_a_factor_fails_on_its_rel_l2() {
         "seed {seed}: {f}"
     );
 }
+
+#[test]
+fn a_batch_past_host_memory_is_bad_input_before_anything_is_allocated() {
+    // 1e11 tokens of the built-in model need petabytes: refused up front (exit 2, with the
+    // need and advice), where the allocation used to abort the process
+    let dir = tempfile::tempdir().unwrap();
+    for c in ["layertest", "gs-sweep", "multilayer"] {
+        let (code, text, _) = run(
+            dir.path(),
+            &[c, "--device", "cpu", "--tokens", "100000000000"],
+        );
+        assert_eq!(code, 2, "{c}: {text}");
+        assert!(
+            text.contains("GB of memory") && text.contains("try fewer --tokens"),
+            "{c}: {text}"
+        );
+        assert!(!text.contains("memory allocation of"), "{c}: {text}");
+    }
+}

@@ -405,7 +405,7 @@ impl Model {
 /// Layer `l` and its input batch, with the GPU room checked before anything large is made:
 /// up front when the token count is known without reading `--input`, else once it is read.
 /// `normed`: the synthetic batch is the MoE-block input through the layer's norm (else the raw
-/// residual stream, for multilayer); `per_slot` as for [`check_gpu_room`].
+/// residual stream, for multilayer); `per_slot` as for [`check_room`].
 pub fn layer_and_batch(
     model: &Model,
     l: usize,
@@ -416,14 +416,14 @@ pub fn layer_and_batch(
 ) -> Result<(MoeLayer, Batch)> {
     let up_front = tokens_up_front(input);
     if let Some(t) = up_front {
-        check_gpu_room(devices, model.config(), t, per_slot)?;
+        check_room(devices, model.config(), t, per_slot)?;
     }
     let layer = model.layer(l)?;
     let c = &layer.config;
     let norm = normed.then_some((layer.norm_weight.as_deref(), c.rms_norm_eps));
     let batch = load_batch(input, c.hidden_size, layer.token_vocab(), norm)?;
     if up_front.is_none() {
-        check_gpu_room(devices, c, batch.tokens, per_slot)?;
+        check_room(devices, c, batch.tokens, per_slot)?;
     }
     Ok((layer, batch))
 }
@@ -438,19 +438,33 @@ fn tokens_up_front(input: &InputArgs) -> Option<usize> {
 
 /// Refuse, before activations are generated or weights loaded, a batch whose NVFP4 and
 /// reference forwards cannot fit on the main GPU (`budget` is a lower bound of what they
-/// allocate). Nothing to check on the CPU.
-fn check_gpu_room(
+/// allocate), or on the CPU in the host memory available now (the same lower bound): exit 2
+/// with advice, not an abort from a failed allocation.
+fn check_room(
     devices: &EpDevices,
     c: &crate::moe::MoeConfig,
     tokens: usize,
     per_slot: bool,
 ) -> Result<()> {
     use crate::backend::cuda::budget;
-    let Some(cuda) = devices.cuda_main() else {
-        return Ok(());
-    };
     let need = budget::layer_pair_bytes(c, tokens, false, per_slot);
     let per = budget::per_token_bytes(c, per_slot);
+    let Some(cuda) = devices.cuda_main() else {
+        return match host_available_bytes() {
+            Some(free) if need > free => Err(Error::usage(format!(
+                "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, \
+                 top-{}) on the CPU needs at least {:.2} GB of memory, {:.2} GB are available: \
+                 try fewer --tokens (each costs about {:.2} MB)",
+                c.hidden_size,
+                c.n_routed_experts,
+                c.num_experts_per_tok,
+                need as f64 / 1e9,
+                free as f64 / 1e9,
+                per as f64 / 1e6
+            ))),
+            _ => Ok(()),
+        };
+    };
     budget::check_free(
         cuda.gpu(),
         need,
@@ -471,6 +485,20 @@ fn check_gpu_room(
             need.saturating_sub(per * tokens as u64) as f64 / 1e9
         ))
     })
+}
+
+/// Host memory available now (`MemAvailable` of /proc/meminfo); `None` where it cannot be read.
+fn host_available_bytes() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = m
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
 }
 
 /// `1, 3..5` for `[1, 3, 4, 5]`.
