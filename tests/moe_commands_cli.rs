@@ -313,3 +313,14 @@ fn cosine_thresholds_outside_minus_one_to_one_are_usage_errors() {
         assert!(!text.contains("a cosine lies in"), "{a:?}: {text}");
     }
 }
+
+#[test]
+fn a_gs_sweep_span_past_f32_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for v in ["nan", "0", "31", "1e6"] {
+        let kv = format!("--span={v}");
+        let (code, text, _) = run(dir.path(), &["gs-sweep", "--device", "cpu", &kv]);
+        assert_eq!(code, 2, "{v}: {text}");
+        assert!(text.contains("--span"), "{v}: {text}");
+    }
+}

@@ -263,6 +263,7 @@ fn refuses_bad_requests() {
         vec!["synth", "--out", "x", "--plant", "nan-block-scale@1:99"],
         vec!["synth", "--out", "x", "--preset", "dsv9"],
         vec!["synth", "--out", "x", "--layers", "1"],
+        vec!["synth", "--out", "x", "--layers", "129"],
     ] {
         let (code, text) = run(dir.path(), &bad);
         assert_eq!(code, 2, "{bad:?}: {text}");

@@ -75,7 +75,17 @@ struct Point {
     blocks: BlockSummary,
 }
 
+/// Largest `--span` (decades on each side).
+const MAX_SPAN: f64 = 30.0;
+
 pub fn run(args: &Args) -> Result<Report> {
+    // f32 global scales span ~76 decades; a sweep past them is all 0 or inf
+    if !(args.span.is_finite() && args.span > 0.0 && args.span <= MAX_SPAN) {
+        return Err(Error::usage(format!(
+            "--span {}: decades on each side of the calibrated gs, in (0, {MAX_SPAN}]",
+            args.span
+        )));
+    }
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
     let plugin = kernel::open(&args.kernel, &devices)?;
     let ep = args.ep.shard();

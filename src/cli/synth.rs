@@ -162,11 +162,20 @@ fn shard_name(i: usize, n: usize) -> String {
     format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
 }
 
+/// Most layers `synth` writes: past any DeepSeek model's depth, and far past the disk a test
+/// checkpoint should take (a tiny layer is ~3 MB with its BF16 originals, a dsv3 MoE layer several GB).
+const MAX_LAYERS: usize = 128;
+
 pub fn run(args: &Args) -> Result<Report> {
     let preset = args.preset;
     let n_layers = args.layers.unwrap_or(preset.default_layers());
     if n_layers == 0 {
         return Err(Error::usage("--layers must be at least 1"));
+    }
+    if n_layers > MAX_LAYERS {
+        return Err(Error::usage(format!(
+            "--layers {n_layers}: at most {MAX_LAYERS} (DeepSeek-V3 has 61; each layer is written in full)"
+        )));
     }
     let model = SyntheticModel::new(preset, args.seed).with_layers(n_layers);
     let c = model.config.clone();
