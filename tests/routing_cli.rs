@@ -458,6 +458,15 @@ fn bad_input_is_exit_2_with_names() {
         ],
         vec![p(&f), "--num-experts", "8", "--ids", "local"],
         vec![p(&f), "--num-experts", "8", "--min-match", "1.5"],
+        vec![p(&f), "--num-experts", "8", "--max-weight-err", "nan"],
+        vec![
+            p(&f),
+            "--num-experts",
+            "8",
+            "--routed-scaling-factor",
+            "nan",
+        ],
+        vec![p(&f), "--num-experts", "8", "--routed-scaling-factor", "0"],
     ] {
         let out = run(dir.path(), &args);
         assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);

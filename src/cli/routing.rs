@@ -106,7 +106,20 @@ fn check_range(name: &str, v: f64, lo: f64, hi: f64) -> Result<()> {
 
 pub fn run(args: &Args) -> Result<Report> {
     check_range("--min-match", args.min_match, 0.0, 1.0)?;
-    check_range("--max-weight-err", args.max_weight_err, 0.0, f64::MAX)?;
+    if !(args.max_weight_err.is_finite() && args.max_weight_err >= 0.0) {
+        return Err(Error::usage(format!(
+            "--max-weight-err {}: a finite relative error >= 0",
+            args.max_weight_err
+        )));
+    }
+    if let Some(f) = args
+        .routed_scaling_factor
+        .filter(|f| !(f.is_finite() && *f > 0.0))
+    {
+        return Err(Error::usage(format!(
+            "--routed-scaling-factor {f}: a finite factor > 0"
+        )));
+    }
     let d = RoutingDump::load(&args.dump)?;
     let ckpt = match &args.checkpoint {
         Some(dir) => Some(MoeCheckpoint::open(dir)?),
