@@ -1087,6 +1087,8 @@ side = "b"
         vec![s(&fx.ckpt), s(&odd), "--tp-rank", "2", "--tp-size", "2"],
         vec![s(&fx.ckpt), s(&odd), "--ep-rank", "1"],
         vec![s(&fx.ckpt), s(&odd), "--min-cosine", "2"],
+        vec![s(&fx.ckpt), s(&odd), "--tp-size", "0"],
+        vec![s(&fx.ckpt), s(&odd), "--ep-size", "0"],
     ] {
         let out = run(&fx.root, &args);
         assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);

@@ -80,18 +80,13 @@ fn pair(name: &str, rank: Option<usize>, size: Option<usize>) -> Result<Option<(
             "--{name}-rank {r} is out of range for --{name}-size {n}"
         ))),
         (Some(_), None) => Err(Error::usage(format!("--{name}-rank needs --{name}-size"))),
-        (None, Some(n)) if n <= 1 => Ok(None),
+        (_, Some(0)) => Err(Error::usage(format!("--{name}-size must be at least 1"))),
+        (None, Some(1)) => Ok(None),
         (None, Some(_)) => Err(Error::usage(format!("--{name}-size needs --{name}-rank"))),
     }
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    if !(-1.0..=1.0).contains(&args.min_cosine) {
-        return Err(Error::usage(format!(
-            "--min-cosine {} is outside [-1, 1]",
-            args.min_cosine
-        )));
-    }
     let tp = pair("tp", args.tp_rank, args.tp_size)?.filter(|&(_, n)| n > 1);
     let ep = pair("ep", args.ep_rank, args.ep_size)?
         .filter(|&(_, n)| n > 1)
