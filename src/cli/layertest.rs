@@ -449,15 +449,15 @@ fn check_room(
     use crate::backend::cuda::budget;
     let need = budget::layer_pair_bytes(c, tokens, false, per_slot);
     let per = budget::per_token_bytes(c, per_slot);
+    let what = format!(
+        "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, top-{})",
+        c.hidden_size, c.n_routed_experts, c.num_experts_per_tok
+    );
     let Some(cuda) = devices.cuda_main() else {
         return match host_available_bytes() {
             Some(free) if need > free => Err(Error::usage(format!(
-                "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, \
-                 top-{}) on the CPU needs at least {:.2} GB of memory, {:.2} GB are available: \
+                "{what} on the CPU needs at least {:.2} GB of memory, {:.2} GB are available: \
                  try fewer --tokens (each costs about {:.2} MB)",
-                c.hidden_size,
-                c.n_routed_experts,
-                c.num_experts_per_tok,
                 need as f64 / 1e9,
                 free as f64 / 1e9,
                 per as f64 / 1e6
@@ -468,14 +468,7 @@ fn check_room(
     budget::check_free(
         cuda.gpu(),
         need,
-        &format!(
-            "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, top-{}) \
-             on {}",
-            c.hidden_size,
-            c.n_routed_experts,
-            c.num_experts_per_tok,
-            cuda.gpu().describe()
-        ),
+        &format!("{what} on {}", cuda.gpu().describe()),
     )
     .map_err(|e| {
         e.advise_oom(format!(
