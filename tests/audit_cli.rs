@@ -7,7 +7,7 @@ use nvfp4dbg::checkpoint::writer::{f32_bytes, TensorSpec};
 use nvfp4dbg::checkpoint::Dtype;
 use nvfp4dbg::nvfp4::{quantize_nvfp4, weight_global_scale};
 use rand::Rng;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 type Tensors = Vec<(TensorSpec, Vec<u8>)>;
 
@@ -715,4 +715,289 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
             "seed {seed}: no {kind} on {tensor} saying {says:?} in {found:#?}"
         );
     }
+}
+
+/// `synth --out dir --seed seed` (tiny preset: MoE layers 1 and 2, 16 experts, BF16 originals
+/// under dir/bf16/) with `extra` arguments.
+fn synth(dir: &Path, seed: u64, extra: &[&str]) {
+    let seed = seed.to_string();
+    let mut args = vec!["synth", "--out", p(dir), "--seed", &seed];
+    args.extend_from_slice(extra);
+    let o = run(&args);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}
+
+/// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
+fn read_all(path: &Path) -> Tensors {
+    let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();
+    f.names()
+        .map(|n| {
+            let t = f.info(n).unwrap();
+            (
+                TensorSpec::new(n, t.dtype, &t.shape),
+                f.bytes(n).unwrap().to_vec(),
+            )
+        })
+        .collect()
+}
+
+/// The shard `index.json` in `dir` places `name` in.
+fn shard_of(dir: &Path, name: &str) -> PathBuf {
+    let idx: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    dir.join(idx["weight_map"][name].as_str().unwrap())
+}
+
+/// Rewrite the shard of `dir` holding `name` through `f`, and its index to match.
+fn rewrite_shard(dir: &Path, name: &str, f: impl FnOnce(&mut Tensors)) {
+    let shard = shard_of(dir, name);
+    let mut t = read_all(&shard);
+    f(&mut t);
+    write(&shard, t.clone());
+    let ip = dir.join("model.safetensors.index.json");
+    let mut idx: serde_json::Value = serde_json::from_slice(&std::fs::read(&ip).unwrap()).unwrap();
+    let file = shard.file_name().unwrap().to_str().unwrap().to_string();
+    let map = idx["weight_map"].as_object_mut().unwrap();
+    map.retain(|_, v| v != file.as_str());
+    for (s, _) in &t {
+        map.insert(s.name.clone(), file.clone().into());
+    }
+    std::fs::write(&ip, idx.to_string()).unwrap();
+}
+
+fn findings_of(v: &serde_json::Value, kind: &str) -> Vec<(String, String, String)> {
+    v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["kind"] == kind)
+        .map(|x| {
+            (
+                x["tensor"].as_str().unwrap().to_string(),
+                x["file"].as_str().unwrap().to_string(),
+                x["detail"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// synth's swap-gate-up (gate and up NVFP4 tensors of one expert exchanged) keeps every scale
+/// and statistic plausible: only the BF16 originals show it, and audit names the expert, both
+/// tensors, both files and the swap. Every other linear stays at NVFP4's ~0.99.
+#[test]
+fn swapped_gate_up_is_named_from_the_originals() {
+    let (seed, mut r) = rng("audit swap-gate-up vs originals");
+    let d = tempfile::tempdir().unwrap();
+    let (l, e) = (r.gen_range(1..3), r.gen_range(0..16));
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--plant", &format!("swap-gate-up@{l}:{e}")]);
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    assert_eq!(found.len(), 2, "seed {seed}: {found:#?}");
+    let base = format!("model.layers.{l}.mlp.experts.{e}");
+    for proj in ["gate_proj", "up_proj"] {
+        let t = format!("{base}.{proj}.weight");
+        let (_, file, detail) = found
+            .iter()
+            .find(|x| x.0 == t)
+            .unwrap_or_else(|| panic!("seed {seed}: no finding on {t}: {found:#?}"));
+        assert_eq!(Path::new(file), shard_of(&ck, &t), "seed {seed}");
+        let shard = Path::new(file).file_name().unwrap().to_str().unwrap();
+        let orig = shard_of(&ck.join("bf16"), &t);
+        let orig = format!("bf16/{}", orig.file_name().unwrap().to_str().unwrap());
+        for want in [
+            format!("layer {l} expert {e} {proj}"),
+            "gate_proj and up_proj swapped".into(),
+            shard.to_string(),
+            orig,
+        ] {
+            assert!(
+                detail.contains(&want),
+                "seed {seed}: {want:?} not in {detail}"
+            );
+        }
+        assert!(out.contains(&t), "seed {seed}: table lacks {t}:\n{out}");
+    }
+    assert_eq!(v["summary"]["originals_compared"], 96, "seed {seed}");
+    let healthy = v["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| !x["base"].as_str().unwrap().starts_with(&format!("{base}.")))
+        .map(|x| x["original"]["cosine"].as_f64().unwrap())
+        .fold(1.0, f64::min);
+    assert!(
+        healthy > 0.99,
+        "seed {seed}: healthy linears down to {healthy}"
+    );
+    // without the originals nothing shows it (the statistics are those of a healthy expert)
+    let o = run(&["audit", p(&ck), "--no-originals"]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stdout(&o));
+    assert!(stdout(&o).contains("--no-originals"), "{}", stdout(&o));
+}
+
+/// Weights mixed up between experts, a weight off by a factor, an original of another shape
+/// and an original of a tensor the checkpoint lacks: each is named with its expert and files.
+#[test]
+fn originals_name_permuted_rescaled_and_orphaned_weights() {
+    let (seed, mut r) = rng("audit originals mix-ups");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let l = r.gen_range(1..3);
+    let mut ex: Vec<usize> = (0..16).collect();
+    use rand::seq::SliceRandom;
+    ex.shuffle(&mut r);
+    let (a, b, c, dd, x, y) = (ex[0], ex[1], ex[2], ex[3], ex[4], ex[5]);
+    let base = |e: usize, p: &str| format!("model.layers.{l}.mlp.experts.{e}.{p}");
+    let members = ["weight", "weight_scale", "weight_scale_2"];
+    rewrite_shard(&ck, &format!("{}.weight", base(a, "gate_proj")), |t| {
+        let bytes = |t: &Tensors, n: &str| t.iter().find(|(s, _)| s.name == n).unwrap().1.clone();
+        for m in members {
+            let (na, nb) = (
+                format!("{}.{m}", base(a, "gate_proj")),
+                format!("{}.{m}", base(b, "gate_proj")),
+            );
+            let (va, vb) = (bytes(t, &na), bytes(t, &nb));
+            // experts a and b exchanged (gate_proj); expert c's down_proj a copy of dd's
+            let (nc, nd) = (
+                format!("{}.{m}", base(c, "down_proj")),
+                format!("{}.{m}", base(dd, "down_proj")),
+            );
+            let vd = bytes(t, &nd);
+            for (s, v) in t.iter_mut() {
+                if s.name == na {
+                    *v = vb.clone();
+                } else if s.name == nb {
+                    *v = va.clone();
+                } else if s.name == nc {
+                    *v = vd.clone();
+                }
+            }
+        }
+        // expert y's down_proj weight_scale_2 doubled: the right direction, twice the magnitude
+        let n = format!("{}.weight_scale_2", base(y, "down_proj"));
+        let (_, v) = t.iter_mut().find(|(s, _)| s.name == n).unwrap();
+        let s2 = f32::from_le_bytes(v[..4].try_into().unwrap());
+        *v = f32_bytes(&[2.0 * s2]);
+    });
+    let bf = ck.join("bf16");
+    let up_x = format!("{}.weight", base(x, "up_proj"));
+    let orphan = format!("model.layers.{l}.mlp.experts.16.gate_proj.weight");
+    rewrite_shard(&bf, &up_x, |t| {
+        // expert x's up_proj original written [in, out]
+        let (s, _) = t.iter_mut().find(|(s, _)| s.name == up_x).unwrap();
+        s.shape.reverse();
+        t.push((
+            TensorSpec::new(&orphan, Dtype::BF16, &[4, 16]),
+            vec![0; 128],
+        ));
+    });
+    let (code_, out, v) = audit(&ck);
+    assert_eq!(code_, 1, "seed {seed}: {out}");
+    let mism = findings_of(&v, "original_mismatch");
+    let says = |t: &str, want: &[String]| {
+        let (_, _, detail) = mism
+            .iter()
+            .find(|f| f.0 == t)
+            .unwrap_or_else(|| panic!("seed {seed}: no original_mismatch on {t}: {mism:#?}"));
+        for w in want {
+            assert!(
+                detail.contains(w.as_str()),
+                "seed {seed}: {w:?} not in {detail}"
+            );
+        }
+    };
+    let (lo, hi) = (a.min(b), a.max(b));
+    for e in [a, b] {
+        says(
+            &format!("{}.weight", base(e, "gate_proj")),
+            &[
+                format!("layer {l} expert {e} gate_proj"),
+                format!("experts {lo} and {hi} swapped (gate_proj)"),
+            ],
+        );
+    }
+    says(
+        &format!("{}.weight", base(c, "down_proj")),
+        &[
+            format!("layer {l} expert {c} down_proj"),
+            format!("holds expert {dd}'s down_proj"),
+        ],
+    );
+    says(
+        &format!("{}.weight", base(y, "down_proj")),
+        &[
+            format!("layer {l} expert {y} down_proj"),
+            "wrong magnitude".into(),
+        ],
+    );
+    assert_eq!(mism.len(), 4, "seed {seed}: {mism:#?}");
+    let shape = findings_of(&v, "original_shape_mismatch");
+    assert!(
+        shape.len() == 1
+            && shape[0].0 == up_x
+            && shape[0]
+                .2
+                .contains(&format!("layer {l} expert {x} up_proj"))
+            && shape[0].2.contains("transposed")
+            && shape[0].2.contains("bf16/"),
+        "seed {seed}: {shape:#?}"
+    );
+    let orph = findings_of(&v, "orphan_original");
+    assert!(
+        orph.len() == 1 && orph[0].0 == orphan && orph[0].1.contains("/bf16/"),
+        "seed {seed}: {orph:#?}"
+    );
+}
+
+/// A tensor a listed shard stores but the index's weight_map leaves out: transformers never
+/// loads it, vLLM does. Named with its shard (exit 1). The opposite — the weight_map placing a
+/// tensor in a shard that lacks it — is bad input (exit 2) naming both.
+#[test]
+fn tensor_missing_from_the_weight_map_is_named() {
+    let (seed, mut r) = rng("audit weight_map");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let ip = ck.join("model.safetensors.index.json");
+    let text = std::fs::read(&ip).unwrap();
+    let mut idx: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let names: Vec<String> = idx["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    let victim = names[r.gen_range(0..names.len())].clone();
+    let shard = shard_of(&ck, &victim);
+    idx["weight_map"].as_object_mut().unwrap().remove(&victim);
+    std::fs::write(&ip, idx.to_string()).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "unindexed_tensor");
+    assert!(
+        found.len() == 1 && found[0].0 == victim && Path::new(&found[0].1) == shard,
+        "seed {seed}: {found:#?}"
+    );
+    assert!(out.contains(&victim), "seed {seed}: {out}");
+
+    // the weight_map naming a shard that does not hold the tensor
+    let other = names
+        .iter()
+        .find(|n| shard_of(&ck, n) != shard && **n != victim)
+        .unwrap()
+        .clone();
+    let mut idx: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let shard_name = shard.file_name().unwrap().to_str().unwrap();
+    idx["weight_map"][&other] = shard_name.into();
+    std::fs::write(&ip, idx.to_string()).unwrap();
+    let (c, out, _) = audit(&ck);
+    assert_eq!(c, 2, "seed {seed}: {out}");
+    assert!(
+        out.contains(&other) && out.contains(shard_name),
+        "seed {seed}: {out}"
+    );
 }

@@ -33,7 +33,15 @@
 //!   `quantization_config`, or a group size other than 16;
 //! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
 //!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
-//!   `n_routed_experts` make it (the engine builds the layer from config.json).
+//!   `n_routed_experts` make it (the engine builds the layer from config.json);
+//! - a tensor a shard listed in `model.safetensors.index.json` stores but its `weight_map`
+//!   leaves out (transformers loads by the weight_map and never sees it; vLLM, which reads
+//!   every tensor of the listed shards, loads it);
+//! - when the checkpoint ships BF16 originals (`DIR/bf16/`) and `originals` is on: a quantized
+//!   linear whose dequantized weight is not its original (cosine below
+//!   `min_original_cosine`, or the wrong magnitude), with the original it matches instead
+//!   when its layer holds one; an original of another shape; an original of a tensor the
+//!   checkpoint lacks (see `checkpoint::originals`).
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
@@ -41,6 +49,8 @@ use super::config::QuantMethod;
 use super::file::{is_float, TensorFile, TensorInfo};
 use super::formats::{self, Convention, LinearNames};
 use super::hf::Checkpoint;
+use super::names::Naming;
+use super::originals::{self, OriginalCheck};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
 use crate::nvfp4::{e4m3, ue8m0, Format};
@@ -63,6 +73,10 @@ pub struct AuditOptions {
     /// The same for `weight_scale_2` (the expert's weight amax / 2688: experts of one
     /// projection differ by a few x, not by this much).
     pub weight_scale_outlier: f32,
+    /// Compare each quantized linear with its BF16 original when the checkpoint ships them.
+    pub originals: bool,
+    /// Cosine with the original below which a linear is flagged ([`originals::MIN_COSINE`]).
+    pub min_original_cosine: f64,
 }
 
 impl Default for AuditOptions {
@@ -71,6 +85,8 @@ impl Default for AuditOptions {
             saturation_limit: 0.01,
             input_scale_outlier: 10.0,
             weight_scale_outlier: 100.0,
+            originals: true,
+            min_original_cosine: originals::MIN_COSINE,
         }
     }
 }
@@ -94,6 +110,10 @@ pub enum FindingKind {
     ConfigMismatch,
     BlockScaleDtype,
     DuplicateTensor,
+    UnindexedTensor,
+    OriginalMismatch,
+    OriginalShapeMismatch,
+    OrphanOriginal,
 }
 
 impl FindingKind {
@@ -115,6 +135,10 @@ impl FindingKind {
             FindingKind::ConfigMismatch => "config mismatch",
             FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
             FindingKind::DuplicateTensor => "differing copy in another shard",
+            FindingKind::UnindexedTensor => "not in the index's weight_map",
+            FindingKind::OriginalMismatch => "differs from its BF16 original",
+            FindingKind::OriginalShapeMismatch => "BF16 original of another shape or dtype",
+            FindingKind::OrphanOriginal => "BF16 original without its tensor",
         }
     }
 }
@@ -146,6 +170,9 @@ pub struct LinearStats {
     pub negative_scales: u64,
     pub zero_scales: u64,
     pub max_block_scale: f32,
+    /// Against the BF16 original, when there is one (and `originals` is on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub original: Option<OriginalCheck>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -154,7 +181,13 @@ pub struct AuditResult {
     pub tensors: usize,
     pub linears: Vec<LinearStats>,
     pub float_tensors: usize,
+    /// Every byte read, the originals' included.
     pub bytes_scanned: u64,
+    /// The originals directory compared against (None: none shipped, or `originals` off).
+    pub originals: Option<PathBuf>,
+    /// Of `bytes_scanned`, the originals' (`cat DIR/*.safetensors DIR/bf16/*.safetensors`
+    /// reads the same total when every tensor is scanned).
+    pub original_bytes: u64,
     pub findings: Vec<Finding>,
 }
 
@@ -296,13 +329,14 @@ pub fn audit(
         .count();
 
     // 2. scan, in parallel, straight from the maps
+    let naming = Naming::detect(ck.names());
     type Scanned = Result<(Option<LinearStats>, Vec<Finding>, u64)>;
     let scanned: Vec<Scanned> = items
         .par_iter()
         .map(|it| {
             let r = match it {
                 Item::Linear(ln, n) => {
-                    scan_linear(ck, ln, opts).map(|(s, f, b)| (Some(s), f, b, *n))
+                    scan_linear(ck, ln, opts, naming.as_ref()).map(|(s, f, b)| (Some(s), f, b, *n))
                 }
                 Item::Values(name) => scan_values(ck, name).map(|(f, b)| (None, f, b, 1)),
             };
@@ -327,6 +361,46 @@ pub fn audit(
     fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
     duplicate_copies(ck, &mut findings)?;
+    unindexed_tensors(ck, &mut findings);
+    let compared = ck.originals().filter(|_| opts.originals);
+    let mut original_bytes = 0;
+    if let Some(o) = compared {
+        originals::orphans(ck, o, &mut findings);
+        original_bytes = linears
+            .iter()
+            .filter_map(|l| l.original.as_ref())
+            .map(|c| c.bytes)
+            .sum();
+        bytes_scanned += original_bytes;
+        let mut failing = vec![];
+        for l in &linears {
+            let Some(c) = l.original.as_ref() else {
+                continue;
+            };
+            if !originals::fails(&c.metrics, opts.min_original_cosine) {
+                continue;
+            }
+            let Some(names) = formats::find_linear(ck, &l.base)? else {
+                continue;
+            };
+            failing.push(originals::Failing {
+                names,
+                geometry: formats::Geometry {
+                    format: l.format,
+                    rows: l.shape[0],
+                    cols: l.shape[1],
+                },
+                scale_2: l.weight_scale_2.unwrap_or(1.0),
+                check: c.clone(),
+            });
+        }
+        findings.extend(originals::diagnose(
+            ck,
+            o,
+            &failing,
+            opts.min_original_cosine,
+        )?);
+    }
 
     findings.sort_by(|a, b| (&a.tensor, a.kind).cmp(&(&b.tensor, b.kind)));
     Ok(AuditResult {
@@ -335,6 +409,8 @@ pub fn audit(
         linears,
         float_tensors,
         bytes_scanned,
+        originals: compared.map(|o| o.path().to_path_buf()),
+        original_bytes,
         findings,
     })
 }
@@ -369,6 +445,7 @@ fn scan_linear(
     ck: &Checkpoint,
     ln: &LinearNames,
     opts: &AuditOptions,
+    naming: Option<&Naming>,
 ) -> Result<(LinearStats, Vec<Finding>, u64)> {
     let g = formats::check_linear(ck, ln)?;
     let (wf, wi) = ck.find(&ln.weight)?;
@@ -509,6 +586,20 @@ fn scan_linear(
         }
         input_scale = formats::input_scale(ck, ln)?;
     }
+    // the BF16 original: the quantized bytes are still mapped; an NVFP4 weight without its
+    // global scale has a finding of its own and nothing to dequantize with
+    let mut original = None;
+    if let (true, Some(o)) = (opts.originals, ck.originals()) {
+        let scale_2 = match g.format {
+            Format::Mxfp4 => Some(1.0),
+            Format::Nvfp4 => weight_scale_2,
+        };
+        if let Some(s2) = scale_2 {
+            let (c, f) = originals::check(ck, o, naming, ln, g, s2)?;
+            original = c;
+            out.extend(f);
+        }
+    }
     let bytes = (packed.len() + scales.len()) as u64;
     wf.release(wi);
     sf.release(si);
@@ -528,6 +619,7 @@ fn scan_linear(
             negative_scales: sc.negative,
             zero_scales: sc.zero,
             max_block_scale: sc.max,
+            original,
         },
         out,
         bytes,
@@ -1041,6 +1133,32 @@ fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -
         }
     }
     Ok(())
+}
+
+/// Tensors a listed shard stores that the index's `weight_map` leaves out: transformers
+/// loads by the weight_map and leaves that parameter as initialized (or fails on a strict
+/// load); vLLM, which reads every tensor of every listed shard, loads it. The two engines then
+/// run different models.
+fn unindexed_tensors(ck: &Checkpoint, out: &mut Vec<Finding>) {
+    let Some(index) = ck.index_path() else {
+        return;
+    };
+    let file_name = |p: &std::path::Path| {
+        p.file_name()
+            .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+    };
+    for (name, shard) in ck.unindexed_tensors() {
+        out.push(Finding {
+            tensor: name.to_string(),
+            file: shard.path().to_path_buf(),
+            kind: FindingKind::UnindexedTensor,
+            detail: format!(
+                "stored in `{}`, but `{}`'s weight_map does not name it: transformers loads by the weight_map and never sees it (the parameter keeps its initialized values); vLLM, which reads every tensor of every listed shard, loads it",
+                file_name(shard.path()),
+                file_name(index)
+            ),
+        });
+    }
 }
 
 /// A tensor stored in two shards with different contents: the index names one copy, but

@@ -28,6 +28,8 @@ pub struct Checkpoint {
     names: Vec<String>,
     /// Second copies in another shard than the one the index names: (name, shard).
     shadowed: Vec<(String, usize)>,
+    /// Tensors a listed shard stores that the index's `weight_map` does not name: (name, shard).
+    unindexed: Vec<(String, usize)>,
     originals: Option<Box<Checkpoint>>,
 }
 
@@ -116,6 +118,7 @@ impl Checkpoint {
         let mut lookup = HashMap::new();
         let mut names = vec![];
         let mut shadowed = vec![];
+        let mut unindexed = vec![];
         if let (Some((files, map)), Some(ix)) = (&weight_map, &index) {
             // The index is what engines load by: every tensor it names must be where it says.
             for (name, fi) in map {
@@ -154,6 +157,9 @@ impl Checkpoint {
                         continue;
                     }
                     None => {
+                        if index.is_some() {
+                            unindexed.push((n.to_string(), i));
+                        }
                         lookup.insert(n.to_string(), i);
                     }
                 }
@@ -171,6 +177,7 @@ impl Checkpoint {
             lookup,
             names,
             shadowed,
+            unindexed,
             originals,
         })
     }
@@ -203,6 +210,16 @@ impl Checkpoint {
     /// read both.
     pub fn shadowed_copies(&self) -> impl Iterator<Item = (&str, &TensorFile)> + '_ {
         self.shadowed
+            .iter()
+            .map(|(n, i)| (n.as_str(), &self.shards[*i]))
+    }
+
+    /// Tensors stored in a shard the index lists but missing from its `weight_map`, with that
+    /// shard. They are loaded and scanned like the others (vLLM, which reads every tensor of
+    /// every listed shard, loads them too), but transformers loads by the `weight_map` and
+    /// never sees them.
+    pub fn unindexed_tensors(&self) -> impl Iterator<Item = (&str, &TensorFile)> + '_ {
+        self.unindexed
             .iter()
             .map(|(n, i)| (n.as_str(), &self.shards[*i]))
     }
@@ -365,6 +382,18 @@ mod tests {
         assert_eq!(c.file_of("z"), d.path().join("b.safetensors"));
         assert!(c.originals().is_none());
         assert!(c.to_f32("w").unwrap_err().to_string().contains("`w`"));
+        assert_eq!(c.unindexed_tensors().count(), 0);
+
+        // a tensor a listed shard stores but the weight_map leaves out: still read, and named
+        let idx = r#"{"weight_map":{"x":"a.safetensors","z":"b.safetensors"}}"#;
+        std::fs::write(d.path().join(INDEX_FILE), idx).unwrap();
+        let c = Checkpoint::open(d.path()).unwrap();
+        assert_eq!(c.to_f32("y").unwrap(), vec![2.0 * v, -2.0 * v]);
+        let u: Vec<_> = c
+            .unindexed_tensors()
+            .map(|(n, f)| (n.to_string(), f.path().to_path_buf()))
+            .collect();
+        assert_eq!(u, vec![("y".to_string(), d.path().join("a.safetensors"))]);
 
         // index naming a tensor the shard lacks
         let idx = r#"{"weight_map":{"x":"b.safetensors"}}"#;

@@ -8,6 +8,7 @@ pub mod formats;
 pub mod hf;
 pub mod model;
 pub mod names;
+pub mod originals;
 pub mod quantize;
 pub mod source;
 pub mod writer;

@@ -1,9 +1,11 @@
 //! `audit PATH`: is the checkpoint itself sane? A static scan of every NVFP4 triple and every
-//! float tensor (see `checkpoint::audit` for what counts as a hazard and why). Exit 1 names
-//! every hazardous tensor.
+//! float tensor, and — when the checkpoint ships BF16 originals (`DIR/bf16/`) — every quantized
+//! linear dequantized against its original (see `checkpoint::audit` for what counts as a hazard
+//! and why). Exit 1 names every hazardous tensor.
 
 use super::common::{progress, OutArgs};
 use crate::checkpoint::audit::{audit, AuditOptions, FindingKind};
+use crate::checkpoint::originals;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
@@ -27,6 +29,17 @@ pub struct Args {
     /// the same projection, or less than the median over it (weight amaxes differ by a few x)
     #[arg(long, value_name = "FACTOR", default_value_t = 100.0)]
     pub weight_scale_outlier: f32,
+    /// Flag a quantized linear whose dequantized weight has a cosine below this with its BF16
+    /// original (DIR/bf16/), or a rel-L2 above what noise reaches at this cosine (0.33 at
+    /// 0.95: the wrong magnitude). NVFP4 keeps ~0.99 (0.9955-0.9961, rel-L2 <= 0.095 on synth
+    /// checkpoints); another matrix under the weight's name (gate/up swapped, experts
+    /// permuted) gives ~0, a global scale 64x too small ~0.74
+    #[arg(long, value_name = "C", default_value_t = originals::MIN_COSINE, value_parser = super::common::cosine)]
+    pub min_original_cosine: f64,
+    /// Do not compare the quantized weights with the BF16 originals under DIR/bf16/ (4x the
+    /// bytes of the NVFP4 weights; only the structure and scale checks run)
+    #[arg(long)]
+    pub no_originals: bool,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
@@ -48,6 +61,8 @@ pub fn run(args: &Args) -> Result<Report> {
         saturation_limit: args.saturation_limit,
         input_scale_outlier: args.input_scale_outlier,
         weight_scale_outlier: args.weight_scale_outlier,
+        originals: !args.no_originals,
+        min_original_cosine: args.min_original_cosine,
     };
     let pb = progress(ck.names().count() as u64, "audit", args.out_args.quiet);
     let res = audit(&ck, &opts, &|n| pb.inc(n))?;
@@ -99,6 +114,29 @@ pub fn run(args: &Args) -> Result<Report> {
             format!("{} ({}%)", w.base, f(100.0 * w.saturated_fraction, 3)),
         ));
     }
+    let checked: Vec<_> = res
+        .linears
+        .iter()
+        .filter_map(|l| l.original.as_ref().map(|c| (l, c)))
+        .collect();
+    let lowest = checked
+        .iter()
+        .filter(|(_, c)| c.metrics.nan_count + c.metrics.inf_count == 0)
+        .min_by(|a, b| a.1.metrics.cosine.total_cmp(&b.1.metrics.cosine));
+    overview.push((
+        "BF16 originals",
+        match (&res.originals, ck.originals()) {
+            (Some(p), _) => format!("{} linears compared with {}", checked.len(), p.display()),
+            (None, Some(_)) => "not compared (--no-originals)".into(),
+            (None, None) => "none shipped".into(),
+        },
+    ));
+    if let Some((l, c)) = lowest {
+        overview.push((
+            "lowest cosine vs original",
+            format!("{} ({})", f(c.metrics.cosine, 4), l.base),
+        ));
+    }
     for (k, n) in &by_kind {
         overview.push((k.label(), n.to_string()));
     }
@@ -145,6 +183,10 @@ pub fn run(args: &Args) -> Result<Report> {
             "saturated_block_scales": sat_total,
             "block_scales": blocks,
             "bytes_scanned": res.bytes_scanned,
+            "originals": res.originals,
+            "originals_compared": checked.len(),
+            "original_bytes": res.original_bytes,
+            "lowest_original_cosine": lowest.map(|(_, c)| c.metrics.cosine),
             "by_kind": counts,
         }))
         .with("hazardous_tensors", &hazardous)
@@ -156,20 +198,21 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     // a per-linear table only for small checkpoints; the JSON always has them all
     if !res.linears.is_empty() && res.linears.len() <= 24 {
-        let mut t = Section::new(
-            "quantized linears",
-            &[
-                "tensor",
-                "shape",
-                "convention",
-                "weight_scale_2",
-                "input_scale",
-                "at 448",
-                "max scale",
-            ],
-        );
+        let mut headers = vec![
+            "tensor",
+            "shape",
+            "convention",
+            "weight_scale_2",
+            "input_scale",
+            "at 448",
+            "max scale",
+        ];
+        if !checked.is_empty() {
+            headers.push("cosine vs BF16 original");
+        }
+        let mut t = Section::new("quantized linears", &headers);
         for l in &res.linears {
-            t.row(vec![
+            let mut row = vec![
                 l.base.clone(),
                 format!("{}x{}", l.shape[0], l.shape[1]),
                 serde_json::to_value(l.convention)
@@ -180,7 +223,15 @@ pub fn run(args: &Args) -> Result<Report> {
                 l.input_scale.map_or("-".into(), |v| e(v as f64)),
                 format!("{}%", f(100.0 * l.saturated_fraction, 2)),
                 f(l.max_block_scale as f64, 4),
-            ]);
+            ];
+            if !checked.is_empty() {
+                row.push(
+                    l.original
+                        .as_ref()
+                        .map_or("-".into(), |c| f(c.metrics.cosine, 4)),
+                );
+            }
+            t.row(row);
         }
         report = report.section(t);
     }

@@ -24,14 +24,13 @@ pub fn encode(x: f32) -> u8 {
     mag | ((x.is_sign_negative() as u8) << 3)
 }
 
+/// The value of a code. The sign bit goes straight into the f32's sign bit (what negation
+/// does, `-0.0` included): branch-free, since codes' signs are random and a mispredicted
+/// branch per value made dequantizing ~4 ns a value.
 #[inline]
 pub fn decode(code: u8) -> f32 {
     let v = VALUES[(code & 7) as usize];
-    if code & 8 != 0 {
-        -v
-    } else {
-        v
-    }
+    f32::from_bits(v.to_bits() | (((code & 8) as u32) << 28))
 }
 
 /// Element `2i` in the low nibble, `2i+1` in the high nibble.
@@ -87,6 +86,15 @@ mod tests {
     fn every_code_round_trips() {
         for code in 0u8..16 {
             assert_eq!(encode(decode(code)), code);
+        }
+    }
+
+    #[test]
+    fn decode_is_the_magnitude_negated_bit_for_bit() {
+        for code in 0u8..16 {
+            let v = VALUES[(code & 7) as usize];
+            let want = if code & 8 != 0 { -v } else { v };
+            assert_eq!(decode(code).to_bits(), want.to_bits(), "code {code:#x}");
         }
     }
 

@@ -24,7 +24,8 @@ pub trait DiffEngine: Sync {
 }
 
 /// The reference: chunked over the cores, f64 sums (`metrics::Accum`); two NVFP4 matrices of
-/// one shape in one fused pass (`fused`: the same values, max and counts, the sums in lanes).
+/// one shape, or NVFP4 against a BF16 reference, in one fused pass (`fused`: the same values,
+/// max and counts, the sums in lanes).
 pub struct CpuDiff;
 
 impl DiffEngine for CpuDiff {
@@ -36,6 +37,9 @@ impl DiffEngine for CpuDiff {
         Ok(match (a, b) {
             (Values::Q(x), Values::Q(y)) if (x.rows, x.cols) == (y.rows, y.cols) => {
                 Some(fused::metrics_nvfp4(x, y).unwrap_or_else(|| metrics_qq(x, y)))
+            }
+            (Values::D(x), Values::Q(y)) => {
+                fused::metrics_bf16_nvfp4(x, y).or_else(|| metrics_any(a, b))
             }
             _ => metrics_any(a, b),
         })
