@@ -352,30 +352,52 @@ impl Model {
         }
     }
 
-    pub fn layer(&self, l: usize) -> Result<MoeLayer> {
-        let layers = self.moe_layers();
-        if !layers.contains(&l) {
-            return Err(Error::usage(format!(
+    /// Is `l` an MoE layer an engine runs? Bad input naming why not (for a checkpoint: no
+    /// expert tensors, or config.json's `first_k_dense_replace` making it dense). The one check
+    /// of every command taking a layer, before anything is loaded.
+    pub fn check_layer(&self, l: usize) -> Result<()> {
+        match self {
+            Model::Checkpoint { ckpt, .. } => ckpt.check_layer(l),
+            Model::Synthetic(_) if self.moe_layers().contains(&l) => Ok(()),
+            Model::Synthetic(_) => Err(Error::usage(format!(
                 "layer {l} is not an MoE layer of {} (MoE layers: {})",
                 self.describe(),
-                ranges(&layers)
-            )));
+                ranges(&self.moe_layers())
+            ))),
         }
+    }
+
+    pub fn layer(&self, l: usize) -> Result<MoeLayer> {
+        self.check_layer(l)?;
         match self {
             Model::Synthetic(m) => m.moe_layer(l),
             Model::Checkpoint { ckpt, .. } => ckpt.load_layer(l),
         }
     }
 
-    /// `--layer`, or the first MoE layer.
+    /// `--layer` once checked, or the first MoE layer (never one config.json makes dense).
     pub fn pick_layer(&self, layer: Option<usize>) -> Result<usize> {
         if let Some(l) = layer {
+            self.check_layer(l)?;
             return Ok(l);
         }
-        self.moe_layers()
-            .first()
-            .copied()
-            .ok_or_else(|| Error::usage(format!("{} has no MoE layer", self.describe())))
+        self.moe_layers().first().copied().ok_or_else(|| {
+            let dense = match self {
+                Model::Checkpoint { ckpt, .. } => ckpt.dense_by_config(),
+                Model::Synthetic(_) => vec![],
+            };
+            let why = if dense.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ": its routed experts sit in layers {} only, which config.json's \
+                     first_k_dense_replace = {} makes dense MLPs",
+                    ranges(&dense),
+                    self.config().first_k_dense_replace
+                )
+            };
+            Error::usage(format!("{} has no MoE layer{why}", self.describe()))
+        })
     }
 
     pub fn describe(&self) -> String {

@@ -165,12 +165,12 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(s) => parse_range(s)?,
         None => moe_layers.clone(),
     };
-    if let Some(l) = layers.iter().find(|l| !moe_layers.contains(l)) {
-        return Err(Error::usage(format!(
-            "--layers: layer {l} is not an MoE layer of {} (MoE layers: {})",
-            model.describe(),
-            ranges(&moe_layers)
-        )));
+    for &l in &layers {
+        model.check_layer(l)?;
+    }
+    if layers.is_empty() {
+        // no MoE layer: say why, as the other commands do
+        model.pick_layer(None)?;
     }
     let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, true, false)?;
     let first_k = first.config.num_experts_per_tok;
