@@ -259,8 +259,8 @@ pub fn ep_disagreement(args: &EpArgs, a: &Agreement, hidden: usize, what: &str) 
 fully quantized MoE layer reaches ~0.974, i.e. ~0.23 rel-L2; NVFP4 alone costs ~0.095 rel-L2 per \
 tensor); --min-expert-cosine 0.90 for each expert's own output, and rel-L2 <= 0.484 \
 (sqrt(1/0.9^2 - 1): an output off by a factor keeps its cosine), over at least --min-expert-slots 3 \
-token slots (below, only cosine 0.7 / rel-L2 1.02 fails; in between is too few tokens to judge: \
-healthy single slots reach cosine 0.78); on a GPU, the kernel must match \
+token slots; below, the bar ramps from cosine 0.7 (rel-L2 1.02) on one slot (healthy single slots \
+reach 0.78), an expert between its bar and --min-expert-cosine is too few tokens to judge; on a GPU, the kernel must match \
 the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails. With --ep N the sharded output must \
 equal the unsharded (--ep 1) one up to FP32 summation order: |ep - ep1| <= 2*g_K*(2*sum|w*y| + \
 |out_ep1|)/(1 - g_K) elementwise, g_K = K*u/(1 - K*u), u = 2^-24 (only the order of the combine sum \
@@ -282,9 +282,10 @@ pub struct Args {
     /// sqrt(1/C^2 - 1) (an output off by a factor keeps its cosine)
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
-    /// Judge an expert by --min-expert-cosine only over at least N token slots: with fewer,
-    /// NVFP4 noise on one or two tokens reaches that bar, and the expert fails only below
-    /// cosine 0.7 (else it is reported as too few tokens to judge). 1 judges every expert
+    /// Judge an expert by --min-expert-cosine over at least N token slots: with fewer, NVFP4
+    /// noise on one or two tokens reaches that bar, and the expert's bar ramps from cosine 0.7
+    /// on one slot up to it (between the two: too few tokens to judge). 1 judges every expert
+    /// by --min-expert-cosine
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
     pub min_expert_slots: usize,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and

@@ -68,9 +68,9 @@ pub struct Args {
     /// layer's cosine)
     #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
-    /// Judge an expert by --min-expert-cosine only over at least N token slots (layertest's
-    /// rule: below, only cosine 0.7 fails, else it is too few tokens to judge). 1 judges every
-    /// expert
+    /// Judge an expert by --min-expert-cosine over at least N token slots (layertest's rule:
+    /// below, the bar ramps from cosine 0.7 on one slot; between it and --min-expert-cosine is
+    /// too few tokens to judge). 1 judges every expert by --min-expert-cosine
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
     pub min_expert_slots: usize,
     /// Fail when a layer amplifies the incoming error beyond this factor
