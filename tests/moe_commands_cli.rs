@@ -324,3 +324,73 @@ fn a_gs_sweep_span_past_f32_is_a_usage_error() {
         assert!(text.contains("--span"), "{v}: {text}");
     }
 }
+
+/// Set `first_k_dense_replace` in the config.json of checkpoint `ck`.
+fn set_dense_layers(ck: &Path, k: usize) {
+    let p = ck.join("config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c["first_k_dense_replace"] = k.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+}
+
+/// A layer that holds routed experts but that config.json's first_k_dense_replace makes dense
+/// is never run as MoE by an engine: every command taking a layer refuses it (exit 2, naming
+/// config.json, the field, the layer and the MoE layers), and the default layer is an MoE one.
+/// (They used to run those experts and give a verdict about weights nobody uses.)
+#[test]
+fn a_layer_config_json_makes_dense_is_refused_by_every_command() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    // tiny: 3 layers, layer 0 dense, experts in layers 1 and 2
+    synth(dir.path(), &["--out", "ck", "--seed", &seed]);
+    let ck = dir.path().join("ck");
+    set_dense_layers(&ck, 2);
+    let cpu = ["--checkpoint", "ck", "--device", "cpu", "--tokens", "16"];
+    let with = |cmd: &str, extra: &[&str]| {
+        let mut a = vec![cmd];
+        a.extend_from_slice(&cpu);
+        a.extend_from_slice(extra);
+        run(dir.path(), &a)
+    };
+    for (cmd, extra) in [
+        ("layertest", ["--layer", "1"]),
+        ("gs-sweep", ["--layer", "1"]),
+        ("multilayer", ["--layers", "1..3"]),
+    ] {
+        let (code, text, _) = with(cmd, &extra);
+        assert_eq!(code, 2, "seed {seed} {cmd}: {text}");
+        for want in [
+            "config.json",
+            "first_k_dense_replace = 2",
+            "layer 1 is not an MoE layer",
+            "MoE layers: 2",
+        ] {
+            assert!(
+                text.contains(want),
+                "seed {seed} {cmd}: no `{want}` in {text}"
+            );
+        }
+    }
+    // without --layer: the MoE layer, not the first layer holding experts
+    let (code, text, r) = with("layertest", &[]);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+    assert_eq!(r.unwrap()["summary"]["layer"], 2, "seed {seed}: {text}");
+    let (code, text, r) = with("multilayer", &[]);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+    let rows = r.unwrap()["per_layer"].clone();
+    let layers: Vec<u64> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["layer"].as_u64().unwrap())
+        .collect();
+    assert_eq!(layers, [2], "seed {seed}: {text}");
+    // every layer holding experts made dense: no MoE layer, and why
+    set_dense_layers(&ck, 3);
+    let (code, text, _) = with("gs-sweep", &[]);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    assert!(
+        text.contains("no MoE layer") && text.contains("first_k_dense_replace = 3"),
+        "seed {seed}: {text}"
+    );
+}

@@ -282,8 +282,7 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
             "dump",
         ],
     );
-    // only the dump matters here: at 12 tokens an expert may hold a single slot, whose own
-    // cosine can fall under --min-expert-cosine on a healthy layer (seed 408070430907894220)
+    // only the dump matters here, not the layer's own verdict
     assert!(
         matches!(o.status.code(), Some(0 | 1)),
         "seed {seed}: {}",
@@ -492,6 +491,107 @@ fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
     assert!(text(&o).contains("short.safetensors"), "{}", text(&o));
     let o = nvfp4dbg(p, &["compare-outputs", "nodir", "good.safetensors"]);
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+}
+
+/// An engine that applies each token's routing weights to the wrong slots computes every
+/// expert right and combines them wrong; compare-outputs used to fail it without naming the
+/// bug. The buggy outputs are built here as such engines compute them (ids sorted but not the
+/// weights; the weights index one slot off), not from the diagnosis' own variants; a healthy
+/// output (also rounded to BF16, as an engine returns it) passes and is named nothing.
+#[test]
+fn compare_outputs_names_routing_weights_applied_to_the_wrong_slots() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h, k) = (
+        dumped.routing.tokens,
+        dumped.layer.config.hidden_size,
+        dumped.routing.top_k,
+    );
+    let engine = |r: &nvfp4dbg::moe::Routing| {
+        byok::routed_cpu(&dumped.layer, &dumped.hidden, r, &dumped.scales).unwrap()
+    };
+    let judge = |name: &str, out: &[f32]| {
+        write_output(&p.join(format!("{name}.safetensors")), out, t, h);
+        let o = nvfp4dbg(
+            p,
+            &[
+                "compare-outputs",
+                "dump",
+                &format!("{name}.safetensors"),
+                "--json",
+                &format!("{name}.json"),
+            ],
+        );
+        (
+            o.status.code(),
+            text(&o),
+            json(&p.join(format!("{name}.json"))),
+        )
+    };
+
+    let ours = engine(&dumped.routing);
+    let bf16: Vec<f32> = ours
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    for (name, out) in [("good", &ours), ("good-bf16", &bf16)] {
+        let (code, text, j) = judge(name, out);
+        assert_eq!(code, Some(0), "seed {seed} {name}: {text}");
+        assert!(
+            j["summary"]["diagnosis"].is_null(),
+            "seed {seed} {name}: {j}"
+        );
+        assert!(!text.contains("wrong slots"), "seed {seed} {name}: {text}");
+    }
+
+    // the engine sorts each token's topk_ids (say, for its block alignment) but not topk_weights
+    let mut sorted = dumped.routing.clone();
+    for row in sorted.topk_ids.chunks_mut(k) {
+        row.sort_unstable();
+    }
+    // the engine reads topk_weights one slot late: slot j+1 gets slot j's weight
+    let mut shifted = dumped.routing.clone();
+    for row in shifted.topk_weights.chunks_mut(k) {
+        row.rotate_right(1);
+    }
+    for (name, r, bug) in [
+        ("ids-sorted", &sorted, "ids-sorted-weights-not"),
+        ("shifted", &shifted, "weights-shifted-forward"),
+    ] {
+        let out = engine(r);
+        let m = nvfp4dbg::metrics::compare(&out, &ours);
+        // weights this close cannot be told from summation noise; never at top-4 in practice
+        assert!(m.cosine < 0.9999, "seed {seed} {name}: cosine {}", m.cosine);
+        let (code, text, j) = judge(name, &out);
+        assert_eq!(code, Some(1), "seed {seed} {name}: {text}");
+        assert_eq!(j["summary"]["diagnosis"], bug, "seed {seed} {name}: {text}");
+        assert!(
+            text.contains("routing weights applied to the wrong slots"),
+            "seed {seed} {name}: {text}"
+        );
+    }
 }
 
 /// What the dump cannot hold is refused before anything is written: per-batch (dynamic)

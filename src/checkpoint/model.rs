@@ -43,22 +43,67 @@ impl MoeCheckpoint {
         })
     }
 
-    /// Indices of the layers holding MoE tensors.
+    /// Indices of the MoE layers: those holding MoE tensors that config.json does not make
+    /// dense (`first_k_dense_replace`).
     pub fn moe_layers(&self) -> Vec<usize> {
-        self.layers.keys().copied().collect()
+        let k = self.config.moe.first_k_dense_replace;
+        self.layers.keys().copied().filter(|&l| l >= k).collect()
+    }
+
+    /// Layers holding routed-expert tensors that config.json's `first_k_dense_replace` makes
+    /// dense MLPs: an engine builds a dense MLP there and never runs those experts (`audit`
+    /// flags them).
+    pub fn dense_by_config(&self) -> Vec<usize> {
+        let k = self.config.moe.first_k_dense_replace;
+        self.layers.keys().copied().filter(|&l| l < k).collect()
+    }
+
+    /// Is `layer` an MoE layer an engine would run? Bad input naming why not: no expert
+    /// tensors, or config.json making it dense (then a verdict would be about weights nobody
+    /// uses). The one check every command taking a layer goes through.
+    pub fn check_layer(&self, layer: usize) -> Result<()> {
+        let moe = self.moe_layers();
+        if moe.contains(&layer) {
+            return Ok(());
+        }
+        let k = self.config.moe.first_k_dense_replace;
+        let listed = if moe.is_empty() {
+            "none".to_string()
+        } else {
+            ranges(&moe)
+        };
+        let dense = match k {
+            1 => "layer 0".to_string(),
+            _ => format!("layers 0-{}", k.saturating_sub(1)),
+        };
+        let what = match self.layers.get(&layer) {
+            Some(inv) if layer < k => format!(
+                "layer {layer} is not an MoE layer: config.json's first_k_dense_replace = {k} makes \
+                 {dense} dense MLPs, although layer {layer} holds {} routed experts. An engine \
+                 builds a dense MLP there and never runs them, so a verdict on them would be about \
+                 weights nobody uses (MoE layers: {listed}; `audit` flags those tensors)",
+                inv.experts.len()
+            ),
+            _ if k > 0 => format!(
+                "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed}; \
+                 config.json's first_k_dense_replace = {k} makes {dense} dense)"
+            ),
+            _ => format!(
+                "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed})"
+            ),
+        };
+        Err(Error::bad_file(self.ckpt.path(), what))
     }
 
     pub fn load_layer(&self, layer: usize) -> Result<MoeLayer> {
+        self.check_layer(layer)?;
         load_layer(self, layer)
     }
 }
 
-/// Indices of the MoE layers a checkpoint holds.
+/// Indices of the MoE layers of a checkpoint (see [`MoeCheckpoint::moe_layers`]).
 pub fn list_moe_layers(path: &Path) -> Result<Vec<usize>> {
-    let ckpt = Checkpoint::open(path)?;
-    let naming = Naming::detect(ckpt.names())
-        .ok_or_else(|| Error::bad_file(path, "no MoE expert tensors found"))?;
-    Ok(inventory(&naming, ckpt.names()).into_keys().collect())
+    Ok(MoeCheckpoint::open(path)?.moe_layers())
 }
 
 /// Load MoE layer `layer` of the checkpoint at `path` (a directory, or a file next to its
@@ -92,10 +137,7 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let Some(inv) = mc.layers.get(&layer) else {
         return Err(Error::bad_file(
             ck.path(),
-            format!(
-                "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {})",
-                ranges(&mc.moe_layers())
-            ),
+            format!("layer {layer} holds no MoE tensors"),
         ));
     };
     if n.scheme == Scheme::VllmFused || inv.fused {
@@ -612,6 +654,38 @@ mod tests {
             let e = err(mc.load_layer(0));
             assert!(e.contains("layer 0") && e.contains("1-2"), "{e}");
         }
+    }
+
+    /// A layer holding experts that config.json's first_k_dense_replace makes dense is not
+    /// an MoE layer: not listed, not loaded, and the refusal says why.
+    #[test]
+    fn a_layer_config_json_makes_dense_is_not_an_moe_layer() {
+        let seed: u64 = rand::random();
+        let d = Dims {
+            h: 32,
+            i: 16,
+            e: 4,
+            k: 2,
+            vocab: 5,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        write_tiny(dir.path(), &Naming::hf_v3(), &d, seed, false);
+        let cfg = dir.path().join(CONFIG_FILE);
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+        v["first_k_dense_replace"] = 2.into();
+        std::fs::write(&cfg, v.to_string()).unwrap();
+        let mc = MoeCheckpoint::open(dir.path()).unwrap();
+        assert_eq!((mc.moe_layers(), mc.dense_by_config()), (vec![2], vec![1]));
+        assert_eq!(list_moe_layers(dir.path()).unwrap(), vec![2]);
+        let e = err(mc.load_layer(1));
+        assert!(
+            e.contains("config.json's first_k_dense_replace = 2")
+                && e.contains("layer 1 is not an MoE layer")
+                && e.contains("MoE layers: 2"),
+            "{e}"
+        );
+        assert_eq!(mc.load_layer(2).unwrap().experts.len(), d.e, "seed {seed}");
     }
 
     #[test]

@@ -20,7 +20,8 @@ of kernels/include/nvfp4dbg_moe.h writes; F32, BF16 or F16). Pass: cosine >= --m
 layer (output + the dumped shared experts) against the BF16 reference, and cosine >= 0.99999 of the \
 routed output against ours (the same function up to FP32 summation order). On a failure the known \
 engine bugs (gate/up reversed, block scales read in the other layout, routing weights not applied, \
-shared experts included) are recomputed on the CPU and the one the output matches is named; an output \
+routing weights applied to the wrong slots of a token: shifted by one slot, topk_ids sorted but not \
+topk_weights or the reverse; shared experts included) are recomputed on the CPU and the one the output matches is named; an output \
 off by a factor (cosine 1, wrong norm) fails as a scale error."
 )]
 pub struct Args {

@@ -3,6 +3,7 @@
 //! routing for both.
 
 use super::common::{DeviceArgs, OutArgs};
+use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use crate::backend::cuda::{moe::Nvfp4Forward, CudaBackend};
 use crate::backend::{cpu::CpuBackend, Backend};
@@ -257,7 +258,9 @@ pub fn ep_disagreement(args: &EpArgs, a: &Agreement, hidden: usize, what: &str) 
     after_help = "Thresholds: --min-cosine 0.95 against the BF16 reference (a healthy \
 fully quantized MoE layer reaches ~0.974, i.e. ~0.23 rel-L2; NVFP4 alone costs ~0.095 rel-L2 per \
 tensor); --min-expert-cosine 0.90 for each expert's own output, and rel-L2 <= 0.484 \
-(sqrt(1/0.9^2 - 1): an output off by a factor keeps its cosine); on a GPU, the kernel must match \
+(sqrt(1/0.9^2 - 1): an output off by a factor keeps its cosine), over at least --min-expert-slots 3 \
+token slots; below, the bar ramps from cosine 0.7 (rel-L2 1.02) on one slot (healthy single slots \
+reach 0.78), an expert between its bar and --min-expert-cosine is too few tokens to judge; on a GPU, the kernel must match \
 the CPU NVFP4 path at cosine 0.99999. Any NaN/Inf fails. With --ep N the sharded output must \
 equal the unsharded (--ep 1) one up to FP32 summation order: |ep - ep1| <= 2*g_K*(2*sum|w*y| + \
 |out_ep1|)/(1 - g_K) elementwise, g_K = K*u/(1 - K*u), u = 2^-24 (only the order of the combine sum \
@@ -279,6 +282,12 @@ pub struct Args {
     /// sqrt(1/C^2 - 1) (an output off by a factor keeps its cosine)
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
+    /// Judge an expert by --min-expert-cosine over at least N token slots: with fewer, NVFP4
+    /// noise on one or two tokens reaches that bar, and the expert's bar ramps from cosine 0.7
+    /// on one slot up to it (between the two: too few tokens to judge). 1 judges every expert
+    /// by --min-expert-cosine
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
+    pub min_expert_slots: usize,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
     /// topk_weights (F32 [T, K]) to this safetensors file
     #[arg(long, value_name = "FILE")]
@@ -352,30 +361,52 @@ impl Model {
         }
     }
 
-    pub fn layer(&self, l: usize) -> Result<MoeLayer> {
-        let layers = self.moe_layers();
-        if !layers.contains(&l) {
-            return Err(Error::usage(format!(
+    /// Is `l` an MoE layer an engine runs? Bad input naming why not (for a checkpoint: no
+    /// expert tensors, or config.json's `first_k_dense_replace` making it dense). The one check
+    /// of every command taking a layer, before anything is loaded.
+    pub fn check_layer(&self, l: usize) -> Result<()> {
+        match self {
+            Model::Checkpoint { ckpt, .. } => ckpt.check_layer(l),
+            Model::Synthetic(_) if self.moe_layers().contains(&l) => Ok(()),
+            Model::Synthetic(_) => Err(Error::usage(format!(
                 "layer {l} is not an MoE layer of {} (MoE layers: {})",
                 self.describe(),
-                ranges(&layers)
-            )));
+                ranges(&self.moe_layers())
+            ))),
         }
+    }
+
+    pub fn layer(&self, l: usize) -> Result<MoeLayer> {
+        self.check_layer(l)?;
         match self {
             Model::Synthetic(m) => m.moe_layer(l),
             Model::Checkpoint { ckpt, .. } => ckpt.load_layer(l),
         }
     }
 
-    /// `--layer`, or the first MoE layer.
+    /// `--layer` once checked, or the first MoE layer (never one config.json makes dense).
     pub fn pick_layer(&self, layer: Option<usize>) -> Result<usize> {
         if let Some(l) = layer {
+            self.check_layer(l)?;
             return Ok(l);
         }
-        self.moe_layers()
-            .first()
-            .copied()
-            .ok_or_else(|| Error::usage(format!("{} has no MoE layer", self.describe())))
+        self.moe_layers().first().copied().ok_or_else(|| {
+            let dense = match self {
+                Model::Checkpoint { ckpt, .. } => ckpt.dense_by_config(),
+                Model::Synthetic(_) => vec![],
+            };
+            let why = if dense.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ": its routed experts sit in layers {} only, which config.json's \
+                     first_k_dense_replace = {} makes dense MLPs",
+                    ranges(&dense),
+                    self.config().first_k_dense_replace
+                )
+            };
+            Error::usage(format!("{} has no MoE layer{why}", self.describe()))
+        })
     }
 
     pub fn describe(&self) -> String {
@@ -685,38 +716,6 @@ pub fn below(v: f64, min: f64) -> bool {
     v.is_nan() || v < min
 }
 
-/// How one expert's own output fails `--min-expert-cosine` `c`, if it does (NaN/Inf in it are
-/// reported on their own): a cosine below `c`, or, since the cosine is blind to magnitude (an
-/// expert whose weight_scale_2 or input_scale is off by a factor keeps it), a rel-L2 beyond
-/// what `c` allows an error orthogonal to the output, `sqrt(1/c² − 1)`.
-pub fn expert_failure(x: &ExpertMetrics, c: f64) -> Option<String> {
-    let m = &x.metrics;
-    if m.nan_count + m.inf_count > 0 {
-        return None;
-    }
-    let max_rel = crate::metrics::max_rel_l2(c);
-    if below(m.cosine, c) {
-        Some(format!(
-            "expert {}: cosine {} < --min-expert-cosine {c} over {} slots (rel-L2 {})",
-            x.expert,
-            f(m.cosine, 4),
-            x.slots,
-            f(m.rel_l2, 3)
-        ))
-    } else if m.rel_l2 > max_rel {
-        Some(format!(
-            "expert {}: rel-L2 {} > {}, the error --min-expert-cosine {c} allows, at cosine {} over {} slots: its output has the wrong magnitude (a weight_scale_2 or input_scale off by a factor?)",
-            x.expert,
-            f(m.rel_l2, 3),
-            f(max_rel, 3),
-            f(m.cosine, 4),
-            x.slots
-        ))
-    } else {
-        None
-    }
-}
-
 /// Percent of `n` in `of`.
 pub fn pct(n: u64, of: u64) -> f64 {
     if of == 0 {
@@ -979,13 +978,20 @@ pub fn run(args: &Args) -> Result<Report> {
             ),
         )?;
     }
+    let check = ExpertCheck {
+        min_cosine: args.min_expert_cosine,
+        min_slots: args.min_expert_slots,
+    };
     let mut experts = per_expert(&routing, nv_slots, rf_slots, hsz, c.n_routed_experts);
     experts.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
-    // an expert off by a factor has a fine cosine: failing ones first, or the table (8 rows)
-    // and summary.worst_expert would not show it
+    // an expert off by a factor has a fine cosine: failing ones first, then those too few
+    // tokens reached to judge, or the table (8 rows) and summary.worst_expert would not show them
     experts.sort_by_key(|x| match x.metrics.nan_count + x.metrics.inf_count {
-        0 if expert_failure(x, args.min_expert_cosine).is_none() => 2,
-        0 => 1,
+        0 => match check.judge(x) {
+            ExpertVerdict::Fail(_) => 1,
+            ExpertVerdict::TooFewSlots => 2,
+            ExpertVerdict::Pass => 3,
+        },
         _ => 0,
     });
     let input_blocks =
@@ -994,8 +1000,18 @@ pub fn run(args: &Args) -> Result<Report> {
         .into_iter()
         .map(|m| ExpertRow {
             gate_up_input: block_summary(&input_blocks.get(m.expert).copied().unwrap_or_default()),
+            verdict: match (m.metrics.nan_count + m.metrics.inf_count, check.judge(&m)) {
+                (0, ExpertVerdict::Pass) => "pass",
+                (0, ExpertVerdict::TooFewSlots) => "too-few-slots",
+                _ => "fail",
+            },
             m,
         })
+        .collect();
+    let too_few: Vec<String> = experts
+        .iter()
+        .filter(|x| x.verdict == "too-few-slots")
+        .map(|x| check.too_few_line(&x.m))
         .collect();
     let mut tokens = per_token(&nv.out, &rf.out, hsz);
     tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
@@ -1091,7 +1107,7 @@ pub fn run(args: &Args) -> Result<Report> {
         ));
     }
     for x in &experts {
-        if let Some(msg) = expert_failure(&x.m, args.min_expert_cosine) {
+        if let Some(msg) = check.failure(&x.m) {
             failures.push(msg + &x.cause());
         }
     }
@@ -1124,10 +1140,17 @@ pub fn run(args: &Args) -> Result<Report> {
     let pass = failures.is_empty();
     let headline = if pass {
         format!(
-            "layer {l}: NVFP4 matches the BF16 reference within NVFP4 error (cosine {}, rel-L2 {}, {} tokens, gs {source})",
+            "layer {l}: NVFP4 matches the BF16 reference within NVFP4 error (cosine {}, rel-L2 {}, {} tokens, gs {source}){}",
             f(m.cosine, 4),
             f(m.rel_l2, 3),
-            batch.tokens
+            batch.tokens,
+            match too_few.len() {
+                0 => String::new(),
+                n => format!(
+                    "; {n} expert{} too few tokens reached to judge",
+                    if n == 1 { "" } else { "s" }
+                ),
+            }
         )
     } else if failures.len() == 1 {
         format!("layer {l}: {}", failures[0])
@@ -1148,6 +1171,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "inf_count": m.inf_count,
         "min_cosine": args.min_cosine,
         "min_expert_cosine": args.min_expert_cosine,
+        "min_expert_slots": args.min_expert_slots,
+        "experts_too_few_slots": too_few.len(),
         "layer": l,
         "tokens": batch.tokens,
         "gs": source.to_string(),
@@ -1245,6 +1270,7 @@ pub fn run(args: &Args) -> Result<Report> {
         .with("worst_experts", &experts[..experts.len().min(8)])
         .with("worst_tokens", &tokens[..tokens.len().min(8)])
         .with("kernel_check", &kernel)
+        .with("experts_too_few_slots", &too_few)
         .with("failures", &failures)
         .section(setup)
         .section(metrics_section("NVFP4 vs BF16 reference", &m, hsz))
@@ -1319,6 +1345,13 @@ pub fn run(args: &Args) -> Result<Report> {
         for s in kernel::sections(j, &who, note.as_deref(), hsz) {
             report = report.section(s);
         }
+    }
+    if !too_few.is_empty() {
+        let mut s = Section::new("Experts too few tokens reached to judge", &["note"]);
+        for x in &too_few {
+            s.row(vec![x.clone()]);
+        }
+        report = report.section(s);
     }
     if !failures.is_empty() {
         let mut s = Section::new("Failures", &["problem"]);
@@ -1723,6 +1756,9 @@ struct ExpertRow {
     #[serde(flatten)]
     m: ExpertMetrics,
     gate_up_input: BlockSummary,
+    /// `pass`, `fail`, or `too-few-slots` (misses --min-expert-cosine on fewer than
+    /// --min-expert-slots slots, within NVFP4 noise there).
+    verdict: &'static str,
 }
 
 impl ExpertRow {
@@ -1757,6 +1793,7 @@ fn expert_table(experts: &[ExpertRow]) -> Section {
             "NaN",
             "Inf",
             "input saturated %",
+            "verdict",
         ],
     );
     for r in experts.iter().take(5) {
@@ -1770,6 +1807,7 @@ fn expert_table(experts: &[ExpertRow]) -> Section {
             x.metrics.nan_count.to_string(),
             x.metrics.inf_count.to_string(),
             format!("{:.1}", r.gate_up_input.saturated_pct),
+            r.verdict.replace('-', " "),
         ]);
     }
     s

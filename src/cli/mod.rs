@@ -8,6 +8,7 @@ pub mod bench;
 pub mod bisect;
 pub mod compare_outputs;
 pub mod compare_weights;
+pub mod expert_check;
 pub mod gs_sweep;
 pub mod kernel;
 pub mod layertest;

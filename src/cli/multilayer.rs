@@ -3,10 +3,11 @@
 //! reference each carry their own hidden state and route on it.
 
 use super::common::{progress, DeviceArgs, OutArgs};
+use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, expert_failure,
-    input_nonfinite, layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+    at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
+    layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
@@ -43,7 +44,8 @@ layer's; amplification = error after the layer / sqrt(error before² + the layer
 layer-alone cosine = NVFP4 vs BF16 on the BF16 model's input (what layertest measures). Verdict: \
 fail on NaN/Inf, a residual-stream cosine below --min-cosine (0.99) after the last layer, a \
 layer-alone cosine below --min-layer-cosine (0.95, layertest's default), one expert of a layer alone \
-below --min-expert-cosine (0.90, or a rel-L2 past sqrt(1/0.9^2 - 1) = 0.484, as in layertest), or an \
+below --min-expert-cosine (0.90, or a rel-L2 past sqrt(1/0.9^2 - 1) = 0.484, over at least \
+--min-expert-slots 3 token slots, as in layertest), or an \
 amplification above --max-amplification (2.0). With --ep N the NVFP4 model runs sharded over N expert-parallel ranks, and \
 each layer alone must equal the unsharded run up to FP32 summation order."
 )]
@@ -66,6 +68,11 @@ pub struct Args {
     /// layer's cosine)
     #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
     pub min_expert_cosine: f64,
+    /// Judge an expert by --min-expert-cosine over at least N token slots (layertest's rule:
+    /// below, the bar ramps from cosine 0.7 on one slot; between it and --min-expert-cosine is
+    /// too few tokens to judge). 1 judges every expert by --min-expert-cosine
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
+    pub min_expert_slots: usize,
     /// Fail when a layer amplifies the incoming error beyond this factor
     #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
     pub max_amplification: f64,
@@ -102,6 +109,9 @@ struct LayerRow {
     ep_agreement: Option<Agreement>,
     /// This layer alone, expert by expert: each that fails --min-expert-cosine.
     expert_failures: Vec<String>,
+    /// Experts that miss --min-expert-cosine on fewer than --min-expert-slots slots, within
+    /// NVFP4 noise there: too few tokens to judge.
+    experts_too_few_slots: Vec<usize>,
 }
 
 /// Parse `A..B`, `A..=B` or `A`.
@@ -165,12 +175,12 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(s) => parse_range(s)?,
         None => moe_layers.clone(),
     };
-    if let Some(l) = layers.iter().find(|l| !moe_layers.contains(l)) {
-        return Err(Error::usage(format!(
-            "--layers: layer {l} is not an MoE layer of {} (MoE layers: {})",
-            model.describe(),
-            ranges(&moe_layers)
-        )));
+    for &l in &layers {
+        model.check_layer(l)?;
+    }
+    if layers.is_empty() {
+        // no MoE layer: say why, as the other commands do
+        model.pick_layer(None)?;
     }
     let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, true, false)?;
     let first_k = first.config.num_experts_per_tok;
@@ -180,6 +190,10 @@ pub fn run(args: &Args) -> Result<Report> {
 
     let mut h_nv = batch.hidden.clone();
     let mut h_rf = batch.hidden.clone();
+    let check = ExpertCheck {
+        min_cosine: args.min_expert_cosine,
+        min_slots: args.min_expert_slots,
+    };
     let mut rows: Vec<LayerRow> = vec![];
     let mut first_bad: Option<(usize, Metrics)> = None;
     let mut unit_norm_layers = vec![];
@@ -217,13 +231,25 @@ pub fn run(args: &Args) -> Result<Report> {
         // the error this layer adds by itself: NVFP4 on the reference model's input, expert
         // by expert too
         let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, true)?;
-        let expert_failures: Vec<String> = match (&o_local.per_slot, &o_rf.per_slot) {
+        let judged: Vec<(usize, ExpertVerdict)> = match (&o_local.per_slot, &o_rf.per_slot) {
             (Some(nv), Some(rf)) => per_expert(&r_rf, nv, rf, hsz, ly.config.n_routed_experts)
                 .iter()
-                .filter_map(|x| expert_failure(x, args.min_expert_cosine))
+                .map(|x| (x.expert, check.judge(x)))
                 .collect(),
             _ => vec![],
         };
+        let expert_failures: Vec<String> = judged
+            .iter()
+            .filter_map(|(_, v)| match v {
+                ExpertVerdict::Fail(m) => Some(m.clone()),
+                _ => None,
+            })
+            .collect();
+        let experts_too_few_slots: Vec<usize> = judged
+            .iter()
+            .filter(|(_, v)| *v == ExpertVerdict::TooFewSlots)
+            .map(|(e, _)| *e)
+            .collect();
         let local_out = match &plugin {
             Some((p, g)) => kernel::plugin_layer(p, g, &ly, &x_rf, &r_rf, &scales, ep)?,
             None => o_local.out.clone(),
@@ -276,6 +302,7 @@ pub fn run(args: &Args) -> Result<Report> {
             unit_norm_weight: norm.is_none(),
             ep_agreement,
             expert_failures,
+            experts_too_few_slots,
         });
         pb.inc(1);
     }
@@ -483,6 +510,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "max_amplification_allowed": args.max_amplification,
         "min_layer_cosine": args.min_layer_cosine,
         "min_expert_cosine": args.min_expert_cosine,
+        "min_expert_slots": args.min_expert_slots,
         "unit_norm_weight_layers": unit_norm_layers,
         "ep": args.ep.ep,
         "ep_within_bound": args.ep.sharded().then(|| rows.iter().all(|r| r.ep_agreement.as_ref().is_some_and(|a| a.within_bound))),
@@ -505,6 +533,25 @@ pub fn run(args: &Args) -> Result<Report> {
         .section(setup)
         .section(table)
         .plot("multilayer.svg", plot.render());
+    let too_few: Vec<String> = rows
+        .iter()
+        .filter(|r| !r.experts_too_few_slots.is_empty())
+        .map(|r| {
+            format!(
+                "layer {}: experts {} miss --min-expert-cosine on fewer than --min-expert-slots {} slots: too few tokens to judge",
+                r.layer,
+                ranges(&r.experts_too_few_slots),
+                args.min_expert_slots
+            )
+        })
+        .collect();
+    if !too_few.is_empty() {
+        let mut s = Section::new("Experts too few tokens reached to judge", &["note"]);
+        for x in &too_few {
+            s.row(vec![x.clone()]);
+        }
+        report = report.section(s);
+    }
     if !failures.is_empty() {
         let mut s = Section::new("Failures", &["problem"]);
         for x in &failures {

@@ -255,13 +255,10 @@ fn recompute(
             return Ok(vec![]);
         }
     };
+    // the check layertest, gs-sweep and multilayer make: expert tensors, and not a layer
+    // config.json's first_k_dense_replace makes dense
+    mc.check_layer(layer_idx)?;
     let config = &mc.config.moe;
-    if !config.is_moe_layer(layer_idx) {
-        return Err(Error::usage(format!(
-            "layer {layer_idx} is not an MoE layer (first_k_dense_replace = {}, num_hidden_layers = {})",
-            config.first_k_dense_replace, config.num_hidden_layers
-        )));
-    }
     let router = read_router(mc, layer_idx)?;
     let tol = Tolerances {
         min_match: args.min_match,

@@ -8,8 +8,9 @@
 //! nothing dilutes a plugin bug.
 //!
 //! The diagnosis recomputes the routed output on the CPU under each known engine bug (gate/up
-//! reversed, block scales read in the other layout, local/global expert ids confused under EP)
-//! and names the variant the plugin's output matches (cosine ~1 where the correct path does not).
+//! reversed, block scales read in the other layout, local/global expert ids confused under EP,
+//! routing weights not applied or applied to the wrong slots of a token) and names the variant
+//! the plugin's output matches (cosine ~1 where the correct path does not).
 
 pub mod dump;
 
@@ -54,6 +55,14 @@ pub enum SuspectedBug {
     WeightsNotApplied,
     /// The shared experts added to the routed output (the contract is routed-only).
     SharedExpertsIncluded,
+    /// Each token's weights one slot late: slot j+1 weighted with slot j's weight (cyclic).
+    WeightsShiftedForward,
+    /// Each token's weights one slot early: slot j weighted with slot j+1's weight (cyclic).
+    WeightsShiftedBackward,
+    /// `topk_ids` sorted by expert id, `topk_weights` left in router order.
+    IdsSortedWeightsNot,
+    /// `topk_weights` sorted largest first, `topk_ids` left in router order.
+    WeightsSortedIdsNot,
 }
 
 impl SuspectedBug {
@@ -79,6 +88,18 @@ impl SuspectedBug {
             }
             SuspectedBug::SharedExpertsIncluded => {
                 "the shared experts are added to the routed output (the output must be the routed experts' sum only; the shared experts are added once more by the comparison)"
+            }
+            SuspectedBug::WeightsShiftedForward => {
+                "routing weights applied to the wrong slots: each token's slot j+1 is weighted with slot j's weight (the last slot's wraps to slot 0) - an off-by-one in the topk_weights index"
+            }
+            SuspectedBug::WeightsShiftedBackward => {
+                "routing weights applied to the wrong slots: each token's slot j is weighted with slot j+1's weight (slot 0's wraps to the last slot) - an off-by-one in the topk_weights index"
+            }
+            SuspectedBug::IdsSortedWeightsNot => {
+                "routing weights applied to the wrong slots: topk_ids were sorted by expert id but topk_weights were left in router order, so each weight lands on another of the token's experts (permute both with the same indices)"
+            }
+            SuspectedBug::WeightsSortedIdsNot => {
+                "routing weights applied to the wrong slots: topk_weights were sorted largest first but topk_ids were left in router order, so each weight lands on another of the token's experts (permute both with the same indices)"
             }
         }
     }
@@ -118,13 +139,79 @@ pub fn routed_cpu(
     routing: &Routing,
     scales: &ActScales,
 ) -> Result<Vec<f32>> {
+    let ps = per_slot_cpu(layer, hidden, routing, scales)?;
+    Ok(routed_sum(&ps, routing, layer.config.hidden_size))
+}
+
+/// The unweighted expert outputs `[T*K, hidden]` of `layer` (CPU NVFP4 path, reference
+/// flavor): they do not depend on the routing weights.
+fn per_slot_cpu(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+) -> Result<Vec<f32>> {
     let path = Path::Nvfp4 {
         scales,
         flavor: Flavor::Reference,
     };
     let o = super::moe_forward(layer, hidden, routing, &path, true)?;
-    let ps = o.per_slot.unwrap_or_default();
-    Ok(routed_sum(&ps, routing, layer.config.hidden_size))
+    Ok(o.per_slot.unwrap_or_default())
+}
+
+/// For one token's `(ids, weights)`, the slot whose weight each slot gets under a wrong-slot bug.
+type WeightSource = fn(&[i32], &[f32]) -> Vec<usize>;
+
+/// The ways an engine applies a token's routing weights to the wrong slots: the slot whose
+/// weight slot `s` gets.
+fn wrong_slot_bugs() -> [(SuspectedBug, WeightSource); 4] {
+    fn forward(ids: &[i32], _: &[f32]) -> Vec<usize> {
+        let k = ids.len();
+        (0..k).map(|s| (s + k - 1) % k).collect()
+    }
+    fn backward(ids: &[i32], _: &[f32]) -> Vec<usize> {
+        let k = ids.len();
+        (0..k).map(|s| (s + 1) % k).collect()
+    }
+    // the engine's slot i runs expert ids[order[i]] with weight w[i]: slot order[i] gets w[i]
+    fn ids_sorted(ids: &[i32], _: &[f32]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..ids.len()).collect();
+        order.sort_by_key(|&s| ids[s]);
+        let mut from = vec![0; ids.len()];
+        for (i, &s) in order.iter().enumerate() {
+            from[s] = i;
+        }
+        from
+    }
+    // the engine's slot i runs expert ids[i] with weight w[order[i]]
+    fn weights_sorted(_: &[i32], w: &[f32]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..w.len()).collect();
+        order.sort_by(|&a, &b| w[b].total_cmp(&w[a]));
+        order
+    }
+    [
+        (SuspectedBug::WeightsShiftedForward, forward),
+        (SuspectedBug::WeightsShiftedBackward, backward),
+        (SuspectedBug::IdsSortedWeightsNot, ids_sorted),
+        (SuspectedBug::WeightsSortedIdsNot, weights_sorted),
+    ]
+}
+
+/// `routing` with each token's weights moved to the slots `from` gives.
+fn move_weights(routing: &Routing, from: WeightSource) -> Routing {
+    let k = routing.top_k.max(1);
+    let mut w = routing.topk_weights.clone();
+    for (t, row) in w.chunks_mut(k).enumerate() {
+        let ids = &routing.topk_ids[t * k..(t + 1) * k];
+        let orig = &routing.topk_weights[t * k..(t + 1) * k];
+        for (s, src) in from(ids, orig).into_iter().enumerate() {
+            row[s] = orig[src];
+        }
+    }
+    Routing {
+        topk_weights: w,
+        ..routing.clone()
+    }
 }
 
 fn map_scales(w: &Fp4Tensor, f: impl Fn(&[u8], usize, usize) -> Vec<u8>) -> Fp4Tensor {
@@ -240,14 +327,33 @@ pub fn bug_variants(
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
     }
     let routed_only = variant_layer(layer, |x| x.clone());
+    // the weight bugs combine the same expert outputs differently
+    let ps = per_slot_cpu(&routed_only, hidden, routing, scales)?;
+    let h = layer.config.hidden_size;
     let unweighted = Routing {
         topk_weights: vec![1.0; routing.topk_weights.len()],
         ..routing.clone()
     };
     out.push((
         SuspectedBug::WeightsNotApplied,
-        routed_cpu(&routed_only, hidden, &unweighted, scales)?,
+        routed_sum(&ps, &unweighted, h),
     ));
+    let correct = routed_sum(&ps, routing, h);
+    let mut seen = vec![routing.topk_weights.clone()];
+    for (bug, from) in wrong_slot_bugs() {
+        let moved = move_weights(routing, from);
+        // a permutation another one makes too (top-2: both shifts swap) is named once
+        if seen.contains(&moved.topk_weights) {
+            continue;
+        }
+        let v = routed_sum(&ps, &moved, h);
+        // one that barely changes the output here (top-1, ids already sorted, near-equal
+        // weights) cannot be told from a slightly imprecise kernel: not a suspect
+        if !same_up_to_noise(&compare(&v, &correct), EXPLAINS_MIN_COSINE) {
+            out.push((bug, v));
+        }
+        seen.push(moved.topk_weights);
+    }
     if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
         let e = layer.config.n_routed_experts;
         for (bug, fault) in [
@@ -657,8 +763,15 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            // gate/up, one scale misreading, weights not applied, 2 EP
-            assert_eq!(variants.len(), 5, "seed {seed}");
+            // gate/up, one scale misreading, weights not applied, 2 EP, and the wrong-slot
+            // permutations this routing tells apart (top-4: both shifts at least)
+            let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
+            assert!(
+                (7..=9).contains(&variants.len())
+                    && named.contains(&SuspectedBug::WeightsShiftedForward)
+                    && named.contains(&SuspectedBug::WeightsShiftedBackward),
+                "seed {seed}: {named:?}"
+            );
             fn o<'a>(theirs: &'a [f32], ours: &'a [f32], zeros: &'a [f32]) -> Outputs<'a> {
                 Outputs {
                     theirs_routed: theirs,
@@ -674,10 +787,12 @@ mod tests {
                 "seed {seed}"
             );
             for (bug, v) in &variants {
-                // every variant must differ from the correct output, else it could not be told apart
+                // every variant must differ from the correct output by more than what
+                // "explains" tolerates, else it could not be told apart (a wrong-slot one may
+                // differ on a few tokens only: weights sorted where the router nearly sorts them)
                 let m = compare(v, &ours);
                 assert!(
-                    m.cosine < 0.999 || m.rel_l2 > 0.05,
+                    !same_up_to_noise(&m, EXPLAINS_MIN_COSINE),
                     "seed {seed}: {bug:?} is indistinguishable ({}, {})",
                     m.cosine,
                     m.rel_l2
