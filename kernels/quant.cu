@@ -605,37 +605,18 @@ __device__ __forceinline__ u32 tr_slot(u32 q) { return q + q / 8; }
 __shared__ uint4 quant_tr[QUANT_BF16_THREADS / 32][TR_SLOTS];
 #endif
 
-// Session 37: how run_load_warp's loads go: 0 (default) plain `ld.global`; 1 through the
-// non-coherent path without an L1 line (`ld.global.nc.L1::no_allocate`: the input is read once
-// and goes on to shared memory); 2 the same with `L2::256B` (each L2 miss fetches 256 bytes; a
-// warp's load is 512 contiguous bytes).
-#ifndef QUANT_LD
-#define QUANT_LD 0
-#endif
-__device__ __forceinline__ uint4 run_ld(const uint4* p) {
-    uint4 v;
-#if QUANT_LD == 1
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#elif QUANT_LD == 2
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#else
-    v = *p;
-#endif
-    return v;
-}
-
 #if QUANT_TRANSPOSE
 // A warp's run of 32 groups from `run` (16-byte aligned): 512 contiguous bytes a load
 // (load i of lane l at run[32 i + l]), through the warp's slots of quant_tr, so that lane l
-// ends with group l's raw blocks in g.raw.
+// ends with group l's raw blocks in g.raw. Plain `ld.global` (LDG.E.128): session 37 (s37a,
+// bench/gpu-run-s37a.sh) measured `ld.global.nc.L1::no_allocate` at 0.0422 ms and with
+// `L2::256B` 0.0428 against 0.0397 (marginal rates 0.977 / 0.963 of copy against 1.060).
 __device__ __forceinline__ void run_load_warp(const uint4* __restrict__ run, Group<u16>& g) {
     constexpr int U = TR_PIECES;  // 16-byte pieces of a group
     const u32 lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     uint4 v[U];
 #pragma unroll
-    for (int i = 0; i < U; i++) v[i] = run_ld(run + 32 * i + lane);
+    for (int i = 0; i < U; i++) v[i] = run[32 * i + lane];
     uint4* wr = &quant_tr[warp][tr_slot(lane)];
 #pragma unroll
     for (int i = 0; i < U; i++) wr[36 * i] = v[i];
