@@ -642,29 +642,13 @@ fn scan_scales(format: Format, scales: &[u8]) -> ScaleScan {
         .par_chunks(CHUNK)
         .enumerate()
         .map(|(ci, c)| {
-            let mut s = ScaleScan::default();
-            let mut maxc = 0u8;
-            for (i, &b) in c.iter().enumerate() {
-                let nan = match format {
-                    Format::Nvfp4 => e4m3::is_nan(b),
-                    Format::Mxfp4 => b == ue8m0::NAN,
-                };
-                if nan {
-                    s.nan += 1;
-                    s.first_nan.get_or_insert(ci * CHUNK + i);
-                    continue;
-                }
-                if format == Format::Nvfp4 {
-                    let mag = b & 0x7F;
-                    s.negative += (b & 0x80 != 0 && mag != 0) as u64;
-                    s.saturated += (mag == e4m3::MAX_CODE) as u64;
-                    s.zero += (mag == 0) as u64;
-                    maxc = maxc.max(mag);
-                } else {
-                    maxc = maxc.max(b);
-                }
+            let mut s = scan_scale_chunk(format, c);
+            if s.nan > 0 {
+                s.first_nan = c
+                    .iter()
+                    .position(|&b| scale_is_nan(format, b))
+                    .map(|i| ci * CHUNK + i);
             }
-            s.max = format.decode_scale(maxc);
             s
         })
         .reduce(ScaleScan::default, |a, b| ScaleScan {
@@ -678,6 +662,52 @@ fn scan_scales(format: Format, scales: &[u8]) -> ScaleScan {
             zero: a.zero + b.zero,
             max: a.max.max(b.max),
         })
+}
+
+fn scale_is_nan(format: Format, b: u8) -> bool {
+    match format {
+        Format::Nvfp4 => e4m3::is_nan(b),
+        Format::Mxfp4 => b == ue8m0::NAN,
+    }
+}
+
+/// One chunk's counts (no first NaN index): branch-free, with byte counters over pieces of at
+/// most 255 scales, so that the compiler vectorizes it (a branch and u64 counters per scale
+/// held `audit` to ~12 instructions a scale, half of `cat`'s speed on a 3 GB checkpoint).
+/// Negative, saturated, zero and the maximum count only non-NaN scales; MXFP4 scales
+/// (UE8M0, unsigned) count only NaN and the maximum.
+fn scan_scale_chunk(format: Format, c: &[u8]) -> ScaleScan {
+    let mut s = ScaleScan::default();
+    let mut maxc = 0u8;
+    for piece in c.chunks(255) {
+        let (mut nan, mut neg, mut sat, mut zero) = (0u8, 0u8, 0u8, 0u8);
+        match format {
+            Format::Nvfp4 => {
+                for &b in piece {
+                    let mag = b & 0x7F;
+                    let is_nan = mag == 0x7F;
+                    nan += is_nan as u8;
+                    neg += (b > 0x80 && !is_nan) as u8;
+                    sat += (mag == e4m3::MAX_CODE) as u8;
+                    zero += (mag == 0) as u8;
+                    maxc = maxc.max(if is_nan { 0 } else { mag });
+                }
+            }
+            Format::Mxfp4 => {
+                for &b in piece {
+                    let is_nan = b == ue8m0::NAN;
+                    nan += is_nan as u8;
+                    maxc = maxc.max(if is_nan { 0 } else { b });
+                }
+            }
+        }
+        s.nan += nan as u64;
+        s.negative += neg as u64;
+        s.saturated += sat as u64;
+        s.zero += zero as u64;
+    }
+    s.max = format.decode_scale(maxc);
+    s
 }
 
 /// How many of `h` have every bit of `mask` set (an all-ones exponent). Counted in u16 lanes
@@ -1458,6 +1488,53 @@ mod tests {
         );
         assert_eq!(up_sibling("x.down_proj"), None);
         assert_eq!(index_str(&[3, 4], 7), "[1, 3]");
+    }
+
+    #[test]
+    fn scale_scan_counts_as_one_scale_at_a_time() {
+        use rand::Rng;
+        let mut r = rand::thread_rng();
+        for format in [Format::Nvfp4, Format::Mxfp4] {
+            // past one 64 Ki chunk, so that the chunks' first NaN indices meet in the reduce
+            let n = r.gen_range(70_000..200_000);
+            let mut b: Vec<u8> = (0..n).map(|_| r.gen_range(0x20..0x70u8)).collect();
+            // a few of every class, NaN codes in the second chunk only (or none)
+            for _ in 0..r.gen_range(1..50) {
+                let i = r.gen_range(0..n);
+                b[i] = [0x00, 0x80, 0x7E, 0xFE, 0x81, 0xB0, 0x7D][r.gen_range(0..7)];
+            }
+            let nans = r.gen_range(0..4);
+            for _ in 0..nans {
+                b[r.gen_range(65_536..n)] = [0x7F, 0xFF][r.gen_range(0..2)];
+            }
+            let mut want = ScaleScan::default();
+            let mut maxc = 0u8;
+            for (i, &x) in b.iter().enumerate() {
+                if scale_is_nan(format, x) {
+                    want.nan += 1;
+                    want.first_nan.get_or_insert(i);
+                    continue;
+                }
+                if format == Format::Nvfp4 {
+                    let mag = x & 0x7F;
+                    want.negative += (x & 0x80 != 0 && mag != 0) as u64;
+                    want.saturated += (mag == e4m3::MAX_CODE) as u64;
+                    want.zero += (mag == 0) as u64;
+                    maxc = maxc.max(mag);
+                } else {
+                    maxc = maxc.max(x);
+                }
+            }
+            let got = scan_scales(format, &b);
+            let key = |s: &ScaleScan| (s.nan, s.first_nan, s.negative, s.saturated, s.zero);
+            assert_eq!(
+                key(&got),
+                key(&want),
+                "{format:?}, {n} scales, {nans} NaN codes"
+            );
+            assert_eq!(got.max.to_bits(), format.decode_scale(maxc).to_bits());
+            assert!(want.negative + want.zero + want.saturated > 0 || format == Format::Mxfp4);
+        }
     }
 
     #[test]
