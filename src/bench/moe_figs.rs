@@ -30,8 +30,8 @@ struct Bf16Experts {
     w2: CudaSlice<u16>,
     x: CudaSlice<u16>,
     a: CudaSlice<u16>,
-    g: CudaSlice<f32>,
-    y: CudaSlice<f32>,
+    g: CudaSlice<u16>,
+    y: CudaSlice<u16>,
     rows: usize,
 }
 
@@ -322,7 +322,7 @@ impl Runner<'_> {
         let d = &m.dims;
         let work = plan::cublas_experts_work(d, load);
         let what = format!(
-            "the same expert GEMMs in BF16 through cuBLAS: per touched expert, x·[W1;W3]ᵀ [2x2048, 7168] and a·W2ᵀ [7168, 2048] (FP32 accumulate, f32 out; no SwiGLU between), captured in one CUDA graph; {tokens} tokens x top-{} of {}",
+            "the same expert GEMMs in BF16 through cuBLAS: per touched expert, x·[W1;W3]ᵀ [2x2048, 7168] and a·W2ᵀ [7168, 2048] (FP32 accumulate, BF16 out; no SwiGLU between), captured in one CUDA graph; {tokens} tokens x top-{} of {}",
             d.k, d.e
         );
         let mut s = if tokens >= COMPUTE_BOUND_TOKENS {
@@ -375,8 +375,8 @@ impl Runner<'_> {
                     w2: alloc::<u16>(&gpu, d.e * d.h * d.i, "BF16 down weights")?,
                     x: alloc::<u16>(&gpu, rows * d.h, "BF16 expert inputs")?,
                     a: alloc::<u16>(&gpu, rows * d.i, "BF16 intermediate")?,
-                    g: alloc::<f32>(&gpu, rows * 2 * d.i, "gate/up outputs")?,
-                    y: alloc::<f32>(&gpu, rows * d.h, "down outputs")?,
+                    g: alloc::<u16>(&gpu, rows * 2 * d.i, "gate/up outputs")?,
+                    y: alloc::<u16>(&gpu, rows * d.h, "down outputs")?,
                     rows,
                 };
                 // uniform ±amp has RMS amp/sqrt(3): weights of RMS 1/sqrt(in)
@@ -416,24 +416,24 @@ impl Runner<'_> {
                     if rows == 0 {
                         continue;
                     }
-                    blas::gemm_bf16(
+                    blas::gemm_bf16_out_bf16(
                         &gpu,
                         rows,
                         2 * d.i,
                         d.h,
                         x + (r0 * d.h * 2) as u64,
                         w13 + (e * 2 * d.i * d.h * 2) as u64,
-                        g + (r0 * 2 * d.i * 4) as u64,
+                        g + (r0 * 2 * d.i * 2) as u64,
                         "cuBLAS expert gate/up",
                     )?;
-                    blas::gemm_bf16(
+                    blas::gemm_bf16_out_bf16(
                         &gpu,
                         rows,
                         d.h,
                         d.i,
                         a + (r0 * d.i * 2) as u64,
                         w2 + (e * d.h * d.i * 2) as u64,
-                        y + (r0 * d.h * 4) as u64,
+                        y + (r0 * d.h * 2) as u64,
                         "cuBLAS expert down",
                     )?;
                 }
@@ -447,7 +447,10 @@ impl Runner<'_> {
                 timer::time_plain(&gpu, &cfg, &name, &mut body)?
             };
             let out = gpu.download(&b.y, load.rows.min(64) * d.h, "the cuBLAS down outputs")?;
-            if out.iter().any(|v| !v.is_finite()) {
+            if out
+                .iter()
+                .any(|v| !half::bf16::from_bits(*v).to_f32().is_finite())
+            {
                 return Err(Error::usage("the cuBLAS expert outputs are not finite"));
             }
             Ok(samples)

@@ -222,7 +222,7 @@ pub fn fp4_weight_bytes(d: &Dims, l: Load) -> f64 {
 }
 
 /// The same problem in BF16 through cuBLAS: per touched expert, one GEMM with the gate and up
-/// weights side by side (f32 out) and the down GEMM (BF16 intermediate in, f32 out).
+/// weights side by side (BF16 out) and the down GEMM (BF16 intermediate in, BF16 out).
 pub fn cublas_experts_work(d: &Dims, l: Load) -> Work {
     let n = l.rows as f64;
     let (h, i) = (d.h as f64, d.i as f64);
@@ -230,9 +230,9 @@ pub fn cublas_experts_work(d: &Dims, l: Load) -> Work {
         flops: 6.0 * n * h * i,
         bytes: l.touched as f64 * d.bf16_expert_bytes()
             + n * h * 2.0
-            + n * 2.0 * i * 4.0
+            + n * 2.0 * i * 2.0
             + n * i * 2.0
-            + n * h * 4.0,
+            + n * h * 2.0,
     }
 }
 
@@ -401,9 +401,9 @@ mod tests {
             cb.bytes,
             3.0 * 3.0 * 32.0 * 64.0 * 2.0
                 + 10.0 * 64.0 * 2.0
-                + 10.0 * 64.0 * 4.0
+                + 10.0 * 64.0 * 2.0
                 + 10.0 * 32.0 * 2.0
-                + 10.0 * 64.0 * 4.0
+                + 10.0 * 64.0 * 2.0
         );
         let lw = layer_work(&d, 5, l);
         assert_eq!(
