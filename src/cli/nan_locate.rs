@@ -277,7 +277,22 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     };
     let mut rep = match &r.first {
         None => {
-            let (verdict, headline) = if unscanned.is_empty() {
+            let (verdict, headline) = if let Some((c, b)) = &r.nan_input {
+                (
+                    Verdict::Fail,
+                    format!(
+                        "no NaN/Inf in any output, but `{}` {} holds {} NaN (first non-finite at \
+                         [{}], counter {}) while every output before it was clean: code between \
+                         recorded modules made it (or hooks recorded out of order), and this \
+                         module swallowed it ({scope}){unscanned_note}",
+                        c.module,
+                        b.tensor,
+                        b.nan_count,
+                        where_(b),
+                        counter(c)
+                    ),
+                )
+            } else if unscanned.is_empty() {
                 (
                     Verdict::Pass,
                     format!(
@@ -301,6 +316,22 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             let mut rep = Report::new("nan-locate", verdict, headline)
                 .summary(summary)
                 .with("first_nonfinite", Value::Null)
+                .with(
+                    "nan_input",
+                    r.nan_input.as_ref().map(|(c, b)| {
+                        json!({
+                            "module": c.module,
+                            "file": c.file,
+                            "tensor": b.tensor,
+                            "index": index_json(b),
+                            "kind": b.kind,
+                            "counter": c.counter,
+                            "step": c.step,
+                            "nan_count": b.nan_count,
+                            "inf_count": b.inf_count,
+                        })
+                    }),
+                )
                 .with("last_clean", r.last_clean.as_ref().map(clean_json));
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
