@@ -812,3 +812,49 @@ fn a_nan_in_an_input_only_whose_producer_was_clean_is_not_a_pass() {
     assert_eq!(n["index"]["flat"], at as u64, "{ctx}");
     assert!(o.stdout.contains("swallowed"), "{ctx}");
 }
+
+/// An Inf that is an overflow arriving: the module before wrote a value at its dtype's limit
+/// (finite, so "clean"), the next one turned it into Inf. The Inf's module is still named, but
+/// the overflow's start is said too. It used to read "this module produced it" only.
+#[test]
+fn an_inf_after_a_value_at_the_dtype_limit_names_where_the_overflow_started() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let x = randv(&mut r, 32);
+    let mut big = x.clone();
+    let at = r.gen_range(0..32);
+    big[at] = r.gen_range(0.6..1.0) * f32::MAX;
+    let mut inf = x.clone();
+    inf[at] = f32::INFINITY;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[4, 8], x.clone())],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.layers.2.mlp",
+        vec![t("input.0", &[4, 8], x), t("output", &[4, 8], big.clone())],
+        &[],
+    );
+    write_call(
+        &d,
+        2,
+        "model.layers.3.input_layernorm",
+        vec![t("input.0", &[4, 8], big), t("output", &[4, 8], inf)],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], "model.layers.3.input_layernorm", "{ctx}");
+    assert_eq!(f["near_overflow"]["module"], "model.layers.2.mlp", "{ctx}");
+    assert!(o.stdout.contains("the overflow started there"), "{ctx}");
+}

@@ -341,7 +341,18 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             let o = &f.output;
             let verdict_why =
                 match f.inputs_clean {
-                    Some(true) => "its inputs were clean: this module produced it".to_string(),
+                    Some(true) => match &r.near_overflow {
+                        // finite is not clean when a value upstream already sat at the dtype's
+                        // limit: the Inf here is that overflow arriving
+                        Some((c, t, m, max)) if o.kind.as_str() == "inf" => format!(
+                            "its inputs were finite, but `{}` {t} (counter {}) already reached \
+                             {m:.4e}, within 2x of its dtype's largest finite value {max:.4e}: \
+                             the overflow started there",
+                            c.module,
+                            counter(c)
+                        ),
+                        _ => "its inputs were clean: this module produced it".to_string(),
+                    },
                     Some(false) => format!(
                     "its inputs were already bad ({} at {}): it came from code that ran before, \
                      not recorded as a module",
@@ -378,6 +389,13 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 "nan_count": o.nan_count,
                 "inf_count": o.inf_count,
                 "inputs_clean": f.inputs_clean,
+                "near_overflow": r.near_overflow.as_ref().map(|(c, t, m, max)| json!({
+                    "module": c.module,
+                    "counter": c.counter,
+                    "tensor": t,
+                    "max_abs": m,
+                    "dtype_max": max,
+                })),
                 "bad_input": f.bad_input.as_ref().map(|b| json!({
                     "tensor": b.tensor,
                     "index": index_json(b),

@@ -124,6 +124,30 @@ pub struct LocateResult {
     /// recorded by hooks out of order, and swallowed by this module. The value is its first
     /// input holding a NaN.
     pub nan_input: Option<(ScannedCall, BadValue)>,
+    /// The first call before the first bad one whose output came within 2x of its dtype's
+    /// largest finite value (BF16/F32 3.4e38, F16 65504): where an overflow that turns into Inf
+    /// one module later starts. (call, output tensor, its max |x|, the dtype's max.)
+    pub near_overflow: Option<(ScannedCall, String, f32, f32)>,
+}
+
+/// The largest finite value of a float dtype as `ScannedTensor::dtype` spells it; `None` for
+/// FP8 (E4M3 has no Inf, and both saturate by design) and non-float dtypes.
+pub fn dtype_max(dtype: &str) -> Option<f32> {
+    match dtype {
+        "F16" => Some(65504.0),
+        "BF16" => Some(3.3895314e38),
+        "F32" | "F64" => Some(f32::MAX),
+        _ => None,
+    }
+}
+
+/// The first output of `c` within 2x of its dtype's largest finite value.
+fn near_overflow(c: &ScannedCall) -> Option<(String, f32, f32)> {
+    c.outputs().find_map(|t| {
+        let max = dtype_max(&t.dtype)?;
+        let m = t.stats?.max_abs;
+        (m >= max / 2.0).then(|| (t.name.clone(), m, max))
+    })
 }
 
 /// The call's tensors scanned, or why it cannot be (no output: the reason names what the file
@@ -179,6 +203,7 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut found: Option<FirstNonFinite> = None;
     let mut after = Vec::new();
     let mut nan_input = None;
+    let mut near = None;
     for (pos, e) in index.entries.iter().enumerate() {
         if found.is_some() && after.len() >= context {
             break;
@@ -204,6 +229,9 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
                     .find(|t| t.stats.is_some_and(|s| s.nan_count > 0))
                     .and_then(BadValue::of)
                     .map(|b| (call.clone(), b));
+            }
+            if near.is_none() {
+                near = near_overflow(&call).map(|(t, m, max)| (call.clone(), t, m, max));
             }
             last_clean = Some(call.clone());
             if before.len() == context {
@@ -236,5 +264,6 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
         calls_scanned: scanned,
         skipped,
         nan_input,
+        near_overflow: near,
     })
 }
