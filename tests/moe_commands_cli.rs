@@ -394,3 +394,20 @@ fn a_layer_config_json_makes_dense_is_refused_by_every_command() {
         "seed {seed}: {text}"
     );
 }
+
+#[test]
+fn a_gs_too_small_is_named_as_flushing_blocks_not_saturating_them() {
+    // gs 1e-30 flushes every activation block to zero; the verdict used to say "0.0% of its
+    // activation blocks saturate", pointing away from the cause
+    let dir = tempfile::tempdir().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "gs-sweep", "--device", "cpu", "--tokens", "16", "--points", "5", "--gs", "1e-30",
+        ],
+    );
+    assert_eq!(code, 1, "{text}");
+    let f = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+    assert!(f.contains("flush to zero (gs too small)"), "{f}");
+    assert!(!f.contains("saturate"), "{f}");
+}

@@ -611,3 +611,160 @@ fn a_trace_that_stops_early_is_not_a_pass() {
         assert_eq!(o.code, 0, "seed {seed} {other}\n{}", o.show());
     }
 }
+
+/// One token in hundreds gone wrong (zeroed, garbage, or two tokens' rows swapped) leaves the
+/// whole tensor's cosine above 0.99: each token is held to a bar of its own, and the token is
+/// named. It used to pass. Near-zero rows with noise (padding) must not trip it.
+#[test]
+fn a_few_bad_tokens_diverge_although_the_mean_cosine_passes() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(400..800), 16 * r.gen_range(2..5));
+    let n = tokens * h;
+    let input = randv(&mut r, n);
+    let mut out = randv(&mut r, n);
+    // a padded token: a row 1000× smaller than the rest, noisy in TEST
+    let pad = r.gen_range(0..tokens);
+    for x in &mut out[pad * h..(pad + 1) * h] {
+        *x *= 1e-3;
+    }
+    let healthy: Vec<f32> = out
+        .iter()
+        .enumerate()
+        .map(|(i, x)| {
+            let noise = if i / h == pad { 0.5 } else { 1e-3 };
+            x * (1.0 + r.gen_range(-noise..noise))
+        })
+        .collect();
+    let bad = r.gen_range(0..tokens);
+    let other = (bad + 1 + r.gen_range(0..tokens - 1)) % tokens;
+    let mut faults: Vec<(&str, Vec<f32>)> = Vec::new();
+    let mut zeroed = healthy.clone();
+    zeroed[bad * h..(bad + 1) * h].fill(0.0);
+    faults.push(("zeroed", zeroed));
+    let mut garbage = healthy.clone();
+    for x in &mut garbage[bad * h..(bad + 1) * h] {
+        *x = r.gen_range(-1.0..1.0);
+    }
+    faults.push(("garbage", garbage));
+    let mut swapped = healthy.clone();
+    for c in 0..h {
+        swapped.swap(bad * h + c, other * h + c);
+    }
+    faults.push(("swapped", swapped));
+    let write = |dir: &std::path::Path, out: &[f32]| {
+        std::fs::create_dir_all(dir).unwrap();
+        let ts = vec![
+            t("input.0", &[tokens, h], input.clone()),
+            t("output", &[tokens, h], out.to_vec()),
+        ];
+        write_call(dir, 0, "model.layers.3.mlp", ts, &[]);
+    };
+    let a = tmp.path().join("ref");
+    write(&a, &out);
+    let b = tmp.path().join("healthy");
+    write(&b, &healthy);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    for (what, vals) in faults {
+        let b = tmp.path().join(what);
+        write(&b, &vals);
+        let o = nvfp4dbg(
+            tmp.path(),
+            &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+        );
+        let ctx = format!("seed {seed}, {what} token {bad}\n{}", o.show());
+        assert_eq!(o.code, 1, "{ctx}");
+        let f = &o.json["first_divergence"];
+        assert_eq!(f["module"], "model.layers.3.mlp", "{ctx}");
+        assert_eq!(f["cause"], "this module", "{ctx}");
+        assert!(f["cosine"].as_f64().unwrap() > 0.99, "{ctx}");
+        let problem = f["problem"].as_str().unwrap();
+        let first = if what == "swapped" {
+            bad.min(other)
+        } else {
+            bad
+        };
+        assert!(
+            problem.contains(&format!("token {first} has cosine")),
+            "{ctx}"
+        );
+    }
+}
+
+/// An attention mask of -inf passed as an input, the same in both runs, is a matching input: a
+/// divergence in the module's output is the module's own. It used to read as "NaN/Inf in REF",
+/// so the cause was put upstream. A mask whose -inf moved still differs.
+#[test]
+fn the_same_minus_inf_mask_in_both_runs_is_a_matching_input() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(4..12), 16 * r.gen_range(1..4));
+    let x = randv(&mut r, tokens * h);
+    let out = randv(&mut r, tokens * h);
+    let causal: Vec<f32> = (0..tokens * tokens)
+        .map(|i| {
+            if i % tokens > i / tokens {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let perturbed: Vec<f32> = out.iter().map(|v| v + r.gen_range(-1.0..1.0)).collect();
+    let write = |dir: &std::path::Path, mask: &[f32], out: &[f32]| {
+        std::fs::create_dir_all(dir).unwrap();
+        write_call(
+            dir,
+            0,
+            "model.embed_tokens",
+            vec![t("output", &[tokens, h], x.clone())],
+            &[],
+        );
+        let ts = vec![
+            t("input.0", &[tokens, h], x.clone()),
+            t("input.1", &[1, 1, tokens, tokens], mask.to_vec()),
+            t("output", &[tokens, h], out.to_vec()),
+        ];
+        write_call(dir, 1, "model.layers.0.self_attn", ts, &[]);
+    };
+    let a = tmp.path().join("ref");
+    write(&a, &causal, &out);
+    let b = tmp.path().join("test");
+    write(&b, &causal, &perturbed);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.0.self_attn", "{ctx}");
+    assert_eq!(f["inputs_diverged"], false, "{ctx}");
+    assert_eq!(f["cause"], "this module", "{ctx}");
+    // the -inf moved: the mask differs, the cause is upstream
+    let mut moved = causal.clone();
+    moved[tokens * (tokens - 1)] = f32::NEG_INFINITY;
+    let c = tmp.path().join("moved");
+    write(&c, &moved, &perturbed);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), c.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_divergence"]["inputs_diverged"], true, "{ctx}");
+    // the same mask and the same output: a pass
+    let d = tmp.path().join("same");
+    write(&d, &causal, &out);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), d.to_str().unwrap()],
+    );
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+}

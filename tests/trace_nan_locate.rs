@@ -101,7 +101,7 @@ fn a_planted_nan_or_inf_is_named_with_its_module_index_and_clean_inputs() {
 }
 
 #[test]
-fn a_clean_trace_passes_and_nan_in_an_input_only_does_not_count() {
+fn a_clean_trace_passes_and_a_minus_inf_mask_input_does_not_count() {
     let seed: u64 = rand::random();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("clean");
@@ -760,4 +760,101 @@ fn without_rank_every_rank_is_scanned() {
     assert!(o.stdout.contains("2 ranks (2, 3)"), "{}", o.show());
     let n = module_calls(&cfg(seed)).unwrap().len() as u64;
     assert_eq!(o.json["summary"]["calls_scanned_all_ranks"], 2 * n);
+}
+
+/// A NaN in a module's input while every recorded output before it was clean (code between
+/// recorded modules made it, or hooks recorded out of order) and this module's output is clean
+/// (it swallowed it): not a pass, named by module and tensor. It used to pass. A -inf mask
+/// input still passes (see above).
+#[test]
+fn a_nan_in_an_input_only_whose_producer_was_clean_is_not_a_pass() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let x = randv(&mut r, 32);
+    let mut bad = x.clone();
+    let at = r.gen_range(0..32);
+    bad[at] = f32::NAN;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[4, 8], x)],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.layers.3.mlp.experts.12",
+        vec![
+            t("input.0", &[4, 8], bad),
+            t("output", &[4, 8], randv(&mut r, 32)),
+        ],
+        &[],
+    );
+    write_call(
+        &d,
+        2,
+        "model.norm",
+        vec![t("output", &[4, 8], randv(&mut r, 32))],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["verdict"], "fail", "{ctx}");
+    assert_eq!(o.json["first_nonfinite"], Value::Null, "{ctx}");
+    let n = &o.json["nan_input"];
+    assert_eq!(n["module"], "model.layers.3.mlp.experts.12", "{ctx}");
+    assert_eq!(n["tensor"], "input.0", "{ctx}");
+    assert_eq!(n["index"]["flat"], at as u64, "{ctx}");
+    assert!(o.stdout.contains("swallowed"), "{ctx}");
+}
+
+/// An Inf that is an overflow arriving: the module before wrote a value at its dtype's limit
+/// (finite, so "clean"), the next one turned it into Inf. The Inf's module is still named, but
+/// the overflow's start is said too. It used to read "this module produced it" only.
+#[test]
+fn an_inf_after_a_value_at_the_dtype_limit_names_where_the_overflow_started() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let x = randv(&mut r, 32);
+    let mut big = x.clone();
+    let at = r.gen_range(0..32);
+    big[at] = r.gen_range(0.6..1.0) * f32::MAX;
+    let mut inf = x.clone();
+    inf[at] = f32::INFINITY;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[4, 8], x.clone())],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.layers.2.mlp",
+        vec![t("input.0", &[4, 8], x), t("output", &[4, 8], big.clone())],
+        &[],
+    );
+    write_call(
+        &d,
+        2,
+        "model.layers.3.input_layernorm",
+        vec![t("input.0", &[4, 8], big), t("output", &[4, 8], inf)],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], "model.layers.3.input_layernorm", "{ctx}");
+    assert_eq!(f["near_overflow"]["module"], "model.layers.2.mlp", "{ctx}");
+    assert!(o.stdout.contains("the overflow started there"), "{ctx}");
 }

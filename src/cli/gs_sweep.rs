@@ -266,13 +266,25 @@ pub fn run(args: &Args) -> Result<Report> {
                 u.nan_count, u.inf_count
             ));
         } else if used_loss > args.max_loss {
+            // too large a gs saturates blocks at 448, too small a one flushes them to zero:
+            // name the one that happened, not saturation alone
+            let blocks = if u.blocks.flushed_pct > u.blocks.saturated_pct {
+                format!(
+                    "{:.1}% of its activation blocks flush to zero (gs too small)",
+                    u.blocks.flushed_pct
+                )
+            } else {
+                format!(
+                    "{:.1}% of its activation blocks saturate",
+                    u.blocks.saturated_pct
+                )
+            };
             failures.push(format!(
-                "gs `{used_source}` loses {} cosine against the best ({} at {}) > --max-loss {}; {:.1}% of its activation blocks saturate",
+                "gs `{used_source}` loses {} cosine against the best ({} at {}) > --max-loss {}; {blocks}",
                 f(used_loss, 4),
                 f(best.as_ref().map_or(f64::NAN, |b| b.cosine), 4),
                 best.as_ref().map_or("-".into(), describe_gs),
                 args.max_loss,
-                u.blocks.saturated_pct
             ));
         }
     }

@@ -277,7 +277,22 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     };
     let mut rep = match &r.first {
         None => {
-            let (verdict, headline) = if unscanned.is_empty() {
+            let (verdict, headline) = if let Some((c, b)) = &r.nan_input {
+                (
+                    Verdict::Fail,
+                    format!(
+                        "no NaN/Inf in any output, but `{}` {} holds {} NaN (first non-finite at \
+                         [{}], counter {}) while every output before it was clean: code between \
+                         recorded modules made it (or hooks recorded out of order), and this \
+                         module swallowed it ({scope}){unscanned_note}",
+                        c.module,
+                        b.tensor,
+                        b.nan_count,
+                        where_(b),
+                        counter(c)
+                    ),
+                )
+            } else if unscanned.is_empty() {
                 (
                     Verdict::Pass,
                     format!(
@@ -301,6 +316,22 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             let mut rep = Report::new("nan-locate", verdict, headline)
                 .summary(summary)
                 .with("first_nonfinite", Value::Null)
+                .with(
+                    "nan_input",
+                    r.nan_input.as_ref().map(|(c, b)| {
+                        json!({
+                            "module": c.module,
+                            "file": c.file,
+                            "tensor": b.tensor,
+                            "index": index_json(b),
+                            "kind": b.kind,
+                            "counter": c.counter,
+                            "step": c.step,
+                            "nan_count": b.nan_count,
+                            "inf_count": b.inf_count,
+                        })
+                    }),
+                )
                 .with("last_clean", r.last_clean.as_ref().map(clean_json));
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
@@ -310,7 +341,18 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             let o = &f.output;
             let verdict_why =
                 match f.inputs_clean {
-                    Some(true) => "its inputs were clean: this module produced it".to_string(),
+                    Some(true) => match &r.near_overflow {
+                        // finite is not clean when a value upstream already sat at the dtype's
+                        // limit: the Inf here is that overflow arriving
+                        Some((c, t, m, max)) if o.kind.as_str() == "inf" => format!(
+                            "its inputs were finite, but `{}` {t} (counter {}) already reached \
+                             {m:.4e}, within 2x of its dtype's largest finite value {max:.4e}: \
+                             the overflow started there",
+                            c.module,
+                            counter(c)
+                        ),
+                        _ => "its inputs were clean: this module produced it".to_string(),
+                    },
                     Some(false) => format!(
                     "its inputs were already bad ({} at {}): it came from code that ran before, \
                      not recorded as a module",
@@ -347,6 +389,13 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 "nan_count": o.nan_count,
                 "inf_count": o.inf_count,
                 "inputs_clean": f.inputs_clean,
+                "near_overflow": r.near_overflow.as_ref().map(|(c, t, m, max)| json!({
+                    "module": c.module,
+                    "counter": c.counter,
+                    "tensor": t,
+                    "max_abs": m,
+                    "dtype_max": max,
+                })),
                 "bad_input": f.bad_input.as_ref().map(|b| json!({
                     "tensor": b.tensor,
                     "index": index_json(b),

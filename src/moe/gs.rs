@@ -186,6 +186,21 @@ pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<A
         s1.iter_mut().for_each(|v| *v = m1);
         s2.iter_mut().for_each(|v| *v = m2);
     }
+    // A negative input_scale in use: the reference quantizer's `rcp(s · rcp(gs))` cancels the
+    // sign, so the layer would look healthy while an engine's `alpha = input_scale ·
+    // weight_scale_2` flips the expert's output. (Zero gives gs = inf and stays visible as NaN.)
+    for (e, (&a, &b)) in s1.iter().zip(&s2).enumerate() {
+        for (v, p) in [(a, "gate_proj/up_proj"), (b, "down_proj")] {
+            if v < 0.0 {
+                return Err(Error::usage(format!(
+                    "--gs checkpoint: layer {} expert {e} {p} input_scale = {v} is negative: \
+                     a global scale must be positive (an engine's alpha flips this expert's \
+                     sign); `nvfp4dbg audit` lists every such tensor",
+                    layer.index
+                )));
+            }
+        }
+    }
     Ok(ActScales::Fixed {
         gs1: s1.iter().map(|&s| 1.0 / s).collect(),
         gs2: s2.iter().map(|&s| 1.0 / s).collect(),
@@ -308,6 +323,27 @@ mod tests {
         };
         let m = vals.iter().map(|v| v.0.max(v.1)).fold(0f32, f32::max);
         assert!(g1.iter().all(|&g| g == 1.0 / m));
+        // a negative scale in use is refused by name (it used to pass: the sign cancels)
+        let keep = layer.experts[1].w2.input_scale;
+        layer.experts[1].w2.input_scale = Some(-0.01);
+        let err = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("expert 1 down_proj") && err.contains("negative"),
+            "{err}"
+        );
+        layer.experts[1].w2.input_scale = keep;
+        layer.experts[3].w1.input_scale = Some(-0.02);
+        layer.experts[3].w3.input_scale = Some(-0.01);
+        let err = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("expert 3 gate_proj/up_proj"), "{err}");
+        // the layer-wide max (what the engines use) hides one expert's negative scale
+        assert!(checkpoint_scales(&layer, InputScaleReduce::GlobalMax).is_ok());
+        layer.experts[3].w1.input_scale = Some(vals[3].0);
+        layer.experts[3].w3.input_scale = Some(vals[3].1);
         layer.experts[2].w2.input_scale = None;
         let err = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
             .unwrap_err()

@@ -8,7 +8,7 @@ use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
 use super::scan::compare_tensors;
 use crate::error::Result;
-use crate::metrics::{max_rel_l2, Metrics};
+use crate::metrics::{max_rel_l2, Accum, Metrics};
 use serde::Serialize;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -213,7 +213,36 @@ fn diff_tensor(
     d.inf_count = m.inf_count;
     d.ref_nan_count = ref_stats.nan_count;
     d.ref_inf_count = ref_stats.inf_count;
-    if !ref_stats.is_finite() {
+    // an input both runs passed with the same NaN/Inf at the same places (an attention mask of
+    // -inf) is the same input: its finite values decide
+    let same_nonfinite_input = (matches!(role(name), Role::Input(_))
+        && !ref_stats.is_finite()
+        && ref_stats.nan_count == m.nan_count
+        && ref_stats.inf_count == m.inf_count)
+        .then(|| finite_if_same_nonfinite(&t, &r))
+        .flatten();
+    if let Some(f) = same_nonfinite_input {
+        d.cosine = Some(f.cosine).filter(|c| c.is_finite());
+        d.rel_l2 = Some(f.rel_l2).filter(|c| c.is_finite());
+        d.max_abs_err = Some(f.max_abs_err).filter(|c| c.is_finite());
+        d.note = Some(format!(
+            "{} NaN, {} Inf at the same places in REF and TEST (a mask?): compared on the \
+             finite values",
+            m.nan_count, m.inf_count
+        ));
+        if !f.passes(min_cosine) {
+            d.problem = Some(format!("cosine {:.6} < {min_cosine}", f.cosine));
+        } else if f.rel_l2 > max_rel_l2(min_cosine) {
+            d.problem = Some(format!(
+                "rel_l2 {:.3e} > {:.3e} on the finite values (cosine {:.6} passes: a scale error)",
+                f.rel_l2,
+                max_rel_l2(min_cosine),
+                f.cosine
+            ));
+        } else {
+            d.matches = true;
+        }
+    } else if !ref_stats.is_finite() {
         d.problem = Some(format!(
             "NaN/Inf in REF ({} NaN, {} Inf): the reference itself is broken here",
             ref_stats.nan_count, ref_stats.inf_count
@@ -236,10 +265,23 @@ fn diff_tensor(
             max_rel_l2(min_cosine),
             m.cosine
         ));
+    } else if let Some(w) = worst_token(&t, &r, min_cosine) {
+        // the mean over all tokens hides a few bad ones (one position's RoPE, a padded row,
+        // rows of two tokens swapped): each token is held to a looser bar of its own
+        d.problem = Some(format!(
+            "{} of {} tokens diverge although the whole tensor scores cosine {:.6}: token {} \
+             has cosine {:.6} < {:.4} (the bar for one token at --min-cosine {min_cosine})",
+            w.count,
+            w.tokens,
+            m.cosine,
+            w.token,
+            w.cosine,
+            token_min_cosine(min_cosine)
+        ));
     } else {
         d.matches = true;
     }
-    if r.shape != t.shape {
+    if r.shape != t.shape && d.note.is_none() {
         d.note = Some(format!(
             "shapes differ (REF {:?}, TEST {:?}), compared flat",
             r.shape, t.shape
@@ -267,6 +309,123 @@ fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
         start += len;
     }
     (nt / nr).sqrt()
+}
+
+/// The cosine one token's row must reach: ten times the tensor's allowed `1 − C`, so the
+/// spread of healthy noise over thousands of rows stays above it while a zeroed, swapped or
+/// garbage row (cosine near 0) does not.
+pub fn token_min_cosine(min_cosine: f64) -> f64 {
+    1.0 - 10.0 * (1.0 - min_cosine)
+}
+
+/// The tokens of a tensor that fail [`token_min_cosine`].
+struct WorstToken {
+    /// The first failing token (row index over all leading dims).
+    token: usize,
+    cosine: f64,
+    /// Failing tokens, and tokens in all.
+    count: usize,
+    tokens: usize,
+}
+
+/// Rows (leading dims flattened, the last dim is the channel) whose cosine is below
+/// [`token_min_cosine`] and whose error is more than noise could put on an average row
+/// (`max_rel_l2(C)` × the RMS row norm of REF), so near-zero rows (padding) cannot trip it.
+/// `None` when every token passes, or the tensor has fewer than two dims or two rows.
+fn worst_token(t: &TensorRef, r: &TensorRef, min_cosine: f64) -> Option<WorstToken> {
+    let floor = token_min_cosine(min_cosine);
+    let row = *r.shape.last()?;
+    let n = t.numel().min(r.numel());
+    if r.shape.len() < 2 || row == 0 || n / row < 2 || floor <= -1.0 {
+        return None;
+    }
+    let rows = n / row;
+    // (dot, ‖t‖², ‖r‖², ‖t − r‖²) per row, read a block of whole rows at a time
+    let per_block = (1usize << 22).div_ceil(row).max(1);
+    let mut sums: Vec<[f64; 4]> = Vec::with_capacity(rows);
+    let (mut bt, mut br) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    while start < rows {
+        let len = per_block.min(rows - start);
+        t.read_f32(start * row, len * row, &mut bt);
+        r.read_f32(start * row, len * row, &mut br);
+        if bt.len() < len * row || br.len() < len * row {
+            return None;
+        }
+        for (a, b) in bt.chunks_exact(row).zip(br.chunks_exact(row)) {
+            let mut s = [0f64; 4];
+            for (&x, &y) in a.iter().zip(b) {
+                let (x, y) = (x as f64, y as f64);
+                s[0] += x * y;
+                s[1] += x * x;
+                s[2] += y * y;
+                s[3] += (x - y) * (x - y);
+            }
+            sums.push(s);
+        }
+        start += len;
+    }
+    let mean_nr = sums.iter().map(|s| s[2]).sum::<f64>() / rows as f64;
+    let min_err = max_rel_l2(min_cosine).powi(2) * mean_nr;
+    let mut worst: Option<WorstToken> = None;
+    for (i, s) in sums.iter().enumerate() {
+        let cos = if s[1] == 0.0 && s[2] == 0.0 {
+            1.0
+        } else if s[1] == 0.0 || s[2] == 0.0 {
+            0.0
+        } else {
+            s[0] / (s[1].sqrt() * s[2].sqrt())
+        };
+        // NaN/Inf rows are the global check's business
+        if !cos.is_finite() || !s[3].is_finite() || cos >= floor || s[3] <= min_err {
+            continue;
+        }
+        match &mut worst {
+            None => {
+                worst = Some(WorstToken {
+                    token: i,
+                    cosine: cos,
+                    count: 1,
+                    tokens: rows,
+                })
+            }
+            Some(w) => w.count += 1,
+        }
+    }
+    worst
+}
+
+/// When every NaN of one tensor is a NaN of the other at the same index and every ±Inf the
+/// same ±Inf: the metrics over the finite values (both sides finite there). `None` otherwise.
+fn finite_if_same_nonfinite(t: &TensorRef, r: &TensorRef) -> Option<Metrics> {
+    const BLOCK: usize = 1 << 22;
+    let n = t.numel().min(r.numel());
+    let (mut bt, mut br) = (Vec::new(), Vec::new());
+    let mut acc = Accum::default();
+    let mut start = 0;
+    while start < n {
+        t.read_f32(start, BLOCK, &mut bt);
+        r.read_f32(start, BLOCK, &mut br);
+        let len = bt.len().min(br.len());
+        if len == 0 {
+            return None;
+        }
+        let (x, y) = (&bt[..len], &br[..len]);
+        let same = x.iter().zip(y).all(|(&a, &b)| {
+            a.is_finite() == b.is_finite() && (a.is_finite() || a == b || a.is_nan() && b.is_nan())
+        });
+        if !same {
+            return None;
+        }
+        // TEST's non-finite values are left out of the sums, and they are exactly REF's
+        acc = acc.merge(Accum::over(x, y, start));
+        start += len;
+    }
+    acc.nan = 0;
+    acc.inf = 0;
+    acc.first_nan = None;
+    acc.first_inf = None;
+    Some(acc.finish())
 }
 
 fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {

@@ -2,7 +2,8 @@
 //! holds a non-finite value; its inputs then say who made it: clean inputs mean the module
 //! itself produced it, bad inputs mean it came from code that ran before (and was not recorded
 //! as a module of its own). Bad inputs with clean outputs do not make a call bad: a `-inf`
-//! attention mask passed in as an input is normal.
+//! attention mask passed in as an input is normal. A NaN input never is: the first one (with
+//! every output before it clean) is kept as `nan_input`, and a trace with one does not pass.
 
 use super::file::{role, Role, TraceFile};
 use super::index::{Skipped, TraceEntry, TraceIndex};
@@ -118,6 +119,35 @@ pub struct LocateResult {
     pub calls_scanned: usize,
     /// Calls whose file had no `output` tensor: named, not scanned.
     pub skipped: Vec<Skipped>,
+    /// The first call before any bad output whose outputs were finite while an input held a
+    /// NaN (a ±Inf input is a mask, a NaN never is): made by code between recorded modules, or
+    /// recorded by hooks out of order, and swallowed by this module. The value is its first
+    /// input holding a NaN.
+    pub nan_input: Option<(ScannedCall, BadValue)>,
+    /// The first call before the first bad one whose output came within 2x of its dtype's
+    /// largest finite value (BF16/F32 3.4e38, F16 65504): where an overflow that turns into Inf
+    /// one module later starts. (call, output tensor, its max |x|, the dtype's max.)
+    pub near_overflow: Option<(ScannedCall, String, f32, f32)>,
+}
+
+/// The largest finite value of a float dtype as `ScannedTensor::dtype` spells it; `None` for
+/// FP8 (E4M3 has no Inf, and both saturate by design) and non-float dtypes.
+pub fn dtype_max(dtype: &str) -> Option<f32> {
+    match dtype {
+        "F16" => Some(65504.0),
+        "BF16" => Some(3.3895314e38),
+        "F32" | "F64" => Some(f32::MAX),
+        _ => None,
+    }
+}
+
+/// The first output of `c` within 2x of its dtype's largest finite value.
+fn near_overflow(c: &ScannedCall) -> Option<(String, f32, f32)> {
+    c.outputs().find_map(|t| {
+        let max = dtype_max(&t.dtype)?;
+        let m = t.stats?.max_abs;
+        (m >= max / 2.0).then(|| (t.name.clone(), m, max))
+    })
 }
 
 /// The call's tensors scanned, or why it cannot be (no output: the reason names what the file
@@ -172,6 +202,8 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut scanned = 0;
     let mut found: Option<FirstNonFinite> = None;
     let mut after = Vec::new();
+    let mut nan_input = None;
+    let mut near = None;
     for (pos, e) in index.entries.iter().enumerate() {
         if found.is_some() && after.len() >= context {
             break;
@@ -191,6 +223,16 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
             continue;
         }
         if call.outputs_finite() {
+            if nan_input.is_none() {
+                nan_input = call
+                    .inputs()
+                    .find(|t| t.stats.is_some_and(|s| s.nan_count > 0))
+                    .and_then(BadValue::of)
+                    .map(|b| (call.clone(), b));
+            }
+            if near.is_none() {
+                near = near_overflow(&call).map(|(t, m, max)| (call.clone(), t, m, max));
+            }
             last_clean = Some(call.clone());
             if before.len() == context {
                 before.pop_front();
@@ -221,5 +263,7 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
         window,
         calls_scanned: scanned,
         skipped,
+        nan_input,
+        near_overflow: near,
     })
 }
