@@ -275,6 +275,8 @@ struct Faults {
     swap: Vec<usize>,
     /// Block scales in the 128x4 swizzled layout.
     swizzle: bool,
+    /// Only these experts' block scales swizzled (dims where both layouts have one size).
+    swizzle_only: Vec<usize>,
     /// w2_weight_scale_2 holds 1/weight_scale_2 (gs).
     flip_w2_scale_2: bool,
     /// w13_weight_scale_2 is [E] holding the gate's (vLLM after loading).
@@ -326,7 +328,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         w13.extend_from_slice(&a.packed);
         w13.extend_from_slice(&b.packed);
         let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
-        if f.swizzle || f.processed.is_some() {
+        if f.swizzle || f.processed.is_some() || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
         }
         s13.extend(sc);
@@ -343,7 +345,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w2.extend_from_slice(&d.packed);
         }
         let mut sc = d.scales.clone();
-        if f.swizzle {
+        if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
         s2.extend(sc);
@@ -770,6 +772,58 @@ fn swizzled_scales_are_detected_and_compared_correctly() {
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump2)]);
     check(&out, 1, fx.seed);
     assert!(diag_kinds(&out.json).contains(&"gate_up_swapped".to_string()));
+}
+
+/// Some experts' block scales swizzled, the others' linear, in one fused tensor of a size
+/// both layouts share: each expert compares fine after its own unswizzling, but a kernel reads
+/// one layout for the whole tensor. It used to pass with a note that the scales are swizzled.
+#[test]
+fn scales_swizzled_for_some_experts_only_fail() {
+    let fx = fixture_dims(4, 128, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let odd = r.gen_range(0..4);
+    let dump = fx.root.join("mixed.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle_only: vec![odd],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let mixed: Vec<&Value> = d
+        .iter()
+        .filter(|d| d["kind"] == "mixed_scale_layouts")
+        .collect();
+    // w13 and w2
+    assert_eq!(mixed.len(), 2, "seed {}: {d:?}", fx.seed);
+    for m in mixed {
+        assert_eq!(m["experts"], serde_json::json!([odd]), "seed {}", fx.seed);
+        assert_eq!(m["fails"], true);
+        assert!(m["message"].as_str().unwrap().contains("one layout"));
+    }
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+    // every expert swizzled: one layout, a note
+    let dump = fx.root.join("all.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle_only: (0..4).collect(),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["swizzled_scales"],
+        "seed {}",
+        fx.seed
+    );
 }
 
 #[test]

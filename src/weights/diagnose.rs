@@ -32,6 +32,9 @@ pub enum DiagnosisKind {
     Scale2GateOnly,
     InputScaleFlipped,
     SwizzledScales,
+    /// One fused tensor with the block scales of some experts swizzled and of others linear:
+    /// a kernel reads one layout for the whole tensor.
+    MixedScaleLayouts,
     EpShard,
     /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
     DerivedScale,
@@ -97,7 +100,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             }
         }
     }
-    groups
+    let mut out: Vec<Diagnosis> = groups
         .into_iter()
         .map(|((kind, layer), (experts, n, example))| {
             let experts: Vec<usize> = experts.into_iter().collect();
@@ -137,6 +140,57 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 experts,
                 tensors: n,
                 message,
+            }
+        })
+        .collect();
+    out.extend(mixed_scale_layouts(results));
+    out
+}
+
+/// B's fused tensors whose experts' block scales were read in both layouts: swizzled for some,
+/// linear for others that then matched A (so the linear reading is confirmed). Each expert
+/// compares fine after its own unswizzling, but a kernel takes one layout for the whole
+/// tensor, so one of the two sets is read wrong.
+fn mixed_scale_layouts(results: &[UnitResult]) -> Vec<Diagnosis> {
+    use super::view::ScalesSeen;
+    // B tensor → (layer, swizzled experts, linear experts)
+    type Seen = (Option<usize>, BTreeSet<usize>, BTreeSet<usize>);
+    let mut by_tensor: BTreeMap<&str, Seen> = BTreeMap::new();
+    for r in results {
+        let (Some(e), Some(seen)) = (r.expert, r.b_scales) else {
+            continue;
+        };
+        let Some((tensor, _)) = r.b.split_once('[') else {
+            continue;
+        };
+        let g = by_tensor
+            .entry(tensor)
+            .or_insert_with(|| (Some(e.layer), BTreeSet::new(), BTreeSet::new()));
+        if seen == ScalesSeen::Swizzled {
+            g.1.insert(e.expert);
+        } else if r.status != super::compare::Status::Mismatch {
+            g.2.insert(e.expert);
+        }
+    }
+    by_tensor
+        .into_iter()
+        .filter(|(_, (_, sw, lin))| !sw.is_empty() && !lin.is_empty())
+        .map(|(tensor, (layer, sw, lin))| {
+            let sw: Vec<usize> = sw.into_iter().collect();
+            let lin: Vec<usize> = lin.into_iter().collect();
+            Diagnosis {
+                kind: DiagnosisKind::MixedScaleLayouts,
+                layer,
+                tensors: sw.len() + lin.len(),
+                message: format!(
+                    "{}the block scales of `{tensor}` are in the 128x4 swizzled layout for expert(s) {} and in the linear one for expert(s) {}: \
+                     a kernel reads one layout for the whole tensor, so one of the two sets is read wrong (a loader path that swizzles only some experts?)",
+                    layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                    list(&sw),
+                    list(&lin)
+                ),
+                experts: sw,
+                fails: true,
             }
         })
         .collect()
