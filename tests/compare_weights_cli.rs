@@ -298,6 +298,10 @@ struct Faults {
     bad_alpha: Option<usize>,
     /// The w2 bytes of these experts with high and low nibble exchanged.
     nibble_swap: Vec<usize>,
+    /// w2_weight_scale holds the scales' values as F32, not their e4m3 codes.
+    w2_scales_f32: bool,
+    /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
+    w13_scales_transposed: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -331,6 +335,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         if f.swizzle || f.processed.is_some() || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
         }
+        if f.w13_scales_transposed {
+            let kb = h / 16;
+            sc = (0..kb)
+                .flat_map(|k| (0..2 * ip).map(move |r| (r, k)))
+                .map(|(r, k)| sc[r * kb + k])
+                .collect();
+        }
         s13.extend(sc);
         if f.gate_only_scale_2 || f.processed.is_some() {
             g13.push(a.scale_2);
@@ -360,6 +371,8 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
     let s13_shape: Vec<usize> = if f.swizzle || f.processed.is_some() {
         vec![e, 128, 4]
+    } else if f.w13_scales_transposed {
+        vec![e, h / 16, 2 * ip]
     } else {
         vec![e, 2 * ip, h / 16]
     };
@@ -402,10 +415,21 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]),
             w2,
         ),
-        (
-            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
-            s2,
-        ),
+        if f.w2_scales_f32 {
+            let v: Vec<f32> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c))
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
+                f32_bytes(&v),
+            )
+        } else {
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
+                s2,
+            )
+        },
         (
             TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
             f32_bytes(&g2),
@@ -824,6 +848,49 @@ fn scales_swizzled_for_some_experts_only_fail() {
         "seed {}",
         fx.seed
     );
+}
+
+/// Block scales converted to F32 values, or stored transposed, are named as such. They used to
+/// read as "bytes fit neither the linear nor the swizzled layout" (a layout problem) and as
+/// bare "values differ" (the transposed shape was not looked at).
+#[test]
+fn converted_and_transposed_block_scales_are_named() {
+    let fx = fixture(2);
+    for (faults, tensor, what, n) in [
+        (
+            Faults {
+                w2_scales_f32: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as F32",
+            2,
+        ),
+        (
+            Faults {
+                w13_scales_transposed: true,
+                ..Default::default()
+            },
+            "w13_weight_scale",
+            "stored transposed",
+            4,
+        ),
+    ] {
+        let dump = fx.root.join(format!("{tensor}.safetensors"));
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let mm = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(mm.len(), n, "seed {}: {mm:?}", fx.seed);
+        for m in mm {
+            let msg = m["issues"][0]["message"].as_str().unwrap();
+            assert!(
+                msg.contains(tensor) && msg.contains(what),
+                "seed {}: {msg}",
+                fx.seed
+            );
+        }
+    }
 }
 
 #[test]
