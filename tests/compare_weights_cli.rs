@@ -302,6 +302,8 @@ struct Faults {
     w2_scales_f32: bool,
     /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
     w13_scales_transposed: bool,
+    /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
+    swap_scale_2_input: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -439,6 +441,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             f32_bytes(&i2),
         ),
     ];
+    if f.swap_scale_2_input {
+        for (g, i) in [(2, 3), (6, 7)] {
+            let (gb, ib) = (v[g].1.clone(), v[i].1.clone());
+            let (gs, is) = (v[g].0.shape.clone(), v[i].0.shape.clone());
+            (v[g].1, v[g].0.shape, v[i].1, v[i].0.shape) = (ib, is, gb, gs);
+        }
+    }
     if let Some(global) = f.processed {
         // vLLM's process_weights_after_loading: alphas and the activation gs per expert
         let mut in13: Vec<f32> = i13.chunks(2).map(|c| c[0].max(c[1])).collect();
@@ -890,6 +899,44 @@ fn converted_and_transposed_block_scales_are_named() {
                 fx.seed
             );
         }
+    }
+}
+
+/// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is
+/// named as the swap. It used to be two unrelated issues a tensor ("weight_scale_2: B …, A …",
+/// "input_scale: B …, A …") and no diagnosis.
+#[test]
+fn scale_2_and_input_scale_swapped_are_named() {
+    let fx = fixture(2);
+    let dump = fx.root.join("ws2-in.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap_scale_2_input: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["scale_2_input_scale_swapped"],
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    let d = &out.json["diagnoses"][0];
+    assert_eq!(d["tensors"], 6);
+    assert_eq!(d["experts"], serde_json::json!([0, 1]));
+    for m in out.json["mismatches"].as_array().unwrap() {
+        let kinds: Vec<&str> = m["issues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["kind"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds, ["scale_2_input_scale_swapped"], "seed {}", fx.seed);
     }
 }
 

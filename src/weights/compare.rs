@@ -58,6 +58,9 @@ pub enum IssueKind {
     MissingMember,
     /// B's packed bytes are A's with the two nibbles of each byte exchanged.
     NibblesSwapped,
+    /// B's weight_scale_2 is A's input_scale and B's input_scale A's weight_scale_2.
+    #[serde(rename = "scale_2_input_scale_swapped")]
+    Scale2InputScaleSwapped,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -509,6 +512,14 @@ fn compare_qq(
     }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
+    // weight_scale_2 and input_scale exchanged (both dequant-direction scalars, one per
+    // linear: a loader that maps them by position)
+    let swapped = match (sa, sb, qa.input_scale, qb.input_scale) {
+        (Some(wa), Some(wb), Some(ia), Some(ib)) => {
+            !same_scale(wa, ia) && same_scale(wb, ia) && same_scale(ib, wa)
+        }
+        _ => false,
+    };
     let mut scale_ok = true;
     let mut conv_ulp = false;
     match (sa, sb) {
@@ -536,7 +547,16 @@ fn compare_qq(
                         ..e
                     })
                 });
-            if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
+            if swapped {
+                u.issue(
+                    IssueKind::Scale2InputScaleSwapped,
+                    format!(
+                        "weight_scale_2 and input_scale swapped: B's weight_scale_2 {y:e} is A's input_scale, \
+                         B's input_scale {:e} is A's weight_scale_2 ({x:e})",
+                        qb.input_scale.unwrap_or_default()
+                    ),
+                );
+            } else if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
                 let how = if qb.scale_2_shared == Shared::W13Shared {
                     "w13_weight_scale_2 holds one value per expert"
                 } else {
@@ -589,7 +609,11 @@ fn compare_qq(
                 })
             });
             let max = other.and_then(|o| o.input_scale).map(|o| o.max(x));
-            if qb.input_shared == Shared::W13Shared && max.is_some_and(|m| same_scale(m, y)) {
+            if swapped {
+                // named with weight_scale_2
+                input_ok = false;
+            } else if qb.input_shared == Shared::W13Shared && max.is_some_and(|m| same_scale(m, y))
+            {
                 u.notes.push(format!(
                     "input_scale: B holds max(gate, up) = {y:e} for w13 (as vLLM does: both GEMMs quantize the same input); A's own is {x:e}"
                 ));

@@ -31,6 +31,8 @@ pub enum DiagnosisKind {
     #[serde(rename = "scale_2_gate_only")]
     Scale2GateOnly,
     InputScaleFlipped,
+    #[serde(rename = "scale_2_input_scale_swapped")]
+    Scale2InputScaleSwapped,
     SwizzledScales,
     /// One fused tensor with the block scales of some experts swizzled and of others linear:
     /// a kernel reads one layout for the whole tensor.
@@ -82,6 +84,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::Scale2GateOnly => DiagnosisKind::Scale2GateOnly,
                     IssueKind::InputScaleFlipped => DiagnosisKind::InputScaleFlipped,
                     IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
+                    IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
                     _ => return None,
                 };
                 Some((k, i.message.clone()))
@@ -116,6 +119,9 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 DiagnosisKind::Scale2GateOnly => format!(
                     "{where_}the up_proj of {n} expert(s) ({}) uses the gate's weight_scale_2: vLLM keeps one w13_weight_scale_2 per expert (w1's); e.g. {example}",
                     list(&experts)
+                ),
+                DiagnosisKind::Scale2InputScaleSwapped => format!(
+                    "{where_}{n} tensor(s) hold input_scale where weight_scale_2 belongs and weight_scale_2 where input_scale belongs; e.g. {example}"
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
