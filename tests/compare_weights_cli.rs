@@ -1164,13 +1164,29 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
     );
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["equal"], out.json["summary"]["units"]);
-    // the other rank's slice does not match
+    // the other rank's slice does not match, and the rank B holds is named (it used to be a
+    // bare "values differ")
     let other = (1 - tr).to_string();
     let out = run(
         &fx.root,
         &[s(&fx.ckpt), s(&dump), "--tp-rank", &other, "--tp-size", "2"],
     );
     check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t = d
+        .iter()
+        .find(|d| d["kind"] == "tp_rank")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    // every expert's gate, up and down
+    assert_eq!(t["tensors"], 12, "seed {}: {d:?}", fx.seed);
+    assert!(
+        t["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("B holds TP rank {tr}'s slice")),
+        "seed {}: {t}",
+        fx.seed
+    );
     // without --tp-size the shapes are named as a likely shard
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);

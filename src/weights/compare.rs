@@ -61,6 +61,8 @@ pub enum IssueKind {
     /// B's weight_scale_2 is A's input_scale and B's input_scale A's weight_scale_2.
     #[serde(rename = "scale_2_input_scale_swapped")]
     Scale2InputScaleSwapped,
+    /// B is another TP rank's slice of A.
+    TpRank,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -440,6 +442,8 @@ fn compare_qq(
         }
         return Ok(done(u));
     }
+    // A's whole matrix, kept for a TP shard: another rank's slice may be what B holds
+    let a_whole = (ra != rb).then(|| a_full.clone());
     let a_m = match align2(ra, rb, opts.tp) {
         Some(Align::Same) => Some(a_full),
         Some(Align::Rows(r0)) => {
@@ -675,6 +679,20 @@ fn compare_qq(
                 m.cosine
             ),
         );
+    } else if let Some((o, n, what)) = (!codes_equal && !close)
+        .then_some(())
+        .and(opts.tp)
+        .zip(a_whole.as_ref())
+        .and_then(|((r, n), whole)| other_tp_rank(whole, &b_m, r, n).map(|(o, w)| (o, n, w)))
+    {
+        u.issue(
+            IssueKind::TpRank,
+            format!(
+                "B holds TP rank {o}'s slice of A ({what}), not rank {}'s of {n}: the engine loaded \
+                 another rank's shard, or the dump is rank {o}'s",
+                opts.tp.map_or(0, |t| t.0)
+            ),
+        );
     } else if !codes_equal && !close {
         u.issue(
             IssueKind::Values,
@@ -692,6 +710,22 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
+fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
+    let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));
+    (0..n).filter(|&o| o != rank).find_map(|o| {
+        let (slice, what) = match align2(ra, rb, Some((o, n)))? {
+            Align::Rows(r0) => (a.rows_slice(r0, rb.0)?, format!("rows {r0}..{}", r0 + rb.0)),
+            Align::Cols(c0) => (
+                a.cols_slice(c0, rb.1)?,
+                format!("columns (K) {c0}..{}", c0 + rb.1),
+            ),
+            Align::Same => return None,
+        };
+        slice.same_codes(b).then_some((o, what))
+    })
 }
 
 fn dense_view<'a>(d: &DRaw<'a>) -> Option<DView<'a>> {

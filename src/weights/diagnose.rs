@@ -34,6 +34,8 @@ pub enum DiagnosisKind {
     #[serde(rename = "scale_2_input_scale_swapped")]
     Scale2InputScaleSwapped,
     SwizzledScales,
+    /// B holds another tensor-parallel rank's slice of A.
+    TpRank,
     /// One fused tensor with the block scales of some experts swizzled and of others linear:
     /// a kernel reads one layout for the whole tensor.
     MixedScaleLayouts,
@@ -85,6 +87,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::InputScaleFlipped => DiagnosisKind::InputScaleFlipped,
                     IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
                     IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
+                    IssueKind::TpRank => DiagnosisKind::TpRank,
                     _ => return None,
                 };
                 Some((k, i.message.clone()))
@@ -122,6 +125,9 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::Scale2InputScaleSwapped => format!(
                     "{where_}{n} tensor(s) hold input_scale where weight_scale_2 belongs and weight_scale_2 where input_scale belongs; e.g. {example}"
+                ),
+                DiagnosisKind::TpRank => format!(
+                    "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
