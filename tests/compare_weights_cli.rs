@@ -1173,20 +1173,28 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
     );
     check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
-    let t = d
-        .iter()
-        .find(|d| d["kind"] == "tp_rank")
-        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
-    // every expert's gate, up and down
-    assert_eq!(t["tensors"], 12, "seed {}: {d:?}", fx.seed);
-    assert!(
-        t["message"]
-            .as_str()
-            .unwrap()
-            .contains(&format!("B holds TP rank {tr}'s slice")),
-        "seed {}: {t}",
+    let t: Vec<&Value> = d.iter().filter(|d| d["kind"] == "tp_rank").collect();
+    // every expert's gate, up and down (layer 1), the shared expert's three and the
+    // embedding (no layer)
+    assert_eq!(
+        t.iter()
+            .map(|d| d["tensors"].as_u64().unwrap())
+            .sum::<u64>(),
+        16,
+        "seed {}: {d:?}",
         fx.seed
     );
+    for d in t {
+        assert!(
+            d["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("B holds TP rank {tr}'s slice")),
+            "seed {}: {d}",
+            fx.seed
+        );
+    }
+    assert_eq!(out.json["summary"]["mismatched"], 16, "seed {}", fx.seed);
     // without --tp-size the shapes are named as a likely shard
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);

@@ -878,6 +878,27 @@ fn compare_dd(
         u.bitwise_equal = true;
         return Ok(done(u, true));
     }
+    // a TP shard with another rank's bytes
+    if let Some((r, n)) = opts
+        .tp
+        .filter(|_| da.shape != db.shape && da.dtype == db.dtype)
+    {
+        let other = (0..n).filter(|&o| o != r).find_map(|o| {
+            let (v, note) = shard_view(da, &db.shape, Some((o, n)))?;
+            v.mat.same(&vb.mat).then_some((o, note))
+        });
+        if let Some((o, note)) = other {
+            u.issue(
+                IssueKind::TpRank,
+                format!(
+                    "B holds TP rank {o}'s slice of A ({}), not rank {r}'s of {n}: the engine loaded \
+                     another rank's shard, or the dump is rank {o}'s",
+                    note.trim_start_matches("B is TP ")
+                ),
+            );
+            return Ok(done(u, false));
+        }
+    }
     if is_int(da.dtype) || is_int(db.dtype) {
         match (ints(&va), ints(&vb)) {
             (Some(x), Some(y)) if x.len() == y.len() => {
