@@ -1231,6 +1231,44 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
     );
 }
 
+/// An EP rank's dump of round-robin placed experts (rank 0 of 2: 0, 2, 4) read as linear
+/// (0, 1, 2): the permutation is named as the placement. It used to list "1←2, 2←4" only.
+#[test]
+fn round_robin_placement_read_as_linear_is_named() {
+    let fx = fixture(6);
+    let dump = fx.root.join("rr.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![0, 2, 4, 1, 3, 5]),
+            ep: Some((0, 2)),
+            ..Default::default()
+        },
+    );
+    let ep = [s(&fx.ckpt), s(&dump), "--ep-rank", "0", "--ep-size", "2"];
+    let out = run(&fx.root, &ep);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert_eq!(p["experts"], serde_json::json!([1, 2]), "seed {}", fx.seed);
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("2·e:") && msg.contains("--placement round-robin"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    // read with the placement it has: agrees
+    let out = run(
+        &fx.root,
+        &[&ep[..], &["--placement", "round-robin"]].concat(),
+    );
+    check(&out, 0, fx.seed);
+}
+
 #[test]
 fn rename_rules_and_bad_input() {
     let fx = fixture(2);

@@ -410,6 +410,12 @@ pub fn cross_expert(
                 message.push_str(&format!(
                     "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
                 ));
+            } else if let Some((stride, c)) = strided(&perm) {
+                message.push_str(&format!(
+                    "; every one is A's expert {stride}·e{}: a strided (round-robin) expert placement read as \
+                     contiguous (linear) — pass --placement round-robin, or the engine's expert placement differs from its loader's",
+                    if c == 0 { String::new() } else { format!("{c:+}") }
+                ));
             }
             for &(e, o) in &perm {
                 for p in Proj::ALL {
@@ -432,6 +438,23 @@ pub fn cross_expert(
         }
     }
     Ok(out)
+}
+
+/// `(s, c)` when every pair `(e, o)` has `o = s·e + c` with an integer stride `s ≥ 2`: B's
+/// experts `e` of a contiguous block hold A's every `s`-th expert.
+fn strided(perm: &[(usize, usize)]) -> Option<(i64, i64)> {
+    let [(e1, o1), (e2, o2), ..] = perm[..] else {
+        return None;
+    };
+    let (de, d_o) = (e2 as i64 - e1 as i64, o2 as i64 - o1 as i64);
+    if de == 0 || d_o % de != 0 || d_o / de < 2 {
+        return None;
+    }
+    let s = d_o / de;
+    let c = o1 as i64 - s * e1 as i64;
+    perm.iter()
+        .all(|&(e, o)| o as i64 == s * e as i64 + c)
+        .then_some((s, c))
 }
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {
