@@ -304,6 +304,8 @@ struct Faults {
     w13_scales_transposed: bool,
     /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
     swap_scale_2_input: bool,
+    /// With `tp`: w13 sharded as one [2I] block (rank r's 2I/n rows of [w1; w3] halved).
+    tp_w13_as_one: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -325,7 +327,19 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     let (mut w2, mut s2, mut g2, mut i2) = (vec![], vec![], vec![], vec![]);
     for (slot, &x) in experts.iter().enumerate() {
         let ex = &m.experts[x];
-        let (mut a, mut b) = (rows_of(&ex.w1, tr * ip, ip), rows_of(&ex.w3, tr * ip, ip));
+        let (mut a, mut b) = if f.tp_w13_as_one {
+            let half = |k: usize| {
+                let r0 = tr * 2 * ip + k * ip;
+                if r0 < i {
+                    rows_of(&ex.w1, r0, ip)
+                } else {
+                    rows_of(&ex.w3, r0 - i, ip)
+                }
+            };
+            (half(0), half(1))
+        } else {
+            (rows_of(&ex.w1, tr * ip, ip), rows_of(&ex.w3, tr * ip, ip))
+        };
         let (mut ia, mut ib) = (ex.in1, ex.in3);
         if f.swap.contains(&x) {
             std::mem::swap(&mut a, &mut b);
@@ -1267,6 +1281,44 @@ fn round_robin_placement_read_as_linear_is_named() {
         &[&ep[..], &["--placement", "round-robin"]].concat(),
     );
     check(&out, 0, fx.seed);
+}
+
+/// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],
+/// not w1's and w3's own slices. Named; it used to be "values differ" on the up (rank 0) or
+/// gate (rank 1) of every expert.
+#[test]
+fn w13_split_across_tp_as_one_block_is_named() {
+    let fx = fixture(4);
+    for tr in 0..2 {
+        let dump = fx.root.join(format!("tp-w13-{tr}.safetensors"));
+        write_fused(
+            &fx.model,
+            &dump,
+            &Faults {
+                tp: Some((tr, 2)),
+                tp_w13_as_one: true,
+                ..Default::default()
+            },
+        );
+        let trs = tr.to_string();
+        let out = run(
+            &fx.root,
+            &[s(&fx.ckpt), s(&dump), "--tp-rank", &trs, "--tp-size", "2"],
+        );
+        check(&out, 1, fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let w = d
+            .iter()
+            .find(|d| d["kind"] == "w13_tp_split")
+            .unwrap_or_else(|| panic!("seed {} rank {tr}: {d:?}", fx.seed));
+        assert_eq!(w["experts"], serde_json::json!([0, 1, 2, 3]));
+        assert_eq!(w["tensors"], 4);
+        // rank 0's gate and rank 1's up are right: only the other half mismatches
+        let wrong = if tr == 0 { "up_proj" } else { "gate_proj" };
+        for m in out.json["mismatches"].as_array().unwrap() {
+            assert!(m["name"].as_str().unwrap().contains(wrong), "{m}");
+        }
+    }
 }
 
 #[test]

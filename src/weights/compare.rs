@@ -712,6 +712,23 @@ fn compare_qq(
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
 }
 
+/// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's).
+pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return false;
+    };
+    let (Ok((am, _)), Ok((bm, _))) = (
+        qmatrix(qa, qa.rows(), qa.cols()),
+        qmatrix(qb, qb.rows(), qb.cols()),
+    ) else {
+        return false;
+    };
+    am.cols == bm.cols
+        && am
+            .rows_slice(r0, bm.rows)
+            .is_some_and(|s| s.same_codes(&bm))
+}
+
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
 fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
     let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));

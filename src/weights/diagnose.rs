@@ -7,7 +7,7 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, Options, UnitResult,
+    fingerprint_as, fingerprint_own, holds_rows, metrics_raw, Geom, IssueKind, Options, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -24,6 +24,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 pub enum DiagnosisKind {
     GateUpSwapped,
     W13OrderReversed,
+    /// Fused w13 sharded over TP as one `[2I]` block instead of w1 and w3 separately.
+    #[serde(rename = "w13_tp_split")]
+    W13TpSplit,
     ExpertPermutation,
     Transposed,
     #[serde(rename = "scale_2_flipped")]
@@ -354,6 +357,70 @@ pub fn cross_expert(
                 message,
                 fails: true,
             });
+        }
+
+        // w13 split across TP ranks as one [2I] block: rank r's 2I/n rows of [w1; w3] cut in
+        // half, not w1's and w3's own slices (its gate and up then hold the wrong rows)
+        if let Some((r, n)) = tp.filter(|&(_, n)| n > 1) {
+            let mut split: Vec<usize> = vec![];
+            let mut tensors = 0;
+            // B's rows a projection (I/n)
+            let mut ip_seen = 0;
+            for &e in &with_w13 {
+                let bad_projs: Vec<Proj> = [Proj::Gate, Proj::Up]
+                    .into_iter()
+                    .filter(|&p| is_bad(&ep(e, p)))
+                    .collect();
+                let mut holds_block_rows = |p: Proj| -> Option<bool> {
+                    let rb = b.load(&src_of(&b_units, ep(e, p))?).ok()?;
+                    let ip = match &rb {
+                        super::load::Raw::Q(q) => q.rows(),
+                        super::load::Raw::D(_) => return None,
+                    };
+                    ip_seen = ip;
+                    let start = r * 2 * ip + if p == Proj::Up { ip } else { 0 };
+                    let (from, r0) = if start < n * ip {
+                        (Proj::Gate, start)
+                    } else {
+                        (Proj::Up, start - n * ip)
+                    };
+                    let ra = a.load(&src_of(&a_units, ep(e, from))?).ok()?;
+                    Some(holds_rows(&ra, &rb, r0))
+                };
+                if !bad_projs.is_empty()
+                    && bad_projs.iter().all(|&p| holds_block_rows(p) == Some(true))
+                {
+                    split.push(e);
+                    tensors += bad_projs.len();
+                }
+            }
+            if !split.is_empty() {
+                let ip = ip_seen;
+                let message = format!(
+                    "layer {layer}: w13 of expert(s) {} split across the {n} TP ranks as one [2I] block: rank {r}'s gate and up \
+                     are rows {}..{} and {}..{} of [w1; w3], where rows {}..{} of w1 and of w3 belong (shard gate and up separately)",
+                    list(&split),
+                    r * 2 * ip,
+                    r * 2 * ip + ip,
+                    r * 2 * ip + ip,
+                    (r + 1) * 2 * ip,
+                    r * ip,
+                    (r + 1) * ip
+                );
+                for &e in &split {
+                    for p in [Proj::Gate, Proj::Up] {
+                        annotate(results, &by_key, ep(e, p), &message);
+                    }
+                }
+                out.push(Diagnosis {
+                    kind: DiagnosisKind::W13TpSplit,
+                    layer: Some(layer),
+                    tensors,
+                    experts: split,
+                    message,
+                    fails: true,
+                });
+            }
         }
 
         // another expert's weights
