@@ -697,6 +697,24 @@ fn recomputed_routing_from_hidden_states() {
         "{:?}",
         kinds(&out.json)
     );
+    assert!(!out.json["findings"].to_string().contains("misaligned"));
+
+    // each token's weights in the reverse slot order (ids sorted without their weights): the
+    // right weights in the wrong slots, named (it was a bare "topk_weights differ")
+    let reversed: Vec<f32> = en
+        .routing
+        .topk_weights
+        .chunks(k)
+        .flat_map(|c| c.iter().rev().copied())
+        .collect();
+    write_full(&f, t, k, &ids, &reversed, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    let findings = out.json["findings"].to_string();
+    assert!(
+        findings.contains("topk_ids and topk_weights misaligned"),
+        "seed {seed}: {findings}"
+    );
 
     // a third of the tokens routed elsewhere: mismatch rate below --min-match
     let mut moved = ids.clone();
