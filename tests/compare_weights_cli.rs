@@ -300,6 +300,8 @@ struct Faults {
     nibble_swap: Vec<usize>,
     /// w2_weight_scale holds the scales' values as F32, not their e4m3 codes.
     w2_scales_f32: bool,
+    /// w2_weight_scale is U8 holding the scales' values cast to integers (wrapping past 255).
+    w2_scales_u8_values: bool,
     /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
     w13_scales_transposed: bool,
     /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
@@ -439,6 +441,15 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             (
                 TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
                 f32_bytes(&v),
+            )
+        } else if f.w2_scales_u8_values {
+            let v: Vec<u8> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c) as u32 as u8)
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::U8, &s2_shape),
+                v,
             )
         } else {
             (
@@ -873,9 +884,9 @@ fn scales_swizzled_for_some_experts_only_fail() {
     );
 }
 
-/// Block scales converted to F32 values, or stored transposed, are named as such. They used to
-/// read as "bytes fit neither the linear nor the swizzled layout" (a layout problem) and as
-/// bare "values differ" (the transposed shape was not looked at).
+/// Block scales converted to F32 values or to U8 integers, or stored transposed, are named as
+/// such. They used to read as "bytes fit neither the linear nor the swizzled layout" (a layout
+/// problem) and as bare "values differ" (the U8 values, the transposed shape, not looked at).
 #[test]
 fn converted_and_transposed_block_scales_are_named() {
     let fx = fixture(2);
@@ -887,6 +898,15 @@ fn converted_and_transposed_block_scales_are_named() {
             },
             "w2_weight_scale",
             "stored as F32",
+            2,
+        ),
+        (
+            Faults {
+                w2_scales_u8_values: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "cast to integers",
             2,
         ),
         (

@@ -514,6 +514,29 @@ fn compare_qq(
                 .into(),
         );
     }
+    // U8 block scales holding A's scale values cast to integers (a value conversion where
+    // the e4m3 bytes belong): 0.5 → 0, 3.5 → 3
+    if !codes_equal
+        && packed_equal
+        && qa.scale_dtype == Dtype::F8_E4M3
+        && matches!(qb.scale_dtype, Dtype::U8 | Dtype::I8)
+        && a_m.scales.len() == b_m.scales.len()
+        && a_m.scales.iter().zip(b_m.scales.iter()).all(|(&a, &b)| {
+            // saturated or wrapped past 255 (torch's float → uint8 cast wraps)
+            let v = crate::nvfp4::e4m3::decode(a);
+            v as u8 == b || v as u32 as u8 == b
+        })
+    {
+        u.issue(
+            IssueKind::Scales,
+            format!(
+                "B's block scales `{}` ({:?}) hold A's scale values cast to integers (e.g. 0.5 → 0), \
+                 not their e4m3 bytes: converted (`.to(torch.uint8)`) where reinterpreted (`.view(torch.uint8)`) belongs",
+                qb.scale_name, qb.scale_dtype
+            ),
+        );
+        return Ok(done(u));
+    }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
     // weight_scale_2 and input_scale exchanged (both dequant-direction scalars, one per
