@@ -1467,6 +1467,65 @@ fn compressed_tensors_conventions_and_transposes() {
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["mismatched"], 0);
 
+    // compressed-tensors names holding ModelOpt's dequant-direction values: named on B's own
+    // tensors (it used to say B holds a gs as weight_scale_2, the other way round)
+    let ct2 = fx.root.join("ct-modelopt-values.safetensors");
+    let mut v = fx.model.common("model.", "mlp");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            for (suffix, dtype, shape, bytes) in [
+                (
+                    "weight_packed",
+                    Dtype::U8,
+                    vec![t.rows, t.cols / 2],
+                    t.packed.clone(),
+                ),
+                (
+                    "weight_scale",
+                    Dtype::F8_E4M3,
+                    vec![t.rows, t.cols / 16],
+                    t.scales.clone(),
+                ),
+                (
+                    "weight_global_scale",
+                    Dtype::F32,
+                    vec![1],
+                    f32_bytes(&[t.scale_2]),
+                ),
+                ("input_global_scale", Dtype::F32, vec![1], f32_bytes(&[ins])),
+            ] {
+                v.push((
+                    TensorSpec::new(format!("{base}.{suffix}"), dtype, &shape),
+                    bytes,
+                ));
+            }
+        }
+    }
+    write_file(&ct2, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&ct2)]);
+    check(&out, 1, fx.seed);
+    let kinds = diag_kinds(&out.json);
+    assert!(
+        kinds.contains(&"scale_2_flipped".to_string())
+            && kinds.contains(&"input_scale_flipped".to_string()),
+        "seed {}: {kinds:?}",
+        fx.seed
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        let msgs = m["issues"].to_string();
+        assert!(
+            msgs.contains("under compressed-tensors' weight_global_scale name")
+                && msgs.contains("under compressed-tensors' input_global_scale name"),
+            "seed {}: {msgs}",
+            fx.seed
+        );
+    }
+
     // an engine that stores expert 1's down_proj and the shared gate_proj transposed
     let tr = fx.root.join("transposed.safetensors");
     let mut v = vec![];

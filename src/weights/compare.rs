@@ -597,6 +597,16 @@ fn compare_qq(
                         y / x
                     ),
                 );
+            } else if codes_equal && reciprocal_of(x, y) && qb.reciprocal_names {
+                // B's own tensor is a weight_global_scale: it holds 1/y = A's weight_scale_2
+                u.issue(
+                    IssueKind::Scale2Flipped,
+                    format!(
+                        "weight_global_scale: B stores {:e} = A's weight_scale_2 ({x:e}) under compressed-tensors' \
+                         weight_global_scale name, which holds gs = 1/weight_scale_2 — the convention is flipped",
+                        1.0 / y
+                    ),
+                );
             } else if codes_equal && reciprocal_of(x, y) {
                 u.issue(
                     IssueKind::Scale2Flipped,
@@ -644,6 +654,16 @@ fn compare_qq(
                 u.notes.push(format!(
                     "input_scale: B holds max(gate, up) = {y:e} for w13 (as vLLM does: both GEMMs quantize the same input); A's own is {x:e}"
                 ));
+            } else if reciprocal_of(x, y) && qb.reciprocal_names {
+                input_ok = false;
+                u.issue(
+                    IssueKind::InputScaleFlipped,
+                    format!(
+                        "input_global_scale: B stores {:e} = A's input_scale ({x:e}) under compressed-tensors' \
+                         input_global_scale name, which holds 1/input_scale — the convention is flipped",
+                        1.0 / y
+                    ),
+                );
             } else if reciprocal_of(x, y) {
                 input_ok = false;
                 u.issue(

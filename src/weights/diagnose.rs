@@ -120,7 +120,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             let message = match kind {
                 DiagnosisKind::Transposed => format!("{where_}{n} tensor(s) stored transposed; e.g. {example}"),
                 DiagnosisKind::Scale2Flipped => format!(
-                    "{where_}{n} tensor(s) hold 1/weight_scale_2 (a compressed-tensors gs) where weight_scale_2 belongs; e.g. {example}"
+                    "{where_}{n} tensor(s) hold their global scale in the other direction (weight_scale_2 = amax/2688 vs compressed-tensors' gs = 1/weight_scale_2) than their names say; e.g. {example}"
                 ),
                 DiagnosisKind::Scale2GateOnly => format!(
                     "{where_}the up_proj of {n} expert(s) ({}) uses the gate's weight_scale_2: vLLM keeps one w13_weight_scale_2 per expert (w1's); e.g. {example}",
@@ -133,7 +133,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
-                    "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
+                    "{where_}{n} tensor(s) hold their input scale in the other direction (input_scale vs its reciprocal gs) than their names say; e.g. {example}"
                 ),
                 DiagnosisKind::NibblesSwapped => format!(
                     "{where_}{n} tensor(s) hold their FP4 codes nibble-swapped (element 2i in the high nibble){}; e.g. {example}",
