@@ -716,6 +716,21 @@ fn recomputed_routing_from_hidden_states() {
         "seed {seed}: {findings}"
     );
 
+    // the ids one token ahead of the hidden states (the engine's first token dropped from the
+    // routing, not from the hidden states): named, not only "28% of topk_ids agree"
+    let x1 = Extra {
+        hidden: Some((&en.hidden[..(t - 1) * h], h)),
+        ..Default::default()
+    };
+    write_full(&f, t - 1, k, &ids[k..], &en.routing.topk_weights[k..], &x1);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    let findings = out.json["findings"].to_string();
+    assert!(
+        findings.contains("rows one token off") && findings.contains("the next token's"),
+        "seed {seed}: {findings}"
+    );
+
     // a third of the tokens routed elsewhere: mismatch rate below --min-match
     let mut moved = ids.clone();
     for tt in (0..t).step_by(3) {
