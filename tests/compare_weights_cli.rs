@@ -308,6 +308,8 @@ struct Faults {
     swap_scale_2_input: bool,
     /// With `tp`: w13 sharded as one [2I] block (rank r's 2I/n rows of [w1; w3] halved).
     tp_w13_as_one: bool,
+    /// This expert's w2 block scale at row 1, block 1 holds the e4m3 NaN code 0x7F.
+    nan_scale: Option<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -374,6 +376,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w2.extend_from_slice(&d.packed);
         }
         let mut sc = d.scales.clone();
+        if f.nan_scale == Some(x) {
+            sc[ip / 16 + 1] = 0x7F;
+        }
         if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
@@ -1021,6 +1026,37 @@ fn scale_2_flipped_and_gate_only_scale_2_are_named() {
         .json
         .to_string()
         .contains("vLLM keeps only w1's weight_scale_2"));
+}
+
+/// A block scale holding the e4m3 NaN code: the NaN in B is traced to it (it used to give
+/// only the NaN count).
+#[test]
+fn nan_block_scale_is_located() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    let dump = fx.root.join("nan.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            nan_scale: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
+    assert!(m[0]["name"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("experts.{bad}.down_proj")));
+    let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("1 block scale(s) hold the e4m3 NaN code, first at row 1 block 1 (0x7F)"),
+        "seed {}: {msg}",
+        fx.seed
+    );
 }
 
 #[test]

@@ -744,7 +744,12 @@ fn compare_qq(
                 m.cosine,
                 m.max_abs_err,
                 if m.nan_count + m.inf_count > 0 {
-                    format!(", {} NaN / {} Inf in B", m.nan_count, m.inf_count)
+                    format!(
+                        ", {} NaN / {} Inf in B{}",
+                        m.nan_count,
+                        m.inf_count,
+                        nan_scale(&b_m, b_sc.seen == ScalesSeen::Swizzled)
+                    )
                 } else {
                     String::new()
                 }
@@ -753,6 +758,28 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// Where B's NaN comes from when a block scale holds the e4m3 NaN code (`0x7F` / `0xFF`).
+fn nan_scale(b: &QMatrix, swizzled: bool) -> String {
+    if b.format != crate::nvfp4::Format::Nvfp4 {
+        return String::new();
+    }
+    let kb = b.kb().max(1);
+    let nans: Vec<usize> = (0..b.scales.len())
+        .filter(|&i| crate::nvfp4::e4m3::is_nan(b.scales[i]))
+        .collect();
+    match nans.first() {
+        Some(&i) => format!(
+            ": {} block scale(s) hold the e4m3 NaN code, first at row {} block {} (0x{:02X}{})",
+            nans.len(),
+            i / kb,
+            i % kb,
+            b.scales[i],
+            if swizzled { ", after unswizzling" } else { "" }
+        ),
+        None => String::new(),
+    }
 }
 
 /// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's).
