@@ -310,6 +310,8 @@ struct Faults {
     tp_w13_as_one: bool,
     /// This expert's w2 block scale at row 1, block 1 holds the e4m3 NaN code 0x7F.
     nan_scale: Option<usize>,
+    /// w2_weight_scale_2 stored in BF16.
+    w2_scale_2_bf16: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -462,10 +464,17 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
                 s2,
             )
         },
-        (
-            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
-            f32_bytes(&g2),
-        ),
+        if f.w2_scale_2_bf16 {
+            (
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[e]),
+                bf16_bytes(&g2),
+            )
+        } else {
+            (
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+                f32_bytes(&g2),
+            )
+        },
         (
             TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
             f32_bytes(&i2),
@@ -1057,6 +1066,31 @@ fn nan_block_scale_is_located() {
         "seed {}: {msg}",
         fx.seed
     );
+}
+
+/// weight_scale_2 kept in BF16 by the engine: the difference is named as BF16 rounding (it
+/// was a bare "weight_scale_2: B …, A … (×0.998)").
+#[test]
+fn scale_2_rounded_to_bf16_is_named() {
+    let fx = fixture(2);
+    let dump = fx.root.join("bf16-scale-2.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scale_2_bf16: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 2, "seed {}: {m:?}", fx.seed);
+    for u in m {
+        assert!(u["name"].as_str().unwrap().ends_with("down_proj.weight"));
+        let msg = u["issues"][0]["message"].as_str().unwrap();
+        assert!(msg.contains("rounded to BF16"), "seed {}: {msg}", fx.seed);
+    }
 }
 
 #[test]

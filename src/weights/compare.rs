@@ -202,6 +202,17 @@ fn same_scale(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || ((a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
 }
 
+/// B's scalar is A's rounded to a 16-bit float (an engine that keeps scales in BF16 / FP16).
+fn low_precision(a: f32, b: f32) -> &'static str {
+    if half::bf16::from_f32(a).to_f32() == b {
+        ": A's value rounded to BF16 (a scale kept in BF16 loses the low bits)"
+    } else if half::f16::from_f32(a).to_f32() == b {
+        ": A's value rounded to FP16 (a scale kept in FP16 loses the low bits)"
+    } else {
+        ""
+    }
+}
+
 fn reciprocal_of(a: f32, b: f32) -> bool {
     let p = a as f64 * b as f64;
     (p - 1.0).abs() < 1e-5 && (a as f64 - 1.0).abs() > 1e-3
@@ -618,7 +629,11 @@ fn compare_qq(
             } else {
                 u.issue(
                     IssueKind::Scale2,
-                    format!("weight_scale_2: B {y:e}, A {x:e} (×{:.6})", y / x),
+                    format!(
+                        "weight_scale_2: B {y:e}, A {x:e} (×{:.6}){}",
+                        y / x,
+                        low_precision(x, y)
+                    ),
                 );
             }
         }
