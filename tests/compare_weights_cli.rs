@@ -275,6 +275,8 @@ struct Faults {
     swap: Vec<usize>,
     /// Block scales in the 128x4 swizzled layout.
     swizzle: bool,
+    /// Only these experts' block scales swizzled (dims where both layouts have one size).
+    swizzle_only: Vec<usize>,
     /// w2_weight_scale_2 holds 1/weight_scale_2 (gs).
     flip_w2_scale_2: bool,
     /// w13_weight_scale_2 is [E] holding the gate's (vLLM after loading).
@@ -296,6 +298,20 @@ struct Faults {
     bad_alpha: Option<usize>,
     /// The w2 bytes of these experts with high and low nibble exchanged.
     nibble_swap: Vec<usize>,
+    /// w2_weight_scale holds the scales' values as F32, not their e4m3 codes.
+    w2_scales_f32: bool,
+    /// w2_weight_scale is U8 holding the scales' values cast to integers (wrapping past 255).
+    w2_scales_u8_values: bool,
+    /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
+    w13_scales_transposed: bool,
+    /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
+    swap_scale_2_input: bool,
+    /// With `tp`: w13 sharded as one [2I] block (rank r's 2I/n rows of [w1; w3] halved).
+    tp_w13_as_one: bool,
+    /// This expert's w2 block scale at row 1, block 1 holds the e4m3 NaN code 0x7F.
+    nan_scale: Option<usize>,
+    /// w2_weight_scale_2 stored in BF16.
+    w2_scale_2_bf16: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -317,7 +333,19 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     let (mut w2, mut s2, mut g2, mut i2) = (vec![], vec![], vec![], vec![]);
     for (slot, &x) in experts.iter().enumerate() {
         let ex = &m.experts[x];
-        let (mut a, mut b) = (rows_of(&ex.w1, tr * ip, ip), rows_of(&ex.w3, tr * ip, ip));
+        let (mut a, mut b) = if f.tp_w13_as_one {
+            let half = |k: usize| {
+                let r0 = tr * 2 * ip + k * ip;
+                if r0 < i {
+                    rows_of(&ex.w1, r0, ip)
+                } else {
+                    rows_of(&ex.w3, r0 - i, ip)
+                }
+            };
+            (half(0), half(1))
+        } else {
+            (rows_of(&ex.w1, tr * ip, ip), rows_of(&ex.w3, tr * ip, ip))
+        };
         let (mut ia, mut ib) = (ex.in1, ex.in3);
         if f.swap.contains(&x) {
             std::mem::swap(&mut a, &mut b);
@@ -326,8 +354,15 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         w13.extend_from_slice(&a.packed);
         w13.extend_from_slice(&b.packed);
         let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
-        if f.swizzle || f.processed.is_some() {
+        if f.swizzle || f.processed.is_some() || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
+        }
+        if f.w13_scales_transposed {
+            let kb = h / 16;
+            sc = (0..kb)
+                .flat_map(|k| (0..2 * ip).map(move |r| (r, k)))
+                .map(|(r, k)| sc[r * kb + k])
+                .collect();
         }
         s13.extend(sc);
         if f.gate_only_scale_2 || f.processed.is_some() {
@@ -343,7 +378,10 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w2.extend_from_slice(&d.packed);
         }
         let mut sc = d.scales.clone();
-        if f.swizzle {
+        if f.nan_scale == Some(x) {
+            sc[ip / 16 + 1] = 0x7F;
+        }
+        if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
         s2.extend(sc);
@@ -358,6 +396,8 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
     let s13_shape: Vec<usize> = if f.swizzle || f.processed.is_some() {
         vec![e, 128, 4]
+    } else if f.w13_scales_transposed {
+        vec![e, h / 16, 2 * ip]
     } else {
         vec![e, 2 * ip, h / 16]
     };
@@ -400,19 +440,53 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]),
             w2,
         ),
-        (
-            TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
-            s2,
-        ),
-        (
-            TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
-            f32_bytes(&g2),
-        ),
+        if f.w2_scales_f32 {
+            let v: Vec<f32> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c))
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
+                f32_bytes(&v),
+            )
+        } else if f.w2_scales_u8_values {
+            let v: Vec<u8> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c) as u32 as u8)
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::U8, &s2_shape),
+                v,
+            )
+        } else {
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &s2_shape),
+                s2,
+            )
+        },
+        if f.w2_scale_2_bf16 {
+            (
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[e]),
+                bf16_bytes(&g2),
+            )
+        } else {
+            (
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+                f32_bytes(&g2),
+            )
+        },
         (
             TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
             f32_bytes(&i2),
         ),
     ];
+    if f.swap_scale_2_input {
+        for (g, i) in [(2, 3), (6, 7)] {
+            let (gb, ib) = (v[g].1.clone(), v[i].1.clone());
+            let (gs, is) = (v[g].0.shape.clone(), v[i].0.shape.clone());
+            (v[g].1, v[g].0.shape, v[i].1, v[i].0.shape) = (ib, is, gb, gs);
+        }
+    }
     if let Some(global) = f.processed {
         // vLLM's process_weights_after_loading: alphas and the activation gs per expert
         let mut in13: Vec<f32> = i13.chunks(2).map(|c| c[0].max(c[1])).collect();
@@ -772,6 +846,148 @@ fn swizzled_scales_are_detected_and_compared_correctly() {
     assert!(diag_kinds(&out.json).contains(&"gate_up_swapped".to_string()));
 }
 
+/// Some experts' block scales swizzled, the others' linear, in one fused tensor of a size
+/// both layouts share: each expert compares fine after its own unswizzling, but a kernel reads
+/// one layout for the whole tensor. It used to pass with a note that the scales are swizzled.
+#[test]
+fn scales_swizzled_for_some_experts_only_fail() {
+    let fx = fixture_dims(4, 128, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let odd = r.gen_range(0..4);
+    let dump = fx.root.join("mixed.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle_only: vec![odd],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let mixed: Vec<&Value> = d
+        .iter()
+        .filter(|d| d["kind"] == "mixed_scale_layouts")
+        .collect();
+    // w13 and w2
+    assert_eq!(mixed.len(), 2, "seed {}: {d:?}", fx.seed);
+    for m in mixed {
+        assert_eq!(m["experts"], serde_json::json!([odd]), "seed {}", fx.seed);
+        assert_eq!(m["fails"], true);
+        assert!(m["message"].as_str().unwrap().contains("one layout"));
+    }
+    assert_eq!(out.json["summary"]["mismatched"], 0);
+    // every expert swizzled: one layout, a note
+    let dump = fx.root.join("all.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle_only: (0..4).collect(),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["swizzled_scales"],
+        "seed {}",
+        fx.seed
+    );
+}
+
+/// Block scales converted to F32 values or to U8 integers, or stored transposed, are named as
+/// such. They used to read as "bytes fit neither the linear nor the swizzled layout" (a layout
+/// problem) and as bare "values differ" (the U8 values, the transposed shape, not looked at).
+#[test]
+fn converted_and_transposed_block_scales_are_named() {
+    let fx = fixture(2);
+    for (faults, tensor, what, n) in [
+        (
+            Faults {
+                w2_scales_f32: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as F32",
+            2,
+        ),
+        (
+            Faults {
+                w2_scales_u8_values: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "cast to integers",
+            2,
+        ),
+        (
+            Faults {
+                w13_scales_transposed: true,
+                ..Default::default()
+            },
+            "w13_weight_scale",
+            "stored transposed",
+            4,
+        ),
+    ] {
+        let dump = fx.root.join(format!("{tensor}.safetensors"));
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let mm = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(mm.len(), n, "seed {}: {mm:?}", fx.seed);
+        for m in mm {
+            let msg = m["issues"][0]["message"].as_str().unwrap();
+            assert!(
+                msg.contains(tensor) && msg.contains(what),
+                "seed {}: {msg}",
+                fx.seed
+            );
+        }
+    }
+}
+
+/// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is
+/// named as the swap. It used to be two unrelated issues a tensor ("weight_scale_2: B …, A …",
+/// "input_scale: B …, A …") and no diagnosis.
+#[test]
+fn scale_2_and_input_scale_swapped_are_named() {
+    let fx = fixture(2);
+    let dump = fx.root.join("ws2-in.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap_scale_2_input: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["scale_2_input_scale_swapped"],
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    let d = &out.json["diagnoses"][0];
+    assert_eq!(d["tensors"], 6);
+    assert_eq!(d["experts"], serde_json::json!([0, 1]));
+    for m in out.json["mismatches"].as_array().unwrap() {
+        let kinds: Vec<&str> = m["issues"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["kind"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds, ["scale_2_input_scale_swapped"], "seed {}", fx.seed);
+    }
+}
+
 #[test]
 fn scale_2_flipped_and_gate_only_scale_2_are_named() {
     let fx = fixture(3);
@@ -819,6 +1035,62 @@ fn scale_2_flipped_and_gate_only_scale_2_are_named() {
         .json
         .to_string()
         .contains("vLLM keeps only w1's weight_scale_2"));
+}
+
+/// A block scale holding the e4m3 NaN code: the NaN in B is traced to it (it used to give
+/// only the NaN count).
+#[test]
+fn nan_block_scale_is_located() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    let dump = fx.root.join("nan.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            nan_scale: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
+    assert!(m[0]["name"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("experts.{bad}.down_proj")));
+    let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("1 block scale(s) hold the e4m3 NaN code, first at row 1 block 1 (0x7F)"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+}
+
+/// weight_scale_2 kept in BF16 by the engine: the difference is named as BF16 rounding (it
+/// was a bare "weight_scale_2: B …, A … (×0.998)").
+#[test]
+fn scale_2_rounded_to_bf16_is_named() {
+    let fx = fixture(2);
+    let dump = fx.root.join("bf16-scale-2.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scale_2_bf16: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 2, "seed {}: {m:?}", fx.seed);
+    for u in m {
+        assert!(u["name"].as_str().unwrap().ends_with("down_proj.weight"));
+        let msg = u["issues"][0]["message"].as_str().unwrap();
+        assert!(msg.contains("rounded to BF16"), "seed {}: {msg}", fx.seed);
+    }
 }
 
 #[test]
@@ -996,13 +1268,37 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
     );
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["equal"], out.json["summary"]["units"]);
-    // the other rank's slice does not match
+    // the other rank's slice does not match, and the rank B holds is named (it used to be a
+    // bare "values differ")
     let other = (1 - tr).to_string();
     let out = run(
         &fx.root,
         &[s(&fx.ckpt), s(&dump), "--tp-rank", &other, "--tp-size", "2"],
     );
     check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t: Vec<&Value> = d.iter().filter(|d| d["kind"] == "tp_rank").collect();
+    // every expert's gate, up and down (layer 1), the shared expert's three and the
+    // embedding (no layer)
+    assert_eq!(
+        t.iter()
+            .map(|d| d["tensors"].as_u64().unwrap())
+            .sum::<u64>(),
+        16,
+        "seed {}: {d:?}",
+        fx.seed
+    );
+    for d in t {
+        assert!(
+            d["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("B holds TP rank {tr}'s slice")),
+            "seed {}: {d}",
+            fx.seed
+        );
+    }
+    assert_eq!(out.json["summary"]["mismatched"], 16, "seed {}", fx.seed);
     // without --tp-size the shapes are named as a likely shard
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
     check(&out, 1, fx.seed);
@@ -1037,6 +1333,82 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         "{}",
         out.stdout
     );
+}
+
+/// An EP rank's dump of round-robin placed experts (rank 0 of 2: 0, 2, 4) read as linear
+/// (0, 1, 2): the permutation is named as the placement. It used to list "1←2, 2←4" only.
+#[test]
+fn round_robin_placement_read_as_linear_is_named() {
+    let fx = fixture(6);
+    let dump = fx.root.join("rr.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![0, 2, 4, 1, 3, 5]),
+            ep: Some((0, 2)),
+            ..Default::default()
+        },
+    );
+    let ep = [s(&fx.ckpt), s(&dump), "--ep-rank", "0", "--ep-size", "2"];
+    let out = run(&fx.root, &ep);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert_eq!(p["experts"], serde_json::json!([1, 2]), "seed {}", fx.seed);
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("2·e:") && msg.contains("--placement round-robin"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    // read with the placement it has: agrees
+    let out = run(
+        &fx.root,
+        &[&ep[..], &["--placement", "round-robin"]].concat(),
+    );
+    check(&out, 0, fx.seed);
+}
+
+/// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],
+/// not w1's and w3's own slices. Named; it used to be "values differ" on the up (rank 0) or
+/// gate (rank 1) of every expert.
+#[test]
+fn w13_split_across_tp_as_one_block_is_named() {
+    let fx = fixture(4);
+    for tr in 0..2 {
+        let dump = fx.root.join(format!("tp-w13-{tr}.safetensors"));
+        write_fused(
+            &fx.model,
+            &dump,
+            &Faults {
+                tp: Some((tr, 2)),
+                tp_w13_as_one: true,
+                ..Default::default()
+            },
+        );
+        let trs = tr.to_string();
+        let out = run(
+            &fx.root,
+            &[s(&fx.ckpt), s(&dump), "--tp-rank", &trs, "--tp-size", "2"],
+        );
+        check(&out, 1, fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let w = d
+            .iter()
+            .find(|d| d["kind"] == "w13_tp_split")
+            .unwrap_or_else(|| panic!("seed {} rank {tr}: {d:?}", fx.seed));
+        assert_eq!(w["experts"], serde_json::json!([0, 1, 2, 3]));
+        assert_eq!(w["tensors"], 4);
+        // rank 0's gate and rank 1's up are right: only the other half mismatches
+        let wrong = if tr == 0 { "up_proj" } else { "gate_proj" };
+        for m in out.json["mismatches"].as_array().unwrap() {
+            assert!(m["name"].as_str().unwrap().contains(wrong), "{m}");
+        }
+    }
 }
 
 #[test]
@@ -1164,6 +1536,65 @@ fn compressed_tensors_conventions_and_transposes() {
     let out = run(&fx.root, &[s(&fx.ckpt), s(&ct)]);
     check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["mismatched"], 0);
+
+    // compressed-tensors names holding ModelOpt's dequant-direction values: named on B's own
+    // tensors (it used to say B holds a gs as weight_scale_2, the other way round)
+    let ct2 = fx.root.join("ct-modelopt-values.safetensors");
+    let mut v = fx.model.common("model.", "mlp");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            for (suffix, dtype, shape, bytes) in [
+                (
+                    "weight_packed",
+                    Dtype::U8,
+                    vec![t.rows, t.cols / 2],
+                    t.packed.clone(),
+                ),
+                (
+                    "weight_scale",
+                    Dtype::F8_E4M3,
+                    vec![t.rows, t.cols / 16],
+                    t.scales.clone(),
+                ),
+                (
+                    "weight_global_scale",
+                    Dtype::F32,
+                    vec![1],
+                    f32_bytes(&[t.scale_2]),
+                ),
+                ("input_global_scale", Dtype::F32, vec![1], f32_bytes(&[ins])),
+            ] {
+                v.push((
+                    TensorSpec::new(format!("{base}.{suffix}"), dtype, &shape),
+                    bytes,
+                ));
+            }
+        }
+    }
+    write_file(&ct2, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&ct2)]);
+    check(&out, 1, fx.seed);
+    let kinds = diag_kinds(&out.json);
+    assert!(
+        kinds.contains(&"scale_2_flipped".to_string())
+            && kinds.contains(&"input_scale_flipped".to_string()),
+        "seed {}: {kinds:?}",
+        fx.seed
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        let msgs = m["issues"].to_string();
+        assert!(
+            msgs.contains("under compressed-tensors' weight_global_scale name")
+                && msgs.contains("under compressed-tensors' input_global_scale name"),
+            "seed {}: {msgs}",
+            fx.seed
+        );
+    }
 
     // an engine that stores expert 1's down_proj and the shared gate_proj transposed
     let tr = fx.root.join("transposed.safetensors");

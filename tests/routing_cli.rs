@@ -697,6 +697,39 @@ fn recomputed_routing_from_hidden_states() {
         "{:?}",
         kinds(&out.json)
     );
+    assert!(!out.json["findings"].to_string().contains("misaligned"));
+
+    // each token's weights in the reverse slot order (ids sorted without their weights): the
+    // right weights in the wrong slots, named (it was a bare "topk_weights differ")
+    let reversed: Vec<f32> = en
+        .routing
+        .topk_weights
+        .chunks(k)
+        .flat_map(|c| c.iter().rev().copied())
+        .collect();
+    write_full(&f, t, k, &ids, &reversed, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    let findings = out.json["findings"].to_string();
+    assert!(
+        findings.contains("topk_ids and topk_weights misaligned"),
+        "seed {seed}: {findings}"
+    );
+
+    // the ids one token ahead of the hidden states (the engine's first token dropped from the
+    // routing, not from the hidden states): named, not only "28% of topk_ids agree"
+    let x1 = Extra {
+        hidden: Some((&en.hidden[..(t - 1) * h], h)),
+        ..Default::default()
+    };
+    write_full(&f, t - 1, k, &ids[k..], &en.routing.topk_weights[k..], &x1);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}");
+    let findings = out.json["findings"].to_string();
+    assert!(
+        findings.contains("rows one token off") && findings.contains("the next token's"),
+        "seed {seed}: {findings}"
+    );
 
     // a third of the tokens routed elsewhere: mismatch rate below --min-match
     let mut moved = ids.clone();

@@ -499,6 +499,33 @@ fn diagnose(
             reweigh(&|sc, row| weights(sc, row, false, rsf)),
         ));
     }
+    // the dump's rows one token off the recomputed ones (a prefix or padding token dropped
+    // on one side): dump token t holds the routing of token t ± 1
+    if reference.tokens > 2 {
+        let k = reference.top_k;
+        for (s, what) in [
+            (1usize, "the next token's (dump token t ↔ token t+1)"),
+            (
+                reference.tokens - 1,
+                "the previous token's (dump token t ↔ token t−1)",
+            ),
+        ] {
+            let (mut ids_s, mut w_s) = (reference.topk_ids.clone(), reference.topk_weights.clone());
+            ids_s.rotate_left(s * k);
+            w_s.rotate_left(s * k);
+            variants.push((
+                format!(
+                    "rows one token off: each dump row holds {what} routing — topk_ids and the \
+                     hidden states / logits are misaligned by a token (a dropped or extra token on one side)"
+                ),
+                Routing {
+                    topk_ids: ids_s,
+                    topk_weights: w_s,
+                    ..reference.clone()
+                },
+            ));
+        }
+    }
     let explained: Vec<String> = variants
         .into_iter()
         .filter(|(_, v)| {

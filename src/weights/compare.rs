@@ -58,6 +58,11 @@ pub enum IssueKind {
     MissingMember,
     /// B's packed bytes are A's with the two nibbles of each byte exchanged.
     NibblesSwapped,
+    /// B's weight_scale_2 is A's input_scale and B's input_scale A's weight_scale_2.
+    #[serde(rename = "scale_2_input_scale_swapped")]
+    Scale2InputScaleSwapped,
+    /// B is another TP rank's slice of A.
+    TpRank,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -195,6 +200,17 @@ fn dname(d: Dtype) -> String {
 /// conversion (compressed-tensors' gs) costs.
 fn same_scale(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits() || ((a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
+}
+
+/// B's scalar is A's rounded to a 16-bit float (an engine that keeps scales in BF16 / FP16).
+fn low_precision(a: f32, b: f32) -> &'static str {
+    if half::bf16::from_f32(a).to_f32() == b {
+        ": A's value rounded to BF16 (a scale kept in BF16 loses the low bits)"
+    } else if half::f16::from_f32(a).to_f32() == b {
+        ": A's value rounded to FP16 (a scale kept in FP16 loses the low bits)"
+    } else {
+        ""
+    }
 }
 
 fn reciprocal_of(a: f32, b: f32) -> bool {
@@ -437,6 +453,8 @@ fn compare_qq(
         }
         return Ok(done(u));
     }
+    // A's whole matrix, kept for a TP shard: another rank's slice may be what B holds
+    let a_whole = (ra != rb).then(|| a_full.clone());
     let a_m = match align2(ra, rb, opts.tp) {
         Some(Align::Same) => Some(a_full),
         Some(Align::Rows(r0)) => {
@@ -507,8 +525,39 @@ fn compare_qq(
                 .into(),
         );
     }
+    // U8 block scales holding A's scale values cast to integers (a value conversion where
+    // the e4m3 bytes belong): 0.5 → 0, 3.5 → 3
+    if !codes_equal
+        && packed_equal
+        && qa.scale_dtype == Dtype::F8_E4M3
+        && matches!(qb.scale_dtype, Dtype::U8 | Dtype::I8)
+        && a_m.scales.len() == b_m.scales.len()
+        && a_m.scales.iter().zip(b_m.scales.iter()).all(|(&a, &b)| {
+            // saturated or wrapped past 255 (torch's float → uint8 cast wraps)
+            let v = crate::nvfp4::e4m3::decode(a);
+            v as u8 == b || v as u32 as u8 == b
+        })
+    {
+        u.issue(
+            IssueKind::Scales,
+            format!(
+                "B's block scales `{}` ({:?}) hold A's scale values cast to integers (e.g. 0.5 → 0), \
+                 not their e4m3 bytes: converted (`.to(torch.uint8)`) where reinterpreted (`.view(torch.uint8)`) belongs",
+                qb.scale_name, qb.scale_dtype
+            ),
+        );
+        return Ok(done(u));
+    }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
+    // weight_scale_2 and input_scale exchanged (both dequant-direction scalars, one per
+    // linear: a loader that maps them by position)
+    let swapped = match (sa, sb, qa.input_scale, qb.input_scale) {
+        (Some(wa), Some(wb), Some(ia), Some(ib)) => {
+            !same_scale(wa, ia) && same_scale(wb, ia) && same_scale(ib, wa)
+        }
+        _ => false,
+    };
     let mut scale_ok = true;
     let mut conv_ulp = false;
     match (sa, sb) {
@@ -536,7 +585,16 @@ fn compare_qq(
                         ..e
                     })
                 });
-            if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
+            if swapped {
+                u.issue(
+                    IssueKind::Scale2InputScaleSwapped,
+                    format!(
+                        "weight_scale_2 and input_scale swapped: B's weight_scale_2 {y:e} is A's input_scale, \
+                         B's input_scale {:e} is A's weight_scale_2 ({x:e})",
+                        qb.input_scale.unwrap_or_default()
+                    ),
+                );
+            } else if let Some(g) = gate.and_then(|g| g.scale_2).filter(|&g| same_scale(g, y)) {
                 let how = if qb.scale_2_shared == Shared::W13Shared {
                     "w13_weight_scale_2 holds one value per expert"
                 } else {
@@ -550,6 +608,16 @@ fn compare_qq(
                         y / x
                     ),
                 );
+            } else if codes_equal && reciprocal_of(x, y) && qb.reciprocal_names {
+                // B's own tensor is a weight_global_scale: it holds 1/y = A's weight_scale_2
+                u.issue(
+                    IssueKind::Scale2Flipped,
+                    format!(
+                        "weight_global_scale: B stores {:e} = A's weight_scale_2 ({x:e}) under compressed-tensors' \
+                         weight_global_scale name, which holds gs = 1/weight_scale_2 — the convention is flipped",
+                        1.0 / y
+                    ),
+                );
             } else if codes_equal && reciprocal_of(x, y) {
                 u.issue(
                     IssueKind::Scale2Flipped,
@@ -561,7 +629,11 @@ fn compare_qq(
             } else {
                 u.issue(
                     IssueKind::Scale2,
-                    format!("weight_scale_2: B {y:e}, A {x:e} (×{:.6})", y / x),
+                    format!(
+                        "weight_scale_2: B {y:e}, A {x:e} (×{:.6}){}",
+                        y / x,
+                        low_precision(x, y)
+                    ),
                 );
             }
         }
@@ -589,10 +661,24 @@ fn compare_qq(
                 })
             });
             let max = other.and_then(|o| o.input_scale).map(|o| o.max(x));
-            if qb.input_shared == Shared::W13Shared && max.is_some_and(|m| same_scale(m, y)) {
+            if swapped {
+                // named with weight_scale_2
+                input_ok = false;
+            } else if qb.input_shared == Shared::W13Shared && max.is_some_and(|m| same_scale(m, y))
+            {
                 u.notes.push(format!(
                     "input_scale: B holds max(gate, up) = {y:e} for w13 (as vLLM does: both GEMMs quantize the same input); A's own is {x:e}"
                 ));
+            } else if reciprocal_of(x, y) && qb.reciprocal_names {
+                input_ok = false;
+                u.issue(
+                    IssueKind::InputScaleFlipped,
+                    format!(
+                        "input_global_scale: B stores {:e} = A's input_scale ({x:e}) under compressed-tensors' \
+                         input_global_scale name, which holds 1/input_scale — the convention is flipped",
+                        1.0 / y
+                    ),
+                );
             } else if reciprocal_of(x, y) {
                 input_ok = false;
                 u.issue(
@@ -651,6 +737,20 @@ fn compare_qq(
                 m.cosine
             ),
         );
+    } else if let Some((o, n, what)) = (!codes_equal && !close)
+        .then_some(())
+        .and(opts.tp)
+        .zip(a_whole.as_ref())
+        .and_then(|((r, n), whole)| other_tp_rank(whole, &b_m, r, n).map(|(o, w)| (o, n, w)))
+    {
+        u.issue(
+            IssueKind::TpRank,
+            format!(
+                "B holds TP rank {o}'s slice of A ({what}), not rank {}'s of {n}: the engine loaded \
+                 another rank's shard, or the dump is rank {o}'s",
+                opts.tp.map_or(0, |t| t.0)
+            ),
+        );
     } else if !codes_equal && !close {
         u.issue(
             IssueKind::Values,
@@ -659,7 +759,12 @@ fn compare_qq(
                 m.cosine,
                 m.max_abs_err,
                 if m.nan_count + m.inf_count > 0 {
-                    format!(", {} NaN / {} Inf in B", m.nan_count, m.inf_count)
+                    format!(
+                        ", {} NaN / {} Inf in B{}",
+                        m.nan_count,
+                        m.inf_count,
+                        nan_scale(&b_m, b_sc.seen == ScalesSeen::Swizzled)
+                    )
                 } else {
                     String::new()
                 }
@@ -668,6 +773,61 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// Where B's NaN comes from when a block scale holds the e4m3 NaN code (`0x7F` / `0xFF`).
+fn nan_scale(b: &QMatrix, swizzled: bool) -> String {
+    if b.format != crate::nvfp4::Format::Nvfp4 {
+        return String::new();
+    }
+    let kb = b.kb().max(1);
+    let nans: Vec<usize> = (0..b.scales.len())
+        .filter(|&i| crate::nvfp4::e4m3::is_nan(b.scales[i]))
+        .collect();
+    match nans.first() {
+        Some(&i) => format!(
+            ": {} block scale(s) hold the e4m3 NaN code, first at row {} block {} (0x{:02X}{})",
+            nans.len(),
+            i / kb,
+            i % kb,
+            b.scales[i],
+            if swizzled { ", after unswizzling" } else { "" }
+        ),
+        None => String::new(),
+    }
+}
+
+/// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's).
+pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return false;
+    };
+    let (Ok((am, _)), Ok((bm, _))) = (
+        qmatrix(qa, qa.rows(), qa.cols()),
+        qmatrix(qb, qb.rows(), qb.cols()),
+    ) else {
+        return false;
+    };
+    am.cols == bm.cols
+        && am
+            .rows_slice(r0, bm.rows)
+            .is_some_and(|s| s.same_codes(&bm))
+}
+
+/// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
+fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
+    let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));
+    (0..n).filter(|&o| o != rank).find_map(|o| {
+        let (slice, what) = match align2(ra, rb, Some((o, n)))? {
+            Align::Rows(r0) => (a.rows_slice(r0, rb.0)?, format!("rows {r0}..{}", r0 + rb.0)),
+            Align::Cols(c0) => (
+                a.cols_slice(c0, rb.1)?,
+                format!("columns (K) {c0}..{}", c0 + rb.1),
+            ),
+            Align::Same => return None,
+        };
+        slice.same_codes(b).then_some((o, what))
+    })
 }
 
 fn dense_view<'a>(d: &DRaw<'a>) -> Option<DView<'a>> {
@@ -819,6 +979,27 @@ fn compare_dd(
     if da.dtype == db.dtype && va.mat.same(&vb.mat) {
         u.bitwise_equal = true;
         return Ok(done(u, true));
+    }
+    // a TP shard with another rank's bytes
+    if let Some((r, n)) = opts
+        .tp
+        .filter(|_| da.shape != db.shape && da.dtype == db.dtype)
+    {
+        let other = (0..n).filter(|&o| o != r).find_map(|o| {
+            let (v, note) = shard_view(da, &db.shape, Some((o, n)))?;
+            v.mat.same(&vb.mat).then_some((o, note))
+        });
+        if let Some((o, note)) = other {
+            u.issue(
+                IssueKind::TpRank,
+                format!(
+                    "B holds TP rank {o}'s slice of A ({}), not rank {r}'s of {n}: the engine loaded \
+                     another rank's shard, or the dump is rank {o}'s",
+                    note.trim_start_matches("B is TP ")
+                ),
+            );
+            return Ok(done(u, false));
+        }
     }
     if is_int(da.dtype) || is_int(db.dtype) {
         match (ints(&va), ints(&vb)) {

@@ -7,7 +7,7 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, metrics_raw, Geom, IssueKind, Options, UnitResult,
+    fingerprint_as, fingerprint_own, holds_rows, metrics_raw, Geom, IssueKind, Options, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -24,6 +24,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 pub enum DiagnosisKind {
     GateUpSwapped,
     W13OrderReversed,
+    /// Fused w13 sharded over TP as one `[2I]` block instead of w1 and w3 separately.
+    #[serde(rename = "w13_tp_split")]
+    W13TpSplit,
     ExpertPermutation,
     Transposed,
     #[serde(rename = "scale_2_flipped")]
@@ -31,7 +34,14 @@ pub enum DiagnosisKind {
     #[serde(rename = "scale_2_gate_only")]
     Scale2GateOnly,
     InputScaleFlipped,
+    #[serde(rename = "scale_2_input_scale_swapped")]
+    Scale2InputScaleSwapped,
     SwizzledScales,
+    /// B holds another tensor-parallel rank's slice of A.
+    TpRank,
+    /// One fused tensor with the block scales of some experts swizzled and of others linear:
+    /// a kernel reads one layout for the whole tensor.
+    MixedScaleLayouts,
     EpShard,
     /// vLLM's load-time alphas / input_scale_quant disagree with the checkpoint's scales.
     DerivedScale,
@@ -79,6 +89,8 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::Scale2GateOnly => DiagnosisKind::Scale2GateOnly,
                     IssueKind::InputScaleFlipped => DiagnosisKind::InputScaleFlipped,
                     IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
+                    IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
+                    IssueKind::TpRank => DiagnosisKind::TpRank,
                     _ => return None,
                 };
                 Some((k, i.message.clone()))
@@ -97,7 +109,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             }
         }
     }
-    groups
+    let mut out: Vec<Diagnosis> = groups
         .into_iter()
         .map(|((kind, layer), (experts, n, example))| {
             let experts: Vec<usize> = experts.into_iter().collect();
@@ -108,14 +120,20 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             let message = match kind {
                 DiagnosisKind::Transposed => format!("{where_}{n} tensor(s) stored transposed; e.g. {example}"),
                 DiagnosisKind::Scale2Flipped => format!(
-                    "{where_}{n} tensor(s) hold 1/weight_scale_2 (a compressed-tensors gs) where weight_scale_2 belongs; e.g. {example}"
+                    "{where_}{n} tensor(s) hold their global scale in the other direction (weight_scale_2 = amax/2688 vs compressed-tensors' gs = 1/weight_scale_2) than their names say; e.g. {example}"
                 ),
                 DiagnosisKind::Scale2GateOnly => format!(
                     "{where_}the up_proj of {n} expert(s) ({}) uses the gate's weight_scale_2: vLLM keeps one w13_weight_scale_2 per expert (w1's); e.g. {example}",
                     list(&experts)
                 ),
+                DiagnosisKind::Scale2InputScaleSwapped => format!(
+                    "{where_}{n} tensor(s) hold input_scale where weight_scale_2 belongs and weight_scale_2 where input_scale belongs; e.g. {example}"
+                ),
+                DiagnosisKind::TpRank => format!(
+                    "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
+                ),
                 DiagnosisKind::InputScaleFlipped => format!(
-                    "{where_}{n} tensor(s) hold 1/input_scale (a gs) where input_scale belongs; e.g. {example}"
+                    "{where_}{n} tensor(s) hold their input scale in the other direction (input_scale vs its reciprocal gs) than their names say; e.g. {example}"
                 ),
                 DiagnosisKind::NibblesSwapped => format!(
                     "{where_}{n} tensor(s) hold their FP4 codes nibble-swapped (element 2i in the high nibble){}; e.g. {example}",
@@ -137,6 +155,57 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 experts,
                 tensors: n,
                 message,
+            }
+        })
+        .collect();
+    out.extend(mixed_scale_layouts(results));
+    out
+}
+
+/// B's fused tensors whose experts' block scales were read in both layouts: swizzled for some,
+/// linear for others that then matched A (so the linear reading is confirmed). Each expert
+/// compares fine after its own unswizzling, but a kernel takes one layout for the whole
+/// tensor, so one of the two sets is read wrong.
+fn mixed_scale_layouts(results: &[UnitResult]) -> Vec<Diagnosis> {
+    use super::view::ScalesSeen;
+    // B tensor → (layer, swizzled experts, linear experts)
+    type Seen = (Option<usize>, BTreeSet<usize>, BTreeSet<usize>);
+    let mut by_tensor: BTreeMap<&str, Seen> = BTreeMap::new();
+    for r in results {
+        let (Some(e), Some(seen)) = (r.expert, r.b_scales) else {
+            continue;
+        };
+        let Some((tensor, _)) = r.b.split_once('[') else {
+            continue;
+        };
+        let g = by_tensor
+            .entry(tensor)
+            .or_insert_with(|| (Some(e.layer), BTreeSet::new(), BTreeSet::new()));
+        if seen == ScalesSeen::Swizzled {
+            g.1.insert(e.expert);
+        } else if r.status != super::compare::Status::Mismatch {
+            g.2.insert(e.expert);
+        }
+    }
+    by_tensor
+        .into_iter()
+        .filter(|(_, (_, sw, lin))| !sw.is_empty() && !lin.is_empty())
+        .map(|(tensor, (layer, sw, lin))| {
+            let sw: Vec<usize> = sw.into_iter().collect();
+            let lin: Vec<usize> = lin.into_iter().collect();
+            Diagnosis {
+                kind: DiagnosisKind::MixedScaleLayouts,
+                layer,
+                tensors: sw.len() + lin.len(),
+                message: format!(
+                    "{}the block scales of `{tensor}` are in the 128x4 swizzled layout for expert(s) {} and in the linear one for expert(s) {}: \
+                     a kernel reads one layout for the whole tensor, so one of the two sets is read wrong (a loader path that swizzles only some experts?)",
+                    layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                    list(&sw),
+                    list(&lin)
+                ),
+                experts: sw,
+                fails: true,
             }
         })
         .collect()
@@ -290,6 +359,70 @@ pub fn cross_expert(
             });
         }
 
+        // w13 split across TP ranks as one [2I] block: rank r's 2I/n rows of [w1; w3] cut in
+        // half, not w1's and w3's own slices (its gate and up then hold the wrong rows)
+        if let Some((r, n)) = tp.filter(|&(_, n)| n > 1) {
+            let mut split: Vec<usize> = vec![];
+            let mut tensors = 0;
+            // B's rows a projection (I/n)
+            let mut ip_seen = 0;
+            for &e in &with_w13 {
+                let bad_projs: Vec<Proj> = [Proj::Gate, Proj::Up]
+                    .into_iter()
+                    .filter(|&p| is_bad(&ep(e, p)))
+                    .collect();
+                let mut holds_block_rows = |p: Proj| -> Option<bool> {
+                    let rb = b.load(&src_of(&b_units, ep(e, p))?).ok()?;
+                    let ip = match &rb {
+                        super::load::Raw::Q(q) => q.rows(),
+                        super::load::Raw::D(_) => return None,
+                    };
+                    ip_seen = ip;
+                    let start = r * 2 * ip + if p == Proj::Up { ip } else { 0 };
+                    let (from, r0) = if start < n * ip {
+                        (Proj::Gate, start)
+                    } else {
+                        (Proj::Up, start - n * ip)
+                    };
+                    let ra = a.load(&src_of(&a_units, ep(e, from))?).ok()?;
+                    Some(holds_rows(&ra, &rb, r0))
+                };
+                if !bad_projs.is_empty()
+                    && bad_projs.iter().all(|&p| holds_block_rows(p) == Some(true))
+                {
+                    split.push(e);
+                    tensors += bad_projs.len();
+                }
+            }
+            if !split.is_empty() {
+                let ip = ip_seen;
+                let message = format!(
+                    "layer {layer}: w13 of expert(s) {} split across the {n} TP ranks as one [2I] block: rank {r}'s gate and up \
+                     are rows {}..{} and {}..{} of [w1; w3], where rows {}..{} of w1 and of w3 belong (shard gate and up separately)",
+                    list(&split),
+                    r * 2 * ip,
+                    r * 2 * ip + ip,
+                    r * 2 * ip + ip,
+                    (r + 1) * 2 * ip,
+                    r * ip,
+                    (r + 1) * ip
+                );
+                for &e in &split {
+                    for p in [Proj::Gate, Proj::Up] {
+                        annotate(results, &by_key, ep(e, p), &message);
+                    }
+                }
+                out.push(Diagnosis {
+                    kind: DiagnosisKind::W13TpSplit,
+                    layer: Some(layer),
+                    tensors,
+                    experts: split,
+                    message,
+                    fails: true,
+                });
+            }
+        }
+
         // another expert's weights
         let mut by_fp_a: HashMap<(u64, Proj), BTreeSet<usize>> = HashMap::new();
         for (e, fp) in &fp_a {
@@ -344,6 +477,12 @@ pub fn cross_expert(
                 message.push_str(&format!(
                     "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
                 ));
+            } else if let Some((stride, c)) = strided(&perm) {
+                message.push_str(&format!(
+                    "; every one is A's expert {stride}·e{}: a strided (round-robin) expert placement read as \
+                     contiguous (linear) — pass --placement round-robin, or the engine's expert placement differs from its loader's",
+                    if c == 0 { String::new() } else { format!("{c:+}") }
+                ));
             }
             for &(e, o) in &perm {
                 for p in Proj::ALL {
@@ -366,6 +505,23 @@ pub fn cross_expert(
         }
     }
     Ok(out)
+}
+
+/// `(s, c)` when every pair `(e, o)` has `o = s·e + c` with an integer stride `s ≥ 2`: B's
+/// experts `e` of a contiguous block hold A's every `s`-th expert.
+fn strided(perm: &[(usize, usize)]) -> Option<(i64, i64)> {
+    let [(e1, o1), (e2, o2), ..] = perm[..] else {
+        return None;
+    };
+    let (de, d_o) = (e2 as i64 - e1 as i64, o2 as i64 - o1 as i64);
+    if de == 0 || d_o % de != 0 || d_o / de < 2 {
+        return None;
+    }
+    let s = d_o / de;
+    let c = o1 as i64 - s * e1 as i64;
+    perm.iter()
+        .all(|&(e, o)| o as i64 == s * e as i64 + c)
+        .then_some((s, c))
 }
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {

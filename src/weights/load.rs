@@ -83,6 +83,32 @@ fn dtype_of(src: &Renamed, name: &str) -> Result<(Dtype, Vec<usize>), String> {
         .map_err(|e| e.to_string())
 }
 
+/// Block scales are one-byte codes (E4M3, UE8M0, or U8 holding them) in `[.., N, K/block]`
+/// order. A wider dtype (the values converted to F32 / BF16) or the transposed shape is named
+/// here; otherwise it surfaces as a byte count no layout fits, or as values that differ.
+fn check_scales(src: &Renamed, name: &str, rows: usize, packed_cols: usize) -> Result<(), String> {
+    let (dtype, shape) = dtype_of(src, name)?;
+    if dtype.bitsize() != 8 {
+        return Err(format!(
+            "`{}`: block scales stored as {dtype:?} ({} bytes a scale), not one-byte F8_E4M3 codes: \
+             the scale values were converted (kernels read the e4m3 bytes)",
+            src.original(name),
+            dtype.bitsize() / 8
+        ));
+    }
+    if let [.., x, y] = shape[..] {
+        // K/16 (NVFP4) or K/32 (MXFP4) scales a row, K = 2 × the packed columns
+        let transposed = y == rows && x != rows && (x * 8 == packed_cols || x * 16 == packed_cols);
+        if transposed {
+            return Err(format!(
+                "`{}`: block scales shaped {shape:?}, [.., K/block, N] where [.., N, K/block] = [.., {rows}, {x}] belongs: stored transposed",
+                src.original(name)
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn bytes_of<'a>(src: &'a Renamed, name: &str) -> Result<&'a [u8], String> {
     src.tensor_bytes(name).map_err(|e| e.to_string())
 }
@@ -114,6 +140,7 @@ impl<'a> SideRef<'a> {
                 src.original(&ln.weight)
             ));
         }
+        check_scales(src, &ln.weight_scale, ws[0], ws[1])?;
         let bytes = bytes_of(src, &ln.weight)?;
         let packed = Mat::dense(bytes, ws[0], ws[1])
             .ok_or_else(|| format!("`{}`: bytes do not fill {ws:?}", src.original(&ln.weight)))?;
@@ -266,6 +293,7 @@ impl<'a> SideRef<'a> {
             )
         })?;
         let (sd, _) = dtype_of(src, sname)?;
+        check_scales(src, sname, r_all, c)?;
         let sbytes = bytes_of(src, sname)?;
         if sbytes.len() % e != 0 {
             return Err(format!(

@@ -801,13 +801,29 @@ pub fn compare_with_reference(
             m.rel_l2
         };
         if m.nan_count + m.inf_count == 0 && rel > c.tol.weight_rel_l2 {
+            // with or without routed_scaling_factor (the slot mix-up hides the fit factor)
+            let sorted = sorted_rel_l2(d, reference, f_best, 1.0).min(sorted_rel_l2(
+                d,
+                reference,
+                f_best,
+                1.0 / rsf_v,
+            ));
+            let misaligned = if sorted <= c.tol.weight_rel_l2 {
+                format!(
+                    "; each token's weights agree as a set (rel_l2 {sorted:.3e} sorted): they sit in \
+                     other slots than their ids — topk_ids and topk_weights misaligned (one sorted or \
+                     permuted without the other)"
+                )
+            } else {
+                String::new()
+            };
             o.find(Finding::new(
                 FindingKind::WeightError,
                 m.len as u64,
                 None,
                 format!(
                     "topk_weights differ from the weights recomputed from {source}: rel_l2 {rel:.3e} \
-                     (maximum {:.1e}), max_abs_err {:.3e}, best fit dump ≈ {fac:.4} × recomputed",
+                     (maximum {:.1e}), max_abs_err {:.3e}, best fit dump ≈ {fac:.4} × recomputed{misaligned}",
                     c.tol.weight_rel_l2, m.max_abs_err
                 ),
             ));
@@ -872,6 +888,18 @@ fn compare_weights(
             (s + x as f64 * y as f64, n + y as f64 * y as f64)
         });
     (Some(m), (bb > 0.0).then(|| ab / bb))
+}
+
+/// Relative L2 of the weights with each token's `k` sorted on both sides (`by` scales the
+/// reference): small when the weights are right but in other slots.
+fn sorted_rel_l2(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64, by: f64) -> f64 {
+    let (mut a, b) = aligned_weights(d, reference, f);
+    let mut b: Vec<f32> = b.iter().map(|&v| (v as f64 * by) as f32).collect();
+    let k = d.top_k.max(1);
+    for row in a.chunks_mut(k).chain(b.chunks_mut(k)) {
+        row.sort_by(|x, y| y.total_cmp(x));
+    }
+    crate::metrics::compare(&a, &b).rel_l2
 }
 
 fn rescaled_rel_l2(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64, by: f64) -> f64 {
