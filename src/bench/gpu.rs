@@ -467,7 +467,7 @@ impl<'a> Runner<'a> {
             }
             let samples = timer::time_plain(&gpu, &cfg, &name, &mut |i| {
                 let (a, b, c, ..) = &bufs[i % sets];
-                blas::gemm_bf16_out_bf16(&gpu, m, m, m, *a, *b, *c, "the bench GEMM")
+                blas::gemm_bf16(&gpu, m, m, m, *a, *b, *c, blas::Out::Bf16, "the bench GEMM")
             })?;
             let c = gpu.download(&bufs[0].5, 4096, "the GEMM output")?;
             let c: Vec<f32> = c

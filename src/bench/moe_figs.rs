@@ -416,7 +416,7 @@ impl Runner<'_> {
                     if rows == 0 {
                         continue;
                     }
-                    blas::gemm_bf16_out_bf16(
+                    blas::gemm_bf16(
                         &gpu,
                         rows,
                         2 * d.i,
@@ -424,9 +424,10 @@ impl Runner<'_> {
                         x + (r0 * d.h * 2) as u64,
                         w13 + (e * 2 * d.i * d.h * 2) as u64,
                         g + (r0 * 2 * d.i * 2) as u64,
+                        blas::Out::Bf16,
                         "cuBLAS expert gate/up",
                     )?;
-                    blas::gemm_bf16_out_bf16(
+                    blas::gemm_bf16(
                         &gpu,
                         rows,
                         d.h,
@@ -434,6 +435,7 @@ impl Runner<'_> {
                         a + (r0 * d.i * 2) as u64,
                         w2 + (e * d.h * d.i * 2) as u64,
                         y + (r0 * d.h * 2) as u64,
+                        blas::Out::Bf16,
                         "cuBLAS expert down",
                     )?;
                 }
@@ -557,7 +559,7 @@ impl Runner<'_> {
                     let l = g2.ptr(&l);
                     if bf16 {
                         let (x, w) = (g2.ptr(&xb), g2.ptr(&wb));
-                        blas::gemm_bf16(&g2, tokens, e, h, x, w, l, "router logits")
+                        blas::gemm_bf16(&g2, tokens, e, h, x, w, l, blas::Out::F32, "router logits")
                     } else {
                         blas::gemm_f32(
                             &g2,

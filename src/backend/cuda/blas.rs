@@ -65,7 +65,17 @@ fn gemm_nt(
     }
 }
 
-/// BF16 × BF16 → f32 with FP32 accumulation (the reference path and shared experts).
+/// What a BF16 GEMM writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Out {
+    /// f32: the reference path and the shared experts.
+    F32,
+    /// BF16: what engines run, and the bench's compute ceiling (an FP32 output adds its bytes:
+    /// ~4% at 4096³).
+    Bf16,
+}
+
+/// BF16 × BF16 → `out` with FP32 accumulation.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_bf16(
     gpu: &Gpu,
@@ -75,8 +85,13 @@ pub(crate) fn gemm_bf16(
     x: u64,
     w: u64,
     y: u64,
+    out: Out,
     what: &str,
 ) -> Result<()> {
+    let out_type = match out {
+        Out::F32 => cudaDataType_t::CUDA_R_32F,
+        Out::Bf16 => cudaDataType_t::CUDA_R_16BF,
+    };
     gemm_nt(
         gpu,
         m,
@@ -86,35 +101,7 @@ pub(crate) fn gemm_bf16(
         w,
         y,
         cudaDataType_t::CUDA_R_16BF,
-        cudaDataType_t::CUDA_R_32F,
-        cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        what,
-    )
-}
-
-/// BF16 × BF16 → BF16 with FP32 accumulation: the GEMM engines run, and the bench's compute
-/// ceiling (an FP32 output adds its bytes: ~4% at 4096³).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_bf16_out_bf16(
-    gpu: &Gpu,
-    m: usize,
-    n: usize,
-    k: usize,
-    x: u64,
-    w: u64,
-    y: u64,
-    what: &str,
-) -> Result<()> {
-    gemm_nt(
-        gpu,
-        m,
-        n,
-        k,
-        x,
-        w,
-        y,
-        cudaDataType_t::CUDA_R_16BF,
-        cudaDataType_t::CUDA_R_16BF,
+        out_type,
         cublasComputeType_t::CUBLAS_COMPUTE_32F,
         what,
     )

@@ -1888,6 +1888,7 @@ impl Nvfp4Forward {
             gpu.ptr(xb),
             gpu.ptr(&sh.w1),
             gpu.ptr(&sw.g),
+            blas::Out::F32,
             "shared expert gate_proj",
         )?;
         blas::gemm_bf16(
@@ -1898,6 +1899,7 @@ impl Nvfp4Forward {
             gpu.ptr(xb),
             gpu.ptr(&sh.w3),
             gpu.ptr(&sw.u),
+            blas::Out::F32,
             "shared expert up_proj",
         )?;
         self.enqueue_swiglu_bf16(
@@ -1914,6 +1916,7 @@ impl Nvfp4Forward {
             gpu.ptr(&sw.a),
             gpu.ptr(&sh.w2),
             gpu.ptr(&sw.y),
+            blas::Out::F32,
             "shared expert down_proj",
         )
     }
@@ -2030,6 +2033,7 @@ impl Nvfp4Forward {
                     xg + (r0 * h * 2) as u64,
                     w1 + wo,
                     g + (r0 * i * 4) as u64,
+                    blas::Out::F32,
                     "reference gate_proj",
                 )?;
                 blas::gemm_bf16(
@@ -2040,6 +2044,7 @@ impl Nvfp4Forward {
                     xg + (r0 * h * 2) as u64,
                     w3 + wo,
                     u + (r0 * i * 4) as u64,
+                    blas::Out::F32,
                     "reference up_proj",
                 )?;
             }
@@ -2058,6 +2063,7 @@ impl Nvfp4Forward {
                     a + (r0 * i * 2) as u64,
                     w2 + wo,
                     y + (r0 * h * 4) as u64,
+                    blas::Out::F32,
                     "reference down_proj",
                 )?;
             }

@@ -175,6 +175,7 @@ pub(crate) fn enqueue_route(
             x,
             gpu.ptr(w),
             out.logits,
+            blas::Out::F32,
             "router logits",
         )?,
         _ => blas::gemm_f32(
