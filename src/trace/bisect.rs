@@ -6,7 +6,7 @@
 
 use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
-use super::scan::compare_tensors;
+use super::scan::{compare_tensors, paired_blocks};
 use crate::error::Result;
 use crate::metrics::{max_rel_l2, Accum, Metrics};
 use serde::Serialize;
@@ -292,22 +292,12 @@ fn diff_tensor(
 
 /// `‖t‖ / ‖r‖` over the first `min(numel)` elements, read block by block.
 fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
-    const BLOCK: usize = 1 << 22;
-    let n = t.numel().min(r.numel());
-    let (mut bt, mut br) = (Vec::new(), Vec::new());
     let (mut nt, mut nr) = (0f64, 0f64);
-    let mut start = 0;
-    while start < n {
-        t.read_f32(start, BLOCK, &mut bt);
-        r.read_f32(start, BLOCK, &mut br);
-        let len = bt.len().min(br.len());
-        if len == 0 {
-            break;
-        }
-        nt += bt[..len].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
-        nr += br[..len].iter().map(|&v| v as f64 * v as f64).sum::<f64>();
-        start += len;
-    }
+    paired_blocks(t, r, |_, x, y| {
+        nt += x.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        nr += y.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        true
+    });
     (nt / nr).sqrt()
 }
 
@@ -398,28 +388,19 @@ fn worst_token(t: &TensorRef, r: &TensorRef, min_cosine: f64) -> Option<WorstTok
 /// When every NaN of one tensor is a NaN of the other at the same index and every ±Inf the
 /// same ±Inf: the metrics over the finite values (both sides finite there). `None` otherwise.
 fn finite_if_same_nonfinite(t: &TensorRef, r: &TensorRef) -> Option<Metrics> {
-    const BLOCK: usize = 1 << 22;
-    let n = t.numel().min(r.numel());
-    let (mut bt, mut br) = (Vec::new(), Vec::new());
     let mut acc = Accum::default();
-    let mut start = 0;
-    while start < n {
-        t.read_f32(start, BLOCK, &mut bt);
-        r.read_f32(start, BLOCK, &mut br);
-        let len = bt.len().min(br.len());
-        if len == 0 {
-            return None;
-        }
-        let (x, y) = (&bt[..len], &br[..len]);
+    let all = paired_blocks(t, r, |start, x, y| {
         let same = x.iter().zip(y).all(|(&a, &b)| {
             a.is_finite() == b.is_finite() && (a.is_finite() || a == b || a.is_nan() && b.is_nan())
         });
-        if !same {
-            return None;
-        }
         // TEST's non-finite values are left out of the sums, and they are exactly REF's
-        acc = acc.merge(Accum::over(x, y, start));
-        start += len;
+        if same {
+            acc = acc.merge(Accum::over(x, y, start));
+        }
+        same
+    });
+    if !all {
+        return None;
     }
     acc.nan = 0;
     acc.inf = 0;

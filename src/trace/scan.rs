@@ -116,23 +116,35 @@ pub fn tensor_stats(t: &TensorRef) -> Option<TensorStats> {
     Some(acc)
 }
 
+/// `a` and `b` as f32 over their common length, `BLOCK` values at a time: `f(start, a, b)` for
+/// each block, until it returns false. True when every block was read in full and accepted.
+pub fn paired_blocks(
+    a: &TensorRef,
+    b: &TensorRef,
+    mut f: impl FnMut(usize, &[f32], &[f32]) -> bool,
+) -> bool {
+    let n = a.numel().min(b.numel());
+    let (mut ba, mut bb) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    while start < n {
+        a.read_f32(start, BLOCK, &mut ba);
+        b.read_f32(start, BLOCK, &mut bb);
+        let len = ba.len().min(bb.len());
+        if len == 0 || !f(start, &ba[..len], &bb[..len]) {
+            return false;
+        }
+        start += len;
+    }
+    true
+}
+
 /// `test` against `reference` with the metrics of `crate::metrics` (the same `Accum` partial
 /// sums `metrics::compare` reduces, fed block by block), plus the reference's own NaN/Inf
 /// counts, which `Metrics` leaves to the caller. Both must be float with equal `numel`.
 pub fn compare_tensors(test: &TensorRef, reference: &TensorRef) -> (Metrics, TensorStats) {
-    let n = test.numel().min(reference.numel());
-    let (mut bt, mut br) = (Vec::new(), Vec::new());
     let mut acc = Accum::default();
     let mut ref_stats = TensorStats::default();
-    let mut start = 0;
-    while start < n {
-        test.read_f32(start, BLOCK, &mut bt);
-        reference.read_f32(start, BLOCK, &mut br);
-        let len = bt.len().min(br.len());
-        if len == 0 {
-            break;
-        }
-        let (t, r) = (&bt[..len], &br[..len]);
+    paired_blocks(test, reference, |start, t, r| {
         let (a, s) = t
             .par_chunks(CHUNK)
             .zip(r.par_chunks(CHUNK))
@@ -147,8 +159,8 @@ pub fn compare_tensors(test: &TensorRef, reference: &TensorRef) -> (Metrics, Ten
             );
         acc = acc.merge(a);
         ref_stats = ref_stats.merge(s);
-        start += len;
-    }
+        true
+    });
     (acc.finish(), ref_stats)
 }
 
