@@ -130,18 +130,8 @@ pub fn run(args: &Args) -> Result<Report> {
             t.stats.flushed.to_string(),
         ]);
     }
-    if sum.tensors.len() > TABLE_ROWS {
-        table.row(vec![
-            format!(
-                "… {} more in the JSON report",
-                sum.tensors.len() - TABLE_ROWS
-            ),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-        ]);
+    if let Some(row) = more_row(sum.tensors.len(), 6) {
+        table.row(row);
     }
     let mut report = Report::new("quantize", Verdict::Pass, headline)
         .summary(json!({
@@ -177,17 +167,19 @@ pub fn run(args: &Args) -> Result<Report> {
                 t.reason.clone(),
             ]);
         }
-        if sum.not_quantized.len() > TABLE_ROWS {
-            s.row(vec![
-                format!(
-                    "… {} more in the JSON report",
-                    sum.not_quantized.len() - TABLE_ROWS
-                ),
-                String::new(),
-                String::new(),
-            ]);
+        if let Some(row) = more_row(sum.not_quantized.len(), 3) {
+            s.row(row);
         }
         report = report.section(s);
     }
     Ok(report)
+}
+
+/// The last row of a table cut at TABLE_ROWS of `total` rows, `cols` wide.
+fn more_row(total: usize, cols: usize) -> Option<Vec<String>> {
+    (total > TABLE_ROWS).then(|| {
+        let mut row = vec![String::new(); cols];
+        row[0] = format!("… {} more in the JSON report", total - TABLE_ROWS);
+        row
+    })
 }
