@@ -752,6 +752,75 @@ fn gate_up_swapped_in_one_expert_is_named() {
     );
 }
 
+/// Flips the lowest bit of each byte `i` of the tensor named `*suffix` in the safetensors
+/// file at `path` for which `at(i)` holds: FP4 codes that move one step.
+fn flip_code_bits(path: &Path, suffix: &str, at: impl Fn(usize) -> bool) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let (name, t) = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.ends_with(suffix))
+        .unwrap();
+    let off = |k: usize| 8 + n + t["data_offsets"][k].as_u64().unwrap() as usize;
+    let (start, end) = (off(0), off(1));
+    let mut flipped = 0;
+    for (i, b) in bytes[start..end].iter_mut().enumerate() {
+        if at(i) {
+            *b ^= 1;
+            flipped += 1;
+        }
+    }
+    assert!(flipped > 0, "{name}: nothing flipped");
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Gate and up swapped in one expert whose codes also differ in one place, past the rows a
+/// pairing is first tried on, while every other expert's gate and up differ in every 16th
+/// byte (all of them mismatch): the swap is still found by cosine, and no other expert is
+/// called swapped (their gate-for-up pairings fail on their first rows).
+#[test]
+fn gate_up_swap_is_found_by_cosine_among_differing_experts() {
+    let (h, i) = (128, 320);
+    let fx = fixture_dims(4, h, i);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 7);
+    let bad = r.gen_range(0..4);
+    let dump = fx.root.join("swap-differs.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![bad],
+            ..Default::default()
+        },
+    );
+    // w13_weight [E, 2I, H/2]: one expert's bytes, and a byte in row 200 of its first half
+    let (row, per) = (h / 2, 2 * i * h / 2);
+    let one = bad * per + 200 * row + r.gen_range(0..row);
+    flip_code_bits(&dump, "w13_weight", |b| {
+        if b / per == bad {
+            b == one
+        } else {
+            b % 16 == 0
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let swap = d
+        .iter()
+        .find(|d| d["kind"] == "gate_up_swapped")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert_eq!(
+        swap["experts"],
+        serde_json::json!([bad]),
+        "seed {}",
+        fx.seed
+    );
+}
+
 /// Element 2i in the high nibble instead of the low one: named as such, on that expert, not
 /// as a bare value difference.
 #[test]

@@ -1227,6 +1227,37 @@ pub fn metrics_raw(
     }
 }
 
+/// Rows a pairing that a diagnosis proposes is tried on before the whole matrix.
+const TRY_ROWS: usize = 64;
+
+/// Whether B's matrix matches A's to `min_cosine` with no NaN or Inf: a diagnosis's test of
+/// a pairing (B's gate holds A's up, ...). A quantized pairing is first tried on its first
+/// [`TRY_ROWS`] rows and dropped when they fail: a wrong pairing fails on every row, and
+/// every unit differing (a re-quantized checkpoint) would otherwise cost a whole second
+/// comparison per expert.
+pub fn passes_raw(
+    a: &Raw,
+    b: &Raw,
+    tp: Option<(usize, usize)>,
+    engine: &dyn DiffEngine,
+    min_cosine: f64,
+) -> Result<bool> {
+    if let (Raw::Q(qa), Raw::Q(qb)) = (a, b) {
+        let head = own_q(qb).and_then(|mb| {
+            let ma = aligned_q(qa, (mb.rows, mb.cols), tp)?;
+            (mb.rows > 4 * TRY_ROWS)
+                .then(|| Some((ma.rows_slice(0, TRY_ROWS)?, mb.rows_slice(0, TRY_ROWS)?)))?
+        });
+        if let Some((ha, hb)) = head {
+            let m = engine.metrics(&Values::Q(&ha), &Values::Q(&hb))?;
+            if !m.is_some_and(|m| m.passes(min_cosine)) {
+                return Ok(false);
+            }
+        }
+    }
+    Ok(metrics_raw(a, b, tp, engine)?.is_some_and(|m| m.passes(min_cosine)))
+}
+
 /// Rows whose two scale readings decide an ambiguous layout: one row of 128-row swizzle
 /// tiles (128 · K/16 block scales, each permuted within its tile).
 const LAYOUT_ROWS: usize = 128;

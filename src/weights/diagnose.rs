@@ -7,7 +7,7 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, holds_rows, metrics_raw, Geom, IssueKind, Options, UnitResult,
+    fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom, IssueKind, Options, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -316,7 +316,7 @@ pub fn cross_expert(
                 let (Ok(ra), Ok(rb)) = (a.load(&sa), b.load(&sb)) else {
                     return Ok(false);
                 };
-                Ok(metrics_raw(&ra, &rb, tp, engine)?.is_some_and(|m| m.passes(min_cosine)))
+                passes_raw(&ra, &rb, tp, engine, min_cosine)
             };
             let by_cosine = !by_fp && pair(u, g)? && pair(g, u)?;
             if by_fp || by_cosine {
