@@ -953,6 +953,64 @@ fn originals_name_permuted_rescaled_and_orphaned_weights() {
     );
 }
 
+/// The same expert's weights mixed up between layers: gate_proj exchanged between layers 1 and
+/// 2, and layer 2's down_proj written from layer 1's. Each is named with both layers.
+#[test]
+fn originals_name_weights_from_another_layer() {
+    let (seed, mut r) = rng("audit originals across layers");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let (e, e2) = (r.gen_range(0..8), r.gen_range(8..16));
+    let base = |l: usize, e: usize, p: &str| format!("model.layers.{l}.mlp.experts.{e}.{p}");
+    let members = ["weight", "weight_scale", "weight_scale_2"];
+    let read = |n: &str| {
+        let t = read_all(&shard_of(&ck, n));
+        t.into_iter().find(|(s, _)| s.name == n).unwrap().1
+    };
+    // (name, the bytes it gets)
+    let mut put: Vec<(String, Vec<u8>)> = vec![];
+    for m in members {
+        let (g1, g2) = (
+            format!("{}.{m}", base(1, e, "gate_proj")),
+            format!("{}.{m}", base(2, e, "gate_proj")),
+        );
+        put.push((g1.clone(), read(&g2)));
+        put.push((g2, read(&g1)));
+        let d1 = format!("{}.{m}", base(1, e2, "down_proj"));
+        put.push((format!("{}.{m}", base(2, e2, "down_proj")), read(&d1)));
+    }
+    for (n, v) in put {
+        rewrite_shard(&ck, &n, |t| {
+            t.iter_mut().find(|(s, _)| s.name == n).unwrap().1 = v;
+        });
+    }
+    let (code_, out, v) = audit(&ck);
+    assert_eq!(code_, 1, "seed {seed}: {out}");
+    let mism = findings_of(&v, "original_mismatch");
+    let says = |t: &str, want: &str| {
+        let (_, _, detail) = mism
+            .iter()
+            .find(|f| f.0 == t)
+            .unwrap_or_else(|| panic!("seed {seed}: no original_mismatch on {t}: {mism:#?}"));
+        assert!(
+            detail.contains(want),
+            "seed {seed}: {want:?} not in {detail}"
+        );
+    };
+    for l in [1, 2] {
+        says(
+            &format!("{}.weight", base(l, e, "gate_proj")),
+            &format!("layers 1 and 2 swapped (expert {e} gate_proj)"),
+        );
+    }
+    says(
+        &format!("{}.weight", base(2, e2, "down_proj")),
+        &format!("it holds layer 1's expert {e2} down_proj"),
+    );
+    assert_eq!(mism.len(), 3, "seed {seed}: {mism:#?}");
+}
+
 /// A tensor a listed shard stores but the index's weight_map leaves out: transformers never
 /// loads it, vLLM does. Named with its shard (exit 1). The opposite — the weight_map placing a
 /// tensor in a shard that lacks it — is bad input (exit 2) naming both.

@@ -9,9 +9,9 @@
 //! written from the wrong tensor) lands near 0 while its scales and statistics stay plausible,
 //! so only this comparison sees it. A linear below `min_cosine`, or with a rel-L2 above the
 //! noise that cosine allows (`metrics::max_rel_l2`: the right direction, the wrong
-//! magnitude), is a finding, and its layer's other originals of that shape are searched for
-//! the one it holds instead, to name the bug ("gate_proj and up_proj swapped", "experts 3 and
-//! 5 swapped"). A weight that dequantizes to NaN/Inf is left to the scale checks, which name
+//! magnitude), is a finding, and its layer's other originals of that shape (and its own
+//! projection in the other layers) are searched for the one it holds instead, to name the bug
+//! ("gate_proj and up_proj swapped", "experts 3 and 5 swapped", "layers 1 and 2 swapped"). A weight that dequantizes to NaN/Inf is left to the scale checks, which name
 //! the cause.
 //!
 //! Also findings: an original whose shape or dtype cannot be its weight's, and originals of
@@ -200,8 +200,8 @@ pub struct Failing {
 type Match = Option<(String, Metrics)>;
 
 /// Every original of the same shape as `f`'s weight that could be the one it holds: the
-/// expert's other projections and the same projection of the layer's other experts (or the
-/// shared expert's other projections).
+/// expert's other projections, the same projection of the layer's other experts and of the
+/// same expert in the other layers (or the shared expert's other projections).
 fn candidates(
     orig: &Checkpoint,
     naming: &Naming,
@@ -223,6 +223,11 @@ fn candidates(
             for &e in experts.get(&layer).into_iter().flatten() {
                 if e != expert {
                     out.push(original_name(&naming.expert(layer, e, proj)));
+                }
+            }
+            for (&l, es) in experts {
+                if l != layer && es.contains(&expert) {
+                    out.push(original_name(&naming.expert(l, expert, proj)));
                 }
             }
         }
@@ -362,6 +367,24 @@ pub fn diagnose(
                 let leaf = |b: &str| b.rsplit('.').next().unwrap_or(b).to_string();
                 let (this_p, that_p) = (leaf(base), leaf(ob));
                 let verdict = match (&pk, &ok) {
+                    (
+                        Some(Key::Expert {
+                            layer: l,
+                            expert: e,
+                            ..
+                        }),
+                        Some(Key::Expert { layer: l2, .. }),
+                    ) if l != l2 => {
+                        if mutual {
+                            format!(
+                                "layers {} and {} swapped (expert {e} {this_p})",
+                                l.min(l2),
+                                l.max(l2)
+                            )
+                        } else {
+                            format!("it holds layer {l2}'s expert {e} {that_p}: layer ids shifted at conversion?")
+                        }
+                    }
                     (Some(Key::Expert { expert: e, .. }), Some(Key::Expert { expert: e2, .. }))
                         if e != e2 =>
                     {
@@ -400,7 +423,7 @@ pub fn diagnose(
                 );
             }
             None if below(c.cosine, min_cosine) => {
-                detail += "; it matches no other original of its shape in its layer: corrupted codes or block scales, or a weight quantized from another tensor";
+                detail += "; it matches no other original of its shape in its layer, nor its own in another layer: corrupted codes or block scales, or a weight quantized from another tensor";
             }
             None => {}
         }
