@@ -1393,6 +1393,45 @@ fn round_robin_placement_read_as_linear_is_named() {
     check(&out, 0, fx.seed);
 }
 
+/// The reverse: an EP rank's dump of linearly placed experts (rank r of 2 holds n/2
+/// contiguous ones) read as round-robin (r, r + 2, …): named as the placement too. It used to
+/// list only "2←1, 4←2".
+#[test]
+fn linear_placement_read_as_round_robin_is_named() {
+    let fx = fixture(8);
+    let r = (fx.seed % 2) as usize;
+    let dump = fx.root.join("linear.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            ep: Some((r, 2)),
+            ..Default::default()
+        },
+    );
+    let rs = r.to_string();
+    let ep = [s(&fx.ckpt), s(&dump), "--ep-rank", &rs, "--ep-size", "2"];
+    let out = run(
+        &fx.root,
+        &[&ep[..], &["--placement", "round-robin"]].concat(),
+    );
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {} rank {r}: {d:?}", fx.seed));
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("contiguous (linear) expert placement read as strided (round-robin)")
+            && msg.contains("--placement linear"),
+        "seed {} rank {r}: {msg}",
+        fx.seed
+    );
+    // read with the placement it has: agrees
+    check(&run(&fx.root, &ep), 0, fx.seed);
+}
+
 /// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],
 /// not w1's and w3's own slices. Named; it used to be "values differ" on the up (rank 0) or
 /// gate (rank 1) of every expert.
