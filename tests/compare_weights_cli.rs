@@ -302,6 +302,8 @@ struct Faults {
     w2_scales_f32: bool,
     /// w2_weight_scale is U8 holding the scales' values cast to integers (wrapping past 255).
     w2_scales_u8_values: bool,
+    /// w2_weight_scale is U8 holding the e4m3 bytes unchanged (`.view(torch.uint8)`).
+    w2_scales_u8_bytes: bool,
     /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
     w13_scales_transposed: bool,
     /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
@@ -448,6 +450,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             (
                 TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
                 f32_bytes(&v),
+            )
+        } else if f.w2_scales_u8_bytes {
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::U8, &s2_shape),
+                s2,
             )
         } else if f.w2_scales_u8_values {
             let v: Vec<u8> = s2
@@ -952,6 +959,41 @@ fn converted_and_transposed_block_scales_are_named() {
             );
         }
     }
+}
+
+/// Block scales stored as U8 with the e4m3 bytes unchanged compare equal (the codes are A's),
+/// and the dtype difference is a note naming the tensor: a loader that copies by value where it
+/// should reinterpret changes them. It used to pass without a word.
+#[test]
+fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
+    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let dump = fx.root.join("u8.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scales_u8_bytes: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
+    let notes = out.json["notes"].to_string();
+    assert!(
+        notes.contains("w2_weight_scale") && notes.contains("U8") && notes.contains("F8_E4M3"),
+        "seed {}: {notes}",
+        fx.seed
+    );
+    // the reference's own dtype: no such note
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert!(
+        !out.json["notes"].to_string().contains("U8"),
+        "seed {}",
+        fx.seed
+    );
 }
 
 /// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is

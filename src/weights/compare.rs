@@ -101,6 +101,10 @@ pub struct UnitResult {
     /// Member names of A this unit expected in B but B lacks.
     #[serde(skip)]
     pub missing_members: Vec<String>,
+    /// B's block scales in another one-byte dtype than A's, read as the same codes:
+    /// (A's dtype, B's dtype, B's scale tensor).
+    #[serde(skip)]
+    pub scale_dtype_differs: Option<(Dtype, Dtype, String)>,
 }
 
 impl UnitResult {
@@ -122,6 +126,7 @@ impl UnitResult {
             expert,
             bytes: 0,
             missing_members: vec![],
+            scale_dtype_differs: None,
         }
     }
     pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {
@@ -547,6 +552,14 @@ fn compare_qq(
             ),
         );
         return Ok(done(u));
+    }
+    // the same codes under another one-byte dtype (U8 where F8_E4M3 belongs): equal, and
+    // worth a note, since a loader that copies by value where it should reinterpret changes them
+    if qa.scale_dtype != qb.scale_dtype
+        && qa.scale_dtype.bitsize() == 8
+        && qb.scale_dtype.bitsize() == 8
+    {
+        u.scale_dtype_differs = Some((qa.scale_dtype, qb.scale_dtype, qb.scale_name.clone()));
     }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
