@@ -304,6 +304,10 @@ struct Faults {
     w2_scales_u8_values: bool,
     /// w2_weight_scale is U8 holding the e4m3 bytes unchanged (`.view(torch.uint8)`).
     w2_scales_u8_bytes: bool,
+    /// w2_weight_scale holds the scales' values as BF16.
+    w2_scales_bf16: bool,
+    /// w2_weight_scale has one stray byte after each row ([E, H, I/16 + 1]).
+    w2_scales_extra_col: bool,
     /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
     w13_scales_transposed: bool,
     /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
@@ -386,6 +390,12 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
+        if f.w2_scales_extra_col {
+            sc = sc
+                .chunks(ip / 16)
+                .flat_map(|c| c.iter().copied().chain([0x38]))
+                .collect();
+        }
         s2.extend(sc);
         g2.push(if f.flip_w2_scale_2 {
             1.0 / d.scale_2
@@ -405,6 +415,8 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     };
     let s2_shape: Vec<usize> = if f.swizzle {
         vec![e, 128, 4]
+    } else if f.w2_scales_extra_col {
+        vec![e, h, ip / 16 + 1]
     } else {
         vec![e, h, ip / 16]
     };
@@ -450,6 +462,15 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             (
                 TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
                 f32_bytes(&v),
+            )
+        } else if f.w2_scales_bf16 {
+            let v: Vec<f32> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c))
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::BF16, &s2_shape),
+                bf16_bytes(&v),
             )
         } else if f.w2_scales_u8_bytes {
             (
@@ -994,6 +1015,69 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
         "seed {}",
         fx.seed
     );
+}
+
+/// A block-scale tensor of the wrong dtype or shape is a `scales` issue naming the scale
+/// tensor and the problem. The dtype and the transposed shape used to be filed as
+/// `unreadable`, and a shape no layout fits did not name the tensor.
+#[test]
+fn block_scale_tensor_problems_are_scale_issues_naming_the_tensor() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let e = fx.model.experts.len();
+    for (faults, tensor, what, n) in [
+        (
+            Faults {
+                w2_scales_f32: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as F32",
+            e,
+        ),
+        (
+            Faults {
+                w2_scales_bf16: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as BF16",
+            e,
+        ),
+        (
+            Faults {
+                w13_scales_transposed: true,
+                ..Default::default()
+            },
+            "w13_weight_scale",
+            "stored transposed",
+            2 * e,
+        ),
+        (
+            Faults {
+                w2_scales_extra_col: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "fit neither",
+            e,
+        ),
+    ] {
+        let dump = fx.root.join("scales.safetensors");
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let mm = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(mm.len(), n, "seed {} {what}: {mm:?}", fx.seed);
+        for m in mm {
+            let issue = &m["issues"][0];
+            let msg = issue["message"].as_str().unwrap();
+            assert!(
+                issue["kind"] == "scales" && msg.contains(tensor) && msg.contains(what),
+                "seed {} {what}: {issue}",
+                fx.seed
+            );
+        }
+    }
 }
 
 /// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is

@@ -5,7 +5,7 @@
 
 use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
-use super::load::{DRaw, QRaw, Raw, Shared};
+use super::load::{DRaw, LoadError, QRaw, Raw, Shared};
 use super::view::{pick_scales, Depth, Mat, QMatrix, ScalesSeen};
 use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
@@ -105,6 +105,16 @@ pub struct UnitResult {
     /// (A's dtype, B's dtype, B's scale tensor).
     #[serde(skip)]
     pub scale_dtype_differs: Option<(Dtype, Dtype, String)>,
+}
+
+impl LoadError {
+    /// The issue a unit that cannot be read is filed under.
+    pub fn issue_kind(&self) -> IssueKind {
+        match self {
+            LoadError::Scales(_) => IssueKind::Scales,
+            LoadError::Unreadable(_) => IssueKind::Unreadable,
+        }
+    }
 }
 
 impl UnitResult {
@@ -348,15 +358,18 @@ fn qmatrix<'a>(
     raw: &QRaw<'a>,
     rows: usize,
     cols: usize,
-) -> Result<(QMatrix<'a>, super::view::Scales<'a>), String> {
+) -> Result<(QMatrix<'a>, super::view::Scales<'a>), LoadError> {
     let block = raw.format.block();
     if !cols.is_multiple_of(block) {
-        return Err(format!(
-            "K = {cols} is not a multiple of the {} block",
-            block
-        ));
+        return Err(LoadError::Unreadable(format!(
+            "`{}`: K = {cols} is not a multiple of the {block} block",
+            raw.weight_name
+        )));
     }
-    let sc = raw.scales.resolve(rows, cols / block)?;
+    let sc = raw
+        .scales
+        .resolve(rows, cols / block)
+        .map_err(|e| LoadError::Scales(format!("`{}`: {e}", raw.scale_name)))?;
     Ok((
         QMatrix {
             format: raw.format,
@@ -428,7 +441,7 @@ fn compare_qq(
     let (a_full, a_sc) = match qmatrix(qa, qa.rows(), qa.cols()) {
         Ok(v) => v,
         Err(e) => {
-            u.issue(IssueKind::Unreadable, format!("A: {e}"));
+            u.issue(e.issue_kind(), format!("A: {e}"));
             return Ok(done(u));
         }
     };
@@ -491,7 +504,7 @@ fn compare_qq(
     let (mut b_m, b_sc) = match qmatrix(qb, rb.0, rb.1) {
         Ok(v) => v,
         Err(e) => {
-            u.issue(IssueKind::Scales, format!("B: {e}"));
+            u.issue(e.issue_kind(), format!("B: {e}"));
             return Ok(done(u));
         }
     };
@@ -1118,7 +1131,7 @@ fn compare_qd(
         Ok(v) => v,
         Err(e) => {
             u.issue(
-                IssueKind::Unreadable,
+                e.issue_kind(),
                 format!("{}: {e}", if q_is_a { "A" } else { "B" }),
             );
             return Ok(done(u, false));

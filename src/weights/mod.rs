@@ -338,7 +338,7 @@ impl<'a> Plan<'a> {
                         let mut u = UnitResult::new(ka, ua.expert);
                         for (side, r) in [("A", ra.err()), ("B", rb.err())] {
                             if let Some(e) = r {
-                                u.issue(compare::IssueKind::Unreadable, format!("{side}: {e}"));
+                                u.issue(e.issue_kind(), format!("{side}: {e}"));
                             }
                         }
                         u.status = Status::Mismatch;
