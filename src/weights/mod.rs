@@ -442,9 +442,10 @@ fn scale_dtype_note(results: &[UnitResult]) -> Vec<String> {
     seen.into_iter()
         .map(|(dtypes, (example, n, e4m3))| {
             format!(
-                "B's block scales are {dtypes} ({n} units, e.g. `{example}`): compared as the \
+                "B's block scales are {dtypes} ({n} unit{}, e.g. `{example}`): compared as the \
                  same codes byte for byte, but a loader that copies them by value (torch copy_) \
                  where it should reinterpret them (.view) changes every code{}",
+                if n == 1 { "" } else { "s" },
                 if e4m3 {
                     " (the e4m3 byte 0x38, 1.0, becomes 56.0)"
                 } else {
