@@ -990,8 +990,9 @@ fn planted_router_bugs_are_named() {
 
 /// Two routing bugs at once are each named: topk_ids and topk_weights misaligned (weights
 /// reversed per token, or ids sorted without their weights) together with rows one token off,
-/// or with a router bug (weights not normalized). Each alone was named; together the report
-/// said only "only 27% of topk_ids agree" or "topk_weights differ".
+/// or with a router bug (weights not normalized), and that router bug with rows one token off.
+/// Each alone was named; together the report said only "only 27% of topk_ids agree" or
+/// "topk_weights differ".
 #[test]
 fn two_planted_routing_bugs_are_each_named() {
     let (seed, mut r) = rng();
@@ -1027,7 +1028,7 @@ fn two_planted_routing_bugs_are_each_named() {
         l.config.norm_topk_prob = false;
         nvfp4dbg::moe::route(&l, &en.hidden, Some(&en.input_ids)).unwrap()
     };
-    for case in 0..3 {
+    for case in 0..4 {
         let (dump_ids, dump_w, hidden, tokens, named): (_, _, &[f32], usize, &[&str]) = match case {
             // dump token t holds token t+1's routing: the engine's first token dropped
             0 => {
@@ -1042,10 +1043,22 @@ fn two_planted_routing_bugs_are_each_named() {
                 let named: &[&str] = &["the previous token's", "misaligned"];
                 (i, w, &en.hidden[h..], t - 1, named)
             }
-            _ => {
+            2 => {
                 let (i, w) = misalign(&mut r, &ids, &unnormalized.topk_weights);
                 let named: &[&str] = &["weights not normalized", "misaligned"];
                 (i, w, &en.hidden[..], t, named)
+            }
+            // a router bug with the rows one token off, slots aligned
+            _ => {
+                let w = unnormalized.topk_weights[k..].to_vec();
+                let named: &[&str] = &["weights not normalized", "the next token's"];
+                (
+                    ids[k..].to_vec(),
+                    w,
+                    &en.hidden[..(t - 1) * h],
+                    t - 1,
+                    named,
+                )
             }
         };
         let x = Extra {
