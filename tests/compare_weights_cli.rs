@@ -302,6 +302,12 @@ struct Faults {
     w2_scales_f32: bool,
     /// w2_weight_scale is U8 holding the scales' values cast to integers (wrapping past 255).
     w2_scales_u8_values: bool,
+    /// w2_weight_scale is U8 holding the e4m3 bytes unchanged (`.view(torch.uint8)`).
+    w2_scales_u8_bytes: bool,
+    /// w2_weight_scale holds the scales' values as BF16.
+    w2_scales_bf16: bool,
+    /// w2_weight_scale has one stray byte after each row ([E, H, I/16 + 1]).
+    w2_scales_extra_col: bool,
     /// w13_weight_scale stored [E, H/16, 2I] (each expert's scales transposed).
     w13_scales_transposed: bool,
     /// The weight_scale_2 and input_scale tensors exchanged (w13 and w2).
@@ -384,6 +390,12 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
         }
+        if f.w2_scales_extra_col {
+            sc = sc
+                .chunks(ip / 16)
+                .flat_map(|c| c.iter().copied().chain([0x38]))
+                .collect();
+        }
         s2.extend(sc);
         g2.push(if f.flip_w2_scale_2 {
             1.0 / d.scale_2
@@ -403,6 +415,8 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     };
     let s2_shape: Vec<usize> = if f.swizzle {
         vec![e, 128, 4]
+    } else if f.w2_scales_extra_col {
+        vec![e, h, ip / 16 + 1]
     } else {
         vec![e, h, ip / 16]
     };
@@ -448,6 +462,20 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             (
                 TensorSpec::new(ex("w2_weight_scale"), Dtype::F32, &s2_shape),
                 f32_bytes(&v),
+            )
+        } else if f.w2_scales_bf16 {
+            let v: Vec<f32> = s2
+                .iter()
+                .map(|&c| nvfp4dbg::nvfp4::e4m3::decode(c))
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::BF16, &s2_shape),
+                bf16_bytes(&v),
+            )
+        } else if f.w2_scales_u8_bytes {
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::U8, &s2_shape),
+                s2,
             )
         } else if f.w2_scales_u8_values {
             let v: Vec<u8> = s2
@@ -1023,6 +1051,104 @@ fn converted_and_transposed_block_scales_are_named() {
     }
 }
 
+/// Block scales stored as U8 with the e4m3 bytes unchanged compare equal (the codes are A's),
+/// and the dtype difference is a note naming the tensor: a loader that copies by value where it
+/// should reinterpret changes them. It used to pass without a word.
+#[test]
+fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
+    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let dump = fx.root.join("u8.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scales_u8_bytes: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
+    let notes = out.json["notes"].to_string();
+    assert!(
+        notes.contains("w2_weight_scale") && notes.contains("U8") && notes.contains("F8_E4M3"),
+        "seed {}: {notes}",
+        fx.seed
+    );
+    // the reference's own dtype: no such note
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert!(
+        !out.json["notes"].to_string().contains("U8"),
+        "seed {}",
+        fx.seed
+    );
+}
+
+/// A block-scale tensor of the wrong dtype or shape is a `scales` issue naming the scale
+/// tensor and the problem. The dtype and the transposed shape used to be filed as
+/// `unreadable`, and a shape no layout fits did not name the tensor.
+#[test]
+fn block_scale_tensor_problems_are_scale_issues_naming_the_tensor() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let e = fx.model.experts.len();
+    for (faults, tensor, what, n) in [
+        (
+            Faults {
+                w2_scales_f32: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as F32",
+            e,
+        ),
+        (
+            Faults {
+                w2_scales_bf16: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "stored as BF16",
+            e,
+        ),
+        (
+            Faults {
+                w13_scales_transposed: true,
+                ..Default::default()
+            },
+            "w13_weight_scale",
+            "stored transposed",
+            2 * e,
+        ),
+        (
+            Faults {
+                w2_scales_extra_col: true,
+                ..Default::default()
+            },
+            "w2_weight_scale",
+            "fit neither",
+            e,
+        ),
+    ] {
+        let dump = fx.root.join("scales.safetensors");
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let mm = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(mm.len(), n, "seed {} {what}: {mm:?}", fx.seed);
+        for m in mm {
+            let issue = &m["issues"][0];
+            let msg = issue["message"].as_str().unwrap();
+            assert!(
+                issue["kind"] == "scales" && msg.contains(tensor) && msg.contains(what),
+                "seed {} {what}: {issue}",
+                fx.seed
+            );
+        }
+    }
+}
+
 /// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is
 /// named as the swap. It used to be two unrelated issues a tensor ("weight_scale_2: B …, A …",
 /// "input_scale: B …, A …") and no diagnosis.
@@ -1460,6 +1586,45 @@ fn round_robin_placement_read_as_linear_is_named() {
         &[&ep[..], &["--placement", "round-robin"]].concat(),
     );
     check(&out, 0, fx.seed);
+}
+
+/// The reverse: an EP rank's dump of linearly placed experts (rank r of 2 holds n/2
+/// contiguous ones) read as round-robin (r, r + 2, …): named as the placement too. It used to
+/// list only "2←1, 4←2".
+#[test]
+fn linear_placement_read_as_round_robin_is_named() {
+    let fx = fixture(8);
+    let r = (fx.seed % 2) as usize;
+    let dump = fx.root.join("linear.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            ep: Some((r, 2)),
+            ..Default::default()
+        },
+    );
+    let rs = r.to_string();
+    let ep = [s(&fx.ckpt), s(&dump), "--ep-rank", &rs, "--ep-size", "2"];
+    let out = run(
+        &fx.root,
+        &[&ep[..], &["--placement", "round-robin"]].concat(),
+    );
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {} rank {r}: {d:?}", fx.seed));
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("contiguous (linear) expert placement read as strided (round-robin)")
+            && msg.contains("--placement linear"),
+        "seed {} rank {r}: {msg}",
+        fx.seed
+    );
+    // read with the placement it has: agrees
+    check(&run(&fx.root, &ep), 0, fx.seed);
 }
 
 /// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],

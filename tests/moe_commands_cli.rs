@@ -411,3 +411,68 @@ fn a_gs_too_small_is_named_as_flushing_blocks_not_saturating_them() {
     assert!(f.contains("flush to zero (gs too small)"), "{f}");
     assert!(!f.contains("saturate"), "{f}");
 }
+
+/// Overwrite the F32 scalar `name` of a sharded synth checkpoint in place.
+fn set_scalar(ck: &Path, name: &str, v: f32) {
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let file = ck.join(index["weight_map"][name].as_str().unwrap());
+    let mut b = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(&file, b).unwrap();
+}
+
+/// A zero or NaN input_scale in use under `--gs checkpoint` is bad input (exit 2) named by
+/// layer, expert, projection and value, as a negative one is. It used to surface as an
+/// anonymous NaN in the residual stream.
+#[test]
+fn multilayer_names_a_zero_or_nan_checkpoint_input_scale() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--layers", "4", "--seed", &seed.to_string()],
+    );
+    let (layer, expert) = (rng.gen_range(1..4usize), rng.gen_range(0..16usize));
+    // a zero gate_proj or up_proj alone is not in use: gs1 takes the larger of the two
+    let (projs, v): (&[&str], f32) = match rng.gen_range(0..5) {
+        0 => (&["down_proj"], 0.0),
+        1 => (&["down_proj"], f32::NAN),
+        2 => (&["gate_proj"], f32::NAN),
+        3 => (&["up_proj"], f32::NAN),
+        _ => (&["gate_proj", "up_proj"], 0.0),
+    };
+    for p in projs {
+        set_scalar(
+            &dir.path().join("ck"),
+            &format!("model.layers.{layer}.mlp.experts.{expert}.{p}.input_scale"),
+            v,
+        );
+    }
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    let named = format!("layer {layer} expert {expert} {}", projs.join("/"));
+    assert_eq!(code, 2, "seed {seed}: {named} = {v}: {text}");
+    assert!(
+        text.contains(&named) && text.contains(&format!("input_scale = {v}")),
+        "seed {seed}: {named} = {v}: {text}"
+    );
+}

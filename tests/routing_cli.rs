@@ -987,3 +987,93 @@ fn planted_router_bugs_are_named() {
     assert_eq!(out.code, 0, "seed {seed}\n{}", out.stdout);
     assert!(!out.json["notes"].to_string().contains("router bug"));
 }
+
+/// Two routing bugs at once are each named: topk_ids and topk_weights misaligned (weights
+/// reversed per token, or ids sorted without their weights) together with rows one token off,
+/// or with a router bug (weights not normalized), and that router bug with rows one token off.
+/// Each alone was named; together the report said only "only 27% of topk_ids agree" or
+/// "topk_weights differ".
+#[test]
+fn two_planted_routing_bugs_are_each_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck_s,
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    // the misalignment: weights reversed per token, or ids sorted without their weights
+    let misalign = |r: &mut rand_chacha::ChaCha8Rng, ids: &[i64], w: &[f32]| {
+        let (mut ids, mut w) = (ids.to_vec(), w.to_vec());
+        if r.gen_bool(0.5) {
+            w.chunks_mut(k).for_each(|c| c.reverse());
+        } else {
+            ids.chunks_mut(k).for_each(|c| c.sort());
+        }
+        (ids, w)
+    };
+    let unnormalized = {
+        let mut l = en.layer.clone();
+        l.config.norm_topk_prob = false;
+        nvfp4dbg::moe::route(&l, &en.hidden, Some(&en.input_ids)).unwrap()
+    };
+    for case in 0..4 {
+        let (dump_ids, dump_w, hidden, tokens, named): (_, _, &[f32], usize, &[&str]) = match case {
+            // dump token t holds token t+1's routing: the engine's first token dropped
+            0 => {
+                let (i, w) = misalign(&mut r, &ids[k..], &en.routing.topk_weights[k..]);
+                let named: &[&str] = &["the next token's", "misaligned"];
+                (i, w, &en.hidden[..(t - 1) * h], t - 1, named)
+            }
+            // dump token t holds token t−1's routing: an extra token before the hidden states
+            1 => {
+                let n = (t - 1) * k;
+                let (i, w) = misalign(&mut r, &ids[..n], &en.routing.topk_weights[..n]);
+                let named: &[&str] = &["the previous token's", "misaligned"];
+                (i, w, &en.hidden[h..], t - 1, named)
+            }
+            2 => {
+                let (i, w) = misalign(&mut r, &ids, &unnormalized.topk_weights);
+                let named: &[&str] = &["weights not normalized", "misaligned"];
+                (i, w, &en.hidden[..], t, named)
+            }
+            // a router bug with the rows one token off, slots aligned
+            _ => {
+                let w = unnormalized.topk_weights[k..].to_vec();
+                let named: &[&str] = &["weights not normalized", "the next token's"];
+                (
+                    ids[k..].to_vec(),
+                    w,
+                    &en.hidden[..(t - 1) * h],
+                    t - 1,
+                    named,
+                )
+            }
+        };
+        let x = Extra {
+            hidden: Some((hidden, h)),
+            ..Default::default()
+        };
+        write_full(&f, tokens, k, &dump_ids, &dump_w, &x);
+        let out = run(dir.path(), &base);
+        assert_eq!(out.code, 1, "seed {seed} case {case}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        for what in named {
+            assert!(
+                findings.contains(what),
+                "seed {seed} case {case}: `{what}` not named: {findings}"
+            );
+        }
+    }
+}

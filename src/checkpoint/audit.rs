@@ -53,7 +53,7 @@ use super::names::Naming;
 use super::originals::{self, OriginalCheck};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
-use crate::nvfp4::{e4m3, ue8m0, Format};
+use crate::nvfp4::{e4m3, ue8m0, Format, ScaleProblem};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -422,22 +422,21 @@ fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &m
         kind,
         detail,
     };
-    if !v.is_finite() {
-        out.push(f(
+    match ScaleProblem::of(v) {
+        None => {}
+        Some(ScaleProblem::NotFinite) => out.push(f(
             FindingKind::NonfiniteGlobalScale,
             format!("{what} = {v}: every output of this linear becomes NaN/Inf"),
-        ));
-    } else if v <= 0.0 {
-        out.push(f(
+        )),
+        Some(ScaleProblem::Zero | ScaleProblem::Negative) => out.push(f(
             FindingKind::NonpositiveGlobalScale,
             format!("{what} = {v}: a global scale must be positive (zero flushes, negative flips the sign)"),
-        ));
-    } else if !(1.0 / v).is_finite() {
+        )),
         // the other direction (gs = 1/weight_scale_2, or weight_scale_2 = 1/weight_global_scale)
-        out.push(f(
+        Some(ScaleProblem::ReciprocalOverflows) => out.push(f(
             FindingKind::NonfiniteGlobalScale,
             format!("{what} = {v:e}: its reciprocal, the other direction engines compute from it, overflows to inf"),
-        ));
+        )),
     }
 }
 

@@ -397,8 +397,9 @@ fn recompute(
 type Reweigh<'a> = dyn Fn(&[f32], &[usize]) -> Vec<f32> + 'a;
 
 /// Router bugs recomputed when the dump disagrees with the reference: the ones whose routing
-/// the dump matches (ids and weights within the tolerances, no finding left) are named in the
-/// first finding's message and as notes. `reroute` routes the same input under another config
+/// the dump matches (ids and weights within the tolerances, no finding left but misaligned
+/// slots) are named in the first finding's message and as notes, two at once when no single
+/// one explains the dump. `reroute` routes the same input under another config
 /// or router; `logits` `[T, E]` give the scores for the weight-only variants.
 #[allow(clippy::too_many_arguments)]
 fn diagnose(
@@ -499,52 +500,107 @@ fn diagnose(
             reweigh(&|sc, row| weights(sc, row, false, rsf)),
         ));
     }
-    // the dump's rows one token off the recomputed ones (a prefix or padding token dropped
-    // on one side): dump token t holds the routing of token t ± 1
+    // Two bugs at once: each router bug (and none) with the dump's rows one token off, and
+    // any of those with topk_ids and topk_weights misaligned. The fewest bugs that explain the
+    // dump are named; one bug alone is preferred to a pair.
+    let mut candidates: Vec<(Vec<String>, Routing)> = vec![(vec![], reference.clone())];
+    candidates.extend(variants.into_iter().map(|(what, v)| (vec![what], v)));
     if reference.tokens > 2 {
-        let k = reference.top_k;
-        for (s, what) in [
-            (1usize, "the next token's (dump token t ↔ token t+1)"),
-            (
-                reference.tokens - 1,
-                "the previous token's (dump token t ↔ token t−1)",
-            ),
-        ] {
-            let (mut ids_s, mut w_s) = (reference.topk_ids.clone(), reference.topk_weights.clone());
-            ids_s.rotate_left(s * k);
-            w_s.rotate_left(s * k);
-            variants.push((
-                format!(
+        let unshifted = candidates.len();
+        for i in 0..unshifted {
+            for (s, what) in [
+                (1usize, "the next token's (dump token t ↔ token t+1)"),
+                (
+                    reference.tokens - 1,
+                    "the previous token's (dump token t ↔ token t−1)",
+                ),
+            ] {
+                let (mut bugs, v) = candidates[i].clone();
+                bugs.push(format!(
                     "rows one token off: each dump row holds {what} routing — topk_ids and the \
                      hidden states / logits are misaligned by a token (a dropped or extra token on one side)"
-                ),
-                Routing {
-                    topk_ids: ids_s,
-                    topk_weights: w_s,
-                    ..reference.clone()
-                },
-            ));
+                ));
+                candidates.push((bugs, one_token_off(&v, s)));
+            }
         }
     }
-    let explained: Vec<String> = variants
-        .into_iter()
-        .filter(|(_, v)| {
-            let (o, ag) = check::compare_with_reference(ids, v, cmp);
-            o.findings.is_empty() && ag.is_some_and(|a| a.weights.is_some())
-        })
-        .map(|(what, _)| what)
-        .collect();
-    if let Some(f) = out.findings.first_mut().filter(|_| !explained.is_empty()) {
+    let mut explained: Vec<Vec<String>> = vec![];
+    for (mut bugs, v) in candidates {
+        let (o, ag) = check::compare_with_reference(ids, &v, cmp);
+        let Some(ag) = ag.filter(|a| a.weights.is_some()) else {
+            continue;
+        };
+        let misaligned = !o.findings.is_empty()
+            && ag.weights_misaligned
+            && o.findings
+                .iter()
+                .all(|f| f.kind == check::FindingKind::WeightError);
+        if misaligned {
+            bugs.push(MISALIGNED.into());
+        } else if !o.findings.is_empty() {
+            continue;
+        }
+        explained.push(bugs);
+    }
+    let fewest = explained.iter().map(Vec::len).min().unwrap_or(0);
+    explained.retain(|b| b.len() == fewest);
+    // misaligned slots alone are the weight finding's own diagnosis
+    if explained.iter().any(|b| b.len() == 1 && b[0] == MISALIGNED) {
+        return Ok(());
+    }
+    let (lead, joined) = if fewest == 1 {
+        (
+            "this router bug",
+            explained
+                .iter()
+                .map(|b| b[0].clone())
+                .collect::<Vec<_>>()
+                .join(" / "),
+        )
+    } else {
+        (
+            "these bugs at once",
+            explained
+                .iter()
+                .map(|b| b.join(" + "))
+                .collect::<Vec<_>>()
+                .join(" / "),
+        )
+    };
+    if let Some(f) = out.findings.first_mut().filter(|_| fewest > 0) {
         f.message.push_str(&format!(
-            "; the dump matches the routing recomputed with this router bug: {}",
-            explained.join(" / ")
+            "; the dump matches the routing recomputed with {lead}: {joined}"
         ));
     }
-    for what in explained {
-        out.notes
-            .push(format!("router bug that explains the dump: {what}"));
+    for b in &explained {
+        out.notes.push(match b.len() {
+            1 => format!("router bug that explains the dump: {}", b[0]),
+            _ => format!(
+                "router bugs that together explain the dump: {}",
+                b.join(" + ")
+            ),
+        });
     }
     Ok(())
+}
+
+/// The second bug most often found with another: each token's weights sit in other slots than
+/// their ids.
+const MISALIGNED: &str = "topk_ids and topk_weights misaligned (each token's weights agree as \
+                          a set but sit in other slots than their ids: one sorted or permuted \
+                          without the other)";
+
+/// `r` with dump token t holding token t + `s`'s routing (rows rotated by `s` tokens).
+fn one_token_off(r: &Routing, s: usize) -> Routing {
+    let k = r.top_k;
+    let (mut ids, mut w) = (r.topk_ids.clone(), r.topk_weights.clone());
+    ids.rotate_left(s * k);
+    w.rotate_left(s * k);
+    Routing {
+        topk_ids: ids,
+        topk_weights: w,
+        ..r.clone()
+    }
 }
 
 fn check_logits_shape(d: &RoutingDump, lg: &Matrix<f32>, config: &MoeConfig) -> Result<()> {

@@ -5,7 +5,7 @@
 use super::forward::{dynamic_gs, expert_input_amax};
 use super::{router, ActScales, MoeLayer, Routing};
 use crate::error::{Error, Result};
-use crate::nvfp4::{DEFAULT_GS, GS_DENOM};
+use crate::nvfp4::{ScaleProblem, DEFAULT_GS, GS_DENOM};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 use std::fmt;
@@ -162,6 +162,7 @@ pub fn warmup_batch(layer: &MoeLayer, tokens: usize, seed: u64) -> (Vec<f32>, Ve
 pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<ActScales> {
     let mut s1 = Vec::with_capacity(layer.experts.len());
     let mut s2 = Vec::with_capacity(layer.experts.len());
+    let mut raw = Vec::with_capacity(layer.experts.len());
     for (e, ex) in layer.experts.iter().enumerate() {
         let missing = |p: &str| {
             Error::usage(format!(
@@ -179,6 +180,32 @@ pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<A
             i1.max(i3)
         });
         s2.push(i2);
+        raw.push([i1, i3, i2]);
+    }
+    // Only scales in use are refused: the larger of gate/up, and with the layer-wide max the
+    // expert that sets it (its value becomes every expert's).
+    let in_use = |s: &[f32]| -> Vec<usize> {
+        match reduce {
+            InputScaleReduce::PerExpert => (0..s.len()).collect(),
+            InputScaleReduce::GlobalMax => s
+                .iter()
+                .position(|v| v.is_nan())
+                .or_else(|| (0..s.len()).max_by(|&a, &b| s[a].total_cmp(&s[b])))
+                .into_iter()
+                .collect(),
+        }
+    };
+    for e in in_use(&s1) {
+        refuse_bad_input_scale(
+            layer.index,
+            e,
+            s1[e],
+            &raw[e][..2],
+            &["gate_proj", "up_proj"],
+        )?;
+    }
+    for e in in_use(&s2) {
+        refuse_bad_input_scale(layer.index, e, s2[e], &raw[e][2..], &["down_proj"])?;
     }
     if reduce == InputScaleReduce::GlobalMax {
         let m1 = nan_max(&s1);
@@ -186,25 +213,53 @@ pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<A
         s1.iter_mut().for_each(|v| *v = m1);
         s2.iter_mut().for_each(|v| *v = m2);
     }
-    // A negative input_scale in use: the reference quantizer's `rcp(s · rcp(gs))` cancels the
-    // sign, so the layer would look healthy while an engine's `alpha = input_scale ·
-    // weight_scale_2` flips the expert's output. (Zero gives gs = inf and stays visible as NaN.)
-    for (e, (&a, &b)) in s1.iter().zip(&s2).enumerate() {
-        for (v, p) in [(a, "gate_proj/up_proj"), (b, "down_proj")] {
-            if v < 0.0 {
-                return Err(Error::usage(format!(
-                    "--gs checkpoint: layer {} expert {e} {p} input_scale = {v} is negative: \
-                     a global scale must be positive (an engine's alpha flips this expert's \
-                     sign); `nvfp4dbg audit` lists every such tensor",
-                    layer.index
-                )));
-            }
-        }
-    }
     Ok(ActScales::Fixed {
         gs1: s1.iter().map(|&s| 1.0 / s).collect(),
         gs2: s2.iter().map(|&s| 1.0 / s).collect(),
     })
+}
+
+/// Bad input when the `input_scale` in use for one GEMM of expert `e` (`used`, out of the
+/// projections' own `raw` values) cannot be a global scale; the message names the projections
+/// whose own value is bad, and their values.
+fn refuse_bad_input_scale(
+    layer: usize,
+    e: usize,
+    used: f32,
+    raw: &[f32],
+    projs: &[&str],
+) -> Result<()> {
+    let Some(problem) = ScaleProblem::of(used) else {
+        return Ok(());
+    };
+    let bad: Vec<usize> = (0..raw.len())
+        .filter(|&i| ScaleProblem::of(raw[i]).is_some())
+        .collect();
+    let names: Vec<&str> = bad.iter().map(|&i| projs[i]).collect();
+    let values: Vec<String> = bad.iter().map(|&i| raw[i].to_string()).collect();
+    let why = match problem {
+        // The reference quantizer's `rcp(s · rcp(gs))` cancels the sign, so the layer would
+        // look healthy while an engine's `alpha = input_scale · weight_scale_2` flips the
+        // expert's output.
+        ScaleProblem::Negative => {
+            "is negative: a global scale must be positive (an engine's alpha flips this expert's sign)"
+        }
+        ScaleProblem::Zero => {
+            "is zero: gs = 1/input_scale is inf and this expert's activations quantize to NaN"
+        }
+        ScaleProblem::NotFinite => {
+            "is not finite: this expert's activations quantize to NaN"
+        }
+        ScaleProblem::ReciprocalOverflows => {
+            "is so small that gs = 1/input_scale overflows to inf: this expert's activations quantize to NaN"
+        }
+    };
+    Err(Error::usage(format!(
+        "--gs checkpoint: layer {layer} expert {e} {} input_scale = {} {why}; \
+         `nvfp4dbg audit` lists every such tensor",
+        names.join("/"),
+        values.join("/")
+    )))
 }
 
 fn nan_max(v: &[f32]) -> f32 {
@@ -350,6 +405,56 @@ mod tests {
             .to_string();
         assert!(
             err.contains("expert 2") && err.contains("down_proj"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn zero_or_nan_input_scales_in_use_are_refused_by_name() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut layer = test_layer(&mut rng, 32, 16, 8, 2, ScoringFunc::Sigmoid);
+        for ex in &mut layer.experts {
+            for q in [&mut ex.w1, &mut ex.w3, &mut ex.w2] {
+                q.input_scale = Some(rng.gen_range(0.001..0.1));
+            }
+        }
+        let e = rng.gen_range(0..8);
+        let refused = |layer: &MoeLayer, reduce| match checkpoint_scales(layer, reduce) {
+            Ok(_) => String::new(),
+            Err(err) => err.to_string(),
+        };
+        for (v, why) in [(0.0, "is zero"), (f32::NAN, "is not finite")] {
+            let mut l = layer.clone();
+            l.experts[e].w2.input_scale = Some(v);
+            for reduce in [InputScaleReduce::PerExpert, InputScaleReduce::GlobalMax] {
+                let err = refused(&l, reduce);
+                if v == 0.0 && reduce == InputScaleReduce::GlobalMax {
+                    // the other experts' larger scales are the one in use
+                    assert_eq!(err, "");
+                    continue;
+                }
+                assert!(
+                    err.contains(&format!("expert {e} down_proj input_scale = {v} {why}")),
+                    "{reduce}: {err}"
+                );
+            }
+        }
+        // a NaN gate_proj reaches gs1 through the NaN-propagating max; a zero one does not
+        let mut l = layer.clone();
+        l.experts[e].w1.input_scale = Some(f32::NAN);
+        let err = refused(&l, InputScaleReduce::PerExpert);
+        assert!(
+            err.contains(&format!("expert {e} gate_proj input_scale = NaN")),
+            "{err}"
+        );
+        l.experts[e].w1.input_scale = Some(0.0);
+        assert_eq!(refused(&l, InputScaleReduce::PerExpert), "");
+        l.experts[e].w3.input_scale = Some(0.0);
+        let err = refused(&l, InputScaleReduce::PerExpert);
+        assert!(
+            err.contains(&format!(
+                "expert {e} gate_proj/up_proj input_scale = 0/0 is zero"
+            )),
             "{err}"
         );
     }

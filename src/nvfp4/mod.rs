@@ -2,10 +2,12 @@
 
 pub mod e2m1;
 pub mod e4m3;
+pub mod global_scale;
 pub mod layout;
 pub mod quant;
 pub mod ue8m0;
 
+pub use global_scale::ScaleProblem;
 pub use layout::{LayoutGuess, ScaleLayout};
 pub use quant::{
     dequantize_row, fake_quant_nvfp4, quantize_mxfp4, quantize_nvfp4, quantize_weight_nvfp4, rcp,

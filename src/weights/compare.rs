@@ -5,7 +5,7 @@
 
 use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
-use super::load::{DRaw, QRaw, Raw, Shared};
+use super::load::{DRaw, LoadError, QRaw, Raw, Shared};
 use super::view::{pick_scales, Depth, Mat, QMatrix, ScalesSeen};
 use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
@@ -101,6 +101,20 @@ pub struct UnitResult {
     /// Member names of A this unit expected in B but B lacks.
     #[serde(skip)]
     pub missing_members: Vec<String>,
+    /// B's block scales in another one-byte dtype than A's, read as the same codes:
+    /// (A's dtype, B's dtype, B's scale tensor).
+    #[serde(skip)]
+    pub scale_dtype_differs: Option<(Dtype, Dtype, String)>,
+}
+
+impl LoadError {
+    /// The issue a unit that cannot be read is filed under.
+    pub fn issue_kind(&self) -> IssueKind {
+        match self {
+            LoadError::Scales(_) => IssueKind::Scales,
+            LoadError::Unreadable(_) => IssueKind::Unreadable,
+        }
+    }
 }
 
 impl UnitResult {
@@ -122,6 +136,7 @@ impl UnitResult {
             expert,
             bytes: 0,
             missing_members: vec![],
+            scale_dtype_differs: None,
         }
     }
     pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {
@@ -343,15 +358,18 @@ fn qmatrix<'a>(
     raw: &QRaw<'a>,
     rows: usize,
     cols: usize,
-) -> Result<(QMatrix<'a>, super::view::Scales<'a>), String> {
+) -> Result<(QMatrix<'a>, super::view::Scales<'a>), LoadError> {
     let block = raw.format.block();
     if !cols.is_multiple_of(block) {
-        return Err(format!(
-            "K = {cols} is not a multiple of the {} block",
-            block
-        ));
+        return Err(LoadError::Unreadable(format!(
+            "`{}`: K = {cols} is not a multiple of the {block} block",
+            raw.weight_name
+        )));
     }
-    let sc = raw.scales.resolve(rows, cols / block)?;
+    let sc = raw
+        .scales
+        .resolve(rows, cols / block)
+        .map_err(|e| LoadError::Scales(format!("`{}`: {e}", raw.scale_name)))?;
     Ok((
         QMatrix {
             format: raw.format,
@@ -423,7 +441,7 @@ fn compare_qq(
     let (a_full, a_sc) = match qmatrix(qa, qa.rows(), qa.cols()) {
         Ok(v) => v,
         Err(e) => {
-            u.issue(IssueKind::Unreadable, format!("A: {e}"));
+            u.issue(e.issue_kind(), format!("A: {e}"));
             return Ok(done(u));
         }
     };
@@ -486,7 +504,7 @@ fn compare_qq(
     let (mut b_m, b_sc) = match qmatrix(qb, rb.0, rb.1) {
         Ok(v) => v,
         Err(e) => {
-            u.issue(IssueKind::Scales, format!("B: {e}"));
+            u.issue(e.issue_kind(), format!("B: {e}"));
             return Ok(done(u));
         }
     };
@@ -547,6 +565,14 @@ fn compare_qq(
             ),
         );
         return Ok(done(u));
+    }
+    // the same codes under another one-byte dtype (U8 where F8_E4M3 belongs): equal, and
+    // worth a note, since a loader that copies by value where it should reinterpret changes them
+    if qa.scale_dtype != qb.scale_dtype
+        && qa.scale_dtype.bitsize() == 8
+        && qb.scale_dtype.bitsize() == 8
+    {
+        u.scale_dtype_differs = Some((qa.scale_dtype, qb.scale_dtype, qb.scale_name.clone()));
     }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
@@ -1105,7 +1131,7 @@ fn compare_qd(
         Ok(v) => v,
         Err(e) => {
             u.issue(
-                IssueKind::Unreadable,
+                e.issue_kind(),
                 format!("{}: {e}", if q_is_a { "A" } else { "B" }),
             );
             return Ok(done(u, false));

@@ -483,6 +483,17 @@ pub fn cross_expert(
                      contiguous (linear) — pass --placement round-robin, or the engine's expert placement differs from its loader's",
                     if c == 0 { String::new() } else { format!("{c:+}") }
                 ));
+            } else if let Some((stride, c)) = strided(&swapped_pairs(&perm)) {
+                // B's expert s·o + c holds A's expert o: B's ids are strided, A's contiguous
+                let o = if c == 0 {
+                    format!("e/{stride}")
+                } else {
+                    format!("(e{:+})/{stride}", -c)
+                };
+                message.push_str(&format!(
+                    "; every one is A's expert {o}: a contiguous (linear) expert placement read as \
+                     strided (round-robin) — pass --placement linear, or the engine's expert placement differs from its loader's"
+                ));
             }
             for &(e, o) in &perm {
                 for p in Proj::ALL {
@@ -522,6 +533,11 @@ fn strided(perm: &[(usize, usize)]) -> Option<(i64, i64)> {
     perm.iter()
         .all(|&(e, o)| o as i64 == s * e as i64 + c)
         .then_some((s, c))
+}
+
+/// `(o, e)` for every `(e, o)`.
+fn swapped_pairs(perm: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    perm.iter().map(|&(e, o)| (o, e)).collect()
 }
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {

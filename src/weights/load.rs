@@ -77,6 +77,29 @@ pub struct SideRef<'a> {
     pub label: &'static str,
 }
 
+/// Why a unit cannot be read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LoadError {
+    /// Its block-scale tensor (named in the message) has a dtype or shape no kernel reads.
+    Scales(String),
+    /// Anything else.
+    Unreadable(String),
+}
+
+impl From<String> for LoadError {
+    fn from(s: String) -> Self {
+        LoadError::Unreadable(s)
+    }
+}
+
+impl std::fmt::Display for LoadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LoadError::Scales(s) | LoadError::Unreadable(s) => f.write_str(s),
+        }
+    }
+}
+
 fn dtype_of(src: &Renamed, name: &str) -> Result<(Dtype, Vec<usize>), String> {
     src.tensor_info(name)
         .map(|t| (t.dtype, t.shape.clone()))
@@ -86,24 +109,29 @@ fn dtype_of(src: &Renamed, name: &str) -> Result<(Dtype, Vec<usize>), String> {
 /// Block scales are one-byte codes (E4M3, UE8M0, or U8 holding them) in `[.., N, K/block]`
 /// order. A wider dtype (the values converted to F32 / BF16) or the transposed shape is named
 /// here; otherwise it surfaces as a byte count no layout fits, or as values that differ.
-fn check_scales(src: &Renamed, name: &str, rows: usize, packed_cols: usize) -> Result<(), String> {
+fn check_scales(
+    src: &Renamed,
+    name: &str,
+    rows: usize,
+    packed_cols: usize,
+) -> Result<(), LoadError> {
     let (dtype, shape) = dtype_of(src, name)?;
     if dtype.bitsize() != 8 {
-        return Err(format!(
+        return Err(LoadError::Scales(format!(
             "`{}`: block scales stored as {dtype:?} ({} bytes a scale), not one-byte F8_E4M3 codes: \
              the scale values were converted (kernels read the e4m3 bytes)",
             src.original(name),
             dtype.bitsize() / 8
-        ));
+        )));
     }
     if let [.., x, y] = shape[..] {
         // K/16 (NVFP4) or K/32 (MXFP4) scales a row, K = 2 × the packed columns
         let transposed = y == rows && x != rows && (x * 8 == packed_cols || x * 16 == packed_cols);
         if transposed {
-            return Err(format!(
+            return Err(LoadError::Scales(format!(
                 "`{}`: block scales shaped {shape:?}, [.., K/block, N] where [.., N, K/block] = [.., {rows}, {x}] belongs: stored transposed",
                 src.original(name)
-            ));
+            )));
         }
     }
     Ok(())
@@ -114,7 +142,7 @@ fn bytes_of<'a>(src: &'a Renamed, name: &str) -> Result<&'a [u8], String> {
 }
 
 impl<'a> SideRef<'a> {
-    pub fn load(&self, source: &Source) -> Result<Raw<'a>, String> {
+    pub fn load(&self, source: &Source) -> Result<Raw<'a>, LoadError> {
         match source {
             Source::Linear(ln) => self.load_linear(ln).map(Raw::Q),
             Source::Fused(f) => self.load_fused(f.layer, f.proj, f.index),
@@ -130,7 +158,7 @@ impl<'a> SideRef<'a> {
         }
     }
 
-    fn load_linear(&self, ln: &crate::checkpoint::LinearNames) -> Result<QRaw<'a>, String> {
+    fn load_linear(&self, ln: &crate::checkpoint::LinearNames) -> Result<QRaw<'a>, LoadError> {
         let src = self.src;
         let (wd, ws) = dtype_of(src, &ln.weight)?;
         let (sd, _) = dtype_of(src, &ln.weight_scale)?;
@@ -138,7 +166,8 @@ impl<'a> SideRef<'a> {
             return Err(format!(
                 "`{}`: a packed FP4 weight is U8 [N, K/2], found {wd:?} {ws:?}",
                 src.original(&ln.weight)
-            ));
+            )
+            .into());
         }
         check_scales(src, &ln.weight_scale, ws[0], ws[1])?;
         let bytes = bytes_of(src, &ln.weight)?;
@@ -219,7 +248,7 @@ impl<'a> SideRef<'a> {
         Ok((val, shared))
     }
 
-    fn load_fused(&self, layer: usize, proj: Proj, index: usize) -> Result<Raw<'a>, String> {
+    fn load_fused(&self, layer: usize, proj: Proj, index: usize) -> Result<Raw<'a>, LoadError> {
         let src = self.src;
         let fl = self
             .inv
@@ -235,19 +264,22 @@ impl<'a> SideRef<'a> {
             return Err(format!(
                 "`{}`: shape {ws:?} is not [experts, rows, cols]",
                 src.original(wname)
-            ));
+            )
+            .into());
         };
         if index >= e {
             return Err(format!(
                 "index {index} beyond the {e} experts of `{}`",
                 src.original(wname)
-            ));
+            )
+            .into());
         }
         if w13 && r_all % 2 != 0 {
             return Err(format!(
                 "`{}`: {r_all} rows cannot hold gate and up halves",
                 src.original(wname)
-            ));
+            )
+            .into());
         }
         let (row0, rows) = match proj {
             Proj::Gate => (0, r_all / 2),
@@ -296,11 +328,11 @@ impl<'a> SideRef<'a> {
         check_scales(src, sname, r_all, c)?;
         let sbytes = bytes_of(src, sname)?;
         if sbytes.len() % e != 0 {
-            return Err(format!(
-                "`{}`: {} bytes do not split into {e} experts",
+            return Err(LoadError::Scales(format!(
+                "`{}`: {} block-scale bytes do not split into {e} experts",
                 src.original(sname),
                 sbytes.len()
-            ));
+            )));
         }
         let sper = sbytes.len() / e;
         let format = if sd == Dtype::F8_E8M0 || (sd == Dtype::U8 && sper == r_all * (2 * c / 32)) {

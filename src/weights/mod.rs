@@ -338,7 +338,7 @@ impl<'a> Plan<'a> {
                         let mut u = UnitResult::new(ka, ua.expert);
                         for (side, r) in [("A", ra.err()), ("B", rb.err())] {
                             if let Some(e) = r {
-                                u.issue(compare::IssueKind::Unreadable, format!("{side}: {e}"));
+                                u.issue(e.issue_kind(), format!("{side}: {e}"));
                             }
                         }
                         u.status = Status::Mismatch;
@@ -383,6 +383,7 @@ impl<'a> Plan<'a> {
                     .count()
             ));
         }
+        notes.extend(scale_dtype_note(&results));
         let count = |s: Status| results.iter().filter(|r| r.status == s).count();
         let (equal, close, mismatched) = (
             count(Status::Equal),
@@ -420,4 +421,37 @@ impl<'a> Plan<'a> {
     pub fn tensor_counts(&self) -> (usize, usize) {
         (self.a.tensor_names().count(), self.b.tensor_names().count())
     }
+}
+
+/// One note per (B dtype, A dtype) of block scales that compare equal as codes but are stored
+/// in another dtype.
+fn scale_dtype_note(results: &[UnitResult]) -> Vec<String> {
+    use safetensors::Dtype;
+    type Seen = (String, usize, bool);
+    let mut seen: std::collections::BTreeMap<String, Seen> = Default::default();
+    for (a, b, name) in results
+        .iter()
+        .filter_map(|r| r.scale_dtype_differs.as_ref())
+    {
+        let e4m3 = [*a, *b].contains(&Dtype::F8_E4M3);
+        let e = seen
+            .entry(format!("{b:?} where A's are {a:?}"))
+            .or_insert_with(|| (name.clone(), 0, e4m3));
+        e.1 += 1;
+    }
+    seen.into_iter()
+        .map(|(dtypes, (example, n, e4m3))| {
+            format!(
+                "B's block scales are {dtypes} ({n} unit{}, e.g. `{example}`): compared as the \
+                 same codes byte for byte, but a loader that copies them by value (torch copy_) \
+                 where it should reinterpret them (.view) changes every code{}",
+                if n == 1 { "" } else { "s" },
+                if e4m3 {
+                    " (the e4m3 byte 0x38, 1.0, becomes 56.0)"
+                } else {
+                    ""
+                }
+            )
+        })
+        .collect()
 }

@@ -579,6 +579,10 @@ pub struct Agreement {
     pub weight_factor: Option<f64>,
     /// Slots per rank that the reference sends there but the dump does not (EP only).
     pub dropped_by_rank: Option<Vec<u64>>,
+    /// The weights differ slot by slot but agree as each token's set: topk_ids and
+    /// topk_weights misaligned (the weight finding says so).
+    #[serde(skip)]
+    pub weights_misaligned: bool,
 }
 
 /// Thresholds of the comparison with a recomputed routing.
@@ -786,6 +790,7 @@ pub fn compare_with_reference(
     }
     let f_best = cands[best_i].1.as_ref();
     let (weights, factor) = compare_weights(d, reference, f_best);
+    let mut weights_misaligned = false;
     if let (Some(m), Some(fac)) = (&weights, factor) {
         let rsf_v = c.routed_scaling_factor.unwrap_or(1.0) as f64;
         let unscaled = rsf_v != 1.0 && (fac * rsf_v - 1.0).abs() < c.tol.weight_rel_l2;
@@ -808,7 +813,8 @@ pub fn compare_with_reference(
                 f_best,
                 1.0 / rsf_v,
             ));
-            let misaligned = if sorted <= c.tol.weight_rel_l2 {
+            weights_misaligned = sorted <= c.tol.weight_rel_l2;
+            let misaligned = if weights_misaligned {
                 format!(
                     "; each token's weights agree as a set (rel_l2 {sorted:.3e} sorted): they sit in \
                      other slots than their ids — topk_ids and topk_weights misaligned (one sorted or \
@@ -839,6 +845,7 @@ pub fn compare_with_reference(
         weights,
         weight_factor: factor,
         dropped_by_rank,
+        weights_misaligned,
     };
     (o, Some(agreement))
 }
@@ -1002,6 +1009,7 @@ pub fn check_hash(
         weights: None,
         weight_factor: None,
         dropped_by_rank: None,
+        weights_misaligned: false,
     };
     (o, Some(ag))
 }
