@@ -6,7 +6,8 @@
 
 use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
-use super::scan::{compare_tensors, paired_blocks};
+use super::scan::paired_blocks;
+use super::tokens::{self, token_min_cosine};
 use crate::error::Result;
 use crate::metrics::{max_rel_l2, Accum, Metrics};
 use serde::Serialize;
@@ -205,7 +206,7 @@ fn diff_tensor(
             return d;
         }
     }
-    let (m, ref_stats): (Metrics, _) = compare_tensors(&t, &r);
+    let (m, ref_stats, rows) = tokens::compare(&t, &r, min_cosine);
     d.cosine = Some(m.cosine).filter(|c| c.is_finite());
     d.rel_l2 = Some(m.rel_l2).filter(|c| c.is_finite());
     d.max_abs_err = Some(m.max_abs_err).filter(|c| c.is_finite());
@@ -265,7 +266,7 @@ fn diff_tensor(
             max_rel_l2(min_cosine),
             m.cosine
         ));
-    } else if let Some(w) = worst_token(&t, &r, min_cosine) {
+    } else if let Some(w) = rows.and_then(|rows| tokens::worst(&rows, min_cosine)) {
         // the mean over all tokens hides a few bad ones (one position's RoPE, a padded row,
         // rows of two tokens swapped): each token is held to a looser bar of its own
         d.problem = Some(format!(
@@ -299,90 +300,6 @@ fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
         true
     });
     (nt / nr).sqrt()
-}
-
-/// The cosine one token's row must reach: ten times the tensor's allowed `1 − C`, so the
-/// spread of healthy noise over thousands of rows stays above it while a zeroed, swapped or
-/// garbage row (cosine near 0) does not.
-pub fn token_min_cosine(min_cosine: f64) -> f64 {
-    1.0 - 10.0 * (1.0 - min_cosine)
-}
-
-/// The tokens of a tensor that fail [`token_min_cosine`].
-struct WorstToken {
-    /// The first failing token (row index over all leading dims).
-    token: usize,
-    cosine: f64,
-    /// Failing tokens, and tokens in all.
-    count: usize,
-    tokens: usize,
-}
-
-/// Rows (leading dims flattened, the last dim is the channel) whose cosine is below
-/// [`token_min_cosine`] and whose error is more than noise could put on an average row
-/// (`max_rel_l2(C)` × the RMS row norm of REF), so near-zero rows (padding) cannot trip it.
-/// `None` when every token passes, or the tensor has fewer than two dims or two rows.
-fn worst_token(t: &TensorRef, r: &TensorRef, min_cosine: f64) -> Option<WorstToken> {
-    let floor = token_min_cosine(min_cosine);
-    let row = *r.shape.last()?;
-    let n = t.numel().min(r.numel());
-    if r.shape.len() < 2 || row == 0 || n / row < 2 || floor <= -1.0 {
-        return None;
-    }
-    let rows = n / row;
-    // (dot, ‖t‖², ‖r‖², ‖t − r‖²) per row, read a block of whole rows at a time
-    let per_block = (1usize << 22).div_ceil(row).max(1);
-    let mut sums: Vec<[f64; 4]> = Vec::with_capacity(rows);
-    let (mut bt, mut br) = (Vec::new(), Vec::new());
-    let mut start = 0;
-    while start < rows {
-        let len = per_block.min(rows - start);
-        t.read_f32(start * row, len * row, &mut bt);
-        r.read_f32(start * row, len * row, &mut br);
-        if bt.len() < len * row || br.len() < len * row {
-            return None;
-        }
-        for (a, b) in bt.chunks_exact(row).zip(br.chunks_exact(row)) {
-            let mut s = [0f64; 4];
-            for (&x, &y) in a.iter().zip(b) {
-                let (x, y) = (x as f64, y as f64);
-                s[0] += x * y;
-                s[1] += x * x;
-                s[2] += y * y;
-                s[3] += (x - y) * (x - y);
-            }
-            sums.push(s);
-        }
-        start += len;
-    }
-    let mean_nr = sums.iter().map(|s| s[2]).sum::<f64>() / rows as f64;
-    let min_err = max_rel_l2(min_cosine).powi(2) * mean_nr;
-    let mut worst: Option<WorstToken> = None;
-    for (i, s) in sums.iter().enumerate() {
-        let cos = if s[1] == 0.0 && s[2] == 0.0 {
-            1.0
-        } else if s[1] == 0.0 || s[2] == 0.0 {
-            0.0
-        } else {
-            s[0] / (s[1].sqrt() * s[2].sqrt())
-        };
-        // NaN/Inf rows are the global check's business
-        if !cos.is_finite() || !s[3].is_finite() || cos >= floor || s[3] <= min_err {
-            continue;
-        }
-        match &mut worst {
-            None => {
-                worst = Some(WorstToken {
-                    token: i,
-                    cosine: cos,
-                    count: 1,
-                    tokens: rows,
-                })
-            }
-            Some(w) => w.count += 1,
-        }
-    }
-    worst
 }
 
 /// When every NaN of one tensor is a NaN of the other at the same index and every ±Inf the

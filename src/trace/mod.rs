@@ -8,6 +8,7 @@
 //! - [`scan`]: streaming NaN/Inf search and comparison of tensors.
 //! - [`locate`]: the first non-finite value (`nan-locate`).
 //! - [`bisect`]: the first diverging call between two traces (`bisect`).
+//! - [`tokens`]: bisect's per-token check, on row sums taken in the same read.
 //! - [`synthetic`]: a tiny transformer that writes traces, with planted faults, for cases and tests.
 
 pub mod bisect;
@@ -16,6 +17,7 @@ pub mod index;
 pub mod locate;
 pub mod scan;
 pub mod synthetic;
+pub mod tokens;
 
 pub use file::{role, Role, TensorRef, TraceFile};
 pub use index::{

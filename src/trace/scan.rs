@@ -78,7 +78,7 @@ impl TensorStats {
         s
     }
 
-    fn merge(mut self, o: TensorStats) -> TensorStats {
+    pub fn merge(mut self, o: TensorStats) -> TensorStats {
         self.numel += o.numel;
         self.nan_count += o.nan_count;
         self.inf_count += o.inf_count;
@@ -145,23 +145,28 @@ pub fn compare_tensors(test: &TensorRef, reference: &TensorRef) -> (Metrics, Ten
     let mut acc = Accum::default();
     let mut ref_stats = TensorStats::default();
     paired_blocks(test, reference, |start, t, r| {
-        let (a, s) = t
-            .par_chunks(CHUNK)
-            .zip(r.par_chunks(CHUNK))
-            .enumerate()
-            .map(|(i, (t, r))| {
-                let off = start + i * CHUNK;
-                (Accum::over(t, r, off), TensorStats::over(r, off))
-            })
-            .reduce(
-                || (Accum::default(), TensorStats::default()),
-                |(a1, s1), (a2, s2)| (a1.merge(a2), s1.merge(s2)),
-            );
+        let (a, s) = block_stats(start, t, r);
         acc = acc.merge(a);
         ref_stats = ref_stats.merge(s);
         true
     });
     (acc.finish(), ref_stats)
+}
+
+/// One block of [`compare_tensors`] (values `start..` of TEST `t` and REF `r`): the metrics'
+/// partial sums and REF's NaN/Inf counts, over the cores.
+pub fn block_stats(start: usize, t: &[f32], r: &[f32]) -> (Accum, TensorStats) {
+    t.par_chunks(CHUNK)
+        .zip(r.par_chunks(CHUNK))
+        .enumerate()
+        .map(|(i, (t, r))| {
+            let off = start + i * CHUNK;
+            (Accum::over(t, r, off), TensorStats::over(r, off))
+        })
+        .reduce(
+            || (Accum::default(), TensorStats::default()),
+            |(a1, s1), (a2, s2)| (a1.merge(a2), s1.merge(s2)),
+        )
 }
 
 /// Where a flat index lies: the first dim is the token, the rest flattened is the channel.
