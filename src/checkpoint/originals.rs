@@ -11,8 +11,8 @@
 //! noise that cosine allows (`metrics::max_rel_l2`: the right direction, the wrong
 //! magnitude), is a finding, and its layer's other originals of that shape (and its own
 //! projection in the other layers) are searched for the one it holds instead, to name the bug
-//! ("gate_proj and up_proj swapped", "experts 3 and 5 swapped", "layers 1 and 2 swapped"). A weight that dequantizes to NaN/Inf is left to the scale checks, which name
-//! the cause.
+//! ("gate_proj and up_proj swapped", "experts 3 and 5 swapped", "layers 1 and 2 swapped"). A
+//! weight that dequantizes to NaN/Inf is left to the scale checks, which name the cause.
 //!
 //! Also findings: an original whose shape or dtype cannot be its weight's, and originals of
 //! tensors the checkpoint does not hold.
