@@ -1059,3 +1059,62 @@ fn tensor_missing_from_the_weight_map_is_named() {
         "seed {seed}: {out}"
     );
 }
+
+/// Two faults no scale statistic shows and that only the originals caught before: an
+/// expert's block scales replaced by another expert's (the same projection, byte for byte),
+/// and block scales all one value (a quantizer that ignored each block's amax). Both are
+/// named on the tensor, with its file, also with --no-originals.
+#[test]
+fn copied_and_uniform_block_scales_are_named_without_originals() {
+    let (seed, mut r) = rng("audit copied and uniform block scales");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let l = r.gen_range(1..3);
+    let e = r.gen_range(0..16);
+    let other = (e + r.gen_range(1..16)) % 16;
+    let (e2, proj2) = (
+        (e + r.gen_range(1..16)) % 16,
+        ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)],
+    );
+    let copied = format!("model.layers.{l}.mlp.experts.{e}.up_proj.weight_scale");
+    let source = format!("model.layers.{l}.mlp.experts.{other}.up_proj.weight_scale");
+    let uniform = format!("model.layers.{l}.mlp.experts.{e2}.{proj2}.weight_scale");
+    let code_v: u8 = r.gen_range(0x30..0x70);
+    rewrite_shard(&ck, &copied, |t| {
+        let src = t.iter().find(|(s, _)| s.name == source).unwrap().1.clone();
+        t.iter_mut().find(|(s, _)| s.name == copied).unwrap().1 = src;
+        let u = &mut t.iter_mut().find(|(s, _)| s.name == uniform).unwrap().1;
+        u.iter_mut().for_each(|b| *b = code_v);
+    });
+    for extra in [&[][..], &["--no-originals"][..]] {
+        let json = d.path().join("a.json");
+        let mut args = vec!["audit", p(&ck), "--json", p(&json)];
+        args.extend_from_slice(extra);
+        let o = run(&args);
+        assert_eq!(code(&o), 1, "seed {seed} {extra:?}: {}", stdout(&o));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let copies = findings_of(&v, "copy_of_another_tensor");
+        let (_, file, detail) = copies
+            .iter()
+            .find(|x| x.0 == copied)
+            .unwrap_or_else(|| panic!("seed {seed} {extra:?}: {copied} not named: {copies:#?}"));
+        assert_eq!(Path::new(file), shard_of(&ck, &copied), "seed {seed}");
+        assert!(
+            detail.contains(&source) && detail.contains("byte-identical"),
+            "seed {seed}: {detail}"
+        );
+        let uni = findings_of(&v, "uniform_block_scales");
+        assert_eq!(uni.len(), 1, "seed {seed} {extra:?}: {uni:#?}");
+        assert_eq!(uni[0].0, uniform, "seed {seed}");
+        assert!(
+            uni[0].2.contains("ignored each block's amax"),
+            "seed {seed}: {}",
+            uni[0].2
+        );
+        assert!(
+            stdout(&o).contains(&copied) && stdout(&o).contains(&uniform),
+            "seed {seed}"
+        );
+    }
+}

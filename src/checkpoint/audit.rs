@@ -28,6 +28,10 @@
 //!   `weight_scale_2 > 1`, compressed-tensors `weight_global_scale < 1`), or both stored and
 //!   not reciprocal;
 //! - a packed weight that is all zero (codes of magnitude 0 only: never-loaded memory);
+//! - NVFP4 block scales all one value over at least [`UNIFORM_MIN_BLOCKS`] blocks (a
+//!   quantizer that ignored each block's amax, or a constant-filled scale tensor);
+//! - a packed weight or block-scale tensor byte-identical to another linear's (one expert's
+//!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
 //!   `quantization_config`, or a group size other than 16;
@@ -114,6 +118,8 @@ pub enum FindingKind {
     OriginalMismatch,
     OriginalShapeMismatch,
     OrphanOriginal,
+    UniformBlockScales,
+    CopyOfAnotherTensor,
 }
 
 impl FindingKind {
@@ -139,6 +145,8 @@ impl FindingKind {
             FindingKind::OriginalMismatch => "differs from its BF16 original",
             FindingKind::OriginalShapeMismatch => "BF16 original of another shape or dtype",
             FindingKind::OrphanOriginal => "BF16 original without its tensor",
+            FindingKind::UniformBlockScales => "every block scale identical",
+            FindingKind::CopyOfAnotherTensor => "same bytes as another linear's",
         }
     }
 }
@@ -173,6 +181,10 @@ pub struct LinearStats {
     /// Against the BF16 original, when there is one (and `originals` is on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub original: Option<OriginalCheck>,
+    /// (tensor, [`fingerprint`]) of the packed weight and of the block scales, for
+    /// [`copied_tensors`]; a tensor of one repeated byte has none (it has findings of its own).
+    #[serde(skip)]
+    pub fingerprints: Vec<(String, u64)>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -357,6 +369,7 @@ pub fn audit(
 
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
+    copied_tensors(ck, &linears, &mut findings)?;
     fused_gate_up(ck, &mut findings)?;
     fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
@@ -520,6 +533,20 @@ fn scan_linear(
             detail: "every FP4 code is ±0: never-written or zero-initialized memory".into(),
         });
     }
+    if g.format == Format::Nvfp4 && sc.nan == 0 {
+        if let Some(detail) = uniform_block_scales(scales) {
+            out.push(Finding {
+                tensor: ln.weight_scale.clone(),
+                file: file(&ln.weight_scale),
+                kind: FindingKind::UniformBlockScales,
+                detail,
+            });
+        }
+    }
+    let fingerprints = [(&ln.weight, packed), (&ln.weight_scale, scales)]
+        .into_iter()
+        .filter_map(|(n, b)| fingerprint(b).map(|h| (n.clone(), h)))
+        .collect();
 
     // global scales
     let mut weight_scale_2 = None;
@@ -619,10 +646,105 @@ fn scan_linear(
             zero_scales: sc.zero,
             max_block_scale: sc.max,
             original,
+            fingerprints,
         },
         out,
         bytes,
     ))
+}
+
+/// Block scales a tensor needs before one value over all of them is a finding: the blocks
+/// of a real weight have amaxes spread over several E4M3 steps (a synth expert's 2048 block
+/// scales take 30-37 distinct values), so only a tiny tensor can be uniform by chance.
+const UNIFORM_MIN_BLOCKS: usize = 64;
+
+/// Every NVFP4 block scale one value (NaN codes excluded: they are findings of their own):
+/// a quantizer that ignored each block's amax and wrote one per-tensor scale, or a scale
+/// tensor filled with a constant.
+fn uniform_block_scales(scales: &[u8]) -> Option<String> {
+    let (&b, rest) = scales.split_first()?;
+    if scales.len() < UNIFORM_MIN_BLOCKS || rest.par_iter().any(|&x| x != b) {
+        return None;
+    }
+    Some(format!(
+        "all {} block scales are the same E4M3 value {} (0x{b:02x}): a quantizer that ignored each block's amax (one scale for the whole tensor, so blocks of small values lose their codes), or a scale tensor filled with a constant",
+        scales.len(),
+        e4m3::decode(b)
+    ))
+}
+
+/// Bytes hashed at each end of a tensor for [`fingerprint`] (equal fingerprints are
+/// confirmed on every byte).
+const PRINT_BYTES: usize = 4096;
+
+/// A hash of a tensor's length and its first and last [`PRINT_BYTES`] bytes; None for one
+/// repeated byte (all-zero or uniform tensors are findings of their own, not copies).
+fn fingerprint(b: &[u8]) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let (&first, _) = b.split_first()?;
+    if b.par_iter().all(|&x| x == first) {
+        return None;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    b.len().hash(&mut h);
+    b[..b.len().min(PRINT_BYTES)].hash(&mut h);
+    b[b.len().saturating_sub(PRINT_BYTES)..].hash(&mut h);
+    Some(h.finish())
+}
+
+/// Packed weights or block scales byte-identical to another linear's: real experts never
+/// share a byte pattern of that size, so one of them was written from the other's tensor
+/// (a converter or loader that indexed the wrong expert). Each copy is named with the others.
+fn copied_tensors(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
+    let mut by_print: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+    for l in linears {
+        for (n, h) in &l.fingerprints {
+            by_print.entry(*h).or_default().push(n);
+        }
+    }
+    for names in by_print.values().filter(|v| v.len() > 1) {
+        // equal fingerprints, confirmed on every byte
+        let mut groups: Vec<Vec<&str>> = vec![];
+        for &n in names {
+            let b = ck.bytes(n)?;
+            match groups
+                .iter_mut()
+                .find(|g| ck.bytes(g[0]).is_ok_and(|x| x == b))
+            {
+                Some(g) => g.push(n),
+                None => groups.push(vec![n]),
+            }
+        }
+        for g in groups.iter().filter(|g| g.len() > 1) {
+            for &n in g {
+                let others: Vec<String> = g
+                    .iter()
+                    .filter(|&&o| o != n)
+                    .map(|o| format!("`{o}` ({})", ck.file_of(o).display()))
+                    .collect();
+                let what = if is_block_scale_name(n) {
+                    "block scales (weight_scale)"
+                } else {
+                    "packed FP4 codes"
+                };
+                out.push(Finding {
+                    tensor: n.to_string(),
+                    file: ck.file_of(n).to_path_buf(),
+                    kind: FindingKind::CopyOfAnotherTensor,
+                    detail: format!(
+                        "its {what} are byte-identical to those of {}: one of them holds the other expert's (or projection's) tensor, written or loaded from the wrong index; distinct weights never share {} bytes",
+                        others.join(", "),
+                        ck.bytes(n)?.len()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn is_block_scale_name(n: &str) -> bool {
+    n.ends_with(".weight_scale") || n.ends_with(".scale")
 }
 
 #[derive(Default, Clone, Copy)]
