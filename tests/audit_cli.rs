@@ -1118,3 +1118,32 @@ fn copied_and_uniform_block_scales_are_named_without_originals() {
         );
     }
 }
+
+/// Packed weights of one expert projection written with the nibble order swapped (element 2i
+/// in the high nibble): every scale and statistic stays plausible, the originals show it, and
+/// audit names the swap, not just "corrupted codes".
+#[test]
+fn nibble_order_swapped_is_named_from_the_originals() {
+    let (seed, mut r) = rng("audit nibble order swapped");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let (l, e) = (r.gen_range(1..3), r.gen_range(0..16));
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let t = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight");
+    rewrite_shard(&ck, &t, |ts| {
+        let w = &mut ts.iter_mut().find(|(s, _)| s.name == t).unwrap().1;
+        w.iter_mut().for_each(|b| *b = b.rotate_left(4));
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(found[0].0, t, "seed {seed}");
+    assert_eq!(Path::new(&found[0].1), shard_of(&ck, &t), "seed {seed}");
+    assert!(
+        found[0].2.contains("nibble order is swapped"),
+        "seed {seed}: {}",
+        found[0].2
+    );
+}

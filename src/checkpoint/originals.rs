@@ -292,8 +292,43 @@ fn find_match(
     Ok(None)
 }
 
+/// A failing weight that, with the two FP4 codes of every byte exchanged, is its own original:
+/// packed with element `2i` in the high nibble (DESIGN.md §2: the low one). The comparison
+/// with the original when it passes so.
+fn nibbles_swapped(
+    ck: &Checkpoint,
+    orig: &Checkpoint,
+    f: &Failing,
+    min_cosine: f64,
+) -> Result<Option<Metrics>> {
+    let g = f.geometry;
+    let swapped: Vec<u8> = ck
+        .bytes(&f.names.weight)?
+        .par_iter()
+        .map(|b| b.rotate_left(4))
+        .collect();
+    let (Some(packed), Some(view)) = (
+        Mat::dense(&swapped, g.rows, g.cols / 2),
+        original_view(orig, &original_name(&f.names.base), g.rows, g.cols),
+    ) else {
+        return Ok(None);
+    };
+    let q = QMatrix {
+        format: g.format,
+        rows: g.rows,
+        cols: g.cols,
+        packed,
+        scales: Cow::Borrowed(ck.bytes(&f.names.weight_scale)?),
+        scale_2: f.scale_2,
+    };
+    Ok(CpuDiff
+        .metrics(&Values::D(view), &Values::Q(&q))?
+        .filter(|m| !fails(m, min_cosine)))
+}
+
 /// One finding per failing linear: where it is, how far off, and — when its layer holds the
-/// original it matches instead — the likely bug.
+/// original it matches instead, or it matches its own with the nibbles of each byte swapped
+/// — the likely bug.
 pub fn diagnose(
     ck: &Checkpoint,
     orig: &Checkpoint,
@@ -319,6 +354,16 @@ pub fn diagnose(
             None => Ok(None),
         })
         .collect::<Result<_>>()?;
+    let swapped: Vec<Option<Metrics>> = failing
+        .par_iter()
+        .zip(&matches)
+        .map(|(f, m)| match m {
+            None if below(f.check.metrics.cosine, min_cosine) => {
+                nibbles_swapped(ck, orig, f, min_cosine)
+            }
+            _ => Ok(None),
+        })
+        .collect::<Result<_>>()?;
     // original a failing weight holds -> whose it is
     let held: HashMap<String, &str> = failing
         .iter()
@@ -330,7 +375,7 @@ pub fn diagnose(
         .collect();
     let n = naming.as_ref();
     let mut out = vec![];
-    for (f, m) in failing.iter().zip(&matches) {
+    for ((f, m), sw) in failing.iter().zip(&matches).zip(&swapped) {
         let base = &f.names.base;
         let own = original_name(base);
         let c = &f.check.metrics;
@@ -420,6 +465,12 @@ pub fn diagnose(
                     } else {
                         ""
                     }
+                );
+            }
+            None if sw.is_some() => {
+                detail += &format!(
+                    "; with the two FP4 codes of every byte exchanged it matches its original (cosine {:.4}): the nibble order is swapped - element 2i belongs in the low nibble, 2i+1 in the high one (the packer or the loader uses the other order)",
+                    sw.as_ref().map_or(f64::NAN, |m| m.cosine)
                 );
             }
             None if below(c.cosine, min_cosine) => {
