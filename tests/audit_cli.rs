@@ -1147,3 +1147,68 @@ fn nibble_order_swapped_is_named_from_the_originals() {
         found[0].2
     );
 }
+
+/// One input_scale broadcast to every expert of a layer (the other layer keeps per-expert
+/// scales) is named on that layer's down projection; per-expert input_scales replaced by one
+/// layer-wide `...experts.input_scale` are missing members that say where the value went.
+#[test]
+fn input_scale_shared_by_every_expert_of_a_layer_is_named() {
+    let (seed, mut r) = rng("audit shared input_scale");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let l = r.gen_range(1..3);
+    let from = r.gen_range(0..16);
+    let x = |e: usize, p: &str| format!("model.layers.{l}.mlp.experts.{e}.{p}.input_scale");
+    rewrite_shard(&ck, &x(0, "down_proj"), |t| {
+        for p in ["gate_proj", "up_proj", "down_proj"] {
+            let v = t
+                .iter()
+                .find(|(s, _)| s.name == x(from, p))
+                .unwrap()
+                .1
+                .clone();
+            for e in 0..16 {
+                t.iter_mut().find(|(s, _)| s.name == x(e, p)).unwrap().1 = v.clone();
+            }
+        }
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "shared_input_scale");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(found[0].0, x(0, "down_proj"), "seed {seed}");
+    assert_eq!(Path::new(&found[0].1), shard_of(&ck, &x(0, "down_proj")));
+    assert!(
+        found[0].2.contains("all 16 experts") && found[0].2.contains(&format!("layers.{l}.")),
+        "seed {seed}: {}",
+        found[0].2
+    );
+
+    // one layer-wide tensor instead of the per-expert ones
+    let ck2 = d.path().join("ck2");
+    synth(&ck2, seed, &[]);
+    let wide = format!("model.layers.{l}.mlp.experts.input_scale");
+    rewrite_shard(&ck2, &x(0, "down_proj"), |t| {
+        let v = t
+            .iter()
+            .find(|(s, _)| s.name == x(from, "gate_proj"))
+            .unwrap()
+            .1
+            .clone();
+        t.retain(|(s, _)| {
+            !(s.name
+                .starts_with(&format!("model.layers.{l}.mlp.experts."))
+                && s.name.ends_with(".input_scale"))
+        });
+        t.push((TensorSpec::new(wide.clone(), Dtype::F32, &[]), v));
+    });
+    let (c, out, v) = audit(&ck2);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let missing = findings_of(&v, "missing_member");
+    assert_eq!(missing.len(), 48, "seed {seed}: {missing:#?}");
+    assert!(
+        missing.iter().all(|m| m.2.contains(&wide)),
+        "seed {seed}: {missing:#?}"
+    );
+}

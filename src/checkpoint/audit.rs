@@ -30,6 +30,8 @@
 //! - a packed weight that is all zero (codes of magnitude 0 only: never-loaded memory);
 //! - NVFP4 block scales all one value over at least [`UNIFORM_MIN_BLOCKS`] blocks (a
 //!   quantizer that ignored each block's amax, or a constant-filled scale tensor);
+//! - one bitwise-identical down-projection `input_scale` for every expert of a layer while
+//!   another layer's experts hold their own (per-expert scales overwritten with one value);
 //! - a packed weight or block-scale tensor byte-identical to another linear's (one expert's
 //!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
@@ -120,6 +122,7 @@ pub enum FindingKind {
     OrphanOriginal,
     UniformBlockScales,
     CopyOfAnotherTensor,
+    SharedInputScale,
 }
 
 impl FindingKind {
@@ -147,6 +150,7 @@ impl FindingKind {
             FindingKind::OrphanOriginal => "BF16 original without its tensor",
             FindingKind::UniformBlockScales => "every block scale identical",
             FindingKind::CopyOfAnotherTensor => "same bytes as another linear's",
+            FindingKind::SharedInputScale => "one input_scale for every expert",
         }
     }
 }
@@ -946,6 +950,78 @@ fn expert_group(base: &str) -> Option<(String, usize)> {
     Some((format!("{}*{}", &base[..at], &rest[digits..]), e))
 }
 
+/// A layer-wide `member` next to an expert's (`...experts.input_scale` or
+/// `...experts.{proj}.input_scale` beside `...experts.3.{proj}`), when the checkpoint holds one.
+fn layer_wide(ck: &Checkpoint, base: &str, member: &str) -> Option<String> {
+    let at = base.find(".experts.")? + ".experts".len();
+    let proj = base.rsplit('.').next()?;
+    [
+        format!("{}.{member}", &base[..at]),
+        format!("{}.{proj}.{member}", &base[..at]),
+    ]
+    .into_iter()
+    .find(|n| ck.contains(n))
+}
+
+/// Experts of a layer needed before one input_scale over all of them says anything.
+const SHARED_INPUT_SCALE_MIN_EXPERTS: usize = 4;
+
+/// A layer whose experts all hold one bitwise-identical down-projection input_scale, while
+/// the experts of another layer each hold their own (calibrated per expert): this layer's
+/// per-expert scales were overwritten with one value (one expert's broadcast, or a calibration
+/// not run per expert). Only the down projection: its input is each expert's own SwiGLU
+/// output, whose amax differs per expert, while the gate/up input's amax is often one
+/// massive-activation token's that every expert saw (synth's tiny-v4 layer 0: one gate/up
+/// input_scale for all 16 experts, healthy). A checkpoint exported with one scale per layer
+/// everywhere (synced amax) is consistent and not flagged.
+fn shared_input_scales(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) {
+    let mut groups: BTreeMap<String, Vec<(usize, &LinearStats, f32)>> = BTreeMap::new();
+    let down = |base: &str| base.ends_with(".down_proj") || base.ends_with(".w2");
+    for l in linears.iter().filter(|l| down(&l.base)) {
+        if let (Some((g, e)), Some(s)) = (expert_group(&l.base), l.input_scale) {
+            if s.is_finite() && s > 0.0 {
+                groups.entry(g).or_default().push((e, l, s));
+            }
+        }
+    }
+    let distinct = |v: &[(usize, &LinearStats, f32)]| {
+        v.iter()
+            .map(|x| x.2.to_bits())
+            .collect::<BTreeSet<_>>()
+            .len()
+    };
+    let proj_of = |g: &str| g.rsplit('.').next().unwrap_or(g).to_string();
+    for (g, v) in &groups {
+        if v.len() < SHARED_INPUT_SCALE_MIN_EXPERTS || distinct(v) != 1 {
+            continue;
+        }
+        let Some((pg, pv)) = groups.iter().find(|(o, ov)| {
+            proj_of(o) == proj_of(g)
+                && ov.len() >= SHARED_INPUT_SCALE_MIN_EXPERTS
+                && distinct(ov) > 1
+        }) else {
+            continue;
+        };
+        let &(_, l, s) = v.iter().min_by_key(|x| x.0).unwrap_or(&v[0]);
+        let member = match l.convention {
+            Convention::CompressedTensors => "input_global_scale",
+            _ => "input_scale",
+        };
+        let t = format!("{}.{member}", l.base);
+        out.push(Finding {
+            tensor: t.clone(),
+            file: ck.file_of(&t).to_path_buf(),
+            kind: FindingKind::SharedInputScale,
+            detail: format!(
+                "all {} experts of `{g}` hold the same input_scale {s:e}, while the experts of `{pg}` each hold their own ({} distinct values over {}): this layer's per-expert activation scales were overwritten with one value (one expert's broadcast to all, or a calibration not run per expert); engines that quantize each expert's activations with its own gs = 1/input_scale use a scale calibrated for none of them",
+                v.len(),
+                distinct(pv),
+                pv.len()
+            ),
+        });
+    }
+}
+
 /// The up-projection sibling of a gate projection, if `base` is one.
 fn up_sibling(base: &str) -> Option<String> {
     for (g, u) in [(".gate_proj", ".up_proj"), (".w1", ".w3")] {
@@ -1016,14 +1092,19 @@ fn cross_checks(
                 _ => "input_scale",
             };
             let t = format!("{}.{member}", l.base);
+            let mut detail = "missing, while other quantized linears have an input_scale: the engine falls back to a default activation scale here".to_string();
+            if let Some(one) = layer_wide(ck, &l.base, member) {
+                detail += &format!("; the layer stores one `{one}` for all its experts instead, which a per-expert loader never reads");
+            }
             out.push(Finding {
                 tensor: t,
                 file: l.file.clone(),
                 kind: FindingKind::MissingMember,
-                detail: "missing, while other quantized linears have an input_scale: the engine falls back to a default activation scale here".into(),
+                detail,
             });
         }
     }
+    shared_input_scales(ck, linears, out);
     // global-scale outliers across the experts of a layer
     scale_outliers(
         ck,
