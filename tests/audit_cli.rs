@@ -1104,6 +1104,17 @@ fn copied_and_uniform_block_scales_are_named_without_originals() {
             detail.contains(&source) && detail.contains("byte-identical"),
             "seed {seed}: {detail}"
         );
+        // the originals tell the copy (fails its original) from its source (matches its own)
+        if extra.is_empty() {
+            assert!(
+                copies.iter().all(|x| x.0 != source),
+                "seed {seed}: the source named too: {copies:#?}"
+            );
+            assert!(
+                detail.contains("fails its BF16 original"),
+                "seed {seed}: {detail}"
+            );
+        }
         let uni = findings_of(&v, "uniform_block_scales");
         assert_eq!(uni.len(), 1, "seed {seed} {extra:?}: {uni:#?}");
         assert_eq!(uni[0].0, uniform, "seed {seed}");

@@ -373,7 +373,7 @@ pub fn audit(
 
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
-    copied_tensors(ck, &linears, &mut findings)?;
+    copied_tensors(ck, &linears, opts.min_original_cosine, &mut findings)?;
     fused_gate_up(ck, &mut findings)?;
     fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
@@ -698,12 +698,26 @@ fn fingerprint(b: &[u8]) -> Option<u64> {
 
 /// Packed weights or block scales byte-identical to another linear's: real experts never
 /// share a byte pattern of that size, so one of them was written from the other's tensor
-/// (a converter or loader that indexed the wrong expert). Each copy is named with the others.
-fn copied_tensors(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
+/// (a converter or loader that indexed the wrong expert). Each copy is named with the others;
+/// when the BF16 originals were compared and only some of the copies' linears fail theirs
+/// (below `min_original_cosine`), only those are named: they hold the others' tensor.
+fn copied_tensors(
+    ck: &Checkpoint,
+    linears: &[LinearStats],
+    min_original_cosine: f64,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
     let mut by_print: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+    // tensor -> does its linear fail its BF16 original (None: not compared)
+    let mut fails_original: BTreeMap<&str, Option<bool>> = BTreeMap::new();
     for l in linears {
         for (n, h) in &l.fingerprints {
             by_print.entry(*h).or_default().push(n);
+            let f = l
+                .original
+                .as_ref()
+                .map(|c| originals::fails(&c.metrics, min_original_cosine));
+            fails_original.insert(n, f);
         }
     }
     for names in by_print.values().filter(|v| v.len() > 1) {
@@ -720,7 +734,14 @@ fn copied_tensors(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Findin
             }
         }
         for g in groups.iter().filter(|g| g.len() > 1) {
+            let fails = |n: &str| fails_original.get(n).copied().flatten();
+            // the originals tell the copy from its source when some fail and some pass
+            let told = g.iter().any(|&n| fails(n) == Some(true))
+                && g.iter().any(|&n| fails(n) == Some(false));
             for &n in g {
+                if told && fails(n) != Some(true) {
+                    continue;
+                }
                 let others: Vec<String> = g
                     .iter()
                     .filter(|&&o| o != n)
@@ -731,12 +752,17 @@ fn copied_tensors(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Findin
                 } else {
                     "packed FP4 codes"
                 };
+                let verdict = if told {
+                    format!("its linear fails its BF16 original while the other's matches: it holds the other's {what}, written or loaded from the wrong index")
+                } else {
+                    "one of them holds the other expert's (or projection's) tensor, written or loaded from the wrong index".into()
+                };
                 out.push(Finding {
                     tensor: n.to_string(),
                     file: ck.file_of(n).to_path_buf(),
                     kind: FindingKind::CopyOfAnotherTensor,
                     detail: format!(
-                        "its {what} are byte-identical to those of {}: one of them holds the other expert's (or projection's) tensor, written or loaded from the wrong index; distinct weights never share {} bytes",
+                        "its {what} are byte-identical to those of {}: {verdict}; distinct weights never share {} bytes",
                         others.join(", "),
                         ck.bytes(n)?.len()
                     ),
