@@ -1223,3 +1223,58 @@ fn input_scale_shared_by_every_expert_of_a_layer_is_named() {
         "seed {seed}: {missing:#?}"
     );
 }
+
+/// config.json dims that disagree with the dense layers audit did not check: the dense MLP's
+/// `intermediate_size`, a `first_k_dense_replace` that makes a dense layer MoE, and a
+/// `num_hidden_layers` short of the layers the checkpoint holds. Each names the tensor or the
+/// field, and config.json.
+#[test]
+fn config_disagreeing_with_the_dense_layers_is_named() {
+    let (seed, mut r) = rng("audit config vs dense layers");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    let inter = config["intermediate_size"].as_u64().unwrap();
+    let wrong = inter * r.gen_range(2..4) / 2 + 16 * r.gen_range(1..4);
+    for (field, value, tensor, want) in [
+        (
+            "intermediate_size",
+            serde_json::json!(wrong),
+            "model.layers.0.mlp.gate_proj.weight",
+            format!("[intermediate_size, hidden_size] = [{wrong}, "),
+        ),
+        (
+            "first_k_dense_replace",
+            serde_json::json!(0),
+            "model.layers.0.mlp.gate_proj.weight",
+            "makes it an MoE layer".to_string(),
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(2),
+            "num_hidden_layers",
+            "holds layer(s) 2 past it".to_string(),
+        ),
+    ] {
+        let dir = d.path().join(field);
+        let o = std::process::Command::new("cp")
+            .args(["-r", p(&ck), p(&dir)])
+            .output()
+            .unwrap();
+        assert!(o.status.success());
+        let mut c = config.clone();
+        c[field] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let (code, out, v) = audit(&dir);
+        assert_eq!(code, 1, "seed {seed} {field}: {out}");
+        let found = findings_of(&v, "config_mismatch");
+        let f = found
+            .iter()
+            .find(|x| x.0 == tensor)
+            .unwrap_or_else(|| panic!("seed {seed} {field}: {tensor} not named: {found:#?}"));
+        assert!(f.2.contains(&want), "seed {seed} {field}: {}", f.2);
+        assert!(out.contains(tensor), "seed {seed} {field}: {out}");
+    }
+}

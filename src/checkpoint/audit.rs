@@ -39,7 +39,9 @@
 //!   `quantization_config`, or a group size other than 16;
 //! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
 //!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
-//!   `n_routed_experts` make it (the engine builds the layer from config.json);
+//!   `n_routed_experts` make it (the engine builds the layer from config.json); a dense
+//!   layer's MLP weight not what `intermediate_size` and `hidden_size` make it, or a dense MLP
+//!   in a layer config.json makes MoE; layers past `num_hidden_layers` (+ MTP layers);
 //! - a tensor a shard listed in `model.safetensors.index.json` stores but its `weight_map`
 //!   leaves out (transformers loads by the weight_map and never sees it; vLLM, which reads
 //!   every tensor of the listed shards, loads it);
@@ -1463,6 +1465,8 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     if let Some(cfg) = &moe {
         missing_experts(ck, &cfg.moe, out);
         shapes_against_config(ck, &cfg.moe, out)?;
+        dense_mlps_against_config(ck, &cfg.moe, &p, out)?;
+        layers_against_config(ck, &cfg.moe, &p, out)?;
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
     let file = p.clone();
@@ -1620,6 +1624,152 @@ fn shapes_against_config(
             kind: FindingKind::ConfigMismatch,
             detail: format!(
                 "layer {layer} {role} weight is [out, in] = {got:?}, config.json gives {want}{others}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The layer index of a tensor named `{prefix}layers.{l}.…` (or `layers.{l}.…`).
+fn layer_of(name: &str) -> Option<usize> {
+    let at = if name.starts_with("layers.") {
+        0
+    } else {
+        name.find(".layers.")? + 1
+    };
+    let (l, _) = name[at..].strip_prefix("layers.")?.split_once('.')?;
+    l.parse().ok()
+}
+
+/// `(layer, is_down)` of a dense MLP's weight: `{prefix}layers.{l}.mlp.{gate,up,down}_proj.weight`
+/// (HF) or `layers.{l}.ffn.{w1,w3,w2}.weight` (native), also as `weight_packed`.
+fn dense_mlp_weight(name: &str) -> Option<(usize, bool)> {
+    let l = layer_of(name)?;
+    let (_, rest) = name.split_once(&format!("layers.{l}."))?;
+    let rest = rest
+        .strip_suffix(".weight")
+        .or_else(|| rest.strip_suffix(".weight_packed"))?;
+    let down = match rest {
+        "mlp.gate_proj" | "mlp.up_proj" | "ffn.w1" | "ffn.w3" => false,
+        "mlp.down_proj" | "ffn.w2" => true,
+        _ => return None,
+    };
+    Some((l, down))
+}
+
+/// Dense MLP weights against config.json: in the first `first_k_dense_replace` layers their
+/// `[out, in]` must be what `intermediate_size` and `hidden_size` make it; in an MoE layer
+/// there must be none (config.json's `first_k_dense_replace` is off: the engine builds routed
+/// experts there and finds a dense MLP). One finding per layer and role.
+fn dense_mlps_against_config(
+    ck: &Checkpoint,
+    cfg: &crate::moe::config::MoeConfig,
+    config: &std::path::Path,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    // (layer, role) -> (first tensor, its shape, count)
+    let mut bad: BTreeMap<(usize, &'static str), (String, [usize; 2], usize)> = BTreeMap::new();
+    let mut in_moe: BTreeMap<usize, String> = BTreeMap::new();
+    for name in ck.names() {
+        let Some((layer, down)) = dense_mlp_weight(name) else {
+            continue;
+        };
+        if layer >= cfg.num_hidden_layers {
+            continue;
+        }
+        if cfg.is_moe_layer(layer) {
+            in_moe.entry(layer).or_insert_with(|| name.to_string());
+            continue;
+        }
+        let (role, want) = if down {
+            ("down", [h, i])
+        } else {
+            ("gate/up", [i, h])
+        };
+        let Some(got) = logical_shape(ck, name)? else {
+            continue;
+        };
+        if got != want {
+            let e = bad
+                .entry((layer, role))
+                .or_insert_with(|| (name.to_string(), got, 0));
+            e.2 += 1;
+        }
+    }
+    for ((layer, role), (first, got, count)) in bad {
+        let (want, dims) = if role == "down" {
+            ([h, i], "[hidden_size, intermediate_size]")
+        } else {
+            ([i, h], "[intermediate_size, hidden_size]")
+        };
+        let more = if count > 1 { " (and its sibling)" } else { "" };
+        out.push(Finding {
+            tensor: first.clone(),
+            file: ck.file_of(&first).to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "layer {layer} dense MLP {role} weight is [out, in] = {got:?}, config.json gives {dims} = {want:?}{more}: the engine builds the layer from config.json and cannot load it"
+            ),
+        });
+    }
+    for (layer, first) in in_moe {
+        out.push(Finding {
+            tensor: first.clone(),
+            file: config.to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "layer {layer} holds a dense MLP (`{first}`), but config.json's first_k_dense_replace = {} makes it an MoE layer: the engine builds a router and routed experts there and finds none",
+                cfg.first_k_dense_replace
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The layers the checkpoint holds against config.json's `num_hidden_layers` (plus
+/// `num_nextn_predict_layers`, DeepSeek's MTP layers stored after the last one): a layer past
+/// them is never built (its weights are dropped). Layers config.json promises and the
+/// checkpoint lacks are not findings: a one-layer excerpt of a model is a common checkpoint
+/// to debug with.
+fn layers_against_config(
+    ck: &Checkpoint,
+    cfg: &crate::moe::config::MoeConfig,
+    config: &std::path::Path,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    let present: Vec<usize> = ck
+        .names()
+        .filter_map(layer_of)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let Some(&last) = present.last() else {
+        return Ok(());
+    };
+    let raw: serde_json::Value = std::fs::read(config)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let nextn = raw
+        .get("num_nextn_predict_layers")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize;
+    let built = cfg.num_hidden_layers;
+    if last >= built + nextn {
+        let past: Vec<String> = present
+            .iter()
+            .filter(|&&l| l >= built + nextn)
+            .map(|l| l.to_string())
+            .collect();
+        out.push(Finding {
+            tensor: "num_hidden_layers".into(),
+            file: config.to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "num_hidden_layers = {built}{}, but the checkpoint holds layer(s) {} past it: the engine never builds them and drops their weights",
+                if nextn > 0 { format!(" (+ {nextn} MTP)") } else { String::new() },
+                past.join(", ")
             ),
         });
     }
