@@ -693,6 +693,79 @@ fn compare_outputs_names_shared_experts_added_twice_and_weights_not_renormalized
     );
 }
 
+/// An expert's contribution dropped where it served a single token (the one-expert rule needs
+/// two deviating tokens), and two experts each dropped from one token: compare-outputs failed
+/// naming only "1 of T tokens deviate". Built as such a kernel computes it (that slot's weight
+/// never applied), from the dumped inputs.
+#[test]
+fn compare_outputs_names_an_expert_contribution_dropped_from_one_token() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h, k) = (
+        dumped.routing.tokens,
+        dumped.layer.config.hidden_size,
+        dumped.routing.top_k,
+    );
+    let engine = |r: &nvfp4dbg::moe::Routing| {
+        byok::routed_cpu(&dumped.layer, &dumped.hidden, r, &dumped.scales).unwrap()
+    };
+    // two slots of two different tokens and experts
+    let a = rng.gen_range(0..t);
+    let b = (a + rng.gen_range(1..t)) % t;
+    let sa = a * k + rng.gen_range(0..k);
+    let sb = (0..k)
+        .map(|x| b * k + x)
+        .find(|&x| dumped.routing.topk_ids[x] != dumped.routing.topk_ids[sa])
+        .unwrap();
+    for (name, slots) in [("one", vec![sa]), ("two", vec![sa, sb])] {
+        let mut r = dumped.routing.clone();
+        for &x in &slots {
+            r.topk_weights[x] = 0.0;
+        }
+        write_output(&p.join(format!("{name}.safetensors")), &engine(&r), t, h);
+        let f = format!("{name}.safetensors");
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", &f]);
+        assert_eq!(o.status.code(), Some(1), "seed {seed} {name}: {}", text(&o));
+        for &x in &slots {
+            let (tok, e) = (x / k, dumped.routing.topk_ids[x]);
+            let want = format!("token {tok}: expert {e}");
+            assert!(
+                text(&o).contains(&want),
+                "seed {seed} {name}: {want}: {}",
+                text(&o)
+            );
+        }
+        assert!(
+            text(&o).contains("dropped"),
+            "seed {seed} {name}: {}",
+            text(&o)
+        );
+    }
+}
+
 /// What the dump cannot hold is refused before anything is written: per-batch (dynamic)
 /// scales, and the per-rank views of --ep (the dump is one rank's).
 #[test]

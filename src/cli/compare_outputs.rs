@@ -113,9 +113,26 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let pass = j.pass();
     // a scale error is said by the blame; localizing it would list every token
-    let local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
+    let mut local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
         .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
         .flatten();
+    // rows that are ours less one slot's expert output: name the dropped experts exactly, also
+    // one that served a single token, or several (the localization's one-expert rule needs one
+    // expert shared by two or more deviating tokens, and can pick another expert they share)
+    if let Some(l) = local.as_mut().filter(|l| {
+        j.diagnosis.is_none()
+            && l.permuted.is_empty()
+            && l.token_factors.is_none()
+            && macs <= KERNEL_CHECK_MAX_MACS
+    }) {
+        let ps = byok::expert_outputs(&d.layer, &d.hidden, &d.routing, &d.scales)?;
+        let deviating = &l.deviating_tokens;
+        if let Some(p) =
+            byok::dropped_slots(&theirs, &x.nvfp4_routed, &ps, &d.routing, h, deviating)
+        {
+            l.text = byok::dropped_slots_text(&p, t);
+        }
+    }
     let headline = match j.blame() {
         Some(b) if j.diagnosis.is_none() && local.is_some() => format!(
             "{}: {b}; {}",

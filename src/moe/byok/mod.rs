@@ -150,6 +150,22 @@ pub fn routed_cpu(
 }
 
 /// The unweighted expert outputs `[T*K, hidden]` of `layer` (CPU NVFP4 path, reference
+/// flavor), for [`dropped_slots`].
+pub fn expert_outputs(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+) -> Result<Vec<f32>> {
+    per_slot_cpu(
+        &variant_layer(layer, |x| x.clone()),
+        hidden,
+        routing,
+        scales,
+    )
+}
+
+/// The unweighted expert outputs `[T*K, hidden]` of `layer` (CPU NVFP4 path, reference
 /// flavor): they do not depend on the routing weights.
 fn per_slot_cpu(
     layer: &MoeLayer,
@@ -691,6 +707,79 @@ pub fn localize(
         token_factors,
         text,
     })
+}
+
+/// The `deviating` tokens each of whose rows is ours less exactly one slot's weighted expert
+/// output (`per_slot`: [`expert_outputs`]), that slot's contribution dropped: `(token,
+/// expert)` for every one of them, or None when one is not so explained. Unlike
+/// [`Localization::expert`] this needs no other token: an expert that served one token, or
+/// several experts each missing somewhere, are named too.
+pub fn dropped_slots(
+    theirs: &[f32],
+    ours: &[f32],
+    per_slot: &[f32],
+    routing: &Routing,
+    hidden: usize,
+    deviating: &[usize],
+) -> Option<Vec<(usize, i32)>> {
+    let k = routing.top_k;
+    if deviating.is_empty() || per_slot.len() != routing.tokens * k * hidden {
+        return None;
+    }
+    deviating
+        .iter()
+        .map(|&i| {
+            let row = |v: &[f32]| v[i * hidden..(i + 1) * hidden].to_vec();
+            let (mine, base) = (row(theirs), row(ours));
+            (0..k).find_map(|slot| {
+                let s = i * k + slot;
+                let w = routing.topk_weights[s];
+                if w == 0.0 {
+                    return None;
+                }
+                let y = &per_slot[s * hidden..(s + 1) * hidden];
+                let less: Vec<f32> = base.iter().zip(y).map(|(&b, &v)| b - w * v).collect();
+                same_up_to_noise(&compare(&mine, &less), AGREE_MIN_COSINE)
+                    .then_some((i, routing.topk_ids[s]))
+            })
+        })
+        .collect()
+}
+
+/// [`dropped_slots`] in words.
+pub fn dropped_slots_text(pairs: &[(usize, i32)], tokens: usize) -> String {
+    let mut experts: Vec<i32> = pairs.iter().map(|p| p.1).collect();
+    experts.sort_unstable();
+    experts.dedup();
+    let n = pairs.len();
+    let shown: Vec<String> = pairs
+        .iter()
+        .take(8)
+        .map(|(t, e)| format!("token {t}: expert {e}"))
+        .collect();
+    let more = if n > 8 {
+        format!(", … {} more", n - 8)
+    } else {
+        String::new()
+    };
+    match experts[..] {
+        [e] => format!(
+            "{n} of {tokens} tokens deviate, each by exactly its slot of expert {e} (our output \
+             less that expert's weighted output): expert {e}'s output is wrong or missing - its \
+             contribution is dropped ({}{more})",
+            shown.join(", ")
+        ),
+        _ => format!(
+            "{n} of {tokens} tokens deviate, each by exactly one slot's weighted expert output: \
+             the contributions of experts {} are dropped ({}{more})",
+            experts
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            shown.join(", ")
+        ),
+    }
 }
 
 /// Relative spread of the per-token factors past which they are a factor of each token's
