@@ -1278,3 +1278,35 @@ fn config_disagreeing_with_the_dense_layers_is_named() {
         assert!(out.contains(tensor), "seed {seed} {field}: {out}");
     }
 }
+
+/// Block scales of one expert projection stored in the kernels' 128x4 swizzled layout (a
+/// kernel-side tensor written back): same bytes, same statistics; the originals show it, and
+/// audit names the layout instead of "corrupted codes or block scales".
+#[test]
+fn swizzled_block_scales_are_named_from_the_originals() {
+    let (seed, mut r) = rng("audit swizzled block scales");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let (l, e) = (r.gen_range(1..3), r.gen_range(0..16));
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let t = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight_scale");
+    rewrite_shard(&ck, &t, |ts| {
+        let (spec, b) = ts.iter_mut().find(|(s, _)| s.name == t).unwrap();
+        let (rows, kb) = (spec.shape[0], spec.shape[1]);
+        *b = nvfp4dbg::nvfp4::layout::swizzle(b, rows, kb);
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(
+        found[0].0,
+        format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight")
+    );
+    assert!(
+        found[0].2.contains("stored swizzled"),
+        "seed {seed}: {}",
+        found[0].2
+    );
+}
