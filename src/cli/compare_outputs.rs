@@ -128,12 +128,7 @@ pub fn run(args: &Args) -> Result<Report> {
             && macs <= KERNEL_CHECK_MAX_MACS
     }) {
         let ps = byok::expert_outputs(&d.layer, &d.hidden, &d.routing, &d.scales)?;
-        let deviating = &l.deviating_tokens;
-        if let Some(p) =
-            byok::dropped_slots(&theirs, &x.nvfp4_routed, &ps, &d.routing, h, deviating)
-        {
-            l.text = byok::dropped_slots_text(&p, t);
-        }
+        byok::name_dropped_slots(l, &theirs, &x.nvfp4_routed, &ps, &d.routing, h);
     }
     let headline = match j.blame() {
         Some(b) if j.diagnosis.is_none() && local.is_some() => format!(

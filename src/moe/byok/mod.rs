@@ -746,6 +746,25 @@ pub fn dropped_slots(
         .collect()
 }
 
+/// Replace `l`'s text with the dropped expert slots when they explain every deviating row
+/// (not for rows permuted or scaled per token, which say more): `per_slot` as
+/// [`expert_outputs`] gives it.
+pub fn name_dropped_slots(
+    l: &mut Localization,
+    theirs: &[f32],
+    ours: &[f32],
+    per_slot: &[f32],
+    routing: &Routing,
+    hidden: usize,
+) {
+    if !l.permuted.is_empty() || l.token_factors.is_some() {
+        return;
+    }
+    if let Some(p) = dropped_slots(theirs, ours, per_slot, routing, hidden, &l.deviating_tokens) {
+        l.text = dropped_slots_text(&p, routing.tokens);
+    }
+}
+
 /// [`dropped_slots`] in words.
 pub fn dropped_slots_text(pairs: &[(usize, i32)], tokens: usize) -> String {
     let mut experts: Vec<i32> = pairs.iter().map(|p| p.1).collect();
