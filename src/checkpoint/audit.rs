@@ -1668,6 +1668,16 @@ fn dense_mlps_against_config(
     out: &mut Vec<Finding>,
 ) -> Result<()> {
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    // MoE every n-th layer only (moe_layer_freq > 1): the dense ones in between are not
+    // told apart here
+    let raw: serde_json::Value = std::fs::read(config)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let interleaved = raw
+        .get("moe_layer_freq")
+        .and_then(|v| v.as_u64())
+        .is_some_and(|f| f > 1);
     // (layer, role) -> (first tensor, its shape, count)
     let mut bad: BTreeMap<(usize, &'static str), (String, [usize; 2], usize)> = BTreeMap::new();
     let mut in_moe: BTreeMap<usize, String> = BTreeMap::new();
@@ -1679,7 +1689,9 @@ fn dense_mlps_against_config(
             continue;
         }
         if cfg.is_moe_layer(layer) {
-            in_moe.entry(layer).or_insert_with(|| name.to_string());
+            if !interleaved {
+                in_moe.entry(layer).or_insert_with(|| name.to_string());
+            }
             continue;
         }
         let (role, want) = if down {
@@ -1738,8 +1750,14 @@ fn layers_against_config(
     config: &std::path::Path,
     out: &mut Vec<Finding>,
 ) -> Result<()> {
+    // the language model's layers only (a vision tower's `...layers.N.` are not its)
+    let Some(n) = Naming::detect(ck.names()) else {
+        return Ok(());
+    };
+    let own = format!("{}layers.", n.prefix);
     let present: Vec<usize> = ck
         .names()
+        .filter(|name| name.starts_with(&own))
         .filter_map(layer_of)
         .collect::<BTreeSet<_>>()
         .into_iter()
