@@ -1310,3 +1310,25 @@ fn swizzled_block_scales_are_named_from_the_originals() {
         found[0].2
     );
 }
+
+/// A shard of the BF16 originals missing: without --no-originals it is bad input naming the
+/// shard; with --no-originals the originals are not opened, and the checkpoint audits clean
+/// (it used to be refused for a directory it was told not to read).
+#[test]
+fn no_originals_does_not_open_the_originals() {
+    let (seed, _) = rng("audit --no-originals with a broken bf16/");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let gone = shard_of(
+        &ck.join("bf16"),
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+    );
+    std::fs::remove_file(&gone).unwrap();
+    let name = gone.file_name().unwrap().to_str().unwrap();
+    let o = run(&["audit", p(&ck)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}", stderr(&o));
+    assert!(stderr(&o).contains(name), "seed {seed}: {}", stderr(&o));
+    let o = run(&["audit", p(&ck), "--no-originals"]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+}

@@ -56,7 +56,11 @@ pub fn run(args: &Args) -> Result<Report> {
             return Err(Error::usage(format!("{flag} must be a finite factor > 1")));
         }
     }
-    let ck = Checkpoint::open(&args.path)?;
+    let ck = if args.no_originals {
+        Checkpoint::open_without_originals(&args.path)?
+    } else {
+        Checkpoint::open(&args.path)?
+    };
     let opts = AuditOptions {
         saturation_limit: args.saturation_limit,
         input_scale_outlier: args.input_scale_outlier,
