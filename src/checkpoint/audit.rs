@@ -514,9 +514,14 @@ fn scan_linear(
             file: file(&ln.weight_scale),
             kind: FindingKind::SaturatedBlockScales,
             detail: format!(
-                "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped",
+                "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped{}",
                 100.0 * frac,
-                100.0 * opts.saturation_limit
+                100.0 * opts.saturation_limit,
+                if sc.saturated == scales.len() as u64 {
+                    " (every block: also what a quantizer that ignored each block's amax and wrote one scale for all writes)"
+                } else {
+                    ""
+                }
             ),
         });
     }
@@ -669,7 +674,11 @@ const UNIFORM_MIN_BLOCKS: usize = 64;
 /// tensor filled with a constant.
 fn uniform_block_scales(scales: &[u8]) -> Option<String> {
     let (&b, rest) = scales.split_first()?;
-    if scales.len() < UNIFORM_MIN_BLOCKS || rest.par_iter().any(|&x| x != b) {
+    // every block at 448 is the saturation finding's (a global scale far too large, or this)
+    if scales.len() < UNIFORM_MIN_BLOCKS
+        || b & 0x7F == e4m3::MAX_CODE
+        || rest.par_iter().any(|&x| x != b)
+    {
         return None;
     }
     Some(format!(
