@@ -1059,3 +1059,276 @@ fn tensor_missing_from_the_weight_map_is_named() {
         "seed {seed}: {out}"
     );
 }
+
+/// Two faults no scale statistic shows and that only the originals caught before: an
+/// expert's block scales replaced by another expert's (the same projection, byte for byte),
+/// and block scales all one value (a quantizer that ignored each block's amax). Both are
+/// named on the tensor, with its file, also with --no-originals.
+#[test]
+fn copied_and_uniform_block_scales_are_named_without_originals() {
+    let (seed, mut r) = rng("audit copied and uniform block scales");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let l = r.gen_range(1..3);
+    let e = r.gen_range(0..16);
+    let other = (e + r.gen_range(1..16)) % 16;
+    let (e2, proj2) = (
+        (e + r.gen_range(1..16)) % 16,
+        ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)],
+    );
+    let copied = format!("model.layers.{l}.mlp.experts.{e}.up_proj.weight_scale");
+    let source = format!("model.layers.{l}.mlp.experts.{other}.up_proj.weight_scale");
+    let uniform = format!("model.layers.{l}.mlp.experts.{e2}.{proj2}.weight_scale");
+    let code_v: u8 = r.gen_range(0x30..0x70);
+    rewrite_shard(&ck, &copied, |t| {
+        let src = t.iter().find(|(s, _)| s.name == source).unwrap().1.clone();
+        t.iter_mut().find(|(s, _)| s.name == copied).unwrap().1 = src;
+        let u = &mut t.iter_mut().find(|(s, _)| s.name == uniform).unwrap().1;
+        u.iter_mut().for_each(|b| *b = code_v);
+    });
+    for extra in [&[][..], &["--no-originals"][..]] {
+        let json = d.path().join("a.json");
+        let mut args = vec!["audit", p(&ck), "--json", p(&json)];
+        args.extend_from_slice(extra);
+        let o = run(&args);
+        assert_eq!(code(&o), 1, "seed {seed} {extra:?}: {}", stdout(&o));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        let copies = findings_of(&v, "copy_of_another_tensor");
+        let (_, file, detail) = copies
+            .iter()
+            .find(|x| x.0 == copied)
+            .unwrap_or_else(|| panic!("seed {seed} {extra:?}: {copied} not named: {copies:#?}"));
+        assert_eq!(Path::new(file), shard_of(&ck, &copied), "seed {seed}");
+        assert!(
+            detail.contains(&source) && detail.contains("byte-identical"),
+            "seed {seed}: {detail}"
+        );
+        // the originals tell the copy (fails its original) from its source (matches its own)
+        if extra.is_empty() {
+            assert!(
+                copies.iter().all(|x| x.0 != source),
+                "seed {seed}: the source named too: {copies:#?}"
+            );
+            assert!(
+                detail.contains("fails its BF16 original"),
+                "seed {seed}: {detail}"
+            );
+        }
+        let uni = findings_of(&v, "uniform_block_scales");
+        assert_eq!(uni.len(), 1, "seed {seed} {extra:?}: {uni:#?}");
+        assert_eq!(uni[0].0, uniform, "seed {seed}");
+        assert!(
+            uni[0].2.contains("ignored each block's amax"),
+            "seed {seed}: {}",
+            uni[0].2
+        );
+        assert!(
+            stdout(&o).contains(&copied) && stdout(&o).contains(&uniform),
+            "seed {seed}"
+        );
+    }
+}
+
+/// Packed weights of one expert projection written with the nibble order swapped (element 2i
+/// in the high nibble): every scale and statistic stays plausible, the originals show it, and
+/// audit names the swap, not just "corrupted codes".
+#[test]
+fn nibble_order_swapped_is_named_from_the_originals() {
+    let (seed, mut r) = rng("audit nibble order swapped");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let (l, e) = (r.gen_range(1..3), r.gen_range(0..16));
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let t = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight");
+    rewrite_shard(&ck, &t, |ts| {
+        let w = &mut ts.iter_mut().find(|(s, _)| s.name == t).unwrap().1;
+        w.iter_mut().for_each(|b| *b = b.rotate_left(4));
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(found[0].0, t, "seed {seed}");
+    assert_eq!(Path::new(&found[0].1), shard_of(&ck, &t), "seed {seed}");
+    assert!(
+        found[0].2.contains("nibble order is swapped"),
+        "seed {seed}: {}",
+        found[0].2
+    );
+}
+
+/// One input_scale broadcast to every expert of a layer (the other layer keeps per-expert
+/// scales) is named on that layer's down projection; per-expert input_scales replaced by one
+/// layer-wide `...experts.input_scale` are missing members that say where the value went.
+#[test]
+fn input_scale_shared_by_every_expert_of_a_layer_is_named() {
+    let (seed, mut r) = rng("audit shared input_scale");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let l = r.gen_range(1..3);
+    let from = r.gen_range(0..16);
+    let x = |e: usize, p: &str| format!("model.layers.{l}.mlp.experts.{e}.{p}.input_scale");
+    rewrite_shard(&ck, &x(0, "down_proj"), |t| {
+        for p in ["gate_proj", "up_proj", "down_proj"] {
+            let v = t
+                .iter()
+                .find(|(s, _)| s.name == x(from, p))
+                .unwrap()
+                .1
+                .clone();
+            for e in 0..16 {
+                t.iter_mut().find(|(s, _)| s.name == x(e, p)).unwrap().1 = v.clone();
+            }
+        }
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "shared_input_scale");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(found[0].0, x(0, "down_proj"), "seed {seed}");
+    assert_eq!(Path::new(&found[0].1), shard_of(&ck, &x(0, "down_proj")));
+    assert!(
+        found[0].2.contains("all 16 experts") && found[0].2.contains(&format!("layers.{l}.")),
+        "seed {seed}: {}",
+        found[0].2
+    );
+
+    // one layer-wide tensor instead of the per-expert ones
+    let ck2 = d.path().join("ck2");
+    synth(&ck2, seed, &[]);
+    let wide = format!("model.layers.{l}.mlp.experts.input_scale");
+    rewrite_shard(&ck2, &x(0, "down_proj"), |t| {
+        let v = t
+            .iter()
+            .find(|(s, _)| s.name == x(from, "gate_proj"))
+            .unwrap()
+            .1
+            .clone();
+        t.retain(|(s, _)| {
+            !(s.name
+                .starts_with(&format!("model.layers.{l}.mlp.experts."))
+                && s.name.ends_with(".input_scale"))
+        });
+        t.push((TensorSpec::new(wide.clone(), Dtype::F32, &[]), v));
+    });
+    let (c, out, v) = audit(&ck2);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let missing = findings_of(&v, "missing_member");
+    assert_eq!(missing.len(), 48, "seed {seed}: {missing:#?}");
+    assert!(
+        missing.iter().all(|m| m.2.contains(&wide)),
+        "seed {seed}: {missing:#?}"
+    );
+}
+
+/// config.json dims that disagree with the dense layers audit did not check: the dense MLP's
+/// `intermediate_size`, a `first_k_dense_replace` that makes a dense layer MoE, and a
+/// `num_hidden_layers` short of the layers the checkpoint holds. Each names the tensor or the
+/// field, and config.json.
+#[test]
+fn config_disagreeing_with_the_dense_layers_is_named() {
+    let (seed, mut r) = rng("audit config vs dense layers");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    let inter = config["intermediate_size"].as_u64().unwrap();
+    let wrong = inter * r.gen_range(2..4) / 2 + 16 * r.gen_range(1..4);
+    for (field, value, tensor, want) in [
+        (
+            "intermediate_size",
+            serde_json::json!(wrong),
+            "model.layers.0.mlp.gate_proj.weight",
+            format!("[intermediate_size, hidden_size] = [{wrong}, "),
+        ),
+        (
+            "first_k_dense_replace",
+            serde_json::json!(0),
+            "model.layers.0.mlp.gate_proj.weight",
+            "makes it an MoE layer".to_string(),
+        ),
+        (
+            "num_hidden_layers",
+            serde_json::json!(2),
+            "num_hidden_layers",
+            "holds layer(s) 2 past it".to_string(),
+        ),
+    ] {
+        let dir = d.path().join(field);
+        let o = std::process::Command::new("cp")
+            .args(["-r", p(&ck), p(&dir)])
+            .output()
+            .unwrap();
+        assert!(o.status.success());
+        let mut c = config.clone();
+        c[field] = value;
+        std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+        let (code, out, v) = audit(&dir);
+        assert_eq!(code, 1, "seed {seed} {field}: {out}");
+        let found = findings_of(&v, "config_mismatch");
+        let f = found
+            .iter()
+            .find(|x| x.0 == tensor)
+            .unwrap_or_else(|| panic!("seed {seed} {field}: {tensor} not named: {found:#?}"));
+        assert!(f.2.contains(&want), "seed {seed} {field}: {}", f.2);
+        assert!(out.contains(tensor), "seed {seed} {field}: {out}");
+    }
+}
+
+/// Block scales of one expert projection stored in the kernels' 128x4 swizzled layout (a
+/// kernel-side tensor written back): same bytes, same statistics; the originals show it, and
+/// audit names the layout instead of "corrupted codes or block scales".
+#[test]
+fn swizzled_block_scales_are_named_from_the_originals() {
+    let (seed, mut r) = rng("audit swizzled block scales");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let (l, e) = (r.gen_range(1..3), r.gen_range(0..16));
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let t = format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight_scale");
+    rewrite_shard(&ck, &t, |ts| {
+        let (spec, b) = ts.iter_mut().find(|(s, _)| s.name == t).unwrap();
+        let (rows, kb) = (spec.shape[0], spec.shape[1]);
+        *b = nvfp4dbg::nvfp4::layout::swizzle(b, rows, kb);
+    });
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:#?}");
+    assert_eq!(
+        found[0].0,
+        format!("model.layers.{l}.mlp.experts.{e}.{proj}.weight")
+    );
+    assert!(
+        found[0].2.contains("stored swizzled"),
+        "seed {seed}: {}",
+        found[0].2
+    );
+}
+
+/// A shard of the BF16 originals missing: without --no-originals it is bad input naming the
+/// shard; with --no-originals the originals are not opened, and the checkpoint audits clean
+/// (it used to be refused for a directory it was told not to read).
+#[test]
+fn no_originals_does_not_open_the_originals() {
+    let (seed, _) = rng("audit --no-originals with a broken bf16/");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let gone = shard_of(
+        &ck.join("bf16"),
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+    );
+    std::fs::remove_file(&gone).unwrap();
+    let name = gone.file_name().unwrap().to_str().unwrap();
+    let o = run(&["audit", p(&ck)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}", stderr(&o));
+    assert!(stderr(&o).contains(name), "seed {seed}: {}", stderr(&o));
+    let o = run(&["audit", p(&ck), "--no-originals"]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+}

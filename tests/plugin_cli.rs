@@ -10,6 +10,7 @@ use nvfp4dbg::backend::cuda::plugin::MoeArgs;
 use nvfp4dbg::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
 use nvfp4dbg::moe::byok::{self, dump, Feeding, SuspectedBug};
 use nvfp4dbg::nvfp4::layout::ScaleLayout;
+use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -590,6 +591,177 @@ fn compare_outputs_names_routing_weights_applied_to_the_wrong_slots() {
         assert!(
             text.contains("routing weights applied to the wrong slots"),
             "seed {seed} {name}: {text}"
+        );
+    }
+}
+
+/// Two combine bugs compare-outputs failed without naming: the shared experts added twice
+/// (routed + 2 shared: the kernel's own add and the engine's), and top-k weights not
+/// renormalized (each token's weights scaled by its own factor, the sum of its chosen
+/// scores: every row keeps our direction, only its norm moves). Both built as such an engine
+/// computes them, from the dumped inputs; a BF16-accumulated healthy output still passes.
+#[test]
+fn compare_outputs_names_shared_experts_added_twice_and_weights_not_renormalized() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "24",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h, k) = (
+        dumped.routing.tokens,
+        dumped.layer.config.hidden_size,
+        dumped.routing.top_k,
+    );
+    let engine = |r: &nvfp4dbg::moe::Routing| {
+        byok::routed_cpu(&dumped.layer, &dumped.hidden, r, &dumped.scales).unwrap()
+    };
+    let judge = |name: &str, out: &[f32]| {
+        write_output(&p.join(format!("{name}.safetensors")), out, t, h);
+        let f = format!("{name}.safetensors");
+        let js = format!("{name}.json");
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", &f, "--json", &js]);
+        (o.status.code(), text(&o), json(&p.join(js)))
+    };
+    let ours = engine(&dumped.routing);
+
+    // healthy, accumulated slot by slot in BF16 (each token's running sum rounded)
+    let mut per_slot = vec![];
+    for s in 0..k {
+        let mut r = dumped.routing.clone();
+        for (i, w) in r.topk_weights.iter_mut().enumerate() {
+            if i % k != s {
+                *w = 0.0;
+            }
+        }
+        per_slot.push(engine(&r));
+    }
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    let bf16_acc: Vec<f32> = (0..t * h)
+        .map(|i| per_slot.iter().fold(0.0, |a, c| round(a + round(c[i]))))
+        .collect();
+    let (code, out, _) = judge("bf16-acc", &bf16_acc);
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+
+    let twice: Vec<f32> = ours
+        .iter()
+        .zip(&dumped.expected.shared_out)
+        .map(|(a, b)| a + 2.0 * b)
+        .collect();
+    let (code, out, j) = judge("shared-twice", &twice);
+    assert_eq!(code, Some(1), "seed {seed}: {out}");
+    assert_eq!(
+        j["summary"]["diagnosis"], "shared-experts-added-twice",
+        "seed {seed}: {out}"
+    );
+    assert!(
+        out.contains("shared experts are added twice"),
+        "seed {seed}: {out}"
+    );
+
+    // sigmoid scores of top-k experts sum to about k/2..k: the weights the router hands out
+    // before renormalization are each token's normalized ones times that sum
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut unnormalized = dumped.routing.clone();
+    for row in unnormalized.topk_weights.chunks_mut(k) {
+        let sum = rng.gen_range(0.5..1.0) * k as f32;
+        row.iter_mut().for_each(|w| *w *= sum);
+    }
+    let (code, out, _) = judge("not-renormalized", &engine(&unnormalized));
+    assert_eq!(code, Some(1), "seed {seed}: {out}");
+    assert!(
+        out.contains("scaled by a factor of its own") && out.contains("not renormalized"),
+        "seed {seed}: {out}"
+    );
+}
+
+/// An expert's contribution dropped where it served a single token (the one-expert rule needs
+/// two deviating tokens), and two experts each dropped from one token: compare-outputs failed
+/// naming only "1 of T tokens deviate". Built as such a kernel computes it (that slot's weight
+/// never applied), from the dumped inputs.
+#[test]
+fn compare_outputs_names_an_expert_contribution_dropped_from_one_token() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h, k) = (
+        dumped.routing.tokens,
+        dumped.layer.config.hidden_size,
+        dumped.routing.top_k,
+    );
+    let engine = |r: &nvfp4dbg::moe::Routing| {
+        byok::routed_cpu(&dumped.layer, &dumped.hidden, r, &dumped.scales).unwrap()
+    };
+    // two slots of two different tokens and experts
+    let a = rng.gen_range(0..t);
+    let b = (a + rng.gen_range(1..t)) % t;
+    let sa = a * k + rng.gen_range(0..k);
+    let sb = (0..k)
+        .map(|x| b * k + x)
+        .find(|&x| dumped.routing.topk_ids[x] != dumped.routing.topk_ids[sa])
+        .unwrap();
+    for (name, slots) in [("one", vec![sa]), ("two", vec![sa, sb])] {
+        let mut r = dumped.routing.clone();
+        for &x in &slots {
+            r.topk_weights[x] = 0.0;
+        }
+        write_output(&p.join(format!("{name}.safetensors")), &engine(&r), t, h);
+        let f = format!("{name}.safetensors");
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", &f]);
+        assert_eq!(o.status.code(), Some(1), "seed {seed} {name}: {}", text(&o));
+        for &x in &slots {
+            let (tok, e) = (x / k, dumped.routing.topk_ids[x]);
+            let want = format!("token {tok}: expert {e}");
+            assert!(
+                text(&o).contains(&want),
+                "seed {seed} {name}: {want}: {}",
+                text(&o)
+            );
+        }
+        assert!(
+            text(&o).contains("dropped"),
+            "seed {seed} {name}: {}",
+            text(&o)
         );
     }
 }

@@ -28,12 +28,20 @@
 //!   `weight_scale_2 > 1`, compressed-tensors `weight_global_scale < 1`), or both stored and
 //!   not reciprocal;
 //! - a packed weight that is all zero (codes of magnitude 0 only: never-loaded memory);
+//! - NVFP4 block scales all one value over at least [`UNIFORM_MIN_BLOCKS`] blocks (a
+//!   quantizer that ignored each block's amax, or a constant-filled scale tensor);
+//! - one bitwise-identical down-projection `input_scale` for every expert of a layer while
+//!   another layer's experts hold their own (per-expert scales overwritten with one value);
+//! - a packed weight or block-scale tensor byte-identical to another linear's (one expert's
+//!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
 //!   `quantization_config`, or a group size other than 16;
 //! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
 //!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
-//!   `n_routed_experts` make it (the engine builds the layer from config.json);
+//!   `n_routed_experts` make it (the engine builds the layer from config.json); a dense
+//!   layer's MLP weight not what `intermediate_size` and `hidden_size` make it, or a dense MLP
+//!   in a layer config.json makes MoE; layers past `num_hidden_layers` (+ MTP layers);
 //! - a tensor a shard listed in `model.safetensors.index.json` stores but its `weight_map`
 //!   leaves out (transformers loads by the weight_map and never sees it; vLLM, which reads
 //!   every tensor of the listed shards, loads it);
@@ -114,6 +122,9 @@ pub enum FindingKind {
     OriginalMismatch,
     OriginalShapeMismatch,
     OrphanOriginal,
+    UniformBlockScales,
+    CopyOfAnotherTensor,
+    SharedInputScale,
 }
 
 impl FindingKind {
@@ -139,6 +150,9 @@ impl FindingKind {
             FindingKind::OriginalMismatch => "differs from its BF16 original",
             FindingKind::OriginalShapeMismatch => "BF16 original of another shape or dtype",
             FindingKind::OrphanOriginal => "BF16 original without its tensor",
+            FindingKind::UniformBlockScales => "every block scale identical",
+            FindingKind::CopyOfAnotherTensor => "same bytes as another linear's",
+            FindingKind::SharedInputScale => "one input_scale for every expert",
         }
     }
 }
@@ -173,6 +187,10 @@ pub struct LinearStats {
     /// Against the BF16 original, when there is one (and `originals` is on).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub original: Option<OriginalCheck>,
+    /// (tensor, [`fingerprint`]) of the packed weight and of the block scales, for
+    /// [`copied_tensors`]; a tensor of one repeated byte has none (it has findings of its own).
+    #[serde(skip)]
+    pub fingerprints: Vec<(String, u64)>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -357,6 +375,7 @@ pub fn audit(
 
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
+    copied_tensors(ck, &linears, opts.min_original_cosine, &mut findings)?;
     fused_gate_up(ck, &mut findings)?;
     fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
@@ -495,9 +514,14 @@ fn scan_linear(
             file: file(&ln.weight_scale),
             kind: FindingKind::SaturatedBlockScales,
             detail: format!(
-                "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped",
+                "{:.2}% of block scales are at 448 (limit {:.2}%): the global scale is too large for this weight, its elements are clipped{}",
                 100.0 * frac,
-                100.0 * opts.saturation_limit
+                100.0 * opts.saturation_limit,
+                if sc.saturated == scales.len() as u64 {
+                    " (every block: also what a quantizer that ignored each block's amax and wrote one scale for all writes)"
+                } else {
+                    ""
+                }
             ),
         });
     }
@@ -520,6 +544,20 @@ fn scan_linear(
             detail: "every FP4 code is ±0: never-written or zero-initialized memory".into(),
         });
     }
+    if g.format == Format::Nvfp4 && sc.nan == 0 {
+        if let Some(detail) = uniform_block_scales(scales) {
+            out.push(Finding {
+                tensor: ln.weight_scale.clone(),
+                file: file(&ln.weight_scale),
+                kind: FindingKind::UniformBlockScales,
+                detail,
+            });
+        }
+    }
+    let fingerprints = [(&ln.weight, packed), (&ln.weight_scale, scales)]
+        .into_iter()
+        .filter_map(|(n, b)| fingerprint(b).map(|h| (n.clone(), h)))
+        .collect();
 
     // global scales
     let mut weight_scale_2 = None;
@@ -619,10 +657,135 @@ fn scan_linear(
             zero_scales: sc.zero,
             max_block_scale: sc.max,
             original,
+            fingerprints,
         },
         out,
         bytes,
     ))
+}
+
+/// Block scales a tensor needs before one value over all of them is a finding: the blocks
+/// of a real weight have amaxes spread over several E4M3 steps (a synth expert's 2048 block
+/// scales take 30-37 distinct values), so only a tiny tensor can be uniform by chance.
+const UNIFORM_MIN_BLOCKS: usize = 64;
+
+/// Every NVFP4 block scale one value (NaN codes excluded: they are findings of their own):
+/// a quantizer that ignored each block's amax and wrote one per-tensor scale, or a scale
+/// tensor filled with a constant.
+fn uniform_block_scales(scales: &[u8]) -> Option<String> {
+    let (&b, rest) = scales.split_first()?;
+    // every block at 448 is the saturation finding's (a global scale far too large, or this)
+    if scales.len() < UNIFORM_MIN_BLOCKS
+        || b & 0x7F == e4m3::MAX_CODE
+        || rest.par_iter().any(|&x| x != b)
+    {
+        return None;
+    }
+    Some(format!(
+        "all {} block scales are the same E4M3 value {} (0x{b:02x}): a quantizer that ignored each block's amax (one scale for the whole tensor, so blocks of small values lose their codes), or a scale tensor filled with a constant",
+        scales.len(),
+        e4m3::decode(b)
+    ))
+}
+
+/// Bytes hashed at each end of a tensor for [`fingerprint`] (equal fingerprints are
+/// confirmed on every byte).
+const PRINT_BYTES: usize = 4096;
+
+/// A hash of a tensor's length and its first and last [`PRINT_BYTES`] bytes; None for one
+/// repeated byte (all-zero or uniform tensors are findings of their own, not copies).
+fn fingerprint(b: &[u8]) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let (&first, _) = b.split_first()?;
+    if b.par_iter().all(|&x| x == first) {
+        return None;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    b.len().hash(&mut h);
+    b[..b.len().min(PRINT_BYTES)].hash(&mut h);
+    b[b.len().saturating_sub(PRINT_BYTES)..].hash(&mut h);
+    Some(h.finish())
+}
+
+/// Packed weights or block scales byte-identical to another linear's: real experts never
+/// share a byte pattern of that size, so one of them was written from the other's tensor
+/// (a converter or loader that indexed the wrong expert). Each copy is named with the others;
+/// when the BF16 originals were compared and only some of the copies' linears fail theirs
+/// (below `min_original_cosine`), only those are named: they hold the others' tensor.
+fn copied_tensors(
+    ck: &Checkpoint,
+    linears: &[LinearStats],
+    min_original_cosine: f64,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    let mut by_print: BTreeMap<u64, Vec<&str>> = BTreeMap::new();
+    // tensor -> does its linear fail its BF16 original (None: not compared)
+    let mut fails_original: BTreeMap<&str, Option<bool>> = BTreeMap::new();
+    for l in linears {
+        for (n, h) in &l.fingerprints {
+            by_print.entry(*h).or_default().push(n);
+            let f = l
+                .original
+                .as_ref()
+                .map(|c| originals::fails(&c.metrics, min_original_cosine));
+            fails_original.insert(n, f);
+        }
+    }
+    for names in by_print.values().filter(|v| v.len() > 1) {
+        // equal fingerprints, confirmed on every byte
+        let mut groups: Vec<Vec<&str>> = vec![];
+        for &n in names {
+            let b = ck.bytes(n)?;
+            match groups
+                .iter_mut()
+                .find(|g| ck.bytes(g[0]).is_ok_and(|x| x == b))
+            {
+                Some(g) => g.push(n),
+                None => groups.push(vec![n]),
+            }
+        }
+        for g in groups.iter().filter(|g| g.len() > 1) {
+            let fails = |n: &str| fails_original.get(n).copied().flatten();
+            // the originals tell the copy from its source when some fail and some pass
+            let told = g.iter().any(|&n| fails(n) == Some(true))
+                && g.iter().any(|&n| fails(n) == Some(false));
+            for &n in g {
+                if told && fails(n) != Some(true) {
+                    continue;
+                }
+                let others: Vec<String> = g
+                    .iter()
+                    .filter(|&&o| o != n)
+                    .map(|o| format!("`{o}` ({})", ck.file_of(o).display()))
+                    .collect();
+                let what = if is_block_scale_name(n) {
+                    "block scales (weight_scale)"
+                } else {
+                    "packed FP4 codes"
+                };
+                let verdict = if told {
+                    format!("its linear fails its BF16 original while the other's matches: it holds the other's {what}, written or loaded from the wrong index")
+                } else {
+                    "one of them holds the other expert's (or projection's) tensor, written or loaded from the wrong index".into()
+                };
+                out.push(Finding {
+                    tensor: n.to_string(),
+                    file: ck.file_of(n).to_path_buf(),
+                    kind: FindingKind::CopyOfAnotherTensor,
+                    detail: format!(
+                        "its {what} are byte-identical to those of {}: {verdict}; distinct weights never share {} bytes",
+                        others.join(", "),
+                        ck.bytes(n)?.len()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+fn is_block_scale_name(n: &str) -> bool {
+    n.ends_with(".weight_scale") || n.ends_with(".scale")
 }
 
 #[derive(Default, Clone, Copy)]
@@ -824,6 +987,78 @@ fn expert_group(base: &str) -> Option<(String, usize)> {
     Some((format!("{}*{}", &base[..at], &rest[digits..]), e))
 }
 
+/// A layer-wide `member` next to an expert's (`...experts.input_scale` or
+/// `...experts.{proj}.input_scale` beside `...experts.3.{proj}`), when the checkpoint holds one.
+fn layer_wide(ck: &Checkpoint, base: &str, member: &str) -> Option<String> {
+    let at = base.find(".experts.")? + ".experts".len();
+    let proj = base.rsplit('.').next()?;
+    [
+        format!("{}.{member}", &base[..at]),
+        format!("{}.{proj}.{member}", &base[..at]),
+    ]
+    .into_iter()
+    .find(|n| ck.contains(n))
+}
+
+/// Experts of a layer needed before one input_scale over all of them says anything.
+const SHARED_INPUT_SCALE_MIN_EXPERTS: usize = 4;
+
+/// A layer whose experts all hold one bitwise-identical down-projection input_scale, while
+/// the experts of another layer each hold their own (calibrated per expert): this layer's
+/// per-expert scales were overwritten with one value (one expert's broadcast, or a calibration
+/// not run per expert). Only the down projection: its input is each expert's own SwiGLU
+/// output, whose amax differs per expert, while the gate/up input's amax is often one
+/// massive-activation token's that every expert saw (synth's tiny-v4 layer 0: one gate/up
+/// input_scale for all 16 experts, healthy). A checkpoint exported with one scale per layer
+/// everywhere (synced amax) is consistent and not flagged.
+fn shared_input_scales(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) {
+    let mut groups: BTreeMap<String, Vec<(usize, &LinearStats, f32)>> = BTreeMap::new();
+    let down = |base: &str| base.ends_with(".down_proj") || base.ends_with(".w2");
+    for l in linears.iter().filter(|l| down(&l.base)) {
+        if let (Some((g, e)), Some(s)) = (expert_group(&l.base), l.input_scale) {
+            if s.is_finite() && s > 0.0 {
+                groups.entry(g).or_default().push((e, l, s));
+            }
+        }
+    }
+    let distinct = |v: &[(usize, &LinearStats, f32)]| {
+        v.iter()
+            .map(|x| x.2.to_bits())
+            .collect::<BTreeSet<_>>()
+            .len()
+    };
+    let proj_of = |g: &str| g.rsplit('.').next().unwrap_or(g).to_string();
+    for (g, v) in &groups {
+        if v.len() < SHARED_INPUT_SCALE_MIN_EXPERTS || distinct(v) != 1 {
+            continue;
+        }
+        let Some((pg, pv)) = groups.iter().find(|(o, ov)| {
+            proj_of(o) == proj_of(g)
+                && ov.len() >= SHARED_INPUT_SCALE_MIN_EXPERTS
+                && distinct(ov) > 1
+        }) else {
+            continue;
+        };
+        let &(_, l, s) = v.iter().min_by_key(|x| x.0).unwrap_or(&v[0]);
+        let member = match l.convention {
+            Convention::CompressedTensors => "input_global_scale",
+            _ => "input_scale",
+        };
+        let t = format!("{}.{member}", l.base);
+        out.push(Finding {
+            tensor: t.clone(),
+            file: ck.file_of(&t).to_path_buf(),
+            kind: FindingKind::SharedInputScale,
+            detail: format!(
+                "all {} experts of `{g}` hold the same input_scale {s:e}, while the experts of `{pg}` each hold their own ({} distinct values over {}): this layer's per-expert activation scales were overwritten with one value (one expert's broadcast to all, or a calibration not run per expert); engines that quantize each expert's activations with its own gs = 1/input_scale use a scale calibrated for none of them",
+                v.len(),
+                distinct(pv),
+                pv.len()
+            ),
+        });
+    }
+}
+
 /// The up-projection sibling of a gate projection, if `base` is one.
 fn up_sibling(base: &str) -> Option<String> {
     for (g, u) in [(".gate_proj", ".up_proj"), (".w1", ".w3")] {
@@ -894,14 +1129,19 @@ fn cross_checks(
                 _ => "input_scale",
             };
             let t = format!("{}.{member}", l.base);
+            let mut detail = "missing, while other quantized linears have an input_scale: the engine falls back to a default activation scale here".to_string();
+            if let Some(one) = layer_wide(ck, &l.base, member) {
+                detail += &format!("; the layer stores one `{one}` for all its experts instead, which a per-expert loader never reads");
+            }
             out.push(Finding {
                 tensor: t,
                 file: l.file.clone(),
                 kind: FindingKind::MissingMember,
-                detail: "missing, while other quantized linears have an input_scale: the engine falls back to a default activation scale here".into(),
+                detail,
             });
         }
     }
+    shared_input_scales(ck, linears, out);
     // global-scale outliers across the experts of a layer
     scale_outliers(
         ck,
@@ -1234,6 +1474,8 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     if let Some(cfg) = &moe {
         missing_experts(ck, &cfg.moe, out);
         shapes_against_config(ck, &cfg.moe, out)?;
+        dense_mlps_against_config(ck, &cfg.moe, &p, out)?;
+        layers_against_config(ck, &cfg.moe, &p, out)?;
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
     let file = p.clone();
@@ -1391,6 +1633,170 @@ fn shapes_against_config(
             kind: FindingKind::ConfigMismatch,
             detail: format!(
                 "layer {layer} {role} weight is [out, in] = {got:?}, config.json gives {want}{others}"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The layer index of a tensor named `{prefix}layers.{l}.…` (or `layers.{l}.…`).
+fn layer_of(name: &str) -> Option<usize> {
+    let at = if name.starts_with("layers.") {
+        0
+    } else {
+        name.find(".layers.")? + 1
+    };
+    let (l, _) = name[at..].strip_prefix("layers.")?.split_once('.')?;
+    l.parse().ok()
+}
+
+/// `(layer, is_down)` of a dense MLP's weight: `{prefix}layers.{l}.mlp.{gate,up,down}_proj.weight`
+/// (HF) or `layers.{l}.ffn.{w1,w3,w2}.weight` (native), also as `weight_packed`.
+fn dense_mlp_weight(name: &str) -> Option<(usize, bool)> {
+    let l = layer_of(name)?;
+    let (_, rest) = name.split_once(&format!("layers.{l}."))?;
+    let rest = rest
+        .strip_suffix(".weight")
+        .or_else(|| rest.strip_suffix(".weight_packed"))?;
+    let down = match rest {
+        "mlp.gate_proj" | "mlp.up_proj" | "ffn.w1" | "ffn.w3" => false,
+        "mlp.down_proj" | "ffn.w2" => true,
+        _ => return None,
+    };
+    Some((l, down))
+}
+
+/// Dense MLP weights against config.json: in the first `first_k_dense_replace` layers their
+/// `[out, in]` must be what `intermediate_size` and `hidden_size` make it; in an MoE layer
+/// there must be none (config.json's `first_k_dense_replace` is off: the engine builds routed
+/// experts there and finds a dense MLP). One finding per layer and role.
+fn dense_mlps_against_config(
+    ck: &Checkpoint,
+    cfg: &crate::moe::config::MoeConfig,
+    config: &std::path::Path,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    // MoE every n-th layer only (moe_layer_freq > 1): the dense ones in between are not
+    // told apart here
+    let raw: serde_json::Value = std::fs::read(config)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let interleaved = raw
+        .get("moe_layer_freq")
+        .and_then(|v| v.as_u64())
+        .is_some_and(|f| f > 1);
+    // (layer, role) -> (first tensor, its shape, count)
+    let mut bad: BTreeMap<(usize, &'static str), (String, [usize; 2], usize)> = BTreeMap::new();
+    let mut in_moe: BTreeMap<usize, String> = BTreeMap::new();
+    for name in ck.names() {
+        let Some((layer, down)) = dense_mlp_weight(name) else {
+            continue;
+        };
+        if layer >= cfg.num_hidden_layers {
+            continue;
+        }
+        if cfg.is_moe_layer(layer) {
+            if !interleaved {
+                in_moe.entry(layer).or_insert_with(|| name.to_string());
+            }
+            continue;
+        }
+        let (role, want) = if down {
+            ("down", [h, i])
+        } else {
+            ("gate/up", [i, h])
+        };
+        let Some(got) = logical_shape(ck, name)? else {
+            continue;
+        };
+        if got != want {
+            let e = bad
+                .entry((layer, role))
+                .or_insert_with(|| (name.to_string(), got, 0));
+            e.2 += 1;
+        }
+    }
+    for ((layer, role), (first, got, count)) in bad {
+        let (want, dims) = if role == "down" {
+            ([h, i], "[hidden_size, intermediate_size]")
+        } else {
+            ([i, h], "[intermediate_size, hidden_size]")
+        };
+        let more = if count > 1 { " (and its sibling)" } else { "" };
+        out.push(Finding {
+            tensor: first.clone(),
+            file: ck.file_of(&first).to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "layer {layer} dense MLP {role} weight is [out, in] = {got:?}, config.json gives {dims} = {want:?}{more}: the engine builds the layer from config.json and cannot load it"
+            ),
+        });
+    }
+    for (layer, first) in in_moe {
+        out.push(Finding {
+            tensor: first.clone(),
+            file: config.to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "layer {layer} holds a dense MLP (`{first}`), but config.json's first_k_dense_replace = {} makes it an MoE layer: the engine builds a router and routed experts there and finds none",
+                cfg.first_k_dense_replace
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The layers the checkpoint holds against config.json's `num_hidden_layers` (plus
+/// `num_nextn_predict_layers`, DeepSeek's MTP layers stored after the last one): a layer past
+/// them is never built (its weights are dropped). Layers config.json promises and the
+/// checkpoint lacks are not findings: a one-layer excerpt of a model is a common checkpoint
+/// to debug with.
+fn layers_against_config(
+    ck: &Checkpoint,
+    cfg: &crate::moe::config::MoeConfig,
+    config: &std::path::Path,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
+    // the language model's layers only (a vision tower's `...layers.N.` are not its)
+    let Some(n) = Naming::detect(ck.names()) else {
+        return Ok(());
+    };
+    let own = format!("{}layers.", n.prefix);
+    let present: Vec<usize> = ck
+        .names()
+        .filter(|name| name.starts_with(&own))
+        .filter_map(layer_of)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let Some(&last) = present.last() else {
+        return Ok(());
+    };
+    let raw: serde_json::Value = std::fs::read(config)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let nextn = raw
+        .get("num_nextn_predict_layers")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0) as usize;
+    let built = cfg.num_hidden_layers;
+    if last >= built + nextn {
+        let past: Vec<String> = present
+            .iter()
+            .filter(|&&l| l >= built + nextn)
+            .map(|l| l.to_string())
+            .collect();
+        out.push(Finding {
+            tensor: "num_hidden_layers".into(),
+            file: config.to_path_buf(),
+            kind: FindingKind::ConfigMismatch,
+            detail: format!(
+                "num_hidden_layers = {built}{}, but the checkpoint holds layer(s) {} past it: the engine never builds them and drops their weights",
+                if nextn > 0 { format!(" (+ {nextn} MTP)") } else { String::new() },
+                past.join(", ")
             ),
         });
     }

@@ -39,6 +39,12 @@ impl Checkpoint {
         Self::open_inner(path, true)
     }
 
+    /// Open without looking at `bf16/` (for commands told not to use the originals: a broken
+    /// originals directory is then no reason to refuse the checkpoint).
+    pub fn open_without_originals(path: &Path) -> Result<Checkpoint> {
+        Self::open_inner(path, false)
+    }
+
     fn open_inner(path: &Path, with_originals: bool) -> Result<Checkpoint> {
         let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;
         if !meta.is_dir() {

@@ -292,8 +292,84 @@ fn find_match(
     Ok(None)
 }
 
+/// A reading of a failing weight's bytes that [`repaired`] tries against its own original.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Repair {
+    /// The two FP4 codes of every byte exchanged: packed with element `2i` in the high
+    /// nibble (DESIGN.md §2: the low one).
+    Nibbles,
+    /// The block scales read as the 128x4 swizzled layout the kernels take (checkpoints hold
+    /// them linear `[N, K/16]`).
+    Unswizzled,
+}
+
+impl Repair {
+    const ALL: [Repair; 2] = [Repair::Nibbles, Repair::Unswizzled];
+
+    fn verdict(self, cosine: f64) -> String {
+        match self {
+            Repair::Nibbles => format!(
+                "; with the two FP4 codes of every byte exchanged it matches its original (cosine {cosine:.4}): the nibble order is swapped - element 2i belongs in the low nibble, 2i+1 in the high one (the packer or the loader uses the other order)"
+            ),
+            Repair::Unswizzled => format!(
+                "; with its block scales read as the kernels' 128x4 swizzled layout it matches its original (cosine {cosine:.4}): the block scales were stored swizzled, while checkpoints hold them linear [N, K/16] (a kernel-side tensor written back to the checkpoint)"
+            ),
+        }
+    }
+}
+
+/// The comparison of a failing weight, read as `repair` says, with its own original, when it
+/// passes so.
+fn repaired(
+    ck: &Checkpoint,
+    orig: &Checkpoint,
+    f: &Failing,
+    min_cosine: f64,
+    repair: Repair,
+) -> Result<Option<Metrics>> {
+    let g = f.geometry;
+    let packed = ck.bytes(&f.names.weight)?;
+    let scales = ck.bytes(&f.names.weight_scale)?;
+    let kb = g.cols / g.format.block().max(1);
+    let (packed, scales): (Cow<[u8]>, Cow<[u8]>) = match repair {
+        Repair::Nibbles => (
+            Cow::Owned(packed.par_iter().map(|b| b.rotate_left(4)).collect()),
+            Cow::Borrowed(scales),
+        ),
+        Repair::Unswizzled => {
+            if scales.len() != crate::nvfp4::layout::swizzled_len(g.rows, kb) {
+                return Ok(None);
+            }
+            let linear = crate::nvfp4::layout::unswizzle(scales, g.rows, kb);
+            // identical in both layouts: nothing to tell
+            if linear.as_slice() == scales {
+                return Ok(None);
+            }
+            (Cow::Borrowed(packed), Cow::Owned(linear))
+        }
+    };
+    let (Some(packed), Some(view)) = (
+        Mat::dense(&packed, g.rows, g.cols / 2),
+        original_view(orig, &original_name(&f.names.base), g.rows, g.cols),
+    ) else {
+        return Ok(None);
+    };
+    let q = QMatrix {
+        format: g.format,
+        rows: g.rows,
+        cols: g.cols,
+        packed,
+        scales,
+        scale_2: f.scale_2,
+    };
+    Ok(CpuDiff
+        .metrics(&Values::D(view), &Values::Q(&q))?
+        .filter(|m| !fails(m, min_cosine)))
+}
+
 /// One finding per failing linear: where it is, how far off, and — when its layer holds the
-/// original it matches instead — the likely bug.
+/// original it matches instead, or it matches its own when its bytes are read another way
+/// (nibbles swapped, block scales swizzled) — the likely bug.
 pub fn diagnose(
     ck: &Checkpoint,
     orig: &Checkpoint,
@@ -319,6 +395,22 @@ pub fn diagnose(
             None => Ok(None),
         })
         .collect::<Result<_>>()?;
+    // the first reading of its bytes that makes a weight matching no other original its own
+    let swapped: Vec<Option<(Repair, Metrics)>> = failing
+        .par_iter()
+        .zip(&matches)
+        .map(|(f, m)| {
+            if m.is_some() || !below(f.check.metrics.cosine, min_cosine) {
+                return Ok(None);
+            }
+            for r in Repair::ALL {
+                if let Some(mm) = repaired(ck, orig, f, min_cosine, r)? {
+                    return Ok(Some((r, mm)));
+                }
+            }
+            Ok(None)
+        })
+        .collect::<Result<_>>()?;
     // original a failing weight holds -> whose it is
     let held: HashMap<String, &str> = failing
         .iter()
@@ -330,7 +422,7 @@ pub fn diagnose(
         .collect();
     let n = naming.as_ref();
     let mut out = vec![];
-    for (f, m) in failing.iter().zip(&matches) {
+    for ((f, m), sw) in failing.iter().zip(&matches).zip(&swapped) {
         let base = &f.names.base;
         let own = original_name(base);
         let c = &f.check.metrics;
@@ -421,6 +513,11 @@ pub fn diagnose(
                         ""
                     }
                 );
+            }
+            None if sw.is_some() => {
+                if let Some((r, mm)) = sw {
+                    detail += &r.verdict(mm.cosine);
+                }
             }
             None if below(c.cosine, min_cosine) => {
                 detail += "; it matches no other original of its shape in its layer, nor its own in another layer: corrupted codes or block scales, or a weight quantized from another tensor";

@@ -56,7 +56,11 @@ pub fn run(args: &Args) -> Result<Report> {
             return Err(Error::usage(format!("{flag} must be a finite factor > 1")));
         }
     }
-    let ck = Checkpoint::open(&args.path)?;
+    let ck = if args.no_originals {
+        Checkpoint::open_without_originals(&args.path)?
+    } else {
+        Checkpoint::open(&args.path)?
+    };
     let opts = AuditOptions {
         saturation_limit: args.saturation_limit,
         input_scale_outlier: args.input_scale_outlier,
@@ -127,7 +131,9 @@ pub fn run(args: &Args) -> Result<Report> {
         "BF16 originals",
         match (&res.originals, ck.originals()) {
             (Some(p), _) => format!("{} linears compared with {}", checked.len(), p.display()),
-            (None, Some(_)) => "not compared (--no-originals)".into(),
+            // --no-originals does not open them
+            (None, _) if args.no_originals => "not compared (--no-originals)".into(),
+            (None, Some(_)) => "not compared".into(),
             (None, None) => "none shipped".into(),
         },
     ));

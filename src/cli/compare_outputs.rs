@@ -21,8 +21,10 @@ layer (output + the dumped shared experts) against the BF16 reference, and cosin
 routed output against ours (the same function up to FP32 summation order). On a failure the known \
 engine bugs (gate/up reversed, block scales read in the other layout, routing weights not applied, \
 routing weights applied to the wrong slots of a token: shifted by one slot, topk_ids sorted but not \
-topk_weights or the reverse; shared experts included) are recomputed on the CPU and the one the output matches is named; an output \
-off by a factor (cosine 1, wrong norm) fails as a scale error."
+topk_weights or the reverse; shared experts included once or twice) are recomputed on the CPU and the one the output matches is named; an output \
+off by a factor (cosine 1, wrong norm) fails as a scale error; rows each off by a factor of their own as per-token routing weights \
+(top-k weights not renormalized); rows that are ours less one slot's expert output name the dropped expert per token; rows of \
+other tokens as a permutation."
 )]
 pub struct Args {
     /// Directory written by `layertest --dump-inputs DIR`
@@ -113,9 +115,21 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let pass = j.pass();
     // a scale error is said by the blame; localizing it would list every token
-    let local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
+    let mut local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
         .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
         .flatten();
+    // rows that are ours less one slot's expert output: name the dropped experts exactly, also
+    // one that served a single token, or several (the localization's one-expert rule needs one
+    // expert shared by two or more deviating tokens, and can pick another expert they share)
+    if let Some(l) = local.as_mut().filter(|l| {
+        j.diagnosis.is_none()
+            && l.permuted.is_empty()
+            && l.token_factors.is_none()
+            && macs <= KERNEL_CHECK_MAX_MACS
+    }) {
+        let ps = byok::expert_outputs(&d.layer, &d.hidden, &d.routing, &d.scales)?;
+        byok::name_dropped_slots(l, &theirs, &x.nvfp4_routed, &ps, &d.routing, h);
+    }
     let headline = match j.blame() {
         Some(b) if j.diagnosis.is_none() && local.is_some() => format!(
             "{}: {b}; {}",

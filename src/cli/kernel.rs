@@ -177,6 +177,26 @@ pub fn judge_plugin(
     Ok((byok::judge(&o, min_cosine, &variants), None))
 }
 
+/// Where a plugin's routed output deviates from ours, as compare-outputs says it (one
+/// expert's, an expert's slot dropped per token, rows scaled per token, rows permuted, rows
+/// never written): None when it agrees, or when a known bug already explains it.
+pub fn localize_plugin(
+    theirs_routed: &[f32],
+    ours: &MoeOutput,
+    routing: &Routing,
+    hidden: usize,
+    j: &Judgement,
+) -> Option<byok::Localization> {
+    if j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE) || j.diagnosis.is_some() {
+        return None;
+    }
+    let ps = ours.per_slot.as_deref()?;
+    let ours_routed = byok::routed_sum(ps, routing, hidden);
+    let mut l = byok::localize(theirs_routed, &ours_routed, routing, hidden)?;
+    byok::name_dropped_slots(&mut l, theirs_routed, &ours_routed, ps, routing, hidden);
+    Some(l)
+}
+
 /// The three-way table and the suspects.
 pub fn sections(j: &Judgement, who: &str, note: Option<&str>, hidden: usize) -> Vec<Section> {
     let row = |name: &str, m: &crate::metrics::Metrics, min: f64, ok: bool| {
@@ -315,6 +335,74 @@ mod tests {
         assert_eq!(got.len(), want.len());
         for (j, (a, b)) in got.iter().zip(&want).enumerate() {
             assert_eq!(a.to_bits(), b.to_bits(), "seed {seed} at {j}");
+        }
+    }
+
+    /// `layertest --kernel` used to fail a plugin that permutes tokens, drops one expert's slot
+    /// of a token or scales each token's weights by its own factor with "the bug is in the
+    /// kernel under test" only; it now localizes as compare-outputs does (on the CPU here:
+    /// the plugin's output is built as such a kernel computes it).
+    #[test]
+    fn plugin_deviation_is_localized_as_compare_outputs_does() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let m = SyntheticModel::new(Preset::Tiny, seed);
+        let layer = m.moe_layer(1).unwrap();
+        let t = 10;
+        let (x, ids) = m.activations(1, t, seed);
+        let r = crate::moe::route(&layer, &x, Some(&ids)).unwrap();
+        let (h, k, e) = (
+            layer.config.hidden_size,
+            r.top_k,
+            layer.config.n_routed_experts,
+        );
+        let scales = ActScales::Fixed {
+            gs1: vec![crate::nvfp4::GS_DENOM / crate::moe::forward::amax(&x); e],
+            gs2: vec![2000.0; e],
+        };
+        let path = MoePath::Nvfp4 {
+            scales: &scales,
+            flavor: crate::nvfp4::Flavor::Reference,
+        };
+        let ours = crate::moe::moe_forward(&layer, &x, &r, &path, true).unwrap();
+        let shared = shared_out(&CpuBackend::new(), &layer, &x, &r).unwrap();
+        let ps = ours.per_slot.clone().unwrap();
+        let routed = byok::routed_sum(&ps, &r, h);
+        let feeding = Feeding {
+            layout: None,
+            ep: None,
+        };
+        // tokens a and b exchanged; slot s of token a dropped; each token scaled by its own
+        let (a, b) = (rng.gen_range(0..t), rng.gen_range(0..t - 1));
+        let b = if b >= a { b + 1 } else { b };
+        let mut permuted = routed.clone();
+        for c in 0..h {
+            permuted.swap(a * h + c, b * h + c);
+        }
+        let slot = a * k + rng.gen_range(0..k);
+        let mut dropped_r = r.clone();
+        dropped_r.topk_weights[slot] = 0.0;
+        let dropped = byok::routed_sum(&ps, &dropped_r, h);
+        let mut scaled = routed.clone();
+        for row in scaled.chunks_mut(h) {
+            let f = rng.gen_range(1.5f32..3.5);
+            row.iter_mut().for_each(|v| *v *= f);
+        }
+        let want_drop = format!("token {a}: expert {}", r.topk_ids[slot]);
+        for (name, theirs, want) in [
+            ("permuted", &permuted, "tokens permuted".to_string()),
+            ("dropped", &dropped, want_drop),
+            ("scaled", &scaled, "not renormalized".to_string()),
+        ] {
+            let (j, _) = judge_plugin(
+                theirs, &ours, &ours.out, &shared, &layer, &x, &r, &scales, feeding, 0.5,
+            )
+            .unwrap();
+            assert!(!j.pass(), "seed {seed} {name}");
+            let l = localize_plugin(theirs, &ours, &r, h, &j)
+                .unwrap_or_else(|| panic!("seed {seed} {name}: not localized"));
+            assert!(l.text.contains(&want), "seed {seed} {name}: {}", l.text);
         }
     }
 

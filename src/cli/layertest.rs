@@ -940,7 +940,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 layout: Some(p.scale_layout),
                 ep,
             };
-            Some(kernel::judge_plugin(
+            let (j, note) = kernel::judge_plugin(
                 &theirs,
                 &nv1,
                 &rf.out,
@@ -951,7 +951,9 @@ pub fn run(args: &Args) -> Result<Report> {
                 &scales,
                 feeding,
                 args.min_cosine,
-            )?)
+            )?;
+            let local = kernel::localize_plugin(&theirs, &nv1, &routing, hsz, &j);
+            Some((j, note, local))
         }
         _ => None,
     };
@@ -1130,10 +1132,18 @@ pub fn run(args: &Args) -> Result<Report> {
             KERNEL_CHECK_MIN_COSINE
         ));
     }
-    if let Some(b) = byok.as_ref().and_then(|(j, _)| j.blame()) {
+    if let Some((b, local)) = byok
+        .as_ref()
+        .and_then(|(j, _, local)| j.blame().map(|b| (b, local)))
+    {
         let who = plugin.as_ref().map_or(String::new(), |p| {
             format!("kernel plugin {} ({})", p.path.display(), p.name)
         });
+        // where it deviates, when no known bug explains it (as compare-outputs says it)
+        let b = match local {
+            Some(l) => format!("{b}; {}", l.text),
+            None => b,
+        };
         // the plugin's verdict first: it is what --kernel asked about
         failures.insert(0, format!("{who}: {b}"));
     }
@@ -1184,8 +1194,9 @@ pub fn run(args: &Args) -> Result<Report> {
         "dropped_by_rank": ep_run.as_ref().map(|x| dropped_by_rank(&x.ranks)),
         "graph_replay_bitwise_equal": graph.as_ref().map(|g| g.graph_replay_bitwise_equal),
         "kernel": plugin.as_ref().map_or("builtin".to_string(), |p| p.path.display().to_string()),
-        "kernel_pass": byok.as_ref().map(|(j, _)| j.pass()),
-        "kernel_diagnosis": byok.as_ref().and_then(|(j, _)| j.diagnosis),
+        "kernel_pass": byok.as_ref().map(|(j, _, _)| j.pass()),
+        "kernel_diagnosis": byok.as_ref().and_then(|(j, _, _)| j.diagnosis),
+        "kernel_localization": byok.as_ref().and_then(|(_, _, l)| l.as_ref()),
         "dump_inputs": args.dump_inputs.as_ref().map(|d| d.display().to_string()),
     });
 
@@ -1337,7 +1348,7 @@ pub fn run(args: &Args) -> Result<Report> {
             ],
         ));
     }
-    if let Some((j, note)) = &byok {
+    if let Some((j, note, _)) = &byok {
         let who = plugin.as_ref().map_or("builtin".into(), |p| {
             format!("{} ({})", p.path.display(), p.name)
         });

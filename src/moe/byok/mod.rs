@@ -55,6 +55,9 @@ pub enum SuspectedBug {
     WeightsNotApplied,
     /// The shared experts added to the routed output (the contract is routed-only).
     SharedExpertsIncluded,
+    /// The shared experts added twice to the routed output (once by the kernel, once more by
+    /// the engine's own shared-expert add that the kernel was meant to leave to it).
+    SharedExpertsAddedTwice,
     /// Each token's weights one slot late: slot j+1 weighted with slot j's weight (cyclic).
     WeightsShiftedForward,
     /// Each token's weights one slot early: slot j weighted with slot j+1's weight (cyclic).
@@ -88,6 +91,9 @@ impl SuspectedBug {
             }
             SuspectedBug::SharedExpertsIncluded => {
                 "the shared experts are added to the routed output (the output must be the routed experts' sum only; the shared experts are added once more by the comparison)"
+            }
+            SuspectedBug::SharedExpertsAddedTwice => {
+                "the shared experts are added twice to the routed output (the output must be the routed experts' sum only; with the comparison's own add the layer holds the shared experts three times)"
             }
             SuspectedBug::WeightsShiftedForward => {
                 "routing weights applied to the wrong slots: each token's slot j+1 is weighted with slot j's weight (the last slot's wraps to slot 0) - an off-by-one in the topk_weights index"
@@ -141,6 +147,22 @@ pub fn routed_cpu(
 ) -> Result<Vec<f32>> {
     let ps = per_slot_cpu(layer, hidden, routing, scales)?;
     Ok(routed_sum(&ps, routing, layer.config.hidden_size))
+}
+
+/// The unweighted expert outputs `[T*K, hidden]` of `layer` (CPU NVFP4 path, reference
+/// flavor), for [`dropped_slots`].
+pub fn expert_outputs(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+) -> Result<Vec<f32>> {
+    per_slot_cpu(
+        &variant_layer(layer, |x| x.clone()),
+        hidden,
+        routing,
+        scales,
+    )
 }
 
 /// The unweighted expert outputs `[T*K, hidden]` of `layer` (CPU NVFP4 path, reference
@@ -414,14 +436,23 @@ pub struct Outputs<'a> {
 }
 
 /// Judge the plugin; `variants` (from [`bug_variants`]) feed the diagnosis, to which the
-/// shared experts added to the routed output (ours + shared) is added here when there are any.
+/// shared experts added to the routed output once or twice (ours + shared, ours + 2·shared) are
+/// added here when there are any.
 pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]) -> Judgement {
     let with_shared: Vec<(SuspectedBug, Vec<f32>)> =
         if variants.is_empty() || o.shared.iter().all(|&v| v == 0.0) {
             vec![]
         } else {
-            let v = o.ours_routed.iter().zip(o.shared).map(|(a, b)| a + b);
-            vec![(SuspectedBug::SharedExpertsIncluded, v.collect())]
+            let plus = |k: f32| {
+                o.ours_routed
+                    .iter()
+                    .zip(o.shared)
+                    .map(move |(a, b)| a + k * b)
+            };
+            vec![
+                (SuspectedBug::SharedExpertsIncluded, plus(1.0).collect()),
+                (SuspectedBug::SharedExpertsAddedTwice, plus(2.0).collect()),
+            ]
         };
     let theirs_layer: Vec<f32> = o
         .theirs_routed
@@ -506,6 +537,9 @@ pub struct Localization {
     pub expert: Option<usize>,
     /// `(row, token)`: the row holds that other token's output (tokens permuted).
     pub permuted: Vec<(usize, usize)>,
+    /// `(min, max)` of `theirs / ours` over the deviating rows when every one of them has our
+    /// direction: each token's output scaled by a factor of its own (its routing weights).
+    pub token_factors: Option<(f64, f64)>,
     /// The finding in words.
     pub text: String,
 }
@@ -606,6 +640,7 @@ pub fn localize(
             }
         }
     }
+    let token_factors = token_factors(theirs, ours, &deviating, &per, hidden);
     let n = deviating.len();
     let list = |v: &[usize]| {
         let mut s: Vec<String> = v.iter().take(8).map(|x| x.to_string()).collect();
@@ -626,6 +661,23 @@ pub fn localize(
             pairs.join(", "),
             if n > pairs.len() { ", …" } else { "" }
         )
+    } else if let Some((lo, hi)) = token_factors {
+        if hi - lo > TOKEN_FACTOR_SPREAD * hi.abs() {
+            format!(
+                "{n} of {t} tokens deviate, each with our direction (cosine >= {AGREE_MIN_COSINE}) \
+                 but scaled by a factor of its own (x{lo:.4} to x{hi:.4} of ours): each token's \
+                 routing weights are off by a per-token factor - top-k weights not renormalized \
+                 to sum 1 (norm_topk_prob), or renormalized when they should not be (tokens {})",
+                list(&deviating)
+            )
+        } else {
+            format!(
+                "{n} of {t} tokens deviate, each with our direction (cosine >= {AGREE_MIN_COSINE}) \
+                 but x{hi:.4} of ours: those tokens' routing weights or outputs are scaled \
+                 (tokens {})",
+                list(&deviating)
+            )
+        }
     } else if let Some(e) = expert {
         format!(
             "{n} of {t} tokens deviate, and every one of them routes to expert {e} (tokens not \
@@ -652,8 +704,137 @@ pub fn localize(
         zero_tokens,
         expert,
         permuted,
+        token_factors,
         text,
     })
+}
+
+/// The `deviating` tokens each of whose rows is ours less exactly one slot's weighted expert
+/// output (`per_slot`: [`expert_outputs`]), that slot's contribution dropped: `(token,
+/// expert)` for every one of them, or None when one is not so explained. Unlike
+/// [`Localization::expert`] this needs no other token: an expert that served one token, or
+/// several experts each missing somewhere, are named too.
+pub fn dropped_slots(
+    theirs: &[f32],
+    ours: &[f32],
+    per_slot: &[f32],
+    routing: &Routing,
+    hidden: usize,
+    deviating: &[usize],
+) -> Option<Vec<(usize, i32)>> {
+    let k = routing.top_k;
+    if deviating.is_empty() || per_slot.len() != routing.tokens * k * hidden {
+        return None;
+    }
+    deviating
+        .iter()
+        .map(|&i| {
+            let row = |v: &[f32]| v[i * hidden..(i + 1) * hidden].to_vec();
+            let (mine, base) = (row(theirs), row(ours));
+            (0..k).find_map(|slot| {
+                let s = i * k + slot;
+                let w = routing.topk_weights[s];
+                if w == 0.0 {
+                    return None;
+                }
+                let y = &per_slot[s * hidden..(s + 1) * hidden];
+                let less: Vec<f32> = base.iter().zip(y).map(|(&b, &v)| b - w * v).collect();
+                same_up_to_noise(&compare(&mine, &less), AGREE_MIN_COSINE)
+                    .then_some((i, routing.topk_ids[s]))
+            })
+        })
+        .collect()
+}
+
+/// Replace `l`'s text with the dropped expert slots when they explain every deviating row
+/// (not for rows permuted or scaled per token, which say more): `per_slot` as
+/// [`expert_outputs`] gives it.
+pub fn name_dropped_slots(
+    l: &mut Localization,
+    theirs: &[f32],
+    ours: &[f32],
+    per_slot: &[f32],
+    routing: &Routing,
+    hidden: usize,
+) {
+    if !l.permuted.is_empty() || l.token_factors.is_some() {
+        return;
+    }
+    if let Some(p) = dropped_slots(theirs, ours, per_slot, routing, hidden, &l.deviating_tokens) {
+        l.text = dropped_slots_text(&p, routing.tokens);
+    }
+}
+
+/// [`dropped_slots`] in words.
+pub fn dropped_slots_text(pairs: &[(usize, i32)], tokens: usize) -> String {
+    let mut experts: Vec<i32> = pairs.iter().map(|p| p.1).collect();
+    experts.sort_unstable();
+    experts.dedup();
+    let n = pairs.len();
+    let shown: Vec<String> = pairs
+        .iter()
+        .take(8)
+        .map(|(t, e)| format!("token {t}: expert {e}"))
+        .collect();
+    let more = if n > 8 {
+        format!(", … {} more", n - 8)
+    } else {
+        String::new()
+    };
+    match experts[..] {
+        [e] => format!(
+            "{n} of {tokens} tokens deviate, each by exactly its slot of expert {e} (our output \
+             less that expert's weighted output): expert {e}'s output is wrong or missing - its \
+             contribution is dropped ({}{more})",
+            shown.join(", ")
+        ),
+        _ => format!(
+            "{n} of {tokens} tokens deviate, each by exactly one slot's weighted expert output: \
+             the contributions of experts {} are dropped ({}{more})",
+            experts
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            shown.join(", ")
+        ),
+    }
+}
+
+/// Relative spread of the per-token factors past which they are a factor of each token's
+/// own, not one scale error (f32 summation noise moves a factor by ~1e-6).
+const TOKEN_FACTOR_SPREAD: f64 = 1e-3;
+
+/// `(min, max)` of the least-squares factor `theirs ≈ f · ours` over the `deviating` rows,
+/// when every one of them keeps our direction (cosine >= [`AGREE_MIN_COSINE`]).
+fn token_factors(
+    theirs: &[f32],
+    ours: &[f32],
+    deviating: &[usize],
+    per: &[Metrics],
+    hidden: usize,
+) -> Option<(f64, f64)> {
+    if deviating.is_empty() || !deviating.iter().all(|&i| per[i].cosine >= AGREE_MIN_COSINE) {
+        return None;
+    }
+    let factor = |i: usize| {
+        let r = i * hidden..(i + 1) * hidden;
+        let (d, nn) = theirs[r.clone()]
+            .iter()
+            .zip(&ours[r])
+            .fold((0f64, 0f64), |(d, n), (&a, &b)| {
+                (d + a as f64 * b as f64, n + b as f64 * b as f64)
+            });
+        d / nn
+    };
+    let fs: Vec<f64> = deviating.iter().map(|&i| factor(i)).collect();
+    if fs.iter().any(|f| !f.is_finite()) {
+        return None;
+    }
+    Some((
+        fs.iter().copied().fold(f64::INFINITY, f64::min),
+        fs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    ))
 }
 
 impl Judgement {
