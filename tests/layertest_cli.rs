@@ -690,3 +690,86 @@ fn a_batch_past_host_memory_is_bad_input_before_anything_is_allocated() {
         assert!(!text.contains("memory allocation of"), "{c}: {text}");
     }
 }
+
+/// Set element `at` of the BF16/F32 tensor `name` to NaN, in the shard the index of `dir`
+/// (a checkpoint directory, or its `bf16/` originals) places it in.
+fn nan_element(dir: &Path, name: &str, at: usize) {
+    let ix: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let shard = dir.join(ix["weight_map"][name].as_str().unwrap());
+    let mut b = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let nan: &[u8] = match h[name]["dtype"].as_str().unwrap() {
+        "BF16" => &[0xC0, 0x7F],
+        "F32" => &[0x00, 0x00, 0xC0, 0x7F],
+        d => panic!("{name}: {d}"),
+    };
+    let at = 8 + n + h[name]["data_offsets"][0].as_u64().unwrap() as usize + at * nan.len();
+    b[at..at + nan.len()].copy_from_slice(nan);
+    std::fs::write(&shard, b).unwrap();
+}
+
+/// A NaN in a float tensor the layer computes with (router weight, its correction bias, a
+/// shared-expert weight, a BF16 original the reference uses) is bad input naming that tensor
+/// and element. They used to surface as an anonymous NaN in the output (or the reference), or
+/// — for the bias — pass: a NaN bias only reorders the selection.
+#[test]
+fn a_nan_in_a_float_tensor_of_the_layer_is_bad_input_naming_it() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let ck = dir.path().join("ck");
+    let (e, p) = (
+        rng.gen_range(0..16usize),
+        ["gate_proj", "up_proj", "down_proj"][rng.gen_range(0..3)],
+    );
+    let l = "model.layers.1.mlp";
+    let (file_dir, name, len, row_len) = match rng.gen_range(0..4) {
+        0 => (ck.clone(), format!("{l}.gate.weight"), 16 * 256, 256),
+        1 => (
+            ck.clone(),
+            format!("{l}.gate.e_score_correction_bias"),
+            16,
+            0,
+        ),
+        2 => (
+            ck.clone(),
+            format!("{l}.shared_experts.{p}.weight"),
+            128 * 256,
+            if p == "down_proj" { 128 } else { 256 },
+        ),
+        _ => (
+            ck.join("bf16"),
+            format!("{l}.experts.{e}.{p}.weight"),
+            128 * 256,
+            if p == "down_proj" { 128 } else { 256 },
+        ),
+    };
+    let at = rng.gen_range(0..len);
+    nan_element(&file_dir, &name, at);
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+        ],
+    );
+    let elem = match row_len {
+        0 => format!("element [{at}] is NaN"),
+        c => format!("element [{}, {}] is NaN", at / c, at % c),
+    };
+    assert_eq!(code, 2, "seed {seed}: {name} {elem}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`")) && text.contains(&elem),
+        "seed {seed}: {name} {elem}: {text}"
+    );
+}

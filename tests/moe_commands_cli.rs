@@ -476,3 +476,48 @@ fn multilayer_names_a_zero_or_nan_checkpoint_input_scale() {
         "seed {seed}: {named} = {v}: {text}"
     );
 }
+
+/// A NaN in a layer's post_attention_layernorm weight is bad input naming the tensor and
+/// element; it used to surface as "NaN in the NVFP4 residual stream from layer L on".
+#[test]
+fn multilayer_names_a_nan_in_a_norm_weight() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--layers", "4", "--seed", &seed.to_string()],
+    );
+    let (layer, at) = (rng.gen_range(1..4usize), rng.gen_range(0..256usize));
+    let name = format!("model.layers.{layer}.post_attention_layernorm.weight");
+    let ck = dir.path().join("ck");
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
+    let mut b = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    assert_eq!(header[&name]["dtype"], "BF16");
+    let off = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize + 2 * at;
+    b[off..off + 2].copy_from_slice(&[0xC0, 0x7F]);
+    std::fs::write(&file, b).unwrap();
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+        ],
+    );
+    assert_eq!(code, 2, "seed {seed}: {name}[{at}]: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`: element [{at}] is NaN")),
+        "seed {seed}: {text}"
+    );
+}

@@ -169,11 +169,14 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         &[e_count, hidden],
         "[n_routed_experts, hidden_size] from config.json",
     )?;
+    expect_finite(ck, &rw, &weight, &shape)?;
     let rb = n.router_bias(layer);
     let bias = if ck.contains(&rb) {
         let t = ck.info(&rb)?;
         expect_shape(ck, &rb, &t.shape, &[e_count], "[n_routed_experts]")?;
-        Some(ck.to_f32(&rb)?)
+        let b = ck.to_f32(&rb)?;
+        expect_finite(ck, &rb, &b, &[e_count])?;
+        Some(b)
     } else {
         None
     };
@@ -263,7 +266,9 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let norm_weight = if ck.contains(&nk) {
         let t = ck.info(&nk)?;
         expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
-        Some(ck.to_f32(&nk)?)
+        let w = ck.to_f32(&nk)?;
+        expect_finite(ck, &nk, &w, &[hidden])?;
+        Some(w)
     } else {
         None
     };
@@ -297,6 +302,28 @@ fn expect_shape(
         ));
     }
     Ok(())
+}
+
+/// Bad input naming the first NaN/Inf of the float tensor `name` (row-major, `shape`): an
+/// engine computes with it, and the layer's output (or, for a BF16 original, the reference)
+/// would be NaN with no tensor to blame.
+fn expect_finite(ck: &Checkpoint, name: &str, v: &[f32], shape: &[usize]) -> Result<()> {
+    let Some(i) = v.iter().position(|x| !x.is_finite()) else {
+        return Ok(());
+    };
+    let mut at = vec![];
+    let mut rest = i;
+    for &d in shape.iter().rev() {
+        at.push(rest % d.max(1));
+        rest /= d.max(1);
+    }
+    at.reverse();
+    let at: Vec<String> = at.iter().map(|x| x.to_string()).collect();
+    Err(Error::bad_tensor(
+        ck.file_of(name),
+        name,
+        format!("element [{}] is {}", at.join(", "), v[i]),
+    ))
 }
 
 /// A weight that may be stored quantized or in a float dtype, as f32 `[rows, cols]`.
@@ -353,13 +380,7 @@ fn load_expert_linear(
                     format!("in-features {cols} are not a multiple of 16: cannot be NVFP4"),
                 ));
             }
-            if let Some(i) = w.iter().position(|v| !v.is_finite()) {
-                return Err(Error::bad_tensor(
-                    ck.file_of(&wname),
-                    &wname,
-                    format!("element {i} is {}", w[i]),
-                ));
-            }
+            expect_finite(ck, &wname, &w, &shape)?;
             let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
             return Ok(QLinear {
                 weight: t,
@@ -391,7 +412,9 @@ fn load_expert_linear(
                 ),
             ));
         }
-        q.original = Some(o.to_f32(&wname)?);
+        let w = o.to_f32(&wname)?;
+        expect_finite(o, &wname, &w, &t.shape)?;
+        q.original = Some(w);
     }
     Ok(q)
 }
@@ -431,6 +454,9 @@ fn load_shared(
     let (w1, s1, n1) = get(Proj::Gate)?;
     let (w3, s3, n3) = get(Proj::Up)?;
     let (w2, s2, n2) = get(Proj::Down)?;
+    for (w, s, name) in [(&w1, &s1, &n1), (&w3, &s3, &n3), (&w2, &s2, &n2)] {
+        expect_finite(src_of(name), name, w, s)?;
+    }
     let inter = s1[0];
     expect_shape(
         ck,
