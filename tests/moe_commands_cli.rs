@@ -521,3 +521,57 @@ fn multilayer_names_a_nan_in_a_norm_weight() {
         "seed {seed}: {text}"
     );
 }
+
+/// One expert's checkpoint input_scale 1000x (gate/up, planted) or 100x (down) too small
+/// saturates that expert's activations: gs-sweep under `--gs checkpoint` names the expert
+/// and the GEMM. It used to say only that the layer's gs loses cosine.
+#[test]
+fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--plant", "bad-input-scale", "--seed", &seed],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    synth(dir.path(), &["--out", "down", "--seed", &seed]);
+    let name = format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale");
+    let ck = dir.path().join("down");
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
+    let b = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let at = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let v = f32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    set_scalar(&ck, &name, v / 100.0);
+    for (ckpt, gemm) in [("ck", "gate/up"), ("down", "down")] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "gs-sweep",
+                "--checkpoint",
+                ckpt,
+                "--device",
+                "cpu",
+                "--tokens",
+                "32",
+                "--points",
+                "5",
+                "--gs",
+                "checkpoint",
+            ],
+        );
+        assert_eq!(code, 1, "seed {seed} {ckpt}: {text}");
+        let f = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+        assert!(
+            f.contains(&format!("expert {e} {gemm} input")),
+            "seed {seed} {ckpt}: expert {e} {gemm}: {f}"
+        );
+    }
+}
