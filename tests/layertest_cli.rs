@@ -773,3 +773,59 @@ fn a_nan_in_a_float_tensor_of_the_layer_is_bad_input_naming_it() {
         "seed {seed}: {name} {elem}: {text}"
     );
 }
+
+/// Remove tensor `name` from its shard of checkpoint `ck` and from the index.
+fn remove_tensor(ck: &Path, name: &str) {
+    let ix_path = ck.join("model.safetensors.index.json");
+    let mut ix: Value = serde_json::from_slice(&std::fs::read(&ix_path).unwrap()).unwrap();
+    let shard = ck.join(ix["weight_map"][name].as_str().unwrap());
+    ix["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(&ix_path, ix.to_string()).unwrap();
+    let b = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+    let keep: Vec<(TensorSpec, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, v)| (TensorSpec::new(n, v.dtype(), v.shape()), v.data().to_vec()))
+        .collect();
+    write_file(&shard, keep, None).unwrap();
+}
+
+/// A layer without its e_score_correction_bias while config.json's topk_method is
+/// `noaux_tc` (selection on score + bias) is bad input naming the tensor: an engine would run
+/// it with an uninitialized or zero bias. It used to pass, routing without a bias.
+#[test]
+fn a_missing_correction_bias_under_noaux_tc_is_bad_input() {
+    let seed = rand::random::<u16>();
+    let layer = 1 + (seed % 2) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let name = format!("model.layers.{layer}.mlp.gate.e_score_correction_bias");
+    remove_tensor(&dir.path().join("ck"), &name);
+    let l = layer.to_string();
+    let args = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--layer",
+        &l,
+    ];
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`: missing")) && text.contains("noaux_tc"),
+        "seed {seed}: {text}"
+    );
+    // a config.json without topk_method leaves the bias optional
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("topk_method");
+    std::fs::write(&p, c.to_string()).unwrap();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+}

@@ -575,3 +575,68 @@ fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
         );
     }
 }
+
+/// config.json's num_hidden_layers ends the model before a layer holding experts, or its
+/// moe_layer_freq makes that layer dense: an engine never runs those experts, so every command
+/// taking a layer refuses it (exit 2 naming the field and the layer) as it does for
+/// first_k_dense_replace. They used to run them and give a verdict on unused weights.
+#[test]
+fn a_layer_num_hidden_layers_or_moe_layer_freq_rules_out_is_refused() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    // tiny: 3 layers, layer 0 dense, experts in layers 1 and 2
+    synth(dir.path(), &["--out", "ck", "--seed", &seed.to_string()]);
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let (field, value, layer, left) = match rng.gen_range(0..2) {
+        0 => ("num_hidden_layers", 2, 2, 1),
+        _ => ("moe_layer_freq", 2, 1, 2),
+    };
+    c[field] = value.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let l = layer.to_string();
+    let (cmd, extra): (&str, Vec<&str>) = match rng.gen_range(0..3) {
+        0 => ("layertest", vec!["--layer", &l]),
+        1 => ("gs-sweep", vec!["--layer", &l, "--points", "3"]),
+        _ => ("multilayer", vec!["--layers", "1..3"]),
+    };
+    let mut args = vec![
+        cmd,
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ];
+    args.extend(extra);
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {cmd} {field}: {text}");
+    for want in [
+        format!("layer {layer} is not an MoE layer"),
+        format!("{field} = {value}"),
+        format!("MoE layers: {left}"),
+    ] {
+        assert!(
+            text.contains(&want),
+            "seed {seed} {cmd}: no `{want}` in {text}"
+        );
+    }
+    // without a layer: only the one MoE layer left
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+        ],
+    );
+    assert_ne!(code, 2, "seed {seed} {field}: {text}");
+    assert_eq!(r.unwrap()["summary"]["layer"], left, "seed {seed}: {text}");
+}

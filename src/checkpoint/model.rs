@@ -44,10 +44,41 @@ impl MoeCheckpoint {
     }
 
     /// Indices of the MoE layers: those holding MoE tensors that config.json does not make
-    /// dense (`first_k_dense_replace`).
+    /// dense (`first_k_dense_replace`, `moe_layer_freq`) nor leave out (`num_hidden_layers`).
     pub fn moe_layers(&self) -> Vec<usize> {
         let k = self.config.moe.first_k_dense_replace;
-        self.layers.keys().copied().filter(|&l| l >= k).collect()
+        self.layers
+            .keys()
+            .copied()
+            .filter(|&l| l >= k && self.ruled_out_past_k(l).is_none())
+            .collect()
+    }
+
+    /// Why config.json rules out layer `l` (at or past `first_k_dense_replace`) as an MoE
+    /// layer an engine builds: past `num_hidden_layers`, or off `moe_layer_freq`.
+    fn ruled_out_past_k(&self, l: usize) -> Option<String> {
+        let (n, freq) = (
+            self.config.moe.num_hidden_layers,
+            self.config.moe_layer_freq,
+        );
+        if l >= n {
+            Some(format!(
+                "config.json's num_hidden_layers = {n} ends the model at layer {}",
+                n.saturating_sub(1)
+            ))
+        } else if !l.is_multiple_of(freq) {
+            Some(format!(
+                "config.json's moe_layer_freq = {freq} makes it a dense MLP (MoE blocks only \
+                 where layer % {freq} == 0)"
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Layers holding routed-expert tensors, whatever config.json says of them.
+    pub fn expert_layers(&self) -> Vec<usize> {
+        self.layers.keys().copied().collect()
     }
 
     /// Layers holding routed-expert tensors that config.json's `first_k_dense_replace` makes
@@ -76,19 +107,25 @@ impl MoeCheckpoint {
             1 => "layer 0".to_string(),
             _ => format!("layers 0-{}", k.saturating_sub(1)),
         };
-        let what = match self.layers.get(&layer) {
-            Some(inv) if layer < k => format!(
+        let what = match (self.layers.get(&layer), self.ruled_out_past_k(layer)) {
+            (Some(inv), Some(why)) if layer >= k => format!(
+                "layer {layer} is not an MoE layer: {why}, although layer {layer} holds {} \
+                 routed experts. An engine never runs them, so a verdict on them would be about \
+                 weights nobody uses (MoE layers: {listed})",
+                inv.experts.len()
+            ),
+            (Some(inv), _) if layer < k => format!(
                 "layer {layer} is not an MoE layer: config.json's first_k_dense_replace = {k} makes \
                  {dense} dense MLPs, although layer {layer} holds {} routed experts. An engine \
                  builds a dense MLP there and never runs them, so a verdict on them would be about \
                  weights nobody uses (MoE layers: {listed}; `audit` flags those tensors)",
                 inv.experts.len()
             ),
-            _ if k > 0 => format!(
+            (_, _) if k > 0 => format!(
                 "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed}; \
                  config.json's first_k_dense_replace = {k} makes {dense} dense)"
             ),
-            _ => format!(
+            (_, _) => format!(
                 "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed})"
             ),
         };
@@ -177,6 +214,14 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         let b = ck.to_f32(&rb)?;
         expect_finite(ck, &rb, &b, &[e_count])?;
         Some(b)
+    } else if mc.config.topk_method.as_deref() == Some("noaux_tc") && !cfg.is_hash_layer(layer) {
+        return Err(Error::bad_tensor(
+            ck.path(),
+            &rb,
+            "missing: config.json's topk_method = \"noaux_tc\" selects experts on score + \
+             e_score_correction_bias, and an engine would run this layer with an uninitialized \
+             or zero bias",
+        ));
     } else {
         None
     };

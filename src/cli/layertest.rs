@@ -390,6 +390,16 @@ impl Model {
             self.check_layer(l)?;
             return Ok(l);
         }
+        if let (None, Model::Checkpoint { ckpt, .. }) = (self.moe_layers().first(), self) {
+            // experts that config.json rules out past first_k_dense_replace: its own words
+            if let Some(&l) = ckpt
+                .expert_layers()
+                .iter()
+                .find(|&&l| l >= self.config().first_k_dense_replace)
+            {
+                ckpt.check_layer(l)?;
+            }
+        }
         self.moe_layers().first().copied().ok_or_else(|| {
             let dense = match self {
                 Model::Checkpoint { ckpt, .. } => ckpt.dense_by_config(),
