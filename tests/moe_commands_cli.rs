@@ -640,3 +640,46 @@ fn a_layer_num_hidden_layers_or_moe_layer_freq_rules_out_is_refused() {
     assert_ne!(code, 2, "seed {seed} {field}: {text}");
     assert_eq!(r.unwrap()["summary"]["layer"], left, "seed {seed}: {text}");
 }
+
+/// One expert's weight_scale_2 zero, negative or not finite is bad input naming the layer,
+/// expert, tensor and value for every command: an engine's alpha zeroes, flips or blows up
+/// that expert's output. gs-sweep used to pass on a zero or negative one (the gs was fine).
+#[test]
+fn an_unusable_weight_scale_2_is_bad_input_for_every_command() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), &["--out", "ck", "--seed", &seed.to_string()]);
+    let (layer, e) = (rng.gen_range(1..3usize), rng.gen_range(0..16usize));
+    let p = ["gate_proj", "up_proj", "down_proj"][rng.gen_range(0..3)];
+    let name = format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight_scale_2");
+    let v = [0.0, -0.003, f32::NAN, f32::INFINITY][rng.gen_range(0..4)];
+    set_scalar(&dir.path().join("ck"), &name, v);
+    let l = layer.to_string();
+    let (cmd, extra): (&str, Vec<&str>) = match rng.gen_range(0..3) {
+        0 => ("layertest", vec!["--layer", &l]),
+        1 => (
+            "gs-sweep",
+            vec!["--layer", &l, "--points", "3", "--gs", "checkpoint"],
+        ),
+        _ => ("multilayer", vec![]),
+    };
+    let mut args = vec![
+        cmd,
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ];
+    args.extend(extra);
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {cmd} {name} = {v}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`"))
+            && text.contains(&format!("weight_scale_2 = {v}")),
+        "seed {seed} {cmd}: {text}"
+    );
+}

@@ -3,13 +3,13 @@
 //! experts and the norm in front of the block. HF-V3 and native-V4 names.
 
 use super::config::ModelConfig;
-use super::formats::{find_linear, read_linear};
+use super::formats::{find_linear, read_linear, LinearNames};
 use super::hf::Checkpoint;
 use super::names::{inventory, LayerNames, Naming, Proj, Scheme};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
 use crate::moe::{DenseMlp, Expert, MoeLayer, QLinear, Router};
-use crate::nvfp4::quantize_weight_nvfp4;
+use crate::nvfp4::{quantize_weight_nvfp4, ScaleProblem};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -371,6 +371,26 @@ fn expect_finite(ck: &Checkpoint, name: &str, v: &[f32], shape: &[usize]) -> Res
     ))
 }
 
+/// Bad input when an expert's weight_scale_2 (`ws2`, dequant direction) cannot be a global
+/// scale: an engine's `alpha = input_scale * weight_scale_2` zeroes (0), flips (< 0) or blows
+/// up (NaN/Inf) that expert's output. (A tiny positive one is a near-zero weight, not a fault.)
+fn expect_usable_global_scale(ck: &Checkpoint, ln: &LinearNames, ws2: f32) -> Result<()> {
+    let why = match ScaleProblem::of(ws2) {
+        Some(ScaleProblem::NotFinite) => "every output of this expert becomes NaN/Inf",
+        Some(ScaleProblem::Zero) => "a global scale must be positive: this expert's output is zero",
+        Some(ScaleProblem::Negative) => {
+            "a global scale must be positive: an engine's alpha flips this expert's output"
+        }
+        Some(ScaleProblem::ReciprocalOverflows) | None => return Ok(()),
+    };
+    let name = ln.global_scale.as_deref().unwrap_or(&ln.weight);
+    Err(Error::bad_tensor(
+        ck.file_of(name),
+        name,
+        format!("gives weight_scale_2 = {ws2}: {why}"),
+    ))
+}
+
 /// A weight that may be stored quantized or in a float dtype, as f32 `[rows, cols]`.
 fn read_dense(src: &dyn TensorSource, name: &str) -> Result<Option<(Vec<f32>, Vec<usize>)>> {
     let base = name.strip_suffix(".weight").unwrap_or(name);
@@ -408,7 +428,11 @@ fn load_expert_linear(
 ) -> Result<QLinear> {
     let wname = format!("{base}.weight");
     let mut q = match find_linear(ck, base)? {
-        Some(ln) => read_linear(ck, &ln)?,
+        Some(ln) => {
+            let q = read_linear(ck, &ln)?;
+            expect_usable_global_scale(ck, &ln, q.weight.scale_2)?;
+            q
+        }
         None => {
             let (w, shape) = read_dense(ck, &wname)?.ok_or_else(|| {
                 Error::bad_tensor(
