@@ -829,3 +829,51 @@ fn a_missing_correction_bias_under_noaux_tc_is_bad_input() {
     let (code, text, _) = run(dir.path(), &args);
     assert_ne!(code, 2, "seed {seed}: {text}");
 }
+
+/// One expert's down_proj input_scale 100x too small saturates its SwiGLU output before W2:
+/// under `--gs checkpoint` the expert fails and the failure says its down_proj input
+/// saturates. It used to give only the expert's cosine (the gate/up blocks were fine).
+#[test]
+fn a_saturated_down_proj_input_is_named_as_the_cause() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    // the planted fault marks the busiest expert of this seed
+    synth(
+        dir.path(),
+        "p",
+        &["--seed", &seed, "--plant", "bad-input-scale"],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("p/planted.json")).unwrap()).unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed]);
+    scale_scalar(
+        &dir.path().join("ck"),
+        &format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale"),
+        0.01,
+    );
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let failures = r.unwrap()["failures"].to_string();
+    let ours = failures
+        .split("\",\"")
+        .find(|f| f.contains(&format!("expert {e}:")))
+        .unwrap_or_else(|| panic!("seed {seed}: expert {e} not failed: {failures}"));
+    assert!(
+        ours.contains("its down_proj input saturates"),
+        "seed {seed}: {ours}"
+    );
+}
