@@ -877,3 +877,48 @@ fn a_saturated_down_proj_input_is_named_as_the_cause() {
         "seed {seed}: {ours}"
     );
 }
+
+/// gate_proj and up_proj of one expert with different weight_scale_2: engines fuse them into
+/// one w13 GEMM with one global scale (vLLM keeps the gate's, with a warning), so the up
+/// projection an engine computes is off by their ratio. Bad input naming the layer, expert and
+/// both values, for every command; all three used to pass (they compute each with its own).
+#[test]
+fn a_gate_up_weight_scale_2_mismatch_is_bad_input() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (layer, e) = (rng.gen_range(1..3usize), rng.gen_range(0..16usize));
+    let dir = tempfile::tempdir().unwrap();
+    let plant = format!("ws2-mismatch@{layer}:{e}");
+    synth(
+        dir.path(),
+        "ck",
+        &["--seed", &seed.to_string(), "--plant", &plant],
+    );
+    let l = layer.to_string();
+    let cmd: &[&str] = match rng.gen_range(0..3) {
+        0 => &["layertest", "--layer", &l],
+        1 => &[
+            "gs-sweep",
+            "--layer",
+            &l,
+            "--points",
+            "3",
+            "--gs",
+            "checkpoint",
+        ],
+        _ => &["multilayer"],
+    };
+    let args = [
+        cmd,
+        &["--checkpoint", "ck", "--device", "cpu", "--tokens", "8"],
+    ]
+    .concat();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {plant} {cmd:?}: {text}");
+    let up = format!("model.layers.{layer}.mlp.experts.{e}.up_proj.weight_scale_2");
+    assert!(
+        text.contains(&format!("tensor `{up}`")) && text.contains("gate_proj"),
+        "seed {seed} {plant} {cmd:?}: {text}"
+    );
+}
