@@ -690,3 +690,274 @@ fn a_batch_past_host_memory_is_bad_input_before_anything_is_allocated() {
         assert!(!text.contains("memory allocation of"), "{c}: {text}");
     }
 }
+
+/// Set element `at` of the BF16/F32 tensor `name` to NaN, in the shard the index of `dir`
+/// (a checkpoint directory, or its `bf16/` originals) places it in.
+fn nan_element(dir: &Path, name: &str, at: usize) {
+    let ix: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let shard = dir.join(ix["weight_map"][name].as_str().unwrap());
+    let mut b = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let nan: &[u8] = match h[name]["dtype"].as_str().unwrap() {
+        "BF16" => &[0xC0, 0x7F],
+        "F32" => &[0x00, 0x00, 0xC0, 0x7F],
+        d => panic!("{name}: {d}"),
+    };
+    let at = 8 + n + h[name]["data_offsets"][0].as_u64().unwrap() as usize + at * nan.len();
+    b[at..at + nan.len()].copy_from_slice(nan);
+    std::fs::write(&shard, b).unwrap();
+}
+
+/// A NaN in a float tensor the layer computes with (router weight, its correction bias, a
+/// shared-expert weight, a BF16 original the reference uses) is bad input naming that tensor
+/// and element. They used to surface as an anonymous NaN in the output (or the reference), or
+/// — for the bias — pass: a NaN bias only reorders the selection.
+#[test]
+fn a_nan_in_a_float_tensor_of_the_layer_is_bad_input_naming_it() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let ck = dir.path().join("ck");
+    let (e, p) = (
+        rng.gen_range(0..16usize),
+        ["gate_proj", "up_proj", "down_proj"][rng.gen_range(0..3)],
+    );
+    let l = "model.layers.1.mlp";
+    let (file_dir, name, len, row_len) = match rng.gen_range(0..4) {
+        0 => (ck.clone(), format!("{l}.gate.weight"), 16 * 256, 256),
+        1 => (
+            ck.clone(),
+            format!("{l}.gate.e_score_correction_bias"),
+            16,
+            0,
+        ),
+        2 => (
+            ck.clone(),
+            format!("{l}.shared_experts.{p}.weight"),
+            128 * 256,
+            if p == "down_proj" { 128 } else { 256 },
+        ),
+        _ => (
+            ck.join("bf16"),
+            format!("{l}.experts.{e}.{p}.weight"),
+            128 * 256,
+            if p == "down_proj" { 128 } else { 256 },
+        ),
+    };
+    let at = rng.gen_range(0..len);
+    nan_element(&file_dir, &name, at);
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+        ],
+    );
+    let elem = match row_len {
+        0 => format!("element [{at}] is NaN"),
+        c => format!("element [{}, {}] is NaN", at / c, at % c),
+    };
+    assert_eq!(code, 2, "seed {seed}: {name} {elem}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`")) && text.contains(&elem),
+        "seed {seed}: {name} {elem}: {text}"
+    );
+}
+
+/// Remove tensor `name` from its shard of checkpoint `ck` and from the index.
+fn remove_tensor(ck: &Path, name: &str) {
+    let ix_path = ck.join("model.safetensors.index.json");
+    let mut ix: Value = serde_json::from_slice(&std::fs::read(&ix_path).unwrap()).unwrap();
+    let shard = ck.join(ix["weight_map"][name].as_str().unwrap());
+    ix["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(&ix_path, ix.to_string()).unwrap();
+    let b = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&b).unwrap();
+    let keep: Vec<(TensorSpec, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, v)| (TensorSpec::new(n, v.dtype(), v.shape()), v.data().to_vec()))
+        .collect();
+    write_file(&shard, keep, None).unwrap();
+}
+
+/// A layer without its e_score_correction_bias while config.json's topk_method is
+/// `noaux_tc` (selection on score + bias) is bad input naming the tensor: an engine would run
+/// it with an uninitialized or zero bias. It used to pass, routing without a bias.
+#[test]
+fn a_missing_correction_bias_under_noaux_tc_is_bad_input() {
+    let seed = rand::random::<u16>();
+    let layer = 1 + (seed % 2) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let name = format!("model.layers.{layer}.mlp.gate.e_score_correction_bias");
+    remove_tensor(&dir.path().join("ck"), &name);
+    let l = layer.to_string();
+    let args = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--layer",
+        &l,
+    ];
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`: missing")) && text.contains("noaux_tc"),
+        "seed {seed}: {text}"
+    );
+    // a config.json without topk_method leaves the bias optional
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("topk_method");
+    std::fs::write(&p, c.to_string()).unwrap();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+}
+
+/// One expert's down_proj input_scale 100x too small saturates its SwiGLU output before W2:
+/// under `--gs checkpoint` the expert fails and the failure says its down_proj input
+/// saturates. It used to give only the expert's cosine (the gate/up blocks were fine).
+#[test]
+fn a_saturated_down_proj_input_is_named_as_the_cause() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    // the planted fault marks the busiest expert of this seed
+    synth(
+        dir.path(),
+        "p",
+        &["--seed", &seed, "--plant", "bad-input-scale"],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("p/planted.json")).unwrap()).unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed]);
+    scale_scalar(
+        &dir.path().join("ck"),
+        &format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale"),
+        0.01,
+    );
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let failures = r.unwrap()["failures"].to_string();
+    let ours = failures
+        .split("\",\"")
+        .find(|f| f.contains(&format!("expert {e}:")))
+        .unwrap_or_else(|| panic!("seed {seed}: expert {e} not failed: {failures}"));
+    assert!(
+        ours.contains("its down_proj input saturates"),
+        "seed {seed}: {ours}"
+    );
+}
+
+/// gate_proj and up_proj of one expert with different weight_scale_2: engines fuse them into
+/// one w13 GEMM with one global scale (vLLM keeps the gate's, with a warning), so the up
+/// projection an engine computes is off by their ratio. Bad input naming the layer, expert and
+/// both values, for every command; all three used to pass (they compute each with its own).
+#[test]
+fn a_gate_up_weight_scale_2_mismatch_is_bad_input() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (layer, e) = (rng.gen_range(1..3usize), rng.gen_range(0..16usize));
+    let dir = tempfile::tempdir().unwrap();
+    let plant = format!("ws2-mismatch@{layer}:{e}");
+    synth(
+        dir.path(),
+        "ck",
+        &["--seed", &seed.to_string(), "--plant", &plant],
+    );
+    let l = layer.to_string();
+    let cmd: &[&str] = match rng.gen_range(0..3) {
+        0 => &["layertest", "--layer", &l],
+        1 => &[
+            "gs-sweep",
+            "--layer",
+            &l,
+            "--points",
+            "3",
+            "--gs",
+            "checkpoint",
+        ],
+        _ => &["multilayer"],
+    };
+    let args = [
+        cmd,
+        &["--checkpoint", "ck", "--device", "cpu", "--tokens", "8"],
+    ]
+    .concat();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {plant} {cmd:?}: {text}");
+    let up = format!("model.layers.{layer}.mlp.experts.{e}.up_proj.weight_scale_2");
+    assert!(
+        text.contains(&format!("tensor `{up}`")) && text.contains("gate_proj"),
+        "seed {seed} {plant} {cmd:?}: {text}"
+    );
+}
+
+/// config.json stating n_shared_experts = 0 while the layer holds a shared expert: an engine
+/// builds none and drops it, so the layer it computes is not the one tested. Bad input naming
+/// the field and the tensor; it used to pass, adding the shared expert anyway.
+#[test]
+fn a_shared_expert_config_json_says_there_is_none_is_bad_input() {
+    let seed = rand::random::<u16>();
+    let layer = 1 + (seed % 2) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c["n_shared_experts"] = 0.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let l = layer.to_string();
+    let args = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--layer",
+        &l,
+    ];
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    let name = format!("model.layers.{layer}.mlp.shared_experts.gate_proj.weight");
+    assert!(
+        text.contains(&format!("tensor `{name}`")) && text.contains("n_shared_experts = 0"),
+        "seed {seed}: {text}"
+    );
+    // without the field: the shared expert the checkpoint holds is used
+    c.as_object_mut().unwrap().remove("n_shared_experts");
+    std::fs::write(&p, c.to_string()).unwrap();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+}

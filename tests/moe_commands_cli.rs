@@ -476,3 +476,210 @@ fn multilayer_names_a_zero_or_nan_checkpoint_input_scale() {
         "seed {seed}: {named} = {v}: {text}"
     );
 }
+
+/// A NaN in a layer's post_attention_layernorm weight is bad input naming the tensor and
+/// element; it used to surface as "NaN in the NVFP4 residual stream from layer L on".
+#[test]
+fn multilayer_names_a_nan_in_a_norm_weight() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--layers", "4", "--seed", &seed.to_string()],
+    );
+    let (layer, at) = (rng.gen_range(1..4usize), rng.gen_range(0..256usize));
+    let name = format!("model.layers.{layer}.post_attention_layernorm.weight");
+    let ck = dir.path().join("ck");
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
+    let mut b = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    assert_eq!(header[&name]["dtype"], "BF16");
+    let off = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize + 2 * at;
+    b[off..off + 2].copy_from_slice(&[0xC0, 0x7F]);
+    std::fs::write(&file, b).unwrap();
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+        ],
+    );
+    assert_eq!(code, 2, "seed {seed}: {name}[{at}]: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`: element [{at}] is NaN")),
+        "seed {seed}: {text}"
+    );
+}
+
+/// One expert's checkpoint input_scale 1000x (gate/up, planted) or 100x (down) too small
+/// saturates that expert's activations: gs-sweep under `--gs checkpoint` names the expert
+/// and the GEMM. It used to say only that the layer's gs loses cosine.
+#[test]
+fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--plant", "bad-input-scale", "--seed", &seed],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    synth(dir.path(), &["--out", "down", "--seed", &seed]);
+    let name = format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale");
+    let ck = dir.path().join("down");
+    let index: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
+    let b = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let at = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let v = f32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    set_scalar(&ck, &name, v / 100.0);
+    for (ckpt, gemm) in [("ck", "gate/up"), ("down", "down")] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "gs-sweep",
+                "--checkpoint",
+                ckpt,
+                "--device",
+                "cpu",
+                "--tokens",
+                "32",
+                "--points",
+                "5",
+                "--gs",
+                "checkpoint",
+            ],
+        );
+        assert_eq!(code, 1, "seed {seed} {ckpt}: {text}");
+        let f = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+        assert!(
+            f.contains(&format!("expert {e} {gemm} input")),
+            "seed {seed} {ckpt}: expert {e} {gemm}: {f}"
+        );
+    }
+}
+
+/// config.json's num_hidden_layers ends the model before a layer holding experts, or its
+/// moe_layer_freq makes that layer dense: an engine never runs those experts, so every command
+/// taking a layer refuses it (exit 2 naming the field and the layer) as it does for
+/// first_k_dense_replace. They used to run them and give a verdict on unused weights.
+#[test]
+fn a_layer_num_hidden_layers_or_moe_layer_freq_rules_out_is_refused() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    // tiny: 3 layers, layer 0 dense, experts in layers 1 and 2
+    synth(dir.path(), &["--out", "ck", "--seed", &seed.to_string()]);
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let (field, value, layer, left) = match rng.gen_range(0..2) {
+        0 => ("num_hidden_layers", 2, 2, 1),
+        _ => ("moe_layer_freq", 2, 1, 2),
+    };
+    c[field] = value.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let l = layer.to_string();
+    let (cmd, extra): (&str, Vec<&str>) = match rng.gen_range(0..3) {
+        0 => ("layertest", vec!["--layer", &l]),
+        1 => ("gs-sweep", vec!["--layer", &l, "--points", "3"]),
+        _ => ("multilayer", vec!["--layers", "1..3"]),
+    };
+    let mut args = vec![
+        cmd,
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ];
+    args.extend(extra);
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {cmd} {field}: {text}");
+    for want in [
+        format!("layer {layer} is not an MoE layer"),
+        format!("{field} = {value}"),
+        format!("MoE layers: {left}"),
+    ] {
+        assert!(
+            text.contains(&want),
+            "seed {seed} {cmd}: no `{want}` in {text}"
+        );
+    }
+    // without a layer: only the one MoE layer left
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+        ],
+    );
+    assert_ne!(code, 2, "seed {seed} {field}: {text}");
+    assert_eq!(r.unwrap()["summary"]["layer"], left, "seed {seed}: {text}");
+}
+
+/// One expert's weight_scale_2 zero, negative or not finite is bad input naming the layer,
+/// expert, tensor and value for every command: an engine's alpha zeroes, flips or blows up
+/// that expert's output. gs-sweep used to pass on a zero or negative one (the gs was fine).
+#[test]
+fn an_unusable_weight_scale_2_is_bad_input_for_every_command() {
+    use rand::{Rng, SeedableRng};
+    let seed: u64 = rand::random();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), &["--out", "ck", "--seed", &seed.to_string()]);
+    let (layer, e) = (rng.gen_range(1..3usize), rng.gen_range(0..16usize));
+    let p = ["gate_proj", "up_proj", "down_proj"][rng.gen_range(0..3)];
+    let name = format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight_scale_2");
+    let v = [0.0, -0.003, f32::NAN, f32::INFINITY][rng.gen_range(0..4)];
+    set_scalar(&dir.path().join("ck"), &name, v);
+    let l = layer.to_string();
+    let (cmd, extra): (&str, Vec<&str>) = match rng.gen_range(0..3) {
+        0 => ("layertest", vec!["--layer", &l]),
+        1 => (
+            "gs-sweep",
+            vec!["--layer", &l, "--points", "3", "--gs", "checkpoint"],
+        ),
+        _ => ("multilayer", vec![]),
+    };
+    let mut args = vec![
+        cmd,
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ];
+    args.extend(extra);
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed} {cmd} {name} = {v}: {text}");
+    assert!(
+        text.contains(&format!("tensor `{name}`"))
+            && text.contains(&format!("weight_scale_2 = {v}")),
+        "seed {seed} {cmd}: {text}"
+    );
+}

@@ -31,6 +31,14 @@ pub struct ModelConfig {
     pub architectures: Vec<String>,
     pub moe: MoeConfig,
     pub quant: Option<QuantConfig>,
+    /// `moe_layer_freq` (default 1): engines build an MoE block only where
+    /// `layer % moe_layer_freq == 0` (and `layer >= first_k_dense_replace`).
+    pub moe_layer_freq: usize,
+    /// `topk_method`: `noaux_tc` selects experts on `score + e_score_correction_bias`.
+    pub topk_method: Option<String>,
+    /// `n_shared_experts` as config.json states it (`moe.n_shared_experts` defaults a missing
+    /// one to 0): an explicit 0 makes an engine drop a shared expert the checkpoint holds.
+    pub n_shared_experts_stated: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -153,6 +161,12 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
     };
     validate(&f, &moe)?;
     let model_type = f.opt_str(&["model_type"])?.map(|s| s.to_string());
+    let moe_layer_freq = f.opt_usize(&["moe_layer_freq"])?.unwrap_or(1);
+    if moe_layer_freq == 0 {
+        return Err(f.bad("moe_layer_freq", "must be at least 1".into()));
+    }
+    let topk_method = f.opt_str(&["topk_method"])?.map(|s| s.to_string());
+    let n_shared_experts_stated = f.opt_usize(&["n_shared_experts"])?;
     let architectures = match root.get("architectures") {
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => a
@@ -175,6 +189,9 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
         architectures,
         moe,
         quant,
+        moe_layer_freq,
+        topk_method,
+        n_shared_experts_stated,
     })
 }
 

@@ -3,13 +3,13 @@
 //! experts and the norm in front of the block. HF-V3 and native-V4 names.
 
 use super::config::ModelConfig;
-use super::formats::{find_linear, read_linear};
+use super::formats::{find_linear, read_linear, LinearNames};
 use super::hf::Checkpoint;
 use super::names::{inventory, LayerNames, Naming, Proj, Scheme};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
 use crate::moe::{DenseMlp, Expert, MoeLayer, QLinear, Router};
-use crate::nvfp4::quantize_weight_nvfp4;
+use crate::nvfp4::{quantize_weight_nvfp4, ScaleProblem};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -44,10 +44,41 @@ impl MoeCheckpoint {
     }
 
     /// Indices of the MoE layers: those holding MoE tensors that config.json does not make
-    /// dense (`first_k_dense_replace`).
+    /// dense (`first_k_dense_replace`, `moe_layer_freq`) nor leave out (`num_hidden_layers`).
     pub fn moe_layers(&self) -> Vec<usize> {
         let k = self.config.moe.first_k_dense_replace;
-        self.layers.keys().copied().filter(|&l| l >= k).collect()
+        self.layers
+            .keys()
+            .copied()
+            .filter(|&l| l >= k && self.ruled_out_past_k(l).is_none())
+            .collect()
+    }
+
+    /// Why config.json rules out layer `l` (at or past `first_k_dense_replace`) as an MoE
+    /// layer an engine builds: past `num_hidden_layers`, or off `moe_layer_freq`.
+    fn ruled_out_past_k(&self, l: usize) -> Option<String> {
+        let (n, freq) = (
+            self.config.moe.num_hidden_layers,
+            self.config.moe_layer_freq,
+        );
+        if l >= n {
+            Some(format!(
+                "config.json's num_hidden_layers = {n} ends the model at layer {}",
+                n.saturating_sub(1)
+            ))
+        } else if !l.is_multiple_of(freq) {
+            Some(format!(
+                "config.json's moe_layer_freq = {freq} makes it a dense MLP (MoE blocks only \
+                 where layer % {freq} == 0)"
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Layers holding routed-expert tensors, whatever config.json says of them.
+    pub fn expert_layers(&self) -> Vec<usize> {
+        self.layers.keys().copied().collect()
     }
 
     /// Layers holding routed-expert tensors that config.json's `first_k_dense_replace` makes
@@ -76,19 +107,25 @@ impl MoeCheckpoint {
             1 => "layer 0".to_string(),
             _ => format!("layers 0-{}", k.saturating_sub(1)),
         };
-        let what = match self.layers.get(&layer) {
-            Some(inv) if layer < k => format!(
+        let what = match (self.layers.get(&layer), self.ruled_out_past_k(layer)) {
+            (Some(inv), Some(why)) if layer >= k => format!(
+                "layer {layer} is not an MoE layer: {why}, although layer {layer} holds {} \
+                 routed experts. An engine never runs them, so a verdict on them would be about \
+                 weights nobody uses (MoE layers: {listed})",
+                inv.experts.len()
+            ),
+            (Some(inv), _) if layer < k => format!(
                 "layer {layer} is not an MoE layer: config.json's first_k_dense_replace = {k} makes \
                  {dense} dense MLPs, although layer {layer} holds {} routed experts. An engine \
                  builds a dense MLP there and never runs them, so a verdict on them would be about \
                  weights nobody uses (MoE layers: {listed}; `audit` flags those tensors)",
                 inv.experts.len()
             ),
-            _ if k > 0 => format!(
+            (_, _) if k > 0 => format!(
                 "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed}; \
                  config.json's first_k_dense_replace = {k} makes {dense} dense)"
             ),
-            _ => format!(
+            (_, _) => format!(
                 "layer {layer} is not an MoE layer of this checkpoint (MoE layers: {listed})"
             ),
         };
@@ -169,11 +206,22 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         &[e_count, hidden],
         "[n_routed_experts, hidden_size] from config.json",
     )?;
+    expect_finite(ck, &rw, &weight, &shape)?;
     let rb = n.router_bias(layer);
     let bias = if ck.contains(&rb) {
         let t = ck.info(&rb)?;
         expect_shape(ck, &rb, &t.shape, &[e_count], "[n_routed_experts]")?;
-        Some(ck.to_f32(&rb)?)
+        let b = ck.to_f32(&rb)?;
+        expect_finite(ck, &rb, &b, &[e_count])?;
+        Some(b)
+    } else if mc.config.topk_method.as_deref() == Some("noaux_tc") && !cfg.is_hash_layer(layer) {
+        return Err(Error::bad_tensor(
+            ck.path(),
+            &rb,
+            "missing: config.json's topk_method = \"noaux_tc\" selects experts on score + \
+             e_score_correction_bias, and an engine would run this layer with an uninitialized \
+             or zero bias",
+        ));
     } else {
         None
     };
@@ -232,11 +280,13 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
             let lin = |p: Proj, rows: usize, cols: usize| {
                 load_expert_linear(ck, originals, &n.expert(layer, e, p), rows, cols)
             };
-            Ok(Expert {
+            let ex = Expert {
                 w1: lin(Proj::Gate, inter, hidden)?,
                 w3: lin(Proj::Up, inter, hidden)?,
                 w2: lin(Proj::Down, hidden, inter)?,
-            })
+            };
+            expect_one_w13_scale(ck, &n.expert(layer, e, Proj::Up), &ex)?;
+            Ok(ex)
         })
         .collect::<Result<Vec<_>>>()?;
 
@@ -245,6 +295,16 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let shared = if ck.contains(&gate0)
         || find_linear(ck, &n.shared_expert(layer, Proj::Gate))?.is_some()
     {
+        if mc.config.n_shared_experts_stated == Some(0) {
+            return Err(Error::bad_tensor(
+                ck.file_of(&gate0),
+                &gate0,
+                format!(
+                    "layer {layer} holds a shared expert, but config.json has n_shared_experts = 0: \
+                     an engine builds none and drops it"
+                ),
+            ));
+        }
         Some(load_shared(ck, n, layer, &cfg)?)
     } else if cfg.n_shared_experts > 0 {
         return Err(Error::bad_tensor(
@@ -263,7 +323,9 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let norm_weight = if ck.contains(&nk) {
         let t = ck.info(&nk)?;
         expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
-        Some(ck.to_f32(&nk)?)
+        let w = ck.to_f32(&nk)?;
+        expect_finite(ck, &nk, &w, &[hidden])?;
+        Some(w)
     } else {
         None
     };
@@ -297,6 +359,73 @@ fn expect_shape(
         ));
     }
     Ok(())
+}
+
+/// Bad input naming the first NaN/Inf of the float tensor `name` (row-major, `shape`): an
+/// engine computes with it, and the layer's output (or, for a BF16 original, the reference)
+/// would be NaN with no tensor to blame.
+fn expect_finite(ck: &Checkpoint, name: &str, v: &[f32], shape: &[usize]) -> Result<()> {
+    let Some(i) = v.iter().position(|x| !x.is_finite()) else {
+        return Ok(());
+    };
+    let mut at = vec![];
+    let mut rest = i;
+    for &d in shape.iter().rev() {
+        at.push(rest % d.max(1));
+        rest /= d.max(1);
+    }
+    at.reverse();
+    let at: Vec<String> = at.iter().map(|x| x.to_string()).collect();
+    Err(Error::bad_tensor(
+        ck.file_of(name),
+        name,
+        format!("element [{}] is {}", at.join(", "), v[i]),
+    ))
+}
+
+/// Bad input when an expert's weight_scale_2 (`ws2`, dequant direction) cannot be a global
+/// scale: an engine's `alpha = input_scale * weight_scale_2` zeroes (0), flips (< 0) or blows
+/// up (NaN/Inf) that expert's output. (A tiny positive one is a near-zero weight, not a fault.)
+fn expect_usable_global_scale(ck: &Checkpoint, ln: &LinearNames, ws2: f32) -> Result<()> {
+    let why = match ScaleProblem::of(ws2) {
+        Some(ScaleProblem::NotFinite) => "every output of this expert becomes NaN/Inf",
+        Some(ScaleProblem::Zero) => "a global scale must be positive: this expert's output is zero",
+        Some(ScaleProblem::Negative) => {
+            "a global scale must be positive: an engine's alpha flips this expert's output"
+        }
+        Some(ScaleProblem::ReciprocalOverflows) | None => return Ok(()),
+    };
+    let name = ln.global_scale.as_deref().unwrap_or(&ln.weight);
+    Err(Error::bad_tensor(
+        ck.file_of(name),
+        name,
+        format!("gives weight_scale_2 = {ws2}: {why}"),
+    ))
+}
+
+/// Bad input when an expert's stored gate and up projections carry different global scales:
+/// engines fuse them into one w13 GEMM with one (vLLM keeps the gate's, with only a warning),
+/// so the up projection an engine computes is off by their ratio. Equal as vLLM checks it
+/// (`audit`'s `allclose`). `up` is the up projection's base name.
+fn expect_one_w13_scale(ck: &Checkpoint, up: &str, ex: &Expert) -> Result<()> {
+    let (g, u) = (ex.w1.weight.scale_2, ex.w3.weight.scale_2);
+    if super::audit::allclose(u, g) {
+        return Ok(());
+    }
+    // a BF16 checkpoint quantized here has no stored global scale to blame
+    let Some(name) = find_linear(ck, up)?.and_then(|ln| ln.global_scale) else {
+        return Ok(());
+    };
+    Err(Error::bad_tensor(
+        ck.file_of(&name),
+        &name,
+        format!(
+            "gives weight_scale_2 = {u}, but gate_proj's is {g}: engines fuse gate/up into one \
+             w13 GEMM with one global scale (vLLM keeps gate_proj's), so this expert's up \
+             projection comes out {:.3}x off",
+            g / u
+        ),
+    ))
 }
 
 /// A weight that may be stored quantized or in a float dtype, as f32 `[rows, cols]`.
@@ -336,7 +465,11 @@ fn load_expert_linear(
 ) -> Result<QLinear> {
     let wname = format!("{base}.weight");
     let mut q = match find_linear(ck, base)? {
-        Some(ln) => read_linear(ck, &ln)?,
+        Some(ln) => {
+            let q = read_linear(ck, &ln)?;
+            expect_usable_global_scale(ck, &ln, q.weight.scale_2)?;
+            q
+        }
         None => {
             let (w, shape) = read_dense(ck, &wname)?.ok_or_else(|| {
                 Error::bad_tensor(
@@ -353,13 +486,7 @@ fn load_expert_linear(
                     format!("in-features {cols} are not a multiple of 16: cannot be NVFP4"),
                 ));
             }
-            if let Some(i) = w.iter().position(|v| !v.is_finite()) {
-                return Err(Error::bad_tensor(
-                    ck.file_of(&wname),
-                    &wname,
-                    format!("element {i} is {}", w[i]),
-                ));
-            }
+            expect_finite(ck, &wname, &w, &shape)?;
             let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
             return Ok(QLinear {
                 weight: t,
@@ -391,7 +518,9 @@ fn load_expert_linear(
                 ),
             ));
         }
-        q.original = Some(o.to_f32(&wname)?);
+        let w = o.to_f32(&wname)?;
+        expect_finite(o, &wname, &w, &t.shape)?;
+        q.original = Some(w);
     }
     Ok(q)
 }
@@ -431,6 +560,9 @@ fn load_shared(
     let (w1, s1, n1) = get(Proj::Gate)?;
     let (w3, s3, n3) = get(Proj::Up)?;
     let (w2, s2, n2) = get(Proj::Down)?;
+    for (w, s, name) in [(&w1, &s1, &n1), (&w3, &s3, &n3), (&w2, &s2, &n2)] {
+        expect_finite(src_of(name), name, w, s)?;
+    }
     let inter = s1[0];
     expect_shape(
         ck,
@@ -496,6 +628,19 @@ mod tests {
     }
 
     /// A tiny checkpoint: layer 0 dense, layers 1..=2 MoE; returns the originals by name.
+    /// How the fixture quantizes an expert projection: gate and up with one global scale, as
+    /// ModelOpt exports them for the fused w13 (amax 0.4: 8 sigma of its weights), down with
+    /// its own.
+    fn fixture_quant(p: Proj, w: &[f32], rows: usize, cols: usize) -> crate::nvfp4::Fp4Tensor {
+        if p == Proj::Down {
+            return quantize_weight_nvfp4(w, rows, cols).0;
+        }
+        let gs = 2688.0 / 0.4;
+        let mut t = crate::nvfp4::quantize_nvfp4(w, rows, cols, gs).0;
+        t.scale_2 = 1.0 / gs;
+        t
+    }
+
     fn write_tiny(
         dir: &Path,
         n: &Naming,
@@ -553,7 +698,7 @@ mod tests {
                 for e in 0..d.e {
                     let base = n.expert(l, e, p);
                     let w = randn(rows * cols, 0.05);
-                    let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+                    let t = fixture_quant(p, &w, rows, cols);
                     q.push((
                         TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[rows, cols / 2]),
                         t.packed.clone(),
@@ -636,7 +781,7 @@ mod tests {
                 ] {
                     let w = &orig[&format!("{}.weight", n.expert(2, e, p))];
                     assert_eq!(q.original.as_ref(), Some(w), "seed {seed}");
-                    let (t, _) = quantize_weight_nvfp4(w, q.out_features(), q.in_features());
+                    let t = fixture_quant(p, w, q.out_features(), q.in_features());
                     assert_eq!(q.weight, t, "seed {seed}");
                     assert_eq!(q.input_scale, Some(0.01 + e as f32 * 1e-3));
                 }

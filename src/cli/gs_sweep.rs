@@ -275,8 +275,9 @@ pub fn run(args: &Args) -> Result<Report> {
                 )
             } else {
                 format!(
-                    "{:.1}% of its activation blocks saturate",
-                    u.blocks.saturated_pct
+                    "{:.1}% of its activation blocks saturate{}",
+                    u.blocks.saturated_pct,
+                    worst_overshoots(&layer, &batch.hidden, &routing, used_scales.as_ref())?
                 )
             };
             failures.push(format!(
@@ -501,6 +502,39 @@ pub fn run(args: &Args) -> Result<Report> {
         report = report.with("ep", j);
     }
     Ok(report)
+}
+
+/// `; worst: expert E GEMM input (gs G, Rx the F its amax allows), ...` for the (up to three)
+/// expert inputs the scales in use saturate most: a single expert's bad input_scale shows in
+/// the layer's loss but not in which expert it is.
+fn worst_overshoots(
+    layer: &crate::moe::MoeLayer,
+    hidden: &[f32],
+    routing: &crate::moe::Routing,
+    scales: Option<&ActScales>,
+) -> Result<String> {
+    let Some(s) = scales else {
+        return Ok(String::new());
+    };
+    let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+    let worst: Vec<String> = gs::overshoots(s, &a1, &a2)
+        .iter()
+        .take(3)
+        .map(|o| {
+            format!(
+                "expert {} {} input (gs {}, {}x the {} its amax allows)",
+                o.expert,
+                o.gemm,
+                e(o.gs as f64),
+                f(o.ratio as f64, 1),
+                e(o.fits as f64)
+            )
+        })
+        .collect();
+    Ok(match worst.is_empty() {
+        true => String::new(),
+        false => format!("; worst: {}", worst.join(", ")),
+    })
 }
 
 fn describe_gs(p: &Point) -> String {

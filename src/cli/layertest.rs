@@ -390,6 +390,16 @@ impl Model {
             self.check_layer(l)?;
             return Ok(l);
         }
+        if let (None, Model::Checkpoint { ckpt, .. }) = (self.moe_layers().first(), self) {
+            // experts that config.json rules out past first_k_dense_replace: its own words
+            if let Some(&l) = ckpt
+                .expert_layers()
+                .iter()
+                .find(|&&l| l >= self.config().first_k_dense_replace)
+            {
+                ckpt.check_layer(l)?;
+            }
+        }
         self.moe_layers().first().copied().ok_or_else(|| {
             let dense = match self {
                 Model::Checkpoint { ckpt, .. } => ckpt.dense_by_config(),
@@ -1108,9 +1118,18 @@ pub fn run(args: &Args) -> Result<Report> {
             at(ref_first_nan, hsz)
         ));
     }
+    // a failing expert's down_proj input the scales saturate: `cause` (its gate/up blocks)
+    // cannot show it
+    let over = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
+        true => {
+            let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
+            gs::overshoots(&scales, &a1, &a2)
+        }
+        false => vec![],
+    };
     for x in &experts {
         if let Some(msg) = check.failure(&x.m) {
-            failures.push(msg + &x.cause());
+            failures.push(msg + &x.cause() + &down_input_cause(&over, x.m.expert));
         }
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
@@ -1789,6 +1808,23 @@ impl ExpertRow {
         } else {
             String::new()
         }
+    }
+}
+
+/// `; its down_proj input saturates: ...` when `expert`'s gs2 is at least twice what the
+/// amax of its SwiGLU output allows (see [`gs::overshoots`]).
+fn down_input_cause(over: &[gs::GsOvershoot], expert: usize) -> String {
+    match over
+        .iter()
+        .find(|o| o.expert == expert && o.gemm == "down" && o.ratio >= 2.0)
+    {
+        Some(o) => format!(
+            "; its down_proj input saturates: gs2 {} is {}x the {} its amax allows (a down_proj input_scale too small?)",
+            e(o.gs as f64),
+            f(o.ratio as f64, 1),
+            e(o.fits as f64)
+        ),
+        None => String::new(),
     }
 }
 

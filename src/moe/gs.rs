@@ -297,6 +297,53 @@ pub fn from_amax(
     }
 }
 
+/// One expert GEMM input whose gs saturates its largest block: `gs` is past `fits = 2688 /
+/// amax` of what that input held in the batch (the largest gs under which no block of it
+/// reaches 448), by `ratio = gs / fits`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct GsOvershoot {
+    pub expert: usize,
+    /// `gate/up` (gs1, before W1/W3) or `down` (gs2, before W2).
+    pub gemm: &'static str,
+    pub gs: f32,
+    pub fits: f32,
+    pub ratio: f32,
+}
+
+/// The expert GEMM inputs whose gs in `scales` saturates them (see [`GsOvershoot`]), worst
+/// first, from the per-expert amax of [`expert_input_amax`]. None for dynamic scales (they
+/// fit by construction); experts no token reached are skipped.
+pub fn overshoots(
+    scales: &ActScales,
+    amax1: &[Option<f32>],
+    amax2: &[Option<f32>],
+) -> Vec<GsOvershoot> {
+    let ActScales::Fixed { gs1, gs2 } = scales else {
+        return vec![];
+    };
+    let mut v: Vec<GsOvershoot> = [("gate/up", gs1, amax1), ("down", gs2, amax2)]
+        .into_iter()
+        .flat_map(|(gemm, gs, amax)| {
+            gs.iter()
+                .zip(amax)
+                .enumerate()
+                .filter_map(move |(expert, (&gs, a))| {
+                    let fits = dynamic_gs(a.filter(|a| a.is_finite() && *a > 0.0)?);
+                    let ratio = gs / fits;
+                    (ratio > 1.0).then_some(GsOvershoot {
+                        expert,
+                        gemm,
+                        gs,
+                        fits,
+                        ratio,
+                    })
+                })
+        })
+        .collect();
+    v.sort_by(|a, b| b.ratio.total_cmp(&a.ratio));
+    v
+}
+
 /// `input_scale` (dequant direction) for an amax: `amax / 2688`; an amax of 0 gives 1/2688.
 pub fn input_scale_of_amax(amax: f32) -> f32 {
     if amax == 0.0 {
