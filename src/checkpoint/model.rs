@@ -618,19 +618,6 @@ mod tests {
     }
 
     /// A tiny checkpoint: layer 0 dense, layers 1..=2 MoE; returns the originals by name.
-    /// How the fixture quantizes an expert projection: gate and up with one global scale, as
-    /// ModelOpt exports them for the fused w13 (amax 0.4: 8 sigma of its weights), down with
-    /// its own.
-    fn fixture_quant(p: Proj, w: &[f32], rows: usize, cols: usize) -> crate::nvfp4::Fp4Tensor {
-        if p == Proj::Down {
-            return quantize_weight_nvfp4(w, rows, cols).0;
-        }
-        let gs = 2688.0 / 0.4;
-        let mut t = crate::nvfp4::quantize_nvfp4(w, rows, cols, gs).0;
-        t.scale_2 = 1.0 / gs;
-        t
-    }
-
     fn write_tiny(
         dir: &Path,
         n: &Naming,
@@ -688,7 +675,7 @@ mod tests {
                 for e in 0..d.e {
                     let base = n.expert(l, e, p);
                     let w = randn(rows * cols, 0.05);
-                    let t = fixture_quant(p, &w, rows, cols);
+                    let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
                     q.push((
                         TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[rows, cols / 2]),
                         t.packed.clone(),
@@ -771,7 +758,7 @@ mod tests {
                 ] {
                     let w = &orig[&format!("{}.weight", n.expert(2, e, p))];
                     assert_eq!(q.original.as_ref(), Some(w), "seed {seed}");
-                    let t = fixture_quant(p, w, q.out_features(), q.in_features());
+                    let (t, _) = quantize_weight_nvfp4(w, q.out_features(), q.in_features());
                     assert_eq!(q.weight, t, "seed {seed}");
                     assert_eq!(q.input_scale, Some(0.01 + e as f32 * 1e-3));
                 }
