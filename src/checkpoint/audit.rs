@@ -1070,7 +1070,7 @@ fn up_sibling(base: &str) -> Option<String> {
 }
 
 /// vLLM's check: `torch.allclose(w1, w3)` with its defaults.
-pub(crate) fn allclose(a: f32, b: f32) -> bool {
+fn allclose(a: f32, b: f32) -> bool {
     (a - b).abs() <= 1e-8 + 1e-5 * b.abs()
 }
 
