@@ -877,3 +877,42 @@ fn a_saturated_down_proj_input_is_named_as_the_cause() {
         "seed {seed}: {ours}"
     );
 }
+
+/// config.json stating n_shared_experts = 0 while the layer holds a shared expert: an engine
+/// builds none and drops it, so the layer it computes is not the one tested. Bad input naming
+/// the field and the tensor; it used to pass, adding the shared expert anyway.
+#[test]
+fn a_shared_expert_config_json_says_there_is_none_is_bad_input() {
+    let seed = rand::random::<u16>();
+    let layer = 1 + (seed % 2) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let p = dir.path().join("ck/config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    c["n_shared_experts"] = 0.into();
+    std::fs::write(&p, c.to_string()).unwrap();
+    let l = layer.to_string();
+    let args = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+        "--layer",
+        &l,
+    ];
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    let name = format!("model.layers.{layer}.mlp.shared_experts.gate_proj.weight");
+    assert!(
+        text.contains(&format!("tensor `{name}`")) && text.contains("n_shared_experts = 0"),
+        "seed {seed}: {text}"
+    );
+    // without the field: the shared expert the checkpoint holds is used
+    c.as_object_mut().unwrap().remove("n_shared_experts");
+    std::fs::write(&p, c.to_string()).unwrap();
+    let (code, text, _) = run(dir.path(), &args);
+    assert_ne!(code, 2, "seed {seed}: {text}");
+}

@@ -36,6 +36,9 @@ pub struct ModelConfig {
     pub moe_layer_freq: usize,
     /// `topk_method`: `noaux_tc` selects experts on `score + e_score_correction_bias`.
     pub topk_method: Option<String>,
+    /// `n_shared_experts` as config.json states it (`moe.n_shared_experts` defaults a missing
+    /// one to 0): an explicit 0 makes an engine drop a shared expert the checkpoint holds.
+    pub n_shared_experts_stated: Option<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -163,6 +166,7 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
         return Err(f.bad("moe_layer_freq", "must be at least 1".into()));
     }
     let topk_method = f.opt_str(&["topk_method"])?.map(|s| s.to_string());
+    let n_shared_experts_stated = f.opt_usize(&["n_shared_experts"])?;
     let architectures = match root.get("architectures") {
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => a
@@ -187,6 +191,7 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
         quant,
         moe_layer_freq,
         topk_method,
+        n_shared_experts_stated,
     })
 }
 

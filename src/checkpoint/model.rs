@@ -293,6 +293,16 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let shared = if ck.contains(&gate0)
         || find_linear(ck, &n.shared_expert(layer, Proj::Gate))?.is_some()
     {
+        if mc.config.n_shared_experts_stated == Some(0) {
+            return Err(Error::bad_tensor(
+                ck.file_of(&gate0),
+                &gate0,
+                format!(
+                    "layer {layer} holds a shared expert, but config.json has n_shared_experts = 0: \
+                     an engine builds none and drops it"
+                ),
+            ));
+        }
         Some(load_shared(ck, n, layer, &cfg)?)
     } else if cfg.n_shared_experts > 0 {
         return Err(Error::bad_tensor(
