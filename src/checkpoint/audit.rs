@@ -695,15 +695,15 @@ const PRINT_BYTES: usize = 4096;
 /// A hash of a tensor's length and its first and last [`PRINT_BYTES`] bytes; None for one
 /// repeated byte (all-zero or uniform tensors are findings of their own, not copies).
 fn fingerprint(b: &[u8]) -> Option<u64> {
-    use std::hash::{Hash, Hasher};
     let (&first, _) = b.split_first()?;
     if b.par_iter().all(|&x| x == first) {
         return None;
     }
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    b.len().hash(&mut h);
-    b[..b.len().min(PRINT_BYTES)].hash(&mut h);
-    b[b.len().saturating_sub(PRINT_BYTES)..].hash(&mut h);
+    // compare-weights' fingerprint; its length counts both pieces, so add the tensor's own
+    let mut h = crate::weights::view::Fingerprint::new();
+    h.update(&b[..b.len().min(PRINT_BYTES)]);
+    h.update(&b[b.len().saturating_sub(PRINT_BYTES)..]);
+    h.update(&(b.len() as u64).to_le_bytes());
     Some(h.finish())
 }
 
