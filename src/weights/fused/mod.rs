@@ -1,0 +1,464 @@
+//! Metrics of two NVFP4 matrices of one geometry in one pass: each 16-element block of both
+//! sides is dequantized into registers and folded into the f64 sums of [`Accum`], without
+//! writing the values out. The reference side may also be BF16 ([`Ref::Bf16`]: a
+//! checkpoint's BF16 originals, an engine that dequantized at load); its values are read
+//! straight from the map. Dequantizing into buffers and then running `Accum::over` cost
+//! ~4x the memory traffic and one serial chain of f64 adds per sum; here the sums run in
+//! [`LANES`] independent lanes.
+//!
+//! Three bodies, the widest the CPU has picked once per matrix pair (`Path`): AVX-512
+//! (per-scale-code f64 tables, 8-lane sums, row-level checks; `avx512`; against a BF16
+//! reference only the test side is tabled and checks are per block), AVX2 + FMA (a table per
+//! block in one register; `avx2`) and the portable one. The tests run every body the CPU has
+//! against the reference.
+//!
+//! What the reference (`compare::metrics_qq`, `compare::metrics_any` for a BF16 side) gives,
+//! and what this keeps:
+//! - every value is the same f32 `(e2m1(q) * scale) * scale_2`, read from a per-block table
+//!   built with exactly those two multiplications;
+//! - `max_abs_err` and its index are bit-identical (the same f64 differences; the first index
+//!   of the largest);
+//! - NaN/Inf counts and first indices are identical: a block whose table holds a non-finite
+//!   value (NaN scale code, overflow through `scale_2`), or whose BF16 values do, goes
+//!   through `Accum::over` itself;
+//! - the f64 sums (dot, norms, squared error) differ only in summation order (and, in the
+//!   AVX-512 body, a fused `d·d + err`): a few ulps, within the 1e-9 relative the engines are
+//!   held to (`tests/gpu_compare_weights.rs`).
+
+use super::compare::DView;
+use super::view::QMatrix;
+use crate::metrics::{Accum, Metrics};
+use crate::nvfp4::{e2m1, e4m3, Format};
+use rayon::prelude::*;
+use safetensors::Dtype;
+use std::sync::atomic::AtomicU64;
+
+/// Elements per parallel piece (whole rows), as in `compare::metrics_qq`.
+const CHUNK: usize = 1 << 16;
+/// Independent f64 partial sums per quantity: two AVX2 vectors, and short add chains.
+const LANES: usize = 8;
+const BLOCK: usize = 16;
+
+/// The reference side (A) of a fused pass.
+#[derive(Clone, Copy)]
+pub enum Ref<'r, 'a> {
+    /// NVFP4, like the test side.
+    Q(&'r QMatrix<'a>),
+    /// BF16 values `[rows, cols]`.
+    Bf16(&'r DView<'a>),
+}
+
+/// `None` unless both sides are NVFP4 with one shape (the caller takes the general path).
+pub fn metrics_nvfp4(a: &QMatrix, b: &QMatrix) -> Option<Metrics> {
+    let same = (a.rows, a.cols) == (b.rows, b.cols);
+    if !same || a.format != Format::Nvfp4 {
+        return None;
+    }
+    fused(Ref::Q(a), b, Path::detect(a, b))
+}
+
+/// NVFP4 `b` (test) against BF16 `a` (reference) of its shape; `None` otherwise.
+pub fn metrics_bf16_nvfp4(a: &DView, b: &QMatrix) -> Option<Metrics> {
+    let same = a.mat.rows == b.rows && a.mat.row_bytes == 2 * b.cols;
+    if !same || a.dtype != Dtype::BF16 {
+        return None;
+    }
+    fused(Ref::Bf16(a), b, Path::detect_bf16(b))
+}
+
+fn fused(a: Ref, b: &QMatrix, path: Path) -> Option<Metrics> {
+    if b.format != Format::Nvfp4 || !b.cols.is_multiple_of(BLOCK) || b.rows == 0 || b.cols == 0 {
+        return None;
+    }
+    let rows_per = (CHUNK / b.cols).max(1);
+    let n_chunks = b.rows.div_ceil(rows_per);
+    let best = AtomicU64::new(0);
+    // merged in order: the same bits on every run, whatever thread did which piece
+    let parts: Vec<Accum> = (0..n_chunks)
+        .into_par_iter()
+        .map(|c| path.rows(a, b, &best, c * rows_per, ((c + 1) * rows_per).min(b.rows)))
+        .collect();
+    Some(
+        parts
+            .into_iter()
+            .fold(Accum::default(), Accum::merge)
+            .finish(),
+    )
+}
+
+/// The widest body this CPU runs, picked once per matrix pair.
+enum Path {
+    /// AVX-512 with both sides' per-scale-code tables built up front.
+    #[cfg(target_arch = "x86_64")]
+    Avx512(Box<[avx512::Tables; 2]>),
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512 against a BF16 reference: the test side's tables only.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Bf16(Box<avx512::Tables>),
+    Portable,
+}
+
+impl Path {
+    fn detect(a: &QMatrix, b: &QMatrix) -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Path::Avx512(Box::new([
+                    avx512::Tables::new(a.scale_2),
+                    avx512::Tables::new(b.scale_2),
+                ]));
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Path::Avx2;
+            }
+        }
+        let _ = (a, b);
+        Path::Portable
+    }
+
+    /// A BF16 reference has no tables: only the test side's.
+    fn detect_bf16(b: &QMatrix) -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Path::Avx512Bf16(Box::new(avx512::Tables::new(b.scale_2)));
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                return Path::Avx2;
+            }
+        }
+        let _ = b;
+        Path::Portable
+    }
+
+    /// `best`: the largest maximum |difference| any piece has found (f64 bits); only the
+    /// AVX-512 body uses it.
+    fn rows(&self, a: Ref, b: &QMatrix, best: &AtomicU64, r0: usize, r1: usize) -> Accum {
+        match (self, a) {
+            // SAFETY: `detect` saw AVX-512 F/DQ
+            #[cfg(target_arch = "x86_64")]
+            (Path::Avx512(t), Ref::Q(a)) => unsafe {
+                avx512::rows(a, b, &t[0], &t[1], best, r0, r1)
+            },
+            // SAFETY: `detect_bf16` saw AVX-512 F/DQ
+            #[cfg(target_arch = "x86_64")]
+            (Path::Avx512Bf16(t), Ref::Bf16(a)) => unsafe { avx512::rows_bf16(a, b, t, r0, r1) },
+            // SAFETY: `detect` / `detect_bf16` saw AVX2 and FMA
+            #[cfg(target_arch = "x86_64")]
+            (Path::Avx2, a) => unsafe { avx2::rows(a, b, r0, r1) },
+            _ => rows_body(a, b, r0, r1),
+        }
+    }
+}
+
+/// What a difference must exceed to become the maximum: -1 until the first block sets it;
+/// NaN once a NaN reference value took it, as in `Accum::over`, where nothing exceeds NaN.
+fn running_max(acc: &Accum) -> f64 {
+    if acc.max_idx.is_some() {
+        acc.max_abs
+    } else {
+        -1.0
+    }
+}
+
+/// `(e2m1(c) * scale) * scale_2` for the 16 codes: the reference's two f32 multiplications.
+#[inline(always)]
+fn table(scale_code: u8, scale_2: f32) -> [f32; BLOCK] {
+    let s = e4m3::decode(scale_code);
+    let mut t = [0f32; BLOCK];
+    for (c, v) in t.iter_mut().enumerate() {
+        *v = (e2m1::decode(c as u8) * s) * scale_2;
+    }
+    t
+}
+
+#[inline(always)]
+fn values(t: &[f32; BLOCK], packed: &[u8]) -> [f32; BLOCK] {
+    let mut v = [0f32; BLOCK];
+    for (i, &byte) in packed.iter().enumerate().take(BLOCK / 2) {
+        v[2 * i] = t[(byte & 0xF) as usize];
+        v[2 * i + 1] = t[(byte >> 4) as usize];
+    }
+    v
+}
+
+/// BF16 `bytes` (2 a value) as f32: exact.
+#[inline(always)]
+fn bf16_values(bytes: &[u8]) -> [f32; BLOCK] {
+    let mut v = [0f32; BLOCK];
+    for (o, h) in v.iter_mut().zip(bytes.chunks_exact(2)) {
+        *o = f32::from_bits((u16::from_le_bytes([h[0], h[1]]) as u32) << 16);
+    }
+    v
+}
+
+/// Block `j` of row `r` of the reference side, and whether all its values are finite.
+#[inline(always)]
+fn ref_block(a: Ref, r: usize, j: usize) -> ([f32; BLOCK], bool) {
+    match a {
+        Ref::Q(q) => {
+            let t = table(q.scale_row(r)[j], q.scale_2);
+            let x = values(&t, &q.packed.row(r)[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
+            // entry 7 (6 · scale · scale_2) has the largest magnitude: when it is finite, so
+            // is every entry (NaN scales, Inf and 0 · Inf all show there)
+            (x, t[7].is_finite())
+        }
+        Ref::Bf16(d) => {
+            let x = bf16_values(&d.mat.row(r)[j * 2 * BLOCK..(j + 1) * 2 * BLOCK]);
+            (x, x.iter().all(|v| v.is_finite()))
+        }
+    }
+}
+
+#[inline(always)]
+fn rows_body(a: Ref, b: &QMatrix, r0: usize, r1: usize) -> Accum {
+    let (cols, kb) = (b.cols, b.kb());
+    let mut acc = Accum::default();
+    let (mut dot, mut nt, mut nr, mut err) =
+        ([0f64; LANES], [0f64; LANES], [0f64; LANES], [0f64; LANES]);
+    for r in r0..r1 {
+        let (pb, sb) = (b.packed.row(r), b.scale_row(r));
+        for j in 0..kb {
+            let (x, x_finite) = ref_block(a, r, j);
+            let tb = table(sb[j], b.scale_2);
+            let y = values(&tb, &pb[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
+            let at = r * cols + j * BLOCK;
+            if !(x_finite && tb[7].is_finite()) {
+                acc = acc.merge(Accum::over(&y, &x, at));
+                continue;
+            }
+            let mut dabs = [0f64; BLOCK];
+            for i in 0..BLOCK {
+                let (t, rf) = (y[i] as f64, x[i] as f64);
+                let d = t - rf;
+                let l = i % LANES;
+                dot[l] += t * rf;
+                nt[l] += t * t;
+                nr[l] += rf * rf;
+                err[l] += d * d;
+                dabs[i] = d.abs();
+            }
+            let m = dabs.iter().fold(0f64, |m, &v| m.max(v));
+            if m > acc.max_abs || acc.max_idx.is_none() {
+                let i = dabs.iter().position(|&v| v == m).unwrap_or(0);
+                acc.max_abs = m;
+                acc.max_idx = Some(at + i);
+            }
+        }
+    }
+    acc.dot += dot.iter().sum::<f64>();
+    acc.nt += nt.iter().sum::<f64>();
+    acc.nr += nr.iter().sum::<f64>();
+    acc.err += err.iter().sum::<f64>();
+    acc.len = (r1 - r0) * cols;
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::compare::metrics_qq;
+    use crate::weights::view::Mat;
+    use rand::{Rng, SeedableRng};
+    use std::borrow::Cow;
+
+    /// Equal up to summation order. The sums behind the three figures carry a relative
+    /// error up to n·ε of the sum of magnitudes, so the tolerance is relative with an
+    /// absolute floor: a cosine near 0 or an SQNR near 0 dB comes from a cancellation, where
+    /// a pure relative tolerance fails on rounding alone (seen: SQNR 0.27697569402709 vs
+    /// 0.27697569402681 dB). A real fault moves these figures by far more than 1e-10.
+    fn close(a: f64, b: f64) -> bool {
+        (a.is_nan() && b.is_nan())
+            || a == b
+            || (a - b).abs() <= 1e-10 * a.abs().max(b.abs()).max(1.0)
+    }
+
+    fn q(p: &[u8], s: Vec<u8>, g: f32, rows: usize, cols: usize) -> QMatrix<'_> {
+        QMatrix {
+            format: Format::Nvfp4,
+            rows,
+            cols,
+            packed: Mat::dense(p, rows, cols / 2).unwrap(),
+            scales: Cow::Owned(s),
+            scale_2: g,
+        }
+    }
+
+    /// Against the dequantize-then-`Accum::over` reference on random matrices: clean ones,
+    /// ones with NaN scale codes and overflowing blocks in B, near-identical ones.
+    #[test]
+    fn fused_matches_the_reference() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for case in 0..12 {
+            let rows = r.gen_range(1..300);
+            let cols = 16 * r.gen_range(1..40);
+            let pa: Vec<u8> = (0..rows * cols / 2).map(|_| r.gen()).collect();
+            let mut pb = pa.clone();
+            let flips = if case % 3 == 0 {
+                pb.len()
+            } else {
+                r.gen_range(1..8)
+            };
+            for _ in 0..flips {
+                let i = r.gen_range(0..pb.len());
+                pb[i] = r.gen();
+            }
+            // every fifth case one scale code throughout: the largest difference then comes
+            // up many times, in several pieces, and the first of them must win
+            let one_code = r.gen_range(0..0x7F);
+            let sa: Vec<u8> = (0..rows * cols / 16)
+                .map(|_| {
+                    if case % 5 == 4 {
+                        one_code
+                    } else {
+                        r.gen_range(0..0x7F)
+                    }
+                })
+                .collect();
+            let mut sb = sa.clone();
+            if case % 4 == 1 {
+                for _ in 0..r.gen_range(1..4) {
+                    let i = r.gen_range(0..sb.len());
+                    sb[i] = if r.gen_bool(0.5) { 0x7F } else { 0xFF };
+                }
+            }
+            // a huge scale_2 overflows blocks with large scales to Inf
+            let g_b = if case % 4 == 2 {
+                3e36
+            } else {
+                1e-4 * r.gen_range(0.5..2.0f32)
+            };
+            let (qa, qb) = (q(&pa, sa, 1e-4, rows, cols), q(&pb, sb, g_b, rows, cols));
+            let want = metrics_qq(&qa, &qb);
+            // the dispatched path, then every narrower body this CPU can run
+            let mut paths = vec![
+                ("dispatched", metrics_nvfp4(&qa, &qb).unwrap()),
+                ("portable", rows_body(Ref::Q(&qa), &qb, 0, rows).finish()),
+            ];
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                let best = AtomicU64::new(0);
+                paths.push((
+                    "avx2",
+                    Path::Avx2.rows(Ref::Q(&qa), &qb, &best, 0, rows).finish(),
+                ));
+            }
+            for (path, got) in paths {
+                same(
+                    &format!("seed {seed} case {case} [{rows}, {cols}] {path}"),
+                    &got,
+                    &want,
+                );
+            }
+        }
+    }
+
+    /// Identical counts, maximum and first indices; sums up to order.
+    fn same(what: &str, got: &Metrics, want: &Metrics) {
+        assert_eq!(got.len, want.len, "{what}");
+        assert_eq!(
+            (got.nan_count, got.inf_count, got.first_nan, got.first_inf),
+            (
+                want.nan_count,
+                want.inf_count,
+                want.first_nan,
+                want.first_inf
+            ),
+            "{what}"
+        );
+        assert!(
+            got.max_abs_err.to_bits() == want.max_abs_err.to_bits()
+                || (got.max_abs_err.is_nan() && want.max_abs_err.is_nan()),
+            "{what}: max_abs_err {} vs {}",
+            got.max_abs_err,
+            want.max_abs_err
+        );
+        assert_eq!(got.max_abs_err_index, want.max_abs_err_index, "{what}");
+        for (n, g, w) in [
+            ("cosine", got.cosine, want.cosine),
+            ("rel_l2", got.rel_l2, want.rel_l2),
+            ("sqnr_db", got.sqnr_db, want.sqnr_db),
+        ] {
+            assert!(close(g, w), "{what}: {n} {g:e} vs {w:e}");
+        }
+    }
+
+    /// NVFP4 against a BF16 reference (a checkpoint's original): its own quantization, the
+    /// same with NaN/Inf among the BF16 values or NaN scale codes, and unrelated values.
+    #[test]
+    fn fused_bf16_matches_the_reference() {
+        use crate::checkpoint::writer::bf16_bytes;
+        use crate::nvfp4::quantize_weight_nvfp4;
+        use crate::weights::compare::{metrics_any, Values};
+        use safetensors::Dtype;
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for case in 0..12 {
+            let rows = r.gen_range(1..300);
+            let cols = 16 * r.gen_range(1..40);
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|_| half::bf16::from_f32(r.gen_range(-0.1f32..0.1)).to_f32())
+                .collect();
+            let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+            let mut x = bf16_bytes(&w);
+            if case % 3 == 1 {
+                for _ in 0..r.gen_range(1..4) {
+                    let i = 2 * r.gen_range(0..rows * cols);
+                    let v: f32 = [f32::NAN, f32::INFINITY, -f32::INFINITY][r.gen_range(0..3)];
+                    x[i..i + 2].copy_from_slice(&bf16_bytes(&[v]));
+                }
+            }
+            if case % 3 == 2 {
+                x.iter_mut().for_each(|b| *b = r.gen::<u8>() & 0xBF);
+            }
+            let mut sc = t.scales.clone();
+            if case % 4 == 3 {
+                let i = r.gen_range(0..sc.len());
+                sc[i] = 0x7F;
+            }
+            let qb = q(&t.packed, sc, t.scale_2, rows, cols);
+            let d = DView {
+                mat: Mat::dense(&x, rows, 2 * cols).unwrap(),
+                dtype: Dtype::BF16,
+            };
+            let want = metrics_any(&Values::D(d), &Values::Q(&qb)).unwrap();
+            let mut paths = vec![
+                ("dispatched", metrics_bf16_nvfp4(&d, &qb).unwrap()),
+                ("portable", rows_body(Ref::Bf16(&d), &qb, 0, rows).finish()),
+            ];
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                let best = AtomicU64::new(0);
+                paths.push((
+                    "avx2",
+                    Path::Avx2.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish(),
+                ));
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx512::available() {
+                let best = AtomicU64::new(0);
+                let p = Path::detect_bf16(&qb);
+                assert!(matches!(p, Path::Avx512Bf16(_)));
+                paths.push((
+                    "avx512",
+                    p.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish(),
+                ));
+            }
+            for (path, got) in paths {
+                same(
+                    &format!("seed {seed} case {case} [{rows}, {cols}] {path}"),
+                    &got,
+                    &want,
+                );
+            }
+        }
+    }
+}
