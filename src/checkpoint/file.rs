@@ -84,6 +84,28 @@ pub fn parse_dtype(s: &str) -> Option<Dtype> {
     })
 }
 
+/// Map the pages under `bytes` (a slice of a file map) in one call before a pass reads them
+/// all, as [`TensorFile::prefetch`] does for a whole tensor: page faults one per few pages
+/// cost more. Best effort (older kernels and other systems lack it); reads only.
+pub fn populate(bytes: &[u8]) {
+    #[cfg(target_os = "linux")]
+    if !bytes.is_empty() {
+        // SAFETY: sysconf has no preconditions
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        let start = bytes.as_ptr() as usize;
+        let first = start - start % page;
+        // SAFETY: the range covers only the pages holding `bytes`, all mapped; the advice
+        // reads them in and changes nothing
+        let _ = unsafe {
+            libc::madvise(
+                first as *mut libc::c_void,
+                start + bytes.len() - first,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+    }
+}
+
 /// Dtypes [`decode_f32_into`] reads.
 pub fn is_float(d: Dtype) -> bool {
     matches!(

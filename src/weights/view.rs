@@ -74,6 +74,14 @@ impl<'a> Mat<'a> {
         self.rows * self.row_bytes
     }
 
+    /// The bytes from the first row's start to the last row's end (strides included).
+    pub fn span(&self) -> &'a [u8] {
+        match self.rows {
+            0 => &self.data[..0],
+            r => &self.data[..(r - 1) * self.stride + self.row_bytes],
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

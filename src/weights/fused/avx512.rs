@@ -58,18 +58,77 @@ impl Tables {
         code & 0x7F < self.limit
     }
 
-    fn all_finite(&self, codes: &[u8]) -> bool {
+    pub(super) fn all_finite(&self, codes: &[u8]) -> bool {
         codes.iter().fold(0u8, |m, &c| m.max(c & 0x7F)) < self.limit
     }
 }
 
 /// Four quantities in 2 × 8 f64 lanes (even and odd elements of a block).
 #[derive(Clone, Copy)]
-struct Sums {
+pub(super) struct Sums {
     dot: [__m512d; 2],
     nt: [__m512d; 2],
     nr: [__m512d; 2],
     err: [__m512d; 2],
+}
+
+impl Sums {
+    pub(super) fn zero() -> Sums {
+        // SAFETY: SSE2-era zeroing, on every x86_64
+        let z = unsafe { _mm512_setzero_pd() };
+        Sums {
+            dot: [z; 2],
+            nt: [z; 2],
+            nr: [z; 2],
+            err: [z; 2],
+        }
+    }
+
+    /// Adds the lanes to `acc`'s sums.
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn add_to(&self, acc: &mut Accum) {
+        let sum = |v: [__m512d; 2]| _mm512_reduce_add_pd(_mm512_add_pd(v[0], v[1]));
+        acc.dot += sum(self.dot);
+        acc.nt += sum(self.nt);
+        acc.nr += sum(self.nr);
+        acc.err += sum(self.err);
+    }
+}
+
+/// One cache line of each side's packed row, [`PREFETCH`] bytes past block `j` when `j`
+/// starts a line (8 blocks).
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn prefetch(pa: *const u8, pb: *const u8, j: usize) {
+    if j.is_multiple_of(8) {
+        let ahead = j * 8 + PREFETCH;
+        _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(ahead) as *const i8);
+        _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(ahead) as *const i8);
+    }
+}
+
+/// [`block`] `j` of a row (`pa`, `pb` its packed bytes, `ca`, `cb` the block's finite scale
+/// codes).
+#[target_feature(enable = "avx512f,avx512dq")]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn block_of(
+    ta: &Tables,
+    tb: &Tables,
+    ca: u8,
+    cb: u8,
+    pa: *const u8,
+    pb: *const u8,
+    j: usize,
+    s: &mut Sums,
+    m: __m512d,
+) -> __m512d {
+    block(
+        ta.rows.get_unchecked(ca as usize),
+        tb.rows.get_unchecked(cb as usize),
+        pa.add(j * 8),
+        pb.add(j * 8),
+        s,
+        m,
+    )
 }
 
 /// A block's even and odd elements from its 8 packed bytes: the low nibbles, which
@@ -117,6 +176,55 @@ unsafe fn sums(x: [__m512d; 2], y: [__m512d; 2], s: &mut Sums, m: __m512d) -> __
     _mm512_range_pd::<0b1011>(m, _mm512_range_pd::<0b1011>(d[0], d[1]))
 }
 
+/// The flat index of the first element of row `r`, from block `j0` on, whose |difference|
+/// is `mb` (finite blocks only: the others went through `Accum::over`).
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn first_of(
+    a: &QMatrix,
+    b: &QMatrix,
+    ta: &Tables,
+    tb: &Tables,
+    r: usize,
+    j0: usize,
+    mb: f64,
+) -> usize {
+    let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
+    let target = _mm512_set1_pd(mb);
+    for j in j0..a.kb() {
+        let (ca, cb) = (a.scale_row(r)[j], b.scale_row(r)[j]);
+        if !(ta.finite(ca) && tb.finite(cb)) {
+            continue;
+        }
+        let x = lookup(&ta.rows[ca as usize], pa.add(j * 8));
+        let y = lookup(&tb.rows[cb as usize], pb.add(j * 8));
+        let hit = |k: usize| {
+            let d = _mm512_abs_pd(_mm512_sub_pd(y[k], x[k]));
+            let lanes = _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(d, target);
+            // lane l of the even (odd) half is element 2l (2l + 1)
+            (lanes != 0).then(|| 2 * lanes.trailing_zeros() as usize + k)
+        };
+        if let Some(i) = [hit(0), hit(1)].into_iter().flatten().min() {
+            return r * a.cols + j * BLOCK + i;
+        }
+    }
+    r * a.cols + j0 * BLOCK
+}
+
+/// `m`'s maximum when it beats this piece's (`cur`) and is not below every piece's `best`.
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn beats(m: __m512d, cur: __m512d, best: &AtomicU64) -> Option<f64> {
+    if _mm512_cmp_pd_mask::<_CMP_GT_OQ>(m, cur) == 0 {
+        return None;
+    }
+    let mb = _mm512_reduce_max_pd(m);
+    (mb >= f64::from_bits(best.load(Ordering::Relaxed))).then_some(mb)
+}
+
+/// Raise every piece's `best` to `mb` (non-negative f64s order as their bits do).
+pub(super) fn publish(best: &AtomicU64, mb: f64) {
+    best.fetch_max(mb.to_bits(), Ordering::Relaxed);
+}
+
 #[target_feature(enable = "avx512f,avx512dq")]
 pub unsafe fn rows(
     a: &QMatrix,
@@ -129,48 +237,9 @@ pub unsafe fn rows(
 ) -> Accum {
     let (cols, kb) = (a.cols, a.kb());
     let z = _mm512_setzero_pd();
-    let mut s = Sums {
-        dot: [z; 2],
-        nt: [z; 2],
-        nr: [z; 2],
-        err: [z; 2],
-    };
+    let mut s = Sums::zero();
     let mut acc = Accum::default();
     let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
-    // the flat index of the first element of row `r`, from block `j0` on, whose
-    // |difference| is `mb` (finite blocks only: the others went through `Accum::over`)
-    let first_of = |r: usize, j0: usize, mb: f64| {
-        let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
-        let target = _mm512_set1_pd(mb);
-        for j in j0..kb {
-            let (ca, cb) = (a.scale_row(r)[j], b.scale_row(r)[j]);
-            if !(ta.finite(ca) && tb.finite(cb)) {
-                continue;
-            }
-            let x = lookup(&ta.rows[ca as usize], pa.add(j * 8));
-            let y = lookup(&tb.rows[cb as usize], pb.add(j * 8));
-            let hit = |k: usize| {
-                let d = _mm512_abs_pd(_mm512_sub_pd(y[k], x[k]));
-                let lanes = _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(d, target);
-                // lane l of the even (odd) half is element 2l (2l + 1)
-                (lanes != 0).then(|| 2 * lanes.trailing_zeros() as usize + k)
-            };
-            if let Some(i) = [hit(0), hit(1)].into_iter().flatten().min() {
-                return r * cols + j * BLOCK + i;
-            }
-        }
-        r * cols + j0 * BLOCK
-    };
-    // `m`'s maximum when it beats this piece's and is not below every piece's best
-    let beats = |m: __m512d, cur: __m512d| {
-        if _mm512_cmp_pd_mask::<_CMP_GT_OQ>(m, cur) == 0 {
-            return None;
-        }
-        let mb = _mm512_reduce_max_pd(m);
-        (mb >= f64::from_bits(best.load(Ordering::Relaxed))).then_some(mb)
-    };
-    // non-negative f64s order as their bits do
-    let publish = |mb: f64| best.fetch_max(mb.to_bits(), Ordering::Relaxed);
     let mut cur = current(&acc);
     for r in r0..r1 {
         let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
@@ -178,27 +247,15 @@ pub unsafe fn rows(
         if ta.all_finite(sa) && tb.all_finite(sb) {
             let mut m = z;
             for j in 0..kb {
-                if j % 8 == 0 {
-                    // one cache line per 8 blocks on each side
-                    let ahead = j * 8 + PREFETCH;
-                    _mm_prefetch::<_MM_HINT_T0>(pa.wrapping_add(ahead) as *const i8);
-                    _mm_prefetch::<_MM_HINT_T0>(pb.wrapping_add(ahead) as *const i8);
-                }
+                prefetch(pa, pb, j);
                 let (ca, cb) = (*sa.get_unchecked(j), *sb.get_unchecked(j));
-                m = block(
-                    ta.rows.get_unchecked(ca as usize),
-                    tb.rows.get_unchecked(cb as usize),
-                    pa.add(j * 8),
-                    pb.add(j * 8),
-                    &mut s,
-                    m,
-                );
+                m = block_of(ta, tb, ca, cb, pa, pb, j, &mut s, m);
             }
-            if let Some(mb) = beats(m, cur) {
+            if let Some(mb) = beats(m, cur, best) {
                 acc.max_abs = mb;
-                acc.max_idx = Some(first_of(r, 0, mb));
+                acc.max_idx = Some(first_of(a, b, ta, tb, r, 0, mb));
                 cur = current(&acc);
-                publish(mb);
+                publish(best, mb);
             }
             continue;
         }
@@ -222,19 +279,15 @@ pub unsafe fn rows(
                 &mut s,
                 z,
             );
-            if let Some(mb) = beats(m, cur) {
+            if let Some(mb) = beats(m, cur, best) {
                 acc.max_abs = mb;
-                acc.max_idx = Some(first_of(r, j, mb));
+                acc.max_idx = Some(first_of(a, b, ta, tb, r, j, mb));
                 cur = current(&acc);
-                publish(mb);
+                publish(best, mb);
             }
         }
     }
-    let sum = |v: [__m512d; 2]| _mm512_reduce_add_pd(_mm512_add_pd(v[0], v[1]));
-    acc.dot += sum(s.dot);
-    acc.nt += sum(s.nt);
-    acc.nr += sum(s.nr);
-    acc.err += sum(s.err);
+    s.add_to(&mut acc);
     acc.len = (r1 - r0) * cols;
     acc
 }
@@ -269,12 +322,7 @@ unsafe fn bf16_block(bytes: *const u8) -> ([__m512d; 2], bool) {
 pub unsafe fn rows_bf16(a: &DView, b: &QMatrix, tb: &Tables, r0: usize, r1: usize) -> Accum {
     let (cols, kb) = (b.cols, b.kb());
     let z = _mm512_setzero_pd();
-    let mut s = Sums {
-        dot: [z; 2],
-        nt: [z; 2],
-        nr: [z; 2],
-        err: [z; 2],
-    };
+    let mut s = Sums::zero();
     let mut acc = Accum::default();
     let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
     let mut cur = current(&acc);
@@ -314,11 +362,7 @@ pub unsafe fn rows_bf16(a: &DView, b: &QMatrix, tb: &Tables, r0: usize, r1: usiz
             }
         }
     }
-    let sum = |v: [__m512d; 2]| _mm512_reduce_add_pd(_mm512_add_pd(v[0], v[1]));
-    acc.dot += sum(s.dot);
-    acc.nt += sum(s.nt);
-    acc.nr += sum(s.nr);
-    acc.err += sum(s.err);
+    s.add_to(&mut acc);
     acc.len = (r1 - r0) * cols;
     acc
 }

@@ -1,0 +1,507 @@
+//! Blocks whose two sides share their scale code and global scale, summed as integers
+//! (AVX-512 BW, VL and VBMI), eight blocks (one 64-byte line of each side) at a time.
+//!
+//! Under one scale `s` and global scale `g` every value is exactly `u · A1 + v · A3`, with
+//! `A1 = R1 / 2`, `A3 = R3` and `R1 = (1 · s) · g`, `R3 = (1.5 · s) · g` the reference's own f32
+//! products: e2m1 0.5, 1, 2, 4 are `u` = 1, 2, 4, 8 (a power of two times `R1` is exact) and
+//! 1.5, 3, 6 are `v` = 1, 2, 4 (times `R3`); `u · v = 0` for every value. So a block's sums are
+//! small integer sums of code pairs times products of `A1` and `A3`:
+//! - dot `= A1² Σuu' + A1 A3 Σ(uv' + vu') + A3² Σvv'`, the norms `A1² Σu² + A3² Σv²`;
+//! - the squared error `= A1² Σ(δu)² − 2 A1 A3 Σ(uv' + vu') + A3² Σ(δv)²`, whose integer
+//!   parts `Σ(δu)² = Σu² + Σu'² − 2 Σuu'` are exact: no cancellation in floating point.
+//!
+//! The integer sums are byte tables indexed by the code pair (`vpermi2b`, 128 entries: the
+//! two magnitudes and whether the signs differ) and summed per block by `vpsadbw`, whose 64-bit
+//! lanes are the eight blocks; the f64 products and sums then run with a block per lane. Each
+//! product `A1² · n` rounds once, where the reference rounds once per value: the sums agree to
+//! a few ulps, as the f64 body's do.
+//!
+//! The largest |difference| of a block is exact, not bounded. With `w = u + 3v` (twice the
+//! e2m1 value) and `ε = A3 − 3 A1`, a difference is `A1 δw + ε δv`; `|ε|` is below `|A1| / 16`
+//! (checked per scale code), so `|d| = |A1| W + |ε| T` with `W = |δw|` and `T = ± sign(δw) δv`
+//! (the sign of `ε A1`), and the element of largest `(W, T)` holds the block's largest `|d|`.
+//! A byte table ranks the pairs `(W, T)` of each code pair for each sign (`vpermi2b` again),
+//! `vpmaxub` takes the block's largest rank, and two more tables give back its `W` and `T`:
+//! `|A1| W + |ε| T` is computed exactly in f64 (both products are exact and the sum fits 53
+//! bits), the same bits as the reference's `|f64(y) − f64(x)|`.
+
+use super::avx512::{self, Tables};
+use super::QMatrix;
+use crate::metrics::Accum;
+use std::arch::x86_64::*;
+use std::sync::atomic::AtomicU64;
+
+/// e2m1 magnitude codes 0..8 (0, 0.5, 1, 1.5, 2, 3, 4, 6) as `u · A1 + v · A3`.
+const U: [i32; 8] = [0, 1, 2, 0, 4, 0, 8, 0];
+const V: [i32; 8] = [0, 0, 0, 1, 0, 2, 0, 4];
+/// The bias that keeps a signed code-pair product (at most 64 in magnitude) a byte.
+const BIAS: i32 = 64;
+/// Blocks a step: one 64-byte line of packed codes on each side.
+const GROUP: usize = 8;
+
+pub fn available() -> bool {
+    avx512::available()
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+        && std::is_x86_feature_detected!("avx512vbmi")
+}
+
+/// The scale codes whose blocks the integer sums take under one global scale: those whose 16
+/// values are all finite and exactly `±(u · A1 + v · A3)`, with `|A3 − 3 A1|` below
+/// `|A1| / 16`. Products that are subnormal f32 (tiny scales) or overflow fail this; both
+/// sit at the ends of the magnitudes, so the codes taken are magnitude 0 (when it passes) and
+/// one run `lo..hi` (a code and its negation alike). Any other code sends its row to the f64
+/// body.
+pub struct Codes {
+    zero: bool,
+    lo: u8,
+    hi: u8,
+}
+
+impl Codes {
+    pub fn new(scale_2: f32) -> Codes {
+        let ok = |m: u8| {
+            [m, m | 0x80].into_iter().all(|c| {
+                let t = super::table(c, scale_2);
+                let (a1, a3) = (f64::from(t[2]) / 2.0, f64::from(t[3]));
+                let exact = t.iter().enumerate().all(|(q, &v)| {
+                    let (k, sign) = (q & 7, if q & 8 != 0 { -1.0 } else { 1.0 });
+                    v.is_finite() && f64::from(v) == sign * (U[k] as f64 * a1 + V[k] as f64 * a3)
+                });
+                let eps = a3 - 3.0 * a1;
+                exact && ((a1 == 0.0 && a3 == 0.0) || 16.0 * eps.abs() < a1.abs())
+            })
+        };
+        let lo = (1..0x80).find(|&m| ok(m)).unwrap_or(0x80);
+        let hi = (lo..0x80).find(|&m| !ok(m)).unwrap_or(0x80);
+        Codes {
+            zero: ok(0),
+            lo,
+            hi,
+        }
+    }
+
+    fn take(&self, code: u8) -> bool {
+        let m = code & 0x7F;
+        ((m == 0) & self.zero) | ((self.lo <= m) & (m < self.hi))
+    }
+
+    /// Whether every code of a row is taken (a branch-free fold, vectorized).
+    fn all(&self, codes: &[u8]) -> bool {
+        codes.iter().fold(true, |all, &c| all & self.take(c))
+    }
+}
+
+/// `A1 = R1 / 2` and `A3 = R3` of eight blocks from their scale codes: the E4M3 scale, exact
+/// in an f32, then the reference's own f32 products `(1 · s) · g` and `(1.5 · s) · g`. A
+/// normal code's exponent and mantissa bits placed in an f32 and re-biased are its value; a
+/// subnormal one (exponent 0, `m · 2^-9`) is `2 (2^-7 (1 + m/8) − 2^-7)`, one exact FMA away
+/// from that. (Its bits as an f32 subnormal scaled by 2^120 would be one multiply, and a
+/// microcode assist on denormal input that measured 1.7x the whole pass on codes 0..0x70.)
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn coefs(codes: *const u8, g: __m256) -> (__m512d, __m512d) {
+    let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes as *const __m128i));
+    let mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
+    let normal = _mm256_castsi256_ps(_mm256_add_epi32(
+        _mm256_slli_epi32::<20>(mag),
+        _mm256_set1_epi32(120 << 23),
+    ));
+    let sub = _mm256_fmadd_ps(normal, _mm256_set1_ps(2.0), _mm256_set1_ps(-1.0 / 64.0));
+    let s = _mm256_mask_blend_ps(
+        _mm256_cmplt_epu32_mask(mag, _mm256_set1_epi32(8)),
+        normal,
+        sub,
+    );
+    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(c, _mm256_set1_epi32(0x80)));
+    let s = _mm256_or_ps(s, _mm256_castsi256_ps(sign));
+    let r1 = _mm256_mul_ps(s, g);
+    let r3 = _mm256_mul_ps(_mm256_mul_ps(s, _mm256_set1_ps(1.5)), g);
+    (
+        _mm512_mul_pd(_mm512_cvtps_pd(r1), _mm512_set1_pd(0.5)),
+        _mm512_cvtps_pd(r3),
+    )
+}
+
+/// The byte tables, indexed by a code pair `sx << 6 | ma << 3 | mb` (the signs differ, A's
+/// magnitude code, B's), and by a rank for `dec_w` / `dec_t`.
+#[repr(C, align(64))]
+pub struct Pairs {
+    /// `BIAS ± u u'`, `BIAS ± (u v' + v u')`, `BIAS ± v v'`
+    uu: [u8; 128],
+    uv: [u8; 128],
+    vv: [u8; 128],
+    /// The rank of `(W, T)` when `ε A1 ≥ 0`, of `(W, −T)` when it is negative.
+    rank_pos: [u8; 128],
+    rank_neg: [u8; 128],
+    /// A rank's `W`, and its `T + 8`.
+    dec_w: [u8; 128],
+    dec_t: [u8; 128],
+    /// `u²` and `v²` of a 4-bit code (`vpermb`: 64 entries, bits 4-5 of the index ignored).
+    u2: [u8; 64],
+    v2: [u8; 64],
+}
+
+impl Pairs {
+    /// The tables, built once.
+    pub fn get() -> &'static Pairs {
+        static PAIRS: std::sync::OnceLock<Box<Pairs>> = std::sync::OnceLock::new();
+        PAIRS.get_or_init(Pairs::new)
+    }
+
+    fn new() -> Box<Pairs> {
+        let w = |m: usize| U[m] + 3 * V[m];
+        // (sign of the product, A's magnitude, B's magnitude) of every pair index
+        let split = |i: usize| (if i >> 6 == 1 { -1 } else { 1 }, (i >> 3) & 7, i & 7);
+        // (W, T) of a pair: |A1 δw + ε δv| = |A1| W + ε' T, ε' = ε · sign(A1)
+        let wt = |i: usize| {
+            let (sg, ma, mb) = split(i);
+            let (dw, dv) = (w(ma) - sg * w(mb), V[ma] - sg * V[mb]);
+            debug_assert!(dw != 0 || dv == 0, "equal w, equal value");
+            (dw.abs(), dw.signum() * dv)
+        };
+        let mut levels: Vec<(i32, i32)> = (0..128)
+            .flat_map(|i| {
+                let (w, t) = wt(i);
+                [(w, t), (w, -t)]
+            })
+            .collect();
+        levels.sort_unstable();
+        levels.dedup();
+        assert!(levels.len() <= 128, "ranks fit a vpermi2b table");
+        let rank = |l: (i32, i32)| levels.binary_search(&l).unwrap() as u8;
+        let byte = |v: i32| u8::try_from(v).expect("a table entry is a byte");
+        let mut p = Box::new(Pairs {
+            uu: [0; 128],
+            uv: [0; 128],
+            vv: [0; 128],
+            rank_pos: [0; 128],
+            rank_neg: [0; 128],
+            dec_w: [0; 128],
+            dec_t: [0; 128],
+            u2: [0; 64],
+            v2: [0; 64],
+        });
+        for i in 0..128 {
+            let (sg, ma, mb) = split(i);
+            p.uu[i] = byte(BIAS + sg * U[ma] * U[mb]);
+            p.uv[i] = byte(BIAS + sg * (U[ma] * V[mb] + V[ma] * U[mb]));
+            p.vv[i] = byte(BIAS + sg * V[ma] * V[mb]);
+            let (w, t) = wt(i);
+            p.rank_pos[i] = rank((w, t));
+            p.rank_neg[i] = rank((w, -t));
+        }
+        for (r, &(w, t)) in levels.iter().enumerate() {
+            p.dec_w[r] = byte(w);
+            p.dec_t[r] = byte(t + 8);
+        }
+        for i in 0..64 {
+            p.u2[i] = byte(U[i & 7] * U[i & 7]);
+            p.v2[i] = byte(V[i & 7] * V[i & 7]);
+        }
+        p
+    }
+}
+
+/// The tables in registers: a 128-entry table is two.
+struct Regs {
+    uu: [__m512i; 2],
+    uv: [__m512i; 2],
+    vv: [__m512i; 2],
+    rank_pos: [__m512i; 2],
+    rank_neg: [__m512i; 2],
+    dec_w: [__m512i; 2],
+    dec_t: [__m512i; 2],
+    u2: __m512i,
+    v2: __m512i,
+}
+
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn load(p: &Pairs) -> Regs {
+    let two = |t: &[u8; 128]| {
+        [
+            _mm512_loadu_si512(t.as_ptr() as *const __m512i),
+            _mm512_loadu_si512(t.as_ptr().add(64) as *const __m512i),
+        ]
+    };
+    Regs {
+        uu: two(&p.uu),
+        uv: two(&p.uv),
+        vv: two(&p.vv),
+        rank_pos: two(&p.rank_pos),
+        rank_neg: two(&p.rank_neg),
+        dec_w: two(&p.dec_w),
+        dec_t: two(&p.dec_t),
+        u2: _mm512_loadu_si512(p.u2.as_ptr() as *const __m512i),
+        v2: _mm512_loadu_si512(p.v2.as_ptr() as *const __m512i),
+    }
+}
+
+/// The four sums, a block per lane.
+struct Sums8 {
+    dot: __m512d,
+    nt: __m512d,
+    nr: __m512d,
+    err: __m512d,
+}
+
+/// Eight blocks: `pa` / `pb` their 64 packed bytes on each side, `a1` / `a3` their
+/// coefficients (one scale code a lane, both sides). Adds their sums to `s`; returns each
+/// block's largest |difference|.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn group(
+    k: &Regs,
+    pa: *const u8,
+    pb: *const u8,
+    a1: __m512d,
+    a3: __m512d,
+    s: &mut Sums8,
+) -> __m512d {
+    let zero = _mm512_setzero_si512();
+    let (a, b) = (
+        _mm512_loadu_si512(pa as *const __m512i),
+        _mm512_loadu_si512(pb as *const __m512i),
+    );
+    // The pair index of each element: even elements are low nibbles, odd ones high nibbles;
+    // element k of either half of a block sits in the same byte on both sides, and the
+    // block's bytes in its 64-bit lane. `x` is A with B's sign bits XORed in (bits 3 and 7:
+    // the signs differ); then bits 3-6 come from `x`'s nibble and bits 0-2 from B's
+    // (ternary `(A & C) | (B & !C)`, C = 0x78). Word shifts carry bits across bytes, but
+    // only into bits the mask drops or bit 7, which `vpermi2b` ignores. The tables of one
+    // code (`vpermb`, 64 entries repeated) take the nibble from bits 0-3 the same way.
+    let x = _mm512_ternarylogic_epi32::<0x78>(a, b, _mm512_set1_epi8(0x88u8 as i8));
+    let c = _mm512_set1_epi8(0x78);
+    let idx = [
+        _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi16::<3>(x), b, c),
+        _mm512_ternarylogic_epi32::<0xE4>(_mm512_srli_epi16::<1>(x), _mm512_srli_epi16::<4>(b), c),
+    ];
+    let codes = [
+        [a, _mm512_srli_epi16::<4>(a)],
+        [b, _mm512_srli_epi16::<4>(b)],
+    ];
+    // ε = A3 − 3 A1, exact (both are f32 values, 3 A1 = 1.5 R1 has 25 bits)
+    let eps = _mm512_fmadd_pd(_mm512_set1_pd(-3.0), a1, a3);
+    // the blocks where ε A1 < 0 rank by (W, −T): all 8 bytes of the block's lane
+    let neg = _mm512_movepi8_mask(_mm512_movm_epi64(_mm512_movepi64_mask(
+        _mm512_castpd_si512(_mm512_xor_pd(eps, a1)),
+    )));
+    let (mut suu, mut suv, mut svv) = (zero, zero, zero);
+    let mut top = zero;
+    let sad = |v: __m512i| _mm512_sad_epu8(v, zero);
+    let pick = |t: &[__m512i; 2], i: __m512i| _mm512_permutex2var_epi8(t[0], i, t[1]);
+    for &i in &idx {
+        suu = _mm512_add_epi64(suu, sad(pick(&k.uu, i)));
+        suv = _mm512_add_epi64(suv, sad(pick(&k.uv, i)));
+        svv = _mm512_add_epi64(svv, sad(pick(&k.vv, i)));
+        let rank = _mm512_mask_blend_epi8(neg, pick(&k.rank_pos, i), pick(&k.rank_neg, i));
+        top = _mm512_max_epu8(top, rank);
+    }
+    let bias = _mm512_set1_epi64(16 * BIAS as i64);
+    let (suu, suv, svv) = (
+        _mm512_sub_epi64(suu, bias),
+        _mm512_sub_epi64(suv, bias),
+        _mm512_sub_epi64(svv, bias),
+    );
+    // Σu², Σv² of each side: at most 64 a value, so a byte holds both halves' sum
+    let norm = |t: __m512i, q: [__m512i; 2]| {
+        sad(_mm512_add_epi8(
+            _mm512_permutexvar_epi8(q[0], t),
+            _mm512_permutexvar_epi8(q[1], t),
+        ))
+    };
+    let (nua, nva) = (norm(k.u2, codes[0]), norm(k.v2, codes[0]));
+    let (nub, nvb) = (norm(k.u2, codes[1]), norm(k.v2, codes[1]));
+    let f = |v: __m512i| _mm512_cvtepi64_pd(v);
+    let (c11, c13, c33) = (
+        _mm512_mul_pd(a1, a1),
+        _mm512_mul_pd(a1, a3),
+        _mm512_mul_pd(a3, a3),
+    );
+    let fsuv = f(suv);
+    s.dot = _mm512_fmadd_pd(c11, f(suu), s.dot);
+    s.dot = _mm512_fmadd_pd(c13, fsuv, s.dot);
+    s.dot = _mm512_fmadd_pd(c33, f(svv), s.dot);
+    s.nr = _mm512_fmadd_pd(c11, f(nua), s.nr);
+    s.nr = _mm512_fmadd_pd(c33, f(nva), s.nr);
+    s.nt = _mm512_fmadd_pd(c11, f(nub), s.nt);
+    s.nt = _mm512_fmadd_pd(c33, f(nvb), s.nt);
+    // Σ(δu)² = Σu² + Σu'² − 2 Σuu', Σ(δv)² likewise, Σ δu δv = −Σ(uv' + vu')
+    let sq = |na: __m512i, nb: __m512i, p: __m512i| {
+        _mm512_sub_epi64(_mm512_add_epi64(na, nb), _mm512_add_epi64(p, p))
+    };
+    s.err = _mm512_fmadd_pd(c11, f(sq(nua, nub, suu)), s.err);
+    s.err = _mm512_fmadd_pd(c33, f(sq(nva, nvb, svv)), s.err);
+    s.err = _mm512_fnmadd_pd(_mm512_add_pd(c13, c13), fsuv, s.err);
+    // the block's largest rank in the low byte of its lane, then its W and T + 8 there
+    top = _mm512_max_epu8(top, _mm512_srli_epi64::<32>(top));
+    top = _mm512_max_epu8(top, _mm512_srli_epi64::<16>(top));
+    top = _mm512_max_epu8(top, _mm512_srli_epi64::<8>(top));
+    let low = 0x0101_0101_0101_0101;
+    let w = f(_mm512_maskz_permutex2var_epi8(
+        low, k.dec_w[0], top, k.dec_w[1],
+    ));
+    let t = _mm512_sub_pd(
+        f(_mm512_maskz_permutex2var_epi8(
+            low, k.dec_t[0], top, k.dec_t[1],
+        )),
+        _mm512_set1_pd(8.0),
+    );
+    // |A1| W + |ε| T: both products exact, their sum too
+    _mm512_fmadd_pd(_mm512_abs_pd(a1), w, _mm512_mul_pd(_mm512_abs_pd(eps), t))
+}
+
+/// Rows `r0..r1` of two matrices with one global scale (`t` both sides' f64 tables, `c` the
+/// codes taken): a row whose scale codes are equal on both sides and all taken runs its
+/// groups of eight blocks here (the blocks past its last whole group through the f64 body's
+/// `block`); any other row is the f64 body's. The row-end maximum check and walk are the f64
+/// body's.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows(
+    a: &QMatrix,
+    b: &QMatrix,
+    t: &Tables,
+    c: &Codes,
+    best: &AtomicU64,
+    r0: usize,
+    r1: usize,
+) -> Accum {
+    let (cols, kb) = (a.cols, a.kb());
+    let k = load(Pairs::get());
+    let g = _mm256_set1_ps(a.scale_2);
+    let z = _mm512_setzero_pd();
+    let mut s = Sums8 {
+        dot: z,
+        nt: z,
+        nr: z,
+        err: z,
+    };
+    let mut f64_sums = avx512::Sums::zero();
+    let mut acc = Accum::default();
+    let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
+    let mut cur = current(&acc);
+    let whole = kb - kb % GROUP;
+    // each group's block maxima, kept for the row's first-index search
+    let mut tops = vec![z; whole / GROUP];
+    for r in r0..r1 {
+        let (sa, sb) = (a.scale_row(r), b.scale_row(r));
+        if sa != sb || !c.all(sa) {
+            acc = acc.merge(avx512::rows(a, b, t, t, best, r, r + 1));
+            cur = current(&acc);
+            continue;
+        }
+        let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
+        let mut m = z;
+        for (i, top) in tops.iter_mut().enumerate() {
+            let j = i * GROUP;
+            avx512::prefetch(pa, pb, j);
+            let (a1, a3) = coefs(sa.as_ptr().add(j), g);
+            *top = group(&k, pa.add(j * 8), pb.add(j * 8), a1, a3, &mut s);
+            m = _mm512_max_pd(m, *top);
+        }
+        for j in whole..kb {
+            m = avx512::block_of(t, t, sa[j], sb[j], pa, pb, j, &mut f64_sums, m);
+        }
+        if let Some(mb) = avx512::beats(m, cur, best) {
+            // the first block holding the maximum, from the groups' block maxima (exact), or
+            // past them; then its first element
+            let target = _mm512_set1_pd(mb);
+            let j = tops
+                .iter()
+                .enumerate()
+                .find_map(|(i, &top)| {
+                    let hit = _mm512_cmp_pd_mask::<_CMP_EQ_OQ>(top, target);
+                    (hit != 0).then(|| i * GROUP + hit.trailing_zeros() as usize)
+                })
+                .unwrap_or(whole);
+            acc.max_abs = mb;
+            acc.max_idx = Some(avx512::first_of(a, b, t, t, r, j, mb));
+            cur = current(&acc);
+            avx512::publish(best, mb);
+        }
+    }
+    f64_sums.add_to(&mut acc);
+    acc.dot += _mm512_reduce_add_pd(s.dot);
+    acc.nt += _mm512_reduce_add_pd(s.nt);
+    acc.nr += _mm512_reduce_add_pd(s.nr);
+    acc.err += _mm512_reduce_add_pd(s.err);
+    acc.len = (r1 - r0) * cols;
+    acc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::weights::fused::table;
+
+    /// For every scale code taken, under global scales from tiny to huge: the coefficients
+    /// computed in registers are the table's (`A1 = t[e2m1 1] / 2`, `A3 = t[e2m1 1.5]`), every
+    /// code pair's |difference| read back from its rank is the reference's, bit for bit, and
+    /// a higher rank never holds a smaller difference (so a block's largest rank holds its
+    /// largest difference).
+    #[test]
+    fn ranks_give_every_difference_exactly() {
+        if !available() {
+            eprintln!("no AVX-512 VBMI on this CPU: the integer body never runs here");
+            return;
+        }
+        let p = Pairs::get();
+        let mut taken = 0;
+        for g in [1.0f32, 3.7e-4, 1.3e-2, 2.5e-38, 7e-41, 1e-30, 6.1e35] {
+            let c = Codes::new(g);
+            for code in (0..=255u8).filter(|&code| c.take(code)) {
+                let t = table(code, g);
+                let (a1, a3) = (f64::from(t[2]) / 2.0, f64::from(t[3]));
+                let mut lanes = [[0f64; 8]; 2];
+                // SAFETY: `available` saw the features
+                unsafe {
+                    let (x1, x3) = coefs([code; 8].as_ptr(), _mm256_set1_ps(g));
+                    _mm512_storeu_pd(lanes[0].as_mut_ptr(), x1);
+                    _mm512_storeu_pd(lanes[1].as_mut_ptr(), x3);
+                }
+                assert_eq!(
+                    (lanes[0][7].to_bits(), lanes[1][7].to_bits()),
+                    (a1.to_bits(), a3.to_bits()),
+                    "g {g:e} code {code:#04x}: coefficients"
+                );
+                let eps = a3 - 3.0 * a1;
+                let neg = (eps * a1) < 0.0;
+                let mut seen: Vec<(u8, f64)> = Vec::new();
+                for qa in 0..16usize {
+                    for qb in 0..16usize {
+                        let i = (((qa ^ qb) & 8) << 3) | ((qa & 7) << 3) | (qb & 7);
+                        let r = if neg { p.rank_neg[i] } else { p.rank_pos[i] } as usize;
+                        let (w, tt) = (p.dec_w[r] as f64, p.dec_t[r] as f64 - 8.0);
+                        let got = a1.abs().mul_add(w, eps.abs() * tt);
+                        let want = (f64::from(t[qb]) - f64::from(t[qa])).abs();
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "g {g:e} code {code:#04x} pair ({qa}, {qb}): {got:e} vs {want:e}"
+                        );
+                        seen.push((r as u8, want));
+                    }
+                }
+                seen.sort_by(|x, y| x.partial_cmp(y).unwrap());
+                for w in seen.windows(2) {
+                    assert!(
+                        w[0].1 <= w[1].1,
+                        "g {g:e} code {code:#04x}: rank {} holds {:e}, rank {} holds {:e}",
+                        w[0].0,
+                        w[0].1,
+                        w[1].0,
+                        w[1].1
+                    );
+                }
+                taken += 1;
+            }
+        }
+        // the ordinary scales take every finite code but NaN; tiny and huge ones fewer
+        assert_eq!(Codes::new(3.7e-4).lo, 1);
+        assert_eq!(Codes::new(3.7e-4).hi, 0x7F);
+        assert!(taken > 1000, "only {taken} codes taken");
+        assert!(
+            !Codes::new(7e-41).take(1),
+            "a subnormal product is not taken"
+        );
+    }
+}
