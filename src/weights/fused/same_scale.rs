@@ -34,8 +34,12 @@ use std::sync::atomic::AtomicU64;
 /// e2m1 magnitude codes 0..8 (0, 0.5, 1, 1.5, 2, 3, 4, 6) as `u · A1 + v · A3`.
 const U: [i32; 8] = [0, 1, 2, 0, 4, 0, 8, 0];
 const V: [i32; 8] = [0, 0, 0, 1, 0, 2, 0, 4];
-/// The bias that keeps a signed code-pair product (at most 64 in magnitude) a byte.
-const BIAS: i32 = 64;
+/// The biases that keep signed code-pair products bytes: `u u'` is at most 64 in magnitude (so
+/// the two halves of a block are summed as 64-bit lanes), `u v' + v u'` at most 32 and `v v'`
+/// 16 (so the halves' bytes add first).
+const BIAS_UU: i32 = 64;
+const BIAS_UV: i32 = 32;
+const BIAS_VV: i32 = 16;
 /// Blocks a step: one 64-byte line of packed codes on each side.
 const GROUP: usize = 8;
 
@@ -86,9 +90,13 @@ impl Codes {
         ((m == 0) & self.zero) | ((self.lo <= m) & (m < self.hi))
     }
 
-    /// Whether every code of a row is taken (a branch-free fold, vectorized).
-    fn all(&self, codes: &[u8]) -> bool {
-        codes.iter().fold(true, |all, &c| all & self.take(c))
+    /// Whether a row's codes are equal on both sides and all taken (a branch-free fold,
+    /// vectorized).
+    fn all_equal(&self, a: &[u8], b: &[u8]) -> bool {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .fold(true, |all, (&x, &y)| all & (x == y) & self.take(x))
     }
 }
 
@@ -126,7 +134,7 @@ unsafe fn coefs(codes: *const u8, g: __m256) -> (__m512d, __m512d) {
 /// magnitude code, B's), and by a rank for `dec_w` / `dec_t`.
 #[repr(C, align(64))]
 pub struct Pairs {
-    /// `BIAS ± u u'`, `BIAS ± (u v' + v u')`, `BIAS ± v v'`
+    /// `BIAS_UU ± u u'`, `BIAS_UV ± (u v' + v u')`, `BIAS_VV ± v v'`
     uu: [u8; 128],
     uv: [u8; 128],
     vv: [u8; 128],
@@ -136,9 +144,10 @@ pub struct Pairs {
     /// A rank's `W`, and its `T + 8`.
     dec_w: [u8; 128],
     dec_t: [u8; 128],
-    /// `u²` and `v²` of a 4-bit code (`vpermb`: 64 entries, bits 4-5 of the index ignored).
-    u2: [u8; 64],
-    v2: [u8; 64],
+    /// `Σu²` and `Σv²` of a packed byte's two codes, indexed by its low 7 bits (the high
+    /// code's sign, bit 7, does not matter).
+    u2: [u8; 128],
+    v2: [u8; 128],
 }
 
 impl Pairs {
@@ -178,14 +187,14 @@ impl Pairs {
             rank_neg: [0; 128],
             dec_w: [0; 128],
             dec_t: [0; 128],
-            u2: [0; 64],
-            v2: [0; 64],
+            u2: [0; 128],
+            v2: [0; 128],
         });
         for i in 0..128 {
             let (sg, ma, mb) = split(i);
-            p.uu[i] = byte(BIAS + sg * U[ma] * U[mb]);
-            p.uv[i] = byte(BIAS + sg * (U[ma] * V[mb] + V[ma] * U[mb]));
-            p.vv[i] = byte(BIAS + sg * V[ma] * V[mb]);
+            p.uu[i] = byte(BIAS_UU + sg * U[ma] * U[mb]);
+            p.uv[i] = byte(BIAS_UV + sg * (U[ma] * V[mb] + V[ma] * U[mb]));
+            p.vv[i] = byte(BIAS_VV + sg * V[ma] * V[mb]);
             let (w, t) = wt(i);
             p.rank_pos[i] = rank((w, t));
             p.rank_neg[i] = rank((w, -t));
@@ -194,9 +203,10 @@ impl Pairs {
             p.dec_w[r] = byte(w);
             p.dec_t[r] = byte(t + 8);
         }
-        for i in 0..64 {
-            p.u2[i] = byte(U[i & 7] * U[i & 7]);
-            p.v2[i] = byte(V[i & 7] * V[i & 7]);
+        for i in 0..128 {
+            let (lo, hi) = (i & 7, (i >> 4) & 7);
+            p.u2[i] = byte(U[lo] * U[lo] + U[hi] * U[hi]);
+            p.v2[i] = byte(V[lo] * V[lo] + V[hi] * V[hi]);
         }
         p
     }
@@ -211,8 +221,8 @@ struct Regs {
     rank_neg: [__m512i; 2],
     dec_w: [__m512i; 2],
     dec_t: [__m512i; 2],
-    u2: __m512i,
-    v2: __m512i,
+    u2: [__m512i; 2],
+    v2: [__m512i; 2],
 }
 
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
@@ -231,8 +241,8 @@ unsafe fn load(p: &Pairs) -> Regs {
         rank_neg: two(&p.rank_neg),
         dec_w: two(&p.dec_w),
         dec_t: two(&p.dec_t),
-        u2: _mm512_loadu_si512(p.u2.as_ptr() as *const __m512i),
-        v2: _mm512_loadu_si512(p.v2.as_ptr() as *const __m512i),
+        u2: two(&p.u2),
+        v2: two(&p.v2),
     }
 }
 
@@ -266,17 +276,12 @@ unsafe fn group(
     // block's bytes in its 64-bit lane. `x` is A with B's sign bits XORed in (bits 3 and 7:
     // the signs differ); then bits 3-6 come from `x`'s nibble and bits 0-2 from B's
     // (ternary `(A & C) | (B & !C)`, C = 0x78). Word shifts carry bits across bytes, but
-    // only into bits the mask drops or bit 7, which `vpermi2b` ignores. The tables of one
-    // code (`vpermb`, 64 entries repeated) take the nibble from bits 0-3 the same way.
+    // only into bits the mask drops or bit 7, which `vpermi2b` ignores.
     let x = _mm512_ternarylogic_epi32::<0x78>(a, b, _mm512_set1_epi8(0x88u8 as i8));
     let c = _mm512_set1_epi8(0x78);
     let idx = [
         _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi16::<3>(x), b, c),
         _mm512_ternarylogic_epi32::<0xE4>(_mm512_srli_epi16::<1>(x), _mm512_srli_epi16::<4>(b), c),
-    ];
-    let codes = [
-        [a, _mm512_srli_epi16::<4>(a)],
-        [b, _mm512_srli_epi16::<4>(b)],
     ];
     // ε = A3 − 3 A1, exact (both are f32 values, 3 A1 = 1.5 R1 has 25 bits)
     let eps = _mm512_fmadd_pd(_mm512_set1_pd(-3.0), a1, a3);
@@ -284,32 +289,28 @@ unsafe fn group(
     let neg = _mm512_movepi8_mask(_mm512_movm_epi64(_mm512_movepi64_mask(
         _mm512_castpd_si512(_mm512_xor_pd(eps, a1)),
     )));
-    let (mut suu, mut suv, mut svv) = (zero, zero, zero);
-    let mut top = zero;
     let sad = |v: __m512i| _mm512_sad_epu8(v, zero);
     let pick = |t: &[__m512i; 2], i: __m512i| _mm512_permutex2var_epi8(t[0], i, t[1]);
-    for &i in &idx {
-        suu = _mm512_add_epi64(suu, sad(pick(&k.uu, i)));
-        suv = _mm512_add_epi64(suv, sad(pick(&k.uv, i)));
-        svv = _mm512_add_epi64(svv, sad(pick(&k.vv, i)));
-        let rank = _mm512_mask_blend_epi8(neg, pick(&k.rank_pos, i), pick(&k.rank_neg, i));
-        top = _mm512_max_epu8(top, rank);
-    }
-    let bias = _mm512_set1_epi64(16 * BIAS as i64);
-    let (suu, suv, svv) = (
-        _mm512_sub_epi64(suu, bias),
-        _mm512_sub_epi64(suv, bias),
-        _mm512_sub_epi64(svv, bias),
-    );
-    // Σu², Σv² of each side: at most 64 a value, so a byte holds both halves' sum
-    let norm = |t: __m512i, q: [__m512i; 2]| {
-        sad(_mm512_add_epi8(
-            _mm512_permutexvar_epi8(q[0], t),
-            _mm512_permutexvar_epi8(q[1], t),
-        ))
+    // a block's sum of one table over both halves, less 16 biases
+    let sum = |t: &[__m512i; 2], bias: i32, bytes_add: bool| {
+        let (lo, hi) = (pick(t, idx[0]), pick(t, idx[1]));
+        let s = if bytes_add {
+            sad(_mm512_add_epi8(lo, hi))
+        } else {
+            _mm512_add_epi64(sad(lo), sad(hi))
+        };
+        _mm512_sub_epi64(s, _mm512_set1_epi64(16 * bias as i64))
     };
-    let (nua, nva) = (norm(k.u2, codes[0]), norm(k.v2, codes[0]));
-    let (nub, nvb) = (norm(k.u2, codes[1]), norm(k.v2, codes[1]));
+    let (suu, suv, svv) = (
+        sum(&k.uu, BIAS_UU, false),
+        sum(&k.uv, BIAS_UV, true),
+        sum(&k.vv, BIAS_VV, true),
+    );
+    let rank = |i: __m512i| _mm512_mask_blend_epi8(neg, pick(&k.rank_pos, i), pick(&k.rank_neg, i));
+    let mut top = _mm512_max_epu8(rank(idx[0]), rank(idx[1]));
+    // Σu², Σv² of each side, both codes of a byte at once
+    let (nua, nva) = (sad(pick(&k.u2, a)), sad(pick(&k.v2, a)));
+    let (nub, nvb) = (sad(pick(&k.u2, b)), sad(pick(&k.v2, b)));
     let f = |v: __m512i| _mm512_cvtepi64_pd(v);
     let (c11, c13, c33) = (
         _mm512_mul_pd(a1, a1),
@@ -384,7 +385,7 @@ pub unsafe fn rows(
     let mut tops = vec![z; whole / GROUP];
     for r in r0..r1 {
         let (sa, sb) = (a.scale_row(r), b.scale_row(r));
-        if sa != sb || !c.all(sa) {
+        if !c.all_equal(sa, sb) {
             acc = acc.merge(avx512::rows(a, b, t, t, best, r, r + 1));
             cur = current(&acc);
             continue;
