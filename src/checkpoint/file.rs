@@ -421,17 +421,37 @@ impl TensorFile {
     /// them; a later access maps them again): a scan over a large shard then holds about one
     /// tensor's pages, not the whole shard's.
     pub fn release(&self, t: &TensorInfo) {
+        self.drop_pages(self.data_start + t.data_offsets.0, t.nbytes());
+    }
+
+    /// [`release`](Self::release) for a part of a tensor (a fused tensor's slice that one
+    /// comparison read): only the pages wholly inside `bytes`, and nothing unless `bytes` lies
+    /// in this file's map.
+    pub fn release_bytes(&self, bytes: &[u8]) {
+        let (start, map) = (bytes.as_ptr() as usize, self.map.as_ptr() as usize);
+        if start >= map && start + bytes.len() <= map + self.map.len() {
+            self.drop_pages(start - map, bytes.len());
+        }
+    }
+
+    /// MADV_DONTNEED on the whole pages of `[off, off + len)` of the map.
+    fn drop_pages(&self, off: usize, len: usize) {
         #[cfg(unix)]
-        if t.nbytes() > 0 {
-            // SAFETY: the map is read-only and file-backed: after MADV_DONTNEED the pages read
-            // back the same file contents, so no live slice observes a change.
-            let _ = unsafe {
-                self.map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    self.data_start + t.data_offsets.0,
-                    t.nbytes(),
-                )
-            };
+        {
+            // SAFETY: sysconf has no preconditions
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+            let (first, end) = (off.next_multiple_of(page), (off + len) / page * page);
+            if end > first {
+                // SAFETY: the map is read-only and file-backed: after MADV_DONTNEED the pages
+                // read back the same file contents, so no live slice observes a change.
+                let _ = unsafe {
+                    self.map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        first,
+                        end - first,
+                    )
+                };
+            }
         }
     }
 
@@ -689,6 +709,46 @@ mod tests {
 
     fn err_of(p: &Path) -> String {
         TensorFile::open(p).unwrap_err().to_string()
+    }
+
+    /// Releasing or populating part of a tensor (whole pages of it, several pages here) changes
+    /// no byte, in the file or as read back; a slice of another buffer is left alone.
+    #[test]
+    fn released_and_populated_pages_read_back_the_same() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("w.safetensors");
+        let data: Vec<u8> = (0..5 * 4096 + r.gen_range(1..4096))
+            .map(|_| r.gen())
+            .collect();
+        let n = data.len();
+        write_file(
+            &p,
+            vec![(TensorSpec::new("w", Dtype::U8, &[n]), data.clone())],
+            None,
+        )
+        .unwrap();
+        let on_disk = std::fs::read(&p).unwrap();
+        let f = TensorFile::open(&p).unwrap();
+        let w = f.bytes("w").unwrap();
+        assert_eq!(w, &data[..], "seed {seed}");
+        let (a, b) = (r.gen_range(0..n / 3), r.gen_range(2 * n / 3..n));
+        populate(&w[a..b]);
+        f.release_bytes(&w[a..b]);
+        assert_eq!(w, &data[..], "seed {seed}: after releasing [{a}, {b})");
+        // a heap buffer is not this file's map: releasing it must not zero it
+        let heap = data.clone();
+        f.release_bytes(&heap);
+        assert_eq!(heap, data);
+        f.release(f.info("w").unwrap());
+        assert_eq!(w, &data[..], "seed {seed}: after releasing the tensor");
+        drop(f);
+        assert_eq!(
+            std::fs::read(&p).unwrap(),
+            on_disk,
+            "the file is never modified"
+        );
     }
 
     #[test]
