@@ -1448,9 +1448,15 @@ fn quantization_config_of_another_method_is_an_error() {
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let (c, out, v) = audit(&dir);
     assert_eq!(c, 1, "seed {seed}: {out}");
-    assert!(findings_of(&v, "config_mismatch")
-        .iter()
-        .any(|x| x.0 == "quantization_config" && x.2.contains("no NVFP4")));
+    assert!(
+        findings_of(&v, "config_mismatch")
+            .iter()
+            .any(|x| x.0 == "quantization_config"
+                && ["config.json", "modelopt", "no NVFP4", "BF16 x 1"]
+                    .iter()
+                    .all(|w| x.2.contains(w))),
+        "seed {seed}: {out}"
+    );
 }
 
 /// The Fixture as a whole model (embedding, lm_head, final norm, a dense layer 0) of

@@ -57,7 +57,8 @@
 //! Warnings ([`Severity::Warning`], reported, verdict still pass): a config.json field left out
 //! whose default differs between the config classes engines read it with
 //! (`config::ENGINE_DEFAULTS`: `routed_scaling_factor` is 2.5 in transformers' DeepseekV3Config,
-//! 1.0 in DeepSeek-V2's configuration_deepseek.py).
+//! 1.0 in DeepSeek-V2's configuration_deepseek.py); HF-style configs only (a native `dim`
+//! config is read by DeepSeek's own inference code).
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
@@ -1549,9 +1550,12 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         None if nvfp4 > 0 => push(format!(
             "{nvfp4} NVFP4 linears but no quantization_config (config.json or hf_quant_config.json): engines load them as plain weights"
         )),
-        Some(q) if q.format() == Some(Format::Nvfp4) && nvfp4 == 0 => {
-            push("promises NVFP4 but the checkpoint holds no NVFP4 linear".into())
-        }
+        Some(q) if q.format() == Some(Format::Nvfp4) && nvfp4 == 0 => push(format!(
+            "{} promises NVFP4 (quant_method {}) but the checkpoint holds no NVFP4 linear (its 2-D weights: {}): engines' NVFP4 loader looks for packed codes and block scales that are not there",
+            q.source.display(),
+            q.method.name(),
+            weight_dtypes(ck)
+        )),
         Some(q) if q.format() == Some(Format::Nvfp4) && q.group_size.is_some_and(|g| g != 16) => push(format!(
             "NVFP4 with group_size {}: NVFP4 blocks are 16",
             q.group_size.unwrap_or(0)
@@ -1608,6 +1612,25 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         }
     }
     Ok(())
+}
+
+/// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).
+fn weight_dtypes(ck: &Checkpoint) -> String {
+    let mut by: BTreeMap<String, usize> = BTreeMap::new();
+    for n in ck.names().filter(|n| n.ends_with(".weight")) {
+        if let Ok(t) = ck.info(n) {
+            if t.shape.len() == 2 {
+                *by.entry(format!("{:?}", t.dtype)).or_default() += 1;
+            }
+        }
+    }
+    if by.is_empty() {
+        return "none".into();
+    }
+    by.iter()
+        .map(|(d, c)| format!("{d} x {c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Fields config.json leaves out whose defaults differ between the config classes engines read

@@ -305,8 +305,12 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
 }
 
 /// The [`ENGINE_DEFAULTS`] fields `f` does not state (under any name), with the value `moe`
-/// holds for each.
+/// holds for each. None for a native config (`dim`, not `hidden_size`): DeepSeek's own
+/// inference code reads it, with its `ModelArgs` defaults, not these classes.
 fn unstated(f: &Fields, moe: &MoeConfig) -> Vec<Unstated> {
+    if f.get(&["hidden_size"]).is_none() {
+        return vec![];
+    }
     ENGINE_DEFAULTS
         .iter()
         .filter(|d| {
@@ -748,13 +752,15 @@ mod tests {
         let d = c.unstated[0].defaults().unwrap();
         assert_eq!((d.transformers_v3, d.deepseek_v2), ("2.5", "1.0"));
         // native names count as stated
+        let mut v = v3_json(256, 8);
+        let o = v.as_object_mut().unwrap();
+        o.remove("routed_scaling_factor");
+        o.insert("route_scale".into(), 2.5.into());
+        assert_eq!(fields(&parse(&v).unwrap()), ["topk_method"]);
+        // a native config is read with DeepSeek's ModelArgs defaults, not these classes'
         let v = serde_json::json!({"dim": 64, "moe_inter_dim": 32, "n_routed_experts": 8,
-            "n_activated_experts": 2, "route_scale": 1.5, "n_layers": 4});
-        let f = fields(&parse(&v).unwrap());
-        assert!(
-            !f.contains(&"routed_scaling_factor") && f.contains(&"n_group"),
-            "{f:?}"
-        );
+            "n_activated_experts": 2, "n_layers": 4});
+        assert!(fields(&parse(&v).unwrap()).is_empty());
     }
 
     #[test]
