@@ -1550,6 +1550,17 @@ fn layers_config_promises_and_the_checkpoint_lacks_are_named() {
             .any(|x| x.contains("layers 2-3") && x.contains("MLP")),
         "seed {seed}: {m:?}"
     );
+    // cut before its first MoE layer: no expert names to take the layers' prefix from
+    let mut f = whole_model(&mut r, 4);
+    f.tensors.retain(|(s, _)| !s.name.contains("layers.1."));
+    f.write(&d.path().join("dense_only"));
+    let (c, out, v) = audit(&d.path().join("dense_only"));
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let m = missing(&v);
+    assert!(
+        m.len() == 1 && m[0].contains("layers 1-3"),
+        "seed {seed}: {m:?}"
+    );
     // an excerpt of one layer of a 61-layer model is not missing anything
     let mut f = Fixture::new(&mut r, 4);
     f.config["num_hidden_layers"] = 61.into();

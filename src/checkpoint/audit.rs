@@ -1577,7 +1577,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         // a method of another format and no algorithm (DeepSeek's FP8 `quant_method: fp8`,
         // AWQ, GPTQ, ...): engines pick that method's loader
         Some(q) if nvfp4 > 0 && q.format().is_none() && q.algo.is_none() => push(format!(
-            "{} states quant_method \"{}\" and no NVFP4 algorithm, but the checkpoint holds {nvfp4} NVFP4 linears (packed uint8 E2M1 codes, F8_E4M3 block scales of 16, a weight_scale_2 each): engines pick the {} loader from quant_method and load these bytes as garbage",
+            "{} states quant_method \"{}\" and no NVFP4 algorithm, but the checkpoint holds {nvfp4} NVFP4 linears (packed uint8 E2M1 codes, F8_E4M3 block scales of 16, a global scale each: weight_scale_2 or weight_global_scale): engines pick the {} loader from quant_method and load these bytes as garbage",
             q.source.display(),
             q.method.name(),
             q.method.name()
@@ -1869,10 +1869,10 @@ fn layers_against_config(
     out: &mut Vec<Finding>,
 ) -> Result<()> {
     // the language model's layers only (a vision tower's `...layers.N.` are not its)
-    let Some(n) = Naming::detect(ck.names()) else {
+    let Some(prefix) = layers_prefix(ck) else {
         return Ok(());
     };
-    let own = format!("{}layers.", n.prefix);
+    let own = format!("{prefix}layers.");
     // layer -> does it hold MLP (or expert) weights
     let mut present: BTreeMap<usize, bool> = BTreeMap::new();
     for name in ck.names().filter(|name| name.starts_with(&own)) {
@@ -1951,11 +1951,31 @@ fn layers_against_config(
         .collect();
     if !mlp_less.is_empty() {
         missing(format!(
-            "{} of num_hidden_layers = {built} hold tensors but no MLP or expert weights (a router at most), while other layers hold theirs: {uninitialized}",
-            layer_ranges(&mlp_less)
+            "{} of num_hidden_layers = {built} {} tensors but no MLP or expert weights (a router at most), while other layers hold theirs: {uninitialized}",
+            layer_ranges(&mlp_less),
+            if mlp_less.len() > 1 { "hold" } else { "holds" }
         ));
     }
     Ok(())
+}
+
+/// The prefix of the language model's `layers.{l}.`: the experts' ([`Naming::detect`]), else,
+/// in a checkpoint without experts (one cut before its first MoE layer), the one most MLP
+/// tensors share.
+fn layers_prefix(ck: &Checkpoint) -> Option<String> {
+    if let Some(n) = Naming::detect(ck.names()) {
+        return Some(n.prefix);
+    }
+    let mut votes: BTreeMap<&str, usize> = BTreeMap::new();
+    for (prefix, _, rest) in ck.names().filter_map(super::names::split_layer) {
+        if is_mlp_weight(rest) {
+            *votes.entry(prefix).or_default() += 1;
+        }
+    }
+    votes
+        .into_iter()
+        .max_by_key(|&(_, n)| n)
+        .map(|(p, _)| p.to_string())
 }
 
 /// Under `layers.{l}.`: an MLP's or an expert's tensor (dense MLP, routed and shared experts,
