@@ -79,6 +79,8 @@ impl Fixture {
         }
         let mut config = config_json(h, i, e, 2, 2);
         config["first_k_dense_replace"] = 1.into();
+        // as DeepSeek-V3's config.json states it (the router holds e_score_correction_bias)
+        config["topk_method"] = "noaux_tc".into();
         config["quantization_config"] = serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
         Fixture { tensors: t, config }
     }
@@ -1331,4 +1333,238 @@ fn no_originals_does_not_open_the_originals() {
     assert!(stderr(&o).contains(name), "seed {seed}: {}", stderr(&o));
     let o = run(&["audit", p(&ck), "--no-originals"]);
     assert_eq!(code(&o), 0, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+}
+
+/// config.json leaving out a field whose default differs between the config classes engines
+/// read it with (transformers' DeepseekV3Config: routed_scaling_factor 2.5; DeepSeek-V2's
+/// configuration_deepseek.py: 1.0): a warning naming the field, the defaults and the value
+/// audit used; the verdict stays pass. Fields stated under DeepSeek's native names count.
+#[test]
+fn config_fields_left_to_differing_engine_defaults_are_warned() {
+    let (seed, mut r) = rng("audit unstated config fields");
+    let d = tempfile::tempdir().unwrap();
+    let mut f = Fixture::new(&mut r, 4);
+    let o = f.config.as_object_mut().unwrap();
+    o.remove("routed_scaling_factor");
+    o.remove("norm_topk_prob");
+    // agreeing defaults (1 everywhere) are not flagged
+    o.remove("moe_layer_freq");
+    let dir = d.path().join("unstated");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 0, "seed {seed}: warnings only: {out}");
+    assert_eq!(v["verdict"], "pass");
+    let found = findings_of(&v, "defaults_disagree");
+    let fields: Vec<&str> = found.iter().map(|x| x.0.as_str()).collect();
+    assert_eq!(
+        fields,
+        ["norm_topk_prob", "routed_scaling_factor"],
+        "seed {seed}: {out}"
+    );
+    let (_, file, detail) = &found[1];
+    assert!(file.ends_with("config.json"), "{file}");
+    for want in [
+        "routed_scaling_factor",
+        "DeepseekV3Config",
+        "2.5",
+        "configuration_deepseek.py",
+        "1.0",
+        "audit used 1.0",
+    ] {
+        assert!(
+            detail.contains(want),
+            "seed {seed}: no {want:?} in {detail}"
+        );
+    }
+    assert!(v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["kind"] == "defaults_disagree")
+        .all(|x| x["severity"] == "warning"));
+    assert_eq!(v["summary"]["warnings"], 2, "seed {seed}: {out}");
+    assert!(out.contains("routed_scaling_factor"), "seed {seed}: {out}");
+    // native V4 names state them too
+    let o = f.config.as_object_mut().unwrap();
+    o.insert("route_scale".into(), 2.5.into());
+    o.insert("norm_topk_prob".into(), true.into());
+    let dir = d.path().join("native");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(
+        (c, v["summary"]["findings"].as_u64()),
+        (0, Some(0)),
+        "seed {seed}: {out}"
+    );
+}
+
+/// A quantization_config whose method is not NVFP4 over NVFP4 tensors (engines pick their
+/// loader from it), and NVFP4 promised over a checkpoint without NVFP4 tensors: errors naming
+/// config.json, the stated method and what the tensors are.
+#[test]
+fn quantization_config_of_another_method_is_an_error() {
+    let (seed, mut r) = rng("audit quant_method vs tensors");
+    let d = tempfile::tempdir().unwrap();
+    for (what, q) in [
+        (
+            "fp8",
+            serde_json::json!({"quant_method": "fp8", "fmt": "e4m3",
+                "activation_scheme": "dynamic", "weight_block_size": [128, 128]}),
+        ),
+        (
+            "awq",
+            serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 128}),
+        ),
+    ] {
+        let mut f = Fixture::new(&mut r, 4);
+        f.config["quantization_config"] = q;
+        let dir = d.path().join(what);
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "config_mismatch");
+        let hit = found.iter().find(|x| x.0 == "quantization_config");
+        let Some((_, file, detail)) = hit else {
+            panic!("seed {seed} {what}: no config_mismatch on quantization_config: {out}")
+        };
+        assert!(file.ends_with("config.json"), "{file}");
+        for want in ["config.json", &format!("\"{what}\""), "NVFP4", "12"] {
+            assert!(
+                detail.contains(want),
+                "seed {seed} {what}: no {want:?} in {detail}"
+            );
+        }
+    }
+    // the reverse: NVFP4 promised, BF16 weights only
+    let dir = d.path().join("bf16");
+    std::fs::create_dir_all(&dir).unwrap();
+    let w = weights(&mut r, 16, 32);
+    write(
+        &dir.join("model.safetensors"),
+        vec![bf16("model.layers.0.mlp.down_proj.weight", &[16, 32], &w)],
+    );
+    let config = serde_json::json!({"architectures": ["LlamaForCausalLM"],
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert!(
+        findings_of(&v, "config_mismatch")
+            .iter()
+            .any(|x| x.0 == "quantization_config"
+                && ["config.json", "modelopt", "no NVFP4", "BF16 x 1"]
+                    .iter()
+                    .all(|w| x.2.contains(w))),
+        "seed {seed}: {out}"
+    );
+}
+
+/// The Fixture as a whole model (embedding, lm_head, final norm, a dense layer 0) of
+/// `layers` layers, holding weights only for layers 0 and 1.
+fn whole_model(r: &mut impl Rng, layers: usize) -> Fixture {
+    let mut f = Fixture::new(r, 4);
+    let (h, v) = (32, 1000);
+    let inter = f.config["intermediate_size"].as_u64().unwrap() as usize;
+    f.tensors.push(bf16(
+        "model.embed_tokens.weight",
+        &[v, h],
+        &vec![0.01; v * h],
+    ));
+    f.tensors
+        .push(bf16("lm_head.weight", &[v, h], &vec![0.01; v * h]));
+    f.tensors
+        .push(bf16("model.norm.weight", &[h], &vec![1.0; h]));
+    for (p, shape) in [
+        ("gate_proj", [inter, h]),
+        ("up_proj", [inter, h]),
+        ("down_proj", [h, inter]),
+    ] {
+        let w = weights(r, shape[0], shape[1]);
+        f.tensors
+            .push(bf16(&format!("model.layers.0.mlp.{p}.weight"), &shape, &w));
+    }
+    f.config["num_hidden_layers"] = layers.into();
+    f
+}
+
+/// Layers config.json promises that a whole-model checkpoint lacks (a truncated download or
+/// conversion), and a layer without MLP weights: errors naming the layers as ranges. DeepSeek's
+/// MTP layer (index num_hidden_layers) is extra, not missing; a layer excerpt (no embedding,
+/// no lm_head) lacks the other layers by design.
+#[test]
+fn layers_config_promises_and_the_checkpoint_lacks_are_named() {
+    let (seed, mut r) = rng("audit missing layers");
+    let d = tempfile::tempdir().unwrap();
+    let missing = |v: &serde_json::Value| {
+        findings_of(v, "missing_member")
+            .into_iter()
+            .filter(|x| x.0 == "num_hidden_layers")
+            .map(|x| x.2)
+            .collect::<Vec<_>>()
+    };
+    // the whole model, clean
+    let f = whole_model(&mut r, 2);
+    f.write(&d.path().join("whole"));
+    let (c, out, _) = audit(&d.path().join("whole"));
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    // truncated: 7 promised, 0-1 held, the MTP layer 7 stored after them
+    let mut f = whole_model(&mut r, 7);
+    f.config["num_nextn_predict_layers"] = 1.into();
+    f.tensors
+        .push(bf16("model.layers.7.enorm.weight", &[32], &[1.0; 32]));
+    f.write(&d.path().join("truncated"));
+    let (c, out, v) = audit(&d.path().join("truncated"));
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let m = missing(&v);
+    assert_eq!(m.len(), 1, "seed {seed}: {out}");
+    assert!(
+        m[0].contains("layers 2-6") && !m[0].contains("2-7"),
+        "seed {seed}: {}",
+        m[0]
+    );
+    assert!(out.contains("layers 2-6"), "seed {seed}: {out}");
+    // layers in the middle without MLP weights (2: attention only; 3: a router without
+    // experts), and the last one absent
+    let mut f = whole_model(&mut r, 5);
+    f.tensors.push(bf16(
+        "model.layers.2.self_attn.o_proj.weight",
+        &[32, 32],
+        &[0.01; 1024],
+    ));
+    f.tensors.push(bf16(
+        "model.layers.3.mlp.gate.weight",
+        &[4, 32],
+        &[0.01; 128],
+    ));
+    f.write(&d.path().join("middle"));
+    let (c, out, v) = audit(&d.path().join("middle"));
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let m = missing(&v);
+    assert_eq!(m.len(), 2, "seed {seed}: {out}");
+    assert!(
+        m.iter().any(|x| x.contains("layer 4")),
+        "seed {seed}: {m:?}"
+    );
+    assert!(
+        m.iter()
+            .any(|x| x.contains("layers 2-3") && x.contains("MLP")),
+        "seed {seed}: {m:?}"
+    );
+    // cut before its first MoE layer: no expert names to take the layers' prefix from
+    let mut f = whole_model(&mut r, 4);
+    f.tensors.retain(|(s, _)| !s.name.contains("layers.1."));
+    f.write(&d.path().join("dense_only"));
+    let (c, out, v) = audit(&d.path().join("dense_only"));
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let m = missing(&v);
+    assert!(
+        m.len() == 1 && m[0].contains("layers 1-3"),
+        "seed {seed}: {m:?}"
+    );
+    // an excerpt of one layer of a 61-layer model is not missing anything
+    let mut f = Fixture::new(&mut r, 4);
+    f.config["num_hidden_layers"] = 61.into();
+    f.write(&d.path().join("excerpt"));
+    let (c, out, _) = audit(&d.path().join("excerpt"));
+    assert_eq!(c, 0, "seed {seed}: {out}");
 }

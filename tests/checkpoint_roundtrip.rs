@@ -98,7 +98,8 @@ fn bf16_checkpoint_quantize_load_audit() {
     assert_eq!(layer.experts[2].w3.weight, quantize_weight_nvfp4(w, i, h).0);
 
     // per-tensor global scales: gate and up of an expert differ, which vLLM's fused w13 cannot
-    // represent, and audit says so; nothing else is wrong
+    // represent, and audit says so; nothing else is wrong (config_json leaves topk_method to
+    // the engines' defaults: a warning, not an error)
     let json = d.path().join("audit.json");
     let o = run(&["audit", p(&out), "--json", p(&json)]);
     assert_eq!(code(&o), 1, "seed {seed}: {}", stdout(&o));
@@ -107,6 +108,7 @@ fn bf16_checkpoint_quantize_load_audit() {
         .as_array()
         .unwrap()
         .iter()
+        .filter(|f| f["severity"] == "error")
         .map(|f| f["kind"].as_str().unwrap())
         .collect();
     assert!(

@@ -2,7 +2,7 @@
 //! or garbage in an engine while every kernel test passes. Numerics and judgement only; the CLI
 //! renders the result.
 //!
-//! What is a hazard (each one a [`Finding`], each one exit 1):
+//! What is a hazard (each one a [`Finding`] of [`Severity::Error`], each one exit 1):
 //! - a global scale (`weight_scale_2`, `input_scale`, or their compressed-tensors reciprocals)
 //!   that is NaN, infinite, zero or negative;
 //! - E4M3 NaN codes (`0x7F`/`0xFF`) or negative values among the block scales;
@@ -36,12 +36,15 @@
 //!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
-//!   `quantization_config`, or a group size other than 16;
+//!   `quantization_config`, or under one of another method or algorithm (`quant_method: fp8`:
+//!   engines pick their loader from it), or a group size other than 16;
 //! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
 //!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
 //!   `n_routed_experts` make it (the engine builds the layer from config.json); a dense
 //!   layer's MLP weight not what `intermediate_size` and `hidden_size` make it, or a dense MLP
-//!   in a layer config.json makes MoE; layers past `num_hidden_layers` (+ MTP layers);
+//!   in a layer config.json makes MoE; layers past `num_hidden_layers` (+ MTP layers); layers
+//!   up to `num_hidden_layers` that a whole model (one holding the embedding or lm_head) lacks,
+//!   that an excerpt lacks between its first and last, or that hold no MLP or expert weights;
 //! - a tensor a shard listed in `model.safetensors.index.json` stores but its `weight_map`
 //!   leaves out (transformers loads by the weight_map and never sees it; vLLM, which reads
 //!   every tensor of the listed shards, loads it);
@@ -50,6 +53,12 @@
 //!   `min_original_cosine`, or the wrong magnitude), with the original it matches instead
 //!   when its layer holds one; an original of another shape; an original of a tensor the
 //!   checkpoint lacks (see `checkpoint::originals`).
+//!
+//! Warnings ([`Severity::Warning`], reported, verdict still pass): a config.json field left out
+//! whose default differs between the config classes engines read it with
+//! (`config::ENGINE_DEFAULTS`: `routed_scaling_factor` is 2.5 in transformers' DeepseekV3Config,
+//! 1.0 in DeepSeek-V2's configuration_deepseek.py); HF-style configs only (a native `dim`
+//! config is read by DeepSeek's own inference code).
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
@@ -125,9 +134,26 @@ pub enum FindingKind {
     UniformBlockScales,
     CopyOfAnotherTensor,
     SharedInputScale,
+    DefaultsDisagree,
+}
+
+/// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Error,
+    Warning,
 }
 
 impl FindingKind {
+    pub fn severity(self) -> Severity {
+        match self {
+            // engines may agree by chance: a hazard only where they read different defaults
+            FindingKind::DefaultsDisagree => Severity::Warning,
+            _ => Severity::Error,
+        }
+    }
+
     pub fn label(self) -> &'static str {
         match self {
             FindingKind::NonfiniteGlobalScale => "non-finite global scale",
@@ -153,16 +179,37 @@ impl FindingKind {
             FindingKind::UniformBlockScales => "every block scale identical",
             FindingKind::CopyOfAnotherTensor => "same bytes as another linear's",
             FindingKind::SharedInputScale => "one input_scale for every expert",
+            FindingKind::DefaultsDisagree => "left to engines' differing defaults",
         }
     }
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug)]
 pub struct Finding {
     pub tensor: String,
     pub file: PathBuf,
     pub kind: FindingKind,
     pub detail: String,
+}
+
+impl Finding {
+    pub fn severity(&self) -> Severity {
+        self.kind.severity()
+    }
+}
+
+/// As the derive would, with the kind's severity next to it.
+impl Serialize for Finding {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut st = s.serialize_struct("Finding", 5)?;
+        st.serialize_field("tensor", &self.tensor)?;
+        st.serialize_field("file", &self.file)?;
+        st.serialize_field("kind", &self.kind)?;
+        st.serialize_field("severity", &self.severity())?;
+        st.serialize_field("detail", &self.detail)?;
+        st.end()
+    }
 }
 
 /// What the scan saw of one quantized linear.
@@ -210,9 +257,20 @@ pub struct AuditResult {
 }
 
 impl AuditResult {
-    /// Distinct tensor names with at least one finding.
+    /// Distinct tensor names with at least one error.
     pub fn hazardous_tensors(&self) -> BTreeSet<&str> {
-        self.findings.iter().map(|f| f.tensor.as_str()).collect()
+        self.errors().map(|f| f.tensor.as_str()).collect()
+    }
+    /// The findings that fail the audit.
+    pub fn errors(&self) -> impl Iterator<Item = &Finding> {
+        self.findings
+            .iter()
+            .filter(|f| f.severity() == Severity::Error)
+    }
+    pub fn warnings(&self) -> impl Iterator<Item = &Finding> {
+        self.findings
+            .iter()
+            .filter(|f| f.severity() == Severity::Warning)
     }
 }
 
@@ -1472,6 +1530,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     });
     let (moe, quant) = super::config::check_config_file(&p, layers_hint)?;
     if let Some(cfg) = &moe {
+        unstated_fields(cfg, out);
         missing_experts(ck, &cfg.moe, out);
         shapes_against_config(ck, &cfg.moe, out)?;
         dense_mlps_against_config(ck, &cfg.moe, &p, out)?;
@@ -1491,9 +1550,12 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         None if nvfp4 > 0 => push(format!(
             "{nvfp4} NVFP4 linears but no quantization_config (config.json or hf_quant_config.json): engines load them as plain weights"
         )),
-        Some(q) if q.format() == Some(Format::Nvfp4) && nvfp4 == 0 => {
-            push("promises NVFP4 but the checkpoint holds no NVFP4 linear".into())
-        }
+        Some(q) if q.format() == Some(Format::Nvfp4) && nvfp4 == 0 => push(format!(
+            "{} promises NVFP4 (quant_method {}) but the checkpoint holds no NVFP4 linear (its 2-D weights: {}): engines' NVFP4 loader looks for packed codes and block scales that are not there",
+            q.source.display(),
+            q.method.name(),
+            weight_dtypes(ck)
+        )),
         Some(q) if q.format() == Some(Format::Nvfp4) && q.group_size.is_some_and(|g| g != 16) => push(format!(
             "NVFP4 with group_size {}: NVFP4 blocks are 16",
             q.group_size.unwrap_or(0)
@@ -1512,6 +1574,14 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
                 q.algo.as_deref().unwrap_or("?")
             ))
         }
+        // a method of another format and no algorithm (DeepSeek's FP8 `quant_method: fp8`,
+        // AWQ, GPTQ, ...): engines pick that method's loader
+        Some(q) if nvfp4 > 0 && q.format().is_none() && q.algo.is_none() => push(format!(
+            "{} states quant_method \"{}\" and no NVFP4 algorithm, but the checkpoint holds {nvfp4} NVFP4 linears (packed uint8 E2M1 codes, F8_E4M3 block scales of 16, a global scale each: weight_scale_2 or weight_global_scale): engines pick the {} loader from quant_method and load these bytes as garbage",
+            q.source.display(),
+            q.method.name(),
+            q.method.name()
+        )),
         _ => {}
     }
     // the method names the loader, and each loader looks for its own member names
@@ -1542,6 +1612,43 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         }
     }
     Ok(())
+}
+
+/// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).
+fn weight_dtypes(ck: &Checkpoint) -> String {
+    let mut by: BTreeMap<String, usize> = BTreeMap::new();
+    for n in ck.names().filter(|n| n.ends_with(".weight")) {
+        if let Ok(t) = ck.info(n) {
+            if t.shape.len() == 2 {
+                *by.entry(format!("{:?}", t.dtype)).or_default() += 1;
+            }
+        }
+    }
+    if by.is_empty() {
+        return "none".into();
+    }
+    by.iter()
+        .map(|(d, c)| format!("{d} x {c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Fields config.json leaves out whose defaults differ between the config classes engines read
+/// it with (`config::ENGINE_DEFAULTS`): two engines then run different MoE layers from one
+/// checkpoint, and this tool a third when its own default is neither.
+fn unstated_fields(cfg: &super::config::ModelConfig, out: &mut Vec<Finding>) {
+    for u in &cfg.unstated {
+        let Some(d) = u.defaults() else { continue };
+        out.push(Finding {
+            tensor: u.field.to_string(),
+            file: cfg.path.clone(),
+            kind: FindingKind::DefaultsDisagree,
+            detail: format!(
+                "config.json does not state {}, and engines default it differently: transformers' DeepseekV3Config to {}, DeepSeek-V3's configuration_deepseek.py to {}, DeepSeek-V2's (model_type deepseek_v2) to {}; audit used {}. Engines that load this config with different classes compute different MoE outputs from the same weights: state it",
+                u.field, d.transformers_v3, d.deepseek_v3, d.deepseek_v2, u.used
+            ),
+        });
+    }
 }
 
 /// Expert, shared-expert and router weights whose `[out, in]` is not what config.json's
@@ -1749,10 +1856,12 @@ fn dense_mlps_against_config(
 }
 
 /// The layers the checkpoint holds against config.json's `num_hidden_layers` (plus
-/// `num_nextn_predict_layers`, DeepSeek's MTP layers stored after the last one): a layer past
-/// them is never built (its weights are dropped). Layers config.json promises and the
-/// checkpoint lacks are not findings: a one-layer excerpt of a model is a common checkpoint
-/// to debug with.
+/// `num_nextn_predict_layers`, DeepSeek's MTP layers stored after the last one, extra rather
+/// than promised): a layer past them is never built (its weights are dropped); a layer config.json
+/// promises that the checkpoint lacks, or holds without MLP weights, is built and run on
+/// uninitialized weights. A checkpoint that holds the embedding or the output head is a whole
+/// model and must hold every layer; an excerpt (a few layers to debug with) only those between
+/// its first and last.
 fn layers_against_config(
     ck: &Checkpoint,
     cfg: &crate::moe::config::MoeConfig,
@@ -1760,18 +1869,20 @@ fn layers_against_config(
     out: &mut Vec<Finding>,
 ) -> Result<()> {
     // the language model's layers only (a vision tower's `...layers.N.` are not its)
-    let Some(n) = Naming::detect(ck.names()) else {
+    let Some(prefix) = layers_prefix(ck) else {
         return Ok(());
     };
-    let own = format!("{}layers.", n.prefix);
-    let present: Vec<usize> = ck
-        .names()
-        .filter(|name| name.starts_with(&own))
-        .filter_map(layer_of)
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let Some(&last) = present.last() else {
+    let own = format!("{prefix}layers.");
+    // layer -> does it hold MLP (or expert) weights
+    let mut present: BTreeMap<usize, bool> = BTreeMap::new();
+    for name in ck.names().filter(|name| name.starts_with(&own)) {
+        let Some((l, rest)) = name[own.len()..].split_once('.') else {
+            continue;
+        };
+        let Ok(l) = l.parse::<usize>() else { continue };
+        *present.entry(l).or_default() |= is_mlp_weight(rest);
+    }
+    let Some((&last, _)) = present.last_key_value() else {
         return Ok(());
     };
     let raw: serde_json::Value = std::fs::read(config)
@@ -1783,24 +1894,131 @@ fn layers_against_config(
         .and_then(|v| v.as_u64())
         .unwrap_or(0) as usize;
     let built = cfg.num_hidden_layers;
-    if last >= built + nextn {
-        let past: Vec<String> = present
-            .iter()
-            .filter(|&&l| l >= built + nextn)
-            .map(|l| l.to_string())
-            .collect();
+    let mtp = if nextn > 0 {
+        format!(" (+ {nextn} MTP)")
+    } else {
+        String::new()
+    };
+    let mut push = |detail: String| {
         out.push(Finding {
             tensor: "num_hidden_layers".into(),
             file: config.to_path_buf(),
             kind: FindingKind::ConfigMismatch,
-            detail: format!(
-                "num_hidden_layers = {built}{}, but the checkpoint holds layer(s) {} past it: the engine never builds them and drops their weights",
-                if nextn > 0 { format!(" (+ {nextn} MTP)") } else { String::new() },
-                past.join(", ")
-            ),
-        });
+            detail,
+        })
+    };
+    if last >= built + nextn {
+        let past: Vec<String> = present
+            .keys()
+            .filter(|&&l| l >= built + nextn)
+            .map(|l| l.to_string())
+            .collect();
+        push(format!(
+            "num_hidden_layers = {built}{mtp}, but the checkpoint holds layer(s) {} past it: the engine never builds them and drops their weights",
+            past.join(", ")
+        ));
+    }
+    let whole = is_whole_model(ck);
+    let first = present.keys().next().copied().unwrap_or(0);
+    let absent: Vec<usize> = (0..built)
+        .filter(|l| !present.contains_key(l) && (whole || (first..last).contains(l)))
+        .collect();
+    let uninitialized = "engines build every layer up to num_hidden_layers and run these on uninitialized (vLLM) or randomly initialized (transformers) weights";
+    let mut missing = |detail: String| {
+        out.push(Finding {
+            tensor: "num_hidden_layers".into(),
+            file: config.to_path_buf(),
+            kind: FindingKind::MissingMember,
+            detail,
+        })
+    };
+    if !absent.is_empty() {
+        let why = if whole {
+            "it holds the embedding or the output head, so it is a whole model, not an excerpt of some layers".to_string()
+        } else {
+            format!("between layers {first} and {last}, which it holds")
+        };
+        missing(format!(
+            "num_hidden_layers = {built}{mtp}, but the checkpoint holds no weights for {} ({why}): {uninitialized}",
+            layer_ranges(&absent)
+        ));
+    }
+    let any_mlp = present.values().any(|&m| m);
+    let mlp_less: Vec<usize> = present
+        .iter()
+        .filter(|&(&l, &m)| l < built && !m && any_mlp)
+        .map(|(&l, _)| l)
+        .collect();
+    if !mlp_less.is_empty() {
+        missing(format!(
+            "{} of num_hidden_layers = {built} {} tensors but no MLP or expert weights (a router at most), while other layers hold theirs: {uninitialized}",
+            layer_ranges(&mlp_less),
+            if mlp_less.len() > 1 { "hold" } else { "holds" }
+        ));
     }
     Ok(())
+}
+
+/// The prefix of the language model's `layers.{l}.`: the experts' ([`Naming::detect`]), else,
+/// in a checkpoint without experts (one cut before its first MoE layer), the one most MLP
+/// tensors share.
+fn layers_prefix(ck: &Checkpoint) -> Option<String> {
+    if let Some(n) = Naming::detect(ck.names()) {
+        return Some(n.prefix);
+    }
+    let mut votes: BTreeMap<&str, usize> = BTreeMap::new();
+    for (prefix, _, rest) in ck.names().filter_map(super::names::split_layer) {
+        if is_mlp_weight(rest) {
+            *votes.entry(prefix).or_default() += 1;
+        }
+    }
+    votes
+        .into_iter()
+        .max_by_key(|&(_, n)| n)
+        .map(|(p, _)| p.to_string())
+}
+
+/// Under `layers.{l}.`: an MLP's or an expert's tensor (dense MLP, routed and shared experts,
+/// vLLM's fused expert tensors), not the router's.
+fn is_mlp_weight(rest: &str) -> bool {
+    let Some(m) = rest
+        .strip_prefix("mlp.")
+        .or_else(|| rest.strip_prefix("ffn."))
+    else {
+        return false;
+    };
+    !(m.starts_with("gate.") || m.starts_with("tid2eid"))
+}
+
+/// A whole model's checkpoint holds the embedding or the output head (HF `embed_tokens` /
+/// `lm_head`, native `embed` / `head`) outside its layers (an MTP layer holds its own).
+fn is_whole_model(ck: &Checkpoint) -> bool {
+    ck.names().filter(|n| layer_of(n).is_none()).any(|n| {
+        n.contains("embed_tokens.")
+            || n.starts_with("lm_head.")
+            || n.starts_with("embed.")
+            || n.starts_with("head.")
+    })
+}
+
+/// `[2, 3, 4, 6]` → `layers 2-4, 6`; `[4]` → `layer 4`.
+fn layer_ranges(v: &[usize]) -> String {
+    let mut runs: Vec<String> = vec![];
+    let mut i = 0;
+    while i < v.len() {
+        let mut j = i;
+        while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+            j += 1;
+        }
+        runs.push(if i == j {
+            v[i].to_string()
+        } else {
+            format!("{}-{}", v[i], v[j])
+        });
+        i = j + 1;
+    }
+    let plural = if v.len() > 1 { "layers" } else { "layer" };
+    format!("{plural} {}", runs.join(", "))
 }
 
 /// `[out, in]` of a 2-D weight as the layer uses it: packed FP4 bytes hold two values each
@@ -1893,6 +2111,12 @@ mod tests {
         );
         assert_eq!(up_sibling("x.down_proj"), None);
         assert_eq!(index_str(&[3, 4], 7), "[1, 3]");
+        assert_eq!(layer_ranges(&[30, 31, 32, 60]), "layers 30-32, 60");
+        assert_eq!(layer_ranges(&[2, 4]), "layers 2, 4");
+        assert_eq!(layer_ranges(&[4]), "layer 4");
+        assert!(is_mlp_weight("mlp.experts.3.down_proj.weight_scale"));
+        assert!(is_mlp_weight("mlp.gate_proj.weight") && is_mlp_weight("ffn.w1.weight"));
+        assert!(!is_mlp_weight("mlp.gate.weight") && !is_mlp_weight("self_attn.o_proj.weight"));
     }
 
     #[test]

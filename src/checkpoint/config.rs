@@ -11,11 +11,15 @@
 //!   config.json says so explicitly);
 //! - `norm_topk_prob`: `true` (DeepSeek-V3/R1 config.json and transformers' default);
 //! - `n_group`: 1, `topk_group`: `n_group` (a missing group limit keeps every group);
-//! - `routed_scaling_factor`: 1.0 (DeepSeek's configuration_deepseek.py default);
+//! - `routed_scaling_factor`: 1.0 (DeepSeek-V2's configuration_deepseek.py default;
+//!   transformers' `DeepseekV3Config` and DeepSeek-V3's own give 2.5);
 //! - `n_shared_experts`, `first_k_dense_replace`, `num_hash_layers`: 0; `swiglu_limit`: none;
 //! - `rms_norm_eps`: 1e-6; `intermediate_size`: `moe_intermediate_size`;
 //!   `vocab_size`: 0 (unknown; a hash layer's `tid2eid` then gives it);
 //! - `num_hidden_layers`: the number of layers the checkpoint's tensor names show.
+//!
+//! Engines fill a missing field from their own config class, and those disagree
+//! ([`ENGINE_DEFAULTS`]): [`ModelConfig::unstated`] lists the ones config.json leaves out.
 
 use crate::error::{Error, Result};
 use crate::moe::{MoeConfig, ScoringFunc};
@@ -39,6 +43,98 @@ pub struct ModelConfig {
     /// `n_shared_experts` as config.json states it (`moe.n_shared_experts` defaults a missing
     /// one to 0): an explicit 0 makes an engine drop a shared expert the checkpoint holds.
     pub n_shared_experts_stated: Option<usize>,
+    /// The [`ENGINE_DEFAULTS`] fields config.json does not state, with the value used here
+    /// instead: engines fill them from different defaults.
+    pub unstated: Vec<Unstated>,
+}
+
+/// A field whose default differs between the config classes engines load config.json with:
+/// transformers' `DeepseekV3Config`, DeepSeek-V3's own `configuration_deepseek.py` (remote
+/// code) and DeepSeek-V2's (`model_type: deepseek_v2`, whose classes engines also serve V3
+/// through). V3's two agree on every MoE field; V2's differs on each of these.
+pub struct EngineDefault {
+    pub field: &'static str,
+    /// DeepSeek's native names for the same field.
+    pub aliases: &'static [&'static str],
+    pub transformers_v3: &'static str,
+    pub deepseek_v3: &'static str,
+    pub deepseek_v2: &'static str,
+}
+
+/// The MoE fields whose defaults differ (transformers / DeepSeek-V3 / DeepSeek-V2). Not here,
+/// because the defaults agree or a missing one is bad input already: `moe_layer_freq` (1
+/// everywhere; transformers makes every layer past `first_k_dense_replace` MoE),
+/// `n_routed_experts` and `num_experts_per_tok` (required).
+pub const ENGINE_DEFAULTS: [EngineDefault; 8] = [
+    EngineDefault {
+        field: "routed_scaling_factor",
+        aliases: &["route_scale"],
+        transformers_v3: "2.5",
+        deepseek_v3: "2.5",
+        deepseek_v2: "1.0",
+    },
+    EngineDefault {
+        field: "n_group",
+        aliases: &["n_expert_groups"],
+        transformers_v3: "8",
+        deepseek_v3: "8",
+        deepseek_v2: "None (no group limit)",
+    },
+    EngineDefault {
+        field: "topk_group",
+        aliases: &["n_limited_groups"],
+        transformers_v3: "4",
+        deepseek_v3: "4",
+        deepseek_v2: "None (no group limit)",
+    },
+    EngineDefault {
+        field: "norm_topk_prob",
+        aliases: &[],
+        transformers_v3: "true",
+        deepseek_v3: "true",
+        deepseek_v2: "false",
+    },
+    EngineDefault {
+        field: "scoring_func",
+        aliases: &["score_func"],
+        transformers_v3: "sigmoid (hard-coded)",
+        deepseek_v3: "sigmoid",
+        deepseek_v2: "softmax",
+    },
+    EngineDefault {
+        field: "topk_method",
+        aliases: &[],
+        transformers_v3: "noaux_tc (hard-coded)",
+        deepseek_v3: "noaux_tc",
+        deepseek_v2: "gready (no e_score_correction_bias)",
+    },
+    EngineDefault {
+        field: "first_k_dense_replace",
+        aliases: &["n_dense_layers"],
+        transformers_v3: "3",
+        deepseek_v3: "3",
+        deepseek_v2: "0",
+    },
+    EngineDefault {
+        field: "n_shared_experts",
+        aliases: &[],
+        transformers_v3: "1",
+        deepseek_v3: "1",
+        deepseek_v2: "None (no shared expert)",
+    },
+];
+
+/// An [`ENGINE_DEFAULTS`] field config.json leaves out, and what was used for it here.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Unstated {
+    pub field: &'static str,
+    pub used: String,
+}
+
+impl Unstated {
+    pub fn defaults(&self) -> Option<&'static EngineDefault> {
+        ENGINE_DEFAULTS.iter().find(|d| d.field == self.field)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -47,6 +143,17 @@ pub enum QuantMethod {
     Modelopt,
     CompressedTensors,
     Other(String),
+}
+
+impl QuantMethod {
+    /// As config.json spells it.
+    pub fn name(&self) -> &str {
+        match self {
+            QuantMethod::Modelopt => "modelopt",
+            QuantMethod::CompressedTensors => "compressed-tensors",
+            QuantMethod::Other(s) => s,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -167,6 +274,7 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
     }
     let topk_method = f.opt_str(&["topk_method"])?.map(|s| s.to_string());
     let n_shared_experts_stated = f.opt_usize(&["n_shared_experts"])?;
+    let unstated = unstated(&f, &moe);
     let architectures = match root.get("architectures") {
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => a
@@ -192,7 +300,44 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
         moe_layer_freq,
         topk_method,
         n_shared_experts_stated,
+        unstated,
     })
+}
+
+/// The [`ENGINE_DEFAULTS`] fields `f` does not state (under any name), with the value `moe`
+/// holds for each. None for a native config (`dim`, not `hidden_size`): DeepSeek's own
+/// inference code reads it, with its `ModelArgs` defaults, not these classes.
+fn unstated(f: &Fields, moe: &MoeConfig) -> Vec<Unstated> {
+    if f.get(&["hidden_size"]).is_none() {
+        return vec![];
+    }
+    ENGINE_DEFAULTS
+        .iter()
+        .filter(|d| {
+            let mut keys = vec![d.field];
+            keys.extend(d.aliases);
+            f.get(&keys).is_none()
+        })
+        .map(|d| Unstated {
+            field: d.field,
+            used: used_value(d.field, moe),
+        })
+        .collect()
+}
+
+/// What this tool runs with for a field config.json leaves out.
+fn used_value(field: &str, m: &MoeConfig) -> String {
+    match field {
+        "routed_scaling_factor" => format!("{:?}", m.routed_scaling_factor),
+        "n_group" => m.n_group.to_string(),
+        "topk_group" => format!("{} (= n_group)", m.topk_group),
+        "norm_topk_prob" => m.norm_topk_prob.to_string(),
+        "scoring_func" => format!("{:?}", m.scoring_func).to_ascii_lowercase(),
+        "topk_method" => "score + e_score_correction_bias where the router holds one".into(),
+        "first_k_dense_replace" => m.first_k_dense_replace.to_string(),
+        "n_shared_experts" => m.n_shared_experts.to_string(),
+        _ => "?".into(),
+    }
 }
 
 fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
@@ -587,6 +732,35 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("num_hidden_layers"));
+    }
+
+    #[test]
+    fn unstated_fields_whose_engine_defaults_differ() {
+        let fields = |c: &ModelConfig| c.unstated.iter().map(|u| u.field).collect::<Vec<_>>();
+        // every one stated but topk_method
+        assert_eq!(fields(&parse(&v3_json(256, 8)).unwrap()), ["topk_method"]);
+        let mut v = v3_json(256, 8);
+        v["topk_method"] = "noaux_tc".into();
+        assert!(fields(&parse(&v).unwrap()).is_empty());
+        let o = v.as_object_mut().unwrap();
+        o.remove("routed_scaling_factor");
+        o.remove("norm_topk_prob");
+        o.remove("moe_layer_freq");
+        let c = parse(&v).unwrap();
+        assert_eq!(fields(&c), ["routed_scaling_factor", "norm_topk_prob"]);
+        assert_eq!(c.unstated[0].used, "1.0");
+        let d = c.unstated[0].defaults().unwrap();
+        assert_eq!((d.transformers_v3, d.deepseek_v2), ("2.5", "1.0"));
+        // native names count as stated
+        let mut v = v3_json(256, 8);
+        let o = v.as_object_mut().unwrap();
+        o.remove("routed_scaling_factor");
+        o.insert("route_scale".into(), 2.5.into());
+        assert_eq!(fields(&parse(&v).unwrap()), ["topk_method"]);
+        // a native config is read with DeepSeek's ModelArgs defaults, not these classes'
+        let v = serde_json::json!({"dim": 64, "moe_inter_dim": 32, "n_routed_experts": 8,
+            "n_activated_experts": 2, "n_layers": 4});
+        assert!(fields(&parse(&v).unwrap()).is_empty());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! and why). Exit 1 names every hazardous tensor.
 
 use super::common::{progress, OutArgs};
-use crate::checkpoint::audit::{audit, AuditOptions, FindingKind};
+use crate::checkpoint::audit::{audit, AuditOptions, FindingKind, Severity};
 use crate::checkpoint::originals;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
@@ -83,18 +83,29 @@ pub fn run(args: &Args) -> Result<Report> {
         .linears
         .iter()
         .max_by(|a, b| a.saturated_fraction.total_cmp(&b.saturated_fraction));
-    let pass = res.findings.is_empty();
+    let errors = res.errors().count();
+    let warnings = res.warnings().count();
+    let pass = errors == 0;
+    let warned = match warnings {
+        0 => String::new(),
+        1 => " (1 warning)".into(),
+        w => format!(" ({w} warnings)"),
+    };
     let headline = if pass {
         format!(
-            "{} quantized linears and {} float tensors scanned, no hazards",
+            "{} quantized linears and {} float tensors scanned, no hazards{warned}",
             res.linears.len(),
             res.float_tensors
         )
     } else {
         format!(
-            "{} hazardous tensors ({} findings) in {}",
+            "{} hazardous tensors ({errors} findings{}) in {}",
             hazardous.len(),
-            res.findings.len(),
+            if warnings > 0 {
+                format!(", {warnings} warnings")
+            } else {
+                String::new()
+            },
             res.path.display()
         )
     };
@@ -152,13 +163,13 @@ pub fn run(args: &Args) -> Result<Report> {
     if sharded {
         headers.push("file");
     }
-    let mut table = Section::new("hazards", &headers);
+    let mut table = Section::new(if pass { "warnings" } else { "hazards" }, &headers);
     for x in &res.findings {
-        let mut row = vec![
-            x.tensor.clone(),
-            x.kind.label().to_string(),
-            x.detail.clone(),
-        ];
+        let problem = match x.severity() {
+            Severity::Error => x.kind.label().to_string(),
+            Severity::Warning => format!("warning: {}", x.kind.label()),
+        };
+        let mut row = vec![x.tensor.clone(), problem, x.detail.clone()];
         if sharded {
             row.push(x.file.file_name().map_or_else(
                 || x.file.display().to_string(),
@@ -185,6 +196,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "quantized_linears": res.linears.len(),
             "float_tensors": res.float_tensors,
             "findings": res.findings.len(),
+            "warnings": warnings,
             "hazardous_tensors": hazardous.len(),
             "saturated_block_scales": sat_total,
             "block_scales": blocks,
@@ -199,7 +211,7 @@ pub fn run(args: &Args) -> Result<Report> {
         .with("findings", &res.findings)
         .with("linears", &res.linears)
         .section(Section::kv("audit", &overview));
-    if !pass {
+    if !res.findings.is_empty() {
         report = report.section(table);
     }
     // a per-linear table only for small checkpoints; the JSON always has them all
