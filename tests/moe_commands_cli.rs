@@ -704,8 +704,9 @@ fn scalar(ck: &Path, name: &str) -> f32 {
 /// gs-sweep blames the activation gs only when it is the fault. One expert's weight_scale_2
 /// 10x off leaves every gs far from the BF16 reference (best cosine ~0.6-0.8, a clean layer
 /// ~0.98): the verdict says no gs fixes it (cause `not_gs`) and points at audit. It used to say
-/// the gs in use "loses" against a gs that saturates that expert's inputs. Input scales 100x
-/// too small (gs 100x too large) are still a gs fault, and a clean checkpoint passes.
+/// the gs in use "loses" against a gs that saturates that expert's inputs. So does a BF16
+/// reference of other weights. Input scales 100x too small (gs 100x too large) are still a gs
+/// fault, and a clean checkpoint passes.
 #[test]
 fn gs_sweep_blames_the_gs_only_when_some_gs_fixes_the_layer() {
     use rand::{Rng, SeedableRng};
@@ -722,8 +723,17 @@ fn gs_sweep_blames_the_gs_only_when_some_gs_fixes_the_layer() {
         serde_json::from_slice(&std::fs::read(dir.path().join("p/planted.json")).unwrap()).unwrap();
     let e = planted["faults"][0]["expert"].as_u64().unwrap();
     let proj = ["gate_proj", "up_proj", "down_proj"][rng.gen_range(0..3)];
-    for ck in ["clean", "gs", "not_gs"] {
+    for ck in ["clean", "gs", "not_gs", "ref"] {
         synth(dir.path(), &["--out", ck, "--seed", &s]);
+    }
+    // BF16 originals of other weights: the reference does not match the checkpoint
+    synth(
+        dir.path(),
+        &["--out", "other", "--seed", &(seed + 1).to_string()],
+    );
+    for f in std::fs::read_dir(dir.path().join("other/bf16")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join("ref/bf16").join(f.file_name().unwrap())).unwrap();
     }
     let ws2 = format!("model.layers.1.mlp.experts.{e}.{proj}.weight_scale_2");
     let not_gs = dir.path().join("not_gs");
@@ -737,13 +747,10 @@ fn gs_sweep_blames_the_gs_only_when_some_gs_fixes_the_layer() {
             set_scalar(&gs, &inp, scalar(&gs, &inp) / 100.0);
         }
     }
+    let no_gs = "no activation gs brings the layer near";
     for (ck, want_code, want_cause, want) in [
-        (
-            "not_gs",
-            1,
-            "not_gs".into(),
-            "no activation gs brings the layer near",
-        ),
+        ("not_gs", 1, "not_gs".into(), no_gs),
+        ("ref", 1, "not_gs".into(), no_gs),
         ("gs", 1, "gs".into(), "gs `checkpoint` loses"),
         ("clean", 0, Value::Null, "within"),
     ] {
@@ -772,8 +779,8 @@ fn gs_sweep_blames_the_gs_only_when_some_gs_fixes_the_layer() {
         assert_eq!(sm["cause"], want_cause, "{what}: {sm}");
         assert!(sm["text"].as_str().unwrap().contains(want), "{what}: {sm}");
         let best = sm["best_cosine"].as_f64().unwrap();
-        assert_eq!(best < 0.95, ck == "not_gs", "{what}: best cosine {best}");
-        if ck == "not_gs" {
+        assert_eq!(best < 0.95, want == no_gs, "{what}: best cosine {best}");
+        if want == no_gs {
             let f = r["failures"][0].as_str().unwrap();
             assert!(
                 f.contains("`audit`") && f.contains("`compare-weights`") && !f.contains("loses"),

@@ -282,14 +282,17 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(_) => None,
     };
     if let Some(m) = not_gs {
-        let next = match &plugin {
-            Some(_) => "`layertest --kernel` (your kernel against the built-in one), then ",
-            None => "",
+        let (suspects, next) = match &plugin {
+            Some(_) => (
+                "your kernel, the weights, their scales or the reference",
+                "`layertest --kernel` (your kernel against the built-in one), ",
+            ),
+            None => ("the weights, their scales or the reference", ""),
         };
         failures.push(format!(
-            "{m}; the fault is not the activation scale but the weights, their scales or the \
-             reference: run {next}`audit` (scales, and weights against the BF16 originals), \
-             `layertest` (expert by expert) and `compare-weights` (what the engine loaded)"
+            "{m}; the fault is not the activation scale but {suspects}: run {next}`audit` \
+             (scales, and weights against the BF16 originals), `layertest` (expert by expert) \
+             and `compare-weights` (what the engine loaded)"
         ));
         cause.get_or_insert("not_gs");
     } else if let Some(u) = &used {
