@@ -5,8 +5,9 @@
 use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
-    block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
+    below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
     layer_and_batch, nvfp4_forward, scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
+    DEFAULT_MIN_COSINE,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -29,7 +30,10 @@ pub const DEFAULT_MAX_LOSS: f64 = 0.01;
 #[command(
     after_help = "Verdict: fail when the gs in use (--gs, default `default`: the engines' \
 1/2688, i.e. amax assumed 1) loses more than --max-loss (default 0.01) cosine against the best \
-gs found, or gives NaN/Inf. Writes gs-sweep.svg (cosine vs gs) and gs-sweep-blocks.svg \
+gs found, or gives NaN/Inf. When even the best gs leaves the layer below --min-cosine (0.95, \
+layertest's default) against the BF16 reference, or every gs gives NaN/Inf, no activation gs fixes \
+it: the verdict fails with cause `not_gs` (the weights, their scales, the reference or the kernel), \
+not `gs`. Writes gs-sweep.svg (cosine vs gs) and gs-sweep-blocks.svg \
 (saturated / flushed blocks vs gs) into the report dir. With --ep N every point runs sharded over N \
 expert-parallel ranks, and the gs in use must also equal the unsharded run up to FP32 summation order."
 )]
@@ -51,6 +55,9 @@ pub struct Args {
     /// Fail when the gs in use loses more than this cosine against the best
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS)]
     pub max_loss: f64,
+    /// Fail with cause `not_gs` when even the best gs leaves the layer below this cosine
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    pub min_cosine: f64,
     #[command(flatten)]
     pub ep: EpArgs,
     #[command(flatten)]
@@ -258,13 +265,43 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let used_loss = used.as_ref().map_or(f64::INFINITY, loss_of);
     let (in_bad, in_json) = input_nonfinite(&batch.hidden, layer.config.hidden_size);
-    let mut failures: Vec<String> = in_bad.into_iter().collect();
-    if let Some(u) = &used {
+    let mut failures: Vec<String> = in_bad.iter().cloned().collect();
+    // what the first failure blames: a CI script tells "fix the gs" from "look elsewhere"
+    let mut cause = in_bad.is_some().then_some("input");
+    // no gs reaches the bar: a sweep that "wins" by saturating a too-large expert output or
+    // flushing a broken one is no fix, and calling it a gs problem sends the user the wrong way
+    let not_gs = match &best {
+        None => Some("every gs gives NaN/Inf".to_string()),
+        Some(b) if below(b.cosine, args.min_cosine) => Some(format!(
+            "no activation gs brings the layer near the BF16 reference: the best, {}, reaches \
+             cosine {} < --min-cosine {}",
+            describe_gs(b),
+            f(b.cosine, 4),
+            args.min_cosine
+        )),
+        Some(_) => None,
+    };
+    if let Some(m) = not_gs {
+        let (suspects, next) = match &plugin {
+            Some(_) => (
+                "your kernel, the weights, their scales or the reference",
+                "`layertest --kernel` (your kernel against the built-in one), ",
+            ),
+            None => ("the weights, their scales or the reference", ""),
+        };
+        failures.push(format!(
+            "{m}; the fault is not the activation scale but {suspects}: run {next}`audit` \
+             (scales, and weights against the BF16 originals), `layertest` (expert by expert) \
+             and `compare-weights` (what the engine loaded)"
+        ));
+        cause.get_or_insert("not_gs");
+    } else if let Some(u) = &used {
         if u.nan_count + u.inf_count > 0 {
             failures.push(format!(
                 "gs `{used_source}` gives NaN/Inf: {} NaN, {} Inf in the layer output",
                 u.nan_count, u.inf_count
             ));
+            cause.get_or_insert("gs");
         } else if used_loss > args.max_loss {
             // too large a gs saturates blocks at 448, too small a one flushes them to zero:
             // name the one that happened, not saturation alone
@@ -287,10 +324,8 @@ pub fn run(args: &Args) -> Result<Report> {
                 best.as_ref().map_or("-".into(), describe_gs),
                 args.max_loss,
             ));
+            cause.get_or_insert("gs");
         }
-    }
-    if best.is_none() {
-        failures.push("every gs gives NaN/Inf: the fault is not the activation scale".into());
     }
     if let Some(m) = ep_agreement.as_ref().and_then(|a| {
         ep_disagreement(
@@ -301,6 +336,7 @@ pub fn run(args: &Args) -> Result<Report> {
         )
     }) {
         failures.push(m);
+        cause.get_or_insert("ep");
     }
     let pass = failures.is_empty();
     let headline = if pass {
@@ -323,6 +359,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "used_cosine": used.as_ref().map(|u| u.cosine),
         "loss": used_loss,
         "max_loss": args.max_loss,
+        "min_cosine": args.min_cosine,
+        "cause": cause,
         "best_cosine": best.as_ref().map(|b| b.cosine),
         "best": best.as_ref().map(describe_gs),
         "best_sweep_gs": best_sweep.as_ref().and_then(|b| b.gs1),
