@@ -73,9 +73,9 @@ pub(super) struct Sums {
 }
 
 impl Sums {
-    pub(super) fn zero() -> Sums {
-        // SAFETY: SSE2-era zeroing, on every x86_64
-        let z = unsafe { _mm512_setzero_pd() };
+    #[target_feature(enable = "avx512f,avx512dq")]
+    pub(super) unsafe fn zero() -> Sums {
+        let z = _mm512_setzero_pd();
         Sums {
             dot: [z; 2],
             nt: [z; 2],
