@@ -1075,10 +1075,15 @@ fn copied_and_uniform_block_scales_are_named_without_originals() {
     let l = r.gen_range(1..3);
     let e = r.gen_range(0..16);
     let other = (e + r.gen_range(1..16)) % 16;
-    let (e2, proj2) = (
-        (e + r.gen_range(1..16)) % 16,
-        ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)],
-    );
+    // the uniform tensor is neither the copy nor its source (made uniform after the copy,
+    // the source would no longer match it: 1 run in ~45 once failed so)
+    let e2 = loop {
+        let x = r.gen_range(0..16);
+        if x != e && x != other {
+            break x;
+        }
+    };
+    let proj2 = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
     let copied = format!("model.layers.{l}.mlp.experts.{e}.up_proj.weight_scale");
     let source = format!("model.layers.{l}.mlp.experts.{other}.up_proj.weight_scale");
     let uniform = format!("model.layers.{l}.mlp.experts.{e2}.{proj2}.weight_scale");
