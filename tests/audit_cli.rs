@@ -1573,3 +1573,41 @@ fn layers_config_promises_and_the_checkpoint_lacks_are_named() {
     let (c, out, _) = audit(&d.path().join("excerpt"));
     assert_eq!(c, 0, "seed {seed}: {out}");
 }
+
+/// config.json's `topk_method` set to a method that ignores the router's
+/// `e_score_correction_bias` while the checkpoint holds one (DeepSeek-V3 routes with
+/// `noaux_tc`): engines that follow config.json drop the bias and route tokens elsewhere.
+#[test]
+fn topk_method_that_ignores_the_router_bias_is_named() {
+    let (seed, mut r) = rng("audit topk_method vs router bias");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let path = ck.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(
+        config["topk_method"], "noaux_tc",
+        "seed {seed}: synth states V3's method"
+    );
+    let method = ["greedy", "group_limited_greedy"][r.gen_range(0..2)];
+    config["topk_method"] = serde_json::json!(method);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (code, out, v) = audit(&ck);
+    assert_eq!(code, 1, "seed {seed} {method}: {out}");
+    let found = findings_of(&v, "config_mismatch");
+    let f = found
+        .iter()
+        .find(|x| x.0.ends_with("e_score_correction_bias"))
+        .unwrap_or_else(|| panic!("seed {seed} {method}: no router bias named: {found:#?}"));
+    assert_eq!(
+        Path::new(&f.1),
+        path,
+        "seed {seed}: the finding is config.json's"
+    );
+    assert!(
+        f.2.contains(&format!("topk_method = \"{method}\"")) && f.2.contains("noaux_tc"),
+        "seed {seed}: {}",
+        f.2
+    );
+}

@@ -1535,6 +1535,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         shapes_against_config(ck, &cfg.moe, out)?;
         dense_mlps_against_config(ck, &cfg.moe, &p, out)?;
         layers_against_config(ck, &cfg.moe, &p, out)?;
+        router_bias_against_topk_method(ck, cfg, &p, out);
     }
     let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
     let file = p.clone();
@@ -1853,6 +1854,41 @@ fn dense_mlps_against_config(
         });
     }
     Ok(())
+}
+
+/// Routers' `e_score_correction_bias` under a `topk_method` that does not use it: DeepSeek-V3
+/// is trained to pick experts on `score + bias` (`noaux_tc`); an engine that follows a stated
+/// `greedy` (or any other method) builds routers without the bias, drops the checkpoint's
+/// and picks other experts, with no error. (The reverse, `noaux_tc` without a bias, is bad
+/// input everywhere.)
+fn router_bias_against_topk_method(
+    ck: &Checkpoint,
+    cfg: &super::config::ModelConfig,
+    config: &std::path::Path,
+    out: &mut Vec<Finding>,
+) {
+    let Some(method) = cfg.topk_method.as_deref() else {
+        return;
+    };
+    if method == "noaux_tc" {
+        return;
+    }
+    let biases: Vec<&str> = ck
+        .names()
+        .filter(|n| n.ends_with("e_score_correction_bias"))
+        .collect();
+    let Some(first) = biases.first() else {
+        return;
+    };
+    out.push(Finding {
+        tensor: first.to_string(),
+        file: config.to_path_buf(),
+        kind: FindingKind::ConfigMismatch,
+        detail: format!(
+            "config.json states topk_method = \"{method}\", which picks experts on the router's scores alone, but the checkpoint holds {} e_score_correction_bias tensor(s) (`{first}`, ...): engines that follow config.json build routers without the bias, drop these and route tokens to other experts than the model was trained with (DeepSeek-V3 routes with noaux_tc: score + bias)",
+            biases.len()
+        ),
+    });
 }
 
 /// The layers the checkpoint holds against config.json's `num_hidden_layers` (plus
