@@ -527,9 +527,12 @@ fn multilayer_names_a_nan_in_a_norm_weight() {
     );
 }
 
-/// One expert's checkpoint input_scale 1000x (gate/up, planted) or 100x (down) too small
+/// One expert's checkpoint input_scale 1000x too small (gate/up, planted; down, set here)
 /// saturates that expert's activations: gs-sweep under `--gs checkpoint` names the expert
-/// and the GEMM. It used to say only that the layer's gs loses cosine.
+/// and the GEMM. It used to say only that the layer's gs loses cosine. One expert of 32
+/// tokens moves the layer's cosine by only 0.011-0.032 (seeds measured), so the test asks
+/// for a loss of 0.005, not the default 0.01 (at 100x, seed 25087's down lost 0.0089 and
+/// passed).
 #[test]
 fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
     let seed = rand::random::<u16>().to_string();
@@ -554,7 +557,7 @@ fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
     let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
     let at = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize;
     let v = f32::from_le_bytes(b[at..at + 4].try_into().unwrap());
-    set_scalar(&ck, &name, v / 100.0);
+    set_scalar(&ck, &name, v / 1000.0);
     for (ckpt, gemm) in [("ck", "gate/up"), ("down", "down")] {
         let (code, text, r) = run(
             dir.path(),
@@ -570,6 +573,8 @@ fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
                 "5",
                 "--gs",
                 "checkpoint",
+                "--max-loss",
+                "0.005",
             ],
         );
         assert_eq!(code, 1, "seed {seed} {ckpt}: {text}");
