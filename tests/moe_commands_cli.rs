@@ -1,7 +1,7 @@
 //! `gs-sweep` and `multilayer` driven through the real binary.
 
 use serde_json::Value;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn run(dir: &Path, args: &[&str]) -> (i32, String, Option<Value>) {
@@ -417,16 +417,23 @@ fn a_gs_too_small_is_named_as_flushing_blocks_not_saturating_them() {
     assert!(!f.contains("saturate"), "{f}");
 }
 
-/// Overwrite the F32 scalar `name` of a sharded synth checkpoint in place.
-fn set_scalar(ck: &Path, name: &str, v: f32) {
+/// Tensor `name` of a sharded synth checkpoint: its shard, the shard's bytes, the tensor's
+/// header entry and the offset of its first byte.
+fn locate(ck: &Path, name: &str) -> (PathBuf, Vec<u8>, Value, usize) {
     let index: Value =
         serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
             .unwrap();
     let file = ck.join(index["weight_map"][name].as_str().unwrap());
-    let mut b = std::fs::read(&file).unwrap();
+    let b = std::fs::read(&file).unwrap();
     let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
     let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
     let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    (file, b, header[name].clone(), at)
+}
+
+/// Overwrite the F32 scalar `name` of a sharded synth checkpoint in place.
+fn set_scalar(ck: &Path, name: &str, v: f32) {
+    let (file, mut b, _, at) = locate(ck, name);
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
     std::fs::write(&file, b).unwrap();
 }
@@ -497,15 +504,9 @@ fn multilayer_names_a_nan_in_a_norm_weight() {
     let (layer, at) = (rng.gen_range(1..4usize), rng.gen_range(0..256usize));
     let name = format!("model.layers.{layer}.post_attention_layernorm.weight");
     let ck = dir.path().join("ck");
-    let index: Value =
-        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
-            .unwrap();
-    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
-    let mut b = std::fs::read(&file).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    assert_eq!(header[&name]["dtype"], "BF16");
-    let off = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize + 2 * at;
+    let (file, mut b, entry, first) = locate(&ck, &name);
+    assert_eq!(entry["dtype"], "BF16");
+    let off = first + 2 * at;
     b[off..off + 2].copy_from_slice(&[0xC0, 0x7F]);
     std::fs::write(&file, b).unwrap();
     let (code, text, _) = run(
@@ -548,16 +549,7 @@ fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
     synth(dir.path(), &["--out", "down", "--seed", &seed]);
     let name = format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale");
     let ck = dir.path().join("down");
-    let index: Value =
-        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
-            .unwrap();
-    let file = ck.join(index["weight_map"][&name].as_str().unwrap());
-    let b = std::fs::read(&file).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    let at = 8 + n + header[&name]["data_offsets"][0].as_u64().unwrap() as usize;
-    let v = f32::from_le_bytes(b[at..at + 4].try_into().unwrap());
-    set_scalar(&ck, &name, v / 1000.0);
+    set_scalar(&ck, &name, scalar(&ck, &name) / 1000.0);
     for (ckpt, gemm) in [("ck", "gate/up"), ("down", "down")] {
         let (code, text, r) = run(
             dir.path(),
@@ -696,13 +688,7 @@ fn an_unusable_weight_scale_2_is_bad_input_for_every_command() {
 
 /// The F32 scalar `name` of a sharded synth checkpoint.
 fn scalar(ck: &Path, name: &str) -> f32 {
-    let index: Value =
-        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
-            .unwrap();
-    let b = std::fs::read(ck.join(index["weight_map"][name].as_str().unwrap())).unwrap();
-    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
-    let at = 8 + n + header[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    let (_, b, _, at) = locate(ck, name);
     f32::from_le_bytes(b[at..at + 4].try_into().unwrap())
 }
 
