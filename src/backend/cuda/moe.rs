@@ -439,51 +439,25 @@ impl DevExperts {
         let c = &layer.config;
         let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
         let block = format.block();
-        let mut w1q = gpu.alloc::<u8>(e * i * h / 2, "expert gate_proj codes")?;
-        let mut w1s = gpu.alloc::<u8>(e * i * (h / block), "expert gate_proj scales")?;
-        let mut w3q = gpu.alloc::<u8>(e * i * h / 2, "expert up_proj codes")?;
-        let mut w3s = gpu.alloc::<u8>(e * i * (h / block), "expert up_proj scales")?;
-        let mut w2q = gpu.alloc::<u8>(e * h * i / 2, "expert down_proj codes")?;
-        let mut w2s = gpu.alloc::<u8>(e * h * (i / block), "expert down_proj scales")?;
-        // one expert at a time: the host never holds a second copy of the layer
-        for (x, ex) in layer.experts.iter().enumerate() {
-            gpu.upload_into(
-                &ex.w1.weight.packed,
-                &mut w1q,
-                x * i * h / 2,
-                "expert gate_proj codes",
-            )?;
-            gpu.upload_into(
-                &ex.w1.weight.scales,
-                &mut w1s,
-                x * i * (h / block),
-                "expert gate_proj scales",
-            )?;
-            gpu.upload_into(
-                &ex.w3.weight.packed,
-                &mut w3q,
-                x * i * h / 2,
-                "expert up_proj codes",
-            )?;
-            gpu.upload_into(
-                &ex.w3.weight.scales,
-                &mut w3s,
-                x * i * (h / block),
-                "expert up_proj scales",
-            )?;
-            gpu.upload_into(
-                &ex.w2.weight.packed,
-                &mut w2q,
-                x * h * i / 2,
-                "expert down_proj codes",
-            )?;
-            gpu.upload_into(
-                &ex.w2.weight.scales,
-                &mut w2s,
-                x * h * (i / block),
-                "expert down_proj scales",
-            )?;
-        }
+        // one projection of every expert, `out` rows of `inn` values each; one expert at a
+        // time: the host never holds a second copy of the layer
+        let upload = |name: &str, w: fn(&crate::moe::Expert) -> &crate::moe::QLinear, out, inn| {
+            let (codes, scales) = (
+                format!("expert {name} codes"),
+                format!("expert {name} scales"),
+            );
+            let (nq, ns) = (out * inn / 2, out * (inn / block));
+            let mut q = gpu.alloc::<u8>(e * nq, &codes)?;
+            let mut s = gpu.alloc::<u8>(e * ns, &scales)?;
+            for (x, ex) in layer.experts.iter().enumerate() {
+                gpu.upload_into(&w(ex).weight.packed, &mut q, x * nq, &codes)?;
+                gpu.upload_into(&w(ex).weight.scales, &mut s, x * ns, &scales)?;
+            }
+            Ok::<_, Error>((q, s))
+        };
+        let (w1q, w1s) = upload("gate_proj", |x| &x.w1, i, h)?;
+        let (w3q, w3s) = upload("up_proj", |x| &x.w3, i, h)?;
+        let (w2q, w2s) = upload("down_proj", |x| &x.w2, h, i)?;
         let ws2 = |f: &dyn Fn(&crate::moe::Expert) -> f32| {
             layer.experts.iter().map(f).collect::<Vec<f32>>()
         };
