@@ -318,6 +318,10 @@ struct Faults {
     nan_scale: Option<usize>,
     /// w2_weight_scale_2 stored in BF16.
     w2_scale_2_bf16: bool,
+    /// This expert's w2_weight_scale_2 replaced by this value.
+    w2_scale_2_set: Option<(usize, f32)>,
+    /// This expert's w2_input_scale replaced by this value.
+    w2_input_scale_set: Option<(usize, f32)>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -403,6 +407,12 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             d.scale_2
         });
         i2.push(ex.in2);
+        if let Some((_, v)) = f.w2_scale_2_set.filter(|&(e, _)| e == x) {
+            *g2.last_mut().unwrap() = v;
+        }
+        if let Some((_, v)) = f.w2_input_scale_set.filter(|&(e, _)| e == x) {
+            *i2.last_mut().unwrap() = v;
+        }
         let _ = slot;
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
@@ -1272,6 +1282,47 @@ fn scale_2_rounded_to_bf16_is_named() {
         assert!(u["name"].as_str().unwrap().ends_with("down_proj.weight"));
         let msg = u["issues"][0]["message"].as_str().unwrap();
         assert!(msg.contains("rounded to BF16"), "seed {}: {msg}", fx.seed);
+    }
+}
+
+/// An engine's weight_scale_2 or input_scale of +inf / -inf for one expert is a mismatch (the
+/// relative tolerance against an infinity is infinite: it passed as "differs in the last bits").
+#[test]
+fn infinite_scalars_in_b_are_mismatches() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    for (what, v) in [
+        ("weight_scale_2", f32::INFINITY),
+        ("weight_scale_2", f32::NEG_INFINITY),
+        ("input_scale", f32::INFINITY),
+    ] {
+        let dump = fx.root.join(format!("inf-{what}-{v}.safetensors"));
+        let faults = if what == "weight_scale_2" {
+            Faults {
+                w2_scale_2_set: Some((bad, v)),
+                ..Default::default()
+            }
+        } else {
+            Faults {
+                w2_input_scale_set: Some((bad, v)),
+                ..Default::default()
+            }
+        };
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let m = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(m.len(), 1, "seed {} {what} {v}: {m:?}", fx.seed);
+        assert!(m[0]["name"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("experts.{bad}.down_proj")));
+        let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(what) && msg.contains("inf"),
+            "seed {} {what} {v}: {msg}",
+            fx.seed
+        );
     }
 }
 

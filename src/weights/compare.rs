@@ -212,9 +212,13 @@ fn dname(d: Dtype) -> String {
 }
 
 /// Dequant-direction global scales compared: equal bits, or within the ulp a reciprocal
-/// conversion (compressed-tensors' gs) costs.
+/// conversion (compressed-tensors' gs) costs. The tolerance holds only between finite values:
+/// against an infinity it is infinite too (`inf <= 4ε·inf`), and a B scale of ±inf would pass.
 fn same_scale(a: f32, b: f32) -> bool {
-    a.to_bits() == b.to_bits() || ((a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
+    a.to_bits() == b.to_bits()
+        || (a.is_finite()
+            && b.is_finite()
+            && (a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
 }
 
 /// B's scalar is A's rounded to a 16-bit float (an engine that keeps scales in BF16 / FP16).
