@@ -774,6 +774,74 @@ fn recomputed_routing_from_hidden_states() {
     );
 }
 
+/// NaN in the hidden states (or router logits) the dump holds: the tokens' routing is undefined
+/// and the NaN came from upstream. It passed: the recomputed routing of the other tokens agreed.
+#[test]
+fn nonfinite_router_inputs_fail_and_are_located() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let (t, l) = (48, 1);
+    let en = engine(&ck, l, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts,
+    );
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let (tok, ch) = (r.gen_range(0..t), r.gen_range(0..h));
+    let mut hidden = en.hidden.clone();
+    hidden[tok * h + ch] = f32::NAN;
+    let logits = nvfp4dbg::moe::router::router_logits(&en.layer.router.weight, &en.hidden, t, h, e);
+    let mut bad_logits = logits.clone();
+    bad_logits[tok * e + ch % e] = f32::INFINITY;
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    for (x, name, col) in [
+        (
+            Extra {
+                hidden: Some((&hidden, h)),
+                ..Default::default()
+            },
+            "hidden_states",
+            ch,
+        ),
+        (
+            Extra {
+                logits: Some((&bad_logits, e)),
+                ..Default::default()
+            },
+            "router_logits",
+            ch % e,
+        ),
+    ] {
+        write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        assert_eq!(
+            out.code, 1,
+            "seed {seed} {name}\n{}\n{}",
+            out.stdout, out.stderr
+        );
+        assert!(
+            kinds(&out.json).contains(&"nonfinite_inputs".to_string()),
+            "seed {seed} {name}: {:?}",
+            kinds(&out.json)
+        );
+        let at = format!("{name} holds");
+        let pos = format!("first at token {tok} channel {col}");
+        let f = out.json["findings"].to_string();
+        assert!(f.contains(&at) && f.contains(&pos), "seed {seed}: {f}");
+    }
+}
+
 #[test]
 fn recomputed_routing_from_router_logits() {
     let (seed, mut r) = rng();

@@ -237,6 +237,22 @@ fn recompute(
         Some(p) => Some(dump::load_hidden(p, d.tokens)?),
         None => d.hidden_states.clone(),
     };
+    if let Some(h) = &hidden {
+        out.extend(check::check_inputs_finite(
+            "hidden_states",
+            &h.data,
+            h.rows,
+            h.cols,
+        ));
+    }
+    if let Some(lg) = &d.router_logits {
+        out.extend(check::check_inputs_finite(
+            "router_logits",
+            &lg.data,
+            lg.rows,
+            lg.cols,
+        ));
+    }
     let Some(mc) = ckpt else {
         if hidden.is_some() || d.router_logits.is_some() {
             out.notes.push(

@@ -28,6 +28,8 @@ pub enum FindingKind {
     WeightError,
     LogitsMismatch,
     HashMismatch,
+    /// NaN/Inf in the hidden states or router logits the dump holds.
+    NonfiniteInputs,
 }
 
 /// Where a finding first shows.
@@ -208,6 +210,47 @@ pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&Expert
                 ),
             ));
         }
+    }
+    o
+}
+
+/// NaN/Inf in the router's inputs the dump holds (`hidden_states` or `router_logits`,
+/// `[tokens, cols]` row-major): the scores of those tokens are NaN and their expert choice is
+/// whatever the engine's top-k makes of NaN, so no routing of them is right or wrong; the NaN
+/// came from upstream.
+pub fn check_inputs_finite(name: &str, data: &[f32], tokens: usize, cols: usize) -> Outcome {
+    let mut o = Outcome::default();
+    let cols = cols.max(1);
+    let (mut nan, mut inf) = (0u64, 0u64);
+    let mut first = None;
+    let mut bad_tokens = BTreeSet::new();
+    for (i, v) in data.iter().enumerate() {
+        if v.is_finite() {
+            continue;
+        }
+        if v.is_nan() {
+            nan += 1;
+        } else {
+            inf += 1;
+        }
+        first.get_or_insert(i);
+        bad_tokens.insert(i / cols);
+    }
+    if let Some(i0) = first {
+        o.find(Finding::new(
+            FindingKind::NonfiniteInputs,
+            bad_tokens.len() as u64,
+            None,
+            format!(
+                "{name} holds {nan} NaN and {inf} Inf value(s) in {} of {tokens} tokens; first at token {} channel {} ({}): \
+                 the router scores of those tokens are NaN and their experts whatever top-k makes of NaN — \
+                 the NaN comes from before the router (run nan-locate on a trace of the forward pass)",
+                bad_tokens.len(),
+                i0 / cols,
+                i0 % cols,
+                data[i0]
+            ),
+        ));
     }
     o
 }
@@ -1063,6 +1106,27 @@ mod tests {
     fn rng() -> (u64, rand_chacha::ChaCha8Rng) {
         let seed: u64 = rand::random();
         (seed, rand_chacha::ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    #[test]
+    fn nonfinite_router_inputs_are_a_finding() {
+        let (t, c) = (5, 8);
+        let mut h = vec![0.5f32; t * c];
+        assert!(check_inputs_finite("hidden_states", &h, t, c)
+            .findings
+            .is_empty());
+        h[3 * c + 6] = f32::NAN;
+        h[4 * c] = f32::INFINITY;
+        let o = check_inputs_finite("hidden_states", &h, t, c);
+        assert_eq!(o.findings.len(), 1);
+        let f = &o.findings[0];
+        assert_eq!(f.kind, FindingKind::NonfiniteInputs);
+        assert_eq!(f.count, 2);
+        assert!(
+            f.message.contains("1 NaN and 1 Inf") && f.message.contains("token 3 channel 6"),
+            "{}",
+            f.message
+        );
     }
 
     /// A plausible global routing: distinct ids per token, weights summing to `rsf`.
