@@ -714,18 +714,43 @@ pub fn at(idx: Option<usize>, hidden: usize) -> String {
 /// H2 before anything downstream: NaN/Inf already in the input hidden states explain whatever
 /// follows them. The failure line, if any, and the counts for the JSON report
 /// (`input_nonfinite`).
+///
+/// Finite values beyond `sqrt(f32::MAX)` count too: the experts' `silu(gate) · up` is quadratic
+/// in the input, so such a value overflows f32 in any precision the layer runs in, the
+/// reference included, and the NaN/Inf that follow are the input's, not a global scale's or a
+/// weight's (`overflow_count`, `max_abs`).
 pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_json::Value) {
     let (nan, inf, first_nan, first_inf) = crate::metrics::nonfinite(hidden);
     let first = first_nan.into_iter().chain(first_inf).min();
-    let line = (nan + inf > 0).then(|| {
-        format!(
+    let limit = f32::MAX.sqrt();
+    let (mut huge, mut first_huge, mut max_abs) = (0u64, None, 0f32);
+    for (i, v) in hidden.iter().enumerate() {
+        if v.is_finite() && v.abs() > limit {
+            huge += 1;
+            first_huge.get_or_insert(i);
+            max_abs = max_abs.max(v.abs());
+        }
+    }
+    let line = if nan + inf > 0 {
+        Some(format!(
             "the input hidden states already hold {nan} NaN and {inf} Inf (first at {}): they \
              come from upstream (attention or an earlier layer), not from these MoE layers; \
              `nan-locate` on a trace finds where",
             at(first, hsz)
-        )
-    });
-    let counts = json!({"nan_count": nan, "inf_count": inf, "first_index": first});
+        ))
+    } else if huge > 0 {
+        Some(format!(
+            "the input hidden states hold {huge} value(s) beyond sqrt(f32 max) = {limit:.3e} (up to {max_abs:.3e}, \
+             first at {}): the experts' silu(gate)·up is quadratic in them and overflows f32 in any precision, \
+             the reference's included; they come from upstream (attention or an earlier layer: a blown-up \
+             residual), not from these MoE layers or their scales",
+            at(first_huge, hsz)
+        ))
+    } else {
+        None
+    };
+    let counts = json!({"nan_count": nan, "inf_count": inf, "first_index": first,
+                        "overflow_count": huge, "max_abs": max_abs});
     (line, counts)
 }
 
