@@ -346,7 +346,7 @@ fn nan_in_the_input_hidden_states_is_named_first() {
     assert!(!text.contains("input hidden states"), "seed {seed}: {text}");
 }
 
-/// One token 1e4x the others' magnitude (an attention sink, a blown-up residual): the layer's
+/// One token 1e4x the others' magnitude (its RMSNorm skipped or broken): the layer's
 /// cosine is its cosine (0.988), while the tokens sharing its experts lose their blocks to the
 /// global scale it sets (cosine 0.67-0.83). It passed; per-token cosines were only listed.
 #[test]

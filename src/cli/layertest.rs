@@ -293,7 +293,7 @@ pub struct Args {
     pub min_expert_slots: usize,
     /// Fail when one token's output falls below this cosine, or its rel-L2 exceeds
     /// sqrt(1/C^2 - 1): the layer's cosine is dominated by its tokens of largest norm, and one
-    /// token of huge norm (an attention sink, a blown-up residual) carries it past wrong others
+    /// token of huge norm (the MoE input is normalized per token: its RMSNorm skipped or broken) carries it past wrong others
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
     pub min_token_cosine: f64,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
@@ -788,7 +788,7 @@ pub fn token_failure(
     let dominated = if total > 0.0 && e_big / total > 0.5 {
         format!(
             "; token {big} carries {:.1}% of the reference output's energy (norm {:.3e}x the median token's), so the \
-             layer's cosine is mostly its own: a token of that magnitude (an attention sink, a blown-up residual) also \
+             layer's cosine is mostly its own: a token of that magnitude (the MoE input is RMSNorm-ed per token: its norm skipped or broken upstream?) also \
              sets the activation global scales of its experts",
             100.0 * e_big / total,
             if median > 0.0 { (e_big / median).sqrt() } else { f64::INFINITY }
