@@ -1439,6 +1439,37 @@ fn expert_permutation_is_named() {
     assert!(p["message"].as_str().unwrap().contains("0←1"));
 }
 
+/// One expert loaded into two slots (B's expert 3 holds A's expert 0, which is also in its
+/// own slot): a duplicate, with A's expert 3 lost. It was named "every one is off by -3: local
+/// expert ids where global ids belong (an EP rank offset?)" from that single pair.
+#[test]
+fn an_expert_loaded_twice_is_not_an_ep_offset() {
+    let fx = fixture(4);
+    let dump = fx.root.join("dup.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![0, 1, 2, 0]),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("A's expert 0 is in B's experts 0, 3: loaded twice, and A's expert(s) 3 in no slot of B"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    assert!(!msg.contains("EP rank offset"), "seed {}: {msg}", fx.seed);
+}
+
 /// Experts large enough (gate/up 128 KiB of codes) that their fingerprints are sampled:
 /// the sampled fingerprints nominate, the full ones confirm, and both bugs are still named,
 /// alone.

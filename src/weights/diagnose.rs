@@ -473,7 +473,43 @@ pub fn cross_expert(
                 shown.join(", "),
                 if perm.len() > 12 { ", …" } else { "" }
             );
-            if let (1, Some(&off)) = (offsets.len(), offsets.iter().next()) {
+            // an A expert held by two B experts (its own slot too, or two misplaced ones):
+            // one loaded twice and another never, not a reordering
+            let mut held_by: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+            for &(e, o) in &perm {
+                held_by.entry(o).or_default().push(e);
+            }
+            for (o, bs) in held_by.iter_mut() {
+                if b_experts.contains(o) && !Proj::ALL.iter().any(|&p| is_bad(&ep(*o, p))) {
+                    bs.push(*o);
+                }
+                bs.sort_unstable();
+            }
+            let dup: Vec<String> = held_by
+                .iter()
+                .filter(|(_, bs)| bs.len() > 1)
+                .map(|(o, bs)| format!("A's expert {o} is in B's experts {}", list(bs)))
+                .collect();
+            let held: BTreeSet<usize> = held_by.keys().copied().collect();
+            let lost: Vec<usize> = perm
+                .iter()
+                .map(|&(e, _)| e)
+                .filter(|e| !held.contains(e))
+                .collect();
+            if !dup.is_empty() {
+                message.push_str(&format!(
+                    "; {}: loaded twice, and A's expert(s) {} in no slot of B (an expert id mapped \
+                     many-to-one by the loader, or a redundant-expert slot filled from the wrong id)",
+                    dup.join(", "),
+                    if lost.is_empty() {
+                        "-".to_string()
+                    } else {
+                        list(&lost)
+                    }
+                ));
+            } else if let (true, 1, Some(&off)) =
+                (perm.len() >= 2, offsets.len(), offsets.iter().next())
+            {
                 message.push_str(&format!(
                     "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
                 ));
