@@ -989,6 +989,13 @@ fn scales_swizzled_for_some_experts_only_fail() {
         assert!(m["message"].as_str().unwrap().contains("one layout"));
     }
     assert_eq!(out.json["summary"]["mismatched"], 0);
+    // nothing mismatched: the headline is the diagnosis (it read "; mixed_scale_layouts")
+    let text = out.json["summary"]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("mixed_scale_layouts: layer ") && text.contains("one layout"),
+        "seed {}: {text}",
+        fx.seed
+    );
     // every expert swizzled: one layout, a note
     let dump = fx.root.join("all.safetensors");
     write_fused(
