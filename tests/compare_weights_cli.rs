@@ -322,6 +322,8 @@ struct Faults {
     w2_scale_2_set: Option<(usize, f32)>,
     /// This expert's w2_input_scale replaced by this value.
     w2_input_scale_set: Option<(usize, f32)>,
+    /// This expert's w2 codes all zero (allocated, never loaded).
+    w2_zero: Option<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -382,7 +384,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         i13.extend([ia, ib]);
         let d = cols_of(&ex.w2, tr * ip, ip);
-        if f.nibble_swap.contains(&x) {
+        if f.w2_zero == Some(x) {
+            w2.extend(std::iter::repeat_n(0u8, d.packed.len()));
+        } else if f.nibble_swap.contains(&x) {
             w2.extend(d.packed.iter().map(|b| b.rotate_left(4)));
         } else {
             w2.extend_from_slice(&d.packed);
@@ -1331,6 +1335,37 @@ fn infinite_scalars_in_b_are_mismatches() {
             fx.seed
         );
     }
+}
+
+/// An expert whose w2 codes are all zero (the engine allocated it and never loaded it) is named
+/// as such; it read as a bare "values differ: cosine 0.000000".
+#[test]
+fn an_expert_never_loaded_is_named_all_zero() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    let dump = fx.root.join("zero.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_zero: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
+    assert!(m[0]["name"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("experts.{bad}.down_proj")));
+    let msg = m[0]["issues"].to_string();
+    assert!(
+        msg.contains("B is all zeros") && msg.contains("never loaded"),
+        "seed {}: {msg}",
+        fx.seed
+    );
 }
 
 #[test]

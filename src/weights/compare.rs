@@ -785,9 +785,10 @@ fn compare_qq(
         u.issue(
             IssueKind::Values,
             format!(
-                "values differ: cosine {:.6}, max_abs_err {:.3e}{}",
+                "values differ: cosine {:.6}, max_abs_err {:.3e}{}{}",
                 m.cosine,
                 m.max_abs_err,
+                all_zero(&b_m),
                 if m.nan_count + m.inf_count > 0 {
                     format!(
                         ", {} NaN / {} Inf in B{}",
@@ -803,6 +804,20 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// B dequantizes to zeros everywhere (every code ±0, every block scale 0, or a zero global
+/// scale): a tensor the loader allocated and never filled, not one with other values.
+fn all_zero(b: &QMatrix) -> &'static str {
+    let codes = (0..b.packed.rows).all(|r| b.packed.row(r).iter().all(|&x| x & 0x77 == 0));
+    let scales = b.scales.iter().all(|&x| x & 0x7F == 0);
+    if b.scale_2 == 0.0 {
+        ": B's global scale is 0, so every value is zero (never loaded?)"
+    } else if codes || (b.format == crate::nvfp4::Format::Nvfp4 && scales) {
+        ": B is all zeros (every code or every block scale 0): the tensor was allocated and never loaded"
+    } else {
+        ""
+    }
 }
 
 /// Where B's NaN comes from when a block scale holds the e4m3 NaN code (`0x7F` / `0xFF`).
