@@ -470,8 +470,40 @@ fn bad_input_is_exit_2_with_names() {
     ] {
         let out = run(dir.path(), &args);
         assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
-        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+        // a caught panic reads "internal error (file:line)": --ep-rank 2 of 2 was one
+        assert!(
+            !out.stderr.contains("panicked") && !out.stderr.contains("internal error"),
+            "{args:?}: {}",
+            out.stderr
+        );
     }
+    // an EP rank past the EP size in the dump's metadata: bad input naming the file
+    write_dump(
+        &f,
+        &Dump {
+            t: 2,
+            k: 2,
+            ids: &[0, 1, 2, 3],
+            weights: &[0.5; 4],
+            ids_i32: false,
+            metadata: Some(
+                [("ep_rank", "5"), ("ep_size", "2")]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+        },
+    );
+    let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("d.safetensors")
+            && out.stderr.contains("ep_rank")
+            && out.stderr.contains("EP rank 5 is not below the EP size 2")
+            && !out.stderr.contains("internal error"),
+        "{}",
+        out.stderr
+    );
     // not a safetensors file at all
     std::fs::write(&f, b"hello").unwrap();
     let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);

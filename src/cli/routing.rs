@@ -160,6 +160,18 @@ pub fn run(args: &Args) -> Result<Report> {
         let rank = ep_rank.ok_or_else(|| {
             Error::usage("--ep-size needs --ep-rank (or `ep_rank` in the dump's metadata)")
         })?;
+        if rank >= ep_size {
+            let what = format!("EP rank {rank} is not below the EP size {ep_size}");
+            return Err(match (args.ep_rank, args.ep_size) {
+                (Some(_), Some(_)) => Error::usage(format!("--ep-rank/--ep-size: {what}")),
+                _ => Error::bad_file(
+                    &d.path,
+                    format!(
+                        "metadata `ep_rank` / `ep_size` (or the flags given with them): {what}"
+                    ),
+                ),
+            });
+        }
         let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement)?;
         Some((rank, maps))
     } else {
