@@ -1368,6 +1368,41 @@ fn an_expert_never_loaded_is_named_all_zero() {
     );
 }
 
+/// A full fused dump compared as one EP rank's shard: its indices past the rank's experts are
+/// extra and the ep_shard diagnosis says how many experts B holds. It was exit 2, "stands for
+/// `…w13_weight[2]`, which fused expert index 2 … stands for as well" (gate and up of one
+/// index shared a key).
+#[test]
+fn a_full_dump_compared_as_an_ep_shard_is_named() {
+    let fx = fixture(4);
+    let dump = fx.root.join("full.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", "0", "--ep-size", "2"],
+    );
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let e = d
+        .iter()
+        .find(|d| d["kind"] == "ep_shard")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("hold 4 experts; EP rank 0 of 2 (linear) holds 2"),
+        "{e}"
+    );
+    // indices 2 and 3: gate, up and down each
+    assert_eq!(
+        out.json["extra"].as_array().unwrap().len(),
+        6,
+        "{}",
+        out.stdout
+    );
+}
+
 #[test]
 fn missing_and_extra_tensors_are_listed() {
     let fx = fixture(2);
