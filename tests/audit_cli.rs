@@ -1403,6 +1403,47 @@ fn config_fields_left_to_differing_engine_defaults_are_warned() {
     );
 }
 
+/// synth writes config.json's quantization_config and ModelOpt's hf_quant_config.json (what
+/// TensorRT-LLM reads); one saying FP8, or NVFP4 in blocks of 32, while config.json and the
+/// tensors say NVFP4 in 16 passed: hf_quant_config.json was not read when config.json had one.
+#[test]
+fn hf_quant_config_contradicting_config_json_is_named() {
+    let (seed, _) = rng("audit hf_quant_config vs config.json");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let (c, out, _) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    let hq = ck.join("hf_quant_config.json");
+    let orig: serde_json::Value = serde_json::from_slice(&std::fs::read(&hq).unwrap()).unwrap();
+    for (what, key, value, want) in [
+        (
+            "fp8",
+            "quant_algo",
+            serde_json::json!("FP8"),
+            "quant_algo FP8 here, NVFP4 in config.json",
+        ),
+        (
+            "g32",
+            "group_size",
+            serde_json::json!(32),
+            "group_size 32 here, 16 in config.json",
+        ),
+    ] {
+        let mut v = orig.clone();
+        v["quantization"][key] = value;
+        std::fs::write(&hq, serde_json::to_vec(&v).unwrap()).unwrap();
+        let (c, out, v) = audit(&ck);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "config_mismatch");
+        let hit = found.iter().find(|x| x.1.ends_with("hf_quant_config.json"));
+        let Some((_, _, detail)) = hit else {
+            panic!("seed {seed} {what}: no config_mismatch on hf_quant_config.json: {out}")
+        };
+        assert!(detail.contains(want), "seed {seed} {what}: {detail}");
+    }
+}
+
 /// A quantization_config whose method is not NVFP4 over NVFP4 tensors (engines pick their
 /// loader from it), and NVFP4 promised over a checkpoint without NVFP4 tensors: errors naming
 /// config.json, the stated method and what the tensors are.
