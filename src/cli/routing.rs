@@ -63,6 +63,10 @@ pub struct Args {
     /// Maximum relative L2 error of topk_weights against the recomputed weights
     #[arg(long, value_name = "REL", default_value_t = 0.02)]
     pub max_weight_err: f64,
+    /// Tokens tolerated at experts the router does not choose even with its logits moved by
+    /// their BF16 rounding in the dump's favour (not near-ties: --min-match tolerates those)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_clear_mismatches: u64,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -370,7 +374,28 @@ fn recompute(
             ..base
         };
         let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
-        if !o.findings.is_empty() && !hash_checked {
+        let clear = |logits: &[f32]| {
+            check::clear_mismatches(
+                ids,
+                logits,
+                config.n_routed_experts,
+                config.scoring_func,
+                router.e_score_correction_bias.as_deref(),
+                config.n_group,
+                config.topk_group,
+                args.max_clear_mismatches,
+            )
+        };
+        if o.findings.is_empty() && !hash_checked && args.ids == IdSpace::Global {
+            let logits = crate::moe::router::router_logits(
+                &router.weight,
+                &hb,
+                d.tokens,
+                config.hidden_size,
+                config.n_routed_experts,
+            );
+            o.extend(clear(&logits));
+        } else if !o.findings.is_empty() && !hash_checked {
             let logits = crate::moe::router::router_logits(
                 &router.weight,
                 &hb,
@@ -408,6 +433,17 @@ fn recompute(
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
+            } else if args.ids == IdSpace::Global {
+                o.extend(check::clear_mismatches(
+                    ids,
+                    &lg.data,
+                    config.n_routed_experts,
+                    config.scoring_func,
+                    router.e_score_correction_bias.as_deref(),
+                    config.n_group,
+                    config.topk_group,
+                    args.max_clear_mismatches,
+                ));
             }
             out.extend(o);
             agreements.extend(ag);
