@@ -324,6 +324,8 @@ struct Faults {
     w2_input_scale_set: Option<(usize, f32)>,
     /// This expert's w2 codes all zero (allocated, never loaded).
     w2_zero: Option<usize>,
+    /// These experts' gate and up packed codes exchanged, their scales left in place.
+    swap_codes_only: Vec<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -363,8 +365,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             std::mem::swap(&mut a, &mut b);
             std::mem::swap(&mut ia, &mut ib);
         }
-        w13.extend_from_slice(&a.packed);
-        w13.extend_from_slice(&b.packed);
+        if f.swap_codes_only.contains(&x) {
+            w13.extend_from_slice(&b.packed);
+            w13.extend_from_slice(&a.packed);
+        } else {
+            w13.extend_from_slice(&a.packed);
+            w13.extend_from_slice(&b.packed);
+        }
         let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
         if f.swizzle || f.processed.is_some() || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
@@ -796,6 +803,56 @@ fn gate_up_swapped_in_one_expert_is_named() {
 
 /// Flips the lowest bit of each byte `i` of the tensor named `*suffix` in the safetensors
 /// file at `path` for which `at(i)` holds: FP4 codes that move one step.
+/// Gate's and up's packed codes exchanged in one expert while its block scales stayed: it was
+/// a bare "values differ" on both projections (the swap check matches codes and scales
+/// together).
+#[test]
+fn gate_up_codes_swapped_without_their_scales_are_named() {
+    let fx = fixture(4);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..4);
+    let dump = fx.root.join("codes-swapped.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap_codes_only: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_codes_swapped"],
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    let d = &out.json["diagnoses"][0];
+    assert_eq!(d["experts"], serde_json::json!([bad]));
+    assert!(d["message"]
+        .as_str()
+        .unwrap()
+        .contains("their block scales not"));
+    // the full swap (codes and scales) stays gate_up_swapped
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_swapped"],
+        "seed {}",
+        fx.seed
+    );
+}
+
 fn flip_code_bits(path: &Path, suffix: &str, at: impl Fn(usize) -> bool) {
     let mut bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;

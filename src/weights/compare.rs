@@ -859,6 +859,22 @@ pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
             .is_some_and(|s| s.same_codes(&bm))
 }
 
+/// `(packed codes equal, block scales equal)` of two quantized units of one geometry (block
+/// scales read as stored); `None` when either is not quantized or the geometries differ.
+pub fn codes_and_scales_equal(a: &Raw, b: &Raw) -> Option<(bool, bool)> {
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return None;
+    };
+    let (Ok((am, _)), Ok((bm, _))) = (
+        qmatrix(qa, qa.rows(), qa.cols()),
+        qmatrix(qb, qb.rows(), qb.cols()),
+    ) else {
+        return None;
+    };
+    (am.format == bm.format && am.rows == bm.rows && am.cols == bm.cols)
+        .then(|| (am.packed.same(&bm.packed), am.scales == bm.scales))
+}
+
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
 fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
     let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));

@@ -7,7 +7,8 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom, IssueKind, Options, UnitResult,
+    codes_and_scales_equal, fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom,
+    IssueKind, Options, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -23,6 +24,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 #[serde(rename_all = "snake_case")]
 pub enum DiagnosisKind {
     GateUpSwapped,
+    /// Gate's and up's packed codes exchanged while their block scales stayed in place.
+    GateUpCodesSwapped,
     W13OrderReversed,
     /// Fused w13 sharded over TP as one `[2I]` block instead of w1 and w3 separately.
     #[serde(rename = "w13_tp_split")]
@@ -354,6 +357,59 @@ pub fn cross_expert(
                 layer: Some(layer),
                 tensors: swapped.len() * 2,
                 experts: swapped.clone(),
+                message,
+                fails: true,
+            });
+        }
+
+        // gate's and up's packed codes exchanged, their block scales not (a loader that maps
+        // `weight` and `weight_scale` to w13's halves by different shard ids): B's gate has
+        // A's up codes under A's gate scales, and the reverse (same geometry only)
+        let mut codes_swapped: Vec<usize> = vec![];
+        for &e in with_w13.iter().filter(|e| !swapped.contains(e)) {
+            let (g, u) = (ep(e, Proj::Gate), ep(e, Proj::Up));
+            if !(is_bad(&g) && is_bad(&u)) || tp.is_some_and(|(_, n)| n > 1) {
+                continue;
+            }
+            let (Some(ag), Some(au), Some(bg), Some(bu)) = (
+                src_of(&a_units, g).and_then(|s| a.load(&s).ok()),
+                src_of(&a_units, u).and_then(|s| a.load(&s).ok()),
+                src_of(&b_units, g).and_then(|s| b.load(&s).ok()),
+                src_of(&b_units, u).and_then(|s| b.load(&s).ok()),
+            ) else {
+                continue;
+            };
+            let cross = (
+                codes_and_scales_equal(&au, &bg),
+                codes_and_scales_equal(&ag, &bu),
+            );
+            let own = (
+                codes_and_scales_equal(&ag, &bg),
+                codes_and_scales_equal(&au, &bu),
+            );
+            if let ((Some((true, _)), Some((true, _))), (Some((_, true)), Some((_, true)))) =
+                (cross, own)
+            {
+                codes_swapped.push(e);
+            }
+        }
+        if !codes_swapped.is_empty() {
+            let message = format!(
+                "layer {layer}: gate and up packed codes swapped in expert(s) {}, their block scales not: B's gate_proj holds \
+                 A's up_proj codes under A's gate_proj block scales, and the reverse (a loader that maps `weight` and \
+                 `weight_scale` to the halves of w13 by different shard ids)",
+                list(&codes_swapped)
+            );
+            for &e in &codes_swapped {
+                for p in [Proj::Gate, Proj::Up] {
+                    annotate(results, &by_key, ep(e, p), &message);
+                }
+            }
+            out.push(Diagnosis {
+                kind: DiagnosisKind::GateUpCodesSwapped,
+                layer: Some(layer),
+                tensors: codes_swapped.len() * 2,
+                experts: codes_swapped.clone(),
                 message,
                 fails: true,
             });
