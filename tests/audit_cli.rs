@@ -1444,6 +1444,40 @@ fn hf_quant_config_contradicting_config_json_is_named() {
     }
 }
 
+/// An exclude_modules entry that covers quantized linears (engines that honor it build a
+/// plain layer and load the packed codes as its weight): it passed, the list was parsed and
+/// never checked against the tensors.
+#[test]
+fn exclude_modules_covering_quantized_linears_is_named() {
+    let (seed, _) = rng("audit exclude_modules vs tensors");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let cfg_path = ck.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let list = cfg["quantization_config"]["exclude_modules"]
+        .as_array_mut()
+        .unwrap();
+    list.push(serde_json::json!("*.mlp.experts.*"));
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "config_mismatch");
+    let hit = found
+        .iter()
+        .find(|x| x.2.contains("`*.mlp.experts.*`"))
+        .unwrap_or_else(|| panic!("seed {seed}: {out}"));
+    assert!(hit.1.ends_with("config.json"), "{}", hit.1);
+    assert!(
+        hit.2.contains("covers 96 quantized linear(s)"),
+        "seed {seed}: {}",
+        hit.2
+    );
+    // synth's own list (router, shared experts, attention, the dense layer) covers none
+    assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
+}
+
 /// A quantization_config whose method is not NVFP4 over NVFP4 tensors (engines pick their
 /// loader from it), and NVFP4 promised over a checkpoint without NVFP4 tensors: errors naming
 /// config.json, the stated method and what the tensors are.

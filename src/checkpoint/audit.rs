@@ -1633,6 +1633,29 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
             }
         }
     }
+    // quantized linears the config leaves unquantized: engines that honor exclude_modules /
+    // ignore build a plain layer there and load the packed codes as its weight (or fail on
+    // the shape); one finding per pattern
+    if let Some(q) = &quant {
+        for pat in &q.exclude_modules {
+            let Some(re) = exclude_pattern(pat) else {
+                continue;
+            };
+            let hit: Vec<&str> = linears
+                .iter()
+                .filter(|l| !l.base.contains('[') && re.is_match(&l.base))
+                .map(|l| l.base.as_str())
+                .collect();
+            if let Some(first) = hit.first() {
+                push(format!(
+                    "`{pat}` in the exclude list (exclude_modules / ignore) of {} covers {} quantized linear(s), first `{first}`: \
+                     engines that honor it build an unquantized layer there and load the packed FP4 codes as its weight, or fail on the shape",
+                    q.source.display(),
+                    hit.len()
+                ));
+            }
+        }
+    }
     // the method names the loader, and each loader looks for its own member names
     if let Some(q) = &quant {
         let count = |c: Convention| {
@@ -1667,6 +1690,17 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         detail,
     }));
     Ok(())
+}
+
+/// An exclude_modules / ignore entry as a regex over module names: compressed-tensors'
+/// `re:` entries as regexes anchored at the start (Python's `re.match`), the others as
+/// whole-name globs (`*` any run of characters, ModelOpt's and vLLM's reading).
+fn exclude_pattern(pat: &str) -> Option<regex::Regex> {
+    let src = match pat.strip_prefix("re:") {
+        Some(r) => format!("^(?:{r})"),
+        None => format!("^{}$", regex::escape(pat).replace(r"\*", ".*")),
+    };
+    regex::Regex::new(&src).ok()
 }
 
 /// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).
