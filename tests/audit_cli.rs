@@ -1444,6 +1444,43 @@ fn hf_quant_config_contradicting_config_json_is_named() {
     }
 }
 
+/// A BF16 original with a NaN (or all zeros) against a finite quantized weight: the original
+/// is broken, not the quantization. It read "cosine NaN with its BF16 original (rel-L2 NaN)".
+#[test]
+fn a_broken_original_is_named_as_such() {
+    let (seed, _) = rng("audit broken original");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let bf = ck.join("bf16");
+    let nan = "model.layers.1.mlp.experts.4.down_proj.weight";
+    let zero = "model.layers.2.mlp.experts.7.gate_proj.weight";
+    for (name, what) in [(nan, "nan"), (zero, "zero")] {
+        rewrite_shard(&bf, name, |t| {
+            let (_, v) = t.iter_mut().find(|(s, _)| s.name == name).unwrap();
+            if what == "nan" {
+                // BF16 NaN in element 3
+                v[6..8].copy_from_slice(&0x7FC0u16.to_le_bytes());
+            } else {
+                v.iter_mut().for_each(|b| *b = 0);
+            }
+        });
+    }
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    for (name, want) in [
+        (nan, "the BF16 original itself holds NaN/Inf"),
+        (zero, "the BF16 original is all zeros"),
+    ] {
+        let hit = found
+            .iter()
+            .find(|x| x.0 == name)
+            .unwrap_or_else(|| panic!("seed {seed}: no finding on {name}: {out}"));
+        assert!(hit.2.contains(want), "seed {seed}: {}", hit.2);
+    }
+}
+
 /// An exclude_modules entry that covers quantized linears (engines that honor it build a
 /// plain layer and load the packed codes as its weight): it passed, the list was parsed and
 /// never checked against the tensors.
