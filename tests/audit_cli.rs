@@ -1403,6 +1403,118 @@ fn config_fields_left_to_differing_engine_defaults_are_warned() {
     );
 }
 
+/// synth writes config.json's quantization_config and ModelOpt's hf_quant_config.json (what
+/// TensorRT-LLM reads); one saying FP8, or NVFP4 in blocks of 32, while config.json and the
+/// tensors say NVFP4 in 16 passed: hf_quant_config.json was not read when config.json had one.
+#[test]
+fn hf_quant_config_contradicting_config_json_is_named() {
+    let (seed, _) = rng("audit hf_quant_config vs config.json");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let (c, out, _) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    let hq = ck.join("hf_quant_config.json");
+    let orig: serde_json::Value = serde_json::from_slice(&std::fs::read(&hq).unwrap()).unwrap();
+    for (what, key, value, want) in [
+        (
+            "fp8",
+            "quant_algo",
+            serde_json::json!("FP8"),
+            "quant_algo FP8 here, NVFP4 in config.json",
+        ),
+        (
+            "g32",
+            "group_size",
+            serde_json::json!(32),
+            "group_size 32 here, 16 in config.json",
+        ),
+    ] {
+        let mut v = orig.clone();
+        v["quantization"][key] = value;
+        std::fs::write(&hq, serde_json::to_vec(&v).unwrap()).unwrap();
+        let (c, out, v) = audit(&ck);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "config_mismatch");
+        let hit = found.iter().find(|x| x.1.ends_with("hf_quant_config.json"));
+        let Some((_, _, detail)) = hit else {
+            panic!("seed {seed} {what}: no config_mismatch on hf_quant_config.json: {out}")
+        };
+        assert!(detail.contains(want), "seed {seed} {what}: {detail}");
+    }
+}
+
+/// A BF16 original with a NaN (or all zeros) against a finite quantized weight: the original
+/// is broken, not the quantization. It read "cosine NaN with its BF16 original (rel-L2 NaN)".
+#[test]
+fn a_broken_original_is_named_as_such() {
+    let (seed, _) = rng("audit broken original");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &[]);
+    let bf = ck.join("bf16");
+    let nan = "model.layers.1.mlp.experts.4.down_proj.weight";
+    let zero = "model.layers.2.mlp.experts.7.gate_proj.weight";
+    for (name, what) in [(nan, "nan"), (zero, "zero")] {
+        rewrite_shard(&bf, name, |t| {
+            let (_, v) = t.iter_mut().find(|(s, _)| s.name == name).unwrap();
+            if what == "nan" {
+                // BF16 NaN in element 3
+                v[6..8].copy_from_slice(&0x7FC0u16.to_le_bytes());
+            } else {
+                v.iter_mut().for_each(|b| *b = 0);
+            }
+        });
+    }
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "original_mismatch");
+    for (name, want) in [
+        (nan, "the BF16 original itself holds NaN/Inf"),
+        (zero, "the BF16 original is all zeros"),
+    ] {
+        let hit = found
+            .iter()
+            .find(|x| x.0 == name)
+            .unwrap_or_else(|| panic!("seed {seed}: no finding on {name}: {out}"));
+        assert!(hit.2.contains(want), "seed {seed}: {}", hit.2);
+    }
+}
+
+/// An exclude_modules entry that covers quantized linears (engines that honor it build a
+/// plain layer and load the packed codes as its weight): it passed, the list was parsed and
+/// never checked against the tensors.
+#[test]
+fn exclude_modules_covering_quantized_linears_is_named() {
+    let (seed, _) = rng("audit exclude_modules vs tensors");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let cfg_path = ck.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let list = cfg["quantization_config"]["exclude_modules"]
+        .as_array_mut()
+        .unwrap();
+    list.push(serde_json::json!("*.mlp.experts.*"));
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "config_mismatch");
+    let hit = found
+        .iter()
+        .find(|x| x.2.contains("`*.mlp.experts.*`"))
+        .unwrap_or_else(|| panic!("seed {seed}: {out}"));
+    assert!(hit.1.ends_with("config.json"), "{}", hit.1);
+    assert!(
+        hit.2.contains("covers 96 quantized linear(s)"),
+        "seed {seed}: {}",
+        hit.2
+    );
+    // synth's own list (router, shared experts, attention, the dense layer) covers none
+    assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
+}
+
 /// A quantization_config whose method is not NVFP4 over NVFP4 tensors (engines pick their
 /// loader from it), and NVFP4 promised over a checkpoint without NVFP4 tensors: errors naming
 /// config.json, the stated method and what the tensors are.

@@ -318,6 +318,14 @@ struct Faults {
     nan_scale: Option<usize>,
     /// w2_weight_scale_2 stored in BF16.
     w2_scale_2_bf16: bool,
+    /// This expert's w2_weight_scale_2 replaced by this value.
+    w2_scale_2_set: Option<(usize, f32)>,
+    /// This expert's w2_input_scale replaced by this value.
+    w2_input_scale_set: Option<(usize, f32)>,
+    /// This expert's w2 codes all zero (allocated, never loaded).
+    w2_zero: Option<usize>,
+    /// These experts' gate and up packed codes exchanged, their scales left in place.
+    swap_codes_only: Vec<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -357,8 +365,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             std::mem::swap(&mut a, &mut b);
             std::mem::swap(&mut ia, &mut ib);
         }
-        w13.extend_from_slice(&a.packed);
-        w13.extend_from_slice(&b.packed);
+        if f.swap_codes_only.contains(&x) {
+            w13.extend_from_slice(&b.packed);
+            w13.extend_from_slice(&a.packed);
+        } else {
+            w13.extend_from_slice(&a.packed);
+            w13.extend_from_slice(&b.packed);
+        }
         let mut sc: Vec<u8> = a.scales.iter().chain(&b.scales).copied().collect();
         if f.swizzle || f.processed.is_some() || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, 2 * ip, h / 16);
@@ -378,7 +391,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         i13.extend([ia, ib]);
         let d = cols_of(&ex.w2, tr * ip, ip);
-        if f.nibble_swap.contains(&x) {
+        if f.w2_zero == Some(x) {
+            w2.extend(std::iter::repeat_n(0u8, d.packed.len()));
+        } else if f.nibble_swap.contains(&x) {
             w2.extend(d.packed.iter().map(|b| b.rotate_left(4)));
         } else {
             w2.extend_from_slice(&d.packed);
@@ -403,6 +418,12 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             d.scale_2
         });
         i2.push(ex.in2);
+        if let Some((_, v)) = f.w2_scale_2_set.filter(|&(e, _)| e == x) {
+            *g2.last_mut().unwrap() = v;
+        }
+        if let Some((_, v)) = f.w2_input_scale_set.filter(|&(e, _)| e == x) {
+            *i2.last_mut().unwrap() = v;
+        }
         let _ = slot;
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
@@ -782,6 +803,56 @@ fn gate_up_swapped_in_one_expert_is_named() {
 
 /// Flips the lowest bit of each byte `i` of the tensor named `*suffix` in the safetensors
 /// file at `path` for which `at(i)` holds: FP4 codes that move one step.
+/// Gate's and up's packed codes exchanged in one expert while its block scales stayed: it was
+/// a bare "values differ" on both projections (the swap check matches codes and scales
+/// together).
+#[test]
+fn gate_up_codes_swapped_without_their_scales_are_named() {
+    let fx = fixture(4);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..4);
+    let dump = fx.root.join("codes-swapped.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap_codes_only: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_codes_swapped"],
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    let d = &out.json["diagnoses"][0];
+    assert_eq!(d["experts"], serde_json::json!([bad]));
+    assert!(d["message"]
+        .as_str()
+        .unwrap()
+        .contains("their block scales not"));
+    // the full swap (codes and scales) stays gate_up_swapped
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swap: vec![bad],
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["gate_up_swapped"],
+        "seed {}",
+        fx.seed
+    );
+}
+
 fn flip_code_bits(path: &Path, suffix: &str, at: impl Fn(usize) -> bool) {
     let mut bytes = std::fs::read(path).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
@@ -979,6 +1050,13 @@ fn scales_swizzled_for_some_experts_only_fail() {
         assert!(m["message"].as_str().unwrap().contains("one layout"));
     }
     assert_eq!(out.json["summary"]["mismatched"], 0);
+    // nothing mismatched: the headline is the diagnosis (it read "; mixed_scale_layouts")
+    let text = out.json["summary"]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with("mixed_scale_layouts: layer ") && text.contains("one layout"),
+        "seed {}: {text}",
+        fx.seed
+    );
     // every expert swizzled: one layout, a note
     let dump = fx.root.join("all.safetensors");
     write_fused(
@@ -1275,6 +1353,113 @@ fn scale_2_rounded_to_bf16_is_named() {
     }
 }
 
+/// An engine's weight_scale_2 or input_scale of +inf / -inf for one expert is a mismatch (the
+/// relative tolerance against an infinity is infinite: it passed as "differs in the last bits").
+#[test]
+fn infinite_scalars_in_b_are_mismatches() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    for (what, v) in [
+        ("weight_scale_2", f32::INFINITY),
+        ("weight_scale_2", f32::NEG_INFINITY),
+        ("input_scale", f32::INFINITY),
+    ] {
+        let dump = fx.root.join(format!("inf-{what}-{v}.safetensors"));
+        let faults = if what == "weight_scale_2" {
+            Faults {
+                w2_scale_2_set: Some((bad, v)),
+                ..Default::default()
+            }
+        } else {
+            Faults {
+                w2_input_scale_set: Some((bad, v)),
+                ..Default::default()
+            }
+        };
+        write_fused(&fx.model, &dump, &faults);
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        check(&out, 1, fx.seed);
+        let m = out.json["mismatches"].as_array().unwrap();
+        assert_eq!(m.len(), 1, "seed {} {what} {v}: {m:?}", fx.seed);
+        assert!(m[0]["name"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("experts.{bad}.down_proj")));
+        let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(what) && msg.contains("inf"),
+            "seed {} {what} {v}: {msg}",
+            fx.seed
+        );
+    }
+}
+
+/// An expert whose w2 codes are all zero (the engine allocated it and never loaded it) is named
+/// as such; it read as a bare "values differ: cosine 0.000000".
+#[test]
+fn an_expert_never_loaded_is_named_all_zero() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    let dump = fx.root.join("zero.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_zero: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
+    assert!(m[0]["name"]
+        .as_str()
+        .unwrap()
+        .contains(&format!("experts.{bad}.down_proj")));
+    let msg = m[0]["issues"].to_string();
+    assert!(
+        msg.contains("B is all zeros") && msg.contains("never loaded"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+}
+
+/// A full fused dump compared as one EP rank's shard: its indices past the rank's experts are
+/// extra and the ep_shard diagnosis says how many experts B holds. It was exit 2, "stands for
+/// `…w13_weight[2]`, which fused expert index 2 … stands for as well" (gate and up of one
+/// index shared a key).
+#[test]
+fn a_full_dump_compared_as_an_ep_shard_is_named() {
+    let fx = fixture(4);
+    let dump = fx.root.join("full.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--ep-rank", "0", "--ep-size", "2"],
+    );
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let e = d
+        .iter()
+        .find(|d| d["kind"] == "ep_shard")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("hold 4 experts; EP rank 0 of 2 (linear) holds 2"),
+        "{e}"
+    );
+    // indices 2 and 3: gate, up and down each
+    assert_eq!(
+        out.json["extra"].as_array().unwrap().len(),
+        6,
+        "{}",
+        out.stdout
+    );
+}
+
 #[test]
 fn missing_and_extra_tensors_are_listed() {
     let fx = fixture(2);
@@ -1386,6 +1571,37 @@ fn expert_permutation_is_named() {
         .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
     assert_eq!(p["experts"], serde_json::json!([0, 1]));
     assert!(p["message"].as_str().unwrap().contains("0←1"));
+}
+
+/// One expert loaded into two slots (B's expert 3 holds A's expert 0, which is also in its
+/// own slot): a duplicate, with A's expert 3 lost. It was named "every one is off by -3: local
+/// expert ids where global ids belong (an EP rank offset?)" from that single pair.
+#[test]
+fn an_expert_loaded_twice_is_not_an_ep_offset() {
+    let fx = fixture(4);
+    let dump = fx.root.join("dup.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            order: Some(vec![0, 1, 2, 0]),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains("A's expert 0 is in B's experts 0, 3: loaded twice, and A's expert(s) 3 in no slot of B"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    assert!(!msg.contains("EP rank offset"), "seed {}: {msg}", fx.seed);
 }
 
 /// Experts large enough (gate/up 128 KiB of codes) that their fingerprints are sampled:

@@ -346,6 +346,89 @@ fn nan_in_the_input_hidden_states_is_named_first() {
     assert!(!text.contains("input hidden states"), "seed {seed}: {text}");
 }
 
+/// One token 1e4x the others' magnitude (its RMSNorm skipped or broken): the layer's
+/// cosine is its cosine (0.988), while the tokens sharing its experts lose their blocks to the
+/// global scale it sets (cosine 0.67-0.83). It passed; per-token cosines were only listed.
+#[test]
+fn a_token_of_huge_norm_does_not_carry_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    let t = 32;
+    let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
+    let big = seed as usize % t;
+    let write = |h: &[f32]| {
+        let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
+        write_file(
+            &dir.path().join("in.safetensors"),
+            vec![(spec, f32_bytes(h))],
+            None,
+        )
+        .unwrap();
+    };
+    // the same tokens at their own magnitude pass
+    write(&h);
+    let args = ["layertest", "--device", "cpu", "--input", "in.safetensors"];
+    let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    h[big * 256..(big + 1) * 256]
+        .iter_mut()
+        .for_each(|v| *v *= 1e4);
+    write(&h);
+    let (code, text, r) = run(dir.path(), &args);
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    assert!(
+        r["summary"]["cosine"].as_f64().unwrap() > 0.95,
+        "seed {seed}"
+    );
+    let failures = r["failures"].to_string();
+    assert!(
+        failures.contains("fall below --min-token-cosine 0.9")
+            && failures.contains(&format!("token {big} carries")),
+        "seed {seed}: {failures}"
+    );
+}
+
+/// A token blown up to 1e20 (finite, even in BF16): every product of the experts overflows,
+/// the reference's too. gs-sweep blamed "the weights, their scales or the reference" (every gs
+/// gives NaN), layertest an expert's "activation global scale (gs1) too small".
+#[test]
+fn input_values_that_overflow_the_layer_are_named_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    let t = 8;
+    let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
+    let tok = seed as usize % t;
+    h[tok * 256..(tok + 1) * 256]
+        .iter_mut()
+        .for_each(|v| *v *= 1e20);
+    let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
+    write_file(
+        &dir.path().join("in.safetensors"),
+        vec![(spec, f32_bytes(&h))],
+        None,
+    )
+    .unwrap();
+    for cmd in ["layertest", "gs-sweep", "multilayer"] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[cmd, "--device", "cpu", "--input", "in.safetensors"],
+        );
+        assert_eq!(code, 1, "{cmd} seed {seed}: {text}");
+        let r = r.unwrap();
+        let first = r["failures"][0].as_str().unwrap().to_string();
+        assert!(
+            first.contains("beyond sqrt(f32 max)")
+                && first.contains(&format!("token {tok} channel")),
+            "{cmd} seed {seed}: {first}"
+        );
+        assert!(r["input_nonfinite"]["overflow_count"].as_u64().unwrap() > 0);
+        if cmd == "gs-sweep" {
+            assert_eq!(r["summary"]["cause"], "input", "seed {seed}");
+        }
+    }
+}
+
 #[test]
 fn bad_input_is_exit_2_naming_the_problem() {
     let dir = tempfile::tempdir().unwrap();

@@ -15,7 +15,11 @@ fn bin() -> Command {
 }
 
 fn rng() -> (u64, rand_chacha::ChaCha8Rng) {
-    let seed: u64 = rand::random();
+    // NVFP4DBG_SEED replays a failure's printed seed
+    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
     (seed, rand_chacha::ChaCha8Rng::seed_from_u64(seed))
 }
 
@@ -470,8 +474,40 @@ fn bad_input_is_exit_2_with_names() {
     ] {
         let out = run(dir.path(), &args);
         assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
-        assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+        // a caught panic reads "internal error (file:line)": --ep-rank 2 of 2 was one
+        assert!(
+            !out.stderr.contains("panicked") && !out.stderr.contains("internal error"),
+            "{args:?}: {}",
+            out.stderr
+        );
     }
+    // an EP rank past the EP size in the dump's metadata: bad input naming the file
+    write_dump(
+        &f,
+        &Dump {
+            t: 2,
+            k: 2,
+            ids: &[0, 1, 2, 3],
+            weights: &[0.5; 4],
+            ids_i32: false,
+            metadata: Some(
+                [("ep_rank", "5"), ("ep_size", "2")]
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+        },
+    );
+    let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("d.safetensors")
+            && out.stderr.contains("ep_rank")
+            && out.stderr.contains("EP rank 5 is not below the EP size 2")
+            && !out.stderr.contains("internal error"),
+        "{}",
+        out.stderr
+    );
     // not a safetensors file at all
     std::fs::write(&f, b"hello").unwrap();
     let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);
@@ -746,8 +782,20 @@ fn recomputed_routing_from_hidden_states() {
         (rate - (1.0 - 16.0 / (48.0 * k as f64))).abs() < 1e-9,
         "{rate}"
     );
-    // … which a lower bar accepts
+    // … which a lower bar accepts as a rate, but not as near-ties: each moved slot goes to an
+    // expert the router does not pick within the rounding of its logits (a clear mismatch),
+    // until --max-clear-mismatches tolerates them too
     let out = run(dir.path(), &[&base[..], &["--min-match", "0.9"]].concat());
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert_eq!(kinds(&out.json), ["clear_mismatch"], "seed {seed}");
+    let out = run(
+        dir.path(),
+        &[
+            &base[..],
+            &["--min-match", "0.9", "--max-clear-mismatches", "16"],
+        ]
+        .concat(),
+    );
     assert_eq!(out.code, 0, "seed {seed}\n{}", out.stdout);
 
     // rank 1 of 2 subtracted its offset (8) from every id: local ids, named with the transform
@@ -771,6 +819,165 @@ fn recomputed_routing_from_hidden_states() {
     assert!(
         dropped[0].as_u64().unwrap() + dropped[1].as_u64().unwrap() > 0,
         "{dropped}"
+    );
+}
+
+/// NaN in the hidden states (or router logits) the dump holds: the tokens' routing is undefined
+/// and the NaN came from upstream. It passed: the recomputed routing of the other tokens agreed.
+#[test]
+fn nonfinite_router_inputs_fail_and_are_located() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let (t, l) = (48, 1);
+    let en = engine(&ck, l, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts,
+    );
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let (tok, ch) = (r.gen_range(0..t), r.gen_range(0..h));
+    let mut hidden = en.hidden.clone();
+    hidden[tok * h + ch] = f32::NAN;
+    let logits = nvfp4dbg::moe::router::router_logits(&en.layer.router.weight, &en.hidden, t, h, e);
+    let mut bad_logits = logits.clone();
+    bad_logits[tok * e + ch % e] = f32::INFINITY;
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    for (x, name, col) in [
+        (
+            Extra {
+                hidden: Some((&hidden, h)),
+                ..Default::default()
+            },
+            "hidden_states",
+            ch,
+        ),
+        (
+            Extra {
+                logits: Some((&bad_logits, e)),
+                ..Default::default()
+            },
+            "router_logits",
+            ch % e,
+        ),
+    ] {
+        write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        assert_eq!(
+            out.code, 1,
+            "seed {seed} {name}\n{}\n{}",
+            out.stdout, out.stderr
+        );
+        assert!(
+            kinds(&out.json).contains(&"nonfinite_inputs".to_string()),
+            "seed {seed} {name}: {:?}",
+            kinds(&out.json)
+        );
+        let at = format!("{name} holds");
+        let pos = format!("first at token {tok} channel {col}");
+        let f = out.json["findings"].to_string();
+        assert!(f.contains(&at) && f.contains(&pos), "seed {seed}: {f}");
+    }
+}
+
+/// One token at the wrong experts among many (1 slot of 2048): under --min-match's 95% it
+/// passed. Near-ties are still tolerated: a router on BF16 logits and BF16 scores (as vLLM
+/// computes them) flips ~1-2% of the tokens against the FP32 reference and passes.
+#[test]
+fn one_clearly_misrouted_token_fails_and_bf16_near_ties_pass() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 512;
+    let en = engine(&ck, 1, t, &mut r);
+    let c = &en.layer.config;
+    let (k, h, e) = (en.routing.top_k, c.hidden_size, c.n_routed_experts);
+    let bias = en.layer.router.e_score_correction_bias.clone();
+    let logits = nvfp4dbg::moe::router::router_logits(&en.layer.router.weight, &en.hidden, t, h, e);
+    // the engine: BF16 logits, their sigmoid in BF16 (vLLM's grouped_topk), score + bias
+    // rounded to BF16 too
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let (mut ids, mut w) = (vec![], vec![]);
+    let mut flipped = 0;
+    for tok in 0..t {
+        let z: Vec<f32> = logits[tok * e..(tok + 1) * e]
+            .iter()
+            .map(|&v| bf(v))
+            .collect();
+        let s: Vec<f32> = nvfp4dbg::moe::router::score(c.scoring_func, &z)
+            .into_iter()
+            .map(bf)
+            .collect();
+        let sel: Vec<f32> = match &bias {
+            Some(b) => s.iter().zip(b).map(|(s, b)| bf(s + b)).collect(),
+            None => s.clone(),
+        };
+        let row = nvfp4dbg::moe::router::select(&sel, c.n_group, c.topk_group, k);
+        let mut exact: Vec<i64> = en.routing.topk_ids[tok * k..(tok + 1) * k]
+            .iter()
+            .map(|&v| v as i64)
+            .collect();
+        let mut mine: Vec<i64> = row.iter().map(|&v| v as i64).collect();
+        exact.sort_unstable();
+        mine.sort_unstable();
+        flipped += usize::from(exact != mine);
+        w.extend(nvfp4dbg::moe::router::weights(
+            &s,
+            &row,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        ));
+        ids.extend(row.iter().map(|&v| v as i64));
+    }
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    write_full(&f, t, k, &ids, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(
+        out.code, 0,
+        "seed {seed} ({flipped} tokens flipped by BF16 logits)\n{}",
+        out.stdout
+    );
+    // one token's first slot moved to the expert its router scores lowest
+    let tok = r.gen_range(0..t);
+    let z = &logits[tok * e..(tok + 1) * e];
+    let row = &ids[tok * k..(tok + 1) * k];
+    let worst = (0..e as i64)
+        .filter(|i| !row.contains(i))
+        .min_by(|&a, &b| z[a as usize].total_cmp(&z[b as usize]))
+        .unwrap();
+    let mut bad = ids.clone();
+    bad[tok * k] = worst;
+    write_full(&f, t, k, &bad, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert_eq!(kinds(&out.json), ["clear_mismatch"], "seed {seed}");
+    let msg = out.json["findings"].to_string();
+    assert!(
+        msg.contains(&format!("1 of {t} tokens")) && msg.contains(&format!("first at token {tok}")),
+        "seed {seed}: {msg}"
     );
 }
 

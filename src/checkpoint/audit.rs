@@ -1585,6 +1585,77 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         )),
         _ => {}
     }
+    // config.json's quantization_config wins, in vLLM and transformers; TensorRT-LLM reads
+    // ModelOpt's hf_quant_config.json: when both are there they must promise the same
+    let hq = p.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
+    let mut hq_findings: Vec<String> = vec![];
+    if let Some(q) = quant.as_ref().filter(|q| q.source != hq && hq.is_file()) {
+        let mut push_hq = |detail: String| hq_findings.push(detail);
+        let parsed = std::fs::read(&hq)
+            .map_err(|e| Error::io(&hq, e))
+            .and_then(|t| super::config::parse_hf_quant_config(&hq, &t));
+        match parsed {
+            Err(e) => push_hq(format!(
+                "unreadable ({e}) while config.json holds a quantization_config: TensorRT-LLM reads this file"
+            )),
+            Ok(h) => {
+                let algo = |c: &super::config::QuantConfig| {
+                    c.algo.as_deref().map(str::to_ascii_uppercase)
+                };
+                let mut differ = vec![];
+                let (ha, qa) = (algo(&h), algo(q));
+                let algos_differ = ha.is_some() && qa.is_some() && ha != qa;
+                if h.format() != q.format() || algos_differ {
+                    differ.push(format!(
+                        "quant_algo {} here, {} in config.json",
+                        h.algo.as_deref().unwrap_or("-"),
+                        q.algo.as_deref().unwrap_or("-")
+                    ));
+                }
+                if let (Some(a), Some(b)) = (h.group_size, q.group_size) {
+                    if a != b {
+                        differ.push(format!("group_size {a} here, {b} in config.json"));
+                    }
+                }
+                if !differ.is_empty() {
+                    push_hq(format!(
+                        "contradicts config.json's quantization_config: {}; engines that read this file \
+                         (TensorRT-LLM) load the checkpoint otherwise than those that read config.json (vLLM, \
+                         transformers){}",
+                        differ.join(", "),
+                        if nvfp4 > 0 {
+                            format!("; the tensors hold {nvfp4} NVFP4 linears (blocks of 16)")
+                        } else {
+                            String::new()
+                        }
+                    ));
+                }
+            }
+        }
+    }
+    // quantized linears the config leaves unquantized: engines that honor exclude_modules /
+    // ignore build a plain layer there and load the packed codes as its weight (or fail on
+    // the shape); one finding per pattern
+    if let Some(q) = &quant {
+        for pat in &q.exclude_modules {
+            let Some(re) = exclude_pattern(pat) else {
+                continue;
+            };
+            let hit: Vec<&str> = linears
+                .iter()
+                .filter(|l| !l.base.contains('[') && re.is_match(&l.base))
+                .map(|l| l.base.as_str())
+                .collect();
+            if let Some(first) = hit.first() {
+                push(format!(
+                    "`{pat}` in the exclude list (exclude_modules / ignore) of {} covers {} quantized linear(s), first `{first}`: \
+                     engines that honor it build an unquantized layer there and load the packed FP4 codes as its weight, or fail on the shape",
+                    q.source.display(),
+                    hit.len()
+                ));
+            }
+        }
+    }
     // the method names the loader, and each loader looks for its own member names
     if let Some(q) = &quant {
         let count = |c: Convention| {
@@ -1612,7 +1683,24 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
             ));
         }
     }
+    out.extend(hq_findings.into_iter().map(|detail| Finding {
+        tensor: "quantization".into(),
+        file: hq.clone(),
+        kind: FindingKind::ConfigMismatch,
+        detail,
+    }));
     Ok(())
+}
+
+/// An exclude_modules / ignore entry as a regex over module names: compressed-tensors'
+/// `re:` entries as regexes anchored at the start (Python's `re.match`), the others as
+/// whole-name globs (`*` any run of characters, ModelOpt's and vLLM's reading).
+fn exclude_pattern(pat: &str) -> Option<regex::Regex> {
+    let src = match pat.strip_prefix("re:") {
+        Some(r) => format!("^(?:{r})"),
+        None => format!("^{}$", regex::escape(pat).replace(r"\*", ".*")),
+    };
+    regex::Regex::new(&src).ok()
 }
 
 /// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).

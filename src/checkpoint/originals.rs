@@ -426,9 +426,19 @@ pub fn diagnose(
         let base = &f.names.base;
         let own = original_name(base);
         let c = &f.check.metrics;
+        // the metrics count NaN/Inf on the quantized side: a NaN cosine without them is the
+        // original's NaN/Inf, an infinite rel-L2 (‖w − o‖/‖o‖) an all-zero original
+        let clean_q = c.nan_count + c.inf_count == 0;
+        let original_broken = if clean_q && c.rel_l2.is_infinite() {
+            ": the BF16 original is all zeros, the quantized weight is not: the original is broken, not the quantization"
+        } else if clean_q && c.cosine.is_nan() {
+            ": the BF16 original itself holds NaN/Inf (the dequantized weight is finite): the original is broken, not the quantization"
+        } else {
+            ""
+        };
         let mut detail = if below(c.cosine, min_cosine) {
             format!(
-                "{}: dequantized, cosine {:.4} with its BF16 original (rel-L2 {:.3}; --min-original-cosine {min_cosine})",
+                "{}: dequantized, cosine {:.4} with its BF16 original (rel-L2 {:.3}; --min-original-cosine {min_cosine}){original_broken}",
                 who(n, base),
                 c.cosine,
                 c.rel_l2
@@ -519,7 +529,7 @@ pub fn diagnose(
                     detail += &r.verdict(mm.cosine);
                 }
             }
-            None if below(c.cosine, min_cosine) => {
+            None if below(c.cosine, min_cosine) && original_broken.is_empty() => {
                 detail += "; it matches no other original of its shape in its layer, nor its own in another layer: corrupted codes or block scales, or a weight quantized from another tensor";
             }
             None => {}

@@ -184,14 +184,17 @@ fn build_report(
                 .ok()
                 .and_then(|v| v.as_str().map(String::from))
                 .unwrap_or_default();
-            h.push_str(&format!(
-                "; {k}{}",
-                if failing.len() > 1 {
-                    format!(" (+{} more diagnoses)", failing.len() - 1)
-                } else {
-                    String::new()
-                }
-            ));
+            let more = if failing.len() > 1 {
+                format!(" (+{} more diagnoses)", failing.len() - 1)
+            } else {
+                String::new()
+            };
+            if h.is_empty() {
+                // every tensor compared equal: the diagnosis is the failure, said in full
+                h = format!("{k}: {}{more}", d.message);
+            } else {
+                h.push_str(&format!("; {k}{more}"));
+            }
         }
         h
     };

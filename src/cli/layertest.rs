@@ -36,6 +36,9 @@ pub const DEFAULT_MIN_COSINE: f64 = 0.95;
 /// (rel-L2 ≈ 0.15-0.2, cosine ≈ 0.98); 0.90 (rel-L2 ≈ 0.45) is far outside that, while one
 /// broken expert among many barely moves the layer cosine.
 pub const DEFAULT_MIN_EXPERT_COSINE: f64 = 0.90;
+/// One token's output against the reference: healthy tiny layers keep their worst token at
+/// cosine 0.955-0.98 (16 to 4096 tokens, rel-L2 at most 0.31), well above 0.9.
+pub const DEFAULT_MIN_TOKEN_COSINE: f64 = 0.90;
 /// A correct GPU kernel against the CPU NVFP4 path computes the same function up to FP32
 /// summation order (and `rcp` flavor): FlashInfer's kernel tests reach cosine ~0.999 against a
 /// quantized reference; with identical quantization we demand 0.99999.
@@ -288,6 +291,11 @@ pub struct Args {
     /// by --min-expert-cosine
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
     pub min_expert_slots: usize,
+    /// Fail when one token's output falls below this cosine, or its rel-L2 exceeds
+    /// sqrt(1/C^2 - 1): the layer's cosine is dominated by its tokens of largest norm, and one
+    /// token of huge norm (the MoE input is normalized per token: its RMSNorm skipped or broken) carries it past wrong others
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
+    pub min_token_cosine: f64,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
     /// topk_weights (F32 [T, K]) to this safetensors file
     #[arg(long, value_name = "FILE")]
@@ -706,19 +714,98 @@ pub fn at(idx: Option<usize>, hidden: usize) -> String {
 /// H2 before anything downstream: NaN/Inf already in the input hidden states explain whatever
 /// follows them. The failure line, if any, and the counts for the JSON report
 /// (`input_nonfinite`).
+///
+/// Finite values beyond `sqrt(f32::MAX)` count too: the experts' `silu(gate) · up` is quadratic
+/// in the input, so such a value overflows f32 in any precision the layer runs in, the
+/// reference included, and the NaN/Inf that follow are the input's, not a global scale's or a
+/// weight's (`overflow_count`, `max_abs`).
 pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_json::Value) {
     let (nan, inf, first_nan, first_inf) = crate::metrics::nonfinite(hidden);
     let first = first_nan.into_iter().chain(first_inf).min();
-    let line = (nan + inf > 0).then(|| {
-        format!(
+    let limit = f32::MAX.sqrt();
+    let (mut huge, mut first_huge, mut max_abs) = (0u64, None, 0f32);
+    for (i, v) in hidden.iter().enumerate() {
+        if v.is_finite() && v.abs() > limit {
+            huge += 1;
+            first_huge.get_or_insert(i);
+            max_abs = max_abs.max(v.abs());
+        }
+    }
+    let line = if nan + inf > 0 {
+        Some(format!(
             "the input hidden states already hold {nan} NaN and {inf} Inf (first at {}): they \
              come from upstream (attention or an earlier layer), not from these MoE layers; \
              `nan-locate` on a trace finds where",
             at(first, hsz)
-        )
-    });
-    let counts = json!({"nan_count": nan, "inf_count": inf, "first_index": first});
+        ))
+    } else if huge > 0 {
+        Some(format!(
+            "the input hidden states hold {huge} value(s) beyond sqrt(f32 max) = {limit:.3e} (up to {max_abs:.3e}, \
+             first at {}): the experts' silu(gate)·up is quadratic in them and overflows f32 in any precision, \
+             the reference's included; they come from upstream (attention or an earlier layer: a blown-up \
+             residual), not from these MoE layers or their scales",
+            at(first_huge, hsz)
+        ))
+    } else {
+        None
+    };
+    let counts = json!({"nan_count": nan, "inf_count": inf, "first_index": first,
+                        "overflow_count": huge, "max_abs": max_abs});
     (line, counts)
+}
+
+/// Tokens whose own output misses `min_cosine` (or the rel-L2 that cosine allows an error
+/// orthogonal to it) while the layer as a whole may pass: a whole-tensor cosine is a
+/// norm-weighted mean, and one token of huge norm carries it. `tokens` worst first;
+/// `reference` `[T, hidden]` names the token that dominates the layer's cosine.
+pub fn token_failure(
+    tokens: &[TokenMetrics],
+    reference: &[f32],
+    hsz: usize,
+    min_cosine: f64,
+    layer_cosine: f64,
+) -> Option<String> {
+    let max_rel = (1.0 / (min_cosine * min_cosine) - 1.0).sqrt();
+    let bad: Vec<_> = tokens
+        .iter()
+        .filter(|t| below(t.metrics.cosine, min_cosine) || t.metrics.rel_l2 > max_rel)
+        .collect();
+    let worst = bad.first()?;
+    let energy: Vec<f64> = reference
+        .chunks(hsz.max(1))
+        .map(|r| r.iter().map(|&v| v as f64 * v as f64).sum())
+        .collect();
+    let total: f64 = energy.iter().sum();
+    let (big, e_big) = energy
+        .iter()
+        .copied()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap_or((0, 0.0));
+    let mut sorted = energy.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let dominated = if total > 0.0 && e_big / total > 0.5 {
+        format!(
+            "; token {big} carries {:.1}% of the reference output's energy (norm {:.3e}x the median token's), so the \
+             layer's cosine is mostly its own: a token of that magnitude (the MoE input is RMSNorm-ed per token: its norm skipped or broken upstream?) also \
+             sets the activation global scales of its experts",
+            100.0 * e_big / total,
+            if median > 0.0 { (e_big / median).sqrt() } else { f64::INFINITY }
+        )
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "{} of {} tokens fall below --min-token-cosine {min_cosine} (or beyond rel-L2 {max_rel:.3}) although the \
+         layer scores cosine {}: worst token {}, cosine {}, rel-L2 {}{dominated}",
+        bad.len(),
+        tokens.len(),
+        f(layer_cosine, 4),
+        worst.token,
+        f(worst.metrics.cosine, 4),
+        f(worst.metrics.rel_l2, 3),
+    ))
 }
 
 /// A cosine below a threshold; NaN counts as below.
@@ -1140,6 +1227,11 @@ pub fn run(args: &Args) -> Result<Report> {
             f(m.rel_l2, 3)
         ));
     }
+    if m.nan_count + m.inf_count == 0 {
+        if let Some(line) = token_failure(&tokens, &rf.out, hsz, args.min_token_cosine, m.cosine) {
+            failures.push(line);
+        }
+    }
     if kernel.pass == Some(false) {
         failures.push(format!(
             "kernel check: {} NVFP4 output vs the CPU NVFP4 path: cosine {} < {}",
@@ -1201,6 +1293,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "min_cosine": args.min_cosine,
         "min_expert_cosine": args.min_expert_cosine,
         "min_expert_slots": args.min_expert_slots,
+        "min_token_cosine": args.min_token_cosine,
         "experts_too_few_slots": too_few.len(),
         "layer": l,
         "tokens": batch.tokens,

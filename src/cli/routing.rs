@@ -63,6 +63,10 @@ pub struct Args {
     /// Maximum relative L2 error of topk_weights against the recomputed weights
     #[arg(long, value_name = "REL", default_value_t = 0.02)]
     pub max_weight_err: f64,
+    /// Tokens tolerated at experts the router does not choose even with its logits moved by
+    /// their BF16 rounding in the dump's favour (not near-ties: --min-match tolerates those)
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_clear_mismatches: u64,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -160,6 +164,18 @@ pub fn run(args: &Args) -> Result<Report> {
         let rank = ep_rank.ok_or_else(|| {
             Error::usage("--ep-size needs --ep-rank (or `ep_rank` in the dump's metadata)")
         })?;
+        if rank >= ep_size {
+            let what = format!("EP rank {rank} is not below the EP size {ep_size}");
+            return Err(match (args.ep_rank, args.ep_size) {
+                (Some(_), Some(_)) => Error::usage(format!("--ep-rank/--ep-size: {what}")),
+                _ => Error::bad_file(
+                    &d.path,
+                    format!(
+                        "metadata `ep_rank` / `ep_size` (or the flags given with them): {what}"
+                    ),
+                ),
+            });
+        }
         let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement)?;
         Some((rank, maps))
     } else {
@@ -237,6 +253,22 @@ fn recompute(
         Some(p) => Some(dump::load_hidden(p, d.tokens)?),
         None => d.hidden_states.clone(),
     };
+    if let Some(h) = &hidden {
+        out.extend(check::check_inputs_finite(
+            "hidden_states",
+            &h.data,
+            h.rows,
+            h.cols,
+        ));
+    }
+    if let Some(lg) = &d.router_logits {
+        out.extend(check::check_inputs_finite(
+            "router_logits",
+            &lg.data,
+            lg.rows,
+            lg.cols,
+        ));
+    }
     let Some(mc) = ckpt else {
         if hidden.is_some() || d.router_logits.is_some() {
             out.notes.push(
@@ -342,7 +374,28 @@ fn recompute(
             ..base
         };
         let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
-        if !o.findings.is_empty() && !hash_checked {
+        let clear = |logits: &[f32]| {
+            check::clear_mismatches(
+                ids,
+                logits,
+                config.n_routed_experts,
+                config.scoring_func,
+                router.e_score_correction_bias.as_deref(),
+                config.n_group,
+                config.topk_group,
+                args.max_clear_mismatches,
+            )
+        };
+        if o.findings.is_empty() && !hash_checked && args.ids == IdSpace::Global {
+            let logits = crate::moe::router::router_logits(
+                &router.weight,
+                &hb,
+                d.tokens,
+                config.hidden_size,
+                config.n_routed_experts,
+            );
+            o.extend(clear(&logits));
+        } else if !o.findings.is_empty() && !hash_checked {
             let logits = crate::moe::router::router_logits(
                 &router.weight,
                 &hb,
@@ -380,6 +433,17 @@ fn recompute(
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
+            } else if args.ids == IdSpace::Global {
+                o.extend(check::clear_mismatches(
+                    ids,
+                    &lg.data,
+                    config.n_routed_experts,
+                    config.scoring_func,
+                    router.e_score_correction_bias.as_deref(),
+                    config.n_group,
+                    config.topk_group,
+                    args.max_clear_mismatches,
+                ));
             }
             out.extend(o);
             agreements.extend(ag);

@@ -212,9 +212,13 @@ fn dname(d: Dtype) -> String {
 }
 
 /// Dequant-direction global scales compared: equal bits, or within the ulp a reciprocal
-/// conversion (compressed-tensors' gs) costs.
+/// conversion (compressed-tensors' gs) costs. The tolerance holds only between finite values:
+/// against an infinity it is infinite too (`inf <= 4ε·inf`), and a B scale of ±inf would pass.
 fn same_scale(a: f32, b: f32) -> bool {
-    a.to_bits() == b.to_bits() || ((a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
+    a.to_bits() == b.to_bits()
+        || (a.is_finite()
+            && b.is_finite()
+            && (a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
 }
 
 /// B's scalar is A's rounded to a 16-bit float (an engine that keeps scales in BF16 / FP16).
@@ -781,9 +785,10 @@ fn compare_qq(
         u.issue(
             IssueKind::Values,
             format!(
-                "values differ: cosine {:.6}, max_abs_err {:.3e}{}",
+                "values differ: cosine {:.6}, max_abs_err {:.3e}{}{}",
                 m.cosine,
                 m.max_abs_err,
+                all_zero(&b_m),
                 if m.nan_count + m.inf_count > 0 {
                     format!(
                         ", {} NaN / {} Inf in B{}",
@@ -799,6 +804,20 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// B dequantizes to zeros everywhere (every code ±0, every block scale 0, or a zero global
+/// scale): a tensor the loader allocated and never filled, not one with other values.
+fn all_zero(b: &QMatrix) -> &'static str {
+    let codes = (0..b.packed.rows).all(|r| b.packed.row(r).iter().all(|&x| x & 0x77 == 0));
+    let scales = b.scales.iter().all(|&x| x & 0x7F == 0);
+    if b.scale_2 == 0.0 {
+        ": B's global scale is 0, so every value is zero (never loaded?)"
+    } else if codes || (b.format == crate::nvfp4::Format::Nvfp4 && scales) {
+        ": B is all zeros (every code or every block scale 0): the tensor was allocated and never loaded"
+    } else {
+        ""
+    }
 }
 
 /// Where B's NaN comes from when a block scale holds the e4m3 NaN code (`0x7F` / `0xFF`).
@@ -838,6 +857,22 @@ pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
         && am
             .rows_slice(r0, bm.rows)
             .is_some_and(|s| s.same_codes(&bm))
+}
+
+/// `(packed codes equal, block scales equal)` of two quantized units of one geometry (block
+/// scales read as stored); `None` when either is not quantized or the geometries differ.
+pub fn codes_and_scales_equal(a: &Raw, b: &Raw) -> Option<(bool, bool)> {
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return None;
+    };
+    let (Ok((am, _)), Ok((bm, _))) = (
+        qmatrix(qa, qa.rows(), qa.cols()),
+        qmatrix(qb, qb.rows(), qb.cols()),
+    ) else {
+        return None;
+    };
+    (am.format == bm.format && am.rows == bm.rows && am.cols == bm.cols)
+        .then(|| (am.packed.same(&bm.packed), am.scales == bm.scales))
 }
 
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.

@@ -12,8 +12,10 @@ use super::rules::Renamed;
 use crate::checkpoint::{Proj, TensorSource};
 use std::collections::HashMap;
 
+/// Within 1e-6 relative, between finite values (against an infinity the bound is infinite).
 fn close(a: f32, b: f32) -> bool {
-    (a - b).abs() <= 1e-6 * a.abs().max(b.abs())
+    a.to_bits() == b.to_bits()
+        || (a.is_finite() && b.is_finite() && (a - b).abs() <= 1e-6 * a.abs().max(b.abs()))
 }
 
 /// Candidate derivations of one per-expert value: (how, values by index).
@@ -147,5 +149,19 @@ pub fn check(
             ),
             fails: true,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::close;
+
+    #[test]
+    fn close_never_holds_against_an_infinity() {
+        assert!(close(1.0, 1.0 + 1e-7));
+        assert!(!close(1.0, 1.001));
+        assert!(!close(3.0e-4, f32::INFINITY));
+        assert!(!close(f32::INFINITY, 3.0e-4));
+        assert!(!close(3.0e-4, f32::NEG_INFINITY));
     }
 }

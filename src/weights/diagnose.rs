@@ -7,7 +7,8 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom, IssueKind, Options, UnitResult,
+    codes_and_scales_equal, fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom,
+    IssueKind, Options, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -23,6 +24,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 #[serde(rename_all = "snake_case")]
 pub enum DiagnosisKind {
     GateUpSwapped,
+    /// Gate's and up's packed codes exchanged while their block scales stayed in place.
+    GateUpCodesSwapped,
     W13OrderReversed,
     /// Fused w13 sharded over TP as one `[2I]` block instead of w1 and w3 separately.
     #[serde(rename = "w13_tp_split")]
@@ -359,6 +362,59 @@ pub fn cross_expert(
             });
         }
 
+        // gate's and up's packed codes exchanged, their block scales not (a loader that maps
+        // `weight` and `weight_scale` to w13's halves by different shard ids): B's gate has
+        // A's up codes under A's gate scales, and the reverse (same geometry only)
+        let mut codes_swapped: Vec<usize> = vec![];
+        for &e in with_w13.iter().filter(|e| !swapped.contains(e)) {
+            let (g, u) = (ep(e, Proj::Gate), ep(e, Proj::Up));
+            if !(is_bad(&g) && is_bad(&u)) || tp.is_some_and(|(_, n)| n > 1) {
+                continue;
+            }
+            let (Some(ag), Some(au), Some(bg), Some(bu)) = (
+                src_of(&a_units, g).and_then(|s| a.load(&s).ok()),
+                src_of(&a_units, u).and_then(|s| a.load(&s).ok()),
+                src_of(&b_units, g).and_then(|s| b.load(&s).ok()),
+                src_of(&b_units, u).and_then(|s| b.load(&s).ok()),
+            ) else {
+                continue;
+            };
+            let cross = (
+                codes_and_scales_equal(&au, &bg),
+                codes_and_scales_equal(&ag, &bu),
+            );
+            let own = (
+                codes_and_scales_equal(&ag, &bg),
+                codes_and_scales_equal(&au, &bu),
+            );
+            if let ((Some((true, _)), Some((true, _))), (Some((_, true)), Some((_, true)))) =
+                (cross, own)
+            {
+                codes_swapped.push(e);
+            }
+        }
+        if !codes_swapped.is_empty() {
+            let message = format!(
+                "layer {layer}: gate and up packed codes swapped in expert(s) {}, their block scales not: B's gate_proj holds \
+                 A's up_proj codes under A's gate_proj block scales, and the reverse (a loader that maps `weight` and \
+                 `weight_scale` to the halves of w13 by different shard ids)",
+                list(&codes_swapped)
+            );
+            for &e in &codes_swapped {
+                for p in [Proj::Gate, Proj::Up] {
+                    annotate(results, &by_key, ep(e, p), &message);
+                }
+            }
+            out.push(Diagnosis {
+                kind: DiagnosisKind::GateUpCodesSwapped,
+                layer: Some(layer),
+                tensors: codes_swapped.len() * 2,
+                experts: codes_swapped.clone(),
+                message,
+                fails: true,
+            });
+        }
+
         // w13 split across TP ranks as one [2I] block: rank r's 2I/n rows of [w1; w3] cut in
         // half, not w1's and w3's own slices (its gate and up then hold the wrong rows)
         if let Some((r, n)) = tp.filter(|&(_, n)| n > 1) {
@@ -473,7 +529,43 @@ pub fn cross_expert(
                 shown.join(", "),
                 if perm.len() > 12 { ", …" } else { "" }
             );
-            if let (1, Some(&off)) = (offsets.len(), offsets.iter().next()) {
+            // an A expert held by two B experts (its own slot too, or two misplaced ones):
+            // one loaded twice and another never, not a reordering
+            let mut held_by: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+            for &(e, o) in &perm {
+                held_by.entry(o).or_default().push(e);
+            }
+            for (o, bs) in held_by.iter_mut() {
+                if b_experts.contains(o) && !Proj::ALL.iter().any(|&p| is_bad(&ep(*o, p))) {
+                    bs.push(*o);
+                }
+                bs.sort_unstable();
+            }
+            let dup: Vec<String> = held_by
+                .iter()
+                .filter(|(_, bs)| bs.len() > 1)
+                .map(|(o, bs)| format!("A's expert {o} is in B's experts {}", list(bs)))
+                .collect();
+            let held: BTreeSet<usize> = held_by.keys().copied().collect();
+            let lost: Vec<usize> = perm
+                .iter()
+                .map(|&(e, _)| e)
+                .filter(|e| !held.contains(e))
+                .collect();
+            if !dup.is_empty() {
+                message.push_str(&format!(
+                    "; {}: loaded twice, and A's expert(s) {} in no slot of B (an expert id mapped \
+                     many-to-one by the loader, or a redundant-expert slot filled from the wrong id)",
+                    dup.join(", "),
+                    if lost.is_empty() {
+                        "-".to_string()
+                    } else {
+                        list(&lost)
+                    }
+                ));
+            } else if let (true, 1, Some(&off)) =
+                (perm.len() >= 2, offsets.len(), offsets.iter().next())
+            {
                 message.push_str(&format!(
                     "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
                 ));

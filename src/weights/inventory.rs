@@ -241,10 +241,16 @@ impl Inventory {
                         for &proj in projs {
                             let key = if g == usize::MAX {
                                 // an index beyond this rank's experts: keep it visible as extra
-                                format!(
+                                // (gate and up of a w13 index each, or the two collide)
+                                let base = format!(
                                     "{}[{index}]",
                                     Naming::hf_v3().fused(fl.layer, w13, "weight")
-                                )
+                                );
+                                if w13 {
+                                    format!("{base}.{}", proj.hf())
+                                } else {
+                                    base
+                                }
                             } else {
                                 expert_key(fl.layer, g, proj)
                             };

@@ -28,6 +28,11 @@ pub enum FindingKind {
     WeightError,
     LogitsMismatch,
     HashMismatch,
+    /// NaN/Inf in the hidden states or router logits the dump holds.
+    NonfiniteInputs,
+    /// Tokens routed to experts the router would not pick even with its logits moved by their
+    /// rounding in the dump's favour: not the near-ties `--min-match` tolerates.
+    ClearMismatch,
 }
 
 /// Where a finding first shows.
@@ -208,6 +213,264 @@ pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&Expert
                 ),
             ));
         }
+    }
+    o
+}
+
+/// NaN/Inf in the router's inputs the dump holds (`hidden_states` or `router_logits`,
+/// `[tokens, cols]` row-major): the scores of those tokens are NaN and their expert choice is
+/// whatever the engine's top-k makes of NaN, so no routing of them is right or wrong; the NaN
+/// came from upstream.
+pub fn check_inputs_finite(name: &str, data: &[f32], tokens: usize, cols: usize) -> Outcome {
+    let mut o = Outcome::default();
+    let cols = cols.max(1);
+    let (mut nan, mut inf) = (0u64, 0u64);
+    let mut first = None;
+    let mut bad_tokens = BTreeSet::new();
+    for (i, v) in data.iter().enumerate() {
+        if v.is_finite() {
+            continue;
+        }
+        if v.is_nan() {
+            nan += 1;
+        } else {
+            inf += 1;
+        }
+        first.get_or_insert(i);
+        bad_tokens.insert(i / cols);
+    }
+    if let Some(i0) = first {
+        o.find(Finding::new(
+            FindingKind::NonfiniteInputs,
+            bad_tokens.len() as u64,
+            None,
+            format!(
+                "{name} holds {nan} NaN and {inf} Inf value(s) in {} of {tokens} tokens; first at token {} channel {} ({}): \
+                 the router scores of those tokens are NaN and their experts whatever top-k makes of NaN — \
+                 the NaN comes from before the router (run nan-locate on a trace of the forward pass)",
+                bad_tokens.len(),
+                i0 / cols,
+                i0 % cols,
+                data[i0]
+            ),
+        ));
+    }
+    o
+}
+
+/// Relative slack of one value an engine's router may hold in BF16 (logits, scores, score +
+/// bias): BF16 rounds by at most 2^-8 of the magnitude; twice that.
+const BF16_SLACK: f32 = 1.0 / 128.0;
+
+/// How far an engine's router logit may sit from the FP32 reference's: [`BF16_SLACK`] of its
+/// magnitude (the GEMM's own accumulation order adds far less), and an absolute floor for
+/// logits near 0.
+pub fn logit_slack(z: f32) -> f32 {
+    z.abs() * BF16_SLACK + 1.0 / 4096.0
+}
+
+/// Upper and lower bounds of each expert's selection score (score + bias) when every value
+/// an engine's router may hold in BF16 (logit, score, score + bias) moves by [`logit_slack`] /
+/// [`BF16_SLACK`] of its magnitude.
+fn selection_bounds(
+    z: &[f32],
+    func: crate::moe::config::ScoringFunc,
+    bias: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    use crate::moe::config::ScoringFunc;
+    let e = z.len();
+    let zu: Vec<f32> = z.iter().map(|&v| v + logit_slack(v)).collect();
+    let zd: Vec<f32> = z.iter().map(|&v| v - logit_slack(v)).collect();
+    let (su, sd): (Vec<f32>, Vec<f32>) = match func {
+        // one expert's share rises with its own logit and falls with the others'
+        ScoringFunc::Softmax => {
+            let m = zu.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let eu: Vec<f64> = zu.iter().map(|&v| ((v - m) as f64).exp()).collect();
+            let ed: Vec<f64> = zd.iter().map(|&v| ((v - m) as f64).exp()).collect();
+            let (tu, td): (f64, f64) = (eu.iter().sum(), ed.iter().sum());
+            (0..e)
+                .map(|i| {
+                    (
+                        (eu[i] / (eu[i] + td - ed[i])) as f32,
+                        (ed[i] / (ed[i] + tu - eu[i])) as f32,
+                    )
+                })
+                .unzip()
+        }
+        f => (
+            crate::moe::router::score(f, &zu),
+            crate::moe::router::score(f, &zd),
+        ),
+    };
+    let b = |i: usize| bias.map_or(0.0, |b| b[i]);
+    let up = (0..e)
+        .map(|i| {
+            let v = su[i] + su[i].abs() * BF16_SLACK + b(i);
+            v + v.abs() * BF16_SLACK
+        })
+        .collect();
+    let down = (0..e)
+        .map(|i| {
+            let v = sd[i] - sd[i].abs() * BF16_SLACK + b(i);
+            v - v.abs() * BF16_SLACK
+        })
+        .collect();
+    (up, down)
+}
+
+/// Could a router whose values sit within the bounds `(up, down)` choose `want`? Some set of
+/// `topk_group` groups holding `want`'s groups must be able to win the group selection (group
+/// score: the sum of its top two), and `want` the top-k within those groups.
+fn reachable(
+    want: &BTreeSet<usize>,
+    up: &[f32],
+    down: &[f32],
+    n_group: usize,
+    topk_group: usize,
+) -> bool {
+    let e = up.len();
+    let (n_group, topk_group) = if n_group > 1 && e.is_multiple_of(n_group) {
+        (n_group, topk_group.clamp(1, n_group))
+    } else {
+        (1, 1)
+    };
+    let gsz = e / n_group;
+    let top2 = |v: &[f32], g: usize| {
+        let mut x: Vec<f32> = v[g * gsz..(g + 1) * gsz].to_vec();
+        x.sort_by(|a, b| b.total_cmp(a));
+        x.iter().take(2).sum::<f32>()
+    };
+    let need: BTreeSet<usize> = want.iter().map(|&i| i / gsz).collect();
+    if need.len() > topk_group {
+        return false;
+    }
+    let others: Vec<usize> = (0..n_group).filter(|g| !need.contains(g)).collect();
+    let extra = topk_group - need.len();
+    // every choice of `extra` further groups (n_group choose a few: 70 at most for V3's 8/4)
+    let mut pick: Vec<usize> = (0..extra).collect();
+    loop {
+        let chosen: BTreeSet<usize> = need
+            .iter()
+            .copied()
+            .chain(pick.iter().map(|&j| others[j]))
+            .collect();
+        let groups_win = n_group == 1 || {
+            let worst_in = chosen
+                .iter()
+                .map(|&g| top2(up, g))
+                .fold(f32::INFINITY, f32::min);
+            let best_out = (0..n_group)
+                .filter(|g| !chosen.contains(g))
+                .map(|g| top2(down, g))
+                .fold(f32::NEG_INFINITY, f32::max);
+            worst_in >= best_out
+        };
+        if groups_win {
+            let worst_want = want.iter().map(|&i| up[i]).fold(f32::INFINITY, f32::min);
+            let best_other = (0..e)
+                .filter(|i| chosen.contains(&(i / gsz)) && !want.contains(i))
+                .map(|i| down[i])
+                .fold(f32::NEG_INFINITY, f32::max);
+            if worst_want >= best_other {
+                return true;
+            }
+        }
+        // next combination of `extra` indices into `others`
+        let n = others.len();
+        let mut i = extra;
+        loop {
+            if i == 0 {
+                return false;
+            }
+            i -= 1;
+            if pick[i] < n - extra + i {
+                pick[i] += 1;
+                for j in i + 1..extra {
+                    pick[j] = pick[j - 1] + 1;
+                }
+                break;
+            }
+        }
+    }
+}
+
+/// Tokens whose expert set differs from the recomputed one by more than a near-tie: no router
+/// whose every logit, score and selection score sits within twice its BF16 rounding of the
+/// FP32 reference's chooses that set (engines round each: vLLM's grouped_topk takes the
+/// sigmoid of BF16 logits in BF16), group selection included. `--min-match` tolerates slots
+/// that flip at near-ties; these do not flip, so every one is a token at the wrong experts (a
+/// top-k kernel race, a row written from another token). `logits` `[T, E]` (FP32 reference);
+/// tokens with ids out of range or repeated are left to `check_ids`. A finding when more than
+/// `max_tokens` tokens are off.
+#[allow(clippy::too_many_arguments)]
+pub fn clear_mismatches(
+    d: &Ids,
+    logits: &[f32],
+    e: usize,
+    func: crate::moe::config::ScoringFunc,
+    bias: Option<&[f32]>,
+    n_group: usize,
+    topk_group: usize,
+    max_tokens: u64,
+) -> Outcome {
+    use crate::moe::router::{score, select};
+    let mut o = Outcome::default();
+    let k = d.top_k;
+    let sel_of = |z: &[f32]| -> Vec<f32> {
+        let s = score(func, z);
+        match bias {
+            Some(b) => s.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => s,
+        }
+    };
+    let mut off: Vec<(usize, Vec<i64>, Vec<usize>)> = vec![];
+    for t in 0..d.tokens {
+        let Some(z) = logits.get(t * e..(t + 1) * e) else {
+            break;
+        };
+        if z.iter().any(|v| !v.is_finite()) {
+            continue;
+        }
+        let row = d.row(t);
+        let valid = row.iter().all(|&i| i >= 0 && (i as usize) < e)
+            && row.iter().enumerate().all(|(j, i)| !row[..j].contains(i));
+        if !valid {
+            continue;
+        }
+        let want: BTreeSet<usize> = row.iter().map(|&i| i as usize).collect();
+        let reference = select(&sel_of(z), n_group, topk_group, k);
+        if reference.iter().copied().collect::<BTreeSet<_>>() == want {
+            continue;
+        }
+        let (up, down) = selection_bounds(z, func, bias);
+        if !reachable(&want, &up, &down, n_group, topk_group) {
+            off.push((t, row.to_vec(), reference));
+        }
+    }
+    if off.len() as u64 > max_tokens {
+        let (t, got, want) = &off[0];
+        let mut want = want.clone();
+        want.sort_unstable();
+        let mut got = got.clone();
+        got.sort_unstable();
+        let slot = d
+            .row(*t)
+            .iter()
+            .position(|i| *i < 0 || !want.contains(&(*i as usize)))
+            .unwrap_or(0);
+        o.find(Finding::new(
+            FindingKind::ClearMismatch,
+            off.len() as u64,
+            Some(d.slot(t * k + slot)),
+            format!(
+                "{} of {} tokens are at experts no router chooses whose logits, scores and selection scores sit \
+                 within twice their BF16 rounding of the reference's (not a near-tie, which --min-match tolerates); first at token {t}: \
+                 dump {got:?}, recomputed {want:?} — these tokens reach the wrong experts (a top-k kernel race, a row \
+                 written from another token?); --max-clear-mismatches N tolerates N",
+                off.len(),
+                d.tokens
+            ),
+        ));
     }
     o
 }
@@ -1063,6 +1326,27 @@ mod tests {
     fn rng() -> (u64, rand_chacha::ChaCha8Rng) {
         let seed: u64 = rand::random();
         (seed, rand_chacha::ChaCha8Rng::seed_from_u64(seed))
+    }
+
+    #[test]
+    fn nonfinite_router_inputs_are_a_finding() {
+        let (t, c) = (5, 8);
+        let mut h = vec![0.5f32; t * c];
+        assert!(check_inputs_finite("hidden_states", &h, t, c)
+            .findings
+            .is_empty());
+        h[3 * c + 6] = f32::NAN;
+        h[4 * c] = f32::INFINITY;
+        let o = check_inputs_finite("hidden_states", &h, t, c);
+        assert_eq!(o.findings.len(), 1);
+        let f = &o.findings[0];
+        assert_eq!(f.kind, FindingKind::NonfiniteInputs);
+        assert_eq!(f.count, 2);
+        assert!(
+            f.message.contains("1 NaN and 1 Inf") && f.message.contains("token 3 channel 6"),
+            "{}",
+            f.message
+        );
     }
 
     /// A plausible global routing: distinct ids per token, weights summing to `rsf`.
