@@ -859,20 +859,31 @@ pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
             .is_some_and(|s| s.same_codes(&bm))
 }
 
-/// `(packed codes equal, block scales equal)` of two quantized units of one geometry (block
-/// scales read as stored); `None` when either is not quantized or the geometries differ.
-pub fn codes_and_scales_equal(a: &Raw, b: &Raw) -> Option<(bool, bool)> {
+/// Two quantized units of one geometry share their packed codes (`Part::Codes`) or their
+/// block scales as stored (`Part::Scales`); false when either is not quantized or the
+/// geometries differ.
+pub fn same_part(a: &Raw, b: &Raw, part: Part) -> bool {
     let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
-        return None;
+        return false;
     };
     let (Ok((am, _)), Ok((bm, _))) = (
         qmatrix(qa, qa.rows(), qa.cols()),
         qmatrix(qb, qb.rows(), qb.cols()),
     ) else {
-        return None;
+        return false;
     };
     (am.format == bm.format && am.rows == bm.rows && am.cols == bm.cols)
-        .then(|| (am.packed.same(&bm.packed), am.scales == bm.scales))
+        && match part {
+            Part::Codes => am.packed.same(&bm.packed),
+            Part::Scales => am.scales == bm.scales,
+        }
+}
+
+/// What [`same_part`] compares.
+#[derive(Clone, Copy)]
+pub enum Part {
+    Codes,
+    Scales,
 }
 
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.

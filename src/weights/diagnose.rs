@@ -7,8 +7,8 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    codes_and_scales_equal, fingerprint_as, fingerprint_own, holds_rows, passes_raw, Geom,
-    IssueKind, Options, UnitResult,
+    fingerprint_as, fingerprint_own, holds_rows, passes_raw, same_part, Geom, IssueKind, Options,
+    Part, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -379,16 +379,11 @@ pub fn cross_expert(
             ) else {
                 continue;
             };
-            let cross = (
-                codes_and_scales_equal(&au, &bg),
-                codes_and_scales_equal(&ag, &bu),
-            );
-            let own = (
-                codes_and_scales_equal(&ag, &bg),
-                codes_and_scales_equal(&au, &bu),
-            );
-            if let ((Some((true, _)), Some((true, _))), (Some((_, true)), Some((_, true)))) =
-                (cross, own)
+            // the codes first: on experts whose values differ they differ at the first bytes
+            if same_part(&au, &bg, Part::Codes)
+                && same_part(&ag, &bu, Part::Codes)
+                && same_part(&ag, &bg, Part::Scales)
+                && same_part(&au, &bu, Part::Scales)
             {
                 codes_swapped.push(e);
             }
