@@ -708,6 +708,19 @@ fn check(out: &Run, code: i32, seed: u64) {
     );
 }
 
+/// A failing run's one mismatch, expert `bad`'s down_proj: its issues.
+fn sole_down_mismatch(out: &Run, bad: usize, seed: u64, what: &str) -> Value {
+    check(out, 1, seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {seed} {what}: {m:?}");
+    let name = m[0]["name"].as_str().unwrap();
+    assert!(
+        name.contains(&format!("experts.{bad}.down_proj")),
+        "seed {seed} {what}: {name}"
+    );
+    m[0]["issues"].clone()
+}
+
 #[test]
 fn identical_pair_and_clean_fused_dump_pass() {
     let fx = fixture(4);
@@ -1310,14 +1323,8 @@ fn nan_block_scale_is_located() {
         },
     );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
-    let m = out.json["mismatches"].as_array().unwrap();
-    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
-    assert!(m[0]["name"]
-        .as_str()
-        .unwrap()
-        .contains(&format!("experts.{bad}.down_proj")));
-    let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+    let issues = sole_down_mismatch(&out, bad, fx.seed, "NaN scale");
+    let msg = issues[0]["message"].as_str().unwrap();
     assert!(
         msg.contains("1 block scale(s) hold the e4m3 NaN code, first at row 1 block 1 (0x7F)"),
         "seed {}: {msg}",
@@ -1378,14 +1385,8 @@ fn infinite_scalars_in_b_are_mismatches() {
         };
         write_fused(&fx.model, &dump, &faults);
         let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-        check(&out, 1, fx.seed);
-        let m = out.json["mismatches"].as_array().unwrap();
-        assert_eq!(m.len(), 1, "seed {} {what} {v}: {m:?}", fx.seed);
-        assert!(m[0]["name"]
-            .as_str()
-            .unwrap()
-            .contains(&format!("experts.{bad}.down_proj")));
-        let msg = m[0]["issues"][0]["message"].as_str().unwrap();
+        let issues = sole_down_mismatch(&out, bad, fx.seed, &format!("{what} {v}"));
+        let msg = issues[0]["message"].as_str().unwrap();
         assert!(
             msg.contains(what) && msg.contains("inf"),
             "seed {} {what} {v}: {msg}",
@@ -1410,14 +1411,7 @@ fn an_expert_never_loaded_is_named_all_zero() {
         },
     );
     let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
-    let m = out.json["mismatches"].as_array().unwrap();
-    assert_eq!(m.len(), 1, "seed {}: {m:?}", fx.seed);
-    assert!(m[0]["name"]
-        .as_str()
-        .unwrap()
-        .contains(&format!("experts.{bad}.down_proj")));
-    let msg = m[0]["issues"].to_string();
+    let msg = sole_down_mismatch(&out, bad, fx.seed, "never loaded").to_string();
     assert!(
         msg.contains("B is all zeros") && msg.contains("never loaded"),
         "seed {}: {msg}",

@@ -842,41 +842,37 @@ fn nan_scale(b: &QMatrix, swizzled: bool) -> String {
     }
 }
 
+/// Both units quantized, as matrices at their own geometry; `None` otherwise.
+fn both_q<'a>(a: &Raw<'a>, b: &Raw<'a>) -> Option<(QMatrix<'a>, QMatrix<'a>)> {
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return None;
+    };
+    let (am, _) = qmatrix(qa, qa.rows(), qa.cols()).ok()?;
+    let (bm, _) = qmatrix(qb, qb.rows(), qb.cols()).ok()?;
+    Some((am, bm))
+}
+
 /// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's).
 pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
-    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
-        return false;
-    };
-    let (Ok((am, _)), Ok((bm, _))) = (
-        qmatrix(qa, qa.rows(), qa.cols()),
-        qmatrix(qb, qb.rows(), qb.cols()),
-    ) else {
-        return false;
-    };
-    am.cols == bm.cols
-        && am
-            .rows_slice(r0, bm.rows)
-            .is_some_and(|s| s.same_codes(&bm))
+    both_q(a, b).is_some_and(|(am, bm)| {
+        am.cols == bm.cols
+            && am
+                .rows_slice(r0, bm.rows)
+                .is_some_and(|s| s.same_codes(&bm))
+    })
 }
 
 /// Two quantized units of one geometry share their packed codes (`Part::Codes`) or their
 /// block scales as stored (`Part::Scales`); false when either is not quantized or the
 /// geometries differ.
 pub fn same_part(a: &Raw, b: &Raw, part: Part) -> bool {
-    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
-        return false;
-    };
-    let (Ok((am, _)), Ok((bm, _))) = (
-        qmatrix(qa, qa.rows(), qa.cols()),
-        qmatrix(qb, qb.rows(), qb.cols()),
-    ) else {
-        return false;
-    };
-    (am.format == bm.format && am.rows == bm.rows && am.cols == bm.cols)
-        && match part {
-            Part::Codes => am.packed.same(&bm.packed),
-            Part::Scales => am.scales == bm.scales,
-        }
+    both_q(a, b).is_some_and(|(am, bm)| {
+        (am.format, am.rows, am.cols) == (bm.format, bm.rows, bm.cols)
+            && match part {
+                Part::Codes => am.packed.same(&bm.packed),
+                Part::Scales => am.scales == bm.scales,
+            }
+    })
 }
 
 /// What [`same_part`] compares.
