@@ -331,6 +331,20 @@ fn recompute(
     }
 
     let backend = || args.device.open(args.out_args.quiet);
+    // tokens at experts no near-tie explains, on global ids (local ones are mapped first)
+    let clear = |logits: &[f32]| match args.ids {
+        IdSpace::Global => check::clear_mismatches(
+            ids,
+            logits,
+            config.n_routed_experts,
+            config.scoring_func,
+            router.e_score_correction_bias.as_deref(),
+            config.n_group,
+            config.topk_group,
+            args.max_clear_mismatches,
+        ),
+        _ => Default::default(),
+    };
     if let Some(h) = &hidden {
         if h.cols != config.hidden_size {
             return Err(Error::bad_tensor(
@@ -374,35 +388,19 @@ fn recompute(
             ..base
         };
         let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
-        let clear = |logits: &[f32]| {
-            check::clear_mismatches(
-                ids,
-                logits,
+        let logits = || {
+            crate::moe::router::router_logits(
+                &router.weight,
+                &hb,
+                d.tokens,
+                config.hidden_size,
                 config.n_routed_experts,
-                config.scoring_func,
-                router.e_score_correction_bias.as_deref(),
-                config.n_group,
-                config.topk_group,
-                args.max_clear_mismatches,
             )
         };
-        if o.findings.is_empty() && !hash_checked && args.ids == IdSpace::Global {
-            let logits = crate::moe::router::router_logits(
-                &router.weight,
-                &hb,
-                d.tokens,
-                config.hidden_size,
-                config.n_routed_experts,
-            );
-            o.extend(clear(&logits));
-        } else if !o.findings.is_empty() && !hash_checked {
-            let logits = crate::moe::router::router_logits(
-                &router.weight,
-                &hb,
-                d.tokens,
-                config.hidden_size,
-                config.n_routed_experts,
-            );
+        if o.findings.is_empty() && !hash_checked {
+            o.extend(clear(&logits()));
+        } else if !hash_checked {
+            let logits = logits();
             let reroute = |c: &MoeConfig, r: &Router| {
                 be.route(
                     &router_layer(layer_idx, c.clone(), r.clone()),
@@ -433,17 +431,8 @@ fn recompute(
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
-            } else if args.ids == IdSpace::Global {
-                o.extend(check::clear_mismatches(
-                    ids,
-                    &lg.data,
-                    config.n_routed_experts,
-                    config.scoring_func,
-                    router.e_score_correction_bias.as_deref(),
-                    config.n_group,
-                    config.topk_group,
-                    args.max_clear_mismatches,
-                ));
+            } else {
+                o.extend(clear(&lg.data));
             }
             out.extend(o);
             agreements.extend(ag);
