@@ -541,6 +541,62 @@ fn without_rank_every_rank_is_compared() {
         "{}",
         o.show()
     );
+    // an unsharded reference against a multi-rank TEST: the ranks REF lacks are not compared,
+    // but a NaN in one of them fails the run, named (it passed as "not compared")
+    let one = tmp.path().join("one");
+    let nan_rank = r.gen_range(1..3u64);
+    let (tok, ch) = (r.gen_range(0..tokens), r.gen_range(0..h));
+    for (i, m) in mods.iter().enumerate() {
+        let v = randv(&mut r, tokens * h);
+        let rank0 = tmp.path().join("multi").join("rank0");
+        std::fs::create_dir_all(&rank0).unwrap();
+        write_call(
+            &one,
+            i as u64,
+            m,
+            vec![t("output", &[tokens, h], v.clone())],
+            &[],
+        );
+        write_call(
+            &rank0,
+            i as u64,
+            m,
+            vec![t("output", &[tokens, h], v.clone())],
+            &[("rank", "0")],
+        );
+        for rank in 1..3u64 {
+            let mut w = v.clone();
+            if rank == nan_rank && i == 1 {
+                w[tok * h + ch] = f32::NAN;
+            }
+            let dir = tmp.path().join("multi").join(format!("rank{rank}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            write_call(
+                &dir,
+                i as u64,
+                m,
+                vec![t("output", &[tokens, h], w)],
+                &[("rank", &rank.to_string())],
+            );
+        }
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "one", "multi"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let bad = &o.json["summary"]["test_only_nonfinite"][0];
+    assert_eq!(bad["rank"], nan_rank, "{}", o.show());
+    assert_eq!(bad["module"], mods[1], "{}", o.show());
+    assert_eq!(bad["index"], serde_json::json!([tok, ch]), "{}", o.show());
+    assert!(
+        o.stdout
+            .contains(&format!("TEST rank {nan_rank} (not in REF")),
+        "{}",
+        o.show()
+    );
+    // the same without the NaN: rank 0 compared, the others named, a pass
+    let clean = tmp.path().join("multi").join(format!("rank{nan_rank}"));
+    std::fs::remove_dir_all(&clean).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["bisect", "one", "multi"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
 }
 
 /// A TEST trace that stops early (the run crashed: REF's last calls have no match) is not a

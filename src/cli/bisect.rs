@@ -6,6 +6,7 @@ use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
 use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
+use crate::trace::locate::{locate, FirstNonFinite};
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -98,6 +99,9 @@ pub fn run(args: &Args) -> Result<Report> {
     // ranks only one trace holds (another parallelism on each side, or a rank not recorded):
     // listed, not failed, as calls only one trace recorded are
     let mut unmatched: (Vec<u64>, Vec<u64>) = (vec![], vec![]);
+    // TEST's ranks REF lacks (an unsharded reference against a TP/EP run): nothing to compare
+    // them with, but a NaN/Inf there is a fault whatever the reference
+    let mut test_only: Vec<TraceIndex> = vec![];
     let pairs: Vec<(TraceIndex, TraceIndex)> = match args.rank {
         Some(_) => vec![(
             TraceIndex::open(&args.reference, sel)?,
@@ -130,14 +134,28 @@ pub fn run(args: &Args) -> Result<Report> {
                     .collect(),
                 tests.iter().map(rank).collect(),
             );
+            test_only = tests;
             pairs
         }
     };
-    let total = pairs.iter().map(|(r, _)| r.entries.len() as u64).sum();
+    let total = pairs
+        .iter()
+        .map(|(r, _)| r.entries.len() as u64)
+        .sum::<u64>()
+        + test_only
+            .iter()
+            .map(|t| t.entries.len() as u64)
+            .sum::<u64>();
     let pb = progress(total, "bisect", args.out_args.quiet);
     let mut results = Vec::with_capacity(pairs.len());
     for (reference, test) in &pairs {
         results.push(bisect(reference, test, args.min_cosine, &mut || pb.inc(1))?);
+    }
+    let mut test_only_bad = vec![];
+    for t in &test_only {
+        if let Some(first) = locate(t, 0, &mut || pb.inc(1))?.first {
+            test_only_bad.push((t.selection.rank.unwrap_or(0), first));
+        }
     }
     pb.finish_and_clear();
     let reports: Vec<Report> = pairs
@@ -150,7 +168,53 @@ pub fn run(args: &Args) -> Result<Report> {
     } else {
         merge_ranks(&pairs, &results, reports)
     };
-    Ok(with_unmatched_ranks(rep, &unmatched))
+    Ok(with_nonfinite_test_ranks(
+        with_unmatched_ranks(rep, &unmatched),
+        &test_only_bad,
+    ))
+}
+
+/// A NaN/Inf in a TEST rank REF has no counterpart for fails the run, naming the rank and
+/// the first bad call (`summary.test_only_nonfinite`): it passed as "not compared".
+fn with_nonfinite_test_ranks(mut rep: Report, bad: &[(u64, FirstNonFinite)]) -> Report {
+    let Some((rank, first)) = bad.first() else {
+        return rep;
+    };
+    let o = &first.output;
+    rep.verdict = Verdict::Fail;
+    rep.headline = format!(
+        "TEST rank {rank} (not in REF, so not compared) holds {} NaN and {} Inf, the first {} in `{}` of call {} {}{}; {}",
+        o.nan_count,
+        o.inf_count,
+        o.value,
+        o.tensor,
+        first.call.counter,
+        first.call.module,
+        match (o.index.token, o.index.channel) {
+            (Some(t), Some(c)) => format!(" (first at token {t}, channel {c})"),
+            _ => String::new(),
+        },
+        rep.headline
+    );
+    if let Value::Object(s) = &mut rep.summary {
+        s.insert(
+            "test_only_nonfinite".into(),
+            bad.iter()
+                .map(|(r, f)| {
+                    json!({
+                        "rank": r,
+                        "module": f.call.module,
+                        "counter": f.call.counter,
+                        "file": f.call.file,
+                        "tensor": f.output.tensor,
+                        "kind": f.output.kind.as_str(),
+                        "index": f.output.index.multi,
+                    })
+                })
+                .collect(),
+        );
+    }
+    rep
 }
 
 /// Name the ranks only one trace holds in the headline and the summary
