@@ -384,6 +384,20 @@ fn every_planted_hazard_is_named() {
             format!("{E1}.down_proj.weight_scale"),
         ),
         (
+            // the E4M3 bytes tagged as the other FP8 format: they were "missing block scales",
+            // NaN values and a config mismatch on the weight (taken for an unpacked one)
+            "block scales tagged F8_E5M2",
+            Box::new(|f| {
+                let n = format!("{E1}.down_proj.weight_scale");
+                f.tensors
+                    .iter_mut()
+                    .filter(|(s, _)| s.name == n)
+                    .for_each(|(s, _)| s.dtype = Dtype::F8_E5M2)
+            }),
+            "block_scale_dtype",
+            format!("{E1}.down_proj.weight_scale"),
+        ),
+        (
             "both conventions",
             Box::new(|f| {
                 f.tensors.push((

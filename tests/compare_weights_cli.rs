@@ -304,6 +304,8 @@ struct Faults {
     w2_scales_u8_values: bool,
     /// w2_weight_scale is U8 holding the e4m3 bytes unchanged (`.view(torch.uint8)`).
     w2_scales_u8_bytes: bool,
+    /// w2_weight_scale holds the e4m3 bytes unchanged under the F8_E5M2 dtype.
+    w2_scales_e5m2_tag: bool,
     /// w2_weight_scale holds the scales' values as BF16.
     w2_scales_bf16: bool,
     /// w2_weight_scale has one stray byte after each row ([E, H, I/16 + 1]).
@@ -493,11 +495,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
                 TensorSpec::new(ex("w2_weight_scale"), Dtype::BF16, &s2_shape),
                 bf16_bytes(&v),
             )
-        } else if f.w2_scales_u8_bytes {
-            (
-                TensorSpec::new(ex("w2_weight_scale"), Dtype::U8, &s2_shape),
-                s2,
-            )
+        } else if f.w2_scales_u8_bytes || f.w2_scales_e5m2_tag {
+            let dtype = if f.w2_scales_u8_bytes {
+                Dtype::U8
+            } else {
+                Dtype::F8_E5M2
+            };
+            (TensorSpec::new(ex("w2_weight_scale"), dtype, &s2_shape), s2)
         } else if f.w2_scales_u8_values {
             let v: Vec<u8> = s2
                 .iter()
@@ -1112,6 +1116,29 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
     assert!(
         notes.contains("w2_weight_scale") && notes.contains("U8") && notes.contains("F8_E4M3"),
         "seed {}: {notes}",
+        fx.seed
+    );
+    // the same bytes tagged as another FP8 format: read by their dtype they are other values,
+    // a mismatch on every down_proj (it passed with the note)
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scales_e5m2_tag: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert!(
+        !m.is_empty()
+            && m.iter()
+                .all(|u| u["name"].as_str().unwrap().contains("down_proj")
+                    && u["issues"]
+                        .to_string()
+                        .contains("F8_E5M2 where A's are F8_E4M3")),
+        "seed {}: {m:?}",
         fx.seed
     );
     // the reference's own dtype: no such note

@@ -335,6 +335,28 @@ pub fn audit(
             .any(|s| members.contains(s) && ck.info(&m(s)).is_ok_and(is_block_scale));
         let global = members.contains("weight_scale_2") || members.contains("weight_global_scale");
         let weight_exists = ck.contains(&m("weight")) || members.contains("weight_packed");
+        // block scales under another FP8 format: the bytes may be right, but whatever reads
+        // them by their dtype decodes other values; the linear is not read further
+        let e5m2 = ["weight_scale", "scale"].iter().map(|s| m(s)).find(|n| {
+            ck.info(n)
+                .is_ok_and(|t| t.shape.len() == 2 && t.dtype == Dtype::F8_E5M2)
+        });
+        if let (true, Some(sn)) = (packed, e5m2) {
+            findings.push(Finding {
+                tensor: sn.clone(),
+                file: ck.file_of(&sn).to_path_buf(),
+                kind: FindingKind::BlockScaleDtype,
+                detail: "NVFP4 block scales stored as F8_E5M2: whatever reads them by their dtype \
+                         (torch, a kernel picked by dtype) decodes other values than the E4M3 \
+                         codes they should be (the byte 0x38, 1.0 as E4M3, is 0.5 as E5M2); store \
+                         them as F8_E4M3. This linear is not scanned further"
+                    .into(),
+            });
+            for mem in members.iter() {
+                in_linear.insert(m(mem));
+            }
+            continue;
+        }
         if packed && block {
             let ln = formats::find_linear(ck, base)?.ok_or_else(|| {
                 Error::bad_tensor(
@@ -2158,9 +2180,11 @@ fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
         .or_else(|| name.strip_suffix(".weight"))
         .unwrap_or(name);
     let packed = matches!(t.dtype, Dtype::U8 | Dtype::I8)
-        && ["weight_scale", "scale"]
-            .iter()
-            .any(|s| ck.info(&format!("{base}.{s}")).is_ok_and(is_block_scale));
+        && ["weight_scale", "scale"].iter().any(|s| {
+            // E5M2-tagged block scales are a finding of their own, their weight still packed
+            ck.info(&format!("{base}.{s}"))
+                .is_ok_and(|t| is_block_scale(t) || t.dtype == Dtype::F8_E5M2)
+        });
     Ok(Some([rows, if packed { 2 * cols } else { cols }]))
 }
 

@@ -570,6 +570,18 @@ fn compare_qq(
         );
         return Ok(done(u));
     }
+    // the same bytes under another FP8 format: every op that reads them by their dtype (a
+    // torch dequantization, `.float()`, a kernel picked by dtype) decodes other values
+    let fp8 = |d: Dtype| matches!(d, Dtype::F8_E4M3 | Dtype::F8_E5M2);
+    if fp8(qa.scale_dtype) && fp8(qb.scale_dtype) && qa.scale_dtype != qb.scale_dtype {
+        u.issue(
+            IssueKind::Dtype,
+            format!(
+                "B's block scales `{}` are {:?} where A's are {:?}: the bytes are the same, but read as                  their dtype they are other values (the e4m3 byte 0x38, 1.0, is 0.5 as e5m2)",
+                qb.scale_name, qb.scale_dtype, qa.scale_dtype
+            ),
+        );
+    }
     // the same codes under another one-byte dtype (U8 where F8_E4M3 belongs): equal, and
     // worth a note, since a loader that copies by value where it should reinterpret changes them
     if qa.scale_dtype != qb.scale_dtype
