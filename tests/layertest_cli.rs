@@ -365,10 +365,24 @@ fn a_token_of_huge_norm_does_not_carry_the_others() {
         )
         .unwrap();
     };
-    // the same tokens at their own magnitude pass
+    // the same tokens at their own magnitude pass, in layertest and in gs-sweep at a gs that
+    // suits them
     write(&h);
     let args = ["layertest", "--device", "cpu", "--input", "in.safetensors"];
+    let sweep = [
+        "gs-sweep",
+        "--device",
+        "cpu",
+        "--input",
+        "in.safetensors",
+        "--gs",
+        "calibrated",
+        "--points",
+        "5",
+    ];
     let (code, text, _) = run(dir.path(), &args);
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    let (code, text, _) = run(dir.path(), &sweep);
     assert_eq!(code, 0, "seed {seed}: {text}");
     h[big * 256..(big + 1) * 256]
         .iter_mut()
@@ -386,6 +400,16 @@ fn a_token_of_huge_norm_does_not_carry_the_others() {
         failures.contains("fall below --min-token-cosine 0.9")
             && failures.contains(&format!("token {big} carries")),
         "seed {seed}: {failures}"
+    );
+    // gs-sweep: the calibrated gs is the best there is (the layer cosine stays high), and it
+    // passed; the tokens it ruins fail it, blamed on the input
+    let (code, text, r) = run(dir.path(), &sweep);
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    assert_eq!(r["summary"]["cause"], "input", "seed {seed}: {text}");
+    assert!(
+        text.contains(&format!("token {big} carries")),
+        "seed {seed}: {text}"
     );
 }
 

@@ -6,11 +6,12 @@ use super::common::{progress, DeviceArgs, OutArgs};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
     below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
-    layer_and_batch, nvfp4_forward, scales_json, BlockSummary, EpArgs, GsArgs, InputArgs, Model,
-    DEFAULT_MIN_COSINE,
+    layer_and_batch, nvfp4_forward, scales_json, token_failure, BlockSummary, EpArgs, GsArgs,
+    InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_TOKEN_COSINE,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
+use crate::moe::breakdown::{per_token, worst_first};
 use crate::moe::gs::{self, Calibration, GsSource};
 use crate::moe::parallel::tolerance_text;
 use crate::moe::{ActScales, Path as MoePath};
@@ -58,6 +59,10 @@ pub struct Args {
     /// Fail with cause `not_gs` when even the best gs leaves the layer below this cosine
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
     pub min_cosine: f64,
+    /// Fail when, under the gs in use, one token's output falls below this cosine (layertest's
+    /// per-token bar): one token of huge norm carries the layer's cosine and sets the gs
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
+    pub min_token_cosine: f64,
     #[command(flatten)]
     pub ep: EpArgs,
     #[command(flatten)]
@@ -126,17 +131,22 @@ pub fn run(args: &Args) -> Result<Report> {
         )
     };
     let reduce_info = std::cell::RefCell::new(None);
-    let eval = |label: String, s: &ActScales| -> Result<Point> {
-        let (o, r) = forward(s)?;
+    // the layer's output at scales `s`, and our forward's block statistics; with --kernel the
+    // user's kernel is the one swept (block statistics stay ours: the quantization they
+    // describe is the same function)
+    let output = |s: &ActScales| -> Result<(Vec<f32>, crate::moe::MoeOutput)> {
+        let (mut o, r) = forward(s)?;
         if r.is_some() {
             *reduce_info.borrow_mut() = r;
         }
-        // with --kernel the user's kernel is the one swept (block statistics stay ours: the
-        // quantization they describe is the same function)
         let out = match &plugin {
             Some((p, g)) => kernel::plugin_layer(p, g, &layer, &batch.hidden, &routing, s, ep)?,
-            None => o.out,
+            None => std::mem::take(&mut o.out),
         };
+        Ok((out, o))
+    };
+    let eval = |label: String, s: &ActScales| -> Result<Point> {
+        let (out, o) = output(s)?;
         let m: Metrics = backend.compare(&out, &reference.out)?;
         let med = gs::summary(s);
         Ok(Point {
@@ -338,6 +348,29 @@ pub fn run(args: &Args) -> Result<Report> {
         failures.push(m);
         cause.get_or_insert("ep");
     }
+    // a gs that passes the layer can still ruin tokens the whole-tensor cosine does not see:
+    // one token of huge norm carries it and sets the scales of its experts (an input problem)
+    if failures.is_empty() {
+        if let (Some(s), Some(u)) = (&used_scales, &used) {
+            let hsz = c.hidden_size;
+            let mut tokens = per_token(&output(s)?.0, &reference.out, hsz);
+            tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+            if let Some((line, dominant)) = token_failure(
+                &tokens,
+                &reference.out,
+                hsz,
+                args.min_token_cosine,
+                u.cosine,
+            ) {
+                failures.push(format!("gs `{used_source}`: {line}"));
+                cause.get_or_insert(if dominant.is_some() {
+                    "input"
+                } else {
+                    "not_gs"
+                });
+            }
+        }
+    }
     let pass = failures.is_empty();
     let headline = if pass {
         format!(
@@ -360,6 +393,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "loss": used_loss,
         "max_loss": args.max_loss,
         "min_cosine": args.min_cosine,
+        "min_token_cosine": args.min_token_cosine,
         "cause": cause,
         "best_cosine": best.as_ref().map(|b| b.cosine),
         "best": best.as_ref().map(describe_gs),

@@ -757,14 +757,15 @@ pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_jso
 /// Tokens whose own output misses `min_cosine` (or the rel-L2 that cosine allows an error
 /// orthogonal to it) while the layer as a whole may pass: a whole-tensor cosine is a
 /// norm-weighted mean, and one token of huge norm carries it. `tokens` worst first;
-/// `reference` `[T, hidden]` names the token that dominates the layer's cosine.
+/// `reference` `[T, hidden]` names the token that dominates the layer's cosine (returned too:
+/// an input problem, not the layer's).
 pub fn token_failure(
     tokens: &[TokenMetrics],
     reference: &[f32],
     hsz: usize,
     min_cosine: f64,
     layer_cosine: f64,
-) -> Option<String> {
+) -> Option<(String, Option<usize>)> {
     let max_rel = (1.0 / (min_cosine * min_cosine) - 1.0).sqrt();
     let bad: Vec<_> = tokens
         .iter()
@@ -785,7 +786,8 @@ pub fn token_failure(
     let mut sorted = energy.clone();
     sorted.sort_by(f64::total_cmp);
     let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
-    let dominated = if total > 0.0 && e_big / total > 0.5 {
+    let dominant = (total > 0.0 && e_big / total > 0.5).then_some(big);
+    let dominated = if dominant.is_some() {
         format!(
             "; token {big} carries {:.1}% of the reference output's energy (norm {:.3e}x the median token's), so the \
              layer's cosine is mostly its own: a token of that magnitude (the MoE input is RMSNorm-ed per token: its norm skipped or broken upstream?) also \
@@ -796,7 +798,7 @@ pub fn token_failure(
     } else {
         String::new()
     };
-    Some(format!(
+    let line = format!(
         "{} of {} tokens fall below --min-token-cosine {min_cosine} (or beyond rel-L2 {max_rel:.3}) although the \
          layer scores cosine {}: worst token {}, cosine {}, rel-L2 {}{dominated}",
         bad.len(),
@@ -805,7 +807,8 @@ pub fn token_failure(
         worst.token,
         f(worst.metrics.cosine, 4),
         f(worst.metrics.rel_l2, 3),
-    ))
+    );
+    Some((line, dominant))
 }
 
 /// A cosine below a threshold; NaN counts as below.
@@ -1228,7 +1231,9 @@ pub fn run(args: &Args) -> Result<Report> {
         ));
     }
     if m.nan_count + m.inf_count == 0 {
-        if let Some(line) = token_failure(&tokens, &rf.out, hsz, args.min_token_cosine, m.cosine) {
+        if let Some((line, _)) =
+            token_failure(&tokens, &rf.out, hsz, args.min_token_cosine, m.cosine)
+        {
             failures.push(line);
         }
     }
