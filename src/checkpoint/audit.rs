@@ -1626,8 +1626,12 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
                 };
                 let mut differ = vec![];
                 let (ha, qa) = (algo(&h), algo(q));
+                // only what both files state: a quantization_config without quant_algo
+                // leaves it to the other file, it does not contradict it
                 let algos_differ = ha.is_some() && qa.is_some() && ha != qa;
-                if h.format() != q.format() || algos_differ {
+                let formats_differ =
+                    matches!((h.format(), q.format()), (Some(x), Some(y)) if x != y);
+                if formats_differ || algos_differ {
                     differ.push(format!(
                         "quant_algo {} here, {} in config.json",
                         h.algo.as_deref().unwrap_or("-"),
