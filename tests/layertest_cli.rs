@@ -29,6 +29,17 @@ fn run(dir: &Path, args: &[&str]) -> (i32, String, Option<Value>) {
     (out.status.code().unwrap_or(-1), text, report)
 }
 
+/// `h` as the F32 `hidden_states [t, 256]` of `dir/in.safetensors` (the builtin model's width).
+fn write_hidden(dir: &Path, h: &[f32], t: usize) {
+    let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
+    write_file(
+        &dir.join("in.safetensors"),
+        vec![(spec, f32_bytes(h))],
+        None,
+    )
+    .unwrap();
+}
+
 fn synth(dir: &Path, out: &str, extra: &[&str]) {
     let mut args = vec!["synth", "--out", out];
     args.extend_from_slice(extra);
@@ -306,15 +317,7 @@ fn nan_in_the_input_hidden_states_is_named_first() {
     let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
     let (tok, ch) = (seed as usize % t, (seed >> 8) as usize % 256);
     h[tok * 256 + ch] = f32::NAN;
-    let write = |h: &[f32]| {
-        let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
-        write_file(
-            &dir.path().join("in.safetensors"),
-            vec![(spec, f32_bytes(h))],
-            None,
-        )
-        .unwrap();
-    };
+    let write = |h: &[f32]| write_hidden(dir.path(), h, t);
     write(&h);
     for cmd in ["layertest", "gs-sweep", "multilayer"] {
         let (code, text, r) = run(
@@ -356,15 +359,7 @@ fn a_token_of_huge_norm_does_not_carry_the_others() {
     let t = 32;
     let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
     let big = seed as usize % t;
-    let write = |h: &[f32]| {
-        let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
-        write_file(
-            &dir.path().join("in.safetensors"),
-            vec![(spec, f32_bytes(h))],
-            None,
-        )
-        .unwrap();
-    };
+    let write = |h: &[f32]| write_hidden(dir.path(), h, t);
     // the same tokens at their own magnitude pass, in layertest and in gs-sweep at a gs that
     // suits them
     write(&h);
@@ -426,13 +421,7 @@ fn input_values_that_overflow_the_layer_are_named_first() {
     h[tok * 256..(tok + 1) * 256]
         .iter_mut()
         .for_each(|v| *v *= 1e20);
-    let spec = TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]);
-    write_file(
-        &dir.path().join("in.safetensors"),
-        vec![(spec, f32_bytes(&h))],
-        None,
-    )
-    .unwrap();
+    write_hidden(dir.path(), &h, t);
     for cmd in ["layertest", "gs-sweep", "multilayer"] {
         let (code, text, r) = run(
             dir.path(),
