@@ -328,6 +328,8 @@ struct Faults {
     w2_zero: Option<usize>,
     /// These experts' gate and up packed codes exchanged, their scales left in place.
     swap_codes_only: Vec<usize>,
+    /// w2_weight stored as I8 (the same bytes).
+    w2_i8: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -474,7 +476,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             f32_bytes(&i13),
         ),
         (
-            TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, ip / 2]),
+            TensorSpec::new(
+                ex("w2_weight"),
+                if f.w2_i8 { Dtype::I8 } else { Dtype::U8 },
+                &[e, h, ip / 2],
+            ),
             w2,
         ),
         if f.w2_scales_f32 {
@@ -1152,6 +1158,38 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
     );
 }
 
+/// Packed codes stored as I8 with the same bytes are a dtype mismatch naming the tensor and
+/// both dtypes: an int8 `>> 4` sign-extends the high nibble. It passed without a word.
+#[test]
+fn packed_codes_stored_as_i8_are_a_dtype_mismatch() {
+    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let dump = fx.root.join("i8.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_i8: true,
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), fx.model.experts.len(), "seed {}: {m:?}", fx.seed);
+    for u in m {
+        let issues = u["issues"].to_string();
+        assert!(
+            u["name"].as_str().unwrap().contains("down_proj")
+                && issues.contains("\"dtype\"")
+                && issues.contains("w2_weight")
+                && issues.contains("I8 where A's")
+                && issues.contains("are U8"),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
+}
+
 /// Block scales converted to F32/BF16 values or to U8 integers, stored transposed, or of a
 /// shape no layout fits are named as such, with the scale tensor; the dtype, the shape and the
 /// transposed layout are `scales` issues. They used to read as "bytes fit neither the linear
@@ -1752,6 +1790,68 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         "{}",
         out.stdout
     );
+}
+
+/// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so
+/// (a rank holding whole column-parallel weights sums `size` copies in its all-reduce). It
+/// passed: every tensor had A's shape, so nothing was compared as a slice.
+#[test]
+fn a_whole_dump_compared_as_a_tp_rank_is_named() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let n: usize = r.gen_range(2..5);
+    let rank = r.gen_range(0..n).to_string();
+    let size = n.to_string();
+    let dump = fx.root.join("whole.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let out = run(
+        &fx.root,
+        &[
+            s(&fx.ckpt),
+            s(&dump),
+            "--tp-rank",
+            &rank,
+            "--tp-size",
+            &size,
+        ],
+    );
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let t = d
+        .iter()
+        .find(|d| d["kind"] == "tp_not_sharded")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    // the experts' gate, up and down, the shared expert's three and the embedding; not the
+    // router's gate
+    assert_eq!(
+        t["tensors"].as_u64().unwrap() as usize,
+        3 * fx.model.experts.len() + 4,
+        "seed {}: {t}",
+        fx.seed
+    );
+    let msg = t["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("TP rank {rank} of {n}")) && msg.contains(&format!("1/{n} slice")),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
+    // a real shard under the same flags: no such diagnosis (tp_and_ep_shards_… checks the rest)
+    let dump = fx.root.join("shard.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            tp: Some((0, 2)),
+            ..Default::default()
+        },
+    );
+    let out = run(
+        &fx.root,
+        &[s(&fx.ckpt), s(&dump), "--tp-rank", "0", "--tp-size", "2"],
+    );
+    check(&out, 0, fx.seed);
+    assert!(!diag_kinds(&out.json).contains(&"tp_not_sharded".to_string()));
 }
 
 /// An EP rank's dump of round-robin placed experts (rank 0 of 2: 0, 2, 4) read as linear

@@ -442,6 +442,18 @@ fn compare_qq(
         );
         return Ok(done(u));
     }
+    // the same bytes under a signed dtype: torch's `>> 4` sign-extends the high nibble and
+    // `.float()` reads -128..127, so whatever unpacks them by their dtype gets other codes
+    if qa.weight_dtype != qb.weight_dtype {
+        u.issue(
+            IssueKind::Dtype,
+            format!(
+                "B's packed codes `{}` are {:?} where A's `{}` are {:?}: whatever unpacks them by \
+                 their dtype (an int8 `>> 4` sign-extends the high nibble) reads other codes",
+                qb.weight_name, qb.weight_dtype, qa.weight_name, qa.weight_dtype
+            ),
+        );
+    }
     let (a_full, a_sc) = match qmatrix(qa, qa.rows(), qa.cols()) {
         Ok(v) => v,
         Err(e) => {

@@ -42,6 +42,8 @@ pub enum DiagnosisKind {
     SwizzledScales,
     /// B holds another tensor-parallel rank's slice of A.
     TpRank,
+    /// `--tp-rank/--tp-size` given, but B holds A's whole matrices, not one rank's slices.
+    TpNotSharded,
     /// One fused tensor with the block scales of some experts swizzled and of others linear:
     /// a kernel reads one layout for the whole tensor.
     MixedScaleLayouts,
@@ -73,6 +75,41 @@ fn list(v: &[usize]) -> String {
         s.push(format!("… ({} in all)", v.len()));
     }
     s.join(", ")
+}
+
+/// B compared as TP rank `rank` of `size`, but not one of its weight matrices is a slice:
+/// every one has A's whole shape. Matrices engines replicate on every rank are not counted
+/// (the MoE router's gate; the routed experts under expert parallelism).
+pub fn tp_not_sharded(
+    results: &[UnitResult],
+    (rank, size): (usize, usize),
+    ep: bool,
+) -> Option<Diagnosis> {
+    if results.iter().any(|r| r.a_shape != r.b_shape) {
+        return None;
+    }
+    let router_gate = |n: &str| n.ends_with(".gate.weight") || n.ends_with(".gate");
+    let whole: Vec<&UnitResult> = results
+        .iter()
+        .filter(|r| r.a_shape.len() >= 2 && !router_gate(&r.name) && !(ep && r.expert.is_some()))
+        .collect();
+    let first = whole.first()?;
+    Some(Diagnosis {
+        kind: DiagnosisKind::TpNotSharded,
+        layer: None,
+        experts: vec![],
+        tensors: whole.len(),
+        message: format!(
+            "compared as TP rank {rank} of {size}, but none of B's {} weight matrices is a 1/{size} \
+             slice: all have A's whole shape (e.g. `{}` {:?}). A TP rank that holds whole \
+             column-parallel weights computes every output column and its all-reduce sums \
+             {size} copies; if B is not one rank's dump, drop --tp-rank/--tp-size",
+            whole.len(),
+            first.name,
+            first.b_shape
+        ),
+        fails: true,
+    })
 }
 
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer).

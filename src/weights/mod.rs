@@ -367,6 +367,13 @@ impl<'a> Plan<'a> {
             .collect::<Result<_>>()?;
         let mut diagnoses = self.diagnoses;
         diagnoses.extend(diagnose::from_units(&results));
+        if let Some(tp) = self.opts.tp {
+            diagnoses.extend(diagnose::tp_not_sharded(
+                &results,
+                tp,
+                self.opts.ep.is_some(),
+            ));
+        }
         diagnoses.extend(diagnose::cross_expert(
             &mut results,
             &a,
