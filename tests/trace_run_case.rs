@@ -161,6 +161,30 @@ fn malformed_case_files_exit_2_naming_file_and_key() {
             "description = \n".to_string(),
             "not-toml.toml",
         ),
+        // a case writes only under its ${WORK}: checked before anything runs
+        (
+            "setup-writes-outside.toml",
+            format!(
+                "{base}setup = [[\"synth-trace\", \"--out\", {:?}]]\n",
+                d.join("escaped-trace")
+            ),
+            "setup[0]",
+        ),
+        (
+            "setup-writes-case-dir.toml",
+            format!("{base}setup = [[\"quantize\", \"${{CASE_DIR}}/in.safetensors\", \"${{CASE_DIR}}/out.safetensors\"]]\n"),
+            "${CASE_DIR}/out.safetensors",
+        ),
+        (
+            "json-escapes-work.toml",
+            format!("{base}args = [\"${{WORK}}\", \"--json\", \"${{WORK}}/../escaped.json\"]\n"),
+            "args",
+        ),
+        (
+            "relative-json.toml",
+            format!("{base}args = [\"${{WORK}}\", \"--json\", \"escaped.json\"]\n"),
+            "outside ${WORK}",
+        ),
     ];
     for (name, text, key) in &bad {
         let p = write(d, name, text);
@@ -171,6 +195,9 @@ fn malformed_case_files_exit_2_naming_file_and_key() {
             "{name}: wants {key}\n{}",
             o.show()
         );
+    }
+    for escaped in ["escaped-trace", "escaped.json", "out.safetensors"] {
+        assert!(!d.join(escaped).exists(), "{escaped} was written");
     }
     // in a directory, one malformed file stops the run before anything runs
     let dir = d.join("dir");

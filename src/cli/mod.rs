@@ -99,20 +99,63 @@ pub fn run(cli: Cli) -> Result<u8> {
 /// Run a command and return its report and where it would go, without printing or writing it
 /// (`run CASE.toml` runs commands in-process this way).
 pub fn execute(command: Command) -> Result<(Report, Outputs)> {
-    Ok(match command {
-        Command::Synth(a) => (synth::run(&a)?, a.out_args.outputs()),
-        Command::Quantize(a) => (quantize::run(&a)?, a.out_args.outputs()),
-        Command::Audit(a) => (audit::run(&a)?, a.out_args.outputs()),
-        Command::Layertest(a) => (layertest::run(&a)?, a.out_args.outputs()),
-        Command::GsSweep(a) => (gs_sweep::run(&a)?, a.out_args.outputs()),
-        Command::CompareWeights(a) => (compare_weights::run(&a)?, a.out_args.outputs()),
-        Command::CompareOutputs(a) => (compare_outputs::run(&a)?, a.out_args.outputs()),
-        Command::Routing(a) => (routing::run(&a)?, a.out_args.outputs()),
-        Command::Multilayer(a) => (multilayer::run(&a)?, a.out_args.outputs()),
-        Command::NanLocate(a) => (nan_locate::run(&a)?, a.out_args.outputs()),
-        Command::Bisect(a) => (bisect::run(&a)?, a.out_args.outputs()),
-        Command::Run(a) => (run_case::run(&a)?, a.out_args.outputs()),
-        Command::Bench(a) => (bench::run(&a)?, a.out_args.outputs()),
-        Command::SynthTrace(a) => (synth_trace::run(&a)?, a.out_args.outputs()),
-    })
+    let outputs = command.out_args().outputs();
+    let report = match &command {
+        Command::Synth(a) => synth::run(a)?,
+        Command::Quantize(a) => quantize::run(a)?,
+        Command::Audit(a) => audit::run(a)?,
+        Command::Layertest(a) => layertest::run(a)?,
+        Command::GsSweep(a) => gs_sweep::run(a)?,
+        Command::CompareWeights(a) => compare_weights::run(a)?,
+        Command::CompareOutputs(a) => compare_outputs::run(a)?,
+        Command::Routing(a) => routing::run(a)?,
+        Command::Multilayer(a) => multilayer::run(a)?,
+        Command::NanLocate(a) => nan_locate::run(a)?,
+        Command::Bisect(a) => bisect::run(a)?,
+        Command::Run(a) => run_case::run(a)?,
+        Command::Bench(a) => bench::run(a)?,
+        Command::SynthTrace(a) => synth_trace::run(a)?,
+    };
+    Ok((report, outputs))
+}
+
+impl Command {
+    fn out_args(&self) -> &common::OutArgs {
+        match self {
+            Command::Synth(a) => &a.out_args,
+            Command::Quantize(a) => &a.out_args,
+            Command::Audit(a) => &a.out_args,
+            Command::Layertest(a) => &a.out_args,
+            Command::GsSweep(a) => &a.out_args,
+            Command::CompareWeights(a) => &a.out_args,
+            Command::CompareOutputs(a) => &a.out_args,
+            Command::Routing(a) => &a.out_args,
+            Command::Multilayer(a) => &a.out_args,
+            Command::NanLocate(a) => &a.out_args,
+            Command::Bisect(a) => &a.out_args,
+            Command::Run(a) => &a.out_args,
+            Command::Bench(a) => &a.out_args,
+            Command::SynthTrace(a) => &a.out_args,
+        }
+    }
+
+    /// The files and directories the command writes, its `--json` included (not its report
+    /// directory): `run` keeps a case's inside its ${WORK}.
+    pub fn written_paths(&self) -> Vec<&std::path::Path> {
+        let mut v: Vec<&std::path::Path> =
+            self.out_args().json.iter().map(|p| p.as_path()).collect();
+        match self {
+            Command::Synth(a) => v.push(&a.out),
+            Command::SynthTrace(a) => v.push(&a.out),
+            Command::Quantize(a) => v.push(&a.output),
+            Command::Layertest(a) => v.extend(
+                [&a.save_outputs, &a.save_routing, &a.dump_inputs]
+                    .into_iter()
+                    .flatten()
+                    .map(|p| p.as_path()),
+            ),
+            _ => {}
+        }
+        v
+    }
 }

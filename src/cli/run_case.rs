@@ -108,6 +108,38 @@ fn subcommand(name: &str) -> Option<bool> {
     Some(takes_device)
 }
 
+/// What `${WORK}` and `${CASE_DIR}` stand for while a case file is checked.
+const WORK_MARK: &str = "/${WORK}";
+const CASE_DIR_MARK: &str = "/${CASE_DIR}";
+
+/// A case writes only inside its ${WORK} (fresh, removed afterwards): every path the command
+/// line writes (`--out`, quantize's OUT, `--json`, …) must lie under it. A line that does not
+/// parse is left to break its case when it runs.
+fn check_writes(name: &str, args: &[String]) -> std::result::Result<(), String> {
+    let argv = ["nvfp4dbg", name]
+        .into_iter()
+        .map(String::from)
+        .chain(args.iter().cloned());
+    let Ok(cli) = Cli::try_parse_from(argv) else {
+        return Ok(());
+    };
+    let work = Path::new(WORK_MARK);
+    for p in cli.command.written_paths() {
+        let inside =
+            p.starts_with(work) && !p.components().any(|c| c == std::path::Component::ParentDir);
+        if !inside {
+            return Err(format!(
+                "`{name}` writes `{}`, outside ${{WORK}}: a case writes only under ${{WORK}}",
+                p.display()
+                    .to_string()
+                    .replace(WORK_MARK, "${WORK}")
+                    .replace(CASE_DIR_MARK, "${CASE_DIR}")
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Parse and check a case file: TOML, keys, command names and variables. Every problem here
 /// is bad input naming the file and the key.
 pub fn load_case(path: &Path) -> Result<Case> {
@@ -128,18 +160,22 @@ pub fn load_case(path: &Path) -> Result<Case> {
         }
     };
     check_command("command", &case.command)?;
-    let (w, d) = (Path::new("/w"), Path::new("/d"));
+    let (w, d) = (Path::new(WORK_MARK), Path::new(CASE_DIR_MARK));
+    let mut expanded = vec![];
     for (i, a) in case.args.iter().enumerate() {
-        expand(a, w, d).map_err(|e| bad(&format!("args[{i}]"), e))?;
+        expanded.push(expand(a, w, d).map_err(|e| bad(&format!("args[{i}]"), e))?);
     }
+    check_writes(&case.command, &expanded).map_err(|e| bad("args", e))?;
     for (i, step) in case.setup.iter().enumerate() {
         let Some(name) = step.first() else {
             return Err(bad(&format!("setup[{i}]"), "empty command line".into()));
         };
         check_command(&format!("setup[{i}][0]"), name)?;
-        for (j, a) in step.iter().enumerate() {
-            expand(a, w, d).map_err(|e| bad(&format!("setup[{i}][{j}]"), e))?;
+        let mut expanded = vec![];
+        for (j, a) in step.iter().enumerate().skip(1) {
+            expanded.push(expand(a, w, d).map_err(|e| bad(&format!("setup[{i}][{j}]"), e))?);
         }
+        check_writes(name, &expanded).map_err(|e| bad(&format!("setup[{i}]"), e))?;
     }
     // Any bad input, a mistyped path included, ends in exit 2: an expected rejection must say
     // what it rejects, or the case holds without testing anything.
