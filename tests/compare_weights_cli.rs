@@ -1854,6 +1854,91 @@ fn a_whole_dump_compared_as_a_tp_rank_is_named() {
     assert!(!diag_kinds(&out.json).contains(&"tp_not_sharded".to_string()));
 }
 
+/// A dump whose MoE layers are numbered off by k (B's layer l holds A's layer l + k: dense or
+/// MTP layers counted differently by the loader) is named as a layer shift, each layer pair
+/// confirmed byte for byte, and every tensor it explains says so. It read as every tensor of
+/// those layers differing, with no word on where B's came from.
+#[test]
+fn layers_numbered_off_by_k_are_named() {
+    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let k: usize = r.gen_range(1..3);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let ck = root.join("ck");
+    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--layers",
+            "5",
+            "--no-report-dir",
+            "-q",
+        ])
+        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
+        .output()
+        .unwrap();
+    assert!(synth.status.success(), "seed {seed}: {synth:?}");
+    let cfg: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    let dense = cfg["first_k_dense_replace"].as_u64().unwrap() as usize;
+    // every tensor of every shard, MoE layers renumbered l → l - k (A's first k MoE layers
+    // have no place in B)
+    let mut v = vec![];
+    for e in std::fs::read_dir(&ck).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, t) in st.tensors() {
+            let renamed = match name.strip_prefix("model.layers.").and_then(|rest| {
+                let (l, tail) = rest.split_once('.')?;
+                Some((l.parse::<usize>().ok()?, tail))
+            }) {
+                Some((l, _)) if l >= dense && l < dense + k => continue,
+                Some((l, tail)) if l >= dense => format!("model.layers.{}.{tail}", l - k),
+                _ => name.clone(),
+            };
+            v.push((
+                TensorSpec::new(renamed, t.dtype(), t.shape()),
+                t.data().to_vec(),
+            ));
+        }
+    }
+    let dump = root.join("shifted.safetensors");
+    write_file(&dump, v, None).unwrap();
+    let out = run(root, &[s(&ck), s(&dump)]);
+    check(&out, 1, seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let shift: Vec<&Value> = d.iter().filter(|d| d["kind"] == "layer_shift").collect();
+    assert_eq!(shift.len(), 1, "seed {seed} k {k}: {d:?}");
+    let msg = shift[0]["message"].as_str().unwrap();
+    let pairs: Vec<String> = (dense..5 - k).map(|l| format!("{l}←{}", l + k)).collect();
+    assert!(
+        msg.contains(&pairs.join(", ")) && msg.contains(&format!("{k:+}")),
+        "seed {seed} k {k}: {msg}"
+    );
+    // every differing tensor of B's MoE layers is explained, and no other tensor differs
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(
+        shift[0]["tensors"].as_u64().unwrap() as usize,
+        m.len(),
+        "seed {seed}"
+    );
+    for u in m {
+        assert!(
+            u["issues"].to_string().contains("holds A's layer"),
+            "seed {seed} k {k}: {u}"
+        );
+    }
+}
+
 /// An EP rank's dump of round-robin placed experts (rank 0 of 2: 0, 2, 4) read as linear
 /// (0, 1, 2): the permutation is named as the placement. It used to list "1←2, 2←4" only.
 #[test]

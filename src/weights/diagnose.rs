@@ -52,6 +52,8 @@ pub enum DiagnosisKind {
     DerivedScale,
     /// Packed bytes with the high and low nibble exchanged.
     NibblesSwapped,
+    /// B's layer `l` holds A's layer `l + k`.
+    LayerShift,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -11,6 +11,7 @@ pub mod diagnose;
 pub mod engine;
 pub mod fused;
 pub mod inventory;
+mod layer_shift;
 pub mod load;
 pub mod rules;
 pub mod view;
@@ -383,6 +384,7 @@ impl<'a> Plan<'a> {
             &copts,
             engine,
         )?);
+        diagnoses.extend(layer_shift::layer_shift(&mut results, &a, &b, self.opts.tp));
         let mut missing = self.missing;
         for r in &results {
             missing.extend(r.missing_members.iter().cloned());

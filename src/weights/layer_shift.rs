@@ -1,0 +1,156 @@
+//! B's layer `l` holding A's layer `l + k`: a loader that numbers layers otherwise than the
+//! checkpoint (dense layers or the MTP layer counted differently, a pipeline stage's local
+//! layer numbers). Each layer whose values differ is probed with one of its tensors against the
+//! same tensor of every other layer of A (sampled fingerprints nominate); the layer pairing is
+//! then confirmed tensor by tensor on every byte.
+
+use super::compare::{fingerprint_as, fingerprint_own, Geom, IssueKind, UnitResult};
+use super::diagnose::{Diagnosis, DiagnosisKind};
+use super::load::SideRef;
+use super::view::Depth;
+use rayon::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// `model.layers.12.mlp…` → (`model.layers.`, 12, `.mlp…`).
+fn split_layer(key: &str) -> Option<(&str, usize, &str)> {
+    let at = key.find("layers.")? + "layers.".len();
+    let digits = key[at..].find(|c: char| !c.is_ascii_digit())?;
+    let layer = key[at..at + digits].parse().ok()?;
+    Some((&key[..at], layer, &key[at + digits..]))
+}
+
+fn with_layer(key: &str, layer: usize) -> Option<String> {
+    let (head, _, tail) = split_layer(key)?;
+    Some(format!("{head}{layer}{tail}"))
+}
+
+/// B's unit `kb`'s fingerprint at `depth`, with the geometry to cut A's to.
+fn own(b: &SideRef, kb: &str, depth: Depth) -> Option<(u64, Geom)> {
+    fingerprint_own(&b.load(&b.inv.units.get(kb)?.source).ok()?, depth)
+}
+
+/// A's unit `ka`'s fingerprint cut to `geom`.
+fn as_b(
+    a: &SideRef,
+    ka: &str,
+    geom: &Geom,
+    tp: Option<(usize, usize)>,
+    depth: Depth,
+) -> Option<u64> {
+    fingerprint_as(&a.load(&a.inv.units.get(ka)?.source).ok()?, geom, tp, depth)
+}
+
+/// One diagnosis per layer offset: which of B's layers hold which of A's, and how many of their
+/// differing tensors that explains (each confirmed on every byte). Those tensors' issues say so.
+pub fn layer_shift(
+    results: &mut [UnitResult],
+    a: &SideRef,
+    b: &SideRef,
+    tp: Option<(usize, usize)>,
+) -> Vec<Diagnosis> {
+    let bad = |r: &UnitResult| r.issues.iter().any(|i| i.kind == IssueKind::Values);
+    // the differing units of each layer, in key order
+    let mut by_layer: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for (i, r) in results.iter().enumerate().filter(|(_, r)| bad(r)) {
+        if let Some((_, l, _)) = split_layer(&r.name) {
+            by_layer.entry(l).or_default().push(i);
+        }
+    }
+    let a_layers: BTreeSet<usize> = a
+        .inv
+        .units
+        .keys()
+        .filter_map(|k| split_layer(k).map(|(_, l, _)| l))
+        .collect();
+    // (B's layer, A's layer) → the units it explains
+    let found: Vec<(usize, usize, Vec<usize>)> = by_layer
+        .par_iter()
+        .filter_map(|(&l, units)| {
+            // a few probes: one of the layer's tensors may be wrong in its own way
+            let from = units.iter().take(3).find_map(|&i| {
+                let probe = &results[i].name;
+                let (fb, geom) = own(b, probe, Depth::Sample)?;
+                a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
+                    with_layer(probe, o).and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Sample))
+                        == Some(fb)
+                })
+            })?;
+            let explained: Vec<usize> = units
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let kb = &results[i].name;
+                    let Some((fb, geom)) = own(b, kb, Depth::Full) else {
+                        return false;
+                    };
+                    with_layer(kb, from).and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Full))
+                        == Some(fb)
+                })
+                .collect();
+            (!explained.is_empty()).then_some((l, from, explained))
+        })
+        .collect();
+    let mut by_offset: BTreeMap<i64, Vec<(usize, usize, usize)>> = BTreeMap::new();
+    for (l, from, units) in &found {
+        for &i in units {
+            if let Some(issue) = results[i]
+                .issues
+                .iter_mut()
+                .find(|i| i.kind == IssueKind::Values)
+            {
+                issue
+                    .message
+                    .push_str(&format!(" — B's layer {l} holds A's layer {from}"));
+            }
+        }
+        by_offset
+            .entry(*from as i64 - *l as i64)
+            .or_default()
+            .push((*l, *from, units.len()));
+    }
+    by_offset
+        .into_iter()
+        .map(|(off, pairs)| {
+            let tensors: usize = pairs.iter().map(|p| p.2).sum();
+            let shown: Vec<String> = pairs
+                .iter()
+                .take(8)
+                .map(|(l, from, _)| format!("{l}←{from}"))
+                .collect();
+            Diagnosis {
+                kind: DiagnosisKind::LayerShift,
+                layer: (pairs.len() == 1).then_some(pairs[0].0),
+                experts: vec![],
+                tensors,
+                message: format!(
+                    "B's layer l holds A's layer l{off:+} in {} layer(s) (B's ← A's: {}{}), {tensors} tensors \
+                     confirmed byte for byte: the loader numbers layers otherwise than the checkpoint (dense or MTP \
+                     layers counted differently, or a pipeline stage's local layer numbers)",
+                    pairs.len(),
+                    shown.join(", "),
+                    if pairs.len() > 8 { ", …" } else { "" }
+                ),
+                fails: true,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_numbers_are_found_and_replaced() {
+        assert_eq!(
+            split_layer("model.layers.12.mlp.experts.3.gate_proj.weight"),
+            Some(("model.layers.", 12, ".mlp.experts.3.gate_proj.weight"))
+        );
+        assert_eq!(
+            with_layer("layers.3.ffn.w1.weight", 40).as_deref(),
+            Some("layers.40.ffn.w1.weight")
+        );
+        assert_eq!(split_layer("model.embed_tokens.weight"), None);
+        assert_eq!(split_layer("model.layers.x.mlp"), None);
+    }
+}
