@@ -674,6 +674,19 @@ struct Fixture {
     seed: u64,
 }
 
+impl Fixture {
+    /// Write `dump` as a fused dump of the model with `f`, compare the checkpoint against it
+    /// (with `args`) and check the exit code.
+    fn run_fused(&self, dump: &Path, f: &Faults, args: &[&str], code: i32) -> Run {
+        write_fused(&self.model, dump, f);
+        let mut all = vec![s(&self.ckpt), s(dump)];
+        all.extend_from_slice(args);
+        let out = run(&self.root, &all);
+        check(&out, code, self.seed);
+        out
+    }
+}
+
 fn fixture(experts: usize) -> Fixture {
     fixture_dims(experts, 64, 32)
 }
@@ -741,9 +754,7 @@ fn identical_pair_and_clean_fused_dump_pass() {
     assert_eq!(out.json["mismatches"].as_array().unwrap().len(), 0);
 
     let dump = fx.root.join("engine.safetensors");
-    write_fused(&fx.model, &dump, &Faults::default());
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
+    let out = fx.run_fused(&dump, &Faults::default(), &[], 0);
     // 4 experts × 3 projections paired through the fused tensors, all bitwise
     let units = out.json["summary"]["units"].as_u64().unwrap();
     assert_eq!(units, 12 + 7, "{}", out.stdout);
@@ -769,16 +780,15 @@ fn native_v4_names_and_prefixes_pair_up() {
         .contains("native-v4"));
     // an extra wrapper prefix on the engine side is found by itself
     let dump = fx.root.join("wrapped.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             prefix: Some("language_model.model."),
             ..Default::default()
         },
+        &[],
+        0,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
 }
 
 #[test]
@@ -787,16 +797,15 @@ fn gate_up_swapped_in_one_expert_is_named() {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 1);
     let bad = r.gen_range(0..4);
     let dump = fx.root.join("swap.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swap: vec![bad],
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let swap = d
         .iter()
@@ -834,16 +843,15 @@ fn gate_up_codes_swapped_without_their_scales_are_named() {
     let fx = fixture(4);
     let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..4);
     let dump = fx.root.join("codes-swapped.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swap_codes_only: vec![bad],
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     assert_eq!(
         diag_kinds(&out.json),
         ["gate_up_codes_swapped"],
@@ -858,16 +866,15 @@ fn gate_up_codes_swapped_without_their_scales_are_named() {
         .unwrap()
         .contains("their block scales not"));
     // the full swap (codes and scales) stays gate_up_swapped
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swap: vec![bad],
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     assert_eq!(
         diag_kinds(&out.json),
         ["gate_up_swapped"],
@@ -951,16 +958,15 @@ fn nibble_swapped_expert_is_named() {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
     let bad = r.gen_range(0..4);
     let dump = fx.root.join("nibbles.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             nibble_swap: vec![bad],
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     assert_eq!(
         diag_kinds(&out.json),
         ["nibbles_swapped"],
@@ -987,16 +993,15 @@ fn nibble_swapped_expert_is_named() {
 fn w13_order_reversed_for_all_experts_is_named() {
     let fx = fixture(4);
     let dump = fx.root.join("rev.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swap: (0..4).collect(),
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let kinds = diag_kinds(&out.json);
     assert!(
         kinds.contains(&"w13_order_reversed".to_string()),
@@ -1011,16 +1016,15 @@ fn w13_order_reversed_for_all_experts_is_named() {
 fn swizzled_scales_are_detected_and_compared_correctly() {
     let fx = fixture(3);
     let dump = fx.root.join("swz.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swizzle: true,
             ..Default::default()
         },
+        &[],
+        0,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let sw = d.iter().find(|d| d["kind"] == "swizzled_scales").unwrap();
     assert_eq!(sw["fails"], false);
@@ -1050,16 +1054,15 @@ fn scales_swizzled_for_some_experts_only_fail() {
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
     let odd = r.gen_range(0..4);
     let dump = fx.root.join("mixed.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swizzle_only: vec![odd],
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let mixed: Vec<&Value> = d
         .iter()
@@ -1082,16 +1085,15 @@ fn scales_swizzled_for_some_experts_only_fail() {
     );
     // every expert swizzled: one layout, a note
     let dump = fx.root.join("all.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swizzle_only: (0..4).collect(),
             ..Default::default()
         },
+        &[],
+        0,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
     assert_eq!(
         diag_kinds(&out.json),
         ["swizzled_scales"],
@@ -1107,16 +1109,15 @@ fn scales_swizzled_for_some_experts_only_fail() {
 fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
     let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
     let dump = fx.root.join("u8.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             w2_scales_u8_bytes: true,
             ..Default::default()
         },
+        &[],
+        0,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
     assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
     let notes = out.json["notes"].to_string();
     assert!(
@@ -1126,16 +1127,15 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
     );
     // the same bytes tagged as another FP8 format: read by their dtype they are other values,
     // a mismatch on every down_proj (it passed with the note)
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             w2_scales_e5m2_tag: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let m = out.json["mismatches"].as_array().unwrap();
     assert!(
         !m.is_empty()
@@ -1148,9 +1148,7 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
         fx.seed
     );
     // the reference's own dtype: no such note
-    write_fused(&fx.model, &dump, &Faults::default());
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 0, fx.seed);
+    let out = fx.run_fused(&dump, &Faults::default(), &[], 0);
     assert!(
         !out.json["notes"].to_string().contains("U8"),
         "seed {}",
@@ -1164,16 +1162,15 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
 fn packed_codes_stored_as_i8_are_a_dtype_mismatch() {
     let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
     let dump = fx.root.join("i8.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             w2_i8: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let m = out.json["mismatches"].as_array().unwrap();
     assert_eq!(m.len(), fx.model.experts.len(), "seed {}: {m:?}", fx.seed);
     for u in m {
@@ -1279,16 +1276,15 @@ fn converted_and_misshapen_block_scales_are_named() {
 fn scale_2_and_input_scale_swapped_are_named() {
     let fx = fixture(2);
     let dump = fx.root.join("ws2-in.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             swap_scale_2_input: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     assert_eq!(
         diag_kinds(&out.json),
         ["scale_2_input_scale_swapped"],
@@ -1314,16 +1310,15 @@ fn scale_2_and_input_scale_swapped_are_named() {
 fn scale_2_flipped_and_gate_only_scale_2_are_named() {
     let fx = fixture(3);
     let dump = fx.root.join("flip.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             flip_w2_scale_2: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let f = d
         .iter()
@@ -1337,16 +1332,15 @@ fn scale_2_flipped_and_gate_only_scale_2_are_named() {
         .all(|m| m["name"].as_str().unwrap().ends_with("down_proj.weight")));
 
     let dump = fx.root.join("gate-only.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             gate_only_scale_2: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let g = d
         .iter()
@@ -1403,16 +1397,15 @@ fn nan_block_scale_is_located() {
 fn scale_2_rounded_to_bf16_is_named() {
     let fx = fixture(2);
     let dump = fx.root.join("bf16-scale-2.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             w2_scale_2_bf16: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let m = out.json["mismatches"].as_array().unwrap();
     // each of the 2 experts' down_proj, unless its weight_scale_2 lies so close to a BF16 value
     // that the rounding stays within --min-cosine (seeds 16322066112360010897 and
@@ -1492,12 +1485,12 @@ fn an_expert_never_loaded_is_named_all_zero() {
 fn a_full_dump_compared_as_an_ep_shard_is_named() {
     let fx = fixture(4);
     let dump = fx.root.join("full.safetensors");
-    write_fused(&fx.model, &dump, &Faults::default());
-    let out = run(
-        &fx.root,
-        &[s(&fx.ckpt), s(&dump), "--ep-rank", "0", "--ep-size", "2"],
+    let out = fx.run_fused(
+        &dump,
+        &Faults::default(),
+        &["--ep-rank", "0", "--ep-size", "2"],
+        1,
     );
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let e = d
         .iter()
@@ -1523,16 +1516,15 @@ fn a_full_dump_compared_as_an_ep_shard_is_named() {
 fn missing_and_extra_tensors_are_listed() {
     let fx = fixture(2);
     let dump = fx.root.join("me.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             drop_and_add: true,
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     assert_eq!(
         out.json["missing"],
         serde_json::json!([format!(
@@ -1613,16 +1605,15 @@ fn vllm_processed_state_dict_and_its_derived_scales() {
 fn expert_permutation_is_named() {
     let fx = fixture(4);
     let dump = fx.root.join("perm.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             order: Some(vec![1, 0, 2, 3]),
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let p = d
         .iter()
@@ -1639,16 +1630,15 @@ fn expert_permutation_is_named() {
 fn an_expert_loaded_twice_is_not_an_ep_offset() {
     let fx = fixture(4);
     let dump = fx.root.join("dup.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             order: Some(vec![0, 1, 2, 0]),
             ..Default::default()
         },
+        &[],
+        1,
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    check(&out, 1, fx.seed);
     let d = out.json["diagnoses"].as_array().unwrap();
     let p = d
         .iter()
@@ -1838,19 +1828,15 @@ fn a_whole_dump_compared_as_a_tp_rank_is_named() {
     assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
     // a real shard under the same flags: no such diagnosis (tp_and_ep_shards_… checks the rest)
     let dump = fx.root.join("shard.safetensors");
-    write_fused(
-        &fx.model,
+    let out = fx.run_fused(
         &dump,
         &Faults {
             tp: Some((0, 2)),
             ..Default::default()
         },
+        &["--tp-rank", "0", "--tp-size", "2"],
+        0,
     );
-    let out = run(
-        &fx.root,
-        &[s(&fx.ckpt), s(&dump), "--tp-rank", "0", "--tp-size", "2"],
-    );
-    check(&out, 0, fx.seed);
     assert!(!diag_kinds(&out.json).contains(&"tp_not_sharded".to_string()));
 }
 
