@@ -780,7 +780,7 @@ fn native_v4_names_and_prefixes_pair_up() {
         .contains("native-v4"));
     // an extra wrapper prefix on the engine side is found by itself
     let dump = fx.root.join("wrapped.safetensors");
-    let out = fx.run_fused(
+    fx.run_fused(
         &dump,
         &Faults {
             prefix: Some("language_model.model."),
