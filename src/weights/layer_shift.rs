@@ -66,8 +66,10 @@ pub fn layer_shift(
     let found: Vec<(usize, usize, Vec<usize>)> = by_layer
         .par_iter()
         .filter_map(|(&l, units)| {
-            // a few probes: one of the layer's tensors may be wrong in its own way
-            let from = units.iter().take(3).find_map(|&i| {
+            // a few probes, matrices only (one may be wrong in its own way, and a norm's
+            // vector can be the same in every layer: ones, before training)
+            let matrices = units.iter().filter(|&&i| results[i].a_shape.len() >= 2);
+            let from = matrices.take(3).find_map(|&i| {
                 let probe = &results[i].name;
                 let (fb, geom) = own(b, probe, Depth::Sample)?;
                 a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
