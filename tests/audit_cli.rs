@@ -733,16 +733,6 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
     }
 }
 
-/// `synth --out dir --seed seed` (tiny preset: MoE layers 1 and 2, 16 experts, BF16 originals
-/// under dir/bf16/) with `extra` arguments.
-fn synth(dir: &Path, seed: u64, extra: &[&str]) {
-    let seed = seed.to_string();
-    let mut args = vec!["synth", "--out", p(dir), "--seed", &seed];
-    args.extend_from_slice(extra);
-    let o = run(&args);
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-}
-
 /// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
 fn read_all(path: &Path) -> Tensors {
     let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();

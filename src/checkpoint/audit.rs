@@ -62,7 +62,7 @@
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
-use super::config::QuantMethod;
+use super::config::{exclude_pattern, QuantMethod};
 use super::file::{is_float, TensorFile, TensorInfo};
 use super::formats::{self, Convention, LinearNames};
 use super::hf::Checkpoint;
@@ -1716,17 +1716,6 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         detail,
     }));
     Ok(())
-}
-
-/// An exclude_modules / ignore entry as a regex over module names: compressed-tensors'
-/// `re:` entries as regexes anchored at the start (Python's `re.match`), the others as
-/// whole-name globs (`*` any run of characters, ModelOpt's and vLLM's reading).
-fn exclude_pattern(pat: &str) -> Option<regex::Regex> {
-    let src = match pat.strip_prefix("re:") {
-        Some(r) => format!("^(?:{r})"),
-        None => format!("^{}$", regex::escape(pat).replace(r"\*", ".*")),
-    };
-    regex::Regex::new(&src).ok()
 }
 
 /// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).
