@@ -1525,7 +1525,8 @@ fn exclude_modules_covering_quantized_linears_is_named() {
 /// U8 [N, K/2] codes and block scales belong. synth's checkpoints (HF and native V4 names) and
 /// quantize's output exclude each of theirs; dropping one attention projection's entry is an
 /// error naming it; an emptied list names the attention and dense-MLP linears but neither the
-/// embedding, the lm_head, the router gate nor an FP8 weight (another scheme).
+/// embedding, the lm_head, the router gate, MTP's eh_proj and shared_head.head nor an FP8
+/// weight (another scheme).
 #[test]
 fn float_linears_the_exclude_list_leaves_out_are_named() {
     let (seed, mut r) = rng("audit float linears vs exclude_modules");
@@ -1572,6 +1573,18 @@ fn float_linears_the_exclude_list_leaves_out_are_named() {
         &[1, 1],
         &[r.gen_range(1e-3..1e-2)],
     ));
+    // an MTP layer after the 2: eh_proj and shared_head.head are plain layers in engines
+    f.config["num_nextn_predict_layers"] = 1.into();
+    f.tensors.push(bf16(
+        "model.layers.2.eh_proj.weight",
+        &[32, 64],
+        &weights(&mut r, 32, 64),
+    ));
+    f.tensors.push(bf16(
+        "model.layers.2.shared_head.head.weight",
+        &[1000, 32],
+        &weights(&mut r, 1000, 32),
+    ));
     let inp = d.path().join("bf16");
     f.write(&inp);
     let out = d.path().join("quantized");
@@ -1582,6 +1595,8 @@ fn float_linears_the_exclude_list_leaves_out_are_named() {
         "mlp.gate.",
         "lm_head",
         "embed_tokens",
+        "eh_proj",
+        "shared_head",
     ] {
         args.extend(["--exclude", x]);
     }
@@ -1626,7 +1641,14 @@ fn float_linears_the_exclude_list_leaves_out_are_named() {
     assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
     let detail = &found[0].2;
     assert!(detail.contains("cover 11 float"), "seed {seed}: {detail}");
-    for never in ["embed_tokens", "lm_head", "mlp.gate`", "kv_b_proj"] {
+    for never in [
+        "embed_tokens",
+        "lm_head",
+        "mlp.gate`",
+        "kv_b_proj",
+        "eh_proj",
+        "head`",
+    ] {
         assert!(!detail.contains(never), "seed {seed}: {never} in {detail}");
     }
 }

@@ -1732,10 +1732,19 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
 }
 
 /// Modules engines never quantize whatever the config says: embeddings, the output head (also
-/// MTP's `shared_head.head`) and the MoE router `gate` (not `gate_proj`).
+/// MTP's `shared_head.head`), the MoE router `gate` (not `gate_proj`) and MTP's `eh_proj`
+/// (a plain `nn.Linear` in vLLM's and SGLang's DeepSeek MTP, built without the quant config).
 fn never_quantized(module: &str) -> bool {
     let last = module.rsplit('.').next().unwrap_or(module);
-    ["embed_tokens", "embed", "lm_head", "head", "gate"].contains(&last)
+    [
+        "embed_tokens",
+        "embed",
+        "lm_head",
+        "head",
+        "gate",
+        "eh_proj",
+    ]
+    .contains(&last)
 }
 
 /// Most module names a finding lists.
