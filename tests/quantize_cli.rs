@@ -400,8 +400,9 @@ fn quantized_input_keeps_its_exclude_list() {
 
 /// A weight whose amax is nonzero but so small that amax/2688 has no normal f32 (BF16 values
 /// of random sign and magnitude 1e-38..1e-36) would get the all-zero fallback scale and
-/// all-zero codes: refused like a NaN, naming the file, the tensor and its amax; --exclude
-/// keeps it as it is, and an all-zero tensor still quantizes (finite scales, DESIGN §2).
+/// all-zero codes; at 1e-35..3e-35 a subnormal weight_scale_2. Both are refused like a NaN,
+/// naming the file, the tensor and its amax; --exclude keeps it as it is, and an all-zero
+/// tensor still quantizes (finite scales, DESIGN §2).
 #[test]
 fn weights_too_small_for_their_own_scale_are_refused() {
     let (seed, mut r) = rng("quantize tiny amax");
@@ -411,43 +412,49 @@ fn weights_too_small_for_their_own_scale_are_refused() {
         d.path().join("b.safetensors"),
     );
     let (rows, cols) = (r.gen_range(1..20), 16 * r.gen_range(1..8));
-    let tiny: Vec<f32> = (0..rows * cols)
-        .map(|_| {
-            let m = 10f32.powf(r.gen_range(-38.0..-36.0));
-            let v = half::bf16::from_f32(if r.gen() { m } else { -m }).to_f32();
-            assert!(v != 0.0, "seed {seed}");
-            v
-        })
-        .collect();
-    let amax = tiny.iter().fold(0f32, |m, v| m.max(v.abs()));
     let name = "model.layers.0.mlp.experts.3.down_proj.weight";
-    let mut tensors = vec![
-        bf16(
-            "model.a.weight",
-            &[rows, cols],
-            &weights(&mut r, rows, cols),
-        ),
-        bf16(
-            "model.b.weight",
-            &[rows, cols],
-            &weights(&mut r, rows, cols),
-        ),
-    ];
-    tensors.insert(r.gen_range(0..=2), bf16(name, &[rows, cols], &tiny));
-    write(&inp, tensors.clone());
-    let o = run(&["quantize", p(&inp), p(&out)]);
-    assert_eq!(code(&o), 2, "seed {seed}: {}", stderr(&o));
-    let e = stderr(&o);
-    for want in [
-        "a.safetensors",
-        name,
-        &format!("amax {amax:e}"),
-        "every code would be zero",
-        "--exclude",
+    let mut tensors = vec![];
+    for (exponents, says) in [
+        (-38.0f32..-36.0, "every code would be zero"),
+        (-35.0..3e-35f32.log10(), "would be subnormal"),
     ] {
-        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+        let tiny: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                let m = 10f32.powf(r.gen_range(exponents.clone()));
+                let v = half::bf16::from_f32(if r.gen() { m } else { -m }).to_f32();
+                assert!(v != 0.0, "seed {seed}");
+                v
+            })
+            .collect();
+        let amax = tiny.iter().fold(0f32, |m, v| m.max(v.abs()));
+        tensors = vec![
+            bf16(
+                "model.a.weight",
+                &[rows, cols],
+                &weights(&mut r, rows, cols),
+            ),
+            bf16(
+                "model.b.weight",
+                &[rows, cols],
+                &weights(&mut r, rows, cols),
+            ),
+        ];
+        tensors.insert(r.gen_range(0..=2), bf16(name, &[rows, cols], &tiny));
+        write(&inp, tensors.clone());
+        let o = run(&["quantize", p(&inp), p(&out)]);
+        assert_eq!(code(&o), 2, "seed {seed} {says}: {}", stderr(&o));
+        let e = stderr(&o);
+        for want in [
+            "a.safetensors",
+            name,
+            &format!("amax {amax:e}"),
+            says,
+            "--exclude",
+        ] {
+            assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+        }
+        assert!(!out.exists(), "seed {seed}: nothing written");
     }
-    assert!(!out.exists(), "seed {seed}: nothing written");
     let o = run(&["quantize", p(&inp), p(&out), "--exclude", name]);
     assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
     let (f, src) = (
