@@ -733,16 +733,6 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
     }
 }
 
-/// `synth --out dir --seed seed` (tiny preset: MoE layers 1 and 2, 16 experts, BF16 originals
-/// under dir/bf16/) with `extra` arguments.
-fn synth(dir: &Path, seed: u64, extra: &[&str]) {
-    let seed = seed.to_string();
-    let mut args = vec!["synth", "--out", p(dir), "--seed", &seed];
-    args.extend_from_slice(extra);
-    let o = run(&args);
-    assert_eq!(code(&o), 0, "{}", stderr(&o));
-}
-
 /// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
 fn read_all(path: &Path) -> Tensors {
     let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();
@@ -1530,6 +1520,139 @@ fn exclude_modules_covering_quantized_linears_is_named() {
     assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
 }
 
+/// The converse: a float (BF16) linear that an NVFP4 quantization_config does not exclude.
+/// Engines that honor the list build an NVFP4 layer for it and find BF16 [N, K] where packed
+/// U8 [N, K/2] codes and block scales belong. synth's checkpoints (HF and native V4 names) and
+/// quantize's output exclude each of theirs; dropping one attention projection's entry is an
+/// error naming it; an emptied list names the attention and dense-MLP linears but neither the
+/// embedding, the lm_head, the router gate, MTP's eh_proj and shared_head.head nor an FP8
+/// weight (another scheme).
+#[test]
+fn float_linears_the_exclude_list_leaves_out_are_named() {
+    let (seed, mut r) = rng("audit float linears vs exclude_modules");
+    let d = tempfile::tempdir().unwrap();
+    for preset in ["tiny", "tiny-v4"] {
+        let ck = d.path().join(preset);
+        synth(&ck, r.gen(), &["--preset", preset, "--no-originals"]);
+        let (c, out, v) = audit(&ck);
+        assert_eq!(c, 0, "seed {seed} {preset}: {out}");
+        assert!(
+            findings_of(&v, "config_mismatch").is_empty(),
+            "seed {seed}: {out}"
+        );
+    }
+    // a model with BF16 attention and dense layer 0, quantized with --exclude substrings
+    let mut f = whole_model(&mut r, 2);
+    f.config
+        .as_object_mut()
+        .unwrap()
+        .remove("quantization_config");
+    let mut attention = vec![];
+    for l in 0..2 {
+        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            let m = format!("model.layers.{l}.self_attn.{proj}");
+            f.tensors.push(bf16(
+                &format!("{m}.weight"),
+                &[32, 32],
+                &weights(&mut r, 32, 32),
+            ));
+            attention.push(m);
+        }
+    }
+    let fp8: Vec<u8> = (0..32 * 32).map(|_| r.gen_range(0x01..0x7F)).collect();
+    f.tensors.push((
+        TensorSpec::new(
+            "model.layers.1.self_attn.kv_b_proj.weight",
+            Dtype::F8_E4M3,
+            &[32, 32],
+        ),
+        fp8,
+    ));
+    f.tensors.push(f32t(
+        "model.layers.1.self_attn.kv_b_proj.weight_scale_inv",
+        &[1, 1],
+        &[r.gen_range(1e-3..1e-2)],
+    ));
+    // an MTP layer after the 2: eh_proj and shared_head.head are plain layers in engines
+    f.config["num_nextn_predict_layers"] = 1.into();
+    f.tensors.push(bf16(
+        "model.layers.2.eh_proj.weight",
+        &[32, 64],
+        &weights(&mut r, 32, 64),
+    ));
+    f.tensors.push(bf16(
+        "model.layers.2.shared_head.head.weight",
+        &[1000, 32],
+        &weights(&mut r, 1000, 32),
+    ));
+    let inp = d.path().join("bf16");
+    f.write(&inp);
+    let out = d.path().join("quantized");
+    let mut args = vec!["quantize", p(&inp), p(&out)];
+    for x in [
+        "self_attn",
+        "layers.0.mlp.",
+        "mlp.gate.",
+        "lm_head",
+        "embed_tokens",
+        "eh_proj",
+        "shared_head",
+    ] {
+        args.extend(["--exclude", x]);
+    }
+    let o = run(&args);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let (c, o, _) = audit(&out);
+    assert_eq!(c, 0, "seed {seed}: {o}");
+    let (list, _) = exclude_lists(&out);
+    let set_list = |list: &[String]| {
+        let cfg_path = out.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+        cfg["quantization_config"]["exclude_modules"] = serde_json::json!(list);
+        std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    };
+    // one attention projection's entry dropped
+    let victim = &attention[r.gen_range(0..attention.len())];
+    let fewer: Vec<String> = list.iter().filter(|m| *m != victim).cloned().collect();
+    assert_eq!(fewer.len() + 1, list.len(), "seed {seed}: {list:?}");
+    set_list(&fewer);
+    let (c, o, v) = audit(&out);
+    assert_eq!(c, 1, "seed {seed}: {o}");
+    let found = findings_of(&v, "config_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
+    let (tensor, file, detail) = &found[0];
+    assert!(
+        tensor == "quantization_config" && file.ends_with("config.json"),
+        "seed {seed}: {found:?}"
+    );
+    for want in [&format!("`{victim}`"), "1 float", "NVFP4"] {
+        assert!(
+            detail.contains(want),
+            "seed {seed}: no {want:?} in {detail}"
+        );
+    }
+    assert!(o.contains(victim.as_str()), "seed {seed}: {o}");
+    // the list emptied: the 8 attention projections and the dense MLP's 3, nothing else
+    set_list(&[]);
+    let (c, o, v) = audit(&out);
+    assert_eq!(c, 1, "seed {seed}: {o}");
+    let found = findings_of(&v, "config_mismatch");
+    assert_eq!(found.len(), 1, "seed {seed}: {found:?}");
+    let detail = &found[0].2;
+    assert!(detail.contains("cover 11 float"), "seed {seed}: {detail}");
+    for never in [
+        "embed_tokens",
+        "lm_head",
+        "mlp.gate`",
+        "kv_b_proj",
+        "eh_proj",
+        "head`",
+    ] {
+        assert!(!detail.contains(never), "seed {seed}: {never} in {detail}");
+    }
+}
+
 /// A quantization_config whose method is not NVFP4 over NVFP4 tensors (engines pick their
 /// loader from it), and NVFP4 promised over a checkpoint without NVFP4 tensors: errors naming
 /// config.json, the stated method and what the tensors are.
@@ -1616,6 +1739,9 @@ fn whole_model(r: &mut impl Rng, layers: usize) -> Fixture {
             .push(bf16(&format!("model.layers.0.mlp.{p}.weight"), &shape, &w));
     }
     f.config["num_hidden_layers"] = layers.into();
+    // the dense layer stays BF16, as ModelOpt exports it
+    f.config["quantization_config"]["exclude_modules"] =
+        serde_json::json!(["lm_head", "*.self_attn.*", "model.layers.0.mlp.*"]);
     f
 }
 

@@ -115,8 +115,26 @@ fn hf_directory_is_mirrored() {
     let cfg = c.config().unwrap();
     let qc = cfg.quant.unwrap();
     assert_eq!(qc.algo.as_deref(), Some("NVFP4"));
-    assert_eq!(qc.exclude_modules, vec!["mlp.gate.".to_string()]);
-    assert!(out.join("hf_quant_config.json").is_file());
+    // engines read exclude_modules as module names / whole-name globs, never as substrings:
+    // the exact modules of the float weight matrices left unquantized (--exclude'd, K % 16 != 0)
+    let want = vec![
+        "model.embed.odd".to_string(),
+        "model.layers.0.mlp.gate".to_string(),
+    ];
+    assert_eq!(qc.exclude_modules, want, "seed {seed}");
+    assert_eq!(exclude_lists(&out), (want.clone(), want), "seed {seed}");
+    let help = std::process::Command::new(bin())
+        .args(["quantize", "--help"])
+        .output()
+        .unwrap();
+    let help = stdout(&help)
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(
+        help.contains("exclude_modules") && help.contains("exact module names"),
+        "{help}"
+    );
     assert_eq!(
         std::fs::read(out.join("tokenizer.json")).unwrap(),
         b"{\"tok\": 1}"
@@ -304,4 +322,160 @@ fn float_weights_left_unquantized_are_named() {
         "seed {seed}: {nq:?}"
     );
     assert!(stdout(&o).contains("m.odd.weight"), "{}", stdout(&o));
+}
+
+/// An input that is already an NVFP4 checkpoint (synth's, HF and native V4 names, plus a BF16
+/// attention projection its `*.self_attn.*` / `*.attn.*` entry covers): the float linears its
+/// quantization_config excludes are copied, not quantized, already-quantized tensors are
+/// copied byte for byte, the input's exclude list stays in the output's with the exact modules
+/// kept, the report counts them, and the output audits clean.
+#[test]
+fn quantized_input_keeps_its_exclude_list() {
+    let (seed, mut r) = rng("quantize a quantized checkpoint");
+    let d = tempfile::tempdir().unwrap();
+    for (preset, attn) in [
+        ("tiny", "model.layers.1.self_attn.o_proj.weight"),
+        ("tiny-v4", "layers.1.attn.wo.weight"),
+    ] {
+        let (inp, out) = (d.path().join(preset), d.path().join(format!("{preset}-q")));
+        synth(&inp, r.gen(), &["--preset", preset, "--no-originals"]);
+        let h = 256;
+        add_shard(
+            &inp,
+            "attention.safetensors",
+            vec![bf16(attn, &[h, h], &weights(&mut r, h, h))],
+        );
+        let (entries, _) = exclude_lists(&inp);
+        let src = Checkpoint::open(&inp).unwrap();
+        let kept: Vec<&str> = src
+            .names()
+            .filter(|n| n.ends_with(".weight"))
+            .filter(|n| {
+                let t = src.info(n).unwrap();
+                t.dtype == Dtype::BF16 && t.shape.len() == 2
+            })
+            .collect();
+        assert!(kept.len() > 4 && kept.contains(&attn), "{preset}: {kept:?}");
+        let json = d.path().join(format!("{preset}.json"));
+        let o = run(&["quantize", p(&inp), p(&out), "--json", p(&json)]);
+        assert_eq!(code(&o), 0, "seed {seed} {preset}: {}", stderr(&o));
+        let c = Checkpoint::open(&out).unwrap();
+        assert_eq!(
+            c.names().count(),
+            src.names().count(),
+            "seed {seed} {preset}"
+        );
+        for n in src.names() {
+            let (a, b) = (c.info(n).unwrap(), src.info(n).unwrap());
+            assert_eq!((a.dtype, &a.shape), (b.dtype, &b.shape), "seed {seed} {n}");
+            assert!(
+                c.bytes(n).unwrap() == src.bytes(n).unwrap(),
+                "seed {seed}: {n} not copied byte for byte"
+            );
+        }
+        let rep: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        assert_eq!(rep["summary"]["quantized"], 0, "seed {seed} {preset}");
+        assert_eq!(
+            rep["summary"]["excluded_by_input_config"],
+            kept.len(),
+            "seed {seed} {preset}"
+        );
+        let mut want: Vec<String> = kept
+            .iter()
+            .map(|n| n.trim_end_matches(".weight").to_string())
+            .chain(entries)
+            .collect();
+        want.sort();
+        want.dedup();
+        assert_eq!(
+            exclude_lists(&out),
+            (want.clone(), want),
+            "seed {seed} {preset}"
+        );
+        let o = run(&["audit", p(&out)]);
+        assert_eq!(code(&o), 0, "seed {seed} {preset}: {}", stdout(&o));
+    }
+}
+
+/// A weight whose amax is nonzero but so small that amax/2688 has no normal f32 (BF16 values
+/// of random sign and magnitude 1e-38..1e-36) would get the all-zero fallback scale and
+/// all-zero codes; at 1e-35..3e-35 a subnormal weight_scale_2. Both are refused like a NaN,
+/// naming the file, the tensor and its amax; --exclude keeps it as it is, and an all-zero
+/// tensor still quantizes (finite scales, DESIGN §2).
+#[test]
+fn weights_too_small_for_their_own_scale_are_refused() {
+    let (seed, mut r) = rng("quantize tiny amax");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let (rows, cols) = (r.gen_range(1..20), 16 * r.gen_range(1..8));
+    let name = "model.layers.0.mlp.experts.3.down_proj.weight";
+    let mut tensors = vec![];
+    for (exponents, says) in [
+        (-38.0f32..-36.0, "every code would be zero"),
+        (-35.0..3e-35f32.log10(), "would be subnormal"),
+    ] {
+        let tiny: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                let m = 10f32.powf(r.gen_range(exponents.clone()));
+                let v = half::bf16::from_f32(if r.gen() { m } else { -m }).to_f32();
+                assert!(v != 0.0, "seed {seed}");
+                v
+            })
+            .collect();
+        let amax = tiny.iter().fold(0f32, |m, v| m.max(v.abs()));
+        tensors = vec![
+            bf16(
+                "model.a.weight",
+                &[rows, cols],
+                &weights(&mut r, rows, cols),
+            ),
+            bf16(
+                "model.b.weight",
+                &[rows, cols],
+                &weights(&mut r, rows, cols),
+            ),
+        ];
+        tensors.insert(r.gen_range(0..=2), bf16(name, &[rows, cols], &tiny));
+        write(&inp, tensors.clone());
+        let o = run(&["quantize", p(&inp), p(&out)]);
+        assert_eq!(code(&o), 2, "seed {seed} {says}: {}", stderr(&o));
+        let e = stderr(&o);
+        for want in [
+            "a.safetensors",
+            name,
+            &format!("amax {amax:e}"),
+            says,
+            "--exclude",
+        ] {
+            assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+        }
+        assert!(!out.exists(), "seed {seed}: nothing written");
+    }
+    let o = run(&["quantize", p(&inp), p(&out), "--exclude", name]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let (f, src) = (
+        TensorFile::open(&out).unwrap(),
+        TensorFile::open(&inp).unwrap(),
+    );
+    assert!(
+        f.bytes(name).unwrap() == src.bytes(name).unwrap(),
+        "seed {seed}: the --exclude'd tensor is copied"
+    );
+    assert_eq!(f.info("model.a.weight").unwrap().dtype, Dtype::U8);
+    // the refusal is for tiny nonzero values only: the same tensor all zero quantizes
+    for t in tensors.iter_mut().filter(|t| t.0.name == name) {
+        t.1.iter_mut().for_each(|b| *b = 0);
+    }
+    write(&inp, tensors);
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let f = TensorFile::open(&out).unwrap();
+    let ws2 = f
+        .scalar_f32(&name.replace(".weight", ".weight_scale_2"))
+        .unwrap();
+    assert!(ws2.is_normal(), "seed {seed}: {ws2}");
 }

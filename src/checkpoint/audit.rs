@@ -38,6 +38,9 @@
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
 //!   `quantization_config`, or under one of another method or algorithm (`quant_method: fp8`:
 //!   engines pick their loader from it), or a group size other than 16;
+//! - an exclude list (exclude_modules / ignore) covering quantized linears, or an NVFP4 config
+//!   whose exclude list leaves out float (BF16/F16/F32) linears (not embeddings, heads or the
+//!   router gate, which engines never quantize): engines build an NVFP4 layer there;
 //! - an MoE layer's expert, shared-expert or router weight whose `[out, in]` is not what
 //!   config.json's `hidden_size`, `moe_intermediate_size`, `n_shared_experts` and
 //!   `n_routed_experts` make it (the engine builds the layer from config.json); a dense
@@ -62,7 +65,7 @@
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
 
-use super::config::QuantMethod;
+use super::config::{exclude_pattern, ExcludeList, QuantMethod};
 use super::file::{is_float, TensorFile, TensorInfo};
 use super::formats::{self, Convention, LinearNames};
 use super::hf::Checkpoint;
@@ -1682,6 +1685,16 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
             }
         }
     }
+    // the converse: float linears the config does not exclude; engines that honor the list
+    // build an NVFP4 layer for each and find a float [N, K] where packed codes belong
+    if let Some(q) = quant
+        .as_ref()
+        .filter(|q| nvfp4 > 0 && q.format() == Some(Format::Nvfp4))
+    {
+        if let Some(detail) = float_linears_not_excluded(ck, q) {
+            push(detail);
+        }
+    }
     // the method names the loader, and each loader looks for its own member names
     if let Some(q) = &quant {
         let count = |c: Convention| {
@@ -1718,15 +1731,56 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     Ok(())
 }
 
-/// An exclude_modules / ignore entry as a regex over module names: compressed-tensors'
-/// `re:` entries as regexes anchored at the start (Python's `re.match`), the others as
-/// whole-name globs (`*` any run of characters, ModelOpt's and vLLM's reading).
-fn exclude_pattern(pat: &str) -> Option<regex::Regex> {
-    let src = match pat.strip_prefix("re:") {
-        Some(r) => format!("^(?:{r})"),
-        None => format!("^{}$", regex::escape(pat).replace(r"\*", ".*")),
+/// Modules engines never quantize whatever the config says: embeddings, the output head (also
+/// MTP's `shared_head.head`), the MoE router `gate` (not `gate_proj`) and MTP's `eh_proj`
+/// (a plain `nn.Linear` in vLLM's and SGLang's DeepSeek MTP, built without the quant config).
+fn never_quantized(module: &str) -> bool {
+    let last = module.rsplit('.').next().unwrap_or(module);
+    [
+        "embed_tokens",
+        "embed",
+        "lm_head",
+        "head",
+        "gate",
+        "eh_proj",
+    ]
+    .contains(&last)
+}
+
+/// Most module names a finding lists.
+const NAMES_SHOWN: usize = 5;
+
+/// Float (BF16/F16/F32) linears of a checkpoint whose config promises NVFP4 and does not
+/// exclude them: engines that honor exclude_modules / ignore build an NVFP4 layer for each
+/// and find a float [N, K] where packed U8 [N, K/2] codes and block scales belong.
+fn float_linears_not_excluded(ck: &Checkpoint, q: &super::config::QuantConfig) -> Option<String> {
+    let excluded = ExcludeList::new(&q.exclude_modules);
+    let mut modules: Vec<&str> = ck
+        .names()
+        .filter_map(|n| super::quantize::float_matrix_module(n, ck.info(n).ok()?))
+        .filter(|m| !never_quantized(m) && !excluded.covers(m))
+        .collect();
+    modules.sort_unstable();
+    if modules.is_empty() {
+        return None;
+    }
+    let shown: Vec<String> = modules
+        .iter()
+        .take(NAMES_SHOWN)
+        .map(|m| format!("`{m}`"))
+        .collect();
+    let more = match modules.len().saturating_sub(NAMES_SHOWN) {
+        0 => String::new(),
+        k => format!(" and {k} more"),
     };
-    regex::Regex::new(&src).ok()
+    Some(format!(
+        "{} promises NVFP4 but its exclude list (exclude_modules / ignore) does not cover {} float (BF16/F16/F32) linear(s): {}{more}; \
+         engines that honor the list build an NVFP4 layer for each and find a float [N, K] weight where packed U8 [N, K/2] codes and block scales belong \
+         (a load error, or garbage): exclude them, or quantize them",
+        q.source.display(),
+        modules.len(),
+        shown.join(", ")
+    ))
 }
 
 /// The dtypes of a checkpoint's 2-D `*.weight` tensors with their counts (`BF16 x 3, U8 x 1`).

@@ -180,6 +180,36 @@ impl QuantConfig {
     }
 }
 
+/// An exclude_modules / ignore entry as a regex over module names: compressed-tensors'
+/// `re:` entries as regexes anchored at the start (Python's `re.match`), the others as
+/// whole-name globs (`*` any run of characters, ModelOpt's and vLLM's reading).
+pub fn exclude_pattern(pat: &str) -> Option<regex::Regex> {
+    let src = match pat.strip_prefix("re:") {
+        Some(r) => format!("^(?:{r})"),
+        None => format!("^{}$", regex::escape(pat).replace(r"\*", ".*")),
+    };
+    regex::Regex::new(&src).ok()
+}
+
+/// A compiled exclude list: which modules (names without `.weight`) it leaves unquantized.
+/// Entries that are no valid pattern cover nothing.
+#[derive(Clone, Debug, Default)]
+pub struct ExcludeList {
+    patterns: Vec<regex::Regex>,
+}
+
+impl ExcludeList {
+    pub fn new(entries: &[String]) -> ExcludeList {
+        ExcludeList {
+            patterns: entries.iter().filter_map(|p| exclude_pattern(p)).collect(),
+        }
+    }
+
+    pub fn covers(&self, module: &str) -> bool {
+        self.patterns.iter().any(|re| re.is_match(module))
+    }
+}
+
 /// Read `config.json` at `path`, and `hf_quant_config.json` next to it when present.
 /// `layers_hint` fills a missing `num_hidden_layers`.
 pub fn read_config(path: &Path, layers_hint: Option<usize>) -> Result<ModelConfig> {

@@ -7,18 +7,24 @@
 //! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
 //!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
 //!
-//! Other tensors are copied byte for byte. One tensor at a time: the input stays memory-mapped,
-//! only the outputs of the current tensor are held (a quarter of a BF16 tensor's size), and the
-//! blocks of a tensor are quantized on every core. The numerics are `nvfp4`'s own block
+//! Other tensors are copied byte for byte: already-quantized ones, and the float weights an
+//! input's own quantization_config excludes (a quantized checkpoint's attention, router,
+//! dense layers). The output's exclude_modules names every float weight matrix left
+//! unquantized (exact module names) plus the input's own exclude list.
+//!
+//! One tensor at a time: the input stays memory-mapped, only the outputs of the current
+//! tensor are held (a quarter of a BF16 tensor's size), and the blocks of a tensor are
+//! quantized on every core. The numerics are `nvfp4`'s own block
 //! quantizers with the global scale of `nvfp4::weight_global_scale`, so the bytes are those of
 //! `quantize_weight_nvfp4` (a test pins it).
 
+use super::config::{ExcludeList, QuantConfig};
 use super::file::{elem_size, TensorFile, TensorInfo};
 use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
 use super::writer::{f32_bytes, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
-use crate::nvfp4::{weight_global_scale, BlockStats, Format};
+use crate::nvfp4::{weight_global_scale, BlockStats, Format, GS_DENOM};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -32,7 +38,8 @@ pub struct QuantizeOptions {
     /// Quant-direction global scale for every tensor (`weight_scale_2 = 1/gs`); None: each
     /// tensor's own `2688 / amax`.
     pub gs: Option<f32>,
-    /// Tensors whose name contains one of these are copied, not quantized.
+    /// Tensors whose name contains one of these are copied, not quantized (the output's
+    /// exclude_modules then names their modules exactly).
     pub exclude: Vec<String>,
 }
 
@@ -49,8 +56,8 @@ pub struct QuantizedTensor {
     pub stats: BlockStats,
 }
 
-/// A float `*.weight` that was copied although no --exclude asked for it: its shape does not
-/// quantize.
+/// A float `*.weight` that was copied although neither --exclude nor the input's config asked
+/// for it: its shape does not quantize.
 #[derive(Clone, Debug, Serialize)]
 pub struct NotQuantized {
     pub name: String,
@@ -69,8 +76,10 @@ pub struct QuantizeSummary {
     pub bytes_out: u64,
     pub blocks: BlockStats,
     pub tensors: Vec<QuantizedTensor>,
-    /// Float `*.weight` tensors copied for their shape, not by --exclude.
+    /// Float `*.weight` tensors copied for their shape, not by --exclude or the input's config.
     pub not_quantized: Vec<NotQuantized>,
+    /// Float `*.weight` tensors copied because the input's quantization_config excludes them.
+    pub excluded_by_input_config: Vec<String>,
 }
 
 enum Item {
@@ -95,6 +104,9 @@ struct FilePlan {
     items: Vec<Item>,
     specs: Vec<TensorSpec>,
     not_quantized: Vec<NotQuantized>,
+    excluded_by_input_config: Vec<String>,
+    /// Modules of the float weight matrices this file leaves unquantized (any reason).
+    unquantized_modules: Vec<String>,
 }
 
 /// A checked plan: every output name and shape is known before anything is written.
@@ -102,6 +114,8 @@ pub struct QuantizePlan {
     ckpt: Checkpoint,
     output: PathBuf,
     opts: QuantizeOptions,
+    /// The input's own exclude list (exclude_modules / ignore), as written there.
+    input_exclude: Vec<String>,
     files: Vec<FilePlan>,
 }
 
@@ -112,14 +126,88 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// Does `name` (dtype, shape) get quantized under `opts`?
-pub fn is_quantizable(name: &str, t: &TensorInfo, opts: &QuantizeOptions) -> bool {
-    name.ends_with(".weight")
-        && matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
-        && t.shape.len() == 2
-        && t.shape[1] > 0
-        && t.shape[1].is_multiple_of(opts.format.block())
-        && !opts.exclude.iter().any(|x| name.contains(x.as_str()))
+fn is_float_weight_dtype(d: Dtype) -> bool {
+    matches!(d, Dtype::BF16 | Dtype::F16 | Dtype::F32)
+}
+
+/// The module (the name without `.weight`) of a float (BF16/F16/F32) 2-D `*.weight`: a
+/// linear layer's weight in high precision.
+pub fn float_matrix_module<'a>(name: &'a str, t: &TensorInfo) -> Option<&'a str> {
+    let module = name.strip_suffix(".weight")?;
+    (is_float_weight_dtype(t.dtype) && t.shape.len() == 2).then_some(module)
+}
+
+/// Why a float weight matrix is copied rather than quantized.
+enum Kept {
+    /// `--exclude` names it.
+    Excluded,
+    /// The input's quantization_config excludes its module.
+    InputConfig,
+    /// Its shape does not quantize (the reason).
+    Shape(String),
+}
+
+/// What `quantize` does with one tensor.
+enum Treatment {
+    Quantize,
+    /// Not a float weight matrix (norms, biases, quantized tensors, scales): copied.
+    Copy,
+    Keep(Kept),
+}
+
+/// What happens to `name` (dtype, shape) under `opts` and the input's exclude list.
+fn treatment(
+    name: &str,
+    t: &TensorInfo,
+    opts: &QuantizeOptions,
+    input_exclude: &ExcludeList,
+) -> Treatment {
+    let Some(module) = name.strip_suffix(".weight") else {
+        return Treatment::Copy;
+    };
+    // 1-D norm weights are never quantized
+    if !is_float_weight_dtype(t.dtype) || t.shape.len() < 2 {
+        return Treatment::Copy;
+    }
+    if opts.exclude.iter().any(|x| name.contains(x.as_str())) {
+        return Treatment::Keep(Kept::Excluded);
+    }
+    if input_exclude.covers(module) {
+        return Treatment::Keep(Kept::InputConfig);
+    }
+    let block = opts.format.block();
+    let reason = match t.shape.as_slice() {
+        [_, 0] => "K = 0".to_string(),
+        [_, k] if !k.is_multiple_of(block) => format!(
+            "K = {k} is not a multiple of the {} block ({block})",
+            opts.format.name()
+        ),
+        [_, _] => return Treatment::Quantize,
+        s => format!("{}-D: only 2-D [N, K] weights are quantized", s.len()),
+    };
+    Treatment::Keep(Kept::Shape(reason))
+}
+
+/// The input's quantization_config (config.json's, else hf_quant_config.json's), checked:
+/// a broken config.json is refused before anything is written.
+fn input_quant_config(ckpt: &Checkpoint) -> Result<Option<QuantConfig>> {
+    if !ckpt.is_dir() {
+        return Ok(None);
+    }
+    if let Some(cfg) = ckpt.config_path() {
+        let layers = super::names::Naming::detect(ckpt.names()).map(|n| {
+            super::names::layers_present(&n, ckpt.names())
+                .last()
+                .map_or(0, |l| l + 1)
+        });
+        return Ok(super::config::check_config_file(&cfg, layers)?.1);
+    }
+    let hq = ckpt.dir().join(HF_QUANT_CONFIG_FILE);
+    if !hq.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+    Ok(Some(super::config::parse_hf_quant_config(&hq, &text)?))
 }
 
 impl QuantizePlan {
@@ -159,16 +247,10 @@ impl QuantizePlan {
         }
         // inputs that cannot be right are refused before anything is written: a broken
         // config.json, NVFP4 triples whose members cannot belong together
-        if ckpt.is_dir() {
-            if let Some(cfg) = ckpt.config_path() {
-                let layers = super::names::Naming::detect(ckpt.names()).map(|n| {
-                    super::names::layers_present(&n, ckpt.names())
-                        .last()
-                        .map_or(0, |l| l + 1)
-                });
-                super::config::check_config_file(&cfg, layers)?;
-            }
-        }
+        let input_exclude = input_quant_config(&ckpt)?
+            .map(|q| q.exclude_modules)
+            .unwrap_or_default();
+        let covered = ExcludeList::new(&input_exclude);
         for base in super::formats::quantized_bases(&ckpt) {
             if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
                 super::formats::check_linear(&ckpt, &ln)?;
@@ -188,12 +270,13 @@ impl QuantizePlan {
                     out.display()
                 )));
             }
-            files.push(plan_file(i, shard, out, &opts)?);
+            files.push(plan_file(i, shard, out, &opts, &covered)?);
         }
         Ok(QuantizePlan {
             ckpt,
             output: output.to_path_buf(),
             opts,
+            input_exclude,
             files,
         })
     }
@@ -215,6 +298,8 @@ impl QuantizePlan {
         }
         for fp in &self.files {
             sum.not_quantized.extend(fp.not_quantized.iter().cloned());
+            sum.excluded_by_input_config
+                .extend(fp.excluded_by_input_config.iter().cloned());
             self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
         }
@@ -359,6 +444,21 @@ impl QuantizePlan {
         Ok(())
     }
 
+    /// The output's exclude list: the exact module names of every float weight matrix left
+    /// unquantized (engines read entries as module names or whole-name globs, never as
+    /// substrings), and the input's own entries; sorted, without duplicates.
+    fn exclude_modules(&self) -> Vec<String> {
+        let mut all: Vec<String> = self
+            .files
+            .iter()
+            .flat_map(|f| f.unquantized_modules.iter().cloned())
+            .chain(self.input_exclude.iter().cloned())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
     /// Index, config.json with quantization_config, hf_quant_config.json, and the other small
     /// files of an HF directory (tokenizer, generation config) copied as they are.
     fn write_side_files(&self, sum: &QuantizeSummary) -> Result<()> {
@@ -367,7 +467,7 @@ impl QuantizePlan {
             Format::Nvfp4 => ("NVFP4", 16),
             Format::Mxfp4 => ("MXFP4", 32),
         };
-        let exclude: Vec<String> = self.opts.exclude.clone();
+        let exclude = self.exclude_modules();
         let producer = json!({"name": "nvfp4dbg", "version": env!("CARGO_PKG_VERSION")});
         if let Some(ix) = self.ckpt.index_path() {
             let old: Value = std::fs::read(ix)
@@ -448,39 +548,31 @@ fn plan_file(
     f: &TensorFile,
     output: PathBuf,
     opts: &QuantizeOptions,
+    input_exclude: &ExcludeList,
 ) -> Result<FilePlan> {
-    let mut items = vec![];
-    let mut specs = vec![];
-    let mut not_quantized = vec![];
+    let mut plan = FilePlan {
+        shard,
+        output,
+        items: vec![],
+        specs: vec![],
+        not_quantized: vec![],
+        excluded_by_input_config: vec![],
+        unquantized_modules: vec![],
+    };
     let block = opts.format.block();
     for name in f.names() {
         let t = f.info(name)?;
-        if !is_quantizable(name, t, opts) {
-            // a float weight matrix no --exclude names: say why it stays as it is (1-D norm
-            // weights are never quantized and not worth a line)
-            let excluded = opts.exclude.iter().any(|x| name.contains(x.as_str()));
-            if name.ends_with(".weight")
-                && matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32)
-                && t.shape.len() >= 2
-                && !excluded
-            {
-                let reason = match t.shape.as_slice() {
-                    [_, k] if *k == 0 => "K = 0".to_string(),
-                    [_, k] => format!(
-                        "K = {k} is not a multiple of the {} block ({block})",
-                        opts.format.name()
-                    ),
-                    s => format!("{}-D: only 2-D [N, K] weights are quantized", s.len()),
-                };
-                not_quantized.push(NotQuantized {
-                    name: name.to_string(),
-                    shape: t.shape.clone(),
-                    reason,
-                });
+        match treatment(name, t, opts, input_exclude) {
+            Treatment::Quantize => {}
+            Treatment::Copy => {
+                plan.copy(name, t);
+                continue;
             }
-            items.push(Item::Copy(name.to_string()));
-            specs.push(TensorSpec::new(name, t.dtype, &t.shape));
-            continue;
+            Treatment::Keep(k) => {
+                plan.keep(name, t, k);
+                plan.copy(name, t);
+                continue;
+            }
         }
         let (rows, cols) = (t.shape[0], t.shape[1]);
         let base = &name[..name.len() - ".weight".len()];
@@ -497,36 +589,55 @@ fn plan_file(
                 ));
             }
         }
-        specs.push(TensorSpec::new(name, Dtype::U8, &[rows, cols / 2]));
+        plan.specs
+            .push(TensorSpec::new(name, Dtype::U8, &[rows, cols / 2]));
         let sd = match opts.format {
             Format::Nvfp4 => Dtype::F8_E4M3,
             Format::Mxfp4 => Dtype::F8_E8M0,
         };
-        specs.push(TensorSpec::new(
+        plan.specs.push(TensorSpec::new(
             format!("{base}.weight_scale"),
             sd,
             &[rows, cols / block],
         ));
         if opts.format == Format::Nvfp4 {
-            specs.push(TensorSpec::new(
+            plan.specs.push(TensorSpec::new(
                 format!("{base}.weight_scale_2"),
                 Dtype::F32,
                 &[],
             ));
         }
-        items.push(Item::Quantize {
+        plan.items.push(Item::Quantize {
             name: name.to_string(),
             rows,
             cols,
         });
     }
-    Ok(FilePlan {
-        shard,
-        output,
-        items,
-        specs,
-        not_quantized,
-    })
+    Ok(plan)
+}
+
+impl FilePlan {
+    fn copy(&mut self, name: &str, t: &TensorInfo) {
+        self.items.push(Item::Copy(name.to_string()));
+        self.specs.push(TensorSpec::new(name, t.dtype, &t.shape));
+    }
+
+    /// A float weight left as it is: its module goes into the exclude list (2-D ones: the
+    /// linears engines would build), and the report says why when no --exclude asked for it.
+    fn keep(&mut self, name: &str, t: &TensorInfo, why: Kept) {
+        if let Some(m) = float_matrix_module(name, t) {
+            self.unquantized_modules.push(m.to_string());
+        }
+        match why {
+            Kept::Excluded => {}
+            Kept::InputConfig => self.excluded_by_input_config.push(name.to_string()),
+            Kept::Shape(reason) => self.not_quantized.push(NotQuantized {
+                name: name.to_string(),
+                shape: t.shape.clone(),
+                reason,
+            }),
+        }
+    }
 }
 
 /// One quantized tensor's outputs.
@@ -618,6 +729,31 @@ fn bits_to_f32(a: u32, d: Dtype) -> f32 {
     }
 }
 
+/// Why a tensor of (finite) max `|x|` `amax` has no usable own global scale: nonzero, but
+/// `amax / 2688` is not a normal f32. Where it or its reciprocal does not exist in f32,
+/// `weight_global_scale` takes amax as 1 (as for an all-zero tensor) and every code is zero;
+/// a subnormal `weight_scale_2` is read as 0 by kernels that flush subnormals.
+fn tiny_amax(amax: f32, name: &str) -> Option<String> {
+    let ws2 = amax / GS_DENOM;
+    if amax == 0.0 || ws2.is_normal() {
+        return None;
+    }
+    let harm = if ws2 > 0.0 && (1.0 / ws2).is_finite() {
+        format!(
+            "weight_scale_2 = amax/2688 = {ws2:e} would be subnormal (fewer significant bits; \
+             code built with flush-to-zero reads it as 0 and zeroes every output): refusing to quantize"
+        )
+    } else {
+        format!(
+            "amax/2688 = {ws2:e} or its reciprocal is no normal f32, so the global scale would \
+             fall back to amax = 1: refusing to quantize (every code would be zero)"
+        )
+    };
+    Some(format!(
+        "amax {amax:e} is nonzero, but {harm}; keep it unquantized with `--exclude {name}`"
+    ))
+}
+
 /// Quantize one float tensor `[rows, cols]` of `f`.
 pub fn quantize_tensor(
     f: &TensorFile,
@@ -676,6 +812,9 @@ pub fn quantize_tensor_into(
         (Format::Nvfp4, Some(gs)) => (gs, Some(1.0 / gs)),
         // the one-element slice has the tensor's amax: the same scales quantize_weight_nvfp4 picks
         (Format::Nvfp4, None) => {
+            if let Some(why) = tiny_amax(amax, name) {
+                return Err(Error::bad_tensor(f.path(), name, why));
+            }
             let (ws2, gs) = weight_global_scale(&[amax]);
             (gs, Some(ws2))
         }

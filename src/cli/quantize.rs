@@ -31,7 +31,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "nvfp4")]
     pub format: FormatArg,
     /// Copy tensors whose name contains SUBSTR instead of quantizing them (repeatable),
-    /// e.g. `--exclude lm_head --exclude mlp.gate.`
+    /// e.g. `--exclude lm_head --exclude mlp.gate.`. The output's exclude_modules (config.json,
+    /// hf_quant_config.json) lists the exact module names of every float weight matrix left
+    /// unquantized, plus the input's own exclude list, whose modules are copied, not quantized
     #[arg(long, value_name = "SUBSTR")]
     pub exclude: Vec<String>,
     #[command(flatten)]
@@ -76,6 +78,12 @@ pub fn run(args: &Args) -> Result<Report> {
         sum.copied,
         sum.output.display()
     );
+    if !sum.excluded_by_input_config.is_empty() {
+        headline += &format!(
+            "; {} float weight(s) kept unquantized as the input's quantization_config excludes them",
+            sum.excluded_by_input_config.len()
+        );
+    }
     if !sum.not_quantized.is_empty() {
         headline += &format!(
             "; {} float weight(s) left unquantized for their shape (first: `{}`, {})",
@@ -94,6 +102,10 @@ pub fn run(args: &Args) -> Result<Report> {
             ("files written", sum.files_written.to_string()),
             ("tensors quantized", sum.quantized.to_string()),
             ("tensors copied", sum.copied.to_string()),
+            (
+                "kept unquantized (input's exclude list)",
+                sum.excluded_by_input_config.len().to_string(),
+            ),
             (
                 "bytes in → out",
                 format!("{} → {}", sum.bytes_in, sum.bytes_out),
@@ -146,11 +158,13 @@ pub fn run(args: &Args) -> Result<Report> {
             "saturated": b.saturated,
             "flushed": b.flushed,
             "not_quantized": sum.not_quantized.len(),
+            "excluded_by_input_config": sum.excluded_by_input_config.len(),
         }))
         .with("input", &sum.input)
         .with("output", &sum.output)
         .with("tensors", &sum.tensors)
         .with("not_quantized", &sum.not_quantized)
+        .with("excluded_by_input_config", &sum.excluded_by_input_config)
         .section(overview);
     if !sum.tensors.is_empty() {
         report = report.section(table);

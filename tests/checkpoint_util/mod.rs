@@ -90,6 +90,42 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out
 }
 
+/// `synth --out dir --seed seed` (tiny preset: MoE layers 1 and 2, 16 experts, BF16 originals
+/// under dir/bf16/) with `extra` arguments.
+pub fn synth(dir: &Path, seed: u64, extra: &[&str]) {
+    let seed = seed.to_string();
+    let mut args = vec!["synth", "--out", p(dir), "--seed", &seed];
+    args.extend_from_slice(extra);
+    let o = run(&args);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}
+
+/// Add a shard `file` holding `tensors` to the sharded checkpoint `dir`, and its names to the
+/// index.
+pub fn add_shard(dir: &Path, file: &str, tensors: Vec<(TensorSpec, Vec<u8>)>) {
+    let ip = dir.join("model.safetensors.index.json");
+    let mut idx: serde_json::Value = serde_json::from_slice(&std::fs::read(&ip).unwrap()).unwrap();
+    let map = idx["weight_map"].as_object_mut().unwrap();
+    for (s, _) in &tensors {
+        map.insert(s.name.clone(), file.into());
+    }
+    std::fs::write(&ip, idx.to_string()).unwrap();
+    write(&dir.join(file), tensors);
+}
+
+/// The exclude list (exclude_modules) of config.json in `dir` and of its hf_quant_config.json.
+pub fn exclude_lists(dir: &Path) -> (Vec<String>, Vec<String>) {
+    let read = |f: &str, key: &str| -> Vec<String> {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(f)).unwrap()).unwrap();
+        serde_json::from_value(v[key]["exclude_modules"].clone()).unwrap()
+    };
+    (
+        read("config.json", "quantization_config"),
+        read("hf_quant_config.json", "quantization"),
+    )
+}
+
 /// A small DeepSeek-style config.json.
 pub fn config_json(h: usize, i: usize, e: usize, k: usize, layers: usize) -> serde_json::Value {
     serde_json::json!({
