@@ -2557,3 +2557,62 @@ fn make_bench_pair() {
     }
     w.finish().unwrap();
 }
+
+/// At DeepSeek's shapes both block-scale layouts have one size (2I a multiple of 128, H/16 of
+/// 4). A swapped or misplaced expert matches A under neither reading, so its layout comes from
+/// its fused tensor's other experts, read swizzled. Gate/up swapped and an expert permutation
+/// went unnamed there: "values differ" at cosine ~0, the expert's scales read linear.
+#[test]
+fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
+    let fx = fixture_dims(4, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 5);
+    let bad = r.gen_range(0..4);
+    let dump = fx.root.join("swapped.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            swizzle: true,
+            swap: vec![bad],
+            ..Default::default()
+        },
+        &[],
+        1,
+    );
+    let d = out.json["diagnoses"].as_array().unwrap();
+    assert!(
+        d.iter()
+            .any(|d| d["kind"] == "gate_up_swapped" && d["experts"] == serde_json::json!([bad])),
+        "seed {}: {d:?}",
+        fx.seed
+    );
+    let (x, y) = (bad, (bad + r.gen_range(1..4)) % 4);
+    let mut order: Vec<usize> = (0..4).collect();
+    order.swap(x, y);
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            swizzle: true,
+            order: Some(order),
+            ..Default::default()
+        },
+        &[],
+        1,
+    );
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let msg = p["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("{x}←{y}")) && msg.contains(&format!("{y}←{x}")),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    // every expert's scales are named swizzled, none linear
+    assert!(
+        !diag_kinds(&out.json).contains(&"mixed_scale_layouts".to_string()),
+        "seed {}: {d:?}",
+        fx.seed
+    );
+}

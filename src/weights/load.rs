@@ -10,6 +10,7 @@ use crate::checkpoint::formats::{input_scale, weight_scale_2};
 use crate::checkpoint::{Convention, Proj, TensorSource};
 use crate::nvfp4::Format;
 use safetensors::Dtype;
+use std::collections::BTreeSet;
 
 /// How a global scale was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,7 +76,13 @@ pub struct SideRef<'a> {
     pub inv: &'a Inventory,
     /// "A" or "B", for messages.
     pub label: &'static str,
+    /// Fused tensors (their names as stored) whose block scales are read swizzled where the
+    /// size allows both layouts.
+    pub swizzled: &'a BTreeSet<String>,
 }
+
+/// No fused tensor known swizzled.
+pub static NONE_SWIZZLED: BTreeSet<String> = BTreeSet::new();
 
 /// Why a unit cannot be read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,6 +197,7 @@ impl<'a> SideRef<'a> {
                 region: bytes_of(src, &ln.weight_scale)?,
                 region_rows: ws[0],
                 row0: 0,
+                tensor_swizzled: false,
             },
             scale_2,
             scale_2_shared: Shared::Own,
@@ -377,6 +385,7 @@ impl<'a> SideRef<'a> {
                 region: &sbytes[index * sper..(index + 1) * sper],
                 region_rows: r_all,
                 row0,
+                tensor_swizzled: self.swizzled.contains(src.original(wname)),
             },
             scale_2,
             scale_2_shared,

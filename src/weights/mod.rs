@@ -269,6 +269,7 @@ impl<'a> Plan<'a> {
             src: &a,
             inv: &a_inv,
             label: "A",
+            swizzled: &load::NONE_SWIZZLED,
         };
         let a_scalars: HashMap<ExpertProj, AScalars> = if b_inv.fused.is_empty() {
             HashMap::new()
@@ -326,46 +327,76 @@ impl<'a> Plan<'a> {
             src: &self.a,
             inv: &self.a_inv,
             label: "A",
+            swizzled: &load::NONE_SWIZZLED,
         };
         let b = SideRef {
             src: &self.b,
             inv: &self.b_inv,
             label: "B",
+            swizzled: &load::NONE_SWIZZLED,
         };
         let copts = compare::Options {
             tp: self.opts.tp,
             min_cosine: self.opts.min_cosine,
         };
         let lookup = |e: ExpertProj| self.a_scalars.get(&e).copied();
+        let compare_pair = |b: &SideRef, ka: &String, kb: &String| -> Result<UnitResult> {
+            let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
+            let (la, lb) = (a.load(&ua.source), b.load(&ub.source));
+            let r = match (&la, &lb) {
+                (Ok(ra), Ok(rb)) => {
+                    compare::compare(ka, ua.expert, ra, rb, &copts, &lookup, engine)?
+                }
+                (ra, rb) => {
+                    let mut u = UnitResult::new(ka, ua.expert);
+                    for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
+                        if let Some(e) = r {
+                            u.issue(e.issue_kind(), format!("{side}: {e}"));
+                        }
+                    }
+                    u.status = Status::Mismatch;
+                    u
+                }
+            };
+            // the page cache keeps the bytes; unmapping them keeps this process's page
+            // tables at one unit's size on a checkpoint of hundreds of GB
+            release(&self.a, &ua.source, la.as_ref().ok());
+            release(&self.b, &ub.source, lb.as_ref().ok());
+            Ok(r)
+        };
         let mut results: Vec<UnitResult> = self
             .pairs
             .par_iter()
-            .map(|(ka, kb)| -> Result<UnitResult> {
-                let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
-                let (la, lb) = (a.load(&ua.source), b.load(&ub.source));
-                let r = match (&la, &lb) {
-                    (Ok(ra), Ok(rb)) => {
-                        compare::compare(ka, ua.expert, ra, rb, &copts, &lookup, engine)?
-                    }
-                    (ra, rb) => {
-                        let mut u = UnitResult::new(ka, ua.expert);
-                        for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
-                            if let Some(e) = r {
-                                u.issue(e.issue_kind(), format!("{side}: {e}"));
-                            }
-                        }
-                        u.status = Status::Mismatch;
-                        u
-                    }
-                };
-                // the page cache keeps the bytes; unmapping them keeps this process's page
-                // tables at one unit's size on a checkpoint of hundreds of GB
-                release(&self.a, &ua.source, la.as_ref().ok());
-                release(&self.b, &ub.source, lb.as_ref().ok());
+            .map(|(ka, kb)| {
+                let r = compare_pair(&b, ka, kb);
                 tick();
-                Ok(r)
+                r
             })
             .collect::<Result<_>>()?;
+        // a fused tensor whose experts read swizzled and none linear: its experts that matched
+        // A under neither reading (gate and up swapped, another expert's weights: the nearer of
+        // two wrong readings says nothing) are read swizzled too, so that what they hold can
+        // be named
+        let swizzled = swizzled_fused_tensors(&results);
+        let b = SideRef {
+            swizzled: &swizzled,
+            ..b
+        };
+        let again: Vec<usize> = (0..results.len())
+            .filter(|&i| {
+                let r = &results[i];
+                r.b_scales == Some(view::ScalesSeen::Ambiguous)
+                    && r.status == Status::Mismatch
+                    && fused_tensor(r).is_some_and(|t| swizzled.contains(t))
+            })
+            .collect();
+        let redone: Vec<UnitResult> = again
+            .par_iter()
+            .map(|&i| compare_pair(&b, &self.pairs[i].0, &self.pairs[i].1))
+            .collect::<Result<_>>()?;
+        for (i, r) in again.into_iter().zip(redone) {
+            results[i] = r;
+        }
         let mut diagnoses = self.diagnoses;
         diagnoses.extend(diagnose::from_units(&results));
         if let Some(tp) = self.opts.tp {
@@ -442,6 +473,27 @@ impl<'a> Plan<'a> {
     pub fn tensor_counts(&self) -> (usize, usize) {
         (self.a.tensor_names().count(), self.b.tensor_names().count())
     }
+}
+
+/// The fused tensor (its name as stored) a unit of B comes from: `…w13_weight[5]` → `…w13_weight`.
+fn fused_tensor(r: &UnitResult) -> Option<&str> {
+    r.b.split_once('[').map(|(t, _)| t)
+}
+
+/// B's fused tensors whose experts were read swizzled, none of them linear: a kernel reads one
+/// layout for the whole tensor.
+fn swizzled_fused_tensors(results: &[UnitResult]) -> BTreeSet<String> {
+    let mut swizzled = BTreeSet::new();
+    let mut linear = BTreeSet::new();
+    for r in results {
+        let Some(t) = fused_tensor(r) else { continue };
+        match r.b_scales {
+            Some(view::ScalesSeen::Swizzled) => swizzled.insert(t.to_string()),
+            Some(_) if r.status != Status::Mismatch => linear.insert(t.to_string()),
+            _ => false,
+        };
+    }
+    &swizzled - &linear
 }
 
 /// One note per (B dtype, A dtype) of block scales that compare equal as codes but are stored

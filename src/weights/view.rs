@@ -328,6 +328,9 @@ pub struct RawScales<'a> {
     pub region: &'a [u8],
     pub region_rows: usize,
     pub row0: usize,
+    /// The other experts of this fused tensor were read swizzled: an ambiguous size is read
+    /// so too (a kernel takes one layout for the whole tensor).
+    pub tensor_swizzled: bool,
 }
 
 /// Rows `[row0, row0 + rows)` of a 128x4-swizzled `[.., kb]` scale matrix, in linear layout.
@@ -390,6 +393,11 @@ impl<'a> RawScales<'a> {
                 ambiguous: None,
             }),
             LayoutGuess::Swizzled => Ok(Scales {
+                linear: Cow::Owned(unswizzle_rows(self.region, kb, r0, rows)),
+                seen: ScalesSeen::Swizzled,
+                ambiguous: None,
+            }),
+            LayoutGuess::Ambiguous if self.tensor_swizzled => Ok(Scales {
                 linear: Cow::Owned(unswizzle_rows(self.region, kb, r0, rows)),
                 seen: ScalesSeen::Swizzled,
                 ambiguous: None,
@@ -690,6 +698,7 @@ mod tests {
                 region: bytes,
                 region_rows: rr,
                 row0: 70,
+                tensor_swizzled: false,
             };
             let s = raw.resolve(70, kb).unwrap();
             assert_eq!(s.seen, seen);
@@ -700,19 +709,26 @@ mod tests {
             region: &bad,
             region_rows: rr,
             row0: 0,
+            tensor_swizzled: false,
         };
         assert!(raw.resolve(70, kb).unwrap_err().contains("neither"));
         // 128 × 4: same size, ambiguous; the alternative is the swizzled reading
         let lin: Vec<u8> = (0..128 * 4).map(|_| r.gen_range(1..=0x7e)).collect();
         let sw = layout::swizzle(&lin, 128, 4);
-        let raw = RawScales {
+        let mut raw = RawScales {
             region: &sw,
             region_rows: 128,
             row0: 0,
+            tensor_swizzled: false,
         };
         let mut s = raw.resolve(128, 4).unwrap();
         assert_eq!(s.seen, ScalesSeen::Ambiguous);
         s.take_alternative();
+        assert_eq!(&s.linear[..], &lin[..], "seed {seed}");
+        // the tensor's other experts read swizzled: so is this one
+        raw.tensor_swizzled = true;
+        let s = raw.resolve(128, 4).unwrap();
+        assert_eq!(s.seen, ScalesSeen::Swizzled);
         assert_eq!(&s.linear[..], &lin[..], "seed {seed}");
     }
 }

@@ -66,7 +66,8 @@ def weights_swapped(d, layer, expert):
     diagnosed = "gate_up_swapped" in text
     got = (f"mismatches {names}; missing {len(d.get('missing', []))}, extra {len(d.get('extra', []))}; "
            f"gate_up_swapped diagnosis: {'yes' if diagnosed else 'no'}")
-    ok = d.get("verdict") == "fail" and set(names) == want and not d.get("missing") and not d.get("extra")
+    ok = (d.get("verdict") == "fail" and set(names) == want and diagnosed
+          and not d.get("missing") and not d.get("extra"))
     return ok, got
 
 

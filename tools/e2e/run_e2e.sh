@@ -163,7 +163,7 @@ run_step 5.1 "compare-weights: checkpoint vs clean engine dump" 0 \
     "pass (fused w13, swizzled scales recognized)" "weights_clean @JSON@" -- \
     "$NV" compare-weights ckpt dumps/engine-clean.safetensors --json @JSON@ --no-report-dir -q
 run_step 5.2 "compare-weights: engine dump, layer $SWAP_L expert $SWAP_E gate/up swapped" 1 \
-    "fail naming exactly model.layers.$SWAP_L.mlp.experts.$SWAP_E.{gate,up}_proj" \
+    "fail naming exactly model.layers.$SWAP_L.mlp.experts.$SWAP_E.{gate,up}_proj, diagnosed gate_up_swapped" \
     "weights_swapped @JSON@ $SWAP_L $SWAP_E" -- \
     "$NV" compare-weights ckpt dumps/engine-swapped.safetensors --json @JSON@ --no-report-dir -q
 
