@@ -2615,4 +2615,34 @@ fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
         "seed {}: {d:?}",
         fx.seed
     );
+    // every expert misplaced (a rotation): no expert confirms the layout, yet the permutation
+    // is found by the codes and confirmed under the scales' swizzled reading
+    let k = r.gen_range(1..4);
+    let order: Vec<usize> = (0..4).map(|e| (e + k) % 4).collect();
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            swizzle: true,
+            order: Some(order),
+            ..Default::default()
+        },
+        &[],
+        1,
+    );
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let p = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {} k {k}: {d:?}", fx.seed));
+    assert_eq!(
+        p["experts"],
+        serde_json::json!([0, 1, 2, 3]),
+        "seed {}: {p}",
+        fx.seed
+    );
+    assert!(
+        p["message"].as_str().unwrap().contains(&format!("0←{k}")),
+        "seed {}: {p}",
+        fx.seed
+    );
 }

@@ -1361,15 +1361,26 @@ pub enum Geom {
     D(Vec<usize>, Dtype),
 }
 
-/// Fingerprint of a unit at its own geometry, and that geometry.
-pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(u64, Geom)> {
+/// Fingerprints of a unit at its own geometry, and that geometry: one, or in full two when
+/// its block scales have a size both layouts fit and nothing decided which (linear first).
+pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(Vec<u64>, Geom)> {
     match r {
         Raw::Q(q) => {
-            let m = own_q(q)?;
-            Some((m.fingerprint(depth), Geom::Q(m.rows, m.cols)))
+            let (m, sc) = qmatrix(q, q.rows(), q.cols()).ok()?;
+            let mut fps = vec![m.fingerprint(depth)];
+            if depth == Depth::Full {
+                if let Some(alt) = sc.alternative() {
+                    let m = QMatrix {
+                        scales: std::borrow::Cow::Owned(alt),
+                        ..m.clone()
+                    };
+                    fps.push(m.fingerprint(depth));
+                }
+            }
+            Some((fps, Geom::Q(m.rows, m.cols)))
         }
         Raw::D(d) => Some((
-            dense_view(d)?.mat.fingerprint(depth),
+            vec![dense_view(d)?.mat.fingerprint(depth)],
             Geom::D(d.shape.clone(), d.dtype),
         )),
     }

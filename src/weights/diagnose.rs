@@ -291,9 +291,13 @@ pub fn cross_expert(
         let b_units = units_of(b_inv);
         let a_units = units_of(a_inv);
         // B fingerprints (sampled) and per-projection geometry
+        // a sample is one fingerprint: the codes, whatever the scales' layout
         let fp_b: HashMap<ExpertProj, (u64, Geom)> = b_units
             .par_iter()
-            .filter_map(|(e, s)| Some((*e, fingerprint_own(&b.load(s).ok()?, Depth::Sample)?)))
+            .filter_map(|(e, s)| {
+                let (fps, g) = fingerprint_own(&b.load(s).ok()?, Depth::Sample)?;
+                Some((*e, (*fps.first()?, g)))
+            })
             .collect();
         let mut geom: HashMap<Proj, Geom> = HashMap::new();
         for (e, (_, g)) in &fp_b {
@@ -329,7 +333,7 @@ pub fn cross_expert(
                 .and_then(|s| fingerprint_own(&b.load(&s).ok()?, Depth::Full))
                 .map(|(f, _)| f);
             let full_a = src_of(&a_units, ax).and_then(|s| fp_a_at(&ax, &s, Depth::Full));
-            full_b.is_some() && full_b == full_a
+            matches!((full_b, full_a), (Some(fb), Some(fa)) if fb.contains(&fa))
         };
 
         // gate and up swapped

@@ -24,8 +24,9 @@ fn with_layer(key: &str, layer: usize) -> Option<String> {
     Some(format!("{head}{layer}{tail}"))
 }
 
-/// B's unit `kb`'s fingerprint at `depth`, with the geometry to cut A's to.
-fn own(b: &SideRef, kb: &str, depth: Depth) -> Option<(u64, Geom)> {
+/// B's unit `kb`'s fingerprints at `depth` (one per reading of its scales), with the
+/// geometry to cut A's to.
+fn own(b: &SideRef, kb: &str, depth: Depth) -> Option<(Vec<u64>, Geom)> {
     fingerprint_own(&b.load(&b.inv.units.get(kb)?.source).ok()?, depth)
 }
 
@@ -73,8 +74,9 @@ pub fn layer_shift(
                 let probe = &results[i].name;
                 let (fb, geom) = own(b, probe, Depth::Sample)?;
                 a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
-                    with_layer(probe, o).and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Sample))
-                        == Some(fb)
+                    with_layer(probe, o)
+                        .and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Sample))
+                        .is_some_and(|fa| fb.contains(&fa))
                 })
             })?;
             let explained: Vec<usize> = units
@@ -85,8 +87,9 @@ pub fn layer_shift(
                     let Some((fb, geom)) = own(b, kb, Depth::Full) else {
                         return false;
                     };
-                    with_layer(kb, from).and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Full))
-                        == Some(fb)
+                    with_layer(kb, from)
+                        .and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Full))
+                        .is_some_and(|fa| fb.contains(&fa))
                 })
                 .collect();
             (!explained.is_empty()).then_some((l, from, explained))
