@@ -2646,3 +2646,32 @@ fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
         fx.seed
     );
 }
+
+/// Another TP rank's slice of w13 under swizzled scales of a size both layouts fit: every
+/// expert's gate and up read linear for want of a match, and only the down projections (whose
+/// swizzled size is padded) were named as rank 0's slice. The gate/up were "values differ".
+#[test]
+fn another_tp_ranks_slice_under_swizzled_scales_of_an_ambiguous_size_is_named() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 128);
+    let e = fx.model.experts.len();
+    let dump = fx.root.join("tp.safetensors");
+    let faults = Faults {
+        swizzle: true,
+        tp: Some((0, 2)),
+        ..Default::default()
+    };
+    fx.run_fused(&dump, &faults, &["--tp-rank", "0", "--tp-size", "2"], 0);
+    let out = fx.run_fused(&dump, &faults, &["--tp-rank", "1", "--tp-size", "2"], 1);
+    let m = out.json["mismatches"].as_array().unwrap();
+    // every expert's gate, up and down, the shared expert's three, the embedding
+    assert_eq!(m.len(), 3 * e + 4, "seed {}: {m:?}", fx.seed);
+    for u in m {
+        assert!(
+            u["issues"]
+                .to_string()
+                .contains("B holds TP rank 0's slice"),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
+}

@@ -795,7 +795,21 @@ fn compare_qq(
         .then_some(())
         .and(opts.tp)
         .zip(a_whole.as_ref())
-        .and_then(|((r, n), whole)| other_tp_rank(whole, &b_m, r, n).map(|(o, w)| (o, n, w)))
+        .and_then(|((r, n), whole)| {
+            // B's scales of a size both layouts fit, read linear for want of a match: the
+            // other rank's slice may match under the swizzled reading
+            let swizzled = (u.b_scales == Some(ScalesSeen::Ambiguous))
+                .then(|| b_sc.alternative())
+                .flatten()
+                .map(|s| QMatrix {
+                    scales: std::borrow::Cow::Owned(s),
+                    ..b_m.clone()
+                });
+            std::iter::once(&b_m)
+                .chain(swizzled.as_ref())
+                .find_map(|b| other_tp_rank(whole, b, r, n))
+                .map(|(o, w)| (o, n, w))
+        })
     {
         u.issue(
             IssueKind::TpRank,
