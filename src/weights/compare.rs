@@ -890,13 +890,30 @@ fn both_q<'a>(a: &Raw<'a>, b: &Raw<'a>) -> Option<(QMatrix<'a>, QMatrix<'a>)> {
     Some((am, bm))
 }
 
-/// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's).
+/// B's matrix under each reading its block scales allow: one, or two when their size fits
+/// both layouts and nothing decided which (linear first).
+fn readings<'a>(q: &QRaw<'a>) -> Vec<QMatrix<'a>> {
+    let Ok((m, sc)) = qmatrix(q, q.rows(), q.cols()) else {
+        return vec![];
+    };
+    let swizzled = sc.alternative().map(|s| QMatrix {
+        scales: std::borrow::Cow::Owned(s),
+        ..m.clone()
+    });
+    std::iter::once(m).chain(swizzled).collect()
+}
+
+/// B's codes are rows `[r0, r0 + B's rows)` of A, at any offset (not only B's TP rank's),
+/// under either reading of B's scales.
 pub fn holds_rows(a: &Raw, b: &Raw, r0: usize) -> bool {
-    both_q(a, b).is_some_and(|(am, bm)| {
-        am.cols == bm.cols
-            && am
-                .rows_slice(r0, bm.rows)
-                .is_some_and(|s| s.same_codes(&bm))
+    let (Raw::Q(qa), Raw::Q(qb)) = (a, b) else {
+        return false;
+    };
+    let Some(am) = own_q(qa) else {
+        return false;
+    };
+    readings(qb).iter().any(|bm| {
+        am.cols == bm.cols && am.rows_slice(r0, bm.rows).is_some_and(|s| s.same_codes(bm))
     })
 }
 
@@ -1380,18 +1397,12 @@ pub enum Geom {
 pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(Vec<u64>, Geom)> {
     match r {
         Raw::Q(q) => {
-            let (m, sc) = qmatrix(q, q.rows(), q.cols()).ok()?;
-            let mut fps = vec![m.fingerprint(depth)];
-            if depth == Depth::Full {
-                if let Some(alt) = sc.alternative() {
-                    let m = QMatrix {
-                        scales: std::borrow::Cow::Owned(alt),
-                        ..m.clone()
-                    };
-                    fps.push(m.fingerprint(depth));
-                }
-            }
-            Some((fps, Geom::Q(m.rows, m.cols)))
+            let ms = match depth {
+                Depth::Full => readings(q),
+                Depth::Sample => own_q(q).into_iter().collect(),
+            };
+            let g = Geom::Q(ms.first()?.rows, ms.first()?.cols);
+            Some((ms.iter().map(|m| m.fingerprint(depth)).collect(), g))
         }
         Raw::D(d) => Some((
             vec![dense_view(d)?.mat.fingerprint(depth)],
