@@ -431,15 +431,19 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         let _ = slot;
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
+    let swizzled = |rows, kb| {
+        let (pr, pk) = layout::swizzled_dims(rows, kb);
+        vec![e, pr, pk]
+    };
     let s13_shape: Vec<usize> = if f.swizzle || f.processed.is_some() {
-        vec![e, 128, 4]
+        swizzled(2 * ip, h / 16)
     } else if f.w13_scales_transposed {
         vec![e, h / 16, 2 * ip]
     } else {
         vec![e, 2 * ip, h / 16]
     };
     let s2_shape: Vec<usize> = if f.swizzle {
-        vec![e, 128, 4]
+        swizzled(h, ip / 16)
     } else if f.w2_scales_extra_col {
         vec![e, h, ip / 16 + 1]
     } else {
@@ -2673,5 +2677,111 @@ fn another_tp_ranks_slice_under_swizzled_scales_of_an_ambiguous_size_is_named() 
             "seed {}: {u}",
             fx.seed
         );
+    }
+}
+
+/// Every fused-dump fault named at DeepSeek-like dims, where both block-scale layouts of w13
+/// and w2 have one size (rows a multiple of 128, K/16 of 4), under vLLM's swizzled scales: the
+/// diagnoses that read B's scales must not depend on a size that tells the layout.
+#[test]
+fn faults_are_named_under_swizzled_scales_of_ambiguous_sizes() {
+    let fx = fixture_dims(4, 128, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 7);
+    let x = r.gen_range(0..4);
+    let dump = fx.root.join("d.safetensors");
+    let f = || Faults {
+        swizzle: true,
+        ..Default::default()
+    };
+    let cases: Vec<(&str, Faults)> = vec![
+        (
+            "gate_up_swapped",
+            Faults {
+                swap: vec![x],
+                ..f()
+            },
+        ),
+        (
+            "gate_up_codes_swapped",
+            Faults {
+                swap_codes_only: vec![x],
+                ..f()
+            },
+        ),
+        (
+            "nibbles_swapped",
+            Faults {
+                nibble_swap: vec![x],
+                ..f()
+            },
+        ),
+        (
+            "scale_2_flipped",
+            Faults {
+                flip_w2_scale_2: true,
+                ..f()
+            },
+        ),
+        (
+            "scale_2_gate_only",
+            Faults {
+                gate_only_scale_2: true,
+                ..f()
+            },
+        ),
+        (
+            "expert_permutation",
+            Faults {
+                order: Some(vec![1, 0, 3, 2]),
+                ..f()
+            },
+        ),
+        (
+            "scale_2_input_scale_swapped",
+            Faults {
+                swap_scale_2_input: true,
+                ..f()
+            },
+        ),
+        (
+            "mixed_scale_layouts",
+            Faults {
+                swizzle: false,
+                swizzle_only: vec![x],
+                ..f()
+            },
+        ),
+        (
+            "derived_scale",
+            Faults {
+                processed: Some(false),
+                bad_alpha: Some(x),
+                ..f()
+            },
+        ),
+        (
+            "NaN code",
+            Faults {
+                nan_scale: Some(x),
+                ..f()
+            },
+        ),
+        (
+            "never loaded",
+            Faults {
+                w2_zero: Some(x),
+                ..f()
+            },
+        ),
+    ];
+    fx.run_fused(&dump, &f(), &[], 0);
+    for (want, faults) in cases {
+        let out = fx.run_fused(&dump, &faults, &[], 1);
+        let named = if want.contains(' ') {
+            out.json["mismatches"].to_string().contains(want)
+        } else {
+            diag_kinds(&out.json).iter().any(|k| k == want)
+        };
+        assert!(named, "seed {} {want}: {}", fx.seed, out.json["diagnoses"]);
     }
 }

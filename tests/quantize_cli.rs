@@ -479,3 +479,75 @@ fn weights_too_small_for_their_own_scale_are_refused() {
         .unwrap();
     assert!(ws2.is_normal(), "seed {seed}: {ws2}");
 }
+
+/// Without --exclude, what engines never quantize (the embedding, lm_head, the MoE router's
+/// gate, MTP's eh_proj) is copied byte for byte and named in exclude_modules, while the other
+/// linears are quantized. All were quantized, and engines then load packed codes into a BF16
+/// embedding or router.
+#[test]
+fn what_engines_never_quantize_is_copied_and_excluded() {
+    let (seed, mut r) = rng("quantize never-quantized modules");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (d.path().join("in"), d.path().join("out"));
+    std::fs::create_dir(&inp).unwrap();
+    let (h, i, e, v) = (
+        16 * r.gen_range(2..5),
+        16 * r.gen_range(1..4),
+        4 * r.gen_range(1..3),
+        16 * r.gen_range(2..4),
+    );
+    let kept = [
+        ("model.embed_tokens", v, h),
+        ("lm_head", v, h),
+        ("model.layers.1.mlp.gate", e, h),
+        ("model.layers.2.eh_proj", h, 2 * h),
+    ];
+    let quantized = [
+        ("model.layers.1.self_attn.q_a_proj", 2 * i, h),
+        ("model.layers.1.mlp.experts.0.gate_proj", i, h),
+    ];
+    let mut tensors = vec![];
+    for &(m, rows, cols) in kept.iter().chain(&quantized) {
+        tensors.push(bf16(
+            &format!("{m}.weight"),
+            &[rows, cols],
+            &weights(&mut r, rows, cols),
+        ));
+    }
+    write(&inp.join("model.safetensors"), tensors);
+    std::fs::write(
+        inp.join("config.json"),
+        config_json(h, i, e, 2, 3).to_string(),
+    )
+    .unwrap();
+    let json = d.path().join("r.json");
+    let o = run(&["quantize", p(&inp), p(&out), "--json", p(&json)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let (src, c) = (
+        Checkpoint::open(&inp).unwrap(),
+        Checkpoint::open(&out).unwrap(),
+    );
+    for (m, _, _) in kept {
+        let n = format!("{m}.weight");
+        assert_eq!(
+            c.bytes(&n).unwrap(),
+            src.bytes(&n).unwrap(),
+            "seed {seed}: {n}"
+        );
+        assert_eq!(c.info(&n).unwrap().dtype, Dtype::BF16, "seed {seed}: {n}");
+        assert!(!c.names().any(|x| x == format!("{m}.weight_scale")), "{m}");
+    }
+    for (m, _, _) in quantized {
+        assert_eq!(
+            c.info(&format!("{m}.weight")).unwrap().dtype,
+            Dtype::U8,
+            "seed {seed}: {m}"
+        );
+    }
+    let mut want: Vec<String> = kept.iter().map(|k| k.0.to_string()).collect();
+    want.sort();
+    assert_eq!(exclude_lists(&out), (want.clone(), want), "seed {seed}");
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rep["summary"]["never_quantized"], 4, "seed {seed}");
+    assert_eq!(rep["summary"]["quantized"], 2, "seed {seed}");
+}

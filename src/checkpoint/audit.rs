@@ -1731,22 +1731,6 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     Ok(())
 }
 
-/// Modules engines never quantize whatever the config says: embeddings, the output head (also
-/// MTP's `shared_head.head`), the MoE router `gate` (not `gate_proj`) and MTP's `eh_proj`
-/// (a plain `nn.Linear` in vLLM's and SGLang's DeepSeek MTP, built without the quant config).
-fn never_quantized(module: &str) -> bool {
-    let last = module.rsplit('.').next().unwrap_or(module);
-    [
-        "embed_tokens",
-        "embed",
-        "lm_head",
-        "head",
-        "gate",
-        "eh_proj",
-    ]
-    .contains(&last)
-}
-
 /// Most module names a finding lists.
 const NAMES_SHOWN: usize = 5;
 
@@ -1758,7 +1742,7 @@ fn float_linears_not_excluded(ck: &Checkpoint, q: &super::config::QuantConfig) -
     let mut modules: Vec<&str> = ck
         .names()
         .filter_map(|n| super::quantize::float_matrix_module(n, ck.info(n).ok()?))
-        .filter(|m| !never_quantized(m) && !excluded.covers(m))
+        .filter(|m| !super::names::never_quantized(m) && !excluded.covers(m))
         .collect();
     modules.sort_unstable();
     if modules.is_empty() {

@@ -358,6 +358,22 @@ pub fn layers_present<'a>(naming: &Naming, names: impl IntoIterator<Item = &'a s
     inventory(naming, names).into_keys().collect()
 }
 
+/// Modules engines never quantize whatever the config says: embeddings, the output head (also
+/// MTP's `shared_head.head`), the MoE router `gate` (not `gate_proj`) and MTP's `eh_proj`
+/// (a plain `nn.Linear` in vLLM's and SGLang's DeepSeek MTP, built without the quant config).
+pub fn never_quantized(module: &str) -> bool {
+    let last = module.rsplit('.').next().unwrap_or(module);
+    [
+        "embed_tokens",
+        "embed",
+        "lm_head",
+        "head",
+        "gate",
+        "eh_proj",
+    ]
+    .contains(&last)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

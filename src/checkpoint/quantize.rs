@@ -7,9 +7,10 @@
 //! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
 //!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
 //!
-//! Other tensors are copied byte for byte: already-quantized ones, and the float weights an
+//! Other tensors are copied byte for byte: already-quantized ones, the float weights an
 //! input's own quantization_config excludes (a quantized checkpoint's attention, router,
-//! dense layers). The output's exclude_modules names every float weight matrix left
+//! dense layers), and those of modules engines never quantize (embeddings, output heads, the
+//! MoE router's gate, MTP's eh_proj: `names::never_quantized`). The output's exclude_modules names every float weight matrix left
 //! unquantized (exact module names) plus the input's own exclude list.
 //!
 //! One tensor at a time: the input stays memory-mapped, only the outputs of the current
@@ -80,6 +81,9 @@ pub struct QuantizeSummary {
     pub not_quantized: Vec<NotQuantized>,
     /// Float `*.weight` tensors copied because the input's quantization_config excludes them.
     pub excluded_by_input_config: Vec<String>,
+    /// Float `*.weight` tensors copied because engines never quantize their modules
+    /// (embeddings, output heads, MoE router gates, MTP's eh_proj).
+    pub never_quantized: Vec<String>,
 }
 
 enum Item {
@@ -105,6 +109,7 @@ struct FilePlan {
     specs: Vec<TensorSpec>,
     not_quantized: Vec<NotQuantized>,
     excluded_by_input_config: Vec<String>,
+    never_quantized: Vec<String>,
     /// Modules of the float weight matrices this file leaves unquantized (any reason).
     unquantized_modules: Vec<String>,
 }
@@ -143,6 +148,8 @@ enum Kept {
     Excluded,
     /// The input's quantization_config excludes its module.
     InputConfig,
+    /// Engines never quantize its module (`names::never_quantized`).
+    NeverQuantized,
     /// Its shape does not quantize (the reason).
     Shape(String),
 }
@@ -174,6 +181,9 @@ fn treatment(
     }
     if input_exclude.covers(module) {
         return Treatment::Keep(Kept::InputConfig);
+    }
+    if super::names::never_quantized(module) {
+        return Treatment::Keep(Kept::NeverQuantized);
     }
     let block = opts.format.block();
     let reason = match t.shape.as_slice() {
@@ -300,6 +310,8 @@ impl QuantizePlan {
             sum.not_quantized.extend(fp.not_quantized.iter().cloned());
             sum.excluded_by_input_config
                 .extend(fp.excluded_by_input_config.iter().cloned());
+            sum.never_quantized
+                .extend(fp.never_quantized.iter().cloned());
             self.run_file(fp, &mut sum, on_tensor)?;
             sum.files_written += 1;
         }
@@ -557,6 +569,7 @@ fn plan_file(
         specs: vec![],
         not_quantized: vec![],
         excluded_by_input_config: vec![],
+        never_quantized: vec![],
         unquantized_modules: vec![],
     };
     let block = opts.format.block();
@@ -631,6 +644,7 @@ impl FilePlan {
         match why {
             Kept::Excluded => {}
             Kept::InputConfig => self.excluded_by_input_config.push(name.to_string()),
+            Kept::NeverQuantized => self.never_quantized.push(name.to_string()),
             Kept::Shape(reason) => self.not_quantized.push(NotQuantized {
                 name: name.to_string(),
                 shape: t.shape.clone(),

@@ -31,9 +31,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "nvfp4")]
     pub format: FormatArg,
     /// Copy tensors whose name contains SUBSTR instead of quantizing them (repeatable),
-    /// e.g. `--exclude lm_head --exclude mlp.gate.`. The output's exclude_modules (config.json,
-    /// hf_quant_config.json) lists the exact module names of every float weight matrix left
-    /// unquantized, plus the input's own exclude list, whose modules are copied, not quantized
+    /// e.g. `--exclude self_attn.`. Always copied: what engines never quantize (embeddings,
+    /// lm_head, the MoE router's gate, MTP's eh_proj) and the modules the input's own exclude
+    /// list names. The output's exclude_modules (config.json, hf_quant_config.json) lists the
+    /// exact module names of every float weight matrix left unquantized, plus the input's list
     #[arg(long, value_name = "SUBSTR")]
     pub exclude: Vec<String>,
     #[command(flatten)]
@@ -78,6 +79,13 @@ pub fn run(args: &Args) -> Result<Report> {
         sum.copied,
         sum.output.display()
     );
+    if !sum.never_quantized.is_empty() {
+        headline += &format!(
+            "; {} float weight(s) engines never quantize kept as they are (embeddings, output heads, router gates; first: `{}`)",
+            sum.never_quantized.len(),
+            sum.never_quantized[0]
+        );
+    }
     if !sum.excluded_by_input_config.is_empty() {
         headline += &format!(
             "; {} float weight(s) kept unquantized as the input's quantization_config excludes them",
@@ -105,6 +113,10 @@ pub fn run(args: &Args) -> Result<Report> {
             (
                 "kept unquantized (input's exclude list)",
                 sum.excluded_by_input_config.len().to_string(),
+            ),
+            (
+                "kept unquantized (engines never quantize)",
+                sum.never_quantized.len().to_string(),
             ),
             (
                 "bytes in → out",
@@ -159,12 +171,14 @@ pub fn run(args: &Args) -> Result<Report> {
             "flushed": b.flushed,
             "not_quantized": sum.not_quantized.len(),
             "excluded_by_input_config": sum.excluded_by_input_config.len(),
+            "never_quantized": sum.never_quantized.len(),
         }))
         .with("input", &sum.input)
         .with("output", &sum.output)
         .with("tensors", &sum.tensors)
         .with("not_quantized", &sum.not_quantized)
         .with("excluded_by_input_config", &sum.excluded_by_input_config)
+        .with("never_quantized", &sum.never_quantized)
         .section(overview);
     if !sum.tensors.is_empty() {
         report = report.section(table);
