@@ -2589,24 +2589,32 @@ fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
         "seed {}: {d:?}",
         fx.seed
     );
+    // the expert_permutation diagnosis of a swizzled dump whose experts are in `order`
+    let permutation = |order: Vec<usize>| -> (Value, Value) {
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                swizzle: true,
+                order: Some(order),
+                ..Default::default()
+            },
+            &[],
+            1,
+        );
+        let d = &out.json["diagnoses"];
+        let p = d
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["kind"] == "expert_permutation")
+            .unwrap_or_else(|| panic!("seed {}: {d}", fx.seed))
+            .clone();
+        (p, out.json)
+    };
     let (x, y) = (bad, (bad + r.gen_range(1..4)) % 4);
     let mut order: Vec<usize> = (0..4).collect();
     order.swap(x, y);
-    let out = fx.run_fused(
-        &dump,
-        &Faults {
-            swizzle: true,
-            order: Some(order),
-            ..Default::default()
-        },
-        &[],
-        1,
-    );
-    let d = out.json["diagnoses"].as_array().unwrap();
-    let p = d
-        .iter()
-        .find(|d| d["kind"] == "expert_permutation")
-        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let (p, json) = permutation(order);
     let msg = p["message"].as_str().unwrap();
     assert!(
         msg.contains(&format!("{x}←{y}")) && msg.contains(&format!("{y}←{x}")),
@@ -2615,29 +2623,15 @@ fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
     );
     // every expert's scales are named swizzled, none linear
     assert!(
-        !diag_kinds(&out.json).contains(&"mixed_scale_layouts".to_string()),
-        "seed {}: {d:?}",
-        fx.seed
+        !diag_kinds(&json).contains(&"mixed_scale_layouts".to_string()),
+        "seed {}: {}",
+        fx.seed,
+        json["diagnoses"]
     );
     // every expert misplaced (a rotation): no expert confirms the layout, yet the permutation
     // is found by the codes and confirmed under the scales' swizzled reading
     let k = r.gen_range(1..4);
-    let order: Vec<usize> = (0..4).map(|e| (e + k) % 4).collect();
-    let out = fx.run_fused(
-        &dump,
-        &Faults {
-            swizzle: true,
-            order: Some(order),
-            ..Default::default()
-        },
-        &[],
-        1,
-    );
-    let d = out.json["diagnoses"].as_array().unwrap();
-    let p = d
-        .iter()
-        .find(|d| d["kind"] == "expert_permutation")
-        .unwrap_or_else(|| panic!("seed {} k {k}: {d:?}", fx.seed));
+    let (p, _) = permutation((0..4).map(|e| (e + k) % 4).collect());
     assert_eq!(
         p["experts"],
         serde_json::json!([0, 1, 2, 3]),
