@@ -330,6 +330,9 @@ struct Faults {
     swap_codes_only: Vec<usize>,
     /// w2_weight stored as I8 (the same bytes).
     w2_i8: bool,
+    /// The shared expert's gate and up as vLLM's merged `gate_up_proj` ([gate; up], each
+    /// sharded on its own under `tp`); `Some(true)`: [up; gate].
+    merged_shared: Option<bool>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -606,6 +609,21 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             }
         }
         v.push((spec, bytes));
+    }
+    if let Some(reversed) = f.merged_shared {
+        let part = |k: &str| format!("{p}layers.{LAYER}.mlp.shared_experts.{k}.weight");
+        let take = |v: &mut Vec<(TensorSpec, Vec<u8>)>, k: &str| {
+            let at = v.iter().position(|(t, _)| t.name == part(k)).unwrap();
+            v.remove(at)
+        };
+        let (g, u) = (take(&mut v, "gate_proj"), take(&mut v, "up_proj"));
+        let (first, second) = if reversed { (u, g) } else { (g, u) };
+        let rows = first.0.shape[0] + second.0.shape[0];
+        let bytes = [first.1, second.1].concat();
+        v.push((
+            TensorSpec::new(part("gate_up_proj"), Dtype::BF16, &[rows, h]),
+            bytes,
+        ));
     }
     if f.drop_and_add {
         v.push((
@@ -1927,6 +1945,146 @@ fn layers_numbered_off_by_k_are_named() {
             "seed {seed} k {k}: {u}"
         );
     }
+}
+
+/// vLLM's merged `gate_up_proj` of the shared expert compares as A's gate_proj and up_proj
+/// (also as a TP shard, each part sharded on its own), and halves in the other order are two
+/// named mismatches. A clean dump failed: gate_proj and up_proj missing, gate_up_proj extra.
+#[test]
+fn merged_gate_up_proj_is_compared_as_its_parts() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let dump = fx.root.join("merged.safetensors");
+    let merged = |reversed, tp| Faults {
+        merged_shared: Some(reversed),
+        tp,
+        ..Default::default()
+    };
+    let out = fx.run_fused(&dump, &merged(false, None), &[], 0);
+    assert_eq!(
+        out.json["missing"].as_array().unwrap().len(),
+        0,
+        "seed {}",
+        fx.seed
+    );
+    assert_eq!(
+        out.json["extra"].as_array().unwrap().len(),
+        0,
+        "seed {}",
+        fx.seed
+    );
+    assert!(
+        out.json["notes"]
+            .to_string()
+            .contains("merged `gate_up_proj`"),
+        "seed {}: {}",
+        fx.seed,
+        out.json["notes"]
+    );
+    let tr = (fx.seed % 2) as usize;
+    let trs = tr.to_string();
+    fx.run_fused(
+        &dump,
+        &merged(false, Some((tr, 2))),
+        &["--tp-rank", &trs, "--tp-size", "2"],
+        0,
+    );
+    let out = fx.run_fused(&dump, &merged(true, None), &[], 1);
+    let names: Vec<&str> = out.json["mismatches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            format!("model.layers.{LAYER}.mlp.shared_experts.gate_proj.weight"),
+            format!("model.layers.{LAYER}.mlp.shared_experts.up_proj.weight"),
+        ],
+        "seed {}",
+        fx.seed
+    );
+}
+
+/// A quantized merged `gate_up_proj` (a dense MLP's, as vLLM keeps it): its parts compare with
+/// A's NVFP4 gate_proj and up_proj, block scales linear or swizzled over the whole merged
+/// tensor, per-part global scales (`[2]`, before vLLM's processing) agree, and the one max
+/// vLLM keeps after processing is a scale_2 mismatch on the part whose own was smaller.
+#[test]
+fn quantized_merged_gate_up_proj_and_its_one_global_scale() {
+    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (h, i) = (64 * r.gen_range(1..3), 64 * r.gen_range(1..3));
+    let base = "model.layers.0.mlp";
+    // gate and up of different magnitudes: their weight_scale_2 differ
+    let g = quantize_weight_nvfp4(&randn(&mut r, i * h, 0.02), i, h).0;
+    let u = quantize_weight_nvfp4(&randn(&mut r, i * h, 0.05), i, h).0;
+    let (ig, iu) = (r.gen_range(0.001..0.01f32), r.gen_range(0.001..0.01f32));
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a.safetensors");
+    let mut v = vec![];
+    triple(&mut v, &format!("{base}.gate_proj"), &g, ig);
+    triple(&mut v, &format!("{base}.up_proj"), &u, iu);
+    write_file(&a, v, None).unwrap();
+    let b = tmp.path().join("b.safetensors");
+    let write_b = |swizzle: bool, scale_2: &[f32]| {
+        let m = format!("{base}.gate_up_proj");
+        let scales = [g.scales.clone(), u.scales.clone()].concat();
+        let (scales, sshape) = if swizzle {
+            let (pr, pk) = layout::swizzled_dims(2 * i, h / 16);
+            (layout::swizzle(&scales, 2 * i, h / 16), vec![pr, pk])
+        } else {
+            (scales, vec![2 * i, h / 16])
+        };
+        let shape2: Vec<usize> = if scale_2.len() == 2 { vec![2] } else { vec![] };
+        let v = vec![
+            (
+                TensorSpec::new(format!("{m}.weight"), Dtype::U8, &[2 * i, h / 2]),
+                [g.packed.clone(), u.packed.clone()].concat(),
+            ),
+            (
+                TensorSpec::new(format!("{m}.weight_scale"), Dtype::F8_E4M3, &sshape),
+                scales,
+            ),
+            (
+                TensorSpec::new(format!("{m}.weight_scale_2"), Dtype::F32, &shape2),
+                f32_bytes(scale_2),
+            ),
+            (
+                TensorSpec::new(format!("{m}.input_scale"), Dtype::F32, &[2]),
+                f32_bytes(&[ig, iu]),
+            ),
+        ];
+        write_file(&b, v, None).unwrap();
+    };
+    for swizzle in [false, true] {
+        write_b(swizzle, &[g.scale_2, u.scale_2]);
+        let out = run(tmp.path(), &[s(&a), s(&b)]);
+        check(&out, 0, seed);
+        assert_eq!(
+            out.json["summary"]["units"], 2,
+            "seed {seed}: {}",
+            out.stdout
+        );
+    }
+    write_b(true, &[g.scale_2.max(u.scale_2)]);
+    let out = run(tmp.path(), &[s(&a), s(&b)]);
+    check(&out, 1, seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    let smaller = if g.scale_2 < u.scale_2 {
+        "gate_proj"
+    } else {
+        "up_proj"
+    };
+    assert_eq!(m.len(), 1, "seed {seed}: {m:?}");
+    assert!(
+        m[0]["name"].as_str().unwrap().contains(smaller)
+            && m[0]["issues"].to_string().contains("weight_scale_2"),
+        "seed {seed}: {m:?}"
+    );
 }
 
 /// An EP rank's dump of round-robin placed experts (rank 0 of 2: 0, 2, 4) read as linear

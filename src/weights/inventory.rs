@@ -28,6 +28,8 @@ pub enum Source {
     Fused(FusedSlice),
     /// One plain tensor (float or integer).
     Tensor(String),
+    /// One part of a merged linear (`gate_up_proj`, `fused_qkv_a_proj`).
+    Merged(super::merged::MergedPart),
 }
 
 /// A routed expert's projection: what cross-expert diagnoses group by.
@@ -342,6 +344,7 @@ fn describe(s: &Source) -> String {
         Source::Linear(l) => format!("`{}`", l.weight),
         Source::Fused(f) => format!("fused expert index {} of layer {}", f.index, f.layer),
         Source::Tensor(t) => format!("`{t}`"),
+        Source::Merged(m) => format!("part {} of {}", m.part, describe(&m.inner)),
     }
 }
 

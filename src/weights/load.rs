@@ -151,7 +151,8 @@ fn bytes_of<'a>(src: &'a Renamed, name: &str) -> Result<&'a [u8], String> {
 impl<'a> SideRef<'a> {
     pub fn load(&self, source: &Source) -> Result<Raw<'a>, LoadError> {
         match source {
-            Source::Linear(ln) => self.load_linear(ln).map(Raw::Q),
+            Source::Linear(ln) => self.load_linear(ln, None).map(Raw::Q),
+            Source::Merged(m) => self.load_part(m),
             Source::Fused(f) => self.load_fused(f.layer, f.proj, f.index),
             Source::Tensor(name) => {
                 let (dtype, shape) = dtype_of(self.src, name)?;
@@ -165,7 +166,60 @@ impl<'a> SideRef<'a> {
         }
     }
 
-    fn load_linear(&self, ln: &crate::checkpoint::LinearNames) -> Result<QRaw<'a>, LoadError> {
+    /// Rows `[row0, row0 + rows)` of a merged linear, its global scales the part's own (a
+    /// `[parts]` tensor before vLLM's processing) or the one they share (after it: the max).
+    fn load_part(&self, m: &super::merged::MergedPart) -> Result<Raw<'a>, LoadError> {
+        let cut = |what: &str| format!("rows {}..{} ({what})", m.row0, m.row0 + m.rows);
+        match m.inner.as_ref() {
+            Source::Linear(ln) => {
+                let mut q = self.load_linear(ln, Some((m.part, m.parts)))?;
+                q.packed = q
+                    .packed
+                    .slice_rows(m.row0, m.rows)
+                    .ok_or_else(|| format!("`{}`: no {}", q.weight_name, cut("merged part")))?;
+                q.scales.row0 = m.row0;
+                q.weight_name = format!("{} {}", q.weight_name, cut("merged part"));
+                q.weight_shape[0] = m.rows;
+                Ok(Raw::Q(q))
+            }
+            Source::Tensor(name) => {
+                let (dtype, shape) = dtype_of(self.src, name)?;
+                let bytes = bytes_of(self.src, name)?;
+                let row = bytes.len() / shape[0].max(1);
+                let part = bytes
+                    .get(m.row0 * row..(m.row0 + m.rows) * row)
+                    .ok_or_else(|| format!("`{}`: no {}", self.src.original(name), cut("part")))?;
+                Ok(Raw::D(DRaw {
+                    dtype,
+                    shape: [&[m.rows][..], &shape[1..]].concat(),
+                    bytes: part,
+                    name: format!("{} {}", self.src.original(name), cut("merged part")),
+                }))
+            }
+            s => Err(format!("a merged part of {s:?}").into()),
+        }
+    }
+
+    /// A global scale of a merged linear's part: element `part` of a `[parts]` tensor, or the
+    /// one value of a scalar.
+    fn part_scalar(&self, name: &str, (part, parts): (usize, usize)) -> Result<f32, LoadError> {
+        let v = self.src.tensor_f32(name).map_err(|e| e.to_string())?;
+        match v.len() {
+            1 => Ok(v[0]),
+            n if n == parts => Ok(v[part]),
+            n => Err(format!(
+                "`{}`: {n} values for a merged linear of {parts} parts",
+                self.src.original(name)
+            )
+            .into()),
+        }
+    }
+
+    fn load_linear(
+        &self,
+        ln: &crate::checkpoint::LinearNames,
+        part: Option<(usize, usize)>,
+    ) -> Result<QRaw<'a>, LoadError> {
         let src = self.src;
         let (wd, ws) = dtype_of(src, &ln.weight)?;
         let (sd, _) = dtype_of(src, &ln.weight_scale)?;
@@ -185,10 +239,22 @@ impl<'a> SideRef<'a> {
         } else {
             Format::Nvfp4
         };
-        let scale_2 = match (&ln.global_scale, format) {
-            (_, Format::Mxfp4) => Some(1.0),
-            (None, _) => None,
-            (Some(_), _) => Some(weight_scale_2(src, ln).map_err(|e| e.to_string())?),
+        let recip = |n: &str, v: f32| {
+            if n.ends_with("global_scale") {
+                crate::nvfp4::rcp(v)
+            } else {
+                v
+            }
+        };
+        let scale_2 = match (&ln.global_scale, format, part) {
+            (_, Format::Mxfp4, _) => Some(1.0),
+            (None, _, _) => None,
+            (Some(g), _, Some(p)) => Some(recip(g, self.part_scalar(g, p)?)),
+            (Some(_), _, None) => Some(weight_scale_2(src, ln).map_err(|e| e.to_string())?),
+        };
+        let input_scale = match (&ln.input_scale, part) {
+            (Some(i), Some(p)) => Some(recip(i, self.part_scalar(i, p)?)),
+            _ => input_scale(src, ln).map_err(|e| e.to_string())?,
         };
         Ok(QRaw {
             format,
@@ -202,7 +268,7 @@ impl<'a> SideRef<'a> {
             scale_2,
             scale_2_shared: Shared::Own,
             reciprocal_names: ln.convention == Convention::CompressedTensors,
-            input_scale: input_scale(src, ln).map_err(|e| e.to_string())?,
+            input_scale,
             input_shared: Shared::Own,
             weight_name: src.original(&ln.weight).to_string(),
             weight_shape: ws,

@@ -13,6 +13,7 @@ pub mod fused;
 pub mod inventory;
 mod layer_shift;
 pub mod load;
+mod merged;
 pub mod rules;
 pub mod view;
 
@@ -133,6 +134,8 @@ fn release(src: &Renamed, s: &Source, loaded: Option<&Raw>) {
             v
         }
         Source::Tensor(t) => vec![t.as_str()],
+        // the merged tensor's other parts are still to compare
+        Source::Merged(_) => vec![],
         Source::Fused(_) => {
             if let Some(Raw::Q(q)) = loaded {
                 src.ckpt
@@ -162,6 +165,7 @@ fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
                 .collect()
         }
         Source::Tensor(t) => vec![src.original(t).to_string()],
+        Source::Merged(m) => vec![format!("{} (part {} of {})", u.key, m.part, m.parts)],
         Source::Fused(f) => vec![format!(
             "{} (fused, layer {} index {})",
             u.key, f.layer, f.index
@@ -188,7 +192,8 @@ impl<'a> Plan<'a> {
             }
             None => None,
         };
-        let b_inv = Inventory::build(&b, map.as_ref())?;
+        let mut b_inv = Inventory::build(&b, map.as_ref())?;
+        notes.extend(merged::split(&mut b_inv, &a_inv, &a, &b, opts.tp));
         if let Some(m) = &map {
             notes.push(format!(
                 "B is EP rank {} of {} ({}): experts {} of {}",
