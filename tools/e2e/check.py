@@ -73,9 +73,12 @@ def weights_swapped(d, layer, expert):
 
 def weights_clean(d, *_):
     s = d.get("summary", {})
-    ok = d.get("verdict") == "pass" and s.get("units", 0) > 0
+    # vLLM's merged gate_up_proj / fused_qkv_a_proj compared as their parts: nothing missing
+    merged = [n for n in d.get("notes", []) if "merged" in n]
+    ok = (d.get("verdict") == "pass" and s.get("units", 0) > 0 and len(merged) == 2
+          and not d.get("missing") and not d.get("extra"))
     diag = sorted({x.get("kind") for x in d.get("diagnoses", []) if isinstance(x, dict)})
-    return ok, f"{s.get('text', '')}; diagnoses {diag}"
+    return ok, f"{s.get('text', '')}; diagnoses {diag}; {'; '.join(merged)}"
 
 
 def routing_local(d, *_):

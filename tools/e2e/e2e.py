@@ -299,11 +299,23 @@ def engine_dump(ckpt: str, path: str, swap=None) -> None:
             cols["w2_input_scale"].append(g("down_proj", "input_scale"))
         for k, v in cols.items():
             out[f"{pre}.{k}"] = torch.stack(v).contiguous()
-    # the rest as loaded, under the checkpoint's names (vLLM also merges dense gate/up and
-    # q_a/kv_a into gate_up_proj / fused_qkv_a_proj; compare-weights does not map those yet)
+    # the rest as loaded, with vLLM's merged linears: gate_up_proj = [gate_proj; up_proj]
+    # (dense MLPs, the shared expert) and fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa]
+    merged = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+              "q_a_proj": ("fused_qkv_a_proj", 0), "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1)}
+    parts = {}
     for k in f.keys():
-        if ".mlp.experts." not in k:
+        if ".mlp.experts." in k:
+            continue
+        mod, _, member = k.rpartition(".")
+        head, _, last = mod.rpartition(".")
+        if member == "weight" and last in merged:
+            name, i = merged[last]
+            parts.setdefault(f"{head}.{name}.weight", {})[i] = f.get_tensor(k)
+        else:
             out[k] = f.get_tensor(k)
+    for k, p in parts.items():
+        out[k] = torch.cat((p[0], p[1])).contiguous()
     save_file(out, path, metadata={"producer": "vllm FusedMoE state_dict (simulated)"})
 
 

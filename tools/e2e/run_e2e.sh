@@ -160,7 +160,7 @@ run_step 4.3 "bisect BF16 vs NVFP4 experts with the default gs 1/2688" 1 \
 
 echo "### 5. a weight loaded with gate/up swapped in one expert"
 run_step 5.1 "compare-weights: checkpoint vs clean engine dump" 0 \
-    "pass (fused w13, swizzled scales recognized)" "weights_clean @JSON@" -- \
+    "pass (fused w13, swizzled scales, merged gate_up_proj and fused_qkv_a_proj recognized)" "weights_clean @JSON@" -- \
     "$NV" compare-weights ckpt dumps/engine-clean.safetensors --json @JSON@ --no-report-dir -q
 run_step 5.2 "compare-weights: engine dump, layer $SWAP_L expert $SWAP_E gate/up swapped" 1 \
     "fail naming exactly model.layers.$SWAP_L.mlp.experts.$SWAP_E.{gate,up}_proj, diagnosed gate_up_swapped" \
