@@ -50,11 +50,11 @@ pub fn split(
     tp: Option<(usize, usize)>,
 ) -> Vec<String> {
     let n = tp.map_or(1, |t| t.1);
-    let mut split: Vec<(String, Vec<Unit>)> = vec![];
+    let mut split: Vec<(String, &str, Vec<Unit>)> = vec![];
     for (key, u) in &b_inv.units {
-        let Some((base, parts)) = MERGED
+        let Some((merged, base, parts)) = MERGED
             .iter()
-            .find_map(|(m, parts)| Some((key.strip_suffix(&format!("{m}.weight"))?, *parts)))
+            .find_map(|&(m, parts)| Some((m, key.strip_suffix(&format!("{m}.weight"))?, parts)))
         else {
             continue;
         };
@@ -95,31 +95,22 @@ pub fn split(
                 unit
             })
             .collect();
-        split.push((key.clone(), units));
+        split.push((key.clone(), merged, units));
     }
     let mut kinds: Vec<&str> = vec![];
-    for (key, units) in split {
+    for (key, merged, units) in split {
         b_inv.units.remove(&key);
-        let first = units[0].key.clone();
-        for m in b_inv.members.values_mut().filter(|m| **m == key) {
-            *m = first.clone();
-        }
         for u in units {
             b_inv.units.insert(u.key.clone(), u);
         }
-        if let Some((m, _)) = MERGED
-            .iter()
-            .find(|(m, _)| key.ends_with(&format!("{m}.weight")))
-        {
-            if !kinds.contains(m) {
-                kinds.push(m);
-            }
+        if !kinds.contains(&merged) {
+            kinds.push(merged);
         }
     }
-    kinds
-        .into_iter()
-        .map(|m| {
-            let parts = MERGED.iter().find(|x| x.0 == m).map_or(&[][..], |x| x.1);
+    MERGED
+        .iter()
+        .filter(|(m, _)| kinds.contains(m))
+        .map(|(m, parts)| {
             format!(
                 "B's merged `{m}` compared as its parts {} (rows cut at A's sizes)",
                 parts.join(" + ")
