@@ -2006,6 +2006,59 @@ fn merged_gate_up_proj_is_compared_as_its_parts() {
     );
 }
 
+/// vLLM's `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa], parts of unequal rows: cut at
+/// A's sizes, and one changed value of the second part is named as that part.
+#[test]
+fn fused_qkv_a_proj_is_cut_at_the_parts_sizes() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let (h, q, kv) = (32, 16 * r.gen_range(2..7), 8 * r.gen_range(2..7));
+    let (wq, mut wkv) = (randn(&mut r, q * h, 1.0), randn(&mut r, kv * h, 1.0));
+    let attn = "model.layers.0.self_attn";
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        tmp.path().join("a.safetensors"),
+        tmp.path().join("b.safetensors"),
+    );
+    let t = |n: &str, rows: usize, v: &[f32]| {
+        (
+            TensorSpec::new(format!("{attn}.{n}.weight"), Dtype::F32, &[rows, h]),
+            f32_bytes(v),
+        )
+    };
+    write_file(
+        &a,
+        vec![t("q_a_proj", q, &wq), t("kv_a_proj_with_mqa", kv, &wkv)],
+        None,
+    )
+    .unwrap();
+    let write_b = |wkv: &[f32]| {
+        let both = [&wq[..], wkv].concat();
+        write_file(&b, vec![t("fused_qkv_a_proj", q + kv, &both)], None).unwrap();
+    };
+    write_b(&wkv);
+    let out = run(tmp.path(), &[s(&a), s(&b)]);
+    check(&out, 0, seed);
+    assert_eq!(out.json["summary"]["units"], 2, "seed {seed}");
+    let at = r.gen_range(0..kv * h);
+    wkv[at] += 1.0;
+    write_b(&wkv);
+    let out = run(tmp.path(), &[s(&a), s(&b)]);
+    check(&out, 1, seed);
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 1, "seed {seed}: {m:?}");
+    assert_eq!(
+        m[0]["name"],
+        format!("{attn}.kv_a_proj_with_mqa.weight"),
+        "seed {seed}"
+    );
+    assert_eq!(
+        m[0]["metrics"]["max_abs_err_index"], at,
+        "seed {seed}: {}",
+        m[0]
+    );
+}
+
 /// A quantized merged `gate_up_proj` (a dense MLP's, as vLLM keeps it): its parts compare with
 /// A's NVFP4 gate_proj and up_proj, block scales linear or swizzled over the whole merged
 /// tensor, per-part global scales (`[2]`, before vLLM's processing) agree, and the one max
