@@ -75,8 +75,6 @@ pub struct Inventory {
     pub naming: Option<Naming>,
     pub units: BTreeMap<String, Unit>,
     pub fused: BTreeMap<usize, FusedLayer>,
-    /// Member name → the unit key it belongs to (for member-level missing / extra).
-    pub members: BTreeMap<String, String>,
 }
 
 /// The canonical key of a routed expert projection's weight.
@@ -151,7 +149,6 @@ impl Inventory {
     pub fn build(src: &Renamed, ep: Option<&ExpertMap>) -> Result<Inventory> {
         let naming = Naming::detect(src.tensor_names());
         let mut units: BTreeMap<String, Unit> = BTreeMap::new();
-        let mut members: BTreeMap<String, String> = BTreeMap::new();
         let mut consumed: HashSet<String> = HashSet::new();
         let insert = |units: &mut BTreeMap<String, Unit>, u: Unit, from: &str| -> Result<()> {
             if let Some(prev) = units.get(&u.key) {
@@ -291,7 +288,6 @@ impl Inventory {
             let (key, expert) = canonical(naming.as_ref(), &ln.weight_name_as_weight());
             for m in ln.members() {
                 consumed.insert(m.to_string());
-                members.insert(m.to_string(), key.clone());
             }
             let from = ln.weight.clone();
             insert(
@@ -325,7 +321,6 @@ impl Inventory {
             naming,
             units,
             fused,
-            members,
         })
     }
 
