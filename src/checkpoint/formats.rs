@@ -249,12 +249,17 @@ pub fn weight_scale_2(src: &dyn TensorSource, n: &LinearNames) -> Result<f32> {
     let Some(g) = &n.global_scale else {
         return Ok(1.0);
     };
-    let v = src.tensor_scalar_f32(g)?;
-    Ok(if g.ends_with("weight_global_scale") {
+    Ok(dequant_direction(g, src.tensor_scalar_f32(g)?))
+}
+
+/// A stored global scale in the dequant direction: compressed-tensors' `*_global_scale` are
+/// quant-direction (`gs`), ModelOpt's `weight_scale_2` / `input_scale` already dequant.
+pub fn dequant_direction(name: &str, v: f32) -> f32 {
+    if name.ends_with("global_scale") {
         crate::nvfp4::rcp(v)
     } else {
         v
-    })
+    }
 }
 
 /// `input_scale` (dequant direction), converted from `input_global_scale`.
@@ -262,12 +267,7 @@ pub fn input_scale(src: &dyn TensorSource, n: &LinearNames) -> Result<Option<f32
     let Some(i) = &n.input_scale else {
         return Ok(None);
     };
-    let v = src.tensor_scalar_f32(i)?;
-    Ok(Some(if i.ends_with("input_global_scale") {
-        crate::nvfp4::rcp(v)
-    } else {
-        v
-    }))
+    Ok(Some(dequant_direction(i, src.tensor_scalar_f32(i)?)))
 }
 
 /// Read the quantized linear at `base` (no BF16 original); bad input when `base` is not one.

@@ -798,15 +798,12 @@ fn compare_qq(
         .and_then(|((r, n), whole)| {
             // B's scales of a size both layouts fit, read linear for want of a match: the
             // other rank's slice may match under the swizzled reading
-            let swizzled = (u.b_scales == Some(ScalesSeen::Ambiguous))
-                .then(|| b_sc.alternative())
-                .flatten()
-                .map(|s| QMatrix {
-                    scales: std::borrow::Cow::Owned(s),
-                    ..b_m.clone()
-                });
-            std::iter::once(&b_m)
-                .chain(swizzled.as_ref())
+            let bs = if u.b_scales == Some(ScalesSeen::Ambiguous) {
+                readings(qb)
+            } else {
+                vec![b_m.clone()]
+            };
+            bs.iter()
                 .find_map(|b| other_tp_rank(whole, b, r, n))
                 .map(|(o, w)| (o, n, w))
         })
@@ -1409,6 +1406,14 @@ pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(Vec<u64>, Geom)> {
             Geom::D(d.shape.clone(), d.dtype),
         )),
     }
+}
+
+/// B holds exactly A's unit (cut to B's geometry: B's TP shard), every byte compared through
+/// full fingerprints, B's scales under each reading they allow.
+pub fn holds_whole(a: &Raw, b: &Raw, tp: Option<(usize, usize)>) -> bool {
+    fingerprint_own(b, Depth::Full).is_some_and(|(fb, g)| {
+        fingerprint_as(a, &g, tp, Depth::Full).is_some_and(|fa| fb.contains(&fa))
+    })
 }
 
 /// Fingerprint of A's unit cut to geometry `g` (B's shard).

@@ -7,8 +7,8 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, holds_rows, passes_raw, same_part, Geom, IssueKind, Options,
-    Part, UnitResult,
+    fingerprint_as, fingerprint_own, holds_rows, holds_whole, passes_raw, same_part, Geom,
+    IssueKind, Options, Part, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -329,11 +329,10 @@ pub fn cross_expert(
         // B's unit `bx` holds exactly A's unit `ax`: what equal samples nominate, confirmed
         // on every byte
         let holds = |bx: ExpertProj, ax: ExpertProj| {
-            let full_b = src_of(&b_units, bx)
-                .and_then(|s| fingerprint_own(&b.load(&s).ok()?, Depth::Full))
-                .map(|(f, _)| f);
-            let full_a = src_of(&a_units, ax).and_then(|s| fp_a_at(&ax, &s, Depth::Full));
-            matches!((full_b, full_a), (Some(fb), Some(fa)) if fb.contains(&fa))
+            let (Some(sb), Some(sa)) = (src_of(&b_units, bx), src_of(&a_units, ax)) else {
+                return false;
+            };
+            matches!((a.load(&sa), b.load(&sb)), (Ok(ra), Ok(rb)) if holds_whole(&ra, &rb, tp))
         };
 
         // gate and up swapped

@@ -4,9 +4,9 @@
 //! same tensor of every other layer of A (sampled fingerprints nominate); the layer pairing is
 //! then confirmed tensor by tensor on every byte.
 
-use super::compare::{fingerprint_as, fingerprint_own, Geom, IssueKind, UnitResult};
+use super::compare::{fingerprint_as, fingerprint_own, holds_whole, IssueKind, UnitResult};
 use super::diagnose::{Diagnosis, DiagnosisKind};
-use super::load::SideRef;
+use super::load::{Raw, SideRef};
 use super::view::Depth;
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,21 +24,9 @@ fn with_layer(key: &str, layer: usize) -> Option<String> {
     Some(format!("{head}{layer}{tail}"))
 }
 
-/// B's unit `kb`'s fingerprints at `depth` (one per reading of its scales), with the
-/// geometry to cut A's to.
-fn own(b: &SideRef, kb: &str, depth: Depth) -> Option<(Vec<u64>, Geom)> {
-    fingerprint_own(&b.load(&b.inv.units.get(kb)?.source).ok()?, depth)
-}
-
-/// A's unit `ka`'s fingerprint cut to `geom`.
-fn as_b(
-    a: &SideRef,
-    ka: &str,
-    geom: &Geom,
-    tp: Option<(usize, usize)>,
-    depth: Depth,
-) -> Option<u64> {
-    fingerprint_as(&a.load(&a.inv.units.get(ka)?.source).ok()?, geom, tp, depth)
+/// A side's unit `k`, loaded.
+fn unit<'a>(side: &SideRef<'a>, k: &str) -> Option<Raw<'a>> {
+    side.load(&side.inv.units.get(k)?.source).ok()
 }
 
 /// One diagnosis per layer offset: which of B's layers hold which of A's, and how many of their
@@ -72,10 +60,10 @@ pub fn layer_shift(
             let matrices = units.iter().filter(|&&i| results[i].a_shape.len() >= 2);
             let from = matrices.take(3).find_map(|&i| {
                 let probe = &results[i].name;
-                let (fb, geom) = own(b, probe, Depth::Sample)?;
+                let (fb, geom) = fingerprint_own(&unit(b, probe)?, Depth::Sample)?;
                 a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
                     with_layer(probe, o)
-                        .and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Sample))
+                        .and_then(|ka| fingerprint_as(&unit(a, &ka)?, &geom, tp, Depth::Sample))
                         .is_some_and(|fa| fb.contains(&fa))
                 })
             })?;
@@ -84,12 +72,13 @@ pub fn layer_shift(
                 .copied()
                 .filter(|&i| {
                     let kb = &results[i].name;
-                    let Some((fb, geom)) = own(b, kb, Depth::Full) else {
-                        return false;
-                    };
-                    with_layer(kb, from)
-                        .and_then(|ka| as_b(a, &ka, &geom, tp, Depth::Full))
-                        .is_some_and(|fa| fb.contains(&fa))
+                    match (
+                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
+                        unit(b, kb),
+                    ) {
+                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
+                        _ => false,
+                    }
                 })
                 .collect();
             (!explained.is_empty()).then_some((l, from, explained))

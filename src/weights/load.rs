@@ -6,7 +6,7 @@
 use super::inventory::{Inventory, Source};
 use super::rules::Renamed;
 use super::view::{Mat, RawScales};
-use crate::checkpoint::formats::{input_scale, weight_scale_2};
+use crate::checkpoint::formats::{dequant_direction, input_scale, weight_scale_2};
 use crate::checkpoint::{Convention, Proj, TensorSource};
 use crate::nvfp4::Format;
 use safetensors::Dtype;
@@ -239,21 +239,14 @@ impl<'a> SideRef<'a> {
         } else {
             Format::Nvfp4
         };
-        let recip = |n: &str, v: f32| {
-            if n.ends_with("global_scale") {
-                crate::nvfp4::rcp(v)
-            } else {
-                v
-            }
-        };
         let scale_2 = match (&ln.global_scale, format, part) {
             (_, Format::Mxfp4, _) => Some(1.0),
             (None, _, _) => None,
-            (Some(g), _, Some(p)) => Some(recip(g, self.part_scalar(g, p)?)),
+            (Some(g), _, Some(p)) => Some(dequant_direction(g, self.part_scalar(g, p)?)),
             (Some(_), _, None) => Some(weight_scale_2(src, ln).map_err(|e| e.to_string())?),
         };
         let input_scale = match (&ln.input_scale, part) {
-            (Some(i), Some(p)) => Some(recip(i, self.part_scalar(i, p)?)),
+            (Some(i), Some(p)) => Some(dequant_direction(i, self.part_scalar(i, p)?)),
             _ => input_scale(src, ln).map_err(|e| e.to_string())?,
         };
         Ok(QRaw {
