@@ -159,6 +159,16 @@ fn every_planted_hazard_is_named() {
     let d = tempfile::tempdir().unwrap();
     let e = 5;
     type Plant = Box<dyn Fn(&mut Fixture)>;
+    // the first expert's down_proj block scales stored under another dtype, bytes unchanged
+    let retag_scales = |dtype: Dtype| -> Plant {
+        Box::new(move |f| {
+            let n = format!("{E1}.down_proj.weight_scale");
+            f.tensors
+                .iter_mut()
+                .filter(|(s, _)| s.name == n)
+                .for_each(|(s, _)| s.dtype = dtype)
+        })
+    };
     let cases: Vec<(&str, Plant, &str, String)> = vec![
         (
             "ws2 NaN",
@@ -373,13 +383,7 @@ fn every_planted_hazard_is_named() {
             // formats reads U8 scales as E4M3 bytes (layertest runs on them); audit used to call
             // them missing, and took the packed weight for an unpacked one
             "block scales stored as U8",
-            Box::new(|f| {
-                let n = format!("{E1}.down_proj.weight_scale");
-                f.tensors
-                    .iter_mut()
-                    .filter(|(s, _)| s.name == n)
-                    .for_each(|(s, _)| s.dtype = Dtype::U8)
-            }),
+            retag_scales(Dtype::U8),
             "block_scale_dtype",
             format!("{E1}.down_proj.weight_scale"),
         ),
@@ -387,13 +391,7 @@ fn every_planted_hazard_is_named() {
             // the E4M3 bytes tagged as the other FP8 format: they were "missing block scales",
             // NaN values and a config mismatch on the weight (taken for an unpacked one)
             "block scales tagged F8_E5M2",
-            Box::new(|f| {
-                let n = format!("{E1}.down_proj.weight_scale");
-                f.tensors
-                    .iter_mut()
-                    .filter(|(s, _)| s.name == n)
-                    .for_each(|(s, _)| s.dtype = Dtype::F8_E5M2)
-            }),
+            retag_scales(Dtype::F8_E5M2),
             "block_scale_dtype",
             format!("{E1}.down_proj.weight_scale"),
         ),
