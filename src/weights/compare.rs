@@ -525,11 +525,16 @@ fn compare_qq(
         }
     };
     u.b_scales = Some(b_sc.seen);
-    // scales first: they are an eighth of the bytes and tell a swizzle apart
-    let scales_equal = a_m.scales == b_m.scales;
+    // the codes first: where they differ (found early, as a rule) the scales need not be
+    // compared whole; the first tile's tell whether the linear reading of an ambiguous size
+    // holds, since the swizzle permutes within 128-row tiles
     let packed_equal = a_m.packed.same(&b_m.packed);
-    let mut codes_equal = packed_equal && scales_equal;
-    if !scales_equal && b_sc.seen == ScalesSeen::Ambiguous {
+    let scales_equal = packed_equal && a_m.scales == b_m.scales;
+    let tile = a_m.rows.min(LAYOUT_ROWS) * a_m.kb();
+    let linear_holds =
+        scales_equal || (!packed_equal && a_m.scales.get(..tile) == b_m.scales.get(..tile));
+    let mut codes_equal = scales_equal;
+    if !linear_holds && b_sc.seen == ScalesSeen::Ambiguous {
         if let Some(alt) = b_sc.alternative() {
             let alt_equal = a_m.scales[..] == alt[..] && packed_equal;
             let swizzled = alt_equal || {

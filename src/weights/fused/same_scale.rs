@@ -6,28 +6,35 @@
 //! products: e2m1 0.5, 1, 2, 4 are `u` = 1, 2, 4, 8 (a power of two times `R1` is exact) and
 //! 1.5, 3, 6 are `v` = 1, 2, 4 (times `R3`); `u · v = 0` for every value. So a block's sums are
 //! small integer sums of code pairs times products of `A1` and `A3`:
-//! - dot `= A1² Σuu' + A1 A3 Σ(uv' + vu') + A3² Σvv'`, the norms `A1² Σu² + A3² Σv²`;
+//! - the norms `A1² Σu² + A3² Σv²`;
 //! - the squared error `= A1² Σ(δu)² − 2 A1 A3 Σ(uv' + vu') + A3² Σ(δv)²`, whose integer
-//!   parts `Σ(δu)² = Σu² + Σu'² − 2 Σuu'` are exact: no cancellation in floating point.
+//!   parts `Σ(δu)² = Σu² + Σu'² − 2 Σuu'` are exact: no cancellation in floating point;
+//! - the dot product, `(‖x‖² + ‖y‖² − ‖x − y‖²) / 2` of the piece's sums (their rounding is a
+//!   few ulps of the norms, as a directly summed dot product's is).
 //!
 //! The integer sums are byte tables indexed by the code pair (`vpermi2b`, 128 entries: the
 //! two magnitudes and whether the signs differ) and summed per block by `vpsadbw`, whose 64-bit
 //! lanes are the eight blocks; the f64 products and sums then run with a block per lane. Each
 //! product `A1² · n` rounds once, where the reference rounds once per value: the sums agree to
-//! a few ulps, as the f64 body's do.
+//! a few ulps, as the f64 body's do. `|A1|` and `|A3|` come from 16-entry tables by the scale
+//! code's mantissa, their exponent added as an integer ([`coefs`]): no FP unit is spent on them.
 //!
 //! The largest |difference| of a block is exact, not bounded. With `w = u + 3v` (twice the
 //! e2m1 value) and `ε = A3 − 3 A1`, a difference is `A1 δw + ε δv`; `|ε|` is below `|A1| / 16`
 //! (checked per scale code), so `|d| = |A1| W + |ε| T` with `W = |δw|` and `T = ± sign(δw) δv`
 //! (the sign of `ε A1`), and the element of largest `(W, T)` holds the block's largest `|d|`.
-//! A byte table ranks the pairs `(W, T)` of each code pair for each sign (`vpermi2b` again),
-//! `vpmaxub` takes the block's largest rank, and two more tables give back its `W` and `T`:
+//! Most blocks cannot hold a new maximum: `|d| < |A1| (W + 1/2)`, so a group of blocks none of
+//! whose elements reaches its scale code's threshold `W` ([`Codes::thresholds`], from the
+//! largest maximum found so far) is passed over. For the others ([`exact`]), a byte table
+//! ranks the pairs `(W, T)` of each code pair for each sign (`vpermi2b` again), `vpmaxub`
+//! takes the block's largest rank, and two more tables give back its `W` and `T`:
 //! `|A1| W + |ε| T` is computed exactly in f64 (both products are exact and the sum fits 53
 //! bits), the same bits as the reference's `|f64(y) − f64(x)|`.
 
 use super::avx512::{self, Tables};
 use super::QMatrix;
 use crate::metrics::Accum;
+use crate::nvfp4::e4m3;
 use std::arch::x86_64::*;
 use std::sync::atomic::AtomicU64;
 
@@ -60,29 +67,137 @@ pub struct Codes {
     zero: bool,
     lo: u8,
     hi: u8,
+    /// `|A1|` and `|A3|` of the codes below 16 (exponents 0 and 1); a code of exponent
+    /// `e > 1` takes exponent 1's entry of its mantissa times `2^(e − 1)` (see [`coefs`]).
+    coefs: Coefs,
+    /// The last two [`Codes::thresholds`] and the maxima they are for (their bits), the newer
+    /// first: after the first few, every piece starts from just below the largest maximum
+    /// found so far and, where it holds that maximum, goes on from the maximum itself.
+    last: std::sync::Mutex<[(u64, Thresholds); 2]>,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Thresholds([u8; 128]);
+
+#[repr(C, align(64))]
+struct Coefs {
+    a1: [f64; 16],
+    a3: [f64; 16],
+}
+
+impl Coefs {
+    /// Exponent 0 (subnormal scales `m · 2^-9`): the reference's own f32 products. Exponent
+    /// 1: the products rounded to f32's 24 bits at any exponent, so that scaling by `2^(e − 1)`
+    /// gives exponent `e`'s wherever the reference's products are normal f32 (where they are
+    /// not, [`Codes::new`] sees the difference and leaves the code to the f64 body).
+    fn new(scale_2: f32) -> Coefs {
+        let mut c = Coefs {
+            a1: [0.0; 16],
+            a3: [0.0; 16],
+        };
+        for m in 0..8u8 {
+            let s = e4m3::decode(m);
+            c.a1[m as usize] = f64::from((s * scale_2).abs()) / 2.0;
+            c.a3[m as usize] = f64::from((1.5 * s * scale_2).abs());
+            let s = f64::from(e4m3::decode(8 + m));
+            let g = f64::from(scale_2);
+            c.a1[8 + m as usize] = f32_rounded(s * g).abs() / 2.0;
+            c.a3[8 + m as usize] = f32_rounded(1.5 * s * g).abs();
+        }
+        c
+    }
+
+    /// `(|A1|, |A3|)` of `code` as [`coefs`] computes them.
+    fn of(&self, code: u8) -> (f64, f64) {
+        let t = code & 0x7F;
+        let j = if t < 8 { t } else { 8 | (t & 7) } as usize;
+        let shift = (u64::from(t.max(8) >> 3) - 1) << 52;
+        let at = |v: f64| f64::from_bits(v.to_bits().wrapping_add(shift));
+        (at(self.a1[j]), at(self.a3[j]))
+    }
+}
+
+/// `p` (an exact product) rounded to 24 significant bits, to nearest even, at any exponent:
+/// an f32 rounding without f32's exponent range.
+fn f32_rounded(p: f64) -> f64 {
+    if p == 0.0 || !p.is_finite() {
+        return p;
+    }
+    let e = ((p.to_bits() >> 52) & 0x7FF) as i64 - 1023;
+    let scale = f64::from_bits(((1023 - e) as u64) << 52);
+    f64::from((p * scale) as f32) / scale
 }
 
 impl Codes {
     pub fn new(scale_2: f32) -> Codes {
+        let coefs = Coefs::new(scale_2);
         let ok = |m: u8| {
             [m, m | 0x80].into_iter().all(|c| {
                 let t = super::table(c, scale_2);
                 let (a1, a3) = (f64::from(t[2]) / 2.0, f64::from(t[3]));
+                let looked_up = coefs.of(c) == (a1.abs(), a3.abs());
                 let exact = t.iter().enumerate().all(|(q, &v)| {
                     let (k, sign) = (q & 7, if q & 8 != 0 { -1.0 } else { 1.0 });
                     v.is_finite() && f64::from(v) == sign * (U[k] as f64 * a1 + V[k] as f64 * a3)
                 });
                 let eps = a3 - 3.0 * a1;
-                exact && ((a1 == 0.0 && a3 == 0.0) || 16.0 * eps.abs() < a1.abs())
+                looked_up && exact && ((a1 == 0.0 && a3 == 0.0) || 16.0 * eps.abs() < a1.abs())
             })
         };
         let lo = (1..0x80).find(|&m| ok(m)).unwrap_or(0x80);
         let hi = (lo..0x80).find(|&m| !ok(m)).unwrap_or(0x80);
+        let last = std::sync::Mutex::new([(f64::NAN.to_bits(), Thresholds([255; 128])); 2]);
         Codes {
             zero: ok(0),
             lo,
             hi,
+            coefs,
+            last,
         }
+    }
+
+    /// For each scale-code magnitude, the smallest `W` whose bound `|A1| (W + 1/2)` exceeds
+    /// `max` (`|ε| T` is below `|A1| / 2`, the product exact): a block with no element at or
+    /// above it holds no difference above `max`. 255 (above every `W`) where none does, as
+    /// for a zero scale, or when `max` is NaN (nothing exceeds it).
+    unsafe fn thresholds(&self, max: f64) -> [__m512i; 2] {
+        let key = max.to_bits();
+        let cached = self
+            .last
+            .lock()
+            .ok()
+            .and_then(|last| last.iter().find(|l| l.0 == key).map(|l| l.1));
+        let th = cached.unwrap_or_else(|| {
+            let th = self.compute_thresholds(max);
+            if let Ok(mut last) = self.last.lock() {
+                *last = [(key, th), last[0]];
+            }
+            th
+        });
+        [
+            _mm512_load_si512(th.0.as_ptr() as *const __m512i),
+            _mm512_load_si512(th.0.as_ptr().add(64) as *const __m512i),
+        ]
+    }
+
+    fn compute_thresholds(&self, max: f64) -> Thresholds {
+        let mut th = Thresholds([255; 128]);
+        for (m, e) in th.0.iter_mut().enumerate() {
+            let a1 = self.coefs.of(m as u8).0;
+            if a1 > 0.0 && a1.is_finite() && !max.is_nan() {
+                let above = |w: u32| a1 * (f64::from(w) + 0.5) > max;
+                let mut w = (max / a1 - 0.5).clamp(0.0, 255.0) as u32;
+                while w > 0 && above(w - 1) {
+                    w -= 1;
+                }
+                while w < 255 && !above(w) {
+                    w += 1;
+                }
+                *e = w as u8;
+            }
+        }
+        th
     }
 
     fn take(&self, code: u8) -> bool {
@@ -100,34 +215,45 @@ impl Codes {
     }
 }
 
-/// `A1 = R1 / 2` and `A3 = R3` of eight blocks from their scale codes: the E4M3 scale, exact
-/// in an f32, then the reference's own f32 products `(1 · s) · g` and `(1.5 · s) · g`. A
-/// normal code's exponent and mantissa bits placed in an f32 and re-biased are its value; a
-/// subnormal one (exponent 0, `m · 2^-9`) is `2 (2^-7 (1 + m/8) − 2^-7)`, one exact FMA away
-/// from that. (Its bits as an f32 subnormal scaled by 2^120 would be one multiply, and a
-/// microcode assist on denormal input that measured 1.7x the whole pass on codes 0..0x70.)
+/// `|A1|` and `|A3|` of eight blocks from their scale codes `t` (sign dropped: both sides
+/// share it, and every sum takes a product of two coefficients), looked up in [`Coefs`]' two
+/// 16-entry tables (two registers each): entry `t` for `t < 16`, else exponent 1's entry
+/// of `t`'s mantissa with `e − 1` added to its f64 exponent, which multiplies it by `2^(e − 1)`
+/// exactly. No FP unit is involved: the loop's multiplies and conversions have theirs.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
-unsafe fn coefs(codes: *const u8, g: __m256) -> (__m512d, __m512d) {
-    let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(codes as *const __m128i));
-    let mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7F));
-    let normal = _mm256_castsi256_ps(_mm256_add_epi32(
-        _mm256_slli_epi32::<20>(mag),
-        _mm256_set1_epi32(120 << 23),
-    ));
-    let sub = _mm256_fmadd_ps(normal, _mm256_set1_ps(2.0), _mm256_set1_ps(-1.0 / 64.0));
-    let s = _mm256_mask_blend_ps(
-        _mm256_cmplt_epu32_mask(mag, _mm256_set1_epi32(8)),
-        normal,
-        sub,
+unsafe fn coefs(codes: *const u8, k: &[__m512d; 4]) -> (__m512d, __m512d, __m512i) {
+    let c = _mm512_cvtepu8_epi64(_mm_loadl_epi64(codes as *const __m128i));
+    let t = _mm512_and_si512(c, _mm512_set1_epi64(0x7F));
+    let eight = _mm512_set1_epi64(8);
+    // `t & 7 | min(t, 8) & 8`: the select `C ? A : B` with C = 7
+    let j = _mm512_ternarylogic_epi64::<0xE4>(t, _mm512_min_epu64(t, eight), _mm512_set1_epi64(7));
+    let shift = _mm512_sub_epi64(
+        _mm512_slli_epi64::<49>(_mm512_and_si512(
+            _mm512_max_epu64(t, eight),
+            _mm512_set1_epi64(0x78),
+        )),
+        _mm512_set1_epi64(1 << 52),
     );
-    let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(c, _mm256_set1_epi32(0x80)));
-    let s = _mm256_or_ps(s, _mm256_castsi256_ps(sign));
-    let r1 = _mm256_mul_ps(s, g);
-    let r3 = _mm256_mul_ps(_mm256_mul_ps(s, _mm256_set1_ps(1.5)), g);
-    (
-        _mm512_mul_pd(_mm512_cvtps_pd(r1), _mm512_set1_pd(0.5)),
-        _mm512_cvtps_pd(r3),
-    )
+    let at = |lo: __m512d, hi: __m512d| {
+        _mm512_castsi512_pd(_mm512_add_epi64(
+            _mm512_castpd_si512(_mm512_permutex2var_pd(lo, j, hi)),
+            shift,
+        ))
+    };
+    (at(k[0], k[1]), at(k[2], k[3]), t)
+}
+
+/// [`Coefs`]' tables in registers.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn coef_regs(c: &Coefs) -> [__m512d; 4] {
+    let two = |t: &[f64; 16]| {
+        [
+            _mm512_loadu_pd(t.as_ptr()),
+            _mm512_loadu_pd(t.as_ptr().add(8)),
+        ]
+    };
+    let ([a, b], [x, y]) = (two(&c.a1), two(&c.a3));
+    [a, b, x, y]
 }
 
 /// The byte tables, indexed by a code pair `sx << 6 | ma << 3 | mb` (the signs differ, A's
@@ -143,6 +269,8 @@ pub struct Pairs {
     rank_neg: [u8; 128],
     /// A rank's `W`, and its `T + 8`.
     dec_w: [u8; 128],
+    /// `W` of a code pair: the bound's.
+    w: [u8; 128],
     dec_t: [u8; 128],
     /// `Σu²` and `Σv²` of a packed byte's two codes, indexed by its low 7 bits (the high
     /// code's sign, bit 7, does not matter).
@@ -187,6 +315,7 @@ impl Pairs {
             rank_neg: [0; 128],
             dec_w: [0; 128],
             dec_t: [0; 128],
+            w: [0; 128],
             u2: [0; 128],
             v2: [0; 128],
         });
@@ -198,6 +327,7 @@ impl Pairs {
             let (w, t) = wt(i);
             p.rank_pos[i] = rank((w, t));
             p.rank_neg[i] = rank((w, -t));
+            p.w[i] = byte(w);
         }
         for (r, &(w, t)) in levels.iter().enumerate() {
             p.dec_w[r] = byte(w);
@@ -221,6 +351,7 @@ struct Regs {
     rank_neg: [__m512i; 2],
     dec_w: [__m512i; 2],
     dec_t: [__m512i; 2],
+    w: [__m512i; 2],
     u2: [__m512i; 2],
     v2: [__m512i; 2],
 }
@@ -241,6 +372,7 @@ unsafe fn load(p: &Pairs) -> Regs {
         rank_neg: two(&p.rank_neg),
         dec_w: two(&p.dec_w),
         dec_t: two(&p.dec_t),
+        w: two(&p.w),
         u2: two(&p.u2),
         v2: two(&p.v2),
     }
@@ -248,49 +380,64 @@ unsafe fn load(p: &Pairs) -> Regs {
 
 /// The four sums, a block per lane.
 struct Sums8 {
-    dot: __m512d,
     nt: __m512d,
     nr: __m512d,
     err: __m512d,
 }
 
-/// Eight blocks: `pa` / `pb` their 64 packed bytes on each side, `a1` / `a3` their
-/// coefficients (one scale code a lane, both sides). Adds their sums to `s`; returns each
-/// block's largest |difference|.
+/// The pair index of each element of eight blocks (`a`, `b` their 64 packed bytes on each
+/// side): even elements' in the first vector (low nibbles), odd ones' in the second.
+/// Element k of either half of a block sits in the same byte on both sides, and the block's
+/// bytes in its 64-bit lane. `x` is A with B's sign bits XORed in (bits 3 and 7: the signs
+/// differ); then bits 3-6 come from `x`'s nibble and bits 0-2 from B's (ternary
+/// `(A & C) | (B & !C)`, C = 0x78). Word shifts carry bits across bytes, but only into bits
+/// the mask drops or bit 7, which `vpermi2b` ignores.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn pair_index(a: __m512i, b: __m512i) -> [__m512i; 2] {
+    let x = _mm512_ternarylogic_epi32::<0x78>(a, b, _mm512_set1_epi8(0x88u8 as i8));
+    let c = _mm512_set1_epi8(0x78);
+    [
+        _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi16::<3>(x), b, c),
+        _mm512_ternarylogic_epi32::<0xE4>(_mm512_srli_epi16::<1>(x), _mm512_srli_epi16::<4>(b), c),
+    ]
+}
+
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn pick(t: &[__m512i; 2], i: __m512i) -> __m512i {
+    _mm512_permutex2var_epi8(t[0], i, t[1])
+}
+
+/// The largest byte of each 64-bit lane, in its low byte (the others hold junk).
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn lane_max(mut v: __m512i) -> __m512i {
+    v = _mm512_max_epu8(v, _mm512_srli_epi64::<32>(v));
+    v = _mm512_max_epu8(v, _mm512_srli_epi64::<16>(v));
+    _mm512_max_epu8(v, _mm512_srli_epi64::<8>(v))
+}
+
+/// Eight blocks: `pa` / `pb` their 64 packed bytes on each side, `a1` / `a3` their
+/// coefficients `|A1|`, `|A3|` and `t` their scale codes' magnitudes (one a lane, both
+/// sides). Adds their sums to `s`; returns whether a block may hold a difference above the
+/// piece's maximum: an element whose `W` reaches its code's [`Thresholds`] entry.
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn group(
     k: &Regs,
     pa: *const u8,
     pb: *const u8,
     a1: __m512d,
     a3: __m512d,
+    t: __m512i,
+    tau: &[__m512i; 2],
     s: &mut Sums8,
-) -> __m512d {
+) -> bool {
     let zero = _mm512_setzero_si512();
     let (a, b) = (
         _mm512_loadu_si512(pa as *const __m512i),
         _mm512_loadu_si512(pb as *const __m512i),
     );
-    // The pair index of each element: even elements are low nibbles, odd ones high nibbles;
-    // element k of either half of a block sits in the same byte on both sides, and the
-    // block's bytes in its 64-bit lane. `x` is A with B's sign bits XORed in (bits 3 and 7:
-    // the signs differ); then bits 3-6 come from `x`'s nibble and bits 0-2 from B's
-    // (ternary `(A & C) | (B & !C)`, C = 0x78). Word shifts carry bits across bytes, but
-    // only into bits the mask drops or bit 7, which `vpermi2b` ignores.
-    let x = _mm512_ternarylogic_epi32::<0x78>(a, b, _mm512_set1_epi8(0x88u8 as i8));
-    let c = _mm512_set1_epi8(0x78);
-    let idx = [
-        _mm512_ternarylogic_epi32::<0xE4>(_mm512_slli_epi16::<3>(x), b, c),
-        _mm512_ternarylogic_epi32::<0xE4>(_mm512_srli_epi16::<1>(x), _mm512_srli_epi16::<4>(b), c),
-    ];
-    // ε = A3 − 3 A1, exact (both are f32 values, 3 A1 = 1.5 R1 has 25 bits)
-    let eps = _mm512_fmadd_pd(_mm512_set1_pd(-3.0), a1, a3);
-    // the blocks where ε A1 < 0 rank by (W, −T): all 8 bytes of the block's lane
-    let neg = _mm512_movepi8_mask(_mm512_movm_epi64(_mm512_movepi64_mask(
-        _mm512_castpd_si512(_mm512_xor_pd(eps, a1)),
-    )));
+    let idx = pair_index(a, b);
     let sad = |v: __m512i| _mm512_sad_epu8(v, zero);
-    let pick = |t: &[__m512i; 2], i: __m512i| _mm512_permutex2var_epi8(t[0], i, t[1]);
     // a block's sum of one table over both halves, less 16 biases
     let sum = |t: &[__m512i; 2], bias: i32, bytes_add: bool| {
         let (lo, hi) = (pick(t, idx[0]), pick(t, idx[1]));
@@ -306,8 +453,19 @@ unsafe fn group(
         sum(&k.uv, BIAS_UV, true),
         sum(&k.vv, BIAS_VV, true),
     );
-    let rank = |i: __m512i| _mm512_mask_blend_epi8(neg, pick(&k.rank_pos, i), pick(&k.rank_neg, i));
-    let mut top = _mm512_max_epu8(rank(idx[0]), rank(idx[1]));
+    let w = _mm512_max_epu8(pick(&k.w, idx[0]), pick(&k.w, idx[1]));
+    // each lane's threshold in its 8 bytes: byte 0 of each 64-bit lane repeated
+    let bcast = _mm512_set_epi64(
+        0x0808_0808_0808_0808,
+        0,
+        0x0808_0808_0808_0808,
+        0,
+        0x0808_0808_0808_0808,
+        0,
+        0x0808_0808_0808_0808,
+        0,
+    );
+    let th = _mm512_shuffle_epi8(pick(tau, t), bcast);
     // Σu², Σv² of each side, both codes of a byte at once
     let (nua, nva) = (sad(pick(&k.u2, a)), sad(pick(&k.v2, a)));
     let (nub, nvb) = (sad(pick(&k.u2, b)), sad(pick(&k.v2, b)));
@@ -318,9 +476,6 @@ unsafe fn group(
         _mm512_mul_pd(a3, a3),
     );
     let fsuv = f(suv);
-    s.dot = _mm512_fmadd_pd(c11, f(suu), s.dot);
-    s.dot = _mm512_fmadd_pd(c13, fsuv, s.dot);
-    s.dot = _mm512_fmadd_pd(c33, f(svv), s.dot);
     s.nr = _mm512_fmadd_pd(c11, f(nua), s.nr);
     s.nr = _mm512_fmadd_pd(c33, f(nva), s.nr);
     s.nt = _mm512_fmadd_pd(c11, f(nub), s.nt);
@@ -332,11 +487,26 @@ unsafe fn group(
     s.err = _mm512_fmadd_pd(c11, f(sq(nua, nub, suu)), s.err);
     s.err = _mm512_fmadd_pd(c33, f(sq(nva, nvb, svv)), s.err);
     s.err = _mm512_fnmadd_pd(_mm512_add_pd(c13, c13), fsuv, s.err);
+    _mm512_cmpge_epu8_mask(w, th) != 0
+}
+
+/// Each of eight blocks' largest |difference|, exactly (arguments as [`group`]'s).
+#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
+unsafe fn exact(k: &Regs, pa: *const u8, pb: *const u8, a1: __m512d, a3: __m512d) -> __m512d {
+    let idx = pair_index(
+        _mm512_loadu_si512(pa as *const __m512i),
+        _mm512_loadu_si512(pb as *const __m512i),
+    );
+    // ε |A1| / A1 = |A3| − 3 |A1|, exact (both are f32 values, 3 A1 = 1.5 R1 has 25 bits)
+    let eps = _mm512_fmadd_pd(_mm512_set1_pd(-3.0), a1, a3);
+    // the blocks where ε A1 < 0 rank by (W, −T)
+    let neg = _mm512_movepi64_mask(_mm512_castpd_si512(eps));
+    let rank =
+        |i: __m512i| _mm512_mask_blend_epi64(neg, pick(&k.rank_pos, i), pick(&k.rank_neg, i));
     // the block's largest rank in the low byte of its lane, then its W and T + 8 there
-    top = _mm512_max_epu8(top, _mm512_srli_epi64::<32>(top));
-    top = _mm512_max_epu8(top, _mm512_srli_epi64::<16>(top));
-    top = _mm512_max_epu8(top, _mm512_srli_epi64::<8>(top));
+    let top = lane_max(_mm512_max_epu8(rank(idx[0]), rank(idx[1])));
     let low = 0x0101_0101_0101_0101;
+    let f = |v: __m512i| _mm512_cvtepi64_pd(v);
     let w = f(_mm512_maskz_permutex2var_epi8(
         low, k.dec_w[0], top, k.dec_w[1],
     ));
@@ -347,7 +517,7 @@ unsafe fn group(
         _mm512_set1_pd(8.0),
     );
     // |A1| W + |ε| T: both products exact, their sum too
-    _mm512_fmadd_pd(_mm512_abs_pd(a1), w, _mm512_mul_pd(_mm512_abs_pd(eps), t))
+    _mm512_fmadd_pd(a1, w, _mm512_mul_pd(_mm512_abs_pd(eps), t))
 }
 
 /// Rows `r0..r1` of two matrices with one global scale (`t` both sides' f64 tables, `c` the
@@ -368,10 +538,9 @@ pub unsafe fn rows(
 ) -> Accum {
     let (cols, kb) = (a.cols, a.kb());
     let k = load(Pairs::get());
-    let g = _mm256_set1_ps(a.scale_2);
+    let ck = coef_regs(&c.coefs);
     let z = _mm512_setzero_pd();
     let mut s = Sums8 {
-        dot: z,
         nt: z,
         nr: z,
         err: z,
@@ -380,6 +549,18 @@ pub unsafe fn rows(
     let mut acc = Accum::default();
     let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
     let mut cur = current(&acc);
+    // what a block's difference must exceed to matter: above this piece's maximum and at
+    // least every piece's `best` (above the f64 below it)
+    let theta = |acc: &Accum| {
+        let cur = super::running_max(acc);
+        let floor = f64::from_bits(best.load(std::sync::atomic::Ordering::Relaxed)).next_down();
+        if cur.is_nan() {
+            cur
+        } else {
+            cur.max(floor)
+        }
+    };
+    let mut tau = c.thresholds(theta(&acc));
     let whole = kb - kb % GROUP;
     // each group's block maxima, kept for the row's first-index search
     let mut tops = vec![z; whole / GROUP];
@@ -388,15 +569,24 @@ pub unsafe fn rows(
         if !c.all_equal(sa, sb) {
             acc = acc.merge(avx512::rows(a, b, t, t, best, r, r + 1));
             cur = current(&acc);
+            tau = c.thresholds(theta(&acc));
             continue;
         }
         let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
+        // the exact maxima of the groups that may beat this piece's maximum; a group left
+        // out holds none above it, and 0 in `tops` (below any new maximum) lets the
+        // first-index search pass over it
         let mut m = z;
         for (i, top) in tops.iter_mut().enumerate() {
             let j = i * GROUP;
             avx512::prefetch(pa, pb, j);
-            let (a1, a3) = coefs(sa.as_ptr().add(j), g);
-            *top = group(&k, pa.add(j * 8), pb.add(j * 8), a1, a3, &mut s);
+            let (a1, a3, codes) = coefs(sa.as_ptr().add(j), &ck);
+            let (qa, qb) = (pa.add(j * 8), pb.add(j * 8));
+            *top = if group(&k, qa, qb, a1, a3, codes, &tau, &mut s) {
+                exact(&k, qa, qb, a1, a3)
+            } else {
+                z
+            };
             m = _mm512_max_pd(m, *top);
         }
         for j in whole..kb {
@@ -418,13 +608,19 @@ pub unsafe fn rows(
             acc.max_idx = Some(avx512::first_of(a, b, t, t, r, j, mb));
             cur = current(&acc);
             avx512::publish(best, mb);
+            tau = c.thresholds(theta(&acc));
         }
     }
     f64_sums.add_to(&mut acc);
-    acc.dot += _mm512_reduce_add_pd(s.dot);
-    acc.nt += _mm512_reduce_add_pd(s.nt);
-    acc.nr += _mm512_reduce_add_pd(s.nr);
-    acc.err += _mm512_reduce_add_pd(s.err);
+    let (nt, nr, err) = (
+        _mm512_reduce_add_pd(s.nt),
+        _mm512_reduce_add_pd(s.nr),
+        _mm512_reduce_add_pd(s.err),
+    );
+    acc.dot += (nr + nt - err) / 2.0;
+    acc.nt += nt;
+    acc.nr += nr;
+    acc.err += err;
     acc.len = (r1 - r0) * cols;
     acc
 }
@@ -455,13 +651,13 @@ mod tests {
                 let mut lanes = [[0f64; 8]; 2];
                 // SAFETY: `available` saw the features
                 unsafe {
-                    let (x1, x3) = coefs([code; 8].as_ptr(), _mm256_set1_ps(g));
+                    let (x1, x3, _) = coefs([code; 8].as_ptr(), &coef_regs(&c.coefs));
                     _mm512_storeu_pd(lanes[0].as_mut_ptr(), x1);
                     _mm512_storeu_pd(lanes[1].as_mut_ptr(), x3);
                 }
                 assert_eq!(
                     (lanes[0][7].to_bits(), lanes[1][7].to_bits()),
-                    (a1.to_bits(), a3.to_bits()),
+                    (a1.abs().to_bits(), a3.abs().to_bits()),
                     "g {g:e} code {code:#04x}: coefficients"
                 );
                 let eps = a3 - 3.0 * a1;
@@ -505,4 +701,44 @@ mod tests {
             "a subnormal product is not taken"
         );
     }
+
+    /// Every threshold is the smallest `W` whose bound `|A1| (W + 1/2)` exceeds the maximum
+    /// (so a block below it cannot hold a larger difference, and one at it may), for maxima
+    /// from none yet (-1) through ties with a code's own bound to above every bound, and NaN.
+    #[test]
+    fn thresholds_are_the_smallest_w_whose_bound_exceeds_the_maximum() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for g in [3.7e-4f32, 1.0, 2.5e-38, 6.1e35, r.gen_range(1e-6..1e-2)] {
+            let c = Codes::new(g);
+            let taken: Vec<u8> = (0..0x80u8).filter(|&m| c.take(m)).collect();
+            let a1 = |m: u8| c.coefs.of(m).0;
+            let pick = taken[r.gen_range(0..taken.len())];
+            let maxima = [
+                -1.0,
+                0.0,
+                a1(pick) * 3.5,
+                (a1(pick) * 3.5).next_down(),
+                a1(pick) * r.gen_range(0.0..30.0),
+                f64::MAX,
+                f64::NAN,
+            ];
+            for max in maxima {
+                let th = c.compute_thresholds(max);
+                for &m in &taken {
+                    let (t, a) = (th.0[m as usize], a1(m));
+                    let bound = |w: u8| a * (f64::from(w) + 0.5);
+                    let what = format!("seed {seed} g {g:e} max {max:e} code {m:#04x}: {t}");
+                    if max.is_nan() || a == 0.0 {
+                        assert_eq!(t, 255, "{what}");
+                        continue;
+                    }
+                    assert!(t == 255 || bound(t) > max, "{what}");
+                    assert!(t == 0 || bound(t - 1) <= max, "{what}");
+                }
+            }
+        }
+    }
+
 }
