@@ -7,13 +7,14 @@
 //! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
 //!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
 //!
-//! Other tensors are copied byte for byte: already-quantized ones, the float weights an
+//! Other tensors are copied byte for byte: already-quantized ones (ModelOpt, MXFP4), the float weights an
 //! input's own quantization_config excludes (a quantized checkpoint's attention, router,
 //! dense layers), and those of modules engines never quantize (embeddings, output heads, the
 //! MoE router's gate, MTP's eh_proj: `names::never_quantized`). The output's exclude_modules names every float weight matrix left
 //! unquantized (exact module names) plus the input's own exclude list.
 //!
-//! Every output file is written under its
+//! compressed-tensors NVFP4 linears in the input are refused: the output's ModelOpt
+//! quantization_config cannot vouch for their names. Every output file is written under its
 //! temporary name and renamed only once all are complete: a refused run leaves OUT as it was.
 //!
 //! One tensor at a time: the input stays memory-mapped, only the outputs of the current
@@ -24,7 +25,9 @@
 
 use super::config::{ExcludeList, QuantConfig};
 use super::file::{elem_size, TensorFile, TensorInfo};
+use super::formats::{Convention, LinearNames};
 use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
+use super::source::TensorSource;
 use super::writer::{f32_bytes, PendingOutput, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
@@ -267,6 +270,7 @@ impl QuantizePlan {
         let covered = ExcludeList::new(&input_exclude);
         for base in super::formats::quantized_bases(&ckpt) {
             if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
+                refuse_compressed_tensors(&ckpt, &ln, opts.format)?;
                 super::formats::check_linear(&ckpt, &ln)?;
             }
         }
@@ -563,6 +567,30 @@ impl QuantizePlan {
 fn pending_json(p: &Path, v: &Value) -> Result<PendingFile> {
     let s = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
     PendingFile::write(p, s.as_bytes())
+}
+
+/// compressed-tensors NVFP4 linears cannot pass through: they would be copied under their own
+/// names (`weight_packed`, the reciprocal `weight_global_scale`) next to the ModelOpt
+/// quantization_config this run writes, and no engine loads such a checkpoint.
+fn refuse_compressed_tensors(ckpt: &Checkpoint, ln: &LinearNames, format: Format) -> Result<()> {
+    if ln.convention != Convention::CompressedTensors {
+        return Ok(());
+    }
+    // the member that carries a compressed-tensors name
+    let tensor = match &ln.global_scale {
+        Some(g) if !ln.weight.ends_with("_packed") => g,
+        _ => &ln.weight,
+    };
+    Err(Error::bad_tensor(
+        ckpt.file_of(tensor),
+        tensor,
+        format!(
+            "IN holds compressed-tensors NVFP4 linears; quantize writes ModelOpt {} and one \
+             checkpoint cannot mix the two (engines load ModelOpt names under a ModelOpt \
+             quantization_config): quantize the BF16 originals",
+            format.name().to_uppercase()
+        ),
+    ))
 }
 
 fn add(a: &mut BlockStats, b: &BlockStats) {
