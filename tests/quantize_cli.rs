@@ -4,8 +4,9 @@
 mod checkpoint_util;
 use checkpoint_util::*;
 use nvfp4dbg::checkpoint::formats::read_qlinear;
+use nvfp4dbg::checkpoint::writer::TensorSpec;
 use nvfp4dbg::checkpoint::{Checkpoint, Dtype, TensorFile, TensorSource};
-use nvfp4dbg::nvfp4::{quantize_nvfp4, quantize_weight_nvfp4};
+use nvfp4dbg::nvfp4::{quantize_nvfp4, quantize_weight_nvfp4, weight_global_scale};
 use rand::Rng;
 
 #[test]
@@ -550,4 +551,174 @@ fn what_engines_never_quantize_is_copied_and_excluded() {
     let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(rep["summary"]["never_quantized"], 4, "seed {seed}");
     assert_eq!(rep["summary"]["quantized"], 2, "seed {seed}");
+}
+
+/// A directory quantize refuses partway (a NaN in a weight of its last shard) leaves OUT as
+/// it was, byte for byte: no shard of this run under its final name, no temporary left, and a
+/// previous checkpoint in OUT (config.json, index, hf_quant_config.json, shards) intact. The
+/// shards are written under temporary names and renamed only once every one of them is done.
+#[test]
+fn a_refused_directory_leaves_out_as_it_was() {
+    let (seed, mut r) = rng("quantize all or nothing");
+    let d = tempfile::tempdir().unwrap();
+    let inp = d.path().join("in");
+    std::fs::create_dir(&inp).unwrap();
+    let (h, i) = (16 * r.gen_range(1..5), 16 * r.gen_range(1..4));
+    let mut map = serde_json::Map::new();
+    let mut shards = vec![];
+    for s in 0..3 {
+        let file = format!("model-{:05}-of-00003.safetensors", s + 1);
+        let mut tensors = vec![];
+        for (proj, rows, cols) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
+            let name = format!("model.layers.{s}.mlp.experts.0.{proj}.weight");
+            map.insert(name.clone(), file.clone().into());
+            tensors.push((name, [rows, cols], weights(&mut r, rows, cols)));
+        }
+        shards.push((file, tensors));
+    }
+    // (file, [(tensor, shape, values)])
+    type Shard = (String, Vec<(String, [usize; 2], Vec<f32>)>);
+    let write_shards = |shards: &[Shard]| {
+        for (file, tensors) in shards {
+            write(
+                &inp.join(file),
+                tensors.iter().map(|(n, s, v)| bf16(n, s, v)).collect(),
+            );
+        }
+    };
+    write_shards(&shards);
+    let index = serde_json::json!({"metadata": {"total_size": 1}, "weight_map": map});
+    std::fs::write(inp.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    std::fs::write(
+        inp.join("config.json"),
+        config_json(h, i, 4, 2, 3).to_string(),
+    )
+    .unwrap();
+    std::fs::write(inp.join("tokenizer.json"), b"{\"tok\": 2}").unwrap();
+    // a previous good output (another --gs, so its shards differ from this run's)
+    let previous = d.path().join("previous");
+    let gs = r.gen_range(100..5000).to_string();
+    let o = run(&["quantize", p(&inp), p(&previous), "--gs", &gs]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    // a NaN in one weight of the last shard
+    let (file, tensors) = &mut shards[2];
+    let t = r.gen_range(0..tensors.len());
+    let (name, _, v) = &mut tensors[t];
+    let at = r.gen_range(0..v.len());
+    v[at] = f32::NAN;
+    let (file, name) = (file.clone(), name.clone());
+    write_shards(&shards);
+    let input = snapshot(&inp);
+    for case in ["missing", "empty", "previous output"] {
+        let out = d.path().join(case.replace(' ', "-"));
+        match case {
+            "missing" => {}
+            "empty" => std::fs::create_dir(&out).unwrap(),
+            _ => {
+                std::fs::create_dir(&out).unwrap();
+                for (from, bytes) in snapshot(&previous) {
+                    let rel = from.strip_prefix(&previous).unwrap();
+                    std::fs::write(out.join(rel), bytes).unwrap();
+                }
+            }
+        }
+        let before = out.exists().then(|| snapshot(&out));
+        let o = run(&["quantize", p(&inp), p(&out)]);
+        assert_eq!(code(&o), 2, "seed {seed} {case}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains(&file) && e.contains(&name) && e.contains("NaN"),
+            "seed {seed} {case}: {e}"
+        );
+        assert!(!e.contains("panicked"), "seed {seed} {case}: {e}");
+        match before {
+            None => assert!(!out.exists(), "seed {seed}: OUT created by a refused run"),
+            Some(b) => {
+                let now = snapshot(&out);
+                let names: Vec<_> = now.iter().map(|(p, _)| p.display().to_string()).collect();
+                assert!(
+                    now == b,
+                    "seed {seed} {case}: OUT changed by a refused run; now {names:#?}"
+                );
+            }
+        }
+        assert_eq!(snapshot(&inp), input, "seed {seed}: input untouched");
+    }
+}
+
+/// An input holding compressed-tensors NVFP4 linears (llm-compressor's `weight_packed` and
+/// reciprocal `weight_global_scale`) is refused before anything is written: quantize would
+/// copy them under those names next to a ModelOpt quantization_config, a checkpoint no engine
+/// loads. The message names the file, one such tensor and what to quantize instead.
+#[test]
+fn compressed_tensors_input_is_refused() {
+    let (seed, mut r) = rng("quantize compressed-tensors input");
+    let d = tempfile::tempdir().unwrap();
+    let inp = d.path().join("in");
+    std::fs::create_dir(&inp).unwrap();
+    let (h, i) = (16 * r.gen_range(1..5), 16 * r.gen_range(1..4));
+    let w = weights(&mut r, h, i);
+    let (_, gs) = weight_global_scale(&w);
+    let (q, _) = quantize_nvfp4(&w, h, i, gs);
+    let base = "model.layers.0.mlp.experts.0.down_proj";
+    // llm-compressor stores its global scales as [1]; a [] scalar is the same value
+    let scalar: &[usize] = if r.gen() { &[] } else { &[1] };
+    let float = "model.layers.0.self_attn.o_proj.weight";
+    let (float_file, ct_file) = (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    );
+    write(
+        &inp.join(float_file),
+        vec![bf16(float, &[h, h], &weights(&mut r, h, h))],
+    );
+    let ct = vec![
+        (
+            TensorSpec::new(format!("{base}.weight_packed"), Dtype::U8, &[h, i / 2]),
+            q.packed,
+        ),
+        (
+            TensorSpec::new(format!("{base}.weight_scale"), Dtype::F8_E4M3, &[h, i / 16]),
+            q.scales,
+        ),
+        f32t(&format!("{base}.weight_global_scale"), scalar, &[gs]),
+        f32t(
+            &format!("{base}.input_global_scale"),
+            scalar,
+            &[r.gen_range(100.0..3000.0)],
+        ),
+    ];
+    let mut map = serde_json::Map::new();
+    map.insert(float.into(), float_file.into());
+    for (s, _) in &ct {
+        map.insert(s.name.clone(), ct_file.into());
+    }
+    write(&inp.join(ct_file), ct);
+    let index = serde_json::json!({"metadata": {"total_size": 1}, "weight_map": map});
+    std::fs::write(inp.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    let mut cfg = config_json(h, i, 4, 2, 1);
+    cfg["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "float", "group_size": 16},
+            "input_activations": {"num_bits": 4, "type": "float", "group_size": 16}}},
+        "ignore": ["lm_head"]});
+    std::fs::write(inp.join("config.json"), cfg.to_string()).unwrap();
+    let input = snapshot(&inp);
+    let out = d.path().join("out");
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    let e = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {e}");
+    for want in [
+        ct_file,
+        &format!("{base}.weight_packed"),
+        "compressed-tensors",
+        "ModelOpt",
+        "BF16 originals",
+    ] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(!e.contains("panicked"), "seed {seed}: {e}");
+    assert!(!out.exists(), "seed {seed}: a refused run wrote {out:?}");
+    assert_eq!(snapshot(&inp), input, "seed {seed}: input untouched");
 }

@@ -7,11 +7,15 @@
 //! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
 //!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
 //!
-//! Other tensors are copied byte for byte: already-quantized ones, the float weights an
+//! Other tensors are copied byte for byte: already-quantized ones (ModelOpt, MXFP4), the float weights an
 //! input's own quantization_config excludes (a quantized checkpoint's attention, router,
 //! dense layers), and those of modules engines never quantize (embeddings, output heads, the
 //! MoE router's gate, MTP's eh_proj: `names::never_quantized`). The output's exclude_modules names every float weight matrix left
 //! unquantized (exact module names) plus the input's own exclude list.
+//!
+//! compressed-tensors NVFP4 linears in the input are refused: the output's ModelOpt
+//! quantization_config cannot vouch for their names. Every output file is written under its
+//! temporary name and renamed only once all are complete: a refused run leaves OUT as it was.
 //!
 //! One tensor at a time: the input stays memory-mapped, only the outputs of the current
 //! tensor are held (a quarter of a BF16 tensor's size), and the blocks of a tensor are
@@ -21,11 +25,14 @@
 
 use super::config::{ExcludeList, QuantConfig};
 use super::file::{elem_size, TensorFile, TensorInfo};
+use super::formats::{Convention, LinearNames};
 use super::hf::{Checkpoint, CONFIG_FILE, HF_QUANT_CONFIG_FILE, INDEX_FILE, ORIGINALS_DIR};
-use super::writer::{f32_bytes, ShardWriter, TensorSpec};
+use super::source::TensorSource;
+use super::writer::{f32_bytes, PendingOutput, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
 use crate::nvfp4::{weight_global_scale, BlockStats, Format, GS_DENOM};
+use crate::report::PendingFile;
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -263,6 +270,7 @@ impl QuantizePlan {
         let covered = ExcludeList::new(&input_exclude);
         for base in super::formats::quantized_bases(&ckpt) {
             if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
+                refuse_compressed_tensors(&ckpt, &ln, opts.format)?;
                 super::formats::check_linear(&ckpt, &ln)?;
             }
         }
@@ -296,40 +304,50 @@ impl QuantizePlan {
         self.files.iter().map(|f| f.items.len()).sum()
     }
 
-    /// Quantize and write. `on_tensor` is called after each input tensor is done.
+    /// Quantize and write, all or nothing: every file is written under its temporary name,
+    /// and only when all are complete do they take their final names (shards first, side files
+    /// last). On an error OUT is as it was. `on_tensor` is called after each input tensor is
+    /// done.
     pub fn run(self, on_tensor: &(dyn Fn(&str) + Sync)) -> Result<QuantizeSummary> {
         let mut sum = QuantizeSummary {
             input: self.ckpt.path().to_path_buf(),
             output: self.output.clone(),
             ..Default::default()
         };
-        if self.ckpt.is_dir() {
-            self.remove_stale_markers()?;
-        }
+        let out_dir = if self.ckpt.is_dir() {
+            self.output.as_path()
+        } else {
+            self.output.parent().unwrap_or(Path::new(""))
+        };
+        let mut pending = PendingOutput::new(out_dir);
         for fp in &self.files {
             sum.not_quantized.extend(fp.not_quantized.iter().cloned());
             sum.excluded_by_input_config
                 .extend(fp.excluded_by_input_config.iter().cloned());
             sum.never_quantized
                 .extend(fp.never_quantized.iter().cloned());
-            self.run_file(fp, &mut sum, on_tensor)?;
+            pending.push(self.run_file(fp, &mut sum, on_tensor)?);
             sum.files_written += 1;
         }
         if self.ckpt.is_dir() {
-            self.write_side_files(&sum)?;
+            for f in self.side_files(&sum)? {
+                pending.push(f);
+            }
+            self.remove_stale_markers()?;
         }
+        pending.commit()?;
         Ok(sum)
     }
 
-    /// One output shard. A writer thread takes each tensor's bytes while the next one is
-    /// quantized, so the cores are not idle during the (single-threaded) write; at most two
-    /// tensors' outputs are in flight.
+    /// One output shard, complete under its temporary name. A writer thread takes each
+    /// tensor's bytes while the next one is quantized, so the cores are not idle during the
+    /// (single-threaded) write; at most two tensors' outputs are in flight.
     fn run_file(
         &self,
         fp: &FilePlan,
         sum: &mut QuantizeSummary,
         on_tensor: &(dyn Fn(&str) + Sync),
-    ) -> Result<()> {
+    ) -> Result<PendingFile> {
         let shard = &self.ckpt.shards()[fp.shard];
         shard.advise_sequential();
         let meta = (!shard.metadata().is_empty()).then(|| shard.metadata().clone());
@@ -364,7 +382,7 @@ impl QuantizePlan {
             // a failed write stops the producer (its send fails): the write error is the news
             match (produced, written) {
                 (_, Err(e)) | (Err(e), Ok(_)) => Err(e),
-                (Ok(()), Ok(w)) => w.finish(),
+                (Ok(()), Ok(w)) => w.complete(),
             }
         })
     }
@@ -437,8 +455,9 @@ impl QuantizePlan {
     }
 
     /// An OUT that already holds a checkpoint loses the files that make it one (those this
-    /// run writes again, after every shard): a run killed halfway then leaves shards, never an
-    /// old index or config.json vouching for a mix of old and new shards.
+    /// run writes again, after every shard), once every file of this run is complete and
+    /// before the first takes its final name: a run killed while renaming then leaves shards,
+    /// never an old index or config.json vouching for a mix of old and new shards.
     fn remove_stale_markers(&self) -> Result<()> {
         let mut markers = vec![HF_QUANT_CONFIG_FILE];
         if self.ckpt.index_path().is_some() {
@@ -472,8 +491,10 @@ impl QuantizePlan {
     }
 
     /// Index, config.json with quantization_config, hf_quant_config.json, and the other small
-    /// files of an HF directory (tokenizer, generation config) copied as they are.
-    fn write_side_files(&self, sum: &QuantizeSummary) -> Result<()> {
+    /// files of an HF directory (tokenizer, generation config) copied as they are; under
+    /// their temporary names, in the order they take their final ones.
+    fn side_files(&self, sum: &QuantizeSummary) -> Result<Vec<PendingFile>> {
+        let mut files = vec![];
         let out = &self.output;
         let (algo, group) = match self.opts.format {
             Format::Nvfp4 => ("NVFP4", 16),
@@ -505,7 +526,7 @@ impl QuantizePlan {
                 }
             }
             let v = json!({"metadata": meta, "weight_map": map});
-            write_json(&out.join(INDEX_FILE), &v)?;
+            files.push(pending_json(&out.join(INDEX_FILE), &v)?);
         }
         if let Some(cfg) = self.ckpt.config_path() {
             let text = std::fs::read(&cfg).map_err(|e| Error::io(&cfg, e))?;
@@ -519,13 +540,13 @@ impl QuantizePlan {
                 json!({"quant_method": "modelopt", "quant_algo": algo, "group_size": group,
                        "exclude_modules": exclude, "producer": producer}),
             );
-            write_json(&out.join(CONFIG_FILE), &v)?;
+            files.push(pending_json(&out.join(CONFIG_FILE), &v)?);
         }
-        write_json(
+        files.push(pending_json(
             &out.join(HF_QUANT_CONFIG_FILE),
             &json!({"producer": producer, "quantization": {"quant_algo": algo, "group_size": group,
                     "kv_cache_quant_algo": null, "exclude_modules": exclude}}),
-        )?;
+        )?);
         let rd = std::fs::read_dir(self.ckpt.dir()).map_err(|e| Error::io(self.ckpt.dir(), e))?;
         for e in rd {
             let e = e.map_err(|e| Error::io(self.ckpt.dir(), e))?;
@@ -536,16 +557,40 @@ impl QuantizePlan {
                     .contains(&name.as_str());
             if p.is_file() && !ours {
                 let bytes = std::fs::read(&p).map_err(|e| Error::io(&p, e))?;
-                crate::report::write_atomic(&out.join(&name), &bytes)?;
+                files.push(PendingFile::write(&out.join(&name), &bytes)?);
             }
         }
-        Ok(())
+        Ok(files)
     }
 }
 
-fn write_json(p: &Path, v: &Value) -> Result<()> {
+fn pending_json(p: &Path, v: &Value) -> Result<PendingFile> {
     let s = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
-    crate::report::write_atomic(p, s.as_bytes())
+    PendingFile::write(p, s.as_bytes())
+}
+
+/// compressed-tensors NVFP4 linears cannot pass through: they would be copied under their own
+/// names (`weight_packed`, the reciprocal `weight_global_scale`) next to the ModelOpt
+/// quantization_config this run writes, and no engine loads such a checkpoint.
+fn refuse_compressed_tensors(ckpt: &Checkpoint, ln: &LinearNames, format: Format) -> Result<()> {
+    if ln.convention != Convention::CompressedTensors {
+        return Ok(());
+    }
+    // the member that carries a compressed-tensors name
+    let tensor = match &ln.global_scale {
+        Some(g) if !ln.weight.ends_with("_packed") => g,
+        _ => &ln.weight,
+    };
+    Err(Error::bad_tensor(
+        ckpt.file_of(tensor),
+        tensor,
+        format!(
+            "IN holds compressed-tensors NVFP4 linears; quantize writes ModelOpt {} and one \
+             checkpoint cannot mix the two (engines load ModelOpt names under a ModelOpt \
+             quantization_config): quantize the BF16 originals",
+            format.name().to_uppercase()
+        ),
+    ))
 }
 
 fn add(a: &mut BlockStats, b: &BlockStats) {

@@ -1,9 +1,10 @@
 //! Writing safetensors files that may be larger than memory: the header is written from the
 //! tensor specs first, then each tensor's bytes in order. The file appears under its final
-//! name only when complete (temporary name + rename).
+//! name only when complete (temporary name + rename); a run of several files can keep them all
+//! under temporary names until every one is complete ([`PendingOutput`]).
 
 use crate::error::{Error, Result};
-use crate::report::tmp_name;
+use crate::report::PendingFile;
 use safetensors::Dtype;
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
@@ -36,9 +37,9 @@ pub fn dtype_name(d: Dtype) -> String {
 
 /// Streams tensors into one safetensors file, in the order of the specs given to `create`.
 pub struct ShardWriter {
-    path: PathBuf,
-    tmp: PathBuf,
+    // closed before `file` removes an unfinished temporary
     out: BufWriter<std::fs::File>,
+    file: PendingFile,
     specs: Vec<TensorSpec>,
     next: usize,
 }
@@ -74,19 +75,14 @@ impl ShardWriter {
         while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
-        }
-        let tmp = tmp_name(path);
-        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let (file, f) = PendingFile::create(path)?;
         let mut out = BufWriter::with_capacity(1 << 22, f);
         out.write_all(&(h.len() as u64).to_le_bytes())
             .and_then(|_| out.write_all(&h))
-            .map_err(|e| Error::io(&tmp, e))?;
+            .map_err(|e| Error::io(file.tmp(), e))?;
         Ok(ShardWriter {
-            path: path.to_path_buf(),
-            tmp,
             out,
+            file,
             specs,
             next: 0,
         })
@@ -96,11 +92,14 @@ impl ShardWriter {
     /// size is off; reported as an error all the same.
     pub fn write_next(&mut self, bytes: &[u8]) -> Result<()> {
         let spec = self.specs.get(self.next).ok_or_else(|| {
-            Error::bad_file(&self.path, "internal: more tensors written than declared")
+            Error::bad_file(
+                self.file.path(),
+                "internal: more tensors written than declared",
+            )
         })?;
         if bytes.len() != spec.nbytes() {
             return Err(Error::bad_tensor(
-                &self.path,
+                self.file.path(),
                 &spec.name,
                 format!(
                     "internal: {} bytes written, {} declared",
@@ -111,15 +110,17 @@ impl ShardWriter {
         }
         self.out
             .write_all(bytes)
-            .map_err(|e| Error::io(&self.tmp, e))?;
+            .map_err(|e| Error::io(self.file.tmp(), e))?;
         self.next += 1;
         Ok(())
     }
 
-    pub fn finish(mut self) -> Result<()> {
+    /// The complete file, still under its temporary name. An unfinished writer, dropped,
+    /// leaves nothing behind.
+    pub fn complete(mut self) -> Result<PendingFile> {
         if self.next != self.specs.len() {
             return Err(Error::bad_file(
-                &self.path,
+                self.file.path(),
                 format!(
                     "internal: {} of {} tensors written",
                     self.next,
@@ -127,16 +128,64 @@ impl ShardWriter {
                 ),
             ));
         }
-        self.out.flush().map_err(|e| Error::io(&self.tmp, e))?;
-        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))
+        self.out
+            .flush()
+            .map_err(|e| Error::io(self.file.tmp(), e))?;
+        Ok(self.file)
+    }
+
+    /// The complete file under its final name.
+    pub fn finish(self) -> Result<()> {
+        self.complete()?.commit()
     }
 }
 
-impl Drop for ShardWriter {
+/// The files of one run that writes several, complete under their temporary names until
+/// `commit` gives them their final names, in the order they were pushed. Dropped uncommitted
+/// (an error on the way), it removes the temporaries and the directories the run created for
+/// them: what was there before the run is as it was.
+pub struct PendingOutput {
+    files: Vec<PendingFile>,
+    /// Directories that did not exist when the run began, innermost first.
+    created_dirs: Vec<PathBuf>,
+}
+
+impl PendingOutput {
+    /// Before anything is written into `dir`: notes which of `dir` and its ancestors the run
+    /// will create.
+    pub fn new(dir: &Path) -> PendingOutput {
+        let created_dirs = dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
+        PendingOutput {
+            files: vec![],
+            created_dirs,
+        }
+    }
+
+    pub fn push(&mut self, file: PendingFile) {
+        self.files.push(file);
+    }
+
+    /// Rename every file to its final name, in order. A failed rename stops there; the files
+    /// not renamed yet are removed.
+    pub fn commit(mut self) -> Result<()> {
+        for f in std::mem::take(&mut self.files) {
+            f.commit()?;
+        }
+        self.created_dirs.clear();
+        Ok(())
+    }
+}
+
+impl Drop for PendingOutput {
     fn drop(&mut self) {
-        // an unfinished writer leaves nothing behind
-        if self.tmp.exists() {
-            let _ = std::fs::remove_file(&self.tmp);
+        self.files.clear();
+        // only empty ones go: a directory the run did put a final file into stays
+        for d in &self.created_dirs {
+            let _ = std::fs::remove_dir(d);
         }
     }
 }
@@ -174,6 +223,7 @@ pub fn i64_bytes(v: &[i64]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::tmp_name;
 
     #[test]
     fn round_trip_through_the_safetensors_crate() {
@@ -220,5 +270,40 @@ mod tests {
         drop(w);
         assert!(!p.exists());
         assert!(!tmp_name(&p).exists());
+    }
+
+    #[test]
+    fn pending_output_is_all_or_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("new").join("out");
+        let names = ["a.safetensors", "b.safetensors"];
+        let stage = || {
+            let mut pending = PendingOutput::new(&out);
+            for n in names {
+                let mut w = ShardWriter::create(
+                    &out.join(n),
+                    vec![TensorSpec::new("x", Dtype::U8, &[2])],
+                    None,
+                )
+                .unwrap();
+                w.write_next(&[1, 2]).unwrap();
+                pending.push(w.complete().unwrap());
+                assert!(
+                    !out.join(n).exists(),
+                    "{n} under its final name before commit"
+                );
+            }
+            pending
+        };
+        // an error before the commit: nothing of the run stays, not even the directories
+        drop(stage());
+        assert!(!dir.path().join("new").exists());
+        stage().commit().unwrap();
+        let mut left: Vec<_> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        left.sort();
+        assert_eq!(left, names);
     }
 }

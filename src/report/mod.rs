@@ -213,16 +213,66 @@ pub fn emit(report: &Report, out: &Outputs) -> Result<()> {
 
 /// Write to `path.tmp-<pid>` then rename: readers never see a half-written file.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+    PendingFile::write(path, bytes)?.commit()
+}
+
+/// A file under its temporary name (`tmp_name`), waiting for its final one: `commit` renames
+/// it; dropped uncommitted, the temporary is removed.
+pub struct PendingFile {
+    path: PathBuf,
+    tmp: PathBuf,
+    committed: bool,
+}
+
+impl PendingFile {
+    /// Create the (empty) temporary of `path`, and `path`'s directory if need be.
+    pub fn create(path: &Path) -> Result<(PendingFile, std::fs::File)> {
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
+        }
+        let tmp = tmp_name(path);
+        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let pending = PendingFile {
+            path: path.to_path_buf(),
+            tmp,
+            committed: false,
+        };
+        Ok((pending, f))
     }
-    let tmp = tmp_name(path);
-    let mut f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    f.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
-    f.sync_all().ok();
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+
+    /// A whole small file under its temporary name.
+    pub fn write(path: &Path, bytes: &[u8]) -> Result<PendingFile> {
+        use std::io::Write;
+        let (pending, mut f) = PendingFile::create(path)?;
+        f.write_all(bytes).map_err(|e| Error::io(&pending.tmp, e))?;
+        f.sync_all().ok();
+        Ok(pending)
+    }
+
+    /// The final name.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The temporary name, where the bytes are until `commit`.
+    pub fn tmp(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Give the file its final name.
+    pub fn commit(mut self) -> Result<()> {
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for PendingFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 /// The temporary name used by atomic writers next to `path`.
