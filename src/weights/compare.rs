@@ -783,10 +783,11 @@ fn compare_qq(
         return Ok(done(u));
     };
     let close = m.passes(opts.min_cosine);
+    // the codes first: their test stops at the first byte that is not swapped
     if !codes_equal
         && !close
-        && a_m.scales == b_m.scales
         && a_m.packed.nibble_swapped_of(&b_m.packed)
+        && a_m.scales == b_m.scales
     {
         u.issue(
             IssueKind::NibblesSwapped,

@@ -42,11 +42,10 @@ use std::sync::atomic::AtomicU64;
 const U: [i32; 8] = [0, 1, 2, 0, 4, 0, 8, 0];
 const V: [i32; 8] = [0, 0, 0, 1, 0, 2, 0, 4];
 /// The biases that keep signed code-pair products bytes: `u u'` is at most 64 in magnitude (so
-/// the two halves of a block are summed as 64-bit lanes), `u v' + v u'` at most 32 and `v v'`
-/// 16 (so the halves' bytes add first).
+/// the two halves of a block are summed as 64-bit lanes), `u v' + v u'` at most 32 (so the
+/// halves' bytes add first). `(δv)²` needs none: at most 64.
 const BIAS_UU: i32 = 64;
 const BIAS_UV: i32 = 32;
-const BIAS_VV: i32 = 16;
 /// Blocks a step: one 64-byte line of packed codes on each side.
 const GROUP: usize = 8;
 
@@ -260,10 +259,10 @@ unsafe fn coef_regs(c: &Coefs) -> [__m512d; 4] {
 /// magnitude code, B's), and by a rank for `dec_w` / `dec_t`.
 #[repr(C, align(64))]
 pub struct Pairs {
-    /// `BIAS_UU ± u u'`, `BIAS_UV ± (u v' + v u')`, `BIAS_VV ± v v'`
+    /// `BIAS_UU ± u u'`, `BIAS_UV ± (u v' + v u')`, `(v ∓ v')²`
     uu: [u8; 128],
     uv: [u8; 128],
-    vv: [u8; 128],
+    dv2: [u8; 128],
     /// The rank of `(W, T)` when `ε A1 ≥ 0`, of `(W, −T)` when it is negative.
     rank_pos: [u8; 128],
     rank_neg: [u8; 128],
@@ -310,7 +309,7 @@ impl Pairs {
         let mut p = Box::new(Pairs {
             uu: [0; 128],
             uv: [0; 128],
-            vv: [0; 128],
+            dv2: [0; 128],
             rank_pos: [0; 128],
             rank_neg: [0; 128],
             dec_w: [0; 128],
@@ -323,7 +322,7 @@ impl Pairs {
             let (sg, ma, mb) = split(i);
             p.uu[i] = byte(BIAS_UU + sg * U[ma] * U[mb]);
             p.uv[i] = byte(BIAS_UV + sg * (U[ma] * V[mb] + V[ma] * U[mb]));
-            p.vv[i] = byte(BIAS_VV + sg * V[ma] * V[mb]);
+            p.dv2[i] = byte((V[ma] - sg * V[mb]).pow(2));
             let (w, t) = wt(i);
             p.rank_pos[i] = rank((w, t));
             p.rank_neg[i] = rank((w, -t));
@@ -346,7 +345,7 @@ impl Pairs {
 struct Regs {
     uu: [__m512i; 2],
     uv: [__m512i; 2],
-    vv: [__m512i; 2],
+    dv2: [__m512i; 2],
     rank_pos: [__m512i; 2],
     rank_neg: [__m512i; 2],
     dec_w: [__m512i; 2],
@@ -367,7 +366,7 @@ unsafe fn load(p: &Pairs) -> Regs {
     Regs {
         uu: two(&p.uu),
         uv: two(&p.uv),
-        vv: two(&p.vv),
+        dv2: two(&p.dv2),
         rank_pos: two(&p.rank_pos),
         rank_neg: two(&p.rank_neg),
         dec_w: two(&p.dec_w),
@@ -448,11 +447,8 @@ unsafe fn group(
         };
         _mm512_sub_epi64(s, _mm512_set1_epi64(16 * bias as i64))
     };
-    let (suu, suv, svv) = (
-        sum(&k.uu, BIAS_UU, false),
-        sum(&k.uv, BIAS_UV, true),
-        sum(&k.vv, BIAS_VV, true),
-    );
+    let (suu, suv) = (sum(&k.uu, BIAS_UU, false), sum(&k.uv, BIAS_UV, true));
+    let sdv2 = sad(_mm512_add_epi8(pick(&k.dv2, idx[0]), pick(&k.dv2, idx[1])));
     let w = _mm512_max_epu8(pick(&k.w, idx[0]), pick(&k.w, idx[1]));
     // each lane's threshold in its 8 bytes: byte 0 of each 64-bit lane repeated
     let bcast = _mm512_set_epi64(
@@ -480,12 +476,10 @@ unsafe fn group(
     s.nr = _mm512_fmadd_pd(c33, f(nva), s.nr);
     s.nt = _mm512_fmadd_pd(c11, f(nub), s.nt);
     s.nt = _mm512_fmadd_pd(c33, f(nvb), s.nt);
-    // Σ(δu)² = Σu² + Σu'² − 2 Σuu', Σ(δv)² likewise, Σ δu δv = −Σ(uv' + vu')
-    let sq = |na: __m512i, nb: __m512i, p: __m512i| {
-        _mm512_sub_epi64(_mm512_add_epi64(na, nb), _mm512_add_epi64(p, p))
-    };
-    s.err = _mm512_fmadd_pd(c11, f(sq(nua, nub, suu)), s.err);
-    s.err = _mm512_fmadd_pd(c33, f(sq(nva, nvb, svv)), s.err);
+    // Σ(δu)² = Σu² + Σu'² − 2 Σuu' (its table would not fit bytes), Σ δu δv = −Σ(uv' + vu')
+    let sdu2 = _mm512_sub_epi64(_mm512_add_epi64(nua, nub), _mm512_add_epi64(suu, suu));
+    s.err = _mm512_fmadd_pd(c11, f(sdu2), s.err);
+    s.err = _mm512_fmadd_pd(c33, f(sdv2), s.err);
     s.err = _mm512_fnmadd_pd(_mm512_add_pd(c13, c13), fsuv, s.err);
     _mm512_cmpge_epu8_mask(w, th) != 0
 }
@@ -742,3 +736,4 @@ mod tests {
     }
 
 }
+
