@@ -160,10 +160,11 @@ impl Codes {
         }
     }
 
-    /// For each scale-code magnitude, the smallest `W` whose bound `|A1| (W + 1/2)` exceeds
-    /// `max` (`|ε| T` is below `|A1| / 2`, the product exact): a block with no element at or
-    /// above it holds no difference above `max`. 255 (above every `W`) where none does, as
-    /// for a zero scale, or when `max` is NaN (nothing exceeds it).
+    /// For each code pair, the smallest scale-code magnitude under which its difference may
+    /// exceed `max` (its `W` reaches the code's [`Codes::w_thresholds`] entry; those fall as
+    /// the scale grows, so the codes that reach are one run up to `hi`); 255 where none may.
+    /// A block whose scale code is below every element's entry holds no difference above
+    /// `max`.
     unsafe fn thresholds(&self, max: f64) -> [__m512i; 2] {
         let key = max.to_bits();
         let cached = self
@@ -185,8 +186,25 @@ impl Codes {
     }
 
     fn compute_thresholds(&self, max: f64) -> Thresholds {
-        let mut th = Thresholds([255; 128]);
-        for (m, e) in th.0.iter_mut().enumerate() {
+        let tau = self.w_thresholds(max);
+        // the smallest code of each threshold, then of each threshold or below
+        let mut by_w = [255u8; 256];
+        for t in (self.lo..self.hi).rev() {
+            by_w[tau[t as usize] as usize] = t;
+        }
+        for w in 1..256 {
+            by_w[w] = by_w[w].min(by_w[w - 1]);
+        }
+        Thresholds(Pairs::get().w.map(|w| by_w[w as usize]))
+    }
+
+    /// For each scale-code magnitude, the smallest `W` whose bound `|A1| (W + 1/2)` exceeds
+    /// `max` (`|ε| T` is below `|A1| / 2`, the product exact): a block with no element at or
+    /// above it holds no difference above `max`. 255 (above every `W`) where none does, as
+    /// for a zero scale, or when `max` is NaN (nothing exceeds it).
+    fn w_thresholds(&self, max: f64) -> [u8; 128] {
+        let mut th = [255; 128];
+        for (m, e) in th.iter_mut().enumerate() {
             let a1 = self.coefs.of(m as u8).0;
             if a1 > 0.0 && a1.is_finite() && !max.is_nan() {
                 let above = |w: u32| a1 * (f64::from(w) + 0.5) > max;
@@ -354,7 +372,6 @@ struct Regs {
     rank_neg: [__m512i; 2],
     dec_w: [__m512i; 2],
     dec_t: [__m512i; 2],
-    w: [__m512i; 2],
     u2: [__m512i; 2],
     v2: [__m512i; 2],
 }
@@ -375,7 +392,6 @@ unsafe fn load(p: &Pairs) -> Regs {
         rank_neg: two(&p.rank_neg),
         dec_w: two(&p.dec_w),
         dec_t: two(&p.dec_t),
-        w: two(&p.w),
         u2: two(&p.u2),
         v2: two(&p.v2),
     }
@@ -421,7 +437,7 @@ unsafe fn lane_max(mut v: __m512i) -> __m512i {
 /// Eight blocks: `pa` / `pb` their 64 packed bytes on each side, `a1` / `a3` their
 /// coefficients `|A1|`, `|A3|` and `t` their scale codes' magnitudes (one a lane, both
 /// sides). Adds their sums to `s`; returns whether a block may hold a difference above the
-/// piece's maximum: an element whose `W` reaches its code's [`Thresholds`] entry.
+/// piece's maximum: its scale code at or above an element's [`Codes::thresholds`] entry.
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn group(
@@ -453,8 +469,8 @@ unsafe fn group(
     };
     let (suu, suv) = (sum(&k.uu, BIAS_UU, false), sum(&k.uv, BIAS_UV, true));
     let sdv2 = sad(_mm512_add_epi8(pick(&k.dv2, idx[0]), pick(&k.dv2, idx[1])));
-    let w = _mm512_max_epu8(pick(&k.w, idx[0]), pick(&k.w, idx[1]));
-    // each lane's threshold in its 8 bytes: byte 0 of each 64-bit lane repeated
+    let from = _mm512_min_epu8(pick(tau, idx[0]), pick(tau, idx[1]));
+    // each lane's scale code in its 8 bytes: byte 0 of each 64-bit lane repeated
     let bcast = _mm512_set_epi64(
         0x0808_0808_0808_0808,
         0,
@@ -465,7 +481,7 @@ unsafe fn group(
         0x0808_0808_0808_0808,
         0,
     );
-    let th = _mm512_shuffle_epi8(pick(tau, t), bcast);
+    let t = _mm512_shuffle_epi8(t, bcast);
     // Σu², Σv² of each side, both codes of a byte at once
     let (nua, nva) = (sad(pick(&k.u2, a)), sad(pick(&k.v2, a)));
     let (nub, nvb) = (sad(pick(&k.u2, b)), sad(pick(&k.v2, b)));
@@ -485,7 +501,7 @@ unsafe fn group(
     s.err = _mm512_fmadd_pd(c11, f(sdu2), s.err);
     s.err = _mm512_fmadd_pd(c33, f(sdv2), s.err);
     s.err = _mm512_fnmadd_pd(_mm512_add_pd(c13, c13), fsuv, s.err);
-    _mm512_cmpge_epu8_mask(w, th) != 0
+    _mm512_cmpge_epu8_mask(t, from) != 0
 }
 
 /// Each of eight blocks' largest |difference|, exactly (arguments as [`group`]'s).
@@ -727,9 +743,9 @@ mod tests {
                 f64::NAN,
             ];
             for max in maxima {
-                let th = c.compute_thresholds(max);
+                let th = c.w_thresholds(max);
                 for &m in &taken {
-                    let (t, a) = (th.0[m as usize], a1(m));
+                    let (t, a) = (th[m as usize], a1(m));
                     let bound = |w: u8| a * (f64::from(w) + 0.5);
                     let what = format!("seed {seed} g {g:e} max {max:e} code {m:#04x}: {t}");
                     if max.is_nan() || a == 0.0 {
@@ -739,9 +755,19 @@ mod tests {
                     assert!(t == 255 || bound(t) > max, "{what}");
                     assert!(t == 0 || bound(t - 1) <= max, "{what}");
                 }
+                // the pairs' table: a block under code m is looked at exactly when one of its
+                // pairs' W reaches m's threshold
+                let pairs = c.compute_thresholds(max);
+                for &m in &taken {
+                    for (i, &w) in Pairs::get().w.iter().enumerate() {
+                        assert_eq!(
+                            m >= pairs.0[i],
+                            w >= th[m as usize],
+                            "seed {seed} g {g:e} max {max:e} code {m:#04x} pair {i}"
+                        );
+                    }
+                }
             }
         }
     }
-
 }
-
