@@ -290,7 +290,7 @@ pub struct Pairs {
     rank_neg: [u8; 128],
     /// A rank's `W`, and its `T + 8`.
     dec_w: [u8; 128],
-    /// `W` of a code pair: the bound's.
+    /// `W` of a code pair, for [`Codes::thresholds`].
     w: [u8; 128],
     dec_t: [u8; 128],
     /// `Σu²` and `Σv²` of a packed byte's two codes, indexed by its low 7 bits (the high
@@ -447,7 +447,7 @@ unsafe fn group(
     a1: __m512d,
     a3: __m512d,
     t: __m512i,
-    tau: &[__m512i; 2],
+    th: &[__m512i; 2],
     s: &mut Sums8,
 ) -> bool {
     let zero = _mm512_setzero_si512();
@@ -469,7 +469,7 @@ unsafe fn group(
     };
     let (suu, suv) = (sum(&k.uu, BIAS_UU, false), sum(&k.uv, BIAS_UV, true));
     let sdv2 = sad(_mm512_add_epi8(pick(&k.dv2, idx[0]), pick(&k.dv2, idx[1])));
-    let from = _mm512_min_epu8(pick(tau, idx[0]), pick(tau, idx[1]));
+    let from = _mm512_min_epu8(pick(th, idx[0]), pick(th, idx[1]));
     // each lane's scale code in its 8 bytes: byte 0 of each 64-bit lane repeated
     let bcast = _mm512_set_epi64(
         0x0808_0808_0808_0808,
@@ -574,7 +574,7 @@ pub unsafe fn rows(
             cur.max(floor)
         }
     };
-    let mut tau = c.thresholds(theta(&acc));
+    let mut th = c.thresholds(theta(&acc));
     let whole = kb - kb % GROUP;
     // each group's block maxima, kept for the row's first-index search (a buffer of the
     // thread's: an aligned allocation a piece cost 2% of the pass in malloc)
@@ -586,7 +586,7 @@ pub unsafe fn rows(
         if !c.all_equal(sa, sb) {
             acc = acc.merge(avx512::rows(a, b, t, t, best, r, r + 1));
             cur = current(&acc);
-            tau = c.thresholds(theta(&acc));
+            th = c.thresholds(theta(&acc));
             continue;
         }
         let (pa, pb) = (a.packed.row(r).as_ptr(), b.packed.row(r).as_ptr());
@@ -599,7 +599,7 @@ pub unsafe fn rows(
             avx512::prefetch(pa, pb, j);
             let (a1, a3, codes) = coefs(sa.as_ptr().add(j), &ck);
             let (qa, qb) = (pa.add(j * 8), pb.add(j * 8));
-            *top = if group(&k, qa, qb, a1, a3, codes, &tau, &mut s) {
+            *top = if group(&k, qa, qb, a1, a3, codes, &th, &mut s) {
                 exact(&k, qa, qb, a1, a3)
             } else {
                 z
@@ -625,7 +625,7 @@ pub unsafe fn rows(
             acc.max_idx = Some(avx512::first_of(a, b, t, t, r, j, mb));
             cur = current(&acc);
             avx512::publish(best, mb);
-            tau = c.thresholds(theta(&acc));
+            th = c.thresholds(theta(&acc));
         }
     }
     TOPS.set(tops);
