@@ -5,6 +5,12 @@ packed FP4 byte in every 16 of each U8 tensor, so every unit's codes differ from
 whole tensor is dequantized and reduced (no bitwise fast path).
 
     python3 bench/perturb_packed.py engine.safetensors engine-differs.safetensors
+
+With `--scale-2 F`, every F32 `*weight_scale_2` is also multiplied by F (f32), as a
+re-quantization with another global scale would have it: the two sides' global scales then
+differ, which is the comparison's general (f64) body rather than its same-scale one.
+
+    python3 bench/perturb_packed.py engine.safetensors engine-rescaled.safetensors --scale-2 1.0009765625
 """
 
 import json
@@ -14,7 +20,13 @@ import sys
 
 import numpy as np
 
-src, dst = sys.argv[1], sys.argv[2]
+args = sys.argv[1:]
+factor = None
+if "--scale-2" in args:
+    i = args.index("--scale-2")
+    factor = np.float32(args[i + 1])
+    del args[i : i + 2]
+src, dst = args
 shutil.copyfile(src, dst)
 with open(dst, "rb") as f:
     n = struct.unpack("<Q", f.read(8))[0]
@@ -22,7 +34,9 @@ with open(dst, "rb") as f:
 header.pop("__metadata__", None)
 mm = np.memmap(dst, dtype=np.uint8, mode="r+")
 for name, t in header.items():
+    a, b = t["data_offsets"]
     if t["dtype"] == "U8":
-        a, b = t["data_offsets"]
         mm[8 + n + a : 8 + n + b : 16] ^= 1
+    elif factor is not None and t["dtype"] == "F32" and name.endswith("weight_scale_2"):
+        mm[8 + n + a : 8 + n + b].view(np.float32)[:] *= factor
 mm.flush()
