@@ -102,7 +102,8 @@ impl Accum {
         } else if self.nt == 0.0 || self.nr == 0.0 {
             0.0
         } else {
-            self.dot / (self.nt.sqrt() * self.nr.sqrt())
+            // |cos| ≤ 1 (Cauchy–Schwarz); summation rounding can put it an ulp past
+            (self.dot / (self.nt.sqrt() * self.nr.sqrt())).clamp(-1.0, 1.0)
         };
         let rel_l2 = if self.nr == 0.0 {
             if self.err == 0.0 {
@@ -205,6 +206,23 @@ mod tests {
         assert_eq!(m.first_inf, Some(100_000));
         assert!(m.cosine.is_nan());
         assert!(!m.passes(0.0));
+    }
+
+    /// Sums whose rounding puts the dot product an ulp past the norms' product (a derived dot
+    /// product of nearly equal tensors can) still give a cosine within [-1, 1].
+    #[test]
+    fn cosine_stays_within_one() {
+        for (dot, want) in [(1.0 + f64::EPSILON, 1.0), (-1.0 - f64::EPSILON, -1.0)] {
+            let a = Accum {
+                dot,
+                nt: 1.0,
+                nr: 1.0,
+                err: 1e-30,
+                len: 2,
+                ..Accum::default()
+            };
+            assert_eq!(a.finish().cosine, want);
+        }
     }
 
     #[test]
