@@ -7,11 +7,12 @@
 //! - MXFP4: `X.weight` U8 `[N, K/2]`, `X.weight_scale` F8_E8M0 `[N, K/32]` (the OCP UE8M0 code
 //!   byte; F8_E8M0 rather than U8 so the file says what the bytes are), no global scale.
 //!
-//! Other tensors are copied byte for byte: already-quantized ones (ModelOpt, MXFP4), the float weights an
-//! input's own quantization_config excludes (a quantized checkpoint's attention, router,
-//! dense layers), and those of modules engines never quantize (embeddings, output heads, the
-//! MoE router's gate, MTP's eh_proj: `names::never_quantized`). The output's exclude_modules names every float weight matrix left
-//! unquantized (exact module names) plus the input's own exclude list.
+//! Other tensors are copied byte for byte: already-quantized ones (ModelOpt, MXFP4), the
+//! float weights an input's own quantization_config excludes (a quantized checkpoint's
+//! attention, router, dense layers), and those of modules engines never quantize
+//! (embeddings, output heads, the MoE router's gate, MTP's eh_proj:
+//! `names::never_quantized`). The output's exclude_modules names every float weight matrix
+//! left unquantized (exact module names) plus the input's own exclude list.
 //!
 //! compressed-tensors NVFP4 linears in the input are refused: the output's ModelOpt
 //! quantization_config cannot vouch for their names. Every output file is written under its

@@ -386,18 +386,18 @@ impl<'a> RawScales<'a> {
             ));
         }
         let n = self.region.len();
-        match layout::detect_layout(n, rr, kb, Some(self.region)) {
+        // an ambiguous size reads as its fused tensor's other experts were read
+        let guess = match layout::detect_layout(n, rr, kb, Some(self.region)) {
+            LayoutGuess::Ambiguous if self.tensor_swizzled => LayoutGuess::Swizzled,
+            g => g,
+        };
+        match guess {
             LayoutGuess::Linear => Ok(Scales {
                 linear: Cow::Borrowed(&self.region[r0 * kb..(r0 + rows) * kb]),
                 seen: ScalesSeen::Linear,
                 ambiguous: None,
             }),
             LayoutGuess::Swizzled => Ok(Scales {
-                linear: Cow::Owned(unswizzle_rows(self.region, kb, r0, rows)),
-                seen: ScalesSeen::Swizzled,
-                ambiguous: None,
-            }),
-            LayoutGuess::Ambiguous if self.tensor_swizzled => Ok(Scales {
                 linear: Cow::Owned(unswizzle_rows(self.region, kb, r0, rows)),
                 seen: ScalesSeen::Swizzled,
                 ambiguous: None,
