@@ -11,6 +11,12 @@ re-quantization with another global scale would have it: the two sides' global s
 differ, which is the comparison's general (f64) body rather than its same-scale one.
 
     python3 bench/perturb_packed.py engine.safetensors engine-rescaled.safetensors --scale-2 1.0009765625
+
+With `--scale-codes P`, a fraction P of the F8_E4M3 block scales (seeded, never made NaN) also
+move one code, as the blocks near a rounding boundary do under a re-quantization with another
+global scale: their groups of blocks then take the f64 body.
+
+    python3 bench/perturb_packed.py engine.safetensors engine-requant.safetensors --scale-2 1.0009765625 --scale-codes 0.016
 """
 
 import json
@@ -26,6 +32,12 @@ if "--scale-2" in args:
     i = args.index("--scale-2")
     factor = np.float32(args[i + 1])
     del args[i : i + 2]
+codes = None
+if "--scale-codes" in args:
+    i = args.index("--scale-codes")
+    codes = float(args[i + 1])
+    del args[i : i + 2]
+rng = np.random.default_rng(0)
 src, dst = args
 shutil.copyfile(src, dst)
 with open(dst, "rb") as f:
@@ -39,4 +51,8 @@ for name, t in header.items():
         mm[8 + n + a : 8 + n + b : 16] ^= 1
     elif factor is not None and t["dtype"] == "F32" and name.endswith("weight_scale_2"):
         mm[8 + n + a : 8 + n + b].view(np.float32)[:] *= factor
+    elif codes is not None and t["dtype"] == "F8_E4M3":
+        s = mm[8 + n + a : 8 + n + b]
+        pick = (rng.random(s.shape[0]) < codes) & ((s & 0x7F) < 0x7E)
+        s[pick] ^= 1
 mm.flush()

@@ -120,17 +120,21 @@ pub fn pick_layout_by_reference(
 ) -> (ScaleLayout, f64, f64) {
     let cl = crate::metrics::cosine(&dequant(ScaleLayout::Linear), reference);
     let cs = crate::metrics::cosine(&dequant(ScaleLayout::Swizzled), reference);
-    // the swizzled reading is taken only when it is decisively closer (under a quarter of the
-    // linear reading's distance 1 - cosine). A tensor that is not the reference's (another
-    // expert, gate and up swapped) is far under both readings, and the nearer of two wrong
-    // readings says nothing about the layout; a genuinely swizzled one is near under the
-    // swizzled reading and scrambled under the linear one.
-    let pick = if (1.0 - cs) * 4.0 < 1.0 - cl {
+    (layout_by_cosines(cl, cs), cl, cs)
+}
+
+/// The layout of the cosines with a reference under the linear (`cl`) and the swizzled
+/// (`cs`) reading: the swizzled one only when it is decisively closer (under a quarter of
+/// the linear reading's distance 1 - cosine). A tensor that is not the reference's (another
+/// expert, gate and up swapped) is far under both readings, and the nearer of two wrong
+/// readings says nothing about the layout; a genuinely swizzled one is near under the
+/// swizzled reading and scrambled under the linear one.
+pub fn layout_by_cosines(cl: f64, cs: f64) -> ScaleLayout {
+    if (1.0 - cs) * 4.0 < 1.0 - cl {
         ScaleLayout::Swizzled
     } else {
         ScaleLayout::Linear
-    };
-    (pick, cl, cs)
+    }
 }
 
 #[cfg(test)]

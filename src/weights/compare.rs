@@ -543,8 +543,7 @@ fn compare_qq(
                 let n = a_m.rows.min(LAYOUT_ROWS);
                 match (a_m.rows_slice(0, n), b_m.rows_slice(0, n)) {
                     (Some(a_n), Some(b_n)) => {
-                        pick_scales(&a_n.dequantize(), &b_n, &alt[..n * b_m.kb()]).0
-                            == ScaleLayout::Swizzled
+                        pick_scales(&a_n, &b_n, &alt[..n * b_m.kb()]).0 == ScaleLayout::Swizzled
                     }
                     _ => false,
                 }

@@ -539,17 +539,26 @@ impl<'a> QMatrix<'a> {
     }
 }
 
-/// Which layout won when both were possible: dequantize `b` under each scale reading and
-/// keep the one closer to `reference` (`nvfp4::layout::pick_layout_by_reference`).
-pub fn pick_scales(reference: &[f32], b: &QMatrix, alternative: &[u8]) -> (ScaleLayout, f64, f64) {
-    layout::pick_layout_by_reference(reference, |l| match l {
-        ScaleLayout::Linear => b.dequantize(),
-        ScaleLayout::Swizzled => QMatrix {
-            scales: Cow::Borrowed(alternative),
-            ..b.clone()
-        }
-        .dequantize(),
-    })
+/// Which layout won when both were possible: `b`'s cosine with `reference` (of its shape)
+/// under each scale reading, in the fused pass (no dequantized copies: a re-quantized
+/// checkpoint decides this for every unit), and the rule of
+/// `nvfp4::layout::layout_by_cosines`. Returns the layout and the cosines (linear, swizzled).
+pub fn pick_scales(
+    reference: &QMatrix,
+    b: &QMatrix,
+    alternative: &[u8],
+) -> (ScaleLayout, f64, f64) {
+    let cosine = |b: &QMatrix| {
+        super::fused::metrics_nvfp4(reference, b)
+            .unwrap_or_else(|| super::compare::metrics_qq(reference, b))
+            .cosine
+    };
+    let swizzled = QMatrix {
+        scales: Cow::Borrowed(alternative),
+        ..b.clone()
+    };
+    let (cl, cs) = (cosine(b), cosine(&swizzled));
+    (layout::layout_by_cosines(cl, cs), cl, cs)
 }
 
 #[cfg(test)]

@@ -131,6 +131,23 @@ pub(super) unsafe fn block_of(
     )
 }
 
+/// The largest |difference| of one finite block (`ba`, `bb` its 8 packed bytes on each
+/// side, `ca`, `cb` its scale codes), exactly.
+#[target_feature(enable = "avx512f,avx512dq")]
+pub(super) unsafe fn block_max(
+    ta: &Tables,
+    tb: &Tables,
+    ca: u8,
+    cb: u8,
+    ba: *const u8,
+    bb: *const u8,
+) -> f64 {
+    let x = lookup(ta.rows.get_unchecked(ca as usize), ba);
+    let y = lookup(tb.rows.get_unchecked(cb as usize), bb);
+    let d = [_mm512_sub_pd(y[0], x[0]), _mm512_sub_pd(y[1], x[1])];
+    _mm512_reduce_max_pd(_mm512_range_pd::<0b1011>(d[0], d[1]))
+}
+
 /// A block's even and odd elements from its 8 packed bytes: the low nibbles, which
 /// `vpermt2pd` reads as the low 4 bits of each index, then the high ones.
 #[target_feature(enable = "avx512f,avx512dq")]

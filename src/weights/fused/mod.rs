@@ -105,10 +105,10 @@ enum Path {
     /// AVX-512 with both sides' per-scale-code tables built up front.
     #[cfg(target_arch = "x86_64")]
     Avx512(Box<[avx512::Tables; 2]>),
-    /// AVX-512 with VBMI and one global scale on both sides: its tables, and blocks of equal
-    /// scale codes as integer sums (`same_scale`).
+    /// AVX-512 with VBMI and global scales within 1/64 of each other: both sides' tables,
+    /// and groups of blocks of equal scale codes as integer sums (`same_scale`).
     #[cfg(target_arch = "x86_64")]
-    SameScale(Box<(avx512::Tables, same_scale::Codes)>),
+    SameScale(Box<([avx512::Tables; 2], same_scale::Codes)>),
     #[cfg(target_arch = "x86_64")]
     Avx2,
     /// AVX-512 against a BF16 reference: the test side's tables only.
@@ -121,10 +121,13 @@ impl Path {
     fn detect(a: &QMatrix, b: &QMatrix) -> Path {
         #[cfg(target_arch = "x86_64")]
         {
-            if same_scale::available() && a.scale_2.to_bits() == b.scale_2.to_bits() {
+            if same_scale::available() && same_scale::Codes::usable(a.scale_2, b.scale_2) {
                 return Path::SameScale(Box::new((
-                    avx512::Tables::new(a.scale_2),
-                    same_scale::Codes::new(a.scale_2),
+                    [
+                        avx512::Tables::new(a.scale_2),
+                        avx512::Tables::new(b.scale_2),
+                    ],
+                    same_scale::Codes::new(a.scale_2, b.scale_2),
                 )));
             }
             if avx512::available() {
@@ -168,7 +171,7 @@ impl Path {
             // SAFETY: `detect` saw AVX-512 F/DQ/BW/VBMI
             #[cfg(target_arch = "x86_64")]
             (Path::SameScale(t), Ref::Q(a)) => unsafe {
-                same_scale::rows(a, b, &t.0, &t.1, best, r0, r1)
+                same_scale::rows(a, b, &t.0[0], &t.0[1], &t.1, best, r0, r1)
             },
             // SAFETY: `detect_bf16` saw AVX-512 F/DQ
             #[cfg(target_arch = "x86_64")]
@@ -392,17 +395,19 @@ mod tests {
         }
     }
 
-    /// One global scale on both sides and equal scale codes (re-encoded or corrupted codes
-    /// under the original scales): the integer body, against the reference. Rows of whole
-    /// 8-block groups and rows with a tail; codes of both signs, NaN codes, codes whose
-    /// products are subnormal (tiny `scale_2`) or overflow (huge), a row whose codes differ in
-    /// one block, one code throughout (ties across pieces), scales growing along the rows (a
-    /// new maximum row after row), a few flipped bytes or all.
+    /// Equal scale codes (re-encoded or corrupted codes under the original scales), under
+    /// one global scale or two close ones (a rewritten `weight_scale_2`, a re-quantization):
+    /// the integer body, against the reference. Rows of whole 8-block groups and rows with a
+    /// tail; codes of both signs, NaN codes, codes whose products are subnormal (tiny
+    /// `scale_2`) or overflow (huge), a row whose codes differ in one block, codes that differ
+    /// in one block of twenty (groups of the f64 body among the integer ones), one code
+    /// throughout (ties across pieces), scales growing along the rows (a new maximum row
+    /// after row), a few flipped bytes or all.
     #[test]
     fn same_scale_matches_the_reference() {
         let seed: u64 = rand::random();
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        for case in 0..24 {
+        for case in 0..48 {
             let rows = r.gen_range(1..200);
             let cols = 16
                 * if case % 2 == 0 {
@@ -439,18 +444,28 @@ mod tests {
                 let i = r.gen_range(0..sb.len());
                 sb[i] ^= 0x08;
             }
+            if case % 5 == 2 {
+                sb.iter_mut()
+                    .filter(|_| r.gen_bool(0.05))
+                    .for_each(|c| *c ^= 1);
+            }
             let g = match case % 8 {
                 2 => 3e36,
                 6 => 1e-42,
                 _ => 1e-4 * r.gen_range(0.5..2.0f32),
             };
-            let (qa, qb) = (q(&pa, sa, g, rows, cols), q(&pb, sb, g, rows, cols));
+            let g_b = match case % 3 {
+                1 => g * (1.0 + 1.0 / 1024.0),
+                2 => g * r.gen_range(0.985..1.015),
+                _ => g,
+            };
+            let (qa, qb) = (q(&pa, sa, g, rows, cols), q(&pb, sb, g_b, rows, cols));
             #[cfg(target_arch = "x86_64")]
             if same_scale::available() {
                 assert!(matches!(Path::detect(&qa, &qb), Path::SameScale(_)));
             }
             same(
-                &format!("seed {seed} case {case} [{rows}, {cols}] g {g:e}"),
+                &format!("seed {seed} case {case} [{rows}, {cols}] g {g:e} {g_b:e}"),
                 &metrics_nvfp4(&qa, &qb).unwrap(),
                 &metrics_qq(&qa, &qb),
             );
