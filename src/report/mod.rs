@@ -225,11 +225,14 @@ pub struct PendingFile {
 }
 
 impl PendingFile {
-    /// Create the (empty) temporary of `path`, and `path`'s directory if need be.
+    /// Create the (empty) temporary of `path`, and `path`'s directory if need be. The
+    /// temporaries of `path` an earlier run left when it was killed (SIGKILL, Ctrl-C: no
+    /// destructor runs) go first: `path.tmp-<pid>` where no process `pid` runs.
     pub fn create(path: &Path) -> Result<(PendingFile, std::fs::File)> {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         }
+        remove_stale_tmps(path);
         let tmp = tmp_name(path);
         let f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let pending = PendingFile {
@@ -275,6 +278,39 @@ impl Drop for PendingFile {
     }
 }
 
+/// Remove `path`'s temporaries (`path.tmp-<pid>`, [`tmp_name`]) whose process is gone.
+/// Where processes cannot be looked up (no `/proc`), none is removed.
+fn remove_stale_tmps(path: &Path) {
+    let (Some(name), Some(dir)) = (path.file_name(), path.parent()) else {
+        return;
+    };
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let prefix = format!("{}.tmp-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let pid = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<u32>().ok());
+        if pid.is_some_and(|pid| pid != std::process::id() && process_gone(pid)) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// Whether no process `pid` runs (false where that cannot be told).
+fn process_gone(pid: u32) -> bool {
+    Path::new("/proc/self").exists() && !Path::new(&format!("/proc/{pid}")).exists()
+}
+
 /// The temporary name used by atomic writers next to `path`.
 pub fn tmp_name(path: &Path) -> PathBuf {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
@@ -303,5 +339,44 @@ pub fn e(v: f64) -> String {
         format!("{v:.3e}")
     } else {
         f(v, 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A killed run's temporary of a file is removed when the file is written again; a live
+    /// process's, another file's and a name that only looks alike stay.
+    #[test]
+    fn a_killed_runs_temporaries_go_when_the_file_is_written_again() {
+        let dir = std::env::temp_dir().join(format!("nvfp4dbg-stale-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        // a pid no process has (above Linux's pid_max, 2^22), and pid 1 (always running)
+        let names = [
+            "model.safetensors.tmp-999999999",
+            "model.safetensors.tmp-1",
+            "other.safetensors.tmp-999999999",
+            "model.safetensors.tmp-12x",
+        ];
+        for n in names {
+            std::fs::write(dir.join(n), b"half").unwrap();
+        }
+        write_atomic(&path, b"whole").unwrap();
+        let left: std::collections::BTreeSet<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        let want: std::collections::BTreeSet<String> = [
+            "model.safetensors",
+            "model.safetensors.tmp-1",
+            "other.safetensors.tmp-999999999",
+            "model.safetensors.tmp-12x",
+        ]
+        .map(String::from)
+        .into();
+        assert_eq!(left, want);
     }
 }
