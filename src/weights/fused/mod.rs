@@ -171,7 +171,12 @@ impl Path {
             // SAFETY: `detect` saw AVX-512 F/DQ/BW/VBMI
             #[cfg(target_arch = "x86_64")]
             (Path::SameScale(t), Ref::Q(a)) => unsafe {
-                same_scale::rows(a, b, &t.0[0], &t.0[1], &t.1, best, r0, r1)
+                let ([ta, tb], c) = (&t.0, &t.1);
+                if c.two_scales() {
+                    same_scale::rows::<true>(a, b, ta, tb, c, best, r0, r1)
+                } else {
+                    same_scale::rows::<false>(a, b, ta, tb, c, best, r0, r1)
+                }
             },
             // SAFETY: `detect_bf16` saw AVX-512 F/DQ
             #[cfg(target_arch = "x86_64")]

@@ -283,6 +283,11 @@ impl Codes {
         th
     }
 
+    /// Whether B's global scale is not A's (the integer body's `TWO`).
+    pub fn two_scales(&self) -> bool {
+        self.coefs_b.is_some()
+    }
+
     fn take(&self, code: u8) -> bool {
         let m = code & 0x7F;
         ((m == 0) & self.zero) | ((self.lo <= m) & (m < self.hi))
@@ -739,29 +744,11 @@ unsafe fn row_groups<const TWO: bool>(
 /// whose scale codes are all finite runs its groups of eight blocks here, as integer sums
 /// where the group's codes are equal on both sides and all taken, else through the f64
 /// body's `block` (as are the blocks past its last whole group); any other row is the f64
-/// body's. The row-end maximum check and walk are the f64 body's.
+/// body's. The row-end maximum check and walk are the f64 body's. `TWO`: whether the global
+/// scales differ ([`Codes::two_scales`]).
 #[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn rows(
-    a: &QMatrix,
-    b: &QMatrix,
-    ta: &Tables,
-    tb: &Tables,
-    c: &Codes,
-    best: &AtomicU64,
-    r0: usize,
-    r1: usize,
-) -> Accum {
-    if c.coefs_b.is_some() {
-        rows_of::<true>(a, b, ta, tb, c, best, r0, r1)
-    } else {
-        rows_of::<false>(a, b, ta, tb, c, best, r0, r1)
-    }
-}
-
-#[target_feature(enable = "avx512f,avx512dq,avx512bw,avx512vl,avx512vbmi")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn rows_of<const TWO: bool>(
+pub unsafe fn rows<const TWO: bool>(
     a: &QMatrix,
     b: &QMatrix,
     ta: &Tables,
