@@ -7,12 +7,12 @@
 //! [`LANES`] independent lanes.
 //!
 //! Four bodies, the widest the CPU has picked once per matrix pair (`Path`): with AVX-512 VBMI
-//! and one global scale on both sides, blocks of equal scale codes as integer code-pair sums
-//! (`same_scale`, eight blocks a step; other rows go to the next body); AVX-512 (per-scale-code
-//! f64 tables, 8-lane sums, row-level checks; `avx512`; against a BF16 reference only the
-//! test side is tabled and checks are per block), AVX2 + FMA (a table per block in one
-//! register; `avx2`) and the portable one. The tests run every body the CPU has against the
-//! reference.
+//! and global scales within 1/64 of each other, groups of eight blocks of equal scale codes
+//! as integer code-pair sums (`same_scale`; other groups and rows go to the next body);
+//! AVX-512 (per-scale-code f64 tables, 8-lane sums, row-level checks; `avx512`; against a
+//! BF16 reference only the test side is tabled and checks are per block), AVX2 + FMA (a
+//! table per block in one register; `avx2`) and the portable one. The tests run every body
+//! the CPU has against the reference.
 //!
 //! What the reference (`compare::metrics_qq`, `compare::metrics_any` for a BF16 side) gives,
 //! and what this keeps:
