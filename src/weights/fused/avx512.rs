@@ -242,7 +242,9 @@ pub(super) fn publish(best: &AtomicU64, mb: f64) {
     best.fetch_max(mb.to_bits(), Ordering::Relaxed);
 }
 
+/// Rows `r0..r1` of a piece, added to `acc` (what the piece's rows before `r0` gave).
 #[target_feature(enable = "avx512f,avx512dq")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn rows(
     a: &QMatrix,
     b: &QMatrix,
@@ -251,11 +253,11 @@ pub unsafe fn rows(
     best: &AtomicU64,
     r0: usize,
     r1: usize,
+    mut acc: Accum,
 ) -> Accum {
     let (cols, kb) = (a.cols, a.kb());
     let z = _mm512_setzero_pd();
     let mut s = Sums::zero();
-    let mut acc = Accum::default();
     let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
     let mut cur = current(&acc);
     for r in r0..r1 {
@@ -274,6 +276,7 @@ pub unsafe fn rows(
                 cur = current(&acc);
                 publish(best, mb);
             }
+            super::passed_over(&mut acc, r * cols);
             continue;
         }
         for j in 0..kb {
@@ -284,7 +287,7 @@ pub unsafe fn rows(
                     super::values(&super::table(ca, a.scale_2), &a.packed.row(r)[j * 8..]),
                     super::values(&super::table(cb, b.scale_2), &b.packed.row(r)[j * 8..]),
                 );
-                acc = acc.merge(Accum::over(&y, &x, at));
+                acc = super::merge_nonfinite(acc, &y, &x, at);
                 cur = current(&acc);
                 continue;
             }
@@ -302,6 +305,7 @@ pub unsafe fn rows(
                 cur = current(&acc);
                 publish(best, mb);
             }
+            super::passed_over(&mut acc, at);
         }
     }
     s.add_to(&mut acc);
@@ -360,7 +364,7 @@ pub unsafe fn rows_bf16(a: &DView, b: &QMatrix, tb: &Tables, r0: usize, r1: usiz
             };
             if !(x_finite && tb.finite(sb[j])) {
                 let (xv, yv) = values();
-                acc = acc.merge(Accum::over(&yv, &xv, at));
+                acc = super::merge_nonfinite(acc, &yv, &xv, at);
                 cur = current(&acc);
                 continue;
             }

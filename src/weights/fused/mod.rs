@@ -166,7 +166,7 @@ impl Path {
             // SAFETY: `detect` saw AVX-512 F/DQ
             #[cfg(target_arch = "x86_64")]
             (Path::Avx512(t), Ref::Q(a)) => unsafe {
-                avx512::rows(a, b, &t[0], &t[1], best, r0, r1)
+                avx512::rows(a, b, &t[0], &t[1], best, r0, r1, Accum::default())
             },
             // SAFETY: `detect` saw AVX-512 F/DQ/BW/VBMI
             #[cfg(target_arch = "x86_64")]
@@ -196,6 +196,40 @@ fn running_max(acc: &Accum) -> f64 {
         acc.max_abs
     } else {
         -1.0
+    }
+}
+
+/// A non-finite block's values (`y` test, `x` reference, `at` its first index) added to
+/// `acc` as the reference's one pass over the piece adds them. `Accum::over` starts with no
+/// maximum, so a NaN difference (a NaN reference value) first in the block would take it and
+/// hold it against the block's finite ones; where `acc` has a maximum already, the
+/// reference's pass drops that NaN (nothing exceeds a maximum by being NaN) and goes on: so
+/// does this.
+fn merge_nonfinite(acc: Accum, y: &[f32], x: &[f32], at: usize) -> Accum {
+    let mut o = Accum::over(y, x, at);
+    if acc.max_idx.is_some() {
+        let mut top: Option<(f64, usize)> = None;
+        for (i, (&t, &r)) in y.iter().zip(x).enumerate() {
+            // `over` passes over non-finite test values
+            let d = (f64::from(t) - f64::from(r)).abs();
+            if t.is_finite() && !d.is_nan() && top.is_none_or(|(m, _)| d > m) {
+                top = Some((d, at + i));
+            }
+        }
+        (o.max_abs, o.max_idx) = top.map_or((0.0, None), |(m, i)| (m, Some(i)));
+    }
+    acc.merge(o)
+}
+
+/// After finite values from index `at` on that did not beat every piece's `best` (so were
+/// not recorded): where `acc` has no maximum yet, the reference's pass had one there, below
+/// `best`. Recorded as -1 (below every difference, above none that is NaN): a NaN difference
+/// later cannot take the maximum, in this piece or when the pieces merge, and it never wins
+/// that merge (the piece holding `best` has a larger one).
+fn passed_over(acc: &mut Accum, at: usize) {
+    if acc.max_idx.is_none() {
+        acc.max_abs = -1.0;
+        acc.max_idx = Some(at);
     }
 }
 
@@ -262,7 +296,7 @@ fn rows_body(a: Ref, b: &QMatrix, r0: usize, r1: usize) -> Accum {
             let y = values(&tb, &pb[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
             let at = r * cols + j * BLOCK;
             if !(x_finite && tb[7].is_finite()) {
-                acc = acc.merge(Accum::over(&y, &x, at));
+                acc = merge_nonfinite(acc, &y, &x, at);
                 continue;
             }
             let mut dabs = [0f64; BLOCK];
@@ -331,7 +365,8 @@ mod tests {
     }
 
     /// Against the dequantize-then-`Accum::over` reference on random matrices: clean ones,
-    /// ones with NaN scale codes and overflowing blocks in B, near-identical ones.
+    /// ones with NaN scale codes and overflowing blocks in B, with NaN scale codes in A only,
+    /// near-identical ones.
     #[test]
     fn fused_matches_the_reference() {
         let seed: u64 = rand::random();
@@ -367,6 +402,15 @@ mod tests {
                 for _ in 0..r.gen_range(1..4) {
                     let i = r.gen_range(0..sb.len());
                     sb[i] = if r.gen_bool(0.5) { 0x7F } else { 0xFF };
+                }
+            }
+            // NaN scale codes in the reference only: the test side stays finite, so the
+            // maximum and its index are compared whole (a NaN difference must not take it)
+            let mut sa = sa;
+            if case % 4 == 3 {
+                for _ in 0..r.gen_range(1..6) {
+                    let i = r.gen_range(0..sa.len());
+                    sa[i] = 0x7F;
                 }
             }
             // a huge scale_2 overflows blocks with large scales to Inf
@@ -474,6 +518,108 @@ mod tests {
                 &metrics_nvfp4(&qa, &qb).unwrap(),
                 &metrics_qq(&qa, &qb),
             );
+        }
+    }
+
+    /// A NaN reference value (its block's scale code NaN, the test side's finite) never takes
+    /// the maximum from a larger difference after it, whatever piece ran first: pieces run
+    /// here one after the other, in both orders, sharing `best` as the threads do. Piece 0
+    /// holds a large difference (row 10), piece 1 smaller ones, then the NaN (row 300, its
+    /// first block: a piece that passed its first rows below `best` has recorded nothing
+    /// when it comes), then the largest (row 400); under one global scale (the integer
+    /// body) and two (the f64 one).
+    #[test]
+    fn a_nan_in_the_reference_does_not_hide_a_later_maximum() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, cols) = (600, 256);
+        let kb = cols / 16;
+        let pa: Vec<u8> = (0..rows * cols / 2).map(|_| r.gen()).collect();
+        let mut pb = pa.clone();
+        pb.iter_mut().step_by(16).for_each(|b| *b ^= 1);
+        let sa: Vec<u8> = (0..rows * kb).map(|_| r.gen_range(0x30..0x38)).collect();
+        let mut sb = sa.clone();
+        sb[10 * kb] += 8;
+        sb[400 * kb + 3] += 16;
+        let mut sa = sa;
+        sa[300 * kb] = 0x7F;
+        for g_b in [1e-4, 2e-4] {
+            let (qa, qb) = (
+                q(&pa, sa.clone(), 1e-4, rows, cols),
+                q(&pb, sb.clone(), g_b, rows, cols),
+            );
+            let want = metrics_qq(&qa, &qb);
+            let at = want.max_abs_err_index.unwrap();
+            assert_eq!(
+                at / cols,
+                400,
+                "seed {seed}: the material's maximum is row 400's"
+            );
+            let path = Path::detect(&qa, &qb);
+            let rows_per = CHUNK / cols;
+            for order in [[0, 1, 2], [1, 0, 2], [2, 1, 0]] {
+                let best = AtomicU64::new(0);
+                let mut parts = [Accum::default(), Accum::default(), Accum::default()];
+                for c in order {
+                    let (r0, r1) = (c * rows_per, ((c + 1) * rows_per).min(rows));
+                    parts[c] = path.rows(Ref::Q(&qa), &qb, &best, r0, r1);
+                }
+                let got = parts
+                    .into_iter()
+                    .fold(Accum::default(), Accum::merge)
+                    .finish();
+                same(
+                    &format!("seed {seed} g_b {g_b:e} pieces in order {order:?}"),
+                    &got,
+                    &want,
+                );
+            }
+        }
+    }
+
+    /// A NaN first in a block of a BF16 reference, after a maximum elsewhere, does not hide
+    /// the larger difference after it in the block: every body this CPU has.
+    #[test]
+    fn a_nan_first_in_a_bf16_block_does_not_hide_the_rest() {
+        use crate::checkpoint::writer::bf16_bytes;
+        use crate::nvfp4::quantize_weight_nvfp4;
+        use crate::weights::compare::{metrics_any, Values};
+        use safetensors::Dtype;
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, cols) = (4, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| half::bf16::from_f32(r.gen_range(-0.1f32..0.1)).to_f32())
+            .collect();
+        let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+        let qb = q(&t.packed, t.scales.clone(), t.scale_2, rows, cols);
+        let mut x = w.clone();
+        let first = cols + 32;
+        x[first] = f32::NAN;
+        x[first + 5] = half::bf16::from_f32(w[first + 5] + 50.0).to_f32();
+        let bytes = bf16_bytes(&x);
+        let d = DView {
+            mat: Mat::dense(&bytes, rows, 2 * cols).unwrap(),
+            dtype: Dtype::BF16,
+        };
+        let want = metrics_any(&Values::D(d), &Values::Q(&qb)).unwrap();
+        assert_eq!(
+            want.max_abs_err_index,
+            Some(first + 5),
+            "seed {seed}: the material"
+        );
+        let mut paths = vec![
+            ("dispatched", metrics_bf16_nvfp4(&d, &qb).unwrap()),
+            ("portable", rows_body(Ref::Bf16(&d), &qb, 0, rows).finish()),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            let best = AtomicU64::new(0);
+            let got = Path::Avx2.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish();
+            paths.push(("avx2", got));
+        }
+        for (path, got) in paths {
+            same(&format!("seed {seed} {path}"), &got, &want);
         }
     }
 
