@@ -422,19 +422,7 @@ mod tests {
             let (qa, qb) = (q(&pa, sa, 1e-4, rows, cols), q(&pb, sb, g_b, rows, cols));
             let want = metrics_qq(&qa, &qb);
             // the dispatched path, then every narrower body this CPU can run
-            let mut paths = vec![
-                ("dispatched", metrics_nvfp4(&qa, &qb).unwrap()),
-                ("portable", rows_body(Ref::Q(&qa), &qb, 0, rows).finish()),
-            ];
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                let best = AtomicU64::new(0);
-                paths.push((
-                    "avx2",
-                    Path::Avx2.rows(Ref::Q(&qa), &qb, &best, 0, rows).finish(),
-                ));
-            }
-            for (path, got) in paths {
+            for (path, got) in bodies(Ref::Q(&qa), &qb) {
                 same(
                     &format!("seed {seed} case {case} [{rows}, {cols}] {path}"),
                     &got,
@@ -608,19 +596,36 @@ mod tests {
             Some(first + 5),
             "seed {seed}: the material"
         );
-        let mut paths = vec![
-            ("dispatched", metrics_bf16_nvfp4(&d, &qb).unwrap()),
-            ("portable", rows_body(Ref::Bf16(&d), &qb, 0, rows).finish()),
+        for (path, got) in bodies(Ref::Bf16(&d), &qb) {
+            same(&format!("seed {seed} {path}"), &got, &want);
+        }
+    }
+
+    /// `b` against `a` through the dispatched body and every narrower one this CPU runs.
+    fn bodies(a: Ref, b: &QMatrix) -> Vec<(&'static str, Metrics)> {
+        let rows = b.rows;
+        let mut out = vec![
+            (
+                "dispatched",
+                match a {
+                    Ref::Q(q) => metrics_nvfp4(q, b).unwrap(),
+                    Ref::Bf16(d) => metrics_bf16_nvfp4(d, b).unwrap(),
+                },
+            ),
+            ("portable", rows_body(a, b, 0, rows).finish()),
         ];
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             let best = AtomicU64::new(0);
-            let got = Path::Avx2.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish();
-            paths.push(("avx2", got));
+            out.push(("avx2", Path::Avx2.rows(a, b, &best, 0, rows).finish()));
         }
-        for (path, got) in paths {
-            same(&format!("seed {seed} {path}"), &got, &want);
+        #[cfg(target_arch = "x86_64")]
+        if matches!(a, Ref::Bf16(_)) && avx512::available() {
+            let (best, p) = (AtomicU64::new(0), Path::detect_bf16(b));
+            assert!(matches!(p, Path::Avx512Bf16(_)));
+            out.push(("avx512", p.rows(a, b, &best, 0, rows).finish()));
         }
+        out
     }
 
     /// Identical counts, maximum and first indices; sums up to order.
@@ -692,29 +697,7 @@ mod tests {
                 dtype: Dtype::BF16,
             };
             let want = metrics_any(&Values::D(d), &Values::Q(&qb)).unwrap();
-            let mut paths = vec![
-                ("dispatched", metrics_bf16_nvfp4(&d, &qb).unwrap()),
-                ("portable", rows_body(Ref::Bf16(&d), &qb, 0, rows).finish()),
-            ];
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                let best = AtomicU64::new(0);
-                paths.push((
-                    "avx2",
-                    Path::Avx2.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish(),
-                ));
-            }
-            #[cfg(target_arch = "x86_64")]
-            if avx512::available() {
-                let best = AtomicU64::new(0);
-                let p = Path::detect_bf16(&qb);
-                assert!(matches!(p, Path::Avx512Bf16(_)));
-                paths.push((
-                    "avx512",
-                    p.rows(Ref::Bf16(&d), &qb, &best, 0, rows).finish(),
-                ));
-            }
-            for (path, got) in paths {
+            for (path, got) in bodies(Ref::Bf16(&d), &qb) {
                 same(
                     &format!("seed {seed} case {case} [{rows}, {cols}] {path}"),
                     &got,
