@@ -49,10 +49,17 @@ impl Accum {
     /// Accumulate `test[i]` vs `reference[i]` for i in the chunk starting at flat `offset`.
     /// Non-finite test values are counted and left out of the sums.
     pub fn over(test: &[f32], reference: &[f32], offset: usize) -> Accum {
-        let mut a = Accum {
-            len: test.len(),
-            ..Default::default()
-        };
+        let mut a = Accum::default();
+        a.add(test, reference, offset);
+        a
+    }
+
+    /// Continue the pass with `test` against `reference` (from flat index `offset`): the
+    /// values after those already taken, as one pass over all of them takes them (a NaN
+    /// difference takes the maximum only where none was taken before).
+    pub fn add(&mut self, test: &[f32], reference: &[f32], offset: usize) {
+        let a = self;
+        a.len += test.len();
         for (i, (&t, &r)) in test.iter().zip(reference).enumerate() {
             if t.is_nan() {
                 a.nan += 1;
@@ -75,7 +82,6 @@ impl Accum {
                 a.max_idx = Some(offset + i);
             }
         }
-        a
     }
 
     pub fn merge(mut self, o: Accum) -> Accum {

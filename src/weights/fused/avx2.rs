@@ -109,7 +109,7 @@ pub unsafe fn rows(a: Ref, b: &QMatrix, r0: usize, r1: usize) -> Accum {
             let ys = [decode8(tb, word(bb, 0)), decode8(tb, word(bb, 1))];
             let at = r * cols + j * BLOCK;
             if !(x_finite && finite(tb)) {
-                acc = super::merge_nonfinite(acc, &store16(ys), &store16(xs), at);
+                acc.add(&store16(ys), &store16(xs), at);
                 cur = current(&acc);
                 continue;
             }

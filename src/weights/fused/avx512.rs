@@ -287,7 +287,7 @@ pub unsafe fn rows(
                     super::values(&super::table(ca, a.scale_2), &a.packed.row(r)[j * 8..]),
                     super::values(&super::table(cb, b.scale_2), &b.packed.row(r)[j * 8..]),
                 );
-                acc = super::merge_nonfinite(acc, &y, &x, at);
+                acc.add(&y, &x, at);
                 cur = current(&acc);
                 continue;
             }
@@ -364,7 +364,7 @@ pub unsafe fn rows_bf16(a: &DView, b: &QMatrix, tb: &Tables, r0: usize, r1: usiz
             };
             if !(x_finite && tb.finite(sb[j])) {
                 let (xv, yv) = values();
-                acc = super::merge_nonfinite(acc, &yv, &xv, at);
+                acc.add(&yv, &xv, at);
                 cur = current(&acc);
                 continue;
             }

@@ -199,28 +199,6 @@ fn running_max(acc: &Accum) -> f64 {
     }
 }
 
-/// A non-finite block's values (`y` test, `x` reference, `at` its first index) added to
-/// `acc` as the reference's one pass over the piece adds them. `Accum::over` starts with no
-/// maximum, so a NaN difference (a NaN reference value) first in the block would take it and
-/// hold it against the block's finite ones; where `acc` has a maximum already, the
-/// reference's pass drops that NaN (nothing exceeds a maximum by being NaN) and goes on: so
-/// does this.
-fn merge_nonfinite(acc: Accum, y: &[f32], x: &[f32], at: usize) -> Accum {
-    let mut o = Accum::over(y, x, at);
-    if acc.max_idx.is_some() {
-        let mut top: Option<(f64, usize)> = None;
-        for (i, (&t, &r)) in y.iter().zip(x).enumerate() {
-            // `over` passes over non-finite test values
-            let d = (f64::from(t) - f64::from(r)).abs();
-            if t.is_finite() && !d.is_nan() && top.is_none_or(|(m, _)| d > m) {
-                top = Some((d, at + i));
-            }
-        }
-        (o.max_abs, o.max_idx) = top.map_or((0.0, None), |(m, i)| (m, Some(i)));
-    }
-    acc.merge(o)
-}
-
 /// After finite values from index `at` on that did not beat every piece's `best` (so were
 /// not recorded): where `acc` has no maximum yet, the reference's pass had one there, below
 /// `best`. Recorded as -1 (below every difference, above none that is NaN): a NaN difference
@@ -296,7 +274,9 @@ fn rows_body(a: Ref, b: &QMatrix, r0: usize, r1: usize) -> Accum {
             let y = values(&tb, &pb[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
             let at = r * cols + j * BLOCK;
             if !(x_finite && tb[7].is_finite()) {
-                acc = merge_nonfinite(acc, &y, &x, at);
+                // the reference's pass goes on: a NaN difference (a NaN reference value)
+                // takes the maximum only where none was taken before
+                acc.add(&y, &x, at);
                 continue;
             }
             let mut dabs = [0f64; BLOCK];
