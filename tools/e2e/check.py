@@ -71,6 +71,13 @@ def weights_swapped(d, layer, expert):
     return ok, got
 
 
+def weights_identical(d, *_):
+    s = d.get("summary", {})
+    ok = (d.get("verdict") == "pass" and s.get("units", 0) > 0 and s.get("equal") == s.get("units")
+          and not d.get("missing") and not d.get("extra"))
+    return ok, f"{s.get('text', '')}; {s.get('equal')} of {s.get('units')} units bitwise equal"
+
+
 def weights_clean(d, *_):
     s = d.get("summary", {})
     # vLLM's merged gate_up_proj / fused_qkv_a_proj compared as their parts: nothing missing

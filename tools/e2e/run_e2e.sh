@@ -125,10 +125,10 @@ run_step 1.6 "audit names the gate/up weight_scale_2 mismatch" 1 \
     "fail: gate_up_scale_mismatch findings" "audit_gate_up @JSON@" -- \
     "$NV" audit experts_nvfp4_unfused.safetensors --json @JSON@ --no-report-dir -q
 run_step 1.7 "compare-weights: checkpoint vs itself" 0 \
-    "pass: every tensor bitwise equal" "weights_clean @JSON@" -- \
+    "pass: every tensor bitwise equal" "weights_identical @JSON@" -- \
     "$NV" compare-weights ckpt ckpt --json @JSON@ --no-report-dir -q
 run_step 1.8 "compare-weights: checkpoint vs its state dict file" 0 \
-    "pass: every tensor bitwise equal" "weights_clean @JSON@" -- \
+    "pass: every tensor bitwise equal" "weights_identical @JSON@" -- \
     "$NV" compare-weights ckpt ckpt/model.safetensors --json @JSON@ --no-report-dir -q
 
 echo "### 2. traces and dumps from the model (tools/nvfp4dbg_trace.py)"
