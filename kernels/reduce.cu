@@ -17,15 +17,22 @@ __device__ __forceinline__ void acc_zero(Acc& a) {
     a.len = 0;
 }
 
-// Merge b into a. Ties in max_abs keep the lower index, whatever the merge order, so the
-// result is the first index of the maximum (as the CPU's sequential scan finds it).
+// Whether |difference| d at index i takes the maximum a holds (src/metrics.rs
+// Accum::takes): a NaN difference (a NaN reference value) ranks above every number, and of
+// equal values the lower index wins, so the result is the same whatever the merge order.
+__device__ __forceinline__ bool acc_takes(const Acc& a, double d, u64 i) {
+    if (a.max_idx == NONE_IDX) return true;
+    bool n = d != d, held_n = a.max_abs != a.max_abs;
+    if (n != held_n) return n;
+    return d > a.max_abs || ((n || d == a.max_abs) && i < a.max_idx);
+}
+
 __device__ __forceinline__ void acc_merge(Acc& a, const Acc& b) {
     a.dot += b.dot;
     a.nt += b.nt;
     a.nr += b.nr;
     a.err += b.err;
-    if (b.max_idx != NONE_IDX &&
-        (a.max_idx == NONE_IDX || b.max_abs > a.max_abs || (b.max_abs == a.max_abs && b.max_idx < a.max_idx))) {
+    if (b.max_idx != NONE_IDX && acc_takes(a, b.max_abs, b.max_idx)) {
         a.max_abs = b.max_abs;
         a.max_idx = b.max_idx;
     }
@@ -65,8 +72,7 @@ __device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
     double d = td - rd;
     a.err = __fma_rn(d, d, a.err);
     double ad = fabs(d);
-    // indices only grow within a thread: strictly greater keeps the first maximum
-    if (a.max_idx == NONE_IDX || ad > a.max_abs) {
+    if (acc_takes(a, ad, i)) {
         a.max_abs = ad;
         a.max_idx = i;
     }

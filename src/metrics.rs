@@ -10,8 +10,11 @@ pub struct Metrics {
     pub rel_l2: f64,
     /// `20·log10(‖ref‖ / ‖test − ref‖)`
     pub sqnr_db: f64,
+    /// NaN where `test` holds NaN/Inf, or where the reference holds a NaN against a finite
+    /// test value (a NaN difference ranks above every number, as numpy's `max` has it).
     pub max_abs_err: f64,
-    /// Flat index of the largest absolute error.
+    /// Flat index of the largest absolute error (the first, of equal ones; the first NaN
+    /// difference, when one is; among finite test values only).
     pub max_abs_err_index: Option<usize>,
     /// Non-finite values in `test` (the reference is checked separately by the caller).
     pub nan_count: u64,
@@ -54,9 +57,8 @@ impl Accum {
         a
     }
 
-    /// Continue the pass with `test` against `reference` (from flat index `offset`): the
-    /// values after those already taken, as one pass over all of them takes them (a NaN
-    /// difference takes the maximum only where none was taken before).
+    /// Continue the pass with `test` against `reference` (from flat index `offset`), after
+    /// the values already taken.
     pub fn add(&mut self, test: &[f32], reference: &[f32], offset: usize) {
         let a = self;
         a.len += test.len();
@@ -77,11 +79,28 @@ impl Accum {
             a.nr += r * r;
             let d = t - r;
             a.err += d * d;
-            if d.abs() > a.max_abs || a.max_idx.is_none() {
+            if a.takes(d.abs(), offset + i) {
                 a.max_abs = d.abs();
                 a.max_idx = Some(offset + i);
             }
         }
+    }
+
+    /// Whether |difference| `d` at flat index `i` takes the maximum from the one held. A NaN
+    /// difference (a NaN in the reference; the test's are counted apart) ranks above every
+    /// number, as in numpy's `max` and `argmax`, and of equal values the lower index wins:
+    /// the same maximum and index whatever order pieces are taken or merged in, on the CPU
+    /// and the GPU (`kernels/reduce.cu`) alike.
+    #[inline(always)]
+    pub fn takes(&self, d: f64, i: usize) -> bool {
+        let Some(j) = self.max_idx else {
+            return true;
+        };
+        let (nan, held_nan) = (d.is_nan(), self.max_abs.is_nan());
+        if nan != held_nan {
+            return nan;
+        }
+        d > self.max_abs || ((nan || d == self.max_abs) && i < j)
     }
 
     pub fn merge(mut self, o: Accum) -> Accum {
@@ -89,9 +108,11 @@ impl Accum {
         self.nt += o.nt;
         self.nr += o.nr;
         self.err += o.err;
-        if o.max_abs > self.max_abs || self.max_idx.is_none() {
-            self.max_abs = o.max_abs;
-            self.max_idx = o.max_idx;
+        if let Some(i) = o.max_idx {
+            if self.takes(o.max_abs, i) {
+                self.max_abs = o.max_abs;
+                self.max_idx = o.max_idx;
+            }
         }
         self.nan += o.nan;
         self.inf += o.inf;
@@ -228,6 +249,72 @@ mod tests {
                 ..Accum::default()
             };
             assert_eq!(a.finish().cosine, want);
+        }
+    }
+
+    /// A NaN in the reference (the test finite there) takes the maximum from every number,
+    /// before or after it, and the first such index is kept; equal maxima keep the lower
+    /// index. Pieces cut at random places and merged in every order give what one pass does.
+    #[test]
+    fn a_nan_difference_takes_the_maximum_whatever_the_merge_order() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut g = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for case in 0..200 {
+            let n = g.gen_range(8..400);
+            let r: Vec<f32> = (0..n).map(|_| g.gen_range(-1.0f32..1.0)).collect();
+            let mut t: Vec<f32> = r.iter().map(|v| v + g.gen_range(-0.01f32..0.01)).collect();
+            let mut r = r;
+            // a large difference twice (a tie), and in half the cases NaNs in the reference
+            let (big1, big2) = (g.gen_range(0..n), g.gen_range(0..n));
+            t[big1] = r[big1] + 8.0;
+            t[big2] = r[big2] + 8.0;
+            let nans: Vec<usize> = if case % 2 == 0 {
+                (0..g.gen_range(1..4)).map(|_| g.gen_range(0..n)).collect()
+            } else {
+                vec![]
+            };
+            for &i in &nans {
+                r[i] = f32::NAN;
+            }
+            let want = match nans.iter().min() {
+                Some(&i) => (f64::NAN, i),
+                None => {
+                    let m = (0..n)
+                        .map(|i| (t[i] as f64 - r[i] as f64).abs())
+                        .fold(0.0, f64::max);
+                    let i = (0..n)
+                        .find(|&i| (t[i] as f64 - r[i] as f64).abs() == m)
+                        .unwrap();
+                    (m, i)
+                }
+            };
+            let mut cuts: Vec<usize> = (0..g.gen_range(0..5)).map(|_| g.gen_range(0..=n)).collect();
+            cuts.extend([0, n]);
+            cuts.sort();
+            let mut parts: Vec<Accum> = cuts
+                .windows(2)
+                .map(|w| Accum::over(&t[w[0]..w[1]], &r[w[0]..w[1]], w[0]))
+                .collect();
+            for order in 0..3 {
+                match order {
+                    1 => parts.reverse(),
+                    2 => {
+                        let half = parts.len() / 2;
+                        parts.rotate_left(half)
+                    }
+                    _ => {}
+                }
+                let m = parts
+                    .iter()
+                    .fold(Accum::default(), |a, &p| a.merge(p))
+                    .finish();
+                let got = (m.max_abs_err, m.max_abs_err_index.unwrap());
+                assert!(
+                    got.1 == want.1 && (got.0 == want.0 || (got.0.is_nan() && want.0.is_nan())),
+                    "seed {seed} case {case} order {order}: {got:?} against {want:?}"
+                );
+            }
         }
     }
 

@@ -1413,6 +1413,32 @@ fn nan_block_scale_is_located() {
     );
 }
 
+/// The same NaN block scale on the reference side (the dump as A): the NaN difference
+/// takes `max_abs_err`, and the message points at A's first NaN value (it gave a finite
+/// maximum from elsewhere, or NaN at no place, by the order the pieces ran in).
+#[test]
+fn nan_in_the_reference_is_located() {
+    let fx = fixture(3);
+    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
+    let dump = fx.root.join("nan.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            nan_scale: Some(bad),
+            ..Default::default()
+        },
+    );
+    let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+    let issues = sole_down_mismatch(&out, bad, fx.seed, "NaN scale in A");
+    let msg = issues[0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("max_abs_err NaN; A (the reference) is NaN at row 1, column 16"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+}
+
 /// weight_scale_2 kept in BF16 by the engine: the difference is named as BF16 rounding (it
 /// was a bare "weight_scale_2: B …, A … (×0.998)").
 #[test]

@@ -160,10 +160,12 @@ fn cuda_engine_matches_the_cpu_on_every_path() {
     ];
     for (k, &(rows, cols)) in shapes.iter().enumerate() {
         for format in [Format::Nvfp4, Format::Mxfp4] {
-            let (pa, sa) = fp4(&mut r, format, rows, cols, false);
-            let (pb0, sb) = fp4(&mut r, format, rows, cols, true);
-            // B: A's codes with a few flipped and A's scales, or unrelated values
+            // B: A's codes with a few flipped and A's scales, or unrelated values; unrelated,
+            // A holds NaN scales too (NaN differences, which take the maximum from every
+            // number whatever order the GPU merges in)
             let related = k % 2 == 0;
+            let (pa, sa) = fp4(&mut r, format, rows, cols, !related);
+            let (pb0, sb) = fp4(&mut r, format, rows, cols, true);
             let pb = if related {
                 perturb(&mut r, &pa, 0.01)
             } else {

@@ -419,6 +419,51 @@ fn compare_matches_metrics_compare() {
                 "seed {seed}"
             );
             assert!(got.cosine.is_nan() && !got.passes(0.0));
+            // two equal maxima (the lower index wins), then NaNs in the reference as well (a
+            // NaN difference ranks above every number, the first one its index): the GPU's
+            // merge order gives what the CPU's pass does
+            let (mut t2, mut r2) = (reference.clone(), reference.clone());
+            t2.iter_mut()
+                .for_each(|v| *v += 0.01 * r.gen_range(-1.0f32..1.0));
+            let (p, q) = (r.gen_range(0..n), r.gen_range(0..n));
+            for i in [p, q] {
+                (t2[i], r2[i]) = (64.5, 0.5);
+            }
+            let nans: Vec<usize> = (0..3).map(|_| r.gen_range(0..n)).collect();
+            for step in 0..2 {
+                if step == 1 {
+                    nans.iter().for_each(|&i| r2[i] = f32::NAN);
+                }
+                let got = b.compare(&t2, &r2).unwrap();
+                let want = metrics::compare(&t2, &r2);
+                let at = if step == 0 {
+                    p.min(q)
+                } else {
+                    *nans.iter().min().unwrap()
+                };
+                assert_eq!(
+                    want.max_abs_err_index,
+                    Some(at),
+                    "seed {seed} n {n} step {step}: the CPU"
+                );
+                assert_eq!(
+                    want.max_abs_err.is_nan(),
+                    step == 1,
+                    "seed {seed} n {n} step {step}"
+                );
+                assert_eq!(
+                    got.max_abs_err_index,
+                    Some(at),
+                    "seed {seed} n {n} step {step}: the GPU"
+                );
+                assert!(
+                    got.max_abs_err.to_bits() == want.max_abs_err.to_bits()
+                        || (got.max_abs_err.is_nan() && want.max_abs_err.is_nan()),
+                    "seed {seed} n {n} step {step}: {} vs {}",
+                    got.max_abs_err,
+                    want.max_abs_err
+                );
+            }
         }
     }
     // the GPU and the CPU agree on which of two near-identical tensors is better

@@ -825,9 +825,8 @@ fn compare_qq(
         u.issue(
             IssueKind::Values,
             format!(
-                "values differ: cosine {:.6}, max_abs_err {:.3e}{}{}",
-                m.cosine,
-                m.max_abs_err,
+                "{}{}{}",
+                values_differ(&m, a_m.cols),
                 all_zero(&b_m),
                 if m.nan_count + m.inf_count > 0 {
                     format!(
@@ -844,6 +843,27 @@ fn compare_qq(
     }
     u.metrics = Some(m);
     Ok(std::mem::replace(u, UnitResult::new("", None)).finish(close))
+}
+
+/// "values differ: cosine …, max_abs_err …", and where A (the reference) is what made the
+/// figures NaN or infinite, its first such value (`Accum::takes` ranks a NaN difference
+/// first; B's own NaN/Inf are counted apart): a reference that holds NaN points at itself.
+fn values_differ(m: &Metrics, cols: usize) -> String {
+    let mut s = format!(
+        "values differ: cosine {:.6}, max_abs_err {:.3e}",
+        m.cosine, m.max_abs_err
+    );
+    if let Some(i) = m.max_abs_err_index {
+        if m.nan_count + m.inf_count == 0 && !m.max_abs_err.is_finite() && cols > 0 {
+            let what = if m.max_abs_err.is_nan() { "NaN" } else { "infinite" };
+            s += &format!(
+                "; A (the reference) is {what} at row {}, column {}",
+                i / cols,
+                i % cols
+            );
+        }
+    }
+    s
 }
 
 /// B dequantizes to zeros everywhere (every code ±0, every block scale 0, or a zero global
@@ -1189,13 +1209,7 @@ fn compare_dd(
             ),
         );
     } else if !m.passes(opts.min_cosine) {
-        u.issue(
-            IssueKind::Values,
-            format!(
-                "values differ: cosine {:.6}, max_abs_err {:.3e}",
-                m.cosine, m.max_abs_err
-            ),
-        );
+        u.issue(IssueKind::Values, values_differ(&m, va.mat.row_bytes / va.es()));
     }
     let close = m.passes(opts.min_cosine);
     u.metrics = Some(m);
@@ -1286,13 +1300,7 @@ fn compare_qd(
     };
     let close = m.passes(opts.min_cosine);
     if !close {
-        u.issue(
-            IssueKind::Values,
-            format!(
-                "values differ: cosine {:.6}, max_abs_err {:.3e}",
-                m.cosine, m.max_abs_err
-            ),
-        );
+        u.issue(IssueKind::Values, values_differ(&m, qm.cols));
     }
     u.metrics = Some(m);
     Ok(done(u, close))

@@ -276,7 +276,6 @@ pub unsafe fn rows(
                 cur = current(&acc);
                 publish(best, mb);
             }
-            super::passed_over(&mut acc, r * cols);
             continue;
         }
         for j in 0..kb {
@@ -305,7 +304,6 @@ pub unsafe fn rows(
                 cur = current(&acc);
                 publish(best, mb);
             }
-            super::passed_over(&mut acc, at);
         }
     }
     s.add_to(&mut acc);

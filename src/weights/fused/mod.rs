@@ -190,24 +190,13 @@ impl Path {
 }
 
 /// What a difference must exceed to become the maximum: -1 until the first block sets it;
-/// NaN once a NaN reference value took it, as in `Accum::over`, where nothing exceeds NaN.
+/// NaN once a NaN difference took it, as in `Accum::takes`, where nothing exceeds NaN. (A
+/// finite block whose maximum equals it holds the index after it, which `takes` leaves.)
 fn running_max(acc: &Accum) -> f64 {
     if acc.max_idx.is_some() {
         acc.max_abs
     } else {
         -1.0
-    }
-}
-
-/// After finite values from index `at` on that did not beat every piece's `best` (so were
-/// not recorded): where `acc` has no maximum yet, the reference's pass had one there, below
-/// `best`. Recorded as -1 (below every difference, above none that is NaN): a NaN difference
-/// later cannot take the maximum, in this piece or when the pieces merge, and it never wins
-/// that merge (the piece holding `best` has a larger one).
-fn passed_over(acc: &mut Accum, at: usize) {
-    if acc.max_idx.is_none() {
-        acc.max_abs = -1.0;
-        acc.max_idx = Some(at);
     }
 }
 
@@ -274,8 +263,8 @@ fn rows_body(a: Ref, b: &QMatrix, r0: usize, r1: usize) -> Accum {
             let y = values(&tb, &pb[j * BLOCK / 2..(j + 1) * BLOCK / 2]);
             let at = r * cols + j * BLOCK;
             if !(x_finite && tb[7].is_finite()) {
-                // the reference's pass goes on: a NaN difference (a NaN reference value)
-                // takes the maximum only where none was taken before
+                // the reference's own pass: a NaN difference (a NaN reference value)
+                // takes the maximum from every number
                 acc.add(&y, &x, at);
                 continue;
             }
@@ -489,15 +478,16 @@ mod tests {
         }
     }
 
-    /// A NaN reference value (its block's scale code NaN, the test side's finite) never takes
-    /// the maximum from a larger difference after it, whatever piece ran first: pieces run
-    /// here one after the other, in both orders, sharing `best` as the threads do. Piece 0
-    /// holds a large difference (row 10), piece 1 smaller ones, then the NaN (row 300, its
-    /// first block: a piece that passed its first rows below `best` has recorded nothing
-    /// when it comes), then the largest (row 400); under one global scale (the integer
-    /// body) and two (the f64 one).
+    /// A NaN reference value (its block's scale code NaN, the test side's finite) takes the
+    /// maximum from every number, larger differences before and after it included, and the
+    /// first NaN difference is its index, whatever piece ran first: pieces run here one after
+    /// the other, in three orders, sharing `best` as the threads do. Piece 0 holds a large
+    /// difference (row 10), piece 1 smaller ones, then the NaN (row 300, its first block: a
+    /// piece that passed its first rows below `best` has recorded nothing when it comes),
+    /// then the largest (row 400) and a second NaN (row 500); under one global scale (the
+    /// integer body) and two (the f64 one).
     #[test]
-    fn a_nan_in_the_reference_does_not_hide_a_later_maximum() {
+    fn a_nan_in_the_reference_takes_the_maximum_in_any_piece_order() {
         let seed: u64 = rand::random();
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let (rows, cols) = (600, 256);
@@ -511,17 +501,21 @@ mod tests {
         sb[400 * kb + 3] += 16;
         let mut sa = sa;
         sa[300 * kb] = 0x7F;
+        sa[500 * kb + 2] = 0xFF;
         for g_b in [1e-4, 2e-4] {
             let (qa, qb) = (
                 q(&pa, sa.clone(), 1e-4, rows, cols),
                 q(&pb, sb.clone(), g_b, rows, cols),
             );
             let want = metrics_qq(&qa, &qb);
-            let at = want.max_abs_err_index.unwrap();
+            assert!(
+                want.max_abs_err.is_nan(),
+                "seed {seed}: the reference's maximum"
+            );
             assert_eq!(
-                at / cols,
-                400,
-                "seed {seed}: the material's maximum is row 400's"
+                want.max_abs_err_index,
+                Some(300 * cols),
+                "seed {seed}: the reference's index, the first NaN difference"
             );
             let path = Path::detect(&qa, &qb);
             let rows_per = CHUNK / cols;
@@ -545,10 +539,10 @@ mod tests {
         }
     }
 
-    /// A NaN first in a block of a BF16 reference, after a maximum elsewhere, does not hide
-    /// the larger difference after it in the block: every body this CPU has.
+    /// A NaN in a BF16 reference block, after a maximum elsewhere and before a larger
+    /// difference in its block, takes the maximum: every body this CPU has.
     #[test]
-    fn a_nan_first_in_a_bf16_block_does_not_hide_the_rest() {
+    fn a_nan_in_a_bf16_reference_block_takes_the_maximum() {
         use crate::checkpoint::writer::bf16_bytes;
         use crate::nvfp4::quantize_weight_nvfp4;
         use crate::weights::compare::{metrics_any, Values};
@@ -571,10 +565,11 @@ mod tests {
             dtype: Dtype::BF16,
         };
         let want = metrics_any(&Values::D(d), &Values::Q(&qb)).unwrap();
+        assert!(want.max_abs_err.is_nan(), "seed {seed}: the reference");
         assert_eq!(
             want.max_abs_err_index,
-            Some(first + 5),
-            "seed {seed}: the material"
+            Some(first),
+            "seed {seed}: the reference"
         );
         for (path, got) in bodies(Ref::Bf16(&d), &qb) {
             same(&format!("seed {seed} {path}"), &got, &want);

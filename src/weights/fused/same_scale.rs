@@ -850,7 +850,6 @@ pub unsafe fn rows<const TWO: bool>(
             avx512::publish(best, mb);
             th = c.thresholds(theta(&acc));
         }
-        super::passed_over(&mut acc, r * cols);
     }
     TOPS.set(tops);
     f64_sums.add_to(&mut acc);
