@@ -72,7 +72,8 @@ __device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
     double d = td - rd;
     a.err = __fma_rn(d, d, a.err);
     double ad = fabs(d);
-    if (acc_takes(a, ad, i)) {
+    // acc_takes only where it can: not at or below the maximum (a NaN is neither)
+    if ((!(ad <= a.max_abs) || a.max_idx == NONE_IDX) && acc_takes(a, ad, i)) {
         a.max_abs = ad;
         a.max_idx = i;
     }

@@ -79,8 +79,10 @@ impl Accum {
             a.nr += r * r;
             let d = t - r;
             a.err += d * d;
-            if a.takes(d.abs(), offset + i) {
-                a.max_abs = d.abs();
+            // `takes` only where it can: not at or below the maximum (a NaN is neither)
+            let ad = d.abs();
+            if (!(ad <= a.max_abs) || a.max_idx.is_none()) && a.takes(ad, offset + i) {
+                a.max_abs = ad;
                 a.max_idx = Some(offset + i);
             }
         }

@@ -855,7 +855,11 @@ fn values_differ(m: &Metrics, cols: usize) -> String {
     );
     if let Some(i) = m.max_abs_err_index {
         if m.nan_count + m.inf_count == 0 && !m.max_abs_err.is_finite() && cols > 0 {
-            let what = if m.max_abs_err.is_nan() { "NaN" } else { "infinite" };
+            let what = if m.max_abs_err.is_nan() {
+                "NaN"
+            } else {
+                "infinite"
+            };
             s += &format!(
                 "; A (the reference) is {what} at row {}, column {}",
                 i / cols,
@@ -1209,7 +1213,10 @@ fn compare_dd(
             ),
         );
     } else if !m.passes(opts.min_cosine) {
-        u.issue(IssueKind::Values, values_differ(&m, va.mat.row_bytes / va.es()));
+        u.issue(
+            IssueKind::Values,
+            values_differ(&m, va.mat.row_bytes / va.es()),
+        );
     }
     let close = m.passes(opts.min_cosine);
     u.metrics = Some(m);
