@@ -2,6 +2,7 @@
 //! accumulated in f64. JSON names: cosine, rel_l2, sqnr_db, max_abs_err, nan_count, inf_count.
 
 use serde::Serialize;
+use std::cmp::Ordering;
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Metrics {
@@ -79,9 +80,14 @@ impl Accum {
             a.nr += r * r;
             let d = t - r;
             a.err += d * d;
-            // `takes` only where it can: not at or below the maximum (a NaN is neither)
+            // `takes` only where it can: not at or below the maximum (NaN is neither; one
+            // compare an element)
             let ad = d.abs();
-            if (!(ad <= a.max_abs) || a.max_idx.is_none()) && a.takes(ad, offset + i) {
+            let past = !matches!(
+                ad.partial_cmp(&a.max_abs),
+                Some(Ordering::Less | Ordering::Equal)
+            );
+            if (past || a.max_idx.is_none()) && a.takes(ad, offset + i) {
                 a.max_abs = ad;
                 a.max_idx = Some(offset + i);
             }
