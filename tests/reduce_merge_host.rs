@@ -1,0 +1,134 @@
+//! CPU CI: `kernels/reduce.cu`'s compare reduction, its own `Acc` functions cut from the
+//! kernel source and run on the host in the kernels' partition and merge order
+//! (`tools/checks/reduce_host.cpp`), gives the CPU reference's `max_abs_err`, its index and the
+//! NaN counts: on random tensors with ties, NaNs in the reference (a NaN difference ranks
+//! above every number) and NaNs in the test, the GPU's merge order cannot move the maximum.
+//! Needs a C++ compiler (`$CXX`, else `c++`); `.ci/run` requires one
+//! (`NVFP4DBG_REQUIRE_CXX=1`), elsewhere the test says that it skipped.
+
+use rand::{Rng, SeedableRng};
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+/// The `Acc` struct and functions of `reduce.cu`: from `struct Acc` to the first `#define`
+/// after it (acc_zero, acc_takes, acc_merge), and `acc_one`.
+fn acc_source(cu: &str) -> String {
+    let start = cu
+        .find("struct Acc {")
+        .expect("reduce.cu: no `struct Acc {`");
+    let end = start
+        + cu[start..]
+            .find("#define REDUCE_THREADS")
+            .expect("reduce.cu: no `#define REDUCE_THREADS` after Acc");
+    let one = cu
+        .find("__device__ __forceinline__ void acc_one")
+        .expect("reduce.cu: no acc_one");
+    let one_end = one + cu[one..].find("\n}\n").expect("reduce.cu: acc_one's end") + 3;
+    format!("{}\n{}", &cu[start..end], &cu[one..one_end])
+}
+
+fn build(dir: &Path) -> Option<std::path::PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cu = std::fs::read_to_string(root.join("kernels/reduce.cu")).unwrap();
+    std::fs::write(dir.join("reduce_acc.inc"), acc_source(&cu)).unwrap();
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let exe = dir.join("reduce_host");
+    let out = Command::new(&cxx)
+        .args(["-O2", "-std=c++17", "-o"])
+        .arg(&exe)
+        .arg(root.join("tools/checks/reduce_host.cpp"))
+        .arg(format!("-I{}", dir.display()))
+        .output();
+    match out {
+        Ok(o) if o.status.success() => Some(exe),
+        Ok(o) => panic!(
+            "{cxx} failed on tools/checks/reduce_host.cpp with reduce.cu's Acc:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) if std::env::var_os("NVFP4DBG_REQUIRE_CXX").is_some() => {
+            panic!("no C++ compiler ({cxx}: {e}), and NVFP4DBG_REQUIRE_CXX is set")
+        }
+        Err(e) => {
+            eprintln!("reduce_merge_host: skipped, no C++ compiler ({cxx}: {e})");
+            None
+        }
+    }
+}
+
+#[test]
+fn the_gpu_reduction_merges_to_the_cpu_maximum() {
+    let dir = std::env::temp_dir().join(format!("nvfp4dbg-reduce-host-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let Some(exe) = build(&dir) else { return };
+    let seed: u64 = rand::random();
+    let mut g = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    // sizes: within one block, several, and past 256 blocks (pass 2's threads take several)
+    let mut sizes: Vec<usize> = (0..60).map(|_| g.gen_range(1..200_000)).collect();
+    sizes.push(32_768 * 260 + g.gen_range(0..32_768));
+    let mut cases = Vec::new();
+    for (c, &n) in sizes.iter().enumerate() {
+        let r: Vec<f32> = (0..n).map(|_| g.gen_range(-1.0f32..1.0)).collect();
+        let mut t: Vec<f32> = r.iter().map(|v| v + g.gen_range(-0.01f32..0.01)).collect();
+        let mut r = r;
+        for _ in 0..2 {
+            let i = g.gen_range(0..n);
+            (t[i], r[i]) = (64.5, 0.5); // a tie (the lower index wins)
+        }
+        for _ in 0..c % 3 {
+            r[g.gen_range(0..n)] = f32::NAN;
+        }
+        if c % 4 == 0 {
+            t[g.gen_range(0..n)] = f32::NAN;
+        }
+        cases.push((t, r));
+    }
+    let mut child = Command::new(&exe)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input: Vec<u8> = cases
+        .iter()
+        .flat_map(|(t, r)| {
+            let mut b = (t.len() as u64).to_le_bytes().to_vec();
+            b.extend(t.iter().chain(r).flat_map(|v| v.to_le_bytes()));
+            b
+        })
+        .collect();
+    let writer = std::thread::spawn(move || stdin.write_all(&input).unwrap());
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    assert!(out.status.success(), "reduce_host: {:?}", out.status);
+    let lines: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    assert_eq!(lines.len(), cases.len(), "seed {seed}");
+    for (c, ((t, r), line)) in cases.iter().zip(&lines).enumerate() {
+        let want = nvfp4dbg::metrics::compare(t, r);
+        let f: Vec<&str> = line.split(' ').collect();
+        let max = f64::from_bits(u64::from_str_radix(f[0], 16).unwrap());
+        let idx: i64 = f[1].parse().unwrap();
+        let (nan, first_nan): (u64, i64) = (f[2].parse().unwrap(), f[3].parse().unwrap());
+        let what = format!("seed {seed} case {c} (n {})", t.len());
+        assert_eq!(Some(idx as usize), want.max_abs_err_index, "{what}: index");
+        assert_eq!(nan, want.nan_count, "{what}: NaN count");
+        assert_eq!(
+            first_nan.try_into().ok(),
+            want.first_nan,
+            "{what}: first NaN"
+        );
+        if want.nan_count == 0 {
+            assert!(
+                max.to_bits() == want.max_abs_err.to_bits()
+                    || (max.is_nan() && want.max_abs_err.is_nan()),
+                "{what}: max_abs_err {max} vs {}",
+                want.max_abs_err
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
