@@ -1388,10 +1388,10 @@ fn scale_2_flipped_and_gate_only_scale_2_are_named() {
         .contains("vLLM keeps only w1's weight_scale_2"));
 }
 
-/// A block scale holding the e4m3 NaN code: the NaN in B is traced to it (it used to give
-/// only the NaN count).
-#[test]
-fn nan_block_scale_is_located() {
+/// A dump with a NaN block scale in one expert's down projection, compared with the
+/// checkpoint, the dump as B or (`dump_as_a`) as A: that unit's one issue message, and the
+/// fixture's seed.
+fn nan_scale_message(dump_as_a: bool) -> (String, u64) {
     let fx = fixture(3);
     let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
     let dump = fx.root.join("nan.safetensors");
@@ -1403,13 +1403,29 @@ fn nan_block_scale_is_located() {
             ..Default::default()
         },
     );
-    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
-    let issues = sole_down_mismatch(&out, bad, fx.seed, "NaN scale");
-    let msg = issues[0]["message"].as_str().unwrap();
+    let (a, b) = if dump_as_a {
+        (&dump, &fx.ckpt)
+    } else {
+        (&fx.ckpt, &dump)
+    };
+    let out = run(&fx.root, &[s(a), s(b)]);
+    let issues = sole_down_mismatch(
+        &out,
+        bad,
+        fx.seed,
+        &format!("NaN scale, dump as A: {dump_as_a}"),
+    );
+    (issues[0]["message"].as_str().unwrap().to_string(), fx.seed)
+}
+
+/// A block scale holding the e4m3 NaN code: the NaN in B is traced to it (it used to give
+/// only the NaN count).
+#[test]
+fn nan_block_scale_is_located() {
+    let (msg, seed) = nan_scale_message(false);
     assert!(
         msg.contains("1 block scale(s) hold the e4m3 NaN code, first at row 1 block 1 (0x7F)"),
-        "seed {}: {msg}",
-        fx.seed
+        "seed {seed}: {msg}"
     );
 }
 
@@ -1418,24 +1434,10 @@ fn nan_block_scale_is_located() {
 /// maximum from elsewhere, or NaN at no place, by the order the pieces ran in).
 #[test]
 fn nan_in_the_reference_is_located() {
-    let fx = fixture(3);
-    let bad = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed).gen_range(0..3);
-    let dump = fx.root.join("nan.safetensors");
-    write_fused(
-        &fx.model,
-        &dump,
-        &Faults {
-            nan_scale: Some(bad),
-            ..Default::default()
-        },
-    );
-    let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
-    let issues = sole_down_mismatch(&out, bad, fx.seed, "NaN scale in A");
-    let msg = issues[0]["message"].as_str().unwrap();
+    let (msg, seed) = nan_scale_message(true);
     assert!(
         msg.contains("max_abs_err NaN; A (the reference) is NaN at row 1, column 16"),
-        "seed {}: {msg}",
-        fx.seed
+        "seed {seed}: {msg}"
     );
 }
 

@@ -41,8 +41,7 @@ fn same_metrics(cpu: &Metrics, gpu: &Metrics, what: &str) {
         "{what}: non-finite counts"
     );
     assert!(
-        cpu.max_abs_err.to_bits() == gpu.max_abs_err.to_bits()
-            || (cpu.max_abs_err.is_nan() && gpu.max_abs_err.is_nan()),
+        gpu_common::same_max(cpu.max_abs_err, gpu.max_abs_err),
         "{what}: max_abs_err {} vs {}",
         cpu.max_abs_err,
         gpu.max_abs_err

@@ -457,8 +457,7 @@ fn compare_matches_metrics_compare() {
                     "seed {seed} n {n} step {step}: the GPU"
                 );
                 assert!(
-                    got.max_abs_err.to_bits() == want.max_abs_err.to_bits()
-                        || (got.max_abs_err.is_nan() && want.max_abs_err.is_nan()),
+                    same_max(got.max_abs_err, want.max_abs_err),
                     "seed {seed} n {n} step {step}: {} vs {}",
                     got.max_abs_err,
                     want.max_abs_err

@@ -199,6 +199,11 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }
 
+/// The same `max_abs_err`: the same bits, or both NaN (a NaN's payload is the platform's).
+pub fn same_max(a: f64, b: f64) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
 /// BF16-exact hidden states `[tokens, h]` with a few outlier channels.
 pub fn hidden(r: &mut ChaCha8Rng, tokens: usize, h: usize) -> Vec<f32> {
     let outliers: Vec<usize> = (0..4).map(|_| r.gen_range(0..h)).collect();
