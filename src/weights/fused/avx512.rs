@@ -242,9 +242,7 @@ pub(super) fn publish(best: &AtomicU64, mb: f64) {
     best.fetch_max(mb.to_bits(), Ordering::Relaxed);
 }
 
-/// Rows `r0..r1` of a piece, added to `acc` (what the piece's rows before `r0` gave).
 #[target_feature(enable = "avx512f,avx512dq")]
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn rows(
     a: &QMatrix,
     b: &QMatrix,
@@ -253,11 +251,11 @@ pub unsafe fn rows(
     best: &AtomicU64,
     r0: usize,
     r1: usize,
-    mut acc: Accum,
 ) -> Accum {
     let (cols, kb) = (a.cols, a.kb());
     let z = _mm512_setzero_pd();
     let mut s = Sums::zero();
+    let mut acc = Accum::default();
     let current = |acc: &Accum| _mm512_set1_pd(super::running_max(acc));
     let mut cur = current(&acc);
     for r in r0..r1 {

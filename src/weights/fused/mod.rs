@@ -166,7 +166,7 @@ impl Path {
             // SAFETY: `detect` saw AVX-512 F/DQ
             #[cfg(target_arch = "x86_64")]
             (Path::Avx512(t), Ref::Q(a)) => unsafe {
-                avx512::rows(a, b, &t[0], &t[1], best, r0, r1, Accum::default())
+                avx512::rows(a, b, &t[0], &t[1], best, r0, r1)
             },
             // SAFETY: `detect` saw AVX-512 F/DQ/BW/VBMI
             #[cfg(target_arch = "x86_64")]

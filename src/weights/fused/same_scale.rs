@@ -795,7 +795,7 @@ pub unsafe fn rows<const TWO: bool>(
         // a code taken is finite: only a row with others needs its codes looked at
         let check = !c.all_equal(sa, sb);
         if check && !(ta.all_finite(sa) && tb.all_finite(sb)) {
-            acc = avx512::rows(a, b, ta, tb, best, r, r + 1, acc);
+            acc = acc.merge(avx512::rows(a, b, ta, tb, best, r, r + 1));
             cur = current(&acc);
             th = c.thresholds(theta(&acc));
             continue;
