@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 45, one lease for everything: the GPU tests the NaN rule touched (s44c), the quick
+# bench's reductions, the nightly, the whole bench and the PyTorch peers, then the e2e
+# walkthrough. Writes $OUT/$LABEL.tgz after each step.
+set -uo pipefail
+L=${LABEL:-s45a}
+source bench/gpu-lib.sh
+nvidia-smi -L | tee $R/gpus.txt
+run_tests gpu_quant gpu_compare_weights
+for i in 1 2 3; do
+    timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --quick --only copy_d2d,reduce \
+        --no-report-dir -q --json $R/reduce-$i.json > $R/bench-reduce-$i.txt 2>&1
+    stamp "bench reductions $i rc=$?"
+done
+grep -E "│ [a-z_0-9]+ +│" $R/bench-reduce-*.txt | awk -F'│' '{print $1,$2,$3,$5,$9}'
+pack
+NIGHTLY_S=220 run_nightly
+timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
+stamp "bench rc=$?"
+grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'
+pack
+timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
+stamp "peers rc=$?"
+pack
+timeout 100 bash tools/e2e/run_e2e.sh .dev/gpu/nvfp4dbg > $R/e2e.txt 2>&1
+stamp "e2e rc=$?: $(grep -E 'STEPS' $R/e2e.txt | tail -1)"
+grep -E "FAIL" $R/e2e.txt | head
+pack
