@@ -97,4 +97,7 @@ fn help_explains_the_floors() {
     ] {
         assert!(o.stdout.contains(w), "`{w}` missing:\n{}", o.stdout);
     }
+    // a GPU benchmark: its default device is the GPU, with no CPU fallback promised
+    assert!(o.stdout.contains("[default: cuda]"), "{}", o.stdout);
+    assert!(!o.stdout.contains("else cpu"), "{}", o.stdout);
 }

@@ -3,7 +3,7 @@
 //! expert shapes (with a cuBLAS BF16 baseline), the GPU reductions and the whole MoE layer,
 //! each against its floor. A benchmark, not a test: the verdict fails only when a run errors.
 
-use super::common::{DeviceArgs, OutArgs};
+use super::common::OutArgs;
 use crate::backend::DeviceRequest;
 use crate::bench::{self, Figure, Outcome, Unit};
 use crate::error::{Error, Result};
@@ -22,8 +22,9 @@ and each output written once. The copy and the 4096^3 GEMM always run. Exit 0 un
 failed (1); no GPU or out of memory: 2."
 )]
 pub struct Args {
-    #[command(flatten)]
-    pub device: DeviceArgs,
+    /// cuda or cuda:N: the GPU to time (bench has nothing to time on the CPU)
+    #[arg(long, value_name = "DEVICE", default_value = "cuda")]
+    pub device: DeviceRequest,
     /// Fewer repeats and no 8192^3 GEMM (about a minute instead of two or three)
     #[arg(long)]
     pub quick: bool,
@@ -36,7 +37,7 @@ pub struct Args {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let ordinal = match args.device.device {
+    let ordinal = match args.device {
         DeviceRequest::Cpu => {
             return Err(Error::usage(
                 "bench times the GPU kernels; --device cpu has nothing to time (run it on a \
