@@ -72,11 +72,67 @@ __device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
     double d = td - rd;
     a.err = __fma_rn(d, d, a.err);
     double ad = fabs(d);
-    // acc_takes only where it can: not at or below the maximum (a NaN is neither)
-    if ((!(ad <= a.max_abs) || a.max_idx == NONE_IDX) && acc_takes(a, ad, i)) {
+    // acc_takes where indices only grow (as in each thread's pass): a tie keeps the held,
+    // lower index, so the difference takes the maximum iff it is not at or below it (a NaN
+    // is neither) and the maximum held is not already NaN
+    bool takes = a.max_idx == NONE_IDX || (!(ad <= a.max_abs) && a.max_abs == a.max_abs);
+    if (takes) {
         a.max_abs = ad;
         a.max_idx = i;
     }
+}
+
+// One batch of pass 1 (thread t's COMPARE_BATCH float4 of each tensor; element c of vector j
+// is index i0 + j * COMPARE_STEP + c, ascending). Where all its values are finite there is
+// no NaN or Inf to count and no NaN difference, so the batch needs only the sums and a
+// strictly greater maximum (a tie keeps the held, lower index; nothing beats a held NaN),
+// with no branch between elements; else it goes element by element through acc_one.
+__device__ __forceinline__ void acc_batch(Acc& a, const float4* tv, const float4* rv, u64 i0) {
+    const float big = 3.402823466e38f;
+    bool bad = false;
+#pragma unroll
+    for (int j = 0; j < COMPARE_BATCH; j++) {
+        const float t[4] = {tv[j].x, tv[j].y, tv[j].z, tv[j].w};
+        const float r[4] = {rv[j].x, rv[j].y, rv[j].z, rv[j].w};
+#pragma unroll
+        for (int c = 0; c < 4; c++) bad |= !(fabsf(t[c]) <= big) | !(fabsf(r[c]) <= big);
+    }
+    if (bad) {
+#pragma unroll
+        for (int j = 0; j < COMPARE_BATCH; j++) {
+            u64 i = i0 + (u64)j * COMPARE_STEP;
+            acc_one(a, tv[j].x, rv[j].x, i);
+            acc_one(a, tv[j].y, rv[j].y, i + 1);
+            acc_one(a, tv[j].z, rv[j].z, i + 2);
+            acc_one(a, tv[j].w, rv[j].w, i + 3);
+        }
+        return;
+    }
+    double m = a.max_idx == NONE_IDX ? -1.0 : a.max_abs;
+    int best = -1;
+#pragma unroll
+    for (int j = 0; j < COMPARE_BATCH; j++) {
+        const float t[4] = {tv[j].x, tv[j].y, tv[j].z, tv[j].w};
+        const float r[4] = {rv[j].x, rv[j].y, rv[j].z, rv[j].w};
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            double td = (double)t[c], rd = (double)r[c];
+            a.dot = __fma_rn(td, rd, a.dot);
+            a.nt = __fma_rn(td, td, a.nt);
+            a.nr = __fma_rn(rd, rd, a.nr);
+            double d = td - rd;
+            a.err = __fma_rn(d, d, a.err);
+            double ad = fabs(d);
+            bool takes = ad > m;
+            m = takes ? ad : m;
+            best = takes ? 4 * j + c : best;
+        }
+    }
+    if (best >= 0) {
+        a.max_abs = m;
+        a.max_idx = i0 + (u64)(best / 4) * COMPARE_STEP + best % 4;
+    }
+    a.len += 4 * COMPARE_BATCH;
 }
 
 __device__ __forceinline__ double shfl_d(double v, int src) { return __shfl_down_sync(0xFFFFFFFFu, v, src); }
@@ -133,14 +189,7 @@ compare_partial(const float* __restrict__ test, const float* __restrict__ ref, u
                 tv[j] = __ldcs(t4 + (j0 + j) * REDUCE_THREADS);
                 rv[j] = __ldcs(r4 + (j0 + j) * REDUCE_THREADS);
             }
-#pragma unroll
-            for (int j = 0; j < COMPARE_BATCH; j++) {
-                u64 i = lo + (u64)(j0 + j) * COMPARE_STEP + 4 * threadIdx.x;
-                acc_one(a, tv[j].x, rv[j].x, i);
-                acc_one(a, tv[j].y, rv[j].y, i + 1);
-                acc_one(a, tv[j].z, rv[j].z, i + 2);
-                acc_one(a, tv[j].w, rv[j].w, i + 3);
-            }
+            acc_batch(a, tv, rv, lo + (u64)j0 * COMPARE_STEP + 4 * threadIdx.x);
         }
     } else {
         // the tail block (or unaligned inputs): the same elements in the same order, scalar

@@ -1,8 +1,10 @@
 //! CPU CI: `kernels/reduce.cu`'s compare reduction, its own `Acc` functions cut from the
 //! kernel source and run on the host in the kernels' partition and merge order
-//! (`tools/checks/reduce_host.cpp`), gives the CPU reference's `max_abs_err`, its index and the
-//! NaN counts: on random tensors with ties, NaNs in the reference (a NaN difference ranks
-//! above every number) and NaNs in the test, the GPU's merge order cannot move the maximum.
+//! (`tools/checks/reduce_host.cpp`), gives the CPU reference's `max_abs_err`, its index, the
+//! NaN and Inf counts and the cosine: on random tensors with ties, NaNs in the reference (a
+//! NaN difference ranks above every number) and NaNs and Infs in the test, the GPU's merge
+//! order cannot move the maximum. Its batches (`acc_batch`, branch-free where all values are
+//! finite) give every field bit for bit as every element through `acc_one` does.
 //! Needs a C++ compiler (`$CXX`, else `c++`); `.ci/run` requires one
 //! (`NVFP4DBG_REQUIRE_CXX=1`), elsewhere the test says that it skipped.
 
@@ -12,7 +14,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// The `Acc` struct and functions of `reduce.cu`: from `struct Acc` to the first `#define`
-/// after it (acc_zero, acc_takes, acc_merge), and `acc_one`.
+/// after it (acc_zero, acc_takes, acc_merge), and from `acc_one` to the end of `acc_batch`.
 fn acc_source(cu: &str) -> String {
     let start = cu
         .find("struct Acc {")
@@ -24,7 +26,15 @@ fn acc_source(cu: &str) -> String {
     let one = cu
         .find("__device__ __forceinline__ void acc_one")
         .expect("reduce.cu: no acc_one");
-    let one_end = one + cu[one..].find("\n}\n").expect("reduce.cu: acc_one's end") + 3;
+    let batch = one
+        + cu[one..]
+            .find("__device__ __forceinline__ void acc_batch")
+            .expect("reduce.cu: no acc_batch after acc_one");
+    let one_end = batch
+        + cu[batch..]
+            .find("\n}\n")
+            .expect("reduce.cu: acc_batch's end")
+        + 3;
     format!("{}\n{}", &cu[start..end], &cu[one..one_end])
 }
 
@@ -75,11 +85,22 @@ fn the_gpu_reduction_merges_to_the_cpu_maximum() {
             let i = g.gen_range(0..n);
             (t[i], r[i]) = (64.5, 0.5); // a tie (the lower index wins)
         }
+        if n > 2048 {
+            // ties within one thread's elements: the next in its vector, its next step
+            let i = g.gen_range(0..n - 2048);
+            for k in [i, i + 1, i + 1024] {
+                (t[k], r[k]) = (96.25, 0.25);
+            }
+        }
         for _ in 0..c % 3 {
             r[g.gen_range(0..n)] = f32::NAN;
         }
         if c % 4 == 0 {
             t[g.gen_range(0..n)] = f32::NAN;
+        }
+        if c % 5 == 1 {
+            t[g.gen_range(0..n)] = f32::NEG_INFINITY;
+            r[g.gen_range(0..n)] = f32::INFINITY;
         }
         cases.push((t, r));
     }
@@ -106,27 +127,54 @@ fn the_gpu_reduction_merges_to_the_cpu_maximum() {
         .lines()
         .map(String::from)
         .collect();
-    assert_eq!(lines.len(), cases.len(), "seed {seed}");
-    for (c, ((t, r), line)) in cases.iter().zip(&lines).enumerate() {
-        let want = nvfp4dbg::metrics::compare(t, r);
-        let f: Vec<&str> = line.split(' ').collect();
-        let max = f64::from_bits(u64::from_str_radix(f[0], 16).unwrap());
-        let idx: i64 = f[1].parse().unwrap();
-        let (nan, first_nan): (u64, i64) = (f[2].parse().unwrap(), f[3].parse().unwrap());
+    assert_eq!(lines.len(), 2 * cases.len(), "seed {seed}");
+    for (c, ((t, r), pair)) in cases.iter().zip(lines.chunks(2)).enumerate() {
         let what = format!("seed {seed} case {c} (n {})", t.len());
-        assert_eq!(Some(idx as usize), want.max_abs_err_index, "{what}: index");
-        assert_eq!(nan, want.nan_count, "{what}: NaN count");
+        assert_eq!(pair[0], pair[1], "{what}: acc_batch and acc_one differ");
+        let want = nvfp4dbg::metrics::compare(t, r);
+        let f: Vec<&str> = pair[0].split(' ').collect();
+        let hex = |k: usize| f64::from_bits(u64::from_str_radix(f[k], 16).unwrap());
+        let int = |k: usize| f[k].parse::<i64>().unwrap();
+        let place = |k: usize| usize::try_from(int(k)).ok();
+        // the Acc as the CUDA backend reads it back
+        let got = nvfp4dbg::metrics::Accum {
+            dot: hex(7),
+            nt: hex(8),
+            nr: hex(9),
+            err: hex(10),
+            max_abs: hex(0),
+            max_idx: place(1),
+            nan: int(2) as u64,
+            inf: int(4) as u64,
+            first_nan: place(3),
+            first_inf: place(5),
+            len: int(6) as usize,
+        }
+        .finish();
         assert_eq!(
-            first_nan.try_into().ok(),
-            want.first_nan,
-            "{what}: first NaN"
+            got.max_abs_err_index, want.max_abs_err_index,
+            "{what}: index"
         );
-        if want.nan_count == 0 {
+        assert_eq!(got.nan_count, want.nan_count, "{what}: NaN count");
+        assert_eq!(got.first_nan, want.first_nan, "{what}: first NaN");
+        assert_eq!(got.inf_count, want.inf_count, "{what}: Inf count");
+        assert_eq!(got.first_inf, want.first_inf, "{what}: first Inf");
+        assert_eq!(got.len, t.len(), "{what}: len");
+        let same = |a: f64, b: f64| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        assert!(
+            same(got.max_abs_err, want.max_abs_err),
+            "{what}: max_abs_err {} vs {}",
+            got.max_abs_err,
+            want.max_abs_err
+        );
+        // the sums in another order than the CPU's: to a few ulps
+        for (name, a, b) in [
+            ("cosine", got.cosine, want.cosine),
+            ("rel_l2", got.rel_l2, want.rel_l2),
+        ] {
             assert!(
-                max.to_bits() == want.max_abs_err.to_bits()
-                    || (max.is_nan() && want.max_abs_err.is_nan()),
-                "{what}: max_abs_err {max} vs {}",
-                want.max_abs_err
+                same(a, b) || (a - b).abs() <= 1e-12 * b.abs().max(1e-3),
+                "{what}: {name} {a} vs {b}"
             );
         }
     }
