@@ -75,6 +75,19 @@ ab_rounds() {
     python3 bench/ab_summary.py $R $(for v in $variants; do echo "${v%%|*}"; done)
 }
 
+# reduce_rounds N: N runs of `bench --quick --only copy_d2d,reduce` (the copy and the GPU
+# reductions) into $R/bench-reduce-I.txt and $R/reduce-I.json, their figures' lines
+reduce_rounds() {
+    local i
+    for i in $(seq $1); do
+        timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --quick --only copy_d2d,reduce \
+            --no-report-dir -q --json $R/reduce-$i.json > $R/bench-reduce-$i.txt 2>&1
+        stamp "bench reductions $i rc=$?"
+    done
+    grep -hE "│ (copy_d2d|reduce_[a-z_]+) +│" $R/bench-reduce-*.txt | awk -F'│' '{print $2,$3,$5,$9}'
+    pack
+}
+
 # run_nightly: .ci/gpu-nightly on .dev/gpu (under $NIGHTLY_S seconds, default 300), its
 # summary lines and any failure
 run_nightly() {

@@ -7,13 +7,7 @@ L=${LABEL:-s45a}
 source bench/gpu-lib.sh
 nvidia-smi -L | tee $R/gpus.txt
 run_tests gpu_quant gpu_compare_weights
-for i in 1 2 3; do
-    timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --quick --only copy_d2d,reduce \
-        --no-report-dir -q --json $R/reduce-$i.json > $R/bench-reduce-$i.txt 2>&1
-    stamp "bench reductions $i rc=$?"
-done
-grep -E "│ [a-z_0-9]+ +│" $R/bench-reduce-*.txt | awk -F'│' '{print $1,$2,$3,$5,$9}'
-pack
+reduce_rounds 3
 NIGHTLY_S=220 run_nightly
 timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
 stamp "bench rc=$?"

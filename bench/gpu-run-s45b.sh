@@ -6,13 +6,7 @@ set -uo pipefail
 L=${LABEL:-s45b}
 source bench/gpu-lib.sh
 nvidia-smi -L | tee $R/gpus.txt
-for i in 1 2 3; do
-    timeout 60 .dev/gpu/nvfp4dbg bench --device cuda --quick --only copy_d2d,reduce \
-        --no-report-dir -q --json $R/reduce-$i.json > $R/bench-reduce-$i.txt 2>&1
-    stamp "bench reductions $i rc=$?"
-done
-grep -hE "│ (copy_d2d|reduce_[a-z_]+) +│" $R/bench-reduce-*.txt | awk -F'│' '{print $2,$3,$5,$9}'
-pack
+reduce_rounds 3
 timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
 stamp "bench rc=$?"
 grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'

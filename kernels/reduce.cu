@@ -53,6 +53,17 @@ __device__ __forceinline__ void acc_merge(Acc& a, const Acc& b) {
 #define COMPARE_STEP (REDUCE_THREADS * 4)
 #define COMPARE_BATCH 8
 
+// A finite test value's terms of the sums; returns |t - r| (exact in f64).
+__device__ __forceinline__ double acc_sums(Acc& a, float t, float r) {
+    double td = (double)t, rd = (double)r;
+    a.dot = __fma_rn(td, rd, a.dot);
+    a.nt = __fma_rn(td, td, a.nt);
+    a.nr = __fma_rn(rd, rd, a.nr);
+    double d = td - rd;
+    a.err = __fma_rn(d, d, a.err);
+    return fabs(d);
+}
+
 __device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
     a.len++;
     if (!(fabsf(t) <= 3.402823466e38f)) {  // NaN or infinite: counted, left out of the sums
@@ -65,13 +76,7 @@ __device__ __forceinline__ void acc_one(Acc& a, float t, float r, u64 i) {
         }
         return;
     }
-    double td = (double)t, rd = (double)r;
-    a.dot = __fma_rn(td, rd, a.dot);
-    a.nt = __fma_rn(td, td, a.nt);
-    a.nr = __fma_rn(rd, rd, a.nr);
-    double d = td - rd;
-    a.err = __fma_rn(d, d, a.err);
-    double ad = fabs(d);
+    double ad = acc_sums(a, t, r);
     // acc_takes where indices only grow (as in each thread's pass): a tie keeps the held,
     // lower index, so the difference takes the maximum iff it is not at or below it (a NaN
     // is neither) and the maximum held is not already NaN
@@ -116,13 +121,7 @@ __device__ __forceinline__ void acc_batch(Acc& a, const float4* tv, const float4
         const float r[4] = {rv[j].x, rv[j].y, rv[j].z, rv[j].w};
 #pragma unroll
         for (int c = 0; c < 4; c++) {
-            double td = (double)t[c], rd = (double)r[c];
-            a.dot = __fma_rn(td, rd, a.dot);
-            a.nt = __fma_rn(td, td, a.nt);
-            a.nr = __fma_rn(rd, rd, a.nr);
-            double d = td - rd;
-            a.err = __fma_rn(d, d, a.err);
-            double ad = fabs(d);
+            double ad = acc_sums(a, t[c], r[c]);
             bool takes = ad > m;
             m = takes ? ad : m;
             best = takes ? 4 * j + c : best;

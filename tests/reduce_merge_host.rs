@@ -14,7 +14,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// The `Acc` struct and functions of `reduce.cu`: from `struct Acc` to the first `#define`
-/// after it (acc_zero, acc_takes, acc_merge), and from `acc_one` to the end of `acc_batch`.
+/// after it (acc_zero, acc_takes, acc_merge), and from `acc_sums` (then `acc_one`) to the end
+/// of `acc_batch`.
 fn acc_source(cu: &str) -> String {
     let start = cu
         .find("struct Acc {")
@@ -24,12 +25,12 @@ fn acc_source(cu: &str) -> String {
             .find("#define REDUCE_THREADS")
             .expect("reduce.cu: no `#define REDUCE_THREADS` after Acc");
     let one = cu
-        .find("__device__ __forceinline__ void acc_one")
-        .expect("reduce.cu: no acc_one");
+        .find("__device__ __forceinline__ double acc_sums")
+        .expect("reduce.cu: no acc_sums");
     let batch = one
         + cu[one..]
             .find("__device__ __forceinline__ void acc_batch")
-            .expect("reduce.cu: no acc_batch after acc_one");
+            .expect("reduce.cu: no acc_batch after acc_sums");
     let one_end = batch
         + cu[batch..]
             .find("\n}\n")

@@ -1,5 +1,5 @@
 // Host emulation of kernels/reduce.cu's compare reduction, for tests/reduce_merge_host.rs: the
-// kernel's own Acc functions (acc_zero, acc_takes, acc_merge, acc_one, acc_batch), cut from
+// kernel's own Acc functions (acc_zero, acc_takes, acc_merge, acc_sums, acc_one, acc_batch), cut from
 // reduce.cu by the test into reduce_acc.inc, run in the kernels' partition and merge order:
 // each block's 256 threads over their strided elements (a whole block's in batches through
 // acc_batch, the tail block's through acc_one), the shuffle-down tree in each warp, warps in
