@@ -246,8 +246,8 @@ extern "C" __global__ void amax_f32(const float* __restrict__ x, u64 n, u32* __r
     }
     for (; i < n; i += stride) m = max(m, abs_bits(x[i]));
     m = m > 0x7F800000u ? 0x7FC00000u : m;
-    // one atomic a block, not a warp: same-address atomics serialize in the L2 (32768 of
-    // them over 64M values held the kernel ~17 us past its floor on an H200)
+    // one atomic a block, not a warp: same-address atomics serialize in the L2 (a warp's
+    // each, 32768 over 64M values, cost ~7.5 us on an H100: s45f in BENCHMARKS.md)
     __shared__ u32 warp_max[32];
     m = __reduce_max_sync(0xFFFFFFFFu, m);
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = m;
