@@ -88,6 +88,19 @@ reduce_rounds() {
     pack
 }
 
+# bench_and_peers: the whole `nvfp4dbg bench --device cuda` ($R/bench.json, .txt) and then
+# bench/peers.py --quick ($R/peers.json, .txt) in the same lease, their figures' lines
+bench_and_peers() {
+    timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
+    stamp "bench rc=$?"
+    grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'
+    pack
+    timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
+    stamp "peers rc=$?"
+    grep -E "^(floor|moe|quantize|scan) " $R/peers.txt
+    pack
+}
+
 # run_nightly: .ci/gpu-nightly on .dev/gpu (under $NIGHTLY_S seconds, default 300), its
 # summary lines and any failure
 run_nightly() {

@@ -9,13 +9,7 @@ nvidia-smi -L | tee $R/gpus.txt
 run_tests gpu_quant gpu_compare_weights
 reduce_rounds 3
 NIGHTLY_S=220 run_nightly
-timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
-stamp "bench rc=$?"
-grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'
-pack
-timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
-stamp "peers rc=$?"
-pack
+bench_and_peers
 timeout 100 bash tools/e2e/run_e2e.sh .dev/gpu/nvfp4dbg > $R/e2e.txt 2>&1
 stamp "e2e rc=$?: $(grep -E 'STEPS' $R/e2e.txt | tail -1)"
 grep -E "FAIL" $R/e2e.txt | head

@@ -7,11 +7,4 @@ L=${LABEL:-s45b}
 source bench/gpu-lib.sh
 nvidia-smi -L | tee $R/gpus.txt
 reduce_rounds 3
-timeout 120 .dev/gpu/nvfp4dbg bench --device cuda --no-report-dir -q --json $R/bench.json > $R/bench.txt 2>&1
-stamp "bench rc=$?"
-grep -E "│ [a-z_0-9]+ +│" $R/bench.txt | awk -F'│' '{print $2,$3,$5,$9}'
-pack
-timeout 70 python3 bench/peers.py --quick --json $R/peers.json > $R/peers.txt 2>&1
-stamp "peers rc=$?"
-grep -E "^(floor|moe|quantize|scan) " $R/peers.txt
-pack
+bench_and_peers

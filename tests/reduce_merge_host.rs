@@ -17,26 +17,18 @@ use std::process::{Command, Stdio};
 /// after it (acc_zero, acc_takes, acc_merge), and from `acc_sums` (then `acc_one`) to the end
 /// of `acc_batch`.
 fn acc_source(cu: &str) -> String {
-    let start = cu
-        .find("struct Acc {")
-        .expect("reduce.cu: no `struct Acc {`");
-    let end = start
-        + cu[start..]
-            .find("#define REDUCE_THREADS")
-            .expect("reduce.cu: no `#define REDUCE_THREADS` after Acc");
-    let one = cu
-        .find("__device__ __forceinline__ double acc_sums")
-        .expect("reduce.cu: no acc_sums");
-    let batch = one
-        + cu[one..]
-            .find("__device__ __forceinline__ void acc_batch")
-            .expect("reduce.cu: no acc_batch after acc_sums");
-    let one_end = batch
-        + cu[batch..]
-            .find("\n}\n")
-            .expect("reduce.cu: acc_batch's end")
-        + 3;
-    format!("{}\n{}", &cu[start..end], &cu[one..one_end])
+    // where `pat` first stands at or after `from`
+    let at = |from: usize, pat: &str| {
+        from + cu[from..]
+            .find(pat)
+            .unwrap_or_else(|| panic!("reduce.cu: no `{}` after byte {from}", pat.escape_debug()))
+    };
+    let start = at(0, "struct Acc {");
+    let end = at(start, "#define REDUCE_THREADS");
+    let sums = at(0, "__device__ __forceinline__ double acc_sums");
+    let batch = at(sums, "__device__ __forceinline__ void acc_batch");
+    let batch_end = at(batch, "\n}\n") + 3;
+    format!("{}\n{}", &cu[start..end], &cu[sums..batch_end])
 }
 
 fn build(dir: &Path) -> Option<std::path::PathBuf> {
