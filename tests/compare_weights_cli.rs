@@ -906,25 +906,34 @@ fn gate_up_codes_swapped_without_their_scales_are_named() {
 }
 
 fn flip_code_bits(path: &Path, suffix: &str, at: impl Fn(usize) -> bool) {
-    let mut bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let (name, t) = header
-        .as_object()
-        .unwrap()
-        .iter()
-        .find(|(k, _)| k.ends_with(suffix))
-        .unwrap();
-    let off = |k: usize| 8 + n + t["data_offsets"][k].as_u64().unwrap() as usize;
-    let (start, end) = (off(0), off(1));
     let mut flipped = 0;
-    for (i, b) in bytes[start..end].iter_mut().enumerate() {
+    edit_tensor(path, suffix, |i, b| {
         if at(i) {
             *b ^= 1;
             flipped += 1;
         }
+    });
+    assert!(flipped > 0, "{suffix}: nothing flipped");
+}
+
+/// Rewrite the bytes of the one tensor of the file whose name ends with `suffix`, in place
+/// (`edit(index, byte)`).
+fn edit_tensor(path: &Path, suffix: &str, mut edit: impl FnMut(usize, &mut u8)) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let t = header
+        .as_object()
+        .unwrap()
+        .iter()
+        .find(|(k, _)| k.ends_with(suffix))
+        .map(|(_, t)| t.clone())
+        .unwrap_or_else(|| panic!("no tensor named *{suffix}"));
+    let off = |k: usize| 8 + n + t["data_offsets"][k].as_u64().unwrap() as usize;
+    let (start, end) = (off(0), off(1));
+    for (i, b) in bytes[start..end].iter_mut().enumerate() {
+        edit(i, b);
     }
-    assert!(flipped > 0, "{name}: nothing flipped");
     std::fs::write(path, bytes).unwrap();
 }
 
@@ -1438,6 +1447,111 @@ fn nan_in_the_reference_is_located() {
     assert!(
         msg.contains("max_abs_err NaN; A (the reference) is NaN at row 1, column 16"),
         "seed {seed}: {msg}"
+    );
+}
+
+/// A dump whose encoding is the checkpoint's (one dtype, one global scale) but with one value
+/// changed: one FP4 code, one block scale, one BF16 router weight. Each is a mismatch, however
+/// close its cosine (a copy changes no value; it passed as "close after dequantization"), and
+/// the changed block is located. And the other way: another global scale with every block
+/// scale making up for it is the same values, a pass with a note.
+#[test]
+fn one_changed_value_under_the_same_encoding_is_a_mismatch() {
+    let fx = fixture(2);
+    let (h, i) = (fx.model.h, fx.model.i);
+    let clean = fx.root.join("clean.safetensors");
+    fx.run_fused(&clean, &Faults::default(), &[], 0);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed);
+    let (e, row) = (r.gen_range(0..2), r.gen_range(0..h));
+    let expert = |at: usize, per_expert: usize| at / per_expert == e;
+    // w2_weight [E, H, I/2]: one code of expert e, row `row`, block `blk`
+    let blk = r.gen_range(0..i / 16);
+    let code_at = (e * h + row) * i / 2 + blk * 8 + r.gen_range(0..8);
+    // w2_weight_scale [E, H, I/16]: one scale, one step
+    let scale_at = (e * h + row) * (i / 16) + blk;
+    for (what, suffix, at, kind) in [
+        ("code", "w2_weight", code_at, "its codes"),
+        ("scale", "w2_weight_scale", scale_at, "its scale"),
+    ] {
+        let dump = fx.root.join(format!("one-{what}.safetensors"));
+        std::fs::copy(&clean, &dump).unwrap();
+        edit_tensor(&dump, suffix, |k, b| {
+            if k == at {
+                *b = match what {
+                    "code" => *b ^ 0x11,
+                    // 448, the tensor's largest block's, one step down
+                    _ if *b & 0x7F == 0x7E => *b - 1,
+                    _ => *b + 1,
+                };
+            }
+        });
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        let issues = sole_down_mismatch(&out, e, fx.seed, what);
+        let msg = issues[0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(&format!(
+                "1 of {} blocks differ under the same global scale",
+                h * i / 16
+            )) && msg.contains(&format!("the first at row {row}, block {blk} ({kind})")),
+            "seed {} {what}: {msg}",
+            fx.seed
+        );
+        assert_eq!(issues[0]["kind"], "values", "seed {} {what}", fx.seed);
+    }
+    // one router weight (BF16 on both sides) negated
+    let dump = fx.root.join("one-router-weight.safetensors");
+    std::fs::copy(&clean, &dump).unwrap();
+    let at = 2 * r.gen_range(0..2 * h) + 1;
+    edit_tensor(&dump, "mlp.gate.weight", |k, b| {
+        if k == at {
+            *b ^= 0x80;
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let m = &out.json["mismatches"][0];
+    let msg = m["issues"][0]["message"].as_str().unwrap();
+    assert!(
+        m["name"].as_str().unwrap().ends_with("mlp.gate.weight")
+            && msg.contains(&format!("at row {}, column {}", at / 2 / h, at / 2 % h))
+            && msg.contains("both sides BF16: a copy changes no value"),
+        "seed {}: {m}",
+        fx.seed
+    );
+    // expert e's down_proj re-encoded: weight_scale_2 doubled, every block scale halved (one
+    // less in the e4m3 exponent; these scales are all normal e4m3 above 2^-5)
+    let dump = fx.root.join("re-encoded.safetensors");
+    let d = &fx.model.experts[e].w2;
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            w2_scale_2_set: Some((e, 2.0 * d.scale_2)),
+            ..Default::default()
+        },
+    );
+    let per = h * i / 16;
+    edit_tensor(&dump, "w2_weight_scale", |k, b| {
+        if expert(k, per) && *b & 0x7F != 0 {
+            assert!(*b & 0x78 >= 0x10, "seed {}: scale {b:#04x}", fx.seed);
+            *b -= 0x08;
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    let close = out.json["close"].as_array().unwrap();
+    assert_eq!(close.len(), 1, "seed {}: {close:?}", fx.seed);
+    assert!(
+        close[0]["name"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("experts.{e}.down_proj"))
+            && close[0]["notes"].to_string().contains(
+                "weight_scale_2 ×2.000000 with the block scales making up for it; the \
+                 dequantized values are identical"
+            ),
+        "seed {}: {close:?}",
+        fx.seed
     );
 }
 

@@ -820,6 +820,22 @@ fn recomputed_routing_from_hidden_states() {
         dropped[0].as_u64().unwrap() + dropped[1].as_u64().unwrap() > 0,
         "{dropped}"
     );
+    // the summary's rate is the ids' as declared (it read 1.0, the rate under the transform
+    // that explains them); the best fit is beside it, with its transform
+    let sm = &out.json["summary"];
+    assert_eq!(sm["best_match_rate"], 1.0, "{sm}");
+    assert!(sm["match_rate"].as_f64().unwrap() < 1.0, "{sm}");
+    assert!(
+        sm["id_transform"]
+            .as_str()
+            .unwrap()
+            .contains("minus rank offset 8"),
+        "{sm}"
+    );
+    assert_eq!(
+        out.json["agreement"][0]["declared_match_rate"], sm["match_rate"],
+        "{sm}"
+    );
 }
 
 /// NaN in the hidden states (or router logits) the dump holds: the tokens' routing is undefined

@@ -805,11 +805,23 @@ fn a_nan_in_an_input_only_whose_producer_was_clean_is_not_a_pass() {
     let ctx = format!("seed {seed}\n{}", o.show());
     assert_eq!(o.code, 1, "{ctx}");
     assert_eq!(o.json["verdict"], "fail", "{ctx}");
-    assert_eq!(o.json["first_nonfinite"], Value::Null, "{ctx}");
-    let n = &o.json["nan_input"];
+    // the trace's first bad tensor is that input: under `first_nonfinite`, where CI reads it,
+    // and the last clean call is the one before it (it was the trace's last)
+    assert_eq!(o.json["first_nonfinite"], o.json["nan_input"], "{ctx}");
+    let n = &o.json["first_nonfinite"];
     assert_eq!(n["module"], "model.layers.3.mlp.experts.12", "{ctx}");
     assert_eq!(n["tensor"], "input.0", "{ctx}");
+    assert_eq!(n["kind"], "nan", "{ctx}");
     assert_eq!(n["index"]["flat"], at as u64, "{ctx}");
+    assert_eq!(
+        (&n["index"]["token"], &n["index"]["channel"]),
+        (&Value::from(at / 8), &Value::from(at % 8)),
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["last_clean"]["module"], "model.embed_tokens",
+        "{ctx}"
+    );
     assert!(o.stdout.contains("swallowed"), "{ctx}");
 }
 

@@ -42,7 +42,10 @@ pub struct Args {
     /// How experts are spread over EP ranks
     #[arg(long, value_enum, default_value = "linear")]
     pub placement: Placement,
-    /// Tensors whose bytes differ still pass at this cosine after dequantization
+    /// The cosine a quantized tensor must reach against a float one (an engine that dequantized
+    /// at load, or BF16 originals). Two sides in one encoding (one dtype, one global scale) must
+    /// hold identical values: a copy changes none, so one changed code fails however high its
+    /// cosine
     #[arg(long, value_name = "C", default_value_t = 0.9999, value_parser = super::common::cosine)]
     pub min_cosine: f64,
     #[command(flatten)]

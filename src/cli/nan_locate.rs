@@ -313,26 +313,34 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     ),
                 )
             };
+            // a NaN input is the trace's first bad tensor: CI reads it where it reads an output's
+            let nan_input = r.nan_input.as_ref().map(|(c, b)| {
+                json!({
+                    "module": c.module,
+                    "file": c.file,
+                    "tensor": b.tensor,
+                    "index": index_json(b),
+                    "kind": b.kind,
+                    "value": b.value.to_string(),
+                    "counter": c.counter,
+                    "step": c.step,
+                    "rank": index.selection.rank.unwrap_or(0),
+                    "shape": b.shape,
+                    "dtype": b.dtype,
+                    "nan_count": b.nan_count,
+                    "inf_count": b.inf_count,
+                    "inputs_clean": false,
+                })
+            });
+            let last_clean = match &r.nan_input {
+                Some(_) => r.clean_before_nan_input.as_ref(),
+                None => r.last_clean.as_ref(),
+            };
             let mut rep = Report::new("nan-locate", verdict, headline)
                 .summary(summary)
-                .with("first_nonfinite", Value::Null)
-                .with(
-                    "nan_input",
-                    r.nan_input.as_ref().map(|(c, b)| {
-                        json!({
-                            "module": c.module,
-                            "file": c.file,
-                            "tensor": b.tensor,
-                            "index": index_json(b),
-                            "kind": b.kind,
-                            "counter": c.counter,
-                            "step": c.step,
-                            "nan_count": b.nan_count,
-                            "inf_count": b.inf_count,
-                        })
-                    }),
-                )
-                .with("last_clean", r.last_clean.as_ref().map(clean_json));
+                .with("first_nonfinite", nan_input.clone())
+                .with("nan_input", nan_input)
+                .with("last_clean", last_clean.map(clean_json));
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
             rep

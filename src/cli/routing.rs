@@ -81,7 +81,12 @@ struct Summary {
     findings: usize,
     ep_rank: Option<usize>,
     ep_size: usize,
+    /// Slots whose id is among the recomputed ids of its token, the ids read as declared.
     match_rate: Option<f64>,
+    /// The same under the id mapping that fits the dump best (`id_transform`: "identity",
+    /// "expert_map", "minus offset 8"): what the ids mean when they are not what they claim.
+    best_match_rate: Option<f64>,
+    id_transform: Option<String>,
     weight_rel_l2: Option<f64>,
     unused_experts: usize,
     max_over_mean: f64,
@@ -818,16 +823,17 @@ fn build_report(
             }
         )
     } else {
-        let kinds: Vec<String> = out
-            .findings
-            .iter()
-            .map(|f| {
-                serde_json::to_value(f.kind)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default()
-            })
-            .collect();
+        // each kind once (the id checks and the recomputed routing may both name one)
+        let mut kinds: Vec<String> = Vec::new();
+        for f in &out.findings {
+            let k = serde_json::to_value(f.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default();
+            if !kinds.contains(&k) {
+                kinds.push(k);
+            }
+        }
         format!("{} finding(s): {}", out.findings.len(), kinds.join(", "))
     };
     let main_ag = agreements
@@ -841,7 +847,9 @@ fn build_report(
         findings: out.findings.len(),
         ep_rank,
         ep_size,
-        match_rate: main_ag.map(|a| a.match_rate),
+        match_rate: main_ag.map(|a| a.declared_match_rate),
+        best_match_rate: main_ag.map(|a| a.match_rate),
+        id_transform: main_ag.map(|a| a.id_transform.clone()),
         weight_rel_l2: main_ag.and_then(|a| a.weights.as_ref()).map(|m| m.rel_l2),
         unused_experts: load.unused_experts,
         max_over_mean: load.max_over_mean,
@@ -869,10 +877,18 @@ fn build_report(
         overview.row(vec![
             format!("vs {}", a.source),
             format!(
-                "{:.2}% slots, {:.2}% tokens match ({}){}",
+                "{:.2}% slots, {:.2}% tokens match ({}{}){}",
                 100.0 * a.match_rate,
                 100.0 * a.token_match_rate,
                 a.id_transform,
+                if a.match_rate == a.declared_match_rate {
+                    String::new()
+                } else {
+                    format!(
+                        "; {:.2}% of slots as declared",
+                        100.0 * a.declared_match_rate
+                    )
+                },
                 a.weights
                     .as_ref()
                     .map(|m| format!("; weights rel_l2 {}", report::e(m.rel_l2)))

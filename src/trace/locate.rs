@@ -124,6 +124,8 @@ pub struct LocateResult {
     /// recorded by hooks out of order, and swallowed by this module. The value is its first
     /// input holding a NaN.
     pub nan_input: Option<(ScannedCall, BadValue)>,
+    /// The last call before `nan_input`'s whose outputs were all finite.
+    pub clean_before_nan_input: Option<ScannedCall>,
     /// The first call before the first bad one whose output came within 2x of its dtype's
     /// largest finite value (BF16/F32 3.4e38, F16 65504): where an overflow that turns into Inf
     /// one module later starts. (call, output tensor, its max |x|, the dtype's max.)
@@ -203,6 +205,7 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut found: Option<FirstNonFinite> = None;
     let mut after = Vec::new();
     let mut nan_input = None;
+    let mut clean_before_nan_input = None;
     let mut near = None;
     for (pos, e) in index.entries.iter().enumerate() {
         if found.is_some() && after.len() >= context {
@@ -229,6 +232,9 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
                     .find(|t| t.stats.is_some_and(|s| s.nan_count > 0))
                     .and_then(BadValue::of)
                     .map(|b| (call.clone(), b));
+                if nan_input.is_some() {
+                    clean_before_nan_input = last_clean.clone();
+                }
             }
             if near.is_none() {
                 near = near_overflow(&call).map(|(t, m, max)| (call.clone(), t, m, max));
@@ -264,6 +270,7 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
         calls_scanned: scanned,
         skipped,
         nan_input,
+        clean_before_nan_input,
         near_overflow: near,
     })
 }

@@ -618,6 +618,9 @@ fn compare_qq(
     };
     let mut scale_ok = true;
     let mut conv_ulp = false;
+    // B's global scale is another value (a re-quantization, or a wrong scalar): only then may
+    // values that differ pass at --min-cosine
+    let mut gs_differs = false;
     match (sa, sb) {
         (Some(x), Some(y)) if x.to_bits() == y.to_bits() => {}
         (Some(x), Some(y)) if same_scale(x, y) => {
@@ -632,6 +635,7 @@ fn compare_qq(
         }
         (Some(x), Some(y)) => {
             scale_ok = false;
+            gs_differs = true;
             // the named conventions only explain a unit whose codes are A's: with other codes
             // the scale is one more symptom of holding another tensor (a swap, a permutation)
             let gate = u
@@ -781,7 +785,19 @@ fn compare_qq(
         );
         return Ok(done(u));
     };
-    let close = m.passes(opts.min_cosine);
+    let identical = m.max_abs_err == 0.0 && m.nan_count + m.inf_count == 0;
+    if identical && gs_differs && u.issues.iter().all(|i| i.kind == IssueKind::Scale2) {
+        // another global scale that B's block scales make up for, value for value
+        u.issues.clear();
+        u.notes.push(format!(
+            "B re-encodes A's values: weight_scale_2 ×{:.6} with the block scales making up for \
+             it; the dequantized values are identical",
+            sb.zip(sa).map_or(1.0, |(y, x)| y / x)
+        ));
+    }
+    // under A's global scale a value that differs is another code or block scale: a copy
+    // never changes one, and a re-quantization would have moved the global scale too
+    let close = identical || (gs_differs && m.passes(opts.min_cosine));
     // the codes first: their test stops at the first byte that is not swapped
     if !codes_equal
         && !close
@@ -825,8 +841,13 @@ fn compare_qq(
         u.issue(
             IssueKind::Values,
             format!(
-                "{}{}{}",
+                "{}{}{}{}",
                 values_differ(&m, a_m.cols),
+                if gs_differs {
+                    String::new()
+                } else {
+                    blocks_differ(&a_m, &b_m)
+                },
                 all_zero(&b_m),
                 if m.nan_count + m.inf_count > 0 {
                     format!(
@@ -853,8 +874,10 @@ fn values_differ(m: &Metrics, cols: usize) -> String {
         "values differ: cosine {:.6}, max_abs_err {:.3e}",
         m.cosine, m.max_abs_err
     );
-    if let Some(i) = m.max_abs_err_index {
-        if m.nan_count + m.inf_count == 0 && !m.max_abs_err.is_finite() && cols > 0 {
+    if let Some(i) = m.max_abs_err_index.filter(|_| cols > 0) {
+        if m.max_abs_err.is_finite() {
+            s += &format!(" at row {}, column {}", i / cols, i % cols);
+        } else if m.nan_count + m.inf_count == 0 {
             let what = if m.max_abs_err.is_nan() {
                 "NaN"
             } else {
@@ -868,6 +891,45 @@ fn values_differ(m: &Metrics, cols: usize) -> String {
         }
     }
     s
+}
+
+/// "; N of M blocks differ under the same global scale, the first at row r, block j (its
+/// codes / its scale)": where values differ though the global scale is A's.
+fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
+    let (kb, bytes) = (a.kb(), a.format.block() / 2);
+    if (b.rows, b.cols) != (a.rows, a.cols) || a.scales.len() != b.scales.len() {
+        return String::new();
+    }
+    let (mut n, mut first) = (0, None);
+    for r in 0..a.rows {
+        let (pa, pb) = (a.packed.row(r), b.packed.row(r));
+        let (sa, sb) = (a.scale_row(r), b.scale_row(r));
+        if pa == pb && sa == sb {
+            continue;
+        }
+        for j in 0..kb {
+            let codes = pa[j * bytes..(j + 1) * bytes] != pb[j * bytes..(j + 1) * bytes];
+            let scale = sa[j] != sb[j];
+            if codes || scale {
+                n += 1;
+                first.get_or_insert((r, j, codes, scale));
+            }
+        }
+    }
+    let Some((r, j, codes, scale)) = first else {
+        return String::new();
+    };
+    let what = match (codes, scale) {
+        (true, true) => "codes and scale",
+        (true, false) => "codes",
+        _ => "scale",
+    };
+    format!(
+        "; {n} of {} blocks differ under the same global scale (a copy changes none; a \
+         re-quantization would have moved the global scale), the first at row {r}, block {j} \
+         (its {what})",
+        a.rows * kb
+    )
 }
 
 /// B dequantizes to zeros everywhere (every code ±0, every block scale 0, or a zero global
@@ -1212,10 +1274,16 @@ fn compare_dd(
                 db.dtype, da.dtype, m.max_abs_err, m.cosine
             ),
         );
-    } else if !m.passes(opts.min_cosine) {
+    } else if !identical {
+        // one dtype on both sides: a load copies the values bit for bit, so any that differ
+        // were changed (a conversion would have changed the dtype)
         u.issue(
             IssueKind::Values,
-            values_differ(&m, va.mat.row_bytes / va.es()),
+            format!(
+                "{} (both sides {:?}: a copy changes no value)",
+                values_differ(&m, va.mat.row_bytes / va.es()),
+                da.dtype
+            ),
         );
     }
     let close = m.passes(opts.min_cosine);

@@ -827,8 +827,11 @@ pub fn check_ep_ids(
 pub struct Agreement {
     /// Where the reference came from ("hidden_states + gate", "router_logits", "tid2eid").
     pub source: String,
-    /// Fraction of slots whose id is among the reference's ids of that token (order ignored).
+    /// Fraction of slots whose id is among the reference's ids of that token (order ignored),
+    /// under `id_transform`.
     pub match_rate: f64,
+    /// The same with the ids read as declared (global, or local under `expert_map`).
+    pub declared_match_rate: f64,
     /// Fraction of tokens whose id set equals the reference's.
     pub token_match_rate: f64,
     /// Fraction of slots equal position by position (engines need not sort by score).
@@ -1101,6 +1104,7 @@ pub fn compare_with_reference(
     let agreement = Agreement {
         source: source.to_string(),
         match_rate,
+        declared_match_rate: exp_rate,
         token_match_rate: best.tokens as f64 / d.tokens.max(1) as f64,
         ordered_match_rate: best.ordered as f64 / slots_total,
         id_transform: name,
@@ -1265,6 +1269,7 @@ pub fn check_hash(
     let ag = Agreement {
         source: "tid2eid[input_ids]".into(),
         match_rate: slots as f64 / total,
+        declared_match_rate: slots as f64 / total,
         token_match_rate: tokens as f64 / d.tokens.max(1) as f64,
         ordered_match_rate: ordered as f64 / total,
         id_transform: "identity".into(),
