@@ -704,6 +704,11 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
     write(&f, t);
     let (c, out, v) = audit(&f);
     assert_eq!(c, 1, "seed {seed}: {out}");
+    // counted as scanned (a clean dump's headline read "0 quantized linears")
+    assert_eq!(
+        v["summary"]["fused_expert_tensors"], 2,
+        "seed {seed}: {out}"
+    );
     let found = v["findings"].as_array().unwrap();
     for (kind, tensor, says) in [
         (

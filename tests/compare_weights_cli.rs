@@ -636,7 +636,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
 
 /// The checkpoint under native-V4 names (no `model.` prefix).
 fn write_native(m: &Model, path: &Path) {
-    let mut v = m.common("", "ffn");
+    write_native_experts(m, m.common("", "ffn"), path);
+}
+
+/// `v` and the experts under native V4 names.
+fn write_native_experts(m: &Model, mut v: Vec<(TensorSpec, Vec<u8>)>, path: &Path) {
     for (e, x) in m.experts.iter().enumerate() {
         for (n, t, ins) in [
             ("w1", &x.w1, x.in1),
@@ -800,6 +804,22 @@ fn native_v4_names_and_prefixes_pair_up() {
         .as_str()
         .unwrap()
         .contains("native-v4"));
+    // a loader that renamed only the experts: the router, shared expert, norm and embedding
+    // keep their HF names and still pair up (each was listed as missing and as extra, under
+    // one name)
+    let mixed = fx.root.join("mixed.safetensors");
+    write_native_experts(&fx.model, fx.model.common("model.", "mlp"), &mixed);
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&mixed)]);
+    check(&out, 0, fx.seed);
+    assert_eq!(
+        (
+            out.json["missing"].as_array().map(Vec::len),
+            out.json["extra"].as_array().map(Vec::len)
+        ),
+        (Some(0), Some(0)),
+        "seed {}",
+        fx.seed
+    );
     // an extra wrapper prefix on the engine side is found by itself
     let dump = fx.root.join("wrapped.safetensors");
     fx.run_fused(
@@ -1447,6 +1467,40 @@ fn nan_in_the_reference_is_located() {
     assert!(
         msg.contains("max_abs_err NaN; A (the reference) is NaN at row 1, column 16"),
         "seed {seed}: {msg}"
+    );
+}
+
+/// Swizzled block scales with a nonzero byte in the swizzle's padding: the size is the swizzled
+/// layout's, so the message says the padding is what rules it out (it said the bytes "fit
+/// neither … nor the swizzled [128, 4] (512)" layout, of the very size they have).
+#[test]
+fn swizzled_scales_with_dirty_padding_are_named_as_such() {
+    let fx = fixture(2);
+    let (h, i) = (fx.model.h, fx.model.i);
+    assert!(h < 128 && i / 16 < 4, "the fixture's w2 scales are padded");
+    let dump = fx.root.join("dirty-padding.safetensors");
+    write_fused(
+        &fx.model,
+        &dump,
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
+    // expert 0's row 100 (past its h rows), block 0: offset (m % 32) * 16 + (m / 32 % 4) * 4
+    edit_tensor(&dump, "w2_weight_scale", |k, b| {
+        if k == (100 % 32) * 16 + (100 / 32 % 4) * 4 {
+            *b = 0x38;
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    let issues = sole_down_mismatch(&out, 0, fx.seed, "dirty padding");
+    let msg = issues[0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("are the size of the swizzled [128, 4] layout, but its padding")
+            && msg.contains(&format!("rows past {h} or blocks past {}", i / 16)),
+        "seed {}: {msg}",
+        fx.seed
     );
 }
 

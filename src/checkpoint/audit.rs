@@ -248,6 +248,9 @@ pub struct AuditResult {
     pub path: PathBuf,
     pub tensors: usize,
     pub linears: Vec<LinearStats>,
+    /// vLLM-fused expert tensors (`w13_weight`, `w2_weight` of an engine dump) scanned per
+    /// expert.
+    pub fused_tensors: usize,
     pub float_tensors: usize,
     /// Every byte read, the originals' included.
     pub bytes_scanned: u64,
@@ -460,7 +463,7 @@ pub fn audit(
     cross_checks(ck, &linears, opts, &mut findings);
     copied_tensors(ck, &linears, opts.min_original_cosine, &mut findings)?;
     fused_gate_up(ck, &mut findings)?;
-    fused_experts(ck, opts, &mut findings)?;
+    let fused_tensors = fused_experts(ck, opts, &mut findings)?;
     config_checks(ck, &linears, &mut findings)?;
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
@@ -509,6 +512,7 @@ pub fn audit(
         path: ck.path().to_path_buf(),
         tensors: ck.names().count(),
         linears,
+        fused_tensors,
         float_tensors,
         bytes_scanned,
         originals: compared.map(|o| o.path().to_path_buf()),
@@ -1373,7 +1377,9 @@ fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
 /// expert (and per w13 half), never-written ±0 codes, negative or saturated block scales in
 /// `*_weight_scale` (either layout: the counts do not depend on it) and non-positive global
 /// scales in `*_weight_scale_2`.
-fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -> Result<()> {
+/// Returns how many it scanned.
+fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -> Result<usize> {
+    let mut scanned = 0;
     let list = |v: &[String]| {
         let mut s = v.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
         if v.len() > 8 {
@@ -1396,6 +1402,7 @@ fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -
         if !matches!(t.dtype, Dtype::U8 | Dtype::I8) || e == 0 {
             continue;
         }
+        scanned += 1;
         let packed = ck.bytes(n)?;
         let per = packed.len() / e;
         let halves: &[(&str, usize, usize)] = if w13 && rows % 2 == 0 {
@@ -1484,7 +1491,7 @@ fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -
             }
         }
     }
-    Ok(())
+    Ok(scanned)
 }
 
 /// Tensors a listed shard stores that the index's `weight_map` leaves out: transformers

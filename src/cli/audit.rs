@@ -93,8 +93,12 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let headline = if pass {
         format!(
-            "{} quantized linears and {} float tensors scanned, no hazards{warned}",
+            "{} quantized linears{} and {} float tensors scanned, no hazards{warned}",
             res.linears.len(),
+            match res.fused_tensors {
+                0 => String::new(),
+                n => format!(", {n} vLLM-fused expert tensors (per expert)"),
+            },
             res.float_tensors
         )
     } else {
@@ -113,6 +117,7 @@ pub fn run(args: &Args) -> Result<Report> {
         ("checkpoint", res.path.display().to_string()),
         ("tensors", res.tensors.to_string()),
         ("quantized linears", res.linears.len().to_string()),
+        ("vLLM-fused expert tensors", res.fused_tensors.to_string()),
         ("float tensors scanned", res.float_tensors.to_string()),
         ("bytes scanned", res.bytes_scanned.to_string()),
         (
@@ -194,6 +199,7 @@ pub fn run(args: &Args) -> Result<Report> {
         .summary(json!({
             "tensors": res.tensors,
             "quantized_linears": res.linears.len(),
+            "fused_expert_tensors": res.fused_tensors,
             "float_tensors": res.float_tensors,
             "findings": res.findings.len(),
             "warnings": warnings,

@@ -109,7 +109,9 @@ fn canonical(naming: Option<&Naming>, name: &str) -> (String, Option<ExpertProj>
     let Some(n) = naming else {
         return (name.to_string(), None);
     };
-    if let Some(k) = n.parse(name) {
+    // a name of the side's own scheme, or (a dump whose loader renamed only some tensors) of
+    // the HF one
+    if let Some(k) = n.parse(name).or_else(|| hf.parse(name)) {
         return match k {
             Key::Expert {
                 layer,
@@ -138,7 +140,9 @@ fn canonical(naming: Option<&Naming>, name: &str) -> (String, Option<ExpertProj>
     }
     // other tensors keep their name, under the HF prefix
     match name.strip_prefix(n.prefix.as_str()) {
-        Some(rest) if n.prefix != hf.prefix => (format!("{}{rest}", hf.prefix), None),
+        Some(rest) if n.prefix != hf.prefix && !name.starts_with(hf.prefix.as_str()) => {
+            (format!("{}{rest}", hf.prefix), None)
+        }
         _ => (name.to_string(), None),
     }
 }

@@ -409,12 +409,22 @@ impl<'a> RawScales<'a> {
             }),
             LayoutGuess::Neither => {
                 let (pr, pk) = layout::swizzled_dims(rr, kb);
-                Err(format!(
-                    "{n} block-scale bytes fit neither the linear [{rr}, {kb}] ({}) nor the swizzled \
-                     [{pr}, {pk}] ({}) layout",
-                    rr * kb,
-                    pr * pk
-                ))
+                Err(if n == pr * pk && n != rr * kb {
+                    // the swizzled size, but a genuine swizzle pads with zeros
+                    format!(
+                        "{n} block-scale bytes are the size of the swizzled [{pr}, {pk}] layout, \
+                         but its padding (rows past {rr} or blocks past {kb}) holds nonzero bytes: \
+                         not the 128x4 swizzle of [{rr}, {kb}] (another tile order, or scales \
+                         written into the padding)"
+                    )
+                } else {
+                    format!(
+                        "{n} block-scale bytes fit neither the linear [{rr}, {kb}] ({}) nor the \
+                         swizzled [{pr}, {pk}] ({}) layout",
+                        rr * kb,
+                        pr * pk
+                    )
+                })
             }
         }
     }
