@@ -1487,9 +1487,10 @@ fn swizzled_scales_with_dirty_padding_are_named_as_such() {
             ..Default::default()
         },
     );
-    // expert 0's row 100 (past its h rows), block 0: offset (m % 32) * 16 + (m / 32 % 4) * 4
+    // expert 0's row m = 100 (past its h rows), block 0: offset (m % 32) * 16 + (m / 32 % 4) * 4
+    let m = 100;
     edit_tensor(&dump, "w2_weight_scale", |k, b| {
-        if k == (100 % 32) * 16 + (100 / 32 % 4) * 4 {
+        if k == (m % 32) * 16 + (m / 32 % 4) * 4 {
             *b = 0x38;
         }
     });
