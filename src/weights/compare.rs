@@ -618,8 +618,8 @@ fn compare_qq(
     };
     let mut scale_ok = true;
     let mut conv_ulp = false;
-    // B's global scale is another value (a re-quantization, or a wrong scalar): only then may
-    // values that differ pass at --min-cosine
+    // B's global scale is another value (a re-quantization, or a wrong scalar; an issue of its
+    // own below unless the values come out identical)
     let mut gs_differs = false;
     match (sa, sb) {
         (Some(x), Some(y)) if x.to_bits() == y.to_bits() => {}
@@ -796,7 +796,9 @@ fn compare_qq(
         ));
     }
     // under A's global scale a value that differs is another code or block scale: a copy
-    // never changes one, and a re-quantization would have moved the global scale too
+    // never changes one, and a re-quantization would have moved the global scale too. Under
+    // another one, values within --min-cosine are that scale's re-quantization, not another
+    // tensor: the diagnoses below are for the rest
     let close = identical || (gs_differs && m.passes(opts.min_cosine));
     // the codes first: their test stops at the first byte that is not swapped
     if !codes_equal
