@@ -189,6 +189,11 @@ impl Model {
     /// The ModelOpt checkpoint: HF names.
     fn write_hf(&self, dir: &Path) {
         self.config(dir);
+        write_file(&dir.join("model.safetensors"), self.hf_tensors(), None).unwrap();
+    }
+
+    /// The checkpoint's tensors (HF names).
+    fn hf_tensors(&self) -> Vec<(TensorSpec, Vec<u8>)> {
         let mut v = self.common("model.", "mlp");
         for (e, x) in self.experts.iter().enumerate() {
             for (n, t, ins) in [
@@ -204,7 +209,7 @@ impl Model {
                 );
             }
         }
-        write_file(&dir.join("model.safetensors"), v, None).unwrap();
+        v
     }
 }
 
@@ -1468,6 +1473,63 @@ fn nan_in_the_reference_is_located() {
         msg.contains("max_abs_err NaN; A (the reference) is NaN at row 1, column 16"),
         "seed {seed}: {msg}"
     );
+}
+
+/// A dump whose loader dropped (or renamed) a packed weight or its block scales: a finding
+/// of the dump, listed under `missing` (and the renamed tensor under `extra`) with the unit
+/// named, exit 1. It was exit 2, "block scales without their packed weight", with no report.
+/// The reference missing one stays bad input (exit 2).
+#[test]
+fn a_dump_missing_a_packed_weight_or_its_scales_lists_them_as_missing() {
+    let fx = fixture(3);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed);
+    let e = r.gen_range(0..3);
+    let base = format!("model.layers.{LAYER}.mlp.experts.{e}.down_proj");
+    for (member, rename) in [
+        ("weight", false),
+        ("weight_scale", false),
+        ("weight_scale", true),
+    ] {
+        let what = format!("{member}{}", if rename { " renamed" } else { " dropped" });
+        let name = format!("{base}.{member}");
+        let mut v = fx.model.hf_tensors();
+        if rename {
+            let t = v.iter_mut().find(|(t, _)| t.name == name).unwrap();
+            t.0.name = format!("{base}.weight_scale_inv");
+        } else {
+            v.retain(|(t, _)| t.name != name);
+        }
+        let dump = fx.root.join("incomplete.safetensors");
+        write_file(&dump, v, None).unwrap();
+        let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+        let issues = sole_down_mismatch(&out, e, fx.seed, &what);
+        assert_eq!(
+            issues[0]["kind"], "missing_member",
+            "seed {} {what}",
+            fx.seed
+        );
+        assert_eq!(
+            out.json["missing"],
+            serde_json::json!([name]),
+            "seed {} {what}",
+            fx.seed
+        );
+        let extra = if rename {
+            serde_json::json!([format!("{base}.weight_scale_inv")])
+        } else {
+            serde_json::json!([])
+        };
+        assert_eq!(out.json["extra"], extra, "seed {} {what}", fx.seed);
+        // the same file as the reference: bad input
+        let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+        check(&out, 2, fx.seed);
+        assert!(
+            out.stderr.contains(&base),
+            "seed {} {what}: {}",
+            fx.seed,
+            out.stderr
+        );
+    }
 }
 
 /// Swizzled block scales with a nonzero byte in the swizzle's padding: the size is the swizzled

@@ -112,6 +112,7 @@ impl LoadError {
     pub fn issue_kind(&self) -> IssueKind {
         match self {
             LoadError::Scales(_) => IssueKind::Scales,
+            LoadError::Missing(_) => IssueKind::MissingMember,
             LoadError::Unreadable(_) => IssueKind::Unreadable,
         }
     }

@@ -30,6 +30,9 @@ pub enum Source {
     Tensor(String),
     /// One part of a merged linear (`gate_up_proj`, `fused_qkv_a_proj`).
     Merged(super::merged::MergedPart),
+    /// The side under test's quantized linear that lacks a member it cannot be read without
+    /// (its packed weight or its block scales): the tensors it has, and what is missing.
+    Incomplete { names: Vec<String>, problem: String },
 }
 
 /// A routed expert's projection: what cross-expert diagnoses group by.
@@ -103,6 +106,18 @@ pub const DERIVED: [&str; 4] = [
     "w2_input_scale_quant",
 ];
 
+/// Every member name a quantized linear may have (ModelOpt, compressed-tensors, MXFP4).
+const LINEAR_MEMBERS: [&str; 8] = [
+    "weight",
+    "weight_packed",
+    "weight_scale",
+    "scale",
+    "weight_scale_2",
+    "weight_global_scale",
+    "input_scale",
+    "input_global_scale",
+];
+
 /// Canonical name of a tensor that is not a quantized linear's member.
 fn canonical(naming: Option<&Naming>, name: &str) -> (String, Option<ExpertProj>) {
     let hf = Naming::hf_v3();
@@ -149,8 +164,10 @@ fn canonical(naming: Option<&Naming>, name: &str) -> (String, Option<ExpertProj>
 
 impl Inventory {
     /// Inventory of `src`. `ep` maps fused indices to global expert ids (the side is an EP
-    /// shard); without it index = global id.
-    pub fn build(src: &Renamed, ep: Option<&ExpertMap>) -> Result<Inventory> {
+    /// shard); without it index = global id. `strict`: a quantized linear missing its packed
+    /// weight or block scales is bad input (the reference); else it is a unit of its own,
+    /// compared as missing those members (the side under test: a loader that dropped one).
+    pub fn build(src: &Renamed, ep: Option<&ExpertMap>, strict: bool) -> Result<Inventory> {
         let naming = Naming::detect(src.tensor_names());
         let mut units: BTreeMap<String, Unit> = BTreeMap::new();
         let mut consumed: HashSet<String> = HashSet::new();
@@ -281,13 +298,54 @@ impl Inventory {
             }
         }
 
-        // quantized linears stored as triples
-        for base in quantized_bases(src) {
+        // quantized linears stored as triples, and packed weights whose block scales are gone
+        // (found by their global scale: not a float tensor to compare as such)
+        let mut bases = quantized_bases(src);
+        bases.extend(src.tensor_names().filter_map(|n| {
+            let base = n
+                .strip_suffix(".weight_scale_2")
+                .or_else(|| n.strip_suffix(".weight_global_scale"))?;
+            let packed = src
+                .tensor_info(&format!("{base}.weight"))
+                .is_ok_and(|t| matches!(t.dtype, safetensors::Dtype::U8 | safetensors::Dtype::I8));
+            packed.then(|| base.to_string())
+        }));
+        bases.sort();
+        bases.dedup();
+        for base in bases {
             if consumed.contains(&format!("{base}.weight_scale")) {
                 continue;
             }
-            let Some(ln) = find_linear(src, &base)? else {
-                continue;
+            let ln = match find_linear(src, &base) {
+                Ok(Some(ln)) => ln,
+                Ok(None) => continue,
+                Err(e) if strict => return Err(e),
+                Err(e) => {
+                    let names: Vec<String> = LINEAR_MEMBERS
+                        .iter()
+                        .map(|m| format!("{base}.{m}"))
+                        .filter(|n| src.contains(n))
+                        .collect();
+                    let Some(from) = names.first().cloned() else {
+                        return Err(e);
+                    };
+                    consumed.extend(names.iter().cloned());
+                    let (key, expert) = canonical(naming.as_ref(), &format!("{base}.weight"));
+                    let problem = match e {
+                        Error::BadTensor { tensor, what, .. } => format!("`{tensor}`: {what}"),
+                        e => e.to_string(),
+                    };
+                    insert(
+                        &mut units,
+                        Unit {
+                            key,
+                            source: Source::Incomplete { names, problem },
+                            expert,
+                        },
+                        &from,
+                    )?;
+                    continue;
+                }
             };
             let (key, expert) = canonical(naming.as_ref(), &ln.weight_name_as_weight());
             for m in ln.members() {
@@ -343,6 +401,7 @@ fn describe(s: &Source) -> String {
         Source::Linear(l) => format!("`{}`", l.weight),
         Source::Fused(f) => format!("fused expert index {} of layer {}", f.index, f.layer),
         Source::Tensor(t) => format!("`{t}`"),
+        Source::Incomplete { names, .. } => format!("`{}`", names.join("`, `")),
         Source::Merged(m) => format!("part {} of {}", m.part, describe(&m.inner)),
     }
 }

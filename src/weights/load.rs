@@ -89,6 +89,8 @@ pub static NONE_SWIZZLED: BTreeSet<String> = BTreeSet::new();
 pub enum LoadError {
     /// Its block-scale tensor (named in the message) has a dtype or shape no kernel reads.
     Scales(String),
+    /// A member it cannot be read without is not there.
+    Missing(String),
     /// Anything else.
     Unreadable(String),
 }
@@ -102,7 +104,9 @@ impl From<String> for LoadError {
 impl std::fmt::Display for LoadError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            LoadError::Scales(s) | LoadError::Unreadable(s) => f.write_str(s),
+            LoadError::Scales(s) | LoadError::Missing(s) | LoadError::Unreadable(s) => {
+                f.write_str(s)
+            }
         }
     }
 }
@@ -163,6 +167,7 @@ impl<'a> SideRef<'a> {
                     name: self.src.original(name).to_string(),
                 }))
             }
+            Source::Incomplete { problem, .. } => Err(LoadError::Missing(problem.clone())),
         }
     }
 

@@ -134,6 +134,7 @@ fn release(src: &Renamed, s: &Source, loaded: Option<&Raw>) {
             v
         }
         Source::Tensor(t) => vec![t.as_str()],
+        Source::Incomplete { names, .. } => names.iter().map(String::as_str).collect(),
         // the merged tensor's other parts are still to compare
         Source::Merged(_) => vec![],
         Source::Fused(_) => {
@@ -165,6 +166,9 @@ fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
                 .collect()
         }
         Source::Tensor(t) => vec![src.original(t).to_string()],
+        Source::Incomplete { names, .. } => {
+            names.iter().map(|n| src.original(n).to_string()).collect()
+        }
         Source::Merged(m) => vec![format!("{} (part {} of {})", u.key, m.part, m.parts)],
         Source::Fused(f) => vec![format!(
             "{} (fused, layer {} index {})",
@@ -177,7 +181,7 @@ impl<'a> Plan<'a> {
     pub fn new(inputs: &'a Inputs, opts: &'a Options) -> Result<Plan<'a>> {
         let a = Renamed::new(&inputs.a, &opts.renames, Side::A)?;
         let b = Renamed::new(&inputs.b, &opts.renames, Side::B)?;
-        let a_inv = Inventory::build(&a, None)?;
+        let a_inv = Inventory::build(&a, None, true)?;
         let mut notes = vec![];
         let mut diagnoses = vec![];
         let map = match opts.ep {
@@ -192,7 +196,7 @@ impl<'a> Plan<'a> {
             }
             None => None,
         };
-        let mut b_inv = Inventory::build(&b, map.as_ref())?;
+        let mut b_inv = Inventory::build(&b, map.as_ref(), false)?;
         notes.extend(merged::split(&mut b_inv, &a_inv, &a, &b, opts.tp));
         if let Some(m) = &map {
             notes.push(format!(
@@ -358,6 +362,17 @@ impl<'a> Plan<'a> {
                         if let Some(e) = r {
                             u.issue(e.issue_kind(), format!("{side}: {e}"));
                         }
+                    }
+                    // B's incomplete linear: A's members it has no counterpart for
+                    if let Source::Incomplete { names, .. } = &ub.source {
+                        let has = |m: &str| {
+                            let tail = m.rsplit('.').next().unwrap_or(m);
+                            names.iter().any(|n| n.rsplit('.').next() == Some(tail))
+                        };
+                        u.missing_members = member_names(&self.a, ua)
+                            .into_iter()
+                            .filter(|m| !has(m))
+                            .collect();
                     }
                     u.status = Status::Mismatch;
                     u
