@@ -160,7 +160,13 @@ impl Accum {
             rel_l2: if nonfinite { f64::NAN } else { rel_l2 },
             sqnr_db: if nonfinite { f64::NAN } else { sqnr_db },
             max_abs_err: if nonfinite { f64::NAN } else { self.max_abs },
-            max_abs_err_index: self.max_idx,
+            // where it is NaN, at the test's first NaN (or Inf), as numpy's argmax puts it: not
+            // at the largest finite difference, which a NaN maximum never names
+            max_abs_err_index: if nonfinite {
+                self.first_nan.or(self.first_inf)
+            } else {
+                self.max_idx
+            },
             nan_count: self.nan,
             inf_count: self.inf,
             first_nan: self.first_nan,
@@ -333,5 +339,35 @@ mod tests {
         let m = compare(&t, &r);
         assert_eq!(m.max_abs_err, 1.0);
         assert_eq!(m.max_abs_err_index, Some(3));
+    }
+
+    /// A NaN (or Inf) in the test side makes `max_abs_err` NaN: its index is the first NaN
+    /// (it was the largest finite difference's, a place that holds no NaN), else the first Inf.
+    #[test]
+    fn a_nan_maximum_is_placed_at_the_first_nan() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut g = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = 1000;
+        let r: Vec<f32> = (0..n).map(|_| g.gen_range(-1.0..1.0)).collect();
+        let mut t: Vec<f32> = r.iter().map(|x| x + g.gen_range(-0.01..0.01)).collect();
+        let (big, inf, nan) = (
+            g.gen_range(0..300),
+            g.gen_range(300..600),
+            g.gen_range(600..n),
+        );
+        t[big] += 100.0;
+        t[inf] = f32::INFINITY;
+        let m = compare(&t, &r);
+        assert!(m.max_abs_err.is_nan(), "seed {seed}");
+        assert_eq!(m.max_abs_err_index, Some(inf), "seed {seed}");
+        t[nan] = f32::NAN;
+        let m = compare(&t, &r);
+        assert_eq!(m.max_abs_err_index, Some(nan), "seed {seed}");
+        assert_eq!(
+            (m.first_nan, m.first_inf),
+            (Some(nan), Some(inf)),
+            "seed {seed}"
+        );
     }
 }

@@ -283,6 +283,34 @@ fn multilayer_names_a_broken_expert_its_layer_hides() {
     assert_eq!(code, 0, "seed {seed}: {text}");
 }
 
+/// Out-of-range limits are usage errors naming the flag: a sweep of fewer than 2 points ran 2
+/// without a word, a negative --max-loss or --max-amplification failed every layer.
+#[test]
+fn sweep_points_and_limits_out_of_range_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &str, &[&str]); 3] = [
+        ("gs-sweep", "--points", &["0", "1", "-3", "x"]),
+        ("gs-sweep", "--max-loss", &["-0.1", "2.5", "nan", "x"]),
+        (
+            "multilayer",
+            "--max-amplification",
+            &["-1", "0", "inf", "x"],
+        ),
+    ];
+    for (cmd, flag, bad) in cases {
+        for v in bad {
+            let kv = format!("{flag}={v}");
+            let a = [cmd, "--device", "cpu", kv.as_str()];
+            let (code, text, _) = run(dir.path(), &a);
+            assert_eq!(code, 2, "{a:?}: {text}");
+            assert!(
+                text.contains(flag) && !text.contains("panicked"),
+                "{a:?}: {text}"
+            );
+        }
+    }
+}
+
 #[test]
 fn cosine_thresholds_outside_minus_one_to_one_are_usage_errors() {
     let dir = tempfile::tempdir().unwrap();

@@ -62,6 +62,33 @@ pub fn cosine(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+/// A cosine loss: finite, in [0, 2] (a cosine moves within [-1, 1]).
+pub fn cosine_loss(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=2.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("{s}: a loss of cosine lies in [0, 2]")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
+}
+
+/// A factor: finite and above 0.
+pub fn factor(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(_) => Err(format!("{s}: a factor is finite and above 0")),
+        Err(_) => Err(format!("`{s}` is not a number")),
+    }
+}
+
+/// The points of a sweep: at least 2 (its two ends).
+pub fn sweep_points(s: &str) -> std::result::Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if v >= 2 => Ok(v),
+        Ok(_) => Err(format!("{s}: a sweep has at least 2 points (its two ends)")),
+        Err(_) => Err(format!("`{s}` is not a whole number")),
+    }
+}
+
 /// A progress bar on stderr, hidden when stderr is not a terminal or with `--quiet`.
 pub fn progress(len: u64, what: &str, quiet: bool) -> ProgressBar {
     let pb = ProgressBar::new(len);

@@ -47,14 +47,14 @@ pub struct Args {
     #[command(flatten)]
     pub gs: GsArgs,
     /// Points of the log-spaced sweep
-    #[arg(long, value_name = "N", default_value_t = 25)]
+    #[arg(long, value_name = "N", default_value_t = 25, value_parser = super::common::sweep_points)]
     pub points: usize,
     /// Decades the sweep covers on each side of the calibrated gs (widened to include every
     /// source's gs)
     #[arg(long, value_name = "DECADES", default_value_t = 2.5)]
     pub span: f64,
     /// Fail when the gs in use loses more than this cosine against the best
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS, value_parser = super::common::cosine_loss)]
     pub max_loss: f64,
     /// Fail with cause `not_gs` when even the best gs leaves the layer below this cosine
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
@@ -222,7 +222,7 @@ pub fn run(args: &Args) -> Result<Report> {
             }
         }
     }
-    let n = args.points.max(2);
+    let n = args.points;
     let mut sweep: Vec<Point> = vec![];
     for j in 0..n {
         let g = (lo.ln() + (hi.ln() - lo.ln()) * j as f64 / (n - 1) as f64).exp() as f32;

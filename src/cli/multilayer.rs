@@ -74,7 +74,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
     pub min_expert_slots: usize,
     /// Fail when a layer amplifies the incoming error beyond this factor
-    #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION)]
+    #[arg(long, value_name = "X", default_value_t = DEFAULT_MAX_AMPLIFICATION, value_parser = super::common::factor)]
     pub max_amplification: f64,
     #[command(flatten)]
     pub ep: EpArgs,
@@ -391,10 +391,14 @@ pub fn run(args: &Args) -> Result<Report> {
             if rows.len() == 1 { "" } else { "s" },
             ranges(&layers),
             last.map_or("-".into(), |r| f(r.residual.cosine, 4)),
-            mean_growth.map_or(
-                "no growth factor (one MoE layer: growth needs two or more)".into(),
-                |g| format!("mean growth {}x per layer", f(g, 2))
-            )
+            match (mean_growth, rows.len()) {
+                (Some(g), _) => format!("mean growth {}x per layer", f(g, 2)),
+                (None, 1) => "no growth factor (one MoE layer: growth needs two or more)".into(),
+                // a growth is a ratio of errors: none where they are all zero
+                (None, _) => "no growth factor (the residual stream's error is zero: nothing \
+                              to grow)"
+                    .into(),
+            }
         )
     } else if failures.len() == 1 {
         failures[0].clone()

@@ -859,7 +859,7 @@ impl Judgement {
         });
         let unwritten = (self.nonfinite_only_theirs > 0).then(|| {
             format!(
-                "; {} NaN/Inf values where ours has none (the output was NaN-poisoned before the call: values never written show up as NaN)",
+                "; {} NaN/Inf values where ours has none: computed so, or never written (`layertest --kernel` poisons the output with NaN before the call)",
                 self.nonfinite_only_theirs
             )
         });
