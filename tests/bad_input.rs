@@ -375,3 +375,50 @@ fn valid_inputs_are_not_bad_input() {
         .collect();
     assert_eq!(after, before, "input changed");
 }
+
+/// A FIFO where a file belongs (`mkfifo`): opening one blocks until a writer comes, so these
+/// commands hung on it until killed. Now each is bad input at once, naming the path.
+#[test]
+fn a_fifo_where_a_file_belongs_is_bad_input_not_a_hang() {
+    let d = tempfile::tempdir().unwrap();
+    let mkfifo = |path: &Path| {
+        let ok = std::process::Command::new("mkfifo").arg(path).status();
+        assert!(ok.is_ok_and(|s| s.success()), "mkfifo {}", path.display());
+    };
+    let fifo = d.path().join("w.safetensors");
+    mkfifo(&fifo);
+    let trace = d.path().join("trace");
+    std::fs::create_dir(&trace).unwrap();
+    let traced = trace.join("000000-model.layers.0.mlp.safetensors");
+    mkfifo(&traced);
+    let out = d.path().join("out.safetensors");
+    for (args, named) in [
+        (vec!["audit", p(&fifo)], &fifo),
+        (vec!["quantize", p(&fifo), p(&out)], &fifo),
+        (vec!["routing", p(&fifo), "--num-experts", "16"], &fifo),
+        (
+            vec!["compare-weights", p(&fifo), p(&fifo), "--device", "cpu"],
+            &fifo,
+        ),
+        (vec!["nan-locate", p(&trace)], &traced),
+        (vec!["bisect", p(&trace), p(&trace)], &traced),
+    ] {
+        let o = std::process::Command::new("timeout")
+            .arg("60")
+            .arg(bin())
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = stderr(&o);
+        assert_eq!(
+            code(&o),
+            2,
+            "{args:?}: exit {} (124: hung)\n{err}",
+            code(&o)
+        );
+        assert!(
+            err.contains(p(named)) && err.contains("not a regular file"),
+            "{args:?}: {err}"
+        );
+    }
+}

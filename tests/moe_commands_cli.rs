@@ -297,6 +297,14 @@ fn sweep_points_and_limits_out_of_range_are_usage_errors() {
             &["-1", "0", "inf", "x"],
         ),
     ];
+    // a gs value whose reciprocal (the dequant scale) is not a normal f32: 1e-45 ran the
+    // layer into NaN (exit 1)
+    let gs: &[&str] = &["1e-45", "3e38"];
+    let cases = cases.into_iter().chain([
+        ("layertest", "--gs", gs),
+        ("gs-sweep", "--gs", gs),
+        ("multilayer", "--gs", gs),
+    ]);
     for (cmd, flag, bad) in cases {
         for v in bad {
             let kv = format!("{flag}={v}");

@@ -471,6 +471,16 @@ fn bad_input_is_exit_2_with_names() {
             "nan",
         ],
         vec![p(&f), "--num-experts", "8", "--routed-scaling-factor", "0"],
+        // an EP world of no rank (it passed, as one of none)
+        vec![
+            p(&f),
+            "--num-experts",
+            "8",
+            "--ep-size",
+            "0",
+            "--ep-rank",
+            "0",
+        ],
     ] {
         let out = run(dir.path(), &args);
         assert_eq!(out.code, 2, "{args:?}: {}", out.stderr);
@@ -505,6 +515,52 @@ fn bad_input_is_exit_2_with_names() {
             && out.stderr.contains("ep_rank")
             && out.stderr.contains("EP rank 5 is not below the EP size 2")
             && !out.stderr.contains("internal error"),
+        "{}",
+        out.stderr
+    );
+    // metadata `ep_size` = 0, and router logits of another expert count than the layer's
+    // (they were not looked at without a checkpoint): bad input naming the file
+    write_dump(
+        &f,
+        &Dump {
+            t: 2,
+            k: 2,
+            ids: &[0, 1, 2, 3],
+            weights: &[0.5; 4],
+            ids_i32: false,
+            metadata: Some([("ep_size".to_string(), "0".to_string())].into()),
+        },
+    );
+    let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("d.safetensors") && out.stderr.contains("ep_size"),
+        "{}",
+        out.stderr
+    );
+    write_file(
+        &f,
+        vec![
+            (
+                TensorSpec::new("topk_ids", Dtype::I64, &[2, 2]),
+                i64_bytes(&[0, 1, 2, 3]),
+            ),
+            (
+                TensorSpec::new("topk_weights", Dtype::F32, &[2, 2]),
+                f32_bytes(&[0.5; 4]),
+            ),
+            (
+                TensorSpec::new("router_logits", Dtype::F32, &[2, 7]),
+                f32_bytes(&[0.1; 14]),
+            ),
+        ],
+        None,
+    )
+    .unwrap();
+    let out = run(dir.path(), &[p(&f), "--num-experts", "8"]);
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("router_logits") && out.stderr.contains("has 7 experts"),
         "{}",
         out.stderr
     );

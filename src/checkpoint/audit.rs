@@ -1623,8 +1623,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
     let mut hq_findings: Vec<String> = vec![];
     if let Some(q) = quant.as_ref().filter(|q| q.source != hq && hq.is_file()) {
         let mut push_hq = |detail: String| hq_findings.push(detail);
-        let parsed = std::fs::read(&hq)
-            .map_err(|e| Error::io(&hq, e))
+        let parsed = super::file::read_regular(&hq)
             .and_then(|t| super::config::parse_hf_quant_config(&hq, &t));
         match parsed {
             Err(e) => push_hq(format!(
@@ -1946,7 +1945,7 @@ fn dense_mlps_against_config(
     let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
     // MoE every n-th layer only (moe_layer_freq > 1): the dense ones in between are not
     // told apart here
-    let raw: serde_json::Value = std::fs::read(config)
+    let raw: serde_json::Value = super::file::read_regular(config)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
@@ -2080,7 +2079,7 @@ fn layers_against_config(
     let Some((&last, _)) = present.last_key_value() else {
         return Ok(());
     };
-    let raw: serde_json::Value = std::fs::read(config)
+    let raw: serde_json::Value = super::file::read_regular(config)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();

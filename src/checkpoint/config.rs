@@ -213,12 +213,12 @@ impl ExcludeList {
 /// Read `config.json` at `path`, and `hf_quant_config.json` next to it when present.
 /// `layers_hint` fills a missing `num_hidden_layers`.
 pub fn read_config(path: &Path, layers_hint: Option<usize>) -> Result<ModelConfig> {
-    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = super::file::read_regular(path)?;
     let mut cfg = parse_config(path, &text, layers_hint)?;
     if cfg.quant.is_none() {
         let hq = path.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
         if hq.is_file() {
-            let t = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+            let t = super::file::read_regular(&hq)?;
             cfg.quant = Some(parse_hf_quant_config(&hq, &t)?);
         }
     }
@@ -642,7 +642,7 @@ pub fn check_config_file(
     path: &Path,
     layers_hint: Option<usize>,
 ) -> Result<(Option<ModelConfig>, Option<QuantConfig>)> {
-    let text = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let text = super::file::read_regular(path)?;
     let root: Value = serde_json::from_slice(&text)
         .map_err(|e| Error::bad_file(path, format!("not valid JSON: {e}")))?;
     let obj = root
@@ -672,7 +672,7 @@ pub fn quant_only(path: &Path, root: &Value) -> Result<Option<QuantConfig>> {
     }
     let hq = path.with_file_name(super::hf::HF_QUANT_CONFIG_FILE);
     if hq.is_file() {
-        let t = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+        let t = super::file::read_regular(&hq)?;
         return Ok(Some(parse_hf_quant_config(&hq, &t)?));
     }
     Ok(None)

@@ -37,6 +37,25 @@ impl TensorInfo {
     }
 }
 
+/// Refuse a path that is a FIFO, socket or device: opening one blocks until a writer comes, or
+/// reading it never ends (a file or a directory passes; what reads it says what is wrong).
+pub fn not_special(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() || m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::bad_file(
+            path,
+            "not a regular file (a FIFO, socket or device): not read, since reading one may never end",
+        )),
+        Err(e) => Err(Error::io(path, e)),
+    }
+}
+
+/// The bytes of the file at `path` ([`not_special`] first).
+pub fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    not_special(path)?;
+    std::fs::read(path).map_err(|e| Error::io(path, e))
+}
+
 /// A validated, memory-mapped safetensors file. Opened read-only; nothing is read into memory
 /// until a tensor's bytes are touched.
 pub struct TensorFile {
@@ -205,6 +224,7 @@ pub fn decode_row(d: Dtype, b: &[u8], o: &mut [f32]) {
 impl TensorFile {
     /// Open and validate `path`. Errors name the file and, where there is one, the tensor.
     pub fn open(path: &Path) -> Result<TensorFile> {
+        not_special(path)?;
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let meta = file.metadata().map_err(|e| Error::io(path, e))?;
         if meta.is_dir() {

@@ -310,7 +310,7 @@ impl TensorSource for Checkpoint {
 type WeightMap = (Vec<String>, Vec<(String, usize)>);
 
 fn read_index(index: &Path) -> Result<WeightMap> {
-    let text = std::fs::read(index).map_err(|e| Error::io(index, e))?;
+    let text = super::file::read_regular(index)?;
     let v: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| Error::bad_file(index, format!("not valid JSON: {e}")))?;
     let wm = v

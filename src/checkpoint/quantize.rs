@@ -224,7 +224,7 @@ fn input_quant_config(ckpt: &Checkpoint) -> Result<Option<QuantConfig>> {
     if !hq.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read(&hq).map_err(|e| Error::io(&hq, e))?;
+    let text = super::file::read_regular(&hq)?;
     Ok(Some(super::config::parse_hf_quant_config(&hq, &text)?))
 }
 

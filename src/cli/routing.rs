@@ -164,6 +164,15 @@ pub fn run(args: &Args) -> Result<Report> {
             .or(config.as_ref().map(|c| c.routed_scaling_factor)),
     };
     let ep_size = args.ep_size.or(meta_usize(&d, "ep_size")?).unwrap_or(1);
+    if ep_size == 0 {
+        return Err(match args.ep_size {
+            Some(_) => Error::usage("--ep-size 0: an EP world has at least one rank"),
+            None => Error::bad_file(
+                &d.path,
+                "metadata `ep_size` = 0: an EP world has at least one rank",
+            ),
+        });
+    }
     let ep_rank = args.ep_rank.or(meta_usize(&d, "ep_rank")?);
     let maps = if ep_size > 1 {
         let rank = ep_rank.ok_or_else(|| {
@@ -264,6 +273,20 @@ fn recompute(
             &h.data,
             h.rows,
             h.cols,
+        ));
+    }
+    if let Some(lg) = d
+        .router_logits
+        .as_ref()
+        .filter(|lg| lg.cols != exp.num_experts)
+    {
+        return Err(Error::bad_tensor(
+            &d.path,
+            "router_logits",
+            format!(
+                "has {} experts a token, the layer {}",
+                lg.cols, exp.num_experts
+            ),
         ));
     }
     if let Some(lg) = &d.router_logits {

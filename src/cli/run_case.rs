@@ -143,7 +143,8 @@ fn check_writes(name: &str, args: &[String]) -> std::result::Result<(), String> 
 /// Parse and check a case file: TOML, keys, command names and variables. Every problem here
 /// is bad input naming the file and the key.
 pub fn load_case(path: &Path) -> Result<Case> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let text = String::from_utf8(crate::checkpoint::file::read_regular(path)?)
+        .map_err(|_| Error::bad_file(path, "not UTF-8 text"))?;
     let case: Case =
         toml::from_str(&text).map_err(|e| Error::bad_file(path, format!("bad case file: {e}")))?;
     let bad = |key: &str, what: String| Error::bad_file(path, format!("key `{key}`: {what}"));

@@ -38,7 +38,18 @@ impl FromStr for GsSource {
             "calibrated" => GsSource::Calibrated,
             "dynamic" => GsSource::Dynamic,
             v => match v.parse::<f32>() {
-                Ok(g) if g.is_finite() && g > 0.0 => GsSource::Value(g),
+                // and its dequant direction 1/gs a normal f32 too: 1e-45 gave 1/gs = inf, and a
+                // layer of NaN
+                Ok(g) if g > 0.0 && g.is_normal() && (1.0 / g).is_normal() => GsSource::Value(g),
+                Ok(g) if g > 0.0 && g.is_finite() => {
+                    return Err(format!(
+                        "`{v}`: gs {g:e} has no normal f32 reciprocal (1/gs, the dequant scale, \
+                         is {:e}): a gs lies within [{:e}, {:e}]",
+                        1.0 / g,
+                        f32::MIN_POSITIVE,
+                        1.0 / f32::MIN_POSITIVE,
+                    ))
+                }
                 _ => {
                     return Err(format!(
                         "`{v}`: expected checkpoint, default, warmup, calibrated, dynamic or a positive gs value"

@@ -84,7 +84,8 @@ impl Renames {
             map_file: map.map(Path::to_path_buf),
         };
         let Some(path) = map else { return Ok(r) };
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = String::from_utf8(crate::checkpoint::file::read_regular(path)?)
+            .map_err(|_| Error::bad_file(path, "not UTF-8 text"))?;
         let raw: RawRules = toml::from_str(&text)
             .map_err(|e| Error::bad_file(path, format!("not a valid rules file: {e}")))?;
         match raw.strip_prefix {
