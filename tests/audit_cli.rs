@@ -1867,3 +1867,80 @@ fn topk_method_that_ignores_the_router_bias_is_named() {
         f.2
     );
 }
+
+/// A MoE layer no engine can build as config.json describes it, short of its experts: no
+/// router weight, a router weight of another dtype, a selection bias of the wrong length or
+/// missing under `noaux_tc`, a shared expert config.json promises and the layer lacks. Each
+/// passed audit ("no hazards") while layertest refused the layer; now a `broken_layer`
+/// finding naming the tensor and the layer.
+#[test]
+fn moe_layers_an_engine_cannot_build_are_named() {
+    let (seed, mut r) = rng("audit broken layers");
+    let d = tempfile::tempdir().unwrap();
+    let gate = "model.layers.1.mlp.gate.weight";
+    let bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    let shared = "model.layers.1.mlp.shared_experts.gate_proj.weight";
+    let clean = Fixture::new(&mut r, 4);
+    let (c, out, _) = audit(&{
+        let dir = d.path().join("clean");
+        clean.write(&dir);
+        dir
+    });
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    type Edit = Box<dyn Fn(&mut Fixture)>;
+    let cases: Vec<(&str, Edit, &str, &str)> = vec![
+        (
+            "no router",
+            Box::new(move |f| f.remove(gate)),
+            gate,
+            "missing: the router weight",
+        ),
+        (
+            "router as I64",
+            Box::new(move |f| {
+                let t = f.tensors.iter_mut().find(|(s, _)| s.name == gate).unwrap();
+                t.0 = TensorSpec::new(gate, Dtype::I64, &[4, 32]);
+                t.1 = vec![0; 4 * 32 * 8];
+            }),
+            gate,
+            "I64",
+        ),
+        (
+            "no bias",
+            Box::new(move |f| f.remove(bias)),
+            bias,
+            "noaux_tc",
+        ),
+        (
+            "short bias",
+            Box::new(move |f| {
+                let t = f.tensors.iter_mut().find(|(s, _)| s.name == bias).unwrap();
+                t.0 = TensorSpec::new(bias, Dtype::F32, &[2]);
+                t.1 = f32_bytes(&[0.01, 0.01]);
+            }),
+            bias,
+            "expected [4]",
+        ),
+        (
+            "a shared expert promised",
+            Box::new(|f| f.config["n_shared_experts"] = 1.into()),
+            shared,
+            "n_shared_experts = 1",
+        ),
+    ];
+    for (what, edit, tensor, says) in cases {
+        let mut f = Fixture::new(&mut r, 4);
+        edit(&mut f);
+        let dir = d.path().join(what.replace(' ', "-"));
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "broken_layer");
+        assert!(
+            found
+                .iter()
+                .any(|(t, _, d)| t == tensor && d.starts_with("layer 1: ") && d.contains(says)),
+            "seed {seed} {what}: {found:?}\n{out}"
+        );
+    }
+}

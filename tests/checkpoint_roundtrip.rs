@@ -51,6 +51,7 @@ fn bf16_checkpoint_quantize_load_audit() {
     write(&inp.join("model.safetensors"), tensors);
     let mut cfg = config_json(h, i, e, k, 2);
     cfg["n_group"] = 2.into();
+    cfg["n_shared_experts"] = 1.into();
     std::fs::write(inp.join("config.json"), cfg.to_string()).unwrap();
 
     let o = run(&[

@@ -138,6 +138,9 @@ pub enum FindingKind {
     CopyOfAnotherTensor,
     SharedInputScale,
     DefaultsDisagree,
+    /// An MoE layer no engine can run as config.json describes it: its router (weight,
+    /// selection bias, hash table) or shared expert missing or misshapen.
+    BrokenLayer,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -183,6 +186,7 @@ impl FindingKind {
             FindingKind::CopyOfAnotherTensor => "same bytes as another linear's",
             FindingKind::SharedInputScale => "one input_scale for every expert",
             FindingKind::DefaultsDisagree => "left to engines' differing defaults",
+            FindingKind::BrokenLayer => "MoE layer an engine cannot build",
         }
     }
 }
@@ -464,6 +468,7 @@ pub fn audit(
     copied_tensors(ck, &linears, opts.min_original_cosine, &mut findings)?;
     fused_gate_up(ck, &mut findings)?;
     let fused_tensors = fused_experts(ck, opts, &mut findings)?;
+    layer_structure(ck, &mut findings);
     config_checks(ck, &linears, &mut findings)?;
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
@@ -1333,6 +1338,34 @@ fn scale_outliers(
                 detail,
             });
         }
+    }
+}
+
+/// Every MoE layer as `layertest` builds it, short of its routed experts
+/// ([`super::model::MoeCheckpoint::check_structure`]): a missing or misshapen router weight,
+/// selection bias, hash table or shared expert. A checkpoint that does not open as a DeepSeek
+/// MoE model (no config.json, no expert tensors, a vLLM dump) is not looked at here; a tensor
+/// already named by a finding (a NaN in the router weight) is not named twice.
+fn layer_structure(ck: &Checkpoint, out: &mut Vec<Finding>) {
+    let Ok(mc) = super::model::MoeCheckpoint::open(ck.path()) else {
+        return;
+    };
+    for layer in mc.moe_layers() {
+        let (file, tensor, detail) = match mc.check_structure(layer) {
+            Ok(()) => continue,
+            Err(Error::BadTensor { file, tensor, what }) => (file, tensor, what),
+            Err(Error::BadFile { file, what }) => (file, String::new(), what),
+            Err(e) => (ck.path().to_path_buf(), String::new(), e.to_string()),
+        };
+        if out.iter().any(|f| !tensor.is_empty() && f.tensor == tensor) {
+            continue;
+        }
+        out.push(Finding {
+            tensor,
+            file,
+            kind: FindingKind::BrokenLayer,
+            detail: format!("layer {layer}: {detail}"),
+        });
     }
 }
 

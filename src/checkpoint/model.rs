@@ -136,6 +136,16 @@ impl MoeCheckpoint {
         self.check_layer(layer)?;
         load_layer(self, layer)
     }
+
+    /// What [`MoeCheckpoint::load_layer`] refuses in layer `layer` short of its routed experts:
+    /// the router (weight, selection bias, hash table) read and checked, and the shared expert
+    /// present as config.json says. Reads no expert weight (`audit` runs it on every layer).
+    pub fn check_structure(&self, layer: usize) -> Result<()> {
+        self.check_layer(layer)?;
+        let mut cfg = self.config.moe.clone();
+        router_parts(self, layer, &mut cfg)?;
+        shared_present(self, layer, &cfg).map(|_| ())
+    }
 }
 
 /// Indices of the MoE layers of a checkpoint (see [`MoeCheckpoint::moe_layers`]).
@@ -190,7 +200,68 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         cfg.moe_intermediate_size,
     );
 
-    // router
+    let (weight, bias, tid2eid) = router_parts(mc, layer, &mut cfg)?;
+
+    // routed experts
+    let originals = ck
+        .originals()
+        .filter(|o| o.contains(&format!("{}.weight", n.expert(layer, 0, Proj::Gate))));
+    let experts = (0..e_count)
+        .into_par_iter()
+        .map(|e| {
+            let lin = |p: Proj, rows: usize, cols: usize| {
+                load_expert_linear(ck, originals, &n.expert(layer, e, p), rows, cols)
+            };
+            Ok(Expert {
+                w1: lin(Proj::Gate, inter, hidden)?,
+                w3: lin(Proj::Up, inter, hidden)?,
+                w2: lin(Proj::Down, hidden, inter)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    // shared experts
+    let shared = if shared_present(mc, layer, &cfg)? {
+        Some(load_shared(ck, n, layer, &cfg)?)
+    } else {
+        None
+    };
+
+    let nk = n.norm(layer);
+    let norm_weight = if ck.contains(&nk) {
+        let t = ck.info(&nk)?;
+        expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
+        let w = ck.to_f32(&nk)?;
+        expect_finite(ck, &nk, &w, &[hidden])?;
+        Some(w)
+    } else {
+        None
+    };
+
+    Ok(MoeLayer {
+        index: layer,
+        config: cfg,
+        router: Router {
+            weight,
+            e_score_correction_bias: bias,
+            tid2eid,
+        },
+        experts,
+        shared,
+        norm_weight,
+    })
+}
+
+/// Layer `layer`'s router as `load_layer` reads and checks it: the weight, the selection bias
+/// and the hash table (`cfg.vocab_size` set from it where config.json has none).
+#[allow(clippy::type_complexity)]
+fn router_parts(
+    mc: &MoeCheckpoint,
+    layer: usize,
+    cfg: &mut crate::moe::MoeConfig,
+) -> Result<(Vec<f32>, Option<Vec<f32>>, Option<Vec<i64>>)> {
+    let (ck, n) = (&mc.ckpt, &mc.naming);
+    let (e_count, hidden) = (cfg.n_routed_experts, cfg.hidden_size);
     let rw = n.router_weight(layer);
     let (weight, shape) = read_dense(ck, &rw)?.ok_or_else(|| {
         Error::bad_tensor(
@@ -269,28 +340,15 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         }
         None
     };
+    Ok((weight, bias, tid2eid))
+}
 
-    // routed experts
-    let originals = ck
-        .originals()
-        .filter(|o| o.contains(&format!("{}.weight", n.expert(layer, 0, Proj::Gate))));
-    let experts = (0..e_count)
-        .into_par_iter()
-        .map(|e| {
-            let lin = |p: Proj, rows: usize, cols: usize| {
-                load_expert_linear(ck, originals, &n.expert(layer, e, p), rows, cols)
-            };
-            Ok(Expert {
-                w1: lin(Proj::Gate, inter, hidden)?,
-                w3: lin(Proj::Up, inter, hidden)?,
-                w2: lin(Proj::Down, hidden, inter)?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-
-    // shared experts
+/// Whether layer `layer` holds a shared expert, all three of its projections; bad input where
+/// config.json's `n_shared_experts` says otherwise.
+fn shared_present(mc: &MoeCheckpoint, layer: usize, cfg: &crate::moe::MoeConfig) -> Result<bool> {
+    let (ck, n) = (&mc.ckpt, &mc.naming);
     let gate0 = format!("{}.weight", n.shared_expert(layer, Proj::Gate));
-    let shared = if ck.contains(&gate0)
+    let present = if ck.contains(&gate0)
         || find_linear(ck, &n.shared_expert(layer, Proj::Gate))?.is_some()
     {
         if mc.config.n_shared_experts_stated == Some(0) {
@@ -303,7 +361,18 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
                 ),
             ));
         }
-        Some(load_shared(ck, n, layer, &cfg)?)
+        // all three projections, or an engine builds a shared expert of zeros
+        for p in [Proj::Up, Proj::Down] {
+            let base = n.shared_expert(layer, p);
+            if !ck.contains(&format!("{base}.weight")) && find_linear(ck, &base)?.is_none() {
+                return Err(Error::bad_tensor(
+                    ck.path(),
+                    &format!("{base}.weight"),
+                    "missing: a shared expert needs gate, up and down",
+                ));
+            }
+        }
+        true
     } else if cfg.n_shared_experts > 0 {
         return Err(Error::bad_tensor(
             ck.path(),
@@ -314,32 +383,9 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
             ),
         ));
     } else {
-        None
+        false
     };
-
-    let nk = n.norm(layer);
-    let norm_weight = if ck.contains(&nk) {
-        let t = ck.info(&nk)?;
-        expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
-        let w = ck.to_f32(&nk)?;
-        expect_finite(ck, &nk, &w, &[hidden])?;
-        Some(w)
-    } else {
-        None
-    };
-
-    Ok(MoeLayer {
-        index: layer,
-        config: cfg,
-        router: Router {
-            weight,
-            e_score_correction_bias: bias,
-            tid2eid,
-        },
-        experts,
-        shared,
-        norm_weight,
-    })
+    Ok(present)
 }
 
 fn expect_shape(

@@ -126,12 +126,12 @@ pub fn exclude_lists(dir: &Path) -> (Vec<String>, Vec<String>) {
     )
 }
 
-/// A small DeepSeek-style config.json.
+/// A small DeepSeek-style config.json (no shared expert: the fixtures hold none).
 pub fn config_json(h: usize, i: usize, e: usize, k: usize, layers: usize) -> serde_json::Value {
     serde_json::json!({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "hidden_size": h, "moe_intermediate_size": i, "intermediate_size": 4 * i,
-        "n_routed_experts": e, "num_experts_per_tok": k, "n_shared_experts": 1,
+        "n_routed_experts": e, "num_experts_per_tok": k, "n_shared_experts": 0,
         "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
         "norm_topk_prob": true, "first_k_dense_replace": 0, "num_hidden_layers": layers,
         "rms_norm_eps": 1e-6, "vocab_size": 1000
