@@ -227,16 +227,7 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         None
     };
 
-    let nk = n.norm(layer);
-    let norm_weight = if ck.contains(&nk) {
-        let t = ck.info(&nk)?;
-        expect_shape(ck, &nk, &t.shape, &[hidden], "[hidden_size]")?;
-        let w = ck.to_f32(&nk)?;
-        expect_finite(ck, &nk, &w, &[hidden])?;
-        Some(w)
-    } else {
-        None
-    };
+    let norm_weight = vector(ck, &n.norm(layer), hidden, "[hidden_size]")?;
 
     Ok(MoeLayer {
         index: layer,
@@ -279,13 +270,11 @@ fn router_parts(
     )?;
     expect_finite(ck, &rw, &weight, &shape)?;
     let rb = n.router_bias(layer);
-    let bias = if ck.contains(&rb) {
-        let t = ck.info(&rb)?;
-        expect_shape(ck, &rb, &t.shape, &[e_count], "[n_routed_experts]")?;
-        let b = ck.to_f32(&rb)?;
-        expect_finite(ck, &rb, &b, &[e_count])?;
-        Some(b)
-    } else if mc.config.topk_method.as_deref() == Some("noaux_tc") && !cfg.is_hash_layer(layer) {
+    let bias = vector(ck, &rb, e_count, "[n_routed_experts]")?;
+    if bias.is_none()
+        && mc.config.topk_method.as_deref() == Some("noaux_tc")
+        && !cfg.is_hash_layer(layer)
+    {
         return Err(Error::bad_tensor(
             ck.path(),
             &rb,
@@ -293,9 +282,7 @@ fn router_parts(
              e_score_correction_bias, and an engine would run this layer with an uninitialized \
              or zero bias",
         ));
-    } else {
-        None
-    };
+    }
     let tk = n.tid2eid(layer);
     let tid2eid = if ck.contains(&tk) {
         let t = ck.info(&tk)?.clone();
@@ -386,6 +373,18 @@ fn shared_present(mc: &MoeCheckpoint, layer: usize, cfg: &crate::moe::MoeConfig)
         false
     };
     Ok(present)
+}
+
+/// The optional 1-D float tensor `name` of `len` values (`what` its shape in words), checked
+/// for shape and finiteness; `None` where the checkpoint has none.
+fn vector(ck: &Checkpoint, name: &str, len: usize, what: &str) -> Result<Option<Vec<f32>>> {
+    if !ck.contains(name) {
+        return Ok(None);
+    }
+    expect_shape(ck, name, &ck.info(name)?.shape, &[len], what)?;
+    let v = ck.to_f32(name)?;
+    expect_finite(ck, name, &v, &[len])?;
+    Ok(Some(v))
 }
 
 fn expect_shape(
