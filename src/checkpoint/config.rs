@@ -371,9 +371,17 @@ fn used_value(field: &str, m: &MoeConfig) -> String {
 }
 
 fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
+    // Far above any model's (DeepSeek-V3: hidden 7168, 256 experts): a dimension past it is a
+    // typo or a corrupt file, named here rather than as an allocation or a shape error later.
+    const MOST: usize = 1 << 24;
     let nz = |name: &str, v: usize| {
         if v == 0 {
             Err(f.bad(name, "must be at least 1".into()))
+        } else if v > MOST {
+            Err(f.bad(
+                name,
+                format!("{v} is not a plausible size (more than 2^24)"),
+            ))
         } else {
             Ok(())
         }
@@ -441,6 +449,15 @@ fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
         return Err(f.bad(
             "rms_norm_eps",
             format!("{} is not a finite number ≥ 0", m.rms_norm_eps),
+        ));
+    }
+    if m.num_hidden_layers > 1 << 16 {
+        return Err(f.bad(
+            "num_hidden_layers",
+            format!(
+                "{} is not a plausible layer count (more than 2^16)",
+                m.num_hidden_layers
+            ),
         ));
     }
     if m.first_k_dense_replace > m.num_hidden_layers {
@@ -818,6 +835,21 @@ mod tests {
             ("norm_topk_prob", serde_json::json!(1), "true or false"),
             ("routed_scaling_factor", serde_json::json!(-2.5), "positive"),
             ("moe_intermediate_size", serde_json::json!(0), "at least 1"),
+            (
+                "hidden_size",
+                serde_json::json!(u64::MAX),
+                "not a plausible size",
+            ),
+            (
+                "n_routed_experts",
+                serde_json::json!(1u64 << 40),
+                "not a plausible size",
+            ),
+            (
+                "num_hidden_layers",
+                serde_json::json!(1u64 << 62),
+                "not a plausible layer count",
+            ),
             (
                 "first_k_dense_replace",
                 serde_json::json!(99),
