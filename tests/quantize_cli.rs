@@ -248,6 +248,59 @@ fn refusals_exit_2_and_write_nothing() {
     }
 }
 
+/// A weight matrix in a dtype quantize cannot read (I32, F64) is refused, naming file, tensor
+/// and dtype, unless --exclude keeps it (then its module is in exclude_modules); the packed
+/// U8 weight of an already quantized linear is still copied.
+#[test]
+fn weight_matrices_it_cannot_read_are_refused_unless_excluded() {
+    let (_, mut r) = rng("quantize non-float");
+    let d = tempfile::tempdir().unwrap();
+    let w = weights(&mut r, 8, 32);
+    let q: Vec<u8> = (0..8 * 16).map(|_| r.gen()).collect();
+    let sc: Vec<u8> = (0..8 * 2).map(|_| r.gen_range(0x30..0x50)).collect();
+    for (dtype, bytes) in [
+        (Dtype::I32, vec![7u8; 8 * 32 * 4]),
+        (Dtype::F64, vec![0x3Fu8; 8 * 32 * 8]),
+    ] {
+        let inp = d.path().join(format!("{dtype:?}.safetensors"));
+        write(
+            &inp,
+            vec![
+                bf16("model.a.weight", &[8, 32], &w),
+                (TensorSpec::new("model.b.weight", dtype, &[8, 32]), bytes),
+                (
+                    TensorSpec::new("model.c.weight", Dtype::U8, &[8, 16]),
+                    q.clone(),
+                ),
+                (
+                    TensorSpec::new("model.c.weight_scale", Dtype::F8_E4M3, &[8, 2]),
+                    sc.clone(),
+                ),
+                f32t("model.c.weight_scale_2", &[], &[1e-3]),
+            ],
+        );
+        let out = d.path().join("o.safetensors");
+        let o = run(&["quantize", p(&inp), p(&out)]);
+        assert_eq!(code(&o), 2, "{dtype:?}: {}", stderr(&o));
+        let e = stderr(&o);
+        assert!(
+            e.contains(&format!("{dtype:?}.safetensors"))
+                && e.contains("model.b.weight")
+                && e.contains(&format!("{dtype:?}"))
+                && !e.contains("panicked"),
+            "{e}"
+        );
+        assert!(!out.exists());
+        let o = run(&["quantize", p(&inp), p(&out), "--exclude", "model.b."]);
+        assert_eq!(code(&o), 0, "{dtype:?}: {}", stderr(&o));
+        let f = TensorFile::open(&out).unwrap();
+        assert_eq!(f.info("model.b.weight").unwrap().dtype, dtype);
+        assert_eq!(f.info("model.c.weight").unwrap().dtype, Dtype::U8);
+        assert_eq!(f.info("model.a.weight").unwrap().dtype, Dtype::U8);
+        std::fs::remove_file(&out).unwrap();
+    }
+}
+
 /// Float weight matrices whose shape does not quantize (K not a multiple of 16, 3-D) are
 /// copied, and the report says which and why instead of a bare "copied N".
 #[test]

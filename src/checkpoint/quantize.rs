@@ -38,7 +38,7 @@ use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Debug)]
@@ -168,20 +168,26 @@ enum Treatment {
     /// Not a float weight matrix (norms, biases, quantized tensors, scales): copied.
     Copy,
     Keep(Kept),
+    /// A weight matrix in a dtype it cannot quantize, not excluded (why): refused, since the
+    /// output's quantization_config would claim it quantized.
+    Refuse(String),
 }
 
-/// What happens to `name` (dtype, shape) under `opts` and the input's exclude list.
+/// What happens to `name` (dtype, shape) under `opts` and the input's exclude list;
+/// `quantized`: the bases of the input's already quantized linears.
 fn treatment(
     name: &str,
     t: &TensorInfo,
     opts: &QuantizeOptions,
     input_exclude: &ExcludeList,
+    quantized: &BTreeSet<String>,
 ) -> Treatment {
     let Some(module) = name.strip_suffix(".weight") else {
         return Treatment::Copy;
     };
-    // 1-D norm weights are never quantized
-    if !is_float_weight_dtype(t.dtype) || t.shape.len() < 2 {
+    // 1-D norm weights are never quantized; the packed weight of a quantized linear is copied
+    let float = is_float_weight_dtype(t.dtype);
+    if t.shape.len() < 2 || (!float && (t.shape.len() != 2 || quantized.contains(module))) {
         return Treatment::Copy;
     }
     if opts.exclude.iter().any(|x| name.contains(x.as_str())) {
@@ -192,6 +198,14 @@ fn treatment(
     }
     if super::names::never_quantized(module) {
         return Treatment::Keep(Kept::NeverQuantized);
+    }
+    if !float {
+        return Treatment::Refuse(format!(
+            "weight matrix {:?} of dtype {:?}: quantize reads BF16, F16 or F32 weights (and copies \
+             the members of already quantized linears); convert it first, or keep it as it is \
+             with `--exclude {module}`",
+            t.shape, t.dtype
+        ));
     }
     let block = opts.format.block();
     let reason = match t.shape.as_slice() {
@@ -269,8 +283,10 @@ impl QuantizePlan {
             .map(|q| q.exclude_modules)
             .unwrap_or_default();
         let covered = ExcludeList::new(&input_exclude);
-        for base in super::formats::quantized_bases(&ckpt) {
-            if let Some(ln) = super::formats::find_linear(&ckpt, &base)? {
+        let quantized: BTreeSet<String> =
+            super::formats::quantized_bases(&ckpt).into_iter().collect();
+        for base in &quantized {
+            if let Some(ln) = super::formats::find_linear(&ckpt, base)? {
                 refuse_compressed_tensors(&ckpt, &ln, opts.format)?;
                 super::formats::check_linear(&ckpt, &ln)?;
             }
@@ -289,7 +305,7 @@ impl QuantizePlan {
                     out.display()
                 )));
             }
-            files.push(plan_file(i, shard, out, &opts, &covered)?);
+            files.push(plan_file(i, shard, out, &opts, &covered, &quantized)?);
         }
         Ok(QuantizePlan {
             ckpt,
@@ -607,6 +623,7 @@ fn plan_file(
     output: PathBuf,
     opts: &QuantizeOptions,
     input_exclude: &ExcludeList,
+    quantized: &BTreeSet<String>,
 ) -> Result<FilePlan> {
     let mut plan = FilePlan {
         shard,
@@ -621,8 +638,9 @@ fn plan_file(
     let block = opts.format.block();
     for name in f.names() {
         let t = f.info(name)?;
-        match treatment(name, t, opts, input_exclude) {
+        match treatment(name, t, opts, input_exclude, quantized) {
             Treatment::Quantize => {}
+            Treatment::Refuse(why) => return Err(Error::bad_tensor(f.path(), name, why)),
             Treatment::Copy => {
                 plan.copy(name, t);
                 continue;
@@ -684,7 +702,7 @@ impl FilePlan {
     /// A float weight left as it is: its module goes into the exclude list (2-D ones: the
     /// linears engines would build), and the report says why when no --exclude asked for it.
     fn keep(&mut self, name: &str, t: &TensorInfo, why: Kept) {
-        if let Some(m) = float_matrix_module(name, t) {
+        if let Some(m) = name.strip_suffix(".weight").filter(|_| t.shape.len() == 2) {
             self.unquantized_modules.push(m.to_string());
         }
         match why {

@@ -205,6 +205,21 @@ pub fn run(args: &Args) -> Result<Report> {
                 c.n_routed_experts
             )));
         }
+        // a fault planted twice in one place compounds (a second swap undoes the first)
+        // while planted.json would list both
+        if let Some(&(_, _, e)) = plans.iter().find(|&&(f, pl, pe)| {
+            f == p.fault && pl == l && (pe == p.expert || pe.is_none() || p.expert.is_none())
+        }) {
+            let at = |e: Option<usize>| e.map_or(String::new(), |e| format!(":{e}"));
+            return Err(Error::usage(format!(
+                "--plant {}@{l}{} and --plant {}@{l}{} plant one fault twice in the same place \
+                 (name distinct experts with @LAYER:EXPERT to plant it in two)",
+                p.fault.name(),
+                at(e),
+                p.fault.name(),
+                at(p.expert)
+            )));
+        }
         plans.push((p.fault, l, p.expert));
     }
 
