@@ -775,3 +775,106 @@ fn compressed_tensors_input_is_refused() {
     assert!(!out.exists(), "seed {seed}: a refused run wrote {out:?}");
     assert_eq!(snapshot(&inp), input, "seed {seed}: input untouched");
 }
+
+/// Each tensor gets its own weight_scale_2 by default (DESIGN.md §2), and the report names the
+/// gate/up pairs that then differ; --shared-gate-up-scale gives a pair (HF gate_proj/up_proj,
+/// native w1/w3) one, from the larger amax, with the codes quantized under it.
+#[test]
+fn gate_up_pairs_share_one_global_scale_on_request() {
+    let (seed, mut r) = rng("quantize shared gate/up");
+    let d = tempfile::tempdir().unwrap();
+    let inp = d.path().join("in");
+    std::fs::create_dir(&inp).unwrap();
+    let (h, i) = (16 * r.gen_range(2..5), 16 * r.gen_range(1..4));
+    let gate = weights(&mut r, i, h);
+    let up: Vec<f32> = weights(&mut r, i, h).iter().map(|v| v * 3.0).collect();
+    let (w1, w3): (Vec<f32>, Vec<f32>) = (weights(&mut r, i, h), weights(&mut r, i, h));
+    let w3: Vec<f32> = w3.iter().map(|v| v * 0.25).collect();
+    write(
+        &inp.join("model.safetensors"),
+        vec![
+            bf16(
+                "model.layers.0.mlp.experts.0.gate_proj.weight",
+                &[i, h],
+                &gate,
+            ),
+            bf16("model.layers.0.mlp.experts.0.up_proj.weight", &[i, h], &up),
+            bf16("layers.1.ffn.shared_experts.w1.weight", &[i, h], &w1),
+            bf16("layers.1.ffn.shared_experts.w3.weight", &[i, h], &w3),
+        ],
+    );
+    let bf = |v: &[f32]| -> Vec<f32> {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x).to_f32())
+            .collect()
+    };
+    let amax = |v: &[f32]| bf(v).iter().fold(0f32, |m, x| m.max(x.abs()));
+    let json = d.path().join("r.json");
+    let out = d.path().join("own");
+    let o = run(&["quantize", p(&inp), p(&out), "--json", p(&json)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rep["summary"]["gate_up_pairs_split"], 2, "seed {seed}");
+    assert!(
+        stdout(&o).contains("--shared-gate-up-scale"),
+        "{}",
+        stdout(&o)
+    );
+    let c = Checkpoint::open(&out).unwrap();
+    let q = read_qlinear(&c, "model.layers.0.mlp.experts.0.up_proj").unwrap();
+    assert_eq!(
+        q.weight,
+        quantize_weight_nvfp4(&bf(&up), i, h).0,
+        "seed {seed}"
+    );
+
+    let out = d.path().join("shared");
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--shared-gate-up-scale",
+        "--json",
+        p(&json),
+    ]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let rep: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(rep["summary"]["gate_up_pairs_split"], 0, "seed {seed}");
+    let c = Checkpoint::open(&out).unwrap();
+    for (g, u, a, b) in [
+        (
+            "model.layers.0.mlp.experts.0.gate_proj",
+            "model.layers.0.mlp.experts.0.up_proj",
+            &gate,
+            &up,
+        ),
+        (
+            "layers.1.ffn.shared_experts.w1",
+            "layers.1.ffn.shared_experts.w3",
+            &w1,
+            &w3,
+        ),
+    ] {
+        let (ws2, gs) = weight_global_scale(&[amax(a).max(amax(b))]);
+        for (m, v) in [(g, a), (u, b)] {
+            let q = read_qlinear(&c, m).unwrap();
+            assert_eq!(
+                q.weight.scale_2.to_bits(),
+                ws2.to_bits(),
+                "seed {seed}: {m}"
+            );
+            assert_eq!(
+                q.weight,
+                quantize_nvfp4(&bf(v), i, h, gs).0,
+                "seed {seed}: {m}"
+            );
+        }
+    }
+    let o = run(&["audit", p(&out)]);
+    assert_eq!(code(&o), 0, "{}{}", stdout(&o), stderr(&o));
+    for bad in [vec!["--gs", "2"], vec!["--format", "mxfp4"]] {
+        let mut args = vec!["quantize", p(&inp), p(&out), "--shared-gate-up-scale"];
+        args.extend(bad);
+        assert_eq!(code(&run(&args)), 2, "{args:?}");
+    }
+}

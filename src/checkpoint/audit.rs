@@ -1151,16 +1151,6 @@ fn shared_input_scales(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<F
     }
 }
 
-/// The up-projection sibling of a gate projection, if `base` is one.
-fn up_sibling(base: &str) -> Option<String> {
-    for (g, u) in [(".gate_proj", ".up_proj"), (".w1", ".w3")] {
-        if let Some(stem) = base.strip_suffix(g) {
-            return Some(format!("{stem}{u}"));
-        }
-    }
-    None
-}
-
 /// vLLM's check: `torch.allclose(w1, w3)` with its defaults.
 fn allclose(a: f32, b: f32) -> bool {
     (a - b).abs() <= 1e-8 + 1e-5 * b.abs()
@@ -1176,7 +1166,7 @@ fn cross_checks(
         linears.iter().map(|l| (l.base.as_str(), l)).collect();
     // gate/up weight_scale_2 of one expert (and of shared experts / dense MLPs alike)
     for l in linears {
-        let Some(up) = up_sibling(&l.base) else {
+        let Some(up) = super::names::up_sibling(&l.base) else {
             continue;
         };
         let Some(u) = by_base.get(up.as_str()) else {
@@ -2334,11 +2324,6 @@ mod tests {
             expert_group("model.layers.3.mlp.shared_experts.gate_proj"),
             None
         );
-        assert_eq!(
-            up_sibling("layers.1.ffn.experts.0.w1").as_deref(),
-            Some("layers.1.ffn.experts.0.w3")
-        );
-        assert_eq!(up_sibling("x.down_proj"), None);
         assert_eq!(index_str(&[3, 4], 7), "[1, 3]");
         assert_eq!(layer_ranges(&[30, 31, 32, 60]), "layers 30-32, 60");
         assert_eq!(layer_ranges(&[2, 4]), "layers 2, 4");

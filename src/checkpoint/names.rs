@@ -358,6 +358,17 @@ pub fn layers_present<'a>(naming: &Naming, names: impl IntoIterator<Item = &'a s
     inventory(naming, names).into_keys().collect()
 }
 
+/// The up-projection sibling of a gate projection module (`.gate_proj` → `.up_proj`, `.w1` →
+/// `.w3`), if `base` is one: the pair vLLM fuses into one w13 with one global scale.
+pub fn up_sibling(base: &str) -> Option<String> {
+    for (g, u) in [(".gate_proj", ".up_proj"), (".w1", ".w3")] {
+        if let Some(stem) = base.strip_suffix(g) {
+            return Some(format!("{stem}{u}"));
+        }
+    }
+    None
+}
+
 /// Modules engines never quantize whatever the config says: embeddings, the output head (also
 /// MTP's `shared_head.head`), the MoE router `gate` (not `gate_proj`) and MTP's `eh_proj`
 /// (a plain `nn.Linear` in vLLM's and SGLang's DeepSeek MTP, built without the quant config).
@@ -378,6 +389,20 @@ pub fn never_quantized(module: &str) -> bool {
 mod tests {
     use super::*;
     use rand::Rng;
+
+    #[test]
+    fn gate_projections_name_their_up_sibling() {
+        assert_eq!(
+            up_sibling("layers.1.ffn.experts.0.w1").as_deref(),
+            Some("layers.1.ffn.experts.0.w3")
+        );
+        assert_eq!(
+            up_sibling("model.layers.3.mlp.shared_experts.gate_proj").as_deref(),
+            Some("model.layers.3.mlp.shared_experts.up_proj")
+        );
+        assert_eq!(up_sibling("x.down_proj"), None);
+        assert_eq!(up_sibling("model.layers.3.mlp.gate"), None);
+    }
 
     fn all_names(n: &Naming, layers: &[usize], experts: usize) -> Vec<String> {
         let mut v = vec![

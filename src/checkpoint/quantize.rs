@@ -50,6 +50,10 @@ pub struct QuantizeOptions {
     /// Tensors whose name contains one of these are copied, not quantized (the output's
     /// exclude_modules then names their modules exactly).
     pub exclude: Vec<String>,
+    /// With `gs` None: the gate and up projections of one MLP (`gate_proj`/`up_proj`,
+    /// `w1`/`w3`) share one global scale, from the larger of their amaxes (ModelOpt's export;
+    /// vLLM's fused w13 keeps one). Else each tensor has its own (DESIGN.md §2).
+    pub shared_gate_up: bool,
 }
 
 /// What happened to one quantized tensor.
@@ -130,6 +134,8 @@ pub struct QuantizePlan {
     /// The input's own exclude list (exclude_modules / ignore), as written there.
     input_exclude: Vec<String>,
     files: Vec<FilePlan>,
+    /// `shared_gate_up`: the amax each gate/up member's global scale comes from.
+    scale_amax: BTreeMap<String, f32>,
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {
@@ -307,12 +313,19 @@ impl QuantizePlan {
             }
             files.push(plan_file(i, shard, out, &opts, &covered, &quantized)?);
         }
+        let scale_amax = if opts.shared_gate_up && opts.format == Format::Nvfp4 && opts.gs.is_none()
+        {
+            shared_gate_up_amax(&ckpt, &files)
+        } else {
+            BTreeMap::new()
+        };
         Ok(QuantizePlan {
             ckpt,
             output: output.to_path_buf(),
             opts,
             input_exclude,
             files,
+            scale_amax,
         })
     }
 
@@ -444,7 +457,10 @@ impl QuantizePlan {
                     };
                     let block = self.opts.format.block();
                     let (pb, sb) = (take(rows * cols / 2), take(rows * cols / block));
-                    let q = quantize_tensor_into(shard, name, t, *rows, *cols, &self.opts, pb, sb)?;
+                    let shared = self.scale_amax.get(name).copied();
+                    let q = quantize_tensor_into(
+                        shard, name, t, *rows, *cols, &self.opts, shared, pb, sb,
+                    )?;
                     shard.release(t);
                     sum.bytes_out += (q.packed.len() + q.scales.len()) as u64;
                     send(Piece::Owned(q.packed))?;
@@ -579,6 +595,40 @@ impl QuantizePlan {
         }
         Ok(files)
     }
+}
+
+/// The larger amax of each gate/up pair that both get quantized, for both members (a pair
+/// whose member holds NaN/Inf is left out: quantizing it refuses that member).
+fn shared_gate_up_amax(ckpt: &Checkpoint, files: &[FilePlan]) -> BTreeMap<String, f32> {
+    let mut at: BTreeMap<&str, usize> = BTreeMap::new();
+    for fp in files {
+        for item in &fp.items {
+            if let Item::Quantize { name, .. } = item {
+                at.insert(name, fp.shard);
+            }
+        }
+    }
+    let amax = |name: &str| -> Option<f32> {
+        let shard = &ckpt.shards()[*at.get(name)?];
+        let t = shard.info(name).ok()?;
+        let (bits, nonfinite) = max_abs_bits(t.dtype, shard.slice(t))?;
+        (!nonfinite).then(|| bits_to_f32(bits, t.dtype))
+    };
+    let mut out = BTreeMap::new();
+    for gate in at.keys() {
+        let Some(up) = gate
+            .strip_suffix(".weight")
+            .and_then(super::names::up_sibling)
+            .map(|u| format!("{u}.weight"))
+        else {
+            continue;
+        };
+        if let (Some(a), Some(b)) = (amax(gate), amax(&up)) {
+            out.insert(gate.to_string(), a.max(b));
+            out.insert(up, a.max(b));
+        }
+    }
+    out
 }
 
 fn pending_json(p: &Path, v: &Value) -> Result<PendingFile> {
@@ -841,11 +891,12 @@ pub fn quantize_tensor(
     cols: usize,
     opts: &QuantizeOptions,
 ) -> Result<QuantizedBytes> {
-    quantize_tensor_into(f, name, t, rows, cols, opts, vec![], vec![])
+    quantize_tensor_into(f, name, t, rows, cols, opts, None, vec![], vec![])
 }
 
 /// [`quantize_tensor`] into recycled output buffers (their contents are overwritten): fresh
 /// multi-MB allocations per tensor cost a page fault and a kernel page clear per 4 KiB.
+/// `scale_amax`: the amax its global scale comes from when not its own (a gate/up pair's).
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_tensor_into(
     f: &TensorFile,
@@ -854,6 +905,7 @@ pub fn quantize_tensor_into(
     rows: usize,
     cols: usize,
     opts: &QuantizeOptions,
+    scale_amax: Option<f32>,
     mut packed: Vec<u8>,
     mut scales: Vec<u8>,
 ) -> Result<QuantizedBytes> {
@@ -890,6 +942,7 @@ pub fn quantize_tensor_into(
         (Format::Nvfp4, Some(gs)) => (gs, Some(1.0 / gs)),
         // the one-element slice has the tensor's amax: the same scales quantize_weight_nvfp4 picks
         (Format::Nvfp4, None) => {
+            let amax = scale_amax.unwrap_or(amax);
             if let Some(why) = tiny_amax(amax, name) {
                 return Err(Error::bad_tensor(f.path(), name, why));
             }
@@ -996,6 +1049,7 @@ mod tests {
                 format: Format::Nvfp4,
                 gs: None,
                 exclude: vec![],
+                shared_gate_up: false,
             };
             let q = quantize_tensor(&f, "w.weight", t, rows, cols, &auto).unwrap();
             let (want, st) = quantize_weight_nvfp4(&xs, rows, cols);
@@ -1019,6 +1073,7 @@ mod tests {
                 format: Format::Mxfp4,
                 gs: None,
                 exclude: vec![],
+                shared_gate_up: false,
             };
             let q = quantize_tensor(&f, "w.weight", t, rows, cols, &mx).unwrap();
             let (want, _) = quantize_mxfp4(&xs, rows, cols);
@@ -1053,6 +1108,7 @@ mod tests {
             format: Format::Nvfp4,
             gs: None,
             exclude: vec![],
+            shared_gate_up: false,
         };
         let e = quantize_tensor(
             &f,

@@ -3,7 +3,8 @@
 //! config.json with `quantization_config` added).
 
 use super::common::{progress, OutArgs};
-use crate::checkpoint::quantize::{QuantizeOptions, QuantizePlan};
+use crate::checkpoint::names::up_sibling;
+use crate::checkpoint::quantize::{QuantizeOptions, QuantizePlan, QuantizedTensor};
 use crate::error::Result;
 use crate::nvfp4::Format;
 use crate::report::{e, Report, Section, Verdict};
@@ -37,6 +38,11 @@ pub struct Args {
     /// exact module names of every float weight matrix left unquantized, plus the input's list
     #[arg(long, value_name = "SUBSTR")]
     pub exclude: Vec<String>,
+    /// Give the gate and up projections of each MLP (gate_proj/up_proj, w1/w3) one
+    /// weight_scale_2, from the larger of their amaxes, as ModelOpt exports them: vLLM fuses
+    /// them into one w13 with the gate's scale. Default: each tensor its own (NVFP4 only)
+    #[arg(long, conflicts_with = "gs")]
+    pub shared_gate_up_scale: bool,
     #[command(flatten)]
     pub out_args: OutArgs,
 }
@@ -53,7 +59,13 @@ pub fn run(args: &Args) -> Result<Report> {
         format,
         gs: args.gs,
         exclude: args.exclude.clone(),
+        shared_gate_up: args.shared_gate_up_scale,
     };
+    if args.shared_gate_up_scale && format == Format::Mxfp4 {
+        return Err(crate::error::Error::usage(
+            "--shared-gate-up-scale applies to NVFP4 only (MXFP4 has no global scale)",
+        ));
+    }
     let plan = QuantizePlan::new(&args.input, &args.output, opts)?;
     let pb = progress(plan.tensor_count() as u64, "quantize", args.out_args.quiet);
     let sum = plan.run(&|_| pb.inc(1))?;
@@ -70,8 +82,12 @@ pub fn run(args: &Args) -> Result<Report> {
     let gs = match (format, args.gs) {
         (Format::Mxfp4, _) => "none (MXFP4)".to_string(),
         (_, Some(g)) => format!("{g} for every tensor"),
+        (_, None) if args.shared_gate_up_scale => {
+            "per tensor: 2688 / amax (a gate/up pair's larger amax)".to_string()
+        }
         (_, None) => "per tensor: 2688 / amax".to_string(),
     };
+    let split = split_gate_up_pairs(&sum.tensors);
     let mut headline = format!(
         "quantized {} tensors to {}, copied {} → {}",
         sum.quantized,
@@ -98,6 +114,14 @@ pub fn run(args: &Args) -> Result<Report> {
             sum.not_quantized.len(),
             sum.not_quantized[0].name,
             sum.not_quantized[0].reason
+        );
+    }
+    if let Some(first) = split.first() {
+        headline += &format!(
+            "; {} gate/up pair(s) got different weight_scale_2, each from its own amax (first: `{first}`): \
+             vLLM's fused w13 uses the gate's for both and `audit` flags them; \
+             --shared-gate-up-scale gives each pair one, as ModelOpt exports",
+            split.len()
         );
     }
     let overview = Section::kv(
@@ -172,6 +196,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "not_quantized": sum.not_quantized.len(),
             "excluded_by_input_config": sum.excluded_by_input_config.len(),
             "never_quantized": sum.never_quantized.len(),
+            "gate_up_pairs_split": split.len(),
         }))
         .with("input", &sum.input)
         .with("output", &sum.output)
@@ -201,6 +226,26 @@ pub fn run(args: &Args) -> Result<Report> {
         report = report.section(s);
     }
     Ok(report)
+}
+
+/// The gate projections (module names) whose up sibling was quantized with another
+/// weight_scale_2.
+fn split_gate_up_pairs(tensors: &[QuantizedTensor]) -> Vec<String> {
+    let ws2: std::collections::HashMap<&str, Option<f32>> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.weight_scale_2))
+        .collect();
+    tensors
+        .iter()
+        .filter_map(|t| {
+            let gate = t.name.strip_suffix(".weight")?;
+            let up = format!("{}.weight", up_sibling(gate)?);
+            let (Some(a), Some(Some(b))) = (t.weight_scale_2, ws2.get(up.as_str())) else {
+                return None;
+            };
+            (a != *b).then(|| gate.to_string())
+        })
+        .collect()
 }
 
 /// The last row of a table cut at TABLE_ROWS of `total` rows, `cols` wide.
