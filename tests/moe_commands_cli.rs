@@ -614,6 +614,71 @@ fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
     }
 }
 
+/// One expert's input_scale 1000x too small, on a layer whose cosine hides it (few of the
+/// batch's tokens reach that expert; --max-loss 0.5 takes the layer's loss rule out): the
+/// expert fails under the checkpoint's scales and passes under the calibrated ones, so the
+/// gs is blamed and the expert named. The clean checkpoint passes the same check.
+#[test]
+fn gs_sweep_judges_each_expert_under_the_gs_in_use() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck",
+            "--preset",
+            "tiny-v4",
+            "--plant",
+            "bad-input-scale",
+            "--seed",
+            &seed,
+        ],
+    );
+    synth(
+        dir.path(),
+        &["--out", "clean", "--preset", "tiny-v4", "--seed", &seed],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    for (ckpt, want) in [("ck", 1), ("clean", 0)] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "gs-sweep",
+                "--checkpoint",
+                ckpt,
+                "--device",
+                "cpu",
+                "--points",
+                "5",
+                "--gs",
+                "checkpoint",
+                "--max-loss",
+                "0.5",
+                "--seed",
+                &seed,
+            ],
+        );
+        assert_eq!(code, want, "seed {seed} {ckpt}: {text}");
+        let r = r.unwrap();
+        assert_eq!(
+            r["summary"]["experts"]["wrong_scale_experts"], want,
+            "seed {seed} {ckpt}"
+        );
+        if want == 1 {
+            assert_eq!(r["summary"]["cause"], "gs", "seed {seed}: {text}");
+            let f = r["failures"].to_string();
+            assert!(
+                f.contains(&format!("expert {e}:")) && f.contains("calibrated"),
+                "seed {seed}: expert {e}: {f}"
+            );
+        }
+    }
+}
+
 /// config.json's num_hidden_layers ends the model before a layer holding experts, or its
 /// moe_layer_freq makes that layer dense: an engine never runs those experts, so every command
 /// taking a layer refuses it (exit 2 naming the field and the layer) as it does for

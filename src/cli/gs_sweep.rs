@@ -3,15 +3,16 @@
 //! log-spaced sweep of one gs for every GEMM; the gs in use must not lose much against the best.
 
 use super::common::{progress, DeviceArgs, OutArgs};
+use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
     below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
     layer_and_batch, nvfp4_forward, scales_json, token_failure, BlockSummary, EpArgs, GsArgs,
-    InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_TOKEN_COSINE,
+    InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE, DEFAULT_MIN_TOKEN_COSINE,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
-use crate::moe::breakdown::{per_token, worst_first};
+use crate::moe::breakdown::{per_expert, per_token, worst_first};
 use crate::moe::gs::{self, Calibration, GsSource};
 use crate::moe::parallel::tolerance_text;
 use crate::moe::{ActScales, Path as MoePath};
@@ -31,7 +32,9 @@ pub const DEFAULT_MAX_LOSS: f64 = 0.01;
 #[command(
     after_help = "Verdict: fail when the gs in use (--gs, default `default`: the engines' \
 1/2688, i.e. amax assumed 1) loses more than --max-loss (default 0.01) cosine against the best \
-gs found, or gives NaN/Inf. When even the best gs leaves the layer below --min-cosine (0.95, \
+gs found, or gives NaN/Inf, or when one expert's own output fails under it (layertest's \
+--min-expert-cosine bar) while the scales calibrated on this batch pass that expert: its input \
+scale is wrong, though few tokens reach it and the layer's cosine hides it. When even the best gs leaves the layer below --min-cosine (0.95, \
 layertest's default) against the BF16 reference, or every gs gives NaN/Inf, no activation gs fixes \
 it: the verdict fails with cause `not_gs` (the weights, their scales, the reference or the kernel), \
 not `gs`. Writes gs-sweep.svg (cosine vs gs) and gs-sweep-blocks.svg \
@@ -63,6 +66,15 @@ pub struct Args {
     /// per-token bar): one token of huge norm carries the layer's cosine and sets the gs
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
     pub min_token_cosine: f64,
+    /// Fail when, under the gs in use, one expert's own output falls below this cosine
+    /// (layertest's bar, ramped down for experts few slots reached) while the scales
+    /// calibrated on this batch pass it: one expert's wrong input_scale, which the layer's
+    /// cosine hides when few tokens reach that expert
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
+    pub min_expert_cosine: f64,
+    /// Slots an expert needs to be judged at --min-expert-cosine (layertest's rule)
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
+    pub min_expert_slots: usize,
     #[command(flatten)]
     pub ep: EpArgs,
     #[command(flatten)]
@@ -180,6 +192,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut sources: Vec<Point> = vec![];
     let mut unavailable: Vec<(String, String)> = vec![];
     let mut used_scales = None;
+    let mut calibrated_scales = None;
     let mut calibrated_center = None;
     for src in &source_list {
         match gs::resolve(*src, &layer, reduce, &cal, args.input.seed) {
@@ -193,6 +206,7 @@ pub fn run(args: &Args) -> Result<Report> {
             Ok(s) => {
                 let p = eval(src.to_string(), &s)?;
                 if *src == GsSource::Calibrated {
+                    calibrated_scales = Some(s.clone());
                     calibrated_center = p
                         .gs1
                         .zip(p.gs2)
@@ -348,6 +362,63 @@ pub fn run(args: &Args) -> Result<Report> {
         failures.push(m);
         cause.get_or_insert("ep");
     }
+    // one expert's wrong input_scale hides in the layer's cosine when few tokens reach it:
+    // judge each expert under the gs in use as layertest does, and blame the gs where the
+    // scales calibrated on this batch pass the same expert
+    let check = ExpertCheck {
+        min_cosine: args.min_expert_cosine,
+        min_slots: args.min_expert_slots,
+    };
+    let mut expert_json = None;
+    if let (None, Some(s), Some(cal)) = (
+        &plugin,
+        &used_scales,
+        calibrated_scales
+            .as_ref()
+            .filter(|_| used_source != GsSource::Calibrated),
+    ) {
+        let per_slot = |s: &ActScales| -> Result<Vec<f32>> {
+            let (o, _) =
+                nvfp4_forward(&args.ep, &devices, &layer, &batch.hidden, &routing, s, true)?;
+            o.per_slot
+                .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))
+        };
+        let rf = backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, true)?;
+        let rf = rf
+            .per_slot
+            .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))?;
+        let (hsz, ne) = (c.hidden_size, c.n_routed_experts);
+        let mut used_e = per_expert(&routing, &per_slot(s)?, &rf, hsz, ne);
+        let cal_e = per_expert(&routing, &per_slot(cal)?, &rf, hsz, ne);
+        used_e.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
+        let wrong: Vec<(String, f64, f64)> = used_e
+            .iter()
+            .filter_map(|x| {
+                let ExpertVerdict::Fail(line) = check.judge(x) else {
+                    return None;
+                };
+                let cal = cal_e.iter().find(|y| y.expert == x.expert)?;
+                (check.judge(cal) == ExpertVerdict::Pass)
+                    .then(|| (line, x.metrics.cosine, cal.metrics.cosine))
+            })
+            .collect();
+        expert_json = Some(json!({
+            "wrong_scale_experts": wrong.len(),
+            "min_expert_cosine": args.min_expert_cosine,
+            "min_expert_slots": args.min_expert_slots,
+        }));
+        if let Some((line, _, cal_cos)) = wrong.first() {
+            failures.push(format!(
+                "gs `{used_source}`: {} expert(s) fail under it but pass under the scales \
+                 calibrated on this batch, so their input scales are wrong; first: {line} \
+                 (calibrated: cosine {}){}",
+                wrong.len(),
+                f(*cal_cos, 4),
+                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))?
+            ));
+            cause.get_or_insert("gs");
+        }
+    }
     // a gs that passes the layer can still ruin tokens the whole-tensor cosine does not see:
     // one token of huge norm carries it and sets the scales of its experts (an input problem)
     if failures.is_empty() {
@@ -394,6 +465,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "max_loss": args.max_loss,
         "min_cosine": args.min_cosine,
         "min_token_cosine": args.min_token_cosine,
+        "experts": expert_json,
         "cause": cause,
         "best_cosine": best.as_ref().map(|b| b.cosine),
         "best": best.as_ref().map(describe_gs),
@@ -589,8 +661,10 @@ fn worst_overshoots(
         return Ok(String::new());
     };
     let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+    // a gs within 5% of its expert's own amax is rounding, not an overshoot worth naming
     let worst: Vec<String> = gs::overshoots(s, &a1, &a2)
         .iter()
+        .filter(|o| o.ratio >= 1.05)
         .take(3)
         .map(|o| {
             format!(
