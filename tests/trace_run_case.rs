@@ -101,6 +101,15 @@ fn expectations_that_hold_and_that_do_not() {
     assert_eq!(o.code, 1, "{}", o.show());
     assert_eq!(o.json["cases"][0]["got"], "broken", "{}", o.show());
     assert_eq!(o.json["cases"][0]["held"], false, "{}", o.show());
+    assert_eq!(o.json["summary"]["broken"], 1, "{}", o.show());
+    assert!(
+        o.json["summary"]["text"]
+            .as_str()
+            .unwrap()
+            .contains("broken"),
+        "{}",
+        o.show()
+    );
 
     // a case whose setup went wrong judged nothing, whatever it expects
     let setup_err = write(d, "setup-err.toml", "description = \"x\"\ncommand = \"nan-locate\"\nargs = [\"${WORK}/t\"]\nexpect = \"error\"\nexpect_mentions = [\"t\"]\nsetup = [[\"synth-trace\", \"--out\", \"${WORK}/t\", \"--nan-at\", \"no.such.module\"]]\n");
@@ -251,7 +260,9 @@ fn a_directory_runs_every_case_with_a_summary() {
     assert_eq!(o.code, 1, "{ctx}");
     assert_eq!(o.json["summary"]["cases"], 3, "{ctx}");
     assert_eq!(o.json["summary"]["held"], 2, "{ctx}");
-    assert_eq!(o.json["summary"]["broken"], 1, "{ctx}");
+    assert_eq!(o.json["summary"]["not_held"], 1, "{ctx}");
+    // it ran and judged (pass where fail was expected): not held, but not broken
+    assert_eq!(o.json["summary"]["broken"], 0, "{ctx}");
     let cases = o.json["cases"].as_array().unwrap();
     assert_eq!(
         cases
@@ -266,7 +277,7 @@ fn a_directory_runs_every_case_with_a_summary() {
         o.json["summary"]["text"]
             .as_str()
             .unwrap()
-            .contains("1 of 3 cases broken: 3-broken.toml"),
+            .contains("1 of 3 cases did not hold: 3-broken.toml"),
         "{ctx}"
     );
     // --keep-work keeps ${WORK} with what setup wrote

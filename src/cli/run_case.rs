@@ -480,6 +480,8 @@ fn case_json(r: &CaseRun) -> Value {
 
 fn report(runs: Vec<CaseRun>, dir: bool) -> Report {
     let held = runs.iter().filter(|r| r.held).count();
+    // the command judged nothing (its line did not parse, a setup step failed): cases/README.md
+    let broken = runs.iter().filter(|r| r.got == "broken").count();
     let n = runs.len();
     let mut table = Section::new(
         "Cases",
@@ -519,19 +521,24 @@ fn report(runs: Vec<CaseRun>, dir: bool) -> Report {
             )
         } else if r.got != r.case.expect.as_str() {
             format!(
-                "case {name} broken: expected {}, got {}: {}",
+                "case {name} {}: expected {}, got {}: {}",
+                if r.got == "broken" {
+                    "broken"
+                } else {
+                    "did not hold"
+                },
                 r.case.expect.as_str(),
                 r.got,
                 r.headline
             )
         } else {
             format!(
-                "case {name} broken: the report does not mention {:?}",
+                "case {name} did not hold: the report does not mention {:?}",
                 r.missing
             )
         }
     } else {
-        let broken: Vec<String> = runs
+        let failed: Vec<String> = runs
             .iter()
             .filter(|r| !r.held)
             .map(|r| {
@@ -541,18 +548,22 @@ fn report(runs: Vec<CaseRun>, dir: bool) -> Report {
                     .unwrap_or_default()
             })
             .collect();
-        if broken.is_empty() {
+        if failed.is_empty() {
             format!("all {n} cases hold")
         } else {
+            let of_them = match broken {
+                0 => String::new(),
+                b => format!(" ({b} broken: the command judged nothing)"),
+            };
             format!(
-                "{} of {n} cases broken: {}",
-                broken.len(),
-                broken.join(", ")
+                "{} of {n} cases did not hold{of_them}: {}",
+                failed.len(),
+                failed.join(", ")
             )
         }
     };
     let mut rep = Report::new("run", Verdict::from_pass(held == n), headline)
-        .summary(json!({ "cases": n, "held": held, "broken": n - held }))
+        .summary(json!({ "cases": n, "held": held, "not_held": n - held, "broken": broken }))
         .with("cases", runs.iter().map(case_json).collect::<Vec<_>>());
     // a single case shows what its command showed
     if let [r] = runs.as_slice() {
@@ -565,7 +576,7 @@ fn report(runs: Vec<CaseRun>, dir: bool) -> Report {
     rep = rep.section(table);
     let broken: Vec<&CaseRun> = runs.iter().filter(|r| !r.held).collect();
     if !broken.is_empty() {
-        let mut s = Section::new("Broken cases", &["case", "description", "why"]);
+        let mut s = Section::new("Cases that did not hold", &["case", "description", "why"]);
         for r in broken {
             let why = match (&r.error, r.got == r.case.expect.as_str()) {
                 (Some(e), _) => e.clone(),
