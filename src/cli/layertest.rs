@@ -1265,8 +1265,12 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let pass = failures.is_empty();
     let headline = if pass {
+        // native V4 experts are MXFP4
+        let fmt = layer.experts.first().map_or("NVFP4".to_string(), |e| {
+            e.w1.weight.format.name().to_uppercase()
+        });
         format!(
-            "layer {l}: NVFP4 matches the BF16 reference within NVFP4 error (cosine {}, rel-L2 {}, {} tokens, gs {source}){}",
+            "layer {l}: {fmt} matches the BF16 reference within {fmt} error (cosine {}, rel-L2 {}, {} tokens, gs {source}){}",
             f(m.cosine, 4),
             f(m.rel_l2, 3),
             batch.tokens,

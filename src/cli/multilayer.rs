@@ -118,17 +118,28 @@ struct LayerRow {
 fn parse_range(s: &str) -> Result<Vec<usize>> {
     let bad = || Error::usage(format!("--layers `{s}`: expected A..B, A..=B or A"));
     let num = |v: &str| v.trim().parse::<usize>().map_err(|_| bad());
-    let v: Vec<usize> = if let Some((a, b)) = s.split_once("..=") {
-        (num(a)?..=num(b)?).collect()
+    // [first, end)
+    let (first, end) = if let Some((a, b)) = s.split_once("..=") {
+        (num(a)?, num(b)?.saturating_add(1))
     } else if let Some((a, b)) = s.split_once("..") {
-        (num(a)?..num(b)?).collect()
+        (num(a)?, num(b)?)
     } else {
-        vec![num(s)?]
+        let a = num(s)?;
+        (a, a.saturating_add(1))
     };
-    if v.is_empty() {
-        return Err(bad());
+    if end <= first {
+        return Err(Error::usage(format!(
+            "--layers `{s}`: an empty range (A..B runs A to B - 1, A..=B to B)"
+        )));
     }
-    Ok(v)
+    // more layers than any model has: a typo, not a walk to make
+    if end - first > 1 << 16 {
+        return Err(Error::usage(format!(
+            "--layers `{s}`: {} layers, more than any model has",
+            end - first
+        )));
+    }
+    Ok((first..end).collect())
 }
 
 fn l2_diff(a: &[f32], b: &[f32]) -> f64 {
@@ -577,5 +588,10 @@ mod tests {
         assert_eq!(parse_range("5").unwrap(), vec![5]);
         assert!(parse_range("4..1").is_err());
         assert!(parse_range("a..b").is_err());
+        let msg = |r: &str| parse_range(r).unwrap_err().to_string();
+        assert!(msg("1..1").contains("empty range"), "{}", msg("1..1"));
+        // a range no model has is refused before it is walked (it was collected: OOM)
+        assert!(msg("0..18446744073709551615").contains("more than any model"));
+        assert!(msg("0..=18446744073709551615").contains("more than any model"));
     }
 }

@@ -27,7 +27,7 @@ pub struct Args {
     pub output: PathBuf,
     /// Global scale (quant direction) for every tensor: weight_scale_2 = 1/VALUE.
     /// Default: each tensor's own 2688/amax
-    #[arg(long, value_name = "VALUE")]
+    #[arg(long, value_name = "VALUE", value_parser = weight_gs)]
     pub gs: Option<f32>,
     #[arg(long, value_enum, default_value = "nvfp4")]
     pub format: FormatArg,
@@ -45,6 +45,20 @@ pub struct Args {
     pub shared_gate_up_scale: bool,
     #[command(flatten)]
     pub out_args: OutArgs,
+}
+
+/// `--gs`: a positive normal f32 whose reciprocal (weight_scale_2) is normal too, quoted as
+/// typed when it is not (1e39 parses to inf).
+fn weight_gs(v: &str) -> std::result::Result<f32, String> {
+    match v.trim().parse::<f32>() {
+        Ok(g) if g > 0.0 && g.is_normal() && (1.0 / g).is_normal() => Ok(g),
+        _ => Err(format!(
+            "`{v}`: a global scale must be a positive f32 whose reciprocal (weight_scale_2) is a \
+             normal f32 too: within [{:e}, {:e}]",
+            f32::MIN_POSITIVE,
+            1.0 / f32::MIN_POSITIVE
+        )),
+    }
 }
 
 /// Rows of the per-tensor table on the terminal; the JSON report has them all.
