@@ -398,8 +398,11 @@ pub fn run(args: &Args) -> Result<Report> {
                     return None;
                 };
                 let cal = cal_e.iter().find(|y| y.expert == x.expert)?;
-                (check.judge(cal) == ExpertVerdict::Pass)
-                    .then(|| (line, x.metrics.cosine, cal.metrics.cosine))
+                (check.judge(cal) == ExpertVerdict::Pass).then_some((
+                    line,
+                    x.metrics.cosine,
+                    cal.metrics.cosine,
+                ))
             })
             .collect();
         expert_json = Some(json!({
