@@ -18,6 +18,11 @@ pub enum FormatArg {
 }
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Weights only: no input_scale is written (that needs activations: a calibration \
+run). Commands reading the output take activation scales from --gs (calibrated, dynamic, a value); \
+`--gs checkpoint` needs input_scale tensors the output does not have."
+)]
 pub struct Args {
     /// Input: a .safetensors file or an HF checkpoint directory
     #[arg(value_name = "IN")]
