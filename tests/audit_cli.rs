@@ -1944,3 +1944,120 @@ fn moe_layers_an_engine_cannot_build_are_named() {
         );
     }
 }
+
+/// A single-file MXFP4 linear (native V4 names: `w1.weight` U8, `w1.scale` F8_E8M0 [N, K/32]).
+fn mxfp4_linear(r: &mut impl Rng, rows: usize, cols: usize) -> Tensors {
+    let w = weights(r, rows, cols);
+    let (q, _) = nvfp4dbg::nvfp4::quantize_mxfp4(&w, rows, cols);
+    vec![
+        (
+            TensorSpec::new(
+                "layers.1.ffn.experts.0.w1.weight",
+                Dtype::U8,
+                &[rows, cols / 2],
+            ),
+            q.packed,
+        ),
+        (
+            TensorSpec::new(
+                "layers.1.ffn.experts.0.w1.scale",
+                Dtype::F8_E8M0,
+                &[rows, cols / 32],
+            ),
+            q.scales,
+        ),
+    ]
+}
+
+/// Block scales that make a block's weights Inf (an E8M0 scale of 2^127; an NVFP4
+/// weight_scale_2 so large that code × scale × weight_scale_2 overflows) or 0 (a zero E4M3
+/// scale, an E8M0 code 0 = 2^-127, over codes that are not all ±0) passed: the JSON counted
+/// them (inf_count, zero_scales), no finding did. A zero scale over an all-zero block is what
+/// quantizers write, and passes.
+#[test]
+fn block_scales_that_make_weights_inf_or_zero_are_named() {
+    let (seed, mut r) = rng("audit inf/zero dequant");
+    let d = tempfile::tempdir().unwrap();
+    let e = 4;
+    let ws = format!("{E1}.gate_proj.weight_scale");
+    let ws2 = format!("{E1}.down_proj.weight_scale_2");
+    let row = r.gen_range(0..16);
+    type Plant = Box<dyn Fn(&mut Fixture)>;
+    let cases: Vec<(&str, Plant, &str, String)> = vec![
+        (
+            "a row of zero scales",
+            Box::new(move |f| {
+                let kb = 32 / 16;
+                f.get(&ws)[row * kb..(row + 1) * kb].fill(0)
+            }),
+            "zero_block_scales",
+            format!("{E1}.gate_proj.weight_scale"),
+        ),
+        (
+            "weight_scale_2 1e36",
+            Box::new(move |f| f.set_f32(&ws2, 1e36)),
+            "nonfinite_dequant",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+    ];
+    for (what, plant, kind, tensor) in cases {
+        let mut f = Fixture::new(&mut r, e);
+        plant(&mut f);
+        let dir = d.path().join(what.replace(' ', "_"));
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = v["findings"].as_array().unwrap();
+        assert!(
+            found
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == tensor.as_str()),
+            "seed {seed} {what}: no {kind} on {tensor} in {found:#?}"
+        );
+    }
+    // a block of zero values: scale 0 over ±0 codes, as ModelOpt writes it
+    let mut f = Fixture::new(&mut r, e);
+    let kb = 32 / 16;
+    let blk = r.gen_range(0..16 * kb);
+    f.get(&format!("{E1}.gate_proj.weight_scale"))[blk] = 0;
+    f.get(&format!("{E1}.gate_proj.weight"))[blk * 8..blk * 8 + 8]
+        .iter_mut()
+        .for_each(|b| *b &= 0x88);
+    let dir = d.path().join("zero_block");
+    f.write(&dir);
+    let (c, out, _) = audit(&dir);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    // MXFP4: an E8M0 scale 254 (2^127) over codes >= 2 overflows; code 0 (2^-127) kills a row
+    let (rows, cols) = (16, 128);
+    let kb = cols / 32;
+    let clean = mxfp4_linear(&mut r, rows, cols);
+    let ok = d.path().join("mx.safetensors");
+    write(&ok, clean.clone());
+    let (c, out, _) = audit(&ok);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    let scale = "layers.1.ffn.experts.0.w1.scale";
+    for (what, kind) in [("huge", "nonfinite_dequant"), ("zero", "zero_block_scales")] {
+        let mut t = clean.clone();
+        let (row, k) = (r.gen_range(0..rows), r.gen_range(0..kb));
+        if what == "huge" {
+            // a code of magnitude >= 2 in the block, so that 2 × 2^127 overflows
+            t[0].1[(row * kb + k) * 16] |= 0x06;
+            t[1].1[row * kb + k] = 254;
+        } else {
+            t[1].1[row * kb..(row + 1) * kb].fill(0);
+        }
+        let f = d.path().join(format!("mx-{what}.safetensors"));
+        write(&f, t);
+        let (c, out, v) = audit(&f);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        assert!(
+            v["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == scale),
+            "seed {seed} {what}: no {kind} on {scale}: {out}"
+        );
+    }
+}

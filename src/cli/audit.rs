@@ -2,6 +2,11 @@
 //! float tensor, and — when the checkpoint ships BF16 originals (`DIR/bf16/`) — every quantized
 //! linear dequantized against its original (see `checkpoint::audit` for what counts as a hazard
 //! and why). Exit 1 names every hazardous tensor.
+//!
+//! Block scales are judged with the codes they scale: a zero block scale (MXFP4: E8M0 code 0,
+//! 2^-127) over a block whose FP4 codes are not all ±0 is a finding (those weights dequantize
+//! to 0; quantizers write scale 0 only over all-zero blocks, which pass), and so is a block
+//! whose code × scale × weight_scale_2 overflows to Inf.
 
 use super::common::{progress, OutArgs};
 use crate::checkpoint::audit::{audit, AuditOptions, FindingKind, Severity};
