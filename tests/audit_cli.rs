@@ -2061,3 +2061,31 @@ fn block_scales_that_make_weights_inf_or_zero_are_named() {
         );
     }
 }
+
+/// A checkpoint directory whose config.json (and hf_quant_config.json) was deleted passed
+/// with no note, though no engine loads it and the checks against the config were skipped.
+/// The same tensors as a single .safetensors file need no config.
+#[test]
+fn directory_without_config_json_is_named() {
+    let (seed, mut r) = rng("audit no config.json");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..6);
+    let f = Fixture::new(&mut r, e);
+    let dir = d.path().join("ck");
+    f.write(&dir);
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "missing_config");
+    assert_eq!(found.len(), 1, "seed {seed}: {out}");
+    assert_eq!(found[0].0, "config.json", "seed {seed}");
+    assert!(
+        found[0].1.ends_with("config.json"),
+        "seed {seed}: {found:?}"
+    );
+    let (c, out, _) = audit(&dir.join("model.safetensors"));
+    assert_eq!(
+        c, 0,
+        "seed {seed}: a single file needs no config.json: {out}"
+    );
+}

@@ -41,6 +41,8 @@
 //! - a packed weight or block-scale tensor byte-identical to another linear's (one expert's
 //!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
+//! - a checkpoint directory holding quantized linears but no config.json (engines build the
+//!   model from it; a single .safetensors file given as PATH needs none);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
 //!   `quantization_config`, or under one of another method or algorithm (`quant_method: fp8`:
 //!   engines pick their loader from it), or a group size other than 16;
@@ -150,6 +152,8 @@ pub enum FindingKind {
     /// Block scales zero (MXFP4: E8M0 code 0, 2^-127) over blocks whose FP4 codes are not
     /// all ±0: weights (often whole output channels) dequantize to 0.
     ZeroBlockScales,
+    /// A checkpoint directory with quantized linears and no config.json: no engine loads it.
+    MissingConfig,
     /// Finite scales whose product with a block's codes overflows f32: the block dequantizes
     /// to Inf.
     NonfiniteDequant,
@@ -200,6 +204,7 @@ impl FindingKind {
             FindingKind::DefaultsDisagree => "left to engines' differing defaults",
             FindingKind::BrokenLayer => "MoE layer an engine cannot build",
             FindingKind::ZeroBlockScales => "zero block scales over non-zero codes",
+            FindingKind::MissingConfig => "no config.json",
             FindingKind::NonfiniteDequant => "weights dequantize to Inf",
         }
     }
@@ -1733,6 +1738,25 @@ fn duplicate_copies(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
 
 fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
     let Some(p) = ck.config_path() else {
+        // a single .safetensors file needs no config; a directory is what engines load
+        if ck.is_dir() && !linears.is_empty() {
+            let hq = ck.dir().join(super::hf::HF_QUANT_CONFIG_FILE).is_file();
+            out.push(Finding {
+                tensor: super::hf::CONFIG_FILE.into(),
+                file: ck.dir().join(super::hf::CONFIG_FILE),
+                kind: FindingKind::MissingConfig,
+                detail: format!(
+                    "a checkpoint directory with {} quantized linears but no {}{}: engines (vLLM, SGLang, TensorRT-LLM, transformers) build the model from it and cannot load this directory; the checks against it (layer shapes, quantization_config) were skipped",
+                    linears.len(),
+                    super::hf::CONFIG_FILE,
+                    if hq {
+                        format!(" (only {})", super::hf::HF_QUANT_CONFIG_FILE)
+                    } else {
+                        String::new()
+                    }
+                ),
+            });
+        }
         return Ok(());
     };
     // broken JSON or nonsense MoE fields are bad input; a dense model's config is only read

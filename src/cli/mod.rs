@@ -51,6 +51,10 @@ pub enum Command {
     /// dequantize to 0; quantizers write scale 0 only over all-zero blocks, which pass), and so
     /// is a block whose code × block scale × weight_scale_2 overflows f32 (it dequantizes to
     /// Inf).
+    ///
+    /// A checkpoint directory holding quantized linears but no config.json is a finding: engines
+    /// build the model from it, and the checks against it are skipped. A single .safetensors file
+    /// given as PATH needs no config.
     Audit(audit::Args),
     /// Is the MoE kernel math right on this layer? NVFP4 layer vs BF16 reference
     Layertest(layertest::Args),
