@@ -2089,3 +2089,76 @@ fn directory_without_config_json_is_named() {
         "seed {seed}: a single file needs no config.json: {out}"
     );
 }
+
+/// The summary's "NaN block scales" and "saturated block scales" rows counted findings (one
+/// per tensor), not scales: 3 + 5 NaN scales in two tensors read "2". They now read "N scales
+/// in M tensors", and the JSON summary has the totals. "lowest cosine vs original" skipped a
+/// linear whose cosine is NaN (NaN in its dequantized weight): NaN is the lowest.
+#[test]
+fn summary_counts_scales_and_shows_a_nan_cosine() {
+    let (seed, mut r) = rng("audit summary counts");
+    let d = tempfile::tempdir().unwrap();
+    let mut f = Fixture::new(&mut r, 4);
+    let (a, b) = (r.gen_range(2..6), r.gen_range(2..6));
+    for (p, n) in [("gate_proj", a), ("down_proj", b)] {
+        let s = f.get(&format!("{E1}.{p}.weight_scale"));
+        let at = r.gen_range(0..s.len() - n);
+        s[at..at + n].fill(0x7F);
+    }
+    // more than a handful at 448 in one tensor
+    let sat = r.gen_range(20..30);
+    f.get(&format!("{E1}.up_proj.weight_scale"))[..sat].fill(0x7E);
+    let dir = d.path().join("ck");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert_eq!(v["summary"]["nan_block_scales"], a + b, "seed {seed}");
+    assert_eq!(v["summary"]["nan_block_scale_tensors"], 2, "seed {seed}");
+    assert_eq!(
+        v["summary"]["saturated_block_scale_tensors"], 1,
+        "seed {seed}"
+    );
+    let row = |label: &str| {
+        out.lines()
+            .find(|l| l.contains(label) && l.contains(" in "))
+            .unwrap_or_else(|| panic!("seed {seed}: no {label} row:\n{out}"))
+            .to_string()
+    };
+    assert!(
+        row("NaN block scales").contains(&format!("{} scales in 2 tensors", a + b)),
+        "seed {seed}:\n{out}"
+    );
+    let sat_all: u64 = v["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["base"] == format!("{E1}.up_proj").as_str())
+        .map(|l| l["saturated"].as_u64().unwrap())
+        .sum();
+    assert!(sat_all >= sat as u64, "seed {seed}");
+    assert!(
+        row("saturated block scales").contains(&format!("{sat_all} scales in 1 tensor")),
+        "seed {seed}:\n{out}"
+    );
+
+    // a NaN block scale in a synth checkpoint: its linear's cosine vs the original is NaN
+    let ck = d.path().join("synth");
+    synth(&ck, seed, &["--plant", "nan-block-scale"]);
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let nan_linear = v["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["nan_scales"].as_u64().unwrap() > 0)
+        .unwrap_or_else(|| panic!("seed {seed}: no NaN scales: {out}"));
+    assert_eq!(
+        v["summary"]["lowest_original_cosine_linear"], nan_linear["base"],
+        "seed {seed}: {out}"
+    );
+    assert!(
+        out.lines().any(|l| l.contains("lowest cosine vs original")
+            && l.contains(&format!("NaN ({})", nan_linear["base"].as_str().unwrap()))),
+        "seed {seed}:\n{out}"
+    );
+}
