@@ -2162,3 +2162,161 @@ fn summary_counts_scales_and_shows_a_nan_cosine() {
         "seed {seed}:\n{out}"
     );
 }
+
+/// Block scales that exist but under another dtype (F32/BF16/F16) or rank (flattened,
+/// [1, N, K/16]) were "missing … without block scales", and the packed U8 weight beside them
+/// was taken as unpacked: a false config_mismatch ("[out, in] = [16, 16]" for K = 32). The
+/// same false config_mismatch came with block scales really missing.
+#[test]
+fn block_scales_of_another_dtype_or_rank_are_named_as_such() {
+    let (seed, mut r) = rng("audit scale dtype/rank");
+    let d = tempfile::tempdir().unwrap();
+    let ws = format!("{E1}.gate_proj.weight_scale");
+    // gate_proj: [16, 32] unpacked, block scales [16, 2]
+    let cases: Vec<(&str, Dtype, Vec<usize>, usize, &str)> = vec![
+        ("F32", Dtype::F32, vec![16, 2], 4, "F32 [16, 2]"),
+        ("BF16", Dtype::BF16, vec![16, 2], 2, "BF16 [16, 2]"),
+        ("F16", Dtype::F16, vec![16, 2], 2, "F16 [16, 2]"),
+        ("flat", Dtype::F8_E4M3, vec![32], 1, "F8_E4M3 [32]"),
+        (
+            "3-D",
+            Dtype::F8_E4M3,
+            vec![1, 16, 2],
+            1,
+            "F8_E4M3 [1, 16, 2]",
+        ),
+    ];
+    for (what, dtype, shape, size, says) in cases {
+        let mut f = Fixture::new(&mut r, 4);
+        let t = f.tensors.iter_mut().find(|(s, _)| s.name == ws).unwrap();
+        t.0 = TensorSpec::new(ws.clone(), dtype, &shape);
+        // finite, positive values of the new width
+        t.1 = (0..32 * size)
+            .map(|i| {
+                if i % size == size - 1 {
+                    0x3C
+                } else {
+                    r.gen_range(0..0x30)
+                }
+            })
+            .collect();
+        let dir = d.path().join(what);
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "block_scale_dtype");
+        assert!(
+            found.iter().any(|(t, _, d)| *t == ws
+                && d.contains(&format!("weight_scale is {says}, expected F8_E4M3 [16, 2]"))),
+            "seed {seed} {what}: {found:?}\n{out}"
+        );
+        assert!(
+            findings_of(&v, "missing_member").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+        assert!(
+            findings_of(&v, "config_mismatch").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+    }
+    // really missing: a missing member, and the packed weight's K is still 2 x its bytes
+    let mut f = Fixture::new(&mut r, 4);
+    f.remove(&ws);
+    let dir = d.path().join("missing");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert!(
+        findings_of(&v, "missing_member").iter().any(|x| x.0 == ws),
+        "seed {seed}: {out}"
+    );
+    assert!(
+        findings_of(&v, "config_mismatch").is_empty(),
+        "seed {seed}: {out}"
+    );
+}
+
+/// Findings that said something false or twice: an `input_scale` beside a linear whose global
+/// scale is named `weight_global_scale` read in the compressed-tensors direction (a false
+/// convention_suspect); an Inf weight_scale_2 / input_scale given a second, nonsense
+/// convention_suspect ("read as a gs it gives 0"); a router of the wrong shape named as a
+/// config_mismatch and again as a broken_layer; an MXFP4 NaN scale explained by a cast past
+/// 448; "1 hazardous tensors (1 findings)".
+#[test]
+fn findings_say_it_once_and_right() {
+    let (seed, mut r) = rng("audit wording");
+    let d = tempfile::tempdir().unwrap();
+    // one ModelOpt weight_scale_2 renamed weight_global_scale (its reciprocal stored)
+    let mut f = Fixture::new(&mut r, 4);
+    let n = format!("{E1}.down_proj.weight_scale_2");
+    let v = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+    let t = f.tensors.iter_mut().find(|(s, _)| s.name == n).unwrap();
+    t.0 = TensorSpec::new(
+        format!("{E1}.down_proj.weight_global_scale"),
+        Dtype::F32,
+        &[],
+    );
+    t.1 = f32_bytes(&[1.0 / v]);
+    let dir = d.path().join("mixed");
+    f.write(&dir);
+    let (_, out, v) = audit(&dir);
+    assert!(
+        findings_of(&v, "convention_suspect").is_empty(),
+        "seed {seed}: {out}"
+    );
+
+    for (what, member) in [("ws2", "weight_scale_2"), ("is", "input_scale")] {
+        let mut f = Fixture::new(&mut r, 4);
+        let t = format!("{E1}.gate_proj.{member}");
+        f.set_f32(&t, [f32::INFINITY, f32::NAN][r.gen_range(0..2)]);
+        let dir = d.path().join(what);
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        assert_eq!(
+            findings_of(&v, "nonfinite_global_scale").len(),
+            1,
+            "seed {seed} {what}: {out}"
+        );
+        assert!(
+            findings_of(&v, "convention_suspect").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+    }
+
+    let mut f = Fixture::new(&mut r, 5);
+    f.config["n_routed_experts"] = 4.into();
+    let dir = d.path().join("router");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let gate = "model.layers.1.mlp.gate.weight";
+    let named = v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["tensor"] == gate)
+        .count();
+    assert_eq!(named, 1, "seed {seed}: {out}");
+
+    let (rows, cols) = (16, 64);
+    let mut t = mxfp4_linear(&mut r, rows, cols);
+    t[1].1[r.gen_range(0..rows * cols / 32)] = 0xFF;
+    let file = d.path().join("mx-nan.safetensors");
+    write(&file, t);
+    let (c, out, v) = audit(&file);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let nan = findings_of(&v, "nan_block_scales");
+    assert!(
+        nan.len() == 1 && nan[0].2.contains("E8M0 0xFF") && !nan[0].2.contains("448"),
+        "seed {seed}: {nan:?}"
+    );
+    assert!(
+        out.contains("1 hazardous tensor (1 finding)"),
+        "seed {seed}: {out}"
+    );
+    assert!(
+        !out.contains("block scales at 448") && !out.contains("most saturated"),
+        "seed {seed}: MXFP4 has no 448:\n{out}"
+    );
+}

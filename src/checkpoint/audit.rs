@@ -192,7 +192,7 @@ impl FindingKind {
             FindingKind::AllZeroWeight => "all-zero weight",
             FindingKind::NonfiniteValues => "NaN/Inf values",
             FindingKind::ConfigMismatch => "config mismatch",
-            FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
+            FindingKind::BlockScaleDtype => "block scales of the wrong dtype or shape",
             FindingKind::DuplicateTensor => "differing copy in another shard",
             FindingKind::UnindexedTensor => "not in the index's weight_map",
             FindingKind::OriginalMismatch => "differs from its BF16 original",
@@ -386,6 +386,52 @@ pub fn audit(
             }
             continue;
         }
+        // block scales of another dtype or rank (F32/BF16/F16, flattened, [1, N, K/16]): name
+        // them as such; they are not missing, and the packed weight is still packed
+        let odd = ["weight_scale", "scale"]
+            .iter()
+            .filter(|s| members.contains(*s))
+            .map(|s| m(s))
+            .find(|n| ck.info(n).is_ok_and(|t| !is_block_scale(t)));
+        if let (true, false, Some(sn)) = (packed, block, odd) {
+            let wn = if members.contains("weight_packed") {
+                m("weight_packed")
+            } else {
+                m("weight")
+            };
+            let st = ck.info(&sn)?;
+            let mxfp4 = sn.ends_with(".scale") && !global;
+            let (dtype, fmt, fname) = if mxfp4 {
+                ("F8_E8M0", Format::Mxfp4, "MXFP4")
+            } else {
+                ("F8_E4M3", Format::Nvfp4, "NVFP4")
+            };
+            let want = match ck.info(&wn).map(|w| w.shape.as_slice()) {
+                Ok(&[rows, half]) => format!("[{rows}, {}]", 2 * half / fmt.block()),
+                _ => format!("[N, K/{}]", fmt.block()),
+            };
+            let got_dims = st
+                .shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            findings.push(Finding {
+                tensor: sn.clone(),
+                file: ck.file_of(&sn).to_path_buf(),
+                kind: FindingKind::BlockScaleDtype,
+                detail: format!(
+                    "{} is {:?} [{got_dims}], expected {dtype} {want} ({} block scales of the packed weight `{wn}`): engines cannot load it as block scales. This linear is not scanned further",
+                    sn.rsplit('.').next().unwrap_or("weight_scale"),
+                    st.dtype,
+                    fname
+                ),
+            });
+            for mem in members.iter() {
+                in_linear.insert(m(mem));
+            }
+            continue;
+        }
         if packed && block {
             let ln = formats::find_linear(ck, base)?.ok_or_else(|| {
                 Error::bad_tensor(
@@ -489,6 +535,13 @@ pub fn audit(
     let fused_tensors = fused_experts(ck, opts, &mut findings)?;
     layer_structure(ck, &mut findings);
     config_checks(ck, &linears, &mut findings)?;
+    // a misshapen router is named once, against config.json
+    let config_named: BTreeSet<String> = findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::ConfigMismatch)
+        .map(|f| f.tensor.clone())
+        .collect();
+    findings.retain(|f| f.kind != FindingKind::BrokenLayer || !config_named.contains(&f.tensor));
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
     let compared = ck.originals().filter(|_| opts.originals);
@@ -570,6 +623,17 @@ fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &m
     }
 }
 
+/// The direction a stored global scale is in, by its own name: `*_global_scale` is
+/// compressed-tensors' quant direction, `weight_scale_2` / `input_scale` ModelOpt's dequant
+/// direction, whichever convention the linear's other members follow (MXFP4 stays MXFP4).
+fn by_name(ln: &LinearNames, member: &str) -> Convention {
+    match ln.convention {
+        Convention::Mxfp4 => Convention::Mxfp4,
+        _ if member.ends_with("global_scale") => Convention::CompressedTensors,
+        _ => Convention::Modelopt,
+    }
+}
+
 fn scan_linear(
     ck: &Checkpoint,
     ln: &LinearNames,
@@ -594,11 +658,15 @@ fn scan_linear(
             file: file(&ln.weight_scale),
             kind: FindingKind::NanBlockScales,
             detail: format!(
-                "{} of {} block scales are NaN codes (first at row {}, block {}): a plain cast past 448 makes these; the blocks dequantize to NaN",
+                "{} of {} block scales are NaN codes (first at row {}, block {}): {}; the blocks dequantize to NaN",
                 sc.nan,
                 scales.len(),
                 i / kb.max(1),
-                i % kb.max(1)
+                i % kb.max(1),
+                match g.format {
+                    Format::Nvfp4 => "E4M3 0x7F/0xFF, what a plain cast past 448 makes",
+                    Format::Mxfp4 => "E8M0 0xFF, the format's one NaN code (no exponent: a scale written as -1 or 0xFF fill, never a power of two)",
+                }
             ),
         });
     }
@@ -737,7 +805,7 @@ fn scan_linear(
             let stored = ck.scalar_f32(gn)?;
             let what = gn.rsplit('.').next().unwrap_or("weight_scale_2");
             scalar_checks(gn, &file(gn), what, stored, &mut out);
-            if let Some(s) = formats::convention_suspicion(ln.convention, stored, sc.max) {
+            if let Some(s) = formats::convention_suspicion(by_name(ln, gn), stored, sc.max) {
                 out.push(Finding {
                     tensor: gn.clone(),
                     file: file(gn),
@@ -784,7 +852,7 @@ fn scan_linear(
         let stored = ck.scalar_f32(i)?;
         let what = i.rsplit('.').next().unwrap_or("input_scale");
         scalar_checks(i, &file(i), what, stored, &mut out);
-        if let Some(s) = formats::input_scale_suspicion(ln.convention, stored) {
+        if let Some(s) = formats::input_scale_suspicion(by_name(ln, i), stored) {
             out.push(Finding {
                 tensor: i.clone(),
                 file: file(i),
@@ -2433,12 +2501,19 @@ fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
         .strip_suffix(".weight_packed")
         .or_else(|| name.strip_suffix(".weight"))
         .unwrap_or(name);
-    let packed = matches!(t.dtype, Dtype::U8 | Dtype::I8)
-        && ["weight_scale", "scale"].iter().any(|s| {
-            // E5M2-tagged block scales are a finding of their own, their weight still packed
-            ck.info(&format!("{base}.{s}"))
-                .is_ok_and(|t| is_block_scale(t) || t.dtype == Dtype::F8_E5M2)
-        });
+    // U8 weights are packed FP4 whatever their scales (missing, of another dtype or rank:
+    // findings of their own); an I8 one when a quantization member sits beside it
+    let packed = name.ends_with(".weight_packed")
+        || t.dtype == Dtype::U8
+        || (t.dtype == Dtype::I8
+            && [
+                "weight_scale",
+                "scale",
+                "weight_scale_2",
+                "weight_global_scale",
+            ]
+            .iter()
+            .any(|s| ck.contains(&format!("{base}.{s}"))));
     Ok(Some([rows, if packed { 2 * cols } else { cols }]))
 }
 

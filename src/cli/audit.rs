@@ -24,7 +24,9 @@ pub struct Args {
     /// Checkpoint directory or .safetensors file
     #[arg(value_name = "PATH")]
     pub path: PathBuf,
-    /// Flag a tensor when more than this fraction of its block scales sit at 448
+    /// Flag a tensor when more than this fraction of its block scales sit at 448, and more than
+    /// 8 of them do (an auto-scaled tensor puts the few blocks next to its amax at 448, whatever
+    /// its size; 0 flags any tensor with more than 8). NVFP4 only: E8M0 scales do not saturate
     #[arg(long, value_name = "FRACTION", default_value_t = 0.01)]
     pub saturation_limit: f64,
     /// Flag an expert whose input_scale is more than this multiple of the layer's median, or less
