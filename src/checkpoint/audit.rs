@@ -725,7 +725,15 @@ fn scan_linear(
     }
     // what the scales make of the codes: zeroed blocks, blocks that overflow to Inf
     let stored_ws2 = formats::weight_scale_2(ck, ln)?;
-    let bv = block_values(g.format, g.cols, scales, packed, stored_ws2);
+    // a second pass over the scales only when one of them can be either (the largest scale
+    // bounds every product; a healthy tensor has no zero scale, or a few over zero blocks)
+    let may_overflow =
+        stored_ws2.is_finite() && !((e2m1::MAX * sc.max) * stored_ws2.abs()).is_finite();
+    let bv = if sc.zero > 0 || may_overflow {
+        block_values(g.format, g.cols, scales, packed, stored_ws2)
+    } else {
+        BlockValues::default()
+    };
     let at = |i: usize| format!("row {}, block {}", i / kb.max(1), i % kb.max(1));
     if bv.dead > 0 {
         let (zero, quantizers) = match g.format {
