@@ -1944,3 +1944,379 @@ fn moe_layers_an_engine_cannot_build_are_named() {
         );
     }
 }
+
+/// A single-file MXFP4 linear (native V4 names: `w1.weight` U8, `w1.scale` F8_E8M0 [N, K/32]).
+fn mxfp4_linear(r: &mut impl Rng, rows: usize, cols: usize) -> Tensors {
+    let w = weights(r, rows, cols);
+    let (q, _) = nvfp4dbg::nvfp4::quantize_mxfp4(&w, rows, cols);
+    vec![
+        (
+            TensorSpec::new(
+                "layers.1.ffn.experts.0.w1.weight",
+                Dtype::U8,
+                &[rows, cols / 2],
+            ),
+            q.packed,
+        ),
+        (
+            TensorSpec::new(
+                "layers.1.ffn.experts.0.w1.scale",
+                Dtype::F8_E8M0,
+                &[rows, cols / 32],
+            ),
+            q.scales,
+        ),
+    ]
+}
+
+/// Block scales that make a block's weights Inf (an E8M0 scale of 2^127; an NVFP4
+/// weight_scale_2 so large that code × scale × weight_scale_2 overflows) or 0 (a zero E4M3
+/// scale, an E8M0 code 0 = 2^-127, over codes that are not all ±0) passed: the JSON counted
+/// them (inf_count, zero_scales), no finding did. A zero scale over an all-zero block is what
+/// quantizers write, and passes.
+#[test]
+fn block_scales_that_make_weights_inf_or_zero_are_named() {
+    let (seed, mut r) = rng("audit inf/zero dequant");
+    let d = tempfile::tempdir().unwrap();
+    let e = 4;
+    let ws = format!("{E1}.gate_proj.weight_scale");
+    let ws2 = format!("{E1}.down_proj.weight_scale_2");
+    let row = r.gen_range(0..16);
+    type Plant = Box<dyn Fn(&mut Fixture)>;
+    let cases: Vec<(&str, Plant, &str, String)> = vec![
+        (
+            "a row of zero scales",
+            Box::new(move |f| {
+                let kb = 32 / 16;
+                f.get(&ws)[row * kb..(row + 1) * kb].fill(0)
+            }),
+            "zero_block_scales",
+            format!("{E1}.gate_proj.weight_scale"),
+        ),
+        (
+            "weight_scale_2 1e36",
+            Box::new(move |f| f.set_f32(&ws2, 1e36)),
+            "nonfinite_dequant",
+            format!("{E1}.down_proj.weight_scale_2"),
+        ),
+    ];
+    for (what, plant, kind, tensor) in cases {
+        let mut f = Fixture::new(&mut r, e);
+        plant(&mut f);
+        let dir = d.path().join(what.replace(' ', "_"));
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = v["findings"].as_array().unwrap();
+        assert!(
+            found
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == tensor.as_str()),
+            "seed {seed} {what}: no {kind} on {tensor} in {found:#?}"
+        );
+    }
+    // a block of zero values: scale 0 over ±0 codes, as ModelOpt writes it
+    let mut f = Fixture::new(&mut r, e);
+    let kb = 32 / 16;
+    let blk = r.gen_range(0..16 * kb);
+    f.get(&format!("{E1}.gate_proj.weight_scale"))[blk] = 0;
+    f.get(&format!("{E1}.gate_proj.weight"))[blk * 8..blk * 8 + 8]
+        .iter_mut()
+        .for_each(|b| *b &= 0x88);
+    let dir = d.path().join("zero_block");
+    f.write(&dir);
+    let (c, out, _) = audit(&dir);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    // MXFP4: an E8M0 scale 254 (2^127) over codes >= 2 overflows; code 0 (2^-127) kills a row
+    let (rows, cols) = (16, 128);
+    let kb = cols / 32;
+    let clean = mxfp4_linear(&mut r, rows, cols);
+    let ok = d.path().join("mx.safetensors");
+    write(&ok, clean.clone());
+    let (c, out, _) = audit(&ok);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    let scale = "layers.1.ffn.experts.0.w1.scale";
+    for (what, kind) in [("huge", "nonfinite_dequant"), ("zero", "zero_block_scales")] {
+        let mut t = clean.clone();
+        let (row, k) = (r.gen_range(0..rows), r.gen_range(0..kb));
+        if what == "huge" {
+            // a code of magnitude >= 2 in the block, so that 2 × 2^127 overflows
+            t[0].1[(row * kb + k) * 16] |= 0x06;
+            t[1].1[row * kb + k] = 254;
+        } else {
+            t[1].1[row * kb..(row + 1) * kb].fill(0);
+        }
+        let f = d.path().join(format!("mx-{what}.safetensors"));
+        write(&f, t);
+        let (c, out, v) = audit(&f);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        assert!(
+            v["findings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x["kind"] == kind && x["tensor"] == scale),
+            "seed {seed} {what}: no {kind} on {scale}: {out}"
+        );
+    }
+}
+
+/// A checkpoint directory whose config.json (and hf_quant_config.json) was deleted passed
+/// with no note, though no engine loads it and the checks against the config were skipped.
+/// The same tensors as a single .safetensors file need no config.
+#[test]
+fn directory_without_config_json_is_named() {
+    let (seed, mut r) = rng("audit no config.json");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..6);
+    let f = Fixture::new(&mut r, e);
+    let dir = d.path().join("ck");
+    f.write(&dir);
+    std::fs::remove_file(dir.join("config.json")).unwrap();
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "missing_config");
+    assert_eq!(found.len(), 1, "seed {seed}: {out}");
+    assert_eq!(found[0].0, "config.json", "seed {seed}");
+    assert!(
+        found[0].1.ends_with("config.json"),
+        "seed {seed}: {found:?}"
+    );
+    let (c, out, _) = audit(&dir.join("model.safetensors"));
+    assert_eq!(
+        c, 0,
+        "seed {seed}: a single file needs no config.json: {out}"
+    );
+}
+
+/// The summary's "NaN block scales" and "saturated block scales" rows counted findings (one
+/// per tensor), not scales: 3 + 5 NaN scales in two tensors read "2". They now read "N scales
+/// in M tensors", and the JSON summary has the totals. "lowest cosine vs original" skipped a
+/// linear whose cosine is NaN (NaN in its dequantized weight): NaN is the lowest.
+#[test]
+fn summary_counts_scales_and_shows_a_nan_cosine() {
+    let (seed, mut r) = rng("audit summary counts");
+    let d = tempfile::tempdir().unwrap();
+    let mut f = Fixture::new(&mut r, 4);
+    let (a, b) = (r.gen_range(2..6), r.gen_range(2..6));
+    for (p, n) in [("gate_proj", a), ("down_proj", b)] {
+        let s = f.get(&format!("{E1}.{p}.weight_scale"));
+        let at = r.gen_range(0..s.len() - n);
+        s[at..at + n].fill(0x7F);
+    }
+    // more than a handful at 448 in one tensor
+    let sat = r.gen_range(20..30);
+    f.get(&format!("{E1}.up_proj.weight_scale"))[..sat].fill(0x7E);
+    let dir = d.path().join("ck");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert_eq!(v["summary"]["nan_block_scales"], a + b, "seed {seed}");
+    assert_eq!(v["summary"]["nan_block_scale_tensors"], 2, "seed {seed}");
+    assert_eq!(
+        v["summary"]["saturated_block_scale_tensors"], 1,
+        "seed {seed}"
+    );
+    let row = |label: &str| {
+        out.lines()
+            .find(|l| l.contains(label) && l.contains(" in "))
+            .unwrap_or_else(|| panic!("seed {seed}: no {label} row:\n{out}"))
+            .to_string()
+    };
+    assert!(
+        row("NaN block scales").contains(&format!("{} scales in 2 tensors", a + b)),
+        "seed {seed}:\n{out}"
+    );
+    let sat_all: u64 = v["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["base"] == format!("{E1}.up_proj").as_str())
+        .map(|l| l["saturated"].as_u64().unwrap())
+        .sum();
+    assert!(sat_all >= sat as u64, "seed {seed}");
+    assert!(
+        row("saturated block scales").contains(&format!("{sat_all} scales in 1 tensor")),
+        "seed {seed}:\n{out}"
+    );
+
+    // a NaN block scale in a synth checkpoint: its linear's cosine vs the original is NaN
+    let ck = d.path().join("synth");
+    synth(&ck, seed, &["--plant", "nan-block-scale"]);
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let nan_linear = v["linears"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["nan_scales"].as_u64().unwrap() > 0)
+        .unwrap_or_else(|| panic!("seed {seed}: no NaN scales: {out}"));
+    assert_eq!(
+        v["summary"]["lowest_original_cosine_linear"], nan_linear["base"],
+        "seed {seed}: {out}"
+    );
+    assert!(
+        out.lines().any(|l| l.contains("lowest cosine vs original")
+            && l.contains(&format!("NaN ({})", nan_linear["base"].as_str().unwrap()))),
+        "seed {seed}:\n{out}"
+    );
+}
+
+/// Block scales that exist but under another dtype (F32/BF16/F16) or rank (flattened,
+/// [1, N, K/16]) were "missing … without block scales", and the packed U8 weight beside them
+/// was taken as unpacked: a false config_mismatch ("[out, in] = [16, 16]" for K = 32). The
+/// same false config_mismatch came with block scales really missing.
+#[test]
+fn block_scales_of_another_dtype_or_rank_are_named_as_such() {
+    let (seed, mut r) = rng("audit scale dtype/rank");
+    let d = tempfile::tempdir().unwrap();
+    let ws = format!("{E1}.gate_proj.weight_scale");
+    // gate_proj: [16, 32] unpacked, block scales [16, 2]
+    let cases: Vec<(&str, Dtype, Vec<usize>, usize, &str)> = vec![
+        ("F32", Dtype::F32, vec![16, 2], 4, "F32 [16, 2]"),
+        ("BF16", Dtype::BF16, vec![16, 2], 2, "BF16 [16, 2]"),
+        ("F16", Dtype::F16, vec![16, 2], 2, "F16 [16, 2]"),
+        ("flat", Dtype::F8_E4M3, vec![32], 1, "F8_E4M3 [32]"),
+        (
+            "3-D",
+            Dtype::F8_E4M3,
+            vec![1, 16, 2],
+            1,
+            "F8_E4M3 [1, 16, 2]",
+        ),
+    ];
+    for (what, dtype, shape, size, says) in cases {
+        let mut f = Fixture::new(&mut r, 4);
+        let t = f.tensors.iter_mut().find(|(s, _)| s.name == ws).unwrap();
+        t.0 = TensorSpec::new(ws.clone(), dtype, &shape);
+        // finite, positive values of the new width
+        t.1 = (0..32 * size)
+            .map(|i| {
+                if i % size == size - 1 {
+                    0x3C
+                } else {
+                    r.gen_range(0..0x30)
+                }
+            })
+            .collect();
+        let dir = d.path().join(what);
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let found = findings_of(&v, "block_scale_dtype");
+        assert!(
+            found.iter().any(|(t, _, d)| *t == ws
+                && d.contains(&format!("weight_scale is {says}, expected F8_E4M3 [16, 2]"))),
+            "seed {seed} {what}: {found:?}\n{out}"
+        );
+        assert!(
+            findings_of(&v, "missing_member").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+        assert!(
+            findings_of(&v, "config_mismatch").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+    }
+    // really missing: a missing member, and the packed weight's K is still 2 x its bytes
+    let mut f = Fixture::new(&mut r, 4);
+    f.remove(&ws);
+    let dir = d.path().join("missing");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    assert!(
+        findings_of(&v, "missing_member").iter().any(|x| x.0 == ws),
+        "seed {seed}: {out}"
+    );
+    assert!(
+        findings_of(&v, "config_mismatch").is_empty(),
+        "seed {seed}: {out}"
+    );
+}
+
+/// Findings that said something false or twice: an `input_scale` beside a linear whose global
+/// scale is named `weight_global_scale` read in the compressed-tensors direction (a false
+/// convention_suspect); an Inf weight_scale_2 / input_scale given a second, nonsense
+/// convention_suspect ("read as a gs it gives 0"); a router of the wrong shape named as a
+/// config_mismatch and again as a broken_layer; an MXFP4 NaN scale explained by a cast past
+/// 448; "1 hazardous tensors (1 findings)".
+#[test]
+fn findings_say_it_once_and_right() {
+    let (seed, mut r) = rng("audit wording");
+    let d = tempfile::tempdir().unwrap();
+    // one ModelOpt weight_scale_2 renamed weight_global_scale (its reciprocal stored)
+    let mut f = Fixture::new(&mut r, 4);
+    let n = format!("{E1}.down_proj.weight_scale_2");
+    let v = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+    let t = f.tensors.iter_mut().find(|(s, _)| s.name == n).unwrap();
+    t.0 = TensorSpec::new(
+        format!("{E1}.down_proj.weight_global_scale"),
+        Dtype::F32,
+        &[],
+    );
+    t.1 = f32_bytes(&[1.0 / v]);
+    let dir = d.path().join("mixed");
+    f.write(&dir);
+    let (_, out, v) = audit(&dir);
+    assert!(
+        findings_of(&v, "convention_suspect").is_empty(),
+        "seed {seed}: {out}"
+    );
+
+    for (what, member) in [("ws2", "weight_scale_2"), ("is", "input_scale")] {
+        let mut f = Fixture::new(&mut r, 4);
+        let t = format!("{E1}.gate_proj.{member}");
+        f.set_f32(&t, [f32::INFINITY, f32::NAN][r.gen_range(0..2)]);
+        let dir = d.path().join(what);
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        assert_eq!(
+            findings_of(&v, "nonfinite_global_scale").len(),
+            1,
+            "seed {seed} {what}: {out}"
+        );
+        assert!(
+            findings_of(&v, "convention_suspect").is_empty(),
+            "seed {seed} {what}: {out}"
+        );
+    }
+
+    let mut f = Fixture::new(&mut r, 5);
+    f.config["n_routed_experts"] = 4.into();
+    let dir = d.path().join("router");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let gate = "model.layers.1.mlp.gate.weight";
+    let named = v["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|x| x["tensor"] == gate)
+        .count();
+    assert_eq!(named, 1, "seed {seed}: {out}");
+
+    let (rows, cols) = (16, 64);
+    let mut t = mxfp4_linear(&mut r, rows, cols);
+    t[1].1[r.gen_range(0..rows * cols / 32)] = 0xFF;
+    let file = d.path().join("mx-nan.safetensors");
+    write(&file, t);
+    let (c, out, v) = audit(&file);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let nan = findings_of(&v, "nan_block_scales");
+    assert!(
+        nan.len() == 1 && nan[0].2.contains("E8M0 0xFF") && !nan[0].2.contains("448"),
+        "seed {seed}: {nan:?}"
+    );
+    assert!(
+        out.contains("1 hazardous tensor (1 finding)"),
+        "seed {seed}: {out}"
+    );
+    assert!(
+        !out.contains("at 448") && !out.contains("most saturated"),
+        "seed {seed}: MXFP4 has no 448:\n{out}"
+    );
+}

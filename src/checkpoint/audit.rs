@@ -6,6 +6,12 @@
 //! - a global scale (`weight_scale_2`, `input_scale`, or their compressed-tensors reciprocals)
 //!   that is NaN, infinite, zero or negative;
 //! - E4M3 NaN codes (`0x7F`/`0xFF`) or negative values among the block scales;
+//! - a block scale of zero (MXFP4: E8M0 code 0, 2^-127) over a block whose FP4 codes are not
+//!   all ±0: its weights dequantize to 0 (a whole row: a dead output channel). Quantizers
+//!   write scale 0 only over an all-zero block, whose codes are then ±0 (`rcp(0) = 0`), and
+//!   that passes;
+//! - finite scales whose product with a block's codes overflows f32 (`(e2m1 × s) ×
+//!   weight_scale_2`; an E8M0 scale of 2^127): the block dequantizes to Inf;
 //! - more than `saturation_limit` (default 1%) and more than [`SATURATED_HANDFUL`] of the block
 //!   scales at 448. With the auto-scaled `gs = 2688/amax`, only blocks whose max is within ~3.6%
 //!   of the tensor's amax round to 448 (432/448): a handful per tensor, far below 1% of the
@@ -35,6 +41,8 @@
 //! - a packed weight or block-scale tensor byte-identical to another linear's (one expert's
 //!   tensor written or loaded under another's name);
 //! - NaN/Inf in any float tensor (routers, norms, biases, BF16 weights);
+//! - a checkpoint directory holding quantized linears but no config.json (engines build the
+//!   model from it; a single .safetensors file given as PATH needs none);
 //! - config.json promising NVFP4 while no NVFP4 tensor exists, or NVFP4 tensors without a
 //!   `quantization_config`, or under one of another method or algorithm (`quant_method: fp8`:
 //!   engines pick their loader from it), or a group size other than 16;
@@ -73,7 +81,7 @@ use super::names::Naming;
 use super::originals::{self, OriginalCheck};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
-use crate::nvfp4::{e4m3, ue8m0, Format, ScaleProblem};
+use crate::nvfp4::{e2m1, e4m3, ue8m0, Format, ScaleProblem};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -141,6 +149,14 @@ pub enum FindingKind {
     /// An MoE layer no engine can run as config.json describes it: its router (weight,
     /// selection bias, hash table) or shared expert missing or misshapen.
     BrokenLayer,
+    /// Block scales zero (MXFP4: E8M0 code 0, 2^-127) over blocks whose FP4 codes are not
+    /// all ±0: weights (often whole output channels) dequantize to 0.
+    ZeroBlockScales,
+    /// A checkpoint directory with quantized linears and no config.json: no engine loads it.
+    MissingConfig,
+    /// Finite scales whose product with a block's codes overflows f32: the block dequantizes
+    /// to Inf.
+    NonfiniteDequant,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -176,7 +192,7 @@ impl FindingKind {
             FindingKind::AllZeroWeight => "all-zero weight",
             FindingKind::NonfiniteValues => "NaN/Inf values",
             FindingKind::ConfigMismatch => "config mismatch",
-            FindingKind::BlockScaleDtype => "block scales not F8_E4M3",
+            FindingKind::BlockScaleDtype => "block scales of the wrong dtype or shape",
             FindingKind::DuplicateTensor => "differing copy in another shard",
             FindingKind::UnindexedTensor => "not in the index's weight_map",
             FindingKind::OriginalMismatch => "differs from its BF16 original",
@@ -187,6 +203,9 @@ impl FindingKind {
             FindingKind::SharedInputScale => "one input_scale for every expert",
             FindingKind::DefaultsDisagree => "left to engines' differing defaults",
             FindingKind::BrokenLayer => "MoE layer an engine cannot build",
+            FindingKind::ZeroBlockScales => "zero block scales over non-zero codes",
+            FindingKind::MissingConfig => "no config.json",
+            FindingKind::NonfiniteDequant => "weights dequantize to Inf",
         }
     }
 }
@@ -367,6 +386,52 @@ pub fn audit(
             }
             continue;
         }
+        // block scales of another dtype or rank (F32/BF16/F16, flattened, [1, N, K/16]): name
+        // them as such; they are not missing, and the packed weight is still packed
+        let odd = ["weight_scale", "scale"]
+            .iter()
+            .filter(|s| members.contains(*s))
+            .map(|s| m(s))
+            .find(|n| ck.info(n).is_ok_and(|t| !is_block_scale(t)));
+        if let (true, false, Some(sn)) = (packed, block, odd) {
+            let wn = if members.contains("weight_packed") {
+                m("weight_packed")
+            } else {
+                m("weight")
+            };
+            let st = ck.info(&sn)?;
+            let mxfp4 = sn.ends_with(".scale") && !global;
+            let (dtype, fmt, fname) = if mxfp4 {
+                ("F8_E8M0", Format::Mxfp4, "MXFP4")
+            } else {
+                ("F8_E4M3", Format::Nvfp4, "NVFP4")
+            };
+            let want = match ck.info(&wn).map(|w| w.shape.as_slice()) {
+                Ok(&[rows, half]) => format!("[{rows}, {}]", 2 * half / fmt.block()),
+                _ => format!("[N, K/{}]", fmt.block()),
+            };
+            let got_dims = st
+                .shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            findings.push(Finding {
+                tensor: sn.clone(),
+                file: ck.file_of(&sn).to_path_buf(),
+                kind: FindingKind::BlockScaleDtype,
+                detail: format!(
+                    "{} is {:?} [{got_dims}], expected {dtype} {want} ({} block scales of the packed weight `{wn}`): engines cannot load it as block scales. This linear is not scanned further",
+                    sn.rsplit('.').next().unwrap_or("weight_scale"),
+                    st.dtype,
+                    fname
+                ),
+            });
+            for mem in members.iter() {
+                in_linear.insert(m(mem));
+            }
+            continue;
+        }
         if packed && block {
             let ln = formats::find_linear(ck, base)?.ok_or_else(|| {
                 Error::bad_tensor(
@@ -470,6 +535,13 @@ pub fn audit(
     let fused_tensors = fused_experts(ck, opts, &mut findings)?;
     layer_structure(ck, &mut findings);
     config_checks(ck, &linears, &mut findings)?;
+    // a misshapen router is named once, against config.json
+    let config_named: BTreeSet<String> = findings
+        .iter()
+        .filter(|f| f.kind == FindingKind::ConfigMismatch)
+        .map(|f| f.tensor.clone())
+        .collect();
+    findings.retain(|f| f.kind != FindingKind::BrokenLayer || !config_named.contains(&f.tensor));
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
     let compared = ck.originals().filter(|_| opts.originals);
@@ -551,6 +623,17 @@ fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &m
     }
 }
 
+/// The direction a stored global scale is in, by its own name: `*_global_scale` is
+/// compressed-tensors' quant direction, `weight_scale_2` / `input_scale` ModelOpt's dequant
+/// direction, whichever convention the linear's other members follow (MXFP4 stays MXFP4).
+fn by_name(ln: &LinearNames, member: &str) -> Convention {
+    match ln.convention {
+        Convention::Mxfp4 => Convention::Mxfp4,
+        _ if member.ends_with("global_scale") => Convention::CompressedTensors,
+        _ => Convention::Modelopt,
+    }
+}
+
 fn scan_linear(
     ck: &Checkpoint,
     ln: &LinearNames,
@@ -575,11 +658,15 @@ fn scan_linear(
             file: file(&ln.weight_scale),
             kind: FindingKind::NanBlockScales,
             detail: format!(
-                "{} of {} block scales are NaN codes (first at row {}, block {}): a plain cast past 448 makes these; the blocks dequantize to NaN",
+                "{} of {} block scales are NaN codes (first at row {}, block {}): {}; the blocks dequantize to NaN",
                 sc.nan,
                 scales.len(),
                 i / kb.max(1),
-                i % kb.max(1)
+                i % kb.max(1),
+                match g.format {
+                    Format::Nvfp4 => "E4M3 0x7F/0xFF, what a plain cast past 448 makes",
+                    Format::Mxfp4 => "E8M0 0xFF, the format's one NaN code (no exponent: a scale written as -1 or 0xFF fill, never a power of two)",
+                }
             ),
         });
     }
@@ -636,7 +723,75 @@ fn scan_linear(
             detail: "every FP4 code is ±0: never-written or zero-initialized memory".into(),
         });
     }
-    if g.format == Format::Nvfp4 && sc.nan == 0 {
+    // what the scales make of the codes: zeroed blocks, blocks that overflow to Inf
+    let stored_ws2 = formats::weight_scale_2(ck, ln)?;
+    // a second pass over the scales only when one of them can be either (the largest scale
+    // bounds every product; a healthy tensor has no zero scale, or a few over zero blocks)
+    let may_overflow =
+        stored_ws2.is_finite() && !((e2m1::MAX * sc.max) * stored_ws2.abs()).is_finite();
+    let bv = if sc.zero > 0 || may_overflow {
+        block_values(g.format, g.cols, scales, packed, stored_ws2)
+    } else {
+        BlockValues::default()
+    };
+    let at = |i: usize| format!("row {}, block {}", i / kb.max(1), i % kb.max(1));
+    if bv.dead > 0 {
+        let (zero, quantizers) = match g.format {
+            Format::Nvfp4 => (
+                "zero",
+                "a quantizer writes scale 0 only over an all-zero block (rcp(0) = 0 makes every code ±0)",
+            ),
+            Format::Mxfp4 => (
+                "E8M0 code 0 (2^-127: |w| ≤ 6·2^-127, zero to any engine)",
+                "a quantizer writes code 0 only over an all-zero block (its codes ±0); real weights sit ~2^-10, a hundred binades above",
+            ),
+        };
+        out.push(Finding {
+            tensor: ln.weight_scale.clone(),
+            file: file(&ln.weight_scale),
+            kind: FindingKind::ZeroBlockScales,
+            detail: format!(
+                "{} of {} block scales are {zero} over blocks whose FP4 codes are not all ±0 (first at {}{}): those weights dequantize to 0; {quantizers}, so these scales were zeroed after quantization",
+                bv.dead,
+                scales.len(),
+                at(bv.first_dead.unwrap_or(0)),
+                match bv.dead_rows {
+                    0 => String::new(),
+                    1 => "; 1 whole row: a dead output channel".into(),
+                    n => format!("; {n} whole rows: dead output channels"),
+                }
+            ),
+        });
+    }
+    if bv.overflow > 0 {
+        let i = bv.first_overflow.unwrap_or(0);
+        let s = g.format.decode_scale(scales[i]).abs();
+        // E4M3 block scales stop at 448: an NVFP4 overflow is its global scale's doing
+        let (tensor, product) = match (&ln.global_scale, g.format) {
+            (Some(gn), Format::Nvfp4) => (
+                gn.clone(),
+                format!("code × block scale × weight_scale_2 (up to 6 × {s} × {stored_ws2:e})"),
+            ),
+            _ => (
+                ln.weight_scale.clone(),
+                format!("code × block scale (up to 6 × {s:e})"),
+            ),
+        };
+        out.push(Finding {
+            tensor: tensor.clone(),
+            file: file(&tensor),
+            kind: FindingKind::NonfiniteDequant,
+            detail: format!(
+                "{} of {} blocks dequantize to Inf (first at {}): {product} overflows f32 (max {:e}); every output this linear computes from them is Inf/NaN",
+                bv.overflow,
+                scales.len(),
+                at(i),
+                f32::MAX
+            ),
+        });
+    }
+    // all zero over non-zero codes is the finding above
+    if g.format == Format::Nvfp4 && sc.nan == 0 && bv.dead == 0 {
         if let Some(detail) = uniform_block_scales(scales) {
             out.push(Finding {
                 tensor: ln.weight_scale.clone(),
@@ -658,7 +813,7 @@ fn scan_linear(
             let stored = ck.scalar_f32(gn)?;
             let what = gn.rsplit('.').next().unwrap_or("weight_scale_2");
             scalar_checks(gn, &file(gn), what, stored, &mut out);
-            if let Some(s) = formats::convention_suspicion(ln.convention, stored, sc.max) {
+            if let Some(s) = formats::convention_suspicion(by_name(ln, gn), stored, sc.max) {
                 out.push(Finding {
                     tensor: gn.clone(),
                     file: file(gn),
@@ -705,7 +860,7 @@ fn scan_linear(
         let stored = ck.scalar_f32(i)?;
         let what = i.rsplit('.').next().unwrap_or("input_scale");
         scalar_checks(i, &file(i), what, stored, &mut out);
-        if let Some(s) = formats::input_scale_suspicion(ln.convention, stored) {
+        if let Some(s) = formats::input_scale_suspicion(by_name(ln, i), stored) {
             out.push(Finding {
                 tensor: i.clone(),
                 file: file(i),
@@ -918,6 +1073,89 @@ fn scan_scales(format: Format, scales: &[u8]) -> ScaleScan {
         })
 }
 
+/// What the scales make of the codes, block by block ([`block_values`]).
+#[derive(Default, Clone, Copy, Debug, PartialEq)]
+struct BlockValues {
+    /// Blocks whose scale is zero (E8M0: code 0) while a code has a non-zero magnitude.
+    dead: u64,
+    /// Rows (output channels) where every block is dead.
+    dead_rows: u64,
+    first_dead: Option<usize>,
+    /// Blocks whose largest code × scale × `scale_2` is not finite (NaN scales excluded).
+    overflow: u64,
+    first_overflow: Option<usize>,
+}
+
+/// Blocks of a packed FP4 weight (`cols` unpacked, scales linear `[rows, cols/block]`) whose
+/// scale kills non-zero codes (`dead`: a zero scale, or E8M0 code 0) or whose dequantized
+/// values `(e2m1(q) × s) × scale_2` overflow f32. A quantizer writes scale 0 only over an
+/// all-zero block: with `rcp(0) = 0` every code is ±0 (DESIGN §2). Only the blocks whose
+/// scale can be either are looked at, so a healthy tensor costs one pass over its scales.
+fn block_values(
+    format: Format,
+    cols: usize,
+    scales: &[u8],
+    packed: &[u8],
+    scale_2: f32,
+) -> BlockValues {
+    let block = format.block();
+    let kb = cols / block;
+    if kb == 0 || packed.len() != scales.len() * block / 2 {
+        return BlockValues::default();
+    }
+    let is_zero = |b: u8| match format {
+        Format::Nvfp4 => b & 0x7F == 0,
+        Format::Mxfp4 => b == 0,
+    };
+    // a non-finite scale_2 is a finding of its own (every block would be named here)
+    let ws2 = if scale_2.is_finite() {
+        scale_2.abs()
+    } else {
+        0.0
+    };
+    let overflows = |b: u8, code: f32| {
+        !scale_is_nan(format, b) && !((code * format.decode_scale(b).abs()) * ws2).is_finite()
+    };
+    let max_code = |k: usize, r: usize| {
+        let at = (r * kb + k) * block / 2;
+        packed[at..at + block / 2]
+            .iter()
+            .map(|&b| (b & 0x7).max((b >> 4) & 0x7))
+            .max()
+            .unwrap_or(0)
+    };
+    scales
+        .par_chunks(kb)
+        .enumerate()
+        .map(|(r, row)| {
+            let mut v = BlockValues::default();
+            for (k, &b) in row.iter().enumerate() {
+                let (zero, over) = (is_zero(b), overflows(b, e2m1::MAX));
+                if !zero && !over {
+                    continue;
+                }
+                let q = max_code(k, r);
+                if zero && q != 0 {
+                    v.dead += 1;
+                    v.first_dead.get_or_insert(r * kb + k);
+                }
+                if over && overflows(b, e2m1::VALUES[q as usize]) {
+                    v.overflow += 1;
+                    v.first_overflow.get_or_insert(r * kb + k);
+                }
+            }
+            v.dead_rows = (v.dead == kb as u64) as u64;
+            v
+        })
+        .reduce(BlockValues::default, |a, b| BlockValues {
+            dead: a.dead + b.dead,
+            dead_rows: a.dead_rows + b.dead_rows,
+            first_dead: a.first_dead.or(b.first_dead),
+            overflow: a.overflow + b.overflow,
+            first_overflow: a.first_overflow.or(b.first_overflow),
+        })
+}
+
 fn scale_is_nan(format: Format, b: u8) -> bool {
     match format {
         Format::Nvfp4 => e4m3::is_nan(b),
@@ -929,7 +1167,8 @@ fn scale_is_nan(format: Format, b: u8) -> bool {
 /// most 255 scales, so that the compiler vectorizes it (a branch and u64 counters per scale
 /// held `audit` to ~12 instructions a scale, half of `cat`'s speed on a 3 GB checkpoint).
 /// Negative, saturated, zero and the maximum count only non-NaN scales; MXFP4 scales
-/// (UE8M0, unsigned) count only NaN and the maximum.
+/// (UE8M0, unsigned) count only NaN, zero (code 0, 2^-127: the smallest, what quantizers
+/// write for an all-zero block) and the maximum.
 fn scan_scale_chunk(format: Format, c: &[u8]) -> ScaleScan {
     let mut s = ScaleScan::default();
     let mut maxc = 0u8;
@@ -951,6 +1190,7 @@ fn scan_scale_chunk(format: Format, c: &[u8]) -> ScaleScan {
                 for &b in piece {
                     let is_nan = b == ue8m0::NAN;
                     nan += is_nan as u8;
+                    zero += (b == 0) as u8;
                     maxc = maxc.max(if is_nan { 0 } else { b });
                 }
             }
@@ -1574,6 +1814,25 @@ fn duplicate_copies(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
 
 fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
     let Some(p) = ck.config_path() else {
+        // a single .safetensors file needs no config; a directory is what engines load
+        if ck.is_dir() && !linears.is_empty() {
+            let hq = ck.dir().join(super::hf::HF_QUANT_CONFIG_FILE).is_file();
+            out.push(Finding {
+                tensor: super::hf::CONFIG_FILE.into(),
+                file: ck.dir().join(super::hf::CONFIG_FILE),
+                kind: FindingKind::MissingConfig,
+                detail: format!(
+                    "a checkpoint directory with {} quantized linears but no {}{}: engines (vLLM, SGLang, TensorRT-LLM, transformers) build the model from it and cannot load this directory; the checks against it (layer shapes, quantization_config) were skipped",
+                    linears.len(),
+                    super::hf::CONFIG_FILE,
+                    if hq {
+                        format!(" (only {})", super::hf::HF_QUANT_CONFIG_FILE)
+                    } else {
+                        String::new()
+                    }
+                ),
+            });
+        }
         return Ok(());
     };
     // broken JSON or nonsense MoE fields are bad input; a dense model's config is only read
@@ -2250,12 +2509,19 @@ fn logical_shape(ck: &Checkpoint, name: &str) -> Result<Option<[usize; 2]>> {
         .strip_suffix(".weight_packed")
         .or_else(|| name.strip_suffix(".weight"))
         .unwrap_or(name);
-    let packed = matches!(t.dtype, Dtype::U8 | Dtype::I8)
-        && ["weight_scale", "scale"].iter().any(|s| {
-            // E5M2-tagged block scales are a finding of their own, their weight still packed
-            ck.info(&format!("{base}.{s}"))
-                .is_ok_and(|t| is_block_scale(t) || t.dtype == Dtype::F8_E5M2)
-        });
+    // U8 weights are packed FP4 whatever their scales (missing, of another dtype or rank:
+    // findings of their own); an I8 one when a quantization member sits beside it
+    let packed = name.ends_with(".weight_packed")
+        || t.dtype == Dtype::U8
+        || (t.dtype == Dtype::I8
+            && [
+                "weight_scale",
+                "scale",
+                "weight_scale_2",
+                "weight_global_scale",
+            ]
+            .iter()
+            .any(|s| ck.contains(&format!("{base}.{s}"))));
     Ok(Some([rows, if packed { 2 * cols } else { cols }]))
 }
 
@@ -2373,6 +2639,8 @@ mod tests {
                     want.zero += (mag == 0) as u64;
                     maxc = maxc.max(mag);
                 } else {
+                    // E8M0 code 0 is 2^-127: counted as zero
+                    want.zero += (x == 0) as u64;
                     maxc = maxc.max(x);
                 }
             }
@@ -2411,5 +2679,79 @@ mod tests {
             count_nonfinite(Dtype::F8_E4M3, &[0x7E, 0xFF, 0x7F]),
             (2, Some(1))
         );
+    }
+
+    /// `block_values` against a plain per-element dequantization: a block is dead when its
+    /// scale is zero (E8M0 code 0) and one of its codes is not ±0, overflowing when one of its
+    /// dequantized values is not finite (NaN scales aside).
+    #[test]
+    fn block_values_match_a_plain_dequantization() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for format in [Format::Nvfp4, Format::Mxfp4] {
+            let block = format.block();
+            let (rows, kb) = (r.gen_range(1..40), r.gen_range(1..6));
+            let cols = kb * block;
+            let mut packed: Vec<u8> = (0..rows * cols / 2).map(|_| r.gen()).collect();
+            let mut scales: Vec<u8> = (0..rows * kb).map(|_| r.gen()).collect();
+            // some all-±0 blocks, some zero scales, a whole dead row
+            for _ in 0..r.gen_range(1..8) {
+                let b = r.gen_range(0..rows * kb);
+                packed[b * block / 2..(b + 1) * block / 2]
+                    .iter_mut()
+                    .for_each(|x| *x &= 0x88);
+            }
+            for _ in 0..r.gen_range(1..8) {
+                scales[r.gen_range(0..rows * kb)] = 0;
+            }
+            let dead_row = r.gen_range(0..rows);
+            scales[dead_row * kb..(dead_row + 1) * kb].fill(0);
+            packed[dead_row * cols / 2..(dead_row + 1) * cols / 2]
+                .iter_mut()
+                .for_each(|x| *x |= 0x11);
+            let ws2 = match format {
+                Format::Nvfp4 => [1e-3f32, 1e36, 3e35][r.gen_range(0..3)],
+                Format::Mxfp4 => 1.0,
+            };
+            let mut want = BlockValues::default();
+            for row in 0..rows {
+                let mut row_dead = 0;
+                for k in 0..kb {
+                    let b = row * kb + k;
+                    let s = scales[b];
+                    let codes: Vec<f32> = (0..block)
+                        .map(|j| {
+                            let byte = packed[b * block / 2 + j / 2];
+                            let c = if j % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                            e2m1::VALUES[(c & 7) as usize]
+                        })
+                        .collect();
+                    let zero = match format {
+                        Format::Nvfp4 => s & 0x7F == 0,
+                        Format::Mxfp4 => s == 0,
+                    };
+                    if zero && codes.iter().any(|&c| c != 0.0) {
+                        want.dead += 1;
+                        row_dead += 1;
+                        want.first_dead.get_or_insert(b);
+                    }
+                    let sv = format.decode_scale(s).abs();
+                    if !scale_is_nan(format, s)
+                        && codes.iter().any(|&c| !((c * sv) * ws2).is_finite())
+                    {
+                        want.overflow += 1;
+                        want.first_overflow.get_or_insert(b);
+                    }
+                }
+                want.dead_rows += (row_dead == kb) as u64;
+            }
+            let got = block_values(format, cols, &scales, &packed, ws2);
+            assert_eq!(
+                got, want,
+                "seed {seed}: {format:?} {rows}x{cols}, ws2 {ws2}"
+            );
+            assert!(got.dead > 0 && got.dead_rows > 0, "seed {seed}");
+        }
     }
 }

@@ -317,6 +317,10 @@ pub fn convention_suspicion(
     max_block_scale: f32,
 ) -> Option<String> {
     let implied = |ws2: f32| 6.0 * max_block_scale * ws2;
+    // a NaN/Inf scale is a finding of its own; its reciprocal says nothing
+    if !stored.is_finite() {
+        return None;
+    }
     match convention {
         Convention::Modelopt if stored > 1.0 => Some(format!(
             "weight_scale_2 = {stored:.4e} > 1 gives |w| up to {:.3e}; read as a gs (1/x) it gives {:.3e}: a compressed-tensors gs stored as weight_scale_2?",
@@ -335,6 +339,9 @@ pub fn convention_suspicion(
 /// The activation counterpart: `input_scale = amax/2688` past 10 means activations of
 /// ~27000, which no engine calibrates to; likely `1/input_scale` stored.
 pub fn input_scale_suspicion(convention: Convention, stored: f32) -> Option<String> {
+    if !stored.is_finite() {
+        return None;
+    }
     match convention {
         Convention::Modelopt if stored > 10.0 => Some(format!(
             "input_scale = {stored:.4e} means activations up to {:.3e}; 1/x = {:.4e} looks meant (a gs stored as input_scale?)",

@@ -2,15 +2,21 @@
 //! float tensor, and — when the checkpoint ships BF16 originals (`DIR/bf16/`) — every quantized
 //! linear dequantized against its original (see `checkpoint::audit` for what counts as a hazard
 //! and why). Exit 1 names every hazardous tensor.
+//!
+//! Block scales are judged with the codes they scale: a zero block scale (MXFP4: E8M0 code 0,
+//! 2^-127) over a block whose FP4 codes are not all ±0 is a finding (those weights dequantize
+//! to 0; quantizers write scale 0 only over all-zero blocks, which pass), and so is a block
+//! whose code × scale × weight_scale_2 overflows to Inf.
 
 use super::common::{progress, OutArgs};
-use crate::checkpoint::audit::{audit, AuditOptions, FindingKind, Severity};
+use crate::checkpoint::audit::{audit, AuditOptions, FindingKind, LinearStats, Severity};
 use crate::checkpoint::originals;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Error, Result};
+use crate::nvfp4::Format;
 use crate::report::{e, f, Report, Section, Verdict};
 use serde_json::json;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -18,7 +24,9 @@ pub struct Args {
     /// Checkpoint directory or .safetensors file
     #[arg(value_name = "PATH")]
     pub path: PathBuf,
-    /// Flag a tensor when more than this fraction of its block scales sit at 448
+    /// Flag a tensor when more than this fraction of its block scales sit at 448, and more than
+    /// 8 of them do (an auto-scaled tensor puts the few blocks next to its amax at 448, whatever
+    /// its size; 0 flags any tensor with more than 8). NVFP4 only: E8M0 scales do not saturate
     #[arg(long, value_name = "FRACTION", default_value_t = 0.01)]
     pub saturation_limit: f64,
     /// Flag an expert whose input_scale is more than this multiple of the layer's median, or less
@@ -77,12 +85,36 @@ pub fn run(args: &Args) -> Result<Report> {
     for x in &res.findings {
         *by_kind.entry(x.kind).or_default() += 1;
     }
-    let sat_total: u64 = res.linears.iter().map(|l| l.saturated).sum();
-    let blocks: u64 = res.linears.iter().map(|l| l.blocks).sum();
-    let worst_sat = res
-        .linears
-        .iter()
-        .max_by(|a, b| a.saturated_fraction.total_cmp(&b.saturated_fraction));
+    // 448 is E4M3's maximum: MXFP4's E8M0 scales have no saturation of that kind
+    let nvfp4 = || res.linears.iter().filter(|l| l.format == Format::Nvfp4);
+    let sat_total: u64 = nvfp4().map(|l| l.saturated).sum();
+    let blocks: u64 = nvfp4().map(|l| l.blocks).sum();
+    let nan_total: u64 = res.linears.iter().map(|l| l.nan_scales).sum();
+    let worst_sat = nvfp4().max_by(|a, b| a.saturated_fraction.total_cmp(&b.saturated_fraction));
+    // scales counted in the block-scale tensors a finding of `kind` names (vLLM-fused tensors
+    // are named per expert, their scales not counted)
+    let flagged_scales = |kind: FindingKind, count: fn(&LinearStats) -> u64| {
+        let tensors: BTreeSet<&str> = res
+            .findings
+            .iter()
+            .filter(|x| x.kind == kind)
+            .map(|x| x.tensor.as_str())
+            .collect();
+        let scales: u64 = res
+            .linears
+            .iter()
+            .filter(|l| {
+                [".weight_scale", ".scale"]
+                    .iter()
+                    .any(|m| tensors.contains(format!("{}{m}", l.base).as_str()))
+            })
+            .map(count)
+            .sum();
+        (scales, tensors.len())
+    };
+    let (nan_flagged, nan_tensors) = flagged_scales(FindingKind::NanBlockScales, |l| l.nan_scales);
+    let (sat_flagged, sat_tensors) =
+        flagged_scales(FindingKind::SaturatedBlockScales, |l| l.saturated);
     let errors = res.errors().count();
     let warnings = res.warnings().count();
     let pass = errors == 0;
@@ -102,11 +134,14 @@ pub fn run(args: &Args) -> Result<Report> {
             res.float_tensors
         )
     } else {
+        let n =
+            |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
         format!(
-            "{} hazardous tensors ({errors} findings{}) in {}",
-            hazardous.len(),
+            "{} ({}{}) in {}",
+            n(hazardous.len(), "hazardous tensor", "hazardous tensors"),
+            n(errors, "finding", "findings"),
             if warnings > 0 {
-                format!(", {warnings} warnings")
+                format!(", {}", n(warnings, "warning", "warnings"))
             } else {
                 String::new()
             },
@@ -120,14 +155,16 @@ pub fn run(args: &Args) -> Result<Report> {
         ("vLLM-fused expert tensors", res.fused_tensors.to_string()),
         ("float tensors scanned", res.float_tensors.to_string()),
         ("bytes scanned", res.bytes_scanned.to_string()),
-        (
+    ];
+    if blocks > 0 {
+        overview.push((
             "block scales at 448",
             format!(
                 "{sat_total} of {blocks} ({}%)",
-                f(100.0 * sat_total as f64 / blocks.max(1) as f64, 4)
+                f(100.0 * sat_total as f64 / blocks as f64, 4)
             ),
-        ),
-    ];
+        ));
+    }
     if let Some(w) = worst_sat {
         overview.push((
             "most saturated",
@@ -139,10 +176,11 @@ pub fn run(args: &Args) -> Result<Report> {
         .iter()
         .filter_map(|l| l.original.as_ref().map(|c| (l, c)))
         .collect();
-    let lowest = checked
-        .iter()
-        .filter(|(_, c)| c.metrics.nan_count + c.metrics.inf_count == 0)
-        .min_by(|a, b| a.1.metrics.cosine.total_cmp(&b.1.metrics.cosine));
+    // a NaN cosine (NaN/Inf in the dequantized weight) is the lowest of all
+    let lowest = checked.iter().min_by(|a, b| {
+        let key = |c: f64| if c.is_nan() { f64::NEG_INFINITY } else { c };
+        key(a.1.metrics.cosine).total_cmp(&key(b.1.metrics.cosine))
+    });
     overview.push((
         "BF16 originals",
         match (&res.originals, ck.originals()) {
@@ -156,11 +194,34 @@ pub fn run(args: &Args) -> Result<Report> {
     if let Some((l, c)) = lowest {
         overview.push((
             "lowest cosine vs original",
-            format!("{} ({})", f(c.metrics.cosine, 4), l.base),
+            format!(
+                "{} ({})",
+                if c.metrics.cosine.is_nan() {
+                    "NaN".to_string()
+                } else {
+                    f(c.metrics.cosine, 4)
+                },
+                l.base
+            ),
         ));
     }
+    let plural =
+        |n: usize, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
     for (k, n) in &by_kind {
-        overview.push((k.label(), n.to_string()));
+        let count = match k {
+            FindingKind::NanBlockScales => format!(
+                "{} in {}",
+                plural(nan_flagged as usize, "scale", "scales"),
+                plural(nan_tensors, "tensor", "tensors")
+            ),
+            FindingKind::SaturatedBlockScales => format!(
+                "{} in {}",
+                plural(sat_flagged as usize, "scale", "scales"),
+                plural(sat_tensors, "tensor", "tensors")
+            ),
+            _ => n.to_string(),
+        };
+        overview.push((k.label(), count));
     }
     // the file column only says something when there are shards
     let sharded = ck.shards().len() > 1;
@@ -205,12 +266,17 @@ pub fn run(args: &Args) -> Result<Report> {
             "warnings": warnings,
             "hazardous_tensors": hazardous.len(),
             "saturated_block_scales": sat_total,
-            "block_scales": blocks,
+            "saturated_block_scales_flagged": sat_flagged,
+            "saturated_block_scale_tensors": sat_tensors,
+            "nan_block_scales": nan_total,
+            "nan_block_scale_tensors": nan_tensors,
+            "block_scales": res.linears.iter().map(|l| l.blocks).sum::<u64>(),
             "bytes_scanned": res.bytes_scanned,
             "originals": res.originals,
             "originals_compared": checked.len(),
             "original_bytes": res.original_bytes,
             "lowest_original_cosine": lowest.map(|(_, c)| c.metrics.cosine),
+            "lowest_original_cosine_linear": lowest.map(|(l, _)| &l.base),
             "by_kind": counts,
         }))
         .with("hazardous_tensors", &hazardous)
@@ -231,6 +297,11 @@ pub fn run(args: &Args) -> Result<Report> {
             "at 448",
             "max scale",
         ];
+        // E8M0 scales do not saturate at 448: no column for an MXFP4-only checkpoint
+        let any_nvfp4 = nvfp4().next().is_some();
+        if !any_nvfp4 {
+            headers.retain(|h| *h != "at 448");
+        }
         if !checked.is_empty() {
             headers.push("cosine vs BF16 original");
         }
@@ -245,9 +316,15 @@ pub fn run(args: &Args) -> Result<Report> {
                     .unwrap_or_default(),
                 l.weight_scale_2.map_or("-".into(), |v| e(v as f64)),
                 l.input_scale.map_or("-".into(), |v| e(v as f64)),
-                format!("{}%", f(100.0 * l.saturated_fraction, 2)),
+                match l.format {
+                    Format::Nvfp4 => format!("{}%", f(100.0 * l.saturated_fraction, 2)),
+                    Format::Mxfp4 => "-".into(),
+                },
                 f(l.max_block_scale as f64, 4),
             ];
+            if !any_nvfp4 {
+                row.remove(5);
+            }
             if !checked.is_empty() {
                 row.push(
                     l.original

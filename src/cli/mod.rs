@@ -45,6 +45,16 @@ pub enum Command {
     /// Quantize BF16/F32 safetensors weights to ModelOpt NVFP4 (or MXFP4) tensors
     Quantize(quantize::Args),
     /// Is the checkpoint itself sane? Static scan of every NVFP4 tensor triple
+    ///
+    /// Block scales are judged with the codes they scale: a zero block scale (MXFP4: E8M0 code
+    /// 0, 2^-127) over a block whose FP4 codes are not all ±0 is a finding (those weights
+    /// dequantize to 0; quantizers write scale 0 only over all-zero blocks, which pass), and so
+    /// is a block whose code × block scale × weight_scale_2 overflows f32 (it dequantizes to
+    /// Inf).
+    ///
+    /// A checkpoint directory holding quantized linears but no config.json is a finding: engines
+    /// build the model from it, and the checks against it are skipped. A single .safetensors file
+    /// given as PATH needs no config.
     Audit(audit::Args),
     /// Is the MoE kernel math right on this layer? NVFP4 layer vs BF16 reference
     Layertest(layertest::Args),
