@@ -1,13 +1,15 @@
-//! `bisect`: where do two runs first diverge? Matches the module calls of a reference trace and
-//! a test trace (k-th call of a path ↔ k-th call of that path), compares every tensor, and names
-//! the first call, in REF's execution order, whose output drops below the cosine threshold.
+//! `bisect`: where do two runs first diverge? Pairs the module calls of a reference trace and a
+//! test trace (within each step, aligning the two sequences of module paths as `diff` aligns
+//! lines), compares every tensor, and names the first call, in REF's execution order, whose
+//! output drops below the cosine threshold.
 
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
-use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
+use crate::trace::bisect::{bisect, BisectResult, CallDiff, CallSummary, LoneCall, TensorDiff};
 use crate::trace::locate::{locate, FirstNonFinite};
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
+use crate::trace::{role, Role};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -250,15 +252,10 @@ fn merge_ranks(
 ) -> Report {
     let rank = |k: usize| pairs[k].0.selection.rank.unwrap_or(0);
     let first_at = |k: usize| {
-        results[k].first_divergence.as_ref().map(|(_, d)| {
-            let step = pairs[k]
-                .0
-                .entries
-                .iter()
-                .find(|e| e.path == d.file_ref)
-                .and_then(|e| e.step);
-            (step, d.counter_ref)
-        })
+        results[k]
+            .first_divergence
+            .as_ref()
+            .map(|(_, d)| (d.step, d.counter_ref))
     };
     let diverged = (0..results.len())
         .filter(|&k| results[k].first_divergence.is_some())
@@ -336,8 +333,10 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "trailing_only_in_ref": r.trailing_only_in_ref,
         "trailing_only_in_test": r.trailing_only_in_test,
         "calls_unscanned": reference.skipped.iter().chain(&test.skipped).filter(|k| k.unscanned_call).count(),
+        "paired_by_step": r.by_step,
+        "count_differs": r.count_differs.len(),
     });
-    let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
+    let mut lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
         String::new()
     } else {
         format!(
@@ -346,6 +345,37 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             r.only_in_test.len()
         )
     };
+    if let Some(c) = r.count_differs.first() {
+        lone_note.push_str(&format!(
+            "; `{}` is called {} times in REF, {} in TEST{}{}",
+            c.module,
+            c.calls_ref,
+            c.calls_test,
+            c.step.map(|s| format!(" (step {s})")).unwrap_or_default(),
+            match r.count_differs.len() {
+                1 => String::new(),
+                n => format!(" (and {} more modules: see count_differs)", n - 1),
+            }
+        ));
+    }
+    if !r.paired_by_count.is_empty() {
+        lone_note.push_str(&format!(
+            "; the calls of {} differ too much to align: there the k-th call of a module is \
+             paired with the k-th",
+            if r.by_step {
+                format!(
+                    "step {}",
+                    r.paired_by_count
+                        .iter()
+                        .map(|s| s.unwrap_or(0).to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            } else {
+                "the traces".to_string()
+            }
+        ));
+    }
     // Trace files skipped on either side were not compared and cannot be vouched for. Calls
     // one trace recorded and the other did not are different (two engines name and fuse
     // modules differently: matching by name is the contract), so they are listed, not failed.
@@ -433,19 +463,14 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             let what = out
                 .and_then(|t| t.problem.clone())
                 .unwrap_or_else(|| "no output to compare".into());
-            let cause = match c.inputs_match {
-                Some(false) => {
-                    "its inputs already differed: the cause is upstream, between recorded modules"
-                }
-                Some(true) => "its inputs matched: this module introduced it",
-                None => "no inputs recorded",
-            };
+            let cause = cause_text(c, r);
             (
                 Verdict::Fail,
                 format!(
-                    "first divergence at `{}` (call {}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
+                    "first divergence at `{}` (call {}{}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
                     c.module,
                     c.call,
+                    c.step.map(|s| format!(" of step {s}")).unwrap_or_default(),
                     c.counter_ref,
                     out.map(|t| t.tensor.as_str()).unwrap_or("output"),
                 ),
@@ -458,6 +483,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         json!({
             "module": c.module,
             "call": c.call,
+            "call_test": c.call_test,
+            "step": c.step,
             "counter_ref": c.counter_ref,
             "counter_test": c.counter_test,
             "file_ref": c.file_ref,
@@ -473,6 +500,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "problem": out.and_then(|t| t.problem.clone()),
             "inputs_diverged": c.inputs_match.map(|m| !m),
             "cause": match c.inputs_match {
+                Some(false) if c.inputs_shapes_differ => "shapes differ",
                 Some(false) => "upstream",
                 Some(true) => "this module",
                 None => "unknown",
@@ -629,6 +657,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             json!({
                 "module": c.module,
                 "call": c.call,
+                "call_test": c.call_test,
+                "step": c.step,
                 "counter_ref": c.counter_ref,
                 "counter_test": c.counter_test,
                 "outputs_match": c.outputs_match,
@@ -640,10 +670,58 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         .collect();
     rep.with("only_in_ref", &r.only_in_ref)
         .with("only_in_test", &r.only_in_test)
+        .with("count_differs", &r.count_differs)
         .with("skipped_ref", &reference.skipped)
         .with("skipped_test", &test.skipped)
         .with("modules_elided", n - modules.len())
         .with("modules", modules)
+}
+
+/// Why the first divergence happened, as far as its inputs tell.
+fn cause_text(c: &CallDiff, r: &BisectResult) -> String {
+    match c.inputs_match {
+        Some(false) if c.inputs_shapes_differ => {
+            let t = c
+                .tensors
+                .iter()
+                .find(|t| matches!(role(&t.tensor), Role::Input(_)) && !t.matches);
+            format!(
+                "its inputs have other shapes{}: the token set of this call changed (routing or \
+                 batching differs upstream)",
+                t.map(|t| format!(" (REF {:?}, TEST {:?})", t.shape_ref, t.shape_test))
+                    .unwrap_or_default()
+            )
+        }
+        Some(false) => {
+            // a call only one trace made before this one in its step may be what changed
+            let before = |l: &&LoneCall, counter: u64| l.step == c.step && l.counter < counter;
+            let lone: Vec<String> = r
+                .only_in_ref
+                .iter()
+                .filter(|l| before(l, c.counter_ref))
+                .map(|l| format!("REF `{}` (counter {:06})", l.module, l.counter))
+                .chain(
+                    r.only_in_test
+                        .iter()
+                        .filter(|l| before(l, c.counter_test))
+                        .map(|l| format!("TEST `{}` (counter {:06})", l.module, l.counter)),
+                )
+                .collect();
+            match lone.first() {
+                None => "its inputs already differed: the cause is upstream, between recorded \
+                         modules"
+                    .to_string(),
+                Some(l) => format!(
+                    "its inputs already differed while every earlier paired call matched: the \
+                     cause is upstream, between recorded modules, or in the {} call(s) only one \
+                     trace made before it, e.g. {l}",
+                    lone.len()
+                ),
+            }
+        }
+        Some(true) => "its inputs matched: this module introduced it".to_string(),
+        None => "no inputs recorded".to_string(),
+    }
 }
 
 /// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and

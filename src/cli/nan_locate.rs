@@ -1,6 +1,7 @@
-//! `nan-locate`: where does the first NaN/Inf appear? (H2/H7.) Scans a trace in execution order
-//! and names the first module call whose output holds a non-finite value, where in it, whether
-//! that module produced it (its inputs were clean) or received it, and the last clean call.
+//! `nan-locate`: where does the first NaN/Inf appear? (H2/H7.) Scans a trace in completion
+//! order (the recorder's counter: forward hooks fire on a module's exit) and names the first
+//! module call whose output holds a non-finite value, where in it, whether that module produced
+//! it (its inputs were clean) or received it, and the last clean call.
 
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
@@ -252,7 +253,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
     let mut table = Section::new(
-        "Module calls around it (execution order)",
+        "Module calls around it (completion order)",
         &[
             "counter",
             "module",
