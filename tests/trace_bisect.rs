@@ -1016,3 +1016,109 @@ fn one_extra_call_does_not_shift_the_later_calls_of_its_module() {
     assert_eq!(f["counter_ref"], bad_at, "{ctx}");
     assert_eq!(f["cause"], "this module", "{ctx}");
 }
+
+/// Masked attention scores hold -inf (and a NaN or +inf) at the same places in both runs:
+/// equal, the metrics taken over the finite rest, the matched count noted. It used to fail as
+/// "NaN/Inf in REF: the reference itself is broken". NaN/Inf that differ or that TEST holds
+/// alone diverge; REF alone still says the reference is broken.
+#[test]
+fn the_same_nonfinite_values_in_both_outputs_are_equal() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (heads, tokens) = (r.gen_range(1..4), r.gen_range(4..12));
+    let n = heads * tokens * tokens;
+    let x = randv(&mut r, tokens * 16);
+    let mut scores = randv(&mut r, n);
+    let mut masked = vec![];
+    for (i, v) in scores.iter_mut().enumerate() {
+        if i % tokens > (i / tokens) % tokens {
+            *v = f32::NEG_INFINITY;
+            masked.push(i);
+        }
+    }
+    // one NaN and one +inf at the same place in both, at a random finite position
+    let finite: Vec<usize> = (0..n).filter(|i| !masked.contains(i)).collect();
+    let (pn, pi) = (finite[0], finite[finite.len() - 1]);
+    scores[pn] = f32::NAN;
+    scores[pi] = f32::INFINITY;
+    let matched = masked.len() + 2;
+    let noisy: Vec<f32> = scores
+        .iter()
+        .map(|v| v * (1.0 + r.gen_range(-1e-3..1e-3)))
+        .collect();
+    let write = |name: &str, out: &[f32]| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        write_call(
+            &dir,
+            0,
+            "model.embed_tokens",
+            vec![t("output", &[tokens, 16], x.clone())],
+            &[],
+        );
+        let ts = vec![
+            t("input.0", &[tokens, 16], x.clone()),
+            t("output", &[1, heads, tokens, tokens], out.to_vec()),
+        ];
+        write_call(&dir, 1, "model.layers.0.self_attn.attn", ts, &[]);
+    };
+    write("ref", &scores);
+    write("noisy", &noisy);
+    let o = nvfp4dbg(tmp.path(), &["bisect", "ref", "noisy"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    let out = &o.json["modules"][1]["output"];
+    assert_eq!(out["nonfinite_matched"], matched, "{ctx}");
+    assert!(out["cosine"].as_f64().unwrap() > 0.999, "{ctx}");
+    assert!(
+        out["note"].as_str().unwrap().contains(&format!(
+            "{matched} NaN/Inf at the same places in REF and TEST"
+        )),
+        "{ctx}"
+    );
+
+    let k = finite[1 + r.gen_range(0..finite.len() - 3)];
+    let mut cases: Vec<(&str, Vec<f32>, &str)> = vec![];
+    // the finite values differ: diverged, with the cosine over them
+    let garbage: Vec<f32> = scores
+        .iter()
+        .map(|&v| {
+            if v.is_finite() {
+                r.gen_range(-1.0..1.0)
+            } else {
+                v
+            }
+        })
+        .collect();
+    cases.push(("garbage", garbage, "on the finite values"));
+    let mut test_only = noisy.clone();
+    test_only[k] = f32::NEG_INFINITY;
+    cases.push(("test_only", test_only, "1 where REF is finite"));
+    let mut flipped = noisy.clone();
+    flipped[pi] = f32::NEG_INFINITY;
+    cases.push(("flipped", flipped, "1 where REF holds another NaN/Inf"));
+    for (name, v, want) in &cases {
+        write(name, v);
+        let o = nvfp4dbg(tmp.path(), &["bisect", "ref", name]);
+        let ctx = format!("seed {seed} {name}\n{}", o.show());
+        assert_eq!(o.code, 1, "{ctx}");
+        let f = &o.json["first_divergence"];
+        assert_eq!(f["module"], "model.layers.0.self_attn.attn", "{ctx}");
+        assert!(f["problem"].as_str().unwrap().contains(want), "{ctx}");
+    }
+    // NaN in REF where TEST is finite: the reference is broken
+    let mut broken = scores.clone();
+    broken[k] = f32::NAN;
+    write("broken", &broken);
+    let o = nvfp4dbg(tmp.path(), &["bisect", "broken", "noisy"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert!(
+        o.json["first_divergence"]["problem"]
+            .as_str()
+            .unwrap()
+            .contains("the reference itself is broken"),
+        "{ctx}"
+    );
+}

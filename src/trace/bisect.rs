@@ -38,7 +38,10 @@ pub struct TensorDiff {
     pub problem: Option<String>,
     /// Something worth knowing that does not make the tensor diverge.
     pub note: Option<String>,
-    /// Compared, finite on both sides, at or above the cosine threshold, and with a relative L2
+    /// Positions where REF and TEST hold the same NaN or ±Inf (a mask): equal, left out of
+    /// the metrics, which are over the rest.
+    pub nonfinite_matched: u64,
+    /// Compared, finite on both sides (but for NaN/Inf equal in both), at or above the cosine threshold, and with a relative L2
     /// error no larger than noise reaches at that cosine (`metrics::max_rel_l2`).
     pub matches: bool,
 }
@@ -336,6 +339,7 @@ fn diff_tensor(
         ref_inf_count: 0,
         problem: None,
         note: None,
+        nonfinite_matched: 0,
         matches: false,
     };
     let (r, t) = match (r, t) {
@@ -375,25 +379,57 @@ fn diff_tensor(
     d.inf_count = m.inf_count;
     d.ref_nan_count = ref_stats.nan_count;
     d.ref_inf_count = ref_stats.inf_count;
-    // an input both runs passed with the same NaN/Inf at the same places (an attention mask of
-    // -inf) is the same input: its finite values decide
-    let same_nonfinite_input = (matches!(role(name), Role::Input(_))
-        && !ref_stats.is_finite()
-        && ref_stats.nan_count == m.nan_count
-        && ref_stats.inf_count == m.inf_count)
-        .then(|| finite_if_same_nonfinite(&t, &r))
-        .flatten();
-    if let Some(f) = same_nonfinite_input {
+    // NaN/Inf at the same places in both runs (an attention mask of -inf, masked scores) are
+    // the same values: the finite rest decides. Only non-finite values that differ, or that
+    // one side holds alone, are a divergence (REF alone: the reference is broken).
+    let nf =
+        (!ref_stats.is_finite() || m.nan_count + m.inf_count > 0).then(|| nonfinite_pairs(&t, &r));
+    if let Some(p) = &nf {
+        d.nonfinite_matched = p.same;
+    }
+    if let Some(p) = nf.as_ref().filter(|p| p.test_only + p.differ > 0) {
+        let mut what = format!(
+            "NaN/Inf in TEST ({} NaN, {} Inf; {} where REF is finite",
+            m.nan_count, m.inf_count, p.test_only
+        );
+        if p.differ > 0 {
+            what.push_str(&format!(", {} where REF holds another NaN/Inf", p.differ));
+        }
+        if p.same > 0 {
+            what.push_str(&format!(", {} equal to REF's", p.same));
+        }
+        what.push(')');
+        if p.ref_only > 0 {
+            what.push_str(&format!(
+                "; REF holds {} NaN/Inf where TEST is finite",
+                p.ref_only
+            ));
+        }
+        d.problem = Some(what);
+    } else if let Some(p) = nf.as_ref().filter(|p| p.ref_only > 0) {
+        d.problem = Some(format!(
+            "NaN/Inf in REF ({} NaN, {} Inf; {} where TEST is finite): the reference itself is \
+             broken here",
+            ref_stats.nan_count, ref_stats.inf_count, p.ref_only
+        ));
+    } else if let Some(p) = &nf {
+        let f = p.finite.clone();
         d.cosine = Some(f.cosine).filter(|c| c.is_finite());
         d.rel_l2 = Some(f.rel_l2).filter(|c| c.is_finite());
         d.max_abs_err = Some(f.max_abs_err).filter(|c| c.is_finite());
         d.note = Some(format!(
-            "{} NaN, {} Inf at the same places in REF and TEST (a mask?): compared on the \
-             finite values",
-            m.nan_count, m.inf_count
+            "{} NaN/Inf at the same places in REF and TEST ({} NaN, {} Inf: a mask?): compared \
+             on the {} finite values",
+            p.same,
+            m.nan_count,
+            m.inf_count,
+            f.len as u64 - p.same
         ));
         if !f.passes(min_cosine) {
-            d.problem = Some(format!("cosine {:.6} < {min_cosine}", f.cosine));
+            d.problem = Some(format!(
+                "cosine {:.6} < {min_cosine} on the finite values",
+                f.cosine
+            ));
         } else if f.rel_l2 > max_rel_l2(min_cosine) {
             d.problem = Some(format!(
                 "rel_l2 {:.3e} > {:.3e} on the finite values (cosine {:.6} passes: a scale error)",
@@ -404,16 +440,6 @@ fn diff_tensor(
         } else {
             d.matches = true;
         }
-    } else if !ref_stats.is_finite() {
-        d.problem = Some(format!(
-            "NaN/Inf in REF ({} NaN, {} Inf): the reference itself is broken here",
-            ref_stats.nan_count, ref_stats.inf_count
-        ));
-    } else if m.nan_count + m.inf_count > 0 {
-        d.problem = Some(format!(
-            "NaN/Inf in TEST ({} NaN, {} Inf)",
-            m.nan_count, m.inf_count
-        ));
     } else if !m.passes(min_cosine) {
         d.problem = Some(format!("cosine {:.6} < {min_cosine}", m.cosine));
     } else if m.rel_l2 > max_rel_l2(min_cosine) {
@@ -463,28 +489,53 @@ fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
     (nt / nr).sqrt()
 }
 
-/// When every NaN of one tensor is a NaN of the other at the same index and every ±Inf the
-/// same ±Inf: the metrics over the finite values (both sides finite there). `None` otherwise.
-fn finite_if_same_nonfinite(t: &TensorRef, r: &TensorRef) -> Option<Metrics> {
+/// How the NaN/Inf of a tensor pair line up, and the metrics over the positions finite in both.
+struct NonfinitePairs {
+    /// Positions where both hold the same non-finite value (the same ±Inf, or NaN in both).
+    same: u64,
+    /// REF non-finite, TEST finite.
+    ref_only: u64,
+    /// TEST non-finite, REF finite.
+    test_only: u64,
+    /// Both non-finite, different values (+Inf against -Inf or NaN).
+    differ: u64,
+    /// Over the positions finite in both (`len` counts every position).
+    finite: Metrics,
+}
+
+fn nonfinite_pairs(t: &TensorRef, r: &TensorRef) -> NonfinitePairs {
+    let (mut same, mut ref_only, mut test_only, mut differ) = (0u64, 0u64, 0u64, 0u64);
     let mut acc = Accum::default();
-    let all = paired_blocks(t, r, |start, x, y| {
-        let same = x.iter().zip(y).all(|(&a, &b)| {
-            a.is_finite() == b.is_finite() && (a.is_finite() || a == b || a.is_nan() && b.is_nan())
-        });
-        // TEST's non-finite values are left out of the sums, and they are exactly REF's
-        if same {
-            acc = acc.merge(Accum::over(x, y, start));
+    let (mut bt, mut br) = (Vec::new(), Vec::new());
+    paired_blocks(t, r, |start, x, y| {
+        bt.clear();
+        br.clear();
+        for (&a, &b) in x.iter().zip(y) {
+            match (a.is_finite(), b.is_finite()) {
+                (true, true) => {
+                    bt.push(a);
+                    br.push(b);
+                    continue;
+                }
+                (true, false) => ref_only += 1,
+                (false, true) => test_only += 1,
+                (false, false) if a == b || (a.is_nan() && b.is_nan()) => same += 1,
+                (false, false) => differ += 1,
+            }
+            // a position left out of the sums: a zero pair keeps indices of the rest
+            bt.push(0.0);
+            br.push(0.0);
         }
-        same
+        acc = acc.merge(Accum::over(&bt, &br, start));
+        true
     });
-    if !all {
-        return None;
+    NonfinitePairs {
+        same,
+        ref_only,
+        test_only,
+        differ,
+        finite: acc.finish(),
     }
-    acc.nan = 0;
-    acc.inf = 0;
-    acc.first_nan = None;
-    acc.first_inf = None;
-    Some(acc.finish())
 }
 
 fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {
