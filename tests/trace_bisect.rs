@@ -1122,3 +1122,75 @@ fn the_same_nonfinite_values_in_both_outputs_are_equal() {
         "{ctx}"
     );
 }
+
+/// Two runs of different prompts (other token counts from the first recorded call on) are not
+/// comparable: bad usage, saying so. It used to report a shape mismatch at `embed_tokens`
+/// whose "inputs already differed: the cause is upstream". A later call whose token set
+/// changed (routing sent other tokens to an expert) says its shapes differ, not that its
+/// input values already differed.
+#[test]
+fn other_token_counts_are_not_comparable_and_a_changed_token_set_is_named() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let h = 8 * r.gen_range(1..5);
+    let t1 = r.gen_range(4..16);
+    let t2 = t1 + r.gen_range(1..4);
+    for (name, tokens) in [("a", t1), ("b", t2)] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let ts = vec![t("output", &[1, tokens, h], randv(&mut r, tokens * h))];
+        write_call(&dir, 0, "model.embed_tokens", ts, &[]);
+        let ts = vec![t("output", &[tokens, h], randv(&mut r, tokens * h))];
+        write_call(&dir, 1, "model.norm", ts, &[]);
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 2, "{ctx}");
+    assert!(
+        o.stderr.contains(&format!(
+            "the two runs have different inputs ({t1} vs {t2} tokens): not comparable"
+        )),
+        "{ctx}"
+    );
+
+    // the same prompt; an expert gets other tokens in TEST
+    let x = randv(&mut r, t1 * h);
+    let g = randv(&mut r, t1 * 4);
+    let (k1, k2) = (r.gen_range(1..t1), r.gen_range(1..t1));
+    let k2 = if k2 == k1 { k1 % (t1 - 1) + 1 } else { k2 };
+    for (name, k) in [("c", k1), ("d", k2)] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        write_call(
+            &dir,
+            0,
+            "model.embed_tokens",
+            vec![t("output", &[t1, h], x.clone())],
+            &[],
+        );
+        let ts = vec![
+            t("input.0", &[t1, h], x.clone()),
+            t("output", &[t1, 4], g.clone()),
+        ];
+        write_call(&dir, 1, "model.layers.0.mlp.gate", ts, &[]);
+        let ts = vec![
+            t("input.0", &[k, h], x[..k * h].to_vec()),
+            t("output", &[k, h], randv(&mut r, k * h)),
+        ];
+        write_call(&dir, 2, "model.layers.0.mlp.experts.3", ts, &[]);
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "c", "d"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.0.mlp.experts.3", "{ctx}");
+    assert_eq!(f["cause"], "shapes differ", "{ctx}");
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(text.contains("the token set of this call changed"), "{ctx}");
+    assert!(
+        text.contains(&format!("(REF [{k1}, {h}], TEST [{k2}, {h}])")),
+        "{ctx}"
+    );
+    assert!(!text.contains("already differed"), "{ctx}");
+}

@@ -733,7 +733,9 @@ fn same_tokens(re: &TraceEntry, te: &TraceEntry) -> Result<()> {
     match (tokens_of(r.shape), tokens_of(t.shape)) {
         (Some(a), Some(b)) if a != b && r.shape.last() == t.shape.last() => {
             Err(Error::usage(format!(
-                "the two runs have different inputs ({a} vs {b} tokens): not comparable; the                  first recorded call `{}` has output {:?} in REF ({}) and {:?} in TEST ({}).                  Record both runs on the same prompt and batch",
+                "the two runs have different inputs ({a} vs {b} tokens): not comparable; the \
+                 first recorded call `{}` has output {:?} in REF ({}) and {:?} in TEST ({}). \
+                 Record both runs on the same prompt and batch",
                 re.module,
                 r.shape,
                 re.path.display(),
