@@ -870,3 +870,88 @@ fn an_inf_after_a_value_at_the_dtype_limit_names_where_the_overflow_started() {
     assert_eq!(f["near_overflow"]["module"], "model.layers.2.mlp", "{ctx}");
     assert!(o.stdout.contains("the overflow started there"), "{ctx}");
 }
+
+/// `rank<N>/` folders whose files carry no `rank` metadata are ranks N (their files used to
+/// all count as rank 0: rank 1's NaN hid behind duplicate counters and `--rank 1` said no such
+/// rank). A folder named otherwise is not part of the trace: listed as ignored, not read.
+#[test]
+fn rank_folders_without_rank_metadata_are_their_ranks() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tp");
+    let base = cfg(seed);
+    let calls = module_calls(&base).unwrap();
+    let at = r.gen_range(0..calls.len());
+    let bad_rank = r.gen_range(1..4u64);
+    let fault = |kind| {
+        vec![Fault {
+            module: calls[at].clone(),
+            kind,
+            token: r.clone().gen_range(0..base.tokens),
+            channel: 1,
+        }]
+    };
+    for rank in 0..=bad_rank {
+        let faults = if rank == bad_rank {
+            fault(FaultKind::Nan)
+        } else {
+            vec![]
+        };
+        let c = SynthTraceConfig {
+            faults,
+            ..cfg(seed)
+        };
+        write_trace(&d.join(format!("rank{rank}")), &c).unwrap();
+    }
+    // a copy of a bad trace in a folder that is not a rank: ignored
+    let c = SynthTraceConfig {
+        faults: fault(FaultKind::Inf),
+        ..cfg(seed)
+    };
+    write_trace(&d.join("old"), &c).unwrap();
+    let dir = d.to_str().unwrap();
+    let ctx = |o: &Out| format!("seed {seed} rank {bad_rank} at {}\n{}", calls[at], o.show());
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
+    assert_eq!(o.code, 1, "{}", ctx(&o));
+    assert_eq!(o.json["first_nonfinite"]["rank"], bad_rank, "{}", ctx(&o));
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        calls[at].as_str(),
+        "{}",
+        ctx(&o)
+    );
+    assert_eq!(o.json["first_nonfinite"]["kind"], "nan", "{}", ctx(&o));
+    assert_eq!(
+        o.json["summary"]["ranks"].as_array().unwrap().len(),
+        bad_rank as usize + 1,
+        "{}",
+        ctx(&o)
+    );
+    let skipped = o.json["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{}", ctx(&o));
+    assert!(
+        skipped[0]["file"].as_str().unwrap().ends_with("old"),
+        "{}",
+        ctx(&o)
+    );
+    assert_eq!(skipped[0]["unscanned_call"], false, "{}", ctx(&o));
+    assert!(
+        skipped[0]["reason"].as_str().unwrap().contains("ignored"),
+        "{}",
+        ctx(&o)
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["nan-locate", dir, "--rank", &bad_rank.to_string()],
+    );
+    assert_eq!(o.code, 1, "{}", ctx(&o));
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        calls[at].as_str(),
+        "{}",
+        ctx(&o)
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "0"]);
+    assert_eq!(o.code, 0, "{}", ctx(&o));
+}

@@ -36,7 +36,7 @@ pub struct Args {
     /// noise reaches at cosine C (0.142 at 0.99).
     #[arg(long, value_name = "C", default_value_t = 0.99, value_parser = super::common::cosine)]
     pub min_cosine: f64,
-    /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)
+    /// Rank to compare, in both traces (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]
     pub rank: Option<u64>,
     /// Compare only this step (default: all steps in order)

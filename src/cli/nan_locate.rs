@@ -13,10 +13,11 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace directory: NNNNNN-<module.path>.safetensors files (or one level of rank*/ subdirs)
+    /// Trace directory: NNNNNN-<module.path>.safetensors files (and one level of rank<N>/ or
+    /// step<N>/ subfolders; other subfolders are ignored)
     #[arg(value_name = "TRACE")]
     pub trace: PathBuf,
-    /// Rank to scan (files without `rank` metadata count as rank 0)
+    /// Rank to scan (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]
     pub rank: Option<u64>,
     /// Scan only this step (default: all steps in order)
