@@ -1194,3 +1194,86 @@ fn other_token_counts_are_not_comparable_and_a_changed_token_set_is_named() {
     );
     assert!(!text.contains("already differed"), "{ctx}");
 }
+
+/// Rank R of one trace against rank S of another (`--ref-rank`, `--test-rank`): `--rank`
+/// applies to both, so two traces of different ranks could not be compared at all; the error
+/// for no common rank now names the two flags.
+#[test]
+fn ref_rank_and_test_rank_compare_different_ranks() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..6), 8 * r.gen_range(1..4));
+    let (layers, experts) = (r.gen_range(1..3), r.gen_range(2..4));
+    let calls = moe_calls(&mut r, layers, experts, tokens * h);
+    let (rr, tr) = (r.gen_range(0..4u64), r.gen_range(4..8u64));
+    let bad = r.gen_range(0..calls.len());
+    let mut test = calls.clone();
+    test[bad].2 = randv(&mut r, tokens * h);
+    let rank = rr.to_string();
+    write_calls(
+        &tmp.path().join("a"),
+        0,
+        &calls,
+        (tokens, h),
+        &[("rank", &rank)],
+    );
+    let rank = tr.to_string();
+    write_calls(
+        &tmp.path().join("b"),
+        0,
+        &test,
+        (tokens, h),
+        &[("rank", &rank)],
+    );
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 2, "{ctx}");
+    assert!(
+        o.stderr
+            .contains(&format!("REF ranks {rr}, TEST ranks {tr}")),
+        "{ctx}"
+    );
+    assert!(o.stderr.contains("--ref-rank R --test-rank S"), "{ctx}");
+    let (rs, ts) = (rr.to_string(), tr.to_string());
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", "a", "b", "--ref-rank", &rs, "--test-rank", &ts],
+    );
+    let ctx = format!("seed {seed} bad {bad}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_divergence"]["module"],
+        calls[bad].0.as_str(),
+        "{ctx}"
+    );
+    assert_eq!(o.json["first_divergence"]["counter_ref"], bad, "{ctx}");
+    assert_eq!(
+        (&o.json["summary"]["rank"], &o.json["summary"]["rank_test"]),
+        (&Value::from(rr), &Value::from(tr)),
+        "{ctx}"
+    );
+    assert!(
+        o.stdout
+            .contains(&format!("REF rank {rr} against TEST rank {tr}")),
+        "{ctx}"
+    );
+    // --rank for REF, --test-rank for TEST
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", "a", "b", "--rank", &rs, "--test-rank", &ts],
+    );
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    // a rank one side lacks: bad usage naming the side
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", "a", "b", "--ref-rank", &ts, "--test-rank", &ts],
+    );
+    assert_eq!(o.code, 2, "seed {seed}\n{}", o.show());
+    assert!(
+        o.stderr
+            .contains(&format!("REF: a: no trace files of rank {tr}")),
+        "seed {seed}\n{}",
+        o.show()
+    );
+}

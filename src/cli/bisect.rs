@@ -39,6 +39,14 @@ pub struct Args {
     /// Rank to compare, in both traces (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]
     pub rank: Option<u64>,
+    /// Rank of REF to compare (overrides --rank for REF): with --test-rank, rank R of one
+    /// trace against rank S of the other. A side left unset takes --rank, else the other
+    /// side's rank
+    #[arg(long, value_name = "R")]
+    pub ref_rank: Option<u64>,
+    /// Rank of TEST to compare (overrides --rank for TEST); see --ref-rank
+    #[arg(long, value_name = "S")]
+    pub test_rank: Option<u64>,
     /// Compare only this step (default: all steps in order)
     #[arg(long, value_name = "S")]
     pub step: Option<u64>,
@@ -92,8 +100,10 @@ fn tensor_json(t: &TensorDiff) -> Value {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let sel = Selection {
-        rank: args.rank,
+    let ref_rank = args.ref_rank.or(args.rank).or(args.test_rank);
+    let test_rank = args.test_rank.or(args.rank).or(args.ref_rank);
+    let sel = |rank| Selection {
+        rank,
         step: args.step,
     };
     // Without --rank every rank both traces hold is compared: a divergence on rank 1 only
@@ -104,12 +114,12 @@ pub fn run(args: &Args) -> Result<Report> {
     // TEST's ranks REF lacks (an unsharded reference against a TP/EP run): nothing to compare
     // them with, but a NaN/Inf there is a fault whatever the reference
     let mut test_only: Vec<TraceIndex> = vec![];
-    let pairs: Vec<(TraceIndex, TraceIndex)> = match args.rank {
-        Some(_) => vec![(
-            TraceIndex::open(&args.reference, sel)?,
-            TraceIndex::open(&args.test, sel)?,
+    let pairs: Vec<(TraceIndex, TraceIndex)> = match (ref_rank, test_rank) {
+        (Some(_), Some(_)) => vec![(
+            TraceIndex::open(&args.reference, sel(ref_rank)).map_err(|e| on_side(e, "REF"))?,
+            TraceIndex::open(&args.test, sel(test_rank)).map_err(|e| on_side(e, "TEST"))?,
         )],
-        None => {
+        _ => {
             let refs = TraceIndex::open_each_rank(&args.reference, args.step)?;
             let mut tests = TraceIndex::open_each_rank(&args.test, args.step)?;
             let rank = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
@@ -124,8 +134,10 @@ pub fn run(args: &Args) -> Result<Report> {
                 .collect();
             if pairs.is_empty() {
                 return Err(Error::usage(format!(
-                    "no rank is in both traces (REF ranks {ref_ranks:?}, TEST ranks \
-                     {test_ranks:?}): choose one with --rank"
+                    "no rank is in both traces (REF ranks {}, TEST ranks {}): compare rank R \
+                     of REF with rank S of TEST by --ref-rank R --test-rank S",
+                    rank_list(&ref_ranks),
+                    rank_list(&test_ranks)
                 )));
             }
             unmatched = (
@@ -166,7 +178,17 @@ pub fn run(args: &Args) -> Result<Report> {
         .map(|((reference, test), r)| report(args, reference, test, r))
         .collect();
     let rep = if reports.len() == 1 {
-        reports.into_iter().next().expect("one report")
+        let mut rep = reports.into_iter().next().expect("one report");
+        let (r, t) = (&pairs[0].0.selection.rank, &pairs[0].1.selection.rank);
+        if r != t {
+            rep.headline = format!(
+                "REF rank {} against TEST rank {}: {}",
+                r.unwrap_or(0),
+                t.unwrap_or(0),
+                rep.headline
+            );
+        }
+        rep
     } else {
         merge_ranks(&pairs, &results, reports)
     };
@@ -174,6 +196,16 @@ pub fn run(args: &Args) -> Result<Report> {
         with_unmatched_ranks(rep, &unmatched),
         &test_only_bad,
     ))
+}
+
+/// A rank-selection error names the trace it is about, and the flags that choose a rank.
+fn on_side(e: Error, side: &str) -> Error {
+    match e {
+        Error::Usage(m) => Error::usage(format!(
+            "{side}: {m} (--ref-rank and --test-rank choose each trace's rank)"
+        )),
+        e => e,
+    }
 }
 
 /// A NaN/Inf in a TEST rank REF has no counterpart for fails the run, naming the rank and
@@ -320,6 +352,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "reference": reference.dir,
         "test": test.dir,
         "rank": reference.selection.rank.unwrap_or(0),
+        "rank_test": test.selection.rank.unwrap_or(0),
         "step": reference.selection.step,
         "min_cosine": args.min_cosine,
         "calls_ref": reference.entries.len(),
