@@ -955,3 +955,51 @@ fn rank_folders_without_rank_metadata_are_their_ranks() {
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "0"]);
     assert_eq!(o.code, 0, "{}", ctx(&o));
 }
+
+/// A `*.safetensors` file whose name has no counter (`weights.safetensors`, left there by
+/// someone) is not a recorded call: listed as ignored, not scanned, and a clean trace still
+/// passes (it used to fail as "not a pass"). A short counter, or two files of one counter,
+/// are still calls that were not scanned.
+#[test]
+fn a_safetensors_file_without_a_counter_is_ignored() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    write_trace(&d, &cfg(seed)).unwrap();
+    // a real safetensors file, with a NaN in it even
+    let mut v = randv(&mut r, 12);
+    v[r.gen_range(0..12)] = f32::NAN;
+    let stray = d.join("foo.safetensors");
+    let tmpdir = tmp.path().join("w");
+    std::fs::create_dir_all(&tmpdir).unwrap();
+    let p = write_call(&tmpdir, 0, "w", vec![t("output", &[3, 4], v)], &[]);
+    std::fs::rename(&p, &stray).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    let skipped = o.json["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{ctx}");
+    assert!(
+        skipped[0]["file"]
+            .as_str()
+            .unwrap()
+            .ends_with("foo.safetensors"),
+        "{ctx}"
+    );
+    assert_eq!(skipped[0]["unscanned_call"], false, "{ctx}");
+    assert!(o.stdout.contains("ignored"), "{ctx}");
+    // the same trace, bisected against itself: a pass
+    let o = nvfp4dbg(tmp.path(), &["bisect", "tr", "tr"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    // a short counter is still a call not scanned
+    std::fs::rename(&stray, d.join("00042-foo.safetensors")).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert_eq!(
+        o.json["skipped"][0]["unscanned_call"],
+        true,
+        "seed {seed}\n{}",
+        o.show()
+    );
+}

@@ -56,9 +56,11 @@ impl Skipped {
 }
 
 /// Whether a name that failed [`parse_file_name`] still looks like trace data: a visible
-/// `*.safetensors` file (a short counter, an overflowing one) holds values nobody looked at.
+/// `*.safetensors` file that starts with a counter (a short one, an overflowing one) holds
+/// values nobody looked at. A name without a counter (`weights.safetensors`) is another file
+/// someone put there: ignored.
 fn looks_like_trace_data(name: &str) -> bool {
-    !name.starts_with('.') && name.ends_with(".safetensors")
+    name.as_bytes().first().is_some_and(u8::is_ascii_digit) && name.ends_with(".safetensors")
 }
 
 /// Which calls to look at: `rank` defaults to 0, `step` to all steps in order.
