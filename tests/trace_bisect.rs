@@ -1277,3 +1277,59 @@ fn ref_rank_and_test_rank_compare_different_ranks() {
         o.show()
     );
 }
+
+/// Cosmetics of the call table: a call with a bool mask input shows its worst float input's
+/// cosine (it showed `-`, the mask's missing cosine); 0-element tensors say "empty" and have
+/// no cosine (they had cosine 1.0).
+#[test]
+fn worst_input_skips_a_matching_mask_and_empty_tensors_have_no_cosine() {
+    use nvfp4dbg::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
+    use safetensors::Dtype;
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..8), 8 * r.gen_range(1..4));
+    let x = randv(&mut r, tokens * h);
+    let y = randv(&mut r, tokens * h);
+    let mask: Vec<u8> = (0..tokens * tokens).map(|_| r.gen_range(0..2)).collect();
+    let noisy: Vec<f32> = x.iter().map(|v| v + r.gen_range(-0.01..0.01)).collect();
+    for (name, xin) in [("a", &x), ("b", &noisy)] {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        write_file(
+            &dir.join("000000-model.layers.0.self_attn.safetensors"),
+            vec![
+                (
+                    TensorSpec::new("input.0", Dtype::F32, &[tokens, h]),
+                    f32_bytes(xin),
+                ),
+                (
+                    TensorSpec::new("input.1", Dtype::BOOL, &[tokens, tokens]),
+                    mask.clone(),
+                ),
+                (
+                    TensorSpec::new("output", Dtype::F32, &[tokens, h]),
+                    f32_bytes(&y),
+                ),
+            ],
+            None,
+        )
+        .unwrap();
+        let ts = vec![
+            t("input.0", &[tokens, h], y.clone()),
+            t("output", &[0, h], vec![]),
+        ];
+        write_call(&dir, 1, "model.layers.0.mlp.experts.7", ts, &[]);
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    let wi = &o.json["modules"][0]["worst_input"];
+    assert_eq!(wi["tensor"], "input.0", "{ctx}");
+    let c = wi["cosine"].as_f64().unwrap();
+    assert!(c > 0.99 && c < 1.0, "{ctx}");
+    let out = &o.json["modules"][1]["output"];
+    assert_eq!(out["cosine"], Value::Null, "{ctx}");
+    assert!(out["note"].as_str().unwrap().contains("empty"), "{ctx}");
+    assert!(o.stdout.contains(&format!("{c:.6}")), "{ctx}");
+}

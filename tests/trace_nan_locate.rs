@@ -1003,3 +1003,39 @@ fn a_safetensors_file_without_a_counter_is_ignored() {
         o.show()
     );
 }
+
+/// An all-NaN output has no largest finite value: `max |out|` shows `-` (JSON `max_abs`
+/// null), not 0.000e0 as if it were all zeros.
+#[test]
+fn an_all_nan_output_has_no_max_abs() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir_all(&d).unwrap();
+    let (tokens, h) = (r.gen_range(2..8), 8 * r.gen_range(1..4));
+    let x = randv(&mut r, tokens * h);
+    let ts = vec![t("output", &[tokens, h], x.clone())];
+    write_call(&d, 0, "model.embed_tokens", ts, &[]);
+    let ts = vec![
+        t("input.0", &[tokens, h], x),
+        t("output", &[tokens, h], vec![f32::NAN; tokens * h]),
+    ];
+    write_call(&d, 1, "model.layers.0.self_attn", ts, &[]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let m = o.json["modules"].as_array().unwrap();
+    assert_eq!(m[1]["tensors"][1]["max_abs"], Value::Null, "{ctx}");
+    assert!(
+        m[0]["tensors"][0]["max_abs"].as_f64().unwrap() > 0.0,
+        "{ctx}"
+    );
+    let row = o
+        .stdout
+        .lines()
+        .find(|l| l.contains("model.layers.0.self_attn") && l.contains("FIRST BAD"))
+        .unwrap();
+    assert!(!row.contains("0.000e0"), "{ctx}");
+    assert!(row.contains("│ -"), "{ctx}");
+}

@@ -7,6 +7,7 @@ use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, Report, Section, Verdict};
 use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
+use crate::trace::scan::TensorStats;
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -56,11 +57,10 @@ fn counter(c: &ScannedCall) -> String {
 fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
     let out = c.outputs().next();
     let shape = out.map(|t| format!("{:?}", t.shape)).unwrap_or_default();
-    let max_abs = c
-        .outputs()
-        .filter_map(|t| t.stats)
-        .map(|s| s.max_abs)
-        .fold(0f32, f32::max);
+    // over the finite values: none at all (an all-NaN output) has no maximum to show
+    let stats = || c.outputs().filter_map(|t| t.stats);
+    let any_finite = stats().any(|s| has_finite(&s));
+    let max_abs = stats().map(|s| s.max_abs).fold(0f32, f32::max);
     let (nan, inf) = c
         .outputs()
         .filter_map(|t| t.stats)
@@ -81,12 +81,21 @@ fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
         counter(c),
         c.module.clone(),
         shape,
-        e(max_abs as f64),
+        if any_finite {
+            e(max_abs as f64)
+        } else {
+            "-".to_string()
+        },
         nan.to_string(),
         inf.to_string(),
         inputs,
         status,
     ]
+}
+
+/// Whether a scanned tensor holds a finite value (`max_abs` means something).
+fn has_finite(s: &TensorStats) -> bool {
+    (s.nan_count + s.inf_count) < s.numel as u64
 }
 
 fn call_json(c: &ScannedCall) -> Value {
@@ -103,7 +112,7 @@ fn call_json(c: &ScannedCall) -> Value {
             "shape": t.shape,
             "nan_count": t.stats.map(|s| s.nan_count),
             "inf_count": t.stats.map(|s| s.inf_count),
-            "max_abs": t.stats.map(|s| s.max_abs),
+            "max_abs": t.stats.filter(has_finite).map(|s| s.max_abs),
         })).collect::<Vec<_>>(),
     })
 }

@@ -96,6 +96,8 @@ impl CallDiff {
         self.tensors
             .iter()
             .filter(|t| matches!(role(&t.tensor), Role::Input(_)))
+            // an input without a cosine (a bool mask, ids) that matches has nothing to show
+            .filter(|t| t.cosine.is_some() || !t.matches)
             .min_by(|a, b| {
                 let k = |t: &TensorDiff| (t.matches, t.cosine.unwrap_or(f64::NEG_INFINITY));
                 k(a).partial_cmp(&k(b)).unwrap_or(std::cmp::Ordering::Equal)
@@ -358,6 +360,19 @@ fn diff_tensor(
         d.problem = (r.dtype != t.dtype || r.shape != t.shape || !same_bytes(&r, &t))
             .then(|| "non-float tensors differ".to_string());
         d.matches = d.problem.is_none();
+        return d;
+    }
+    if r.numel() == 0 && t.numel() == 0 {
+        // nothing to compare: no cosine (it would read 1.0), matching when the shapes agree
+        if r.shape == t.shape {
+            d.note = Some("empty (0 elements): nothing to compare".into());
+            d.matches = true;
+        } else {
+            d.problem = Some(format!(
+                "shape mismatch: REF {:?}, TEST {:?} (both empty)",
+                r.shape, t.shape
+            ));
+        }
         return d;
     }
     if r.shape != t.shape {
