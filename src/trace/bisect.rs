@@ -658,7 +658,6 @@ pub fn bisect(
     let mut only_in_ref = Vec::new();
     let mut first_divergence = None;
     let mut trailing_only_in_ref = 0;
-    let mut first_pair = true;
     for (i, e) in re.iter().enumerate() {
         tick();
         let Some(ti) = pair_of[i] else {
@@ -667,8 +666,9 @@ pub fn bisect(
             continue;
         };
         trailing_only_in_ref = 0;
-        if first_pair {
-            first_pair = false;
+        // the first recorded call of both (an embedding, typically): other token counts
+        // there are other prompts, not a divergence
+        if i == 0 && ti == 0 {
             same_tokens(e, &te[ti])?;
         }
         let d = diff_call(e, &te[ti], (ref_k[i], test_k[ti]), min_cosine)?;
@@ -737,8 +737,8 @@ fn tokens_of(shape: &[usize]) -> Option<usize> {
     (last > 0 && shape.len() >= 2).then(|| shape.iter().product::<usize>() / last)
 }
 
-/// The first paired calls already holding other numbers of tokens (same hidden size) are two
-/// runs of different inputs: nothing after them can be compared.
+/// The first recorded calls of both traces, paired, holding other numbers of tokens (same
+/// hidden size) are two runs of different inputs: nothing after them can be compared.
 fn same_tokens(re: &TraceEntry, te: &TraceEntry) -> Result<()> {
     let rf = TraceFile::open(&re.path)?;
     let tf = TraceFile::open(&te.path)?;
