@@ -1333,3 +1333,43 @@ fn worst_input_skips_a_matching_mask_and_empty_tensors_have_no_cosine() {
     assert!(out["note"].as_str().unwrap().contains("empty"), "{ctx}");
     assert!(o.stdout.contains(&format!("{c:.6}")), "{ctx}");
 }
+
+/// A first divergence whose inputs differ, after a call only one trace made in its step and
+/// with every earlier pair matching, names that lone call as a suspect besides code between
+/// recorded modules.
+#[test]
+fn an_upstream_cause_names_a_lone_call_before_it() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..6), 8 * r.gen_range(1..4));
+    let n = tokens * h;
+    let calls = moe_calls(&mut r, 2, 2, n);
+    let at = r.gen_range(1..calls.len() - 1);
+    let mut test = calls.clone();
+    // TEST runs an extra module before call `at`, whose input then differs
+    test[at].1 = randv(&mut r, n);
+    test[at].2 = randv(&mut r, n);
+    test.insert(
+        at,
+        ("quant_stub".to_string(), randv(&mut r, n), randv(&mut r, n)),
+    );
+    write_calls(&tmp.path().join("a"), 0, &calls, (tokens, h), &[]);
+    write_calls(&tmp.path().join("b"), 0, &test, (tokens, h), &[]);
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b"]);
+    let ctx = format!("seed {seed} at {at}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_divergence"]["module"],
+        calls[at].0.as_str(),
+        "{ctx}"
+    );
+    assert_eq!(o.json["first_divergence"]["cause"], "upstream", "{ctx}");
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(
+        text.contains(&format!(
+            "or in the 1 call(s) only one trace made before it, e.g. TEST `quant_stub` (counter {at:06})"
+        )),
+        "{ctx}"
+    );
+}

@@ -70,7 +70,9 @@ pub enum Command {
     /// aligning the two sequences of module paths as `diff` aligns lines: a call only one trace
     /// made (an extra expert call, a module one engine does not have) is listed as only in REF
     /// or only in TEST, and the calls after it still pair with their counterparts. A module
-    /// called a different number of times in the two traces is named in the result. Traces of
+    /// called a different number of times in the two traces is named in the result. The same
+    /// NaN/±Inf at the same places in both (a -inf mask, masked attention scores) count as
+    /// equal, and the finite rest is compared. Traces of
     /// different inputs (the first recorded calls hold different numbers of tokens) are not
     /// comparable: exit 2.
     Bisect(bisect::Args),
