@@ -870,3 +870,172 @@ fn an_inf_after_a_value_at_the_dtype_limit_names_where_the_overflow_started() {
     assert_eq!(f["near_overflow"]["module"], "model.layers.2.mlp", "{ctx}");
     assert!(o.stdout.contains("the overflow started there"), "{ctx}");
 }
+
+/// `rank<N>/` folders whose files carry no `rank` metadata are ranks N (their files used to
+/// all count as rank 0: rank 1's NaN hid behind duplicate counters and `--rank 1` said no such
+/// rank). A folder named otherwise is not part of the trace: listed as ignored, not read.
+#[test]
+fn rank_folders_without_rank_metadata_are_their_ranks() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tp");
+    let base = cfg(seed);
+    let calls = module_calls(&base).unwrap();
+    let at = r.gen_range(0..calls.len());
+    let bad_rank = r.gen_range(1..4u64);
+    let fault = |kind| {
+        vec![Fault {
+            module: calls[at].clone(),
+            kind,
+            token: r.clone().gen_range(0..base.tokens),
+            channel: 1,
+        }]
+    };
+    for rank in 0..=bad_rank {
+        let faults = if rank == bad_rank {
+            fault(FaultKind::Nan)
+        } else {
+            vec![]
+        };
+        let c = SynthTraceConfig {
+            faults,
+            ..cfg(seed)
+        };
+        write_trace(&d.join(format!("rank{rank}")), &c).unwrap();
+    }
+    // a copy of a bad trace in a folder that is not a rank: ignored
+    let c = SynthTraceConfig {
+        faults: fault(FaultKind::Inf),
+        ..cfg(seed)
+    };
+    write_trace(&d.join("old"), &c).unwrap();
+    let dir = d.to_str().unwrap();
+    let ctx = |o: &Out| format!("seed {seed} rank {bad_rank} at {}\n{}", calls[at], o.show());
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir]);
+    assert_eq!(o.code, 1, "{}", ctx(&o));
+    assert_eq!(o.json["first_nonfinite"]["rank"], bad_rank, "{}", ctx(&o));
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        calls[at].as_str(),
+        "{}",
+        ctx(&o)
+    );
+    assert_eq!(o.json["first_nonfinite"]["kind"], "nan", "{}", ctx(&o));
+    assert_eq!(
+        o.json["summary"]["ranks"].as_array().unwrap().len(),
+        bad_rank as usize + 1,
+        "{}",
+        ctx(&o)
+    );
+    let skipped = o.json["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{}", ctx(&o));
+    assert!(
+        skipped[0]["file"].as_str().unwrap().ends_with("old"),
+        "{}",
+        ctx(&o)
+    );
+    assert_eq!(skipped[0]["unscanned_call"], false, "{}", ctx(&o));
+    assert!(
+        skipped[0]["reason"].as_str().unwrap().contains("ignored"),
+        "{}",
+        ctx(&o)
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["nan-locate", dir, "--rank", &bad_rank.to_string()],
+    );
+    assert_eq!(o.code, 1, "{}", ctx(&o));
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        calls[at].as_str(),
+        "{}",
+        ctx(&o)
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--rank", "0"]);
+    assert_eq!(o.code, 0, "{}", ctx(&o));
+}
+
+/// A `*.safetensors` file whose name has no counter (`weights.safetensors`, left there by
+/// someone) is not a recorded call: listed as ignored, not scanned, and a clean trace still
+/// passes (it used to fail as "not a pass"). A short counter, or two files of one counter,
+/// are still calls that were not scanned.
+#[test]
+fn a_safetensors_file_without_a_counter_is_ignored() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    write_trace(&d, &cfg(seed)).unwrap();
+    // a real safetensors file, with a NaN in it even
+    let mut v = randv(&mut r, 12);
+    v[r.gen_range(0..12)] = f32::NAN;
+    let stray = d.join("foo.safetensors");
+    let tmpdir = tmp.path().join("w");
+    std::fs::create_dir_all(&tmpdir).unwrap();
+    let p = write_call(&tmpdir, 0, "w", vec![t("output", &[3, 4], v)], &[]);
+    std::fs::rename(&p, &stray).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    let skipped = o.json["skipped"].as_array().unwrap();
+    assert_eq!(skipped.len(), 1, "{ctx}");
+    assert!(
+        skipped[0]["file"]
+            .as_str()
+            .unwrap()
+            .ends_with("foo.safetensors"),
+        "{ctx}"
+    );
+    assert_eq!(skipped[0]["unscanned_call"], false, "{ctx}");
+    assert!(o.stdout.contains("ignored"), "{ctx}");
+    // the same trace, bisected against itself: a pass
+    let o = nvfp4dbg(tmp.path(), &["bisect", "tr", "tr"]);
+    assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    // a short counter is still a call not scanned
+    std::fs::rename(&stray, d.join("00042-foo.safetensors")).unwrap();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert_eq!(
+        o.json["skipped"][0]["unscanned_call"],
+        true,
+        "seed {seed}\n{}",
+        o.show()
+    );
+}
+
+/// An all-NaN output has no largest finite value: `max |out|` shows `-` (JSON `max_abs`
+/// null), not 0.000e0 as if it were all zeros.
+#[test]
+fn an_all_nan_output_has_no_max_abs() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir_all(&d).unwrap();
+    let (tokens, h) = (r.gen_range(2..8), 8 * r.gen_range(1..4));
+    let x = randv(&mut r, tokens * h);
+    let ts = vec![t("output", &[tokens, h], x.clone())];
+    write_call(&d, 0, "model.embed_tokens", ts, &[]);
+    let ts = vec![
+        t("input.0", &[tokens, h], x),
+        t("output", &[tokens, h], vec![f32::NAN; tokens * h]),
+    ];
+    write_call(&d, 1, "model.layers.0.self_attn", ts, &[]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "tr"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let m = o.json["modules"].as_array().unwrap();
+    assert_eq!(m[1]["tensors"][1]["max_abs"], Value::Null, "{ctx}");
+    assert!(
+        m[0]["tensors"][0]["max_abs"].as_f64().unwrap() > 0.0,
+        "{ctx}"
+    );
+    let row = o
+        .stdout
+        .lines()
+        .find(|l| l.contains("model.layers.0.self_attn") && l.contains("FIRST BAD"))
+        .unwrap();
+    assert!(!row.contains("0.000e0"), "{ctx}");
+    assert!(row.contains("│ -"), "{ctx}");
+}

@@ -1,13 +1,15 @@
-//! `bisect`: where do two runs first diverge? Matches the module calls of a reference trace and
-//! a test trace (k-th call of a path ↔ k-th call of that path), compares every tensor, and names
-//! the first call, in REF's execution order, whose output drops below the cosine threshold.
+//! `bisect`: where do two runs first diverge? Pairs the module calls of a reference trace and a
+//! test trace (within each step, aligning the two sequences of module paths as `diff` aligns
+//! lines), compares every tensor, and names the first call, in REF's execution order, whose
+//! output drops below the cosine threshold.
 
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
-use crate::trace::bisect::{bisect, BisectResult, CallSummary, TensorDiff};
+use crate::trace::bisect::{bisect, BisectResult, CallDiff, CallSummary, LoneCall, TensorDiff};
 use crate::trace::locate::{locate, FirstNonFinite};
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
+use crate::trace::{role, Role};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
@@ -34,9 +36,17 @@ pub struct Args {
     /// noise reaches at cosine C (0.142 at 0.99).
     #[arg(long, value_name = "C", default_value_t = 0.99, value_parser = super::common::cosine)]
     pub min_cosine: f64,
-    /// Rank to compare, in both traces (files without `rank` metadata count as rank 0)
+    /// Rank to compare, in both traces (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]
     pub rank: Option<u64>,
+    /// Rank of REF to compare (overrides --rank for REF): with --test-rank, rank R of one
+    /// trace against rank S of the other. A side left unset takes --rank, else the other
+    /// side's rank
+    #[arg(long, value_name = "R")]
+    pub ref_rank: Option<u64>,
+    /// Rank of TEST to compare (overrides --rank for TEST); see --ref-rank
+    #[arg(long, value_name = "S")]
+    pub test_rank: Option<u64>,
     /// Compare only this step (default: all steps in order)
     #[arg(long, value_name = "S")]
     pub step: Option<u64>,
@@ -90,8 +100,10 @@ fn tensor_json(t: &TensorDiff) -> Value {
 }
 
 pub fn run(args: &Args) -> Result<Report> {
-    let sel = Selection {
-        rank: args.rank,
+    let ref_rank = args.ref_rank.or(args.rank).or(args.test_rank);
+    let test_rank = args.test_rank.or(args.rank).or(args.ref_rank);
+    let sel = |rank| Selection {
+        rank,
         step: args.step,
     };
     // Without --rank every rank both traces hold is compared: a divergence on rank 1 only
@@ -102,12 +114,12 @@ pub fn run(args: &Args) -> Result<Report> {
     // TEST's ranks REF lacks (an unsharded reference against a TP/EP run): nothing to compare
     // them with, but a NaN/Inf there is a fault whatever the reference
     let mut test_only: Vec<TraceIndex> = vec![];
-    let pairs: Vec<(TraceIndex, TraceIndex)> = match args.rank {
-        Some(_) => vec![(
-            TraceIndex::open(&args.reference, sel)?,
-            TraceIndex::open(&args.test, sel)?,
+    let pairs: Vec<(TraceIndex, TraceIndex)> = match (ref_rank, test_rank) {
+        (Some(_), Some(_)) => vec![(
+            TraceIndex::open(&args.reference, sel(ref_rank)).map_err(|e| on_side(e, "REF"))?,
+            TraceIndex::open(&args.test, sel(test_rank)).map_err(|e| on_side(e, "TEST"))?,
         )],
-        None => {
+        _ => {
             let refs = TraceIndex::open_each_rank(&args.reference, args.step)?;
             let mut tests = TraceIndex::open_each_rank(&args.test, args.step)?;
             let rank = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
@@ -122,8 +134,10 @@ pub fn run(args: &Args) -> Result<Report> {
                 .collect();
             if pairs.is_empty() {
                 return Err(Error::usage(format!(
-                    "no rank is in both traces (REF ranks {ref_ranks:?}, TEST ranks \
-                     {test_ranks:?}): choose one with --rank"
+                    "no rank is in both traces (REF ranks {}, TEST ranks {}): compare rank R \
+                     of REF with rank S of TEST by --ref-rank R --test-rank S",
+                    rank_list(&ref_ranks),
+                    rank_list(&test_ranks)
                 )));
             }
             unmatched = (
@@ -164,7 +178,17 @@ pub fn run(args: &Args) -> Result<Report> {
         .map(|((reference, test), r)| report(args, reference, test, r))
         .collect();
     let rep = if reports.len() == 1 {
-        reports.into_iter().next().expect("one report")
+        let mut rep = reports.into_iter().next().expect("one report");
+        let (r, t) = (&pairs[0].0.selection.rank, &pairs[0].1.selection.rank);
+        if r != t {
+            rep.headline = format!(
+                "REF rank {} against TEST rank {}: {}",
+                r.unwrap_or(0),
+                t.unwrap_or(0),
+                rep.headline
+            );
+        }
+        rep
     } else {
         merge_ranks(&pairs, &results, reports)
     };
@@ -172,6 +196,16 @@ pub fn run(args: &Args) -> Result<Report> {
         with_unmatched_ranks(rep, &unmatched),
         &test_only_bad,
     ))
+}
+
+/// A rank-selection error names the trace it is about, and the flags that choose a rank.
+fn on_side(e: Error, side: &str) -> Error {
+    match e {
+        Error::Usage(m) => Error::usage(format!(
+            "{side}: {m} (--ref-rank and --test-rank choose each trace's rank)"
+        )),
+        e => e,
+    }
 }
 
 /// A NaN/Inf in a TEST rank REF has no counterpart for fails the run, naming the rank and
@@ -250,15 +284,10 @@ fn merge_ranks(
 ) -> Report {
     let rank = |k: usize| pairs[k].0.selection.rank.unwrap_or(0);
     let first_at = |k: usize| {
-        results[k].first_divergence.as_ref().map(|(_, d)| {
-            let step = pairs[k]
-                .0
-                .entries
-                .iter()
-                .find(|e| e.path == d.file_ref)
-                .and_then(|e| e.step);
-            (step, d.counter_ref)
-        })
+        results[k]
+            .first_divergence
+            .as_ref()
+            .map(|(_, d)| (d.step, d.counter_ref))
     };
     let diverged = (0..results.len())
         .filter(|&k| results[k].first_divergence.is_some())
@@ -323,6 +352,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "reference": reference.dir,
         "test": test.dir,
         "rank": reference.selection.rank.unwrap_or(0),
+        "rank_test": test.selection.rank.unwrap_or(0),
         "step": reference.selection.step,
         "min_cosine": args.min_cosine,
         "calls_ref": reference.entries.len(),
@@ -336,8 +366,10 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         "trailing_only_in_ref": r.trailing_only_in_ref,
         "trailing_only_in_test": r.trailing_only_in_test,
         "calls_unscanned": reference.skipped.iter().chain(&test.skipped).filter(|k| k.unscanned_call).count(),
+        "paired_by_step": r.by_step,
+        "count_differs": r.count_differs.len(),
     });
-    let lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
+    let mut lone_note = if r.only_in_ref.is_empty() && r.only_in_test.is_empty() {
         String::new()
     } else {
         format!(
@@ -346,6 +378,37 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             r.only_in_test.len()
         )
     };
+    if let Some(c) = r.count_differs.first() {
+        lone_note.push_str(&format!(
+            "; `{}` is called {} times in REF, {} in TEST{}{}",
+            c.module,
+            c.calls_ref,
+            c.calls_test,
+            c.step.map(|s| format!(" (step {s})")).unwrap_or_default(),
+            match r.count_differs.len() {
+                1 => String::new(),
+                n => format!(" (and {} more modules: see count_differs)", n - 1),
+            }
+        ));
+    }
+    if !r.paired_by_count.is_empty() {
+        lone_note.push_str(&format!(
+            "; the calls of {} differ too much to align: there the k-th call of a module is \
+             paired with the k-th",
+            if r.by_step {
+                format!(
+                    "step {}",
+                    r.paired_by_count
+                        .iter()
+                        .map(|s| s.unwrap_or(0).to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            } else {
+                "the traces".to_string()
+            }
+        ));
+    }
     // Trace files skipped on either side were not compared and cannot be vouched for. Calls
     // one trace recorded and the other did not are different (two engines name and fuse
     // modules differently: matching by name is the contract), so they are listed, not failed.
@@ -433,19 +496,14 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             let what = out
                 .and_then(|t| t.problem.clone())
                 .unwrap_or_else(|| "no output to compare".into());
-            let cause = match c.inputs_match {
-                Some(false) => {
-                    "its inputs already differed: the cause is upstream, between recorded modules"
-                }
-                Some(true) => "its inputs matched: this module introduced it",
-                None => "no inputs recorded",
-            };
+            let cause = cause_text(c, r);
             (
                 Verdict::Fail,
                 format!(
-                    "first divergence at `{}` (call {}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
+                    "first divergence at `{}` (call {}{}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
                     c.module,
                     c.call,
+                    c.step.map(|s| format!(" of step {s}")).unwrap_or_default(),
                     c.counter_ref,
                     out.map(|t| t.tensor.as_str()).unwrap_or("output"),
                 ),
@@ -458,6 +516,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         json!({
             "module": c.module,
             "call": c.call,
+            "call_test": c.call_test,
+            "step": c.step,
             "counter_ref": c.counter_ref,
             "counter_test": c.counter_test,
             "file_ref": c.file_ref,
@@ -473,6 +533,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "problem": out.and_then(|t| t.problem.clone()),
             "inputs_diverged": c.inputs_match.map(|m| !m),
             "cause": match c.inputs_match {
+                Some(false) if c.inputs_shapes_differ => "shapes differ",
                 Some(false) => "upstream",
                 Some(true) => "this module",
                 None => "unknown",
@@ -629,6 +690,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             json!({
                 "module": c.module,
                 "call": c.call,
+                "call_test": c.call_test,
+                "step": c.step,
                 "counter_ref": c.counter_ref,
                 "counter_test": c.counter_test,
                 "outputs_match": c.outputs_match,
@@ -640,10 +703,58 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         .collect();
     rep.with("only_in_ref", &r.only_in_ref)
         .with("only_in_test", &r.only_in_test)
+        .with("count_differs", &r.count_differs)
         .with("skipped_ref", &reference.skipped)
         .with("skipped_test", &test.skipped)
         .with("modules_elided", n - modules.len())
         .with("modules", modules)
+}
+
+/// Why the first divergence happened, as far as its inputs tell.
+fn cause_text(c: &CallDiff, r: &BisectResult) -> String {
+    match c.inputs_match {
+        Some(false) if c.inputs_shapes_differ => {
+            let t = c
+                .tensors
+                .iter()
+                .find(|t| matches!(role(&t.tensor), Role::Input(_)) && !t.matches);
+            format!(
+                "its inputs have other shapes{}: the token set of this call changed (routing or \
+                 batching differs upstream)",
+                t.map(|t| format!(" (REF {:?}, TEST {:?})", t.shape_ref, t.shape_test))
+                    .unwrap_or_default()
+            )
+        }
+        Some(false) => {
+            // a call only one trace made before this one in its step may be what changed
+            let before = |l: &&LoneCall, counter: u64| l.step == c.step && l.counter < counter;
+            let lone: Vec<String> = r
+                .only_in_ref
+                .iter()
+                .filter(|l| before(l, c.counter_ref))
+                .map(|l| format!("REF `{}` (counter {:06})", l.module, l.counter))
+                .chain(
+                    r.only_in_test
+                        .iter()
+                        .filter(|l| before(l, c.counter_test))
+                        .map(|l| format!("TEST `{}` (counter {:06})", l.module, l.counter)),
+                )
+                .collect();
+            match lone.first() {
+                None => "its inputs already differed: the cause is upstream, between recorded \
+                         modules"
+                    .to_string(),
+                Some(l) => format!(
+                    "its inputs already differed while every earlier paired call matched: the \
+                     cause is upstream, between recorded modules, or in the {} call(s) only one \
+                     trace made before it, e.g. {l}",
+                    lone.len()
+                ),
+            }
+        }
+        Some(true) => "its inputs matched: this module introduced it".to_string(),
+        None => "no inputs recorded".to_string(),
+    }
 }
 
 /// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and

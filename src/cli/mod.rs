@@ -68,9 +68,23 @@ pub enum Command {
     Routing(routing::Args),
     /// Does error grow through the residual stream? N MoE layers, NVFP4 vs BF16
     Multilayer(multilayer::Args),
-    /// Where does the first NaN/Inf appear? Scan a trace in execution order
+    /// Where does the first NaN/Inf appear? Scan a trace in completion order
+    ///
+    /// Calls are scanned in the order of the counter in their file names: the order the
+    /// recorder's forward hooks fired, on each module's exit (completion order), so a module's
+    /// submodules come before the module itself.
     NanLocate(nan_locate::Args),
     /// Where do two runs first diverge? Compare two traces module by module
+    ///
+    /// Calls are paired within each step (`__metadata__` `step`, when both traces record it) by
+    /// aligning the two sequences of module paths as `diff` aligns lines: a call only one trace
+    /// made (an extra expert call, a module one engine does not have) is listed as only in REF
+    /// or only in TEST, and the calls after it still pair with their counterparts. A module
+    /// called a different number of times in the two traces is named in the result. The same
+    /// NaN/±Inf at the same places in both (a -inf mask, masked attention scores) count as
+    /// equal, and the finite rest is compared. Traces of
+    /// different inputs (the first recorded calls hold different numbers of tokens) are not
+    /// comparable: exit 2.
     Bisect(bisect::Args),
     /// Run a named scenario from cases/*.toml
     Run(run_case::Args),

@@ -1,21 +1,24 @@
-//! `nan-locate`: where does the first NaN/Inf appear? (H2/H7.) Scans a trace in execution order
-//! and names the first module call whose output holds a non-finite value, where in it, whether
-//! that module produced it (its inputs were clean) or received it, and the last clean call.
+//! `nan-locate`: where does the first NaN/Inf appear? (H2/H7.) Scans a trace in completion
+//! order (the recorder's counter: forward hooks fire on a module's exit) and names the first
+//! module call whose output holds a non-finite value, where in it, whether that module produced
+//! it (its inputs were clean) or received it, and the last clean call.
 
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, Report, Section, Verdict};
 use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
+use crate::trace::scan::TensorStats;
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Trace directory: NNNNNN-<module.path>.safetensors files (or one level of rank*/ subdirs)
+    /// Trace directory: NNNNNN-<module.path>.safetensors files (and one level of rank<N>/ or
+    /// step<N>/ subfolders; other subfolders are ignored)
     #[arg(value_name = "TRACE")]
     pub trace: PathBuf,
-    /// Rank to scan (files without `rank` metadata count as rank 0)
+    /// Rank to scan (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]
     pub rank: Option<u64>,
     /// Scan only this step (default: all steps in order)
@@ -54,11 +57,10 @@ fn counter(c: &ScannedCall) -> String {
 fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
     let out = c.outputs().next();
     let shape = out.map(|t| format!("{:?}", t.shape)).unwrap_or_default();
-    let max_abs = c
-        .outputs()
-        .filter_map(|t| t.stats)
-        .map(|s| s.max_abs)
-        .fold(0f32, f32::max);
+    // over the finite values: none at all (an all-NaN output) has no maximum to show
+    let stats = || c.outputs().filter_map(|t| t.stats);
+    let any_finite = stats().any(|s| has_finite(&s));
+    let max_abs = stats().map(|s| s.max_abs).fold(0f32, f32::max);
     let (nan, inf) = c
         .outputs()
         .filter_map(|t| t.stats)
@@ -79,12 +81,21 @@ fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
         counter(c),
         c.module.clone(),
         shape,
-        e(max_abs as f64),
+        if any_finite {
+            e(max_abs as f64)
+        } else {
+            "-".to_string()
+        },
         nan.to_string(),
         inf.to_string(),
         inputs,
         status,
     ]
+}
+
+/// Whether a scanned tensor holds a finite value (`max_abs` means something).
+fn has_finite(s: &TensorStats) -> bool {
+    (s.nan_count + s.inf_count) < s.numel as u64
 }
 
 fn call_json(c: &ScannedCall) -> Value {
@@ -101,7 +112,7 @@ fn call_json(c: &ScannedCall) -> Value {
             "shape": t.shape,
             "nan_count": t.stats.map(|s| s.nan_count),
             "inf_count": t.stats.map(|s| s.inf_count),
-            "max_abs": t.stats.map(|s| s.max_abs),
+            "max_abs": t.stats.filter(has_finite).map(|s| s.max_abs),
         })).collect::<Vec<_>>(),
     })
 }
@@ -252,7 +263,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
     let mut table = Section::new(
-        "Module calls around it (execution order)",
+        "Module calls around it (completion order)",
         &[
             "counter",
             "module",

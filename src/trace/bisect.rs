@@ -1,14 +1,16 @@
-//! Two traces, matched call by call: the k-th call of a module path in REF is the k-th call of
-//! that path in TEST. A call diverges when one of its outputs fails the cosine threshold, holds
-//! NaN/Inf, or cannot be compared (shape, dtype, missing). The first divergence in REF's order
-//! is where to look — unless its inputs already differed, which puts the cause upstream, in code
-//! between recorded modules.
+//! Two traces, matched call by call. Within each step (both traces record `step`; else over
+//! the whole trace) the sequences of module paths are aligned as `diff` aligns lines (a longest
+//! common subsequence), so a call only one trace made is listed as such and the calls after it
+//! still pair with their counterparts. A call diverges when one of its outputs fails the cosine
+//! threshold, holds NaN/Inf, or cannot be compared (shape, dtype, missing). The first
+//! divergence in REF's order is where to look — unless its inputs already differed, which puts
+//! the cause upstream, in code between recorded modules.
 
 use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
 use super::scan::paired_blocks;
 use super::tokens::{self, token_min_cosine};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::metrics::{max_rel_l2, Accum, Metrics};
 use serde::Serialize;
 use std::collections::HashMap;
@@ -36,7 +38,10 @@ pub struct TensorDiff {
     pub problem: Option<String>,
     /// Something worth knowing that does not make the tensor diverge.
     pub note: Option<String>,
-    /// Compared, finite on both sides, at or above the cosine threshold, and with a relative L2
+    /// Positions where REF and TEST hold the same NaN or ±Inf (a mask): equal, left out of
+    /// the metrics, which are over the rest.
+    pub nonfinite_matched: u64,
+    /// Compared, finite on both sides (but for NaN/Inf equal in both), at or above the cosine threshold, and with a relative L2
     /// error no larger than noise reaches at that cosine (`metrics::max_rel_l2`).
     pub matches: bool,
 }
@@ -45,8 +50,10 @@ pub struct TensorDiff {
 #[derive(Clone, Debug, Serialize)]
 pub struct LoneCall {
     pub module: String,
-    /// k: this is the k-th call (0-based) of the module path.
+    /// k: this is the k-th call (0-based) of the module path in its step.
     pub call: usize,
+    /// `__metadata__` `step`, when recorded.
+    pub step: Option<u64>,
     pub counter: u64,
     pub file: PathBuf,
 }
@@ -55,7 +62,11 @@ pub struct LoneCall {
 #[derive(Clone, Debug, Serialize)]
 pub struct CallDiff {
     pub module: String,
+    /// The k-th call of the path in its step, in REF and in TEST (they differ where one trace
+    /// has a call of this path the other lacks before it).
     pub call: usize,
+    pub call_test: usize,
+    pub step: Option<u64>,
     pub counter_ref: u64,
     pub counter_test: u64,
     pub file_ref: PathBuf,
@@ -65,6 +76,9 @@ pub struct CallDiff {
     pub outputs_match: bool,
     /// `None` when neither trace recorded inputs for this call.
     pub inputs_match: Option<bool>,
+    /// Inputs that fail only because their shapes differ (the token set of this call changed:
+    /// routing or batching differs upstream), their values unseen.
+    pub inputs_shapes_differ: bool,
 }
 
 impl CallDiff {
@@ -82,6 +96,8 @@ impl CallDiff {
         self.tensors
             .iter()
             .filter(|t| matches!(role(&t.tensor), Role::Input(_)))
+            // an input without a cosine (a bool mask, ids) that matches has nothing to show
+            .filter(|t| t.cosine.is_some() || !t.matches)
             .min_by(|a, b| {
                 let k = |t: &TensorDiff| (t.matches, t.cosine.unwrap_or(f64::NEG_INFINITY));
                 k(a).partial_cmp(&k(b)).unwrap_or(std::cmp::Ordering::Equal)
@@ -95,6 +111,8 @@ impl CallDiff {
 pub struct CallSummary {
     pub module: String,
     pub call: usize,
+    pub call_test: usize,
+    pub step: Option<u64>,
     pub counter_ref: u64,
     pub counter_test: u64,
     pub output: Option<TensorDiff>,
@@ -108,6 +126,8 @@ impl CallSummary {
         CallSummary {
             module: d.module.clone(),
             call: d.call,
+            call_test: d.call_test,
+            step: d.step,
             counter_ref: d.counter_ref,
             counter_test: d.counter_test,
             output: d.key_output().cloned(),
@@ -130,17 +150,162 @@ pub struct BisectResult {
     /// other stopped (a crashed or interrupted run) has these on its side only.
     pub trailing_only_in_ref: usize,
     pub trailing_only_in_test: usize,
+    /// Modules called a different number of times in the two traces (in one step).
+    pub count_differs: Vec<CountDiff>,
+    /// Steps whose calls differ too much to align (more than `MAX_EDITS` unpaired): there the
+    /// k-th call of a path was paired with the k-th.
+    pub paired_by_count: Vec<Option<u64>>,
+    /// Whether the calls were grouped by `step` (both traces record it).
+    pub by_step: bool,
 }
 
-/// (module path, k) for every entry: the k-th call of that path in this trace's order.
-fn call_keys(entries: &[TraceEntry]) -> Vec<(&str, usize)> {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
+/// A module path called a different number of times in REF and TEST.
+#[derive(Clone, Debug, Serialize)]
+pub struct CountDiff {
+    pub module: String,
+    pub step: Option<u64>,
+    pub calls_ref: usize,
+    pub calls_test: usize,
+}
+
+/// Edits beyond which a step's calls are paired by call number instead of aligned: the
+/// alignment costs O((N + M) · D) time and O(D²) memory for D calls only one side has.
+const MAX_EDITS: usize = 2000;
+
+/// A longest common subsequence of `a` and `b` (Myers' O((N+M)·D) greedy diff): index pairs
+/// `(i, j)` with `a[i] == b[j]`, increasing in both. `None` when more than `max_d` calls would
+/// be left unpaired.
+fn lcs(a: &[u32], b: &[u32], max_d: usize) -> Option<Vec<(usize, usize)>> {
+    let (n, m) = (a.len() as isize, b.len() as isize);
+    let limit = max_d.min(a.len() + b.len()) as isize;
+    let off = limit + 1;
+    let mut v = vec![0isize; 2 * limit as usize + 3];
+    // trace[d]: v[-d..=d] as it stood before round d
+    let mut trace: Vec<Vec<isize>> = Vec::new();
+    let at = |k: isize| (off + k) as usize;
+    for d in 0..=limit {
+        trace.push(v[at(-d)..=at(d)].to_vec());
+        let mut k = -d;
+        while k <= d {
+            let mut x = if k == -d || (k != d && v[at(k - 1)] < v[at(k + 1)]) {
+                v[at(k + 1)]
+            } else {
+                v[at(k - 1)] + 1
+            };
+            let mut y = x - k;
+            while x < n && y < m && a[x as usize] == b[y as usize] {
+                x += 1;
+                y += 1;
+            }
+            v[at(k)] = x;
+            if x >= n && y >= m {
+                return Some(backtrack(&trace, n, m));
+            }
+            k += 2;
+        }
+    }
+    None
+}
+
+fn backtrack(trace: &[Vec<isize>], n: isize, m: isize) -> Vec<(usize, usize)> {
+    let (mut x, mut y) = (n, m);
+    let mut out = Vec::new();
+    for (d, v) in trace.iter().enumerate().rev() {
+        let d = d as isize;
+        let get = |k: isize| v[(k + d) as usize];
+        let k = x - y;
+        let prev_k = if k == -d || (k != d && get(k - 1) < get(k + 1)) {
+            k + 1
+        } else {
+            k - 1
+        };
+        let (px, py) = if d == 0 {
+            (0, 0)
+        } else {
+            let px = get(prev_k);
+            (px, px - prev_k)
+        };
+        while x > px && y > py {
+            x -= 1;
+            y -= 1;
+            out.push((x as usize, y as usize));
+        }
+        x = px;
+        y = py;
+    }
+    out.reverse();
+    out
+}
+
+/// Pairs of calls (indices into the REF and TEST entries of one step, REF's order) whose
+/// module paths align: the longest common subsequence of the two sequences of module paths,
+/// as `diff` aligns lines, so one call only one side made pairs nothing else wrongly. Calls
+/// left over are then paired by module path in order (two engines that call modules in
+/// another order: a shared expert before the routed ones). Past [`MAX_EDITS`] the k-th call
+/// of a path pairs with the k-th; the bool says so.
+fn align(r: &[TraceEntry], t: &[TraceEntry]) -> (Vec<(usize, usize)>, bool) {
+    let mut ids: HashMap<&str, u32> = HashMap::new();
+    let mut a: Vec<u32> = Vec::with_capacity(r.len());
+    let mut b: Vec<u32> = Vec::with_capacity(t.len());
+    for (list, out) in [(r, &mut a), (t, &mut b)] {
+        for e in list {
+            let n = ids.len() as u32;
+            out.push(*ids.entry(e.module.as_str()).or_insert(n));
+        }
+    }
+    let pre = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let suf = a[pre..]
+        .iter()
+        .rev()
+        .zip(b[pre..].iter().rev())
+        .take_while(|(x, y)| x == y)
+        .count();
+    let (ma, mb) = (&a[pre..a.len() - suf], &b[pre..b.len() - suf]);
+    let mut pairs: Vec<(usize, usize)> = (0..pre).map(|i| (i, i)).collect();
+    let mut by_count = false;
+    let mut mid: Vec<(usize, usize)> = match lcs(ma, mb, MAX_EDITS) {
+        Some(p) => p,
+        None => {
+            by_count = true;
+            Vec::new()
+        }
+    };
+    // what is left over: paired by path, in order
+    let mut used_a = vec![false; ma.len()];
+    let mut used_b = vec![false; mb.len()];
+    for &(i, j) in &mid {
+        used_a[i] = true;
+        used_b[j] = true;
+    }
+    let mut free_b: HashMap<u32, std::collections::VecDeque<usize>> = HashMap::new();
+    for (j, &x) in mb.iter().enumerate() {
+        if !used_b[j] {
+            free_b.entry(x).or_default().push_back(j);
+        }
+    }
+    for (i, &x) in ma.iter().enumerate() {
+        if !used_a[i] {
+            if let Some(j) = free_b.get_mut(&x).and_then(|q| q.pop_front()) {
+                mid.push((i, j));
+            }
+        }
+    }
+    pairs.extend(mid.into_iter().map(|(i, j)| (i + pre, j + pre)));
+    let (ea, eb) = (a.len() - suf, b.len() - suf);
+    pairs.extend((0..suf).map(|k| (ea + k, eb + k)));
+    pairs.sort_unstable();
+    (pairs, by_count)
+}
+
+/// The k of every entry: it is the k-th call (0-based) of its module path in its step.
+fn call_numbers(entries: &[TraceEntry]) -> Vec<usize> {
+    let mut seen: HashMap<(Option<u64>, &str), usize> = HashMap::new();
     entries
         .iter()
         .map(|e| {
-            let k = seen.entry(e.module.as_str()).or_insert(0);
+            let k = seen.entry((e.step, e.module.as_str())).or_insert(0);
             *k += 1;
-            (e.module.as_str(), *k - 1)
+            *k - 1
         })
         .collect()
 }
@@ -149,6 +314,7 @@ fn lone(e: &TraceEntry, call: usize) -> LoneCall {
     LoneCall {
         module: e.module.clone(),
         call,
+        step: e.step,
         counter: e.counter,
         file: e.path.clone(),
     }
@@ -175,6 +341,7 @@ fn diff_tensor(
         ref_inf_count: 0,
         problem: None,
         note: None,
+        nonfinite_matched: 0,
         matches: false,
     };
     let (r, t) = match (r, t) {
@@ -193,6 +360,19 @@ fn diff_tensor(
         d.problem = (r.dtype != t.dtype || r.shape != t.shape || !same_bytes(&r, &t))
             .then(|| "non-float tensors differ".to_string());
         d.matches = d.problem.is_none();
+        return d;
+    }
+    if r.numel() == 0 && t.numel() == 0 {
+        // nothing to compare: no cosine (it would read 1.0), matching when the shapes agree
+        if r.shape == t.shape {
+            d.note = Some("empty (0 elements): nothing to compare".into());
+            d.matches = true;
+        } else {
+            d.problem = Some(format!(
+                "shape mismatch: REF {:?}, TEST {:?} (both empty)",
+                r.shape, t.shape
+            ));
+        }
         return d;
     }
     if r.shape != t.shape {
@@ -214,25 +394,57 @@ fn diff_tensor(
     d.inf_count = m.inf_count;
     d.ref_nan_count = ref_stats.nan_count;
     d.ref_inf_count = ref_stats.inf_count;
-    // an input both runs passed with the same NaN/Inf at the same places (an attention mask of
-    // -inf) is the same input: its finite values decide
-    let same_nonfinite_input = (matches!(role(name), Role::Input(_))
-        && !ref_stats.is_finite()
-        && ref_stats.nan_count == m.nan_count
-        && ref_stats.inf_count == m.inf_count)
-        .then(|| finite_if_same_nonfinite(&t, &r))
-        .flatten();
-    if let Some(f) = same_nonfinite_input {
+    // NaN/Inf at the same places in both runs (an attention mask of -inf, masked scores) are
+    // the same values: the finite rest decides. Only non-finite values that differ, or that
+    // one side holds alone, are a divergence (REF alone: the reference is broken).
+    let nf =
+        (!ref_stats.is_finite() || m.nan_count + m.inf_count > 0).then(|| nonfinite_pairs(&t, &r));
+    if let Some(p) = &nf {
+        d.nonfinite_matched = p.same;
+    }
+    if let Some(p) = nf.as_ref().filter(|p| p.test_only + p.differ > 0) {
+        let mut what = format!(
+            "NaN/Inf in TEST ({} NaN, {} Inf; {} where REF is finite",
+            m.nan_count, m.inf_count, p.test_only
+        );
+        if p.differ > 0 {
+            what.push_str(&format!(", {} where REF holds another NaN/Inf", p.differ));
+        }
+        if p.same > 0 {
+            what.push_str(&format!(", {} equal to REF's", p.same));
+        }
+        what.push(')');
+        if p.ref_only > 0 {
+            what.push_str(&format!(
+                "; REF holds {} NaN/Inf where TEST is finite",
+                p.ref_only
+            ));
+        }
+        d.problem = Some(what);
+    } else if let Some(p) = nf.as_ref().filter(|p| p.ref_only > 0) {
+        d.problem = Some(format!(
+            "NaN/Inf in REF ({} NaN, {} Inf; {} where TEST is finite): the reference itself is \
+             broken here",
+            ref_stats.nan_count, ref_stats.inf_count, p.ref_only
+        ));
+    } else if let Some(p) = &nf {
+        let f = p.finite.clone();
         d.cosine = Some(f.cosine).filter(|c| c.is_finite());
         d.rel_l2 = Some(f.rel_l2).filter(|c| c.is_finite());
         d.max_abs_err = Some(f.max_abs_err).filter(|c| c.is_finite());
         d.note = Some(format!(
-            "{} NaN, {} Inf at the same places in REF and TEST (a mask?): compared on the \
-             finite values",
-            m.nan_count, m.inf_count
+            "{} NaN/Inf at the same places in REF and TEST ({} NaN, {} Inf: a mask?): compared \
+             on the {} finite values",
+            p.same,
+            m.nan_count,
+            m.inf_count,
+            f.len as u64 - p.same
         ));
         if !f.passes(min_cosine) {
-            d.problem = Some(format!("cosine {:.6} < {min_cosine}", f.cosine));
+            d.problem = Some(format!(
+                "cosine {:.6} < {min_cosine} on the finite values",
+                f.cosine
+            ));
         } else if f.rel_l2 > max_rel_l2(min_cosine) {
             d.problem = Some(format!(
                 "rel_l2 {:.3e} > {:.3e} on the finite values (cosine {:.6} passes: a scale error)",
@@ -243,16 +455,6 @@ fn diff_tensor(
         } else {
             d.matches = true;
         }
-    } else if !ref_stats.is_finite() {
-        d.problem = Some(format!(
-            "NaN/Inf in REF ({} NaN, {} Inf): the reference itself is broken here",
-            ref_stats.nan_count, ref_stats.inf_count
-        ));
-    } else if m.nan_count + m.inf_count > 0 {
-        d.problem = Some(format!(
-            "NaN/Inf in TEST ({} NaN, {} Inf)",
-            m.nan_count, m.inf_count
-        ));
     } else if !m.passes(min_cosine) {
         d.problem = Some(format!("cosine {:.6} < {min_cosine}", m.cosine));
     } else if m.rel_l2 > max_rel_l2(min_cosine) {
@@ -302,35 +504,65 @@ fn norm_ratio(t: &TensorRef, r: &TensorRef) -> f64 {
     (nt / nr).sqrt()
 }
 
-/// When every NaN of one tensor is a NaN of the other at the same index and every ±Inf the
-/// same ±Inf: the metrics over the finite values (both sides finite there). `None` otherwise.
-fn finite_if_same_nonfinite(t: &TensorRef, r: &TensorRef) -> Option<Metrics> {
+/// How the NaN/Inf of a tensor pair line up, and the metrics over the positions finite in both.
+struct NonfinitePairs {
+    /// Positions where both hold the same non-finite value (the same ±Inf, or NaN in both).
+    same: u64,
+    /// REF non-finite, TEST finite.
+    ref_only: u64,
+    /// TEST non-finite, REF finite.
+    test_only: u64,
+    /// Both non-finite, different values (+Inf against -Inf or NaN).
+    differ: u64,
+    /// Over the positions finite in both (`len` counts every position).
+    finite: Metrics,
+}
+
+fn nonfinite_pairs(t: &TensorRef, r: &TensorRef) -> NonfinitePairs {
+    let (mut same, mut ref_only, mut test_only, mut differ) = (0u64, 0u64, 0u64, 0u64);
     let mut acc = Accum::default();
-    let all = paired_blocks(t, r, |start, x, y| {
-        let same = x.iter().zip(y).all(|(&a, &b)| {
-            a.is_finite() == b.is_finite() && (a.is_finite() || a == b || a.is_nan() && b.is_nan())
-        });
-        // TEST's non-finite values are left out of the sums, and they are exactly REF's
-        if same {
-            acc = acc.merge(Accum::over(x, y, start));
+    let (mut bt, mut br) = (Vec::new(), Vec::new());
+    paired_blocks(t, r, |start, x, y| {
+        bt.clear();
+        br.clear();
+        for (&a, &b) in x.iter().zip(y) {
+            match (a.is_finite(), b.is_finite()) {
+                (true, true) => {
+                    bt.push(a);
+                    br.push(b);
+                    continue;
+                }
+                (true, false) => ref_only += 1,
+                (false, true) => test_only += 1,
+                (false, false) if a == b || (a.is_nan() && b.is_nan()) => same += 1,
+                (false, false) => differ += 1,
+            }
+            // a position left out of the sums: a zero pair keeps indices of the rest
+            bt.push(0.0);
+            br.push(0.0);
         }
-        same
+        acc = acc.merge(Accum::over(&bt, &br, start));
+        true
     });
-    if !all {
-        return None;
+    NonfinitePairs {
+        same,
+        ref_only,
+        test_only,
+        differ,
+        finite: acc.finish(),
     }
-    acc.nan = 0;
-    acc.inf = 0;
-    acc.first_nan = None;
-    acc.first_inf = None;
-    Some(acc.finish())
 }
 
 fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {
     a.raw() == b.raw()
 }
 
-fn diff_call(re: &TraceEntry, te: &TraceEntry, call: usize, min_cosine: f64) -> Result<CallDiff> {
+fn diff_call(
+    re: &TraceEntry,
+    te: &TraceEntry,
+    (call, call_test): (usize, usize),
+    min_cosine: f64,
+) -> Result<CallDiff> {
     let rf = TraceFile::open(&re.path)?;
     let tf = TraceFile::open(&te.path)?;
     let mut names: Vec<&str> = rf.tensors().map(|t| t.name).collect();
@@ -355,9 +587,16 @@ fn diff_call(re: &TraceEntry, te: &TraceEntry, call: usize, min_cosine: f64) -> 
         .filter(|t| matches!(role(&t.tensor), Role::Input(_)))
         .collect();
     let inputs_match = (!ins.is_empty()).then(|| ins.iter().all(|t| t.matches));
+    let failing: Vec<&&TensorDiff> = ins.iter().filter(|t| !t.matches).collect();
+    let inputs_shapes_differ = !failing.is_empty()
+        && failing.iter().all(|t| {
+            t.cosine.is_none() && t.shape_ref != t.shape_test && t.dtype_ref == t.dtype_test
+        });
     Ok(CallDiff {
         module: re.module.clone(),
         call,
+        call_test,
+        step: re.step,
         counter_ref: re.counter,
         counter_test: te.counter,
         file_ref: re.path.clone(),
@@ -365,48 +604,86 @@ fn diff_call(re: &TraceEntry, te: &TraceEntry, call: usize, min_cosine: f64) -> 
         tensors,
         outputs_match,
         inputs_match,
+        inputs_shapes_differ,
     })
 }
 
-/// Compare every matched call; `tick` once per REF call.
+/// `[start, end)` ranges of entries sharing one step, in order (one range when `by_step` is
+/// false).
+fn step_ranges(entries: &[TraceEntry], by_step: bool) -> Vec<(Option<u64>, usize, usize)> {
+    let mut out: Vec<(Option<u64>, usize, usize)> = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        let s = if by_step { e.step } else { None };
+        match out.last_mut() {
+            Some((last, _, end)) if *last == s => *end = i + 1,
+            _ => out.push((s, i, i + 1)),
+        }
+    }
+    out
+}
+
+/// Compare every matched call; `tick` once per REF call. Calls are paired within each step
+/// (when both traces record steps) by aligning the two sequences of module paths.
 pub fn bisect(
     reference: &TraceIndex,
     test: &TraceIndex,
     min_cosine: f64,
     tick: &mut dyn FnMut(),
 ) -> Result<BisectResult> {
-    let ref_keys = call_keys(&reference.entries);
-    let test_keys = call_keys(&test.entries);
-    let test_at: HashMap<(&str, usize), usize> =
-        test_keys.iter().enumerate().map(|(i, &k)| (k, i)).collect();
-    let mut matched_test = vec![false; test.entries.len()];
+    let (re, te) = (&reference.entries, &test.entries);
+    let by_step = re.iter().any(|e| e.step.is_some()) && te.iter().any(|e| e.step.is_some());
+    let ref_k = call_numbers(re);
+    let test_k = call_numbers(te);
+    // REF index → TEST index
+    let mut pair_of: Vec<Option<usize>> = vec![None; re.len()];
+    let mut matched_test = vec![false; te.len()];
+    let mut count_differs = Vec::new();
+    let mut paired_by_count = Vec::new();
+    let tr = step_ranges(te, by_step);
+    for (step, r0, r1) in step_ranges(re, by_step) {
+        let Some(&(_, t0, t1)) = tr.iter().find(|(s, _, _)| *s == step) else {
+            continue;
+        };
+        let (pairs, by_count) = align(&re[r0..r1], &te[t0..t1]);
+        if by_count {
+            paired_by_count.push(step);
+        }
+        for (i, j) in pairs {
+            pair_of[r0 + i] = Some(t0 + j);
+            matched_test[t0 + j] = true;
+        }
+        count_differs.extend(call_counts_differ(&re[r0..r1], &te[t0..t1], step));
+    }
     let mut calls = Vec::new();
     let mut only_in_ref = Vec::new();
     let mut first_divergence = None;
     let mut trailing_only_in_ref = 0;
-    for (re, &key) in reference.entries.iter().zip(&ref_keys) {
+    for (i, e) in re.iter().enumerate() {
         tick();
-        let Some(&ti) = test_at.get(&key) else {
-            only_in_ref.push(lone(re, key.1));
+        let Some(ti) = pair_of[i] else {
+            only_in_ref.push(lone(e, ref_k[i]));
             trailing_only_in_ref += 1;
             continue;
         };
         trailing_only_in_ref = 0;
-        matched_test[ti] = true;
-        let d = diff_call(re, &test.entries[ti], key.1, min_cosine)?;
+        // the first recorded call of both (an embedding, typically): other token counts
+        // there are other prompts, not a divergence
+        if i == 0 && ti == 0 {
+            same_tokens(e, &te[ti])?;
+        }
+        let d = diff_call(e, &te[ti], (ref_k[i], test_k[ti]), min_cosine)?;
         calls.push(CallSummary::of(&d));
         if !d.outputs_match && first_divergence.is_none() {
             first_divergence = Some((calls.len() - 1, d));
         }
     }
     let trailing_only_in_test = matched_test.iter().rev().take_while(|&&m| !m).count();
-    let only_in_test = test
-        .entries
+    let only_in_test = te
         .iter()
-        .zip(&test_keys)
+        .zip(&test_k)
         .zip(&matched_test)
         .filter(|(_, &m)| !m)
-        .map(|((e, k), _)| lone(e, k.1))
+        .map(|((e, &k), _)| lone(e, k))
         .collect();
     Ok(BisectResult {
         calls,
@@ -415,5 +692,119 @@ pub fn bisect(
         only_in_test,
         trailing_only_in_ref,
         trailing_only_in_test,
+        count_differs,
+        paired_by_count,
+        by_step,
     })
+}
+
+/// Modules of one step called a different number of times in REF and TEST, in REF's order of
+/// first call (then TEST's).
+fn call_counts_differ(r: &[TraceEntry], t: &[TraceEntry], step: Option<u64>) -> Vec<CountDiff> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut counts: HashMap<&str, (usize, usize)> = HashMap::new();
+    for (side, list) in [(0, r), (1, t)] {
+        for e in list {
+            let c = counts.entry(e.module.as_str()).or_insert_with(|| {
+                order.push(e.module.as_str());
+                (0, 0)
+            });
+            if side == 0 {
+                c.0 += 1
+            } else {
+                c.1 += 1
+            }
+        }
+    }
+    order
+        .into_iter()
+        .filter_map(|m| {
+            let (a, b) = counts[m];
+            // a path one trace lacks altogether is another engine's naming, listed apart
+            (a != b && a > 0 && b > 0).then(|| CountDiff {
+                module: m.to_string(),
+                step,
+                calls_ref: a,
+                calls_test: b,
+            })
+        })
+        .collect()
+}
+
+/// Tokens of a tensor: all elements over the last dim (`[1, T, H]` and `[T, H]` alike).
+fn tokens_of(shape: &[usize]) -> Option<usize> {
+    let last = *shape.last()?;
+    (last > 0 && shape.len() >= 2).then(|| shape.iter().product::<usize>() / last)
+}
+
+/// The first recorded calls of both traces, paired, holding other numbers of tokens (same
+/// hidden size) are two runs of different inputs: nothing after them can be compared.
+fn same_tokens(re: &TraceEntry, te: &TraceEntry) -> Result<()> {
+    let rf = TraceFile::open(&re.path)?;
+    let tf = TraceFile::open(&te.path)?;
+    let (Some(r), Some(t)) = (rf.tensor("output"), tf.tensor("output")) else {
+        return Ok(());
+    };
+    match (tokens_of(r.shape), tokens_of(t.shape)) {
+        (Some(a), Some(b)) if a != b && r.shape.last() == t.shape.last() => {
+            Err(Error::usage(format!(
+                "the two runs have different inputs ({a} vs {b} tokens): not comparable; the \
+                 first recorded call `{}` has output {:?} in REF ({}) and {:?} in TEST ({}). \
+                 Record both runs on the same prompt and batch",
+                re.module,
+                r.shape,
+                re.path.display(),
+                t.shape,
+                te.path.display()
+            )))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn lcs_len(a: &[u32], b: &[u32]) -> usize {
+        let mut dp = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+        for i in (0..a.len()).rev() {
+            for j in (0..b.len()).rev() {
+                dp[i][j] = if a[i] == b[j] {
+                    dp[i + 1][j + 1] + 1
+                } else {
+                    dp[i + 1][j].max(dp[i][j + 1])
+                };
+            }
+        }
+        dp[0][0]
+    }
+
+    /// The alignment is a longest common subsequence: as long as the quadratic DP's, of equal
+    /// symbols, increasing on both sides; past the edit limit it gives up.
+    #[test]
+    fn lcs_is_a_longest_common_subsequence() {
+        let seed: u64 = rand::random();
+        let mut g = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for _ in 0..500 {
+            let alpha = g.gen_range(1..6);
+            let a: Vec<u32> = (0..g.gen_range(0..30))
+                .map(|_| g.gen_range(0..alpha))
+                .collect();
+            let b: Vec<u32> = (0..g.gen_range(0..30))
+                .map(|_| g.gen_range(0..alpha))
+                .collect();
+            let p = lcs(&a, &b, 100).expect("within the limit");
+            assert_eq!(p.len(), lcs_len(&a, &b), "seed {seed}: {a:?} {b:?}");
+            for w in p.windows(2) {
+                assert!(w[0].0 < w[1].0 && w[0].1 < w[1].1, "seed {seed}");
+            }
+            assert!(p.iter().all(|&(i, j)| a[i] == b[j]), "seed {seed}");
+            let d = a.len() + b.len() - 2 * p.len();
+            if d > 0 {
+                assert!(lcs(&a, &b, d - 1).is_none(), "seed {seed}");
+            }
+        }
+    }
 }

@@ -19,7 +19,8 @@ pub struct TraceEntry {
     pub module: String,
     /// The file, as found under the trace directory the user named.
     pub path: PathBuf,
-    /// `__metadata__` `rank`; absent means a single-process trace, counted as rank 0.
+    /// `__metadata__` `rank`, else the N of the `rank<N>/` folder it lies in; absent means a
+    /// single-process trace, counted as rank 0.
     pub rank: Option<u64>,
     pub step: Option<u64>,
 }
@@ -55,9 +56,11 @@ impl Skipped {
 }
 
 /// Whether a name that failed [`parse_file_name`] still looks like trace data: a visible
-/// `*.safetensors` file (a short counter, an overflowing one) holds values nobody looked at.
+/// `*.safetensors` file that starts with a counter (a short one, an overflowing one) holds
+/// values nobody looked at. A name without a counter (`weights.safetensors`) is another file
+/// someone put there: ignored.
 fn looks_like_trace_data(name: &str) -> bool {
-    !name.starts_with('.') && name.ends_with(".safetensors")
+    name.as_bytes().first().is_some_and(u8::is_ascii_digit) && name.ends_with(".safetensors")
 }
 
 /// Which calls to look at: `rank` defaults to 0, `step` to all steps in order.
@@ -130,6 +133,18 @@ pub fn parse_file_name(name: &str) -> std::result::Result<(u64, String), String>
     Ok((counter, module.to_string()))
 }
 
+/// `rank<N>` → (Some(N), None), `step<N>` → (None, Some(N)); any other name → `None`.
+fn folder_rank_step(name: &str) -> Option<(Option<u64>, Option<u64>)> {
+    let num = |p: &str| {
+        name.strip_prefix(p)
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    num("rank")
+        .map(|r| (Some(r), None))
+        .or_else(|| num("step").map(|s| (None, Some(s))))
+}
+
 fn parse_meta(path: &Path, f: &TraceFile, key: &str) -> Result<Option<u64>> {
     match f.metadata().get(key) {
         None => Ok(None),
@@ -150,8 +165,10 @@ fn join_u64(v: &[u64]) -> String {
 }
 
 impl TraceIndex {
-    /// Index `dir`: its `*.safetensors` trace files and those one directory level down (one
-    /// directory per rank or step is how multi-process recorders keep names from colliding).
+    /// Index `dir`: its `*.safetensors` trace files and those one directory level down in
+    /// `rank<N>/` or `step<N>/` folders (one directory per rank or step is how multi-process
+    /// recorders keep names from colliding); a file without `rank`/`step` metadata takes its
+    /// folder's N. Other folders are listed as ignored, not read.
     /// Every trace file's header is validated here, so a truncated file is reported before any
     /// scan starts. No trace file at all, or none in the selection, is bad input.
     pub fn open(dir: &Path, selection: Selection) -> Result<TraceIndex> {
@@ -214,8 +231,14 @@ impl Listing {
             ));
         }
         let mut skipped = Vec::new();
-        let mut named = Vec::new(); // (counter, module, path)
-        let mut visit = |d: &Path, depth: usize, subdirs: &mut Vec<PathBuf>| -> Result<()> {
+        // (counter, module, path, (rank, step) of its folder's name)
+        let mut named = Vec::new();
+        type Sub = (PathBuf, (Option<u64>, Option<u64>));
+        let mut visit = |d: &Path,
+                         depth: usize,
+                         of: (Option<u64>, Option<u64>),
+                         subdirs: &mut Vec<Sub>|
+         -> Result<()> {
             let rd = std::fs::read_dir(d).map_err(|e| Error::io(d, e))?;
             let mut items = Vec::new();
             for ent in rd {
@@ -227,7 +250,14 @@ impl Listing {
                 let name = p.file_name().and_then(|n| n.to_str()).map(str::to_string);
                 if p.is_dir() {
                     if depth == 0 {
-                        subdirs.push(p);
+                        match name.as_deref().and_then(folder_rank_step) {
+                            Some(rs) => subdirs.push((p, rs)),
+                            None => skipped.push(Skipped::other(
+                                p,
+                                "subdirectory not named rank<N> or step<N>: not part of the trace, \
+                                 ignored",
+                            )),
+                        }
                     } else {
                         skipped.push(Skipped::other(
                             p,
@@ -237,7 +267,7 @@ impl Listing {
                     continue;
                 }
                 match name.as_deref().map(|n| (n, parse_file_name(n))) {
-                    Some((_, Ok((counter, module)))) => named.push((counter, module, p)),
+                    Some((_, Ok((counter, module)))) => named.push((counter, module, p, of)),
                     Some((n, Err(reason))) if looks_like_trace_data(n) => {
                         skipped.push(Skipped::call(p, reason))
                     }
@@ -256,9 +286,9 @@ impl Listing {
             Ok(())
         };
         let mut subdirs = Vec::new();
-        visit(dir, 0, &mut subdirs)?;
-        for s in subdirs {
-            visit(&s, 1, &mut Vec::new())?;
+        visit(dir, 0, (None, None), &mut subdirs)?;
+        for (s, of) in subdirs {
+            visit(&s, 1, of, &mut Vec::new())?;
         }
         if named.is_empty() {
             let mut what = format!("no trace files ({NAME_PATTERN}) in this directory");
@@ -276,15 +306,17 @@ impl Listing {
         // Headers: validated in parallel; the first bad file in name order is the one reported.
         let headers: Vec<Result<(Option<u64>, Option<u64>)>> = named
             .par_iter()
-            .map(|(_, _, p)| {
+            .map(|(_, _, p, _)| {
                 let f = TraceFile::open(p)?;
                 Ok((parse_meta(p, &f, "rank")?, parse_meta(p, &f, "step")?))
             })
             .collect();
         let files_total = named.len();
         let mut all = Vec::with_capacity(named.len());
-        for ((counter, module, path), h) in named.into_iter().zip(headers) {
+        for ((counter, module, path, (dir_rank, dir_step)), h) in named.into_iter().zip(headers) {
+            // `__metadata__` first; a file without it takes its rank<N>/ or step<N>/ folder's
             let (rank, step) = h?;
+            let (rank, step) = (rank.or(dir_rank), step.or(dir_step));
             all.push(TraceEntry {
                 counter,
                 module,
