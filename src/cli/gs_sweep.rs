@@ -7,8 +7,9 @@ use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
     below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
-    layer_and_batch, nvfp4_forward, scales_json, token_failure, BlockSummary, EpArgs, GsArgs,
-    InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE, DEFAULT_MIN_TOKEN_COSINE,
+    layer_and_batch, nvfp4_forward, scales_json, slots, token_failure, BlockSummary, EpArgs,
+    GsArgs, InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE,
+    DEFAULT_MIN_TOKEN_COSINE,
 };
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
@@ -377,19 +378,16 @@ pub fn run(args: &Args) -> Result<Report> {
             .as_ref()
             .filter(|_| used_source != GsSource::Calibrated),
     ) {
-        let per_slot = |s: &ActScales| -> Result<Vec<f32>> {
-            let (o, _) =
-                nvfp4_forward(&args.ep, &devices, &layer, &batch.hidden, &routing, s, true)?;
-            o.per_slot
-                .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))
+        let forward = |s: &ActScales| {
+            nvfp4_forward(&args.ep, &devices, &layer, &batch.hidden, &routing, s, true)
         };
         let rf = backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, true)?;
-        let rf = rf
-            .per_slot
-            .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))?;
         let (hsz, ne) = (c.hidden_size, c.n_routed_experts);
-        let mut used_e = per_expert(&routing, &per_slot(s)?, &rf, hsz, ne);
-        let cal_e = per_expert(&routing, &per_slot(cal)?, &rf, hsz, ne);
+        let experts = |o: &crate::moe::MoeOutput| -> Result<_> {
+            Ok(per_expert(&routing, slots(o)?, slots(&rf)?, hsz, ne))
+        };
+        let mut used_e = experts(&forward(s)?.0)?;
+        let cal_e = experts(&forward(cal)?.0)?;
         used_e.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
         let wrong: Vec<(String, f64, f64)> = used_e
             .iter()

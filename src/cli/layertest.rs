@@ -1834,7 +1834,7 @@ fn save_routing(
     Ok(out)
 }
 
-fn slots(o: &MoeOutput) -> Result<&[f32]> {
+pub(crate) fn slots(o: &MoeOutput) -> Result<&[f32]> {
     o.per_slot
         .as_deref()
         .ok_or_else(|| Error::usage("internal: the backend returned no per-slot outputs"))
