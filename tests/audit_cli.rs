@@ -2320,3 +2320,131 @@ fn findings_say_it_once_and_right() {
         "seed {seed}: MXFP4 has no 448:\n{out}"
     );
 }
+
+/// A vLLM fused dump at aligned shapes (w13 `[E, 128, 32]`: its linear and 128x4-swizzled
+/// scales have one size) with w2's scales swizzled, beside a config.json: each block-scale
+/// and global-scale hazard the per-linear scan finds is found per expert, at the linear
+/// (row, block) also where the scales are swizzled, and the config's NVFP4 promise holds (the
+/// fused tensors are its NVFP4 linears). Before, every one of these passed and the clean dump
+/// failed on a `config_mismatch` ("holds no NVFP4 linear").
+#[test]
+fn fused_engine_dump_block_and_global_scales_are_checked_per_expert() {
+    use nvfp4dbg::nvfp4::layout::{swizzle, swizzle_offset};
+    let (seed, mut r) = rng("audit fused scales");
+    let d = tempfile::tempdir().unwrap();
+    let (e, h, i) = (r.gen_range(4..7), 64, 64);
+    let (kb13, kb2) = (h / 16, i / 16);
+    let mut pick = |n: usize| r.gen_range(0..n);
+    let (dead, nan, over) = (pick(e), pick(e), pick(e));
+    let (dead_at, nan_at) = ((pick(2 * i), pick(kb13)), (pick(h), pick(kb2)));
+    let ex = |s: &str| format!("model.layers.1.mlp.experts.{s}");
+    let build = |planted: bool, r: &mut rand::rngs::StdRng| {
+        let (mut w13, mut s13, mut g13, mut w2, mut s2, mut g2) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for x in 0..e {
+            let gu = weights(r, 2 * i, h);
+            let (ws2, gs) = weight_global_scale(&gu);
+            let (q, _) = quantize_nvfp4(&gu, 2 * i, h, gs);
+            let mut sc = q.scales;
+            if planted && x == dead {
+                sc[dead_at.0 * kb13 + dead_at.1] = 0;
+            }
+            w13.extend(q.packed);
+            s13.extend(sc);
+            g13.extend([ws2, ws2]);
+            let dn = weights(r, h, i);
+            let (ws2, gs) = weight_global_scale(&dn);
+            let (q, _) = quantize_nvfp4(&dn, h, i, gs);
+            w2.extend(q.packed);
+            let mut sw = swizzle(&q.scales, h, kb2);
+            if planted && x == nan {
+                sw[swizzle_offset(nan_at.0, nan_at.1, kb2)] = 0x7F;
+            }
+            s2.extend(sw);
+            // a global scale whose product with the largest block overflows f32
+            g2.push(if planted && x == over { 1e36 } else { ws2 });
+        }
+        let sw_len = s2.len() / e;
+        vec![
+            (
+                TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+                w13,
+            ),
+            (
+                TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &[e, 2 * i, kb13]),
+                s13,
+            ),
+            f32t(&ex("w13_weight_scale_2"), &[e, 2], &g13),
+            f32t(&ex("w13_input_scale"), &[e, 2], &vec![0.01; 2 * e]),
+            (
+                TensorSpec::new(ex("w2_weight"), Dtype::U8, &[e, h, i / 2]),
+                w2,
+            ),
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E4M3, &[e, sw_len]),
+                s2,
+            ),
+            f32t(&ex("w2_weight_scale_2"), &[e], &g2),
+            f32t(&ex("w2_input_scale"), &[e], &vec![0.01; e]),
+            bf16("model.layers.1.mlp.gate.weight", &[e, h], &weights(r, e, h)),
+            f32t(
+                "model.layers.1.mlp.gate.e_score_correction_bias",
+                &[e],
+                &vec![0.01; e],
+            ),
+        ]
+    };
+    let mut config = config_json(h, i, e, 2, 2);
+    config["first_k_dense_replace"] = 1.into();
+    config["topk_method"] = "noaux_tc".into();
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16});
+    let mut r2 = rand::SeedableRng::seed_from_u64(seed);
+    for planted in [false, true] {
+        let dir = d.path().join(format!("dump-{planted}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir.join("model.safetensors"), build(planted, &mut r2));
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let (c, out, v) = audit(&dir);
+        let found = v["findings"].as_array().cloned().unwrap_or_default();
+        if !planted {
+            assert_eq!(c, 0, "seed {seed}: a clean fused dump: {out}");
+            continue;
+        }
+        assert_eq!(c, 1, "seed {seed}: {out}");
+        for (kind, tensor, says) in [
+            (
+                "zero_block_scales",
+                ex("w13_weight_scale"),
+                format!(
+                    "expert {dead} ({}), row {}, block {}",
+                    if dead_at.0 < i { "gate" } else { "up" },
+                    dead_at.0,
+                    dead_at.1
+                ),
+            ),
+            (
+                "nan_block_scales",
+                ex("w2_weight_scale"),
+                format!("expert {nan}, row {}, block {}", nan_at.0, nan_at.1),
+            ),
+            (
+                "nonfinite_dequant",
+                ex("w2_weight_scale_2"),
+                format!(": {over} "),
+            ),
+        ] {
+            assert!(
+                found.iter().any(|x| x["kind"] == kind
+                    && x["tensor"] == tensor.as_str()
+                    && x["detail"].as_str().unwrap().contains(&says)),
+                "seed {seed}: no {kind} on {tensor} saying {says:?} in {found:#?}"
+            );
+        }
+        // each hazard once: not again as the generic NaN scan's
+        assert!(
+            !found.iter().any(|x| x["kind"] == "nonfinite_values"),
+            "seed {seed}: {found:#?}"
+        );
+    }
+}

@@ -546,12 +546,23 @@ pub fn diagnose(
 
 /// Originals of tensors the checkpoint does not hold (neither the float weight nor a
 /// quantized linear of that name): dropped or renamed at conversion, so the engine has no
-/// weight for them. One finding per layer, naming the first and counting the others.
+/// weight for them. One finding per layer, naming the first and counting the others. An
+/// expert's original beside an engine dump's fused `experts.w13_weight` / `experts.w2_weight`
+/// is held there (not compared: the fused scan reads no originals).
 pub fn orphans(ck: &Checkpoint, orig: &Checkpoint, out: &mut Vec<Finding>) {
+    let fused = |n: &str| {
+        n.find(".experts.").is_some_and(|i| {
+            let experts = &n[..i + ".experts.".len()];
+            ["w13_weight", "w2_weight"]
+                .iter()
+                .any(|w| ck.contains(&format!("{experts}{w}")))
+        })
+    };
     let held = |n: &str| {
         ck.contains(n)
             || n.strip_suffix(".weight")
                 .is_some_and(|b| ck.contains(&format!("{b}.weight_packed")))
+            || fused(n)
     };
     let mut by_layer: BTreeMap<Option<usize>, Vec<&str>> = BTreeMap::new();
     for n in orig.names().filter(|n| !held(n)) {

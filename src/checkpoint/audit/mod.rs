@@ -63,7 +63,11 @@
 //!   linear whose dequantized weight is not its original (cosine below
 //!   `min_original_cosine`, or the wrong magnitude), with the original it matches instead
 //!   when its layer holds one; an original of another shape; an original of a tensor the
-//!   checkpoint lacks (see `checkpoint::originals`).
+//!   checkpoint lacks (see `checkpoint::originals`);
+//! - in an engine dump's vLLM-fused expert tensors (`w13_weight [E, 2I, H/2]`, `w2_weight`):
+//!   each expert and each w13 half gets the block-scale and global-scale checks above, with
+//!   its scales read linear or in the 128x4 swizzle their size shows (both where the size
+//!   cannot tell: a zeroed or overflowing block must show under both), see [`fused`].
 //!
 //! Warnings ([`Severity::Warning`], reported, verdict still pass): a config.json field left out
 //! whose default differs between the config classes engines read it with
@@ -72,6 +76,8 @@
 //! config is read by DeepSeek's own inference code).
 //!
 //! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
+
+mod fused;
 
 use super::config::{exclude_pattern, ExcludeList, QuantMethod};
 use super::file::{is_float, TensorFile, TensorInfo};
@@ -487,6 +493,7 @@ pub fn audit(
             ));
         }
     }
+    in_linear.extend(fused::members(ck));
     for n in ck.names() {
         if in_linear.contains(n) {
             continue;
@@ -531,10 +538,13 @@ pub fn audit(
     // 3. across linears
     cross_checks(ck, &linears, opts, &mut findings);
     copied_tensors(ck, &linears, opts.min_original_cosine, &mut findings)?;
-    fused_gate_up(ck, &mut findings)?;
-    let fused_tensors = fused_experts(ck, opts, &mut findings)?;
+    fused::gate_up_scales(ck, &mut findings)?;
+    let fused = fused::experts(ck, opts, &mut findings)?;
+    let fused_tensors = fused.len();
     layer_structure(ck, &mut findings);
-    config_checks(ck, &linears, &mut findings)?;
+    let fused_nvfp4 = fused.iter().filter(|f| f.format == Format::Nvfp4).count();
+    bytes_scanned += fused.iter().map(|f| f.bytes).sum::<u64>();
+    config_checks(ck, &linears, fused_nvfp4, &mut findings)?;
     // a misshapen router is named once, against config.json
     let config_named: BTreeSet<String> = findings
         .iter()
@@ -1599,164 +1609,6 @@ fn layer_structure(ck: &Checkpoint, out: &mut Vec<Finding>) {
     }
 }
 
-/// vLLM fused dumps: `w13_weight_scale_2 [E, 2]` holds gate and up per expert.
-fn fused_gate_up(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
-    for n in ck.names() {
-        if !n.ends_with("w13_weight_scale_2") {
-            continue;
-        }
-        let t = ck.info(n)?;
-        if t.shape.len() != 2 || t.shape[1] != 2 || !is_float(t.dtype) {
-            continue;
-        }
-        let v = ck.to_f32(n)?;
-        let bad: Vec<usize> = (0..t.shape[0])
-            .filter(|&e| {
-                v[2 * e].is_finite()
-                    && v[2 * e + 1].is_finite()
-                    && !allclose(v[2 * e + 1], v[2 * e])
-            })
-            .collect();
-        if let Some(&e0) = bad.first() {
-            out.push(Finding {
-                tensor: n.to_string(),
-                file: ck.file_of(n).to_path_buf(),
-                kind: FindingKind::GateUpScaleMismatch,
-                detail: format!(
-                    "{} of {} experts have w1 != w3 weight_scale_2 (first: expert {e0}, {:e} vs {:e}); vLLM uses column 0 for both",
-                    bad.len(),
-                    t.shape[0],
-                    v[2 * e0],
-                    v[2 * e0 + 1]
-                ),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// vLLM's fused expert tensors (`w13_weight [E, 2I, H/2]`, `w2_weight [E, H, I/2]`, U8) of an
-/// engine-side dump are not ModelOpt triples, so the per-linear scan does not see them: per
-/// expert (and per w13 half), never-written ±0 codes, negative or saturated block scales in
-/// `*_weight_scale` (either layout: the counts do not depend on it) and non-positive global
-/// scales in `*_weight_scale_2`.
-/// Returns how many it scanned.
-fn fused_experts(ck: &Checkpoint, opts: &AuditOptions, out: &mut Vec<Finding>) -> Result<usize> {
-    let mut scanned = 0;
-    let list = |v: &[String]| {
-        let mut s = v.iter().take(8).cloned().collect::<Vec<_>>().join(", ");
-        if v.len() > 8 {
-            s += &format!(", … ({} in all)", v.len());
-        }
-        s
-    };
-    for n in ck.names() {
-        let Some(stem) = n
-            .strip_suffix("w13_weight")
-            .or_else(|| n.strip_suffix("w2_weight"))
-        else {
-            continue;
-        };
-        let w13 = n.ends_with("w13_weight");
-        let t = ck.info(n)?;
-        let &[e, rows, _] = t.shape.as_slice() else {
-            continue;
-        };
-        if !matches!(t.dtype, Dtype::U8 | Dtype::I8) || e == 0 {
-            continue;
-        }
-        scanned += 1;
-        let packed = ck.bytes(n)?;
-        let per = packed.len() / e;
-        let halves: &[(&str, usize, usize)] = if w13 && rows % 2 == 0 {
-            &[("gate", 0, 1), ("up", 1, 2)]
-        } else {
-            &[("", 0, 2)]
-        };
-        let mut zero = vec![];
-        for x in 0..e {
-            let ex = &packed[x * per..(x + 1) * per];
-            for &(what, a, b) in halves {
-                if ex[a * per / 2..b * per / 2].iter().all(|&v| v & 0x77 == 0) {
-                    zero.push(if what.is_empty() {
-                        format!("{x}")
-                    } else {
-                        format!("{x} ({what})")
-                    });
-                }
-            }
-        }
-        if !zero.is_empty() {
-            out.push(Finding {
-                tensor: n.to_string(),
-                file: ck.file_of(n).to_path_buf(),
-                kind: FindingKind::AllZeroWeight,
-                detail: format!(
-                    "every FP4 code is ±0 in {} of {e} experts: {} (never loaded, or zero-initialized memory)",
-                    zero.len(),
-                    list(&zero)
-                ),
-            });
-        }
-        let sn = format!("{n}_scale");
-        if let Some((sf, st)) = ck.locate(&sn) {
-            if st.dtype == Dtype::F8_E4M3 && st.shape.first() == Some(&e) {
-                let sb = sf.slice(st);
-                let per_s = sb.len() / e;
-                let (mut neg, mut sat) = (vec![], vec![]);
-                for x in 0..e {
-                    let sc = scan_scales(Format::Nvfp4, &sb[x * per_s..(x + 1) * per_s]);
-                    if sc.negative > 0 {
-                        neg.push(format!("{x}"));
-                    }
-                    if sc.saturated > SATURATED_HANDFUL
-                        && sc.saturated as f64 > opts.saturation_limit * per_s as f64
-                    {
-                        sat.push(format!("{x}"));
-                    }
-                }
-                for (v, kind, what) in [
-                    (neg, FindingKind::NegativeBlockScales, "negative block scales (their blocks flip sign)"),
-                    (sat, FindingKind::SaturatedBlockScales, "more than the --saturation-limit of block scales at 448 (their elements are clipped)"),
-                ] {
-                    if !v.is_empty() {
-                        out.push(Finding {
-                            tensor: sn.clone(),
-                            file: sf.path().to_path_buf(),
-                            kind,
-                            detail: format!("{} of {e} experts have {what}: {}", v.len(), list(&v)),
-                        });
-                    }
-                }
-            }
-        }
-        let gn = format!("{stem}{}_weight_scale_2", if w13 { "w13" } else { "w2" });
-        if let Some((_, gt)) = ck.locate(&gn) {
-            if is_float(gt.dtype) && gt.shape.first() == Some(&e) {
-                let v = ck.to_f32(&gn)?;
-                let per_g = v.len() / e;
-                let bad: Vec<String> = (0..e)
-                    .filter(|&x| v[x * per_g..(x + 1) * per_g].iter().any(|&g| g <= 0.0))
-                    .map(|x| x.to_string())
-                    .collect();
-                if !bad.is_empty() {
-                    out.push(Finding {
-                        tensor: gn.clone(),
-                        file: ck.file_of(&gn).to_path_buf(),
-                        kind: FindingKind::NonpositiveGlobalScale,
-                        detail: format!(
-                            "zero or negative in {} of {e} experts: {} (a global scale must be positive: zero flushes, negative flips the sign)",
-                            bad.len(),
-                            list(&bad)
-                        ),
-                    });
-                }
-            }
-        }
-    }
-    Ok(scanned)
-}
-
 /// Tensors a listed shard stores that the index's `weight_map` leaves out: transformers
 /// loads by the weight_map and leaves that parameter as initialized (or fails on a strict
 /// load); vLLM, which reads every tensor of every listed shard, loads it. The two engines then
@@ -1812,7 +1664,14 @@ fn duplicate_copies(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<()> {
     Ok(())
 }
 
-fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding>) -> Result<()> {
+/// `fused_nvfp4`: vLLM-fused NVFP4 expert tensors (an engine dump's), which count as NVFP4
+/// linears against the quantization config.
+fn config_checks(
+    ck: &Checkpoint,
+    linears: &[LinearStats],
+    fused_nvfp4: usize,
+    out: &mut Vec<Finding>,
+) -> Result<()> {
     let Some(p) = ck.config_path() else {
         // a single .safetensors file needs no config; a directory is what engines load
         if ck.is_dir() && !linears.is_empty() {
@@ -1851,7 +1710,7 @@ fn config_checks(ck: &Checkpoint, linears: &[LinearStats], out: &mut Vec<Finding
         layers_against_config(ck, &cfg.moe, &p, out)?;
         router_bias_against_topk_method(ck, cfg, &p, out);
     }
-    let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count();
+    let nvfp4 = linears.iter().filter(|l| l.format == Format::Nvfp4).count() + fused_nvfp4;
     let file = p.clone();
     let mut push = |detail: String| {
         out.push(Finding {
