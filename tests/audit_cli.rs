@@ -2448,3 +2448,110 @@ fn fused_engine_dump_block_and_global_scales_are_checked_per_expert() {
         );
     }
 }
+
+/// The Fixture in compressed-tensors' convention: `weight_packed`, `weight_global_scale` and
+/// `input_global_scale` in the quant direction (`wrong_direction`: the ModelOpt values stored
+/// under those names), as llm-compressor's config states it.
+fn to_compressed_tensors(f: &mut Fixture, wrong_direction: bool) {
+    for (spec, bytes) in f.tensors.iter_mut() {
+        let n = spec.name.clone();
+        if let Some(b) = n
+            .strip_suffix(".weight")
+            .filter(|_| spec.dtype == Dtype::U8)
+        {
+            *spec = TensorSpec::new(format!("{b}.weight_packed"), spec.dtype, &spec.shape);
+        }
+        for (from, to) in [
+            (".weight_scale_2", ".weight_global_scale"),
+            (".input_scale", ".input_global_scale"),
+        ] {
+            if let Some(b) = n.strip_suffix(from) {
+                let v = f32::from_le_bytes(bytes[..4].try_into().unwrap());
+                *spec = TensorSpec::new(format!("{b}{to}"), Dtype::F32, &spec.shape);
+                *bytes = f32_bytes(&[if wrong_direction { v } else { 1.0 / v }]);
+            }
+        }
+    }
+    f.config["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"});
+}
+
+/// What audit names in a layer, layertest refuses as bad input (exit 2) naming the same file
+/// and tensor, instead of testing a layer no engine runs as stored: a config promising
+/// another format than the experts hold (layertest ran the layer as NVFP4), compressed-tensors
+/// global scales in ModelOpt's direction (layertest passed: its reference dequantizes with
+/// the same scales, weights ~1e7x too large), and a missing compressed-tensors global scale
+/// (named `weight_scale_2`, a tensor that convention does not have).
+#[test]
+fn layertest_refuses_what_audit_names_in_the_layer() {
+    let (seed, mut r) = rng("layertest refuses audit's layer findings");
+    let d = tempfile::tempdir().unwrap();
+    let victim = format!("{E1}.down_proj");
+    type Plant = Box<dyn Fn(&mut Fixture)>;
+    let cases: Vec<(&str, Plant, &str, String)> = vec![
+        (
+            "FP8 promised",
+            Box::new(|f| f.config["quantization_config"]["quant_algo"] = "FP8".into()),
+            "config.json",
+            "quant_algo FP8".into(),
+        ),
+        (
+            "compressed-tensors scales in ModelOpt's direction",
+            Box::new(|f| to_compressed_tensors(f, true)),
+            "model.safetensors",
+            ".weight_global_scale".into(),
+        ),
+        (
+            "compressed-tensors global scale missing",
+            Box::new(|f| {
+                to_compressed_tensors(f, false);
+                f.remove(&format!("{E1}.down_proj.weight_global_scale"));
+            }),
+            "model.safetensors",
+            format!("{victim}.weight_global_scale"),
+        ),
+    ];
+    // the clean compressed-tensors copy runs (a layer this small may fail a token's cosine:
+    // the verdict is not the point, being run is)
+    let mut f = Fixture::new(&mut r, 4);
+    to_compressed_tensors(&mut f, false);
+    let dir = d.path().join("ct");
+    f.write(&dir);
+    let o = run(&[
+        "layertest",
+        "--checkpoint",
+        p(&dir),
+        "--device",
+        "cpu",
+        "--tokens",
+        "16",
+    ]);
+    assert!(code(&o) < 2, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+    for (what, plant, file, says) in cases {
+        let mut f = Fixture::new(&mut r, 4);
+        plant(&mut f);
+        let dir = d.path().join(what.replace(' ', "-"));
+        f.write(&dir);
+        let (c, out, _) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed}: {what}: audit: {out}");
+        assert!(
+            out.contains(says.as_str()),
+            "seed {seed}: {what}: audit: {out}"
+        );
+        let o = run(&[
+            "layertest",
+            "--checkpoint",
+            p(&dir),
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+        ]);
+        let err = stderr(&o);
+        assert_eq!(code(&o), 2, "seed {seed}: {what}: {}{err}", stdout(&o));
+        assert!(
+            err.contains(file) && err.contains(says.as_str()) && !err.contains("panicked"),
+            "seed {seed}: {what}: {err}"
+        );
+    }
+}

@@ -42,6 +42,19 @@ pub struct LinearNames {
     pub input_scale: Option<String>,
 }
 
+impl LinearNames {
+    /// The name its global scale has or would have in its convention: a missing one is named
+    /// as the checkpoint's convention spells it.
+    pub fn global_scale_name(&self) -> String {
+        self.global_scale
+            .clone()
+            .unwrap_or_else(|| match self.convention {
+                Convention::CompressedTensors => format!("{}.weight_global_scale", self.base),
+                _ => format!("{}.weight_scale_2", self.base),
+            })
+    }
+}
+
 /// Where the members of `base` are, if `base` is a quantized linear. A packed weight without
 /// block scales, or scales without a weight, is bad input (a triple missing a member).
 pub fn find_linear(src: &dyn TensorSource, base: &str) -> Result<Option<LinearNames>> {
@@ -287,7 +300,7 @@ pub fn read_linear(src: &dyn TensorSource, n: &LinearNames) -> Result<QLinear> {
     if g.format == Format::Nvfp4 && n.global_scale.is_none() {
         return Err(Error::bad_tensor(
             src.file_of(&n.weight),
-            &format!("{}.weight_scale_2", n.base),
+            &n.global_scale_name(),
             "missing: an NVFP4 weight needs its global scale (weight_scale_2, or weight_global_scale)",
         ));
     }

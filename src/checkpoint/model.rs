@@ -3,13 +3,13 @@
 //! experts and the norm in front of the block. HF-V3 and native-V4 names.
 
 use super::config::ModelConfig;
-use super::formats::{find_linear, read_linear, LinearNames};
+use super::formats::{self, find_linear, read_linear, Convention, LinearNames};
 use super::hf::Checkpoint;
 use super::names::{inventory, LayerNames, Naming, Proj, Scheme};
 use super::source::TensorSource;
 use crate::error::{Error, Result};
 use crate::moe::{DenseMlp, Expert, MoeLayer, QLinear, Router};
-use crate::nvfp4::{quantize_weight_nvfp4, ScaleProblem};
+use crate::nvfp4::{quantize_weight_nvfp4, Format, ScaleProblem};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -219,6 +219,7 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    expect_promised_format(mc, layer)?;
 
     // shared experts
     let shared = if shared_present(mc, layer, &cfg)? {
@@ -241,6 +242,43 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
         shared,
         norm_weight,
     })
+}
+
+/// Bad input when config.json's quantization config promises another format than layer
+/// `layer`'s stored experts hold (`quant_algo: FP8` over NVFP4 tensors, `quant_method: fp8`
+/// with no algorithm): engines pick their loader and kernels from it, so what they run is not
+/// the layer tested here. ModelOpt's MIXED_PRECISION names its algorithms per layer and
+/// passes; experts stored in a float dtype (quantized here) have nothing to disagree with.
+fn expect_promised_format(mc: &MoeCheckpoint, layer: usize) -> Result<()> {
+    let Some(q) = &mc.config.quant else {
+        return Ok(());
+    };
+    let Some(ln) = find_linear(&mc.ckpt, &mc.naming.expert(layer, 0, Proj::Gate))? else {
+        return Ok(());
+    };
+    let held = match ln.convention {
+        Convention::Mxfp4 => Format::Mxfp4,
+        _ => Format::Nvfp4,
+    };
+    let promised = match (&q.algo, q.format()) {
+        (Some(a), _) if a.to_ascii_uppercase().contains("MIXED") => return Ok(()),
+        (_, Some(f)) if f == held => return Ok(()),
+        (Some(a), _) => format!("quant_algo {a}"),
+        (None, _) => match &q.method {
+            crate::checkpoint::QuantMethod::Other(m) => {
+                format!("quant_method \"{m}\" and no algorithm")
+            }
+            _ => return Ok(()),
+        },
+    };
+    Err(Error::bad_file(
+        &q.source,
+        format!(
+            "states {promised}, but layer {layer}'s experts hold {} tensors (`{}`): engines pick their loader and kernels from the config and read these bytes as another format; state the format the tensors hold (`nvfp4dbg audit` checks the whole checkpoint)",
+            held.name().to_uppercase(),
+            ln.weight_scale
+        ),
+    ))
 }
 
 /// Layer `layer`'s router as `load_layer` reads and checks it: the weight, the selection bias
@@ -429,7 +467,27 @@ fn expect_finite(ck: &Checkpoint, name: &str, v: &[f32], shape: &[usize]) -> Res
 /// Bad input when an expert's weight_scale_2 (`ws2`, dequant direction) cannot be a global
 /// scale: an engine's `alpha = input_scale * weight_scale_2` zeroes (0), flips (< 0) or blows
 /// up (NaN/Inf) that expert's output. (A tiny positive one is a near-zero weight, not a fault.)
-fn expect_usable_global_scale(ck: &Checkpoint, ln: &LinearNames, ws2: f32) -> Result<()> {
+/// Also when it looks stored in the other convention's direction (`formats::
+/// convention_suspicion`: weights past 2688): the layer would be tested, against a reference
+/// dequantized with the same scale, on weights no engine should load.
+fn expect_usable_global_scale(ck: &Checkpoint, ln: &LinearNames, q: &QLinear) -> Result<()> {
+    let ws2 = q.weight.scale_2;
+    if let (Some(g), None) = (&ln.global_scale, ScaleProblem::of(ws2)) {
+        let convention = if g.ends_with("global_scale") {
+            Convention::CompressedTensors
+        } else {
+            Convention::Modelopt
+        };
+        let smax = formats::max_block_scale(q.weight.format, &q.weight.scales);
+        let stored = ck.tensor_scalar_f32(g)?;
+        if let Some(s) = formats::convention_suspicion(convention, stored, smax) {
+            return Err(Error::bad_tensor(
+                ck.file_of(g),
+                g,
+                format!("{s} (`nvfp4dbg audit` lists every global scale in the wrong direction)"),
+            ));
+        }
+    }
     let why = match ScaleProblem::of(ws2) {
         Some(ScaleProblem::NotFinite) => "every output of this expert becomes NaN/Inf",
         Some(ScaleProblem::Zero) => "a global scale must be positive: this expert's output is zero",
@@ -485,7 +543,7 @@ fn load_expert_linear(
     let mut q = match find_linear(ck, base)? {
         Some(ln) => {
             let q = read_linear(ck, &ln)?;
-            expect_usable_global_scale(ck, &ln, q.weight.scale_2)?;
+            expect_usable_global_scale(ck, &ln, &q)?;
             q
         }
         None => {

@@ -856,7 +856,7 @@ fn scan_linear(
             }
         }
         None if g.format == Format::Nvfp4 => out.push(Finding {
-            tensor: format!("{}.weight_scale_2", ln.base),
+            tensor: ln.global_scale_name(),
             file: file(&ln.weight),
             kind: FindingKind::MissingMember,
             detail:
