@@ -1356,3 +1356,76 @@ fn two_planted_routing_bugs_are_each_named() {
         }
     }
 }
+
+/// One finding per kind: on rank 1's dump of `layertest --ep 2 --fault local-ids`, recomputed
+/// against the checkpoint, both the id ranges and the recomputed routing see local ids taken
+/// as global ones; they used to be two `local_ids_as_global` findings ("5 finding(s)" over 4
+/// kinds), now one holding both pieces of evidence.
+#[test]
+fn each_finding_kind_is_reported_once() {
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let seed = rand::random::<u16>().to_string();
+    let out = bin()
+        .args([
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--seed",
+            &seed,
+        ])
+        .args([
+            "--ep",
+            "2",
+            "--fault",
+            "local-ids",
+            "--quiet",
+            "--no-report-dir",
+        ])
+        .arg("--checkpoint")
+        .arg(&ck)
+        .arg("--save-routing")
+        .arg(dir.path().join("local"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = run(
+        dir.path(),
+        &[
+            "local/rank1.safetensors",
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--ep-rank",
+            "1",
+            "--ep-size",
+            "2",
+        ],
+    );
+    assert_eq!(r.code, 1, "seed {seed}\n{}\n{}", r.stdout, r.stderr);
+    let ks = kinds(&r.json);
+    let unique: std::collections::BTreeSet<&String> = ks.iter().collect();
+    assert!(
+        ks.contains(&"local_ids_as_global".to_string()),
+        "seed {seed}: {ks:?}"
+    );
+    assert_eq!(ks.len(), unique.len(), "seed {seed}: {ks:?}");
+    let local = &r.json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "local_ids_as_global")
+        .unwrap()["message"];
+    assert!(
+        local.as_str().unwrap().contains("recomputed"),
+        "seed {seed}: {local}"
+    );
+}

@@ -114,11 +114,23 @@ pub struct Outcome {
 
 impl Outcome {
     pub fn extend(&mut self, o: Outcome) {
-        self.findings.extend(o.findings);
+        for f in o.findings {
+            self.find(f);
+        }
         self.notes.extend(o.notes);
     }
+    /// One finding per kind: a second check that finds the same (the id ranges, then the
+    /// recomputed routing) adds its evidence to the first's message. Counts say different
+    /// things (slots in range, slots off the recompute), so the larger one stays.
     fn find(&mut self, f: Finding) {
-        self.findings.push(f);
+        match self.findings.iter_mut().find(|g| g.kind == f.kind) {
+            Some(g) => {
+                g.message = format!("{}. Also: {}", g.message, f.message);
+                g.count = g.count.max(f.count);
+                g.first = g.first.or(f.first);
+            }
+            None => self.findings.push(f),
+        }
     }
     fn note(&mut self, n: impl Into<String>) {
         self.notes.push(n.into());
