@@ -36,11 +36,14 @@ const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0100_0000_01b3;
 
 /// A stored tensor within this relative L2 error of its recompute, row by row, is the same
-/// tensor. A GPU-written dump differs from the CPU recompute by FP32 summation order, and
-/// where that moves a value across an E2M1 or E4M3 rounding tie, by one FP4 code of one
-/// intermediate activation (at most a third of its block's largest value) or one block scale
-/// (one E4M3 step, 1/8): either moves one token's row by a few percent at most, and rarely.
-/// An edited row (scaled, zeroed, another token's) is off by 25% or more of its norm.
+/// tensor. A GPU-written dump differs from the CPU recompute by FP32 summation order: ~1e-7
+/// of a row, except where that moves an intermediate activation across an E2M1 or E4M3
+/// rounding tie and one FP4 code or block scale flips before w2. Emulated on the
+/// CPU (w1/w3 `weight_scale_2` moved by 1e-7 to 1e-5 relative, 10x FP32 accumulation noise at
+/// the top; tiny layer, 10200 tokens), such flips moved 1 to 32 rows, the worst by 2.7% to
+/// 4.4% of its norm, while the whole tensor kept cosine > 1 - 5e-7. 0.25 leaves a 5x margin
+/// and still flags an edited row (scaled by more than 4/3 or less than 3/4, zeroed, another
+/// token's).
 pub const TOKEN_MAX_REL_ERR: f64 = 0.25;
 
 fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
@@ -168,8 +171,9 @@ fn same_nonfinite(a: f32, b: f32) -> bool {
     (a.is_nan() && b.is_nan()) || (a.is_infinite() && a == b)
 }
 
-/// `(stored, should)` row `t`: its relative error (NaN/Inf on one side only: infinite), and
-/// the row with the values non-finite on both sides zeroed, for the whole-tensor metrics.
+/// One row of `stored` against `should`: its relative error (NaN/Inf on one side only:
+/// infinite), and both rows with the values non-finite on both sides zeroed, for the
+/// whole-tensor metrics.
 fn row_error(stored: &[f32], should: &[f32]) -> (f64, Vec<f32>, Vec<f32>) {
     let (mut d, mut ns, mut nr) = (0f64, 0f64, 0f64);
     let (mut a, mut b) = (stored.to_vec(), should.to_vec());
