@@ -817,3 +817,326 @@ fn the_example_plugin_compiles_for_hopper_and_blackwell() {
         }
     }
 }
+
+/// `layertest --device cpu --tokens T --seed S --dump-inputs DIR` in `p` (its own verdict does
+/// not matter, only the dump).
+fn dump_layer(p: &Path, dir: &str, seed: u64, tokens: usize) {
+    let (s, t) = (seed.to_string(), tokens.to_string());
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            &t,
+            "--seed",
+            &s,
+            "--dump-inputs",
+            dir,
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+}
+
+/// Change tensor `name` of safetensors file `path` in place, header and metadata untouched (a
+/// hex editor's edit, or a tool writing into the mapped file).
+fn edit_in_place(path: &Path, name: &str, edit: impl FnOnce(&mut [u8])) {
+    let mut b = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let off = &header[name]["data_offsets"];
+    let (lo, hi) = (
+        8 + n + off[0].as_u64().unwrap() as usize,
+        8 + n + off[1].as_u64().unwrap() as usize,
+    );
+    edit(&mut b[lo..hi]);
+    std::fs::write(path, b).unwrap();
+}
+
+/// Rewrite `expected.safetensors` of `dir` as a script does (load, change, save): F32
+/// tensors, no metadata; `edit` gets each tensor's name and values.
+fn rewrite_expected(dir: &Path, edit: impl Fn(&str, &mut Vec<f32>)) {
+    use nvfp4dbg::checkpoint::file::TensorFile;
+    let path = dir.join(dump::EXPECTED);
+    let f = TensorFile::open(&path).unwrap();
+    let names: Vec<String> = f.names().map(str::to_string).collect();
+    let tensors = names
+        .iter()
+        .map(|n| {
+            let shape = f.info(n).unwrap().shape.clone();
+            let mut v = f.to_f32(n).unwrap();
+            edit(n, &mut v);
+            (
+                TensorSpec::new(n.as_str(), safetensors::Dtype::F32, &shape),
+                f32_bytes(&v),
+            )
+        })
+        .collect();
+    drop(f);
+    write_file(&path, tensors, None).unwrap();
+}
+
+/// `compare-outputs DIR good.safetensors` in `p`: (exit code, text).
+fn compare_outputs(p: &Path, dir: &str) -> (Option<i32>, String) {
+    let o = nvfp4dbg(p, &["compare-outputs", dir, "good.safetensors"]);
+    (o.status.code(), text(&o))
+}
+
+/// compare-outputs used to judge against `expected.safetensors` blindly: one row of
+/// `nvfp4_routed` scaled turned a correct kernel output into a failure blamed on the kernel.
+/// An edit that keeps the metadata is caught by the digest; one that drops it (a script
+/// rewriting the file) by the CPU recompute, which names the first token that differs; a
+/// changed `shared_out` by `nvfp4_out = nvfp4_routed + shared_out`. Exit 2 naming
+/// expected.safetensors and the tensor.
+#[test]
+fn compare_outputs_refuses_a_dump_whose_expected_outputs_were_edited() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 12);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    assert!(
+        dumped.check.digests_verified && dumped.check.routed_recompute.is_some(),
+        "seed {seed}: {:?}",
+        dumped.check
+    );
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let ours = byok::routed_cpu(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+    )
+    .unwrap();
+    write_output(&p.join("good.safetensors"), &ours, t, h);
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+    assert!(out.contains("every tensor matches the digest"), "{out}");
+    let saved = std::fs::read(p.join("dump").join(dump::EXPECTED)).unwrap();
+    let restore = || std::fs::write(p.join("dump").join(dump::EXPECTED), &saved).unwrap();
+
+    let row = rng.gen_range(0..t);
+    let factor = rng.gen_range(1.5f32..2.5);
+    let scale_row = |v: &mut [f32]| {
+        v[row * h..(row + 1) * h]
+            .iter_mut()
+            .for_each(|x| *x *= factor)
+    };
+    // in place, metadata kept: the digest
+    edit_in_place(&p.join("dump").join(dump::EXPECTED), "nvfp4_routed", |b| {
+        let mut v: Vec<f32> = b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        scale_row(&mut v);
+        b.copy_from_slice(&f32_bytes(&v));
+    });
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("expected.safetensors")
+            && out.contains("`nvfp4_routed`")
+            && out.contains("layertest --dump-inputs"),
+        "seed {seed}: {out}"
+    );
+    // rewritten without metadata: the recompute, naming the row
+    restore();
+    rewrite_expected(&p.join("dump"), |n, v| {
+        if n == "nvfp4_routed" {
+            scale_row(v)
+        }
+    });
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("expected.safetensors")
+            && out.contains("nvfp4_routed does not match the dumped inputs")
+            && out.contains(&format!("first differing token {row}")),
+        "seed {seed} row {row}: {out}"
+    );
+    assert!(dump::read(&p.join("dump")).is_err());
+    // shared_out changed (and nothing else): nvfp4_out is no longer routed + shared
+    restore();
+    rewrite_expected(&p.join("dump"), |n, v| {
+        if n == "shared_out" {
+            scale_row(v)
+        }
+    });
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("expected.safetensors")
+            && out.contains("nvfp4_out does not match nvfp4_routed + shared_out"),
+        "seed {seed}: {out}"
+    );
+    // the same file rewritten unchanged (metadata lost) still loads: recomputed, not digested
+    restore();
+    rewrite_expected(&p.join("dump"), |_, _| {});
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+    assert!(out.contains("not verified by digest"), "{out}");
+}
+
+/// A directory mixing two layertest runs: expected.safetensors of a run with another seed
+/// beside the inputs of this one (with its digests, and without them as an older nvfp4dbg
+/// wrote it), and the inputs of a run with other --tokens beside this run's expected outputs.
+/// compare-outputs used to judge against the other run's numbers.
+#[test]
+fn compare_outputs_refuses_a_dump_mixing_two_layertest_runs() {
+    let seed: u64 = rand::random::<u64>() >> 1;
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 12);
+    dump_layer(p, "other-seed", seed + 1, 12);
+    dump_layer(p, "other-tokens", seed, 8);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    write_output(
+        &p.join("good.safetensors"),
+        &dumped.expected.nvfp4_routed,
+        t,
+        h,
+    );
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+
+    let copy = |from: &str, file: &str, to: &str| {
+        std::fs::create_dir_all(p.join(to)).unwrap();
+        std::fs::copy(p.join(from).join(file), p.join(to).join(file)).unwrap();
+    };
+    copy("dump", dump::INPUTS, "mixed");
+    copy("other-seed", dump::EXPECTED, "mixed");
+    let (code, out) = compare_outputs(p, "mixed");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("expected.safetensors") && out.contains("layertest --dump-inputs"),
+        "seed {seed}: {out}"
+    );
+    rewrite_expected(&p.join("mixed"), |_, _| {});
+    let (code, out) = compare_outputs(p, "mixed");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("expected.safetensors")
+            && out.contains("nvfp4_routed does not match the dumped inputs")
+            && out.contains("first differing token 0"),
+        "seed {seed}: {out}"
+    );
+    // a second run with --tokens 8 that wrote only inputs.safetensors
+    copy("other-tokens", dump::INPUTS, "partial");
+    copy("dump", dump::EXPECTED, "partial");
+    let (code, out) = compare_outputs(p, "partial");
+    assert_eq!(code, Some(2), "seed {seed}: {out}");
+    assert!(
+        out.contains("inputs.safetensors")
+            && out.contains("expected.safetensors was computed from"),
+        "seed {seed}: {out}"
+    );
+}
+
+/// Above the recompute limit (tokens · top_k · 3 · hidden · intermediate multiply-adds > 4e9)
+/// only the digests check a dump: a tampered input tensor (one hidden state, one weight byte)
+/// is named; the untouched dump passes without a recompute; the same dump without digests
+/// (an older nvfp4dbg's) still loads and says it was not verified.
+#[test]
+fn compare_outputs_checks_a_dump_above_the_recompute_limit_by_its_digests() {
+    let seed: u64 = rand::random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    // tiny: 4 · 3 · 256 · 128 multiply-adds a token
+    let tokens = (byok::KERNEL_CHECK_MAX_MACS / (4.0 * 3.0 * 256.0 * 128.0)) as usize + 64;
+    dump_layer(p, "dump", seed, tokens);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    assert!(
+        dumped.check.digests_verified && dumped.check.routed_recompute.is_none(),
+        "seed {seed}: {:?}",
+        dumped.check
+    );
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    write_output(
+        &p.join("good.safetensors"),
+        &dumped.expected.nvfp4_routed,
+        t,
+        h,
+    );
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+    assert!(
+        out.contains("every tensor matches the digest") && out.contains("not recomputed"),
+        "{out}"
+    );
+    let inputs = p.join("dump").join(dump::INPUTS);
+    let saved = std::fs::read(&inputs).unwrap();
+    for name in ["hidden_states", "w2"] {
+        std::fs::write(&inputs, &saved).unwrap();
+        edit_in_place(&inputs, name, |b| {
+            let i = rng.gen_range(0..b.len());
+            b[i] ^= 0x11;
+        });
+        let (code, out) = compare_outputs(p, "dump");
+        assert_eq!(code, Some(2), "seed {seed} {name}: {out}");
+        assert!(
+            out.contains("inputs.safetensors")
+                && out.contains(&format!("`{name}`"))
+                && out.contains("expected.safetensors was computed from"),
+            "seed {seed} {name}: {out}"
+        );
+    }
+    std::fs::write(&inputs, &saved).unwrap();
+    rewrite_expected(&p.join("dump"), |_, _| {});
+    let (code, out) = compare_outputs(p, "dump");
+    assert_eq!(code, Some(0), "seed {seed}: {out}");
+    assert!(out.contains("NOT VERIFIED"), "{out}");
+}
+
+/// A C kernel writing the output column-major into a flat buffer: compare-outputs accepts the
+/// flat `[tokens · hidden]` tensor and used to fail it naming no bug; it is named now.
+#[test]
+fn compare_outputs_names_a_flat_output_written_transposed() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 10);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let ours = &dumped.expected.nvfp4_routed;
+    let mut flat = vec![0f32; t * h];
+    for tok in 0..t {
+        for c in 0..h {
+            flat[c * t + tok] = ours[tok * h + c];
+        }
+    }
+    write_file(
+        &p.join("flat.safetensors"),
+        vec![(
+            TensorSpec::new("output", safetensors::Dtype::F32, &[t * h]),
+            f32_bytes(&flat),
+        )],
+        None,
+    )
+    .unwrap();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "flat.safetensors",
+            "--json",
+            "flat.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert_eq!(
+        json(&p.join("flat.json"))["summary"]["diagnosis"],
+        "output-transposed",
+        "seed {seed}: {}",
+        text(&o)
+    );
+    assert!(text(&o).contains("written transposed"), "{}", text(&o));
+}

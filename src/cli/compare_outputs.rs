@@ -21,10 +21,11 @@ layer (output + the dumped shared experts) against the BF16 reference, and cosin
 routed output against ours (the same function up to FP32 summation order). On a failure the known \
 engine bugs (gate/up reversed, block scales read in the other layout, routing weights not applied, \
 routing weights applied to the wrong slots of a token: shifted by one slot, topk_ids sorted but not \
-topk_weights or the reverse; shared experts included once or twice) are recomputed on the CPU and the one the output matches is named; an output \
+topk_weights or the reverse; shared experts included once or twice; the output written transposed) are recomputed on the CPU and the one the output matches is named; an output \
 off by a factor (cosine 1, wrong norm) fails as a scale error; rows each off by a factor of their own as per-token routing weights \
 (top-k weights not renormalized); rows that are ours less one slot's expert output name the dropped expert per token; rows of \
-other tokens as a permutation."
+other tokens as a permutation. The dump is checked first (the digests layertest recorded, our routed output \
+recomputed from the inputs): an edited dump, or one mixing two layertest runs, is exit 2 naming the tensor."
 )]
 pub struct Args {
     /// Directory written by `layertest --dump-inputs DIR`
@@ -97,7 +98,7 @@ pub fn run(args: &Args) -> Result<Report> {
         shared: &x.shared_out,
     };
     let mut j = byok::judge(&o, args.min_cosine, &[]);
-    let macs = t as f64 * d.routing.top_k as f64 * 3.0 * h as f64 * c.moe_intermediate_size as f64;
+    let macs = byok::routed_macs(c, &d.routing);
     let mut note = None;
     if !j.agree {
         if macs > KERNEL_CHECK_MAX_MACS {
@@ -161,6 +162,7 @@ pub fn run(args: &Args) -> Result<Report> {
         }))
         .with("kernel", kernel::json(None, &j, note.as_deref()))
         .with("localization", &local)
+        .with("dump_check", &d.check)
         .section(Section::kv(
             "compare-outputs",
             &[
@@ -176,6 +178,7 @@ pub fn run(args: &Args) -> Result<Report> {
                         c.n_routed_experts, d.routing.top_k, c.moe_intermediate_size
                     ),
                 ),
+                ("dump check", d.check.text()),
             ],
         ));
     for s in kernel::sections(&j, &args.output.display().to_string(), note.as_deref(), h) {

@@ -159,12 +159,7 @@ pub fn judge_plugin(
     if first.agree {
         return Ok((first, None));
     }
-    let c = &layer.config;
-    let macs = routing.tokens as f64
-        * routing.top_k as f64
-        * 3.0
-        * c.hidden_size as f64
-        * c.moe_intermediate_size as f64;
+    let macs = byok::routed_macs(&layer.config, routing);
     if macs > KERNEL_CHECK_MAX_MACS {
         return Ok((
             first,

@@ -43,8 +43,7 @@ pub const DEFAULT_MIN_TOKEN_COSINE: f64 = 0.90;
 /// summation order (and `rcp` flavor): FlashInfer's kernel tests reach cosine ~0.999 against a
 /// quantized reference; with identical quantization we demand 0.99999.
 pub const KERNEL_CHECK_MIN_COSINE: f64 = 0.99999;
-/// The CPU re-runs the NVFP4 path for the kernel check only below this many multiply-adds.
-pub const KERNEL_CHECK_MAX_MACS: f64 = 4e9;
+pub use crate::moe::byok::KERNEL_CHECK_MAX_MACS;
 
 /// Where the layer and its input come from; shared by layertest, gs-sweep and multilayer.
 #[derive(clap::Args, Debug, Clone)]
@@ -1862,12 +1861,7 @@ fn kernel_check(
     if name == "cpu" {
         return Ok(kc);
     }
-    let c = &layer.config;
-    let macs = routing.tokens as f64
-        * routing.top_k as f64
-        * 3.0
-        * c.hidden_size as f64
-        * c.moe_intermediate_size as f64;
+    let macs = crate::moe::byok::routed_macs(&layer.config, routing);
     if macs > KERNEL_CHECK_MAX_MACS {
         kc.reason = Some(format!(
             "{macs:.1e} multiply-adds on the CPU is too many (limit {KERNEL_CHECK_MAX_MACS:.0e}); use fewer --tokens"

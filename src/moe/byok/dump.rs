@@ -11,7 +11,12 @@
 //!
 //! `DIR/expected.safetensors`: F32 [T, H] each: `reference_out` (the BF16 reference layer),
 //! `nvfp4_out` (our NVFP4 layer), `nvfp4_routed` (our routed experts' weighted sum: what the
-//! kernel must write), `shared_out` (the shared experts, to add to a routed output).
+//! kernel must write), `shared_out` (the shared experts, to add to a routed output). Its
+//! metadata records a digest of every tensor of both files; [`read`] checks them and recomputes
+//! what it can ([`verify`]), so no reader judges against an edited or mixed-up dump.
+
+mod verify;
+pub use verify::{Agreement, DumpCheck, TOKEN_MAX_REL_ERR};
 
 use super::super::config::{MoeConfig, ScoringFunc};
 use super::super::{ActScales, Expert, MoeLayer, QLinear, Router, Routing};
@@ -28,6 +33,8 @@ pub const INPUTS: &str = "inputs.safetensors";
 pub const EXPECTED: &str = "expected.safetensors";
 /// `format` metadata value of the inputs file.
 pub const FORMAT: &str = "nvfp4dbg-moe-inputs";
+/// `format` metadata value of the expected file.
+pub const EXPECTED_FORMAT: &str = "nvfp4dbg-moe-expected";
 
 /// What `expected.safetensors` holds, all `[T, H]`.
 pub struct Expected {
@@ -171,18 +178,17 @@ pub fn write(
     ] {
         meta.insert(key.to_string(), v);
     }
-    write_file(&dir.join(INPUTS), tensors, Some(meta))?;
     let out = |n: &str, v: &[f32]| (TensorSpec::new(n, Dtype::F32, &[t, h]), f32_bytes(v));
-    write_file(
-        &dir.join(EXPECTED),
-        vec![
-            out("reference_out", &expected.reference_out),
-            out("nvfp4_out", &expected.nvfp4_out),
-            out("nvfp4_routed", &expected.nvfp4_routed),
-            out("shared_out", &expected.shared_out),
-        ],
-        None,
-    )
+    let outputs = vec![
+        out("reference_out", &expected.reference_out),
+        out("nvfp4_out", &expected.nvfp4_out),
+        out("nvfp4_routed", &expected.nvfp4_routed),
+        out("shared_out", &expected.shared_out),
+    ];
+    let mut digests = verify::digest_metadata(&tensors, &outputs);
+    digests.insert("format".into(), EXPECTED_FORMAT.into());
+    write_file(&dir.join(INPUTS), tensors, Some(meta))?;
+    write_file(&dir.join(EXPECTED), outputs, Some(digests))
 }
 
 /// A dumped layer, rebuilt: routed experts only (no router, no shared experts).
@@ -192,6 +198,8 @@ pub struct Dumped {
     pub routing: Routing,
     pub scales: ActScales,
     pub expected: Expected,
+    /// How `expected` was verified against the inputs.
+    pub check: DumpCheck,
 }
 
 fn meta_usize(f: &TensorFile, key: &str) -> Result<usize> {
@@ -221,7 +229,8 @@ fn f32s(b: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// Read a `--dump-inputs` directory back.
+/// Read a `--dump-inputs` directory back, and check that `expected.safetensors` is what its
+/// inputs give (exit 2 naming the tensor when it is not: an edited or mixed-up dump).
 pub fn read(dir: &Path) -> Result<Dumped> {
     let f = TensorFile::open(&dir.join(INPUTS))?;
     if f.metadata().get("format").map(String::as_str) != Some(FORMAT) {
@@ -230,12 +239,41 @@ pub fn read(dir: &Path) -> Result<Dumped> {
             format!("not a `layertest --dump-inputs` file (metadata format != {FORMAT})"),
         ));
     }
+    let x = TensorFile::open(&dir.join(EXPECTED))?;
+    let digests_verified = verify::check_digests(&f, &x)?;
+    let (layer, hidden, routing, scales) = read_inputs(&f)?;
+    let expected = read_expected(&x, routing.tokens, layer.config.hidden_size)?;
+    let mut d = Dumped {
+        layer,
+        hidden,
+        routing,
+        scales,
+        expected,
+        check: DumpCheck::default(),
+    };
+    d.check = verify::check_expected(&d, x.path(), digests_verified)?;
+    Ok(d)
+}
+
+/// The four `[t, h]` tensors of `expected.safetensors`.
+fn read_expected(x: &TensorFile, t: usize, h: usize) -> Result<Expected> {
+    let get = |n: &str| -> Result<Vec<f32>> { Ok(f32s(tensor(x, n, Dtype::F32, &[t, h])?)) };
+    Ok(Expected {
+        reference_out: get("reference_out")?,
+        nvfp4_out: get("nvfp4_out")?,
+        nvfp4_routed: get("nvfp4_routed")?,
+        shared_out: get("shared_out")?,
+    })
+}
+
+/// The layer, hidden states, routing and activation scales of `inputs.safetensors`.
+fn read_inputs(f: &TensorFile) -> Result<(MoeLayer, Vec<f32>, Routing, ActScales)> {
     let (t, h, i, e, k) = (
-        meta_usize(&f, "tokens")?,
-        meta_usize(&f, "hidden")?,
-        meta_usize(&f, "intermediate")?,
-        meta_usize(&f, "num_experts")?,
-        meta_usize(&f, "top_k")?,
+        meta_usize(f, "tokens")?,
+        meta_usize(f, "hidden")?,
+        meta_usize(f, "intermediate")?,
+        meta_usize(f, "num_experts")?,
+        meta_usize(f, "top_k")?,
     );
     if h == 0 || i == 0 || e == 0 || k == 0 || h % 16 != 0 || i % 16 != 0 || k > e {
         return Err(Error::bad_file(
@@ -250,22 +288,22 @@ pub fn read(dir: &Path) -> Result<Dumped> {
                 .map_err(|_| Error::bad_file(f.path(), format!("metadata swiglu_limit = {v:?}")))?,
         ),
     };
-    let hidden: Vec<f32> = tensor(&f, "hidden_states", Dtype::BF16, &[t, h])?
+    let hidden: Vec<f32> = tensor(f, "hidden_states", Dtype::BF16, &[t, h])?
         .chunks_exact(2)
         .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
         .collect();
-    let gs1 = f32s(tensor(&f, "a1_gscale", Dtype::F32, &[e])?);
-    let gs2 = f32s(tensor(&f, "a2_gscale", Dtype::F32, &[e])?);
+    let gs1 = f32s(tensor(f, "a1_gscale", Dtype::F32, &[e])?);
+    let gs2 = f32s(tensor(f, "a2_gscale", Dtype::F32, &[e])?);
     let mut mats: Vec<Vec<Fp4Tensor>> = vec![];
     for (name, rows, cols) in [("w1", i, h), ("w3", i, h), ("w2", h, i)] {
-        let codes = tensor(&f, name, Dtype::U8, &[e, rows, cols / 2])?;
+        let codes = tensor(f, name, Dtype::U8, &[e, rows, cols / 2])?;
         let scales = tensor(
-            &f,
+            f,
             &format!("{name}_scale"),
             Dtype::F8_E4M3,
             &[e, rows, cols / 16],
         )?;
-        let s2 = f32s(tensor(&f, &format!("{name}_scale_2"), Dtype::F32, &[e])?);
+        let s2 = f32s(tensor(f, &format!("{name}_scale_2"), Dtype::F32, &[e])?);
         let (cn, sn) = (rows * cols / 2, rows * cols / 16);
         mats.push(
             (0..e)
@@ -280,11 +318,11 @@ pub fn read(dir: &Path) -> Result<Dumped> {
                 .collect(),
         );
     }
-    let ids: Vec<i32> = tensor(&f, "topk_ids", Dtype::I32, &[t, k])?
+    let ids: Vec<i32> = tensor(f, "topk_ids", Dtype::I32, &[t, k])?
         .chunks_exact(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    let weights = f32s(tensor(&f, "topk_weights", Dtype::F32, &[t, k])?);
+    let weights = f32s(tensor(f, "topk_weights", Dtype::F32, &[t, k])?);
     let q = |w: Fp4Tensor| QLinear {
         weight: w,
         input_scale: None,
@@ -345,19 +383,5 @@ pub fn read(dir: &Path) -> Result<Dumped> {
     };
     crate::moe::forward::check_routing(&layer, &routing, t)
         .map_err(|err| Error::bad_tensor(f.path(), "topk_ids", err.to_string()))?;
-    let x = TensorFile::open(&dir.join(EXPECTED))?;
-    let get = |n: &str| -> Result<Vec<f32>> { Ok(f32s(tensor(&x, n, Dtype::F32, &[t, h])?)) };
-    let expected = Expected {
-        reference_out: get("reference_out")?,
-        nvfp4_out: get("nvfp4_out")?,
-        nvfp4_routed: get("nvfp4_routed")?,
-        shared_out: get("shared_out")?,
-    };
-    Ok(Dumped {
-        layer,
-        hidden,
-        routing,
-        scales: ActScales::Fixed { gs1, gs2 },
-        expected,
-    })
+    Ok((layer, hidden, routing, ActScales::Fixed { gs1, gs2 }))
 }

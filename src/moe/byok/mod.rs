@@ -16,7 +16,7 @@ pub mod dump;
 
 use super::ep::{ExpertMap, Placement};
 use super::parallel::{plan_rank, EpFault};
-use super::{ActScales, MoeLayer, Path, Routing};
+use super::{ActScales, MoeConfig, MoeLayer, Path, Routing};
 use crate::error::Result;
 use crate::metrics::{compare, max_rel_l2, Metrics};
 use crate::nvfp4::layout::{swizzle_offset, ScaleLayout};
@@ -29,6 +29,19 @@ pub const AGREE_MIN_COSINE: f64 = 0.99999;
 /// A bug variant "explains" the plugin's output at this cosine or above (a plugin with that
 /// bug computes that variant up to summation order, so it lands near `AGREE_MIN_COSINE`).
 pub const EXPLAINS_MIN_COSINE: f64 = 0.9999;
+/// The CPU re-runs the NVFP4 path (layertest's kernel check, the bug variants, a dump's
+/// recompute) only below this many multiply-adds ([`routed_macs`]).
+pub const KERNEL_CHECK_MAX_MACS: f64 = 4e9;
+
+/// Multiply-adds of one CPU run of the routed experts: `tokens · top_k · 3 · hidden ·
+/// moe_intermediate` (w1, w3 and w2 for every slot).
+pub fn routed_macs(config: &MoeConfig, routing: &Routing) -> f64 {
+    routing.tokens as f64
+        * routing.top_k as f64
+        * 3.0
+        * config.hidden_size as f64
+        * config.moe_intermediate_size as f64
+}
 
 /// `m` within cosine `c` and within the relative L2 error noise reaches at that cosine
 /// ([`max_rel_l2`]): an output "equal up to summation order" but off by a factor (alpha, a
@@ -66,6 +79,8 @@ pub enum SuspectedBug {
     IdsSortedWeightsNot,
     /// `topk_weights` sorted largest first, `topk_ids` left in router order.
     WeightsSortedIdsNot,
+    /// The output written column-major: `[hidden, tokens]` where `[tokens, hidden]` is due.
+    OutputTransposed,
 }
 
 impl SuspectedBug {
@@ -106,6 +121,9 @@ impl SuspectedBug {
             }
             SuspectedBug::WeightsSortedIdsNot => {
                 "routing weights applied to the wrong slots: topk_weights were sorted largest first but topk_ids were left in router order, so each weight lands on another of the token's experts (permute both with the same indices)"
+            }
+            SuspectedBug::OutputTransposed => {
+                "the output is written transposed: [hidden, tokens] (token t, channel c at c * tokens + t) where [tokens, hidden] row-major (t * hidden + c) is due - a column-major store or a flat buffer indexed the other way"
             }
         }
     }
@@ -307,6 +325,18 @@ fn ep_fault_routing(
     })
 }
 
+/// `v` (`[tokens, hidden]`) as a kernel writes it column-major, read back row-major: element
+/// `(t, c)` lands at flat `c · tokens + t`.
+fn transposed(v: &[f32], tokens: usize, hidden: usize) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    for (t, row) in v.chunks(hidden).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            out[c * tokens + t] = x;
+        }
+    }
+    out
+}
+
 /// The routed output under each known bug that fits how the plugin was fed.
 pub fn bug_variants(
     layer: &MoeLayer,
@@ -375,6 +405,13 @@ pub fn bug_variants(
             out.push((bug, v));
         }
         seen.push(moved.topk_weights);
+    }
+    // one token (or one channel): the transpose is the output itself
+    if routing.tokens > 1 && h > 1 {
+        out.push((
+            SuspectedBug::OutputTransposed,
+            transposed(&correct, routing.tokens, h),
+        ));
     }
     if let Some((ranks, placement)) = feeding.ep.filter(|(r, _)| *r > 1) {
         let e = layer.config.n_routed_experts;
@@ -944,11 +981,12 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            // gate/up, one scale misreading, weights not applied, 2 EP, and the wrong-slot
-            // permutations this routing tells apart (top-4: both shifts at least)
+            // gate/up, one scale misreading, weights not applied, the transpose, 2 EP, and the
+            // wrong-slot permutations this routing tells apart (top-4: both shifts at least)
             let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
             assert!(
-                (7..=9).contains(&variants.len())
+                (8..=10).contains(&variants.len())
+                    && named.contains(&SuspectedBug::OutputTransposed)
                     && named.contains(&SuspectedBug::WeightsShiftedForward)
                     && named.contains(&SuspectedBug::WeightsShiftedBackward),
                 "seed {seed}: {named:?}"
