@@ -3249,3 +3249,506 @@ fn faults_are_named_under_swizzled_scales_of_ambiguous_sizes() {
         assert!(named, "seed {} {want}: {}", fx.seed, out.json["diagnoses"]);
     }
 }
+
+/// Both orders of one pair: (A→B run, B→A run).
+fn both_orders(fx: &Fixture, a: &Path, b: &Path) -> (Run, Run) {
+    (run(&fx.root, &[s(a), s(b)]), run(&fx.root, &[s(b), s(a)]))
+}
+
+/// The names of a run's mismatched units with their issue kinds, sorted.
+fn mismatch_kinds(out: &Run) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = out.json["mismatches"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .map(|u| {
+                    let kinds: Vec<String> = u["issues"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|i| i["kind"].as_str().map(String::from))
+                        .collect();
+                    (
+                        u["name"].as_str().unwrap_or("").to_string(),
+                        kinds.join(","),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The `swizzled_scales` diagnoses' messages of a run.
+fn swizzle_notes(out: &Run) -> Vec<String> {
+    out.json["diagnoses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|d| d["kind"] == "swizzled_scales")
+        .filter_map(|d| d["message"].as_str().map(String::from))
+        .collect()
+}
+
+/// D1: a vLLM dump whose block scales are in the 128x4 swizzle, at sizes where both layouts
+/// have one size (every DeepSeek shape; K/16 = 16 included, where the swizzle is its own
+/// inverse), gives the same verdict and the same mismatches as A and as B, and the diagnosis
+/// names the dump's side. As A its w2 scales were read linear: every down_proj "values
+/// differ", blamed on B.
+#[test]
+fn a_swizzled_dump_gives_one_verdict_in_either_order() {
+    for (h, i) in [(128, 64), (256, 128)] {
+        let fx = fixture_dims(4, h, i);
+        let x = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 11).gen_range(0..4);
+        let dump = fx.root.join("swz.safetensors");
+        let swizzled = Faults {
+            swizzle: true,
+            ..Default::default()
+        };
+        write_fused(&fx.model, &dump, &swizzled);
+        let (fwd, rev) = both_orders(&fx, &fx.ckpt, &dump);
+        let what = format!("seed {} h {h} i {i}", fx.seed);
+        check(&fwd, 0, fx.seed);
+        check(&rev, 0, fx.seed);
+        for (out, side) in [(&fwd, "B"), (&rev, "A")] {
+            let notes = swizzle_notes(out);
+            assert!(
+                !notes.is_empty()
+                    && notes
+                        .iter()
+                        .all(|n| n.contains(&format!("{side}'s block scales"))),
+                "{what}: {notes:?}"
+            );
+            // the 12 expert units hold other bytes: never counted bitwise
+            assert_eq!(
+                out.json["summary"]["equal_after_conversion"], 12,
+                "{what}: {}",
+                out.stdout
+            );
+            assert!(
+                out.stdout.contains(&format!(
+                    "12 equal after reading {side}'s block scales in the 128x4 swizzle"
+                )),
+                "{what}: {}",
+                out.stdout
+            );
+        }
+        // a fault behind the swizzle: the same one mismatch either way
+        let faulty = Faults {
+            w2_scale_2_set: Some((x, 3.0 * fx.model.experts[x].w2.scale_2)),
+            ..swizzled
+        };
+        write_fused(&fx.model, &dump, &faulty);
+        let (fwd, rev) = both_orders(&fx, &fx.ckpt, &dump);
+        check(&fwd, 1, fx.seed);
+        check(&rev, 1, fx.seed);
+        let want = vec![(
+            format!("model.layers.{LAYER}.mlp.experts.{x}.down_proj.weight"),
+            "scale_2".to_string(),
+        )];
+        assert_eq!(mismatch_kinds(&fwd), want, "{what}: {}", fwd.stdout);
+        assert_eq!(mismatch_kinds(&rev), want, "{what}: {}", rev.stdout);
+    }
+}
+
+/// The ModelOpt checkpoint with `experts`' block scales stored in the 128x4 swizzle (of the
+/// same size as linear at these dims).
+fn write_swizzled_experts(m: &Model, path: &Path, experts: &[usize]) {
+    let mut v = m.hf_tensors();
+    for (spec, bytes) in v.iter_mut() {
+        let swizzle = experts.iter().any(|e| {
+            spec.name
+                .starts_with(&format!("model.layers.{LAYER}.mlp.experts.{e}."))
+        }) && spec.name.ends_with(".weight_scale");
+        if swizzle {
+            *bytes = layout::swizzle(bytes, spec.shape[0], spec.shape[1]);
+        }
+    }
+    write_file(path, v, None).unwrap();
+}
+
+/// D2: one expert's block scales stored swizzled inside a ModelOpt checkpoint (the others
+/// linear) is a mix a kernel reads wrong: exit 1 in either order, naming that expert and the
+/// side that holds it, and its tensors are never "bitwise". It passed as "bitwise". A side
+/// swizzled throughout (an engine's per-linear dump) passes, counted as equal after reading
+/// its scales in the swizzle.
+#[test]
+fn one_experts_swizzled_scales_in_a_checkpoint_are_a_mixed_layout() {
+    let fx = fixture_dims(4, 128, 128);
+    let odd = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 13).gen_range(0..4);
+    let faulty = fx.root.join("odd.safetensors");
+    write_swizzled_experts(&fx.model, &faulty, &[odd]);
+    let (fwd, rev) = both_orders(&fx, &fx.ckpt, &faulty);
+    for (out, side) in [(&fwd, "B"), (&rev, "A")] {
+        let what = format!("seed {} faulty side {side}", fx.seed);
+        check(out, 1, fx.seed);
+        let mixed: Vec<&Value> = out.json["diagnoses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["kind"] == "mixed_scale_layouts")
+            .collect();
+        // w13 and w2
+        assert_eq!(mixed.len(), 2, "{what}: {}", out.json["diagnoses"]);
+        for d in mixed {
+            assert_eq!(d["experts"], serde_json::json!([odd]), "{what}: {d}");
+            assert_eq!(d["fails"], true);
+            let msg = d["message"].as_str().unwrap();
+            assert!(
+                msg.contains(&format!("{side}'s routed experts"))
+                    && msg.contains(&format!("expert(s) {odd} in the 128x4 swizzled layout")),
+                "{what}: {msg}"
+            );
+        }
+        // its 3 tensors hold other bytes: not bitwise
+        let units = out.json["summary"]["units"].as_u64().unwrap();
+        assert_eq!(out.json["summary"]["equal"], units - 3, "{what}");
+        assert_eq!(out.json["summary"]["equal_after_conversion"], 3, "{what}");
+    }
+    // every expert swizzled: one layout, a pass with the note
+    let all = fx.root.join("all.safetensors");
+    write_swizzled_experts(&fx.model, &all, &[0, 1, 2, 3]);
+    let (fwd, rev) = both_orders(&fx, &fx.ckpt, &all);
+    for (out, side) in [(&fwd, "B"), (&rev, "A")] {
+        check(out, 0, fx.seed);
+        assert_eq!(
+            diag_kinds(&out.json),
+            ["swizzled_scales"],
+            "seed {}",
+            fx.seed
+        );
+        assert!(
+            out.stdout.contains(&format!(
+                "12 equal after reading {side}'s block scales in the 128x4 swizzle"
+            )),
+            "seed {}: {}",
+            fx.seed,
+            out.stdout
+        );
+    }
+    // the rule is in the help
+    let help = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args(["compare-weights", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("swizzled throughout") && help.contains("mixed_scale_layouts"),
+        "{help}"
+    );
+}
+
+/// The checkpoint in compressed-tensors names (`weight_global_scale` = 1/weight_scale_2),
+/// its block scales halved and its global scales doubled when `half`; `gs_of` gives each
+/// linear's stored weight_global_scale from its weight_scale_2 (None: not written).
+fn write_ct(m: &Model, path: &Path, half: bool, gs_of: &dyn Fn(&str, f32) -> Option<f32>) {
+    let mut v = m.common("model.", "mlp");
+    for (e, x) in m.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("gate_proj", &x.w1, x.in1),
+            ("up_proj", &x.w3, x.in3),
+            ("down_proj", &x.w2, x.in2),
+        ] {
+            let base = format!("model.layers.{LAYER}.mlp.experts.{e}.{n}");
+            let scales: Vec<u8> = if half {
+                t.scales.iter().map(|&c| halve_e4m3(c)).collect()
+            } else {
+                t.scales.clone()
+            };
+            let ws2 = if half { 2.0 * t.scale_2 } else { t.scale_2 };
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_packed"),
+                    Dtype::U8,
+                    &[t.rows, t.cols / 2],
+                ),
+                t.packed.clone(),
+            ));
+            v.push((
+                TensorSpec::new(
+                    format!("{base}.weight_scale"),
+                    Dtype::F8_E4M3,
+                    &[t.rows, t.cols / 16],
+                ),
+                scales,
+            ));
+            if let Some(gs) = gs_of(&base, ws2) {
+                v.push((
+                    TensorSpec::new(format!("{base}.weight_global_scale"), Dtype::F32, &[1]),
+                    f32_bytes(&[gs]),
+                ));
+            }
+            v.push((
+                TensorSpec::new(format!("{base}.input_global_scale"), Dtype::F32, &[1]),
+                f32_bytes(&[1.0 / ins]),
+            ));
+        }
+    }
+    write_file(path, v, None).unwrap();
+}
+
+/// An e4m3 code's value halved, exactly: the exponent one down (a normal code above the
+/// smallest binade; zero stays zero).
+fn halve_e4m3(c: u8) -> u8 {
+    let exp = (c >> 3) & 0xF;
+    if c & 0x7F == 0 {
+        return c;
+    }
+    assert!(exp >= 2, "block scale code {c:#04x} has no exact half");
+    c - 0x08
+}
+
+/// D5: a global scale re-encoded by a power of two (block scales halved, global scale
+/// doubled) and stored in the other convention is the same values: the ulp its reciprocal
+/// costs is allowed, and no more. Every weight_scale_2 is nudged to one whose doubled value
+/// does not survive the f32 reciprocal round trip: each gave "scale_2 ×2.000000" at cosine 1.
+#[test]
+fn a_power_of_two_reencoding_in_the_other_convention_is_the_same_values() {
+    let mut fx = fixture_dims(4, 128, 64);
+    let survives = |v: f32| 1.0 / (1.0 / (2.0 * v)) == 2.0 * v;
+    for x in fx.model.experts.iter_mut() {
+        for t in [&mut x.w1, &mut x.w3, &mut x.w2] {
+            while survives(t.scale_2) {
+                t.scale_2 = f32::from_bits(t.scale_2.to_bits() + 1);
+            }
+        }
+    }
+    let ckpt = fx.root.join("ckpt-nudged");
+    fx.model.write_hf(&ckpt);
+    let ct_half = fx.root.join("ct-half.safetensors");
+    write_ct(&fx.model, &ct_half, true, &|_, ws2| Some(1.0 / ws2));
+    let (fwd, rev) = both_orders(&fx, &ckpt, &ct_half);
+    for out in [&fwd, &rev] {
+        check(out, 0, fx.seed);
+        assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
+        assert!(
+            out.json["close"]
+                .to_string()
+                .contains("1 ulp from the exact"),
+            "seed {}: {}",
+            fx.seed,
+            out.json["close"]
+        );
+    }
+    // 3 ulps off in the other convention: another scale
+    let bad = format!("model.layers.{LAYER}.mlp.experts.1.up_proj");
+    let off = fx.root.join("ct-half-off.safetensors");
+    write_ct(&fx.model, &off, true, &|base, ws2| {
+        let gs = 1.0 / ws2;
+        Some(if base == bad {
+            f32::from_bits(gs.to_bits() + 3)
+        } else {
+            gs
+        })
+    });
+    let (fwd, rev) = both_orders(&fx, &ckpt, &off);
+    let want = vec![(format!("{bad}.weight"), "scale_2".to_string())];
+    for out in [&fwd, &rev] {
+        check(out, 1, fx.seed);
+        assert_eq!(mismatch_kinds(out), want, "seed {}", fx.seed);
+    }
+    // 1 ulp off in one convention: no reciprocal to excuse it
+    let mut v = fx.model.hf_tensors();
+    for (spec, bytes) in v.iter_mut() {
+        if spec.name.ends_with(".weight_scale") {
+            *bytes = bytes.iter().map(|&c| halve_e4m3(c)).collect();
+        }
+        if let Some(base) = spec.name.strip_suffix(".weight_scale_2") {
+            let ws2 = f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+            let doubled = 2.0 * ws2;
+            let stored = if base == bad {
+                f32::from_bits(doubled.to_bits() + 1)
+            } else {
+                doubled
+            };
+            *bytes = f32_bytes(&[stored]);
+        }
+    }
+    let mo_half = fx.root.join("modelopt-half-off.safetensors");
+    write_file(&mo_half, v, None).unwrap();
+    let (fwd, rev) = both_orders(&fx, &ckpt, &mo_half);
+    for out in [&fwd, &rev] {
+        check(out, 1, fx.seed);
+        assert_eq!(mismatch_kinds(out), want, "seed {}", fx.seed);
+    }
+}
+
+/// D6: a linear without its global scale fails whichever side lacks it, named as that side's
+/// convention names it: a compressed-tensors A without `weight_global_scale` passed against
+/// ModelOpt ("close", with a note), while the reverse order failed naming `weight_scale_2`.
+#[test]
+fn a_missing_global_scale_fails_on_either_side() {
+    let fx = fixture(3);
+    let e = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 17).gen_range(0..3);
+    let base = format!("model.layers.{LAYER}.mlp.experts.{e}.gate_proj");
+    let ct = fx.root.join("ct-missing.safetensors");
+    write_ct(&fx.model, &ct, false, &|b, ws2| {
+        (b != base).then_some(1.0 / ws2)
+    });
+    let (fwd, rev) = both_orders(&fx, &ct, &fx.ckpt);
+    let want = vec![(format!("{base}.weight"), "missing_member".to_string())];
+    for (out, lacking) in [(&fwd, "A"), (&rev, "B")] {
+        check(out, 1, fx.seed);
+        assert_eq!(
+            mismatch_kinds(out),
+            want,
+            "seed {}: {}",
+            fx.seed,
+            out.stdout
+        );
+        let msg = out.json["mismatches"][0]["issues"][0]["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            msg.contains(&format!(
+                "{lacking} has no weight_global_scale (`{base}.weight_global_scale`)"
+            )),
+            "seed {}: {msg}",
+            fx.seed
+        );
+    }
+    // the other side's weight_scale_2 has no counterpart: extra in B, or missing in B
+    let ws2 = serde_json::json!([format!("{base}.weight_scale_2")]);
+    assert_eq!(fwd.json["extra"], ws2, "seed {}", fx.seed);
+    assert_eq!(rev.json["missing"], ws2, "seed {}", fx.seed);
+    // a ModelOpt side without weight_scale_2, against compressed-tensors: its own name
+    let full_ct = fx.root.join("ct.safetensors");
+    write_ct(&fx.model, &full_ct, false, &|_, ws2| Some(1.0 / ws2));
+    let mut v = fx.model.hf_tensors();
+    v.retain(|(t, _)| t.name != format!("{base}.weight_scale_2"));
+    let mo = fx.root.join("modelopt-missing.safetensors");
+    write_file(&mo, v, None).unwrap();
+    let (fwd, rev) = both_orders(&fx, &mo, &full_ct);
+    for (out, lacking) in [(&fwd, "A"), (&rev, "B")] {
+        check(out, 1, fx.seed);
+        assert_eq!(mismatch_kinds(out), want, "seed {}", fx.seed);
+        assert!(
+            out.json["mismatches"][0]["issues"][0]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&format!(
+                    "{lacking} has no weight_scale_2 (`{base}.weight_scale_2`)"
+                )),
+            "seed {}",
+            fx.seed
+        );
+    }
+}
+
+/// A dense layer's MLP, quantized: `prefix` `mlp.{gate,up,down}_proj` (HF) or `ffn.{w1,w3,w2}`
+/// (native) triples of layer 0.
+fn dense_mlp(m: &Model, r: &mut impl Rng, native: bool) -> Vec<(TensorSpec, Vec<u8>)> {
+    let mut v = vec![];
+    let (h, i) = (m.h, 2 * m.i);
+    let mut r2 = rand_chacha::ChaCha8Rng::seed_from_u64(r.gen());
+    for (hf, nat, rows, cols) in [
+        ("gate_proj", "w1", i, h),
+        ("up_proj", "w3", i, h),
+        ("down_proj", "w2", h, i),
+    ] {
+        let t = quantize_weight_nvfp4(&randn(&mut r2, rows * cols, 0.05), rows, cols).0;
+        let base = if native {
+            format!("layers.0.ffn.{nat}")
+        } else {
+            format!("model.layers.0.mlp.{hf}")
+        };
+        triple(&mut v, &base, &t, 0.004);
+    }
+    v
+}
+
+/// D8: native dense-MLP names (`layers.0.ffn.w1`, quantized members too) pair with HF's
+/// `model.layers.0.mlp.gate_proj`: identical weights gave "3 missing, 3 extra" (12 members).
+#[test]
+fn native_dense_mlp_names_pair_with_hf() {
+    let fx = fixture(3);
+    let seed = fx.seed ^ 19;
+    let hf = fx.root.join("hf.safetensors");
+    let mut v = fx.model.hf_tensors();
+    v.extend(dense_mlp(
+        &fx.model,
+        &mut rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+        false,
+    ));
+    write_file(&hf, v, None).unwrap();
+    let native = fx.root.join("native.safetensors");
+    let mut v = fx.model.common("", "ffn");
+    v.extend(dense_mlp(
+        &fx.model,
+        &mut rand_chacha::ChaCha8Rng::seed_from_u64(seed),
+        true,
+    ));
+    write_native_experts(&fx.model, v, &native);
+    let (fwd, rev) = both_orders(&fx, &hf, &native);
+    for out in [&fwd, &rev] {
+        check(out, 0, fx.seed);
+        assert_eq!(
+            (
+                out.json["missing"].as_array().map(Vec::len),
+                out.json["extra"].as_array().map(Vec::len)
+            ),
+            (Some(0), Some(0)),
+            "seed {}",
+            fx.seed
+        );
+        // 9 routed + 3 dense quantized linears, all bitwise
+        assert_eq!(
+            out.json["summary"]["equal"], out.json["summary"]["units"],
+            "seed {}",
+            fx.seed
+        );
+    }
+}
+
+/// Two engine dumps (fused, both layouts of one size) equal as stored but for one expert,
+/// whose block scales one holds swizzled and the other linear: one side mixes layouts, and
+/// nothing tells which (each holds whatever its kernels read), so the diagnosis names the
+/// expert and both readings, the same way in either order. It blamed A, linear assumed.
+#[test]
+fn two_dumps_differing_in_one_experts_layout_name_both_readings() {
+    let fx = fixture_dims(4, 128, 64);
+    let odd = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 23).gen_range(0..4);
+    let (all, one) = (
+        fx.root.join("all.safetensors"),
+        fx.root.join("one.safetensors"),
+    );
+    write_fused(
+        &fx.model,
+        &all,
+        &Faults {
+            swizzle: true,
+            ..Default::default()
+        },
+    );
+    let others: Vec<usize> = (0..4).filter(|&e| e != odd).collect();
+    write_fused(
+        &fx.model,
+        &one,
+        &Faults {
+            swizzle_only: others,
+            ..Default::default()
+        },
+    );
+    let (fwd, rev) = both_orders(&fx, &all, &one);
+    for (out, swizzled_in) in [(&fwd, "A"), (&rev, "B")] {
+        check(out, 1, fx.seed);
+        let d: Vec<&Value> = out.json["diagnoses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["kind"] == "mixed_scale_layouts")
+            .collect();
+        assert_eq!(d.len(), 2, "seed {}: {d:?}", fx.seed);
+        for d in d {
+            assert_eq!(d["experts"], serde_json::json!([odd]), "seed {}", fx.seed);
+            let msg = d["message"].as_str().unwrap();
+            assert!(
+                msg.contains(&format!("in the 128x4 swizzled layout in {swizzled_in}"))
+                    && msg.contains("one side mixes layouts"),
+                "seed {}: {msg}",
+                fx.seed
+            );
+        }
+    }
+}

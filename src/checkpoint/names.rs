@@ -51,6 +51,14 @@ impl Proj {
             _ => return None,
         })
     }
+
+    /// The projection `s` names in `scheme`'s own words only (`w1` native, `gate_proj` HF).
+    fn parse_in(scheme: Scheme, s: &str) -> Option<Proj> {
+        Proj::parse(s).filter(|p| match scheme {
+            Scheme::NativeV4 => p.native() == s,
+            Scheme::HfV3 | Scheme::VllmFused => p.hf() == s,
+        })
+    }
 }
 
 /// A naming scheme plus the prefix before `layers.`.
@@ -72,6 +80,13 @@ pub enum Key {
         member: String,
     },
     SharedExpert {
+        layer: usize,
+        proj: Proj,
+        member: String,
+    },
+    /// A dense layer's MLP (the layers before `first_k_dense_replace`): HF
+    /// `mlp.{gate,up,down}_proj`, native `ffn.{w1,w3,w2}`; not an MoE tensor.
+    DenseMlp {
         layer: usize,
         proj: Proj,
         member: String,
@@ -101,6 +116,7 @@ impl Key {
         match self {
             Key::Expert { layer, .. }
             | Key::SharedExpert { layer, .. }
+            | Key::DenseMlp { layer, .. }
             | Key::RouterWeight { layer }
             | Key::RouterBias { layer }
             | Key::Tid2eid { layer }
@@ -210,6 +226,12 @@ impl Naming {
         format!("{}.shared_experts.{}", self.mlp(l), self.proj(p))
     }
 
+    /// Base name of a dense layer's MLP projection (`model.layers.0.mlp.gate_proj`,
+    /// `layers.0.ffn.w1`).
+    pub fn dense_mlp(&self, l: usize, p: Proj) -> String {
+        format!("{}.{}", self.mlp(l), self.proj(p))
+    }
+
     pub fn router_weight(&self, l: usize) -> String {
         format!("{}.gate.weight", self.mlp(l))
     }
@@ -281,6 +303,15 @@ impl Naming {
                 member: member.to_string(),
             });
         }
+        if let Some((p, member)) = rest.split_once('.') {
+            if let Some(proj) = Proj::parse_in(self.scheme, p) {
+                return Some(Key::DenseMlp {
+                    layer,
+                    proj,
+                    member: member.to_string(),
+                });
+            }
+        }
         let ex = rest.strip_prefix("experts.")?;
         if self.scheme == Scheme::VllmFused {
             if let Some(m) = ex.strip_prefix("w13_") {
@@ -341,6 +372,8 @@ pub fn inventory<'a>(
                 l.experts.insert(expert);
             }
             Key::SharedExpert { .. } => l.shared = true,
+            // a dense layer's MLP does not make an MoE layer
+            Key::DenseMlp { .. } => {}
             Key::RouterWeight { .. } => l.router = true,
             Key::RouterBias { .. } => l.bias = true,
             Key::Tid2eid { .. } => l.tid2eid = true,
@@ -491,6 +524,33 @@ mod tests {
             Naming::hf_v3().router_bias(2),
             "model.layers.2.mlp.gate.e_score_correction_bias"
         );
+    }
+
+    /// A dense layer's MLP under either scheme's words parses to one key, any member (the
+    /// quantized ones too), and makes no MoE layer; the other scheme's words do not parse.
+    #[test]
+    fn dense_mlp_names_map_between_schemes() {
+        let (hf, native) = (Naming::hf_v3(), Naming::native_v4());
+        for p in Proj::ALL {
+            for m in ["weight", "weight_scale", "weight_scale_2", "input_scale"] {
+                let want = Some(Key::DenseMlp {
+                    layer: 0,
+                    proj: p,
+                    member: m.into(),
+                });
+                assert_eq!(hf.parse(&format!("{}.{m}", hf.dense_mlp(0, p))), want);
+                assert_eq!(
+                    native.parse(&format!("{}.{m}", native.dense_mlp(0, p))),
+                    want
+                );
+            }
+        }
+        assert_eq!(hf.dense_mlp(2, Proj::Up), "model.layers.2.mlp.up_proj");
+        assert_eq!(native.dense_mlp(2, Proj::Down), "layers.2.ffn.w2");
+        assert_eq!(native.parse("layers.0.ffn.gate_proj.weight"), None);
+        assert_eq!(hf.parse("model.layers.0.mlp.w1.weight"), None);
+        let names = ["layers.0.ffn.w1.weight", "layers.0.ffn_norm.weight"];
+        assert!(inventory(&native, names).is_empty());
     }
 
     #[test]

@@ -14,6 +14,15 @@ use serde::Serialize;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
+#[command(
+    after_help = "Block-scale layouts: where a size fits both the linear and the 128x4-swizzled \
+layout, each side's layout is decided by pairing the two sides (either may be the swizzled one, \
+and exchanging A and B changes nothing); a side swizzled throughout (an engine's dump, swizzled \
+for CUTLASS / FlashInfer) passes with a note, counted \"equal after reading X's block scales in \
+the 128x4 swizzle\", never bitwise, while a side that mixes the two layouts within its routed \
+experts' w13, their w2, or its other quantized linears fails (mixed_scale_layouts), naming the \
+odd ones out."
+)]
 pub struct Args {
     /// Reference weights: a checkpoint directory or a safetensors file
     #[arg(value_name = "A")]
@@ -64,6 +73,7 @@ struct Summary<'a> {
     tensors_b: usize,
     units: usize,
     equal: usize,
+    equal_after_conversion: usize,
     close: usize,
     mismatched: usize,
     missing: usize,
@@ -150,6 +160,18 @@ fn kinds(u: &UnitResult) -> String {
         .join(", ")
 }
 
+/// "96 equal after reading B's block scales in the 128x4 swizzle", one clause per reason;
+/// None when every unit equal is bitwise so.
+fn conversions(c: &Comparison) -> Option<String> {
+    (!c.conversions.is_empty()).then(|| {
+        c.conversions
+            .iter()
+            .map(|(why, n)| format!("{n} equal after {why}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
+}
+
 fn build_report(
     args: &Args,
     c: &Comparison,
@@ -167,8 +189,11 @@ fn build_report(
         c.diagnoses.iter().filter(|d| d.fails).collect();
     let headline = if pass {
         format!(
-            "{} tensors agree ({} bitwise, {} after dequantization)",
-            c.units, c.equal, c.close
+            "{} tensors agree ({} bitwise, {}{} after dequantization)",
+            c.units,
+            c.equal,
+            conversions(c).map_or(String::new(), |s| format!("{s}, ")),
+            c.close
         )
     } else {
         let mut parts = vec![];
@@ -210,6 +235,7 @@ fn build_report(
         tensors_b,
         units: c.units,
         equal: c.equal,
+        equal_after_conversion: c.equal_after_conversion,
         close: c.close,
         mismatched: c.mismatched,
         missing: c.missing.len(),
@@ -244,6 +270,10 @@ fn build_report(
                 format!("A {tensors_a}, B {tensors_b}; {} compared", c.units),
             ),
             ("bitwise equal", c.equal.to_string()),
+            (
+                "equal after conversion",
+                conversions(c).unwrap_or_else(|| "0".into()),
+            ),
             ("close after dequant", c.close.to_string()),
             ("mismatched", c.mismatched.to_string()),
             (

@@ -5,13 +5,13 @@
 
 use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
+use super::layouts::{self, Reading, Readings, SideName};
 use super::load::{DRaw, LoadError, QRaw, Raw, Shared};
-use super::view::{pick_scales, Depth, Mat, QMatrix, ScalesSeen};
+use super::view::{Depth, Mat, QMatrix, Scales, ScalesSeen};
 use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
 use crate::error::Result;
 use crate::metrics::{Accum, Metrics};
-use crate::nvfp4::ScaleLayout;
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -30,8 +30,12 @@ pub struct Options {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
-    /// Bitwise identical (global scales up to the ulp a convention's reciprocal costs).
+    /// Bitwise identical.
     Equal,
+    /// The same values, but the bytes differ: one side's block scales read in the 128x4
+    /// swizzle, global scales stored in the other convention (up to the ulp its reciprocal
+    /// costs), or another dtype holding the same values. `UnitResult::equal_after` says which.
+    EqualAfterConversion,
     /// Not bitwise identical, but the dequantized values agree above `min_cosine`.
     Close,
     Mismatch,
@@ -86,9 +90,16 @@ pub struct UnitResult {
     pub bitwise_equal: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics: Option<Metrics>,
+    /// How A's block scales were laid out (quantized units).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub a_scales: Option<ScalesSeen>,
     /// How B's block scales were laid out (quantized units).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub b_scales: Option<ScalesSeen>,
+    /// What the values are equal after, where the bytes differ (status
+    /// `equal_after_conversion`): "reading B's block scales in the 128x4 swizzle", ...
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub equal_after: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub issues: Vec<Issue>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -101,6 +112,13 @@ pub struct UnitResult {
     /// Member names of A this unit expected in B but B lacks.
     #[serde(skip)]
     pub missing_members: Vec<String>,
+    /// Member names of B that A lacks (the unit is in both).
+    #[serde(skip)]
+    pub extra_members: Vec<String>,
+    /// One side's block scales read swizzled, the bytes cannot tell which
+    /// (`layouts::Reading::EitherSwizzled`); `layouts::settle_open` names it.
+    #[serde(skip)]
+    pub swizzle_side_open: bool,
     /// B's block scales in another one-byte dtype than A's, read as the same codes:
     /// (A's dtype, B's dtype, B's scale tensor).
     #[serde(skip)]
@@ -131,12 +149,16 @@ impl UnitResult {
             b_dtype: String::new(),
             bitwise_equal: false,
             metrics: None,
+            a_scales: None,
             b_scales: None,
+            equal_after: None,
             issues: vec![],
             notes: vec![],
             expert,
             bytes: 0,
             missing_members: vec![],
+            extra_members: vec![],
+            swizzle_side_open: false,
             scale_dtype_differs: None,
         }
     }
@@ -151,6 +173,8 @@ impl UnitResult {
             Status::Mismatch
         } else if self.bitwise_equal {
             Status::Equal
+        } else if self.equal_after.is_some() {
+            Status::EqualAfterConversion
         } else if close {
             Status::Close
         } else {
@@ -220,6 +244,219 @@ fn same_scale(a: f32, b: f32) -> bool {
         || (a.is_finite()
             && b.is_finite()
             && (a - b).abs() <= 4.0 * f32::EPSILON * a.abs().max(b.abs()))
+}
+
+/// Two finite, same-signed f32 values `n` representable numbers apart (`None` otherwise).
+fn ulps_apart(a: f32, b: f32) -> Option<u32> {
+    let same_sign = a.is_sign_negative() == b.is_sign_negative();
+    (a.is_finite() && b.is_finite() && same_sign)
+        .then(|| (a.abs().to_bits() as i64 - b.abs().to_bits() as i64).unsigned_abs() as u32)
+}
+
+/// B's global scale `y` is A's `x` times a power of two other than 1 (a re-encoding whose
+/// block scales make up for it, as halved block scales with a doubled weight_scale_2 do):
+/// exactly, or, where the two sides store it in different conventions, up to the one ulp
+/// the reciprocal of a conversion costs (`1/(1/v)` is within one ulp of `v` in f32). The
+/// exact `x·2^k`, or None.
+fn power_of_two_reencoding(x: f32, y: f32, conventions_differ: bool) -> Option<f32> {
+    if !(x.is_normal() && y.is_normal()) {
+        return None;
+    }
+    let k = (y / x).abs().log2().round();
+    if k == 0.0 || !k.is_finite() {
+        return None;
+    }
+    let exact = x * 2f32.powi(k as i32);
+    if !exact.is_normal() {
+        return None;
+    }
+    let allowed = u32::from(conventions_differ);
+    ulps_apart(exact, y)
+        .filter(|&d| d <= allowed)
+        .map(|_| exact)
+}
+
+/// Two optional scalars of sides in different conventions agree up to the ulp a reciprocal
+/// costs (or are both absent).
+fn scalar_converted(a: Option<f32>, b: Option<f32>) -> bool {
+    match (a, b) {
+        (Some(x), Some(y)) => same_scale(x, y),
+        (None, None) => true,
+        _ => false,
+    }
+}
+
+/// What a unit with the same codes but other bytes is equal after (`UnitResult::equal_after`).
+fn conversions(u: &UnitResult, relaid: bool, converted_scalars: bool) -> String {
+    let mut why = vec![];
+    if relaid {
+        let side = if u.swizzle_side_open {
+            None
+        } else if u.a_scales == Some(ScalesSeen::Swizzled) {
+            Some(SideName::A)
+        } else {
+            Some(SideName::B)
+        };
+        why.push(layouts::relaid_reason(side));
+    }
+    if converted_scalars {
+        why.push(
+            "converting the global scales between conventions (weight_scale_2 = 1/weight_global_scale)"
+                .to_string(),
+        );
+    }
+    why.join(" and ")
+}
+
+/// One side has a global scale and the other none: an NVFP4 weight cannot be dequantized
+/// without it, whichever side lacks it. The absent tensor is named as that side's convention
+/// names it (`weight_global_scale` in compressed-tensors, `weight_scale_2` in ModelOpt);
+/// the other side's is listed as what the lacking side has no counterpart for (missing in
+/// B, or extra in B).
+fn missing_global_scale(u: &mut UnitResult, qa: &QRaw, qb: &QRaw) {
+    let (lacking, lacking_raw, has_raw) = if qa.scale_2.is_none() {
+        ("A", qa, qb)
+    } else {
+        ("B", qb, qa)
+    };
+    let has_side = if lacking == "A" { "B" } else { "A" };
+    u.issue(
+        IssueKind::MissingMember,
+        format!(
+            "{lacking} has no {} (`{}`): its NVFP4 codes cannot be dequantized without their \
+             global scale; {has_side}'s {} is {:e}",
+            lacking_raw.global_scale_member(),
+            lacking_raw.scale_2_expected,
+            has_raw.global_scale_member(),
+            has_raw.scale_2.unwrap_or_default()
+        ),
+    );
+    let present = has_raw.scale_2_name.clone();
+    if lacking == "A" {
+        u.extra_members.extend(present);
+    } else {
+        u.missing_members.extend(present);
+    }
+}
+
+/// A unit's two quantized sides before their block scales' layouts are decided: A whole
+/// and cut to B's geometry `rb` (`align`), B, and how each side's scales can be read.
+struct Sides<'a, 's> {
+    a_full: QMatrix<'a>,
+    a: QMatrix<'a>,
+    a_sc: &'s Scales<'a>,
+    b: QMatrix<'a>,
+    b_sc: &'s Scales<'a>,
+    align: Align,
+    rb: (usize, usize),
+}
+
+impl<'a> Sides<'a, '_> {
+    /// The sides under the readings of their block scales that pair them
+    /// ([`layouts::choose`]): (A whole, A cut, B). `u` records how each side's were read, and
+    /// a note for a side read swizzled.
+    fn pair(
+        self,
+        u: &mut UnitResult,
+        packed_equal: bool,
+    ) -> (QMatrix<'a>, QMatrix<'a>, QMatrix<'a>) {
+        let Sides {
+            a_full,
+            a,
+            a_sc,
+            b,
+            b_sc,
+            align,
+            rb,
+        } = self;
+        let a_head = swizzled_head(&a_full, a_sc, align, rb);
+        let b_head = swizzled_head(&b, b_sc, Align::Same, rb);
+        let reading = layouts::choose(
+            Readings {
+                stored: &a,
+                swizzled_head: a_head.as_ref(),
+            },
+            Readings {
+                stored: &b,
+                swizzled_head: b_head.as_ref(),
+            },
+            packed_equal,
+        );
+        u.a_scales = Some(a_sc.seen);
+        u.b_scales = Some(b_sc.seen);
+        // the whole swizzled reading of the side that won only
+        let a_full_swz = (reading == Reading::ASwizzled)
+            .then(|| swizzled_reading(&a_full, a_sc))
+            .flatten();
+        let a_swz = a_full_swz.as_ref().and_then(|m| cut_to(m, align, rb));
+        let b_swz = matches!(reading, Reading::BSwizzled | Reading::EitherSwizzled)
+            .then(|| swizzled_reading(&b, b_sc))
+            .flatten();
+        let paired = match (reading, a_swz, a_full_swz, b_swz) {
+            (Reading::ASwizzled, Some(a_swz), Some(a_full_swz), _) => {
+                u.read_swizzled(SideName::A);
+                (a_full_swz, a_swz, b)
+            }
+            (Reading::BSwizzled, _, _, Some(b_swz)) => {
+                u.read_swizzled(SideName::B);
+                (a_full, a, b_swz)
+            }
+            // the same values under either side's swizzled reading: B's, until its side is named
+            (Reading::EitherSwizzled, _, _, Some(b_swz)) => {
+                u.swizzle_side_open = true;
+                (a_full, a, b_swz)
+            }
+            _ => (a_full, a, b),
+        };
+        for side in [SideName::A, SideName::B] {
+            if u.scales(side) == Some(ScalesSeen::Swizzled) {
+                u.notes.push(layouts::swizzle_note(Some(side)));
+            }
+        }
+        if u.swizzle_side_open {
+            u.notes.push(layouts::swizzle_note(None));
+        }
+        paired
+    }
+}
+
+/// `m` (a side's whole matrix) cut to B's geometry `rb` as `align` says.
+fn cut_to<'a>(m: &QMatrix<'a>, align: Align, rb: (usize, usize)) -> Option<QMatrix<'a>> {
+    match align {
+        Align::Same => Some(m.clone()),
+        Align::Rows(r0) => m.rows_slice(r0, rb.0),
+        Align::Cols(c0) => m.cols_slice(c0, rb.1),
+    }
+}
+
+/// The first tile of `m` (a side's whole matrix, cut to B's geometry `rb` as `align` says)
+/// under the swizzled reading of its block scales, where their size fits both layouts: what
+/// decides the layout ([`layouts::choose`]).
+fn swizzled_head<'a>(
+    m: &QMatrix<'a>,
+    sc: &Scales,
+    align: Align,
+    rb: (usize, usize),
+) -> Option<QMatrix<'a>> {
+    let n = rb.0.min(layouts::LAYOUT_ROWS);
+    if align == Align::Same {
+        let head = m.rows_slice(0, n)?;
+        return Some(QMatrix {
+            scales: std::borrow::Cow::Owned(sc.alternative_head(n)?),
+            ..head
+        });
+    }
+    // a TP shard: the rows or columns of the whole swizzled reading
+    cut_to(&swizzled_reading(m, sc)?, align, rb)?.rows_slice(0, n)
+}
+
+/// `m` under the swizzled reading of its block scales, where their size fits both layouts
+/// and nothing decided which.
+fn swizzled_reading<'a>(m: &QMatrix<'a>, sc: &Scales) -> Option<QMatrix<'a>> {
+    sc.alternative().map(|s| QMatrix {
+        scales: std::borrow::Cow::Owned(s),
+        ..m.clone()
+    })
 }
 
 /// B's scalar is A's rounded to a 16-bit float (an engine that keeps scales in BF16 / FP16).
@@ -462,10 +699,6 @@ fn compare_qq(
             return Ok(done(u));
         }
     };
-    if a_sc.seen == ScalesSeen::Swizzled {
-        u.notes
-            .push("A's block scales are 128x4-swizzled; read unswizzled".into());
-    }
     // a packed weight stored transposed ([K/2, N] bytes)
     let (ra, rb) = ((qa.rows(), qa.cols()), (qb.rows(), qb.cols()));
     if ra != rb && qb.packed.rows == qa.packed.row_bytes && qb.packed.row_bytes == qa.packed.rows {
@@ -488,23 +721,17 @@ fn compare_qq(
         }
         return Ok(done(u));
     }
-    // A's whole matrix, kept for a TP shard: another rank's slice may be what B holds
-    let a_whole = (ra != rb).then(|| a_full.clone());
-    let a_m = match align2(ra, rb, opts.tp) {
-        Some(Align::Same) => Some(a_full),
-        Some(Align::Rows(r0)) => {
-            u.notes
-                .push(format!("B is TP rows {r0}..{} of A", r0 + rb.0));
-            a_full.rows_slice(r0, rb.0)
-        }
-        Some(Align::Cols(c0)) => {
-            u.notes
-                .push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1));
-            a_full.cols_slice(c0, rb.1)
-        }
-        None => None,
-    };
-    let Some(a_m) = a_m else {
+    let align = align2(ra, rb, opts.tp);
+    match align {
+        Some(Align::Rows(r0)) => u
+            .notes
+            .push(format!("B is TP rows {r0}..{} of A", r0 + rb.0)),
+        Some(Align::Cols(c0)) => u
+            .notes
+            .push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1)),
+        _ => {}
+    }
+    let (Some(a_m), Some(align)) = (align.and_then(|al| cut_to(&a_full, al, rb)), align) else {
         u.issue(
             IssueKind::Shape,
             format!(
@@ -518,52 +745,29 @@ fn compare_qq(
         );
         return Ok(done(u));
     };
-    let (mut b_m, b_sc) = match qmatrix(qb, rb.0, rb.1) {
+    let (b_m, b_sc) = match qmatrix(qb, rb.0, rb.1) {
         Ok(v) => v,
         Err(e) => {
             u.issue(e.issue_kind(), format!("B: {e}"));
             return Ok(done(u));
         }
     };
-    u.b_scales = Some(b_sc.seen);
     // the codes first: where they differ (found early, as a rule) the scales need not be
-    // compared whole; the first tile's tell whether the linear reading of an ambiguous size
-    // holds, since the swizzle permutes within 128-row tiles
+    // compared whole; then which side's block scales, if either, read swizzled
     let packed_equal = a_m.packed.same(&b_m.packed);
-    let scales_equal = packed_equal && a_m.scales == b_m.scales;
-    let tile = a_m.rows.min(LAYOUT_ROWS) * a_m.kb();
-    let linear_holds =
-        scales_equal || (!packed_equal && a_m.scales.get(..tile) == b_m.scales.get(..tile));
-    let mut codes_equal = scales_equal;
-    if !linear_holds && b_sc.seen == ScalesSeen::Ambiguous {
-        if let Some(alt) = b_sc.alternative() {
-            let alt_equal = a_m.scales[..] == alt[..] && packed_equal;
-            let swizzled = alt_equal || {
-                // the first tiles decide: the swizzle permutes within 128-row tiles, and the
-                // rows' stored scales and their unswizzled copy start at the same tile
-                let n = a_m.rows.min(LAYOUT_ROWS);
-                match (a_m.rows_slice(0, n), b_m.rows_slice(0, n)) {
-                    (Some(a_n), Some(b_n)) => {
-                        pick_scales(&a_n, &b_n, &alt[..n * b_m.kb()]).0 == ScaleLayout::Swizzled
-                    }
-                    _ => false,
-                }
-            };
-            if swizzled {
-                // the one unswizzled copy becomes B's scales
-                b_m.scales = std::borrow::Cow::Owned(alt);
-                u.b_scales = Some(ScalesSeen::Swizzled);
-                codes_equal = alt_equal;
-            }
-        }
-    }
-    if u.b_scales == Some(ScalesSeen::Swizzled) {
-        u.notes.push(
-            "B's block scales are in the 128x4 swizzled layout (what CUTLASS / FlashInfer kernels \
-             take); compared after unswizzling"
-                .into(),
-        );
-    }
+    let sides = Sides {
+        a_full,
+        a: a_m,
+        a_sc: &a_sc,
+        b: b_m,
+        b_sc: &b_sc,
+        align,
+        rb,
+    };
+    let (a_full, a_m, mut b_m) = sides.pair(u, packed_equal);
+    // A's whole matrix, kept for a TP shard: another rank's slice may be what B holds
+    let a_whole = (ra != rb).then_some(a_full);
+    let codes_equal = packed_equal && a_m.scales == b_m.scales;
     // U8 block scales holding A's scale values cast to integers (a value conversion where
     // the e4m3 bytes belong): 0.5 → 0, 3.5 → 3
     if !codes_equal
@@ -700,12 +904,10 @@ fn compare_qq(
                 );
             }
         }
-        (Some(_), None) => {
+        (Some(_), None) | (None, Some(_)) => {
             scale_ok = false;
-            u.issue(IssueKind::MissingMember, "B has no weight_scale_2 (A does)");
-            u.missing_members.extend(qa.scale_2_name.clone());
+            missing_global_scale(u, qa, qb);
         }
-        (None, Some(_)) => u.notes.push("B has a weight_scale_2, A has none".into()),
         (None, None) => {}
     }
     // input scale
@@ -764,20 +966,36 @@ fn compare_qq(
         (None, Some(_)) => u.notes.push("B has an input_scale, A has none".into()),
         (None, None) => {}
     }
-    u.bitwise_equal = codes_equal
-        && scale_ok
-        && input_ok
+    let conventions_differ = qa.reciprocal_names != qb.reciprocal_names;
+    // scalars stored in other conventions are other bytes, whatever the values come out as
+    let scalars_bitwise = !conventions_differ
         && sa.map(f32::to_bits) == sb.map(f32::to_bits)
         && qa.input_scale.map(f32::to_bits) == qb.input_scale.map(f32::to_bits);
+    let scalars_converted = conventions_differ
+        && (sa.map(f32::to_bits) == sb.map(f32::to_bits) || conv_ulp)
+        && scalar_converted(qa.input_scale, qb.input_scale);
+    // one side's scales read unswizzled, the other's as stored: other bytes, the same codes
+    let relaid = u.swizzle_side_open
+        || (u.a_scales == Some(ScalesSeen::Swizzled)) != (u.b_scales == Some(ScalesSeen::Swizzled));
+    let same_codes = codes_equal && scale_ok && input_ok;
+    u.bitwise_equal = same_codes && scalars_bitwise && !relaid;
+    if same_codes && !u.bitwise_equal && (scalars_bitwise || scalars_converted) {
+        u.equal_after = Some(conversions(u, relaid, !scalars_bitwise));
+    }
     if codes_equal && scale_ok {
         // identical codes and scales (the global scale up to the ulp a convention's reciprocal
         // costs): the values are identical; no need to dequantize
-        let finish = std::mem::replace(u, UnitResult::new("", None));
-        let mut r = finish.finish(true);
-        if r.status == Status::Close && conv_ulp {
-            r.status = Status::Equal;
-        }
-        return Ok(r);
+        return Ok(std::mem::replace(u, UnitResult::new("", None)).finish(true));
+    }
+    // a global scale re-encoded by a power of two (the block scales making up for it), in
+    // another convention whose reciprocal costs its last bit: the values are compared under
+    // the exact power of two, so that the ulp does not read as another encoding
+    let reencoded = match (sa, sb) {
+        (Some(x), Some(y)) if gs_differs => power_of_two_reencoding(x, y, conventions_differ),
+        _ => None,
+    };
+    if let Some(exact) = reencoded {
+        b_m.scale_2 = exact;
     }
     let Some(m) = engine.metrics(&Values::Q(&a_m), &Values::Q(&b_m))? else {
         u.issue(
@@ -792,8 +1010,15 @@ fn compare_qq(
         u.issues.clear();
         u.notes.push(format!(
             "B re-encodes A's values: weight_scale_2 ×{:.6} with the block scales making up for \
-             it; the dequantized values are identical",
-            sb.zip(sa).map_or(1.0, |(y, x)| y / x)
+             it; the dequantized values are identical{}",
+            sb.zip(sa).map_or(1.0, |(y, x)| y / x),
+            match (reencoded, sb) {
+                (Some(exact), Some(y)) if exact.to_bits() != y.to_bits() => format!(
+                    " (B's global scale {y:e} is 1 ulp from the exact {exact:e}: the reciprocal \
+                     of its other convention)"
+                ),
+                _ => String::new(),
+            }
         ));
     }
     // under A's global scale a value that differs is another code or block scale: a copy
@@ -981,8 +1206,8 @@ fn both_q<'a>(a: &Raw<'a>, b: &Raw<'a>) -> Option<(QMatrix<'a>, QMatrix<'a>)> {
     Some((am, bm))
 }
 
-/// B's matrix under each reading its block scales allow: one, or two when their size fits
-/// both layouts and nothing decided which (linear first).
+/// A side's matrix under each reading its block scales allow: one, or two when their size
+/// fits both layouts and nothing decided which (linear first).
 fn readings<'a>(q: &QRaw<'a>) -> Vec<QMatrix<'a>> {
     let Ok((m, sc)) = qmatrix(q, q.rows(), q.cols()) else {
         return vec![];
@@ -1091,6 +1316,11 @@ fn shard_view<'a>(
             (r + 1) * len
         ),
     ))
+}
+
+/// `UnitResult::equal_after` of a plain tensor stored in another dtype with the same values.
+fn dtype_conversion(a: Dtype, b: Dtype) -> String {
+    format!("reading B's {b:?} as A's {a:?} (the same values in another dtype)")
 }
 
 fn is_int(d: Dtype) -> bool {
@@ -1235,10 +1465,8 @@ fn compare_dd(
                         "dtype differs (A {:?}, B {:?}), values identical",
                         da.dtype, db.dtype
                     ));
-                    u.bitwise_equal = false;
-                    let mut r = done(u, true);
-                    r.status = Status::Equal;
-                    return Ok(r);
+                    u.equal_after = Some(dtype_conversion(da.dtype, db.dtype));
+                    return Ok(done(u, true));
                 }
             }
             _ => u.issue(
@@ -1266,9 +1494,8 @@ fn compare_dd(
                 da.dtype, db.dtype
             ));
             u.metrics = Some(m);
-            let mut r = done(u, true);
-            r.status = Status::Equal;
-            return Ok(r);
+            u.equal_after = Some(dtype_conversion(da.dtype, db.dtype));
+            return Ok(done(u, true));
         }
         u.issue(
             IssueKind::Dtype,
@@ -1469,10 +1696,6 @@ pub fn passes_raw(
     Ok(metrics_raw(a, b, tp, engine)?.is_some_and(|m| m.passes(min_cosine)))
 }
 
-/// Rows whose two scale readings decide an ambiguous layout: one row of 128-row swizzle
-/// tiles (128 · K/16 block scales, each permuted within its tile).
-const LAYOUT_ROWS: usize = 128;
-
 /// The geometry a B unit has, that A units are cut to before fingerprinting.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Geom {
@@ -1500,11 +1723,28 @@ pub fn fingerprint_own(r: &Raw, depth: Depth) -> Option<(Vec<u64>, Geom)> {
 }
 
 /// B holds exactly A's unit (cut to B's geometry: B's TP shard), every byte compared through
-/// full fingerprints, B's scales under each reading they allow.
+/// full fingerprints, each side's scales under each reading they allow.
 pub fn holds_whole(a: &Raw, b: &Raw, tp: Option<(usize, usize)>) -> bool {
     fingerprint_own(b, Depth::Full).is_some_and(|(fb, g)| {
-        fingerprint_as(a, &g, tp, Depth::Full).is_some_and(|fa| fb.contains(&fa))
+        full_fingerprints_as(a, &g, tp)
+            .iter()
+            .any(|fa| fb.contains(fa))
     })
+}
+
+/// Full fingerprints of A's unit cut to geometry `g`, its scales under each reading they
+/// allow (linear first).
+fn full_fingerprints_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>) -> Vec<u64> {
+    match (a, g) {
+        (Raw::Q(q), Geom::Q(r, c)) => readings(q)
+            .iter()
+            .filter_map(|m| {
+                let al = align2((m.rows, m.cols), (*r, *c), tp)?;
+                Some(cut_to(m, al, (*r, *c))?.fingerprint(Depth::Full))
+            })
+            .collect(),
+        _ => fingerprint_as(a, g, tp, Depth::Full).into_iter().collect(),
+    }
 }
 
 /// Fingerprint of A's unit cut to geometry `g` (B's shard).
@@ -1520,5 +1760,61 @@ pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>, depth: Dept
             Some(v.mat.fingerprint(depth))
         }
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A power-of-two re-encoding of a global scale: exact within one convention, up to the
+    /// one ulp a reciprocal costs across two, and no further; ×1 and other ratios are none.
+    #[test]
+    fn power_of_two_reencoding_allows_one_ulp_across_conventions_only() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let step = |v: f32, k: i32| f32::from_bits((v.to_bits() as i32 + k) as u32);
+        for _ in 0..200 {
+            let x: f32 = r.gen_range(1e-5..1e-2);
+            let k = *[-2, -1, 1, 2, 3].get(r.gen_range(0..5)).unwrap_or(&1);
+            let exact = x * 2f32.powi(k);
+            let what = format!("seed {seed}: x {x:e}, ×2^{k}");
+            for conv in [false, true] {
+                assert_eq!(
+                    power_of_two_reencoding(x, exact, conv),
+                    Some(exact),
+                    "{what}"
+                );
+                let one_off = conv.then_some(exact);
+                assert_eq!(
+                    power_of_two_reencoding(x, step(exact, 1), conv),
+                    one_off,
+                    "{what}"
+                );
+                assert_eq!(
+                    power_of_two_reencoding(x, step(exact, -1), conv),
+                    one_off,
+                    "{what}"
+                );
+                assert_eq!(
+                    power_of_two_reencoding(x, step(exact, 2), conv),
+                    None,
+                    "{what}"
+                );
+                assert_eq!(power_of_two_reencoding(x, 3.0 * x, conv), None, "{what}");
+                assert_eq!(power_of_two_reencoding(x, step(x, 1), conv), None, "{what}");
+            }
+            // the reciprocal round trip a convention change makes stays within the ulp
+            let through_gs = 1.0 / (1.0 / exact);
+            assert_eq!(
+                power_of_two_reencoding(x, through_gs, true),
+                Some(exact),
+                "{what}"
+            );
+        }
+        assert_eq!(power_of_two_reencoding(0.0, 0.0, true), None);
+        assert_eq!(power_of_two_reencoding(1.0, f32::INFINITY, true), None);
+        assert_eq!(power_of_two_reencoding(1.0, -2.0, true), None);
     }
 }

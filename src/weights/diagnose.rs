@@ -12,6 +12,7 @@ use super::compare::{
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
+use super::layouts::{self, Operand, SideName};
 use super::load::SideRef;
 use super::view::Depth;
 use crate::checkpoint::Proj;
@@ -114,14 +115,15 @@ pub fn tp_not_sharded(
     })
 }
 
-/// Group per-unit issues and layout notes into diagnoses, one per (kind, layer).
+/// Group per-unit issues and layout notes into diagnoses, one per (kind, layer, side).
 pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
-    // (kind, layer) → (experts, tensors, an example message)
+    // (kind, layer, side of a layout note) → (experts, tensors, an example message)
     type Group = (BTreeSet<usize>, usize, String);
-    let mut groups: BTreeMap<(DiagnosisKind, Option<usize>), Group> = BTreeMap::new();
+    type Key = (DiagnosisKind, Option<usize>, Option<SideName>);
+    let mut groups: BTreeMap<Key, Group> = BTreeMap::new();
     for r in results {
         let layer = r.expert.map(|e| e.layer);
-        let mut kinds: Vec<(DiagnosisKind, String)> = r
+        let mut kinds: Vec<(DiagnosisKind, Option<SideName>, String)> = r
             .issues
             .iter()
             .filter_map(|i| {
@@ -135,15 +137,17 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::TpRank => DiagnosisKind::TpRank,
                     _ => return None,
                 };
-                Some((k, i.message.clone()))
+                Some((k, None, i.message.clone()))
             })
             .collect();
-        if r.b_scales == Some(super::view::ScalesSeen::Swizzled) {
-            kinds.push((DiagnosisKind::SwizzledScales, String::new()));
+        for side in [SideName::A, SideName::B] {
+            if r.scales(side) == Some(super::view::ScalesSeen::Swizzled) {
+                kinds.push((DiagnosisKind::SwizzledScales, Some(side), String::new()));
+            }
         }
-        for (k, msg) in kinds {
+        for (k, side, msg) in kinds {
             let g = groups
-                .entry((k, layer))
+                .entry((k, layer, side))
                 .or_insert_with(|| (BTreeSet::new(), 0, msg));
             g.1 += 1;
             if let Some(e) = r.expert {
@@ -153,7 +157,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
     }
     let mut out: Vec<Diagnosis> = groups
         .into_iter()
-        .map(|((kind, layer), (experts, n, example))| {
+        .map(|((kind, layer, side), (experts, n, example))| {
             let experts: Vec<usize> = experts.into_iter().collect();
             let where_ = match layer {
                 Some(l) => format!("layer {l}: "),
@@ -186,7 +190,8 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     }
                 ),
                 DiagnosisKind::SwizzledScales => format!(
-                    "{where_}B's block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling"
+                    "{where_}{}'s block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling",
+                    side.map_or("B", SideName::label)
                 ),
                 _ => example,
             };
@@ -204,53 +209,165 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
     out
 }
 
-/// B's fused tensors whose experts' block scales were read in both layouts: swizzled for some,
-/// linear for others that then matched A (so the linear reading is confirmed). Each expert
-/// compares fine after its own unswizzling, but a kernel takes one layout for the whole
-/// tensor, so one of the two sets is read wrong.
+/// A side whose block scales are in both layouts within one operand (its routed experts'
+/// w13, their w2, its other quantized linears): each unit compares fine after its own
+/// reading, but a side holds one layout — a checkpoint linear scales (DESIGN §3), an engine's
+/// dump the swizzle its kernels read — and a kernel reads one layout for every expert, so the
+/// odd ones out are read wrong. A side swizzled throughout is a layout (a note); a mix fails.
 fn mixed_scale_layouts(results: &[UnitResult]) -> Vec<Diagnosis> {
-    use super::view::ScalesSeen;
-    // B tensor → (layer, swizzled experts, linear experts)
-    type Seen = (Option<usize>, BTreeSet<usize>, BTreeSet<usize>);
-    let mut by_tensor: BTreeMap<&str, Seen> = BTreeMap::new();
-    for r in results {
-        let (Some(e), Some(seen)) = (r.expert, r.b_scales) else {
-            continue;
-        };
-        let Some((tensor, _)) = r.b.split_once('[') else {
-            continue;
-        };
-        let g = by_tensor
-            .entry(tensor)
-            .or_insert_with(|| (Some(e.layer), BTreeSet::new(), BTreeSet::new()));
-        if seen == ScalesSeen::Swizzled {
-            g.1.insert(e.expert);
-        } else if r.status != super::compare::Status::Mismatch {
-            g.2.insert(e.expert);
+    let groups = layouts::groups(results);
+    let mut out: Vec<Diagnosis> = groups
+        .values()
+        .filter(|g| g.mixed())
+        .map(mixed_diagnosis)
+        .collect();
+    for operand in [Operand::W13, Operand::W2, Operand::Other] {
+        let pair = (
+            groups.get(&(SideName::A, operand)),
+            groups.get(&(SideName::B, operand)),
+        );
+        if let (Some(a), Some(b)) = pair {
+            out.extend(one_side_mixes(a, b));
         }
     }
-    by_tensor
-        .into_iter()
-        .filter(|(_, (_, sw, lin))| !sw.is_empty() && !lin.is_empty())
-        .map(|(tensor, (layer, sw, lin))| {
-            let sw: Vec<usize> = sw.into_iter().collect();
-            let lin: Vec<usize> = lin.into_iter().collect();
-            Diagnosis {
-                kind: DiagnosisKind::MixedScaleLayouts,
-                layer,
-                tensors: sw.len() + lin.len(),
-                message: format!(
-                    "{}the block scales of `{tensor}` are in the 128x4 swizzled layout for expert(s) {} and in the linear one for expert(s) {}: \
-                     a kernel reads one layout for the whole tensor, so one of the two sets is read wrong (a loader path that swizzles only some experts?)",
-                    layer.map_or(String::new(), |l| format!("layer {l}: ")),
-                    list(&sw),
-                    list(&lin)
-                ),
-                experts: sw,
-                fails: true,
+    out
+}
+
+/// Two engine dumps' fused tensors that agree as stored except for some units, where one
+/// side's block scales are the swizzle of the other's: one side mixes layouts, and nothing
+/// tells which (their layout is whatever each engine's kernels read), so both readings are
+/// named.
+fn one_side_mixes(a: &layouts::Group, b: &layouts::Group) -> Option<Diagnosis> {
+    if a.mixed() || b.mixed() || a.same.is_empty() {
+        return None;
+    }
+    let diverging: Vec<&UnitResult> = a.swizzled.iter().chain(&a.linear).copied().collect();
+    let first = diverging.first()?;
+    let a_swizzled = first.scales(SideName::A) == Some(super::view::ScalesSeen::Swizzled);
+    let (in_a, in_b) = if a_swizzled {
+        ("in the 128x4 swizzled layout", "linear")
+    } else {
+        ("linear", "in the 128x4 swizzled layout")
+    };
+    let (odd_if_linear, odd_if_swizzled) = if a_swizzled { ("A", "B") } else { ("B", "A") };
+    let layers: BTreeSet<usize> = diverging
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.layer))
+        .collect();
+    let layer = match (layers.len(), layers.first()) {
+        (1, Some(&l)) => Some(l),
+        _ => None,
+    };
+    let experts: BTreeSet<usize> = diverging
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.expert))
+        .collect();
+    Some(Diagnosis {
+        kind: DiagnosisKind::MixedScaleLayouts,
+        layer,
+        tensors: diverging.len(),
+        message: format!(
+            "{}in the {}, the block scales of {} are {in_a} in A and {in_b} in B, while the other {} \
+             tensor(s) are equal as stored: one side mixes layouts — {odd_if_linear}'s if the \
+             others are linear, {odd_if_swizzled}'s if they are swizzled (both are engine dumps' \
+             fused tensors, whose layout nothing else tells) — and a kernel reads one layout for \
+             the whole tensor",
+            layer.map_or(String::new(), |l| format!("layer {l}: ")),
+            a.operand.describe(),
+            units_named(&diverging, SideName::A),
+            a.same.len(),
+        ),
+        experts: experts.into_iter().collect(),
+        fails: true,
+    })
+}
+
+fn mixed_diagnosis(g: &layouts::Group) -> Diagnosis {
+    let (odd, odd_swizzled) = g.odd_ones_out();
+    let layers: BTreeSet<usize> = odd
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.layer))
+        .collect();
+    let layer = match (layers.len(), layers.first()) {
+        (1, Some(&l)) => Some(l),
+        _ => None,
+    };
+    let experts: BTreeSet<usize> = odd
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.expert))
+        .collect();
+    let side = g.side.label();
+    let (odd_layout, rest_layout) = if odd_swizzled {
+        ("in the 128x4 swizzled layout", "linear")
+    } else {
+        ("linear", "in the 128x4 swizzled layout")
+    };
+    let rest = if odd_swizzled { &g.linear } else { &g.swizzled };
+    Diagnosis {
+        kind: DiagnosisKind::MixedScaleLayouts,
+        layer,
+        tensors: odd.len(),
+        message: format!(
+            "{}{side}'s {} hold block scales in both layouts: {} {odd_layout}, the other {} \
+             tensor(s) {rest_layout}. Each side holds one layout (a checkpoint linear scales, an \
+             engine's dump the swizzle its kernels read) and a kernel reads one layout for the \
+             whole tensor, so the odd ones out are read wrong (a converter or loader path that \
+             swizzles only some?)",
+            layer.map_or(String::new(), |l| format!("layer {l}: ")),
+            g.operand.describe(),
+            units_named(odd, g.side),
+            rest.len(),
+        ),
+        experts: experts.into_iter().collect(),
+        fails: true,
+    }
+}
+
+/// "layer 1 expert(s) 4, 7 (`…w13_weight`)" per layer and stored tensor, or the tensors'
+/// names outside the routed experts.
+fn units_named(units: &[&UnitResult], side: SideName) -> String {
+    let mut by_tensor: BTreeMap<(Option<usize>, &str), BTreeSet<usize>> = BTreeMap::new();
+    let mut others: Vec<&str> = vec![];
+    for r in units {
+        match r.expert {
+            Some(e) => {
+                // a fused tensor is named once; a linear's own weight name says nothing more
+                let fused = r.stored(side)
+                    != (match side {
+                        SideName::A => r.a.as_str(),
+                        SideName::B => r.b.as_str(),
+                    });
+                let t = if fused { r.stored(side) } else { "" };
+                by_tensor
+                    .entry((Some(e.layer), t))
+                    .or_default()
+                    .insert(e.expert);
             }
+            None => others.push(r.stored(side)),
+        }
+    }
+    let mut parts: Vec<String> = by_tensor
+        .into_iter()
+        .map(|((l, t), es)| {
+            let es: Vec<usize> = es.into_iter().collect();
+            format!(
+                "layer {} expert(s) {}{}",
+                l.unwrap_or_default(),
+                list(&es),
+                if t.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (`{t}`)")
+                }
+            )
         })
-        .collect()
+        .collect();
+    const SHOW: usize = 6;
+    parts.extend(others.iter().take(SHOW).map(|t| format!("`{t}`")));
+    if others.len() > SHOW {
+        parts.push(format!("… ({} tensors in all)", others.len()));
+    }
+    parts.join("; ")
 }
 
 /// Cross-expert diagnoses for the layers where some expert's values differ. Messages of the

@@ -146,6 +146,11 @@ fn canonical(naming: Option<&Naming>, name: &str) -> (String, Option<ExpertProj>
                 proj,
                 member,
             } => (format!("{}.{member}", hf.shared_expert(layer, proj)), None),
+            Key::DenseMlp {
+                layer,
+                proj,
+                member,
+            } => (format!("{}.{member}", hf.dense_mlp(layer, proj)), None),
             Key::RouterWeight { layer } => (hf.router_weight(layer), None),
             Key::RouterBias { layer } => (hf.router_bias(layer), None),
             Key::Tid2eid { layer } => (hf.tid2eid(layer), None),

@@ -43,10 +43,17 @@ pub struct QRaw<'a> {
     pub scale_name: String,
     /// Original names of the global scales, when stored (for the `missing` list).
     pub scale_2_name: Option<String>,
+    /// The global scale's name as this side's convention gives it, stored or not
+    /// (`….weight_global_scale` for compressed-tensors, `….weight_scale_2` otherwise).
+    pub scale_2_expected: String,
     pub input_name: Option<String>,
 }
 
 impl QRaw<'_> {
+    /// The member a global scale goes by in this side's convention.
+    pub fn global_scale_member(&self) -> &'static str {
+        global_scale_member(self.reciprocal_names)
+    }
     pub fn rows(&self) -> usize {
         self.packed.rows
     }
@@ -108,6 +115,14 @@ impl std::fmt::Display for LoadError {
                 f.write_str(s)
             }
         }
+    }
+}
+
+fn global_scale_member(reciprocal: bool) -> &'static str {
+    if reciprocal {
+        "weight_global_scale"
+    } else {
+        "weight_scale_2"
     }
 }
 
@@ -261,7 +276,7 @@ impl<'a> SideRef<'a> {
                 region: bytes_of(src, &ln.weight_scale)?,
                 region_rows: ws[0],
                 row0: 0,
-                tensor_swizzled: false,
+                tensor_swizzled: self.swizzled.contains(src.original(&ln.weight)),
             },
             scale_2,
             scale_2_shared: Shared::Own,
@@ -277,6 +292,15 @@ impl<'a> SideRef<'a> {
                 .global_scale
                 .as_deref()
                 .map(|n| src.original(n).to_string()),
+            scale_2_expected: match &ln.global_scale {
+                Some(n) => src.original(n).to_string(),
+                None => {
+                    let w = src.original(&ln.weight);
+                    let base = w.rsplit_once('.').map_or(w, |(b, _)| b);
+                    let reciprocal = ln.convention == Convention::CompressedTensors;
+                    format!("{base}.{}", global_scale_member(reciprocal))
+                }
+            },
             input_name: ln
                 .input_scale
                 .as_deref()
@@ -465,6 +489,18 @@ impl<'a> SideRef<'a> {
                 .member(w13, "weight_scale_2")
                 .or(fl.member(w13, "weight_global_scale"))
                 .map(|n| format!("{}[{index}]", src.original(n))),
+            scale_2_expected: match fl
+                .member(w13, "weight_scale_2")
+                .or(fl.member(w13, "weight_global_scale"))
+            {
+                Some(n) => format!("{}[{index}]", src.original(n)),
+                None => {
+                    let w = src.original(wname);
+                    let stem = w.strip_suffix("weight").unwrap_or(w);
+                    let ct = recip || fl.member(w13, "input_global_scale").is_some();
+                    format!("{stem}{}[{index}]", global_scale_member(ct))
+                }
+            },
             input_name: fl
                 .member(w13, "input_scale")
                 .or(fl.member(w13, "input_global_scale"))

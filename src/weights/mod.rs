@@ -12,6 +12,7 @@ pub mod engine;
 pub mod fused;
 pub mod inventory;
 mod layer_shift;
+pub mod layouts;
 pub mod load;
 mod merged;
 pub mod rules;
@@ -24,6 +25,7 @@ use compare::{AScalars, Status, UnitResult};
 use diagnose::{Diagnosis, DiagnosisKind};
 use engine::DiffEngine;
 use inventory::{ExpertProj, Inventory, Source, Unit};
+use layouts::SideName;
 use load::{Raw, SideRef};
 use rayon::prelude::*;
 use rules::{Renamed, Renames, Side};
@@ -87,7 +89,12 @@ pub struct Comparison {
     pub a_naming: Option<String>,
     pub b_naming: Option<String>,
     pub units: usize,
+    /// Bitwise identical.
     pub equal: usize,
+    /// The same values in other bytes (a swizzled reading, a convention, a dtype).
+    pub equal_after_conversion: usize,
+    /// `equal_after_conversion` by what the values are equal after.
+    pub conversions: std::collections::BTreeMap<String, usize>,
     pub close: usize,
     pub mismatched: usize,
     /// A's experts that EP rank `r` does not hold (not expected in B).
@@ -349,74 +356,79 @@ impl<'a> Plan<'a> {
             min_cosine: self.opts.min_cosine,
         };
         let lookup = |e: ExpertProj| self.a_scalars.get(&e).copied();
-        let compare_pair = |b: &SideRef, ka: &String, kb: &String| -> Result<UnitResult> {
-            let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
-            let (la, lb) = (a.load(&ua.source), b.load(&ub.source));
-            let r = match (&la, &lb) {
-                (Ok(ra), Ok(rb)) => {
-                    compare::compare(ka, ua.expert, ra, rb, &copts, &lookup, engine)?
-                }
-                (ra, rb) => {
-                    let mut u = UnitResult::new(ka, ua.expert);
-                    for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
-                        if let Some(e) = r {
-                            u.issue(e.issue_kind(), format!("{side}: {e}"));
+        let compare_pair =
+            |a: &SideRef, b: &SideRef, ka: &String, kb: &String| -> Result<UnitResult> {
+                let (ua, ub) = (&self.a_inv.units[ka], &self.b_inv.units[kb]);
+                let (la, lb) = (a.load(&ua.source), b.load(&ub.source));
+                let r = match (&la, &lb) {
+                    (Ok(ra), Ok(rb)) => {
+                        compare::compare(ka, ua.expert, ra, rb, &copts, &lookup, engine)?
+                    }
+                    (ra, rb) => {
+                        let mut u = UnitResult::new(ka, ua.expert);
+                        for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
+                            if let Some(e) = r {
+                                u.issue(e.issue_kind(), format!("{side}: {e}"));
+                            }
                         }
+                        // B's incomplete linear: A's members it has no counterpart for
+                        if let Source::Incomplete { names, .. } = &ub.source {
+                            let has = |m: &str| {
+                                let tail = m.rsplit('.').next().unwrap_or(m);
+                                names.iter().any(|n| n.rsplit('.').next() == Some(tail))
+                            };
+                            u.missing_members = member_names(&self.a, ua)
+                                .into_iter()
+                                .filter(|m| !has(m))
+                                .collect();
+                        }
+                        u.status = Status::Mismatch;
+                        u
                     }
-                    // B's incomplete linear: A's members it has no counterpart for
-                    if let Source::Incomplete { names, .. } = &ub.source {
-                        let has = |m: &str| {
-                            let tail = m.rsplit('.').next().unwrap_or(m);
-                            names.iter().any(|n| n.rsplit('.').next() == Some(tail))
-                        };
-                        u.missing_members = member_names(&self.a, ua)
-                            .into_iter()
-                            .filter(|m| !has(m))
-                            .collect();
-                    }
-                    u.status = Status::Mismatch;
-                    u
-                }
+                };
+                // the page cache keeps the bytes; unmapping them keeps this process's page
+                // tables at one unit's size on a checkpoint of hundreds of GB
+                release(&self.a, &ua.source, la.as_ref().ok());
+                release(&self.b, &ub.source, lb.as_ref().ok());
+                Ok(r)
             };
-            // the page cache keeps the bytes; unmapping them keeps this process's page
-            // tables at one unit's size on a checkpoint of hundreds of GB
-            release(&self.a, &ua.source, la.as_ref().ok());
-            release(&self.b, &ub.source, lb.as_ref().ok());
-            Ok(r)
-        };
         let mut results: Vec<UnitResult> = self
             .pairs
             .par_iter()
             .map(|(ka, kb)| {
-                let r = compare_pair(&b, ka, kb);
+                let r = compare_pair(&a, &b, ka, kb);
                 tick();
                 r
             })
             .collect::<Result<_>>()?;
-        // a fused tensor whose experts read swizzled and none linear: its experts that matched
-        // A under neither reading (gate and up swapped, another expert's weights: the nearer of
+        // an operand of a side read swizzled and none of it linear: its units that matched
+        // under neither reading (gate and up swapped, another expert's weights: the nearer of
         // two wrong readings says nothing) are read swizzled too, so that what they hold can
         // be named
-        let swizzled = swizzled_fused_tensors(&results);
+        layouts::settle_open(&mut results);
+        let (a_swizzled, b_swizzled) = (
+            layouts::swizzled_tensors(&results, SideName::A),
+            layouts::swizzled_tensors(&results, SideName::B),
+        );
+        let a = SideRef {
+            swizzled: &a_swizzled,
+            ..a
+        };
         let b = SideRef {
-            swizzled: &swizzled,
+            swizzled: &b_swizzled,
             ..b
         };
         let again: Vec<usize> = (0..results.len())
-            .filter(|&i| {
-                let r = &results[i];
-                r.b_scales == Some(view::ScalesSeen::Ambiguous)
-                    && r.status == Status::Mismatch
-                    && fused_tensor(r).is_some_and(|t| swizzled.contains(t))
-            })
+            .filter(|&i| rereads(&results[i], &a_swizzled, &b_swizzled))
             .collect();
         let redone: Vec<UnitResult> = again
             .par_iter()
-            .map(|&i| compare_pair(&b, &self.pairs[i].0, &self.pairs[i].1))
+            .map(|&i| compare_pair(&a, &b, &self.pairs[i].0, &self.pairs[i].1))
             .collect::<Result<_>>()?;
         for (i, r) in again.into_iter().zip(redone) {
             results[i] = r;
         }
+        layouts::settle_open(&mut results);
         let mut diagnoses = self.diagnoses;
         diagnoses.extend(diagnose::from_units(&results));
         if let Some(tp) = self.opts.tp {
@@ -437,8 +449,10 @@ impl<'a> Plan<'a> {
         )?);
         diagnoses.extend(layer_shift::layer_shift(&mut results, &a, &b, self.opts.tp));
         let mut missing = self.missing;
+        let mut extra = self.extra;
         for r in &results {
             missing.extend(r.missing_members.iter().cloned());
+            extra.extend(r.extra_members.iter().cloned());
         }
         let mut notes = self.notes;
         let tp_notes: BTreeSet<&String> = results
@@ -457,11 +471,16 @@ impl<'a> Plan<'a> {
         }
         notes.extend(scale_dtype_note(&results));
         let count = |s: Status| results.iter().filter(|r| r.status == s).count();
-        let (equal, close, mismatched) = (
+        let (equal, equal_after_conversion, close, mismatched) = (
             count(Status::Equal),
+            count(Status::EqualAfterConversion),
             count(Status::Close),
             count(Status::Mismatch),
         );
+        let mut conversions = std::collections::BTreeMap::new();
+        for why in results.iter().filter_map(|r| r.equal_after.as_ref()) {
+            *conversions.entry(why.clone()).or_insert(0) += 1;
+        }
         let bytes = results.iter().map(|r| r.bytes).sum();
         let units = results.len();
         let (mismatches, rest): (Vec<UnitResult>, Vec<UnitResult>) = results
@@ -476,6 +495,8 @@ impl<'a> Plan<'a> {
             b_naming: naming_name(&self.b_inv),
             units,
             equal,
+            equal_after_conversion,
+            conversions,
             close,
             mismatched,
             skipped_ep: self.skipped_ep,
@@ -483,7 +504,7 @@ impl<'a> Plan<'a> {
             mismatches,
             close_units,
             missing,
-            extra: self.extra,
+            extra,
             diagnoses,
             notes,
         })
@@ -495,25 +516,13 @@ impl<'a> Plan<'a> {
     }
 }
 
-/// The fused tensor (its name as stored) a unit of B comes from: `…w13_weight[5]` → `…w13_weight`.
-fn fused_tensor(r: &UnitResult) -> Option<&str> {
-    r.b.split_once('[').map(|(t, _)| t)
-}
-
-/// B's fused tensors whose experts were read swizzled, none of them linear: a kernel reads one
-/// layout for the whole tensor.
-fn swizzled_fused_tensors(results: &[UnitResult]) -> BTreeSet<String> {
-    let mut swizzled = BTreeSet::new();
-    let mut linear = BTreeSet::new();
-    for r in results {
-        let Some(t) = fused_tensor(r) else { continue };
-        match r.b_scales {
-            Some(view::ScalesSeen::Swizzled) => swizzled.insert(t.to_string()),
-            Some(_) if r.status != Status::Mismatch => linear.insert(t.to_string()),
-            _ => false,
-        };
-    }
-    &swizzled - &linear
+/// A unit to compare again under its operand's swizzled reading: it matched under neither
+/// reading of a side's scales whose size fits both, and that side's operand reads swizzled.
+fn rereads(r: &UnitResult, a: &BTreeSet<String>, b: &BTreeSet<String>) -> bool {
+    let undecided = |side: SideName, set: &BTreeSet<String>| {
+        r.scales(side) == Some(view::ScalesSeen::Ambiguous) && set.contains(r.stored(side))
+    };
+    r.status == Status::Mismatch && (undecided(SideName::A, a) || undecided(SideName::B, b))
 }
 
 /// One note per (B dtype, A dtype) of block scales that compare equal as codes but are stored

@@ -437,6 +437,12 @@ impl Scales<'_> {
         Some(unswizzle_rows(raw.region, kb, raw.row0, rows))
     }
 
+    /// The swizzled reading of an ambiguous tensor's first `n` rows, in linear layout.
+    pub fn alternative_head(&self, n: usize) -> Option<Vec<u8>> {
+        let (raw, rows, kb) = self.ambiguous?;
+        Some(unswizzle_rows(raw.region, kb, raw.row0, n.min(rows)))
+    }
+
     /// Use the swizzled reading of an ambiguous tensor.
     pub fn take_alternative(&mut self) {
         if let Some(a) = self.alternative() {
