@@ -3752,3 +3752,45 @@ fn two_dumps_differing_in_one_experts_layout_name_both_readings() {
         }
     }
 }
+
+/// A float side against a quantized one whose block scales are swizzled at a size both layouts
+/// fit (rows % 128 == 0, K/16 % 4 == 0: DeepSeek's shapes): the BF16 values a loader
+/// dequantized from that tensor compare close once the scales are read swizzled, with a note
+/// saying so; they used to be read linear only and fail as "values differ". A float side that
+/// is not those values still fails.
+#[test]
+fn a_float_side_against_ambiguous_swizzled_scales_reads_them_swizzled() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let (rows, cols) = (128 * r.gen_range(1..3), 64 * r.gen_range(1..3));
+    let w = randn(&mut r, rows * cols, 0.02);
+    let (t, _) = quantize_weight_nvfp4(&w, rows, cols);
+    let base = "model.layers.0.self_attn.o_proj";
+    let mut swizzled = t.clone();
+    swizzled.scales = layout::swizzle(&t.scales, rows, cols / 16);
+    let mut q = vec![];
+    triple(&mut q, base, &swizzled, 0.01);
+    write_file(&d.path().join("q.safetensors"), q, None).unwrap();
+    for (name, values, want) in [
+        ("dequantized", t.dequantize(), 0),
+        ("another", randn(&mut r, rows * cols, 0.02), 1),
+    ] {
+        let f = d.path().join(format!("{name}.safetensors"));
+        let spec = TensorSpec::new(format!("{base}.weight"), Dtype::BF16, &[rows, cols]);
+        write_file(&f, vec![(spec, bf16_bytes(&values))], None).unwrap();
+        let out = run(d.path(), &[s(&f), "q.safetensors", "--device", "cpu"]);
+        assert_eq!(
+            out.code, want,
+            "seed {seed}: {name}:\n{}\n{}",
+            out.stdout, out.stderr
+        );
+        if want == 0 {
+            assert!(
+                out.json.to_string().contains("read in the 128x4 swizzle"),
+                "seed {seed}: {}",
+                out.json
+            );
+        }
+    }
+}

@@ -12,6 +12,8 @@ use crate::checkpoint::file::decode_f32_into;
 use crate::checkpoint::Proj;
 use crate::error::Result;
 use crate::metrics::{Accum, Metrics};
+use crate::nvfp4::layout::{layout_by_cosines, swizzled_len, unswizzle, ScaleLayout};
+use crate::nvfp4::Format;
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -1603,6 +1605,40 @@ fn compare_qd(
         );
         return Ok(done(u, false));
     };
+    // a scale size both layouts fit was read linear: a swizzled reading decisively nearer the
+    // float side is what the tensor holds (an engine dump against BF16 originals)
+    let mut m = m;
+    if let (false, true, Format::Nvfp4, Some(dv)) = (
+        m.passes(opts.min_cosine),
+        rq == rd,
+        qm.format,
+        dense_view(d),
+    ) {
+        let (rows, kb) = (qm.rows, qm.kb());
+        if swizzled_len(rows, kb) == rows * kb {
+            let sw = QMatrix {
+                scales: std::borrow::Cow::Owned(unswizzle(&qm.scales, rows, kb)),
+                ..qm.clone()
+            };
+            let (sa, sb) = (Values::Q(&sw), Values::D(dv));
+            let ms = if q_is_a {
+                engine.metrics(&sa, &sb)?
+            } else {
+                engine.metrics(&sb, &sa)?
+            };
+            if let Some(ms) =
+                ms.filter(|ms| layout_by_cosines(m.cosine, ms.cosine) == ScaleLayout::Swizzled)
+            {
+                u.notes.push(format!(
+                    "{}'s block scales read in the 128x4 swizzle (their size fits both layouts; cosine {:.6} against {:.6} read linear)",
+                    if q_is_a { "A" } else { "B" },
+                    ms.cosine,
+                    m.cosine
+                ));
+                m = ms;
+            }
+        }
+    }
     let close = m.passes(opts.min_cosine);
     if !close {
         u.issue(IssueKind::Values, values_differ(&m, qm.cols));
