@@ -250,18 +250,7 @@ fn one_side_mixes(a: &layouts::Group, b: &layouts::Group) -> Option<Diagnosis> {
         ("linear", "in the 128x4 swizzled layout")
     };
     let (odd_if_linear, odd_if_swizzled) = if a_swizzled { ("A", "B") } else { ("B", "A") };
-    let layers: BTreeSet<usize> = diverging
-        .iter()
-        .filter_map(|r| r.expert.map(|e| e.layer))
-        .collect();
-    let layer = match (layers.len(), layers.first()) {
-        (1, Some(&l)) => Some(l),
-        _ => None,
-    };
-    let experts: BTreeSet<usize> = diverging
-        .iter()
-        .filter_map(|r| r.expert.map(|e| e.expert))
-        .collect();
+    let (layer, experts) = placed(&diverging);
     Some(Diagnosis {
         kind: DiagnosisKind::MixedScaleLayouts,
         layer,
@@ -277,25 +266,14 @@ fn one_side_mixes(a: &layouts::Group, b: &layouts::Group) -> Option<Diagnosis> {
             units_named(&diverging, SideName::A),
             a.same.len(),
         ),
-        experts: experts.into_iter().collect(),
+        experts,
         fails: true,
     })
 }
 
 fn mixed_diagnosis(g: &layouts::Group) -> Diagnosis {
     let (odd, odd_swizzled) = g.odd_ones_out();
-    let layers: BTreeSet<usize> = odd
-        .iter()
-        .filter_map(|r| r.expert.map(|e| e.layer))
-        .collect();
-    let layer = match (layers.len(), layers.first()) {
-        (1, Some(&l)) => Some(l),
-        _ => None,
-    };
-    let experts: BTreeSet<usize> = odd
-        .iter()
-        .filter_map(|r| r.expert.map(|e| e.expert))
-        .collect();
+    let (layer, experts) = placed(odd);
     let side = g.side.label();
     let (odd_layout, rest_layout) = if odd_swizzled {
         ("in the 128x4 swizzled layout", "linear")
@@ -318,9 +296,26 @@ fn mixed_diagnosis(g: &layouts::Group) -> Diagnosis {
             units_named(odd, g.side),
             rest.len(),
         ),
-        experts: experts.into_iter().collect(),
+        experts,
         fails: true,
     }
+}
+
+/// The one layer the units' experts lie in (none when they span several), and those experts.
+fn placed(units: &[&UnitResult]) -> (Option<usize>, Vec<usize>) {
+    let layers: BTreeSet<usize> = units
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.layer))
+        .collect();
+    let experts: BTreeSet<usize> = units
+        .iter()
+        .filter_map(|r| r.expert.map(|e| e.expert))
+        .collect();
+    let layer = match (layers.len(), layers.first()) {
+        (1, Some(&l)) => Some(l),
+        _ => None,
+    };
+    (layer, experts.into_iter().collect())
 }
 
 /// "layer 1 expert(s) 4, 7 (`…w13_weight`)" per layer and stored tensor, or the tensors'
