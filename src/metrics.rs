@@ -136,6 +136,10 @@ impl Accum {
             1.0
         } else if self.nt == 0.0 || self.nr == 0.0 {
             0.0
+        } else if self.err == 0.0 {
+            // equal values: exactly 1 (the quotient below can land an ulp short of it, so a
+            // `cosine >= 1` test of equal tensors would fail)
+            1.0
         } else {
             // |cos| ≤ 1 (Cauchy–Schwarz); summation rounding can put it an ulp past
             (self.dot / (self.nt.sqrt() * self.nr.sqrt())).clamp(-1.0, 1.0)

@@ -1374,3 +1374,102 @@ fn an_upstream_cause_names_a_lone_call_before_it() {
         "{ctx}"
     );
 }
+
+/// The report carries every metric of DESIGN §6 (`cosine`, `rel_l2`, `sqnr_db`,
+/// `max_abs_err`), each equal to an f64 computation over the stored values; `sqnr_db` used to
+/// be missing from bisect's JSON. Equal tensors have cosine exactly 1 (it was 1 − 2⁻⁵², so
+/// `--min-cosine 1`, "bitwise equal runs", failed two identical traces).
+#[test]
+fn every_metric_is_reported_and_exact_and_equal_tensors_have_cosine_one() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("ref"), tmp.path().join("test"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let (tok, hid) = (r.gen_range(1..9usize), r.gen_range(1..300usize));
+    let n = tok * hid;
+    let scale = 10f32.powf(r.gen_range(-3.0..3.0));
+    let x: Vec<f32> = randv(&mut r, n).iter().map(|v| v * scale).collect();
+    let noise = r.gen_range(0.001f32..0.3);
+    let y: Vec<f32> = x
+        .iter()
+        .map(|v| v + noise * scale * r.gen_range(-1.0f32..1.0))
+        .collect();
+    write_call(
+        &a,
+        0,
+        "same",
+        vec![t("output", &[tok, hid], x.clone())],
+        &[],
+    );
+    write_call(
+        &b,
+        0,
+        "same",
+        vec![t("output", &[tok, hid], x.clone())],
+        &[],
+    );
+    write_call(
+        &a,
+        1,
+        "noisy",
+        vec![t("output", &[tok, hid], x.clone())],
+        &[],
+    );
+    write_call(
+        &b,
+        1,
+        "noisy",
+        vec![t("output", &[tok, hid], y.clone())],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &[
+            "bisect",
+            a.to_str().unwrap(),
+            b.to_str().unwrap(),
+            "--min-cosine",
+            "1",
+        ],
+    );
+    let ctx = format!("seed {seed}, [{tok}, {hid}], noise {noise}\n{}", o.show());
+    let mods = o.json["modules"].as_array().expect("modules");
+    let same = &mods[0]["output"];
+    assert_eq!(same["cosine"].as_f64(), Some(1.0), "{ctx}");
+    assert_eq!(same["rel_l2"].as_f64(), Some(0.0), "{ctx}");
+    assert_eq!(same["max_abs_err"].as_f64(), Some(0.0), "{ctx}");
+    assert!(same.get("sqnr_db").is_some(), "{ctx}");
+    assert_eq!(same["matches"], true, "{ctx}");
+    // the noisy pair: against f64
+    let (mut dot, mut nt, mut nr, mut err, mut mx) = (0f64, 0f64, 0f64, 0f64, 0f64);
+    for (&t, &r) in y.iter().zip(&x) {
+        let (t, r) = (t as f64, r as f64);
+        dot += t * r;
+        nt += t * t;
+        nr += r * r;
+        err += (t - r) * (t - r);
+        mx = mx.max((t - r).abs());
+    }
+    let want = [
+        ("cosine", dot / (nt * nr).sqrt()),
+        ("rel_l2", (err / nr).sqrt()),
+        ("sqnr_db", 10.0 * (nr / err).log10()),
+        ("max_abs_err", mx),
+    ];
+    let noisy = &mods[1]["output"];
+    for (k, w) in want {
+        let got = noisy[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k} missing\n{ctx}"));
+        assert!(
+            (got - w).abs() <= 1e-9 * w.abs().max(1e-30),
+            "{k}: {got} vs f64 {w}\n{ctx}"
+        );
+    }
+    let fd = &o.json["first_divergence"];
+    assert_eq!(fd["module"], "noisy", "{ctx}");
+    assert!(fd["sqnr_db"].as_f64().is_some(), "{ctx}");
+    assert_eq!(o.code, 1, "{ctx}");
+}

@@ -1039,3 +1039,142 @@ fn an_all_nan_output_has_no_max_abs() {
     assert!(!row.contains("0.000e0"), "{ctx}");
     assert!(row.contains("│ -"), "{ctx}");
 }
+
+/// An additive attention mask (only 0 and -inf) is not a fault, as an output or an input: the
+/// module that builds it is not the first bad call, and a layer whose NaN output came with a
+/// clean hidden state and the mask produced the NaN itself. Both used to be wrong: the mask
+/// builder was named as the first bad call (the real NaN layers later went unnamed), and the
+/// attention layer's NaN was said to have come "from code that ran before" because of its mask.
+/// A NaN output with an Inf (not a mask) input was made here too; an Inf output with an Inf
+/// input still came from earlier.
+#[test]
+fn an_attention_mask_is_not_the_first_bad_call_nor_blamed_for_a_later_nan() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("tr");
+    std::fs::create_dir(&d).unwrap();
+    let (tok, hid) = (r.gen_range(2..9usize), r.gen_range(2..17usize));
+    let layers = r.gen_range(2..7usize);
+    let bad_layer = r.gen_range(0..layers);
+    let (bt, bc) = (r.gen_range(0..tok), r.gen_range(0..hid));
+    let mask: Vec<f32> = (0..tok * tok)
+        .map(|i| {
+            if i % tok > i / tok {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut c = 0;
+    let mut call = |module: &str, tensors: Vec<T>| {
+        write_call(&d, c, module, tensors, &[]);
+        c += 1;
+    };
+    let h = randv(&mut r, tok * hid);
+    call(
+        "model.embed_tokens",
+        vec![t("output", &[tok, hid], h.clone())],
+    );
+    call(
+        "model.causal_mask",
+        vec![
+            t("input.0", &[tok, hid], h.clone()),
+            t("output", &[tok, tok], mask.clone()),
+        ],
+    );
+    for l in 0..layers {
+        let mut out = randv(&mut r, tok * hid);
+        if l == bad_layer {
+            out[bt * hid + bc] = f32::NAN;
+        }
+        call(
+            &format!("model.layers.{l}.self_attn"),
+            vec![
+                t("input.0", &[tok, hid], h.clone()),
+                t("input.1", &[tok, tok], mask.clone()),
+                t("output", &[tok, hid], out),
+            ],
+        );
+    }
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!(
+        "seed {seed}, bad layer {bad_layer} [{bt}, {bc}]\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(
+        f["module"],
+        format!("model.layers.{bad_layer}.self_attn"),
+        "{ctx}"
+    );
+    assert_eq!(f["index"]["multi"], serde_json::json!([bt, bc]), "{ctx}");
+    assert_eq!(f["kind"], "nan", "{ctx}");
+    assert_eq!(f["inputs_clean"], true, "{ctx}");
+    assert_eq!(f["bad_input"], Value::Null, "{ctx}");
+    assert_eq!(f["uncounted_input"]["tensor"], "input.1", "{ctx}");
+    assert_eq!(f["uncounted_input"]["mask"], true, "{ctx}");
+    assert_eq!(o.json["mask_outputs"]["count"], 1, "{ctx}");
+    assert_eq!(
+        o.json["mask_outputs"]["first"]["module"], "model.causal_mask",
+        "{ctx}"
+    );
+    assert!(o.stdout.contains("attention mask"), "{ctx}");
+    assert!(
+        !o.stdout.contains("came from code that ran before"),
+        "{ctx}"
+    );
+
+    // a NaN output whose hidden-state input holds an Inf (not a mask): made here, from the Inf
+    let d2 = tmp.path().join("inf-in");
+    std::fs::create_dir(&d2).unwrap();
+    let mut x = randv(&mut r, tok * hid);
+    let inf_at = r.gen_range(0..tok * hid);
+    x[inf_at] = if r.gen_bool(0.5) {
+        f32::INFINITY
+    } else {
+        f32::NEG_INFINITY
+    };
+    let mut y = randv(&mut r, tok * hid);
+    y[inf_at] = f32::NAN;
+    write_call(
+        &d2,
+        0,
+        "norm",
+        vec![
+            t("input.0", &[tok, hid], x.clone()),
+            t("output", &[tok, hid], y),
+        ],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d2.to_str().unwrap()]);
+    let ctx = format!("seed {seed}, Inf input at {inf_at}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["inputs_clean"], true, "{ctx}");
+    assert_eq!(f["uncounted_input"]["mask"], false, "{ctx}");
+    assert_eq!(f["uncounted_input"]["index"]["flat"], inf_at, "{ctx}");
+    assert_eq!(o.json["mask_outputs"], Value::Null, "{ctx}");
+
+    // an Inf output with an Inf (not a mask) input: it came from earlier
+    let d3 = tmp.path().join("inf-inf");
+    std::fs::create_dir(&d3).unwrap();
+    write_call(
+        &d3,
+        0,
+        "proj",
+        vec![
+            t("input.0", &[tok, hid], x.clone()),
+            t("output", &[tok, hid], x),
+        ],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d3.to_str().unwrap()]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["inputs_clean"], false, "{ctx}");
+    assert_eq!(f["bad_input"]["tensor"], "input.0", "{ctx}");
+}

@@ -525,6 +525,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "tensor": out.map(|t| t.tensor.clone()),
             "cosine": out.and_then(|t| t.cosine),
             "rel_l2": out.and_then(|t| t.rel_l2),
+            "sqnr_db": out.and_then(|t| t.sqnr_db),
             "max_abs_err": out.and_then(|t| t.max_abs_err),
             "nan_count": out.map(|t| t.nan_count),
             "inf_count": out.map(|t| t.inf_count),

@@ -6,8 +6,8 @@
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, Report, Section, Verdict};
-use crate::trace::locate::{locate, BadValue, LocateResult, ScannedCall};
-use crate::trace::scan::TensorStats;
+use crate::trace::locate::{locate, BadValue, FirstNonFinite, LocateResult, ScannedCall};
+use crate::trace::scan::{Kind, TensorStats};
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -68,12 +68,15 @@ fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
     let inputs = match c.inputs_finite() {
         None => "-".to_string(),
         Some(true) => "clean".to_string(),
+        Some(false) if c.inputs().all(|t| t.is_finite() || t.is_mask()) => "mask".to_string(),
         Some(false) => "NaN/Inf".to_string(),
     };
     let status = if Some(c.counter) == first {
         "FIRST BAD".to_string()
     } else if c.outputs_finite() {
         "clean".to_string()
+    } else if c.outputs_ok() {
+        "mask (-inf)".to_string()
     } else {
         "bad".to_string()
     };
@@ -96,6 +99,35 @@ fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
 /// Whether a scanned tensor holds a finite value (`max_abs` means something).
 fn has_finite(s: &TensorStats) -> bool {
     (s.nan_count + s.inf_count) < s.numel as u64
+}
+
+/// Whether the first bad call's uncounted input is an additive `0`/`-inf` mask.
+fn is_mask_input(f: &FirstNonFinite) -> bool {
+    f.uncounted_input
+        .as_ref()
+        .is_some_and(|b| f.call.inputs().any(|t| t.name == b.tensor && t.is_mask()))
+}
+
+/// `; N outputs held only 0 and -inf …`: mask outputs that were not counted as bad.
+fn mask_note(r: &LocateResult) -> String {
+    match &r.mask_outputs {
+        None => String::new(),
+        Some((c, m, t, n)) => format!(
+            "; {} output(s) held only 0 and -inf (attention masks, not counted), the first `{m}` \
+             {t} ({n} -inf, counter {c:06})",
+            r.mask_output_count
+        ),
+    }
+}
+
+fn mask_json(r: &LocateResult) -> Value {
+    match &r.mask_outputs {
+        None => Value::Null,
+        Some((c, m, t, n)) => json!({
+            "count": r.mask_output_count,
+            "first": {"module": m, "counter": c, "tensor": t, "inf_count": n},
+        }),
+    }
 }
 
 fn call_json(c: &ScannedCall) -> Value {
@@ -307,8 +339,9 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 (
                     Verdict::Pass,
                     format!(
-                        "no NaN/Inf in the outputs of {} module calls ({scope})",
-                        r.calls_scanned
+                        "no NaN/Inf in the outputs of {} module calls ({scope}){}",
+                        r.calls_scanned,
+                        mask_note(r)
                     ),
                 )
             } else {
@@ -370,7 +403,26 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                             c.module,
                             counter(c)
                         ),
-                        _ => "its inputs were clean: this module produced it".to_string(),
+                        _ => match &f.uncounted_input {
+                            Some(b) if is_mask_input(f) => format!(
+                                "its inputs were clean ({} holds only 0 and -inf: an attention \
+                                 mask, not a fault): this module produced it{}",
+                                b.tensor,
+                                if o.kind == Kind::Nan {
+                                    " (a fully masked softmax row gives NaN)"
+                                } else {
+                                    ", or passed the mask's -inf on"
+                                }
+                            ),
+                            Some(b) => format!(
+                                "its inputs held no NaN, but {} holds {} Inf (first at [{}]): \
+                                 this module made the NaN from them (inf − inf, 0 · inf)",
+                                b.tensor,
+                                b.inf_count,
+                                where_(b)
+                            ),
+                            None => "its inputs were clean: this module produced it".to_string(),
+                        },
                     },
                     Some(false) => format!(
                     "its inputs were already bad ({} at {}): it came from code that ran before, \
@@ -382,7 +434,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                         .to_string(),
                 };
             let headline = format!(
-                "first {} in `{}` {} [{}] (counter {}); {verdict_why}{unscanned_note}",
+                "first {} in `{}` {} [{}] (counter {}); {verdict_why}{}{unscanned_note}",
                 if o.kind.as_str() == "nan" {
                     "NaN"
                 } else {
@@ -392,6 +444,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 o.tensor,
                 where_(o),
                 counter(&f.call),
+                mask_note(r),
             );
             let first = json!({
                 "module": f.call.module,
@@ -422,6 +475,15 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     "nan_count": b.nan_count,
                     "inf_count": b.inf_count,
                 })),
+                "uncounted_input": f.uncounted_input.as_ref().map(|b| json!({
+                    "tensor": b.tensor,
+                    "index": index_json(b),
+                    "kind": b.kind,
+                    "value": b.value.to_string(),
+                    "nan_count": b.nan_count,
+                    "inf_count": b.inf_count,
+                    "mask": is_mask_input(f),
+                })),
             });
             let kv = Section::kv(
                 "First non-finite value",
@@ -438,7 +500,17 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     (
                         "inputs",
                         match f.inputs_clean {
-                            Some(true) => "clean (this module produced it)".into(),
+                            Some(true) => match &f.uncounted_input {
+                                Some(b) if is_mask_input(f) => format!(
+                                    "clean ({} is a 0/-inf attention mask; this module produced it)",
+                                    b.tensor
+                                ),
+                                Some(b) => format!(
+                                    "no NaN ({} holds Inf; this module made the NaN)",
+                                    b.tensor
+                                ),
+                                None => "clean (this module produced it)".into(),
+                            },
                             Some(false) => "already bad (it came from earlier)".into(),
                             None => "not recorded".into(),
                         },
@@ -460,7 +532,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 .section(table)
         }
     };
-    rep = rep.with(
+    rep = rep.with("mask_outputs", mask_json(r)).with(
         "modules",
         r.window.iter().map(call_json).collect::<Vec<_>>(),
     );

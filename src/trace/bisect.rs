@@ -27,6 +27,8 @@ pub struct TensorDiff {
     /// `None` when the tensors could not be compared (see `problem`).
     pub cosine: Option<f64>,
     pub rel_l2: Option<f64>,
+    /// `20·log10(‖REF‖/‖TEST−REF‖)`; `None` (JSON null) where infinite (equal tensors).
+    pub sqnr_db: Option<f64>,
     pub max_abs_err: Option<f64>,
     /// NaN/Inf in TEST and in REF.
     pub nan_count: u64,
@@ -334,6 +336,7 @@ fn diff_tensor(
         dtype_test: t.map(|x| format!("{:?}", x.dtype)).unwrap_or_default(),
         cosine: None,
         rel_l2: None,
+        sqnr_db: None,
         max_abs_err: None,
         nan_count: 0,
         inf_count: 0,
@@ -389,6 +392,7 @@ fn diff_tensor(
     let (m, ref_stats, rows) = tokens::compare(&t, &r, min_cosine);
     d.cosine = Some(m.cosine).filter(|c| c.is_finite());
     d.rel_l2 = Some(m.rel_l2).filter(|c| c.is_finite());
+    d.sqnr_db = Some(m.sqnr_db).filter(|c| c.is_finite());
     d.max_abs_err = Some(m.max_abs_err).filter(|c| c.is_finite());
     d.nan_count = m.nan_count;
     d.inf_count = m.inf_count;
@@ -431,6 +435,7 @@ fn diff_tensor(
         let f = p.finite.clone();
         d.cosine = Some(f.cosine).filter(|c| c.is_finite());
         d.rel_l2 = Some(f.rel_l2).filter(|c| c.is_finite());
+        d.sqnr_db = Some(f.sqnr_db).filter(|c| c.is_finite());
         d.max_abs_err = Some(f.max_abs_err).filter(|c| c.is_finite());
         d.note = Some(format!(
             "{} NaN/Inf at the same places in REF and TEST ({} NaN, {} Inf: a mask?): compared \

@@ -2,7 +2,9 @@
 //! holds a non-finite value; its inputs then say who made it: clean inputs mean the module
 //! itself produced it, bad inputs mean it came from code that ran before (and was not recorded
 //! as a module of its own). Bad inputs with clean outputs do not make a call bad: a `-inf`
-//! attention mask passed in as an input is normal. A NaN input never is: the first one (with
+//! attention mask passed in as an input is normal. Nor does it explain a NaN output: only a NaN
+//! input does (a NaN made from a mask's -inf, or from an Inf, was made by this module). An output
+//! that holds only `0` and `-inf` is a mask being built, not a bad output. A NaN input never is: the first one (with
 //! every output before it clean) is kept as `nan_input`, and a trace with one does not pass.
 
 use super::file::{role, Role, TraceFile};
@@ -25,6 +27,14 @@ pub struct ScannedTensor {
 impl ScannedTensor {
     pub fn is_finite(&self) -> bool {
         self.stats.is_none_or(|s| s.is_finite())
+    }
+    /// Only `0` and `-inf`: an additive attention mask (see [`TensorStats::is_mask`]).
+    pub fn is_mask(&self) -> bool {
+        self.stats.is_some_and(|s| s.is_mask())
+    }
+    /// Holds a NaN/Inf that is not a mask's `-inf`.
+    pub fn is_bad(&self) -> bool {
+        !self.is_finite() && !self.is_mask()
     }
 }
 
@@ -51,6 +61,11 @@ impl ScannedCall {
     }
     pub fn outputs_finite(&self) -> bool {
         self.outputs().all(ScannedTensor::is_finite)
+    }
+    /// No output holds a NaN/Inf other than an attention mask's `-inf` (a module that builds
+    /// the mask is not where a NaN starts).
+    pub fn outputs_ok(&self) -> bool {
+        !self.outputs().any(ScannedTensor::is_bad)
     }
     /// `None` when no input was recorded.
     pub fn inputs_finite(&self) -> Option<bool> {
@@ -106,6 +121,10 @@ pub struct FirstNonFinite {
     pub inputs_clean: Option<bool>,
     /// The first bad input, when the inputs were already bad.
     pub bad_input: Option<BadValue>,
+    /// With clean inputs: the first input that held ±Inf all the same, not counted because it
+    /// cannot explain the output (a NaN output needs a NaN input to have received it; an
+    /// additive `0`/`-inf` mask is not a fault): the module made the NaN from it, or by itself.
+    pub uncounted_input: Option<BadValue>,
 }
 
 #[derive(Clone, Debug)]
@@ -130,6 +149,10 @@ pub struct LocateResult {
     /// largest finite value (BF16/F32 3.4e38, F16 65504): where an overflow that turns into Inf
     /// one module later starts. (call, output tensor, its max |x|, the dtype's max.)
     pub near_overflow: Option<(ScannedCall, String, f32, f32)>,
+    /// Outputs up to the first bad call that held only `0` and `-inf` (an attention mask being
+    /// built): not counted as bad. (counter, module, tensor, -inf count); the number of them.
+    pub mask_outputs: Option<(u64, String, String, u64)>,
+    pub mask_output_count: usize,
 }
 
 /// The largest finite value of a float dtype as `ScannedTensor::dtype` spells it; `None` for
@@ -207,6 +230,8 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut nan_input = None;
     let mut clean_before_nan_input = None;
     let mut near = None;
+    let mut mask_outputs = None;
+    let mut mask_output_count = 0;
     for (pos, e) in index.entries.iter().enumerate() {
         if found.is_some() && after.len() >= context {
             break;
@@ -225,7 +250,16 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
             after.push(call);
             continue;
         }
-        if call.outputs_finite() {
+        for t in call.outputs().filter(|t| t.is_mask()) {
+            mask_output_count += 1;
+            mask_outputs.get_or_insert((
+                call.counter,
+                call.module.clone(),
+                t.name.clone(),
+                t.stats.map_or(0, |s| s.inf_count),
+            ));
+        }
+        if call.outputs_ok() {
             if nan_input.is_none() {
                 nan_input = call
                     .inputs()
@@ -248,16 +282,31 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
             }
             continue;
         }
-        let output = call.outputs().find_map(BadValue::of);
+        let output = call.outputs().filter(|t| t.is_bad()).find_map(BadValue::of);
         let Some(output) = output else { continue };
-        let inputs_clean = call.inputs_finite();
-        let bad_input = call.inputs().find_map(BadValue::of);
+        // An input explains the output when it holds what the output holds: a NaN output was
+        // received only from a NaN input (a -inf mask or an Inf turned into NaN here was made
+        // here); an Inf output from any NaN/Inf input but an additive mask.
+        let explains = |t: &ScannedTensor| match output.kind {
+            Kind::Nan => t.stats.is_some_and(|s| s.nan_count > 0),
+            Kind::Inf => t.is_bad(),
+        };
+        let inputs_clean = call.inputs().next().map(|_| !call.inputs().any(explains));
+        let bad_input = call.inputs().filter(|t| explains(t)).find_map(BadValue::of);
+        let uncounted_input = match inputs_clean {
+            Some(true) => call
+                .inputs()
+                .filter(|t| !t.is_finite())
+                .find_map(BadValue::of),
+            _ => None,
+        };
         found = Some(FirstNonFinite {
             position: pos,
             call: call.clone(),
             output,
             inputs_clean,
             bad_input,
+            uncounted_input,
         });
         before.push_back(call);
     }
@@ -272,5 +321,7 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
         nan_input,
         clean_before_nan_input,
         near_overflow: near,
+        mask_outputs,
+        mask_output_count,
     })
 }

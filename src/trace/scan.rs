@@ -43,6 +43,8 @@ pub struct TensorStats {
     pub numel: usize,
     pub nan_count: u64,
     pub inf_count: u64,
+    /// How many of the Inf are -Inf.
+    pub neg_inf_count: u64,
     /// Flat index and value of the first NaN or ±Inf (whichever comes first).
     pub first_nonfinite: Option<(usize, f32)>,
     /// Largest |x| among the finite values (0 when there are none): how close a tensor runs
@@ -53,6 +55,17 @@ pub struct TensorStats {
 impl TensorStats {
     pub fn is_finite(&self) -> bool {
         self.nan_count == 0 && self.inf_count == 0
+    }
+
+    /// An additive attention mask: only `0` and `-inf` (both present), no NaN, no +Inf. Its
+    /// `-inf` are the mask's meaning, not a fault; no computation that went wrong produces
+    /// exactly this (an overflow leaves its finite neighbours nonzero).
+    pub fn is_mask(&self) -> bool {
+        self.nan_count == 0
+            && self.inf_count > 0
+            && self.neg_inf_count == self.inf_count
+            && (self.inf_count as usize) < self.numel
+            && self.max_abs == 0.0
     }
 
     pub fn first_kind(&self) -> Option<Kind> {
@@ -69,6 +82,7 @@ impl TensorStats {
                 s.nan_count += 1;
             } else if v.is_infinite() {
                 s.inf_count += 1;
+                s.neg_inf_count += u64::from(v < 0.0);
             } else {
                 s.max_abs = s.max_abs.max(v.abs());
                 continue;
@@ -82,6 +96,7 @@ impl TensorStats {
         self.numel += o.numel;
         self.nan_count += o.nan_count;
         self.inf_count += o.inf_count;
+        self.neg_inf_count += o.neg_inf_count;
         self.max_abs = self.max_abs.max(o.max_abs);
         self.first_nonfinite = match (self.first_nonfinite, o.first_nonfinite) {
             (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
