@@ -1511,3 +1511,68 @@ fn local_id_dumps_have_their_weights_checked_at_large_ep() {
         kinds(&out.json)
     );
 }
+
+/// `placement` and `ids` metadata (as `layertest --save-routing` writes them) are the
+/// defaults of --placement and --ids, as `ep_rank` / `ep_size` are: a correct round-robin
+/// dump of local ids failed when read as linear global ids, and a dump of global ids whose
+/// metadata says the rank takes them as local (`layertest --fault global-ids`) passed.
+#[test]
+fn placement_and_ids_metadata_are_the_defaults() {
+    let (seed, mut r) = rng();
+    let dir = tempfile::tempdir().unwrap();
+    let (t, k, e, ep) = (64, 4, 16i64, 2i64);
+    let rank = r.gen_range(0..ep);
+    let (global, w) = routing(&mut r, t, k, 0, e, 1.0);
+    let meta = |placement: &str, ids: &str| {
+        let mut m = BTreeMap::new();
+        m.insert("ep_rank".to_string(), rank.to_string());
+        m.insert("ep_size".to_string(), ep.to_string());
+        m.insert("placement".to_string(), placement.to_string());
+        m.insert("ids".to_string(), ids.to_string());
+        Some(m)
+    };
+    let f = dir.path().join("d.safetensors");
+    let args = [p(&f), "--num-experts", "16"];
+
+    // round-robin local ids: rank r owns e with e % R == r, local id e / R
+    let local: Vec<i64> = global
+        .iter()
+        .map(|&g| if g % ep == rank { g / ep } else { -1 })
+        .collect();
+    let dump = |ids: Vec<i64>, metadata: Option<BTreeMap<String, String>>| {
+        write_dump(
+            &f,
+            &Dump {
+                t,
+                k,
+                ids: &ids,
+                weights: &w,
+                ids_i32: false,
+                metadata,
+            },
+        )
+    };
+    dump(local, meta("round-robin", "local"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    // the flags still win over the metadata
+    let out = run(dir.path(), &[&args[..], &["--ids", "global"]].concat());
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+
+    // global ids where the metadata says local: expert_map not applied
+    dump(global.clone(), meta("linear", "local"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(
+        kinds(&out.json).contains(&"global_ids_as_local".to_string()),
+        "seed {seed}: {:?}",
+        kinds(&out.json)
+    );
+
+    // metadata the flags cannot spell: exit 2 naming the file and the key
+    dump(global.clone(), meta("diagonal", "global"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 2, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("d.safetensors") && out.stderr.contains("`placement`"));
+    assert!(!out.stderr.contains("panicked"));
+}
