@@ -1429,3 +1429,150 @@ fn each_finding_kind_is_reported_once() {
         "seed {seed}: {local}"
     );
 }
+
+/// A dump of local ids (expert_map applied, `-1` for other ranks' experts) at an EP size where
+/// every token holds two or more `-1` slots (EP 8 over 16 experts, top-4): its weights were
+/// never compared (a token with `-1` twice was skipped), so weights of any value passed.
+#[test]
+fn local_id_dumps_have_their_weights_checked_at_large_ep() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 96;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts as i64,
+    );
+    let ep = 8i64;
+    let rank = r.gen_range(0..ep);
+    let n_local = e / ep;
+    let local: Vec<i64> = en
+        .routing
+        .topk_ids
+        .iter()
+        .map(|&g| {
+            let g = g as i64;
+            if g / n_local == rank {
+                g - rank * n_local
+            } else {
+                -1
+            }
+        })
+        .collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let rank_s = rank.to_string();
+    let args = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+        "--ep-rank",
+        &rank_s,
+        "--ep-size",
+        "8",
+        "--ids",
+        "local",
+    ];
+    // the engine's weights: compared, and they agree
+    write_full(&f, t, k, &local, &en.routing.topk_weights, &x);
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    let rel = out.json["summary"]["weight_rel_l2"].as_f64();
+    assert!(rel.is_some_and(|v| v < 1e-5), "seed {seed}: {rel:?}");
+
+    // each token's weights reshuffled within the token (sums kept, so no weight_sum finding)
+    let wrong: Vec<f32> = en
+        .routing
+        .topk_weights
+        .chunks(k)
+        .flat_map(|c| {
+            let raw: Vec<f32> = c.iter().map(|w| w * r.gen_range(0.3f32..1.7)).collect();
+            let (s0, s1): (f32, f32) = (c.iter().sum(), raw.iter().sum());
+            raw.into_iter()
+                .map(move |w| w * s0 / s1)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    write_full(&f, t, k, &local, &wrong, &x);
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(
+        kinds(&out.json).contains(&"weight_error".to_string()),
+        "seed {seed}: {:?}",
+        kinds(&out.json)
+    );
+}
+
+/// `placement` and `ids` metadata (as `layertest --save-routing` writes them) are the
+/// defaults of --placement and --ids, as `ep_rank` / `ep_size` are: a correct round-robin
+/// dump of local ids failed when read as linear global ids, and a dump of global ids whose
+/// metadata says the rank takes them as local (`layertest --fault global-ids`) passed.
+#[test]
+fn placement_and_ids_metadata_are_the_defaults() {
+    let (seed, mut r) = rng();
+    let dir = tempfile::tempdir().unwrap();
+    let (t, k, e, ep) = (64, 4, 16i64, 2i64);
+    let rank = r.gen_range(0..ep);
+    let (global, w) = routing(&mut r, t, k, 0, e, 1.0);
+    let meta = |placement: &str, ids: &str| {
+        let mut m = BTreeMap::new();
+        m.insert("ep_rank".to_string(), rank.to_string());
+        m.insert("ep_size".to_string(), ep.to_string());
+        m.insert("placement".to_string(), placement.to_string());
+        m.insert("ids".to_string(), ids.to_string());
+        Some(m)
+    };
+    let f = dir.path().join("d.safetensors");
+    let args = [p(&f), "--num-experts", "16"];
+
+    // round-robin local ids: rank r owns e with e % R == r, local id e / R
+    let local: Vec<i64> = global
+        .iter()
+        .map(|&g| if g % ep == rank { g / ep } else { -1 })
+        .collect();
+    let dump = |ids: Vec<i64>, metadata: Option<BTreeMap<String, String>>| {
+        write_dump(
+            &f,
+            &Dump {
+                t,
+                k,
+                ids: &ids,
+                weights: &w,
+                ids_i32: false,
+                metadata,
+            },
+        )
+    };
+    dump(local, meta("round-robin", "local"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    // the flags still win over the metadata
+    let out = run(dir.path(), &[&args[..], &["--ids", "global"]].concat());
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+
+    // global ids where the metadata says local: expert_map not applied
+    dump(global.clone(), meta("linear", "local"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(
+        kinds(&out.json).contains(&"global_ids_as_local".to_string()),
+        "seed {seed}: {:?}",
+        kinds(&out.json)
+    );
+
+    // metadata the flags cannot spell: exit 2 naming the file and the key
+    dump(global.clone(), meta("diagonal", "global"));
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 2, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert!(out.stderr.contains("d.safetensors") && out.stderr.contains("`placement`"));
+    assert!(!out.stderr.contains("panicked"));
+}

@@ -20,7 +20,7 @@ use std::path::PathBuf;
 /// Router logits recomputed from hidden states must match the dump's this well.
 const MIN_LOGITS_COSINE: f64 = 0.999;
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Debug, Clone)]
 pub struct Args {
     /// Routing dump (safetensors): topk_ids [T,K], topk_weights [T,K], optionally
     /// router_logits [T,E], hidden_states [T,H], input_ids [T]
@@ -47,12 +47,14 @@ pub struct Args {
     /// EP world size (default: the dump's `ep_size` metadata, else 1)
     #[arg(long, value_name = "N")]
     pub ep_size: Option<usize>,
-    /// How experts are spread over EP ranks (vLLM's expert_placement_strategy)
-    #[arg(long, value_enum, default_value = "linear")]
-    pub placement: Placement,
+    /// How experts are spread over EP ranks (vLLM's expert_placement_strategy; default: the
+    /// dump's `placement` metadata, else linear)
+    #[arg(long, value_enum)]
+    pub placement: Option<Placement>,
     /// What the dump's ids are meant to be: global router output, or local ids after expert_map
-    #[arg(long, value_enum, default_value = "global")]
-    pub ids: IdSpace,
+    /// (default: the dump's `ids` metadata, else global)
+    #[arg(long, value_enum)]
+    pub ids: Option<IdSpace>,
     /// Hidden states [T,H] (safetensors) when the dump does not hold them
     #[arg(long, value_name = "FILE")]
     pub hidden: Option<PathBuf>,
@@ -71,6 +73,15 @@ pub struct Args {
     pub device: DeviceArgs,
     #[command(flatten)]
     pub out_args: OutArgs,
+}
+
+impl Args {
+    fn placement(&self) -> Placement {
+        self.placement.unwrap_or(Placement::Linear)
+    }
+    fn ids(&self) -> IdSpace {
+        self.ids.unwrap_or(IdSpace::Global)
+    }
 }
 
 #[derive(Serialize)]
@@ -106,6 +117,29 @@ fn meta_usize(d: &RoutingDump, key: &str) -> Result<Option<usize>> {
         .transpose()
 }
 
+/// A metadata value spelled as the flag of the same name takes it (`linear`, `round-robin`;
+/// `global`, `local`).
+fn meta_enum<T: clap::ValueEnum>(d: &RoutingDump, key: &str) -> Result<Option<T>> {
+    d.metadata
+        .get(key)
+        .map(|v| {
+            T::from_str(v.trim(), true).map_err(|_| {
+                let names: Vec<String> = T::value_variants()
+                    .iter()
+                    .filter_map(|x| x.to_possible_value().map(|p| p.get_name().to_string()))
+                    .collect();
+                Error::bad_file(
+                    &d.path,
+                    format!(
+                        "metadata `{key}` = \"{v}\" is not one of {}",
+                        names.join(", ")
+                    ),
+                )
+            })
+        })
+        .transpose()
+}
+
 fn check_range(name: &str, v: f64, lo: f64, hi: f64) -> Result<()> {
     if !(lo..=hi).contains(&v) {
         return Err(Error::usage(format!("{name} {v} is outside [{lo}, {hi}]")));
@@ -130,6 +164,19 @@ pub fn run(args: &Args) -> Result<Report> {
         )));
     }
     let d = RoutingDump::load(&args.dump)?;
+    // `placement` and `ids` default to the dump's metadata, as `ep_rank` and `ep_size` do
+    // (`layertest --save-routing` writes all four): a round-robin dump was read as linear,
+    // and a dump of local ids as global ones
+    let resolved;
+    let args = if args.placement.is_none() || args.ids.is_none() {
+        let mut a = args.clone();
+        a.placement = a.placement.or(meta_enum::<Placement>(&d, "placement")?);
+        a.ids = a.ids.or(meta_enum::<IdSpace>(&d, "ids")?);
+        resolved = a;
+        &resolved
+    } else {
+        args
+    };
     let ckpt = match &args.checkpoint {
         Some(dir) => Some(MoeCheckpoint::open(dir)?),
         None => None,
@@ -190,10 +237,10 @@ pub fn run(args: &Args) -> Result<Report> {
                 ),
             });
         }
-        let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement)?;
+        let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement())?;
         Some((rank, maps))
     } else {
-        if args.ids == IdSpace::Local {
+        if args.ids() == IdSpace::Local {
             return Err(Error::usage("--ids local needs --ep-rank and --ep-size"));
         }
         None
@@ -206,7 +253,7 @@ pub fn run(args: &Args) -> Result<Report> {
         ids: &d.topk_ids,
         weights: &d.topk_weights,
     };
-    let mut out = check::check_ids(&ids, &exp, args.ids, me);
+    let mut out = check::check_ids(&ids, &exp, args.ids(), me);
     out.extend(check::check_weights(
         &ids,
         &exp,
@@ -221,7 +268,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 num_experts % ep_size
             ));
         }
-        let (o, loads) = check::check_ep_ids(&ids, m, *rank, args.ids);
+        let (o, loads) = check::check_ep_ids(&ids, m, *rank, args.ids());
         out.extend(o);
         rank_load = loads;
     }
@@ -238,7 +285,7 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
 
-    let global_ids: Vec<i64> = match (args.ids, me) {
+    let global_ids: Vec<i64> = match (args.ids(), me) {
         (IdSpace::Local, Some(m)) => d
             .topk_ids
             .iter()
@@ -326,7 +373,7 @@ fn recompute(
     };
     let base = RefCompare {
         source: "",
-        space: args.ids,
+        space: args.ids(),
         ep: maps.map(|(r, m)| (&m[*r], m.as_slice())),
         routed_scaling_factor: exp.routed_scaling_factor,
         tol,
@@ -337,7 +384,7 @@ fn recompute(
     let mut hash_checked = false;
     if config.is_hash_layer(layer_idx) {
         match (&d.input_ids, &router.tid2eid) {
-            (Some(input_ids), Some(t2e)) if args.ids == IdSpace::Global => {
+            (Some(input_ids), Some(t2e)) if args.ids() == IdSpace::Global => {
                 let (o, ag) = check::check_hash(ids, input_ids, t2e, config.num_experts_per_tok);
                 out.extend(o);
                 agreements.extend(ag);
@@ -360,7 +407,7 @@ fn recompute(
 
     let backend = || args.device.open(args.out_args.quiet);
     // tokens at experts no near-tie explains, on global ids (local ones are mapped first)
-    let clear = |logits: &[f32]| match args.ids {
+    let clear = |logits: &[f32]| match args.ids() {
         IdSpace::Global => check::clear_mismatches(
             ids,
             logits,
@@ -884,12 +931,12 @@ fn build_report(
             ("file", d.path.display().to_string()),
             ("tokens × top_k", format!("{} × {}", d.tokens, d.top_k)),
             ("experts", exp.num_experts.to_string()),
-            ("ids", format!("{:?}", args.ids).to_lowercase()),
+            ("ids", format!("{:?}", args.ids()).to_lowercase()),
             (
                 "EP",
                 match ep_rank {
                     Some(r) if ep_size > 1 => {
-                        format!("rank {r} of {ep_size} ({})", args.placement.name())
+                        format!("rank {r} of {ep_size} ({})", args.placement().name())
                     }
                     _ => "none".into(),
                 },

@@ -1129,7 +1129,12 @@ pub fn compare_with_reference(
     (o, Some(agreement))
 }
 
-/// Pairs (dump weight, reference weight) for tokens whose id sets agree, aligned by id.
+/// Pairs (dump weight, reference weight) for tokens whose id multisets agree, aligned by id:
+/// `k` pairs a token. An id the token holds more than once (`-1`, every other rank's expert,
+/// in a dump of local ids) cannot say which slot is which: its weights are paired as sorted
+/// sets. Skipping such tokens left no token to compare once each held two slots of other
+/// ranks (EP 8 with top-4 of 16 experts, or DeepSeek-V3's top-8 of 256 at EP 8), and weights
+/// of any value passed.
 fn aligned_weights(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64) -> (Vec<f32>, Vec<f32>) {
     let k = d.top_k;
     let (mut a, mut b) = (vec![], vec![]);
@@ -1139,18 +1144,35 @@ fn aligned_weights(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64) -> (Vec
             .map(|&g| f(g as i64))
             .collect();
         let got = d.row(t);
-        let pos: Option<Vec<usize>> = got
-            .iter()
-            .map(|g| want.iter().position(|w| w == g))
-            .collect();
-        let Some(pos) = pos else { continue };
-        let distinct: BTreeSet<usize> = pos.iter().copied().collect();
-        if distinct.len() != k {
+        let (mut gs, mut ws) = (got.to_vec(), want.clone());
+        gs.sort_unstable();
+        ws.sort_unstable();
+        if gs != ws {
             continue;
         }
-        for (j, &p) in pos.iter().enumerate() {
-            a.push(d.weights[t * k + j]);
-            b.push(reference.topk_weights[t * k + p]);
+        let mut repeated: BTreeSet<i64> = BTreeSet::new();
+        for (j, g) in got.iter().enumerate() {
+            let at: Vec<usize> = (0..k).filter(|&p| want[p] == *g).collect();
+            if let [p] = at[..] {
+                a.push(d.weights[t * k + j]);
+                b.push(reference.topk_weights[t * k + p]);
+            } else {
+                repeated.insert(*g);
+            }
+        }
+        for g in repeated {
+            let mut x: Vec<f32> = (0..k)
+                .filter(|&j| got[j] == g)
+                .map(|j| d.weights[t * k + j])
+                .collect();
+            let mut y: Vec<f32> = (0..k)
+                .filter(|&p| want[p] == g)
+                .map(|p| reference.topk_weights[t * k + p])
+                .collect();
+            x.sort_by(|p, q| q.total_cmp(p));
+            y.sort_by(|p, q| q.total_cmp(p));
+            a.extend(x);
+            b.extend(y);
         }
     }
     (a, b)
