@@ -882,3 +882,86 @@ fn gate_up_pairs_share_one_global_scale_on_request() {
         assert_eq!(code(&run(&args)), 2, "{args:?}");
     }
 }
+
+/// A global scale so large that the recipe's `out_scale = rcp(s * rcp(gs))` overflows to inf
+/// for the smallest block scales (E4M3 subnormals) is refused: the auto scale 2688/amax of a
+/// tensor whose amax is tiny (yet gives a normal weight_scale_2), and an explicit --gs. Such
+/// blocks were written with codes computed from inf and NaN: their zeros as -6 (0xF),
+/// everything else as ±6. The largest accepted --gs keeps every zero a zero code.
+#[test]
+fn global_scales_that_overflow_out_scale_are_refused() {
+    use nvfp4dbg::nvfp4::{max_finite_out_scale_gs, out_scale_finite};
+    let (seed, mut r) = rng("quantize out_scale overflow");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let (rows, cols) = (r.gen_range(2..12), 16 * r.gen_range(2..8));
+    let name = "model.layers.2.mlp.experts.5.up_proj.weight";
+    // amax in [3.5e-35, 3.9e-33]: amax/2688 is a normal f32, gs = 2688/amax is past the limit
+    let amax = 10f32.powf(r.gen_range(3.5e-35f32.log10()..3.9e-33f32.log10()));
+    let gs = 2688.0 / amax;
+    assert!((amax / 2688.0).is_normal() && !out_scale_finite(1.0 / (amax / 2688.0)));
+    let tiny_block = |r: &mut rand_chacha::ChaCha8Rng, vmax: f32| -> Vec<f32> {
+        (0..16)
+            .map(|_| match r.gen_range(0..4) {
+                0 => 0.0,
+                _ => r.gen_range(-vmax..vmax),
+            })
+            .collect()
+    };
+    let mut w: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-amax..amax)).collect();
+    w[r.gen_range(0..rows * cols)] = amax;
+    // one block whose scale is the smallest E4M3 subnormal (2^-9) under gs
+    let b = r.gen_range(0..rows * cols / 16);
+    let vmax = 6.0 * 2f32.powi(-9) / gs;
+    w[b * 16..b * 16 + 16].copy_from_slice(&tiny_block(&mut r, vmax));
+    write(&inp, vec![f32t(name, &[rows, cols], &w)]);
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+    let e = stderr(&o);
+    for want in ["a.safetensors", name, "out_scale", "--exclude"] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(!e.contains("panicked"), "seed {seed}: {e}");
+    assert!(!out.exists(), "seed {seed}: nothing written");
+
+    // --gs past the limit on ordinary weights: refused by the argument parser
+    let w = weights(&mut r, rows, cols);
+    write(&inp, vec![bf16(name, &[rows, cols], &w)]);
+    let max = max_finite_out_scale_gs();
+    assert!(out_scale_finite(max) && !out_scale_finite(f32::from_bits(max.to_bits() + 1)));
+    let too_big = 10f32.powf(r.gen_range(max.log10() + 0.01..37.9));
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--gs",
+        &format!("{too_big:e}"),
+    ]);
+    assert_eq!(code(&o), 2, "seed {seed}: --gs {too_big:e}: {}", stderr(&o));
+    assert!(
+        stderr(&o).contains("out_scale"),
+        "seed {seed}: {}",
+        stderr(&o)
+    );
+    assert!(!out.exists(), "seed {seed}: nothing written");
+
+    // the largest accepted --gs: a block at the smallest scale keeps its zeros zero
+    let mut w = weights(&mut r, rows, cols);
+    let vmax = 6.0 * 2f32.powi(-9) / max;
+    w[b * 16..b * 16 + 16].copy_from_slice(&tiny_block(&mut r, vmax));
+    w[b * 16] = 0.0;
+    write(&inp, vec![f32t(name, &[rows, cols], &w)]);
+    let o = run(&["quantize", p(&inp), p(&out), "--gs", &format!("{max:e}")]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let f = TensorFile::open(&out).unwrap();
+    let packed = f.bytes(name).unwrap();
+    for (i, &x) in w.iter().enumerate() {
+        let c = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
+        if x == 0.0 {
+            assert_eq!(c & 7, 0, "seed {seed}: element {i} is 0, code {c:#x}");
+        }
+    }
+}

@@ -32,7 +32,9 @@ use super::source::TensorSource;
 use super::writer::{f32_bytes, PendingOutput, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
-use crate::nvfp4::{weight_global_scale, BlockStats, Format, GS_DENOM};
+use crate::nvfp4::{
+    max_finite_out_scale_gs, out_scale_finite, weight_global_scale, BlockStats, Format, GS_DENOM,
+};
 use crate::report::PendingFile;
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -256,9 +258,11 @@ impl QuantizePlan {
                     "--gs applies to NVFP4 only (MXFP4 has no global scale)",
                 ));
             }
-            if !(gs.is_normal() && gs > 0.0 && (1.0 / gs).is_normal()) {
+            if !(gs.is_normal() && gs > 0.0 && (1.0 / gs).is_normal() && out_scale_finite(gs)) {
                 return Err(Error::usage(format!(
-                    "--gs {gs}: a global scale must be a positive normal number whose reciprocal is too"
+                    "--gs {gs}: a global scale must be a positive normal number whose reciprocal is \
+                     too, at most {:e} (beyond it the smallest block scales' out_scale overflows)",
+                    max_finite_out_scale_gs()
                 )));
             }
         }
@@ -861,12 +865,25 @@ fn bits_to_f32(a: u32, d: Dtype) -> f32 {
 /// `amax / 2688` is not a normal f32. Where it or its reciprocal does not exist in f32,
 /// `weight_global_scale` takes amax as 1 (as for an all-zero tensor) and every code is zero;
 /// a subnormal `weight_scale_2` is read as 0 by kernels that flush subnormals.
+///
+/// Also refused: a normal `weight_scale_2` whose `gs = 1/weight_scale_2` is so large (amax below
+/// about 4e-33) that the recipe's `out_scale = rcp(s * rcp(gs))` overflows to inf for the
+/// smallest block scales (`nvfp4::out_scale_finite`): such blocks would get codes computed from
+/// inf and NaN (zeros written as -6, everything else as ±6).
 fn tiny_amax(amax: f32, name: &str) -> Option<String> {
     let ws2 = amax / GS_DENOM;
-    if amax == 0.0 || ws2.is_normal() {
+    if amax == 0.0 || (ws2.is_normal() && out_scale_finite(1.0 / ws2)) {
         return None;
     }
-    let harm = if ws2 > 0.0 && (1.0 / ws2).is_finite() {
+    let harm = if ws2.is_normal() {
+        format!(
+            "its global scale gs = 2688/amax = {:e} is so large that out_scale = 1/(s/gs) \
+             overflows to inf in blocks with the smallest E4M3 scales (their zeros would be \
+             written as -6, every other element as ±6; gs must stay at most {:e}): refusing to quantize",
+            1.0 / ws2,
+            max_finite_out_scale_gs()
+        )
+    } else if ws2 > 0.0 && (1.0 / ws2).is_finite() {
         format!(
             "weight_scale_2 = amax/2688 = {ws2:e} would be subnormal (fewer significant bits; \
              code built with flush-to-zero reads it as 0 and zeroes every output): refusing to quantize"
