@@ -965,3 +965,68 @@ fn global_scales_that_overflow_out_scale_are_refused() {
         }
     }
 }
+
+/// An input already quantized in one format, quantized again with the other --format, is
+/// refused: its linears would be copied as they are under a quantization_config naming the
+/// other algorithm (NVFP4 codes and E4M3 scales of 16 under `quant_algo: MXFP4`), which `audit`
+/// flags as a config mismatch and engines load with the wrong method.
+#[test]
+fn quantized_input_of_the_other_format_is_refused() {
+    let (seed, mut r) = rng("quantize other format");
+    let d = tempfile::tempdir().unwrap();
+    let (h, i) = (32 * r.gen_range(1..4), 32 * r.gen_range(1..4));
+    let src = d.path().join("bf16");
+    std::fs::create_dir(&src).unwrap();
+    let mut tensors = vec![];
+    for (proj, rows, cols) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
+        tensors.push(bf16(
+            &format!("model.layers.0.mlp.experts.0.{proj}.weight"),
+            &[rows, cols],
+            &weights(&mut r, rows, cols),
+        ));
+    }
+    tensors.push(bf16("model.norm.weight", &[h], &weights(&mut r, 1, h)));
+    write(&src.join("model.safetensors"), tensors);
+    std::fs::write(
+        src.join("config.json"),
+        config_json(h, i, 1, 1, 1).to_string(),
+    )
+    .unwrap();
+    for (first, second) in [("nvfp4", "mxfp4"), ("mxfp4", "nvfp4")] {
+        let q = d.path().join(first);
+        let o = run(&["quantize", p(&src), p(&q), "--format", first]);
+        assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+        // the same format again copies it (a fixed point); the other is refused
+        let again = d.path().join(format!("{first}-again"));
+        let o = run(&["quantize", p(&q), p(&again), "--format", first]);
+        assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+        let before = snapshot(d.path());
+        for (inp, out) in [
+            (q.clone(), d.path().join(format!("{first}-{second}"))),
+            (
+                q.join("model.safetensors"),
+                d.path().join(format!("{first}-{second}.safetensors")),
+            ),
+        ] {
+            let o = run(&["quantize", p(&inp), p(&out), "--format", second]);
+            assert_eq!(
+                code(&o),
+                2,
+                "seed {seed} {first} -> {second}: {}",
+                stdout(&o)
+            );
+            let e = stderr(&o);
+            for want in [
+                "model.safetensors",
+                "model.layers.0.mlp.experts.0.",
+                ".weight_scale",
+                &first.to_uppercase(),
+                "--format",
+            ] {
+                assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+            }
+            assert!(!out.exists(), "seed {seed}: {} written", out.display());
+        }
+        assert_eq!(snapshot(d.path()), before, "seed {seed}: something written");
+    }
+}

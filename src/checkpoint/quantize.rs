@@ -298,6 +298,7 @@ impl QuantizePlan {
         for base in &quantized {
             if let Some(ln) = super::formats::find_linear(&ckpt, base)? {
                 refuse_compressed_tensors(&ckpt, &ln, opts.format)?;
+                refuse_other_format(&ckpt, &ln, opts.format)?;
                 super::formats::check_linear(&ckpt, &ln)?;
             }
         }
@@ -660,6 +661,34 @@ fn refuse_compressed_tensors(ckpt: &Checkpoint, ln: &LinearNames, format: Format
              checkpoint cannot mix the two (engines load ModelOpt names under a ModelOpt \
              quantization_config): quantize the BF16 originals",
             format.name().to_uppercase()
+        ),
+    ))
+}
+
+/// Already quantized linears of the other format cannot pass through either: copied byte for
+/// byte next to a quantization_config naming this run's format (NVFP4 codes with E4M3 scales of
+/// 16 under `quant_algo: MXFP4, group_size: 32`, or the reverse), engines would load them
+/// with the wrong method.
+fn refuse_other_format(ckpt: &Checkpoint, ln: &LinearNames, format: Format) -> Result<()> {
+    let theirs = match ln.convention {
+        Convention::Modelopt => Format::Nvfp4,
+        Convention::Mxfp4 => Format::Mxfp4,
+        Convention::CompressedTensors => return Ok(()),
+    };
+    if theirs == format {
+        return Ok(());
+    }
+    Err(Error::bad_tensor(
+        ckpt.file_of(&ln.weight_scale),
+        &ln.weight_scale,
+        format!(
+            "IN holds {} linears; --format {} would copy them as they are under a \
+             quantization_config that says {}, and engines would load them with the wrong \
+             method: quantize the BF16 originals, or keep --format {}",
+            theirs.name().to_uppercase(),
+            format.name(),
+            format.name().to_uppercase(),
+            theirs.name()
         ),
     ))
 }
