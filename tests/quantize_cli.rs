@@ -1030,3 +1030,82 @@ fn quantized_input_of_the_other_format_is_refused() {
         assert_eq!(snapshot(d.path()), before, "seed {seed}: something written");
     }
 }
+
+/// Quantizing into an OUT directory that holds another run's checkpoint with other shard names
+/// is refused before anything is written: the old index (or, without one, the old shards) would
+/// stay next to the new files, and loaders read the old weights (an index points them at the
+/// old shards only) or both sets. The same sharding again is a plain rerun and succeeds.
+#[test]
+fn an_out_holding_other_shards_is_refused() {
+    let (seed, mut r) = rng("quantize stale out");
+    let d = tempfile::tempdir().unwrap();
+    let (h, i) = (16 * r.gen_range(1..5), 16 * r.gen_range(1..4));
+    let sharded = d.path().join("sharded");
+    let single = d.path().join("single");
+    for dir in [&sharded, &single] {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            config_json(h, i, 2, 1, 1).to_string(),
+        )
+        .unwrap();
+    }
+    let names: Vec<String> = (0..2)
+        .map(|e| format!("model.layers.0.mlp.experts.{e}.down_proj.weight"))
+        .collect();
+    let mut map = serde_json::Map::new();
+    for (s, n) in names.iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", s + 1);
+        write(
+            &sharded.join(&file),
+            vec![bf16(n, &[h, i], &weights(&mut r, h, i))],
+        );
+        map.insert(n.clone(), file.into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    write(
+        &single.join("model.safetensors"),
+        names
+            .iter()
+            .map(|n| bf16(n, &[h, i], &weights(&mut r, h, i)))
+            .collect(),
+    );
+    let (first, second) = if r.gen() {
+        (&sharded, &single)
+    } else {
+        (&single, &sharded)
+    };
+    let out = d.path().join("out");
+    let o = run(&["quantize", p(first), p(&out)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let before = snapshot(&out);
+    let o = run(&["quantize", p(second), p(&out)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}", stdout(&o));
+    let e = stderr(&o);
+    let stale = if first == &sharded {
+        "model.safetensors.index.json"
+    } else {
+        "model.safetensors"
+    };
+    for want in [p(&out), stale, "Remove them"] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(snapshot(&out) == before, "seed {seed}: OUT changed");
+    // a rerun of the first input over its own output is fine
+    let o = run(&["quantize", p(first), p(&out)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    // into an empty directory, the second one's output reads back as written
+    let out2 = d.path().join("out2");
+    std::fs::create_dir(&out2).unwrap();
+    let o = run(&["quantize", p(second), p(&out2)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let c = Checkpoint::open(&out2).unwrap();
+    for n in &names {
+        assert_eq!(c.info(n).unwrap().dtype, Dtype::U8, "seed {seed}: {n}");
+    }
+}

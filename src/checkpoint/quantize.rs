@@ -318,6 +318,9 @@ impl QuantizePlan {
             }
             files.push(plan_file(i, shard, out, &opts, &covered, &quantized)?);
         }
+        if ckpt.is_dir() {
+            refuse_stale_outputs(&ckpt, output, &files)?;
+        }
         let scale_amax = if opts.shared_gate_up && opts.format == Format::Nvfp4 && opts.gs.is_none()
         {
             shared_gate_up_amax(&ckpt, &files)
@@ -639,6 +642,42 @@ fn shared_gate_up_amax(ckpt: &Checkpoint, files: &[FilePlan]) -> BTreeMap<String
 fn pending_json(p: &Path, v: &Value) -> Result<PendingFile> {
     let s = serde_json::to_string_pretty(v).unwrap_or_default() + "\n";
     PendingFile::write(p, s.as_bytes())
+}
+
+/// An OUT directory that already holds checkpoint files this run would not write again (the
+/// shards of a previous run with other shard names, an index or config.json where IN has
+/// none) is refused before anything is written: left in place they would describe a mix of
+/// old and new files (an old index points loaders at the old shards only; without an index,
+/// vLLM and `nvfp4dbg` read every `*.safetensors` of the directory).
+fn refuse_stale_outputs(ckpt: &Checkpoint, output: &Path, files: &[FilePlan]) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(output) else {
+        return Ok(());
+    };
+    let ours: BTreeSet<&std::ffi::OsStr> =
+        files.iter().filter_map(|f| f.output.file_name()).collect();
+    let mut stale = vec![];
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let n = name.to_string_lossy();
+        let describes = (n.ends_with(".safetensors") && !ours.contains(name.as_os_str()))
+            || (n == INDEX_FILE && ckpt.index_path().is_none())
+            || (n == CONFIG_FILE && ckpt.config_path().is_none());
+        if describes && e.path().is_file() {
+            stale.push(n.to_string());
+        }
+    }
+    if stale.is_empty() {
+        return Ok(());
+    }
+    stale.sort();
+    Err(Error::usage(format!(
+        "{} already holds {}, which this run would not write again: left there, they would \
+         describe a mix of old and new files (an old index points loaders at the old shards; \
+         without one, every *.safetensors of the directory is loaded). Remove them or pick an \
+         empty directory",
+        output.display(),
+        stale.join(", ")
+    )))
 }
 
 /// compressed-tensors NVFP4 linears cannot pass through: they would be copied under their own
