@@ -882,3 +882,230 @@ fn gate_up_pairs_share_one_global_scale_on_request() {
         assert_eq!(code(&run(&args)), 2, "{args:?}");
     }
 }
+
+/// A global scale so large that the recipe's `out_scale = rcp(s * rcp(gs))` overflows to inf
+/// for the smallest block scales (E4M3 subnormals) is refused: the auto scale 2688/amax of a
+/// tensor whose amax is tiny (yet gives a normal weight_scale_2), and an explicit --gs. Such
+/// blocks were written with codes computed from inf and NaN: their zeros as -6 (0xF),
+/// everything else as ±6. The largest accepted --gs keeps every zero a zero code.
+#[test]
+fn global_scales_that_overflow_out_scale_are_refused() {
+    use nvfp4dbg::nvfp4::{max_finite_out_scale_gs, out_scale_finite};
+    let (seed, mut r) = rng("quantize out_scale overflow");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let (rows, cols) = (r.gen_range(2..12), 16 * r.gen_range(2..8));
+    let name = "model.layers.2.mlp.experts.5.up_proj.weight";
+    // amax in [3.5e-35, 3.9e-33]: amax/2688 is a normal f32, gs = 2688/amax is past the limit
+    let amax = 10f32.powf(r.gen_range(3.5e-35f32.log10()..3.9e-33f32.log10()));
+    let gs = 2688.0 / amax;
+    assert!((amax / 2688.0).is_normal() && !out_scale_finite(1.0 / (amax / 2688.0)));
+    let tiny_block = |r: &mut rand_chacha::ChaCha8Rng, vmax: f32| -> Vec<f32> {
+        (0..16)
+            .map(|_| match r.gen_range(0..4) {
+                0 => 0.0,
+                _ => r.gen_range(-vmax..vmax),
+            })
+            .collect()
+    };
+    let mut w: Vec<f32> = (0..rows * cols).map(|_| r.gen_range(-amax..amax)).collect();
+    w[r.gen_range(0..rows * cols)] = amax;
+    // one block whose scale is the smallest E4M3 subnormal (2^-9) under gs
+    let b = r.gen_range(0..rows * cols / 16);
+    let vmax = 6.0 * 2f32.powi(-9) / gs;
+    w[b * 16..b * 16 + 16].copy_from_slice(&tiny_block(&mut r, vmax));
+    write(&inp, vec![f32t(name, &[rows, cols], &w)]);
+    let o = run(&["quantize", p(&inp), p(&out)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}{}", stdout(&o), stderr(&o));
+    let e = stderr(&o);
+    for want in ["a.safetensors", name, "out_scale", "--exclude"] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(!e.contains("panicked"), "seed {seed}: {e}");
+    assert!(!out.exists(), "seed {seed}: nothing written");
+
+    // --gs past the limit on ordinary weights: refused by the argument parser
+    let w = weights(&mut r, rows, cols);
+    write(&inp, vec![bf16(name, &[rows, cols], &w)]);
+    let max = max_finite_out_scale_gs();
+    assert!(out_scale_finite(max) && !out_scale_finite(f32::from_bits(max.to_bits() + 1)));
+    let too_big = 10f32.powf(r.gen_range(max.log10() + 0.01..37.9));
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--gs",
+        &format!("{too_big:e}"),
+    ]);
+    assert_eq!(code(&o), 2, "seed {seed}: --gs {too_big:e}: {}", stderr(&o));
+    assert!(
+        stderr(&o).contains("out_scale"),
+        "seed {seed}: {}",
+        stderr(&o)
+    );
+    assert!(!out.exists(), "seed {seed}: nothing written");
+
+    // the largest accepted --gs: a block at the smallest scale keeps its zeros zero
+    let mut w = weights(&mut r, rows, cols);
+    let vmax = 6.0 * 2f32.powi(-9) / max;
+    w[b * 16..b * 16 + 16].copy_from_slice(&tiny_block(&mut r, vmax));
+    w[b * 16] = 0.0;
+    write(&inp, vec![f32t(name, &[rows, cols], &w)]);
+    let o = run(&["quantize", p(&inp), p(&out), "--gs", &format!("{max:e}")]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let f = TensorFile::open(&out).unwrap();
+    let packed = f.bytes(name).unwrap();
+    for (i, &x) in w.iter().enumerate() {
+        let c = (packed[i / 2] >> (4 * (i % 2))) & 0xF;
+        if x == 0.0 {
+            assert_eq!(c & 7, 0, "seed {seed}: element {i} is 0, code {c:#x}");
+        }
+    }
+}
+
+/// An input already quantized in one format, quantized again with the other --format, is
+/// refused: its linears would be copied as they are under a quantization_config naming the
+/// other algorithm (NVFP4 codes and E4M3 scales of 16 under `quant_algo: MXFP4`), which `audit`
+/// flags as a config mismatch and engines load with the wrong method.
+#[test]
+fn quantized_input_of_the_other_format_is_refused() {
+    let (seed, mut r) = rng("quantize other format");
+    let d = tempfile::tempdir().unwrap();
+    let (h, i) = (32 * r.gen_range(1..4), 32 * r.gen_range(1..4));
+    let src = d.path().join("bf16");
+    std::fs::create_dir(&src).unwrap();
+    let mut tensors = vec![];
+    for (proj, rows, cols) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
+        tensors.push(bf16(
+            &format!("model.layers.0.mlp.experts.0.{proj}.weight"),
+            &[rows, cols],
+            &weights(&mut r, rows, cols),
+        ));
+    }
+    tensors.push(bf16("model.norm.weight", &[h], &weights(&mut r, 1, h)));
+    write(&src.join("model.safetensors"), tensors);
+    std::fs::write(
+        src.join("config.json"),
+        config_json(h, i, 1, 1, 1).to_string(),
+    )
+    .unwrap();
+    for (first, second) in [("nvfp4", "mxfp4"), ("mxfp4", "nvfp4")] {
+        let q = d.path().join(first);
+        let o = run(&["quantize", p(&src), p(&q), "--format", first]);
+        assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+        // the same format again copies it (a fixed point); the other is refused
+        let again = d.path().join(format!("{first}-again"));
+        let o = run(&["quantize", p(&q), p(&again), "--format", first]);
+        assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+        let before = snapshot(d.path());
+        for (inp, out) in [
+            (q.clone(), d.path().join(format!("{first}-{second}"))),
+            (
+                q.join("model.safetensors"),
+                d.path().join(format!("{first}-{second}.safetensors")),
+            ),
+        ] {
+            let o = run(&["quantize", p(&inp), p(&out), "--format", second]);
+            assert_eq!(
+                code(&o),
+                2,
+                "seed {seed} {first} -> {second}: {}",
+                stdout(&o)
+            );
+            let e = stderr(&o);
+            for want in [
+                "model.safetensors",
+                "model.layers.0.mlp.experts.0.",
+                ".weight_scale",
+                &first.to_uppercase(),
+                "--format",
+            ] {
+                assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+            }
+            assert!(!out.exists(), "seed {seed}: {} written", out.display());
+        }
+        assert_eq!(snapshot(d.path()), before, "seed {seed}: something written");
+    }
+}
+
+/// Quantizing into an OUT directory that holds another run's checkpoint with other shard names
+/// is refused before anything is written: the old index (or, without one, the old shards) would
+/// stay next to the new files, and loaders read the old weights (an index points them at the
+/// old shards only) or both sets. The same sharding again is a plain rerun and succeeds.
+#[test]
+fn an_out_holding_other_shards_is_refused() {
+    let (seed, mut r) = rng("quantize stale out");
+    let d = tempfile::tempdir().unwrap();
+    let (h, i) = (16 * r.gen_range(1..5), 16 * r.gen_range(1..4));
+    let sharded = d.path().join("sharded");
+    let single = d.path().join("single");
+    for dir in [&sharded, &single] {
+        std::fs::create_dir(dir).unwrap();
+        std::fs::write(
+            dir.join("config.json"),
+            config_json(h, i, 2, 1, 1).to_string(),
+        )
+        .unwrap();
+    }
+    let names: Vec<String> = (0..2)
+        .map(|e| format!("model.layers.0.mlp.experts.{e}.down_proj.weight"))
+        .collect();
+    let mut map = serde_json::Map::new();
+    for (s, n) in names.iter().enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", s + 1);
+        write(
+            &sharded.join(&file),
+            vec![bf16(n, &[h, i], &weights(&mut r, h, i))],
+        );
+        map.insert(n.clone(), file.into());
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": map});
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        index.to_string(),
+    )
+    .unwrap();
+    write(
+        &single.join("model.safetensors"),
+        names
+            .iter()
+            .map(|n| bf16(n, &[h, i], &weights(&mut r, h, i)))
+            .collect(),
+    );
+    let (first, second) = if r.gen() {
+        (&sharded, &single)
+    } else {
+        (&single, &sharded)
+    };
+    let out = d.path().join("out");
+    let o = run(&["quantize", p(first), p(&out)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let before = snapshot(&out);
+    let o = run(&["quantize", p(second), p(&out)]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}", stdout(&o));
+    let e = stderr(&o);
+    let stale = if first == &sharded {
+        "model.safetensors.index.json"
+    } else {
+        "model.safetensors"
+    };
+    for want in [p(&out), stale, "Remove them"] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(snapshot(&out) == before, "seed {seed}: OUT changed");
+    // a rerun of the first input over its own output is fine
+    let o = run(&["quantize", p(first), p(&out)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    // into an empty directory, the second one's output reads back as written
+    let out2 = d.path().join("out2");
+    std::fs::create_dir(&out2).unwrap();
+    let o = run(&["quantize", p(second), p(&out2)]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+    let c = Checkpoint::open(&out2).unwrap();
+    for n in &names {
+        assert_eq!(c.info(n).unwrap().dtype, Dtype::U8, "seed {seed}: {n}");
+    }
+}

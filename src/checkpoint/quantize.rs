@@ -32,7 +32,9 @@ use super::source::TensorSource;
 use super::writer::{f32_bytes, PendingOutput, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
-use crate::nvfp4::{weight_global_scale, BlockStats, Format, GS_DENOM};
+use crate::nvfp4::{
+    max_finite_out_scale_gs, out_scale_finite, weight_global_scale, BlockStats, Format, GS_DENOM,
+};
 use crate::report::PendingFile;
 use rayon::prelude::*;
 use safetensors::Dtype;
@@ -256,9 +258,11 @@ impl QuantizePlan {
                     "--gs applies to NVFP4 only (MXFP4 has no global scale)",
                 ));
             }
-            if !(gs.is_normal() && gs > 0.0 && (1.0 / gs).is_normal()) {
+            if !(gs.is_normal() && gs > 0.0 && (1.0 / gs).is_normal() && out_scale_finite(gs)) {
                 return Err(Error::usage(format!(
-                    "--gs {gs}: a global scale must be a positive normal number whose reciprocal is too"
+                    "--gs {gs}: a global scale must be a positive normal number whose reciprocal is \
+                     too, at most {:e} (beyond it the smallest block scales' out_scale overflows)",
+                    max_finite_out_scale_gs()
                 )));
             }
         }
@@ -294,6 +298,7 @@ impl QuantizePlan {
         for base in &quantized {
             if let Some(ln) = super::formats::find_linear(&ckpt, base)? {
                 refuse_compressed_tensors(&ckpt, &ln, opts.format)?;
+                refuse_other_format(&ckpt, &ln, opts.format)?;
                 super::formats::check_linear(&ckpt, &ln)?;
             }
         }
@@ -312,6 +317,9 @@ impl QuantizePlan {
                 )));
             }
             files.push(plan_file(i, shard, out, &opts, &covered, &quantized)?);
+        }
+        if ckpt.is_dir() {
+            refuse_stale_outputs(&ckpt, output, &files)?;
         }
         let scale_amax = if opts.shared_gate_up && opts.format == Format::Nvfp4 && opts.gs.is_none()
         {
@@ -636,6 +644,42 @@ fn pending_json(p: &Path, v: &Value) -> Result<PendingFile> {
     PendingFile::write(p, s.as_bytes())
 }
 
+/// An OUT directory that already holds checkpoint files this run would not write again (the
+/// shards of a previous run with other shard names, an index or config.json where IN has
+/// none) is refused before anything is written: left in place they would describe a mix of
+/// old and new files (an old index points loaders at the old shards only; without an index,
+/// vLLM and `nvfp4dbg` read every `*.safetensors` of the directory).
+fn refuse_stale_outputs(ckpt: &Checkpoint, output: &Path, files: &[FilePlan]) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(output) else {
+        return Ok(());
+    };
+    let ours: BTreeSet<&std::ffi::OsStr> =
+        files.iter().filter_map(|f| f.output.file_name()).collect();
+    let mut stale = vec![];
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let n = name.to_string_lossy();
+        let describes = (n.ends_with(".safetensors") && !ours.contains(name.as_os_str()))
+            || (n == INDEX_FILE && ckpt.index_path().is_none())
+            || (n == CONFIG_FILE && ckpt.config_path().is_none());
+        if describes && e.path().is_file() {
+            stale.push(n.to_string());
+        }
+    }
+    if stale.is_empty() {
+        return Ok(());
+    }
+    stale.sort();
+    Err(Error::usage(format!(
+        "{} already holds {}, which this run would not write again: left there, they would \
+         describe a mix of old and new files (an old index points loaders at the old shards; \
+         without one, every *.safetensors of the directory is loaded). Remove them or pick an \
+         empty directory",
+        output.display(),
+        stale.join(", ")
+    )))
+}
+
 /// compressed-tensors NVFP4 linears cannot pass through: they would be copied under their own
 /// names (`weight_packed`, the reciprocal `weight_global_scale`) next to the ModelOpt
 /// quantization_config this run writes, and no engine loads such a checkpoint.
@@ -656,6 +700,34 @@ fn refuse_compressed_tensors(ckpt: &Checkpoint, ln: &LinearNames, format: Format
              checkpoint cannot mix the two (engines load ModelOpt names under a ModelOpt \
              quantization_config): quantize the BF16 originals",
             format.name().to_uppercase()
+        ),
+    ))
+}
+
+/// Already quantized linears of the other format cannot pass through either: copied byte for
+/// byte next to a quantization_config naming this run's format (NVFP4 codes with E4M3 scales of
+/// 16 under `quant_algo: MXFP4, group_size: 32`, or the reverse), engines would load them
+/// with the wrong method.
+fn refuse_other_format(ckpt: &Checkpoint, ln: &LinearNames, format: Format) -> Result<()> {
+    let theirs = match ln.convention {
+        Convention::Modelopt => Format::Nvfp4,
+        Convention::Mxfp4 => Format::Mxfp4,
+        Convention::CompressedTensors => return Ok(()),
+    };
+    if theirs == format {
+        return Ok(());
+    }
+    Err(Error::bad_tensor(
+        ckpt.file_of(&ln.weight_scale),
+        &ln.weight_scale,
+        format!(
+            "IN holds {} linears; --format {} would copy them as they are under a \
+             quantization_config that says {}, and engines would load them with the wrong \
+             method: quantize the BF16 originals, or keep --format {}",
+            theirs.name().to_uppercase(),
+            format.name(),
+            format.name().to_uppercase(),
+            theirs.name()
         ),
     ))
 }
@@ -861,12 +933,25 @@ fn bits_to_f32(a: u32, d: Dtype) -> f32 {
 /// `amax / 2688` is not a normal f32. Where it or its reciprocal does not exist in f32,
 /// `weight_global_scale` takes amax as 1 (as for an all-zero tensor) and every code is zero;
 /// a subnormal `weight_scale_2` is read as 0 by kernels that flush subnormals.
+///
+/// Also refused: a normal `weight_scale_2` whose `gs = 1/weight_scale_2` is so large (amax below
+/// about 4e-33) that the recipe's `out_scale = rcp(s * rcp(gs))` overflows to inf for the
+/// smallest block scales (`nvfp4::out_scale_finite`): such blocks would get codes computed from
+/// inf and NaN (zeros written as -6, everything else as ±6).
 fn tiny_amax(amax: f32, name: &str) -> Option<String> {
     let ws2 = amax / GS_DENOM;
-    if amax == 0.0 || ws2.is_normal() {
+    if amax == 0.0 || (ws2.is_normal() && out_scale_finite(1.0 / ws2)) {
         return None;
     }
-    let harm = if ws2 > 0.0 && (1.0 / ws2).is_finite() {
+    let harm = if ws2.is_normal() {
+        format!(
+            "its global scale gs = 2688/amax = {:e} is so large that out_scale = 1/(s/gs) \
+             overflows to inf in blocks with the smallest E4M3 scales (their zeros would be \
+             written as -6, every other element as ±6; gs must stay at most {:e}): refusing to quantize",
+            1.0 / ws2,
+            max_finite_out_scale_gs()
+        )
+    } else if ws2 > 0.0 && (1.0 / ws2).is_finite() {
         format!(
             "weight_scale_2 = amax/2688 = {ws2:e} would be subnormal (fewer significant bits; \
              code built with flush-to-zero reads it as 0 and zeroes every output): refusing to quantize"

@@ -6,7 +6,7 @@ use super::common::{progress, OutArgs};
 use crate::checkpoint::names::up_sibling;
 use crate::checkpoint::quantize::{QuantizeOptions, QuantizePlan, QuantizedTensor};
 use crate::error::Result;
-use crate::nvfp4::Format;
+use crate::nvfp4::{max_finite_out_scale_gs, out_scale_finite, Format};
 use crate::report::{e, Report, Section, Verdict};
 use serde_json::json;
 use std::path::PathBuf;
@@ -52,16 +52,18 @@ pub struct Args {
     pub out_args: OutArgs,
 }
 
-/// `--gs`: a positive normal f32 whose reciprocal (weight_scale_2) is normal too, quoted as
-/// typed when it is not (1e39 parses to inf).
+/// `--gs`: a positive normal f32 whose reciprocal (weight_scale_2) is normal too, and small
+/// enough that no block's `out_scale` overflows (`nvfp4::out_scale_finite`), quoted as typed
+/// when it is not (1e39 parses to inf).
 fn weight_gs(v: &str) -> std::result::Result<f32, String> {
     match v.trim().parse::<f32>() {
-        Ok(g) if g > 0.0 && g.is_normal() && (1.0 / g).is_normal() => Ok(g),
+        Ok(g) if g > 0.0 && g.is_normal() && (1.0 / g).is_normal() && out_scale_finite(g) => Ok(g),
         _ => Err(format!(
             "`{v}`: a global scale must be a positive f32 whose reciprocal (weight_scale_2) is a \
-             normal f32 too: within [{:e}, {:e}]",
+             normal f32 too, and small enough that a block's out_scale = 1/(s/gs) cannot \
+             overflow: within [{:e}, {:e}]",
             f32::MIN_POSITIVE,
-            1.0 / f32::MIN_POSITIVE
+            max_finite_out_scale_gs()
         )),
     }
 }

@@ -10,8 +10,9 @@ pub mod ue8m0;
 pub use global_scale::ScaleProblem;
 pub use layout::{LayoutGuess, ScaleLayout};
 pub use quant::{
-    dequantize_row, fake_quant_nvfp4, quantize_mxfp4, quantize_nvfp4, quantize_weight_nvfp4, rcp,
-    weight_global_scale, BlockStats, Format, Fp4Tensor, DEFAULT_GS, GS_DENOM,
+    dequantize_row, fake_quant_nvfp4, max_finite_out_scale_gs, out_scale_finite, quantize_mxfp4,
+    quantize_nvfp4, quantize_weight_nvfp4, rcp, weight_global_scale, BlockStats, Format, Fp4Tensor,
+    DEFAULT_GS, GS_DENOM,
 };
 
 /// Which reciprocal the quantizer uses. The CPU computes `Reference` only; the GPU computes

@@ -57,6 +57,32 @@ pub fn rcp(v: f32) -> f32 {
     }
 }
 
+/// Whether the pinned recipe's `out_scale = rcp(f32(s) * rcp(gs))` stays finite for every
+/// nonzero block scale `s` under the quant-direction global scale `gs`. Past gs ≈ 2^119 the
+/// smallest scales (E4M3 subnormals from 2^-9) make `s * rcp(gs)` fall below 2^-128, its
+/// reciprocal overflows to inf, and step 3 computes `0 * inf = NaN` for the block's zeros
+/// (encoded as -6) and ±6 for all its other elements: garbage codes that look valid. Such a
+/// block needs `vmax` below about 1.8e-38 (f32 subnormals), or a tensor amax below about
+/// 4e-33 for the weight scale `2688/amax`; callers that choose `gs` refuse it instead.
+pub fn out_scale_finite(gs: f32) -> bool {
+    rcp(e4m3::decode(1) * rcp(gs)).is_finite()
+}
+
+/// The largest `gs` for which [`out_scale_finite`] holds (about 6.6e35), found on the bits
+/// (the test is monotone in a positive `gs`).
+pub fn max_finite_out_scale_gs() -> f32 {
+    let (mut lo, mut hi) = (1.0f32.to_bits(), f32::MAX.to_bits());
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if out_scale_finite(f32::from_bits(mid)) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    f32::from_bits(lo)
+}
+
 /// A quantized 2-D tensor `[rows, cols]` (cols along K), block scales in linear layout.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fp4Tensor {
