@@ -230,6 +230,8 @@ fn refusals_exit_2_and_write_nothing() {
         vec!["quantize", p(&dir), p(&inp)],
         vec!["quantize", p(&inp), p(&out), "--gs", "0"],
         vec!["quantize", p(&inp), p(&out), "--gs", "inf"],
+        // an unset shell variable: it would exclude every tensor and quantize nothing
+        vec!["quantize", p(&inp), p(&out), "--exclude", ""],
         vec![
             "quantize",
             p(&inp),

@@ -40,8 +40,9 @@ pub struct Args {
     /// e.g. `--exclude self_attn.`. Always copied: what engines never quantize (embeddings,
     /// lm_head, the MoE router's gate, MTP's eh_proj) and the modules the input's own exclude
     /// list names. The output's exclude_modules (config.json, hf_quant_config.json) lists the
-    /// exact module names of every float weight matrix left unquantized, plus the input's list
-    #[arg(long, value_name = "SUBSTR")]
+    /// exact module names of every float weight matrix left unquantized, plus the input's list.
+    /// An empty SUBSTR (an unset shell variable) would match every tensor: it is refused
+    #[arg(long, value_name = "SUBSTR", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub exclude: Vec<String>,
     /// Give the gate and up projections of each MLP (gate_proj/up_proj, w1/w3) one
     /// weight_scale_2, from the larger of their amaxes, as ModelOpt exports them: vLLM fuses
