@@ -338,6 +338,9 @@ struct Faults {
     /// The shared expert's gate and up as vLLM's merged `gate_up_proj` ([gate; up], each
     /// sharded on its own under `tp`); `Some(true)`: [up; gate].
     merged_shared: Option<bool>,
+    /// With `tp`: the row-parallel down projections (w2, the shared expert's down_proj) split
+    /// along their output rows H instead of K (a loader narrowing the wrong dim).
+    tp_down_wrong_axis: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -402,7 +405,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             g13.extend([a.scale_2, b.scale_2]);
         }
         i13.extend([ia, ib]);
-        let d = cols_of(&ex.w2, tr * ip, ip);
+        let d = if f.tp_down_wrong_axis {
+            rows_of(&ex.w2, tr * (h / tn), h / tn)
+        } else {
+            cols_of(&ex.w2, tr * ip, ip)
+        };
         if f.w2_zero == Some(x) {
             w2.extend(std::iter::repeat_n(0u8, d.packed.len()));
         } else if f.nibble_swap.contains(&x) {
@@ -450,12 +457,18 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     } else {
         vec![e, 2 * ip, h / 16]
     };
+    // w2's [rows, K] per expert
+    let (w2r, w2k) = if f.tp_down_wrong_axis {
+        (h / tn, i)
+    } else {
+        (h, ip)
+    };
     let s2_shape: Vec<usize> = if f.swizzle {
         swizzled(h, ip / 16)
     } else if f.w2_scales_extra_col {
         vec![e, h, ip / 16 + 1]
     } else {
-        vec![e, h, ip / 16]
+        vec![e, w2r, w2k / 16]
     };
     let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
         vec![e]
@@ -491,7 +504,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             TensorSpec::new(
                 ex("w2_weight"),
                 if f.w2_i8 { Dtype::I8 } else { Dtype::U8 },
-                &[e, h, ip / 2],
+                &[e, w2r, w2k / 2],
             ),
             w2,
         ),
@@ -605,8 +618,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
                 bytes = bf16_bytes(&dense_rows(&sh[k], h, r * ip, ip));
                 spec.shape = vec![ip, h];
             } else if spec.name.ends_with("shared_experts.down_proj.weight") {
-                bytes = bf16_bytes(&dense_cols(&sh[2], i, r * ip, ip));
-                spec.shape = vec![h, ip];
+                if f.tp_down_wrong_axis {
+                    bytes = bf16_bytes(&dense_rows(&sh[2], i, r * (h / n), h / n));
+                    spec.shape = vec![h / n, i];
+                } else {
+                    bytes = bf16_bytes(&dense_cols(&sh[2], i, r * ip, ip));
+                    spec.shape = vec![h, ip];
+                }
             } else if spec.name.ends_with("embed_tokens.weight") {
                 let vp = m.vocab / n;
                 bytes = bf16_bytes(&dense_rows(&m.embed, h, r * vp, vp));
@@ -2061,6 +2079,61 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         "{}",
         out.stdout
     );
+}
+
+/// The row-parallel down projections (every expert's w2, the shared expert's down_proj) split
+/// across TP along their output rows H instead of K: each is a bitwise 1/n slice of A, so it
+/// passed as "B is TP rows … of A". The split axis is the module's, not whichever dim fits.
+#[test]
+fn a_down_projection_split_along_the_wrong_axis_is_named() {
+    // I = 64: one block-scale column per rank at TP 4
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 4) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let n = [2, 4][r.gen_range(0..2)];
+    let tr = r.gen_range(0..n);
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let args = ["--tp-rank", trs.as_str(), "--tp-size", ns.as_str()];
+    let dump = fx.root.join("axis.safetensors");
+    let tp = |wrong| Faults {
+        tp: Some((tr, n)),
+        tp_down_wrong_axis: wrong,
+        ..Default::default()
+    };
+    fx.run_fused(&dump, &tp(false), &args, 0);
+    let out = fx.run_fused(&dump, &tp(true), &args, 1);
+    let e = fx.model.experts.len();
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let mut kinds = diag_kinds(&out.json);
+    kinds.dedup();
+    assert_eq!(kinds, ["tp_axis"], "seed {}: {d:?}", fx.seed);
+    let tensors: u64 = d.iter().map(|d| d["tensors"].as_u64().unwrap()).sum();
+    assert_eq!(tensors as usize, e + 1, "seed {}: {d:?}", fx.seed);
+    let experts: Vec<u64> = d
+        .iter()
+        .flat_map(|d| d["experts"].as_array().cloned().unwrap_or_default())
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        experts,
+        (0..e as u64).collect::<Vec<_>>(),
+        "seed {}",
+        fx.seed
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), e + 1, "seed {}", fx.seed);
+    for u in m {
+        assert!(
+            u["name"].as_str().unwrap().ends_with("down_proj.weight"),
+            "{u}"
+        );
+        assert!(
+            u["issues"]
+                .to_string()
+                .contains("row-parallel: split along K"),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
 }
 
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so

@@ -43,6 +43,8 @@ pub enum DiagnosisKind {
     SwizzledScales,
     /// B holds another tensor-parallel rank's slice of A.
     TpRank,
+    /// B's TP slice is cut along an axis its module is not split along.
+    TpAxis,
     /// `--tp-rank/--tp-size` given, but B holds A's whole matrices, not one rank's slices.
     TpNotSharded,
     /// One fused tensor with the block scales of some experts swizzled and of others linear:
@@ -135,6 +137,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
                     IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
                     IssueKind::TpRank => DiagnosisKind::TpRank,
+                    IssueKind::TpAxis => DiagnosisKind::TpAxis,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -177,6 +180,9 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::TpRank => format!(
                     "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
+                ),
+                DiagnosisKind::TpAxis => format!(
+                    "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold their input scale in the other direction (input_scale vs its reciprocal gs) than their names say; e.g. {example}"
