@@ -2136,6 +2136,51 @@ fn a_down_projection_split_along_the_wrong_axis_is_named() {
     }
 }
 
+/// A BF16 column-parallel weight compared as a TP slice (dim 0) with one changed value: the
+/// issue names that value's row and column in B. A's slice along dim 0 was read as one flat
+/// row, so it said "row 0, column <flat index>", a column past the tensor's width.
+#[test]
+fn a_changed_value_in_a_row_slice_is_placed_at_its_row_and_column() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let n = [2, 4][r.gen_range(0..2)];
+    let (rows, cols) = (n * r.gen_range(2..9), 16 * r.gen_range(1..5));
+    let tr = r.gen_range(0..n);
+    let a = randn(&mut r, rows * cols, 1.0);
+    let name = "model.layers.1.mlp.shared_experts.gate_proj.weight";
+    let per = rows / n;
+    let mut b = dense_rows(&a, cols, tr * per, per);
+    let (i, j) = (r.gen_range(1..per), r.gen_range(0..cols));
+    b[i * cols + j] += 100.0;
+    let (pa, pb) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    let t = |rows, v: &[f32]| {
+        vec![(
+            TensorSpec::new(name, Dtype::BF16, &[rows, cols]),
+            bf16_bytes(v),
+        )]
+    };
+    write_file(&pa, t(rows, &a), None).unwrap();
+    write_file(&pb, t(per, &b), None).unwrap();
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let out = run(
+        dir.path(),
+        &[s(&pa), s(&pb), "--tp-rank", &trs, "--tp-size", &ns],
+    );
+    check(&out, 1, seed);
+    let m = &out.json["mismatches"][0];
+    assert!(
+        m["issues"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("at row {i}, column {j} ")),
+        "seed {seed}: {m}"
+    );
+}
+
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so
 /// (a rank holding whole column-parallel weights sums `size` copies in its all-reduce). It
 /// passed: every tensor had A's shape, so nothing was compared as a slice.

@@ -1595,7 +1595,8 @@ fn compare_dd(
             IssueKind::Values,
             format!(
                 "{} (both sides {:?}: a copy changes no value)",
-                values_differ(&m, va.mat.row_bytes / va.es()),
+                // B's rows: A's TP slice along dim 0 is one flat row
+                values_differ(&m, vb.row_elems()),
                 da.dtype
             ),
         );
