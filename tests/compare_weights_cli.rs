@@ -2181,6 +2181,68 @@ fn a_changed_value_in_a_row_slice_is_placed_at_its_row_and_column() {
     );
 }
 
+/// `--tp-size n` where A's K/16 block-scale columns are not a multiple of n: rank r's K slice
+/// cuts a 16-element scale block, which no engine can hold. Bad usage (exit 2) naming the
+/// tensor and the block arithmetic; it was a bare shape mismatch ("B [rows, k] vs A [rows, K]").
+#[test]
+fn a_tp_size_that_cuts_scale_blocks_is_bad_usage() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let n = 4;
+    // K/16 not a multiple of 4; K/4 even, so B's packed bytes are whole
+    let blocks = [1, 2, 3, 5, 6, 7][r.gen_range(0..6)];
+    let (rows, k) = (16 * r.gen_range(1..4), 16 * blocks);
+    let kp = k / n;
+    let tr = r.gen_range(0..n);
+    let w = quantize_weight_nvfp4(&randn(&mut r, rows * k, 0.05), rows, k).0;
+    let base = "model.layers.1.mlp.shared_experts.down_proj";
+    let mut a = vec![];
+    triple(&mut a, base, &w, 0.01);
+    let (c0, kb) = (tr * kp, k / 16);
+    let mut slice = w.clone();
+    slice.cols = kp;
+    slice.packed = (0..rows)
+        .flat_map(|i| w.packed[i * k / 2 + c0 / 2..i * k / 2 + (c0 + kp) / 2].to_vec())
+        .collect();
+    // the block the slice starts in, one per row (what a loader rounding up would keep)
+    slice.scales = (0..rows).map(|i| w.scales[i * kb + c0 / 16]).collect();
+    let mut b = vec![];
+    triple(&mut b, base, &slice, 0.01);
+    // triple declares [rows, K/16] = [rows, 0] scales for K < 16: B keeps one column
+    for (spec, bytes) in &mut b {
+        if spec.name.ends_with(".weight_scale") {
+            spec.shape = vec![rows, bytes.len() / rows];
+        }
+    }
+    let (pa, pb) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    write_file(&pa, a, None).unwrap();
+    write_file(&pb, b, None).unwrap();
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let out = run(
+        dir.path(),
+        &[s(&pa), s(&pb), "--tp-rank", &trs, "--tp-size", &ns],
+    );
+    check(&out, 2, seed);
+    assert!(
+        !out.stderr.contains("panicked"),
+        "seed {seed}: {}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("cannot split at block boundaries")
+            && out.stderr.contains(&format!("{base}.weight"))
+            && out
+                .stderr
+                .contains(&format!("K = {k} holds {kb} scale blocks")),
+        "seed {seed}: {}",
+        out.stderr
+    );
+}
+
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so
 /// (a rank holding whole column-parallel weights sums `size` copies in its all-reduce). It
 /// passed: every tensor had A's shape, so nothing was compared as a slice.

@@ -807,6 +807,24 @@ fn compare_qq(
     if let Some(msg) = axis {
         u.issue(IssueKind::TpAxis, msg);
     }
+    // a K slice that starts or ends inside a scale block: no rank of an engine can hold it
+    if let (Some(Align::Cols(c0)), Some((r, n))) = (align, opts.tp) {
+        let block = qa.format.block();
+        if !c0.is_multiple_of(block) || !rb.1.is_multiple_of(block) {
+            return Err(crate::error::Error::usage(format!(
+                "--tp-size {n} does not fit A's `{}`: its K = {} holds {} scale blocks of {block}, \
+                 which {n} TP ranks cannot split at block boundaries (rank {r}'s K slice \
+                 {c0}..{} cuts a block; K/{block} must be a multiple of the TP size); B's `{}` \
+                 holds K = {}",
+                qa.weight_name,
+                ra.1,
+                ra.1 / block,
+                c0 + rb.1,
+                qb.weight_name,
+                rb.1
+            )));
+        }
+    }
     let (Some(a_m), Some(align)) = (align.and_then(|al| cut_to(&a_full, al, rb)), align) else {
         u.issue(
             IssueKind::Shape,
