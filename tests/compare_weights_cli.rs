@@ -341,6 +341,8 @@ struct Faults {
     /// With `tp`: the row-parallel down projections (w2, the shared expert's down_proj) split
     /// along their output rows H instead of K (a loader narrowing the wrong dim).
     tp_down_wrong_axis: bool,
+    /// This slot (after EP selection) left out: the experts after it one slot early.
+    drop_slot: Option<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -356,6 +358,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     if let Some((r, n)) = f.ep {
         let per = m.experts.len() / n;
         experts = experts[r * per..(r + 1) * per].to_vec();
+    }
+    if let Some(j) = f.drop_slot {
+        experts.remove(j);
     }
     let e = experts.len();
     let (mut w13, mut s13, mut g13, mut i13) = (vec![], vec![], vec![], vec![]);
@@ -2241,6 +2246,46 @@ fn a_tp_size_that_cuts_scale_blocks_is_bad_usage() {
         "seed {seed}: {}",
         out.stderr
     );
+}
+
+/// An EP rank's dump that left out one expert: every later slot holds the next expert, and the
+/// rank's last expert is listed missing though B holds it one slot early. The diagnosis
+/// names the dropped expert (global id) and says so; it said "every one is off by 1: local
+/// expert ids where global ids belong", pointing at an id convention.
+#[test]
+fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
+    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let fx = fixture(2 * per);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 5);
+    let er = r.gen_range(0..2);
+    let j = r.gen_range(0..per - 1);
+    let dump = fx.root.join("dropped.safetensors");
+    let ers = er.to_string();
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            drop_slot: Some(j),
+            ..Default::default()
+        },
+        &["--ep-rank", &ers, "--ep-size", "2"],
+        1,
+    );
+    let (dropped, last) = (er * per + j, er * per + per - 1);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let perm = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let msg = perm["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("A's expert(s) {dropped} in no slot of B"))
+            && msg.contains("a dropped expert shifted the rest")
+            && msg.contains(&format!("A's expert(s) {last} listed missing are held")),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    assert!(!msg.contains("local expert ids"), "seed {}: {msg}", fx.seed);
 }
 
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so

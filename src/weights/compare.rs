@@ -25,6 +25,8 @@ const CHUNK: usize = 1 << 16;
 pub struct Options {
     /// `(rank, size)`: B is tensor-parallel shard `rank` of `size`.
     pub tp: Option<(usize, usize)>,
+    /// `(rank, size, placement)`: B holds expert-parallel rank `rank`'s experts.
+    pub ep: Option<(usize, usize, crate::moe::ep::Placement)>,
     /// Values that are not bitwise identical still pass above this cosine.
     pub min_cosine: f64,
 }

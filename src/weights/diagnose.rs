@@ -718,6 +718,36 @@ pub fn cross_expert(
                         list(&lost)
                     }
                 ));
+            } else if let Some(absent) = (!lost.is_empty())
+                .then(|| {
+                    // A's experts B should hold (its EP rank's, or all) and does not: listed
+                    // missing, but held one slot early when a dropped expert shifted the rest
+                    let a_experts: BTreeSet<usize> =
+                        a_units.iter().map(|(e, _)| e.expert).collect();
+                    let map = opts.ep.and_then(|(r, n, p)| {
+                        crate::moe::ep::ExpertMap::new(a_experts.len(), r, n, p).ok()
+                    });
+                    a_experts
+                        .into_iter()
+                        .filter(|&x| map.as_ref().is_none_or(|m| m.owns(x as i64)))
+                        .filter(|x| !b_experts.contains(x))
+                        .collect::<Vec<usize>>()
+                })
+                .filter(|absent| !absent.is_empty() && absent.iter().all(|x| held.contains(x)))
+            {
+                let slots: Vec<usize> = absent
+                    .iter()
+                    .filter_map(|x| held_by.get(x).and_then(|bs| bs.first().copied()))
+                    .collect();
+                message.push_str(&format!(
+                    "; A's expert(s) {} in no slot of B and the experts after it one slot early: a \
+                     dropped expert shifted the rest (B holds {} experts), so A's expert(s) {} \
+                     listed missing are held, in B's expert(s) {}",
+                    list(&lost),
+                    b_experts.len(),
+                    list(&absent),
+                    list(&slots)
+                ));
             } else if let (true, 1, Some(&off)) =
                 (perm.len() >= 2, offsets.len(), offsets.iter().next())
             {
