@@ -338,6 +338,11 @@ struct Faults {
     /// The shared expert's gate and up as vLLM's merged `gate_up_proj` ([gate; up], each
     /// sharded on its own under `tp`); `Some(true)`: [up; gate].
     merged_shared: Option<bool>,
+    /// With `tp`: the row-parallel down projections (w2, the shared expert's down_proj) split
+    /// along their output rows H instead of K (a loader narrowing the wrong dim).
+    tp_down_wrong_axis: bool,
+    /// This slot (after EP selection) left out: the experts after it one slot early.
+    drop_slot: Option<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -353,6 +358,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     if let Some((r, n)) = f.ep {
         let per = m.experts.len() / n;
         experts = experts[r * per..(r + 1) * per].to_vec();
+    }
+    if let Some(j) = f.drop_slot {
+        experts.remove(j);
     }
     let e = experts.len();
     let (mut w13, mut s13, mut g13, mut i13) = (vec![], vec![], vec![], vec![]);
@@ -402,7 +410,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             g13.extend([a.scale_2, b.scale_2]);
         }
         i13.extend([ia, ib]);
-        let d = cols_of(&ex.w2, tr * ip, ip);
+        let d = if f.tp_down_wrong_axis {
+            rows_of(&ex.w2, tr * (h / tn), h / tn)
+        } else {
+            cols_of(&ex.w2, tr * ip, ip)
+        };
         if f.w2_zero == Some(x) {
             w2.extend(std::iter::repeat_n(0u8, d.packed.len()));
         } else if f.nibble_swap.contains(&x) {
@@ -450,12 +462,18 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     } else {
         vec![e, 2 * ip, h / 16]
     };
+    // w2's [rows, K] per expert
+    let (w2r, w2k) = if f.tp_down_wrong_axis {
+        (h / tn, i)
+    } else {
+        (h, ip)
+    };
     let s2_shape: Vec<usize> = if f.swizzle {
         swizzled(h, ip / 16)
     } else if f.w2_scales_extra_col {
         vec![e, h, ip / 16 + 1]
     } else {
-        vec![e, h, ip / 16]
+        vec![e, w2r, w2k / 16]
     };
     let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
         vec![e]
@@ -491,7 +509,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             TensorSpec::new(
                 ex("w2_weight"),
                 if f.w2_i8 { Dtype::I8 } else { Dtype::U8 },
-                &[e, h, ip / 2],
+                &[e, w2r, w2k / 2],
             ),
             w2,
         ),
@@ -605,8 +623,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
                 bytes = bf16_bytes(&dense_rows(&sh[k], h, r * ip, ip));
                 spec.shape = vec![ip, h];
             } else if spec.name.ends_with("shared_experts.down_proj.weight") {
-                bytes = bf16_bytes(&dense_cols(&sh[2], i, r * ip, ip));
-                spec.shape = vec![h, ip];
+                if f.tp_down_wrong_axis {
+                    bytes = bf16_bytes(&dense_rows(&sh[2], i, r * (h / n), h / n));
+                    spec.shape = vec![h / n, i];
+                } else {
+                    bytes = bf16_bytes(&dense_cols(&sh[2], i, r * ip, ip));
+                    spec.shape = vec![h, ip];
+                }
             } else if spec.name.ends_with("embed_tokens.weight") {
                 let vp = m.vocab / n;
                 bytes = bf16_bytes(&dense_rows(&m.embed, h, r * vp, vp));
@@ -2061,6 +2084,208 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         "{}",
         out.stdout
     );
+}
+
+/// The row-parallel down projections (every expert's w2, the shared expert's down_proj) split
+/// across TP along their output rows H instead of K: each is a bitwise 1/n slice of A, so it
+/// passed as "B is TP rows … of A". The split axis is the module's, not whichever dim fits.
+#[test]
+fn a_down_projection_split_along_the_wrong_axis_is_named() {
+    // I = 64: one block-scale column per rank at TP 4
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 4) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
+    let n = [2, 4][r.gen_range(0..2)];
+    let tr = r.gen_range(0..n);
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let args = ["--tp-rank", trs.as_str(), "--tp-size", ns.as_str()];
+    let dump = fx.root.join("axis.safetensors");
+    let tp = |wrong| Faults {
+        tp: Some((tr, n)),
+        tp_down_wrong_axis: wrong,
+        ..Default::default()
+    };
+    fx.run_fused(&dump, &tp(false), &args, 0);
+    let out = fx.run_fused(&dump, &tp(true), &args, 1);
+    let e = fx.model.experts.len();
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let mut kinds = diag_kinds(&out.json);
+    kinds.dedup();
+    assert_eq!(kinds, ["tp_axis"], "seed {}: {d:?}", fx.seed);
+    let tensors: u64 = d.iter().map(|d| d["tensors"].as_u64().unwrap()).sum();
+    assert_eq!(tensors as usize, e + 1, "seed {}: {d:?}", fx.seed);
+    let experts: Vec<u64> = d
+        .iter()
+        .flat_map(|d| d["experts"].as_array().cloned().unwrap_or_default())
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        experts,
+        (0..e as u64).collect::<Vec<_>>(),
+        "seed {}",
+        fx.seed
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), e + 1, "seed {}", fx.seed);
+    for u in m {
+        assert!(
+            u["name"].as_str().unwrap().ends_with("down_proj.weight"),
+            "{u}"
+        );
+        assert!(
+            u["issues"]
+                .to_string()
+                .contains("row-parallel: split along K"),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
+}
+
+/// A BF16 column-parallel weight compared as a TP slice (dim 0) with one changed value: the
+/// issue names that value's row and column in B. A's slice along dim 0 was read as one flat
+/// row, so it said "row 0, column <flat index>", a column past the tensor's width.
+#[test]
+fn a_changed_value_in_a_row_slice_is_placed_at_its_row_and_column() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let n = [2, 4][r.gen_range(0..2)];
+    let (rows, cols) = (n * r.gen_range(2..9), 16 * r.gen_range(1..5));
+    let tr = r.gen_range(0..n);
+    let a = randn(&mut r, rows * cols, 1.0);
+    let name = "model.layers.1.mlp.shared_experts.gate_proj.weight";
+    let per = rows / n;
+    let mut b = dense_rows(&a, cols, tr * per, per);
+    let (i, j) = (r.gen_range(1..per), r.gen_range(0..cols));
+    b[i * cols + j] += 100.0;
+    let (pa, pb) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    let t = |rows, v: &[f32]| {
+        vec![(
+            TensorSpec::new(name, Dtype::BF16, &[rows, cols]),
+            bf16_bytes(v),
+        )]
+    };
+    write_file(&pa, t(rows, &a), None).unwrap();
+    write_file(&pb, t(per, &b), None).unwrap();
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let out = run(
+        dir.path(),
+        &[s(&pa), s(&pb), "--tp-rank", &trs, "--tp-size", &ns],
+    );
+    check(&out, 1, seed);
+    let m = &out.json["mismatches"][0];
+    assert!(
+        m["issues"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("at row {i}, column {j} ")),
+        "seed {seed}: {m}"
+    );
+}
+
+/// `--tp-size n` where A's K/16 block-scale columns are not a multiple of n: rank r's K slice
+/// cuts a 16-element scale block, which no engine can hold. Bad usage (exit 2) naming the
+/// tensor and the block arithmetic; it was a bare shape mismatch ("B [rows, k] vs A [rows, K]").
+#[test]
+fn a_tp_size_that_cuts_scale_blocks_is_bad_usage() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let n = 4;
+    // K/16 not a multiple of 4; K/4 even, so B's packed bytes are whole
+    let blocks = [1, 2, 3, 5, 6, 7][r.gen_range(0..6)];
+    let (rows, k) = (16 * r.gen_range(1..4), 16 * blocks);
+    let kp = k / n;
+    let tr = r.gen_range(0..n);
+    let w = quantize_weight_nvfp4(&randn(&mut r, rows * k, 0.05), rows, k).0;
+    let base = "model.layers.1.mlp.shared_experts.down_proj";
+    let mut a = vec![];
+    triple(&mut a, base, &w, 0.01);
+    let (c0, kb) = (tr * kp, k / 16);
+    let mut slice = w.clone();
+    slice.cols = kp;
+    slice.packed = (0..rows)
+        .flat_map(|i| w.packed[i * k / 2 + c0 / 2..i * k / 2 + (c0 + kp) / 2].to_vec())
+        .collect();
+    // the block the slice starts in, one per row (what a loader rounding up would keep)
+    slice.scales = (0..rows).map(|i| w.scales[i * kb + c0 / 16]).collect();
+    let mut b = vec![];
+    triple(&mut b, base, &slice, 0.01);
+    // triple declares [rows, K/16] = [rows, 0] scales for K < 16: B keeps one column
+    for (spec, bytes) in &mut b {
+        if spec.name.ends_with(".weight_scale") {
+            spec.shape = vec![rows, bytes.len() / rows];
+        }
+    }
+    let (pa, pb) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    write_file(&pa, a, None).unwrap();
+    write_file(&pb, b, None).unwrap();
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let out = run(
+        dir.path(),
+        &[s(&pa), s(&pb), "--tp-rank", &trs, "--tp-size", &ns],
+    );
+    check(&out, 2, seed);
+    assert!(
+        !out.stderr.contains("panicked"),
+        "seed {seed}: {}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("cannot split at block boundaries")
+            && out.stderr.contains(&format!("{base}.weight"))
+            && out
+                .stderr
+                .contains(&format!("K = {k} holds {kb} scale blocks")),
+        "seed {seed}: {}",
+        out.stderr
+    );
+}
+
+/// An EP rank's dump that left out one expert: every later slot holds the next expert, and the
+/// rank's last expert is listed missing though B holds it one slot early. The diagnosis
+/// names the dropped expert (global id) and says so; it said "every one is off by 1: local
+/// expert ids where global ids belong", pointing at an id convention.
+#[test]
+fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
+    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let fx = fixture(2 * per);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 5);
+    let er = r.gen_range(0..2);
+    let j = r.gen_range(0..per - 1);
+    let dump = fx.root.join("dropped.safetensors");
+    let ers = er.to_string();
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            drop_slot: Some(j),
+            ..Default::default()
+        },
+        &["--ep-rank", &ers, "--ep-size", "2"],
+        1,
+    );
+    let (dropped, last) = (er * per + j, er * per + per - 1);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let perm = d
+        .iter()
+        .find(|d| d["kind"] == "expert_permutation")
+        .unwrap_or_else(|| panic!("seed {}: {d:?}", fx.seed));
+    let msg = perm["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("A's expert(s) {dropped} in no slot of B"))
+            && msg.contains("a dropped expert shifted the rest")
+            && msg.contains(&format!("A's expert(s) {last} listed missing are held")),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    assert!(!msg.contains("local expert ids"), "seed {}: {msg}", fx.seed);
 }
 
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so

@@ -25,6 +25,8 @@ const CHUNK: usize = 1 << 16;
 pub struct Options {
     /// `(rank, size)`: B is tensor-parallel shard `rank` of `size`.
     pub tp: Option<(usize, usize)>,
+    /// `(rank, size, placement)`: B holds expert-parallel rank `rank`'s experts.
+    pub ep: Option<(usize, usize, crate::moe::ep::Placement)>,
     /// Values that are not bitwise identical still pass above this cosine.
     pub min_cosine: f64,
 }
@@ -69,6 +71,9 @@ pub enum IssueKind {
     Scale2InputScaleSwapped,
     /// B is another TP rank's slice of A.
     TpRank,
+    /// B is a 1/size slice of A along an axis its module is not split along under TP (a
+    /// row-parallel `down_proj` cut along its output rows, a replicated norm cut at all).
+    TpAxis,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -216,6 +221,70 @@ pub fn align2(a: (usize, usize), b: (usize, usize), tp: Option<(usize, usize)>) 
         return Some(Align::Cols(r * b.1));
     }
     None
+}
+
+/// How tensor parallelism splits a module's weight (vLLM's / SGLang's DeepSeek layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Column-parallel (and the vocab-parallel embedding / lm_head): output rows, dim 0.
+    Rows,
+    /// Row-parallel: the input dim K, the last dim.
+    Cols,
+    /// The same whole tensor on every rank (norms, the MoE router).
+    Replicated,
+}
+
+impl TpSplit {
+    fn what(self) -> &'static str {
+        match self {
+            TpSplit::Rows => "column-parallel: split along its output rows (dim 0)",
+            TpSplit::Cols => "row-parallel: split along K, its input dim (the last)",
+            TpSplit::Replicated => "replicated: whole on every TP rank",
+        }
+    }
+}
+
+/// How TP splits A's tensor `name` (a canonical name: `….down_proj.weight`), by its module;
+/// None where the name does not say (the shapes decide, as for any tensor).
+pub fn tp_split(name: &str) -> Option<TpSplit> {
+    let parts: Vec<&str> = name.split('.').collect();
+    let module = match parts.as_slice() {
+        [.., m, _] => *m,
+        _ => return None,
+    };
+    let parent = parts.len().checked_sub(3).map(|i| parts[i]);
+    match module {
+        "gate_proj" | "up_proj" | "w1" | "w3" | "q_proj" | "k_proj" | "v_proj" | "q_b_proj"
+        | "kv_b_proj" | "embed_tokens" | "lm_head" => Some(TpSplit::Rows),
+        "down_proj" | "w2" | "o_proj" | "wo" => Some(TpSplit::Cols),
+        "gate" if matches!(parent, Some("mlp" | "ffn")) => Some(TpSplit::Replicated),
+        "e_score_correction_bias" if matches!(parent, Some("mlp" | "ffn")) => {
+            Some(TpSplit::Replicated)
+        }
+        m if m.ends_with("layernorm") || m.ends_with("_norm") || m == "norm" => {
+            Some(TpSplit::Replicated)
+        }
+        _ => None,
+    }
+}
+
+/// The issue of a TP slice along dim `dim` of `ndim` (0: rows) where `name`'s module is split
+/// along another (or not at all); None where the split is the module's (or it is unknown).
+fn wrong_tp_axis(name: &str, dim: usize, ndim: usize, slice: &str) -> Option<String> {
+    let want = tp_split(name)?;
+    let ok = match want {
+        TpSplit::Rows => dim == 0,
+        TpSplit::Cols => dim + 1 == ndim,
+        TpSplit::Replicated => false,
+    };
+    (!ok).then(|| {
+        let module = name.rsplit('.').nth(1).unwrap_or(name);
+        format!(
+            "B is A's {slice}: split across TP along the wrong axis — `{module}` is {} (the \
+             loader narrowed another dim)",
+            want.what()
+        )
+    })
 }
 
 fn shape_hint(a: &[usize], b: &[usize], tp: Option<(usize, usize)>) -> String {
@@ -724,14 +793,39 @@ fn compare_qq(
         return Ok(done(u));
     }
     let align = align2(ra, rb, opts.tp);
-    match align {
-        Some(Align::Rows(r0)) => u
-            .notes
-            .push(format!("B is TP rows {r0}..{} of A", r0 + rb.0)),
-        Some(Align::Cols(c0)) => u
-            .notes
-            .push(format!("B is TP columns (K) {c0}..{} of A", c0 + rb.1)),
-        _ => {}
+    let axis = match align {
+        Some(Align::Rows(r0)) => {
+            let slice = format!("rows {r0}..{}", r0 + rb.0);
+            u.notes.push(format!("B is TP {slice} of A"));
+            wrong_tp_axis(&u.name, 0, 2, &slice)
+        }
+        Some(Align::Cols(c0)) => {
+            let slice = format!("columns (K) {c0}..{}", c0 + rb.1);
+            u.notes.push(format!("B is TP {slice} of A"));
+            wrong_tp_axis(&u.name, 1, 2, &slice)
+        }
+        _ => None,
+    };
+    if let Some(msg) = axis {
+        u.issue(IssueKind::TpAxis, msg);
+    }
+    // a K slice that starts or ends inside a scale block: no rank of an engine can hold it
+    if let (Some(Align::Cols(c0)), Some((r, n))) = (align, opts.tp) {
+        let block = qa.format.block();
+        if !c0.is_multiple_of(block) || !rb.1.is_multiple_of(block) {
+            return Err(crate::error::Error::usage(format!(
+                "--tp-size {n} does not fit A's `{}`: its K = {} holds {} scale blocks of {block}, \
+                 which {n} TP ranks cannot split at block boundaries (rank {r}'s K slice \
+                 {c0}..{} cuts a block; K/{block} must be a multiple of the TP size); B's `{}` \
+                 holds K = {}",
+                qa.weight_name,
+                ra.1,
+                ra.1 / block,
+                c0 + rb.1,
+                qb.weight_name,
+                rb.1
+            )));
+        }
     }
     let (Some(a_m), Some(align)) = (align.and_then(|al| cut_to(&a_full, al, rb)), align) else {
         u.issue(
@@ -1386,6 +1480,14 @@ fn compare_dd(
     let va = if da.shape == db.shape {
         va_full
     } else if let Some((v, note)) = shard_view(da, &db.shape, opts.tp) {
+        let r = opts.tp.map_or(0, |t| t.0);
+        if let Some(d) = (0..da.shape.len()).find(|&i| da.shape[i] != db.shape[i]) {
+            let len = db.shape[d];
+            let slice = format!("slice {}..{} of dim {d}", r * len, (r + 1) * len);
+            if let Some(msg) = wrong_tp_axis(&u.name, d, da.shape.len(), &slice) {
+                u.issue(IssueKind::TpAxis, msg);
+            }
+        }
         u.notes.push(note);
         v
     } else if da.shape.len() == 2 && db.shape == [da.shape[1], da.shape[0]] {
@@ -1513,7 +1615,8 @@ fn compare_dd(
             IssueKind::Values,
             format!(
                 "{} (both sides {:?}: a copy changes no value)",
-                values_differ(&m, va.mat.row_bytes / va.es()),
+                // B's rows: A's TP slice along dim 0 is one flat row
+                values_differ(&m, vb.row_elems()),
                 da.dtype
             ),
         );
@@ -1569,8 +1672,20 @@ fn compare_qd(
         (rq == rd).then_some(Align::Same)
     } {
         Some(Align::Same) => Some(qm),
-        Some(Align::Rows(r0)) => qm.rows_slice(r0, rd.0),
-        Some(Align::Cols(c0)) => qm.cols_slice(c0, rd.1),
+        Some(Align::Rows(r0)) => {
+            let slice = format!("rows {r0}..{}", r0 + rd.0);
+            if let Some(msg) = wrong_tp_axis(&u.name, 0, 2, &slice) {
+                u.issue(IssueKind::TpAxis, msg);
+            }
+            qm.rows_slice(r0, rd.0)
+        }
+        Some(Align::Cols(c0)) => {
+            let slice = format!("columns (K) {c0}..{}", c0 + rd.1);
+            if let Some(msg) = wrong_tp_axis(&u.name, 1, 2, &slice) {
+                u.issue(IssueKind::TpAxis, msg);
+            }
+            qm.cols_slice(c0, rd.1)
+        }
         None => None,
     };
     let Some(qm) = qm else {

@@ -43,6 +43,8 @@ pub enum DiagnosisKind {
     SwizzledScales,
     /// B holds another tensor-parallel rank's slice of A.
     TpRank,
+    /// B's TP slice is cut along an axis its module is not split along.
+    TpAxis,
     /// `--tp-rank/--tp-size` given, but B holds A's whole matrices, not one rank's slices.
     TpNotSharded,
     /// One fused tensor with the block scales of some experts swizzled and of others linear:
@@ -135,6 +137,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::NibblesSwapped => DiagnosisKind::NibblesSwapped,
                     IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
                     IssueKind::TpRank => DiagnosisKind::TpRank,
+                    IssueKind::TpAxis => DiagnosisKind::TpAxis,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -177,6 +180,9 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::TpRank => format!(
                     "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
+                ),
+                DiagnosisKind::TpAxis => format!(
+                    "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold their input scale in the other direction (input_scale vs its reciprocal gs) than their names say; e.g. {example}"
@@ -711,6 +717,36 @@ pub fn cross_expert(
                     } else {
                         list(&lost)
                     }
+                ));
+            } else if let Some(absent) = (!lost.is_empty())
+                .then(|| {
+                    // A's experts B should hold (its EP rank's, or all) and does not: listed
+                    // missing, but held one slot early when a dropped expert shifted the rest
+                    let a_experts: BTreeSet<usize> =
+                        a_units.iter().map(|(e, _)| e.expert).collect();
+                    let map = opts.ep.and_then(|(r, n, p)| {
+                        crate::moe::ep::ExpertMap::new(a_experts.len(), r, n, p).ok()
+                    });
+                    a_experts
+                        .into_iter()
+                        .filter(|&x| map.as_ref().is_none_or(|m| m.owns(x as i64)))
+                        .filter(|x| !b_experts.contains(x))
+                        .collect::<Vec<usize>>()
+                })
+                .filter(|absent| !absent.is_empty() && absent.iter().all(|x| held.contains(x)))
+            {
+                let slots: Vec<usize> = absent
+                    .iter()
+                    .filter_map(|x| held_by.get(x).and_then(|bs| bs.first().copied()))
+                    .collect();
+                message.push_str(&format!(
+                    "; A's expert(s) {} in no slot of B and the experts after it one slot early: a \
+                     dropped expert shifted the rest (B holds {} experts), so A's expert(s) {} \
+                     listed missing are held, in B's expert(s) {}",
+                    list(&lost),
+                    b_experts.len(),
+                    list(&absent),
+                    list(&slots)
                 ));
             } else if let (true, 1, Some(&off)) =
                 (perm.len() >= 2, offsets.len(), offsets.iter().next())

@@ -353,6 +353,7 @@ impl<'a> Plan<'a> {
         };
         let copts = compare::Options {
             tp: self.opts.tp,
+            ep: self.opts.ep,
             min_cosine: self.opts.min_cosine,
         };
         let lookup = |e: ExpertProj| self.a_scalars.get(&e).copied();
