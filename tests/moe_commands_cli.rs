@@ -191,6 +191,46 @@ fn multilayer_runs_and_reports_each_layer() {
     assert_eq!(code, 2, "{text}");
 }
 
+/// A fixed `--gs` was labelled "calibrated on the BF16 model's activations" in the table.
+#[test]
+fn multilayer_labels_a_fixed_gs_as_fixed_not_calibrated() {
+    let seed = rand::random::<u16>().to_string();
+    let gs = format!("{}", 50 + rand::random::<u16>() % 2000);
+    let dir = tempfile::tempdir().unwrap();
+    for (g, want, not) in [
+        (gs.as_str(), "fixed", "calibrated on"),
+        ("default", "fixed", "calibrated on"),
+        ("calibrated", "calibrated on the BF16", "fixed"),
+    ] {
+        let args = [
+            "multilayer",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--layers",
+            "1..3",
+            "--seed",
+            &seed,
+            "--gs",
+            g,
+            "--min-cosine=-1",
+            "--min-layer-cosine=-1",
+        ];
+        let (code, text, r) = run(dir.path(), &args);
+        assert!(code == 0 || code == 1, "seed {seed} gs {g}: {text}");
+        let row = text
+            .lines()
+            .find(|l| l.contains("activation gs"))
+            .unwrap_or_else(|| panic!("seed {seed}: no gs row in {text}"));
+        assert!(
+            row.contains(want) && !row.contains(not),
+            "seed {seed} gs {g}: {row}"
+        );
+        assert!(r.is_some(), "seed {seed}");
+    }
+}
+
 #[test]
 fn multilayer_names_the_layer_a_nan_starts_in() {
     let dir = tempfile::tempdir().unwrap();

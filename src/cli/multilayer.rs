@@ -170,6 +170,19 @@ fn agreement(a: &Routing, b: &Routing) -> f64 {
     }
 }
 
+/// The table's `activation gs` row: where each layer's scales come from. Only `calibrated`
+/// is measured on the BF16 model's activations; a fixed gs is the same everywhere.
+fn gs_label(source: GsSource) -> String {
+    let how = match source {
+        GsSource::Calibrated => "per layer, calibrated on the BF16 model's activations",
+        GsSource::Warmup => "per layer, amax of a randn warm-up batch",
+        GsSource::Dynamic => "per batch, on each model's own activations",
+        GsSource::Checkpoint => "each layer's checkpoint input_scale",
+        GsSource::Default | GsSource::Value(_) => "fixed: every expert of every layer",
+    };
+    format!("{source} ({how})")
+}
+
 pub fn run(args: &Args) -> Result<Report> {
     let devices = args.ep.open(&args.device, args.out_args.quiet)?;
     let plugin = kernel::open(&args.kernel, &devices)?;
@@ -458,10 +471,7 @@ pub fn run(args: &Args) -> Result<Report> {
                     batch.origin, layers[0]
                 ),
             ),
-            (
-                "activation gs",
-                format!("{source} (per layer, calibrated on the BF16 model's activations)"),
-            ),
+            ("activation gs", gs_label(source)),
             ("device", backend.name()),
         ],
     );

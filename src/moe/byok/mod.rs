@@ -20,7 +20,7 @@ use super::{ActScales, MoeConfig, MoeLayer, Path, Routing};
 use crate::error::Result;
 use crate::metrics::{compare, max_rel_l2, Metrics};
 use crate::nvfp4::layout::{swizzle_offset, ScaleLayout};
-use crate::nvfp4::{Flavor, Fp4Tensor};
+use crate::nvfp4::{rcp, Flavor, Fp4Tensor};
 use serde::Serialize;
 
 /// A correct kernel against our NVFP4 path: the same function up to FP32 summation order
@@ -81,6 +81,20 @@ pub enum SuspectedBug {
     WeightsSortedIdsNot,
     /// The output written column-major: `[hidden, tokens]` where `[tokens, hidden]` is due.
     OutputTransposed,
+    /// The activation global scales taken in the dequant direction: `1/a1_gscale`,
+    /// `1/a2_gscale` quantize (a checkpoint `input_scale` handed where `gs` is due).
+    GlobalScalesInverted,
+    /// The epilogue's alpha built from `gs` instead of `1/gs` (`a1_gscale · weight_scale_2`
+    /// where `input_scale · weight_scale_2` is due); the quantization itself right.
+    AlphaUsesGs,
+    /// The handed activation global scales ignored: every GEMM input quantized with the
+    /// engine default gs 2688 (an `input_scale` of 1/2688, amax assumed 1).
+    DefaultGsUsed,
+    /// The E2M1 codes of the weights read high nibble first (element `2i` is the low one).
+    NibblesSwapped,
+    /// The up projection scaled with the gate's `weight_scale_2` (vLLM's `w13_weight_scale_2`
+    /// keeps one of the two): differs only where an expert's w1 and w3 global scales differ.
+    UpUsesGateScale2,
 }
 
 impl SuspectedBug {
@@ -124,6 +138,21 @@ impl SuspectedBug {
             }
             SuspectedBug::OutputTransposed => {
                 "the output is written transposed: [hidden, tokens] (token t, channel c at c * tokens + t) where [tokens, hidden] row-major (t * hidden + c) is due - a column-major store or a flat buffer indexed the other way"
+            }
+            SuspectedBug::GlobalScalesInverted => {
+                "the activation global scales are used in the other direction: the kernel quantizes with 1/a1_gscale and 1/a2_gscale - a1_gscale/a2_gscale are gs = 1/input_scale (quant direction), so an input_scale (dequant direction, amax/2688) was handed or taken where gs is due"
+            }
+            SuspectedBug::AlphaUsesGs => {
+                "the GEMM epilogue's alpha uses the activation gs instead of 1/gs: alpha = a1_gscale * weight_scale_2 where input_scale * weight_scale_2 = weight_scale_2 / a1_gscale is due (a2_gscale likewise for w2); the activations themselves are quantized right"
+            }
+            SuspectedBug::DefaultGsUsed => {
+                "a1_gscale/a2_gscale are ignored: every GEMM input is quantized with the engine default gs 2688 (input_scale 1/2688, i.e. amax assumed 1), so blocks of larger activations saturate at 448"
+            }
+            SuspectedBug::NibblesSwapped => {
+                "the packed E2M1 weights are read with the nibbles reversed: element 2i is the low nibble of byte i and 2i+1 the high one, the kernel takes them the other way round"
+            }
+            SuspectedBug::UpUsesGateScale2 => {
+                "the up projection (w3) is scaled with the gate's (w1) weight_scale_2: a fused w13 keeps one global scale per expert (vLLM's w13_weight_scale_2 keeps only the gate's) while this checkpoint's w1 and w3 scales differ - requantize w1/w3 with a shared global scale, or apply each its own"
             }
         }
     }
@@ -337,6 +366,121 @@ fn transposed(v: &[f32], tokens: usize, hidden: usize) -> Vec<f32> {
     out
 }
 
+/// The layer with expert `e` changed by `f(e, expert)`, no shared experts (routed-only).
+fn variant_layer_indexed(
+    layer: &MoeLayer,
+    f: impl Fn(usize, &super::Expert) -> super::Expert,
+) -> MoeLayer {
+    MoeLayer {
+        experts: layer
+            .experts
+            .iter()
+            .enumerate()
+            .map(|(e, x)| f(e, x))
+            .collect(),
+        ..variant_layer(layer, |x| x.clone())
+    }
+}
+
+/// `l` with its weight's global scale replaced (the reference original dropped: the variant
+/// runs the NVFP4 path only).
+fn with_scale_2(l: &super::QLinear, scale_2: f32) -> super::QLinear {
+    let mut weight = l.weight.clone();
+    weight.scale_2 = scale_2;
+    super::QLinear {
+        weight,
+        input_scale: l.input_scale,
+        original: None,
+    }
+}
+
+/// The global-scale and packing bugs: gs taken as input_scale, alpha built from gs, the
+/// engine default gs in place of the handed one, the nibbles of the weights reversed, w3 scaled with w1's weight_scale_2. Each one that would
+/// not change the output here (gs ≈ 1, MXFP4 weights, equal w1/w3 scales) is left out.
+fn scale_and_packing_bugs(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    scales: &ActScales,
+    correct: &[f32],
+) -> Result<Vec<(SuspectedBug, Vec<f32>)>> {
+    let mut out = vec![];
+    let routed_only = variant_layer(layer, |x| x.clone());
+    if let ActScales::Fixed { gs1, gs2 } = scales {
+        let inv = |v: &[f32]| v.iter().map(|&g| rcp(g)).collect::<Vec<f32>>();
+        let flipped = ActScales::Fixed {
+            gs1: inv(gs1),
+            gs2: inv(gs2),
+        };
+        out.push((
+            SuspectedBug::GlobalScalesInverted,
+            routed_cpu(&routed_only, hidden, routing, &flipped)?,
+        ));
+        // alpha = rcp(gs) · weight_scale_2 in the forward: weight_scale_2 · gs² makes it
+        // gs · weight_scale_2 (up to the f32 rounding of the product)
+        let (g1, g2) = (gs1.clone(), gs2.clone());
+        let alpha_gs = variant_layer_indexed(layer, |e, x| {
+            let sq = |g: f32| g * g;
+            super::Expert {
+                w1: with_scale_2(&x.w1, x.w1.weight.scale_2 * sq(g1[e])),
+                w3: with_scale_2(&x.w3, x.w3.weight.scale_2 * sq(g1[e])),
+                w2: with_scale_2(&x.w2, x.w2.weight.scale_2 * sq(g2[e])),
+            }
+        });
+        out.push((
+            SuspectedBug::AlphaUsesGs,
+            routed_cpu(&alpha_gs, hidden, routing, scales)?,
+        ));
+        let e = layer.config.n_routed_experts;
+        let default = ActScales::Fixed {
+            gs1: vec![crate::nvfp4::DEFAULT_GS; e],
+            gs2: vec![crate::nvfp4::DEFAULT_GS; e],
+        };
+        out.push((
+            SuspectedBug::DefaultGsUsed,
+            routed_cpu(&routed_only, hidden, routing, &default)?,
+        ));
+    }
+    {
+        let swap = |l: &super::QLinear| {
+            let mut weight = l.weight.clone();
+            weight.packed.iter_mut().for_each(|b| *b = b.rotate_left(4));
+            super::QLinear {
+                weight,
+                input_scale: l.input_scale,
+                original: None,
+            }
+        };
+        let swapped = variant_layer(layer, |x| super::Expert {
+            w1: swap(&x.w1),
+            w3: swap(&x.w3),
+            w2: swap(&x.w2),
+        });
+        out.push((
+            SuspectedBug::NibblesSwapped,
+            routed_cpu(&swapped, hidden, routing, scales)?,
+        ));
+    }
+    if layer
+        .experts
+        .iter()
+        .any(|x| x.w1.weight.scale_2.to_bits() != x.w3.weight.scale_2.to_bits())
+    {
+        let gate_only = variant_layer(layer, |x| super::Expert {
+            w1: x.w1.clone(),
+            w3: with_scale_2(&x.w3, x.w1.weight.scale_2),
+            w2: x.w2.clone(),
+        });
+        out.push((
+            SuspectedBug::UpUsesGateScale2,
+            routed_cpu(&gate_only, hidden, routing, scales)?,
+        ));
+    }
+    // one that does not change the output here cannot be told from a correct kernel
+    out.retain(|(_, v)| !same_up_to_noise(&compare(v, correct), EXPLAINS_MIN_COSINE));
+    Ok(out)
+}
+
 /// The routed output under each known bug that fits how the plugin was fed.
 pub fn bug_variants(
     layer: &MoeLayer,
@@ -406,6 +550,9 @@ pub fn bug_variants(
         }
         seen.push(moved.topk_weights);
     }
+    out.extend(scale_and_packing_bugs(
+        layer, hidden, routing, scales, &correct,
+    )?);
     // one token (or one channel): the transpose is the output itself
     if routing.tokens > 1 && h > 1 {
         out.push((
@@ -981,11 +1128,12 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            // gate/up, one scale misreading, weights not applied, the transpose, 2 EP, and the
-            // wrong-slot permutations this routing tells apart (top-4: both shifts at least)
+            // gate/up, one scale misreading, weights not applied, the transpose, 2 EP, the
+            // wrong-slot permutations this routing tells apart (top-4: both shifts at least),
+            // gs inverted, alpha from gs, the default gs, the nibbles (w1/w3 scales are equal)
             let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
             assert!(
-                (8..=10).contains(&variants.len())
+                (12..=14).contains(&variants.len())
                     && named.contains(&SuspectedBug::OutputTransposed)
                     && named.contains(&SuspectedBug::WeightsShiftedForward)
                     && named.contains(&SuspectedBug::WeightsShiftedBackward),
@@ -1022,6 +1170,114 @@ mod tests {
                 assert!(j.blame().unwrap().contains(bug.describe()), "seed {seed}");
             }
         }
+    }
+
+    /// A kernel with a global-scale or packing bug, built here from the bug's own definition:
+    /// it used to fail as "N of T tokens deviate" with no cause; now the bug is named.
+    #[test]
+    fn global_scale_and_nibble_bugs_are_named() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (mut layer, x, r, _) = setup(seed);
+        let e = layer.config.n_routed_experts;
+        // calibrated-like per-expert scales, and w3 global scales that differ from w1's
+        let s = ActScales::Fixed {
+            gs1: (0..e).map(|_| rng.gen_range(50.0..600.0)).collect(),
+            gs2: (0..e).map(|_| rng.gen_range(50.0..600.0)).collect(),
+        };
+        for ex in layer.experts.iter_mut() {
+            ex.w3.weight.scale_2 *= rng.gen_range(1.5f32..3.0);
+        }
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        let ActScales::Fixed { gs1, gs2 } = &s else {
+            unreachable!()
+        };
+        let bare = |f: &dyn Fn(&mut crate::moe::Expert, usize)| {
+            let mut l = layer.clone();
+            l.shared = None;
+            for (i, ex) in l.experts.iter_mut().enumerate() {
+                f(ex, i);
+            }
+            l
+        };
+        let inverted = ActScales::Fixed {
+            gs1: gs1.iter().map(|g| 1.0 / g).collect(),
+            gs2: gs2.iter().map(|g| 1.0 / g).collect(),
+        };
+        let default = ActScales::Fixed {
+            gs1: vec![2688.0; e],
+            gs2: vec![2688.0; e],
+        };
+        // alpha = gs · weight_scale_2: the per-expert global scales times gs²
+        let alpha = bare(&|ex, i| {
+            ex.w1.weight.scale_2 *= gs1[i] * gs1[i];
+            ex.w3.weight.scale_2 *= gs1[i] * gs1[i];
+            ex.w2.weight.scale_2 *= gs2[i] * gs2[i];
+        });
+        let nibbles = bare(&|ex, _| {
+            for w in [&mut ex.w1, &mut ex.w3, &mut ex.w2] {
+                for b in w.weight.packed.iter_mut() {
+                    *b = (*b % 16) * 16 + *b / 16; // low nibble up, high down
+                }
+            }
+        });
+        let gate_scale = bare(&|ex, _| ex.w3.weight.scale_2 = ex.w1.weight.scale_2);
+        let cases = [
+            (
+                SuspectedBug::GlobalScalesInverted,
+                routed_cpu(&layer, &x, &r, &inverted).unwrap(),
+            ),
+            (
+                SuspectedBug::DefaultGsUsed,
+                routed_cpu(&layer, &x, &r, &default).unwrap(),
+            ),
+            (
+                SuspectedBug::AlphaUsesGs,
+                routed_cpu(&alpha, &x, &r, &s).unwrap(),
+            ),
+            (
+                SuspectedBug::NibblesSwapped,
+                routed_cpu(&nibbles, &x, &r, &s).unwrap(),
+            ),
+            (
+                SuspectedBug::UpUsesGateScale2,
+                routed_cpu(&gate_scale, &x, &r, &s).unwrap(),
+            ),
+        ];
+        let feeding = Feeding {
+            layout: None,
+            ep: None,
+        };
+        let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        let o = |theirs: &'_ [f32]| -> Judgement {
+            judge(
+                &Outputs {
+                    theirs_routed: theirs,
+                    ours_routed: &ours,
+                    ours_layer: &ours,
+                    reference_layer: &ours,
+                    shared: &zeros,
+                },
+                0.95,
+                &variants,
+            )
+        };
+        assert!(o(&ours).pass(), "seed {seed}");
+        for (bug, theirs) in &cases {
+            let j = o(theirs);
+            assert!(!j.pass(), "seed {seed} {bug:?}");
+            assert_eq!(j.diagnosis, Some(*bug), "seed {seed}: {:?}", j.suspects);
+            assert!(j.blame().unwrap().contains(bug.describe()), "seed {seed}");
+        }
+        // equal w1/w3 global scales: the gate-scale bug changes nothing and is no suspect
+        let (layer, x, r, _) = setup(seed);
+        let v = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        assert!(
+            !v.iter().any(|(b, _)| *b == SuspectedBug::UpUsesGateScale2),
+            "seed {seed}"
+        );
     }
 
     /// An output off by a factor has cosine 1 with ours: it used to "agree" with the built-in
