@@ -1576,3 +1576,276 @@ fn placement_and_ids_metadata_are_the_defaults() {
     assert!(out.stderr.contains("d.safetensors") && out.stderr.contains("`placement`"));
     assert!(!out.stderr.contains("panicked"));
 }
+
+/// A copy of checkpoint `src` in `dst` whose layer-`l` router (gate weight `[E, H]`, correction
+/// bias) `edit` changed; a bias set to `None` is dropped (and `config`, when given, edits
+/// config.json).
+fn edit_router(
+    src: &Path,
+    dst: &Path,
+    l: usize,
+    edit: impl Fn(&mut Vec<f32>, &mut Option<Vec<f32>>),
+    config: Option<&dyn Fn(&mut Value)>,
+) {
+    fn copy_dir(a: &Path, b: &Path) {
+        std::fs::create_dir_all(b).unwrap();
+        for e in std::fs::read_dir(a).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                copy_dir(&e.path(), &b.join(e.file_name()));
+            } else {
+                std::fs::copy(e.path(), b.join(e.file_name())).unwrap();
+            }
+        }
+    }
+    copy_dir(src, dst);
+    let (wn, bn) = (
+        format!("model.layers.{l}.mlp.gate.weight"),
+        format!("model.layers.{l}.mlp.gate.e_score_correction_bias"),
+    );
+    let idx_path = dst.join("model.safetensors.index.json");
+    let mut idx: Value = serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let shard = dst.join(idx["weight_map"][&wn].as_str().unwrap());
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let meta = safetensors::SafeTensors::read_metadata(&bytes)
+        .unwrap()
+        .1
+        .metadata()
+        .clone()
+        .map(|m| m.into_iter().collect::<BTreeMap<_, _>>());
+    let to_f32 = |name: &str| -> Vec<f32> {
+        let t = st.tensor(name).unwrap();
+        match t.dtype() {
+            Dtype::BF16 => t
+                .data()
+                .chunks(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F32 => t
+                .data()
+                .chunks(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            d => panic!("{name}: {d:?}"),
+        }
+    };
+    let mut w = to_f32(&wn);
+    let mut b = st.names().contains(&bn.as_str()).then(|| to_f32(&bn));
+    edit(&mut w, &mut b);
+    let mut out = vec![];
+    for (name, t) in st.tensors() {
+        let enc = |v: &[f32]| match t.dtype() {
+            Dtype::BF16 => bf16_bytes(v),
+            _ => f32_bytes(v),
+        };
+        let data = if name == wn {
+            enc(&w)
+        } else if name == bn {
+            match &b {
+                Some(b) => enc(b),
+                None => continue,
+            }
+        } else {
+            t.data().to_vec()
+        };
+        out.push((TensorSpec::new(&name, t.dtype(), t.shape()), data));
+    }
+    drop(st);
+    write_file(&shard, out, meta).unwrap();
+    if b.is_none() {
+        idx["weight_map"].as_object_mut().unwrap().remove(&bn);
+        std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+    }
+    if let Some(f) = config {
+        let cp = dst.join("config.json");
+        let mut c: Value = serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+        f(&mut c);
+        std::fs::write(&cp, serde_json::to_vec(&c).unwrap()).unwrap();
+    }
+}
+
+/// Exact ties of the selection score may go either way: a CUDA-graph batch padded with zero
+/// hidden states ties every expert of a router without correction bias, and duplicated gate
+/// rows tie on every token. A tie-break other than the reference's is a valid routing; it was
+/// a routing_mismatch. A set no tie-break gives (three groups where topk_group is 2), or wrong
+/// weights on a tied token, still fail.
+#[test]
+fn exact_ties_are_valid_routings() {
+    let (seed, mut r) = rng();
+    let src = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    // 1. no correction bias; every third row a zero padding row
+    let ck = dir.path().join("nobias");
+    edit_router(
+        &src,
+        &ck,
+        1,
+        |_, b| *b = None,
+        Some(&|c: &mut Value| {
+            c.as_object_mut().unwrap().remove("topk_method");
+        }),
+    );
+    let mut layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    layer.router.e_score_correction_bias = None;
+    let c = layer.config.clone();
+    let (k, h, e) = (c.num_experts_per_tok, c.hidden_size, c.n_routed_experts);
+    let gsz = e / c.n_group;
+    let mut hidden = randn(&mut r, t * h, 1.0);
+    for row in hidden.chunks_mut(h).step_by(3) {
+        row.fill(0.0);
+    }
+    let reference = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let mut ids: Vec<i64> = reference.topk_ids.iter().map(|&v| v as i64).collect();
+    let mut w = reference.topk_weights.clone();
+    let half_score = vec![0.5f32; e];
+    let mut changed = 0;
+    for tok in (0..t).step_by(3) {
+        // any topk_group groups, any k experts within them, in any order
+        let mut groups: Vec<usize> = (0..c.n_group).collect();
+        groups.shuffle(&mut r);
+        let pool: Vec<usize> = groups[..c.topk_group]
+            .iter()
+            .flat_map(|&g| g * gsz..(g + 1) * gsz)
+            .collect();
+        let row: Vec<usize> = pool.choose_multiple(&mut r, k).copied().collect();
+        let mut a: Vec<i64> = row.iter().map(|&v| v as i64).collect();
+        let mut b = ids[tok * k..(tok + 1) * k].to_vec();
+        a.sort_unstable();
+        b.sort_unstable();
+        changed += usize::from(a != b);
+        ids.splice(tok * k..(tok + 1) * k, row.iter().map(|&v| v as i64));
+        let rw = nvfp4dbg::moe::router::weights(
+            &half_score,
+            &row,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        );
+        w.splice(tok * k..(tok + 1) * k, rw);
+    }
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+        "--min-match",
+        "1",
+    ];
+    write_full(&f, t, k, &ids, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(
+        out.json["summary"]["tokens_accepted_under_ties"], changed,
+        "seed {seed}"
+    );
+    if changed > 0 {
+        assert!(
+            out.json["notes"].to_string().contains("exact ties"),
+            "seed {seed}"
+        );
+    }
+    // the same padding rows over three groups: no tie-break gives that
+    let tok = 3 * r.gen_range(0..t / 3);
+    let mut bad = ids.clone();
+    // tiny: 16 experts in 4 groups of 4, the best 2 groups kept, top-4
+    assert_eq!((e, c.n_group, c.topk_group, k), (16, 4, 2, 4));
+    let mut spread = vec![0i64, 1, 4, 8];
+    spread.shuffle(&mut r);
+    bad.splice(tok * k..(tok + 1) * k, spread);
+    write_full(&f, t, k, &bad, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert!(
+        out.json["summary"]["match_rate"].as_f64().unwrap() < 1.0,
+        "seed {seed}"
+    );
+    // tied tokens' weights are still checked
+    let mut heavy = w.clone();
+    for tok in (0..t).step_by(3) {
+        heavy[tok * k..(tok + 1) * k]
+            .iter_mut()
+            .for_each(|v| *v *= 1.5);
+    }
+    write_full(&f, t, k, &ids, &heavy, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert!(
+        kinds(&out.json).contains(&"weight_error".to_string()),
+        "seed {seed}"
+    );
+
+    // 2. duplicated gate rows and biases (experts 1 = 2, 3 = 5, 9 = 14): an engine breaking
+    // ties the other way (experts in reverse order) matches on every token
+    let ck = dir.path().join("dup");
+    let dup = |w: &mut Vec<f32>, b: &mut Option<Vec<f32>>| {
+        let hh = w.len() / 16;
+        for (a, z) in [(1, 2), (3, 5), (9, 14)] {
+            let row = w[a * hh..(a + 1) * hh].to_vec();
+            w[z * hh..(z + 1) * hh].copy_from_slice(&row);
+            if let Some(b) = b {
+                b[z] = b[a];
+            }
+        }
+    };
+    edit_router(&src, &ck, 1, dup, None);
+    let mut layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    let hidden = randn(&mut r, t * h, 1.0);
+    let forward = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let rows: Vec<Vec<f32>> = layer
+        .router
+        .weight
+        .chunks(h)
+        .rev()
+        .map(|c| c.to_vec())
+        .collect();
+    layer.router.weight = rows.concat();
+    if let Some(b) = layer.router.e_score_correction_bias.as_mut() {
+        b.reverse();
+    }
+    let rev = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let ids: Vec<i64> = rev
+        .topk_ids
+        .iter()
+        .map(|&v| (e - 1) as i64 - v as i64)
+        .collect();
+    let differ = (0..t)
+        .filter(|&tok| {
+            let mut a = ids[tok * k..(tok + 1) * k].to_vec();
+            let mut b: Vec<i64> = forward.topk_ids[tok * k..(tok + 1) * k]
+                .iter()
+                .map(|&v| v as i64)
+                .collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            a != b
+        })
+        .count();
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        ..Default::default()
+    };
+    write_full(&f, t, k, &ids, &rev.topk_weights, &x);
+    let mut base2 = base;
+    base2[2] = ck.to_str().unwrap();
+    let out = run(dir.path(), &base2);
+    assert_eq!(
+        out.code, 0,
+        "seed {seed} ({differ} tokens tie-broken otherwise)\n{}",
+        out.stdout
+    );
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(
+        out.json["summary"]["tokens_accepted_under_ties"], differ,
+        "seed {seed}"
+    );
+}

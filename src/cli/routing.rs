@@ -99,6 +99,9 @@ struct Summary {
     best_match_rate: Option<f64>,
     id_transform: Option<String>,
     weight_rel_l2: Option<f64>,
+    /// Tokens at another expert set than the recomputed one that exact ties of the selection
+    /// score allow (counted as matching).
+    tokens_accepted_under_ties: Option<u64>,
     unused_experts: usize,
     max_over_mean: f64,
 }
@@ -454,55 +457,64 @@ fn recompute(
                 m.cosine, m.rel_l2
             ));
         }
-        let layer = router_layer(layer_idx, config.clone(), router.clone());
         let be = backend()?;
-        let routing = be.route(&layer, &hb, d.input_ids.as_deref())?;
+        let logits = crate::moe::router::router_logits(
+            &router.weight,
+            &hb,
+            d.tokens,
+            config.hidden_size,
+            config.n_routed_experts,
+        );
+        let reroute = |c: &MoeConfig, r: &Router| {
+            let v = be.route(
+                &router_layer(layer_idx, c.clone(), r.clone()),
+                &hb,
+                d.input_ids.as_deref(),
+            )?;
+            Ok(accept_ties(ids, &v, &logits, c, r, layer_idx, args.ids()))
+        };
+        let (routing, ties) = reroute(config, &router)?;
         let cmp = RefCompare {
             source: "hidden_states + gate",
             ids_checked_elsewhere: hash_checked,
             ..base
         };
         let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
-        let logits = || {
-            crate::moe::router::router_logits(
-                &router.weight,
-                &hb,
-                d.tokens,
-                config.hidden_size,
-                config.n_routed_experts,
-            )
-        };
+        if ties > 0 {
+            o.notes.push(ties_note(ties, cmp.source));
+        }
         if o.findings.is_empty() && !hash_checked {
-            o.extend(clear(&logits()));
+            o.extend(clear(&logits));
         } else if !hash_checked {
-            let logits = logits();
-            let reroute = |c: &MoeConfig, r: &Router| {
-                be.route(
-                    &router_layer(layer_idx, c.clone(), r.clone()),
-                    &hb,
-                    d.input_ids.as_deref(),
-                )
-            };
+            let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
             diagnose(
                 ids, config, &router, &logits, &routing, &cmp, &reroute, &mut o,
             )?;
         }
         out.extend(o);
-        agreements.extend(ag);
+        agreements.extend(ag.map(|mut a| {
+            a.tokens_accepted_under_ties = ties;
+            a
+        }));
     } else if let Some(lg) = &d.router_logits {
         if !hash_checked {
             check_logits_shape(d, lg, config)?;
             let be = backend()?;
             let reroute = |c: &MoeConfig, r: &Router| {
-                route_from_logits(&*be, layer_idx, c, r, lg, d.input_ids.as_deref())
+                let v = route_from_logits(&*be, layer_idx, c, r, lg, d.input_ids.as_deref())?;
+                Ok(accept_ties(ids, &v, &lg.data, c, r, layer_idx, args.ids()))
             };
-            let routing = reroute(config, &router)?;
+            let (routing, ties) = reroute(config, &router)?;
             let cmp = RefCompare {
                 source: "router_logits",
                 ..base
             };
             let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
+            if ties > 0 {
+                o.notes.push(ties_note(ties, cmp.source));
+            }
             if !o.findings.is_empty() {
+                let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
@@ -510,7 +522,10 @@ fn recompute(
                 o.extend(clear(&lg.data));
             }
             out.extend(o);
-            agreements.extend(ag);
+            agreements.extend(ag.map(|mut a| {
+                a.tokens_accepted_under_ties = ties;
+                a
+            }));
         }
     } else if !hash_checked {
         out.notes.push(
@@ -519,6 +534,79 @@ fn recompute(
         );
     }
     Ok(agreements)
+}
+
+/// The reference with each token whose dump ids (global) name another expert set, but one a
+/// tie-break of exact ties of the selection score (score + bias) could choose, group
+/// selection included, taking the dump's ids and the weights recomputed for them; and how
+/// many tokens that is. Exact ties are real: engines pad CUDA-graph batches with zero hidden
+/// states, which tie every expert when the router has no correction bias, and duplicated gate
+/// rows tie on every token. Hash layers and local ids are left as they are.
+fn accept_ties(
+    ids: &Ids,
+    reference: &Routing,
+    logits: &[f32],
+    config: &MoeConfig,
+    router: &Router,
+    layer: usize,
+    space: IdSpace,
+) -> (Routing, u64) {
+    use crate::moe::router::{is_valid_topk, score, weights};
+    let (e, k) = (config.n_routed_experts, reference.top_k);
+    if space != IdSpace::Global
+        || config.is_hash_layer(layer)
+        || reference.tokens != ids.tokens
+        || k != ids.top_k
+        || logits.len() != reference.tokens * e
+    {
+        return (reference.clone(), 0);
+    }
+    let mut r = reference.clone();
+    let mut n = 0u64;
+    for (t, l) in logits.chunks(e).enumerate() {
+        let got = &ids.ids[t * k..(t + 1) * k];
+        let want = &reference.topk_ids[t * k..(t + 1) * k];
+        if got.iter().all(|&g| want.iter().any(|&w| w as i64 == g)) {
+            continue;
+        }
+        let Some(chosen) = got
+            .iter()
+            .map(|&g| usize::try_from(g).ok().filter(|&g| g < e))
+            .collect::<Option<Vec<usize>>>()
+        else {
+            continue;
+        };
+        let sc = score(config.scoring_func, l);
+        let sel: Vec<f32> = match &router.e_score_correction_bias {
+            Some(b) => sc.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => sc.clone(),
+        };
+        if !is_valid_topk(&sel, config.n_group, config.topk_group, &chosen) {
+            continue;
+        }
+        let w = weights(
+            &sc,
+            &chosen,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        );
+        for (j, (&c, w)) in chosen.iter().zip(w).enumerate() {
+            r.topk_ids[t * k + j] = c as i32;
+            r.topk_weights[t * k + j] = w;
+        }
+        n += 1;
+    }
+    (r, n)
+}
+
+/// The note that says how many tokens [`accept_ties`] accepted.
+fn ties_note(n: u64, source: &str) -> String {
+    format!(
+        "{n} token(s) name another expert set than the routing recomputed from {source}, but one \
+         that exact ties of the selection score (score + bias) allow (padding rows of zeros tie \
+         every expert without a correction bias): counted as matching, their weights compared with \
+         those recomputed for the dump's experts"
+    )
 }
 
 /// Weights of one token from its scores and chosen ids.
@@ -921,6 +1009,7 @@ fn build_report(
         best_match_rate: main_ag.map(|a| a.match_rate),
         id_transform: main_ag.map(|a| a.id_transform.clone()),
         weight_rel_l2: main_ag.and_then(|a| a.weights.as_ref()).map(|m| m.rel_l2),
+        tokens_accepted_under_ties: main_ag.map(|a| a.tokens_accepted_under_ties),
         unused_experts: load.unused_experts,
         max_over_mean: load.max_over_mean,
     };
@@ -963,7 +1052,10 @@ fn build_report(
                     .as_ref()
                     .map(|m| format!("; weights rel_l2 {}", report::e(m.rel_l2)))
                     .unwrap_or_default()
-            ),
+            ) + &match a.tokens_accepted_under_ties {
+                0 => String::new(),
+                n => format!("; {n} token(s) under exact ties"),
+            },
         ]);
     }
     let mut findings = Section::new(

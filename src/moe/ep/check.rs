@@ -861,6 +861,10 @@ pub struct Agreement {
     /// topk_weights misaligned (the weight finding says so).
     #[serde(skip)]
     pub weights_misaligned: bool,
+    /// Tokens whose expert set differs from the reference's tie-break but is a top-k under
+    /// exact ties of the selection score: counted as matching, their weights compared with
+    /// those recomputed for the dump's experts.
+    pub tokens_accepted_under_ties: u64,
 }
 
 /// Thresholds of the comparison with a recomputed routing.
@@ -1125,6 +1129,7 @@ pub fn compare_with_reference(
         weight_factor: factor,
         dropped_by_rank,
         weights_misaligned,
+        tokens_accepted_under_ties: 0,
     };
     (o, Some(agreement))
 }
@@ -1312,6 +1317,7 @@ pub fn check_hash(
         weight_factor: None,
         dropped_by_rank: None,
         weights_misaligned: false,
+        tokens_accepted_under_ties: 0,
     };
     (o, Some(ag))
 }
