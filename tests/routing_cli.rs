@@ -700,6 +700,8 @@ fn engine(ck: &Path, l: usize, t: usize, r: &mut impl Rng) -> Engine {
 #[derive(Default)]
 struct Extra<'a> {
     hidden: Option<(&'a [f32], usize)>,
+    /// `hidden_states` stored as F32 (BF16 otherwise)
+    hidden_f32: bool,
     logits: Option<(&'a [f32], usize)>,
     input_ids: Option<&'a [i64]>,
 }
@@ -716,10 +718,17 @@ fn write_full(path: &Path, t: usize, k: usize, ids: &[i64], w: &[f32], x: &Extra
         ),
     ];
     if let Some((h, n)) = x.hidden {
-        v.push((
-            TensorSpec::new("hidden_states", Dtype::BF16, &[t, n]),
-            bf16_bytes(h),
-        ));
+        v.push(if x.hidden_f32 {
+            (
+                TensorSpec::new("hidden_states", Dtype::F32, &[t, n]),
+                f32_bytes(h),
+            )
+        } else {
+            (
+                TensorSpec::new("hidden_states", Dtype::BF16, &[t, n]),
+                bf16_bytes(h),
+            )
+        });
     }
     if let Some((l, n)) = x.logits {
         v.push((
@@ -1848,4 +1857,52 @@ fn exact_ties_are_valid_routings() {
         out.json["summary"]["tokens_accepted_under_ties"], differ,
         "seed {seed}"
     );
+}
+
+/// F32 hidden states are routed at their own precision (DESIGN §4: the router runs in FP32 on
+/// the given hidden states). They were rounded to BF16 first, so an FP32 engine's exact weights
+/// differed from the reference by the rounding (rel_l2 ~1e-3) and near-tie ids flipped.
+#[test]
+fn f32_hidden_states_are_not_rounded_to_bf16() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    let h = layer.config.hidden_size;
+    use rand_distr::{Distribution, StandardNormal};
+    // values BF16 does not hold
+    let hidden: Vec<f32> = (0..t * h).map(|_| StandardNormal.sample(&mut r)).collect();
+    assert!(hidden
+        .iter()
+        .any(|&v| half::bf16::from_f32(v).to_f32() != v));
+    let routing = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let k = routing.top_k;
+    let ids: Vec<i64> = routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        hidden_f32: true,
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    write_full(&f, t, k, &ids, &routing.topk_weights, &x);
+    let out = run(
+        dir.path(),
+        &[
+            p(&f),
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--device",
+            "cpu",
+            "--min-match",
+            "1",
+            "--max-weight-err",
+            "1e-6",
+        ],
+    );
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(out.json["summary"]["weight_rel_l2"], 0.0, "seed {seed}");
 }

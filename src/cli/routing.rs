@@ -434,17 +434,14 @@ fn recompute(
                 ),
             ));
         }
-        // the engine's gate sees BF16 activations
-        let hb: Vec<f32> = h
-            .data
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_f32())
-            .collect();
+        // the router runs in FP32 on the hidden states as given (DESIGN §4): F32 ones are
+        // not rounded to BF16 first (BF16 ones are exact in f32 either way)
+        let hb = &h.data;
         if let Some(lg) = &d.router_logits {
             check_logits_shape(d, lg, config)?;
             let (o, m) = check::check_logits(
                 &lg.data,
-                &hb,
+                hb,
                 &router.weight,
                 d.tokens,
                 config.hidden_size,
@@ -460,7 +457,7 @@ fn recompute(
         let be = backend()?;
         let logits = crate::moe::router::router_logits(
             &router.weight,
-            &hb,
+            hb,
             d.tokens,
             config.hidden_size,
             config.n_routed_experts,
@@ -468,7 +465,7 @@ fn recompute(
         let reroute = |c: &MoeConfig, r: &Router| {
             let v = be.route(
                 &router_layer(layer_idx, c.clone(), r.clone()),
-                &hb,
+                hb,
                 d.input_ids.as_deref(),
             )?;
             Ok(accept_ties(ids, &v, &logits, c, r, layer_idx, args.ids()))
