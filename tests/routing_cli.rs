@@ -1906,3 +1906,117 @@ fn f32_hidden_states_are_not_rounded_to_bf16() {
     assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
     assert_eq!(out.json["summary"]["weight_rel_l2"], 0.0, "seed {seed}");
 }
+
+/// Ids off by one (+1 or −1, plainly or modulo E) are named as such: `ids+1` was an
+/// out_of_range with a hint at SGLang's fused shared expert and a bare routing_mismatch,
+/// `(ids+1) % E` only a routing_mismatch. The SGLang hint stays where it fits: id E in every
+/// token, once.
+#[test]
+fn ids_shifted_by_one_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts as i64,
+    );
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    type Shift = fn(i64, i64) -> i64;
+    let cases: [(&str, Shift, bool); 4] = [
+        ("+1", |v, _| v + 1, false),
+        ("-1", |v, _| v - 1, false),
+        ("+1", |v, e| (v + 1) % e, true),
+        ("-1", |v, e| (v - 1 + e) % e, true),
+    ];
+    for (by, shift, modulo) in cases {
+        let shifted: Vec<i64> = ids.iter().map(|&v| shift(v, e)).collect();
+        write_full(&f, t, k, &shifted, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        let what = format!("seed {seed} shift {by} modulo {modulo}");
+        assert_eq!(out.code, 1, "{what}\n{}", out.stdout);
+        let ks = kinds(&out.json);
+        assert!(ks.contains(&"ids_shifted".to_string()), "{what}: {ks:?}");
+        assert!(
+            !ks.contains(&"routing_mismatch".to_string()),
+            "{what}: {ks:?}"
+        );
+        let text = out.json["findings"].to_string();
+        assert!(text.contains(&format!("shifted by {by}")), "{what}: {text}");
+        assert_eq!(text.contains("modulo"), modulo, "{what}: {text}");
+        assert!(!text.contains("SGLang puts"), "{what}: {text}");
+        // the weights are compared under the shift: right ones pass
+        assert!(!ks.contains(&"weight_error".to_string()), "{what}: {ks:?}");
+    }
+    // without a checkpoint, ids+1 is not taken for SGLang's fused shared expert
+    let plus: Vec<i64> = ids.iter().map(|&v| v + 1).collect();
+    if plus.contains(&e) {
+        write_full(&f, t, k, &plus, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &[p(&f), "--num-experts", "16"]);
+        assert_eq!(out.code, 1, "seed {seed}");
+        let text = out.json["findings"].to_string();
+        assert!(
+            !text.contains("SGLang puts") && text.contains("shifted by +1"),
+            "seed {seed}: {text}"
+        );
+    }
+    // … but id E in every token, once, is
+    let (mut sg, w) = routing(&mut r, t, k, 0, e, 2.5);
+    for row in sg.chunks_mut(k) {
+        row[k - 1] = e;
+    }
+    write_full(&f, t, k, &sg, &w, &Extra::default());
+    let out = run(dir.path(), &[p(&f), "--num-experts", "16"]);
+    assert_eq!(out.code, 1, "seed {seed}");
+    assert!(
+        out.json["findings"].to_string().contains("SGLang puts"),
+        "seed {seed}"
+    );
+
+    // a hash layer's ids shifted
+    let ck4 = synth("tiny-v4").join("ck");
+    let en = engine(&ck4, 0, 24, &mut r);
+    let (t, k) = (24, en.routing.top_k);
+    let shifted: Vec<i64> = en
+        .routing
+        .topk_ids
+        .iter()
+        .map(|&v| (v as i64 + 1) % e)
+        .collect();
+    let x = Extra {
+        input_ids: Some(&en.input_ids),
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    write_full(&f, t, k, &shifted, &en.routing.topk_weights, &x);
+    let out = run(
+        dir.path(),
+        &[p(&f), "--checkpoint", ck4.to_str().unwrap(), "--layer", "0"],
+    );
+    assert_eq!(out.code, 1, "seed {seed}");
+    let ks = kinds(&out.json);
+    assert!(
+        ks.contains(&"ids_shifted".to_string()),
+        "seed {seed}: {ks:?}"
+    );
+    assert!(
+        !ks.contains(&"hash_mismatch".to_string()),
+        "seed {seed}: {ks:?}"
+    );
+}

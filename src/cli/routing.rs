@@ -277,6 +277,23 @@ pub fn run(args: &Args) -> Result<Report> {
     }
 
     let agreements = recompute(args, &d, ckpt.as_ref(), &exp, &ids, maps.as_ref(), &mut out)?;
+    // ids at E that a shift of all ids explains are not SGLang's fused shared expert
+    if out
+        .findings
+        .iter()
+        .any(|f| f.kind == check::FindingKind::IdsShifted)
+    {
+        let hint = check::sglang_hint(num_experts);
+        for f in out
+            .findings
+            .iter_mut()
+            .filter(|f| f.kind == check::FindingKind::OutOfRange)
+        {
+            f.message = f.message.replace(&hint, "");
+            f.message
+                .push_str(" — explained by the shift of the ids (ids_shifted)");
+        }
+    }
     if let (Some(ag), false) = (
         agreements.iter().find(|a| a.dropped_by_rank.is_some()),
         rank_load.is_empty(),
@@ -380,6 +397,7 @@ fn recompute(
         ep: maps.map(|(r, m)| (&m[*r], m.as_slice())),
         routed_scaling_factor: exp.routed_scaling_factor,
         tol,
+        num_experts: config.n_routed_experts,
         ids_checked_elsewhere: false,
     };
     let mut agreements = vec![];
@@ -388,7 +406,13 @@ fn recompute(
     if config.is_hash_layer(layer_idx) {
         match (&d.input_ids, &router.tid2eid) {
             (Some(input_ids), Some(t2e)) if args.ids() == IdSpace::Global => {
-                let (o, ag) = check::check_hash(ids, input_ids, t2e, config.num_experts_per_tok);
+                let (o, ag) = check::check_hash(
+                    ids,
+                    input_ids,
+                    t2e,
+                    config.num_experts_per_tok,
+                    config.n_routed_experts,
+                );
                 out.extend(o);
                 agreements.extend(ag);
                 hash_checked = true;
