@@ -1586,6 +1586,44 @@ fn placement_and_ids_metadata_are_the_defaults() {
     assert!(!out.stderr.contains("panicked"));
 }
 
+fn copy_dir(a: &Path, b: &Path) {
+    std::fs::create_dir_all(b).unwrap();
+    for e in std::fs::read_dir(a).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &b.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), b.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// A copy of checkpoint `src` in `dst` without tensor `name`.
+fn drop_tensor(src: &Path, dst: &Path, name: &str) {
+    copy_dir(src, dst);
+    let idx_path = dst.join("model.safetensors.index.json");
+    let mut idx: Value = serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let shard = dst.join(idx["weight_map"][name].as_str().unwrap());
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let meta = safetensors::SafeTensors::read_metadata(&bytes)
+        .unwrap()
+        .1
+        .metadata()
+        .clone()
+        .map(|m| m.into_iter().collect::<BTreeMap<_, _>>());
+    let out = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, t)| (TensorSpec::new(&n, t.dtype(), t.shape()), t.data().to_vec()))
+        .collect();
+    drop(st);
+    write_file(&shard, out, meta).unwrap();
+    idx["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+}
+
 /// A copy of checkpoint `src` in `dst` whose layer-`l` router (gate weight `[E, H]`, correction
 /// bias) `edit` changed; a bias set to `None` is dropped (and `config`, when given, edits
 /// config.json).
@@ -1596,17 +1634,6 @@ fn edit_router(
     edit: impl Fn(&mut Vec<f32>, &mut Option<Vec<f32>>),
     config: Option<&dyn Fn(&mut Value)>,
 ) {
-    fn copy_dir(a: &Path, b: &Path) {
-        std::fs::create_dir_all(b).unwrap();
-        for e in std::fs::read_dir(a).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                copy_dir(&e.path(), &b.join(e.file_name()));
-            } else {
-                std::fs::copy(e.path(), b.join(e.file_name())).unwrap();
-            }
-        }
-    }
     copy_dir(src, dst);
     let (wn, bn) = (
         format!("model.layers.{l}.mlp.gate.weight"),
@@ -2018,5 +2045,229 @@ fn ids_shifted_by_one_are_named() {
     assert!(
         !ks.contains(&"hash_mismatch".to_string()),
         "seed {seed}: {ks:?}"
+    );
+}
+
+/// Router faults and missing inputs are bad input (exit 2) naming the file and what is
+/// missing: a NaN/Inf in the correction bias or gate weight (as layertest refuses them), a hash
+/// layer with no tid2eid or a hash-layer dump with no input_ids, a dump with hidden states but
+/// no layer, ep_size above E from the metadata, input ids outside tid2eid's vocabulary. Each
+/// passed (exit 0) with a note although nothing was checked, or named no file.
+#[test]
+fn router_faults_and_missing_inputs_are_bad_input() {
+    let (seed, mut r) = rng();
+    let src = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 24;
+    let en = engine(&src, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let fail2 = |args: &[&str], needles: &[&str], what: &str| {
+        let out = run(dir.path(), args);
+        assert_eq!(
+            out.code, 2,
+            "seed {seed} {what}: exit {}\n{}\n{}",
+            out.code, out.stdout, out.stderr
+        );
+        eprintln!("== {what}: {}", out.stderr.trim());
+        for n in needles {
+            assert!(
+                out.stderr.contains(n),
+                "seed {seed} {what}: no {n:?} in {}",
+                out.stderr
+            );
+        }
+    };
+    // a NaN in the correction bias, an Inf in the gate weight
+    let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][r.gen_range(0..3)];
+    let at = r.gen_range(0..16);
+    for (i, tensor) in ["gate.e_score_correction_bias", "gate.weight"]
+        .iter()
+        .enumerate()
+    {
+        let ck = dir.path().join(format!("nonfinite{i}"));
+        edit_router(
+            &src,
+            &ck,
+            1,
+            |w, b| {
+                if i == 0 {
+                    b.as_mut().unwrap()[at] = bad;
+                } else {
+                    w[at * h + 7] = bad;
+                }
+            },
+            None,
+        );
+        let name = format!("model.layers.1.mlp.{tensor}");
+        fail2(
+            &[
+                p(&f),
+                "--checkpoint",
+                p(&ck),
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+            ],
+            &[&name, "model-0000", &format!("{bad}")],
+            tensor,
+        );
+    }
+    // hidden states but no layer to recompute them for
+    fail2(
+        &[p(&f), "--checkpoint", p(&src), "--device", "cpu"],
+        &[p(&f), "--layer N"],
+        "no layer",
+    );
+    // ep_size above the experts, from the metadata
+    let mut meta = BTreeMap::new();
+    meta.insert("ep_size".to_string(), "32".to_string());
+    meta.insert("ep_rank".to_string(), "0".to_string());
+    let fm = dir.path().join("meta.safetensors");
+    write_dump(
+        &fm,
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &en.routing.topk_weights,
+            ids_i32: false,
+            metadata: Some(meta),
+        },
+    );
+    fail2(
+        &[p(&fm), "--num-experts", "16"],
+        &[p(&fm), "ep_size"],
+        "ep_size > E",
+    );
+
+    // hash layers: no input_ids in the dump, no tid2eid in the checkpoint, ids off its table
+    let v4 = synth("tiny-v4").join("ck");
+    let en = engine(&v4, 0, t, &mut r);
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let fh = dir.path().join("hash.safetensors");
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &[p(&fh), "input_ids", "missing"],
+        "no input_ids",
+    );
+    let mut input_ids = en.input_ids.clone();
+    let vocab = en.layer.router.tid2eid.as_ref().unwrap().len() / k;
+    let tok = r.gen_range(0..t);
+    input_ids[tok] = vocab as i64 + r.gen_range(0..5);
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&input_ids),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &[
+            p(&fh),
+            "input_ids",
+            &format!("input_ids[{tok}]"),
+            "layers.0.ffn.gate.tid2eid",
+        ],
+        "input id off the table",
+    );
+    // a hash layer's weights under another scoring function: the weight error names it
+    let mut sig = en.layer.clone();
+    sig.config.scoring_func = nvfp4dbg::moe::ScoringFunc::Sigmoid;
+    let wrong = nvfp4dbg::moe::route(&sig, &en.hidden, Some(&en.input_ids)).unwrap();
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &wrong.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&en.input_ids),
+            ..Default::default()
+        },
+    );
+    let out = run(
+        dir.path(),
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+    );
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert_eq!(kinds(&out.json), ["weight_error"], "seed {seed}");
+    let text = out.json["findings"].to_string();
+    assert!(text.contains("sigmoid scoring"), "seed {seed}: {text}");
+    let no_table = dir.path().join("notable");
+    drop_tensor(&v4, &no_table, "layers.0.ffn.gate.tid2eid");
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&en.input_ids),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&no_table),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &["layers.0.ffn.gate.tid2eid", "missing", "hash layer"],
+        "no tid2eid",
     );
 }

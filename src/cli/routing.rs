@@ -4,7 +4,7 @@
 //! is given, and reports the expert load.
 
 use super::common::{DeviceArgs, OutArgs};
-use crate::checkpoint::MoeCheckpoint;
+use crate::checkpoint::{MoeCheckpoint, TensorSource};
 use crate::error::{Error, Result};
 use crate::moe::ep::check::{
     self, Agreement, Expectations, ExpertLoad, IdSpace, Ids, Outcome, RankLoad, RefCompare,
@@ -240,6 +240,18 @@ pub fn run(args: &Args) -> Result<Report> {
                 ),
             });
         }
+        if ep_size > num_experts {
+            let what = format!(
+                "EP size {ep_size} is larger than the {num_experts} experts: some rank would hold none"
+            );
+            return Err(match args.ep_size {
+                Some(_) => Error::usage(format!(
+                    "--ep-size {ep_size} (dump {}): {what}",
+                    d.path.display()
+                )),
+                None => Error::bad_file(&d.path, format!("metadata `ep_size`: {what}")),
+            });
+        }
         let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement())?;
         Some((rank, maps))
     } else {
@@ -375,9 +387,21 @@ fn recompute(
     };
     let layer_idx = match args.layer.or(meta_usize(d, "layer")?) {
         Some(l) => l,
+        // something to recompute the routing from, and no layer to recompute it for: a PASS
+        // would say the routing was checked
+        None if hidden.is_some() || d.router_logits.is_some() || d.input_ids.is_some() => {
+            return Err(Error::bad_file(
+                &d.path,
+                "no `layer` metadata: the routing cannot be recomputed from the checkpoint's \
+                 router without the layer the dump comes from; pass --layer N (or add `layer` \
+                 to the dump's metadata)",
+            ))
+        }
         None => {
             out.notes.push(
-                "no --layer (and no `layer` metadata in the dump): routing not recomputed".into(),
+                "no --layer (and no `layer` metadata in the dump), and nothing to recompute the \
+                 routing from: routing not recomputed"
+                    .into(),
             );
             return Ok(vec![]);
         }
@@ -404,31 +428,59 @@ fn recompute(
 
     let mut hash_checked = false;
     if config.is_hash_layer(layer_idx) {
-        match (&d.input_ids, &router.tid2eid) {
-            (Some(input_ids), Some(t2e)) if args.ids() == IdSpace::Global => {
-                let (o, ag) = check::check_hash(
-                    ids,
-                    input_ids,
-                    t2e,
-                    config.num_experts_per_tok,
-                    config.n_routed_experts,
-                );
-                out.extend(o);
-                agreements.extend(ag);
-                hash_checked = true;
-            }
-            (None, _) => out
-                .notes
-                .push(format!("layer {layer_idx} routes by hash but the dump holds no input_ids")),
-            (_, None) => out.notes.push(format!(
-                "layer {layer_idx} is a hash layer (num_hash_layers = {}) but the checkpoint holds no tid2eid",
-                config.num_hash_layers
-            )),
-            _ => {}
+        // a hash layer routes by tid2eid[input_ids]: without both nothing is checked
+        let tk = mc.naming.tid2eid(layer_idx);
+        let Some(t2e) = &router.tid2eid else {
+            return Err(Error::bad_tensor(
+                mc.ckpt.path(),
+                &tk,
+                format!(
+                    "missing: layer {layer_idx} is a hash layer (num_hash_layers = {}) and routes \
+                     by this table; without it the routing cannot be recomputed",
+                    config.num_hash_layers
+                ),
+            ));
+        };
+        let Some(input_ids) = &d.input_ids else {
+            return Err(Error::bad_tensor(
+                &d.path,
+                "input_ids",
+                format!(
+                    "missing: layer {layer_idx} is a hash layer that routes by \
+                     tid2eid[input_ids]; add the batch's token ids as an `input_ids` [{}] tensor \
+                     to the dump",
+                    d.tokens
+                ),
+            ));
+        };
+        let vocab = t2e.len() / config.num_experts_per_tok.max(1);
+        if let Some((t, &v)) = input_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| usize::try_from(v).map_or(true, |v| v >= vocab))
+        {
+            return Err(Error::bad_tensor(
+                &d.path,
+                "input_ids",
+                format!(
+                    "input_ids[{t}] = {v} is outside the vocabulary of {tk} ({vocab} token ids) in \
+                     {}",
+                    mc.ckpt.file_of(&tk).display()
+                ),
+            ));
         }
-        if d.input_ids.is_none() || router.tid2eid.is_none() {
-            // the router cannot run a hash layer without both
-            return Ok(agreements);
+        // local ids are compared with the table's ids under expert_map below
+        if args.ids() == IdSpace::Global {
+            let (o, ag) = check::check_hash(
+                ids,
+                input_ids,
+                t2e,
+                config.num_experts_per_tok,
+                config.n_routed_experts,
+            );
+            out.extend(o);
+            agreements.extend(ag);
+            hash_checked = true;
         }
     }
 
@@ -504,9 +556,11 @@ fn recompute(
         if ties > 0 {
             o.notes.push(ties_note(ties, cmp.source));
         }
-        if o.findings.is_empty() && !hash_checked {
-            o.extend(clear(&logits));
-        } else if !hash_checked {
+        if o.findings.is_empty() {
+            if !hash_checked {
+                o.extend(clear(&logits));
+            }
+        } else {
             let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
             diagnose(
                 ids, config, &router, &logits, &routing, &cmp, &reroute, &mut o,
@@ -518,7 +572,7 @@ fn recompute(
             a
         }));
     } else if let Some(lg) = &d.router_logits {
-        if !hash_checked {
+        {
             check_logits_shape(d, lg, config)?;
             let be = backend()?;
             let reroute = |c: &MoeConfig, r: &Router| {
@@ -528,6 +582,7 @@ fn recompute(
             let (routing, ties) = reroute(config, &router)?;
             let cmp = RefCompare {
                 source: "router_logits",
+                ids_checked_elsewhere: hash_checked,
                 ..base
             };
             let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
@@ -539,7 +594,7 @@ fn recompute(
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
-            } else {
+            } else if !hash_checked {
                 o.extend(clear(&lg.data));
             }
             out.extend(o);
@@ -905,7 +960,6 @@ fn route_from_logits(
 
 /// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
 fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
-    use crate::checkpoint::TensorSource;
     let ck = &mc.ckpt;
     let n = &mc.naming;
     let cfg = &mc.config.moe;
@@ -928,6 +982,7 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
         ));
     }
     let weight = ck.to_f32(&rw)?;
+    expect_finite(mc, &rw, &weight, h)?;
     let rb = n.router_bias(l);
     let e_score_correction_bias = if ck.contains(&rb) {
         let s = shape_of(&rb)?;
@@ -938,7 +993,9 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
                 format!("shape {s:?}, expected [{e}]"),
             ));
         }
-        Some(ck.to_f32(&rb)?)
+        let b = ck.to_f32(&rb)?;
+        expect_finite(mc, &rb, &b, e)?;
+        Some(b)
     } else {
         None
     };
@@ -975,6 +1032,28 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
         e_score_correction_bias,
         tid2eid,
     })
+}
+
+/// Bad input naming the first NaN/Inf of router tensor `name` (`cols` a row), as `layertest`
+/// refuses it: every token's scores would be NaN (weight) or one expert's selection NaN
+/// (bias), and no routing of them is right or wrong.
+fn expect_finite(mc: &MoeCheckpoint, name: &str, v: &[f32], cols: usize) -> Result<()> {
+    let Some(i) = v.iter().position(|x| !x.is_finite()) else {
+        return Ok(());
+    };
+    let at = if v.len() > cols {
+        format!("[{}, {}]", i / cols.max(1), i % cols.max(1))
+    } else {
+        format!("[{i}]")
+    };
+    Err(Error::bad_tensor(
+        mc.ckpt.file_of(name),
+        name,
+        format!(
+            "element {at} is {}: the router cannot select experts on it",
+            v[i]
+        ),
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
