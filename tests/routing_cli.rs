@@ -700,6 +700,8 @@ fn engine(ck: &Path, l: usize, t: usize, r: &mut impl Rng) -> Engine {
 #[derive(Default)]
 struct Extra<'a> {
     hidden: Option<(&'a [f32], usize)>,
+    /// `hidden_states` stored as F32 (BF16 otherwise)
+    hidden_f32: bool,
     logits: Option<(&'a [f32], usize)>,
     input_ids: Option<&'a [i64]>,
 }
@@ -716,10 +718,17 @@ fn write_full(path: &Path, t: usize, k: usize, ids: &[i64], w: &[f32], x: &Extra
         ),
     ];
     if let Some((h, n)) = x.hidden {
-        v.push((
-            TensorSpec::new("hidden_states", Dtype::BF16, &[t, n]),
-            bf16_bytes(h),
-        ));
+        v.push(if x.hidden_f32 {
+            (
+                TensorSpec::new("hidden_states", Dtype::F32, &[t, n]),
+                f32_bytes(h),
+            )
+        } else {
+            (
+                TensorSpec::new("hidden_states", Dtype::BF16, &[t, n]),
+                bf16_bytes(h),
+            )
+        });
     }
     if let Some((l, n)) = x.logits {
         v.push((
@@ -1575,4 +1584,690 @@ fn placement_and_ids_metadata_are_the_defaults() {
     assert_eq!(out.code, 2, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
     assert!(out.stderr.contains("d.safetensors") && out.stderr.contains("`placement`"));
     assert!(!out.stderr.contains("panicked"));
+}
+
+fn copy_dir(a: &Path, b: &Path) {
+    std::fs::create_dir_all(b).unwrap();
+    for e in std::fs::read_dir(a).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &b.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), b.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// A copy of checkpoint `src` in `dst` without tensor `name`.
+fn drop_tensor(src: &Path, dst: &Path, name: &str) {
+    copy_dir(src, dst);
+    let idx_path = dst.join("model.safetensors.index.json");
+    let mut idx: Value = serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let shard = dst.join(idx["weight_map"][name].as_str().unwrap());
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let meta = safetensors::SafeTensors::read_metadata(&bytes)
+        .unwrap()
+        .1
+        .metadata()
+        .clone()
+        .map(|m| m.into_iter().collect::<BTreeMap<_, _>>());
+    let out = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .map(|(n, t)| (TensorSpec::new(&n, t.dtype(), t.shape()), t.data().to_vec()))
+        .collect();
+    drop(st);
+    write_file(&shard, out, meta).unwrap();
+    idx["weight_map"].as_object_mut().unwrap().remove(name);
+    std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+}
+
+/// A copy of checkpoint `src` in `dst` whose layer-`l` router (gate weight `[E, H]`, correction
+/// bias) `edit` changed; a bias set to `None` is dropped (and `config`, when given, edits
+/// config.json).
+fn edit_router(
+    src: &Path,
+    dst: &Path,
+    l: usize,
+    edit: impl Fn(&mut Vec<f32>, &mut Option<Vec<f32>>),
+    config: Option<&dyn Fn(&mut Value)>,
+) {
+    copy_dir(src, dst);
+    let (wn, bn) = (
+        format!("model.layers.{l}.mlp.gate.weight"),
+        format!("model.layers.{l}.mlp.gate.e_score_correction_bias"),
+    );
+    let idx_path = dst.join("model.safetensors.index.json");
+    let mut idx: Value = serde_json::from_slice(&std::fs::read(&idx_path).unwrap()).unwrap();
+    let shard = dst.join(idx["weight_map"][&wn].as_str().unwrap());
+    let bytes = std::fs::read(&shard).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let meta = safetensors::SafeTensors::read_metadata(&bytes)
+        .unwrap()
+        .1
+        .metadata()
+        .clone()
+        .map(|m| m.into_iter().collect::<BTreeMap<_, _>>());
+    let to_f32 = |name: &str| -> Vec<f32> {
+        let t = st.tensor(name).unwrap();
+        match t.dtype() {
+            Dtype::BF16 => t
+                .data()
+                .chunks(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F32 => t
+                .data()
+                .chunks(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            d => panic!("{name}: {d:?}"),
+        }
+    };
+    let mut w = to_f32(&wn);
+    let mut b = st.names().contains(&bn.as_str()).then(|| to_f32(&bn));
+    edit(&mut w, &mut b);
+    let mut out = vec![];
+    for (name, t) in st.tensors() {
+        let enc = |v: &[f32]| match t.dtype() {
+            Dtype::BF16 => bf16_bytes(v),
+            _ => f32_bytes(v),
+        };
+        let data = if name == wn {
+            enc(&w)
+        } else if name == bn {
+            match &b {
+                Some(b) => enc(b),
+                None => continue,
+            }
+        } else {
+            t.data().to_vec()
+        };
+        out.push((TensorSpec::new(&name, t.dtype(), t.shape()), data));
+    }
+    drop(st);
+    write_file(&shard, out, meta).unwrap();
+    if b.is_none() {
+        idx["weight_map"].as_object_mut().unwrap().remove(&bn);
+        std::fs::write(&idx_path, serde_json::to_vec(&idx).unwrap()).unwrap();
+    }
+    if let Some(f) = config {
+        let cp = dst.join("config.json");
+        let mut c: Value = serde_json::from_slice(&std::fs::read(&cp).unwrap()).unwrap();
+        f(&mut c);
+        std::fs::write(&cp, serde_json::to_vec(&c).unwrap()).unwrap();
+    }
+}
+
+/// Exact ties of the selection score may go either way: a CUDA-graph batch padded with zero
+/// hidden states ties every expert of a router without correction bias, and duplicated gate
+/// rows tie on every token. A tie-break other than the reference's is a valid routing; it was
+/// a routing_mismatch. A set no tie-break gives (three groups where topk_group is 2), or wrong
+/// weights on a tied token, still fail.
+#[test]
+fn exact_ties_are_valid_routings() {
+    let (seed, mut r) = rng();
+    let src = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    // 1. no correction bias; every third row a zero padding row
+    let ck = dir.path().join("nobias");
+    edit_router(
+        &src,
+        &ck,
+        1,
+        |_, b| *b = None,
+        Some(&|c: &mut Value| {
+            c.as_object_mut().unwrap().remove("topk_method");
+        }),
+    );
+    let mut layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    layer.router.e_score_correction_bias = None;
+    let c = layer.config.clone();
+    let (k, h, e) = (c.num_experts_per_tok, c.hidden_size, c.n_routed_experts);
+    let gsz = e / c.n_group;
+    let mut hidden = randn(&mut r, t * h, 1.0);
+    for row in hidden.chunks_mut(h).step_by(3) {
+        row.fill(0.0);
+    }
+    let reference = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let mut ids: Vec<i64> = reference.topk_ids.iter().map(|&v| v as i64).collect();
+    let mut w = reference.topk_weights.clone();
+    let half_score = vec![0.5f32; e];
+    let mut changed = 0;
+    for tok in (0..t).step_by(3) {
+        // any topk_group groups, any k experts within them, in any order
+        let mut groups: Vec<usize> = (0..c.n_group).collect();
+        groups.shuffle(&mut r);
+        let pool: Vec<usize> = groups[..c.topk_group]
+            .iter()
+            .flat_map(|&g| g * gsz..(g + 1) * gsz)
+            .collect();
+        let row: Vec<usize> = pool.choose_multiple(&mut r, k).copied().collect();
+        let mut a: Vec<i64> = row.iter().map(|&v| v as i64).collect();
+        let mut b = ids[tok * k..(tok + 1) * k].to_vec();
+        a.sort_unstable();
+        b.sort_unstable();
+        changed += usize::from(a != b);
+        ids.splice(tok * k..(tok + 1) * k, row.iter().map(|&v| v as i64));
+        let rw = nvfp4dbg::moe::router::weights(
+            &half_score,
+            &row,
+            c.norm_topk_prob,
+            c.routed_scaling_factor,
+        );
+        w.splice(tok * k..(tok + 1) * k, rw);
+    }
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+        "--min-match",
+        "1",
+    ];
+    write_full(&f, t, k, &ids, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(
+        out.json["summary"]["tokens_accepted_under_ties"], changed,
+        "seed {seed}"
+    );
+    if changed > 0 {
+        assert!(
+            out.json["notes"].to_string().contains("exact ties"),
+            "seed {seed}"
+        );
+    }
+    // the same padding rows over three groups: no tie-break gives that
+    let tok = 3 * r.gen_range(0..t / 3);
+    let mut bad = ids.clone();
+    // tiny: 16 experts in 4 groups of 4, the best 2 groups kept, top-4
+    assert_eq!((e, c.n_group, c.topk_group, k), (16, 4, 2, 4));
+    let mut spread = vec![0i64, 1, 4, 8];
+    spread.shuffle(&mut r);
+    bad.splice(tok * k..(tok + 1) * k, spread);
+    write_full(&f, t, k, &bad, &w, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert!(
+        out.json["summary"]["match_rate"].as_f64().unwrap() < 1.0,
+        "seed {seed}"
+    );
+    // tied tokens' weights are still checked
+    let mut heavy = w.clone();
+    for tok in (0..t).step_by(3) {
+        heavy[tok * k..(tok + 1) * k]
+            .iter_mut()
+            .for_each(|v| *v *= 1.5);
+    }
+    write_full(&f, t, k, &ids, &heavy, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert!(
+        kinds(&out.json).contains(&"weight_error".to_string()),
+        "seed {seed}"
+    );
+
+    // 2. duplicated gate rows and biases (experts 1 = 2, 3 = 5, 9 = 14): an engine breaking
+    // ties the other way (experts in reverse order) matches on every token
+    let ck = dir.path().join("dup");
+    let dup = |w: &mut Vec<f32>, b: &mut Option<Vec<f32>>| {
+        let hh = w.len() / 16;
+        for (a, z) in [(1, 2), (3, 5), (9, 14)] {
+            let row = w[a * hh..(a + 1) * hh].to_vec();
+            w[z * hh..(z + 1) * hh].copy_from_slice(&row);
+            if let Some(b) = b {
+                b[z] = b[a];
+            }
+        }
+    };
+    edit_router(&src, &ck, 1, dup, None);
+    let mut layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    let hidden = randn(&mut r, t * h, 1.0);
+    let forward = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let rows: Vec<Vec<f32>> = layer
+        .router
+        .weight
+        .chunks(h)
+        .rev()
+        .map(|c| c.to_vec())
+        .collect();
+    layer.router.weight = rows.concat();
+    if let Some(b) = layer.router.e_score_correction_bias.as_mut() {
+        b.reverse();
+    }
+    let rev = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let ids: Vec<i64> = rev
+        .topk_ids
+        .iter()
+        .map(|&v| (e - 1) as i64 - v as i64)
+        .collect();
+    let differ = (0..t)
+        .filter(|&tok| {
+            let mut a = ids[tok * k..(tok + 1) * k].to_vec();
+            let mut b: Vec<i64> = forward.topk_ids[tok * k..(tok + 1) * k]
+                .iter()
+                .map(|&v| v as i64)
+                .collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            a != b
+        })
+        .count();
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        ..Default::default()
+    };
+    write_full(&f, t, k, &ids, &rev.topk_weights, &x);
+    let mut base2 = base;
+    base2[2] = ck.to_str().unwrap();
+    let out = run(dir.path(), &base2);
+    assert_eq!(
+        out.code, 0,
+        "seed {seed} ({differ} tokens tie-broken otherwise)\n{}",
+        out.stdout
+    );
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(
+        out.json["summary"]["tokens_accepted_under_ties"], differ,
+        "seed {seed}"
+    );
+}
+
+/// F32 hidden states are routed at their own precision (DESIGN §4: the router runs in FP32 on
+/// the given hidden states). They were rounded to BF16 first, so an FP32 engine's exact weights
+/// differed from the reference by the rounding (rel_l2 ~1e-3) and near-tie ids flipped.
+#[test]
+fn f32_hidden_states_are_not_rounded_to_bf16() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let layer = nvfp4dbg::checkpoint::load_moe_layer(&ck, 1).unwrap();
+    let h = layer.config.hidden_size;
+    use rand_distr::{Distribution, StandardNormal};
+    // values BF16 does not hold
+    let hidden: Vec<f32> = (0..t * h).map(|_| StandardNormal.sample(&mut r)).collect();
+    assert!(hidden
+        .iter()
+        .any(|&v| half::bf16::from_f32(v).to_f32() != v));
+    let routing = nvfp4dbg::moe::route(&layer, &hidden, None).unwrap();
+    let k = routing.top_k;
+    let ids: Vec<i64> = routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&hidden, h)),
+        hidden_f32: true,
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    write_full(&f, t, k, &ids, &routing.topk_weights, &x);
+    let out = run(
+        dir.path(),
+        &[
+            p(&f),
+            "--checkpoint",
+            ck.to_str().unwrap(),
+            "--layer",
+            "1",
+            "--device",
+            "cpu",
+            "--min-match",
+            "1",
+            "--max-weight-err",
+            "1e-6",
+        ],
+    );
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.json["summary"]["match_rate"], 1.0, "seed {seed}");
+    assert_eq!(out.json["summary"]["weight_rel_l2"], 0.0, "seed {seed}");
+}
+
+/// Ids off by one (+1 or −1, plainly or modulo E) are named as such: `ids+1` was an
+/// out_of_range with a hint at SGLang's fused shared expert and a bare routing_mismatch,
+/// `(ids+1) % E` only a routing_mismatch. The SGLang hint stays where it fits: id E in every
+/// token, once.
+#[test]
+fn ids_shifted_by_one_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 48;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts as i64,
+    );
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    type Shift = fn(i64, i64) -> i64;
+    let cases: [(&str, Shift, bool); 4] = [
+        ("+1", |v, _| v + 1, false),
+        ("-1", |v, _| v - 1, false),
+        ("+1", |v, e| (v + 1) % e, true),
+        ("-1", |v, e| (v - 1 + e) % e, true),
+    ];
+    for (by, shift, modulo) in cases {
+        let shifted: Vec<i64> = ids.iter().map(|&v| shift(v, e)).collect();
+        write_full(&f, t, k, &shifted, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        let what = format!("seed {seed} shift {by} modulo {modulo}");
+        assert_eq!(out.code, 1, "{what}\n{}", out.stdout);
+        let ks = kinds(&out.json);
+        assert!(ks.contains(&"ids_shifted".to_string()), "{what}: {ks:?}");
+        assert!(
+            !ks.contains(&"routing_mismatch".to_string()),
+            "{what}: {ks:?}"
+        );
+        let text = out.json["findings"].to_string();
+        assert!(text.contains(&format!("shifted by {by}")), "{what}: {text}");
+        assert_eq!(text.contains("modulo"), modulo, "{what}: {text}");
+        assert!(!text.contains("SGLang puts"), "{what}: {text}");
+        // the weights are compared under the shift: right ones pass
+        assert!(!ks.contains(&"weight_error".to_string()), "{what}: {ks:?}");
+    }
+    // without a checkpoint, ids+1 is not taken for SGLang's fused shared expert
+    let plus: Vec<i64> = ids.iter().map(|&v| v + 1).collect();
+    if plus.contains(&e) {
+        write_full(&f, t, k, &plus, &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &[p(&f), "--num-experts", "16"]);
+        assert_eq!(out.code, 1, "seed {seed}");
+        let text = out.json["findings"].to_string();
+        assert!(
+            !text.contains("SGLang puts") && text.contains("shifted by +1"),
+            "seed {seed}: {text}"
+        );
+    }
+    // … but id E in every token, once, is
+    let (mut sg, w) = routing(&mut r, t, k, 0, e, 2.5);
+    for row in sg.chunks_mut(k) {
+        row[k - 1] = e;
+    }
+    write_full(&f, t, k, &sg, &w, &Extra::default());
+    let out = run(dir.path(), &[p(&f), "--num-experts", "16"]);
+    assert_eq!(out.code, 1, "seed {seed}");
+    assert!(
+        out.json["findings"].to_string().contains("SGLang puts"),
+        "seed {seed}"
+    );
+
+    // a hash layer's ids shifted
+    let ck4 = synth("tiny-v4").join("ck");
+    let en = engine(&ck4, 0, 24, &mut r);
+    let (t, k) = (24, en.routing.top_k);
+    let shifted: Vec<i64> = en
+        .routing
+        .topk_ids
+        .iter()
+        .map(|&v| (v as i64 + 1) % e)
+        .collect();
+    let x = Extra {
+        input_ids: Some(&en.input_ids),
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    write_full(&f, t, k, &shifted, &en.routing.topk_weights, &x);
+    let out = run(
+        dir.path(),
+        &[p(&f), "--checkpoint", ck4.to_str().unwrap(), "--layer", "0"],
+    );
+    assert_eq!(out.code, 1, "seed {seed}");
+    let ks = kinds(&out.json);
+    assert!(
+        ks.contains(&"ids_shifted".to_string()),
+        "seed {seed}: {ks:?}"
+    );
+    assert!(
+        !ks.contains(&"hash_mismatch".to_string()),
+        "seed {seed}: {ks:?}"
+    );
+}
+
+/// Router faults and missing inputs are bad input (exit 2) naming the file and what is
+/// missing: a NaN/Inf in the correction bias or gate weight (as layertest refuses them), a hash
+/// layer with no tid2eid or a hash-layer dump with no input_ids, a dump with hidden states but
+/// no layer, ep_size above E from the metadata, input ids outside tid2eid's vocabulary. Each
+/// passed (exit 0) with a note although nothing was checked, or named no file.
+#[test]
+fn router_faults_and_missing_inputs_are_bad_input() {
+    let (seed, mut r) = rng();
+    let src = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 24;
+    let en = engine(&src, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let fail2 = |args: &[&str], needles: &[&str], what: &str| {
+        let out = run(dir.path(), args);
+        assert_eq!(
+            out.code, 2,
+            "seed {seed} {what}: exit {}\n{}\n{}",
+            out.code, out.stdout, out.stderr
+        );
+        eprintln!("== {what}: {}", out.stderr.trim());
+        for n in needles {
+            assert!(
+                out.stderr.contains(n),
+                "seed {seed} {what}: no {n:?} in {}",
+                out.stderr
+            );
+        }
+    };
+    // a NaN in the correction bias, an Inf in the gate weight
+    let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][r.gen_range(0..3)];
+    let at = r.gen_range(0..16);
+    for (i, tensor) in ["gate.e_score_correction_bias", "gate.weight"]
+        .iter()
+        .enumerate()
+    {
+        let ck = dir.path().join(format!("nonfinite{i}"));
+        edit_router(
+            &src,
+            &ck,
+            1,
+            |w, b| {
+                if i == 0 {
+                    b.as_mut().unwrap()[at] = bad;
+                } else {
+                    w[at * h + 7] = bad;
+                }
+            },
+            None,
+        );
+        let name = format!("model.layers.1.mlp.{tensor}");
+        fail2(
+            &[
+                p(&f),
+                "--checkpoint",
+                p(&ck),
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+            ],
+            &[&name, "model-0000", &format!("{bad}")],
+            tensor,
+        );
+    }
+    // hidden states but no layer to recompute them for
+    fail2(
+        &[p(&f), "--checkpoint", p(&src), "--device", "cpu"],
+        &[p(&f), "--layer N"],
+        "no layer",
+    );
+    // ep_size above the experts, from the metadata
+    let mut meta = BTreeMap::new();
+    meta.insert("ep_size".to_string(), "32".to_string());
+    meta.insert("ep_rank".to_string(), "0".to_string());
+    let fm = dir.path().join("meta.safetensors");
+    write_dump(
+        &fm,
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &en.routing.topk_weights,
+            ids_i32: false,
+            metadata: Some(meta),
+        },
+    );
+    fail2(
+        &[p(&fm), "--num-experts", "16"],
+        &[p(&fm), "ep_size"],
+        "ep_size > E",
+    );
+
+    // hash layers: no input_ids in the dump, no tid2eid in the checkpoint, ids off its table
+    let v4 = synth("tiny-v4").join("ck");
+    let en = engine(&v4, 0, t, &mut r);
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    let fh = dir.path().join("hash.safetensors");
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &[p(&fh), "input_ids", "missing"],
+        "no input_ids",
+    );
+    let mut input_ids = en.input_ids.clone();
+    let vocab = en.layer.router.tid2eid.as_ref().unwrap().len() / k;
+    let tok = r.gen_range(0..t);
+    input_ids[tok] = vocab as i64 + r.gen_range(0..5);
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&input_ids),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &[
+            p(&fh),
+            "input_ids",
+            &format!("input_ids[{tok}]"),
+            "layers.0.ffn.gate.tid2eid",
+        ],
+        "input id off the table",
+    );
+    // a hash layer's weights under another scoring function: the weight error names it
+    let mut sig = en.layer.clone();
+    sig.config.scoring_func = nvfp4dbg::moe::ScoringFunc::Sigmoid;
+    let wrong = nvfp4dbg::moe::route(&sig, &en.hidden, Some(&en.input_ids)).unwrap();
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &wrong.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&en.input_ids),
+            ..Default::default()
+        },
+    );
+    let out = run(
+        dir.path(),
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&v4),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+    );
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert_eq!(kinds(&out.json), ["weight_error"], "seed {seed}");
+    let text = out.json["findings"].to_string();
+    assert!(text.contains("sigmoid scoring"), "seed {seed}: {text}");
+    let no_table = dir.path().join("notable");
+    drop_tensor(&v4, &no_table, "layers.0.ffn.gate.tid2eid");
+    write_full(
+        &fh,
+        t,
+        k,
+        &ids,
+        &en.routing.topk_weights,
+        &Extra {
+            hidden: Some((&en.hidden, h)),
+            input_ids: Some(&en.input_ids),
+            ..Default::default()
+        },
+    );
+    fail2(
+        &[
+            p(&fh),
+            "--checkpoint",
+            p(&no_table),
+            "--layer",
+            "0",
+            "--device",
+            "cpu",
+        ],
+        &["layers.0.ffn.gate.tid2eid", "missing", "hash layer"],
+        "no tid2eid",
+    );
 }

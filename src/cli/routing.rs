@@ -4,7 +4,7 @@
 //! is given, and reports the expert load.
 
 use super::common::{DeviceArgs, OutArgs};
-use crate::checkpoint::MoeCheckpoint;
+use crate::checkpoint::{MoeCheckpoint, TensorSource};
 use crate::error::{Error, Result};
 use crate::moe::ep::check::{
     self, Agreement, Expectations, ExpertLoad, IdSpace, Ids, Outcome, RankLoad, RefCompare,
@@ -99,6 +99,9 @@ struct Summary {
     best_match_rate: Option<f64>,
     id_transform: Option<String>,
     weight_rel_l2: Option<f64>,
+    /// Tokens at another expert set than the recomputed one that exact ties of the selection
+    /// score allow (counted as matching).
+    tokens_accepted_under_ties: Option<u64>,
     unused_experts: usize,
     max_over_mean: f64,
 }
@@ -237,6 +240,18 @@ pub fn run(args: &Args) -> Result<Report> {
                 ),
             });
         }
+        if ep_size > num_experts {
+            let what = format!(
+                "EP size {ep_size} is larger than the {num_experts} experts: some rank would hold none"
+            );
+            return Err(match args.ep_size {
+                Some(_) => Error::usage(format!(
+                    "--ep-size {ep_size} (dump {}): {what}",
+                    d.path.display()
+                )),
+                None => Error::bad_file(&d.path, format!("metadata `ep_size`: {what}")),
+            });
+        }
         let maps = ExpertMap::all_ranks(num_experts, ep_size, args.placement())?;
         Some((rank, maps))
     } else {
@@ -274,6 +289,23 @@ pub fn run(args: &Args) -> Result<Report> {
     }
 
     let agreements = recompute(args, &d, ckpt.as_ref(), &exp, &ids, maps.as_ref(), &mut out)?;
+    // ids at E that a shift of all ids explains are not SGLang's fused shared expert
+    if out
+        .findings
+        .iter()
+        .any(|f| f.kind == check::FindingKind::IdsShifted)
+    {
+        let hint = check::sglang_hint(num_experts);
+        for f in out
+            .findings
+            .iter_mut()
+            .filter(|f| f.kind == check::FindingKind::OutOfRange)
+        {
+            f.message = f.message.replace(&hint, "");
+            f.message
+                .push_str(" — explained by the shift of the ids (ids_shifted)");
+        }
+    }
     if let (Some(ag), false) = (
         agreements.iter().find(|a| a.dropped_by_rank.is_some()),
         rank_load.is_empty(),
@@ -355,9 +387,21 @@ fn recompute(
     };
     let layer_idx = match args.layer.or(meta_usize(d, "layer")?) {
         Some(l) => l,
+        // something to recompute the routing from, and no layer to recompute it for: a PASS
+        // would say the routing was checked
+        None if hidden.is_some() || d.router_logits.is_some() || d.input_ids.is_some() => {
+            return Err(Error::bad_file(
+                &d.path,
+                "no `layer` metadata: the routing cannot be recomputed from the checkpoint's \
+                 router without the layer the dump comes from; pass --layer N (or add `layer` \
+                 to the dump's metadata)",
+            ))
+        }
         None => {
             out.notes.push(
-                "no --layer (and no `layer` metadata in the dump): routing not recomputed".into(),
+                "no --layer (and no `layer` metadata in the dump), and nothing to recompute the \
+                 routing from: routing not recomputed"
+                    .into(),
             );
             return Ok(vec![]);
         }
@@ -377,31 +421,66 @@ fn recompute(
         ep: maps.map(|(r, m)| (&m[*r], m.as_slice())),
         routed_scaling_factor: exp.routed_scaling_factor,
         tol,
+        num_experts: config.n_routed_experts,
         ids_checked_elsewhere: false,
     };
     let mut agreements = vec![];
 
     let mut hash_checked = false;
     if config.is_hash_layer(layer_idx) {
-        match (&d.input_ids, &router.tid2eid) {
-            (Some(input_ids), Some(t2e)) if args.ids() == IdSpace::Global => {
-                let (o, ag) = check::check_hash(ids, input_ids, t2e, config.num_experts_per_tok);
-                out.extend(o);
-                agreements.extend(ag);
-                hash_checked = true;
-            }
-            (None, _) => out
-                .notes
-                .push(format!("layer {layer_idx} routes by hash but the dump holds no input_ids")),
-            (_, None) => out.notes.push(format!(
-                "layer {layer_idx} is a hash layer (num_hash_layers = {}) but the checkpoint holds no tid2eid",
-                config.num_hash_layers
-            )),
-            _ => {}
+        // a hash layer routes by tid2eid[input_ids]: without both nothing is checked
+        let tk = mc.naming.tid2eid(layer_idx);
+        let Some(t2e) = &router.tid2eid else {
+            return Err(Error::bad_tensor(
+                mc.ckpt.path(),
+                &tk,
+                format!(
+                    "missing: layer {layer_idx} is a hash layer (num_hash_layers = {}) and routes \
+                     by this table; without it the routing cannot be recomputed",
+                    config.num_hash_layers
+                ),
+            ));
+        };
+        let Some(input_ids) = &d.input_ids else {
+            return Err(Error::bad_tensor(
+                &d.path,
+                "input_ids",
+                format!(
+                    "missing: layer {layer_idx} is a hash layer that routes by \
+                     tid2eid[input_ids]; add the batch's token ids as an `input_ids` [{}] tensor \
+                     to the dump",
+                    d.tokens
+                ),
+            ));
+        };
+        let vocab = t2e.len() / config.num_experts_per_tok.max(1);
+        if let Some((t, &v)) = input_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &v)| usize::try_from(v).map_or(true, |v| v >= vocab))
+        {
+            return Err(Error::bad_tensor(
+                &d.path,
+                "input_ids",
+                format!(
+                    "input_ids[{t}] = {v} is outside the vocabulary of {tk} ({vocab} token ids) in \
+                     {}",
+                    mc.ckpt.file_of(&tk).display()
+                ),
+            ));
         }
-        if d.input_ids.is_none() || router.tid2eid.is_none() {
-            // the router cannot run a hash layer without both
-            return Ok(agreements);
+        // local ids are compared with the table's ids under expert_map below
+        if args.ids() == IdSpace::Global {
+            let (o, ag) = check::check_hash(
+                ids,
+                input_ids,
+                t2e,
+                config.num_experts_per_tok,
+                config.n_routed_experts,
+            );
+            out.extend(o);
+            agreements.extend(ag);
+            hash_checked = true;
         }
     }
 
@@ -431,17 +510,14 @@ fn recompute(
                 ),
             ));
         }
-        // the engine's gate sees BF16 activations
-        let hb: Vec<f32> = h
-            .data
-            .iter()
-            .map(|&v| half::bf16::from_f32(v).to_f32())
-            .collect();
+        // the router runs in FP32 on the hidden states as given (DESIGN §4): F32 ones are
+        // not rounded to BF16 first (BF16 ones are exact in f32 either way)
+        let hb = &h.data;
         if let Some(lg) = &d.router_logits {
             check_logits_shape(d, lg, config)?;
             let (o, m) = check::check_logits(
                 &lg.data,
-                &hb,
+                hb,
                 &router.weight,
                 d.tokens,
                 config.hidden_size,
@@ -454,63 +530,78 @@ fn recompute(
                 m.cosine, m.rel_l2
             ));
         }
-        let layer = router_layer(layer_idx, config.clone(), router.clone());
         let be = backend()?;
-        let routing = be.route(&layer, &hb, d.input_ids.as_deref())?;
+        let logits = crate::moe::router::router_logits(
+            &router.weight,
+            hb,
+            d.tokens,
+            config.hidden_size,
+            config.n_routed_experts,
+        );
+        let reroute = |c: &MoeConfig, r: &Router| {
+            let v = be.route(
+                &router_layer(layer_idx, c.clone(), r.clone()),
+                hb,
+                d.input_ids.as_deref(),
+            )?;
+            Ok(accept_ties(ids, &v, &logits, c, r, layer_idx, args.ids()))
+        };
+        let (routing, ties) = reroute(config, &router)?;
         let cmp = RefCompare {
             source: "hidden_states + gate",
             ids_checked_elsewhere: hash_checked,
             ..base
         };
         let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
-        let logits = || {
-            crate::moe::router::router_logits(
-                &router.weight,
-                &hb,
-                d.tokens,
-                config.hidden_size,
-                config.n_routed_experts,
-            )
-        };
-        if o.findings.is_empty() && !hash_checked {
-            o.extend(clear(&logits()));
-        } else if !hash_checked {
-            let logits = logits();
-            let reroute = |c: &MoeConfig, r: &Router| {
-                be.route(
-                    &router_layer(layer_idx, c.clone(), r.clone()),
-                    &hb,
-                    d.input_ids.as_deref(),
-                )
-            };
+        if ties > 0 {
+            o.notes.push(ties_note(ties, cmp.source));
+        }
+        if o.findings.is_empty() {
+            if !hash_checked {
+                o.extend(clear(&logits));
+            }
+        } else {
+            let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
             diagnose(
                 ids, config, &router, &logits, &routing, &cmp, &reroute, &mut o,
             )?;
         }
         out.extend(o);
-        agreements.extend(ag);
+        agreements.extend(ag.map(|mut a| {
+            a.tokens_accepted_under_ties = ties;
+            a
+        }));
     } else if let Some(lg) = &d.router_logits {
-        if !hash_checked {
+        {
             check_logits_shape(d, lg, config)?;
             let be = backend()?;
             let reroute = |c: &MoeConfig, r: &Router| {
-                route_from_logits(&*be, layer_idx, c, r, lg, d.input_ids.as_deref())
+                let v = route_from_logits(&*be, layer_idx, c, r, lg, d.input_ids.as_deref())?;
+                Ok(accept_ties(ids, &v, &lg.data, c, r, layer_idx, args.ids()))
             };
-            let routing = reroute(config, &router)?;
+            let (routing, ties) = reroute(config, &router)?;
             let cmp = RefCompare {
                 source: "router_logits",
+                ids_checked_elsewhere: hash_checked,
                 ..base
             };
             let (mut o, ag) = check::compare_with_reference(ids, &routing, &cmp);
+            if ties > 0 {
+                o.notes.push(ties_note(ties, cmp.source));
+            }
             if !o.findings.is_empty() {
+                let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
                 diagnose(
                     ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
                 )?;
-            } else {
+            } else if !hash_checked {
                 o.extend(clear(&lg.data));
             }
             out.extend(o);
-            agreements.extend(ag);
+            agreements.extend(ag.map(|mut a| {
+                a.tokens_accepted_under_ties = ties;
+                a
+            }));
         }
     } else if !hash_checked {
         out.notes.push(
@@ -519,6 +610,79 @@ fn recompute(
         );
     }
     Ok(agreements)
+}
+
+/// The reference with each token whose dump ids (global) name another expert set, but one a
+/// tie-break of exact ties of the selection score (score + bias) could choose, group
+/// selection included, taking the dump's ids and the weights recomputed for them; and how
+/// many tokens that is. Exact ties are real: engines pad CUDA-graph batches with zero hidden
+/// states, which tie every expert when the router has no correction bias, and duplicated gate
+/// rows tie on every token. Hash layers and local ids are left as they are.
+fn accept_ties(
+    ids: &Ids,
+    reference: &Routing,
+    logits: &[f32],
+    config: &MoeConfig,
+    router: &Router,
+    layer: usize,
+    space: IdSpace,
+) -> (Routing, u64) {
+    use crate::moe::router::{is_valid_topk, score, weights};
+    let (e, k) = (config.n_routed_experts, reference.top_k);
+    if space != IdSpace::Global
+        || config.is_hash_layer(layer)
+        || reference.tokens != ids.tokens
+        || k != ids.top_k
+        || logits.len() != reference.tokens * e
+    {
+        return (reference.clone(), 0);
+    }
+    let mut r = reference.clone();
+    let mut n = 0u64;
+    for (t, l) in logits.chunks(e).enumerate() {
+        let got = &ids.ids[t * k..(t + 1) * k];
+        let want = &reference.topk_ids[t * k..(t + 1) * k];
+        if got.iter().all(|&g| want.iter().any(|&w| w as i64 == g)) {
+            continue;
+        }
+        let Some(chosen) = got
+            .iter()
+            .map(|&g| usize::try_from(g).ok().filter(|&g| g < e))
+            .collect::<Option<Vec<usize>>>()
+        else {
+            continue;
+        };
+        let sc = score(config.scoring_func, l);
+        let sel: Vec<f32> = match &router.e_score_correction_bias {
+            Some(b) => sc.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => sc.clone(),
+        };
+        if !is_valid_topk(&sel, config.n_group, config.topk_group, &chosen) {
+            continue;
+        }
+        let w = weights(
+            &sc,
+            &chosen,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        );
+        for (j, (&c, w)) in chosen.iter().zip(w).enumerate() {
+            r.topk_ids[t * k + j] = c as i32;
+            r.topk_weights[t * k + j] = w;
+        }
+        n += 1;
+    }
+    (r, n)
+}
+
+/// The note that says how many tokens [`accept_ties`] accepted.
+fn ties_note(n: u64, source: &str) -> String {
+    format!(
+        "{n} token(s) name another expert set than the routing recomputed from {source}, but one \
+         that exact ties of the selection score (score + bias) allow (padding rows of zeros tie \
+         every expert without a correction bias): counted as matching, their weights compared with \
+         those recomputed for the dump's experts"
+    )
 }
 
 /// Weights of one token from its scores and chosen ids.
@@ -796,7 +960,6 @@ fn route_from_logits(
 
 /// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
 fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
-    use crate::checkpoint::TensorSource;
     let ck = &mc.ckpt;
     let n = &mc.naming;
     let cfg = &mc.config.moe;
@@ -819,6 +982,7 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
         ));
     }
     let weight = ck.to_f32(&rw)?;
+    expect_finite(mc, &rw, &weight, h)?;
     let rb = n.router_bias(l);
     let e_score_correction_bias = if ck.contains(&rb) {
         let s = shape_of(&rb)?;
@@ -829,7 +993,9 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
                 format!("shape {s:?}, expected [{e}]"),
             ));
         }
-        Some(ck.to_f32(&rb)?)
+        let b = ck.to_f32(&rb)?;
+        expect_finite(mc, &rb, &b, e)?;
+        Some(b)
     } else {
         None
     };
@@ -866,6 +1032,28 @@ fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
         e_score_correction_bias,
         tid2eid,
     })
+}
+
+/// Bad input naming the first NaN/Inf of router tensor `name` (`cols` a row), as `layertest`
+/// refuses it: every token's scores would be NaN (weight) or one expert's selection NaN
+/// (bias), and no routing of them is right or wrong.
+fn expect_finite(mc: &MoeCheckpoint, name: &str, v: &[f32], cols: usize) -> Result<()> {
+    let Some(i) = v.iter().position(|x| !x.is_finite()) else {
+        return Ok(());
+    };
+    let at = if v.len() > cols {
+        format!("[{}, {}]", i / cols.max(1), i % cols.max(1))
+    } else {
+        format!("[{i}]")
+    };
+    Err(Error::bad_tensor(
+        mc.ckpt.file_of(name),
+        name,
+        format!(
+            "element {at} is {}: the router cannot select experts on it",
+            v[i]
+        ),
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -921,6 +1109,7 @@ fn build_report(
         best_match_rate: main_ag.map(|a| a.match_rate),
         id_transform: main_ag.map(|a| a.id_transform.clone()),
         weight_rel_l2: main_ag.and_then(|a| a.weights.as_ref()).map(|m| m.rel_l2),
+        tokens_accepted_under_ties: main_ag.map(|a| a.tokens_accepted_under_ties),
         unused_experts: load.unused_experts,
         max_over_mean: load.max_over_mean,
     };
@@ -963,7 +1152,10 @@ fn build_report(
                     .as_ref()
                     .map(|m| format!("; weights rel_l2 {}", report::e(m.rel_l2)))
                     .unwrap_or_default()
-            ),
+            ) + &match a.tokens_accepted_under_ties {
+                0 => String::new(),
+                n => format!("; {n} token(s) under exact ties"),
+            },
         ]);
     }
     let mut findings = Section::new(

@@ -209,6 +209,77 @@ pub fn select(sel: &[f32], n_group: usize, topk_group: usize, k: usize) -> Vec<u
     cand.into_iter().take(k).map(|(_, i)| i).collect()
 }
 
+/// Group score as [`select`] computes it: the sum of the group's two best selection scores.
+fn group_score(sel: &[f32]) -> f32 {
+    let mut v: Vec<(f32, usize)> = sel.iter().copied().zip(0..).collect();
+    v.sort_by(|a, b| rank(*a, *b));
+    v.iter().take(2).fold(0f32, |s, x| s + x.0)
+}
+
+/// Whether `chosen` (distinct expert ids, any order) is a top-k [`select`] could return under
+/// some tie-break: exact ties of the selection scores `sel` may go either way, between
+/// experts and between groups (engines break them by index, by kernel order or not at all;
+/// a CUDA-graph batch padded with zero hidden states ties every expert when the router has no
+/// correction bias). `false` when `sel` holds NaN: no tie-break is defined then.
+pub fn is_valid_topk(sel: &[f32], n_group: usize, topk_group: usize, chosen: &[usize]) -> bool {
+    let e = sel.len();
+    if chosen.is_empty() || chosen.len() > e || sel.iter().any(|v| v.is_nan()) {
+        return false;
+    }
+    let mut is_chosen = vec![false; e];
+    for &c in chosen {
+        if c >= e || is_chosen[c] {
+            return false;
+        }
+        is_chosen[c] = true;
+    }
+    let floor = chosen.iter().map(|&c| sel[c]).fold(f32::INFINITY, f32::min);
+    let mut allowed = vec![true; e];
+    if n_group > 1 && topk_group < n_group && e.is_multiple_of(n_group) {
+        let gsz = e / n_group;
+        let gs: Vec<f32> = (0..n_group)
+            .map(|g| group_score(&sel[g * gsz..(g + 1) * gsz]))
+            .collect();
+        let mut sorted = gs.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let thr = sorted[topk_group.max(1) - 1];
+        // groups the chosen experts need, and groups every tie-break keeps
+        let mut keep: Vec<bool> = (0..n_group)
+            .map(|g| gs[g] > thr || is_chosen[g * gsz..(g + 1) * gsz].iter().any(|&c| c))
+            .collect();
+        if (0..n_group).any(|g| keep[g] && gs[g] < thr) {
+            return false;
+        }
+        let kept = keep.iter().filter(|&&k| k).count();
+        if kept > topk_group {
+            return false;
+        }
+        // the rest from the groups tied at the threshold: those whose best expert is lowest,
+        // as they compete least with the chosen ones
+        let mut tied: Vec<(f32, usize)> = (0..n_group)
+            .filter(|&g| !keep[g] && gs[g] == thr)
+            .map(|g| {
+                let best = sel[g * gsz..(g + 1) * gsz]
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                (best, g)
+            })
+            .collect();
+        if tied.len() < topk_group - kept {
+            return false;
+        }
+        tied.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for &(_, g) in tied.iter().take(topk_group - kept) {
+            keep[g] = true;
+        }
+        for (i, a) in allowed.iter_mut().enumerate() {
+            *a = keep[i / gsz];
+        }
+    }
+    (0..e).all(|i| is_chosen[i] || !allowed[i] || sel[i] <= floor)
+}
+
 /// `w = score[id]`; `w / (Σ w + 1e-20)` with `norm_topk_prob`; then `× routed_scaling_factor`.
 pub fn weights(scores: &[f32], ids: &[usize], norm_topk_prob: bool, scaling: f32) -> Vec<f32> {
     let mut w: Vec<f32> = ids.iter().map(|&i| scores[i]).collect();
@@ -431,6 +502,68 @@ mod tests {
         assert_eq!(select(&sel, 4, 2, 3), vec![2, 3, 4]);
         // without group limit the 0.9 wins
         assert_eq!(select(&sel, 1, 1, 3), vec![0, 2, 3]);
+    }
+
+    /// [`select`] with explicit tie-breaks: `gp` ranks tied groups, `ep` tied experts.
+    fn select_with(
+        sel: &[f32],
+        n_group: usize,
+        tg: usize,
+        k: usize,
+        gp: &[usize],
+        ep: &[usize],
+    ) -> Vec<usize> {
+        let e = sel.len();
+        let gsz = e / n_group;
+        let mut groups: Vec<usize> = (0..n_group).collect();
+        let gs: Vec<f32> = (0..n_group)
+            .map(|g| group_score(&sel[g * gsz..(g + 1) * gsz]))
+            .collect();
+        groups.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]).then(gp[a].cmp(&gp[b])));
+        let mut cand: Vec<usize> = (0..e)
+            .filter(|&i| groups[..tg].contains(&(i / gsz)))
+            .collect();
+        cand.sort_by(|&a, &b| sel[b].total_cmp(&sel[a]).then(ep[a].cmp(&ep[b])));
+        let mut v = cand[..k].to_vec();
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn valid_topk_under_ties_is_what_some_tie_break_selects() {
+        use rand::seq::SliceRandom;
+        let seed: u64 = rand::random();
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        for _ in 0..60 {
+            let e = 8;
+            let (n_group, tg) = [(1, 1), (4, 2), (2, 1), (4, 3)][rng.gen_range(0..4)];
+            let k = rng.gen_range(1..=3);
+            let sel: Vec<f32> = (0..e)
+                .map(|_| [0.0, 0.5, 1.0][rng.gen_range(0..3)])
+                .collect();
+            let mut reachable = std::collections::BTreeSet::new();
+            let (mut gp, mut ep): (Vec<usize>, Vec<usize>) =
+                ((0..n_group).collect(), (0..e).collect());
+            for _ in 0..3000 {
+                gp.shuffle(&mut rng);
+                ep.shuffle(&mut rng);
+                reachable.insert(select_with(&sel, n_group, tg, k, &gp, &ep));
+            }
+            for mask in 0u32..(1 << e) {
+                if mask.count_ones() as usize != k {
+                    continue;
+                }
+                let set: Vec<usize> = (0..e).filter(|&i| mask >> i & 1 == 1).collect();
+                assert_eq!(
+                    is_valid_topk(&sel, n_group, tg, &set),
+                    reachable.contains(&set),
+                    "seed {seed}: sel {sel:?} groups {n_group}/{tg} k {k} set {set:?}"
+                );
+            }
+            let mut own = select(&sel, n_group, tg, k);
+            own.reverse();
+            assert!(is_valid_topk(&sel, n_group, tg, &own), "seed {seed}");
+        }
     }
 
     #[test]

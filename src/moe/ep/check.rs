@@ -22,6 +22,8 @@ pub enum FindingKind {
     TopKMismatch,
     LocalIdsAsGlobal,
     GlobalIdsAsLocal,
+    /// The dump's ids are the recomputed ones shifted by ±1 (plainly or modulo E).
+    IdsShifted,
     ConfinedToRank,
     IdleRanks,
     RoutingMismatch,
@@ -169,10 +171,23 @@ pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&Expert
                  was applied (pass --ids local with --ep-rank/--ep-size)",
             );
         } else if space == IdSpace::Global && vals.iter().all(|&v| v == e) {
-            msg.push_str(&format!(
-                "; id {e} = n_routed_experts is where SGLang puts the fused shared expert \
-                 (shared-expert fusion): not a routed expert"
-            ));
+            // SGLang's fused shared expert is in every token, once; ids off by one put
+            // expert E-1's tokens (about k/E of them) at E
+            let at_e: Vec<usize> = (0..d.tokens)
+                .map(|t| d.row(t).iter().filter(|&&v| v == e).count())
+                .collect();
+            if at_e.iter().all(|&n| n == 1) {
+                msg.push_str(&sglang_hint(exp.num_experts));
+            } else {
+                msg.push_str(&format!(
+                    "; id {e} = n_routed_experts in {} of {} tokens — not SGLang's fused shared \
+                     expert, which every token holds once: ids shifted by +1 put expert {}'s \
+                     tokens there",
+                    at_e.iter().filter(|&&n| n > 0).count(),
+                    d.tokens,
+                    e - 1
+                ));
+            }
         }
         o.find(Finding::new(
             FindingKind::OutOfRange,
@@ -227,6 +242,46 @@ pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&Expert
         }
     }
     o
+}
+
+/// What an `out_of_range` finding says when every token holds id `E` once.
+pub fn sglang_hint(num_experts: usize) -> String {
+    format!(
+        "; id {num_experts} = n_routed_experts is where SGLang puts the fused shared expert \
+         (shared-expert fusion): not a routed expert"
+    )
+}
+
+/// The shifts of expert ids tried against a recomputed routing: `(name, shift, modulo)`.
+fn shifts() -> [(&'static str, i64, bool); 4] {
+    [
+        ("plus 1", 1, false),
+        ("minus 1", -1, false),
+        ("plus 1 modulo E", 1, true),
+        ("minus 1 modulo E", -1, true),
+    ]
+}
+
+fn shifted(g: i64, by: i64, modulo: bool, e: usize) -> i64 {
+    if modulo && e > 0 {
+        (g + by).rem_euclid(e as i64)
+    } else {
+        g + by
+    }
+}
+
+/// The message of an `ids_shifted` finding.
+fn shift_what(by: i64, modulo: bool) -> String {
+    format!(
+        "expert ids shifted by {by:+} (dump id = recomputed id {} 1{}: an off-by-one in the id \
+         the engine writes or reads, e.g. a 1-based expert index)",
+        if by > 0 { "+" } else { "−" },
+        if modulo {
+            ", modulo n_routed_experts"
+        } else {
+            ""
+        }
+    )
 }
 
 /// NaN/Inf in the router's inputs the dump holds (`hidden_states` or `router_logits`,
@@ -861,6 +916,10 @@ pub struct Agreement {
     /// topk_weights misaligned (the weight finding says so).
     #[serde(skip)]
     pub weights_misaligned: bool,
+    /// Tokens whose expert set differs from the reference's tie-break but is a top-k under
+    /// exact ties of the selection score: counted as matching, their weights compared with
+    /// those recomputed for the dump's experts.
+    pub tokens_accepted_under_ties: u64,
 }
 
 /// Thresholds of the comparison with a recomputed routing.
@@ -876,7 +935,7 @@ pub struct Tolerances {
 type Transform<'a> = (String, Box<dyn Fn(i64) -> i64 + 'a>);
 
 /// The candidate mappings, the expected one first.
-fn transforms(space: IdSpace, ep: Option<&ExpertMap>) -> Vec<Transform<'_>> {
+fn transforms(space: IdSpace, ep: Option<&ExpertMap>, e: usize) -> Vec<Transform<'_>> {
     let mut v: Vec<Transform<'_>> = vec![("identity".into(), Box::new(|g| g))];
     if let Some(m) = ep {
         v.push((
@@ -897,6 +956,13 @@ fn transforms(space: IdSpace, ep: Option<&ExpertMap>) -> Vec<Transform<'_>> {
     // in local space the expected transform is expert_map; identity is then the bug
     if space == IdSpace::Local {
         v.rotate_left(1);
+    } else {
+        for (name, by, modulo) in shifts() {
+            v.push((
+                name.to_string(),
+                Box::new(move |g| shifted(g, by, modulo, e)),
+            ));
+        }
     }
     v
 }
@@ -955,6 +1021,8 @@ pub struct RefCompare<'a> {
     pub ep: Option<(&'a ExpertMap, &'a [ExpertMap])>,
     pub routed_scaling_factor: Option<f32>,
     pub tol: Tolerances,
+    /// `n_routed_experts` (the modulo of shifted ids).
+    pub num_experts: usize,
     /// Ids were already judged by an exact check (hash layers): report weights only.
     pub ids_checked_elsewhere: bool,
 }
@@ -983,7 +1051,7 @@ pub fn compare_with_reference(
     }
     let total = (d.tokens * d.top_k) as u64;
     let slots_total = total.max(1) as f64;
-    let cands = transforms(c.space, c.ep.map(|(m, _)| m));
+    let cands = transforms(c.space, c.ep.map(|(m, _)| m), c.num_experts);
     let scored: Vec<MatchCount> = cands
         .iter()
         .map(|(_, f)| set_match(d, reference, f.as_ref()))
@@ -1001,7 +1069,12 @@ pub fn compare_with_reference(
         .first
         .map(|s| format!("; first at token {} slot {}: id {}", s.token, s.slot, s.id));
     if best_i != 0 && match_rate >= c.tol.min_match {
+        let shift = shifts().into_iter().find(|s| s.0 == name);
         let (kind, what) = match (c.space, name.as_str()) {
+            (IdSpace::Global, _) if shift.is_some() => {
+                let (_, by, modulo) = shift.unwrap_or_default();
+                (FindingKind::IdsShifted, shift_what(by, modulo))
+            }
             (IdSpace::Global, _) => (
                 FindingKind::LocalIdsAsGlobal,
                 "local ids used as global ids".to_string(),
@@ -1125,6 +1198,7 @@ pub fn compare_with_reference(
         weight_factor: factor,
         dropped_by_rank,
         weights_misaligned,
+        tokens_accepted_under_ties: 0,
     };
     (o, Some(agreement))
 }
@@ -1223,6 +1297,7 @@ pub fn check_hash(
     input_ids: &[i64],
     tid2eid: &[i64],
     hash_k: usize,
+    num_experts: usize,
 ) -> (Outcome, Option<Agreement>) {
     let mut o = Outcome::default();
     if hash_k != d.top_k || hash_k == 0 {
@@ -1275,7 +1350,28 @@ pub fn check_hash(
         first,
     } = set_match(d, &reference, &|g| g);
     let total = (d.tokens * d.top_k).max(1) as f64;
-    if slots < (d.tokens * d.top_k) as u64 {
+    let all = (d.tokens * d.top_k) as u64;
+    // ids off by one: every slot (a table lookup has no near-ties) is tid2eid's id shifted
+    let shift = (slots < all)
+        .then(|| {
+            shifts().into_iter().find(|&(_, by, modulo)| {
+                set_match(d, &reference, &|g| shifted(g, by, modulo, num_experts)).slots == all
+            })
+        })
+        .flatten();
+    if let Some((name, by, modulo)) = shift {
+        o.find(Finding::new(
+            FindingKind::IdsShifted,
+            all - slots,
+            first,
+            format!(
+                "{}: every topk_id equals tid2eid[input_ids] under `{name}`, {:.1}% as they \
+                 should be (hash layer)",
+                shift_what(by, modulo),
+                100.0 * slots as f64 / total
+            ),
+        ));
+    } else if slots < all {
         let s = first;
         o.find(Finding::new(
             FindingKind::HashMismatch,
@@ -1312,6 +1408,7 @@ pub fn check_hash(
         weight_factor: None,
         dropped_by_rank: None,
         weights_misaligned: false,
+        tokens_accepted_under_ties: 0,
     };
     (o, Some(ag))
 }
@@ -1640,6 +1737,7 @@ mod tests {
                 ep: None,
                 routed_scaling_factor: Some(1.0),
                 tol,
+                num_experts: e,
                 ids_checked_elsewhere: false,
             };
             compare_with_reference(&d, &reference, &c)
@@ -1709,6 +1807,7 @@ mod tests {
                 ep: Some((&maps[rank], &maps)),
                 routed_scaling_factor: None,
                 tol,
+                num_experts: e,
                 ids_checked_elsewhere: false,
             },
         );
@@ -1754,7 +1853,7 @@ mod tests {
             ids: &ids,
             weights: &w,
         };
-        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k);
+        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k, e);
         assert!(o.findings.is_empty(), "seed {seed}");
         let mut bad = ids.clone();
         let j = r.gen_range(0..t * k);
@@ -1762,7 +1861,7 @@ mod tests {
             .find(|v| !ids[j / k * k..j / k * k + k].contains(v))
             .unwrap();
         let d = Ids { ids: &bad, ..d };
-        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k);
+        let (o, _) = check_hash(&d, &input_ids, &tid2eid, k, e);
         assert_eq!(o.findings[0].kind, FindingKind::HashMismatch);
         assert_eq!(o.findings[0].first.unwrap().token, j / k, "seed {seed}");
     }
