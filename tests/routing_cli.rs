@@ -1568,15 +1568,24 @@ fn placement_and_ids_metadata_are_the_defaults() {
     let out = run(dir.path(), &[&args[..], &["--ids", "global"]].concat());
     assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
 
-    // global ids where the metadata says local: expert_map not applied
-    dump(global.clone(), meta("linear", "local"));
-    let out = run(dir.path(), &args);
-    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
-    assert!(
-        kinds(&out.json).contains(&"global_ids_as_local".to_string()),
-        "seed {seed}: {:?}",
-        kinds(&out.json)
-    );
+    // global ids where the metadata says local: expert_map not applied, on either rank (rank
+    // 0's own experts keep their ids under a linear map; the other rank's show instead of -1)
+    for rank in 0..ep {
+        let mut m = meta("linear", "local").unwrap();
+        m.insert("ep_rank".to_string(), rank.to_string());
+        dump(global.clone(), Some(m));
+        let out = run(dir.path(), &args);
+        assert_eq!(
+            out.code, 1,
+            "seed {seed} rank {rank}\n{}\n{}",
+            out.stdout, out.stderr
+        );
+        assert!(
+            kinds(&out.json).contains(&"global_ids_as_local".to_string()),
+            "seed {seed} rank {rank}: {:?}",
+            kinds(&out.json)
+        );
+    }
 
     // metadata the flags cannot spell: exit 2 naming the file and the key
     dump(global.clone(), meta("diagonal", "global"));

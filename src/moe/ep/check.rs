@@ -788,6 +788,37 @@ pub fn check_ep_ids(
             .filter(|&i| d.ids[i] >= n_local && me.owns(d.ids[i]))
             .collect();
         let beyond = d.ids.iter().filter(|&&v| v >= n_local).count();
+        // On a rank whose own experts keep their ids under expert_map (rank 0 of a linear
+        // placement) the unmapped ids are the other ranks' experts, never -1 as they should be:
+        // a local dump in which no slot is -1 is one where every token chose only this rank's
+        // experts, which chance does not do.
+        let others: Vec<usize> = (0..d.ids.len())
+            .filter(|&i| d.ids[i] >= n_local && (d.ids[i] as usize) < e && !me.owns(d.ids[i]))
+            .collect();
+        let no_minus_one =
+            !d.ids.contains(&-1) && chance_all_in(me.num_local(), e, d.ids.len()) < CHANCE;
+        if unmapped.is_empty() && no_minus_one && others.len() * 2 >= beyond {
+            if let Some(&i0) = others.first() {
+                let s = d.slot(i0);
+                o.find(Finding::new(
+                    FindingKind::GlobalIdsAsLocal,
+                    others.len() as u64,
+                    Some(s),
+                    format!(
+                        "global ids used as local ids: {} ids are ≥ rank {rank}'s {} local experts, \
+                         each a global id of another rank's expert, and no slot is -1 — expert_map \
+                         was not applied (rank {rank}'s own experts {} keep their ids under it; first \
+                         token {} slot {}: id {}, which expert_map maps to -1)",
+                        others.len(),
+                        n_local,
+                        me.describe_owned(),
+                        s.token,
+                        s.slot,
+                        s.id,
+                    ),
+                ));
+            }
+        }
         if let Some(&i0) = unmapped.first() {
             if unmapped.len() * 2 >= beyond {
                 let s = d.slot(i0);
