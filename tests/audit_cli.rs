@@ -1070,6 +1070,72 @@ fn tensor_missing_from_the_weight_map_is_named() {
     );
 }
 
+/// `*.safetensors` files beside the index that it does not list: a shard the index was
+/// written without (its tensors no engine loads) fails naming the file and its first tensor,
+/// a `model.safetensors` beside the index (what transformers loads instead of it) fails, a
+/// stale copy of a listed shard (every engine skips it) passes. Before, all three passed.
+#[test]
+fn shards_the_index_does_not_list_are_named() {
+    let (seed, mut r) = rng("audit unlisted shards");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let ip = ck.join("model.safetensors.index.json");
+    let text = std::fs::read(&ip).unwrap();
+    let idx: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let wm = idx["weight_map"].as_object().unwrap();
+    let mut files: Vec<String> = wm
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    files.sort();
+    files.dedup();
+    assert!(files.len() >= 2, "seed {seed}: {files:?}");
+    let (c, out, _) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    // the index written without one of its shards
+    let dropped = files[r.gen_range(0..files.len())].clone();
+    let mut cut = idx.clone();
+    cut["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|_, v| v.as_str() != Some(dropped.as_str()));
+    std::fs::write(&ip, cut.to_string()).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "unlisted_shard");
+    assert!(
+        found.len() == 1
+            && Path::new(&found[0].1) == ck.join(&dropped)
+            && wm[&found[0].0].as_str() == Some(dropped.as_str())
+            && found[0].2.contains("no engine loads them"),
+        "seed {seed}: {found:#?}"
+    );
+    assert!(out.contains(&dropped), "seed {seed}: {out}");
+    std::fs::write(&ip, &text).unwrap();
+
+    // a stale copy of a listed shard under another name: skipped by every engine
+    let copied = &files[r.gen_range(0..files.len())];
+    let stale = ck.join("model-old.safetensors");
+    std::fs::copy(ck.join(copied), &stale).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    assert!(findings_of(&v, "unlisted_shard").is_empty(), "seed {seed}");
+
+    // the same copy as model.safetensors: transformers loads it instead of the index
+    std::fs::rename(&stale, ck.join("model.safetensors")).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "unlisted_shard");
+    assert!(
+        found.len() == 1
+            && Path::new(&found[0].1) == ck.join("model.safetensors")
+            && found[0].2.contains("transformers loads this single file"),
+        "seed {seed}: {found:#?}"
+    );
+}
+
 /// Two faults no scale statistic shows and that only the originals caught before: an
 /// expert's block scales replaced by another expert's (the same projection, byte for byte),
 /// and block scales all one value (a quantizer that ignored each block's amax). Both are

@@ -163,6 +163,10 @@ pub enum FindingKind {
     /// Finite scales whose product with a block's codes overflows f32: the block dequantizes
     /// to Inf.
     NonfiniteDequant,
+    /// A `*.safetensors` file next to the index that the index does not list: its tensors the
+    /// `weight_map` names nowhere are loaded by no engine; a `model.safetensors` there is what
+    /// transformers loads instead of the index.
+    UnlistedShard,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -212,6 +216,7 @@ impl FindingKind {
             FindingKind::ZeroBlockScales => "zero block scales over non-zero codes",
             FindingKind::MissingConfig => "no config.json",
             FindingKind::NonfiniteDequant => "weights dequantize to Inf",
+            FindingKind::UnlistedShard => "shard the index does not list",
         }
     }
 }
@@ -554,6 +559,7 @@ pub fn audit(
     findings.retain(|f| f.kind != FindingKind::BrokenLayer || !config_named.contains(&f.tensor));
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
+    unlisted_shards(ck, &mut findings);
     let compared = ck.originals().filter(|_| opts.originals);
     let mut original_bytes = 0;
     if let Some(o) = compared {
@@ -1631,6 +1637,66 @@ fn unindexed_tensors(ck: &Checkpoint, out: &mut Vec<Finding>) {
                 file_name(shard.path()),
                 file_name(index)
             ),
+        });
+    }
+}
+
+/// `*.safetensors` files beside the index that it does not list. vLLM and SGLang load only
+/// the files the `weight_map` names and transformers loads by the `weight_map`, so tensors such
+/// a file holds and the `weight_map` names nowhere are loaded by no engine (an index written
+/// without its last shard). A `model.safetensors` there is worse: transformers loads that
+/// single file instead of the index, vLLM the index's shards, so the two load different
+/// weights. Files whose tensors the index all places elsewhere are stale copies every engine
+/// skips; unreadable ones too (no engine opens them), `model.safetensors` aside.
+fn unlisted_shards(ck: &Checkpoint, out: &mut Vec<Finding>) {
+    let Some(index) = ck.index_path() else {
+        return;
+    };
+    let name_of = |p: &std::path::Path| {
+        p.file_name()
+            .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+    };
+    let index_name = name_of(index);
+    for path in ck.unlisted_files() {
+        let file = name_of(path);
+        let single = file == super::hf::SINGLE_FILE;
+        let opened = TensorFile::open(path);
+        let (held, missing): (usize, Vec<String>) = match &opened {
+            Ok(f) => (
+                f.names().count(),
+                f.names()
+                    .filter(|n| !ck.contains(n))
+                    .map(str::to_string)
+                    .collect(),
+            ),
+            Err(_) => (0, vec![]),
+        };
+        let detail = if single {
+            format!(
+                "`{file}` lies beside `{index_name}`, which does not list it: transformers loads this single file and ignores the index ({}), vLLM loads the {} shard(s) the index lists and skips it, so the two engines load different weights; remove the file or the index",
+                match &opened {
+                    Ok(_) => format!(
+                        "{held} tensor(s) here against the index's {}",
+                        ck.names().count()
+                    ),
+                    Err(e) => format!("here it is unreadable: {e}"),
+                },
+                ck.shards().len()
+            )
+        } else if !missing.is_empty() {
+            format!(
+                "`{file}` lies beside `{index_name}`, which does not list it, and holds {} of its {held} tensor(s) that the weight_map names nowhere (first `{}`): no engine loads them (vLLM and transformers load only the shards the index lists), so those parameters keep their initialized values; the index was written without this shard",
+                missing.len(),
+                missing[0]
+            )
+        } else {
+            continue;
+        };
+        out.push(Finding {
+            tensor: missing.first().cloned().unwrap_or(file),
+            file: path.clone(),
+            kind: FindingKind::UnlistedShard,
+            detail,
         });
     }
 }
