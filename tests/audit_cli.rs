@@ -736,6 +736,75 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
     }
 }
 
+/// A zero or negative `weight_scale_2` on an expert's gate or up projection is named once, as
+/// a non-positive global scale, per linear and in a vLLM fused dump's `w13_weight_scale_2`.
+/// Before, it was named a second time as a gate/up mismatch of "ratio inf" / "ratio -1" (a NaN
+/// or Inf one never was).
+#[test]
+fn nonpositive_gate_or_up_scale_is_named_once() {
+    let (seed, mut r) = rng("audit nonpositive gate/up");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..7);
+    let victim = r.gen_range(0..e);
+    let proj = ["gate_proj", "up_proj"][r.gen_range(0..2)];
+    let neg = r.gen_bool(0.5);
+    let mut f = Fixture::new(&mut r, e);
+    let t = format!("model.layers.1.mlp.experts.{victim}.{proj}.weight_scale_2");
+    let v = f32::from_le_bytes(f.get(&t)[..4].try_into().unwrap());
+    f.set_f32(&t, if neg { -v } else { 0.0 });
+    let dir = d.path().join("linear");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let all = v["findings"].as_array().unwrap();
+    assert!(
+        all.len() == 1
+            && all[0]["kind"] == "nonpositive_global_scale"
+            && all[0]["tensor"] == t.as_str(),
+        "seed {seed}: {all:#?}"
+    );
+
+    // the same in a fused dump, one column of one expert's w13_weight_scale_2
+    let (h, i) = (64, 32);
+    let (mut w13, mut s13, mut g13) = (vec![], vec![], vec![]);
+    for _ in 0..e {
+        let gu = weights(&mut r, 2 * i, h);
+        let (ws2, gs) = weight_global_scale(&gu);
+        let (q, _) = quantize_nvfp4(&gu, 2 * i, h, gs);
+        w13.extend(q.packed);
+        s13.extend(q.scales);
+        g13.extend([ws2, ws2]);
+    }
+    let col = 2 * victim + r.gen_range(0..2);
+    g13[col] = if neg { -g13[col] } else { 0.0 };
+    let ex = |s: &str| format!("model.layers.1.mlp.experts.{s}");
+    let t: Tensors = vec![
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &[e, 2 * i, h / 16]),
+            s13,
+        ),
+        f32t(&ex("w13_weight_scale_2"), &[e, 2], &g13),
+    ];
+    let file = d.path().join("dump.safetensors");
+    write(&file, t);
+    let (c, out, v) = audit(&file);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let all = v["findings"].as_array().unwrap();
+    assert!(
+        all.iter().any(|x| x["kind"] == "nonpositive_global_scale"
+            && x["tensor"] == ex("w13_weight_scale_2").as_str()),
+        "seed {seed}: {all:#?}"
+    );
+    assert!(
+        all.iter().all(|x| x["kind"] != "gate_up_scale_mismatch"),
+        "seed {seed}: {all:#?}"
+    );
+}
+
 /// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
 fn read_all(path: &Path) -> Tensors {
     let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();

@@ -1431,7 +1431,10 @@ fn cross_checks(
         let (Some(a), Some(b)) = (l.weight_scale_2, u.weight_scale_2) else {
             continue;
         };
-        if a.is_finite() && b.is_finite() && !allclose(b, a) {
+        // non-finite and non-positive scales are findings of their own (a ratio to 0 says
+        // nothing more)
+        let usable = |x: f32| x.is_finite() && x > 0.0;
+        if usable(a) && usable(b) && !allclose(b, a) {
             // the member the up projection stores (compressed-tensors: its reciprocal)
             let t = [".weight_scale_2", ".weight_global_scale"]
                 .iter()
