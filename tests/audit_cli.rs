@@ -805,6 +805,55 @@ fn nonpositive_gate_or_up_scale_is_named_once() {
     );
 }
 
+/// One block scale set to 448 over a block whose codes are all small (|q| <= 2), in one
+/// expert of a layer: a quantizer writes 448 only over the blocks that reach the tensor's
+/// amax (their largest code is 6), so the audit names the tensor and the block's position;
+/// the clean checkpoint, whose amax blocks sit at 448 legitimately, passes. Before, the one
+/// block was far below the saturation fraction and passed.
+#[test]
+fn a_448_block_scale_over_small_codes_is_named() {
+    let (seed, mut r) = rng("audit 448 over small codes");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..9);
+    let mut f = Fixture::new(&mut r, e);
+    let dir = d.path().join("clean");
+    f.write(&dir);
+    let (c, out, _) = audit(&dir);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    let victim = r.gen_range(0..e);
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let base = format!("model.layers.1.mlp.experts.{victim}.{proj}");
+    let kb = if proj == "down_proj" { 1 } else { 2 }; // K / 16 of the fixture's 32x16 / 16x32
+    let scales = f.get(&format!("{base}.weight_scale")).len();
+    let blk = r.gen_range(0..scales);
+    f.get(&format!("{base}.weight_scale"))[blk] = 0x7E; // 448
+    let small: Vec<u8> = (0..8)
+        .map(|_| {
+            let mut nib = || r.gen_range(0..5u8) | if r.gen_bool(0.5) { 8 } else { 0 };
+            nib() | (nib() << 4)
+        })
+        .collect();
+    f.get(&format!("{base}.weight"))[blk * 8..blk * 8 + 8].copy_from_slice(&small);
+    let dir = d.path().join("planted");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "oversized_block_scales");
+    let at = format!("row {}, block {}", blk / kb, blk % kb);
+    assert!(
+        found.len() == 1
+            && found[0].0 == format!("{base}.weight_scale")
+            && found[0].2.contains(&at),
+        "seed {seed}: {at}: {found:#?}"
+    );
+    assert_eq!(
+        v["findings"].as_array().unwrap().len(),
+        1,
+        "seed {seed}: {out}"
+    );
+}
+
 /// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
 fn read_all(path: &Path) -> Tensors {
     let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();

@@ -98,6 +98,10 @@ use std::path::PathBuf;
 /// its amax); only past this many does the fraction matter.
 pub const SATURATED_HANDFUL: u64 = 8;
 
+/// E2M1 magnitude index of 2.0: a block at 448 whose codes all stay at or below it holds no
+/// element near the tensor's amax.
+const SMALL_CODE: u8 = 4;
+
 #[derive(Clone, Debug)]
 pub struct AuditOptions {
     /// Fraction of block scales at 448 above which a tensor is flagged.
@@ -167,6 +171,9 @@ pub enum FindingKind {
     /// `weight_map` names nowhere are loaded by no engine; a `model.safetensors` there is what
     /// transformers loads instead of the index.
     UnlistedShard,
+    /// Block scales at 448 over blocks whose FP4 codes are all small (|code| ≤ 2): a quantizer
+    /// writes 448 only over the blocks next to the tensor's amax, whose codes reach 6.
+    OversizedBlockScales,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -217,6 +224,7 @@ impl FindingKind {
             FindingKind::MissingConfig => "no config.json",
             FindingKind::NonfiniteDequant => "weights dequantize to Inf",
             FindingKind::UnlistedShard => "shard the index does not list",
+            FindingKind::OversizedBlockScales => "block scale 448 over small codes",
         }
     }
 }
@@ -751,6 +759,41 @@ fn scan_linear(
         BlockValues::default()
     };
     let at = |i: usize| format!("row {}, block {}", i / kb.max(1), i % kb.max(1));
+    // a 448 scale is what a quantizer writes over the blocks next to the tensor's amax
+    // (round to nearest: 448 stands for ≥ 432, so the block's largest code is 6); one over
+    // codes all ≤ 2 does not belong to them (a corrupted scale byte, scales of other codes)
+    let saturation_named = out
+        .iter()
+        .any(|f| f.kind == FindingKind::SaturatedBlockScales);
+    if g.format == Format::Nvfp4
+        && sc.saturated > 0
+        && !saturation_named
+        && packed.len() == scales.len() * 8
+    {
+        let small = |i: usize| {
+            packed[i * 8..i * 8 + 8]
+                .iter()
+                .all(|&b| b & 0x7 <= SMALL_CODE && (b >> 4) & 0x7 <= SMALL_CODE)
+        };
+        let hits: Vec<usize> = scales
+            .par_iter()
+            .enumerate()
+            .filter(|&(i, &b)| b == e4m3::MAX_CODE && small(i))
+            .map(|(i, _)| i)
+            .collect();
+        if let Some(&first) = hits.first() {
+            out.push(Finding {
+                tensor: ln.weight_scale.clone(),
+                file: file(&ln.weight_scale),
+                kind: FindingKind::OversizedBlockScales,
+                detail: format!(
+                    "{} block scale(s) at 448 over blocks whose FP4 codes are all |q| ≤ 2 (first at {}): a quantizer writes 448 only over blocks that reach the tensor's amax, whose largest code is 6, so these scales do not belong to their codes (a corrupted scale byte, or scales stored in another order or layout)",
+                    hits.len(),
+                    at(first)
+                ),
+            });
+        }
+    }
     if bv.dead > 0 {
         let (zero, quantizers) = match g.format {
             Format::Nvfp4 => (
