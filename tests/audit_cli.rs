@@ -736,6 +736,124 @@ fn fused_engine_dump_hazards_are_named_per_expert() {
     }
 }
 
+/// A zero or negative `weight_scale_2` on an expert's gate or up projection is named once, as
+/// a non-positive global scale, per linear and in a vLLM fused dump's `w13_weight_scale_2`.
+/// Before, it was named a second time as a gate/up mismatch of "ratio inf" / "ratio -1" (a NaN
+/// or Inf one never was).
+#[test]
+fn nonpositive_gate_or_up_scale_is_named_once() {
+    let (seed, mut r) = rng("audit nonpositive gate/up");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..7);
+    let victim = r.gen_range(0..e);
+    let proj = ["gate_proj", "up_proj"][r.gen_range(0..2)];
+    let neg = r.gen_bool(0.5);
+    let mut f = Fixture::new(&mut r, e);
+    let t = format!("model.layers.1.mlp.experts.{victim}.{proj}.weight_scale_2");
+    let v = f32::from_le_bytes(f.get(&t)[..4].try_into().unwrap());
+    f.set_f32(&t, if neg { -v } else { 0.0 });
+    let dir = d.path().join("linear");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let all = v["findings"].as_array().unwrap();
+    assert!(
+        all.len() == 1
+            && all[0]["kind"] == "nonpositive_global_scale"
+            && all[0]["tensor"] == t.as_str(),
+        "seed {seed}: {all:#?}"
+    );
+
+    // the same in a fused dump, one column of one expert's w13_weight_scale_2
+    let (h, i) = (64, 32);
+    let (mut w13, mut s13, mut g13) = (vec![], vec![], vec![]);
+    for _ in 0..e {
+        let gu = weights(&mut r, 2 * i, h);
+        let (ws2, gs) = weight_global_scale(&gu);
+        let (q, _) = quantize_nvfp4(&gu, 2 * i, h, gs);
+        w13.extend(q.packed);
+        s13.extend(q.scales);
+        g13.extend([ws2, ws2]);
+    }
+    let col = 2 * victim + r.gen_range(0..2);
+    g13[col] = if neg { -g13[col] } else { 0.0 };
+    let ex = |s: &str| format!("model.layers.1.mlp.experts.{s}");
+    let t: Tensors = vec![
+        (
+            TensorSpec::new(ex("w13_weight"), Dtype::U8, &[e, 2 * i, h / 2]),
+            w13,
+        ),
+        (
+            TensorSpec::new(ex("w13_weight_scale"), Dtype::F8_E4M3, &[e, 2 * i, h / 16]),
+            s13,
+        ),
+        f32t(&ex("w13_weight_scale_2"), &[e, 2], &g13),
+    ];
+    let file = d.path().join("dump.safetensors");
+    write(&file, t);
+    let (c, out, v) = audit(&file);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let all = v["findings"].as_array().unwrap();
+    assert!(
+        all.iter().any(|x| x["kind"] == "nonpositive_global_scale"
+            && x["tensor"] == ex("w13_weight_scale_2").as_str()),
+        "seed {seed}: {all:#?}"
+    );
+    assert!(
+        all.iter().all(|x| x["kind"] != "gate_up_scale_mismatch"),
+        "seed {seed}: {all:#?}"
+    );
+}
+
+/// One block scale set to 448 over a block whose codes are all small (|q| <= 2), in one
+/// expert of a layer: a quantizer writes 448 only over the blocks that reach the tensor's
+/// amax (their largest code is 6), so the audit names the tensor and the block's position;
+/// the clean checkpoint, whose amax blocks sit at 448 legitimately, passes. Before, the one
+/// block was far below the saturation fraction and passed.
+#[test]
+fn a_448_block_scale_over_small_codes_is_named() {
+    let (seed, mut r) = rng("audit 448 over small codes");
+    let d = tempfile::tempdir().unwrap();
+    let e = r.gen_range(3..9);
+    let mut f = Fixture::new(&mut r, e);
+    let dir = d.path().join("clean");
+    f.write(&dir);
+    let (c, out, _) = audit(&dir);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    let victim = r.gen_range(0..e);
+    let proj = ["gate_proj", "up_proj", "down_proj"][r.gen_range(0..3)];
+    let base = format!("model.layers.1.mlp.experts.{victim}.{proj}");
+    let kb = if proj == "down_proj" { 1 } else { 2 }; // K / 16 of the fixture's 32x16 / 16x32
+    let scales = f.get(&format!("{base}.weight_scale")).len();
+    let blk = r.gen_range(0..scales);
+    f.get(&format!("{base}.weight_scale"))[blk] = 0x7E; // 448
+    let small: Vec<u8> = (0..8)
+        .map(|_| {
+            let mut nib = || r.gen_range(0..5u8) | if r.gen_bool(0.5) { 8 } else { 0 };
+            nib() | (nib() << 4)
+        })
+        .collect();
+    f.get(&format!("{base}.weight"))[blk * 8..blk * 8 + 8].copy_from_slice(&small);
+    let dir = d.path().join("planted");
+    f.write(&dir);
+    let (c, out, v) = audit(&dir);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "oversized_block_scales");
+    let at = format!("row {}, block {}", blk / kb, blk % kb);
+    assert!(
+        found.len() == 1
+            && found[0].0 == format!("{base}.weight_scale")
+            && found[0].2.contains(&at),
+        "seed {seed}: {at}: {found:#?}"
+    );
+    assert_eq!(
+        v["findings"].as_array().unwrap().len(),
+        1,
+        "seed {seed}: {out}"
+    );
+}
+
 /// Every tensor of a safetensors file, owned (the map is dropped before the file is rewritten).
 fn read_all(path: &Path) -> Tensors {
     let f = nvfp4dbg::checkpoint::TensorFile::open(path).unwrap();
@@ -1067,6 +1185,72 @@ fn tensor_missing_from_the_weight_map_is_named() {
     assert!(
         out.contains(&other) && out.contains(shard_name),
         "seed {seed}: {out}"
+    );
+}
+
+/// `*.safetensors` files beside the index that it does not list: a shard the index was
+/// written without (its tensors no engine loads) fails naming the file and its first tensor,
+/// a `model.safetensors` beside the index (what transformers loads instead of it) fails, a
+/// stale copy of a listed shard (every engine skips it) passes. Before, all three passed.
+#[test]
+fn shards_the_index_does_not_list_are_named() {
+    let (seed, mut r) = rng("audit unlisted shards");
+    let d = tempfile::tempdir().unwrap();
+    let ck = d.path().join("ck");
+    synth(&ck, seed, &["--no-originals"]);
+    let ip = ck.join("model.safetensors.index.json");
+    let text = std::fs::read(&ip).unwrap();
+    let idx: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    let wm = idx["weight_map"].as_object().unwrap();
+    let mut files: Vec<String> = wm
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    files.sort();
+    files.dedup();
+    assert!(files.len() >= 2, "seed {seed}: {files:?}");
+    let (c, out, _) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+
+    // the index written without one of its shards
+    let dropped = files[r.gen_range(0..files.len())].clone();
+    let mut cut = idx.clone();
+    cut["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|_, v| v.as_str() != Some(dropped.as_str()));
+    std::fs::write(&ip, cut.to_string()).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "unlisted_shard");
+    assert!(
+        found.len() == 1
+            && Path::new(&found[0].1) == ck.join(&dropped)
+            && wm[&found[0].0].as_str() == Some(dropped.as_str())
+            && found[0].2.contains("no engine loads them"),
+        "seed {seed}: {found:#?}"
+    );
+    assert!(out.contains(&dropped), "seed {seed}: {out}");
+    std::fs::write(&ip, &text).unwrap();
+
+    // a stale copy of a listed shard under another name: skipped by every engine
+    let copied = &files[r.gen_range(0..files.len())];
+    let stale = ck.join("model-old.safetensors");
+    std::fs::copy(ck.join(copied), &stale).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 0, "seed {seed}: {out}");
+    assert!(findings_of(&v, "unlisted_shard").is_empty(), "seed {seed}");
+
+    // the same copy as model.safetensors: transformers loads it instead of the index
+    std::fs::rename(&stale, ck.join("model.safetensors")).unwrap();
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "unlisted_shard");
+    assert!(
+        found.len() == 1
+            && Path::new(&found[0].1) == ck.join("model.safetensors")
+            && found[0].2.contains("transformers loads this single file"),
+        "seed {seed}: {found:#?}"
     );
 }
 

@@ -30,6 +30,8 @@ pub struct Checkpoint {
     shadowed: Vec<(String, usize)>,
     /// Tensors a listed shard stores that the index's `weight_map` does not name: (name, shard).
     unindexed: Vec<(String, usize)>,
+    /// `*.safetensors` files next to the index that it does not list (not opened).
+    unlisted: Vec<PathBuf>,
     originals: Option<Box<Checkpoint>>,
 }
 
@@ -57,8 +59,16 @@ impl Checkpoint {
             return Self::assemble(path, dir, None, vec![f], None, None);
         }
         let index = path.join(INDEX_FILE);
+        let mut unlisted = vec![];
         let (shards, index, weight_map) = if index.is_file() {
             let (files, map) = read_index(&index)?;
+            unlisted = safetensors_in(path)?
+                .into_iter()
+                .filter(|p| {
+                    p.file_name()
+                        .is_none_or(|n| !files.iter().any(|f| n == f.as_str()))
+                })
+                .collect();
             let mut shards = Vec::with_capacity(files.len());
             for f in &files {
                 let p = path.join(f);
@@ -74,15 +84,7 @@ impl Checkpoint {
         } else if path.join(SINGLE_FILE).is_file() {
             (vec![TensorFile::open(&path.join(SINGLE_FILE))?], None, None)
         } else {
-            let mut files = vec![];
-            for e in std::fs::read_dir(path).map_err(|e| Error::io(path, e))? {
-                let e = e.map_err(|e| Error::io(path, e))?;
-                let p = e.path();
-                if p.extension().is_some_and(|x| x == "safetensors") && p.is_file() {
-                    files.push(p);
-                }
-            }
-            files.sort();
+            let files = safetensors_in(path)?;
             if files.is_empty() {
                 return Err(Error::bad_file(
                     path,
@@ -103,14 +105,16 @@ impl Checkpoint {
         } else {
             None
         };
-        Self::assemble(
+        let mut ck = Self::assemble(
             path,
             path.to_path_buf(),
             index,
             shards,
             weight_map,
             originals,
-        )
+        )?;
+        ck.unlisted = unlisted;
+        Ok(ck)
     }
 
     fn assemble(
@@ -184,6 +188,7 @@ impl Checkpoint {
             names,
             shadowed,
             unindexed,
+            unlisted: vec![],
             originals,
         })
     }
@@ -228,6 +233,13 @@ impl Checkpoint {
         self.unindexed
             .iter()
             .map(|(n, i)| (n.as_str(), &self.shards[*i]))
+    }
+
+    /// `*.safetensors` files in the checkpoint directory that its index does not list, sorted
+    /// (not opened: engines never read them, transformers' `model.safetensors` aside, which it
+    /// loads instead of the index).
+    pub fn unlisted_files(&self) -> &[PathBuf] {
+        &self.unlisted
     }
 
     /// `config.json` of the checkpoint directory, if there is one.
@@ -304,6 +316,20 @@ impl TensorSource for Checkpoint {
     fn tensor_names(&self) -> Box<dyn Iterator<Item = &str> + '_> {
         Box::new(self.names())
     }
+}
+
+/// The `*.safetensors` regular files directly in `dir`, sorted.
+fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files = vec![];
+    for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let e = e.map_err(|e| Error::io(dir, e))?;
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "safetensors") && p.is_file() {
+            files.push(p);
+        }
+    }
+    files.sort();
+    Ok(files)
 }
 
 /// `weight_map` of an index: the shard file names (first-seen order) and each tensor's shard.

@@ -32,8 +32,10 @@ pub(super) fn gate_up_scales(ck: &Checkpoint, out: &mut Vec<Finding>) -> Result<
         let v = ck.to_f32(n)?;
         let bad: Vec<usize> = (0..t.shape[0])
             .filter(|&e| {
-                v[2 * e].is_finite()
-                    && v[2 * e + 1].is_finite()
+                // non-finite and non-positive scales are findings of their own
+                [v[2 * e], v[2 * e + 1]]
+                    .iter()
+                    .all(|x| x.is_finite() && *x > 0.0)
                     && !allclose(v[2 * e + 1], v[2 * e])
             })
             .collect();

@@ -98,6 +98,10 @@ use std::path::PathBuf;
 /// its amax); only past this many does the fraction matter.
 pub const SATURATED_HANDFUL: u64 = 8;
 
+/// E2M1 magnitude index of 2.0: a block at 448 whose codes all stay at or below it holds no
+/// element near the tensor's amax.
+const SMALL_CODE: u8 = 4;
+
 #[derive(Clone, Debug)]
 pub struct AuditOptions {
     /// Fraction of block scales at 448 above which a tensor is flagged.
@@ -163,6 +167,13 @@ pub enum FindingKind {
     /// Finite scales whose product with a block's codes overflows f32: the block dequantizes
     /// to Inf.
     NonfiniteDequant,
+    /// A `*.safetensors` file next to the index that the index does not list: its tensors the
+    /// `weight_map` names nowhere are loaded by no engine; a `model.safetensors` there is what
+    /// transformers loads instead of the index.
+    UnlistedShard,
+    /// Block scales at 448 over blocks whose FP4 codes are all small (|code| ≤ 2): a quantizer
+    /// writes 448 only over the blocks next to the tensor's amax, whose codes reach 6.
+    OversizedBlockScales,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -212,6 +223,8 @@ impl FindingKind {
             FindingKind::ZeroBlockScales => "zero block scales over non-zero codes",
             FindingKind::MissingConfig => "no config.json",
             FindingKind::NonfiniteDequant => "weights dequantize to Inf",
+            FindingKind::UnlistedShard => "shard the index does not list",
+            FindingKind::OversizedBlockScales => "block scale 448 over small codes",
         }
     }
 }
@@ -554,6 +567,7 @@ pub fn audit(
     findings.retain(|f| f.kind != FindingKind::BrokenLayer || !config_named.contains(&f.tensor));
     duplicate_copies(ck, &mut findings)?;
     unindexed_tensors(ck, &mut findings);
+    unlisted_shards(ck, &mut findings);
     let compared = ck.originals().filter(|_| opts.originals);
     let mut original_bytes = 0;
     if let Some(o) = compared {
@@ -745,6 +759,41 @@ fn scan_linear(
         BlockValues::default()
     };
     let at = |i: usize| format!("row {}, block {}", i / kb.max(1), i % kb.max(1));
+    // a 448 scale is what a quantizer writes over the blocks next to the tensor's amax
+    // (round to nearest: 448 stands for ≥ 432, so the block's largest code is 6); one over
+    // codes all ≤ 2 does not belong to them (a corrupted scale byte, scales of other codes)
+    let saturation_named = out
+        .iter()
+        .any(|f| f.kind == FindingKind::SaturatedBlockScales);
+    if g.format == Format::Nvfp4
+        && sc.saturated > 0
+        && !saturation_named
+        && packed.len() == scales.len() * 8
+    {
+        let small = |i: usize| {
+            packed[i * 8..i * 8 + 8]
+                .iter()
+                .all(|&b| b & 0x7 <= SMALL_CODE && (b >> 4) & 0x7 <= SMALL_CODE)
+        };
+        let hits: Vec<usize> = scales
+            .par_iter()
+            .enumerate()
+            .filter(|&(i, &b)| b == e4m3::MAX_CODE && small(i))
+            .map(|(i, _)| i)
+            .collect();
+        if let Some(&first) = hits.first() {
+            out.push(Finding {
+                tensor: ln.weight_scale.clone(),
+                file: file(&ln.weight_scale),
+                kind: FindingKind::OversizedBlockScales,
+                detail: format!(
+                    "{} block scale(s) at 448 over blocks whose FP4 codes are all |q| ≤ 2 (first at {}): a quantizer writes 448 only over blocks that reach the tensor's amax, whose largest code is 6, so these scales do not belong to their codes (a corrupted scale byte, or scales stored in another order or layout)",
+                    hits.len(),
+                    at(first)
+                ),
+            });
+        }
+    }
     if bv.dead > 0 {
         let (zero, quantizers) = match g.format {
             Format::Nvfp4 => (
@@ -1425,7 +1474,10 @@ fn cross_checks(
         let (Some(a), Some(b)) = (l.weight_scale_2, u.weight_scale_2) else {
             continue;
         };
-        if a.is_finite() && b.is_finite() && !allclose(b, a) {
+        // non-finite and non-positive scales are findings of their own (a ratio to 0 says
+        // nothing more)
+        let usable = |x: f32| x.is_finite() && x > 0.0;
+        if usable(a) && usable(b) && !allclose(b, a) {
             // the member the up projection stores (compressed-tensors: its reciprocal)
             let t = [".weight_scale_2", ".weight_global_scale"]
                 .iter()
@@ -1631,6 +1683,66 @@ fn unindexed_tensors(ck: &Checkpoint, out: &mut Vec<Finding>) {
                 file_name(shard.path()),
                 file_name(index)
             ),
+        });
+    }
+}
+
+/// `*.safetensors` files beside the index that it does not list. vLLM and SGLang load only
+/// the files the `weight_map` names and transformers loads by the `weight_map`, so tensors such
+/// a file holds and the `weight_map` names nowhere are loaded by no engine (an index written
+/// without its last shard). A `model.safetensors` there is worse: transformers loads that
+/// single file instead of the index, vLLM the index's shards, so the two load different
+/// weights. Files whose tensors the index all places elsewhere are stale copies every engine
+/// skips; unreadable ones too (no engine opens them), `model.safetensors` aside.
+fn unlisted_shards(ck: &Checkpoint, out: &mut Vec<Finding>) {
+    let Some(index) = ck.index_path() else {
+        return;
+    };
+    let name_of = |p: &std::path::Path| {
+        p.file_name()
+            .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into())
+    };
+    let index_name = name_of(index);
+    for path in ck.unlisted_files() {
+        let file = name_of(path);
+        let single = file == super::hf::SINGLE_FILE;
+        let opened = TensorFile::open(path);
+        let (held, missing): (usize, Vec<String>) = match &opened {
+            Ok(f) => (
+                f.names().count(),
+                f.names()
+                    .filter(|n| !ck.contains(n))
+                    .map(str::to_string)
+                    .collect(),
+            ),
+            Err(_) => (0, vec![]),
+        };
+        let detail = if single {
+            format!(
+                "`{file}` lies beside `{index_name}`, which does not list it: transformers loads this single file and ignores the index ({}), vLLM loads the {} shard(s) the index lists and skips it, so the two engines load different weights; remove the file or the index",
+                match &opened {
+                    Ok(_) => format!(
+                        "{held} tensor(s) here against the index's {}",
+                        ck.names().count()
+                    ),
+                    Err(e) => format!("here it is unreadable: {e}"),
+                },
+                ck.shards().len()
+            )
+        } else if !missing.is_empty() {
+            format!(
+                "`{file}` lies beside `{index_name}`, which does not list it, and holds {} of its {held} tensor(s) that the weight_map names nowhere (first `{}`): no engine loads them (vLLM and transformers load only the shards the index lists), so those parameters keep their initialized values; the index was written without this shard",
+                missing.len(),
+                missing[0]
+            )
+        } else {
+            continue;
+        };
+        out.push(Finding {
+            tensor: missing.first().cloned().unwrap_or(file),
+            file: path.clone(),
+            kind: FindingKind::UnlistedShard,
+            detail,
         });
     }
 }
