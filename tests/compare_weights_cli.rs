@@ -2078,12 +2078,109 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         &[s(&fx.ckpt), s(&dump), "--ep-rank", &other, "--ep-size", "2"],
     );
     check(&out, 1, fx.seed);
-    // rank `er`'s experts under the other rank's names: a permutation by the rank offset
+    // rank `er`'s experts under the other rank's names: named as that rank's
     assert!(
-        diag_kinds(&out.json).contains(&"expert_permutation".to_string()),
-        "{}",
+        diag_kinds(&out.json).contains(&"ep_rank".to_string()),
+        "seed {}: {}",
+        fx.seed,
         out.stdout
     );
+}
+
+/// B's experts exactly another EP rank's set (round-robin or linear, 4 ranks): named
+/// `ep_rank`, "B holds EP rank k's experts". They were an `expert_permutation` "off by 1:
+/// local expert ids where global ids belong", as was a linear shift of the ids by one, which
+/// is neither; global ids 0..n read as a round-robin rank's are the local-ids case.
+#[test]
+fn another_ep_ranks_experts_are_named_as_that_rank() {
+    let per = 2 + (rand::random::<u8>() % 2) as usize;
+    let fx = fixture(4 * per);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 11);
+    let n = 4;
+    let rr = r.gen_bool(0.5);
+    let rank = r.gen_range(1..n - 1);
+    let k = (rank + r.gen_range(1..n)) % n;
+    let set = |q: usize| -> Vec<usize> {
+        if rr {
+            (0..per).map(|l| q + l * n).collect()
+        } else {
+            (q * per..(q + 1) * per).collect()
+        }
+    };
+    let placement = if rr { "round-robin" } else { "linear" };
+    let ranks = rank.to_string();
+    let args = [
+        "--ep-rank",
+        ranks.as_str(),
+        "--ep-size",
+        "4",
+        "--placement",
+        placement,
+    ];
+    // B's slots (written as linear rank `rank` of 4) hold `slots`
+    let with_slots = |name: &str, slots: Vec<usize>| -> Run {
+        let mut order: Vec<usize> = (0..4 * per).collect();
+        order[rank * per..(rank + 1) * per].copy_from_slice(&slots);
+        let dump = fx.root.join(name);
+        fx.run_fused(
+            &dump,
+            &Faults {
+                order: Some(order),
+                ep: Some((rank, n)),
+                ..Default::default()
+            },
+            &args,
+            1,
+        )
+    };
+    let what = format!("seed {} {placement} rank {rank}", fx.seed);
+    let out = with_slots("other.safetensors", set(k));
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let e = d
+        .iter()
+        .find(|d| d["kind"] == "ep_rank")
+        .unwrap_or_else(|| panic!("{what} k {k}: {d:?}"));
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("B holds EP rank {k}'s experts"))
+            && msg.contains(&format!("not rank {rank}'s")),
+        "{what} k {k}: {msg}"
+    );
+    assert_eq!(e["experts"], serde_json::json!(set(rank)), "{what}");
+    assert!(!diag_kinds(&out.json).contains(&"expert_permutation".to_string()));
+    // local ids where global ones belong: linear rank 0's set, or under round-robin a set of
+    // no rank
+    let out = with_slots("local.safetensors", (0..per).collect());
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let kind = if rr { "expert_permutation" } else { "ep_rank" };
+    let msg = d
+        .iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("{what}: {d:?}"))["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        msg.contains("local expert ids read as global"),
+        "{what}: {msg}"
+    );
+    // every id one too high: an id offset, not local ids
+    if !rr {
+        let out = with_slots(
+            "shift.safetensors",
+            set(rank).iter().map(|g| g + 1).collect(),
+        );
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let msg = d
+            .iter()
+            .find(|d| d["kind"] == "expert_permutation")
+            .unwrap_or_else(|| panic!("{what}: {d:?}"))["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            msg.contains("off by 1") && !msg.contains("local expert ids"),
+            "{what}: {msg}"
+        );
+    }
 }
 
 /// The row-parallel down projections (every expert's w2, the shared expert's down_proj) split

@@ -57,6 +57,8 @@ pub enum DiagnosisKind {
     NibblesSwapped,
     /// B's layer `l` holds A's layer `l + k`.
     LayerShift,
+    /// B's experts are exactly another expert-parallel rank's set under the placement given.
+    EpRank,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -673,6 +675,8 @@ pub fn cross_expert(
         }
         if !perm.is_empty() {
             let offsets: BTreeSet<i64> = perm.iter().map(|&(e, o)| o as i64 - e as i64).collect();
+            let a_count = a_units.iter().map(|(e, _)| e.expert + 1).max().unwrap_or(0);
+            let ep_held = ep_rank_held(&perm, &b_experts, opts.ep, a_count);
             let shown: Vec<String> = perm
                 .iter()
                 .take(12)
@@ -707,7 +711,9 @@ pub fn cross_expert(
                 .map(|&(e, _)| e)
                 .filter(|e| !held.contains(e))
                 .collect();
-            if !dup.is_empty() {
+            if let Some(h) = &ep_held {
+                message = h.message(layer, &perm);
+            } else if !dup.is_empty() {
                 message.push_str(&format!(
                     "; {}: loaded twice, and A's expert(s) {} in no slot of B (an expert id mapped \
                      many-to-one by the loader, or a redundant-expert slot filled from the wrong id)",
@@ -752,7 +758,9 @@ pub fn cross_expert(
                 (perm.len() >= 2, offsets.len(), offsets.iter().next())
             {
                 message.push_str(&format!(
-                    "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
+                    "; every one is off by {off}: B's expert e holds A's expert e{off:+} — an expert id offset \
+                     (a rank's first expert or the id base miscounted), neither another EP rank's experts nor \
+                     local ids read as global ones"
                 ));
             } else if let Some((stride, c)) = strided(&perm) {
                 message.push_str(&format!(
@@ -783,7 +791,10 @@ pub fn cross_expert(
                 }
             }
             out.push(Diagnosis {
-                kind: DiagnosisKind::ExpertPermutation,
+                kind: match ep_held {
+                    Some(EpHeld { rank: Some(_), .. }) => DiagnosisKind::EpRank,
+                    _ => DiagnosisKind::ExpertPermutation,
+                },
                 layer: Some(layer),
                 experts: perm.iter().map(|&(e, _)| e).collect(),
                 tensors: perm.len(),
@@ -793,6 +804,95 @@ pub fn cross_expert(
         }
     }
     Ok(out)
+}
+
+/// What B's experts hold when, taken together, they are a set EP names: another rank's
+/// experts under the placement given, or global ids `0..n` (local ids read as global ones).
+struct EpHeld {
+    /// B compared as this rank (its map)...
+    map: crate::moe::ep::ExpertMap,
+    /// ... holds rank `rank`'s experts, slot for slot.
+    rank: Option<crate::moe::ep::ExpertMap>,
+    /// B's slot `l` holds A's expert `l`.
+    local_ids: bool,
+}
+
+impl EpHeld {
+    fn message(&self, layer: usize, perm: &[(usize, usize)]) -> String {
+        let m = &self.map;
+        let held: Vec<usize> = perm.iter().map(|&(_, o)| o).collect();
+        let (bs, os): (Vec<usize>, Vec<usize>) = perm.iter().copied().unzip();
+        let pairs = format!(
+            "B's expert(s) {} hold A's expert(s) {}",
+            list(&bs),
+            list(&os)
+        );
+        let local = format!(
+            "global ids 0..{}, which is what local expert ids read as global ids give (the dump \
+             indexed by local id, read as global, or the loader took slot l's weights from \
+             checkpoint expert l)",
+            held.len()
+        );
+        match &self.rank {
+            Some(k) => format!(
+                "layer {layer}: B holds EP rank {}'s experts {}, not rank {}'s {} ({} placement, {} ranks): \
+                 {pairs} — the engine loaded another rank's experts, or the dump is rank {}'s (--ep-rank {}){}",
+                k.ep_rank,
+                k.describe_owned(),
+                m.ep_rank,
+                m.describe_owned(),
+                m.placement.name(),
+                m.ep_size,
+                k.ep_rank,
+                k.ep_rank,
+                if self.local_ids {
+                    format!("; rank {}'s experts are {local}", k.ep_rank)
+                } else {
+                    String::new()
+                }
+            ),
+            None => format!(
+                "layer {layer}: B's experts, EP rank {}'s {} ({} placement), hold A's experts \
+                 0..{} in slot order: {pairs} — {local}",
+                m.ep_rank,
+                m.describe_owned(),
+                m.placement.name(),
+                held.len()
+            ),
+        }
+    }
+}
+
+/// `perm` (B's expert → A's expert it holds) against the EP ranks: every one of B's experts,
+/// slot by slot, is another rank's expert at that slot, or A's expert with the slot's local id.
+fn ep_rank_held(
+    perm: &[(usize, usize)],
+    b_experts: &BTreeSet<usize>,
+    ep: Option<(usize, usize, crate::moe::ep::Placement)>,
+    num_experts: usize,
+) -> Option<EpHeld> {
+    use crate::moe::ep::ExpertMap;
+    let (r, n, placement) = ep?;
+    let map = ExpertMap::new(num_experts, r, n, placement).ok()?;
+    let by_b: BTreeMap<usize, usize> = perm.iter().copied().collect();
+    if by_b.len() != perm.len() || b_experts.len() != map.num_local() || perm.len() < 2 {
+        return None;
+    }
+    let holds: Vec<usize> = map
+        .local_to_global()
+        .iter()
+        .map(|g| by_b.get(g).copied())
+        .collect::<Option<_>>()?;
+    let local_ids = holds.iter().enumerate().all(|(l, &o)| l == o);
+    let rank = (0..n)
+        .filter(|&k| k != r)
+        .filter_map(|k| ExpertMap::new(num_experts, k, n, placement).ok())
+        .find(|k| k.local_to_global() == holds.as_slice());
+    (rank.is_some() || local_ids).then_some(EpHeld {
+        map,
+        rank,
+        local_ids,
+    })
 }
 
 /// `(s, c)` when every pair `(e, o)` has `o = s·e + c` with an integer stride `s ≥ 2`: B's
