@@ -343,6 +343,9 @@ struct Faults {
     tp_down_wrong_axis: bool,
     /// This slot (after EP selection) left out: the experts after it one slot early.
     drop_slot: Option<usize>,
+    /// Every expert's `w13_weight_scale_2`, `w2_weight_scale_2` or `w2_input_scale` (the
+    /// name) times this factor.
+    scalar_factor: Option<(&'static str, f32)>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -449,6 +452,15 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             *i2.last_mut().unwrap() = v;
         }
         let _ = slot;
+    }
+    if let Some((which, k)) = f.scalar_factor {
+        let v = match which {
+            "w13_weight_scale_2" => &mut g13,
+            "w2_weight_scale_2" => &mut g2,
+            "w2_input_scale" => &mut i2,
+            _ => panic!("scalar_factor: {which}"),
+        };
+        v.iter_mut().for_each(|x| *x *= k);
     }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
     let swizzled = |rows, kb| {
@@ -2796,6 +2808,55 @@ fn linear_placement_read_as_round_robin_is_named() {
     );
     // read with the placement it has: agrees
     check(&run(&fx.root, &ep), 0, fx.seed);
+}
+
+/// A TP rank's global scales (every expert's w13 or w2 weight_scale_2, or w2's input_scale)
+/// divided or multiplied by the TP size at load: named `global_scale_scaled_by_tp` with the
+/// scale tensor. It was a bare `scale_2` / `input_scale` issue per tensor.
+#[test]
+fn a_global_scale_scaled_by_the_tp_size_is_named() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 13);
+    let n = [2usize, 4][r.gen_range(0..2)];
+    let tr = r.gen_range(0..n);
+    let which = ["w13_weight_scale_2", "w2_weight_scale_2", "w2_input_scale"][r.gen_range(0..3)];
+    let times = r.gen_bool(0.5);
+    let k = if times { n as f32 } else { 1.0 / n as f32 };
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let dump = fx.root.join("gs.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            tp: Some((tr, n)),
+            scalar_factor: Some((which, k)),
+            ..Default::default()
+        },
+        &["--tp-rank", &trs, "--tp-size", &ns],
+        1,
+    );
+    let what = format!("seed {} tp {tr}/{n} {which} ×{k}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let g = d
+        .iter()
+        .find(|d| d["kind"] == "global_scale_scaled_by_tp")
+        .unwrap_or_else(|| panic!("{what}: {d:?}"));
+    let e = fx.model.experts.len();
+    let units = if which.starts_with("w13") { 2 * e } else { e };
+    assert_eq!(g["tensors"], units, "{what}: {g}");
+    let msg = g["message"].as_str().unwrap();
+    let member = which.trim_start_matches("w13_").trim_start_matches("w2_");
+    let op = if times { "×" } else { "/" };
+    assert!(
+        msg.contains(&format!(
+            "B's {member} is A's {op} {n} for {units} tensor(s)"
+        )) && msg.contains(&format!("experts.{which}`")),
+        "{what}: {msg}"
+    );
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["global_scale_scaled_by_tp"],
+        "{what}"
+    );
 }
 
 /// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],

@@ -130,6 +130,10 @@ pub struct UnitResult {
     /// (A's dtype, B's dtype, B's scale tensor).
     #[serde(skip)]
     pub scale_dtype_differs: Option<(Dtype, Dtype, String)>,
+    /// B's global scalars that differ from A's with no convention explaining it: (member,
+    /// A's value, B's value, B's tensor), for the diagnoses across units.
+    #[serde(skip)]
+    pub scalars_differ: Vec<(&'static str, f32, f32, String)>,
 }
 
 impl LoadError {
@@ -167,6 +171,7 @@ impl UnitResult {
             extra_members: vec![],
             swizzle_side_open: false,
             scale_dtype_differs: None,
+            scalars_differ: vec![],
         }
     }
     pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {
@@ -990,6 +995,12 @@ fn compare_qq(
                     ),
                 );
             } else {
+                u.scalars_differ.push((
+                    "weight_scale_2",
+                    x,
+                    y,
+                    qb.scale_2_name.clone().unwrap_or_default(),
+                ));
                 u.issue(
                     IssueKind::Scale2,
                     format!(
@@ -1048,6 +1059,12 @@ fn compare_qq(
                 );
             } else {
                 input_ok = false;
+                u.scalars_differ.push((
+                    "input_scale",
+                    x,
+                    y,
+                    qb.input_name.clone().unwrap_or_default(),
+                ));
                 u.issue(
                     IssueKind::InputScale,
                     format!("input_scale: B {y:e}, A {x:e}"),

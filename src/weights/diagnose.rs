@@ -59,6 +59,10 @@ pub enum DiagnosisKind {
     LayerShift,
     /// B's experts are exactly another expert-parallel rank's set under the placement given.
     EpRank,
+    /// B's global scales (weight_scale_2 / input_scale) are A's times or divided by the TP size.
+    GlobalScaleScaledByTp,
+    /// The same by the EP size.
+    GlobalScaleScaledByEp,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -117,6 +121,110 @@ pub fn tp_not_sharded(
         ),
         fails: true,
     })
+}
+
+/// B's weight_scale_2 (or input_scale) A's ×N or ÷N, N the TP (or EP) size, in every one of
+/// the units where it differs (but a tenth): a replicated scalar divided (or multiplied) by
+/// the rank count at load, as if it were a sum over the ranks, or a shard's partial amax.
+pub fn global_scale_scaled(
+    results: &[UnitResult],
+    tp: Option<(usize, usize)>,
+    ep: Option<usize>,
+) -> Vec<Diagnosis> {
+    let mut out = vec![];
+    for (member, kind) in [
+        ("weight_scale_2", IssueKind::Scale2),
+        ("input_scale", IssueKind::InputScale),
+    ] {
+        let differ: Vec<(&UnitResult, f32, f32, &str)> = results
+            .iter()
+            .filter(|r| r.issues.iter().any(|i| i.kind == kind))
+            .flat_map(|r| {
+                r.scalars_differ
+                    .iter()
+                    .filter(|d| d.0 == member)
+                    .map(move |d| (r, d.1, d.2, d.3.as_str()))
+            })
+            .collect();
+        let sizes = [
+            (tp.map(|t| t.1), "TP", DiagnosisKind::GlobalScaleScaledByTp),
+            (ep, "EP", DiagnosisKind::GlobalScaleScaledByEp),
+        ];
+        for (n, what, dkind) in sizes {
+            let Some(n) = n.filter(|&n| n > 1) else {
+                continue;
+            };
+            if what == "EP" && tp.map(|t| t.1) == Some(n) {
+                continue;
+            }
+            let near = |v: f64, w: f64| (v - w).abs() <= 1e-5 * w.abs();
+            for (times, op) in [(false, "/"), (true, "×")] {
+                let hit: Vec<&(&UnitResult, f32, f32, &str)> = differ
+                    .iter()
+                    .filter(|(_, a, b, _)| {
+                        let (a, b) = (*a as f64, *b as f64);
+                        if times {
+                            near(b, a * n as f64)
+                        } else {
+                            near(b, a / n as f64)
+                        }
+                    })
+                    .collect();
+                if hit.len() < 2 || hit.len() * 10 < differ.len() * 9 {
+                    continue;
+                }
+                let tensors: BTreeSet<String> = hit
+                    .iter()
+                    .map(|(_, _, _, t)| t.split('[').next().unwrap_or(t).to_string())
+                    .collect();
+                let units: Vec<&UnitResult> = hit.iter().map(|h| h.0).collect();
+                let (layer, experts) = placed(&units);
+                let tensors: Vec<String> = tensors.into_iter().map(|t| format!("`{t}`")).collect();
+                let message = format!(
+                    "{}B's {member} is A's {op} {n} for {} tensor(s){} ({}{}): a global scale {} the {what} size at \
+                     load ({}): {} ×{}",
+                    layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                    hit.len(),
+                    if hit.len() < differ.len() {
+                        format!(" of the {} whose {member} differs", differ.len())
+                    } else {
+                        String::new()
+                    },
+                    tensors.join(", "),
+                    if experts.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", expert(s) {}", list(&experts))
+                    },
+                    if times { "multiplied by" } else { "divided by" },
+                    if times {
+                        "a replicated scalar summed over the ranks, as if each held a share"
+                    } else {
+                        "a replicated scalar split as if it were a per-rank share, or a per-shard amax"
+                    },
+                    if member == "input_scale" {
+                        "the activations' quantization range is"
+                    } else {
+                        "every weight dequantizes"
+                    },
+                    if times {
+                        format!("{n}")
+                    } else {
+                        format!("1/{n}")
+                    }
+                );
+                out.push(Diagnosis {
+                    kind: dkind,
+                    layer,
+                    experts,
+                    tensors: hit.len(),
+                    message,
+                    fails: true,
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer, side).

@@ -432,6 +432,11 @@ impl<'a> Plan<'a> {
         layouts::settle_open(&mut results);
         let mut diagnoses = self.diagnoses;
         diagnoses.extend(diagnose::from_units(&results));
+        diagnoses.extend(diagnose::global_scale_scaled(
+            &results,
+            self.opts.tp,
+            self.opts.ep.map(|e| e.1),
+        ));
         if let Some(tp) = self.opts.tp {
             diagnoses.extend(diagnose::tp_not_sharded(
                 &results,
