@@ -2601,6 +2601,51 @@ fn merged_gate_up_proj_is_compared_as_its_parts() {
 
 /// vLLM's `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa], parts of unequal rows: cut at
 /// A's sizes, and one changed value of the second part is named as that part.
+/// The shared expert's merged `gate_up_proj` in the order [up; gate], whole or a TP rank's:
+/// named `gate_up_swapped` as the routed experts' swap is. It was a bare "values differ" on
+/// both halves.
+#[test]
+fn swapped_halves_of_a_merged_gate_up_proj_are_named() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let tr = (fx.seed % 2) as usize;
+    let trs = tr.to_string();
+    for tp in [None, Some((tr, 2))] {
+        let dump = fx.root.join("merged-swapped.safetensors");
+        let args: &[&str] = if tp.is_some() {
+            &["--tp-rank", &trs, "--tp-size", "2"]
+        } else {
+            &[]
+        };
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                merged_shared: Some(true),
+                tp,
+                ..Default::default()
+            },
+            args,
+            1,
+        );
+        let what = format!("seed {} tp {tp:?}", fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        assert_eq!(diag_kinds(&out.json), ["gate_up_swapped"], "{what}: {d:?}");
+        assert_eq!(d[0]["layer"], LAYER, "{what}");
+        let msg = d[0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(&format!(
+                "B's merged `model.layers.{LAYER}.mlp.shared_experts.gate_up_proj.weight` is [up_proj; gate_proj]"
+            )),
+            "{what}: {msg}"
+        );
+        for m in out.json["mismatches"].as_array().unwrap() {
+            assert!(
+                m["issues"].to_string().contains("gate and up swapped"),
+                "{what}: {m}"
+            );
+        }
+    }
+}
+
 #[test]
 fn fused_qkv_a_proj_is_cut_at_the_parts_sizes() {
     let seed: u64 = rand::random();

@@ -1003,6 +1003,115 @@ fn ep_rank_held(
     })
 }
 
+/// Gate and up swapped outside the routed experts (the shared expert's, a dense MLP's,
+/// merged into one `gate_up_proj` or not): B's gate holds A's up and B's up A's gate, with
+/// or without TP. The routed experts' are named by [`cross_expert`].
+pub fn dense_gate_up_swapped(
+    results: &mut [UnitResult],
+    a: &SideRef,
+    b: &SideRef,
+    a_inv: &Inventory,
+    b_inv: &Inventory,
+    opts: &Options,
+    engine: &dyn DiffEngine,
+) -> Result<Vec<Diagnosis>> {
+    let bad = |r: &UnitResult| r.issues.iter().any(|i| i.kind == IssueKind::Values);
+    let by_name: HashMap<String, usize> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.name.clone(), i))
+        .collect();
+    let mut out = vec![];
+    for i in 0..results.len() {
+        let r = &results[i];
+        if r.expert.is_some() || !bad(r) {
+            continue;
+        }
+        let Some(up_name) = [(".gate_proj.", ".up_proj."), (".w1.", ".w3.")]
+            .iter()
+            .find(|(g, _)| r.name.contains(g))
+            .map(|(g, u)| r.name.replacen(g, u, 1))
+        else {
+            continue;
+        };
+        let Some(&j) = by_name.get(&up_name).filter(|&&j| bad(&results[j])) else {
+            continue;
+        };
+        let (gate, up) = (&results[i].name, &results[j].name);
+        let (Some(ag), Some(au), Some(bg), Some(bu)) = (
+            load_unit(a, a_inv, gate),
+            load_unit(a, a_inv, up),
+            load_unit(b, b_inv, gate),
+            load_unit(b, b_inv, up),
+        ) else {
+            continue;
+        };
+        let swapped = (holds_whole(&au, &bg, opts.tp) && holds_whole(&ag, &bu, opts.tp))
+            || (passes_raw(&au, &bg, opts.tp, engine, opts.min_cosine)?
+                && passes_raw(&ag, &bu, opts.tp, engine, opts.min_cosine)?);
+        if !swapped {
+            continue;
+        }
+        let (bg_at, bu_at) = (
+            results[i].stored(SideName::B).to_string(),
+            results[j].stored(SideName::B).to_string(),
+        );
+        let layer = crate::checkpoint::names::split_layer(gate).map(|(_, l, _)| l);
+        let module = gate
+            .rsplit_once(if gate.contains(".gate_proj.") {
+                ".gate_proj."
+            } else {
+                ".w1."
+            })
+            .map_or(gate.as_str(), |(m, _)| m)
+            .to_string();
+        let (gp, upn) = if gate.contains(".gate_proj.") {
+            ("gate_proj", "up_proj")
+        } else {
+            ("w1", "w3")
+        };
+        let message = if bg_at == bu_at {
+            format!(
+                "{}gate and up swapped in `{module}`: B's merged `{bg_at}` is [{upn}; {gp}] where [{gp}; {upn}] belongs \
+                 — B's {gp} part holds A's {upn} and its {upn} part A's {gp}{}",
+                layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                opts.tp
+                    .filter(|t| t.1 > 1)
+                    .map_or(String::new(), |(r, n)| format!(" (TP rank {r} of {n}'s rows of each)"))
+            )
+        } else {
+            format!(
+                "{}gate and up swapped in `{module}`: B's `{bg_at}` holds A's {upn} and `{bu_at}` A's {gp}",
+                layer.map_or(String::new(), |l| format!("layer {l}: ")),
+            )
+        };
+        for k in [i, j] {
+            if let Some(issue) = results[k]
+                .issues
+                .iter_mut()
+                .find(|i| i.kind == IssueKind::Values)
+            {
+                issue
+                    .message
+                    .push_str(&format!(" — gate and up swapped in `{module}`"));
+            }
+        }
+        out.push(Diagnosis {
+            kind: DiagnosisKind::GateUpSwapped,
+            layer,
+            experts: vec![],
+            tensors: 2,
+            message,
+            fails: true,
+        });
+    }
+    Ok(out)
+}
+
+fn load_unit<'s>(side: &SideRef<'s>, inv: &Inventory, key: &str) -> Option<super::load::Raw<'s>> {
+    side.load(&inv.units.get(key)?.source).ok()
+}
+
 /// `(s, c)` when every pair `(e, o)` has `o = s·e + c` with an integer stride `s ≥ 2`: B's
 /// experts `e` of a contiguous block hold A's every `s`-th expert.
 fn strided(perm: &[(usize, usize)]) -> Option<(i64, i64)> {

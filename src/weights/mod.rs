@@ -453,6 +453,15 @@ impl<'a> Plan<'a> {
             &copts,
             engine,
         )?);
+        diagnoses.extend(diagnose::dense_gate_up_swapped(
+            &mut results,
+            &a,
+            &b,
+            &self.a_inv,
+            &self.b_inv,
+            &copts,
+            engine,
+        )?);
         diagnoses.extend(layer_shift::layer_shift(&mut results, &a, &b, self.opts.tp));
         let mut missing = self.missing;
         let mut extra = self.extra;
