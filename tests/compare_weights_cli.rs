@@ -346,6 +346,8 @@ struct Faults {
     /// Every expert's `w13_weight_scale_2`, `w2_weight_scale_2` or `w2_input_scale` (the
     /// name) times this factor.
     scalar_factor: Option<(&'static str, f32)>,
+    /// With `ep`: the per-expert scalars (weight_scale_2, input_scale) kept for all experts.
+    scalars_all_experts: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -453,6 +455,18 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         let _ = slot;
     }
+    let es = if f.scalars_all_experts {
+        (g13, i13, g2, i2) = (vec![], vec![], vec![], vec![]);
+        for x in &m.experts {
+            g13.extend([x.w1.scale_2, x.w3.scale_2]);
+            i13.extend([x.in1, x.in3]);
+            g2.push(x.w2.scale_2);
+            i2.push(x.in2);
+        }
+        m.experts.len()
+    } else {
+        e
+    };
     if let Some((which, k)) = f.scalar_factor {
         let v = match which {
             "w13_weight_scale_2" => &mut g13,
@@ -488,9 +502,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         vec![e, w2r, w2k / 16]
     };
     let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
-        vec![e]
+        vec![es]
     } else {
-        vec![e, 2]
+        vec![es, 2]
     };
     let mut v = vec![
         (
@@ -514,7 +528,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             f32_bytes(&g13),
         ),
         (
-            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[es, 2]),
             f32_bytes(&i13),
         ),
         (
@@ -567,17 +581,17 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         },
         if f.w2_scale_2_bf16 {
             (
-                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[e]),
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[es]),
                 bf16_bytes(&g2),
             )
         } else {
             (
-                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[es]),
                 f32_bytes(&g2),
             )
         },
         (
-            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[es]),
             f32_bytes(&i2),
         ),
     ];
@@ -2395,6 +2409,61 @@ fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
         fx.seed
     );
     assert!(!msg.contains("local expert ids"), "seed {}: {msg}", fx.seed);
+}
+
+/// An EP rank's dump whose per-expert scalars (w13/w2 weight_scale_2 and input_scale) were
+/// kept for all E experts while its weights hold the rank's: named `ep_scalars_unsharded`
+/// with the tensors and their shapes, and each unit's mismatch says where either side holds
+/// it. They were `unreadable` mismatches with empty `a` and `b`.
+#[test]
+fn per_expert_scalars_kept_for_all_experts_under_ep_are_named() {
+    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let fx = fixture(2 * per);
+    let er = (fx.seed % 2) as usize;
+    let ers = er.to_string();
+    let dump = fx.root.join("scalars.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            scalars_all_experts: true,
+            ..Default::default()
+        },
+        &["--ep-rank", &ers, "--ep-size", "2"],
+        1,
+    );
+    let what = format!("seed {} rank {er}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let u = d
+        .iter()
+        .find(|d| d["kind"] == "ep_scalars_unsharded")
+        .unwrap_or_else(|| panic!("{what}: {d:?}"));
+    let msg = u["message"].as_str().unwrap();
+    let e = 2 * per;
+    for t in [
+        "w13_weight_scale_2` [E, 2]",
+        "w13_input_scale` [E, 2]",
+        "w2_weight_scale_2` [E]",
+        "w2_input_scale` [E]",
+    ] {
+        assert!(
+            msg.contains(&t.replace('E', &e.to_string())),
+            "{what}: {t} in {msg}"
+        );
+    }
+    assert!(
+        msg.contains(&format!("hold EP rank {er}'s {per} experts")),
+        "{what}: {msg}"
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 3 * per, "{what}");
+    for x in m {
+        assert!(
+            x["a"].as_str().unwrap().ends_with(".weight")
+                && x["b"].as_str().unwrap().contains("mlp.experts.w"),
+            "{what}: {x}"
+        );
+    }
 }
 
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so

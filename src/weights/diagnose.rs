@@ -63,6 +63,9 @@ pub enum DiagnosisKind {
     GlobalScaleScaledByTp,
     /// The same by the EP size.
     GlobalScaleScaledByEp,
+    /// An EP rank's per-expert scalars (`w13_weight_scale_2`, `w2_input_scale`, ...) kept for
+    /// all experts while its weights hold only the rank's.
+    EpScalarsUnsharded,
 }
 
 #[derive(Clone, Debug, Serialize)]
