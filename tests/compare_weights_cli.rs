@@ -346,6 +346,8 @@ struct Faults {
     /// Every expert's `w13_weight_scale_2`, `w2_weight_scale_2` or `w2_input_scale` (the
     /// name) times this factor.
     scalar_factor: Option<(&'static str, f32)>,
+    /// Every expert's w2 block scales taken one column off (±1) from A's, clamped at A's edges.
+    w2_scale_shift: Option<i64>,
     /// With `ep`: the per-expert scalars (weight_scale_2, input_scale) kept for all experts.
     scalars_all_experts: bool,
 }
@@ -428,6 +430,16 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w2.extend_from_slice(&d.packed);
         }
         let mut sc = d.scales.clone();
+        if let Some(shift) = f.w2_scale_shift {
+            let (kb, kbp) = (i / 16, ip / 16);
+            sc = (0..h)
+                .flat_map(|r| (0..kbp).map(move |j| (r, j)))
+                .map(|(r, j)| {
+                    let src = ((tr * kbp + j) as i64 + shift).clamp(0, kb as i64 - 1) as usize;
+                    ex.w2.scales[r * kb + src]
+                })
+                .collect();
+        }
         if f.nan_scale == Some(x) {
             sc[ip / 16 + 1] = 0x7F;
         }
@@ -2922,6 +2934,57 @@ fn linear_placement_read_as_round_robin_is_named() {
     );
     // read with the placement it has: agrees
     check(&run(&fx.root, &ep), 0, fx.seed);
+}
+
+/// Every expert's w2 block scales one column off (±1) from A's (whole, or a TP rank's K
+/// slice cut one block off) under the right packed codes: named `scales_shifted`. It was
+/// "values differ … N of M blocks differ".
+#[test]
+fn block_scales_shifted_by_one_column_are_named() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 17);
+    let n = [1usize, 2, 4][r.gen_range(0..3)];
+    let tr = r.gen_range(0..n);
+    // a shift that stays inside A for at least one of the rank's columns
+    let shift = match (tr, n) {
+        (_, 1) => [1, -1][r.gen_range(0..2)],
+        (0, _) => 1,
+        (t, _) if t == n - 1 => -1,
+        _ => [1, -1][r.gen_range(0..2)],
+    };
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let args: Vec<&str> = if n > 1 {
+        vec!["--tp-rank", &trs, "--tp-size", &ns]
+    } else {
+        vec![]
+    };
+    let dump = fx.root.join("shifted.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            tp: (n > 1).then_some((tr, n)),
+            w2_scale_shift: Some(shift),
+            ..Default::default()
+        },
+        &args,
+        1,
+    );
+    let what = format!("seed {} tp {tr}/{n} shift {shift}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    assert_eq!(diag_kinds(&out.json), ["scales_shifted"], "{what}: {d:?}");
+    let e = fx.model.experts.len();
+    assert_eq!(d[0]["tensors"], e, "{what}");
+    let msg = d[0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("A's shifted by {shift:+} column")),
+        "{what}: {msg}"
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        assert!(
+            m["name"].as_str().unwrap().contains("down_proj"),
+            "{what}: {m}"
+        );
+    }
 }
 
 /// A TP rank's global scales (every expert's w13 or w2 weight_scale_2, or w2's input_scale)

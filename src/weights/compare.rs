@@ -71,6 +71,8 @@ pub enum IssueKind {
     Scale2InputScaleSwapped,
     /// B is another TP rank's slice of A.
     TpRank,
+    /// B's packed codes are A's (its TP slice), its block scales A's shifted by one column.
+    ScalesShifted,
     /// B is a 1/size slice of A along an axis its module is not split along under TP (a
     /// row-parallel `down_proj` cut along its output rows, a replicated norm cut at all).
     TpAxis,
@@ -1178,6 +1180,19 @@ fn compare_qq(
                 opts.tp.map_or(0, |t| t.0)
             ),
         );
+    } else if let Some((d, what)) = (packed_equal && !codes_equal && !close)
+        .then(|| scales_shifted(a_whole.as_ref().unwrap_or(&a_m), &b_m, align))
+        .flatten()
+    {
+        u.issue(
+            IssueKind::ScalesShifted,
+            format!(
+                "B's block scales are A's shifted by {d:+} column: B's scale block j holds A's block \
+                 j{d:+}{what}, while its packed codes are A's — a scale slice cut one block off (its K \
+                 offset miscounted); {}",
+                values_differ(&m, a_m.cols)
+            ),
+        );
     } else if !codes_equal && !close {
         u.issue(
             IssueKind::Values,
@@ -1367,6 +1382,55 @@ pub enum Part {
 }
 
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
+/// B's block scales A's (`whole`, cut as `align` says) shifted by `d` = ±1 column in every
+/// row, over every column whose source lies inside A: `(d, where)`. Its packed codes are
+/// checked equal by the caller.
+fn scales_shifted(whole: &QMatrix, b: &QMatrix, align: Align) -> Option<(i64, String)> {
+    let (kb_a, kb_b) = (whole.kb(), b.kb());
+    let block = whole.format.block();
+    let (r0, c0) = match align {
+        Align::Same => (0, 0),
+        Align::Rows(r0) => (r0, 0),
+        Align::Cols(c0) => (0, c0 / block),
+    };
+    if r0 + b.rows > whole.rows || whole.format != b.format || kb_a < 2 {
+        return None;
+    }
+    [-1i64, 1].into_iter().find_map(|d| {
+        let cols: Vec<(usize, usize)> = (0..kb_b)
+            .filter_map(|j| {
+                let s = c0 as i64 + j as i64 + d;
+                (s >= 0 && (s as usize) < kb_a).then_some((j, s as usize))
+            })
+            .collect();
+        if cols.len() + 1 < kb_b || cols.is_empty() {
+            return None;
+        }
+        let mut moved = false;
+        for r in 0..b.rows {
+            let (sa, sb) = (whole.scale_row(r0 + r), b.scale_row(r));
+            for &(j, s) in &cols {
+                if sb[j] != sa[s] {
+                    return None;
+                }
+                moved |= sb[j] != sa[c0 + j];
+            }
+        }
+        let what = if c0 > 0 || kb_a != kb_b {
+            format!(
+                " (B's scale columns are A's {}..{}, where {}..{} belong)",
+                (c0 as i64 + d).max(0),
+                (c0 + kb_b) as i64 + d,
+                c0,
+                c0 + kb_b
+            )
+        } else {
+            String::new()
+        };
+        moved.then_some((d, what))
+    })
+}
+
 fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
     let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));
     (0..n).filter(|&o| o != rank).find_map(|o| {

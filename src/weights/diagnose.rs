@@ -63,6 +63,8 @@ pub enum DiagnosisKind {
     GlobalScaleScaledByTp,
     /// The same by the EP size.
     GlobalScaleScaledByEp,
+    /// B's block scales A's shifted by one column, its codes right.
+    ScalesShifted,
     /// An EP rank's per-expert scalars (`w13_weight_scale_2`, `w2_input_scale`, ...) kept for
     /// all experts while its weights hold only the rank's.
     EpScalarsUnsharded,
@@ -251,6 +253,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
                     IssueKind::TpRank => DiagnosisKind::TpRank,
                     IssueKind::TpAxis => DiagnosisKind::TpAxis,
+                    IssueKind::ScalesShifted => DiagnosisKind::ScalesShifted,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -293,6 +296,14 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::TpRank => format!(
                     "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
+                ),
+                DiagnosisKind::ScalesShifted => format!(
+                    "{where_}{n} tensor(s) hold their block scales one column off{}; e.g. {example}",
+                    if experts.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (expert(s) {})", list(&experts))
+                    }
                 ),
                 DiagnosisKind::TpAxis => format!(
                     "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
