@@ -3074,6 +3074,36 @@ fn w13_split_across_tp_as_one_block_is_named() {
     }
 }
 
+/// At TP 4 a rank's half of the one-block split can be another rank's slice of its own
+/// projection (rank 2's up is w3's rows of rank 1): that half is part of `w13_tp_split`, not
+/// also a `tp_rank` diagnosis beside it.
+#[test]
+fn w13_split_as_one_block_at_tp4_is_not_also_another_ranks_slice() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let e = fx.model.experts.len();
+    for tr in 0..4 {
+        let dump = fx.root.join(format!("tp4-w13-{tr}.safetensors"));
+        let trs = tr.to_string();
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                tp: Some((tr, 4)),
+                tp_w13_as_one: true,
+                ..Default::default()
+            },
+            &["--tp-rank", &trs, "--tp-size", "4"],
+            1,
+        );
+        let what = format!("seed {} rank {tr}", fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        assert_eq!(diag_kinds(&out.json), ["w13_tp_split"], "{what}: {d:?}");
+        // ranks 0 and 3 hold one right half (gate, up), ranks 1 and 2 none
+        let halves = if tr == 0 || tr == 3 { 1 } else { 2 };
+        assert_eq!(d[0]["tensors"], halves * e, "{what}: {d:?}");
+        assert_eq!(out.json["summary"]["mismatched"], halves * e, "{what}");
+    }
+}
+
 #[test]
 fn rename_rules_and_bad_input() {
     let fx = fixture(2);

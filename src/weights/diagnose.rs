@@ -701,10 +701,23 @@ pub fn cross_expert(
             let mut tensors = 0;
             // B's rows a projection (I/n)
             let mut ip_seen = 0;
+            // a half that reads as another rank's slice of its own projection (at TP > 2
+            // the block's rows can be one) is explained here too
+            let tp_rank_issue = |x: ExpertProj| {
+                by_key
+                    .get(&expert_key(x.layer, x.expert, x.proj))
+                    .is_some_and(|&i| {
+                        results[i]
+                            .issues
+                            .iter()
+                            .any(|i| i.kind == IssueKind::TpRank)
+                    })
+            };
+            let mut refiled: Vec<ExpertProj> = vec![];
             for &e in &with_w13 {
                 let bad_projs: Vec<Proj> = [Proj::Gate, Proj::Up]
                     .into_iter()
-                    .filter(|&p| is_bad(&ep(e, p)))
+                    .filter(|&p| is_bad(&ep(e, p)) || tp_rank_issue(ep(e, p)))
                     .collect();
                 let mut holds_block_rows = |p: Proj| -> Option<bool> {
                     let rb = b.load(&src_of(&b_units, ep(e, p))?).ok()?;
@@ -727,6 +740,16 @@ pub fn cross_expert(
                 {
                     split.push(e);
                     tensors += bad_projs.len();
+                    refiled.extend(bad_projs.iter().map(|&p| ep(e, p)));
+                }
+            }
+            for x in refiled {
+                if let Some(&i) = by_key.get(&expert_key(x.layer, x.expert, x.proj)) {
+                    for issue in results[i].issues.iter_mut() {
+                        if issue.kind == IssueKind::TpRank {
+                            issue.kind = IssueKind::Values;
+                        }
+                    }
                 }
             }
             if !split.is_empty() {

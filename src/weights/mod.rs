@@ -471,6 +471,26 @@ impl<'a> Plan<'a> {
         }
         layouts::settle_open(&mut results);
         let mut diagnoses = self.diagnoses;
+        // the diagnoses across units first: one that explains a unit's issue (w13 split
+        // across TP as one block, for what looked like another rank's slice) re-files it
+        let mut across = diagnose::cross_expert(
+            &mut results,
+            &a,
+            &b,
+            &self.a_inv,
+            &self.b_inv,
+            &copts,
+            engine,
+        )?;
+        across.extend(diagnose::dense_gate_up_swapped(
+            &mut results,
+            &a,
+            &b,
+            &self.a_inv,
+            &self.b_inv,
+            &copts,
+            engine,
+        )?);
         diagnoses.extend(diagnose::from_units(&results));
         diagnoses.extend(diagnose::global_scale_scaled(
             &results,
@@ -484,24 +504,7 @@ impl<'a> Plan<'a> {
                 self.opts.ep.is_some(),
             ));
         }
-        diagnoses.extend(diagnose::cross_expert(
-            &mut results,
-            &a,
-            &b,
-            &self.a_inv,
-            &self.b_inv,
-            &copts,
-            engine,
-        )?);
-        diagnoses.extend(diagnose::dense_gate_up_swapped(
-            &mut results,
-            &a,
-            &b,
-            &self.a_inv,
-            &self.b_inv,
-            &copts,
-            engine,
-        )?);
+        diagnoses.extend(across);
         diagnoses.extend(layer_shift::layer_shift(&mut results, &a, &b, self.opts.tp));
         let mut missing = self.missing;
         let mut extra = self.extra;
