@@ -343,6 +343,13 @@ struct Faults {
     tp_down_wrong_axis: bool,
     /// This slot (after EP selection) left out: the experts after it one slot early.
     drop_slot: Option<usize>,
+    /// Every expert's `w13_weight_scale_2`, `w2_weight_scale_2` or `w2_input_scale` (the
+    /// name) times this factor.
+    scalar_factor: Option<(&'static str, f32)>,
+    /// Every expert's w2 block scales taken one column off (±1) from A's, clamped at A's edges.
+    w2_scale_shift: Option<i64>,
+    /// With `ep`: the per-expert scalars (weight_scale_2, input_scale) kept for all experts.
+    scalars_all_experts: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -423,6 +430,16 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             w2.extend_from_slice(&d.packed);
         }
         let mut sc = d.scales.clone();
+        if let Some(shift) = f.w2_scale_shift {
+            let (kb, kbp) = (i / 16, ip / 16);
+            sc = (0..h)
+                .flat_map(|r| (0..kbp).map(move |j| (r, j)))
+                .map(|(r, j)| {
+                    let src = ((tr * kbp + j) as i64 + shift).clamp(0, kb as i64 - 1) as usize;
+                    ex.w2.scales[r * kb + src]
+                })
+                .collect();
+        }
         if f.nan_scale == Some(x) {
             sc[ip / 16 + 1] = 0x7F;
         }
@@ -450,6 +467,27 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         let _ = slot;
     }
+    let es = if f.scalars_all_experts {
+        (g13, i13, g2, i2) = (vec![], vec![], vec![], vec![]);
+        for x in &m.experts {
+            g13.extend([x.w1.scale_2, x.w3.scale_2]);
+            i13.extend([x.in1, x.in3]);
+            g2.push(x.w2.scale_2);
+            i2.push(x.in2);
+        }
+        m.experts.len()
+    } else {
+        e
+    };
+    if let Some((which, k)) = f.scalar_factor {
+        let v = match which {
+            "w13_weight_scale_2" => &mut g13,
+            "w2_weight_scale_2" => &mut g2,
+            "w2_input_scale" => &mut i2,
+            _ => panic!("scalar_factor: {which}"),
+        };
+        v.iter_mut().for_each(|x| *x *= k);
+    }
     let ex = |s: &str| format!("{p}layers.{LAYER}.mlp.experts.{s}");
     let swizzled = |rows, kb| {
         let (pr, pk) = layout::swizzled_dims(rows, kb);
@@ -476,9 +514,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         vec![e, w2r, w2k / 16]
     };
     let g13_shape: Vec<usize> = if f.gate_only_scale_2 || f.processed.is_some() {
-        vec![e]
+        vec![es]
     } else {
-        vec![e, 2]
+        vec![es, 2]
     };
     let mut v = vec![
         (
@@ -502,7 +540,7 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             f32_bytes(&g13),
         ),
         (
-            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[e, 2]),
+            TensorSpec::new(ex("w13_input_scale"), Dtype::F32, &[es, 2]),
             f32_bytes(&i13),
         ),
         (
@@ -555,17 +593,17 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         },
         if f.w2_scale_2_bf16 {
             (
-                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[e]),
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[es]),
                 bf16_bytes(&g2),
             )
         } else {
             (
-                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[e]),
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F32, &[es]),
                 f32_bytes(&g2),
             )
         },
         (
-            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[e]),
+            TensorSpec::new(ex("w2_input_scale"), Dtype::F32, &[es]),
             f32_bytes(&i2),
         ),
     ];
@@ -2078,12 +2116,109 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
         &[s(&fx.ckpt), s(&dump), "--ep-rank", &other, "--ep-size", "2"],
     );
     check(&out, 1, fx.seed);
-    // rank `er`'s experts under the other rank's names: a permutation by the rank offset
+    // rank `er`'s experts under the other rank's names: named as that rank's
     assert!(
-        diag_kinds(&out.json).contains(&"expert_permutation".to_string()),
-        "{}",
+        diag_kinds(&out.json).contains(&"ep_rank".to_string()),
+        "seed {}: {}",
+        fx.seed,
         out.stdout
     );
+}
+
+/// B's experts exactly another EP rank's set (round-robin or linear, 4 ranks): named
+/// `ep_rank`, "B holds EP rank k's experts". They were an `expert_permutation` "off by 1:
+/// local expert ids where global ids belong", as was a linear shift of the ids by one, which
+/// is neither; global ids 0..n read as a round-robin rank's are the local-ids case.
+#[test]
+fn another_ep_ranks_experts_are_named_as_that_rank() {
+    let per = 2 + (rand::random::<u8>() % 2) as usize;
+    let fx = fixture(4 * per);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 11);
+    let n = 4;
+    let rr = r.gen_bool(0.5);
+    let rank = r.gen_range(1..n - 1);
+    let k = (rank + r.gen_range(1..n)) % n;
+    let set = |q: usize| -> Vec<usize> {
+        if rr {
+            (0..per).map(|l| q + l * n).collect()
+        } else {
+            (q * per..(q + 1) * per).collect()
+        }
+    };
+    let placement = if rr { "round-robin" } else { "linear" };
+    let ranks = rank.to_string();
+    let args = [
+        "--ep-rank",
+        ranks.as_str(),
+        "--ep-size",
+        "4",
+        "--placement",
+        placement,
+    ];
+    // B's slots (written as linear rank `rank` of 4) hold `slots`
+    let with_slots = |name: &str, slots: Vec<usize>| -> Run {
+        let mut order: Vec<usize> = (0..4 * per).collect();
+        order[rank * per..(rank + 1) * per].copy_from_slice(&slots);
+        let dump = fx.root.join(name);
+        fx.run_fused(
+            &dump,
+            &Faults {
+                order: Some(order),
+                ep: Some((rank, n)),
+                ..Default::default()
+            },
+            &args,
+            1,
+        )
+    };
+    let what = format!("seed {} {placement} rank {rank}", fx.seed);
+    let out = with_slots("other.safetensors", set(k));
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let e = d
+        .iter()
+        .find(|d| d["kind"] == "ep_rank")
+        .unwrap_or_else(|| panic!("{what} k {k}: {d:?}"));
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("B holds EP rank {k}'s experts"))
+            && msg.contains(&format!("not rank {rank}'s")),
+        "{what} k {k}: {msg}"
+    );
+    assert_eq!(e["experts"], serde_json::json!(set(rank)), "{what}");
+    assert!(!diag_kinds(&out.json).contains(&"expert_permutation".to_string()));
+    // local ids where global ones belong: linear rank 0's set, or under round-robin a set of
+    // no rank
+    let out = with_slots("local.safetensors", (0..per).collect());
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let kind = if rr { "expert_permutation" } else { "ep_rank" };
+    let msg = d
+        .iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("{what}: {d:?}"))["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        msg.contains("local expert ids read as global"),
+        "{what}: {msg}"
+    );
+    // every id one too high: an id offset, not local ids
+    if !rr {
+        let out = with_slots(
+            "shift.safetensors",
+            set(rank).iter().map(|g| g + 1).collect(),
+        );
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let msg = d
+            .iter()
+            .find(|d| d["kind"] == "expert_permutation")
+            .unwrap_or_else(|| panic!("{what}: {d:?}"))["message"]
+            .as_str()
+            .unwrap();
+        assert!(
+            msg.contains("off by 1") && !msg.contains("local expert ids"),
+            "{what}: {msg}"
+        );
+    }
 }
 
 /// The row-parallel down projections (every expert's w2, the shared expert's down_proj) split
@@ -2286,6 +2421,61 @@ fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
         fx.seed
     );
     assert!(!msg.contains("local expert ids"), "seed {}: {msg}", fx.seed);
+}
+
+/// An EP rank's dump whose per-expert scalars (w13/w2 weight_scale_2 and input_scale) were
+/// kept for all E experts while its weights hold the rank's: named `ep_scalars_unsharded`
+/// with the tensors and their shapes, and each unit's mismatch says where either side holds
+/// it. They were `unreadable` mismatches with empty `a` and `b`.
+#[test]
+fn per_expert_scalars_kept_for_all_experts_under_ep_are_named() {
+    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let fx = fixture(2 * per);
+    let er = (fx.seed % 2) as usize;
+    let ers = er.to_string();
+    let dump = fx.root.join("scalars.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            ep: Some((er, 2)),
+            scalars_all_experts: true,
+            ..Default::default()
+        },
+        &["--ep-rank", &ers, "--ep-size", "2"],
+        1,
+    );
+    let what = format!("seed {} rank {er}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let u = d
+        .iter()
+        .find(|d| d["kind"] == "ep_scalars_unsharded")
+        .unwrap_or_else(|| panic!("{what}: {d:?}"));
+    let msg = u["message"].as_str().unwrap();
+    let e = 2 * per;
+    for t in [
+        "w13_weight_scale_2` [E, 2]",
+        "w13_input_scale` [E, 2]",
+        "w2_weight_scale_2` [E]",
+        "w2_input_scale` [E]",
+    ] {
+        assert!(
+            msg.contains(&t.replace('E', &e.to_string())),
+            "{what}: {t} in {msg}"
+        );
+    }
+    assert!(
+        msg.contains(&format!("hold EP rank {er}'s {per} experts")),
+        "{what}: {msg}"
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), 3 * per, "{what}");
+    for x in m {
+        assert!(
+            x["a"].as_str().unwrap().ends_with(".weight")
+                && x["b"].as_str().unwrap().contains("mlp.experts.w"),
+            "{what}: {x}"
+        );
+    }
 }
 
 /// An unsharded dump compared as a TP rank: no matrix is a slice, and tp_not_sharded says so
@@ -2492,6 +2682,51 @@ fn merged_gate_up_proj_is_compared_as_its_parts() {
 
 /// vLLM's `fused_qkv_a_proj` = [q_a_proj; kv_a_proj_with_mqa], parts of unequal rows: cut at
 /// A's sizes, and one changed value of the second part is named as that part.
+/// The shared expert's merged `gate_up_proj` in the order [up; gate], whole or a TP rank's:
+/// named `gate_up_swapped` as the routed experts' swap is. It was a bare "values differ" on
+/// both halves.
+#[test]
+fn swapped_halves_of_a_merged_gate_up_proj_are_named() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let tr = (fx.seed % 2) as usize;
+    let trs = tr.to_string();
+    for tp in [None, Some((tr, 2))] {
+        let dump = fx.root.join("merged-swapped.safetensors");
+        let args: &[&str] = if tp.is_some() {
+            &["--tp-rank", &trs, "--tp-size", "2"]
+        } else {
+            &[]
+        };
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                merged_shared: Some(true),
+                tp,
+                ..Default::default()
+            },
+            args,
+            1,
+        );
+        let what = format!("seed {} tp {tp:?}", fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        assert_eq!(diag_kinds(&out.json), ["gate_up_swapped"], "{what}: {d:?}");
+        assert_eq!(d[0]["layer"], LAYER, "{what}");
+        let msg = d[0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(&format!(
+                "B's merged `model.layers.{LAYER}.mlp.shared_experts.gate_up_proj.weight` is [up_proj; gate_proj]"
+            )),
+            "{what}: {msg}"
+        );
+        for m in out.json["mismatches"].as_array().unwrap() {
+            assert!(
+                m["issues"].to_string().contains("gate and up swapped"),
+                "{what}: {m}"
+            );
+        }
+    }
+}
+
 #[test]
 fn fused_qkv_a_proj_is_cut_at_the_parts_sizes() {
     let seed: u64 = rand::random();
@@ -2701,6 +2936,106 @@ fn linear_placement_read_as_round_robin_is_named() {
     check(&run(&fx.root, &ep), 0, fx.seed);
 }
 
+/// Every expert's w2 block scales one column off (±1) from A's (whole, or a TP rank's K
+/// slice cut one block off) under the right packed codes: named `scales_shifted`. It was
+/// "values differ … N of M blocks differ".
+#[test]
+fn block_scales_shifted_by_one_column_are_named() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 17);
+    let n = [1usize, 2, 4][r.gen_range(0..3)];
+    let tr = r.gen_range(0..n);
+    // a shift that stays inside A for at least one of the rank's columns
+    let shift = match (tr, n) {
+        (_, 1) => [1, -1][r.gen_range(0..2)],
+        (0, _) => 1,
+        (t, _) if t == n - 1 => -1,
+        _ => [1, -1][r.gen_range(0..2)],
+    };
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let args: Vec<&str> = if n > 1 {
+        vec!["--tp-rank", &trs, "--tp-size", &ns]
+    } else {
+        vec![]
+    };
+    let dump = fx.root.join("shifted.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            tp: (n > 1).then_some((tr, n)),
+            w2_scale_shift: Some(shift),
+            ..Default::default()
+        },
+        &args,
+        1,
+    );
+    let what = format!("seed {} tp {tr}/{n} shift {shift}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    assert_eq!(diag_kinds(&out.json), ["scales_shifted"], "{what}: {d:?}");
+    let e = fx.model.experts.len();
+    assert_eq!(d[0]["tensors"], e, "{what}");
+    let msg = d[0]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&format!("A's shifted by {shift:+} column")),
+        "{what}: {msg}"
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        assert!(
+            m["name"].as_str().unwrap().contains("down_proj"),
+            "{what}: {m}"
+        );
+    }
+}
+
+/// A TP rank's global scales (every expert's w13 or w2 weight_scale_2, or w2's input_scale)
+/// divided or multiplied by the TP size at load: named `global_scale_scaled_by_tp` with the
+/// scale tensor. It was a bare `scale_2` / `input_scale` issue per tensor.
+#[test]
+fn a_global_scale_scaled_by_the_tp_size_is_named() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 13);
+    let n = [2usize, 4][r.gen_range(0..2)];
+    let tr = r.gen_range(0..n);
+    let which = ["w13_weight_scale_2", "w2_weight_scale_2", "w2_input_scale"][r.gen_range(0..3)];
+    let times = r.gen_bool(0.5);
+    let k = if times { n as f32 } else { 1.0 / n as f32 };
+    let (trs, ns) = (tr.to_string(), n.to_string());
+    let dump = fx.root.join("gs.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            tp: Some((tr, n)),
+            scalar_factor: Some((which, k)),
+            ..Default::default()
+        },
+        &["--tp-rank", &trs, "--tp-size", &ns],
+        1,
+    );
+    let what = format!("seed {} tp {tr}/{n} {which} ×{k}", fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let g = d
+        .iter()
+        .find(|d| d["kind"] == "global_scale_scaled_by_tp")
+        .unwrap_or_else(|| panic!("{what}: {d:?}"));
+    let e = fx.model.experts.len();
+    let units = if which.starts_with("w13") { 2 * e } else { e };
+    assert_eq!(g["tensors"], units, "{what}: {g}");
+    let msg = g["message"].as_str().unwrap();
+    let member = which.trim_start_matches("w13_").trim_start_matches("w2_");
+    let op = if times { "×" } else { "/" };
+    assert!(
+        msg.contains(&format!(
+            "B's {member} is A's {op} {n} for {units} tensor(s)"
+        )) && msg.contains(&format!("experts.{which}`")),
+        "{what}: {msg}"
+    );
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["global_scale_scaled_by_tp"],
+        "{what}"
+    );
+}
+
 /// Fused w13 sharded over TP as one [2I] block: rank r's gate and up are rows of [w1; w3],
 /// not w1's and w3's own slices. Named; it used to be "values differ" on the up (rank 0) or
 /// gate (rank 1) of every expert.
@@ -2736,6 +3071,36 @@ fn w13_split_across_tp_as_one_block_is_named() {
         for m in out.json["mismatches"].as_array().unwrap() {
             assert!(m["name"].as_str().unwrap().contains(wrong), "{m}");
         }
+    }
+}
+
+/// At TP 4 a rank's half of the one-block split can be another rank's slice of its own
+/// projection (rank 2's up is w3's rows of rank 1): that half is part of `w13_tp_split`, not
+/// also a `tp_rank` diagnosis beside it.
+#[test]
+fn w13_split_as_one_block_at_tp4_is_not_also_another_ranks_slice() {
+    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let e = fx.model.experts.len();
+    for tr in 0..4 {
+        let dump = fx.root.join(format!("tp4-w13-{tr}.safetensors"));
+        let trs = tr.to_string();
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                tp: Some((tr, 4)),
+                tp_w13_as_one: true,
+                ..Default::default()
+            },
+            &["--tp-rank", &trs, "--tp-size", "4"],
+            1,
+        );
+        let what = format!("seed {} rank {tr}", fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        assert_eq!(diag_kinds(&out.json), ["w13_tp_split"], "{what}: {d:?}");
+        // ranks 0 and 3 hold one right half (gate, up), ranks 1 and 2 none
+        let halves = if tr == 0 || tr == 3 { 1 } else { 2 };
+        assert_eq!(d[0]["tensors"], halves * e, "{what}: {d:?}");
+        assert_eq!(out.json["summary"]["mismatched"], halves * e, "{what}");
     }
 }
 

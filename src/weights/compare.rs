@@ -71,6 +71,8 @@ pub enum IssueKind {
     Scale2InputScaleSwapped,
     /// B is another TP rank's slice of A.
     TpRank,
+    /// B's packed codes are A's (its TP slice), its block scales A's shifted by one column.
+    ScalesShifted,
     /// B is a 1/size slice of A along an axis its module is not split along under TP (a
     /// row-parallel `down_proj` cut along its output rows, a replicated norm cut at all).
     TpAxis,
@@ -130,6 +132,10 @@ pub struct UnitResult {
     /// (A's dtype, B's dtype, B's scale tensor).
     #[serde(skip)]
     pub scale_dtype_differs: Option<(Dtype, Dtype, String)>,
+    /// B's global scalars that differ from A's with no convention explaining it: (member,
+    /// A's value, B's value, B's tensor), for the diagnoses across units.
+    #[serde(skip)]
+    pub scalars_differ: Vec<(&'static str, f32, f32, String)>,
 }
 
 impl LoadError {
@@ -167,6 +173,7 @@ impl UnitResult {
             extra_members: vec![],
             swizzle_side_open: false,
             scale_dtype_differs: None,
+            scalars_differ: vec![],
         }
     }
     pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {
@@ -990,6 +997,12 @@ fn compare_qq(
                     ),
                 );
             } else {
+                u.scalars_differ.push((
+                    "weight_scale_2",
+                    x,
+                    y,
+                    qb.scale_2_name.clone().unwrap_or_default(),
+                ));
                 u.issue(
                     IssueKind::Scale2,
                     format!(
@@ -1048,6 +1061,12 @@ fn compare_qq(
                 );
             } else {
                 input_ok = false;
+                u.scalars_differ.push((
+                    "input_scale",
+                    x,
+                    y,
+                    qb.input_name.clone().unwrap_or_default(),
+                ));
                 u.issue(
                     IssueKind::InputScale,
                     format!("input_scale: B {y:e}, A {x:e}"),
@@ -1159,6 +1178,19 @@ fn compare_qq(
                 "B holds TP rank {o}'s slice of A ({what}), not rank {}'s of {n}: the engine loaded \
                  another rank's shard, or the dump is rank {o}'s",
                 opts.tp.map_or(0, |t| t.0)
+            ),
+        );
+    } else if let Some((d, what)) = (packed_equal && !codes_equal && !close)
+        .then(|| scales_shifted(a_whole.as_ref().unwrap_or(&a_m), &b_m, align))
+        .flatten()
+    {
+        u.issue(
+            IssueKind::ScalesShifted,
+            format!(
+                "B's block scales are A's shifted by {d:+} column: B's scale block j holds A's block \
+                 j{d:+}{what}, while its packed codes are A's — a scale slice cut one block off (its K \
+                 offset miscounted); {}",
+                values_differ(&m, a_m.cols)
             ),
         );
     } else if !codes_equal && !close {
@@ -1350,6 +1382,55 @@ pub enum Part {
 }
 
 /// The other TP rank (of `n`, not `rank`) whose slice of A has B's codes, and the slice.
+/// B's block scales A's (`whole`, cut as `align` says) shifted by `d` = ±1 column in every
+/// row, over every column whose source lies inside A: `(d, where)`. Its packed codes are
+/// checked equal by the caller.
+fn scales_shifted(whole: &QMatrix, b: &QMatrix, align: Align) -> Option<(i64, String)> {
+    let (kb_a, kb_b) = (whole.kb(), b.kb());
+    let block = whole.format.block();
+    let (r0, c0) = match align {
+        Align::Same => (0, 0),
+        Align::Rows(r0) => (r0, 0),
+        Align::Cols(c0) => (0, c0 / block),
+    };
+    if r0 + b.rows > whole.rows || whole.format != b.format || kb_a < 2 {
+        return None;
+    }
+    [-1i64, 1].into_iter().find_map(|d| {
+        let cols: Vec<(usize, usize)> = (0..kb_b)
+            .filter_map(|j| {
+                let s = c0 as i64 + j as i64 + d;
+                (s >= 0 && (s as usize) < kb_a).then_some((j, s as usize))
+            })
+            .collect();
+        if cols.len() + 1 < kb_b || cols.is_empty() {
+            return None;
+        }
+        let mut moved = false;
+        for r in 0..b.rows {
+            let (sa, sb) = (whole.scale_row(r0 + r), b.scale_row(r));
+            for &(j, s) in &cols {
+                if sb[j] != sa[s] {
+                    return None;
+                }
+                moved |= sb[j] != sa[c0 + j];
+            }
+        }
+        let what = if c0 > 0 || kb_a != kb_b {
+            format!(
+                " (B's scale columns are A's {}..{}, where {}..{} belong)",
+                (c0 as i64 + d).max(0),
+                (c0 + kb_b) as i64 + d,
+                c0,
+                c0 + kb_b
+            )
+        } else {
+            String::new()
+        };
+        moved.then_some((d, what))
+    })
+}
+
 fn other_tp_rank(a: &QMatrix, b: &QMatrix, rank: usize, n: usize) -> Option<(usize, String)> {
     let (ra, rb) = ((a.rows, a.cols), (b.rows, b.cols));
     (0..n).filter(|&o| o != rank).find_map(|o| {

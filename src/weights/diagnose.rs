@@ -57,6 +57,17 @@ pub enum DiagnosisKind {
     NibblesSwapped,
     /// B's layer `l` holds A's layer `l + k`.
     LayerShift,
+    /// B's experts are exactly another expert-parallel rank's set under the placement given.
+    EpRank,
+    /// B's global scales (weight_scale_2 / input_scale) are A's times or divided by the TP size.
+    GlobalScaleScaledByTp,
+    /// The same by the EP size.
+    GlobalScaleScaledByEp,
+    /// B's block scales A's shifted by one column, its codes right.
+    ScalesShifted,
+    /// An EP rank's per-expert scalars (`w13_weight_scale_2`, `w2_input_scale`, ...) kept for
+    /// all experts while its weights hold only the rank's.
+    EpScalarsUnsharded,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -117,6 +128,110 @@ pub fn tp_not_sharded(
     })
 }
 
+/// B's weight_scale_2 (or input_scale) A's ×N or ÷N, N the TP (or EP) size, in every one of
+/// the units where it differs (but a tenth): a replicated scalar divided (or multiplied) by
+/// the rank count at load, as if it were a sum over the ranks, or a shard's partial amax.
+pub fn global_scale_scaled(
+    results: &[UnitResult],
+    tp: Option<(usize, usize)>,
+    ep: Option<usize>,
+) -> Vec<Diagnosis> {
+    let mut out = vec![];
+    for (member, kind) in [
+        ("weight_scale_2", IssueKind::Scale2),
+        ("input_scale", IssueKind::InputScale),
+    ] {
+        let differ: Vec<(&UnitResult, f32, f32, &str)> = results
+            .iter()
+            .filter(|r| r.issues.iter().any(|i| i.kind == kind))
+            .flat_map(|r| {
+                r.scalars_differ
+                    .iter()
+                    .filter(|d| d.0 == member)
+                    .map(move |d| (r, d.1, d.2, d.3.as_str()))
+            })
+            .collect();
+        let sizes = [
+            (tp.map(|t| t.1), "TP", DiagnosisKind::GlobalScaleScaledByTp),
+            (ep, "EP", DiagnosisKind::GlobalScaleScaledByEp),
+        ];
+        for (n, what, dkind) in sizes {
+            let Some(n) = n.filter(|&n| n > 1) else {
+                continue;
+            };
+            if what == "EP" && tp.map(|t| t.1) == Some(n) {
+                continue;
+            }
+            let near = |v: f64, w: f64| (v - w).abs() <= 1e-5 * w.abs();
+            for (times, op) in [(false, "/"), (true, "×")] {
+                let hit: Vec<&(&UnitResult, f32, f32, &str)> = differ
+                    .iter()
+                    .filter(|(_, a, b, _)| {
+                        let (a, b) = (*a as f64, *b as f64);
+                        if times {
+                            near(b, a * n as f64)
+                        } else {
+                            near(b, a / n as f64)
+                        }
+                    })
+                    .collect();
+                if hit.len() < 2 || hit.len() * 10 < differ.len() * 9 {
+                    continue;
+                }
+                let tensors: BTreeSet<String> = hit
+                    .iter()
+                    .map(|(_, _, _, t)| t.split('[').next().unwrap_or(t).to_string())
+                    .collect();
+                let units: Vec<&UnitResult> = hit.iter().map(|h| h.0).collect();
+                let (layer, experts) = placed(&units);
+                let tensors: Vec<String> = tensors.into_iter().map(|t| format!("`{t}`")).collect();
+                let message = format!(
+                    "{}B's {member} is A's {op} {n} for {} tensor(s){} ({}{}): a global scale {} the {what} size at \
+                     load ({}): {} ×{}",
+                    layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                    hit.len(),
+                    if hit.len() < differ.len() {
+                        format!(" of the {} whose {member} differs", differ.len())
+                    } else {
+                        String::new()
+                    },
+                    tensors.join(", "),
+                    if experts.is_empty() {
+                        String::new()
+                    } else {
+                        format!(", expert(s) {}", list(&experts))
+                    },
+                    if times { "multiplied by" } else { "divided by" },
+                    if times {
+                        "a replicated scalar summed over the ranks, as if each held a share"
+                    } else {
+                        "a replicated scalar split as if it were a per-rank share, or a per-shard amax"
+                    },
+                    if member == "input_scale" {
+                        "the activations' quantization range is"
+                    } else {
+                        "every weight dequantizes"
+                    },
+                    if times {
+                        format!("{n}")
+                    } else {
+                        format!("1/{n}")
+                    }
+                );
+                out.push(Diagnosis {
+                    kind: dkind,
+                    layer,
+                    experts,
+                    tensors: hit.len(),
+                    message,
+                    fails: true,
+                });
+            }
+        }
+    }
+    out
+}
+
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer, side).
 pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
     // (kind, layer, side of a layout note) → (experts, tensors, an example message)
@@ -138,6 +253,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::Scale2InputScaleSwapped => DiagnosisKind::Scale2InputScaleSwapped,
                     IssueKind::TpRank => DiagnosisKind::TpRank,
                     IssueKind::TpAxis => DiagnosisKind::TpAxis,
+                    IssueKind::ScalesShifted => DiagnosisKind::ScalesShifted,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -180,6 +296,14 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::TpRank => format!(
                     "{where_}{n} tensor(s) hold another TP rank's slice of A; e.g. {example}"
+                ),
+                DiagnosisKind::ScalesShifted => format!(
+                    "{where_}{n} tensor(s) hold their block scales one column off{}; e.g. {example}",
+                    if experts.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (expert(s) {})", list(&experts))
+                    }
                 ),
                 DiagnosisKind::TpAxis => format!(
                     "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
@@ -577,10 +701,23 @@ pub fn cross_expert(
             let mut tensors = 0;
             // B's rows a projection (I/n)
             let mut ip_seen = 0;
+            // a half that reads as another rank's slice of its own projection (at TP > 2
+            // the block's rows can be one) is explained here too
+            let tp_rank_issue = |x: ExpertProj| {
+                by_key
+                    .get(&expert_key(x.layer, x.expert, x.proj))
+                    .is_some_and(|&i| {
+                        results[i]
+                            .issues
+                            .iter()
+                            .any(|i| i.kind == IssueKind::TpRank)
+                    })
+            };
+            let mut refiled: Vec<ExpertProj> = vec![];
             for &e in &with_w13 {
                 let bad_projs: Vec<Proj> = [Proj::Gate, Proj::Up]
                     .into_iter()
-                    .filter(|&p| is_bad(&ep(e, p)))
+                    .filter(|&p| is_bad(&ep(e, p)) || tp_rank_issue(ep(e, p)))
                     .collect();
                 let mut holds_block_rows = |p: Proj| -> Option<bool> {
                     let rb = b.load(&src_of(&b_units, ep(e, p))?).ok()?;
@@ -603,6 +740,16 @@ pub fn cross_expert(
                 {
                     split.push(e);
                     tensors += bad_projs.len();
+                    refiled.extend(bad_projs.iter().map(|&p| ep(e, p)));
+                }
+            }
+            for x in refiled {
+                if let Some(&i) = by_key.get(&expert_key(x.layer, x.expert, x.proj)) {
+                    for issue in results[i].issues.iter_mut() {
+                        if issue.kind == IssueKind::TpRank {
+                            issue.kind = IssueKind::Values;
+                        }
+                    }
                 }
             }
             if !split.is_empty() {
@@ -673,6 +820,8 @@ pub fn cross_expert(
         }
         if !perm.is_empty() {
             let offsets: BTreeSet<i64> = perm.iter().map(|&(e, o)| o as i64 - e as i64).collect();
+            let a_count = a_units.iter().map(|(e, _)| e.expert + 1).max().unwrap_or(0);
+            let ep_held = ep_rank_held(&perm, &b_experts, opts.ep, a_count);
             let shown: Vec<String> = perm
                 .iter()
                 .take(12)
@@ -707,7 +856,9 @@ pub fn cross_expert(
                 .map(|&(e, _)| e)
                 .filter(|e| !held.contains(e))
                 .collect();
-            if !dup.is_empty() {
+            if let Some(h) = &ep_held {
+                message = h.message(layer, &perm);
+            } else if !dup.is_empty() {
                 message.push_str(&format!(
                     "; {}: loaded twice, and A's expert(s) {} in no slot of B (an expert id mapped \
                      many-to-one by the loader, or a redundant-expert slot filled from the wrong id)",
@@ -752,7 +903,9 @@ pub fn cross_expert(
                 (perm.len() >= 2, offsets.len(), offsets.iter().next())
             {
                 message.push_str(&format!(
-                    "; every one is off by {off}: local expert ids where global ids belong (an EP rank offset?)"
+                    "; every one is off by {off}: B's expert e holds A's expert e{off:+} — an expert id offset \
+                     (a rank's first expert or the id base miscounted), neither another EP rank's experts nor \
+                     local ids read as global ones"
                 ));
             } else if let Some((stride, c)) = strided(&perm) {
                 message.push_str(&format!(
@@ -783,7 +936,10 @@ pub fn cross_expert(
                 }
             }
             out.push(Diagnosis {
-                kind: DiagnosisKind::ExpertPermutation,
+                kind: match ep_held {
+                    Some(EpHeld { rank: Some(_), .. }) => DiagnosisKind::EpRank,
+                    _ => DiagnosisKind::ExpertPermutation,
+                },
                 layer: Some(layer),
                 experts: perm.iter().map(|&(e, _)| e).collect(),
                 tensors: perm.len(),
@@ -793,6 +949,204 @@ pub fn cross_expert(
         }
     }
     Ok(out)
+}
+
+/// What B's experts hold when, taken together, they are a set EP names: another rank's
+/// experts under the placement given, or global ids `0..n` (local ids read as global ones).
+struct EpHeld {
+    /// B compared as this rank (its map)...
+    map: crate::moe::ep::ExpertMap,
+    /// ... holds rank `rank`'s experts, slot for slot.
+    rank: Option<crate::moe::ep::ExpertMap>,
+    /// B's slot `l` holds A's expert `l`.
+    local_ids: bool,
+}
+
+impl EpHeld {
+    fn message(&self, layer: usize, perm: &[(usize, usize)]) -> String {
+        let m = &self.map;
+        let held: Vec<usize> = perm.iter().map(|&(_, o)| o).collect();
+        let (bs, os): (Vec<usize>, Vec<usize>) = perm.iter().copied().unzip();
+        let pairs = format!(
+            "B's expert(s) {} hold A's expert(s) {}",
+            list(&bs),
+            list(&os)
+        );
+        let local = format!(
+            "global ids 0..{}, which is what local expert ids read as global ids give (the dump \
+             indexed by local id, read as global, or the loader took slot l's weights from \
+             checkpoint expert l)",
+            held.len()
+        );
+        match &self.rank {
+            Some(k) => format!(
+                "layer {layer}: B holds EP rank {}'s experts {}, not rank {}'s {} ({} placement, {} ranks): \
+                 {pairs} — the engine loaded another rank's experts, or the dump is rank {}'s (--ep-rank {}){}",
+                k.ep_rank,
+                k.describe_owned(),
+                m.ep_rank,
+                m.describe_owned(),
+                m.placement.name(),
+                m.ep_size,
+                k.ep_rank,
+                k.ep_rank,
+                if self.local_ids {
+                    format!("; rank {}'s experts are {local}", k.ep_rank)
+                } else {
+                    String::new()
+                }
+            ),
+            None => format!(
+                "layer {layer}: B's experts, EP rank {}'s {} ({} placement), hold A's experts \
+                 0..{} in slot order: {pairs} — {local}",
+                m.ep_rank,
+                m.describe_owned(),
+                m.placement.name(),
+                held.len()
+            ),
+        }
+    }
+}
+
+/// `perm` (B's expert → A's expert it holds) against the EP ranks: every one of B's experts,
+/// slot by slot, is another rank's expert at that slot, or A's expert with the slot's local id.
+fn ep_rank_held(
+    perm: &[(usize, usize)],
+    b_experts: &BTreeSet<usize>,
+    ep: Option<(usize, usize, crate::moe::ep::Placement)>,
+    num_experts: usize,
+) -> Option<EpHeld> {
+    use crate::moe::ep::ExpertMap;
+    let (r, n, placement) = ep?;
+    let map = ExpertMap::new(num_experts, r, n, placement).ok()?;
+    let by_b: BTreeMap<usize, usize> = perm.iter().copied().collect();
+    if by_b.len() != perm.len() || b_experts.len() != map.num_local() || perm.len() < 2 {
+        return None;
+    }
+    let holds: Vec<usize> = map
+        .local_to_global()
+        .iter()
+        .map(|g| by_b.get(g).copied())
+        .collect::<Option<_>>()?;
+    let local_ids = holds.iter().enumerate().all(|(l, &o)| l == o);
+    let rank = (0..n)
+        .filter(|&k| k != r)
+        .filter_map(|k| ExpertMap::new(num_experts, k, n, placement).ok())
+        .find(|k| k.local_to_global() == holds.as_slice());
+    (rank.is_some() || local_ids).then_some(EpHeld {
+        map,
+        rank,
+        local_ids,
+    })
+}
+
+/// Gate and up swapped outside the routed experts (the shared expert's, a dense MLP's,
+/// merged into one `gate_up_proj` or not): B's gate holds A's up and B's up A's gate, with
+/// or without TP. The routed experts' are named by [`cross_expert`].
+pub fn dense_gate_up_swapped(
+    results: &mut [UnitResult],
+    a: &SideRef,
+    b: &SideRef,
+    a_inv: &Inventory,
+    b_inv: &Inventory,
+    opts: &Options,
+    engine: &dyn DiffEngine,
+) -> Result<Vec<Diagnosis>> {
+    let bad = |r: &UnitResult| r.issues.iter().any(|i| i.kind == IssueKind::Values);
+    let by_name: HashMap<String, usize> = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.name.clone(), i))
+        .collect();
+    let mut out = vec![];
+    for i in 0..results.len() {
+        let r = &results[i];
+        if r.expert.is_some() || !bad(r) {
+            continue;
+        }
+        let Some(up_name) = [(".gate_proj.", ".up_proj."), (".w1.", ".w3.")]
+            .iter()
+            .find(|(g, _)| r.name.contains(g))
+            .map(|(g, u)| r.name.replacen(g, u, 1))
+        else {
+            continue;
+        };
+        let Some(&j) = by_name.get(&up_name).filter(|&&j| bad(&results[j])) else {
+            continue;
+        };
+        let (gate, up) = (&results[i].name, &results[j].name);
+        let (Some(ag), Some(au), Some(bg), Some(bu)) = (
+            load_unit(a, a_inv, gate),
+            load_unit(a, a_inv, up),
+            load_unit(b, b_inv, gate),
+            load_unit(b, b_inv, up),
+        ) else {
+            continue;
+        };
+        let swapped = (holds_whole(&au, &bg, opts.tp) && holds_whole(&ag, &bu, opts.tp))
+            || (passes_raw(&au, &bg, opts.tp, engine, opts.min_cosine)?
+                && passes_raw(&ag, &bu, opts.tp, engine, opts.min_cosine)?);
+        if !swapped {
+            continue;
+        }
+        let (bg_at, bu_at) = (
+            results[i].stored(SideName::B).to_string(),
+            results[j].stored(SideName::B).to_string(),
+        );
+        let layer = crate::checkpoint::names::split_layer(gate).map(|(_, l, _)| l);
+        let module = gate
+            .rsplit_once(if gate.contains(".gate_proj.") {
+                ".gate_proj."
+            } else {
+                ".w1."
+            })
+            .map_or(gate.as_str(), |(m, _)| m)
+            .to_string();
+        let (gp, upn) = if gate.contains(".gate_proj.") {
+            ("gate_proj", "up_proj")
+        } else {
+            ("w1", "w3")
+        };
+        let message = if bg_at == bu_at {
+            format!(
+                "{}gate and up swapped in `{module}`: B's merged `{bg_at}` is [{upn}; {gp}] where [{gp}; {upn}] belongs \
+                 — B's {gp} part holds A's {upn} and its {upn} part A's {gp}{}",
+                layer.map_or(String::new(), |l| format!("layer {l}: ")),
+                opts.tp
+                    .filter(|t| t.1 > 1)
+                    .map_or(String::new(), |(r, n)| format!(" (TP rank {r} of {n}'s rows of each)"))
+            )
+        } else {
+            format!(
+                "{}gate and up swapped in `{module}`: B's `{bg_at}` holds A's {upn} and `{bu_at}` A's {gp}",
+                layer.map_or(String::new(), |l| format!("layer {l}: ")),
+            )
+        };
+        for k in [i, j] {
+            if let Some(issue) = results[k]
+                .issues
+                .iter_mut()
+                .find(|i| i.kind == IssueKind::Values)
+            {
+                issue
+                    .message
+                    .push_str(&format!(" — gate and up swapped in `{module}`"));
+            }
+        }
+        out.push(Diagnosis {
+            kind: DiagnosisKind::GateUpSwapped,
+            layer,
+            experts: vec![],
+            tensors: 2,
+            message,
+            fails: true,
+        });
+    }
+    Ok(out)
+}
+
+fn load_unit<'s>(side: &SideRef<'s>, inv: &Inventory, key: &str) -> Option<super::load::Raw<'s>> {
+    side.load(&inv.units.get(key)?.source).ok()
 }
 
 /// `(s, c)` when every pair `(e, o)` has `o = s·e + c` with an integer stride `s ≥ 2`: B's

@@ -161,6 +161,43 @@ fn release(src: &Renamed, s: &Source, loaded: Option<&Raw>) {
     }
 }
 
+/// Where a side holds a unit, as stored (a unit that could not be read is still named):
+/// `…w13_weight[5] (gate)`, a linear's packed weight.
+fn located(src: &Renamed, inv: &Inventory, s: &Source) -> String {
+    match s {
+        Source::Linear(ln) => src.original(&ln.weight).to_string(),
+        Source::Tensor(t) => src.original(t).to_string(),
+        Source::Incomplete { names, .. } => names
+            .iter()
+            .map(|n| src.original(n))
+            .collect::<Vec<_>>()
+            .join(", "),
+        Source::Merged(m) => format!(
+            "{} (part {} of {})",
+            located(src, inv, &m.inner),
+            m.part,
+            m.parts
+        ),
+        Source::Fused(f) => {
+            let w13 = f.proj != crate::checkpoint::Proj::Down;
+            let w = inv
+                .fused
+                .get(&f.layer)
+                .and_then(|fl| fl.member(w13, "weight"))
+                .map_or_else(
+                    || format!("layer {} fused", f.layer),
+                    |n| src.original(n).to_string(),
+                );
+            let half = match f.proj {
+                crate::checkpoint::Proj::Gate => " (gate)",
+                crate::checkpoint::Proj::Up => " (up)",
+                crate::checkpoint::Proj::Down => "",
+            };
+            format!("{w}[{}]{half}", f.index)
+        }
+    }
+}
+
 /// Names a unit stands for in its side (for the missing / extra lists).
 fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
     match &u.source {
@@ -215,6 +252,7 @@ impl<'a> Plan<'a> {
                 m.num_experts
             ));
             for fl in b_inv.fused.values() {
+                diagnoses.extend(ep_scalars_unsharded(&b, fl, m));
                 if fl.experts != m.num_local() {
                     diagnoses.push(Diagnosis {
                         kind: DiagnosisKind::EpShard,
@@ -367,6 +405,8 @@ impl<'a> Plan<'a> {
                     }
                     (ra, rb) => {
                         let mut u = UnitResult::new(ka, ua.expert);
+                        u.a = located(&self.a, &self.a_inv, &ua.source);
+                        u.b = located(&self.b, &self.b_inv, &ub.source);
                         for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
                             if let Some(e) = r {
                                 u.issue(e.issue_kind(), format!("{side}: {e}"));
@@ -431,15 +471,18 @@ impl<'a> Plan<'a> {
         }
         layouts::settle_open(&mut results);
         let mut diagnoses = self.diagnoses;
-        diagnoses.extend(diagnose::from_units(&results));
-        if let Some(tp) = self.opts.tp {
-            diagnoses.extend(diagnose::tp_not_sharded(
-                &results,
-                tp,
-                self.opts.ep.is_some(),
-            ));
-        }
-        diagnoses.extend(diagnose::cross_expert(
+        // the diagnoses across units first: one that explains a unit's issue (w13 split
+        // across TP as one block, for what looked like another rank's slice) re-files it
+        let mut across = diagnose::cross_expert(
+            &mut results,
+            &a,
+            &b,
+            &self.a_inv,
+            &self.b_inv,
+            &copts,
+            engine,
+        )?;
+        across.extend(diagnose::dense_gate_up_swapped(
             &mut results,
             &a,
             &b,
@@ -448,6 +491,20 @@ impl<'a> Plan<'a> {
             &copts,
             engine,
         )?);
+        diagnoses.extend(diagnose::from_units(&results));
+        diagnoses.extend(diagnose::global_scale_scaled(
+            &results,
+            self.opts.tp,
+            self.opts.ep.map(|e| e.1),
+        ));
+        if let Some(tp) = self.opts.tp {
+            diagnoses.extend(diagnose::tp_not_sharded(
+                &results,
+                tp,
+                self.opts.ep.is_some(),
+            ));
+        }
+        diagnoses.extend(across);
         diagnoses.extend(layer_shift::layer_shift(&mut results, &a, &b, self.opts.tp));
         let mut missing = self.missing;
         let mut extra = self.extra;
@@ -515,6 +572,59 @@ impl<'a> Plan<'a> {
     pub fn tensor_counts(&self) -> (usize, usize) {
         (self.a.tensor_names().count(), self.b.tensor_names().count())
     }
+}
+
+/// The per-expert scalars of an EP rank's fused layer with one entry per global expert while
+/// its weights hold the rank's experts only: kept whole where they should have been narrowed
+/// to the rank's experts, so a kernel that indexes them by local id reads other experts'.
+fn ep_scalars_unsharded(
+    b: &Renamed,
+    fl: &inventory::FusedLayer,
+    m: &ExpertMap,
+) -> Option<Diagnosis> {
+    use crate::checkpoint::TensorSource;
+    if fl.experts != m.num_local() || m.num_local() == m.num_experts {
+        return None;
+    }
+    let members = [
+        "weight_scale_2",
+        "weight_global_scale",
+        "input_scale",
+        "input_global_scale",
+    ];
+    let whole: Vec<String> = [true, false]
+        .into_iter()
+        .flat_map(|w13| members.iter().filter_map(move |mm| fl.member(w13, mm)))
+        .filter_map(|n| {
+            let info = b.tensor_info(n).ok()?;
+            (info.shape.first() == Some(&m.num_experts))
+                .then(|| format!("`{}` {:?}", b.original(n), info.shape))
+        })
+        .collect();
+    if whole.is_empty() {
+        return None;
+    }
+    let owned = m.local_to_global();
+    let first = owned.first().copied().unwrap_or(0);
+    Some(Diagnosis {
+        kind: DiagnosisKind::EpScalarsUnsharded,
+        layer: Some(fl.layer),
+        experts: vec![],
+        tensors: whole.len(),
+        message: format!(
+            "layer {}: B's {} hold one entry per global expert ({}), while its fused weights hold EP rank {}'s \
+             {} experts {} ({}): the per-expert scalars were kept for all experts instead of narrowed to \
+             the rank's — indexed by local id, B's expert {first} (local 0) reads global expert 0's scales",
+            fl.layer,
+            whole.join(", "),
+            m.num_experts,
+            m.ep_rank,
+            m.num_local(),
+            m.describe_owned(),
+            m.placement.name(),
+        ),
+        fails: true,
+    })
 }
 
 /// A unit to compare again under its operand's swizzled reading: it matched under neither
