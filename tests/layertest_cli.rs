@@ -1012,3 +1012,291 @@ fn a_shared_expert_config_json_says_there_is_none_is_bad_input() {
     let (code, text, _) = run(dir.path(), &args);
     assert_ne!(code, 2, "seed {seed}: {text}");
 }
+
+/// Set the F32 scalar `name` of the synth checkpoint `ck` to `v`, in place.
+fn set_scalar(ck: &Path, name: &str, v: f32) {
+    let ix: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let shard = ck.join(ix["weight_map"][name].as_str().unwrap());
+    let mut b = std::fs::read(&shard).unwrap();
+    let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+    let h: Value = serde_json::from_slice(&b[8..8 + n]).unwrap();
+    let at = 8 + n + h[name]["data_offsets"][0].as_u64().unwrap() as usize;
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(&shard, b).unwrap();
+}
+
+/// DeepSeek-like MoE inputs: randn rows of spread norms, plus three massive-activation
+/// channels (~500, -300, 200) in three different 16-blocks.
+fn massive_channel_input(t: usize, seed: u64) -> Vec<f32> {
+    use rand::{Rng, SeedableRng};
+    use rand_distr::{Distribution, StandardNormal};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut h = vec![0f32; t * 256];
+    for row in h.chunks_mut(256) {
+        let s: f32 = rng.gen_range(0.6..1.6);
+        for v in row.iter_mut() {
+            let x: f32 = StandardNormal.sample(&mut rng);
+            *v = x * s;
+        }
+        for (c, m) in [(17, 500.0), (101, -300.0), (200, 200.0)] {
+            row[c] = m * rng.gen_range(0.8f32..1.2);
+        }
+    }
+    h
+}
+
+/// One expert's gate/up input_scale 100x too small, on activations with a few massive
+/// channels: only the massive channels' blocks saturate (3 of 16, under the 20% share that
+/// names a saturated gate/up input), and layertest named the expert's down_proj input or
+/// nothing, never its gate/up input_scale (gs-sweep did).
+#[test]
+fn an_expert_gate_up_input_scale_too_small_is_named_on_massive_channels() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    synth(dir.path(), "ck", &["--seed", &(seed % 1000).to_string()]);
+    let t = 32;
+    let h = massive_channel_input(t, seed);
+    write_hidden(dir.path(), &h, t);
+    let ck = dir.path().join("ck");
+    let amax = h.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for e in 0..16 {
+        let p = format!("model.layers.1.mlp.experts.{e}");
+        set_scalar(&ck, &format!("{p}.gate_proj.input_scale"), amax / 2688.0);
+        set_scalar(&ck, &format!("{p}.up_proj.input_scale"), amax / 2688.0);
+        set_scalar(&ck, &format!("{p}.down_proj.input_scale"), 1e5 / 2688.0);
+    }
+    let lt = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--input",
+        "in.safetensors",
+        "--gs",
+        "checkpoint",
+        "--save-outputs",
+        "out.safetensors",
+    ];
+    let (code, text, _) = run(dir.path(), &lt);
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    let bytes = std::fs::read(dir.path().join("out.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut count = [0usize; 16];
+    for c in st.tensor("topk_ids").unwrap().data().chunks_exact(8) {
+        count[i64::from_le_bytes(c.try_into().unwrap()) as usize] += 1;
+    }
+    let e = (0..16).max_by_key(|&e| count[e]).unwrap();
+    for proj in ["gate_proj", "up_proj"] {
+        set_scalar(
+            &ck,
+            &format!("model.layers.1.mlp.experts.{e}.{proj}.input_scale"),
+            amax / 2688.0 / 100.0,
+        );
+    }
+    let (code, text, r) = run(dir.path(), &lt);
+    assert_eq!(code, 1, "seed {seed} expert {e}: {text}");
+    let r = r.unwrap();
+    let line = r["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .find(|l| l.starts_with(&format!("expert {e}:")))
+        .unwrap_or_else(|| panic!("seed {seed}: expert {e} not failed: {text}"))
+        .to_string();
+    assert!(
+        line.contains("its gate/up input saturates")
+            && line.contains("gate_proj/up_proj input_scale too small"),
+        "seed {seed}: {line}"
+    );
+}
+
+/// One token of 50x the others' norm under fixed scales that fit every other token (the
+/// checkpoint's input scales): fixed scales quantize each token on its own, so that token alone
+/// fails, and it carries the layer's cosine. gs-sweep blamed the gs (`cause: "gs"`, "loses
+/// 0.4 cosine"), sending the user to recalibrate, and layertest led with the experts that
+/// token reaches; both now lead with the token, named with its input norm.
+#[test]
+fn one_huge_token_under_fixed_scales_is_blamed_on_the_input() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    synth(dir.path(), "ck", &["--seed", &(seed % 1000).to_string()]);
+    let t = 32;
+    let mut h = massive_channel_input(t, seed);
+    let ck = dir.path().join("ck");
+    let amax = h.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for e in 0..16 {
+        let p = format!("model.layers.1.mlp.experts.{e}");
+        set_scalar(&ck, &format!("{p}.gate_proj.input_scale"), amax / 2688.0);
+        set_scalar(&ck, &format!("{p}.up_proj.input_scale"), amax / 2688.0);
+        set_scalar(&ck, &format!("{p}.down_proj.input_scale"), 1e5 / 2688.0);
+    }
+    let sweep = [
+        "gs-sweep",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--input",
+        "in.safetensors",
+        "--gs",
+        "checkpoint",
+        "--points",
+        "5",
+    ];
+    let lt = [
+        "layertest",
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--input",
+        "in.safetensors",
+        "--gs",
+        "checkpoint",
+    ];
+    write_hidden(dir.path(), &h, t);
+    let (code, text, _) = run(dir.path(), &sweep);
+    assert_eq!(code, 0, "seed {seed}: {text}");
+    let big = (seed >> 8) as usize % t;
+    h[big * 256..(big + 1) * 256]
+        .iter_mut()
+        .for_each(|v| *v *= 50.0);
+    write_hidden(dir.path(), &h, t);
+    let (code, text, r) = run(dir.path(), &sweep);
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    assert_eq!(r["summary"]["cause"], "input", "seed {seed}: {text}");
+    let first = r["failures"][0].as_str().unwrap();
+    assert!(
+        first.contains(&format!("fails token {big} only"))
+            && first.contains("input row's norm is")
+            && first.contains(&format!("the other {} token(s) pass", t - 1)),
+        "seed {seed}: {first}"
+    );
+    let (code, text, r) = run(dir.path(), &lt);
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let first = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+    assert!(
+        first.contains(&format!("token {big} carries")),
+        "seed {seed}: {first}"
+    );
+}
+
+/// `--input` problems of a hash layer name the file (the router's message named no file), an
+/// all-zero batch (padding rows only) is bad input rather than a pass at cosine 1 that tested
+/// nothing, and `--tokens 0` says so.
+#[test]
+fn input_ids_zero_batches_and_zero_tokens_are_bad_input_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    synth(
+        dir.path(),
+        "v4",
+        &["--preset", "tiny-v4", "--seed", &(seed % 1000).to_string()],
+    );
+    let t = 1 + (seed % 8) as usize;
+    let h = massive_channel_input(t, seed);
+    let hs = (
+        TensorSpec::new("hidden_states", Dtype::F32, &[t, 256]),
+        f32_bytes(&h),
+    );
+    let bad = if seed.is_multiple_of(2) {
+        -1
+    } else {
+        1000 + (seed % 1000) as i64
+    };
+    let mut ids: Vec<i64> = (0..t as i64).collect();
+    ids[t - 1] = bad;
+    write_file(
+        &dir.path().join("noids.safetensors"),
+        vec![hs.clone()],
+        None,
+    )
+    .unwrap();
+    write_file(
+        &dir.path().join("badids.safetensors"),
+        vec![
+            hs,
+            (
+                TensorSpec::new("input_ids", Dtype::I64, &[t]),
+                i64_bytes(&ids),
+            ),
+        ],
+        None,
+    )
+    .unwrap();
+    for cmd in ["layertest", "gs-sweep"] {
+        for (file, want) in [
+            (
+                "noids.safetensors",
+                "missing: MoE layer 0 is a hash layer".to_string(),
+            ),
+            (
+                "badids.safetensors",
+                format!("input_ids[{}] = {bad} is outside", t - 1),
+            ),
+        ] {
+            let (code, text, _) = run(
+                dir.path(),
+                &[
+                    cmd,
+                    "--checkpoint",
+                    "v4",
+                    "--device",
+                    "cpu",
+                    "--input",
+                    file,
+                ],
+            );
+            assert_eq!(code, 2, "{cmd} {file} seed {seed}: {text}");
+            assert!(
+                text.contains(file) && text.contains("`input_ids`") && text.contains(&want),
+                "{cmd} {file} seed {seed}: {text}"
+            );
+        }
+    }
+    write_hidden(dir.path(), &vec![0.0; t * 256], t);
+    for cmd in ["layertest", "gs-sweep", "multilayer"] {
+        let (code, text, _) = run(
+            dir.path(),
+            &[cmd, "--device", "cpu", "--input", "in.safetensors"],
+        );
+        assert_eq!(code, 2, "{cmd} seed {seed}: {text}");
+        assert!(
+            text.contains("in.safetensors")
+                && text.contains("hidden_states")
+                && text.contains("all zeros"),
+            "{cmd} seed {seed}: {text}"
+        );
+    }
+    // padding rows among real ones are fine
+    let mut h = massive_channel_input(t + 2, seed);
+    h[t * 256..].iter_mut().for_each(|v| *v = 0.0);
+    write_hidden(dir.path(), &h, t + 2);
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input",
+            "in.safetensors",
+            "--tokens",
+            "0",
+        ],
+    );
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    assert!(
+        text.contains("--tokens must be at least 1"),
+        "seed {seed}: {text}"
+    );
+    let (code, text, _) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--input", "in.safetensors"],
+    );
+    assert_ne!(code, 2, "seed {seed}: {text}");
+}

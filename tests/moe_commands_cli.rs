@@ -53,6 +53,30 @@ fn gs_sweep_finds_the_default_gs_costly_and_writes_its_plots() {
     assert_eq!(s["cause"], "gs", "seed {seed}: {s}");
     assert!(s["loss"].as_f64().unwrap() > 0.05, "seed {seed}: {s}");
     assert!(s["default_loss"].as_f64().unwrap() > s["warmup_loss"].as_f64().unwrap() - 1e-9);
+    // the saturated blocks are the ones at the E4M3 maximum, said so; and the failure names
+    // the gs source that fixes it (the sweep's best is one gs for every GEMM, which no engine
+    // configures)
+    let f0 = r["failures"][0].as_str().unwrap();
+    assert!(
+        f0.contains("activation blocks saturate (block scale at 448"),
+        "seed {seed}: {f0}"
+    );
+    let fits = f0
+        .split("; the source that fits: `")
+        .nth(1)
+        .unwrap_or_else(|| panic!("seed {seed}: {f0}"));
+    let name = fits.split('`').next().unwrap();
+    let p = r["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["label"] == name)
+        .unwrap();
+    let best = r["best"]["cosine"].as_f64().unwrap();
+    assert!(
+        name != "default" && best - p["cosine"].as_f64().unwrap() <= 0.01,
+        "seed {seed}: {f0}"
+    );
     assert_eq!(r["sweep"].as_array().unwrap().len(), 9);
     let sources: Vec<&str> = r["sources"]
         .as_array()

@@ -337,17 +337,18 @@ pub fn run(args: &Args) -> Result<Report> {
                 )
             } else {
                 format!(
-                    "{:.1}% of its activation blocks saturate{}",
+                    "{:.1}% of its activation blocks saturate (block scale at 448, the E4M3 max){}",
                     u.blocks.saturated_pct,
                     worst_overshoots(&layer, &batch.hidden, &routing, used_scales.as_ref())?
                 )
             };
             failures.push(format!(
-                "gs `{used_source}` loses {} cosine against the best ({} at {}) > --max-loss {}; {blocks}",
+                "gs `{used_source}` loses {} cosine against the best ({} at {}) > --max-loss {}; {blocks}{}",
                 f(used_loss, 4),
                 f(best.as_ref().map_or(f64::NAN, |b| b.cosine), 4),
                 best.as_ref().map_or("-".into(), describe_gs),
                 args.max_loss,
+                fixing_source(&sources, u, args.max_loss, &loss_of),
             ));
             cause.get_or_insert("gs");
         }
@@ -421,25 +422,45 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
     // a gs that passes the layer can still ruin tokens the whole-tensor cosine does not see:
-    // one token of huge norm carries it and sets the scales of its experts (an input problem)
-    if failures.is_empty() {
-        if let (Some(s), Some(u)) = (&used_scales, &used) {
+    // one token of huge norm carries it and sets the scales of its experts (an input problem).
+    // And a fixed gs that fails the layer may fail one token only: fixed scales quantize each
+    // token on its own, so a gs that fits every token but one of huge norm is not the fault,
+    // that token is (it would be blamed on the gs, and the user sent to recalibrate)
+    let gs_blamed = cause == Some("gs");
+    if failures.is_empty() || gs_blamed {
+        if let (Some(s), Some(u)) = (&used_scales, used.as_ref().filter(|u| clean(u))) {
             let hsz = c.hidden_size;
             let mut tokens = per_token(&output(s)?.0, &reference.out, hsz);
             tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
-            if let Some((line, dominant)) = token_failure(
+            if let Some(t) = token_failure(
                 &tokens,
                 &reference.out,
+                &batch.hidden,
                 hsz,
                 args.min_token_cosine,
                 u.cosine,
             ) {
-                failures.push(format!("gs `{used_source}`: {line}"));
-                cause.get_or_insert(if dominant.is_some() {
-                    "input"
-                } else {
-                    "not_gs"
-                });
+                if !gs_blamed {
+                    failures.push(format!("gs `{used_source}`: {}", t.line));
+                    cause = Some(if t.dominant.is_some() {
+                        "input"
+                    } else {
+                        "not_gs"
+                    });
+                } else if let Some(big) = t.dominant.filter(|&b| t.bad == [b]) {
+                    let n = tokens.len();
+                    failures.insert(
+                        0,
+                        format!(
+                            "gs `{used_source}` fails token {big} only: {}; the other {} \
+                             token(s) pass under it, so the fault is that token's input, not \
+                             the gs",
+                            t.line,
+                            n - 1
+                        ),
+                    );
+                    cause = Some("input");
+                }
             }
         }
     }
@@ -489,7 +510,7 @@ pub fn run(args: &Args) -> Result<Report> {
             "cosine",
             "rel_l2",
             "loss vs best",
-            "saturated %",
+            "at 448 %",
             "flushed %",
             "NaN",
         ],
@@ -526,7 +547,7 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let mut sweep_table = Section::new(
         "Sweep (one gs for every GEMM)",
-        &["gs", "cosine", "rel_l2", "saturated %", "flushed %", "NaN"],
+        &["gs", "cosine", "rel_l2", "at 448 %", "flushed %", "NaN"],
     );
     for p in &sweep {
         sweep_table.row(vec![
@@ -567,7 +588,7 @@ pub fn run(args: &Args) -> Result<Report> {
         log_x: true,
         series: vec![
             Series {
-                name: "saturated %".into(),
+                name: "scale at 448 %".into(),
                 points: pts(&|p| p.blocks.saturated_pct),
             },
             Series {
@@ -682,6 +703,42 @@ fn worst_overshoots(
         true => String::new(),
         false => format!("; worst: {}", worst.join(", ")),
     })
+}
+
+/// `; the gs source that fixes it: ...` naming the best other source within `max_loss` of the
+/// best gs: the sweep's best is one gs for both GEMMs of every expert, which no engine
+/// configures, while a source (calibrated input scales, dynamic per batch) is what to use.
+fn fixing_source(
+    sources: &[Point],
+    used: &Point,
+    max_loss: f64,
+    loss_of: &dyn Fn(&Point) -> f64,
+) -> String {
+    let Some(p) = sources
+        .iter()
+        .filter(|p| p.label != used.label && loss_of(p) <= max_loss)
+        .max_by(|a, b| a.cosine.total_cmp(&b.cosine))
+    else {
+        return "; no gs source reaches it, only the sweep".into();
+    };
+    let how = match p.label.as_str() {
+        "calibrated" => "input_scale = amax/2688 per expert GEMM input, on this batch",
+        "dynamic" => "gs from each batch's own amax",
+        "checkpoint" => "the checkpoint's input_scale",
+        "warmup" => "amax of a randn warm-up batch",
+        "default" => "1/2688",
+        _ => "the gs given",
+    };
+    format!(
+        "; the source that fits: `{}` ({how}{}) reaches cosine {} (loss {})",
+        p.label,
+        match (p.gs1, p.gs2) {
+            (Some(a), Some(b)) => format!(": gs1 {}, gs2 {}", e(a as f64), e(b as f64)),
+            _ => String::new(),
+        },
+        f(p.cosine, 4),
+        f(loss_of(p).max(0.0), 4)
+    )
 }
 
 fn describe_gs(p: &Point) -> String {

@@ -470,10 +470,48 @@ pub fn layer_and_batch(
     let c = &layer.config;
     let norm = normed.then_some((layer.norm_weight.as_deref(), c.rms_norm_eps));
     let batch = load_batch(input, c.hidden_size, layer.token_vocab(), norm)?;
+    if let Some(path) = &input.input {
+        check_hash_ids(path, &layer, batch.input_ids.as_deref())?;
+    }
     if up_front.is_none() {
         check_room(devices, c, batch.tokens, per_slot)?;
     }
     Ok((layer, batch))
+}
+
+/// A V4 hash layer routes by `tid2eid[input_ids]`: an `--input` without `input_ids`, or with
+/// ids past the table, is bad input in that file (the router's own message cannot name it).
+fn check_hash_ids(path: &Path, layer: &MoeLayer, ids: Option<&[i64]>) -> Result<()> {
+    if !layer.is_hash_layer() {
+        return Ok(());
+    }
+    let l = layer.index;
+    let Some(ids) = ids else {
+        return Err(Error::bad_tensor(
+            path,
+            "input_ids",
+            format!(
+                "missing: MoE layer {l} is a hash layer (routes by tid2eid[input_ids]), so the \
+                 token ids [tokens] must come with hidden_states"
+            ),
+        ));
+    };
+    let vocab = layer.token_vocab();
+    if let Some((t, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id < 0 || id as usize >= vocab)
+    {
+        return Err(Error::bad_tensor(
+            path,
+            "input_ids",
+            format!(
+                "input_ids[{t}] = {id} is outside the vocabulary of MoE layer {l}'s tid2eid \
+                 table (0..{vocab})"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Tokens of the batch when known without reading it: synthetic input, or `--tokens`.
@@ -595,6 +633,7 @@ pub fn load_batch(
             let tokens = match input.tokens {
                 None => rows,
                 Some(t) if t <= rows && t > 0 => t,
+                Some(0) => return Err(Error::usage("--tokens must be at least 1")),
                 Some(t) => {
                     return Err(Error::usage(format!(
                         "--tokens {t}: {} holds {rows} tokens",
@@ -603,6 +642,18 @@ pub fn load_batch(
                 }
             };
             h.truncate(tokens * hidden);
+            // padding only (or a capture of the wrong tensor): the layer maps zeros to zeros,
+            // NVFP4 and BF16 alike, and would pass at cosine 1 having tested nothing
+            if h.iter().all(|&v| v == 0.0) {
+                return Err(Error::bad_tensor(
+                    path,
+                    "hidden_states",
+                    format!(
+                        "all zeros in the {tokens} token(s) used: nothing to test (padding rows \
+                         only, or the capture took the wrong tensor or step)"
+                    ),
+                ));
+            }
             if let Some(i) = ids.as_mut() {
                 i.truncate(tokens);
             }
@@ -753,28 +804,56 @@ pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_jso
     (line, counts)
 }
 
+/// A per-token failure (see [`token_failure`]).
+pub struct TokenFailure {
+    /// The failure line.
+    pub line: String,
+    /// The token that carries most (> 50%) of the reference output's energy, if one does: an
+    /// input problem, not the layer's.
+    pub dominant: Option<usize>,
+    /// The tokens below the bar, worst first.
+    pub bad: Vec<usize>,
+}
+
 /// Tokens whose own output misses `min_cosine` (or the rel-L2 that cosine allows an error
 /// orthogonal to it) while the layer as a whole may pass: a whole-tensor cosine is a
 /// norm-weighted mean, and one token of huge norm carries it. `tokens` worst first;
-/// `reference` `[T, hidden]` names the token that dominates the layer's cosine (returned too:
-/// an input problem, not the layer's).
+/// `reference` `[T, hidden]` names the token that dominates the layer's cosine, and `input`
+/// `[T, hidden]` (the layer's input) how far its input norm is from the median token's: the
+/// output of a SwiGLU MoE grows with the square of its input, so the output's ratio
+/// overstates the input's (a 50x input row is a ~2500x output row).
 pub fn token_failure(
     tokens: &[TokenMetrics],
     reference: &[f32],
+    input: &[f32],
     hsz: usize,
     min_cosine: f64,
     layer_cosine: f64,
-) -> Option<(String, Option<usize>)> {
+) -> Option<TokenFailure> {
     let max_rel = (1.0 / (min_cosine * min_cosine) - 1.0).sqrt();
     let bad: Vec<_> = tokens
         .iter()
         .filter(|t| below(t.metrics.cosine, min_cosine) || t.metrics.rel_l2 > max_rel)
         .collect();
     let worst = bad.first()?;
-    let energy: Vec<f64> = reference
-        .chunks(hsz.max(1))
-        .map(|r| r.iter().map(|&v| v as f64 * v as f64).sum())
-        .collect();
+    let sq = |x: &[f32]| -> Vec<f64> {
+        x.chunks(hsz.max(1))
+            .map(|r| r.iter().map(|&v| v as f64 * v as f64).sum())
+            .collect()
+    };
+    let median_of = |v: &[f64]| {
+        let mut s = v.to_vec();
+        s.sort_by(f64::total_cmp);
+        s.get(s.len() / 2).copied().unwrap_or(0.0)
+    };
+    let ratio = |a: f64, m: f64| {
+        if m > 0.0 {
+            (a / m).sqrt()
+        } else {
+            f64::INFINITY
+        }
+    };
+    let energy = sq(reference);
     let total: f64 = energy.iter().sum();
     let (big, e_big) = energy
         .iter()
@@ -782,17 +861,23 @@ pub fn token_failure(
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or((0, 0.0));
-    let mut sorted = energy.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let median = median_of(&energy);
     let dominant = (total > 0.0 && e_big / total > 0.5).then_some(big);
     let dominated = if dominant.is_some() {
+        let in_sq = sq(input);
+        let in_norm = match in_sq.get(big) {
+            Some(&v) => format!(
+                "; its input row's norm is {:.3e}x the median token's",
+                ratio(v, median_of(&in_sq))
+            ),
+            None => String::new(),
+        };
         format!(
-            "; token {big} carries {:.1}% of the reference output's energy (norm {:.3e}x the median token's), so the \
+            "; token {big} carries {:.1}% of the reference output's energy (output norm {:.3e}x the median token's{in_norm}), so the \
              layer's cosine is mostly its own: a token of that magnitude (the MoE input is RMSNorm-ed per token: its norm skipped or broken upstream?) also \
              sets the activation global scales of its experts",
             100.0 * e_big / total,
-            if median > 0.0 { (e_big / median).sqrt() } else { f64::INFINITY }
+            ratio(e_big, median)
         )
     } else {
         String::new()
@@ -807,7 +892,11 @@ pub fn token_failure(
         f(worst.metrics.cosine, 4),
         f(worst.metrics.rel_l2, 3),
     );
-    Some((line, dominant))
+    Some(TokenFailure {
+        line,
+        dominant,
+        bad: bad.iter().map(|t| t.token).collect(),
+    })
 }
 
 /// A cosine below a threshold; NaN counts as below.
@@ -1155,6 +1244,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut failures: Vec<String> = vec![];
     let (in_bad, in_json) = input_nonfinite(&batch.hidden, hsz);
     failures.extend(in_bad);
+    let input_lines = failures.len();
     if let Some(x) = &ep_run {
         failures.extend(ep_failures(&args.ep, args.fault, x, hsz));
     }
@@ -1218,7 +1308,9 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     for x in &experts {
         if let Some(msg) = check.failure(&x.m) {
-            failures.push(msg + &x.cause() + &down_input_cause(&over, x.m.expert));
+            let cause = x.cause();
+            let named = !cause.is_empty();
+            failures.push(msg + &cause + &input_cause(&over, x.m.expert, named));
         }
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
@@ -1230,10 +1322,20 @@ pub fn run(args: &Args) -> Result<Report> {
         ));
     }
     if m.nan_count + m.inf_count == 0 {
-        if let Some((line, _)) =
-            token_failure(&tokens, &rf.out, hsz, args.min_token_cosine, m.cosine)
-        {
-            failures.push(line);
+        if let Some(t) = token_failure(
+            &tokens,
+            &rf.out,
+            &batch.hidden,
+            hsz,
+            args.min_token_cosine,
+            m.cosine,
+        ) {
+            match t.dominant {
+                // one token of huge norm is the input's problem, and what the expert and
+                // layer failures above follow from: it leads (after NaN/Inf in the input)
+                Some(_) => failures.insert(input_lines, t.line),
+                None => failures.push(t.line),
+            }
         }
     }
     if kernel.pass == Some(false) {
@@ -1908,20 +2010,33 @@ impl ExpertRow {
 }
 
 /// `; its down_proj input saturates: ...` when `expert`'s gs2 is at least twice what the
-/// amax of its SwiGLU output allows (see [`gs::overshoots`]).
-fn down_input_cause(over: &[gs::GsOvershoot], expert: usize) -> String {
-    match over
-        .iter()
-        .find(|o| o.expert == expert && o.gemm == "down" && o.ratio >= 2.0)
-    {
-        Some(o) => format!(
-            "; its down_proj input saturates: gs2 {} is {}x the {} its amax allows (a down_proj input_scale too small?)",
-            e(o.gs as f64),
-            f(o.ratio as f64, 1),
-            e(o.fits as f64)
-        ),
-        None => String::new(),
+/// amax of its SwiGLU output allows (see [`gs::overshoots`]), and the same for its gate/up
+/// input (gs1) unless `gate_up_named` (its saturated blocks already named it): one expert's
+/// `input_scale` 100x too small saturates only its input blocks of large values, which on
+/// real activations (a few massive channels) can stay under the share `cause` names.
+fn input_cause(over: &[gs::GsOvershoot], expert: usize, gate_up_named: bool) -> String {
+    let mut out = String::new();
+    for (gemm, what, proj) in [
+        ("gate/up", "gate/up", "gate_proj/up_proj"),
+        ("down", "down_proj", "down_proj"),
+    ] {
+        if gemm == "gate/up" && gate_up_named {
+            continue;
+        }
+        if let Some(o) = over
+            .iter()
+            .find(|o| o.expert == expert && o.gemm == gemm && o.ratio >= 2.0)
+        {
+            out += &format!(
+                "; its {what} input saturates: gs{} {} is {}x the {} its amax allows (a {proj} input_scale too small?)",
+                if gemm == "down" { 2 } else { 1 },
+                e(o.gs as f64),
+                f(o.ratio as f64, 1),
+                e(o.fits as f64)
+            );
+        }
     }
+    out
 }
 
 fn expert_table(experts: &[ExpertRow]) -> Section {
