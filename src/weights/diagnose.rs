@@ -84,6 +84,15 @@ pub struct Diagnosis {
     pub fails: bool,
 }
 
+/// " (expert(s) 3, 7)" after a diagnosis's count, or nothing where no expert is concerned.
+fn experts_note(v: &[usize]) -> String {
+    if v.is_empty() {
+        String::new()
+    } else {
+        format!(" (expert(s) {})", list(v))
+    }
+}
+
 fn list(v: &[usize]) -> String {
     const SHOW: usize = 12;
     let mut s: Vec<String> = v.iter().take(SHOW).map(|e| e.to_string()).collect();
@@ -299,11 +308,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::ScalesShifted => format!(
                     "{where_}{n} tensor(s) hold their block scales one column off{}; e.g. {example}",
-                    if experts.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (expert(s) {})", list(&experts))
-                    }
+                    experts_note(&experts)
                 ),
                 DiagnosisKind::TpAxis => format!(
                     "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
@@ -313,11 +318,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 ),
                 DiagnosisKind::NibblesSwapped => format!(
                     "{where_}{n} tensor(s) hold their FP4 codes nibble-swapped (element 2i in the high nibble){}; e.g. {example}",
-                    if experts.is_empty() {
-                        String::new()
-                    } else {
-                        format!(", experts {}", list(&experts))
-                    }
+                    experts_note(&experts)
                 ),
                 DiagnosisKind::SwizzledScales => format!(
                     "{where_}{}'s block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling",
