@@ -2,7 +2,8 @@
 # Session 49: the nightly, the e2e walkthrough, the CUDA dumps under the dump check, compare-weights
 # on a float side against a swizzled quantized dump at 1024x7168 (.dev/cw49, made by bench/cw-swizzled-gen.py),
 # then the whole bench and the PyTorch peers, on whatever card the lease brings
-# (the ratios are taken within the run). Writes $OUT/$LABEL.tgz after each step.
+# (the ratios are taken within the run; SKIP_BENCH=1 leaves those out). Writes $OUT/$LABEL.tgz
+# after each step.
 set -uo pipefail
 L=${LABEL:-s49a}
 source bench/gpu-lib.sh
@@ -23,4 +24,4 @@ for f in deq other; do
 done
 grep -o 'read in the 128x4 swizzle[^"]*' $R/cw-deq.json | head -2
 pack
-bench_and_peers
+[ "${SKIP_BENCH:-0}" = 1 ] || bench_and_peers
