@@ -945,3 +945,103 @@ fn gs_sweep_blames_the_gs_only_when_some_gs_fixes_the_layer() {
         }
     }
 }
+
+/// Checkpoint input scales holding their reciprocals (gs values, the quant direction, stored
+/// where `input_scale = amax/2688` belongs) are named as such by gs-sweep and layertest
+/// (cause `input_scale_reciprocal`), on a fresh random checkpoint whose input scales are
+/// calibrated on the test's own real-like batch (a few massive channels, as DeepSeek's). The
+/// calibrated checkpoint passes both without it, and input scales merely 100x too small (not
+/// reciprocal) fail without it. Both commands used to name only each input's overshoot
+/// ("down input 33.5x").
+#[test]
+fn an_input_scale_holding_its_reciprocal_is_named() {
+    use nvfp4dbg::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
+    use rand::{Rng, SeedableRng};
+    // TSEED=N reruns one seed
+    let seed: u64 = std::env::var("TSEED")
+        .map_or_else(|_| rand::random::<u16>().into(), |v| v.parse().unwrap());
+    let s = seed.to_string();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (t, hsz) = (64, 256);
+    let mut h = nvfp4dbg::moe::synthetic::moe_input(hsz, t, None, 1e-6, seed);
+    for _ in 0..3 {
+        let c = rng.gen_range(0..hsz);
+        let m: f32 = rng.gen_range(100.0..800.0) * if rng.gen() { 1.0 } else { -1.0 };
+        for r in 0..t {
+            h[r * hsz + c] = nvfp4dbg::moe::forward::bf16(m * rng.gen_range(0.6..1.4));
+        }
+    }
+    let spec = TensorSpec::new("hidden_states", safetensors::Dtype::F32, &[t, hsz]);
+    write_file(&d.join("in.safetensors"), vec![(spec, f32_bytes(&h))], None).unwrap();
+    for ck in ["cal", "recip", "small"] {
+        synth(d, &["--out", ck, "--seed", &s]);
+    }
+    // calibrate on this batch, as the commands' `calibrated` source does
+    let mc = nvfp4dbg::checkpoint::MoeCheckpoint::open(&d.join("cal")).unwrap();
+    let layer = mc.load_layer(1).unwrap();
+    let routing = nvfp4dbg::moe::route(&layer, &h, None).unwrap();
+    let (a1, a2) = nvfp4dbg::moe::forward::expert_input_amax(&layer, &h, &routing).unwrap();
+    let max = |a: &[Option<f32>]| a.iter().flatten().fold(0f32, |m, &v| m.max(v));
+    let (m1, m2) = (max(&a1), max(&a2));
+    for e in 0..layer.experts.len() {
+        for (p, a) in [
+            ("gate_proj", a1[e].unwrap_or(m1)),
+            ("up_proj", a1[e].unwrap_or(m1)),
+            ("down_proj", a2[e].unwrap_or(m2)),
+        ] {
+            let name = format!("model.layers.1.mlp.experts.{e}.{p}.input_scale");
+            let c = a / 2688.0;
+            set_scalar(&d.join("cal"), &name, c);
+            set_scalar(&d.join("recip"), &name, 1.0 / c);
+            set_scalar(&d.join("small"), &name, c / 100.0);
+        }
+    }
+    for cmd in ["gs-sweep", "layertest"] {
+        for (ck, want_code) in [("recip", 1), ("cal", 0), ("small", 1)] {
+            let mut args = vec![
+                cmd,
+                "--checkpoint",
+                ck,
+                "--input",
+                "in.safetensors",
+                "--device",
+                "cpu",
+                "--gs",
+                "checkpoint",
+            ];
+            if cmd == "gs-sweep" {
+                args.extend(["--points", "5"]);
+            }
+            let (code, text, r) = run(d, &args);
+            let what = format!("seed {seed} {cmd} {ck}");
+            assert_eq!(code, want_code, "{what}: {text}");
+            let sm = &r.unwrap()["summary"];
+            let named = sm["cause"] == "input_scale_reciprocal";
+            assert_eq!(named, ck == "recip", "{what}: {sm}");
+            assert_eq!(
+                sm["input_scale_reciprocal"].is_null(),
+                ck != "recip",
+                "{what}: {sm}"
+            );
+            if ck == "recip" {
+                let head = sm["text"].as_str().unwrap();
+                let x = &sm["input_scale_reciprocal"];
+                let tensor = x["tensor"].as_str().unwrap();
+                assert!(
+                    head.contains("input_scale holds gs values (quant direction)")
+                        && head.contains(tensor)
+                        && tensor.starts_with("model.layers.1.mlp.experts.")
+                        && tensor.ends_with("_proj.input_scale"),
+                    "{what}: {head}"
+                );
+                let (st, cal) = (
+                    x["stored"].as_f64().unwrap(),
+                    x["calibrated"].as_f64().unwrap(),
+                );
+                assert!((st * cal - 1.0).abs() < 1e-3, "{what}: {x}");
+            }
+        }
+    }
+}

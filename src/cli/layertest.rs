@@ -437,6 +437,27 @@ impl Model {
         }
     }
 
+    /// The checkpoint tensor holding expert `e`'s input scale for projection `proj` (an index
+    /// into [`gs::PROJS`]) in layer `l`, as the checkpoint spells it (`input_scale`, or
+    /// compressed-tensors' `input_global_scale`); for the synthetic model its HF name.
+    pub fn input_scale_name(&self, l: usize, e: usize, proj: usize) -> String {
+        use crate::checkpoint::names::Proj;
+        let p = [Proj::Gate, Proj::Up, Proj::Down][proj.min(2)];
+        match self {
+            Model::Synthetic(_) => {
+                format!("model.layers.{l}.mlp.experts.{e}.{}.input_scale", p.hf())
+            }
+            Model::Checkpoint { ckpt, .. } => {
+                let base = ckpt.naming.expert(l, e, p);
+                crate::checkpoint::formats::find_linear(&ckpt.ckpt, &base)
+                    .ok()
+                    .flatten()
+                    .and_then(|n| n.input_scale)
+                    .unwrap_or_else(|| format!("{base}.input_scale"))
+            }
+        }
+    }
+
     pub fn is_synthetic(&self) -> bool {
         matches!(self, Model::Synthetic(_))
     }
@@ -1364,6 +1385,26 @@ pub fn run(args: &Args) -> Result<Report> {
         // the plugin's verdict first: it is what --kernel asked about
         failures.insert(0, format!("{who}: {b}"));
     }
+    // checkpoint input scales that read as their own reciprocals: the cause behind the expert
+    // failures above (their inputs saturate or flush), named first after the input's problems
+    let reciprocal = match (source, failures.is_empty()) {
+        (GsSource::Checkpoint, false) => {
+            let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
+            gs::reciprocal_input_scales(&layer, &a1, &a2)
+        }
+        _ => None,
+    };
+    let reciprocal_text = reciprocal
+        .as_ref()
+        .map(|r| r.text(&|e, p| model.input_scale_name(l, e, p)));
+    if let Some(t) = &reciprocal_text {
+        let at = failures
+            .iter()
+            .position(|x| x.starts_with("expert ") || x.starts_with("cosine "))
+            .unwrap_or(failures.len())
+            .min(failures.len());
+        failures.insert(at.max(input_lines.min(failures.len())), t.clone());
+    }
     let pass = failures.is_empty();
     let headline = if pass {
         // native V4 experts are MXFP4
@@ -1410,6 +1451,15 @@ pub fn run(args: &Args) -> Result<Report> {
         "gs": source.to_string(),
         "device": backend.name(),
         "model": model.describe(),
+        "cause": reciprocal.as_ref().map(|_| "input_scale_reciprocal"),
+        "input_scale_reciprocal": reciprocal.as_ref().map(|r| json!({
+            "tensor": model.input_scale_name(l, r.worst.expert, r.worst.proj),
+            "stored": r.worst.stored,
+            "calibrated": r.worst.calibrated,
+            "matched": r.matched,
+            "judged": r.judged,
+            "text": reciprocal_text,
+        })),
         "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
         "ep": args.ep.ep,
         "ep_within_bound": ep_run.as_ref().map(|x| x.agreement.within_bound),

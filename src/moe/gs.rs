@@ -355,6 +355,162 @@ pub fn overshoots(
     v
 }
 
+/// One checkpoint `input_scale` set against this batch's own calibration of its GEMM input.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ScaleVsBatch {
+    pub expert: usize,
+    /// 0 gate_proj, 1 up_proj, 2 down_proj (see [`PROJS`]).
+    #[serde(skip)]
+    pub proj: usize,
+    /// The checkpoint's `input_scale` (dequant direction, as loaded).
+    pub stored: f32,
+    /// `amax / 2688` of what that GEMM input held in this batch.
+    pub calibrated: f32,
+}
+
+/// The projections an expert's input scales belong to, in [`ScaleVsBatch::proj`] order.
+pub const PROJS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+/// A layer whose checkpoint `input_scale`s hold gs values (the quant direction,
+/// `1/input_scale`) where the dequant direction belongs: most of them sit within 10x of the
+/// *reciprocal* of this batch's calibrated `amax/2688`, and at least 10x closer to it than
+/// to the calibrated value itself.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReciprocalInputScales {
+    /// Input scales that match the reciprocal.
+    pub matched: usize,
+    /// Input scales that say something: matched, or off from the reciprocal by 10x or more,
+    /// or closer to the calibrated value than to its reciprocal (left out: those near both,
+    /// calibrated values within ~3x of 1, where a scale and its reciprocal coincide).
+    pub judged: usize,
+    /// The matched scale farthest from its calibrated value.
+    pub worst: ScaleVsBatch,
+}
+
+/// [`ReciprocalInputScales`] of `layer`'s checkpoint `input_scale`s against the per-expert
+/// amax of [`expert_input_amax`] (`amax1` before W1/W3, `amax2` before W2); `None` when they
+/// do not read as reciprocals.
+///
+/// Per scale, with `s` stored and `c = amax/2688`: `dd = |log10(s/c)|` (off as an
+/// input_scale) and `dr = |log10(s·c)|` (off as its reciprocal). A scale matches when
+/// `dr < 1` (within the spread of a calibration on other data, 10x either way) and
+/// `dd >= dr + 1`; it speaks against when `dr >= 1` or `dd < dr`, and is left out when
+/// neither (`c` within ~3x of 1, where `|dd - dr| <= 2|log10 c|` cannot tell). The layer
+/// is named when at least 3 scales match and they are more than half of those judged, and,
+/// where the calibrated values spread over the layer, `s` falls as `c` rises (slope of
+/// log s on log c below 0: a reciprocal gives -1, a checkpoint calibrated on larger or
+/// smaller activations +1). An `input_scale` merely 100x too small matches where `c` is
+/// near 10 (a down_proj input of massive activations: `c/100 = 1/c` there), while its
+/// gate/up inputs, `c` well under 10, speak against: never most of a layer.
+pub fn reciprocal_input_scales(
+    layer: &MoeLayer,
+    amax1: &[Option<f32>],
+    amax2: &[Option<f32>],
+) -> Option<ReciprocalInputScales> {
+    let mut all: Vec<(ScaleVsBatch, f64, f64)> = vec![];
+    for (e, ex) in layer.experts.iter().enumerate() {
+        for (proj, (q, amax)) in [(&ex.w1, amax1), (&ex.w3, amax1), (&ex.w2, amax2)]
+            .into_iter()
+            .enumerate()
+        {
+            let (Some(s), Some(Some(a))) = (q.input_scale, amax.get(e)) else {
+                continue;
+            };
+            if !(s.is_finite() && s > 0.0 && a.is_finite() && *a > 0.0) {
+                continue;
+            }
+            let c = input_scale_of_amax(*a);
+            let (ls, lc) = ((s as f64).log10(), (c as f64).log10());
+            // c within ~3x of 1 and s near both c and 1/c: no evidence either way
+            let (dd, dr) = ((ls - lc).abs(), (ls + lc).abs());
+            if dr < 1.0 && dd >= dr && dd < dr + 1.0 {
+                continue;
+            }
+            let v = ScaleVsBatch {
+                expert: e,
+                proj,
+                stored: s,
+                calibrated: c,
+            };
+            all.push((v, ls, lc));
+        }
+    }
+    let judged = all.len();
+    let matches = |ls: f64, lc: f64| {
+        let (dd, dr) = ((ls - lc).abs(), (ls + lc).abs());
+        dr < 1.0 && dd >= dr + 1.0
+    };
+    let matched: Vec<&(ScaleVsBatch, f64, f64)> =
+        all.iter().filter(|(_, ls, lc)| matches(*ls, *lc)).collect();
+    if matched.len() < 3 || 2 * matched.len() <= judged {
+        return None;
+    }
+    let n = judged as f64;
+    let (mx, my) = all
+        .iter()
+        .fold((0.0, 0.0), |(x, y), (_, ls, lc)| (x + lc / n, y + ls / n));
+    let (sxx, sxy) = all.iter().fold((0.0, 0.0), |(xx, xy), (_, ls, lc)| {
+        (xx + (lc - mx).powi(2), xy + (lc - mx) * (ls - my))
+    });
+    // spread of at least 0.25 decade (std) before the slope says anything
+    if sxx / n >= 0.0625 && sxy >= 0.0 {
+        return None;
+    }
+    let worst = matched
+        .iter()
+        .max_by(|a, b| (a.1 - a.2).abs().total_cmp(&(b.1 - b.2).abs()))?
+        .0
+        .clone();
+    Some(ReciprocalInputScales {
+        matched: matched.len(),
+        judged,
+        worst,
+    })
+}
+
+impl ReciprocalInputScales {
+    /// The diagnosis in words; `name` gives the checkpoint tensor of `(expert, proj)`.
+    pub fn text(&self, name: &dyn Fn(usize, usize) -> String) -> String {
+        let w = &self.worst;
+        let e = |v: f32| format!("{:.3e}", v);
+        let tensor = name(w.expert, w.proj);
+        if tensor.ends_with("input_global_scale") {
+            // compressed-tensors stores the quant direction: here it holds the dequant one
+            return format!(
+                "input_global_scale holds input_scale values (dequant direction): `{tensor}` = \
+                 {} where this batch's 2688/amax = {} (its reciprocal {}); {} of {} expert \
+                 input scales this batch can judge sit within 10x of the reciprocal of this batch's \
+                 calibrated gs, far from the gs itself: the checkpoint (or the engine) stores \
+                 amax/2688 where the gs belongs, and kernels given it quantize with gs = {} \
+                 where {} fits",
+                e(1.0 / w.stored),
+                e(1.0 / w.calibrated),
+                e(w.calibrated),
+                self.matched,
+                self.judged,
+                e(1.0 / w.stored),
+                e(1.0 / w.calibrated),
+            );
+        }
+        format!(
+            "input_scale holds gs values (quant direction): `{}` = {} where this batch's \
+             amax/2688 = {} (its reciprocal {}); {} of {} expert input scales this batch can \
+             judge sit within 10x of the reciprocal of this batch's calibrated input_scale, far from \
+             the value itself: the checkpoint (or the engine) stores 1/input_scale, and kernels \
+             given it quantize with gs = 1/{} = {} where {} fits",
+            tensor,
+            e(w.stored),
+            e(w.calibrated),
+            e(1.0 / w.calibrated),
+            self.matched,
+            self.judged,
+            e(w.stored),
+            e(1.0 / w.stored),
+            e(1.0 / w.calibrated),
+        )
+    }
+}
+
 /// `input_scale` (dequant direction) for an amax: `amax / 2688`; an amax of 0 gives 1/2688.
 pub fn input_scale_of_amax(amax: f32) -> f32 {
     if amax == 0.0 {
@@ -400,6 +556,43 @@ mod tests {
             "global-max".parse::<InputScaleReduce>(),
             Ok(InputScaleReduce::GlobalMax)
         );
+    }
+
+    /// Input scales set to the reciprocal of the calibrated `amax/2688` are named; the
+    /// calibrated values, values 100x too small, and values calibrated on activations 30x
+    /// larger are not, even where the 100x-too-small down_proj scales (c near 10) match.
+    #[test]
+    fn reciprocal_input_scales_are_told_from_scales_merely_off() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut layer = test_layer(&mut rng, 32, 16, 8, 2, ScoringFunc::Sigmoid);
+        // massive-channel amax: gate/up inputs ~300-900, SwiGLU outputs ~1e4-4e4
+        let a1: Vec<Option<f32>> = (0..8).map(|_| Some(rng.gen_range(300.0..900.0))).collect();
+        let a2: Vec<Option<f32>> = (0..8)
+            .map(|e| (e != 3).then(|| rng.gen_range(1e4..4e4)))
+            .collect();
+        let set = |layer: &mut MoeLayer, f: &dyn Fn(f32) -> f32| {
+            for (e, ex) in layer.experts.iter_mut().enumerate() {
+                let c1 = input_scale_of_amax(a1[e].unwrap());
+                let c2 = input_scale_of_amax(a2[e].unwrap_or(2e4));
+                ex.w1.input_scale = Some(f(c1));
+                ex.w3.input_scale = Some(f(c1));
+                ex.w2.input_scale = Some(f(c2));
+            }
+        };
+        set(&mut layer, &|c| 1.0 / c);
+        let r = reciprocal_input_scales(&layer, &a1, &a2).expect("reciprocal named");
+        assert_eq!((r.matched, r.judged), (23, 23));
+        assert!((r.worst.stored * r.worst.calibrated - 1.0).abs() < 1e-5);
+        let t = r.text(&|e, p| format!("x.{e}.{}.input_scale", PROJS[p]));
+        assert!(
+            t.starts_with("input_scale holds gs values (quant direction): `x."),
+            "{t}"
+        );
+        for f in [&|c| c, &|c| c / 100.0, &|c| c * 30.0, &|c| c / 30.0] as [&dyn Fn(f32) -> f32; 4]
+        {
+            set(&mut layer, f);
+            assert!(reciprocal_input_scales(&layer, &a1, &a2).is_none());
+        }
     }
 
     #[test]
