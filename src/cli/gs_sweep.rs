@@ -468,15 +468,11 @@ pub fn run(args: &Args) -> Result<Report> {
     // overshoots above, named before them
     let reciprocal = match used_source {
         GsSource::Checkpoint => {
-            let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
-            gs::reciprocal_input_scales(&layer, &a1, &a2)
+            model.reciprocal_input_scales(l, &layer, &batch.hidden, &routing)?
         }
         _ => None,
     };
-    let reciprocal_text = reciprocal
-        .as_ref()
-        .map(|r| r.text(&|e, p| model.input_scale_name(l, e, p)));
-    if let (Some(t), Some("gs")) = (&reciprocal_text, cause) {
+    if let (Some((t, _)), Some("gs")) = (&reciprocal, cause) {
         failures.insert(0, format!("gs `{used_source}`: {t}"));
         cause = Some("input_scale_reciprocal");
     }
@@ -505,14 +501,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "min_token_cosine": args.min_token_cosine,
         "experts": expert_json,
         "cause": cause,
-        "input_scale_reciprocal": reciprocal.as_ref().map(|r| json!({
-            "tensor": model.input_scale_name(l, r.worst.expert, r.worst.proj),
-            "stored": r.worst.stored,
-            "calibrated": r.worst.calibrated,
-            "matched": r.matched,
-            "judged": r.judged,
-            "text": reciprocal_text,
-        })),
+        "input_scale_reciprocal": reciprocal.as_ref().map(|(_, j)| j),
         "best_cosine": best.as_ref().map(|b| b.cosine),
         "best": best.as_ref().map(describe_gs),
         "best_sweep_gs": best_sweep.as_ref().and_then(|b| b.gs1),

@@ -458,6 +458,31 @@ impl Model {
         }
     }
 
+    /// Layer `l`'s checkpoint input scales that read as their own reciprocals against this
+    /// batch ([`gs::reciprocal_input_scales`] on the per-expert amax of the batch's routing):
+    /// the sentence and the JSON `input_scale_reciprocal` that layertest and gs-sweep report.
+    pub fn reciprocal_input_scales(
+        &self,
+        l: usize,
+        layer: &MoeLayer,
+        hidden: &[f32],
+        routing: &Routing,
+    ) -> Result<Option<(String, serde_json::Value)>> {
+        let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+        Ok(gs::reciprocal_input_scales(layer, &a1, &a2).map(|r| {
+            let text = r.text(&|e, p| self.input_scale_name(l, e, p));
+            let report = json!({
+                "tensor": self.input_scale_name(l, r.worst.expert, r.worst.proj),
+                "stored": r.worst.stored,
+                "calibrated": r.worst.calibrated,
+                "matched": r.matched,
+                "judged": r.judged,
+                "text": text,
+            });
+            (text, report)
+        }))
+    }
+
     pub fn is_synthetic(&self) -> bool {
         matches!(self, Model::Synthetic(_))
     }
@@ -1389,15 +1414,11 @@ pub fn run(args: &Args) -> Result<Report> {
     // failures above (their inputs saturate or flush), named first after the input's problems
     let reciprocal = match (source, failures.is_empty()) {
         (GsSource::Checkpoint, false) => {
-            let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
-            gs::reciprocal_input_scales(&layer, &a1, &a2)
+            model.reciprocal_input_scales(l, &layer, &batch.hidden, &routing)?
         }
         _ => None,
     };
-    let reciprocal_text = reciprocal
-        .as_ref()
-        .map(|r| r.text(&|e, p| model.input_scale_name(l, e, p)));
-    if let Some(t) = &reciprocal_text {
+    if let Some((t, _)) = &reciprocal {
         let at = failures
             .iter()
             .position(|x| x.starts_with("expert ") || x.starts_with("cosine "))
@@ -1452,14 +1473,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "device": backend.name(),
         "model": model.describe(),
         "cause": reciprocal.as_ref().map(|_| "input_scale_reciprocal"),
-        "input_scale_reciprocal": reciprocal.as_ref().map(|r| json!({
-            "tensor": model.input_scale_name(l, r.worst.expert, r.worst.proj),
-            "stored": r.worst.stored,
-            "calibrated": r.worst.calibrated,
-            "matched": r.matched,
-            "judged": r.judged,
-            "text": reciprocal_text,
-        })),
+        "input_scale_reciprocal": reciprocal.as_ref().map(|(_, j)| j),
         "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
         "ep": args.ep.ep,
         "ep_within_bound": ep_run.as_ref().map(|x| x.agreement.within_bound),
