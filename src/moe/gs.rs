@@ -563,10 +563,12 @@ mod tests {
     /// larger are not, even where the 100x-too-small down_proj scales (c near 10) match.
     #[test]
     fn reciprocal_input_scales_are_told_from_scales_merely_off() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let seed: u64 = rand::random();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut layer = test_layer(&mut rng, 32, 16, 8, 2, ScoringFunc::Sigmoid);
-        // massive-channel amax: gate/up inputs ~300-900, SwiGLU outputs ~1e4-4e4
-        let a1: Vec<Option<f32>> = (0..8).map(|_| Some(rng.gen_range(300.0..900.0))).collect();
+        // massive-channel amax: gate/up inputs ~300-800, SwiGLU outputs ~1e4-4e4 (an amax
+        // over ~850, c = amax/2688 within ~3x of 1, is left out by design: not judged)
+        let a1: Vec<Option<f32>> = (0..8).map(|_| Some(rng.gen_range(300.0..800.0))).collect();
         let a2: Vec<Option<f32>> = (0..8)
             .map(|e| (e != 3).then(|| rng.gen_range(1e4..4e4)))
             .collect();
@@ -581,7 +583,7 @@ mod tests {
         };
         set(&mut layer, &|c| 1.0 / c);
         let r = reciprocal_input_scales(&layer, &a1, &a2).expect("reciprocal named");
-        assert_eq!((r.matched, r.judged), (23, 23));
+        assert_eq!((r.matched, r.judged), (23, 23), "seed {seed}");
         assert!((r.worst.stored * r.worst.calibrated - 1.0).abs() < 1e-5);
         let t = r.text(&|e, p| format!("x.{e}.{}.input_scale", PROJS[p]));
         assert!(
@@ -591,7 +593,10 @@ mod tests {
         for f in [&|c| c, &|c| c / 100.0, &|c| c * 30.0, &|c| c / 30.0] as [&dyn Fn(f32) -> f32; 4]
         {
             set(&mut layer, f);
-            assert!(reciprocal_input_scales(&layer, &a1, &a2).is_none());
+            assert!(
+                reciprocal_input_scales(&layer, &a1, &a2).is_none(),
+                "seed {seed}"
+            );
         }
     }
 
