@@ -940,6 +940,56 @@ fn calls_pair_within_their_step() {
     }
 }
 
+/// Guards: two traces whose `step` metadata share no number (TEST counts from 5) failed with
+/// "no module call is in both traces: different module paths?" although every path matched;
+/// now exit 2 naming the steps of each side.
+#[test]
+fn traces_that_share_no_step_are_named_as_such() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(2..6), 8 * r.gen_range(1..4));
+    let layers = r.gen_range(1..3);
+    let calls = moe_calls(&mut r, layers, 2, tokens * h);
+    let c = write_calls(
+        &tmp.path().join("ref"),
+        0,
+        &calls,
+        (tokens, h),
+        &[("step", "0")],
+    );
+    write_calls(
+        &tmp.path().join("ref"),
+        c,
+        &calls,
+        (tokens, h),
+        &[("step", "1")],
+    );
+    let c = write_calls(
+        &tmp.path().join("test"),
+        0,
+        &calls,
+        (tokens, h),
+        &[("step", "5")],
+    );
+    write_calls(
+        &tmp.path().join("test"),
+        c,
+        &calls,
+        (tokens, h),
+        &[("step", "6")],
+    );
+    let o = nvfp4dbg(tmp.path(), &["bisect", "ref", "test"]);
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 2, "{ctx}");
+    assert!(
+        o.stderr
+            .contains("no step is in both traces (REF steps 0, 1, TEST steps 5, 6)"),
+        "{ctx}"
+    );
+    assert!(!o.stderr.contains("module paths"), "{ctx}");
+}
+
 /// One extra call of a module (an expert called once more at the start of a layer) is a call
 /// only in TEST, and every later call of that module pairs with its counterpart; the
 /// different call count is said. It used to shift every later call of the module by one, and

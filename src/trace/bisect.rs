@@ -637,6 +637,26 @@ pub fn bisect(
 ) -> Result<BisectResult> {
     let (re, te) = (&reference.entries, &test.entries);
     let by_step = re.iter().any(|e| e.step.is_some()) && te.iter().any(|e| e.step.is_some());
+    if by_step {
+        // pairing is within a step: traces that share no step number have nothing to pair
+        let steps = |es: &[TraceEntry]| {
+            let mut s: Vec<u64> = es.iter().filter_map(|e| e.step).collect();
+            s.sort_unstable();
+            s.dedup();
+            s
+        };
+        let (rs, ts) = (steps(re), steps(te));
+        if !rs.iter().any(|s| ts.contains(s)) {
+            let list = |s: &[u64]| s.iter().map(u64::to_string).collect::<Vec<_>>().join(", ");
+            return Err(Error::usage(format!(
+                "no step is in both traces (REF steps {}, TEST steps {}): calls are paired within \
+                 a step (`__metadata__` step), so these are other forward passes, or the same \
+                 ones numbered from another start: record the same steps",
+                list(&rs),
+                list(&ts)
+            )));
+        }
+    }
     let ref_k = call_numbers(re);
     let test_k = call_numbers(te);
     // REF index → TEST index
