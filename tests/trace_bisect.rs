@@ -143,6 +143,47 @@ fn nan_in_test_is_a_divergence_at_the_module_that_made_it() {
     assert!(f["problem"].as_str().unwrap().contains("NaN/Inf in TEST"));
 }
 
+/// Guards: a NaN/Inf divergence gave counts only, not where (DESIGN §6: NaN/Inf counts with
+/// first index); the index is of the first NaN TEST does not share with REF (a NaN both hold
+/// earlier, a mask, is not it), and of REF's own when only REF is broken.
+#[test]
+fn a_nonfinite_divergence_says_where_it_begins() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (tokens, h) = (r.gen_range(3..9), r.gen_range(4..20));
+    let (tok, ch) = (r.gen_range(1..tokens), r.gen_range(0..h));
+    let x = randv(&mut r, tokens * h);
+    let mut y = randv(&mut r, tokens * h);
+    // the same NaN in both, before the planted one
+    y[r.gen_range(0..tok * h)] = f32::NAN;
+    let mut y_bad = y.clone();
+    y_bad[tok * h + ch] = f32::NAN;
+    for (dir, out) in [("a", &y), ("b", &y_bad)] {
+        let ts = vec![
+            t("input.0", &[tokens, h], x.clone()),
+            t("output", &[tokens, h], out.clone()),
+        ];
+        write_call(&tmp.path().join(dir), 0, "model.layers.0.mlp", ts, &[]);
+    }
+    for (a, b, side) in [("a", "b", "TEST"), ("b", "a", "REF")] {
+        let o = nvfp4dbg(tmp.path(), &["bisect", a, b]);
+        let ctx = format!("seed {seed} {side} at [{tok}, {ch}]\n{}", o.show());
+        assert_eq!(o.code, 1, "{ctx}");
+        let f = &o.json["first_divergence"];
+        let ix = &f["first_nonfinite_index"];
+        assert_eq!(ix["multi"], serde_json::json!([tok, ch]), "{ctx}");
+        assert_eq!(ix["token"], tok, "{ctx}");
+        assert_eq!(ix["channel"], ch, "{ctx}");
+        let problem = f["problem"].as_str().unwrap();
+        assert!(problem.contains(&format!("NaN/Inf in {side}")), "{ctx}");
+        assert!(
+            problem.contains(&format!("first at [{tok}, {ch}]")),
+            "{ctx}"
+        );
+    }
+}
+
 #[test]
 fn the_kth_call_of_a_path_matches_the_kth_and_upstream_causes_are_said() {
     let seed: u64 = rand::random();

@@ -531,6 +531,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "inf_count": out.map(|t| t.inf_count),
             "ref_nan_count": out.map(|t| t.ref_nan_count),
             "ref_inf_count": out.map(|t| t.ref_inf_count),
+            "first_nonfinite_index": out.and_then(|t| t.first_nonfinite_index.clone()),
             "problem": out.and_then(|t| t.problem.clone()),
             "inputs_diverged": c.inputs_match.map(|m| !m),
             "cause": match c.inputs_match {

@@ -8,7 +8,7 @@
 
 use super::file::{role, Role, TensorRef, TraceFile};
 use super::index::{TraceEntry, TraceIndex};
-use super::scan::paired_blocks;
+use super::scan::{element_index, paired_blocks, ElementIndex};
 use super::tokens::{self, token_min_cosine};
 use crate::error::{Error, Result};
 use crate::metrics::{max_rel_l2, Accum, Metrics};
@@ -43,6 +43,10 @@ pub struct TensorDiff {
     /// Positions where REF and TEST hold the same NaN or ±Inf (a mask): equal, left out of
     /// the metrics, which are over the rest.
     pub nonfinite_matched: u64,
+    /// Where the NaN/Inf that make this tensor diverge begin: TEST's first NaN/Inf that REF
+    /// does not share (else REF's first NaN/Inf against a finite TEST value); token and
+    /// channel as `nan-locate` gives them.
+    pub first_nonfinite_index: Option<ElementIndex>,
     /// Compared, finite on both sides (but for NaN/Inf equal in both), at or above the cosine threshold, and with a relative L2
     /// error no larger than noise reaches at that cosine (`metrics::max_rel_l2`).
     pub matches: bool,
@@ -345,6 +349,7 @@ fn diff_tensor(
         problem: None,
         note: None,
         nonfinite_matched: 0,
+        first_nonfinite_index: None,
         matches: false,
     };
     let (r, t) = match (r, t) {
@@ -418,6 +423,11 @@ fn diff_tensor(
             what.push_str(&format!(", {} equal to REF's", p.same));
         }
         what.push(')');
+        if let Some(i) = p.first_test_bad {
+            let ix = element_index(t.shape, i);
+            what.push_str(&format!(", first at {:?}", ix.multi));
+            d.first_nonfinite_index = Some(ix);
+        }
         if p.ref_only > 0 {
             what.push_str(&format!(
                 "; REF holds {} NaN/Inf where TEST is finite",
@@ -426,11 +436,18 @@ fn diff_tensor(
         }
         d.problem = Some(what);
     } else if let Some(p) = nf.as_ref().filter(|p| p.ref_only > 0) {
+        let ix = p.first_ref_only.map(|i| element_index(r.shape, i));
         d.problem = Some(format!(
-            "NaN/Inf in REF ({} NaN, {} Inf; {} where TEST is finite): the reference itself is \
-             broken here",
-            ref_stats.nan_count, ref_stats.inf_count, p.ref_only
+            "NaN/Inf in REF ({} NaN, {} Inf; {} where TEST is finite{}): the reference itself \
+             is broken here",
+            ref_stats.nan_count,
+            ref_stats.inf_count,
+            p.ref_only,
+            ix.as_ref()
+                .map(|ix| format!(", first at {:?}", ix.multi))
+                .unwrap_or_default()
         ));
+        d.first_nonfinite_index = ix;
     } else if let Some(p) = &nf {
         let f = p.finite.clone();
         d.cosine = Some(f.cosine).filter(|c| c.is_finite());
@@ -519,28 +536,41 @@ struct NonfinitePairs {
     test_only: u64,
     /// Both non-finite, different values (+Inf against -Inf or NaN).
     differ: u64,
+    /// Flat index of the first `test_only` or `differ` position, and of the first `ref_only`.
+    first_test_bad: Option<usize>,
+    first_ref_only: Option<usize>,
     /// Over the positions finite in both (`len` counts every position).
     finite: Metrics,
 }
 
 fn nonfinite_pairs(t: &TensorRef, r: &TensorRef) -> NonfinitePairs {
     let (mut same, mut ref_only, mut test_only, mut differ) = (0u64, 0u64, 0u64, 0u64);
+    let (mut first_test_bad, mut first_ref_only) = (None, None);
     let mut acc = Accum::default();
     let (mut bt, mut br) = (Vec::new(), Vec::new());
     paired_blocks(t, r, |start, x, y| {
         bt.clear();
         br.clear();
-        for (&a, &b) in x.iter().zip(y) {
+        for (i, (&a, &b)) in x.iter().zip(y).enumerate() {
             match (a.is_finite(), b.is_finite()) {
                 (true, true) => {
                     bt.push(a);
                     br.push(b);
                     continue;
                 }
-                (true, false) => ref_only += 1,
-                (false, true) => test_only += 1,
+                (true, false) => {
+                    ref_only += 1;
+                    first_ref_only.get_or_insert(start + i);
+                }
+                (false, true) => {
+                    test_only += 1;
+                    first_test_bad.get_or_insert(start + i);
+                }
                 (false, false) if a == b || (a.is_nan() && b.is_nan()) => same += 1,
-                (false, false) => differ += 1,
+                (false, false) => {
+                    differ += 1;
+                    first_test_bad.get_or_insert(start + i);
+                }
             }
             // a position left out of the sums: a zero pair keeps indices of the rest
             bt.push(0.0);
@@ -554,6 +584,8 @@ fn nonfinite_pairs(t: &TensorRef, r: &TensorRef) -> NonfinitePairs {
         ref_only,
         test_only,
         differ,
+        first_test_bad,
+        first_ref_only,
         finite: acc.finish(),
     }
 }
