@@ -347,6 +347,98 @@ fn multilayer_names_a_broken_expert_its_layer_hides() {
     assert_eq!(code, 0, "seed {seed}: {text}");
 }
 
+#[test]
+fn multilayer_names_the_first_bad_layer_first() {
+    // guards: a NaN stream from layer 4 on dropped layer 2's broken expert from the failures,
+    // and the whole stack's residual cosine headed the verdict over the layer that broke it
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck",
+            "--layers",
+            "6",
+            "--seed",
+            &seed,
+            "--plant",
+            "swap-gate-up@2",
+            "--plant",
+            "nan-block-scale@4",
+        ],
+    );
+    let strs = |r: &Value| -> Vec<String> {
+        r["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (code, text, r) = run(
+        dir.path(),
+        &["multilayer", "--checkpoint", "ck", "--device", "cpu"],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let r = r.unwrap();
+    let failures = strs(&r);
+    assert!(
+        failures[0].starts_with("layer 2: expert "),
+        "seed {seed}: {failures:?}"
+    );
+    assert!(
+        failures
+            .iter()
+            .any(|m| m.starts_with("NaN in the NVFP4 residual stream from layer 4")),
+        "seed {seed}: {failures:?}"
+    );
+    assert!(r["summary"]["text"]
+        .as_str()
+        .unwrap()
+        .starts_with("layer 2: expert "));
+    assert_eq!(r["summary"]["first_nonfinite_layer"], 4, "seed {seed}");
+    // a residual-stream bar no stack meets fails too, after the layer that broke it
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck2",
+            "--layers",
+            "6",
+            "--seed",
+            &seed,
+            "--plant",
+            "swap-gate-up@3",
+        ],
+    );
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "multilayer",
+            "--checkpoint",
+            "ck2",
+            "--device",
+            "cpu",
+            "--min-cosine",
+            "0.99999",
+        ],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let failures = strs(&r.unwrap());
+    assert!(
+        failures[0].starts_with("layer 3: expert "),
+        "seed {seed}: {failures:?}"
+    );
+    assert!(
+        failures
+            .last()
+            .unwrap()
+            .starts_with("residual-stream cosine"),
+        "seed {seed}: {failures:?}"
+    );
+}
+
 /// Out-of-range limits are usage errors naming the flag: a sweep of fewer than 2 points ran 2
 /// without a word, a negative --max-loss or --max-amplification failed every layer.
 #[test]

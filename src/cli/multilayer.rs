@@ -334,21 +334,79 @@ pub fn run(args: &Args) -> Result<Report> {
 
     // ---- verdict ----
     let (in_bad, in_json) = input_nonfinite(&batch.hidden, hsz);
-    let mut failures: Vec<String> = in_bad.into_iter().collect();
+    // per-layer problems in layer order, so the first failure (the headline) names the first
+    // bad layer; a NaN stream from layer k on does not hide a broken layer before it, and each
+    // layer alone still runs on the BF16 model's finite input after it (unless the input itself
+    // is not finite: then the reference is too, and the input is the problem)
+    let judge_layers = in_bad.is_none();
+    let mut by_layer: Vec<(usize, String)> = vec![];
     if let Some((l, m)) = &first_bad {
         let (kind, idx) = if m.nan_count > 0 {
             ("NaN", m.first_nan)
         } else {
             ("Inf", m.first_inf)
         };
-        failures.push(format!(
-            "{kind} in the NVFP4 residual stream from layer {l} on ({} NaN, {} Inf after layer {l}, first at {})",
-            m.nan_count,
-            m.inf_count,
-            at(idx, hsz)
+        by_layer.push((
+            *l,
+            format!(
+                "{kind} in the NVFP4 residual stream from layer {l} on ({} NaN, {} Inf after layer {l}, first at {})",
+                m.nan_count,
+                m.inf_count,
+                at(idx, hsz)
+            ),
         ));
     }
+    for r in rows
+        .iter()
+        .filter(|r| judge_layers && below(r.local.cosine, args.min_layer_cosine))
+    {
+        by_layer.push((
+            r.layer,
+            format!(
+                "layer {} alone (NVFP4 vs BF16 on the same input): cosine {} < --min-layer-cosine {}",
+                r.layer,
+                f(r.local.cosine, 4),
+                args.min_layer_cosine
+            ),
+        ));
+    }
+    for r in rows.iter().filter(|_| judge_layers) {
+        by_layer.extend(
+            r.expert_failures
+                .iter()
+                .map(|m| (r.layer, format!("layer {}: {m}", r.layer))),
+        );
+    }
+    for r in rows
+        .iter()
+        .filter(|r| judge_layers && r.amplification.is_some_and(|g| g > args.max_amplification))
+    {
+        by_layer.push((
+            r.layer,
+            format!(
+                "layer {} amplifies the incoming error {}x (> --max-amplification {}); residual rel-L2 grows {}x",
+                r.layer,
+                f(r.amplification.unwrap_or(f64::NAN), 2),
+                args.max_amplification,
+                r.growth.map_or("-".into(), |g| f(g, 2))
+            ),
+        ));
+    }
+    for r in &rows {
+        if let Some(m) = r
+            .ep_agreement
+            .as_ref()
+            .and_then(|a| ep_disagreement(&args.ep, a, hsz, &format!("layer {} alone", r.layer)))
+        {
+            by_layer.push((r.layer, m));
+        }
+    }
+    // stable: within a layer, the NaN first, then the layer alone, its experts, amplification
+    by_layer.sort_by_key(|(l, _)| *l);
+    let mut failures: Vec<String> = in_bad.into_iter().collect();
+    failures.extend(by_layer.into_iter().map(|(_, m)| m));
     let last = rows.last();
+    // the whole stack's cosine after the last layer: the consequence of the layers above
     if first_bad.is_none() {
         if let Some(r) = last.filter(|r| below(r.residual.cosine, args.min_cosine)) {
             failures.push(format!(
@@ -358,45 +416,6 @@ pub fn run(args: &Args) -> Result<Report> {
                 args.min_cosine,
                 f(r.residual.rel_l2, 3)
             ));
-        }
-        for r in rows
-            .iter()
-            .filter(|r| below(r.local.cosine, args.min_layer_cosine))
-        {
-            failures.push(format!(
-                "layer {} alone (NVFP4 vs BF16 on the same input): cosine {} < --min-layer-cosine {}",
-                r.layer,
-                f(r.local.cosine, 4),
-                args.min_layer_cosine
-            ));
-        }
-        for r in &rows {
-            failures.extend(
-                r.expert_failures
-                    .iter()
-                    .map(|m| format!("layer {}: {m}", r.layer)),
-            );
-        }
-        for r in rows
-            .iter()
-            .filter(|r| r.amplification.is_some_and(|g| g > args.max_amplification))
-        {
-            failures.push(format!(
-                "layer {} amplifies the incoming error {}x (> --max-amplification {}); residual rel-L2 grows {}x",
-                r.layer,
-                f(r.amplification.unwrap_or(f64::NAN), 2),
-                args.max_amplification,
-                r.growth.map_or("-".into(), |g| f(g, 2))
-            ));
-        }
-    }
-    for r in &rows {
-        if let Some(m) = r
-            .ep_agreement
-            .as_ref()
-            .and_then(|a| ep_disagreement(&args.ep, a, hsz, &format!("layer {} alone", r.layer)))
-        {
-            failures.push(m);
         }
     }
     let pass = failures.is_empty();
