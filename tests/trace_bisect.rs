@@ -1564,3 +1564,93 @@ fn every_metric_is_reported_and_exact_and_equal_tensors_have_cosine_one() {
     assert!(fd["sqnr_db"].as_f64().is_some(), "{ctx}");
     assert_eq!(o.code, 1, "{ctx}");
 }
+
+/// A router's top-k output `(ids, weights)` in another slot order (`topk(sorted=False)`, another
+/// kernel's tie order; I32 ids against I64) is the same routing: it used to fail the run as
+/// "non-float tensors differ" at the first gate. One token sent to another expert still fails
+/// there, with the token named.
+#[test]
+fn a_router_output_in_another_slot_order_is_the_same_routing() {
+    use safetensors::Dtype;
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let (tokens, k, experts, hidden) = (24usize, 4usize, 16usize, 32usize);
+    let mut ids = vec![];
+    let mut w = vec![];
+    for _ in 0..tokens {
+        let mut all: Vec<usize> = (0..experts).collect();
+        for i in 0..k {
+            let j = r.gen_range(i..experts);
+            all.swap(i, j);
+            ids.push(all[i] as f32);
+            w.push(r.gen_range(0.05f32..1.0));
+        }
+    }
+    let out = randv(&mut r, tokens * hidden);
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |dir: &str, ids: &[f32], w: &[f32], dtype: Dtype| {
+        let d = tmp.path().join(dir);
+        std::fs::create_dir_all(&d).unwrap();
+        let mut id_t = t("output", &[tokens, k], ids.to_vec());
+        id_t.dtype = dtype;
+        write_call(
+            &d,
+            0,
+            "model.layers.0.mlp.gate",
+            vec![id_t, t("output.1", &[tokens, k], w.to_vec())],
+            &[],
+        );
+        write_call(
+            &d,
+            1,
+            "model.layers.0.mlp",
+            vec![t("output", &[tokens, hidden], out.clone())],
+            &[],
+        );
+        d
+    };
+    let reference = write("ref", &ids, &w, Dtype::I64);
+    // every token's slots rotated by a random amount, ids and weights together
+    let (mut ids2, mut w2) = (ids.clone(), w.clone());
+    for tok in 0..tokens {
+        let s = r.gen_range(1..k);
+        ids2[tok * k..(tok + 1) * k].rotate_left(s);
+        w2[tok * k..(tok + 1) * k].rotate_left(s);
+    }
+    let reordered = write("reordered", &ids2, &w2, Dtype::I32);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &[
+            "bisect",
+            reference.to_str().unwrap(),
+            reordered.to_str().unwrap(),
+        ],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    assert!(
+        o.stdout.contains("another slot order")
+            || o.json.to_string().contains("another slot order"),
+        "{ctx}"
+    );
+    // one token's first expert replaced by one it did not choose
+    let tok = r.gen_range(0..tokens);
+    let row = &ids2[tok * k..(tok + 1) * k];
+    let other = (0..experts).find(|e| !row.contains(&(*e as f32))).unwrap();
+    let mut ids3 = ids2.clone();
+    ids3[tok * k] = other as f32;
+    let flipped = write("flipped", &ids3, &w2, Dtype::I32);
+    let o = nvfp4dbg(
+        tmp.path(),
+        &[
+            "bisect",
+            reference.to_str().unwrap(),
+            flipped.to_str().unwrap(),
+        ],
+    );
+    let ctx = format!("seed {seed}, token {tok}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.0.mlp.gate", "{ctx}");
+    assert!(f["cosine"].as_f64().unwrap() < 1.0, "{ctx}");
+}

@@ -364,9 +364,33 @@ fn diff_tensor(
         }
     };
     if !r.is_float() || !t.is_float() {
-        // ids and masks: equal bytes or not
-        d.problem = (r.dtype != t.dtype || r.shape != t.shape || !same_bytes(&r, &t))
-            .then(|| "non-float tensors differ".to_string());
+        // ids, masks, positions: the same values (I32 ids against I64 ones are the same ids)
+        d.problem = match (r.read_i64(), t.read_i64()) {
+            _ if r.shape != t.shape => Some(format!(
+                "shape mismatch: REF {:?}, TEST {:?} (non-float)",
+                r.shape, t.shape
+            )),
+            (Some(a), Some(b)) => {
+                let mut diff = a.iter().zip(&b).enumerate().filter(|(_, (x, y))| x != y);
+                diff.next().map(|(i, (x, y))| {
+                    format!(
+                        "integer values differ at {} of {} positions, first at {:?} (REF {x}, \
+                         TEST {y})",
+                        1 + diff.count(),
+                        a.len(),
+                        element_index(r.shape, i).multi
+                    )
+                })
+            }
+            _ if r.dtype == t.dtype && same_bytes(&r, &t) => None,
+            _ => Some("non-float tensors differ".to_string()),
+        };
+        if d.problem.is_none() && r.dtype != t.dtype {
+            d.note = Some(format!(
+                "the same values as {:?} and {:?}",
+                r.dtype, t.dtype
+            ));
+        }
         d.matches = d.problem.is_none();
         return d;
     }
@@ -594,6 +618,117 @@ fn same_bytes(a: &TensorRef, b: &TensorRef) -> bool {
     a.raw() == b.raw()
 }
 
+/// A router's output: top-k expert ids `[.., k]` beside their weights of the same shape
+/// (HF DeepSeek's gate returns `(topk_idx, topk_weight)`, SGLang's `TopK` weights, ids and
+/// logits). The k slots' order is not part of the result (`topk(sorted=False)`, another
+/// kernel's tie order): the pair is compared as each token's weight on every expert.
+struct RoutingOutputs {
+    ids: String,
+    weights: String,
+    experts: usize,
+}
+
+/// Experts a routing comparison spans at most (ids past it are not expert ids).
+const MAX_ROUTED_EXPERTS: i64 = 1 << 16;
+/// Tokens × experts a routing comparison holds at most (1 GiB of F32 a side).
+const MAX_ROUTING_VALUES: usize = 1 << 28;
+
+fn routing_outputs(rf: &TraceFile, tf: &TraceFile) -> Option<RoutingOutputs> {
+    let outs = |f: &TraceFile| -> Vec<String> {
+        f.tensors()
+            .filter(|t| matches!(role(t.name), Role::Output(_)))
+            .map(|t| t.name.to_string())
+            .collect()
+    };
+    let names = outs(rf);
+    let ids = names.iter().find(|n| {
+        let (Some(r), Some(t)) = (rf.tensor(n), tf.tensor(n)) else {
+            return false;
+        };
+        r.shape.len() >= 2
+            && r.shape == t.shape
+            && r.shape.last().is_some_and(|&k| (1..=64).contains(&k))
+            && !r.is_float()
+            && !t.is_float()
+    })?;
+    let shape = rf.tensor(ids)?.shape.to_vec();
+    let weights = names.iter().find(|n| {
+        let (Some(r), Some(t)) = (rf.tensor(n), tf.tensor(n)) else {
+            return false;
+        };
+        r.is_float() && t.is_float() && r.shape == shape.as_slice() && t.shape == shape.as_slice()
+    })?;
+    let mut top = -1;
+    for f in [rf, tf] {
+        for &i in f.tensor(ids)?.read_i64()?.iter() {
+            if i >= MAX_ROUTED_EXPERTS {
+                return None;
+            }
+            top = top.max(i);
+        }
+    }
+    let experts = (top + 1).max(1) as usize;
+    let tokens = shape[..shape.len() - 1].iter().product::<usize>();
+    if tokens.saturating_mul(experts) > MAX_ROUTING_VALUES {
+        return None;
+    }
+    Some(RoutingOutputs {
+        ids: ids.clone(),
+        weights: weights.clone(),
+        experts,
+    })
+}
+
+impl RoutingOutputs {
+    /// `[tokens.., experts]`: each token's weight on every expert (ids < 0, an EP rank's
+    /// experts it does not hold, carry none), as F32 bytes.
+    fn dense(&self, f: &TraceFile) -> (Vec<usize>, Vec<u8>) {
+        let ids = f
+            .tensor(&self.ids)
+            .and_then(|t| t.read_i64())
+            .unwrap_or_default();
+        let w = f.tensor(&self.weights).expect("checked by routing_outputs");
+        let mut wv = Vec::new();
+        w.read_f32(0, w.numel(), &mut wv);
+        let k = *w.shape.last().unwrap_or(&1);
+        let mut out = vec![0f32; ids.len() / k.max(1) * self.experts];
+        for (slot, (&e, &x)) in ids.iter().zip(&wv).enumerate() {
+            if e >= 0 {
+                out[slot / k * self.experts + e as usize] += x;
+            }
+        }
+        let mut shape = w.shape[..w.shape.len() - 1].to_vec();
+        shape.push(self.experts);
+        (shape, out.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
+    fn diff(&self, name: &str, rf: &TraceFile, tf: &TraceFile, min_cosine: f64) -> TensorDiff {
+        let ((shape, rb), (_, tb)) = (self.dense(rf), self.dense(tf));
+        let (rv, tv) = (
+            TensorRef::f32_view(&self.ids, &shape, &rb),
+            TensorRef::f32_view(&self.ids, &shape, &tb),
+        );
+        let mut d = diff_tensor(name, Some(rv), Some(tv), min_cosine);
+        let (r, t) = (rf.tensor(name), tf.tensor(name));
+        d.shape_ref = r.map(|x| x.shape.to_vec()).unwrap_or_default();
+        d.shape_test = t.map(|x| x.shape.to_vec()).unwrap_or_default();
+        d.dtype_ref = r.map(|x| format!("{:?}", x.dtype)).unwrap_or_default();
+        d.dtype_test = t.map(|x| format!("{:?}", x.dtype)).unwrap_or_default();
+        let ids = |f: &TraceFile| f.tensor(&self.ids).and_then(|t| t.read_i64());
+        let reordered = if rb == tb && ids(rf) != ids(tf) {
+            "; the same experts and weights, in another slot order"
+        } else {
+            ""
+        };
+        d.note = Some(format!(
+            "routing: `{}` (ids) with `{}` (weights) compared as each token's weight on each of \
+             {} experts, slot order ignored{reordered}",
+            self.ids, self.weights, self.experts
+        ));
+        d
+    }
+}
+
 fn diff_call(
     re: &TraceEntry,
     te: &TraceEntry,
@@ -609,9 +744,13 @@ fn diff_call(
         }
     }
     names.sort_by(|a, b| (role(a), a).cmp(&(role(b), b)));
+    let routing = routing_outputs(&rf, &tf);
     let tensors: Vec<TensorDiff> = names
         .iter()
-        .map(|n| diff_tensor(n, rf.tensor(n), tf.tensor(n), min_cosine))
+        .map(|n| match &routing {
+            Some(rt) if *n == rt.ids || *n == rt.weights => rt.diff(n, &rf, &tf, min_cosine),
+            _ => diff_tensor(n, rf.tensor(n), tf.tensor(n), min_cosine),
+        })
         .collect();
     let outs: Vec<&TensorDiff> = tensors
         .iter()

@@ -49,7 +49,8 @@ pub fn nvfp4dbg(cwd: &Path, args: &[&str]) -> Out {
     }
 }
 
-/// One tensor of a hand-written trace file, stored as `dtype` (F32 or BF16).
+/// One tensor of a hand-written trace file, stored as `dtype` (F32, BF16, or I64 / I32 for
+/// whole numbers).
 pub struct T<'a> {
     pub name: &'a str,
     pub dtype: Dtype,
@@ -80,6 +81,17 @@ pub fn write_call(
         .map(|t| {
             let bytes = match t.dtype {
                 Dtype::BF16 => bf16_bytes(&t.data),
+                // ids: the values are whole numbers
+                Dtype::I64 => t
+                    .data
+                    .iter()
+                    .flat_map(|&v| (v as i64).to_le_bytes())
+                    .collect(),
+                Dtype::I32 => t
+                    .data
+                    .iter()
+                    .flat_map(|&v| (v as i32).to_le_bytes())
+                    .collect(),
                 _ => f32_bytes(&t.data),
             };
             (TensorSpec::new(t.name, t.dtype, &t.shape), bytes)
