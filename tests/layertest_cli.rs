@@ -926,6 +926,49 @@ fn a_missing_correction_bias_under_noaux_tc_is_bad_input() {
     assert_ne!(code, 2, "seed {seed}: {text}");
 }
 
+/// A checkpoint that holds the pre-MoE RMSNorm weight for its other layers but not for this
+/// one lost it (a loading or conversion bug): bad input naming the tensor. multilayer ran such
+/// a layer on unit weights and passed, with only a note.
+#[test]
+fn a_missing_rmsnorm_weight_among_present_ones_is_bad_input() {
+    let seed = rand::random::<u16>();
+    let layer = 1 + (seed % 2) as usize;
+    let dir = tempfile::tempdir().unwrap();
+    synth(dir.path(), "ck", &["--seed", &seed.to_string()]);
+    let name = format!("model.layers.{layer}.post_attention_layernorm.weight");
+    remove_tensor(&dir.path().join("ck"), &name);
+    let l = layer.to_string();
+    for args in [
+        vec![
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--layer",
+            &l,
+        ],
+        vec![
+            "multilayer",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+        ],
+    ] {
+        let (code, text, _) = run(dir.path(), &args);
+        assert_eq!(code, 2, "seed {seed}: {args:?}: {text}");
+        assert!(
+            text.contains(&name) && text.contains("is missing"),
+            "seed {seed}: {args:?}: {text}"
+        );
+    }
+}
+
 /// One expert's down_proj input_scale 100x too small saturates its SwiGLU output before W2:
 /// under `--gs checkpoint` the expert fails and the failure says its down_proj input
 /// saturates. It used to give only the expert's cosine (the gate/up blocks were fine).

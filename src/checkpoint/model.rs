@@ -229,6 +229,27 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     };
 
     let norm_weight = vector(ck, &n.norm(layer), hidden, "[hidden_size]")?;
+    if norm_weight.is_none() {
+        // a checkpoint without RMSNorm weights runs on unit ones; one that holds them for
+        // other layers lost this one (engines refuse a missing key, or run it untrained)
+        let held: Vec<usize> = mc
+            .layers
+            .keys()
+            .copied()
+            .filter(|&l| ck.contains(&n.norm(l)))
+            .collect();
+        if !held.is_empty() {
+            return Err(Error::bad_file(
+                ck.path(),
+                format!(
+                    "tensor {} is missing (layer {layer}'s RMSNorm weight before the MoE), while \
+                     the checkpoint holds it for layers {}",
+                    n.norm(layer),
+                    ranges(&held)
+                ),
+            ));
+        }
+    }
 
     Ok(MoeLayer {
         index: layer,
