@@ -4384,3 +4384,62 @@ fn a_float_side_against_ambiguous_swizzled_scales_reads_them_swizzled() {
         }
     }
 }
+
+/// The file at `path` rewritten without the tensor whose name ends with `suffix`.
+fn drop_tensor(path: &Path, suffix: &str) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut v = vec![];
+    for (k, t) in header.as_object().unwrap() {
+        if k == "__metadata__" || k.ends_with(suffix) {
+            continue;
+        }
+        let off = |i: usize| 8 + n + t["data_offsets"][i].as_u64().unwrap() as usize;
+        let dtype: Dtype = serde_json::from_value(t["dtype"].clone()).unwrap();
+        let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
+        v.push((
+            TensorSpec::new(k.clone(), dtype, &shape),
+            bytes[off(0)..off(1)].to_vec(),
+        ));
+    }
+    assert!(v.len() + 1 == header.as_object().unwrap().len(), "{suffix}");
+    write_file(path, v, None).unwrap();
+}
+
+/// A fused dump without `w2_weight_scale` lists A's `down_proj.weight_scale` of every expert
+/// under `missing` (they were `unreadable` mismatches with `missing` empty), and the same
+/// dump as the reference is bad input naming its packed weight (it was exit 1).
+#[test]
+fn a_fused_dump_missing_its_block_scales_lists_them_as_missing() {
+    let fx = fixture(3);
+    let dump = fx.root.join("fused.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    drop_tensor(&dump, "w2_weight_scale");
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let want: Vec<String> = (0..3)
+        .map(|e| format!("model.layers.{LAYER}.mlp.experts.{e}.down_proj.weight_scale"))
+        .collect();
+    assert_eq!(
+        out.json["missing"],
+        serde_json::json!(want),
+        "seed {}",
+        fx.seed
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        assert_eq!(
+            m["issues"][0]["kind"], "missing_member",
+            "seed {}: {m}",
+            fx.seed
+        );
+    }
+    let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+    check(&out, 2, fx.seed);
+    assert!(
+        out.stderr.contains("w2_weight`") && out.stderr.contains("without block scales"),
+        "seed {}: {}",
+        fx.seed,
+        out.stderr
+    );
+}

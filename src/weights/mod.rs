@@ -26,7 +26,7 @@ use diagnose::{Diagnosis, DiagnosisKind};
 use engine::DiffEngine;
 use inventory::{ExpertProj, Inventory, Source, Unit};
 use layouts::SideName;
-use load::{Raw, SideRef};
+use load::{LoadError, Raw, SideRef};
 use rayon::prelude::*;
 use rules::{Renamed, Renames, Side};
 use serde::Serialize;
@@ -422,6 +422,12 @@ impl<'a> Plan<'a> {
                                 .into_iter()
                                 .filter(|m| !has(m))
                                 .collect();
+                        }
+                        // B's fused tensor without its block scales: A's it has none for
+                        if let (Source::Fused(_), Err(LoadError::Missing(_)), Source::Linear(ln)) =
+                            (&ub.source, &lb, &ua.source)
+                        {
+                            u.missing_members = vec![self.a.original(&ln.weight_scale).to_string()];
                         }
                         u.status = Status::Mismatch;
                         u
