@@ -4443,3 +4443,52 @@ fn a_fused_dump_missing_its_block_scales_lists_them_as_missing() {
         out.stderr
     );
 }
+
+/// One expert's w2 block scales halved (the codes A's) is named with its factor; one changed
+/// scale byte in another expert is not called rescaled (both were only "N of M blocks differ").
+#[test]
+fn block_scales_rescaled_at_load_are_named_with_their_factor() {
+    let fx = fixture(4);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed);
+    let (bad, stray) = (r.gen_range(0..2), r.gen_range(2..4));
+    let dump = fx.root.join("fused.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let per = fx.model.h * fx.model.i / 16;
+    let stray_at = stray * per + r.gen_range(0..per);
+    edit_tensor(&dump, "w2_weight_scale", |i, b| {
+        if i / per == bad {
+            let v = nvfp4dbg::nvfp4::e4m3::decode(*b) * 0.5;
+            *b = nvfp4dbg::nvfp4::e4m3::encode_saturating(v);
+        } else if i == stray_at {
+            *b ^= 0x08;
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let msg = |e: usize| {
+        out.json["mismatches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| {
+                m["name"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("experts.{e}.down_proj"))
+            })
+            .map(|m| m["issues"][0]["message"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| panic!("seed {}: expert {e} not a mismatch", fx.seed))
+    };
+    assert!(
+        msg(bad).contains("block scales are A's ×0.5"),
+        "seed {}: {}",
+        fx.seed,
+        msg(bad)
+    );
+    assert!(
+        !msg(stray).contains("rescaled"),
+        "seed {}: {}",
+        fx.seed,
+        msg(stray)
+    );
+}
