@@ -4492,3 +4492,126 @@ fn block_scales_rescaled_at_load_are_named_with_their_factor() {
         msg(stray)
     );
 }
+
+/// SGLang's shared-expert fusion: the shared expert as fused index E after the E routed ones,
+/// no `shared_experts` tensors. A faithful dump passes (it failed: the shared expert "missing",
+/// expert E "extra"), and a changed code in that slot is a mismatch of the shared expert.
+#[test]
+fn sglang_fused_shared_expert_is_compared_as_the_shared_expert() {
+    let fx = fixture(3);
+    let m = &fx.model;
+    let (h, i, e) = (m.h, m.i, m.experts.len());
+    let shared: Vec<Fp4Tensor> = m
+        .shared
+        .iter()
+        .enumerate()
+        .map(|(k, w)| {
+            let (rows, cols) = if k == 2 { (h, i) } else { (i, h) };
+            quantize_weight_nvfp4(w, rows, cols).0
+        })
+        .collect();
+    let not_shared =
+        |v: &mut Vec<(TensorSpec, Vec<u8>)>| v.retain(|(t, _)| !t.name.contains("shared_experts"));
+    // A: the checkpoint with its shared expert quantized as well
+    let mut a = m.hf_tensors();
+    not_shared(&mut a);
+    for (n, t) in ["gate_proj", "up_proj", "down_proj"].iter().zip(&shared) {
+        triple(
+            &mut a,
+            &format!("model.layers.{LAYER}.mlp.shared_experts.{n}"),
+            t,
+            0.004,
+        );
+    }
+    let ckpt = fx.root.join("ckpt_q");
+    m.config(&ckpt);
+    write_file(&ckpt.join("model.safetensors"), a, None).unwrap();
+    // B: fused [routed experts; shared expert]
+    let all: Vec<[&Fp4Tensor; 3]> = m
+        .experts
+        .iter()
+        .map(|x| [&x.w1, &x.w3, &x.w2])
+        .chain(std::iter::once([&shared[0], &shared[1], &shared[2]]))
+        .collect();
+    let ins: Vec<[f32; 3]> = m
+        .experts
+        .iter()
+        .map(|x| [x.in1, x.in3, x.in2])
+        .chain(std::iter::once([0.004; 3]))
+        .collect();
+    let cat = |f: &dyn Fn(&[&Fp4Tensor; 3]) -> Vec<u8>| all.iter().flat_map(f).collect::<Vec<u8>>();
+    let p = format!("model.layers.{LAYER}.mlp.experts.");
+    let n = e + 1;
+    let mut b = m.common("model.", "mlp");
+    not_shared(&mut b);
+    b.extend([
+        (
+            TensorSpec::new(format!("{p}w13_weight"), Dtype::U8, &[n, 2 * i, h / 2]),
+            cat(&|x| [x[0].packed.clone(), x[1].packed.clone()].concat()),
+        ),
+        (
+            TensorSpec::new(
+                format!("{p}w13_weight_scale"),
+                Dtype::F8_E4M3,
+                &[n, 2 * i, h / 16],
+            ),
+            cat(&|x| [x[0].scales.clone(), x[1].scales.clone()].concat()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w13_weight_scale_2"), Dtype::F32, &[n, 2]),
+            cat(&|x| f32_bytes(&[x[0].scale_2, x[1].scale_2])),
+        ),
+        (
+            TensorSpec::new(format!("{p}w13_input_scale"), Dtype::F32, &[n, 2]),
+            f32_bytes(&ins.iter().flat_map(|s| [s[0], s[1]]).collect::<Vec<f32>>()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_weight"), Dtype::U8, &[n, h, i / 2]),
+            cat(&|x| x[2].packed.clone()),
+        ),
+        (
+            TensorSpec::new(
+                format!("{p}w2_weight_scale"),
+                Dtype::F8_E4M3,
+                &[n, h, i / 16],
+            ),
+            cat(&|x| x[2].scales.clone()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_weight_scale_2"), Dtype::F32, &[n]),
+            cat(&|x| f32_bytes(&[x[2].scale_2])),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_input_scale"), Dtype::F32, &[n]),
+            f32_bytes(&ins.iter().map(|s| s[2]).collect::<Vec<f32>>()),
+        ),
+    ]);
+    let dump = fx.root.join("sglang.safetensors");
+    write_file(&dump, b, None).unwrap();
+    let out = run(&fx.root, &[s(&ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert!(
+        out.stdout.contains("shared-expert fusion"),
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    // one code of the shared slot's w2 changed
+    let per = h * i / 2;
+    let at = e * per + (fx.seed as usize % per);
+    edit_tensor(&dump, "w2_weight", |k, x| {
+        if k == at {
+            *x ^= 0x01;
+        }
+    });
+    let out = run(&fx.root, &[s(&ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(mm.len(), 1, "seed {}: {mm:?}", fx.seed);
+    assert_eq!(
+        mm[0]["name"],
+        format!("model.layers.{LAYER}.mlp.shared_experts.down_proj.weight"),
+        "seed {}",
+        fx.seed
+    );
+}

@@ -18,7 +18,7 @@ mod merged;
 pub mod rules;
 pub mod view;
 
-use crate::checkpoint::{Checkpoint, TensorSource};
+use crate::checkpoint::{Checkpoint, Naming, Proj, TensorSource};
 use crate::error::Result;
 use crate::moe::ep::{ExpertMap, Placement};
 use compare::{AScalars, Status, UnitResult};
@@ -280,6 +280,35 @@ impl<'a> Plan<'a> {
                     notes.push(format!(
                         "layer {}: B's fused tensors hold {} of A's {e_a} experts: an expert-parallel shard? pass --ep-rank/--ep-size",
                         fl.layer, fl.experts
+                    ));
+                }
+                // SGLang's shared-expert fusion: the shared expert is fused index E, after
+                // the E routed experts, and B has no `shared_experts` of its own
+                if fl.experts != e_a + 1 {
+                    continue;
+                }
+                let mut moved = 0;
+                for proj in [Proj::Gate, Proj::Up, Proj::Down] {
+                    let from = inventory::expert_key(fl.layer, e_a, proj);
+                    let to = format!("{}.weight", Naming::hf_v3().shared_expert(fl.layer, proj));
+                    if !a_inv.units.contains_key(&to)
+                        || a_inv.units.contains_key(&from)
+                        || b_inv.units.contains_key(&to)
+                    {
+                        continue;
+                    }
+                    if let Some(mut u) = b_inv.units.remove(&from) {
+                        u.key = to.clone();
+                        u.expert = None;
+                        b_inv.units.insert(to, u);
+                        moved += 1;
+                    }
+                }
+                if moved > 0 {
+                    notes.push(format!(
+                        "layer {}: B's fused expert index {e_a} compared as A's shared expert \
+                         (SGLang's shared-expert fusion appends it to the {e_a} routed experts)",
+                        fl.layer
                     ));
                 }
             }
