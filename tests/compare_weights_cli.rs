@@ -4384,3 +4384,234 @@ fn a_float_side_against_ambiguous_swizzled_scales_reads_them_swizzled() {
         }
     }
 }
+
+/// The file at `path` rewritten without the tensor whose name ends with `suffix`.
+fn drop_tensor(path: &Path, suffix: &str) {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut v = vec![];
+    for (k, t) in header.as_object().unwrap() {
+        if k == "__metadata__" || k.ends_with(suffix) {
+            continue;
+        }
+        let off = |i: usize| 8 + n + t["data_offsets"][i].as_u64().unwrap() as usize;
+        let dtype: Dtype = serde_json::from_value(t["dtype"].clone()).unwrap();
+        let shape: Vec<usize> = serde_json::from_value(t["shape"].clone()).unwrap();
+        v.push((
+            TensorSpec::new(k.clone(), dtype, &shape),
+            bytes[off(0)..off(1)].to_vec(),
+        ));
+    }
+    assert!(v.len() + 1 == header.as_object().unwrap().len(), "{suffix}");
+    write_file(path, v, None).unwrap();
+}
+
+/// A fused dump without `w2_weight_scale` lists A's `down_proj.weight_scale` of every expert
+/// under `missing` (they were `unreadable` mismatches with `missing` empty), and the same
+/// dump as the reference is bad input naming its packed weight (it was exit 1).
+#[test]
+fn a_fused_dump_missing_its_block_scales_lists_them_as_missing() {
+    let fx = fixture(3);
+    let dump = fx.root.join("fused.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    drop_tensor(&dump, "w2_weight_scale");
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let want: Vec<String> = (0..3)
+        .map(|e| format!("model.layers.{LAYER}.mlp.experts.{e}.down_proj.weight_scale"))
+        .collect();
+    assert_eq!(
+        out.json["missing"],
+        serde_json::json!(want),
+        "seed {}",
+        fx.seed
+    );
+    for m in out.json["mismatches"].as_array().unwrap() {
+        assert_eq!(
+            m["issues"][0]["kind"], "missing_member",
+            "seed {}: {m}",
+            fx.seed
+        );
+    }
+    let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+    check(&out, 2, fx.seed);
+    assert!(
+        out.stderr.contains("w2_weight`") && out.stderr.contains("without block scales"),
+        "seed {}: {}",
+        fx.seed,
+        out.stderr
+    );
+}
+
+/// One expert's w2 block scales halved (the codes A's) is named with its factor; one changed
+/// scale byte in another expert is not called rescaled (both were only "N of M blocks differ").
+#[test]
+fn block_scales_rescaled_at_load_are_named_with_their_factor() {
+    let fx = fixture(4);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed);
+    let (bad, stray) = (r.gen_range(0..2), r.gen_range(2..4));
+    let dump = fx.root.join("fused.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    let per = fx.model.h * fx.model.i / 16;
+    let stray_at = stray * per + r.gen_range(0..per);
+    edit_tensor(&dump, "w2_weight_scale", |i, b| {
+        if i / per == bad {
+            let v = nvfp4dbg::nvfp4::e4m3::decode(*b) * 0.5;
+            *b = nvfp4dbg::nvfp4::e4m3::encode_saturating(v);
+        } else if i == stray_at {
+            *b ^= 0x08;
+        }
+    });
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let msg = |e: usize| {
+        out.json["mismatches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| {
+                m["name"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("experts.{e}.down_proj"))
+            })
+            .map(|m| m["issues"][0]["message"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| panic!("seed {}: expert {e} not a mismatch", fx.seed))
+    };
+    assert!(
+        msg(bad).contains("block scales are A's ×0.5"),
+        "seed {}: {}",
+        fx.seed,
+        msg(bad)
+    );
+    assert!(
+        !msg(stray).contains("rescaled"),
+        "seed {}: {}",
+        fx.seed,
+        msg(stray)
+    );
+}
+
+/// SGLang's shared-expert fusion: the shared expert as fused index E after the E routed ones,
+/// no `shared_experts` tensors. A faithful dump passes (it failed: the shared expert "missing",
+/// expert E "extra"), and a changed code in that slot is a mismatch of the shared expert.
+#[test]
+fn sglang_fused_shared_expert_is_compared_as_the_shared_expert() {
+    let fx = fixture(3);
+    let m = &fx.model;
+    let (h, i, e) = (m.h, m.i, m.experts.len());
+    let shared: Vec<Fp4Tensor> = m
+        .shared
+        .iter()
+        .enumerate()
+        .map(|(k, w)| {
+            let (rows, cols) = if k == 2 { (h, i) } else { (i, h) };
+            quantize_weight_nvfp4(w, rows, cols).0
+        })
+        .collect();
+    let not_shared =
+        |v: &mut Vec<(TensorSpec, Vec<u8>)>| v.retain(|(t, _)| !t.name.contains("shared_experts"));
+    // A: the checkpoint with its shared expert quantized as well
+    let mut a = m.hf_tensors();
+    not_shared(&mut a);
+    for (n, t) in ["gate_proj", "up_proj", "down_proj"].iter().zip(&shared) {
+        triple(
+            &mut a,
+            &format!("model.layers.{LAYER}.mlp.shared_experts.{n}"),
+            t,
+            0.004,
+        );
+    }
+    let ckpt = fx.root.join("ckpt_q");
+    m.config(&ckpt);
+    write_file(&ckpt.join("model.safetensors"), a, None).unwrap();
+    // B: fused [routed experts; shared expert]
+    let all: Vec<[&Fp4Tensor; 3]> = m
+        .experts
+        .iter()
+        .map(|x| [&x.w1, &x.w3, &x.w2])
+        .chain(std::iter::once([&shared[0], &shared[1], &shared[2]]))
+        .collect();
+    let ins: Vec<[f32; 3]> = m
+        .experts
+        .iter()
+        .map(|x| [x.in1, x.in3, x.in2])
+        .chain(std::iter::once([0.004; 3]))
+        .collect();
+    let cat = |f: &dyn Fn(&[&Fp4Tensor; 3]) -> Vec<u8>| all.iter().flat_map(f).collect::<Vec<u8>>();
+    let p = format!("model.layers.{LAYER}.mlp.experts.");
+    let n = e + 1;
+    let mut b = m.common("model.", "mlp");
+    not_shared(&mut b);
+    b.extend([
+        (
+            TensorSpec::new(format!("{p}w13_weight"), Dtype::U8, &[n, 2 * i, h / 2]),
+            cat(&|x| [x[0].packed.clone(), x[1].packed.clone()].concat()),
+        ),
+        (
+            TensorSpec::new(
+                format!("{p}w13_weight_scale"),
+                Dtype::F8_E4M3,
+                &[n, 2 * i, h / 16],
+            ),
+            cat(&|x| [x[0].scales.clone(), x[1].scales.clone()].concat()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w13_weight_scale_2"), Dtype::F32, &[n, 2]),
+            cat(&|x| f32_bytes(&[x[0].scale_2, x[1].scale_2])),
+        ),
+        (
+            TensorSpec::new(format!("{p}w13_input_scale"), Dtype::F32, &[n, 2]),
+            f32_bytes(&ins.iter().flat_map(|s| [s[0], s[1]]).collect::<Vec<f32>>()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_weight"), Dtype::U8, &[n, h, i / 2]),
+            cat(&|x| x[2].packed.clone()),
+        ),
+        (
+            TensorSpec::new(
+                format!("{p}w2_weight_scale"),
+                Dtype::F8_E4M3,
+                &[n, h, i / 16],
+            ),
+            cat(&|x| x[2].scales.clone()),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_weight_scale_2"), Dtype::F32, &[n]),
+            cat(&|x| f32_bytes(&[x[2].scale_2])),
+        ),
+        (
+            TensorSpec::new(format!("{p}w2_input_scale"), Dtype::F32, &[n]),
+            f32_bytes(&ins.iter().map(|s| s[2]).collect::<Vec<f32>>()),
+        ),
+    ]);
+    let dump = fx.root.join("sglang.safetensors");
+    write_file(&dump, b, None).unwrap();
+    let out = run(&fx.root, &[s(&ckpt), s(&dump)]);
+    check(&out, 0, fx.seed);
+    assert!(
+        out.stdout.contains("shared-expert fusion"),
+        "seed {}: {}",
+        fx.seed,
+        out.stdout
+    );
+    // one code of the shared slot's w2 changed
+    let per = h * i / 2;
+    let at = e * per + (fx.seed as usize % per);
+    edit_tensor(&dump, "w2_weight", |k, x| {
+        if k == at {
+            *x ^= 0x01;
+        }
+    });
+    let out = run(&fx.root, &[s(&ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(mm.len(), 1, "seed {}: {mm:?}", fx.seed);
+    assert_eq!(
+        mm[0]["name"],
+        format!("model.layers.{LAYER}.mlp.shared_experts.down_proj.weight"),
+        "seed {}",
+        fx.seed
+    );
+}

@@ -658,7 +658,8 @@ fn parse_entry(path: &Path, name: &str, v: &Value) -> Result<TensorInfo> {
             .and_then(|d| usize::try_from(d).ok())
             .ok_or_else(|| {
                 bad(format!(
-                    "`shape` {shape_v:?} holds a non-integer or negative dim"
+                    "`shape` {} holds a non-integer or negative dim",
+                    serde_json::Value::from(shape_v.clone())
                 ))
             })?;
         shape.push(d);
@@ -908,7 +909,12 @@ mod tests {
 
         let neg = r#"{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#;
         let p = raw(d, "neg.safetensors", neg, &[0; 8]);
-        assert!(err_of(&p).contains("non-integer or negative"));
+        // the shape as the header spells it, not Rust's `[Number(-2)]`
+        let e = err_of(&p);
+        assert!(
+            e.contains("`shape` [-2] holds a non-integer or negative"),
+            "{e}"
+        );
 
         let meta = r#"{"__metadata__":{"a":1}}"#;
         let p = raw(d, "meta.safetensors", meta, &[]);

@@ -1256,7 +1256,10 @@ fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
     if (b.rows, b.cols) != (a.rows, a.cols) || a.scales.len() != b.scales.len() {
         return String::new();
     }
-    let (mut n, mut first) = (0, None);
+    let (mut n, mut first, mut codes_differ) = (0, None, false);
+    // B's scale / A's scale of each block whose scale alone differs: the first one's factor,
+    // and how many blocks share it
+    let (mut factor, mut same_factor) = (None::<f32>, 0);
     for r in 0..a.rows {
         let (pa, pb) = (a.packed.row(r), b.packed.row(r));
         let (sa, sb) = (a.scale_row(r), b.scale_row(r));
@@ -1269,11 +1272,32 @@ fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
             if codes || scale {
                 n += 1;
                 first.get_or_insert((r, j, codes, scale));
+                codes_differ |= codes;
+            }
+            if scale && !codes {
+                let f = b.format.decode_scale(sb[j]) / a.format.decode_scale(sa[j]);
+                if f.is_finite() && f > 0.0 && *factor.get_or_insert(f) == f {
+                    same_factor += 1;
+                }
             }
         }
     }
     let Some((r, j, codes, scale)) = first else {
         return String::new();
+    };
+    // the codes A's and (nearly) every differing block scale A's times one factor, over at
+    // least half the blocks: the block scales were rescaled at load (a saturated or rounded
+    // few aside), not a stray byte
+    let rescaled = match factor {
+        Some(f)
+            if !codes_differ && f != 1.0 && same_factor * 10 >= n * 9 && n * 2 >= a.rows * kb =>
+        {
+            format!(
+            ": B's block scales are A's ×{f} ({same_factor} of the {n} differing blocks; the packed \
+             codes are A's) — the block scales were rescaled at load"
+            )
+        }
+        _ => String::new(),
     };
     let what = match (codes, scale) {
         (true, true) => "codes and scale",
@@ -1283,7 +1307,7 @@ fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
     format!(
         "; {n} of {} blocks differ under the same global scale (a copy changes none; a \
          re-quantization would have moved the global scale), the first at row {r}, block {j} \
-         (its {what})",
+         (its {what}){rescaled}",
         a.rows * kb
     )
 }

@@ -258,8 +258,30 @@ impl Inventory {
                     (true, &[Proj::Gate, Proj::Up][..]),
                     (false, &[Proj::Down][..]),
                 ] {
-                    if fl.member(w13, "weight").is_none() {
+                    let prefix = if w13 { "w13" } else { "w2" };
+                    let Some(wname) = fl.member(w13, "weight") else {
+                        // the reference's block scales without their packed weight
+                        if let (true, Some(sname)) = (strict, fl.member(w13, "weight_scale")) {
+                            return Err(Error::bad_tensor(
+                                src.file_of(sname),
+                                src.original(sname),
+                                format!("fused block scales without their packed weight `{prefix}_weight`"),
+                            ));
+                        }
                         continue;
+                    };
+                    let packed = matches!(
+                        src.tensor_info(wname)?.dtype,
+                        safetensors::Dtype::U8 | safetensors::Dtype::I8
+                    );
+                    if strict && packed && fl.member(w13, "weight_scale").is_none() {
+                        return Err(Error::bad_tensor(
+                            src.file_of(wname),
+                            src.original(wname),
+                            format!(
+                                "packed FP4 weight without block scales (`{prefix}_weight_scale` missing)"
+                            ),
+                        ));
                     }
                     for index in 0..e {
                         let g = fl.global[index];

@@ -415,10 +415,10 @@ impl<'a> SideRef<'a> {
             .and_then(|m| m.slice_rows(row0, rows))
             .ok_or_else(|| format!("`{}`: bad shape", src.original(wname)))?;
         let sname = fl.member(w13, "weight_scale").ok_or_else(|| {
-            format!(
+            LoadError::Missing(format!(
                 "`{}` has no block scales (`..._weight_scale`)",
                 src.original(wname)
-            )
+            ))
         })?;
         let (sd, _) = dtype_of(src, sname)?;
         check_scales(src, sname, r_all, c)?;

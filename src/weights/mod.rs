@@ -18,7 +18,7 @@ mod merged;
 pub mod rules;
 pub mod view;
 
-use crate::checkpoint::{Checkpoint, TensorSource};
+use crate::checkpoint::{Checkpoint, Naming, Proj, TensorSource};
 use crate::error::Result;
 use crate::moe::ep::{ExpertMap, Placement};
 use compare::{AScalars, Status, UnitResult};
@@ -26,7 +26,7 @@ use diagnose::{Diagnosis, DiagnosisKind};
 use engine::DiffEngine;
 use inventory::{ExpertProj, Inventory, Source, Unit};
 use layouts::SideName;
-use load::{Raw, SideRef};
+use load::{LoadError, Raw, SideRef};
 use rayon::prelude::*;
 use rules::{Renamed, Renames, Side};
 use serde::Serialize;
@@ -282,6 +282,35 @@ impl<'a> Plan<'a> {
                         fl.layer, fl.experts
                     ));
                 }
+                // SGLang's shared-expert fusion: the shared expert is fused index E, after
+                // the E routed experts, and B has no `shared_experts` of its own
+                if fl.experts != e_a + 1 {
+                    continue;
+                }
+                let mut moved = 0;
+                for proj in [Proj::Gate, Proj::Up, Proj::Down] {
+                    let from = inventory::expert_key(fl.layer, e_a, proj);
+                    let to = format!("{}.weight", Naming::hf_v3().shared_expert(fl.layer, proj));
+                    if !a_inv.units.contains_key(&to)
+                        || a_inv.units.contains_key(&from)
+                        || b_inv.units.contains_key(&to)
+                    {
+                        continue;
+                    }
+                    if let Some(mut u) = b_inv.units.remove(&from) {
+                        u.key = to.clone();
+                        u.expert = None;
+                        b_inv.units.insert(to, u);
+                        moved += 1;
+                    }
+                }
+                if moved > 0 {
+                    notes.push(format!(
+                        "layer {}: B's fused expert index {e_a} compared as A's shared expert \
+                         (SGLang's shared-expert fusion appends it to the {e_a} routed experts)",
+                        fl.layer
+                    ));
+                }
             }
         }
         if let Some((r, n)) = opts.tp {
@@ -422,6 +451,12 @@ impl<'a> Plan<'a> {
                                 .into_iter()
                                 .filter(|m| !has(m))
                                 .collect();
+                        }
+                        // B's fused tensor without its block scales: A's it has none for
+                        if let (Source::Fused(_), Err(LoadError::Missing(_)), Source::Linear(ln)) =
+                            (&ub.source, &lb, &ua.source)
+                        {
+                            u.missing_members = vec![self.a.original(&ln.weight_scale).to_string()];
                         }
                         u.status = Status::Mismatch;
                         u
