@@ -13,7 +13,8 @@
 //! - `n_group`: 1, `topk_group`: `n_group` (a missing group limit keeps every group);
 //! - `routed_scaling_factor`: 1.0 (DeepSeek-V2's configuration_deepseek.py default;
 //!   transformers' `DeepseekV3Config` and DeepSeek-V3's own give 2.5);
-//! - `n_shared_experts`, `first_k_dense_replace`, `num_hash_layers`: 0; `swiglu_limit`: none;
+//! - `n_shared_experts`, `first_k_dense_replace`, `num_hash_layers`: 0; `swiglu_limit`: none
+//!   (as is 0, DeepSeek-V4's own "no clamp");
 //! - `rms_norm_eps`: 1e-6; `intermediate_size`: `moe_intermediate_size`;
 //!   `vocab_size`: 0 (unknown; a hash layer's `tid2eid` then gives it);
 //! - `num_hidden_layers`: the number of layers the checkpoint's tensor names show.
@@ -292,7 +293,8 @@ pub fn parse_config(path: &Path, text: &[u8], layers_hint: Option<usize>) -> Res
         num_hash_layers: f
             .opt_usize(&["num_hash_layers", "n_hash_layers"])?
             .unwrap_or(0),
-        swiglu_limit: f.opt_f32(&["swiglu_limit"])?,
+        // 0 is DeepSeek-V4's own "no clamp" (its code clamps where the limit is > 0)
+        swiglu_limit: f.opt_f32(&["swiglu_limit"])?.filter(|&l| l != 0.0),
         rms_norm_eps: f.opt_f32(&["rms_norm_eps", "norm_eps"])?.unwrap_or(1e-6),
         vocab_size: f.opt_usize(&["vocab_size"])?.unwrap_or(0),
     };
@@ -425,6 +427,19 @@ fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
                 m.num_experts_per_tok,
                 m.topk_group,
                 m.n_routed_experts / m.n_group
+            ),
+        ));
+    }
+    if f.opt_str(&["topk_method"])? == Some("group_limited_greedy") && m.topk_group < m.n_group {
+        // DeepSeek-V2's groups rank by their best score; the router here ranks V3's way
+        // (the sum of the two best, on score + bias): refuse rather than route another way
+        return Err(f.bad(
+            "topk_method",
+            format!(
+                "\"group_limited_greedy\" (DeepSeek-V2: groups ranked by their best expert) with \
+                 topk_group {} of n_group {} is not supported; the router ranks groups as \
+                 DeepSeek-V3's noaux_tc does (the sum of their two best scores)",
+                m.topk_group, m.n_group
             ),
         ));
     }
@@ -779,6 +794,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("num_hidden_layers"));
+    }
+
+    /// `swiglu_limit: 0` is DeepSeek-V4's "no clamp" (it was refused as not positive);
+    /// DeepSeek-V2's group_limited_greedy ranks groups by their best expert, which this router
+    /// does not: refused by name (it was routed V3's way without a word).
+    #[test]
+    fn a_zero_swiglu_limit_is_no_clamp_and_v2_group_ranking_is_refused() {
+        let k = rand::thread_rng().gen_range(1..=8);
+        let mut v = v3_json(256, k);
+        v["swiglu_limit"] = serde_json::json!(0.0);
+        assert_eq!(parse(&v).unwrap().moe.swiglu_limit, None);
+        v["swiglu_limit"] = serde_json::json!(-1.0);
+        assert!(parse(&v).unwrap_err().to_string().contains("swiglu_limit"));
+        let mut v = v3_json(256, k);
+        v["topk_method"] = serde_json::json!("group_limited_greedy");
+        let e = parse(&v).unwrap_err().to_string();
+        assert!(e.contains("topk_method") && e.contains("group_limited_greedy"), "{e}");
+        // without a group limit the ranking of groups does not matter
+        v["topk_group"] = serde_json::json!(8);
+        assert!(parse(&v).is_ok());
     }
 
     #[test]
