@@ -1250,7 +1250,7 @@ fn values_differ(m: &Metrics, cols: usize) -> String {
 }
 
 /// "; N of M blocks differ under the same global scale, the first at row r, block j (its
-/// codes / its scale)": where values differ though the global scale is A's.
+/// codes / its scale)": where values differ though the global scale is A's (MXFP4: none).
 fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
     let (kb, bytes) = (a.kb(), a.format.block() / 2);
     if (b.rows, b.cols) != (a.rows, a.cols) || a.scales.len() != b.scales.len() {
@@ -1304,10 +1304,16 @@ fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
         (true, false) => "codes",
         _ => "scale",
     };
+    // MXFP4 has no global scale to stay the same
+    let under = match a.format {
+        Format::Nvfp4 => {
+            " under the same global scale (a copy changes none; a re-quantization would have \
+             moved the global scale)"
+        }
+        Format::Mxfp4 => " (a copy changes none)",
+    };
     format!(
-        "; {n} of {} blocks differ under the same global scale (a copy changes none; a \
-         re-quantization would have moved the global scale), the first at row {r}, block {j} \
-         (its {what}){rescaled}",
+        "; {n} of {} blocks differ{under}, the first at row {r}, block {j} (its {what}){rescaled}",
         a.rows * kb
     )
 }
@@ -2023,6 +2029,52 @@ pub fn fingerprint_as(a: &Raw, g: &Geom, tp: Option<(usize, usize)>, depth: Dept
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// One changed code: NVFP4 says the global scale stayed A's; MXFP4, which has none, does
+    /// not (it said "under the same global scale" too).
+    #[test]
+    fn blocks_differ_speaks_of_a_global_scale_only_for_nvfp4() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        for format in [Format::Nvfp4, Format::Mxfp4] {
+            let (rows, cols) = (4, 4 * format.block());
+            let a_codes: Vec<u8> = (0..rows * cols / 2).map(|_| r.gen()).collect();
+            let scales: Vec<u8> = (0..rows * cols / format.block())
+                .map(|_| r.gen_range(100..120))
+                .collect();
+            let mut b_codes = a_codes.clone();
+            let at = r.gen_range(0..b_codes.len());
+            b_codes[at] ^= 0x11;
+            fn q<'a>(
+                format: Format,
+                rows: usize,
+                cols: usize,
+                codes: &'a [u8],
+                scales: &[u8],
+            ) -> QMatrix<'a> {
+                QMatrix {
+                    format,
+                    rows,
+                    cols,
+                    packed: Mat::new(codes, rows, cols / 2, cols / 2).unwrap(),
+                    scales: std::borrow::Cow::Owned(scales.to_vec()),
+                    scale_2: 1.0,
+                }
+            }
+            let (a, b) = (
+                q(format, rows, cols, &a_codes, &scales),
+                q(format, rows, cols, &b_codes, &scales),
+            );
+            let msg = blocks_differ(&a, &b);
+            let what = format!("seed {seed} {format:?}: {msg}");
+            assert!(msg.contains("1 of 16 blocks differ"), "{what}");
+            assert_eq!(
+                msg.contains("global scale"),
+                format == Format::Nvfp4,
+                "{what}"
+            );
+        }
+    }
 
     /// A power-of-two re-encoding of a global scale: exact within one convention, up to the
     /// one ulp a reciprocal costs across two, and no further; ×1 and other ratios are none.
