@@ -810,7 +810,10 @@ mod tests {
         let mut v = v3_json(256, k);
         v["topk_method"] = serde_json::json!("group_limited_greedy");
         let e = parse(&v).unwrap_err().to_string();
-        assert!(e.contains("topk_method") && e.contains("group_limited_greedy"), "{e}");
+        assert!(
+            e.contains("topk_method") && e.contains("group_limited_greedy"),
+            "{e}"
+        );
         // without a group limit the ranking of groups does not matter
         v["topk_group"] = serde_json::json!(8);
         assert!(parse(&v).is_ok());
