@@ -1112,31 +1112,39 @@ fn compare_outputs_names_a_flat_output_written_transposed() {
             flat[c * t + tok] = ours[tok * h + c];
         }
     }
-    write_file(
-        &p.join("flat.safetensors"),
-        vec![(
-            TensorSpec::new("output", safetensors::Dtype::F32, &[t * h]),
-            f32_bytes(&flat),
-        )],
-        None,
-    )
-    .unwrap();
-    let o = nvfp4dbg(
-        p,
-        &[
-            "compare-outputs",
-            "dump",
-            "flat.safetensors",
-            "--json",
-            "flat.json",
-        ],
-    );
-    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
-    assert_eq!(
-        json(&p.join("flat.json"))["summary"]["diagnosis"],
-        "output-transposed",
-        "seed {seed}: {}",
-        text(&o)
-    );
-    assert!(text(&o).contains("written transposed"), "{}", text(&o));
+    // flat, and shaped [hidden, tokens] (that one was refused as a shape mismatch, exit 2)
+    for shape in [vec![t * h], vec![h, t]] {
+        write_file(
+            &p.join("flat.safetensors"),
+            vec![(
+                TensorSpec::new("output", safetensors::Dtype::F32, &shape),
+                f32_bytes(&flat),
+            )],
+            None,
+        )
+        .unwrap();
+        let o = nvfp4dbg(
+            p,
+            &[
+                "compare-outputs",
+                "dump",
+                "flat.safetensors",
+                "--json",
+                "flat.json",
+            ],
+        );
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "seed {seed} {shape:?}: {}",
+            text(&o)
+        );
+        assert_eq!(
+            json(&p.join("flat.json"))["summary"]["diagnosis"],
+            "output-transposed",
+            "seed {seed} {shape:?}: {}",
+            text(&o)
+        );
+        assert!(text(&o).contains("written transposed"), "{}", text(&o));
+    }
 }

@@ -67,7 +67,9 @@ fn read_output(path: &Path, name: Option<&str>, t: usize, h: usize) -> Result<(S
     };
     let info = file.info(&name)?;
     let dims: Vec<usize> = info.shape.iter().copied().filter(|&d| d != 1).collect();
-    if info.numel() != t * h || !(dims == [t, h] || dims == [t * h] || (t == 1 && dims == [h])) {
+    // [hidden, tokens] is read flat like [T·H]: the diagnosis then names it written transposed
+    let shape_ok = dims == [t, h] || dims == [h, t] || dims == [t * h] || (t == 1 && dims == [h]);
+    if info.numel() != t * h || !shape_ok {
         return Err(Error::bad_tensor(
             path,
             &name,
