@@ -370,48 +370,26 @@ impl TensorFile {
     pub fn to_i64(&self, name: &str) -> Result<Vec<i64>> {
         let t = self.info(name)?;
         let b = self.slice(t);
-        let v: Vec<i64> = match t.dtype {
-            Dtype::I64 => b
+        if t.dtype == Dtype::U64 {
+            if let Some(u) = b
                 .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect(),
-            Dtype::U64 => {
-                let mut v = Vec::with_capacity(t.numel());
-                for c in b.chunks_exact(8) {
-                    let u = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
-                    v.push(i64::try_from(u).map_err(|_| {
-                        Error::bad_tensor(&self.path, name, format!("U64 value {u} overflows i64"))
-                    })?);
-                }
-                v
-            }
-            Dtype::I32 => b
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-                .collect(),
-            Dtype::U32 => b
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-                .collect(),
-            Dtype::I16 => b
-                .chunks_exact(2)
-                .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
-                .collect(),
-            Dtype::U16 => b
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]) as i64)
-                .collect(),
-            Dtype::I8 => b.iter().map(|&c| c as i8 as i64).collect(),
-            Dtype::U8 => b.iter().map(|&c| c as i64).collect(),
-            d => {
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .find(|&u| i64::try_from(u).is_err())
+            {
                 return Err(Error::bad_tensor(
                     &self.path,
                     name,
-                    format!("dtype {d:?} is not an integer dtype"),
-                ))
+                    format!("U64 value {u} overflows i64"),
+                ));
             }
-        };
-        Ok(v)
+        }
+        decode_ints(t.dtype, b).ok_or_else(|| {
+            Error::bad_tensor(
+                &self.path,
+                name,
+                format!("dtype {:?} is not an integer dtype", t.dtype),
+            )
+        })
     }
 
     /// The `__metadata__` map (empty when the file has none).
@@ -712,6 +690,37 @@ fn parse_entry(path: &Path, name: &str, v: &Value) -> Result<TensorInfo> {
     })
 }
 
+/// Little-endian integers of `dtype` (I64, I32, I16, I8, U64, U32, U16, U8) as i64, a U64
+/// past `i64::MAX` wrapped; `None` for any other dtype.
+pub fn decode_ints(dtype: Dtype, b: &[u8]) -> Option<Vec<i64>> {
+    let v = match dtype {
+        Dtype::I64 | Dtype::U64 => b
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect(),
+        Dtype::I32 => b
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect(),
+        Dtype::U32 => b
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+            .collect(),
+        Dtype::I16 => b
+            .chunks_exact(2)
+            .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
+            .collect(),
+        Dtype::U16 => b
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]) as i64)
+            .collect(),
+        Dtype::I8 => b.iter().map(|&c| c as i8 as i64).collect(),
+        Dtype::U8 => b.iter().map(|&c| c as i64).collect(),
+        _ => return None,
+    };
+    Some(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -730,6 +739,59 @@ mod tests {
 
     fn err_of(p: &Path) -> String {
         TensorFile::open(p).unwrap_err().to_string()
+    }
+
+    /// Every integer dtype reads back its values as i64; a U64 past i64 is bad input naming
+    /// the tensor; a float tensor is not read as integers.
+    #[test]
+    fn integer_tensors_read_as_i64() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ids.safetensors");
+        let v: Vec<i64> = (0..7).map(|_| r.gen_range(-100..100)).collect();
+        let u: Vec<i64> = v.iter().map(|x| x.abs()).collect();
+        let bytes = |w: usize, v: &[i64]| -> Vec<u8> {
+            v.iter()
+                .flat_map(|x| x.to_le_bytes()[..w].to_vec())
+                .collect()
+        };
+        let mut t = vec![];
+        for (d, w) in [
+            (Dtype::I64, 8),
+            (Dtype::I32, 4),
+            (Dtype::I16, 2),
+            (Dtype::I8, 1),
+        ] {
+            t.push((TensorSpec::new(&format!("{d:?}"), d, &[7]), bytes(w, &v)));
+        }
+        for (d, w) in [
+            (Dtype::U64, 8),
+            (Dtype::U32, 4),
+            (Dtype::U16, 2),
+            (Dtype::U8, 1),
+        ] {
+            t.push((TensorSpec::new(&format!("{d:?}"), d, &[7]), bytes(w, &u)));
+        }
+        let mut big = bytes(8, &u);
+        big[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        t.push((TensorSpec::new("big", Dtype::U64, &[7]), big));
+        t.push((TensorSpec::new("f", Dtype::F32, &[7]), f32_bytes(&[1.5; 7])));
+        write_file(&p, t, None).unwrap();
+        let f = TensorFile::open(&p).unwrap();
+        for d in ["I64", "I32", "I16", "I8"] {
+            assert_eq!(f.to_i64(d).unwrap(), v, "seed {seed} {d}");
+        }
+        for d in ["U64", "U32", "U16", "U8"] {
+            assert_eq!(f.to_i64(d).unwrap(), u, "seed {seed} {d}");
+        }
+        let e = f.to_i64("big").unwrap_err().to_string();
+        assert!(e.contains("big") && e.contains("overflows i64"), "{e}");
+        assert!(f
+            .to_i64("f")
+            .unwrap_err()
+            .to_string()
+            .contains("not an integer dtype"));
     }
 
     /// Releasing or populating part of a tensor (whole pages of it, several pages here) changes

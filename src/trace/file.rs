@@ -131,37 +131,10 @@ impl<'a> TensorRef<'a> {
     /// Every element as an integer, for the integer and bool dtypes (ids, masks, positions);
     /// `None` for any other dtype. A U64 past `i64::MAX` wraps: it is compared, not summed.
     pub fn read_i64(&self) -> Option<Vec<i64>> {
-        let b = self.data;
-        let v: Vec<i64> = match self.dtype {
-            Dtype::BOOL | Dtype::U8 => b.iter().map(|&x| x as i64).collect(),
-            Dtype::I8 => b.iter().map(|&x| x as i8 as i64).collect(),
-            Dtype::I16 => b
-                .chunks_exact(2)
-                .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
-                .collect(),
-            Dtype::U16 => b
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]) as i64)
-                .collect(),
-            Dtype::I32 => b
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-            Dtype::U32 => b
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-            Dtype::I64 => b
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            Dtype::U64 => b
-                .chunks_exact(8)
-                .map(|c| u64::from_le_bytes(c.try_into().unwrap()) as i64)
-                .collect(),
-            _ => return None,
-        };
-        Some(v)
+        match self.dtype {
+            Dtype::BOOL => Some(self.data.iter().map(|&x| x as i64).collect()),
+            d => crate::checkpoint::file::decode_ints(d, self.data),
+        }
     }
 
     /// Elements `start .. start + len` as f32 into `out` (cleared first). Non-float dtypes and

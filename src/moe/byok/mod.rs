@@ -1094,6 +1094,26 @@ mod tests {
     use super::*;
     use crate::moe::synthetic::{Preset, SyntheticModel};
 
+    /// `theirs` judged against `ours` as the routed output (no shared expert, reference = ours).
+    fn judge_routed(
+        theirs: &[f32],
+        ours: &[f32],
+        zeros: &[f32],
+        variants: &[(SuspectedBug, Vec<f32>)],
+    ) -> Judgement {
+        judge(
+            &Outputs {
+                theirs_routed: theirs,
+                ours_routed: ours,
+                ours_layer: ours,
+                reference_layer: ours,
+                shared: zeros,
+            },
+            0.95,
+            variants,
+        )
+    }
+
     fn setup(seed: u64) -> (MoeLayer, Vec<f32>, Routing, ActScales) {
         let m = SyntheticModel::new(Preset::Tiny, seed);
         let layer = m.moe_layer(1).unwrap();
@@ -1263,19 +1283,7 @@ mod tests {
             ep: None,
         };
         let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-        let o = |theirs: &'_ [f32]| -> Judgement {
-            judge(
-                &Outputs {
-                    theirs_routed: theirs,
-                    ours_routed: &ours,
-                    ours_layer: &ours,
-                    reference_layer: &ours,
-                    shared: &zeros,
-                },
-                0.95,
-                &variants,
-            )
-        };
+        let o = |theirs: &'_ [f32]| judge_routed(theirs, &ours, &zeros, &variants);
         assert!(o(&ours).pass(), "seed {seed}");
         for (bug, theirs) in &cases {
             let j = o(theirs);
@@ -1342,19 +1350,7 @@ mod tests {
             ep: None,
         };
         let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-        let o = |theirs: &'_ [f32]| -> Judgement {
-            judge(
-                &Outputs {
-                    theirs_routed: theirs,
-                    ours_routed: &ours,
-                    ours_layer: &ours,
-                    reference_layer: &ours,
-                    shared: &zeros,
-                },
-                0.95,
-                &variants,
-            )
-        };
+        let o = |theirs: &'_ [f32]| judge_routed(theirs, &ours, &zeros, &variants);
         assert!(o(&ours).pass(), "seed {seed}");
         let j = o(&theirs);
         assert!(!j.pass(), "seed {seed}");
