@@ -763,7 +763,7 @@ mod tests {
             (Dtype::I16, 2),
             (Dtype::I8, 1),
         ] {
-            t.push((TensorSpec::new(&format!("{d:?}"), d, &[7]), bytes(w, &v)));
+            t.push((TensorSpec::new(format!("{d:?}"), d, &[7]), bytes(w, &v)));
         }
         for (d, w) in [
             (Dtype::U64, 8),
@@ -771,7 +771,7 @@ mod tests {
             (Dtype::U16, 2),
             (Dtype::U8, 1),
         ] {
-            t.push((TensorSpec::new(&format!("{d:?}"), d, &[7]), bytes(w, &u)));
+            t.push((TensorSpec::new(format!("{d:?}"), d, &[7]), bytes(w, &u)));
         }
         let mut big = bytes(8, &u);
         big[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
