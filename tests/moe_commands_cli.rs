@@ -347,6 +347,40 @@ fn multilayer_names_a_broken_expert_its_layer_hides() {
     assert_eq!(code, 0, "seed {seed}: {text}");
 }
 
+/// The expert whose NaN block scale makes a layer's NaN is named (multilayer named the layer
+/// and the first NaN's token and channel, and no expert; layertest did).
+#[test]
+fn multilayer_names_the_expert_that_makes_a_layers_nan() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("synth.json");
+    synth(
+        dir.path(),
+        &[
+            "--out",
+            "ck",
+            "--seed",
+            &seed,
+            "--plant",
+            "nan-block-scale@2",
+            "--json",
+            json.to_str().unwrap(),
+        ],
+    );
+    let planted: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let expert = planted["planted"][0]["expert"].as_u64().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &["multilayer", "--checkpoint", "ck", "--device", "cpu"],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let failures = r.unwrap()["failures"].to_string();
+    assert!(
+        failures.contains(&format!("layer 2: expert {expert} produces NaN/Inf")),
+        "seed {seed}: {failures}"
+    );
+}
+
 #[test]
 fn multilayer_names_the_first_bad_layer_first() {
     // guards: a NaN stream from layer 4 on dropped layer 2's broken expert from the failures,

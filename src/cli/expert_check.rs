@@ -81,6 +81,18 @@ impl ExpertCheck {
         FEW_SLOTS_MIN_COSINE + (c - FEW_SLOTS_MIN_COSINE) * t
     }
 
+    /// The failure line of an expert whose own output holds NaN/Inf (kept apart from
+    /// [`ExpertCheck::judge`], which has no cosine to judge then).
+    pub fn nonfinite(x: &ExpertMetrics) -> Option<String> {
+        let m = &x.metrics;
+        (m.nan_count + m.inf_count > 0).then(|| {
+            format!(
+                "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots)",
+                x.expert, m.nan_count, m.inf_count, x.slots
+            )
+        })
+    }
+
     /// The failure line of `x`, if it fails.
     pub fn failure(&self, x: &ExpertMetrics) -> Option<String> {
         match self.judge(x) {

@@ -1318,18 +1318,10 @@ pub fn run(args: &Args) -> Result<Report> {
             at(m.first_inf, hsz)
         ));
     }
-    for x in experts
-        .iter()
-        .filter(|x| x.m.metrics.nan_count + x.m.metrics.inf_count > 0)
-    {
-        failures.push(format!(
-            "expert {} produces NaN/Inf ({} NaN, {} Inf over {} slots){}",
-            x.m.expert,
-            x.m.metrics.nan_count,
-            x.m.metrics.inf_count,
-            x.m.slots,
-            x.cause()
-        ));
+    for x in &experts {
+        if let Some(line) = ExpertCheck::nonfinite(&x.m) {
+            failures.push(format!("{line}{}", x.cause()));
+        }
     }
     if nv.act_stats.nan_scales > 0 {
         failures.push(format!(

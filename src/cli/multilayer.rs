@@ -255,19 +255,20 @@ pub fn run(args: &Args) -> Result<Report> {
         // the error this layer adds by itself: NVFP4 on the reference model's input, expert
         // by expert too
         let (o_local, _) = nvfp4_forward(&args.ep, &devices, &ly, &x_rf, &r_rf, &scales, true)?;
-        let judged: Vec<(usize, ExpertVerdict)> = match (&o_local.per_slot, &o_rf.per_slot) {
-            (Some(nv), Some(rf)) => per_expert(&r_rf, nv, rf, hsz, ly.config.n_routed_experts)
-                .iter()
-                .map(|x| (x.expert, check.judge(x)))
-                .collect(),
+        let experts = match (&o_local.per_slot, &o_rf.per_slot) {
+            (Some(nv), Some(rf)) => per_expert(&r_rf, nv, rf, hsz, ly.config.n_routed_experts),
             _ => vec![],
         };
-        let expert_failures: Vec<String> = judged
+        let judged: Vec<(usize, ExpertVerdict)> =
+            experts.iter().map(|x| (x.expert, check.judge(x))).collect();
+        // the experts that make NaN/Inf first (a NaN layer named no expert), then the rest
+        let expert_failures: Vec<String> = experts
             .iter()
-            .filter_map(|(_, v)| match v {
+            .filter_map(ExpertCheck::nonfinite)
+            .chain(judged.iter().filter_map(|(_, v)| match v {
                 ExpertVerdict::Fail(m) => Some(m.clone()),
                 _ => None,
-            })
+            }))
             .collect();
         let experts_too_few_slots: Vec<usize> = judged
             .iter()
