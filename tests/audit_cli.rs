@@ -2033,8 +2033,8 @@ fn topk_method_that_ignores_the_router_bias_is_named() {
     let method = ["greedy", "group_limited_greedy"][r.gen_range(0..2)];
     config["topk_method"] = serde_json::json!(method);
     std::fs::write(&path, config.to_string()).unwrap();
-    let (code, out, v) = audit(&ck);
-    assert_eq!(code, 1, "seed {seed} {method}: {out}");
+    let (c, out, v) = audit(&ck);
+    assert_eq!(c, 1, "seed {seed} {method}: {out}");
     let found = findings_of(&v, "config_mismatch");
     let f = found
         .iter()
@@ -2049,6 +2049,27 @@ fn topk_method_that_ignores_the_router_bias_is_named() {
         f.2.contains(&format!("topk_method = \"{method}\"")) && f.2.contains("noaux_tc"),
         "seed {seed}: {}",
         f.2
+    );
+    // the audit reads V2's group ranking; running a layer under it is refused by name
+    config["topk_method"] = serde_json::json!("group_limited_greedy");
+    config["topk_group"] = serde_json::json!(1);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let o = run(&[
+        "layertest",
+        "--checkpoint",
+        p(&ck),
+        "--device",
+        "cpu",
+        "--tokens",
+        "16",
+    ]);
+    let msg = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {msg}");
+    assert!(
+        msg.contains("config.json")
+            && msg.contains("group_limited_greedy")
+            && !msg.contains("panicked"),
+        "seed {seed}: {msg}"
     );
 }
 

@@ -49,6 +49,30 @@ pub struct ModelConfig {
     pub unstated: Vec<Unstated>,
 }
 
+impl ModelConfig {
+    /// Bad input when config.json routes in a way the router here does not: DeepSeek-V2's
+    /// `group_limited_greedy` ranks groups by their best score, the router here ranks them as
+    /// V3's `noaux_tc` does (the sum of the two best, on score + bias). Only with a group limit
+    /// (`topk_group < n_group`) does the ranking pick other experts. Checked where a layer is
+    /// loaded to run, not on parsing: `audit` reads such a config and reports on it.
+    pub fn check_routable(&self) -> Result<()> {
+        let m = &self.moe;
+        if self.topk_method.as_deref() == Some("group_limited_greedy") && m.topk_group < m.n_group {
+            return Err(Error::bad_file(
+                &self.path,
+                format!(
+                    "field `topk_method`: \"group_limited_greedy\" (DeepSeek-V2: groups ranked by \
+                     their best expert) with topk_group {} of n_group {} is not supported; the \
+                     router ranks groups as DeepSeek-V3's noaux_tc does (the sum of their two \
+                     best scores)",
+                    m.topk_group, m.n_group
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A field whose default differs between the config classes engines load config.json with:
 /// transformers' `DeepseekV3Config`, DeepSeek-V3's own `configuration_deepseek.py` (remote
 /// code) and DeepSeek-V2's (`model_type: deepseek_v2`, whose classes engines also serve V3
@@ -430,19 +454,6 @@ fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
             ),
         ));
     }
-    if f.opt_str(&["topk_method"])? == Some("group_limited_greedy") && m.topk_group < m.n_group {
-        // DeepSeek-V2's groups rank by their best score; the router here ranks V3's way
-        // (the sum of the two best, on score + bias): refuse rather than route another way
-        return Err(f.bad(
-            "topk_method",
-            format!(
-                "\"group_limited_greedy\" (DeepSeek-V2: groups ranked by their best expert) with \
-                 topk_group {} of n_group {} is not supported; the router ranks groups as \
-                 DeepSeek-V3's noaux_tc does (the sum of their two best scores)",
-                m.topk_group, m.n_group
-            ),
-        ));
-    }
     if !(m.routed_scaling_factor.is_finite() && m.routed_scaling_factor > 0.0) {
         return Err(f.bad(
             "routed_scaling_factor",
@@ -809,14 +820,15 @@ mod tests {
         assert!(parse(&v).unwrap_err().to_string().contains("swiglu_limit"));
         let mut v = v3_json(256, k);
         v["topk_method"] = serde_json::json!("group_limited_greedy");
-        let e = parse(&v).unwrap_err().to_string();
+        // parsed (audit reports on such a config), refused where a layer is loaded to run
+        let e = parse(&v).unwrap().check_routable().unwrap_err().to_string();
         assert!(
             e.contains("topk_method") && e.contains("group_limited_greedy"),
             "{e}"
         );
         // without a group limit the ranking of groups does not matter
         v["topk_group"] = serde_json::json!(8);
-        assert!(parse(&v).is_ok());
+        assert!(parse(&v).unwrap().check_routable().is_ok());
     }
 
     #[test]

@@ -178,6 +178,7 @@ fn ranges(v: &[usize]) -> String {
 }
 
 fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
+    mc.config.check_routable()?;
     let ck = &mc.ckpt;
     let n = &mc.naming;
     let mut cfg = mc.config.moe.clone();

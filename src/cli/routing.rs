@@ -960,6 +960,7 @@ fn route_from_logits(
 
 /// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.
 fn read_router(mc: &MoeCheckpoint, l: usize) -> Result<Router> {
+    mc.config.check_routable()?;
     let ck = &mc.ckpt;
     let n = &mc.naming;
     let cfg = &mc.config.moe;
