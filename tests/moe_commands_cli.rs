@@ -535,11 +535,19 @@ fn cosine_thresholds_outside_minus_one_to_one_are_usage_errors() {
             );
         }
         // a cosine in range is accepted by the parser (what the command then does with `a`
-        // and `b` is another matter)
+        // and `b` is another matter; the layer commands stop at a checkpoint that is not
+        // there rather than run the synthetic layer)
         let mut a = args.to_vec();
         a.extend([flag, "0.5"]);
-        let (_, text, _) = run(dir.path(), &a);
-        assert!(!text.contains("a cosine lies in"), "{a:?}: {text}");
+        if a[1] == "--device" {
+            a.extend(["--checkpoint", "not-there"]);
+        }
+        let (code, text, _) = run(dir.path(), &a);
+        assert_eq!(code, 2, "{a:?}: {text}");
+        assert!(
+            !text.contains("a cosine lies in") && !text.contains("panicked"),
+            "{a:?}: {text}"
+        );
     }
 }
 
