@@ -1121,6 +1121,29 @@ fn recomputed_routing_from_router_logits() {
         "{:?}",
         kinds(&out.json)
     );
+    // config.json routing as DeepSeek-V2 (groups ranked by their best expert) under a group
+    // limit: not recomputed the V3 way, refused naming the field
+    let v2 = dir.path().join("v2");
+    std::fs::create_dir(&v2).unwrap();
+    for e in std::fs::read_dir(&ck).unwrap() {
+        let e = e.unwrap().path();
+        if e.extension()
+            .is_some_and(|x| x == "safetensors" || x == "json")
+        {
+            std::fs::copy(&e, v2.join(e.file_name().unwrap())).unwrap();
+        }
+    }
+    let cfg = v2.join("config.json");
+    let mut c: Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    c["topk_method"] = "group_limited_greedy".into();
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let out = run(dir.path(), &[p(&f), "--checkpoint", p(&v2), "--layer", "2"]);
+    assert_eq!(out.code, 2, "seed {seed}\n{}", out.stderr);
+    assert!(
+        out.stderr.contains("config.json") && out.stderr.contains("group_limited_greedy"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]
