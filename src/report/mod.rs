@@ -147,11 +147,17 @@ impl Report {
         );
         for s in &self.sections {
             out.push_str(&format!("## {}\n\n", s.title));
-            out.push_str(&format!("| {} |\n", s.headers.join(" | ")));
+            // a `|` inside a cell ("max |out|") is escaped: unescaped, it splits the cell and a
+            // header with more cells than the delimiter row is no table at all
+            let headers: Vec<String> = s.headers.iter().map(|h| h.replace('|', "\\|")).collect();
+            out.push_str(&format!("| {} |\n", headers.join(" | ")));
             out.push_str(&format!("|{}\n", "---|".repeat(s.headers.len())));
             for r in &s.rows {
                 // a cell wrapped for the terminal stays one Markdown table row
-                let cells: Vec<String> = r.iter().map(|c| c.replace('\n', "<br>")).collect();
+                let cells: Vec<String> = r
+                    .iter()
+                    .map(|c| c.replace('|', "\\|").replace('\n', "<br>"))
+                    .collect();
                 out.push_str(&format!("| {} |\n", cells.join(" | ")));
             }
             out.push('\n');
@@ -345,6 +351,37 @@ pub fn e(v: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::Rng;
+
+    /// Guards report.md tables whose header ("max |out|") or cells held a bare `|`: the extra
+    /// cells made every such table plain text.
+    #[test]
+    fn a_pipe_in_a_header_or_cell_keeps_the_markdown_table_one_cell_wide() {
+        let seed: u64 = rand::random();
+        let mut r = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+        let mut s = Section::new("calls", &["counter", "max |out|", "note"]);
+        for _ in 0..5 {
+            let v: f64 = r.gen_range(-1e3..1e3);
+            s.row(vec![
+                format!("{:06}", r.gen_range(0..999_999)),
+                e(v),
+                format!("|x| = {}\nmax |Δ|", e(v.abs())),
+            ]);
+        }
+        let md = Report::new("nan-locate", Verdict::Fail, "x")
+            .section(s)
+            .to_markdown();
+        let table: Vec<&str> = md.lines().filter(|l| l.starts_with('|')).collect();
+        assert_eq!(table.len(), 7, "seed {seed}\n{md}");
+        for l in table {
+            // cells are split by the `|` not escaped with a backslash
+            let bars = l
+                .match_indices('|')
+                .filter(|(i, _)| !l[..*i].ends_with('\\'))
+                .count();
+            assert_eq!(bars, 4, "seed {seed}: {l}\n{md}");
+        }
+    }
 
     /// A killed run's temporary of a file is removed when the file is written again; a live
     /// process's, another file's and a name that only looks alike stay.
