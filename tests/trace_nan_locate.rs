@@ -464,6 +464,28 @@ fn ranks_in_subdirectories_and_steps_are_selected() {
     let o = nvfp4dbg(tmp.path(), &["nan-locate", dir, "--step", "7"]);
     assert_eq!(o.code, 2, "{}", o.show());
     assert!(o.stderr.contains("steps present: 0, 1, 2"), "{}", o.show());
+    // calls that record no step beside calls that do: --step cannot place them, so they are
+    // named as not scanned and the step does not pass (they were dropped without a word)
+    let mixed = tmp.path().join("mixed");
+    for (step, start, faults) in [
+        (Some(0), 0, vec![]),
+        (None, n, nan_in("model.layers.0.mlp.down_proj")),
+    ] {
+        let c = SynthTraceConfig {
+            step,
+            counter_start: start,
+            faults,
+            ..cfg(seed)
+        };
+        write_trace(&mixed, &c).unwrap();
+    }
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["nan-locate", mixed.to_str().unwrap(), "--step", "0"],
+    );
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    assert_eq!(o.json["summary"]["calls_unscanned"], n, "{}", o.show());
+    assert!(o.stdout.contains("records no step"), "{}", o.show());
 
     // steps recorded separately, counters restarting: order is (step, counter)
     let s = tmp.path().join("restart");

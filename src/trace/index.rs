@@ -366,6 +366,18 @@ impl Listing {
             .into_iter()
             .collect();
         if let Some(s) = selection.step {
+            // a call that records no step beside calls that do may belong to step s: not
+            // scanned, and said so (it was dropped without a word, and could hold the NaN)
+            let (unstepped, rest): (Vec<_>, Vec<_>) = all
+                .into_iter()
+                .partition(|e| e.step.is_none() && !steps.is_empty());
+            skipped.extend(unstepped.into_iter().map(|e| {
+                Skipped::call(
+                    e.path,
+                    format!("records no step while other calls do: it may belong to step {s}"),
+                )
+            }));
+            all = rest;
             all.retain(|e| e.step == Some(s));
             if all.is_empty() {
                 return Err(Error::usage(format!(
