@@ -408,6 +408,58 @@ fn a_token_of_huge_norm_does_not_carry_the_others() {
     );
 }
 
+/// Guards: a batch of one token (or a few of ordinary norm) is not "one token of huge norm".
+/// Some token of such a batch always carries half the energy; gs-sweep under the engines'
+/// default gs blamed the input (`cause: "input"`, "fails token 0 only ... its input row's norm
+/// is 1.000e0x the median token's") where the gs is the fault, and layertest led with it.
+#[test]
+fn a_batch_of_one_ordinary_token_is_not_a_token_of_huge_norm() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    for t in [1, 2] {
+        let h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
+        write_hidden(dir.path(), &h, t);
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "gs-sweep",
+                "--device",
+                "cpu",
+                "--input",
+                "in.safetensors",
+                "--points",
+                "5",
+            ],
+        );
+        assert_eq!(code, 1, "seed {seed}, {t} token(s): {text}");
+        let r = r.unwrap();
+        assert_eq!(
+            r["summary"]["cause"], "gs",
+            "seed {seed}, {t} token(s): {text}"
+        );
+        assert!(
+            !text.contains("carries") && !text.contains("only:"),
+            "seed {seed}, {t} token(s): {text}"
+        );
+        let (_, text, _) = run(
+            dir.path(),
+            &[
+                "layertest",
+                "--device",
+                "cpu",
+                "--input",
+                "in.safetensors",
+                "--gs",
+                "default",
+            ],
+        );
+        assert!(
+            !text.contains("carries"),
+            "seed {seed}, {t} token(s): {text}"
+        );
+    }
+}
+
 /// A token blown up to 1e20 (finite, even in BF16): every product of the experts overflows,
 /// the reference's too. gs-sweep blamed "the weights, their scales or the reference" (every gs
 /// gives NaN), layertest an expert's "activation global scale (gs1) too small".

@@ -850,6 +850,11 @@ pub fn input_nonfinite(hidden: &[f32], hsz: usize) -> (Option<String>, serde_jso
     (line, counts)
 }
 
+/// How far (output norm, x the median token's) a token carrying most of the layer's energy must
+/// stand out to be named as an input problem: a SwiGLU output grows with the square of its
+/// input, so 10x is an input row ~3x the median's, far past RMSNorm-ed tokens' spread.
+const DOMINANT_NORM_RATIO: f64 = 10.0;
+
 /// A per-token failure (see [`token_failure`]).
 pub struct TokenFailure {
     /// The failure line.
@@ -908,7 +913,17 @@ pub fn token_failure(
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .unwrap_or((0, 0.0));
     let median = median_of(&energy);
-    let dominant = (total > 0.0 && e_big / total > 0.5).then_some(big);
+    // it must also stand out of the other tokens: in a batch of one or two tokens, or of a
+    // few tokens of ordinary spread, some token always carries half the energy
+    let others: Vec<f64> = (energy.iter().enumerate())
+        .filter(|&(i, _)| i != big)
+        .map(|(_, &e)| e)
+        .collect();
+    let dominant = (total > 0.0
+        && e_big / total > 0.5
+        && !others.is_empty()
+        && ratio(e_big, median_of(&others)) >= DOMINANT_NORM_RATIO)
+        .then_some(big);
     let dominated = if dominant.is_some() {
         let in_sq = sq(input);
         let in_norm = match in_sq.get(big) {
