@@ -1178,4 +1178,52 @@ fn an_input_scale_holding_its_reciprocal_is_named() {
             }
         }
     }
+    // reciprocals a batch of small activations survives (its numbers within --max-loss of
+    // the best) are still named: gs-sweep passed them in silence
+    let h3: Vec<f32> = nvfp4dbg::moe::synthetic::moe_input(hsz, t, None, 1e-6, seed ^ 1)
+        .iter()
+        .map(|v| nvfp4dbg::moe::forward::bf16(v * 3.0))
+        .collect();
+    let spec = TensorSpec::new("hidden_states", safetensors::Dtype::F32, &[t, hsz]);
+    write_file(
+        &d.join("in3.safetensors"),
+        vec![(spec, f32_bytes(&h3))],
+        None,
+    )
+    .unwrap();
+    let routing = nvfp4dbg::moe::route(&layer, &h3, None).unwrap();
+    let (a1, a2) = nvfp4dbg::moe::forward::expert_input_amax(&layer, &h3, &routing).unwrap();
+    for e in 0..layer.experts.len() {
+        for (p, a) in [
+            ("gate_proj", a1[e].unwrap_or(max(&a1))),
+            ("up_proj", a1[e].unwrap_or(max(&a1))),
+            ("down_proj", a2[e].unwrap_or(max(&a2))),
+        ] {
+            let name = format!("model.layers.1.mlp.experts.{e}.{p}.input_scale");
+            set_scalar(&d.join("recip"), &name, 2688.0 / a);
+        }
+    }
+    let (code, text, r) = run(
+        d,
+        &[
+            "gs-sweep",
+            "--checkpoint",
+            "recip",
+            "--input",
+            "in3.safetensors",
+            "--device",
+            "cpu",
+            "--gs",
+            "checkpoint",
+            "--points",
+            "5",
+        ],
+    );
+    let sm = &r.unwrap()["summary"];
+    assert!(
+        sm["loss"].as_f64().unwrap() <= sm["max_loss"].as_f64().unwrap(),
+        "seed {seed}: the batch does not survive the reciprocals: {sm}"
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    assert_eq!(sm["cause"], "input_scale_reciprocal", "seed {seed}: {sm}");
 }
