@@ -560,6 +560,13 @@ fn a_gs_sweep_span_past_f32_is_a_usage_error() {
         assert_eq!(code, 2, "{v}: {text}");
         assert!(text.contains("--span"), "{v}: {text}");
     }
+    // each point runs the layer: 1e8 of them ran for hours rather than being refused
+    for v in ["1", "1001", "100000000"] {
+        let kv = format!("--points={v}");
+        let (code, text, _) = run(dir.path(), &["gs-sweep", "--device", "cpu", &kv]);
+        assert_eq!(code, 2, "{v}: {text}");
+        assert!(text.contains("--points"), "{v}: {text}");
+    }
 }
 
 /// Set `first_k_dense_replace` in the config.json of checkpoint `ck`.

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct OutArgs {
-    /// Write the JSON report (command, verdict, summary, details) to this path
+    /// Write the JSON report (top-level command, verdict, summary, and the command's own keys)
+    /// to this path
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
     /// Directory for report.json, report.md and plots
@@ -83,8 +84,12 @@ pub fn factor(s: &str) -> std::result::Result<f64, String> {
 /// The points of a sweep: at least 2 (its two ends).
 pub fn sweep_points(s: &str) -> std::result::Result<usize, String> {
     match s.trim().parse::<usize>() {
-        Ok(v) if v >= 2 => Ok(v),
-        Ok(_) => Err(format!("{s}: a sweep has at least 2 points (its two ends)")),
+        Ok(v) if (2..=1000).contains(&v) => Ok(v),
+        Ok(v) if v < 2 => Err(format!("{s}: a sweep has at least 2 points (its two ends)")),
+        // each point runs the whole layer
+        Ok(_) => Err(format!(
+            "{s}: at most 1000 points (each runs the whole layer)"
+        )),
         Err(_) => Err(format!("`{s}` is not a whole number")),
     }
 }
