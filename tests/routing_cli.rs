@@ -2362,3 +2362,51 @@ fn rsf_twice_max_ranked_groups_and_another_layers_router_are_named() {
         );
     }
 }
+
+/// --norm-topk-prob and --routed-scaling-factor override the config for the recomputed routing
+/// too: an engine run with norm_topk_prob = false, or routed_scaling_factor 1, checked with the
+/// flags saying so, failed against weights recomputed with the checkpoint's values.
+#[test]
+fn config_overrides_apply_to_the_recomputed_routing() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    for (flag, value) in [
+        ("--norm-topk-prob", "false"),
+        ("--routed-scaling-factor", "1"),
+    ] {
+        let mut l = en.layer.clone();
+        if flag == "--norm-topk-prob" {
+            l.config.norm_topk_prob = false;
+        } else {
+            l.config.routed_scaling_factor = 1.0;
+        }
+        let v = nvfp4dbg::moe::route(&l, &en.hidden, None).unwrap();
+        let ids: Vec<i64> = v.topk_ids.iter().map(|&v| v as i64).collect();
+        write_full(&f, t, k, &ids, &v.topk_weights, &x);
+        let out = run(
+            dir.path(),
+            &[
+                p(&f),
+                "--checkpoint",
+                ck_s,
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+                flag,
+                value,
+            ],
+        );
+        assert_eq!(out.code, 0, "seed {seed} {flag} {value}\n{}", out.stdout);
+    }
+}

@@ -409,7 +409,15 @@ fn recompute(
     // the check layertest, gs-sweep and multilayer make: expert tensors, and not a layer
     // config.json's first_k_dense_replace makes dense
     mc.check_layer(layer_idx)?;
-    let config = &mc.config.moe;
+    // --norm-topk-prob / --routed-scaling-factor override the config for the recomputed
+    // routing too, not only for the weight sums
+    let config = &MoeConfig {
+        norm_topk_prob: args.norm_topk_prob.unwrap_or(mc.config.moe.norm_topk_prob),
+        routed_scaling_factor: args
+            .routed_scaling_factor
+            .unwrap_or(mc.config.moe.routed_scaling_factor),
+        ..mc.config.moe.clone()
+    };
     let router = read_router(mc, layer_idx)?;
     let tol = Tolerances {
         min_match: args.min_match,
