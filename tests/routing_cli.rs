@@ -2410,3 +2410,70 @@ fn config_overrides_apply_to_the_recomputed_routing() {
         assert_eq!(out.code, 0, "seed {seed} {flag} {value}\n{}", out.stdout);
     }
 }
+
+/// Local ids made with the other expert placement (round-robin where linear is declared, and
+/// the reverse) are named as such; they were reported as topk_ids and topk_weights misaligned.
+#[test]
+fn local_ids_of_the_other_placement_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts as i64,
+    );
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let (rank, size) = (1i64, 2i64);
+    for (made, declared) in [("round-robin", "linear"), ("linear", "round-robin")] {
+        let ids: Vec<i64> = en
+            .routing
+            .topk_ids
+            .iter()
+            .map(|&g| {
+                let g = g as i64;
+                match made {
+                    "linear" if g / (e / size) == rank => g - rank * (e / size),
+                    "round-robin" if g % size == rank => g / size,
+                    _ => -1,
+                }
+            })
+            .collect();
+        write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+        let out = run(
+            dir.path(),
+            &[
+                p(&f),
+                "--checkpoint",
+                ck_s,
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+                "--ids",
+                "local",
+                "--ep-rank",
+                "1",
+                "--ep-size",
+                "2",
+                "--placement",
+                declared,
+            ],
+        );
+        assert_eq!(out.code, 1, "seed {seed} {made}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        assert!(
+            findings.contains("local ids made with the other expert placement")
+                && findings.contains(&format!("expert_map of placement {made}"))
+                && !findings.contains("misaligned"),
+            "seed {seed} {made}: {findings}"
+        );
+    }
+}
