@@ -2303,3 +2303,200 @@ fn router_faults_and_missing_inputs_are_bad_input() {
         "no tid2eid",
     );
 }
+
+/// Router bugs the recomputation did not try are named: routed_scaling_factor applied twice,
+/// groups ranked by their best expert (V2's max) instead of the top-2 sum, and another layer's
+/// router. Each failed with only "topk_weights differ" or "only N% of topk_ids agree".
+#[test]
+fn rsf_twice_max_ranked_groups_and_another_layers_router_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 128;
+    let en = engine(&ck, 1, t, &mut r);
+    let c = &en.layer.config;
+    let (k, h, e) = (en.routing.top_k, c.hidden_size, c.n_routed_experts);
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let base = [
+        p(&f),
+        "--checkpoint",
+        ck_s,
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    // routed_scaling_factor applied twice
+    let mut twice = en.layer.clone();
+    twice.config.routed_scaling_factor *= c.routed_scaling_factor;
+    let twice = nvfp4dbg::moe::route(&twice, &en.hidden, None).unwrap();
+    // groups ranked by their best selection score
+    let bias = en.layer.router.e_score_correction_bias.clone().unwrap();
+    let logits = nvfp4dbg::moe::router::router_logits(&en.layer.router.weight, &en.hidden, t, h, e);
+    let mut by_max = en.routing.clone();
+    let gsz = e / c.n_group;
+    for (tok, l) in logits.chunks(e).enumerate() {
+        let sc = nvfp4dbg::moe::router::score(c.scoring_func, l);
+        let mut sel: Vec<f32> = sc.iter().zip(&bias).map(|(s, b)| s + b).collect();
+        let mut g: Vec<(f32, usize)> = (0..c.n_group)
+            .map(|j| {
+                (
+                    sel[j * gsz..(j + 1) * gsz]
+                        .iter()
+                        .fold(f32::MIN, |m, &v| m.max(v)),
+                    j,
+                )
+            })
+            .collect();
+        g.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for &(_, j) in &g[c.topk_group..] {
+            sel[j * gsz..(j + 1) * gsz].fill(f32::NEG_INFINITY);
+        }
+        let row = nvfp4dbg::moe::router::select(&sel, 1, 1, k);
+        let w = nvfp4dbg::moe::router::weights(&sc, &row, true, c.routed_scaling_factor);
+        for (j, (&i, w)) in row.iter().zip(w).enumerate() {
+            by_max.topk_ids[tok * k + j] = i as i32;
+            by_max.topk_weights[tok * k + j] = w;
+        }
+    }
+    // layer 2's router on layer 1's tokens
+    let l2 = nvfp4dbg::checkpoint::load_moe_layer(&ck, 2).unwrap();
+    let mut other = en.layer.clone();
+    other.router = l2.router;
+    let other = nvfp4dbg::moe::route(&other, &en.hidden, None).unwrap();
+    for (what, bug) in [
+        ("routed_scaling_factor applied twice", &twice),
+        ("groups ranked by their best expert", &by_max),
+        ("layer 2's router", &other),
+    ] {
+        let ids: Vec<i64> = bug.topk_ids.iter().map(|&v| v as i64).collect();
+        write_full(&f, t, k, &ids, &bug.topk_weights, &x);
+        let out = run(dir.path(), &base);
+        assert_eq!(out.code, 1, "seed {seed} {what}\n{}", out.stdout);
+        let notes = out.json["notes"].to_string();
+        assert!(
+            notes.contains(&format!("router bug that explains the dump: {what}")),
+            "seed {seed} {what}: {notes}"
+        );
+    }
+}
+
+/// --norm-topk-prob and --routed-scaling-factor override the config for the recomputed routing
+/// too: an engine run with norm_topk_prob = false, or routed_scaling_factor 1, checked with the
+/// flags saying so, failed against weights recomputed with the checkpoint's values.
+#[test]
+fn config_overrides_apply_to_the_recomputed_routing() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    for (flag, value) in [
+        ("--norm-topk-prob", "false"),
+        ("--routed-scaling-factor", "1"),
+    ] {
+        let mut l = en.layer.clone();
+        if flag == "--norm-topk-prob" {
+            l.config.norm_topk_prob = false;
+        } else {
+            l.config.routed_scaling_factor = 1.0;
+        }
+        let v = nvfp4dbg::moe::route(&l, &en.hidden, None).unwrap();
+        let ids: Vec<i64> = v.topk_ids.iter().map(|&v| v as i64).collect();
+        write_full(&f, t, k, &ids, &v.topk_weights, &x);
+        let out = run(
+            dir.path(),
+            &[
+                p(&f),
+                "--checkpoint",
+                ck_s,
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+                flag,
+                value,
+            ],
+        );
+        assert_eq!(out.code, 0, "seed {seed} {flag} {value}\n{}", out.stdout);
+    }
+}
+
+/// Local ids made with the other expert placement (round-robin where linear is declared, and
+/// the reverse) are named as such; they were reported as topk_ids and topk_weights misaligned.
+#[test]
+fn local_ids_of_the_other_placement_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 64;
+    let en = engine(&ck, 1, t, &mut r);
+    let (k, h, e) = (
+        en.routing.top_k,
+        en.layer.config.hidden_size,
+        en.layer.config.n_routed_experts as i64,
+    );
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ck_s = ck.to_str().unwrap();
+    let (rank, size) = (1i64, 2i64);
+    for (made, declared) in [("round-robin", "linear"), ("linear", "round-robin")] {
+        let ids: Vec<i64> = en
+            .routing
+            .topk_ids
+            .iter()
+            .map(|&g| {
+                let g = g as i64;
+                match made {
+                    "linear" if g / (e / size) == rank => g - rank * (e / size),
+                    "round-robin" if g % size == rank => g / size,
+                    _ => -1,
+                }
+            })
+            .collect();
+        write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+        let out = run(
+            dir.path(),
+            &[
+                p(&f),
+                "--checkpoint",
+                ck_s,
+                "--layer",
+                "1",
+                "--device",
+                "cpu",
+                "--ids",
+                "local",
+                "--ep-rank",
+                "1",
+                "--ep-size",
+                "2",
+                "--placement",
+                declared,
+            ],
+        );
+        assert_eq!(out.code, 1, "seed {seed} {made}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        assert!(
+            findings.contains("local ids made with the other expert placement")
+                && findings.contains(&format!("expert_map of placement {made}"))
+                && !findings.contains("misaligned"),
+            "seed {seed} {made}: {findings}"
+        );
+    }
+}

@@ -409,7 +409,15 @@ fn recompute(
     // the check layertest, gs-sweep and multilayer make: expert tensors, and not a layer
     // config.json's first_k_dense_replace makes dense
     mc.check_layer(layer_idx)?;
-    let config = &mc.config.moe;
+    // --norm-topk-prob / --routed-scaling-factor override the config for the recomputed
+    // routing too, not only for the weight sums
+    let config = &MoeConfig {
+        norm_topk_prob: args.norm_topk_prob.unwrap_or(mc.config.moe.norm_topk_prob),
+        routed_scaling_factor: args
+            .routed_scaling_factor
+            .unwrap_or(mc.config.moe.routed_scaling_factor),
+        ..mc.config.moe.clone()
+    };
     let router = read_router(mc, layer_idx)?;
     let tol = Tolerances {
         min_match: args.min_match,
@@ -544,7 +552,21 @@ fn recompute(
                 hb,
                 d.input_ids.as_deref(),
             )?;
-            Ok(accept_ties(ids, &v, &logits, c, r, layer_idx, args.ids()))
+            // ties are those of the router that ran: another layer's gate has its own logits
+            let other;
+            let lg = if r.weight == router.weight {
+                &logits
+            } else {
+                other = crate::moe::router::router_logits(
+                    &r.weight,
+                    hb,
+                    d.tokens,
+                    config.hidden_size,
+                    config.n_routed_experts,
+                );
+                &other
+            };
+            Ok(accept_ties(ids, &v, lg, c, r, layer_idx, args.ids()))
         };
         let (routing, ties) = reroute(config, &router)?;
         let cmp = RefCompare {
@@ -563,7 +585,16 @@ fn recompute(
         } else {
             let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
             diagnose(
-                ids, config, &router, &logits, &routing, &cmp, &reroute, &mut o,
+                ids,
+                config,
+                &router,
+                &logits,
+                &routing,
+                &cmp,
+                &reroute,
+                layer_idx,
+                &neighbour_routers(mc, layer_idx),
+                &mut o,
             )?;
         }
         out.extend(o);
@@ -591,8 +622,18 @@ fn recompute(
             }
             if !o.findings.is_empty() {
                 let reroute = |c: &MoeConfig, r: &Router| reroute(c, r).map(|(v, _)| v);
+                // the engine's logits hold whichever gate it ran: no other layer's router to try
                 diagnose(
-                    ids, config, &router, &lg.data, &routing, &cmp, &reroute, &mut o,
+                    ids,
+                    config,
+                    &router,
+                    &lg.data,
+                    &routing,
+                    &cmp,
+                    &reroute,
+                    layer_idx,
+                    &[],
+                    &mut o,
                 )?;
             } else if !hash_checked {
                 o.extend(clear(&lg.data));
@@ -702,6 +743,8 @@ fn diagnose(
     reference: &Routing,
     cmp: &RefCompare,
     reroute: &dyn Fn(&MoeConfig, &Router) -> Result<Routing>,
+    layer: usize,
+    other_layers: &[(usize, Router)],
     out: &mut Outcome,
 ) -> Result<()> {
     use crate::moe::router::{score, weights};
@@ -790,6 +833,37 @@ fn diagnose(
         variants.push((
             "weights not normalized (norm_topk_prob = true ignored)".into(),
             reweigh(&|sc, row| weights(sc, row, false, rsf)),
+        ));
+    }
+    if rsf != 1.0 {
+        variants.push((
+            format!(
+                "routed_scaling_factor applied twice (weights × {rsf}², not × {rsf}: in the router \
+                 and again on the MoE output)"
+            ),
+            reweigh(&|sc, row| weights(sc, row, config.norm_topk_prob, rsf * rsf)),
+        ));
+    }
+    if config.n_group > 1 && config.topk_group < config.n_group && e.is_multiple_of(config.n_group)
+    {
+        variants.push((
+            format!(
+                "groups ranked by their best expert (max, DeepSeek-V2's group_limited_greedy), not \
+                 by the sum of their top-2 selection scores (noaux_tc) — keeping topk_group = {} of \
+                 n_group = {} groups",
+                config.topk_group, config.n_group
+            ),
+            groups_by_max(config, router, logits, reference),
+        ));
+    }
+    for (l, r) in other_layers {
+        variants.push((
+            format!(
+                "layer {l}'s router (its gate weight and e_score_correction_bias routed the dump's \
+                 tokens, not layer {}'s: a layer index off when the gates were loaded or called)",
+                layer
+            ),
+            reroute(config, r)?,
         ));
     }
     // Two bugs at once: each router bug (and none) with the dump's rows one token off, and
@@ -882,6 +956,53 @@ const MISALIGNED: &str = "topk_ids and topk_weights misaligned (each token's wei
                           a set but sit in other slots than their ids: one sorted or permuted \
                           without the other)";
 
+/// The routing of `logits` `[T, E]` with the groups ranked by their best selection score
+/// (score + bias), as DeepSeek-V2's group_limited_greedy ranks them, instead of the sum of
+/// their two best (V3's noaux_tc); weights as the config gives them.
+fn groups_by_max(
+    config: &MoeConfig,
+    router: &Router,
+    logits: &[f32],
+    reference: &Routing,
+) -> Routing {
+    use crate::moe::router::{score, select, weights};
+    let (e, k, g) = (config.n_routed_experts, reference.top_k, config.n_group);
+    let gsz = e / g;
+    let (mut ids, mut w) = (Vec::new(), Vec::new());
+    for l in logits.chunks(e).take(reference.tokens) {
+        let sc = score(config.scoring_func, l);
+        let mut sel: Vec<f32> = match &router.e_score_correction_bias {
+            Some(b) => sc.iter().zip(b).map(|(s, b)| s + b).collect(),
+            None => sc.clone(),
+        };
+        let mut best: Vec<(f32, usize)> = (0..g)
+            .map(|j| {
+                let m = sel[j * gsz..(j + 1) * gsz]
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                (m, j)
+            })
+            .collect();
+        best.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(_, j) in &best[config.topk_group..] {
+            sel[j * gsz..(j + 1) * gsz].fill(f32::NEG_INFINITY);
+        }
+        let row = select(&sel, 1, 1, k);
+        w.extend(weights(
+            &sc,
+            &row,
+            config.norm_topk_prob,
+            config.routed_scaling_factor,
+        ));
+        ids.extend(row.iter().map(|&i| i as i32));
+    }
+    Routing {
+        topk_ids: ids,
+        topk_weights: w,
+        ..reference.clone()
+    }
+}
+
 /// `r` with dump token t holding token t + `s`'s routing (rows rotated by `s` tokens).
 fn one_token_off(r: &Routing, s: usize) -> Routing {
     let k = r.top_k;
@@ -956,6 +1077,28 @@ fn route_from_logits(
         },
     );
     backend.route(&layer, &padded, input_ids)
+}
+
+/// The routers of the MoE layers a layer-index bug would load instead of layer `l`'s: the
+/// layers next to it and those `first_k_dense_replace` away (an index counted among MoE layers
+/// only); none for a hash layer, whose ids come from its table. Unreadable ones are skipped.
+fn neighbour_routers(mc: &MoeCheckpoint, l: usize) -> Vec<(usize, Router)> {
+    let c = &mc.config.moe;
+    if c.is_hash_layer(l) {
+        return vec![];
+    }
+    let mut out: Vec<(usize, Router)> = vec![];
+    for d in [1, c.first_k_dense_replace] {
+        for n in [l.checked_sub(d), l.checked_add(d)].into_iter().flatten() {
+            if d == 0 || !c.is_moe_layer(n) || out.iter().any(|(m, _)| *m == n) {
+                continue;
+            }
+            if let Ok(r) = read_router(mc, n) {
+                out.push((n, r));
+            }
+        }
+    }
+    out
 }
 
 /// The router of layer `l` (weight, bias, V4 hash table), and nothing else of the layer.

@@ -965,6 +965,9 @@ pub struct Tolerances {
 /// A named mapping from reference (global) ids to what a dump may hold.
 type Transform<'a> = (String, Box<dyn Fn(i64) -> i64 + 'a>);
 
+/// Name of the transform that maps global ids with the other placement's expert_map.
+const OTHER_PLACEMENT: &str = "expert_map of placement";
+
 /// The candidate mappings, the expected one first.
 fn transforms(space: IdSpace, ep: Option<&ExpertMap>, e: usize) -> Vec<Transform<'_>> {
     let mut v: Vec<Transform<'_>> = vec![("identity".into(), Box::new(|g| g))];
@@ -982,6 +985,17 @@ fn transforms(space: IdSpace, ep: Option<&ExpertMap>, e: usize) -> Vec<Transform
         if m.placement == Placement::RoundRobin {
             let r = m.ep_size as i64;
             v.push((format!("divided by ep_size {r}"), Box::new(move |g| g / r)));
+        }
+        // the engine's expert_placement_strategy is the other one
+        let other = match m.placement {
+            Placement::Linear => Placement::RoundRobin,
+            Placement::RoundRobin => Placement::Linear,
+        };
+        if let Ok(om) = ExpertMap::new(m.num_experts, m.ep_rank, m.ep_size, other) {
+            v.push((
+                format!("{OTHER_PLACEMENT} {}", other.name()),
+                Box::new(move |g| om.local(g).map_or(-1, |l| l as i64)),
+            ));
         }
     }
     // in local space the expected transform is expert_map; identity is then the bug
@@ -1109,6 +1123,16 @@ pub fn compare_with_reference(
             (IdSpace::Global, _) => (
                 FindingKind::LocalIdsAsGlobal,
                 "local ids used as global ids".to_string(),
+            ),
+            (IdSpace::Local, n) if n.starts_with(OTHER_PLACEMENT) => (
+                FindingKind::RoutingMismatch,
+                format!(
+                    "local ids made with the other expert placement (vLLM's \
+                     expert_placement_strategy), not the declared {} one (--placement / \
+                     `placement` metadata) under which this rank owns {}",
+                    c.ep.map_or("", |(m, _)| m.placement.name()),
+                    c.ep.map_or(String::new(), |(m, _)| m.describe_owned()),
+                ),
             ),
             (IdSpace::Local, "identity") => (
                 FindingKind::GlobalIdsAsLocal,
