@@ -224,6 +224,28 @@ fn out_of_range_duplicates_and_nan_weights_fail() {
     assert_eq!(oor["first"]["token"], a, "seed {seed}");
     let text = out.json.to_string();
     assert!(text.contains("1e-20"), "the 0/0 of norm_topk_prob is named");
+    // -1 ids in a dump without expert parallelism: slots no expert took (capacity, padding);
+    // the hint only pointed at expert_map, which ep_size 1 has none of
+    let (mut ids, w) = routing(&mut r, t, k, 0, e as i64, 1.0);
+    for _ in 0..r.gen_range(1..4) {
+        ids[r.gen_range(0..t * k)] = -1;
+    }
+    let dump = Dump {
+        t,
+        k,
+        ids: &ids,
+        weights: &w,
+        ids_i32: false,
+        metadata: None,
+    };
+    write_dump(&f, &dump);
+    let out = run(dir.path(), &[p(&f), "--num-experts", "16"]);
+    assert_eq!(out.code, 1, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    let text = out.json.to_string();
+    assert!(
+        text.contains("capacity") && text.contains("padding"),
+        "seed {seed}: {text}"
+    );
 }
 
 #[test]

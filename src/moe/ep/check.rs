@@ -166,10 +166,15 @@ pub fn check_ids(d: &Ids, exp: &Expectations, space: IdSpace, ep: Option<&Expert
         );
         let vals: BTreeSet<i64> = bad.iter().map(|&i| d.ids[i]).collect();
         if space == IdSpace::Global && vals.iter().all(|&v| v == -1) {
-            msg.push_str(
+            msg.push_str(if ep.is_some_and(|m| m.ep_size > 1) {
                 "; -1 is expert_map's \"another rank's expert\": the dump was taken after expert_map \
-                 was applied (pass --ids local with --ep-rank/--ep-size)",
-            );
+                 was applied (pass --ids local with --ep-rank/--ep-size)"
+            } else {
+                // without expert parallelism -1 is no rank's mark
+                "; -1 marks a slot no expert took: a token dropped past an expert's capacity, or \
+                 a padding row the engine routed nowhere; under expert parallelism, expert_map's \
+                 \"another rank's expert\" (then pass --ids local with --ep-rank/--ep-size)"
+            });
         } else if space == IdSpace::Global && vals.iter().all(|&v| v == e) {
             // SGLang's fused shared expert is in every token, once; ids off by one put
             // expert E-1's tokens (about k/E of them) at E
