@@ -26,7 +26,8 @@ pub struct Args {
     /// router_logits [T,E], hidden_states [T,H], input_ids [T]
     #[arg(value_name = "DUMP")]
     pub dump: PathBuf,
-    /// Checkpoint directory (config.json, gate weights): enables recomputing the routing
+    /// Checkpoint directory (config.json and the MoE layers; routing reads each layer's gate
+    /// weight and e_score_correction_bias): enables recomputing the routing
     #[arg(long, value_name = "DIR")]
     pub checkpoint: Option<PathBuf>,
     /// Layer the dump comes from (default: the dump's `layer` metadata)
