@@ -284,10 +284,16 @@ fn multilayer_names_the_layer_a_nan_starts_in() {
     assert_eq!(code, 1, "{text}");
     let r = r.unwrap();
     assert_eq!(r["summary"]["first_nonfinite_layer"], 2, "{text}");
-    assert!(r["failures"][0]
-        .as_str()
-        .unwrap()
-        .contains("NaN in the NVFP4 residual stream from layer 2"));
+    // the expert that produces it leads, the stream it poisons follows
+    let failures = r["failures"].to_string();
+    assert!(
+        r["failures"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("layer 2: expert ")
+            && failures.contains("NaN in the NVFP4 residual stream from layer 2"),
+        "{failures}"
+    );
     assert_eq!(r["per_layer"][0]["residual"]["nan_count"], 0);
 }
 

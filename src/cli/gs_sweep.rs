@@ -432,14 +432,17 @@ pub fn run(args: &Args) -> Result<Report> {
             let hsz = c.hidden_size;
             let mut tokens = per_token(&output(s)?.0, &reference.out, hsz);
             tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
-            if let Some(t) = token_failure(
-                &tokens,
-                &reference.out,
-                &batch.hidden,
-                hsz,
-                args.min_token_cosine,
-                u.cosine,
-            ) {
+            // a failed layer is judged token by token at the layer's own bar: one token of
+            // huge norm at cosine 0.90 fails a 0.95 layer and passed a 0.9 token bar, and the
+            // gs was blamed
+            let bar = if gs_blamed && args.min_cosine > args.min_token_cosine {
+                ("--min-cosine", args.min_cosine)
+            } else {
+                ("--min-token-cosine", args.min_token_cosine)
+            };
+            if let Some(t) =
+                token_failure(&tokens, &reference.out, &batch.hidden, hsz, bar, u.cosine)
+            {
                 if !gs_blamed {
                     failures.push(format!("gs `{used_source}`: {}", t.line));
                     cause = Some(if t.dominant.is_some() {
@@ -447,16 +450,27 @@ pub fn run(args: &Args) -> Result<Report> {
                     } else {
                         "not_gs"
                     });
-                } else if let Some(big) = t.dominant.filter(|&b| t.bad == [b]) {
-                    let n = tokens.len();
+                } else if !t.bad.is_empty() && t.bad.iter().all(|b| t.outliers.contains(b)) {
+                    // a few tokens of outsized norm (10x the median token's output) fail and
+                    // the rest pass: those inputs, not the gs (one token or several alike)
+                    let (n, m) = (tokens.len(), t.bad.len());
+                    let mut which = t.bad.clone();
+                    which.sort_unstable();
+                    let which: Vec<String> = which.iter().map(|b| b.to_string()).collect();
+                    let (these, input) = if m == 1 {
+                        ("token", "that token's input")
+                    } else {
+                        ("tokens", "those tokens' inputs")
+                    };
                     failures.insert(
                         0,
                         format!(
-                            "gs `{used_source}` fails token {big} only: {}; the other {} \
-                             token(s) pass under it, so the fault is that token's input, not \
-                             the gs",
+                            "gs `{used_source}` fails {these} {} only: {}; the other {} \
+                             token(s) pass under it, so the fault is {input} (output norm 10x \
+                             the median token's or more), not the gs",
+                            which.join(", "),
                             t.line,
-                            n - 1
+                            n - m
                         ),
                     );
                     cause = Some("input");

@@ -340,7 +340,9 @@ pub fn run(args: &Args) -> Result<Report> {
     // layer alone still runs on the BF16 model's finite input after it (unless the input itself
     // is not finite: then the reference is too, and the input is the problem)
     let judge_layers = in_bad.is_none();
-    let mut by_layer: Vec<(usize, String)> = vec![];
+    // (layer, rank within the layer, line): a layer's broken expert leads its lines, the
+    // most pointed answer; then the NaN stream, the layer alone, amplification, EP
+    let mut by_layer: Vec<(usize, u8, String)> = vec![];
     if let Some((l, m)) = &first_bad {
         let (kind, idx) = if m.nan_count > 0 {
             ("NaN", m.first_nan)
@@ -349,6 +351,7 @@ pub fn run(args: &Args) -> Result<Report> {
         };
         by_layer.push((
             *l,
+            1,
             format!(
                 "{kind} in the NVFP4 residual stream from layer {l} on ({} NaN, {} Inf after layer {l}, first at {})",
                 m.nan_count,
@@ -363,6 +366,7 @@ pub fn run(args: &Args) -> Result<Report> {
     {
         by_layer.push((
             r.layer,
+            2,
             format!(
                 "layer {} alone (NVFP4 vs BF16 on the same input): cosine {} < --min-layer-cosine {}",
                 r.layer,
@@ -375,7 +379,7 @@ pub fn run(args: &Args) -> Result<Report> {
         by_layer.extend(
             r.expert_failures
                 .iter()
-                .map(|m| (r.layer, format!("layer {}: {m}", r.layer))),
+                .map(|m| (r.layer, 0, format!("layer {}: {m}", r.layer))),
         );
     }
     for r in rows
@@ -384,6 +388,7 @@ pub fn run(args: &Args) -> Result<Report> {
     {
         by_layer.push((
             r.layer,
+            3,
             format!(
                 "layer {} amplifies the incoming error {}x (> --max-amplification {}); residual rel-L2 grows {}x",
                 r.layer,
@@ -399,13 +404,12 @@ pub fn run(args: &Args) -> Result<Report> {
             .as_ref()
             .and_then(|a| ep_disagreement(&args.ep, a, hsz, &format!("layer {} alone", r.layer)))
         {
-            by_layer.push((r.layer, m));
+            by_layer.push((r.layer, 4, m));
         }
     }
-    // stable: within a layer, the NaN first, then the layer alone, its experts, amplification
-    by_layer.sort_by_key(|(l, _)| *l);
+    by_layer.sort_by_key(|(l, rank, _)| (*l, *rank));
     let mut failures: Vec<String> = in_bad.into_iter().collect();
-    failures.extend(by_layer.into_iter().map(|(_, m)| m));
+    failures.extend(by_layer.into_iter().map(|(_, _, m)| m));
     let last = rows.last();
     // the whole stack's cosine after the last layer: the consequence of the layers above
     if first_bad.is_none() {
