@@ -176,8 +176,14 @@ pub fn checkpoint_scales(layer: &MoeLayer, reduce: InputScaleReduce) -> Result<A
     let mut raw = Vec::with_capacity(layer.experts.len());
     for (e, ex) in layer.experts.iter().enumerate() {
         let missing = |p: &str| {
+            // MXFP4 carries no global scale at all: say so rather than report one missing
+            let why = if ex.w1.weight.format == crate::nvfp4::Format::Mxfp4 {
+                " (MXFP4 weights: UE8M0 block scales and no global scale; choose another --gs)"
+            } else {
+                ""
+            };
             Error::usage(format!(
-                "--gs checkpoint: layer {} expert {e} {p} has no input_scale in the checkpoint",
+                "--gs checkpoint: layer {} expert {e} {p} has no input_scale in the checkpoint{why}",
                 layer.index
             ))
         };
@@ -598,6 +604,31 @@ mod tests {
                 "seed {seed}"
             );
         }
+    }
+
+    /// `--gs checkpoint` on MXFP4 weights said an input_scale was missing, as if the
+    /// checkpoint had lost one: MXFP4 has no global scale, and the message says so.
+    #[test]
+    fn checkpoint_scales_of_mxfp4_weights_say_mxfp4_has_none() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(rand::random());
+        let mut layer = test_layer(&mut rng, 32, 16, 4, 2, ScoringFunc::Sigmoid);
+        let e = rng.gen_range(0..4);
+        layer.experts[e].w1.input_scale = None;
+        let nv = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            nv.contains("no input_scale") && !nv.contains("MXFP4"),
+            "{nv}"
+        );
+        layer.experts[e].w1.weight.format = crate::nvfp4::Format::Mxfp4;
+        let mx = checkpoint_scales(&layer, InputScaleReduce::PerExpert)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            mx.contains("MXFP4") && mx.contains("no global scale"),
+            "{mx}"
+        );
     }
 
     #[test]
