@@ -7,8 +7,8 @@ use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
     below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
-    layer_and_batch, nvfp4_forward, scales_json, slots, token_failure, BlockSummary, EpArgs,
-    GsArgs, InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE,
+    layer_and_batch, nvfp4_forward, scales_json, slots, token_bar, token_failure, BlockSummary,
+    EpArgs, GsArgs, InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE,
     DEFAULT_MIN_TOKEN_COSINE,
 };
 use crate::error::{Error, Result};
@@ -432,14 +432,8 @@ pub fn run(args: &Args) -> Result<Report> {
             let hsz = c.hidden_size;
             let mut tokens = per_token(&output(s)?.0, &reference.out, hsz);
             tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
-            // a failed layer is judged token by token at the layer's own bar: one token of
-            // huge norm at cosine 0.90 fails a 0.95 layer and passed a 0.9 token bar, and the
-            // gs was blamed
-            let bar = if gs_blamed && args.min_cosine > args.min_token_cosine {
-                ("--min-cosine", args.min_cosine)
-            } else {
-                ("--min-token-cosine", args.min_token_cosine)
-            };
+            // under a blamed gs the one huge token went unnamed and the gs took the blame
+            let bar = token_bar(gs_blamed, args.min_cosine, args.min_token_cosine);
             if let Some(t) =
                 token_failure(&tokens, &reference.out, &batch.hidden, hsz, bar, u.cosine)
             {

@@ -967,6 +967,21 @@ pub fn token_failure(
     })
 }
 
+/// The bar [`token_failure`] judges tokens at, with its flag: `--min-token-cosine`, or the
+/// layer's own `--min-cosine` where the layer failed and that bar is higher (one token of huge
+/// norm at cosine 0.90 fails a 0.95 layer and passes a 0.9 token bar: it went unnamed).
+pub fn token_bar(
+    layer_failed: bool,
+    min_cosine: f64,
+    min_token_cosine: f64,
+) -> (&'static str, f64) {
+    if layer_failed && min_cosine > min_token_cosine {
+        ("--min-cosine", min_cosine)
+    } else {
+        ("--min-token-cosine", min_token_cosine)
+    }
+}
+
 /// A cosine below a threshold; NaN counts as below.
 pub fn below(v: f64, min: f64) -> bool {
     v.is_nan() || v < min
@@ -1382,13 +1397,8 @@ pub fn run(args: &Args) -> Result<Report> {
         ));
     }
     if m.nan_count + m.inf_count == 0 {
-        // a failed layer is judged token by token at its own bar: one token of huge norm at
-        // cosine 0.90 fails a 0.95 layer, passed a 0.9 token bar and went unnamed
-        let bar = if below(m.cosine, args.min_cosine) && args.min_cosine > args.min_token_cosine {
-            ("--min-cosine", args.min_cosine)
-        } else {
-            ("--min-token-cosine", args.min_token_cosine)
-        };
+        let failed = below(m.cosine, args.min_cosine);
+        let bar = token_bar(failed, args.min_cosine, args.min_token_cosine);
         if let Some(t) = token_failure(&tokens, &rf.out, &batch.hidden, hsz, bar, m.cosine) {
             match t.dominant {
                 // one token of huge norm is the input's problem, and what the expert and
