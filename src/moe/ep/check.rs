@@ -973,6 +973,9 @@ type Transform<'a> = (String, Box<dyn Fn(i64) -> i64 + 'a>);
 /// Name of the transform that maps global ids with the other placement's expert_map.
 const OTHER_PLACEMENT: &str = "expert_map of placement";
 
+/// Name of the transform that adds this rank's offset to ids that are already global.
+const PLUS_OFFSET: &str = "plus rank offset";
+
 /// The candidate mappings, the expected one first.
 fn transforms(space: IdSpace, ep: Option<&ExpertMap>, e: usize) -> Vec<Transform<'_>> {
     let mut v: Vec<Transform<'_>> = vec![("identity".into(), Box::new(|g| g))];
@@ -986,6 +989,13 @@ fn transforms(space: IdSpace, ep: Option<&ExpertMap>, e: usize) -> Vec<Transform
                 format!("minus rank offset {off}"),
                 Box::new(move |g| g - off as i64),
             ));
+            if space == IdSpace::Global {
+                // the local-to-global conversion applied to ids that were already global
+                v.push((
+                    format!("{PLUS_OFFSET} {off}"),
+                    Box::new(move |g| g + off as i64),
+                ));
+            }
         }
         if m.placement == Placement::RoundRobin {
             let r = m.ep_size as i64;
@@ -1107,9 +1117,11 @@ pub fn compare_with_reference(
         .map(|(_, f)| set_match(d, reference, f.as_ref()))
         .collect();
     let expected = scored[0];
-    // the best mapping; the expected one (index 0) wins ties
+    // the best mapping; the expected one (index 0) wins ties, and any mapping that does not
+    // explain the dump (a mapping that fits a few slots by chance names nothing)
     let best_i = (0..scored.len())
         .max_by(|&a, &b| scored[a].slots.cmp(&scored[b].slots).then(b.cmp(&a)))
+        .filter(|&i| scored[i].slots as f64 / slots_total >= c.tol.min_match)
         .unwrap_or(0);
     let best = scored[best_i];
     let match_rate = best.slots as f64 / slots_total;
@@ -1125,6 +1137,17 @@ pub fn compare_with_reference(
                 let (_, by, modulo) = shift.unwrap_or_default();
                 (FindingKind::IdsShifted, shift_what(by, modulo))
             }
+            (IdSpace::Global, n) if n.starts_with(PLUS_OFFSET) => (
+                FindingKind::IdsShifted,
+                format!(
+                    "expert ids shifted by this rank's offset (+{}, rank {} of {} owns {}): the \
+                     local-to-global conversion applied to ids that were already global",
+                    c.ep.and_then(|(m, _)| m.linear_offset()).unwrap_or(0),
+                    c.ep.map_or(0, |(m, _)| m.ep_rank),
+                    c.ep.map_or(0, |(m, _)| m.ep_size),
+                    c.ep.map_or(String::new(), |(m, _)| m.describe_owned()),
+                ),
+            ),
             (IdSpace::Global, _) => (
                 FindingKind::LocalIdsAsGlobal,
                 "local ids used as global ids".to_string(),
@@ -1894,6 +1917,72 @@ mod tests {
         }
         assert_eq!(dropped, want, "seed {seed}");
         assert!(dropped.iter().sum::<u64>() > 0, "seed {seed}");
+    }
+
+    // Guards: global ids with the rank offset added twice were labelled "plus 1" at a few
+    // percent agreement; they are named as the offset, and a dump no mapping explains gets
+    // the declared mapping, not whichever fits a few slots by chance.
+    #[test]
+    fn rank_offset_added_to_global_ids_is_named_and_chance_fits_are_not() {
+        let (seed, mut r) = rng();
+        let (t, k, e, ep) = (48, 4, 32, 4);
+        let maps = ExpertMap::all_ranks(e, ep, Placement::Linear).unwrap();
+        let rank = r.gen_range(1..ep);
+        let (ids, w) = routing(&mut r, t, k, e, 1.0);
+        let reference = reference_of(&ids, &w, t, k);
+        let off = maps[rank].linear_offset().unwrap() as i64;
+        let twice: Vec<i64> = ids.iter().map(|v| v + off).collect();
+        let unrelated: Vec<i64> = routing(&mut r, t, k, e, 1.0).0;
+        let tol = Tolerances {
+            min_match: 0.95,
+            weight_rel_l2: 0.01,
+        };
+        let run = |dump: &[i64]| {
+            let d = Ids {
+                tokens: t,
+                top_k: k,
+                ids: dump,
+                weights: &w,
+            };
+            compare_with_reference(
+                &d,
+                &reference,
+                &RefCompare {
+                    source: "test",
+                    space: IdSpace::Global,
+                    ep: Some((&maps[rank], &maps)),
+                    routed_scaling_factor: None,
+                    tol,
+                    num_experts: e,
+                    ids_checked_elsewhere: false,
+                },
+            )
+        };
+        let (o, ag) = run(&twice);
+        let f = &o.findings[0];
+        assert_eq!(
+            f.kind,
+            FindingKind::IdsShifted,
+            "seed {seed}: {:?}",
+            o.findings
+        );
+        assert!(
+            f.message.contains(&format!("+{off}")) && f.message.contains("already global"),
+            "seed {seed}: {}",
+            f.message
+        );
+        let ag = ag.unwrap();
+        assert_eq!(ag.id_transform, format!("plus rank offset {off}"));
+        assert_eq!(ag.match_rate, 1.0);
+        let (o, ag) = run(&unrelated);
+        let ag = ag.unwrap();
+        assert_eq!(ag.id_transform, "identity", "seed {seed}");
+        assert!(ag.match_rate < 0.95, "seed {seed}");
+        assert_eq!(
+            o.findings[0].kind,
+            FindingKind::RoutingMismatch,
+            "seed {seed}"
+        );
     }
 
     #[test]
