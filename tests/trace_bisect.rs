@@ -561,6 +561,17 @@ fn without_rank_every_rank_is_compared() {
     // one rank asked for: that rank only
     let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b", "--rank", "0"]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
+    // guards: with --rank picking the bad rank, `first_divergence` had no `rank` key
+    let br = bad_rank.to_string();
+    let o = nvfp4dbg(tmp.path(), &["bisect", "a", "b", "--rank", &br]);
+    assert_eq!(o.code, 1, "seed {seed}\n{}", o.show());
+    let f = &o.json["first_divergence"];
+    assert_eq!(
+        (&f["rank"], &f["rank_test"]),
+        (&Value::from(bad_rank), &Value::from(bad_rank)),
+        "{}",
+        o.show()
+    );
     // the same trace twice: a pass over every rank
     let o = nvfp4dbg(tmp.path(), &["bisect", "a", "a"]);
     assert_eq!(o.code, 0, "seed {seed}\n{}", o.show());
@@ -1340,6 +1351,15 @@ fn ref_rank_and_test_rank_compare_different_ranks() {
         "{ctx}"
     );
     assert_eq!(o.json["first_divergence"]["counter_ref"], bad, "{ctx}");
+    // guards: `first_divergence` named neither rank when --ref-rank/--test-rank picked them
+    assert_eq!(
+        (
+            &o.json["first_divergence"]["rank"],
+            &o.json["first_divergence"]["rank_test"]
+        ),
+        (&Value::from(rr), &Value::from(tr)),
+        "{ctx}"
+    );
     assert_eq!(
         (&o.json["summary"]["rank"], &o.json["summary"]["rank_test"]),
         (&Value::from(rr), &Value::from(tr)),
