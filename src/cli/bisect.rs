@@ -518,6 +518,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "call": c.call,
             "call_test": c.call_test,
             "step": c.step,
+            "rank": reference.selection.rank.unwrap_or(0),
+            "rank_test": test.selection.rank.unwrap_or(0),
             "counter_ref": c.counter_ref,
             "counter_test": c.counter_test,
             "file_ref": c.file_ref,
