@@ -488,8 +488,8 @@ fn diff_tensor(
         ));
         if !f.passes(min_cosine) {
             d.problem = Some(format!(
-                "cosine {:.6} < {min_cosine} on the finite values",
-                f.cosine
+                "cosine {} < {min_cosine} on the finite values",
+                below(f.cosine, min_cosine)
             ));
         } else if f.rel_l2 > max_rel_l2(min_cosine) {
             d.problem = Some(format!(
@@ -502,7 +502,10 @@ fn diff_tensor(
             d.matches = true;
         }
     } else if !m.passes(min_cosine) {
-        d.problem = Some(format!("cosine {:.6} < {min_cosine}", m.cosine));
+        d.problem = Some(format!(
+            "cosine {} < {min_cosine}",
+            below(m.cosine, min_cosine)
+        ));
     } else if m.rel_l2 > max_rel_l2(min_cosine) {
         // the right direction, the wrong norm: a factor (routed_scaling_factor twice, a global
         // scale) that a cosine cannot see, and that RMSNorm hides until a residual add
@@ -958,8 +961,39 @@ fn same_tokens(re: &TraceEntry, te: &TraceEntry) -> Result<()> {
     }
 }
 
+/// `cosine` printed to 6 digits, or to as many more as it takes to show it under `bar`
+/// ("0.9951849 < 0.995185", not "0.995185 < 0.995185").
+fn below(cosine: f64, bar: f64) -> String {
+    let mut digits = 6;
+    while digits < 15
+        && format!("{cosine:.digits$}")
+            .parse::<f64>()
+            .is_ok_and(|c| c >= bar)
+    {
+        digits += 1;
+    }
+    format!("{cosine:.digits$}")
+}
+
 #[cfg(test)]
 mod tests {
+    // Guards: a cosine just under the bar printed equal to it ("0.995185 < 0.995185").
+    #[test]
+    fn a_cosine_just_under_the_bar_prints_under_it() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let bar: f64 = r.gen_range(0.9..0.9999);
+        let c = bar - r.gen_range(1e-12..1e-8);
+        let shown: f64 = super::below(c, bar).parse().unwrap();
+        assert!(
+            shown < bar,
+            "seed {seed}: {} printed for {c} under {bar}",
+            super::below(c, bar)
+        );
+        assert_eq!(super::below(0.5, bar), "0.500000");
+    }
+
     use super::*;
     use rand::{Rng, SeedableRng};
 
