@@ -422,3 +422,108 @@ fn a_fifo_where_a_file_belongs_is_bad_input_not_a_hang() {
         );
     }
 }
+
+/// The shards of a synth checkpoint (tiny, 2 layers) in `dir`, sorted.
+fn shards_of(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+// Guards: without an index, a shard that is a broken symlink, a symlink loop or a directory
+// was skipped (quantize passed on half the checkpoint, layertest said "no MoE expert tensors");
+// an index that was one of those was ignored; a shard the index names that is a directory was
+// said not to exist.
+#[test]
+fn unreadable_shards_and_index_are_bad_input_not_skipped() {
+    let (seed, _) = rng("unreadable shards");
+    let d = tempfile::tempdir().unwrap();
+    let good = d.path().join("good");
+    synth(&good, seed, &["--layers", "2", "--no-originals"]);
+    let index = "model.safetensors.index.json";
+    let copy = |name: &str| {
+        let c = d.path().join(name);
+        std::fs::create_dir(&c).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), c.join(e.file_name())).unwrap();
+        }
+        c
+    };
+    let dangling = |at: &Path| std::os::unix::fs::symlink("../blobs/missing", at).unwrap();
+    let looped = |at: &Path| std::os::unix::fs::symlink(at.file_name().unwrap(), at).unwrap();
+    let dir = |at: &Path| std::fs::create_dir(at).unwrap();
+    let mut cases: Vec<(PathBuf, PathBuf, &str)> = vec![];
+    for (what, make, says) in [
+        ("dangling", &dangling as &dyn Fn(&Path), "symlink"),
+        ("loop", &looped, "symlink"),
+        ("dir", &dir, "directory"),
+    ] {
+        // the MoE layer's shard, without an index
+        let c = copy(&format!("noindex-{what}"));
+        std::fs::remove_file(c.join(index)).unwrap();
+        let shard = shards_of(&c).pop().unwrap();
+        std::fs::remove_file(&shard).unwrap();
+        make(&shard);
+        cases.push((c, shard, says));
+        // the index itself
+        let c = copy(&format!("index-{what}"));
+        std::fs::remove_file(c.join(index)).unwrap();
+        make(&c.join(index));
+        let named = c.join(index);
+        cases.push((c, named, says));
+        // a shard the index names
+        let c = copy(&format!("indexed-{what}"));
+        let shard = shards_of(&c).pop().unwrap();
+        std::fs::remove_file(&shard).unwrap();
+        make(&shard);
+        cases.push((c, shard, says));
+    }
+    // the regular files of a case (its broken links and loops are not followed)
+    let files = |c: &Path| -> Vec<(PathBuf, Vec<u8>)> {
+        let mut v: Vec<_> = std::fs::read_dir(c)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|f| std::fs::symlink_metadata(f).is_ok_and(|m| m.is_file()))
+            .map(|f| (f.clone(), std::fs::read(&f).unwrap()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (c, named, says) in &cases {
+        let before = files(c);
+        let q = d.path().join("q").join(c.file_name().unwrap());
+        for args in [
+            vec!["audit", p(c)],
+            vec![
+                "layertest",
+                "--checkpoint",
+                p(c),
+                "--device",
+                "cpu",
+                "--tokens",
+                "8",
+            ],
+            vec!["quantize", p(c), p(&q)],
+        ] {
+            let o = run(&args);
+            let err = stderr(&o);
+            assert_eq!(
+                code(&o),
+                2,
+                "seed {seed}: {args:?}: exit {}\n{err}",
+                code(&o)
+            );
+            let file = named.file_name().unwrap().to_str().unwrap();
+            assert!(
+                err.contains(file) && err.contains(says) && !err.contains("panicked"),
+                "seed {seed}: {args:?}: does not name {file} as a {says}:\n{err}"
+            );
+        }
+        assert_eq!(files(c), before, "{}: input changed", c.display());
+    }
+}
