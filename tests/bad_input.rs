@@ -527,3 +527,48 @@ fn unreadable_shards_and_index_are_bad_input_not_skipped() {
         assert_eq!(files(c), before, "{}: input changed", c.display());
     }
 }
+
+// Guards: a tensor whose data_offsets run past the end of the file also leaves a gap where it
+// belonged, and the gap was reported against the next tensor, which is fine.
+#[test]
+fn a_tensor_past_the_end_is_named_not_its_neighbour() {
+    let (seed, mut r) = rng("past the end");
+    let d = tempfile::tempdir().unwrap();
+    let v: Vec<f32> = (0..6).map(|_| r.gen_range(-4.0f32..4.0)).collect();
+    let data = f32_bytes(&v);
+    // a [0,8) b moved to [24,32) past the 24 data bytes, c [16,24): gap [8,16) before c
+    let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[24,32]},"c":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}}"#;
+    let f = d.path().join("w.safetensors");
+    raw(&f, h, &data);
+    let o = run(&["audit", p(&f)]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("`b`") && err.contains("past the end") && !err.contains("`c`"),
+        "seed {seed}: {err}"
+    );
+}
+
+// Guards: a header naming one tensor twice was read last-entry-wins, silently (a reader keeping
+// the first entry loads other bytes under that name).
+#[test]
+fn a_tensor_named_twice_in_a_header_is_bad_input() {
+    let (seed, mut r) = rng("named twice");
+    let d = tempfile::tempdir().unwrap();
+    let v: Vec<f32> = (0..4).map(|_| r.gen_range(-4.0f32..4.0)).collect();
+    let h = r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#;
+    let f = d.path().join("w.safetensors");
+    raw(&f, h, &f32_bytes(&v));
+    for args in [
+        vec!["audit", p(&f)],
+        vec!["compare-weights", p(&f), p(&f), "--device", "cpu"],
+    ] {
+        let o = run(&args);
+        let err = stderr(&o);
+        assert_eq!(code(&o), 2, "seed {seed}: {args:?}: {err}");
+        assert!(
+            err.contains("w.safetensors") && err.contains("`x`") && err.contains("twice"),
+            "seed {seed}: {args:?}: {err}"
+        );
+    }
+}
