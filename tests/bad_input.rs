@@ -572,3 +572,34 @@ fn a_tensor_named_twice_in_a_header_is_bad_input() {
         );
     }
 }
+
+// Guards: n_shared_experts = 1e9 in config.json was reported as a lack of memory for --tokens
+// ("needs 217088 GB ... try fewer --tokens"), not as the config field it is.
+#[test]
+fn an_absurd_n_shared_experts_is_named_in_config_json() {
+    let (seed, _) = rng("n_shared_experts");
+    let d = tempfile::tempdir().unwrap();
+    let c = d.path().join("ck");
+    synth(&c, seed, &["--layers", "2", "--no-originals"]);
+    let cfg = c.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    v["n_shared_experts"] = serde_json::json!(1_000_000_000u64);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let o = run(&[
+        "layertest",
+        "--checkpoint",
+        p(&c),
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("config.json")
+            && err.contains("n_shared_experts")
+            && !err.contains("--tokens"),
+        "seed {seed}: {err}"
+    );
+}
