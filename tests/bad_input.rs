@@ -603,3 +603,60 @@ fn an_absurd_n_shared_experts_is_named_in_config_json() {
         "seed {seed}: {err}"
     );
 }
+
+// Guards: `routing` took EP rank 5 of an EP world of 1 (metadata or flags) without a word; the
+// rank check ran only for EP sizes above 1.
+#[test]
+fn routing_refuses_an_ep_rank_outside_a_world_of_one() {
+    let (seed, mut r) = rng("ep rank");
+    let d = tempfile::tempdir().unwrap();
+    let (t, k, e) = (8usize, 4usize, 16i64);
+    let mut ids = vec![];
+    for _ in 0..t {
+        let mut row: Vec<i64> = vec![];
+        while row.len() < k {
+            let x = r.gen_range(0..e);
+            if !row.contains(&x) {
+                row.push(x);
+            }
+        }
+        ids.extend(row);
+    }
+    let w: Vec<f32> = (0..t * k).map(|_| r.gen_range(0.05f32..1.0)).collect();
+    let ids_b: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let meta: std::collections::BTreeMap<String, String> = [("ep_rank", "5"), ("ep_size", "1")]
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .into();
+    let f = d.path().join("rd.safetensors");
+    nvfp4dbg::checkpoint::writer::write_file(
+        &f,
+        vec![
+            (TensorSpec::new("topk_ids", Dtype::I64, &[t, k]), ids_b),
+            f32t("topk_weights", &[t, k], &w),
+        ],
+        Some(meta),
+    )
+    .unwrap();
+    let o = run(&["routing", p(&f), "--num-experts", "16", "--device", "cpu"]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("rd.safetensors") && err.contains("EP rank 5"),
+        "seed {seed}: {err}"
+    );
+    let o = run(&[
+        "routing",
+        p(&f),
+        "--num-experts",
+        "16",
+        "--device",
+        "cpu",
+        "--ep-rank",
+        "3",
+        "--ep-size",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(err.contains("EP rank 3"), "seed {seed}: {err}");
+}
