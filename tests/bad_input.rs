@@ -422,3 +422,241 @@ fn a_fifo_where_a_file_belongs_is_bad_input_not_a_hang() {
         );
     }
 }
+
+/// The shards of a synth checkpoint (tiny, 2 layers) in `dir`, sorted.
+fn shards_of(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+// Guards: without an index, a shard that is a broken symlink, a symlink loop or a directory
+// was skipped (quantize passed on half the checkpoint, layertest said "no MoE expert tensors");
+// an index that was one of those was ignored; a shard the index names that is a directory was
+// said not to exist.
+#[test]
+fn unreadable_shards_and_index_are_bad_input_not_skipped() {
+    let (seed, _) = rng("unreadable shards");
+    let d = tempfile::tempdir().unwrap();
+    let good = d.path().join("good");
+    synth(&good, seed, &["--layers", "2", "--no-originals"]);
+    let index = "model.safetensors.index.json";
+    let copy = |name: &str| {
+        let c = d.path().join(name);
+        std::fs::create_dir(&c).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), c.join(e.file_name())).unwrap();
+        }
+        c
+    };
+    let dangling = |at: &Path| std::os::unix::fs::symlink("../blobs/missing", at).unwrap();
+    let looped = |at: &Path| std::os::unix::fs::symlink(at.file_name().unwrap(), at).unwrap();
+    let dir = |at: &Path| std::fs::create_dir(at).unwrap();
+    let mut cases: Vec<(PathBuf, PathBuf, &str)> = vec![];
+    for (what, make, says) in [
+        ("dangling", &dangling as &dyn Fn(&Path), "symlink"),
+        ("loop", &looped, "symlink"),
+        ("dir", &dir, "directory"),
+    ] {
+        // the MoE layer's shard, without an index
+        let c = copy(&format!("noindex-{what}"));
+        std::fs::remove_file(c.join(index)).unwrap();
+        let shard = shards_of(&c).pop().unwrap();
+        std::fs::remove_file(&shard).unwrap();
+        make(&shard);
+        cases.push((c, shard, says));
+        // the index itself
+        let c = copy(&format!("index-{what}"));
+        std::fs::remove_file(c.join(index)).unwrap();
+        make(&c.join(index));
+        let named = c.join(index);
+        cases.push((c, named, says));
+        // a shard the index names
+        let c = copy(&format!("indexed-{what}"));
+        let shard = shards_of(&c).pop().unwrap();
+        std::fs::remove_file(&shard).unwrap();
+        make(&shard);
+        cases.push((c, shard, says));
+    }
+    // the regular files of a case (its broken links and loops are not followed)
+    let files = |c: &Path| -> Vec<(PathBuf, Vec<u8>)> {
+        let mut v: Vec<_> = std::fs::read_dir(c)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|f| std::fs::symlink_metadata(f).is_ok_and(|m| m.is_file()))
+            .map(|f| (f.clone(), std::fs::read(&f).unwrap()))
+            .collect();
+        v.sort();
+        v
+    };
+    for (c, named, says) in &cases {
+        let before = files(c);
+        let q = d.path().join("q").join(c.file_name().unwrap());
+        for args in [
+            vec!["audit", p(c)],
+            vec![
+                "layertest",
+                "--checkpoint",
+                p(c),
+                "--device",
+                "cpu",
+                "--tokens",
+                "8",
+            ],
+            vec!["quantize", p(c), p(&q)],
+        ] {
+            let o = run(&args);
+            let err = stderr(&o);
+            assert_eq!(
+                code(&o),
+                2,
+                "seed {seed}: {args:?}: exit {}\n{err}",
+                code(&o)
+            );
+            let file = named.file_name().unwrap().to_str().unwrap();
+            assert!(
+                err.contains(file) && err.contains(says) && !err.contains("panicked"),
+                "seed {seed}: {args:?}: does not name {file} as a {says}:\n{err}"
+            );
+        }
+        assert_eq!(files(c), before, "{}: input changed", c.display());
+    }
+}
+
+// Guards: a tensor whose data_offsets run past the end of the file also leaves a gap where it
+// belonged, and the gap was reported against the next tensor, which is fine.
+#[test]
+fn a_tensor_past_the_end_is_named_not_its_neighbour() {
+    let (seed, mut r) = rng("past the end");
+    let d = tempfile::tempdir().unwrap();
+    let v: Vec<f32> = (0..6).map(|_| r.gen_range(-4.0f32..4.0)).collect();
+    let data = f32_bytes(&v);
+    // a [0,8) b moved to [24,32) past the 24 data bytes, c [16,24): gap [8,16) before c
+    let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[24,32]},"c":{"dtype":"F32","shape":[2],"data_offsets":[16,24]}}"#;
+    let f = d.path().join("w.safetensors");
+    raw(&f, h, &data);
+    let o = run(&["audit", p(&f)]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("`b`") && err.contains("past the end") && !err.contains("`c`"),
+        "seed {seed}: {err}"
+    );
+}
+
+// Guards: a header naming one tensor twice was read last-entry-wins, silently (a reader keeping
+// the first entry loads other bytes under that name).
+#[test]
+fn a_tensor_named_twice_in_a_header_is_bad_input() {
+    let (seed, mut r) = rng("named twice");
+    let d = tempfile::tempdir().unwrap();
+    let v: Vec<f32> = (0..4).map(|_| r.gen_range(-4.0f32..4.0)).collect();
+    let h = r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"x":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}"#;
+    let f = d.path().join("w.safetensors");
+    raw(&f, h, &f32_bytes(&v));
+    for args in [
+        vec!["audit", p(&f)],
+        vec!["compare-weights", p(&f), p(&f), "--device", "cpu"],
+    ] {
+        let o = run(&args);
+        let err = stderr(&o);
+        assert_eq!(code(&o), 2, "seed {seed}: {args:?}: {err}");
+        assert!(
+            err.contains("w.safetensors") && err.contains("`x`") && err.contains("twice"),
+            "seed {seed}: {args:?}: {err}"
+        );
+    }
+}
+
+// Guards: n_shared_experts = 1e9 in config.json was reported as a lack of memory for --tokens
+// ("needs 217088 GB ... try fewer --tokens"), not as the config field it is.
+#[test]
+fn an_absurd_n_shared_experts_is_named_in_config_json() {
+    let (seed, _) = rng("n_shared_experts");
+    let d = tempfile::tempdir().unwrap();
+    let c = d.path().join("ck");
+    synth(&c, seed, &["--layers", "2", "--no-originals"]);
+    let cfg = c.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg).unwrap()).unwrap();
+    v["n_shared_experts"] = serde_json::json!(1_000_000_000u64);
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let o = run(&[
+        "layertest",
+        "--checkpoint",
+        p(&c),
+        "--device",
+        "cpu",
+        "--tokens",
+        "8",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("config.json")
+            && err.contains("n_shared_experts")
+            && !err.contains("--tokens"),
+        "seed {seed}: {err}"
+    );
+}
+
+// Guards: `routing` took EP rank 5 of an EP world of 1 (metadata or flags) without a word; the
+// rank check ran only for EP sizes above 1.
+#[test]
+fn routing_refuses_an_ep_rank_outside_a_world_of_one() {
+    let (seed, mut r) = rng("ep rank");
+    let d = tempfile::tempdir().unwrap();
+    let (t, k, e) = (8usize, 4usize, 16i64);
+    let mut ids = vec![];
+    for _ in 0..t {
+        let mut row: Vec<i64> = vec![];
+        while row.len() < k {
+            let x = r.gen_range(0..e);
+            if !row.contains(&x) {
+                row.push(x);
+            }
+        }
+        ids.extend(row);
+    }
+    let w: Vec<f32> = (0..t * k).map(|_| r.gen_range(0.05f32..1.0)).collect();
+    let ids_b: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let meta: std::collections::BTreeMap<String, String> = [("ep_rank", "5"), ("ep_size", "1")]
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .into();
+    let f = d.path().join("rd.safetensors");
+    nvfp4dbg::checkpoint::writer::write_file(
+        &f,
+        vec![
+            (TensorSpec::new("topk_ids", Dtype::I64, &[t, k]), ids_b),
+            f32t("topk_weights", &[t, k], &w),
+        ],
+        Some(meta),
+    )
+    .unwrap();
+    let o = run(&["routing", p(&f), "--num-experts", "16", "--device", "cpu"]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(
+        err.contains("rd.safetensors") && err.contains("EP rank 5"),
+        "seed {seed}: {err}"
+    );
+    let o = run(&[
+        "routing",
+        p(&f),
+        "--num-experts",
+        "16",
+        "--device",
+        "cpu",
+        "--ep-rank",
+        "3",
+        "--ep-size",
+        "1",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(code(&o), 2, "seed {seed}: {err}");
+    assert!(err.contains("EP rank 3"), "seed {seed}: {err}");
+}

@@ -418,6 +418,18 @@ fn validate(f: &Fields, m: &MoeConfig) -> Result<()> {
     nz("num_experts_per_tok", m.num_experts_per_tok)?;
     nz("n_group", m.n_group)?;
     nz("topk_group", m.topk_group)?;
+    // the shared experts' intermediate size is a dimension too (1e9 shared experts were
+    // reported as a lack of memory for --tokens)
+    let shared = m.n_shared_experts.checked_mul(m.moe_intermediate_size);
+    if shared.is_none_or(|w| w > MOST) {
+        return Err(f.bad(
+            "n_shared_experts",
+            format!(
+                "{} is not plausible: the shared experts' intermediate size, moe_intermediate_size x n_shared_experts = {} x {}, is more than 2^24",
+                m.n_shared_experts, m.moe_intermediate_size, m.n_shared_experts
+            ),
+        ));
+    }
     if m.num_experts_per_tok > m.n_routed_experts {
         return Err(f.bad(
             "num_experts_per_tok",

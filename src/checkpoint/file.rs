@@ -507,19 +507,22 @@ fn parse_header(path: &Path, header: &[u8], data_len: usize) -> Result<Parsed> {
             b.0,
         ))
     });
+    // Past the end first: a tensor placed there also leaves a gap where it belonged, which
+    // would otherwise be blamed on the next tensor.
+    if let Some((name, t)) = order.iter().find(|(_, t)| t.data_offsets.1 > data_len) {
+        let (b, e) = t.data_offsets;
+        return Err(Error::bad_tensor(
+            path,
+            name,
+            format!(
+                "data_offsets [{b}, {e}] run past the end of the data ({data_len} bytes after the header): truncated file?"
+            ),
+        ));
+    }
     let mut at = 0usize;
     let mut prev: Option<&str> = None;
     for (name, t) in &order {
         let (b, e) = t.data_offsets;
-        if e > data_len {
-            return Err(Error::bad_tensor(
-                path,
-                name,
-                format!(
-                    "data_offsets [{b}, {e}] run past the end of the data ({data_len} bytes after the header): truncated file?"
-                ),
-            ));
-        }
         if b < at {
             let other = prev.unwrap_or("?");
             return Err(Error::bad_tensor(
@@ -581,8 +584,16 @@ impl<'de> serde::de::Visitor<'de> for HeaderVisitor<'_> {
             let r = if name == "__metadata__" {
                 parse_metadata(path, &v).map(|md| metadata = md)
             } else {
-                parse_entry(path, &name, &v).map(|info| {
-                    tensors.insert(name, info);
+                parse_entry(path, &name, &v).and_then(|info| match tensors.entry(name) {
+                    std::collections::hash_map::Entry::Occupied(e) => Err(Error::bad_tensor(
+                        path,
+                        e.key(),
+                        "named twice in the header: readers disagree on which entry holds its data (most keep the last, some the first)",
+                    )),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(info);
+                        Ok(())
+                    }
                 })
             };
             if let Err(e) = r {

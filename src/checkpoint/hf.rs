@@ -60,22 +60,29 @@ impl Checkpoint {
         }
         let index = path.join(INDEX_FILE);
         let mut unlisted = vec![];
-        let (shards, index, weight_map) = if index.is_file() {
+        // an index that is there but cannot be read (a directory, a broken symlink) is not
+        // an absent one: engines fail on it, and the shards alone may be a partial download
+        let index_there = std::fs::symlink_metadata(&index).is_ok();
+        if let Some(why) = not_a_file(&index).filter(|_| index_there) {
+            return Err(Error::bad_file(&index, why));
+        }
+        let (shards, index, weight_map) = if index_there {
             let (files, map) = read_index(&index)?;
             unlisted = safetensors_in(path)?
                 .into_iter()
                 .filter(|p| {
-                    p.file_name()
-                        .is_none_or(|n| !files.iter().any(|f| n == f.as_str()))
+                    p.is_file()
+                        && p.file_name()
+                            .is_none_or(|n| !files.iter().any(|f| n == f.as_str()))
                 })
                 .collect();
             let mut shards = Vec::with_capacity(files.len());
             for f in &files {
                 let p = path.join(f);
-                if !p.is_file() {
+                if let Some(why) = not_a_file(&p) {
                     return Err(Error::bad_file(
                         &index,
-                        format!("names shard `{f}`, which does not exist ({})", p.display()),
+                        format!("names shard `{f}`, which {why} ({})", p.display()),
                     ));
                 }
                 shards.push(TensorFile::open(&p)?);
@@ -90,6 +97,16 @@ impl Checkpoint {
                     path,
                     format!("directory without tensors: no {SINGLE_FILE}, no {INDEX_FILE}, no *.safetensors"),
                 ));
+            }
+            // without an index every *.safetensors is a shard: one that cannot be read is not
+            // to be skipped (its tensors would be reported missing, or not at all)
+            for p in &files {
+                if let Some(why) = not_a_file(p) {
+                    return Err(Error::bad_file(
+                        p,
+                        format!("{why}; without {INDEX_FILE}, every *.safetensors here is read as a shard"),
+                    ));
+                }
             }
             let shards = files
                 .iter()
@@ -318,18 +335,32 @@ impl TensorSource for Checkpoint {
     }
 }
 
-/// The `*.safetensors` regular files directly in `dir`, sorted.
+/// The `*.safetensors` entries directly in `dir`, sorted: regular files, and whatever else
+/// carries such a name (a directory, a broken symlink) for the caller to judge.
 fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = vec![];
     for e in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
         let e = e.map_err(|e| Error::io(dir, e))?;
         let p = e.path();
-        if p.extension().is_some_and(|x| x == "safetensors") && p.is_file() {
+        if p.extension().is_some_and(|x| x == "safetensors") {
             files.push(p);
         }
     }
     files.sort();
     Ok(files)
+}
+
+/// Why `p` cannot be opened as a file, or None when it can (a FIFO or device passes here:
+/// opening it says what it is).
+fn not_a_file(p: &Path) -> Option<String> {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => Some("is a directory, not a file".into()),
+        Ok(_) => None,
+        Err(e) if std::fs::symlink_metadata(p).is_ok() => Some(format!(
+            "is a symlink that cannot be followed ({e}): a broken link (an unfinished download?)"
+        )),
+        Err(_) => Some("does not exist".into()),
+    }
 }
 
 /// `weight_map` of an index: the shard file names (first-seen order) and each tensor's shard.

@@ -225,22 +225,21 @@ pub fn run(args: &Args) -> Result<Report> {
         });
     }
     let ep_rank = args.ep_rank.or(meta_usize(&d, "ep_rank")?);
+    // checked for every EP size: rank 5 of a world of 1 was taken for the whole world
+    if let Some(rank) = ep_rank.filter(|&r| r >= ep_size) {
+        let what = format!("EP rank {rank} is not below the EP size {ep_size}");
+        return Err(match (args.ep_rank, args.ep_size) {
+            (Some(_), Some(_)) => Error::usage(format!("--ep-rank/--ep-size: {what}")),
+            _ => Error::bad_file(
+                &d.path,
+                format!("metadata `ep_rank` / `ep_size` (or the flags given with them): {what}"),
+            ),
+        });
+    }
     let maps = if ep_size > 1 {
         let rank = ep_rank.ok_or_else(|| {
             Error::usage("--ep-size needs --ep-rank (or `ep_rank` in the dump's metadata)")
         })?;
-        if rank >= ep_size {
-            let what = format!("EP rank {rank} is not below the EP size {ep_size}");
-            return Err(match (args.ep_rank, args.ep_size) {
-                (Some(_), Some(_)) => Error::usage(format!("--ep-rank/--ep-size: {what}")),
-                _ => Error::bad_file(
-                    &d.path,
-                    format!(
-                        "metadata `ep_rank` / `ep_size` (or the flags given with them): {what}"
-                    ),
-                ),
-            });
-        }
         if ep_size > num_experts {
             let what = format!(
                 "EP size {ep_size} is larger than the {num_experts} experts: some rank would hold none"
