@@ -528,6 +528,32 @@ fn unreadable_shards_and_index_are_bad_input_not_skipped() {
     }
 }
 
+// Guards: without an index, a numbered shard set with one shard gone was read as the whole
+// checkpoint (quantize wrote the rest and passed).
+#[test]
+fn a_numbered_shard_set_missing_a_shard_is_bad_input() {
+    let (seed, mut r) = rng("numbered shard gap");
+    let d = tempfile::tempdir().unwrap();
+    let c = d.path().join("ck");
+    synth(&c, seed, &["--layers", "2", "--no-originals"]);
+    std::fs::remove_file(c.join("model.safetensors.index.json")).unwrap();
+    let shards = shards_of(&c);
+    assert!(shards.len() >= 2, "seed {seed}: synth wrote {shards:?}");
+    let gone = &shards[r.gen_range(0..shards.len())];
+    std::fs::remove_file(gone).unwrap();
+    let q = d.path().join("q");
+    for args in [vec!["audit", p(&c)], vec!["quantize", p(&c), p(&q)]] {
+        let o = run(&args);
+        let err = stderr(&o);
+        let name = gone.file_name().unwrap().to_str().unwrap();
+        assert_eq!(code(&o), 2, "seed {seed}: {args:?}: {err}");
+        assert!(
+            err.contains(name) && err.contains("does not exist") && !err.contains("panicked"),
+            "seed {seed}: {args:?}: does not name {name}:\n{err}"
+        );
+    }
+}
+
 // Guards: a tensor whose data_offsets run past the end of the file also leaves a gap where it
 // belonged, and the gap was reported against the next tensor, which is fine.
 #[test]

@@ -108,6 +108,15 @@ impl Checkpoint {
                     ));
                 }
             }
+            if let Some(missing) = missing_numbered_shard(&files) {
+                return Err(Error::bad_file(
+                    path.join(&missing),
+                    format!(
+                        "does not exist, but the shards here are numbered as a set that holds \
+                         it (no {INDEX_FILE} says otherwise): an unfinished download or copy"
+                    ),
+                ));
+            }
             let shards = files
                 .iter()
                 .map(|p| TensorFile::open(p))
@@ -350,6 +359,31 @@ fn safetensors_in(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// The first file missing from a set of shards named `<stem>-NNNNN-of-MMMMM.safetensors`
+/// (the names `save_pretrained` writes), or None when each such set is whole.
+fn missing_numbered_shard(files: &[PathBuf]) -> Option<String> {
+    let numbered = |p: &PathBuf| -> Option<(String, String, String)> {
+        let name = p.file_name()?.to_str()?.strip_suffix(".safetensors")?;
+        let (rest, total) = name.rsplit_once("-of-")?;
+        let (stem, i) = rest.rsplit_once('-')?;
+        let digits = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
+        (digits(i) && digits(total)).then(|| (stem.to_string(), i.to_string(), total.to_string()))
+    };
+    let sets: Vec<(String, String, String)> = files.iter().filter_map(numbered).collect();
+    for (stem, _, total) in &sets {
+        let n: u64 = total.parse().ok()?;
+        let have = |k: u64| {
+            sets.iter()
+                .any(|(s, i, t)| s == stem && t == total && i.parse() == Ok(k))
+        };
+        if let Some(k) = (1..=n.min(1 << 20)).find(|&k| !have(k)) {
+            let w = total.len();
+            return Some(format!("{stem}-{k:0w$}-of-{total}.safetensors"));
+        }
+    }
+    None
+}
+
 /// Why `p` cannot be opened as a file, or None when it can (a FIFO or device passes here:
 /// opening it says what it is).
 fn not_a_file(p: &Path) -> Option<String> {
@@ -415,6 +449,24 @@ fn read_index(index: &Path) -> Result<WeightMap> {
 
 #[cfg(test)]
 mod tests {
+    // Guards: without an index, half of a numbered shard set was read as the whole checkpoint.
+    #[test]
+    fn a_numbered_shard_set_with_a_gap_names_the_missing_shard() {
+        let seed: u64 = rand::random();
+        let total = 2 + seed % 6;
+        let gap = 1 + (seed / 7) % total;
+        let name = |k: u64| PathBuf::from(format!("/x/model-{k:05}-of-{total:05}.safetensors"));
+        let mut files: Vec<PathBuf> = (1..=total).filter(|&k| k != gap).map(name).collect();
+        files.push(PathBuf::from("/x/extra.safetensors"));
+        assert_eq!(
+            super::missing_numbered_shard(&files).as_deref(),
+            name(gap).file_name().and_then(|n| n.to_str()),
+            "seed {seed}"
+        );
+        files.push(name(gap));
+        assert_eq!(super::missing_numbered_shard(&files), None, "seed {seed}");
+    }
+
     use super::*;
     use crate::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
     use safetensors::Dtype;
