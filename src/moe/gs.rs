@@ -5,7 +5,7 @@
 use super::forward::{dynamic_gs, expert_input_amax};
 use super::{router, ActScales, MoeLayer, Routing};
 use crate::error::{Error, Result};
-use crate::nvfp4::{ScaleProblem, DEFAULT_GS, GS_DENOM};
+use crate::nvfp4::{rcp, ScaleProblem, DEFAULT_GS, GS_DENOM};
 use rand::SeedableRng;
 use rand_distr::{Distribution, StandardNormal};
 use std::fmt;
@@ -289,9 +289,10 @@ fn nan_max(v: &[f32]) -> f32 {
     })
 }
 
-/// Per-expert amax (`None`: the expert saw no token) → gs `2688 / amax`. An expert that saw
-/// no token gets the layer-wide amax of its GEMM, as a calibrator would have to; a layer with
-/// no amax at all gets 2688 (amax 1).
+/// Per-expert amax (`None`: the expert saw no token) → the calibrated `input_scale = amax /
+/// 2688`, taken as a kernel takes a checkpoint's: gs `1 / input_scale`. An expert that saw no
+/// token gets the layer-wide amax of its GEMM, as a calibrator would have to; a layer with no
+/// amax at all gets 2688 (amax 1).
 pub fn from_amax(
     amax1: &[Option<f32>],
     amax2: &[Option<f32>],
@@ -305,7 +306,7 @@ pub fn from_amax(
                 InputScaleReduce::GlobalMax => layer_max,
                 InputScaleReduce::PerExpert => v.unwrap_or(layer_max),
             })
-            .map(dynamic_gs)
+            .map(gs_of_calibrated_amax)
             .collect()
     };
     ActScales::Fixed {
@@ -523,6 +524,19 @@ pub fn input_scale_of_amax(amax: f32) -> f32 {
         1.0 / GS_DENOM
     } else {
         amax / GS_DENOM
+    }
+}
+
+/// The gs a kernel takes from an `input_scale` calibrated to `amax`: `1 / (amax / 2688)`, as
+/// from a checkpoint calibrated on the same batch (DESIGN.md §2). In f32 it is not always
+/// `2688 / amax` (one ulp off for some amax), which flips E2M1 codes at ties. An `amax / 2688`
+/// that is no normal f32 (no real activation) falls back to `2688 / amax`.
+pub fn gs_of_calibrated_amax(amax: f32) -> f32 {
+    let s = input_scale_of_amax(amax);
+    if s.is_normal() {
+        rcp(s)
+    } else {
+        dynamic_gs(amax)
     }
 }
 
@@ -744,6 +758,37 @@ mod tests {
             )),
             "{err}"
         );
+    }
+
+    // guards: calibrated gs was 2688/amax, one ulp off the 1/(amax/2688) a checkpoint holding this
+    // batch's input_scale gives, so `--gs calibrated` and that checkpoint flipped codes at ties
+    #[test]
+    fn calibrated_scales_equal_a_checkpoint_calibrated_on_the_batch() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(52);
+        let mut layer = test_layer(&mut rng, 32, 16, 4, 2, ScoringFunc::Sigmoid);
+        let mut off_by_an_ulp = 0;
+        for _ in 0..200 {
+            let a1: Vec<Option<f32>> = (0..4).map(|_| Some(rng.gen_range(0.5f32..40.0))).collect();
+            let a2: Vec<Option<f32>> = (0..4).map(|_| Some(rng.gen_range(0.5f32..40.0))).collect();
+            for (e, ex) in layer.experts.iter_mut().enumerate() {
+                ex.w1.input_scale = Some(input_scale_of_amax(a1[e].unwrap()));
+                ex.w3.input_scale = ex.w1.input_scale;
+                ex.w2.input_scale = Some(input_scale_of_amax(a2[e].unwrap()));
+            }
+            off_by_an_ulp += a1
+                .iter()
+                .filter(|a| 2688.0 / a.unwrap() != 1.0 / (a.unwrap() / 2688.0))
+                .count();
+            let (ActScales::Fixed { gs1, gs2 }, ActScales::Fixed { gs1: c1, gs2: c2 }) = (
+                from_amax(&a1, &a2, InputScaleReduce::PerExpert),
+                checkpoint_scales(&layer, InputScaleReduce::PerExpert).unwrap(),
+            ) else {
+                panic!()
+            };
+            assert_eq!((gs1, gs2), (c1, c2), "amax {a1:?} {a2:?}");
+        }
+        // the old 2688/amax differs for a good share of amax values: the test sees that case
+        assert!(off_by_an_ulp > 50, "{off_by_an_ulp}");
     }
 
     #[test]
