@@ -2138,7 +2138,7 @@ fn expert_table(experts: &[ExpertRow]) -> Section {
             "max_abs_err",
             "NaN",
             "Inf",
-            "input saturated %",
+            "gate/up input saturated %",
             "verdict",
         ],
     );
