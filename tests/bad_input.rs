@@ -423,17 +423,6 @@ fn a_fifo_where_a_file_belongs_is_bad_input_not_a_hang() {
     }
 }
 
-/// The shards of a synth checkpoint (tiny, 2 layers) in `dir`, sorted.
-fn shards_of(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    v.sort();
-    v
-}
-
 // Guards: without an index, a shard that is a broken symlink, a symlink loop or a directory
 // was skipped (quantize passed on half the checkpoint, layertest said "no MoE expert tensors");
 // an index that was one of those was ignored; a shard the index names that is a directory was
@@ -466,7 +455,7 @@ fn unreadable_shards_and_index_are_bad_input_not_skipped() {
         // the MoE layer's shard, without an index
         let c = copy(&format!("noindex-{what}"));
         std::fs::remove_file(c.join(index)).unwrap();
-        let shard = shards_of(&c).pop().unwrap();
+        let shard = shards(&c).pop().unwrap();
         std::fs::remove_file(&shard).unwrap();
         make(&shard);
         cases.push((c, shard, says));
@@ -478,7 +467,7 @@ fn unreadable_shards_and_index_are_bad_input_not_skipped() {
         cases.push((c, named, says));
         // a shard the index names
         let c = copy(&format!("indexed-{what}"));
-        let shard = shards_of(&c).pop().unwrap();
+        let shard = shards(&c).pop().unwrap();
         std::fs::remove_file(&shard).unwrap();
         make(&shard);
         cases.push((c, shard, says));
@@ -537,9 +526,9 @@ fn a_numbered_shard_set_missing_a_shard_is_bad_input() {
     let c = d.path().join("ck");
     synth(&c, seed, &["--layers", "2", "--no-originals"]);
     std::fs::remove_file(c.join("model.safetensors.index.json")).unwrap();
-    let shards = shards_of(&c);
-    assert!(shards.len() >= 2, "seed {seed}: synth wrote {shards:?}");
-    let gone = &shards[r.gen_range(0..shards.len())];
+    let files = shards(&c);
+    assert!(files.len() >= 2, "seed {seed}: synth wrote {files:?}");
+    let gone = &files[r.gen_range(0..files.len())];
     std::fs::remove_file(gone).unwrap();
     let q = d.path().join("q");
     for args in [vec!["audit", p(&c)], vec!["quantize", p(&c), p(&q)]] {

@@ -30,17 +30,6 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// The `.safetensors` files of a directory, sorted.
-fn shards(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    v.sort();
-    v
-}
-
 /// The shard of `dir` holding `name`.
 fn shard_with(dir: &Path, name: &str) -> PathBuf {
     shards(dir)

@@ -92,6 +92,17 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 
 /// `synth --out dir --seed seed` (tiny preset: MoE layers 1 and 2, 16 experts, BF16 originals
 /// under dir/bf16/) with `extra` arguments.
+/// The `.safetensors` files of a directory, sorted.
+pub fn shards(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
 pub fn synth(dir: &Path, seed: u64, extra: &[&str]) {
     let seed = seed.to_string();
     let mut args = vec!["synth", "--out", p(dir), "--seed", &seed];

@@ -1861,6 +1861,31 @@ mod tests {
         assert_eq!(o.findings[0].kind, FindingKind::WeightError, "seed {seed}");
     }
 
+    /// A dump of global ids on `rank` of `maps` against `reference` (min_match 0.95).
+    fn compare_global_under_ep(
+        d: &Ids,
+        reference: &Routing,
+        maps: &[ExpertMap],
+        rank: usize,
+    ) -> (Outcome, Option<Agreement>) {
+        compare_with_reference(
+            d,
+            reference,
+            &RefCompare {
+                source: "test",
+                space: IdSpace::Global,
+                ep: Some((&maps[rank], maps)),
+                routed_scaling_factor: None,
+                tol: Tolerances {
+                    min_match: 0.95,
+                    weight_rel_l2: 0.01,
+                },
+                num_experts: maps[rank].num_experts,
+                ids_checked_elsewhere: false,
+            },
+        )
+    }
+
     #[test]
     fn recomputed_routing_names_the_local_id_transform_and_losing_ranks() {
         let (seed, mut r) = rng();
@@ -1877,23 +1902,7 @@ mod tests {
             ids: &shifted,
             weights: &w,
         };
-        let tol = Tolerances {
-            min_match: 0.95,
-            weight_rel_l2: 0.01,
-        };
-        let (o, ag) = compare_with_reference(
-            &d,
-            &reference,
-            &RefCompare {
-                source: "test",
-                space: IdSpace::Global,
-                ep: Some((&maps[rank], &maps)),
-                routed_scaling_factor: None,
-                tol,
-                num_experts: e,
-                ids_checked_elsewhere: false,
-            },
-        );
+        let (o, ag) = compare_global_under_ep(&d, &reference, &maps, rank);
         let f = &o.findings[0];
         assert_eq!(
             f.kind,
@@ -1933,10 +1942,6 @@ mod tests {
         let off = maps[rank].linear_offset().unwrap() as i64;
         let twice: Vec<i64> = ids.iter().map(|v| v + off).collect();
         let unrelated: Vec<i64> = routing(&mut r, t, k, e, 1.0).0;
-        let tol = Tolerances {
-            min_match: 0.95,
-            weight_rel_l2: 0.01,
-        };
         let run = |dump: &[i64]| {
             let d = Ids {
                 tokens: t,
@@ -1944,19 +1949,7 @@ mod tests {
                 ids: dump,
                 weights: &w,
             };
-            compare_with_reference(
-                &d,
-                &reference,
-                &RefCompare {
-                    source: "test",
-                    space: IdSpace::Global,
-                    ep: Some((&maps[rank], &maps)),
-                    routed_scaling_factor: None,
-                    tol,
-                    num_experts: e,
-                    ids_checked_elsewhere: false,
-                },
-            )
+            compare_global_under_ep(&d, &reference, &maps, rank)
         };
         let (o, ag) = run(&twice);
         let f = &o.findings[0];
