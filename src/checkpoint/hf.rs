@@ -449,6 +449,10 @@ fn read_index(index: &Path) -> Result<WeightMap> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
+    use safetensors::Dtype;
+
     // Guards: without an index, half of a numbered shard set was read as the whole checkpoint.
     #[test]
     fn a_numbered_shard_set_with_a_gap_names_the_missing_shard() {
@@ -459,17 +463,13 @@ mod tests {
         let mut files: Vec<PathBuf> = (1..=total).filter(|&k| k != gap).map(name).collect();
         files.push(PathBuf::from("/x/extra.safetensors"));
         assert_eq!(
-            super::missing_numbered_shard(&files).as_deref(),
+            missing_numbered_shard(&files).as_deref(),
             name(gap).file_name().and_then(|n| n.to_str()),
             "seed {seed}"
         );
         files.push(name(gap));
-        assert_eq!(super::missing_numbered_shard(&files), None, "seed {seed}");
+        assert_eq!(missing_numbered_shard(&files), None, "seed {seed}");
     }
-
-    use super::*;
-    use crate::checkpoint::writer::{f32_bytes, write_file, TensorSpec};
-    use safetensors::Dtype;
 
     fn shard(p: &Path, names: &[(&str, f32)]) {
         write_file(

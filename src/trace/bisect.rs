@@ -977,25 +977,24 @@ fn below(cosine: f64, bar: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
     // Guards: a cosine just under the bar printed equal to it ("0.995185 < 0.995185").
     #[test]
     fn a_cosine_just_under_the_bar_prints_under_it() {
-        use rand::{Rng, SeedableRng};
         let seed: u64 = rand::random();
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let bar: f64 = r.gen_range(0.9..0.9999);
         let c = bar - r.gen_range(1e-12..1e-8);
-        let shown: f64 = super::below(c, bar).parse().unwrap();
+        let shown: f64 = below(c, bar).parse().unwrap();
         assert!(
             shown < bar,
             "seed {seed}: {} printed for {c} under {bar}",
-            super::below(c, bar)
+            below(c, bar)
         );
-        assert_eq!(super::below(0.5, bar), "0.500000");
+        assert_eq!(below(0.5, bar), "0.500000");
     }
-
-    use super::*;
-    use rand::{Rng, SeedableRng};
 
     fn lcs_len(a: &[u32], b: &[u32]) -> usize {
         let mut dp = vec![vec![0usize; b.len() + 1]; a.len() + 1];
