@@ -675,3 +675,24 @@ fn routing_refuses_an_ep_rank_outside_a_world_of_one() {
     assert_eq!(code(&o), 2, "seed {seed}: {err}");
     assert!(err.contains("EP rank 3"), "seed {seed}: {err}");
 }
+
+// Guards: a negative --gs was taken by clap for a flag ("unexpected argument '-1'"), not
+// refused as a global scale.
+#[test]
+fn a_negative_gs_is_refused_as_a_global_scale() {
+    let (seed, mut r) = rng("negative gs");
+    let v = format!("-{:.3}", r.gen_range(0.1f32..1000.0));
+    for args in [
+        vec!["quantize", "--gs", &v, "in.safetensors", "out.safetensors"],
+        vec!["layertest", "--gs", &v, "--device", "cpu"],
+        vec!["gs-sweep", "--gs", &v, "--device", "cpu"],
+    ] {
+        let o = run(&args);
+        let err = stderr(&o);
+        assert_eq!(code(&o), 2, "seed {seed}: {args:?}: {err}");
+        assert!(
+            err.contains("positive") && !err.contains("unexpected argument"),
+            "seed {seed}: {args:?}: {err}"
+        );
+    }
+}

@@ -70,7 +70,7 @@ pub struct GsArgs {
     /// Activation global scale: checkpoint (input_scale), default (1/2688, amax 1), warmup
     /// (randn), calibrated (amax of this batch), dynamic (per batch), or a VALUE (gs, quant
     /// direction). Default: calibrated for layertest and multilayer, `default` for gs-sweep
-    #[arg(long, value_name = "SOURCE")]
+    #[arg(long, value_name = "SOURCE", allow_negative_numbers = true)]
     pub gs: Option<GsSource>,
     /// per-expert input scales, or the layer-wide max (the smallest gs) for every expert
     #[arg(long, value_name = "MODE", default_value = "per-expert")]

@@ -32,7 +32,7 @@ pub struct Args {
     pub output: PathBuf,
     /// Global scale (quant direction) for every tensor: weight_scale_2 = 1/VALUE.
     /// Default: each tensor's own 2688/amax
-    #[arg(long, value_name = "VALUE", value_parser = weight_gs)]
+    #[arg(long, value_name = "VALUE", value_parser = weight_gs, allow_negative_numbers = true)]
     pub gs: Option<f32>,
     #[arg(long, value_enum, default_value = "nvfp4")]
     pub format: FormatArg,
