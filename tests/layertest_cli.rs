@@ -1257,10 +1257,14 @@ fn one_huge_token_under_fixed_scales_is_blamed_on_the_input() {
     write_hidden(dir.path(), &h, t);
     let (code, text, _) = run(dir.path(), &sweep);
     assert_eq!(code, 0, "seed {seed}: {text}");
+    // token row b of the input, 100x
+    let boost = |h: &mut Vec<f32>, b: usize| {
+        h[b * 256..(b + 1) * 256]
+            .iter_mut()
+            .for_each(|v| *v *= 100.0)
+    };
     let big = (seed >> 8) as usize % t;
-    h[big * 256..(big + 1) * 256]
-        .iter_mut()
-        .for_each(|v| *v *= 100.0);
+    boost(&mut h, big);
     write_hidden(dir.path(), &h, t);
     let (code, text, r) = run(dir.path(), &sweep);
     assert_eq!(code, 1, "seed {seed}: {text}");
@@ -1286,9 +1290,7 @@ fn one_huge_token_under_fixed_scales_is_blamed_on_the_input() {
     while more.len() < 3 {
         let b = (more.len() * 7 + big + 3 + (seed >> 20) as usize % 5) % t;
         if !more.contains(&b) {
-            h[b * 256..(b + 1) * 256]
-                .iter_mut()
-                .for_each(|v| *v *= 100.0);
+            boost(&mut h, b);
             more.push(b);
         }
     }
