@@ -1,5 +1,6 @@
 //! `nvfp4dbg audit` on small ModelOpt / compressed-tensors checkpoints: a clean one passes,
-//! each planted hazard fails naming the tensor (table and JSON), bad structure is exit 2.
+//! each planted hazard fails naming the tensor (table and JSON), a triple of misfitting shapes
+//! is a finding too (the rest still scanned), an unreadable file is exit 2.
 
 mod checkpoint_util;
 use checkpoint_util::*;
@@ -151,6 +152,92 @@ fn clean_checkpoint_passes() {
         g.iter().zip(&u).all(|(a, b)| a.max(*b) == 448.0),
         "seed {seed}"
     );
+}
+
+/// Guards audit stopping at the first misshapen triple (exit 2) and so hiding every other
+/// hazard: DESIGN lists shape/dtype errors among what audit reports. Each misfit is named on
+/// its tensor, and a NaN block scale planted in another expert is still found.
+#[test]
+fn misshapen_triples_are_named_and_the_rest_still_scanned() {
+    let (seed, mut r) = rng("audit misshapen");
+    let d = tempfile::tempdir().unwrap();
+    let e = 4;
+    let spec = |f: &mut Fixture, name: &str| {
+        f.tensors
+            .iter_mut()
+            .find(|(s, _)| s.name == name)
+            .unwrap()
+            .0
+            .clone()
+    };
+    type Plant = Box<dyn Fn(&mut Fixture, &str)>;
+    let cases: Vec<(&str, &str, Plant)> = vec![
+        (
+            "scales transposed",
+            "down_proj.weight_scale",
+            Box::new(move |f, n| {
+                let s = spec(f, n);
+                let (a, b) = (s.shape[0], s.shape[1]);
+                f.tensors.iter_mut().find(|(s, _)| s.name == n).unwrap().0 =
+                    TensorSpec::new(n.to_string(), s.dtype, &[b, a]);
+            }),
+        ),
+        (
+            "packed weight of another K",
+            "gate_proj.weight",
+            Box::new(move |f, n| {
+                let s = spec(f, n);
+                let (a, b) = (s.shape[0], s.shape[1]);
+                let t = f.tensors.iter_mut().find(|(s, _)| s.name == n).unwrap();
+                t.0 = TensorSpec::new(n.to_string(), s.dtype, &[a / 2, b * 2]);
+            }),
+        ),
+        (
+            "global scale of two floats",
+            "up_proj.weight_scale_2",
+            Box::new(move |f, n| {
+                let t = f.tensors.iter_mut().find(|(s, _)| s.name == n).unwrap();
+                t.0 = TensorSpec::new(n.to_string(), Dtype::F32, &[2]);
+                t.1 = f32_bytes(&[1e-3, 1e-3]);
+            }),
+        ),
+    ];
+    for (what, member, plant) in &cases {
+        let mut f = Fixture::new(&mut r, e);
+        let x = r.gen_range(0..e);
+        let bad = format!("model.layers.1.mlp.experts.{x}.{member}");
+        plant(&mut f, &bad);
+        // a hazard elsewhere: one NaN block scale in another expert's down_proj
+        let other = format!(
+            "model.layers.1.mlp.experts.{}.down_proj.weight_scale",
+            (x + 1) % e
+        );
+        let at = r.gen_range(0..f.get(&other).len());
+        f.get(&other)[at] = 0x7F;
+        let dir = d.path().join(what.replace(' ', "_"));
+        f.write(&dir);
+        let (c, out, v) = audit(&dir);
+        assert_eq!(c, 1, "seed {seed} {what}: {out}");
+        let named = findings_of(&v, "misshapen");
+        assert_eq!(named.len(), 1, "seed {seed} {what}: {named:?}\n{out}");
+        // on the member that misfits, or on its partner with the misfit member named
+        let base = bad.rsplit_once('.').unwrap().0;
+        assert!(
+            named[0].0.starts_with(base) && (named[0].0 == bad || named[0].2.contains(&bad)),
+            "seed {seed} {what}: {named:?}"
+        );
+        assert!(named[0].1.ends_with("model.safetensors"), "{named:?}");
+        assert!(out.contains("shape/dtype error"), "{out}");
+        let nan = findings_of(&v, "nan_block_scales");
+        assert_eq!(nan.len(), 1, "seed {seed} {what}: {out}");
+        assert_eq!(nan[0].0, other, "seed {seed} {what}");
+        // the other linears of the layer are scanned: 3 per expert, less the misshapen one
+        assert_eq!(
+            v["summary"]["quantized_linears"],
+            3 * e - 1,
+            "seed {seed} {what}"
+        );
+    }
 }
 
 #[test]

@@ -23,6 +23,9 @@ struct Case {
     input: PathBuf,
     /// text stderr must contain (the file; the tensor where there is one)
     names: Vec<String>,
+    /// a triple whose shapes cannot belong together: `audit` names it as a finding (exit 1,
+    /// the rest of the checkpoint still scanned); every other command refuses it (exit 2)
+    audit_finding: bool,
 }
 
 /// A valid small NVFP4 checkpoint file (one ModelOpt triple and a BF16 tensor).
@@ -75,6 +78,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(&t, &bytes[..bytes.len() - 7]).unwrap();
     v.push(Case {
         what: "truncated file",
+        audit_finding: false,
         names: vec![
             s(&t),
             "model.layers.0.mlp.experts.0.gate_proj.weight".into(),
@@ -88,6 +92,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(&t, b).unwrap();
     v.push(Case {
         what: "header length past the end",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -98,6 +103,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(&t, b).unwrap();
     v.push(Case {
         what: "absurd header length",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -106,6 +112,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     raw(&t, "this is not json at all!", &[0; 16]);
     v.push(Case {
         what: "non-JSON header",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -114,6 +121,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     raw(&t, "{\"x\": {\"dtype\": \"F32\", \"shape\": [2], ", &[0; 8]);
     v.push(Case {
         what: "broken JSON header",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -126,6 +134,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     );
     v.push(Case {
         what: "unknown dtype",
+        audit_finding: false,
         names: vec![s(&t), "w.weight".into()],
         input: t,
     });
@@ -138,6 +147,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     );
     v.push(Case {
         what: "offsets past the end",
+        audit_finding: false,
         names: vec![s(&t), "w.weight".into()],
         input: t,
     });
@@ -150,6 +160,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     );
     v.push(Case {
         what: "overlapping offsets",
+        audit_finding: false,
         names: vec![s(&t), "b.weight".into()],
         input: t,
     });
@@ -162,6 +173,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     );
     v.push(Case {
         what: "byte count != dtype x shape",
+        audit_finding: false,
         names: vec![s(&t), "w.weight".into()],
         input: t,
     });
@@ -179,6 +191,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     write(&t, ts);
     v.push(Case {
         what: "packed weight shape disagreeing with its scale",
+        audit_finding: true,
         names: vec![
             s(&t),
             "model.layers.0.mlp.experts.0.up_proj.weight_scale".into(),
@@ -190,6 +203,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(&t, b"").unwrap();
     v.push(Case {
         what: "empty file",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -212,6 +226,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     .unwrap();
     v.push(Case {
         what: "broken config.json",
+        audit_finding: false,
         names: vec![s(&d.join("config.json"))],
         input: d,
     });
@@ -222,6 +237,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("config.json"), c.to_string()).unwrap();
     v.push(Case {
         what: "incomplete config.json",
+        audit_finding: false,
         names: vec![s(&d.join("config.json")), "hidden_size".into()],
         input: d,
     });
@@ -232,6 +248,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("config.json"), c.to_string()).unwrap();
     v.push(Case {
         what: "top-k > experts",
+        audit_finding: false,
         names: vec![s(&d.join("config.json")), "num_experts_per_tok".into()],
         input: d,
     });
@@ -248,6 +265,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("model.safetensors.index.json"), ix.to_string()).unwrap();
     v.push(Case {
         what: "index naming a missing shard",
+        audit_finding: false,
         names: vec![
             s(&d.join("model.safetensors.index.json")),
             "model-00002-of-00002.safetensors".into(),
@@ -265,6 +283,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("model.safetensors.index.json"), ix.to_string()).unwrap();
     v.push(Case {
         what: "index naming a tensor its shard lacks",
+        audit_finding: false,
         names: vec![
             s(&d.join("model-00001-of-00001.safetensors")),
             "model.layers.0.mlp.experts.9.up_proj.weight".into(),
@@ -276,6 +295,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("model.safetensors.index.json"), "{\"weight_map\": {").unwrap();
     v.push(Case {
         what: "broken index JSON",
+        audit_finding: false,
         names: vec![s(&d.join("model.safetensors.index.json"))],
         input: d,
     });
@@ -290,6 +310,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     std::fs::write(d.join("README.md"), "nothing here").unwrap();
     v.push(Case {
         what: "directory without tensors",
+        audit_finding: false,
         names: vec![s(&d)],
         input: d,
     });
@@ -297,6 +318,7 @@ fn cases(dir: &Path, r: &mut impl Rng) -> Vec<Case> {
     let t = f("does_not_exist.safetensors");
     v.push(Case {
         what: "missing path",
+        audit_finding: false,
         names: vec![s(&t)],
         input: t,
     });
@@ -320,6 +342,13 @@ fn bad_input_exits_2_naming_file_and_tensor() {
         ] {
             let o = run(&args);
             let err = stderr(&o);
+            if c.audit_finding && args[0] == "audit" {
+                let out = stdout(&o);
+                assert_eq!(code(&o), 1, "seed {seed}: {}: {err}{out}", c.what);
+                assert!(out.contains("shape/dtype error"), "{}: {out}", c.what);
+                assert!(out.contains(c.names[1].as_str()), "{}: {out}", c.what);
+                continue;
+            }
             assert_eq!(
                 code(&o),
                 2,

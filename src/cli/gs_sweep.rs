@@ -54,7 +54,7 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 25, value_parser = super::common::sweep_points)]
     pub points: usize,
     /// Decades the sweep covers on each side of the calibrated gs (widened to include every
-    /// source's gs)
+    /// source's median gs)
     #[arg(long, value_name = "DECADES", default_value_t = 2.5)]
     pub span: f64,
     /// Fail when the gs in use loses more than this cosine against the best

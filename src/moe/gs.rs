@@ -68,6 +68,10 @@ impl fmt::Display for GsSource {
             GsSource::Warmup => write!(f, "warmup"),
             GsSource::Calibrated => write!(f, "calibrated"),
             GsSource::Dynamic => write!(f, "dynamic"),
+            // shortest round-trip digits; scientific where the plain form runs long
+            GsSource::Value(v) if *v != 0.0 && !(1e-4..1e6).contains(&v.abs()) => {
+                write!(f, "{v:e}")
+            }
             GsSource::Value(v) => write!(f, "{v}"),
         }
     }
@@ -576,6 +580,23 @@ mod tests {
             "global-max".parse::<InputScaleReduce>(),
             Ok(InputScaleReduce::GlobalMax)
         );
+    }
+
+    /// Guards a gs of 1e30 printed as thirty-one digits (and its ratio as twenty-eight):
+    /// a fixed gs reads back as itself, in scientific notation past the plain range.
+    #[test]
+    fn a_fixed_gs_prints_short_and_reads_back() {
+        let mut r = rand::thread_rng();
+        for _ in 0..200 {
+            let g = 10f32.powf(r.gen_range(-30.0..30.0));
+            let s = GsSource::Value(g).to_string();
+            assert!(s.len() <= 16, "{g}: {s}");
+            assert_eq!(s.parse::<GsSource>(), Ok(GsSource::Value(g)), "{s}");
+        }
+        assert_eq!(GsSource::Value(448.0).to_string(), "448");
+        assert_eq!(GsSource::Value(1e30).to_string(), "1e30");
+        assert_eq!(crate::report::f(8.045e27, 1), "8.045e27");
+        assert_eq!(crate::report::f(-12.3, 1), "-12.3");
     }
 
     /// Input scales set to the reciprocal of the calibrated `amax/2688` are named; the

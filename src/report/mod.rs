@@ -324,9 +324,12 @@ pub fn tmp_name(path: &Path) -> PathBuf {
     path.with_file_name(name)
 }
 
-/// Format a float for tables: fixed digits, `NaN` spelled out.
+/// Format a float for tables: fixed digits, `NaN` spelled out; a magnitude of 1e9 or more
+/// in scientific notation (a fixed `1e30` is thirty digits nobody reads).
 pub fn f(v: f64, digits: usize) -> String {
-    if v.is_nan() {
+    if v.is_finite() && v.abs() >= 1e9 {
+        e(v)
+    } else if v.is_nan() {
         "NaN".into()
     } else if v.is_infinite() {
         if v > 0.0 {

@@ -75,7 +75,11 @@
 //! 1.0 in DeepSeek-V2's configuration_deepseek.py); HF-style configs only (a native `dim`
 //! config is read by DeepSeek's own inference code).
 //!
-//! Shapes or dtypes that cannot belong together are bad input (exit 2), not findings.
+//! - a triple whose members' shapes or dtypes cannot belong together (packed weight, block
+//!   scales, global scales): named, and the rest of the checkpoint is still scanned.
+//!
+//! A file that cannot be read as safetensors, or a checkpoint directory that cannot be read,
+//! is bad input (exit 2), not a finding.
 
 mod fused;
 
@@ -174,6 +178,10 @@ pub enum FindingKind {
     /// Block scales at 448 over blocks whose FP4 codes are all small (|code| ≤ 2): a quantizer
     /// writes 448 only over the blocks next to the tensor's amax, whose codes reach 6.
     OversizedBlockScales,
+    /// A triple whose members' dtypes or shapes cannot belong together (a packed weight that
+    /// is not `[N, K/2]`, block scales not `[N, K/16]`, a global scale that is not one float):
+    /// no engine loads it. The linear is not scanned further; the rest of the checkpoint is.
+    Misshapen,
 }
 
 /// Errors fail the audit (exit 1); warnings are reported and leave the verdict pass.
@@ -225,6 +233,7 @@ impl FindingKind {
             FindingKind::NonfiniteDequant => "weights dequantize to Inf",
             FindingKind::UnlistedShard => "shard the index does not list",
             FindingKind::OversizedBlockScales => "block scale 448 over small codes",
+            FindingKind::Misshapen => "shape/dtype error",
         }
     }
 }
@@ -459,7 +468,13 @@ pub fn audit(
                     "internal: not a linear",
                 )
             })?;
-            formats::check_linear(ck, &ln)?;
+            if let Err(e) = formats::check_linear(ck, &ln) {
+                findings.push(misshapen(e)?);
+                for mem in members.iter() {
+                    in_linear.insert(m(mem));
+                }
+                continue;
+            }
             let n = 2 + ln.global_scale.is_some() as usize + ln.input_scale.is_some() as usize;
             for t in [&ln.weight, &ln.weight_scale]
                 .into_iter()
@@ -472,7 +487,12 @@ pub fn audit(
         } else if block && weight_exists {
             // a float weight next to NVFP4 block scales cannot belong together (bad input);
             // an FP8 weight with E8M0 block scales is simply not FP4
-            formats::find_linear(ck, base)?;
+            if let Err(e) = formats::find_linear(ck, base) {
+                findings.push(misshapen(e)?);
+                for mem in members.iter() {
+                    in_linear.insert(m(mem));
+                }
+            }
         } else if block {
             let s = if members.contains("weight_scale") {
                 m("weight_scale")
@@ -620,6 +640,20 @@ pub fn audit(
         original_bytes,
         findings,
     })
+}
+
+/// A triple's shape or dtype error as a finding on the tensor it names; any other error
+/// (the file cannot be read) stays bad input.
+fn misshapen(e: Error) -> Result<Finding> {
+    match e {
+        Error::BadTensor { file, tensor, what } => Ok(Finding {
+            tensor,
+            file,
+            kind: FindingKind::Misshapen,
+            detail: format!("{what}: no engine loads this linear; it is not scanned further"),
+        }),
+        e => Err(e),
+    }
 }
 
 fn scalar_checks(name: &str, file: &std::path::Path, what: &str, v: f32, out: &mut Vec<Finding>) {
