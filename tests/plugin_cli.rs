@@ -1148,3 +1148,102 @@ fn compare_outputs_names_a_flat_output_written_transposed() {
         assert!(text(&o).contains("written transposed"), "{}", text(&o));
     }
 }
+
+/// A kernel that ignores V4's swiglu_limit (gate and up unclamped) is named on a tiny-v4 dump
+/// whose activations reach the limit; it used to be only "N of M tokens deviate".
+#[test]
+fn compare_outputs_names_swiglu_limit_ignored() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "synth",
+            "--preset",
+            "tiny-v4",
+            "--out",
+            "ck",
+            "--seed",
+            &seed.to_string(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "seed {seed}: {}", text(&o));
+    // hidden states 4x randn: the gate and up outputs reach swiglu_limit 10
+    let (t, h) = (32, 256);
+    let hidden: Vec<f32> = (0..t * h)
+        .map(|_| {
+            let (a, b): (f32, f32) = (r.gen_range(1e-7..1.0), r.gen());
+            4.0 * (-2.0 * a.ln()).sqrt() * (std::f32::consts::TAU * b).cos()
+        })
+        .collect();
+    write_file(
+        &p.join("in.safetensors"),
+        vec![(
+            TensorSpec::new("hidden_states", safetensors::Dtype::F32, &[t, h]),
+            f32_bytes(&hidden),
+        )],
+        None,
+    )
+    .unwrap();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--checkpoint",
+            "ck",
+            "--layer",
+            "1",
+            "--input",
+            "in.safetensors",
+            "--gs",
+            "30",
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    assert_eq!(dumped.layer.config.swiglu_limit, Some(10.0));
+    let feeding = Feeding {
+        layout: Some(ScaleLayout::Swizzled),
+        ep: None,
+    };
+    let variants = byok::bug_variants(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+        feeding,
+    )
+    .unwrap();
+    let (_, unclamped) = variants
+        .iter()
+        .find(|(b, _)| *b == SuspectedBug::SwigluLimitIgnored)
+        .unwrap_or_else(|| panic!("seed {seed}: no swiglu_limit variant"));
+    write_output(&p.join("bad.safetensors"), unclamped, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "bad.safetensors",
+            "--json",
+            "bad.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert_eq!(
+        json(&p.join("bad.json"))["summary"]["diagnosis"],
+        "swiglu-limit-ignored",
+        "seed {seed}: {}",
+        text(&o)
+    );
+}

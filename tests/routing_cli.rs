@@ -1204,6 +1204,97 @@ fn hash_layers_check_tid2eid() {
     assert_eq!(f0.unwrap()["first"]["token"], j / k, "seed {seed}");
 }
 
+/// V4 engine bugs planted in a dump are named: the hash table read at the token's position or
+/// one row off (both used to be only "N of M topk_ids differ from tid2eid[input_ids]"), and
+/// sqrt(softplus) computed as softplus, on the hash layer and on a scored layer (it used to be
+/// only "topk_weights differ").
+#[test]
+fn planted_v4_router_bugs_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny-v4").join("ck");
+    let ck_s = ck.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("d.safetensors");
+    let t = 48;
+    // layer 0 routes by tid2eid[input_ids]
+    let en = engine(&ck, 0, t, &mut r);
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let table = en.layer.router.tid2eid.clone().unwrap();
+    let vocab = (table.len() / k) as i64;
+    // the last id has no next row
+    let input_ids: Vec<i64> = en.input_ids.iter().map(|&v| v % (vocab - 1)).collect();
+    let x = Extra {
+        input_ids: Some(&input_ids),
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let rows_of = |rows: &[i64]| -> Vec<i64> {
+        rows.iter()
+            .flat_map(|&v| table[v as usize * k..(v as usize + 1) * k].to_vec())
+            .collect()
+    };
+    let positions: Vec<i64> = (0..t as i64).collect();
+    let next: Vec<i64> = input_ids.iter().map(|&v| v + 1).collect();
+    for (rows, what) in [
+        (&positions, "tid2eid[position]"),
+        (&next, "tid2eid[input_ids + 1]"),
+    ] {
+        write_full(&f, t, k, &rows_of(rows), &en.routing.topk_weights, &x);
+        let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", "0"]);
+        assert_eq!(out.code, 1, "seed {seed} {what}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        assert!(
+            findings.contains("hash_mismatch") && findings.contains(what),
+            "seed {seed} {what}: {findings}"
+        );
+    }
+    // sqrt(softplus) computed as softplus: softplus scores select (with the bias) and weigh
+    for l in [0, 1] {
+        let en = engine(&ck, l, t, &mut r);
+        let c = &en.layer.config;
+        let e = c.n_routed_experts;
+        let logits =
+            nvfp4dbg::moe::router::router_logits(&en.layer.router.weight, &en.hidden, t, h, e);
+        let mut ids = vec![];
+        let mut w = vec![];
+        for (tok, lg) in logits.chunks(e).enumerate() {
+            let sp: Vec<f32> = lg.iter().map(|&v| v.exp().ln_1p()).collect();
+            let row: Vec<usize> = match &en.layer.router.e_score_correction_bias {
+                _ if c.is_hash_layer(l) => en.routing.topk_ids[tok * k..(tok + 1) * k]
+                    .iter()
+                    .map(|&i| i as usize)
+                    .collect(),
+                Some(b) => {
+                    let sel: Vec<f32> = sp.iter().zip(b).map(|(s, b)| s + b).collect();
+                    nvfp4dbg::moe::router::select(&sel, c.n_group, c.topk_group, k)
+                }
+                None => nvfp4dbg::moe::router::select(&sp, c.n_group, c.topk_group, k),
+            };
+            w.extend(nvfp4dbg::moe::router::weights(
+                &sp,
+                &row,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            ));
+            ids.extend(row.iter().map(|&i| i as i64));
+        }
+        let x = Extra {
+            input_ids: Some(&en.input_ids),
+            hidden: Some((&en.hidden, h)),
+            ..Default::default()
+        };
+        write_full(&f, t, k, &ids, &w, &x);
+        let ls = l.to_string();
+        let out = run(dir.path(), &[p(&f), "--checkpoint", ck_s, "--layer", &ls]);
+        assert_eq!(out.code, 1, "seed {seed} layer {l}\n{}", out.stdout);
+        let findings = out.json["findings"].to_string();
+        assert!(
+            findings.contains("softplus scoring where the config says scoring_func = sqrtsoftplus"),
+            "seed {seed} layer {l}: {findings}"
+        );
+    }
+}
+
 /// A router bug planted in the engine's routing (group limit ignored, another scoring function,
 /// the correction bias ignored or added to the weights, weights not normalized) fails and is
 /// named: the routing recomputed under that bug matches the dump. It used to say only "only

@@ -747,7 +747,7 @@ fn diagnose(
     other_layers: &[(usize, Router)],
     out: &mut Outcome,
 ) -> Result<()> {
-    use crate::moe::router::{score, weights};
+    use crate::moe::router::{score, select, weights};
     use crate::moe::ScoringFunc;
     let name = |f: ScoringFunc| {
         serde_json::to_value(f)
@@ -810,6 +810,42 @@ fn diagnose(
         }
     };
     let rsf = config.routed_scaling_factor;
+    if config.scoring_func == ScoringFunc::Sqrtsoftplus {
+        // V4's sqrt(softplus(logit)) with the sqrt left out: softplus scores select (with the
+        // bias; a hash layer keeps its table's ids) and weigh
+        let k = reference.top_k;
+        let mut v = reference.clone();
+        v.topk_weights.clear();
+        for (t, l) in logits.chunks(e).enumerate().take(reference.tokens) {
+            let sp: Vec<f32> = l
+                .iter()
+                .map(|&l| if l > 20.0 { l } else { l.exp().ln_1p() })
+                .collect();
+            let row: Vec<usize> = if config.is_hash_layer(layer) {
+                reference.topk_ids[t * k..(t + 1) * k]
+                    .iter()
+                    .map(|&i| i as usize)
+                    .collect()
+            } else {
+                let sel: Vec<f32> = match &router.e_score_correction_bias {
+                    Some(b) => sp.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => sp.clone(),
+                };
+                select(&sel, config.n_group, config.topk_group, k)
+            };
+            for (slot, &i) in row.iter().enumerate() {
+                v.topk_ids[t * k + slot] = i as i32;
+            }
+            v.topk_weights
+                .extend(weights(&sp, &row, config.norm_topk_prob, rsf));
+        }
+        variants.push((
+            "softplus scoring where the config says scoring_func = sqrtsoftplus (the sqrt of \
+             sqrt(softplus(logit)) left out)"
+                .into(),
+            v,
+        ));
+    }
     if let Some(b) = &router.e_score_correction_bias {
         let r = Router {
             e_score_correction_bias: None,

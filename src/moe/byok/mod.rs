@@ -95,6 +95,8 @@ pub enum SuspectedBug {
     /// The up projection scaled with the gate's `weight_scale_2` (vLLM's `w13_weight_scale_2`
     /// keeps one of the two): differs only where an expert's w1 and w3 global scales differ.
     UpUsesGateScale2,
+    /// V4's `swiglu_limit` not applied: gate and up enter silu(g) · u unclamped.
+    SwigluLimitIgnored,
 }
 
 impl SuspectedBug {
@@ -153,6 +155,9 @@ impl SuspectedBug {
             }
             SuspectedBug::UpUsesGateScale2 => {
                 "the up projection (w3) is scaled with the gate's (w1) weight_scale_2: a fused w13 keeps one global scale per expert (vLLM's w13_weight_scale_2 keeps only the gate's) while this checkpoint's w1 and w3 scales differ - requantize w1/w3 with a shared global scale, or apply each its own"
+            }
+            SuspectedBug::SwigluLimitIgnored => {
+                "swiglu_limit is ignored: the gate (w1) output must be clamped to <= L and the up (w3) output to [-L, L] before silu(gate) * up (DeepSeek-V4's swiglu_limit in config.json)"
             }
         }
     }
@@ -536,6 +541,15 @@ pub fn bug_variants(
         routed_sum(&ps, &unweighted, h),
     ));
     let correct = routed_sum(&ps, routing, h);
+    if layer.config.swiglu_limit.is_some() {
+        let mut unclamped = routed_only.clone();
+        unclamped.config.swiglu_limit = None;
+        let v = routed_cpu(&unclamped, hidden, routing, scales)?;
+        // activations that never reach the limit cannot tell it: not a suspect
+        if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
+            out.push((SuspectedBug::SwigluLimitIgnored, v));
+        }
+    }
     let mut seen = vec![routing.topk_weights.clone()];
     for (bug, from) in wrong_slot_bugs() {
         let moved = move_weights(routing, from);

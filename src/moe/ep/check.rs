@@ -1412,19 +1412,27 @@ pub fn check_hash(
         ));
         return (o, None);
     }
-    let reference = Routing {
-        tokens: d.tokens,
-        top_k: hash_k,
-        topk_ids: input_ids
-            .iter()
-            .flat_map(|&v| {
-                let v = v as usize;
+    // tid2eid's rows `rows[t]` as a routing; none when a row is outside the table
+    let lookup = |rows: &[i64]| -> Option<Routing> {
+        let mut topk_ids = Vec::with_capacity(rows.len() * hash_k);
+        for &v in rows {
+            let v = usize::try_from(v).ok().filter(|&v| v < vocab)?;
+            topk_ids.extend(
                 tid2eid[v * hash_k..(v + 1) * hash_k]
                     .iter()
-                    .map(|&e| e as i32)
-            })
-            .collect(),
-        topk_weights: vec![0.0; d.tokens * hash_k],
+                    .map(|&e| e as i32),
+            );
+        }
+        Some(Routing {
+            tokens: d.tokens,
+            top_k: hash_k,
+            topk_ids,
+            topk_weights: vec![0.0; d.tokens * hash_k],
+        })
+    };
+    // every id is in range: checked above
+    let Some(reference) = lookup(input_ids) else {
+        return (o, None);
     };
     let MatchCount {
         slots,
@@ -1456,12 +1464,37 @@ pub fn check_hash(
         ));
     } else if slots < all {
         let s = first;
+        // the table read at another row than the token's id: every slot matches it
+        let positions: Vec<i64> = (0..d.tokens as i64).collect();
+        let next: Vec<i64> = input_ids.iter().map(|&v| v + 1).collect();
+        let previous: Vec<i64> = input_ids.iter().map(|&v| v - 1).collect();
+        let row_bug = [
+            (
+                "tid2eid[position]: the table indexed by each token's position in the batch, \
+                 not by its input id",
+                &positions,
+            ),
+            (
+                "tid2eid[input_ids + 1]: the table row one past the token's id (an off-by-one \
+                 in the lookup or a table with a row too few at its start)",
+                &next,
+            ),
+            (
+                "tid2eid[input_ids - 1]: the table row one before the token's id (an off-by-one \
+                 in the lookup or a table with an extra row at its start)",
+                &previous,
+            ),
+        ]
+        .into_iter()
+        .find(|(_, rows)| lookup(rows).is_some_and(|r| set_match(d, &r, &|g| g).slots == all))
+        .map(|(what, _)| format!("; every topk_id matches {what}"))
+        .unwrap_or_default();
         o.find(Finding::new(
             FindingKind::HashMismatch,
             (d.tokens * d.top_k) as u64 - slots,
             s,
             format!(
-                "hash layer: {} of {} topk_ids differ from tid2eid[input_ids]{}",
+                "hash layer: {} of {} topk_ids differ from tid2eid[input_ids]{}{row_bug}",
                 (d.tokens * d.top_k) as u64 - slots,
                 d.tokens * d.top_k,
                 s.map(|s| {
