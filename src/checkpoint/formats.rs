@@ -209,14 +209,17 @@ pub fn check_linear(src: &dyn TensorSource, n: &LinearNames) -> Result<Geometry>
         Format::Nvfp4 => matches!(s.dtype, Dtype::F8_E4M3 | Dtype::U8),
         Format::Mxfp4 => matches!(s.dtype, Dtype::F8_E8M0 | Dtype::U8),
     };
+    // without a global scale the triple may be MXFP4 whose scales lost their dtype
+    let maybe_mxfp4 = format == Format::Nvfp4 && n.global_scale.is_none();
     if !ok_dtype {
         return Err(bad_s(format!(
-            "{} block scales are {}; found {:?}",
-            format.name(),
-            if format == Format::Nvfp4 {
-                "F8_E4M3"
-            } else {
-                "F8_E8M0 (or U8)"
+            "{}; found {:?}",
+            match format {
+                Format::Mxfp4 => "MXFP4 block scales are F8_E8M0 (or U8)",
+                Format::Nvfp4 if maybe_mxfp4 => {
+                    "block scales are F8_E4M3 (NVFP4, beside a weight_scale_2) or F8_E8M0 (MXFP4)"
+                }
+                Format::Nvfp4 => "NVFP4 block scales are F8_E4M3",
             },
             s.dtype
         )));
@@ -235,6 +238,8 @@ pub fn check_linear(src: &dyn TensorSource, n: &LinearNames) -> Result<Geometry>
         let (pr, pk) = layout::swizzled_dims(rows, kb);
         let hint = if s.shape == [pr, pk] || s.shape == [pr * pk] {
             " — that is the 128x4 swizzled (padded) layout kernels use; checkpoints hold linear scales"
+        } else if maybe_mxfp4 && s.shape == [rows, cols / 32] {
+            " — that is MXFP4's 32-element blocks, whose UE8M0 scales are F8_E8M0, not E4M3"
         } else {
             ""
         };
@@ -570,6 +575,45 @@ mod tests {
                 "{what}: {e}"
             );
             assert!(e.contains(want), "{what}: {e}");
+        }
+    }
+
+    /// Guards an MXFP4 triple (no global scale) whose scales lost their dtype being told
+    /// "NVFP4 block scales are F8_E4M3", and its UE8M0 bytes tagged F8_E4M3 being told
+    /// NVFP4's shape: both messages now name MXFP4's scales.
+    #[test]
+    fn scales_of_a_triple_without_global_scale_name_mxfp4() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, cols) = (r.gen_range(1..9), 32 * r.gen_range(1..5));
+        let d = tempfile::tempdir().unwrap();
+        let packed: Vec<u8> = (0..rows * cols / 2).map(|_| r.gen()).collect();
+        for (dtype, bytes, want) in [
+            (Dtype::F32, 4, "or F8_E8M0 (MXFP4); found F32"),
+            (Dtype::F8_E4M3, 1, "MXFP4's 32-element blocks"),
+        ] {
+            let p = d.path().join(format!("{dtype:?}.safetensors"));
+            let scales: Vec<u8> = (0..rows * cols / 32 * bytes)
+                .map(|_| r.gen_range(100..140))
+                .collect();
+            let tensors = vec![
+                (
+                    TensorSpec::new("w.weight", Dtype::U8, &[rows, cols / 2]),
+                    packed.clone(),
+                ),
+                (
+                    TensorSpec::new("w.weight_scale", dtype, &[rows, cols / 32]),
+                    scales,
+                ),
+            ];
+            write_file(&p, tensors, None).unwrap();
+            let f = TensorFile::open(&p).unwrap();
+            let n = find_linear(&f, "w").unwrap().unwrap();
+            let e = check_linear(&f, &n).unwrap_err().to_string();
+            assert!(
+                e.contains(want) && e.contains("w.weight_scale"),
+                "seed {seed}: {e}"
+            );
         }
     }
 }
