@@ -1250,3 +1250,65 @@ fn a_nan_in_a_mask_output_is_named_at_the_nan_not_at_the_masks_minus_inf() {
         "{ctx}"
     );
 }
+
+/// Guards: a NaN that an input alone held (its output clean) before a later bad output was
+/// dropped from the report: no `nan_input`, not in the verdict line.
+#[test]
+fn a_nan_input_swallowed_before_the_first_bad_output_is_still_reported() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let mut x = randv(&mut r, 32);
+    let at = r.gen_range(0..32);
+    x[at] = f32::NAN;
+    let mut y = randv(&mut r, 32);
+    let bad_at = r.gen_range(0..32);
+    y[bad_at] = f32::NAN;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[4, 8], randv(&mut r, 32))],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.layers.0.mlp.act_fn",
+        vec![
+            t("input.0", &[4, 8], x),
+            t("output", &[4, 8], randv(&mut r, 32)),
+        ],
+        &[],
+    );
+    write_call(
+        &d,
+        2,
+        "model.layers.0.mlp.down_proj",
+        vec![
+            t("input.0", &[4, 8], randv(&mut r, 32)),
+            t("output", &[4, 8], y),
+        ],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!(
+        "seed {seed}, input NaN at {at}, output NaN at {bad_at}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_nonfinite"]["module"], "model.layers.0.mlp.down_proj",
+        "{ctx}"
+    );
+    let n = &o.json["nan_input"];
+    assert_eq!(n["module"], "model.layers.0.mlp.act_fn", "{ctx}");
+    assert_eq!(n["tensor"], "input.0", "{ctx}");
+    assert_eq!(n["index"]["flat"], at as u64, "{ctx}");
+    assert!(
+        o.stdout.contains("`model.layers.0.mlp.act_fn` input.0"),
+        "{ctx}"
+    );
+}
