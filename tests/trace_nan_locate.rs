@@ -1200,3 +1200,115 @@ fn an_attention_mask_is_not_the_first_bad_call_nor_blamed_for_a_later_nan() {
     assert_eq!(f["inputs_clean"], false, "{ctx}");
     assert_eq!(f["bad_input"]["tensor"], "input.0", "{ctx}");
 }
+
+/// Guards: a NaN in a 0/-inf mask output was named at the mask's first -inf (a normal masked
+/// position, reported as "first Inf"), not at the NaN.
+#[test]
+fn a_nan_in_a_mask_output_is_named_at_the_nan_not_at_the_masks_minus_inf() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let tok = r.gen_range(3..12usize);
+    let mut mask: Vec<f32> = (0..tok * tok)
+        .map(|i| {
+            if i % tok > i / tok {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    // a NaN on or below the diagonal, after the first -inf at [0, 1]
+    let row = r.gen_range(1..tok);
+    let nan_at = row * tok + r.gen_range(0..=row);
+    mask[nan_at] = f32::NAN;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[tok, 8], randv(&mut r, tok * 8))],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.causal_mask",
+        vec![t("output", &[tok, tok], mask)],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed}, NaN at {nan_at}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], "model.causal_mask", "{ctx}");
+    assert_eq!(f["kind"], "nan", "{ctx}");
+    assert_eq!(f["index"]["flat"], nan_at as u64, "{ctx}");
+    assert!(
+        o.stdout.contains("first NaN in `model.causal_mask`"),
+        "{ctx}"
+    );
+}
+
+/// Guards: a NaN that an input alone held (its output clean) before a later bad output was
+/// dropped from the report: no `nan_input`, not in the verdict line.
+#[test]
+fn a_nan_input_swallowed_before_the_first_bad_output_is_still_reported() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("t");
+    std::fs::create_dir(&d).unwrap();
+    let mut x = randv(&mut r, 32);
+    let at = r.gen_range(0..32);
+    x[at] = f32::NAN;
+    let mut y = randv(&mut r, 32);
+    let bad_at = r.gen_range(0..32);
+    y[bad_at] = f32::NAN;
+    write_call(
+        &d,
+        0,
+        "model.embed_tokens",
+        vec![t("output", &[4, 8], randv(&mut r, 32))],
+        &[],
+    );
+    write_call(
+        &d,
+        1,
+        "model.layers.0.mlp.act_fn",
+        vec![
+            t("input.0", &[4, 8], x),
+            t("output", &[4, 8], randv(&mut r, 32)),
+        ],
+        &[],
+    );
+    write_call(
+        &d,
+        2,
+        "model.layers.0.mlp.down_proj",
+        vec![
+            t("input.0", &[4, 8], randv(&mut r, 32)),
+            t("output", &[4, 8], y),
+        ],
+        &[],
+    );
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!(
+        "seed {seed}, input NaN at {at}, output NaN at {bad_at}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_nonfinite"]["module"], "model.layers.0.mlp.down_proj",
+        "{ctx}"
+    );
+    let n = &o.json["nan_input"];
+    assert_eq!(n["module"], "model.layers.0.mlp.act_fn", "{ctx}");
+    assert_eq!(n["tensor"], "input.0", "{ctx}");
+    assert_eq!(n["index"]["flat"], at as u64, "{ctx}");
+    assert!(
+        o.stdout.contains("`model.layers.0.mlp.act_fn` input.0"),
+        "{ctx}"
+    );
+}

@@ -358,24 +358,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 )
             };
             // a NaN input is the trace's first bad tensor: CI reads it where it reads an output's
-            let nan_input = r.nan_input.as_ref().map(|(c, b)| {
-                json!({
-                    "module": c.module,
-                    "file": c.file,
-                    "tensor": b.tensor,
-                    "index": index_json(b),
-                    "kind": b.kind,
-                    "value": b.value.to_string(),
-                    "counter": c.counter,
-                    "step": c.step,
-                    "rank": index.selection.rank.unwrap_or(0),
-                    "shape": b.shape,
-                    "dtype": b.dtype,
-                    "nan_count": b.nan_count,
-                    "inf_count": b.inf_count,
-                    "inputs_clean": false,
-                })
-            });
+            let nan_input = nan_input_json(index, r);
             let last_clean = match &r.nan_input {
                 Some(_) => r.clean_before_nan_input.as_ref(),
                 None => r.last_clean.as_ref(),
@@ -433,8 +416,21 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     None => "no inputs recorded: cannot tell whether it produced or received it"
                         .to_string(),
                 };
+            // a NaN swallowed earlier (an input only) is a second fault: said, not dropped
+            let nan_input_note = match &r.nan_input {
+                Some((c, b)) => format!(
+                    "; before it, `{}` {} (counter {}) already held {} NaN (first at [{}]) that \
+                     no recorded output held: made between recorded modules, and swallowed there",
+                    c.module,
+                    b.tensor,
+                    counter(c),
+                    b.nan_count,
+                    where_(b)
+                ),
+                None => String::new(),
+            };
             let headline = format!(
-                "first {} in `{}` {} [{}] (counter {}); {verdict_why}{}{unscanned_note}",
+                "first {} in `{}` {} [{}] (counter {}); {verdict_why}{}{nan_input_note}{unscanned_note}",
                 if o.kind.as_str() == "nan" {
                     "NaN"
                 } else {
@@ -527,6 +523,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             Report::new("nan-locate", Verdict::Fail, headline)
                 .summary(summary)
                 .with("first_nonfinite", first)
+                .with("nan_input", nan_input_json(index, r))
                 .with("last_clean", r.last_clean.as_ref().map(clean_json))
                 .section(kv)
                 .section(table)
@@ -565,6 +562,28 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         rep = rep.section(s);
     }
     Ok(rep.with("skipped", &skipped))
+}
+
+/// The first NaN held by an input only, before any bad output (`LocateResult::nan_input`).
+fn nan_input_json(index: &TraceIndex, r: &LocateResult) -> Option<Value> {
+    r.nan_input.as_ref().map(|(c, b)| {
+        json!({
+            "module": c.module,
+            "file": c.file,
+            "tensor": b.tensor,
+            "index": index_json(b),
+            "kind": b.kind,
+            "value": b.value.to_string(),
+            "counter": c.counter,
+            "step": c.step,
+            "rank": index.selection.rank.unwrap_or(0),
+            "shape": b.shape,
+            "dtype": b.dtype,
+            "nan_count": b.nan_count,
+            "inf_count": b.inf_count,
+            "inputs_clean": false,
+        })
+    })
 }
 
 fn clean_json(c: &ScannedCall) -> Value {

@@ -95,7 +95,7 @@ pub struct BadValue {
 impl BadValue {
     fn of(t: &ScannedTensor) -> Option<BadValue> {
         let s = t.stats?;
-        let (flat, value) = s.first_nonfinite?;
+        let (flat, value) = s.first_fault()?;
         Some(BadValue {
             tensor: t.name.clone(),
             shape: t.shape.clone(),

@@ -47,6 +47,8 @@ pub struct TensorStats {
     pub neg_inf_count: u64,
     /// Flat index and value of the first NaN or ±Inf (whichever comes first).
     pub first_nonfinite: Option<(usize, f32)>,
+    /// Flat index of the first NaN.
+    pub first_nan: Option<usize>,
     /// Largest |x| among the finite values (0 when there are none): how close a tensor runs
     /// to the overflow that turns into Inf one module later.
     pub max_abs: f32,
@@ -68,6 +70,19 @@ impl TensorStats {
             && self.max_abs == 0.0
     }
 
+    /// The first value that is a fault: the first NaN of a mask that holds NaN too (its `-inf`
+    /// are the mask's meaning, not where it went wrong), else the first NaN or ±Inf.
+    pub fn first_fault(&self) -> Option<(usize, f32)> {
+        let mask_but_nan = self.nan_count > 0
+            && self.inf_count > 0
+            && self.neg_inf_count == self.inf_count
+            && self.max_abs == 0.0;
+        match self.first_nan {
+            Some(i) if mask_but_nan => Some((i, f32::NAN)),
+            _ => self.first_nonfinite,
+        }
+    }
+
     pub fn first_kind(&self) -> Option<Kind> {
         self.first_nonfinite.and_then(|(_, v)| Kind::of(v))
     }
@@ -80,6 +95,7 @@ impl TensorStats {
         for (i, &v) in x.iter().enumerate() {
             if v.is_nan() {
                 s.nan_count += 1;
+                s.first_nan.get_or_insert(offset + i);
             } else if v.is_infinite() {
                 s.inf_count += 1;
                 s.neg_inf_count += u64::from(v < 0.0);
@@ -100,6 +116,10 @@ impl TensorStats {
         self.max_abs = self.max_abs.max(o.max_abs);
         self.first_nonfinite = match (self.first_nonfinite, o.first_nonfinite) {
             (Some(a), Some(b)) => Some(if b.0 < a.0 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        self.first_nan = match (self.first_nan, o.first_nan) {
+            (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
         self
