@@ -1247,3 +1247,85 @@ fn compare_outputs_names_swiglu_limit_ignored() {
         text(&o)
     );
 }
+
+/// A correct kernel on a checkpoint with a NaN block scale reproduces our NaN bit for bit:
+/// compare-outputs used to say it "deviates from the built-in" kernel and blame the NaN expert's
+/// output on it; it agrees with ours, and the inputs are to blame.
+#[test]
+fn compare_outputs_agrees_with_a_kernel_reproducing_our_nan() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &[
+            "synth",
+            "--out",
+            "ckpt",
+            "--seed",
+            &s,
+            "--plant",
+            "nan-block-scale",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(0), "seed {seed}: {}", text(&o));
+    let o = nvfp4dbg(
+        p,
+        &[
+            "layertest",
+            "--checkpoint",
+            "ckpt",
+            "--device",
+            "cpu",
+            "--tokens",
+            "24",
+            "--seed",
+            &s,
+            "--dump-inputs",
+            "dump",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let ours = &dumped.expected.nvfp4_routed;
+    assert!(ours.iter().any(|v| v.is_nan()), "seed {seed}: no NaN");
+    write_output(&p.join("same.safetensors"), ours, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "same.safetensors",
+            "--json",
+            "same.json",
+        ],
+    );
+    // the layer holds NaN: a failure, but not the kernel's
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(
+        text(&o).contains("agrees with the built-in NVFP4 kernel"),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    assert!(!text(&o).contains("deviates"), "seed {seed}: {}", text(&o));
+    let j = json(&p.join("same.json"));
+    assert_eq!(j["kernel"]["judgement"]["agree"], true, "seed {seed}: {j}");
+    assert!(j["localization"].is_null(), "seed {seed}: {j}");
+
+    // NaN in one more row than ours is still the kernel's
+    let mut more = ours.clone();
+    let row = (0..t)
+        .find(|&r| more[r * h..(r + 1) * h].iter().all(|v| v.is_finite()))
+        .unwrap();
+    more[row * h] = f32::NAN;
+    write_output(&p.join("more.safetensors"), &more, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "more.safetensors"]);
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    assert!(
+        text(&o).contains("deviates from the built-in"),
+        "seed {seed}: {}",
+        text(&o)
+    );
+}

@@ -121,7 +121,7 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     let pass = j.pass();
     // a scale error is said by the blame; localizing it would list every token
-    let mut local = (!j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
+    let mut local = (!j.agree && !j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
         .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
         .flatten();
     // rows that are ours less one slot's expert output: name the dropped experts exactly, also

@@ -182,7 +182,7 @@ pub fn localize_plugin(
     hidden: usize,
     j: &Judgement,
 ) -> Option<byok::Localization> {
-    if j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE) || j.diagnosis.is_some() {
+    if j.agree || j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE) || j.diagnosis.is_some() {
         return None;
     }
     let ps = ours.per_slot.as_deref()?;

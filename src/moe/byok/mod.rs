@@ -50,6 +50,28 @@ fn same_up_to_noise(m: &Metrics, c: f64) -> bool {
     m.passes(c) && m.rel_l2 <= max_rel_l2(c)
 }
 
+/// `theirs` is `ours` up to summation order where `ours` is finite, and NaN/Inf exactly where
+/// `ours` is (the same Inf): a correct kernel on inputs that make ours non-finite (a NaN block
+/// scale) agrees with it, though no cosine of the two is defined.
+fn agrees_with_same_nonfinite(theirs: &[f32], ours: &[f32]) -> bool {
+    let same_nonfinite = |t: f32, u: f32| {
+        t.is_finite() == u.is_finite()
+            && (t.is_finite() || t.is_nan() == u.is_nan() && (t.is_nan() || t == u))
+    };
+    if ours.iter().all(|v| v.is_finite())
+        || !theirs.iter().zip(ours).all(|(&t, &u)| same_nonfinite(t, u))
+    {
+        return false;
+    }
+    let (t, u): (Vec<f32>, Vec<f32>) = theirs
+        .iter()
+        .zip(ours)
+        .filter(|(t, _)| t.is_finite())
+        .map(|(&t, &u)| (t, u))
+        .unzip();
+    t.is_empty() || same_up_to_noise(&compare(&t, &u), AGREE_MIN_COSINE)
+}
+
 /// A known engine bug the diagnosis recomputes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -667,7 +689,8 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
     let (theirs_pass, ours_pass, agree) = (
         ok(&tr, min_cosine),
         ok(&or, min_cosine),
-        same_up_to_noise(&to, AGREE_MIN_COSINE),
+        same_up_to_noise(&to, AGREE_MIN_COSINE)
+            || agrees_with_same_nonfinite(o.theirs_routed, o.ours_routed),
     );
     let (dot, nn) = o
         .theirs_routed
