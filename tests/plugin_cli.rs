@@ -1329,3 +1329,116 @@ fn compare_outputs_agrees_with_a_kernel_reproducing_our_nan() {
         text(&o)
     );
 }
+
+/// Guards two engine mistakes compare-outputs failed without naming (only "N of M tokens
+/// deviate ... the bug is in the kernel"): a weight-only W4A16 kernel (BF16 activations, as
+/// Marlin's NVFP4 MoE on Hopper), computed here independently from the dequantized weights,
+/// and gs1/gs2 handed the other way round.
+#[test]
+fn compare_outputs_names_a_w4a16_kernel_and_swapped_gs() {
+    use nvfp4dbg::moe::{moe_forward, ActScales, Path as MoePath};
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    let s = seed.to_string();
+    let o = nvfp4dbg(
+        p,
+        &["synth", "--preset", "tiny", "--out", "ck", "--seed", &s],
+    );
+    assert_eq!(o.status.code(), Some(0), "seed {seed}: {}", text(&o));
+    let args = [
+        "layertest",
+        "--device",
+        "cpu",
+        "--checkpoint",
+        "ck",
+        "--seed",
+        &s,
+    ];
+    let o = nvfp4dbg(
+        p,
+        &[&args[..], &["--gs", "calibrated", "--dump-inputs", "dump"]].concat(),
+    );
+    assert!(
+        matches!(o.status.code(), Some(0 | 1)),
+        "seed {seed}: {}",
+        text(&o)
+    );
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (layer, routing) = (&dumped.layer, &dumped.routing);
+    let (h, i) = (layer.config.hidden_size, layer.config.moe_intermediate_size);
+    let (t, k) = (routing.tokens, routing.top_k);
+    assert_eq!(layer.config.swiglu_limit, None);
+
+    // W4A16: BF16 inputs times the dequantized weights, f64 sums, the SwiGLU output in BF16
+    let deq: Vec<[Vec<f32>; 3]> = layer
+        .experts
+        .iter()
+        .map(|x| {
+            [
+                x.w1.weight.dequantize(),
+                x.w3.weight.dequantize(),
+                x.w2.weight.dequantize(),
+            ]
+        })
+        .collect();
+    let dot = |w: &[f32], row: usize, x: &[f32]| -> f64 {
+        let n = x.len();
+        w[row * n..(row + 1) * n]
+            .iter()
+            .zip(x)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum()
+    };
+    let mut w4a16 = vec![0f32; t * h];
+    for tok in 0..t {
+        let x = &dumped.hidden[tok * h..(tok + 1) * h];
+        for slot in 0..k {
+            let e = routing.topk_ids[tok * k + slot] as usize;
+            let [w1, w3, w2] = &deq[e];
+            let a: Vec<f32> = (0..i)
+                .map(|j| {
+                    let g = dot(w1, j, x) as f32;
+                    let u = dot(w3, j, x) as f32;
+                    half::bf16::from_f32(g / (1.0 + (-g).exp()) * u).to_f32()
+                })
+                .collect();
+            for c in 0..h {
+                w4a16[tok * h + c] += routing.topk_weights[tok * k + slot] * dot(w2, c, &a) as f32;
+            }
+        }
+    }
+    let ActScales::Fixed { gs1, gs2 } = &dumped.scales else {
+        panic!("seed {seed}: calibrated scales are fixed");
+    };
+    assert_ne!(gs1, gs2, "seed {seed}");
+    let swapped = ActScales::Fixed {
+        gs1: gs2.clone(),
+        gs2: gs1.clone(),
+    };
+    let mut routed_only = layer.clone();
+    routed_only.shared = None;
+    let path = MoePath::Nvfp4 {
+        scales: &swapped,
+        flavor: nvfp4dbg::nvfp4::Flavor::Reference,
+    };
+    let gs_swapped = moe_forward(&routed_only, &dumped.hidden, routing, &path, false)
+        .unwrap()
+        .out;
+
+    for (name, out, want) in [
+        ("w4a16", &w4a16, "activations-not-quantized"),
+        ("gs_swapped", &gs_swapped, "gs-swapped"),
+    ] {
+        write_output(&p.join(format!("{name}.safetensors")), out, t, h);
+        let (f, j) = (format!("{name}.safetensors"), format!("{name}.json"));
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", &f, "--json", &j]);
+        assert_eq!(o.status.code(), Some(1), "seed {seed} {name}: {}", text(&o));
+        assert_eq!(
+            json(&p.join(&j))["summary"]["diagnosis"],
+            want,
+            "seed {seed}: {}",
+            text(&o)
+        );
+    }
+}

@@ -119,6 +119,10 @@ pub enum SuspectedBug {
     UpUsesGateScale2,
     /// V4's `swiglu_limit` not applied: gate and up enter silu(g) · u unclamped.
     SwigluLimitIgnored,
+    /// gs1 used before the down projection and gs2 before gate/up.
+    GsSwapped,
+    /// Activations left in BF16: a weight-only (W4A16) kernel, as Marlin's NVFP4 MoE on Hopper.
+    ActivationsNotQuantized,
 }
 
 impl SuspectedBug {
@@ -177,6 +181,12 @@ impl SuspectedBug {
             }
             SuspectedBug::UpUsesGateScale2 => {
                 "the up projection (w3) is scaled with the gate's (w1) weight_scale_2: a fused w13 keeps one global scale per expert (vLLM's w13_weight_scale_2 keeps only the gate's) while this checkpoint's w1 and w3 scales differ - requantize w1/w3 with a shared global scale, or apply each its own"
+            }
+            SuspectedBug::GsSwapped => {
+                "the two activation global scales are swapped: a2_gscale (gs2) quantizes the gate/up input and a1_gscale (gs1) the down projection's input"
+            }
+            SuspectedBug::ActivationsNotQuantized => {
+                "the activations are never quantized to NVFP4: BF16 inputs times the dequantized NVFP4 weights, a weight-only (W4A16) kernel such as Marlin's NVFP4 MoE on Hopper. Expected of such a kernel, a bug in a W4A4 one (Blackwell's block-scaled MMA); a weight-only kernel is judged by its layer cosine against the BF16 reference, not by agreement with the W4A4 path"
             }
             SuspectedBug::SwigluLimitIgnored => {
                 "swiglu_limit is ignored: the gate (w1) output must be clamped to <= L and the up (w3) output to [-L, L] before silu(gate) * up (DeepSeek-V4's swiglu_limit in config.json)"
@@ -467,6 +477,34 @@ fn scale_and_packing_bugs(
             SuspectedBug::DefaultGsUsed,
             routed_cpu(&routed_only, hidden, routing, &default)?,
         ));
+        // equal scales swap to the same output: not a suspect then
+        if gs1 != gs2 {
+            let swapped = ActScales::Fixed {
+                gs1: gs2.clone(),
+                gs2: gs1.clone(),
+            };
+            out.push((
+                SuspectedBug::GsSwapped,
+                routed_cpu(&routed_only, hidden, routing, &swapped)?,
+            ));
+        }
+    }
+    {
+        // W4A16: the reference path on the dequantized NVFP4 weights (no BF16 originals)
+        let dequantized = variant_layer(layer, |x| {
+            let q = |l: &super::QLinear| super::QLinear {
+                weight: l.weight.clone(),
+                input_scale: l.input_scale,
+                original: None,
+            };
+            super::Expert {
+                w1: q(&x.w1),
+                w3: q(&x.w3),
+                w2: q(&x.w2),
+            }
+        });
+        let o = super::moe_forward(&dequantized, hidden, routing, &Path::Reference, false)?;
+        out.push((SuspectedBug::ActivationsNotQuantized, o.out));
     }
     {
         let swap = |l: &super::QLinear| {
