@@ -1412,6 +1412,54 @@ fn planted_router_bugs_are_named() {
     assert!(!out.json["notes"].to_string().contains("router bug"));
 }
 
+/// Guards weights renormalized by an engine that ignores `norm_topk_prob = false` failing as
+/// a bare weight error: the router bug is named. The dump is the engine's normalized routing,
+/// judged under `--norm-topk-prob false`.
+#[test]
+fn weights_normalized_against_norm_topk_prob_false_are_named() {
+    let (seed, mut r) = rng();
+    let ck = synth("tiny").join("ck");
+    let dir = tempfile::tempdir().unwrap();
+    let t = 40;
+    let en = engine(&ck, 1, t, &mut r);
+    assert!(
+        en.layer.config.norm_topk_prob,
+        "tiny normalizes its top-k weights"
+    );
+    let (k, h) = (en.routing.top_k, en.layer.config.hidden_size);
+    let x = Extra {
+        hidden: Some((&en.hidden, h)),
+        ..Default::default()
+    };
+    let f = dir.path().join("d.safetensors");
+    let ids: Vec<i64> = en.routing.topk_ids.iter().map(|&v| v as i64).collect();
+    write_full(&f, t, k, &ids, &en.routing.topk_weights, &x);
+    let ck_s = ck.to_str().unwrap();
+    let args = [
+        p(&f),
+        "--checkpoint",
+        ck_s,
+        "--layer",
+        "1",
+        "--device",
+        "cpu",
+    ];
+    let out = run(
+        dir.path(),
+        &[&args[..], &["--norm-topk-prob", "false"]].concat(),
+    );
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    let findings = out.json["findings"].to_string();
+    assert!(
+        findings.contains("matches the routing recomputed with this router bug")
+            && findings.contains("weights normalized to sum to 1"),
+        "seed {seed}: {findings}"
+    );
+    // and under the config's own norm_topk_prob = true it is the right routing
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 0, "seed {seed}\n{}", out.stdout);
+}
+
 /// Two routing bugs at once are each named: topk_ids and topk_weights misaligned (weights
 /// reversed per token, or ids sorted without their weights) together with rows one token off,
 /// or with a router bug (weights not normalized), and that router bug with rows one token off.

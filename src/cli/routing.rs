@@ -870,6 +870,13 @@ fn diagnose(
             "weights not normalized (norm_topk_prob = true ignored)".into(),
             reweigh(&|sc, row| weights(sc, row, false, rsf)),
         ));
+    } else {
+        variants.push((
+            "weights normalized to sum to 1 (norm_topk_prob = false ignored: an engine default \
+             of true)"
+                .into(),
+            reweigh(&|sc, row| weights(sc, row, true, rsf)),
+        ));
     }
     if rsf != 1.0 {
         variants.push((
