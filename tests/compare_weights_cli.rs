@@ -325,6 +325,8 @@ struct Faults {
     nan_scale: Option<usize>,
     /// w2_weight_scale_2 stored in BF16.
     w2_scale_2_bf16: bool,
+    /// w2_weight_scale_2 stored in F64 (the same values).
+    w2_scale_2_f64: bool,
     /// This expert's w2_weight_scale_2 replaced by this value.
     w2_scale_2_set: Option<(usize, f32)>,
     /// This expert's w2_input_scale replaced by this value.
@@ -335,6 +337,10 @@ struct Faults {
     swap_codes_only: Vec<usize>,
     /// w2_weight stored as I8 (the same bytes).
     w2_i8: bool,
+    /// w2_weight stored as F8_E4M3 (the same bytes).
+    w2_f8: bool,
+    /// w2_weight_scale holds the scales' values converted to F8_E5M2 (other bytes).
+    w2_scales_e5m2_values: bool,
     /// The shared expert's gate and up as vLLM's merged `gate_up_proj` ([gate; up], each
     /// sharded on its own under `tp`); `Some(true)`: [up; gate].
     merged_shared: Option<bool>,
@@ -546,7 +552,13 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         (
             TensorSpec::new(
                 ex("w2_weight"),
-                if f.w2_i8 { Dtype::I8 } else { Dtype::U8 },
+                if f.w2_i8 {
+                    Dtype::I8
+                } else if f.w2_f8 {
+                    Dtype::F8_E4M3
+                } else {
+                    Dtype::U8
+                },
                 &[e, w2r, w2k / 2],
             ),
             w2,
@@ -576,6 +588,19 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
                 Dtype::F8_E5M2
             };
             (TensorSpec::new(ex("w2_weight_scale"), dtype, &s2_shape), s2)
+        } else if f.w2_scales_e5m2_values {
+            // e5m2 is the top byte of an f16: round the low byte to nearest even
+            let v: Vec<u8> = s2
+                .iter()
+                .map(|&c| {
+                    let b = half::f16::from_f32(nvfp4dbg::nvfp4::e4m3::decode(c)).to_bits();
+                    ((b + 0x7F + ((b >> 8) & 1)) >> 8) as u8
+                })
+                .collect();
+            (
+                TensorSpec::new(ex("w2_weight_scale"), Dtype::F8_E5M2, &s2_shape),
+                v,
+            )
         } else if f.w2_scales_u8_values {
             let v: Vec<u8> = s2
                 .iter()
@@ -595,6 +620,11 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             (
                 TensorSpec::new(ex("w2_weight_scale_2"), Dtype::BF16, &[es]),
                 bf16_bytes(&g2),
+            )
+        } else if f.w2_scale_2_f64 {
+            (
+                TensorSpec::new(ex("w2_weight_scale_2"), Dtype::F64, &[es]),
+                g2.iter().flat_map(|&v| (v as f64).to_le_bytes()).collect(),
             )
         } else {
             (
@@ -1302,6 +1332,95 @@ fn packed_codes_stored_as_i8_are_a_dtype_mismatch() {
             fx.seed
         );
     }
+}
+
+/// Packed codes stored as F8_E4M3 with the same bytes are a dtype issue naming both tensors:
+/// it read as a shape mismatch ("B [N, K/2] vs A [N, K/2] — dim 1 is 1/2 of A's: a tensor-parallel
+/// shard?") with two equal shapes.
+#[test]
+fn packed_codes_stored_as_f8_are_a_dtype_mismatch() {
+    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let dump = fx.root.join("f8.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            w2_f8: true,
+            ..Default::default()
+        },
+        &[],
+        1,
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), fx.model.experts.len(), "seed {}: {m:?}", fx.seed);
+    for u in m {
+        let issue = &u["issues"][0];
+        let msg = issue["message"].as_str().unwrap();
+        assert!(
+            u["name"].as_str().unwrap().contains("down_proj")
+                && issue["kind"] == "dtype"
+                && msg.contains("w2_weight")
+                && msg.contains("F8_E4M3")
+                && msg.contains("packed FP4 codes")
+                && !msg.contains("tensor-parallel"),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
+}
+
+/// Block scales converted to F8_E5M2 values (other bytes) are not said to hold "the same bytes"
+/// (the message said so for every E5M2 tensor, with a run of spaces in the middle).
+#[test]
+fn block_scales_converted_to_e5m2_are_not_called_the_same_bytes() {
+    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let dump = fx.root.join("e5m2.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            w2_scales_e5m2_values: true,
+            ..Default::default()
+        },
+        &[],
+        1,
+    );
+    let m = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(m.len(), fx.model.experts.len(), "seed {}: {m:?}", fx.seed);
+    for u in m {
+        let issues = u["issues"].to_string();
+        assert!(
+            issues.contains("F8_E5M2 where A's are F8_E4M3")
+                && issues.contains("converted")
+                && !issues.contains("the bytes are the same")
+                && !issues.contains("   "),
+            "seed {}: {u}",
+            fx.seed
+        );
+    }
+}
+
+/// A global scale stored as F64 holding A's F32 values is equal after a conversion, not
+/// bitwise equal: "bitwise" counts byte-identical tensors only (it counted it bitwise).
+#[test]
+fn a_global_scale_in_f64_is_equal_after_conversion_not_bitwise() {
+    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let e = fx.model.experts.len();
+    let dump = fx.root.join("f64.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            w2_scale_2_f64: true,
+            ..Default::default()
+        },
+        &[],
+        0,
+    );
+    let sm = &out.json["summary"];
+    assert_eq!(sm["equal_after_conversion"], e, "seed {}: {sm}", fx.seed);
+    assert!(
+        sm["text"].as_str().unwrap().contains("F64"),
+        "seed {}: {sm}",
+        fx.seed
+    );
 }
 
 /// Block scales converted to F32/BF16 values or to U8 integers, stored transposed, or of a

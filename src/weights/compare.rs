@@ -365,7 +365,7 @@ fn scalar_converted(a: Option<f32>, b: Option<f32>) -> bool {
 }
 
 /// What a unit with the same codes but other bytes is equal after (`UnitResult::equal_after`).
-fn conversions(u: &UnitResult, relaid: bool, converted_scalars: bool) -> String {
+fn conversions(u: &UnitResult, relaid: bool, converted_scalars: Option<String>) -> String {
     let mut why = vec![];
     if relaid {
         let side = if u.swizzle_side_open {
@@ -377,12 +377,7 @@ fn conversions(u: &UnitResult, relaid: bool, converted_scalars: bool) -> String 
         };
         why.push(layouts::relaid_reason(side));
     }
-    if converted_scalars {
-        why.push(
-            "converting the global scales between conventions (weight_scale_2 = 1/weight_global_scale)"
-                .to_string(),
-        );
-    }
+    why.extend(converted_scalars);
     why.join(" and ")
 }
 
@@ -898,10 +893,16 @@ fn compare_qq(
     // torch dequantization, `.float()`, a kernel picked by dtype) decodes other values
     let fp8 = |d: Dtype| matches!(d, Dtype::F8_E4M3 | Dtype::F8_E5M2);
     if fp8(qa.scale_dtype) && fp8(qb.scale_dtype) && qa.scale_dtype != qb.scale_dtype {
+        let how = if a_m.scales == b_m.scales {
+            "the bytes are the same, but read as their dtype they are other values (the e4m3 \
+             byte 0x38, 1.0, is 0.5 as e5m2)"
+        } else {
+            "the scale values were converted (other bytes: kernels read the e4m3 bytes)"
+        };
         u.issue(
             IssueKind::Dtype,
             format!(
-                "B's block scales `{}` are {:?} where A's are {:?}: the bytes are the same, but read as                  their dtype they are other values (the e4m3 byte 0x38, 1.0, is 0.5 as e5m2)",
+                "B's block scales `{}` are {:?} where A's are {:?}: {how}",
                 qb.scale_name, qb.scale_dtype, qa.scale_dtype
             ),
         );
@@ -1083,19 +1084,42 @@ fn compare_qq(
     }
     let conventions_differ = qa.reciprocal_names != qb.reciprocal_names;
     // scalars stored in other conventions are other bytes, whatever the values come out as
-    let scalars_bitwise = !conventions_differ
-        && sa.map(f32::to_bits) == sb.map(f32::to_bits)
+    // the same values in another float dtype (F64 where F32 belongs) are other bytes too
+    let dtypes_differ = qa.scalar_dtypes != qb.scalar_dtypes;
+    let same_values = sa.map(f32::to_bits) == sb.map(f32::to_bits)
         && qa.input_scale.map(f32::to_bits) == qb.input_scale.map(f32::to_bits);
-    let scalars_converted = conventions_differ
+    let scalars_bitwise = !conventions_differ && !dtypes_differ && same_values;
+    let scalars_converted = (conventions_differ
         && (sa.map(f32::to_bits) == sb.map(f32::to_bits) || conv_ulp)
-        && scalar_converted(qa.input_scale, qb.input_scale);
+        && scalar_converted(qa.input_scale, qb.input_scale))
+        || (!conventions_differ && dtypes_differ && same_values);
     // one side's scales read unswizzled, the other's as stored: other bytes, the same codes
     let relaid = u.swizzle_side_open
         || (u.a_scales == Some(ScalesSeen::Swizzled)) != (u.b_scales == Some(ScalesSeen::Swizzled));
     let same_codes = codes_equal && scale_ok && input_ok;
     u.bitwise_equal = same_codes && scalars_bitwise && !relaid;
     if same_codes && !u.bitwise_equal && (scalars_bitwise || scalars_converted) {
-        u.equal_after = Some(conversions(u, relaid, !scalars_bitwise));
+        let scalars = (!scalars_bitwise).then(|| {
+            if conventions_differ {
+                "converting the global scales between conventions (weight_scale_2 = 1/weight_global_scale)"
+                    .to_string()
+            } else {
+                let d = |t: (Option<Dtype>, Option<Dtype>)| {
+                    [t.0, t.1]
+                        .iter()
+                        .flatten()
+                        .map(|d| format!("{d:?}"))
+                        .collect::<Vec<_>>()
+                        .join("/")
+                };
+                format!(
+                    "reading B's {} global/input scales as A's {} (the same values in another dtype)",
+                    d(qb.scalar_dtypes),
+                    d(qa.scalar_dtypes)
+                )
+            }
+        });
+        u.equal_after = Some(conversions(u, relaid, scalars));
     }
     if codes_equal && scale_ok {
         // identical codes and scales (the global scale up to the ulp a convention's reciprocal
@@ -1799,6 +1823,25 @@ fn compare_qd(
         }
         None => None,
     };
+    // a one-byte float tensor of the packed weight's own shape: the packed FP4 codes under
+    // a float dtype (read by it, each byte is one value where it holds two codes)
+    if qm.is_none() && d.dtype.bitsize() == 8 && d.shape == q.weight_shape {
+        u.issue(
+            IssueKind::Dtype,
+            format!(
+                "{}'s `{}` is {:?} {:?}: the shape of {}'s packed FP4 codes `{}` ({:?}), under a \
+                 float dtype that reads each byte as one value where it holds two codes",
+                if q_is_a { "B" } else { "A" },
+                d.name,
+                d.dtype,
+                d.shape,
+                if q_is_a { "A" } else { "B" },
+                q.weight_name,
+                q.weight_dtype
+            ),
+        );
+        return Ok(done(u, false));
+    }
     let Some(qm) = qm else {
         u.issue(
             IssueKind::Shape,

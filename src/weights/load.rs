@@ -34,6 +34,8 @@ pub struct QRaw<'a> {
     pub reciprocal_names: bool,
     /// Dequant direction.
     pub input_scale: Option<f32>,
+    /// The stored dtypes of the global scale and the input scale (F32, or another float).
+    pub scalar_dtypes: (Option<Dtype>, Option<Dtype>),
     pub input_shared: Shared,
     /// Where the codes live, for messages (`file tensor` or `tensor[index]`).
     pub weight_name: String,
@@ -283,6 +285,16 @@ impl<'a> SideRef<'a> {
             reciprocal_names: ln.convention == Convention::CompressedTensors,
             input_scale,
             input_shared: Shared::Own,
+            scalar_dtypes: (
+                ln.global_scale
+                    .as_deref()
+                    .and_then(|n| dtype_of(src, n).ok())
+                    .map(|d| d.0),
+                ln.input_scale
+                    .as_deref()
+                    .and_then(|n| dtype_of(src, n).ok())
+                    .map(|d| d.0),
+            ),
             weight_name: src.original(&ln.weight).to_string(),
             weight_shape: ws,
             weight_dtype: wd,
@@ -480,6 +492,16 @@ impl<'a> SideRef<'a> {
             reciprocal_names: recip,
             input_scale,
             input_shared,
+            scalar_dtypes: (
+                fl.member(w13, "weight_scale_2")
+                    .or(fl.member(w13, "weight_global_scale"))
+                    .and_then(|n| dtype_of(src, n).ok())
+                    .map(|d| d.0),
+                fl.member(w13, "input_scale")
+                    .or(fl.member(w13, "input_global_scale"))
+                    .and_then(|n| dtype_of(src, n).ok())
+                    .map(|d| d.0),
+            ),
             weight_name: label,
             weight_shape: vec![rows, c],
             weight_dtype: wd,
