@@ -929,6 +929,57 @@ fn native_v4_names_and_prefixes_pair_up() {
     );
 }
 
+/// Guards one expert's tensors written with a stray `model.` prefix (a renaming applied to
+/// part of the model) listed only as missing and extra: the prefix is named, and a prefix
+/// dropped on the other side too.
+#[test]
+fn a_prefix_on_some_tensors_only_is_named() {
+    let fx = fixture(3);
+    let native = fx.root.join("native.safetensors");
+    write_native(&fx.model, &native);
+    let odd = 1 + rand::random::<usize>() % 2;
+    let partly = fx.root.join("partly.safetensors");
+    let mut v = fx.model.common("", "ffn");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        let pre = if e == odd { "model." } else { "" };
+        for (n, t, ins) in [
+            ("w1", &x.w1, x.in1),
+            ("w3", &x.w3, x.in3),
+            ("w2", &x.w2, x.in2),
+        ] {
+            triple(
+                &mut v,
+                &format!("{pre}layers.{LAYER}.ffn.experts.{e}.{n}"),
+                t,
+                ins,
+            );
+        }
+    }
+    write_file(&partly, v, None).unwrap();
+    for (a, b, how) in [
+        (&native, &partly, "added in B"),
+        (&partly, &native, "dropped in B"),
+    ] {
+        let out = run(&fx.root, &[s(a), s(b)]);
+        check(&out, 1, fx.seed);
+        let d = out.json["diagnoses"].as_array().unwrap();
+        let named: Vec<&Value> = d
+            .iter()
+            .filter(|d| d["kind"] == "prefix_mismatch")
+            .collect();
+        assert_eq!(named.len(), 1, "seed {} odd {odd}: {d:?}", fx.seed);
+        let msg = named[0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains(&format!("`model.` {how}")) && !msg.contains("  "),
+            "{msg}"
+        );
+        assert_eq!(named[0]["layer"], LAYER, "{msg}");
+        let missing = out.json["missing"].as_array().unwrap().len();
+        assert_eq!(named[0]["tensors"], missing, "{msg}");
+        assert!(missing > 0 && missing.is_multiple_of(3), "{msg}");
+    }
+}
+
 #[test]
 fn gate_up_swapped_in_one_expert_is_named() {
     let fx = fixture(4);

@@ -68,6 +68,9 @@ pub enum DiagnosisKind {
     /// An EP rank's per-expert scalars (`w13_weight_scale_2`, `w2_input_scale`, ...) kept for
     /// all experts while its weights hold only the rank's.
     EpScalarsUnsharded,
+    /// Tensors missing from B that B holds under the same name with a prefix added or
+    /// dropped (`model.` on some layers only): B's names follow no one rule.
+    PrefixMismatch,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -242,6 +245,57 @@ pub fn global_scale_scaled(
 }
 
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer, side).
+/// Missing tensors that B holds under a prefix added (`model.` + name) or dropped: one
+/// diagnosis per (direction, prefix), naming the layers. A prefix on every name is a naming
+/// (matched before this); here only some names carry it.
+pub fn prefix_mismatch(missing: &[String], extra: &[String]) -> Vec<Diagnosis> {
+    // (prefix, added in B?) -> (pairs, layers)
+    let mut found: BTreeMap<(String, bool), (usize, BTreeSet<usize>)> = BTreeMap::new();
+    let layer_of = |n: &str| {
+        let (_, rest) = n.split_once("layers.")?;
+        rest.split('.').next()?.parse::<usize>().ok()
+    };
+    for (longer, shorter, added) in [(extra, missing, true), (missing, extra, false)] {
+        let short: BTreeSet<&str> = shorter.iter().map(String::as_str).collect();
+        for n in longer {
+            let hit = n
+                .match_indices('.')
+                .map(|(i, _)| (&n[..=i], &n[i + 1..]))
+                .find(|(_, rest)| short.contains(rest));
+            if let Some((prefix, rest)) = hit {
+                let e = found.entry((prefix.to_string(), added)).or_default();
+                e.0 += 1;
+                e.1.extend(layer_of(rest));
+            }
+        }
+    }
+    found
+        .into_iter()
+        .map(|((prefix, added), (n, layers))| {
+            let layers: Vec<usize> = layers.into_iter().collect();
+            let at = if layers.is_empty() {
+                String::new()
+            } else {
+                format!(" (layer(s) {})", list(&layers))
+            };
+            let how = if added { "added in B" } else { "dropped in B" };
+            Diagnosis {
+                kind: DiagnosisKind::PrefixMismatch,
+                layer: (layers.len() == 1).then(|| layers[0]),
+                experts: vec![],
+                tensors: n,
+                message: format!(
+                    "{n} tensor(s) missing from B are in B under the same name with the prefix \
+                     `{prefix}` {how}{at}: B's names carry the prefix on some tensors only, and \
+                     an engine maps names by one rule, so these are never loaded where they \
+                     belong (a renaming applied to part of the model?)"
+                ),
+                fails: true,
+            }
+        })
+        .collect()
+}
+
 pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
     // (kind, layer, side of a layout note) → (experts, tensors, an example message)
     type Group = (BTreeSet<usize>, usize, String);

@@ -547,6 +547,7 @@ impl<'a> Plan<'a> {
             missing.extend(r.missing_members.iter().cloned());
             extra.extend(r.extra_members.iter().cloned());
         }
+        diagnoses.extend(diagnose::prefix_mismatch(&missing, &extra));
         let mut notes = self.notes;
         let tp_notes: BTreeSet<&String> = results
             .iter()
