@@ -359,6 +359,15 @@ fn variant_layer(layer: &MoeLayer, f: impl Fn(&super::Expert) -> super::Expert) 
     }
 }
 
+/// [`variant_layer`] with each expert's three linears mapped by `q`.
+fn variant_linears(layer: &MoeLayer, q: impl Fn(&super::QLinear) -> super::QLinear) -> MoeLayer {
+    variant_layer(layer, |x| super::Expert {
+        w1: q(&x.w1),
+        w3: q(&x.w3),
+        w2: q(&x.w2),
+    })
+}
+
 /// Under an EP id bug every rank runs some slots on some local expert: one routing with
 /// `ranks * K` slots per token (weight 0 where a rank computes nothing) reproduces the sum.
 fn ep_fault_routing(
@@ -491,17 +500,10 @@ fn scale_and_packing_bugs(
     }
     {
         // W4A16: the reference path on the dequantized NVFP4 weights (no BF16 originals)
-        let dequantized = variant_layer(layer, |x| {
-            let q = |l: &super::QLinear| super::QLinear {
-                weight: l.weight.clone(),
-                input_scale: l.input_scale,
-                original: None,
-            };
-            super::Expert {
-                w1: q(&x.w1),
-                w3: q(&x.w3),
-                w2: q(&x.w2),
-            }
+        let dequantized = variant_linears(layer, |l| super::QLinear {
+            weight: l.weight.clone(),
+            input_scale: l.input_scale,
+            original: None,
         });
         let o = super::moe_forward(&dequantized, hidden, routing, &Path::Reference, false)?;
         out.push((SuspectedBug::ActivationsNotQuantized, o.out));
@@ -516,11 +518,7 @@ fn scale_and_packing_bugs(
                 original: None,
             }
         };
-        let swapped = variant_layer(layer, |x| super::Expert {
-            w1: swap(&x.w1),
-            w3: swap(&x.w3),
-            w2: swap(&x.w2),
-        });
+        let swapped = variant_linears(layer, swap);
         out.push((
             SuspectedBug::NibblesSwapped,
             routed_cpu(&swapped, hidden, routing, scales)?,
@@ -574,17 +572,10 @@ pub fn bug_variants(
             ScaleLayout::Swizzled => (SuspectedBug::SwizzledScalesReadLinear, swizzled_read_linear),
             ScaleLayout::Linear => (SuspectedBug::LinearScalesReadSwizzled, linear_read_swizzled),
         };
-        let misread = variant_layer(layer, |x| {
-            let q = |l: &super::QLinear| super::QLinear {
-                weight: map_scales(&l.weight, f),
-                input_scale: l.input_scale,
-                original: None,
-            };
-            super::Expert {
-                w1: q(&x.w1),
-                w3: q(&x.w3),
-                w2: q(&x.w2),
-            }
+        let misread = variant_linears(layer, |l| super::QLinear {
+            weight: map_scales(&l.weight, f),
+            input_scale: l.input_scale,
+            original: None,
         });
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
     }
