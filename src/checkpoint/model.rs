@@ -370,6 +370,21 @@ fn router_parts(
                 ),
             ));
         }
+        // a row names k distinct experts: a repeated one runs the token through it twice
+        let repeated = ids.chunks(k).enumerate().find_map(|(r, row)| {
+            let j = (1..row.len()).find(|&j| row[..j].contains(&row[j]))?;
+            Some((r, j, row[j]))
+        });
+        if let Some((r, j, x)) = repeated {
+            return Err(Error::bad_tensor(
+                ck.file_of(&tk),
+                &tk,
+                format!(
+                    "row {r} names expert {x} twice (entry [{r}, {j}]): each token's row holds \
+                     {k} distinct experts, or the token runs through that expert twice"
+                ),
+            ));
+        }
         if cfg.vocab_size == 0 {
             cfg.vocab_size = t.shape[0];
         }
@@ -950,5 +965,49 @@ mod tests {
         std::fs::remove_file(&cfg).unwrap();
         let e = err(load_moe_layer(dir.path(), 2));
         assert!(e.contains("config.json"), "{e}");
+    }
+
+    /// Guards a hash table row naming one expert twice being loaded as is: the token would
+    /// run through that expert twice with two weights.
+    #[test]
+    fn hash_table_row_naming_an_expert_twice_is_bad_input() {
+        use crate::checkpoint::file::TensorFile;
+        let seed: u64 = rand::random();
+        let d = Dims {
+            h: 32,
+            i: 16,
+            e: 4,
+            k: 2,
+            vocab: 5,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let n = Naming::native_v4();
+        write_tiny(dir.path(), &n, &d, seed, true);
+        assert!(load_moe_layer(dir.path(), 1).is_ok(), "seed {seed}");
+        let path = dir.path().join(SINGLE_FILE);
+        let row = (seed % d.vocab as u64) as usize;
+        let tensors: Vec<(TensorSpec, Vec<u8>)> = {
+            let f = TensorFile::open(&path).unwrap();
+            let names: Vec<String> = f.names().map(String::from).collect();
+            names
+                .iter()
+                .map(|name| {
+                    let t = f.info(name).unwrap();
+                    let mut b = f.slice(t).to_vec();
+                    if *name == n.tid2eid(1) {
+                        let first = row * d.k * 8;
+                        let (a, rest) = b.split_at_mut(first + 8);
+                        rest[..8].copy_from_slice(&a[first..]);
+                    }
+                    (TensorSpec::new(name.clone(), t.dtype, &t.shape), b)
+                })
+                .collect()
+        };
+        write_file(&path, tensors, None).unwrap();
+        let e = err(load_moe_layer(dir.path(), 1));
+        assert!(
+            e.contains(&n.tid2eid(1)) && e.contains(&format!("row {row} names expert")),
+            "seed {seed}: {e}"
+        );
     }
 }
