@@ -356,6 +356,9 @@ struct Faults {
     w2_scale_shift: Option<i64>,
     /// With `ep`: the per-expert scalars (weight_scale_2, input_scale) kept for all experts.
     scalars_all_experts: bool,
+    /// These experts' w2 block scales (linear) put through the inverse of the 128x4 swizzle,
+    /// as if they had been swizzled (dims where both layouts have one size).
+    w2_unswizzled: Vec<usize>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -451,6 +454,9 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
         }
         if f.swizzle || f.swizzle_only.contains(&x) {
             sc = layout::swizzle(&sc, h, ip / 16);
+        }
+        if f.w2_unswizzled.contains(&x) {
+            sc = layout::unswizzle(&sc, h, ip / 16);
         }
         if f.w2_scales_extra_col {
             sc = sc
@@ -4784,4 +4790,265 @@ fn sglang_fused_shared_expert_is_compared_as_the_shared_expert() {
         "seed {}",
         fx.seed
     );
+}
+
+/// B's w2 block scales are A's linear ones put through the inverse swizzle (a loader
+/// "unswizzling" scales that were never swizzled). A is a checkpoint, whose scales are linear
+/// (DESIGN §3), so the fault is B's: it used to pass as "A's block scales are swizzled" (every
+/// expert) or blame A ("A's routed experts' w2 hold block scales in both layouts", one expert).
+#[test]
+fn inverse_swizzle_of_b_against_a_checkpoint_is_blamed_on_b() {
+    let fx = fixture_dims(4, 128, 64);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 5);
+    let odd = r.gen_range(0..4);
+    for experts in [(0..4).collect::<Vec<_>>(), vec![odd]] {
+        let dump = fx.root.join("unswizzled.safetensors");
+        let out = fx.run_fused(
+            &dump,
+            &Faults {
+                w2_unswizzled: experts.clone(),
+                ..Default::default()
+            },
+            &[],
+            1,
+        );
+        let d = out.json["diagnoses"].as_array().unwrap();
+        assert_eq!(
+            diag_kinds(&out.json),
+            ["inverse_swizzle"],
+            "seed {}: {d:?}",
+            fx.seed
+        );
+        assert_eq!(
+            d[0]["experts"],
+            serde_json::json!(experts),
+            "seed {}",
+            fx.seed
+        );
+        assert_eq!(d[0]["fails"], true);
+        let msg = d[0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("B's block scales")
+                && msg.contains("inverse")
+                && msg.contains("w2_weight"),
+            "seed {}: {msg}",
+            fx.seed
+        );
+    }
+    // the checkpoint as B: the dump (A) is the one that unswizzled
+    let dump = fx.root.join("unswizzled.safetensors");
+    let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+    check(&out, 1, fx.seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    assert_eq!(
+        diag_kinds(&out.json),
+        ["inverse_swizzle"],
+        "seed {}: {d:?}",
+        fx.seed
+    );
+    assert!(d[0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("A's block scales"));
+}
+
+/// A fused dump without `w13_weight` but with its block scales and scalars: only the packed
+/// weights are missing. B's `w13_weight_scale`, `_scale_2` and `input_scale` were listed
+/// missing too (4 names per expert projection where 1 is absent).
+#[test]
+fn a_dump_missing_w13_weight_lists_only_what_is_absent() {
+    let fx = fixture(3);
+    let dump = fx.root.join("no-w13.safetensors");
+    write_fused(&fx.model, &dump, &Faults::default());
+    drop_tensor(&dump, "experts.w13_weight");
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    let missing: Vec<&str> = out.json["missing"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m.as_str().unwrap())
+        .collect();
+    let want: Vec<String> = (0..3)
+        .flat_map(|e| {
+            ["gate_proj", "up_proj"]
+                .map(|p| format!("model.layers.{LAYER}.mlp.experts.{e}.{p}.weight"))
+        })
+        .collect();
+    assert_eq!(missing, want, "seed {}", fx.seed);
+}
+
+/// A native-V4 MXFP4 expert (32-element blocks, UE8M0 scales) against engine dumps of it:
+/// BF16 values dequantized with each scale applied to 16 elements, or with the UE8M0 bytes
+/// read as E4M3, and the scale bytes tagged F8_E4M3. Each is named as what it is; they were
+/// "values differ" and "A is mxfp4, B is nvfp4".
+#[test]
+fn mxfp4_scales_misread_by_an_engine_are_named() {
+    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let (n, k) = (64, 256);
+    let base = format!("layers.{LAYER}.ffn.experts.1.w1");
+    let packed: Vec<u8> = (0..n * k / 2).map(|_| r.gen()).collect();
+    // UE8M0 around 2^-8..2^-1 (0x7F, E4M3's NaN, left out)
+    let scales: Vec<u8> = (0..n * k / 32).map(|_| r.gen_range(119..127)).collect();
+    let a = dir.path().join("a.safetensors");
+    let q = |scale_dtype: Dtype| {
+        vec![
+            (
+                TensorSpec::new(format!("{base}.weight"), Dtype::U8, &[n, k / 2]),
+                packed.clone(),
+            ),
+            (
+                TensorSpec::new(format!("{base}.weight_scale"), scale_dtype, &[n, k / 32]),
+                scales.clone(),
+            ),
+        ]
+    };
+    write_file(&a, q(Dtype::F8_E8M0), None).unwrap();
+    const E2M1: [f32; 16] = [
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    ];
+    let ue8m0 = |b: u8| 2f32.powi(b as i32 - 127);
+    let e4m3 = |b: u8| {
+        let (e, m) = ((b >> 3) & 0xF, (b & 7) as f32);
+        if e == 0 {
+            m / 8.0 * 2f32.powi(-6)
+        } else {
+            (1.0 + m / 8.0) * 2f32.powi(e as i32 - 7)
+        }
+    };
+    let deq = |scale: &dyn Fn(usize, usize) -> f32| -> Vec<f32> {
+        (0..n * k)
+            .map(|i| {
+                let (row, c) = (i / k, i % k);
+                let code = (packed[i / 2] >> (4 * (c % 2))) & 0xF;
+                E2M1[code as usize] * scale(row, c)
+            })
+            .collect()
+    };
+    let kb = k / 32;
+    let b = dir.path().join("b.safetensors");
+    for (what, vals, needle) in [
+        (
+            "16-element blocks",
+            deq(&|row, c| ue8m0(scales[row * kb + (c / 16) % kb])),
+            "applied to 16 elements instead of 32",
+        ),
+        (
+            "E4M3",
+            deq(&|row, c| e4m3(scales[row * kb + c / 32])),
+            "read as E4M3",
+        ),
+    ] {
+        let t = (
+            TensorSpec::new(format!("{base}.weight"), Dtype::BF16, &[n, k]),
+            bf16_bytes(&vals),
+        );
+        write_file(&b, vec![t], None).unwrap();
+        let out = run(dir.path(), &[s(&a), s(&b)]);
+        check(&out, 1, seed);
+        let issues = &out.json["mismatches"][0]["issues"];
+        let m = issues
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["kind"] == "scales_misread")
+            .unwrap_or_else(|| panic!("seed {seed} {what}: {issues}"));
+        let msg = m["message"].as_str().unwrap();
+        assert!(
+            msg.contains(needle) && msg.contains(&base),
+            "seed {seed} {what}: {msg}"
+        );
+        assert!(
+            diag_kinds(&out.json).contains(&"scales_misread".to_string()),
+            "seed {seed}"
+        );
+    }
+    // the right reading: equal after dequantization, no misreading named
+    let vals = deq(&|row, c| ue8m0(scales[row * kb + c / 32]));
+    let t = (
+        TensorSpec::new(format!("{base}.weight"), Dtype::BF16, &[n, k]),
+        bf16_bytes(&vals),
+    );
+    write_file(&b, vec![t], None).unwrap();
+    check(&run(dir.path(), &[s(&a), s(&b)]), 0, seed);
+    // the UE8M0 bytes tagged F8_E4M3
+    write_file(&b, q(Dtype::F8_E4M3), None).unwrap();
+    let out = run(dir.path(), &[s(&a), s(&b)]);
+    check(&out, 1, seed);
+    let issue = &out.json["mismatches"][0]["issues"][0];
+    let msg = issue["message"].as_str().unwrap();
+    assert_eq!(issue["kind"], "dtype", "seed {seed}: {msg}");
+    assert!(
+        msg.contains("tagged F8_E4M3") && msg.contains("UE8M0") && msg.contains(&base),
+        "seed {seed}: {msg}"
+    );
+}
+
+/// A swizzled dump of EP rank 1 of 4 holding rank 2's experts: every expert mismatches, so no
+/// unit pairs up to decide B's layout, but B's experts hold A's (rank 2's) only read swizzled.
+/// The per-tensor numbers are taken in that layout: they read B's swizzled scales as linear
+/// (another cosine and max_abs_err than the values B holds).
+#[test]
+fn another_ranks_swizzled_experts_are_measured_in_the_swizzled_layout() {
+    let fx = fixture_dims(8, 128, 64);
+    let mut order: Vec<usize> = (0..8).collect();
+    order[2..4].copy_from_slice(&[4, 5]);
+    let dump = fx.root.join("rank2.safetensors");
+    let out = fx.run_fused(
+        &dump,
+        &Faults {
+            order: Some(order),
+            ep: Some((1, 4)),
+            swizzle: true,
+            ..Default::default()
+        },
+        &["--ep-rank", "1", "--ep-size", "4"],
+        1,
+    );
+    assert!(diag_kinds(&out.json).contains(&"ep_rank".to_string()));
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(mm.len(), 6, "seed {}: {mm:?}", fx.seed);
+    for m in mm {
+        assert_eq!(m["b_scales"], "swizzled", "seed {}: {m}", fx.seed);
+    }
+    let cos = |a: &[f32], b: &[f32]| {
+        let dot = |x: &[f32], y: &[f32]| {
+            x.iter()
+                .zip(y)
+                .map(|(&p, &q)| p as f64 * q as f64)
+                .sum::<f64>()
+        };
+        dot(a, b) / (dot(a, a) * dot(b, b)).sqrt()
+    };
+    for e in [2, 3] {
+        let name = format!("model.layers.{LAYER}.mlp.experts.{e}.down_proj.weight");
+        let m = mm.iter().find(|m| m["name"] == name).unwrap();
+        let (a, b) = (
+            fx.model.experts[e].w2.dequantize(),
+            fx.model.experts[e + 2].w2.dequantize(),
+        );
+        let got = m["metrics"]["cosine"].as_f64().unwrap();
+        assert!(
+            (got - cos(&b, &a)).abs() < 1e-9,
+            "seed {}: expert {e}: {got} vs {}",
+            fx.seed,
+            cos(&b, &a)
+        );
+        let max = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| (x as f64 - y as f64).abs())
+            .fold(0f64, f64::max);
+        assert_eq!(
+            m["metrics"]["max_abs_err"].as_f64().unwrap(),
+            max,
+            "seed {}",
+            fx.seed
+        );
+    }
 }

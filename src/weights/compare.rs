@@ -13,7 +13,7 @@ use crate::checkpoint::Proj;
 use crate::error::Result;
 use crate::metrics::{Accum, Metrics};
 use crate::nvfp4::layout::{layout_by_cosines, swizzled_len, unswizzle, ScaleLayout};
-use crate::nvfp4::Format;
+use crate::nvfp4::{dequantize_row, Format};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -76,6 +76,9 @@ pub enum IssueKind {
     /// B is a 1/size slice of A along an axis its module is not split along under TP (a
     /// row-parallel `down_proj` cut along its output rows, a replicated norm cut at all).
     TpAxis,
+    /// B (a float tensor) holds A's MXFP4 values dequantized with the block scales misread:
+    /// applied to 16-element blocks, or their UE8M0 bytes read as E4M3.
+    ScalesMisread,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -747,10 +750,13 @@ fn compare_qq(
         + qb.scales.unit_len(qb.rows())) as u64;
     let done = |u: &mut UnitResult| std::mem::replace(u, UnitResult::new("", None)).finish(false);
     if qa.format != qb.format {
-        u.issue(
-            IssueKind::Format,
-            format!("A is {}, B is {}", qa.format.name(), qb.format.name()),
-        );
+        match ue8m0_tagged_e4m3(qa, qb) {
+            Some(msg) => u.issue(IssueKind::Dtype, msg),
+            None => u.issue(
+                IssueKind::Format,
+                format!("A is {}, B is {}", qa.format.name(), qb.format.name()),
+            ),
+        }
         return Ok(done(u));
     }
     // the same bytes under a signed dtype: torch's `>> 4` sign-extends the high nibble and
@@ -1249,7 +1255,7 @@ fn compare_qq(
 /// "values differ: cosine …, max_abs_err …", and where A (the reference) is what made the
 /// figures NaN or infinite, its first such value (`Accum::takes` ranks a NaN difference
 /// first; B's own NaN/Inf are counted apart): a reference that holds NaN points at itself.
-fn values_differ(m: &Metrics, cols: usize) -> String {
+pub fn values_differ(m: &Metrics, cols: usize) -> String {
     let mut s = format!(
         "values differ: cosine {:.6}, max_abs_err {:.3e}",
         m.cosine, m.max_abs_err
@@ -1911,9 +1917,85 @@ fn compare_qd(
     let close = m.passes(opts.min_cosine);
     if !close {
         u.issue(IssueKind::Values, values_differ(&m, qm.cols));
+        if let Some((how, mm)) = q_is_a
+            .then(|| mxfp4_misread(&qm, dv, opts.min_cosine))
+            .flatten()
+        {
+            u.issue(
+                IssueKind::ScalesMisread,
+                format!(
+                    "B's `{}` holds A's MXFP4 `{}` dequantized with {how} (`{}`): cosine {:.6} \
+                     against that reading, {:.6} against the right one (32-element blocks, UE8M0 scales)",
+                    d.name, q.weight_name, q.scale_name, mm.cosine, m.cosine
+                ),
+            );
+        }
     }
     u.metrics = Some(m);
     Ok(done(u, close))
+}
+
+/// One side's MXFP4 linear whose UE8M0 block scales the other side holds tagged F8_E4M3
+/// (so read as NVFP4, without a global scale): the same packed codes and scale bytes read as
+/// MXFP4. The message names the mislabelled tensor.
+fn ue8m0_tagged_e4m3(qa: &QRaw, qb: &QRaw) -> Option<String> {
+    let (mx, nv, side, other) = match (qa.format, qb.format) {
+        (Format::Mxfp4, Format::Nvfp4) => (qa, qb, "B", "A"),
+        (Format::Nvfp4, Format::Mxfp4) => (qb, qa, "A", "B"),
+        _ => return None,
+    };
+    if nv.scale_2.is_some() || nv.scale_dtype != Dtype::F8_E4M3 {
+        return None;
+    }
+    let as_mx = QRaw {
+        format: Format::Mxfp4,
+        ..nv.clone()
+    };
+    let (m, _) = qmatrix(mx, mx.rows(), mx.cols()).ok()?;
+    let (n, _) = qmatrix(&as_mx, as_mx.rows(), as_mx.cols()).ok()?;
+    m.same_codes(&n).then(|| {
+        format!(
+            "{side}'s block scales `{}` are tagged F8_E4M3 but hold {other}'s UE8M0 (F8_E8M0) scale bytes \
+             of `{}` ([N, K/32], no global scale): an MXFP4 linear whose scale dtype is mislabelled, \
+             read as NVFP4 (E4M3 scales, 16-element blocks)",
+            nv.scale_name, mx.scale_name
+        )
+    })
+}
+
+/// The misreading of MXFP4 block scales that gives the float side's values (cosine at least
+/// `min_cosine`), if one does: each UE8M0 scale applied to 16 elements as NVFP4's block (a
+/// row's K/32 scales cover its first half, then repeat), or the UE8M0 bytes read as E4M3.
+fn mxfp4_misread(qm: &QMatrix, dv: DView, min_cosine: f64) -> Option<(&'static str, Metrics)> {
+    if qm.format != Format::Mxfp4 || dv.len() != qm.rows * qm.cols {
+        return None;
+    }
+    let mut y = vec![0f32; dv.len()];
+    if !dv.decode(0, &mut y) {
+        return None;
+    }
+    let (cols, kb) = (qm.cols, qm.kb());
+    let read = |format: Format, block: usize| {
+        let mut x = vec![0f32; y.len()];
+        for r in 0..qm.rows {
+            let row = qm.scale_row(r);
+            let sc: Vec<u8> = (0..cols / block).map(|j| row[j % kb]).collect();
+            let out = &mut x[r * cols..(r + 1) * cols];
+            dequantize_row(format, qm.packed.row(r), &sc, qm.scale_2, block, out);
+        }
+        Accum::over(&y, &x, 0).finish()
+    };
+    [
+        (
+            "each UE8M0 block scale applied to 16 elements instead of 32",
+            Format::Mxfp4,
+            16,
+        ),
+        ("the UE8M0 block scales read as E4M3", Format::Nvfp4, 32),
+    ]
+    .into_iter()
+    .map(|(how, format, block)| (how, read(format, block)))
+    .find(|(_, m)| m.passes(min_cosine))
 }
 
 /// A side's quantized matrix read at its own geometry (scales resolved; an ambiguous size

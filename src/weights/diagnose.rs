@@ -7,14 +7,14 @@
 //! the matches; each one is confirmed on every byte before a diagnosis names it.
 
 use super::compare::{
-    fingerprint_as, fingerprint_own, holds_rows, holds_whole, passes_raw, same_part, Geom,
-    IssueKind, Options, Part, UnitResult,
+    aligned_q, fingerprint_as, fingerprint_own, holds_rows, holds_whole, own_q, passes_raw,
+    same_part, Geom, IssueKind, Options, Part, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
 use super::layouts::{self, Operand, SideName};
-use super::load::SideRef;
-use super::view::Depth;
+use super::load::{Raw, SideRef};
+use super::view::{Depth, ScalesSeen};
 use crate::checkpoint::Proj;
 use crate::error::Result;
 use rayon::prelude::*;
@@ -71,6 +71,12 @@ pub enum DiagnosisKind {
     /// Tensors missing from B that B holds under the same name with a prefix added or
     /// dropped (`model.` on some layers only): B's names follow no one rule.
     PrefixMismatch,
+    /// A side's block scales are the other side's checkpoint's with the inverse of the 128x4
+    /// swizzle applied (linear scales unswizzled as if they were swizzled).
+    InverseSwizzle,
+    /// B's float values are A's MXFP4 ones dequantized with the block scales misread
+    /// (16-element blocks, or UE8M0 bytes read as E4M3).
+    ScalesMisread,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -296,7 +302,15 @@ pub fn prefix_mismatch(missing: &[String], extra: &[String]) -> Vec<Diagnosis> {
         .collect()
 }
 
-pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
+/// `checkpoints`: A, B is a checkpoint directory, whose block scales are linear (DESIGN §3):
+/// where the other side is not, its scales read swizzled are the other side's with the
+/// inverse swizzle applied.
+pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diagnosis> {
+    // two checkpoints: either may be the one a converter swizzled
+    let checkpoint = |side: SideName| match side {
+        SideName::A => checkpoints.0 && !checkpoints.1,
+        SideName::B => checkpoints.1 && !checkpoints.0,
+    };
     // (kind, layer, side of a layout note) → (experts, tensors, an example message)
     type Group = (BTreeSet<usize>, usize, String);
     type Key = (DiagnosisKind, Option<usize>, Option<SideName>);
@@ -317,6 +331,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     IssueKind::TpRank => DiagnosisKind::TpRank,
                     IssueKind::TpAxis => DiagnosisKind::TpAxis,
                     IssueKind::ScalesShifted => DiagnosisKind::ScalesShifted,
+                    IssueKind::ScalesMisread => DiagnosisKind::ScalesMisread,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -324,7 +339,12 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             .collect();
         for side in [SideName::A, SideName::B] {
             if r.scales(side) == Some(super::view::ScalesSeen::Swizzled) {
-                kinds.push((DiagnosisKind::SwizzledScales, Some(side), String::new()));
+                if checkpoint(side) {
+                    let example = format!("`{}`", r.label(side.other()));
+                    kinds.push((DiagnosisKind::InverseSwizzle, Some(side), example));
+                } else {
+                    kinds.push((DiagnosisKind::SwizzledScales, Some(side), String::new()));
+                }
             }
         }
         for (k, side, msg) in kinds {
@@ -367,6 +387,10 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                 DiagnosisKind::TpAxis => format!(
                     "{where_}{n} tensor(s) split across TP along the wrong axis; e.g. {example}"
                 ),
+                DiagnosisKind::ScalesMisread => format!(
+                    "{where_}{n} tensor(s) dequantized from A's MXFP4 with the block scales misread{}; e.g. {example}",
+                    experts_note(&experts)
+                ),
                 DiagnosisKind::InputScaleFlipped => format!(
                     "{where_}{n} tensor(s) hold their input scale in the other direction (input_scale vs its reciprocal gs) than their names say; e.g. {example}"
                 ),
@@ -378,6 +402,17 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
                     "{where_}{}'s block scales of {n} tensor(s) are in the 128x4 swizzled layout (kernel layout); compared after unswizzling",
                     side.map_or("B", SideName::label)
                 ),
+                DiagnosisKind::InverseSwizzle => {
+                    let (ck, other) = side.map_or(("A", "B"), |s| (s.label(), s.other().label()));
+                    format!(
+                        "{where_}{other}'s block scales of {n} tensor(s){} are {ck}'s with the inverse \
+                         of the 128x4 swizzle applied (linear scales unswizzled as if they were \
+                         swizzled): they match only with {ck}'s read swizzled, and {ck} is a \
+                         checkpoint, whose block scales are linear (DESIGN §3); no kernel reads \
+                         them right; e.g. {example}",
+                        experts_note(&experts)
+                    )
+                }
                 _ => example,
             };
             Diagnosis {
@@ -390,7 +425,7 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
             }
         })
         .collect();
-    out.extend(mixed_scale_layouts(results));
+    out.extend(mixed_scale_layouts(results, checkpoint));
     out
 }
 
@@ -399,11 +434,16 @@ pub fn from_units(results: &[UnitResult]) -> Vec<Diagnosis> {
 /// reading, but a side holds one layout — a checkpoint linear scales (DESIGN §3), an engine's
 /// dump the swizzle its kernels read — and a kernel reads one layout for every expert, so the
 /// odd ones out are read wrong. A side swizzled throughout is a layout (a note); a mix fails.
-fn mixed_scale_layouts(results: &[UnitResult]) -> Vec<Diagnosis> {
+/// A checkpoint side's units read swizzled are named as the other side's inverse swizzle
+/// ([`DiagnosisKind::InverseSwizzle`]), not as a mix of this side's.
+fn mixed_scale_layouts(
+    results: &[UnitResult],
+    checkpoint: impl Fn(SideName) -> bool,
+) -> Vec<Diagnosis> {
     let groups = layouts::groups(results);
     let mut out: Vec<Diagnosis> = groups
         .values()
-        .filter(|g| g.mixed())
+        .filter(|g| g.mixed() && !checkpoint(g.side))
         .map(mixed_diagnosis)
         .collect();
     for operand in [Operand::W13, Operand::W2, Operand::Other] {
@@ -412,7 +452,9 @@ fn mixed_scale_layouts(results: &[UnitResult]) -> Vec<Diagnosis> {
             groups.get(&(SideName::B, operand)),
         );
         if let (Some(a), Some(b)) = pair {
-            out.extend(one_side_mixes(a, b));
+            out.extend(
+                one_side_mixes(a, b).filter(|_| a.swizzled.is_empty() || !checkpoint(SideName::A)),
+            );
         }
     }
     out
@@ -982,6 +1024,19 @@ pub fn cross_expert(
             }
             for &(e, o) in &perm {
                 for p in Proj::ALL {
+                    let (sb, sa, so) = (
+                        src_of(&b_units, ep(e, p)),
+                        src_of(&a_units, ep(e, p)),
+                        src_of(&a_units, ep(o, p)),
+                    );
+                    if let (Some(sb), Some(sa), Some(so)) = (sb, sa, so) {
+                        let unit = by_key.get(&expert_key(layer, e, p)).copied();
+                        if let (Some(i), Ok(rb), Ok(ra), Ok(ro)) =
+                            (unit, b.load(&sb), a.load(&sa), a.load(&so))
+                        {
+                            reread_swizzled(&mut results[i], &ra, &rb, &ro, tp, engine)?;
+                        }
+                    }
                     annotate(
                         results,
                         &by_key,
@@ -1224,6 +1279,47 @@ fn strided(perm: &[(usize, usize)]) -> Option<(i64, i64)> {
 /// `(o, e)` for every `(e, o)`.
 fn swapped_pairs(perm: &[(usize, usize)]) -> Vec<(usize, usize)> {
     perm.iter().map(|&(e, o)| (o, e)).collect()
+}
+
+/// B's unit holds A's expert `held` only with its block scales read in the 128x4 swizzle,
+/// its layout decided nowhere else (every expert of the operand mismatching: another EP
+/// rank's, permuted): its metrics against A's unit of its own name are taken in that layout
+/// too. They were B's swizzled scales read as linear.
+fn reread_swizzled(
+    r: &mut UnitResult,
+    a: &Raw,
+    b: &Raw,
+    held: &Raw,
+    tp: Option<(usize, usize)>,
+    engine: &dyn DiffEngine,
+) -> Result<()> {
+    let (Raw::Q(qb), Raw::Q(qh)) = (b, held) else {
+        return Ok(());
+    };
+    if r.b_scales != Some(ScalesSeen::Ambiguous) {
+        return Ok(());
+    }
+    let mut swz = qb.clone();
+    swz.scales.tensor_swizzled = true;
+    // the swizzled reading holds A's expert, the stored one does not
+    let decided = (|| {
+        let (stored, swizzled) = (own_q(qb)?, own_q(&swz)?);
+        let h = aligned_q(qh, (stored.rows, stored.cols), tp)?;
+        (swizzled.same_codes(&h) && !stored.same_codes(&h)).then_some(stored.cols)
+    })();
+    let Some(cols) = decided else {
+        return Ok(());
+    };
+    let swz = Raw::Q(swz);
+    if let Some(m) = super::compare::metrics_raw(a, &swz, tp, engine)? {
+        r.read_swizzled(SideName::B);
+        r.notes.push(layouts::swizzle_note(Some(SideName::B)));
+        if let Some(issue) = r.issues.iter_mut().find(|i| i.kind == IssueKind::Values) {
+            issue.message = super::compare::values_differ(&m, cols);
+        }
+        r.metrics = Some(m);
+    }
+    Ok(())
 }
 
 fn annotate(results: &mut [UnitResult], by_key: &HashMap<String, usize>, e: ExpertProj, why: &str) {

@@ -198,6 +198,13 @@ impl SideName {
             SideName::B => "B",
         }
     }
+
+    pub fn other(self) -> SideName {
+        match self {
+            SideName::A => SideName::B,
+            SideName::B => SideName::A,
+        }
+    }
 }
 
 /// What one kernel reads in one layout: a side's routed experts' w13 (gate and up) or w2

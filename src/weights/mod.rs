@@ -47,6 +47,9 @@ pub struct Options {
 pub struct Inputs {
     pub a: Checkpoint,
     pub b: Checkpoint,
+    /// Each side is a checkpoint directory (with its config.json), not an engine's dump:
+    /// its block scales are linear (DESIGN §3).
+    pub checkpoints: (bool, bool),
 }
 
 impl Inputs {
@@ -60,9 +63,12 @@ impl Inputs {
             }
             Ok(c)
         };
+        let checkpoint = |p: &Path, c: &Checkpoint| p.is_dir() && c.config_path().is_some();
+        let (ca, cb) = (open(a)?, open(b)?);
         Ok(Inputs {
-            a: open(a)?,
-            b: open(b)?,
+            checkpoints: (checkpoint(a, &ca), checkpoint(b, &cb)),
+            a: ca,
+            b: cb,
         })
     }
 }
@@ -81,6 +87,7 @@ pub struct Plan<'a> {
     diagnoses: Vec<Diagnosis>,
     notes: Vec<String>,
     a_scalars: HashMap<ExpertProj, AScalars>,
+    checkpoints: (bool, bool),
 }
 
 /// Everything `compare-weights` found.
@@ -320,17 +327,32 @@ impl<'a> Plan<'a> {
         let mut missing = vec![];
         let mut extra = vec![];
         let mut skipped_ep = 0;
+        // an expert's members B's fused tensors of its layer lack: B holding `w13_weight_scale`
+        // but not `w13_weight` is missing the packed weight only
+        let absent = |ua: &Unit| -> Vec<String> {
+            let names = member_names(&a, ua);
+            let Some((fl, w13)) = ua.expert.and_then(|e| {
+                let fl = b_inv.fused.get(&e.layer)?;
+                Some((fl, e.proj != Proj::Down))
+            }) else {
+                return names;
+            };
+            names
+                .into_iter()
+                .filter(|n| fl.member(w13, n.rsplit('.').next().unwrap_or(n)).is_none())
+                .collect()
+        };
         for (k, ua) in &a_inv.units {
             if b_inv.units.contains_key(k) {
                 pairs.push((k.clone(), k.clone()));
             } else if let (Some(m), Some(e)) = (&map, ua.expert) {
                 if m.owns(e.expert as i64) {
-                    missing.extend(member_names(&a, ua));
+                    missing.extend(absent(ua));
                 } else {
                     skipped_ep += 1;
                 }
             } else {
-                missing.extend(member_names(&a, ua));
+                missing.extend(absent(ua));
             }
         }
         for (k, ub) in &b_inv.units {
@@ -391,6 +413,7 @@ impl<'a> Plan<'a> {
             diagnoses,
             notes,
             a_scalars,
+            checkpoints: inputs.checkpoints,
         })
     }
 
@@ -526,7 +549,7 @@ impl<'a> Plan<'a> {
             &copts,
             engine,
         )?);
-        diagnoses.extend(diagnose::from_units(&results));
+        diagnoses.extend(diagnose::from_units(&results, self.checkpoints));
         diagnoses.extend(diagnose::global_scale_scaled(
             &results,
             self.opts.tp,
