@@ -1312,3 +1312,37 @@ fn a_nan_input_swallowed_before_the_first_bad_output_is_still_reported() {
         "{ctx}"
     );
 }
+
+// Guards: a report path that cannot be written named a parent alone (`afile: File exists` for
+// `--json afile/r.json`) or our temporary (`/proc/r.json.tmp-<pid>`), not the path and flag given.
+#[test]
+fn an_unwritable_report_path_is_exit_2_naming_the_path_and_flag() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let trace = tmp.path().join("trace");
+    write_trace(&trace, &cfg(seed)).unwrap();
+    std::fs::write(tmp.path().join("afile"), "a file, not a folder").unwrap();
+    let mut paths = vec![
+        ("--json", "afile/r.json"),
+        ("--report-dir", "afile/reports"),
+    ];
+    if std::path::Path::new("/proc/self").exists() {
+        // no file can be created in /proc, not even by root
+        paths.push(("--json", "/proc/r.json"));
+    }
+    for (flag, path) in paths {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+            .current_dir(tmp.path())
+            .args(["nan-locate", trace.to_str().unwrap(), flag, path, "--quiet"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        let ctx = format!("seed {seed} {flag} {path}\n{stderr}");
+        assert_eq!(o.status.code(), Some(2), "{ctx}");
+        assert!(stderr.contains(path) && stderr.contains(flag), "{ctx}");
+        assert!(
+            !stderr.contains(".tmp-") && !stderr.contains("panicked"),
+            "{ctx}"
+        );
+    }
+}

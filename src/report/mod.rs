@@ -204,17 +204,30 @@ pub fn emit(report: &Report, out: &Outputs) -> Result<()> {
     let _ = stdout.write_all(text.as_bytes());
     let json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default() + "\n";
     if let Some(p) = &out.json {
-        write_atomic(p, json.as_bytes())?;
+        write_atomic(p, json.as_bytes())
+            .map_err(|e| report_write_error("the JSON report (--json)", p, e))?;
     }
     if let Some(dir) = &out.report_dir {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        write_atomic(&dir.join("report.json"), json.as_bytes())?;
-        write_atomic(&dir.join("report.md"), report.to_markdown().as_bytes())?;
+        let in_dir = |e| report_write_error("the report directory (--report-dir)", dir, e);
+        std::fs::create_dir_all(dir).map_err(|e| in_dir(Error::io(dir, e)))?;
+        write_atomic(&dir.join("report.json"), json.as_bytes()).map_err(in_dir)?;
+        write_atomic(&dir.join("report.md"), report.to_markdown().as_bytes()).map_err(in_dir)?;
         for (name, svg) in &report.plots {
-            write_atomic(&dir.join(name), svg.as_bytes())?;
+            write_atomic(&dir.join(name), svg.as_bytes()).map_err(in_dir)?;
         }
     }
     Ok(())
+}
+
+/// A report file that cannot be written, said as such and naming the path the user gave: the
+/// bare I/O error names a temporary (`r.json.tmp-<pid>`) or a parent directory alone
+/// (`afile: File exists` for `--json afile/r.json`).
+fn report_write_error(what: &str, path: &Path, e: Error) -> Error {
+    let why = match &e {
+        Error::Io { file, source } if file == path || *file == tmp_name(path) => source.to_string(),
+        _ => e.to_string(),
+    };
+    Error::bad_file(path, format!("cannot write {what}: {why}"))
 }
 
 /// Write to `path.tmp-<pid>` then rename: readers never see a half-written file.
@@ -240,7 +253,8 @@ impl PendingFile {
         }
         remove_stale_tmps(path);
         let tmp = tmp_name(path);
-        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        // named by the file the user asked for: the temporary is ours
+        let f = std::fs::File::create(&tmp).map_err(|e| Error::io(path, e))?;
         let pending = PendingFile {
             path: path.to_path_buf(),
             tmp,
