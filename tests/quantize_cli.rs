@@ -536,6 +536,40 @@ fn weights_too_small_for_their_own_scale_are_refused() {
     assert!(ws2.is_normal(), "seed {seed}: {ws2}");
 }
 
+/// Guards: a --gs in the dequant direction (weight_scale_2 = amax/2688 passed as gs) flushed every
+/// block of the weight to zero and the run passed (exit 0) with all-zero codes written.
+#[test]
+fn a_gs_that_flushes_every_block_is_refused() {
+    let (seed, mut r) = rng("quantize --gs flushing everything");
+    let d = tempfile::tempdir().unwrap();
+    let (inp, out) = (
+        d.path().join("a.safetensors"),
+        d.path().join("b.safetensors"),
+    );
+    let (rows, cols) = (r.gen_range(1..20), 16 * r.gen_range(1..8));
+    let name = "model.layers.1.mlp.experts.2.up_proj.weight";
+    let w = weights(&mut r, rows, cols);
+    let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+    write(&inp, vec![bf16(name, &[rows, cols], &w)]);
+    let ws2 = amax / 2688.0;
+    let o = run(&["quantize", p(&inp), p(&out), "--gs", &ws2.to_string()]);
+    assert_eq!(code(&o), 2, "seed {seed}: {}", stdout(&o));
+    let e = stderr(&o);
+    for want in ["a.safetensors", name, "every code", "--exclude"] {
+        assert!(e.contains(want), "seed {seed}: no {want:?} in {e}");
+    }
+    assert!(!out.exists(), "seed {seed}: nothing written");
+    // the quant direction, 1/weight_scale_2, quantizes
+    let o = run(&[
+        "quantize",
+        p(&inp),
+        p(&out),
+        "--gs",
+        &(1.0 / ws2).to_string(),
+    ]);
+    assert_eq!(code(&o), 0, "seed {seed}: {}", stderr(&o));
+}
+
 /// Without --exclude, what engines never quantize (the embedding, lm_head, the MoE router's
 /// gate, MTP's eh_proj) is copied byte for byte and named in exclude_modules, while the other
 /// linears are quantized. All were quantized, and engines then load packed codes into a BF16

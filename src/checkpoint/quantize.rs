@@ -33,7 +33,8 @@ use super::writer::{f32_bytes, PendingOutput, ShardWriter, TensorSpec};
 use crate::error::{Error, Result};
 use crate::nvfp4::quant::{quantize_block_mxfp4, quantize_row_nvfp4};
 use crate::nvfp4::{
-    max_finite_out_scale_gs, out_scale_finite, weight_global_scale, BlockStats, Format, GS_DENOM,
+    e4m3, max_finite_out_scale_gs, out_scale_finite, weight_global_scale, BlockStats, Format,
+    GS_DENOM,
 };
 use crate::report::PendingFile;
 use rayon::prelude::*;
@@ -967,6 +968,34 @@ fn tiny_amax(amax: f32, name: &str) -> Option<String> {
     ))
 }
 
+/// Why a nonzero tensor would be written as all-zero codes under global scale `gs`: the block
+/// holding its amax gets the largest block scale, and even that one rounds to E4M3 zero, so every
+/// block is flushed (a `--gs` given in the dequant direction, `weight_scale_2`, does this).
+fn all_blocks_flushed(
+    amax: f32,
+    gs: f32,
+    format: Format,
+    explicit: bool,
+    name: &str,
+) -> Option<String> {
+    let s = gs * (amax * crate::nvfp4::quant::R6);
+    if format != Format::Nvfp4 || amax == 0.0 || e4m3::encode_saturating(s) & 0x7F != 0 {
+        return None;
+    }
+    let from = if explicit {
+        "--gs"
+    } else {
+        "the gate/up pair's shared global scale"
+    };
+    Some(format!(
+        "amax {amax:e} is nonzero, but under {from} gs = {gs:e} its largest block scale \
+         gs·amax/6 = {s:e} rounds to E4M3 zero: every block would be flushed and every code \
+         zero (gs is the quant direction, 1/weight_scale_2; this tensor's own is 2688/amax = \
+         {:e}): refusing to quantize; keep it unquantized with `--exclude {name}`",
+        GS_DENOM / amax
+    ))
+}
+
 /// Quantize one float tensor `[rows, cols]` of `f`.
 pub fn quantize_tensor(
     f: &TensorFile,
@@ -1035,6 +1064,9 @@ pub fn quantize_tensor_into(
             (gs, Some(ws2))
         }
     };
+    if let Some(why) = all_blocks_flushed(amax, gs, opts.format, opts.gs.is_some(), name) {
+        return Err(Error::bad_tensor(f.path(), name, why));
+    }
     let kb = cols / block;
     packed.clear();
     packed.resize(rows * cols / 2, 0);
