@@ -747,7 +747,7 @@ fn diagnose(
     other_layers: &[(usize, Router)],
     out: &mut Outcome,
 ) -> Result<()> {
-    use crate::moe::router::{score, select, weights};
+    use crate::moe::router::{score, select, softplus, weights};
     use crate::moe::ScoringFunc;
     let name = |f: ScoringFunc| {
         serde_json::to_value(f)
@@ -817,10 +817,7 @@ fn diagnose(
         let mut v = reference.clone();
         v.topk_weights.clear();
         for (t, l) in logits.chunks(e).enumerate().take(reference.tokens) {
-            let sp: Vec<f32> = l
-                .iter()
-                .map(|&l| if l > 20.0 { l } else { l.exp().ln_1p() })
-                .collect();
+            let sp: Vec<f32> = l.iter().map(|&l| softplus(l)).collect();
             let row: Vec<usize> = if config.is_hash_layer(layer) {
                 reference.topk_ids[t * k..(t + 1) * k]
                     .iter()

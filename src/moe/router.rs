@@ -155,13 +155,16 @@ pub fn score(func: ScoringFunc, logits: &[f32]) -> Vec<f32> {
             let sum = ex.iter().map(|&v| v as f64).sum::<f64>() as f32;
             ex.iter().map(|&v| v / sum).collect()
         }
-        ScoringFunc::Sqrtsoftplus => logits
-            .iter()
-            .map(|&l| {
-                let sp = if l > 20.0 { l } else { l.exp().ln_1p() };
-                sp.sqrt()
-            })
-            .collect(),
+        ScoringFunc::Sqrtsoftplus => logits.iter().map(|&l| softplus(l).sqrt()).collect(),
+    }
+}
+
+/// `ln(1 + e^l)` in f32, the identity above 20 (as torch's `softplus` threshold).
+pub fn softplus(l: f32) -> f32 {
+    if l > 20.0 {
+        l
+    } else {
+        l.exp().ln_1p()
     }
 }
 

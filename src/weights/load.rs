@@ -134,6 +134,11 @@ fn dtype_of(src: &Renamed, name: &str) -> Result<(Dtype, Vec<usize>), String> {
         .map_err(|e| e.to_string())
 }
 
+/// The stored dtype of an optional tensor (a global or input scale).
+fn stored_dtype(src: &Renamed, name: Option<&str>) -> Option<Dtype> {
+    name.and_then(|n| dtype_of(src, n).ok()).map(|d| d.0)
+}
+
 /// Block scales are one-byte codes (E4M3, UE8M0, or U8 holding them) in `[.., N, K/block]`
 /// order. A wider dtype (the values converted to F32 / BF16) or the transposed shape is named
 /// here; otherwise it surfaces as a byte count no layout fits, or as values that differ.
@@ -286,14 +291,8 @@ impl<'a> SideRef<'a> {
             input_scale,
             input_shared: Shared::Own,
             scalar_dtypes: (
-                ln.global_scale
-                    .as_deref()
-                    .and_then(|n| dtype_of(src, n).ok())
-                    .map(|d| d.0),
-                ln.input_scale
-                    .as_deref()
-                    .and_then(|n| dtype_of(src, n).ok())
-                    .map(|d| d.0),
+                stored_dtype(src, ln.global_scale.as_deref()),
+                stored_dtype(src, ln.input_scale.as_deref()),
             ),
             weight_name: src.original(&ln.weight).to_string(),
             weight_shape: ws,
@@ -493,14 +492,16 @@ impl<'a> SideRef<'a> {
             input_scale,
             input_shared,
             scalar_dtypes: (
-                fl.member(w13, "weight_scale_2")
-                    .or(fl.member(w13, "weight_global_scale"))
-                    .and_then(|n| dtype_of(src, n).ok())
-                    .map(|d| d.0),
-                fl.member(w13, "input_scale")
-                    .or(fl.member(w13, "input_global_scale"))
-                    .and_then(|n| dtype_of(src, n).ok())
-                    .map(|d| d.0),
+                stored_dtype(
+                    src,
+                    fl.member(w13, "weight_scale_2")
+                        .or(fl.member(w13, "weight_global_scale")),
+                ),
+                stored_dtype(
+                    src,
+                    fl.member(w13, "input_scale")
+                        .or(fl.member(w13, "input_global_scale")),
+                ),
             ),
             weight_name: label,
             weight_shape: vec![rows, c],
