@@ -83,6 +83,44 @@ fn builtin_model_passes_with_plausible_numbers() {
     );
 }
 
+// `--json -` once wrote a file named `-`: it puts the JSON alone on stdout (for `| jq`) and the
+// table on stderr.
+#[test]
+fn json_dash_writes_the_report_to_stdout_and_the_table_to_stderr() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let out = bin()
+        .current_dir(dir.path())
+        .args([
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+            "--seed",
+            &seed,
+        ])
+        .args(["--json", "-", "--no-report-dir", "--quiet"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    let r: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("seed {seed}: stdout is not JSON ({e}):\n{stdout}"));
+    assert_eq!(r["command"], "layertest");
+    assert_eq!(
+        out.status.code(),
+        Some(r["verdict"].as_str().map_or(-1, |v| (v == "fail") as i32))
+    );
+    assert!(stderr.contains("Worst experts"), "seed {seed}: {stderr}");
+    assert!(
+        !dir.path().join("-").exists(),
+        "a file named `-` was written"
+    );
+}
+
 #[test]
 fn synth_checkpoint_gives_the_same_layer_as_the_builtin_model() {
     let seed = rand::random::<u16>().to_string();

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 #[derive(clap::Args, Debug, Clone)]
 pub struct OutArgs {
     /// Write the JSON report (top-level command, verdict, summary, and the command's own keys)
-    /// to this path
+    /// to this path; `-` writes it to stdout and the table to stderr
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,
     /// Directory for report.json, report.md and plots

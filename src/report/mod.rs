@@ -195,17 +195,29 @@ pub struct Outputs {
     pub quiet: bool,
 }
 
+impl Outputs {
+    /// `--json -`: the JSON report goes to stdout, the table to stderr.
+    pub fn json_to_stdout(&self) -> bool {
+        self.json.as_deref() == Some(Path::new("-"))
+    }
+}
+
 /// Print the report and write its files.
 pub fn emit(report: &Report, out: &Outputs) -> Result<()> {
     use std::io::Write;
     let text = report.to_terminal();
-    let mut stdout = std::io::stdout().lock();
-    // A closed pipe (`| head`) is not an error.
-    let _ = stdout.write_all(text.as_bytes());
     let json = serde_json::to_string_pretty(&report.to_json()).unwrap_or_default() + "\n";
-    if let Some(p) = &out.json {
-        write_atomic(p, json.as_bytes())
-            .map_err(|e| report_write_error("the JSON report (--json)", p, e))?;
+    // A closed pipe (`| head`) is not an error.
+    if out.json_to_stdout() {
+        // `--json -`: stdout holds the JSON alone (for `| jq`); the table goes to stderr
+        let _ = std::io::stderr().lock().write_all(text.as_bytes());
+        let _ = std::io::stdout().lock().write_all(json.as_bytes());
+    } else {
+        let _ = std::io::stdout().lock().write_all(text.as_bytes());
+        if let Some(p) = &out.json {
+            write_atomic(p, json.as_bytes())
+                .map_err(|e| report_write_error("the JSON report (--json)", p, e))?;
+        }
     }
     if let Some(dir) = &out.report_dir {
         let in_dir = |e| report_write_error("the report directory (--report-dir)", dir, e);
