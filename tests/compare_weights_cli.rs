@@ -1279,8 +1279,19 @@ fn scales_swizzled_for_some_experts_only_fail() {
         assert_eq!(m["fails"], true);
         assert!(m["message"].as_str().unwrap().contains("one layout"));
     }
-    assert_eq!(out.json["summary"]["mismatched"], 0);
-    // nothing mismatched: the headline is the diagnosis (it read "; mixed_scale_layouts")
+    // the odd expert's fused slices are listed under `mismatches`, where CI reads problems
+    let listed = out.json["mismatches"].as_array().unwrap();
+    assert!(
+        !listed.is_empty()
+            && listed.iter().all(|m| m["name"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("experts.{odd}."))
+                && m["issues"][0]["kind"] == "scales"),
+        "seed {}: {listed:?}",
+        fx.seed
+    );
+    // nothing mismatched by value: the headline is the diagnosis (it read "; mixed_scale_layouts")
     let text = out.json["summary"]["text"].as_str().unwrap();
     assert!(
         text.starts_with("mixed_scale_layouts: layer ") && text.contains("one layout"),
@@ -2697,7 +2708,24 @@ fn a_whole_dump_compared_as_a_tp_rank_is_named() {
         "seed {}: {msg}",
         fx.seed
     );
-    assert_eq!(out.json["summary"]["mismatched"], 0, "seed {}", fx.seed);
+    // each whole tensor is a problem of its own, listed under `mismatches` (DESIGN §6) as a
+    // shape issue; it was under `diagnoses` only
+    let listed = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(
+        listed.len(),
+        3 * fx.model.experts.len() + 4,
+        "seed {}",
+        fx.seed
+    );
+    assert!(
+        listed.iter().all(|m| m["issues"][0]["kind"] == "shape"
+            && m["issues"][0]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("tp_not_sharded")),
+        "seed {}: {listed:?}",
+        fx.seed
+    );
     // a real shard under the same flags: no such diagnosis (tp_and_ep_shards_… checks the rest)
     let dump = fx.root.join("shard.safetensors");
     let out = fx.run_fused(
@@ -4167,10 +4195,21 @@ fn one_experts_swizzled_scales_in_a_checkpoint_are_a_mixed_layout() {
                 "{what}: {msg}"
             );
         }
-        // its 3 tensors hold other bytes: not bitwise
+        // its 3 tensors hold other bytes: not bitwise, and each is a mismatch (a kernel reads
+        // it in the wrong layout), listed under `mismatches` with a scales issue
         let units = out.json["summary"]["units"].as_u64().unwrap();
         assert_eq!(out.json["summary"]["equal"], units - 3, "{what}");
-        assert_eq!(out.json["summary"]["equal_after_conversion"], 3, "{what}");
+        assert_eq!(out.json["summary"]["mismatched"], 3, "{what}");
+        let listed = out.json["mismatches"].as_array().unwrap();
+        assert!(
+            listed.len() == 3
+                && listed.iter().all(|m| m["name"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("experts.{odd}."))
+                    && m["issues"][0]["kind"] == "scales"),
+            "{what}: {listed:?}"
+        );
     }
     // every expert swizzled: one layout, a pass with the note
     let all = fx.root.join("all.safetensors");

@@ -197,7 +197,9 @@ fn build_report(
         )
     } else {
         let mut parts = vec![];
-        if c.mismatched > 0 {
+        // the tensors a diagnosis filed as mismatches: the diagnosis says what they are
+        let diagnosed = c.mismatches.iter().filter(|m| m.filed_by_diagnosis).count();
+        if c.mismatched > diagnosed {
             parts.push(format!("{} mismatched", c.mismatched));
         }
         if !c.missing.is_empty() {
@@ -218,7 +220,7 @@ fn build_report(
                 String::new()
             };
             if h.is_empty() {
-                // every tensor compared equal: the diagnosis is the failure, said in full
+                // every tensor compared equal by itself: the diagnosis is the failure, said in full
                 h = format!("{k}: {}{more}", d.message);
             } else {
                 h.push_str(&format!("; {k}{more}"));

@@ -139,6 +139,10 @@ pub struct UnitResult {
     /// A's value, B's value, B's tensor), for the diagnoses across units.
     #[serde(skip)]
     pub scalars_differ: Vec<(&'static str, f32, f32, String)>,
+    /// Equal by itself, a mismatch by a diagnosis across units
+    /// (`diagnose::file_under_mismatches`).
+    #[serde(skip)]
+    pub filed_by_diagnosis: bool,
 }
 
 impl LoadError {
@@ -177,6 +181,7 @@ impl UnitResult {
             swizzle_side_open: false,
             scale_dtype_differs: None,
             scalars_differ: vec![],
+            filed_by_diagnosis: false,
         }
     }
     pub fn issue(&mut self, kind: IssueKind, message: impl Into<String>) {

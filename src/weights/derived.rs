@@ -111,6 +111,7 @@ pub fn check(
                     got.len()
                 ),
                 fails: true,
+                units: vec![],
             });
             continue;
         }
@@ -148,6 +149,7 @@ pub fn check(
                 per[i].unwrap_or(f32::NAN)
             ),
             fails: true,
+            units: vec![],
         });
     }
 }

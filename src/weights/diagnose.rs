@@ -8,7 +8,7 @@
 
 use super::compare::{
     aligned_q, fingerprint_as, fingerprint_own, holds_rows, holds_whole, own_q, passes_raw,
-    same_part, Geom, IssueKind, Options, Part, UnitResult,
+    same_part, Geom, IssueKind, Options, Part, Status, UnitResult,
 };
 use super::engine::DiffEngine;
 use super::inventory::{expert_key, ExpertProj, Inventory};
@@ -91,6 +91,39 @@ pub struct Diagnosis {
     pub message: String,
     /// Does it fail the verdict (a bug), or describe a layout (a note)?
     pub fails: bool,
+    /// The compared tensors (units) it names, where each is wrong by itself although its values
+    /// compare equal (a layout odd one out, a whole tensor on a TP rank): a failing diagnosis
+    /// files them under `mismatches` (DESIGN §6: CI reads problems there).
+    #[serde(skip)]
+    pub units: Vec<String>,
+}
+
+/// The units a failing diagnosis names that compared equal by themselves (a layout odd one
+/// out, a whole tensor where a TP slice belongs) become mismatches, with the diagnosis as
+/// their issue: CI scripts read problems under `mismatches` (DESIGN §6).
+pub fn file_under_mismatches(results: &mut [UnitResult], diagnoses: &[Diagnosis]) {
+    for d in diagnoses.iter().filter(|d| d.fails && !d.units.is_empty()) {
+        let kind = match d.kind {
+            DiagnosisKind::TpNotSharded => IssueKind::Shape,
+            DiagnosisKind::MixedScaleLayouts
+            | DiagnosisKind::InverseSwizzle
+            | DiagnosisKind::ScalesShifted
+            | DiagnosisKind::ScalesMisread => IssueKind::Scales,
+            _ => IssueKind::Values,
+        };
+        let named = serde_json::to_value(d.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default();
+        for r in results
+            .iter_mut()
+            .filter(|r| r.status != Status::Mismatch && d.units.contains(&r.name))
+        {
+            r.status = Status::Mismatch;
+            r.filed_by_diagnosis = true;
+            r.issue(kind, format!("{named} (see diagnoses): {}", d.message));
+        }
+    }
 }
 
 /// " (expert(s) 3, 7)" after a diagnosis's count, or nothing where no expert is concerned.
@@ -143,6 +176,7 @@ pub fn tp_not_sharded(
             first.b_shape
         ),
         fails: true,
+        units: whole.iter().map(|r| r.name.clone()).collect(),
     })
 }
 
@@ -243,6 +277,7 @@ pub fn global_scale_scaled(
                     tensors: hit.len(),
                     message,
                     fails: true,
+                    units: vec![],
                 });
             }
         }
@@ -297,6 +332,7 @@ pub fn prefix_mismatch(missing: &[String], extra: &[String]) -> Vec<Diagnosis> {
                      belong (a renaming applied to part of the model?)"
                 ),
                 fails: true,
+                units: vec![],
             }
         })
         .collect()
@@ -311,8 +347,8 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
         SideName::A => checkpoints.0 && !checkpoints.1,
         SideName::B => checkpoints.1 && !checkpoints.0,
     };
-    // (kind, layer, side of a layout note) → (experts, tensors, an example message)
-    type Group = (BTreeSet<usize>, usize, String);
+    // (kind, layer, side of a layout note) → (experts, tensors named, an example message)
+    type Group = (BTreeSet<usize>, Vec<String>, String);
     type Key = (DiagnosisKind, Option<usize>, Option<SideName>);
     let mut groups: BTreeMap<Key, Group> = BTreeMap::new();
     for r in results {
@@ -350,8 +386,8 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
         for (k, side, msg) in kinds {
             let g = groups
                 .entry((k, layer, side))
-                .or_insert_with(|| (BTreeSet::new(), 0, msg));
-            g.1 += 1;
+                .or_insert_with(|| (BTreeSet::new(), vec![], msg));
+            g.1.push(r.name.clone());
             if let Some(e) = r.expert {
                 g.0.insert(e.expert);
             }
@@ -359,8 +395,9 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
     }
     let mut out: Vec<Diagnosis> = groups
         .into_iter()
-        .map(|((kind, layer, side), (experts, n, example))| {
+        .map(|((kind, layer, side), (experts, units, example))| {
             let experts: Vec<usize> = experts.into_iter().collect();
+            let n = units.len();
             let where_ = match layer {
                 Some(l) => format!("layer {l}: "),
                 None => String::new(),
@@ -419,6 +456,7 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
                 kind,
                 layer,
                 fails: kind != DiagnosisKind::SwizzledScales,
+                units,
                 experts,
                 tensors: n,
                 message,
@@ -495,6 +533,7 @@ fn one_side_mixes(a: &layouts::Group, b: &layouts::Group) -> Option<Diagnosis> {
         ),
         experts,
         fails: true,
+        units: diverging.iter().map(|r| r.name.clone()).collect(),
     })
 }
 
@@ -525,6 +564,7 @@ fn mixed_diagnosis(g: &layouts::Group) -> Diagnosis {
         ),
         experts,
         fails: true,
+        units: odd.iter().map(|r| r.name.clone()).collect(),
     }
 }
 
@@ -740,6 +780,7 @@ pub fn cross_expert(
                 experts: swapped.clone(),
                 message,
                 fails: true,
+                units: vec![],
             });
         }
 
@@ -788,6 +829,7 @@ pub fn cross_expert(
                 experts: codes_swapped.clone(),
                 message,
                 fails: true,
+                units: vec![],
             });
         }
 
@@ -874,6 +916,7 @@ pub fn cross_expert(
                     experts: split,
                     message,
                     fails: true,
+                    units: vec![],
                 });
             }
         }
@@ -1055,6 +1098,7 @@ pub fn cross_expert(
                 tensors: perm.len(),
                 message,
                 fails: true,
+                units: vec![],
             });
         }
     }
@@ -1250,6 +1294,7 @@ pub fn dense_gate_up_swapped(
             tensors: 2,
             message,
             fails: true,
+            units: vec![],
         });
     }
     Ok(out)

@@ -125,6 +125,7 @@ pub fn layer_shift(
                     if pairs.len() > 8 { ", …" } else { "" }
                 ),
                 fails: true,
+                units: vec![],
             }
         })
         .collect()

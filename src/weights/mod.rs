@@ -277,6 +277,7 @@ impl<'a> Plan<'a> {
                             m.num_experts
                         ),
                         fails: true,
+                        units: vec![],
                     });
                 }
             }
@@ -571,6 +572,7 @@ impl<'a> Plan<'a> {
             extra.extend(r.extra_members.iter().cloned());
         }
         diagnoses.extend(diagnose::prefix_mismatch(&missing, &extra));
+        diagnose::file_under_mismatches(&mut results, &diagnoses);
         let mut notes = self.notes;
         let tp_notes: BTreeSet<&String> = results
             .iter()
@@ -683,6 +685,7 @@ fn ep_scalars_unsharded(
             m.placement.name(),
         ),
         fails: true,
+        units: vec![],
     })
 }
 
