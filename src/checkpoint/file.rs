@@ -352,6 +352,27 @@ impl TensorFile {
         Ok(out)
     }
 
+    /// The first `n` elements of `name` as f32 (`to_f32` of a prefix): only those bytes are
+    /// decoded, so a huge tensor of which a few rows are used is never read whole.
+    pub fn to_f32_prefix(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        let t = self.info(name)?;
+        let n = n.min(t.numel());
+        let bytes = self.slice(t);
+        let len = elem_size(t.dtype).map_or(bytes.len(), |sz| n * sz);
+        let mut out = vec![0f32; n];
+        if !decode_f32_into(t.dtype, &bytes[..len.min(bytes.len())], &mut out) {
+            return Err(Error::bad_tensor(
+                &self.path,
+                name,
+                format!(
+                    "dtype {:?} is not a floating dtype this tool reads (BF16, F16, F32, F64, F8_E4M3, F8_E5M2)",
+                    t.dtype
+                ),
+            ));
+        }
+        Ok(out)
+    }
+
     /// A one-element float tensor (shape `[]`, `[1]`, `[1, 1]`, ...) as f32.
     pub fn scalar_f32(&self, name: &str) -> Result<f32> {
         let t = self.info(name)?;

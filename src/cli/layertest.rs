@@ -675,7 +675,7 @@ pub fn load_batch(
     let seed = input.seed ^ 0x5eed_ac71;
     match &input.input {
         Some(path) => {
-            let (mut h, mut ids, rows) = read_input(path, hidden)?;
+            let (mut h, mut ids, rows) = read_input(path, hidden, input.tokens)?;
             let tokens = match input.tokens {
                 None => rows,
                 Some(t) if t <= rows && t > 0 => t,
@@ -740,7 +740,7 @@ type InputTensors = (Vec<f32>, Option<Vec<i64>>, usize);
 /// Read `hidden_states` `[T, hidden]` and optional `input_ids` `[T]` from a safetensors file,
 /// through the checkpoint reader: its header parser keeps memory bounded on a header that
 /// lists a million tensors.
-pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
+pub fn read_input(path: &Path, hidden: usize, take: Option<usize>) -> Result<InputTensors> {
     let file = TensorFile::open(path)?;
     let hs = file.get("hidden_states").ok_or_else(|| {
         Error::bad_tensor(
@@ -758,7 +758,9 @@ pub fn read_input(path: &Path, hidden: usize) -> Result<InputTensors> {
         ));
     }
     let rows = shape[0];
-    let h = file.to_f32("hidden_states")?;
+    // decode only the rows --tokens uses: a capture of a million tokens is not read whole
+    let used = take.filter(|&t| t > 0 && t <= rows).unwrap_or(rows);
+    let h = file.to_f32_prefix("hidden_states", used * hidden)?;
     let ids = match file.get("input_ids") {
         None => None,
         Some(t) => {
@@ -2218,6 +2220,39 @@ mod tests {
     use super::*;
     use crate::moe::synthetic::{Preset, SyntheticModel};
     use crate::nvfp4::Fp4Tensor;
+
+    // guards: `--input` with `--tokens N` decoded the whole hidden_states (a 4 GiB capture
+    // used for 8 tokens took 12.6 GB of RAM, and aborted under a memory limit)
+    #[test]
+    fn read_input_decodes_only_the_rows_used() {
+        use rand::{Rng, SeedableRng};
+        let seed = rand::random::<u64>();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (rows, hidden, take) = (1usize << 22, 256usize, 8usize);
+        let head: Vec<f32> = (0..take * hidden)
+            .map(|_| rng.gen_range(-4.0f32..4.0))
+            .collect();
+        let header = format!(
+            r#"{{"hidden_states":{{"dtype":"F32","shape":[{rows},{hidden}],"data_offsets":[0,{}]}}}}"#,
+            rows * hidden * 4
+        );
+        let mut hb = header.into_bytes();
+        hb.resize(hb.len().next_multiple_of(8), b' ');
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("huge.safetensors");
+        let mut bytes = (hb.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&hb);
+        bytes.extend(head.iter().flat_map(|v| v.to_le_bytes()));
+        std::fs::write(&path, &bytes).unwrap();
+        // the rest of the 4 GiB tensor is a hole: sparse on disk, never decoded
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len((8 + hb.len() + rows * hidden * 4) as u64)
+            .unwrap();
+        let (h, ids, n) = read_input(&path, hidden, Some(take)).unwrap();
+        assert_eq!(n, rows, "seed {seed}");
+        assert!(ids.is_none());
+        assert_eq!(h, head, "seed {seed}");
+    }
 
     /// A stand-in GPU: the CPU result, optionally with an error on one value, under a CUDA name.
     struct FakeGpu {
