@@ -1460,3 +1460,53 @@ fn input_ids_zero_batches_and_zero_tokens_are_bad_input_naming_the_file() {
     );
     assert_ne!(code, 2, "seed {seed}: {text}");
 }
+
+/// Guards: `--help` did not name the values of --input-scale-reduce (`global-max` was only
+/// discoverable by typing a wrong one), unlike every other enum flag.
+#[test]
+fn input_scale_reduce_help_lists_its_values() {
+    let dir = tempfile::tempdir().unwrap();
+    for cmd in ["layertest", "gs-sweep", "multilayer"] {
+        let (code, text, _) = run(dir.path(), &[cmd, "--help"]);
+        assert_eq!(code, 0, "{cmd}: {text}");
+        assert!(
+            text.contains("- per-expert:") && text.contains("- global-max:"),
+            "{cmd}: {text}"
+        );
+    }
+    let seed: u64 = rand::random::<u64>() % 1000;
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--tokens",
+            "16",
+            "--seed",
+            &seed.to_string(),
+            "--gs",
+            "checkpoint",
+            "--input-scale-reduce",
+            "global-max",
+        ],
+    );
+    assert_ne!(code, 2, "seed {seed}: {text}");
+    assert_eq!(
+        r.unwrap()["gs"]["input_scale_reduce"],
+        "global-max",
+        "seed {seed}"
+    );
+    let (code, text, _) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--device",
+            "cpu",
+            "--input-scale-reduce",
+            "max",
+        ],
+    );
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("global-max"), "{text}");
+}

@@ -73,7 +73,7 @@ pub struct GsArgs {
     #[arg(long, value_name = "SOURCE", allow_negative_numbers = true)]
     pub gs: Option<GsSource>,
     /// per-expert input scales, or the layer-wide max (the smallest gs) for every expert
-    #[arg(long, value_name = "MODE", default_value = "per-expert")]
+    #[arg(long, value_enum, value_name = "MODE", default_value = "per-expert")]
     pub input_scale_reduce: InputScaleReduce,
 }
 

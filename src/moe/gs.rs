@@ -79,10 +79,12 @@ impl fmt::Display for GsSource {
 
 /// `--input-scale-reduce`: keep one scale per expert, or use the layer-wide max `input_scale`
 /// (the smallest gs) for every expert, as some engine backends do with fused MoE weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum InputScaleReduce {
+    /// Each expert its own input scales
     #[default]
     PerExpert,
+    /// The layer-wide max input_scale (the smallest gs) for every expert
     GlobalMax,
 }
 
