@@ -354,6 +354,17 @@ fn diff_tensor(
     };
     let (r, t) = match (r, t) {
         (Some(r), Some(t)) => (r, t),
+        // `output` itself must be in both; a further tuple member one trace lacks is how the
+        // engines' signatures differ (transformers' eager attention returns its weights,
+        // vLLM's decoder layer its residual): noted, not a divergence.
+        (r, _) if name.starts_with("output.") => {
+            let side = if r.is_some() { "REF" } else { "TEST" };
+            d.note = Some(format!(
+                "only in {side}: not compared (the two runs record different tuples)"
+            ));
+            d.matches = true;
+            return d;
+        }
         (Some(_), None) => {
             d.problem = Some("missing in TEST".into());
             return d;
