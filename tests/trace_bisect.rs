@@ -1728,3 +1728,48 @@ fn a_tuple_output_only_one_run_records_is_noted_not_a_divergence() {
         }
     }
 }
+
+// Guards a wrong cause: an input only REF records (transformers passes a mask vLLM does not)
+// counted as "inputs already differed: the cause is upstream" for the module that made the
+// divergence from inputs that matched.
+#[test]
+fn an_input_only_one_run_records_does_not_make_the_cause_upstream() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let x = randv(&mut r, 32);
+    let mask = randv(&mut r, 16);
+    let (y, y_test) = (randv(&mut r, 32), randv(&mut r, 32));
+    let mlp = "model.layers.0.mlp";
+    write_call(
+        &a,
+        0,
+        mlp,
+        vec![
+            t("input.0", &[4, 8], x.clone()),
+            t("input.1", &[4, 4], mask),
+            t("output", &[4, 8], y),
+        ],
+        &[],
+    );
+    write_call(
+        &b,
+        0,
+        mlp,
+        vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y_test)],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], mlp, "{ctx}");
+    assert_eq!(f["cause"], "this module", "{ctx}");
+    assert_eq!(f["inputs_diverged"], false, "{ctx}");
+}
