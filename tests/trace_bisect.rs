@@ -1679,3 +1679,97 @@ fn a_router_output_in_another_slot_order_is_the_same_routing() {
     assert_eq!(f["module"], "model.layers.0.mlp.gate", "{ctx}");
     assert!(f["cosine"].as_f64().unwrap() < 1.0, "{ctx}");
 }
+
+// Guards a false first divergence: a tuple member (`output.1`) only one run records
+// (transformers' eager attention returns its weights, vLLM's attention does not) was named
+// "missing in TEST" at the first attention call, hiding the real divergence after it.
+#[test]
+fn a_tuple_output_only_one_run_records_is_noted_not_a_divergence() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    for l in 0..3u64 {
+        let attn = format!("model.layers.{l}.self_attn");
+        let y = randv(&mut r, 32);
+        let weights = randv(&mut r, 16);
+        write_call(
+            &a,
+            2 * l,
+            &attn,
+            vec![
+                t("output", &[4, 8], y.clone()),
+                t("output.1", &[1, 1, 4, 4], weights),
+            ],
+            &[],
+        );
+        write_call(&b, 2 * l, &attn, vec![t("output", &[4, 8], y)], &[]);
+        let mlp = format!("model.layers.{l}.mlp");
+        let y = randv(&mut r, 32);
+        // the real fault: layer 1's MLP output is another tensor in TEST
+        let y_test = if l == 1 { randv(&mut r, 32) } else { y.clone() };
+        write_call(&a, 2 * l + 1, &mlp, vec![t("output", &[4, 8], y)], &[]);
+        write_call(&b, 2 * l + 1, &mlp, vec![t("output", &[4, 8], y_test)], &[]);
+    }
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], "model.layers.1.mlp", "{ctx}");
+    assert_eq!(f["tensor"], "output", "{ctx}");
+    for m in o.json["modules"].as_array().unwrap() {
+        if m["module"].as_str().unwrap().ends_with("self_attn") {
+            assert_eq!(m["outputs_match"], true, "{ctx}");
+        }
+    }
+}
+
+// Guards a wrong cause: an input only REF records (transformers passes a mask vLLM does not)
+// counted as "inputs already differed: the cause is upstream" for the module that made the
+// divergence from inputs that matched.
+#[test]
+fn an_input_only_one_run_records_does_not_make_the_cause_upstream() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let x = randv(&mut r, 32);
+    let mask = randv(&mut r, 16);
+    let (y, y_test) = (randv(&mut r, 32), randv(&mut r, 32));
+    let mlp = "model.layers.0.mlp";
+    write_call(
+        &a,
+        0,
+        mlp,
+        vec![
+            t("input.0", &[4, 8], x.clone()),
+            t("input.1", &[4, 4], mask),
+            t("output", &[4, 8], y),
+        ],
+        &[],
+    );
+    write_call(
+        &b,
+        0,
+        mlp,
+        vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y_test)],
+        &[],
+    );
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!("seed {seed}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], mlp, "{ctx}");
+    assert_eq!(f["cause"], "this module", "{ctx}");
+    assert_eq!(f["inputs_diverged"], false, "{ctx}");
+}
