@@ -26,6 +26,13 @@ pub const DEFAULT_MIN_EXPERT_SLOTS: usize = 3;
 /// one token's noise.
 pub const FEW_SLOTS_MIN_COSINE: f64 = 0.7;
 
+/// The widest an expert's output norm may stray from its reference's (`‖test‖/‖ref‖` within
+/// [1/1.75, 1.75]), whatever its slots: healthy single slots of the built-in layer stayed within
+/// 0.675-1.48 (38,400 slots, 150 seeds), pooled experts closer to 1, while a weight_scale_2 or
+/// input_scale off by 2 (or 0.5) moves the ratio to about 2 (0.5). On one slot the cosine bar
+/// (rel-L2 1.02) lets such a factor through about half the time; this catches it.
+pub const MAX_NORM_RATIO: f64 = 1.75;
+
 /// How experts are judged: `--min-expert-cosine` and `--min-expert-slots`.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertCheck {
@@ -49,7 +56,7 @@ impl ExpertCheck {
     pub fn judge(&self, x: &ExpertMetrics) -> ExpertVerdict {
         let c = self.min_cosine;
         let Some(miss) = expert_failure(x, c, &format!("--min-expert-cosine {c}")) else {
-            return ExpertVerdict::Pass;
+            return magnitude_failure(x).map_or(ExpertVerdict::Pass, ExpertVerdict::Fail);
         };
         if x.slots >= self.min_slots {
             return ExpertVerdict::Fail(miss);
@@ -62,7 +69,7 @@ impl ExpertCheck {
             if x.slots == 1 { "" } else { "s" },
             self.min_slots
         );
-        match expert_failure(x, low, &bar) {
+        match expert_failure(x, low, &bar).or_else(|| magnitude_failure(x)) {
             Some(gross) => ExpertVerdict::Fail(gross),
             None => ExpertVerdict::TooFewSlots,
         }
@@ -120,6 +127,27 @@ impl ExpertCheck {
     }
 }
 
+/// An expert whose output norm is off its reference's by more than [`MAX_NORM_RATIO`] either
+/// way (NaN/Inf are reported on their own).
+fn magnitude_failure(x: &ExpertMetrics) -> Option<String> {
+    let (m, r) = (&x.metrics, x.norm_ratio);
+    if m.nan_count + m.inf_count > 0 || (1.0 / MAX_NORM_RATIO..=MAX_NORM_RATIO).contains(&r) {
+        return None;
+    }
+    Some(format!(
+        "expert {}: its output's norm is {}x its reference's over {} slot{} (healthy NVFP4 stays \
+         within {}-{}x even on one slot), at cosine {}: its output has the wrong magnitude (a \
+         weight_scale_2 or input_scale off by a factor?)",
+        x.expert,
+        f(r, 3),
+        x.slots,
+        if x.slots == 1 { "" } else { "s" },
+        f(1.0 / MAX_NORM_RATIO, 3),
+        MAX_NORM_RATIO,
+        f(m.cosine, 4)
+    ))
+}
+
 /// How one expert's own output fails cosine `c` (`bar` names it), if it does (NaN/Inf in it
 /// are reported on their own): a cosine below `c`, or, since the cosine is blind to magnitude
 /// (an expert whose weight_scale_2 or input_scale is off by a factor keeps it), a rel-L2 beyond
@@ -170,11 +198,7 @@ mod tests {
         e.iter_mut().zip(&r).for_each(|(v, &x)| *v -= p * x);
         let k = noise * (dot(&r, &r) / dot(&e, &e)).sqrt();
         let t: Vec<f32> = r.iter().zip(&e).map(|(&x, &y)| scale * x + k * y).collect();
-        ExpertMetrics {
-            expert: 5,
-            slots,
-            metrics: crate::metrics::compare(&t, &r),
-        }
+        ExpertMetrics::new(5, slots, &t, &r)
     }
 
     #[test]
@@ -227,6 +251,16 @@ mod tests {
                 m.contains(&format!("expert 5: {what}")) && m.contains("--min-expert-slots 3"),
                 "seed {seed}: {m}"
             );
+        }
+        // a down_proj weight_scale_2 off by 2 (or 0.5) on one slot, with a slot's pull (rel-L2
+        // 0.82 / 0.51, within the one-slot bar of 1.02): its norm ratio (1.81 / 0.51) names it.
+        // It passed as too few slots to judge.
+        for (scale, noise) in [(1.8, 0.2), (0.5, 0.1)] {
+            let x = expert(seed, 1, scale, noise);
+            let m = check
+                .failure(&x)
+                .unwrap_or_else(|| panic!("seed {seed}: {x:?}"));
+            assert!(m.contains("wrong magnitude") && m.contains("norm"), "{m}");
         }
         // --min-expert-slots 1: every expert by --min-expert-cosine alone
         let all = ExpertCheck {

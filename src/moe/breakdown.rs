@@ -12,8 +12,29 @@ pub struct ExpertMetrics {
     pub expert: usize,
     /// (token, slot) pairs routed to this expert.
     pub slots: usize,
+    /// `‖test‖ / ‖ref‖` over its slots: an output off by a factor (a weight_scale_2 or
+    /// input_scale) shows here whatever its cosine.
+    pub norm_ratio: f64,
     #[serde(flatten)]
     pub metrics: Metrics,
+}
+
+impl ExpertMetrics {
+    pub fn new(expert: usize, slots: usize, test: &[f32], reference: &[f32]) -> ExpertMetrics {
+        let norm = |v: &[f32]| {
+            v.iter()
+                .map(|&x| (x as f64) * (x as f64))
+                .sum::<f64>()
+                .sqrt()
+        };
+        let (nt, nr) = (norm(test), norm(reference));
+        ExpertMetrics {
+            expert,
+            slots,
+            norm_ratio: if nt == nr { 1.0 } else { nt / nr },
+            metrics: compare(test, reference),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -50,11 +71,7 @@ pub fn per_expert(
                     .flat_map(|&s| v[s * hidden..(s + 1) * hidden].iter().copied())
                     .collect()
             };
-            ExpertMetrics {
-                expert: e,
-                slots: r.len(),
-                metrics: compare(&gather(test_slots), &gather(ref_slots)),
-            }
+            ExpertMetrics::new(e, r.len(), &gather(test_slots), &gather(ref_slots))
         })
         .collect()
 }
