@@ -1346,3 +1346,82 @@ fn an_unwritable_report_path_is_exit_2_naming_the_path_and_flag() {
         );
     }
 }
+
+// A damaged file (truncated when the run died) aborted the scan with exit 2, even where a NaN
+// lay before it or after it: the NaN is the answer, the damaged file is named as not scanned.
+// With no NaN anywhere, a damaged file is still bad input (exit 2).
+#[test]
+fn a_damaged_file_does_not_hide_a_nan_found_around_it() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    for damaged_first in [true, false] {
+        let d = tmp.path().join(format!("t{damaged_first}"));
+        std::fs::create_dir(&d).unwrap();
+        let mut bad = randv(&mut r, 16);
+        let at = r.gen_range(0..16);
+        bad[at] = f32::NAN;
+        let (damaged, nan) = if damaged_first { (1, 2) } else { (2, 1) };
+        write_call(&d, 0, "a", vec![t("output", &[16], randv(&mut r, 16))], &[]);
+        let p = write_call(
+            &d,
+            damaged,
+            "b",
+            vec![t("output", &[16], randv(&mut r, 16))],
+            &[],
+        );
+        write_call(&d, nan, "c", vec![t("output", &[16], bad)], &[]);
+        let bytes = std::fs::read(&p).unwrap();
+        let cut = r.gen_range(1..bytes.len());
+        std::fs::write(&p, &bytes[..cut]).unwrap();
+        let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+        let ctx = format!(
+            "seed {seed} cut {cut} damaged first {damaged_first}\n{}",
+            o.show()
+        );
+        assert_eq!(o.code, 1, "{ctx}");
+        assert_eq!(o.json["first_nonfinite"]["module"], "c", "{ctx}");
+        assert_eq!(o.json["first_nonfinite"]["index"]["flat"], at, "{ctx}");
+        // before the NaN it may have held an earlier one: named in the headline
+        assert_eq!(
+            o.stdout.contains("000001-b.safetensors: unreadable"),
+            damaged_first,
+            "{ctx}"
+        );
+        // bisect compares whole traces: a damaged file is bad input there
+        let b = nvfp4dbg(
+            tmp.path(),
+            &["bisect", d.to_str().unwrap(), d.to_str().unwrap()],
+        );
+        assert_eq!(b.code, 2, "{ctx}\n{}", b.show());
+    }
+}
+
+// Counters missing between recorded calls (files deleted, writes that failed) passed without a
+// word: they are said, since a NaN there is never scanned.
+#[test]
+fn counter_gaps_before_the_answer_are_said() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path().join("gap");
+    std::fs::create_dir(&d).unwrap();
+    let from = r.gen_range(1..5u64);
+    let to = from + r.gen_range(0..3u64);
+    for c in (0..from).chain(to + 1..to + 4) {
+        write_call(&d, c, "m", vec![t("output", &[8], randv(&mut r, 8))], &[]);
+    }
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", d.to_str().unwrap()]);
+    let ctx = format!("seed {seed} gap {from}-{to}\n{}", o.show());
+    assert_eq!(o.code, 0, "{ctx}");
+    assert_eq!(
+        o.json["summary"]["counter_gaps"],
+        serde_json::json!([[from, to]]),
+        "{ctx}"
+    );
+    assert!(
+        o.stdout
+            .contains(&format!("{} counter(s) absent", to - from + 1)),
+        "{ctx}"
+    );
+}

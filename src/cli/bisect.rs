@@ -114,14 +114,23 @@ pub fn run(args: &Args) -> Result<Report> {
     // TEST's ranks REF lacks (an unsharded reference against a TP/EP run): nothing to compare
     // them with, but a NaN/Inf there is a fault whatever the reference
     let mut test_only: Vec<TraceIndex> = vec![];
+    // two whole traces are compared: a damaged file in either is bad input wherever it lies
+    let readable = |i: TraceIndex| i.require_readable().map(|_| i);
     let pairs: Vec<(TraceIndex, TraceIndex)> = match (ref_rank, test_rank) {
         (Some(_), Some(_)) => vec![(
-            TraceIndex::open(&args.reference, sel(ref_rank)).map_err(|e| on_side(e, "REF"))?,
-            TraceIndex::open(&args.test, sel(test_rank)).map_err(|e| on_side(e, "TEST"))?,
+            TraceIndex::open(&args.reference, sel(ref_rank))
+                .and_then(readable)
+                .map_err(|e| on_side(e, "REF"))?,
+            TraceIndex::open(&args.test, sel(test_rank))
+                .and_then(readable)
+                .map_err(|e| on_side(e, "TEST"))?,
         )],
         _ => {
             let refs = TraceIndex::open_each_rank(&args.reference, args.step)?;
             let mut tests = TraceIndex::open_each_rank(&args.test, args.step)?;
+            for i in refs.iter().chain(&tests) {
+                i.require_readable()?;
+            }
             let rank = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
             let ref_ranks: Vec<u64> = refs.iter().map(rank).collect();
             let test_ranks: Vec<u64> = tests.iter().map(rank).collect();

@@ -263,6 +263,22 @@ fn first_skips(unscanned: &[&Skipped]) -> String {
     s
 }
 
+/// Runs of counters absent between two recorded calls of one step, `(first, last)` absent: a
+/// recorder numbers every call it writes, so a gap is calls never written or deleted since,
+/// where a NaN would go unseen. Several ranks in one directory interleave their counters: not
+/// judged there.
+fn counter_gaps(index: &TraceIndex) -> Vec<(u64, u64)> {
+    if index.ranks.len() > 1 {
+        return vec![];
+    }
+    index
+        .entries
+        .windows(2)
+        .filter(|w| w[0].step == w[1].step && w[1].counter > w[0].counter + 1)
+        .map(|w| (w[0].counter + 1, w[1].counter - 1))
+        .collect()
+}
+
 fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     let scope = index.selection.describe();
     let mut skipped = index.skipped.clone();
@@ -270,6 +286,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     // A verdict over files that were not looked at is no verdict: nothing scanned is bad input,
     // and a clean scan with recorded calls left out is not a pass.
     let unscanned: Vec<&Skipped> = skipped.iter().filter(|k| k.unscanned_call).collect();
+    let gaps = counter_gaps(index);
     if r.calls_scanned == 0 {
         return Err(Error::bad_file(
             &index.dir,
@@ -292,6 +309,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         "skipped": skipped.len(),
         "calls_unscanned": unscanned.len(),
         "found": r.first.is_some(),
+        "counter_gaps": gaps,
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
     let mut table = Section::new(
@@ -529,6 +547,23 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 .section(table)
         }
     };
+    // gaps before the answer are calls a NaN could hide in; those after it do not matter
+    let before: Vec<&(u64, u64)> = gaps
+        .iter()
+        .filter(|g| first_counter.is_none_or(|c| g.1 < c))
+        .collect();
+    if let Some((a, b)) = before.first() {
+        let missing: u64 = before.iter().map(|g| g.1 - g.0 + 1).sum();
+        rep.headline.push_str(&format!(
+            "; note: {missing} counter(s) absent from the trace (first {a:06}{}): calls never \
+             recorded or deleted since, not scanned",
+            if a == b {
+                String::new()
+            } else {
+                format!("-{b:06}")
+            }
+        ));
+    }
     rep = rep.with("mask_outputs", mask_json(r)).with(
         "modules",
         r.window.iter().map(call_json).collect::<Vec<_>>(),

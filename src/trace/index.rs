@@ -94,6 +94,9 @@ pub struct TraceIndex {
     pub ranks: Vec<u64>,
     /// Steps present in the selected rank.
     pub steps: Vec<u64>,
+    /// Trace files whose header cannot be read (truncated when the run died): kept among the
+    /// entries, in order, under their folder's rank/step; what reads them meets the error.
+    pub damaged: Vec<PathBuf>,
 }
 
 /// Ranks as a message lists them: `0, 1, 3`.
@@ -169,10 +172,20 @@ impl TraceIndex {
     /// `rank<N>/` or `step<N>/` folders (one directory per rank or step is how multi-process
     /// recorders keep names from colliding); a file without `rank`/`step` metadata takes its
     /// folder's N. Other folders are listed as ignored, not read.
-    /// Every trace file's header is validated here, so a truncated file is reported before any
-    /// scan starts. No trace file at all, or none in the selection, is bad input.
+    /// Every trace file's header is read here; one that cannot be ([`TraceIndex::damaged`])
+    /// stays an entry, for [`TraceIndex::require_readable`] or the scan to report. No trace
+    /// file at all, or none in the selection, is bad input.
     pub fn open(dir: &Path, selection: Selection) -> Result<TraceIndex> {
         Listing::read(dir)?.select(selection)
+    }
+
+    /// The error of the first damaged trace file, if any: for a command that compares whole
+    /// traces, where a damaged file is bad input wherever it lies.
+    pub fn require_readable(&self) -> Result<()> {
+        match self.damaged.first() {
+            Some(p) => TraceFile::open(p).map(|_| ()),
+            None => Ok(()),
+        }
     }
 
     /// One index per rank the trace holds (ascending), each of `step` when given: what a
@@ -211,6 +224,9 @@ impl TraceIndex {
     }
 }
 
+/// `__metadata__` `rank` and `step` of one file.
+type RankStep = (Option<u64>, Option<u64>);
+
 /// Every trace file of a directory with its validated header, before any selection.
 #[derive(Clone, Debug)]
 struct Listing {
@@ -219,6 +235,7 @@ struct Listing {
     skipped: Vec<Skipped>,
     files_total: usize,
     ranks: Vec<u64>,
+    damaged: Vec<PathBuf>,
 }
 
 impl Listing {
@@ -304,18 +321,28 @@ impl Listing {
         }
 
         // Headers: validated in parallel; the first bad file in name order is the one reported.
-        let headers: Vec<Result<(Option<u64>, Option<u64>)>> = named
+        let headers: Vec<Result<Option<RankStep>>> = named
             .par_iter()
             .map(|(_, _, p, _)| {
-                let f = TraceFile::open(p)?;
-                Ok((parse_meta(p, &f, "rank")?, parse_meta(p, &f, "step")?))
+                // an unreadable header is a damaged file (kept); bad metadata is bad input
+                let Ok(f) = TraceFile::open(p) else {
+                    return Ok(None);
+                };
+                Ok(Some((
+                    parse_meta(p, &f, "rank")?,
+                    parse_meta(p, &f, "step")?,
+                )))
             })
             .collect();
         let files_total = named.len();
         let mut all = Vec::with_capacity(named.len());
+        let mut damaged = Vec::new();
         for ((counter, module, path, (dir_rank, dir_step)), h) in named.into_iter().zip(headers) {
             // `__metadata__` first; a file without it takes its rank<N>/ or step<N>/ folder's
-            let (rank, step) = h?;
+            let (rank, step) = h?.unwrap_or_else(|| {
+                damaged.push(path.clone());
+                (None, None)
+            });
             let (rank, step) = (rank.or(dir_rank), step.or(dir_step));
             all.push(TraceEntry {
                 counter,
@@ -338,6 +365,7 @@ impl Listing {
             skipped,
             files_total,
             ranks,
+            damaged,
         })
     }
 
@@ -348,6 +376,7 @@ impl Listing {
             mut skipped,
             files_total,
             ranks,
+            damaged,
         } = self;
         let dir = dir.as_path();
         let rank = selection.rank.unwrap_or(0);
@@ -418,6 +447,7 @@ impl Listing {
             files_total,
             ranks,
             steps,
+            damaged,
         })
     }
 }

@@ -232,16 +232,28 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut near = None;
     let mut mask_outputs = None;
     let mut mask_output_count = 0;
+    let mut unreadable = None;
     for (pos, e) in index.entries.iter().enumerate() {
         if found.is_some() && after.len() >= context {
             break;
         }
-        let scanned_call = scan_call(e)?;
+        let scanned_call = scan_call(e);
         tick();
         let call = match scanned_call {
-            Ok(c) => c,
-            Err(reason) => {
+            Ok(Ok(c)) => c,
+            Ok(Err(reason)) => {
                 skipped.push(Skipped::call(e.path.clone(), reason));
+                continue;
+            }
+            // a damaged file (truncated when the run died) is named and the scan goes on: a
+            // NaN before it, or after it, is still the answer; with none, it is bad input
+            Err(err) => {
+                let why = err.to_string();
+                let why = why
+                    .strip_prefix(&format!("{}: ", e.path.display()))
+                    .unwrap_or(&why);
+                skipped.push(Skipped::call(e.path.clone(), format!("unreadable: {why}")));
+                unreadable.get_or_insert(err);
                 continue;
             }
         };
@@ -309,6 +321,9 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
             uncounted_input,
         });
         before.push_back(call);
+    }
+    if let Some(err) = unreadable.filter(|_| found.is_none() && nan_input.is_none()) {
+        return Err(err);
     }
     let mut window: Vec<ScannedCall> = before.into_iter().collect();
     window.extend(after);
