@@ -337,19 +337,7 @@ impl TensorFile {
     /// `name` as f32: BF16, F16, F32, F64 and FP8 (E4M3, E5M2) are read; other dtypes are bad
     /// input naming the tensor.
     pub fn to_f32(&self, name: &str) -> Result<Vec<f32>> {
-        let t = self.info(name)?;
-        let mut out = vec![0f32; t.numel()];
-        if !decode_f32_into(t.dtype, self.slice(t), &mut out) {
-            return Err(Error::bad_tensor(
-                &self.path,
-                name,
-                format!(
-                    "dtype {:?} is not a floating dtype this tool reads (BF16, F16, F32, F64, F8_E4M3, F8_E5M2)",
-                    t.dtype
-                ),
-            ));
-        }
-        Ok(out)
+        self.to_f32_prefix(name, usize::MAX)
     }
 
     /// The first `n` elements of `name` as f32 (`to_f32` of a prefix): only those bytes are
