@@ -555,7 +555,14 @@ pub fn summary(s: &ActScales) -> Option<([f32; 3], [f32; 3])> {
         if w.is_empty() {
             return [f32::NAN; 3];
         }
-        [w[0], w[w.len() / 2], w[w.len() - 1]]
+        // an even count's median is the mean of its middle pair (numpy's)
+        let n = w.len();
+        let median = if n % 2 == 1 {
+            w[n / 2]
+        } else {
+            ((w[n / 2 - 1] as f64 + w[n / 2] as f64) / 2.0) as f32
+        };
+        [w[0], median, w[n - 1]]
     }
     match s {
         ActScales::Fixed { gs1, gs2 } => Some((mmm(gs1), mmm(gs2))),
@@ -569,6 +576,30 @@ mod tests {
     use crate::moe::synthetic::test_layer;
     use crate::moe::ScoringFunc;
     use rand::Rng;
+
+    // the median of an even count was its upper middle value (336 where numpy says 333.4)
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_its_middle_pair() {
+        let seed: u64 = rand::random();
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        use rand::SeedableRng;
+        let v: Vec<f32> = (0..2 * r.gen_range(1..20))
+            .map(|_| r.gen_range(1.0..1e4))
+            .collect();
+        let mut w = v.clone();
+        w.sort_by(|a, b| a.total_cmp(b));
+        let n = w.len();
+        let want = ((w[n / 2 - 1] as f64 + w[n / 2] as f64) / 2.0) as f32;
+        let s = ActScales::Fixed {
+            gs1: v.clone(),
+            gs2: v[..n - 1].to_vec(),
+        };
+        let (g1, g2) = summary(&s).unwrap();
+        assert_eq!(g1, [w[0], want, w[n - 1]], "seed {seed}");
+        let mut odd = v[..n - 1].to_vec();
+        odd.sort_by(|a, b| a.total_cmp(b));
+        assert_eq!(g2[1], odd[(n - 1) / 2], "seed {seed}");
+    }
 
     #[test]
     fn parses_every_source() {
