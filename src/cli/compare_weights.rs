@@ -210,10 +210,7 @@ fn build_report(
         }
         let mut h = parts.join(", ");
         if let Some(d) = failing.first() {
-            let k = serde_json::to_value(d.kind)
-                .ok()
-                .and_then(|v| v.as_str().map(String::from))
-                .unwrap_or_default();
+            let k = d.kind.name();
             let more = if failing.len() > 1 {
                 format!(" (+{} more diagnoses)", failing.len() - 1)
             } else {
@@ -306,10 +303,7 @@ fn build_report(
         let mut s = Section::new("diagnoses", &["kind", "layer", "tensors", "what"]);
         for d in &c.diagnoses {
             s.row(vec![
-                serde_json::to_value(d.kind)
-                    .ok()
-                    .and_then(|v| v.as_str().map(String::from))
-                    .unwrap_or_default(),
+                d.kind.name(),
                 d.layer.map_or("-".into(), |l| l.to_string()),
                 d.tensors.to_string(),
                 wrap(&d.message, 80),

@@ -19,7 +19,7 @@ use crate::checkpoint::Proj;
 use crate::error::Result;
 use rayon::prelude::*;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -98,6 +98,16 @@ pub struct Diagnosis {
     pub units: Vec<String>,
 }
 
+impl DiagnosisKind {
+    /// Its name as the JSON report spells it (`mixed_scale_layouts`).
+    pub fn name(self) -> String {
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v.as_str().map(String::from))
+            .unwrap_or_default()
+    }
+}
+
 /// The units a failing diagnosis names that compared equal by themselves (a layout odd one
 /// out, a whole tensor where a TP slice belongs) become mismatches, with the diagnosis as
 /// their issue: CI scripts read problems under `mismatches` (DESIGN §6).
@@ -111,13 +121,11 @@ pub fn file_under_mismatches(results: &mut [UnitResult], diagnoses: &[Diagnosis]
             | DiagnosisKind::ScalesMisread => IssueKind::Scales,
             _ => IssueKind::Values,
         };
-        let named = serde_json::to_value(d.kind)
-            .ok()
-            .and_then(|v| v.as_str().map(String::from))
-            .unwrap_or_default();
+        let named = d.kind.name();
+        let units: HashSet<&String> = d.units.iter().collect();
         for r in results
             .iter_mut()
-            .filter(|r| r.status != Status::Mismatch && d.units.contains(&r.name))
+            .filter(|r| r.status != Status::Mismatch && units.contains(&r.name))
         {
             r.status = Status::Mismatch;
             r.filed_by_diagnosis = true;
