@@ -986,6 +986,63 @@ fn a_prefix_on_some_tensors_only_is_named() {
     }
 }
 
+// guards: a linear renamed with a stray `model.` prefix except its input_scale (left under its
+// own name) listed that input_scale both as missing in B and as extra in B
+#[test]
+fn a_name_both_sides_hold_is_neither_missing_nor_extra() {
+    let fx = fixture(3);
+    let native = fx.root.join("native.safetensors");
+    write_native(&fx.model, &native);
+    let odd = rand::random::<usize>() % 3;
+    let partly = fx.root.join("partly.safetensors");
+    let mut v = fx.model.common("", "ffn");
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (n, t, ins) in [
+            ("w1", &x.w1, x.in1),
+            ("w3", &x.w3, x.in3),
+            ("w2", &x.w2, x.in2),
+        ] {
+            let base = format!("layers.{LAYER}.ffn.experts.{e}.{n}");
+            let mut t3 = vec![];
+            triple(&mut t3, &base, t, ins);
+            for (spec, bytes) in t3 {
+                let keep = spec.name.ends_with(".input_scale");
+                let spec = match (e == odd && n == "w2" && !keep, spec) {
+                    (true, sp) => {
+                        TensorSpec::new(format!("model.{}", sp.name), sp.dtype, &sp.shape)
+                    }
+                    (false, sp) => sp,
+                };
+                v.push((spec, bytes));
+            }
+        }
+    }
+    write_file(&partly, v, None).unwrap();
+    let out = run(&fx.root, &[s(&native), s(&partly)]);
+    check(&out, 1, fx.seed);
+    let kept = format!("layers.{LAYER}.ffn.experts.{odd}.w2.input_scale");
+    for list in ["missing", "extra"] {
+        let names: Vec<&str> = out.json[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|n| n.as_str())
+            .collect();
+        assert!(
+            !names.contains(&kept.as_str()),
+            "seed {} odd {odd}: {list} lists {kept}, which both sides hold: {names:?}",
+            fx.seed
+        );
+    }
+    assert_eq!(
+        out.json["missing"].as_array().unwrap().len(),
+        3,
+        "seed {}",
+        fx.seed
+    );
+    assert!(diag_kinds(&out.json).contains(&"prefix_mismatch".to_string()));
+}
+
 #[test]
 fn gate_up_swapped_in_one_expert_is_named() {
     let fx = fixture(4);

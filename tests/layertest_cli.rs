@@ -203,6 +203,47 @@ fn planted_nan_block_scale_fails_naming_nan() {
     assert_eq!(r["reference_nonfinite"]["nan_count"], 0);
 }
 
+// guards: a NaN block scale in the checkpoint led the verdict with "NaN in the NVFP4 output ...
+// token T channel C" instead of naming the expert's tensor that holds it
+#[test]
+fn nan_block_scale_headline_names_the_expert_tensor() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        "ck",
+        &["--seed", &seed, "--plant", "nan-block-scale"],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let expert = planted["faults"][0]["expert"].as_u64().unwrap();
+    let (code, text, r) = run(
+        dir.path(),
+        &[
+            "layertest",
+            "--checkpoint",
+            "ck",
+            "--device",
+            "cpu",
+            "--tokens",
+            "32",
+            "--seed",
+            &seed,
+        ],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let headline = r.unwrap()["summary"]["text"].as_str().unwrap().to_string();
+    assert!(
+        headline.starts_with(&format!("layer 1: expert {expert} produces NaN/Inf")),
+        "seed {seed}: {headline}"
+    );
+    assert!(
+        headline.contains("its gate_proj holds 1 NaN block scale code (first at row 0, block 0)"),
+        "seed {seed}: {headline}"
+    );
+}
+
 #[test]
 fn bad_input_scale_fails_with_checkpoint_scales_only() {
     let dir = tempfile::tempdir().unwrap();

@@ -1361,7 +1361,11 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     for x in &experts {
         if let Some(line) = ExpertCheck::nonfinite(&x.m) {
-            failures.push(format!("{line}{}", x.cause()));
+            match nonfinite_weights(&layer, x.m.expert) {
+                // its weights hold the NaN: that, not the output it spreads to, leads
+                Some(w) => failures.insert(input_lines, format!("{line}{w}")),
+                None => failures.push(format!("{line}{}", x.cause())),
+            }
         }
     }
     if nv.act_stats.nan_scales > 0 {
@@ -2106,6 +2110,43 @@ impl ExpertRow {
 /// input (gs1) unless `gate_up_named` (its saturated blocks already named it): one expert's
 /// `input_scale` 100x too small saturates only its input blocks of large values, which on
 /// real activations (a few massive channels) can stay under the share `cause` names.
+/// `: its gate_proj ...` when expert `expert`'s own weights hold NaN block scale codes or a
+/// non-finite `weight_scale_2`: the NaN it produces comes from the checkpoint, not the kernel.
+fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
+    let ex = layer.experts.get(expert)?;
+    let mut parts: Vec<String> = vec![];
+    for (proj, lin) in [
+        ("gate_proj", &ex.w1),
+        ("up_proj", &ex.w3),
+        ("down_proj", &ex.w2),
+    ] {
+        let w = &lin.weight;
+        let nan = |c: u8| match w.format {
+            crate::nvfp4::Format::Nvfp4 => crate::nvfp4::e4m3::is_nan(c),
+            crate::nvfp4::Format::Mxfp4 => c == 0xFF,
+        };
+        let count = w.scales.iter().filter(|&&c| nan(c)).count();
+        if let Some(i) = w.scales.iter().position(|&c| nan(c)) {
+            let per_row = (w.cols / w.format.block()).max(1);
+            parts.push(format!(
+                "its {proj} holds {count} NaN block scale code{} (first at row {}, block {})",
+                if count == 1 { "" } else { "s" },
+                i / per_row,
+                i % per_row
+            ));
+        }
+        if !w.scale_2.is_finite() {
+            parts.push(format!("its {proj} weight_scale_2 is {}", w.scale_2));
+        }
+    }
+    (!parts.is_empty()).then(|| {
+        format!(
+            ": {}: the NaN comes from the checkpoint's weights, not the kernel (`nvfp4dbg audit` lists every one)",
+            parts.join(", ")
+        )
+    })
+}
+
 fn input_cause(over: &[gs::GsOvershoot], expert: usize, gate_up_named: bool) -> String {
     let mut out = String::new();
     for (gemm, what, proj) in [

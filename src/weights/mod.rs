@@ -30,7 +30,7 @@ use load::{LoadError, Raw, SideRef};
 use rayon::prelude::*;
 use rules::{Renamed, Renames, Side};
 use serde::Serialize;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
 #[derive(Clone, Debug)]
@@ -369,6 +369,14 @@ impl<'a> Plan<'a> {
                 }
             }
         }
+        // a name both sides hold (B's input_scale left under its name while the rest of its
+        // linear was renamed) is neither missing nor extra: its linear's other members are
+        let both: HashSet<String> = {
+            let m: HashSet<&String> = missing.iter().collect();
+            extra.iter().filter(|n| m.contains(n)).cloned().collect()
+        };
+        missing.retain(|n| !both.contains(n));
+        extra.retain(|n| !both.contains(n));
         // A's global scales per expert projection: the fused-w13 checks compare B's one value
         // with A's gate and up
         let a_ref = SideRef {
