@@ -2105,11 +2105,6 @@ impl ExpertRow {
     }
 }
 
-/// `; its down_proj input saturates: ...` when `expert`'s gs2 is at least twice what the
-/// amax of its SwiGLU output allows (see [`gs::overshoots`]), and the same for its gate/up
-/// input (gs1) unless `gate_up_named` (its saturated blocks already named it): one expert's
-/// `input_scale` 100x too small saturates only its input blocks of large values, which on
-/// real activations (a few massive channels) can stay under the share `cause` names.
 /// `: its gate_proj ...` when expert `expert`'s own weights hold NaN block scale codes or a
 /// non-finite `weight_scale_2`: the NaN it produces comes from the checkpoint, not the kernel.
 fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
@@ -2147,6 +2142,11 @@ fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
     })
 }
 
+/// `; its down_proj input saturates: ...` when `expert`'s gs2 is at least twice what the
+/// amax of its SwiGLU output allows (see [`gs::overshoots`]), and the same for its gate/up
+/// input (gs1) unless `gate_up_named` (its saturated blocks already named it): one expert's
+/// `input_scale` 100x too small saturates only its input blocks of large values, which on
+/// real activations (a few massive channels) can stay under the share `cause` names.
 fn input_cause(over: &[gs::GsOvershoot], expert: usize, gate_up_named: bool) -> String {
     let mut out = String::new();
     for (gemm, what, proj) in [
