@@ -542,18 +542,23 @@ fn cosine_thresholds_outside_minus_one_to_one_are_usage_errors() {
         }
         // a cosine in range is accepted by the parser (what the command then does with `a`
         // and `b` is another matter; the layer commands stop at a checkpoint that is not
-        // there rather than run the synthetic layer)
-        let mut a = args.to_vec();
-        a.extend([flag, "0.5"]);
-        if a[1] == "--device" {
-            a.extend(["--checkpoint", "not-there"]);
+        // there rather than run the synthetic layer); a negative one after a space too, where
+        // clap read `-0.1` as an unknown flag
+        for v in ["0.5", "-0.1"] {
+            let mut a = args.to_vec();
+            a.extend([flag, v]);
+            if a[1] == "--device" {
+                a.extend(["--checkpoint", "not-there"]);
+            }
+            let (code, text, _) = run(dir.path(), &a);
+            assert_eq!(code, 2, "{a:?}: {text}");
+            assert!(
+                !text.contains("a cosine lies in")
+                    && !text.contains("unexpected argument")
+                    && !text.contains("panicked"),
+                "{a:?}: {text}"
+            );
         }
-        let (code, text, _) = run(dir.path(), &a);
-        assert_eq!(code, 2, "{a:?}: {text}");
-        assert!(
-            !text.contains("a cosine lies in") && !text.contains("panicked"),
-            "{a:?}: {text}"
-        );
     }
 }
 

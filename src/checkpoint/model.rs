@@ -137,6 +137,17 @@ impl MoeCheckpoint {
         load_layer(self, layer)
     }
 
+    /// Does [`MoeCheckpoint::load_layer`] read layer `layer`'s experts' BF16 originals
+    /// (bf16/ holds them)? They load as f32: 4 bytes a weight beside the NVFP4 half byte.
+    pub fn ships_originals(&self, layer: usize) -> bool {
+        self.ckpt.originals().is_some_and(|o| {
+            o.contains(&format!(
+                "{}.weight",
+                self.naming.expert(layer, 0, Proj::Gate)
+            ))
+        })
+    }
+
     /// What [`MoeCheckpoint::load_layer`] refuses in layer `layer` short of its routed experts:
     /// the router (weight, selection bias, hash table) read and checked, and the shared expert
     /// present as config.json says. Reads no expert weight (`audit` runs it on every layer).
@@ -204,9 +215,7 @@ fn load_layer(mc: &MoeCheckpoint, layer: usize) -> Result<MoeLayer> {
     let (weight, bias, tid2eid) = router_parts(mc, layer, &mut cfg)?;
 
     // routed experts
-    let originals = ck
-        .originals()
-        .filter(|o| o.contains(&format!("{}.weight", n.expert(layer, 0, Proj::Gate))));
+    let originals = ck.originals().filter(|_| mc.ships_originals(layer));
     let experts = (0..e_count)
         .into_par_iter()
         .map(|e| {

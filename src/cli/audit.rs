@@ -42,7 +42,7 @@ pub struct Args {
     /// 0.95: the wrong magnitude). NVFP4 keeps ~0.99 (0.9955-0.9961, rel-L2 <= 0.095 on synth
     /// checkpoints); another matrix under the weight's name (gate/up swapped, experts
     /// permuted) gives ~0, a global scale 64x too small ~0.74
-    #[arg(long, value_name = "C", default_value_t = originals::MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = originals::MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_original_cosine: f64,
     /// Do not compare the quantized weights with the BF16 originals under DIR/bf16/ (4x the
     /// bytes of the NVFP4 weights; only the structure and scale checks run)

@@ -34,7 +34,7 @@ pub struct Args {
     /// TP=8), raise it to 0.9999. An output in the right direction with the wrong norm (TEST ≈
     /// 2.5 × REF has cosine 1) also diverges: its rel_l2 may not exceed sqrt(1/C² − 1), what
     /// noise reaches at cosine C (0.142 at 0.99).
-    #[arg(long, value_name = "C", default_value_t = 0.99, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = 0.99, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     /// Rank to compare, in both traces (a file without `rank` metadata: the N of its rank<N>/ folder, else rank 0)
     #[arg(long, value_name = "R")]

@@ -94,6 +94,37 @@ pub fn sweep_points(s: &str) -> std::result::Result<usize, String> {
     }
 }
 
+/// The steps of a long command whose parts have no count of their own (load the layer, run the
+/// NVFP4 path, run the reference...): one bar, each [`Steps::next`] naming the step that starts,
+/// the clock ticking while a step runs. Cleared when dropped.
+pub struct Steps(ProgressBar);
+
+impl Steps {
+    pub fn new(len: u64, quiet: bool) -> Steps {
+        let pb = progress(len, "", quiet);
+        // steps take unequal times: no eta
+        if let Ok(st) = ProgressStyle::with_template("[{bar:16}] {pos}/{len} {msg} {elapsed}") {
+            pb.set_style(st.progress_chars("=> "));
+        }
+        pb.enable_steady_tick(std::time::Duration::from_millis(250));
+        Steps(pb)
+    }
+
+    /// The step before is done; `what` starts.
+    pub fn next(&self, what: &str) {
+        if !self.0.message().is_empty() {
+            self.0.inc(1);
+        }
+        self.0.set_message(what.to_string());
+    }
+}
+
+impl Drop for Steps {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
+}
+
 /// A progress bar on stderr, hidden when stderr is not a terminal or with `--quiet`.
 pub fn progress(len: u64, what: &str, quiet: bool) -> ProgressBar {
     let pb = ProgressBar::new(len);

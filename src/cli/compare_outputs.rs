@@ -41,7 +41,7 @@ pub struct Args {
     #[arg(long, value_name = "NAME")]
     pub tensor: Option<String>,
     /// Fail below this cosine of the layer against the BF16 reference
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     #[command(flatten)]
     pub out_args: OutArgs,

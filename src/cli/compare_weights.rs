@@ -55,7 +55,7 @@ pub struct Args {
     /// at load, or BF16 originals). Two sides in one encoding (one dtype, one global scale) must
     /// hold identical values: a copy changes none, so one changed code fails however high its
     /// cosine
-    #[arg(long, value_name = "C", default_value_t = 0.9999, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = 0.9999, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     #[command(flatten)]
     pub device: DeviceArgs,

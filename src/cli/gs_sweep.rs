@@ -2,7 +2,7 @@
 //! (default 1/2688, checkpoint `input_scale`, warm-up on randn, calibrated, dynamic) and a
 //! log-spaced sweep of one gs for every GEMM; the gs in use must not lose much against the best.
 
-use super::common::{progress, DeviceArgs, OutArgs};
+use super::common::{progress, DeviceArgs, OutArgs, Steps};
 use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
@@ -61,17 +61,17 @@ pub struct Args {
     #[arg(long, value_name = "C", default_value_t = DEFAULT_MAX_LOSS, value_parser = super::common::cosine_loss)]
     pub max_loss: f64,
     /// Fail with cause `not_gs` when even the best gs leaves the layer below this cosine
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     /// Fail when, under the gs in use, one token's output falls below this cosine (layertest's
     /// per-token bar): one token of huge norm carries the layer's cosine and sets the gs
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_token_cosine: f64,
     /// Fail when, under the gs in use, one expert's own output falls below this cosine
     /// (layertest's bar, ramped down for experts few slots reached) while the scales
     /// calibrated on this batch pass it: one expert's wrong input_scale, which the layer's
     /// cosine hides when few tokens reach that expert
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_expert_cosine: f64,
     /// Slots an expert needs to be judged at --min-expert-cosine (layertest's rule)
     #[arg(long, value_name = "N", default_value_t = DEFAULT_MIN_EXPERT_SLOTS)]
@@ -117,12 +117,17 @@ pub fn run(args: &Args) -> Result<Report> {
     let backend = devices.main();
     let model = Model::open(&args.input)?;
     let l = model.pick_layer(args.layer)?;
+    // what comes before the sweep's own bar: on a DeepSeek-V3 layer, many seconds
+    let steps = Steps::new(2, args.out_args.quiet);
+    steps.next(&format!("loading layer {l}"));
     let (layer, batch) = layer_and_batch(&model, l, &args.input, &devices, false, true)?;
     let c = &layer.config;
     let ids = batch.input_ids.as_deref();
+    steps.next("BF16 reference");
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let reference =
         backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, false)?;
+    drop(steps);
     let cal = Calibration {
         hidden: &batch.hidden,
         input_ids: ids,

@@ -2,7 +2,7 @@
 //! experts, shared experts) through the NVFP4 path against the BF16 reference, with the same
 //! routing for both.
 
-use super::common::{DeviceArgs, OutArgs};
+use super::common::{DeviceArgs, OutArgs, Steps};
 use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use crate::backend::cuda::{moe::Nvfp4Forward, CudaBackend};
@@ -280,11 +280,11 @@ pub struct Args {
     #[command(flatten)]
     pub gs: GsArgs,
     /// Fail below this cosine of the layer output against the BF16 reference
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     /// Fail when one expert's own output falls below this cosine, or its rel-L2 exceeds
     /// sqrt(1/C^2 - 1) (an output off by a factor keeps its cosine)
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_expert_cosine: f64,
     /// Judge an expert by --min-expert-cosine over at least N token slots: with fewer, NVFP4
     /// noise on one or two tokens reaches that bar, and the expert's bar ramps from cosine 0.7
@@ -295,7 +295,7 @@ pub struct Args {
     /// Fail when one token's output falls below this cosine, or its rel-L2 exceeds
     /// sqrt(1/C^2 - 1): the layer's cosine is dominated by its tokens of largest norm, and one
     /// token of huge norm (the MoE input is normalized per token: its RMSNorm skipped or broken) carries it past wrong others
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_TOKEN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_token_cosine: f64,
     /// Write nvfp4_out, reference_out (F32 [T, hidden]), topk_ids (I64 [T, K]) and
     /// topk_weights (F32 [T, K]) to this safetensors file
@@ -496,6 +496,14 @@ impl Model {
             Model::Checkpoint { ckpt, .. } => &ckpt.config.moe,
         }
     }
+
+    /// Does layer `l` load its experts' BF16 originals (f32 in memory)?
+    pub fn ships_originals(&self, l: usize) -> bool {
+        match self {
+            Model::Synthetic(_) => false,
+            Model::Checkpoint { ckpt, .. } => ckpt.ships_originals(l),
+        }
+    }
 }
 
 /// Layer `l` and its input batch, with the GPU room checked before anything large is made:
@@ -511,8 +519,9 @@ pub fn layer_and_batch(
     normed: bool,
 ) -> Result<(MoeLayer, Batch)> {
     let up_front = tokens_up_front(input);
+    let originals = model.ships_originals(l);
     if let Some(t) = up_front {
-        check_room(devices, model.config(), t, per_slot)?;
+        check_room(devices, model.config(), originals, t, per_slot)?;
     }
     let layer = model.layer(l)?;
     let c = &layer.config;
@@ -522,7 +531,7 @@ pub fn layer_and_batch(
         check_hash_ids(path, &layer, batch.input_ids.as_deref())?;
     }
     if up_front.is_none() {
-        check_room(devices, c, batch.tokens, per_slot)?;
+        check_room(devices, c, originals, batch.tokens, per_slot)?;
     }
     Ok((layer, batch))
 }
@@ -570,35 +579,59 @@ fn tokens_up_front(input: &InputArgs) -> Option<usize> {
     }
 }
 
-/// Refuse, before activations are generated or weights loaded, a batch whose NVFP4 and
-/// reference forwards cannot fit on the main GPU (`budget` is a lower bound of what they
-/// allocate), or on the CPU in the host memory available now (the same lower bound): exit 2
-/// with advice, not an abort from a failed allocation.
+/// Room for the layer and the forwards of `tokens` tokens, checked before minutes go into
+/// loading: host memory for the layer's weights as loaded (and, on the CPU, the forwards), and
+/// on a GPU its memory. Not enough is bad input (exit 2) naming what takes the room.
 fn check_room(
     devices: &EpDevices,
     c: &crate::moe::MoeConfig,
+    originals: bool,
     tokens: usize,
     per_slot: bool,
 ) -> Result<()> {
+    use crate::backend::cpu;
     use crate::backend::cuda::budget;
-    let need = budget::layer_pair_bytes(c, tokens, false, per_slot);
-    let per = budget::per_token_bytes(c, per_slot);
     let what = format!(
         "the forward of {tokens} tokens through one MoE layer (hidden {}, {} experts, top-{})",
         c.hidden_size, c.n_routed_experts, c.num_experts_per_tok
     );
-    let Some(cuda) = devices.cuda_main() else {
-        return match host_available_bytes() {
-            Some(free) if need > free => Err(Error::usage(format!(
-                "{what} on the CPU needs at least {:.2} GB of memory, {:.2} GB are available: \
-                 try fewer --tokens (each costs about {:.2} MB)",
-                need as f64 / 1e9,
-                free as f64 / 1e9,
-                per as f64 / 1e6
-            ))),
-            _ => Ok(()),
+    let weights = cpu::layer_host_bytes(c, originals);
+    let on_cpu = devices.cuda_main().is_none();
+    let host_need = weights
+        + match on_cpu {
+            true => cpu::forward_host_bytes(c, tokens, per_slot),
+            false => 0,
         };
+    if let Some(free) = host_available_bytes().filter(|&free| host_need > free) {
+        let of_them = match originals {
+            true => format!(
+                ", {:.2} GB of them the experts' BF16 originals under bf16/, held as f32",
+                (weights - cpu::layer_host_bytes(c, false)) as f64 / 1e9
+            ),
+            false => String::new(),
+        };
+        let advice = match weights > free {
+            true => "run on a machine with more memory".to_string(),
+            false => format!(
+                "try fewer --tokens (each costs about {:.2} MB)",
+                (cpu::forward_host_bytes(c, 2, per_slot) - cpu::forward_host_bytes(c, 1, per_slot))
+                    as f64
+                    / 1e6
+            ),
+        };
+        return Err(Error::usage(format!(
+            "{what} needs at least {:.2} GB of host memory (the layer's weights as loaded: {:.2} \
+             GB{of_them}); {:.2} GB are available: {advice}",
+            host_need as f64 / 1e9,
+            weights as f64 / 1e9,
+            free as f64 / 1e9,
+        )));
+    }
+    let Some(cuda) = devices.cuda_main() else {
+        return Ok(());
     };
+    let need = budget::layer_pair_bytes(c, tokens, false, per_slot);
+    let per = budget::per_token_bytes(c, per_slot);
     budget::check_free(
         cuda.gpu(),
         need,
@@ -1127,12 +1160,19 @@ pub fn run(args: &Args) -> Result<Report> {
     let backend = devices.main();
     let model = Model::open(&args.input)?;
     let l = model.pick_layer(args.layer)?;
+    // a DeepSeek-V3 layer on the CPU runs a minute or more: say which part
+    let steps = Steps::new(
+        5 + u64::from(args.ep.sharded()) + u64::from(plugin.is_some()),
+        args.out_args.quiet,
+    );
+    steps.next(&format!("loading layer {l}"));
     let (layer, batch) = layer_and_batch(&model, l, &args.input, &devices, true, true)?;
     let c = &layer.config;
     let (hsz, k) = (c.hidden_size, c.num_experts_per_tok);
     let ids = batch.input_ids.as_deref();
 
     // one routing for both paths: routing differences are the `routing` command's business
+    steps.next("routing, gs");
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
     let scales = args.gs.resolve(
@@ -1151,8 +1191,10 @@ pub fn run(args: &Args) -> Result<Report> {
         flavor: Flavor::Reference,
     };
     // the unsharded NVFP4 run: the result without EP, and what EP must reproduce
+    steps.next("NVFP4 layer");
     let nv1 = backend.moe_forward(&layer, &batch.hidden, &routing, &nvfp4_path, true)?;
     let ep_run = if args.ep.sharded() {
+        steps.next(&format!("EP {} ranks", args.ep.ep));
         let req = args.ep.request(args.fault);
         let run = ep::forward(
             &devices,
@@ -1197,6 +1239,7 @@ pub fn run(args: &Args) -> Result<Report> {
         },
         None => nv1.clone(),
     };
+    steps.next("BF16 reference");
     let rf = backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, true)?;
     let m = backend.compare(&nv.out, &rf.out)?;
     let (ref_nan, ref_inf, ref_first_nan, _) = crate::metrics::nonfinite(&rf.out);
@@ -1209,6 +1252,7 @@ pub fn run(args: &Args) -> Result<Report> {
     };
     let byok = match (&plugin, plugin_gpu) {
         (Some(p), Some(cuda)) => {
+            steps.next("your kernel");
             let ep = args.ep.shard();
             let theirs = kernel::run_plugin(p, cuda, &layer, &batch.hidden, &routing, &scales, ep)?;
             let feeding = Feeding {
@@ -1294,6 +1338,7 @@ pub fn run(args: &Args) -> Result<Report> {
     tokens.sort_by(|a, b| worst_first(&a.metrics, &b.metrics));
 
     // the kernel check is about the kernels: the unsharded GPU run against the CPU
+    steps.next("kernel check");
     let kernel = kernel_check(backend, &layer, &batch.hidden, &routing, &nvfp4_path, &nv1)?;
     let graph = match devices.cuda_main() {
         Some(cuda) if args.cuda_graph => {

@@ -58,15 +58,15 @@ pub struct Args {
     #[command(flatten)]
     pub gs: GsArgs,
     /// Fail when the residual stream's cosine after the last layer is below this
-    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = DEFAULT_MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     /// Fail when one layer alone (NVFP4 vs BF16 on the same input) is below this cosine
-    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_layer_cosine: f64,
     /// Fail when one expert's own output in one layer alone falls below this cosine, or its
     /// rel-L2 exceeds sqrt(1/C^2 - 1) (layertest's rule: a broken expert barely moves its
     /// layer's cosine)
-    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine)]
+    #[arg(long, value_name = "C", default_value_t = super::layertest::DEFAULT_MIN_EXPERT_COSINE, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_expert_cosine: f64,
     /// Judge an expert by --min-expert-cosine over at least N token slots (layertest's rule:
     /// below, the bar ramps from cosine 0.7 on one slot; between it and --min-expert-cosine is
@@ -206,6 +206,9 @@ pub fn run(args: &Args) -> Result<Report> {
         // no MoE layer: say why, as the other commands do
         model.pick_layer(None)?;
     }
+    let pb = progress(layers.len() as u64, "layers", args.out_args.quiet);
+    pb.enable_steady_tick(std::time::Duration::from_millis(250));
+    pb.set_message(format!("layer {}", layers[0]));
     let (first, batch) = layer_and_batch(&model, layers[0], &args.input, &devices, true, false)?;
     let first_k = first.config.num_experts_per_tok;
     let (hsz, eps) = (first.config.hidden_size, first.config.rms_norm_eps);
@@ -222,7 +225,6 @@ pub fn run(args: &Args) -> Result<Report> {
     let mut first_bad: Option<(usize, Metrics)> = None;
     let mut unit_norm_layers = vec![];
     let mut reduce_info = None;
-    let pb = progress(layers.len() as u64, "layers", args.out_args.quiet);
     let mut layer = Some(first);
     for &l in &layers {
         let ly = match layer.take() {
