@@ -2627,6 +2627,55 @@ fn a_tp_size_that_cuts_scale_blocks_is_bad_usage() {
     );
 }
 
+/// Guards: a --tp-size that cannot split K at block boundaries, given a dump cut to another
+/// K (a TP=2 rank's under --tp-size 3), was a bare shape mismatch (exit 1), not bad usage.
+#[test]
+fn a_tp_size_that_cuts_scale_blocks_is_bad_usage_whatever_b_holds() {
+    let seed: u64 = rand::random();
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    // K/16 even (B holds whole blocks of a half) and not a multiple of 3
+    let blocks = [2, 4, 8, 10, 14][r.gen_range(0..5)];
+    let (rows, k) = (16 * r.gen_range(1..4), 16 * blocks);
+    let (kp, kb) = (k / 2, k / 16);
+    let w = quantize_weight_nvfp4(&randn(&mut r, rows * k, 0.05), rows, k).0;
+    let base = "model.layers.1.mlp.shared_experts.down_proj";
+    let mut a = vec![];
+    triple(&mut a, base, &w, 0.01);
+    // TP rank 0 of 2: the first half of K, codes and block scales
+    let mut slice = w.clone();
+    slice.cols = kp;
+    slice.packed = (0..rows)
+        .flat_map(|i| w.packed[i * k / 2..i * k / 2 + kp / 2].to_vec())
+        .collect();
+    slice.scales = (0..rows)
+        .flat_map(|i| w.scales[i * kb..i * kb + kb / 2].to_vec())
+        .collect();
+    let mut b = vec![];
+    triple(&mut b, base, &slice, 0.01);
+    let (pa, pb) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
+    write_file(&pa, a, None).unwrap();
+    write_file(&pb, b, None).unwrap();
+    let trs = r.gen_range(0..3).to_string();
+    let out = run(
+        dir.path(),
+        &[s(&pa), s(&pb), "--tp-rank", &trs, "--tp-size", "3"],
+    );
+    check(&out, 2, seed);
+    assert!(
+        out.stderr.contains("cannot split at block boundaries")
+            && out.stderr.contains(&format!("{base}.weight"))
+            && out
+                .stderr
+                .contains(&format!("K = {k} holds {kb} scale blocks")),
+        "seed {seed}: {}",
+        out.stderr
+    );
+}
+
 /// An EP rank's dump that left out one expert: every later slot holds the next expert, and the
 /// rank's last expert is listed missing though B holds it one slot early. The diagnosis
 /// names the dropped expert (global id) and says so; it said "every one is off by 1: local

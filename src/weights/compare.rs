@@ -302,6 +302,16 @@ fn wrong_tp_axis(name: &str, dim: usize, ndim: usize, slice: &str) -> Option<Str
     })
 }
 
+/// `part/whole` as a reduced fraction ("1/2", "3/8").
+fn frac(part: usize, whole: usize) -> String {
+    let (mut x, mut y) = (part, whole);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    let g = x.max(1);
+    format!("{}/{}", part / g, whole / g)
+}
+
 fn shape_hint(a: &[usize], b: &[usize], tp: Option<(usize, usize)>) -> String {
     let diff: Vec<usize> = (0..a.len().min(b.len()))
         .filter(|&i| a[i] != b[i])
@@ -837,6 +847,24 @@ fn compare_qq(
                 c0 + rb.1,
                 qb.weight_name,
                 rb.1
+            )));
+        }
+    }
+    // B cut along K to another width than 1/n of A's, under a TP size that cannot split A's
+    // K at block boundaries: bad usage too (it was a bare shape mismatch, exit 1)
+    if let (None, Some((_, n))) = (align, opts.tp) {
+        let block = qa.format.block();
+        if ra.0 == rb.0 && rb.1 < ra.1 && !(ra.1 / block).is_multiple_of(n) {
+            return Err(crate::error::Error::usage(format!(
+                "--tp-size {n} does not fit A's `{}`: its K = {} holds {} scale blocks of {block}, \
+                 which {n} TP ranks cannot split at block boundaries (K/{block} must be a \
+                 multiple of the TP size); B's `{}` holds K = {}, {} of A's",
+                qa.weight_name,
+                ra.1,
+                ra.1 / block,
+                qb.weight_name,
+                rb.1,
+                frac(rb.1, ra.1)
             )));
         }
     }
