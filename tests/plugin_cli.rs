@@ -1442,3 +1442,105 @@ fn compare_outputs_names_a_w4a16_kernel_and_swapped_gs() {
         );
     }
 }
+
+/// compare-outputs took an FP8 (or F64) output although it names F32, BF16 or F16 as the
+/// output dtypes: an F8_E4M3 output was judged as a kernel deviation instead of exit 2.
+#[test]
+fn compare_outputs_refuses_an_output_dtype_a_kernel_does_not_write() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 8);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let ours = byok::routed_cpu(
+        &dumped.layer,
+        &dumped.hidden,
+        &dumped.routing,
+        &dumped.scales,
+    )
+    .unwrap();
+    let f8: Vec<u8> = ours
+        .iter()
+        .map(|&v| nvfp4dbg::nvfp4::e4m3::encode_saturating(v))
+        .collect();
+    let f64s: Vec<u8> = ours
+        .iter()
+        .flat_map(|&v| f64::from(v).to_le_bytes())
+        .collect();
+    for (dtype, name, bytes) in [
+        (safetensors::Dtype::F8_E4M3, "F8_E4M3", f8),
+        (safetensors::Dtype::F64, "F64", f64s),
+    ] {
+        let f = format!("{name}.safetensors");
+        write_file(
+            &p.join(&f),
+            vec![(TensorSpec::new("output", dtype, &[t, h]), bytes)],
+            None,
+        )
+        .unwrap();
+        let o = nvfp4dbg(p, &["compare-outputs", "dump", &f]);
+        assert_eq!(o.status.code(), Some(2), "seed {seed}: {}", text(&o));
+        assert!(
+            text(&o).contains(&f)
+                && text(&o).contains("tensor `output`")
+                && text(&o).contains(&format!("dtype {name}, expected F32, BF16 or F16")),
+            "seed {seed}: {}",
+            text(&o)
+        );
+    }
+    // the dtypes a kernel writes still pass
+    write_file(
+        &p.join("bf16.safetensors"),
+        vec![(
+            TensorSpec::new("output", safetensors::Dtype::BF16, &[t, h]),
+            nvfp4dbg::checkpoint::writer::bf16_bytes(&ours),
+        )],
+        None,
+    )
+    .unwrap();
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", "bf16.safetensors"]);
+    assert_ne!(o.status.code(), Some(2), "seed {seed}: {}", text(&o));
+}
+
+/// An engine that multiplies topk_weights in twice (the kernel's finalize and its own
+/// combine, output Σ w² · y): compare-outputs failed it as "N of M tokens deviate" without
+/// naming it.
+#[test]
+fn compare_outputs_names_routing_weights_applied_twice() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 16);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let mut twice = dumped.routing.clone();
+    for w in &mut twice.topk_weights {
+        *w *= *w;
+    }
+    let out = byok::routed_cpu(&dumped.layer, &dumped.hidden, &twice, &dumped.scales).unwrap();
+    write_output(&p.join("twice.safetensors"), &out, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "twice.safetensors",
+            "--json",
+            "twice.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    let j = json(&p.join("twice.json"));
+    assert_eq!(
+        j["summary"]["diagnosis"],
+        "weights-applied-twice",
+        "seed {seed}: {}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains("routing weights applied twice"),
+        "seed {seed}: {}",
+        text(&o)
+    );
+}

@@ -88,6 +88,9 @@ pub enum SuspectedBug {
     GlobalIdsReadAsLocal,
     /// `Σ_e y_e`: the routing weights never multiplied in.
     WeightsNotApplied,
+    /// `Σ_e w_e² · y_e`: the routing weights multiplied in twice (by the kernel's finalize
+    /// and once more by the engine's own weighted combine).
+    WeightsAppliedTwice,
     /// The shared experts added to the routed output (the contract is routed-only).
     SharedExpertsIncluded,
     /// The shared experts added twice to the routed output (once by the kernel, once more by
@@ -145,6 +148,9 @@ impl SuspectedBug {
             }
             SuspectedBug::WeightsNotApplied => {
                 "routing weights not applied: the experts' outputs are summed unweighted"
+            }
+            SuspectedBug::WeightsAppliedTwice => {
+                "routing weights applied twice: each expert's output is weighted with its routing weight squared (the kernel's finalize and the engine's combine both multiply topk_weights in)"
             }
             SuspectedBug::SharedExpertsIncluded => {
                 "the shared experts are added to the routed output (the output must be the routed experts' sum only; the shared experts are added once more by the comparison)"
@@ -592,6 +598,15 @@ pub fn bug_variants(
         routed_sum(&ps, &unweighted, h),
     ));
     let correct = routed_sum(&ps, routing, h);
+    let squared = Routing {
+        topk_weights: routing.topk_weights.iter().map(|w| w * w).collect(),
+        ..routing.clone()
+    };
+    let v = routed_sum(&ps, &squared, h);
+    // weights of 1 (top-1, renormalized) square to themselves: not a suspect then
+    if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
+        out.push((SuspectedBug::WeightsAppliedTwice, v));
+    }
     if layer.config.swiglu_limit.is_some() {
         let mut unclamped = routed_only.clone();
         unclamped.config.swiglu_limit = None;
