@@ -2847,3 +2847,40 @@ fn layertest_refuses_what_audit_names_in_the_layer() {
         );
     }
 }
+
+/// Guards the outlier ratio computed in f32: a weight_scale_2 of 1e37 over siblings' ~1e-3
+/// was reported as "infx the median" (the ratio overflowed f32), not the ~1e40x it is.
+#[test]
+fn a_global_scale_outlier_ratio_past_f32_is_printed_finite() {
+    let (seed, mut r) = rng("audit outlier ratio past f32");
+    let d = tempfile::tempdir().unwrap();
+    let mut f = Fixture::new(&mut r, 4);
+    let n = format!("{E1}.down_proj.weight_scale_2");
+    let ws2 = f32::from_le_bytes(f.get(&n)[..4].try_into().unwrap());
+    let big = r.gen_range(1e37f32..1e38);
+    f.set_f32(&n, big);
+    f.write(&d.path().join("ck"));
+    let (c, out, v) = audit(&d.path().join("ck"));
+    assert_eq!(c, 1, "seed {seed}: {out}");
+    let found = findings_of(&v, "weight_scale_outlier");
+    let (_, _, detail) = found
+        .iter()
+        .find(|(t, _, _)| *t == n)
+        .unwrap_or_else(|| panic!("seed {seed}: {out}"));
+    assert!(!detail.contains("inf"), "seed {seed}: {detail}");
+    // the printed ratio is within 1e3 of big / ws2 (the median is another expert's, same order)
+    let ratio: f64 = detail
+        .split(" is ")
+        .nth(1)
+        .unwrap()
+        .split('x')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("seed {seed}: {detail}"));
+    let want = f64::from(big) / f64::from(ws2);
+    assert!(
+        ratio > want / 1e3 && ratio < want * 1e3,
+        "seed {seed}: {detail} vs {want:e}"
+    );
+}

@@ -1627,19 +1627,20 @@ fn scale_outliers(
                 _ if s <= factor * median && s * factor >= median => continue,
                 Member::InputScale if s > median => format!(
                     "{s:e} is {:.1}x the median {median:e} of `{g}.input_scale`: engines that take the max over experts give every expert's activations a {:.1}x coarser scale",
-                    s / median,
-                    s / median
+                    f64::from(s) / f64::from(median),
+                    f64::from(s) / f64::from(median)
                 ),
                 Member::InputScale => format!(
                     "{s:e} is 1/{:.1} of the median {median:e} of `{g}.input_scale`: engines that quantize each expert's activations with its own gs = 1/input_scale saturate this expert's block scales at 448 (clipped activations); engines that take the max over experts are unaffected",
-                    median / s
+                    f64::from(median) / f64::from(s)
                 ),
                 Member::WeightScale2 => format!(
                     "{s:e} is {} the median {median:e} of `{g}.weight_scale_2`: this expert's dequantized weights are that far off its siblings' (a global scale corrupted, or written for another tensor)",
+                    // in f64: the ratio of two f32 scales can overflow f32 (1e36 over 3e-4)
                     if s > median {
-                        format!("{:.3e}x", s / median)
+                        format!("{:.3e}x", f64::from(s) / f64::from(median))
                     } else {
-                        format!("1/{:.3e} of", median / s)
+                        format!("1/{:.3e} of", f64::from(median) / f64::from(s))
                     }
                 ),
             };
