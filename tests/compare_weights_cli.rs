@@ -5197,3 +5197,80 @@ fn another_ranks_swizzled_experts_are_measured_in_the_swizzled_layout() {
         );
     }
 }
+
+/// BF16 originals against their checkpoint differ by NVFP4's quantization error, which is no
+/// load error to hunt: each is named as the unquantized source (it quantizes back to the
+/// checkpoint's codes), where it read as 48 bare "values differ". An engine's dequantized copy
+/// with one row damaged is not called that.
+#[test]
+fn bf16_originals_are_named_as_the_unquantized_source() {
+    let seed: u64 = rand::random();
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--layers",
+            "2",
+            "--no-report-dir",
+            "-q",
+        ])
+        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
+        .output()
+        .unwrap();
+    assert!(synth.status.success(), "seed {seed}: {synth:?}");
+    let out = run(tmp.path(), &[s(&ck), s(&ck.join("bf16"))]);
+    check(&out, 1, seed);
+    assert_eq!(diag_kinds(&out.json), ["unquantized_source"], "seed {seed}");
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert!(!mm.is_empty(), "seed {seed}");
+    for m in mm {
+        assert!(
+            m["issues"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|i| i["kind"] == "unquantized_source"),
+            "seed {seed}: {m}"
+        );
+    }
+
+    let fx = fixture(4);
+    let bad = fx.seed as usize % 4;
+    let mut v = vec![];
+    for (e, x) in fx.model.experts.iter().enumerate() {
+        for (proj, t) in [("gate", &x.w1), ("up", &x.w3), ("down", &x.w2)] {
+            let mut w = t.dequantize();
+            if e == bad && proj == "down" {
+                w[3 * t.cols..4 * t.cols].iter_mut().for_each(|v| *v *= 3.0);
+            }
+            let name = format!("model.layers.{LAYER}.mlp.experts.{e}.{proj}_proj.weight");
+            v.push((
+                TensorSpec::new(name, Dtype::F32, &[t.rows, t.cols]),
+                f32_bytes(&w),
+            ));
+        }
+    }
+    let dump = fx.root.join("dequantized.safetensors");
+    write_file(&dump, v, None).unwrap();
+    let out = run(&fx.root, &[s(&fx.ckpt), s(&dump)]);
+    check(&out, 1, fx.seed);
+    assert!(
+        !diag_kinds(&out.json).contains(&"unquantized_source".to_string()),
+        "seed {}: {:?}",
+        fx.seed,
+        out.json["diagnoses"]
+    );
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert_eq!(mm.len(), 1, "seed {}: {mm:?}", fx.seed);
+    assert!(
+        mm[0]["name"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("experts.{bad}.down_proj")),
+        "seed {}",
+        fx.seed
+    );
+}

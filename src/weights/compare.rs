@@ -13,7 +13,7 @@ use crate::checkpoint::Proj;
 use crate::error::Result;
 use crate::metrics::{Accum, Metrics};
 use crate::nvfp4::layout::{layout_by_cosines, swizzled_len, unswizzle, ScaleLayout};
-use crate::nvfp4::{dequantize_row, Format};
+use crate::nvfp4::{dequantize_row, e2m1, e4m3, ue8m0, Format};
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde::Serialize;
@@ -79,6 +79,9 @@ pub enum IssueKind {
     /// B (a float tensor) holds A's MXFP4 values dequantized with the block scales misread:
     /// applied to 16-element blocks, or their UE8M0 bytes read as E4M3.
     ScalesMisread,
+    /// The float side holds the unquantized weights the quantized side was made from: they
+    /// quantize back to its codes under its own block scales.
+    UnquantizedSource,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -1950,6 +1953,19 @@ fn compare_qd(
     let close = m.passes(opts.min_cosine);
     if !close {
         u.issue(IssueKind::Values, values_differ(&m, qm.cols));
+        if let Some(msg) = unquantized_source(&qm, dv) {
+            let (f, qside) = if q_is_a { ("B", "A") } else { ("A", "B") };
+            u.issue(
+                IssueKind::UnquantizedSource,
+                format!(
+                    "{f}'s `{}` holds the unquantized weights {qside}'s `{}` was quantized \
+                     from: {msg}; the difference is {}'s quantization error, not a load error",
+                    d.name,
+                    q.weight_name,
+                    q.format.name()
+                ),
+            );
+        }
         if let Some((how, mm)) = q_is_a
             .then(|| mxfp4_misread(&qm, dv, opts.min_cosine))
             .flatten()
@@ -1966,6 +1982,51 @@ fn compare_qd(
     }
     u.metrics = Some(m);
     Ok(done(u, close))
+}
+
+/// Does the float side `dv` hold the weights `qm` was quantized from? On its first rows, its
+/// values quantize back to `qm`'s E2M1 codes under `qm`'s own block scales (at least 99%: a
+/// BF16 original one rounding step across a code boundary is allowed), while few of them are
+/// `qm`'s values themselves (at most half: an engine's dequantized copy holds them all, however
+/// damaged one block of it is). The evidence, or None.
+fn unquantized_source(qm: &QMatrix, dv: DView) -> Option<String> {
+    const ROWS: usize = 64;
+    let rows = qm.rows.min(ROWS);
+    let (cols, block) = (qm.cols, qm.format.block());
+    if dv.len() != qm.rows * cols {
+        return None;
+    }
+    let mut y = vec![0f32; rows * cols];
+    if !dv.decode(0, &mut y) {
+        return None;
+    }
+    let (mut same_code, mut same_value) = (0usize, 0usize);
+    let mut x = vec![0f32; cols];
+    for r in 0..rows {
+        let sc = qm.scale_row(r);
+        dequantize_row(qm.format, qm.packed.row(r), sc, qm.scale_2, block, &mut x);
+        for (c, (&b, &a)) in y[r * cols..(r + 1) * cols].iter().zip(&x).enumerate() {
+            let scale = qm.scale_2
+                * match qm.format {
+                    Format::Nvfp4 => e4m3::decode(sc[c / block]),
+                    Format::Mxfp4 => ue8m0::decode(sc[c / block]),
+                };
+            let (lo, hi) = e2m1::unpack(qm.packed.row(r)[c / 2]);
+            let code = if c % 2 == 0 { lo } else { hi };
+            // ±0 are one value
+            same_code += usize::from(e2m1::decode(e2m1::encode(b / scale)) == e2m1::decode(code));
+            same_value += usize::from(a == b);
+        }
+    }
+    let n = rows * cols;
+    (n > 0 && same_code * 100 >= n * 99 && same_value * 2 <= n).then(|| {
+        format!(
+            "{:.2}% of the values of its first {rows} rows quantize back to those codes under \
+             their own block scales, while {:.2}% equal their values",
+            100.0 * same_code as f64 / n as f64,
+            100.0 * same_value as f64 / n as f64
+        )
+    })
 }
 
 /// One side's MXFP4 linear whose UE8M0 block scales the other side holds tagged F8_E4M3

@@ -77,6 +77,9 @@ pub enum DiagnosisKind {
     /// B's float values are A's MXFP4 ones dequantized with the block scales misread
     /// (16-element blocks, or UE8M0 bytes read as E4M3).
     ScalesMisread,
+    /// One side's float tensors are the unquantized weights the other's were quantized from
+    /// (BF16 originals): the difference is quantization error, not a load error.
+    UnquantizedSource,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -376,6 +379,7 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
                     IssueKind::TpAxis => DiagnosisKind::TpAxis,
                     IssueKind::ScalesShifted => DiagnosisKind::ScalesShifted,
                     IssueKind::ScalesMisread => DiagnosisKind::ScalesMisread,
+                    IssueKind::UnquantizedSource => DiagnosisKind::UnquantizedSource,
                     _ => return None,
                 };
                 Some((k, None, i.message.clone()))
@@ -434,6 +438,13 @@ pub fn from_units(results: &[UnitResult], checkpoints: (bool, bool)) -> Vec<Diag
                 ),
                 DiagnosisKind::ScalesMisread => format!(
                     "{where_}{n} tensor(s) dequantized from A's MXFP4 with the block scales misread{}; e.g. {example}",
+                    experts_note(&experts)
+                ),
+                DiagnosisKind::UnquantizedSource => format!(
+                    "{where_}{n} float tensor(s){} are the unquantized weights the other side's \
+                     were quantized from (BF16 originals): an engine that ran them ran BF16, not \
+                     this checkpoint's NVFP4; to judge a checkpoint against its originals run \
+                     `audit`; e.g. {example}",
                     experts_note(&experts)
                 ),
                 DiagnosisKind::InputScaleFlipped => format!(
