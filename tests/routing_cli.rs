@@ -182,6 +182,71 @@ fn clean_dump_passes_with_histogram() {
     assert!(out.stdout.contains("expert load"), "{}", out.stdout);
 }
 
+// Guards: BF16-computed weights stored as F32 (the common `.float()` dump) failed weight_sum
+// at the F32 tolerance although each was rounded once to BF16.
+#[test]
+fn bf16_weights_stored_as_f32_pass_the_sum_check() {
+    let (seed, mut r) = rng();
+    let dir = tempfile::tempdir().unwrap();
+    let (t, k, e) = (128, r.gen_range(4..9), 64);
+    let rsf = r.gen_range(1.5f32..3.0);
+    let (ids, w) = routing(&mut r, t, k, 0, e as i64, rsf);
+    let w: Vec<f32> = w
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_f32())
+        .collect();
+    // the rounding moves some sums past the F32 tolerance (1e-3): what the test guards
+    assert!(
+        w.chunks(k)
+            .any(|c| (c.iter().sum::<f32>() - rsf).abs() > 1e-3 * rsf),
+        "seed {seed}"
+    );
+    let f = dir.path().join("d.safetensors");
+    write_dump(
+        &f,
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &w,
+            ids_i32: false,
+            metadata: None,
+        },
+    );
+    let (es, rs) = (e.to_string(), rsf.to_string());
+    let args = [
+        p(&f),
+        "--num-experts",
+        &es,
+        "--norm-topk-prob",
+        "true",
+        "--routed-scaling-factor",
+        &rs,
+    ];
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+    // a sum off by more than BF16 rounding still fails
+    let mut w2 = w.clone();
+    w2[..k].iter_mut().for_each(|v| *v *= 1.25);
+    write_dump(
+        &f,
+        &Dump {
+            t,
+            k,
+            ids: &ids,
+            weights: &w2,
+            ids_i32: false,
+            metadata: None,
+        },
+    );
+    let out = run(dir.path(), &args);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert!(
+        kinds(&out.json).contains(&"weight_sum".to_string()),
+        "seed {seed}"
+    );
+}
+
 #[test]
 fn out_of_range_duplicates_and_nan_weights_fail() {
     let (seed, mut r) = rng();

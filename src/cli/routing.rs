@@ -272,7 +272,7 @@ pub fn run(args: &Args) -> Result<Report> {
     out.extend(check::check_weights(
         &ids,
         &exp,
-        check::sum_tolerance(d.weights_dtype, d.top_k),
+        check::sum_tolerance(d.weights_dtype, d.top_k, &d.topk_weights),
     ));
     let mut rank_load: Vec<RankLoad> = vec![];
     if let Some((rank, m)) = &maps {

@@ -548,9 +548,24 @@ pub fn clear_mismatches(
 }
 
 /// Relative tolerance of a weight sum stored in `dtype`: each of the K weights was rounded
-/// once to the dtype (and engines that compute in BF16 and store F32 are common).
-pub fn sum_tolerance(dtype: safetensors::Dtype, top_k: usize) -> f32 {
+/// once to the dtype. Engines that compute in BF16 (or F16) and store F32 are common: F32/F64
+/// weights that are all BF16 (F16) values get that dtype's tolerance.
+pub fn sum_tolerance(dtype: safetensors::Dtype, top_k: usize, weights: &[f32]) -> f32 {
     let k = top_k.max(1) as f32;
+    let finite = || weights.iter().filter(|w| w.is_finite());
+    let dtype = match dtype {
+        safetensors::Dtype::F32 | safetensors::Dtype::F64
+            if finite().all(|w| w.to_bits() & 0xFFFF == 0) =>
+        {
+            safetensors::Dtype::BF16
+        }
+        safetensors::Dtype::F32 | safetensors::Dtype::F64
+            if finite().all(|&w| half::f16::from_f32(w).to_f32() == w) =>
+        {
+            safetensors::Dtype::F16
+        }
+        d => d,
+    };
     match dtype {
         safetensors::Dtype::BF16 => k * (1.0 / 128.0),
         safetensors::Dtype::F16 => k * (1.0 / 1024.0),
