@@ -1147,6 +1147,32 @@ fn one_clearly_misrouted_token_fails_and_bf16_near_ties_pass() {
         msg.contains(&format!("1 of {t} tokens")) && msg.contains(&format!("first at token {tok}")),
         "seed {seed}: {msg}"
     );
+    // one token's weights reversed across its slots, its experts right: the layer's rel_l2
+    // stays under its maximum (it passed); the token's own weights are named
+    // the token whose reversal moves its weights by a rel_l2 nearest 0.15: far past a BF16
+    // router's ~0.005 on a token, some 0.007 over the layer's 512 tokens
+    let reversal = |tok: usize| {
+        let c = &w[tok * k..(tok + 1) * k];
+        let d: f32 = c
+            .iter()
+            .zip(c.iter().rev())
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum();
+        (d / c.iter().map(|a| a * a).sum::<f32>()).sqrt()
+    };
+    let near = |tok: usize| (reversal(tok) - 0.15).abs();
+    let tok = (0..t).min_by(|&a, &b| near(a).total_cmp(&near(b))).unwrap();
+    let mut rev = w.clone();
+    rev[tok * k..(tok + 1) * k].reverse();
+    write_full(&f, t, k, &ids, &rev, &x);
+    let out = run(dir.path(), &base);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    assert_eq!(kinds(&out.json), ["weight_error"], "seed {seed}");
+    let msg = out.json["findings"].to_string();
+    assert!(
+        msg.contains(&format!("token {tok} holds")) && msg.contains("right experts"),
+        "seed {seed}: {msg}"
+    );
 }
 
 #[test]

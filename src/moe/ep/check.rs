@@ -1282,6 +1282,40 @@ pub fn compare_with_reference(
                     c.tol.weight_rel_l2, m.max_abs_err
                 ),
             ));
+        } else if m.nan_count + m.inf_count == 0 {
+            let by = if unscaled { 1.0 / rsf_v } else { 1.0 };
+            let tol = TOKEN_WEIGHT_ERR_FACTOR * c.tol.weight_rel_l2;
+            if let (n, Some((t, t_rel, got, want))) =
+                token_weight_outliers(d, reference, f_best, by, tol)
+            {
+                let slots = |v: &[f32]| {
+                    v.iter()
+                        .map(|w| format!("{w:.4}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
+                o.find(Finding::new(
+                    FindingKind::WeightError,
+                    n,
+                    // the slot whose weight is furthest off
+                    (0..got.len())
+                        .max_by(|&i, &j| {
+                            (got[i] - want[i])
+                                .abs()
+                                .total_cmp(&(got[j] - want[j]).abs())
+                        })
+                        .map(|j| d.slot(t * d.top_k + j)),
+                    format!(
+                        "{n} token(s) route to the right experts with the wrong weights (rel_l2 \
+                         above {tol:.2e} each, the layer's {rel:.3e} within its maximum): token \
+                         {t} holds [{}] where [{}] is recomputed from {source} for the same \
+                         experts (rel_l2 {t_rel:.3e}): weights written to other slots, or from \
+                         another token",
+                        slots(&got),
+                        slots(&want),
+                    ),
+                ));
+            }
         }
     }
     let agreement = Agreement {
@@ -1308,46 +1342,94 @@ pub fn compare_with_reference(
 /// ranks (EP 8 with top-4 of 16 experts, or DeepSeek-V3's top-8 of 256 at EP 8), and weights
 /// of any value passed.
 fn aligned_weights(d: &Ids, reference: &Routing, f: &dyn Fn(i64) -> i64) -> (Vec<f32>, Vec<f32>) {
-    let k = d.top_k;
     let (mut a, mut b) = (vec![], vec![]);
     for t in 0..d.tokens {
-        let want: Vec<i64> = reference.topk_ids[t * k..(t + 1) * k]
-            .iter()
-            .map(|&g| f(g as i64))
-            .collect();
-        let got = d.row(t);
-        let (mut gs, mut ws) = (got.to_vec(), want.clone());
-        gs.sort_unstable();
-        ws.sort_unstable();
-        if gs != ws {
-            continue;
-        }
-        let mut repeated: BTreeSet<i64> = BTreeSet::new();
-        for (j, g) in got.iter().enumerate() {
-            let at: Vec<usize> = (0..k).filter(|&p| want[p] == *g).collect();
-            if let [p] = at[..] {
-                a.push(d.weights[t * k + j]);
-                b.push(reference.topk_weights[t * k + p]);
-            } else {
-                repeated.insert(*g);
-            }
-        }
-        for g in repeated {
-            let mut x: Vec<f32> = (0..k)
-                .filter(|&j| got[j] == g)
-                .map(|j| d.weights[t * k + j])
-                .collect();
-            let mut y: Vec<f32> = (0..k)
-                .filter(|&p| want[p] == g)
-                .map(|p| reference.topk_weights[t * k + p])
-                .collect();
-            x.sort_by(|p, q| q.total_cmp(p));
-            y.sort_by(|p, q| q.total_cmp(p));
+        if let Some((x, y)) = token_weights(d, reference, f, t) {
             a.extend(x);
             b.extend(y);
         }
     }
     (a, b)
+}
+
+/// Token `t`'s (dump, reference) weights aligned by id, as [`aligned_weights`] pairs them;
+/// None where its id multiset differs from the reference's.
+fn token_weights(
+    d: &Ids,
+    reference: &Routing,
+    f: &dyn Fn(i64) -> i64,
+    t: usize,
+) -> Option<(Vec<f32>, Vec<f32>)> {
+    let k = d.top_k;
+    let (mut a, mut b) = (vec![], vec![]);
+    let want: Vec<i64> = reference.topk_ids[t * k..(t + 1) * k]
+        .iter()
+        .map(|&g| f(g as i64))
+        .collect();
+    let got = d.row(t);
+    let (mut gs, mut ws) = (got.to_vec(), want.clone());
+    gs.sort_unstable();
+    ws.sort_unstable();
+    if gs != ws {
+        return None;
+    }
+    let mut repeated: BTreeSet<i64> = BTreeSet::new();
+    for (j, g) in got.iter().enumerate() {
+        let at: Vec<usize> = (0..k).filter(|&p| want[p] == *g).collect();
+        if let [p] = at[..] {
+            a.push(d.weights[t * k + j]);
+            b.push(reference.topk_weights[t * k + p]);
+        } else {
+            repeated.insert(*g);
+        }
+    }
+    for g in repeated {
+        let mut x: Vec<f32> = (0..k)
+            .filter(|&j| got[j] == g)
+            .map(|j| d.weights[t * k + j])
+            .collect();
+        let mut y: Vec<f32> = (0..k)
+            .filter(|&p| want[p] == g)
+            .map(|p| reference.topk_weights[t * k + p])
+            .collect();
+        x.sort_by(|p, q| q.total_cmp(p));
+        y.sort_by(|p, q| q.total_cmp(p));
+        a.extend(x);
+        b.extend(y);
+    }
+    Some((a, b))
+}
+
+/// How far one token's weights may stray from the recomputed ones (rel_l2 over its K slots)
+/// as a multiple of the layer's `--max-weight-err`: a BF16 router (BF16 logits, scores and
+/// weights) strays up to ~0.005 on a token whose experts it picks as the reference does.
+const TOKEN_WEIGHT_ERR_FACTOR: f64 = 2.5;
+
+/// Tokens whose experts are right but whose weights alone are off by more than `tol` (rel_l2
+/// over the token's slots, the reference times `by`): one token's weights written in other
+/// slots, or from another token, sit under a layer-wide rel_l2 of thousands of tokens. The
+/// count, and the first: (token, its rel_l2, dump weights, reference weights, in the dump's
+/// slot order of ids).
+fn token_weight_outliers(
+    d: &Ids,
+    reference: &Routing,
+    f: &dyn Fn(i64) -> i64,
+    by: f64,
+    tol: f64,
+) -> (u64, Option<(usize, f64, Vec<f32>, Vec<f32>)>) {
+    let (mut n, mut first) = (0, None);
+    for t in 0..d.tokens {
+        let Some((a, b)) = token_weights(d, reference, f, t) else {
+            continue;
+        };
+        let b: Vec<f32> = b.iter().map(|&v| (v as f64 * by) as f32).collect();
+        let m = crate::metrics::compare(&a, &b);
+        if m.nan_count + m.inf_count == 0 && m.rel_l2 > tol {
+            n += 1;
+            first.get_or_insert((t, m.rel_l2, a, b));
+        }
+    }
+    (n, first)
 }
 
 fn compare_weights(
