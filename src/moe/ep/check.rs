@@ -1285,9 +1285,13 @@ pub fn compare_with_reference(
         } else if m.nan_count + m.inf_count == 0 {
             let by = if unscaled { 1.0 / rsf_v } else { 1.0 };
             let tol = TOKEN_WEIGHT_ERR_FACTOR * c.tol.weight_rel_l2;
-            if let (n, Some((t, t_rel, got, want))) =
-                token_weight_outliers(d, reference, f_best, by, tol)
-            {
+            if let (n, Some(tw)) = token_weight_outliers(d, reference, f_best, by, tol) {
+                let TokenWeights {
+                    token: t,
+                    rel_l2: t_rel,
+                    got,
+                    want,
+                } = tw;
                 let slots = |v: &[f32]| {
                     v.iter()
                         .map(|w| format!("{w:.4}"))
@@ -1405,18 +1409,25 @@ fn token_weights(
 /// weights) strays up to ~0.005 on a token whose experts it picks as the reference does.
 const TOKEN_WEIGHT_ERR_FACTOR: f64 = 2.5;
 
+/// One token's weights against the recomputed ones, aligned by id (the dump's slot order).
+struct TokenWeights {
+    token: usize,
+    rel_l2: f64,
+    got: Vec<f32>,
+    want: Vec<f32>,
+}
+
 /// Tokens whose experts are right but whose weights alone are off by more than `tol` (rel_l2
 /// over the token's slots, the reference times `by`): one token's weights written in other
 /// slots, or from another token, sit under a layer-wide rel_l2 of thousands of tokens. The
-/// count, and the first: (token, its rel_l2, dump weights, reference weights, in the dump's
-/// slot order of ids).
+/// count, and the first.
 fn token_weight_outliers(
     d: &Ids,
     reference: &Routing,
     f: &dyn Fn(i64) -> i64,
     by: f64,
     tol: f64,
-) -> (u64, Option<(usize, f64, Vec<f32>, Vec<f32>)>) {
+) -> (u64, Option<TokenWeights>) {
     let (mut n, mut first) = (0, None);
     for t in 0..d.tokens {
         let Some((a, b)) = token_weights(d, reference, f, t) else {
@@ -1426,7 +1437,12 @@ fn token_weight_outliers(
         let m = crate::metrics::compare(&a, &b);
         if m.nan_count + m.inf_count == 0 && m.rel_l2 > tol {
             n += 1;
-            first.get_or_insert((t, m.rel_l2, a, b));
+            first.get_or_insert(TokenWeights {
+                token: t,
+                rel_l2: m.rel_l2,
+                got: a,
+                want: b,
+            });
         }
     }
     (n, first)
