@@ -97,9 +97,10 @@ mod tests {
 
     #[test]
     fn a_layer_on_the_cpu_needs_its_codes_not_a_dense_copy() {
-        // layertest refused a DeepSeek-V3 layer on a 24 GB machine: it held the CPU to the GPU's
-        // budget (22.7 GB, the reference's BF16 copy of every expert), where the CPU decodes weight
-        // rows as it goes and holds ~6.3 GB; and it let BF16 originals (45 GB as f32) through
+        // layertest refused a DeepSeek-V3 layer on a 24 GB machine: it held the CPU to the
+        // GPU's budget (22.7 GB, the reference's BF16 copy of every expert), where the CPU
+        // decodes weight rows as it goes and holds ~6.3 GB; and it let BF16 originals (45 GB
+        // as f32) through
         let dsv3 = Preset::Dsv3.config();
         let tokens = 1 + rand::random::<u32>() as usize % 4096;
         let (h, i, e) = (7168u64, 2048u64, 256u64);

@@ -53,9 +53,9 @@ pub struct Args {
     pub placement: Placement,
     /// The cosine a quantized tensor must reach against a float one (an engine that dequantized
     /// at load). BF16 originals sit at NVFP4's own error (~0.995) and are named as the
-    /// unquantized source (`audit` judges a checkpoint against them). Two sides in one encoding (one dtype, one global scale) must
-    /// hold identical values: a copy changes none, so one changed code fails however high its
-    /// cosine
+    /// unquantized source (`audit` judges a checkpoint against them). Two sides in one encoding
+    /// (one dtype, one global scale) must hold identical values: a copy changes none, so one
+    /// changed code fails however high its cosine
     #[arg(long, value_name = "C", default_value_t = 0.9999, value_parser = super::common::cosine, allow_negative_numbers = true)]
     pub min_cosine: f64,
     #[command(flatten)]
