@@ -1241,13 +1241,14 @@ mod tests {
                 ep: Some((4, Placement::Linear)),
             };
             let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
-            // gate/up, one scale misreading, weights not applied, the transpose, 2 EP, the
-            // wrong-slot permutations this routing tells apart (top-4: both shifts at least),
-            // gs inverted, alpha from gs, the default gs, gs1/gs2 swapped (where they differ),
-            // BF16 activations (W4A16), the nibbles (w1/w3 scales are equal)
+            // gate/up, one scale misreading, weights not applied or applied twice, the
+            // transpose, 2 EP, the wrong-slot permutations this routing tells apart (top-4: both
+            // shifts at least), gs inverted, alpha from gs, the default gs, gs1/gs2 swapped
+            // (where they differ), BF16 activations (W4A16), the nibbles (w1/w3 scales are equal)
             let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
             assert!(
-                (13..=16).contains(&variants.len())
+                (14..=17).contains(&variants.len())
+                    && named.contains(&SuspectedBug::WeightsAppliedTwice)
                     && named.contains(&SuspectedBug::ActivationsNotQuantized)
                     && named.contains(&SuspectedBug::OutputTransposed)
                     && named.contains(&SuspectedBug::WeightsShiftedForward)
