@@ -892,7 +892,7 @@ fn a_batch_past_host_memory_is_bad_input_before_anything_is_allocated() {
         );
         assert_eq!(code, 2, "{c}: {text}");
         assert!(
-            text.contains("GB of memory") && text.contains("try fewer --tokens"),
+            text.contains("GB of host memory") && text.contains("try fewer --tokens"),
             "{c}: {text}"
         );
         assert!(!text.contains("memory allocation of"), "{c}: {text}");
