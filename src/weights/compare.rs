@@ -738,6 +738,25 @@ pub fn compare(
     }
 }
 
+/// A loaded side's shape and dtype as the report gives them (a unit the other side could not
+/// be loaded for still says what this side holds).
+pub fn shape_and_dtype(raw: &Raw) -> (Vec<usize>, String) {
+    match raw {
+        Raw::Q(q) => q_shape_and_dtype(q),
+        Raw::D(d) => (d.shape.clone(), dname(d.dtype)),
+    }
+}
+
+fn q_shape_and_dtype(q: &QRaw) -> (Vec<usize>, String) {
+    let dtype = format!(
+        "{} ({}, scales {:?})",
+        dname(q.weight_dtype),
+        q.format.name(),
+        q.scale_dtype
+    );
+    (q.weight_shape.clone(), dtype)
+}
+
 fn compare_qq(
     u: &mut UnitResult,
     qa: &QRaw,
@@ -748,20 +767,8 @@ fn compare_qq(
 ) -> Result<UnitResult> {
     u.a = qa.weight_name.clone();
     u.b = qb.weight_name.clone();
-    u.a_shape = qa.weight_shape.clone();
-    u.b_shape = qb.weight_shape.clone();
-    u.a_dtype = format!(
-        "{} ({}, scales {:?})",
-        dname(qa.weight_dtype),
-        qa.format.name(),
-        qa.scale_dtype
-    );
-    u.b_dtype = format!(
-        "{} ({}, scales {:?})",
-        dname(qb.weight_dtype),
-        qb.format.name(),
-        qb.scale_dtype
-    );
+    (u.a_shape, u.a_dtype) = q_shape_and_dtype(qa);
+    (u.b_shape, u.b_dtype) = q_shape_and_dtype(qb);
     u.bytes = (qa.packed.len()
         + qa.scales.unit_len(qa.rows())
         + qb.packed.len()

@@ -468,6 +468,12 @@ impl<'a> Plan<'a> {
                         let mut u = UnitResult::new(ka, ua.expert);
                         u.a = located(&self.a, &self.a_inv, &ua.source);
                         u.b = located(&self.b, &self.b_inv, &ub.source);
+                        if let Ok(r) = &la {
+                            (u.a_shape, u.a_dtype) = compare::shape_and_dtype(r);
+                        }
+                        if let Ok(r) = &lb {
+                            (u.b_shape, u.b_dtype) = compare::shape_and_dtype(r);
+                        }
                         for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
                             if let Some(e) = r {
                                 u.issue(e.issue_kind(), format!("{side}: {e}"));
