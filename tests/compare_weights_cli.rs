@@ -359,6 +359,10 @@ struct Faults {
     /// These experts' w2 block scales (linear) put through the inverse of the 128x4 swizzle,
     /// as if they had been swizzled (dims where both layouts have one size).
     w2_unswizzled: Vec<usize>,
+    /// weight_scale_2 replaced by a max of A's: `Some(false)` over the layer's experts (one
+    /// for every gate and up, one for every down: one global scale a fused tensor),
+    /// `Some(true)` over gate and up of each expert.
+    scale_2_max: Option<bool>,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -491,6 +495,21 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
     } else {
         e
     };
+    match f.scale_2_max {
+        Some(false) => {
+            for g in [&mut g13, &mut g2] {
+                let m = g.iter().copied().fold(f32::MIN, f32::max);
+                g.iter_mut().for_each(|x| *x = m);
+            }
+        }
+        Some(true) => {
+            for pair in g13.chunks_mut(2) {
+                let m = pair[0].max(pair[1]);
+                pair.iter_mut().for_each(|x| *x = m);
+            }
+        }
+        None => {}
+    }
     if let Some((which, k)) = f.scalar_factor {
         let v = match which {
             "w13_weight_scale_2" => &mut g13,
@@ -1635,6 +1654,94 @@ fn converted_and_misshapen_block_scales_are_named() {
                 fx.seed
             );
         }
+    }
+}
+
+/// weight_scale_2 taken as the max over the layer's experts (an engine with one global scale
+/// for the fused tensor), or over gate and up of each expert, is named with its numbers; experts
+/// that really share one weight_scale_2 pass. The max over experts used to be ~3E bare
+/// `scale_2` issues with no diagnosis.
+#[test]
+fn scale_2_max_over_experts_is_named() {
+    let mut fx = fixture(4 + (rand::random::<u8>() % 3) as usize);
+    let e = fx.model.experts.len();
+    let dump = fx.root.join("max.safetensors");
+    let max = |per_expert| Faults {
+        scale_2_max: Some(per_expert),
+        ..Default::default()
+    };
+    let out = fx.run_fused(&dump, &max(false), &[], 1);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let shared: Vec<&Value> = d
+        .iter()
+        .filter(|d| d["kind"] == "scale_2_shared_max")
+        .collect();
+    assert_eq!(shared.len(), 1, "seed {}: {d:?}", fx.seed);
+    let msg = shared[0]["message"].as_str().unwrap();
+    let m13 = fx
+        .model
+        .experts
+        .iter()
+        .flat_map(|x| [x.w1.scale_2, x.w3.scale_2])
+        .fold(f32::MIN, f32::max);
+    assert!(
+        msg.contains("max over the layer's experts (one global scale for the fused tensor)")
+            && msg.contains(&format!("{m13:e}"))
+            && msg.contains("down_proj"),
+        "seed {}: {msg}",
+        fx.seed
+    );
+    // every unit off the max is a mismatch the diagnosis counts, and no other is named
+    let mm = out.json["mismatches"].as_array().unwrap();
+    let m2 = fx
+        .model
+        .experts
+        .iter()
+        .map(|x| x.w2.scale_2)
+        .fold(f32::MIN, f32::max);
+    let off = fx
+        .model
+        .experts
+        .iter()
+        .flat_map(|x| [(x.w1.scale_2, m13), (x.w3.scale_2, m13), (x.w2.scale_2, m2)])
+        .filter(|(v, m)| v != m)
+        .count();
+    assert!(off >= 2 * e - 2, "seed {}", fx.seed);
+    assert_eq!(mm.len(), off, "seed {}", fx.seed);
+    assert_eq!(shared[0]["tensors"].as_u64(), Some(mm.len() as u64));
+    assert_eq!(
+        diag_kinds(&out.json),
+        vec!["scale_2_shared_max"],
+        "seed {}",
+        fx.seed
+    );
+    // gate and up of each expert: the smaller one raised. An up raised alone reads as the
+    // gate-only w13 scale; a raised gate is only the max
+    let gate_raised = fx.model.experts.iter().any(|x| x.w1.scale_2 < x.w3.scale_2);
+    let out = fx.run_fused(&dump, &max(true), &[], 1);
+    let kinds = diag_kinds(&out.json);
+    if gate_raised {
+        assert_eq!(kinds, vec!["scale_2_shared_max"], "seed {}", fx.seed);
+        let msg = out.json["diagnoses"][0]["message"].as_str().unwrap();
+        assert!(
+            msg.contains("larger of their two"),
+            "seed {}: {msg}",
+            fx.seed
+        );
+    } else {
+        assert_eq!(kinds, vec!["scale_2_gate_only"], "seed {}", fx.seed);
+    }
+    // experts that do share one weight_scale_2: the max is theirs, nothing is named
+    let one = fx.model.experts[0].w2.scale_2;
+    for x in &mut fx.model.experts {
+        for t in [&mut x.w1, &mut x.w3, &mut x.w2] {
+            t.scale_2 = one;
+        }
+    }
+    fx.model.write_hf(&fx.ckpt);
+    for per_expert in [false, true] {
+        let out = fx.run_fused(&dump, &max(per_expert), &[], 0);
+        assert!(diag_kinds(&out.json).is_empty(), "seed {}", fx.seed);
     }
 }
 

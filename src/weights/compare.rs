@@ -142,6 +142,9 @@ pub struct UnitResult {
     /// A's value, B's value, B's tensor), for the diagnoses across units.
     #[serde(skip)]
     pub scalars_differ: Vec<(&'static str, f32, f32, String)>,
+    /// Both sides' global scales (dequant direction), where both hold one: A's, B's.
+    #[serde(skip)]
+    pub scales_2: Option<(f32, f32)>,
     /// Equal by itself, a mismatch by a diagnosis across units
     /// (`diagnose::file_under_mismatches`).
     #[serde(skip)]
@@ -184,6 +187,7 @@ impl UnitResult {
             swizzle_side_open: false,
             scale_dtype_differs: None,
             scalars_differ: vec![],
+            scales_2: None,
             filed_by_diagnosis: false,
         }
     }
@@ -338,7 +342,7 @@ fn dname(d: Dtype) -> String {
 /// Dequant-direction global scales compared: equal bits, or within the ulp a reciprocal
 /// conversion (compressed-tensors' gs) costs. The tolerance holds only between finite values:
 /// against an infinity it is infinite too (`inf <= 4ε·inf`), and a B scale of ±inf would pass.
-fn same_scale(a: f32, b: f32) -> bool {
+pub fn same_scale(a: f32, b: f32) -> bool {
     a.to_bits() == b.to_bits()
         || (a.is_finite()
             && b.is_finite()
@@ -966,6 +970,7 @@ fn compare_qq(
     }
     // global scale
     let (sa, sb) = (qa.scale_2, qb.scale_2);
+    u.scales_2 = sa.zip(sb);
     // weight_scale_2 and input_scale exchanged (both dequant-direction scalars, one per
     // linear: a loader that maps them by position)
     let swapped = match (sa, sb, qa.input_scale, qb.input_scale) {

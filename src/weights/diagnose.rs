@@ -37,6 +37,10 @@ pub enum DiagnosisKind {
     Scale2Flipped,
     #[serde(rename = "scale_2_gate_only")]
     Scale2GateOnly,
+    /// B's weight_scale_2 the max of A's over the layer's experts (one global scale for the
+    /// fused tensor), or over gate and up of each expert (one w13 scale per expert).
+    #[serde(rename = "scale_2_shared_max")]
+    Scale2SharedMax,
     InputScaleFlipped,
     #[serde(rename = "scale_2_input_scale_swapped")]
     Scale2InputScaleSwapped,
@@ -294,6 +298,162 @@ pub fn global_scale_scaled(
         }
     }
     out
+}
+
+/// B's weight_scale_2 the max of A's over a group of a layer's experts, where A's differ:
+/// every expert's projection (gate and up together or each alone, down) holds one value,
+/// the largest of A's (an engine that keeps one global scale for the fused expert tensor), or
+/// gate and up of each expert hold the larger of the two (one `w13_weight_scale_2` per expert,
+/// the smaller replaced). The codes and block scales are A's, so every expert below the max
+/// dequantizes ×(max / its own). The up_proj that took its gate's value in such a layer is
+/// named here, not as [`DiagnosisKind::Scale2GateOnly`] (which this drops for the layer).
+pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>) {
+    struct S<'a> {
+        r: &'a UnitResult,
+        e: ExpertProj,
+        a: f32,
+        b: f32,
+    }
+    let wrong = |s: &S| {
+        !super::compare::same_scale(s.a, s.b)
+            && s.r
+                .issues
+                .iter()
+                .any(|i| matches!(i.kind, IssueKind::Scale2 | IssueKind::Scale2GateOnly))
+    };
+    let proj_name = |p: Proj| match p {
+        Proj::Gate => "gate_proj",
+        Proj::Up => "up_proj",
+        Proj::Down => "down_proj",
+    };
+    let mut by_layer: BTreeMap<usize, Vec<S>> = BTreeMap::new();
+    for r in results {
+        if let (Some(e), Some((a, b))) = (r.expert, r.scales_2) {
+            by_layer.entry(e.layer).or_default().push(S { r, e, a, b });
+        }
+    }
+    let mut covered = BTreeSet::new();
+    for (layer, units) in by_layer {
+        if !units.iter().any(wrong) {
+            continue;
+        }
+        // one value for the whole group, the max of A's: (what, its units)
+        let shared = |group: &[&S]| -> Option<String> {
+            let top = group.iter().max_by(|x, y| x.a.total_cmp(&y.a))?;
+            let all = group.iter().all(|s| super::compare::same_scale(s.b, top.a));
+            let low = group.iter().map(|s| s.a).fold(f32::INFINITY, f32::min);
+            (group.len() >= 2 && all && group.iter().any(|s| wrong(s))).then(|| {
+                format!(
+                    "{:e} (A's {low:e}..{:e}, the max expert {}'s {})",
+                    top.a,
+                    top.a,
+                    top.e.expert,
+                    proj_name(top.e.proj)
+                )
+            })
+        };
+        let of =
+            |ps: &[Proj]| -> Vec<&S> { units.iter().filter(|s| ps.contains(&s.e.proj)).collect() };
+        let mut parts: Vec<String> = vec![];
+        let mut named: Vec<&S> = vec![];
+        let w13 = of(&[Proj::Gate, Proj::Up]);
+        let before = named.len();
+        if let Some(m) = shared(&w13) {
+            parts.push(format!("{m} for every expert's gate_proj and up_proj"));
+            named.extend(w13.iter().copied());
+        } else {
+            for p in [Proj::Gate, Proj::Up] {
+                let g = of(&[p]);
+                if let Some(m) = shared(&g) {
+                    parts.push(format!("{m} for every expert's {}", proj_name(p)));
+                    named.extend(g.iter().copied());
+                }
+            }
+        }
+        let w13_named = named.len() > before;
+        let down = of(&[Proj::Down]);
+        if let Some(m) = shared(&down) {
+            parts.push(format!("{m} for every expert's down_proj"));
+            named.extend(down.iter().copied());
+        }
+        let mut per_expert: Vec<String> = vec![];
+        if !w13_named {
+            // gate and up of each expert: both the larger of the two
+            let mut halves: BTreeMap<usize, [Option<&S>; 2]> = BTreeMap::new();
+            for s in &w13 {
+                halves.entry(s.e.expert).or_default()[(s.e.proj == Proj::Up) as usize] = Some(*s);
+            }
+            let pairs: Vec<(&S, &S)> = halves
+                .values()
+                .filter_map(|h| Some((h[0]?, h[1]?)))
+                .collect();
+            let max_of_two = |(g, u): &(&S, &S)| {
+                let m = g.a.max(u.a);
+                super::compare::same_scale(g.b, m) && super::compare::same_scale(u.b, m)
+            };
+            // a gate raised to its up's: what only the max explains (an up raised to its
+            // gate's alone is the gate-only w13 scale)
+            let gate_raised = |(g, _): &(&S, &S)| wrong(g);
+            if !pairs.is_empty() && pairs.iter().all(max_of_two) && pairs.iter().any(gate_raised) {
+                let (g, u) = pairs
+                    .iter()
+                    .find(|p| gate_raised(p))
+                    .copied()
+                    .unwrap_or(pairs[0]);
+                per_expert.push(format!(
+                    "gate_proj and up_proj of each expert hold the larger of their two \
+                     weight_scale_2 (one w13_weight_scale_2 per expert, the smaller replaced): \
+                     e.g. expert {}: A's gate {:e}, up {:e}, B's both {:e}",
+                    g.e.expert, g.a, u.a, g.b
+                ));
+                named.extend(w13.iter().copied());
+            }
+        }
+        let named: Vec<&S> = named.into_iter().filter(|s| wrong(s)).collect();
+        if named.is_empty() {
+            continue;
+        }
+        covered.insert(layer);
+        let worst = named
+            .iter()
+            .max_by(|x, y| (x.b / x.a).total_cmp(&(y.b / y.a)))
+            .map(|s| {
+                format!(
+                    "up to ×{:.4} (expert {}'s {})",
+                    s.b / s.a,
+                    s.e.expert,
+                    proj_name(s.e.proj)
+                )
+            })
+            .unwrap_or_default();
+        let experts: BTreeSet<usize> = named.iter().map(|s| s.e.expert).collect();
+        let mut what: Vec<String> = vec![];
+        if !parts.is_empty() {
+            what.push(format!(
+                "weight_scale_2 is the max over the layer's experts (one global scale for the \
+                 fused tensor): B holds {}",
+                parts.join("; ")
+            ));
+        }
+        what.extend(per_expert);
+        diagnoses.push(Diagnosis {
+            kind: DiagnosisKind::Scale2SharedMax,
+            layer: Some(layer),
+            experts: experts.into_iter().collect(),
+            tensors: named.len(),
+            message: format!(
+                "layer {layer}: {} tensor(s): {}; the codes and block scales are A's, so every \
+                 expert below the max dequantizes ×(max / its own), {worst}",
+                named.len(),
+                what.join("; ")
+            ),
+            fails: true,
+            units: vec![],
+        });
+    }
+    diagnoses.retain(|d| {
+        !(d.kind == DiagnosisKind::Scale2GateOnly && d.layer.is_some_and(|l| covered.contains(&l)))
+    });
 }
 
 /// Group per-unit issues and layout notes into diagnoses, one per (kind, layer, side).

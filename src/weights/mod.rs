@@ -565,6 +565,7 @@ impl<'a> Plan<'a> {
             engine,
         )?);
         diagnoses.extend(diagnose::from_units(&results, self.checkpoints));
+        diagnose::scale_2_shared_max(&results, &mut diagnoses);
         diagnoses.extend(diagnose::global_scale_scaled(
             &results,
             self.opts.tp,
