@@ -3046,6 +3046,96 @@ fn layers_numbered_off_by_k_are_named() {
     }
 }
 
+/// A pipeline stage's local layer numbers (B holds A's layers L0.. renumbered from 0) are named
+/// as a layer shift also where B's MoE layers fall on A's dense layers' numbers, so that their
+/// tensors pair with nothing of A's (found from the layers' tensors that exist in A at another
+/// number). It read "1 mismatched, 399 missing, 53 extra" with no diagnosis. B holding A's
+/// layers under their own numbers is no shift.
+#[test]
+fn pipeline_stage_local_layer_numbers_are_named() {
+    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(rand::random);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let ck = root.join("ck");
+    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args([
+            "synth",
+            "--preset",
+            "tiny",
+            "--layers",
+            "4",
+            "--no-report-dir",
+            "-q",
+        ])
+        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
+        .output()
+        .unwrap();
+    assert!(synth.status.success(), "seed {seed}: {synth:?}");
+    let cfg: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    let dense = cfg["first_k_dense_replace"].as_u64().unwrap() as usize;
+    assert!(
+        dense >= 1,
+        "seed {seed}: the tiny preset has a dense first layer"
+    );
+    // the stage: A's layers l0..4 (MoE), numbered from 0 or (subset) as they are
+    let l0 = dense + (seed % 2) as usize;
+    let stage = |renumber: bool, path: &Path| {
+        let mut v = vec![];
+        for e in std::fs::read_dir(&ck).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_none_or(|x| x != "safetensors") {
+                continue;
+            }
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (name, t) in st.tensors() {
+                let renamed = match name.strip_prefix("model.layers.").and_then(|rest| {
+                    let (l, tail) = rest.split_once('.')?;
+                    Some((l.parse::<usize>().ok()?, tail))
+                }) {
+                    Some((l, _)) if l < l0 => continue,
+                    Some((l, tail)) if renumber => format!("model.layers.{}.{tail}", l - l0),
+                    _ => name.clone(),
+                };
+                v.push((
+                    TensorSpec::new(renamed, t.dtype(), t.shape()),
+                    t.data().to_vec(),
+                ));
+            }
+        }
+        write_file(path, v, None).unwrap();
+    };
+    let dump = root.join("stage.safetensors");
+    stage(true, &dump);
+    let out = run(root, &[s(&ck), s(&dump)]);
+    check(&out, 1, seed);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    let shift: Vec<&Value> = d.iter().filter(|d| d["kind"] == "layer_shift").collect();
+    assert_eq!(shift.len(), 1, "seed {seed} l0 {l0}: {d:?}");
+    let msg = shift[0]["message"].as_str().unwrap();
+    let pairs: Vec<String> = (0..4 - l0).map(|l| format!("{l}←{}", l + l0)).collect();
+    assert!(
+        msg.contains(&pairs.join(", "))
+            && msg.contains(&format!("l{:+}", l0 as i64))
+            && msg.contains("no same-named tensor in A"),
+        "seed {seed} l0 {l0}: {msg}"
+    );
+    // the subset under its own numbers: tensors missing in B, no shift
+    stage(false, &dump);
+    let out = run(root, &[s(&ck), s(&dump)]);
+    check(&out, 1, seed);
+    assert!(
+        diag_kinds(&out.json).is_empty(),
+        "seed {seed}: {:?}",
+        out.json["diagnoses"]
+    );
+    assert_eq!(out.json["summary"]["mismatched"], 0, "seed {seed}");
+}
+
 /// vLLM's merged `gate_up_proj` of the shared expert compares as A's gate_proj and up_proj
 /// (also as a TP shard, each part sharded on its own), and halves in the other order are two
 /// named mismatches. A clean dump failed: gate_proj and up_proj missing, gate_up_proj extra.

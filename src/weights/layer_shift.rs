@@ -4,7 +4,9 @@
 //! same tensor of every other layer of A (sampled fingerprints nominate); the layer pairing is
 //! then confirmed tensor by tensor on every byte.
 
-use super::compare::{fingerprint_as, fingerprint_own, holds_whole, IssueKind, UnitResult};
+use super::compare::{
+    fingerprint_as, fingerprint_own, holds_whole, shape_and_dtype, IssueKind, UnitResult,
+};
 use super::diagnose::{Diagnosis, DiagnosisKind};
 use super::load::{Raw, SideRef};
 use super::view::Depth;
@@ -84,7 +86,82 @@ pub fn layer_shift(
             (!explained.is_empty()).then_some((l, from, explained))
         })
         .collect();
-    let mut by_offset: BTreeMap<i64, Vec<(usize, usize, usize)>> = BTreeMap::new();
+    // B's units with no same-named unit in A (B's layer holds another kind than A's layer
+    // of that number: a pipeline stage of MoE layers numbered from 0 where A's first layers
+    // are dense), by layer: the shift is found from the units that exist in both layers
+    let mut b_only: BTreeMap<usize, Vec<&str>> = BTreeMap::new();
+    for k in b.inv.units.keys().filter(|k| !a.inv.units.contains_key(*k)) {
+        if let Some((_, l, _)) = split_layer(k) {
+            b_only.entry(l).or_default().push(k);
+        }
+    }
+    let unpaired: Vec<(usize, usize, usize, Vec<usize>)> = b_only
+        .par_iter()
+        .filter_map(|(&l, keys)| {
+            let probes = keys
+                .iter()
+                .filter_map(|&k| Some((k, unit(b, k)?)))
+                .filter(|(_, r)| shape_and_dtype(r).0.len() >= 2)
+                .take(3);
+            let mut from = None;
+            for (probe, rb) in probes {
+                let Some((fb, geom)) = fingerprint_own(&rb, Depth::Sample) else {
+                    continue;
+                };
+                from = a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
+                    with_layer(probe, o)
+                        .and_then(|ka| fingerprint_as(&unit(a, &ka)?, &geom, tp, Depth::Sample))
+                        .is_some_and(|fa| fb.contains(&fa))
+                });
+                if from.is_some() {
+                    break;
+                }
+            }
+            let from = from?;
+            // the layer's paired tensors that differ (a norm, attention) hold A's `from` too
+            let paired: Vec<usize> = by_layer
+                .get(&l)
+                .into_iter()
+                .flatten()
+                .copied()
+                .filter(|&i| {
+                    let kb = &results[i].name;
+                    match (
+                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
+                        unit(b, kb),
+                    ) {
+                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
+                        _ => false,
+                    }
+                })
+                .collect();
+            let n = keys
+                .iter()
+                .filter(|&&kb| {
+                    match (
+                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
+                        unit(b, kb),
+                    ) {
+                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
+                        _ => false,
+                    }
+                })
+                .count();
+            (n > 0).then_some((l, from, n, paired))
+        })
+        .collect();
+    // (B's layer, A's layer) → (paired units explained, B-only units explained)
+    let mut pairs: BTreeMap<(usize, usize), (usize, usize)> = BTreeMap::new();
+    let mut found = found;
+    for (l, from, n, paired) in unpaired {
+        if !found.iter().any(|f| f.0 == l) && !paired.is_empty() {
+            found.push((l, from, paired));
+        }
+        pairs.entry((l, from)).or_default().1 += n;
+    }
+    for (l, from, units) in &found {
+        pairs.entry((*l, *from)).or_default().0 += units.len();
+    }
     for (l, from, units) in &found {
         for &i in units {
             if let Some(issue) = results[i]
@@ -97,19 +174,23 @@ pub fn layer_shift(
                     .push_str(&format!(" — B's layer {l} holds A's layer {from}"));
             }
         }
+    }
+    let mut by_offset: BTreeMap<i64, Vec<(usize, usize, usize, usize)>> = BTreeMap::new();
+    for ((l, from), (paired, only)) in pairs {
         by_offset
-            .entry(*from as i64 - *l as i64)
+            .entry(from as i64 - l as i64)
             .or_default()
-            .push((*l, *from, units.len()));
+            .push((l, from, paired, only));
     }
     by_offset
         .into_iter()
         .map(|(off, pairs)| {
-            let tensors: usize = pairs.iter().map(|p| p.2).sum();
+            let tensors: usize = pairs.iter().map(|p| p.2 + p.3).sum();
+            let only: usize = pairs.iter().map(|p| p.3).sum();
             let shown: Vec<String> = pairs
                 .iter()
                 .take(8)
-                .map(|(l, from, _)| format!("{l}←{from}"))
+                .map(|(l, from, _, _)| format!("{l}←{from}"))
                 .collect();
             Diagnosis {
                 kind: DiagnosisKind::LayerShift,
@@ -118,11 +199,20 @@ pub fn layer_shift(
                 tensors,
                 message: format!(
                     "B's layer l holds A's layer l{off:+} in {} layer(s) (B's ← A's: {}{}), {tensors} tensors \
-                     confirmed byte for byte: the loader numbers layers otherwise than the checkpoint (dense or MTP \
+                     confirmed byte for byte{}: the loader numbers layers otherwise than the checkpoint (dense or MTP \
                      layers counted differently, or a pipeline stage's local layer numbers)",
                     pairs.len(),
                     shown.join(", "),
-                    if pairs.len() > 8 { ", …" } else { "" }
+                    if pairs.len() > 8 { ", …" } else { "" },
+                    if only > 0 {
+                        format!(
+                            " ({only} of them with no same-named tensor in A: A's layer of B's \
+                             number is of another kind, dense where B's is MoE or the reverse, so \
+                             they are listed as extra in B)"
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 fails: true,
                 units: vec![],
