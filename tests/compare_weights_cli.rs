@@ -1577,7 +1577,14 @@ fn converted_and_misshapen_block_scales_are_named() {
     let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
     let e = fx.model.experts.len();
     let scales = Some("scales");
-    for (faults, tensor, what, n, kind) in [
+    // B's scales as its dtype names them
+    let (f32_, bf16_, u8_, e4m3) = (
+        "(nvfp4, scales F32)",
+        "(nvfp4, scales BF16)",
+        "(nvfp4, scales U8)",
+        "(nvfp4, scales F8_E4M3)",
+    );
+    for (faults, tensor, what, n, kind, b_scales) in [
         (
             Faults {
                 w2_scales_f32: true,
@@ -1587,6 +1594,7 @@ fn converted_and_misshapen_block_scales_are_named() {
             "stored as F32",
             e,
             scales,
+            f32_,
         ),
         (
             Faults {
@@ -1597,6 +1605,7 @@ fn converted_and_misshapen_block_scales_are_named() {
             "stored as BF16",
             e,
             scales,
+            bf16_,
         ),
         (
             Faults {
@@ -1607,6 +1616,7 @@ fn converted_and_misshapen_block_scales_are_named() {
             "cast to integers",
             e,
             None,
+            u8_,
         ),
         (
             Faults {
@@ -1617,6 +1627,7 @@ fn converted_and_misshapen_block_scales_are_named() {
             "stored transposed",
             2 * e,
             scales,
+            e4m3,
         ),
         (
             Faults {
@@ -1627,6 +1638,7 @@ fn converted_and_misshapen_block_scales_are_named() {
             "fit neither",
             e,
             scales,
+            e4m3,
         ),
     ] {
         let dump = fx.root.join("scales.safetensors");
@@ -1651,6 +1663,27 @@ fn converted_and_misshapen_block_scales_are_named() {
                 m["a_dtype"].as_str().is_some_and(|d| d.contains("nvfp4"))
                     && m["a_shape"].as_array().is_some_and(|v| v.len() == 2),
                 "seed {} {what}: {m}",
+                fx.seed
+            );
+            // and B says what it holds, from its headers where it could not be loaded (its
+            // side stayed empty)
+            assert!(
+                m["b_dtype"].as_str().is_some_and(|d| d.contains(b_scales))
+                    && m["b_shape"] == m["a_shape"],
+                "seed {} {what}: {m}",
+                fx.seed
+            );
+        }
+        // the other way round: the side that cannot be loaded is A's
+        let out = run(&fx.root, &[s(&dump), s(&fx.ckpt)]);
+        check(&out, 1, fx.seed);
+        for m in out.json["mismatches"].as_array().unwrap() {
+            assert!(
+                m["a_dtype"].as_str().is_some_and(|d| d.contains(b_scales))
+                    && m["b_dtype"].as_str().is_some_and(|d| d.contains("nvfp4"))
+                    && m["a_shape"] == m["b_shape"]
+                    && m["a_shape"].as_array().is_some_and(|v| v.len() == 2),
+                "seed {} {what} (swapped): {m}",
                 fx.seed
             );
         }

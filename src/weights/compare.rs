@@ -752,13 +752,13 @@ pub fn shape_and_dtype(raw: &Raw) -> (Vec<usize>, String) {
 }
 
 fn q_shape_and_dtype(q: &QRaw) -> (Vec<usize>, String) {
-    let dtype = format!(
-        "{} ({}, scales {:?})",
-        dname(q.weight_dtype),
-        q.format.name(),
-        q.scale_dtype
-    );
+    let dtype = q_dtype(q.weight_dtype, q.format, q.scale_dtype);
     (q.weight_shape.clone(), dtype)
+}
+
+/// A quantized unit's dtype as the report gives it: `U8 (nvfp4, scales F8_E4M3)`.
+pub fn q_dtype(weight: Dtype, format: Format, scales: Dtype) -> String {
+    format!("{} ({}, scales {scales:?})", dname(weight), format.name())
 }
 
 fn compare_qq(

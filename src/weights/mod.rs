@@ -205,6 +205,62 @@ fn located(src: &Renamed, inv: &Inventory, s: &Source) -> String {
     }
 }
 
+/// What a unit that cannot be loaded holds, as its tensors' headers tell: the codes' shape
+/// (one expert's rows of a fused tensor) and dtype, with the block scales' dtype, in the
+/// report's terms (`U8 (nvfp4, scales F32)`).
+fn held(side: &SideRef, s: &Source) -> Option<(Vec<usize>, String)> {
+    use crate::nvfp4::Format;
+    use safetensors::Dtype;
+    let info = |n: &str| {
+        side.src
+            .tensor_info(n)
+            .ok()
+            .map(|t| (t.dtype, t.shape.clone()))
+    };
+    let quantized = |wd: Dtype, sd: Option<(Dtype, Vec<usize>)>, mxfp4: bool| {
+        let format = if mxfp4 { Format::Mxfp4 } else { Format::Nvfp4 };
+        match sd {
+            Some((sd, _)) => compare::q_dtype(wd, format, sd),
+            None => format!("{wd:?} ({}, no block scales)", format.name()),
+        }
+    };
+    match s {
+        Source::Tensor(n) => info(n).map(|(d, shape)| (shape, format!("{d:?}"))),
+        Source::Linear(ln) => {
+            let (wd, ws) = info(&ln.weight)?;
+            let mxfp4 = ln.convention == crate::checkpoint::Convention::Mxfp4;
+            Some((ws, quantized(wd, info(&ln.weight_scale), mxfp4)))
+        }
+        Source::Merged(m) => {
+            let (mut shape, dtype) = held(side, &m.inner)?;
+            if let Some(r) = shape.first_mut() {
+                *r = m.rows;
+            }
+            Some((shape, dtype))
+        }
+        Source::Fused(f) => {
+            let fl = side.inv.fused.get(&f.layer)?;
+            let w13 = f.proj != Proj::Down;
+            let (wd, ws) = info(fl.member(w13, "weight")?)?;
+            let [e, r_all, c] = ws[..] else {
+                return Some((ws, format!("{wd:?}")));
+            };
+            let shape = vec![if w13 { r_all / 2 } else { r_all }, c];
+            if !matches!(wd, Dtype::U8 | Dtype::I8) {
+                return Some((shape, format!("{wd:?}")));
+            }
+            let sd = fl.member(w13, "weight_scale").and_then(info);
+            // as the loader tells them apart: E8M0 codes, or one byte per 32 elements
+            let mxfp4 = sd.as_ref().is_some_and(|(d, s)| {
+                *d == Dtype::F8_E8M0
+                    || (*d == Dtype::U8 && s.iter().product::<usize>() == e * r_all * (2 * c / 32))
+            });
+            Some((shape, quantized(wd, sd, mxfp4)))
+        }
+        Source::Incomplete { .. } => None,
+    }
+}
+
 /// Names a unit stands for in its side (for the missing / extra lists).
 fn member_names(src: &Renamed, u: &Unit) -> Vec<String> {
     match &u.source {
@@ -468,12 +524,15 @@ impl<'a> Plan<'a> {
                         let mut u = UnitResult::new(ka, ua.expert);
                         u.a = located(&self.a, &self.a_inv, &ua.source);
                         u.b = located(&self.b, &self.b_inv, &ub.source);
-                        if let Ok(r) = &la {
-                            (u.a_shape, u.a_dtype) = compare::shape_and_dtype(r);
-                        }
-                        if let Ok(r) = &lb {
-                            (u.b_shape, u.b_dtype) = compare::shape_and_dtype(r);
-                        }
+                        // a side that could not be loaded says what its headers hold
+                        (u.a_shape, u.a_dtype) = match &la {
+                            Ok(r) => compare::shape_and_dtype(r),
+                            Err(_) => held(a, &ua.source).unwrap_or_default(),
+                        };
+                        (u.b_shape, u.b_dtype) = match &lb {
+                            Ok(r) => compare::shape_and_dtype(r),
+                            Err(_) => held(b, &ub.source).unwrap_or_default(),
+                        };
                         for (side, r) in [("A", ra.as_ref().err()), ("B", rb.as_ref().err())] {
                             if let Some(e) = r {
                                 u.issue(e.issue_kind(), format!("{side}: {e}"));
