@@ -82,6 +82,9 @@ pub enum SuspectedBug {
     SwizzledScalesReadLinear,
     /// Linear block scales read as 128x4-swizzled.
     LinearScalesReadSwizzled,
+    /// Linear block scales `[N, K/16]` read as `[K/16, N]`: scale `(n, k)` taken from flat
+    /// `k · N + n`.
+    ScalesReadTransposed,
     /// Handed local ids, applies `expert_map` again (EP): tokens silently dropped.
     LocalIdsReadAsGlobal,
     /// Handed global ids, indexes the local expert table with them (EP).
@@ -139,6 +142,9 @@ impl SuspectedBug {
             }
             SuspectedBug::LinearScalesReadSwizzled => {
                 "block scales handed linear [N, K/16] are read as 128x4 swizzled"
+            }
+            SuspectedBug::ScalesReadTransposed => {
+                "block scales handed linear [N, K/16] are read transposed, as [K/16, N]: the scale of row n, block k is taken from flat k * N + n where n * K/16 + k is due (a column-major scale load, or the scale tensor's dims swapped)"
             }
             SuspectedBug::LocalIdsReadAsGlobal => {
                 "local expert ids read as global: expert_map applied to ids that were already local (tokens of other experts silently dropped)"
@@ -348,6 +354,18 @@ fn linear_read_swizzled(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
     for m in 0..rows {
         for k in 0..kb {
             out[m * kb + k] = linear.get(swizzle_offset(m, k, kb)).copied().unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// What a kernel reads as "linear (m, k)" when it takes the linear `[rows, kb]` matrix for
+/// `[kb, rows]`: the byte at `k * rows + m`.
+fn linear_read_transposed(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * kb];
+    for m in 0..rows {
+        for k in 0..kb {
+            out[m * kb + k] = linear[k * rows + m];
         }
     }
     out
@@ -584,6 +602,17 @@ pub fn bug_variants(
             original: None,
         });
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
+    }
+    if feeding.layout != Some(ScaleLayout::Swizzled) {
+        let misread = variant_linears(layer, |l| super::QLinear {
+            weight: map_scales(&l.weight, linear_read_transposed),
+            input_scale: l.input_scale,
+            original: None,
+        });
+        out.push((
+            SuspectedBug::ScalesReadTransposed,
+            routed_cpu(&misread, hidden, routing, scales)?,
+        ));
     }
     let routed_only = variant_layer(layer, |x| x.clone());
     // the weight bugs combine the same expert outputs differently
@@ -1244,10 +1273,12 @@ mod tests {
             // gate/up, one scale misreading, weights not applied or applied twice, the
             // transpose, 2 EP, the wrong-slot permutations this routing tells apart (top-4: both
             // shifts at least), gs inverted, alpha from gs, the default gs, gs1/gs2 swapped
-            // (where they differ), BF16 activations (W4A16), the nibbles (w1/w3 scales are equal)
+            // (where they differ), BF16 activations (W4A16), the nibbles (w1/w3 scales are equal),
+            // the scales read transposed (linear layout), a clamp at 7 or 10 where the tiny
+            // layer's activations reach it (no swiglu_limit)
             let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
             assert!(
-                (14..=17).contains(&variants.len())
+                (14..=21).contains(&variants.len())
                     && named.contains(&SuspectedBug::WeightsAppliedTwice)
                     && named.contains(&SuspectedBug::ActivationsNotQuantized)
                     && named.contains(&SuspectedBug::OutputTransposed)
