@@ -15,6 +15,7 @@
 pub mod dump;
 
 use super::ep::{ExpertMap, Placement};
+use super::forward::SwigluClamp;
 use super::parallel::{plan_rank, EpFault};
 use super::{ActScales, MoeConfig, MoeLayer, Path, Routing};
 use crate::error::Result;
@@ -125,6 +126,12 @@ pub enum SuspectedBug {
     UpUsesGateScale2,
     /// V4's `swiglu_limit` not applied: gate and up enter silu(g) · u unclamped.
     SwigluLimitIgnored,
+    /// Only the gate clamped at `swiglu_limit`: up enters silu(g) · u unclamped.
+    SwigluGateClampOnly,
+    /// Only up clamped at `±swiglu_limit`: the gate enters silu(g) · u unclamped.
+    SwigluUpClampOnly,
+    /// A model without `swiglu_limit` clamped as gpt-oss (7) or DeepSeek-V4 (10) are.
+    SwigluClampWithoutLimit,
     /// gs1 used before the down projection and gs2 before gate/up.
     GsSwapped,
     /// Activations left in BF16: a weight-only (W4A16) kernel, as Marlin's NVFP4 MoE on Hopper.
@@ -199,6 +206,15 @@ impl SuspectedBug {
             }
             SuspectedBug::ActivationsNotQuantized => {
                 "the activations are never quantized to NVFP4: BF16 inputs times the dequantized NVFP4 weights, a weight-only (W4A16) kernel such as Marlin's NVFP4 MoE on Hopper. Expected of such a kernel, a bug in a W4A4 one (Blackwell's block-scaled MMA); a weight-only kernel is judged by its layer cosine against the BF16 reference, not by agreement with the W4A4 path"
+            }
+            SuspectedBug::SwigluGateClampOnly => {
+                "swiglu_limit is applied to the gate only: the gate (w1) output is clamped to <= L but the up (w3) output is not clamped to [-L, L] before silu(gate) * up"
+            }
+            SuspectedBug::SwigluUpClampOnly => {
+                "swiglu_limit is applied to up only: the up (w3) output is clamped to [-L, L] but the gate (w1) output is not clamped to <= L before silu(gate) * up"
+            }
+            SuspectedBug::SwigluClampWithoutLimit => {
+                "the SwiGLU is clamped though the model has no swiglu_limit: gate clamped to <= L and up to [-L, L] at a limit of another model (gpt-oss's 7 or DeepSeek-V4's 10): the kernel's clamp must be off (has_swiglu_limit = 0)"
             }
             SuspectedBug::SwigluLimitIgnored => {
                 "swiglu_limit is ignored: the gate (w1) output must be clamped to <= L and the up (w3) output to [-L, L] before silu(gate) * up (DeepSeek-V4's swiglu_limit in config.json)"
@@ -643,6 +659,48 @@ pub fn bug_variants(
         // activations that never reach the limit cannot tell it: not a suspect
         if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
             out.push((SuspectedBug::SwigluLimitIgnored, v));
+        }
+    }
+    let one_sided = |clamp: SwigluClamp| -> Result<Vec<f32>> {
+        let path = Path::Nvfp4 {
+            scales,
+            flavor: Flavor::Reference,
+        };
+        let o =
+            super::forward::moe_forward_clamped(&routed_only, hidden, routing, &path, true, clamp)?;
+        Ok(routed_sum(&o.per_slot.unwrap_or_default(), routing, h))
+    };
+    let clamps = match layer.config.swiglu_limit {
+        Some(l) => vec![
+            (
+                SuspectedBug::SwigluGateClampOnly,
+                SwigluClamp {
+                    gate: Some(l),
+                    up: None,
+                },
+            ),
+            (
+                SuspectedBug::SwigluUpClampOnly,
+                SwigluClamp {
+                    gate: None,
+                    up: Some(l),
+                },
+            ),
+        ],
+        None => [7.0, 10.0]
+            .map(|l| {
+                (
+                    SuspectedBug::SwigluClampWithoutLimit,
+                    SwigluClamp::both(Some(l)),
+                )
+            })
+            .to_vec(),
+    };
+    for (bug, clamp) in clamps {
+        let v = one_sided(clamp)?;
+        // activations that never reach the limit cannot tell it: not a suspect
+        if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
+            out.push((bug, v));
         }
     }
     let mut seen = vec![routing.topk_weights.clone()];
@@ -1493,6 +1551,57 @@ mod tests {
         );
     }
 
+    /// Guards: a kernel clamping only one side of the SwiGLU at swiglu_limit (gate only, or up
+    /// only) failed with no known bug named.
+    #[test]
+    fn a_one_sided_swiglu_clamp_is_named() {
+        let seed: u64 = rand::random();
+        let (mut layer, x, r, s) = setup(seed);
+        layer.config.swiglu_limit = Some(0.75);
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        let feeding = Feeding {
+            layout: None,
+            ep: None,
+        };
+        let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        let path = Path::Nvfp4 {
+            scales: &s,
+            flavor: Flavor::Reference,
+        };
+        for (bug, clamp) in [
+            (
+                SuspectedBug::SwigluGateClampOnly,
+                SwigluClamp {
+                    gate: Some(0.75),
+                    up: None,
+                },
+            ),
+            (
+                SuspectedBug::SwigluUpClampOnly,
+                SwigluClamp {
+                    gate: None,
+                    up: Some(0.75),
+                },
+            ),
+        ] {
+            let o = crate::moe::forward::moe_forward_clamped(
+                &variant_layer(&layer, |x| x.clone()),
+                &x,
+                &r,
+                &path,
+                true,
+                clamp,
+            )
+            .unwrap();
+            let theirs = routed_sum(&o.per_slot.unwrap(), &r, layer.config.hidden_size);
+            let j = judge_routed(&theirs, &ours, &zeros, &variants);
+            assert!(!j.pass(), "seed {seed}: {bug:?} passed");
+            assert_eq!(j.diagnosis, Some(bug), "seed {seed}: {:?}", j.suspects);
+        }
+        // the correct output names nothing
+        assert!(judge_routed(&ours, &ours, &zeros, &variants).pass());
+    }
     /// An output off by a factor has cosine 1 with ours: it used to "agree" with the built-in
     /// kernel, and the blame went to the inputs ("not the kernel"). Now it fails as the kernel's
     /// scale error, with the factor.
