@@ -1165,6 +1165,98 @@ pub fn dropped_slots_text(pairs: &[(usize, i32)], tokens: usize) -> String {
     }
 }
 
+/// An expert whose own rows (the tokens routed to it) are off ours by more than this relative
+/// L2 error fails, even where the whole output agrees with ours: an error in one expert that
+/// serves one or two of many tokens (a `weight_scale_2` of its own off by 2) moves the layer's
+/// cosine by less than the agreement bar. A correct kernel moves a row only where FP32
+/// summation order flips an E2M1 code or block scale before w2: emulated with every expert's
+/// alpha moved by up to 1e-5 relative (~10x FP32 order noise; tiny layers, 37 to 1024 tokens,
+/// 18 runs), the worst row moved by 0.10 and the worst expert's rows by 0.0074; one expert's
+/// gate `weight_scale_2` doubled moves its rows by 0.14 to 0.33 at the least and ~0.5
+/// typically. The dump recompute's row bar ([`dump::TOKEN_MAX_REL_ERR`], the same
+/// noise) serves.
+pub const EXPERT_ROWS_MAX_REL_ERR: f64 = dump::TOKEN_MAX_REL_ERR;
+
+/// One expert's rows judged on their own ([`deviating_experts`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertRows {
+    pub expert: usize,
+    /// Token slots routed to it (weight not 0).
+    pub slots: usize,
+    /// Theirs against ours over the rows of the tokens routed to it.
+    pub cosine: f64,
+    pub rel_l2: f64,
+}
+
+/// The experts whose own rows (the tokens routed to them with a weight not 0) are off ours
+/// (`[T, hidden]`, routed) by more than [`EXPERT_ROWS_MAX_REL_ERR`], worst first.
+pub fn deviating_experts(
+    theirs: &[f32],
+    ours: &[f32],
+    routing: &Routing,
+    hidden: usize,
+    experts: usize,
+) -> Vec<ExpertRows> {
+    let (t, k) = (routing.tokens, routing.top_k);
+    if hidden == 0 || theirs.len() != t * hidden || ours.len() != t * hidden {
+        return vec![];
+    }
+    let mut out: Vec<ExpertRows> = (0..experts)
+        .filter_map(|e| {
+            let slots: Vec<usize> = (0..t * k)
+                .filter(|&s| routing.topk_ids[s] == e as i32 && routing.topk_weights[s] != 0.0)
+                .collect();
+            let mut tokens: Vec<usize> = slots.iter().map(|s| s / k).collect();
+            tokens.dedup();
+            if tokens.is_empty() || tokens.len() == t {
+                return None;
+            }
+            let rows = |v: &[f32]| -> Vec<f32> {
+                tokens
+                    .iter()
+                    .flat_map(|&i| v[i * hidden..(i + 1) * hidden].iter().copied())
+                    .collect()
+            };
+            let m = compare(&rows(theirs), &rows(ours));
+            (!(m.rel_l2 <= EXPERT_ROWS_MAX_REL_ERR)).then_some(ExpertRows {
+                expert: e,
+                slots: slots.len(),
+                cosine: m.cosine,
+                rel_l2: m.rel_l2,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| b.rel_l2.total_cmp(&a.rel_l2));
+    out
+}
+
+/// [`deviating_experts`] in words.
+pub fn deviating_experts_text(d: &[ExpertRows], routed_cosine: f64) -> String {
+    let shown: Vec<String> = d
+        .iter()
+        .take(4)
+        .map(|x| {
+            format!(
+                "expert {} ({} slot{}): rel_l2 {:.3}, cosine {:.4}",
+                x.expert,
+                x.slots,
+                if x.slots == 1 { "" } else { "s" },
+                x.rel_l2,
+                x.cosine
+            )
+        })
+        .collect();
+    format!(
+        "the whole routed output agrees with ours (cosine {routed_cosine:.6}), but the rows of the \
+         tokens routed to {} are off by more than rel_l2 {EXPERT_ROWS_MAX_REL_ERR} ({}{}): that \
+         expert's output is wrong, an error diluted among the layer's tokens (a weight_scale_2, \
+         block scale or weight of that expert read wrong)",
+        if d.len() == 1 { "one expert" } else { "some experts" },
+        shown.join("; "),
+        if d.len() > 4 { "; …" } else { "" }
+    )
+}
+
 /// Relative spread of the per-token factors past which they are a factor of each token's
 /// own, not one scale error (f32 summation noise moves a factor by ~1e-6).
 const TOKEN_FACTOR_SPREAD: f64 = 1e-3;
@@ -1602,6 +1694,65 @@ mod tests {
         // the correct output names nothing
         assert!(judge_routed(&ours, &ours, &zeros, &variants).pass());
     }
+
+    /// Guards: one expert serving a single token of many, its output wrong (gate
+    /// weight_scale_2 doubled), passed: the error stays under the layer-wide agreement bar.
+    #[test]
+    fn one_wrong_expert_row_among_many_tokens_is_named() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (t, k, h, e) = (8192usize, 4usize, 64usize, 16usize);
+        // expert 0 serves token 0 only; the others the rest
+        let mut ids = vec![0i32; t * k];
+        for (s, id) in ids.iter_mut().enumerate() {
+            *id = if s == 0 {
+                0
+            } else {
+                1 + ((s * 7 + s / k) % (e - 1)) as i32
+            };
+        }
+        let r = Routing {
+            tokens: t,
+            top_k: k,
+            topk_ids: ids,
+            topk_weights: vec![0.25; t * k],
+        };
+        let ours: Vec<f32> = (0..t * h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        // token 0's row off by 0.3 of its norm (a single slot's gate scale doubled: 0.14 to
+        // 0.6), and every value by FP32 summation noise
+        let mut theirs: Vec<f32> = ours
+            .iter()
+            .map(|&v| v * (1.0 + rng.gen_range(-3e-7f32..3e-7)))
+            .collect();
+        let norm = ours[..h].iter().map(|v| v * v).sum::<f32>().sqrt();
+        let d: Vec<f32> = (0..h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let dn = d.iter().map(|v| v * v).sum::<f32>().sqrt();
+        for (o, dv) in theirs[..h].iter_mut().zip(&d) {
+            *o += 0.3 * norm * dv / dn;
+        }
+        let zeros = vec![0f32; ours.len()];
+        // the layer-wide judgement lets it through ...
+        assert!(
+            judge_routed(&theirs, &ours, &zeros, &[]).pass(),
+            "seed {seed}"
+        );
+        // ... the expert's own rows do not
+        let bad = deviating_experts(&theirs, &ours, &r, h, e);
+        assert_eq!(bad.len(), 1, "seed {seed}: {bad:?}");
+        assert_eq!((bad[0].expert, bad[0].slots), (0, 1), "seed {seed}");
+        assert!(deviating_experts_text(&bad, 1.0).contains("expert 0 (1 slot)"));
+        // summation noise alone names no expert
+        let clean: Vec<f32> = ours
+            .iter()
+            .map(|&v| v * (1.0 + rng.gen_range(-3e-7f32..3e-7)))
+            .collect();
+        assert!(
+            deviating_experts(&clean, &ours, &r, h, e).is_empty(),
+            "seed {seed}"
+        );
+    }
+
     /// An output off by a factor has cosine 1 with ours: it used to "agree" with the built-in
     /// kernel, and the blame went to the inputs ("not the kernel"). Now it fails as the kernel's
     /// scale error, with the factor.
