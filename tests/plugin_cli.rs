@@ -1544,3 +1544,53 @@ fn compare_outputs_names_routing_weights_applied_twice() {
         text(&o)
     );
 }
+
+/// Guards: a kernel reading the weights' linear block scales transposed ([K/16, N] for
+/// [N, K/16]) failed with no known bug named.
+#[test]
+fn compare_outputs_names_block_scales_read_transposed() {
+    let seed: u64 = rand::random();
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path();
+    dump_layer(p, "dump", seed, 16);
+    let dumped = dump::read(&p.join("dump")).unwrap();
+    let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
+    let mut layer = dumped.layer.clone();
+    for x in &mut layer.experts {
+        for l in [&mut x.w1, &mut x.w3, &mut x.w2] {
+            let w = &mut l.weight;
+            let (rows, kb) = (w.rows, w.cols / 16);
+            let orig = w.scales.clone();
+            for m in 0..rows {
+                for k in 0..kb {
+                    w.scales[m * kb + k] = orig[k * rows + m];
+                }
+            }
+        }
+    }
+    let out = byok::routed_cpu(&layer, &dumped.hidden, &dumped.routing, &dumped.scales).unwrap();
+    write_output(&p.join("scales_t.safetensors"), &out, t, h);
+    let o = nvfp4dbg(
+        p,
+        &[
+            "compare-outputs",
+            "dump",
+            "scales_t.safetensors",
+            "--json",
+            "scales_t.json",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
+    let j = json(&p.join("scales_t.json"));
+    assert_eq!(
+        j["summary"]["diagnosis"],
+        "scales-read-transposed",
+        "seed {seed}: {}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains("read transposed, as [K/16, N]"),
+        "seed {seed}: {}",
+        text(&o)
+    );
+}

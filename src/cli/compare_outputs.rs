@@ -121,7 +121,14 @@ pub fn run(args: &Args) -> Result<Report> {
             j = byok::judge(&o, args.min_cosine, &v);
         }
     }
-    let pass = j.pass();
+    // an error of one expert serving one or two of many tokens stays under the layer's bar:
+    // each expert's own rows are judged too
+    let experts = if j.pass() {
+        byok::deviating_experts(&theirs, &x.nvfp4_routed, &d.routing, h, c.n_routed_experts)
+    } else {
+        vec![]
+    };
+    let pass = j.pass() && experts.is_empty();
     // a scale error is said by the blame; localizing it would list every token
     let mut local = (!j.agree && !j.theirs_vs_ours.passes(byok::AGREE_MIN_COSINE))
         .then(|| byok::localize(&theirs, &x.nvfp4_routed, &d.routing, h))
@@ -139,6 +146,11 @@ pub fn run(args: &Args) -> Result<Report> {
         byok::name_dropped_slots(l, &theirs, &x.nvfp4_routed, &ps, &d.routing, h);
     }
     let headline = match j.blame() {
+        None if !experts.is_empty() => format!(
+            "{}: {}",
+            args.output.display(),
+            byok::deviating_experts_text(&experts, j.theirs_vs_ours.cosine)
+        ),
         Some(b) if j.diagnosis.is_none() && local.is_some() => format!(
             "{}: {b}; {}",
             args.output.display(),
@@ -169,6 +181,7 @@ pub fn run(args: &Args) -> Result<Report> {
         }))
         .with("kernel", kernel::json(None, &j, note.as_deref()))
         .with("localization", &local)
+        .with("deviating_experts", &experts)
         .with("dump_check", &d.check)
         .section(Section::kv(
             "compare-outputs",

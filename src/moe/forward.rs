@@ -171,10 +171,31 @@ fn clamp_nan(v: f32, lo: f32, hi: f32) -> f32 {
 /// `silu(g) · u` in f32, with V4's `swiglu_limit`: gate clamped to ≤ L, up to ±L.
 #[inline]
 pub fn swiglu(g: f32, u: f32, limit: Option<f32>) -> f32 {
-    let (g, u) = match limit {
-        Some(l) => (min_nan(g, l), clamp_nan(u, -l, l)),
-        None => (g, u),
-    };
+    swiglu_clamped(g, u, SwigluClamp::both(limit))
+}
+
+/// The SwiGLU clamps side by side: the gate's to `<= gate`, up's to `±up`. A model has both at
+/// its `swiglu_limit` or neither; one side alone is an engine bug the byok diagnosis recomputes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SwigluClamp {
+    pub gate: Option<f32>,
+    pub up: Option<f32>,
+}
+
+impl SwigluClamp {
+    pub fn both(limit: Option<f32>) -> Self {
+        SwigluClamp {
+            gate: limit,
+            up: limit,
+        }
+    }
+}
+
+/// `silu(g) · u` in f32 with each side's clamp of `c`.
+#[inline]
+fn swiglu_clamped(g: f32, u: f32, c: SwigluClamp) -> f32 {
+    let g = c.gate.map_or(g, |l| min_nan(g, l));
+    let u = c.up.map_or(u, |l| clamp_nan(u, -l, l));
     (g / (1.0 + (-g).exp())) * u
 }
 
@@ -237,7 +258,7 @@ fn add_stats(a: &mut BlockStats, b: &BlockStats) {
 struct Dims {
     h: usize,
     i: usize,
-    limit: Option<f32>,
+    clamp: SwigluClamp,
 }
 
 /// One routed expert, NVFP4 path, on its gathered rows `x` `[m, h]`. `gs2 = None` is the
@@ -250,7 +271,7 @@ fn expert_nvfp4(
     gs1: f32,
     gs2: Option<f32>,
 ) -> (Vec<f32>, BlockStats) {
-    let Dims { h, i, limit } = d;
+    let Dims { h, i, clamp } = d;
     let (xd, mut stats) = quantize_act(x, m, h, gs1);
     let alpha_g = rcp(gs1) * ex.w1.weight_scale_2();
     let alpha_u = rcp(gs1) * ex.w3.weight_scale_2();
@@ -259,7 +280,7 @@ fn expert_nvfp4(
     let a: Vec<f32> = g
         .iter()
         .zip(&u)
-        .map(|(&g, &u)| swiglu(g * alpha_g, u * alpha_u, limit))
+        .map(|(&g, &u)| swiglu_clamped(g * alpha_g, u * alpha_u, clamp))
         .collect();
     let gs2 = gs2.unwrap_or_else(|| dynamic_gs(amax(&a)));
     let (ad, st2) = quantize_act(&a, m, i, gs2);
@@ -343,6 +364,20 @@ pub fn moe_forward(
     path: &Path,
     per_slot: bool,
 ) -> Result<MoeOutput> {
+    let clamp = SwigluClamp::both(layer.config.swiglu_limit);
+    moe_forward_clamped(layer, hidden, routing, path, per_slot, clamp)
+}
+
+/// [`moe_forward`] with the routed experts' NVFP4 SwiGLU clamped per side by `clamp` in place
+/// of the layer's `swiglu_limit` (the reference path and the shared experts keep it).
+pub fn moe_forward_clamped(
+    layer: &MoeLayer,
+    hidden: &[f32],
+    routing: &Routing,
+    path: &Path,
+    per_slot: bool,
+    clamp: SwigluClamp,
+) -> Result<MoeOutput> {
     layer.validate()?;
     let c = &layer.config;
     let (h, i, e) = (c.hidden_size, c.moe_intermediate_size, c.n_routed_experts);
@@ -392,7 +427,7 @@ pub fn moe_forward(
             let ex = &layer.experts[x];
             match &scales {
                 Some((gs1, gs2)) => {
-                    let d = Dims { h, i, limit };
+                    let d = Dims { h, i, clamp };
                     let (y, st) = expert_nvfp4(ex, &xe, m, d, gs1[x], gs2.as_ref().map(|g| g[x]));
                     (x, y, st)
                 }

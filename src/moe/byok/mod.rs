@@ -15,6 +15,7 @@
 pub mod dump;
 
 use super::ep::{ExpertMap, Placement};
+use super::forward::SwigluClamp;
 use super::parallel::{plan_rank, EpFault};
 use super::{ActScales, MoeConfig, MoeLayer, Path, Routing};
 use crate::error::Result;
@@ -82,6 +83,9 @@ pub enum SuspectedBug {
     SwizzledScalesReadLinear,
     /// Linear block scales read as 128x4-swizzled.
     LinearScalesReadSwizzled,
+    /// Linear block scales `[N, K/16]` read as `[K/16, N]`: scale `(n, k)` taken from flat
+    /// `k · N + n`.
+    ScalesReadTransposed,
     /// Handed local ids, applies `expert_map` again (EP): tokens silently dropped.
     LocalIdsReadAsGlobal,
     /// Handed global ids, indexes the local expert table with them (EP).
@@ -122,6 +126,12 @@ pub enum SuspectedBug {
     UpUsesGateScale2,
     /// V4's `swiglu_limit` not applied: gate and up enter silu(g) · u unclamped.
     SwigluLimitIgnored,
+    /// Only the gate clamped at `swiglu_limit`: up enters silu(g) · u unclamped.
+    SwigluGateClampOnly,
+    /// Only up clamped at `±swiglu_limit`: the gate enters silu(g) · u unclamped.
+    SwigluUpClampOnly,
+    /// A model without `swiglu_limit` clamped as gpt-oss (7) or DeepSeek-V4 (10) are.
+    SwigluClampWithoutLimit,
     /// gs1 used before the down projection and gs2 before gate/up.
     GsSwapped,
     /// Activations left in BF16: a weight-only (W4A16) kernel, as Marlin's NVFP4 MoE on Hopper.
@@ -139,6 +149,9 @@ impl SuspectedBug {
             }
             SuspectedBug::LinearScalesReadSwizzled => {
                 "block scales handed linear [N, K/16] are read as 128x4 swizzled"
+            }
+            SuspectedBug::ScalesReadTransposed => {
+                "block scales handed linear [N, K/16] are read transposed, as [K/16, N]: the scale of row n, block k is taken from flat k * N + n where n * K/16 + k is due (a column-major scale load, or the scale tensor's dims swapped)"
             }
             SuspectedBug::LocalIdsReadAsGlobal => {
                 "local expert ids read as global: expert_map applied to ids that were already local (tokens of other experts silently dropped)"
@@ -193,6 +206,15 @@ impl SuspectedBug {
             }
             SuspectedBug::ActivationsNotQuantized => {
                 "the activations are never quantized to NVFP4: BF16 inputs times the dequantized NVFP4 weights, a weight-only (W4A16) kernel such as Marlin's NVFP4 MoE on Hopper. Expected of such a kernel, a bug in a W4A4 one (Blackwell's block-scaled MMA); a weight-only kernel is judged by its layer cosine against the BF16 reference, not by agreement with the W4A4 path"
+            }
+            SuspectedBug::SwigluGateClampOnly => {
+                "swiglu_limit is applied to the gate only: the gate (w1) output is clamped to <= L but the up (w3) output is not clamped to [-L, L] before silu(gate) * up"
+            }
+            SuspectedBug::SwigluUpClampOnly => {
+                "swiglu_limit is applied to up only: the up (w3) output is clamped to [-L, L] but the gate (w1) output is not clamped to <= L before silu(gate) * up"
+            }
+            SuspectedBug::SwigluClampWithoutLimit => {
+                "the SwiGLU is clamped though the model has no swiglu_limit: gate clamped to <= L and up to [-L, L] at a limit of another model (gpt-oss's 7 or DeepSeek-V4's 10): the kernel's clamp must be off (has_swiglu_limit = 0)"
             }
             SuspectedBug::SwigluLimitIgnored => {
                 "swiglu_limit is ignored: the gate (w1) output must be clamped to <= L and the up (w3) output to [-L, L] before silu(gate) * up (DeepSeek-V4's swiglu_limit in config.json)"
@@ -348,6 +370,18 @@ fn linear_read_swizzled(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
     for m in 0..rows {
         for k in 0..kb {
             out[m * kb + k] = linear.get(swizzle_offset(m, k, kb)).copied().unwrap_or(0);
+        }
+    }
+    out
+}
+
+/// What a kernel reads as "linear (m, k)" when it takes the linear `[rows, kb]` matrix for
+/// `[kb, rows]`: the byte at `k * rows + m`.
+fn linear_read_transposed(linear: &[u8], rows: usize, kb: usize) -> Vec<u8> {
+    let mut out = vec![0u8; rows * kb];
+    for m in 0..rows {
+        for k in 0..kb {
+            out[m * kb + k] = linear[k * rows + m];
         }
     }
     out
@@ -585,6 +619,17 @@ pub fn bug_variants(
         });
         out.push((bug, routed_cpu(&misread, hidden, routing, scales)?));
     }
+    if feeding.layout != Some(ScaleLayout::Swizzled) {
+        let misread = variant_linears(layer, |l| super::QLinear {
+            weight: map_scales(&l.weight, linear_read_transposed),
+            input_scale: l.input_scale,
+            original: None,
+        });
+        out.push((
+            SuspectedBug::ScalesReadTransposed,
+            routed_cpu(&misread, hidden, routing, scales)?,
+        ));
+    }
     let routed_only = variant_layer(layer, |x| x.clone());
     // the weight bugs combine the same expert outputs differently
     let ps = per_slot_cpu(&routed_only, hidden, routing, scales)?;
@@ -614,6 +659,48 @@ pub fn bug_variants(
         // activations that never reach the limit cannot tell it: not a suspect
         if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
             out.push((SuspectedBug::SwigluLimitIgnored, v));
+        }
+    }
+    let one_sided = |clamp: SwigluClamp| -> Result<Vec<f32>> {
+        let path = Path::Nvfp4 {
+            scales,
+            flavor: Flavor::Reference,
+        };
+        let o =
+            super::forward::moe_forward_clamped(&routed_only, hidden, routing, &path, true, clamp)?;
+        Ok(routed_sum(&o.per_slot.unwrap_or_default(), routing, h))
+    };
+    let clamps = match layer.config.swiglu_limit {
+        Some(l) => vec![
+            (
+                SuspectedBug::SwigluGateClampOnly,
+                SwigluClamp {
+                    gate: Some(l),
+                    up: None,
+                },
+            ),
+            (
+                SuspectedBug::SwigluUpClampOnly,
+                SwigluClamp {
+                    gate: None,
+                    up: Some(l),
+                },
+            ),
+        ],
+        None => [7.0, 10.0]
+            .map(|l| {
+                (
+                    SuspectedBug::SwigluClampWithoutLimit,
+                    SwigluClamp::both(Some(l)),
+                )
+            })
+            .to_vec(),
+    };
+    for (bug, clamp) in clamps {
+        let v = one_sided(clamp)?;
+        // activations that never reach the limit cannot tell it: not a suspect
+        if !same_up_to_noise(&compare(&v, &correct), AGREE_MIN_COSINE) {
+            out.push((bug, v));
         }
     }
     let mut seen = vec![routing.topk_weights.clone()];
@@ -1078,6 +1165,99 @@ pub fn dropped_slots_text(pairs: &[(usize, i32)], tokens: usize) -> String {
     }
 }
 
+/// An expert whose own rows (the tokens routed to it) are off ours by more than this relative
+/// L2 error fails, even where the whole output agrees with ours: an error in one expert that
+/// serves one or two of many tokens (a `weight_scale_2` of its own off by 2) moves the layer's
+/// cosine by less than the agreement bar. A correct kernel moves a row only where FP32
+/// summation order flips an E2M1 code or block scale before w2: emulated with every expert's
+/// alpha moved by up to 1e-5 relative (~10x FP32 order noise; tiny layers, 37 to 1024 tokens,
+/// 18 runs), the worst row moved by 0.10 and the worst expert's rows by 0.0074; one expert's
+/// gate `weight_scale_2` doubled moves its rows by 0.14 to 0.33 at the least and ~0.5
+/// typically. The dump recompute's row bar ([`dump::TOKEN_MAX_REL_ERR`], the same
+/// noise) serves.
+pub const EXPERT_ROWS_MAX_REL_ERR: f64 = dump::TOKEN_MAX_REL_ERR;
+
+/// One expert's rows judged on their own ([`deviating_experts`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct ExpertRows {
+    pub expert: usize,
+    /// Token slots routed to it (weight not 0).
+    pub slots: usize,
+    /// Theirs against ours over the rows of the tokens routed to it.
+    pub cosine: f64,
+    pub rel_l2: f64,
+}
+
+/// The experts whose own rows (the tokens routed to them with a weight not 0) are off ours
+/// (`[T, hidden]`, routed) by more than [`EXPERT_ROWS_MAX_REL_ERR`], worst first.
+pub fn deviating_experts(
+    theirs: &[f32],
+    ours: &[f32],
+    routing: &Routing,
+    hidden: usize,
+    experts: usize,
+) -> Vec<ExpertRows> {
+    let (t, k) = (routing.tokens, routing.top_k);
+    if hidden == 0 || theirs.len() != t * hidden || ours.len() != t * hidden {
+        return vec![];
+    }
+    let mut out: Vec<ExpertRows> = (0..experts)
+        .filter_map(|e| {
+            let slots: Vec<usize> = (0..t * k)
+                .filter(|&s| routing.topk_ids[s] == e as i32 && routing.topk_weights[s] != 0.0)
+                .collect();
+            let mut tokens: Vec<usize> = slots.iter().map(|s| s / k).collect();
+            tokens.dedup();
+            if tokens.is_empty() || tokens.len() == t {
+                return None;
+            }
+            let rows = |v: &[f32]| -> Vec<f32> {
+                tokens
+                    .iter()
+                    .flat_map(|&i| v[i * hidden..(i + 1) * hidden].iter().copied())
+                    .collect()
+            };
+            let m = compare(&rows(theirs), &rows(ours));
+            // NaN/Inf rows are the layer-wide check's (a correct kernel reproduces ours)
+            (m.rel_l2 > EXPERT_ROWS_MAX_REL_ERR).then_some(ExpertRows {
+                expert: e,
+                slots: slots.len(),
+                cosine: m.cosine,
+                rel_l2: m.rel_l2,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| b.rel_l2.total_cmp(&a.rel_l2));
+    out
+}
+
+/// [`deviating_experts`] in words.
+pub fn deviating_experts_text(d: &[ExpertRows], routed_cosine: f64) -> String {
+    let shown: Vec<String> = d
+        .iter()
+        .take(4)
+        .map(|x| {
+            format!(
+                "expert {} ({} slot{}): rel_l2 {:.3}, cosine {:.4}",
+                x.expert,
+                x.slots,
+                if x.slots == 1 { "" } else { "s" },
+                x.rel_l2,
+                x.cosine
+            )
+        })
+        .collect();
+    format!(
+        "the whole routed output agrees with ours (cosine {routed_cosine:.6}), but the rows of the \
+         tokens routed to {} are off by more than rel_l2 {EXPERT_ROWS_MAX_REL_ERR} ({}{}): that \
+         expert's output is wrong, an error diluted among the layer's tokens (a weight_scale_2, \
+         block scale or weight of that expert read wrong)",
+        if d.len() == 1 { "one expert" } else { "some experts" },
+        shown.join("; "),
+        if d.len() > 4 { "; …" } else { "" }
+    )
+}
+
 /// Relative spread of the per-token factors past which they are a factor of each token's
 /// own, not one scale error (f32 summation noise moves a factor by ~1e-6).
 const TOKEN_FACTOR_SPREAD: f64 = 1e-3;
@@ -1244,10 +1424,12 @@ mod tests {
             // gate/up, one scale misreading, weights not applied or applied twice, the
             // transpose, 2 EP, the wrong-slot permutations this routing tells apart (top-4: both
             // shifts at least), gs inverted, alpha from gs, the default gs, gs1/gs2 swapped
-            // (where they differ), BF16 activations (W4A16), the nibbles (w1/w3 scales are equal)
+            // (where they differ), BF16 activations (W4A16), the nibbles (w1/w3 scales are equal),
+            // the scales read transposed (linear layout), a clamp at 7 or 10 where the tiny
+            // layer's activations reach it (no swiglu_limit)
             let named: Vec<SuspectedBug> = variants.iter().map(|(b, _)| *b).collect();
             assert!(
-                (14..=17).contains(&variants.len())
+                (14..=21).contains(&variants.len())
                     && named.contains(&SuspectedBug::WeightsAppliedTwice)
                     && named.contains(&SuspectedBug::ActivationsNotQuantized)
                     && named.contains(&SuspectedBug::OutputTransposed)
@@ -1459,6 +1641,116 @@ mod tests {
             !j.pass() && j.diagnosis.is_none(),
             "seed {seed}: {:?}",
             j.suspects
+        );
+    }
+
+    /// Guards: a kernel clamping only one side of the SwiGLU at swiglu_limit (gate only, or up
+    /// only) failed with no known bug named.
+    #[test]
+    fn a_one_sided_swiglu_clamp_is_named() {
+        let seed: u64 = rand::random();
+        let (mut layer, x, r, s) = setup(seed);
+        layer.config.swiglu_limit = Some(0.75);
+        let ours = routed_cpu(&layer, &x, &r, &s).unwrap();
+        let zeros = vec![0f32; ours.len()];
+        let feeding = Feeding {
+            layout: None,
+            ep: None,
+        };
+        let variants = bug_variants(&layer, &x, &r, &s, feeding).unwrap();
+        let path = Path::Nvfp4 {
+            scales: &s,
+            flavor: Flavor::Reference,
+        };
+        for (bug, clamp) in [
+            (
+                SuspectedBug::SwigluGateClampOnly,
+                SwigluClamp {
+                    gate: Some(0.75),
+                    up: None,
+                },
+            ),
+            (
+                SuspectedBug::SwigluUpClampOnly,
+                SwigluClamp {
+                    gate: None,
+                    up: Some(0.75),
+                },
+            ),
+        ] {
+            let o = crate::moe::forward::moe_forward_clamped(
+                &variant_layer(&layer, |x| x.clone()),
+                &x,
+                &r,
+                &path,
+                true,
+                clamp,
+            )
+            .unwrap();
+            let theirs = routed_sum(&o.per_slot.unwrap(), &r, layer.config.hidden_size);
+            let j = judge_routed(&theirs, &ours, &zeros, &variants);
+            assert!(!j.pass(), "seed {seed}: {bug:?} passed");
+            assert_eq!(j.diagnosis, Some(bug), "seed {seed}: {:?}", j.suspects);
+        }
+        // the correct output names nothing
+        assert!(judge_routed(&ours, &ours, &zeros, &variants).pass());
+    }
+
+    /// Guards: one expert serving a single token of many, its output wrong (gate
+    /// weight_scale_2 doubled), passed: the error stays under the layer-wide agreement bar.
+    #[test]
+    fn one_wrong_expert_row_among_many_tokens_is_named() {
+        use rand::{Rng, SeedableRng};
+        let seed: u64 = rand::random();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let (t, k, h, e) = (8192usize, 4usize, 64usize, 16usize);
+        // expert 0 serves token 0 only; the others the rest
+        let mut ids = vec![0i32; t * k];
+        for (s, id) in ids.iter_mut().enumerate() {
+            *id = if s == 0 {
+                0
+            } else {
+                1 + ((s * 7 + s / k) % (e - 1)) as i32
+            };
+        }
+        let r = Routing {
+            tokens: t,
+            top_k: k,
+            topk_ids: ids,
+            topk_weights: vec![0.25; t * k],
+        };
+        let ours: Vec<f32> = (0..t * h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        // token 0's row off by 0.3 of its norm (a single slot's gate scale doubled: 0.14 to
+        // 0.6), and every value by FP32 summation noise
+        let mut theirs: Vec<f32> = ours
+            .iter()
+            .map(|&v| v * (1.0 + rng.gen_range(-3e-7f32..3e-7)))
+            .collect();
+        let norm = ours[..h].iter().map(|v| v * v).sum::<f32>().sqrt();
+        let d: Vec<f32> = (0..h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let dn = d.iter().map(|v| v * v).sum::<f32>().sqrt();
+        for (o, dv) in theirs[..h].iter_mut().zip(&d) {
+            *o += 0.3 * norm * dv / dn;
+        }
+        let zeros = vec![0f32; ours.len()];
+        // the layer-wide judgement lets it through ...
+        assert!(
+            judge_routed(&theirs, &ours, &zeros, &[]).pass(),
+            "seed {seed}"
+        );
+        // ... the expert's own rows do not
+        let bad = deviating_experts(&theirs, &ours, &r, h, e);
+        assert_eq!(bad.len(), 1, "seed {seed}: {bad:?}");
+        assert_eq!((bad[0].expert, bad[0].slots), (0, 1), "seed {seed}");
+        assert!(deviating_experts_text(&bad, 1.0).contains("expert 0 (1 slot)"));
+        // summation noise alone names no expert
+        let clean: Vec<f32> = ours
+            .iter()
+            .map(|&v| v * (1.0 + rng.gen_range(-3e-7f32..3e-7)))
+            .collect();
+        assert!(
+            deviating_experts(&clean, &ours, &r, h, e).is_empty(),
+            "seed {seed}"
         );
     }
 
