@@ -20,15 +20,17 @@ use std::path::{Path, PathBuf};
 of kernels/include/nvfp4dbg_moe.h writes; F32, BF16 or F16). Pass: cosine >= --min-cosine of the \
 layer (output + the dumped shared experts) against the BF16 reference, and cosine >= 0.99999 of the \
 routed output against ours (the same function up to FP32 summation order). On a failure the known \
-engine bugs (gate/up reversed, block scales read in the other layout, routing weights not applied or applied twice, \
+engine bugs (gate/up reversed, block scales read in the other layout or transposed, routing weights not applied or applied twice, \
 routing weights applied to the wrong slots of a token: shifted by one slot, topk_ids sorted but not \
 topk_weights or the reverse; shared experts included once or twice; the output written transposed; \
 the activation gs taken as input_scale (1/a1_gscale quantizes), alpha built from gs instead of 1/gs, or the handed gs ignored \
 for the default 2688; the weights' E2M1 \
-nibbles read high first; w3 scaled with w1's weight_scale_2) are recomputed on the CPU and the one the output matches is named; an output \
+nibbles read high first; w3 scaled with w1's weight_scale_2; swiglu_limit ignored, applied to the gate or up only, or \
+applied by a model that has none) are recomputed on the CPU and the one the output matches is named; an output \
 off by a factor (cosine 1, wrong norm) fails as a scale error; rows each off by a factor of their own as per-token routing weights \
 (top-k weights not renormalized); rows that are ours less one slot's expert output name the dropped expert per token; rows of \
-other tokens as a permutation. The dump is checked first (the digests layertest recorded, our routed output \
+other tokens as a permutation. An output that passes layer-wide is also judged expert by expert: an \
+expert whose own rows (its tokens) are off by rel-L2 > 0.25 fails, named (a wrong expert serving one token of many). The dump is checked first (the digests layertest recorded, our routed output \
 recomputed from the inputs): an edited dump, or one mixing two layertest runs, is exit 2 naming the tensor."
 )]
 pub struct Args {

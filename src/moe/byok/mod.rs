@@ -870,6 +870,13 @@ pub fn judge(o: &Outputs, min_cosine: f64, variants: &[(SuspectedBug, Vec<f32>)]
         let key = |x: &Suspect| if x.cosine.is_nan() { -2.0 } else { x.cosine };
         b.explains.cmp(&a.explains).then(key(b).total_cmp(&key(a)))
     });
+    // a bug tried at several settings (a clamp at 7 and at 10) is listed once, at its best
+    let mut listed = vec![];
+    suspects.retain(|s| {
+        let first = !listed.contains(&s.bug);
+        listed.push(s.bug);
+        first
+    });
     let diagnosis = suspects.first().filter(|s| s.explains).map(|s| s.bug);
     Judgement {
         theirs_vs_reference: tr,
