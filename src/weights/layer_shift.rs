@@ -53,6 +53,24 @@ pub fn layer_shift(
         .keys()
         .filter_map(|k| split_layer(k).map(|(_, l, _)| l))
         .collect();
+    // B's unit `kb` is A's same-named unit of layer `from`, confirmed on every byte
+    let holds = |kb: &str, from: usize| match (
+        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
+        unit(b, kb),
+    ) {
+        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
+        _ => false,
+    };
+    // the other layer of A whose same-named tensor B's `probe` (of layer `l`) holds: sampled
+    // fingerprints nominate
+    let shifted_from = |probe: &str, rb: &Raw, l: usize| {
+        let (fb, geom) = fingerprint_own(rb, Depth::Sample)?;
+        a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
+            with_layer(probe, o)
+                .and_then(|ka| fingerprint_as(&unit(a, &ka)?, &geom, tp, Depth::Sample))
+                .is_some_and(|fa| fb.contains(&fa))
+        })
+    };
     // (B's layer, A's layer) → the units it explains
     let found: Vec<(usize, usize, Vec<usize>)> = by_layer
         .par_iter()
@@ -62,26 +80,12 @@ pub fn layer_shift(
             let matrices = units.iter().filter(|&&i| results[i].a_shape.len() >= 2);
             let from = matrices.take(3).find_map(|&i| {
                 let probe = &results[i].name;
-                let (fb, geom) = fingerprint_own(&unit(b, probe)?, Depth::Sample)?;
-                a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
-                    with_layer(probe, o)
-                        .and_then(|ka| fingerprint_as(&unit(a, &ka)?, &geom, tp, Depth::Sample))
-                        .is_some_and(|fa| fb.contains(&fa))
-                })
+                shifted_from(probe, &unit(b, probe)?, l)
             })?;
             let explained: Vec<usize> = units
                 .iter()
                 .copied()
-                .filter(|&i| {
-                    let kb = &results[i].name;
-                    match (
-                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
-                        unit(b, kb),
-                    ) {
-                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
-                        _ => false,
-                    }
-                })
+                .filter(|&i| holds(&results[i].name, from))
                 .collect();
             (!explained.is_empty()).then_some((l, from, explained))
         })
@@ -98,55 +102,21 @@ pub fn layer_shift(
     let unpaired: Vec<(usize, usize, usize, Vec<usize>)> = b_only
         .par_iter()
         .filter_map(|(&l, keys)| {
-            let probes = keys
+            let from = keys
                 .iter()
                 .filter_map(|&k| Some((k, unit(b, k)?)))
                 .filter(|(_, r)| shape_and_dtype(r).0.len() >= 2)
-                .take(3);
-            let mut from = None;
-            for (probe, rb) in probes {
-                let Some((fb, geom)) = fingerprint_own(&rb, Depth::Sample) else {
-                    continue;
-                };
-                from = a_layers.iter().copied().filter(|&o| o != l).find(|&o| {
-                    with_layer(probe, o)
-                        .and_then(|ka| fingerprint_as(&unit(a, &ka)?, &geom, tp, Depth::Sample))
-                        .is_some_and(|fa| fb.contains(&fa))
-                });
-                if from.is_some() {
-                    break;
-                }
-            }
-            let from = from?;
+                .take(3)
+                .find_map(|(probe, rb)| shifted_from(probe, &rb, l))?;
             // the layer's paired tensors that differ (a norm, attention) hold A's `from` too
             let paired: Vec<usize> = by_layer
                 .get(&l)
                 .into_iter()
                 .flatten()
                 .copied()
-                .filter(|&i| {
-                    let kb = &results[i].name;
-                    match (
-                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
-                        unit(b, kb),
-                    ) {
-                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
-                        _ => false,
-                    }
-                })
+                .filter(|&i| holds(&results[i].name, from))
                 .collect();
-            let n = keys
-                .iter()
-                .filter(|&&kb| {
-                    match (
-                        with_layer(kb, from).and_then(|ka| unit(a, &ka)),
-                        unit(b, kb),
-                    ) {
-                        (Some(ra), Some(rb)) => holds_whole(&ra, &rb, tp),
-                        _ => false,
-                    }
-                })
-                .count();
+            let n = keys.iter().filter(|&&kb| holds(kb, from)).count();
             (n > 0).then_some((l, from, n, paired))
         })
         .collect();
