@@ -2994,6 +2994,52 @@ fn a_whole_dump_compared_as_a_tp_rank_is_named() {
     assert!(!diag_kinds(&out.json).contains(&"tp_not_sharded".to_string()));
 }
 
+/// `synth --preset tiny --layers N` under `root/ck`: (its directory, first_k_dense_replace).
+fn tiny_layers(root: &Path, layers: usize, seed: u64) -> (PathBuf, usize) {
+    let ck = root.join("ck");
+    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .args(["synth", "--preset", "tiny", "--no-report-dir", "-q"])
+        .args(["--layers", &layers.to_string()])
+        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
+        .output()
+        .unwrap();
+    assert!(synth.status.success(), "seed {seed}: {synth:?}");
+    let cfg: Value =
+        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+    (ck, cfg["first_k_dense_replace"].as_u64().unwrap() as usize)
+}
+
+/// Every tensor of `ck`'s shards into one file at `path`, layer `l` renamed to layer `to(l)`
+/// (dropped where it is None).
+fn renumbered(ck: &Path, path: &Path, to: impl Fn(usize) -> Option<usize>) {
+    let mut v = vec![];
+    for e in std::fs::read_dir(ck).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, t) in st.tensors() {
+            let renamed = match name.strip_prefix("model.layers.").and_then(|rest| {
+                let (l, tail) = rest.split_once('.')?;
+                Some((l.parse::<usize>().ok()?, tail))
+            }) {
+                Some((l, tail)) => match to(l) {
+                    Some(n) => format!("model.layers.{n}.{tail}"),
+                    None => continue,
+                },
+                None => name.clone(),
+            };
+            v.push((
+                TensorSpec::new(renamed, t.dtype(), t.shape()),
+                t.data().to_vec(),
+            ));
+        }
+    }
+    write_file(path, v, None).unwrap();
+}
+
 /// A dump whose MoE layers are numbered off by k (B's layer l holds A's layer l + k: dense or
 /// MTP layers counted differently by the loader) is named as a layer shift, each layer pair
 /// confirmed byte for byte, and every tensor it explains says so. It read as every tensor of
@@ -3008,51 +3054,14 @@ fn layers_numbered_off_by_k_are_named() {
     let k: usize = r.gen_range(1..3);
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
-    let ck = root.join("ck");
-    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
-        .args([
-            "synth",
-            "--preset",
-            "tiny",
-            "--layers",
-            "5",
-            "--no-report-dir",
-            "-q",
-        ])
-        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
-        .output()
-        .unwrap();
-    assert!(synth.status.success(), "seed {seed}: {synth:?}");
-    let cfg: Value =
-        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
-    let dense = cfg["first_k_dense_replace"].as_u64().unwrap() as usize;
-    // every tensor of every shard, MoE layers renumbered l → l - k (A's first k MoE layers
-    // have no place in B)
-    let mut v = vec![];
-    for e in std::fs::read_dir(&ck).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_none_or(|x| x != "safetensors") {
-            continue;
-        }
-        let bytes = std::fs::read(&p).unwrap();
-        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        for (name, t) in st.tensors() {
-            let renamed = match name.strip_prefix("model.layers.").and_then(|rest| {
-                let (l, tail) = rest.split_once('.')?;
-                Some((l.parse::<usize>().ok()?, tail))
-            }) {
-                Some((l, _)) if l >= dense && l < dense + k => continue,
-                Some((l, tail)) if l >= dense => format!("model.layers.{}.{tail}", l - k),
-                _ => name.clone(),
-            };
-            v.push((
-                TensorSpec::new(renamed, t.dtype(), t.shape()),
-                t.data().to_vec(),
-            ));
-        }
-    }
+    let (ck, dense) = tiny_layers(root, 5, seed);
+    // MoE layers renumbered l → l - k (A's first k MoE layers have no place in B)
     let dump = root.join("shifted.safetensors");
-    write_file(&dump, v, None).unwrap();
+    renumbered(&ck, &dump, |l| match l {
+        l if l >= dense && l < dense + k => None,
+        l if l >= dense => Some(l - k),
+        l => Some(l),
+    });
     let out = run(root, &[s(&ck), s(&dump)]);
     check(&out, 1, seed);
     let d = out.json["diagnoses"].as_array().unwrap();
@@ -3092,24 +3101,7 @@ fn pipeline_stage_local_layer_numbers_are_named() {
         .unwrap_or_else(rand::random);
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
-    let ck = root.join("ck");
-    let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
-        .args([
-            "synth",
-            "--preset",
-            "tiny",
-            "--layers",
-            "4",
-            "--no-report-dir",
-            "-q",
-        ])
-        .args(["--seed", &(seed % 100_000).to_string(), "--out", s(&ck)])
-        .output()
-        .unwrap();
-    assert!(synth.status.success(), "seed {seed}: {synth:?}");
-    let cfg: Value =
-        serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
-    let dense = cfg["first_k_dense_replace"].as_u64().unwrap() as usize;
+    let (ck, dense) = tiny_layers(root, 4, seed);
     assert!(
         dense >= 1,
         "seed {seed}: the tiny preset has a dense first layer"
@@ -3117,30 +3109,11 @@ fn pipeline_stage_local_layer_numbers_are_named() {
     // the stage: A's layers l0..4 (MoE), numbered from 0 or (subset) as they are
     let l0 = dense + (seed % 2) as usize;
     let stage = |renumber: bool, path: &Path| {
-        let mut v = vec![];
-        for e in std::fs::read_dir(&ck).unwrap() {
-            let p = e.unwrap().path();
-            if p.extension().is_none_or(|x| x != "safetensors") {
-                continue;
-            }
-            let bytes = std::fs::read(&p).unwrap();
-            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            for (name, t) in st.tensors() {
-                let renamed = match name.strip_prefix("model.layers.").and_then(|rest| {
-                    let (l, tail) = rest.split_once('.')?;
-                    Some((l.parse::<usize>().ok()?, tail))
-                }) {
-                    Some((l, _)) if l < l0 => continue,
-                    Some((l, tail)) if renumber => format!("model.layers.{}.{tail}", l - l0),
-                    _ => name.clone(),
-                };
-                v.push((
-                    TensorSpec::new(renamed, t.dtype(), t.shape()),
-                    t.data().to_vec(),
-                ));
-            }
-        }
-        write_file(path, v, None).unwrap();
+        renumbered(&ck, path, |l| match l {
+            l if l < l0 => None,
+            l if renumber => Some(l - l0),
+            l => Some(l),
+        })
     };
     let dump = root.join("stage.safetensors");
     stage(true, &dump);

@@ -263,6 +263,21 @@ fn json(path: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
+/// `compare-outputs dump NAME.safetensors` on `out` written there: (the run, its JSON report).
+fn judge_output(
+    p: &Path,
+    name: &str,
+    out: &[f32],
+    t: usize,
+    h: usize,
+) -> (Output, serde_json::Value) {
+    let (file, report) = (format!("{name}.safetensors"), format!("{name}.json"));
+    write_output(&p.join(&file), out, t, h);
+    let o = nvfp4dbg(p, &["compare-outputs", "dump", &file, "--json", &report]);
+    let j = json(&p.join(&report));
+    (o, j)
+}
+
 #[test]
 fn compare_outputs_passes_a_correct_output_and_names_the_bug_of_a_wrong_one() {
     let seed: u64 = rand::random();
@@ -1519,19 +1534,8 @@ fn compare_outputs_names_routing_weights_applied_twice() {
         *w *= *w;
     }
     let out = byok::routed_cpu(&dumped.layer, &dumped.hidden, &twice, &dumped.scales).unwrap();
-    write_output(&p.join("twice.safetensors"), &out, t, h);
-    let o = nvfp4dbg(
-        p,
-        &[
-            "compare-outputs",
-            "dump",
-            "twice.safetensors",
-            "--json",
-            "twice.json",
-        ],
-    );
+    let (o, j) = judge_output(p, "twice", &out, t, h);
     assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
-    let j = json(&p.join("twice.json"));
     assert_eq!(
         j["summary"]["diagnosis"],
         "weights-applied-twice",
@@ -1569,19 +1573,8 @@ fn compare_outputs_names_block_scales_read_transposed() {
         }
     }
     let out = byok::routed_cpu(&layer, &dumped.hidden, &dumped.routing, &dumped.scales).unwrap();
-    write_output(&p.join("scales_t.safetensors"), &out, t, h);
-    let o = nvfp4dbg(
-        p,
-        &[
-            "compare-outputs",
-            "dump",
-            "scales_t.safetensors",
-            "--json",
-            "scales_t.json",
-        ],
-    );
+    let (o, j) = judge_output(p, "scales_t", &out, t, h);
     assert_eq!(o.status.code(), Some(1), "seed {seed}: {}", text(&o));
-    let j = json(&p.join("scales_t.json"));
     assert_eq!(
         j["summary"]["diagnosis"],
         "scales-read-transposed",
