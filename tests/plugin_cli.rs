@@ -858,6 +858,12 @@ fn dump_layer(p: &Path, dir: &str, seed: u64, tokens: usize) {
     );
 }
 
+/// `dump_layer` into `p/dump`, read back.
+fn layer_dump(p: &Path, seed: u64, tokens: usize) -> dump::Dumped {
+    dump_layer(p, "dump", seed, tokens);
+    dump::read(&p.join("dump")).unwrap()
+}
+
 /// Change tensor `name` of safetensors file `path` in place, header and metadata untouched (a
 /// hex editor's edit, or a tool writing into the mapped file).
 fn edit_in_place(path: &Path, name: &str, edit: impl FnOnce(&mut [u8])) {
@@ -914,8 +920,7 @@ fn compare_outputs_refuses_a_dump_whose_expected_outputs_were_edited() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    dump_layer(p, "dump", seed, 12);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, 12);
     assert!(
         dumped.check.digests_verified && dumped.check.routed_recompute.is_some(),
         "seed {seed}: {:?}",
@@ -1066,8 +1071,7 @@ fn compare_outputs_checks_a_dump_above_the_recompute_limit_by_its_digests() {
     let p = d.path();
     // tiny: 4 · 3 · 256 · 128 multiply-adds a token
     let tokens = (byok::KERNEL_CHECK_MAX_MACS / (4.0 * 3.0 * 256.0 * 128.0)) as usize + 64;
-    dump_layer(p, "dump", seed, tokens);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, tokens);
     assert!(
         dumped.check.digests_verified && dumped.check.routed_recompute.is_none(),
         "seed {seed}: {:?}",
@@ -1117,8 +1121,7 @@ fn compare_outputs_names_a_flat_output_written_transposed() {
     let seed: u64 = rand::random();
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    dump_layer(p, "dump", seed, 10);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, 10);
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     let ours = &dumped.expected.nvfp4_routed;
     let mut flat = vec![0f32; t * h];
@@ -1465,8 +1468,7 @@ fn compare_outputs_refuses_an_output_dtype_a_kernel_does_not_write() {
     let seed: u64 = rand::random();
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    dump_layer(p, "dump", seed, 8);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, 8);
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     let ours = byok::routed_cpu(
         &dumped.layer,
@@ -1526,8 +1528,7 @@ fn compare_outputs_names_routing_weights_applied_twice() {
     let seed: u64 = rand::random();
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    dump_layer(p, "dump", seed, 16);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, 16);
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     let mut twice = dumped.routing.clone();
     for w in &mut twice.topk_weights {
@@ -1556,8 +1557,7 @@ fn compare_outputs_names_block_scales_read_transposed() {
     let seed: u64 = rand::random();
     let d = tempfile::tempdir().unwrap();
     let p = d.path();
-    dump_layer(p, "dump", seed, 16);
-    let dumped = dump::read(&p.join("dump")).unwrap();
+    let dumped = layer_dump(p, seed, 16);
     let (t, h) = (dumped.routing.tokens, dumped.layer.config.hidden_size);
     let mut layer = dumped.layer.clone();
     for x in &mut layer.experts {

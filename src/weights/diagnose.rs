@@ -357,7 +357,6 @@ pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>
         let mut parts: Vec<String> = vec![];
         let mut named: Vec<&S> = vec![];
         let w13 = of(&[Proj::Gate, Proj::Up]);
-        let before = named.len();
         if let Some(m) = shared(&w13) {
             parts.push(format!("{m} for every expert's gate_proj and up_proj"));
             named.extend(w13.iter().copied());
@@ -370,7 +369,7 @@ pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>
                 }
             }
         }
-        let w13_named = named.len() > before;
+        let w13_named = !named.is_empty();
         let down = of(&[Proj::Down]);
         if let Some(m) = shared(&down) {
             parts.push(format!("{m} for every expert's down_proj"));
