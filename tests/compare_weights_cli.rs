@@ -363,6 +363,9 @@ struct Faults {
     /// for every gate and up, one for every down: one global scale a fused tensor),
     /// `Some(true)` over gate and up of each expert.
     scale_2_max: Option<bool>,
+    /// Every gate's and up's weight_scale_2 replaced by the max over all the model's experts'
+    /// gate and up, every down's by the max of their down (taken before EP sharding).
+    scale_2_max_all: bool,
 }
 
 /// A vLLM-style state dict: fused experts, everything else as in the checkpoint.
@@ -509,6 +512,20 @@ fn write_fused(m: &Model, path: &Path, f: &Faults) {
             }
         }
         None => {}
+    }
+    if f.scale_2_max_all {
+        let m13 = m
+            .experts
+            .iter()
+            .flat_map(|x| [x.w1.scale_2, x.w3.scale_2])
+            .fold(f32::MIN, f32::max);
+        let m2 = m
+            .experts
+            .iter()
+            .map(|x| x.w2.scale_2)
+            .fold(f32::MIN, f32::max);
+        g13.iter_mut().for_each(|x| *x = m13);
+        g2.iter_mut().for_each(|x| *x = m2);
     }
     if let Some((which, k)) = f.scalar_factor {
         let v = match which {
@@ -1781,6 +1798,84 @@ fn scale_2_max_over_experts_is_named() {
 /// weight_scale_2 and input_scale exchanged (a loader mapping the two scalars by position) is
 /// named as the swap. It used to be two unrelated issues a tensor ("weight_scale_2: B …, A …",
 /// "input_scale: B …, A …") and no diagnosis.
+/// An EP rank's dump whose weight_scale_2 is the max over ALL the layer's experts (taken on the
+/// full checkpoint before sharding), the max held by an expert outside the rank's block: named
+/// `scale_2_shared_max` with that expert. The check looked for the max over the rank's experts
+/// only, and left 3E/N bare `scale_2` mismatches unnamed; experts that share one value pass.
+#[test]
+fn scale_2_max_over_all_experts_under_ep_is_named() {
+    let n = 2 + (rand::random::<u8>() % 2) as usize;
+    let per = 2 + (rand::random::<u8>() % 2) as usize;
+    let mut fx = fixture(n * per);
+    let top = |x: &ExpertW| x.w1.scale_2.max(x.w3.scale_2);
+    let (x13, m13) = fx
+        .model
+        .experts
+        .iter()
+        .map(top)
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .unwrap();
+    // a rank that does not hold the max's expert
+    let er = (x13 / per + 1 + (fx.seed as usize) % (n - 1)) % n;
+    let (ers, ns) = (er.to_string(), n.to_string());
+    let what = format!("seed {} rank {er} of {n}, max at expert {x13}", fx.seed);
+    let dump = fx.root.join("max_all.safetensors");
+    let f = Faults {
+        ep: Some((er, n)),
+        scale_2_max_all: true,
+        ..Default::default()
+    };
+    let args = ["--ep-rank", ers.as_str(), "--ep-size", ns.as_str()];
+    let out = fx.run_fused(&dump, &f, &args, 1);
+    let d = out.json["diagnoses"].as_array().unwrap();
+    assert_eq!(
+        diag_kinds(&out.json),
+        vec!["scale_2_shared_max"],
+        "{what}: {d:?}"
+    );
+    let msg = d[0]["message"].as_str().unwrap();
+    let proj = if fx.model.experts[x13].w1.scale_2 >= fx.model.experts[x13].w3.scale_2 {
+        "gate_proj"
+    } else {
+        "up_proj"
+    };
+    assert!(
+        msg.contains(&format!(
+            "{m13:e}, the max over all {} of the layer's experts in A: expert {x13}'s {proj}, \
+             outside EP rank {er}'s experts",
+            n * per
+        )) && msg.contains("for every expert's gate_proj and up_proj"),
+        "{what}: {msg}"
+    );
+    // every unit of the rank off the max is a mismatch the diagnosis counts
+    let m2 = fx
+        .model
+        .experts
+        .iter()
+        .map(|x| x.w2.scale_2)
+        .fold(f32::MIN, f32::max);
+    let off = fx.model.experts[er * per..(er + 1) * per]
+        .iter()
+        .flat_map(|x| [(x.w1.scale_2, m13), (x.w3.scale_2, m13), (x.w2.scale_2, m2)])
+        .filter(|(v, m)| v != m)
+        .count();
+    let mm = out.json["mismatches"].as_array().unwrap();
+    assert!(off >= 2 * per, "{what}");
+    assert_eq!(mm.len(), off, "{what}");
+    assert_eq!(d[0]["tensors"].as_u64(), Some(off as u64), "{what}");
+    // experts that do share one weight_scale_2: the max is theirs, nothing is named
+    let one = fx.model.experts[0].w2.scale_2;
+    for x in &mut fx.model.experts {
+        for t in [&mut x.w1, &mut x.w3, &mut x.w2] {
+            t.scale_2 = one;
+        }
+    }
+    fx.model.write_hf(&fx.ckpt);
+    let out = fx.run_fused(&dump, &f, &args, 0);
+    assert!(diag_kinds(&out.json).is_empty(), "{what}");
+}
+
 #[test]
 fn scale_2_and_input_scale_swapped_are_named() {
     let fx = fixture(2);

@@ -307,7 +307,16 @@ pub fn global_scale_scaled(
 /// the smaller replaced). The codes and block scales are A's, so every expert below the max
 /// dequantizes ×(max / its own). The up_proj that took its gate's value in such a layer is
 /// named here, not as [`DiagnosisKind::Scale2GateOnly`] (which this drops for the layer).
-pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>) {
+/// The max is looked for over the experts compared (an EP rank's block), then over all of the
+/// layer's experts in A (`a_layer`: A's weight_scale_2 of every expert projection of a layer):
+/// an engine that took it on the full checkpoint before sharding across `ep` (rank, size)
+/// holds a value from an expert outside the rank's block.
+pub fn scale_2_shared_max(
+    results: &[UnitResult],
+    a_layer: &dyn Fn(usize) -> Vec<(ExpertProj, f32)>,
+    ep: Option<(usize, usize)>,
+    diagnoses: &mut Vec<Diagnosis>,
+) {
     struct S<'a> {
         r: &'a UnitResult,
         e: ExpertProj,
@@ -337,18 +346,53 @@ pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>
         if !units.iter().any(wrong) {
             continue;
         }
-        // one value for the whole group, the max of A's: (what, its units)
-        let shared = |group: &[&S]| -> Option<String> {
+        // A's weight_scale_2 of all the layer's experts, read once it is needed
+        let all_a: std::cell::OnceCell<Vec<(ExpertProj, f32)>> = std::cell::OnceCell::new();
+        // one value for the whole group, the max of A's over the group's experts, or over all
+        // of the layer's experts in A (taken before EP sharding): (what, its units)
+        let shared = |group: &[&S], ps: &[Proj]| -> Option<String> {
+            if group.len() < 2 || !group.iter().any(|s| wrong(s)) {
+                return None;
+            }
             let top = group.iter().max_by(|x, y| x.a.total_cmp(&y.a))?;
-            let all = group.iter().all(|s| super::compare::same_scale(s.b, top.a));
             let low = group.iter().map(|s| s.a).fold(f32::INFINITY, f32::min);
-            (group.len() >= 2 && all && group.iter().any(|s| wrong(s))).then(|| {
-                format!(
-                    "{:e} (A's {low:e}..{:e}, the max expert {}'s {})",
+            let held: BTreeSet<usize> = group.iter().map(|s| s.e.expert).collect();
+            let block = match ep {
+                Some((r, _)) => format!(
+                    "EP rank {r}'s experts {}",
+                    list(&Vec::from_iter(held.iter().copied()))
+                ),
+                None => format!("the {} experts compared", held.len()),
+            };
+            if group.iter().all(|s| super::compare::same_scale(s.b, top.a)) {
+                return Some(format!(
+                    "{:e} (A's {low:e}..{:e}, the max over {block}: expert {}'s {})",
                     top.a,
                     top.a,
                     top.e.expert,
                     proj_name(top.e.proj)
+                ));
+            }
+            let all = all_a.get_or_init(|| a_layer(layer));
+            let (gtop, gv) = all
+                .iter()
+                .filter(|(e, _)| ps.contains(&e.proj))
+                .max_by(|x, y| x.1.total_cmp(&y.1))?;
+            let n = all
+                .iter()
+                .map(|(e, _)| e.expert)
+                .collect::<BTreeSet<_>>()
+                .len();
+            let high = top.a;
+            (!held.contains(&gtop.expert)
+                && group.iter().all(|s| super::compare::same_scale(s.b, *gv)))
+            .then(|| {
+                format!(
+                    "{gv:e}, the max over all {n} of the layer's experts in A: expert {}'s {}, \
+                     outside {block} (theirs A's {low:e}..{high:e}; the max taken on the full \
+                     checkpoint before the experts were sharded)",
+                    gtop.expert,
+                    proj_name(gtop.proj)
                 )
             })
         };
@@ -357,13 +401,13 @@ pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>
         let mut parts: Vec<String> = vec![];
         let mut named: Vec<&S> = vec![];
         let w13 = of(&[Proj::Gate, Proj::Up]);
-        if let Some(m) = shared(&w13) {
+        if let Some(m) = shared(&w13, &[Proj::Gate, Proj::Up]) {
             parts.push(format!("{m} for every expert's gate_proj and up_proj"));
             named.extend(w13.iter().copied());
         } else {
             for p in [Proj::Gate, Proj::Up] {
                 let g = of(&[p]);
-                if let Some(m) = shared(&g) {
+                if let Some(m) = shared(&g, &[p]) {
                     parts.push(format!("{m} for every expert's {}", proj_name(p)));
                     named.extend(g.iter().copied());
                 }
@@ -371,7 +415,7 @@ pub fn scale_2_shared_max(results: &[UnitResult], diagnoses: &mut Vec<Diagnosis>
         }
         let w13_named = !named.is_empty();
         let down = of(&[Proj::Down]);
-        if let Some(m) = shared(&down) {
+        if let Some(m) = shared(&down, &[Proj::Down]) {
             parts.push(format!("{m} for every expert's down_proj"));
             named.extend(down.iter().copied());
         }

@@ -193,6 +193,23 @@ impl<'a> SideRef<'a> {
         }
     }
 
+    /// A quantized unit's weight_scale_2 (dequant direction) alone: a linear's scalar read
+    /// without mapping its weight; other sources loaded. None for a float tensor or a linear
+    /// without one.
+    pub fn scale_2(&self, source: &Source) -> Option<f32> {
+        match source {
+            Source::Linear(ln) => match (&ln.global_scale, ln.convention) {
+                (_, Convention::Mxfp4) => Some(1.0),
+                (None, _) => None,
+                (Some(_), _) => weight_scale_2(self.src, ln).ok(),
+            },
+            s => match self.load(s).ok()? {
+                Raw::Q(q) => q.scale_2,
+                Raw::D(_) => None,
+            },
+        }
+    }
+
     /// Rows `[row0, row0 + rows)` of a merged linear, its global scales the part's own (a
     /// `[parts]` tensor before vLLM's processing) or the one they share (after it: the max).
     fn load_part(&self, m: &super::merged::MergedPart) -> Result<Raw<'a>, LoadError> {

@@ -624,7 +624,27 @@ impl<'a> Plan<'a> {
             engine,
         )?);
         diagnoses.extend(diagnose::from_units(&results, self.checkpoints));
-        diagnose::scale_2_shared_max(&results, &mut diagnoses);
+        // A's weight_scale_2 of every expert of a layer, the ones B's EP rank does not hold too
+        let a_layer = |layer: usize| -> Vec<(ExpertProj, f32)> {
+            self.a_inv
+                .units
+                .values()
+                .filter_map(|u| {
+                    let e = u.expert.filter(|e| e.layer == layer)?;
+                    let v = match self.a_scalars.get(&e) {
+                        Some(s) => s.scale_2,
+                        None => a.scale_2(&u.source),
+                    };
+                    Some((e, v?))
+                })
+                .collect()
+        };
+        diagnose::scale_2_shared_max(
+            &results,
+            &a_layer,
+            self.opts.ep.map(|(r, n, _)| (r, n)),
+            &mut diagnoses,
+        );
         diagnoses.extend(diagnose::global_scale_scaled(
             &results,
             self.opts.tp,
