@@ -855,12 +855,27 @@ fn fixture(experts: usize) -> Fixture {
     fixture_dims(experts, 64, 32)
 }
 
-fn fixture_dims(experts: usize, h: usize, i: usize) -> Fixture {
-    // NVFP4DBG_SEED replays a failure's printed seed
-    let seed: u64 = std::env::var("NVFP4DBG_SEED")
+thread_local! {
+    /// The test's seed (each test runs on its own thread): NVFP4DBG_SEED replays a failure's
+    /// printed seed, the fixture's data and every size the test draws with [`draw`] alike.
+    static SEED: u64 = std::env::var("NVFP4DBG_SEED")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(rand::random);
+    static DRAWS: std::cell::RefCell<rand_chacha::ChaCha8Rng> =
+        std::cell::RefCell::new(rand_chacha::ChaCha8Rng::seed_from_u64(SEED.with(|s| *s) ^ 0x5EED));
+}
+
+/// A random value from the test's seed (sizes, ranks, which expert).
+fn draw<T>() -> T
+where
+    rand::distributions::Standard: Distribution<T>,
+{
+    DRAWS.with(|r| r.borrow_mut().gen())
+}
+
+fn fixture_dims(experts: usize, h: usize, i: usize) -> Fixture {
+    let seed = SEED.with(|s| *s);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_path_buf();
@@ -979,7 +994,7 @@ fn a_prefix_on_some_tensors_only_is_named() {
     let fx = fixture(3);
     let native = fx.root.join("native.safetensors");
     write_native(&fx.model, &native);
-    let odd = 1 + rand::random::<usize>() % 2;
+    let odd = 1 + draw::<usize>() % 2;
     let partly = fx.root.join("partly.safetensors");
     let mut v = fx.model.common("", "ffn");
     for (e, x) in fx.model.experts.iter().enumerate() {
@@ -1029,7 +1044,7 @@ fn a_name_both_sides_hold_is_neither_missing_nor_extra() {
     let fx = fixture(3);
     let native = fx.root.join("native.safetensors");
     write_native(&fx.model, &native);
-    let odd = rand::random::<usize>() % 3;
+    let odd = draw::<usize>() % 3;
     let partly = fx.root.join("partly.safetensors");
     let mut v = fx.model.common("", "ffn");
     for (e, x) in fx.model.experts.iter().enumerate() {
@@ -1415,7 +1430,7 @@ fn scales_swizzled_for_some_experts_only_fail() {
 /// should reinterpret changes them. It used to pass without a word.
 #[test]
 fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
-    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 4) as usize);
     let dump = fx.root.join("u8.safetensors");
     let out = fx.run_fused(
         &dump,
@@ -1468,7 +1483,7 @@ fn block_scales_stored_as_u8_with_the_same_bytes_get_a_note() {
 /// both dtypes: an int8 `>> 4` sign-extends the high nibble. It passed without a word.
 #[test]
 fn packed_codes_stored_as_i8_are_a_dtype_mismatch() {
-    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 4) as usize);
     let dump = fx.root.join("i8.safetensors");
     let out = fx.run_fused(
         &dump,
@@ -1500,7 +1515,7 @@ fn packed_codes_stored_as_i8_are_a_dtype_mismatch() {
 /// shard?") with two equal shapes.
 #[test]
 fn packed_codes_stored_as_f8_are_a_dtype_mismatch() {
-    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 4) as usize);
     let dump = fx.root.join("f8.safetensors");
     let out = fx.run_fused(
         &dump,
@@ -1533,7 +1548,7 @@ fn packed_codes_stored_as_f8_are_a_dtype_mismatch() {
 /// (the message said so for every E5M2 tensor, with a run of spaces in the middle).
 #[test]
 fn block_scales_converted_to_e5m2_are_not_called_the_same_bytes() {
-    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 3) as usize);
     let dump = fx.root.join("e5m2.safetensors");
     let out = fx.run_fused(
         &dump,
@@ -1563,7 +1578,7 @@ fn block_scales_converted_to_e5m2_are_not_called_the_same_bytes() {
 /// bitwise equal: "bitwise" counts byte-identical tensors only (it counted it bitwise).
 #[test]
 fn a_global_scale_in_f64_is_equal_after_conversion_not_bitwise() {
-    let fx = fixture(2 + (rand::random::<u8>() % 4) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 4) as usize);
     let e = fx.model.experts.len();
     let dump = fx.root.join("f64.safetensors");
     let out = fx.run_fused(
@@ -1591,7 +1606,7 @@ fn a_global_scale_in_f64_is_equal_after_conversion_not_bitwise() {
 /// "values differ" (the U8 values, the transposed shape, not looked at).
 #[test]
 fn converted_and_misshapen_block_scales_are_named() {
-    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 3) as usize);
     let e = fx.model.experts.len();
     let scales = Some("scales");
     // B's scales as its dtype names them
@@ -1713,7 +1728,7 @@ fn converted_and_misshapen_block_scales_are_named() {
 /// `scale_2` issues with no diagnosis.
 #[test]
 fn scale_2_max_over_experts_is_named() {
-    let mut fx = fixture(4 + (rand::random::<u8>() % 3) as usize);
+    let mut fx = fixture(4 + (draw::<u8>() % 3) as usize);
     let e = fx.model.experts.len();
     let dump = fx.root.join("max.safetensors");
     let max = |per_expert| Faults {
@@ -1804,8 +1819,8 @@ fn scale_2_max_over_experts_is_named() {
 /// only, and left 3E/N bare `scale_2` mismatches unnamed; experts that share one value pass.
 #[test]
 fn scale_2_max_over_all_experts_under_ep_is_named() {
-    let n = 2 + (rand::random::<u8>() % 2) as usize;
-    let per = 2 + (rand::random::<u8>() % 2) as usize;
+    let n = 2 + (draw::<u8>() % 2) as usize;
+    let per = 2 + (draw::<u8>() % 2) as usize;
     let mut fx = fixture(n * per);
     // one expert's gate_proj above all others (scale_2 values tie often enough to matter)
     let x13 = (fx.seed as usize / 7) % (n * per);
@@ -2365,7 +2380,7 @@ fn missing_and_extra_tensors_are_listed() {
 
 #[test]
 fn vllm_processed_state_dict_and_its_derived_scales() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let model = Model::new(&mut r, 4).with_shared_w13_scale();
@@ -2614,7 +2629,7 @@ fn tp_and_ep_shards_are_compared_against_the_right_slice() {
 /// is neither; global ids 0..n read as a round-robin rank's are the local-ids case.
 #[test]
 fn another_ep_ranks_experts_are_named_as_that_rank() {
-    let per = 2 + (rand::random::<u8>() % 2) as usize;
+    let per = 2 + (draw::<u8>() % 2) as usize;
     let fx = fixture(4 * per);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 11);
     let n = 4;
@@ -2710,7 +2725,7 @@ fn another_ep_ranks_experts_are_named_as_that_rank() {
 #[test]
 fn a_down_projection_split_along_the_wrong_axis_is_named() {
     // I = 64: one block-scale column per rank at TP 4
-    let fx = fixture_dims(2 + (rand::random::<u8>() % 4) as usize, 64, 64);
+    let fx = fixture_dims(2 + (draw::<u8>() % 4) as usize, 64, 64);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
     let n = [2, 4][r.gen_range(0..2)];
     let tr = r.gen_range(0..n);
@@ -2764,7 +2779,7 @@ fn a_down_projection_split_along_the_wrong_axis_is_named() {
 /// row, so it said "row 0, column <flat index>", a column past the tensor's width.
 #[test]
 fn a_changed_value_in_a_row_slice_is_placed_at_its_row_and_column() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let n = [2, 4][r.gen_range(0..2)];
@@ -2809,7 +2824,7 @@ fn a_changed_value_in_a_row_slice_is_placed_at_its_row_and_column() {
 /// tensor and the block arithmetic; it was a bare shape mismatch ("B [rows, k] vs A [rows, K]").
 #[test]
 fn a_tp_size_that_cuts_scale_blocks_is_bad_usage() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let n = 4;
@@ -2875,7 +2890,7 @@ fn assert_cuts_scale_blocks(out: &Run, base: &str, k: usize, kb: usize, seed: u6
 /// K (a TP=2 rank's under --tp-size 3), was a bare shape mismatch (exit 1), not bad usage.
 #[test]
 fn a_tp_size_that_cuts_scale_blocks_is_bad_usage_whatever_b_holds() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     // K/16 even (B holds whole blocks of a half) and not a multiple of 3
@@ -2918,7 +2933,7 @@ fn a_tp_size_that_cuts_scale_blocks_is_bad_usage_whatever_b_holds() {
 /// expert ids where global ids belong", pointing at an id convention.
 #[test]
 fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
-    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let per = 2 + (draw::<u8>() % 3) as usize;
     let fx = fixture(2 * per);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 5);
     let er = r.gen_range(0..2);
@@ -2958,7 +2973,7 @@ fn a_dropped_expert_under_ep_is_named_with_its_global_id() {
 /// it. They were `unreadable` mismatches with empty `a` and `b`.
 #[test]
 fn per_expert_scalars_kept_for_all_experts_under_ep_are_named() {
-    let per = 2 + (rand::random::<u8>() % 3) as usize;
+    let per = 2 + (draw::<u8>() % 3) as usize;
     let fx = fixture(2 * per);
     let er = (fx.seed % 2) as usize;
     let ers = er.to_string();
@@ -3012,7 +3027,7 @@ fn per_expert_scalars_kept_for_all_experts_under_ep_are_named() {
 /// passed: every tensor had A's shape, so nothing was compared as a slice.
 #[test]
 fn a_whole_dump_compared_as_a_tp_rank_is_named() {
-    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 3) as usize);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 3);
     let n: usize = r.gen_range(2..5);
     let rank = r.gen_range(0..n).to_string();
@@ -3134,10 +3149,7 @@ fn renumbered(ck: &Path, path: &Path, to: impl Fn(usize) -> Option<usize>) {
 /// those layers differing, with no word on where B's came from.
 #[test]
 fn layers_numbered_off_by_k_are_named() {
-    let seed: u64 = std::env::var("NVFP4DBG_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = SEED.with(|s| *s);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let k: usize = r.gen_range(1..3);
     let tmp = tempfile::tempdir().unwrap();
@@ -3183,10 +3195,7 @@ fn layers_numbered_off_by_k_are_named() {
 /// layers under their own numbers is no shift.
 #[test]
 fn pipeline_stage_local_layer_numbers_are_named() {
-    let seed: u64 = std::env::var("NVFP4DBG_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = SEED.with(|s| *s);
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     let (ck, dense) = tiny_layers(root, 4, seed);
@@ -3235,7 +3244,7 @@ fn pipeline_stage_local_layer_numbers_are_named() {
 /// named mismatches. A clean dump failed: gate_proj and up_proj missing, gate_up_proj extra.
 #[test]
 fn merged_gate_up_proj_is_compared_as_its_parts() {
-    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 3) as usize);
     let dump = fx.root.join("merged.safetensors");
     let merged = |reversed, tp| Faults {
         merged_shared: Some(reversed),
@@ -3296,7 +3305,7 @@ fn merged_gate_up_proj_is_compared_as_its_parts() {
 /// both halves.
 #[test]
 fn swapped_halves_of_a_merged_gate_up_proj_are_named() {
-    let fx = fixture(2 + (rand::random::<u8>() % 3) as usize);
+    let fx = fixture(2 + (draw::<u8>() % 3) as usize);
     let tr = (fx.seed % 2) as usize;
     let trs = tr.to_string();
     for tp in [None, Some((tr, 2))] {
@@ -3338,7 +3347,7 @@ fn swapped_halves_of_a_merged_gate_up_proj_are_named() {
 
 #[test]
 fn fused_qkv_a_proj_is_cut_at_the_parts_sizes() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let (h, q, kv) = (32, 16 * r.gen_range(2..7), 8 * r.gen_range(2..7));
     let (wq, mut wkv) = (randn(&mut r, q * h, 1.0), randn(&mut r, kv * h, 1.0));
@@ -3393,10 +3402,7 @@ fn fused_qkv_a_proj_is_cut_at_the_parts_sizes() {
 /// vLLM keeps after processing is a scale_2 mismatch on the part whose own was smaller.
 #[test]
 fn quantized_merged_gate_up_proj_and_its_one_global_scale() {
-    let seed: u64 = std::env::var("NVFP4DBG_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = SEED.with(|s| *s);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let (h, i) = (64 * r.gen_range(1..3), 64 * r.gen_range(1..3));
     let base = "model.layers.0.mlp";
@@ -3550,7 +3556,7 @@ fn linear_placement_read_as_round_robin_is_named() {
 /// "values differ … N of M blocks differ".
 #[test]
 fn block_scales_shifted_by_one_column_are_named() {
-    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let fx = fixture_dims(2 + (draw::<u8>() % 3) as usize, 64, 64);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 17);
     let n = [1usize, 2, 4][r.gen_range(0..3)];
     let tr = r.gen_range(0..n);
@@ -3601,7 +3607,7 @@ fn block_scales_shifted_by_one_column_are_named() {
 /// scale tensor. It was a bare `scale_2` / `input_scale` issue per tensor.
 #[test]
 fn a_global_scale_scaled_by_the_tp_size_is_named() {
-    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let fx = fixture_dims(2 + (draw::<u8>() % 3) as usize, 64, 64);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(fx.seed ^ 13);
     let n = [2usize, 4][r.gen_range(0..2)];
     let tr = r.gen_range(0..n);
@@ -3688,7 +3694,7 @@ fn w13_split_across_tp_as_one_block_is_named() {
 /// also a `tp_rank` diagnosis beside it.
 #[test]
 fn w13_split_as_one_block_at_tp4_is_not_also_another_ranks_slice() {
-    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 64);
+    let fx = fixture_dims(2 + (draw::<u8>() % 3) as usize, 64, 64);
     let e = fx.model.experts.len();
     for tr in 0..4 {
         let dump = fx.root.join(format!("tp4-w13-{tr}.safetensors"));
@@ -4319,7 +4325,7 @@ fn swaps_under_swizzled_scales_of_an_ambiguous_size_are_named() {
 /// swizzled size is padded) were named as rank 0's slice. The gate/up were "values differ".
 #[test]
 fn another_tp_ranks_slice_under_swizzled_scales_of_an_ambiguous_size_is_named() {
-    let fx = fixture_dims(2 + (rand::random::<u8>() % 3) as usize, 64, 128);
+    let fx = fixture_dims(2 + (draw::<u8>() % 3) as usize, 64, 128);
     let e = fx.model.experts.len();
     let dump = fx.root.join("tp.safetensors");
     let faults = Faults {
@@ -4970,7 +4976,7 @@ fn two_dumps_differing_in_one_experts_layout_name_both_readings() {
 /// is not those values still fails.
 #[test]
 fn a_float_side_against_ambiguous_swizzled_scales_reads_them_swizzled() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let d = tempfile::tempdir().unwrap();
     let (rows, cols) = (128 * r.gen_range(1..3), 64 * r.gen_range(1..3));
@@ -5328,10 +5334,7 @@ fn a_dump_missing_w13_weight_lists_only_what_is_absent() {
 /// "values differ" and "A is mxfp4, B is nvfp4".
 #[test]
 fn mxfp4_scales_misread_by_an_engine_are_named() {
-    let seed: u64 = std::env::var("NVFP4DBG_SEED")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = SEED.with(|s| *s);
     let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();
     let (n, k) = (64, 256);
@@ -5503,7 +5506,7 @@ fn another_ranks_swizzled_experts_are_measured_in_the_swizzled_layout() {
 /// with one row damaged is not called that.
 #[test]
 fn bf16_originals_are_named_as_the_unquantized_source() {
-    let seed: u64 = rand::random();
+    let seed: u64 = draw();
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ck");
     let synth = Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))

@@ -323,12 +323,16 @@ pub fn scale_2_shared_max(
         a: f32,
         b: f32,
     }
+    // a weight_scale_2 off on a unit whose codes and block scales are A's (a unit holding
+    // other rows, as a w13 split across TP as one block gives, is not explained by a max)
     let wrong = |s: &S| {
+        let scale_2 = |k: &IssueKind| matches!(k, IssueKind::Scale2 | IssueKind::Scale2GateOnly);
+        let scalar = |k: &IssueKind| {
+            scale_2(k) || matches!(k, IssueKind::InputScale | IssueKind::InputScaleFlipped)
+        };
         !super::compare::same_scale(s.a, s.b)
-            && s.r
-                .issues
-                .iter()
-                .any(|i| matches!(i.kind, IssueKind::Scale2 | IssueKind::Scale2GateOnly))
+            && s.r.issues.iter().any(|i| scale_2(&i.kind))
+            && s.r.issues.iter().all(|i| scalar(&i.kind))
     };
     let proj_name = |p: Proj| match p {
         Proj::Gate => "gate_proj",
