@@ -1532,3 +1532,65 @@ fn input_scale_reduce_help_lists_its_values() {
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("global-max"), "{text}");
 }
+
+/// A few tokens of huge norm (six of 32, none carrying half the energy alone) set the
+/// calibrated and the dynamic gs of their experts as one such token does, and the other tokens
+/// sharing those experts lose their blocks. gs-sweep blamed "the weights, their scales or the
+/// reference" (`cause: "not_gs"`, naming only the worst ordinary token) and layertest named no
+/// culprit; both now name the tokens of outsized norm, and gs-sweep's cause is `input`.
+#[test]
+fn a_few_tokens_of_huge_norm_are_blamed_on_the_input_under_calibrated_scales() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed: u64 = rand::random();
+    let t = 32;
+    let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
+    let mut big: Vec<usize> = vec![];
+    let mut x = seed;
+    while big.len() < 6 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let b = (x >> 33) as usize % t;
+        if !big.contains(&b) {
+            big.push(b);
+        }
+    }
+    big.sort_unstable();
+    for &b in &big {
+        h[b * 256..(b + 1) * 256].iter_mut().for_each(|v| *v *= 1e3);
+    }
+    write_hidden(dir.path(), &h, t);
+    let list: Vec<String> = big.iter().map(|b| b.to_string()).collect();
+    let named = format!("tokens {} (output norm 10x", list.join(", "));
+    for gs in ["calibrated", "dynamic"] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "gs-sweep",
+                "--device",
+                "cpu",
+                "--input",
+                "in.safetensors",
+                "--gs",
+                gs,
+                "--points",
+                "5",
+            ],
+        );
+        assert_eq!(code, 1, "seed {seed}, {gs}: {text}");
+        let r = r.unwrap();
+        assert_eq!(r["summary"]["cause"], "input", "seed {seed}, {gs}: {text}");
+        let first = r["failures"][0].as_str().unwrap();
+        assert!(
+            first.contains("fall below --min-token-cosine") && first.contains(&named),
+            "seed {seed}, {gs}: {first}"
+        );
+    }
+    let (code, text, r) = run(
+        dir.path(),
+        &["layertest", "--device", "cpu", "--input", "in.safetensors"],
+    );
+    assert_eq!(code, 1, "seed {seed}: {text}");
+    let first = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+    assert!(first.contains(&named), "seed {seed}: {first}");
+}

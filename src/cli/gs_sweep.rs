@@ -444,7 +444,7 @@ pub fn run(args: &Args) -> Result<Report> {
             {
                 if !gs_blamed {
                     failures.push(format!("gs `{used_source}`: {}", t.line));
-                    cause = Some(if t.dominant.is_some() {
+                    cause = Some(if !t.dominant.is_empty() {
                         "input"
                     } else {
                         "not_gs"

@@ -896,9 +896,10 @@ const DOMINANT_NORM_RATIO: f64 = 10.0;
 pub struct TokenFailure {
     /// The failure line.
     pub line: String,
-    /// The token that carries most (> 50%) of the reference output's energy, if one does: an
-    /// input problem, not the layer's.
-    pub dominant: Option<usize>,
+    /// The token that carries most (> 50%) of the reference output's energy, if one does, or
+    /// else the few tokens of outsized norm (see `outliers`) that carry it together: an input
+    /// problem, not the layer's. Empty when none do.
+    pub dominant: Vec<usize>,
     /// The tokens below the bar, worst first.
     pub bad: Vec<usize>,
     /// Tokens whose reference output norm is at least 10x the median token's, ascending:
@@ -964,7 +965,36 @@ pub fn token_failure(
         && !others.is_empty()
         && ratio(e_big, median_of(&others)) >= DOMINANT_NORM_RATIO)
         .then_some(big);
-    let dominated = if dominant.is_some() {
+    let outliers: Vec<usize> = (0..energy.len())
+        .filter(|&i| ratio(energy[i], median) >= DOMINANT_NORM_RATIO)
+        .collect();
+    // several such tokens (none carrying half alone) set the global scales as one does
+    let e_out: f64 = outliers.iter().map(|&i| energy[i]).sum();
+    let group = (dominant.is_none()
+        && outliers.len() > 1
+        && 2 * outliers.len() < energy.len()
+        && e_out / total > 0.5)
+        .then(|| outliers.clone());
+    let dominated = if let Some(g) = &group {
+        let in_sq = sq(input);
+        let in_median = median_of(&in_sq);
+        let (lo, hi) = g.iter().fold((f64::INFINITY, 0f64), |(lo, hi), &i| {
+            let r = in_sq.get(i).map_or(f64::NAN, |&v| ratio(v, in_median));
+            (lo.min(r), hi.max(r))
+        });
+        let which: Vec<String> = g.iter().map(|i| i.to_string()).collect();
+        let (lo, hi) = (format!("{lo:.3e}x"), format!("{hi:.3e}x"));
+        let span = if lo == hi { lo } else { format!("{lo}-{hi}") };
+        format!(
+            "; tokens {} (output norm 10x the median token's or more; their input rows' norms \
+             {span} the median token's) carry {:.1}% of the reference output's \
+             energy together, so the layer's cosine is mostly theirs: tokens of that magnitude \
+             (the MoE input is RMSNorm-ed per token: its norm skipped or broken upstream?) also \
+             set the activation global scales of their experts",
+            which.join(", "),
+            100.0 * e_out / total
+        )
+    } else if dominant.is_some() {
         let in_sq = sq(input);
         let in_norm = match in_sq.get(big) {
             Some(&v) => format!(
@@ -993,12 +1023,9 @@ pub fn token_failure(
         f(worst.metrics.cosine, 4),
         f(worst.metrics.rel_l2, 3),
     );
-    let outliers = (0..energy.len())
-        .filter(|&i| ratio(energy[i], median) >= DOMINANT_NORM_RATIO)
-        .collect();
     Some(TokenFailure {
         line,
-        dominant,
+        dominant: group.unwrap_or_else(|| dominant.into_iter().collect()),
         bad: bad.iter().map(|t| t.token).collect(),
         outliers,
     })
@@ -1453,11 +1480,11 @@ pub fn run(args: &Args) -> Result<Report> {
         let failed = below(m.cosine, args.min_cosine);
         let bar = token_bar(failed, args.min_cosine, args.min_token_cosine);
         if let Some(t) = token_failure(&tokens, &rf.out, &batch.hidden, hsz, bar, m.cosine) {
-            match t.dominant {
-                // one token of huge norm is the input's problem, and what the expert and
-                // layer failures above follow from: it leads (after NaN/Inf in the input)
-                Some(_) => failures.insert(input_lines, t.line),
-                None => failures.push(t.line),
+            match t.dominant.is_empty() {
+                // one token of huge norm (or a few) is the input's problem, and what the expert
+                // and layer failures above follow from: it leads (after NaN/Inf in the input)
+                false => failures.insert(input_lines, t.line),
+                true => failures.push(t.line),
             }
         }
     }
