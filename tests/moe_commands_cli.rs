@@ -438,6 +438,14 @@ fn multilayer_names_the_first_bad_layer_first() {
         .unwrap()
         .starts_with("layer 2: expert "));
     assert_eq!(r["summary"]["first_nonfinite_layer"], 4, "seed {seed}");
+    // the JSON names the first bad layer, not only its sentences (a broken expert is no NaN:
+    // first_nonfinite_layer is 4)
+    assert_eq!(r["summary"]["first_failing_layer"], 2, "seed {seed}");
+    let failing = r["summary"]["failing_layers"].as_array().unwrap();
+    assert!(
+        failing[0] == 2 && failing.contains(&Value::from(4)),
+        "seed {seed}: {failing:?}"
+    );
     // a residual-stream bar no stack meets fails too, after the layer that broke it
     synth(
         dir.path(),
@@ -465,10 +473,17 @@ fn multilayer_names_the_first_bad_layer_first() {
         ],
     );
     assert_eq!(code, 1, "seed {seed}: {text}");
-    let failures = strs(&r.unwrap());
+    let r = r.unwrap();
+    let failures = strs(&r);
     assert!(
         failures[0].starts_with("layer 3: expert "),
         "seed {seed}: {failures:?}"
+    );
+    // the stack's cosine after the last layer is no layer's failure: layer 3 alone is named
+    assert_eq!(
+        r["summary"]["failing_layers"],
+        serde_json::json!([3]),
+        "seed {seed}"
     );
     assert!(
         failures
@@ -590,8 +605,9 @@ fn set_dense_layers(ck: &Path, k: usize) {
 
 /// A layer that holds routed experts but that config.json's first_k_dense_replace makes dense
 /// is never run as MoE by an engine: every command taking a layer refuses it (exit 2, naming
-/// config.json, the field, the layer and the MoE layers), and the default layer is an MoE one.
-/// (They used to run those experts and give a verdict about weights nobody uses.)
+/// config.json, the field, the layer and the MoE layers), and the default layer is an MoE one;
+/// multilayer's default walk through every MoE layer refuses it too. (They used to run those
+/// experts and give a verdict about weights nobody uses.)
 #[test]
 fn a_layer_config_json_makes_dense_is_refused_by_every_command() {
     let seed = rand::random::<u16>().to_string();
@@ -630,7 +646,16 @@ fn a_layer_config_json_makes_dense_is_refused_by_every_command() {
     let (code, text, r) = with("layertest", &[]);
     assert_ne!(code, 2, "seed {seed}: {text}");
     assert_eq!(r.unwrap()["summary"]["layer"], 2, "seed {seed}: {text}");
-    let (code, text, r) = with("multilayer", &[]);
+    // multilayer's walk through every MoE layer would step over layer 1, which an engine
+    // builds as a dense MLP it finds no weights for: refused, naming it; the MoE layers alone
+    // walk when asked for
+    let (code, text, _) = with("multilayer", &[]);
+    assert_eq!(code, 2, "seed {seed}: {text}");
+    assert!(
+        text.contains("layer 1 is not an MoE layer") && text.contains("first_k_dense_replace = 2"),
+        "seed {seed}: {text}"
+    );
+    let (code, text, r) = with("multilayer", &["--layers", "2"]);
     assert_ne!(code, 2, "seed {seed}: {text}");
     let rows = r.unwrap()["per_layer"].clone();
     let layers: Vec<u64> = rows
@@ -1244,4 +1269,86 @@ fn an_input_scale_holding_its_reciprocal_is_named() {
     );
     assert_eq!(code, 1, "seed {seed}: {text}");
     assert_eq!(sm["cause"], "input_scale_reciprocal", "seed {seed}: {sm}");
+}
+
+/// A walk through every MoE layer where the checkpoint and config.json disagree on them is
+/// bad input naming the layer: a layer dropped from the middle, routed experts config.json's
+/// `first_k_dense_replace` makes dense, a dense layer it makes MoE. The walk stepped over
+/// such a layer and passed (exit 0) while an engine runs it on weights it cannot load.
+#[test]
+fn multilayer_refuses_a_walk_over_a_layer_config_json_and_the_checkpoint_disagree_on() {
+    use rand::Rng;
+    let seed: u64 = rand::random();
+    let mut rng = <rand_chacha::ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let s = (seed % 1000).to_string();
+    synth(dir.path(), &["--out", "ck", "--layers", "6", "--seed", &s]);
+    let run_ml = |ck: &str| {
+        run(
+            dir.path(),
+            &[
+                "multilayer",
+                "--checkpoint",
+                ck,
+                "--device",
+                "cpu",
+                "--tokens",
+                "8",
+            ],
+        )
+    };
+    let copy = |to: &str| {
+        let to = dir.path().join(to);
+        std::fs::create_dir_all(&to).unwrap();
+        for e in std::fs::read_dir(dir.path().join("ck")).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_file() {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+        to
+    };
+    // layer l (an interior MoE layer) dropped: its shard and its weight_map entries
+    let l: usize = rng.gen_range(2..=4);
+    let ck = copy("gap");
+    let ix_path = ck.join("model.safetensors.index.json");
+    let mut ix: Value = serde_json::from_slice(&std::fs::read(&ix_path).unwrap()).unwrap();
+    let map = ix["weight_map"].as_object_mut().unwrap();
+    let prefix = format!("model.layers.{l}.");
+    let shard = map[&format!("{prefix}mlp.gate.weight")]
+        .as_str()
+        .unwrap()
+        .to_string();
+    map.retain(|k, _| !k.starts_with(&prefix));
+    assert!(
+        map.values().all(|v| v != &Value::from(shard.as_str())),
+        "seed {seed}"
+    );
+    std::fs::remove_file(ck.join(&shard)).unwrap();
+    std::fs::write(&ix_path, serde_json::to_vec(&ix).unwrap()).unwrap();
+    let (code, text, _) = run_ml("gap");
+    assert_eq!(code, 2, "seed {seed}, layer {l} dropped: {text}");
+    assert!(
+        text.contains(&format!("layer {l} holds no MoE tensors")) && text.contains("gap"),
+        "seed {seed}: {text}"
+    );
+    // config.json's first_k_dense_replace: past MoE layers that hold experts, or before the
+    // dense layer 0
+    for (k, named) in [(rng.gen_range(2..=4usize), 1), (0, 0)] {
+        let ck = copy(&format!("k{k}"));
+        let mut c: Value =
+            serde_json::from_slice(&std::fs::read(ck.join("config.json")).unwrap()).unwrap();
+        c["first_k_dense_replace"] = k.into();
+        std::fs::write(ck.join("config.json"), serde_json::to_vec(&c).unwrap()).unwrap();
+        let (code, text, _) = run_ml(&format!("k{k}"));
+        assert_eq!(code, 2, "seed {seed}, first_k_dense_replace {k}: {text}");
+        assert!(
+            text.contains(&format!("layer {named} "))
+                && text.contains(&format!("first_k_dense_replace = {k}")),
+            "seed {seed}: {text}"
+        );
+    }
+    // the checkpoint as written walks and passes
+    let (code, text, _) = run_ml("ck");
+    assert_eq!(code, 0, "seed {seed}: {text}");
 }

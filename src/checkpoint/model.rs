@@ -132,6 +132,51 @@ impl MoeCheckpoint {
         Err(Error::bad_file(self.ckpt.path(), what))
     }
 
+    /// A walk through every MoE layer (multilayer's default) is one an engine takes only where
+    /// the checkpoint and config.json agree on the MoE layers. Bad input naming the layer where
+    /// they do not: routed experts config.json makes dense (`first_k_dense_replace`,
+    /// `moe_layer_freq`), or an MoE layer config.json promises that holds no MoE tensors
+    /// between the first and last MoE layer held, or holding a dense MLP instead. The walk
+    /// would step over such a layer, and pass, while the engine runs it on weights it cannot
+    /// load. Layers past `num_hidden_layers` are left to `audit` (DeepSeek stores its MTP
+    /// layer there).
+    pub fn check_moe_walk(&self) -> Result<()> {
+        let (k, n) = (
+            self.config.moe.first_k_dense_replace,
+            self.config.moe.num_hidden_layers,
+        );
+        for &l in self.layers.keys().filter(|&&l| l < n) {
+            self.check_layer(l)?;
+        }
+        let moe = self.moe_layers();
+        let (Some(&first), Some(&last)) = (moe.first(), moe.last()) else {
+            return Ok(());
+        };
+        let freq = self.config.moe_layer_freq.max(1);
+        for l in (k..last).filter(|l| l.is_multiple_of(freq) && !moe.contains(l)) {
+            let dense = format!("{}.weight", self.naming.dense_mlp(l, Proj::Gate));
+            let holds = if self.ckpt.contains(&dense) {
+                format!("holds a dense MLP (`{dense}`) and no routed experts")
+            } else if l > first {
+                format!(
+                    "holds no MoE tensors (between MoE layers {first} and {last}, which it holds)"
+                )
+            } else {
+                continue;
+            };
+            return Err(Error::bad_file(
+                self.ckpt.path(),
+                format!(
+                    "layer {l} {holds}, but config.json (first_k_dense_replace = {k}, \
+                     num_hidden_layers = {n}) makes it an MoE layer: an engine builds a router \
+                     and routed experts there and finds none, while a walk through the MoE \
+                     layers would step over it (`nvfp4dbg audit` lists every such layer)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn load_layer(&self, layer: usize) -> Result<MoeLayer> {
         self.check_layer(layer)?;
         load_layer(self, layer)

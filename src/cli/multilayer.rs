@@ -195,9 +195,15 @@ pub fn run(args: &Args) -> Result<Report> {
         Some(_) => Model::open(&args.input)?,
     };
     let moe_layers = model.moe_layers();
-    let layers = match &args.layers {
-        Some(s) => parse_range(s)?,
-        None => moe_layers.clone(),
+    let layers = match (&args.layers, &model) {
+        (Some(s), _) => parse_range(s)?,
+        // every MoE layer: the ones an engine runs, or the walk steps over a layer it cannot
+        // load and passes
+        (None, Model::Checkpoint { ckpt, .. }) => {
+            ckpt.check_moe_walk()?;
+            moe_layers.clone()
+        }
+        (None, Model::Synthetic(_)) => moe_layers.clone(),
     };
     for &l in &layers {
         model.check_layer(l)?;
@@ -410,6 +416,13 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
     by_layer.sort_by_key(|(l, rank, _)| (*l, *rank));
+    // the layers the failures name, first bad layer first (the stack's residual cosine after
+    // the last layer names none, and a non-finite input none at all: no one layer's doing)
+    let mut failing_layers: Vec<usize> = match judge_layers {
+        true => by_layer.iter().map(|(l, _, _)| *l).collect(),
+        false => vec![],
+    };
+    failing_layers.dedup();
     let mut failures: Vec<String> = in_bad.into_iter().collect();
     failures.extend(by_layer.into_iter().map(|(_, _, m)| m));
     let last = rows.last();
@@ -554,6 +567,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "nan_count": last.map_or(0, |r| r.residual.nan_count),
         "inf_count": last.map_or(0, |r| r.residual.inf_count),
         "first_nonfinite_layer": first_bad.as_ref().map(|b| b.0),
+        "first_failing_layer": failing_layers.first(),
+        "failing_layers": failing_layers,
         "max_growth": rows.iter().filter_map(|r| r.growth).fold(None, |m: Option<f64>, g| Some(m.map_or(g, |m| m.max(g)))),
         "mean_growth": mean_growth,
         "min_cosine": args.min_cosine,
