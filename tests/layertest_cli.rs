@@ -1594,3 +1594,64 @@ fn a_few_tokens_of_huge_norm_are_blamed_on_the_input_under_calibrated_scales() {
     let first = r.unwrap()["failures"][0].as_str().unwrap().to_string();
     assert!(first.contains(&named), "seed {seed}: {first}");
 }
+
+/// A NaN block scale in an expert no token of the batch reaches: the output cannot show it,
+/// but every token an engine routes there comes out NaN. It used to pass (one token reaches 4
+/// of 16 experts; 64 tokens of a 256-expert model leave dozens unreached).
+#[test]
+fn a_nan_block_scale_in_an_expert_the_batch_does_not_reach_fails_naming_it() {
+    let base = rand::random::<u16>() as u64;
+    let dir = tempfile::tempdir().unwrap();
+    let mut unreached = 0;
+    for seed in (base..).take(12).map(|s| s.to_string()) {
+        let ck = format!("ck{seed}");
+        synth(
+            dir.path(),
+            &ck,
+            &["--seed", &seed, "--plant", "nan-block-scale"],
+        );
+        let planted: Value = serde_json::from_slice(
+            &std::fs::read(dir.path().join(&ck).join("planted.json")).unwrap(),
+        )
+        .unwrap();
+        let e = planted["faults"][0]["expert"].as_u64().unwrap();
+        let args = ["--checkpoint", &ck, "--device", "cpu", "--tokens", "1"];
+        let (code, text, r) = run(
+            dir.path(),
+            &[&["layertest", "--seed", &seed], &args[..]].concat(),
+        );
+        assert_eq!(code, 1, "seed {seed}: {text}");
+        let r = r.unwrap();
+        let headline = r["summary"]["text"].as_str().unwrap().to_string();
+        assert!(
+            headline.contains("its gate_proj holds 1 NaN block scale code"),
+            "seed {seed}: {headline}"
+        );
+        if r["summary"]["nan_count"].as_u64().unwrap() == 0 {
+            unreached += 1;
+            assert!(
+                headline.starts_with(&format!(
+                    "layer 1: expert {e} (no token of this batch reaches it)"
+                )),
+                "seed {seed}: {headline}"
+            );
+        }
+        // multilayer walks the same layer with the same verdict
+        let (code, text, r) = run(
+            dir.path(),
+            &[&["multilayer", "--seed", &seed], &args[..]].concat(),
+        );
+        assert_eq!(code, 1, "seed {seed}: {text}");
+        let r = r.unwrap();
+        let failures = r["failures"].to_string();
+        assert!(
+            failures.contains(&format!("expert {e} ")) && failures.contains("NaN block scale code"),
+            "seed {seed}: {failures}"
+        );
+        assert_eq!(r["summary"]["first_failing_layer"], 1, "seed {seed}");
+        if unreached >= 2 {
+            return;
+        }
+    }
+    panic!("from seed {base}: one token reached the planted expert in 11 of 12 checkpoints");
+}

@@ -1440,6 +1440,7 @@ pub fn run(args: &Args) -> Result<Report> {
             }
         }
     }
+    failures.extend(unreached_nonfinite_experts(&layer, &[&routing]));
     if nv.act_stats.nan_scales > 0 {
         failures.push(format!(
             "{} activation block scales are NaN (a NaN input, a NaN/Inf global scale, or NaN out of the gate/up GEMM)",
@@ -2177,9 +2178,36 @@ impl ExpertRow {
     }
 }
 
+/// The experts no token of the batch reaches (in any of `routings`) whose own weights hold
+/// NaN block scale codes or a non-finite `weight_scale_2`, one failure line each: the batch's
+/// output cannot show them, but every token an engine routes there comes out NaN (a small
+/// batch reaches a fraction of 256 experts).
+pub fn unreached_nonfinite_experts(layer: &MoeLayer, routings: &[&Routing]) -> Vec<String> {
+    use rayon::prelude::*;
+    let mut reached = vec![false; layer.experts.len()];
+    for id in routings.iter().flat_map(|r| &r.topk_ids) {
+        if let Some(x) = usize::try_from(*id).ok().and_then(|i| reached.get_mut(i)) {
+            *x = true;
+        }
+    }
+    let lines: Vec<Option<String>> = (0..layer.experts.len())
+        .into_par_iter()
+        .map(|e| match reached[e] {
+            true => None,
+            false => nonfinite_weights(layer, e).map(|w| {
+                format!(
+                    "expert {e} (no token of this batch reaches it){w}; every token routed \
+                     there comes out NaN"
+                )
+            }),
+        })
+        .collect();
+    lines.into_iter().flatten().collect()
+}
+
 /// `: its gate_proj ...` when expert `expert`'s own weights hold NaN block scale codes or a
 /// non-finite `weight_scale_2`: the NaN it produces comes from the checkpoint, not the kernel.
-fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
+pub fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
     let ex = layer.experts.get(expert)?;
     let mut parts: Vec<String> = vec![];
     for (proj, lin) in [

@@ -7,7 +7,8 @@ use super::expert_check::{ExpertCheck, ExpertVerdict, DEFAULT_MIN_EXPERT_SLOTS};
 use super::kernel::{self, KernelArgs};
 use super::layertest::{
     at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
-    layer_and_batch, nvfp4_forward, ranges, EpArgs, GsArgs, InputArgs, Model,
+    layer_and_batch, nonfinite_weights, nvfp4_forward, ranges, unreached_nonfinite_experts, EpArgs,
+    GsArgs, InputArgs, Model,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
@@ -272,11 +273,16 @@ pub fn run(args: &Args) -> Result<Report> {
         // the experts that make NaN/Inf first (a NaN layer named no expert), then the rest
         let expert_failures: Vec<String> = experts
             .iter()
-            .filter_map(ExpertCheck::nonfinite)
+            .filter_map(|x| {
+                // its own weights' NaN, where they hold it, as layertest names it
+                let why = nonfinite_weights(&ly, x.expert).unwrap_or_default();
+                ExpertCheck::nonfinite(x).map(|line| line + &why)
+            })
             .chain(judged.iter().filter_map(|(_, v)| match v {
                 ExpertVerdict::Fail(m) => Some(m.clone()),
                 _ => None,
             }))
+            .chain(unreached_nonfinite_experts(&ly, &[&r_nv, &r_rf]))
             .collect();
         let experts_too_few_slots: Vec<usize> = judged
             .iter()
