@@ -1544,17 +1544,9 @@ fn a_few_tokens_of_huge_norm_are_blamed_on_the_input_under_calibrated_scales() {
     let seed: u64 = rand::random();
     let t = 32;
     let mut h = nvfp4dbg::moe::synthetic::moe_input(256, t, None, 1e-6, seed);
-    let mut big: Vec<usize> = vec![];
-    let mut x = seed;
-    while big.len() < 6 {
-        x = x
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let b = (x >> 33) as usize % t;
-        if !big.contains(&b) {
-            big.push(b);
-        }
-    }
+    use rand::SeedableRng;
+    let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut big = rand::seq::index::sample(&mut r, t, 6).into_vec();
     big.sort_unstable();
     for &b in &big {
         h[b * 256..(b + 1) * 256].iter_mut().for_each(|v| *v *= 1e3);
