@@ -422,11 +422,10 @@ pub fn input_scales_too_large(
             .experts
             .iter()
             .map(|ex| {
-                let v: Option<Vec<f32>> = [&ex.w1, &ex.w3, &ex.w2][projs.clone()]
+                [&ex.w1, &ex.w3, &ex.w2][projs.clone()]
                     .iter()
                     .map(|q| q.input_scale.filter(|&s| good(s)))
-                    .collect();
-                v
+                    .collect()
             })
             .collect();
         let used = |e: usize| {
