@@ -1647,3 +1647,91 @@ fn a_nan_block_scale_in_an_expert_the_batch_does_not_reach_fails_naming_it() {
     }
     panic!("from seed {base}: one token reached the planted expert in 11 of 12 checkpoints");
 }
+
+/// One expert's gate/up or down `input_scale` 1e6x too large under `--input-scale-reduce
+/// global-max` becomes every expert's: the layer's blocks flush to zero. gs-sweep said "66.7%
+/// of its activation blocks flush to zero" and layertest led with whichever expert failed
+/// first ("100% of its gate/up input blocks flush to zero"), neither naming the expert whose
+/// input_scale set the layer-wide max (saturation names its worst experts). Both now lead with
+/// it, its projection(s) and how far its input_scale sits above what its amax needs; the clean
+/// checkpoint passes both under the same flags.
+#[test]
+fn an_input_scale_far_too_large_under_global_max_is_named_as_the_flush() {
+    use rand::Rng;
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = rand::thread_rng();
+    let seed: u16 = rng.gen();
+    let seed = seed.to_string();
+    synth(dir.path(), "ck", &["--seed", &seed]);
+    let flags = [
+        "--checkpoint",
+        "ck",
+        "--device",
+        "cpu",
+        "--seed",
+        &seed,
+        "--gs",
+        "checkpoint",
+        "--input-scale-reduce",
+        "global-max",
+    ];
+    let cmds = ["gs-sweep", "layertest"];
+    for cmd in cmds {
+        let (code, text, _) = run(dir.path(), &[&[cmd][..], &flags[..]].concat());
+        assert_eq!(code, 0, "seed {seed} clean {cmd}: {text}");
+    }
+    let e = rng.gen_range(0..16);
+    let projs: &[&str] = match rng.gen_range(0..4) {
+        0 => &["gate_proj"],
+        1 => &["up_proj"],
+        2 => &["gate_proj", "up_proj"],
+        _ => &["down_proj"],
+    };
+    for p in projs {
+        scale_scalar(
+            &dir.path().join("ck"),
+            &format!("model.layers.1.mlp.experts.{e}.{p}.input_scale"),
+            1e6,
+        );
+    }
+    let named = format!("expert {e} {} input_scale ", projs.join("/"));
+    for cmd in cmds {
+        let (code, text, r) = run(dir.path(), &[&[cmd][..], &flags[..]].concat());
+        assert_eq!(code, 1, "seed {seed} expert {e} {projs:?} {cmd}: {text}");
+        let first = r.unwrap()["failures"][0].as_str().unwrap().to_string();
+        let at = first
+            .find(&named)
+            .unwrap_or_else(|| panic!("seed {seed} {cmd}: `{named}` not in: {first}"));
+        assert!(
+            first.contains("global-max: every expert's"),
+            "seed {seed} {cmd}: {first}"
+        );
+        // `... input_scale S is Rx the N ...`: R, the planted 1e6 times how far the clean
+        // scale was from this batch's amax (a calibration within 100x either way)
+        let rest = &first[at + named.len()..];
+        let ratio: f64 = rest
+            .split(" is ")
+            .nth(1)
+            .and_then(|x| x.split("x the ").next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("seed {seed} {cmd}: no factor in: {first}"));
+        assert!((1e4..1e8).contains(&ratio), "seed {seed} {cmd}: {first}");
+    }
+    // per expert, the scale flushes its own expert's inputs only: its failure names it
+    let mut per_expert = flags.to_vec();
+    *per_expert.last_mut().unwrap() = "per-expert";
+    let (code, text, r) = run(dir.path(), &[&["layertest"][..], &per_expert].concat());
+    if code == 1 {
+        let failures = r.unwrap()["failures"].to_string();
+        let ours = failures
+            .split("\",\"")
+            .find(|f| f.contains(&format!("expert {e}:")))
+            .unwrap_or_else(|| panic!("seed {seed}: expert {e} not failed: {failures}"));
+        assert!(
+            ours.contains(&named) && ours.contains("its blocks flush to zero"),
+            "seed {seed}: {ours}"
+        );
+    } else {
+        assert_eq!(code, 0, "seed {seed} expert {e} per-expert: {text}");
+    }
+}

@@ -337,8 +337,16 @@ pub fn run(args: &Args) -> Result<Report> {
             // name the one that happened, not saturation alone
             let blocks = if u.blocks.flushed_pct > u.blocks.saturated_pct {
                 format!(
-                    "{:.1}% of its activation blocks flush to zero (gs too small)",
-                    u.blocks.flushed_pct
+                    "{:.1}% of its activation blocks flush to zero (gs too small){}",
+                    u.blocks.flushed_pct,
+                    worst_flushes(
+                        &layer,
+                        &batch.hidden,
+                        &routing,
+                        used_source,
+                        reduce,
+                        gs::MIN_FLUSH_RATIO
+                    )?
                 )
             } else {
                 format!(
@@ -422,6 +430,14 @@ pub fn run(args: &Args) -> Result<Report> {
                 wrong.len(),
                 f(*cal_cos, 4),
                 worst_overshoots(&layer, &batch.hidden, &routing, Some(s))?
+                    + &worst_flushes(
+                        &layer,
+                        &batch.hidden,
+                        &routing,
+                        used_source,
+                        reduce,
+                        gs::MIN_FLUSH_RATIO
+                    )?
             ));
             cause.get_or_insert("gs");
         }
@@ -737,6 +753,35 @@ fn worst_overshoots(
                 e(o.fits as f64)
             )
         })
+        .collect();
+    Ok(match worst.is_empty() {
+        true => String::new(),
+        false => format!("; worst: {}", worst.join(", ")),
+    })
+}
+
+/// `; worst: expert E gate_proj/up_proj input_scale S is Rx the N its amax needs ...` for
+/// the (up to three) checkpoint input scales in use that sit at least `min_ratio` above what
+/// their inputs need (see [`gs::input_scales_too_large`]), under `--gs checkpoint`: the
+/// flush counterpart of [`worst_overshoots`], where one expert's input_scale, under
+/// `global-max` every expert's, flushes the layer's blocks.
+fn worst_flushes(
+    layer: &crate::moe::MoeLayer,
+    hidden: &[f32],
+    routing: &crate::moe::Routing,
+    source: GsSource,
+    reduce: gs::InputScaleReduce,
+    min_ratio: f32,
+) -> Result<String> {
+    if source != GsSource::Checkpoint {
+        return Ok(String::new());
+    }
+    let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+    let worst: Vec<String> = gs::input_scales_too_large(layer, reduce, &a1, &a2)
+        .iter()
+        .filter(|o| o.layer_ratio >= min_ratio)
+        .take(3)
+        .map(|o| o.describe())
         .collect();
     Ok(match worst.is_empty() {
         true => String::new(),

@@ -1455,19 +1455,47 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     // a failing expert's down_proj input the scales saturate: `cause` (its gate/up blocks)
     // cannot show it
-    let over = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
+    // and the checkpoint input_scales in use far above what their amax needs: the flush
+    // counterpart, under global-max one expert's value that every expert takes
+    let reduce = args.gs.input_scale_reduce;
+    let (over, too_large) = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
         true => {
             let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
-            gs::overshoots(&scales, &a1, &a2)
+            let too_large = match source {
+                GsSource::Checkpoint => gs::input_scales_too_large(&layer, reduce, &a1, &a2)
+                    .into_iter()
+                    .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
+                    .collect(),
+                _ => vec![],
+            };
+            (gs::overshoots(&scales, &a1, &a2), too_large)
         }
-        false => vec![],
+        false => (vec![], vec![]),
     };
+    let expert_lines = failures.len();
     for x in &experts {
         if let Some(msg) = check.failure(&x.m) {
             let cause = x.cause();
             let named = !cause.is_empty();
-            failures.push(msg + &cause + &input_cause(&over, x.m.expert, named));
+            let flush: String = too_large
+                .iter()
+                .filter(|o| o.expert == x.m.expert && !o.sets_layer_max)
+                .map(|o| format!("; {}: its blocks flush to zero", o.describe()))
+                .collect();
+            failures.push(msg + &cause + &input_cause(&over, x.m.expert, named) + &flush);
         }
+    }
+    // under global-max the expert whose input_scale flushes every expert's inputs is not
+    // among those failing for it (or not first): it leads their lines
+    for o in too_large.iter().filter(|o| o.sets_layer_max).rev() {
+        failures.insert(
+            expert_lines,
+            format!(
+                "{}: the {} input blocks of every expert flush to zero under it",
+                o.describe(),
+                o.gemm
+            ),
+        );
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(

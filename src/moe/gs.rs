@@ -368,6 +368,164 @@ pub fn overshoots(
     v
 }
 
+/// How far above what its amax needs a checkpoint input_scale is named as flushing its
+/// inputs (gs-sweep and layertest): a calibration on other activations is commonly a few
+/// times off, while a typical block (a tenth of the amax) reaches the E4M3 subnormals
+/// near 3000x.
+pub const MIN_FLUSH_RATIO: f32 = 10.0;
+
+/// One expert GEMM input whose checkpoint `input_scale` in use is far above what its amax
+/// needs, the flush counterpart of [`GsOvershoot`]: gs `1/stored` puts its largest block's
+/// E4M3 scale at `448 / ratio`, and smaller blocks under the E4M3 subnormals, to zero.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct InputScaleTooLarge {
+    pub expert: usize,
+    /// `gate/up` (gs1, before W1/W3) or `down` (gs2, before W2).
+    pub gemm: &'static str,
+    /// The projections whose own `input_scale` it is (within 2x of the one in use): of
+    /// [`PROJS`].
+    pub projs: Vec<&'static str>,
+    /// The `input_scale` in use for the GEMM (dequant direction, as loaded).
+    pub stored: f32,
+    /// `amax / 2688` of what that expert's GEMM input held in the batch (the input_scale at
+    /// which its largest block scale just reaches 448); of the layer's largest such input
+    /// when no token reached the expert.
+    pub needs: f32,
+    /// `stored / needs`.
+    pub ratio: f32,
+    /// No token of the batch reached the expert: `needs` is the layer's.
+    pub unreached: bool,
+    /// Under `global-max`: this value is the layer-wide max, every expert's input_scale.
+    pub sets_layer_max: bool,
+    /// Under `global-max`: `stored` over the `amax / 2688` of the layer's largest input of
+    /// the GEMM (what the layer-wide value flushes everywhere); `ratio` under `per-expert`.
+    pub layer_ratio: f32,
+}
+
+/// The checkpoint `input_scale`s of `layer` in use under `reduce` that sit above what their
+/// GEMM input's amax needs ([`InputScaleTooLarge`]), worst first, from the per-expert amax
+/// of [`expert_input_amax`]. Per expert, the larger of gate/up and the down scale, for the
+/// experts the batch reached; under `global-max` only the expert whose value is the
+/// layer-wide max (reached or not), per GEMM: the other experts take its value. Missing or
+/// non-positive scales are skipped (`checkpoint_scales` refuses those in use).
+pub fn input_scales_too_large(
+    layer: &MoeLayer,
+    reduce: InputScaleReduce,
+    amax1: &[Option<f32>],
+    amax2: &[Option<f32>],
+) -> Vec<InputScaleTooLarge> {
+    let good = |v: f32| v.is_finite() && v > 0.0;
+    let mut out = vec![];
+    for (gemm, amax, projs) in [("gate/up", amax1, 0..2), ("down", amax2, 2..3)] {
+        // per expert: the projections' own values and the one in use (their max)
+        let raw: Vec<Option<Vec<f32>>> = layer
+            .experts
+            .iter()
+            .map(|ex| {
+                [&ex.w1, &ex.w3, &ex.w2][projs.clone()]
+                    .iter()
+                    .map(|q| q.input_scale.filter(|&s| good(s)))
+                    .collect()
+            })
+            .collect();
+        let used = |e: usize| {
+            raw[e]
+                .as_ref()
+                .map(|v| v.iter().fold(0f32, |m, &x| m.max(x)))
+        };
+        let amax_of = |e: usize| amax.get(e).copied().flatten().filter(|&a| good(a));
+        let layer_amax = (0..amax.len()).filter_map(amax_of).reduce(f32::max);
+        let candidates: Vec<usize> = match reduce {
+            InputScaleReduce::PerExpert => {
+                (0..raw.len()).filter(|&e| amax_of(e).is_some()).collect()
+            }
+            InputScaleReduce::GlobalMax => (0..raw.len())
+                .filter_map(|e| used(e).map(|s| (e, s)))
+                .max_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(e, _)| e)
+                .into_iter()
+                .collect(),
+        };
+        for e in candidates {
+            let (Some(stored), Some(layer_amax)) = (used(e), layer_amax) else {
+                continue;
+            };
+            let own = amax_of(e);
+            let needs = input_scale_of_amax(own.unwrap_or(layer_amax));
+            let ratio = stored / needs;
+            let global = reduce == InputScaleReduce::GlobalMax;
+            let layer_ratio = match global {
+                true => stored / input_scale_of_amax(layer_amax),
+                false => ratio,
+            };
+            if !(ratio > 1.0 && layer_ratio > 1.0) {
+                continue;
+            }
+            let vals = raw[e].as_deref().unwrap_or_default();
+            out.push(InputScaleTooLarge {
+                expert: e,
+                gemm,
+                projs: projs
+                    .clone()
+                    .zip(vals)
+                    .filter(|(_, &v)| v * 2.0 >= stored)
+                    .map(|(p, _)| PROJS[p])
+                    .collect(),
+                stored,
+                needs,
+                ratio,
+                unreached: own.is_none(),
+                sets_layer_max: global,
+                layer_ratio,
+            });
+        }
+    }
+    out.sort_by(|a, b| b.layer_ratio.total_cmp(&a.layer_ratio));
+    out
+}
+
+impl InputScaleTooLarge {
+    /// `expert E gate_proj/up_proj input_scale S is Rx the N its amax needs (amax/2688)`, and
+    /// under `global-max` that it sets every expert's input_scale.
+    pub fn describe(&self) -> String {
+        let whose = match self.unreached {
+            true => "the layer's largest input amax needs (amax/2688; no token of this batch reached the expert)",
+            false => "its amax needs (amax/2688)",
+        };
+        let mut s = format!(
+            "expert {} {} input_scale {} is {}x the {} {whose}",
+            self.expert,
+            self.projs.join("/"),
+            crate::report::e(self.stored as f64),
+            factor(self.ratio),
+            crate::report::e(self.needs as f64),
+        );
+        if self.sets_layer_max {
+            s += &format!(
+                ", the layer-wide max under --input-scale-reduce global-max: every expert's \
+                 {} input_scale",
+                self.gemm
+            );
+            if !self.unreached {
+                s += &format!(
+                    ", {}x what the layer's largest {} input needs",
+                    factor(self.layer_ratio),
+                    self.gemm
+                );
+            }
+        }
+        s
+    }
+}
+
+/// `12.3` or, past 1000, `1.234e6`.
+fn factor(r: f32) -> String {
+    match r < 1000.0 {
+        true => crate::report::f(r as f64, 1),
+        false => crate::report::e(r as f64),
+    }
+}
+
 /// One checkpoint `input_scale` set against this batch's own calibration of its GEMM input.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct ScaleVsBatch {
