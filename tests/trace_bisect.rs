@@ -1773,3 +1773,81 @@ fn an_input_only_one_run_records_does_not_make_the_cause_upstream() {
     assert_eq!(f["cause"], "this module", "{ctx}");
     assert_eq!(f["inputs_diverged"], false, "{ctx}");
 }
+
+/// Guards: a run whose outputs first differ at one module, only slightly (cosine ~0.999, above
+/// the bar), every call before it identical, and blow up at a later one said of the later one
+/// "its inputs matched: this module introduced it", and named nothing of where the difference
+/// began. The later module stays the first divergence (the bar decides); the start is
+/// `first_divergence.first_difference`, and the verdict line names it.
+#[test]
+fn a_small_difference_blown_up_later_names_where_the_difference_starts() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let n = 10u64;
+    let start = r.gen_range(1..5);
+    let blow = r.gen_range(start + 2..n);
+    let scale: Vec<f32> = (0..n).map(|_| r.gen_range(0.5f32..1.5)).collect();
+    let x0 = randv(&mut r, 64);
+    let noise = randv(&mut r, 64);
+    for side in ["ref", "test"] {
+        let d = tmp.path().join(side);
+        std::fs::create_dir(&d).unwrap();
+        let (mut x, mut x_ref) = (x0.clone(), x0.clone());
+        for c in 0..n {
+            let f = |v: &[f32]| -> Vec<f32> {
+                v.iter().map(|&a| a.sin() + scale[c as usize] * a).collect()
+            };
+            let mut y = f(&x);
+            let y_ref = f(&x_ref);
+            if side == "test" && c == start {
+                // ~3% of the output's norm: cosine about 0.9995
+                let norm = (y.iter().map(|v| v * v).sum::<f32>() / 64.0).sqrt();
+                for (v, e) in y.iter_mut().zip(&noise) {
+                    *v += 0.05 * norm * e;
+                }
+            }
+            if side == "test" && c == blow {
+                // a module that amplifies what reaches it already changed: to twice its
+                // output's norm
+                let diff: Vec<f32> = x.iter().zip(&x_ref).map(|(a, b)| a - b).collect();
+                let norm = |v: &[f32]| v.iter().map(|e| e * e).sum::<f32>().sqrt();
+                let gain = 2.0 * norm(&y) / norm(&diff);
+                for (v, e) in y.iter_mut().zip(&diff) {
+                    *v += gain * e;
+                }
+            }
+            write_call(
+                &d,
+                c,
+                &format!("model.layers.{c}"),
+                vec![
+                    t("input.0", &[8, 8], x.clone()),
+                    t("output", &[8, 8], y.clone()),
+                ],
+                &[],
+            );
+            x = y;
+            x_ref = y_ref;
+        }
+    }
+    let o = nvfp4dbg(tmp.path(), &["bisect", "ref", "test"]);
+    let ctx = format!(
+        "seed {seed}, differs at {start}, blows up at {blow}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], format!("model.layers.{blow}"), "{ctx}");
+    let d = &f["first_difference"];
+    assert_eq!(d["module"], format!("model.layers.{start}"), "{ctx}");
+    assert_eq!(d["counter_ref"], start, "{ctx}");
+    let cos = d["cosine"].as_f64().unwrap();
+    assert!(cos > 0.99 && cos < 1.0, "{ctx}");
+    assert!(
+        o.stdout
+            .contains(&format!("outputs first differ at `model.layers.{start}`")),
+        "{ctx}"
+    );
+    assert!(!o.stdout.contains("this module introduced it"), "{ctx}");
+}

@@ -1425,3 +1425,106 @@ fn counter_gaps_before_the_answer_are_said() {
         "{ctx}"
     );
 }
+
+/// Guards: a NaN made between recorded modules, swallowed by the first module that took it
+/// (its output clean) and received by a later module through its inputs (its output bad) was
+/// reported at the later module: `first_nonfinite` named a call after the first NaN. The first
+/// NaN is the earlier input; the later output is `first_bad_output`. Across ranks the earlier
+/// input decides too.
+#[test]
+fn a_nan_swallowed_then_received_downstream_is_named_where_it_first_shows() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    // `n` calls; call `at` takes the NaN in input.0 and swallows it, calls from `bad` on take
+    // it in input.0 and pass it on in their output
+    let write = |r: &mut rand_chacha::ChaCha8Rng, d: &std::path::Path, at: u64, bad: u64| {
+        std::fs::create_dir_all(d).unwrap();
+        let flat = r.gen_range(0..32);
+        for c in 0..8u64 {
+            let (mut x, mut y) = (randv(r, 32), randv(r, 32));
+            if c == at || c >= bad {
+                x[flat] = f32::NAN;
+            }
+            if c >= bad {
+                y[flat] = f32::NAN;
+            }
+            write_call(
+                d,
+                c,
+                &format!("model.layers.{c}"),
+                vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y)],
+                &[],
+            );
+        }
+        flat
+    };
+    let at = r.gen_range(1..5);
+    let bad = r.gen_range(at + 1..8);
+    let flat = write(&mut r, &tmp.path().join("t"), at, bad);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "t"]);
+    let ctx = format!(
+        "seed {seed}, NaN input at {at}, outputs from {bad}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], format!("model.layers.{at}"), "{ctx}");
+    assert_eq!(f["tensor"], "input.0", "{ctx}");
+    assert_eq!(f["kind"], "nan", "{ctx}");
+    assert_eq!(f["index"]["flat"], flat as u64, "{ctx}");
+    assert!(
+        f["file"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("{at:06}-model.layers.{at}.safetensors")),
+        "{ctx}"
+    );
+    assert_eq!(
+        f["first_bad_output"]["module"],
+        format!("model.layers.{bad}"),
+        "{ctx}"
+    );
+    assert_eq!(
+        o.json["last_clean"]["module"],
+        format!("model.layers.{}", at - 1),
+        "{ctx}"
+    );
+    assert!(
+        o.stdout
+            .contains(&format!("first NaN in `model.layers.{at}` input.0")),
+        "{ctx}"
+    );
+
+    // two ranks: rank 0 swallows a NaN at `at` (bad output later), rank 1 makes its own NaN
+    // between the two: rank 0's input is first
+    write(&mut r, &tmp.path().join("ep/rank0"), at, 7);
+    std::fs::create_dir_all(tmp.path().join("ep/rank1")).unwrap();
+    let own = r.gen_range(at + 1..7);
+    for c in 0..8u64 {
+        let mut y = randv(&mut r, 32);
+        if c >= own {
+            y[r.gen_range(0..32)] = f32::NAN;
+        }
+        let x = randv(&mut r, 32);
+        write_call(
+            &tmp.path().join("ep/rank1"),
+            c,
+            &format!("model.layers.{c}"),
+            vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y)],
+            &[],
+        );
+    }
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep"]);
+    let ctx = format!(
+        "seed {seed}, rank 0 input at {at}, rank 1 output at {own}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["rank"], 0, "{ctx}");
+    assert_eq!(
+        o.json["first_nonfinite"]["module"],
+        format!("model.layers.{at}"),
+        "{ctx}"
+    );
+}

@@ -184,7 +184,12 @@ pub fn run(args: &Args) -> Result<Report> {
 /// order (ties: the lower rank), else a failing rank (files not scanned), else rank 0's report
 /// with the headline and counts of all ranks; a table of every rank's outcome is added.
 fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Report>) -> Report {
-    let first_at = |r: &LocateResult| r.first.as_ref().map(|f| (f.call.step, f.call.counter));
+    let first_at = |r: &LocateResult| {
+        received_nan_input(r)
+            .map(|(c, _)| c)
+            .or(r.first.as_ref().map(|f| &f.call))
+            .map(|c| (c.step, c.counter))
+    };
     let rank_of = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
     let bad = (0..results.len())
         .filter(|&k| results[k].first.is_some())
@@ -199,10 +204,11 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     );
     let mut per_rank = vec![];
     for ((index, r), rep) in indexes.iter().zip(results).zip(&reports) {
-        let first = r
-            .first
-            .as_ref()
-            .map(|f| format!("{} {} {}", counter(&f.call), f.call.module, f.output.tensor));
+        // the answer's call and tensor: the NaN input the first bad output received, else it
+        let answer = received_nan_input(r)
+            .map(|(c, b)| (c, &b.tensor))
+            .or(r.first.as_ref().map(|f| (&f.call, &f.output.tensor)));
+        let first = answer.map(|(c, t)| format!("{} {} {t}", counter(c), c.module));
         table.row(vec![
             rank_of(index).to_string(),
             r.calls_scanned.to_string(),
@@ -213,11 +219,11 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
             "rank": rank_of(index),
             "calls_scanned": r.calls_scanned,
             "verdict": rep.verdict,
-            "first_nonfinite": r.first.as_ref().map(|f| json!({
-                "module": f.call.module,
-                "tensor": f.output.tensor,
-                "counter": f.call.counter,
-                "step": f.call.step,
+            "first_nonfinite": answer.map(|(c, t)| json!({
+                "module": c.module,
+                "tensor": t,
+                "counter": c.counter,
+                "step": c.step,
             })),
         }));
     }
@@ -312,6 +318,10 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         "counter_gaps": gaps,
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
+    // where the answer lies: the NaN input the first bad output received, else that output
+    let answer_counter = received_nan_input(r)
+        .map(|(c, _)| c.counter)
+        .or(first_counter);
     let mut table = Section::new(
         "Module calls around it (completion order)",
         &[
@@ -389,6 +399,85 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             table.title = "Last module calls scanned".into();
             rep = rep.section(table);
             rep
+        }
+        // the first bad output received its NaN/Inf through its inputs, and an earlier call
+        // already held a NaN in an input alone: that input is where the value first shows
+        Some(f) if received_nan_input(r).is_some() => {
+            let (c, b) = received_nan_input(r).expect("matched by the guard");
+            let o = &f.output;
+            let headline = format!(
+                "first NaN in `{}` {} [{}] (counter {}), an input: every recorded output before \
+                 it was clean, so code between recorded modules made it ({}), and this module \
+                 swallowed it; the first bad output, `{}` {} (counter {}, {}), received it \
+                 through its inputs ({scope}){}{unscanned_note}",
+                c.module,
+                b.tensor,
+                where_(b),
+                counter(c),
+                r.clean_before_nan_input
+                    .as_ref()
+                    .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
+                    .unwrap_or_else(|| "before the first recorded call".into()),
+                f.call.module,
+                o.tensor,
+                counter(&f.call),
+                o.kind.as_str(),
+                mask_note(r),
+            );
+            let first_bad_output = json!({
+                "module": f.call.module,
+                "file": f.call.file,
+                "tensor": o.tensor,
+                "index": index_json(o),
+                "kind": o.kind,
+                "counter": f.call.counter,
+                "step": f.call.step,
+                "inputs_clean": f.inputs_clean,
+            });
+            let nan_input = nan_input_json(index, r);
+            let mut first = nan_input.clone().unwrap_or(Value::Null);
+            if let Value::Object(m) = &mut first {
+                m.insert("first_bad_output".into(), first_bad_output);
+            }
+            let kv = Section::kv(
+                "First non-finite value",
+                &[
+                    ("module", c.module.clone()),
+                    ("file", c.file.display().to_string()),
+                    ("tensor", format!("{} {} {:?}", b.tensor, b.dtype, b.shape)),
+                    ("index", where_(b)),
+                    ("kind", format!("{} (value {})", b.kind.as_str(), b.value)),
+                    (
+                        "NaN / Inf in tensor",
+                        format!("{} / {}", b.nan_count, b.inf_count),
+                    ),
+                    (
+                        "inputs",
+                        "hold it, the output is clean (made between recorded modules)".into(),
+                    ),
+                    (
+                        "first bad output",
+                        format!("{} {} {}", counter(&f.call), f.call.module, o.tensor),
+                    ),
+                    (
+                        "last clean call",
+                        r.clean_before_nan_input
+                            .as_ref()
+                            .map(|c| format!("{} {}", counter(c), c.module))
+                            .unwrap_or_else(|| "none: the first call is already bad".into()),
+                    ),
+                ],
+            );
+            Report::new("nan-locate", Verdict::Fail, headline)
+                .summary(summary)
+                .with("first_nonfinite", first)
+                .with("nan_input", nan_input)
+                .with(
+                    "last_clean",
+                    r.clean_before_nan_input.as_ref().map(clean_json),
+                )
+                .section(kv)
+                .section(table)
         }
         Some(f) => {
             let o = &f.output;
@@ -550,7 +639,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
     // gaps before the answer are calls a NaN could hide in; those after it do not matter
     let before: Vec<&(u64, u64)> = gaps
         .iter()
-        .filter(|g| first_counter.is_none_or(|c| g.1 < c))
+        .filter(|g| answer_counter.is_none_or(|c| g.1 < c))
         .collect();
     if let Some((a, b)) = before.first() {
         let missing: u64 = before.iter().map(|g| g.1 - g.0 + 1).sum();
@@ -597,6 +686,17 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         rep = rep.section(s);
     }
     Ok(rep.with("skipped", &skipped))
+}
+
+/// The NaN input the first bad output received: an earlier call held a NaN in an input alone
+/// (its outputs clean) and the first bad output's inputs were already bad, so that input is
+/// where the value first shows. `None` when the first bad output made its own (clean inputs,
+/// or none recorded): a swallowed NaN before it is then a second fault, noted beside it.
+fn received_nan_input(r: &LocateResult) -> Option<&(ScannedCall, BadValue)> {
+    let f = r.first.as_ref()?;
+    r.nan_input
+        .as_ref()
+        .filter(|_| f.inputs_clean == Some(false))
 }
 
 /// The first NaN held by an input only, before any bad output (`LocateResult::nan_input`).
