@@ -461,10 +461,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     ),
                     (
                         "last clean call",
-                        r.clean_before_nan_input
-                            .as_ref()
-                            .map(|c| format!("{} {}", counter(c), c.module))
-                            .unwrap_or_else(|| "none: the first call is already bad".into()),
+                        last_clean_cell(r.clean_before_nan_input.as_ref()),
                     ),
                 ],
             );
@@ -620,10 +617,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     ),
                     (
                         "last clean call",
-                        r.last_clean
-                            .as_ref()
-                            .map(|c| format!("{} {}", counter(c), c.module))
-                            .unwrap_or_else(|| "none: the first call is already bad".into()),
+                        last_clean_cell(r.last_clean.as_ref()),
                     ),
                 ],
             );
@@ -719,6 +713,12 @@ fn nan_input_json(index: &TraceIndex, r: &LocateResult) -> Option<Value> {
             "inputs_clean": false,
         })
     })
+}
+
+/// The table's "last clean call" cell.
+fn last_clean_cell(c: Option<&ScannedCall>) -> String {
+    c.map(|c| format!("{} {}", counter(c), c.module))
+        .unwrap_or_else(|| "none: the first call is already bad".into())
 }
 
 fn clean_json(c: &ScannedCall) -> Value {
