@@ -505,20 +505,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             let what = out
                 .and_then(|t| t.problem.clone())
                 .unwrap_or_else(|| "no output to compare".into());
-            let mut cause = cause_text(c, r);
-            if let Some(d) = first_difference(r) {
-                cause = format!(
-                    "its inputs passed the bar (worst input cosine {}) but were not equal to \
-                     REF's: the outputs first differ at `{}` (call {}, counter {:06}, cosine {}; \
-                     every call before it identical), under --min-cosine: the difference may start \
-                     there and grow past the bar here",
-                    opt(c.worst_input().and_then(|t| t.cosine), 6),
-                    d.module,
-                    d.call,
-                    d.counter_ref,
-                    opt(d.output.as_ref().and_then(|t| t.cosine), 6),
-                );
-            }
+            let cause = cause_text(c, r);
             (
                 Verdict::Fail,
                 format!(
@@ -564,17 +551,6 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
                 Some(true) => "this module",
                 None => "unknown",
             },
-            "first_difference": first_difference(r).map(|d| json!({
-                "module": d.module,
-                "call": d.call,
-                "step": d.step,
-                "counter_ref": d.counter_ref,
-                "counter_test": d.counter_test,
-                "tensor": d.output.as_ref().map(|t| t.tensor.clone()),
-                "cosine": d.output.as_ref().and_then(|t| t.cosine),
-                "rel_l2": d.output.as_ref().and_then(|t| t.rel_l2),
-                "max_abs_err": d.output.as_ref().and_then(|t| t.max_abs_err),
-            })),
             "tensors": c.tensors.iter().map(tensor_json).collect::<Vec<_>>(),
         })
     });
@@ -745,24 +721,6 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
         .with("skipped_test", &test.skipped)
         .with("modules_elided", n - modules.len())
         .with("modules", modules)
-}
-
-/// Where a divergence whose inputs passed the bar without being equal to REF's began: the
-/// first paired call whose output is not identical to REF's, every call before it identical
-/// (a small error, cosine 0.999, that a later module blows up). `None` when the inputs of the
-/// first divergence failed the bar (the cause is named upstream already), were equal, or were
-/// not recorded.
-fn first_difference(r: &BisectResult) -> Option<&CallSummary> {
-    let (fi, d) = r.first_divergence.as_ref()?;
-    let inputs_differ = d
-        .worst_input()
-        .is_some_and(|t| t.max_abs_err.is_some_and(|e| e > 0.0));
-    if d.inputs_match != Some(true) || !inputs_differ {
-        return None;
-    }
-    r.calls[..*fi]
-        .iter()
-        .find(|c| c.output.as_ref().is_none_or(|t| t.max_abs_err != Some(0.0)))
 }
 
 /// Why the first divergence happened, as far as its inputs tell.
