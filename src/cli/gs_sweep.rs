@@ -148,6 +148,8 @@ pub fn run(args: &Args) -> Result<Report> {
             false,
         )
     };
+    // under --gs checkpoint, the input scales in use far above what their inputs need
+    let flushes = || worst_flushes(&layer, &batch.hidden, &routing, used_source, reduce);
     let reduce_info = std::cell::RefCell::new(None);
     // the layer's output at scales `s`, and our forward's block statistics; with --kernel the
     // user's kernel is the one swept (block statistics stay ours: the quantization they
@@ -339,14 +341,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 format!(
                     "{:.1}% of its activation blocks flush to zero (gs too small){}",
                     u.blocks.flushed_pct,
-                    worst_flushes(
-                        &layer,
-                        &batch.hidden,
-                        &routing,
-                        used_source,
-                        reduce,
-                        gs::MIN_FLUSH_RATIO
-                    )?
+                    flushes()?
                 )
             } else {
                 format!(
@@ -429,15 +424,7 @@ pub fn run(args: &Args) -> Result<Report> {
                  (calibrated: cosine {}){}",
                 wrong.len(),
                 f(*cal_cos, 4),
-                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))?
-                    + &worst_flushes(
-                        &layer,
-                        &batch.hidden,
-                        &routing,
-                        used_source,
-                        reduce,
-                        gs::MIN_FLUSH_RATIO
-                    )?
+                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))? + &flushes()?
             ));
             cause.get_or_insert("gs");
         }
@@ -761,7 +748,7 @@ fn worst_overshoots(
 }
 
 /// `; worst: expert E gate_proj/up_proj input_scale S is Rx the N its amax needs ...` for
-/// the (up to three) checkpoint input scales in use that sit at least `min_ratio` above what
+/// the (up to three) checkpoint input scales in use that sit at least `gs::MIN_FLUSH_RATIO` above what
 /// their inputs need (see [`gs::input_scales_too_large`]), under `--gs checkpoint`: the
 /// flush counterpart of [`worst_overshoots`], where one expert's input_scale, under
 /// `global-max` every expert's, flushes the layer's blocks.
@@ -771,7 +758,6 @@ fn worst_flushes(
     routing: &crate::moe::Routing,
     source: GsSource,
     reduce: gs::InputScaleReduce,
-    min_ratio: f32,
 ) -> Result<String> {
     if source != GsSource::Checkpoint {
         return Ok(String::new());
@@ -779,7 +765,7 @@ fn worst_flushes(
     let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
     let worst: Vec<String> = gs::input_scales_too_large(layer, reduce, &a1, &a2)
         .iter()
-        .filter(|o| o.layer_ratio >= min_ratio)
+        .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
         .take(3)
         .map(|o| o.describe())
         .collect();
