@@ -2752,3 +2752,86 @@ fn local_ids_of_the_other_placement_are_named() {
         );
     }
 }
+
+#[test]
+fn a_scaled_expert_weight_inside_the_bf16_sum_tolerance_is_named() {
+    let (seed, mut r) = rng();
+    let dir = tempfile::tempdir().unwrap();
+    let (t, k, e) = (512, 8, 32);
+    let rsf = r.gen_range(1.5f32..3.0);
+    let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+    // raw weights in [0.45, 1): no weight holds a quarter of its token's sum
+    let all: Vec<i64> = (0..e as i64).collect();
+    let (mut ids, mut w) = (vec![], vec![]);
+    for _ in 0..t {
+        ids.extend(all.choose_multiple(&mut r, k).copied());
+        let raw: Vec<f32> = (0..k).map(|_| r.gen_range(0.45f32..1.0)).collect();
+        let s: f32 = raw.iter().sum();
+        w.extend(raw.iter().map(|v| bf16(v / s * rsf)));
+    }
+    let f = dir.path().join("d.safetensors");
+    let (es, rs) = (e.to_string(), rsf.to_string());
+    let args = [
+        p(&f),
+        "--num-experts",
+        &es,
+        "--norm-topk-prob",
+        "true",
+        "--routed-scaling-factor",
+        &rs,
+    ];
+    let check = |w: &[f32]| {
+        // every token's sum passes the BF16 per-token tolerance (k/128): what the test guards
+        let tol = k as f32 / 128.0;
+        assert!(
+            w.chunks(k)
+                .all(|c| (c.iter().sum::<f32>() - rsf).abs() <= tol * rsf * 0.95),
+            "seed {seed}"
+        );
+        write_dump(
+            &f,
+            &Dump {
+                t,
+                k,
+                ids: &ids,
+                weights: w,
+                ids_i32: false,
+                metadata: None,
+            },
+        );
+        run(dir.path(), &args)
+    };
+    let out = check(&w);
+    assert_eq!(out.code, 0, "seed {seed}\n{}\n{}", out.stdout, out.stderr);
+
+    // one expert's weight x1.2 on every token routed to it
+    let bad = r.gen_range(0..e as i64);
+    let scaled: Vec<f32> = w
+        .iter()
+        .zip(&ids)
+        .map(|(&v, &id)| if id == bad { bf16(v * 1.2) } else { v })
+        .collect();
+    let out = check(&scaled);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    let msg = out.json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "weight_sum")
+        .map(|f| f["message"].as_str().unwrap().to_string())
+        .unwrap_or_default();
+    assert!(
+        msg.contains(&format!("routed to expert {bad} ")) && msg.contains("×1.20"),
+        "seed {seed}: {msg}"
+    );
+
+    // every weight x1.03: each sum passes, their mean does not
+    let scaled: Vec<f32> = w.iter().map(|&v| bf16(v * 1.03)).collect();
+    let out = check(&scaled);
+    assert_eq!(out.code, 1, "seed {seed}\n{}", out.stdout);
+    let msgs = out.json["findings"].to_string();
+    assert!(
+        msgs.contains("on average over") && msgs.contains("×1.030"),
+        "seed {seed}\n{msgs}"
+    );
+}

@@ -5,7 +5,7 @@
 use super::{owner_rank, ExpertMap, Placement};
 use crate::moe::Routing;
 use serde::Serialize;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// A pattern of ids is only called a bug when it would arise by chance with probability
 /// below this under uniform routing (real routing is skewed, hence the margin).
@@ -663,6 +663,9 @@ fn check_sums(d: &Ids, rsf: Option<f32>, rel_tol: f32) -> Outcome {
         ));
     }
     let off: Vec<&(usize, f32)> = sums.iter().filter(|(_, s)| !near(*s, target)).collect();
+    if off.is_empty() {
+        o.extend(check_sum_bias(d, &sums, target));
+    }
     if let Some(&&(t, s)) = off.first() {
         let mut msg = format!(
             "{} of {} tokens have Σ topk_weights ≠ {target} (norm_topk_prob; tolerance {:.1e} relative); \
@@ -683,6 +686,114 @@ fn check_sums(d: &Ids, rsf: Option<f32>, rel_tol: f32) -> Outcome {
                 id: d.ids[t * k],
             }),
             msg,
+        ));
+    }
+    o
+}
+
+/// Mean relative error of Σ topk_weights over a group of tokens that rounding cannot explain:
+/// RNE to BF16 moves one weight by at most 2^-9 of itself and leaves the mean unbiased; even
+/// a truncating cast biases a sum by at most ~2^-8 of it. 2^-7 is twice that.
+const SUM_BIAS_TOL: f64 = 1.0 / 128.0;
+/// Fewest tokens a group needs for its mean to be read.
+const SUM_BIAS_MIN_TOKENS: usize = 16;
+
+/// Sums that each pass the per-token tolerance (k/128 under BF16) but are off on average, over
+/// all tokens or over the tokens routed to one expert: one expert's weight scaled (x1.2 moves a
+/// sum by ~2.5% and passes per token), or every weight scaled by a slightly wrong factor.
+fn check_sum_bias(d: &Ids, sums: &[(usize, f32)], target: f32) -> Outcome {
+    let mut o = Outcome::default();
+    let k = d.top_k.max(1);
+    let target = f64::from(target);
+    if target <= 0.0 || sums.len() < SUM_BIAS_MIN_TOKENS {
+        return o;
+    }
+    let dev = |s: f32| f64::from(s) / target - 1.0;
+    // mean and its standard error: a mean within 4 standard errors of 0 is noise
+    let biased = |devs: &[f64]| -> Option<f64> {
+        let n = devs.len() as f64;
+        let mean = devs.iter().sum::<f64>() / n;
+        let var = devs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+        (mean.abs() > SUM_BIAS_TOL && mean.abs() > 4.0 * (var / n).sqrt()).then_some(mean)
+    };
+    let all: Vec<f64> = sums.iter().map(|&(_, s)| dev(s)).collect();
+    if let Some(mean) = biased(&all) {
+        o.find(Finding::new(
+            FindingKind::WeightSum,
+            sums.len() as u64,
+            None,
+            format!(
+                "Σ topk_weights is {:+.2}% off {target} on average over {} tokens, each within the \
+                 per-token tolerance: more than rounding biases a sum (at most ~0.4%): the weights \
+                 are scaled by ×{:.3} on average (a routed_scaling_factor or normalization slightly \
+                 off, or one top-k slot's weight scaled)",
+                mean * 100.0,
+                sums.len(),
+                1.0 + mean
+            ),
+        ));
+        return o;
+    }
+    // per expert: the tokens routed to it, and the factor on its own weight that explains their
+    // sums (Σ its weights over Σ its weights less the excess)
+    let mut by_expert: BTreeMap<i64, (Vec<f64>, f64, f64, usize)> = BTreeMap::new();
+    for &(t, s) in sums {
+        for j in 0..k {
+            let id = d.ids[t * k + j];
+            if id < 0 {
+                continue;
+            }
+            let g = by_expert.entry(id).or_insert((vec![], 0.0, 0.0, t));
+            g.0.push(dev(s));
+            g.1 += f64::from(s) - target;
+            g.2 += f64::from(d.weights[t * k + j]);
+        }
+    }
+    let mut off: Vec<(i64, f64, f64, usize, usize)> = by_expert
+        .into_iter()
+        .filter(|(_, g)| g.0.len() >= SUM_BIAS_MIN_TOKENS && g.2 > g.1)
+        .filter_map(|(id, g)| biased(&g.0).map(|m| (id, m, g.2 / (g.2 - g.1), g.0.len(), g.3)))
+        .collect();
+    off.sort_by(|a, b| b.1.abs().total_cmp(&a.1.abs()));
+    if let Some(&(id, mean, factor, n, t)) = off.first() {
+        let rest: Vec<f64> = sums
+            .iter()
+            .filter(|&&(t, _)| !d.ids[t * k..(t + 1) * k].contains(&id))
+            .map(|&(_, s)| dev(s))
+            .collect();
+        let rest_mean = rest.iter().sum::<f64>() / rest.len().max(1) as f64;
+        let others = if off.len() > 1 {
+            let ids: Vec<String> = off
+                .iter()
+                .skip(1)
+                .take(8)
+                .map(|o| o.0.to_string())
+                .collect();
+            format!(
+                "; {} more expert(s) like it: {}{}",
+                off.len() - 1,
+                ids.join(", "),
+                if off.len() > 9 { ", …" } else { "" }
+            )
+        } else {
+            String::new()
+        };
+        o.find(Finding::new(
+            FindingKind::WeightSum,
+            off.len() as u64,
+            Some(Slot {
+                token: t,
+                slot: (0..k).find(|&j| d.ids[t * k + j] == id).unwrap_or(0),
+                id,
+            }),
+            format!(
+                "the {n} tokens routed to expert {id} have Σ topk_weights {:+.2}% off {target} on \
+                 average, each within the per-token tolerance, while the other {} tokens' are \
+                 {:+.2}%: expert {id}'s weight looks scaled by ×{factor:.2}{others}",
+                mean * 100.0,
+                rest.len(),
+                rest_mean * 100.0
+            ),
         ));
     }
     o
