@@ -1773,3 +1773,187 @@ fn an_input_only_one_run_records_does_not_make_the_cause_upstream() {
     assert_eq!(f["cause"], "this module", "{ctx}");
     assert_eq!(f["inputs_diverged"], false, "{ctx}");
 }
+
+/// `x` scaled and shifted per channel: a module both runs compute the same way, carrying a
+/// difference in its input to its output.
+fn affine(x: &[f32], s: &[f32], b: &[f32]) -> Vec<f32> {
+    let h = s.len();
+    x.iter()
+        .enumerate()
+        .map(|(i, &v)| v * s[i % h] + b[i % h])
+        .collect()
+}
+
+fn rms(x: &[f32]) -> f32 {
+    (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32).sqrt()
+}
+
+/// Two runs bit-identical up to module A, whose output TEST moves by ~1e-4 (cosine
+/// 0.99999999, passing the bar); a later module B subtracts a weight that nearly cancels its
+/// input (a residual of two close tensors) and blows that up under --min-cosine. B is still
+/// the first divergence, but its inputs were not equal: the text says by how much, and the
+/// first difference names A with the --min-cosine that stops bisect there. Bisect used to say
+/// "its inputs matched: this module introduced it" and nothing of A.
+#[test]
+fn a_small_difference_blown_up_later_is_named_where_it_first_shows() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let (tokens, h) = (8, 32);
+    let n = tokens * h;
+    let (before, between, after) = (
+        r.gen_range(1..5usize),
+        r.gen_range(0..3usize),
+        r.gen_range(1..3usize),
+    );
+    let at = before;
+    let amp = before + 1 + between;
+    let names: Vec<String> = (0..amp + 1 + after)
+        .map(|k| match k {
+            k if k == amp => format!("model.layers.{k}.post_attention_layernorm"),
+            k => format!("model.layers.{k}.mlp"),
+        })
+        .collect();
+    let (mut x_ref, mut x_test) = (randv(&mut r, n), Vec::new());
+    x_test.clone_from(&x_ref);
+    let rel = r.gen_range(5e-5f32..2e-4);
+    for (k, m) in names.iter().enumerate() {
+        let (y_ref, y_test) = if k == amp {
+            // REF's output is a small residual `-δ`; TEST's input differs from REF's by e
+            // (~1e-4 of it) and |δ| = |e| / 2: TEST's output is e − δ
+            let e: Vec<f32> = x_test.iter().zip(&x_ref).map(|(t, r)| t - r).collect();
+            let d = randv(&mut r, n);
+            let f = rms(&e) / rms(&d) / 2.0;
+            let w: Vec<f32> = x_ref.iter().zip(&d).map(|(x, d)| x + d * f).collect();
+            let sub = |x: &[f32]| x.iter().zip(&w).map(|(x, w)| x - w).collect::<Vec<f32>>();
+            (sub(&x_ref), sub(&x_test))
+        } else {
+            let (s, bias) = (randv(&mut r, h), randv(&mut r, h));
+            let s: Vec<f32> = s.iter().map(|v| 1.0 + 0.5 * v).collect();
+            let mut y_test = affine(&x_test, &s, &bias);
+            let y_ref = affine(&x_ref, &s, &bias);
+            if k == at {
+                let noise = randv(&mut r, n);
+                let f = rel * rms(&y_ref) / rms(&noise);
+                y_test.iter_mut().zip(&noise).for_each(|(y, z)| *y += z * f);
+            }
+            (y_ref, y_test)
+        };
+        for (dir, x, y) in [(&a, &x_ref, &y_ref), (&b, &x_test, &y_test)] {
+            write_call(
+                dir,
+                k as u64,
+                m,
+                vec![
+                    t("input.0", &[tokens, h], x.clone()),
+                    t("output", &[tokens, h], y.clone()),
+                ],
+                &[],
+            );
+        }
+        (x_ref, x_test) = (y_ref, y_test);
+    }
+    let (sa, sb) = (a.to_str().unwrap(), b.to_str().unwrap());
+    let o = nvfp4dbg(tmp.path(), &["bisect", sa, sb]);
+    let ctx = format!(
+        "seed {seed}, A {}, B {}\n{}",
+        names[at],
+        names[amp],
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    // the verdict is the bar's: B
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], names[amp].as_str(), "{ctx}");
+    assert_eq!(f["inputs_diverged"], false, "{ctx}");
+    assert_eq!(f["inputs_identical"], false, "{ctx}");
+    // the hint: A, every call before it identical
+    let d = &o.json["first_difference"];
+    assert_eq!(d["module"], names[at].as_str(), "{ctx}");
+    assert_eq!(d["counter"], at as u64, "{ctx}");
+    assert_eq!(d["identical_before"], at as u64, "{ctx}");
+    let d_rel = d["rel_l2"].as_f64().unwrap();
+    assert!(
+        d_rel > rel as f64 / 3.0 && d_rel < rel as f64 * 3.0,
+        "{ctx}"
+    );
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(!text.contains("inputs matched"), "{ctx}");
+    assert!(
+        text.contains("its inputs differed only by a little"),
+        "{ctx}"
+    );
+    assert!(text.contains(&format!("`{}`", names[at])), "{ctx}");
+    // the --min-cosine it names stops bisect at A, whose inputs were equal
+    let bar = d["stop_min_cosine"].as_f64().unwrap();
+    assert!(text.contains(&format!("--min-cosine {bar}")), "{ctx}");
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", sa, sb, "--min-cosine", &bar.to_string()],
+    );
+    let ctx = format!("seed {seed}, --min-cosine {bar}\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(
+        o.json["first_divergence"]["module"],
+        names[at].as_str(),
+        "{ctx}"
+    );
+    assert_eq!(o.json["first_divergence"]["cause"], "this module", "{ctx}");
+    assert_eq!(o.json["first_difference"], Value::Null, "{ctx}");
+    assert!(o.stdout.contains("its inputs matched"), "{ctx}");
+}
+
+/// Two runs that differ everywhere by a little (the jitter of another kernel) and in one
+/// module by a lot: every call differs from the first on, so there is no evidence of
+/// deterministic runs and no first-difference hint; the divergence's inputs are said to differ
+/// by a little, not to match.
+#[test]
+fn runs_that_differ_everywhere_get_no_first_difference() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let calls = module_calls(&cfg(seed)).unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    write_trace(&a, &cfg(seed)).unwrap();
+    let at = r.gen_range(1..calls.len());
+    let jitter = r.gen_range(3e-4f32..3e-3);
+    write_trace(
+        &b,
+        &SynthTraceConfig {
+            jitter,
+            faults: vec![Fault {
+                module: calls[at].clone(),
+                kind: FaultKind::Perturb(0.5),
+                token: 0,
+                channel: 0,
+            }],
+            ..cfg(seed)
+        },
+    )
+    .unwrap();
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["bisect", a.to_str().unwrap(), b.to_str().unwrap()],
+    );
+    let ctx = format!(
+        "seed {seed}, jitter {jitter}, perturbed {}\n{}",
+        calls[at],
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_divergence"];
+    assert_eq!(f["module"], calls[at].as_str(), "{ctx}");
+    assert_eq!(f["cause"], "this module", "{ctx}");
+    assert_eq!(o.json.get("first_difference"), Some(&Value::Null), "{ctx}");
+    let text = o.json["summary"]["text"].as_str().unwrap();
+    assert!(!text.contains("bit-identical for"), "{ctx}");
+    assert!(!text.contains("inputs matched"), "{ctx}");
+    assert!(
+        text.contains("its inputs differed only by a little"),
+        "{ctx}"
+    );
+    assert!(text.contains("this module introduced it"), "{ctx}");
+}

@@ -6,7 +6,9 @@
 use super::common::{progress, OutArgs};
 use crate::error::{Error, Result};
 use crate::report::{e, f, Report, Section, Verdict};
-use crate::trace::bisect::{bisect, BisectResult, CallDiff, CallSummary, LoneCall, TensorDiff};
+use crate::trace::bisect::{
+    below, bisect, BisectResult, CallDiff, CallSummary, FirstDifference, LoneCall, TensorDiff,
+};
 use crate::trace::locate::{locate, FirstNonFinite};
 use crate::trace::{rank_list, Selection, Skipped, TraceIndex};
 use crate::trace::{role, Role};
@@ -58,8 +60,9 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map(|x| f(x, digits)).unwrap_or_else(|| "-".into())
 }
 
-fn status(c: &CallSummary, first: bool) -> String {
+fn status(c: &CallSummary, first: bool, first_difference: bool) -> String {
     match (c.outputs_match, first, c.inputs_match) {
+        (true, _, _) if first_difference => "ok (first to differ)".into(),
         (true, _, _) => "ok".into(),
         (false, true, Some(false)) => "FIRST DIVERGENCE (inputs differ)".into(),
         (false, true, _) => "FIRST DIVERGENCE".into(),
@@ -67,7 +70,7 @@ fn status(c: &CallSummary, first: bool) -> String {
     }
 }
 
-fn row(c: &CallSummary, first: bool) -> Vec<String> {
+fn row(c: &CallSummary, first: bool, first_difference: bool) -> Vec<String> {
     let out = c.output.as_ref();
     let inp = c.worst_input.as_ref();
     vec![
@@ -91,7 +94,7 @@ fn row(c: &CallSummary, first: bool) -> Vec<String> {
         })
         .unwrap_or_default(),
         inp.map(|t| opt(t.cosine, 6)).unwrap_or_else(|| "-".into()),
-        status(c, first),
+        status(c, first, first_difference),
     ]
 }
 
@@ -506,10 +509,15 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
                 .and_then(|t| t.problem.clone())
                 .unwrap_or_else(|| "no output to compare".into());
             let cause = cause_text(c, r);
+            let hint = r
+                .first_difference
+                .as_ref()
+                .map(first_difference_text)
+                .unwrap_or_default();
             (
                 Verdict::Fail,
                 format!(
-                    "first divergence at `{}` (call {}{}, counter {:06}) {}: {what}; {cause}{lone_note}{unscanned_note}",
+                    "first divergence at `{}` (call {}{}, counter {:06}) {}: {what}; {cause}{hint}{lone_note}{unscanned_note}",
                     c.module,
                     c.call,
                     c.step.map(|s| format!(" of step {s}")).unwrap_or_default(),
@@ -545,6 +553,7 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "first_nonfinite_index": out.and_then(|t| t.first_nonfinite_index.clone()),
             "problem": out.and_then(|t| t.problem.clone()),
             "inputs_diverged": c.inputs_match.map(|m| !m),
+            "inputs_identical": c.inputs_identical,
             "cause": match c.inputs_match {
                 Some(false) if c.inputs_shapes_differ => "shapes differ",
                 Some(false) => "upstream",
@@ -554,7 +563,26 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             "tensors": c.tensors.iter().map(tensor_json).collect::<Vec<_>>(),
         })
     });
-    rep = rep.with("first_divergence", first_json);
+    rep = rep.with("first_divergence", first_json).with(
+        "first_difference",
+        r.first_difference.as_ref().map(|d| {
+            json!({
+                "module": d.module,
+                "call": d.call,
+                "step": d.step,
+                "counter": d.counter_ref,
+                "counter_test": d.counter_test,
+                "file": d.file_ref,
+                "file_test": d.file_test,
+                "tensor": d.output.tensor,
+                "cosine": d.output.cosine,
+                "rel_l2": d.output.rel_l2,
+                "max_abs_err": d.output.max_abs_err,
+                "identical_before": d.identical_before,
+                "stop_min_cosine": d.stop_min_cosine,
+            })
+        }),
+    );
 
     if let Some(c) = first {
         let mut s = Section::new(
@@ -622,7 +650,8 @@ fn report(args: &Args, reference: &TraceIndex, test: &TraceIndex, r: &BisectResu
             table.row(gap(elided));
             elided = 0;
         }
-        table.row(row(c, Some(i) == fi));
+        let fd = r.first_difference.as_ref().is_some_and(|d| d.index == i);
+        table.row(row(c, Some(i) == fi, fd));
     }
     if elided > 0 {
         table.row(gap(elided));
@@ -765,9 +794,60 @@ fn cause_text(c: &CallDiff, r: &BisectResult) -> String {
                 ),
             }
         }
-        Some(true) => "its inputs matched: this module introduced it".to_string(),
+        Some(true) => {
+            // passing the bar is not being equal: say by how much they differed
+            let differing = c
+                .tensors
+                .iter()
+                .filter(|t| matches!(role(&t.tensor), Role::Input(_)) && !t.identical())
+                .max_by(|a, b| {
+                    let k = |t: &TensorDiff| t.rel_l2.unwrap_or(f64::INFINITY);
+                    k(a).partial_cmp(&k(b)).unwrap_or(std::cmp::Ordering::Equal)
+                });
+            match differing {
+                None => "its inputs matched: this module introduced it".to_string(),
+                Some(t) => format!(
+                    "its inputs differed only by a little (`{}`: cosine {}, rel_l2 {}; within \
+                     --min-cosine, not bit-identical): {}",
+                    t.tensor,
+                    t.cosine
+                        .map(|c| below(c, 1.0))
+                        .unwrap_or_else(|| "-".into()),
+                    t.rel_l2.map(e).unwrap_or_else(|| "-".into()),
+                    if r.first_difference.is_some() {
+                        "this module introduced it, or blew up a difference from upstream"
+                    } else {
+                        "this module introduced it"
+                    }
+                ),
+            }
+        }
         None => "no inputs recorded".to_string(),
     }
+}
+
+/// The hint of a [`FirstDifference`]: where the two runs, bit-identical until then, first
+/// differ, and the `--min-cosine` that stops bisect there.
+fn first_difference_text(d: &FirstDifference) -> String {
+    format!(
+        "; the runs are bit-identical for the {} call{} before `{}` (call {}, counter {:06}), \
+         whose `{}` is the first to differ (cosine {}, rel_l2 {}): if the runs should be \
+         deterministic, that is where it starts{}",
+        d.identical_before,
+        if d.identical_before == 1 { "" } else { "s" },
+        d.module,
+        d.call,
+        d.counter_ref,
+        d.output.tensor,
+        d.output
+            .cosine
+            .map(|c| below(c, 1.0))
+            .unwrap_or_else(|| "-".into()),
+        d.output.rel_l2.map(e).unwrap_or_else(|| "-".into()),
+        d.stop_min_cosine
+            .map(|c| format!(" (rerun with --min-cosine {c} to stop there)"))
+            .unwrap_or_default()
+    )
 }
 
 /// Whether call `i` of `n` is shown when at most `max` are: the first and last `edge`, and

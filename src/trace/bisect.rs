@@ -52,6 +52,15 @@ pub struct TensorDiff {
     pub matches: bool,
 }
 
+impl TensorDiff {
+    /// Compared and equal value for value (rel-L2 exactly 0; integers, empty tensors and
+    /// tensors only one trace holds: matching). Two runs of the same kernels on the same
+    /// inputs give this; a different kernel, however close, does not.
+    pub fn identical(&self) -> bool {
+        self.matches && self.rel_l2.map_or(self.cosine.is_none(), |e| e == 0.0)
+    }
+}
+
 /// A module call present in only one trace.
 #[derive(Clone, Debug, Serialize)]
 pub struct LoneCall {
@@ -82,6 +91,10 @@ pub struct CallDiff {
     pub outputs_match: bool,
     /// `None` when neither trace recorded inputs for this call.
     pub inputs_match: Option<bool>,
+    /// Every output equal value for value ([`TensorDiff::identical`]).
+    pub outputs_identical: bool,
+    /// Every input both traces hold equal value for value; `None` as for `inputs_match`.
+    pub inputs_identical: Option<bool>,
     /// Inputs that fail only because their shapes differ (the token set of this call changed:
     /// routing or batching differs upstream), their values unseen.
     pub inputs_shapes_differ: bool,
@@ -125,6 +138,7 @@ pub struct CallSummary {
     pub worst_input: Option<TensorDiff>,
     pub outputs_match: bool,
     pub inputs_match: Option<bool>,
+    pub outputs_identical: bool,
 }
 
 impl CallSummary {
@@ -140,6 +154,7 @@ impl CallSummary {
             worst_input: d.worst_input().cloned(),
             outputs_match: d.outputs_match,
             inputs_match: d.inputs_match,
+            outputs_identical: d.outputs_identical,
         }
     }
 }
@@ -163,6 +178,44 @@ pub struct BisectResult {
     pub paired_by_count: Vec<Option<u64>>,
     /// Whether the calls were grouped by `step` (both traces record it).
     pub by_step: bool,
+    /// Where a small difference that a later module blew up began, when the runs are
+    /// otherwise deterministic (see [`FirstDifference`]).
+    pub first_difference: Option<FirstDifference>,
+}
+
+/// The earliest paired call whose output is not bit-identical, before the first divergence,
+/// in two runs shown deterministic up to it: at least one paired call of its step before it
+/// is bit-identical (so all are: it is the first that differs), and the first divergence's
+/// inputs are not bit-identical (its cause may lie here). Two runs that differ everywhere by a
+/// little (BF16 against FP32, another kernel) differ from their first call on: no hint.
+#[derive(Clone, Debug, Serialize)]
+pub struct FirstDifference {
+    /// Index into `BisectResult::calls`.
+    pub index: usize,
+    pub module: String,
+    pub call: usize,
+    pub step: Option<u64>,
+    pub counter_ref: u64,
+    pub counter_test: u64,
+    pub file_ref: PathBuf,
+    pub file_test: PathBuf,
+    /// Its output that differs most (highest rel-L2).
+    pub output: TensorDiff,
+    /// Bit-identical paired calls of its step before it.
+    pub identical_before: usize,
+    /// The `--min-cosine` (0.9…9 or 1) at which this output fails, so that bisect stops here.
+    pub stop_min_cosine: Option<f64>,
+}
+
+/// The least `--min-cosine` of the form 0.9, 0.99, …, 0.999999999999999, else 1, under
+/// which `t` fails the whole-tensor check (cosine under it, or rel-L2 past
+/// [`max_rel_l2`] of it). Parsed from its decimal form, as the flag would be.
+fn stop_min_cosine(t: &TensorDiff) -> Option<f64> {
+    let (cos, rel) = (t.cosine?, t.rel_l2?);
+    (1..=15)
+        .filter_map(|k| format!("0.{}", "9".repeat(k)).parse::<f64>().ok())
+        .chain([1.0])
+        .find(|&bar| cos < bar || rel > max_rel_l2(bar))
 }
 
 /// A module path called a different number of times in REF and TEST.
@@ -784,6 +837,8 @@ fn diff_call(
         .filter(|t| matches!(role(&t.tensor), Role::Input(_)) && !one_sided(t))
         .collect();
     let inputs_match = (!ins.is_empty()).then(|| ins.iter().all(|t| t.matches));
+    let inputs_identical = (!ins.is_empty()).then(|| ins.iter().all(|t| t.identical()));
+    let outputs_identical = outputs_match && outs.iter().all(|t| t.identical());
     let failing: Vec<&&TensorDiff> = ins.iter().filter(|t| !t.matches).collect();
     let inputs_shapes_differ = !failing.is_empty()
         && failing.iter().all(|t| {
@@ -801,6 +856,8 @@ fn diff_call(
         tensors,
         outputs_match,
         inputs_match,
+        outputs_identical,
+        inputs_identical,
         inputs_shapes_differ,
     })
 }
@@ -874,6 +931,8 @@ pub fn bisect(
     let mut calls = Vec::new();
     let mut only_in_ref = Vec::new();
     let mut first_divergence = None;
+    // the first call whose outputs are not all bit-identical
+    let (mut first_change, mut changed_yet): (Option<FirstDifference>, bool) = (None, false);
     let mut trailing_only_in_ref = 0;
     for (i, e) in re.iter().enumerate() {
         tick();
@@ -890,11 +949,28 @@ pub fn bisect(
         }
         let d = diff_call(e, &te[ti], (ref_k[i], test_k[ti]), min_cosine)?;
         calls.push(CallSummary::of(&d));
+        if !d.outputs_identical && !changed_yet {
+            changed_yet = true;
+            first_change = changed(&d, calls.len() - 1);
+        }
         if !d.outputs_match && first_divergence.is_none() {
             first_divergence = Some((calls.len() - 1, d));
         }
     }
     let trailing_only_in_test = matched_test.iter().rev().take_while(|&&m| !m).count();
+    let first_difference = first_change.and_then(|mut fd| {
+        let (fi, d) = first_divergence.as_ref()?;
+        // the divergence's own inputs equal: it introduced it, whatever came before
+        if fd.index >= *fi || d.inputs_identical == Some(true) {
+            return None;
+        }
+        // evidence that the runs are deterministic: bit-identical calls of its step before it
+        fd.identical_before = calls[..fd.index]
+            .iter()
+            .filter(|c| c.step == fd.step)
+            .count();
+        (fd.identical_before > 0).then_some(fd)
+    });
     let only_in_test = te
         .iter()
         .zip(&test_k)
@@ -912,6 +988,36 @@ pub fn bisect(
         count_differs,
         paired_by_count,
         by_step,
+        first_difference,
+    })
+}
+
+/// Call `d` (at `index` of the calls) as a [`FirstDifference`], by its output that differs
+/// most; `None` when it has no output with a rel-L2 (it diverged outright: NaN, a shape).
+fn changed(d: &CallDiff, index: usize) -> Option<FirstDifference> {
+    let output = d
+        .tensors
+        .iter()
+        .filter(|t| matches!(role(&t.tensor), Role::Output(_)) && !t.identical())
+        .filter(|t| t.rel_l2.is_some())
+        .max_by(|a, b| {
+            a.rel_l2
+                .partial_cmp(&b.rel_l2)
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })?
+        .clone();
+    Some(FirstDifference {
+        index,
+        module: d.module.clone(),
+        call: d.call,
+        step: d.step,
+        counter_ref: d.counter_ref,
+        counter_test: d.counter_test,
+        file_ref: d.file_ref.clone(),
+        file_test: d.file_test.clone(),
+        stop_min_cosine: stop_min_cosine(&output),
+        output,
+        identical_before: 0,
     })
 }
 
@@ -981,7 +1087,7 @@ fn same_tokens(re: &TraceEntry, te: &TraceEntry) -> Result<()> {
 
 /// `cosine` printed to 6 digits, or to as many more as it takes to show it under `bar`
 /// ("0.9951849 < 0.995185", not "0.995185 < 0.995185").
-fn below(cosine: f64, bar: f64) -> String {
+pub fn below(cosine: f64, bar: f64) -> String {
     let mut digits = 6;
     while digits < 15
         && format!("{cosine:.digits$}")
