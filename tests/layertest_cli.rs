@@ -1735,3 +1735,81 @@ fn an_input_scale_far_too_large_under_global_max_is_named_as_the_flush() {
         assert_eq!(code, 0, "seed {seed} expert {e} per-expert: {text}");
     }
 }
+
+/// A checkpoint input_scale far off is named in the JSON CI scripts read, not only in the
+/// failure text: under `--gs checkpoint`, gs-sweep's and layertest's summary list the expert
+/// and projection(s) whose input_scale flushes its inputs (`input_scale_flush`, one 1e6x too
+/// large) and the expert GEMM input whose gs saturates it (`input_scale_saturate`, the
+/// planted bad-input-scale: gate/up 1000x too small). Both used to be in the text only.
+#[test]
+fn an_input_scale_far_off_is_named_in_the_json() {
+    use rand::Rng;
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = rand::thread_rng();
+    let seed = rng.gen::<u16>().to_string();
+    synth(
+        dir.path(),
+        "lo",
+        &["--seed", &seed, "--plant", "bad-input-scale"],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("lo/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    // the same model with expert e's input_scale(s) 1e6x too large instead
+    synth(dir.path(), "hi", &["--seed", &seed]);
+    let (projs, gemm): (&[&str], &str) = match rng.gen_range(0..4) {
+        0 => (&["gate_proj"], "gate/up"),
+        1 => (&["up_proj"], "gate/up"),
+        2 => (&["gate_proj", "up_proj"], "gate/up"),
+        _ => (&["down_proj"], "down"),
+    };
+    for p in projs {
+        scale_scalar(
+            &dir.path().join("hi"),
+            &format!("model.layers.1.mlp.experts.{e}.{p}.input_scale"),
+            1e6,
+        );
+    }
+    let args = |cmd: &'static str, ck: &'static str| -> Vec<&str> {
+        let mut a = vec![cmd, "--checkpoint", ck, "--device", "cpu", "--tokens", "32"];
+        a.extend(["--gs", "checkpoint", "--seed", &seed]);
+        if cmd == "gs-sweep" {
+            a.extend(["--points", "5"]);
+        }
+        a
+    };
+    let ours = |list: &Value, field: &str| -> Value {
+        list[field]
+            .as_array()
+            .unwrap_or_else(|| panic!("seed {seed}: no {field} list: {list}"))
+            .iter()
+            .find(|x| x["expert"] == e)
+            .unwrap_or_else(|| panic!("seed {seed}: expert {e} not in {field}: {list}"))
+            .clone()
+    };
+    for cmd in ["gs-sweep", "layertest"] {
+        let (code, text, r) = run(dir.path(), &args(cmd, "hi"));
+        assert_eq!(code, 1, "seed {seed} {cmd} hi {projs:?}: {text}");
+        let sm = &r.unwrap()["summary"];
+        let x = ours(sm, "input_scale_flush");
+        assert_eq!(x["gemm"], gemm, "seed {seed} {cmd}: {x}");
+        assert_eq!(
+            x["projs"],
+            serde_json::json!(projs),
+            "seed {seed} {cmd}: {x}"
+        );
+        let ratio = x["ratio"].as_f64().unwrap();
+        assert!((1e3..1e9).contains(&ratio), "seed {seed} {cmd}: {x}");
+
+        let (code, text, r) = run(dir.path(), &args(cmd, "lo"));
+        assert_eq!(code, 1, "seed {seed} {cmd} lo: {text}");
+        let sm = &r.unwrap()["summary"];
+        let x = ours(sm, "input_scale_saturate");
+        assert_eq!(x["gemm"], "gate/up", "seed {seed} {cmd}: {x}");
+        assert!(
+            x["ratio"].as_f64().unwrap() >= 10.0,
+            "seed {seed} {cmd}: {x}"
+        );
+    }
+}

@@ -1352,3 +1352,93 @@ fn multilayer_refuses_a_walk_over_a_layer_config_json_and_the_checkpoint_disagre
     let (code, text, _) = run_ml("ck");
     assert_eq!(code, 0, "seed {seed}: {text}");
 }
+
+/// multilayer under `--gs checkpoint` names why a layer's expert fails when its checkpoint
+/// input_scale is far off, as layertest does: 1000x too small saturates its inputs, 1e6x too
+/// large flushes them to zero, for gate/up (gs1) or down_proj (gs2). It named the layer, the
+/// expert and its cosine, not the cause; the per-layer JSON lists the input scale too.
+#[test]
+fn multilayer_names_saturation_or_flush_as_a_failing_experts_cause() {
+    let seed = rand::random::<u16>().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    synth(
+        dir.path(),
+        &["--out", "ck", "--plant", "bad-input-scale", "--seed", &seed],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    let cases: [(&[&str], f32, &str, &str); 4] = [
+        (
+            &["gate_proj", "up_proj"],
+            1e-3,
+            "gate/up input blocks saturate",
+            "input_scale_saturate",
+        ),
+        (
+            &["down_proj"],
+            1e-3,
+            "its down_proj input saturates",
+            "input_scale_saturate",
+        ),
+        (
+            &["gate_proj", "up_proj"],
+            1e6,
+            "its blocks flush to zero",
+            "input_scale_flush",
+        ),
+        (
+            &["down_proj"],
+            1e6,
+            "its blocks flush to zero",
+            "input_scale_flush",
+        ),
+    ];
+    for (i, (projs, factor, cause, field)) in cases.into_iter().enumerate() {
+        let out = format!("c{i}");
+        synth(dir.path(), &["--out", &out, "--seed", &seed]);
+        let ck = dir.path().join(&out);
+        for p in projs {
+            let name = format!("model.layers.1.mlp.experts.{e}.{p}.input_scale");
+            set_scalar(&ck, &name, scalar(&ck, &name) * factor);
+        }
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "multilayer",
+                "--checkpoint",
+                &out,
+                "--device",
+                "cpu",
+                "--gs",
+                "checkpoint",
+                "--seed",
+                &seed,
+            ],
+        );
+        assert_eq!(code, 1, "seed {seed} {projs:?} x{factor}: {text}");
+        let r = r.unwrap();
+        let head = format!("layer 1: expert {e}: ");
+        let line = r["failures"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v.as_str())
+            .find(|m| m.starts_with(&head))
+            .unwrap_or_else(|| panic!("seed {seed} {projs:?} x{factor}: no `{head}`: {text}"));
+        assert!(
+            line.contains(cause),
+            "seed {seed} {projs:?} x{factor}: `{cause}` not in: {line}"
+        );
+        let row = &r["per_layer"][0];
+        assert_eq!(row["layer"], 1, "seed {seed}");
+        let listed = row[field]
+            .as_array()
+            .is_some_and(|v| v.iter().any(|x| x["expert"] == e));
+        assert!(
+            listed,
+            "seed {seed} {projs:?} x{factor}: expert {e} not in {field}: {row}"
+        );
+    }
+}

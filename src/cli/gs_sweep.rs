@@ -8,7 +8,7 @@ use super::kernel::{self, KernelArgs};
 use super::layertest::{
     below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
     layer_and_batch, nvfp4_forward, scales_json, slots, token_bar, token_failure, BlockSummary,
-    EpArgs, GsArgs, InputArgs, Model, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE,
+    EpArgs, GsArgs, InputArgs, Model, ScaleFindings, DEFAULT_MIN_COSINE, DEFAULT_MIN_EXPERT_COSINE,
     DEFAULT_MIN_TOKEN_COSINE,
 };
 use crate::error::{Error, Result};
@@ -148,8 +148,6 @@ pub fn run(args: &Args) -> Result<Report> {
             false,
         )
     };
-    // under --gs checkpoint, the input scales in use far above what their inputs need
-    let flushes = || worst_flushes(&layer, &batch.hidden, &routing, used_source, reduce);
     let reduce_info = std::cell::RefCell::new(None);
     // the layer's output at scales `s`, and our forward's block statistics; with --kernel the
     // user's kernel is the one swept (block statistics stay ours: the quantization they
@@ -272,6 +270,21 @@ pub fn run(args: &Args) -> Result<Report> {
         _ => None,
     };
 
+    // under --gs checkpoint, what its input scales do to their inputs: those far above what
+    // their inputs need named in the failures, and both ways in the JSON
+    let findings = match (used_source, &used_scales) {
+        (GsSource::Checkpoint, Some(s)) => Some(ScaleFindings::of(
+            &layer,
+            &batch.hidden,
+            &routing,
+            s,
+            used_source,
+            reduce,
+        )?),
+        _ => None,
+    };
+    let flushes = || worst_flushes(findings.as_ref());
+
     // ---- verdict ----
     let clean = |p: &&Point| p.nan_count + p.inf_count == 0 && p.cosine.is_finite();
     let best = sources
@@ -341,7 +354,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 format!(
                     "{:.1}% of its activation blocks flush to zero (gs too small){}",
                     u.blocks.flushed_pct,
-                    flushes()?
+                    flushes()
                 )
             } else {
                 format!(
@@ -424,7 +437,7 @@ pub fn run(args: &Args) -> Result<Report> {
                  (calibrated: cosine {}){}",
                 wrong.len(),
                 f(*cal_cos, 4),
-                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))? + &flushes()?
+                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))? + &flushes()
             ));
             cause.get_or_insert("gs");
         }
@@ -531,6 +544,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "experts": expert_json,
         "cause": cause,
         "input_scale_reciprocal": reciprocal.as_ref().map(|(_, j)| j),
+        "input_scale_flush": findings.as_ref().and_then(|s| s.flush_json()),
+        "input_scale_saturate": findings.as_ref().and_then(|s| s.saturate_json()),
         "best_cosine": best.as_ref().map(|b| b.cosine),
         "best": best.as_ref().map(describe_gs),
         "best_sweep_gs": best_sweep.as_ref().and_then(|b| b.gs1),
@@ -748,31 +763,21 @@ fn worst_overshoots(
 }
 
 /// `; worst: expert E gate_proj/up_proj input_scale S is Rx the N its amax needs ...` for
-/// the (up to three) checkpoint input scales in use that sit at least `gs::MIN_FLUSH_RATIO` above what
-/// their inputs need (see [`gs::input_scales_too_large`]), under `--gs checkpoint`: the
-/// flush counterpart of [`worst_overshoots`], where one expert's input_scale, under
-/// `global-max` every expert's, flushes the layer's blocks.
-fn worst_flushes(
-    layer: &crate::moe::MoeLayer,
-    hidden: &[f32],
-    routing: &crate::moe::Routing,
-    source: GsSource,
-    reduce: gs::InputScaleReduce,
-) -> Result<String> {
-    if source != GsSource::Checkpoint {
-        return Ok(String::new());
-    }
-    let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
-    let worst: Vec<String> = gs::input_scales_too_large(layer, reduce, &a1, &a2)
+/// the (up to three) checkpoint input scales in use that sit at least `gs::MIN_FLUSH_RATIO`
+/// above what their inputs need ([`ScaleFindings`], under `--gs checkpoint`): the flush
+/// counterpart of [`worst_overshoots`], where one expert's input_scale, under `global-max`
+/// every expert's, flushes the layer's blocks.
+fn worst_flushes(findings: Option<&ScaleFindings>) -> String {
+    let worst: Vec<String> = findings
         .iter()
-        .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
+        .flat_map(|s| &s.too_large)
         .take(3)
         .map(|o| o.describe())
         .collect();
-    Ok(match worst.is_empty() {
+    match worst.is_empty() {
         true => String::new(),
         false => format!("; worst: {}", worst.join(", ")),
-    })
+    }
 }
 
 /// `; the gs source that fixes it: ...` naming the best other source within `max_loss` of the

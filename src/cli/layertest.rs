@@ -1457,45 +1457,30 @@ pub fn run(args: &Args) -> Result<Report> {
     // cannot show it
     // and the checkpoint input_scales in use far above what their amax needs: the flush
     // counterpart, under global-max one expert's value that every expert takes
-    let reduce = args.gs.input_scale_reduce;
-    let (over, too_large) = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
-        true => {
-            let (a1, a2) = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
-            let too_large = match source {
-                GsSource::Checkpoint => gs::input_scales_too_large(&layer, reduce, &a1, &a2)
-                    .into_iter()
-                    .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
-                    .collect(),
-                _ => vec![],
-            };
-            (gs::overshoots(&scales, &a1, &a2), too_large)
-        }
-        false => (vec![], vec![]),
+    let findings = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
+        true => Some(ScaleFindings::of(
+            &layer,
+            &batch.hidden,
+            &routing,
+            &scales,
+            source,
+            args.gs.input_scale_reduce,
+        )?),
+        false => None,
     };
     let expert_lines = failures.len();
     for x in &experts {
         if let Some(msg) = check.failure(&x.m) {
-            let cause = x.cause();
-            let named = !cause.is_empty();
-            let flush: String = too_large
-                .iter()
-                .filter(|o| o.expert == x.m.expert && !o.sets_layer_max)
-                .map(|o| format!("; {}: its blocks flush to zero", o.describe()))
-                .collect();
-            failures.push(msg + &cause + &input_cause(&over, x.m.expert, named) + &flush);
+            let why = findings
+                .as_ref()
+                .map_or(String::new(), |s| s.cause(x.m.expert, &x.gate_up_input));
+            failures.push(msg + &why);
         }
     }
     // under global-max the expert whose input_scale flushes every expert's inputs is not
     // among those failing for it (or not first): it leads their lines
-    for o in too_large.iter().filter(|o| o.sets_layer_max).rev() {
-        failures.insert(
-            expert_lines,
-            format!(
-                "{}: the {} input blocks of every expert flush to zero under it",
-                o.describe(),
-                o.gemm
-            ),
-        );
+    for line in findings.iter().flat_map(|s| s.layer_max_lines()).rev() {
+        failures.insert(expert_lines, line);
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
         failures.push(format!(
@@ -1607,6 +1592,8 @@ pub fn run(args: &Args) -> Result<Report> {
         "model": model.describe(),
         "cause": reciprocal.as_ref().map(|_| "input_scale_reciprocal"),
         "input_scale_reciprocal": reciprocal.as_ref().map(|(_, j)| j),
+        "input_scale_flush": findings.as_ref().and_then(|s| s.flush_json()),
+        "input_scale_saturate": findings.as_ref().and_then(|s| s.saturate_json()),
         "worst_expert": experts.first().map(|x| json!({"expert": x.m.expert, "cosine": x.m.metrics.cosine, "slots": x.m.slots})),
         "ep": args.ep.ep,
         "ep_within_bound": ep_run.as_ref().map(|x| x.agreement.within_bound),
@@ -2189,20 +2176,25 @@ struct ExpertRow {
 impl ExpertRow {
     /// A likely cause, in words, when the activation blocks point at one.
     fn cause(&self) -> String {
-        let b = &self.gate_up_input;
-        if b.saturated_pct >= 20.0 {
-            format!(
-                "; {:.0}% of its gate/up input blocks saturate (scale 448): its activation global scale (gs1) is too large for its inputs",
-                b.saturated_pct
-            )
-        } else if b.flushed_pct >= 20.0 {
-            format!(
-                "; {:.0}% of its gate/up input blocks flush to zero: its activation global scale (gs1) is too small",
-                b.flushed_pct
-            )
-        } else {
-            String::new()
-        }
+        blocks_cause(&self.gate_up_input)
+    }
+}
+
+/// `; N% of its gate/up input blocks saturate (scale 448) ...` or `... flush to zero ...`
+/// when one expert's gate/up input blocks `b` point at its gs1.
+fn blocks_cause(b: &BlockSummary) -> String {
+    if b.saturated_pct >= 20.0 {
+        format!(
+            "; {:.0}% of its gate/up input blocks saturate (scale 448): its activation global scale (gs1) is too large for its inputs",
+            b.saturated_pct
+        )
+    } else if b.flushed_pct >= 20.0 {
+        format!(
+            "; {:.0}% of its gate/up input blocks flush to zero: its activation global scale (gs1) is too small",
+            b.flushed_pct
+        )
+    } else {
+        String::new()
     }
 }
 
@@ -2270,6 +2262,96 @@ pub fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
     })
 }
 
+/// What the activation scales in use do to the experts' inputs, from one CPU pass over them
+/// ([`crate::moe::forward::expert_input_amax`]): the GEMM inputs whose gs saturates them
+/// ([`gs::overshoots`]) and, under `--gs checkpoint`, the input scales in use at least
+/// [`gs::MIN_FLUSH_RATIO`] above what their amax needs ([`gs::input_scales_too_large`]):
+/// the cause layertest and multilayer name in a failing expert's line, and their JSON
+/// `input_scale_saturate` and `input_scale_flush` (gs-sweep's too).
+pub struct ScaleFindings {
+    pub over: Vec<gs::GsOvershoot>,
+    pub too_large: Vec<gs::InputScaleTooLarge>,
+    /// The scales are the checkpoint's `input_scale`s (`--gs checkpoint`).
+    checkpoint: bool,
+}
+
+impl ScaleFindings {
+    /// The findings of `scales` (from `source`, reduced by `reduce`) on `layer`'s experts fed
+    /// `hidden` through `routing`.
+    pub fn of(
+        layer: &MoeLayer,
+        hidden: &[f32],
+        routing: &Routing,
+        scales: &ActScales,
+        source: GsSource,
+        reduce: InputScaleReduce,
+    ) -> Result<Self> {
+        let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+        let checkpoint = source == GsSource::Checkpoint;
+        let too_large = match checkpoint {
+            true => gs::input_scales_too_large(layer, reduce, &a1, &a2)
+                .into_iter()
+                .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
+                .collect(),
+            false => vec![],
+        };
+        Ok(ScaleFindings {
+            over: gs::overshoots(scales, &a1, &a2),
+            too_large,
+            checkpoint,
+        })
+    }
+
+    /// Why `expert` fails, in words, where its inputs show it: its gate/up input blocks
+    /// `gate_up` saturated or flushed, its inputs' gs past what their amax allows, its
+    /// checkpoint input_scale flushing them (`""` when none).
+    pub fn cause(&self, expert: usize, gate_up: &BlockSummary) -> String {
+        let blocks = blocks_cause(gate_up);
+        let named = !blocks.is_empty();
+        let flush: String = self
+            .too_large
+            .iter()
+            .filter(|o| o.expert == expert && !o.sets_layer_max)
+            .map(|o| format!("; {}: its blocks flush to zero", o.describe()))
+            .collect();
+        blocks + &input_cause(&self.over, expert, named) + &flush
+    }
+
+    /// Under `--input-scale-reduce global-max`, one line per expert whose input_scale is the
+    /// layer-wide max that flushes every expert's inputs: they lead the failing experts'.
+    pub fn layer_max_lines(&self) -> Vec<String> {
+        self.too_large
+            .iter()
+            .filter(|o| o.sets_layer_max)
+            .map(|o| {
+                format!(
+                    "{}: the {} input blocks of every expert flush to zero under it",
+                    o.describe(),
+                    o.gemm
+                )
+            })
+            .collect()
+    }
+
+    /// JSON `input_scale_flush`: the checkpoint input scales that flush their inputs, worst
+    /// first; `None` unless `--gs checkpoint`.
+    pub fn flush_json(&self) -> Option<serde_json::Value> {
+        self.checkpoint.then(|| json!(self.too_large))
+    }
+
+    /// JSON `input_scale_saturate`: the expert GEMM inputs whose gs, `1/input_scale` of the
+    /// checkpoint, is at least [`gs::MIN_OVERSHOOT_RATIO`] past what their amax allows, worst
+    /// first; `None` unless `--gs checkpoint`.
+    pub fn saturate_json(&self) -> Option<serde_json::Value> {
+        let v: Vec<&gs::GsOvershoot> = self
+            .over
+            .iter()
+            .filter(|o| o.ratio >= gs::MIN_OVERSHOOT_RATIO)
+            .collect();
+        self.checkpoint.then(|| json!(v))
+    }
+}
+
 /// `; its down_proj input saturates: ...` when `expert`'s gs2 is at least twice what the
 /// amax of its SwiGLU output allows (see [`gs::overshoots`]), and the same for its gate/up
 /// input (gs1) unless `gate_up_named` (its saturated blocks already named it): one expert's
@@ -2286,7 +2368,7 @@ fn input_cause(over: &[gs::GsOvershoot], expert: usize, gate_up_named: bool) -> 
         }
         if let Some(o) = over
             .iter()
-            .find(|o| o.expert == expert && o.gemm == gemm && o.ratio >= 2.0)
+            .find(|o| o.expert == expert && o.gemm == gemm && o.ratio >= gs::MIN_OVERSHOOT_RATIO)
         {
             out += &format!(
                 "; its {what} input saturates: gs{} {} is {}x the {} its amax allows (a {proj} input_scale too small?)",

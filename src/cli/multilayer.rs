@@ -8,11 +8,11 @@ use super::kernel::{self, KernelArgs};
 use super::layertest::{
     at, below, block_summary, check_unsharded, ep_disagreement, ep_json_with, input_nonfinite,
     layer_and_batch, nonfinite_weights, nvfp4_forward, ranges, unreached_nonfinite_experts, EpArgs,
-    GsArgs, InputArgs, Model,
+    GsArgs, InputArgs, Model, ScaleFindings,
 };
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
-use crate::moe::breakdown::per_expert;
+use crate::moe::breakdown::{expert_input_blocks, per_expert};
 use crate::moe::gs::GsSource;
 use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
@@ -113,6 +113,11 @@ struct LayerRow {
     /// Experts that miss --min-expert-cosine on fewer than --min-expert-slots slots, within
     /// NVFP4 noise there: too few tokens to judge.
     experts_too_few_slots: Vec<usize>,
+    /// Under --gs checkpoint, when an expert of this layer alone fails: its checkpoint input
+    /// scales far above what their inputs need (blocks flush to zero), as layertest lists them.
+    input_scale_flush: Option<serde_json::Value>,
+    /// The same for the expert GEMM inputs whose gs, 1/input_scale, saturates them.
+    input_scale_saturate: Option<serde_json::Value>,
 }
 
 /// Parse `A..B`, `A..=B` or `A`.
@@ -270,6 +275,34 @@ pub fn run(args: &Args) -> Result<Report> {
         };
         let judged: Vec<(usize, ExpertVerdict)> =
             experts.iter().map(|x| (x.expert, check.judge(x))).collect();
+        // what the scales did to a failing expert's inputs (saturated, flushed), named in its
+        // line as layertest names it
+        let failing = judged
+            .iter()
+            .any(|(_, v)| matches!(v, ExpertVerdict::Fail(_)));
+        let findings = match failing {
+            true => Some(ScaleFindings::of(
+                &ly,
+                &x_rf,
+                &r_rf,
+                &scales,
+                source,
+                args.gs.input_scale_reduce,
+            )?),
+            false => None,
+        };
+        let gate_up = match failing {
+            true => expert_input_blocks(&r_rf, &x_rf, hsz, ly.config.n_routed_experts, &scales),
+            false => vec![],
+        };
+        let why = |e: usize| {
+            findings.as_ref().map_or(String::new(), |s| {
+                s.cause(
+                    e,
+                    &block_summary(&gate_up.get(e).copied().unwrap_or_default()),
+                )
+            })
+        };
         // the experts that make NaN/Inf first (a NaN layer named no expert), then the rest
         let expert_failures: Vec<String> = experts
             .iter()
@@ -278,8 +311,10 @@ pub fn run(args: &Args) -> Result<Report> {
                 let why = nonfinite_weights(&ly, x.expert).unwrap_or_default();
                 ExpertCheck::nonfinite(x).map(|line| line + &why)
             })
-            .chain(judged.iter().filter_map(|(_, v)| match v {
-                ExpertVerdict::Fail(m) => Some(m.clone()),
+            // under global-max, the expert whose input_scale flushes every expert's inputs
+            .chain(findings.iter().flat_map(|s| s.layer_max_lines()))
+            .chain(judged.iter().filter_map(|(e, v)| match v {
+                ExpertVerdict::Fail(m) => Some(m.clone() + &why(*e)),
                 _ => None,
             }))
             .chain(unreached_nonfinite_experts(&ly, &[&r_nv, &r_rf]))
@@ -342,6 +377,8 @@ pub fn run(args: &Args) -> Result<Report> {
             ep_agreement,
             expert_failures,
             experts_too_few_slots,
+            input_scale_flush: findings.as_ref().and_then(|s| s.flush_json()),
+            input_scale_saturate: findings.as_ref().and_then(|s| s.saturate_json()),
         });
         pb.inc(1);
     }

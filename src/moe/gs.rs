@@ -374,6 +374,12 @@ pub fn overshoots(
 /// near 3000x.
 pub const MIN_FLUSH_RATIO: f32 = 10.0;
 
+/// How far past what its amax allows (`ratio` of [`GsOvershoot`]) a gs is named as
+/// saturating an expert's inputs (layertest and multilayer name it in the expert's failure,
+/// and list it in the JSON `input_scale_saturate`): within 2x, its largest blocks clip by
+/// less than an E2M1 step or two.
+pub const MIN_OVERSHOOT_RATIO: f32 = 2.0;
+
 /// One expert GEMM input whose checkpoint `input_scale` in use is far above what its amax
 /// needs, the flush counterpart of [`GsOvershoot`]: gs `1/stored` puts its largest block's
 /// E4M3 scale at `448 / ratio`, and smaller blocks under the E4M3 subnormals, to zero.
