@@ -1528,3 +1528,170 @@ fn a_nan_swallowed_then_received_downstream_is_named_where_it_first_shows() {
         "{ctx}"
     );
 }
+
+/// Write `dir` (one rank) with 12 calls `model.layers.C`: `input.0` holds a NaN at the calls in
+/// `nan_in`, `output` at those in `nan_out`. Returns the flat index of the NaN.
+fn write_rank(
+    r: &mut rand_chacha::ChaCha8Rng,
+    dir: &std::path::Path,
+    nan_in: &[u64],
+    nan_out: &[u64],
+) -> usize {
+    std::fs::create_dir_all(dir).unwrap();
+    let flat = r.gen_range(0..32);
+    for c in 0..12u64 {
+        let (mut x, mut y) = (randv(r, 32), randv(r, 32));
+        if nan_in.contains(&c) {
+            x[flat] = f32::NAN;
+        }
+        if nan_out.contains(&c) {
+            y[flat] = f32::NAN;
+        }
+        write_call(
+            dir,
+            c,
+            &format!("model.layers.{c}"),
+            vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y)],
+            &[],
+        );
+    }
+    flat
+}
+
+/// Guards: across ranks, a rank whose only NaN was a swallowed input (its outputs all clean) was
+/// never a candidate, so expert parallelism's NaN that rank 1's dispatch input holds at an
+/// early counter, and that rank 0's later output received through its inputs (none before it on
+/// rank 0), was reported at rank 0's output. The rank 1 input is where it first shows; rank 0's
+/// output is `first_bad_output`. A NaN swallowed only after the received output is not it.
+#[test]
+fn a_nan_swallowed_on_one_rank_and_received_on_another_is_named_where_it_first_shows() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let at = r.gen_range(1..6u64);
+    let bad = r.gen_range(at..11u64);
+    let flat = write_rank(&mut r, &tmp.path().join("ep/rank1"), &[at], &[]);
+    let received: Vec<u64> = (bad..12).collect();
+    write_rank(&mut r, &tmp.path().join("ep/rank0"), &received, &received);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep"]);
+    let ctx = format!(
+        "seed {seed}, rank 1 input at {at}, rank 0 outputs from {bad}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["rank"], 1, "{ctx}");
+    assert_eq!(f["module"], format!("model.layers.{at}"), "{ctx}");
+    assert_eq!(f["tensor"], "input.0", "{ctx}");
+    assert_eq!(f["index"]["flat"], flat as u64, "{ctx}");
+    assert!(f["file"].as_str().unwrap().contains("rank1"), "{ctx}");
+    let b = &f["first_bad_output"];
+    assert_eq!(b["rank"], 0, "{ctx}");
+    assert_eq!(b["module"], format!("model.layers.{bad}"), "{ctx}");
+    assert_eq!(b["tensor"], "output", "{ctx}");
+    assert!(o.stdout.contains("rank 1: first NaN in"), "{ctx}");
+    // the per-rank table names rank 1's swallowed input, not "-"
+    let ranks = o.json["ranks"].as_array().unwrap();
+    assert_eq!(ranks[1]["first_nonfinite"]["tensor"], "input.0", "{ctx}");
+    assert_eq!(ranks[1]["first_nonfinite"]["counter"], at, "{ctx}");
+    assert_eq!(ranks[0]["first_nonfinite"]["counter"], bad, "{ctx}");
+
+    // rank 1 also makes a NaN of its own after rank 0 received one: still its input, and the
+    // table of the first non-finite value is the input's, not rank 1's own output's
+    write_rank(&mut r, &tmp.path().join("own/rank1"), &[at], &[11]);
+    write_rank(&mut r, &tmp.path().join("own/rank0"), &received, &received);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "own"]);
+    let ctx = format!(
+        "seed {seed}, rank 1 input at {at} and output at 11, rank 0 outputs from {bad}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(
+        (&f["rank"], &f["counter"]),
+        (&Value::from(1), &Value::from(at)),
+        "{ctx}"
+    );
+    assert_eq!(f["tensor"], "input.0", "{ctx}");
+    assert_eq!(f["first_bad_output"]["rank"], 0, "{ctx}");
+    assert!(o.stdout.contains("input.0 F32 [4, 8]"), "{ctx}");
+    assert!(!o.stdout.contains("this module produced it"), "{ctx}");
+
+    // rank 1 swallows its NaN only after rank 0's output received one: rank 0's output it is
+    let late = r.gen_range(bad + 1..12u64);
+    write_rank(&mut r, &tmp.path().join("late/rank1"), &[late], &[]);
+    write_rank(&mut r, &tmp.path().join("late/rank0"), &received, &received);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "late"]);
+    let ctx = format!(
+        "seed {seed}, rank 1 input at {late}, rank 0 outputs from {bad}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["rank"], 0, "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["tensor"], "output", "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["counter"], bad, "{ctx}");
+}
+
+/// Guards: a NaN a masked op swallowed on rank 1 while rank 0 has an unrelated bad output it
+/// made itself (clean inputs): rank 0's output is the answer, as on one rank, but rank 1's
+/// swallowed NaN is said beside it and in the per-rank table (it read "-" there, and the
+/// headline did not name it). With no bad output on any rank, the earliest swallowed NaN is
+/// the answer, whichever rank holds it (it was the lowest failing rank).
+#[test]
+fn a_swallowed_nan_on_another_rank_is_said_and_the_earliest_wins_without_bad_outputs() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let at = r.gen_range(1..6u64);
+    let own = r.gen_range(at + 1..12u64);
+    write_rank(&mut r, &tmp.path().join("masked/rank1"), &[at], &[]);
+    let flat = write_rank(&mut r, &tmp.path().join("masked/rank0"), &[], &[own]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "masked"]);
+    let ctx = format!(
+        "seed {seed}, rank 1 input at {at}, rank 0 own output at {own}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(
+        (&f["rank"], &f["counter"]),
+        (&Value::from(0), &Value::from(own)),
+        "{ctx}"
+    );
+    assert_eq!(f["tensor"], "output", "{ctx}");
+    assert_eq!(f["index"]["flat"], flat as u64, "{ctx}");
+    assert_eq!(f["inputs_clean"], true, "{ctx}");
+    assert!(
+        o.stdout
+            .contains(&format!("rank 1's `model.layers.{at}` input.0")),
+        "{ctx}"
+    );
+    let ranks = o.json["ranks"].as_array().unwrap();
+    assert_eq!(ranks[1]["verdict"], "fail", "{ctx}");
+    assert_eq!(ranks[1]["first_nonfinite"]["tensor"], "input.0", "{ctx}");
+    assert_eq!(ranks[1]["first_nonfinite"]["counter"], at, "{ctx}");
+
+    // no bad output anywhere: rank 0 swallows a NaN late, rank 1 early: rank 1's is first
+    let early = r.gen_range(0..6u64);
+    let late = r.gen_range(early + 1..12u64);
+    write_rank(&mut r, &tmp.path().join("inputs/rank0"), &[late], &[]);
+    let flat = write_rank(&mut r, &tmp.path().join("inputs/rank1"), &[early], &[]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "inputs"]);
+    let ctx = format!(
+        "seed {seed}, rank 0 input at {late}, rank 1 at {early}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(
+        (&f["rank"], &f["counter"]),
+        (&Value::from(1), &Value::from(early)),
+        "{ctx}"
+    );
+    assert_eq!(f["tensor"], "input.0", "{ctx}");
+    assert_eq!(f["index"]["flat"], flat as u64, "{ctx}");
+    assert!(
+        o.stdout.contains("rank 1: no NaN/Inf in any output"),
+        "{ctx}"
+    );
+}

@@ -180,23 +180,88 @@ pub fn run(args: &Args) -> Result<Report> {
     Ok(merge_ranks(&indexes, &results, reports))
 }
 
-/// One report over several ranks: the rank whose first bad call comes first in (step, counter)
-/// order (ties: the lower rank), else a failing rank (files not scanned), else rank 0's report
-/// with the headline and counts of all ranks; a table of every rank's outcome is added.
+/// Where a NaN/Inf shows, in (step, counter) order; at one counter a call's input comes before
+/// its output (and before another rank's output at that counter: an all-to-all's input is sent
+/// before any rank's output holds it).
+type At = (Option<u64>, u64, u8);
+
+fn at_input(c: &ScannedCall) -> At {
+    (c.step, c.counter, 0)
+}
+
+fn at_output(c: &ScannedCall) -> At {
+    (c.step, c.counter, 1)
+}
+
+/// What a rank's own report names under `first_nonfinite`: the NaN input its first bad output
+/// received, else that output, else a NaN input swallowed with no bad output after it. (call,
+/// tensor, whether it is an input, where.)
+fn rank_answer(r: &LocateResult) -> Option<(&ScannedCall, &str, bool, At)> {
+    fn input((c, b): &(ScannedCall, BadValue)) -> (&ScannedCall, &str, bool, At) {
+        (c, b.tensor.as_str(), true, at_input(c))
+    }
+    if let Some(n) = received_nan_input(r) {
+        return Some(input(n));
+    }
+    match &r.first {
+        Some(f) => Some((&f.call, f.output.tensor.as_str(), false, at_output(&f.call))),
+        None => r.nan_input.as_ref().map(input),
+    }
+}
+
+/// One report over several ranks, as if their calls were one trace in (step, counter) order: the
+/// first bad output of any rank, unless a NaN input swallowed earlier (its outputs clean) is where
+/// it first shows. That is so on its own rank when that rank's first bad output received its
+/// value (see [`received_nan_input`]), and across ranks when a rank's first bad output received a
+/// NaN through its inputs with no NaN before it on that rank: expert parallelism moves tokens
+/// between ranks (all-to-all dispatch and combine), so a NaN one rank's dispatch input holds
+/// shows up in another rank's input. A swallowed NaN no bad output received (a masked op on one
+/// rank, an unrelated bad output elsewhere) is a second fault, said beside the answer as on one
+/// rank; with no bad output on any rank, the earliest one is the answer. Ties: the lower rank.
+/// Else a failing rank (files not scanned), else rank 0's report with the headline and counts of
+/// all ranks; a table of every rank's outcome is added.
 fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Report>) -> Report {
-    let first_at = |r: &LocateResult| {
-        received_nan_input(r)
-            .map(|(c, _)| c)
-            .or(r.first.as_ref().map(|f| &f.call))
-            .map(|c| (c.step, c.counter))
-    };
     let rank_of = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
-    let bad = (0..results.len())
-        .filter(|&k| results[k].first.is_some())
-        .min_by_key(|&k| (first_at(&results[k]), rank_of(&indexes[k])));
-    let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
-    let pick = bad.or(failing).unwrap_or(0);
     let ranks: Vec<u64> = indexes.iter().map(rank_of).collect();
+    let any_bad_output = results.iter().any(|r| r.first.is_some());
+    // a rank's first bad output that received a NaN/Inf with none before it on its own rank
+    let unexplained = |k: usize| {
+        let r = &results[k];
+        r.first
+            .as_ref()
+            .filter(|f| f.inputs_clean == Some(false) && r.nan_input.is_none())
+            .map(|f| at_output(&f.call))
+    };
+    // (where, rank, position, the rank whose bad output received it across ranks)
+    let mut candidates: Vec<(At, u64, usize, Option<usize>)> = vec![];
+    for (k, r) in results.iter().enumerate() {
+        if let Some((_, _, _, at)) = rank_answer(r).filter(|_| r.first.is_some()) {
+            candidates.push((at, ranks[k], k, None));
+        }
+        let Some((c, _)) = r
+            .nan_input
+            .as_ref()
+            .filter(|_| received_nan_input(r).is_none())
+        else {
+            continue;
+        };
+        let at = at_input(c);
+        if !any_bad_output {
+            candidates.push((at, ranks[k], k, None));
+            continue;
+        }
+        let receiver = (0..results.len())
+            .filter(|&o| o != k)
+            .filter_map(|o| unexplained(o).filter(|&b| b > at).map(|b| (b, ranks[o], o)))
+            .min()
+            .map(|(_, _, o)| o);
+        if receiver.is_some() {
+            candidates.push((at, ranks[k], k, receiver));
+        }
+    }
+    let bad = candidates.iter().min().copied();
+    let failing = (0..reports.len()).find(|&k| reports[k].verdict == Verdict::Fail);
+    let pick = bad.map(|b| b.2).or(failing).unwrap_or(0);
     let ranks_text = rank_list(&ranks);
     let mut table = Section::new(
         format!("Ranks scanned ({})", ranks.len()),
@@ -204,24 +269,53 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     );
     let mut per_rank = vec![];
     for ((index, r), rep) in indexes.iter().zip(results).zip(&reports) {
-        // the answer's call and tensor: the NaN input the first bad output received, else it
-        let answer = received_nan_input(r)
-            .map(|(c, b)| (c, &b.tensor))
-            .or(r.first.as_ref().map(|f| (&f.call, &f.output.tensor)));
-        let first = answer.map(|(c, t)| format!("{} {} {t}", counter(c), c.module));
+        // the rank's own answer, and a NaN input swallowed before a bad output it made itself
+        let answer = rank_answer(r);
+        let swallowed = r
+            .nan_input
+            .as_ref()
+            .filter(|_| r.first.is_some() && received_nan_input(r).is_none());
+        let mut first = answer
+            .map(|(c, t, input, _)| {
+                format!(
+                    "{} {} {t}{}",
+                    counter(c),
+                    c.module,
+                    if input {
+                        " (an input, output clean)"
+                    } else {
+                        ""
+                    }
+                )
+            })
+            .unwrap_or_else(|| "-".into());
+        if let Some((c, b)) = swallowed {
+            first.push_str(&format!(
+                "; before it, NaN swallowed: {} {} {}",
+                counter(c),
+                c.module,
+                b.tensor
+            ));
+        }
         table.row(vec![
             rank_of(index).to_string(),
             r.calls_scanned.to_string(),
-            first.clone().unwrap_or_else(|| "-".into()),
+            first,
             format!("{:?}", rep.verdict).to_lowercase(),
         ]);
         per_rank.push(json!({
             "rank": rank_of(index),
             "calls_scanned": r.calls_scanned,
             "verdict": rep.verdict,
-            "first_nonfinite": answer.map(|(c, t)| json!({
+            "first_nonfinite": answer.map(|(c, t, _, _)| json!({
                 "module": c.module,
                 "tensor": t,
+                "counter": c.counter,
+                "step": c.step,
+            })),
+            "nan_input": r.nan_input.as_ref().map(|(c, b)| json!({
+                "module": c.module,
+                "tensor": b.tensor,
                 "counter": c.counter,
                 "step": c.step,
             })),
@@ -230,6 +324,33 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     let scanned: usize = results.iter().map(|r| r.calls_scanned).sum();
     let mut rep = reports.into_iter().nth(pick).expect("one report per rank");
     let picked_rank = ranks[pick];
+    if let Some((_, _, j, Some(k))) = bad {
+        received_across_ranks(&mut rep, &indexes[j], &results[j], &results[k], ranks[k]);
+    }
+    // a NaN swallowed on another rank before the answer that no bad output received
+    let second = bad.and_then(|(at, _, j, _)| {
+        (0..results.len())
+            .filter(|&k| k != j)
+            .filter_map(|k| {
+                let r = &results[k];
+                let (c, b) = r.nan_input.as_ref()?;
+                (received_nan_input(r).is_none() && at_input(c) < at)
+                    .then(|| (at_input(c), ranks[k], c, b))
+            })
+            .min_by_key(|s| (s.0, s.1))
+    });
+    if let Some((_, k, c, b)) = second {
+        rep.headline.push_str(&format!(
+            "; before it, rank {k}'s `{}` {} (counter {}) held {} NaN (first at [{}]) that no \
+             recorded output held and no bad output received through its inputs: swallowed \
+             there (a masked op, or a second fault)",
+            c.module,
+            b.tensor,
+            counter(c),
+            b.nan_count,
+            where_(b)
+        ));
+    }
     rep.headline = match (bad, rep.verdict) {
         (Some(_), _) => format!(
             "rank {picked_rank}: {} (ranks scanned: {ranks_text})",
@@ -252,6 +373,100 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     }
     rep.sections.insert(0, table);
     rep.with("ranks", per_rank)
+}
+
+/// Rewrite the report of the rank whose swallowed NaN input (`r.nan_input`) is where the value
+/// first shows: `first_nonfinite` names that input, its `first_bad_output` the output of rank
+/// `to_rank` (`to`) that received it through its inputs.
+fn received_across_ranks(
+    rep: &mut Report,
+    index: &TraceIndex,
+    r: &LocateResult,
+    to: &LocateResult,
+    to_rank: u64,
+) {
+    let (Some((c, b)), Some(f)) = (&r.nan_input, &to.first) else {
+        return;
+    };
+    let o = &f.output;
+    let rank = index.selection.rank.unwrap_or(0);
+    rep.verdict = Verdict::Fail;
+    rep.headline = format!(
+        "first NaN in `{}` {} [{}] (counter {}), an input: every recorded output before it on \
+         rank {rank} was clean, so code between recorded modules made it ({}), and this module \
+         swallowed it; rank {to_rank}'s first bad output, `{}` {} (counter {}, {}), received a \
+         NaN/Inf through its inputs with none in rank {to_rank}'s calls before it: it came from \
+         another rank (expert parallelism moves tokens between ranks in its all-to-all), and \
+         this input is where it first shows",
+        c.module,
+        b.tensor,
+        where_(b),
+        counter(c),
+        r.clean_before_nan_input
+            .as_ref()
+            .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
+            .unwrap_or_else(|| "before the first recorded call".into()),
+        f.call.module,
+        o.tensor,
+        counter(&f.call),
+        o.kind.as_str(),
+    );
+    let nan_input = nan_input_json(index, r);
+    let mut first = nan_input.clone().unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut first {
+        m.insert(
+            "first_bad_output".into(),
+            json!({
+                "module": f.call.module,
+                "file": f.call.file,
+                "tensor": o.tensor,
+                "index": index_json(o),
+                "kind": o.kind,
+                "counter": f.call.counter,
+                "step": f.call.step,
+                "rank": to_rank,
+                "inputs_clean": f.inputs_clean,
+            }),
+        );
+    }
+    let kv = Section::kv(
+        "First non-finite value",
+        &[
+            ("module", c.module.clone()),
+            ("file", c.file.display().to_string()),
+            ("tensor", format!("{} {} {:?}", b.tensor, b.dtype, b.shape)),
+            ("index", where_(b)),
+            ("kind", format!("{} (value {})", b.kind.as_str(), b.value)),
+            (
+                "NaN / Inf in tensor",
+                format!("{} / {}", b.nan_count, b.inf_count),
+            ),
+            (
+                "inputs",
+                "hold it, the output is clean (made between recorded modules)".into(),
+            ),
+            (
+                "first bad output",
+                format!(
+                    "rank {to_rank}: {} {} {}",
+                    counter(&f.call),
+                    f.call.module,
+                    o.tensor
+                ),
+            ),
+            (
+                "last clean call",
+                last_clean_cell(r.clean_before_nan_input.as_ref()),
+            ),
+        ],
+    );
+    // the rank's own answer (a bad output it made later, or none) gives way to this one
+    rep.sections.retain(|s| s.title != kv.title);
+    rep.sections.insert(0, kv);
+    let last_clean = r.clean_before_nan_input.as_ref().map(clean_json);
+    rep.body.insert("first_nonfinite".into(), first);
+    rep.body.insert("nan_input".into(), json!(nan_input));
+    rep.body.insert("last_clean".into(), json!(last_clean));
 }
 
 /// `file: reason` of the first few skipped calls, for a headline or an error message.
