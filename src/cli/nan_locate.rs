@@ -375,6 +375,52 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     rep.with("ranks", per_rank)
 }
 
+/// Where code between recorded modules made a swallowed NaN input: after the last clean call.
+fn made_after(r: &LocateResult) -> String {
+    r.clean_before_nan_input
+        .as_ref()
+        .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
+        .unwrap_or_else(|| "before the first recorded call".into())
+}
+
+/// The "First non-finite value" table of a NaN input (`c`, `b`) its call swallowed and a later
+/// output (`first_bad_output`, described) received.
+fn swallowed_nan_section(
+    c: &ScannedCall,
+    b: &BadValue,
+    first_bad_output: String,
+    r: &LocateResult,
+) -> Section {
+    let mut rows = value_rows(c, b);
+    rows.extend([
+        (
+            "inputs",
+            "hold it, the output is clean (made between recorded modules)".into(),
+        ),
+        ("first bad output", first_bad_output),
+        (
+            "last clean call",
+            last_clean_cell(r.clean_before_nan_input.as_ref()),
+        ),
+    ]);
+    Section::kv("First non-finite value", &rows)
+}
+
+/// The first rows of a "First non-finite value" table: where the value `b` of call `c` is.
+fn value_rows(c: &ScannedCall, b: &BadValue) -> Vec<(&'static str, String)> {
+    vec![
+        ("module", c.module.clone()),
+        ("file", c.file.display().to_string()),
+        ("tensor", format!("{} {} {:?}", b.tensor, b.dtype, b.shape)),
+        ("index", where_(b)),
+        ("kind", format!("{} (value {})", b.kind.as_str(), b.value)),
+        (
+            "NaN / Inf in tensor",
+            format!("{} / {}", b.nan_count, b.inf_count),
+        ),
+    ]
+}
+
 /// Rewrite the report of the rank whose swallowed NaN input (`r.nan_input`) is where the value
 /// first shows: `first_nonfinite` names that input, its `first_bad_output` the output of rank
 /// `to_rank` (`to`) that received it through its inputs.
@@ -402,10 +448,7 @@ fn received_across_ranks(
         b.tensor,
         where_(b),
         counter(c),
-        r.clean_before_nan_input
-            .as_ref()
-            .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
-            .unwrap_or_else(|| "before the first recorded call".into()),
+        made_after(r),
         f.call.module,
         o.tensor,
         counter(&f.call),
@@ -429,36 +472,16 @@ fn received_across_ranks(
             }),
         );
     }
-    let kv = Section::kv(
-        "First non-finite value",
-        &[
-            ("module", c.module.clone()),
-            ("file", c.file.display().to_string()),
-            ("tensor", format!("{} {} {:?}", b.tensor, b.dtype, b.shape)),
-            ("index", where_(b)),
-            ("kind", format!("{} (value {})", b.kind.as_str(), b.value)),
-            (
-                "NaN / Inf in tensor",
-                format!("{} / {}", b.nan_count, b.inf_count),
-            ),
-            (
-                "inputs",
-                "hold it, the output is clean (made between recorded modules)".into(),
-            ),
-            (
-                "first bad output",
-                format!(
-                    "rank {to_rank}: {} {} {}",
-                    counter(&f.call),
-                    f.call.module,
-                    o.tensor
-                ),
-            ),
-            (
-                "last clean call",
-                last_clean_cell(r.clean_before_nan_input.as_ref()),
-            ),
-        ],
+    let kv = swallowed_nan_section(
+        c,
+        b,
+        format!(
+            "rank {to_rank}: {} {} {}",
+            counter(&f.call),
+            f.call.module,
+            o.tensor
+        ),
+        r,
     );
     // the rank's own answer (a bad output it made later, or none) gives way to this one
     rep.sections.retain(|s| s.title != kv.title);
@@ -629,10 +652,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 b.tensor,
                 where_(b),
                 counter(c),
-                r.clean_before_nan_input
-                    .as_ref()
-                    .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
-                    .unwrap_or_else(|| "before the first recorded call".into()),
+                made_after(r),
                 f.call.module,
                 o.tensor,
                 counter(&f.call),
@@ -654,31 +674,11 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             if let Value::Object(m) = &mut first {
                 m.insert("first_bad_output".into(), first_bad_output);
             }
-            let kv = Section::kv(
-                "First non-finite value",
-                &[
-                    ("module", c.module.clone()),
-                    ("file", c.file.display().to_string()),
-                    ("tensor", format!("{} {} {:?}", b.tensor, b.dtype, b.shape)),
-                    ("index", where_(b)),
-                    ("kind", format!("{} (value {})", b.kind.as_str(), b.value)),
-                    (
-                        "NaN / Inf in tensor",
-                        format!("{} / {}", b.nan_count, b.inf_count),
-                    ),
-                    (
-                        "inputs",
-                        "hold it, the output is clean (made between recorded modules)".into(),
-                    ),
-                    (
-                        "first bad output",
-                        format!("{} {} {}", counter(&f.call), f.call.module, o.tensor),
-                    ),
-                    (
-                        "last clean call",
-                        last_clean_cell(r.clean_before_nan_input.as_ref()),
-                    ),
-                ],
+            let kv = swallowed_nan_section(
+                c,
+                b,
+                format!("{} {} {}", counter(&f.call), f.call.module, o.tensor),
+                r,
             );
             Report::new("nan-locate", Verdict::Fail, headline)
                 .summary(summary)
@@ -800,42 +800,28 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                     "mask": is_mask_input(f),
                 })),
             });
-            let kv = Section::kv(
-                "First non-finite value",
-                &[
-                    ("module", f.call.module.clone()),
-                    ("file", f.call.file.display().to_string()),
-                    ("tensor", format!("{} {} {:?}", o.tensor, o.dtype, o.shape)),
-                    ("index", where_(o)),
-                    ("kind", format!("{} (value {})", o.kind.as_str(), o.value)),
-                    (
-                        "NaN / Inf in tensor",
-                        format!("{} / {}", o.nan_count, o.inf_count),
-                    ),
-                    (
-                        "inputs",
-                        match f.inputs_clean {
-                            Some(true) => match &f.uncounted_input {
-                                Some(b) if is_mask_input(f) => format!(
-                                    "clean ({} is a 0/-inf attention mask; this module produced it)",
-                                    b.tensor
-                                ),
-                                Some(b) => format!(
-                                    "no NaN ({} holds Inf; this module made the NaN)",
-                                    b.tensor
-                                ),
-                                None => "clean (this module produced it)".into(),
-                            },
-                            Some(false) => "already bad (it came from earlier)".into(),
-                            None => "not recorded".into(),
+            let mut rows = value_rows(&f.call, o);
+            rows.extend([
+                (
+                    "inputs",
+                    match f.inputs_clean {
+                        Some(true) => match &f.uncounted_input {
+                            Some(b) if is_mask_input(f) => format!(
+                                "clean ({} is a 0/-inf attention mask; this module produced it)",
+                                b.tensor
+                            ),
+                            Some(b) => {
+                                format!("no NaN ({} holds Inf; this module made the NaN)", b.tensor)
+                            }
+                            None => "clean (this module produced it)".into(),
                         },
-                    ),
-                    (
-                        "last clean call",
-                        last_clean_cell(r.last_clean.as_ref()),
-                    ),
-                ],
-            );
+                        Some(false) => "already bad (it came from earlier)".into(),
+                        None => "not recorded".into(),
+                    },
+                ),
+                ("last clean call", last_clean_cell(r.last_clean.as_ref())),
+            ]);
+            let kv = Section::kv("First non-finite value", &rows);
             Report::new("nan-locate", Verdict::Fail, headline)
                 .summary(summary)
                 .with("first_nonfinite", first)
