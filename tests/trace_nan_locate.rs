@@ -1695,3 +1695,58 @@ fn a_swallowed_nan_on_another_rank_is_said_and_the_earliest_wins_without_bad_out
         "{ctx}"
     );
 }
+
+#[test]
+fn an_inf_output_is_not_blamed_on_a_nan_swallowed_before_it() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    // call `at` swallows a NaN in input.0; from call `bad` on, an Inf made between recorded
+    // modules rides input.0 into the outputs: a NaN never becomes an Inf, so the Inf is its own
+    let write = |r: &mut rand_chacha::ChaCha8Rng, d: &std::path::Path, at: u64, bad: u64| {
+        std::fs::create_dir_all(d).unwrap();
+        let flat = r.gen_range(0..32);
+        for c in 0..8u64 {
+            let (mut x, mut y) = (randv(r, 32), randv(r, 32));
+            if c == at {
+                x[flat] = f32::NAN;
+            }
+            if c >= bad {
+                x[flat] = f32::INFINITY;
+                y[flat] = f32::INFINITY;
+            }
+            write_call(
+                d,
+                c,
+                &format!("model.layers.{c}"),
+                vec![t("input.0", &[4, 8], x), t("output", &[4, 8], y)],
+                &[],
+            );
+        }
+    };
+    let at = r.gen_range(1..5);
+    let bad = r.gen_range(at + 1..8);
+    write(&mut r, &tmp.path().join("t"), at, bad);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "t"]);
+    let ctx = format!(
+        "seed {seed}, NaN input at {at}, Inf from {bad}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], format!("model.layers.{bad}"), "{ctx}");
+    assert_eq!(f["tensor"], "output", "{ctx}");
+    assert_eq!(f["kind"], "inf", "{ctx}");
+    assert!(o.stdout.contains("swallowed"), "{ctx}");
+
+    // across ranks: rank 1 swallows the NaN, rank 0's Inf is its own
+    write(&mut r, &tmp.path().join("ep/rank0"), 99, bad);
+    write(&mut r, &tmp.path().join("ep/rank1"), at, 99);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep"]);
+    let ctx = format!("seed {seed}, ranks\n{}", o.show());
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(f["module"], format!("model.layers.{bad}"), "{ctx}");
+    assert_eq!(f["tensor"], "output", "{ctx}");
+    assert_eq!(o.json["summary"]["rank"], 0, "{ctx}");
+}

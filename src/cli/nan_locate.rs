@@ -224,12 +224,17 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     let rank_of = |i: &TraceIndex| i.selection.rank.unwrap_or(0);
     let ranks: Vec<u64> = indexes.iter().map(rank_of).collect();
     let any_bad_output = results.iter().any(|r| r.first.is_some());
-    // a rank's first bad output that received a NaN/Inf with none before it on its own rank
-    let unexplained = |k: usize| {
+    // a rank's first bad output that received a NaN/Inf with none before it on its own rank,
+    // of a kind `from` can have become
+    let unexplained = |k: usize, from: &BadValue| {
         let r = &results[k];
         r.first
             .as_ref()
-            .filter(|f| f.inputs_clean == Some(false) && r.nan_input.is_none())
+            .filter(|f| {
+                f.inputs_clean == Some(false)
+                    && r.nan_input.is_none()
+                    && can_become(from, &f.output)
+            })
             .map(|f| at_output(&f.call))
     };
     // (where, rank, position, the rank whose bad output received it across ranks)
@@ -238,7 +243,7 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
         if let Some((_, _, _, at)) = rank_answer(r).filter(|_| r.first.is_some()) {
             candidates.push((at, ranks[k], k, None));
         }
-        let Some((c, _)) = r
+        let Some((c, swallowed)) = r
             .nan_input
             .as_ref()
             .filter(|_| received_nan_input(r).is_none())
@@ -252,7 +257,11 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
         }
         let receiver = (0..results.len())
             .filter(|&o| o != k)
-            .filter_map(|o| unexplained(o).filter(|&b| b > at).map(|b| (b, ranks[o], o)))
+            .filter_map(|o| {
+                unexplained(o, swallowed)
+                    .filter(|&b| b > at)
+                    .map(|b| (b, ranks[o], o))
+            })
             .min()
             .map(|(_, _, o)| o);
         if receiver.is_some() {
@@ -886,12 +895,20 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
 /// The NaN input the first bad output received: an earlier call held a NaN in an input alone
 /// (its outputs clean) and the first bad output's inputs were already bad, so that input is
 /// where the value first shows. `None` when the first bad output made its own (clean inputs,
-/// or none recorded): a swallowed NaN before it is then a second fault, noted beside it.
+/// or none recorded), or holds only Inf where the swallowed input held only NaN (arithmetic
+/// never turns a NaN into an Inf): a swallowed NaN before it is then a second fault, noted
+/// beside it.
 fn received_nan_input(r: &LocateResult) -> Option<&(ScannedCall, BadValue)> {
     let f = r.first.as_ref()?;
     r.nan_input
         .as_ref()
-        .filter(|_| f.inputs_clean == Some(false))
+        .filter(|(_, b)| f.inputs_clean == Some(false) && can_become(b, &f.output))
+}
+
+/// Whether the non-finite values of `from` can have become those of `to`: a NaN stays NaN, an
+/// Inf can become either (Inf - Inf, 0 * Inf).
+fn can_become(from: &BadValue, to: &BadValue) -> bool {
+    to.nan_count > 0 || from.inf_count > 0
 }
 
 /// The first NaN held by an input only, before any bad output (`LocateResult::nan_input`).
