@@ -1457,16 +1457,17 @@ pub fn run(args: &Args) -> Result<Report> {
     // cannot show it
     // and the checkpoint input_scales in use far above what their amax needs: the flush
     // counterpart, under global-max one expert's value that every expert takes
-    let findings = match experts.iter().any(|x| check.failure(&x.m).is_some()) {
-        true => Some(ScaleFindings::of(
+    let findings = if experts.iter().any(|x| check.failure(&x.m).is_some()) {
+        Some(ScaleFindings::of(
             &layer,
             &batch.hidden,
             &routing,
             &scales,
             source,
             args.gs.input_scale_reduce,
-        )?),
-        false => None,
+        )?)
+    } else {
+        None
     };
     let expert_lines = failures.len();
     for x in &experts {
@@ -2288,12 +2289,13 @@ impl ScaleFindings {
     ) -> Result<Self> {
         let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
         let checkpoint = source == GsSource::Checkpoint;
-        let too_large = match checkpoint {
-            true => gs::input_scales_too_large(layer, reduce, &a1, &a2)
+        let too_large = if checkpoint {
+            gs::input_scales_too_large(layer, reduce, &a1, &a2)
                 .into_iter()
                 .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
-                .collect(),
-            false => vec![],
+                .collect()
+        } else {
+            vec![]
         };
         Ok(ScaleFindings {
             over: gs::overshoots(scales, &a1, &a2),

@@ -280,20 +280,20 @@ pub fn run(args: &Args) -> Result<Report> {
         let failing = judged
             .iter()
             .any(|(_, v)| matches!(v, ExpertVerdict::Fail(_)));
-        let findings = match failing {
-            true => Some(ScaleFindings::of(
-                &ly,
-                &x_rf,
-                &r_rf,
-                &scales,
-                source,
-                args.gs.input_scale_reduce,
-            )?),
-            false => None,
-        };
-        let gate_up = match failing {
-            true => expert_input_blocks(&r_rf, &x_rf, hsz, ly.config.n_routed_experts, &scales),
-            false => vec![],
+        let (findings, gate_up) = if failing {
+            (
+                Some(ScaleFindings::of(
+                    &ly,
+                    &x_rf,
+                    &r_rf,
+                    &scales,
+                    source,
+                    args.gs.input_scale_reduce,
+                )?),
+                expert_input_blocks(&r_rf, &x_rf, hsz, ly.config.n_routed_experts, &scales),
+            )
+        } else {
+            (None, vec![])
         };
         let why = |e: usize| {
             findings.as_ref().map_or(String::new(), |s| {
