@@ -384,12 +384,52 @@ fn merge_ranks(indexes: &[TraceIndex], results: &[LocateResult], reports: Vec<Re
     rep.with("ranks", per_rank)
 }
 
-/// Where code between recorded modules made a swallowed NaN input: after the last clean call.
-fn made_after(r: &LocateResult) -> String {
-    r.clean_before_nan_input
-        .as_ref()
-        .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
-        .unwrap_or_else(|| "before the first recorded call".into())
+/// A headline's lead for the NaN input `b` of call `c` that the call swallowed: where it is,
+/// and after which clean call (`on`: " on rank N" across ranks) code between recorded
+/// modules made it.
+fn swallowed_lead(c: &ScannedCall, b: &BadValue, r: &LocateResult, on: &str) -> String {
+    format!(
+        "first NaN in `{}` {} [{}] (counter {}), an input: every recorded output before it{on} \
+         was clean, so code between recorded modules made it ({}), and this module swallowed it",
+        c.module,
+        b.tensor,
+        where_(b),
+        counter(c),
+        r.clean_before_nan_input
+            .as_ref()
+            .map(|p| format!("after `{}`, counter {}", p.module, counter(p)))
+            .unwrap_or_else(|| "before the first recorded call".into())
+    )
+}
+
+/// `nan_input` and `first_nonfinite` of a swallowed NaN input (`r.nan_input`) that the bad
+/// output `f` received: the input, with `first_bad_output` (its `rank` when across ranks).
+fn received_json(
+    index: &TraceIndex,
+    r: &LocateResult,
+    f: &FirstNonFinite,
+    rank: Option<u64>,
+) -> (Option<Value>, Value) {
+    let o = &f.output;
+    let mut bad = json!({
+        "module": f.call.module,
+        "file": f.call.file,
+        "tensor": o.tensor,
+        "index": index_json(o),
+        "kind": o.kind,
+        "counter": f.call.counter,
+        "step": f.call.step,
+        "inputs_clean": f.inputs_clean,
+    });
+    if let (Some(k), Value::Object(m)) = (rank, &mut bad) {
+        m.insert("rank".into(), json!(k));
+    }
+    let nan_input = nan_input_json(index, r);
+    let mut first = nan_input.clone().unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut first {
+        m.insert("first_bad_output".into(), bad);
+    }
+    (nan_input, first)
 }
 
 /// The "First non-finite value" table of a NaN input (`c`, `b`) its call swallowed and a later
@@ -447,40 +487,17 @@ fn received_across_ranks(
     let rank = index.selection.rank.unwrap_or(0);
     rep.verdict = Verdict::Fail;
     rep.headline = format!(
-        "first NaN in `{}` {} [{}] (counter {}), an input: every recorded output before it on \
-         rank {rank} was clean, so code between recorded modules made it ({}), and this module \
-         swallowed it; rank {to_rank}'s first bad output, `{}` {} (counter {}, {}), received a \
-         NaN/Inf through its inputs with none in rank {to_rank}'s calls before it: it came from \
-         another rank (expert parallelism moves tokens between ranks in its all-to-all), and \
-         this input is where it first shows",
-        c.module,
-        b.tensor,
-        where_(b),
-        counter(c),
-        made_after(r),
+        "{}; rank {to_rank}'s first bad output, `{}` {} (counter {}, {}), received a NaN/Inf \
+         through its inputs with none in rank {to_rank}'s calls before it: it came from another \
+         rank (expert parallelism moves tokens between ranks in its all-to-all), and this input \
+         is where it first shows",
+        swallowed_lead(c, b, r, &format!(" on rank {rank}")),
         f.call.module,
         o.tensor,
         counter(&f.call),
         o.kind.as_str(),
     );
-    let nan_input = nan_input_json(index, r);
-    let mut first = nan_input.clone().unwrap_or(Value::Null);
-    if let Value::Object(m) = &mut first {
-        m.insert(
-            "first_bad_output".into(),
-            json!({
-                "module": f.call.module,
-                "file": f.call.file,
-                "tensor": o.tensor,
-                "index": index_json(o),
-                "kind": o.kind,
-                "counter": f.call.counter,
-                "step": f.call.step,
-                "rank": to_rank,
-                "inputs_clean": f.inputs_clean,
-            }),
-        );
-    }
+    let (nan_input, first) = received_json(index, r, f, Some(to_rank));
     let kv = swallowed_nan_section(
         c,
         b,
@@ -653,36 +670,16 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
             let (c, b) = received_nan_input(r).expect("matched by the guard");
             let o = &f.output;
             let headline = format!(
-                "first NaN in `{}` {} [{}] (counter {}), an input: every recorded output before \
-                 it was clean, so code between recorded modules made it ({}), and this module \
-                 swallowed it; the first bad output, `{}` {} (counter {}, {}), received it \
-                 through its inputs ({scope}){}{unscanned_note}",
-                c.module,
-                b.tensor,
-                where_(b),
-                counter(c),
-                made_after(r),
+                "{}; the first bad output, `{}` {} (counter {}, {}), received it through its \
+                 inputs ({scope}){}{unscanned_note}",
+                swallowed_lead(c, b, r, ""),
                 f.call.module,
                 o.tensor,
                 counter(&f.call),
                 o.kind.as_str(),
                 mask_note(r),
             );
-            let first_bad_output = json!({
-                "module": f.call.module,
-                "file": f.call.file,
-                "tensor": o.tensor,
-                "index": index_json(o),
-                "kind": o.kind,
-                "counter": f.call.counter,
-                "step": f.call.step,
-                "inputs_clean": f.inputs_clean,
-            });
-            let nan_input = nan_input_json(index, r);
-            let mut first = nan_input.clone().unwrap_or(Value::Null);
-            if let Value::Object(m) = &mut first {
-                m.insert("first_bad_output".into(), first_bad_output);
-            }
+            let (nan_input, first) = received_json(index, r, f, None);
             let kv = swallowed_nan_section(
                 c,
                 b,
