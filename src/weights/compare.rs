@@ -3,6 +3,7 @@
 //! `w13_weight_scale_2`), and — when the bytes differ — metrics after dequantization, computed
 //! in chunks so that a multi-GB tensor never sits in memory as f32.
 
+use super::blocks::{self, BlockCount};
 use super::engine::DiffEngine;
 use super::inventory::ExpertProj;
 use super::layouts::{self, Reading, Readings, SideName};
@@ -1190,7 +1191,7 @@ fn compare_qq(
     if let Some(exact) = reencoded {
         b_m.scale_2 = exact;
     }
-    let Some(m) = engine.metrics(&Values::Q(&a_m), &Values::Q(&b_m))? else {
+    let Some((m, counted)) = engine.metrics_counted(&a_m, &b_m, !gs_differs)? else {
         u.issue(
             IssueKind::Unreadable,
             "the dequantized sides differ in length",
@@ -1280,7 +1281,7 @@ fn compare_qq(
                 if gs_differs {
                     String::new()
                 } else {
-                    blocks_differ(&a_m, &b_m)
+                    blocks_differ(&a_m, &b_m, counted)
                 },
                 all_zero(&b_m),
                 if m.nan_count + m.inf_count > 0 {
@@ -1329,41 +1330,25 @@ pub fn values_differ(m: &Metrics, cols: usize) -> String {
 
 /// "; N of M blocks differ under the same global scale, the first at row r, block j (its
 /// codes / its scale)": where values differ though the global scale is A's (MXFP4: none).
-fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
-    let (kb, bytes) = (a.kb(), a.format.block() / 2);
-    if (b.rows, b.cols) != (a.rows, a.cols) || a.scales.len() != b.scales.len() {
-        return String::new();
-    }
-    let mut t = BlockTally::default();
-    for r in 0..a.rows {
-        let (pa, pb) = (a.packed.row(r), b.packed.row(r));
-        let (sa, sb) = (a.scale_row(r), b.scale_row(r));
-        if pa == pb && sa == sb {
-            continue;
-        }
-        let scale_ratio = |j: usize| b.format.decode_scale(sb[j]) / a.format.decode_scale(sa[j]);
-        match bytes {
-            8 => t.row::<8>(r, pa, pb, sa, sb, scale_ratio),
-            _ => t.row::<16>(r, pa, pb, sa, sb, scale_ratio),
-        }
-    }
-    let BlockTally {
+/// `counted`: the engine's count, made in its pass over the values (`None`: counted here).
+fn blocks_differ(a: &QMatrix, b: &QMatrix, counted: Option<BlockCount>) -> String {
+    let Some(BlockCount {
         n,
-        first,
+        first: Some((r, j, codes, scale)),
         codes_differ,
-        factor,
-        same_factor,
-    } = t;
-    let Some((r, j, codes, scale)) = first else {
+    }) = counted.or_else(|| BlockCount::rows(a, b, 0, a.rows))
+    else {
         return String::new();
     };
+    let all = a.rows * a.kb();
     // the codes A's and (nearly) every differing block scale A's times one factor, over at
     // least half the blocks: the block scales were rescaled at load (a saturated or rounded
     // few aside), not a stray byte
-    let rescaled = match factor {
-        Some(f)
-            if !codes_differ && f != 1.0 && same_factor * 10 >= n * 9 && n * 2 >= a.rows * kb =>
-        {
+    let rescaled = match (!codes_differ && n * 2 >= all)
+        .then(|| blocks::scale_factor(a, b))
+        .flatten()
+    {
+        Some((f, same_factor)) if f != 1.0 && same_factor * 10 >= n * 9 => {
             format!(
             ": B's block scales are A's ×{f} ({same_factor} of the {n} differing blocks; the packed \
              codes are A's) — the block scales were rescaled at load"
@@ -1384,62 +1369,7 @@ fn blocks_differ(a: &QMatrix, b: &QMatrix) -> String {
         }
         Format::Mxfp4 => " (a copy changes none)",
     };
-    format!(
-        "; {n} of {} blocks differ{under}, the first at row {r}, block {j} (its {what}){rescaled}",
-        a.rows * kb
-    )
-}
-
-/// [`blocks_differ`]'s count over the blocks of A and B.
-#[derive(Default)]
-struct BlockTally {
-    /// Blocks whose codes or scale differ.
-    n: usize,
-    /// The first of them: (row, block, its codes differ, its scale differs).
-    first: Option<(usize, usize, bool, bool)>,
-    codes_differ: bool,
-    /// B's scale / A's scale of the first block whose scale alone differs, and how many such
-    /// blocks share it.
-    factor: Option<f32>,
-    same_factor: usize,
-}
-
-impl BlockTally {
-    /// Row `r`: packed codes `pa`, `pb` in blocks of `N` bytes, block scales `sa`, `sb`. The
-    /// count is one branch-free pass (each block's codes one fixed-size compare); the first
-    /// block and the scale factors are looked for only where they can be: a `memcmp` call and a
-    /// mispredicted branch a block were most of compare-weights' time where every unit differs.
-    fn row<const N: usize>(
-        &mut self,
-        r: usize,
-        pa: &[u8],
-        pb: &[u8],
-        sa: &[u8],
-        sb: &[u8],
-        scale_ratio: impl Fn(usize) -> f32,
-    ) {
-        let (ca, cb) = (pa.as_chunks::<N>().0, pb.as_chunks::<N>().0);
-        let differs = |j: usize| (ca[j] != cb[j], sa[j] != sb[j]);
-        let blocks = ca.len().min(cb.len()).min(sa.len()).min(sb.len());
-        self.n += (0..blocks)
-            .map(|j| usize::from(ca[j] != cb[j]) | usize::from(sa[j] != sb[j]))
-            .sum::<usize>();
-        self.codes_differ |= ca != cb;
-        if self.first.is_none() {
-            self.first = (0..blocks)
-                .map(|j| (j, differs(j)))
-                .find(|&(_, (c, s))| c || s)
-                .map(|(j, (c, s))| (r, j, c, s));
-        }
-        if sa != sb {
-            for j in (0..blocks).filter(|&j| sa[j] != sb[j] && ca[j] == cb[j]) {
-                let f = scale_ratio(j);
-                if f.is_finite() && f > 0.0 && *self.factor.get_or_insert(f) == f {
-                    self.same_factor += 1;
-                }
-            }
-        }
-    }
+    format!("; {n} of {all} blocks differ{under}, the first at row {r}, block {j} (its {what}){rescaled}")
 }
 
 /// B dequantizes to zeros everywhere (every code ±0, every block scale 0, or a zero global
@@ -2342,7 +2272,7 @@ mod tests {
                 q(format, rows, cols, &a_codes, &scales),
                 q(format, rows, cols, &b_codes, &scales),
             );
-            let msg = blocks_differ(&a, &b);
+            let msg = blocks_differ(&a, &b, None);
             let what = format!("seed {seed} {format:?}: {msg}");
             assert!(msg.contains("1 of 16 blocks differ"), "{what}");
             assert_eq!(
@@ -2350,52 +2280,6 @@ mod tests {
                 format == Format::Nvfp4,
                 "{what}"
             );
-        }
-    }
-
-    /// The branch-free tally against a block-by-block count: codes and scales changed at
-    /// random places, both formats, the first block and the count.
-    #[test]
-    fn block_tally_counts_as_block_by_block() {
-        let seed: u64 = rand::random();
-        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        for format in [Format::Nvfp4, Format::Mxfp4] {
-            let bytes = format.block() / 2;
-            let kb = r.gen_range(1..40);
-            let pa: Vec<u8> = (0..kb * bytes).map(|_| r.gen()).collect();
-            let sa: Vec<u8> = (0..kb).map(|_| r.gen_range(100..120)).collect();
-            let (mut pb, mut sb) = (pa.clone(), sa.clone());
-            for _ in 0..r.gen_range(0..kb) {
-                match r.gen_range(0..2) {
-                    0 => {
-                        let at = r.gen_range(0..pb.len());
-                        pb[at] ^= 1 << r.gen_range(0..8);
-                    }
-                    _ => sb[r.gen_range(0..kb)] ^= 1,
-                }
-            }
-            let naive: Vec<(usize, bool, bool)> = (0..kb)
-                .map(|j| {
-                    let c = pa[j * bytes..(j + 1) * bytes] != pb[j * bytes..(j + 1) * bytes];
-                    (j, c, sa[j] != sb[j])
-                })
-                .filter(|&(_, c, s)| c || s)
-                .collect();
-            let mut t = BlockTally::default();
-            match bytes {
-                8 => t.row::<8>(3, &pa, &pb, &sa, &sb, |_| 2.0),
-                _ => t.row::<16>(3, &pa, &pb, &sa, &sb, |_| 2.0),
-            }
-            let what = format!("seed {seed} {format:?}");
-            assert_eq!(t.n, naive.len(), "{what}");
-            assert_eq!(
-                t.first,
-                naive.first().map(|&(j, c, s)| (3, j, c, s)),
-                "{what}"
-            );
-            assert_eq!(t.codes_differ, naive.iter().any(|x| x.1), "{what}");
-            let scale_only = naive.iter().filter(|x| !x.1 && x.2).count();
-            assert_eq!(t.same_factor, scale_only, "{what}");
         }
     }
 

@@ -4,8 +4,10 @@
 //! the same whichever engine runs, so the engines can only differ in the last bits of the f64
 //! sums (see [`CudaDiff`]).
 
+use super::blocks::BlockCount;
 use super::compare::{metrics_any, metrics_qq, Values};
 use super::fused;
+use super::view::QMatrix;
 use crate::backend::cuda::reduce::CompareScratch;
 use crate::backend::cuda::{budget, dequant, probe, Gpu};
 use crate::backend::DeviceRequest;
@@ -21,6 +23,20 @@ pub trait DiffEngine: Sync {
     /// Metrics of `b` (test) against `a` (reference) over their row-major values; Ok(None)
     /// when the element counts differ or a dtype does not decode.
     fn metrics(&self, a: &Values, b: &Values) -> Result<Option<Metrics>>;
+
+    /// Metrics of two quantized matrices, and with `count`, their differing blocks where the
+    /// engine counts them in the same pass (`None`: count them apart).
+    fn metrics_counted(
+        &self,
+        a: &QMatrix,
+        b: &QMatrix,
+        count: bool,
+    ) -> Result<Option<(Metrics, Option<BlockCount>)>> {
+        let _ = count;
+        Ok(self
+            .metrics(&Values::Q(a), &Values::Q(b))?
+            .map(|m| (m, None)))
+    }
 }
 
 /// The reference: chunked over the cores, f64 sums (`metrics::Accum`); two NVFP4 matrices of
@@ -43,6 +59,21 @@ impl DiffEngine for CpuDiff {
             }
             _ => metrics_any(a, b),
         })
+    }
+
+    /// Each piece of rows counted right after its fused pass, while it is in cache.
+    fn metrics_counted(
+        &self,
+        a: &QMatrix,
+        b: &QMatrix,
+        count: bool,
+    ) -> Result<Option<(Metrics, Option<BlockCount>)>> {
+        match fused::metrics_nvfp4_counted(a, b, count) {
+            Some(x) => Ok(Some(x)),
+            None => Ok(self
+                .metrics(&Values::Q(a), &Values::Q(b))?
+                .map(|m| (m, None))),
+        }
     }
 }
 

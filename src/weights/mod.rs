@@ -5,6 +5,7 @@
 //! (memory-mapped, memcmp speed), values after dequantization only where bytes differ.
 //! A is the reference (the checkpoint), B the test (the engine's shard: TP and EP apply to B).
 
+pub mod blocks;
 pub mod compare;
 pub mod derived;
 pub mod diagnose;

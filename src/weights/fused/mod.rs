@@ -27,6 +27,7 @@
 //!   AVX-512 body, a fused `d·d + err`): a few ulps, within the 1e-9 relative the engines are
 //!   held to (`tests/gpu_compare_weights.rs`).
 
+use super::blocks::BlockCount;
 use super::compare::DView;
 use super::view::QMatrix;
 use crate::metrics::{Accum, Metrics};
@@ -52,11 +53,21 @@ pub enum Ref<'r, 'a> {
 
 /// `None` unless both sides are NVFP4 with one shape (the caller takes the general path).
 pub fn metrics_nvfp4(a: &QMatrix, b: &QMatrix) -> Option<Metrics> {
+    metrics_nvfp4_counted(a, b, false).map(|(m, _)| m)
+}
+
+/// [`metrics_nvfp4`], and with `count`, the blocks that differ (`blocks`): each piece of rows
+/// counted right after its pass, while it is in cache.
+pub fn metrics_nvfp4_counted(
+    a: &QMatrix,
+    b: &QMatrix,
+    count: bool,
+) -> Option<(Metrics, Option<BlockCount>)> {
     let same = (a.rows, a.cols) == (b.rows, b.cols);
     if !same || a.format != Format::Nvfp4 {
         return None;
     }
-    fused(Ref::Q(a), b, Path::detect(a, b))
+    fused(Ref::Q(a), b, Path::detect(a, b), count)
 }
 
 /// NVFP4 `b` (test) against BF16 `a` (reference) of its shape; `None` otherwise.
@@ -65,10 +76,10 @@ pub fn metrics_bf16_nvfp4(a: &DView, b: &QMatrix) -> Option<Metrics> {
     if !same || a.dtype != Dtype::BF16 {
         return None;
     }
-    fused(Ref::Bf16(a), b, Path::detect_bf16(b))
+    fused(Ref::Bf16(a), b, Path::detect_bf16(b), false).map(|(m, _)| m)
 }
 
-fn fused(a: Ref, b: &QMatrix, path: Path) -> Option<Metrics> {
+fn fused(a: Ref, b: &QMatrix, path: Path, count: bool) -> Option<(Metrics, Option<BlockCount>)> {
     if b.format != Format::Nvfp4 || !b.cols.is_multiple_of(BLOCK) || b.rows == 0 || b.cols == 0 {
         return None;
     }
@@ -88,16 +99,25 @@ fn fused(a: Ref, b: &QMatrix, path: Path) -> Option<Metrics> {
     let n_chunks = b.rows.div_ceil(rows_per);
     let best = AtomicU64::new(0);
     // merged in order: the same bits on every run, whatever thread did which piece
-    let parts: Vec<Accum> = (0..n_chunks)
+    let parts: Vec<(Accum, Option<BlockCount>)> = (0..n_chunks)
         .into_par_iter()
-        .map(|c| path.rows(a, b, &best, c * rows_per, ((c + 1) * rows_per).min(b.rows)))
+        .map(|c| {
+            let (r0, r1) = (c * rows_per, ((c + 1) * rows_per).min(b.rows));
+            let acc = path.rows(a, b, &best, r0, r1);
+            let blocks = match a {
+                Ref::Q(q) if count => BlockCount::rows(q, b, r0, r1),
+                _ => None,
+            };
+            (acc, blocks)
+        })
         .collect();
-    Some(
-        parts
-            .into_iter()
-            .fold(Accum::default(), Accum::merge)
-            .finish(),
-    )
+    let counted = (count && matches!(a, Ref::Q(_))).then(BlockCount::default);
+    let (acc, blocks) = parts
+        .into_iter()
+        .fold((Accum::default(), counted), |(acc, n), (a, m)| {
+            (acc.merge(a), n.zip(m).map(|(n, m)| n.merge(m)))
+        });
+    Some((acc.finish(), blocks))
 }
 
 /// The widest body this CPU runs, picked once per matrix pair.
