@@ -250,6 +250,12 @@ impl TensorFile {
         // another process while mapped would fault; that is the usual mmap caveat and the
         // price of not reading whole shards (DESIGN.md §3).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        // pages read in through this map come in 2 MiB folios, which later maps of the file
+        // (this run's, the next run's) take in one PMD each: mapping the page cache held in
+        // small folios cost 0.5 s of system time on a 6.3 GB pair that took 0.05 s in large
+        // ones. Pages already cached stay as they are. Best effort: advice only.
+        #[cfg(target_os = "linux")]
+        let _ = map.advise(memmap2::Advice::HugePage);
         let mut n8 = [0u8; 8];
         n8.copy_from_slice(&map[..8]);
         let n = u64::from_le_bytes(n8);
