@@ -250,12 +250,6 @@ impl TensorFile {
         // another process while mapped would fault; that is the usual mmap caveat and the
         // price of not reading whole shards (DESIGN.md §3).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        // pages read in through this map come in 2 MiB folios, which later maps of the file
-        // (this run's, the next run's) take in one PMD each: mapping the page cache held in
-        // small folios cost 0.5 s of system time on a 6.3 GB pair that took 0.05 s in large
-        // ones. Pages already cached stay as they are. Best effort: advice only.
-        #[cfg(target_os = "linux")]
-        let _ = map.advise(memmap2::Advice::HugePage);
         let mut n8 = [0u8; 8];
         n8.copy_from_slice(&map[..8]);
         let n = u64::from_le_bytes(n8);
@@ -466,6 +460,18 @@ impl TensorFile {
                 };
             }
         }
+    }
+
+    /// For a command that reads (nearly) every byte, as compare-weights does: pages read in
+    /// through this map then come in 2 MiB folios, which later maps of the file (this run's,
+    /// the next run's) take one PMD each. Mapping page cache held in small folios cost 0.35-0.5
+    /// s of system time on a 6.3 GB pair that took 0.05 s in large ones; pages already cached
+    /// stay as they are. Not for sparse readers (`audit` reads the scales and a few code pages
+    /// of each tensor): a fault would read 2 MiB, against a read-ahead window of 128 KiB by
+    /// default. Best effort.
+    pub fn advise_whole_reads(&self) {
+        #[cfg(target_os = "linux")]
+        let _ = self.map.advise(memmap2::Advice::HugePage);
     }
 
     /// Ask the kernel to read ahead: for a scan that touches every tensor once in data order.

@@ -62,6 +62,8 @@ impl Inputs {
             if let Some(cfg) = c.config_path() {
                 crate::checkpoint::config::check_config_file(&cfg, None)?;
             }
+            // every byte of both sides is read (compared bitwise or dequantized)
+            c.shards().iter().for_each(|f| f.advise_whole_reads());
             Ok(c)
         };
         let checkpoint = |p: &Path, c: &Checkpoint| p.is_dir() && c.config_path().is_some();
