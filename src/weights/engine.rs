@@ -33,10 +33,17 @@ pub trait DiffEngine: Sync {
         count: bool,
     ) -> Result<Option<(Metrics, Option<BlockCount>)>> {
         let _ = count;
-        Ok(self
-            .metrics(&Values::Q(a), &Values::Q(b))?
-            .map(|m| (m, None)))
+        uncounted(self, a, b)
     }
+}
+
+/// [`DiffEngine::metrics_counted`] with the blocks left to count apart.
+fn uncounted(
+    e: &(impl DiffEngine + ?Sized),
+    a: &QMatrix,
+    b: &QMatrix,
+) -> Result<Option<(Metrics, Option<BlockCount>)>> {
+    Ok(e.metrics(&Values::Q(a), &Values::Q(b))?.map(|m| (m, None)))
 }
 
 /// The reference: chunked over the cores, f64 sums (`metrics::Accum`); two NVFP4 matrices of
@@ -70,9 +77,7 @@ impl DiffEngine for CpuDiff {
     ) -> Result<Option<(Metrics, Option<BlockCount>)>> {
         match fused::metrics_nvfp4_counted(a, b, count) {
             Some(x) => Ok(Some(x)),
-            None => Ok(self
-                .metrics(&Values::Q(a), &Values::Q(b))?
-                .map(|m| (m, None))),
+            None => uncounted(self, a, b),
         }
     }
 }
