@@ -1750,3 +1750,110 @@ fn an_inf_output_is_not_blamed_on_a_nan_swallowed_before_it() {
     assert_eq!(f["tensor"], "output", "{ctx}");
     assert_eq!(o.json["summary"]["rank"], 0, "{ctx}");
 }
+
+/// Write `dir` (one rank) with `n` calls `model.layers.C` of random values: `input.0` holds a
+/// NaN at the calls in `nan_in`, every output is finite.
+fn write_swallowed(r: &mut rand_chacha::ChaCha8Rng, dir: &std::path::Path, n: u64, nan_in: &[u64]) {
+    std::fs::create_dir_all(dir).unwrap();
+    for c in 0..n {
+        let mut x = randv(r, 32);
+        if nan_in.contains(&c) {
+            x[r.gen_range(0..32)] = f32::NAN;
+        }
+        write_call(
+            dir,
+            c,
+            &format!("model.layers.{c}"),
+            vec![t("input.0", &[4, 8], x), t("output", &[4, 8], randv(r, 32))],
+            &[],
+        );
+    }
+}
+
+/// The counters of the report's table of calls (`modules`), and its printed row of `counter`.
+fn window_of(o: &Out, counter: u64) -> (Vec<u64>, Option<String>) {
+    let counters = o.json["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["counter"].as_u64().unwrap())
+        .collect();
+    let row = o
+        .stdout
+        .lines()
+        .find(|l| l.starts_with(&format!("│ {counter:06} ")))
+        .map(str::to_string);
+    (counters, row)
+}
+
+/// Guards: with no bad output but a NaN input swallowed in the middle of the trace, the table of
+/// calls showed the last `--context` calls of the scan, unrelated to the answer. It is the calls
+/// around the one that received the NaN, that call marked; on one rank and across ranks.
+#[test]
+fn the_calls_shown_around_a_swallowed_nan_are_those_around_its_call() {
+    let seed: u64 = rand::random();
+    let mut r = rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let n = 40u64;
+    let context = r.gen_range(1..=5u64);
+    let at = r.gen_range(context + 1..n - 2 * context - 1);
+    // a second swallowed NaN later on does not move the table: the first is the answer
+    let later = r.gen_range(at + 1..n);
+    write_swallowed(&mut r, &tmp.path().join("t"), n, &[at, later]);
+    let ctx_arg = context.to_string();
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "t", "--context", &ctx_arg]);
+    let ctx = format!(
+        "seed {seed}, {n} calls, --context {context}, NaN inputs at {at} and {later}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    assert_eq!(o.json["first_nonfinite"]["counter"], at, "{ctx}");
+    assert!(o.stdout.contains("no NaN/Inf in any output"), "{ctx}");
+    let (counters, row) = window_of(&o, at);
+    let want: Vec<u64> = (at - context..=at + context).collect();
+    assert_eq!(counters, want, "{ctx}");
+    let row = row.unwrap_or_else(|| panic!("no table row of counter {at}\n{ctx}"));
+    assert!(row.contains("FIRST NaN (input)"), "{row}\n{ctx}");
+    assert!(o.stdout.contains("Module calls around it"), "{ctx}");
+
+    // across ranks: rank 0's only NaN is swallowed late, rank 1's early; rank 1's report is the
+    // answer, and its table is around its call
+    let late = r.gen_range(at + 1..n);
+    write_swallowed(&mut r, &tmp.path().join("ep/rank0"), n, &[late]);
+    write_swallowed(&mut r, &tmp.path().join("ep/rank1"), n, &[at]);
+    let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep", "--context", &ctx_arg]);
+    let ctx = format!(
+        "seed {seed}, --context {context}, rank 0 NaN input at {late}, rank 1 at {at}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let f = &o.json["first_nonfinite"];
+    assert_eq!(
+        (&f["rank"], &f["counter"]),
+        (&Value::from(1), &Value::from(at)),
+        "{ctx}"
+    );
+    let (counters, row) = window_of(&o, at);
+    assert_eq!(counters, want, "{ctx}");
+    assert!(
+        row.is_some_and(|l| l.contains("FIRST NaN (input)")),
+        "{ctx}"
+    );
+    // and rank 0 alone (its only NaN swallowed near the end): around its call, clipped there
+    let o = nvfp4dbg(
+        tmp.path(),
+        &["nan-locate", "ep", "--rank", "0", "--context", &ctx_arg],
+    );
+    let ctx = format!(
+        "seed {seed}, --context {context}, rank 0 at {late}\n{}",
+        o.show()
+    );
+    assert_eq!(o.code, 1, "{ctx}");
+    let (counters, row) = window_of(&o, late);
+    let want: Vec<u64> = (late - context..=(late + context).min(n - 1)).collect();
+    assert_eq!(counters, want, "{ctx}");
+    assert!(
+        row.is_some_and(|l| l.contains("FIRST NaN (input)")),
+        "{ctx}"
+    );
+}

@@ -24,7 +24,8 @@ pub struct Args {
     /// Scan only this step (default: all steps in order)
     #[arg(long, value_name = "S")]
     pub step: Option<u64>,
-    /// Module calls shown before and after the first bad one
+    /// Module calls shown before and after the first bad one (with no bad output, the one whose
+    /// input held a NaN)
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub context: usize,
     #[command(flatten)]
@@ -54,7 +55,9 @@ fn counter(c: &ScannedCall) -> String {
     }
 }
 
-fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
+/// A row of the table of calls; `mark` is the answer's call (step, counter) and its status
+/// (`FIRST BAD`, or a swallowed NaN input's).
+fn call_row(c: &ScannedCall, mark: Option<(Option<u64>, u64, &str)>) -> Vec<String> {
     let out = c.outputs().next();
     let shape = out.map(|t| format!("{:?}", t.shape)).unwrap_or_default();
     // over the finite values: none at all (an all-NaN output) has no maximum to show
@@ -71,8 +74,8 @@ fn call_row(c: &ScannedCall, first: Option<u64>) -> Vec<String> {
         Some(false) if c.inputs().all(|t| t.is_finite() || t.is_mask()) => "mask".to_string(),
         Some(false) => "NaN/Inf".to_string(),
     };
-    let status = if Some(c.counter) == first {
-        "FIRST BAD".to_string()
+    let status = if let Some((_, _, m)) = mark.filter(|m| (m.0, m.1) == (c.step, c.counter)) {
+        m.to_string()
     } else if c.outputs_finite() {
         "clean".to_string()
     } else if c.outputs_ok() {
@@ -582,6 +585,12 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         "counter_gaps": gaps,
     });
     let first_counter = r.first.as_ref().map(|f| f.call.counter);
+    // the call the table marks: the first bad output, else the call that swallowed a NaN input
+    let mark = match (&r.first, &r.nan_input) {
+        (Some(f), _) => Some((f.call.step, f.call.counter, "FIRST BAD")),
+        (None, Some((c, _))) => Some((c.step, c.counter, "FIRST NaN (input)")),
+        (None, None) => None,
+    };
     // where the answer lies: the NaN input the first bad output received, else that output
     let answer_counter = received_nan_input(r)
         .map(|(c, _)| c.counter)
@@ -600,7 +609,7 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
         ],
     );
     for c in &r.window {
-        table.row(call_row(c, first_counter));
+        table.row(call_row(c, mark));
     }
     let unscanned_note = match unscanned.len() {
         0 => String::new(),
@@ -660,7 +669,9 @@ fn report(index: &TraceIndex, r: &LocateResult) -> Result<Report> {
                 .with("first_nonfinite", nan_input.clone())
                 .with("nan_input", nan_input)
                 .with("last_clean", last_clean.map(clean_json));
-            table.title = "Last module calls scanned".into();
+            if r.nan_input.is_none() {
+                table.title = "Last module calls scanned".into();
+            }
             rep = rep.section(table);
             rep
         }

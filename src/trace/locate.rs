@@ -132,7 +132,8 @@ pub struct LocateResult {
     pub first: Option<FirstNonFinite>,
     /// The last call before the first bad one whose outputs were all finite.
     pub last_clean: Option<ScannedCall>,
-    /// Calls around the first bad one (or the last ones scanned when clean), in order.
+    /// Calls around the first bad one, in order; with no bad output, around `nan_input`'s call
+    /// (a swallowed NaN), else the last ones scanned.
     pub window: Vec<ScannedCall>,
     /// Calls whose outputs were scanned (files without an output are not counted).
     pub calls_scanned: usize,
@@ -219,7 +220,8 @@ fn scan_call(e: &TraceEntry) -> Result<std::result::Result<ScannedCall, String>>
 }
 
 /// Scan `index` in order until the first call with a non-finite output, then `context` more
-/// calls for the table; `tick` is called once per scanned call. Memory: `2·context + 1` calls.
+/// calls for the table; `tick` is called once per scanned call. Memory: `2·context + 1` calls,
+/// twice that once a NaN input was swallowed (the calls around it, kept in case no output is bad).
 pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Result<LocateResult> {
     let mut before: VecDeque<ScannedCall> = VecDeque::new();
     let mut last_clean: Option<ScannedCall> = None;
@@ -229,6 +231,9 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     let mut after = Vec::new();
     let mut nan_input = None;
     let mut clean_before_nan_input = None;
+    // the calls around `nan_input`'s call: the table when no output turns out bad
+    let mut around_nan_input: Vec<ScannedCall> = Vec::new();
+    let mut after_nan_input = 0;
     let mut near = None;
     let mut mask_outputs = None;
     let mut mask_output_count = 0;
@@ -280,7 +285,12 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
                     .map(|b| (call.clone(), b));
                 if nan_input.is_some() {
                     clean_before_nan_input = last_clean.clone();
+                    around_nan_input = before.iter().cloned().collect();
+                    around_nan_input.push(call.clone());
                 }
+            } else if after_nan_input < context {
+                after_nan_input += 1;
+                around_nan_input.push(call.clone());
             }
             if near.is_none() {
                 near = near_overflow(&call).map(|(t, m, max)| (call.clone(), t, m, max));
@@ -325,8 +335,10 @@ pub fn locate(index: &TraceIndex, context: usize, tick: &mut dyn FnMut()) -> Res
     if let Some(err) = unreadable.filter(|_| found.is_none() && nan_input.is_none()) {
         return Err(err);
     }
-    let mut window: Vec<ScannedCall> = before.into_iter().collect();
-    window.extend(after);
+    let window: Vec<ScannedCall> = match (&found, &nan_input) {
+        (None, Some(_)) => around_nan_input,
+        _ => before.into_iter().chain(after).collect(),
+    };
     Ok(LocateResult {
         first: found,
         last_clean,
