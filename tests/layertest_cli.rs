@@ -1813,3 +1813,99 @@ fn an_input_scale_far_off_is_named_in_the_json() {
         );
     }
 }
+
+/// The checkpoint's input_scale is what the engine takes whatever gs the sweep tries: a
+/// gs-sweep under `--gs default` or `--gs VALUE` names one far off in its JSON as `--gs
+/// checkpoint` does (`input_scale_saturate` for the planted bad-input-scale, gate/up 1000x
+/// too small; `input_scale_flush` for one 1e6x too large), and names none on the clean
+/// checkpoint. Both fields used to be null under any gs but `checkpoint`.
+#[test]
+fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
+    use rand::Rng;
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = rand::thread_rng();
+    let seed = rng.gen::<u16>().to_string();
+    synth(
+        dir.path(),
+        "lo",
+        &["--seed", &seed, "--plant", "bad-input-scale"],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("lo/planted.json")).unwrap())
+            .unwrap();
+    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    synth(dir.path(), "clean", &["--seed", &seed]);
+    synth(dir.path(), "hi", &["--seed", &seed]);
+    let (proj, gemm) = match rng.gen_range(0..3) {
+        0 => ("gate_proj", "gate/up"),
+        1 => ("up_proj", "gate/up"),
+        _ => ("down_proj", "down"),
+    };
+    scale_scalar(
+        &dir.path().join("hi"),
+        &format!("model.layers.1.mlp.experts.{e}.{proj}.input_scale"),
+        1e6,
+    );
+    // a fixed gs anywhere from 10x under to 10x over the engines' default
+    let value = format!("{:.4e}", 2688.0 * 10f64.powf(rng.gen_range(-1.0..1.0)));
+    for gs in ["default", value.as_str()] {
+        let json = |ck: &str| -> Value {
+            let (code, text, r) = run(
+                dir.path(),
+                &[
+                    "gs-sweep",
+                    "--checkpoint",
+                    ck,
+                    "--device",
+                    "cpu",
+                    "--tokens",
+                    "32",
+                    "--points",
+                    "5",
+                    "--gs",
+                    gs,
+                    "--seed",
+                    &seed,
+                ],
+            );
+            assert!(code == 0 || code == 1, "seed {seed} {ck} --gs {gs}: {text}");
+            r.unwrap()["summary"].clone()
+        };
+        let list = |sm: &Value, field: &str| -> Vec<Value> {
+            sm[field]
+                .as_array()
+                .unwrap_or_else(|| panic!("seed {seed} --gs {gs}: no {field} list: {sm}"))
+                .clone()
+        };
+        let sm = json("lo");
+        let x = list(&sm, "input_scale_saturate");
+        let x = x
+            .iter()
+            .find(|x| x["expert"] == e && x["gemm"] == "gate/up")
+            .unwrap_or_else(|| panic!("seed {seed} --gs {gs}: expert {e} not saturating: {sm}"));
+        assert!(
+            x["ratio"].as_f64().unwrap() >= 10.0,
+            "seed {seed} --gs {gs}: {x}"
+        );
+
+        let sm = json("hi");
+        let x = list(&sm, "input_scale_flush");
+        let x = x
+            .iter()
+            .find(|x| x["expert"] == e)
+            .unwrap_or_else(|| panic!("seed {seed} --gs {gs}: expert {e} not flushing: {sm}"));
+        assert_eq!(x["gemm"], gemm, "seed {seed} --gs {gs}: {x}");
+        assert_eq!(x["projs"], serde_json::json!([proj]), "seed {seed}: {x}");
+        let ratio = x["ratio"].as_f64().unwrap();
+        assert!((1e3..1e9).contains(&ratio), "seed {seed} --gs {gs}: {x}");
+
+        // no false alarm: the clean checkpoint's input scales fit its inputs
+        let sm = json("clean");
+        for field in ["input_scale_saturate", "input_scale_flush"] {
+            assert!(
+                list(&sm, field).is_empty(),
+                "seed {seed} --gs {gs} clean: {field}: {sm}"
+            );
+        }
+    }
+}

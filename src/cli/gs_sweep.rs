@@ -270,10 +270,12 @@ pub fn run(args: &Args) -> Result<Report> {
         _ => None,
     };
 
-    // under --gs checkpoint, what its input scales do to their inputs: those far above what
-    // their inputs need named in the failures, and both ways in the JSON
-    let findings = match (used_source, &used_scales) {
-        (GsSource::Checkpoint, Some(s)) => Some(ScaleFindings::of(
+    // what the scales in use do to their inputs, from one pass over them: under --gs
+    // checkpoint its input scales far above what their inputs need named in the failures;
+    // the checkpoint's input scales judged both ways in the JSON whatever the gs in use (the
+    // engine takes them), and the amax the reciprocal check below reads
+    let findings = match &used_scales {
+        Some(s) => Some(ScaleFindings::of(
             &layer,
             &batch.hidden,
             &routing,
@@ -281,7 +283,7 @@ pub fn run(args: &Args) -> Result<Report> {
             used_source,
             reduce,
         )?),
-        _ => None,
+        None => None,
     };
     let flushes = || worst_flushes(findings.as_ref());
 
@@ -360,7 +362,7 @@ pub fn run(args: &Args) -> Result<Report> {
                 format!(
                     "{:.1}% of its activation blocks saturate (block scale at 448, the E4M3 max){}",
                     u.blocks.saturated_pct,
-                    worst_overshoots(&layer, &batch.hidden, &routing, used_scales.as_ref())?
+                    worst_overshoots(findings.as_ref())
                 )
             };
             failures.push(format!(
@@ -437,7 +439,7 @@ pub fn run(args: &Args) -> Result<Report> {
                  (calibrated: cosine {}){}",
                 wrong.len(),
                 f(*cal_cos, 4),
-                worst_overshoots(&layer, &batch.hidden, &routing, Some(s))? + &flushes()
+                worst_overshoots(findings.as_ref()) + &flushes()
             ));
             cause.get_or_insert("gs");
         }
@@ -496,9 +498,9 @@ pub fn run(args: &Args) -> Result<Report> {
     // checkpoint input scales that read as their own reciprocals: the cause behind the
     // overshoots above, named before them
     let reciprocal = match used_source {
-        GsSource::Checkpoint => {
-            model.reciprocal_input_scales(l, &layer, &batch.hidden, &routing)?
-        }
+        GsSource::Checkpoint => findings
+            .as_ref()
+            .and_then(|s| model.reciprocal_input_scales(l, &layer, &s.amax)),
         _ => None,
     };
     // a convention mix-up this batch survives is still one: smaller activations quantize
@@ -730,19 +732,11 @@ pub fn run(args: &Args) -> Result<Report> {
 /// `; worst: expert E GEMM input (gs G, Rx the F its amax allows), ...` for the (up to three)
 /// expert inputs the scales in use saturate most: a single expert's bad input_scale shows in
 /// the layer's loss but not in which expert it is.
-fn worst_overshoots(
-    layer: &crate::moe::MoeLayer,
-    hidden: &[f32],
-    routing: &crate::moe::Routing,
-    scales: Option<&ActScales>,
-) -> Result<String> {
-    let Some(s) = scales else {
-        return Ok(String::new());
-    };
-    let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+fn worst_overshoots(findings: Option<&ScaleFindings>) -> String {
     // a gs within 5% of its expert's own amax is rounding, not an overshoot worth naming
-    let worst: Vec<String> = gs::overshoots(s, &a1, &a2)
+    let worst: Vec<String> = findings
         .iter()
+        .flat_map(|s| &s.over)
         .filter(|o| o.ratio >= 1.05)
         .take(3)
         .map(|o| {
@@ -756,10 +750,10 @@ fn worst_overshoots(
             )
         })
         .collect();
-    Ok(match worst.is_empty() {
+    match worst.is_empty() {
         true => String::new(),
         false => format!("; worst: {}", worst.join(", ")),
-    })
+    }
 }
 
 /// `; worst: expert E gate_proj/up_proj input_scale S is Rx the N its amax needs ...` for

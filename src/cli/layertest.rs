@@ -461,17 +461,20 @@ impl Model {
     }
 
     /// Layer `l`'s checkpoint input scales that read as their own reciprocals against this
-    /// batch ([`gs::reciprocal_input_scales`] on the per-expert amax of the batch's routing):
-    /// the sentence and the JSON `input_scale_reciprocal` that layertest and gs-sweep report.
+    /// batch ([`gs::reciprocal_input_scales`] on `amax`, the per-expert amax of the batch's
+    /// GEMM inputs, [`crate::moe::forward::expert_input_amax`]): the sentence and the JSON
+    /// `input_scale_reciprocal` that layertest and gs-sweep report.
     pub fn reciprocal_input_scales(
         &self,
         l: usize,
         layer: &MoeLayer,
-        hidden: &[f32],
-        routing: &Routing,
-    ) -> Result<Option<(String, serde_json::Value)>> {
-        let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
-        Ok(gs::reciprocal_input_scales(layer, &a1, &a2).map(|r| {
+        amax: &(
+            crate::moe::forward::ExpertAmax,
+            crate::moe::forward::ExpertAmax,
+        ),
+    ) -> Option<(String, serde_json::Value)> {
+        let (a1, a2) = amax;
+        gs::reciprocal_input_scales(layer, a1, a2).map(|r| {
             let text = r.text(&|e, p| self.input_scale_name(l, e, p));
             let report = json!({
                 "tensor": self.input_scale_name(l, r.worst.expert, r.worst.proj),
@@ -482,7 +485,7 @@ impl Model {
                 "text": text,
             });
             (text, report)
-        }))
+        })
     }
 
     pub fn is_synthetic(&self) -> bool {
@@ -1532,9 +1535,13 @@ pub fn run(args: &Args) -> Result<Report> {
     // checkpoint input scales that read as their own reciprocals: the cause behind the expert
     // failures above (their inputs saturate or flush), named first after the input's problems
     let reciprocal = match (source, failures.is_empty()) {
-        (GsSource::Checkpoint, false) => {
-            model.reciprocal_input_scales(l, &layer, &batch.hidden, &routing)?
-        }
+        (GsSource::Checkpoint, false) => match &findings {
+            Some(s) => model.reciprocal_input_scales(l, &layer, &s.amax),
+            None => {
+                let amax = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
+                model.reciprocal_input_scales(l, &layer, &amax)
+            }
+        },
         _ => None,
     };
     if let Some((t, _)) = &reciprocal {
@@ -2267,13 +2274,21 @@ pub fn nonfinite_weights(layer: &MoeLayer, expert: usize) -> Option<String> {
 /// ([`crate::moe::forward::expert_input_amax`]): the GEMM inputs whose gs saturates them
 /// ([`gs::overshoots`]) and, under `--gs checkpoint`, the input scales in use at least
 /// [`gs::MIN_FLUSH_RATIO`] above what their amax needs ([`gs::input_scales_too_large`]):
-/// the cause layertest and multilayer name in a failing expert's line, and their JSON
-/// `input_scale_saturate` and `input_scale_flush` (gs-sweep's too).
+/// the cause layertest and multilayer name in a failing expert's line. Their JSON
+/// `input_scale_saturate` and `input_scale_flush` (gs-sweep's too) judge the checkpoint's
+/// `input_scale`s the same way under every gs source: they are what the engine will use.
 pub struct ScaleFindings {
     pub over: Vec<gs::GsOvershoot>,
     pub too_large: Vec<gs::InputScaleTooLarge>,
-    /// The scales are the checkpoint's `input_scale`s (`--gs checkpoint`).
-    checkpoint: bool,
+    /// The per-expert amax of the GEMM inputs (before W1/W3, before W2) they come from.
+    pub amax: (
+        crate::moe::forward::ExpertAmax,
+        crate::moe::forward::ExpertAmax,
+    ),
+    /// The checkpoint's `input_scale`s judged against that amax, whatever the gs in use:
+    /// the GEMM inputs `1/input_scale` saturates, and the input scales that flush theirs;
+    /// `None` when the layer's experts carry no usable input scales.
+    checkpoint: Option<(Vec<gs::GsOvershoot>, Vec<gs::InputScaleTooLarge>)>,
 }
 
 impl ScaleFindings {
@@ -2288,18 +2303,31 @@ impl ScaleFindings {
         reduce: InputScaleReduce,
     ) -> Result<Self> {
         let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
-        let checkpoint = source == GsSource::Checkpoint;
-        let too_large = if checkpoint {
+        let too_large = |reduce| -> Vec<gs::InputScaleTooLarge> {
             gs::input_scales_too_large(layer, reduce, &a1, &a2)
                 .into_iter()
                 .filter(|o| o.layer_ratio >= gs::MIN_FLUSH_RATIO)
                 .collect()
-        } else {
-            vec![]
+        };
+        let over = gs::overshoots(scales, &a1, &a2);
+        let (in_use, checkpoint) = match source {
+            GsSource::Checkpoint => {
+                let t = too_large(reduce);
+                (t.clone(), Some((over.clone(), t)))
+            }
+            // another gs in use: the checkpoint's input scales, as the engine will take them
+            // (none to judge where they are missing or unusable: `audit` names those)
+            _ => (
+                vec![],
+                gs::checkpoint_scales(layer, reduce)
+                    .ok()
+                    .map(|s| (gs::overshoots(&s, &a1, &a2), too_large(reduce))),
+            ),
         };
         Ok(ScaleFindings {
-            over: gs::overshoots(scales, &a1, &a2),
-            too_large,
+            over,
+            too_large: in_use,
+            amax: (a1, a2),
             checkpoint,
         })
     }
@@ -2336,21 +2364,22 @@ impl ScaleFindings {
     }
 
     /// JSON `input_scale_flush`: the checkpoint input scales that flush their inputs, worst
-    /// first; `None` unless `--gs checkpoint`.
+    /// first, whatever the gs in use; `None` when the checkpoint carries none to judge.
     pub fn flush_json(&self) -> Option<serde_json::Value> {
-        self.checkpoint.then(|| json!(self.too_large))
+        self.checkpoint.as_ref().map(|(_, t)| json!(t))
     }
 
     /// JSON `input_scale_saturate`: the expert GEMM inputs whose gs, `1/input_scale` of the
     /// checkpoint, is at least [`gs::MIN_OVERSHOOT_RATIO`] past what their amax allows, worst
-    /// first; `None` unless `--gs checkpoint`.
+    /// first, whatever the gs in use; `None` when the checkpoint carries none to judge.
     pub fn saturate_json(&self) -> Option<serde_json::Value> {
-        let v: Vec<&gs::GsOvershoot> = self
-            .over
-            .iter()
-            .filter(|o| o.ratio >= gs::MIN_OVERSHOOT_RATIO)
-            .collect();
-        self.checkpoint.then(|| json!(v))
+        self.checkpoint.as_ref().map(|(over, _)| {
+            let v: Vec<&gs::GsOvershoot> = over
+                .iter()
+                .filter(|o| o.ratio >= gs::MIN_OVERSHOOT_RATIO)
+                .collect();
+            json!(v)
+        })
     }
 }
 
