@@ -1736,6 +1736,16 @@ fn an_input_scale_far_too_large_under_global_max_is_named_as_the_flush() {
     }
 }
 
+/// `synth --plant bad-input-scale` (gate/up input_scale 1000x too small) as `dir/name`: the
+/// planted expert.
+fn synth_bad_input_scale(dir: &Path, name: &str, seed: &str) -> u64 {
+    synth(dir, name, &["--seed", seed, "--plant", "bad-input-scale"]);
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.join(name).join("planted.json")).unwrap())
+            .unwrap();
+    planted["faults"][0]["expert"].as_u64().unwrap()
+}
+
 /// A checkpoint input_scale far off is named in the JSON CI scripts read, not only in the
 /// failure text: under `--gs checkpoint`, gs-sweep's and layertest's summary list the expert
 /// and projection(s) whose input_scale flushes its inputs (`input_scale_flush`, one 1e6x too
@@ -1747,15 +1757,7 @@ fn an_input_scale_far_off_is_named_in_the_json() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = rand::thread_rng();
     let seed = rng.gen::<u16>().to_string();
-    synth(
-        dir.path(),
-        "lo",
-        &["--seed", &seed, "--plant", "bad-input-scale"],
-    );
-    let planted: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("lo/planted.json")).unwrap())
-            .unwrap();
-    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    let e = synth_bad_input_scale(dir.path(), "lo", &seed);
     // the same model with expert e's input_scale(s) 1e6x too large instead
     synth(dir.path(), "hi", &["--seed", &seed]);
     let (projs, gemm): (&[&str], &str) = match rng.gen_range(0..4) {
@@ -1825,15 +1827,7 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
     let dir = tempfile::tempdir().unwrap();
     let mut rng = rand::thread_rng();
     let seed = rng.gen::<u16>().to_string();
-    synth(
-        dir.path(),
-        "lo",
-        &["--seed", &seed, "--plant", "bad-input-scale"],
-    );
-    let planted: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("lo/planted.json")).unwrap())
-            .unwrap();
-    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    let e = synth_bad_input_scale(dir.path(), "lo", &seed);
     synth(dir.path(), "clean", &["--seed", &seed]);
     synth(dir.path(), "hi", &["--seed", &seed]);
     let (proj, gemm) = match rng.gen_range(0..3) {

@@ -163,13 +163,14 @@ fn same_geometry(a: &QMatrix, b: &QMatrix) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::nvfp4::Format;
     use crate::weights::view::Mat;
     use rand::{Rng, SeedableRng};
 
-    fn q<'a>(
+    /// A quantized matrix over `codes` and `scales`, global scale 1.
+    pub(crate) fn q<'a>(
         format: Format,
         rows: usize,
         cols: usize,

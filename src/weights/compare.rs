@@ -2241,6 +2241,7 @@ mod tests {
     /// not (it said "under the same global scale" too).
     #[test]
     fn blocks_differ_speaks_of_a_global_scale_only_for_nvfp4() {
+        use crate::weights::blocks::tests::q;
         let seed: u64 = rand::random();
         let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         for format in [Format::Nvfp4, Format::Mxfp4] {
@@ -2252,22 +2253,6 @@ mod tests {
             let mut b_codes = a_codes.clone();
             let at = r.gen_range(0..b_codes.len());
             b_codes[at] ^= 0x11;
-            fn q<'a>(
-                format: Format,
-                rows: usize,
-                cols: usize,
-                codes: &'a [u8],
-                scales: &[u8],
-            ) -> QMatrix<'a> {
-                QMatrix {
-                    format,
-                    rows,
-                    cols,
-                    packed: Mat::new(codes, rows, cols / 2, cols / 2).unwrap(),
-                    scales: std::borrow::Cow::Owned(scales.to_vec()),
-                    scale_2: 1.0,
-                }
-            }
             let (a, b) = (
                 q(format, rows, cols, &a_codes, &scales),
                 q(format, rows, cols, &b_codes, &scales),
