@@ -1221,6 +1221,42 @@ fn an_input_scale_holding_its_reciprocal_is_named() {
             }
         }
     }
+    // under another gs (gs-sweep's default) the checkpoint's reciprocals are still what an
+    // engine takes: named in the JSON and in a note, the verdict left to the gs in use
+    for ck in ["recip", "cal"] {
+        let (_, text, r) = run(
+            d,
+            &[
+                "gs-sweep",
+                "--checkpoint",
+                ck,
+                "--input",
+                "in.safetensors",
+                "--device",
+                "cpu",
+                "--points",
+                "5",
+            ],
+        );
+        let what = format!("seed {seed} gs-sweep --gs default {ck}");
+        let sm = &r.unwrap()["summary"];
+        assert_eq!(sm["gs"], "default", "{what}: {sm}");
+        assert_ne!(sm["cause"], "input_scale_reciprocal", "{what}: {sm}");
+        let x = &sm["input_scale_reciprocal"];
+        assert_eq!(x.is_null(), ck == "cal", "{what}: {sm}");
+        assert_eq!(
+            text.contains("The checkpoint's input scales"),
+            ck == "recip",
+            "{what}: {text}"
+        );
+        if ck == "recip" {
+            let (st, cal) = (
+                x["stored"].as_f64().unwrap(),
+                x["calibrated"].as_f64().unwrap(),
+            );
+            assert!((st * cal - 1.0).abs() < 1e-3, "{what}: {x}");
+        }
+    }
     // reciprocals a batch of small activations survives (its numbers within --max-loss of
     // the best) are still named: gs-sweep passed them in silence
     let h3: Vec<f32> = nvfp4dbg::moe::synthetic::moe_input(hsz, t, None, 1e-6, seed ^ 1)

@@ -495,17 +495,18 @@ pub fn run(args: &Args) -> Result<Report> {
             }
         }
     }
-    // checkpoint input scales that read as their own reciprocals: the cause behind the
-    // overshoots above, named before them
-    let reciprocal = match used_source {
-        GsSource::Checkpoint => findings
-            .as_ref()
-            .and_then(|s| model.reciprocal_input_scales(l, &layer, &s.amax)),
-        _ => None,
-    };
+    // checkpoint input scales that read as their own reciprocals, whatever the gs in use (the
+    // engine takes them): under --gs checkpoint the cause behind the overshoots above, named
+    // before them; under another gs a note beside the verdict on that gs
+    let reciprocal = findings
+        .as_ref()
+        .and_then(|s| model.reciprocal_input_scales(l, &layer, &s.amax));
+    let reciprocal_in_use = reciprocal
+        .as_ref()
+        .filter(|_| used_source == GsSource::Checkpoint);
     // a convention mix-up this batch survives is still one: smaller activations quantize
     // further into the E4M3 subnormals under it (the verdict said nothing, the JSON named it)
-    match (&reciprocal, cause) {
+    match (reciprocal_in_use, cause) {
         (Some((t, _)), Some("gs")) => {
             failures.insert(0, format!("gs `{used_source}`: {t}"));
             cause = Some("input_scale_reciprocal");
@@ -719,6 +720,15 @@ pub fn run(args: &Args) -> Result<Report> {
         .plot("gs-sweep-blocks.svg", block_plot.render());
     if let Some(s) = &used_scales {
         report = report.with("gs_in_use", scales_json(used_source, reduce, s));
+    }
+    if let Some((t, _)) = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none()) {
+        report = report.section(Section::kv(
+            "The checkpoint's input scales (what an engine takes)",
+            &[(
+                "input_scale",
+                format!("{t}; `--gs checkpoint` runs the layer under them"),
+            )],
+        ));
     }
     if args.ep.sharded() {
         let mut j = ep_json_with(&args.ep, &devices, reduce_info.borrow().as_ref());
