@@ -73,11 +73,17 @@ impl BlockCount {
 /// block's codes do. NVFP4 rows on AVX-512 BW: 64 blocks a step, as bit masks.
 fn count<const N: usize>(ca: &[[u8; N]], cb: &[[u8; N]], sa: &[u8], sb: &[u8]) -> (usize, bool) {
     #[cfg(target_arch = "x86_64")]
-    if N == 8 && std::is_x86_feature_detected!("avx512bw") {
+    if N == 8 && avx512bw() {
         // SAFETY: AVX-512 F/BW seen; the four slices are of one length (the caller's `blocks`)
         return unsafe { count8_avx512(ca.as_flattened(), cb.as_flattened(), sa, sb) };
     }
     count_portable(ca, cb, sa, sb)
+}
+
+/// AVX-512 F and BW, what the byte-mask loops here and in `audit` are compiled for.
+#[cfg(target_arch = "x86_64")]
+pub fn avx512bw() -> bool {
+    std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
 }
 
 /// [`count`] one block at a time, branch-free.

@@ -1366,7 +1366,7 @@ fn scan_scale_chunk(format: Format, c: &[u8]) -> ScaleScan {
     // the same code in 512- or 256-bit registers where the CPU has them
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512bw") {
+        if crate::weights::blocks::avx512bw() {
             // SAFETY: the CPU supports AVX-512 F/BW, checked just above
             return unsafe { scan_scale_chunk_avx512(format, c) };
         }
