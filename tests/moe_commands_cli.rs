@@ -805,6 +805,19 @@ fn multilayer_names_a_nan_in_a_norm_weight() {
     );
 }
 
+/// `synth --plant bad-input-scale` (gate/up input_scale 1000x too small) as `dir/out`: the
+/// planted expert.
+fn synth_bad_input_scale(dir: &Path, out: &str, seed: &str) -> u64 {
+    synth(
+        dir,
+        &["--out", out, "--plant", "bad-input-scale", "--seed", seed],
+    );
+    let planted: Value =
+        serde_json::from_slice(&std::fs::read(dir.join(out).join("planted.json")).unwrap())
+            .unwrap();
+    planted["faults"][0]["expert"].as_u64().unwrap()
+}
+
 /// One expert's checkpoint input_scale 1000x too small (gate/up, planted; down, set here)
 /// saturates that expert's activations: gs-sweep under `--gs checkpoint` names the expert
 /// and the GEMM. It used to say only that the layer's gs loses cosine. One expert of 32
@@ -815,14 +828,7 @@ fn multilayer_names_a_nan_in_a_norm_weight() {
 fn gs_sweep_names_the_expert_whose_input_scale_saturates() {
     let seed = rand::random::<u16>().to_string();
     let dir = tempfile::tempdir().unwrap();
-    synth(
-        dir.path(),
-        &["--out", "ck", "--plant", "bad-input-scale", "--seed", &seed],
-    );
-    let planted: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
-            .unwrap();
-    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    let e = synth_bad_input_scale(dir.path(), "ck", &seed);
     synth(dir.path(), &["--out", "down", "--seed", &seed]);
     let name = format!("model.layers.1.mlp.experts.{e}.down_proj.input_scale");
     let ck = dir.path().join("down");
@@ -1397,14 +1403,7 @@ fn multilayer_refuses_a_walk_over_a_layer_config_json_and_the_checkpoint_disagre
 fn multilayer_names_saturation_or_flush_as_a_failing_experts_cause() {
     let seed = rand::random::<u16>().to_string();
     let dir = tempfile::tempdir().unwrap();
-    synth(
-        dir.path(),
-        &["--out", "ck", "--plant", "bad-input-scale", "--seed", &seed],
-    );
-    let planted: Value =
-        serde_json::from_slice(&std::fs::read(dir.path().join("ck/planted.json")).unwrap())
-            .unwrap();
-    let e = planted["faults"][0]["expert"].as_u64().unwrap();
+    let e = synth_bad_input_scale(dir.path(), "ck", &seed);
     let cases: [(&[&str], f32, &str, &str); 4] = [
         (
             &["gate_proj", "up_proj"],

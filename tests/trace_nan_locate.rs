@@ -1537,9 +1537,20 @@ fn write_rank(
     nan_in: &[u64],
     nan_out: &[u64],
 ) -> usize {
+    write_calls(r, dir, 12, nan_in, nan_out)
+}
+
+/// [`write_rank`] with `n` calls.
+fn write_calls(
+    r: &mut rand_chacha::ChaCha8Rng,
+    dir: &std::path::Path,
+    n: u64,
+    nan_in: &[u64],
+    nan_out: &[u64],
+) -> usize {
     std::fs::create_dir_all(dir).unwrap();
     let flat = r.gen_range(0..32);
-    for c in 0..12u64 {
+    for c in 0..n {
         let (mut x, mut y) = (randv(r, 32), randv(r, 32));
         if nan_in.contains(&c) {
             x[flat] = f32::NAN;
@@ -1751,25 +1762,6 @@ fn an_inf_output_is_not_blamed_on_a_nan_swallowed_before_it() {
     assert_eq!(o.json["summary"]["rank"], 0, "{ctx}");
 }
 
-/// Write `dir` (one rank) with `n` calls `model.layers.C` of random values: `input.0` holds a
-/// NaN at the calls in `nan_in`, every output is finite.
-fn write_swallowed(r: &mut rand_chacha::ChaCha8Rng, dir: &std::path::Path, n: u64, nan_in: &[u64]) {
-    std::fs::create_dir_all(dir).unwrap();
-    for c in 0..n {
-        let mut x = randv(r, 32);
-        if nan_in.contains(&c) {
-            x[r.gen_range(0..32)] = f32::NAN;
-        }
-        write_call(
-            dir,
-            c,
-            &format!("model.layers.{c}"),
-            vec![t("input.0", &[4, 8], x), t("output", &[4, 8], randv(r, 32))],
-            &[],
-        );
-    }
-}
-
 /// The counters of the report's table of calls (`modules`), and its printed row of `counter`.
 fn window_of(o: &Out, counter: u64) -> (Vec<u64>, Option<String>) {
     let counters = o.json["modules"]
@@ -1799,7 +1791,7 @@ fn the_calls_shown_around_a_swallowed_nan_are_those_around_its_call() {
     let at = r.gen_range(context + 1..n - 2 * context - 1);
     // a second swallowed NaN later on does not move the table: the first is the answer
     let later = r.gen_range(at + 1..n);
-    write_swallowed(&mut r, &tmp.path().join("t"), n, &[at, later]);
+    write_calls(&mut r, &tmp.path().join("t"), n, &[at, later], &[]);
     let ctx_arg = context.to_string();
     let o = nvfp4dbg(tmp.path(), &["nan-locate", "t", "--context", &ctx_arg]);
     let ctx = format!(
@@ -1819,8 +1811,8 @@ fn the_calls_shown_around_a_swallowed_nan_are_those_around_its_call() {
     // across ranks: rank 0's only NaN is swallowed late, rank 1's early; rank 1's report is the
     // answer, and its table is around its call
     let late = r.gen_range(at + 1..n);
-    write_swallowed(&mut r, &tmp.path().join("ep/rank0"), n, &[late]);
-    write_swallowed(&mut r, &tmp.path().join("ep/rank1"), n, &[at]);
+    write_calls(&mut r, &tmp.path().join("ep/rank0"), n, &[late], &[]);
+    write_calls(&mut r, &tmp.path().join("ep/rank1"), n, &[at], &[]);
     let o = nvfp4dbg(tmp.path(), &["nan-locate", "ep", "--context", &ctx_arg]);
     let ctx = format!(
         "seed {seed}, --context {context}, rank 0 NaN input at {late}, rank 1 at {at}\n{}",
