@@ -285,3 +285,33 @@ fn a_directory_runs_every_case_with_a_summary() {
     assert!(work.join("t").is_dir(), "{ctx}");
     std::fs::remove_dir_all(work.parent().unwrap()).unwrap();
 }
+
+#[test]
+fn a_directory_of_device_cases_says_the_cpu_fallback_once() {
+    let seed: u64 = rand::random::<u64>() % 1000;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cases");
+    std::fs::create_dir(&dir).unwrap();
+    // each case opens its device itself (no --device): on a machine without a GPU each falls
+    // back to the CPU, and the note about it is for the run, not for every case
+    for i in 0..3 {
+        write(&dir, &format!("{i}-layertest.toml"), &format!(
+            "description = \"x\"\ncommand = \"layertest\"\nargs = [\"--checkpoint\", \"${{WORK}}/ckpt\", \"--tokens\", \"16\", \"--seed\", \"{}\"]\nexpect = \"pass\"\nsetup = [[\"synth\", \"--out\", \"${{WORK}}/ckpt\", \"--preset\", \"tiny\", \"--seed\", \"{}\"]]\n",
+            seed + i, seed + i
+        ));
+    }
+    // not through `nvfp4dbg()`, whose --quiet silences the note
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_nvfp4dbg"))
+        .current_dir(tmp.path())
+        .args(["run", dir.to_str().unwrap(), "--no-report-dir"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let ctx = format!("seed {seed}\n--- stderr\n{stderr}");
+    assert_eq!(o.status.code(), Some(0), "{ctx}");
+    let fell_back = nvfp4dbg::backend::open(&nvfp4dbg::backend::DeviceRequest::Auto)
+        .map(|b| b.name() == "cpu")
+        .unwrap_or(true);
+    let said = stderr.matches("no usable GPU found").count();
+    assert_eq!(said, usize::from(fell_back), "{ctx}");
+}

@@ -47,10 +47,19 @@ impl DeviceArgs {
     pub fn open(&self, quiet: bool) -> Result<Box<dyn Backend>> {
         let b = backend::open(&self.device)?;
         if self.device == DeviceRequest::Auto && b.name() == "cpu" && !quiet {
-            eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)");
+            say_cpu_fallback();
         }
         Ok(b)
     }
+}
+
+/// Tell stderr, once a process (`run cases/` opens a device per case), that the CPU
+/// reference runs because no GPU was found.
+pub fn say_cpu_fallback() {
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)")
+    });
 }
 
 /// A cosine threshold (`--min-cosine` and the like): a finite number in [-1, 1]; anything else

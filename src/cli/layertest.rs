@@ -125,7 +125,7 @@ impl EpArgs {
     pub fn open(&self, device: &DeviceArgs, quiet: bool) -> Result<EpDevices> {
         let d = EpDevices::open(&device.device, self.ep, self.ep_gpus)?;
         if d.fell_back_to_cpu && !quiet {
-            eprintln!("nvfp4dbg: no usable GPU found; running on the CPU backend (the reference)");
+            super::common::say_cpu_fallback();
         }
         if self.ep_reduce == ReduceMode::Nccl && (self.ep < 2 || d.len() < 2) {
             return Err(Error::usage(format!(
