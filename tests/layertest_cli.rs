@@ -1903,3 +1903,142 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
         }
     }
 }
+
+/// The checkpoint's input scales are what an engine takes whatever gs layertest runs under:
+/// the default layertest (gs `calibrated`, or `dynamic`) passes a checkpoint whose own input
+/// scales are far off, exit 0, but names them in its JSON and a note: the planted
+/// bad-input-scale (gate/up 1000x too small) in `input_scale_saturate`, one projection's 1e6x
+/// too large in `input_scale_flush`, input scales holding their reciprocals (of ones
+/// calibrated on the batch) in `input_scale_reciprocal`. The clean checkpoint, and the one
+/// calibrated on the batch, name none. All three were null unless an expert failed (and the
+/// reciprocals unless under `--gs checkpoint`).
+#[test]
+fn layertest_names_the_checkpoint_input_scales_under_a_passing_gs() {
+    use rand::Rng;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let mut rng = rand::thread_rng();
+    let seed: u64 = rng.gen::<u16>().into();
+    let s = seed.to_string();
+    let e = synth_bad_input_scale(d, "lo", &s);
+    for ck in ["clean", "hi", "recip", "cal"] {
+        synth(d, ck, &["--seed", &s]);
+    }
+    let (proj, gemm) = match rng.gen_range(0..3) {
+        0 => ("gate_proj", "gate/up"),
+        1 => ("up_proj", "gate/up"),
+        _ => ("down_proj", "down"),
+    };
+    scale_scalar(
+        &d.join("hi"),
+        &format!("model.layers.1.mlp.experts.{e}.{proj}.input_scale"),
+        1e6,
+    );
+    // input scales calibrated on the test's batch (in BF16, as layertest reads it), and
+    // their reciprocals
+    let t = 32;
+    let h: Vec<f32> = massive_channel_input(t, seed)
+        .into_iter()
+        .map(nvfp4dbg::moe::forward::bf16)
+        .collect();
+    write_hidden(d, &h, t);
+    let mc = nvfp4dbg::checkpoint::MoeCheckpoint::open(&d.join("cal")).unwrap();
+    let layer = mc.load_layer(1).unwrap();
+    let routing = nvfp4dbg::moe::route(&layer, &h, None).unwrap();
+    let (a1, a2) = nvfp4dbg::moe::forward::expert_input_amax(&layer, &h, &routing).unwrap();
+    let max = |a: &[Option<f32>]| a.iter().flatten().fold(0f32, |m, &v| m.max(v));
+    for x in 0..layer.experts.len() {
+        for (p, a) in [
+            ("gate_proj", a1[x].unwrap_or(max(&a1))),
+            ("up_proj", a1[x].unwrap_or(max(&a1))),
+            ("down_proj", a2[x].unwrap_or(max(&a2))),
+        ] {
+            let name = format!("model.layers.1.mlp.experts.{x}.{p}.input_scale");
+            set_scalar(&d.join("cal"), &name, a / 2688.0);
+            set_scalar(&d.join("recip"), &name, 2688.0 / a);
+        }
+    }
+    let layertest = |ck: &str, gs: Option<&str>| -> (String, Value) {
+        let mut args = vec!["layertest", "--checkpoint", ck, "--device", "cpu"];
+        args.extend(match ck {
+            "recip" | "cal" => ["--input", "in.safetensors"],
+            _ => ["--tokens", "32"],
+        });
+        args.extend(["--seed", &s]);
+        if let Some(g) = gs {
+            args.extend(["--gs", g]);
+        }
+        let (code, text, r) = run(d, &args);
+        let what = format!("seed {s} {ck} --gs {gs:?}");
+        assert_eq!(code, 0, "{what}: {text}");
+        let sm = r.unwrap()["summary"].clone();
+        assert_eq!(sm["gs"], gs.unwrap_or("calibrated"), "{what}: {sm}");
+        assert!(sm["cause"].is_null(), "{what}: {sm}");
+        (text, sm)
+    };
+    let list = |sm: &Value, field: &str| -> Vec<Value> {
+        sm[field]
+            .as_array()
+            .unwrap_or_else(|| panic!("seed {s}: no {field} list: {sm}"))
+            .clone()
+    };
+    let note = "The checkpoint's input scales (what an engine takes)";
+    for gs in [None, Some("dynamic")] {
+        let (text, sm) = layertest("lo", gs);
+        let x = list(&sm, "input_scale_saturate");
+        let x = x
+            .iter()
+            .find(|x| x["expert"] == e && x["gemm"] == "gate/up")
+            .unwrap_or_else(|| panic!("seed {s} {gs:?}: expert {e} not saturating: {sm}"));
+        assert!(x["ratio"].as_f64().unwrap() >= 10.0, "seed {s}: {x}");
+        let named = format!("expert {e} gate_proj/up_proj input_scale");
+        assert!(
+            text.contains(note) && text.contains(&named),
+            "seed {s} {gs:?}: {text}"
+        );
+    }
+    let (text, sm) = layertest("hi", None);
+    let x = list(&sm, "input_scale_flush");
+    let x = x
+        .iter()
+        .find(|x| x["expert"] == e)
+        .unwrap_or_else(|| panic!("seed {s}: expert {e} not flushing: {sm}"));
+    assert_eq!(x["gemm"], gemm, "seed {s}: {x}");
+    assert_eq!(x["projs"], serde_json::json!([proj]), "seed {s}: {x}");
+    assert!(
+        text.contains(note) && text.contains(&format!("expert {e} {proj} input_scale")),
+        "seed {s}: {text}"
+    );
+
+    let (text, sm) = layertest("recip", None);
+    let x = &sm["input_scale_reciprocal"];
+    let tensor = x["tensor"]
+        .as_str()
+        .unwrap_or_else(|| panic!("seed {s}: reciprocals not named: {sm}"));
+    assert!(
+        tensor.starts_with("model.layers.1.mlp.experts.") && tensor.ends_with("_proj.input_scale"),
+        "seed {s}: {x}"
+    );
+    let (st, cal) = (
+        x["stored"].as_f64().unwrap(),
+        x["calibrated"].as_f64().unwrap(),
+    );
+    assert!((st * cal - 1.0).abs() < 1e-3, "seed {s}: {x}");
+    assert!(
+        text.contains(note) && text.contains(tensor),
+        "seed {s}: {text}"
+    );
+
+    // no false alarm: input scales that fit their inputs name nothing
+    for ck in ["clean", "cal"] {
+        let (text, sm) = layertest(ck, None);
+        for field in ["input_scale_saturate", "input_scale_flush"] {
+            assert!(list(&sm, field).is_empty(), "seed {s} {ck}: {field}: {sm}");
+        }
+        assert!(
+            sm["input_scale_reciprocal"].is_null(),
+            "seed {s} {ck}: {sm}"
+        );
+        assert!(!text.contains(note), "seed {s} {ck}: {text}");
+    }
+}

@@ -1311,6 +1311,30 @@ fn an_input_scale_holding_its_reciprocal_is_named() {
     );
     assert_eq!(code, 1, "seed {seed}: {text}");
     assert_eq!(sm["cause"], "input_scale_reciprocal", "seed {seed}: {sm}");
+    // and so does layertest under them (gs-sweep's rule): it passed with the finding null
+    let (code, text, r) = run(
+        d,
+        &[
+            "layertest",
+            "--checkpoint",
+            "recip",
+            "--input",
+            "in3.safetensors",
+            "--device",
+            "cpu",
+            "--gs",
+            "checkpoint",
+        ],
+    );
+    let sm = &r.unwrap()["summary"];
+    assert_eq!(code, 1, "seed {seed} layertest: {text}");
+    assert_eq!(sm["cause"], "input_scale_reciprocal", "seed {seed}: {sm}");
+    let head = sm["text"].as_str().unwrap();
+    assert!(
+        head.contains("input_scale holds gs values (quant direction)")
+            && head.contains("this batch passes under these scales"),
+        "seed {seed}: {sm}"
+    );
 }
 
 /// A walk through every MoE layer where the checkpoint and config.json disagree on them is
@@ -1475,5 +1499,52 @@ fn multilayer_names_saturation_or_flush_as_a_failing_experts_cause() {
             listed,
             "seed {seed} {projs:?} x{factor}: expert {e} not in {field}: {row}"
         );
+    }
+    // under the default gs (calibrated) the walk passes, and the layer's row still lists the
+    // checkpoint's input_scale an engine takes (it was null unless an expert failed); the
+    // clean checkpoint lists none on layer 1, and nothing near the planted 1000x past it (a
+    // later layer's inputs carry the residual stream its scales were not calibrated on: 3x
+    // on one expert's down input, seed 19391)
+    synth(dir.path(), &["--out", "clean", "--seed", &seed]);
+    for ck in ["ck", "clean"] {
+        let (code, text, r) = run(
+            dir.path(),
+            &[
+                "multilayer",
+                "--checkpoint",
+                ck,
+                "--device",
+                "cpu",
+                "--seed",
+                &seed,
+            ],
+        );
+        assert_eq!(code, 0, "seed {seed} {ck}: {text}");
+        let r = r.unwrap();
+        for row in r["per_layer"].as_array().unwrap() {
+            let list = |f: &str| {
+                row[f]
+                    .as_array()
+                    .unwrap_or_else(|| panic!("seed {seed} {ck}: no {f} list: {row}"))
+                    .clone()
+            };
+            let (sat, flush) = (list("input_scale_saturate"), list("input_scale_flush"));
+            let ours = sat
+                .iter()
+                .any(|x| x["expert"] == e && x["gemm"] == "gate/up");
+            let first = row["layer"] == 1;
+            assert_eq!(ours, ck == "ck" && first, "seed {seed} {ck}: {row}");
+            if ck == "clean" {
+                let far = sat
+                    .iter()
+                    .chain(&flush)
+                    .any(|x| x["ratio"].as_f64().unwrap() >= 10.0);
+                assert!(!far, "seed {seed} clean: {row}");
+                assert!(
+                    !first || sat.is_empty() && flush.is_empty(),
+                    "seed {seed}: {row}"
+                );
+            }
+        }
     }
 }

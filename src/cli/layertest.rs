@@ -1459,8 +1459,11 @@ pub fn run(args: &Args) -> Result<Report> {
     // a failing expert's down_proj input the scales saturate: `cause` (its gate/up blocks)
     // cannot show it
     // and the checkpoint input_scales in use far above what their amax needs: the flush
-    // counterpart, under global-max one expert's value that every expert takes
-    let findings = if experts.iter().any(|x| check.failure(&x.m).is_some()) {
+    // counterpart, under global-max one expert's value that every expert takes; and the
+    // checkpoint's input scales judged whatever the gs in use (an engine takes them), for the
+    // JSON and a note: one amax pass for all of it
+    let failing = experts.iter().any(|x| check.failure(&x.m).is_some());
+    let findings = if ScaleFindings::wanted(&layer, failing) {
         Some(ScaleFindings::of(
             &layer,
             &batch.hidden,
@@ -1483,7 +1486,9 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     // under global-max the expert whose input_scale flushes every expert's inputs is not
     // among those failing for it (or not first): it leads their lines
-    for line in findings.iter().flat_map(|s| s.layer_max_lines()).rev() {
+    // (only then: the verdict on the scales in use stays with the experts' numbers)
+    let layer_max = findings.iter().filter(|_| failing);
+    for line in layer_max.flat_map(|s| s.layer_max_lines()).rev() {
         failures.insert(expert_lines, line);
     }
     if m.nan_count + m.inf_count == 0 && below(m.cosine, args.min_cosine) {
@@ -1532,25 +1537,29 @@ pub fn run(args: &Args) -> Result<Report> {
         // the plugin's verdict first: it is what --kernel asked about
         failures.insert(0, format!("{who}: {b}"));
     }
-    // checkpoint input scales that read as their own reciprocals: the cause behind the expert
-    // failures above (their inputs saturate or flush), named first after the input's problems
-    let reciprocal = match (source, failures.is_empty()) {
-        (GsSource::Checkpoint, false) => match &findings {
-            Some(s) => model.reciprocal_input_scales(l, &layer, &s.amax),
-            None => {
-                let amax = crate::moe::forward::expert_input_amax(&layer, &batch.hidden, &routing)?;
-                model.reciprocal_input_scales(l, &layer, &amax)
-            }
-        },
-        _ => None,
-    };
-    if let Some((t, _)) = &reciprocal {
-        let at = failures
-            .iter()
-            .position(|x| x.starts_with("expert ") || x.starts_with("cosine "))
-            .unwrap_or(failures.len())
-            .min(failures.len());
-        failures.insert(at.max(input_lines.min(failures.len())), t.clone());
+    // checkpoint input scales that read as their own reciprocals, whatever the gs in use (an
+    // engine takes them): under --gs checkpoint the cause behind the expert failures above
+    // (their inputs saturate or flush), named first after the input's problems, and a failure
+    // of its own where this batch survives them (gs-sweep's rule); under another gs a note
+    let reciprocal = findings
+        .as_ref()
+        .and_then(|s| model.reciprocal_input_scales(l, &layer, &s.amax));
+    let reciprocal_in_use = reciprocal
+        .as_ref()
+        .filter(|_| source == GsSource::Checkpoint);
+    if let Some((t, _)) = reciprocal_in_use {
+        if failures.is_empty() {
+            failures.push(format!(
+                "{t}; this batch passes under these scales, batches of other amax will not"
+            ));
+        } else {
+            let at = failures
+                .iter()
+                .position(|x| x.starts_with("expert ") || x.starts_with("cosine "))
+                .unwrap_or(failures.len())
+                .min(failures.len());
+            failures.insert(at.max(input_lines.min(failures.len())), t.clone());
+        }
     }
     let pass = failures.is_empty();
     let headline = if pass {
@@ -1598,7 +1607,7 @@ pub fn run(args: &Args) -> Result<Report> {
         "gs": source.to_string(),
         "device": backend.name(),
         "model": model.describe(),
-        "cause": reciprocal.as_ref().map(|_| "input_scale_reciprocal"),
+        "cause": reciprocal_in_use.map(|_| "input_scale_reciprocal"),
         "input_scale_reciprocal": reciprocal.as_ref().map(|(_, j)| j),
         "input_scale_flush": findings.as_ref().and_then(|s| s.flush_json()),
         "input_scale_saturate": findings.as_ref().and_then(|s| s.saturate_json()),
@@ -1770,6 +1779,17 @@ pub fn run(args: &Args) -> Result<Report> {
         for s in kernel::sections(j, &who, note.as_deref(), hsz) {
             report = report.section(s);
         }
+    }
+    // the checkpoint's input scales an engine takes, named beside the verdict on the gs in use
+    let notes = findings.as_ref().map_or(vec![], |s| {
+        let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
+        s.checkpoint_notes(recip.map(|(t, _)| t.as_str()))
+    });
+    if !notes.is_empty() {
+        report = report.section(Section::kv(
+            "The checkpoint's input scales (what an engine takes)",
+            &notes,
+        ));
     }
     if !too_few.is_empty() {
         let mut s = Section::new("Experts too few tokens reached to judge", &["note"]);
@@ -2330,6 +2350,61 @@ impl ScaleFindings {
             amax: (a1, a2),
             checkpoint,
         })
+    }
+
+    /// Whether to judge the scales on `layer`: wherever its experts carry checkpoint input
+    /// scales (an engine takes them whatever gs the run uses), else only for the cause of a
+    /// failing expert.
+    pub fn wanted(layer: &MoeLayer, failing: bool) -> bool {
+        failing
+            || layer.experts.iter().any(|x| {
+                [&x.w1, &x.w3, &x.w2]
+                    .iter()
+                    .any(|q| q.input_scale.is_some())
+            })
+    }
+
+    /// The text notes on the checkpoint's input scales, whatever the gs in use: `reciprocal`
+    /// (the sentence of [`Model::reciprocal_input_scales`], where not already a failure), then
+    /// the (up to three) worst GEMM inputs `1/input_scale` saturates and input scales that
+    /// flush theirs, each naming the expert, the projections and the stored value.
+    pub fn checkpoint_notes(&self, reciprocal: Option<&str>) -> Vec<(&'static str, String)> {
+        let mut out = vec![];
+        if let Some(t) = reciprocal {
+            out.push((
+                "input_scale",
+                format!("{t}; `--gs checkpoint` runs the layer under them"),
+            ));
+        }
+        let Some((over, too_large)) = &self.checkpoint else {
+            return out;
+        };
+        let over = over.iter().filter(|o| o.ratio >= gs::MIN_OVERSHOOT_RATIO);
+        for o in over.take(3) {
+            let projs = match o.gemm {
+                "down" => "down_proj",
+                _ => "gate_proj/up_proj",
+            };
+            out.push((
+                "saturates",
+                format!(
+                    "expert {} {projs} input_scale {}: its gs {} is {}x the {} its amax allows \
+                     (blocks saturate at 448)",
+                    o.expert,
+                    e(1.0 / o.gs as f64),
+                    e(o.gs as f64),
+                    f(o.ratio as f64, 1),
+                    e(o.fits as f64)
+                ),
+            ));
+        }
+        for o in too_large.iter().take(3) {
+            out.push((
+                "flushes",
+                format!("{}: its blocks flush to zero", o.describe()),
+            ));
+        }
+        out
     }
 
     /// Why `expert` fails, in words, where its inputs show it: its gate/up input blocks

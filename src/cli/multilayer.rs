@@ -113,8 +113,8 @@ struct LayerRow {
     /// Experts that miss --min-expert-cosine on fewer than --min-expert-slots slots, within
     /// NVFP4 noise there: too few tokens to judge.
     experts_too_few_slots: Vec<usize>,
-    /// Under --gs checkpoint, when an expert of this layer alone fails: its checkpoint input
-    /// scales far above what their inputs need (blocks flush to zero), as layertest lists them.
+    /// The checkpoint's input scales far above what this layer's inputs need (blocks flush to
+    /// zero), under every --gs where the checkpoint carries them, as layertest lists them.
     input_scale_flush: Option<serde_json::Value>,
     /// The same for the expert GEMM inputs whose gs, 1/input_scale, saturates them.
     input_scale_saturate: Option<serde_json::Value>,
@@ -276,24 +276,25 @@ pub fn run(args: &Args) -> Result<Report> {
         let judged: Vec<(usize, ExpertVerdict)> =
             experts.iter().map(|x| (x.expert, check.judge(x))).collect();
         // what the scales did to a failing expert's inputs (saturated, flushed), named in its
-        // line as layertest names it
+        // line as layertest names it; the checkpoint's input scales judged whatever the gs in
+        // use (an engine takes them), for the layer's row, as layertest does
         let failing = judged
             .iter()
             .any(|(_, v)| matches!(v, ExpertVerdict::Fail(_)));
-        let (findings, gate_up) = if failing {
-            (
-                Some(ScaleFindings::of(
-                    &ly,
-                    &x_rf,
-                    &r_rf,
-                    &scales,
-                    source,
-                    args.gs.input_scale_reduce,
-                )?),
-                expert_input_blocks(&r_rf, &x_rf, hsz, ly.config.n_routed_experts, &scales),
-            )
-        } else {
-            (None, vec![])
+        let findings = match ScaleFindings::wanted(&ly, failing) {
+            true => Some(ScaleFindings::of(
+                &ly,
+                &x_rf,
+                &r_rf,
+                &scales,
+                source,
+                args.gs.input_scale_reduce,
+            )?),
+            false => None,
+        };
+        let gate_up = match failing {
+            true => expert_input_blocks(&r_rf, &x_rf, hsz, ly.config.n_routed_experts, &scales),
+            false => vec![],
         };
         let why = |e: usize| {
             findings.as_ref().map_or(String::new(), |s| {
@@ -312,7 +313,12 @@ pub fn run(args: &Args) -> Result<Report> {
                 ExpertCheck::nonfinite(x).map(|line| line + &why)
             })
             // under global-max, the expert whose input_scale flushes every expert's inputs
-            .chain(findings.iter().flat_map(|s| s.layer_max_lines()))
+            .chain(
+                findings
+                    .iter()
+                    .filter(|_| failing)
+                    .flat_map(|s| s.layer_max_lines()),
+            )
             .chain(judged.iter().filter_map(|(e, v)| match v {
                 ExpertVerdict::Fail(m) => Some(m.clone() + &why(*e)),
                 _ => None,
