@@ -14,6 +14,7 @@ use super::layertest::{
 use crate::error::{Error, Result};
 use crate::metrics::Metrics;
 use crate::moe::breakdown::{per_expert, per_token, worst_first};
+use crate::moe::forward::BatchAmax;
 use crate::moe::gs::{self, Calibration, GsSource};
 use crate::moe::parallel::tolerance_text;
 use crate::moe::{ActScales, Path as MoePath};
@@ -128,10 +129,12 @@ pub fn run(args: &Args) -> Result<Report> {
     let reference =
         backend.moe_forward(&layer, &batch.hidden, &routing, &MoePath::Reference, false)?;
     drop(steps);
+    let amax = BatchAmax::new(&layer, &batch.hidden, &routing);
     let cal = Calibration {
         hidden: &batch.hidden,
         input_ids: ids,
         routing: Some(&routing),
+        amax: Some(&amax),
     };
     let reduce = args.gs.input_scale_reduce;
     let used_source = args.gs.gs.unwrap_or(GsSource::Default);
@@ -275,14 +278,7 @@ pub fn run(args: &Args) -> Result<Report> {
     // the checkpoint's input scales judged both ways in the JSON whatever the gs in use (the
     // engine takes them), and the amax the reciprocal check below reads
     let findings = match &used_scales {
-        Some(s) => Some(ScaleFindings::of(
-            &layer,
-            &batch.hidden,
-            &routing,
-            s,
-            used_source,
-            reduce,
-        )?),
+        Some(s) => Some(ScaleFindings::of(&layer, &amax, s, used_source, reduce)?),
         None => None,
     };
     let flushes = || worst_flushes(findings.as_ref());

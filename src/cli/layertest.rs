@@ -15,6 +15,7 @@ use crate::moe::breakdown::{
     expert_input_blocks, per_expert, per_token, worst_first, ExpertMetrics, TokenMetrics,
 };
 use crate::moe::byok::{dump, routed_sum, Feeding};
+use crate::moe::forward::BatchAmax;
 use crate::moe::gs::{self, Calibration, GsSource, InputScaleReduce};
 use crate::moe::parallel::run::{self as ep, EpDevices, EpOutput, EpRequest, ReduceMode};
 use crate::moe::parallel::{self as par, Agreement, EpFault, Placement};
@@ -78,7 +79,9 @@ pub struct GsArgs {
 }
 
 impl GsArgs {
-    /// The activation scales of `layer` from `source`, calibrated on `hidden` and its routing.
+    /// The activation scales of `layer` from `source`, calibrated on `hidden` and its routing
+    /// (`amax`: their amax pass, shared with the scale findings).
+    #[allow(clippy::too_many_arguments)]
     pub fn resolve(
         &self,
         source: GsSource,
@@ -86,12 +89,14 @@ impl GsArgs {
         hidden: &[f32],
         input_ids: Option<&[i64]>,
         routing: &Routing,
+        amax: &BatchAmax,
         seed: u64,
     ) -> Result<ActScales> {
         let cal = Calibration {
             hidden,
             input_ids,
             routing: Some(routing),
+            amax: Some(amax),
         };
         gs::resolve(source, layer, self.input_scale_reduce, &cal, seed)
     }
@@ -1205,12 +1210,14 @@ pub fn run(args: &Args) -> Result<Report> {
     steps.next("routing, gs");
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
+    let amax = BatchAmax::new(&layer, &batch.hidden, &routing);
     let scales = args.gs.resolve(
         source,
         &layer,
         &batch.hidden,
         ids,
         &routing,
+        &amax,
         args.input.seed,
     )?;
     if plugin.is_some() || args.dump_inputs.is_some() {
@@ -1466,8 +1473,7 @@ pub fn run(args: &Args) -> Result<Report> {
     let findings = if ScaleFindings::wanted(&layer, failing) {
         Some(ScaleFindings::of(
             &layer,
-            &batch.hidden,
-            &routing,
+            &amax,
             &scales,
             source,
             args.gs.input_scale_reduce,
@@ -2316,13 +2322,12 @@ impl ScaleFindings {
     /// `hidden` through `routing`.
     pub fn of(
         layer: &MoeLayer,
-        hidden: &[f32],
-        routing: &Routing,
+        amax: &BatchAmax,
         scales: &ActScales,
         source: GsSource,
         reduce: InputScaleReduce,
     ) -> Result<Self> {
-        let (a1, a2) = crate::moe::forward::expert_input_amax(layer, hidden, routing)?;
+        let (a1, a2) = amax.get()?.clone();
         let too_large = |reduce| -> Vec<gs::InputScaleTooLarge> {
             gs::input_scales_too_large(layer, reduce, &a1, &a2)
                 .into_iter()

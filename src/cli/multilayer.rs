@@ -13,6 +13,7 @@ use super::layertest::{
 use crate::error::{Error, Result};
 use crate::metrics::{compare, Metrics};
 use crate::moe::breakdown::{expert_input_blocks, per_expert};
+use crate::moe::forward::BatchAmax;
 use crate::moe::gs::GsSource;
 use crate::moe::parallel::{tolerance_text, Agreement};
 use crate::moe::synthetic::{Preset, SyntheticModel};
@@ -253,9 +254,16 @@ pub fn run(args: &Args) -> Result<Report> {
         let r_nv = backend.route(&ly, &x_nv, ids)?;
         let r_rf = backend.route(&ly, &x_rf, ids)?;
         // scales are calibrated on what the BF16 model feeds this layer
-        let scales = args
-            .gs
-            .resolve(source, &ly, &x_rf, ids, &r_rf, args.input.seed ^ l as u64)?;
+        let amax = BatchAmax::new(&ly, &x_rf, &r_rf);
+        let scales = args.gs.resolve(
+            source,
+            &ly,
+            &x_rf,
+            ids,
+            &r_rf,
+            &amax,
+            args.input.seed ^ l as u64,
+        )?;
         let (mut o_nv, reduce) =
             nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
         // with --kernel, the user's kernel carries the NVFP4 residual stream
@@ -284,8 +292,7 @@ pub fn run(args: &Args) -> Result<Report> {
         let findings = match ScaleFindings::wanted(&ly, failing) {
             true => Some(ScaleFindings::of(
                 &ly,
-                &x_rf,
-                &r_rf,
+                &amax,
                 &scales,
                 source,
                 args.gs.input_scale_reduce,

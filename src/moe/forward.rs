@@ -478,6 +478,36 @@ pub fn moe_forward_clamped(
 /// One amax per expert; `None` for an expert no token reached.
 pub type ExpertAmax = Vec<Option<f32>>;
 
+/// [`expert_input_amax`] of one batch and its routing, run once however many ask: the
+/// calibrated gs and the findings on the checkpoint's input scales read the same pass (on
+/// DeepSeek-V3 dims a CPU gate/up over every slot).
+pub struct BatchAmax<'a> {
+    layer: &'a MoeLayer,
+    hidden: &'a [f32],
+    routing: &'a Routing,
+    pass: std::sync::OnceLock<(ExpertAmax, ExpertAmax)>,
+}
+
+impl<'a> BatchAmax<'a> {
+    pub fn new(layer: &'a MoeLayer, hidden: &'a [f32], routing: &'a Routing) -> Self {
+        BatchAmax {
+            layer,
+            hidden,
+            routing,
+            pass: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The amax before W1/W3 and before W2, per expert.
+    pub fn get(&self) -> Result<&(ExpertAmax, ExpertAmax)> {
+        if let Some(m) = self.pass.get() {
+            return Ok(m);
+        }
+        let m = expert_input_amax(self.layer, self.hidden, self.routing)?;
+        Ok(self.pass.get_or_init(|| m))
+    }
+}
+
 /// Per expert, the amax of what each NVFP4 GEMM would see, measured on the reference path:
 /// the gathered inputs (before W1/W3) and the SwiGLU output (before W2). `None` for an expert
 /// no token was routed to. NaN propagates.

@@ -2,7 +2,7 @@
 //! hypothesis H1/H6 is that an engine picked the wrong one. Everything here is in the quant
 //! direction, `gs = 1 / input_scale`.
 
-use super::forward::{dynamic_gs, expert_input_amax};
+use super::forward::{dynamic_gs, expert_input_amax, BatchAmax};
 use super::{router, ActScales, MoeLayer, Routing};
 use crate::error::{Error, Result};
 use crate::nvfp4::{rcp, ScaleProblem, DEFAULT_GS, GS_DENOM};
@@ -113,6 +113,8 @@ pub struct Calibration<'a> {
     pub hidden: &'a [f32],
     pub input_ids: Option<&'a [i64]>,
     pub routing: Option<&'a Routing>,
+    /// The amax pass over `hidden` and `routing`, where the caller shares it.
+    pub amax: Option<&'a BatchAmax<'a>>,
 }
 
 /// Resolve a gs source for `layer`. `seed` drives the warm-up batch; the warm-up batch has
@@ -136,6 +138,10 @@ pub fn resolve(
         GsSource::Dynamic => Ok(ActScales::Dynamic),
         GsSource::Checkpoint => checkpoint_scales(layer, reduce),
         GsSource::Calibrated => {
+            if let Some(shared) = calib.amax {
+                let (a1, a2) = shared.get()?;
+                return Ok(from_amax(a1, a2, reduce));
+            }
             let owned;
             let routing = match calib.routing {
                 Some(r) => r,
@@ -1033,6 +1039,7 @@ mod tests {
             hidden: &x,
             input_ids: None,
             routing: None,
+            amax: None,
         };
         let s = resolve(
             GsSource::Calibrated,
@@ -1043,6 +1050,18 @@ mod tests {
         )
         .unwrap();
         let r = router::route(&layer, &x, None).unwrap();
+        // the same scales from an amax pass shared with the caller, whatever the reduction
+        let shared = BatchAmax::new(&layer, &x, &r);
+        for reduce in [InputScaleReduce::PerExpert, InputScaleReduce::GlobalMax] {
+            let with = Calibration {
+                routing: Some(&r),
+                amax: Some(&shared),
+                ..cal
+            };
+            let own = resolve(GsSource::Calibrated, &layer, reduce, &cal, 1).unwrap();
+            let from_shared = resolve(GsSource::Calibrated, &layer, reduce, &with, 1).unwrap();
+            assert_eq!(own, from_shared, "{reduce}");
+        }
         let out = crate::moe::moe_forward(
             &layer,
             &x,

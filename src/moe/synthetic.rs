@@ -882,6 +882,7 @@ mod tests {
                 hidden: &x,
                 input_ids: Some(&ids),
                 routing: Some(&r),
+                amax: None,
             };
             let s = resolve(src, &layer, InputScaleReduce::PerExpert, &cal, seed).unwrap();
             let q = moe_forward(
