@@ -183,7 +183,12 @@ fn render_table(s: &Section) -> String {
         b.push_record(r.clone());
     }
     let mut t = b.build();
-    t.with(tabled::settings::Style::sharp());
+    if t.count_rows() == 1 {
+        // sharp's rule under the header row would take the bottom border's place
+        t.with(tabled::settings::Style::sharp().remove_horizontals());
+    } else {
+        t.with(tabled::settings::Style::sharp());
+    }
     format!("{}\n{}\n", s.title, t)
 }
 
@@ -396,6 +401,24 @@ mod tests {
             let v = f64::from_bits(r.gen::<u64>() >> 2 | 0x3c00_0000_0000_0000);
             let back: f64 = serde_json::from_str(&serde_json::to_string(&v).unwrap()).unwrap();
             assert_eq!(back.to_bits(), v.to_bits(), "seed {seed}: {v:e}");
+        }
+    }
+
+    /// A table of one row (a key-value section of one finding, a header with no rows) closes
+    /// with its bottom border: tabled's sharp style drew the header rule in its place.
+    #[test]
+    fn a_table_of_one_row_closes_with_its_bottom_border() {
+        let v: u64 = rand::random();
+        let kv = Section::kv("one finding", &[("saturates", format!("expert {v}"))]);
+        let header_only = Section::new("no rows", &["expert", "cosine"]);
+        let mut two = Section::kv("two", &[("a", v.to_string())]);
+        two.row(vec!["b".into(), (v / 2).to_string()]);
+        for s in [kv, header_only, two] {
+            let t = render_table(&s);
+            let lines: Vec<&str> = t.lines().collect();
+            assert!(lines[1].starts_with('┌'), "{t}");
+            assert!(lines.last().unwrap().starts_with('└'), "{t}");
+            assert_eq!(t.matches('└').count(), 1, "{t}");
         }
     }
 
