@@ -1843,7 +1843,7 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
     // a fixed gs anywhere from 10x under to 10x over the engines' default
     let value = format!("{:.4e}", 2688.0 * 10f64.powf(rng.gen_range(-1.0..1.0)));
     for gs in ["default", value.as_str()] {
-        let json = |ck: &str| -> Value {
+        let json = |ck: &str| -> (String, Value) {
             let (code, text, r) = run(
                 dir.path(),
                 &[
@@ -1863,7 +1863,7 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
                 ],
             );
             assert!(code == 0 || code == 1, "seed {seed} {ck} --gs {gs}: {text}");
-            r.unwrap()["summary"].clone()
+            (text, r.unwrap()["summary"].clone())
         };
         let list = |sm: &Value, field: &str| -> Vec<Value> {
             sm[field]
@@ -1871,7 +1871,14 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
                 .unwrap_or_else(|| panic!("seed {seed} --gs {gs}: no {field} list: {sm}"))
                 .clone()
         };
-        let sm = json("lo");
+        // and the text names them beside the verdict on the gs in use
+        let section = "The checkpoint's input scales (what an engine takes)";
+        let (text, sm) = json("lo");
+        let named = format!("expert {e} gate_proj/up_proj input_scale");
+        assert!(
+            text.contains(section) && text.contains(&named),
+            "seed {seed} --gs {gs}: {named} not in\n{text}"
+        );
         let x = list(&sm, "input_scale_saturate");
         let x = x
             .iter()
@@ -1882,7 +1889,12 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
             "seed {seed} --gs {gs}: {x}"
         );
 
-        let sm = json("hi");
+        let (text, sm) = json("hi");
+        let named = format!("expert {e} {proj} input_scale");
+        assert!(
+            text.contains(section) && text.contains(&named),
+            "seed {seed} --gs {gs}: {named} not in\n{text}"
+        );
         let x = list(&sm, "input_scale_flush");
         let x = x
             .iter()
@@ -1894,7 +1906,11 @@ fn an_input_scale_far_off_is_named_in_the_json_under_any_gs() {
         assert!((1e3..1e9).contains(&ratio), "seed {seed} --gs {gs}: {x}");
 
         // no false alarm: the clean checkpoint's input scales fit its inputs
-        let sm = json("clean");
+        let (text, sm) = json("clean");
+        assert!(
+            !text.contains(section),
+            "seed {seed} --gs {gs} clean:\n{text}"
+        );
         for field in ["input_scale_saturate", "input_scale_flush"] {
             assert!(
                 list(&sm, field).is_empty(),

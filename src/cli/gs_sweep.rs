@@ -717,14 +717,10 @@ pub fn run(args: &Args) -> Result<Report> {
     if let Some(s) = &used_scales {
         report = report.with("gs_in_use", scales_json(used_source, reduce, s));
     }
-    if let Some((t, _)) = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none()) {
-        report = report.section(Section::kv(
-            "The checkpoint's input scales (what an engine takes)",
-            &[(
-                "input_scale",
-                format!("{t}; `--gs checkpoint` runs the layer under them"),
-            )],
-        ));
+    // the checkpoint's input scales an engine takes, named beside the verdict on the gs in use
+    let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
+    if let Some(s) = ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| &r.0)) {
+        report = report.section(s);
     }
     if args.ep.sharded() {
         let mut j = ep_json_with(&args.ep, &devices, reduce_info.borrow().as_ref());

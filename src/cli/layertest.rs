@@ -1787,15 +1787,9 @@ pub fn run(args: &Args) -> Result<Report> {
         }
     }
     // the checkpoint's input scales an engine takes, named beside the verdict on the gs in use
-    let notes = findings.as_ref().map_or(vec![], |s| {
-        let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
-        s.checkpoint_notes(recip.map(|(t, _)| t.as_str()))
-    });
-    if !notes.is_empty() {
-        report = report.section(Section::kv(
-            "The checkpoint's input scales (what an engine takes)",
-            &notes,
-        ));
+    let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
+    if let Some(s) = ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| &r.0)) {
+        report = report.section(s);
     }
     if !too_few.is_empty() {
         let mut s = Section::new("Experts too few tokens reached to judge", &["note"]);
@@ -2367,6 +2361,23 @@ impl ScaleFindings {
                     .iter()
                     .any(|q| q.input_scale.is_some())
             })
+    }
+
+    /// The section "The checkpoint's input scales (what an engine takes)" of layertest and
+    /// gs-sweep: [`checkpoint_notes`](Self::checkpoint_notes) of `findings`, `None` when empty.
+    pub fn checkpoint_section(
+        findings: Option<&Self>,
+        reciprocal: Option<&String>,
+    ) -> Option<Section> {
+        let notes = findings.map_or(vec![], |s| {
+            s.checkpoint_notes(reciprocal.map(String::as_str))
+        });
+        (!notes.is_empty()).then(|| {
+            Section::kv(
+                "The checkpoint's input scales (what an engine takes)",
+                &notes,
+            )
+        })
     }
 
     /// The text notes on the checkpoint's input scales, whatever the gs in use: `reciprocal`
