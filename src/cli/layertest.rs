@@ -79,23 +79,20 @@ pub struct GsArgs {
 }
 
 impl GsArgs {
-    /// The activation scales of `layer` from `source`, calibrated on `hidden` and its routing
-    /// (`amax`: their amax pass, shared with the scale findings).
-    #[allow(clippy::too_many_arguments)]
+    /// The activation scales of `layer` from `source`, calibrated on the batch of `amax` and
+    /// its routing (the amax pass, shared with the scale findings).
     pub fn resolve(
         &self,
         source: GsSource,
         layer: &MoeLayer,
-        hidden: &[f32],
         input_ids: Option<&[i64]>,
-        routing: &Routing,
         amax: &BatchAmax,
         seed: u64,
     ) -> Result<ActScales> {
         let cal = Calibration {
-            hidden,
+            hidden: amax.hidden(),
             input_ids,
-            routing: Some(routing),
+            routing: Some(amax.routing()),
             amax: Some(amax),
         };
         gs::resolve(source, layer, self.input_scale_reduce, &cal, seed)
@@ -1211,15 +1208,9 @@ pub fn run(args: &Args) -> Result<Report> {
     let routing = backend.route(&layer, &batch.hidden, ids)?;
     let source = args.gs.gs.unwrap_or(GsSource::Calibrated);
     let amax = BatchAmax::new(&layer, &batch.hidden, &routing);
-    let scales = args.gs.resolve(
-        source,
-        &layer,
-        &batch.hidden,
-        ids,
-        &routing,
-        &amax,
-        args.input.seed,
-    )?;
+    let scales = args
+        .gs
+        .resolve(source, &layer, ids, &amax, args.input.seed)?;
     if plugin.is_some() || args.dump_inputs.is_some() {
         kernel::fixed_scales(&scales)?;
     }

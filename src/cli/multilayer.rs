@@ -255,15 +255,9 @@ pub fn run(args: &Args) -> Result<Report> {
         let r_rf = backend.route(&ly, &x_rf, ids)?;
         // scales are calibrated on what the BF16 model feeds this layer
         let amax = BatchAmax::new(&ly, &x_rf, &r_rf);
-        let scales = args.gs.resolve(
-            source,
-            &ly,
-            &x_rf,
-            ids,
-            &r_rf,
-            &amax,
-            args.input.seed ^ l as u64,
-        )?;
+        let scales = args
+            .gs
+            .resolve(source, &ly, ids, &amax, args.input.seed ^ l as u64)?;
         let (mut o_nv, reduce) =
             nvfp4_forward(&args.ep, &devices, &ly, &x_nv, &r_nv, &scales, false)?;
         // with --kernel, the user's kernel carries the NVFP4 residual stream

@@ -498,6 +498,16 @@ impl<'a> BatchAmax<'a> {
         }
     }
 
+    /// The batch the pass reads.
+    pub fn hidden(&self) -> &'a [f32] {
+        self.hidden
+    }
+
+    /// Its routing.
+    pub fn routing(&self) -> &'a Routing {
+        self.routing
+    }
+
     /// The amax before W1/W3 and before W2, per expert.
     pub fn get(&self) -> Result<&(ExpertAmax, ExpertAmax)> {
         if let Some(m) = self.pass.get() {
