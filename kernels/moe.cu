@@ -527,7 +527,14 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
         for (u32 s = 0; s < K; s++) {
             u32 entry = t * K + s;
             float w = topk_weights[entry];
+#if defined(RS_DIAG) && (RS_DIAG & 64)
+            // time split (moe_gemm_sm90.cu RS_DIAG 64): the down wrote BF16 rows
+            uint2 b = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)entry_pos[entry] * H + h);
+            float4 v = make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xFFFF0000u),
+                                   __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xFFFF0000u));
+#else
             float4 v = *reinterpret_cast<const float4*>(y + (size_t)entry_pos[entry] * H + h);
+#endif
             acc.x = __fadd_rn(acc.x, __fmul_rn(w, v.x));
             acc.y = __fadd_rn(acc.y, __fmul_rn(w, v.y));
             acc.z = __fadd_rn(acc.z, __fmul_rn(w, v.z));

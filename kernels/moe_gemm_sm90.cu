@@ -1109,6 +1109,51 @@ __device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
 // rs_stage_gate_up's the same way against its branches: the layer at 4096 tokens 7.61-7.64 ms against 7.80-7.88
 // (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27. That code,
 // RS_LEAN_EPI=0, is in commit d2d997d.)
+// RS_DIAG 64 (time split: the combine then reads them as such only under the same define):
+// the rows as BF16, one 2-byte store a value; 64 + 128: two rows of a token a 4-byte store,
+// the lanes g and g ^ 1 trading one value each.
+template <int HALF_N>
+__device__ __forceinline__ void rs_store_rows_bf16(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
+                                                   float alpha, u16* __restrict__ out) {
+    constexpr int N = 2 * HALF_N;
+    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    bool live[2][2];
+#pragma unroll
+    for (int b = 0; b < 2; b++)
+#pragma unroll
+        for (int qh = 0; qh < 2; qh++) live[b][qh] = n0 + g + 64 * b + 8 * qh < nout;
+    const int left = (int)(r1 - r0) - (int)(2 * t);
+    const bool odd = g & 1;
+#pragma unroll
+    for (int j = 0; j < N / 8; j++)
+#pragma unroll
+        for (int b = 0; b < 2; b++)
+#pragma unroll
+            for (int qh = 0; qh < 2; qh++) {
+                float v0 = __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh], RS_UNSCALE), alpha);
+                float v1 = __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + 1], RS_UNSCALE), alpha);
+                if (RS_DIAG & 128) {
+                    float send = odd ? v0 : v1;
+                    float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+                    float lo = odd ? recv : v0, hi = odd ? v1 : recv;
+                    u32 packed = (u32)f32_to_bf16_rn(lo) | ((u32)f32_to_bf16_rn(hi) << 16);
+                    int ql = odd ? 1 : 0;
+                    u16* p = out + (size_t)(r0 + 2 * t + 8 * j + ql) * nout + n0 + (g & ~1u) + 64 * b + 8 * qh;
+                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b32 [%0], %1;\n}\n" ::"l"(p),
+                                 "r"(packed), "r"((u32)(8 * j + ql < left && live[b][qh]))
+                                 : "memory");
+                } else {
+                    u16* p = out + (size_t)(r0 + 2 * t + 8 * j) * nout + n0 + g + 64 * b + 8 * qh;
+                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b16 [%0], %1;\n}\n" ::"l"(p),
+                                 "h"(f32_to_bf16_rn(v0)), "r"((u32)(8 * j < left && live[b][qh]))
+                                 : "memory");
+                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b16 [%0], %1;\n}\n" ::"l"(p + nout),
+                                 "h"(f32_to_bf16_rn(v1)), "r"((u32)(8 * j + 1 < left && live[b][qh]))
+                                 : "memory");
+                }
+            }
+}
+
 template <int HALF_N>
 __device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
                                               float alpha, float* __restrict__ out) {
@@ -1270,7 +1315,10 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
+        if (RS_DIAG & 64)
+            rs_store_rows_bf16(acc, n0, r0, r1, nout, alpha, reinterpret_cast<u16*>(out));
+        else if (!(RS_DIAG & 4) || alpha != alpha)
+            rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();
