@@ -420,14 +420,14 @@ __device__ __forceinline__ void gemm_mainloop(const Operands<NB>& o, u16* sA, u1
 // operand tiles (A + NB*BNB rows of SROW bf16) + the code table
 #define GEMM_SMEM_U16 ((BM + 128) * SROW)
 
-// Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
-// alpha_e = rcp(gs[e]) * ws2[e].
+// Down projection: out[p, n] = bf16(f32(acc) * alpha_e), alpha_e = rcp(gs[e]) * ws2[e] (each
+// (token, slot) row in BF16, as the engines' down GEMMs write it; moe_combine sums them).
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 moe_gemm_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
                const float* __restrict__ gs, const float* __restrict__ ws2,
                const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-               float* __restrict__ out) {
+               u16* __restrict__ out) {
     __shared__ __align__(16) u16 smem[GEMM_SMEM_U16];
     __shared__ u32 lut[256];
     u32 e, r0, r1;
@@ -445,7 +445,7 @@ moe_gemm_nvfp4(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
     float alpha = __fmul_rn(rcp_ref(gs[e]), ws2[e]);
     FOR_EACH_ACC(PLAIN_BN / 16, PLAIN_BN / 2, {
         u32 row = r0 + lr, col = o.n0 + lc;
-        if (row < r1 && col < nout) out[(size_t)row * nout + col] = __fmul_rn(acc[0][i][j][q], alpha);
+        if (row < r1 && col < nout) out[(size_t)row * nout + col] = bf16_rn(__fmul_rn(acc[0][i][j][q], alpha));
     })
 }
 
@@ -508,17 +508,30 @@ extern "C" __global__ void broadcast_f32(const float* __restrict__ src, u32 n, f
 }
 
 // out[t, h] = sum over slots in order of w[t, slot] * y[pos(t, slot), h], then + shared[t, h]
-// (f32, the CPU's order). per_slot (nullable) gets the unweighted rows, row t*K + slot.
-// Columns a thread of moe_combine and gather_rows_bf16 takes: 4 (16-byte loads) where the row
-// width allows, else 1 (moe.rs cols_per_thread, which sizes their grids, is the same rule).
+// (f32, the CPU's order). per_slot (nullable) gets the unweighted rows in f32, row t*K + slot.
+// Columns a thread of the combines and gather_rows_bf16 takes: 4 (16-byte loads of f32 rows)
+// where the row width allows, else 1 (moe.rs cols_per_thread, which sizes their grids, is the
+// same rule).
 __device__ __forceinline__ u32 cols_per_thread(u32 cols) { return cols % 4 == 0 ? 4u : 1u; }
+
+// Four consecutive values of a row of y: f32 rows (the reference's cuBLAS GEMMs) or BF16 rows
+// (the NVFP4 down GEMMs).
+__device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float4 load4(const u16* p) {
+    uint2 b = *reinterpret_cast<const uint2*>(p);
+    return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xFFFF0000u), __uint_as_float(b.y << 16),
+                       __uint_as_float(b.y & 0xFFFF0000u));
+}
+__device__ __forceinline__ float load1(const float* p) { return *p; }
+__device__ __forceinline__ float load1(const u16* p) { return bf16_to_f32(*p); }
 
 // One thread per cols_per_thread(H) consecutive columns h of token t; each column's sum is the
 // same either way.
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* __restrict__ entry_pos,
-                                       const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
-                                       const float* __restrict__ shared, float* __restrict__ out,
-                                       float* __restrict__ per_slot) {
+template <typename Row>
+__device__ __forceinline__ void combine(const Row* __restrict__ y, const int* __restrict__ entry_pos,
+                                        const float* __restrict__ topk_weights, u32 T, u32 K, u32 H,
+                                        const float* __restrict__ shared, float* __restrict__ out,
+                                        float* __restrict__ per_slot) {
     u32 t = blockIdx.x;
     u32 h = (blockIdx.y * blockDim.x + threadIdx.x) * cols_per_thread(H);
     if (t >= T || h >= H) return;
@@ -527,14 +540,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
         for (u32 s = 0; s < K; s++) {
             u32 entry = t * K + s;
             float w = topk_weights[entry];
-#if defined(RS_DIAG) && (RS_DIAG & 64)
-            // time split (moe_gemm_sm90.cu RS_DIAG 64): the down wrote BF16 rows
-            uint2 b = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)entry_pos[entry] * H + h);
-            float4 v = make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xFFFF0000u),
-                                   __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xFFFF0000u));
-#else
-            float4 v = *reinterpret_cast<const float4*>(y + (size_t)entry_pos[entry] * H + h);
-#endif
+            float4 v = load4(y + (size_t)entry_pos[entry] * H + h);
             acc.x = __fadd_rn(acc.x, __fmul_rn(w, v.x));
             acc.y = __fadd_rn(acc.y, __fmul_rn(w, v.y));
             acc.z = __fadd_rn(acc.z, __fmul_rn(w, v.z));
@@ -554,13 +560,23 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const int* _
     float acc = 0.0f;
     for (u32 s = 0; s < K; s++) {
         u32 entry = t * K + s;
-        float v = y[(size_t)entry_pos[entry] * H + h];
+        float v = load1(y + (size_t)entry_pos[entry] * H + h);
         acc = __fadd_rn(acc, __fmul_rn(topk_weights[entry], v));
         if (per_slot) per_slot[(size_t)entry * H + h] = v;
     }
     if (shared) acc = __fadd_rn(acc, shared[(size_t)t * H + h]);
     out[(size_t)t * H + h] = acc;
 }
+
+#define COMBINE_PARAMS(Row)                                                                                  \
+    const Row *__restrict__ y, const int *__restrict__ entry_pos, const float *__restrict__ topk_weights, \
+        u32 T, u32 K, u32 H, const float *__restrict__ shared, float *__restrict__ out,                   \
+        float *__restrict__ per_slot
+#define COMBINE_ARGS y, entry_pos, topk_weights, T, K, H, shared, out, per_slot
+// The NVFP4 path's BF16 rows.
+extern "C" __global__ void moe_combine(COMBINE_PARAMS(u16)) { combine(COMBINE_ARGS); }
+// The reference path's f32 rows.
+extern "C" __global__ void moe_combine_f32(COMBINE_PARAMS(float)) { combine(COMBINE_ARGS); }
 
 // ---------------------------------------------------------------------------------------
 // Reference-path helpers (the GEMMs themselves are cuBLAS).

@@ -306,14 +306,14 @@ __device__ __forceinline__ bool decode_pass(const WarpRows<NB>& wr, u32 K, const
 #define ACC_ROW(i) (g + ((i) / 2) * 8)
 #define ACC_TOK(i) (2 * t + ((i) % 2))
 
-// Down projection: out[p, n] = f32(acc) * alpha_e, alpha_e = rcp(gs[e]) * ws2[e]. Grid:
+// Down projection: out[p, n] = bf16(f32(acc) * alpha_e), alpha_e = rcp(gs[e]) * ws2[e]. Grid:
 // (ceil(nout / 64), up to min(E, rows)): blockIdx.y is a slot of `active` (moe_offsets: the
 // count, then the experts with rows), so no CTA is launched for an expert without rows. Needs K % 128 == 0, nout % 16 == 0, E4M3 weight scales.
 template <bool TILES>
 __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, const u8* __restrict__ wq,
                  const u8* __restrict__ ws, u32 nout, const float* __restrict__ gs,
                  const float* __restrict__ ws2, const u32* __restrict__ expert_offsets,
-                 const u32* __restrict__ active, u32 g_rows, float* __restrict__ out) {
+                 const u32* __restrict__ active, u32 g_rows, u16* __restrict__ out) {
     extern __shared__ __align__(16) u8 dsmem[];
     if (blockIdx.y >= active[0]) return;
     u32 e = active[1 + blockIdx.y];
@@ -334,7 +334,7 @@ __device__ __forceinline__ void decode_down(const u8* __restrict__ aq, const u8*
 #pragma unroll
         for (int i = 0; i < 4; i++)
             if (ACC_TOK(i) < mg)
-                out[(size_t)(p0 + ACC_TOK(i)) * nout + n0 + ACC_ROW(i)] = __fmul_rn(acc[0][i], alpha);
+                out[(size_t)(p0 + ACC_TOK(i)) * nout + n0 + ACC_ROW(i)] = bf16_rn(__fmul_rn(acc[0][i], alpha));
     }
 }
 
@@ -429,7 +429,7 @@ __device__ __forceinline__ void decode_gate_up(const u8* __restrict__ aq, const 
     const u8 *__restrict__ aq, const u8 *__restrict__ as, u32 K, const u8 *__restrict__ wq,          \
         const u8 *__restrict__ ws, u32 nout, const float *__restrict__ gs,                          \
         const float *__restrict__ ws2, const u32 *__restrict__ expert_offsets,                      \
-        const u32 *__restrict__ active, u32 g_rows, float *__restrict__ out
+        const u32 *__restrict__ active, u32 g_rows, u16 *__restrict__ out
 #define DEC_DOWN_ARGS aq, as, K, wq, ws, nout, gs, ws2, expert_offsets, active, g_rows, out
 #define DEC_GATE_UP_PARAMS                                                                           \
     const u8 *__restrict__ aq, const u8 *__restrict__ as, u32 K, const u8 *__restrict__ w1q,        \

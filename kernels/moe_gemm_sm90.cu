@@ -339,15 +339,15 @@ __device__ __forceinline__ u8* h_smem_base() {
 
 #endif  // NVFP4DBG_WGMMA
 
-// Down projection (and any plain grouped GEMM): out[p, n] = f32(acc) * alpha_e,
-// alpha_e = rcp(gs[e]) * ws2[e]. Grid: (ceil(nout / 256), M-tile bound), 256 threads,
+// Down projection: out[p, n] = bf16(f32(acc) * alpha_e), alpha_e = rcp(gs[e]) * ws2[e] (BF16
+// rows: moe.cu moe_combine). Grid: (ceil(nout / 256), M-tile bound), 256 threads,
 // H_SMEM_BYTES of dynamic shared memory.
 extern "C" __global__ void __launch_bounds__(H_THREADS, 1)
 moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
                     const u8* __restrict__ wq, const u8* __restrict__ ws, u32 nout, u32 wblock,
                     const float* __restrict__ gs, const float* __restrict__ ws2,
                     const u32* __restrict__ tile_offsets, const u32* __restrict__ expert_offsets, u32 E,
-                    float* __restrict__ out, u32 split) {
+                    u16* __restrict__ out, u32 split) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     if (!find_row_tile(tile_offsets, expert_offsets, E, blockIdx.y, H_BM, e, r0, r1)) return;
@@ -371,9 +371,11 @@ moe_gemm_nvfp4_sm90(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K,
             if (row >= r1) continue;
             float v0 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h], H_UNSCALE), alpha);
             float v1 = __fmul_rn(__fmul_rn(acc[j * 4 + 2 * h + 1], H_UNSCALE), alpha);
-            float* dst = out + (size_t)row * nout + col;
-            if (col + 1 < nout) *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
-            else if (col < nout) dst[0] = v0;
+            u16* dst = out + (size_t)row * nout + col;
+            if (col + 1 < nout)
+                *reinterpret_cast<u32*>(dst) = bf16x2_rn(v0, v1);
+            else if (col < nout)
+                dst[0] = bf16_rn(v0);
         }
 #else
     __trap();
@@ -1094,94 +1096,52 @@ __device__ __forceinline__ void rs_tile(const RWeights& wr, const void* tmap, u3
 
 #if NVFP4DBG_WGMMA
 // A 4-byte global store where `pred` holds, predicated inside the asm (no branch).
-__device__ __forceinline__ void st_global_f32_if(float* p, float v, bool pred) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.f32 [%0], %1;\n}\n" ::"l"(p), "f"(v),
+__device__ __forceinline__ void st_global_b32_if(void* p, u32 v, bool pred) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b32 [%0], %1;\n}\n" ::"l"(p), "r"(v),
                  "r"((u32)pred)
                  : "memory");
 }
 
-// The down projection's stores: out[token, row] = f32(acc) * RS_UNSCALE * alpha for the tile's
-// tokens and the rows below nout (32-byte runs of 8 consecutive rows per store phase); m-block
-// 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
-// One address a token row, the four rows of a thread at immediate offsets from it, each store
+// The down projection's stores: out[token, row] = bf16(f32(acc) * RS_UNSCALE * alpha) for the
+// tile's tokens and the rows below nout; m-block 0 holds rows n0 .., m-block 1 rows n0 + 64 ...
+// A thread holds rows g (+ 8, 64, 72) of tokens 2 t and 2 t + 1 (+ 8 j); lanes g and g ^ 1
+// trade one value of each such pair, so that the even lane holds rows g, g + 1 of token 2 t and
+// the odd lane rows g - 1, g of token 2 t + 1: one 4-byte store of two BF16 values each (16-byte
+// runs of 8 rows per store phase; nout is even, a multiple of 16).
+// One address a token row, the thread's rows at immediate offsets from it, each store
 // predicated in the asm. (A plain `if` around each store made ptxas branch around every one and
 // compute each address whole, ~14 instructions a value; s22f, 3 alternating rounds, with
 // rs_stage_gate_up's the same way against its branches: the layer at 4096 tokens 7.61-7.64 ms against 7.80-7.88
 // (graph), its down stage 2.08-2.10 against 2.23-2.24, its gate/up 4.21 against 4.27. That code,
-// RS_LEAN_EPI=0, is in commit d2d997d.)
-// RS_DIAG 64 (time split: the combine then reads them as such only under the same define):
-// the rows as BF16, one 2-byte store a value; 64 + 128: two rows of a token a 4-byte store,
-// the lanes g and g ^ 1 trading one value each.
+// RS_LEAN_EPI=0, is in commit d2d997d.) The FP32 rows, one 4-byte store a value, are in commit
+// 42bb1f3 (session 61 measured what the BF16 rows buy: BENCHMARKS.md).
 template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows_bf16(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
-                                                   float alpha, u16* __restrict__ out) {
+__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
+                                              float alpha, u16* __restrict__ out) {
     constexpr int N = 2 * HALF_N;
-    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, odd = g & 1;
     bool live[2][2];
 #pragma unroll
     for (int b = 0; b < 2; b++)
 #pragma unroll
         for (int qh = 0; qh < 2; qh++) live[b][qh] = n0 + g + 64 * b + 8 * qh < nout;
-    const int left = (int)(r1 - r0) - (int)(2 * t);
-    const bool odd = g & 1;
+    const int left = (int)(r1 - r0) - (int)(2 * t + odd);  // tokens of the tile from the thread's
+    u16* base = out + (size_t)(r0 + 2 * t + odd) * nout + n0 + (g - odd);
 #pragma unroll
-    for (int j = 0; j < N / 8; j++)
+    for (int j = 0; j < N / 8; j++) {
+        u16* p = base + (size_t)(8 * j) * nout;
+        bool tv = 8 * j < left;
 #pragma unroll
         for (int b = 0; b < 2; b++)
 #pragma unroll
             for (int qh = 0; qh < 2; qh++) {
                 float v0 = __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh], RS_UNSCALE), alpha);
                 float v1 = __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + 1], RS_UNSCALE), alpha);
-                if (RS_DIAG & 128) {
-                    float send = odd ? v0 : v1;
-                    float recv = __shfl_xor_sync(0xffffffffu, send, 4);
-                    float lo = odd ? recv : v0, hi = odd ? v1 : recv;
-                    u32 packed = (u32)f32_to_bf16_rn(lo) | ((u32)f32_to_bf16_rn(hi) << 16);
-                    int ql = odd ? 1 : 0;
-                    u16* p = out + (size_t)(r0 + 2 * t + 8 * j + ql) * nout + n0 + (g & ~1u) + 64 * b + 8 * qh;
-                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b32 [%0], %1;\n}\n" ::"l"(p),
-                                 "r"(packed), "r"((u32)(8 * j + ql < left && live[b][qh]))
-                                 : "memory");
-                } else {
-                    u16* p = out + (size_t)(r0 + 2 * t + 8 * j) * nout + n0 + g + 64 * b + 8 * qh;
-                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b16 [%0], %1;\n}\n" ::"l"(p),
-                                 "h"(f32_to_bf16_rn(v0)), "r"((u32)(8 * j < left && live[b][qh]))
-                                 : "memory");
-                    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %2, 0;\n@p st.global.b16 [%0], %1;\n}\n" ::"l"(p + nout),
-                                 "h"(f32_to_bf16_rn(v1)), "r"((u32)(8 * j + 1 < left && live[b][qh]))
-                                 : "memory");
-                }
+                float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+                st_global_b32_if(p + 64 * b + 8 * qh, odd ? bf16x2_rn(recv, v1) : bf16x2_rn(v0, recv),
+                                 tv && live[b][qh]);
             }
-}
-
-template <int HALF_N>
-__device__ __forceinline__ void rs_store_rows(const float (&acc)[2][HALF_N], u32 n0, u32 r0, u32 r1, u32 nout,
-                                              float alpha, float* __restrict__ out) {
-    constexpr int N = 2 * HALF_N;
-    u32 lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    // the thread's rows n0 + g + {0, 8, 64, 72} (m-block b, half qh: 64 b + 8 qh) and tokens
-    // r0 + 2 t + 8 j + ql
-    bool live[2][2];
-#pragma unroll
-    for (int b = 0; b < 2; b++)
-#pragma unroll
-        for (int qh = 0; qh < 2; qh++) live[b][qh] = n0 + g + 64 * b + 8 * qh < nout;
-    const int left = (int)(r1 - r0) - (int)(2 * t);  // tokens of the tile from the thread's first
-    float* base = out + (size_t)(r0 + 2 * t) * nout + n0 + g;
-#pragma unroll
-    for (int j = 0; j < N / 8; j++)
-#pragma unroll
-        for (int ql = 0; ql < 2; ql++) {
-            float* p = base + (size_t)(8 * j + ql) * nout;
-            bool tv = 8 * j + ql < left;
-#pragma unroll
-            for (int b = 0; b < 2; b++)
-#pragma unroll
-                for (int qh = 0; qh < 2; qh++)
-                    st_global_f32_if(p + 64 * b + 8 * qh,
-                                     __fmul_rn(__fmul_rn(acc[b][j * 4 + 2 * qh + ql], RS_UNSCALE), alpha),
-                                     tv && live[b][qh]);
-        }
+    }
 }
 
 // The gate/up epilogue: where output c's g lies in a row of the tile (its u is R_GU_BN on).
@@ -1298,7 +1258,7 @@ moe_rows_bf16_rs(const u8* __restrict__ aq, const u8* __restrict__ as, u32 K, u3
 extern "C" __global__ void __launch_bounds__(R_THREADS, 3 - RS_WG)
 moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, const u8* __restrict__ wq_t,
                       const u8* __restrict__ ws_t, u32 nout, const float* __restrict__ gs, const float* __restrict__ ws2,
-                      const uint4* __restrict__ wide_tiles, float* __restrict__ out) {
+                      const uint4* __restrict__ wide_tiles, u16* __restrict__ out) {
 #if NVFP4DBG_WGMMA
     u32 e, r0, r1;
     const void* map = tmap;  // rs_row_tile: the tile's own with a map_stride
@@ -1315,10 +1275,7 @@ moe_gemm_nvfp4_sm90rs(const void* __restrict__ tmap, u32 map_stride, u32 K, cons
     rs_tile<RS_L2_AHEAD_DOWN, RS_N144_DOWN>(wr, map, r0, r1 - r0, K / R_BK, base, [&](const auto& acc) {
         float alpha = __fmul_rn(rcp_ref(sc[0]), sc[1]);
         // RS_DIAG 4: stores only where alpha is NaN (never in a bench), so the MMAs stay live
-        if (RS_DIAG & 64)
-            rs_store_rows_bf16(acc, n0, r0, r1, nout, alpha, reinterpret_cast<u16*>(out));
-        else if (!(RS_DIAG & 4) || alpha != alpha)
-            rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
+        if (!(RS_DIAG & 4) || alpha != alpha) rs_store_rows(acc, n0, r0, r1, nout, alpha, out);
     });
 #else
     __trap();

@@ -145,6 +145,19 @@ __device__ __forceinline__ u16 f32_to_bf16_rn(float f) {
     return (u16)(b >> 16);
 }
 
+// The same rounding in one instruction (sm_80+; a NaN becomes the canonical 0x7FFF): the
+// down GEMMs' BF16 rows. bf16x2_rn puts bf16(lo) in the low half, bf16(hi) in the high one.
+__device__ __forceinline__ u16 bf16_rn(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // NaN-propagating max|x| accumulation.
 __device__ __forceinline__ float amax_step(float m, float x) {
     float a = fabsf(x);

@@ -262,7 +262,8 @@ struct Dims {
 }
 
 /// One routed expert, NVFP4 path, on its gathered rows `x` `[m, h]`. `gs2 = None` is the
-/// per-batch dynamic scale. Returns `y` `[m, h]`.
+/// per-batch dynamic scale. Returns `y` `[m, h]`, each value rounded to BF16 as the engines'
+/// down GEMMs write it (vLLM, FlashInfer and TRT-LLM keep it so until their weighted sum).
 fn expert_nvfp4(
     ex: &Expert,
     x: &[f32],
@@ -287,7 +288,7 @@ fn expert_nvfp4(
     add_stats(&mut stats, &st2);
     let alpha_d = rcp(gs2) * ex.w2.weight_scale_2();
     let mut y = gemm(&ad, m, i, &Rows::Fp4NoGlobal(&ex.w2.weight), h);
-    y.iter_mut().for_each(|v| *v *= alpha_d);
+    y.iter_mut().for_each(|v| *v = bf16(*v * alpha_d));
     (y, stats)
 }
 
@@ -713,7 +714,7 @@ mod tests {
                         let aq = naive_quant(&a, gs2[e]);
                         let y = naive_mm(&aq, &naive_w(&ex.w2.weight), c.moe_intermediate_size);
                         let ad = (1.0 / gs2[e]) * ex.w2.weight.scale_2;
-                        y.iter().map(|v| v * ad).collect()
+                        y.iter().map(|v| bf16(v * ad)).collect()
                     }
                     None => {
                         let w = |q: &crate::moe::QLinear| {

@@ -647,6 +647,8 @@ struct Workspace {
     /// Reference: gathered BF16 rows `[N, H]` and the BF16 intermediate `[N, I]`.
     xg_bf16: CudaSlice<u16>,
     a_bf16: CudaSlice<u16>,
+    /// The expert outputs of every (token, slot) `[N, H]`: BF16 from the NVFP4 down GEMMs (the
+    /// first half of the allocation), f32 from the reference's cuBLAS GEMMs.
     y: CudaSlice<f32>,
     shared: Option<SharedWs>,
     out: CudaSlice<f32>,
@@ -1508,7 +1510,7 @@ impl Nvfp4Forward {
         }
         if beside {
             self.gpu().join_side()?;
-            self.enqueue_combine()
+            self.enqueue_combine(false)
         } else {
             self.enqueue_nvfp4_stage(Stage::Epilogue)
         }
@@ -1779,7 +1781,7 @@ impl Nvfp4Forward {
             Stage::GateUp | Stage::Down => Ok(()),
             Stage::Epilogue => {
                 self.enqueue_shared()?;
-                self.enqueue_combine()
+                self.enqueue_combine(false)
             }
         }
     }
@@ -1933,7 +1935,9 @@ impl Nvfp4Forward {
         )
     }
 
-    fn enqueue_combine(&self) -> Result<()> {
+    /// `Σ_slot w · y + shared` per token, in slot order: `ws.y` holds the NVFP4 down GEMMs'
+    /// BF16 rows (`moe_combine`) or, `f32_rows`, the reference's cuBLAS f32 rows.
+    fn enqueue_combine(&self, f32_rows: bool) -> Result<()> {
         let gpu = self.gpu();
         let ws = &self.ws;
         let h = self.layer.config.hidden_size;
@@ -1942,7 +1946,11 @@ impl Nvfp4Forward {
         }
         gpu.launch(
             &MOE,
-            "moe_combine",
+            if f32_rows {
+                "moe_combine_f32"
+            } else {
+                "moe_combine"
+            },
             LaunchConfig {
                 grid_dim: (
                     ws.tokens as u32,
@@ -2043,7 +2051,7 @@ impl Nvfp4Forward {
             }
         }
         self.enqueue_shared()?;
-        self.enqueue_combine()
+        self.enqueue_combine(true)
     }
 
     /// Capture the NVFP4 forward in a CUDA graph (after one eager warm-up run, so modules

@@ -61,6 +61,7 @@ pub const MOE: KernelModule = KernelModule {
         "dynamic_gs_from_amax",
         "broadcast_f32",
         "moe_combine",
+        "moe_combine_f32",
         "gather_rows_bf16",
         "swiglu_bf16",
     ],
