@@ -176,6 +176,7 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
                 want.per_slot.as_ref().unwrap(),
             );
             close(&format!("{what}: mma.sync vs cpu, per_slot"), seed, mp, cp);
+            assert_bf16_rows(&format!("{what}: mma.sync per_slot"), seed, mp);
             for which in wgmma_kernels(h, i) {
                 let what = format!("{what} {which:?}");
                 let wg = run(&layer, &x, &routing, &scales, which);
@@ -183,6 +184,7 @@ fn wgmma_prefill_gemm_matches_mma_sync_and_the_cpu_on_ragged_experts() {
                 close(&format!("{what}: vs cpu, out"), seed, &wg.out, &want.out);
                 close(&format!("{what}: vs cpu, per_slot"), seed, wp, cp);
                 close(&format!("{what}: vs mma.sync, per_slot"), seed, wp, mp);
+                assert_bf16_rows(&format!("{what}: per_slot"), seed, wp);
                 // every expert's rows, one by one: a wrong tile shows up even where the others
                 // hide it
                 for (ex, _) in counts.iter().enumerate().filter(|(_, &c)| c > 0) {

@@ -398,6 +398,11 @@ fn nvfp4_layer_matches_the_cpu_nvfp4_path() {
             want.per_slot.as_ref().unwrap(),
             MIN_COSINE,
         );
+        assert_bf16_rows(
+            &format!("nvfp4 [{what}] per_slot"),
+            seed,
+            got.per_slot.as_ref().unwrap(),
+        );
         assert_eq!(
             got.act_stats.blocks, want.act_stats.blocks,
             "seed {seed} {what}: blocks quantized"
@@ -948,6 +953,11 @@ fn decode_gemms_match_the_cpu_nvfp4_path() {
             got.per_slot.as_ref().unwrap(),
             want.per_slot.as_ref().unwrap(),
             MIN_COSINE,
+        );
+        assert_bf16_rows(
+            &format!("decode [{what}] per_slot"),
+            seed,
+            got.per_slot.as_ref().unwrap(),
         );
         assert_eq!(
             got.act_stats.blocks, want.act_stats.blocks,

@@ -30,6 +30,22 @@ pub fn bf16_round(v: f32) -> f32 {
     half::bf16::from_f32(v).to_f32()
 }
 
+/// The NVFP4 down GEMMs write each (token, slot) row in BF16, as the CPU path rounds it: every
+/// finite per-slot value must be BF16-exact (an FP32 row would not be).
+pub fn assert_bf16_rows(what: &str, seed: u64, rows: &[f32]) {
+    let off = rows
+        .iter()
+        .position(|&v| v.is_finite() && bf16_round(v) != v);
+    assert_eq!(
+        off, None,
+        "seed {seed} {what}: a per-slot value not BF16-exact"
+    );
+    assert!(
+        rows.iter().any(|&v| v != 0.0),
+        "seed {seed} {what}: all zero"
+    );
+}
+
 /// BF16-exact values with a spread of magnitudes per block (ties happen often, as they do
 /// on real BF16 activations) and occasional outliers.
 pub fn activations(r: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
