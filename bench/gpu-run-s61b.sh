@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Session 61: the NVFP4 down GEMMs write BF16 (token, slot) rows, as the engines do, and the
 # combine reads them. A/B against the build before (FP32 rows: .dev/gpu/nvfp4dbg-f32, commit
-# 42bb1f3, whose RS_DIAG 192 time split is the same BF16 store on that build): 3 alternating
-# rounds of `bench --quick --only layer_4096,layer_16`, medians by bench/ab_summary.py; then
-# the nightly on the new build.
+# 42bb1f3): 3 alternating rounds of `bench --quick --only layer_4096,layer_16`, medians by
+# bench/ab_summary.py; then the nightly on the new build.
 set -uo pipefail
 L=${LABEL:-s61b}
 source bench/gpu-lib.sh
 nvidia-smi -L | tee $R/gpus.txt
 D=NVFP4DBG_NVRTC_DEFINES
-ab_rounds 3 layer_4096,layer_16 "f32|BIN=nvfp4dbg-f32 bf16|$D= diag192|BIN=nvfp4dbg-f32,$D=-DRS_DIAG=192" | tee $R/ab.txt
-NIGHTLY_S=${NIGHTLY_S:-240} run_nightly
+ab_rounds 3 layer_4096,layer_16 "f32|BIN=nvfp4dbg-f32 bf16|$D=" | tee $R/ab.txt
+NIGHTLY_S=${NIGHTLY_S:-200} run_nightly
 tail -1 $R/nightly.txt
 pack
