@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 61: what BF16 slot rows would buy the 4096-token layer (time split, RS_DIAG 64: the
+# Session 61 (on the build of commit 42bb1f3 only: the next commit made BF16 rows the default and
+# removed this time split): what BF16 slot rows would buy the 4096-token layer (RS_DIAG 64: the
 # down GEMM writes each (token, slot) row as BF16 and the combine reads BF16; 64 + 128: two
 # rows of a token in one 4-byte store). 3 alternating rounds of `bench --quick --only
 # layer_4096`, medians by bench/ab_summary.py; then `layertest --device cuda` (512 tokens)
