@@ -519,8 +519,8 @@ __device__ __forceinline__ u32 cols_per_thread(u32 cols) { return cols % 4 == 0 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const u16* p) {
     uint2 b = *reinterpret_cast<const uint2*>(p);
-    return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xFFFF0000u), __uint_as_float(b.y << 16),
-                       __uint_as_float(b.y & 0xFFFF0000u));
+    return make_float4(bf16_to_f32((u16)b.x), bf16_to_f32((u16)(b.x >> 16)), bf16_to_f32((u16)b.y),
+                       bf16_to_f32((u16)(b.y >> 16)));
 }
 __device__ __forceinline__ float load1(const float* p) { return *p; }
 __device__ __forceinline__ float load1(const u16* p) { return bf16_to_f32(*p); }

@@ -719,7 +719,9 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     // the checkpoint's input scales an engine takes, named beside the verdict on the gs in use
     let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
-    if let Some(s) = ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| &r.0)) {
+    if let Some(s) =
+        ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| r.0.as_str()))
+    {
         report = report.section(s);
     }
     if args.ep.sharded() {

@@ -1779,7 +1779,9 @@ pub fn run(args: &Args) -> Result<Report> {
     }
     // the checkpoint's input scales an engine takes, named beside the verdict on the gs in use
     let recip = reciprocal.as_ref().filter(|_| reciprocal_in_use.is_none());
-    if let Some(s) = ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| &r.0)) {
+    if let Some(s) =
+        ScaleFindings::checkpoint_section(findings.as_ref(), recip.map(|r| r.0.as_str()))
+    {
         report = report.section(s);
     }
     if !too_few.is_empty() {
@@ -2358,11 +2360,9 @@ impl ScaleFindings {
     /// gs-sweep: [`checkpoint_notes`](Self::checkpoint_notes) of `findings`, `None` when empty.
     pub fn checkpoint_section(
         findings: Option<&Self>,
-        reciprocal: Option<&String>,
+        reciprocal: Option<&str>,
     ) -> Option<Section> {
-        let notes = findings.map_or(vec![], |s| {
-            s.checkpoint_notes(reciprocal.map(String::as_str))
-        });
+        let notes = findings.map_or(vec![], |s| s.checkpoint_notes(reciprocal));
         (!notes.is_empty()).then(|| {
             Section::kv(
                 "The checkpoint's input scales (what an engine takes)",
